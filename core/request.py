@@ -1,0 +1,77 @@
+"""The core's record of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from zllm.protocol import FinishReason, LogprobsLists
+from zllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence. An `n > 1` request starts as one and forks into `n` after its prompt.
+
+    `req_id` is unique inside the core; `client_req_id` and `sample_index` say which
+    completion of which client request it produces.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    client_req_id: str = ""
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    # Prompt + output, kept as one list so block hashing needs no concatenation.
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not yet looked)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # Whether the executor holds this request's state (cleared on preemption).
+    known_to_executor: bool = False
+    # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
+    prompt_logprobs: LogprobsLists | None = None
+
+    def __post_init__(self) -> None:
+        if not self.client_req_id:
+            self.client_req_id = self.req_id
+        if not self.all_token_ids:
+            self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def waits_to_fork(self) -> bool:
+        """An `n > 1` request that has not yet sampled its first tokens."""
+        return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,340 @@
+"""Continuous batching under one token budget per step.
+
+There are no separate prefill and decode phases. Every request has `num_computed_tokens`
+that catches up with `num_tokens` (prompt + output so far); each step gives each request
+up to the budget's remaining tokens. A long prompt is therefore prefilled in chunks, and
+decodes ride in the same step as prefills.
+
+Order per step: running requests first (oldest first), then waiting ones (FIFO) while the
+budget, `max_num_seqs` and the blocks last. When blocks run out for a running request, the
+newest running request is preempted: its blocks are freed and it goes back to the *front* of
+the queue to be recomputed (its prefix is usually still in the prefix cache). Oldest-first
+service plus front-of-queue requeueing means no request starves.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from zllm.config import SchedulerConfig
+from zllm.core.block_manager import BlockManager
+from zllm.core.request import Request, RequestStatus
+from zllm.core.stopping import check_stop
+from zllm.protocol import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    ForkedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        # The longest sequence the KV pool can hold alone bounds the context length, so any
+        # single request can always run once everything else is preempted.
+        self.max_model_len = min(config.max_model_len, block_manager.num_blocks * self.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # client request id -> ids of its sequences (several when n > 1)
+        self._sequences: dict[str, list[str]] = {}
+        self._finished_req_ids: list[str] = []
+        self._pending_forks: list[ForkedRequestData] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; ValueError (and nothing queued) if it can never run."""
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError("The prompt is empty; it must contain at least one token.")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {n} tokens, leaving no room for output."
+            )
+        if req.req_id in self._sequences or req.req_id in self.requests:
+            raise ValueError(f"Request id {req.req_id!r} is already in use.")
+        self.requests[req.req_id] = req
+        self._sequences[req.client_req_id] = [req.req_id]
+        self.waiting.append(req)
+
+    def abort_requests(self, client_req_ids: Iterable[str]) -> list[str]:
+        """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
+        aborted = []
+        for client_id in client_req_ids:
+            seq_ids = self._sequences.get(client_id)
+            if not seq_ids:
+                continue
+            for req_id in list(seq_ids):
+                req = self.requests.get(req_id)
+                if req is not None:
+                    req.finish_reason = FinishReason.ABORT
+                    self._finish(req)
+            aborted.append(client_id)
+        return aborted
+
+    def finish_sequence(self, client_req_id: str, sample_index: int, reason: FinishReason) -> bool:
+        """End one sample of a request (a stop string was found); the others go on."""
+        for req_id in self._sequences.get(client_req_id, ()):
+            req = self.requests[req_id]
+            if req.sample_index == sample_index:
+                req.finish_reason = reason
+                self._finish(req)
+                return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(KV slots allocated to running requests, slots holding computed tokens)."""
+        bm = self.block_manager
+        allocated = sum(len(bm.block_tables.get(r.req_id, ())) for r in self.running)
+        used = sum(r.num_computed_tokens for r in self.running)
+        return allocated * self.block_size, used
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        num_scheduled: dict[str, int] = {}
+        scheduled: list[Request] = []
+        preempted = False
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.allocate_slots(
+                req.req_id, req.all_token_ids, req.num_computed_tokens, num_new
+            ):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(req)
+                num_scheduled[req.req_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break  # `req` itself was preempted: it was the newest, nothing is left after it
+
+        # 2. Waiting requests, FIFO; none jumps the queue, and none is admitted in a step
+        # that had to preempt (the pool is full).
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            # Prompt logprobs need every prompt position computed: no cache hits for those.
+            use_cache = req.sampling_params.prompt_logprobs is None
+            cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else []
+            num_computed = len(cached) * self.block_size
+            num_new = req.num_tokens - num_computed
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not bm.allocate_slots(req.req_id, req.all_token_ids, num_computed, num_new, cached):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:  # first admission: this is what the client sees
+                req.num_cached_tokens = num_computed
+                bm.record_prefix_query(req.num_tokens, num_computed)
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            num_scheduled[req.req_id] = num_new
+            budget -= num_new
+
+        return self._make_output(scheduled, num_scheduled)
+
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, fork, and finish requests."""
+        outputs: list[EngineCoreOutput] = []
+        for req_id, num in sched_out.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is not None:  # None: aborted while the step ran
+                req.num_computed_tokens += num
+        for req_id, lp in runner_out.prompt_logprobs.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = lp
+                else:
+                    req.prompt_logprobs.extend(lp)
+
+        for idx, req_id in enumerate(runner_out.req_ids):
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            tokens = runner_out.sampled_token_ids[idx]
+            logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
+            if len(tokens) > 1:
+                outputs.extend(self._fork(req, tokens, logprobs))
+            outputs.append(self._append_and_check(req, tokens[0], _row(logprobs, 0)))
+        return outputs
+
+    # ---- internals -------------------------------------------------------------------------
+    def _append_and_check(self, req: Request, token_id: int, logprobs) -> EngineCoreOutput:
+        first = req.num_output_tokens == 0
+        req.append_token(token_id)
+        finished = check_stop(req, self.max_model_len)
+        out = EngineCoreOutput(
+            req_id=req.client_req_id,
+            sample_index=req.sample_index,
+            new_token_ids=[token_id],
+            new_logprobs=logprobs,
+            new_prompt_logprobs=req.prompt_logprobs if first else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        if finished:
+            out.finish_reason = req.finish_reason
+            out.stop_reason = req.stop_reason
+            self._finish(req)
+        return out
+
+    def _fork(self, parent: Request, tokens: list[int], logprobs) -> list[EngineCoreOutput]:
+        """Split an `n > 1` request into its samples once its prompt is computed."""
+        outputs = []
+        for index in range(1, len(tokens)):
+            child = Request(
+                req_id=f"{parent.client_req_id}#{index}",
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=parent.sampling_params,
+                eos_token_id=parent.eos_token_id,
+                arrival_time=parent.arrival_time,
+                client_req_id=parent.client_req_id,
+                sample_index=index,
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens,
+                prompt_logprobs=parent.prompt_logprobs,
+                status=RequestStatus.RUNNING,
+            )
+            self.requests[child.req_id] = child
+            self._sequences[parent.client_req_id].append(child.req_id)
+            self.block_manager.fork(parent.req_id, child.req_id)
+            self.running.append(child)
+            out = self._append_and_check(child, tokens[index], _row(logprobs, index))
+            if not child.is_finished:
+                self._pending_forks.append(
+                    ForkedRequestData(
+                        req_id=child.req_id,
+                        parent_req_id=parent.req_id,
+                        sample_index=index,
+                        first_token_id=tokens[index],
+                    )
+                )
+                child.known_to_executor = True
+            outputs.append(out)
+        return outputs
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        if not req.output_token_ids:
+            req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.block_manager.free(req.req_id)
+        del self.requests[req.req_id]
+        seq_ids = self._sequences.get(req.client_req_id)
+        if seq_ids is not None:
+            seq_ids.remove(req.req_id)
+            if not seq_ids:
+                del self._sequences[req.client_req_id]
+        # A fork of this request not yet sent must not be sent.
+        self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
+        if req.known_to_executor:
+            self._finished_req_ids.append(req.req_id)
+
+    def _make_output(
+        self, scheduled: list[Request], num_scheduled: dict[str, int]
+    ) -> SchedulerOutput:
+        bm = self.block_manager
+        changed = bm.take_changed_tables()
+        new_reqs, cached_reqs = [], []
+        for req in scheduled:
+            # The executor keeps the state of preempted requests (tokens, seeded generator),
+            # so a resumed request is sent as cached: a new block table and computed count.
+            if not req.known_to_executor:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=req.req_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=req.output_token_ids,
+                        sampling_params=req.sampling_params,
+                        block_ids=bm.block_ids(req.req_id),
+                        num_computed_tokens=req.num_computed_tokens,
+                        eos_token_id=req.eos_token_id,
+                        sample_index=req.sample_index,
+                    )
+                )
+                req.known_to_executor = True
+            else:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req.req_id,
+                        num_computed_tokens=req.num_computed_tokens,
+                        block_ids=bm.block_ids(req.req_id) if req.req_id in changed else None,
+                    )
+                )
+        self._step_id += 1
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            new_requests=new_reqs,
+            cached_requests=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            forked_requests=self._pending_forks,
+            blocks_to_copy=bm.take_pending_copies(),
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._pending_forks = []
+        self._finished_req_ids = []
+        return out
+
+
+def _row(logprobs, index: int):
+    """Row `index` of a LogprobsLists (one position), or None."""
+    if logprobs is None:
+        return None
+    return type(logprobs)(
+        token_ids=[logprobs.token_ids[index]],
+        logprobs=[logprobs.logprobs[index]],
+        ranks=[logprobs.ranks[index]],
+    )

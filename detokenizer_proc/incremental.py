@@ -1,0 +1,79 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Decoding the whole sequence after every token costs O(n^2). Instead a `tokenizers`
+DecodeStream keeps a small window of previous ids and emits only the new text, holding back
+bytes until they form whole UTF-8 characters (byte-fallback tokens included). The stream is
+primed with the prompt's last few tokens so the first output token decodes with the right
+leading space.
+
+Stop strings: the text ends *before* a stop string (unless `include_stop_str_in_output`).
+While streaming, the last `max(len(stop)) - 1` characters are held back, since they could be
+the start of a stop string that the next token completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
+
+from zllm.tokenizer_proc.tokenizer import Tokenizer
+
+_PRIME_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer.backend
+        self._stream = DecodeStream(
+            list(prompt_token_ids[-_PRIME_TOKENS:]), skip_special_tokens=skip_special_tokens
+        )
+        self.stop = list(stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.output_text = ""
+        self._num_sent_chars = 0  # how much of output_text was handed out as deltas
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Decode new tokens; returns the stop string that matched, if one did."""
+        for token_id in new_token_ids:
+            piece = self._stream.step(self._tokenizer, token_id)
+            if not piece:
+                continue
+            prev_len = len(self.output_text)
+            self.output_text += piece
+            matched = self._check_stop(prev_len)
+            if matched is not None:
+                return matched
+        return None
+
+    def _check_stop(self, prev_len: int) -> str | None:
+        if not self.stop:
+            return None
+        best_idx, best_stop = -1, None
+        for stop in self.stop:
+            # Only where the new text could have completed it.
+            idx = self.output_text.find(stop, max(0, prev_len - len(stop) + 1))
+            if idx != -1 and (best_idx == -1 or idx < best_idx):
+                best_idx, best_stop = idx, stop
+        if best_stop is None:
+            return None
+        end = best_idx + len(best_stop) if self.include_stop_str_in_output else best_idx
+        self.output_text = self.output_text[:end]
+        return best_stop
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not yet handed out; holds back a possible stop-string start unless finished."""
+        limit = len(self.output_text) if finished else len(self.output_text) - self._holdback
+        if limit <= self._num_sent_chars:
+            return ""
+        delta = self.output_text[self._num_sent_chars : limit]
+        self._num_sent_chars = limit
+        return delta

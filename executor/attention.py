@@ -1,0 +1,277 @@
+"""Paged attention over a flat batch of new tokens, in plain torch (the CPU reference path).
+
+KV cache of one layer (the fixed contract every executor shares):
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]    index 0 = K, 1 = V
+    slot = block_id * block_size + offset_in_block
+
+A step's new tokens arrive flat and grouped by sequence, without padding:
+
+    tokens      | a0 a1 a2 a3 | b0 | c0 c1 | d0 |
+    query_lens  |      4      |  1 |   2   |  1 |      b and d decode, a prefills, c is a chunk
+    seq_lens    |      4      | 57 |  130  |  9 |      context after this step (cached + new)
+
+Query token j of a sequence with query length q and context length L sits at position
+L - q + j and attends to context positions 0..L - q + j. Decode sequences (q == 1) run as one
+padded, masked call; the others run one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One sequence with more than one new token: a fresh prompt or a chunk of a longer one."""
+
+    token_start: int  # its new tokens are [token_start, token_end) of the flat batch
+    token_end: int
+    context_len: int
+    # Cache slots of the whole context [context_len] and the [query_len, context_len] mask,
+    # or None for both when the chunk is the whole context (plain causal over the new K/V).
+    context_slots: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """All sequences with exactly one new token, gathered and masked as one padded batch.
+
+    K and V are each gathered by whole blocks with one index_select over the cache viewed as
+    [num_blocks, block_size * num_kv_heads * head_dim] (index_select on the leading dim of a
+    2-D view is a plain row copy, ~20x faster than advanced indexing into the 5-D cache).
+    Padding (positions >= seq_len, and block 0 standing in for missing table entries) is
+    masked out, but still enters P @ V as 0 * value, so the cache must hold finite values:
+    allocate it with zeros, not empty.
+    """
+
+    token_indices: torch.Tensor  # int64 [S_dec], where each decode token sits in the flat batch
+    block_ids: torch.Tensor  # int64 [S_dec * max_blocks], tables trimmed to the longest context
+    max_blocks: int
+    attn_mask: torch.Tensor  # bool [S_dec, 1, 1, max_blocks * block_size], True where attended
+    is_whole_batch: bool  # every token of the step is a decode token, in order
+    # Gather destination [2, S_dec * max_blocks, block elems], made by the first layer and
+    # reused by the rest: a fresh multi-MB tensor per layer costs more in page faults than
+    # the copy itself on CPU.
+    workspace: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flat batch of T new tokens from S sequences, grouped by sequence in order."""
+
+    query_start_loc: torch.Tensor  # int64 [S+1], cumulative new-token counts (0, q0, q0+q1, ...)
+    seq_lens: torch.Tensor  # int64 [S], context length after this step (cached + new)
+    block_tables: torch.Tensor  # int64 [S, max_blocks_per_seq], padded with 0
+    slot_mapping: torch.Tensor  # int64 [T], cache slot for each new token
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+    # The per-step split, computed once here instead of once per layer.
+    decode: DecodeBatch | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int] | np.ndarray,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        num_seqs = len(query_lens)
+        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError(
+                f"query_lens, seq_lens and block_tables must have one entry per sequence, "
+                f"got {num_seqs}, {len(seq_lens)}, {len(block_tables)}"
+            )
+        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
+        ctx_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
+        if (q_lens < 1).any() or (q_lens > ctx_lens).any():
+            raise ValueError(f"need 1 <= query_len <= seq_len, got {query_lens} and {seq_lens}")
+        num_table_blocks = np.fromiter((len(t) for t in block_tables), np.int64, num_seqs)
+        if (num_table_blocks * block_size < ctx_lens).any():
+            raise ValueError("a block table holds fewer slots than its sequence's context")
+
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
+        if slots.shape[0] != query_start[-1]:
+            raise ValueError(
+                f"slot_mapping has {slots.shape[0]} slots for {query_start[-1]} tokens"
+            )
+        tables = np.zeros((num_seqs, max(int(num_table_blocks.max(initial=0)), 1)), np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        is_decode = q_lens == 1
+        decode = None
+        if is_decode.any():
+            decode = _build_decode_batch(
+                np.flatnonzero(is_decode), query_start, ctx_lens, tables, block_size, to_dev
+            )
+            decode.is_whole_batch = bool(is_decode.all())
+        prefills = [
+            _build_prefill_chunk(
+                int(query_start[i]), int(q_lens[i]), int(ctx_lens[i]), tables[i], block_size, to_dev
+            )
+            for i in np.flatnonzero(~is_decode)
+        ]
+        return cls(
+            query_start_loc=to_dev(query_start),
+            seq_lens=to_dev(ctx_lens),
+            block_tables=to_dev(tables),
+            slot_mapping=to_dev(slots),
+            query_lens_cpu=q_lens.tolist(),
+            seq_lens_cpu=ctx_lens.tolist(),
+            block_size=block_size,
+            decode=decode,
+            prefills=prefills,
+        )
+
+
+def _build_decode_batch(seq_ids, query_start, ctx_lens, tables, block_size, to_dev) -> DecodeBatch:
+    lens = ctx_lens[seq_ids]
+    max_blocks = int(-(-lens.max() // block_size))
+    block_ids = np.ascontiguousarray(tables[seq_ids, :max_blocks]).reshape(-1)
+    mask = np.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    return DecodeBatch(
+        token_indices=to_dev(query_start[seq_ids]),
+        block_ids=to_dev(block_ids),
+        max_blocks=max_blocks,
+        attn_mask=to_dev(mask[:, None, None, :]),
+        is_whole_batch=False,
+    )
+
+
+def _build_prefill_chunk(start, q_len, ctx_len, table, block_size, to_dev) -> PrefillChunk:
+    if q_len == ctx_len:
+        return PrefillChunk(start, start + q_len, ctx_len, None, None)
+    num_blocks = -(-ctx_len // block_size)
+    ctx_slots = (table[:num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
+    query_pos = ctx_len - q_len + np.arange(q_len)
+    mask = np.arange(ctx_len)[None, :] <= query_pos[:, None]
+    return PrefillChunk(start, start + q_len, ctx_len, to_dev(ctx_slots[:ctx_len]), to_dev(mask))
+
+
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their cache slots."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, key)
+    slots[1].index_copy_(0, slot_mapping, value)
+
+
+class PagedAttention:
+    """One layer's attention: write the new K/V into the paged cache, attend through it."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None
+    ) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of {num_kv_heads=}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
+        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        decode = meta.decode
+        if decode is not None and decode.is_whole_batch:
+            return self._decode(query, kv_cache, decode, meta.block_size)
+
+        out = query.new_empty(query.shape)
+        if decode is not None:
+            out.index_copy_(
+                0, decode.token_indices, self._decode(query, kv_cache, decode, meta.block_size)
+            )
+        if meta.prefills:
+            num_blocks, block_size = kv_cache.shape[1:3]
+            slots = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+            for chunk in meta.prefills:
+                out[chunk.token_start : chunk.token_end] = self._prefill(
+                    query, key, value, slots, chunk
+                )
+        return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, block_size: int
+    ) -> torch.Tensor:
+        q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
+        num_seqs = q.shape[0]
+        blocks = kv_cache.view(2, kv_cache.shape[1], -1)
+        shape = (2, decode.block_ids.shape[0], blocks.shape[2])
+        kv = decode.workspace
+        if kv is None or kv.shape != shape or kv.dtype != kv_cache.dtype:
+            kv = decode.workspace = kv_cache.new_empty(shape)
+        torch.index_select(blocks[0], 0, decode.block_ids, out=kv[0])
+        torch.index_select(blocks[1], 0, decode.block_ids, out=kv[1])
+        # [2, S_dec, padded_len, kv_heads, head_dim] -> K, V as [S_dec, kv_heads, padded_len, hd]
+        kv = kv.view(2, num_seqs, decode.max_blocks * block_size, self.num_kv_heads, self.head_dim)
+        out = self._sdpa(
+            q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:
+        span = slice(chunk.token_start, chunk.token_end)
+        q = query[span].transpose(0, 1).unsqueeze(0)
+        if chunk.context_slots is None:  # the new tokens are the whole context
+            k, v = key[span], value[span]
+        else:
+            k = slots[0].index_select(0, chunk.context_slots)
+            v = slots[1].index_select(0, chunk.context_slots)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        out = self._sdpa(q, k, v, chunk.attn_mask)
+        return out[0].transpose(0, 1)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[B, heads, q, d] x [B, kv_heads, L, d]; no mask means causal with q == L."""
+        causal = mask is None
+        if self.num_heads == self.num_kv_heads:
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(
+                q, k, v, mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)

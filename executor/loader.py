@@ -1,0 +1,107 @@
+"""Model weights as float32 CPU tensors under Hugging Face parameter names.
+
+Whatever the file format, the model code sees one naming scheme (HF's) and one layout (HF's),
+so a GGUF file and a safetensors directory of the same model load into identical tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+from safetensors import safe_open
+
+from zllm.config import ModelArchConfig
+from zllm.model_files import GGUFFile, read_gguf
+
+# llama.cpp's per-layer tensor names (blk.{i}.<key>.weight|bias) -> HF module paths.
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def load_weights(model_path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) one at a time, so peak memory is one tensor beyond the model."""
+    if os.path.isdir(model_path):
+        yield from _load_safetensors(Path(model_path), arch)
+    else:
+        yield from _load_gguf(read_gguf(model_path), arch)
+
+
+def hf_name_from_gguf(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _load_gguf(gguf: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, info in gguf.tensors.items():
+        hf_name = hf_name_from_gguf(name)
+        if hf_name is None:
+            raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
+        if hf_name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue
+        try:
+            weight = dequantize(gguf.tensor_data(name), info.ggml_type).reshape(info.shape)
+        except NotImplementedError:
+            raise ValueError(
+                f"{gguf.path}: tensor {name!r} uses {info.ggml_type.name}, which gguf cannot "
+                f"dequantize"
+            ) from None
+        # llama.cpp permutes q/k rows only for the "llama" rope; qwen2 files keep HF's order.
+        if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            weight = unpermute_rope_rows(weight, arch.head_dim)
+        if not weight.flags.writeable:  # F32 tensors come back as views of the mmap
+            weight = weight.copy()
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+
+
+def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order, which pairs up the two halves HF's rotary rotates.
+
+    HF's rotate_half rotates row i of a head with row i + head_dim/2; llama.cpp's rope rotates
+    adjacent rows, so its converter interleaves the halves. Per head, with h = head_dim / 2:
+
+        HF:    x0 x1 ... x(h-1) | y0 y1 ... y(h-1)
+        GGUF:  x0 y0 x1 y1 ... x(h-1) y(h-1)
+
+    Works for biases too (no trailing dimensions).
+    """
+    rows, rest = weight.shape[0], weight.shape[1:]
+    half = head_dim // 2
+    by_pair = weight.reshape(rows // head_dim, half, 2, *rest)
+    return by_pair.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _load_safetensors(directory: Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory} has no *.safetensors files (pytorch_model.bin is not read)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                    continue
+                if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                yield name, shard.get_tensor(name).to(torch.float32)

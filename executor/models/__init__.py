@@ -1,0 +1,26 @@
+"""Model classes by architecture name (ModelArchConfig.architecture)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from zllm.executor.models.llama import LlamaForCausalLM
+
+# Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias).
+_MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def get_model_class(arch_name: str) -> type[nn.Module]:
+    try:
+        return _MODEL_CLASSES[arch_name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {arch_name!r}; supported: {', '.join(sorted(_MODEL_CLASSES))}"
+        ) from None
+
+
+__all__ = ["LlamaForCausalLM", "get_model_class"]

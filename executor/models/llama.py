@@ -1,0 +1,315 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded token batch.
+
+Per layer, q/k/v are one GEMM into a fused [q | k | v] projection and gate/up are one GEMM into
+a fused [gate | up] projection; load_weights fills the fused matrices from Hugging Face's
+separate tensors. Attention reads and writes the paged KV cache (see zllm.executor.attention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.config import ModelArchConfig
+from zllm.executor.attention import AttentionMetadata, PagedAttention
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    """A Linear with uninitialised weights: load_weights overwrites them anyway."""
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, accumulated in fp32 as Hugging Face does.
+
+    With `residual`, first adds it to x and returns (normed, x): the pre-norm residual stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), x
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scale for arch's rope_scaling."""
+    dim, base = arch.head_dim, arch.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling: dict[str, Any] = arch.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, base, scaling, arch.max_position_embeddings)
+    raise ValueError(
+        f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by factor, blend the band between."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_band = (wavelen >= old_context / high_freq_factor) & (
+        wavelen <= old_context / low_freq_factor
+    )
+    return torch.where(is_band, blended, scaled)
+
+
+def _yarn_inv_freq(
+    dim: int, base: float, scaling: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale cos/sin."""
+    factor = scaling["factor"]
+    old_context = scaling.get("original_max_position_embeddings") or max_positions
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        correction_dim(scaling.get("beta_fast") or 32),
+        correction_dim(scaling.get("beta_slow") or 1),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Hugging Face-style RoPE (rotate_half over two halves, not interleaved pairs).
+
+    cos and sin for every position up to max_position_embeddings are precomputed in fp32, then
+    stored in the model dtype side by side as one [max_positions, head_dim] table
+    (cos of the head_dim/2 frequencies | sin of them), so a step does one index_select.
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(arch)
+        freqs = torch.outer(
+            torch.arange(arch.max_position_embeddings, dtype=torch.float32), inv_freq
+        )
+        table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for each token: [T, 1, head_dim / 2], broadcasting over heads."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] -> rotated copy; same arithmetic as HF's x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = _linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype
+        )
+        self.o_proj = _linear(self.q_size, arch.hidden_size, False, dtype)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in qkv, so one rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
+        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(arch, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes and returns (the last sublayer's output, the residual stream before it)."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if arch.num_heads % arch.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={arch.num_heads} must be a multiple of num_kv_heads={arch.num_kv_heads}"
+            )
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        )
+        self.rotary = RotaryEmbedding(arch, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
+        )
+        self.requires_grad_(False)  # inference only; the KV cache writes must not build graphs
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, one row per new token."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.lookup(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden_states, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works)."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and self.lm_head is None
+                ):
+                    continue  # recomputed here / the tied embedding serves as lm_head
+                raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(targets.keys() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """Each Hugging Face weight name -> the tensor (a row slice for fused ones) it fills."""
+        targets = {
+            "model.embed_tokens.weight": self.embed_tokens.data,
+            "model.norm.weight": self.norm.weight.data,
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
+            fused = {"weight": attn.qkv_proj.weight.data}
+            if attn.qkv_proj.bias is not None:
+                fused["bias"] = attn.qkv_proj.bias.data
+            for kind, param in fused.items():
+                for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
+                    targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
+            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+            gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
+            targets[f"{prefix}mlp.gate_proj.weight"] = gate
+            targets[f"{prefix}mlp.up_proj.weight"] = up
+            targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+            targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.data
+            targets[f"{prefix}post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm.weight.data
+            )
+        return targets

@@ -1,0 +1,315 @@
+"""Vectorised token sampler: one set of tensor ops for every row that samples this step.
+
+Order of operations (vLLM semantics):
+
+    raw logits ──► logprobs (log_softmax, fp32)            kept aside for the output
+        │
+        ▼ fp32 copy
+    banned tokens → -inf ─► penalties ─┬─► argmax ─────────────────────────────┐
+                                       │                                       ├─► where(greedy)
+                                       └─► ÷ temperature ─► min-p ─► top-k/p ─► race
+                                                                                ┘
+
+"race" is the exponential race: argmax(probs / q) with q ~ Exp(1) draws a token with
+probability proportional to probs, so sampling is one elementwise divide plus an argmax and
+seeded rows only need their own q row drawn from their own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zllm.sampling_params import SamplingParams
+
+# Rows with temperature below this are greedy (same threshold as SamplingParams.greedy).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling settings as batch tensors; a field is None when no row uses it."""
+
+    temperature: torch.Tensor  # float32 [B]; 0 means greedy for that row
+    top_k: torch.Tensor | None  # int64 [B], 0 = disabled
+    top_p: torch.Tensor | None  # float32 [B], 1.0 = disabled
+    min_p: torch.Tensor | None  # float32 [B], 0 = disabled
+    all_greedy: bool
+    all_random: bool
+    generators: dict[int, torch.Generator]  # row -> generator, for rows with a seed
+    presence_penalty: torch.Tensor | None  # float32 [B], 0 = disabled
+    frequency_penalty: torch.Tensor | None  # float32 [B], 0 = disabled
+    repetition_penalty: torch.Tensor | None  # float32 [B], 1 = disabled
+    prompt_token_ids: torch.Tensor | None  # int64 [B, Lp], padded with vocab_size
+    output_token_ids: torch.Tensor | None  # int64 [B, Lo], padded with vocab_size
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows [K], token ids [K])
+    max_num_logprobs: int | None  # None: no row wants logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        banned: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Gather per-request settings into tensors, leaving unused features as None.
+
+        `prompt_ids`/`output_ids` are read only when a row uses a penalty that needs them.
+        """
+        num_rows = len(params)
+        if not (len(generators) == len(prompt_ids) == len(output_ids) == len(banned) == num_rows):
+            raise ValueError(
+                "params, generators, prompt_ids, output_ids and banned must have one entry per "
+                f"row; got lengths {len(params)}, {len(generators)}, {len(prompt_ids)}, "
+                f"{len(output_ids)}, {len(banned)}."
+            )
+        greedy = [p.greedy for p in params]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = floats([0.0 if p.greedy else p.temperature for p in params])
+        # top_k >= vocab_size keeps every token, the same as disabled.
+        top_k_values = [p.top_k if p.top_k < vocab_size else 0 for p in params]
+        top_k = None
+        if any(top_k_values):
+            top_k = torch.tensor(top_k_values, dtype=torch.int64, device=device)
+        top_p = floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
+        min_p = floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None
+
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition = [p.repetition_penalty for p in params]
+        use_presence = any(presence)
+        use_frequency = any(frequency)
+        use_repetition = any(r != 1.0 for r in repetition)
+
+        banned_pairs = [(row, tok) for row, toks in enumerate(banned) for tok in toks]
+        banned_tokens = None
+        if banned_pairs:
+            pairs = torch.tensor(banned_pairs, dtype=torch.int64, device=device)
+            banned_tokens = (pairs[:, 0], pairs[:, 1])
+
+        requested = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            generators={
+                row: g for row, g in enumerate(generators) if g is not None and not greedy[row]
+            },
+            presence_penalty=floats(presence) if use_presence else None,
+            frequency_penalty=floats(frequency) if use_frequency else None,
+            repetition_penalty=floats(repetition) if use_repetition else None,
+            prompt_token_ids=(
+                _pad_token_ids(prompt_ids, vocab_size, device) if use_repetition else None
+            ),
+            output_token_ids=(
+                _pad_token_ids(output_ids, vocab_size, device)
+                if use_presence or use_frequency or use_repetition
+                else None
+            ),
+            banned_tokens=banned_tokens,
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [B]
+    # Present only when max_num_logprobs is not None; k = max_num_logprobs (capped at vocab).
+    logprobs_token_ids: torch.Tensor | None  # int64 [B, k+1]: sampled token, then top-k ids
+    logprobs: torch.Tensor | None  # float32 [B, k+1], raw log_softmax values
+    sampled_token_ranks: torch.Tensor | None  # int64 [B]: 1 = most likely token
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V]; the input tensor is not modified."""
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+        logits = logits.to(torch.float32, copy=True)
+        if metadata.banned_tokens is not None:
+            rows, token_ids = metadata.banned_tokens
+            logits[rows, token_ids] = float("-inf")
+        apply_penalties(logits, metadata)
+
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            sampled = greedy_ids
+        else:
+            random_ids = sample_random(logits, metadata)
+            if greedy_ids is None:
+                sampled = random_ids
+            else:
+                is_greedy = metadata.temperature < GREEDY_TEMPERATURE
+                sampled = torch.where(is_greedy, greedy_ids, random_ids)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        token_ids, logprobs, ranks = gather_logprobs(
+            raw_logprobs, sampled, metadata.max_num_logprobs
+        )
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Repetition (HF style, prompt or output), then frequency and presence (output), in place.
+
+    Token counts come from one scatter_add over the padded id tensors; the pad id is
+    vocab_size, so counts get one spare column that is dropped afterwards.
+    """
+    m = metadata
+    if m.repetition_penalty is None and m.frequency_penalty is None and m.presence_penalty is None:
+        return
+    if m.output_token_ids is None:
+        raise ValueError("penalties need output_token_ids (use SamplingMetadata.build).")
+    num_rows, vocab_size = logits.shape
+    output_counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    output_counts.scatter_add_(
+        1, m.output_token_ids, torch.ones_like(m.output_token_ids, dtype=logits.dtype)
+    )
+    output_counts = output_counts[:, :vocab_size]
+    output_seen = output_counts > 0
+
+    if m.repetition_penalty is not None:
+        if m.prompt_token_ids is None:
+            raise ValueError(
+                "repetition_penalty needs prompt_token_ids (use SamplingMetadata.build)."
+            )
+        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, m.prompt_token_ids, True)
+        seen = seen[:, :vocab_size] | output_seen
+        penalty = m.repetition_penalty.unsqueeze(1).to(logits.dtype)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        torch.where(seen, penalised, logits, out=logits)
+    if m.frequency_penalty is not None:
+        logits.sub_(m.frequency_penalty.unsqueeze(1) * output_counts)
+    if m.presence_penalty is not None:
+        logits.sub_(m.presence_penalty.unsqueeze(1) * output_seen)
+
+
+def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min-p, top-k/top-p, then the exponential race; modifies `logits`.
+
+    Greedy rows in a mixed batch go through with temperature 1 and are discarded later.
+    """
+    m = metadata
+    temperature = m.temperature
+    if not m.all_random:
+        temperature = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature)
+    logits.div_(temperature.unsqueeze(1))
+    if m.min_p is not None:
+        apply_min_p(logits, m.min_p)
+    if m.top_k is not None or m.top_p is not None:
+        apply_top_k_top_p(logits, m.top_k, m.top_p)
+    probs = logits.softmax(dim=-1)
+    return exponential_race(probs, m.generators)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens with prob < min_p * max prob, in place.
+
+    In logit space that is logit < max logit + log(min_p), which needs no softmax;
+    min_p = 0 gives log 0 = -inf and drops nothing.
+    """
+    threshold = logits.amax(dim=-1) + torch.log(min_p)
+    logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> None:
+    """Keep each row's top-k, then its top-p nucleus of what is left, in place.
+
+    Both filters keep a prefix of the row sorted by value, so each reduces to a per-row
+    threshold value and the row keeps logits >= the larger of the two thresholds (ties at
+    the threshold are kept). Top-k alone uses torch.topk up to the largest k; top-p needs
+    one full descending sort shared with top-k.
+    """
+    num_rows, vocab_size = logits.shape
+    neg_inf = float("-inf")
+    if top_p is None:
+        assert top_k is not None
+        max_k = min(int(top_k.max().item()), vocab_size)
+        if max_k == 0:
+            return
+        top_values = logits.topk(max_k, dim=-1).values
+        kth = (top_k.clamp(1, max_k) - 1).unsqueeze(1)
+        threshold = top_values.gather(1, kth).squeeze(1)
+        threshold = torch.where(top_k > 0, threshold, neg_inf)
+        logits.masked_fill_(logits < threshold.unsqueeze(1), neg_inf)
+        return
+
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = torch.full((num_rows,), neg_inf, dtype=logits.dtype, device=logits.device)
+    if top_k is not None:
+        kth = (top_k.clamp(1, vocab_size) - 1).unsqueeze(1)
+        top_k_threshold = sorted_logits.gather(1, kth).squeeze(1)
+        threshold = torch.where(top_k > 0, top_k_threshold, threshold)
+        # Top-p looks at the probabilities renormalised over the top-k survivors.
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold.unsqueeze(1), neg_inf)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Smallest prefix whose mass reaches p: every token whose running total is still below
+    # p, plus the one that crosses it. Never empty, since p > 0.
+    num_keep = ((cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1).clamp(max=vocab_size)
+    top_p_threshold = sorted_logits.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
+    # p = 1 keeps everything, even tokens that a float32 cumsum already counts as 1.0.
+    top_p_threshold = torch.where(top_p < 1.0, top_p_threshold, neg_inf)
+    threshold = torch.maximum(threshold, top_p_threshold)
+    logits.masked_fill_(logits < threshold.unsqueeze(1), neg_inf)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from each row's distribution.
+
+    A seeded row draws its whole q row from its own generator, so its tokens do not depend
+    on which other rows share the batch. q is floored at the smallest normal float so a
+    zero draw cannot turn a masked token's 0/0 into a NaN that argmax would pick.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampled token's logprob and rank, plus the top-`num_logprobs` tokens, per row.
+
+    Column layout of the [B, k+1] outputs: | sampled | top-1 | top-2 | ... | top-k |
+    """
+    num_logprobs = min(num_logprobs, raw_logprobs.shape[-1])
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+    sampled = sampled.unsqueeze(1)
+    sampled_logprobs = raw_logprobs.gather(1, sampled)
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    token_ids = torch.cat([sampled, top_ids], dim=1)
+    logprobs = torch.cat([sampled_logprobs, top_logprobs], dim=1)
+    return token_ids, logprobs, ranks
+
+
+def _pad_token_ids(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """[B, L] int64, right-padded with vocab_size, an id no real token has."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    padded = np.full((len(token_ids), max_len), vocab_size, dtype=np.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = ids
+    return torch.from_numpy(padded).to(device)

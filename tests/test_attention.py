@@ -1,0 +1,190 @@
+"""Paged attention against a dense per-sequence reference, on ragged mixed batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zllm.executor.attention import AttentionMetadata, PagedAttention, write_kv_cache
+
+# (query_len, context_len) per sequence: q == 1 decodes, q == L is a fresh prompt, else a chunk.
+BATCHES = {
+    "decode": [(1, 1), (1, 7), (1, 33), (1, 16), (1, 2)],
+    "prefill": [(5, 5), (1, 1), (17, 17), (3, 3)],
+    "chunked": [(4, 20), (16, 16), (7, 9)],
+    "mixed": [(1, 12), (6, 6), (1, 40), (9, 25), (1, 3), (2, 2), (5, 37), (1, 1)],
+}
+
+
+def allocate(context_lens: list[int], block_size: int, gen: torch.Generator):
+    """Give each sequence enough blocks from a shuffled pool (so tables are non-contiguous)."""
+    counts = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(counts) + 3  # a few blocks nobody owns, to check they stay untouched
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for c in counts:
+        tables.append(pool[start : start + c])
+        start += c
+    return num_blocks, tables
+
+
+def slot_of(table: list[int], position: int, block_size: int) -> int:
+    return table[position // block_size] * block_size + position % block_size
+
+
+def dense_reference(q, k, v, query_len: int) -> torch.Tensor:
+    """q [q, H, d], k/v [L, KVH, d] for the whole context -> [q, H, d], in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    ctx_len = k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    query_pos = torch.arange(ctx_len - query_len, ctx_len)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16):
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [q for q, _ in batch]
+    context_lens = [n for _, n in batch]
+    num_blocks, tables = allocate(context_lens, block_size, gen)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+    full_k = [rand(n, num_kv_heads, head_dim) for n in context_lens]
+    full_v = [rand(n, num_kv_heads, head_dim) for n in context_lens]
+    # The context before this step is already in the cache.
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    slot_mapping = []
+    for table, q_len, n, k, v in zip(tables, query_lens, context_lens, full_k, full_v, strict=True):
+        for p in range(n):
+            if p < n - q_len:
+                flat[0, slot_of(table, p, block_size)] = k[p]
+                flat[1, slot_of(table, p, block_size)] = v[p]
+            else:
+                slot_mapping.append(slot_of(table, p, block_size))
+    query = rand(sum(query_lens), num_heads, head_dim)
+    new_k = torch.cat([k[n - q :] for k, (q, n) in zip(full_k, batch, strict=True)])
+    new_v = torch.cat([v[n - q :] for v, (q, n) in zip(full_v, batch, strict=True)])
+
+    meta = AttentionMetadata.build(
+        query_lens, context_lens, tables, slot_mapping, block_size, "cpu"
+    )
+    expected_cache = kv_cache.clone()
+    expected_cache.view(2, -1, num_kv_heads, head_dim)[0, slot_mapping] = new_k
+    expected_cache.view(2, -1, num_kv_heads, head_dim)[1, slot_mapping] = new_v
+
+    attn = PagedAttention(num_heads, num_kv_heads, head_dim)
+    out = attn(query, new_k, new_v, kv_cache, meta)
+
+    assert torch.equal(kv_cache, expected_cache)
+    starts = meta.query_start_loc.tolist()
+    expected = torch.cat(
+        [
+            dense_reference(query[starts[i] : starts[i + 1]], full_k[i], full_v[i], query_lens[i])
+            for i in range(len(batch))
+        ]
+    )
+    return out, expected
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1), (9, 3)])
+def test_matches_dense_reference(batch_name, block_size, heads):
+    out, expected = run_case(BATCHES[batch_name], block_size, *heads, torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_float64_is_exact_to_rounding(block_size):
+    out, expected = run_case(BATCHES["mixed"], block_size, 8, 2, torch.float64, seed=3)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_bfloat16_close_to_reference():
+    out, expected = run_case(BATCHES["mixed"], 4, 4, 2, torch.bfloat16, seed=5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_ragged_batches(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    batch = []
+    for _ in range(int(torch.randint(1, 12, (1,), generator=gen))):
+        n = int(torch.randint(1, 70, (1,), generator=gen))
+        kind = int(torch.randint(0, 3, (1,), generator=gen))
+        q = (
+            1
+            if kind == 0
+            else n
+            if kind == 1
+            else int(torch.randint(1, n + 1, (1,), generator=gen))
+        )
+        batch.append((q, n))
+    block_size = [1, 4, 16][seed % 3]
+    out, expected = run_case(batch, block_size, 6, 2, torch.float32, seed=seed)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_split():
+    batch = BATCHES["mixed"]
+    query_lens = [q for q, _ in batch]
+    context_lens = [n for _, n in batch]
+    _, tables = allocate(context_lens, 4, torch.Generator().manual_seed(0))
+    meta = AttentionMetadata.build(
+        query_lens, context_lens, tables, list(range(sum(query_lens))), 4, "cpu"
+    )
+    assert meta.query_start_loc.tolist() == [0, 1, 7, 8, 17, 18, 20, 25, 26]
+    assert meta.decode is not None and not meta.decode.is_whole_batch
+    assert meta.decode.token_indices.tolist() == [0, 7, 17, 25]
+    assert meta.decode.max_blocks == 10  # ceil(40 / 4)
+    assert meta.decode.attn_mask.shape == (4, 1, 1, 40)
+    assert meta.decode.attn_mask.sum(-1).flatten().tolist() == [12, 40, 3, 1]
+    assert [(c.token_start, c.token_end, c.context_len) for c in meta.prefills] == [
+        (1, 7, 6),
+        (8, 17, 25),
+        (18, 20, 2),
+        (20, 25, 37),
+    ]
+    fresh, chunk = meta.prefills[0], meta.prefills[1]
+    assert fresh.context_slots is None and fresh.attn_mask is None
+    assert chunk.context_slots.tolist() == [slot_of(tables[3], p, 4) for p in range(25)]
+    assert chunk.attn_mask.shape == (9, 25)
+    assert chunk.attn_mask.sum(-1).tolist() == list(range(17, 26))
+    whole = AttentionMetadata.build([1, 1], [3, 5], [[2], [0, 1]], [10, 5], 4, "cpu")
+    assert whole.decode.is_whole_batch and not whole.prefills
+    assert whole.block_tables.tolist() == [[2, 0], [0, 1]]
+
+
+def test_write_kv_cache_touches_only_its_slots():
+    kv_cache = torch.zeros(2, 5, 4, 2, 3)
+    key = torch.arange(3 * 6, dtype=torch.float32).view(3, 2, 3) + 1
+    value = -key
+    write_kv_cache(key, value, kv_cache, torch.tensor([17, 2, 8]))
+    assert torch.equal(kv_cache[0, 4, 1], key[0]) and torch.equal(kv_cache[1, 4, 1], value[0])
+    assert torch.equal(kv_cache[0, 0, 2], key[1]) and torch.equal(kv_cache[1, 0, 2], value[1])
+    assert torch.equal(kv_cache[0, 2, 0], key[2]) and torch.equal(kv_cache[1, 2, 0], value[2])
+    assert int((kv_cache != 0).sum()) == 2 * 3 * 6
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ([0], [3], [[0]], [], 4),  # empty query
+        ([4], [3], [[0]], [0, 1, 2, 3], 4),  # more new tokens than context
+        ([1], [9], [[0, 1]], [8], 4),  # table too short
+        ([2], [2], [[0]], [0], 4),  # slot count mismatch
+        ([1, 1], [2], [[0], [1]], [0, 4], 4),  # ragged lists
+    ],
+)
+def test_build_rejects_inconsistent_input(args):
+    with pytest.raises(ValueError):
+        AttentionMetadata.build(*args, device="cpu")

@@ -1,0 +1,178 @@
+"""Block manager as an executable spec: exact block ids, ref counts and eviction order."""
+
+import pytest
+
+from zllm.core.block_manager import BlockManager, FreeBlockQueue, KVBlock, hash_full_blocks
+
+BS = 4
+
+
+def make(num_blocks=10, caching=True) -> BlockManager:
+    return BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+
+
+def admit(bm: BlockManager, req_id: str, tokens: list[int], num_new: int | None = None) -> int:
+    """Allocate like the scheduler does for a new request; returns cached token count."""
+    cached = bm.find_cached_prefix(tokens)
+    computed = len(cached) * BS
+    num_new = len(tokens) - computed if num_new is None else num_new
+    assert bm.allocate_slots(req_id, tokens, computed, num_new, cached)
+    return computed
+
+
+def test_free_queue_is_o1_linked_list():
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    assert q.block_ids() == [0, 1, 2, 3, 4]
+    q.remove(blocks[2])
+    assert q.block_ids() == [0, 1, 3, 4] and len(q) == 4
+    assert q.popleft() is blocks[0]
+    q.append(blocks[2])
+    q.appendleft(blocks[0])
+    assert q.block_ids() == [0, 1, 3, 4, 2]
+    with pytest.raises(AssertionError):
+        q.append(blocks[3])  # already free
+
+
+def test_allocate_and_free_exact_ids_and_order():
+    bm = make()
+    assert admit(bm, "a", list(range(10))) == 0  # 10 tokens -> 3 blocks
+    assert bm.block_ids("a") == [0, 1, 2]
+    assert [bm.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
+    assert bm.num_free_blocks == 7
+    # Growing by 3 tokens (10 -> 13) needs a 4th block.
+    assert bm.allocate_slots("a", list(range(13)), 10, 3)
+    assert bm.block_ids("a") == [0, 1, 2, 3]
+    bm.free("a")
+    assert bm.num_free_blocks == 10
+    # Uncached blocks go to the head (reused first); cached ones to the tail, tail-first.
+    # Blocks 0,1,2 are full with hashes; block 3 holds one token and no hash.
+    assert bm.free_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+
+
+def test_allocation_failure_changes_nothing():
+    bm = make(num_blocks=3)
+    admit(bm, "a", list(range(8)))  # 2 blocks
+    free_before = bm.free_queue.block_ids()
+    assert not bm.allocate_slots("b", list(range(100, 109)), 0, 9)  # needs 3
+    assert "b" not in bm.block_tables
+    assert bm.free_queue.block_ids() == free_before
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    bm = make()
+    prompt = list(range(9))  # 2 full blocks + 1
+    admit(bm, "a", prompt)
+    assert bm.block_ids("a") == [0, 1, 2]
+    # Same first 8 tokens, different tail: the two full blocks are shared.
+    assert admit(bm, "b", prompt[:8] + [99, 98]) == 8
+    assert bm.block_ids("b") == [0, 1, 3]
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+
+
+def test_never_all_tokens_cached():
+    bm = make()
+    admit(bm, "a", list(range(8)))
+    bm.free("a")
+    # An identical 8-token prompt may reuse only 1 block: the last token must be computed.
+    assert admit(bm, "b", list(range(8))) == 4
+    assert bm.block_ids("b") == [0, 2]
+
+
+def test_cached_blocks_survive_free_and_are_revived_from_the_middle():
+    bm = make(num_blocks=6)
+    admit(bm, "a", list(range(9)))  # blocks 0,1 full+hashed, 2 partial
+    bm.free("a")
+    assert bm.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]
+    assert admit(bm, "b", list(range(8)) + [50]) == 8
+    assert bm.block_ids("b") == [0, 1, 2]
+    assert bm.free_queue.block_ids() == [3, 4, 5]
+    assert bm.prefix_cache_hits == 0  # only the scheduler records admitted lookups
+    bm.record_prefix_query(9, 8)
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (9, 8)
+
+
+def test_lru_eviction_order():
+    bm = make(num_blocks=4)
+    admit(bm, "a", list(range(5)))  # block 0 hashed (tokens 0..3), block 1 partial
+    admit(bm, "b", list(range(100, 105)))  # block 2 hashed, block 3 partial
+    bm.free("a")
+    bm.free("b")
+    # Head: the two unhashed partials, then a's hashed block (freed first), then b's.
+    assert bm.free_queue.block_ids() == [3, 1, 0, 2]
+    h_a = hash_full_blocks(list(range(4)), BS)[0]
+    h_b = hash_full_blocks(list(range(100, 104)), BS)[0]
+    assert set(bm.cached_blocks) == {h_a, h_b}
+    # 3 new blocks: takes 3, 1, then evicts 0 (a's prefix, least recently freed).
+    admit(bm, "c", list(range(200, 212)))
+    assert bm.block_ids("c") == [3, 1, 0]
+    assert h_a not in bm.cached_blocks and h_b in bm.cached_blocks
+    assert bm.find_cached_prefix(list(range(100, 105)))[0].block_id == 2
+
+
+def test_evicted_cached_block_in_prefix_counts_against_free_space():
+    bm = make(num_blocks=3)
+    admit(bm, "a", list(range(9)))  # blocks 0,1 hashed, 2 partial
+    bm.free("a")
+    # A hit on 2 cached (free) blocks plus 1 new block needs all 3 free blocks.
+    assert admit(bm, "b", list(range(8)) + [7]) == 8
+    assert bm.num_free_blocks == 0
+
+
+def test_no_prefix_caching():
+    bm = make(caching=False)
+    admit(bm, "a", list(range(9)))
+    bm.free("a")
+    assert admit(bm, "b", list(range(9))) == 0
+    assert not bm.cached_blocks
+
+
+def test_fork_and_copy_on_write():
+    bm = make()
+    prompt = list(range(6))  # block 0 full, block 1 holds 2 tokens
+    admit(bm, "p", prompt)
+    # The parent's prompt is computed; it sampled two tokens for two children.
+    bm.fork("p", "c1")
+    assert bm.block_ids("c1") == [0, 1]
+    assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    # The child writes its first output token (position 6) into shared block 1: copy first.
+    assert bm.allocate_slots("c1", prompt + [7], 6, 1)
+    assert bm.block_ids("c1") == [0, 2]
+    assert bm.take_pending_copies() == [(1, 2)]
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
+    # The parent is now the only owner of block 1 and writes in place.
+    assert bm.allocate_slots("p", prompt + [8], 6, 1)
+    assert bm.block_ids("p") == [0, 1]
+    assert bm.take_pending_copies() == []
+    bm.free("p")
+    bm.free("c1")
+    assert bm.num_free_blocks == 10 and bm.num_referenced_blocks() == 0
+
+
+def test_fork_on_block_boundary_needs_no_copy():
+    bm = make()
+    prompt = list(range(8))  # two full blocks
+    admit(bm, "p", prompt)
+    bm.fork("p", "c1")
+    assert bm.allocate_slots("c1", prompt + [1], 8, 1)
+    assert bm.block_ids("c1") == [0, 1, 2]
+    assert bm.take_pending_copies() == []
+
+
+def test_copy_on_write_fails_cleanly_without_free_block():
+    bm = make(num_blocks=2)
+    admit(bm, "p", list(range(6)))
+    bm.fork("p", "c1")
+    assert not bm.allocate_slots("c1", list(range(7)), 6, 1)
+    assert bm.block_ids("c1") == [0, 1] and bm.take_pending_copies() == []
+
+
+def test_usage_and_reset_prefix_cache():
+    bm = make()
+    admit(bm, "a", list(range(8)))
+    assert bm.usage == pytest.approx(0.2)
+    assert not bm.reset_prefix_cache()  # in use
+    bm.free("a")
+    assert bm.usage == 0.0
+    assert bm.reset_prefix_cache()
+    assert admit(bm, "b", list(range(8))) == 0

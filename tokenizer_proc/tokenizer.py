@@ -1,0 +1,314 @@
+"""Text <-> token ids and chat templates, on the `tokenizers` library alone.
+
+A GGUF file carries no tokenizer.json, only the vocabulary, merges and flags as metadata, so
+for GGUF models the `tokenizers.Tokenizer` is assembled here from those pieces. Hugging Face
+directories already have a tokenizer.json and are loaded as-is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Template
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from zllm.model_files import read_gguf
+
+
+class Tokenizer:
+    """A tokenizers.Tokenizer plus what serving needs beside it: BOS/EOS and the chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        self._chat_template = chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """Render the model's chat template; `extra` (tools, documents, ...) reaches it as-is."""
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; pass one with chat_template=")
+        return _compile(self._chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self._bos_token_id),
+            eos_token=self._token_text(self._eos_token_id),
+            **extra,
+        )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        added = self.backend.get_added_tokens_decoder()
+        return sorted(i for i, token in added.items() if token.special)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def load_tokenizer(model_path: str, chat_template: str | None = None) -> Tokenizer:
+    """The tokenizer of a .gguf file or HF directory; `chat_template` replaces the model's."""
+    if os.path.isdir(model_path):
+        tokenizer = _from_hf_dir(Path(model_path))
+    else:
+        tokenizer = _from_gguf(model_path)
+    if chat_template is not None:
+        tokenizer._chat_template = chat_template
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
+    # Jinja's own tojson escapes HTML characters and sorts keys; chat templates expect neither.
+    return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> Template:
+    # Sandboxed because templates come with downloaded models. trim/lstrip match what
+    # Hugging Face renders with, which is what template authors test against.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directories
+
+
+def _from_hf_dir(directory: Path) -> Tokenizer:
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ValueError(f"{directory} has no tokenizer.json (slow tokenizers are not supported)")
+    backend = BackendTokenizer.from_file(str(tokenizer_json))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        if isinstance(token, dict):  # a serialized AddedToken
+            token = token.get("content")
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    # The separate .jinja file is the newer home of the template and wins when both exist.
+    template_file = directory / "chat_template.jinja"
+    template = config.get("chat_template")
+    if template_file.is_file():
+        template = template_file.read_text()
+    elif isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return Tokenizer(backend, token_id("bos_token"), token_id("eos_token"), template)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+# llama.cpp's token_type values.
+_CONTROL, _USER_DEFINED = 3, 4
+
+# How text is cut into words before BPE, per tokenizer.ggml.pre. Split patterns are the ones the
+# models' own tokenizer.json files use; unknown values are refused rather than guessed, since a
+# wrong split gives plausible but different ids.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2 splitting
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre == "gpt-2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
+        return _split_then_bytes(_LLAMA3_SPLIT)
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return _split_then_bytes(_QWEN2_SPLIT)
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    md = read_gguf(path).metadata
+    kind = md.get("tokenizer.ggml.model")
+    tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.tokens is missing)")
+    if kind == "gpt2":
+        backend, add_bos_default = _byte_level_bpe(md, tokens), False
+    elif kind == "llama":
+        backend, add_bos_default = _sentencepiece_bpe(md, tokens), True
+    else:
+        raise ValueError(f"{path}: unsupported tokenizer model {kind!r} (zllm reads gpt2, llama)")
+    _add_special_tokens(backend, tokens, _per_token(md, "tokenizer.ggml.token_type", tokens, 1))
+    bos, eos = _token_id(md, "bos", tokens), _token_id(md, "eos", tokens)
+    add_bos = md.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
+    add_eos = md.get("tokenizer.ggml.add_eos_token", False) and eos is not None
+    backend.post_processor = _template_processor(
+        (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
+    )
+    return Tokenizer(backend, bos, eos, md.get("tokenizer.chat_template"))
+
+
+def _per_token(md: dict[str, Any], key: str, tokens: list[str], default: Any) -> list[Any]:
+    values = md.get(key)
+    if values is None:
+        return [default] * len(tokens)
+    if len(values) != len(tokens):
+        raise ValueError(f"GGUF {key} has {len(values)} entries for {len(tokens)} tokens")
+    return values
+
+
+def _token_id(md: dict[str, Any], name: str, tokens: list[str]) -> int | None:
+    token_id = md.get(f"tokenizer.ggml.{name}_token_id")
+    if token_id is not None and not 0 <= token_id < len(tokens):
+        raise ValueError(
+            f"GGUF {name} token id {token_id} is outside the {len(tokens)}-token vocab"
+        )
+    return token_id
+
+
+def _merges(md: dict[str, Any]) -> list[tuple[str, str]]:
+    pairs = [tuple(merge.split(" ", 1)) for merge in md.get("tokenizer.ggml.merges") or []]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError("GGUF tokenizer.ggml.merges has an entry that is not 'left right'")
+    return pairs
+
+
+def _byte_level_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
+    merges = _merges(md)
+    pre = md.get("tokenizer.ggml.pre", "gpt-2")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # Llama 3's tokenizer takes a word whole when it is in the vocabulary (llama.cpp too).
+    ignore_merges = pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe")
+    backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
+    """SentencePiece BPE: '▁' for spaces, <0xNN> tokens for bytes missing from the vocabulary."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in md:
+        merges = _merges(md)
+    else:
+        merges = _merges_from_scores(tokens, _per_token(md, "tokenizer.ggml.scores", tokens, 0.0))
+    unk_id = _token_id(md, "unknown", tokens) or 0
+    model = models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
+    backend = BackendTokenizer(model)
+    prefix = md.get("tokenizer.ggml.add_space_prefix", True)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece merges the pair whose result scores highest; BPE wants a ranked list.
+
+    Every way to cut a token into two vocabulary entries is a merge producing it, ranked by the
+    token's score (best first); ties go to the longer left piece, then the lower ids.
+    """
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for token, score in zip(tokens, scores, strict=True):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, -len(left), vocab[left], vocab[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens (<|im_start|>) and user-defined ones (<think>) match whole in text;
+    only control tokens are special, i.e. dropped by decode(skip_special_tokens=True)."""
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == _CONTROL]
+    user = [t for t, kind in zip(tokens, types, strict=True) if kind == _USER_DEFINED]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _template_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
+    def sequence(piece: str, type_id: int) -> list[str]:
+        head = [f"{bos[0]}:{type_id}"] if bos else []
+        tail = [f"{eos[0]}:{type_id}"] if eos else []
+        return [*head, f"{piece}:{type_id}", *tail]
+
+    return processors.TemplateProcessing(
+        single=sequence("$A", 0),
+        pair=sequence("$A", 0) + sequence("$B", 1),
+        special_tokens=[t for t in (bos, eos) if t],
+    )

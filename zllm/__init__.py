@@ -1,0 +1,17 @@
+"""zllm: an LLM inference and serving engine (paged KV cache, continuous batching)."""
+
+from zllm.outputs import CompletionOutput, Logprob, RequestOutput
+from zllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name: str):
+    # `LLM` pulls in the executor (torch); import it only when asked for.
+    if name == "LLM":
+        from zllm.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'zllm' has no attribute {name!r}")

@@ -1,0 +1,146 @@
+"""`zllm bench throughput`: offline throughput on fixed-length random prompts.
+
+`--backend transformers` runs Hugging Face's padded batched `generate` on the same prompts,
+so the peer is measured in the same run on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    backend: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+
+
+def add_parsers(sub, add_engine_args) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("throughput", help="offline throughput (LLM.generate)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--backend", choices=["zllm", "transformers"], default="zllm")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="transformers batch size")
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+
+
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, avoiding the first 256 ids (special and byte tokens)."""
+    rng = random.Random(seed)
+    low = min(256, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def run_zllm(args, engine_kwargs) -> ThroughputResult:
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs)
+    prompts = make_prompts(
+        args.num_prompts, args.input_len, llm.config.arch.vocab_size, args.prompt_seed
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    # Warm up (first-call allocations) on a small job outside the timed region.
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == args.num_prompts * args.output_len
+    stats = llm.engine.stats()
+    print(
+        f"preemptions: {stats.num_preemptions}, KV blocks: {stats.num_blocks}, "
+        f"waste at end: {llm.engine.block_manager.num_referenced_blocks()} blocks referenced"
+    )
+    return _result("zllm", args, elapsed, num_out)
+
+
+def run_transformers(args) -> ThroughputResult:
+    import torch
+
+    from zllm.model_files import read_arch_config, resolve_model
+
+    path = resolve_model(args.model)
+    arch = read_arch_config(path)
+    model = _load_hf_model(path)
+    prompts = make_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.prompt_seed)
+    pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+        start = time.perf_counter()
+        num_out = 0
+        for i in range(0, len(prompts), args.hf_batch_size):
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size])  # equal lengths: no pad
+            out = model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+            num_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        elapsed = time.perf_counter() - start
+    return _result(f"transformers(batch={args.hf_batch_size})", args, elapsed, num_out)
+
+
+def _load_hf_model(path: str):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype="float32"
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32")
+    return model.eval()
+
+
+def _result(backend, args, elapsed, num_out) -> ThroughputResult:
+    n = args.num_prompts
+    return ThroughputResult(
+        backend=backend,
+        num_prompts=n,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        elapsed_s=round(elapsed, 3),
+        requests_per_s=round(n / elapsed, 3),
+        output_tokens_per_s=round(num_out / elapsed, 2),
+        total_tokens_per_s=round((num_out + n * args.input_len) / elapsed, 2),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from zllm.cli import engine_kwargs
+
+    if args.backend == "transformers":
+        result = run_transformers(args)
+    else:
+        result = run_zllm(args, engine_kwargs(args))
+    print(
+        f"{result.backend}: {result.num_prompts} prompts x {result.input_len} in / "
+        f"{result.output_len} out in {result.elapsed_s:.2f} s: "
+        f"{result.requests_per_s:.2f} req/s, {result.output_tokens_per_s:.1f} output tok/s, "
+        f"{result.total_tokens_per_s:.1f} total tok/s"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(asdict(result), f, indent=2)
+    return 0

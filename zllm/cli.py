@@ -1,0 +1,134 @@
+"""The `zllm` command: download, generate, bench (and serve, once the server lands)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from zllm.engine_args import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options, named as `vllm serve` names them."""
+    d = EngineArgs()
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_size,
+        default=None,
+        help="KV cache budget in bytes (suffixes K/M/G); default 1 GiB on CPU.",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--device", default=d.device)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from zllm.model_files import download_model
+
+    print(download_model(args.name))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from zllm import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zllm", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("download", help="put a known model into the model cache")
+    p.add_argument("name", nargs="?", default="smollm2")
+    p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("generate", help="complete one prompt from the shell")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="short name, .gguf file or HF directory")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    from zllm import bench
+
+    bench.add_parsers(sub, add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"zllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

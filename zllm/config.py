@@ -1,0 +1,61 @@
+"""Configuration records shared by every process. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# On CPU the KV pool gets a fixed budget that leaves room for tests running beside it.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    architecture: str  # "llama", "qwen2", "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...} or None.
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: CPU default / GPU utilisation fraction
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # filled in by the executor once it has sized the pool
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # what the user asked for: a path or a short name
+    model_path: str  # the resolved file or directory
+    arch: ModelArchConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
