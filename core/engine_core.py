@@ -38,6 +38,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_blocks: int
     num_free_blocks: int
+    # Allocated-but-unused KV slots over all steps so far, as a share of allocated slots.
+    kv_waste_fraction: float
 
 
 class EngineCore:
@@ -49,6 +51,8 @@ class EngineCore:
             config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self._allocated_slots = 0
+        self._used_slots = 0
 
     @property
     def max_model_len(self) -> int:
@@ -80,7 +84,11 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        allocated, used = self.scheduler.kv_slot_usage()
+        self._allocated_slots += allocated
+        self._used_slots += used
+        return outputs
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -93,4 +101,5 @@ class EngineCore:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,
+            kv_waste_fraction=1.0 - self._used_slots / max(1, self._allocated_slots),
         )

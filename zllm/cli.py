@@ -85,12 +85,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from zllm import bench
-
-    return bench.main(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zllm", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
