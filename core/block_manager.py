@@ -199,16 +199,16 @@ class BlockManager:
         have = len(cached_prefix) if is_new else len(table)
         total_tokens = num_computed_tokens + num_new_tokens
         num_needed = max(0, -(-total_tokens // self.block_size) - have)
-        # Copy-on-write: the next token lands in a shared partial block.
-        cow = (
-            not is_new
-            and num_new_tokens > 0
-            and num_computed_tokens % self.block_size != 0
-            and table[num_computed_tokens // self.block_size].ref_count > 1
-        )
+        # Copy-on-write: blocks this step writes into that other sequences share (a fork's
+        # partial last block, or a block its parent allocated a step ahead).
+        cow = [] if is_new or num_new_tokens == 0 else [
+            i
+            for i in range(num_computed_tokens // self.block_size, len(table))
+            if table[i].ref_count > 1
+        ]
         # Cached blocks sitting in the free queue are taken out of it, so they count too.
         num_revived = sum(1 for b in cached_prefix if b.ref_count == 0)
-        if num_needed + cow + num_revived > self.num_free_blocks:
+        if num_needed + len(cow) + num_revived > self.num_free_blocks:
             return False
 
         if is_new:
@@ -217,8 +217,7 @@ class BlockManager:
                 self._take(block)
                 table.append(block)
             self._block_hashes[req_id] = [b.block_hash for b in cached_prefix]  # type: ignore[misc]
-        if cow:
-            idx = num_computed_tokens // self.block_size
+        for idx in cow:
             shared = table[idx]
             fresh = self._pop_free()
             shared.ref_count -= 1

@@ -35,6 +35,10 @@ class Request:
     # Prompt + output, kept as one list so block hashing needs no concatenation.
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens the executor is sampling in steps already sent but not yet returned. With the
+    # core scheduling step N+1 while the executor runs step N, a request can be scheduled
+    # to compute a token whose id the core does not know yet; the executor has it.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not yet looked)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -58,6 +62,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -10,6 +10,11 @@ budget, `max_num_seqs` and the blocks last. When blocks run out for a running re
 newest running request is preempted: its blocks are freed and it goes back to the *front* of
 the queue to be recomputed (its prefix is usually still in the prefix cache). Oldest-first
 service plus front-of-queue requeueing means no request starves.
+
+`num_computed_tokens` advances when a step is *scheduled*, not when it returns, and a
+request whose scheduled chunk reaches its end gets one pending token. So the core can
+schedule step N+1 while the executor still runs step N: a request that samples in N is
+scheduled in N+1 to compute that (not yet known) token, which the executor holds.
 """
 
 from __future__ import annotations
@@ -116,13 +121,17 @@ class Scheduler:
         bm = self.block_manager
         num_scheduled: dict[str, int] = {}
         scheduled: list[Request] = []
+        computed_before: dict[str, int] = {}
         preempted = False
 
         # 1. Running requests, oldest first.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            if num_new <= 0:  # everything known is computed and its next token is pending
+                i += 1
+                continue
             while not bm.allocate_slots(
                 req.req_id, req.all_token_ids, req.num_computed_tokens, num_new
             ):
@@ -132,6 +141,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                computed_before[req.req_id] = req.num_computed_tokens
+                self._advance(req, num_new)
                 scheduled.append(req)
                 num_scheduled[req.req_id] = num_new
                 budget -= num_new
@@ -152,7 +163,7 @@ class Scheduler:
             use_cache = req.sampling_params.prompt_logprobs is None
             cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else []
             num_computed = len(cached) * self.block_size
-            num_new = req.num_tokens - num_computed
+            num_new = req.num_tokens_with_pending - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -163,23 +174,21 @@ class Scheduler:
                 req.num_cached_tokens = num_computed
                 bm.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
+            computed_before[req.req_id] = num_computed
+            self._advance(req, num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(req)
             num_scheduled[req.req_id] = num_new
             budget -= num_new
 
-        return self._make_output(scheduled, num_scheduled)
+        return self._make_output(scheduled, num_scheduled, computed_before)
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, fork, and finish requests."""
+        """Append sampled tokens, fork, and finish requests (those gone meanwhile are skipped)."""
         outputs: list[EngineCoreOutput] = []
-        for req_id, num in sched_out.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is not None:  # None: aborted while the step ran
-                req.num_computed_tokens += num
         for req_id, lp in runner_out.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -192,6 +201,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue
+            req.num_pending_tokens -= 1
             tokens = runner_out.sampled_token_ids[idx]
             logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
             if len(tokens) > 1:
@@ -200,6 +210,12 @@ class Scheduler:
         return outputs
 
     # ---- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _advance(req: Request, num_new: int) -> None:
+        req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens_with_pending:
+            req.num_pending_tokens += 1  # this step samples the next token
+
     def _append_and_check(self, req: Request, token_id: int, logprobs) -> EngineCoreOutput:
         first = req.num_output_tokens == 0
         req.append_token(token_id)
@@ -231,7 +247,8 @@ class Scheduler:
                 arrival_time=parent.arrival_time,
                 client_req_id=parent.client_req_id,
                 sample_index=index,
-                num_computed_tokens=parent.num_computed_tokens,
+                # The fork happens right after the prompt; the parent may be a step ahead.
+                num_computed_tokens=parent.num_prompt_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
                 prompt_logprobs=parent.prompt_logprobs,
                 status=RequestStatus.RUNNING,
@@ -283,7 +300,10 @@ class Scheduler:
             self._finished_req_ids.append(req.req_id)
 
     def _make_output(
-        self, scheduled: list[Request], num_scheduled: dict[str, int]
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        computed_before: dict[str, int],
     ) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
@@ -299,7 +319,7 @@ class Scheduler:
                         output_token_ids=req.output_token_ids,
                         sampling_params=req.sampling_params,
                         block_ids=bm.block_ids(req.req_id),
-                        num_computed_tokens=req.num_computed_tokens,
+                        num_computed_tokens=computed_before[req.req_id],
                         eos_token_id=req.eos_token_id,
                         sample_index=req.sample_index,
                     )
@@ -309,7 +329,7 @@ class Scheduler:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=req.req_id,
-                        num_computed_tokens=req.num_computed_tokens,
+                        num_computed_tokens=computed_before[req.req_id],
                         block_ids=bm.block_ids(req.req_id) if req.req_id in changed else None,
                     )
                 )

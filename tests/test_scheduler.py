@@ -35,11 +35,12 @@ def make_request(req_id: str, prompt_len: int, max_tokens=8, start=0, **params) 
 
 
 def fake_run(sched: Scheduler, so: SchedulerOutput, token=7) -> ModelRunnerOutput:
-    """What an executor returns: a token for each request whose tokens are all computed."""
+    """What an executor returns: a token for each request whose known tokens are all computed
+    by this step (run synchronously: the scheduler has marked that token pending)."""
     req_ids, sampled = [], []
-    for req_id, num in so.num_scheduled_tokens.items():
+    for req_id in so.num_scheduled_tokens:
         req = sched.requests[req_id]
-        if req.num_computed_tokens + num == req.num_tokens:
+        if req.num_pending_tokens and req.num_computed_tokens == req.num_tokens:
             req_ids.append(req_id)
             n = req.sampling_params.n if req.waits_to_fork else 1
             sampled.append([token + i for i in range(n)])
@@ -257,3 +258,40 @@ def test_prefix_cache_hit_skips_computed_tokens():
     assert outs[0].num_cached_tokens == 8
     bm = sched.block_manager
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (20, 8)
+
+
+def _sampled(so: SchedulerOutput, tokens: dict[str, int]) -> ModelRunnerOutput:
+    ids = [r for r in so.num_scheduled_tokens if r in tokens]
+    return ModelRunnerOutput(
+        step_id=so.step_id, req_ids=ids, sampled_token_ids=[[tokens[r]] for r in ids]
+    )
+
+
+def test_schedule_next_step_while_one_is_in_flight():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 6, max_tokens=3))
+    so1 = sched.schedule()  # the prompt; samples token 1
+    so2 = sched.schedule()  # sent before so1 returns: computes token 1, unknown to the core
+    assert so2.num_scheduled_tokens == {"a": 1}
+    assert so2.cached_requests[0].num_computed_tokens == 6
+    outs = sched.update_from_output(so1, _sampled(so1, {"a": 7}))
+    assert outs[0].new_token_ids == [7]
+    so3 = sched.schedule()
+    assert so3.num_scheduled_tokens == {"a": 1}
+    assert so3.cached_requests[0].num_computed_tokens == 7
+    assert sched.update_from_output(so2, _sampled(so2, {"a": 8}))[0].new_token_ids == [8]
+    outs = sched.update_from_output(so3, _sampled(so3, {"a": 9}))
+    assert outs[0].finish_reason == FinishReason.LENGTH
+    assert sched.block_manager.num_referenced_blocks() == 0
+
+
+def test_request_finishing_while_next_step_in_flight_is_dropped():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 6, max_tokens=1))
+    so1 = sched.schedule()
+    so2 = sched.schedule()  # one wasted token: the core does not know yet that a is done
+    assert so2.num_scheduled_tokens == {"a": 1}
+    assert sched.update_from_output(so1, _sampled(so1, {"a": 7}))[0].finish_reason is not None
+    assert sched.update_from_output(so2, _sampled(so2, {"a": 8})) == []
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().finished_req_ids == ["a"]

@@ -121,7 +121,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineCoreRequest(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1
+):
     """A tokenized request, as it enters the core."""
 
     req_id: str
@@ -129,3 +131,145 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     eos_token_id: int | None = None
+
+
+# ==== the serving processes ==================================================================
+#
+#   frontend ──TokenizeRequest──► tokenizer ×N ──EngineCoreRequest──► core ◄──► executor
+#      ▲  │                            │                               │
+#      │  └──AbortRequests─────────────┼──────────────────────────────►│
+#      │◄────────RequestError──────────┘                               │ DetokenizerBatch
+#      │◄──FrontendBatch── detokenizer ×M ◄────────────────────────────┘ (hash(req_id) % M)
+#      │                        └──FinishSequence (stop string)──► core
+#      │◄──EngineStatus (heartbeat thread of the core)
+#      │◄──ProcessEvent, EngineState (supervisor)
+#
+# Sockets that carry several kinds decode a tagged union (the tag is the first array item).
+
+
+class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Frontend -> tokenizer: a request as the client sent it (text, chat or token ids)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    add_special_tokens: bool = True
+    arrival_time: float = 0.0
+
+
+class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
+    """Anyone -> core: drop these client requests (idempotent)."""
+
+    req_ids: list[str]
+
+
+class FinishSequence(msgspec.Struct, array_like=True, gc=False, tag=3):
+    """Detokenizer -> core: a stop string ended one sample; free its blocks."""
+
+    req_id: str
+    sample_index: int
+
+
+CoreInput = EngineCoreRequest | AbortRequests | FinishSequence
+
+
+class DetokRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a detokenizer needs to know of a request, sent once before its first tokens."""
+
+    req_id: str
+    prompt_tail: list[int]  # the last few prompt tokens, to prime incremental decoding
+    n: int = 1
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    want_logprobs: bool = False
+
+
+class DetokenizerBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=4):
+    """Core -> one detokenizer worker: one step's outputs for the requests it owns."""
+
+    new_requests: list[DetokRequest]
+    outputs: list[EngineCoreOutput]
+    # The engine restarted: forget every request (they were failed upstream).
+    reset: bool = False
+
+
+class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Detokenizer -> frontend: what one sample of a request produced since last time."""
+
+    req_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    # Chosen token first then the top-k, with each token's text.
+    logprobs: LogprobsLists | None = None
+    logprob_tokens: list[list[str]] | None = None
+    prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):
+    outputs: list[RequestOutputDelta]
+
+
+class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=6):
+    """Tokenizer or core -> frontend: this request failed; an HTTP status and a message."""
+
+    req_id: str
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
+    """Core heartbeat (from a thread, independent of step length), with live stats."""
+
+    time: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    executor_busy_s: float = 0.0
+    executor_idle_s: float = 0.0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+
+
+class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
+    """Supervisor -> frontend: a child process came up or went down."""
+
+    role: str
+    index: int
+    alive: bool
+    pid: int = 0
+
+
+class EngineState(msgspec.Struct, array_like=True, gc=False, tag=9):
+    """Supervisor -> frontend: the engine (core + executor) is `ready` or `dead`."""
+
+    state: str
+    message: str = ""
+
+
+FrontendInput = FrontendBatch | RequestError | EngineStatus | ProcessEvent | EngineState
+
+
+class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Child -> supervisor: started and ready (the executor also reports the KV pool size)."""
+
+    role: str
+    index: int
+    pid: int
+    num_blocks: int = 0

@@ -1,0 +1,205 @@
+"""An asyncio client of the running engine processes.
+
+The frontend serves HTTP with it, and any asyncio application can embed zllm with it instead
+of HTTP: submit a request, iterate its outputs, abort it. It owns the frontend's sockets: it
+pushes requests to the tokenizer workers and aborts to the core, and receives detokenized
+outputs, errors, heartbeats and process events on one PULL socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from zllm.protocol import (
+    AbortRequests,
+    EngineState,
+    EngineStatus,
+    FrontendBatch,
+    FrontendInput,
+    ProcessEvent,
+    RequestError,
+    RequestOutputDelta,
+    TokenizeRequest,
+)
+from zllm.serve_config import ServeConfig, detokenizer_index
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request failed: carries the HTTP status and OpenAI error fields to report."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        if self.status == 400:
+            return "BadRequestError"
+        if self.status == 503:
+            return "ServiceUnavailableError"
+        return "InternalServerError"
+
+
+@dataclass(eq=False)
+class _Stream:
+    request: TokenizeRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_finished: int = 0
+    started: bool = False  # some output arrived: the tokenizer stage is behind it
+
+
+class EngineClient:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self._ctx = zmq.asyncio.Context.instance()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FrontendInput)
+        self._streams: dict[str, _Stream] = {}
+        self._receiver: asyncio.Task | None = None
+        self.engine_state = "starting"
+        self.engine_message = "the engine is starting"
+        self.status: EngineStatus | None = None
+        self.last_heartbeat = 0.0
+        self.processes: dict[tuple[str, int], bool] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        ep = self.config.endpoints
+        self._to_tokenizers = self._ctx.socket(zmq.PUSH)
+        self._to_tokenizers.bind(ep.tokenizer_in)
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.connect(ep.core_in)
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.bind(ep.frontend_in)
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self.fail_all("the server is shutting down", 503)
+        for sock in (self._to_tokenizers, self._to_core, self._inbox):
+            sock.close(linger=0)
+
+    # ---- health --------------------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        if self.engine_state != "ready":
+            return False, self.engine_message
+        age = time.monotonic() - self.last_heartbeat
+        if age > self.config.heartbeat_timeout:
+            return False, f"no heartbeat from the engine core for {age:.1f} s"
+        dead = [f"{role} {i}" for (role, i), alive in self.processes.items() if not alive]
+        if dead:
+            return False, "process down: " + ", ".join(sorted(dead))
+        return True, "ok"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests ------------------------------------------------------------------------
+    async def generate(self, request: TokenizeRequest) -> AsyncIterator[RequestOutputDelta]:
+        """Submit a request and yield its output deltas until every sample finishes.
+
+        Raises EngineError (400 for a bad request found by the tokenizer, 503 when the
+        engine goes away). Leaving the iteration early (client disconnect) aborts it.
+        """
+        if self.engine_state != "ready":
+            raise EngineError(self.engine_message, 503)
+        if request.req_id in self._streams:
+            raise EngineError(f"request id {request.req_id!r} is already in use", 400)
+        stream = _Stream(request)
+        self._streams[request.req_id] = stream
+        finished = False
+        try:
+            await self._to_tokenizers.send(self._encoder.encode(request))
+            n = request.sampling_params.n
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, EngineError):
+                    raise item  # the finally clause aborts it in the core (idempotent)
+                if item.finish_reason is not None:
+                    stream.num_finished += 1
+                    finished = stream.num_finished >= n
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request.req_id, None)
+            if not finished:
+                await self.abort(request.req_id)
+
+    async def abort(self, req_id: str) -> None:
+        await self._to_core.send(self._encoder.encode(AbortRequests([req_id])))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineError(message, status))
+
+    # ---- receiving -----------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            data = await self._inbox.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.DecodeError as e:
+                logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
+                continue
+            try:
+                self._handle(msg)
+            except Exception:  # one bad message must not stop the receive loop
+                logger.exception("error handling %s", type(msg).__name__)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, FrontendBatch):
+            for out in msg.outputs:
+                stream = self._streams.get(out.req_id)
+                if stream is not None:
+                    stream.started = True
+                    stream.queue.put_nowait(out)
+        elif isinstance(msg, EngineStatus):
+            self.status = msg
+            self.last_heartbeat = time.monotonic()
+        elif isinstance(msg, RequestError):
+            stream = self._streams.get(msg.req_id)
+            if stream is not None:
+                stream.queue.put_nowait(EngineError(msg.message, msg.status, msg.param))
+        elif isinstance(msg, ProcessEvent):
+            self._on_process_event(msg)
+        elif isinstance(msg, EngineState):
+            self.engine_state = msg.state
+            self.engine_message = msg.message or f"the engine is {msg.state}"
+            if msg.state == "ready":
+                self.last_heartbeat = time.monotonic()
+            else:
+                self.fail_all(f"the engine failed and is restarting: {msg.message}", 503)
+
+    def _on_process_event(self, msg: ProcessEvent) -> None:
+        self.processes[(msg.role, msg.index)] = msg.alive
+        if msg.alive:
+            return
+        if msg.role == "tokenizer":
+            # Requests queued in the dead worker are lost; send every request that has not
+            # produced output again. The core ignores ids it already holds.
+            for stream in self._streams.values():
+                if not stream.started:
+                    self._to_tokenizers.send(self._encoder.encode(stream.request))
+        elif msg.role == "detokenizer":
+            # Its incremental decoding state is gone: fail its requests cleanly.
+            m = self.config.detokenizer_workers
+            for req_id, stream in list(self._streams.items()):
+                if detokenizer_index(req_id, m) == msg.index:
+                    stream.queue.put_nowait(
+                        EngineError("the detokenizer serving this request restarted", 503)
+                    )

@@ -1,0 +1,117 @@
+"""What every serving process is told at start: the engine config, the socket addresses,
+and the server options. The supervisor writes it once (JSON) into its private directory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zlib
+
+import msgspec
+
+from zllm.config import EngineConfig
+
+
+class Endpoints(msgspec.Struct):
+    """ZeroMQ addresses. The side named `binds` owns the address; the others connect.
+
+    tokenizer_in   frontend binds PUSH; tokenizer workers PULL (ZeroMQ load-balances them)
+    core_in        core binds PULL; tokenizers, frontend and detokenizers PUSH
+    executor_in    executor binds PULL; core PUSHes SchedulerOutput
+    executor_out   executor binds PUSH; core PULLs ModelRunnerOutput
+    detokenizer_in one per worker, each worker binds PULL; core PUSHes to hash(req_id) % M
+    frontend_in    frontend binds PULL; detokenizers, tokenizers, core, supervisor PUSH
+    supervisor_in  supervisor binds PULL; children report ready
+    """
+
+    tokenizer_in: str
+    core_in: str
+    executor_in: str
+    executor_out: str
+    detokenizer_in: list[str]
+    frontend_in: str
+    supervisor_in: str
+    ipc_dir: str | None = None
+
+    @classmethod
+    def ipc(cls, num_detokenizers: int) -> Endpoints:
+        """ipc:// sockets in a fresh private (0700) directory."""
+        d = tempfile.mkdtemp(prefix="zllm-")
+        os.chmod(d, 0o700)
+
+        def addr(name: str) -> str:
+            return f"ipc://{d}/{name}"
+
+        return cls(
+            tokenizer_in=addr("tokenizer_in"),
+            core_in=addr("core_in"),
+            executor_in=addr("executor_in"),
+            executor_out=addr("executor_out"),
+            detokenizer_in=[addr(f"detokenizer_in_{i}") for i in range(num_detokenizers)],
+            frontend_in=addr("frontend_in"),
+            supervisor_in=addr("supervisor_in"),
+            ipc_dir=d,
+        )
+
+    @classmethod
+    def tcp(cls, num_detokenizers: int, host: str = "127.0.0.1") -> Endpoints:
+        """tcp:// sockets on free loopback ports (for processes that share no filesystem)."""
+        ports = _free_ports(6 + num_detokenizers, host)
+        addr = [f"tcp://{host}:{p}" for p in ports]
+        return cls(
+            tokenizer_in=addr[0],
+            core_in=addr[1],
+            executor_in=addr[2],
+            executor_out=addr[3],
+            frontend_in=addr[4],
+            supervisor_in=addr[5],
+            detokenizer_in=addr[6:],
+        )
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    engine: EngineConfig
+    endpoints: Endpoints
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = []
+    served_model_names: list[str] = []
+    tokenizer_workers: int = 1
+    detokenizer_workers: int = 1
+    chat_template: str | None = None
+    drain_timeout: float = 30.0
+    on_engine_failure: str = "restart"  # or "exit"
+    heartbeat_timeout: float = 5.0
+    enable_log_requests: bool = False
+    disable_log_stats: bool = False
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.served_model_names or [self.engine.model]
+
+
+def detokenizer_index(req_id: str, num_workers: int) -> int:
+    """Which detokenizer owns a request: stable across processes (unlike `hash`)."""
+    return zlib.crc32(req_id.encode()) % num_workers
+
+
+def encode_config(config: ServeConfig) -> bytes:
+    return msgspec.json.encode(config)
+
+
+def decode_config(data: bytes) -> ServeConfig:
+    return msgspec.json.decode(data, type=ServeConfig)
+
+
+def _free_ports(n: int, host: str) -> list[int]:
+    import socket
+
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
