@@ -201,11 +201,15 @@ class BlockManager:
         num_needed = max(0, -(-total_tokens // self.block_size) - have)
         # Copy-on-write: blocks this step writes into that other sequences share (a fork's
         # partial last block, or a block its parent allocated a step ahead).
-        cow = [] if is_new or num_new_tokens == 0 else [
-            i
-            for i in range(num_computed_tokens // self.block_size, len(table))
-            if table[i].ref_count > 1
-        ]
+        cow = (
+            []
+            if is_new or num_new_tokens == 0
+            else [
+                i
+                for i in range(num_computed_tokens // self.block_size, len(table))
+                if table[i].ref_count > 1
+            ]
+        )
         # Cached blocks sitting in the free queue are taken out of it, so they count too.
         num_revived = sum(1 for b in cached_prefix if b.ref_count == 0)
         if num_needed + len(cow) + num_revived > self.num_free_blocks:

@@ -97,6 +97,9 @@ class Scheduler:
                 return True
         return False
 
+    def is_known(self, client_req_id: str) -> bool:
+        return client_req_id in self._sequences
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

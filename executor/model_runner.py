@@ -199,7 +199,9 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(states, query_lens, seq_lens, ends, hidden)
 
         # Rows that sample: every request whose known tokens are all computed after this step.
-        sample_states = [st for st, end in zip(states, seq_lens, strict=False) if end == len(st.all_token_ids)]
+        sample_states = [
+            st for st, end in zip(states, seq_lens, strict=False) if end == len(st.all_token_ids)
+        ]
         if not sample_states:
             return ModelRunnerOutput(
                 step_id=so.step_id,
@@ -208,7 +210,9 @@ class ModelRunner:
                 prompt_logprobs=prompt_logprobs,
             )
         sample_rows = [
-            i for i, (st, end) in enumerate(zip(states, seq_lens, strict=False)) if end == len(st.all_token_ids)
+            i
+            for i, (st, end) in enumerate(zip(states, seq_lens, strict=False))
+            if end == len(st.all_token_ids)
         ]
         logits = self.model.compute_logits(hidden[torch.as_tensor(ends[sample_rows] - 1)])
 

@@ -46,12 +46,18 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """Render the model's chat template; `extra` (tools, documents, ...) reaches it as-is."""
-        if self._chat_template is None:
+        """Render the model's (or the given) chat template; `extra` (tools, documents, ...)
+        reaches it as-is."""
+        template = chat_template or self._chat_template
+        if template is None:
             raise ValueError("this model has no chat template; pass one with chat_template=")
-        return _compile(self._chat_template).render(
+        return _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self._bos_token_id),
@@ -109,6 +115,7 @@ def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
 
 
 @lru_cache(maxsize=8)
+@lru_cache(maxsize=16)
 def _compile(source: str) -> Template:
     # Sandboxed because templates come with downloaded models. trim/lstrip match what
     # Hugging Face renders with, which is what template authors test against.

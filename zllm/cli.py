@@ -85,6 +85,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from zllm.engine_args import EngineArgs
+    from zllm.serve_config import Endpoints, ServeConfig
+    from zllm.supervisor import serve
+
+    if args.tokenizer_workers < 1 or args.detokenizer_workers < 1:
+        raise ValueError("--tokenizer-workers and --detokenizer-workers must be at least 1")
+    engine = EngineArgs(model=args.model, **engine_kwargs(args)).create_engine_config()
+    chat_template = args.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
+    n_detok = args.detokenizer_workers
+    endpoints = Endpoints.tcp(n_detok) if args.transport == "tcp" else Endpoints.ipc(n_detok)
+    config = ServeConfig(
+        engine=engine,
+        endpoints=endpoints,
+        host=args.host,
+        port=args.port,
+        api_keys=args.api_key,
+        served_model_names=args.served_model_name,
+        tokenizer_workers=args.tokenizer_workers,
+        detokenizer_workers=n_detok,
+        chat_template=chat_template,
+        drain_timeout=args.drain_timeout,
+        on_engine_failure=args.on_engine_failure,
+        enable_log_requests=args.enable_log_requests,
+        disable_log_stats=args.disable_log_stats,
+    )
+    return serve(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zllm", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -104,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (all processes)")
+    p.add_argument("model", nargs="?", default=None, help="short name, .gguf file or HF directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable)")
+    p.add_argument("--served-model-name", nargs="+", default=[])
+    p.add_argument("--tokenizer-workers", type=int, default=1)
+    p.add_argument("--detokenizer-workers", type=int, default=1)
+    p.add_argument("--chat-template", default=None, help="a Jinja template, or a file holding one")
+    p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--on-engine-failure", choices=["restart", "exit"], default="restart")
+    p.add_argument("--enable-log-requests", action="store_true")
+    p.add_argument("--disable-log-stats", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     from zllm import bench
 

@@ -104,6 +104,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Per sampled request (same order), when it asked for logprobs; None elsewhere.
     logprobs: list[LogprobsLists | None] = []
     prompt_logprobs: dict[str, LogprobsLists] = {}
+    # Filled by the executor process: time spent on the step, and waiting for it before.
+    exec_time_s: float = 0.0
+    idle_time_s: float = 0.0
 
 
 # ---- core -> the rest ----------------------------------------------------------------------
@@ -121,9 +124,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
 
 
-class EngineCoreRequest(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1
-):
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
     """A tokenized request, as it enters the core."""
 
     req_id: str

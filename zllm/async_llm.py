@@ -1,0 +1,95 @@
+"""Embed zllm in an asyncio application, without HTTP.
+
+    llm = await AsyncLLM.start("smollm2")
+    async for delta in llm.generate("Hello", SamplingParams(max_tokens=16)):
+        print(delta.text, end="")
+    await llm.shutdown()
+
+The engine processes (tokenizers, core, executor, detokenizers) run in the background under
+a supervisor thread, exactly as under `zllm serve`; this object plays the frontend's part
+with the same `EngineClient` the HTTP server uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from zllm.engine_args import EngineArgs
+from zllm.engine_client import EngineClient, EngineError
+from zllm.protocol import RequestOutputDelta, TokenizeRequest
+from zllm.sampling_params import SamplingParams
+from zllm.serve_config import Endpoints, ServeConfig
+from zllm.supervisor import Supervisor
+
+__all__ = ["AsyncLLM", "EngineError"]
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineClient, supervisor: Supervisor) -> None:
+        self.client = client
+        self._supervisor = supervisor
+        self._watcher: threading.Thread | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        model: str | None = None,
+        *,
+        tokenizer_workers: int = 1,
+        detokenizer_workers: int = 1,
+        **engine_kwargs,
+    ) -> AsyncLLM:
+        engine = EngineArgs(model=model, **engine_kwargs).create_engine_config()
+        config = ServeConfig(
+            engine=engine,
+            endpoints=Endpoints.ipc(detokenizer_workers),
+            tokenizer_workers=tokenizer_workers,
+            detokenizer_workers=detokenizer_workers,
+        )
+        client = EngineClient(config)
+        await client.start()  # bind first: the workers connect to us
+        supervisor = Supervisor(config, with_frontend=False)
+        await asyncio.to_thread(supervisor.start)
+        client.engine_state = "ready"
+        client.last_heartbeat = time.monotonic()
+        llm = cls(client, supervisor)
+        llm._watcher = threading.Thread(target=supervisor.run, name="zllm-supervisor", daemon=True)
+        llm._watcher.start()
+        return llm
+
+    async def generate(
+        self,
+        prompt: str | list[int] | list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutputDelta]:
+        """Yield output deltas (text and token ids per sample) until the request finishes.
+
+        `prompt`: text, token ids, or chat messages (the model's chat template is applied).
+        """
+        req = TokenizeRequest(
+            req_id=request_id or uuid.uuid4().hex,
+            sampling_params=sampling_params or SamplingParams(),
+            arrival_time=time.time(),
+        )
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif prompt and isinstance(prompt[0], dict):
+            req.messages = prompt  # type: ignore[assignment]
+        else:
+            req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
+        async for delta in self.client.generate(req):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort(request_id)
+
+    async def shutdown(self) -> None:
+        self._supervisor.request_stop()
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.join, 60)
+        await self.client.close()

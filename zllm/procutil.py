@@ -1,0 +1,54 @@
+"""Small helpers every serving process uses at start: title, parent-death signal, ready report."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from zllm.protocol import ProcessReady
+from zllm.serve_config import ServeConfig, decode_config
+
+_PR_SET_PDEATHSIG = 1
+
+
+def start_process(role: str, index: int | None = None) -> ServeConfig:
+    """Read the config named on the command line, set the title, die with the parent."""
+    import setproctitle
+
+    title = f"zllm: {role}" if index is None else f"zllm: {role} {index}"
+    setproctitle.setproctitle(title)
+    die_with_parent()
+    logging.basicConfig(
+        level=os.environ.get("ZLLM_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s [{title[6:]}] %(name)s: %(message)s",
+    )
+    with open(sys.argv[1], "rb") as f:
+        return decode_config(f.read())
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to signal us when the supervisor dies, so no child is ever orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def report_ready(config: ServeConfig, role: str, index: int = 0, num_blocks: int = 0) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(config.endpoints.supervisor_in)
+    msg = ProcessReady(role=role, index=index, pid=os.getpid(), num_blocks=num_blocks)
+    sock.send(msgspec.msgpack.encode(msg))
+    sock.close(linger=2000)
+
+
+def index_arg() -> int:
+    return int(sys.argv[2]) if len(sys.argv) > 2 else 0
