@@ -50,6 +50,10 @@ def add_parsers(sub, add_engine_args) -> None:
     add_engine_args(p)
     p.set_defaults(func=main_prefix)
 
+    from zllm.bench_serve import add_parser as _add_serve
+
+    _add_serve(bench_sub)
+
 
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     """Random token ids, avoiding the first 256 ids (special and byte tokens)."""

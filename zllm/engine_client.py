@@ -73,6 +73,7 @@ class EngineClient:
         self.status: EngineStatus | None = None
         self.last_heartbeat = 0.0
         self.processes: dict[tuple[str, int], bool] = {}
+        self.closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -86,6 +87,7 @@ class EngineClient:
         self._receiver = asyncio.create_task(self._receive_loop())
 
     async def close(self) -> None:
+        self.closed = True
         if self._receiver is not None:
             self._receiver.cancel()
         self.fail_all("the server is shutting down", 503)
@@ -115,6 +117,8 @@ class EngineClient:
         Raises EngineError (400 for a bad request found by the tokenizer, 503 when the
         engine goes away). Leaving the iteration early (client disconnect) aborts it.
         """
+        if self.closed:
+            raise EngineError("the server is shutting down", 503)
         if self.engine_state != "ready":
             raise EngineError(self.engine_message, 503)
         if request.req_id in self._streams:
@@ -141,6 +145,8 @@ class EngineClient:
                 await self.abort(request.req_id)
 
     async def abort(self, req_id: str) -> None:
+        if self.closed:
+            return
         await self._to_core.send(self._encoder.encode(AbortRequests([req_id])))
 
     def fail_all(self, message: str, status: int = 503) -> None:
