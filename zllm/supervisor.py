@@ -232,6 +232,7 @@ def serve(config: ServeConfig) -> int:
         supervisor.shutdown()
         raise
     names = ", ".join(config.model_names)
+    print(f"zllm: sockets and config in {supervisor.run_dir}", flush=True)
     print(f"zllm: serving {names} on http://{config.host}:{config.port}", flush=True)
     return supervisor.run()
 

@@ -1,0 +1,140 @@
+"""`zllm serve` as an operator runs it: a real supervisor process and its children."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, model_dir: str, *extra: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "zllm.cli",
+                "serve",
+                model_dir,
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "\n".join(self.lines)
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("server did not become healthy:\n" + "\n".join(self.lines))
+        self.run_dir = next(
+            m.group(1) for line in self.lines if (m := re.search(r"config in (\S+)", line))
+        )
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_sigterm_drains_and_leaves_nothing_behind(tiny_llama_dir, in_flight):
+    server = Server(tiny_llama_dir, "--drain-timeout", "5", "--tokenizer-workers", "2")
+    try:
+        kids = children_of(server.proc.pid)
+        assert len(kids) == 6  # executor, core, 2 tokenizers, 1 detokenizer, frontend
+        assert os.path.isdir(server.run_dir)
+        assert oct(os.stat(server.run_dir).st_mode & 0o777) == "0o700"
+        assert any(name.endswith("_in") for name in os.listdir(server.run_dir))
+        result = {}
+
+        def stream():
+            body = {"prompt": "The quick", "max_tokens": 200, "stream": True, "ignore_eos": True}
+            text = ""
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    text += line + "\n"
+            result["text"] = text
+
+        if in_flight:
+            t = threading.Thread(target=stream)
+            t.start()
+            time.sleep(0.3)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        assert code == 0
+        assert elapsed < 5 + 5  # drain timeout plus the other children's stop
+        if in_flight:
+            t.join(10)
+            # The in-flight stream either finished or ended with an error event: no hang.
+            assert "[DONE]" in result["text"] or "error" in result["text"]
+        assert not [k for k in kids if alive(k)]
+        assert not os.path.exists(server.run_dir)  # no stale socket files
+    finally:
+        server.kill()
+
+
+def test_on_engine_failure_exit(tiny_llama_dir):
+    server = Server(tiny_llama_dir, "--on-engine-failure", "exit")
+    try:
+        kids = children_of(server.proc.pid)
+        core = next(k for k in kids if open(f"/proc/{k}/cmdline").read().startswith("zllm: core"))
+        os.kill(core, signal.SIGKILL)
+        assert server.proc.wait(timeout=30) != 0
+        assert not [k for k in kids if alive(k)]
+    finally:
+        server.kill()
