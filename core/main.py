@@ -15,6 +15,7 @@ finishes the current one, and the core does its bookkeeping while the executor c
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -134,6 +135,14 @@ class CoreProcess:
         )
 
     def _collect_step(self) -> None:
+        if not self.from_executor.poll(int(self.config.executor_timeout * 1000)):
+            # A stuck executor is as bad as a dead one: exit, and the supervisor fails what
+            # was in flight and restarts the engine.
+            logger.error(
+                "no step finished for %.0f s with work pending: treating the executor as dead",
+                self.config.executor_timeout,
+            )
+            os._exit(3)
         data = self.from_executor.recv()
         output = self.runner_decoder.decode(data)
         step = self.in_flight.popleft()

@@ -138,3 +138,27 @@ def test_on_engine_failure_exit(tiny_llama_dir):
         assert not [k for k in kids if alive(k)]
     finally:
         server.kill()
+
+
+def test_stuck_executor_is_treated_as_dead(tiny_llama_dir):
+    server = Server(tiny_llama_dir, "--executor-timeout", "2")
+    try:
+        kids = children_of(server.proc.pid)
+        executor = next(
+            k for k in kids if open(f"/proc/{k}/cmdline").read().startswith("zllm: executor")
+        )
+        os.kill(executor, signal.SIGSTOP)  # hangs mid-service, like a wedged kernel
+        body = {"prompt": "The quick", "max_tokens": 50}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"]
+        # The engine comes back by itself and serves again.
+        deadline = time.monotonic() + 60
+        while httpx.get(server.url + "/health", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
+        assert not alive(executor)
+    finally:
+        server.kill()

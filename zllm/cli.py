@@ -113,6 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         drain_timeout=args.drain_timeout,
         on_engine_failure=args.on_engine_failure,
+        executor_timeout=args.executor_timeout,
         enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats,
     )
@@ -151,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--on-engine-failure", choices=["restart", "exit"], default="restart")
+    p.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a step may take, with work pending, before the executor counts as dead",
+    )
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--disable-log-stats", action="store_true")
     add_engine_args(p)

@@ -82,6 +82,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     drain_timeout: float = 30.0
     on_engine_failure: str = "restart"  # or "exit"
     heartbeat_timeout: float = 5.0
+    # A step that takes longer than this, with work pending, counts as a dead executor.
+    executor_timeout: float = 60.0
     enable_log_requests: bool = False
     disable_log_stats: bool = False
 
