@@ -141,6 +141,18 @@ class BlockManager:
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(req_id, ())]
 
+    def block_states(self, max_cells: int = 4096) -> tuple[bytes, int]:
+        """The pool as one byte per cell (0 free, 1 in use, 2 cached prefix), and how many
+        blocks each cell covers; a cell shows the busiest state among its blocks."""
+        per_cell = -(-self.num_blocks // max_cells)
+        states = bytearray(-(-self.num_blocks // per_cell))
+        for block in self.blocks:
+            state = 1 if block.ref_count > 0 else (2 if block.block_hash is not None else 0)
+            cell = block.block_id // per_cell
+            if state == 1 or (state == 2 and states[cell] == 0):
+                states[cell] = state
+        return bytes(states), per_cell
+
     def num_referenced_blocks(self) -> int:
         return sum(1 for b in self.blocks if b.ref_count > 0)
 

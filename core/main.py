@@ -48,6 +48,7 @@ logger = logging.getLogger("zllm.core")
 
 MAX_STEPS_IN_FLIGHT = 2
 HEARTBEAT_INTERVAL_S = 0.5
+LOG_STATS_INTERVAL_S = 10.0
 PROMPT_TAIL = 6  # prompt tokens a detokenizer needs to decode the first output correctly
 
 
@@ -62,6 +63,9 @@ class CoreProcess:
         # Sent to a detokenizer with a request's first output, then dropped.
         self.unannounced: dict[str, DetokRequest] = {}
         self.stats = EngineStatus(time=time.time(), num_blocks=config.engine.cache.num_blocks or 0)
+        self._last_block_snapshot = 0.0
+        self._last_log = time.monotonic()
+        self._logged = (0, 0, 0)  # prompt tokens, generation tokens, steps at the last log
         self.encoder = msgspec.msgpack.Encoder()
 
         ctx = zmq.Context.instance()
@@ -148,7 +152,12 @@ class CoreProcess:
         step = self.in_flight.popleft()
         outputs = self.scheduler.update_from_output(step, output)
         self._publish(outputs)
-        self._update_stats(step, output, outputs)
+        s = self.stats
+        s.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        s.num_steps += 1
+        s.executor_busy_s += output.exec_time_s
+        s.executor_idle_s += output.idle_time_s
+        self._refresh_stats()
 
     # ---- inputs --------------------------------------------------------------------------
     def _apply_inputs(self, block: bool) -> None:
@@ -161,6 +170,7 @@ class CoreProcess:
             try:
                 msg = self.inputs.get_nowait()
             except queue.Empty:
+                self._refresh_stats()
                 return
 
     def _apply(self, msg) -> None:
@@ -239,7 +249,8 @@ class CoreProcess:
             # The receiver is gone (restarting): its requests are failed upstream.
             logger.warning("dropping a %s: its receiver is not keeping up", type(msg).__name__)
 
-    def _update_stats(self, step, output: ModelRunnerOutput, outputs) -> None:
+    def _refresh_stats(self) -> None:
+        """Update the snapshot the heartbeat thread sends (and log a stats line now and then)."""
         s = self.stats
         stats = self.engine.stats()
         s.num_running = stats.num_running
@@ -249,10 +260,31 @@ class CoreProcess:
         s.prefix_cache_queries = stats.prefix_cache_queries
         s.prefix_cache_hits = stats.prefix_cache_hits
         s.num_free_blocks = stats.num_free_blocks
-        s.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
-        s.num_steps += 1
-        s.executor_busy_s += output.exec_time_s
-        s.executor_idle_s += output.idle_time_s
+        now = time.monotonic()
+        if now - self._last_block_snapshot >= HEARTBEAT_INTERVAL_S:
+            self._last_block_snapshot = now
+            s.block_states, s.blocks_per_cell = self.engine.block_manager.block_states()
+        if not self.config.disable_log_stats and now - self._last_log >= LOG_STATS_INTERVAL_S:
+            self._log_stats(now)
+
+    def _log_stats(self, now: float) -> None:
+        s, last = self.stats, self._logged
+        elapsed = now - self._last_log
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        if s.num_steps != last[2] or s.num_running or s.num_waiting:
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                (s.num_prompt_tokens - last[0]) / elapsed,
+                (s.num_generation_tokens - last[1]) / elapsed,
+                s.num_running,
+                s.num_waiting,
+                100 * s.kv_cache_usage,
+                100 * hit_rate,
+            )
+        self._last_log = now
+        self._logged = (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ class Request:
     num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not yet looked)
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # wall clock, like arrival_time
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

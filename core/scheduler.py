@@ -19,6 +19,7 @@ scheduled in N+1 to compute that (not yet known) token, which the executor holds
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -175,6 +176,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
                 req.num_cached_tokens = num_computed
+                req.first_scheduled_time = time.time()
                 bm.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
             computed_before[req.req_id] = num_computed
@@ -232,6 +234,8 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
+        if first and req.first_scheduled_time and req.arrival_time:
+            out.queue_time_s = max(0.0, req.first_scheduled_time - req.arrival_time)
         if finished:
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason

@@ -108,6 +108,7 @@ class Detokenizer:
             stop_reason=stop_reason,
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            queue_time_s=out.queue_time_s,
         )
 
     def _token_texts(self, logprobs: LogprobsLists | None) -> list[list[str]] | None:

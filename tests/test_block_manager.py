@@ -176,3 +176,15 @@ def test_usage_and_reset_prefix_cache():
     assert bm.usage == 0.0
     assert bm.reset_prefix_cache()
     assert admit(bm, "b", list(range(8))) == 0
+
+
+def test_block_states_for_the_dashboard():
+    bm = make(num_blocks=10)
+    admit(bm, "a", list(range(9)))  # blocks 0,1 hashed and used, 2 used
+    admit(bm, "b", list(range(100, 104)))  # block 3 used (hashed)
+    bm.free("b")  # block 3: free but cached
+    states, per_cell = bm.block_states()
+    assert per_cell == 1 and states == bytes([1, 1, 1, 2, 0, 0, 0, 0, 0, 0])
+    # Folded: 4 cells of 3 blocks (the last holds one); a cell shows its busiest block.
+    states, per_cell = bm.block_states(max_cells=4)
+    assert per_cell == 3 and states == bytes([1, 2, 0, 0])

@@ -295,3 +295,16 @@ def test_request_finishing_while_next_step_in_flight_is_dropped():
     assert sched.update_from_output(so2, _sampled(so2, {"a": 8})) == []
     assert not sched.has_unfinished_requests()
     assert sched.schedule().finished_req_ids == ["a"]
+
+
+def test_first_output_reports_queue_time():
+    sched = make_scheduler(max_num_seqs=1)
+    a = make_request("a", 4, max_tokens=2)
+    b = make_request("b", 4, max_tokens=2, start=10)
+    a.arrival_time = b.arrival_time = 1.0  # long ago
+    sched.add_request(a)
+    sched.add_request(b)
+    _, outs = step(sched)
+    assert outs[0].queue_time_s > 1000  # wall-clock seconds since arrival
+    _, outs = step(sched)
+    assert outs[0].queue_time_s == 0.0  # only on the first output

@@ -128,6 +128,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time_s: float = 0.0  # arrival to first scheduled, on a request's first output
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
@@ -220,6 +221,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time_s: float = 0.0
 
 
 class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):
@@ -252,6 +254,11 @@ class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     executor_idle_s: float = 0.0
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # The KV pool for the dashboard, one byte per cell: 0 free, 1 in use, 2 cached prefix
+    # (free but holding a reusable prefix). Large pools are folded into at most 4,096 cells,
+    # each showing the busiest state among its blocks; `blocks_per_cell` says how many.
+    block_states: bytes = b""
+    blocks_per_cell: int = 1
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
