@@ -162,3 +162,27 @@ def test_stuck_executor_is_treated_as_dead(tiny_llama_dir):
         assert not alive(executor)
     finally:
         server.kill()
+
+
+def test_killed_frontend_is_restarted_and_serves(tiny_llama_dir):
+    server = Server(tiny_llama_dir)
+    try:
+        kids = children_of(server.proc.pid)
+        frontend = next(
+            k for k in kids if open(f"/proc/{k}/cmdline").read().startswith("zllm: frontend")
+        )
+        os.kill(frontend, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "\n".join(server.lines)
+            time.sleep(0.2)
+        body = {"prompt": "The quick", "max_tokens": 5}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        server.kill()

@@ -123,7 +123,10 @@ def add_parser(bench_sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    import logging
     import os
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
 
     vocab = args.vocab_size
     if vocab is None:
@@ -301,6 +304,7 @@ async def run_benchmark(
             if not w.ok:
                 raise BenchmarkError(f"warm-up request to {config.base_url} failed: {w.error}")
 
+        load_at_start = _loadavg()
         results: list[RequestResult | None] = [None] * len(prompts)
         sem = asyncio.Semaphore(config.concurrency) if config.concurrency else None
         t0 = time.perf_counter()
@@ -329,7 +333,19 @@ async def run_benchmark(
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
     done = [r for r in results if r is not None]
-    return summarize(config, model, done, duration), done
+    summary = summarize(config, model, done, duration)
+    summary["loadavg_1m_at_start"] = load_at_start
+    return summary, done
+
+
+def _loadavg() -> float | None:
+    """This machine's 1-minute load average: a busy machine skews the figures."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +444,9 @@ def format_table(s: dict[str, Any]) -> str:
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{s[key][stat]:.2f}"))
     width = max(len(k) for k, _ in rows) + 2
-    line = "=" * (width + 16)
-    body = "\n".join(f"{k:<{width}}{v:>16}" for k, v in rows)
+    vwidth = max(12, *(len(v) for _, v in rows))
+    line = "=" * (width + vwidth)
+    body = "\n".join(f"{k:<{width}}{v:>{vwidth}}" for k, v in rows)
     errors = "".join(f"\n  error x{n}: {e}" for e, n in s["errors"].items())
-    return f"{line}\n{'Serving benchmark result':^{width + 16}}\n{line}\n{body}\n{line}{errors}"
+    title = f"{'Serving benchmark result':^{width + vwidth}}"
+    return f"{line}\n{title}\n{line}\n{body}\n{line}{errors}"

@@ -83,6 +83,10 @@ class Supervisor:
         self._wait_ready([self._spawn(role, i) for role, i in workers])
         if self.with_frontend:
             self._wait_ready([self._spawn("frontend", 0)])
+        self._brief_frontend()
+
+    def _brief_frontend(self) -> None:
+        """Tell the frontend every child is up and the engine is ready."""
         for child in self.children:
             self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
         self._tell_frontend(EngineState("ready"))
@@ -157,9 +161,12 @@ class Supervisor:
             if child.role in ("core", "executor"):
                 self._restart_engine(f"{child.name} died (exit code {code})")
             else:
-                (new,) = [self._spawn(child.role, child.index)]
+                new = self._spawn(child.role, child.index)
                 self._wait_ready([new])
-                self._tell_frontend(ProcessEvent(new.role, new.index, True, new.proc.pid))
+                if new.role == "frontend":
+                    self._brief_frontend()  # a new frontend knows nothing yet
+                else:
+                    self._tell_frontend(ProcessEvent(new.role, new.index, True, new.proc.pid))
         except StartupError as e:
             logger.error("could not restart %s: %s; shutting down", child.name, e)
             self.exit_code = 1

@@ -1,0 +1,350 @@
+#!/usr/bin/env bash
+# zllm vs llama.cpp (llama-server on the Q4_1 GGUF and on an F16 GGUF of the same weights):
+# online serving (`zllm bench serve` at several concurrencies, same random-token prompts for
+# every engine), offline throughput (`zllm bench throughput`, zllm and transformers) and
+# llama.cpp's own `llama-batched-bench`. Everything it builds or downloads goes to $CACHE,
+# outside the repository. See benchmarks/README.md.
+#
+# Environment (defaults in brackets):
+#   CACHE            [~/.cache/zllm-peers]  llama.cpp source, build, F16 model, results
+#   RESULTS_DIR      [$CACHE/results/<date-time>]  JSON, logs; reuse one to add to a run
+#   COMPARE_REPORT   [$RESULTS_DIR/report.md]  the markdown table is also written here
+#   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
+#   THREADS [2]  NP [32] (llama-server slots, llama-batched-bench -npl)  PORT [8011]
+#   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run
+#   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
+#   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
+#   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${CACHE:-$HOME/.cache/zllm-peers}
+RESULTS_DIR=${RESULTS_DIR:-$CACHE/results/$(date +%Y%m%d-%H%M%S)}
+COMPARE_REPORT=${COMPARE_REPORT:-$RESULTS_DIR/report.md}
+NUM_PROMPTS=${NUM_PROMPTS:-64}
+INPUT_LEN=${INPUT_LEN:-128}
+OUTPUT_LEN=${OUTPUT_LEN:-128}
+CONCURRENCIES=${CONCURRENCIES:-"1 8 32"}
+THREADS=${THREADS:-2}
+NP=${NP:-32}
+PORT=${PORT:-8011}
+STEPS=${STEPS:-"setup zllm llama-q4 llama-f16 throughput batched report"}
+LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
+ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
+LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
+PYTHON=${PYTHON:-python}
+
+SRC_DIR=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION
+LLAMA_DIR=$SRC_DIR/vendor/llama.cpp
+BUILD_DIR=$CACHE/llama-build-$LLAMA_CPP_PYTHON_VERSION
+BIN=$BUILD_DIR/bin
+HF_DIR=$CACHE/models/smollm2-135m-instruct-hf-fp32
+F16_GGUF=$CACHE/models/SmolLM2-135M-Instruct.F16.gguf
+# Context for llama-server and llama-batched-bench: NP slots of (in + out + 16 spare) tokens,
+# rounded up to a multiple of 256 (llama-server gives each slot ctx / NP).
+CTX=$(( (NP * (INPUT_LEN + OUTPUT_LEN + 16) + 255) / 256 * 256 ))
+
+log() { printf '\n== %s: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+
+mkdir -p "$CACHE" "$RESULTS_DIR"
+
+# ---------------------------------------------------------------------------------------------
+# Setup: zllm installed, the default model, llama.cpp built, the F16 GGUF made.
+
+ensure_python_deps() {
+    if ! "$PYTHON" -c "import zllm" 2>/dev/null; then
+        log "installing zllm (editable) from $REPO"
+        "$PYTHON" -m pip install -e "$REPO"
+    fi
+    if ! "$PYTHON" -c "import transformers, httpx" 2>/dev/null; then
+        "$PYTHON" -m pip install transformers httpx
+    fi
+}
+
+build_llama_cpp() {
+    if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench ]]; then
+        log "llama.cpp already built in $BUILD_DIR"
+        return
+    fi
+    if [[ ! -d $LLAMA_DIR ]]; then
+        log "downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (vendors llama.cpp)"
+        mkdir -p "$CACHE/sdist"
+        "$PYTHON" -m pip download --no-deps --no-binary :all: \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$CACHE/sdist"
+        tar xzf "$CACHE/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$CACHE"
+    fi
+    command -v cmake >/dev/null || "$PYTHON" -m pip install cmake
+    local gen=()
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    log "building llama-server and llama-batched-bench (nice 19; ~20-40 min on 2 cores)"
+    nice -n 19 cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    nice -n 19 cmake --build "$BUILD_DIR" -j2 --target llama-server llama-batched-bench
+}
+
+make_f16_gguf() {
+    if [[ -s $F16_GGUF ]]; then
+        log "F16 GGUF already made: $F16_GGUF"
+        return
+    fi
+    log "dequantizing $Q4_GGUF to an fp32 Hugging Face copy in $HF_DIR"
+    mkdir -p "$CACHE/models"
+    nice -n 19 "$PYTHON" - "$Q4_GGUF" "$HF_DIR" <<'EOF'
+import os
+import sys
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+path, out = sys.argv[1], sys.argv[2]
+d, f = os.path.dirname(path), os.path.basename(path)
+model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype="float32")
+# The GGUF loader already dequantized every weight to fp32; it only marks the model as
+# "quantized with gguf", which save_pretrained refuses. Drop the mark.
+model.hf_quantizer = None
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
+EOF
+    log "converting to F16 GGUF with llama.cpp's convert_hf_to_gguf.py"
+    PYTHONPATH=$LLAMA_DIR/gguf-py nice -n 19 "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
+        "$HF_DIR" --outtype f16 --outfile "$F16_GGUF.tmp"
+    mv "$F16_GGUF.tmp" "$F16_GGUF"
+}
+
+write_meta() {
+    [[ -s $RESULTS_DIR/meta.json ]] && return  # a partial run adding to an earlier one
+    local llama_version="not built"
+    [[ -x $BIN/llama-server ]] && llama_version=$("$BIN/llama-server" --version 2>&1 | tr '\n' ' ')
+    "$PYTHON" - "$RESULTS_DIR/meta.json" <<EOF
+import json, os, platform, subprocess
+cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+def version(mod):
+    try:
+        return __import__(mod).__version__
+    except Exception:
+        return None
+try:
+    commit = subprocess.run(["git", "-C", "$REPO", "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+except Exception:
+    commit = None
+meta = {
+    "date": subprocess.run(["date", "-u", "+%Y-%m-%d %H:%M UTC"], capture_output=True, text=True).stdout.strip(),
+    "cpu": cpu, "nproc": os.cpu_count(), "python": platform.python_version(),
+    "torch": version("torch"), "transformers": version("transformers"), "zllm_commit": commit,
+    "llama_cpp": "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION vendor/llama.cpp: $llama_version".strip(),
+    "num_prompts": $NUM_PROMPTS, "input_len": $INPUT_LEN, "output_len": $OUTPUT_LEN,
+    "concurrencies": "$CONCURRENCIES", "threads": $THREADS, "np": $NP, "ctx": $CTX,
+    "q4_gguf": "$Q4_GGUF", "f16_gguf": "$F16_GGUF",
+}
+json.dump(meta, open("$RESULTS_DIR/meta.json", "w"), indent=2)
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------
+# Serving: start a server, wait until it answers, bench each concurrency, stop it.
+
+SERVER_PID=""
+
+stop_server() {
+    [[ -n $SERVER_PID ]] || return 0
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM "$SERVER_PID" 2>/dev/null || true
+        for _ in $(seq 60); do
+            kill -0 "$SERVER_PID" 2>/dev/null || break
+            sleep 0.5
+        done
+    fi
+    # The server ran in its own session (setsid): end whatever of that group is left.
+    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+    SERVER_PID=""
+}
+trap stop_server EXIT INT TERM
+
+# serve_bench NAME PORT CMD...: run the serving benchmark against the server CMD starts.
+serve_bench() {
+    local name=$1 port=$2
+    shift 2
+    local url=http://127.0.0.1:$port
+    local server_log=$RESULTS_DIR/server-$name.log
+    if curl -s -o /dev/null "$url/v1/models"; then
+        echo "something already answers on $url; pick another PORT" >&2
+        return 1
+    fi
+    log "$name: starting: $*"
+    echo "\$ $*" >"$server_log"
+    setsid "$@" >>"$server_log" 2>&1 &
+    SERVER_PID=$!
+    local waited=0
+    until curl -sf -o /dev/null "$url/v1/models"; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null || ((waited >= SERVER_START_TIMEOUT)); then
+            log "$name: server did not come up (see $server_log); last lines:"
+            tail -n 30 "$server_log" >&2
+            printf '{"label": "%s", "error": "server did not start; see %s"}\n' \
+                "$name" "$server_log" >"$RESULTS_DIR/serve-$name-failed.json"
+            stop_server
+            return 0
+        fi
+        sleep 1
+        waited=$((waited + 1))
+    done
+    rm -f "$RESULTS_DIR/serve-$name-failed.json"
+    log "$name: up after ${waited} s"
+    for c in $CONCURRENCIES; do
+        local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --concurrency "$c"
+            --label "$name" --output-json "$RESULTS_DIR/serve-$name-c$c.json")
+        log "$name: ${cmd[*]}"
+        "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-c$c.log" ||
+            log "$name: bench at concurrency $c failed"
+    done
+    stop_server
+}
+
+# ---------------------------------------------------------------------------------------------
+
+ensure_python_deps
+Q4_GGUF=$("$PYTHON" -c "from zllm.model_files import resolve_model; print(resolve_model('smollm2'))")
+if has_step setup; then
+    build_llama_cpp
+    make_f16_gguf
+fi
+write_meta
+log "results go to $RESULTS_DIR (Q4_1: $Q4_GGUF, ctx $CTX)"
+
+if has_step zllm; then
+    # shellcheck disable=SC2086
+    serve_bench zllm "$PORT" zllm serve --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+if has_step llama-q4; then
+    # shellcheck disable=SC2086
+    serve_bench llama.cpp-Q4_1 "$((PORT + 1))" "$BIN/llama-server" -m "$Q4_GGUF" \
+        -t "$THREADS" -np "$NP" -c "$CTX" --host 127.0.0.1 --port "$((PORT + 1))" $LLAMA_SERVER_ARGS
+fi
+if has_step llama-f16; then
+    # shellcheck disable=SC2086
+    serve_bench llama.cpp-F16 "$((PORT + 2))" "$BIN/llama-server" -m "$F16_GGUF" \
+        -t "$THREADS" -np "$NP" -c "$CTX" --host 127.0.0.1 --port "$((PORT + 2))" $LLAMA_SERVER_ARGS
+fi
+if has_step throughput; then
+    for backend in zllm transformers; do
+        cmd=(zllm bench throughput --backend "$backend" --num-prompts "$NUM_PROMPTS"
+            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --hf-batch-size "$NP"
+            --output-json "$RESULTS_DIR/throughput-$backend.json")
+        log "${cmd[*]}"
+        "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/throughput-$backend.log" ||
+            log "throughput $backend failed"
+    done
+fi
+if has_step batched; then
+    for pair in "Q4_1:$Q4_GGUF" "F16:$F16_GGUF"; do
+        cmd=("$BIN/llama-batched-bench" -m "${pair#*:}" -c "$CTX" -b 2048 -ub 512
+            -npp "$INPUT_LEN" -ntg "$OUTPUT_LEN" -npl "$NP" -t "$THREADS" --output-format jsonl)
+        log "${cmd[*]}"
+        "${cmd[@]}" >"$RESULTS_DIR/batched-${pair%%:*}.log" 2>&1 ||
+            log "llama-batched-bench ${pair%%:*} failed (see $RESULTS_DIR/batched-${pair%%:*}.log)"
+        grep '^{' "$RESULTS_DIR/batched-${pair%%:*}.log" >"$RESULTS_DIR/batched-${pair%%:*}.jsonl" || true
+    done
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Report: every JSON in RESULTS_DIR, as markdown tables.
+
+if has_step report; then
+    "$PYTHON" - "$RESULTS_DIR" "$COMPARE_REPORT" <<'EOF'
+import glob
+import json
+import os
+import sys
+
+results, report = sys.argv[1], sys.argv[2]
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+meta = load(os.path.join(results, "meta.json")) if os.path.exists(
+    os.path.join(results, "meta.json")
+) else {}
+lines = [
+    f"# zllm vs llama.cpp, {meta.get('date', '?')}",
+    "",
+    f"Machine: {meta.get('cpu', '?')}, {meta.get('nproc', '?')} CPUs; torch {meta.get('torch')}, "
+    f"transformers {meta.get('transformers')}, zllm commit {meta.get('zllm_commit')}; "
+    f"{meta.get('llama_cpp', '')}.",
+    f"Prompts: {meta.get('num_prompts')} random-token prompts x {meta.get('input_len')} in / "
+    f"{meta.get('output_len')} out (ignore_eos, greedy); llama.cpp threads {meta.get('threads')}, "
+    f"slots {meta.get('np')}, ctx {meta.get('ctx')}. Results: `{results}`.",
+    "",
+    "## Online serving (`zllm bench serve`, /v1/completions streamed)",
+    "",
+    "| engine | conc. | ok/failed | req/s | output tok/s | total tok/s | TTFT p50 ms | TTFT p99 ms "
+    "| TPOT p50 ms | TPOT p99 ms | ITL p50 ms | E2E p50 ms | load1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+]
+order = {"zllm": 0, "llama.cpp-Q4_1": 1, "llama.cpp-F16": 2}
+serve = []
+for path in glob.glob(os.path.join(results, "serve-*.json")):
+    s = load(path)
+    if not s.get("label"):
+        s["label"] = os.path.basename(path)[len("serve-") : -len(".json")]
+    serve.append(s)
+serve.sort(key=lambda s: (order.get(s.get("label"), 9), s.get("label") or "", s.get("concurrency") or 0))
+for s in serve:
+    if "error" in s:
+        lines.append(f"| {s['label']} | - | {s['error']} |" + " |" * 10)
+        continue
+    lines.append(
+        f"| {s['label']} | {s['concurrency']} | {s['completed']}/{s['failed']} "
+        f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
+        f"| {s['total_token_throughput']:.1f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} "
+        f"| {s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p99']:.1f} | {s['itl_ms']['p50']:.1f} "
+        f"| {s['e2e_ms']['p50']:.0f} | {s.get('loadavg_1m_at_start')} |"
+    )
+    if s.get("short_outputs"):
+        lines[-1] += f" ({s['short_outputs']} outputs shorter than asked)"
+lines += [
+    "",
+    "## Offline throughput (`zllm bench throughput`)",
+    "",
+    "| backend | output tok/s | total tok/s | req/s | wall s |",
+    "|---|---|---|---|---|",
+]
+for path in sorted(glob.glob(os.path.join(results, "throughput-*.json"))):
+    t = load(path)
+    lines.append(
+        f"| {t['backend']} | {t['output_tokens_per_s']:.1f} | {t['total_tokens_per_s']:.1f} "
+        f"| {t['requests_per_s']:.3f} | {t['elapsed_s']:.1f} |"
+    )
+lines += [
+    "",
+    "## llama.cpp `llama-batched-bench` (prompts not shared)",
+    "",
+    "| model | PP | TG | B | T_PP s | S_PP tok/s | T_TG s | S_TG tok/s | T s | S tok/s |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
+for path in sorted(glob.glob(os.path.join(results, "batched-*.jsonl"))):
+    name = os.path.basename(path)[len("batched-") : -len(".jsonl")]
+    with open(path) as f:
+        for line in f:
+            b = json.loads(line)
+            lines.append(
+                f"| {name} | {b['pp']} | {b['tg']} | {b['pl']} | {b['t_pp']:.2f} "
+                f"| {b['speed_pp']:.1f} | {b['t_tg']:.2f} | {b['speed_tg']:.1f} | {b['t']:.2f} "
+                f"| {b['speed']:.1f} |"
+            )
+text = "\n".join(lines) + "\n"
+print(text)
+with open(report, "w") as f:
+    f.write(text)
+print(f"(written to {report})", file=sys.stderr)
+EOF
+fi

@@ -1,0 +1,315 @@
+"""OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Requests are decoded with a typed decoder, so a wrong type is a 400 that names the field.
+Unknown fields are ignored (msgspec's default); `decode_body` reports them so the server can
+log a warning, as vLLM does. Sampling fields follow vLLM's names and extensions.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+# Most logprobs a request may ask for per position (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A bad request, reported in OpenAI's error shape with this status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+# ---- requests ------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The sampling fields the two generation endpoints share (None: the engine default)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    # (msgspec allows one array type per union, so the list's items are checked by hand.)
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    # The chat template already writes the special tokens it wants.
+    add_special_tokens: bool = False
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int | str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(msgspec.Struct):
+    """One candidate at one prompt position (vLLM's `prompt_logprobs` extension)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprob] | None = None
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "zllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+# ---- decoding ------------------------------------------------------------------------------
+
+_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct, list[str]]:
+    """Decode a JSON request body into `cls`; returns it and the unknown top-level keys.
+
+    Raises ApiError (400) for invalid JSON or a value of the wrong type, naming the field.
+    """
+    try:
+        keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise ApiError("The request body must be a JSON object.") from None
+    except msgspec.DecodeError as e:
+        raise ApiError(f"Invalid JSON in the request body: {e}") from None
+    try:
+        request = msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as e:
+        raise ApiError(f"Invalid request: {e}", param=_error_param(str(e))) from None
+    unknown = sorted(set(keys) - set(cls.__struct_fields__))
+    return request, unknown
+
+
+def _error_param(message: str) -> str | None:
+    """The field a msgspec validation message points at, as a dotted path."""
+    match = _PATH.search(message)
+    path = match.group("path") if match else ""
+    missing = _MISSING.search(message)
+    if missing:
+        path = f"{path}.{missing.group('field')}" if path else missing.group("field")
+    return path or None

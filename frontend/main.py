@@ -1,0 +1,116 @@
+"""The frontend process: `python -m zllm.frontend.main <config-path> [index]`.
+
+Serves HTTP with uvicorn on uvloop, reports ready to the supervisor once it listens, and on
+SIGTERM drains: new requests get 503, those in flight may finish until `drain_timeout`, the
+rest then fail with a clear error, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import uvicorn
+
+from zllm.engine_client import EngineClient
+from zllm.frontend.app import OpenAIServer, build_app
+from zllm.procutil import die_with_parent, index_arg, report_ready, start_process
+from zllm.serve_config import ServeConfig
+from zllm.tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("zllm.frontend")
+
+# Beyond the drain timeout, uvicorn waits this long for the failed requests' last bytes.
+_FAIL_GRACE_S = 2.0
+
+
+class _Server(uvicorn.Server):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        serve_config: ServeConfig,
+        api: OpenAIServer,
+        client: EngineClient,
+    ) -> None:
+        super().__init__(config)
+        self.serve_config = serve_config
+        self.api = api
+        self.client = client
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Unlike uvicorn's own handler this does not re-raise the signal once shut down,
+        # so a drained frontend exits with status 0.
+        self.api.start_draining()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            await asyncio.to_thread(report_ready, self.serve_config, "frontend", index_arg())
+            logger.info("listening on http://%s:%d", self.serve_config.host, self.serve_config.port)
+
+    async def shutdown(self, sockets=None) -> None:
+        # uvicorn stops listening, then waits for open connections; meanwhile fail whatever
+        # is still running when the drain timeout ends.
+        failer = asyncio.create_task(self._fail_after_drain_timeout())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            failer.cancel()
+
+    async def _fail_after_drain_timeout(self) -> None:
+        deadline = time.monotonic() + self.serve_config.drain_timeout
+        while self.client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.client.num_in_flight:
+            logger.warning(
+                "drain timeout (%.0f s): failing %d request(s) still running",
+                self.serve_config.drain_timeout,
+                self.client.num_in_flight,
+            )
+            self.client.fail_all("the server is shutting down (drain timeout reached)", 503)
+
+
+async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
+    client = EngineClient(config)
+    await client.start()
+    app = build_app(config, client, tokenizer)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        log_level="warning",
+        timeout_graceful_shutdown=config.drain_timeout + _FAIL_GRACE_S,
+    )
+    server = _Server(uv_config, config, app.state.server, client)
+    try:
+        await server.serve()
+    finally:
+        await client.close()
+
+
+def main() -> int:
+    config = start_process("frontend")
+    # Drain rather than vanish when the supervisor dies (start_process asked for SIGKILL).
+    die_with_parent(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn takes over
+    tokenizer = load_tokenizer(config.engine.model_path, config.chat_template)
+    try:
+        import uvloop
+    except ImportError:  # not on every platform
+        asyncio.run(serve(config, tokenizer))
+    else:
+        uvloop.run(serve(config, tokenizer))
+    logger.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
