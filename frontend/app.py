@@ -21,9 +21,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest as prometheus_text
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -57,6 +56,7 @@ from zllm.frontend.api_models import (
     UsageInfo,
     decode_body,
 )
+from zllm.frontend.metrics import Metrics
 from zllm.frontend.openai_format import (
     ChatAssembler,
     CompletionAssembler,
@@ -66,7 +66,7 @@ from zllm.frontend.openai_format import (
     completion_params,
     prompt_inputs,
 )
-from zllm.protocol import EngineStatus, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer_proc.tokenizer import Tokenizer
 
@@ -173,7 +173,7 @@ class OpenAIServer:
         self.max_model_len = config.engine.scheduler.max_model_len
         self.created = int(time.time())
         self.draining = False
-        self.prometheus = _Metrics(client, config.model_names[0])
+        self.prometheus = Metrics(client, config.model_names[0])
 
     def start_draining(self) -> None:
         """SIGTERM: new requests get 503 from now on; those in flight go on."""
@@ -639,80 +639,3 @@ class _Gate:
             for key in self.keys:  # compare with every key: no early exit to time
                 ok |= hmac.compare_digest(candidate, key)
         return ok
-
-
-# ---- metrics -----------------------------------------------------------------------------
-
-
-class _Metrics:
-    """Prometheus metrics in a registry of this app's own (vLLM's names where they exist)."""
-
-    def __init__(self, client: EngineClient, model_name: str) -> None:
-        self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(client, model_name))
-        labels = ["model_name"]
-        self.requests = Counter(
-            "vllm:request_success",
-            "HTTP generation requests by outcome (finished, abort, error).",
-            [*labels, "finished_reason"],
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Time from the request's arrival to its first output.",
-            labels,
-            registry=self.registry,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Time from the request's arrival to its last output.",
-            labels,
-            registry=self.registry,
-            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
-        ).labels(model_name)
-
-
-class _EngineCollector:
-    """Reads the latest engine heartbeat at scrape time."""
-
-    def __init__(self, client: EngineClient, model_name: str) -> None:
-        self.client = client
-        self.model_name = model_name
-
-    def describe(self) -> list:
-        return []
-
-    def collect(self):
-        s = self.client.status or EngineStatus(time=0.0)
-        label = [self.model_name]
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s.kv_cache_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            yield g
-        g = GaugeMetricFamily(
-            "zllm:num_requests_in_flight",
-            "HTTP generation requests this frontend is serving.",
-            labels=["model_name"],
-        )
-        g.add_metric(label, self.client.num_in_flight)
-        yield g
-        for name, doc, value in (
-            ("vllm:num_preemptions", "Preemptions by the scheduler.", s.num_preemptions),
-            ("vllm:prompt_tokens", "Prompt tokens processed.", s.num_prompt_tokens),
-            ("vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens),
-            (
-                "vllm:prefix_cache_queries",
-                "Tokens looked up in the prefix cache.",
-                s.prefix_cache_queries,
-            ),
-            ("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_cache_hits),
-        ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            yield c
