@@ -75,6 +75,10 @@ class ModelRunner:
         self.model = model_cls(self.arch, dtype=self.dtype)
         self.model.load_weights(load_weights(config.model_path, self.arch))
         self.model.to(self.device).eval()
+        if config.quantization:
+            from zllm.executor.quantization import quantize_model_
+
+            quantize_model_(self.model, config.quantization)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
 
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()

@@ -34,6 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--device", default=d.device)
+    parser.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="int8: int8 weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,7 +55,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
     )
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def _size(text: str) -> int:
@@ -116,8 +137,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         executor_timeout=args.executor_timeout,
         enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout=args.request_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        protect_metrics=args.protect_metrics,
+        allowed_origins=_origins(args.allowed_origins),
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return serve(config)
+
+
+def _origins(values: list[str]) -> list[str]:
+    """`--allowed-origins` values: repeatable, each a comma-separated list or a JSON list."""
+    import json
+
+    origins: list[str] = []
+    for value in values:
+        value = value.strip()
+        if value.startswith("["):
+            origins += [str(o) for o in json.loads(value)]
+        else:
+            origins += [o.strip() for o in value.split(",") if o.strip()]
+    return origins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,8 +199,50 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a step may take, with work pending, before the executor counts as dead",
     )
-    p.add_argument("--enable-log-requests", action="store_true")
+    p.add_argument(
+        "--enable-log-requests",
+        "--log-requests",
+        dest="enable_log_requests",
+        action="store_true",
+        help="log each request (prompts are never logged without this)",
+    )
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_non_negative_int,
+        default=1024,
+        help="requests that may wait beyond --max-num-seqs (in engine requests, one per "
+        "prompt); more get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds a request may run before it is aborted with a 504 (default: no limit)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=_size,
+        default=8 << 20,
+        help="largest request body (suffixes K/M/G; default 8M); larger ones get 413",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the API key for /health, /metrics, /dashboard and /version too",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        help="enable CORS for these origins (comma-separated or a JSON list, repeatable; "
+        "'*' for any); CORS is off by default",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in request bodies (a template is code to run)",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

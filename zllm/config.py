@@ -59,3 +59,4 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    quantization: str | None = None  # "int8": int8 weights, dynamic int8 activations (CPU)

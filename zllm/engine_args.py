@@ -23,6 +23,7 @@ class EngineArgs:
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         if self.block_size < 1:
@@ -33,6 +34,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be 'int8' or unset, got {self.quantization!r}.")
         model_path = resolve_model(self.model)
         arch = read_arch_config(model_path)
         max_model_len = arch.max_position_embeddings
@@ -70,6 +73,7 @@ class EngineArgs:
             seed=self.seed,
             dtype=dtype,
             device=device,
+            quantization=self.quantization,
         )
 
 

@@ -234,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
         )
+        # Set by quantization: a module computing logits in place of the fp32 matmul.
+        self.logits_proj: nn.Module | None = None
         self.requires_grad_(False)  # inference only; the KV cache writes must not build graphs
 
     def forward(
@@ -256,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden_states).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden_states, weight).float()
 
