@@ -88,6 +88,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
         ]
+        self._setup_cuda(config)
         per_token = kv_bytes_per_token(self.arch, self.dtype)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d bytes per token, %.2f GiB): "
@@ -102,6 +103,33 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Generators of n > 1 samples drawn before their fork message arrives.
         self._child_generators: dict[str, torch.Generator | None] = {}
+
+    def _setup_cuda(self, config: EngineConfig) -> None:
+        """On a GPU: our paged-attention kernels and CUDA graphs for decode (csrc/).
+
+        Not yet verified on a GPU (see the GPU issue's notes); the CPU path is untouched.
+        """
+        self.graph_runner = None
+        self._metadata_cls = AttentionMetadata
+        if self.device.type != "cuda":
+            return
+        from zllm.executor.attention_cuda import CudaAttentionMetadata, use_cuda_attention
+        from zllm.executor.cuda_graph import CudaGraphRunner
+
+        torch.cuda.set_device(self.device)
+        use_cuda_attention(self.model)
+        self._metadata_cls = CudaAttentionMetadata
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-config.scheduler.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_heads=self.arch.num_heads,
+            head_dim=self.arch.head_dim,
+            enabled=not config.enforce_eager,
+        )
+        self.graph_runner.capture()
 
     def profile_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory_bytes
@@ -184,7 +212,7 @@ class ModelRunner:
             query_lens.append(num)
             seq_lens.append(start + num)
 
-        attn_metadata = AttentionMetadata.build(
+        attn_metadata = self._metadata_cls.build(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=[st.block_ids for st in states],
@@ -192,12 +220,13 @@ class ModelRunner:
             block_size=bs,
             device=self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
-            self.kv_caches,
-            attn_metadata,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        hidden = None
+        if self.graph_runner is not None:  # a captured CUDA graph, for decode-only batches
+            hidden = self.graph_runner.run(ids_t, pos_t, attn_metadata)
+        if hidden is None:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, attn_metadata)
 
         ends = np.cumsum(query_lens)
         prompt_logprobs = self._prompt_logprobs(states, query_lens, seq_lens, ends, hidden)

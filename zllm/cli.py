@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=d.device)
     parser.add_argument(
+        "--enforce-eager", action="store_true", help="GPU: run eagerly, no CUDA graphs"
+    )
+    parser.add_argument(
         "--quantization",
         choices=["int8"],
         default=None,
@@ -56,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
     )
 
 

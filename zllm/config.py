@@ -60,3 +60,4 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     quantization: str | None = None  # "int8": int8 weights, dynamic int8 activations (CPU)
+    enforce_eager: bool = False  # GPU: no CUDA graphs

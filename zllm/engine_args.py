@@ -24,6 +24,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str | None = None
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         if self.block_size < 1:
@@ -74,6 +75,7 @@ class EngineArgs:
             dtype=dtype,
             device=device,
             quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
         )
 
 

@@ -1,0 +1,96 @@
+// ctypes entry point of the host emulator (see cuda_host_emu.h): launches one of zllm's
+// kernels by the name cuda_kernels.py hands NVRTC, with its arguments passed the way
+// cuLaunchKernel takes them (an array of pointers to each argument's value).
+//
+//   g++ -std=c++17 -O1 -shared -fPIC -o emu_kernels.so emu_kernels.cpp
+#include <cstring>
+#include <map>
+#include <string>
+
+#include "cuda_host_emu.h"
+
+#include "../kv_cache.cu"
+#include "../paged_attention.cu"
+
+namespace {
+
+using Args = void* const*;
+using Runner = void (*)(void*);
+
+template <typename T>
+T arg(Args a, int i) {
+  T value;
+  std::memcpy(&value, a[i], sizeof(T));
+  return value;
+}
+
+template <void (*Kernel)(const typename DtypeF32::T*, const float*, float*, const zllm_i64*,
+                         zllm_i64, zllm_i64, zllm_i64, zllm_i64, int, int, zllm_i64, int)>
+void run_write_f32(void* p) {
+  Args a = static_cast<Args>(p);
+  Kernel(arg<const float*>(a, 0), arg<const float*>(a, 1), arg<float*>(a, 2),
+         arg<const zllm_i64*>(a, 3), arg<zllm_i64>(a, 4), arg<zllm_i64>(a, 5),
+         arg<zllm_i64>(a, 6), arg<zllm_i64>(a, 7), arg<int>(a, 8), arg<int>(a, 9),
+         arg<zllm_i64>(a, 10), arg<int>(a, 11));
+}
+
+template <void (*Kernel)(const zllm_u16*, const zllm_u16*, zllm_u16*, const zllm_i64*, zllm_i64,
+                         zllm_i64, zllm_i64, zllm_i64, int, int, zllm_i64, int)>
+void run_write_u16(void* p) {
+  Args a = static_cast<Args>(p);
+  Kernel(arg<const zllm_u16*>(a, 0), arg<const zllm_u16*>(a, 1), arg<zllm_u16*>(a, 2),
+         arg<const zllm_i64*>(a, 3), arg<zllm_i64>(a, 4), arg<zllm_i64>(a, 5),
+         arg<zllm_i64>(a, 6), arg<zllm_i64>(a, 7), arg<int>(a, 8), arg<int>(a, 9),
+         arg<zllm_i64>(a, 10), arg<int>(a, 11));
+}
+
+template <typename D, int HEAD_DIM, int GROUP>
+void run_decode(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_paged_decode<D, HEAD_DIM, GROUP>(
+      arg<T*>(a, 0), arg<float*>(a, 1), arg<float*>(a, 2), arg<float*>(a, 3),
+      arg<const T*>(a, 4), arg<zllm_i64>(a, 5), arg<zllm_i64>(a, 6), arg<const T*>(a, 7),
+      arg<zllm_i64>(a, 8), arg<const void*>(a, 9), arg<int>(a, 10), arg<zllm_i64>(a, 11),
+      arg<const void*>(a, 12), arg<int>(a, 13), arg<int>(a, 14), arg<int>(a, 15),
+      arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19));
+}
+
+template <typename D>
+void run_reduce(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_paged_decode_reduce<D>(arg<T*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
+                              arg<const float*>(a, 3), arg<const void*>(a, 4), arg<int>(a, 5),
+                              arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8));
+}
+
+#define DECODE(D, HD, G) {"zllm_paged_decode<" #D ", " #HD ", " #G ">", &run_decode<D, HD, G>}
+#define DECODE_GROUPS(D, HD) DECODE(D, HD, 1), DECODE(D, HD, 2), DECODE(D, HD, 4), DECODE(D, HD, 8)
+#define DECODE_DTYPE(D)                                                                      \
+  DECODE_GROUPS(D, 64), DECODE_GROUPS(D, 80), DECODE_GROUPS(D, 128), DECODE_GROUPS(D, 256), \
+      {"zllm_paged_decode_reduce<" #D ">", &run_reduce<D>}
+
+const std::map<std::string, Runner>& registry() {
+  static const std::map<std::string, Runner> kernels = {
+      {"zllm_write_kv_cache_f32", &run_write_f32<zllm_write_kv_cache_f32>},
+      {"zllm_write_kv_cache_f16", &run_write_u16<zllm_write_kv_cache_f16>},
+      {"zllm_write_kv_cache_bf16", &run_write_u16<zllm_write_kv_cache_bf16>},
+      DECODE_DTYPE(DtypeF32),
+      DECODE_DTYPE(DtypeF16),
+      DECODE_DTYPE(DtypeBF16),
+  };
+  return kernels;
+}
+
+}  // namespace
+
+// Returns 0, or -1 when `name` is not a kernel this library was built with.
+extern "C" int zllm_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz,
+                               unsigned bx, unsigned by, unsigned bz, void** args) {
+  const auto& kernels = registry();
+  const auto it = kernels.find(name);
+  if (it == kernels.end()) return -1;
+  zllm_emu::launch(dim3{gx, gy, gz}, dim3{bx, by, bz}, it->second, args);
+  return 0;
+}

@@ -1,0 +1,427 @@
+"""The CUDA kernels of csrc/, checked on machines without a GPU.
+
+1. nvcc: every .cu file compiles to PTX for sm_90 with every variant instantiated (catches
+   syntax and type errors in CI); skipped without nvcc.
+2. NVRTC: the exact source and options cuda_kernels.py hands NVRTC at run time compile, and
+   the template name expressions it asks for resolve; skipped without libnvrtc.
+3. Emulation: the kernels, built for the host with csrc/emu/cuda_host_emu.h (CUDA threads
+   as fibers, real barriers and warp shuffles), run the launches cuda_kernels.py plans
+   (grids, strides, split-K workspace) against float64 references, and CudaPagedAttention
+   runs on them against the CPU PagedAttention; skipped without a C++17 compiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import glob
+import math
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zllm.executor import cuda_kernels as ck
+from zllm.executor.attention import AttentionMetadata, PagedAttention
+from zllm.executor.attention_cuda import CudaAttentionMetadata, CudaPagedAttention
+
+CSRC = ck.CSRC_DIR
+CU_FILES = sorted(p.name for p in CSRC.glob("*.cu"))
+
+
+# ---- 1. nvcc ----------------------------------------------------------------------------------
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+@pytest.mark.parametrize("source", CU_FILES)
+def test_nvcc_compiles_to_ptx(source, tmp_path):
+    ptx = tmp_path / (source + ".ptx")
+    cmd = [
+        "nvcc", "--ptx", "-arch=sm_90", "-std=c++17", f"-I{CSRC}",
+        "-DZLLM_INSTANTIATE_ALL", "-o", str(ptx), str(CSRC / source),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    entries = ptx.read_text().count(".entry ")
+    if source == "kv_cache.cu":
+        assert entries == 3  # f32, f16, bf16
+    elif source == "paged_attention.cu":
+        # 3 dtypes x (6 head dims x 4 groups + the reduce kernel)
+        assert entries == 3 * (len(ck.SUPPORTED_HEAD_DIMS) * 4 + 1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_nvrtc_source_needs_no_include_path(tmp_path):
+    """What NVRTC gets (the header pasted in) compiles alone, with no -I."""
+    for source in CU_FILES:
+        path = tmp_path / source
+        path.write_text(ck.kernel_source(source))
+        cmd = ["nvcc", "--ptx", "-arch=sm_90", "-std=c++17", "-o", str(path) + ".ptx", str(path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+
+
+# ---- 2. NVRTC ---------------------------------------------------------------------------------
+def _find_libnvrtc() -> str | None:
+    candidates = [os.environ.get("ZLLM_NVRTC_LIB"), ctypes.util.find_library("nvrtc")]
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for root in filter(None, roots):
+        candidates += sorted(glob.glob(os.path.join(root, "lib*", "libnvrtc.so*")))
+    for site in sys.path:  # the nvidia-cuda-nvrtc wheels
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so*")))
+    for path in filter(None, candidates):
+        if "builtins" in path or ".alt." in path:
+            continue
+        # NVRTC dlopens its builtins library by name at compile time: load the one beside
+        # it first, so it is found without LD_LIBRARY_PATH.
+        for builtins in sorted(
+            glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))
+        ):
+            if ".alt." not in builtins:
+                try:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
+        try:
+            ctypes.CDLL(path)
+        except OSError:
+            continue
+        return path
+    return None
+
+
+def nvrtc_compile(lib, source: str, options: tuple[str, ...], names: list[str]) -> dict[str, str]:
+    """Compile `source` like CuPy's RawModule does; returns name expression -> lowered name."""
+    prog = ctypes.c_void_p()
+    check = lambda rc, what: rc == 0 or pytest.fail(f"{what} failed with NVRTC error {rc}")  # noqa: E731
+    check(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None),
+        "create",
+    )
+    try:
+        for name in names:
+            check(lib.nvrtcAddNameExpression(prog, name.encode()), "add name")
+        opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        rc = lib.nvrtcCompileProgram(prog, len(options), opts)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, log.value.decode(errors="replace")
+        lowered = {}
+        for name in names:
+            out = ctypes.c_char_p()
+            check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(out)), "lowered name")
+            lowered[name] = out.value.decode()
+        return lowered
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.fixture(scope="module")
+def libnvrtc():
+    path = _find_libnvrtc()
+    if path is None:
+        pytest.skip(
+            "libnvrtc not found (CUDA toolkit lib64, nvidia-cuda-nvrtc wheel, ZLLM_NVRTC_LIB)"
+        )
+    return ctypes.CDLL(path)
+
+
+def test_nvrtc_compiles_runtime_sources(libnvrtc):
+    options = (*ck.NVRTC_OPTIONS, "-arch=compute_90")
+    nvrtc_compile(libnvrtc, ck.kernel_source("kv_cache.cu"), options, [])
+    names = [
+        f"zllm_paged_decode<{tag}, {hd}, {group}>"
+        for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")
+        for hd in (64, 128)
+        for group in (1, 2, 4, 8)
+    ] + [f"zllm_paged_decode_reduce<{tag}>" for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")]
+    lowered = nvrtc_compile(libnvrtc, ck.kernel_source("paged_attention.cu"), options, names)
+    assert all(v.startswith("_Z") for v in lowered.values())
+
+
+# ---- planning (pure Python) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "heads, kv_heads, group, per_block, splits",
+    [(4, 4, 1, 1, 1), (9, 3, 4, 3, 1), (32, 8, 4, 4, 1), (14, 2, 8, 7, 1), (64, 8, 8, 8, 1),
+     (9, 1, 8, 5, 2), (16, 1, 8, 8, 2), (40, 2, 8, 7, 3)],
+)  # fmt: skip
+def test_plan_decode_groups_query_heads_per_kv_head(heads, kv_heads, group, per_block, splits):
+    plan = ck.plan_decode(heads, kv_heads, max_seq_len=1025)
+    assert (plan.group, plan.heads_per_block, plan.splits) == (group, per_block, splits)
+    assert plan.max_partitions == 3
+    assert plan.splits * plan.heads_per_block >= heads // kv_heads
+    assert (plan.splits - 1) * plan.heads_per_block < heads // kv_heads  # no empty block
+
+
+def test_importing_needs_no_cupy():
+    code = "import sys; import zllm.executor.cuda_kernels, zllm.executor.cuda_graph; "
+    code += "import zllm.executor.attention_cuda; assert 'cupy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- 3. emulation ------------------------------------------------------------------------------
+class Emulator:
+    """Runs KernelLaunch records through csrc/emu (arguments as cuLaunchKernel takes them)."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.zllm_emu_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 6
+        self.lib.zllm_emu_launch.argtypes += [ctypes.c_void_p]
+        self.names: list[str] = []
+
+    def run_launches(self, launches: list[ck.KernelLaunch], device=None) -> None:
+        for launch in launches:
+            values = [np.array([a], dtype=np.asarray(a).dtype) for a in launch.args]
+            ptrs = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
+            rc = self.lib.zllm_emu_launch(launch.name.encode(), *launch.grid, *launch.block, ptrs)
+            assert rc == 0, f"the emulator was not built with {launch.name}"
+            self.names.append(launch.name)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory) -> Emulator:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ or clang++) for the kernel emulator")
+    out = tmp_path_factory.mktemp("emu") / "emu_kernels.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(out),
+           str(CSRC / "emu" / "emu_kernels.cpp")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "_Float16" in proc.stderr:
+        pytest.skip(f"{cxx} lacks _Float16")
+    assert proc.returncode == 0, proc.stderr
+    return Emulator(out)
+
+
+def random_tables(lens: list[int], block_size: int, gen: torch.Generator, dtype=torch.int32):
+    """Non-contiguous block tables from a shuffled pool with spare blocks nobody owns."""
+    counts = [max(1, -(-n // block_size)) for n in lens]
+    num_blocks = sum(counts) + 3
+    pool = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(counts), dtype=dtype)
+    start = 0
+    for i, c in enumerate(counts):
+        tables[i, :c] = pool[start : start + c]
+        start += c
+    return num_blocks, tables
+
+
+def decode_reference(q, kv_cache, tables, lens, block_size) -> torch.Tensor:
+    """q [S, H, D] against each sequence's gathered context, in float64."""
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    group = q.shape[1] // num_kv_heads
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim).double()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s, n in enumerate(lens):
+        if n == 0:
+            continue
+        pos = torch.arange(n)
+        slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
+        k = flat[0, slots].repeat_interleave(group, dim=1)
+        v = flat[1, slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[s].double(), k) / math.sqrt(head_dim)
+        out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+# (dtype, heads, kv_heads, head_dim, block_size, context lengths, block table dtype)
+EMU_DECODE_CASES = {
+    "f32-mha": (torch.float32, 4, 4, 64, 16, [1, 7, 33, 16], torch.int32),
+    "bf16-gqa9/3-splitk": (torch.bfloat16, 9, 3, 64, 8, [5, 600, 1100], torch.int64),
+    "f16-gqa32/8": (torch.float16, 32, 8, 128, 32, [1, 513, 2], torch.int32),
+    "f32-d256-mqa16": (torch.float32, 16, 1, 256, 16, [100, 1030], torch.int64),
+    "bf16-d80-mqa12": (torch.bfloat16, 12, 1, 80, 16, [700, 0], torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", EMU_DECODE_CASES)
+def test_emulated_paged_decode_matches_reference(emu, case):
+    dtype, heads, kv_heads, head_dim, block_size, lens, table_dtype = EMU_DECODE_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    num_blocks, tables = random_tables(lens, block_size, gen, table_dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # q as the model makes it: a view of a wider [T, heads + kv_heads, D] rope output.
+    qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
+    q = qk[:, :heads]
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    workspace = ck.DecodeWorkspace()
+    launches = ck.plan_paged_decode(
+        q, kv_cache, tables, torch.tensor(lens), head_dim**-0.5, out, max(lens), workspace
+    )
+    assert launches[0].keepalive[0] is q  # strided q is read in place, not copied
+    emu.run_launches(launches)
+    assert not out.isnan().any(), "some output row was never written"
+    expected = decode_reference(q, kv_cache, tables, lens, block_size)
+    err = (out.double() - expected).abs().max() / expected.abs().max()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+    assert len(launches) == (2 if max(lens) > ck.PARTITION_SIZE else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_emulated_cache_write_lands_in_slots_and_skips_padding(emu, dtype, aligned):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, kv_heads, head_dim, heads = 6, 8, 2, 64, 4
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    before = kv_cache.clone()
+    # K and V as the model slices them out of one fused qkv row (strided views).
+    width = (heads + 2 * kv_heads) * head_dim + (0 if aligned else 1)
+    qkv = torch.randn(5, width, generator=gen).to(dtype)
+    offset = 0 if aligned else 1
+    k = qkv[:, offset + heads * head_dim : offset + (heads + kv_heads) * head_dim]
+    v = qkv[:, offset + (heads + kv_heads) * head_dim : offset + (heads + 2 * kv_heads) * head_dim]
+    k, v = k.view(5, kv_heads, head_dim), v.view(5, kv_heads, head_dim)
+    slots = torch.tensor([9, -1, 0, 47, -1])
+    launches = ck.plan_write_kv_cache(k, v, kv_cache, slots)
+    assert launches[0].args[-1] == int(aligned)  # the 16-byte path only when aligned
+    emu.run_launches(launches)
+    expected = before.clone()
+    flat = expected.view(2, -1, kv_heads, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            flat[0, slot], flat[1, slot] = k[t], v[t]
+    assert torch.equal(kv_cache, expected)
+
+
+BATCHES = {
+    "decode": [(1, 1), (1, 7), (1, 33), (1, 16), (1, 2)],
+    "mixed": [(1, 12), (6, 6), (1, 40), (9, 25), (1, 3), (2, 2), (5, 37), (1, 600)],
+}
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_emulated_cuda_attention_matches_cpu_attention(emu, monkeypatch, batch):
+    """CudaPagedAttention (kernels emulated, SDPA on CPU) against PagedAttention."""
+    monkeypatch.setattr(ck, "run_launches", emu.run_launches)
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    pairs = BATCHES[batch]
+    q_lens, lens = [q for q, _ in pairs], [n for _, n in pairs]
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, tables = random_tables(lens, block_size, gen)
+    table_lists = [row[: -(-n // block_size)].tolist() for row, n in zip(tables, lens, strict=True)]
+    slot_mapping = [
+        tbl[p // block_size] * block_size + p % block_size
+        for tbl, q, n in zip(table_lists, q_lens, lens, strict=True)
+        for p in range(n - q, n)
+    ]
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    t = sum(q_lens)
+    query = torch.randn(t, heads, head_dim, generator=gen)
+    key = torch.randn(t, kv_heads, head_dim, generator=gen)
+    value = torch.randn(t, kv_heads, head_dim, generator=gen)
+
+    ref_cache = cache.clone()
+    ref_meta = AttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, "cpu")
+    expected = PagedAttention(heads, kv_heads, head_dim)(query, key, value, ref_cache, ref_meta)
+
+    meta = CudaAttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, "cpu")
+    assert meta.is_decode_only == (batch == "decode")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SDPA's "no fused kernel on CPU" notes
+        out = CudaPagedAttention(heads, kv_heads, head_dim)(query, key, value, cache, meta)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert any(name.startswith("zllm_paged_decode<") for name in emu.names)
+
+
+@torch.inference_mode()
+def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
+    """CudaGraphRunner.run's buffer handling, with 'replay' re-running the captured forward."""
+    from conftest import write_tiny_model
+
+    from zllm.executor import cuda_graph
+    from zllm.executor.attention_cuda import use_cuda_attention
+    from zllm.executor.loader import load_weights
+    from zllm.executor.models import LlamaForCausalLM
+    from zllm.model_files import read_arch_config
+
+    monkeypatch.setattr(ck, "run_launches", emu.run_launches)
+    path = str(write_tiny_model(tmp_path / "m", hidden_size=256, intermediate_size=256,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=1024))  # fmt: skip
+    arch = read_arch_config(path)
+    model = LlamaForCausalLM(arch)
+    model.load_weights(load_weights(path, arch))
+    assert use_cuda_attention(model) == arch.num_layers
+    block_size, max_blocks = 16, 40
+    gen = torch.Generator().manual_seed(4)
+    lens = [3, 520, 17, 64, 1]
+    num_blocks, tables = random_tables([n + 1 for n in lens], block_size, gen)
+    tables = [
+        row[: -(-(n + 1) // block_size)].tolist() for row, n in zip(tables, lens, strict=True)
+    ]
+    caches = [torch.zeros(2, num_blocks, block_size, 2, 64) for _ in range(arch.num_layers)]
+
+    def slot(i: int, p: int) -> int:
+        return tables[i][p // block_size] * block_size + p % block_size
+
+    ids = torch.randint(0, arch.vocab_size, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    slots = [slot(i, p) for i, n in enumerate(lens) for p in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(
+            ids,
+            positions,
+            caches,
+            CudaAttentionMetadata.build(lens, lens, tables, slots, 16, "cpu"),
+        )
+
+    class FakeGraph:
+        def replay(self) -> None:
+            raise AssertionError("replaced below")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner = cuda_graph.CudaGraphRunner(
+        model, caches, max_num_seqs=6, max_blocks_per_seq=max_blocks, block_size=block_size,
+        num_heads=4, head_dim=64, capture_sizes=(1, 2, 4, 8, 16),
+    )  # fmt: skip
+    assert runner.capture_sizes == [1, 2, 4, 8] and not runner.enabled  # a CPU device
+    runner.enabled = True
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    for size, graph in runner.graphs.items():
+        graph.replay = lambda size=size: runner.outputs[size].copy_(runner._forward(size))
+
+    for n in (1, 3, 5):
+        new_ids = torch.randint(0, arch.vocab_size, (n,), generator=gen)
+        pos = torch.tensor(lens[:n])
+        meta = CudaAttentionMetadata.build(
+            [1] * n, [x + 1 for x in lens[:n]], tables[:n], [slot(i, lens[i]) for i in range(n)],
+            block_size, "cpu",
+        )  # fmt: skip
+        written = torch.tensor([slot(i, lens[i]) for i in range(n)])
+        eager = model(new_ids, pos, caches, meta).clone()
+        cache_after_eager = [c.clone() for c in caches]
+        replayed = runner.run(new_ids, pos, meta)
+        assert replayed is not None
+        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+        for c, c_eager in zip(caches, cache_after_eager, strict=True):
+            # The real rows rewrote their slots (a GEMM at the padded size may round
+            # differently); padding rows (slot -1) wrote nowhere.
+            flat, flat_eager = c.view(2, -1, 2, 64), c_eager.view(2, -1, 2, 64)
+            torch.testing.assert_close(
+                flat[:, written], flat_eager[:, written], atol=1e-4, rtol=1e-4
+            )
+            flat[:, written] = flat_eager[:, written]
+            assert torch.equal(c, c_eager)
+        padded = runner.graph_size_for(n)
+        assert runner.slot_mapping[n:padded].eq(-1).all() and runner.seq_lens[n:padded].eq(1).all()
+    assert (
+        runner.run(
+            ids, positions, CudaAttentionMetadata.build(lens, lens, tables, slots, 16, "cpu")
+        )
+        is None
+    )
