@@ -111,6 +111,7 @@ class CoreProcess:
 
     # ---- the main loop -------------------------------------------------------------------
     def run(self) -> None:
+        self._refresh_stats()  # the first heartbeat already shows the (empty) pool
         # Any detokenizer state from before a restart belongs to requests failed upstream.
         for sock in self.to_detokenizers:
             self._send(sock, DetokenizerBatch(new_requests=[], outputs=[], reset=True))
