@@ -15,6 +15,8 @@
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
 #   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
 #   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
+#   QUIET_LOAD [""]  if set (e.g. 0.7), wait before each measurement until the 1-minute load
+#                    average is below it, for at most QUIET_WAIT_MAX [1200] seconds
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +36,8 @@ SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
 PYTHON=${PYTHON:-python}
+QUIET_LOAD=${QUIET_LOAD:-}
+QUIET_WAIT_MAX=${QUIET_WAIT_MAX:-1200}
 
 SRC_DIR=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION
 LLAMA_DIR=$SRC_DIR/vendor/llama.cpp
@@ -41,12 +45,33 @@ BUILD_DIR=$CACHE/llama-build-$LLAMA_CPP_PYTHON_VERSION
 BIN=$BUILD_DIR/bin
 HF_DIR=$CACHE/models/smollm2-135m-instruct-hf-fp32
 F16_GGUF=$CACHE/models/SmolLM2-135M-Instruct.F16.gguf
-# Context for llama-server and llama-batched-bench: NP slots of (in + out + 16 spare) tokens,
-# rounded up to a multiple of 256 (llama-server gives each slot ctx / NP).
-CTX=$(( (NP * (INPUT_LEN + OUTPUT_LEN + 16) + 255) / 256 * 256 ))
+# Context for llama-server and llama-batched-bench: NP slots of (in + out + 16 spare) tokens
+# each, rounded up to a multiple of 256 per slot (llama.cpp gives each of the NP sequences
+# ctx / NP, padded to 256, and stops a request at the slot's limit).
+CTX=$(( NP * ((INPUT_LEN + OUTPUT_LEN + 16 + 255) / 256 * 256) ))
 
 log() { printf '\n== %s: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
+
+# On a shared machine, measure when it is quiet: wait until the 1-minute load average is
+# below QUIET_LOAD (if set), for at most QUIET_WAIT_MAX seconds, then go on regardless.
+wait_quiet() {
+    [[ -n $QUIET_LOAD ]] || return 0
+    local waited=0 load
+    while :; do
+        load=$(cut -d' ' -f1 /proc/loadavg)
+        if awk -v l="$load" -v q="$QUIET_LOAD" 'BEGIN { exit !(l < q) }'; then
+            return 0
+        fi
+        if ((waited >= QUIET_WAIT_MAX)); then
+            log "load $load still >= $QUIET_LOAD after ${waited} s; measuring anyway"
+            return 0
+        fi
+        ((waited % 60 == 0)) && log "load $load >= $QUIET_LOAD; waiting for a quiet machine"
+        sleep 10
+        waited=$((waited + 10))
+    done
+}
 
 mkdir -p "$CACHE" "$RESULTS_DIR"
 
@@ -165,7 +190,8 @@ stop_server() {
     wait "$SERVER_PID" 2>/dev/null || true
     SERVER_PID=""
 }
-trap stop_server EXIT INT TERM
+trap stop_server EXIT
+trap 'exit 130' INT TERM  # exit, which runs stop_server
 
 # serve_bench NAME PORT CMD...: run the serving benchmark against the server CMD starts.
 serve_bench() {
@@ -200,6 +226,7 @@ serve_bench() {
         local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
             --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --concurrency "$c"
             --label "$name" --output-json "$RESULTS_DIR/serve-$name-c$c.json")
+        wait_quiet
         log "$name: ${cmd[*]}"
         "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-c$c.log" ||
             log "$name: bench at concurrency $c failed"
@@ -237,7 +264,9 @@ if has_step throughput; then
         cmd=(zllm bench throughput --backend "$backend" --num-prompts "$NUM_PROMPTS"
             --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --hf-batch-size "$NP"
             --output-json "$RESULTS_DIR/throughput-$backend.json")
+        wait_quiet
         log "${cmd[*]}"
+        cut -d' ' -f1 /proc/loadavg >"$RESULTS_DIR/load-throughput-$backend.txt"
         "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/throughput-$backend.log" ||
             log "throughput $backend failed"
     done
@@ -246,7 +275,9 @@ if has_step batched; then
     for pair in "Q4_1:$Q4_GGUF" "F16:$F16_GGUF"; do
         cmd=("$BIN/llama-batched-bench" -m "${pair#*:}" -c "$CTX" -b 2048 -ub 512
             -npp "$INPUT_LEN" -ntg "$OUTPUT_LEN" -npl "$NP" -t "$THREADS" --output-format jsonl)
+        wait_quiet
         log "${cmd[*]}"
+        cut -d' ' -f1 /proc/loadavg >"$RESULTS_DIR/load-batched-${pair%%:*}.txt"
         "${cmd[@]}" >"$RESULTS_DIR/batched-${pair%%:*}.log" 2>&1 ||
             log "llama-batched-bench ${pair%%:*} failed (see $RESULTS_DIR/batched-${pair%%:*}.log)"
         grep '^{' "$RESULTS_DIR/batched-${pair%%:*}.log" >"$RESULTS_DIR/batched-${pair%%:*}.jsonl" || true
@@ -269,6 +300,15 @@ results, report = sys.argv[1], sys.argv[2]
 def load(path):
     with open(path) as f:
         return json.load(f)
+
+
+def load1(step):
+    """The 1-minute load average noted when that step started."""
+    try:
+        with open(os.path.join(results, f"load-{step}.txt")) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
 
 
 meta = load(os.path.join(results, "meta.json")) if os.path.exists(
@@ -315,23 +355,24 @@ lines += [
     "",
     "## Offline throughput (`zllm bench throughput`)",
     "",
-    "| backend | output tok/s | total tok/s | req/s | wall s |",
-    "|---|---|---|---|---|",
+    "| backend | output tok/s | total tok/s | req/s | wall s | load1 |",
+    "|---|---|---|---|---|---|",
 ]
-for path in sorted(glob.glob(os.path.join(results, "throughput-*.json"))):
+for path in sorted(glob.glob(os.path.join(results, "throughput-*.json")), reverse=True):
     t = load(path)
+    step = os.path.basename(path)[: -len(".json")]
     lines.append(
         f"| {t['backend']} | {t['output_tokens_per_s']:.1f} | {t['total_tokens_per_s']:.1f} "
-        f"| {t['requests_per_s']:.3f} | {t['elapsed_s']:.1f} |"
+        f"| {t['requests_per_s']:.3f} | {t['elapsed_s']:.1f} | {load1(step)} |"
     )
 lines += [
     "",
     "## llama.cpp `llama-batched-bench` (prompts not shared)",
     "",
-    "| model | PP | TG | B | T_PP s | S_PP tok/s | T_TG s | S_TG tok/s | T s | S tok/s |",
-    "|---|---|---|---|---|---|---|---|---|---|",
+    "| model | PP | TG | B | T_PP s | S_PP tok/s | T_TG s | S_TG tok/s | T s | S tok/s | load1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
 ]
-for path in sorted(glob.glob(os.path.join(results, "batched-*.jsonl"))):
+for path in sorted(glob.glob(os.path.join(results, "batched-*.jsonl")), reverse=True):
     name = os.path.basename(path)[len("batched-") : -len(".jsonl")]
     with open(path) as f:
         for line in f:
@@ -339,7 +380,7 @@ for path in sorted(glob.glob(os.path.join(results, "batched-*.jsonl"))):
             lines.append(
                 f"| {name} | {b['pp']} | {b['tg']} | {b['pl']} | {b['t_pp']:.2f} "
                 f"| {b['speed_pp']:.1f} | {b['t_tg']:.2f} | {b['speed_tg']:.1f} | {b['t']:.2f} "
-                f"| {b['speed']:.1f} |"
+                f"| {b['speed']:.1f} | {load1('batched-' + name)} |"
             )
 text = "\n".join(lines) + "\n"
 print(text)

@@ -188,6 +188,12 @@ class CoreProcess:
         if msg.req_id in self.unannounced or self.scheduler.is_known(msg.req_id):
             return  # a re-sent request (a tokenizer restarted): we have it already
         params = msg.sampling_params
+        vocab = self.config.engine.arch.vocab_size
+        bad = next((t for t in msg.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:  # tokenizers check too; the executor must never see one
+            message = f"Token id {bad} is out of vocabulary range [0, {vocab})."
+            self._send(self.to_frontend, RequestError(msg.req_id, message, 400, "prompt"))
+            return
         try:
             self.scheduler.add_request(
                 Request(

@@ -8,11 +8,32 @@ log a warning, as vLLM does. Sampling fields follow vLLM's names and extensions.
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
-# Most logprobs a request may ask for per position (vLLM's default `max_logprobs`).
-MAX_LOGPROBS = 20
+# ---- limits --------------------------------------------------------------------------------
+# Each is part of a field's type, so a request beyond it is a 400 naming the field, and the
+# OpenAPI schema (/openapi.json) states it. `max_tokens` is also checked against the
+# model's context length, which only the running server knows.
+
+MAX_LOGPROBS = 20  # top logprobs per position (vLLM's default `max_logprobs`)
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+_INT64_MAX = 2**63 - 1
+
+# Integers that fit the wire format (msgpack: 64 bits) and torch's int64.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=_INT64_MAX)]
+NonNegative = Annotated[int, Meta(ge=0, le=_INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=_INT64_MAX)]  # the vocabulary is checked later
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class ApiError(Exception):
@@ -24,12 +45,14 @@ class ApiError(Exception):
         status: int = 400,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -44,19 +67,19 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     """The sampling fields the two generation endpoints share (None: the engine default)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None  # 0 or -1: off
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: Int64 | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    min_tokens: NonNegative = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -67,11 +90,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     # (msgspec allows one array type per union, so the list's items are checked by hand.)
-    prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
+    max_tokens: NonNegative | None = 16  # 0 only with echo: score the prompt
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
 
 
@@ -87,12 +110,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: NonNegative | None = None
+    max_completion_tokens: NonNegative | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
+    prompt_logprobs: NumLogprobs | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
     # The chat template already writes the special tokens it wants.
@@ -297,10 +320,18 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
         raise ApiError("The request body must be a JSON object.") from None
     except msgspec.DecodeError as e:
         raise ApiError(f"Invalid JSON in the request body: {e}") from None
+    except UnicodeDecodeError as e:  # msgspec checks UTF-8 only where it decodes a string
+        raise ApiError(f"The request body is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise ApiError("The request body is nested too deeply.") from None
     try:
         request = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
         raise ApiError(f"Invalid request: {e}", param=_error_param(str(e))) from None
+    except UnicodeDecodeError as e:
+        raise ApiError(f"The request body is not valid UTF-8: {e}") from None
+    except RecursionError:
+        raise ApiError("The request body is nested too deeply.") from None
     unknown = sorted(set(keys) - set(cls.__struct_fields__))
     return request, unknown
 

@@ -4,6 +4,8 @@
     GET  /v1/models                              the served model names
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health, /version, /metrics             open even when an API key is set
+                                                 (unless --protect-metrics)
+    GET  /openapi.json                           the API's OpenAPI 3.1 description
 
 Every error is OpenAI's `{"error": {...}}` with its HTTP status. A request whose client goes
 away stops iterating its outputs, which aborts it in the core. No torch in this process.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import hmac
 import logging
 import time
@@ -26,13 +29,25 @@ from prometheus_client import generate_latest as prometheus_text
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import zllm
 from zllm.engine_client import EngineClient, EngineError
+from zllm.frontend.admission import (
+    BODY_TIMEOUT_S,
+    RETRY_AFTER_S,
+    SCOPE_KEY,
+    Admission,
+    BodyTooLarge,
+    Ticket,
+    read_body,
+    replay,
+    too_large_message,
+)
 from zllm.frontend.api_models import (
     ApiError,
     ChatCompletionRequest,
@@ -66,6 +81,7 @@ from zllm.frontend.openai_format import (
     completion_params,
     prompt_inputs,
 )
+from zllm.frontend.openapi import openapi_schema
 from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer_proc.tokenizer import Tokenizer
@@ -75,9 +91,13 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    408: "TimeoutError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 _SHUTTING_DOWN = "the server is shutting down"
 _DONE = b"data: [DONE]\n\n"
@@ -98,10 +118,22 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/version", server.version, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/dashboard", server.prometheus.dashboard.page, methods=["GET"]),
+        Route("/dashboard/stats", server.prometheus.dashboard.stats, methods=["GET"]),
     ]
+    routes.append(Route("/openapi.json", server.openapi, methods=["GET"]))
+    middleware = [Middleware(_Gate, server=server, routes=routes)]
+    if config.allowed_origins:  # CORS is off unless asked for
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+        middleware.insert(0, cors)  # outermost: preflights need no API key
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(_Gate, server=server)],
+        middleware=middleware,
         exception_handlers={HTTPException: _http_exception},
     )
     app.state.server = server
@@ -109,15 +141,23 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
 
 
 def error_response(
-    message: str, status: int = 400, param: str | None = None, code: str | None = None
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Response:
     error_type = _ERROR_TYPES.get(status, "InternalServerError")
     body = ErrorResponse(ErrorInfo(message, error_type, param, code or status))
-    return _json(body, status)
+    if status == 503 and not headers:  # overloaded, draining or the engine restarting
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return _json(body, status, headers)
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(_json_encoder.encode(body), status, media_type="application/json")
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        _json_encoder.encode(body), status, headers=headers, media_type="application/json"
+    )
 
 
 def _event(body: Any) -> bytes:
@@ -150,9 +190,9 @@ def _api_errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Aw
         try:
             return await handler(self, request)
         except ApiError as e:
-            return error_response(e.message, e.status, e.param, e.code)
+            return error_response(e.message, e.status, e.param, e.code, e.headers)
         except EngineError as e:
-            return error_response(e.message, e.status, e.param)
+            return error_response(e.message, e.status, e.param, e.code)
         except _ClientGone:
             return Response(status_code=499)
         except Exception as e:
@@ -174,6 +214,8 @@ class OpenAIServer:
         self.created = int(time.time())
         self.draining = False
         self.prometheus = Metrics(client, config.model_names[0])
+        self.admission = Admission(config.max_in_flight)
+        self._openapi: bytes | None = None
 
     def start_draining(self) -> None:
         """SIGTERM: new requests get 503 from now on; those in flight go on."""
@@ -186,7 +228,8 @@ class OpenAIServer:
         self._warn_unknown(unknown)
         model = self._model_name(body.model)
         prompts = prompt_inputs(body.prompt)
-        params, echo_only = completion_params(body)
+        params, echo_only = completion_params(body, self.max_model_len)
+        self.admission.admit(request.scope.get(SCOPE_KEY), len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = time.time()
         engine_requests = [
@@ -255,7 +298,14 @@ class OpenAIServer:
         self._warn_unknown(unknown)
         model = self._model_name(body.model)
         messages = chat_messages(body.messages)
-        params = chat_params(body)
+        params = chat_params(body, self.max_model_len)
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise ApiError(
+                "This server does not accept a chat_template in requests "
+                "(start it with --trust-request-chat-template to allow it).",
+                param="chat_template",
+            )
+        self.admission.admit(request.scope.get(SCOPE_KEY), 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = time.time()
         engine_request = TokenizeRequest(
@@ -322,26 +372,28 @@ class OpenAIServer:
     async def _outputs(
         self, requests: list[TokenizeRequest]
     ) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
-        """Every prompt's output deltas as (prompt index, delta), with request metrics."""
-        start = time.monotonic()
-        first = True
-        outcome = "error"
+        """Every prompt's output deltas as (prompt index, delta). Each prompt is one engine
+        request for the metrics (observed as its outputs arrive) and the request log."""
+        traces = [self.prometheus.track(r) for r in requests]
         merged = _merge([self.client.generate(r) for r in requests])
+        interrupted = "error"  # how requests the engine did not finish end, if cut short
         try:
-            async for item in merged:
-                if first:
-                    first = False
-                    self.prometheus.ttft.observe(time.monotonic() - start)
-                yield item
-            outcome = "finished"
+            async for prompt_index, delta in merged:
+                self.prometheus.on_output(traces[prompt_index], delta)
+                yield prompt_index, delta
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "abort"
+            interrupted = "abort"  # the client went away
+            raise
+        except EngineError as e:
+            # 504: the request timeout aborted it; 4xx: refused as invalid, it never ran.
+            interrupted = "abort" if e.status == 504 else "rejected" if e.status < 500 else "error"
             raise
         finally:
             await merged.aclose()
-            self.prometheus.requests.labels(self.prometheus.model_name, outcome).inc()
-            if outcome == "finished":
-                self.prometheus.e2e.observe(time.monotonic() - start)
+            for trace in traces:
+                self.prometheus.finish(trace, interrupted)
+                if self.config.enable_log_requests:
+                    logger.info(trace.log_line())
 
     async def _stream(
         self,
@@ -382,6 +434,11 @@ class OpenAIServer:
 
     async def version(self, request: Request) -> Response:
         return _json({"version": zllm.__version__})
+
+    async def openapi(self, request: Request) -> Response:
+        if self._openapi is None:
+            self._openapi = _json_encoder.encode(openapi_schema(self.config))
+        return Response(self._openapi, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
         return Response(prometheus_text(self.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
@@ -449,12 +506,18 @@ class OpenAIServer:
             logger.warning("The request has fields this server ignores: %s", ", ".join(unknown))
 
     def _log_request(self, request_id: str, requests: list[TokenizeRequest]) -> None:
-        if self.config.enable_log_requests:
+        """With --enable-log-requests, one line per prompt as it arrives, with the start of
+        its prompt (the flag is the operator's consent to prompt text in the log); `_outputs`
+        logs one line per prompt as it ends, which never holds text."""
+        if not self.config.enable_log_requests:
+            return
+        for r in requests:
+            prompt = r.prompt if r.prompt is not None else (r.messages or r.prompt_token_ids)
+            preview = repr(prompt)
+            if len(preview) > 200:
+                preview = preview[:200] + f"... ({len(preview)} chars)"
             logger.info(
-                "request %s: %d prompt(s), %s",
-                request_id,
-                len(requests),
-                requests[0].sampling_params,
+                "request received: id=%s prompt=%s params=%s", r.req_id, preview, r.sampling_params
             )
 
 
@@ -605,27 +668,94 @@ async def _maybe_in_thread(size: int, fn: Callable, *args: Any) -> Any:
 # ---- auth and admission ------------------------------------------------------------------
 
 
-class _Gate:
-    """API keys on /v1/*, and 503 for new work once the server is draining."""
+_OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
-    def __init__(self, app: ASGIApp, server: OpenAIServer) -> None:
+
+class _Gate:
+    """In front of every route, before any body is read: API keys, 503 once draining or
+    overloaded, the body's size and type; then admission accounting for generation.
+
+    With API keys set, every route needs one except /health, /metrics, /dashboard and
+    /version (those too with `--protect-metrics`); an unknown path gets its 404 without."""
+
+    def __init__(self, app: ASGIApp, server: OpenAIServer, routes: list[BaseRoute]) -> None:
         self.app = app
         self.server = server
-        self.keys = [k.encode() for k in server.config.api_keys]
+        self.routes = routes
+        config = server.config
+        # Keys are compared as SHA-256 digests: constant time, whatever their lengths.
+        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+        self.open_paths = () if config.protect_metrics else _OBSERVABILITY_PATHS
+        self.max_body = config.max_request_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            if self.keys and path.startswith("/v1") and not self._authorized(scope):
-                response = error_response(
-                    "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-                    401,
-                    code="invalid_api_key",
-                )
-                return await response(scope, receive, send)
-            if self.server.draining and scope["method"] == "POST":
-                return await error_response(_SHUTTING_DOWN, 503)(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(read_body(receive, self.max_body), BODY_TIMEOUT_S)
+        except BodyTooLarge:
+            response = error_response(too_large_message(self.max_body), 413)
+            return await response(scope, receive, send)
+        except asyncio.TimeoutError:  # a client trickling its body in holds a connection
+            message = f"The request body did not arrive within {BODY_TIMEOUT_S:g} s."
+            return await error_response(message, 408)(scope, receive, send)
+        if body is None:
+            return  # the client left before sending its whole request
+        receive = replay(body, receive)
+        if scope["path"] not in _GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        ticket = scope[SCOPE_KEY] = Ticket()  # the route admits it; released when sent
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.admission.release(ticket)
+
+    def _refusal(self, scope: Scope) -> Response | None:
+        """The error response for a request refused at the door, or None."""
+        path: str = scope["path"]
+        if (
+            self.key_digests
+            and not self._is_open(path)
+            and self._is_route(scope)
+            and not self._authorized(scope)
+        ):
+            return error_response(
+                "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                401,
+                code="invalid_api_key",
+            )
+        if scope["method"] != "POST":
+            return None
+        if self.server.draining:
+            return error_response(_SHUTTING_DOWN, 503)
+        if path in _GENERATION_PATHS and self.server.admission.full():
+            e = self.server.admission.overloaded()
+            return error_response(e.message, e.status, e.param, e.code, e.headers)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"").strip()
+        if length.isdigit() and int(length) > self.max_body:
+            return error_response(too_large_message(self.max_body), 413)
+        content_type = headers.get(b"content-type")
+        if content_type is not None and not _is_json(content_type):
+            # Also what keeps a cross-site HTML form (no CORS preflight) from posting here.
+            return error_response(
+                f"The request body must be JSON (Content-Type: application/json), "
+                f"not {content_type.decode('latin-1')!r}.",
+                415,
+            )
+        return None
+
+    def _is_open(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.open_paths)
+
+    def _is_route(self, scope: Scope) -> bool:
+        return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
 
     def _authorized(self, scope: Scope) -> bool:
         given: list[bytes] = []
@@ -636,6 +766,12 @@ class _Gate:
                 given.append(value.strip())
         ok = False
         for candidate in given:
-            for key in self.keys:  # compare with every key: no early exit to time
-                ok |= hmac.compare_digest(candidate, key)
+            digest = hashlib.sha256(candidate).digest()
+            for key in self.key_digests:  # compare with every key: no early exit to time
+                ok |= hmac.compare_digest(digest, key)
         return ok
+
+
+def _is_json(content_type: bytes) -> bool:
+    media_type = content_type.split(b";", 1)[0].strip().lower()
+    return media_type == b"application/json" or media_type.endswith(b"+json")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from zllm.engine_client import EngineError
 from zllm.frontend.api_models import (
     MAX_LOGPROBS,
+    MAX_PROMPTS,
     ApiError,
     ChatChoice,
     ChatCompletionRequest,
@@ -53,6 +54,11 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
         raise ApiError("prompt must not be empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [PromptInput(token_ids=list(prompt))]
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(
+            f"A request may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}.",
+            param="prompt",
+        )
     if all(isinstance(p, str) for p in prompt):
         return [PromptInput(text=p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
@@ -113,11 +119,18 @@ def sampling_params(
     prompt_logprobs: int | None,
     max_tokens_name: str = "max_tokens",
     logprobs_name: str = "logprobs",
+    max_model_len: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from a request body; a bad value is a 400 naming the field."""
     for name, value in ((logprobs_name, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and value > MAX_LOGPROBS:
             raise ApiError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.", param=name)
+    if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(
+            f"{max_tokens_name} must be at most the model's context length "
+            f"({max_model_len}), got {max_tokens}.",
+            param=max_tokens_name,
+        )
     kwargs: dict = {
         "n": body.n,
         "max_tokens": max_tokens,
@@ -154,7 +167,9 @@ def _field_named_in(message: str, fields: dict) -> str | None:
     return next((name for name in fields if name in message), None)
 
 
-def completion_params(req: CompletionRequest) -> tuple[SamplingParams, bool]:
+def completion_params(
+    req: CompletionRequest, max_model_len: int | None = None
+) -> tuple[SamplingParams, bool]:
     """SamplingParams of a completions request, and whether it only echoes the prompt.
 
     `echo` with `max_tokens=0` (scoring a prompt, as evaluation harnesses do) runs one
@@ -170,11 +185,12 @@ def completion_params(req: CompletionRequest) -> tuple[SamplingParams, bool]:
         max_tokens=1 if echo_only else req.max_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        max_model_len=max_model_len,
     )
     return params, echo_only
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, max_model_len: int | None = None) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     use_completion_name = req.max_completion_tokens is not None
@@ -185,6 +201,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
         prompt_logprobs=req.prompt_logprobs,
         max_tokens_name="max_completion_tokens" if use_completion_name else "max_tokens",
         logprobs_name="top_logprobs",
+        max_model_len=max_model_len,
     )
 
 

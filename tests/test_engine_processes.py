@@ -176,8 +176,8 @@ def test_process_titles(engine):
 @pytest.mark.parametrize("role", ["tokenizer", "detokenizer", "core", "executor"])
 def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
     _, llm = engine
-    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-    prompts = random_prompts(40, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = random_prompts(24, seed=7)
 
     async def one(p):
         try:
@@ -196,11 +196,11 @@ def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
 
     results, old_pid = run(engine, under_load(), timeout=120)
     # Each request completed or failed cleanly; none hung (the timeout above would fire).
-    assert all(r == 300 or r == "error" for r in results)
+    assert all(r == 120 or r == "error" for r in results)
     if role in ("core", "executor"):
         assert "error" in results  # a dead engine fails what it was running, with a 503
     else:
-        assert 300 in results  # a dead worker costs at most the requests it was serving
+        assert 120 in results  # a dead worker costs at most the requests it was serving
 
     def replaced():
         return any(

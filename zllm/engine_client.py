@@ -37,11 +37,18 @@ logger = logging.getLogger(__name__)
 class EngineError(Exception):
     """A request failed: carries the HTTP status and OpenAI error fields to report."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.code = code
 
     @property
     def type(self) -> str:
@@ -49,6 +56,8 @@ class EngineError(Exception):
             return "BadRequestError"
         if self.status == 503:
             return "ServiceUnavailableError"
+        if self.status == 504:
+            return "TimeoutError"
         return "InternalServerError"
 
 
@@ -74,6 +83,7 @@ class EngineClient:
         self.last_heartbeat = 0.0
         self.processes: dict[tuple[str, int], bool] = {}
         self.closed = False
+        self.num_timed_out = 0  # requests aborted by the request timeout
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -126,6 +136,7 @@ class EngineClient:
         stream = _Stream(request)
         self._streams[request.req_id] = stream
         finished = False
+        timer = self._arm_timeout(stream)
         try:
             await self._to_tokenizers.send(self._encoder.encode(request))
             n = request.sampling_params.n
@@ -140,9 +151,37 @@ class EngineClient:
                 if finished:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             self._streams.pop(request.req_id, None)
             if not finished:
                 await self.abort(request.req_id)
+
+    def _arm_timeout(self, stream: _Stream) -> asyncio.TimerHandle | None:
+        """`request_timeout` seconds after the request arrived, fail it with a 504 (which
+        aborts it in the core, freeing its blocks)."""
+        timeout = self.config.request_timeout
+        if timeout is None:
+            return None
+        arrival = stream.request.arrival_time or time.time()
+        delay = max(0.0, arrival + timeout - time.time())
+        return asyncio.get_running_loop().call_later(delay, self._time_out, stream, timeout)
+
+    def _time_out(self, stream: _Stream, timeout: float) -> None:
+        self.num_timed_out += 1
+        logger.warning(
+            "request %s ran past the request timeout (%g s): aborting it",
+            stream.request.req_id,
+            timeout,
+        )
+        stream.queue.put_nowait(
+            EngineError(
+                f"The request did not finish within the server's request timeout "
+                f"({timeout:g} s) and was aborted.",
+                504,
+                code="request_timeout",
+            )
+        )
 
     async def abort(self, req_id: str) -> None:
         if self.closed:

@@ -86,6 +86,24 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     executor_timeout: float = 60.0
     enable_log_requests: bool = False
     disable_log_stats: bool = False
+    # Admission control: generation requests admitted and not yet finished, counted in
+    # engine requests (one per prompt), are capped at max_num_seqs + max_waiting_requests;
+    # beyond that new ones get 503 with Retry-After at once.
+    max_waiting_requests: int = 1024
+    # Seconds a request may run before it is aborted and the client gets a 504 (None: never).
+    request_timeout: float | None = None
+    max_request_body_bytes: int = 8 << 20
+    # Put /health, /metrics, /dashboard and /version behind the API key too.
+    protect_metrics: bool = False
+    # CORS: origins allowed to call the API from a browser (none by default: CORS off).
+    allowed_origins: list[str] = []
+    # Accept a `chat_template` in request bodies (a template is code: off by default).
+    trust_request_chat_template: bool = False
+
+    @property
+    def max_in_flight(self) -> int:
+        """The admission limit, in engine requests."""
+        return self.engine.scheduler.max_num_seqs + self.max_waiting_requests
 
     @property
     def model_names(self) -> list[str]:

@@ -133,7 +133,12 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise StartupError(f"timed out waiting for {', '.join(pending)} to start")
             if self.inbox.poll(100):
-                msg = self.decoder.decode(self.inbox.recv())
+                data = self.inbox.recv()
+                try:
+                    msg = self.decoder.decode(data)
+                except msgspec.DecodeError as e:
+                    logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
+                    continue
                 key = (msg.role, msg.index)
                 if key in pending:
                     del pending[key]

@@ -1,0 +1,333 @@
+"""The live dashboard: `GET /dashboard` (one static page) polls `GET /dashboard/stats`.
+
+The page draws everything itself (SVG, no libraries, nothing fetched from elsewhere). The
+stats are the core's latest heartbeat (KV block grid, running and waiting requests, token
+counters), the supervisor's process table, and what this frontend keeps beside them: the
+heartbeat sampled once a second for the last few minutes (`Timeline`), and the TTFT and
+inter-token latencies of the last minute (`LatencyWindow`), which `metrics.Metrics` feeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections import deque
+from importlib import resources
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from zllm.engine_client import EngineClient
+from zllm.protocol import EngineStatus
+
+HISTORY_S = 120  # what the charts show
+MAX_CELLS = 4096  # as the core folds the pool (BlockManager.block_states)
+_ROLE_ORDER = ("frontend", "tokenizer", "core", "executor", "detokenizer")
+
+
+class LatencyWindow:
+    """Latencies (seconds) observed in the last `window_s`, for percentiles."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 8192) -> None:
+        self.window_s = window_s
+        self.samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add(self, now: float, value: float) -> None:
+        self.samples.append((now, value))
+
+    def percentiles(self, now: float) -> Percentiles:
+        while self.samples and self.samples[0][0] < now - self.window_s:
+            self.samples.popleft()
+        values = sorted(v for _, v in self.samples)
+        if not values:
+            return Percentiles()
+        return Percentiles(
+            _percentile(values, 0.5),
+            _percentile(values, 0.9),
+            _percentile(values, 0.99),
+            len(values),
+        )
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class _Point(msgspec.Struct, array_like=True, gc=False):
+    time: float  # the heartbeat's (the core's clock when it sent it)
+    running: int
+    waiting: int
+    kv_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    busy_s: float
+    idle_s: float
+
+
+class Timeline:
+    """The core's heartbeat, sampled once a second by a task that starts with the first
+    request or dashboard poll and keeps going for the life of the process."""
+
+    def __init__(self, client: EngineClient, interval_s: float = 1.0, size: int = 600) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.points: deque[_Point] = deque(maxlen=size)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # not in the server's event loop (a unit test): nothing to sample for
+            self._task = loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def sample(self) -> None:
+        s = self.client.status
+        if s is None or (self.points and self.points[-1].time == s.time):
+            return  # no heartbeat yet, or no new one since the last sample
+        if self.points and s.time < self.points[-1].time:
+            self.points.clear()  # the clock went back: start over
+        self.points.append(
+            _Point(
+                s.time,
+                s.num_running,
+                s.num_waiting,
+                s.kv_cache_usage,
+                s.num_prompt_tokens,
+                s.num_generation_tokens,
+                s.executor_busy_s,
+                s.executor_idle_s,
+            )
+        )
+
+    def history(self, now: float, seconds: float, smooth: int = 3) -> History:
+        """Per sample since `now - seconds`: gauges, and token rates over the last `smooth`
+        intervals (a counter that went down means the engine restarted: that span counts 0)."""
+        points = list(self.points)
+        start = bisect.bisect_left([p.time for p in points], now - seconds)
+        h = History()
+        for i in range(max(start, 1), len(points)):
+            p, q = points[max(0, i - smooth)], points[i]
+            dt = q.time - p.time
+            h.t.append(round(q.time - now, 2))
+            h.running.append(q.running)
+            h.waiting.append(q.waiting)
+            h.kv_usage.append(round(q.kv_usage, 4))
+            h.generation_tps.append(
+                round(max(0, q.generation_tokens - p.generation_tokens) / dt, 1)
+            )
+            h.prompt_tps.append(round(max(0, q.prompt_tokens - p.prompt_tokens) / dt, 1))
+        return h
+
+    def rates(self, now: float, seconds: float = 5.0) -> tuple[float, float, float]:
+        """(generation tokens/s, prompt tokens/s, executor busy share) over the last
+        `seconds`, from the oldest sample in that span to the newest."""
+        points = [p for p in self.points if p.time >= now - seconds - self.interval_s]
+        if len(points) < 2:
+            return 0.0, 0.0, 0.0
+        p, q = points[0], points[-1]
+        dt = q.time - p.time
+        busy, idle = q.busy_s - p.busy_s, q.idle_s - p.idle_s
+        if min(q.generation_tokens - p.generation_tokens, busy, idle) < 0:
+            return 0.0, 0.0, 0.0  # the engine restarted inside the span
+        busy_share = busy / (busy + idle) if busy + idle > 0 else 0.0
+        return (
+            (q.generation_tokens - p.generation_tokens) / dt,
+            (q.prompt_tokens - p.prompt_tokens) / dt,
+            busy_share,
+        )
+
+
+# ---- the stats document --------------------------------------------------------------------
+
+
+class Percentiles(msgspec.Struct):
+    p50: float = 0.0
+    p90: float = 0.0
+    p99: float = 0.0
+    count: int = 0
+
+
+class History(msgspec.Struct):
+    t: list[float] = msgspec.field(default_factory=list)  # seconds relative to now (<= 0)
+    running: list[int] = msgspec.field(default_factory=list)
+    waiting: list[int] = msgspec.field(default_factory=list)
+    kv_usage: list[float] = msgspec.field(default_factory=list)
+    generation_tps: list[float] = msgspec.field(default_factory=list)
+    prompt_tps: list[float] = msgspec.field(default_factory=list)
+
+
+class KVPool(msgspec.Struct):
+    num_blocks: int
+    block_size: int
+    blocks_per_cell: int
+    # One character per cell: "0" free, "1" in use by a request, "2" cached prefix.
+    cells: str
+    num_used: int  # blocks referenced by a request (exact)
+    num_cached: int  # free blocks holding a reusable prefix (exact at one block per cell)
+    num_free: int
+
+
+class ProcessInfo(msgspec.Struct):
+    role: str
+    index: int
+    up: bool
+
+
+class Engine(msgspec.Struct):
+    state: str
+    healthy: bool
+    message: str
+    heartbeat_age_s: float | None
+    running: int
+    waiting: int
+    kv_usage: float
+    generation_tps: float
+    prompt_tps: float
+    executor_busy: float  # share of the executor's time spent computing (last seconds)
+    prompt_tokens: int
+    generation_tokens: int
+    preemptions: int
+    prefix_cache_hit_rate: float
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of those, found cached
+    steps: int
+    in_flight: int
+
+
+class DashboardStats(msgspec.Struct):
+    model: str
+    time: float
+    uptime_s: float
+    engine: Engine
+    kv: KVPool
+    history: History
+    ttft: Percentiles
+    itl: Percentiles
+    latency_window_s: float
+    finished: dict[str, int]
+    processes: list[ProcessInfo]
+
+
+class Dashboard:
+    """The two routes: the page, and its stats."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        model_name: str,
+        timeline: Timeline,
+        ttft: LatencyWindow,
+        itl: LatencyWindow,
+        num_finished: dict[str, int],
+    ) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.timeline = timeline
+        self.ttft = ttft
+        self.itl = itl
+        self.num_finished = num_finished
+        self.started = time.time()
+        self._page = (resources.files("zllm.frontend") / "static" / "dashboard.html").read_bytes()
+        self._encoder = msgspec.json.Encoder()
+
+    async def page(self, request: Request) -> Response:
+        return Response(
+            self._page, media_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"}
+        )
+
+    async def stats(self, request: Request) -> Response:
+        self.timeline.start()
+        return Response(
+            self._encoder.encode(self.snapshot()),
+            media_type="application/json",
+            headers={"cache-control": "no-store"},
+        )
+
+    def snapshot(self) -> DashboardStats:
+        client = self.client
+        s = client.status or EngineStatus(time=0.0)
+        now, mono = time.time(), time.monotonic()
+        healthy, message = client.health()
+        gen_tps, prompt_tps, busy = self.timeline.rates(now)
+        queries = s.prefix_cache_queries
+        engine = Engine(
+            state=client.engine_state,
+            healthy=healthy,
+            message=message,
+            heartbeat_age_s=round(mono - client.last_heartbeat, 2) if client.status else None,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=s.kv_cache_usage,
+            generation_tps=round(gen_tps, 1),
+            prompt_tps=round(prompt_tps, 1),
+            executor_busy=round(busy, 4),
+            prompt_tokens=s.num_prompt_tokens,
+            generation_tokens=s.num_generation_tokens,
+            preemptions=s.num_preemptions,
+            prefix_cache_hit_rate=s.prefix_cache_hits / queries if queries else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            steps=s.num_steps,
+            in_flight=client.num_in_flight,
+        )
+        processes = [
+            ProcessInfo(role, index, alive)
+            for (role, index), alive in sorted(
+                client.processes.items(),
+                key=lambda item: (_role_rank(item[0][0]), item[0][0], item[0][1]),
+            )
+        ]
+        return DashboardStats(
+            model=self.model_name,
+            time=now,
+            uptime_s=round(now - self.started, 1),
+            engine=engine,
+            kv=self._kv_pool(s),
+            history=self.timeline.history(now, HISTORY_S),
+            ttft=self.ttft.percentiles(mono),
+            itl=self.itl.percentiles(mono),
+            latency_window_s=self.ttft.window_s,
+            finished=dict(self.num_finished),
+            processes=processes,
+        )
+
+    def _kv_pool(self, s: EngineStatus) -> KVPool:
+        num_blocks = s.num_blocks or self.client.config.engine.cache.num_blocks or 0
+        if s.block_states:
+            per_cell = max(1, s.blocks_per_cell)
+            cells = s.block_states.translate(_CELL_CHARS).decode("latin-1")
+            used = num_blocks - s.num_free_blocks
+        else:  # the core has not taken a snapshot yet: it has not run anything either
+            per_cell = max(1, -(-num_blocks // MAX_CELLS))
+            cells = "0" * -(-num_blocks // per_cell)
+            used = 0
+        cached = min(cells.count("2") * per_cell, num_blocks - used)
+        return KVPool(
+            num_blocks=num_blocks,
+            block_size=self.client.config.engine.cache.block_size,
+            blocks_per_cell=per_cell,
+            cells=cells,
+            num_used=used,
+            num_cached=cached,
+            num_free=num_blocks - used - cached,
+        )
+
+
+_CELL_CHARS = bytes.maketrans(b"\x00\x01\x02", b"012")
+
+
+def _role_rank(role: str) -> int:
+    return _ROLE_ORDER.index(role) if role in _ROLE_ORDER else len(_ROLE_ORDER)

@@ -1,0 +1,173 @@
+"""The OpenAPI 3.1 description of the server (`GET /openapi.json`).
+
+Request and response schemas come from the msgspec Structs in `api_models.py`, limits
+included, so the description cannot drift from what the server decodes. Fuzzers
+(tests/test_fuzz.py runs schemathesis) and client generators read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+import zllm
+from zllm.frontend.api_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeBody,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeBody,
+    TokenizeResponse,
+)
+from zllm.serve_config import ServeConfig
+
+_REF = "#/components/schemas/{name}"
+_ERRORS = {
+    400: "Invalid request (the error's `param` names the field).",
+    401: "Missing or invalid API key.",
+    404: "Unknown model.",
+    413: "The request body is larger than --max-request-body-bytes.",
+    503: "Overloaded (see Retry-After), shutting down, or the engine is restarting.",
+    504: "The request ran past --request-timeout and was aborted.",
+}
+
+
+def openapi_schema(config: ServeConfig) -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            TokenizeBody,
+            DetokenizeBody,
+            CompletionResponse,
+            ChatCompletionResponse,
+            ModelList,
+            TokenizeResponse,
+            DetokenizeResponse,
+            ErrorResponse,
+        ],
+        ref_template=_REF,
+    )
+    max_model_len = config.engine.scheduler.max_model_len
+    for name, field in (
+        ("CompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_completion_tokens"),
+    ):
+        _set_maximum(components[name]["properties"][field], max_model_len)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeBody", "DetokenizeBody"):
+        model = components[name]["properties"]["model"]  # any other name: 404
+        model["anyOf"] = [{"enum": list(config.model_names)}, {"type": "null"}]
+
+    generation_errors = (400, 401, 404, 413, 503, 504)
+    paths = {
+        "/v1/completions": {
+            "post": _operation(
+                "createCompletion",
+                "Complete prompts (JSON, or server-sent events with `stream`).",
+                "CompletionRequest",
+                "CompletionResponse",
+                generation_errors,
+                stream=True,
+            )
+        },
+        "/v1/chat/completions": {
+            "post": _operation(
+                "createChatCompletion",
+                "Answer a conversation (JSON, or server-sent events with `stream`).",
+                "ChatCompletionRequest",
+                "ChatCompletionResponse",
+                generation_errors,
+                stream=True,
+            )
+        },
+        "/v1/models": {
+            "get": _operation("listModels", "The served model names.", None, "ModelList", (401,))
+        },
+        "/tokenize": {
+            "post": _operation(
+                "tokenize",
+                "Token ids of a prompt or of chat messages.",
+                "TokenizeBody",
+                "TokenizeResponse",
+                (400, 401, 404, 413),
+            )
+        },
+        "/detokenize": {
+            "post": _operation(
+                "detokenize",
+                "Text of token ids.",
+                "DetokenizeBody",
+                "DetokenizeResponse",
+                (400, 401, 404, 413),
+            )
+        },
+        "/health": {
+            "get": {
+                "operationId": "health",
+                "summary": "200 when every process is up and the engine answers, else 503.",
+                "responses": {"200": {"description": "Healthy."}, **_error_responses((503,))},
+            }
+        },
+        "/version": {
+            "get": {
+                "operationId": "version",
+                "summary": "The server's version.",
+                "responses": {"200": {"description": "The version."}},
+            }
+        },
+    }
+    schema: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "zllm", "version": zllm.__version__},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if config.api_keys:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+        if not config.protect_metrics:
+            for path in ("/health", "/version"):
+                paths[path]["get"]["security"] = []
+    return schema
+
+
+def _operation(
+    operation_id: str,
+    summary: str,
+    request: str | None,
+    response: str,
+    errors: tuple[int, ...],
+    stream: bool = False,
+) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(name=response)}}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    op: dict[str, Any] = {
+        "operationId": operation_id,
+        "summary": summary,
+        "responses": {"200": {"description": "OK", "content": content}, **_error_responses(errors)},
+    }
+    if request is not None:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(name=request)}}},
+        }
+    return op
+
+
+def _error_responses(statuses: tuple[int, ...]) -> dict[str, Any]:
+    error = {"application/json": {"schema": {"$ref": _REF.format(name="ErrorResponse")}}}
+    return {str(s): {"description": _ERRORS[s], "content": error} for s in statuses}
+
+
+def _set_maximum(schema: dict[str, Any], maximum: int) -> None:
+    """Set `maximum` on the integer branch of a field's schema."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "integer":
+            branch["maximum"] = min(branch.get("maximum", maximum), maximum)

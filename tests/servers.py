@@ -1,0 +1,259 @@
+"""Helpers for tests that run a real `zllm serve` (supervisor and every child process) on the
+tiny random model, and talk to it over loopback HTTP only.
+
+`start_server` waits for /health; the supervisor's output goes to a log file, from which the
+run directory (sockets and config.json) is read. Children are found through /proc, by their
+process titles (`zllm: core`, `zllm: tokenizer 0`, ...). `http` is a lean HTTP/1.1 client on
+raw asyncio streams: for bursts of hundreds of requests it measures the server, where a
+full client library on the same 2 cores would mostly measure itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    run_dir: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_text()[-chars:]
+
+    def children(self) -> dict[str, int]:
+        """Live children by title without the `zllm: ` prefix: {"core": pid, ...}."""
+        result = {}
+        for pid in children_of(self.proc.pid):
+            title = process_title(pid)
+            if title.startswith("zllm: ") and alive(pid):
+                result[title[6:]] = pid
+        return result
+
+    def config(self) -> dict:
+        with open(os.path.join(self.run_dir, "config.json")) as f:
+            return json.load(f)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        kw.setdefault("headers", self.headers)
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        kw.setdefault("headers", self.headers)
+        timeout = kw.pop("timeout", 60)
+        if isinstance(body, (dict, list)):
+            return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
+        return httpx.post(self.url + path, content=body, timeout=timeout, **kw)  # bytes, chunks
+
+    def healthy(self) -> bool:
+        try:
+            return self.get("/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, log: Path, *extra: str, api_key: str | None = None) -> Server:
+    """`zllm serve` on loopback with a small KV pool; returns once /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "zllm.cli", "serve", model_dir]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "64M"]
+    if api_key is not None:
+        cmd += ["--api-key", api_key]
+    cmd += list(extra)
+    # One torch thread: the tiny model needs no more, and on a shared 2-core machine several
+    # OpenMP threads spin against each other (steps 10-100x slower under load).
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    server = Server(f"http://127.0.0.1:{port}", port, proc, log, headers=headers)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (server.healthy() and "sockets and config in" in server.log_text()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"zllm serve exited with {proc.returncode}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            stop_server(server)
+            raise RuntimeError(
+                f"zllm serve not healthy in {START_TIMEOUT_S} s:\n{server.log_tail()}"
+            )
+        time.sleep(0.2)
+    server.run_dir = re.search(r"sockets and config in (\S+)", server.log_text()).group(1)
+    return server
+
+
+def stop_server(server: Server, timeout: float = 30) -> int:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        return server.proc.wait()
+
+
+# ---- processes -----------------------------------------------------------------------------
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def process_title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for pid {pid}")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+# ---- HTTP ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RawResponse:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    elapsed_s: float
+
+    def json(self):
+        return json.loads(self.body)
+
+
+async def http(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> RawResponse:
+    """One request on its own connection (Connection: close), read to the end."""
+    start = time.monotonic()
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    try:
+        head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close"]
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
+        head += [f"{k}: {v}" for k, v in all_headers.items()]
+        if method == "POST":
+            head.append(f"Content-Length: {len(body)}")
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    raw_head, _, payload = data.partition(b"\r\n\r\n")
+    lines = raw_head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    response_headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        response_headers[name.strip().lower()] = value.strip()
+    if response_headers.get("transfer-encoding") == "chunked":
+        payload = _dechunk(payload)
+    return RawResponse(status, response_headers, payload, time.monotonic() - start)
+
+
+def _dechunk(data: bytes) -> bytes:
+    out, pos = [], 0
+    while True:
+        end = data.index(b"\r\n", pos)
+        size = int(data[pos:end].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(data[end + 2 : end + 2 + size])
+        pos = end + 2 + size + 2
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def sse_events(lines) -> list[dict]:
+    """The JSON payloads of an SSE stream; `[DONE]` must come last."""
+    events, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        assert not done, "an event after [DONE]"
+        if line == "data: [DONE]":
+            done = True
+        else:
+            events.append(json.loads(line[6:]))
+    assert done, "the stream did not end with [DONE]"
+    return events
+
+
+def error_of(r: httpx.Response | RawResponse, status: int) -> dict:
+    """The OpenAI-shaped error of a response with this status."""
+    if isinstance(r, httpx.Response):
+        assert r.status_code == status, r.text[:1000]
+    else:
+        assert r.status == status, r.body[:1000]
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
