@@ -227,8 +227,9 @@ def test_overload_gets_503_at_once_and_admitted_requests_complete(limited):
 def test_request_timeout_aborts_and_frees_blocks(limited):
     """A request still running after --request-timeout gets a 504 (a stream: a final error
     event) and is aborted in the core, which frees its blocks. The executor is paused
-    (SIGSTOP, well under --executor-timeout) once both requests have started, so they are
-    still running at the deadline however fast this machine is."""
+    (SIGSTOP, well under --executor-timeout) once the stream has started, and the plain
+    request is sent after that, so both are still running at the deadline however fast this
+    machine is."""
     body = {"prompt": ["Paged attention", "The quick"], "n": 4, "max_tokens": 250}
     body["ignore_eos"] = True
     full_tokens = 2 * 2 * 4 * 250
@@ -255,11 +256,11 @@ def test_request_timeout_aborts_and_frees_blocks(limited):
                             streaming.set()
                 return r.status_code, lines, time.monotonic() - start
 
-            tasks = asyncio.gather(plain(), streamed())
+            stream_task = asyncio.ensure_future(streamed())
             await asyncio.wait_for(streaming.wait(), 30)
             os.kill(executor, signal.SIGSTOP)
             try:
-                return await asyncio.wait_for(tasks, 60)
+                return await asyncio.wait_for(asyncio.gather(plain(), stream_task), 60)
             finally:
                 os.kill(executor, signal.SIGCONT)
 
