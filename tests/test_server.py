@@ -4,7 +4,6 @@ random model, driven by the official `openai` client and by raw HTTP with httpx.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import signal
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from servers import sse_events
 
 from zllm import LLM, SamplingParams
 
@@ -117,21 +117,6 @@ def post(server: Server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     if isinstance(body, bytes):
         return httpx.post(server.url + path, content=body, headers=headers, timeout=60, **kw)
     return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
-
-
-def sse_events(lines) -> list:
-    """The JSON payloads of an SSE stream; `[DONE]` must come last."""
-    events, done = [], False
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        assert not done, "an event after [DONE]"
-        if line == "data: [DONE]":
-            done = True
-        else:
-            events.append(json.loads(line[6:]))
-    assert done, "the stream did not end with [DONE]"
-    return events
 
 
 def metric(text: str, name: str) -> float:
