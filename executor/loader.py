@@ -76,6 +76,25 @@ def _load_gguf(gguf: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, tor
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
+def gguf_raw_weights(model_path: str, arch: ModelArchConfig) -> dict[str, tuple[int, torch.Tensor]]:
+    """HF name -> (ggml type id, the tensor's raw rows as uint8 [rows, bytes per row]).
+
+    Only matrices. q/k rows are put in HF's order as load_weights does: a row permutation
+    moves whole rows, and GGUF blocks run along a row, so it applies to the bytes unchanged.
+    """
+    gguf = read_gguf(model_path)
+    raw: dict[str, tuple[int, torch.Tensor]] = {}
+    for name, info in gguf.tensors.items():
+        hf_name = hf_name_from_gguf(name)
+        if hf_name is None or len(info.shape) != 2:
+            continue
+        rows = gguf.tensor_data(name)
+        if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            rows = unpermute_rope_rows(rows, arch.head_dim)
+        raw[hf_name] = (int(info.ggml_type), torch.from_numpy(np.array(rows, dtype=np.uint8)))
+    return raw
+
+
 def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order, which pairs up the two halves HF's rotary rotates.
 

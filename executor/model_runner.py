@@ -75,10 +75,7 @@ class ModelRunner:
         self.model = model_cls(self.arch, dtype=self.dtype)
         self.model.load_weights(load_weights(config.model_path, self.arch))
         self.model.to(self.device).eval()
-        if config.quantization:
-            from zllm.executor.quantization import quantize_model_
-
-            quantize_model_(self.model, config.quantization)
+        self.quantization = self._quantize(config)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
 
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
@@ -103,6 +100,30 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # Generators of n > 1 samples drawn before their fork message arrives.
         self._child_generators: dict[str, torch.Generator | None] = {}
+
+    def _quantize(self, config: EngineConfig) -> str:
+        """Apply config.quantization (or pick one when unset); returns the method in use."""
+        from zllm.executor import quantization
+
+        method = config.quantization
+        if method is None:
+            method = "none"
+            if self.device.type == "cpu" and self.dtype == torch.float32:
+                reason = quantization.gguf_kernel_plan(config.model_path)
+                if reason is None:
+                    method = "gguf"
+        if method == "none":
+            return method
+        try:
+            quantization.quantize_model_(self.model, method, config.model_path)
+        except Exception as exc:
+            from zllm.executor.cpu_kernels import CpuKernelError
+
+            if config.quantization is None and isinstance(exc, CpuKernelError):
+                logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
+                return "none"
+            raise
+        return method
 
     def _setup_cuda(self, config: EngineConfig) -> None:
         """On a GPU: our paged-attention kernels and CUDA graphs for decode (csrc/).

@@ -39,9 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization",
-        choices=["int8"],
+        choices=["gguf", "int8", "none"],
         default=None,
-        help="int8: int8 weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
+        help="gguf (the default for a Q4_1/Q8_0 GGUF file on CPU): matmuls read the file's "
+        "quantized blocks, the same weight values as fp32; none: fp32 matmuls; int8: int8 "
+        "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
     )
 
 

@@ -59,5 +59,7 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
-    quantization: str | None = None  # "int8": int8 weights, dynamic int8 activations (CPU)
+    # None: "gguf" for a GGUF file on CPU when the kernel can serve it, else fp32 ("none").
+    # "gguf": matmuls on the file's Q4_1/Q8_0 blocks; "int8": fbgemm dynamic int8 (CPU).
+    quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs

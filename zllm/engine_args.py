@@ -35,8 +35,10 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be 'int8' or unset, got {self.quantization!r}.")
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ValueError(
+                f"quantization must be 'gguf', 'int8', 'none' or unset, got {self.quantization!r}."
+            )
         model_path = resolve_model(self.model)
         arch = read_arch_config(model_path)
         max_model_len = arch.max_position_embeddings

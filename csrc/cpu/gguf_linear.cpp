@@ -1,0 +1,191 @@
+// y = x @ W^T with W kept in its GGUF block-quantized form (Q4_1 or Q8_0), x and y fp32.
+//
+// Why: at small batches a decode step is bound by reading the weights. fp32 weights are
+// 4 bytes a value; Q4_1 is 0.625 and Q8_0 1.0625, so the same step reads 4-6x fewer bytes.
+// The weights are dequantized in registers/L1 exactly as gguf.quants does it (fp32 d*q + m,
+// no FMA contraction: built with -ffp-contract=off), so the values multiplied are bit for bit
+// the fp32 reference weights; only the summation order differs from a BLAS GEMM.
+//
+// Loop structure (one thread per chunk of output rows, torch's own thread pool):
+//   for each panel of NR output rows:
+//     dequantize the NR rows (NR x K fp32, a few KB: stays in L1)
+//     for each tile of MR input rows: MR x NR dot products over K, 8 lanes at a time,
+//       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
+// Each weight byte is read from memory once per call whatever M is, and dequantized once.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kBlock = 32;       // values per GGUF block (Q4_1 and Q8_0)
+constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
+constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
+
+enum QType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };  // ggml_type ids
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One Q4_1 row of K values -> fp32. Value j of a block is the low nibble of byte j (j < 16)
+// or the high nibble of byte j - 16.
+void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * kQ4_1Bytes;
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m128i lo = _mm_and_si128(bytes, low_mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+    float* o = out + b * kBlock;
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+      _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, q), m));
+    }
+  }
+}
+
+void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * kQ8_0Bytes;
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    float* o = out + b * kBlock;
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+      _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, q));
+    }
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[m, n0 + j] = sum_k x[m, k] * w[j][k] for MR rows m and NR dequantized rows w.
+template <int MR, int NR>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = hsum(acc[i][j]);
+}
+
+// Every input row against NR dequantized weight rows, MR input rows per register tile.
+template <int MR, int NR>
+void panel(const float* x, int64_t M, int64_t ldx, const float* w, int64_t K, float* y,
+           int64_t ldy) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, NR>(x + m * ldx, ldx, w, K, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: tile<3, NR>(x + m * ldx, ldx, w, K, y + m * ldy, ldy); break;
+    case 2: tile<2, NR>(x + m * ldx, ldx, w, K, y + m * ldy, ldy); break;
+    case 1: tile<1, NR>(x + m * ldx, ldx, w, K, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+
+using DequantRow = void (*)(const uint8_t*, int64_t, float*);
+
+// y [M, N] = x [M, K] @ W^T, NR weight rows dequantized at a time, MR x NR register tiles.
+template <int MR, int NR>
+void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+            int64_t N, int64_t K, DequantRow dequant, float* y) {
+  const int64_t num_panels = (N + NR - 1) / NR;
+  // A chunk of panels per task: enough work (~64K weights) to hide the pool's overhead.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (NR * K));
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(NR * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * NR;
+      const int64_t nr = std::min<int64_t>(NR, N - n0);
+      for (int64_t j = 0; j < nr; ++j) dequant(w + (n0 + j) * row_bytes, K, buf.data() + j * K);
+      if (nr == NR) {
+        panel<MR, NR>(x, M, ldx, buf.data(), K, y + n0, N);
+      } else {
+        for (int64_t j = 0; j < nr; ++j)
+          panel<MR, 1>(x, M, ldx, buf.data() + j * K, K, y + n0 + j, N);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: fp32 [M, K] (rows contiguous), qweight: uint8 [N, bytes per row], returns fp32 [M, N].
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
+  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
+                  qweight.is_contiguous(),
+              "qweight must be contiguous uint8 [N, bytes per row]");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported ggml type ", qtype);
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t block_bytes = qtype == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == K / kBlock * block_bytes,
+              "qweight row bytes do not match K=", K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1);
+  float* yp = y.data_ptr<float>();
+  const auto dequant = qtype == kQ4_1 ? dequant_row_q4_1 : dequant_row_q8_0;
+
+  // Few input rows: more weight rows per tile, so enough independent FMA chains are in
+  // flight. Many: 4 input rows x 3 weight rows, 12 accumulators + 3 weights + 1 input = 16 ymm.
+  if (M <= 2)
+    linear<2, 4>(xp, M, ldx, wp, row_bytes, N, K, dequant, yp);
+  else
+    linear<4, 3>(xp, M, ldx, wp, row_bytes, N, K, dequant, yp);
+  return y;
+}
+
+// The fp32 values the kernel multiplies by: [N, K]. For tests and for building the fp32 copy
+// used by large batches, so both paths see identical weights.
+torch::Tensor gguf_dequantize(const torch::Tensor& qweight, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
+                  qweight.is_contiguous(),
+              "qweight must be contiguous uint8 [N, bytes per row]");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported ggml type ", qtype);
+  const int64_t block_bytes = qtype == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == K / kBlock * block_bytes,
+              "qweight row bytes do not match K=", K);
+  const int64_t N = qweight.size(0);
+  auto out = torch::empty({N, K}, torch::kFloat32);
+  const auto dequant = qtype == kQ4_1 ? dequant_row_q4_1 : dequant_row_q8_0;
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) dequant(wp + n * qweight.size(1), K, op + n * K);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF Q4_1/Q8_0 weights");
+  m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q4_1/Q8_0 rows -> fp32");
+}

@@ -1,0 +1,93 @@
+"""csrc/cpu/gguf_linear.cpp: matmuls on GGUF Q4_1 / Q8_0 blocks, and the engine's use of them.
+
+The kernel must multiply by exactly the fp32 weights gguf.quants dequantizes (bit for bit),
+for every row count (register tiles of 1-4 rows, 2 and 3 weight rows, remainders), and the
+engine must pick it by default for a GGUF file on CPU without changing any greedy output.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from zllm import LLM, SamplingParams
+from zllm.executor import cpu_kernels
+from zllm.executor.quantization import GGUF_KERNEL_MAX_ROWS, GGUFLinear
+
+TYPES = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _blocks(rows: int, cols: int, ggml_type, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    q = quantize(w, ggml_type)
+    ref = dequantize(q, ggml_type).reshape(rows, cols).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(ref)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_bit_exact(ggml_type):
+    q, ref = _blocks(37, 96, ggml_type, seed=1)
+    assert torch.equal(cpu_kernels.gguf_dequantize(q, int(ggml_type), 96), ref)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 33])
+def test_linear_matches_fp32_matmul(ggml_type, rows):
+    # 37 output rows: panels of 3 and 4 leave a remainder; K = 160 is 5 blocks.
+    q, ref = _blocks(37, 160, ggml_type, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
+    expected = (x.double() @ ref.double().T).float()
+    assert out.shape == (rows, 37)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_reads_strided_rows_and_rejects_bad_input():
+    q, ref = _blocks(8, 64, GGMLQuantizationType.Q4_1, seed=3)
+    wide = torch.randn(3, 128)
+    x = wide[:, :64]  # rows 128 floats apart
+    torch.testing.assert_close(
+        cpu_kernels.gguf_linear(x, q, 3), x @ ref.T, rtol=1e-5, atol=1e-4
+    )
+    with pytest.raises(RuntimeError, match="row bytes"):
+        cpu_kernels.gguf_linear(torch.randn(2, 96), q, 3)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        cpu_kernels.gguf_linear(torch.randn(2, 64), q, 2)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_kernels.gguf_linear(torch.randn(2, 64, dtype=torch.float64), q, 3)
+
+
+def test_gguf_linear_module_switches_to_fp32_for_many_rows():
+    q, ref = _blocks(16, 64, GGMLQuantizationType.Q8_0, seed=4)
+    bias = torch.randn(16)
+    layer = GGUFLinear(q, 8, ref, bias, max_kernel_rows=4)
+    for rows in (1, 4, 5, 50):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), x @ ref.T + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_path):
+    gguf = LLM(smollm2_path, max_num_seqs=8)
+    fp32 = LLM(smollm2_path, max_num_seqs=8, quantization="none")
+    assert gguf.model_runner.quantization == "gguf"
+    assert fp32.model_runner.quantization == "none"
+    model = gguf.model_runner.model
+    assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
+    assert isinstance(model.layers[-1].mlp.down_proj, GGUFLinear)
+    assert model.logits_proj is not None and model.logits_proj.ggml_type == 8  # Q8_0 embedding
+    rng = np.random.default_rng(7)
+    # Prompts longer than GGUF_KERNEL_MAX_ROWS prefill on the fp32 copy, decode on blocks.
+    lengths = [5, 40, GGUF_KERNEL_MAX_ROWS + 30, 12, 70, 3]
+    prompts = [{"prompt_token_ids": rng.integers(256, 49000, n).tolist()} for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    a = gguf.generate(prompts, params, use_tqdm=False)
+    b = fp32.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        LLM(tiny_llama_dir, quantization="gguf")
+    # Unset: a Hugging Face directory simply runs fp32.
+    assert LLM(tiny_llama_dir).model_runner.quantization == "none"
