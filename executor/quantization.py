@@ -100,7 +100,9 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
     arch: ModelArchConfig = model.arch
     raw = gguf_raw_weights(model_path, arch)
 
-    def fuse(names: list[str], weight: torch.Tensor, bias: torch.Tensor | None) -> GGUFLinear | None:
+    def fuse(
+        names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> GGUFLinear | None:
         """One GGUFLinear over the row-concatenated blocks of names, if they all qualify."""
         parts = [raw.get(n) for n in names]
         if any(p is None for p in parts):

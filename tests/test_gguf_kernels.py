@@ -47,9 +47,7 @@ def test_linear_reads_strided_rows_and_rejects_bad_input():
     q, ref = _blocks(8, 64, GGMLQuantizationType.Q4_1, seed=3)
     wide = torch.randn(3, 128)
     x = wide[:, :64]  # rows 128 floats apart
-    torch.testing.assert_close(
-        cpu_kernels.gguf_linear(x, q, 3), x @ ref.T, rtol=1e-5, atol=1e-4
-    )
+    torch.testing.assert_close(cpu_kernels.gguf_linear(x, q, 3), x @ ref.T, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="row bytes"):
         cpu_kernels.gguf_linear(torch.randn(2, 96), q, 3)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
