@@ -18,6 +18,7 @@ padded, masked call; the others run one by one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,7 @@ class DecodeBatch:
     token_indices: torch.Tensor  # int64 [S_dec], where each decode token sits in the flat batch
     block_ids: torch.Tensor  # int64 [S_dec * max_blocks], tables trimmed to the longest context
     max_blocks: int
+    seq_lens: torch.Tensor  # int64 [S_dec], context lengths (this token included)
     attn_mask: torch.Tensor  # bool [S_dec, 1, 1, max_blocks * block_size], True where attended
     is_whole_batch: bool  # every token of the step is a decode token, in order
     # Gather destination [2, S_dec * max_blocks, block elems], made by the first layer and
@@ -156,6 +158,7 @@ def _build_decode_batch(seq_ids, query_start, ctx_lens, tables, block_size, to_d
         token_indices=to_dev(query_start[seq_ids]),
         block_ids=to_dev(block_ids),
         max_blocks=max_blocks,
+        seq_lens=to_dev(np.ascontiguousarray(lens)),
         attn_mask=to_dev(mask[:, None, None, :]),
         is_whole_batch=False,
     )
@@ -193,6 +196,10 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        # Set by the model runner on CPU when csrc/cpu builds: decode attention read in place
+        # from the cache (zllm.executor.cpu_kernels.paged_decode_attention) instead of the
+        # gather + SDPA below, which stays the reference and the path for other devices.
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(
         self,
@@ -227,6 +234,9 @@ class PagedAttention:
     ) -> torch.Tensor:
         q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
         num_seqs = q.shape[0]
+        if self.decode_kernel is not None:
+            tables = decode.block_ids.view(num_seqs, decode.max_blocks)
+            return self.decode_kernel(q, kv_cache, tables, decode.seq_lens, self.scale)
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)
         shape = (2, decode.block_ids.shape[0], blocks.shape[2])
         kv = decode.workspace

@@ -1,7 +1,11 @@
 """zllm's CPU kernels (csrc/cpu/), built at first use as a torch C++ extension.
 
-    gguf_linear(x, qweight, ggml_type)   x @ W^T with W in GGUF Q4_1 / Q8_0 blocks   csrc/cpu/gguf_linear.cpp
-    gguf_dequantize(qweight, ggml_type, K)   the fp32 values that kernel multiplies by
+    gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF Q4_1/Q8_0 blocks   csrc/cpu/gguf_linear.h
+    gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
+    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)   csrc/cpu/paged_attention.h
+
+csrc/cpu/ops.cpp includes the kernels and binds them: one translation unit, since torch's
+headers dominate the build time.
 
 Built with torch.utils.cpp_extension.load (needs a C++ compiler and ninja, ~35 s on 2 cores),
 once per machine: the library is cached under torch's extensions directory
@@ -16,6 +20,7 @@ libgomp torch loaded), so they never add threads that compete with torch's for t
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -28,7 +33,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[1] / "csrc")
-SOURCES = ("cpu/gguf_linear.cpp",)
+SOURCES = ("cpu/ops.cpp",)
+KERNEL_FILES = ("cpu/ops.cpp", "cpu/gguf_linear.h", "cpu/paged_attention.h")
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
 # does, so the kernel's weights equal the fp32 reference weights bit for bit.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
@@ -38,6 +44,12 @@ LDFLAGS = ("-fopenmp",)
 GGML_Q4_1 = 3
 GGML_Q8_0 = 8
 SUPPORTED_GGML_TYPES = (GGML_Q4_1, GGML_Q8_0)
+
+
+def enabled() -> bool:
+    """False when $ZLLM_CPU_KERNELS is 0: the engine then picks no kernel by itself (an
+    explicit --quantization gguf still builds them). For A/B measurements and debugging."""
+    return os.environ.get("ZLLM_CPU_KERNELS", "1") != "0"
 
 
 class CpuKernelError(RuntimeError):
@@ -63,15 +75,18 @@ def load() -> ModuleType:
         raise CpuKernelError("the CPU kernels need a C++ compiler (c++ on PATH, or $CXX)")
     from torch.utils import cpp_extension
 
-    sources = [str(CSRC_DIR / s) for s in SOURCES]
-    missing = [s for s in sources if not os.path.exists(s)]
+    files = [CSRC_DIR / f for f in KERNEL_FILES]
+    missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise CpuKernelError(f"kernel sources not found: {missing} (set ZLLM_CSRC_DIR)")
+    # torch rebuilds when a source listed in `sources` changes, not an included header: name
+    # the build after every file's content so an edited header gets a fresh build.
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name="zllm_cpu_kernels",
-            sources=sources,
+            name=f"zllm_cpu_kernels_{digest}",
+            sources=[str(CSRC_DIR / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             verbose=False,
@@ -91,6 +106,21 @@ def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch
 
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
     return load().gguf_dequantize(qweight, ggml_type, in_features)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [S, H, D] (one token per sequence) attending to its context in kv_cache -> [S, H, D].
+
+    kv_cache [2, num_blocks, block_size, kv_heads, D] fp32 contiguous; block_tables int64
+    [S, max_blocks]; seq_lens int64 [S] (the context, this token included).
+    """
+    return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
 
 
 if __name__ == "__main__":  # python -m zllm.executor.cpu_kernels: build now (e.g. in CI)

@@ -76,6 +76,7 @@ class ModelRunner:
         self.model.load_weights(load_weights(config.model_path, self.arch))
         self.model.to(self.device).eval()
         self.quantization = self._quantize(config)
+        self.cpu_attention_kernel = self._use_cpu_attention_kernel()
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
 
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
@@ -101,6 +102,23 @@ class ModelRunner:
         # Generators of n > 1 samples drawn before their fork message arrives.
         self._child_generators: dict[str, torch.Generator | None] = {}
 
+    def _use_cpu_attention_kernel(self) -> bool:
+        """Decode attention from csrc/cpu on CPU fp32 when it builds (ZLLM_CPU_KERNELS=0: off)."""
+        from zllm.executor import cpu_kernels
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return False
+        if not cpu_kernels.enabled() or self.arch.head_dim % 8 != 0:
+            return False
+        try:
+            cpu_kernels.load()
+        except cpu_kernels.CpuKernelError as exc:
+            logger.warning("CPU kernels unavailable, decode attention stays in torch: %s", exc)
+            return False
+        for layer in self.model.layers:
+            layer.self_attn.attn.decode_kernel = cpu_kernels.paged_decode_attention
+        return True
+
     def _quantize(self, config: EngineConfig) -> str:
         """Apply config.quantization (or pick one when unset); returns the method in use."""
         from zllm.executor import quantization
@@ -108,7 +126,9 @@ class ModelRunner:
         method = config.quantization
         if method is None:
             method = "none"
-            if self.device.type == "cpu" and self.dtype == torch.float32:
+            from zllm.executor.cpu_kernels import enabled
+
+            if self.device.type == "cpu" and self.dtype == torch.float32 and enabled():
                 reason = quantization.gguf_kernel_plan(config.model_path)
                 if reason is None:
                     method = "gguf"

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from zllm.executor import cpu_kernels
 from zllm.executor.attention import AttentionMetadata, PagedAttention, write_kv_cache
 
 # (query_len, context_len) per sequence: q == 1 decodes, q == L is a fresh prompt, else a chunk.
@@ -46,7 +47,9 @@ def dense_reference(q, k, v, query_len: int) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16):
+def run_case(
+    batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False
+):
     gen = torch.Generator().manual_seed(seed)
     query_lens = [q for q, _ in batch]
     context_lens = [n for _, n in batch]
@@ -80,6 +83,8 @@ def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim
     expected_cache.view(2, -1, num_kv_heads, head_dim)[1, slot_mapping] = new_v
 
     attn = PagedAttention(num_heads, num_kv_heads, head_dim)
+    if kernel:
+        attn.decode_kernel = cpu_kernels.paged_decode_attention
     out = attn(query, new_k, new_v, kv_cache, meta)
 
     assert torch.equal(kv_cache, expected_cache)
@@ -100,6 +105,27 @@ def test_matches_dense_reference(batch_name, block_size, heads):
     out, expected = run_case(BATCHES[batch_name], block_size, *heads, torch.float32)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_name", ["decode", "mixed"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 1), (9, 3)])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_cpu_decode_kernel_matches_dense_reference(batch_name, block_size, heads, head_dim):
+    out, expected = run_case(
+        BATCHES[batch_name], block_size, *heads, torch.float32, head_dim=head_dim, kernel=True
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_rejects_tables_outside_the_cache():
+    kv_cache = torch.zeros(2, 4, 16, 1, 8)
+    q = torch.randn(1, 2, 8)
+    lens = torch.tensor([20])
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernels.paged_decode_attention(q, kv_cache, torch.tensor([[0, 4]]), lens, 1.0)
+    with pytest.raises(RuntimeError, match="seq_len out of range"):
+        cpu_kernels.paged_decode_attention(q, kv_cache, torch.tensor([[0]]), lens, 1.0)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -13,6 +13,8 @@
 //       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
 // Each weight byte is read from memory once per call whatever M is, and dequantized once.
 
+#pragma once
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -21,7 +23,7 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+namespace zllm_gguf {
 
 constexpr int kBlock = 32;       // values per GGUF block (Q4_1 and Q8_0)
 constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
@@ -132,7 +134,9 @@ void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ro
   });
 }
 
-}  // namespace
+}  // namespace zllm_gguf
+
+using namespace zllm_gguf;
 
 // x: fp32 [M, K] (rows contiguous), qweight: uint8 [N, bytes per row], returns fp32 [M, N].
 torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
@@ -183,9 +187,4 @@ torch::Tensor gguf_dequantize(const torch::Tensor& qweight, int64_t qtype, int64
     for (int64_t n = begin; n < end; ++n) dequant(wp + n * qweight.size(1), K, op + n * K);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF Q4_1/Q8_0 weights");
-  m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q4_1/Q8_0 rows -> fp32");
 }

@@ -1,0 +1,14 @@
+// zllm's CPU kernels as one torch extension (one translation unit: torch's headers dominate
+// the build time, so they are parsed once). Loaded by executor/cpu_kernels.py.
+
+#include <torch/extension.h>
+
+#include "gguf_linear.h"
+#include "paged_attention.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF Q4_1/Q8_0 weights");
+  m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q4_1/Q8_0 rows -> fp32");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-token-per-sequence attention read from the paged KV cache");
+}

@@ -1,0 +1,146 @@
+// Decode attention (one new token per sequence) straight from the paged KV cache, fp32.
+//
+// Why: the torch path gathers every sequence's K and V blocks into a fresh padded tensor each
+// layer and then runs SDPA over it, so each cached value crosses memory three times (read,
+// write, read) and padding is computed. Here each K and V row is read once, where it lies,
+// through the block table. At 32 sequences of ~200 tokens that is most of a step's
+// attention time on a 2-core machine.
+//
+// Work item = (sequence, KV head): the G = heads / kv_heads query heads sharing that KV head
+// are served together, so a K/V row read from memory is used G times. Two passes over the
+// context: scores (q.k * scale) into a small buffer, softmax, then the weighted sum of V.
+//
+// Layouts (the executor's contract, executor/attention.py):
+//   q            [S, H, D]   any sequence/head stride, last dim contiguous
+//   kv_cache     [2, num_blocks, block_size, KVH, D] contiguous, 0 = K, 1 = V
+//   block_tables int64 [S, max_blocks]     seq_lens int64 [S]
+//   out          [S, H, D] contiguous
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace zllm_attn {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+  }
+  for (; d < D; d += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+// out += w * v over D floats.
+inline void axpy(float w, const float* v, float* out, int64_t D) {
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int64_t d = 0; d < D; d += 8)
+    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+}
+
+}  // namespace zllm_attn
+
+using namespace zllm_attn;
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
+              "q must be fp32 [S, H, D] with a contiguous last dim");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.scalar_type() == torch::kFloat32 &&
+                  kv_cache.is_contiguous() && kv_cache.size(0) == 2,
+              "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous int64 [S, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kInt64 &&
+                  seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int64 [S]");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t KVH = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "one table and length per sequence");
+  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size,
+                "seq_len out of range for its block table");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int64_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id out of range");
+    }
+  }
+
+  auto out = torch::empty({S, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const float* k_cache = kv_cache.data_ptr<float>();
+  const float* v_cache = k_cache + num_blocks * block_size * KVH * D;
+  const int64_t row = KVH * D;  // floats between consecutive tokens of a block
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kvh = item % KVH;
+      const int64_t L = lens[s];
+      const int64_t* table = tables + s * max_blocks;
+      scores.resize(G * L);
+      // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max.
+      std::vector<float> maxes(G, -INFINITY);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const float* k = k_cache + slot * row + kvh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qp + s * q_seq + (kvh * G + g) * q_head;
+          const float x = dot(qg, k, D) * fscale;
+          scores[g * L + t] = x;
+          maxes[g] = std::max(maxes[g], x);
+        }
+      }
+      // Softmax weights, then out_g = sum_t w[g][t] v_t / sum_t w[g][t].
+      std::vector<float> sums(G, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - maxes[g]);
+          sums[g] += sg[t];
+        }
+        std::fill_n(op + (s * H + kvh * G + g) * D, D, 0.f);
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        const float* v = v_cache + slot * row + kvh * D;
+        for (int64_t g = 0; g < G; ++g)
+          axpy(scores[g * L + t], v, op + (s * H + kvh * G + g) * D, D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = op + (s * H + kvh * G + g) * D;
+        const float inv = 1.f / sums[g];
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+  return out;
+}
