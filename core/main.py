@@ -122,7 +122,9 @@ class CoreProcess:
                 len(self.in_flight) < MAX_STEPS_IN_FLIGHT
                 and self.scheduler.has_unfinished_requests()
             ):
+                schedule_start = time.perf_counter()
                 step = self.scheduler.schedule()
+                self.stats.core_schedule_s += time.perf_counter() - schedule_start
                 if self._worth_sending(step):
                     self.to_executor.send(self.encoder.encode(step))
                     self.in_flight.append(step)
@@ -149,11 +151,16 @@ class CoreProcess:
             )
             os._exit(3)
         data = self.from_executor.recv()
+        output_start = time.perf_counter()
         output = self.runner_decoder.decode(data)
         step = self.in_flight.popleft()
         outputs = self.scheduler.update_from_output(step, output)
         self._publish(outputs)
         s = self.stats
+        s.core_output_s += time.perf_counter() - output_start
+        s.executor_prepare_s += output.prepare_time_s
+        s.executor_forward_s += output.forward_time_s
+        s.executor_sample_s += output.sample_time_s
         s.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         s.num_steps += 1
         s.executor_busy_s += output.exec_time_s

@@ -230,6 +230,7 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        step_start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
@@ -263,12 +264,18 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        forward_start = time.perf_counter()
         hidden = None
         if self.graph_runner is not None:  # a captured CUDA graph, for decode-only batches
             hidden = self.graph_runner.run(ids_t, pos_t, attn_metadata)
         if hidden is None:
             hidden = self.model(ids_t, pos_t, self.kv_caches, attn_metadata)
 
+        # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
+        forward_end = time.perf_counter()
+        timing = dict(
+            prepare_time_s=forward_start - step_start, forward_time_s=forward_end - forward_start
+        )
         ends = np.cumsum(query_lens)
         prompt_logprobs = self._prompt_logprobs(states, query_lens, seq_lens, ends, hidden)
 
@@ -282,6 +289,8 @@ class ModelRunner:
                 req_ids=[],
                 sampled_token_ids=[],
                 prompt_logprobs=prompt_logprobs,
+                sample_time_s=time.perf_counter() - forward_end,
+                **timing,
             )
         sample_rows = [
             i
@@ -341,6 +350,8 @@ class ModelRunner:
             sampled_token_ids=tokens_per_req,
             logprobs=logprobs_per_req if has_logprobs else [],
             prompt_logprobs=prompt_logprobs,
+            sample_time_s=time.perf_counter() - forward_end,
+            **timing,
         )
 
     # ---- helpers -------------------------------------------------------------------------------

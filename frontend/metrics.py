@@ -7,7 +7,9 @@
                                vllm:num_preemptions_total, vllm:prefix_cache_queries_total,
                                vllm:prefix_cache_hits_total (tokens),
                                zllm:executor_busy_seconds_total,
-                               zllm:executor_idle_seconds_total, zllm:engine_steps_total
+                               zllm:executor_idle_seconds_total, zllm:engine_steps_total,
+                               zllm:executor_{prepare,forward,sample}_seconds_total,
+                               zllm:core_{schedule,output}_seconds_total (goal 4's split)
     supervisor events          zllm:process_up{role,index}
     this frontend              vllm:request_success_total{finished_reason},
                                vllm:time_to_first_token_seconds,
@@ -269,6 +271,31 @@ _COUNTERS = (
         "zllm:executor_idle_seconds",
         "Seconds the executor waited for its next step.",
         "executor_idle_s",
+    ),
+    (
+        "zllm:executor_prepare_seconds",
+        "Seconds the executor spent preparing step inputs and attention metadata.",
+        "executor_prepare_s",
+    ),
+    (
+        "zllm:executor_forward_seconds",
+        "Seconds the executor spent in the model forward (on a GPU: enqueueing it).",
+        "executor_forward_s",
+    ),
+    (
+        "zllm:executor_sample_seconds",
+        "Seconds the executor spent on logits, sampling and building step outputs.",
+        "executor_sample_s",
+    ),
+    (
+        "zllm:core_schedule_seconds",
+        "Seconds the core spent in the scheduler choosing steps.",
+        "core_schedule_s",
+    ),
+    (
+        "zllm:core_output_seconds",
+        "Seconds the core spent applying step outputs (stops, publishing, freeing blocks).",
+        "core_output_s",
     ),
 )
 

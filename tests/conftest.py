@@ -113,6 +113,18 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def pytest_sessionstart(session):
+    # Build csrc/cpu once, up front (~35 s on a fresh machine, cached after), rather than
+    # inside whichever server or test first needs it, where it would eat their time limits.
+    # A failure here is not fatal: the engine falls back to torch, the kernel tests fail.
+    from zllm.executor import cpu_kernels
+
+    try:
+        cpu_kernels.load()
+    except cpu_kernels.CpuKernelError as exc:
+        print(f"\nCPU kernels unavailable: {exc}")
+
+
 def pytest_terminal_summary(terminalreporter):
     from parity import FLIPS
 

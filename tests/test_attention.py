@@ -47,9 +47,7 @@ def dense_reference(q, k, v, query_len: int) -> torch.Tensor:
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(
-    batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False
-):
+def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False):
     gen = torch.Generator().manual_seed(seed)
     query_lens = [q for q, _ in batch]
     context_lens = [n for _, n in batch]

@@ -225,3 +225,67 @@ def test_percentile_matches_linear_interpolation():
     assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
     assert percentile(values, 99) == pytest.approx(4.96)
     assert math.isnan(percentile([], 50))
+
+
+def test_engine_cost_from_counters_and_process_cpu():
+    from zllm.bench_engine_stats import engine_cost, parse_counters
+
+    text = "\n".join(
+        [
+            "# HELP zllm:engine_steps_total Steps the executor finished.",
+            'zllm:engine_steps_total{model_name="m"} 110.0',
+            'zllm:executor_busy_seconds_total{model_name="m"} 9.0',
+            'zllm:executor_idle_seconds_total{model_name="m"} 1.0',
+            'zllm:executor_forward_seconds_total{model_name="m"} 8.0',
+            'zllm:core_schedule_seconds_total{model_name="m"} 0.5',
+            'vllm:num_requests_running{model_name="m"} 3.0',
+        ]
+    )
+    after = parse_counters(text)
+    assert after == {"steps": 110, "busy": 9, "idle": 1, "forward": 8, "schedule": 0.5}
+    before = {"steps": 10.0, "busy": 1.0, "idle": 0.2, "forward": 0.5}
+    cost = engine_cost(
+        (before, {"core": 1.0, "executor": 5.0}),
+        (after, {"core": 1.5, "executor": 15.0, "frontend": 0.5}),
+        output_tokens=1000,
+    )
+    assert cost["steps"] == 100
+    assert cost["per_step_ms"]["busy"] == pytest.approx(80.0)
+    assert cost["per_step_ms"]["forward"] == pytest.approx(75.0)
+    assert cost["executor_idle_share"] == pytest.approx(0.8 / 8.8, abs=1e-4)
+    cpu = cost["cpu_ms_per_output_token"]
+    assert cpu["executor"] == pytest.approx(10.0) and cpu["core"] == pytest.approx(0.5)
+    assert cpu["all_but_executor"] == pytest.approx(1.0)
+    assert engine_cost(({}, {}), ({}, {}), 10) is None  # another engine: nothing to report
+
+
+def test_engine_split_reported_against_a_real_zllm_server(tiny_llama_dir, tmp_path):
+    from servers import start_server, stop_server
+
+    from zllm.model_files import read_arch_config
+
+    server = start_server(tiny_llama_dir, tmp_path / "serve.log")
+    try:
+        config = ServeBenchConfig(
+            base_url=server.url,
+            num_prompts=8,
+            input_len=16,
+            output_len=12,
+            concurrency=4,
+            vocab_size=read_arch_config(tiny_llama_dir).vocab_size,
+        )
+        s, _ = _run(config, None)
+    finally:
+        stop_server(server)
+    assert s["completed"] == 8 and s["total_output_tokens"] == 8 * 12
+    engine = s["engine"]
+    assert engine["steps"] >= 12  # at least one step per output token of a request
+    step = engine["per_step_ms"]
+    assert step["busy"] > 0 and step["forward"] > 0
+    assert step["prepare"] + step["forward"] + step["sample"] <= step["busy"] + 1e-3
+    assert 0 <= engine["executor_idle_share"] < 1
+    cpu = engine["cpu_ms_per_output_token"]
+    for role in ("frontend", "tokenizer", "core", "executor", "detokenizer"):
+        assert cpu[role] >= 0, role
+    assert cpu["executor"] > 0
+    assert "Executor idle share" in format_table(s)

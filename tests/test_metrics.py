@@ -32,6 +32,11 @@ COUNTERS = (
     "zllm:executor_busy_seconds_total",
     "zllm:executor_idle_seconds_total",
     "zllm:engine_steps_total",
+    "zllm:executor_prepare_seconds_total",
+    "zllm:executor_forward_seconds_total",
+    "zllm:executor_sample_seconds_total",
+    "zllm:core_schedule_seconds_total",
+    "zllm:core_output_seconds_total",
 )
 HISTOGRAMS = (
     "vllm:time_to_first_token_seconds",
@@ -193,6 +198,14 @@ def test_counters_and_histograms_match_the_requests_sent(server, tiny_llama_dir)
     assert value(samples, "zllm:engine_steps_total") > 0
     assert value(samples, "zllm:executor_busy_seconds_total") > 0
     assert value(samples, "zllm:executor_idle_seconds_total") >= 0
+    # The step's parts are inside the step, and each was measured.
+    parts = [
+        value(samples, f"zllm:executor_{p}_seconds_total") for p in ("prepare", "forward", "sample")
+    ]
+    assert all(p > 0 for p in parts)
+    assert sum(parts) <= value(samples, "zllm:executor_busy_seconds_total")
+    assert value(samples, "zllm:core_schedule_seconds_total") > 0
+    assert value(samples, "zllm:core_output_seconds_total") > 0
     for role in ROLES:
         assert value(samples, "zllm:process_up", role=role, index="0") == 1, role
 

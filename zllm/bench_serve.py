@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zllm.bench_engine_stats import engine_cost, parse_counters, process_cpu_seconds
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
@@ -305,6 +307,7 @@ async def run_benchmark(
                 raise BenchmarkError(f"warm-up request to {config.base_url} failed: {w.error}")
 
         load_at_start = _loadavg()
+        server_before = await _server_snapshot(client, config)
         results: list[RequestResult | None] = [None] * len(prompts)
         sem = asyncio.Semaphore(config.concurrency) if config.concurrency else None
         t0 = time.perf_counter()
@@ -332,10 +335,24 @@ async def run_benchmark(
                     await asyncio.sleep(rng.expovariate(config.request_rate))
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        server_after = await _server_snapshot(client, config)
     done = [r for r in results if r is not None]
     summary = summarize(config, model, done, duration)
     summary["loadavg_1m_at_start"] = load_at_start
+    summary["engine"] = engine_cost(server_before, server_after, summary["total_output_tokens"])
     return summary, done
+
+
+async def _server_snapshot(client, config: ServeBenchConfig) -> tuple[dict, dict]:
+    """(the server's step counters, local zllm processes' CPU seconds); empty when absent."""
+    counters: dict[str, float] = {}
+    try:
+        r = await client.get(f"{config.base_url}/metrics", headers=_headers(config))
+        if r.status_code == 200:
+            counters = parse_counters(r.text)
+    except Exception:  # another engine, or metrics protected: the figures are optional
+        pass
+    return counters, process_cpu_seconds()
 
 
 def _loadavg() -> float | None:
@@ -443,6 +460,24 @@ def format_table(s: dict[str, Any]) -> str:
     ):
         for stat in ("mean", "p50", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{s[key][stat]:.2f}"))
+    engine = s.get("engine") or {}
+    if "per_step_ms" in engine:
+        step = engine["per_step_ms"]
+        rows.append(("Engine steps", str(engine["steps"])))
+        for key, name in (
+            ("busy", "Executor step"),
+            ("prepare", "  inputs + metadata"),
+            ("forward", "  forward"),
+            ("sample", "  logits + sampling"),
+            ("idle", "Executor idle"),
+            ("schedule", "Core scheduling"),
+            ("core_output", "Core output handling"),
+        ):
+            rows.append((f"{name} (ms/step)", f"{step[key]:.2f}"))
+        if engine.get("executor_idle_share") is not None:
+            rows.append(("Executor idle share", f"{engine['executor_idle_share']:.1%}"))
+    for role, ms in (engine.get("cpu_ms_per_output_token") or {}).items():
+        rows.append((f"CPU {role} (ms/token)", f"{ms:.2f}"))
     width = max(len(k) for k, _ in rows) + 2
     vwidth = max(12, *(len(v) for _, v in rows))
     line = "=" * (width + vwidth)

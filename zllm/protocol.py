@@ -110,7 +110,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Per sampled request (same order), when it asked for logprobs; None elsewhere.
     logprobs: list[LogprobsLists | None] = []
     prompt_logprobs: dict[str, LogprobsLists] = {}
-    # Filled by the executor process: time spent on the step, and waiting for it before.
+    # Where the step's time went: input and attention metadata preparation, the model forward,
+    # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
+    # step (receive to send, decoding the message included) and the wait for it before.
+    prepare_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0
     exec_time_s: float = 0.0
     idle_time_s: float = 0.0
 
@@ -252,6 +257,11 @@ class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_steps: int = 0
     executor_busy_s: float = 0.0
     executor_idle_s: float = 0.0
+    executor_prepare_s: float = 0.0
+    executor_forward_s: float = 0.0
+    executor_sample_s: float = 0.0
+    core_schedule_s: float = 0.0  # in Scheduler.schedule
+    core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0
     num_free_blocks: int = 0
     # The KV pool for the dashboard, one byte per cell: 0 free, 1 in use, 2 cached prefix

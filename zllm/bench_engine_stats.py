@@ -1,0 +1,95 @@
+"""What a `zllm bench serve` run cost on the server side, for a zllm server on this machine.
+
+Two snapshots, before and after the timed requests, of:
+- the server's /metrics step counters (zllm:executor_*_seconds_total, zllm:core_*_seconds_total,
+  zllm:engine_steps_total): where each step's time went, and the executor's idle share, the
+  time it waited for the core between steps (the overlap the multi-process design exists for);
+- the CPU time (user + system, from /proc) of every local process titled `zllm: <role> ...`:
+  what each role costs per generated token. On 2 cores every cycle another process uses is
+  one the executor's matmuls don't get.
+
+Neither needs anything from the server beyond what it already exports; against another
+engine (llama-server) both simply come back empty.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+STEP_COUNTERS = {
+    "steps": "zllm:engine_steps_total",
+    "busy": "zllm:executor_busy_seconds_total",
+    "idle": "zllm:executor_idle_seconds_total",
+    "prepare": "zllm:executor_prepare_seconds_total",
+    "forward": "zllm:executor_forward_seconds_total",
+    "sample": "zllm:executor_sample_seconds_total",
+    "schedule": "zllm:core_schedule_seconds_total",
+    "core_output": "zllm:core_output_seconds_total",
+}
+
+
+def parse_counters(metrics_text: str) -> dict[str, float]:
+    """Prometheus text -> {our key: value} for STEP_COUNTERS (summed over label sets)."""
+    by_name = {name: key for key, name in STEP_COUNTERS.items()}
+    values: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = by_name.get(name)
+        if key is not None:
+            values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of each local `zllm: <role> [index]` process, summed per role."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    by_role: dict[str, float] = {}
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return by_role
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0", 1)[0].decode(errors="replace")
+            if not title.startswith("zllm: "):
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                # Fields after the ")" closing the command name; utime and stime are 14, 15.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        role = title[len("zllm: ") :].split()[0]
+        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return by_role
+
+
+def engine_cost(
+    before: tuple[dict[str, float], dict[str, float]],
+    after: tuple[dict[str, float], dict[str, float]],
+    output_tokens: int,
+) -> dict[str, Any] | None:
+    """The per-step split and per-token CPU costs between two (counters, cpu) snapshots."""
+    (c0, cpu0), (c1, cpu1) = before, after
+    result: dict[str, Any] = {}
+    steps = c1.get("steps", 0.0) - c0.get("steps", 0.0)
+    if steps > 0:
+        delta = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in STEP_COUNTERS if k != "steps"}
+        busy_idle = delta["busy"] + delta["idle"]
+        result["steps"] = int(steps)
+        result["per_step_ms"] = {k: round(v / steps * 1e3, 3) for k, v in delta.items()}
+        result["executor_idle_share"] = round(delta["idle"] / busy_idle, 4) if busy_idle else None
+    if cpu1 and output_tokens > 0:
+        roles = sorted(cpu1)
+        per_role = {r: cpu1[r] - cpu0.get(r, 0.0) for r in roles}
+        others = sum(v for r, v in per_role.items() if r != "executor")
+        result["cpu_ms_per_output_token"] = {
+            r: round(v / output_tokens * 1e3, 3) for r, v in per_role.items()
+        }
+        result["cpu_ms_per_output_token"]["all_but_executor"] = round(
+            others / output_tokens * 1e3, 3
+        )
+    return result or None
