@@ -324,3 +324,17 @@ def test_logits_are_float32_for_bfloat16_models():
     ref = hf_logits(hf, PROMPTS[0])
     cos = torch.nn.functional.cosine_similarity(logits, ref, dim=-1)
     assert cos.min() > 0.99, math.acos(min(cos.min().item(), 1.0))
+
+
+def test_rms_norm_fused_path_is_bit_identical_to_hf_formula():
+    from zllm.executor.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(96)
+    for rows in (1, 7, 64):
+        x, residual = torch.randn(rows, 96) * 3, torch.randn(rows, 96)
+        out, stream = norm(x, residual)
+        h = x + residual
+        ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+        assert torch.equal(out, ref) and torch.equal(stream, h)
