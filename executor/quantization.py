@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("gguf", "int8", "none")
 
 # Up to this many rows (tokens) per call the GGUF kernel beats the fp32 GEMM on a 2-core AVX2
-# machine (BENCHMARKS.md, kernel vs torch per decode step: 2.6x at 1 row, 1.5x at 32, 1.3x at
-# 64, even at 128).
-GGUF_KERNEL_MAX_ROWS = 96
+# machine (BENCHMARKS.md, the matmuls of one step, kernel vs torch: 1.9x at 1 row, 1.8x at
+# 32, 1.7x at 64, 1.1x at 128 and 256, even from 512 on).
+GGUF_KERNEL_MAX_ROWS = 256
 
 
 class GGUFLinear(nn.Module):

@@ -32,9 +32,10 @@ def test_dequantize_is_bit_exact(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 33, 70, 150])
 def test_linear_matches_fp32_matmul(ggml_type, rows):
-    # 37 output rows: panels of 3 and 4 leave a remainder; K = 160 is 5 blocks.
+    # 37 output rows: panels of 3 leave a remainder; K = 160 is 5 blocks; 70 and 150 rows
+    # cross the 64-row chunks of the panel path.
     q, ref = _blocks(37, 160, ggml_type, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
