@@ -115,8 +115,10 @@ class CoreProcess:
         # Any detokenizer state from before a restart belongs to requests failed upstream.
         for sock in self.to_detokenizers:
             self._send(sock, DetokenizerBatch(new_requests=[], outputs=[], reset=True))
+        no_work = True
         while True:
             idle = not self.in_flight and not self.scheduler.has_unfinished_requests()
+            no_work = no_work or idle
             self._apply_inputs(block=idle)
             if (
                 len(self.in_flight) < MAX_STEPS_IN_FLIGHT
@@ -126,6 +128,7 @@ class CoreProcess:
                 step = self.scheduler.schedule()
                 self.stats.core_schedule_s += time.perf_counter() - schedule_start
                 if self._worth_sending(step):
+                    step.after_no_work, no_work = no_work, False
                     self.to_executor.send(self.encoder.encode(step))
                     self.in_flight.append(step)
                     continue  # schedule the next step right away, while this one runs

@@ -45,7 +45,7 @@ def main() -> None:
             logger.error("dropping a malformed step message (%d bytes): %s", len(data.buffer), e)
             continue
         output = runner.execute_model(scheduler_output)
-        output.idle_time_s = start - idle_since
+        output.idle_time_s = 0.0 if scheduler_output.after_no_work else start - idle_since
         output.exec_time_s = time.perf_counter() - start
         outbox.send(encoder.encode(output))
         idle_since = time.perf_counter()

@@ -179,17 +179,25 @@ def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     prompts = random_prompts(24, seed=7)
 
+    streaming = asyncio.Event()
+
     async def one(p):
+        count = 0
         try:
-            tokens, _, _ = await collect(llm, p, params)
-            return len(tokens[0])
+            async for d in llm.generate(p, params):
+                count += len(d.token_ids)
+                if count >= 8:
+                    streaming.set()
+            return count
         except EngineError as e:  # only requests the dead worker was serving may fail
             assert e.status == 503
             return "error"
 
     async def under_load():
         tasks = [asyncio.create_task(one(p)) for p in prompts]
-        await asyncio.sleep(0.3)
+        # Kill mid-generation: once tokens flow, with ~110 of 120 still to come. (A fixed
+        # sleep raced with the tiny model, which can finish all 24 requests in 0.3 s.)
+        await asyncio.wait_for(streaming.wait(), 60)
         victim = next(c for c in llm._supervisor.children if c.role == role and c.index == 0)
         os.kill(victim.proc.pid, signal.SIGKILL)
         return await asyncio.gather(*tasks), victim.proc.pid

@@ -335,6 +335,8 @@ async def run_benchmark(
                     await asyncio.sleep(rng.expovariate(config.request_rate))
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        # zllm's counters arrive with the core's heartbeat (every 0.5 s): let the last steps in.
+        await asyncio.sleep(1.2 if server_before[0] else 0.0)
         server_after = await _server_snapshot(client, config)
     done = [r for r in results if r is not None]
     summary = summarize(config, model, done, duration)

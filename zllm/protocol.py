@@ -97,6 +97,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Requests that finished or were aborted since the last step: the executor drops them.
     # (Preempted requests stay known to the executor, keeping their seeded generators.)
     finished_req_ids: list[str] = []
+    # The first step after the engine had no request at all: the executor's wait before it
+    # was for work, not for the core, and is not counted as idle.
+    after_no_work: bool = False
 
 
 # ---- executor -> core --------------------------------------------------------------------
