@@ -108,7 +108,7 @@ def test_matches_dense_reference(batch_name, block_size, heads):
 @pytest.mark.parametrize("batch_name", ["decode", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 1), (9, 3)])
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_cpu_decode_kernel_matches_dense_reference(batch_name, block_size, heads, head_dim):
     out, expected = run_case(
         BATCHES[batch_name], block_size, *heads, torch.float32, head_dim=head_dim, kernel=True

@@ -55,6 +55,95 @@ inline void axpy(float w, const float* v, float* out, int64_t D) {
     _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
 }
 
+// exp(x) for 8 floats, x <= 0 here (scores minus their max): Cephes' polynomial on
+// x = n ln2 + r, |r| <= ln2 / 2, then 2^n through the exponent bits. ~2 ulp.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at the cost of about two.
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One (sequence, KV head) item for head_dim D (64 or 128), G query heads on it.
+//   pass 1: scores of 8 tokens at a time: 8 independent FMA chains, one hsum8, one exp8
+//           later; padding lanes get -inf (weight 0)
+//   pass 2: per query head, out (D floats) stays in registers while the V rows stream by.
+template <int D>
+void decode_item(const float* const* qg, int64_t G, const float* k_base, const float* v_base,
+                 const int64_t* table, int64_t block_size, int64_t row, int64_t L, float scale,
+                 float* const* out, std::vector<float>& scores) {
+  constexpr int NV = D / 8;
+  const int64_t Lp = (L + 7) / 8 * 8;
+  scores.resize(G * Lp);
+  auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = qg[g];
+    float* sg = scores.data() + g * Lp;
+    __m256 vmax = neg_inf;
+    for (int64_t t0 = 0; t0 < L; t0 += 8) {
+      const int64_t tb = std::min<int64_t>(8, L - t0);
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < tb; ++j) {
+        const float* k = k_base + slot_of(t0 + j) * row;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int v = 1; v < NV; ++v)
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
+        acc[j] = a;
+      }
+      __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
+      if (tb < 8) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sc);
+        for (int64_t j = tb; j < 8; ++j) lanes[j] = -INFINITY;
+        sc = _mm256_load_ps(lanes);
+      }
+      _mm256_storeu_ps(sg + t0, sc);
+      vmax = _mm256_max_ps(vmax, sc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    const float m = *std::max_element(lanes, lanes + 8);
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < Lp; t0 += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), vm));
+      _mm256_storeu_ps(sg + t0, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    const float inv = 1.f / hsum(vsum);
+    __m256 o[NV];
+    for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const float* vr = v_base + slot_of(t) * row;
+      const __m256 w = _mm256_set1_ps(sg[t]);
+      for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), o[v]);
+    }
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out[g] + 8 * v, _mm256_mul_ps(o[v], vinv));
+  }
+}
+
 }  // namespace zllm_attn
 
 using namespace zllm_attn;
@@ -100,6 +189,26 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
+  if (D == 64 || D == 128) {
+    at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<const float*> qg(G);
+      std::vector<float*> og(G);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t s = item / KVH, kvh = item % KVH;
+        for (int64_t g = 0; g < G; ++g) {
+          qg[g] = qp + s * q_seq + (kvh * G + g) * q_head;
+          og[g] = op + (s * H + kvh * G + g) * D;
+        }
+        const auto run = D == 64 ? decode_item<64> : decode_item<128>;
+        run(qg.data(), G, k_cache + kvh * D, v_cache + kvh * D, tables + s * max_blocks,
+            block_size, row, lens[s], fscale, og.data(), scores);
+      }
+    });
+    return out;
+  }
+
+  // Any other head_dim (a multiple of 8): the plain loops.
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
