@@ -34,7 +34,12 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[1] / "csrc")
 SOURCES = ("cpu/ops.cpp",)
-KERNEL_FILES = ("cpu/ops.cpp", "cpu/gguf_linear.h", "cpu/paged_attention.h")
+KERNEL_FILES = (
+    "cpu/ops.cpp",
+    "cpu/simd.h",
+    "cpu/gguf_linear.h",
+    "cpu/paged_attention.h",
+)
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
 # does, so the kernel's weights equal the fp32 reference weights bit for bit.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")

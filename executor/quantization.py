@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config import ModelArchConfig
+from zllm.executor import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_kernel_rows or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
-        from zllm.executor.cpu_kernels import gguf_linear
-
-        y = gguf_linear(x if x.stride(-1) == 1 else x.contiguous(), self.qweight, self.ggml_type)
+        y = cpu_kernels.gguf_linear(
+            x if x.stride(-1) == 1 else x.contiguous(), self.qweight, self.ggml_type
+        )
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:

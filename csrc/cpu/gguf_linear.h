@@ -19,11 +19,16 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace zllm_gguf {
+
+using zllm_simd::half_to_float;
+using zllm_simd::hsum;
 
 constexpr int kBlock = 32;       // values per GGUF block (Q4_1 and Q8_0)
 constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
@@ -31,12 +36,6 @@ constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
 constexpr int64_t kRowChunk = 64;  // input rows per L2-resident chunk (panel path)
 
 enum QType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };  // ggml_type ids
-
-inline float half_to_float(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 // One Q4_1 row of K values -> fp32. Value j of a block is the low nibble of byte j (j < 16)
 // or the high nibble of byte j - 16.
@@ -69,13 +68,6 @@ void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {
       _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, q));
     }
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // y[m, n0 + j] = sum_k x[m, k] * w[j][k] for MR rows m and NR dequantized rows w.

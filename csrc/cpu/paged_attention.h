@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,12 +31,7 @@
 
 namespace zllm_attn {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using zllm_simd::hsum;
 
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
