@@ -121,14 +121,12 @@ class ModelRunner:
 
     def _quantize(self, config: EngineConfig) -> str:
         """Apply config.quantization (or pick one when unset); returns the method in use."""
-        from zllm.executor import quantization
+        from zllm.executor import cpu_kernels, quantization
 
         method = config.quantization
         if method is None:
             method = "none"
-            from zllm.executor.cpu_kernels import enabled
-
-            if self.device.type == "cpu" and self.dtype == torch.float32 and enabled():
+            if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.enabled():
                 reason = quantization.gguf_kernel_plan(config.model_path)
                 if reason is None:
                     method = "gguf"
@@ -136,10 +134,8 @@ class ModelRunner:
             return method
         try:
             quantization.quantize_model_(self.model, method, config.model_path)
-        except Exception as exc:
-            from zllm.executor.cpu_kernels import CpuKernelError
-
-            if config.quantization is None and isinstance(exc, CpuKernelError):
+        except cpu_kernels.CpuKernelError as exc:
+            if config.quantization is None:
                 logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
                 return "none"
             raise

@@ -1,7 +1,7 @@
 """Quantized weights for CPU serving.
 
 `gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls read
-the file's own Q4_1 / Q8_0 blocks through csrc/cpu/gguf_linear.cpp instead of fp32 copies. The
+the file's own Q4_1 / Q8_0 blocks through csrc/cpu/gguf_linear.h instead of fp32 copies. The
 values multiplied are bit for bit the fp32 weights the reference path uses (the kernel
 dequantizes as gguf.quants does; load checks it), so only summation order differs; a decode
 step reads 4-6x fewer bytes. Large batches (prefill chunks) are compute-bound, where the BLAS
@@ -81,23 +81,21 @@ def quantize_model_(model: nn.Module, method: str, model_path: str | None = None
 
 def gguf_kernel_plan(model_path: str) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can (any supported tensor)."""
-    from zllm.executor.cpu_kernels import SUPPORTED_GGML_TYPES
     from zllm.model_files import read_gguf
 
     if not model_path.endswith(".gguf"):
         return "the model is not a GGUF file"
     gguf = read_gguf(model_path)
-    if not any(int(t.ggml_type) in SUPPORTED_GGML_TYPES for t in gguf.tensors.values()):
+    if not any(int(t.ggml_type) in cpu_kernels.SUPPORTED_GGML_TYPES for t in gguf.tensors.values()):
         return "no tensor of the file is Q4_1 or Q8_0"
     return None
 
 
 def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
     """Point every matmul whose GGUF tensors are all Q4_1 or Q8_0 at those blocks."""
-    from zllm.executor.cpu_kernels import SUPPORTED_GGML_TYPES, gguf_dequantize, load
     from zllm.executor.loader import gguf_raw_weights
 
-    load()  # build (or load) the extension first: a build failure surfaces here, once
+    cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
     arch: ModelArchConfig = model.arch
     raw = gguf_raw_weights(model_path, arch)
 
@@ -110,11 +108,13 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
             return None
         types = {ggml_type for ggml_type, _ in parts}
         ggml_type = types.pop()
-        if types or ggml_type not in SUPPORTED_GGML_TYPES:
+        if types or ggml_type not in cpu_kernels.SUPPORTED_GGML_TYPES:
             return None
         qweight = torch.cat([rows for _, rows in parts]).contiguous()
         # The kernel must multiply by exactly the weights the fp32 path holds.
-        if not torch.equal(gguf_dequantize(qweight, ggml_type, weight.shape[1]), weight):
+        if not torch.equal(
+            cpu_kernels.gguf_dequantize(qweight, ggml_type, weight.shape[1]), weight
+        ):
             raise RuntimeError(f"GGUF blocks of {names} do not dequantize to the loaded weights")
         return GGUFLinear(qweight, ggml_type, weight, bias)
 
