@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from zllm.protocol import MAX_BLOCK_CELLS
+
 BlockHash = int
 
 
@@ -75,7 +77,7 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def block_ids(self) -> list[int]:
-        """Free block ids from head to tail (for tests and the dashboard)."""
+        """Free block ids from head to tail: the eviction order (exact-id tests read it)."""
         out, block = [], self._head.next
         while block is not None and block is not self._tail:
             out.append(block.block_id)
@@ -141,7 +143,7 @@ class BlockManager:
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.block_tables.get(req_id, ())]
 
-    def block_states(self, max_cells: int = 4096) -> tuple[bytes, int]:
+    def block_states(self, max_cells: int = MAX_BLOCK_CELLS) -> tuple[bytes, int]:
         """The pool as one byte per cell (0 free, 1 in use, 2 cached prefix), and how many
         blocks each cell covers; a cell shows the busiest state among its blocks."""
         per_cell = -(-self.num_blocks // max_cells)
@@ -184,9 +186,6 @@ class BlockManager:
         self.prefix_cache_hits += num_hit_tokens
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     def allocate_slots(
         self,
         req_id: str,
@@ -280,15 +279,6 @@ class BlockManager:
         """(src, dst) block copies the executor must do before the next forward."""
         copies, self._pending_copies = self._pending_copies, []
         return copies
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True
 
     # ---- internals -----------------------------------------------------------------------
     def _take(self, block: KVBlock) -> None:

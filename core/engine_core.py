@@ -1,105 +1,224 @@
-"""The engine core: the scheduler and block manager driving an executor step by step.
+"""The engine core: the scheduler and block manager, and the rules around them.
 
-The executor is anything with `execute_model(SchedulerOutput) -> ModelRunnerOutput`: the
-in-process `ModelRunner` for the offline `LLM`, or a client of the executor process when
-serving. This module never imports torch.
+A plain class with no sockets and no threads, driven the same way by the offline `LLM` (in
+one process, beside a `ModelRunner`) and by the core process (`core/main.py`, which adds the
+sockets, an input thread and a heartbeat thread):
+
+    add_request(EngineCoreRequest) -> RequestRejected | None      as messages arrive
+    abort(ids) / client_gone(client_id) -> DetokenizerBatches       (drop detokenizer state)
+    finish_sample(req_id, sample_index)                             (a stop string matched)
+    step = schedule()          -> SchedulerOutput for the executor, or None (nothing to run)
+    batches = update(output)   -> one DetokenizerBatch per detokenizer worker that has news
+    heartbeat()                -> EngineStats, the wire struct, filled in place
+
+Steps are answered in order: `update` pairs each ModelRunnerOutput with the oldest step still
+in flight, so up to `MAX_STEPS_IN_FLIGHT` steps can be out at once (the core schedules step
+N+1 while the executor runs step N).
+
+Detokenizer rules. A request's detokenizer worker is `detokenizer_index(req_id, M)`. What it
+needs to know of the request (`DetokRequest`) is parked here and sent with the request's
+first output, so a worker never holds state for a request that produced nothing. A request
+aborted after that is named in its worker's `aborted` list, so the worker drops its state.
+This module never imports torch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from collections import deque
 
 from zllm.config import EngineConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
+from zllm.errors import ParamError
+from zllm.inputs import check_prompt
 from zllm.protocol import (
+    PROMPT_TAIL_TOKENS,
+    DetokenizerBatch,
+    DetokRequest,
     EngineCoreOutput,
     EngineCoreRequest,
+    EngineStats,
     FinishReason,
     ModelRunnerOutput,
+    RequestRejected,
     SchedulerOutput,
 )
+from zllm.serve_config import detokenizer_index
 
+MAX_STEPS_IN_FLIGHT = 2
 
-class Executor(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_blocks: int
-    num_free_blocks: int
-    # Allocated-but-unused KV slots over all steps so far, as a share of allocated slots.
-    kv_waste_fraction: float
+DetokenizerBatches = dict[int, DetokenizerBatch]  # worker index -> its batch
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(self, config: EngineConfig, num_detokenizers: int = 1) -> None:
         assert config.cache.num_blocks, "the executor sizes the KV pool before the core starts"
         self.config = config
-        self.executor = executor
+        self.num_detokenizers = num_detokenizers
         self.block_manager = BlockManager(
             config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self._allocated_slots = 0
-        self._used_slots = 0
+        self.stats = EngineStats(num_blocks=self.block_manager.num_blocks)
+        self._in_flight: deque[SchedulerOutput] = deque()
+        # Sent to a request's detokenizer with its first output, then dropped.
+        self._unannounced: dict[str, DetokRequest] = {}
+        # True until a step is scheduled after the engine had nothing at all to do: the
+        # executor's wait before that step was for work, not for the core.
+        self._idle = True
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                req_id=request.req_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                sampling_params=request.sampling_params,
-                eos_token_id=request.eos_token_id,
-                arrival_time=request.arrival_time or time.time(),
-            )
-        )
-
-    def abort_requests(self, req_ids: list[str]) -> list[str]:
-        return self.scheduler.abort_requests(req_ids)
-
-    def finish_sequence(self, req_id: str, sample_index: int, reason: FinishReason) -> bool:
-        return self.scheduler.finish_sequence(req_id, sample_index, reason)
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute and collect one step."""
-        if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        allocated, used = self.scheduler.kv_slot_usage()
-        self._allocated_slots += allocated
-        self._used_slots += used
-        return outputs
-
-    def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=bm.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            kv_waste_fraction=1.0 - self._used_slots / max(1, self._allocated_slots),
+    def can_schedule(self) -> bool:
+        """Work is waiting and the executor has room for another step."""
+        return (
+            len(self._in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_unfinished_requests()
         )
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> RequestRejected | None:
+        """Queue a request, or say why it cannot run (nothing is queued then).
+
+        A request whose id is already here is a resend (the frontend re-sends requests a dead
+        tokenizer worker may have lost) and is ignored."""
+        req_id = request.req_id
+        if self.scheduler.is_known(req_id):
+            return None
+        if self.scheduler.is_taken(req_id):  # the id of another request's sample
+            return RequestRejected(req_id, f"Request id {req_id!r} is already in use.", 400)
+        params = request.sampling_params
+        try:
+            check_prompt(
+                request.prompt_token_ids,
+                max_tokens=params.max_tokens,
+                max_model_len=self.max_model_len,
+                vocab_size=self.config.arch.vocab_size,
+            )
+        except ParamError as e:
+            return RequestRejected(req_id, str(e), 400, e.param)
+        self.scheduler.add_request(
+            Request(
+                req_id=req_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time or time.time(),
+                client_id=request.client_id,
+            )
+        )
+        self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+        self._unannounced[req_id] = DetokRequest(
+            req_id=req_id,
+            prompt_tail=list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
+            n=params.n,
+            stop=params.stop,
+            skip_special_tokens=params.skip_special_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            want_logprobs=params.logprobs is not None or params.prompt_logprobs is not None,
+        )
+        return None
+
+    def abort(self, req_ids: list[str]) -> DetokenizerBatches:
+        """Drop requests wherever they are (idempotent); tell their detokenizers."""
+        batches: DetokenizerBatches = {}
+        for req_id in self.scheduler.abort_requests(req_ids):
+            if self._unannounced.pop(req_id, None) is None:  # a worker holds its state
+                self._batch_for(batches, req_id).aborted.append(req_id)
+        self._note_if_idle()
+        return batches
+
+    def client_gone(self, client_id: int) -> DetokenizerBatches:
+        """A client process died: nobody will read its requests' outputs, so abort them."""
+        return self.abort(self.scheduler.requests_of_client(client_id))
+
+    def finish_sample(self, req_id: str, sample_index: int) -> None:
+        """A stop string ended one sample (the detokenizer found it; its state is gone)."""
+        self.scheduler.finish_sequence(req_id, sample_index, FinishReason.STOP)
+        self._note_if_idle()
+
+    # ---- steps -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step for the executor, or None when it would carry nothing."""
+        start = time.perf_counter()
+        step = self.scheduler.schedule()
+        self.stats.core_schedule_s += time.perf_counter() - start
+        if not (
+            step.total_num_scheduled_tokens
+            or step.finished_req_ids
+            or step.forked_requests
+            or step.blocks_to_copy
+        ):
+            return None
+        step.after_no_work, self._idle = self._idle, False
+        self._in_flight.append(step)
+        return step
+
+    def update(self, output: ModelRunnerOutput) -> DetokenizerBatches:
+        """Apply the executor's answer to the oldest step in flight; returns what each
+        detokenizer worker must be sent."""
+        start = time.perf_counter()
+        step = self._in_flight.popleft()
+        assert output.step_id == step.step_id, "the executor answers steps in order"
+        outputs = self.scheduler.update_from_output(step, output)
+        batches: DetokenizerBatches = {}
+        for out in outputs:
+            batch = self._batch_for(batches, out.req_id)
+            announce = self._unannounced.pop(out.req_id, None)
+            if announce is not None:
+                batch.new_requests.append(announce)
+            batch.outputs.append(out)
+        self._count_step(output, outputs)
+        self._note_if_idle()
+        self.stats.core_output_s += time.perf_counter() - start
+        return batches
+
+    def heartbeat(self) -> EngineStats:
+        """The stats struct with its gauges read now (safe to call from another thread:
+        it only reads the scheduler's state)."""
+        s, bm = self.stats, self.block_manager
+        s.time = time.time()
+        s.num_running = self.scheduler.num_running
+        s.num_waiting = self.scheduler.num_waiting
+        s.kv_cache_usage = bm.usage
+        s.num_free_blocks = bm.num_free_blocks
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = bm.prefix_cache_queries
+        s.prefix_cache_hits = bm.prefix_cache_hits
+        s.block_states, s.blocks_per_cell = bm.block_states()
+        return s
+
+    # ---- internals -------------------------------------------------------------------------
+    def _batch_for(self, batches: DetokenizerBatches, req_id: str) -> DetokenizerBatch:
+        worker = detokenizer_index(req_id, self.num_detokenizers)
+        batch = batches.get(worker)
+        if batch is None:
+            batch = batches[worker] = DetokenizerBatch()
+        return batch
+
+    def _count_step(self, output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        s.executor_busy_s += output.exec_time_s
+        s.executor_idle_s += output.idle_time_s
+        s.executor_prepare_s += output.prepare_time_s
+        s.executor_forward_s += output.forward_time_s
+        s.executor_sample_s += output.sample_time_s
+        allocated, used = self.scheduler.kv_slot_usage()
+        s.kv_slots_allocated += allocated
+        s.kv_slots_used += used
+
+    def _note_if_idle(self) -> None:
+        if not self._in_flight and not self.scheduler.has_unfinished_requests():
+            self._idle = True

@@ -31,6 +31,7 @@ class Request:
     arrival_time: float = 0.0
     client_req_id: str = ""
     sample_index: int = 0
+    client_id: int = 0  # the process that sent it (EngineCoreRequest.client_id)
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt + output, kept as one list so block hashing needs no concatenation.
     all_token_ids: list[int] = field(default_factory=list)
@@ -40,7 +41,6 @@ class Request:
     # to compute a token whose id the core does not know yet; the executor has it.
     num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not yet looked)
-    num_preemptions: int = 0
     first_scheduled_time: float | None = None  # wall clock, like arrival_time
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

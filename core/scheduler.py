@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from zllm.config import SchedulerConfig
 from zllm.core.block_manager import BlockManager
@@ -36,6 +37,18 @@ from zllm.protocol import (
     NewRequestData,
     SchedulerOutput,
 )
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call has put into the step so far."""
+
+    budget: int  # tokens left
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled: dict[str, int] = field(default_factory=dict)  # new tokens per request
+    computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
+    # Requests sampling their first token as n > 1 samples (SchedulerOutput.num_samples).
+    num_samples: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -58,17 +71,8 @@ class Scheduler:
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request; ValueError (and nothing queued) if it can never run."""
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("The prompt is empty; it must contain at least one token.")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt has {n} tokens, leaving no room for output."
-            )
-        if req.req_id in self._sequences or req.req_id in self.requests:
-            raise ValueError(f"Request id {req.req_id!r} is already in use.")
+        """Queue a request that passed EngineCore's checks (its id is unused)."""
+        assert req.req_id not in self.requests and req.req_id not in self._sequences
         self.requests[req.req_id] = req
         self._sequences[req.client_req_id] = [req.req_id]
         self.waiting.append(req)
@@ -76,8 +80,8 @@ class Scheduler:
     def abort_requests(self, client_req_ids: Iterable[str]) -> list[str]:
         """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
         aborted = []
-        for client_id in client_req_ids:
-            seq_ids = self._sequences.get(client_id)
+        for client_req_id in client_req_ids:
+            seq_ids = self._sequences.get(client_req_id)
             if not seq_ids:
                 continue
             for req_id in list(seq_ids):
@@ -85,7 +89,7 @@ class Scheduler:
                 if req is not None:
                     req.finish_reason = FinishReason.ABORT
                     self._finish(req)
-            aborted.append(client_id)
+            aborted.append(client_req_id)
         return aborted
 
     def finish_sequence(self, client_req_id: str, sample_index: int, reason: FinishReason) -> bool:
@@ -100,6 +104,18 @@ class Scheduler:
 
     def is_known(self, client_req_id: str) -> bool:
         return client_req_id in self._sequences
+
+    def is_taken(self, req_id: str) -> bool:
+        """Whether `req_id` names a request or one of its samples here."""
+        return req_id in self._sequences or req_id in self.requests
+
+    def requests_of_client(self, client_id: int) -> list[str]:
+        """The client request ids sent by one client process."""
+        return [
+            client_req_id
+            for client_req_id, seq_ids in self._sequences.items()
+            if self.requests[seq_ids[0]].client_id == client_id
+        ]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,18 +137,21 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
-        num_scheduled: dict[str, int] = {}
-        scheduled: list[Request] = []
-        computed_before: dict[str, int] = {}
-        preempted = False
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        preempted = self._schedule_running(plan)
+        if not preempted:  # a step that had to preempt (the pool is full) admits nobody
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
 
-        # 1. Running requests, oldest first.
+    def _schedule_running(self, plan: _StepPlan) -> bool:
+        """Running requests, oldest first; preempts the newest when blocks run out.
+        Returns whether anything was preempted."""
+        bm = self.block_manager
+        preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, plan.budget)
             if num_new <= 0:  # everything known is computed and its next token is pending
                 i += 1
                 continue
@@ -143,51 +162,48 @@ class Scheduler:
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
-                    break
-            else:
-                computed_before[req.req_id] = req.num_computed_tokens
-                self._advance(req, num_new)
-                scheduled.append(req)
-                num_scheduled[req.req_id] = num_new
-                budget -= num_new
-                i += 1
-                continue
-            break  # `req` itself was preempted: it was the newest, nothing is left after it
+                    return True  # it was the newest: nothing is left after it
+            self._add_to_step(plan, req, num_new)
+            i += 1
+        return preempted
 
-        # 2. Waiting requests, FIFO; none jumps the queue, and none is admitted in a step
-        # that had to preempt (the pool is full).
-        while (
-            self.waiting
-            and not preempted
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests, FIFO: none jumps the queue."""
+        bm = self.block_manager
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed: no cache hits for those.
             use_cache = req.sampling_params.prompt_logprobs is None
             cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else []
             num_computed = len(cached) * self.block_size
             num_new = req.num_tokens_with_pending - num_computed
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
+            if num_new > plan.budget and not self.config.enable_chunked_prefill:
+                return
+            num_new = min(num_new, plan.budget)
             if not bm.allocate_slots(req.req_id, req.all_token_ids, num_computed, num_new, cached):
-                break
+                return
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
                 req.num_cached_tokens = num_computed
                 req.first_scheduled_time = time.time()
                 bm.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
-            computed_before[req.req_id] = num_computed
-            self._advance(req, num_new)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(req)
-            num_scheduled[req.req_id] = num_new
-            budget -= num_new
+            self._add_to_step(plan, req, num_new)
 
-        return self._make_output(scheduled, num_scheduled, computed_before)
+    def _add_to_step(self, plan: _StepPlan, req: Request, num_new: int) -> None:
+        plan.computed_before[req.req_id] = req.num_computed_tokens
+        plan.scheduled.append(req)
+        plan.num_scheduled[req.req_id] = num_new
+        plan.budget -= num_new
+        req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens_with_pending:
+            # This step samples the next token. An n > 1 request draws all n first tokens
+            # from the one set of prompt logits, and is forked when they come back.
+            if req.waits_to_fork and req.num_pending_tokens == 0:
+                plan.num_samples[req.req_id] = req.sampling_params.n
+            req.num_pending_tokens += 1
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -209,18 +225,13 @@ class Scheduler:
             req.num_pending_tokens -= 1
             tokens = runner_out.sampled_token_ids[idx]
             logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
-            if len(tokens) > 1:
+            if req_id in sched_out.num_samples:
+                assert len(tokens) == sched_out.num_samples[req_id], "one token per sample"
                 outputs.extend(self._fork(req, tokens, logprobs))
             outputs.append(self._append_and_check(req, tokens[0], _row(logprobs, 0)))
         return outputs
 
     # ---- internals -------------------------------------------------------------------------
-    @staticmethod
-    def _advance(req: Request, num_new: int) -> None:
-        req.num_computed_tokens += num_new
-        if req.num_computed_tokens == req.num_tokens_with_pending:
-            req.num_pending_tokens += 1  # this step samples the next token
-
     def _append_and_check(self, req: Request, token_id: int, logprobs) -> EngineCoreOutput:
         first = req.num_output_tokens == 0
         req.append_token(token_id)
@@ -247,13 +258,14 @@ class Scheduler:
         outputs = []
         for index in range(1, len(tokens)):
             child = Request(
-                req_id=f"{parent.client_req_id}#{index}",
+                req_id=child_request_id(parent.req_id, index, self.is_taken),
                 prompt_token_ids=parent.prompt_token_ids,
                 sampling_params=parent.sampling_params,
                 eos_token_id=parent.eos_token_id,
                 arrival_time=parent.arrival_time,
                 client_req_id=parent.client_req_id,
                 sample_index=index,
+                client_id=parent.client_id,
                 # The fork happens right after the prompt; the parent may be a step ahead.
                 num_computed_tokens=parent.num_prompt_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
@@ -284,7 +296,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         if not req.output_token_ids:
             req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -306,16 +317,11 @@ class Scheduler:
         if req.known_to_executor:
             self._finished_req_ids.append(req.req_id)
 
-    def _make_output(
-        self,
-        scheduled: list[Request],
-        num_scheduled: dict[str, int],
-        computed_before: dict[str, int],
-    ) -> SchedulerOutput:
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
         new_reqs, cached_reqs = [], []
-        for req in scheduled:
+        for req in plan.scheduled:
             # The executor keeps the state of preempted requests (tokens, seeded generator),
             # so a resumed request is sent as cached: a new block table and computed count.
             if not req.known_to_executor:
@@ -326,7 +332,7 @@ class Scheduler:
                         output_token_ids=req.output_token_ids,
                         sampling_params=req.sampling_params,
                         block_ids=bm.block_ids(req.req_id),
-                        num_computed_tokens=computed_before[req.req_id],
+                        num_computed_tokens=plan.computed_before[req.req_id],
                         eos_token_id=req.eos_token_id,
                         sample_index=req.sample_index,
                     )
@@ -336,7 +342,7 @@ class Scheduler:
                 cached_reqs.append(
                     CachedRequestData(
                         req_id=req.req_id,
-                        num_computed_tokens=computed_before[req.req_id],
+                        num_computed_tokens=plan.computed_before[req.req_id],
                         block_ids=bm.block_ids(req.req_id) if req.req_id in changed else None,
                     )
                 )
@@ -345,8 +351,9 @@ class Scheduler:
             step_id=self._step_id,
             new_requests=new_reqs,
             cached_requests=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            num_samples=plan.num_samples,
             forked_requests=self._pending_forks,
             blocks_to_copy=bm.take_pending_copies(),
             finished_req_ids=self._finished_req_ids,
@@ -354,6 +361,16 @@ class Scheduler:
         self._pending_forks = []
         self._finished_req_ids = []
         return out
+
+
+def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:
+    """The id of sample `sample_index` (>= 1) of an `n > 1` request; sample 0 is the request
+    itself. `<parent>#<index>`, made longer until no request or sample here holds it: client
+    ids are free-form, so "a" forking must not collide with a client request named "a#1"."""
+    req_id = f"{parent_req_id}#{sample_index}"
+    while is_taken(req_id):
+        req_id += "#"
+    return req_id
 
 
 def _row(logprobs, index: int):

@@ -14,6 +14,10 @@ A step's new tokens arrive flat and grouped by sequence, without padding:
 Query token j of a sequence with query length q and context length L sits at position
 L - q + j and attends to context positions 0..L - q + j. Decode sequences (q == 1) run as one
 padded, masked call; the others run one by one.
+
+Shared with the GPU path (attention_cuda.py): `StepLayout.check`, which validates a step's
+lists once for either metadata kind, the prefill chunks (`build_prefill_chunks`), and
+`PagedAttentionBase`, the head layout and the SDPA prefill both layers use.
 """
 
 from __future__ import annotations
@@ -67,23 +71,89 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
-    """A flat batch of T new tokens from S sequences, grouped by sequence in order."""
+class StepLayout:
+    """A step's per-sequence arrays, checked once: what every backend's metadata starts from."""
 
-    query_start_loc: torch.Tensor  # int64 [S+1], cumulative new-token counts (0, q0, q0+q1, ...)
-    seq_lens: torch.Tensor  # int64 [S], context length after this step (cached + new)
-    block_tables: torch.Tensor  # int64 [S, max_blocks_per_seq], padded with 0
+    query_lens: np.ndarray  # int64 [S], new tokens per sequence (>= 1)
+    seq_lens: np.ndarray  # int64 [S], context after this step (>= query_len)
+    table_lens: np.ndarray  # int64 [S], blocks in each block table (enough for the context)
+    query_start_loc: np.ndarray  # int64 [S+1], cumulative query_lens (0, q0, q0+q1, ...)
+    slot_mapping: np.ndarray  # int64 [T], one cache slot per new token
+
+    @classmethod
+    def check(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int] | np.ndarray,
+        block_size: int,
+    ) -> StepLayout:
+        """Raise ValueError unless the lists describe one consistent step."""
+        num_seqs = len(query_lens)
+        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError(
+                f"query_lens, seq_lens and block_tables must have one entry per sequence, "
+                f"got {num_seqs}, {len(seq_lens)}, {len(block_tables)}"
+            )
+        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
+        ctx_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
+        if (q_lens < 1).any() or (q_lens > ctx_lens).any():
+            raise ValueError(f"need 1 <= query_len <= seq_len, got {query_lens} and {seq_lens}")
+        table_lens = np.fromiter((len(t) for t in block_tables), np.int64, num_seqs)
+        if (table_lens * block_size < ctx_lens).any():
+            raise ValueError("a block table holds fewer slots than its sequence's context")
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
+        if slots.shape[0] != query_start[-1]:
+            raise ValueError(
+                f"slot_mapping has {slots.shape[0]} slots for {query_start[-1]} tokens"
+            )
+        return cls(q_lens, ctx_lens, table_lens, query_start, slots)
+
+
+def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(array).to(device)
+
+
+def context_slots(table: list[int] | np.ndarray, context_len: int, block_size: int) -> np.ndarray:
+    """Cache slots of positions 0..context_len - 1 through one block table: int64 [context_len]."""
+    blocks = np.asarray(table[: -(-context_len // block_size)], dtype=np.int64)
+    return (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:context_len]
+
+
+def build_prefill_chunks(
+    layout: StepLayout,
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+    chunk_mask: Callable[[int, int], torch.Tensor],
+) -> list[PrefillChunk]:
+    """The sequences with more than one new token; `chunk_mask(query_len, context_len)` makes
+    the attention mask of a chunk that follows cached context (each backend its own kind)."""
+    chunks = []
+    for i in np.flatnonzero(layout.query_lens > 1).tolist():
+        start = int(layout.query_start_loc[i])
+        q_len, ctx_len = int(layout.query_lens[i]), int(layout.seq_lens[i])
+        if q_len == ctx_len:
+            chunks.append(PrefillChunk(start, start + q_len, ctx_len, None, None))
+            continue
+        slots = to_device(context_slots(block_tables[i], ctx_len, block_size), device)
+        mask = chunk_mask(q_len, ctx_len)
+        chunks.append(PrefillChunk(start, start + q_len, ctx_len, slots, mask))
+    return chunks
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flat batch of T new tokens from S sequences, grouped by sequence in order, split once
+    per step (not once per layer) into one padded decode batch and the prefill chunks."""
+
     slot_mapping: torch.Tensor  # int64 [T], cache slot for each new token
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
     block_size: int
-    # The per-step split, computed once here instead of once per layer.
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
 
     @classmethod
     def build(
@@ -95,83 +165,50 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        num_seqs = len(query_lens)
-        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
-            raise ValueError(
-                f"query_lens, seq_lens and block_tables must have one entry per sequence, "
-                f"got {num_seqs}, {len(seq_lens)}, {len(block_tables)}"
-            )
-        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
-        ctx_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
-        if (q_lens < 1).any() or (q_lens > ctx_lens).any():
-            raise ValueError(f"need 1 <= query_len <= seq_len, got {query_lens} and {seq_lens}")
-        num_table_blocks = np.fromiter((len(t) for t in block_tables), np.int64, num_seqs)
-        if (num_table_blocks * block_size < ctx_lens).any():
-            raise ValueError("a block table holds fewer slots than its sequence's context")
-
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start[1:])
-        slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
-        if slots.shape[0] != query_start[-1]:
-            raise ValueError(
-                f"slot_mapping has {slots.shape[0]} slots for {query_start[-1]} tokens"
-            )
-        tables = np.zeros((num_seqs, max(int(num_table_blocks.max(initial=0)), 1)), np.int64)
+        layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
+        num_seqs = len(block_tables)
+        tables = np.zeros((num_seqs, max(int(layout.table_lens.max(initial=0)), 1)), np.int64)
         for i, table in enumerate(block_tables):
             tables[i, : len(table)] = table
 
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
+        def chunk_mask(q_len: int, ctx_len: int) -> torch.Tensor:
+            query_pos = ctx_len - q_len + np.arange(q_len)
+            return to_device(np.arange(ctx_len)[None, :] <= query_pos[:, None], device)
 
-        is_decode = q_lens == 1
+        is_decode = layout.query_lens == 1
         decode = None
         if is_decode.any():
             decode = _build_decode_batch(
-                np.flatnonzero(is_decode), query_start, ctx_lens, tables, block_size, to_dev
+                np.flatnonzero(is_decode), layout, tables, block_size, device
             )
             decode.is_whole_batch = bool(is_decode.all())
-        prefills = [
-            _build_prefill_chunk(
-                int(query_start[i]), int(q_lens[i]), int(ctx_lens[i]), tables[i], block_size, to_dev
-            )
-            for i in np.flatnonzero(~is_decode)
-        ]
         return cls(
-            query_start_loc=to_dev(query_start),
-            seq_lens=to_dev(ctx_lens),
-            block_tables=to_dev(tables),
-            slot_mapping=to_dev(slots),
-            query_lens_cpu=q_lens.tolist(),
-            seq_lens_cpu=ctx_lens.tolist(),
+            slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
             decode=decode,
-            prefills=prefills,
+            prefills=build_prefill_chunks(layout, block_tables, block_size, device, chunk_mask),
         )
 
 
-def _build_decode_batch(seq_ids, query_start, ctx_lens, tables, block_size, to_dev) -> DecodeBatch:
-    lens = ctx_lens[seq_ids]
+def _build_decode_batch(
+    seq_ids: np.ndarray,
+    layout: StepLayout,
+    tables: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> DecodeBatch:
+    lens = layout.seq_lens[seq_ids]
     max_blocks = int(-(-lens.max() // block_size))
     block_ids = np.ascontiguousarray(tables[seq_ids, :max_blocks]).reshape(-1)
     mask = np.arange(max_blocks * block_size)[None, :] < lens[:, None]
     return DecodeBatch(
-        token_indices=to_dev(query_start[seq_ids]),
-        block_ids=to_dev(block_ids),
+        token_indices=to_device(layout.query_start_loc[seq_ids], device),
+        block_ids=to_device(block_ids, device),
         max_blocks=max_blocks,
-        seq_lens=to_dev(np.ascontiguousarray(lens)),
-        attn_mask=to_dev(mask[:, None, None, :]),
+        seq_lens=to_device(np.ascontiguousarray(lens), device),
+        attn_mask=to_device(mask[:, None, None, :], device),
         is_whole_batch=False,
     )
-
-
-def _build_prefill_chunk(start, q_len, ctx_len, table, block_size, to_dev) -> PrefillChunk:
-    if q_len == ctx_len:
-        return PrefillChunk(start, start + q_len, ctx_len, None, None)
-    num_blocks = -(-ctx_len // block_size)
-    ctx_slots = (table[:num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
-    query_pos = ctx_len - q_len + np.arange(q_len)
-    mask = np.arange(ctx_len)[None, :] <= query_pos[:, None]
-    return PrefillChunk(start, start + q_len, ctx_len, to_dev(ctx_slots[:ctx_len]), to_dev(mask))
 
 
 def write_kv_cache(
@@ -184,8 +221,13 @@ def write_kv_cache(
     slots[1].index_copy_(0, slot_mapping, value)
 
 
-class PagedAttention:
-    """One layer's attention: write the new K/V into the paged cache, attend through it."""
+class PagedAttentionBase:
+    """What every backend's layer shares: the head layout, and prefill through SDPA.
+
+    A chunk that follows cached context gathers that context's K/V from the cache by slot
+    (after the chunk's own K/V were written) and attends under the chunk's mask; a fresh
+    prompt attends causally over its new K/V.
+    """
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None
@@ -196,10 +238,79 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
-        # Set by the model runner on CPU when csrc/cpu builds: decode attention read in place
-        # from the cache (zllm.executor.cpu_kernels.paged_decode_attention) instead of the
-        # gather + SDPA below, which stays the reference and the path for other devices.
-        self.decode_kernel: Callable[..., torch.Tensor] | None = None
+
+    def _attend_prefills(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        prefills: list[PrefillChunk],
+    ) -> None:
+        """Write each chunk's attention output into its rows of `out`."""
+        if not prefills:
+            return
+        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        for chunk in prefills:
+            out[chunk.token_start : chunk.token_end] = self._prefill(
+                query, key, value, slots, chunk
+            )
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:
+        span = slice(chunk.token_start, chunk.token_end)
+        q = query[span].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+        if chunk.context_slots is None:  # the new tokens are the whole context
+            k, v = key[span], value[span]
+        else:
+            k = slots[0].index_select(0, chunk.context_slots)
+            v = slots[1].index_select(0, chunk.context_slots)
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        out = self._sdpa(q, k, v, chunk.attn_mask)
+        return out[0].transpose(0, 1)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[B, heads, q, d] x [B, kv_heads, L, d]; no mask means causal with q == L."""
+        causal = mask is None
+        if self.num_heads == self.num_kv_heads:
+            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
+        if _SDPA_HAS_GQA:  # flash attention reads the shared KV heads as they are
+            return F.scaled_dot_product_attention(
+                q, k, v, mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            )
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
+
+
+class PagedAttention(PagedAttentionBase):
+    """One layer's attention in torch: write the new K/V into the paged cache, attend through it.
+
+    `decode_kernel` (the CPU-kernel backend gives zllm.executor.cpu_kernels.paged_decode_attention)
+    reads decode attention in place from the cache instead of the gather + SDPA below, which
+    stays the reference and the path for other devices.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        decode_kernel: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.decode_kernel = decode_kernel
 
     def __call__(
         self,
@@ -220,13 +331,7 @@ class PagedAttention:
             out.index_copy_(
                 0, decode.token_indices, self._decode(query, kv_cache, decode, meta.block_size)
             )
-        if meta.prefills:
-            num_blocks, block_size = kv_cache.shape[1:3]
-            slots = kv_cache.view(2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
-            for chunk in meta.prefills:
-                out[chunk.token_start : chunk.token_end] = self._prefill(
-                    query, key, value, slots, chunk
-                )
+        self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
         return out
 
     def _decode(
@@ -250,38 +355,3 @@ class PagedAttention:
             q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
         )
         return out.squeeze(2)
-
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        slots: torch.Tensor,
-        chunk: PrefillChunk,
-    ) -> torch.Tensor:
-        span = slice(chunk.token_start, chunk.token_end)
-        q = query[span].transpose(0, 1).unsqueeze(0)
-        if chunk.context_slots is None:  # the new tokens are the whole context
-            k, v = key[span], value[span]
-        else:
-            k = slots[0].index_select(0, chunk.context_slots)
-            v = slots[1].index_select(0, chunk.context_slots)
-        k = k.transpose(0, 1).unsqueeze(0)
-        v = v.transpose(0, 1).unsqueeze(0)
-        out = self._sdpa(q, k, v, chunk.attn_mask)
-        return out[0].transpose(0, 1)
-
-    def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """[B, heads, q, d] x [B, kv_heads, L, d]; no mask means causal with q == L."""
-        causal = mask is None
-        if self.num_heads == self.num_kv_heads:
-            return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
-        if _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(
-                q, k, v, mask, is_causal=causal, scale=self.scale, enable_gqa=True
-            )
-        group = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)

@@ -20,6 +20,9 @@ kernels instead of for CPU gathers:
   the cache by slot (after the chunk's own K/V were written), then SDPA with
   `torch.nn.attention.bias.causal_lower_right(q_len, context_len)`: query j sits at position
   context_len - q_len + j. Correctness first: one SDPA call per prefilling sequence.
+
+The step layout checks, the prefill chunks and the prefill SDPA are attention.py's
+(`StepLayout`, `build_prefill_chunks`, `PagedAttentionBase`); only the chunk mask differs.
 """
 
 from __future__ import annotations
@@ -28,25 +31,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from zllm.executor.attention import (
+    PagedAttentionBase,
+    PrefillChunk,
+    StepLayout,
+    build_prefill_chunks,
+    to_device,
+)
+from zllm.executor.attention_backend import AttentionBackend
 from zllm.executor.cuda_kernels import DecodeWorkspace, paged_decode_attention, write_kv_cache
-
-# `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-@dataclass(slots=True)
-class CudaPrefill:
-    """One sequence with more than one new token."""
-
-    token_start: int  # its new tokens are [token_start, token_end) of the flat batch
-    token_end: int
-    context_len: int
-    # Cache slots of the whole context (int64 [context_len]), or None when the chunk is the
-    # whole context (plain causal attention over the new K/V).
-    context_slots: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -60,15 +55,10 @@ class CudaAttentionMetadata:
     max_decode_seq_len: int  # host bound on seq_lens (sets the split-K partition count)
     # Where each decode token sits in the flat batch; None when every token is a decode.
     decode_token_indices: torch.Tensor | None
-    prefills: list[CudaPrefill]
+    # Chunks after cached context attend under causal_lower_right(q_len, context_len).
+    prefills: list[PrefillChunk]
     block_size: int
     workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
-    query_lens_cpu: list[int] = field(default_factory=list)
-    seq_lens_cpu: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
 
     @property
     def num_decodes(self) -> int:
@@ -89,30 +79,8 @@ class CudaAttentionMetadata:
         device: torch.device | str,
     ) -> CudaAttentionMetadata:
         """Same arguments as AttentionMetadata.build."""
-        num_seqs = len(query_lens)
-        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
-            raise ValueError(
-                f"query_lens, seq_lens and block_tables must have one entry per sequence, "
-                f"got {num_seqs}, {len(seq_lens)}, {len(block_tables)}"
-            )
-        q_lens = np.asarray(query_lens, dtype=np.int64).reshape(num_seqs)
-        ctx_lens = np.asarray(seq_lens, dtype=np.int64).reshape(num_seqs)
-        if (q_lens < 1).any() or (q_lens > ctx_lens).any():
-            raise ValueError(f"need 1 <= query_len <= seq_len, got {query_lens} and {seq_lens}")
-        for table, n in zip(block_tables, ctx_lens.tolist(), strict=True):
-            if len(table) * block_size < n:
-                raise ValueError("a block table holds fewer slots than its sequence's context")
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start[1:])
-        slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
-        if slots.shape[0] != query_start[-1]:
-            raise ValueError(
-                f"slot_mapping has {slots.shape[0]} slots for {query_start[-1]} tokens"
-            )
-
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
-
+        layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
+        q_lens, ctx_lens = layout.query_lens, layout.seq_lens
         decode_ids = np.flatnonzero(q_lens == 1)
         dec_lens = ctx_lens[decode_ids]
         max_dec_len = int(dec_lens.max(initial=0))
@@ -121,29 +89,19 @@ class CudaAttentionMetadata:
         for row, i in enumerate(decode_ids.tolist()):
             n = -(-int(ctx_lens[i]) // block_size)
             tables[row, :n] = block_tables[i][:n]
-
-        prefills = []
-        for i in np.flatnonzero(q_lens > 1).tolist():
-            start, q_len, ctx_len = int(query_start[i]), int(q_lens[i]), int(ctx_lens[i])
-            ctx_slots = None
-            if q_len < ctx_len:
-                table = np.asarray(block_tables[i][: -(-ctx_len // block_size)], dtype=np.int64)
-                ctx_slots = to_dev(
-                    (table[:, None] * block_size + np.arange(block_size)).reshape(-1)[:ctx_len]
-                )
-            prefills.append(CudaPrefill(start, start + q_len, ctx_len, ctx_slots))
-
-        all_decode = len(decode_ids) == num_seqs
+        all_decode = len(decode_ids) == len(q_lens)
         return cls(
-            slot_mapping=to_dev(slots),
-            block_tables=to_dev(tables),
-            seq_lens=to_dev(dec_lens.astype(np.int32)),
+            slot_mapping=to_device(layout.slot_mapping, device),
+            block_tables=to_device(tables, device),
+            seq_lens=to_device(dec_lens.astype(np.int32), device),
             max_decode_seq_len=max_dec_len,
-            decode_token_indices=None if all_decode else to_dev(query_start[decode_ids]),
-            prefills=prefills,
+            decode_token_indices=(
+                None if all_decode else to_device(layout.query_start_loc[decode_ids], device)
+            ),
+            prefills=build_prefill_chunks(
+                layout, block_tables, block_size, device, causal_lower_right
+            ),
             block_size=block_size,
-            query_lens_cpu=q_lens.tolist(),
-            seq_lens_cpu=ctx_lens.tolist(),
         )
 
     @classmethod
@@ -169,18 +127,8 @@ class CudaAttentionMetadata:
         )
 
 
-class CudaPagedAttention:
-    """One layer's attention on the GPU; a drop-in for attention.PagedAttention."""
-
-    def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None
-    ) -> None:
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of {num_kv_heads=}")
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5 if scale is None else scale
+class CudaPagedAttention(PagedAttentionBase):
+    """One layer's attention on the GPU: the CUDA attention backend's layer."""
 
     def __call__(
         self,
@@ -196,15 +144,10 @@ class CudaPagedAttention:
             return self._decode(query, kv_cache, meta)
 
         out = query.new_empty(query.shape)
-        if meta.num_decodes:
-            idx = meta.decode_token_indices
+        idx = meta.decode_token_indices
+        if meta.num_decodes and idx is not None:  # idx is None only when all are decodes
             out.index_copy_(0, idx, self._decode(query.index_select(0, idx), kv_cache, meta))
-        if meta.prefills:
-            slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-            for chunk in meta.prefills:
-                out[chunk.token_start : chunk.token_end] = self._prefill(
-                    query, key, value, slots, chunk
-                )
+        self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
         return out
 
     def _decode(
@@ -220,47 +163,10 @@ class CudaPagedAttention:
             workspace=meta.workspace,
         )
 
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        slots: torch.Tensor,
-        chunk: CudaPrefill,
-    ) -> torch.Tensor:
-        span = slice(chunk.token_start, chunk.token_end)
-        q = query[span].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
-        if chunk.context_slots is None:
-            k, v, mask = key[span], value[span], None
-        else:
-            k = slots[0].index_select(0, chunk.context_slots)
-            v = slots[1].index_select(0, chunk.context_slots)
-            mask = causal_lower_right(q.shape[2], chunk.context_len)
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, D]
-        v = v.transpose(0, 1).unsqueeze(0)
-        gqa = {}
-        if self.num_heads != self.num_kv_heads:
-            if _SDPA_HAS_GQA:
-                gqa = {"enable_gqa": True}  # flash attention reads the shared KV heads as is
-            else:
-                group = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, **gqa
-        )
-        return out[0].transpose(0, 1)
 
-
-def use_cuda_attention(model: torch.nn.Module) -> int:
-    """Swap every layer's PagedAttention for CudaPagedAttention; returns how many were swapped."""
-    from zllm.executor.attention import PagedAttention
-
-    swapped = 0
-    for module in model.modules():
-        attn = getattr(module, "attn", None)
-        if isinstance(attn, PagedAttention):
-            module.attn = CudaPagedAttention(
-                attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale
-            )
-            swapped += 1
-    return swapped
+CUDA_ATTENTION = AttentionBackend(
+    name="cuda",
+    description="csrc CUDA kernels for the cache write and decode, SDPA for prefill",
+    make_layer=CudaPagedAttention,
+    build_metadata=CudaAttentionMetadata.build,
+)

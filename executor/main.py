@@ -15,14 +15,15 @@ import time
 import msgspec
 import zmq
 
+from zllm.messaging import decode_or_drop
 from zllm.procutil import report_ready, start_process
-from zllm.protocol import SchedulerOutput
+from zllm.protocol import ProcessRole, SchedulerOutput
 
 logger = logging.getLogger("zllm.executor")
 
 
 def main() -> None:
-    config = start_process("executor")
+    config = start_process(ProcessRole.EXECUTOR)
     from zllm.executor.model_runner import ModelRunner  # torch: only in this process
 
     runner = ModelRunner(config.engine)
@@ -31,18 +32,16 @@ def main() -> None:
     inbox.bind(config.endpoints.executor_in)
     outbox = ctx.socket(zmq.PUSH)
     outbox.bind(config.endpoints.executor_out)
-    report_ready(config, "executor", 0, num_blocks=runner.num_blocks)
+    report_ready(config, ProcessRole.EXECUTOR, 0, num_blocks=runner.num_blocks)
 
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
     idle_since = time.perf_counter()
     while True:
-        data = inbox.recv(copy=False)
-        start = time.perf_counter()
-        try:
-            scheduler_output = decoder.decode(data.buffer)
-        except msgspec.DecodeError as e:
-            logger.error("dropping a malformed step message (%d bytes): %s", len(data.buffer), e)
+        frame = inbox.recv(copy=False)
+        start = time.perf_counter()  # the step's time includes decoding its message
+        scheduler_output = decode_or_drop(decoder, frame.buffer, logger)
+        if scheduler_output is None:
             continue
         output = runner.execute_model(scheduler_output)
         output.idle_time_s = 0.0 if scheduler_output.after_no_work else start - idle_since

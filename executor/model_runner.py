@@ -2,24 +2,37 @@
 
 The runner keeps each request's state (tokens, block table, seeded generator) between steps,
 so the core sends a request's full data once and afterwards only what changed.
+
+    execute_model(so)   _update_states        forks, finished, new, cached, block copies
+                        _prepare_inputs       StepInputs: flat token ids, positions, metadata
+                        _forward              hidden states, one row per new token
+                        _prompt_logprobs      for the prompt chunk just computed, if asked
+                        _choose_sample_rows   SampleRows: who samples, how many samples each
+                        _sample               one token per sampler row
+                        _pack_output          ModelRunnerOutput, one entry per sampling request
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
-from zllm.executor.attention import AttentionMetadata
+from zllm.executor import cpu_kernels, quantization
+from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
 from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class
+from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from zllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from zllm.executor.cuda_graph import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -27,23 +40,34 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(slots=True)
-class RequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    eos_token_id: int | None
-    generator: torch.Generator | None
-    all_token_ids: list[int] = field(default_factory=list)
+class StepInputs:
+    """One step's flat batch: the scheduled requests in order, their new tokens back to back."""
 
-    def __post_init__(self) -> None:
-        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+    states: list[RequestState]
+    query_lens: list[int]  # new tokens per request
+    seq_lens: list[int]  # context per request after this step (computed + new)
+    token_ends: np.ndarray  # int64 [S]: where each request's rows end in the flat batch
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn_metadata: StepAttentionMetadata
 
-    def append(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+
+@dataclass(slots=True)
+class SampleRows:
+    """The requests that sample this step, and the sampler rows they fill (in batch order).
+
+    A request drawing several samples (so.num_samples) fills that many rows with the same
+    logits, one generator each:
+
+        requests      |  a  |      b       |  c  |      b draws 3
+        sampler rows  |  a  |  b   b1  b2  |  c  |      b1, b2: generators of samples 1, 2
+    """
+
+    requests: list[RequestState]
+    hidden_rows: np.ndarray  # int64 [R]: the row of each request's last new token
+    num_samples: list[int]  # [R]
+    row_states: list[RequestState]  # [sum(num_samples)]
+    row_generators: list[torch.Generator | None]
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -52,16 +76,9 @@ def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
 
 
-def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
-    if seed is None:
-        return None
-    gen = torch.Generator()
-    # Each sample of an n > 1 request gets its own stream, derived from the request's seed.
-    gen.manual_seed((seed + 1_000_003 * sample_index) & 0x7FFF_FFFF_FFFF_FFFF)
-    return gen
-
-
 class ModelRunner:
+    """The model, its KV cache and every request's state: `execute_model` runs one step."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.arch = config.arch
@@ -71,13 +88,14 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         start = time.perf_counter()
+        self.attention = choose_attention_backend(self.device, self.dtype, self.arch.head_dim)
         model_cls = get_model_class(self.arch.architecture)
-        self.model = model_cls(self.arch, dtype=self.dtype)
+        self.model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
         self.model.load_weights(load_weights(config.model_path, self.arch))
         self.model.to(self.device).eval()
         self.quantization = self._quantize(config)
-        self.cpu_attention_kernel = self._use_cpu_attention_kernel()
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
+        logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
         config.cache.num_blocks = self.num_blocks
@@ -86,43 +104,16 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
         ]
-        self._setup_cuda(config)
-        per_token = kv_bytes_per_token(self.arch, self.dtype)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d bytes per token, %.2f GiB): "
-            "at most %d tokens in flight",
-            self.num_blocks,
-            self.block_size,
-            per_token,
-            self.num_blocks * self.block_size * per_token / 2**30,
-            self.num_blocks * self.block_size,
-        )
+        self.graph_runner = self._capture_cuda_graphs(config)
+        self._log_kv_cache()
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
-        # Generators of n > 1 samples drawn before their fork message arrives.
-        self._child_generators: dict[str, torch.Generator | None] = {}
-
-    def _use_cpu_attention_kernel(self) -> bool:
-        """Decode attention from csrc/cpu on CPU fp32 when it builds (ZLLM_CPU_KERNELS=0: off)."""
-        from zllm.executor import cpu_kernels
-
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            return False
-        if not cpu_kernels.enabled() or self.arch.head_dim % 8 != 0:
-            return False
-        try:
-            cpu_kernels.load()
-        except cpu_kernels.CpuKernelError as exc:
-            logger.warning("CPU kernels unavailable, decode attention stays in torch: %s", exc)
-            return False
-        for layer in self.model.layers:
-            layer.self_attn.attn.decode_kernel = cpu_kernels.paged_decode_attention
-        return True
+        # Generators of the extra samples of an n > 1 request, drawn before the core's fork
+        # message for them arrives: (parent req_id, sample_index) -> generator.
+        self._child_generators: dict[tuple[str, int], torch.Generator | None] = {}
 
     def _quantize(self, config: EngineConfig) -> str:
         """Apply config.quantization (or pick one when unset); returns the method in use."""
-        from zllm.executor import cpu_kernels, quantization
-
         method = config.quantization
         if method is None:
             method = "none"
@@ -141,22 +132,17 @@ class ModelRunner:
             raise
         return method
 
-    def _setup_cuda(self, config: EngineConfig) -> None:
-        """On a GPU: our paged-attention kernels and CUDA graphs for decode (csrc/).
+    def _capture_cuda_graphs(self, config: EngineConfig) -> CudaGraphRunner | None:
+        """On a GPU: CUDA graphs for decode-only steps (csrc/); None elsewhere.
 
         Not yet verified on a GPU (see the GPU issue's notes); the CPU path is untouched.
         """
-        self.graph_runner = None
-        self._metadata_cls = AttentionMetadata
         if self.device.type != "cuda":
-            return
-        from zllm.executor.attention_cuda import CudaAttentionMetadata, use_cuda_attention
+            return None
         from zllm.executor.cuda_graph import CudaGraphRunner
 
         torch.cuda.set_device(self.device)
-        use_cuda_attention(self.model)
-        self._metadata_cls = CudaAttentionMetadata
-        self.graph_runner = CudaGraphRunner(
+        graph_runner = CudaGraphRunner(
             self.model,
             self.kv_caches,
             max_num_seqs=config.scheduler.max_num_seqs,
@@ -166,7 +152,8 @@ class ModelRunner:
             head_dim=self.arch.head_dim,
             enabled=not config.enforce_eager,
         )
-        self.graph_runner.capture()
+        graph_runner.capture()
+        return graph_runner
 
     def profile_num_blocks(self) -> int:
         budget = self.config.cache.kv_cache_memory_bytes
@@ -184,36 +171,32 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _log_kv_cache(self) -> None:
+        per_token = kv_bytes_per_token(self.arch, self.dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d bytes per token, %.2f GiB): "
+            "at most %d tokens in flight",
+            self.num_blocks,
+            self.block_size,
+            per_token,
+            self.num_blocks * self.block_size * per_token / 2**30,
+            self.num_blocks * self.block_size,
+        )
+
     # ---- state updates -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply what changed since the last step, forks first (they copy their parent as of
+        the step that sampled them)."""
         for fork in so.forked_requests:
-            parent = self.requests[fork.parent_req_id]
-            child = RequestState(
-                req_id=fork.req_id,
-                prompt_token_ids=parent.prompt_token_ids,
-                output_token_ids=[fork.first_token_id],
-                sampling_params=parent.sampling_params,
-                block_ids=list(parent.block_ids),
-                num_computed_tokens=parent.num_computed_tokens,
-                eos_token_id=parent.eos_token_id,
-                generator=self._child_generators.pop(fork.req_id, None),
-            )
-            self.requests[fork.req_id] = child
+            generator = self._child_generators.pop((fork.parent_req_id, fork.sample_index), None)
+            self.requests[fork.req_id] = self.requests[fork.parent_req_id].fork(fork, generator)
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-            for key in [k for k in self._child_generators if k.startswith(req_id + "#")]:
+            # Samples the core never forked (they finished at their first token) leave theirs.
+            for key in [key for key in self._child_generators if key[0] == req_id]:
                 del self._child_generators[key]
         for new in so.new_requests:
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
-                prompt_token_ids=list(new.prompt_token_ids),
-                output_token_ids=list(new.output_token_ids),
-                sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                eos_token_id=new.eos_token_id,
-                generator=make_generator(new.sampling_params.seed, new.sample_index),
-            )
+            self.requests[new.req_id] = RequestState.from_new(new)
         for cached in so.cached_requests:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
@@ -226,11 +209,34 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: apply the changes, run the forward, sample for the requests that are due.
+
+        Timed in three parts (inputs, forward, logits + sampling + output) for /metrics.
+        """
         step_start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(so)
+        forward_start = time.perf_counter()
+        hidden = self._forward(inputs)
+        # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
+        forward_end = time.perf_counter()
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        rows = self._choose_sample_rows(inputs, so.num_samples)
+        sampled = self._sample(rows, hidden) if rows.requests else None
+        output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
+        output.prepare_time_s = forward_start - step_start
+        output.forward_time_s = forward_end - forward_start
+        output.sample_time_s = time.perf_counter() - forward_end
+        return output
 
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """The flat batch of the scheduled tokens, with slots and attention metadata.
+
+        A request's new tokens are positions [computed, computed + scheduled) of its known
+        tokens, so a prompt chunk, a decode and a pending token are all the same case.
+        """
         bs = self.block_size
         states: list[RequestState] = []
         query_lens: list[int] = []
@@ -250,7 +256,7 @@ class ModelRunner:
             query_lens.append(num)
             seq_lens.append(start + num)
 
-        attn_metadata = self._metadata_cls.build(
+        attn_metadata = self.attention.build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=[st.block_ids for st in states],
@@ -258,103 +264,107 @@ class ModelRunner:
             block_size=bs,
             device=self.device,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(self.device)
-        forward_start = time.perf_counter()
-        hidden = None
-        if self.graph_runner is not None:  # a captured CUDA graph, for decode-only batches
-            hidden = self.graph_runner.run(ids_t, pos_t, attn_metadata)
-        if hidden is None:
-            hidden = self.model(ids_t, pos_t, self.kv_caches, attn_metadata)
-
-        # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
-        forward_end = time.perf_counter()
-        timing = dict(
-            prepare_time_s=forward_start - step_start, forward_time_s=forward_end - forward_start
+        return StepInputs(
+            states=states,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            token_ends=np.cumsum(query_lens),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
+            attn_metadata=attn_metadata,
         )
-        ends = np.cumsum(query_lens)
-        prompt_logprobs = self._prompt_logprobs(states, query_lens, seq_lens, ends, hidden)
 
-        # Rows that sample: every request whose known tokens are all computed after this step.
-        sample_states = [
-            st for st, end in zip(states, seq_lens, strict=False) if end == len(st.all_token_ids)
-        ]
-        if not sample_states:
-            return ModelRunnerOutput(
-                step_id=so.step_id,
-                req_ids=[],
-                sampled_token_ids=[],
-                prompt_logprobs=prompt_logprobs,
-                sample_time_s=time.perf_counter() - forward_end,
-                **timing,
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, hidden]: a captured CUDA graph replay when one fits, else eager."""
+        hidden = None
+        if self.graph_runner is not None:  # decode-only batches on a GPU
+            hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if hidden is None:
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
             )
-        sample_rows = [
+        return hidden
+
+    def _choose_sample_rows(self, inputs: StepInputs, num_samples: dict[str, int]) -> SampleRows:
+        """Every request whose known tokens are all computed after this step samples its next
+        token; one named in num_samples (an n > 1 request at its first token, the scheduler
+        decides) draws that many samples from the same logits. Sample i > 0 draws with its own
+        seeded generator, kept here until the core's fork message for it arrives."""
+        due = [
             i
-            for i, (st, end) in enumerate(zip(states, seq_lens, strict=False))
+            for i, (st, end) in enumerate(zip(inputs.states, inputs.seq_lens, strict=True))
             if end == len(st.all_token_ids)
         ]
-        logits = self.model.compute_logits(hidden[torch.as_tensor(ends[sample_rows] - 1)])
-
-        # An n > 1 request sampling its first token draws n samples from the same logits.
+        requests = [inputs.states[i] for i in due]
+        counts = [num_samples.get(st.req_id, 1) for st in requests]
         row_states: list[RequestState] = []
         row_generators: list[torch.Generator | None] = []
-        row_of_state: list[int] = []
-        child_names: list[str | None] = []
-        for st in sample_states:
-            row_of_state.append(len(row_states))
-            n = st.sampling_params.n if self._forks_now(st) else 1
-            for index in range(n):
-                row_states.append(st)
-                if index == 0:
-                    row_generators.append(st.generator)
-                    child_names.append(None)
-                else:
-                    name = f"{st.req_id}#{index}"
-                    gen = make_generator(st.sampling_params.seed, index)
-                    self._child_generators[name] = gen
-                    row_generators.append(gen)
-                    child_names.append(name)
-        counts = [(st.sampling_params.n if self._forks_now(st) else 1) for st in sample_states]
-        if len(row_states) != len(sample_states):
-            logits = torch.repeat_interleave(logits, torch.tensor(counts), dim=0)
+        for st, n in zip(requests, counts, strict=True):
+            row_states.extend([st] * n)
+            row_generators.append(st.generator)
+            for index in range(1, n):
+                generator = make_generator(st.sampling_params.seed, index)
+                self._child_generators[(st.req_id, index)] = generator
+                row_generators.append(generator)
+        return SampleRows(
+            requests=requests,
+            hidden_rows=inputs.token_ends[due] - 1,
+            num_samples=counts,
+            row_states=row_states,
+            row_generators=row_generators,
+        )
 
+    def _sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
+        """One token per sampler row; logits are computed once per request, then repeated."""
+        logits = self.model.compute_logits(hidden[torch.as_tensor(rows.hidden_rows)])
+        if len(rows.row_states) != len(rows.requests):
+            logits = torch.repeat_interleave(logits, torch.tensor(rows.num_samples), dim=0)
         metadata = SamplingMetadata.build(
-            params=[st.sampling_params for st in row_states],
-            generators=row_generators,
-            prompt_ids=[st.prompt_token_ids for st in row_states],
-            output_ids=[st.output_token_ids for st in row_states],
-            banned=[self._banned_tokens(st) for st in row_states],
+            params=[st.sampling_params for st in rows.row_states],
+            generators=rows.row_generators,
+            prompt_ids=[st.prompt_token_ids for st in rows.row_states],
+            output_ids=[st.output_token_ids for st in rows.row_states],
+            banned=[self._banned_tokens(st) for st in rows.row_states],
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        out = self.sampler(logits, metadata)
-        sampled = out.sampled_token_ids.tolist()
-        row_logprobs = self._sample_logprobs(out, row_states)
+        return self.sampler(logits, metadata)
 
-        req_ids, tokens_per_req, logprobs_per_req = [], [], []
-        for st, first_row, n in zip(sample_states, row_of_state, counts, strict=False):
-            toks = sampled[first_row : first_row + n]
-            st.append(toks[0])
-            req_ids.append(st.req_id)
-            tokens_per_req.append(toks)
-            lps = row_logprobs[first_row : first_row + n]
-            logprobs_per_req.append(_merge_rows(lps) if lps[0] is not None else None)
+    def _pack_output(
+        self,
+        step_id: int,
+        rows: SampleRows,
+        sampled: SamplerOutput | None,
+        prompt_logprobs: dict[str, LogprobsLists],
+    ) -> ModelRunnerOutput:
+        """One entry per sampling request: its sample(s), and their logprobs when asked.
+
+        Each request keeps its first sample; the others go to the core, which forks them.
+        """
+        req_ids: list[str] = []
+        tokens_per_req: list[list[int]] = []
+        logprobs_per_req: list[LogprobsLists | None] = []
+        if sampled is not None:
+            tokens = sampled.sampled_token_ids.tolist()
+            row_logprobs = self._sample_logprobs(sampled, rows.row_states)
+            first = 0
+            for st, n in zip(rows.requests, rows.num_samples, strict=True):
+                st.append(tokens[first])
+                req_ids.append(st.req_id)
+                tokens_per_req.append(tokens[first : first + n])
+                lps = row_logprobs[first : first + n]
+                logprobs_per_req.append(_merge_rows(lps) if lps[0] is not None else None)
+                first += n
         has_logprobs = any(lp is not None for lp in logprobs_per_req)
         return ModelRunnerOutput(
-            step_id=so.step_id,
+            step_id=step_id,
             req_ids=req_ids,
             sampled_token_ids=tokens_per_req,
             logprobs=logprobs_per_req if has_logprobs else [],
             prompt_logprobs=prompt_logprobs,
-            sample_time_s=time.perf_counter() - forward_end,
-            **timing,
         )
 
     # ---- helpers -------------------------------------------------------------------------------
-    @staticmethod
-    def _forks_now(st: RequestState) -> bool:
-        return st.sampling_params.n > 1 and not st.output_token_ids and "#" not in st.req_id
-
     @staticmethod
     def _banned_tokens(st: RequestState) -> list[int]:
         """EOS and stop tokens are forbidden until min_tokens are out."""
@@ -385,11 +395,14 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(
-        self, states, query_lens, seq_lens, ends, hidden
+        self, inputs: StepInputs, hidden: torch.Tensor
     ) -> dict[str, LogprobsLists]:
         """Logprobs of each prompt token given the ones before it, for the chunk just computed."""
         result: dict[str, LogprobsLists] = {}
-        for st, q, end, stop in zip(states, query_lens, seq_lens, ends, strict=False):
+        batch = zip(
+            inputs.states, inputs.query_lens, inputs.seq_lens, inputs.token_ends, strict=True
+        )
+        for st, q, end, stop in batch:
             k = st.sampling_params.prompt_logprobs
             if k is None or st.output_token_ids:
                 continue

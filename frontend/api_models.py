@@ -13,6 +13,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from zllm.errors import RequestError
+
 # ---- limits --------------------------------------------------------------------------------
 # Each is part of a field's type, so a request beyond it is a 400 naming the field, and the
 # OpenAPI schema (/openapi.json) states it. `max_tokens` is also checked against the
@@ -34,25 +36,6 @@ NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-
-
-class ApiError(Exception):
-    """A bad request, reported in OpenAI's error shape with this status."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.headers = headers
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -312,26 +295,26 @@ _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct, list[str]]:
     """Decode a JSON request body into `cls`; returns it and the unknown top-level keys.
 
-    Raises ApiError (400) for invalid JSON or a value of the wrong type, naming the field.
+    Raises RequestError (400) for invalid JSON or a value of the wrong type, naming the field.
     """
     try:
         keys = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     except msgspec.ValidationError:
-        raise ApiError("The request body must be a JSON object.") from None
+        raise RequestError("The request body must be a JSON object.") from None
     except msgspec.DecodeError as e:
-        raise ApiError(f"Invalid JSON in the request body: {e}") from None
+        raise RequestError(f"Invalid JSON in the request body: {e}") from None
     except UnicodeDecodeError as e:  # msgspec checks UTF-8 only where it decodes a string
-        raise ApiError(f"The request body is not valid UTF-8: {e}") from None
+        raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
-        raise ApiError("The request body is nested too deeply.") from None
+        raise RequestError("The request body is nested too deeply.") from None
     try:
         request = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
-        raise ApiError(f"Invalid request: {e}", param=_error_param(str(e))) from None
+        raise RequestError(f"Invalid request: {e}", param=_error_param(str(e))) from None
     except UnicodeDecodeError as e:
-        raise ApiError(f"The request body is not valid UTF-8: {e}") from None
+        raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
-        raise ApiError("The request body is nested too deeply.") from None
+        raise RequestError("The request body is nested too deeply.") from None
     unknown = sorted(set(keys) - set(cls.__struct_fields__))
     return request, unknown
 

@@ -20,11 +20,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from zllm.engine_client import EngineClient
-from zllm.protocol import EngineStatus
+from zllm.percentile import percentile
+from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
 
 HISTORY_S = 120  # what the charts show
-MAX_CELLS = 4096  # as the core folds the pool (BlockManager.block_states)
-_ROLE_ORDER = ("frontend", "tokenizer", "core", "executor", "detokenizer")
+_ROLE_ORDER = (
+    ProcessRole.FRONTEND,
+    ProcessRole.TOKENIZER,
+    ProcessRole.CORE,
+    ProcessRole.EXECUTOR,
+    ProcessRole.DETOKENIZER,
+)
 
 
 class LatencyWindow:
@@ -40,23 +46,12 @@ class LatencyWindow:
     def percentiles(self, now: float) -> Percentiles:
         while self.samples and self.samples[0][0] < now - self.window_s:
             self.samples.popleft()
-        values = sorted(v for _, v in self.samples)
+        values = [v for _, v in self.samples]
         if not values:
             return Percentiles()
         return Percentiles(
-            _percentile(values, 0.5),
-            _percentile(values, 0.9),
-            _percentile(values, 0.99),
-            len(values),
+            percentile(values, 50), percentile(values, 90), percentile(values, 99), len(values)
         )
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks."""
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 class _Point(msgspec.Struct, array_like=True, gc=False):
@@ -81,12 +76,9 @@ class Timeline:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        """Start sampling (in the server's event loop); idempotent."""
         if self._task is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # not in the server's event loop (a unit test): nothing to sample for
-            self._task = loop.create_task(self._run())
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while True:
@@ -94,7 +86,7 @@ class Timeline:
             await asyncio.sleep(self.interval_s)
 
     def sample(self) -> None:
-        s = self.client.status
+        s = self.client.stats
         if s is None or (self.points and self.points[-1].time == s.time):
             return  # no heartbeat yet, or no new one since the last sample
         if self.points and s.time < self.points[-1].time:
@@ -258,16 +250,16 @@ class Dashboard:
 
     def snapshot(self) -> DashboardStats:
         client = self.client
-        s = client.status or EngineStatus(time=0.0)
+        s = client.stats or EngineStats()
         now, mono = time.time(), time.monotonic()
         healthy, message = client.health()
         gen_tps, prompt_tps, busy = self.timeline.rates(now)
         queries = s.prefix_cache_queries
         engine = Engine(
-            state=client.engine_state,
+            state=str(client.engine_state),
             healthy=healthy,
             message=message,
-            heartbeat_age_s=round(mono - client.last_heartbeat, 2) if client.status else None,
+            heartbeat_age_s=round(mono - client.last_heartbeat, 2) if client.stats else None,
             running=s.num_running,
             waiting=s.num_waiting,
             kv_usage=s.kv_cache_usage,
@@ -304,14 +296,14 @@ class Dashboard:
             processes=processes,
         )
 
-    def _kv_pool(self, s: EngineStatus) -> KVPool:
+    def _kv_pool(self, s: EngineStats) -> KVPool:
         num_blocks = s.num_blocks or self.client.config.engine.cache.num_blocks or 0
         if s.block_states:
             per_cell = max(1, s.blocks_per_cell)
             cells = s.block_states.translate(_CELL_CHARS).decode("latin-1")
             used = num_blocks - s.num_free_blocks
         else:  # the core has not taken a snapshot yet: it has not run anything either
-            per_cell = max(1, -(-num_blocks // MAX_CELLS))
+            per_cell = max(1, -(-num_blocks // MAX_BLOCK_CELLS))
             cells = "0" * -(-num_blocks // per_cell)
             used = 0
         cached = min(cells.count("2") * per_cell, num_blocks - used)
@@ -329,5 +321,5 @@ class Dashboard:
 _CELL_CHARS = bytes.maketrans(b"\x00\x01\x02", b"012")
 
 
-def _role_rank(role: str) -> int:
-    return _ROLE_ORDER.index(role) if role in _ROLE_ORDER else len(_ROLE_ORDER)
+def _role_rank(role: ProcessRole) -> int:
+    return _ROLE_ORDER.index(role)

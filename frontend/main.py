@@ -18,8 +18,9 @@ import uvicorn
 from zllm.engine_client import EngineClient
 from zllm.frontend.app import OpenAIServer, build_app
 from zllm.procutil import die_with_parent, index_arg, report_ready, start_process
+from zllm.protocol import ProcessRole
 from zllm.serve_config import ServeConfig
-from zllm.tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
+from zllm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("zllm.frontend")
 
@@ -43,7 +44,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's own handler this does not re-raise the signal once shut down,
         # so a drained frontend exits with status 0.
-        self.api.start_draining()
+        self.api.admission.start_draining()
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:
@@ -52,7 +53,9 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
-            await asyncio.to_thread(report_ready, self.serve_config, "frontend", index_arg())
+            await asyncio.to_thread(
+                report_ready, self.serve_config, ProcessRole.FRONTEND, index_arg()
+            )
             logger.info("listening on http://%s:%d", self.serve_config.host, self.serve_config.port)
 
     async def shutdown(self, sockets=None) -> None:
@@ -97,7 +100,7 @@ async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
 
 
 def main() -> int:
-    config = start_process("frontend")
+    config = start_process(ProcessRole.FRONTEND)
     # Drain rather than vanish when the supervisor dies (start_process asked for SIGKILL).
     die_with_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn takes over

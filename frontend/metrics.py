@@ -48,7 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from zllm.engine_client import EngineClient
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
-from zllm.protocol import EngineStatus, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import EngineStats, RequestOutputDelta, TokenizeRequest
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -188,7 +188,6 @@ class Metrics:
 
     # ---- per engine request --------------------------------------------------------------
     def track(self, request: TokenizeRequest) -> RequestTrace:
-        self.timeline.start()  # the charts' history begins with the first request
         return RequestTrace(request.req_id, request.sampling_params.n, time.monotonic())
 
     def on_output(self, trace: RequestTrace, delta: RequestOutputDelta) -> None:
@@ -215,7 +214,7 @@ class Metrics:
                 self.itl_window.add(now, gap)
             trace.last_token[delta.index] = now
         if delta.finish_reason is not None:
-            trace.finish_reasons[delta.index] = delta.finish_reason
+            trace.finish_reasons[delta.index] = str(delta.finish_reason)
 
     def finish(self, trace: RequestTrace, interrupted: str) -> None:
         """The request's stream ended; `interrupted` is its reason if the engine had not
@@ -241,7 +240,7 @@ class Metrics:
             self.generation_tokens.observe(trace.num_generation_tokens)
 
 
-# (name, help) of the heartbeat's gauges and counters, and the EngineStatus field each reads.
+# (name, help) of the heartbeat's gauges and counters, and the EngineStats field each reads.
 _GAUGES = (
     ("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
     ("vllm:num_requests_waiting", "Requests queued for the scheduler.", "num_waiting"),
@@ -311,7 +310,7 @@ class EngineCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        s = self.client.status or EngineStatus(time=0.0)
+        s = self.client.stats or EngineStats()
         label = [self.model_name]
         for name, doc, attr in _GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])

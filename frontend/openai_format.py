@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from zllm.engine_client import EngineError
+from zllm.errors import ParamError, RequestError
 from zllm.frontend.api_models import (
     MAX_LOGPROBS,
     MAX_PROMPTS,
-    ApiError,
     ChatChoice,
     ChatCompletionRequest,
     ChatLogprob,
@@ -33,9 +32,9 @@ from zllm.frontend.api_models import (
     SamplingFields,
     UsageInfo,
 )
-from zllm.protocol import LogprobsLists, RequestOutputDelta
+from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
-from zllm.tokenizer_proc.tokenizer import Tokenizer
+from zllm.tokenizer import Tokenizer
 
 # ---- requests ------------------------------------------------------------------------------
 
@@ -51,11 +50,11 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
     if isinstance(prompt, str):
         return [PromptInput(text=prompt)]
     if not prompt:
-        raise ApiError("prompt must not be empty.", param="prompt")
+        raise RequestError("prompt must not be empty.", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [PromptInput(token_ids=list(prompt))]
     if len(prompt) > MAX_PROMPTS:
-        raise ApiError(
+        raise RequestError(
             f"A request may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}.",
             param="prompt",
         )
@@ -63,9 +62,9 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
         return [PromptInput(text=p) for p in prompt]
     if all(isinstance(p, list) for p in prompt):
         if any(not p for p in prompt):
-            raise ApiError("prompt must not contain an empty token list.", param="prompt")
+            raise RequestError("prompt must not contain an empty token list.", param="prompt")
         return [PromptInput(token_ids=p) for p in prompt]
-    raise ApiError(
+    raise RequestError(
         "prompt must be a string, a list of strings, a list of token ids, "
         "or a list of token-id lists (not a mix).",
         param="prompt",
@@ -75,14 +74,14 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template sees them: text content only (parts are joined)."""
     if not messages:
-        raise ApiError("messages must not be empty.", param="messages")
+        raise RequestError("messages must not be empty.", param="messages")
     result = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             texts = []
             for part in m.content:
                 if part.type != "text" or part.text is None:
-                    raise ApiError(
+                    raise RequestError(
                         f"content parts of type {part.type!r} are not supported; "
                         "this server accepts text only.",
                         param=f"messages[{i}].content",
@@ -124,9 +123,9 @@ def sampling_params(
     """SamplingParams from a request body; a bad value is a 400 naming the field."""
     for name, value in ((logprobs_name, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and value > MAX_LOGPROBS:
-            raise ApiError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.", param=name)
+            raise RequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.", param=name)
     if max_model_len is not None and max_tokens is not None and max_tokens > max_model_len:
-        raise ApiError(
+        raise RequestError(
             f"{max_tokens_name} must be at most the model's context length "
             f"({max_model_len}), got {max_tokens}.",
             param=max_tokens_name,
@@ -149,22 +148,9 @@ def sampling_params(
             kwargs[name] = value
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as e:
-        param = _field_named_in(str(e), kwargs)
-        if param == "max_tokens":
-            param = max_tokens_name
-        elif param == "logprobs":
-            param = logprobs_name
-        raise ApiError(str(e), param=param) from None
-
-
-def _field_named_in(message: str, fields: dict) -> str | None:
-    first = re.match(r"\w+", message)
-    if first and first.group() in fields:
-        return first.group()
-    if message.startswith("stop strings"):
-        return "stop"
-    return next((name for name in fields if name in message), None)
+    except ParamError as e:  # the request's own name for the field, where it differs
+        param = {"max_tokens": max_tokens_name, "logprobs": logprobs_name}.get(e.param, e.param)
+        raise RequestError(str(e), param=param) from None
 
 
 def completion_params(
@@ -192,7 +178,7 @@ def completion_params(
 
 def chat_params(req: ChatCompletionRequest, max_model_len: int | None = None) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        raise RequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     use_completion_name = req.max_completion_tokens is not None
     return sampling_params(
         req,
@@ -360,10 +346,15 @@ class Usage:
 
 
 def _check_failed(delta: RequestOutputDelta) -> None:
-    if delta.finish_reason == "error":
-        raise EngineError(
+    if delta.finish_reason == FinishReason.ERROR:
+        raise RequestError(
             f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
         )
+
+
+def _reason(delta: RequestOutputDelta) -> str | None:
+    """The finish reason as OpenAI spells it ("stop", "length", ...), or None."""
+    return None if delta.finish_reason is None else str(delta.finish_reason)
 
 
 @dataclass
@@ -416,7 +407,7 @@ class CompletionAssembler:
         state.started = True
         state.text_len += len(text)
         if delta.finish_reason is not None:
-            state.finish_reason = "length" if self.echo_only else delta.finish_reason
+            state.finish_reason = "length" if self.echo_only else _reason(delta)
             state.stop_reason = None if self.echo_only else delta.stop_reason
         if not text and delta.finish_reason is None and not (logprobs and logprobs.tokens):
             return None
@@ -424,8 +415,8 @@ class CompletionAssembler:
             index=index,
             text=text,
             logprobs=logprobs,
-            finish_reason=state.finish_reason if delta.finish_reason else None,
-            stop_reason=state.stop_reason if delta.finish_reason else None,
+            finish_reason=state.finish_reason if delta.finish_reason is not None else None,
+            stop_reason=state.stop_reason if delta.finish_reason is not None else None,
         )
 
     def _rows(self, delta: RequestOutputDelta):
@@ -508,7 +499,9 @@ class ChatAssembler:
         self._parts = [[] for _ in range(self.n)]
         self.usage = Usage([_PromptState()])
 
-    def add(self, delta: RequestOutputDelta) -> ChatStreamChoice | None:
+    def add(self, prompt_index: int, delta: RequestOutputDelta) -> ChatStreamChoice | None:
+        """This delta as a choice fragment; None when it carries nothing to send. (A chat
+        request has one prompt: `prompt_index` is 0.)"""
         _check_failed(delta)
         state = self.choices[delta.index]
         self.usage.add(0, delta, len(delta.token_ids))
@@ -520,7 +513,7 @@ class ChatAssembler:
             rows = self.names.rows(delta.logprobs, delta.logprob_tokens)
             logprobs = ChatLogprobs(content=chat_logprobs(rows, self.names))
         if delta.finish_reason is not None:
-            state.finish_reason = delta.finish_reason
+            state.finish_reason = _reason(delta)
             state.stop_reason = delta.stop_reason
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
@@ -528,13 +521,13 @@ class ChatAssembler:
             index=delta.index,
             delta=DeltaMessage(content=delta.text),
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,
+            finish_reason=_reason(delta),
             stop_reason=delta.stop_reason,
         )
 
-    def collect(self, delta: RequestOutputDelta) -> None:
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
         """Non-streaming: keep this delta's fragment for `finish`."""
-        fragment = self.add(delta)
+        fragment = self.add(prompt_index, delta)
         if fragment is not None:
             self._parts[fragment.index].append(fragment)
 

@@ -1,11 +1,14 @@
-"""Helpers for tests that run a real `zllm serve` (supervisor and every child process) on the
-tiny random model, and talk to it over loopback HTTP only.
+"""The one harness for tests that run a real `zllm serve` (supervisor and every child process)
+on the tiny random model, and talk to it over loopback HTTP only.
 
-`start_server` waits for /health; the supervisor's output goes to a log file, from which the
-run directory (sockets and config.json) is read. Children are found through /proc, by their
-process titles (`zllm: core`, `zllm: tokenizer 0`, ...). `http` is a lean HTTP/1.1 client on
-raw asyncio streams: for bursts of hundreds of requests it measures the server, where a
-full client library on the same 2 cores would mostly measure itself.
+`start_server` waits for /health; the supervisor's output (stdout and stderr, every child's
+log lines included) goes to a log file, from which the run directory (sockets and
+config.json) is read. `stop_server` is SIGTERM, as an operator stops it; `Server.kill` is
+SIGKILL, for a test that has already stopped it or must not wait. Children are found
+through /proc, by their process titles (`zllm: core`, `zllm: tokenizer 0`, ...). `http` is
+a lean HTTP/1.1 client on raw asyncio streams: for bursts of hundreds of requests it
+measures the server, where a full client library on the same 2 cores would mostly measure
+itself. SSE streams are split into lines by `sse_lines`, never by httpx's `iter_lines`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +76,12 @@ class Server:
         except httpx.HTTPError:
             return False
 
+    def kill(self) -> None:
+        """SIGKILL the supervisor (its children get SIGKILL from the kernel) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -80,7 +90,9 @@ def free_port() -> int:
 
 
 def start_server(model_dir: str, log: Path, *extra: str, api_key: str | None = None) -> Server:
-    """`zllm serve` on loopback with a small KV pool; returns once /health answers 200."""
+    """`zllm serve` on loopback with a small KV pool; returns once /health answers 200 and
+    the run directory is known. `extra` are more `zllm serve` options (later ones win), e.g.
+    worker counts or --served-model-name; with `api_key`, get/post send it."""
     port = free_port()
     cmd = [sys.executable, "-m", "zllm.cli", "serve", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "64M"]
@@ -230,6 +242,31 @@ def metric(text: str, name: str) -> float:
     match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
+
+
+def sse_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """The lines of an SSE stream from its text chunks (httpx's `iter_text()`), as they come.
+
+    Not httpx's `iter_lines()`: like str.splitlines it also breaks lines at U+0085, U+2028
+    and other separators, which sampled text holds, unescaped, inside the JSON of an event.
+    SSE ends lines with LF or CR LF only (the server sends LF)."""
+    pending = ""
+    for chunk in chunks:
+        *lines, pending = (pending + chunk).split("\n")
+        yield from (line.removesuffix("\r") for line in lines)
+    if pending:
+        yield pending
+
+
+async def asse_lines(chunks: AsyncIterable[str]) -> AsyncIterator[str]:
+    """sse_lines for `aiter_text()`."""
+    pending = ""
+    async for chunk in chunks:
+        *lines, pending = (pending + chunk).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
 
 
 def sse_events(lines) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -9,6 +10,12 @@ import torch
 
 from zllm.executor import cpu_kernels
 from zllm.executor.attention import AttentionMetadata, PagedAttention, write_kv_cache
+from zllm.executor.attention_backend import (
+    CPU_KERNEL_ATTENTION,
+    TORCH_ATTENTION,
+    choose_attention_backend,
+)
+from zllm.executor.attention_cuda import CUDA_ATTENTION, CudaAttentionMetadata
 
 # (query_len, context_len) per sequence: q == 1 decodes, q == L is a fresh prompt, else a chunk.
 BATCHES = {
@@ -80,13 +87,12 @@ def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim
     expected_cache.view(2, -1, num_kv_heads, head_dim)[0, slot_mapping] = new_k
     expected_cache.view(2, -1, num_kv_heads, head_dim)[1, slot_mapping] = new_v
 
-    attn = PagedAttention(num_heads, num_kv_heads, head_dim)
-    if kernel:
-        attn.decode_kernel = cpu_kernels.paged_decode_attention
+    decode_kernel = cpu_kernels.paged_decode_attention if kernel else None
+    attn = PagedAttention(num_heads, num_kv_heads, head_dim, decode_kernel=decode_kernel)
     out = attn(query, new_k, new_v, kv_cache, meta)
 
     assert torch.equal(kv_cache, expected_cache)
-    starts = meta.query_start_loc.tolist()
+    starts = [0, *itertools.accumulate(query_lens)]
     expected = torch.cat(
         [
             dense_reference(query[starts[i] : starts[i + 1]], full_k[i], full_v[i], query_lens[i])
@@ -166,7 +172,7 @@ def test_metadata_split():
     meta = AttentionMetadata.build(
         query_lens, context_lens, tables, list(range(sum(query_lens))), 4, "cpu"
     )
-    assert meta.query_start_loc.tolist() == [0, 1, 7, 8, 17, 18, 20, 25, 26]
+    assert meta.slot_mapping.tolist() == list(range(26))
     assert meta.decode is not None and not meta.decode.is_whole_batch
     assert meta.decode.token_indices.tolist() == [0, 7, 17, 25]
     assert meta.decode.max_blocks == 10  # ceil(40 / 4)
@@ -185,7 +191,7 @@ def test_metadata_split():
     assert chunk.attn_mask.sum(-1).tolist() == list(range(17, 26))
     whole = AttentionMetadata.build([1, 1], [3, 5], [[2], [0, 1]], [10, 5], 4, "cpu")
     assert whole.decode.is_whole_batch and not whole.prefills
-    assert whole.block_tables.tolist() == [[2, 0], [0, 1]]
+    assert whole.decode.block_ids.tolist() == [2, 0, 0, 1]  # tables padded to 2 blocks
 
 
 def test_write_kv_cache_touches_only_its_slots():
@@ -209,6 +215,79 @@ def test_write_kv_cache_touches_only_its_slots():
         ([1, 1], [2], [[0], [1]], [0, 4], 4),  # ragged lists
     ],
 )
-def test_build_rejects_inconsistent_input(args):
+@pytest.mark.parametrize("build", [AttentionMetadata.build, CudaAttentionMetadata.build])
+def test_build_rejects_inconsistent_input(args, build):
     with pytest.raises(ValueError):
-        AttentionMetadata.build(*args, device="cpu")
+        build(*args, device="cpu")
+
+
+def test_backends_share_the_step_layout():
+    """Both metadata kinds agree on what they share: slots, lengths, chunks' context slots."""
+    batch = BATCHES["mixed"]
+    query_lens, context_lens = [q for q, _ in batch], [n for _, n in batch]
+    _, tables = allocate(context_lens, 4, torch.Generator().manual_seed(1))
+    slots = [
+        slot_of(t, p, 4) for t, (q, n) in zip(tables, batch, strict=True) for p in range(n - q, n)
+    ]
+    cpu = AttentionMetadata.build(query_lens, context_lens, tables, slots, 4, "cpu")
+    gpu = CudaAttentionMetadata.build(query_lens, context_lens, tables, slots, 4, "cpu")
+    assert torch.equal(cpu.slot_mapping, gpu.slot_mapping)
+    assert gpu.seq_lens.tolist() == cpu.decode.seq_lens.tolist() == [12, 40, 3, 1]
+    assert gpu.decode_token_indices.tolist() == cpu.decode.token_indices.tolist()
+
+    def spans(meta):
+        return [(c.token_start, c.token_end, c.context_len) for c in meta.prefills]
+
+    assert spans(cpu) == spans(gpu) and len(cpu.prefills) == 4
+    for a, b in zip(cpu.prefills, gpu.prefills, strict=True):
+        assert (a.context_slots is None) == (b.context_slots is None)
+        if a.context_slots is not None:
+            assert torch.equal(a.context_slots, b.context_slots)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "head_dim", "kernels", "expected"),
+    [
+        ("cpu", torch.float32, 64, "1", "cpu-kernels"),
+        ("cpu", torch.float32, 64, "0", "torch"),  # ZLLM_CPU_KERNELS=0: no kernel by itself
+        ("cpu", torch.float32, 12, "1", "torch"),  # no SIMD path for this head_dim
+        ("cpu", torch.bfloat16, 64, "1", "torch"),
+        ("meta", torch.float32, 64, "1", "torch"),
+        ("cuda", torch.bfloat16, 64, "1", "cuda"),
+    ],
+)
+def test_choose_attention_backend(monkeypatch, device, dtype, head_dim, kernels, expected):
+    monkeypatch.setenv("ZLLM_CPU_KERNELS", kernels)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # as if built
+    backend = choose_attention_backend(torch.device(device), dtype, head_dim)
+    assert backend.name == expected
+
+
+def test_cpu_kernel_build_failure_falls_back_to_torch(monkeypatch, caplog):
+    def fail():
+        raise cpu_kernels.CpuKernelError("no compiler here")
+
+    monkeypatch.setenv("ZLLM_CPU_KERNELS", "1")
+    monkeypatch.setattr(cpu_kernels, "load", fail)
+    assert choose_attention_backend(torch.device("cpu"), torch.float32, 64) is TORCH_ATTENTION
+    assert "decode attention stays in torch: no compiler here" in caplog.text
+
+
+@pytest.mark.parametrize("backend", [TORCH_ATTENTION, CPU_KERNEL_ATTENTION, CUDA_ATTENTION])
+def test_model_layers_come_from_the_backend(backend):
+    from zllm.config import ModelArchConfig
+    from zllm.executor.models import LlamaForCausalLM
+
+    arch = ModelArchConfig(
+        architecture="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(arch, attention=backend)
+    expected = backend.make_layer(4, 2, 8)
+    for layer in model.layers:
+        attn = layer.self_attn.attn
+        assert type(attn) is type(expected)
+        assert getattr(attn, "decode_kernel", None) is getattr(expected, "decode_kernel", None)
+        assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (4, 2, 8)
+    assert LlamaForCausalLM(arch).layers[0].self_attn.attn.decode_kernel is None  # torch default

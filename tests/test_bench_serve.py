@@ -259,6 +259,7 @@ def test_engine_cost_from_counters_and_process_cpu():
     assert engine_cost(({}, {}), ({}, {}), 10) is None  # another engine: nothing to report
 
 
+@pytest.mark.e2e
 def test_engine_split_reported_against_a_real_zllm_server(tiny_llama_dir, tmp_path):
     from servers import start_server, stop_server
 

@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import glob
-import math
 import os
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from paged_reference import TOLERANCE, decode_reference, random_tables
 
 from zllm.executor import cuda_kernels as ck
 from zllm.executor.attention import AttentionMetadata, PagedAttention
@@ -200,39 +200,6 @@ def emu(tmp_path_factory) -> Emulator:
     return Emulator(out)
 
 
-def random_tables(lens: list[int], block_size: int, gen: torch.Generator, dtype=torch.int32):
-    """Non-contiguous block tables from a shuffled pool with spare blocks nobody owns."""
-    counts = [max(1, -(-n // block_size)) for n in lens]
-    num_blocks = sum(counts) + 3
-    pool = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(counts), dtype=dtype)
-    start = 0
-    for i, c in enumerate(counts):
-        tables[i, :c] = pool[start : start + c]
-        start += c
-    return num_blocks, tables
-
-
-def decode_reference(q, kv_cache, tables, lens, block_size) -> torch.Tensor:
-    """q [S, H, D] against each sequence's gathered context, in float64."""
-    num_kv_heads, head_dim = kv_cache.shape[3:]
-    group = q.shape[1] // num_kv_heads
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim).double()
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    for s, n in enumerate(lens):
-        if n == 0:
-            continue
-        pos = torch.arange(n)
-        slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
-        k = flat[0, slots].repeat_interleave(group, dim=1)
-        v = flat[1, slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[s].double(), k) / math.sqrt(head_dim)
-        out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
-    return out
-
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
 # (dtype, heads, kv_heads, head_dim, block_size, context lengths, block table dtype)
 EMU_DECODE_CASES = {
     "f32-mha": (torch.float32, 4, 4, 64, 16, [1, 7, 33, 16], torch.int32),
@@ -339,7 +306,7 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     from conftest import write_tiny_model
 
     from zllm.executor import cuda_graph
-    from zllm.executor.attention_cuda import use_cuda_attention
+    from zllm.executor.attention_cuda import CUDA_ATTENTION
     from zllm.executor.loader import load_weights
     from zllm.executor.models import LlamaForCausalLM
     from zllm.model_files import read_arch_config
@@ -349,9 +316,9 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
                                 num_attention_heads=4, num_key_value_heads=2,
                                 max_position_embeddings=1024))  # fmt: skip
     arch = read_arch_config(path)
-    model = LlamaForCausalLM(arch)
+    model = LlamaForCausalLM(arch, attention=CUDA_ATTENTION)
     model.load_weights(load_weights(path, arch))
-    assert use_cuda_attention(model) == arch.num_layers
+    assert all(isinstance(layer.self_attn.attn, CudaPagedAttention) for layer in model.layers)
     block_size, max_blocks = 16, 40
     gen = torch.Generator().manual_seed(4)
     lens = [3, 520, 17, 64, 1]

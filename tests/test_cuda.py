@@ -7,10 +7,10 @@ under emulation on CPU machines in test_csrc_compile.py; this file checks them f
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import pytest
 import torch
+from paged_reference import TOLERANCE, decode_reference, random_tables
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -20,45 +20,13 @@ if importlib.util.find_spec("cupy") is None:
 from zllm.executor import cuda_kernels as ck  # noqa: E402
 from zllm.executor.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from zllm.executor.attention_cuda import (  # noqa: E402
+    CUDA_ATTENTION,
     CudaAttentionMetadata,
     CudaPagedAttention,
-    use_cuda_attention,
 )
 from zllm.executor.cuda_graph import CudaGraphRunner  # noqa: E402
 
 DEVICE = torch.device("cuda")
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def random_tables(lens, block_size, gen, dtype=torch.int32, spare=3):
-    """Block tables drawn from a shuffled pool (non-contiguous), a few blocks left unowned."""
-    counts = [max(1, -(-n // block_size)) for n in lens]
-    num_blocks = sum(counts) + spare
-    pool = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(counts), dtype=dtype)
-    start = 0
-    for i, c in enumerate(counts):
-        tables[i, :c] = pool[start : start + c]
-        start += c
-    return num_blocks, tables
-
-
-def decode_reference(q, kv_cache, tables, lens, block_size):
-    """float64 attention of q [S, H, D] over each sequence's gathered context."""
-    num_kv_heads, head_dim = kv_cache.shape[3:]
-    group = q.shape[1] // num_kv_heads
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for s, n in enumerate(lens):
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
-        k = flat[0, slots].double().repeat_interleave(group, dim=1)
-        v = flat[1, slots].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[s].double(), k) / math.sqrt(head_dim)
-        out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
-    return out
 
 
 def ragged_lens(gen, count, max_len=4096):
@@ -206,10 +174,10 @@ def load_model(path: str, dtype: torch.dtype):
     from zllm.model_files import read_arch_config
 
     arch = read_arch_config(path)
-    model = LlamaForCausalLM(arch, dtype=dtype)
+    model = LlamaForCausalLM(arch, dtype=dtype, attention=CUDA_ATTENTION)
     model.load_weights(load_weights(path, arch))
     model.to(DEVICE).eval()
-    assert use_cuda_attention(model) == arch.num_layers
+    assert all(isinstance(layer.self_attn.attn, CudaPagedAttention) for layer in model.layers)
     return model, arch
 
 

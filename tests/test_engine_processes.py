@@ -13,7 +13,7 @@ import pytest
 
 from zllm import LLM, SamplingParams
 from zllm.async_llm import AsyncLLM
-from zllm.engine_client import EngineError
+from zllm.errors import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -88,6 +88,25 @@ def test_text_chat_and_n_samples(engine, offline):
     assert reasons == ["length"] * 3
 
 
+def test_request_ids_with_hashes_and_n_samples_finish(engine, offline):
+    """Ids are free-form: '#' in them (the core names forked samples `<id>#<i>`) must not
+    confuse forking, and a client id equal to another request's sample id must not collide."""
+    _, llm = engine
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    expected = offline.generate({"prompt_token_ids": [7, 8, 9]}, params, use_tqdm=False)[0]
+
+    async def both():
+        return await asyncio.gather(
+            collect(llm, [7, 8, 9], params, request_id="job#1"),
+            collect(llm, [7, 8, 9], params, request_id="job"),  # forks into "job#1", ...
+            collect(llm, [7, 8, 9], params, request_id="a#b#c"),
+        )
+
+    for tokens, _, reasons in run(engine, both()):
+        assert tokens == [o.token_ids for o in expected.outputs]
+        assert reasons == ["length"] * 3
+
+
 def test_stop_string_split_across_tokens(engine, offline):
     _, llm = engine
     prompt = [11, 12, 13, 14]
@@ -107,10 +126,10 @@ def test_stop_string_split_across_tokens(engine, offline):
 def test_bad_request_gets_an_error_and_others_are_served(engine):
     _, llm = engine
     too_long = SamplingParams(max_tokens=10)
-    with pytest.raises(EngineError, match="maximum context length") as err:
+    with pytest.raises(RequestError, match="maximum context length") as err:
         run(engine, collect(llm, [5] * 600, too_long))
     assert err.value.status == 400
-    with pytest.raises(EngineError, match="out of vocabulary"):
+    with pytest.raises(RequestError, match="out of vocabulary"):
         run(engine, collect(llm, [10**6]))
     tokens, _, _ = run(engine, collect(llm, [5, 6, 7]))
     assert len(tokens[0]) == 16
@@ -139,7 +158,7 @@ def test_abandoned_streams_free_their_blocks(engine):
     run(engine, all_streams())
 
     def idle():
-        status = llm.client.status
+        status = llm.client.stats
         return status is not None and status.num_running == 0 and status.kv_cache_usage == 0.0
 
     # Heartbeats come every 0.5 s from the core; give the aborts a moment to land.
@@ -173,6 +192,7 @@ def test_process_titles(engine):
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("role", ["tokenizer", "detokenizer", "core", "executor"])
 def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
     _, llm = engine
@@ -189,7 +209,7 @@ def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
                 if count >= 8:
                     streaming.set()
             return count
-        except EngineError as e:  # only requests the dead worker was serving may fail
+        except RequestError as e:  # only requests the dead worker was serving may fail
             assert e.status == 503
             return "error"
 

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from servers import error_of, start_server, stop_server
 
+pytestmark = pytest.mark.e2e
+
 MAX_EXAMPLES = 30
 OPERATIONS = [
     "POST /v1/completions",

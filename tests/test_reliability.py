@@ -21,6 +21,7 @@ import pytest
 import zmq
 from servers import (
     alive,
+    asse_lines,
     error_of,
     http,
     metric,
@@ -104,15 +105,13 @@ def engine_idle(server) -> bool:
 # ---- the door, without a server ---------------------------------------------------------------
 
 
-def _gate(monkeypatch, body_timeout: float = 60.0):
+def _gate(body_timeout: float = 60.0):
     from types import SimpleNamespace
 
-    from zllm.frontend import app as app_module
     from zllm.frontend.admission import Admission
+    from zllm.frontend.middleware import Gate
 
-    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", body_timeout)
     config = SimpleNamespace(api_keys=[], protect_metrics=False, max_request_body_bytes=100)
-    server = SimpleNamespace(config=config, draining=False, admission=Admission(4))
     seen = []
 
     async def inner(scope, receive, send):
@@ -120,7 +119,8 @@ def _gate(monkeypatch, body_timeout: float = 60.0):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    return app_module._Gate(inner, server=server, routes=[]), seen
+    gate = Gate(inner, config, Admission(4), routes=[], body_timeout_s=body_timeout)  # type: ignore[arg-type]
+    return gate, seen
 
 
 def _call(gate, chunks: list[bytes], stall: bool = False) -> tuple[int, bytes]:
@@ -141,14 +141,14 @@ def _call(gate, chunks: list[bytes], stall: bool = False) -> tuple[int, bytes]:
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
-def test_gate_reads_bodies_within_limits(monkeypatch):
-    gate, seen = _gate(monkeypatch)
+def test_gate_reads_bodies_within_limits():
+    gate, seen = _gate()
     assert _call(gate, [b'{"a":', b" 1}"]) == (200, b"ok")
     assert seen == [b'{"a": 1}']  # the route got the whole body, replayed
     status, body = _call(gate, [b"x" * 60, b"x" * 60])  # no Content-Length: counted
     assert status == 413 and b"max-request-body-bytes" in body
-    assert gate.server.admission.in_flight == 0  # released after each response
-    gate, _ = _gate(monkeypatch, body_timeout=0.2)
+    assert gate.admission.in_flight == 0  # released after each response
+    gate, _ = _gate(body_timeout=0.2)
     status, body = _call(gate, [b'{"a":'], stall=True)  # a client trickling its body
     assert status == 408 and b"did not arrive" in body
 
@@ -175,10 +175,11 @@ def test_admission_counts_engine_requests():
 # ---- overload ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_overload_gets_503_at_once_and_admitted_requests_complete(limited):
-    """500 requests at once against room for 16: the excess is refused with 503 and
-    Retry-After within a second each, every admitted one completes, and the number in
-    flight never passes the limit."""
+    """500 requests at once against room for 16: the excess is refused at once with 503 and
+    Retry-After, every admitted one completes, and the number in flight never passes the
+    limit."""
     body = json.dumps({"prompt": "The quick", "max_tokens": 64, "ignore_eos": True}).encode()
     auth = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -213,7 +214,11 @@ def test_overload_gets_503_at_once_and_admitted_requests_complete(limited):
         assert r.headers["retry-after"] == "1"
         assert error_of(r, 503)["code"] == "overloaded"
     slowest = max(r.elapsed_s for r in refused)
-    assert slowest < 1.0, f"a 503 took {slowest:.2f} s"
+    # Refused at the door, not queued: a refused request that waited for a slot instead would
+    # wait behind ~60 rounds of 8 generations of 64 tokens (tens of seconds). Measured: under
+    # 1 s on an idle 2-core machine, where the client's 500 connections and the server share
+    # the cores; 5 s leaves room for a loaded one.
+    assert slowest < 5.0, f"a 503 took {slowest:.2f} s"
     assert peak <= LIMIT
     print(f"\noverload: {len(ok)} admitted, {len(refused)} refused in {elapsed:.2f} s; ")
     print(f"slowest 503 {slowest * 1000:.0f} ms, peak in flight {peak:.0f}")
@@ -224,6 +229,7 @@ def test_overload_gets_503_at_once_and_admitted_requests_complete(limited):
 # ---- request timeout -----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_request_timeout_aborts_and_frees_blocks(limited):
     """A request still running after --request-timeout gets a 504 (a stream: a final error
     event) and is aborted in the core, which frees its blocks. The executor is paused
@@ -250,7 +256,7 @@ def test_request_timeout_aborts_and_frees_blocks(limited):
                 lines = []
                 stream_body = {**body, "stream": True}
                 async with c.stream("POST", limited.url + "/v1/completions", json=stream_body) as r:
-                    async for line in r.aiter_lines():
+                    async for line in asse_lines(r.aiter_text()):
                         lines.append(line)
                         if line.startswith("data: {"):
                             streaming.set()
@@ -272,7 +278,10 @@ def test_request_timeout_aborts_and_frees_blocks(limited):
     assert events[-1]["error"]["code"] == "request_timeout"
     assert any(e.get("choices") for e in events[:-1])  # it did stream before timing out
     for elapsed in (plain_s, stream_s):
-        assert REQUEST_TIMEOUT_S - 0.5 < elapsed < REQUEST_TIMEOUT_S + 5
+        # Not before the timeout (the server's clock starts after the client's), and ended by
+        # it: with the executor paused nothing else could end them before the 60 s limit
+        # above. 20 s of slack is for a loaded machine answering late.
+        assert REQUEST_TIMEOUT_S - 0.5 < elapsed < REQUEST_TIMEOUT_S + 20
     assert wait_until(lambda: engine_idle(limited), 10)
     generated = metric(limited.get("/metrics").text, "vllm:generation_tokens_total") - before
     assert generated < full_tokens / 2
@@ -283,6 +292,7 @@ def test_request_timeout_aborts_and_frees_blocks(limited):
 # ---- limits on the request -----------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_body_size_limit(limited):
     big = b'{"prompt": "' + b"a" * (2 * BODY_LIMIT) + b'"}'
     # Content-Length says so: refused before the body is read.
@@ -303,6 +313,7 @@ def test_body_size_limit(limited):
     assert limited.healthy()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -347,6 +358,7 @@ def test_field_limits_name_the_field(limited, path, body, param):
     assert error["param"] == param, error
 
 
+@pytest.mark.e2e
 def test_wrong_content_type_is_refused(limited):
     body = json.dumps({"prompt": "hi", "max_tokens": 2})
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
@@ -359,6 +371,7 @@ def test_wrong_content_type_is_refused(limited):
 # ---- security ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_api_key_guards_everything_but_health_and_metrics(limited):
     for path in ("/v1/models", "/openapi.json"):
         assert error_of(limited.get(path, headers={}), 401)["code"] == "invalid_api_key"
@@ -372,12 +385,14 @@ def test_api_key_guards_everything_but_health_and_metrics(limited):
         assert limited.get(path, headers={}).status_code == 200
 
 
+@pytest.mark.e2e
 def test_protect_metrics_puts_health_and_metrics_behind_the_key(guarded):
     for path in ("/health", "/metrics", "/version", "/v1/models"):
         error_of(guarded.get(path, headers={}), 401)
         assert guarded.get(path).status_code == 200
 
 
+@pytest.mark.e2e
 def test_cors_off_by_default(limited):
     preflight = {
         "Origin": "http://evil.example",
@@ -390,6 +405,7 @@ def test_cors_off_by_default(limited):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+@pytest.mark.e2e
 def test_cors_for_allowed_origins(guarded):
     preflight = {
         "Access-Control-Request-Method": "POST",
@@ -409,6 +425,7 @@ def test_cors_for_allowed_origins(guarded):
     assert r.headers["access-control-allow-origin"] == "http://good.example"
 
 
+@pytest.mark.e2e
 def test_prompts_stay_out_of_logs_unless_asked(limited, guarded):
     marker = "zebra-quartz-marker"
     for server in (limited, guarded):
@@ -422,6 +439,7 @@ def test_prompts_stay_out_of_logs_unless_asked(limited, guarded):
     assert wait_until(lambda: marker in guarded.log_text(), 5)
 
 
+@pytest.mark.e2e
 def test_ipc_sockets_live_in_a_private_directory(faults):
     mode = os.stat(faults.run_dir).st_mode
     assert stat.S_IMODE(mode) == 0o700
@@ -434,6 +452,7 @@ def test_ipc_sockets_live_in_a_private_directory(faults):
 # ---- malformed messages between processes ----------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_malformed_ipc_messages_are_dropped(faults):
     """Garbage and wrong-typed msgpack on every socket a process binds to receive on: each
     is logged and dropped, no process dies, and the server goes on serving (and restarting
@@ -518,7 +537,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, i: int, stream: bool
                 await r.aread()
                 assert error_of(r, r.status_code)
                 return f"status {r.status_code}"
-            lines = [line async for line in r.aiter_lines()]
+            lines = [line async for line in asse_lines(r.aiter_text())]
         events = sse_events(lines)
         if "error" in events[-1]:
             assert events[-1]["error"]["message"]
@@ -534,11 +553,13 @@ def _log_time(line: str) -> float:
     return stamp.timestamp()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("role", ["tokenizer 0", "detokenizer 0", "core", "executor", "frontend"])
 def test_kill_9_under_http_load(faults, role):
     """SIGKILL one child while 32 requests (half streamed) run: each completes or gets a clear
-    error, none hangs; the death is detected within a second; /health turns 503 (or does not
-    answer: the frontend is the one answering) and then 200; the server serves again."""
+    error, none hangs; the death is detected at once, from the exit rather than a timeout;
+    /health turns 503 (or does not answer: the frontend is the one answering) and then 200;
+    the server serves again."""
     assert wait_until(faults.healthy, 60)
     victim = faults.children()[role]
     health: list[tuple[float, int]] = []
@@ -582,11 +603,14 @@ def test_kill_9_under_http_load(faults, role):
         assert "ok" not in outcomes or outcomes.count("ok") < len(outcomes)
     else:
         assert "ok" in outcomes  # a worker's death costs at most the requests it served
-    # Detected within a second: the supervisor's log line, and /health.
+    # Detected at once: the supervisor's log line, and /health. The supervisor looks for exits
+    # every 0.1 s (measured: under 0.3 s to both, also on a loaded machine); the next way it
+    # could learn of a death is a missed heartbeat after --engine-hang-timeout (30 s), and
+    # for a worker there is none. 5 s is far below that, with room for a loaded machine.
     died = next(line for line in faults.log_text().splitlines() if f"(pid {victim}) died" in line)
-    assert _log_time(died) - killed_at < 1.0, died
+    assert _log_time(died) - killed_at < 5.0, died
     first_bad = next(t for t, s in health if s != 200)
-    assert first_bad - killed_at < 1.0
+    assert first_bad - killed_at < 5.0
     assert health[-1][1] == 200, "the server did not come back"
     print(
         f"\nkill -9 {role}: {counts}; death logged after {_log_time(died) - killed_at:.2f} s, "
@@ -602,20 +626,32 @@ def test_kill_9_under_http_load(faults, role):
 # ---- SIGTERM under load --------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sigterm_under_load_drains_then_aborts(tiny_llama_dir, tmp_path):
     """SIGTERM with short and very long requests in flight: the short ones (queued first)
-    finish, the long ones (2 x 16 prompts x 16 samples x 250 tokens: far more than this
-    engine computes within the drain timeout) end with a clear error (a started stream: a
+    finish, the long ones end with a clear error at the drain timeout (a started stream: a
     final error event), the supervisor exits 0, no child is left, the socket directory is
-    gone."""
-    drain_s = 3
-    server = start_server(tiny_llama_dir, tmp_path / "server.log", "--drain-timeout", str(drain_s))
+    gone.
+
+    It holds however fast or slow the machine is: the executor is paused (SIGSTOP, far under
+    --executor-timeout) from before the first request until just after SIGTERM, so every
+    request is admitted and the short ones are all still running at SIGTERM; and
+    --max-num-seqs 16 runs the 16 short ones together (64 steps) but the long ones' 2 x 16
+    prompts x 16 samples x 400 tokens only 16 sequences at a time: 12,800 steps, which no
+    machine computes within the drain timeout (it would take under 0.4 ms a step)."""
+    drain_s = 5
+    server = start_server(
+        tiny_llama_dir,
+        tmp_path / "server.log",
+        *("--drain-timeout", str(drain_s), "--max-num-seqs", "16"),
+    )
     kids = list(server.children().values())
+    executor = server.children()["executor"]
     short = {"prompt": "The quick", "max_tokens": 64, "ignore_eos": True}
     long = {
         "prompt": [f"Paged {i}" for i in range(16)],
         "n": 16,
-        "max_tokens": 250,
+        "max_tokens": 400,
         "ignore_eos": True,
     }
 
@@ -632,21 +668,35 @@ def test_sigterm_under_load_drains_then_aborts(tiny_llama_dir, tmp_path):
                     if r.status_code != 200:  # failed before its first event: a plain error
                         await r.aread()
                         return r.status_code, r.json(), time.monotonic()
-                    events = sse_events([x async for x in r.aiter_lines()])
+                    events = sse_events([x async for x in asse_lines(r.aiter_text())])
                     return r.status_code, events, time.monotonic()
 
-            shorts = [asyncio.create_task(call(short, i % 2 == 0)) for i in range(16)]
-            await asyncio.sleep(0.05)
-            longs = [asyncio.create_task(call(long, stream)) for stream in (True, False)]
-            await asyncio.sleep(0.2)
-            sigterm_at = time.monotonic()
-            server.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            try:  # new work after SIGTERM: 503, or no listener at all
-                late = await c.post(server.url + "/v1/completions", json=short)
-                late_status = late.status_code
-            except httpx.TransportError:
-                late_status = 0
+            async def admitted(count: int) -> None:
+                """Until the frontend counts `count` engine requests (one per prompt) in."""
+                deadline = time.monotonic() + 30
+                while True:
+                    text = (await c.get(server.url + "/metrics")).text
+                    if metric(text, "zllm:num_requests_in_flight") >= count:
+                        return
+                    assert time.monotonic() < deadline, f"{count} requests never admitted"
+                    await asyncio.sleep(0.05)
+
+            os.kill(executor, signal.SIGSTOP)
+            try:
+                shorts = [asyncio.create_task(call(short, i % 2 == 0)) for i in range(16)]
+                await admitted(16)  # in the one tokenizer's queue, so at the core, first
+                longs = [asyncio.create_task(call(long, stream)) for stream in (True, False)]
+                await admitted(16 + 2 * 16)
+                sigterm_at = time.monotonic()
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                try:  # new work after SIGTERM: 503, or no listener at all
+                    late = await c.post(server.url + "/v1/completions", json=short)
+                    late_status = late.status_code
+                except httpx.TransportError:
+                    late_status = 0
+            finally:
+                os.kill(executor, signal.SIGCONT)
             results = await asyncio.wait_for(asyncio.gather(*shorts, *longs), drain_s + 30)
             return results, late_status, sigterm_at
 
@@ -657,7 +707,9 @@ def test_sigterm_under_load_drains_then_aborts(tiny_llama_dir, tmp_path):
     finally:
         stop_server(server)
     assert code == 0
-    assert elapsed < drain_s + 10
+    # The drain timeout, then six processes exiting (about 1 s on an idle machine); 15 s of
+    # slack for a loaded 2-core machine. A child that had to be killed shows in the log.
+    assert elapsed < drain_s + 15
     assert late_status in (0, 503)
     finished_at = []
     for status, payload, at in results[:16]:  # the short ones finished normally

@@ -364,3 +364,82 @@ def test_logprobs_of_half_precision_logits_are_fp32() -> None:
     assert out.logprobs.dtype == torch.float32
     torch.testing.assert_close(out.logprobs[:, 1:], expected)
     assert math.isclose(float(out.logprobs[0, 0]), float(expected[0, 0]), rel_tol=1e-6)
+
+
+# ---- the model runner: how many samples a request draws --------------------------------------
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir):
+    from zllm.config import CacheConfig, EngineConfig, SchedulerConfig
+    from zllm.executor.model_runner import ModelRunner
+    from zllm.model_files import read_arch_config
+
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        model_path=tiny_llama_dir,
+        arch=read_arch_config(tiny_llama_dir),
+        cache=CacheConfig(block_size=4, num_blocks=16),
+        scheduler=SchedulerConfig(max_model_len=64),
+    )
+    return ModelRunner(config)
+
+
+def run_step(runner, step_id: int, scheduled: dict[str, int], **changes):
+    from zllm.protocol import SchedulerOutput
+
+    return runner.execute_model(
+        SchedulerOutput(
+            step_id=step_id,
+            new_requests=changes.pop("new_requests", []),
+            cached_requests=[],
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            **changes,
+        )
+    )
+
+
+def new_request(req_id: str, params: SamplingParams, blocks: list[int], sample_index: int = 0):
+    from zllm.protocol import NewRequestData
+
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=[5, 6, 7, 8, 9],
+        output_token_ids=[],
+        sampling_params=params,
+        block_ids=blocks,
+        num_computed_tokens=0,
+        sample_index=sample_index,
+    )
+
+
+def test_runner_draws_the_samples_the_scheduler_asks_for(runner) -> None:
+    from zllm.protocol import ForkedRequestData
+
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=4)
+    # A client id may hold '#': the scheduler, not the id, says how many samples to draw.
+    out = run_step(
+        runner, 1, {"a#b": 5}, new_requests=[new_request("a#b", params, [0, 1])],
+        num_samples={"a#b": 3},
+    )  # fmt: skip
+    assert out.req_ids == ["a#b"] and len(out.sampled_token_ids[0]) == 3
+    first, second, _ = out.sampled_token_ids[0]
+    assert runner.requests["a#b"].output_token_ids == [first]
+    assert set(runner._child_generators) == {("a#b", 1), ("a#b", 2)}
+
+    # Sample 1 draws from its own seeded stream: the same prompt as sample 1 alone agrees.
+    alone = run_step(runner, 2, {"one": 5}, new_requests=[new_request("one", params, [2, 3], 1)])
+    assert alone.sampled_token_ids == [[second]]
+
+    # The fork of sample 1 takes its parked generator; when the parent finishes, sample 2's
+    # (never forked: say it stopped at its first token) goes too.
+    parked = runner._child_generators[("a#b", 1)]
+    fork = ForkedRequestData(req_id="a#b.1", parent_req_id="a#b", sample_index=1,
+                             first_token_id=second)  # fmt: skip
+    run_step(runner, 3, {}, forked_requests=[fork], finished_req_ids=["a#b", "one"])
+    child = runner.requests["a#b.1"]
+    assert child.generator is parked and child.output_token_ids == [second]
+    assert "a#b" not in runner.requests and runner._child_generators == {}
+
+    # Without num_samples an n > 1 request draws one token: forking is the scheduler's call.
+    out = run_step(runner, 4, {"c": 5}, new_requests=[new_request("c", params, [4, 5])])
+    assert [len(tokens) for tokens in out.sampled_token_ids] == [1]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from zllm.config import SchedulerConfig
 from zllm.core.block_manager import BlockManager
-from zllm.core.request import Request
+from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import FinishReason, ModelRunnerOutput, SchedulerOutput
 from zllm.sampling_params import SamplingParams
@@ -42,8 +40,7 @@ def fake_run(sched: Scheduler, so: SchedulerOutput, token=7) -> ModelRunnerOutpu
         req = sched.requests[req_id]
         if req.num_pending_tokens and req.num_computed_tokens == req.num_tokens:
             req_ids.append(req_id)
-            n = req.sampling_params.n if req.waits_to_fork else 1
-            sampled.append([token + i for i in range(n)])
+            sampled.append([token + i for i in range(so.num_samples.get(req_id, 1))])
     return ModelRunnerOutput(step_id=so.step_id, req_ids=req_ids, sampled_token_ids=sampled)
 
 
@@ -136,14 +133,6 @@ def test_max_model_len_caps_generation():
     assert sched.requests == {}
 
 
-@pytest.mark.parametrize("prompt_len", [0, 8, 9])
-def test_rejects_prompts_that_can_never_run(prompt_len):
-    sched = make_scheduler(max_model_len=8)
-    with pytest.raises(ValueError, match="prompt"):
-        sched.add_request(make_request("x", prompt_len))
-    assert not sched.has_unfinished_requests()
-
-
 def test_max_model_len_bounded_by_pool():
     sched = make_scheduler(num_blocks=3, max_model_len=1000)
     assert sched.max_model_len == 12  # one request alone can always fit
@@ -163,7 +152,7 @@ def test_preemption_newest_first():
     assert list(so.num_scheduled_tokens) == ["a", "b"]
     assert [r.req_id for r in sched.waiting] == ["c"]
     c = sched.requests["c"]
-    assert c.num_preemptions == 1 and sched.num_preemptions == 1
+    assert c.status == RequestStatus.PREEMPTED and sched.num_preemptions == 1
     assert c.num_computed_tokens == 0 and c.num_output_tokens == 2
 
 
@@ -225,10 +214,16 @@ def test_n_greater_than_one_forks_after_prefill():
     sched.add_request(make_request("p", 6, max_tokens=3, n=3))
     so, outs = step(sched)
     assert so.num_scheduled_tokens == {"p": 6}  # the prompt is computed once
+    assert so.num_samples == {"p": 3}  # the scheduler tells the executor to draw 3
     assert sorted((o.sample_index, o.new_token_ids[0]) for o in outs) == [(0, 7), (1, 8), (2, 9)]
     assert all(o.req_id == "p" for o in outs)
     so, outs = step(sched)
+    assert so.num_samples == {}  # only the first token is drawn n times
     assert [f.req_id for f in so.forked_requests] == ["p#1", "p#2"]
+    assert [(f.parent_req_id, f.sample_index) for f in so.forked_requests] == [
+        ("p", 1),
+        ("p", 2),
+    ]
     assert set(so.num_scheduled_tokens) == {"p", "p#1", "p#2"}
     # Position 6 lands in the shared partial block 1: two copies; the last owner (p#2)
     # writes in place.
@@ -308,3 +303,31 @@ def test_first_output_reports_queue_time():
     assert outs[0].queue_time_s > 1000  # wall-clock seconds since arrival
     _, outs = step(sched)
     assert outs[0].queue_time_s == 0.0  # only on the first output
+
+
+def test_chunked_n_request_forks_at_the_chunk_that_ends_its_prompt():
+    sched = make_scheduler(budget=4)
+    sched.add_request(make_request("p", 10, max_tokens=2, n=2))
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == {"p": 4} and so.num_samples == {}
+    so, _ = step(sched)
+    assert so.num_samples == {}
+    so, outs = step(sched)  # the last 2 prompt tokens: this step samples
+    assert so.num_scheduled_tokens == {"p": 2} and so.num_samples == {"p": 2}
+    assert sorted(o.sample_index for o in outs) == [0, 1]
+
+
+def test_sample_ids_never_collide_with_client_ids_holding_hashes():
+    """Client ids are free-form: "a#1" may be a client's own request while "a" forks."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a#1", 4, max_tokens=3, start=50))
+    sched.add_request(make_request("a", 4, max_tokens=3, n=2))
+    step(sched)
+    so, _ = step(sched)
+    (fork,) = so.forked_requests
+    assert fork.parent_req_id == "a" and fork.sample_index == 1
+    assert fork.req_id not in ("a", "a#1")
+    assert sched.requests["a#1"].client_req_id == "a#1"  # untouched
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert sched.block_manager.num_referenced_blocks() == 0

@@ -5,100 +5,42 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from servers import sse_events
+from servers import (
+    asse_lines,
+    error_of,
+    metric,
+    sse_events,
+    sse_lines,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 from zllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# Two workers of each kind, so requests cross between them; the model under its own name.
+SERVE_ARGS = ("--tokenizer-workers", "2", "--detokenizer-workers", "2")
+SERVE_ARGS += ("--served-model-name", MODEL, "--enable-log-requests")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 WORDS = ["Emoji", "CJK", "你好", "世界", "🙂", "café", "naïve", "Ångström"]
 WORDS += ["The quick", "Paged", "def add", "1234", "brown fox", "lazy dog", "values in", "blocks"]
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, log: Path, *extra: str) -> Server:
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "zllm.cli",
-        "serve",
-        model_dir,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--tokenizer-workers",
-        "2",
-        "--detokenizer-workers",
-        "2",
-        "--served-model-name",
-        MODEL,
-        "--kv-cache-memory-bytes",
-        "64M",
-        *extra,
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"zllm serve exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server(server)
-            raise RuntimeError(f"zllm serve not healthy after 120 s:\n{server.log_tail()}")
-        time.sleep(0.25)
-
-
-def stop_server(server: Server, timeout: float = 30) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        return server.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(tiny_llama_dir, log, "--api-key", API_KEY)
+    srv = start_server(tiny_llama_dir, log, *SERVE_ARGS, api_key=API_KEY)
     yield srv
     stop_server(srv)
 
@@ -111,18 +53,6 @@ def offline(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-
-
-def post(server: Server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
-    if isinstance(body, bytes):
-        return httpx.post(server.url + path, content=body, headers=headers, timeout=60, **kw)
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
-
-
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
 
 
 # ---- basics --------------------------------------------------------------------------------
@@ -146,19 +76,19 @@ def test_health_models_version_metrics(server):
 
 def test_tokenize_and_detokenize(server, offline):
     tok = offline.get_tokenizer()
-    r = post(server, "/tokenize", {"model": MODEL, "prompt": "The quick brown fox"})
+    r = server.post("/tokenize", {"model": MODEL, "prompt": "The quick brown fox"})
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tok.encode("The quick brown fox")
     assert body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 512
-    r = post(server, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
+    r = server.post("/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert r.json() == {"prompt": "The quick brown fox"}
     messages = [{"role": "user", "content": "hi"}]
-    r = post(server, "/tokenize", {"messages": messages})
+    r = server.post("/tokenize", {"messages": messages})
     text = tok.apply_chat_template(messages, add_generation_prompt=True)
     assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
-    r = post(server, "/detokenize", {"tokens": [10**6]})
+    r = server.post("/detokenize", {"tokens": [10**6]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
@@ -315,7 +245,7 @@ def test_multibyte_output_streams_byte_exact(server, client, offline):
     prompt, k, expected = _multibyte_case(offline)
     assert "\ufffd" not in expected and any(ord(c) > 127 for c in expected)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": k, "temperature": 0}
-    r = post(server, "/v1/completions", body)
+    r = server.post("/v1/completions", body)
     plain = r.json()["choices"][0]["text"]
     assert plain == expected
     with httpx.stream(
@@ -323,7 +253,7 @@ def test_multibyte_output_streams_byte_exact(server, client, offline):
     ) as r:
         raw = b"".join(r.iter_bytes())
     raw.decode("utf-8")  # valid UTF-8 on the wire
-    deltas = [e["choices"][0]["text"] for e in sse_events(raw.decode().splitlines())]
+    deltas = [e["choices"][0]["text"] for e in sse_events(sse_lines([raw.decode()]))]
     assert all("\ufffd" not in d for d in deltas)  # no half character ever sent
     assert "".join(deltas) == plain
 
@@ -408,52 +338,115 @@ def test_64_concurrent_streams_equal_offline(server, offline):
         assert text == offline.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
 
 
+# ---- request ids -----------------------------------------------------------------------------
+
+
+def test_x_request_id_names_the_response_and_the_same_one_twice_both_run(server):
+    """vLLM's X-Request-Id: the response id is `cmpl-<id>` (`chatcmpl-<id>`), the header comes
+    back, and the request log line names it. Ids are free-form ('#' included, which the core
+    uses to name forked samples), and two requests sent with the same one at once both run."""
+    rid = "job#7"
+    headers = {**AUTH, "X-Request-Id": rid}
+    body = {"prompt": "The quick", "max_tokens": 12, "n": 3, "temperature": 1.0, "seed": 3}
+    body["ignore_eos"] = True
+
+    async def twice():
+        async with httpx.AsyncClient(headers=headers, timeout=60) as c:
+            url = server.url + "/v1/completions"
+            plain = c.post(url, json=body)
+
+            async def streamed():
+                async with c.stream("POST", url, json={**body, "stream": True}) as r:
+                    lines = [line async for line in asse_lines(r.aiter_text())]
+                return r.headers, sse_events(lines)
+
+            return await asyncio.wait_for(asyncio.gather(plain, streamed()), 60)
+
+    r, (stream_headers, events) = asyncio.run(twice())
+    assert r.status_code == 200 and r.headers["x-request-id"] == rid
+    out = r.json()
+    assert out["id"] == f"cmpl-{rid}"
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == 3 * 12
+    assert stream_headers["x-request-id"] == rid
+    assert {e["id"] for e in events} == {f"cmpl-{rid}"}
+    finished = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert sorted(finished) == [0, 1, 2]
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = server.post(
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": 4},
+        headers={**AUTH, "X-Request-Id": "chat-1"},
+    )
+    assert chat.json()["id"] == "chatcmpl-chat-1"
+    # Without the header: a fresh id per request.
+    a, b = (server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}) for _ in range(2))
+    assert a.json()["id"] != b.json()["id"]
+    assert wait_until(lambda: server.log_text().count(f"request finished: id=cmpl-{rid}-") == 2, 5)
+
+
+def test_only_the_executor_loads_torch(server):
+    """The frontend, tokenizer, core and detokenizer processes start fast and stay lean: no
+    torch library is mapped into any of them (the executor's maps show the check works)."""
+
+    def loads_torch(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    children = server.children()
+    assert set(children) == {
+        "frontend",
+        "core",
+        "executor",
+        "tokenizer 0",
+        "tokenizer 1",
+        "detokenizer 0",
+        "detokenizer 1",
+    }
+    assert loads_torch(children.pop("executor"))
+    assert [name for name, pid in children.items() if loads_torch(pid)] == []
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
-
-
 def test_bad_requests_get_openai_errors(server):
-    _error(post(server, "/v1/completions", b'{"prompt": "hi",'), 400)
-    _error(post(server, "/v1/chat/completions", b"[1, 2]"), 400)
-    e = _error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}), 400)
+    error_of(server.post("/v1/completions", b'{"prompt": "hi",'), 400)
+    error_of(server.post("/v1/chat/completions", b"[1, 2]"), 400)
+    e = error_of(server.post("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}), 400)
     assert e["param"] == "max_tokens"
-    e = _error(post(server, "/v1/chat/completions", {"messages": "hi"}), 400)
+    e = error_of(server.post("/v1/chat/completions", {"messages": "hi"}), 400)
     assert e["param"] == "messages"
-    e = _error(post(server, "/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404)
+    e = error_of(server.post("/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404)
     assert e["code"] == "model_not_found"
     for field, value in [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0)]:
-        e = _error(post(server, "/v1/completions", {"prompt": "hi", field: value}), 400)
+        e = error_of(server.post("/v1/completions", {"prompt": "hi", field: value}), 400)
         assert e["param"] == field, e
     messages = [{"role": "user", "content": "hi"}]
-    e = _error(post(server, "/v1/chat/completions", {"messages": messages, "top_k": -5}), 400)
+    e = error_of(server.post("/v1/chat/completions", {"messages": messages, "top_k": -5}), 400)
     assert e["param"] == "top_k"
-    e = _error(post(server, "/v1/chat/completions", {"messages": []}), 400)
+    e = error_of(server.post("/v1/chat/completions", {"messages": []}), 400)
     assert e["param"] == "messages"
     long_prompt = "hello " * 600
     for stream in (False, True):
         body = {"prompt": long_prompt, "stream": stream}
-        e = _error(post(server, "/v1/completions", body), 400)
+        e = error_of(server.post("/v1/completions", body), 400)
         assert e["message"].startswith("This model's maximum context length is")
     # Unknown fields are ignored (and logged), as vLLM does.
-    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "no_such_field": 1})
+    r = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "no_such_field": 1})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    e = _error(httpx.get(server.url + "/no/such/route"), 404)
+    e = error_of(httpx.get(server.url + "/no/such/route"), 404)
     assert httpx.get(server.url + "/health").status_code == 200  # still serving
 
 
 def test_api_key(server):
     body = {"prompt": "hi", "max_tokens": 1}
-    assert _error(post(server, "/v1/completions", body, headers={}), 401)
-    assert _error(httpx.get(server.url + "/v1/models"), 401)
+    assert error_of(server.post("/v1/completions", body, headers={}), 401)
+    assert error_of(httpx.get(server.url + "/v1/models"), 401)
     wrong = {"Authorization": "Bearer wrong"}
-    assert _error(post(server, "/v1/completions", body, headers=wrong), 401)
-    assert post(server, "/v1/completions", body, headers={"x-api-key": API_KEY}).status_code == 200
+    assert error_of(server.post("/v1/completions", body, headers=wrong), 401)
+    assert server.post("/v1/completions", body, headers={"x-api-key": API_KEY}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
     for path in ("/health", "/metrics", "/version"):
@@ -472,7 +465,7 @@ def test_disconnected_streams_are_aborted(server):
         body["ignore_eos"] = True
         async with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.aiter_lines()
+            lines = asse_lines(r.aiter_text())
             seen = 0
             while seen < 2:
                 seen += (await lines.__anext__()).startswith("data: ")
@@ -501,11 +494,13 @@ def test_disconnected_streams_are_aborted(server):
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir, tmp_path):
     """SIGTERM: a running stream finishes normally, then every process exits, status 0."""
-    srv = start_server(tiny_llama_dir, tmp_path / "server.log", "--drain-timeout", "20")
+    srv = start_server(
+        tiny_llama_dir, tmp_path / "server.log", *SERVE_ARGS, "--drain-timeout", "20"
+    )
     try:
         body = {"prompt": "Paged", "max_tokens": 300, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
+            lines = sse_lines(r.iter_text())
             first = next(line for line in lines if line.startswith("data: "))
             srv.proc.send_signal(signal.SIGTERM)
             events = sse_events([first, *lines])

@@ -14,9 +14,19 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from servers import metric, rss_bytes, sse_events, start_server, stop_server, wait_until
+from servers import (
+    asse_lines,
+    metric,
+    rss_bytes,
+    sse_events,
+    start_server,
+    stop_server,
+    wait_until,
+)
 
 from zllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 2000
 NUM_WARMUP = 200
@@ -98,12 +108,12 @@ async def run_one(client: httpx.AsyncClient, url: str, plan: Plan) -> str | None
         assert r.status_code == 200
         if plan.cancel_after:
             seen = 0
-            async for line in r.aiter_lines():
+            async for line in asse_lines(r.aiter_text()):
                 seen += line.startswith("data: {")
                 if seen >= plan.cancel_after:
                     return None  # leaving the block closes the connection mid-stream
             raise AssertionError("a stream to abandon ended first")
-        events = sse_events([line async for line in r.aiter_lines()])
+        events = sse_events([line async for line in asse_lines(r.aiter_text())])
     pieces = []
     for e in events:
         assert "error" not in e, e

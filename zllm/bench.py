@@ -10,7 +10,9 @@ import argparse
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+from zllm.engine_args import EngineArgs, add_engine_args, engine_args_from
 
 
 @dataclass(slots=True)
@@ -25,11 +27,10 @@ class ThroughputResult:
     total_tokens_per_s: float
 
 
-def add_parsers(sub, add_engine_args) -> None:
+def add_parsers(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("throughput", help="offline throughput (LLM.generate)")
-    p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -43,7 +44,6 @@ def add_parsers(sub, add_engine_args) -> None:
     p = bench_sub.add_parser(
         "accuracy", help="a quantized engine against the fp32 reference: parity and drift"
     )
-    p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -53,7 +53,6 @@ def add_parsers(sub, add_engine_args) -> None:
     p = bench_sub.add_parser(
         "prefix", help="prefill time of a request whose long prefix is cached vs not"
     )
-    p.add_argument("--model", default=None)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
@@ -72,10 +71,10 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -
     return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def run_zllm(args, engine_kwargs) -> ThroughputResult:
+def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
     from zllm import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs)
+    llm = LLM(**asdict(engine))
     prompts = make_prompts(
         args.num_prompts, args.input_len, llm.config.arch.vocab_size, args.prompt_seed
     )
@@ -87,10 +86,11 @@ def run_zllm(args, engine_kwargs) -> ThroughputResult:
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == args.num_prompts * args.output_len
-    stats = llm.engine.stats()
+    stats = llm.engine.heartbeat()
+    waste = 1.0 - stats.kv_slots_used / max(1, stats.kv_slots_allocated)
     print(
         f"preemptions: {stats.num_preemptions}, KV blocks: {stats.num_blocks}, "
-        f"KV slots allocated but unused (mean over steps): {100 * stats.kv_waste_fraction:.2f}%, "
+        f"KV slots allocated but unused (mean over steps): {100 * waste:.2f}%, "
         f"blocks still referenced at the end: {llm.engine.block_manager.num_referenced_blocks()}"
     )
     return _result("zllm", args, elapsed, num_out)
@@ -154,12 +154,10 @@ def _result(backend, args, elapsed, num_out) -> ThroughputResult:
 
 
 def main(args: argparse.Namespace) -> int:
-    from zllm.cli import engine_kwargs
-
     if args.backend == "transformers":
         result = run_transformers(args)
     else:
-        result = run_zllm(args, engine_kwargs(args))
+        result = run_zllm(args, engine_args_from(args))
     print(
         f"{result.backend}: {result.num_prompts} prompts x {result.input_len} in / "
         f"{result.output_len} out in {result.elapsed_s:.2f} s: "
@@ -177,9 +175,8 @@ def main_prefix(args: argparse.Namespace) -> int:
     import statistics
 
     from zllm import LLM, SamplingParams
-    from zllm.cli import engine_kwargs
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**asdict(engine_args_from(args)))
     vocab = llm.config.arch.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1)
     shared = make_prompts(1, args.prefix_len, vocab, seed=1)[0]
@@ -212,12 +209,11 @@ def main_accuracy(args: argparse.Namespace) -> int:
     import statistics
 
     from zllm import LLM, SamplingParams
-    from zllm.cli import engine_kwargs
 
     if args.quantization in (None, "none"):
         raise ValueError("bench accuracy compares a --quantization method against fp32")
-    kwargs = engine_kwargs(args)
-    reference = LLM(args.model, **{**kwargs, "quantization": "none"})
+    engine = engine_args_from(args)
+    reference = LLM(**asdict(replace(engine, quantization="none")))
     prompts = make_prompts(
         args.num_prompts, args.input_len, reference.config.arch.vocab_size, seed=7
     )
@@ -237,7 +233,7 @@ def main_accuracy(args: argparse.Namespace) -> int:
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     ref_lp = reference.generate(forced, score, use_tqdm=False)
     del reference
-    quant = LLM(args.model, **kwargs)
+    quant = LLM(**asdict(engine))
     q_out = [o.outputs[0].token_ids for o in quant.generate(reqs, greedy, use_tqdm=False)]
     q_lp = quant.generate(forced, score, use_tqdm=False)
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zllm.bench_engine_stats import engine_cost, parse_counters, process_cpu_seconds
+from zllm.percentile import percentile
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -369,17 +370,6 @@ def _loadavg() -> float | None:
 
 # ---------------------------------------------------------------------------------------------
 # Statistics
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float]:

@@ -1,30 +1,74 @@
-"""From what the user typed (a model name and vLLM-named options) to an `EngineConfig`."""
+"""From what the user typed (a model name and vLLM-named options) to an `EngineConfig`.
+
+`EngineArgs` is the one place an engine option is declared: its fields are the keywords of
+`LLM(model, **kwargs)` and, through `zllm.arg_utils`, the flags of `zllm serve`, `generate`
+and `bench`, with their help. A new option is one field here (plus its use in
+`create_engine_config`).
+"""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
+from zllm.arg_utils import (
+    add_dataclass_args,
+    check_choices,
+    dataclass_from_args,
+    option,
+    parse_size,
+)
 from zllm.config import CacheConfig, EngineConfig, SchedulerConfig
 from zllm.model_files import read_arch_config, resolve_model
+
+MODEL_HELP = "short name, .gguf file or HF directory"
 
 
 @dataclass(slots=True)
 class EngineArgs:
+    # Not a generated flag: `serve` takes it positionally, `generate` and `bench` as --model.
     model: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    dtype: str = "auto"
-    device: str = "auto"
-    quantization: str | None = None
-    enforce_eager: bool = False
+    max_model_len: int | None = option(
+        None, help="longest prompt + output a request may have (default: the model's context)"
+    )
+    max_num_seqs: int = option(256, help="most sequences in one step")
+    max_num_batched_tokens: int = option(
+        2048, help="most tokens one step computes, over all its sequences"
+    )
+    enable_chunked_prefill: bool = option(
+        True, help="prefill a long prompt over several steps, beside other requests' decodes"
+    )
+    block_size: int = option(16, help="tokens per KV cache block")
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        help="KV cache budget in bytes (suffixes K/M/G); default 1 GiB on CPU, "
+        "--gpu-memory-utilization of the free memory on GPU",
+        parse=parse_size,
+    )
+    gpu_memory_utilization: float = option(
+        0.9, help="GPU: the share of free GPU memory the KV cache takes"
+    )
+    num_gpu_blocks_override: int | None = option(
+        None, help="this many KV cache blocks, whatever the memory budget (for tests)"
+    )
+    enable_prefix_caching: bool = option(
+        True, help="reuse the KV blocks of prompt prefixes computed before"
+    )
+    seed: int = option(0, help="seed of the random state of requests that set no seed")
+    dtype: str = option(
+        "auto",
+        help="weights and activations; auto: float32 on CPU, bfloat16 on GPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = option("auto", help="cpu, cuda or cuda:N; auto: cuda when a GPU is visible")
+    quantization: str | None = option(
+        None,
+        help="gguf (the default for a Q4_1/Q8_0 GGUF file on CPU): matmuls read the file's "
+        "quantized blocks, the same weight values as fp32; none: fp32 matmuls; int8: int8 "
+        "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
+        choices=("gguf", "int8", "none"),
+    )
+    enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
 
     def create_engine_config(self) -> EngineConfig:
         if self.block_size < 1:
@@ -35,10 +79,7 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
             )
-        if self.quantization not in (None, "gguf", "int8", "none"):
-            raise ValueError(
-                f"quantization must be 'gguf', 'int8', 'none' or unset, got {self.quantization!r}."
-            )
+        check_choices(self)
         model_path = resolve_model(self.model)
         arch = read_arch_config(model_path)
         max_model_len = arch.max_position_embeddings
@@ -79,6 +120,20 @@ class EngineArgs:
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
         )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    """The model (`zllm serve MODEL`, or `--model MODEL`) and a flag per engine option."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    else:
+        parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_dataclass_args(parser, EngineArgs, title="engine options")
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """The `EngineArgs` that flags added by `add_engine_args` spell."""
+    return dataclass_from_args(EngineArgs, args)
 
 
 def _cuda_available() -> bool:

@@ -3,13 +3,17 @@
 The frontend serves HTTP with it, and any asyncio application can embed zllm with it instead
 of HTTP: submit a request, iterate its outputs, abort it. It owns the frontend's sockets: it
 pushes requests to the tokenizer workers and aborts to the core, and receives detokenized
-outputs, errors, heartbeats and process events on one PULL socket.
+outputs, rejections, heartbeats and process events on one PULL socket.
+
+Every request it sends carries this process's id as `client_id`: if this process dies, the
+supervisor tells the core, which aborts its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,47 +22,26 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from zllm.errors import RequestError
+from zllm.messaging import areceive
 from zllm.protocol import (
     AbortRequests,
+    EngineLifecycle,
     EngineState,
-    EngineStatus,
+    EngineStats,
     FrontendBatch,
     FrontendInput,
     ProcessEvent,
-    RequestError,
+    ProcessRole,
     RequestOutputDelta,
+    RequestRejected,
     TokenizeRequest,
 )
 from zllm.serve_config import ServeConfig, detokenizer_index
 
 logger = logging.getLogger(__name__)
 
-
-class EngineError(Exception):
-    """A request failed: carries the HTTP status and OpenAI error fields to report."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-
-    @property
-    def type(self) -> str:
-        if self.status == 400:
-            return "BadRequestError"
-        if self.status == 503:
-            return "ServiceUnavailableError"
-        if self.status == 504:
-            return "TimeoutError"
-        return "InternalServerError"
+_SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(eq=False)
@@ -72,18 +55,17 @@ class _Stream:
 class EngineClient:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
+        self.client_id = os.getpid()
         self._ctx = zmq.asyncio.Context.instance()
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FrontendInput)
         self._streams: dict[str, _Stream] = {}
         self._receiver: asyncio.Task | None = None
-        self.engine_state = "starting"
+        self.engine_state = EngineState.STARTING
         self.engine_message = "the engine is starting"
-        self.status: EngineStatus | None = None
+        self.stats: EngineStats | None = None  # the latest heartbeat
         self.last_heartbeat = 0.0
-        self.processes: dict[tuple[str, int], bool] = {}
+        self.processes: dict[tuple[ProcessRole, int], bool] = {}
         self.closed = False
-        self.num_timed_out = 0  # requests aborted by the request timeout
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,13 +82,18 @@ class EngineClient:
         self.closed = True
         if self._receiver is not None:
             self._receiver.cancel()
-        self.fail_all("the server is shutting down", 503)
+        self.fail_all(_SHUTTING_DOWN, 503)
         for sock in (self._to_tokenizers, self._to_core, self._inbox):
             sock.close(linger=0)
 
+    def mark_ready(self) -> None:
+        """The engine is up (for an embedding that started it without a supervisor event)."""
+        self.engine_state = EngineState.READY
+        self.last_heartbeat = time.monotonic()
+
     # ---- health --------------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
-        if self.engine_state != "ready":
+        if self.engine_state != EngineState.READY:
             return False, self.engine_message
         age = time.monotonic() - self.last_heartbeat
         if age > self.config.heartbeat_timeout:
@@ -124,32 +111,30 @@ class EngineClient:
     async def generate(self, request: TokenizeRequest) -> AsyncIterator[RequestOutputDelta]:
         """Submit a request and yield its output deltas until every sample finishes.
 
-        Raises EngineError (400 for a bad request found by the tokenizer, 503 when the
-        engine goes away). Leaving the iteration early (client disconnect) aborts it.
-        """
+        Raises RequestError (400 for a request the engine refused, 503 when the engine goes
+        away, 504 past the request timeout). Leaving the iteration early (a client
+        disconnect) aborts it."""
         if self.closed:
-            raise EngineError("the server is shutting down", 503)
-        if self.engine_state != "ready":
-            raise EngineError(self.engine_message, 503)
+            raise RequestError(_SHUTTING_DOWN, 503)
+        if self.engine_state != EngineState.READY:
+            raise RequestError(self.engine_message, 503)
         if request.req_id in self._streams:
-            raise EngineError(f"request id {request.req_id!r} is already in use", 400)
+            raise RequestError(f"Request id {request.req_id!r} is already in use.", 400)
+        request.client_id = self.client_id
         stream = _Stream(request)
         self._streams[request.req_id] = stream
         finished = False
         timer = self._arm_timeout(stream)
         try:
             await self._to_tokenizers.send(self._encoder.encode(request))
-            n = request.sampling_params.n
-            while True:
+            while not finished:
                 item = await stream.queue.get()
-                if isinstance(item, EngineError):
+                if isinstance(item, RequestError):
                     raise item  # the finally clause aborts it in the core (idempotent)
                 if item.finish_reason is not None:
                     stream.num_finished += 1
-                    finished = stream.num_finished >= n
+                    finished = stream.num_finished >= request.sampling_params.n
                 yield item
-                if finished:
-                    return
         finally:
             if timer is not None:
                 timer.cancel()
@@ -168,20 +153,16 @@ class EngineClient:
         return asyncio.get_running_loop().call_later(delay, self._time_out, stream, timeout)
 
     def _time_out(self, stream: _Stream, timeout: float) -> None:
-        self.num_timed_out += 1
         logger.warning(
             "request %s ran past the request timeout (%g s): aborting it",
             stream.request.req_id,
             timeout,
         )
-        stream.queue.put_nowait(
-            EngineError(
-                f"The request did not finish within the server's request timeout "
-                f"({timeout:g} s) and was aborted.",
-                504,
-                code="request_timeout",
-            )
+        message = (
+            f"The request did not finish within the server's request timeout ({timeout:g} s) "
+            "and was aborted."
         )
+        stream.queue.put_nowait(RequestError(message, 504, code="request_timeout"))
 
     async def abort(self, req_id: str) -> None:
         if self.closed:
@@ -190,61 +171,59 @@ class EngineClient:
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineError(message, status))
+            stream.queue.put_nowait(RequestError(message, status))
 
     # ---- receiving -----------------------------------------------------------------------
     async def _receive_loop(self) -> None:
-        while True:
-            data = await self._inbox.recv()
-            try:
-                msg = self._decoder.decode(data)
-            except msgspec.DecodeError as e:
-                logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
-                continue
+        decoder = msgspec.msgpack.Decoder(FrontendInput)
+        async for msg in areceive(self._inbox, decoder, logger):
             try:
                 self._handle(msg)
             except Exception:  # one bad message must not stop the receive loop
                 logger.exception("error handling %s", type(msg).__name__)
 
-    def _handle(self, msg) -> None:
+    def _handle(self, msg: FrontendInput) -> None:
         if isinstance(msg, FrontendBatch):
             for out in msg.outputs:
                 stream = self._streams.get(out.req_id)
                 if stream is not None:
                     stream.started = True
                     stream.queue.put_nowait(out)
-        elif isinstance(msg, EngineStatus):
-            self.status = msg
+        elif isinstance(msg, EngineStats):
+            self.stats = msg
             self.last_heartbeat = time.monotonic()
-        elif isinstance(msg, RequestError):
+        elif isinstance(msg, RequestRejected):
             stream = self._streams.get(msg.req_id)
             if stream is not None:
-                stream.queue.put_nowait(EngineError(msg.message, msg.status, msg.param))
+                stream.queue.put_nowait(RequestError(msg.message, msg.status, msg.param))
         elif isinstance(msg, ProcessEvent):
             self._on_process_event(msg)
-        elif isinstance(msg, EngineState):
-            self.engine_state = msg.state
-            self.engine_message = msg.message or f"the engine is {msg.state}"
-            if msg.state == "ready":
-                self.last_heartbeat = time.monotonic()
-            else:
-                self.fail_all(f"the engine failed and is restarting: {msg.message}", 503)
+        elif isinstance(msg, EngineLifecycle):
+            self._on_lifecycle(msg)
+
+    def _on_lifecycle(self, msg: EngineLifecycle) -> None:
+        self.engine_state = msg.state
+        self.engine_message = msg.message or f"the engine is {msg.state}"
+        if msg.state == EngineState.READY:
+            self.last_heartbeat = time.monotonic()
+        else:
+            self.fail_all(f"the engine failed and is restarting: {msg.message}", 503)
 
     def _on_process_event(self, msg: ProcessEvent) -> None:
         self.processes[(msg.role, msg.index)] = msg.alive
         if msg.alive:
             return
-        if msg.role == "tokenizer":
+        if msg.role == ProcessRole.TOKENIZER:
             # Requests queued in the dead worker are lost; send every request that has not
             # produced output again. The core ignores ids it already holds.
             for stream in self._streams.values():
                 if not stream.started:
                     self._to_tokenizers.send(self._encoder.encode(stream.request))
-        elif msg.role == "detokenizer":
+        elif msg.role == ProcessRole.DETOKENIZER:
             # Its incremental decoding state is gone: fail its requests cleanly.
             m = self.config.detokenizer_workers
             for req_id, stream in list(self._streams.items()):
                 if detokenizer_index(req_id, m) == msg.index:
                     stream.queue.put_nowait(
-                        EngineError("the detokenizer serving this request restarted", 503)
+                        RequestError("the detokenizer serving this request restarted", 503)
                     )

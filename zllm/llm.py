@@ -1,7 +1,9 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM.
 
-Runs the engine core and the executor in this process; thousands of prompts stream through
-continuous batching (requests join and leave the batch every step), not padded batches.
+Runs the same pieces as the server, in this process: the `EngineCore` (scheduler and block
+manager), a `ModelRunner` in place of the executor process, and a `Detokenizer` in place of
+the detokenizer workers. Thousands of prompts stream through continuous batching (requests
+join and leave the batch every step), not padded batches.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from zllm.core.engine_core import EngineCore
-from zllm.detokenizer_proc.incremental import IncrementalDetokenizer
+from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.engine_args import EngineArgs
+from zllm.errors import ParamError
+from zllm.inputs import check_prompt
 from zllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from zllm.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
-from zllm.tokenizer_proc.tokenizer import Tokenizer, load_tokenizer
+from zllm.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -38,7 +42,8 @@ class LLM:
         from zllm.executor.model_runner import ModelRunner  # torch lives behind this import
 
         self.model_runner = ModelRunner(self.config)
-        self.engine = EngineCore(self.config, self.model_runner)
+        self.engine = EngineCore(self.config)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -61,12 +66,13 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"Got {len(params_list)} sampling params for {len(prompts)} prompts."
+                raise ParamError(
+                    f"Got {len(params_list)} sampling params for {len(prompts)} prompts.",
+                    "sampling_params",
                 )
         # Check every prompt before queueing any, so a bad one leaves nothing half-done.
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        return self._run(requests, use_tqdm)
+        trackers = [self._make_tracker(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        return self._run(trackers, use_tqdm)
 
     def chat(
         self,
@@ -91,7 +97,7 @@ class LLM:
         return self.generate(token_prompts, sampling_params, use_tqdm)
 
     # ---- internals -------------------------------------------------------------------------
-    def _make_request(self, prompt: PromptType, params: SamplingParams) -> _Tracker:
+    def _make_tracker(self, prompt: PromptType, params: SamplingParams) -> _Tracker:
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -105,58 +111,58 @@ class LLM:
             raise TypeError(
                 "A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'."
             )
-        if not token_ids:
-            raise ValueError("The prompt is empty; it must contain at least one token.")
-        vocab = self.config.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary range [0, {vocab}).")
-        max_len = self.engine.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens. However, your "
-                f"prompt has {len(token_ids)} tokens, leaving no room for output."
-            )
-        req_id = str(next(self._ids))
-        return _Tracker(req_id, text, token_ids, params, self.tokenizer)
+        check_prompt(
+            token_ids,
+            max_tokens=params.max_tokens,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.config.arch.vocab_size,
+        )
+        return _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
         by_id = {t.req_id: t for t in trackers}
         eos = self.tokenizer.eos_token_id
+        now = time.time()
         for t in trackers:
-            self.engine.add_request(
-                EngineCoreRequest(
-                    req_id=t.req_id,
-                    prompt_token_ids=t.prompt_token_ids,
-                    sampling_params=t.params,
-                    arrival_time=time.time(),
-                    eos_token_id=eos,
-                )
-            )
+            request = EngineCoreRequest(t.req_id, t.prompt_token_ids, t.params, now, eos)
+            rejected = self.engine.add_request(request)
+            assert rejected is None, rejected  # the same checks passed in _make_tracker
         bar = _progress_bar(len(trackers)) if use_tqdm else None
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    tracker = by_id.get(out.req_id)
-                    if tracker is None:
-                        continue
-                    stop_str = tracker.add(out)
-                    if stop_str is not None:
-                        self.engine.finish_sequence(out.req_id, out.sample_index, FinishReason.STOP)
+                for delta in self._step():
+                    tracker = by_id[delta.req_id]
+                    tracker.add(delta)
                     if tracker.finished and bar is not None:
                         bar.update(1)
         except BaseException:
             # Leave the engine clean for the next call (KeyboardInterrupt included).
-            self.engine.abort_requests(list(by_id))
+            self._detokenize(self.engine.abort(list(by_id)))
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [t.to_output() for t in trackers]
 
+    def _step(self) -> list[RequestOutputDelta]:
+        """One engine step, run to completion: schedule, execute, detokenize."""
+        step = self.engine.schedule()
+        if step is None:
+            raise RuntimeError("the scheduler made no progress with requests waiting")
+        return self._detokenize(self.engine.update(self.model_runner.execute_model(step)))
+
+    def _detokenize(self, batches: dict[int, DetokenizerBatch]) -> list[RequestOutputDelta]:
+        deltas: list[RequestOutputDelta] = []
+        for batch in batches.values():
+            new, stops = self.detokenizer.process(batch)
+            deltas += new
+            for stop in stops:  # a stop string ended that sample
+                self.engine.finish_sample(stop.req_id, stop.sample_index)
+        return deltas
+
 
 class _Tracker:
-    """Collects one request's outputs as they come out of the engine."""
+    """Collects one request's output deltas as they come out of the engine."""
 
     def __init__(self, req_id, prompt, prompt_token_ids, params: SamplingParams, tokenizer):
         self.req_id = req_id
@@ -164,74 +170,61 @@ class _Tracker:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.token_ids: list[list[int]] = [[] for _ in range(params.n)]
-        self.logprobs: list[list[PositionLogprobs]] = [[] for _ in range(params.n)]
-        self.cumulative: list[float] = [0.0] * params.n
-        self.finish: list[tuple[str, int | str | None] | None] = [None] * params.n
-        self.detok = [
-            IncrementalDetokenizer(
-                tokenizer,
-                prompt_token_ids,
-                params.skip_special_tokens,
-                params.stop,
-                params.include_stop_str_in_output,
-            )
-            for _ in range(params.n)
-        ]
+        n = params.n
+        self.texts = [""] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[PositionLogprobs]] = [[] for _ in range(n)]
+        self.cumulative: list[float] = [0.0] * n
+        self.finish: list[tuple[str, int | str | None] | None] = [None] * n
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.num_cached_tokens = 0
-        self.first_token_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return all(f is not None for f in self.finish)
 
-    def add(self, out: EngineCoreOutput) -> str | None:
-        """Take one output; returns a stop string if one ended this sample."""
-        i = out.sample_index
-        if self.finish[i] is not None:
-            return None  # a token computed after a stop string: drop it
-        if self.first_token_time is None:
-            self.first_token_time = time.time()
-        self.num_cached_tokens = out.num_cached_tokens
-        self.token_ids[i].extend(out.new_token_ids)
-        if out.new_logprobs is not None:
-            positions = self._convert(out.new_logprobs)
+    def add(self, delta: RequestOutputDelta) -> None:
+        i = delta.index
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.texts[i] += delta.text
+        self.token_ids[i].extend(delta.token_ids)
+        if delta.logprobs is not None:
+            positions = self._convert(delta.logprobs, delta.logprob_tokens)
             self.logprobs[i].extend(positions)
-            self.cumulative[i] += sum(
-                lp.logprob for pos in positions for lp in list(pos.values())[:1]
-            )
-        if out.new_prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = [None, *self._convert(out.new_prompt_logprobs)]
-        stop_str = self.detok[i].update(out.new_token_ids)
-        if stop_str is not None:
-            self.finish[i] = ("stop", stop_str)
-            return stop_str
-        if out.finish_reason is not None:
-            self.finish[i] = (str(out.finish_reason), out.stop_reason)
-        return None
+            self.cumulative[i] += sum(next(iter(pos.values())).logprob for pos in positions)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *self._convert(delta.prompt_logprobs, None)]
+        if delta.finish_reason is not None:
+            self.finish[i] = (str(delta.finish_reason), delta.stop_reason)
 
-    def _convert(self, lists: LogprobsLists) -> list[PositionLogprobs]:
-        decode = self.tokenizer.decode
+    def _convert(
+        self, lists: LogprobsLists, texts: list[list[str]] | None
+    ) -> list[PositionLogprobs]:
+        """Per position: token id -> Logprob, the chosen token first (with its rank), then the
+        top-k by rank. `texts` are the tokens' texts when the detokenizer already made them."""
         result = []
-        for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=False):
-            pos: PositionLogprobs = {
-                ids[0]: Logprob(lps[0], rank, decode([ids[0]], skip_special_tokens=False))
-            }
-            for k, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=False), start=1):
-                pos.setdefault(tid, Logprob(lp, k, decode([tid], skip_special_tokens=False)))
+        for row, (ids, lps, rank) in enumerate(
+            zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True)
+        ):
+            names = texts[row] if texts is not None else [self._text(t) for t in ids]
+            pos: PositionLogprobs = {ids[0]: Logprob(lps[0], rank, names[0])}
+            for k in range(1, len(ids)):
+                pos.setdefault(ids[k], Logprob(lps[k], k, names[k]))
             result.append(pos)
         return result
 
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def to_output(self) -> RequestOutput:
+        want_lp = self.params.logprobs is not None
         outputs = []
         for i in range(self.params.n):
             reason, stop_reason = self.finish[i] or (None, None)
-            want_lp = self.params.logprobs is not None
             outputs.append(
                 CompletionOutput(
                     index=i,
-                    text=self.detok[i].output_text,
+                    text=self.texts[i],
                     token_ids=list(self.token_ids[i]),
                     cumulative_logprob=self.cumulative[i] if want_lp else None,
                     logprobs=self.logprobs[i] if want_lp else None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -40,4 +40,3 @@ class RequestOutput:
     # First entry is None: the first prompt token has nothing before it.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)

@@ -11,13 +11,13 @@ import sys
 import msgspec
 import zmq
 
-from zllm.protocol import ProcessReady
+from zllm.protocol import ProcessReady, ProcessRole
 from zllm.serve_config import ServeConfig, decode_config
 
 _PR_SET_PDEATHSIG = 1
 
 
-def start_process(role: str, index: int | None = None) -> ServeConfig:
+def start_process(role: ProcessRole, index: int | None = None) -> ServeConfig:
     """Read the config named on the command line, set the title, die with the parent."""
     import setproctitle
 
@@ -42,7 +42,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def report_ready(config: ServeConfig, role: str, index: int = 0, num_blocks: int = 0) -> None:
+def report_ready(
+    config: ServeConfig, role: ProcessRole, index: int = 0, num_blocks: int = 0
+) -> None:
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(config.endpoints.supervisor_in)
     msg = ProcessReady(role=role, index=index, pid=os.getpid(), num_blocks=num_blocks)

@@ -20,11 +20,42 @@ import msgspec
 from zllm.sampling_params import SamplingParams
 
 
-class FinishReason(enum.IntEnum):
-    STOP = 0  # EOS, a stop token or a stop string
-    LENGTH = 1  # max_tokens or the model's context length
-    ABORT = 2  # cancelled by the client or the operator
-    ERROR = 3  # the request failed (the engine went away, a bad request found late)
+class FinishReason(str, enum.Enum):
+    """Why a sample ended. A str enum, so it also equals the OpenAI spelling ("stop")."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client or the operator
+    ERROR = "error"  # the request failed (the engine went away, a bad request found late)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ProcessRole(str, enum.Enum):
+    """The kinds of child process `zllm serve` runs (and their titles: `zllm: <role> [i]`)."""
+
+    EXECUTOR = "executor"
+    CORE = "core"
+    TOKENIZER = "tokenizer"
+    DETOKENIZER = "detokenizer"
+    FRONTEND = "frontend"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_engine(self) -> bool:
+        """Core and executor live and die together: one engine."""
+        return self in (ProcessRole.CORE, ProcessRole.EXECUTOR)
+
+
+class EngineState(enum.IntEnum):
+    """Where the engine (core + executor) is in its life, as the supervisor sees it."""
+
+    STARTING = 0
+    READY = 1
+    DEAD = 2  # failed; restarting (or the server is exiting)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -91,6 +122,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Tokens to compute this step per scheduled request, in batch order.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # Requests that draw several samples from this step's logits: an `n > 1` request
+    # sampling its first token, which the core then forks into its samples. The scheduler
+    # decides; the executor draws `num_samples[req_id]` tokens instead of one.
+    num_samples: dict[str, int] = {}
     forked_requests: list[ForkedRequestData] = []
     # (src, dst) block copies to do before the forward (copy-on-write).
     blocks_to_copy: list[tuple[int, int]] = []
@@ -147,6 +182,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     eos_token_id: int | None = None
+    # Which client (a frontend process, or an AsyncLLM) sent it: when that client dies,
+    # the core aborts its requests (`ClientGone`).
+    client_id: int = 0
 
 
 # ==== the serving processes ==================================================================
@@ -157,8 +195,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 #      │◄────────RequestError──────────┘                               │ DetokenizerBatch
 #      │◄──FrontendBatch── detokenizer ×M ◄────────────────────────────┘ (hash(req_id) % M)
 #      │                        └──FinishSequence (stop string)──► core
-#      │◄──EngineStatus (heartbeat thread of the core)
-#      │◄──ProcessEvent, EngineState (supervisor)
+#      │◄──EngineStats (heartbeat thread of the core; to the supervisor too)
+#      │◄──ProcessEvent, EngineLifecycle (supervisor)     supervisor ──ClientGone──► core
 #
 # Sockets that carry several kinds decode a tagged union (the tag is the first array item).
 
@@ -175,6 +213,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     chat_template: str | None = None
     add_special_tokens: bool = True
     arrival_time: float = 0.0
+    client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -190,14 +229,25 @@ class FinishSequence(msgspec.Struct, array_like=True, gc=False, tag=3):
     sample_index: int
 
 
-CoreInput = EngineCoreRequest | AbortRequests | FinishSequence
+class ClientGone(msgspec.Struct, array_like=True, gc=False, tag=10):
+    """Supervisor -> core: a frontend died; abort every request it sent (nobody reads them)."""
+
+    client_id: int
+
+
+CoreInput = EngineCoreRequest | AbortRequests | FinishSequence | ClientGone
+
+
+# Prompt tokens an incremental detokenizer is primed with, so the first output token decodes
+# with the right leading space (the core sends this many; the detokenizer uses them).
+PROMPT_TAIL_TOKENS = 6
 
 
 class DetokRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What a detokenizer needs to know of a request, sent once before its first tokens."""
 
     req_id: str
-    prompt_tail: list[int]  # the last few prompt tokens, to prime incremental decoding
+    prompt_tail: list[int]  # the last PROMPT_TAIL_TOKENS prompt tokens
     n: int = 1
     stop: list[str] = []
     skip_special_tokens: bool = True
@@ -206,10 +256,14 @@ class DetokRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class DetokenizerBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=4):
-    """Core -> one detokenizer worker: one step's outputs for the requests it owns."""
+    """Core -> one detokenizer worker: one step's outputs for the requests it owns.
 
-    new_requests: list[DetokRequest]
-    outputs: list[EngineCoreOutput]
+    Applied in field order: `reset`, then `new_requests`, `outputs`, and `aborted`."""
+
+    new_requests: list[DetokRequest] = []
+    outputs: list[EngineCoreOutput] = []
+    # Requests aborted in the core after their first output: drop their state.
+    aborted: list[str] = []
     # The engine restarted: forget every request (they were failed upstream).
     reset: bool = False
 
@@ -225,7 +279,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     logprobs: LogprobsLists | None = None
     logprob_tokens: list[list[str]] | None = None
     prompt_logprobs: LogprobsLists | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -236,8 +290,8 @@ class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):
     outputs: list[RequestOutputDelta]
 
 
-class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=6):
-    """Tokenizer or core -> frontend: this request failed; an HTTP status and a message."""
+class RequestRejected(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=6):
+    """Tokenizer or core -> frontend: this request cannot run; an HTTP status and a message."""
 
     req_id: str
     message: str
@@ -245,10 +299,16 @@ class RequestError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     param: str | None = None
 
 
-class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
-    """Core heartbeat (from a thread, independent of step length), with live stats."""
+# The most cells EngineStats.block_states folds the KV pool into (the dashboard's grid).
+MAX_BLOCK_CELLS = 4096
 
-    time: float
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
+    """The engine's live statistics: `EngineCore` keeps one and updates it in place; the core
+    process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
+    (metrics, dashboard, /health) and the supervisor (hang detection)."""
+
+    time: float = 0.0  # wall clock when sent
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -267,8 +327,12 @@ class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0
     num_free_blocks: int = 0
+    # KV slots held by running requests and those holding computed tokens, summed over
+    # steps (their ratio is the share of allocated KV memory that sat unused).
+    kv_slots_allocated: int = 0
+    kv_slots_used: int = 0
     # The KV pool for the dashboard, one byte per cell: 0 free, 1 in use, 2 cached prefix
-    # (free but holding a reusable prefix). Large pools are folded into at most 4,096 cells,
+    # (free but holding a reusable prefix). Large pools are folded into MAX_BLOCK_CELLS cells,
     # each showing the busiest state among its blocks; `blocks_per_cell` says how many.
     block_states: bytes = b""
     blocks_per_cell: int = 1
@@ -277,26 +341,29 @@ class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
     """Supervisor -> frontend: a child process came up or went down."""
 
-    role: str
+    role: ProcessRole
     index: int
     alive: bool
     pid: int = 0
 
 
-class EngineState(msgspec.Struct, array_like=True, gc=False, tag=9):
-    """Supervisor -> frontend: the engine (core + executor) is `ready` or `dead`."""
+class EngineLifecycle(msgspec.Struct, array_like=True, gc=False, tag=9):
+    """Supervisor -> frontend: the engine became ready, or died (with why)."""
 
-    state: str
+    state: EngineState
     message: str = ""
 
 
-FrontendInput = FrontendBatch | RequestError | EngineStatus | ProcessEvent | EngineState
+FrontendInput = FrontendBatch | RequestRejected | EngineStats | ProcessEvent | EngineLifecycle
 
 
-class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):
     """Child -> supervisor: started and ready (the executor also reports the KV pool size)."""
 
-    role: str
+    role: ProcessRole
     index: int
     pid: int
     num_blocks: int = 0
+
+
+SupervisorInput = ProcessReady | EngineStats

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from zllm.errors import ParamError
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -42,39 +44,56 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature < _SAMPLING_EPS
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending field; called at construction."""
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not self.repetition_penalty > 0.0:  # also rejects NaN
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
-            )
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}."
-            )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty.")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative token ids.")
+        """Raise ParamError naming the offending field; called at construction."""
+
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise ParamError(message, param)
+
+        # `not x >= 0`-style checks also refuse NaN.
+        check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
+        check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+        )
+        check(
+            self.temperature >= 0.0,
+            "temperature",
+            f"temperature must be non-negative, got {self.temperature}.",
+        )
+        check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        check(
+            self.top_k >= 0,
+            "top_k",
+            f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.",
+        )
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        check(
+            self.min_tokens >= 0,
+            "min_tokens",
+            f"min_tokens must be non-negative, got {self.min_tokens}.",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+            f"got {self.min_tokens}.",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, name, f"{name} must be non-negative, got {value}.")
+        check(all(self.stop), "stop", "stop strings must not be empty.")
+        check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative token ids.",
+        )

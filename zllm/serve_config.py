@@ -1,14 +1,29 @@
 """What every serving process is told at start: the engine config, the socket addresses,
-and the server options. The supervisor writes it once (JSON) into its private directory."""
+and the server options. The supervisor writes it once (JSON) into its private directory.
+
+`ServerArgs` declares the options of `zllm serve` (each field is its flag, see
+`zllm.arg_utils`); `serve_config_from` resolves them, with an `EngineConfig`, into the
+`ServeConfig` the processes read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import tempfile
 import zlib
 
 import msgspec
 
+from zllm.arg_utils import (
+    format_size,
+    non_negative_int,
+    option,
+    parse_size,
+    positive_float,
+    positive_int,
+)
 from zllm.config import EngineConfig
 
 
@@ -84,6 +99,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     heartbeat_timeout: float = 5.0
     # A step that takes longer than this, with work pending, counts as a dead executor.
     executor_timeout: float = 60.0
+    # Seconds without a heartbeat from the core before the supervisor treats it as hung.
+    engine_hang_timeout: float = 30.0
     enable_log_requests: bool = False
     disable_log_stats: bool = False
     # Admission control: generation requests admitted and not yet finished, counted in
@@ -108,6 +125,125 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     @property
     def model_names(self) -> list[str]:
         return self.served_model_names or [self.engine.model]
+
+
+def parse_origins(text: str) -> list[str]:
+    """One `--allowed-origins` value: a comma-separated list or a JSON list."""
+    text = text.strip()
+    if text.startswith("["):
+        return [str(o) for o in json.loads(text)]
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+@dataclasses.dataclass(slots=True)
+class ServerArgs:
+    """The options of `zllm serve` beyond the engine's, as the user gives them."""
+
+    host: str = option("127.0.0.1", help="bind address; 0.0.0.0 exposes the server")
+    port: int = option(8000, help="HTTP port")
+    api_key: list[str] = option(
+        default_factory=list, help="require this key (repeatable)", action="append"
+    )
+    served_model_name: list[str] = option(
+        default_factory=list,
+        help="the model names the API answers to (default: the model argument)",
+        nargs="+",
+    )
+    tokenizer_workers: int = option(1, help="tokenizer processes", parse=positive_int)
+    detokenizer_workers: int = option(1, help="detokenizer processes", parse=positive_int)
+    chat_template: str | None = option(None, help="a Jinja template, or a file holding one")
+    transport: str = option(
+        "ipc",
+        help="sockets between the processes: ipc (private directory) or tcp (loopback)",
+        choices=("ipc", "tcp"),
+    )
+    drain_timeout: float = option(
+        30.0, help="seconds in-flight requests may run on after SIGTERM before they fail"
+    )
+    on_engine_failure: str = option(
+        "restart",
+        help="when the core or executor dies: restart them, or exit",
+        choices=("restart", "exit"),
+    )
+    executor_timeout: float = option(
+        60.0,
+        help="seconds a step may take, with work pending, before the executor counts as dead",
+    )
+    engine_hang_timeout: float = option(
+        30.0,
+        help="seconds without a heartbeat from the engine core before the supervisor treats "
+        "it as hung: it fails in-flight requests with 503 and restarts the engine like a "
+        "dead core",
+        parse=positive_float,
+    )
+    enable_log_requests: bool = option(
+        False,
+        help="log each request (prompts are never logged without this)",
+        aliases=("--log-requests",),
+    )
+    disable_log_stats: bool = option(False, help="no periodic log line of engine statistics")
+    max_waiting_requests: int = option(
+        1024,
+        help="requests that may wait beyond --max-num-seqs (in engine requests, one per "
+        "prompt); more get 503 with Retry-After",
+        parse=non_negative_int,
+    )
+    request_timeout: float | None = option(
+        None,
+        help="seconds a request may run before it is aborted with a 504 (default: no limit)",
+        parse=positive_float,
+    )
+    max_request_body_bytes: int = option(
+        8 << 20,
+        help="largest request body (suffixes K/M/G); larger ones get 413",
+        parse=parse_size,
+        show_default=format_size,
+    )
+    protect_metrics: bool = option(
+        False, help="require the API key for /health, /metrics, /dashboard and /version too"
+    )
+    allowed_origins: list[str] = option(
+        default_factory=list,
+        help="enable CORS for these origins (comma-separated or a JSON list, repeatable; "
+        "'*' for any); CORS is off by default",
+        parse=parse_origins,
+        action="extend",
+    )
+    trust_request_chat_template: bool = option(
+        False, help="accept a chat_template in request bodies (a template is code to run)"
+    )
+
+
+# ServerArgs fields that serve_config_from resolves rather than copies.
+_RESOLVED = frozenset({"api_key", "served_model_name", "chat_template", "transport"})
+
+
+def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) -> ServeConfig:
+    """The config every process gets. The engine config is made first (it resolves the model:
+    `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
+    server = server or ServerArgs()
+    n = server.detokenizer_workers
+    copied = {
+        f.name: getattr(server, f.name)
+        for f in dataclasses.fields(server)
+        if f.name not in _RESOLVED
+    }
+    return ServeConfig(
+        engine=engine,
+        endpoints=Endpoints.tcp(n) if server.transport == "tcp" else Endpoints.ipc(n),
+        api_keys=list(server.api_key),
+        served_model_names=list(server.served_model_name),
+        chat_template=read_chat_template(server.chat_template),
+        **copied,
+    )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template` is a template or the path of a file holding one."""
+    if value and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
 
 
 def detokenizer_index(req_id: str, num_workers: int) -> int:

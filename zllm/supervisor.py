@@ -4,11 +4,17 @@ Start order: the executor first (it loads the model and sizes the KV pool, which
 number of blocks and so the longest context), then the core, the tokenizer and detokenizer
 workers, and last the frontend. Each child reports ready on `supervisor_in`.
 
-When a child dies (the supervisor polls them every 0.1 s; a SIGKILL or an OOM kill shows up
-the same way): tokenizer, detokenizer and frontend workers are restarted alone. The core and
-the executor are one engine: the frontend is told the engine is dead (it fails every request
-in flight with a 503 and /health turns 503), both are restarted (`--on-engine-failure
-restart`) or the supervisor exits non-zero (`exit`) for an orchestrator to restart it.
+Watching (every 0.1 s, in one loop that never blocks on a restart):
+- A dead child (a SIGKILL or an OOM kill shows up the same way): tokenizer, detokenizer and
+  frontend workers are restarted alone; a dead frontend's requests are aborted in the core
+  (`ClientGone`), since nobody will read them. The core and the executor are one engine:
+  the frontend is told the engine is dead (it fails every request in flight with a 503 and
+  /health turns 503), both are restarted (`--on-engine-failure restart`) or the supervisor
+  exits non-zero (`exit`) for an orchestrator to restart it.
+- A hung core: its heartbeat (every 0.5 s, from a thread of its own) reaches the supervisor
+  too; none for `--engine-hang-timeout` seconds counts as a dead core.
+- A restart spawns the new process and goes back to watching; the child's ready report is
+  handled when it arrives, so a second death during a restart is seen at once.
 Children get SIGKILL from the kernel if the supervisor itself dies, so none is orphaned.
 """
 
@@ -21,24 +27,36 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from zllm.protocol import EngineState, ProcessEvent, ProcessReady
+from zllm.messaging import receive_nowait, send_nowait
+from zllm.protocol import (
+    ClientGone,
+    EngineLifecycle,
+    EngineState,
+    EngineStats,
+    ProcessEvent,
+    ProcessReady,
+    ProcessRole,
+    SupervisorInput,
+)
 from zllm.serve_config import ServeConfig, encode_config
 
 logger = logging.getLogger("zllm.supervisor")
 
 _MODULES = {
-    "executor": "zllm.executor.main",
-    "core": "zllm.core.main",
-    "tokenizer": "zllm.tokenizer_proc.main",
-    "detokenizer": "zllm.detokenizer_proc.main",
-    "frontend": "zllm.frontend.main",
+    ProcessRole.EXECUTOR: "zllm.executor.main",
+    ProcessRole.CORE: "zllm.core.main",
+    ProcessRole.TOKENIZER: "zllm.tokenizer_proc.main",
+    ProcessRole.DETOKENIZER: "zllm.detokenizer_proc.main",
+    ProcessRole.FRONTEND: "zllm.frontend.main",
 }
 READY_TIMEOUT_S = 600.0  # loading a large model on a slow disk can take minutes
+WATCH_INTERVAL_S = 0.1
 
 
 class StartupError(RuntimeError):
@@ -47,9 +65,11 @@ class StartupError(RuntimeError):
 
 @dataclass(eq=False)
 class Child:
-    role: str
+    role: ProcessRole
     index: int
     proc: subprocess.Popen
+    started_at: float  # monotonic
+    ready: bool = False
 
     @property
     def name(self) -> str:
@@ -69,39 +89,54 @@ class Supervisor:
         self.inbox.bind(config.endpoints.supervisor_in)
         self.to_frontend = ctx.socket(zmq.PUSH)
         self.to_frontend.connect(config.endpoints.frontend_in)
-        self.decoder = msgspec.msgpack.Decoder(ProcessReady)
+        self.to_core = ctx.socket(zmq.PUSH)
+        self.to_core.connect(config.endpoints.core_in)
+        self.decoder = msgspec.msgpack.Decoder(SupervisorInput)
         self.encoder = msgspec.msgpack.Encoder()
+        self.engine_state = EngineState.STARTING
+        self.last_heartbeat = time.monotonic()
+        self.started = False  # start() finished: from now on a failure restarts, not raises
         self.stopping = False
         self.exit_code = 0
 
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> None:
+        """Start every child and wait until all are ready; StartupError if one fails."""
         self._write_config()
         self._start_engine()
-        workers = [("tokenizer", i) for i in range(self.config.tokenizer_workers)]
-        workers += [("detokenizer", i) for i in range(self.config.detokenizer_workers)]
-        self._wait_ready([self._spawn(role, i) for role, i in workers])
+        self._watch_until(lambda: self.engine_state == EngineState.READY)
+        for role, count in (
+            (ProcessRole.TOKENIZER, self.config.tokenizer_workers),
+            (ProcessRole.DETOKENIZER, self.config.detokenizer_workers),
+        ):
+            for i in range(count):
+                self._spawn(role, i)
+        self._watch_until(self._all_ready)
         if self.with_frontend:
-            self._wait_ready([self._spawn("frontend", 0)])
+            self._spawn(ProcessRole.FRONTEND, 0)
+            self._watch_until(self._all_ready)
         self._brief_frontend()
+        self.started = True
+
+    def _all_ready(self) -> bool:
+        return all(c.ready for c in self.children)
+
+    def _watch_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self.stopping:
+                raise StartupError("interrupted while starting")
+            self._watch_once()
 
     def _brief_frontend(self) -> None:
         """Tell the frontend every child is up and the engine is ready."""
         for child in self.children:
             self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
-        self._tell_frontend(EngineState("ready"))
+        self._tell_frontend(EngineLifecycle(EngineState.READY))
 
     def _start_engine(self) -> None:
-        executor = self._spawn("executor", 0)
-        (ready,) = self._wait_ready([executor])
-        engine = self.config.engine
-        if engine.cache.num_blocks != ready.num_blocks:
-            engine.cache.num_blocks = ready.num_blocks
-            # The pool bounds the context: one request alone must always fit.
-            capacity = ready.num_blocks * engine.cache.block_size
-            engine.scheduler.max_model_len = min(engine.scheduler.max_model_len, capacity)
-            self._write_config()
-        self._wait_ready([self._spawn("core", 0)])
+        """The executor first; the core follows once the executor reports its KV pool."""
+        self.engine_state = EngineState.STARTING
+        self._spawn(ProcessRole.EXECUTOR, 0)
 
     def _write_config(self) -> None:
         tmp = self.config_path + ".tmp"
@@ -109,77 +144,111 @@ class Supervisor:
             f.write(encode_config(self.config))
         os.replace(tmp, self.config_path)
 
-    def _spawn(self, role: str, index: int) -> Child:
+    def _spawn(self, role: ProcessRole, index: int) -> Child:
         cmd = [sys.executable, "-m", _MODULES[role], self.config_path, str(index)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        child = Child(role, index, proc)
+        child = Child(role, index, proc, time.monotonic())
         self.children.append(child)
         logger.debug("started %s (pid %d)", child.name, proc.pid)
         return child
-
-    def _wait_ready(self, children: list[Child]) -> list[ProcessReady]:
-        """Wait until each child reports ready; StartupError if one dies or times out."""
-        pending = {(c.role, c.index): c for c in children}
-        ready: dict[tuple[str, int], ProcessReady] = {}
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while pending:
-            if self.stopping:
-                raise StartupError("interrupted while starting")
-            for child in pending.values():
-                if child.proc.poll() is not None:
-                    raise StartupError(
-                        f"{child.name} exited with code {child.proc.returncode} while starting"
-                    )
-            if time.monotonic() > deadline:
-                raise StartupError(f"timed out waiting for {', '.join(pending)} to start")
-            if self.inbox.poll(100):
-                data = self.inbox.recv()
-                try:
-                    msg = self.decoder.decode(data)
-                except msgspec.DecodeError as e:
-                    logger.error("dropping a malformed message (%d bytes): %s", len(data), e)
-                    continue
-                key = (msg.role, msg.index)
-                if key in pending:
-                    del pending[key]
-                    ready[key] = msg
-        return [ready[(c.role, c.index)] for c in children]
 
     # ---- watch ---------------------------------------------------------------------------
     def run(self) -> int:
         """Watch the children until a signal asks us to stop; returns the exit code."""
         while not self.stopping:
-            for child in list(self.children):
-                # (a restart may have replaced children already in this snapshot)
-                if child in self.children and child.proc.poll() is not None and not self.stopping:
-                    self._on_death(child)
-            time.sleep(0.1)
+            self._watch_once()
         self.shutdown()
         return self.exit_code
 
-    def _on_death(self, child: Child) -> None:
-        code = child.proc.returncode
-        logger.error("%s (pid %d) died with code %s", child.name, child.proc.pid, code)
-        self.children.remove(child)
-        self._tell_frontend(ProcessEvent(child.role, child.index, False, child.proc.pid))
-        try:
-            if child.role in ("core", "executor"):
-                self._restart_engine(f"{child.name} died (exit code {code})")
+    def _watch_once(self) -> None:
+        """Read what children sent for up to WATCH_INTERVAL_S, then look for the dead, the
+        late and the hung."""
+        for msg in receive_nowait(self.inbox, self.decoder, logger, WATCH_INTERVAL_S):
+            if isinstance(msg, ProcessReady):
+                self._on_ready(msg)
+            elif isinstance(msg, EngineStats):
+                self.last_heartbeat = time.monotonic()
+        now = time.monotonic()
+        for child in list(self.children):
+            if self.stopping:
+                return
+            if child not in self.children:
+                continue  # killed by a restart handled earlier in this pass
+            if child.proc.poll() is not None:
+                self._on_death(child, f"died with code {child.proc.returncode}")
+            elif not child.ready and now - child.started_at > READY_TIMEOUT_S:
+                self._on_death(child, f"did not report ready within {READY_TIMEOUT_S:.0f} s")
+        hang = now - self.last_heartbeat
+        if self.engine_state == EngineState.READY and hang > self.config.engine_hang_timeout:
+            core = next(c for c in self.children if c.role == ProcessRole.CORE)
+            self._on_death(core, f"sent no heartbeat for {hang:.1f} s (hung)")
+
+    def _on_ready(self, msg: ProcessReady) -> None:
+        child = next(
+            (
+                c
+                for c in self.children
+                if (c.role, c.index, c.proc.pid) == (msg.role, msg.index, msg.pid)
+            ),
+            None,
+        )
+        if child is None or child.ready:
+            return  # a child killed meanwhile, or a duplicate report
+        child.ready = True
+        logger.debug("%s (pid %d) is ready", child.name, msg.pid)
+        if child.role == ProcessRole.EXECUTOR:
+            self._executor_ready(msg.num_blocks)
+        elif child.role == ProcessRole.CORE:
+            self._engine_ready()
+        elif self.started:  # a restarted worker
+            if child.role == ProcessRole.FRONTEND:
+                self._brief_frontend()  # a new frontend knows nothing yet
             else:
-                new = self._spawn(child.role, child.index)
-                self._wait_ready([new])
-                if new.role == "frontend":
-                    self._brief_frontend()  # a new frontend knows nothing yet
-                else:
-                    self._tell_frontend(ProcessEvent(new.role, new.index, True, new.proc.pid))
-        except StartupError as e:
-            logger.error("could not restart %s: %s; shutting down", child.name, e)
+                self._tell_frontend(ProcessEvent(child.role, child.index, True, msg.pid))
+
+    def _executor_ready(self, num_blocks: int) -> None:
+        engine = self.config.engine
+        if engine.cache.num_blocks != num_blocks:
+            engine.cache.num_blocks = num_blocks
+            # The pool bounds the context: one request alone must always fit.
+            capacity = num_blocks * engine.cache.block_size
+            engine.scheduler.max_model_len = min(engine.scheduler.max_model_len, capacity)
+            self._write_config()
+        self._spawn(ProcessRole.CORE, 0)
+
+    def _engine_ready(self) -> None:
+        self.engine_state = EngineState.READY
+        self.last_heartbeat = time.monotonic()
+        if not self.started:
+            return
+        for child in self.children:
+            if child.role.is_engine:
+                self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
+        self._tell_frontend(EngineLifecycle(EngineState.READY))
+        logger.info("engine restarted")
+
+    def _on_death(self, child: Child, what: str) -> None:
+        logger.error("%s (pid %d) %s", child.name, child.proc.pid, what)
+        self._kill(child)
+        if not self.started:
+            raise StartupError(f"{child.name} {what} while starting")
+        if not child.ready:
+            # It died before it ever worked: restarting it again would likely loop.
+            logger.error("could not restart %s; shutting down", child.name)
             self.exit_code = 1
             self.stopping = True
+        elif child.role.is_engine:
+            self._restart_engine(f"{child.name} {what}")
+        else:
+            if child.role == ProcessRole.FRONTEND:
+                # Its requests are still running in the core: nobody will read them.
+                send_nowait(self.to_core, self.encoder, ClientGone(child.proc.pid), logger)
+            self._spawn(child.role, child.index)
 
     def _restart_engine(self, reason: str) -> None:
-        self._tell_frontend(EngineState("dead", reason))
-        for other in [c for c in self.children if c.role in ("core", "executor")]:
+        self.engine_state = EngineState.DEAD
+        self._tell_frontend(EngineLifecycle(EngineState.DEAD, reason))
+        for other in [c for c in self.children if c.role.is_engine]:
             self._kill(other)
         if self.config.on_engine_failure == "exit":
             logger.error("engine failed (%s); exiting as --on-engine-failure exit asks", reason)
@@ -188,11 +257,6 @@ class Supervisor:
             return
         logger.warning("engine failed (%s); restarting it", reason)
         self._start_engine()
-        for child in self.children:
-            if child.role in ("core", "executor"):
-                self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
-        self._tell_frontend(EngineState("ready"))
-        logger.info("engine restarted")
 
     def _kill(self, child: Child) -> None:
         if child.proc.poll() is None:
@@ -202,11 +266,12 @@ class Supervisor:
             self.children.remove(child)
         self._tell_frontend(ProcessEvent(child.role, child.index, False, child.proc.pid))
 
-    def _tell_frontend(self, msg) -> None:
+    def _tell_frontend(self, msg: ProcessEvent | EngineLifecycle) -> None:
+        """(Or the embedding application's EngineClient, which binds the same socket.)"""
         try:
             self.to_frontend.send(self.encoder.encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
-            pass
+            pass  # no frontend right now; a new one is briefed when it is ready
 
     # ---- stop ----------------------------------------------------------------------------
     def request_stop(self, signum=None, frame=None) -> None:
@@ -214,7 +279,7 @@ class Supervisor:
 
     def shutdown(self) -> None:
         """Frontend first (it drains in-flight requests), then everything else."""
-        frontends = [c for c in self.children if c.role == "frontend"]
+        frontends = [c for c in self.children if c.role == ProcessRole.FRONTEND]
         for child in frontends:
             _signal(child, signal.SIGTERM)
         for child in frontends:
@@ -224,8 +289,8 @@ class Supervisor:
         for child in self.children:
             _wait(child, 5.0)
         self.children.clear()
-        self.inbox.close(linger=0)
-        self.to_frontend.close(linger=0)
+        for sock in (self.inbox, self.to_frontend, self.to_core):
+            sock.close(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         logger.info("all processes stopped")
 

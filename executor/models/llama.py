@@ -2,7 +2,8 @@
 
 Per layer, q/k/v are one GEMM into a fused [q | k | v] projection and gate/up are one GEMM into
 a fused [gate | up] projection; load_weights fills the fused matrices from Hugging Face's
-separate tensors. Attention reads and writes the paged KV cache (see zllm.executor.attention).
+separate tensors. Attention reads and writes the paged KV cache through the layers of the
+attention backend the model is built with (zllm.executor.attention_backend; torch by default).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config import ModelArchConfig
-from zllm.executor.attention import AttentionMetadata, PagedAttention
+from zllm.executor.attention_backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    StepAttentionMetadata,
+)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -150,7 +155,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+    ) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -161,7 +168,7 @@ class LlamaAttention(nn.Module):
             arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype
         )
         self.o_proj = _linear(self.q_size, arch.hidden_size, False, dtype)
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
     def forward(
         self,
@@ -169,7 +176,7 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepAttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -195,10 +202,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, dtype)
+        self.self_attn = LlamaAttention(arch, dtype, attention)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(arch, dtype)
 
@@ -209,7 +218,7 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes and returns (the last sublayer's output, the residual stream before it)."""
         x, residual = self.input_layernorm(x, residual)
@@ -219,7 +228,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        attention: AttentionBackend = TORCH_ATTENTION,
+    ) -> None:
+        """`attention`: the backend every layer attends with (attention_backend.py)."""
         super().__init__()
         if arch.num_heads % arch.num_kv_heads != 0:
             raise ValueError(
@@ -231,7 +246,9 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(arch, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, dtype, attention) for _ in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -247,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: StepAttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per new token."""
         if len(kv_caches) != len(self.layers):

@@ -17,9 +17,8 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from zllm.tokenizer_proc.tokenizer import Tokenizer
-
-_PRIME_TOKENS = 6
+from zllm.protocol import PROMPT_TAIL_TOKENS
+from zllm.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
@@ -33,7 +32,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer.backend
         self._stream = DecodeStream(
-            list(prompt_token_ids[-_PRIME_TOKENS:]), skip_special_tokens=skip_special_tokens
+            list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=skip_special_tokens
         )
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output

@@ -114,7 +114,6 @@ def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
 
 
-@lru_cache(maxsize=8)
 @lru_cache(maxsize=16)
 def _compile(source: str) -> Template:
     # Sandboxed because templates come with downloaded models. trim/lstrip match what

@@ -1,0 +1,104 @@
+"""Per-request incremental detokenization for the requests one detokenizer worker owns.
+
+A plain class (no sockets): the worker process feeds it the core's batches, and the offline
+`LLM` runs one in-process the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zllm.incremental_detokenizer import IncrementalDetokenizer
+from zllm.protocol import (
+    DetokenizerBatch,
+    DetokRequest,
+    EngineCoreOutput,
+    FinishReason,
+    FinishSequence,
+    LogprobsLists,
+    RequestOutputDelta,
+)
+from zllm.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class _RequestState:
+    info: DetokRequest
+    samples: list[IncrementalDetokenizer]
+    finished: set[int] = field(default_factory=set)
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+
+    def process(
+        self, batch: DetokenizerBatch
+    ) -> tuple[list[RequestOutputDelta], list[FinishSequence]]:
+        """The text deltas of this batch's outputs, and the samples a stop string ended
+        (which the core must finish: it does not know yet)."""
+        if batch.reset:
+            self.requests.clear()
+        for info in batch.new_requests:
+            self.requests[info.req_id] = _RequestState(
+                info, [self._sample_decoder(info) for _ in range(info.n)]
+            )
+        deltas: list[RequestOutputDelta] = []
+        stops: list[FinishSequence] = []
+        for out in batch.outputs:
+            delta = self._process_output(out, stops)
+            if delta is not None:
+                deltas.append(delta)
+        for req_id in batch.aborted:
+            self.requests.pop(req_id, None)
+        return deltas, stops
+
+    def _sample_decoder(self, info: DetokRequest) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            info.prompt_tail,
+            info.skip_special_tokens,
+            info.stop,
+            info.include_stop_str_in_output,
+        )
+
+    def _process_output(
+        self, out: EngineCoreOutput, stops: list[FinishSequence]
+    ) -> RequestOutputDelta | None:
+        state = self.requests.get(out.req_id)
+        i = out.sample_index
+        if state is None or i in state.finished:
+            return None  # failed upstream, or a token computed after its stop string
+        detok = state.samples[i]
+        stop_str = detok.update(out.new_token_ids)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if stop_str is not None:
+            finish_reason, stop_reason = FinishReason.STOP, stop_str
+            if out.finish_reason is None:
+                stops.append(FinishSequence(out.req_id, i))
+        finished = finish_reason is not None
+        if finished:
+            state.finished.add(i)
+            if len(state.finished) == state.info.n:
+                del self.requests[out.req_id]
+        return RequestOutputDelta(
+            req_id=out.req_id,
+            index=i,
+            text=detok.take_delta(finished),
+            token_ids=out.new_token_ids,
+            logprobs=out.new_logprobs,
+            logprob_tokens=self._token_texts(out.new_logprobs),
+            prompt_logprobs=out.new_prompt_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            queue_time_s=out.queue_time_s,
+        )
+
+    def _token_texts(self, logprobs: LogprobsLists | None) -> list[list[str]] | None:
+        if logprobs is None:
+            return None
+        decode = self.tokenizer.decode
+        return [[decode([t], skip_special_tokens=False) for t in row] for row in logprobs.token_ids]

@@ -1,0 +1,74 @@
+"""What the executor keeps of each request between steps.
+
+The core sends a request's full data once (NewRequestData) and afterwards only what changed;
+the executor keeps the rest here, with what never crosses the wire: all its token ids in one
+list (the next step's inputs) and its seeded generator (a sample's stream continues across
+steps, and across a preemption, which the executor does not see).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zllm.protocol import ForkedRequestData, NewRequestData
+from zllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the executor keeps of a request between steps: the wire's NewRequestData, made
+    mutable, plus what never crosses the wire (all its tokens in one list, its generator)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None
+    generator: torch.Generator | None
+    all_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> RequestState:
+        return cls(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            output_token_ids=list(new.output_token_ids),
+            sampling_params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            eos_token_id=new.eos_token_id,
+            generator=make_generator(new.sampling_params.seed, new.sample_index),
+        )
+
+    def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
+        """A sample of this n > 1 request: its prompt and blocks, and the sample's first token."""
+        return RequestState(
+            req_id=fork.req_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=[fork.first_token_id],
+            sampling_params=self.sampling_params,
+            block_ids=list(self.block_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            eos_token_id=self.eos_token_id,
+            generator=generator,
+        )
+
+    def append(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    # Each sample of an n > 1 request gets its own stream, derived from the request's seed.
+    gen.manual_seed((seed + 1_000_003 * sample_index) & 0x7FFF_FFFF_FFFF_FFFF)
+    return gen

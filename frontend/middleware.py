@@ -1,0 +1,178 @@
+"""The door in front of every route, before any body is read.
+
+In order: the API key; for POSTs, 503 once draining or (generation routes) overloaded, 413
+for a body over the limit (refused from Content-Length before reading it, or counted while
+it streams in), 415 for a body that is not JSON, 408 for a body that does not arrive in
+time. A generation request then gets an admission `Ticket` in its scope, released when the
+response is completely sent.
+
+With API keys set, every route needs one except /health, /metrics, /dashboard and /version
+(those too with `--protect-metrics`); an unknown path gets its 404 without.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from zllm.errors import RequestError
+from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
+from zllm.frontend.responses import error_response
+from zllm.serve_config import ServeConfig
+
+BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
+TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope
+OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class Gate:
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: ServeConfig,
+        admission: Admission,
+        routes: list[BaseRoute],
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ) -> None:
+        self.app = app
+        self.admission = admission
+        self.routes = routes
+        # Keys are compared as SHA-256 digests: constant time, whatever their lengths.
+        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+        self.open_paths = () if config.protect_metrics else OBSERVABILITY_PATHS
+        self.max_body = config.max_request_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(read_body(receive, self.max_body), self.body_timeout_s)
+        except BodyTooLarge:
+            return await error_response(self._too_large())(scope, receive, send)
+        except asyncio.TimeoutError:  # a client trickling its body in holds a connection
+            message = f"The request body did not arrive within {self.body_timeout_s:g} s."
+            return await error_response(RequestError(message, 408))(scope, receive, send)
+        if body is None:
+            return  # the client left before sending its whole request
+        receive = replay(body, receive)
+        if scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        ticket = scope[TICKET_KEY] = Ticket()  # the route admits it; released when sent
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.release(ticket)
+
+    def _refusal(self, scope: Scope) -> RequestError | None:
+        """The error for a request refused at the door, or None."""
+        path: str = scope["path"]
+        if (
+            self.key_digests
+            and not self._is_open(path)
+            and self._is_route(scope)
+            and not self._authorized(scope)
+        ):
+            return RequestError(
+                "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                401,
+                code="invalid_api_key",
+            )
+        if scope["method"] != "POST":
+            return None
+        if self.admission.draining:
+            return RequestError(SHUTTING_DOWN, 503)
+        if path in GENERATION_PATHS and self.admission.full():
+            return self.admission.overloaded()
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"").strip()
+        if length.isdigit() and int(length) > self.max_body:
+            return self._too_large()
+        content_type = headers.get(b"content-type")
+        if content_type is not None and not _is_json(content_type):
+            # Also what keeps a cross-site HTML form (no CORS preflight) from posting here.
+            return RequestError(
+                f"The request body must be JSON (Content-Type: application/json), "
+                f"not {content_type.decode('latin-1')!r}.",
+                415,
+            )
+        return None
+
+    def _too_large(self) -> RequestError:
+        return RequestError(
+            f"The request body is larger than this server accepts ({self.max_body} bytes; "
+            "--max-request-body-bytes).",
+            413,
+        )
+
+    def _is_open(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.open_paths)
+
+    def _is_route(self, scope: Scope) -> bool:
+        return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given: list[bytes] = []
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given.append(value[7:].strip())
+            elif name == b"x-api-key":
+                given.append(value.strip())
+        ok = False
+        for candidate in given:
+            digest = hashlib.sha256(candidate).digest()
+            for key in self.key_digests:  # compare with every key: no early exit to time
+                ok |= hmac.compare_digest(digest, key)
+        return ok
+
+
+def _is_json(content_type: bytes) -> bool:
+    media_type = content_type.split(b";", 1)[0].strip().lower()
+    return media_type == b"application/json" or media_type.endswith(b"+json")
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None if the client left; BodyTooLarge past `limit`
+    (checked as chunks arrive, so a body without Content-Length cannot exhaust memory)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive channel that yields `body` first, then whatever the client sends next
+    (the disconnect that the routes watch for)."""
+    sent = False
+
+    async def receive_again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again

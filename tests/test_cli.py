@@ -1,0 +1,229 @@
+"""The `zllm` flags are generated from `EngineArgs` and `ServerArgs`: every option has its flag,
+and parsed flags come back as the same dataclass and `ServeConfig`. Nothing here loads a
+model's weights or starts a server."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import fields
+
+import pytest
+
+from zllm.arg_utils import flag_name, flag_of, format_size, parse_size
+from zllm.cli import build_parser, serve_config_from_args
+from zllm.engine_args import EngineArgs, engine_args_from
+from zllm.serve_config import ServeConfig, ServerArgs, serve_config_from
+
+# Every engine option away from its default, and the flags that say so.
+ENGINE = EngineArgs(
+    model="tiny",
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    enable_chunked_prefill=False,
+    block_size=32,
+    kv_cache_memory_bytes=64 << 20,
+    gpu_memory_utilization=0.5,
+    num_gpu_blocks_override=12,
+    enable_prefix_caching=False,
+    seed=7,
+    dtype="bfloat16",
+    device="cpu",
+    quantization="int8",
+    enforce_eager=True,
+)
+ENGINE_ARGV = [
+    "--max-model-len", "256",
+    "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "64",
+    "--no-enable-chunked-prefill",
+    "--block-size", "32",
+    "--kv-cache-memory-bytes", "64M",
+    "--gpu-memory-utilization", "0.5",
+    "--num-gpu-blocks-override", "12",
+    "--no-enable-prefix-caching",
+    "--seed", "7",
+    "--dtype", "bfloat16",
+    "--device", "cpu",
+    "--quantization", "int8",
+    "--enforce-eager",
+]  # fmt: skip
+
+# Every server option away from its default (the model comes first, positionally).
+SERVER_ARGV = [
+    "--host", "0.0.0.0",
+    "--port", "9001",
+    "--api-key", "k1",
+    "--api-key", "k2",
+    "--served-model-name", "a", "b",
+    "--tokenizer-workers", "2",
+    "--detokenizer-workers", "3",
+    "--chat-template", "CHAT_TEMPLATE_FILE",
+    "--transport", "tcp",
+    "--drain-timeout", "5",
+    "--on-engine-failure", "exit",
+    "--executor-timeout", "7.5",
+    "--engine-hang-timeout", "12.5",
+    "--log-requests",
+    "--disable-log-stats",
+    "--max-waiting-requests", "0",
+    "--request-timeout", "90",
+    "--max-request-body-bytes", "1.5K",
+    "--protect-metrics",
+    "--allowed-origins", "https://a.example, https://b.example",
+    "--allowed-origins", '["https://c.example"]',
+    "--trust-request-chat-template",
+]  # fmt: skip
+
+ENGINE_COMMANDS = [
+    ["serve", "tiny"],
+    ["generate", "hello", "--model", "tiny"],
+    ["bench", "throughput", "--model", "tiny"],
+    ["bench", "accuracy", "--model", "tiny"],
+    ["bench", "prefix", "--model", "tiny"],
+]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def fields_set(cls: type, argv: list[str]) -> set[str]:
+    """The fields of `cls` that an argv sets, through their flags (aliases and --no- too)."""
+    field_of = {}
+    for f in fields(cls):
+        flag = flag_of(f)
+        for name in (flag_name(f), *flag.aliases) if flag else ():
+            field_of[name] = f.name
+    return {field_of[a.replace("--no-", "--")] for a in argv if a.startswith("--")}
+
+
+def test_every_engine_option_is_a_flag_and_the_round_trip_moves_it():
+    options = [f for f in fields(EngineArgs) if f.name != "model"]
+    assert all(flag_of(f) is not None for f in options)
+    assert fields_set(EngineArgs, ENGINE_ARGV) == {f.name for f in options}
+    assert all(getattr(ENGINE, f.name) != f.default for f in fields(EngineArgs))
+
+
+@pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_engine_flags_round_trip(command):
+    assert engine_args_from(parse(*command, *ENGINE_ARGV)) == ENGINE
+    assert engine_args_from(parse(*command)) == EngineArgs(model="tiny")
+
+
+def test_python_api_checks_the_choices_the_flags_check():
+    with pytest.raises(ValueError, match="quantization must be one of 'gguf', 'int8', 'none'"):
+        EngineArgs(model="/nonexistent", quantization="bogus").create_engine_config()
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(model="/nonexistent", dtype="fp8").create_engine_config()
+
+
+def test_every_server_option_is_a_flag_set_below():
+    assert all(flag_of(f) is not None for f in fields(ServerArgs))
+    assert fields_set(ServerArgs, SERVER_ARGV) == {f.name for f in fields(ServerArgs)}
+
+
+def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    argv = [str(template) if a == "CHAT_TEMPLATE_FILE" else a for a in SERVER_ARGV]
+    engine_argv = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M"]
+    args = parse("serve", tiny_llama_dir, *argv, *engine_argv, "--no-enable-prefix-caching")
+
+    config = serve_config_from_args(args)
+
+    engine = EngineArgs(
+        model=tiny_llama_dir,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=False,
+    ).create_engine_config()
+    assert config == ServeConfig(
+        engine=engine,
+        endpoints=config.endpoints,
+        host="0.0.0.0",
+        port=9001,
+        api_keys=["k1", "k2"],
+        served_model_names=["a", "b"],
+        tokenizer_workers=2,
+        detokenizer_workers=3,
+        chat_template="{{ messages[0]['content'] }}",
+        drain_timeout=5.0,
+        on_engine_failure="exit",
+        executor_timeout=7.5,
+        engine_hang_timeout=12.5,
+        enable_log_requests=True,
+        disable_log_stats=True,
+        max_waiting_requests=0,
+        request_timeout=90.0,
+        max_request_body_bytes=1536,
+        protect_metrics=True,
+        allowed_origins=["https://a.example", "https://b.example", "https://c.example"],
+        trust_request_chat_template=True,
+    )
+    assert config.endpoints.ipc_dir is None
+    assert len(config.endpoints.detokenizer_in) == 3
+    assert all(a.startswith("tcp://127.0.0.1:") for a in config.endpoints.detokenizer_in)
+
+
+def test_server_defaults_are_the_serve_config_defaults(tiny_llama_dir):
+    engine = EngineArgs(model=tiny_llama_dir).create_engine_config()
+    assert engine_args_from(parse("serve", tiny_llama_dir)) == EngineArgs(model=tiny_llama_dir)
+    config = serve_config_from_args(parse("serve", tiny_llama_dir, "--enable-log-requests"))
+    try:
+        assert config.endpoints.ipc_dir is not None
+        assert len(config.endpoints.detokenizer_in) == 1
+        expected = ServeConfig(engine=engine, endpoints=config.endpoints, enable_log_requests=True)
+        assert config == expected
+        # What AsyncLLM.start builds: ServerArgs defaults, an engine config made beforehand.
+        other = serve_config_from(engine, ServerArgs(tokenizer_workers=2, transport="tcp"))
+        assert other.tokenizer_workers == 2 and other.engine_hang_timeout == 30.0
+    finally:
+        shutil.rmtree(config.endpoints.ipc_dir, ignore_errors=True)
+
+
+def test_chat_template_that_is_no_file_is_the_template(tiny_llama_dir):
+    args = parse("serve", tiny_llama_dir, "--transport", "tcp", "--chat-template", "{{ x }}")
+    assert serve_config_from_args(args).chat_template == "{{ x }}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine-hang-timeout", "0"], "argument --engine-hang-timeout: must be positive"),
+        (["--max-waiting-requests", "-1"], "argument --max-waiting-requests: must be non-neg"),
+        (["--request-timeout", "-5"], "argument --request-timeout: must be positive"),
+        (["--tokenizer-workers", "0"], "argument --tokenizer-workers: must be at least 1"),
+        (["--detokenizer-workers", "0"], "argument --detokenizer-workers: must be at least 1"),
+        (["--quantization", "bogus"], "argument --quantization: invalid choice: 'bogus'"),
+        (["--transport", "udp"], "argument --transport: invalid choice: 'udp'"),
+        (["--kv-cache-memory-bytes", "lots"], "argument --kv-cache-memory-bytes: expected a"),
+        (["--max-request-body-bytes", "8X"], "argument --max-request-body-bytes: expected a"),
+        (["--allowed-origins", "[oops"], "argument --allowed-origins: invalid"),
+        (["--max-num-seqs", "many"], "argument --max-num-seqs: invalid int value"),
+    ],
+)
+def test_bad_values_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse("serve", "tiny", *argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4096", 4096), ("64M", 64 << 20), ("1G", 1 << 30), ("512KiB", 512 << 10), ("1.5k", 1536)],
+)
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_help_shows_defaults_from_the_dataclasses(capsys):
+    with pytest.raises(SystemExit):
+        parse("serve", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences in one step (default: 256)" in text
+    assert "larger ones get 413 (default: 8M)" in text
+    assert "--log-requests" in text and "--no-enable-prefix-caching" in text
+    assert format_size(8 << 20) == "8M" and format_size(1536) == "1536"

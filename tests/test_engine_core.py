@@ -1,0 +1,236 @@
+"""EngineCore's rules with a fake executor and no sockets: what is admitted or refused, which
+detokenizer worker hears what and in which order, aborts, dead clients, and statistics."""
+
+from __future__ import annotations
+
+import pytest
+
+from zllm.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
+from zllm.core.engine_core import EngineCore
+from zllm.protocol import (
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    RequestRejected,
+    SchedulerOutput,
+)
+from zllm.sampling_params import SamplingParams
+from zllm.serve_config import detokenizer_index
+
+VOCAB = 100
+BLOCK_SIZE = 4
+WORKERS = 2
+
+
+def make_engine(num_blocks: int = 64, max_model_len: int = 64) -> EngineCore:
+    arch = ModelArchConfig(
+        architecture="llama",
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max_model_len,
+        tie_word_embeddings=True,
+    )
+    config = EngineConfig(
+        model="fake",
+        model_path="/nowhere",
+        arch=arch,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len),
+    )
+    return EngineCore(config, num_detokenizers=WORKERS)
+
+
+def request(req_id: str, prompt_len: int = 5, client_id: int = 0, **params) -> EngineCoreRequest:
+    params.setdefault("max_tokens", 3)
+    params.setdefault("ignore_eos", True)
+    return EngineCoreRequest(
+        req_id,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(**params),
+        arrival_time=1.0,
+        client_id=client_id,
+    )
+
+
+def run(engine: EngineCore, step: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """A fake executor: one token (n for a forking request) per request that samples."""
+    req_ids, sampled = [], []
+    for req_id in step.num_scheduled_tokens:
+        req = engine.scheduler.requests.get(req_id)
+        if req is not None and req.num_pending_tokens and req.num_computed_tokens == req.num_tokens:
+            req_ids.append(req_id)
+            sampled.append([token + i for i in range(step.num_samples.get(req_id, 1))])
+    return ModelRunnerOutput(
+        step_id=step.step_id, req_ids=req_ids, sampled_token_ids=sampled, exec_time_s=0.5
+    )
+
+
+def ids_on(worker: int, count: int) -> list[str]:
+    """`count` request ids that detokenizer `worker` owns."""
+    ids = (f"r{i}" for i in range(1000))
+    return [r for r in ids if detokenizer_index(r, WORKERS) == worker][:count]
+
+
+# ---- admission ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_tokens, message",
+    [
+        (0, 3, "The prompt is empty"),
+        (64, None, "maximum context length is 64 tokens. However, your request has 64 input"),
+        (60, 5, "you requested 65 tokens (60 in the prompt, 5 in the completion)"),
+    ],
+)
+def test_refuses_prompts_that_cannot_run(prompt_len, max_tokens, message):
+    engine = make_engine()
+    rejected = engine.add_request(request("x", prompt_len, max_tokens=max_tokens))
+    assert isinstance(rejected, RequestRejected)
+    assert message in rejected.message and rejected.param == "prompt" and rejected.status == 400
+    assert not engine.has_unfinished_requests()
+
+
+def test_refuses_out_of_vocabulary_ids_and_sample_ids_in_use():
+    engine = make_engine()
+    bad = EngineCoreRequest("v", [5, VOCAB], SamplingParams())
+    assert "out of vocabulary" in engine.add_request(bad).message
+    assert engine.add_request(request("a", n=2)) is None
+    engine.update(run(engine, engine.schedule()))  # "a" forks: its sample 1 is "a#1"
+    clash = engine.add_request(request("a#1"))
+    assert clash.message == "Request id 'a#1' is already in use."
+    # The same id again is a resend (a tokenizer worker died): ignored, not an error.
+    assert engine.add_request(request("a")) is None
+    assert engine.scheduler.num_running == 2
+
+
+# ---- detokenizer announcements and outputs ------------------------------------------------------
+
+
+def test_requests_are_announced_to_their_worker_with_their_first_output():
+    engine = make_engine()
+    (a,) = ids_on(0, 1)
+    b, c = ids_on(1, 2)
+    for req_id in (a, b, c):
+        assert engine.add_request(request(req_id, stop=["x"])) is None
+    step = engine.schedule()
+    batches = engine.update(run(engine, step))
+    assert sorted(batches) == [0, 1]
+    assert [r.req_id for r in batches[0].new_requests] == [a]
+    assert [r.req_id for r in batches[1].new_requests] == [b, c]  # arrival order
+    announced = batches[1].new_requests[0]
+    assert announced.prompt_tail == [10, 11, 12, 13, 14] and announced.stop == ["x"]
+    assert [(o.req_id, o.new_token_ids) for o in batches[1].outputs] == [(b, [7]), (c, [7])]
+    # Later outputs come without an announcement.
+    batches = engine.update(run(engine, engine.schedule(), token=8))
+    assert batches[0].new_requests == [] and batches[1].new_requests == []
+    assert [o.new_token_ids for o in batches[0].outputs] == [[8]]
+
+
+def test_abort_tells_only_workers_that_heard_of_the_request():
+    engine = make_engine()
+    heard, unheard = ids_on(0, 2)
+    engine.add_request(request(heard))
+    engine.update(run(engine, engine.schedule()))
+    engine.add_request(request(unheard))  # queued, never produced output
+    batches = engine.abort([heard, unheard, "nobody"])
+    assert list(batches) == [0]
+    assert batches[0].aborted == [heard] and batches[0].outputs == []
+    assert engine.abort([heard]) == {}  # idempotent
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_referenced_blocks() == 0
+
+
+def test_client_gone_aborts_that_clients_requests_only():
+    engine = make_engine()
+    for req_id, client in (("a", 11), ("b", 22), ("c", 11)):
+        engine.add_request(request(req_id, client_id=client, max_tokens=10))
+    engine.update(run(engine, engine.schedule()))
+    batches = engine.client_gone(11)
+    assert sorted(r for batch in batches.values() for r in batch.aborted) == ["a", "c"]
+    assert [r.client_req_id for r in engine.scheduler.requests.values()] == ["b"]
+
+
+def test_finish_sample_ends_one_sample():
+    engine = make_engine()
+    engine.add_request(request("p", n=2, max_tokens=5))
+    engine.update(run(engine, engine.schedule()))
+    engine.finish_sample("p", 1)  # its detokenizer found a stop string
+    step = engine.schedule()
+    assert list(step.num_scheduled_tokens) == ["p"] and step.forked_requests == []
+
+
+def test_a_finished_output_carries_its_reason_to_the_worker():
+    engine = make_engine()
+    engine.add_request(request("a", max_tokens=1))
+    (batch,) = engine.update(run(engine, engine.schedule())).values()
+    assert batch.outputs[0].finish_reason == FinishReason.LENGTH
+
+
+# ---- steps in flight ---------------------------------------------------------------------------
+
+
+def test_two_steps_in_flight_are_answered_in_order():
+    engine = make_engine()
+    engine.add_request(request("a", max_tokens=3))
+    first = engine.schedule()
+    assert engine.can_schedule()
+    second = engine.schedule()
+    assert engine.num_steps_in_flight == 2 and not engine.can_schedule()
+    assert second.num_scheduled_tokens == {"a": 1}  # computes the token `first` samples
+    (batch,) = engine.update(ModelRunnerOutput(first.step_id, ["a"], [[7]])).values()
+    assert batch.outputs[0].new_token_ids == [7]
+    (batch,) = engine.update(ModelRunnerOutput(second.step_id, ["a"], [[8]])).values()
+    assert batch.outputs[0].new_token_ids == [8]
+    assert engine.num_steps_in_flight == 0 and engine.can_schedule()
+
+
+def test_after_no_work_marks_the_first_step_after_idling():
+    engine = make_engine()
+    engine.add_request(request("a", max_tokens=2))
+    first = engine.schedule()
+    assert first.after_no_work
+    engine.update(run(engine, first))
+    second = engine.schedule()
+    assert not second.after_no_work
+    engine.update(run(engine, second))
+    assert not engine.has_unfinished_requests()
+    engine.add_request(request("b"))
+    assert engine.schedule().after_no_work
+
+
+def test_a_step_goes_out_only_when_it_carries_something():
+    engine = make_engine()
+    assert engine.schedule() is None
+    engine.add_request(request("a", max_tokens=5))
+    engine.update(run(engine, engine.schedule()))
+    engine.abort(["a"])
+    step = engine.schedule()  # no tokens, but the executor must drop a's state
+    assert step.total_num_scheduled_tokens == 0 and step.finished_req_ids == ["a"]
+    assert engine.schedule() is None
+
+
+# ---- statistics -------------------------------------------------------------------------------
+
+
+def test_heartbeat_fills_the_wire_struct():
+    engine = make_engine(num_blocks=16)
+    engine.add_request(request("a", prompt_len=9, max_tokens=2))
+    engine.add_request(request("b", prompt_len=3, max_tokens=2))
+    engine.update(run(engine, engine.schedule()))
+    stats = engine.heartbeat()
+    assert stats is engine.stats  # one struct, updated in place, sent as is
+    assert (stats.num_running, stats.num_waiting) == (2, 0)
+    assert stats.num_prompt_tokens == 12 and stats.num_generation_tokens == 2
+    assert stats.num_steps == 1 and stats.executor_busy_s == 0.5
+    assert stats.num_blocks == 16 and stats.num_free_blocks == 16 - 3 - 1
+    assert stats.kv_cache_usage == pytest.approx(4 / 16)
+    assert stats.block_states == bytes([1, 1, 1, 1] + [0] * 12)
+    assert stats.kv_slots_allocated == 4 * BLOCK_SIZE and stats.kv_slots_used == 12
+    assert stats.time > 0

@@ -1,0 +1,124 @@
+"""Tiny random models for tests: one Hugging Face config factory, the model and the
+ModelArchConfig made from it, and a whole model directory (weights, byte-level BPE
+tokenizer, chat template) in Hugging Face layout, which is what `zllm serve` runs in tests.
+
+Every test builds its tiny model from `tiny_hf_config`, passing only what it needs to differ.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+    from zllm.config import ModelArchConfig
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# The served tiny model: head_dim 16, grouped-query attention (2 KV heads for 4 query heads).
+TINY_CONFIG: dict = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    # A wide init keeps logits far from ties, so greedy parity is exact, not luck.
+    initializer_range=0.2,
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "def add(a, b):\n    return a + b\n",
+    "Continuous batching lets requests join and leave every step.",
+    "1234567890 + 42 = 1234567932",
+    "Emoji 🙂 and CJK 你好世界 and accents: café, naïve, Ångström.",
+]
+
+
+def tiny_hf_config(arch: str = "llama", **overrides) -> transformers.PretrainedConfig:
+    """A transformers config of `arch` ("llama", "mistral" or "qwen2"): TINY_CONFIG with
+    `overrides` (any config field, e.g. rope_parameters, head_dim, eos_token_id)."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(arch, **{**TINY_CONFIG, **overrides})
+
+
+def tiny_hf_model(
+    config: transformers.PretrainedConfig, seed: int = 0, dtype: torch.dtype | None = None
+) -> transformers.PreTrainedModel:
+    """The transformers causal LM of `config`, with weights drawn from `seed`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model if dtype is None else model.to(dtype)
+
+
+def arch_config_of(config: transformers.PretrainedConfig) -> ModelArchConfig:
+    """What zllm makes of `config`: saved as config.json and read back by read_arch_config,
+    the mapping `zllm serve` uses, rather than a second copy of it here."""
+    from zllm.model_files import read_arch_config
+
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        return read_arch_config(directory)
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE trained on a few sentences: fast, and covers every byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    return tok
+
+
+def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model + tokenizer in Hugging Face layout under `path`; `overrides`
+    go to tiny_hf_config (the vocabulary and EOS come from the tokenizer)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 512,
+            }
+        )
+    )
+    from_tokenizer = dict(
+        vocab_size=tok.get_vocab_size(),
+        bos_token_id=None,
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+    )
+    config = tiny_hf_config(arch, **{**from_tokenizer, **overrides})
+    tiny_hf_model(config, seed).save_pretrained(path, safe_serialization=True)
+    return path

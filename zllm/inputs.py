@@ -1,0 +1,51 @@
+"""The one set of checks a prompt passes before it may run, with one set of messages.
+
+The tokenizer workers run them (so a chat request's error talks about its messages), the
+engine core runs them again on every request it admits (the executor must never see an
+out-of-vocabulary id, whoever sent the request), and the offline `LLM` runs them before
+queueing anything. The context-length wording is vLLM's, so clients that parse it keep
+working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zllm.errors import ParamError
+
+
+def check_prompt(
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int | None,
+    max_model_len: int,
+    vocab_size: int,
+    param: str = "prompt",
+) -> None:
+    """Raise ParamError (naming `param`) unless the prompt can run to `max_tokens` outputs.
+
+    `max_tokens=None` asks for as many tokens as fit, so only one free position is needed.
+    `param` is "messages" for a chat request, whose text says so.
+    """
+    if not token_ids:
+        raise ParamError("The prompt is empty; it must contain at least one token.", param)
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ParamError(f"Token id {bad} is out of vocabulary range [0, {vocab_size}).", param)
+    num_tokens = len(token_ids)
+    where = "messages" if param == "messages" else "prompt"
+    if max_tokens is not None and num_tokens + max_tokens > max_model_len:
+        raise ParamError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_tokens + max_tokens} tokens ({num_tokens} in the {where}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {where} or "
+            "completion.",
+            param,
+        )
+    if num_tokens >= max_model_len:  # (max_tokens=None: as many as fit, at least one)
+        raise ParamError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_tokens} input tokens, leaving no room for output. Please "
+            f"reduce the length of the {where}.",
+            param,
+        )
