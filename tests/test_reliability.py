@@ -478,12 +478,13 @@ def test_malformed_ipc_messages_are_dropped(faults):
         enc([3, 5, "x"]),  # FinishSequence
         enc([4, [["x"]], [], True]),  # DetokenizerBatch
         enc([5, [[1, 2, 3]]]),  # FrontendBatch
-        enc([6, None, None]),  # RequestError
-        enc([7, "not a time"]),  # EngineStatus
+        enc([6, None, None]),  # RequestRejected
+        enc([7, "not a time"]),  # EngineStats
         enc([8, 1, 2, 3]),  # ProcessEvent
-        enc([9, ["dead"]]),  # EngineState
+        enc([9, ["dead"]]),  # EngineLifecycle
+        enc([10, "not a client id"]),  # ClientGone
         enc([99, "unknown tag"]),
-        enc(["core", "zero", "pid"]),  # ProcessReady, wrong types
+        enc([11, "core", "zero", "pid"]),  # ProcessReady, wrong types
         enc([0, [], [], {"a": "b"}, "x"]),  # SchedulerOutput, wrong types
         enc(2**64 - 1),
     ]

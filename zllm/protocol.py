@@ -192,7 +192,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 #   frontend ──TokenizeRequest──► tokenizer ×N ──EngineCoreRequest──► core ◄──► executor
 #      ▲  │                            │                               │
 #      │  └──AbortRequests─────────────┼──────────────────────────────►│
-#      │◄────────RequestError──────────┘                               │ DetokenizerBatch
+#      │◄────────RequestRejected───────┘                               │ DetokenizerBatch
 #      │◄──FrontendBatch── detokenizer ×M ◄────────────────────────────┘ (hash(req_id) % M)
 #      │                        └──FinishSequence (stop string)──► core
 #      │◄──EngineStats (heartbeat thread of the core; to the supervisor too)
