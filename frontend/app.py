@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 import zllm
 from zllm.engine_client import EngineClient
-from zllm.errors import RequestError
+from zllm.errors import ParamError, RequestError
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
@@ -69,6 +69,7 @@ from zllm.frontend.openai_format import (
 from zllm.frontend.openapi import openapi_schema
 from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.streaming import ClientGone
+from zllm.inputs import check_vocabulary
 from zllm.protocol import TokenizeRequest
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer import Tokenizer
@@ -323,12 +324,10 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         body = self._decode(await request.body(), DetokenizeBody)
         self._model_name(body.model)
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(
-                f"Token id {bad} is out of vocabulary range [0, {vocab}).", param="tokens"
-            )
+        try:
+            check_vocabulary(body.tokens, self.tokenizer.vocab_size, "tokens")
+        except ParamError as e:
+            raise RequestError(str(e), param=e.param) from None
         text = await _maybe_in_thread(len(body.tokens), self.tokenizer.decode, body.tokens, False)
         return json_response(DetokenizeResponse(prompt=text))
 

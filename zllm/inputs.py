@@ -29,9 +29,7 @@ def check_prompt(
     """
     if not token_ids:
         raise ParamError("The prompt is empty; it must contain at least one token.", param)
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-        raise ParamError(f"Token id {bad} is out of vocabulary range [0, {vocab_size}).", param)
+    check_vocabulary(token_ids, vocab_size, param)
     num_tokens = len(token_ids)
     where = "messages" if param == "messages" else "prompt"
     if max_tokens is not None and num_tokens + max_tokens > max_model_len:
@@ -49,3 +47,10 @@ def check_prompt(
             f"reduce the length of the {where}.",
             param,
         )
+
+
+def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Raise ParamError (naming `param`) if any id is outside the vocabulary."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ParamError(f"Token id {bad} is out of vocabulary range [0, {vocab_size}).", param)
