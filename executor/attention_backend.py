@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
@@ -68,9 +68,26 @@ class AttentionBackend:
 
     name: str
     description: str  # for the log line saying which backend serves the model
-    # (num_heads, num_kv_heads, head_dim) -> one layer's attention
-    make_layer: Callable[[int, int, int], AttentionLayer]
+    # (num_heads, num_kv_heads, head_dim, scale=None) -> one layer's attention; the scale
+    # defaults to head_dim ** -0.5.
+    make_layer: Callable[..., AttentionLayer]
     build_metadata: BuildMetadata
+
+
+def metadata_per_layer(
+    attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata], num_layers: int
+) -> Sequence[StepAttentionMetadata]:
+    """What a model's forward receives, as one metadata per layer.
+
+    The model runner passes a list, one entry per layer (layers of a KV cache group share a
+    block table; sliding-window layers see a window-limited view); a single metadata serves
+    every layer (tests and the CUDA graph runner pass one).
+    """
+    if isinstance(attn_metadata, Sequence):
+        if len(attn_metadata) != num_layers:
+            raise ValueError(f"got {len(attn_metadata)} attention metadata for {num_layers} layers")
+        return attn_metadata
+    return [attn_metadata] * num_layers
 
 
 TORCH_ATTENTION = AttentionBackend(

@@ -9,7 +9,7 @@ attention backend the model is built with (zllm.executor.attention_backend; torc
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from zllm.executor.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
+    metadata_per_layer,
 )
 
 
@@ -264,16 +265,20 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata,
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, one row per new token."""
+        """Hidden states [T, hidden] after the final norm, one row per new token.
+
+        `attn_metadata`: one per layer, or one for all (attention_backend.metadata_per_layer).
+        """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        metas = metadata_per_layer(attn_metadata, len(self.layers))
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.lookup(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
