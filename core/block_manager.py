@@ -20,6 +20,13 @@ removing from the middle are all O(1).
 `n > 1` requests fork: children share the parent's blocks (ref counts up). A shared block that
 is about to be written (the partial last block) is copied first (copy-on-write); the copies a
 step needs are returned by `take_pending_copies` and carried out by the executor.
+
+KV cache groups (zllm/kv_cache_groups.py): a request holds one block table per group, all
+drawn from the one pool. A sliding-window group releases blocks that fell out of the window
+of the step's first new token (None in the table, -1 on the wire), so a long sequence holds
+about window/block_size + 1 blocks there. A prefix hit of k blocks must hold in every group:
+a full group needs blocks 0..k-1 cached, a sliding group only the ones inside the window of
+position k * block_size.
 """
 
 from __future__ import annotations
@@ -108,21 +115,63 @@ def hash_full_blocks(
     return hashes
 
 
-class BlockManager:
-    """Allocates KV blocks to requests, shares cached prefixes, and copies on write."""
+@dataclass(slots=True)
+class PrefixHit:
+    """Cached blocks a new request can take over: per group, its first `num_blocks` table
+    entries (None where a sliding group needs nothing: before the window)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    num_blocks: int
+    num_tokens: int
+    tables: list[list[KVBlock | None]]
+    hashes: list[BlockHash]  # the hash chain of those blocks
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    tables: list[list[KVBlock | None]]  # one block table per KV cache group
+    # Hash chain of its full blocks registered so far (the same tokens in every group).
+    hashes: list[BlockHash]
+    # Per group: table entries before this index are released (None).
+    num_released: list[int]
+
+
+def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block a step starting at `num_computed_tokens` reads in a group: 0 for full
+    attention; with a window, the block of the earliest key the step's first query sees."""
+    if window is None:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // block_size
+
+
+class BlockManager:
+    """Allocates KV blocks to requests, shares cached prefixes, and copies on write.
+
+    `sliding_windows`: one entry per KV cache group (None: full attention); one full group
+    by default.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (None,),
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if not sliding_windows:
+            raise ValueError("need at least one KV cache group")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = list(sliding_windows)
+        self.num_groups = len(self.windows)
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached_blocks: dict[BlockHash, KVBlock] = {}
-        self.block_tables: dict[str, list[KVBlock]] = {}
-        # Per request: hashes of its full blocks registered so far (a prefix of its hash chain).
-        self._block_hashes: dict[str, list[BlockHash]] = {}
+        # Per group: hash of a cached full block -> the block holding it for that group.
+        self.cached_blocks: list[dict[BlockHash, KVBlock]] = [{} for _ in self.windows]
+        self._block_group: dict[int, int] = {}  # cached block id -> its group
+        self._requests: dict[str, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         # Requests whose block table changed since `take_changed_tables` was last called.
         self._changed_tables: set[str] = set()
@@ -140,8 +189,27 @@ class BlockManager:
         """Fraction of blocks referenced by some request (cached free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(req_id, ())]
+    def has_blocks(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        """One group's block table (-1 for released entries)."""
+        blocks = self._requests.get(req_id)
+        if blocks is None:
+            return []
+        return [-1 if b is None else b.block_id for b in blocks.tables[group]]
+
+    def group_block_ids(self, req_id: str) -> list[list[int]]:
+        """Every group's block table: what the executor receives."""
+        return [self.block_ids(req_id, g) for g in range(self.num_groups)]
+
+    def num_held_blocks(self, req_id: str, group: int | None = None) -> int:
+        """Blocks the request holds (not released), in one group or all."""
+        blocks = self._requests.get(req_id)
+        if blocks is None:
+            return 0
+        tables = blocks.tables if group is None else [blocks.tables[group]]
+        return sum(1 for table in tables for b in table if b is not None)
 
     def block_states(self, max_cells: int = MAX_BLOCK_CELLS) -> tuple[bytes, int]:
         """The pool as one byte per cell (0 free, 1 in use, 2 cached prefix), and how many
@@ -158,27 +226,62 @@ class BlockManager:
     def num_referenced_blocks(self) -> int:
         return sum(1 for b in self.blocks if b.ref_count > 0)
 
+    def blocks_needed(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` holds at once when prefilled in chunks
+        of up to `chunk_tokens`: a sliding group holds its window plus the chunk being
+        written. What the scheduler sizes the longest admissible context by."""
+        total = -(-num_tokens // self.block_size)
+        needed = 0
+        for window in self.windows:
+            if window is None:
+                needed += total
+            else:
+                span = -(-(window - 1 + chunk_tokens) // self.block_size) + 1
+                needed += min(total, span)
+        return needed
+
     # ---- prefix cache --------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
-        """The longest run of cached full blocks that starts `token_ids`.
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest run of cached full blocks that starts `token_ids`, in every group.
 
         At most `len(token_ids) - 1` tokens are reported cached: the last token's logits must
         be computed. Takes no references (see `allocate_slots`).
         """
         if not self.enable_prefix_caching:
-            return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        hits: list[KVBlock] = []
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
-            parent = hash_block_tokens(
-                parent, token_ids[i * self.block_size : (i + 1) * self.block_size]
-            )
-            block = self.cached_blocks.get(parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return self._no_hit()
+        bs = self.block_size
+        max_blocks = (len(token_ids) - 1) // bs
+        hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs)
+        # Full groups: the run of consecutive hits from block 0.
+        k = max_blocks
+        for group, window in enumerate(self.windows):
+            if window is None:
+                cache = self.cached_blocks[group]
+                k = next((i for i in range(k) if hashes[i] not in cache), k)
+        # Sliding groups: the longest k whose window blocks are all cached.
+        while k > 0 and not all(
+            self._window_cached(group, hashes, k) for group in self._sliding_groups()
+        ):
+            k -= 1
+        if k == 0:
+            return self._no_hit()
+        tables: list[list[KVBlock | None]] = []
+        for group, window in enumerate(self.windows):
+            first = first_needed_block(k * bs, window, bs)
+            cache = self.cached_blocks[group]
+            tables.append([None] * first + [cache[h] for h in hashes[first:k]])
+        return PrefixHit(k, k * bs, tables, hashes[:k])
+
+    def _no_hit(self) -> PrefixHit:
+        return PrefixHit(0, 0, [[] for _ in self.windows], [])
+
+    def _sliding_groups(self) -> list[int]:
+        return [g for g, w in enumerate(self.windows) if w is not None]
+
+    def _window_cached(self, group: int, hashes: list[BlockHash], k: int) -> bool:
+        first = first_needed_block(k * self.block_size, self.windows[group], self.block_size)
+        cache = self.cached_blocks[group]
+        return all(h in cache for h in hashes[first:k])
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once the request it was for is admitted (not on every retry)."""
@@ -192,84 +295,111 @@ class BlockManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
-        cached_prefix: list[KVBlock] | None = None,
+        cached_prefix: PrefixHit | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `req_id`; False if blocks run out.
 
         `token_ids` are the request's known tokens (prompt + output so far). On the first call
         for a request, `cached_prefix` (from `find_cached_prefix`) is taken over and
-        `num_computed_tokens` must equal its token count. Nothing changes when it fails.
+        `num_computed_tokens` must equal its token count. Sliding groups first release the
+        blocks this step no longer reads; beyond that nothing changes when it fails.
         """
-        table = self.block_tables.get(req_id)
-        is_new = table is None
-        cached_prefix = cached_prefix or []
+        blocks = self._requests.get(req_id)
+        is_new = blocks is None
+        bs = self.block_size
         if not is_new:
-            assert not cached_prefix, "cached prefix is only taken on a request's first call"
+            assert cached_prefix is None or not cached_prefix.num_blocks
+            self._release_out_of_window(req_id, blocks, num_computed_tokens)
+            tables = blocks.tables
         else:
-            assert num_computed_tokens == len(cached_prefix) * self.block_size
-        have = len(cached_prefix) if is_new else len(table)
-        total_tokens = num_computed_tokens + num_new_tokens
-        num_needed = max(0, -(-total_tokens // self.block_size) - have)
+            cached_prefix = cached_prefix or self._no_hit()
+            assert num_computed_tokens == cached_prefix.num_tokens
+            tables = cached_prefix.tables
+        total_blocks = -(-(num_computed_tokens + num_new_tokens) // bs)
+        num_needed = sum(max(0, total_blocks - len(table)) for table in tables)
         # Copy-on-write: blocks this step writes into that other sequences share (a fork's
         # partial last block, or a block its parent allocated a step ahead).
         cow = (
             []
             if is_new or num_new_tokens == 0
             else [
-                i
-                for i in range(num_computed_tokens // self.block_size, len(table))
-                if table[i].ref_count > 1
+                (group, i)
+                for group, table in enumerate(tables)
+                for i in range(num_computed_tokens // bs, len(table))
+                if table[i] is not None and table[i].ref_count > 1
             ]
         )
         # Cached blocks sitting in the free queue are taken out of it, so they count too.
-        num_revived = sum(1 for b in cached_prefix if b.ref_count == 0)
+        num_revived = (
+            sum(1 for t in tables for b in t if b is not None and b.ref_count == 0) if is_new else 0
+        )
         if num_needed + len(cow) + num_revived > self.num_free_blocks:
             return False
 
         if is_new:
-            table = self.block_tables[req_id] = []
-            for block in cached_prefix:
-                self._take(block)
-                table.append(block)
-            self._block_hashes[req_id] = [b.block_hash for b in cached_prefix]  # type: ignore[misc]
-        for idx in cow:
-            shared = table[idx]
+            tables = [[] for _ in self.windows]
+            for group, hit_table in enumerate(cached_prefix.tables):
+                for block in hit_table:
+                    if block is not None:
+                        self._take(block)
+                    tables[group].append(block)
+            released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
+            blocks = _RequestBlocks(tables, list(cached_prefix.hashes), released)
+            self._requests[req_id] = blocks
+        for group, i in cow:
+            shared = tables[group][i]
+            assert shared is not None
             fresh = self._pop_free()
             shared.ref_count -= 1
-            table[idx] = fresh
+            tables[group][i] = fresh
             self._pending_copies.append((shared.block_id, fresh.block_id))
-        for _ in range(num_needed):
-            table.append(self._pop_free())
+        for table in tables:
+            for _ in range(total_blocks - len(table)):
+                table.append(self._pop_free())
         if is_new or cow or num_needed:
             self._changed_tables.add(req_id)
-        self._register_full_blocks(req_id, token_ids, total_tokens)
+        self._register_full_blocks(blocks, token_ids, num_computed_tokens + num_new_tokens)
         return True
+
+    def _release_out_of_window(
+        self, req_id: str, blocks: _RequestBlocks, num_computed_tokens: int
+    ) -> None:
+        """Hand back a sliding group's blocks that no query from here on sees."""
+        for group in self._sliding_groups():
+            first = first_needed_block(num_computed_tokens, self.windows[group], self.block_size)
+            table = blocks.tables[group]
+            first = min(first, len(table))
+            for i in range(blocks.num_released[group], first):
+                block = table[i]
+                if block is not None:
+                    table[i] = None
+                    self._unref(block)
+                    self._changed_tables.add(req_id)
+            blocks.num_released[group] = max(blocks.num_released[group], first)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
-        assert child_id not in self.block_tables
-        table = self.block_tables[parent_id]
-        for block in table:
-            block.ref_count += 1
-        self.block_tables[child_id] = list(table)
-        self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        assert child_id not in self._requests
+        parent = self._requests[parent_id]
+        for table in parent.tables:
+            for block in table:
+                if block is not None:
+                    block.ref_count += 1
+        self._requests[child_id] = _RequestBlocks(
+            [list(t) for t in parent.tables], list(parent.hashes), list(parent.num_released)
+        )
         self._changed_tables.add(child_id)
 
     def free(self, req_id: str) -> None:
         """Drop a request's references, tail first, so its tail is evicted before its head."""
-        table = self.block_tables.pop(req_id, None)
-        self._block_hashes.pop(req_id, None)
+        blocks = self._requests.pop(req_id, None)
         self._changed_tables.discard(req_id)
-        if table is None:
+        if blocks is None:
             return
-        for block in reversed(table):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    # Holds nothing reusable: hand it out before any cached block.
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+        for table in blocks.tables:
+            for block in reversed(table):
+                if block is not None:
+                    self._unref(block)
 
     def take_changed_tables(self) -> set[str]:
         changed, self._changed_tables = self._changed_tables, set()
@@ -286,31 +416,45 @@ class BlockManager:
             self.free_queue.remove(block)
         block.ref_count += 1
 
+    def _unref(self, block: KVBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                # Holds nothing reusable: hand it out before any cached block.
+                self.free_queue.appendleft(block)
+            else:
+                self.free_queue.append(block)
+
     def _pop_free(self) -> KVBlock:
         block = self.free_queue.popleft()
         if block.block_hash is not None:  # evict: its old contents are about to be overwritten
-            if self.cached_blocks.get(block.block_hash) is block:
-                del self.cached_blocks[block.block_hash]
+            cache = self.cached_blocks[self._block_group.pop(block.block_id)]
+            if cache.get(block.block_hash) is block:
+                del cache[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
         return block
 
-    def _register_full_blocks(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def _register_full_blocks(
+        self, blocks: _RequestBlocks, token_ids: Sequence[int], num_tokens: int
+    ) -> None:
         """Hash the request's blocks that `num_tokens` known tokens fill completely."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._block_hashes[req_id]
+        hashes = blocks.hashes
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         if num_full <= len(hashes):
             return
-        table = self.block_tables[req_id]
         new_hashes = hash_full_blocks(
             token_ids[: num_full * self.block_size], self.block_size, hashes
         )
         for i in range(len(hashes), num_full):
             block_hash = new_hashes[i]
-            block = table[i]
             hashes.append(block_hash)
-            if block.block_hash is None and block_hash not in self.cached_blocks:
-                block.block_hash = block_hash
-                self.cached_blocks[block_hash] = block
+            for group, table in enumerate(blocks.tables):
+                block = table[i]
+                cache = self.cached_blocks[group]
+                if block is not None and block.block_hash is None and block_hash not in cache:
+                    block.block_hash = block_hash
+                    cache[block_hash] = block
+                    self._block_group[block.block_id] = group

@@ -33,6 +33,7 @@ from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt
+from zllm.kv_cache_groups import kv_cache_groups
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     DetokenizerBatch,
@@ -57,8 +58,12 @@ class EngineCore:
         assert config.cache.num_blocks, "the executor sizes the KV pool before the core starts"
         self.config = config
         self.num_detokenizers = num_detokenizers
+        groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
         self.block_manager = BlockManager(
-            config.cache.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+            config.cache.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            sliding_windows=[g.sliding_window for g in groups],
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.stats = EngineStats(num_blocks=self.block_manager.num_blocks)

@@ -58,7 +58,7 @@ class Scheduler:
         self.block_size = block_manager.block_size
         # The longest sequence the KV pool can hold alone bounds the context length, so any
         # single request can always run once everything else is preempted.
-        self.max_model_len = min(config.max_model_len, block_manager.num_blocks * self.block_size)
+        self.max_model_len = _longest_context(config, block_manager)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -121,9 +121,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def kv_slot_usage(self) -> tuple[int, int]:
-        """(KV slots allocated to running requests, slots holding computed tokens)."""
+        """(KV slots allocated to running requests, slots holding computed tokens), counted
+        in the first KV cache group (the full-attention one when the model has one)."""
         bm = self.block_manager
-        allocated = sum(len(bm.block_tables.get(r.req_id, ())) for r in self.running)
+        allocated = sum(bm.num_held_blocks(r.req_id, group=0) for r in self.running)
         used = sum(r.num_computed_tokens for r in self.running)
         return allocated * self.block_size, used
 
@@ -174,8 +175,8 @@ class Scheduler:
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed: no cache hits for those.
             use_cache = req.sampling_params.prompt_logprobs is None
-            cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else []
-            num_computed = len(cached) * self.block_size
+            cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else None
+            num_computed = cached.num_tokens if cached is not None else 0
             num_new = req.num_tokens_with_pending - num_computed
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
@@ -331,7 +332,7 @@ class Scheduler:
                         prompt_token_ids=req.prompt_token_ids,
                         output_token_ids=req.output_token_ids,
                         sampling_params=req.sampling_params,
-                        block_ids=bm.block_ids(req.req_id),
+                        block_ids=bm.group_block_ids(req.req_id),
                         num_computed_tokens=plan.computed_before[req.req_id],
                         eos_token_id=req.eos_token_id,
                         sample_index=req.sample_index,
@@ -343,7 +344,9 @@ class Scheduler:
                     CachedRequestData(
                         req_id=req.req_id,
                         num_computed_tokens=plan.computed_before[req.req_id],
-                        block_ids=bm.block_ids(req.req_id) if req.req_id in changed else None,
+                        block_ids=(
+                            bm.group_block_ids(req.req_id) if req.req_id in changed else None
+                        ),
                     )
                 )
         self._step_id += 1
@@ -361,6 +364,23 @@ class Scheduler:
         self._pending_forks = []
         self._finished_req_ids = []
         return out
+
+
+def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> int:
+    """config.max_model_len, or less: the most tokens one request can hold with the whole
+    pool to itself, prefilled in chunks of max_num_batched_tokens."""
+    chunk = config.max_num_batched_tokens
+
+    def fits(n: int) -> bool:
+        return block_manager.blocks_needed(n, chunk) <= block_manager.num_blocks
+
+    if fits(config.max_model_len):
+        return config.max_model_len
+    low, high = 0, config.max_model_len  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:

@@ -129,13 +129,26 @@ def build_prefill_chunks(
     block_size: int,
     device: torch.device | str,
     chunk_mask: Callable[[int, int], torch.Tensor],
+    sliding_window: int | None = None,
 ) -> list[PrefillChunk]:
     """The sequences with more than one new token; `chunk_mask(query_len, context_len)` makes
-    the attention mask of a chunk that follows cached context (each backend its own kind)."""
+    the attention mask of a chunk that follows cached context (each backend its own kind).
+
+    With a `sliding_window`, a chunk reads only the keys its earliest query can see and every
+    mask is an explicit band (see `window_mask`); blocks before that are never touched, so the
+    block manager may have released them.
+    """
     chunks = []
     for i in np.flatnonzero(layout.query_lens > 1).tolist():
         start = int(layout.query_start_loc[i])
         q_len, ctx_len = int(layout.query_lens[i]), int(layout.seq_lens[i])
+        if sliding_window is not None and ctx_len > sliding_window:
+            chunks.append(
+                _window_chunk(
+                    start, q_len, ctx_len, block_tables[i], block_size, sliding_window, device
+                )
+            )
+            continue
         if q_len == ctx_len:
             chunks.append(PrefillChunk(start, start + q_len, ctx_len, None, None))
             continue
@@ -143,6 +156,36 @@ def build_prefill_chunks(
         mask = chunk_mask(q_len, ctx_len)
         chunks.append(PrefillChunk(start, start + q_len, ctx_len, slots, mask))
     return chunks
+
+
+def window_mask(query_pos: np.ndarray, key_pos: np.ndarray, window: int) -> np.ndarray:
+    """bool [queries, keys]: causal, and each query sees only its last `window` positions
+    (q - window < k <= q, as Hugging Face's sliding-window masks)."""
+    diff = query_pos[:, None] - key_pos[None, :]
+    return (diff >= 0) & (diff < window)
+
+
+def _window_chunk(
+    start: int,
+    q_len: int,
+    ctx_len: int,
+    table: list[int],
+    block_size: int,
+    window: int,
+    device: torch.device | str,
+) -> PrefillChunk:
+    """A chunk of a sliding-window layer whose context is longer than the window."""
+    first_query = ctx_len - q_len
+    first_key = max(0, first_query - window + 1)  # the earliest key the first query sees
+    query_pos = np.arange(first_query, ctx_len)
+    if first_query == 0:  # a whole prompt: attend over its new K/V, under a band mask
+        mask = window_mask(query_pos, query_pos, window)
+        return PrefillChunk(start, start + q_len, ctx_len, None, to_device(mask, device))
+    slots = context_slots(table, ctx_len, block_size)[first_key:]
+    mask = window_mask(query_pos, np.arange(first_key, ctx_len), window)
+    return PrefillChunk(
+        start, start + q_len, ctx_len, to_device(slots, device), to_device(mask, device)
+    )
 
 
 @dataclass(slots=True)
@@ -154,6 +197,9 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Set for the layers of a sliding-window group: each query sees its last `sliding_window`
+    # positions, and the decode batch holds only the blocks inside that window.
+    sliding_window: int | None = None
 
     @classmethod
     def build(
@@ -164,7 +210,10 @@ class AttentionMetadata:
         slot_mapping: list[int] | np.ndarray,
         block_size: int,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
+        """`sliding_window`: build for layers whose queries see only their last that many
+        positions (block tables may then hold -1 for blocks before the window)."""
         layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
         num_seqs = len(block_tables)
         tables = np.zeros((num_seqs, max(int(layout.table_lens.max(initial=0)), 1)), np.int64)
@@ -179,14 +228,17 @@ class AttentionMetadata:
         decode = None
         if is_decode.any():
             decode = _build_decode_batch(
-                np.flatnonzero(is_decode), layout, tables, block_size, device
+                np.flatnonzero(is_decode), layout, tables, block_size, device, sliding_window
             )
             decode.is_whole_batch = bool(is_decode.all())
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
             decode=decode,
-            prefills=build_prefill_chunks(layout, block_tables, block_size, device, chunk_mask),
+            prefills=build_prefill_chunks(
+                layout, block_tables, block_size, device, chunk_mask, sliding_window
+            ),
+            sliding_window=sliding_window,
         )
 
 
@@ -196,14 +248,29 @@ def _build_decode_batch(
     tables: np.ndarray,
     block_size: int,
     device: torch.device | str,
+    sliding_window: int | None = None,
 ) -> DecodeBatch:
+    """Without a window each sequence gathers blocks 0.. of its table; with one, from the
+    block holding the first position its query sees (earlier blocks may be released)."""
     lens = layout.seq_lens[seq_ids]
-    max_blocks = int(-(-lens.max() // block_size))
-    block_ids = np.ascontiguousarray(tables[seq_ids, :max_blocks]).reshape(-1)
-    mask = np.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    first_pos = (
+        np.zeros_like(lens) if sliding_window is None else np.maximum(lens - sliding_window, 0)
+    )
+    first_block = first_pos // block_size
+    num_blocks = -(-lens // block_size) - first_block
+    max_blocks = int(num_blocks.max())
+    cols = first_block[:, None] + np.arange(max_blocks)[None, :]
+    in_table = cols < tables.shape[1]
+    block_ids = np.where(
+        in_table, tables[seq_ids[:, None], np.minimum(cols, tables.shape[1] - 1)], 0
+    )
+    # Padding and released blocks (-1) read block 0 under the mask: finite, never attended.
+    block_ids = np.maximum(block_ids, 0).reshape(-1)
+    pos = first_block[:, None] * block_size + np.arange(max_blocks * block_size)[None, :]
+    mask = (pos >= first_pos[:, None]) & (pos < lens[:, None])
     return DecodeBatch(
         token_indices=to_device(layout.query_start_loc[seq_ids], device),
-        block_ids=to_device(block_ids, device),
+        block_ids=to_device(np.ascontiguousarray(block_ids), device),
         max_blocks=max_blocks,
         seq_lens=to_device(np.ascontiguousarray(lens), device),
         attn_mask=to_device(mask[:, None, None, :], device),
@@ -323,23 +390,29 @@ class PagedAttention(PagedAttentionBase):
         """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
         write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         decode = meta.decode
+        window = meta.sliding_window
         if decode is not None and decode.is_whole_batch:
-            return self._decode(query, kv_cache, decode, meta.block_size)
+            return self._decode(query, kv_cache, decode, meta.block_size, window)
 
         out = query.new_empty(query.shape)
         if decode is not None:
-            out.index_copy_(
-                0, decode.token_indices, self._decode(query, kv_cache, decode, meta.block_size)
-            )
+            decoded = self._decode(query, kv_cache, decode, meta.block_size, window)
+            out.index_copy_(0, decode.token_indices, decoded)
         self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
         return out
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, block_size: int
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        decode: DecodeBatch,
+        block_size: int,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
         num_seqs = q.shape[0]
-        if self.decode_kernel is not None:
+        # The kernel reads each context from position 0; a window's view starts mid-table.
+        if self.decode_kernel is not None and sliding_window is None:
             tables = decode.block_ids.view(num_seqs, decode.max_blocks)
             return self.decode_kernel(q, kv_cache, tables, decode.seq_lens, self.scale)
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)

@@ -59,6 +59,7 @@ class BuildMetadata(Protocol):
         slot_mapping: list[int] | np.ndarray,
         block_size: int,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ) -> Any: ...
 
 
@@ -105,10 +106,15 @@ CPU_KERNEL_ATTENTION = AttentionBackend(
 
 
 def choose_attention_backend(
-    device: torch.device, dtype: torch.dtype, head_dim: int
+    device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: bool = False
 ) -> AttentionBackend:
-    """Our CUDA kernels on a GPU; on CPU in fp32 the csrc/cpu decode kernel when it builds
-    (not with ZLLM_CPU_KERNELS=0, nor for a head_dim it has no SIMD path for); else torch."""
+    """Our CUDA kernels on a GPU (torch for models with sliding-window layers, which those
+    kernels do not window yet); on CPU in fp32 the csrc/cpu decode kernel when it builds (not
+    with ZLLM_CPU_KERNELS=0, nor for a head_dim it has no SIMD path for); else torch. On CPU
+    the kernel serves full-attention layers; windowed decode stays in torch (attention.py)."""
+    if device.type == "cuda" and sliding_window:
+        logger.warning("sliding-window layers: CUDA attention kernels not used (torch SDPA)")
+        return TORCH_ATTENTION
     if device.type == "cuda":
         from zllm.executor.attention_cuda import CUDA_ATTENTION
 

@@ -77,8 +77,12 @@ class CudaAttentionMetadata:
         slot_mapping: list[int] | np.ndarray,
         block_size: int,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ) -> CudaAttentionMetadata:
-        """Same arguments as AttentionMetadata.build."""
+        """Same arguments as AttentionMetadata.build; no sliding windows yet (the kernels read
+        each context from position 0), so choose_attention_backend keeps such models off it."""
+        if sliding_window is not None:
+            raise ValueError("the CUDA attention backend has no sliding-window support yet")
         layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
         q_lens, ctx_lens = layout.query_lens, layout.seq_lens
         decode_ids = np.flatnonzero(q_lens == 1)

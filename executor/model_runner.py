@@ -29,6 +29,7 @@ from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_cache_groups
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class StepInputs:
     token_ends: np.ndarray  # int64 [S]: where each request's rows end in the flat batch
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    attn_metadata: StepAttentionMetadata
+    attn_metadata: StepAttentionMetadata | list[StepAttentionMetadata]  # one, or one per layer
 
 
 @dataclass(slots=True)
@@ -70,10 +71,22 @@ class SampleRows:
     row_generators: list[torch.Generator | None]
 
 
-def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype size."""
+def kv_bytes_per_token(
+    arch: ModelArchConfig, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """K and V of one token in `num_layers` layers (default: every layer):
+    2 x layers x kv_heads x head_dim x dtype size. A KV block slot holds group_size layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    layers = arch.num_layers if num_layers is None else num_layers
+    return 2 * layers * arch.num_kv_heads * arch.head_dim * elem
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """Which block tables and which view a layer's attention metadata is built from."""
+
+    group: int  # its KV cache group: the block tables it reads
+    sliding_window: int | None  # its own window (a non-hybrid group may mix layers)
 
 
 class ModelRunner:
@@ -88,7 +101,14 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         start = time.perf_counter()
-        self.attention = choose_attention_backend(self.device, self.dtype, self.arch.head_dim)
+        self.kv_groups = kv_cache_groups(self.arch, config.cache.hybrid_kv_cache)
+        self.layer_attention = _layer_attention(self.arch, self.kv_groups)
+        self.attention = choose_attention_backend(
+            self.device,
+            self.dtype,
+            self.arch.head_dim,
+            sliding_window=any(la.sliding_window for la in self.layer_attention),
+        )
         model_cls = get_model_class(self.arch.architecture)
         self.model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
         self.model.load_weights(load_weights(config.model_path, self.arch))
@@ -100,10 +120,15 @@ class ModelRunner:
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
         config.cache.num_blocks = self.num_blocks
         shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [
+        # group_size tensors; layer i of every KV cache group uses tensor i (kv_cache_groups.py).
+        self.kv_tensors = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.arch.num_layers)
+            for _ in range(group_size(self.kv_groups))
         ]
+        self.kv_caches: list[torch.Tensor] = [None] * self.arch.num_layers  # type: ignore[list-item]
+        for g in self.kv_groups:
+            for slot, layer in enumerate(g.layers):
+                self.kv_caches[layer] = self.kv_tensors[slot]
         self.graph_runner = self._capture_cuda_graphs(config)
         self._log_kv_cache()
         self.sampler = Sampler()
@@ -137,8 +162,8 @@ class ModelRunner:
 
         Not yet verified on a GPU (see the GPU issue's notes); the CPU path is untouched.
         """
-        if self.device.type != "cuda":
-            return None
+        if self.device.type != "cuda" or self.attention.name != "cuda":
+            return None  # graphs replay the CUDA backend's decode (not sliding-window models)
         from zllm.executor.cuda_graph import CudaGraphRunner
 
         torch.cuda.set_device(self.device)
@@ -163,7 +188,7 @@ class ModelRunner:
                 budget = int(free * self.config.cache.gpu_memory_utilization)
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
-        per_block = kv_bytes_per_token(self.arch, self.dtype) * self.block_size
+        per_block = self._kv_bytes_per_slot() * self.block_size
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -171,16 +196,25 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _kv_bytes_per_slot(self) -> int:
+        """Bytes of one token slot of a block: K and V of group_size layers."""
+        return kv_bytes_per_token(self.arch, self.dtype, group_size(self.kv_groups))
+
     def _log_kv_cache(self) -> None:
-        per_token = kv_bytes_per_token(self.arch, self.dtype)
+        per_slot = self._kv_bytes_per_slot()
+        groups = ", ".join(
+            f"{len(g.layers)} layers "
+            + (f"window {g.sliding_window}" if g.sliding_window else "full")
+            for g in self.kv_groups
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d bytes per token, %.2f GiB): "
-            "at most %d tokens in flight",
+            "KV cache: %d blocks of %d tokens (%d bytes per slot, %.2f GiB); %d group(s): %s",
             self.num_blocks,
             self.block_size,
-            per_token,
-            self.num_blocks * self.block_size * per_token / 2**30,
-            self.num_blocks * self.block_size,
+            per_slot,
+            self.num_blocks * self.block_size * per_slot / 2**30,
+            len(self.kv_groups),
+            groups,
         )
 
     # ---- state updates -----------------------------------------------------------------------
@@ -203,7 +237,7 @@ class ModelRunner:
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
         for src, dst in so.blocks_to_copy:
-            for kv in self.kv_caches:
+            for kv in self.kv_tensors:  # a block's bytes: its group's layers, one per tensor
                 kv[:, dst].copy_(kv[:, src])
 
     # ---- one step ----------------------------------------------------------------------------
@@ -237,33 +271,20 @@ class ModelRunner:
         A request's new tokens are positions [computed, computed + scheduled) of its known
         tokens, so a prompt chunk, a decode and a pending token are all the same case.
         """
-        bs = self.block_size
         states: list[RequestState] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
         for req_id, num in so.num_scheduled_tokens.items():
             st = self.requests[req_id]
             start = st.num_computed_tokens
-            pos = np.arange(start, start + num, dtype=np.int64)
-            table = np.asarray(st.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            positions.append(pos)
+            positions.append(np.arange(start, start + num, dtype=np.int64))
             input_ids.extend(st.all_token_ids[start : start + num])
             states.append(st)
             query_lens.append(num)
             seq_lens.append(start + num)
-
-        attn_metadata = self.attention.build_metadata(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=[st.block_ids for st in states],
-            slot_mapping=np.concatenate(slots),
-            block_size=bs,
-            device=self.device,
-        )
+        attn_metadata = self._build_attention_metadata(states, query_lens, seq_lens, positions)
         return StepInputs(
             states=states,
             query_lens=query_lens,
@@ -273,6 +294,36 @@ class ModelRunner:
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
             attn_metadata=attn_metadata,
         )
+
+    def _build_attention_metadata(
+        self,
+        states: list[RequestState],
+        query_lens: list[int],
+        seq_lens: list[int],
+        positions: list[np.ndarray],
+    ) -> StepAttentionMetadata | list[StepAttentionMetadata]:
+        """One metadata per (KV cache group, window) the layers use; a list with one entry per
+        layer, or a single metadata when every layer shares one (the common case)."""
+        bs = self.block_size
+        built: dict[LayerAttention, StepAttentionMetadata] = {}
+        for key in dict.fromkeys(self.layer_attention):
+            tables = [st.block_ids[key.group] for st in states]
+            slots = [
+                np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+                for table, pos in zip(tables, positions, strict=True)
+            ]
+            built[key] = self.attention.build_metadata(
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_tables=tables,
+                slot_mapping=np.concatenate(slots),
+                block_size=bs,
+                device=self.device,
+                sliding_window=key.sliding_window,
+            )
+        if len(built) == 1:
+            return next(iter(built.values()))
+        return [built[key] for key in self.layer_attention]
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, hidden]: a captured CUDA graph replay when one fits, else eager."""
@@ -425,6 +476,14 @@ class ModelRunner:
                 ranks=ranks.tolist(),
             )
         return result
+
+
+def _layer_attention(arch: ModelArchConfig, groups: list[KVCacheGroup]) -> list[LayerAttention]:
+    group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    return [
+        LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
+        for i in range(arch.num_layers)
+    ]
 
 
 def _merge_rows(rows: list[LogprobsLists | None]) -> LogprobsLists:

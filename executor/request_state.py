@@ -25,7 +25,7 @@ class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one block table per KV cache group
     num_computed_tokens: int
     eos_token_id: int | None
     generator: torch.Generator | None
@@ -41,7 +41,7 @@ class RequestState:
             prompt_token_ids=list(new.prompt_token_ids),
             output_token_ids=list(new.output_token_ids),
             sampling_params=new.sampling_params,
-            block_ids=list(new.block_ids),
+            block_ids=[list(table) for table in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             eos_token_id=new.eos_token_id,
             generator=make_generator(new.sampling_params.seed, new.sample_index),
@@ -54,7 +54,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=[fork.first_token_id],
             sampling_params=self.sampling_params,
-            block_ids=list(self.block_ids),
+            block_ids=[list(table) for table in self.block_ids],
             num_computed_tokens=self.num_computed_tokens,
             eos_token_id=self.eos_token_id,
             generator=generator,

@@ -42,19 +42,29 @@ def slot_of(table: list[int], position: int, block_size: int) -> int:
     return table[position // block_size] * block_size + position % block_size
 
 
-def dense_reference(q, k, v, query_len: int) -> torch.Tensor:
-    """q [q, H, d], k/v [L, KVH, d] for the whole context -> [q, H, d], in float64."""
+def dense_reference(q, k, v, query_len: int, window: int | None = None) -> torch.Tensor:
+    """q [q, H, d], k/v [L, KVH, d] for the whole context -> [q, H, d], in float64; with a
+    window, each query sees only its last `window` positions."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     ctx_len = k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     query_pos = torch.arange(ctx_len - query_len, ctx_len)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx_len)[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(ctx_len)[None, :]
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False):
+def run_case(
+    batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False, window=None
+):
+    """With a window, blocks wholly before the first position a sequence's queries see are
+    released as the block manager does: -1 in the table, and in the cache a huge value that
+    would swamp the result if any attended position read it."""
     gen = torch.Generator().manual_seed(seed)
     query_lens = [q for q, _ in batch]
     context_lens = [n for _, n in batch]
@@ -76,12 +86,17 @@ def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim
                 flat[1, slot_of(table, p, block_size)] = v[p]
             else:
                 slot_mapping.append(slot_of(table, p, block_size))
+    if window is not None:
+        for table, q_len, n in zip(tables, query_lens, context_lens, strict=True):
+            for i in range(max(0, n - q_len - window + 1) // block_size):
+                kv_cache[:, table[i]] = 1e6
+                table[i] = -1
     query = rand(sum(query_lens), num_heads, head_dim)
     new_k = torch.cat([k[n - q :] for k, (q, n) in zip(full_k, batch, strict=True)])
     new_v = torch.cat([v[n - q :] for v, (q, n) in zip(full_v, batch, strict=True)])
 
     meta = AttentionMetadata.build(
-        query_lens, context_lens, tables, slot_mapping, block_size, "cpu"
+        query_lens, context_lens, tables, slot_mapping, block_size, "cpu", sliding_window=window
     )
     expected_cache = kv_cache.clone()
     expected_cache.view(2, -1, num_kv_heads, head_dim)[0, slot_mapping] = new_k
@@ -95,7 +110,9 @@ def run_case(batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim
     starts = [0, *itertools.accumulate(query_lens)]
     expected = torch.cat(
         [
-            dense_reference(query[starts[i] : starts[i + 1]], full_k[i], full_v[i], query_lens[i])
+            dense_reference(
+                query[starts[i] : starts[i + 1]], full_k[i], full_v[i], query_lens[i], window
+            )
             for i in range(len(batch))
         ]
     )
@@ -109,6 +126,21 @@ def test_matches_dense_reference(batch_name, block_size, heads):
     out, expected = run_case(BATCHES[batch_name], block_size, *heads, torch.float32)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 5, 8, 16])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_sliding_window_matches_dense_reference(batch_name, block_size, window, kernel):
+    """Decode, whole prompts and chunks longer than the window, with the blocks before each
+    window released; the CPU kernel backend must hand windowed decode to the torch path."""
+    if kernel and not cpu_kernels.enabled():
+        pytest.skip("CPU kernels disabled")
+    out, expected = run_case(
+        BATCHES[batch_name], block_size, 4, 2, torch.float64, window=window, kernel=kernel
+    )
+    torch.testing.assert_close(out.double(), expected, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("batch_name", ["decode", "mixed"])

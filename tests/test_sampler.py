@@ -406,7 +406,7 @@ def new_request(req_id: str, params: SamplingParams, blocks: list[int], sample_i
         prompt_token_ids=[5, 6, 7, 8, 9],
         output_token_ids=[],
         sampling_params=params,
-        block_ids=blocks,
+        block_ids=[blocks],
         num_computed_tokens=0,
         sample_index=sample_index,
     )

@@ -89,13 +89,13 @@ def test_new_then_cached_request_data():
     sched.add_request(make_request("a", 6))
     so, _ = step(sched)
     assert [r.req_id for r in so.new_requests] == ["a"]
-    assert so.new_requests[0].block_ids == [0, 1]
+    assert so.new_requests[0].block_ids == [[0, 1]]  # one table: one KV cache group
     so, _ = step(sched)  # token 7 lands at position 6 in block 1: no new block
     assert so.new_requests == [] and so.cached_requests[0].block_ids is None
     assert so.cached_requests[0].num_computed_tokens == 6
     step(sched)  # position 7: still block 1
     so, _ = step(sched)  # position 8: needs block 2, so the whole table is sent
-    assert so.cached_requests[0].block_ids == [0, 1, 2]
+    assert so.cached_requests[0].block_ids == [[0, 1, 2]]
 
 
 def test_finish_on_max_tokens_frees_blocks():

@@ -54,6 +54,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None: CPU default / GPU utilisation fraction
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # Sliding-window layers in their own KV cache groups (zllm/kv_cache_groups.py).
+    hybrid_kv_cache: bool = True
     num_blocks: int | None = None  # filled in by the executor once it has sized the pool
 
 

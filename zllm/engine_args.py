@@ -54,6 +54,12 @@ class EngineArgs:
     enable_prefix_caching: bool = option(
         True, help="reuse the KV blocks of prompt prefixes computed before"
     )
+    hybrid_kv_cache: bool = option(
+        True,
+        help="models mixing sliding-window and full layers: the sliding layers get their own "
+        "block tables, which free blocks that fall out of the window (vLLM's hybrid KV cache "
+        "manager); --no-hybrid-kv-cache keeps every block of every layer",
+    )
     seed: int = option(0, help="seed of the random state of requests that set no seed")
     dtype: str = option(
         "auto",
@@ -106,6 +112,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
+                hybrid_kv_cache=self.hybrid_kv_cache,
                 num_blocks=self.num_gpu_blocks_override,
             ),
             scheduler=SchedulerConfig(

@@ -89,7 +89,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Output tokens generated before a preemption (recomputed as part of the context).
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One block table per KV cache group (zllm/kv_cache_groups.py); -1 marks a block a
+    # sliding-window group released.
+    block_ids: list[list[int]]
     num_computed_tokens: int
     eos_token_id: int | None = None
     # For a child of an `n > 1` request: which sample it is (seeds its generator).
@@ -101,8 +103,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     req_id: str
     num_computed_tokens: int
-    # The whole block table when it changed this step (new blocks or a copy-on-write), else None.
-    block_ids: list[int] | None = None
+    # Every group's whole block table when one changed this step (new blocks, a copy-on-write,
+    # a release), else None.
+    block_ids: list[list[int]] | None = None
 
 
 class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
