@@ -29,7 +29,7 @@ from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
-from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_cache_groups
+from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -71,14 +71,10 @@ class SampleRows:
     row_generators: list[torch.Generator | None]
 
 
-def kv_bytes_per_token(
-    arch: ModelArchConfig, dtype: torch.dtype, num_layers: int | None = None
-) -> int:
-    """K and V of one token in `num_layers` layers (default: every layer):
-    2 x layers x kv_heads x head_dim x dtype size. A KV block slot holds group_size layers."""
+def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype size."""
     elem = torch.empty((), dtype=dtype).element_size()
-    layers = arch.num_layers if num_layers is None else num_layers
-    return 2 * layers * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,8 +193,8 @@ class ModelRunner:
         return int(num_blocks)
 
     def _kv_bytes_per_slot(self) -> int:
-        """Bytes of one token slot of a block: K and V of group_size layers."""
-        return kv_bytes_per_token(self.arch, self.dtype, group_size(self.kv_groups))
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return kv_bytes_per_slot(self.arch, self.kv_groups, elem)
 
     def _log_kv_cache(self) -> None:
         per_slot = self._kv_bytes_per_slot()

@@ -59,9 +59,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.set_defaults(func=main_prefix)
 
+    from zllm.bench_kv import add_parser as _add_kv
     from zllm.bench_serve import add_parser as _add_serve
 
     _add_serve(bench_sub)
+    _add_kv(bench_sub)
 
 
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:

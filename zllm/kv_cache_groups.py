@@ -67,3 +67,8 @@ def kv_cache_groups(arch: ModelArchConfig, hybrid: bool = True) -> list[KVCacheG
 def group_size(groups: list[KVCacheGroup]) -> int:
     """Layers per block: the cache tensors the executor allocates."""
     return max(len(g.layers) for g in groups)
+
+
+def kv_bytes_per_slot(arch: ModelArchConfig, groups: list[KVCacheGroup], dtype_bytes: int) -> int:
+    """Bytes of one token slot of a block: K and V of group_size layers."""
+    return 2 * group_size(groups) * arch.num_kv_heads * arch.head_dim * dtype_bytes
