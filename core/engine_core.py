@@ -117,7 +117,7 @@ class EngineCore:
                 req_id=req_id,
                 prompt_token_ids=list(request.prompt_token_ids),
                 sampling_params=params,
-                eos_token_id=request.eos_token_id,
+                eos_token_ids=request.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
                 client_id=request.client_id,
             )

@@ -27,7 +27,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)  # EngineCoreRequest.eos_token_ids
     arrival_time: float = 0.0
     client_req_id: str = ""
     sample_index: int = 0

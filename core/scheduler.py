@@ -262,7 +262,7 @@ class Scheduler:
                 req_id=child_request_id(parent.req_id, index, self.is_taken),
                 prompt_token_ids=parent.prompt_token_ids,
                 sampling_params=parent.sampling_params,
-                eos_token_id=parent.eos_token_id,
+                eos_token_ids=parent.eos_token_ids,
                 arrival_time=parent.arrival_time,
                 client_req_id=parent.client_req_id,
                 sample_index=index,
@@ -334,7 +334,7 @@ class Scheduler:
                         sampling_params=req.sampling_params,
                         block_ids=bm.group_block_ids(req.req_id),
                         num_computed_tokens=plan.computed_before[req.req_id],
-                        eos_token_id=req.eos_token_id,
+                        eos_token_ids=req.eos_token_ids,
                         sample_index=req.sample_index,
                     )
                 )

@@ -12,7 +12,7 @@ def check_stop(req: Request, max_model_len: int) -> bool:
     num_output = req.num_output_tokens
     if num_output >= params.min_tokens:
         last = req.output_token_ids[-1]
-        if not params.ignore_eos and last == req.eos_token_id:
+        if not params.ignore_eos and last in req.eos_token_ids:
             req.finish_reason = FinishReason.STOP
             return True
         if last in params.stop_token_ids:

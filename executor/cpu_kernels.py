@@ -24,11 +24,12 @@ import hashlib
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from zllm.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -87,21 +88,19 @@ def load() -> ModuleType:
     # torch rebuilds when a source listed in `sources` changes, not an included header: name
     # the build after every file's content so an edited header gets a fresh build.
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
-    start = time.perf_counter()
+    # A first build takes ~35 s, a cached one well under the second after which Progress
+    # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
-        module = cpp_extension.load(
-            name=f"zllm_cpu_kernels_{digest}",
-            sources=[str(CSRC_DIR / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            verbose=False,
-        )
+        with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
+            return cpp_extension.load(
+                name=f"zllm_cpu_kernels_{digest}",
+                sources=[str(CSRC_DIR / s) for s in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                verbose=False,
+            )
     except Exception as exc:  # compiler errors, missing ninja, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
-    elapsed = time.perf_counter() - start
-    if elapsed > 2:
-        logger.info("Built the CPU kernels (csrc/cpu) in %.1f s", elapsed)
-    return module
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ so a GGUF file and a safetensors directory of the same model load into identical
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,9 @@ from safetensors import safe_open
 
 from zllm.config import ModelArchConfig
 from zllm.model_files import GGUFFile, read_gguf
+from zllm.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp's per-layer tensor names (blk.{i}.<key>.weight|bias) -> HF module paths.
 _GGUF_LAYER_NAMES = {
@@ -41,8 +45,13 @@ def load_weights(model_path: str, arch: ModelArchConfig) -> Iterator[tuple[str, 
     """Yield (HF name, fp32 tensor) one at a time, so peak memory is one tensor beyond the model."""
     if os.path.isdir(model_path):
         yield from _load_safetensors(Path(model_path), arch)
-    else:
-        yield from _load_gguf(read_gguf(model_path), arch)
+        return
+    gguf = read_gguf(model_path)
+    # Bytes rather than tensors: dequantizing dominates, and the embedding alone can be a third.
+    total = sum(info.nbytes for info in gguf.tensors.values())
+    description = f"Loading {Path(model_path).name}"
+    with Progress(description, total=total, unit="B", logger=logger) as progress:
+        yield from _load_gguf(gguf, arch, progress)
 
 
 def hf_name_from_gguf(name: str) -> str | None:
@@ -54,8 +63,11 @@ def hf_name_from_gguf(name: str) -> str | None:
     return None
 
 
-def _load_gguf(gguf: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _load_gguf(
+    gguf: GGUFFile, arch: ModelArchConfig, progress: Progress
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in gguf.tensors.items():
+        progress.advance(info.nbytes)
         hf_name = hf_name_from_gguf(name)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
@@ -116,11 +128,20 @@ def _load_safetensors(directory: Path, arch: ModelArchConfig) -> Iterator[tuple[
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files (pytorch_model.bin is not read)")
-    for file in files:
-        with safe_open(str(file), framework="pt") as shard:
-            for name in shard.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
-                    continue
-                if name == "lm_head.weight" and arch.tie_word_embeddings:
-                    continue
-                yield name, shard.get_tensor(name).to(torch.float32)
+    total = sum(_num_tensors(file) for file in files)
+    description = f"Loading {directory.name}"
+    with Progress(description, total=total, unit="tensors", logger=logger) as progress:
+        for file in files:
+            with safe_open(str(file), framework="pt") as shard:
+                for name in shard.keys():
+                    progress.advance(1)
+                    if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved
+                        continue
+                    if name == "lm_head.weight" and arch.tie_word_embeddings:
+                        continue
+                    yield name, shard.get_tensor(name).to(torch.float32)
+
+
+def _num_tensors(file: Path) -> int:
+    with safe_open(str(file), framework="pt") as shard:
+        return len(shard.keys())

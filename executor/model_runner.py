@@ -142,10 +142,13 @@ class ModelRunner:
                 reason = quantization.gguf_kernel_plan(config.model_path)
                 if reason is None:
                     method = "gguf"
+                elif config.model_path.endswith(".gguf"):
+                    logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
         if method == "none":
             return method
         try:
-            quantization.quantize_model_(self.model, method, config.model_path)
+            explicit = config.quantization is not None  # asked for: refuse what it can't serve
+            quantization.quantize_model_(self.model, method, config.model_path, strict=explicit)
         except cpu_kernels.CpuKernelError as exc:
             if config.quantization is None:
                 logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
@@ -414,13 +417,13 @@ class ModelRunner:
     # ---- helpers -------------------------------------------------------------------------------
     @staticmethod
     def _banned_tokens(st: RequestState) -> list[int]:
-        """EOS and stop tokens are forbidden until min_tokens are out."""
+        """Every EOS id and stop token is forbidden until min_tokens are out."""
         params = st.sampling_params
         if len(st.output_token_ids) >= params.min_tokens:
             return []
         banned = list(params.stop_token_ids)
-        if not params.ignore_eos and st.eos_token_id is not None:
-            banned.append(st.eos_token_id)
+        if not params.ignore_eos:
+            banned += st.eos_token_ids
         return banned
 
     @staticmethod

@@ -17,13 +17,16 @@ models without activation outliers.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from zllm.config import ModelArchConfig
 from zllm.executor import cpu_kernels
+from zllm.model_files import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +69,18 @@ class GGUFLinear(nn.Module):
         return f"in_features={k}, out_features={n}, ggml_type={self.ggml_type}"
 
 
-def quantize_model_(model: nn.Module, method: str, model_path: str | None = None) -> None:
-    """Swap the model's matmuls for quantized ones, in place."""
+def quantize_model_(
+    model: nn.Module, method: str, model_path: str | None = None, strict: bool = True
+) -> None:
+    """Swap the model's matmuls for quantized ones, in place.
+
+    `strict` (the method was asked for): refuse a GGUF file whose decoder matmuls the kernel
+    cannot all serve. Not strict (the engine's own choice): serve what it can.
+    """
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
     if method == "gguf":
-        reason = "no model file" if model_path is None else gguf_kernel_plan(model_path)
+        reason = "no model file" if model_path is None else gguf_kernel_plan(model_path, strict)
         if reason is not None:
             raise ValueError(f"--quantization gguf cannot serve this model: {reason}")
         use_gguf_blocks_(model, model_path)
@@ -79,16 +88,83 @@ def quantize_model_(model: nn.Module, method: str, model_path: str | None = None
         _int8_model_(model)
 
 
-def gguf_kernel_plan(model_path: str) -> str | None:
-    """Why the GGUF kernel cannot serve this file, or None when it can (any supported tensor)."""
-    from zllm.model_files import read_gguf
+def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
+    """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
+    A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
+    or Q8_0). Not strict, the engine's default: the kernel serves the file if it can serve any
+    matmul; the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_
+    logs which). Strict, --quantization gguf asked for: every decoder matmul must be served,
+    else the reason names the first tensor that is not. The logits may stay fp32 either way:
+    llama.cpp writes output.weight as Q6_K in most presets, which would refuse most files.
+    """
     if not model_path.endswith(".gguf"):
         return "the model is not a GGUF file"
-    gguf = read_gguf(model_path)
-    if not any(int(t.ggml_type) in cpu_kernels.SUPPORTED_GGML_TYPES for t in gguf.tensors.values()):
-        return "no tensor of the file is Q4_1 or Q8_0"
-    return None
+    decoder, head = gguf_matmuls(read_gguf(model_path))
+    reasons = [m.unservable() for m in decoder]
+    if strict:
+        first = next((r for r in reasons if r is not None), None)
+        if first is not None:
+            return (
+                f"{first}; leave --quantization unset to use the kernel where the file allows "
+                f"and fp32 matmuls elsewhere"
+            )
+        return None
+    if any(r is None for r in reasons) or (head is not None and head.unservable() is None):
+        return None
+    types = sorted({t.name for m in [*decoder, head] if m is not None for t in m.types})
+    return f"no matmul of the file is Q4_1 or Q8_0 (its matrices are {', '.join(types)})"
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFMatmul:
+    """The GGUF tensors one kernel matmul would read: a fused one reads its parts' rows
+    concatenated, so they must share one type."""
+
+    tensors: tuple[str, ...]
+    types: tuple[GGMLQuantizationType, ...]
+
+    def unservable(self) -> str | None:
+        """Why the kernel cannot read these blocks (naming tensor and type), or None."""
+        for name, ggml_type in zip(self.tensors, self.types, strict=True):
+            if int(ggml_type) not in cpu_kernels.SUPPORTED_GGML_TYPES:
+                return f"tensor {name!r} is {ggml_type.name} (the kernel reads Q4_1 and Q8_0)"
+        if len(set(self.types)) > 1:
+            named = zip(self.tensors, self.types, strict=True)
+            parts = ", ".join(f"{name} {ggml_type.name}" for name, ggml_type in named)
+            return f"one fused matmul reads tensors of different types ({parts})"
+        return None
+
+
+# Per layer, the GGUF tensors (blk.{i}.<key>.weight) behind each matmul the kernel replaces:
+# the model's fused qkv and gate/up projections, then the output and down projections.
+_LAYER_MATMULS = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("attn_output",),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_down",),
+)
+
+
+def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
+    """The decoder's matmuls layer by layer, and the logits' (output.weight, else the tied
+    embedding), from the file's tensor names and types."""
+
+    def matmul(names: list[str]) -> GGUFMatmul | None:
+        infos = [gguf.tensors.get(n) for n in names]
+        if any(info is None for info in infos):
+            return None
+        return GGUFMatmul(tuple(names), tuple(info.ggml_type for info in infos))
+
+    numbers = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+    layers = sorted((n for n in numbers if n.isdigit()), key=int)
+    decoder = [
+        matmul([f"blk.{layer}.{key}.weight" for key in keys])
+        for layer in layers
+        for keys in _LAYER_MATMULS
+    ]
+    head = matmul(["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"])
+    return [m for m in decoder if m is not None], head
 
 
 def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
@@ -142,11 +218,21 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
     if head is not None:
         model.logits_proj = head
     logger.info(
-        "GGUF kernels: %d of %d decoder matmuls and %s read GGUF blocks",
+        "GGUF kernels: %d of %d decoder matmuls and %s read GGUF blocks%s",
         swapped,
         swapped + kept,
         "the logits" if head is not None else "not the logits",
+        _fp32_note(model_path) if kept else "",
     )
+
+
+def _fp32_note(model_path: str) -> str:
+    """For the log: why the matmuls the kernel does not serve stay fp32."""
+    decoder, _ = gguf_matmuls(read_gguf(model_path))
+    reasons = [r for r in (m.unservable() for m in decoder) if r is not None]
+    if not reasons:
+        return ""
+    return f"; {len(reasons)} multiply fp32 weights dequantized at load (first: {reasons[0]})"
 
 
 class Int8DynamicLinear(nn.Module):

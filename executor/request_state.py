@@ -27,7 +27,7 @@ class RequestState:
     sampling_params: SamplingParams
     block_ids: list[list[int]]  # one block table per KV cache group
     num_computed_tokens: int
-    eos_token_id: int | None
+    eos_token_ids: list[int]
     generator: torch.Generator | None
     all_token_ids: list[int] = field(default_factory=list)
 
@@ -43,7 +43,7 @@ class RequestState:
             sampling_params=new.sampling_params,
             block_ids=[list(table) for table in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
-            eos_token_id=new.eos_token_id,
+            eos_token_ids=new.eos_token_ids,
             generator=make_generator(new.sampling_params.seed, new.sample_index),
         )
 
@@ -56,7 +56,7 @@ class RequestState:
             sampling_params=self.sampling_params,
             block_ids=[list(table) for table in self.block_ids],
             num_computed_tokens=self.num_computed_tokens,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             generator=generator,
         )
 

@@ -147,6 +147,8 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.names = LogprobText(tokenizer)
         self.max_model_len = config.engine.scheduler.max_model_len
+        # The model's generation_config.json defaults, for fields a request leaves unset.
+        self.sampling_defaults = config.engine.generation_config.defaults
         self.created = int(time.time())
         self.prometheus = Metrics(client, config.model_names[0])
         self.admission = Admission(config.max_in_flight)
@@ -159,7 +161,7 @@ class OpenAIServer:
         body = self._decode(await request.body(), CompletionRequest)
         model = self._model_name(body.model)
         prompts = prompt_inputs(body.prompt)
-        params, echo_only = completion_params(body, self.max_model_len)
+        params, echo_only = completion_params(body, self.max_model_len, self.sampling_defaults)
         self.admission.admit(request.scope[TICKET_KEY], len(prompts))
         ids = RequestIds.of(request, "cmpl")
         now = time.time()
@@ -204,7 +206,7 @@ class OpenAIServer:
         body = self._decode(await request.body(), ChatCompletionRequest)
         model = self._model_name(body.model)
         messages = chat_messages(body.messages)
-        params = chat_params(body, self.max_model_len)
+        params = chat_params(body, self.max_model_len, self.sampling_defaults)
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             raise RequestError(
                 "This server does not accept a chat_template in requests "

@@ -32,6 +32,7 @@ from zllm.frontend.api_models import (
     SamplingFields,
     UsageInfo,
 )
+from zllm.generation_config import SamplingDefaults
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
 from zllm.tokenizer import Tokenizer
@@ -119,8 +120,11 @@ def sampling_params(
     max_tokens_name: str = "max_tokens",
     logprobs_name: str = "logprobs",
     max_model_len: int | None = None,
+    defaults: SamplingDefaults | None = None,
 ) -> SamplingParams:
-    """SamplingParams from a request body; a bad value is a 400 naming the field."""
+    """SamplingParams from a request body; a bad value is a 400 naming the field. A field
+    the body leaves unset takes the model's generation_config default (`defaults`), else
+    zllm's; the default max_tokens is the tokenizer worker's (it needs the prompt length)."""
     for name, value in ((logprobs_name, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and value > MAX_LOGPROBS:
             raise RequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}.", param=name)
@@ -130,7 +134,8 @@ def sampling_params(
             f"({max_model_len}), got {max_tokens}.",
             param=max_tokens_name,
         )
-    kwargs: dict = {
+    kwargs: dict = defaults.overrides(with_max_tokens=False) if defaults else {}
+    kwargs |= {
         "n": body.n,
         "max_tokens": max_tokens,
         "min_tokens": body.min_tokens,
@@ -154,7 +159,9 @@ def sampling_params(
 
 
 def completion_params(
-    req: CompletionRequest, max_model_len: int | None = None
+    req: CompletionRequest,
+    max_model_len: int | None = None,
+    defaults: SamplingDefaults | None = None,
 ) -> tuple[SamplingParams, bool]:
     """SamplingParams of a completions request, and whether it only echoes the prompt.
 
@@ -172,11 +179,16 @@ def completion_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         max_model_len=max_model_len,
+        defaults=defaults,
     )
     return params, echo_only
 
 
-def chat_params(req: ChatCompletionRequest, max_model_len: int | None = None) -> SamplingParams:
+def chat_params(
+    req: ChatCompletionRequest,
+    max_model_len: int | None = None,
+    defaults: SamplingDefaults | None = None,
+) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     use_completion_name = req.max_completion_tokens is not None
@@ -188,6 +200,7 @@ def chat_params(req: ChatCompletionRequest, max_model_len: int | None = None) ->
         max_tokens_name="max_completion_tokens" if use_completion_name else "max_tokens",
         logprobs_name="top_logprobs",
         max_model_len=max_model_len,
+        defaults=defaults,
     )
 
 

@@ -27,11 +27,13 @@ ENGINE = EngineArgs(
     gpu_memory_utilization=0.5,
     num_gpu_blocks_override=12,
     enable_prefix_caching=False,
+    hybrid_kv_cache=False,
     seed=7,
     dtype="bfloat16",
     device="cpu",
     quantization="int8",
     enforce_eager=True,
+    generation_config="vllm",
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -43,11 +45,13 @@ ENGINE_ARGV = [
     "--gpu-memory-utilization", "0.5",
     "--num-gpu-blocks-override", "12",
     "--no-enable-prefix-caching",
+    "--no-hybrid-kv-cache",
     "--seed", "7",
     "--dtype", "bfloat16",
     "--device", "cpu",
     "--quantization", "int8",
     "--enforce-eager",
+    "--generation-config", "vllm",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

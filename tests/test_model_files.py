@@ -43,9 +43,16 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return package / GGUF_NAME
 
 
-def write_gguf(path: Path, arch: str = "llama", skip: tuple[str, ...] = ()) -> Path:
-    """A tiny llama-shaped GGUF; `skip` leaves metadata keys out."""
+def write_gguf(
+    path: Path,
+    arch: str = "llama",
+    skip: tuple[str, ...] = (),
+    uint32: dict[str, int] | None = None,
+) -> Path:
+    """A tiny llama-shaped GGUF; `skip` leaves metadata keys out, `uint32` adds some."""
     writer = GGUFWriter(str(path), arch)
+    for key, value in (uint32 or {}).items():
+        writer.add_uint32(key, value)
     keys = {
         "block_count": writer.add_block_count,
         "context_length": writer.add_context_length,
@@ -268,6 +275,14 @@ def test_tiny_gguf_defaults(tmp_path: Path) -> None:
     arch = read_arch_config(str(write_gguf(tmp_path / "tiny.gguf")))
     assert (arch.vocab_size, arch.num_kv_heads, arch.head_dim) == (32, 2, 4)
     assert (arch.rope_theta, arch.rope_scaling, arch.eos_token_ids) == (10000.0, None, [])
+
+
+def test_gguf_eos_eot_and_eom_all_end_generation(tmp_path: Path) -> None:
+    ids = {"eos_token_id": 5, "eot_token_id": 7, "eom_token_id": 6}
+    path = write_gguf(
+        tmp_path / "t.gguf", uint32={f"tokenizer.ggml.{k}": v for k, v in ids.items()}
+    )
+    assert read_arch_config(str(path)).eos_token_ids == [5, 7, 6]
 
 
 def test_gguf_rope_scaling_becomes_hf_dict() -> None:

@@ -28,7 +28,6 @@ def make_request(req_id: str, prompt_len: int, max_tokens=8, start=0, **params) 
         req_id=req_id,
         prompt_token_ids=list(range(start, start + prompt_len)),
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
-        eos_token_id=None,
     )
 
 
@@ -119,9 +118,21 @@ def test_stop_token_and_eos_and_min_tokens():
     assert outs[0].finish_reason is None  # min_tokens not reached yet
     _, outs = step(sched, token=7)
     assert outs[0].finish_reason == FinishReason.STOP and outs[0].stop_reason == 7
-    sched.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=9))
+    sched.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_ids=[9]))
     _, outs = step(sched, token=9)
     assert outs[0].finish_reason == FinishReason.STOP and outs[0].stop_reason is None
+    # Every eos id ends a request the same way ("stop", no stop_reason), after min_tokens.
+    params = SamplingParams(max_tokens=10, min_tokens=2)
+    sched.add_request(Request("c", [1, 2, 3], params, eos_token_ids=[9, 4]))
+    _, outs = step(sched, token=4)
+    assert outs[0].finish_reason is None
+    _, outs = step(sched, token=4)
+    assert outs[0].finish_reason == FinishReason.STOP and outs[0].stop_reason is None
+    ignoring = SamplingParams(max_tokens=2, ignore_eos=True)
+    sched.add_request(Request("d", [1, 2, 3], ignoring, eos_token_ids=[9, 4]))
+    step(sched, token=4)
+    _, outs = step(sched, token=9)
+    assert outs[0].finish_reason == FinishReason.LENGTH
 
 
 def test_max_model_len_caps_generation():

@@ -30,7 +30,7 @@ def test_tokenizer_worker_builds_core_requests(tokenizer):
     out = handle(TokenizeRequest("a", params, prompt="The quick brown fox"))
     assert isinstance(out, EngineCoreRequest)
     assert out.prompt_token_ids == tokenizer.encode("The quick brown fox")
-    assert out.eos_token_id == tokenizer.eos_token_id
+    assert out.eos_token_ids == [tokenizer.eos_token_id]
     chat = handle(TokenizeRequest("b", params, messages=[{"role": "user", "content": "Hi"}]))
     expected = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)

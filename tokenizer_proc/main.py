@@ -1,22 +1,26 @@
 """A tokenizer worker process (`zllm: tokenizer I`).
 
 frontend ──TokenizeRequest──► [PULL tokenizer_in] (ZeroMQ load-balances the N workers)
-    RequestTokenizer: apply the chat template, tokenize, check the prompt (zllm.inputs)
+    RequestTokenizer: apply the chat template, tokenize, check the prompt (zllm.inputs),
+    add the ids that end generation and the model's default max_tokens
 ──EngineCoreRequest──► core            or   ──RequestRejected──► frontend
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 
 from zllm.errors import ParamError
+from zllm.generation_config import default_max_tokens, merge_eos_token_ids
 from zllm.inputs import check_prompt
 from zllm.messaging import receive
 from zllm.procutil import index_arg, report_ready, start_process
 from zllm.protocol import EngineCoreRequest, ProcessRole, RequestRejected, TokenizeRequest
+from zllm.sampling_params import SamplingParams
 from zllm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("zllm.tokenizer")
@@ -25,10 +29,22 @@ logger = logging.getLogger("zllm.tokenizer")
 class RequestTokenizer:
     """Turns a TokenizeRequest into an EngineCoreRequest, or says why it cannot run."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        max_new_tokens: int | None = None,
+    ) -> None:
+        """`eos_token_ids`: the model's (ModelArchConfig.eos_token_ids), which stop besides
+        the tokenizer's EOS; `max_new_tokens`: generation_config's, for requests without
+        max_tokens."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.eos_token_ids = merge_eos_token_ids([tokenizer.eos_token_id], eos_token_ids)
+        self.max_new_tokens = max_new_tokens
 
     def __call__(self, req: TokenizeRequest) -> EngineCoreRequest | RequestRejected:
         param = "messages" if req.messages is not None else "prompt"
@@ -49,11 +65,22 @@ class RequestTokenizer:
         return EngineCoreRequest(
             req_id=req.req_id,
             prompt_token_ids=ids,
-            sampling_params=req.sampling_params,
+            sampling_params=self._with_max_tokens(req.sampling_params, len(ids)),
             arrival_time=req.arrival_time,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
         )
+
+    def _with_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """A request without max_tokens gets the model's max_new_tokens. Applied here, not in
+        the frontend, because it is cut to the room the prompt leaves, known only once
+        tokenized."""
+        if params.max_tokens is not None or self.max_new_tokens is None:
+            return params
+        max_tokens = default_max_tokens(
+            self.max_new_tokens, params.min_tokens, num_prompt_tokens, self.max_model_len
+        )
+        return msgspec.structs.replace(params, max_tokens=max_tokens)
 
     def _token_ids(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -71,7 +98,13 @@ def main() -> None:
     config = start_process(ProcessRole.TOKENIZER, index)
     engine = config.engine
     tokenizer = load_tokenizer(engine.model_path, config.chat_template)
-    handle = RequestTokenizer(tokenizer, engine.scheduler.max_model_len, engine.arch.vocab_size)
+    handle = RequestTokenizer(
+        tokenizer,
+        engine.scheduler.max_model_len,
+        engine.arch.vocab_size,
+        engine.arch.eos_token_ids,
+        engine.generation_config.defaults.max_tokens,
+    )
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

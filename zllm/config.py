@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zllm.generation_config import GenerationConfig
+
 # On CPU the KV pool gets a fixed budget that leaves room for tests running beside it.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -81,3 +83,5 @@ class EngineConfig:
     # "gguf": matmuls on the file's Q4_1/Q8_0 blocks; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # The generation_config.json read at startup (its eos ids are merged into arch's).
+    generation_config: GenerationConfig = field(default_factory=GenerationConfig)

@@ -19,6 +19,11 @@ from zllm.arg_utils import (
     parse_size,
 )
 from zllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from zllm.generation_config import (
+    log_generation_config,
+    merge_eos_token_ids,
+    read_generation_config,
+)
 from zllm.model_files import read_arch_config, resolve_model
 
 MODEL_HELP = "short name, .gguf file or HF directory"
@@ -75,6 +80,14 @@ class EngineArgs:
         choices=("gguf", "int8", "none"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
+    generation_config: str = option(
+        "auto",
+        help="auto: the model directory's generation_config.json sets the defaults of "
+        "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens (its "
+        "max_new_tokens) for requests that leave them unset, and its eos_token_id ids stop "
+        "generation too; vllm: zllm's own defaults (the eos ids still stop); a directory: "
+        "read its generation_config.json instead",
+    )
 
     def create_engine_config(self) -> EngineConfig:
         if self.block_size < 1:
@@ -99,6 +112,10 @@ class EngineArgs:
         device = self.device
         if device == "auto":
             device = "cuda" if _cuda_available() else "cpu"
+        generation = read_generation_config(model_path, self.generation_config, arch.vocab_size)
+        # One list of ids that end generation: the model files' and generation_config's.
+        arch.eos_token_ids = merge_eos_token_ids(arch.eos_token_ids, generation.eos_token_ids)
+        log_generation_config(generation, self.generation_config, arch.eos_token_ids)
         dtype = self.dtype
         if dtype == "auto":
             # bf16 is emulated on most CPUs, so fp32 is both the reference and the fast path there.
@@ -126,6 +143,7 @@ class EngineArgs:
             device=device,
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
+            generation_config=generation,
         )
 
 

@@ -17,6 +17,7 @@ from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.engine_args import EngineArgs
 from zllm.errors import ParamError
+from zllm.generation_config import merge_eos_token_ids
 from zllm.inputs import check_prompt
 from zllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
@@ -32,13 +33,18 @@ class LLM:
     `model`: a short name (`smollm2`, the default), a `.gguf` file, or a Hugging Face-layout
     directory (config.json + *.safetensors + tokenizer.json). Other keywords follow vLLM's
     engine arguments (`max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
-    `block_size`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, `dtype`, ...).
+    `block_size`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, `dtype`,
+    `generation_config`, ...).
     """
 
     def __init__(self, model: str | None = None, *, chat_template: str | None = None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.config = args.create_engine_config()
         self.tokenizer: Tokenizer = load_tokenizer(self.config.model_path, chat_template)
+        # What the tokenizer worker adds to a served request: the ids that end generation.
+        self.eos_token_ids = merge_eos_token_ids(
+            [self.tokenizer.eos_token_id], self.config.arch.eos_token_ids
+        )
         from zllm.executor.model_runner import ModelRunner  # torch lives behind this import
 
         self.model_runner = ModelRunner(self.config)
@@ -48,6 +54,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: zllm's defaults
+        under the model's generation_config.json (unless `generation_config="vllm"`)."""
+        return SamplingParams(**self.config.generation_config.defaults.overrides())
 
     # ---- public API ------------------------------------------------------------------------
     def generate(
@@ -60,7 +71,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -121,7 +132,7 @@ class LLM:
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
         by_id = {t.req_id: t for t in trackers}
-        eos = self.tokenizer.eos_token_id
+        eos = self.eos_token_ids
         now = time.time()
         for t in trackers:
             request = EngineCoreRequest(t.req_id, t.prompt_token_ids, t.params, now, eos)

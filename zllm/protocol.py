@@ -93,7 +93,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # sliding-window group released.
     block_ids: list[list[int]]
     num_computed_tokens: int
-    eos_token_id: int | None = None
+    # Every id that ends the request (min_tokens bans them); see EngineCoreRequest.
+    eos_token_ids: list[int] = []
     # For a child of an `n > 1` request: which sample it is (seeds its generator).
     sample_index: int = 0
 
@@ -184,7 +185,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
-    eos_token_id: int | None = None
+    # Every id that ends generation unless ignore_eos (finish "stop", stop_reason None): the
+    # tokenizer's EOS first, then the rest the model declares (ModelArchConfig.eos_token_ids).
+    eos_token_ids: list[int] = []
     # Which client (a frontend process, or an AsyncLLM) sent it: when that client dies,
     # the core aborts its requests (`ClientGone`).
     client_id: int = 0
