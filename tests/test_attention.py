@@ -60,7 +60,15 @@ def dense_reference(q, k, v, query_len: int, window: int | None = None) -> torch
 
 
 def run_case(
-    batch, block_size, num_heads, num_kv_heads, dtype, seed=0, head_dim=16, kernel=False, window=None
+    batch,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    dtype,
+    seed=0,
+    head_dim=16,
+    kernel=False,
+    window=None,
 ):
     """With a window, blocks wholly before the first position a sequence's queries see are
     released as the block manager does: -1 in the table, and in the cache a huge value that
