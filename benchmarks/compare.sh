@@ -9,6 +9,8 @@
 #   CACHE            [~/.cache/zllm-peers]  llama.cpp source, build, F16 model, results
 #   RESULTS_DIR      [$CACHE/results/<date-time>]  JSON, logs; reuse one to add to a run
 #   COMPARE_REPORT   [$RESULTS_DIR/report.md]  the markdown table is also written here
+#   MODEL [smollm2]  the zllm short name (or .gguf path) served and measured; llama.cpp serves
+#                    the same GGUF file. The F16 steps (llama-f16, batched F16) are SmolLM2's.
 #   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
 #   THREADS [2]  NP [32] (llama-server slots, llama-batched-bench -npl)  PORT [8011]
 #   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run
@@ -36,6 +38,7 @@ SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
 PYTHON=${PYTHON:-python}
+MODEL=${MODEL:-smollm2}
 QUIET_LOAD=${QUIET_LOAD:-}
 QUIET_WAIT_MAX=${QUIET_WAIT_MAX:-1200}
 
@@ -165,7 +168,7 @@ meta = {
     "llama_cpp": "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION vendor/llama.cpp: $llama_version".strip(),
     "num_prompts": $NUM_PROMPTS, "input_len": $INPUT_LEN, "output_len": $OUTPUT_LEN,
     "concurrencies": "$CONCURRENCIES", "threads": $THREADS, "np": $NP, "ctx": $CTX,
-    "q4_gguf": "$Q4_GGUF", "f16_gguf": "$F16_GGUF",
+    "model": "$MODEL", "q4_gguf": "$Q4_GGUF", "f16_gguf": "$F16_GGUF",
 }
 json.dump(meta, open("$RESULTS_DIR/meta.json", "w"), indent=2)
 EOF
@@ -237,21 +240,23 @@ serve_bench() {
 # ---------------------------------------------------------------------------------------------
 
 ensure_python_deps
-Q4_GGUF=$("$PYTHON" -c "from zllm.model_files import resolve_model; print(resolve_model('smollm2'))")
+Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model_files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
+# The file's quantization as llama.cpp names it, for labels: ...Q4_1.gguf -> Q4_1.
+QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]')
 if has_step setup; then
     build_llama_cpp
-    make_f16_gguf
+    if [[ $MODEL == smollm2 ]]; then make_f16_gguf; fi
 fi
 write_meta
-log "results go to $RESULTS_DIR (Q4_1: $Q4_GGUF, ctx $CTX)"
+log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
 
 if has_step zllm; then
     # shellcheck disable=SC2086
-    serve_bench zllm "$PORT" zllm serve --port "$PORT" $ZLLM_SERVE_ARGS
+    serve_bench zllm "$PORT" zllm serve "$MODEL" --port "$PORT" $ZLLM_SERVE_ARGS
 fi
 if has_step llama-q4; then
     # shellcheck disable=SC2086
-    serve_bench llama.cpp-Q4_1 "$((PORT + 1))" "$BIN/llama-server" -m "$Q4_GGUF" \
+    serve_bench "llama.cpp-$QUANT" "$((PORT + 1))" "$BIN/llama-server" -m "$Q4_GGUF" \
         -t "$THREADS" -np "$NP" -c "$CTX" --host 127.0.0.1 --port "$((PORT + 1))" $LLAMA_SERVER_ARGS
 fi
 if has_step llama-f16; then
@@ -261,7 +266,7 @@ if has_step llama-f16; then
 fi
 if has_step throughput; then
     for backend in zllm transformers; do
-        cmd=(zllm bench throughput --backend "$backend" --num-prompts "$NUM_PROMPTS"
+        cmd=(zllm bench throughput --model "$MODEL" --backend "$backend" --num-prompts "$NUM_PROMPTS"
             --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --hf-batch-size "$NP"
             --output-json "$RESULTS_DIR/throughput-$backend.json")
         wait_quiet
@@ -272,7 +277,9 @@ if has_step throughput; then
     done
 fi
 if has_step batched; then
-    for pair in "Q4_1:$Q4_GGUF" "F16:$F16_GGUF"; do
+    pairs=("$QUANT:$Q4_GGUF")
+    [[ $MODEL == smollm2 ]] && pairs+=("F16:$F16_GGUF")
+    for pair in "${pairs[@]}"; do
         cmd=("$BIN/llama-batched-bench" -m "${pair#*:}" -c "$CTX" -b 2048 -ub 512
             -npp "$INPUT_LEN" -ntg "$OUTPUT_LEN" -npl "$NP" -t "$THREADS" --output-format jsonl)
         wait_quiet
@@ -330,14 +337,14 @@ lines = [
     "| TPOT p50 ms | TPOT p99 ms | ITL p50 ms | E2E p50 ms | load1 |",
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
-order = {"zllm": 0, "llama.cpp-Q4_1": 1, "llama.cpp-F16": 2}
+order = {"zllm": 0, "llama.cpp-F16": 2}  # then the GGUF as quantized, between them
 serve = []
 for path in glob.glob(os.path.join(results, "serve-*.json")):
     s = load(path)
     if not s.get("label"):
         s["label"] = os.path.basename(path)[len("serve-") : -len(".json")]
     serve.append(s)
-serve.sort(key=lambda s: (order.get(s.get("label"), 9), s.get("label") or "", s.get("concurrency") or 0))
+serve.sort(key=lambda s: (order.get(s.get("label"), 1), s.get("label") or "", s.get("concurrency") or 0))
 for s in serve:
     if "error" in s:
         lines.append(f"| {s['label']} | - | {s['error']} |" + " |" * 10)
