@@ -39,6 +39,8 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Tensors that are no weight of the model: model_files reads them into ModelArchConfig.
+_GGUF_NON_WEIGHTS = frozenset({"rope_freqs.weight"})  # ModelArchConfig.rope_freq_factors
 
 
 def load_weights(model_path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -68,6 +70,8 @@ def _load_gguf(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
+        if name in _GGUF_NON_WEIGHTS:
+            continue
         hf_name = hf_name_from_gguf(name)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")

@@ -100,7 +100,7 @@ def test_prefix_hit_in_every_group(hybrid_dir, hf_model):
 def test_preemption_with_a_small_pool(hybrid_dir, hf_model):
     """A pool too small for the batch: requests are preempted, their blocks in every group
     freed, and recomputed later with the same greedy output."""
-    llm = make_llm(hybrid_dir, num_gpu_blocks_override=40, max_num_batched_tokens=64)
+    llm = make_llm(hybrid_dir, num_gpu_blocks_override=40)
     prompts = prompts_of([30, 45, 25, 50], seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

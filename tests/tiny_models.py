@@ -40,6 +40,13 @@ TINY_CONFIG: dict = dict(
     initializer_range=0.2,
 )
 
+# What an architecture needs beyond TINY_CONFIG: Qwen3's config defaults head_dim to 128, and
+# Phi-3's puts its pad and EOS ids at 32000, outside the tiny vocabulary.
+_ARCH_DEFAULTS: dict[str, dict] = {
+    "qwen3": dict(head_dim=16),
+    "phi3": dict(pad_token_id=None, eos_token_id=None),
+}
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores keys and values in fixed-size blocks.",
@@ -51,11 +58,12 @@ _CORPUS = [
 
 
 def tiny_hf_config(arch: str = "llama", **overrides) -> transformers.PretrainedConfig:
-    """A transformers config of `arch` ("llama", "mistral" or "qwen2"): TINY_CONFIG with
-    `overrides` (any config field, e.g. rope_parameters, head_dim, eos_token_id)."""
+    """A transformers config of `arch` ("llama", "mistral", "qwen2", "qwen3" or "phi3"):
+    TINY_CONFIG with `overrides` (any config field, e.g. rope_parameters, head_dim, eos_token_id)."""
     import transformers
 
-    return transformers.AutoConfig.for_model(arch, **{**TINY_CONFIG, **overrides})
+    fields = {**TINY_CONFIG, **_ARCH_DEFAULTS.get(arch, {}), **overrides}
+    return transformers.AutoConfig.for_model(arch, **fields)
 
 
 def tiny_hf_model(

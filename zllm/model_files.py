@@ -349,7 +349,8 @@ def _tensor_info(name: str, ne: list[int], type_id: int, offset: int) -> GGUFTen
 # Architecture
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
@@ -372,12 +373,11 @@ def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
     arch = md.get("general.architecture")
     if arch is None:
         raise invalid_gguf(path, "missing metadata key 'general.architecture'")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path}: unsupported architecture {arch!r} (zllm runs llama and qwen2)")
-    if "rope_freqs.weight" in gguf.tensors:
-        # Llama 3.1-style scaling is stored as precomputed per-frequency factors, not as the
-        # rope_scaling parameters our rotary embedding takes.
-        raise ValueError(f"{path}: rope frequency factors (rope_freqs.weight) are not supported")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported architecture {arch!r} "
+            f"(zllm runs GGUF files of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
     hidden, heads = need(f"{arch}.embedding_length", int), need(f"{arch}.attention.head_count", int)
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
@@ -402,9 +402,23 @@ def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         rope_scaling=_gguf_rope_scaling(md, arch),
+        rope_freq_factors=_gguf_rope_freq_factors(gguf),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
     )
+
+
+def _gguf_rope_freq_factors(gguf: GGUFFile) -> list[float] | None:
+    """Llama 3.x files store their RoPE scaling as one divisor per frequency (F32
+    rope_freqs.weight, [rotary_dim / 2]) rather than as rope.scaling.* parameters."""
+    info = gguf.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.ggml_type != GGMLQuantizationType.F32 or len(info.shape) != 1:
+        raise invalid_gguf(
+            gguf.path, f"rope_freqs.weight is {info.ggml_type.name} {list(info.shape)}, not F32 [n]"
+        )
+    return gguf.tensor_data("rope_freqs.weight").view(np.float32).tolist()
 
 
 def _gguf_rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
@@ -444,30 +458,83 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
     rope_params = dict(cfg.get("rope_parameters") or {})
     rope_theta = cfg.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
     eos = cfg.get("eos_token_id")
+    num_layers, max_positions = int(need("num_hidden_layers")), int(need("max_position_embeddings"))
+    layer_types, sliding_window = _hf_sliding_window(cfg, num_layers, max_positions)
     return ModelArchConfig(
         architecture=model_type,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
-        num_layers=int(need("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
-        max_position_embeddings=int(need("max_position_embeddings")),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling") or rope_params),
+        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        qk_norm=model_type == "qwen3",
     )
 
 
-def _hf_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+def _hf_rope_scaling(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope parameters (less rope_theta) as transformers resolves them; None for plain RoPE
+    over whole heads. Keeps partial_rotary_factor (Phi-3 family) when it is below 1."""
     scaling = dict(scaling)
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling.pop("type")  # the pre-4.45 spelling
-    if scaling.get("rope_type", "default") == "default":
+    rope_type = scaling.get("rope_type", "default")
+    if cfg["model_type"] == "phi3" and rope_type in ("su", "yarn"):
+        # Phi-3's early names for LongRoPE, which transformers reads as longrope.
+        scaling["rope_type"] = rope_type = "longrope"
+    # Phi-3 configs keep the pretraining context at the top level; transformers prefers it.
+    if rope_type in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    partial = scaling.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1
+    if partial != 1:
+        if cfg["model_type"] != "phi3":  # transformers rotates whole heads for the others
+            raise ValueError(f"partial_rotary_factor={partial} is supported for phi3 models only")
+        scaling["partial_rotary_factor"] = partial
+    if rope_type == "default" and partial == 1:
         return None
     return scaling
+
+
+def _hf_sliding_window(
+    cfg: dict[str, Any], num_layers: int, max_positions: int
+) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) as transformers applies them; (None, None) for none.
+
+    Mistral and Phi-3 window every layer when sliding_window is set (Mistral's config class
+    defaults it to 4096 when config.json leaves it out); Qwen2/Qwen3 window only with
+    use_sliding_window, and then the layers from max_window_layers on (or config.json's own
+    layer_types). A window no shorter than max_position_embeddings never drops a key, so it
+    is left out: such layers stay full attention (and keep the full-attention kernels).
+    """
+    model_type = cfg["model_type"]
+    if model_type == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        layer_types = ["sliding_attention"] * num_layers
+    elif model_type == "phi3":
+        window = cfg.get("sliding_window")
+        layer_types = ["sliding_attention"] * num_layers
+    elif model_type in ("qwen2", "qwen3"):
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        first_sliding = cfg.get("max_window_layers", 28)
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(num_layers)
+        ]
+    else:
+        return None, None
+    if window is None or window >= max_positions or "sliding_attention" not in layer_types:
+        return None, None
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return list(layer_types), int(window)

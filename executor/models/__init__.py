@@ -6,11 +6,14 @@ from torch import nn
 
 from zllm.executor.models.llama import LlamaForCausalLM
 
-# Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias).
+# Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias), Qwen3
+# q/k norms (qk_norm), Phi-3 fused checkpoint tensors and LongRoPE (executor/models/llama.py).
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 
 

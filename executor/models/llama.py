@@ -1,9 +1,17 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat, unpadded token batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over a flat, unpadded token batch.
 
 Per layer, q/k/v are one GEMM into a fused [q | k | v] projection and gate/up are one GEMM into
 a fused [gate | up] projection; load_weights fills the fused matrices from Hugging Face's
-separate tensors. Attention reads and writes the paged KV cache through the layers of the
-attention backend the model is built with (zllm.executor.attention_backend; torch by default).
+separate tensors (Phi-3 checkpoints store them fused already). Attention reads and writes the
+paged KV cache through the layers of the attention backend the model is built with
+(zllm.executor.attention_backend; torch by default).
+
+What the family members add, each switched on by ModelArchConfig:
+  - Qwen2: q/k/v biases (attention_bias);
+  - Qwen3: an RMSNorm over each query and key head before RoPE (qk_norm, QKNorm below);
+  - Phi-3: LongRoPE scaling, RoPE over part of each head (partial_rotary_factor);
+  - Mistral, Phi-3, Qwen2/3: sliding-window layers (the attention metadata windows them);
+  - Llama 3.x GGUFs: per-frequency RoPE divisors (rope_freq_factors).
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+
+# Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
+# [gate | up] order: their tensors fill the fused matrices whole.
+_FUSED_CHECKPOINTS = frozenset({"phi3"})
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
@@ -55,9 +67,33 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype), x
 
 
+def rotary_dim(arch: ModelArchConfig) -> int:
+    """How many leading dimensions of each head RoPE rotates: all of them unless the rope
+    parameters carry a partial_rotary_factor below 1 (Phi-4-mini rotates 3/4)."""
+    factor = (arch.rope_scaling or {}).get("partial_rotary_factor", 1.0)
+    return int(arch.head_dim * factor)
+
+
 def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim / 2] and the cos/sin scale for arch's rope_scaling."""
-    dim, base = arch.head_dim, arch.rope_theta
+    """Inverse frequencies [rotary_dim / 2] and the cos/sin scale for arch's rope_scaling.
+
+    A Llama 3.x GGUF stores its scaling as per-frequency divisors instead (rope_freqs.weight,
+    arch.rope_freq_factors); llama.cpp divides each frequency by its factor, and so do we.
+    """
+    inv_freq, scale = _scaled_inv_freq(arch)
+    if arch.rope_freq_factors is not None:
+        factors = torch.tensor(arch.rope_freq_factors, dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"{len(arch.rope_freq_factors)} rope frequency factors for "
+                f"{inv_freq.numel()} rotary frequencies"
+            )
+        inv_freq = inv_freq / factors
+    return inv_freq, scale
+
+
+def _scaled_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
+    dim, base = rotary_dim(arch), arch.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling: dict[str, Any] = arch.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
@@ -69,8 +105,11 @@ def rope_inv_freq(arch: ModelArchConfig) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(dim, base, scaling, arch.max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(dim, base, scaling, arch.max_position_embeddings)
     raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+        f"rope_scaling type {rope_type!r} is not supported "
+        f"(supported: default, linear, llama3, yarn, longrope)"
     )
 
 
@@ -126,12 +165,42 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(
+    dim: int, base: float, scaling: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its factor, from `long_factor` beyond the
+    original context and `short_factor` within it; cos/sin scaled by the attention factor.
+
+    transformers picks the set per forward pass from the sequence's current length (its
+    generate even recomputes the cache when a sequence crosses the original context). A paged
+    cache cannot re-rotate the keys it holds, so, like vLLM, we pick once, for the longest
+    context the model serves: the long factors when max_position_embeddings exceeds
+    original_max_position_embeddings (Phi-3-*-128k), else the short ones (Phi-3-*-4k). Outputs
+    equal transformers' for sequences past the original context, or for every sequence when
+    the two lengths are equal; a short prompt to a long-context model sees the long factors.
+    """
+    original = scaling.get("original_max_position_embeddings") or max_positions
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors for {dim // 2} rotary frequencies")
+    # The attention factor grows with the context extension (max_position / original).
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Hugging Face-style RoPE (rotate_half over two halves, not interleaved pairs).
 
     cos and sin for every position up to max_position_embeddings are precomputed in fp32, then
-    stored in the model dtype side by side as one [max_positions, head_dim] table
-    (cos of the head_dim/2 frequencies | sin of them), so a step does one index_select.
+    stored in the model dtype side by side as one [max_positions, rotary_dim] table
+    (cos of the rotary_dim/2 frequencies | sin of them), so a step does one index_select.
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
@@ -144,15 +213,38 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each token: [T, 1, head_dim / 2], broadcasting over heads."""
+        """cos, sin for each token: [T, 1, rotary_dim / 2], broadcasting over heads."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] -> rotated copy; same arithmetic as HF's x*cos + rotate_half(x)*sin."""
+    """x [T, heads, head_dim] -> rotated copy; same arithmetic as HF's x*cos + rotate_half(x)*sin.
+
+    Rotates the first 2 * cos.shape[-1] dimensions of each head; any beyond (a partial
+    rotary factor) pass through unchanged, as in transformers.
+    """
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class QKNorm(nn.Module):
+    """Qwen 3: an RMSNorm over each query head and each key head before RoPE, one weight
+    [head_dim] shared by the query heads and one by the key heads (HF's q_norm, k_norm)."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads + kv_heads, head_dim] -> the same with every head normalized."""
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
 
 
 class LlamaAttention(nn.Module):
@@ -168,6 +260,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _linear(
             arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype
         )
+        self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
         self.o_proj = _linear(self.q_size, arch.hidden_size, False, dtype)
         self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
@@ -183,6 +276,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv, so one rotation covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         qk = apply_rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -326,20 +421,44 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
-            fused = {"weight": attn.qkv_proj.weight.data}
-            if attn.qkv_proj.bias is not None:
-                fused["bias"] = attn.qkv_proj.bias.data
-            for kind, param in fused.items():
-                for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
-                    targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
+            if self.arch.architecture in _FUSED_CHECKPOINTS:
+                targets |= self._fused_targets(prefix, attn, mlp)
+            else:
+                targets |= self._split_targets(prefix, attn, mlp)
+            if attn.qk_norm is not None:
+                targets[f"{prefix}self_attn.q_norm.weight"] = attn.qk_norm.q_norm.weight.data
+                targets[f"{prefix}self_attn.k_norm.weight"] = attn.qk_norm.k_norm.weight.data
             targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-            gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
-            targets[f"{prefix}mlp.gate_proj.weight"] = gate
-            targets[f"{prefix}mlp.up_proj.weight"] = up
             targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.data
             targets[f"{prefix}post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm.weight.data
             )
+        return targets
+
+    @staticmethod
+    def _split_targets(prefix: str, attn: LlamaAttention, mlp: LlamaMLP) -> dict[str, torch.Tensor]:
+        """HF's separate q/k/v (weights and biases) and gate/up tensors -> row slices."""
+        targets = {}
+        sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
+        fused = {"weight": attn.qkv_proj.weight.data}
+        if attn.qkv_proj.bias is not None:
+            fused["bias"] = attn.qkv_proj.bias.data
+        for kind, param in fused.items():
+            for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
+                targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
+        gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
+        targets[f"{prefix}mlp.gate_proj.weight"] = gate
+        targets[f"{prefix}mlp.up_proj.weight"] = up
+        return targets
+
+    @staticmethod
+    def _fused_targets(prefix: str, attn: LlamaAttention, mlp: LlamaMLP) -> dict[str, torch.Tensor]:
+        """Phi-3's qkv_proj and gate_up_proj tensors -> our fused matrices, whole."""
+        targets = {
+            f"{prefix}self_attn.qkv_proj.weight": attn.qkv_proj.weight.data,
+            f"{prefix}mlp.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
+        }
+        if attn.qkv_proj.bias is not None:
+            targets[f"{prefix}self_attn.qkv_proj.bias"] = attn.qkv_proj.bias.data
         return targets
