@@ -34,6 +34,17 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 has four norms per layer and per-head q/k norms; its ffn_norm is the norm before
+# the MLP (llama's ffn_norm is that same position, named after the attention there).
+_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -56,12 +67,13 @@ def load_weights(model_path: str, arch: ModelArchConfig) -> Iterator[tuple[str, 
         yield from _load_gguf(gguf, arch, progress)
 
 
-def hf_name_from_gguf(name: str) -> str | None:
+def hf_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _LAYER_NAMES_BY_ARCH.get(architecture, _GGUF_LAYER_NAMES)
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -72,7 +84,7 @@ def _load_gguf(
         progress.advance(info.nbytes)
         if name in _GGUF_NON_WEIGHTS:
             continue
-        hf_name = hf_name_from_gguf(name)
+        hf_name = hf_name_from_gguf(name, arch.architecture)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
         if hf_name == "lm_head.weight" and arch.tie_word_embeddings:
@@ -87,6 +99,10 @@ def _load_gguf(
         # llama.cpp permutes q/k rows only for the "llama" rope; qwen2 files keep HF's order.
         if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             weight = unpermute_rope_rows(weight, arch.head_dim)
+        if arch.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies
+            # by the weight); ours, like transformers', multiplies by 1 + w.
+            weight = weight - 1.0
         if not weight.flags.writeable:  # F32 tensors come back as views of the mmap
             weight = weight.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
@@ -101,7 +117,7 @@ def gguf_raw_weights(model_path: str, arch: ModelArchConfig) -> dict[str, tuple[
     gguf = read_gguf(model_path)
     raw: dict[str, tuple[int, torch.Tensor]] = {}
     for name, info in gguf.tensors.items():
-        hf_name = hf_name_from_gguf(name)
+        hf_name = hf_name_from_gguf(name, arch.architecture)
         if hf_name is None or len(info.shape) != 2:
             continue
         rows = gguf.tensor_data(name)

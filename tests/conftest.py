@@ -30,6 +30,20 @@ def smollm2_path() -> str:
         pytest.skip(f"SmolLM2 GGUF not available here (no package, no network?): {e}")
 
 
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """Gemma 3 270M (a 253 MB Q4_K_M GGUF assembled from four PyPI packages), as
+    `zllm serve gemma3` finds it."""
+    from zllm.model_files import resolve_model
+
+    try:
+        return resolve_model("gemma3")
+    except Exception as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"Gemma 3 GGUF not available here (no network?): {e}")
+
+
 def pytest_configure(config):
     # Tests run beside each other on 2 cores: keep torch from oversubscribing them.
     os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -15,7 +15,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 class ModelArchConfig:
     """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "qwen2", "mistral"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int

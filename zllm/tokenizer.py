@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from zllm.model_files import read_gguf
+from zllm.model_files import read_gguf, registry_entry_of
 
 
 class Tokenizer:
@@ -96,6 +96,9 @@ def load_tokenizer(model_path: str, chat_template: str | None = None) -> Tokeniz
         tokenizer = _from_hf_dir(Path(model_path))
     else:
         tokenizer = _from_gguf(model_path)
+        entry = registry_entry_of(model_path)
+        if tokenizer.chat_template is None and entry is not None:
+            tokenizer._chat_template = entry.chat_template  # e.g. Gemma 3 270M's
     if chat_template is not None:
         tokenizer._chat_template = chat_template
     return tokenizer

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from zllm.executor.models.gemma3 import Gemma3ForCausalLM
 from zllm.executor.models.llama import LlamaForCausalLM
 
 # Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias), Qwen3
 # q/k norms (qk_norm), Phi-3 fused checkpoint tensors and LongRoPE (executor/models/llama.py).
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
@@ -26,4 +28,4 @@ def get_model_class(arch_name: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "get_model_class"]

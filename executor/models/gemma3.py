@@ -1,0 +1,274 @@
+"""Gemma 3 (text) over a flat, unpadded token batch.
+
+What differs from the Llama family (executor/models/llama.py), each as transformers computes it:
+
+    embeddings     scaled by sqrt(hidden_size), in the model dtype
+    norms          RMSNorm with (1 + weight), in fp32; four per layer: before and after the
+                   attention and before and after the MLP (the "sandwich")
+    attention      q/k RMSNorm per head before RoPE; scale query_pre_attn_scalar ** -0.5;
+                   sliding layers use a local RoPE base (10000), global layers the model's
+    MLP            GeGLU: gelu(tanh approximation)(gate) * up
+    logits         cap * tanh(logits / cap) when final_logit_softcapping is set
+
+The sliding window itself is not applied here: the model runner gives sliding layers
+window-limited attention metadata (executor/attention.py) over their own KV cache groups
+(zllm/kv_cache_groups.py). q/k/v and gate/up are fused into one GEMM each, as in llama.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.config import ModelArchConfig
+from zllm.executor.attention_backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    StepAttentionMetadata,
+    metadata_per_layer,
+)
+from zllm.executor.models.llama import RotaryEmbedding, apply_rope
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
+    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, cast back: Gemma's norm."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(
+        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = _linear(arch.hidden_size, self.q_size + 2 * self.kv_size, dtype)
+        self.o_proj = _linear(self.q_size, arch.hidden_size, dtype)
+        self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
+        scalar = arch.query_pre_attn_scalar or arch.head_dim
+        self.attn = attention.make_layer(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim, scale=scalar**-0.5
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: StepAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if arch.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"Gemma 3 activation {arch.hidden_act!r} is not supported")
+        self.act = _ACTIVATIONS[arch.hidden_act]
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
+        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        is_sliding: bool,
+    ) -> None:
+        super().__init__()
+        self.is_sliding = is_sliding  # picks the local RoPE table
+        eps, size = arch.rms_norm_eps, arch.hidden_size
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.self_attn = Gemma3Attention(arch, dtype, attention)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.mlp = Gemma3MLP(arch, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: StepAttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.post_attention_layernorm(attended)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp_out)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype = torch.float32,
+        attention: AttentionBackend = TORCH_ATTENTION,
+    ) -> None:
+        super().__init__()
+        if arch.attn_logit_softcapping is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        if arch.num_heads % arch.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={arch.num_heads} must be a multiple of num_kv_heads={arch.num_kv_heads}"
+            )
+        self.arch = arch
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        )
+        # As transformers: the scale is a tensor cast to the embedding dtype before multiplying.
+        self.register_buffer(
+            "embed_scale", torch.tensor(arch.hidden_size**0.5).to(dtype), persistent=False
+        )
+        self.rotary = RotaryEmbedding(arch, dtype)
+        local = dataclasses.replace(
+            arch,
+            rope_theta=arch.rope_local_theta or arch.rope_theta,
+            rope_scaling=None,
+            rope_freq_factors=None,
+        )
+        self.local_rotary = RotaryEmbedding(local, dtype)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(arch, dtype, attention, arch.is_sliding(i))
+            for i in range(arch.num_layers)
+        )
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
+        )
+        # Set by quantization: a module computing logits in place of the fp32 matmul.
+        self.logits_proj: nn.Module | None = None
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, one row per new token."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        metas = metadata_per_layer(attn_metadata, len(self.layers))
+        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        global_rope = self.rotary.lookup(positions)
+        local_rope = self.local_rotary.lookup(positions)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
+            cos, sin = local_rope if layer.is_sliding else global_rope
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits, soft-capped when the model says so."""
+        if self.logits_proj is not None:
+            logits = self.logits_proj(hidden_states).float()
+        else:
+            weight = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden_states, weight).float()
+        cap = self.arch.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, one at a time."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: the embedding serves as lm_head
+                raise ValueError(f"unexpected weight {name!r} for a gemma3 model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(targets.keys() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        targets = {
+            "model.embed_tokens.weight": self.embed_tokens.data,
+            "model.norm.weight": self.norm.weight.data,
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = attn.qkv_proj.weight.data.split([attn.q_size, attn.kv_size, attn.kv_size])
+            gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
+            parts = {
+                "self_attn.q_proj.weight": q,
+                "self_attn.k_proj.weight": k,
+                "self_attn.v_proj.weight": v,
+                "self_attn.o_proj.weight": attn.o_proj.weight.data,
+                "self_attn.q_norm.weight": attn.q_norm.weight.data,
+                "self_attn.k_norm.weight": attn.k_norm.weight.data,
+                "mlp.gate_proj.weight": gate,
+                "mlp.up_proj.weight": up,
+                "mlp.down_proj.weight": mlp.down_proj.weight.data,
+            }
+            for norm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ):
+                parts[f"{norm}.weight"] = getattr(layer, norm).weight.data
+            targets.update({prefix + name: t for name, t in parts.items()})
+        return targets

@@ -1,0 +1,222 @@
+"""Gemma 3: a tiny random model (sliding and global layers, window 8) against transformers
+through the whole engine, and the real Gemma 3 270M GGUF (`zllm serve gemma3`) against
+transformers loading the same file."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from parity import assert_greedy_parity, hf_greedy
+from servers import start_server, stop_server
+
+from zllm import LLM, SamplingParams
+
+WINDOW = 8
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory) -> str:
+    """Layers: sliding, global, sliding. Random norm weights and an embedding scaled down
+    (Gemma multiplies it by sqrt(hidden)), so greedy outputs vary instead of repeating."""
+    import transformers
+    from tiny_models import write_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    write_tiny_model(
+        path,
+        arch="gemma3_text",
+        num_hidden_layers=3,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=WINDOW,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        model.model.embed_tokens.weight.mul_(0.125)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_gemma3):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_gemma3).eval()
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+
+def check(hf_model, prompts, outputs, label):
+    for i, (p, out) in enumerate(zip(prompts, outputs, strict=True)):
+        ours = out.outputs[0].token_ids
+        assert len(set(ours)) > 3, f"{label}[{i}]: a degenerate output proves little: {ours}"
+        theirs = hf_greedy(hf_model, p, len(ours))
+        assert_greedy_parity(hf_model, p, ours, theirs, label=f"{label}[{i}]")
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    kwargs = {"block_size": BLOCK, "max_num_batched_tokens": 16, **kwargs}
+    return LLM(path, kv_cache_memory_bytes=8 << 20, **kwargs)
+
+
+def test_tiny_arch_and_groups(tiny_gemma3):
+    llm = make_llm(tiny_gemma3)
+    arch = llm.config.arch
+    assert arch.architecture == "gemma3" and arch.qk_norm and arch.sliding_window == WINDOW
+    assert arch.query_pre_attn_scalar == 16 and arch.rope_local_theta == 10000.0
+    assert [g.sliding_window for g in llm.model_runner.kv_groups] == [None, WINDOW, WINDOW]
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_tiny_greedy_parity_batch_and_chunks(tiny_gemma3, hf_tiny, hybrid):
+    llm = make_llm(tiny_gemma3, hybrid_kv_cache=hybrid)
+    prompts = prompts_of([3, 8, 20, 37, 61])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    check(hf_tiny, prompts, outputs, f"gemma3 hybrid={hybrid}")
+
+
+def test_tiny_prefix_hit_and_preemption(tiny_gemma3, hf_tiny):
+    llm = make_llm(tiny_gemma3, num_gpu_blocks_override=40)
+    shared = prompts_of([36], seed=3)[0]
+    prompts = [shared + [5, 6], shared + [7, 8, 9], *prompts_of([30, 44], seed=4)]
+    llm.generate({"prompt_token_ids": shared + [1]}, GREEDY, use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert outputs[0].num_cached_tokens == 36 and outputs[1].num_cached_tokens == 36
+    assert llm.engine.scheduler.num_preemptions > 0
+    check(hf_tiny, prompts, outputs, "gemma3 prefix+preempt")
+
+
+@pytest.mark.e2e
+def test_tiny_served_chat_and_stream(tiny_gemma3, tmp_path: Path):
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    offline = make_llm(tiny_gemma3).chat(messages, params, use_tqdm=False)[0]
+    server = start_server(tiny_gemma3, tmp_path / "server.log", "--block-size", str(BLOCK))
+    try:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        kwargs = dict(model=tiny_gemma3, messages=messages, temperature=0.0, max_tokens=12)
+        extra = {"ignore_eos": True}
+        answer = client.chat.completions.create(**kwargs, extra_body=extra)
+        assert answer.choices[0].message.content == offline.outputs[0].text
+        stream = client.chat.completions.create(**kwargs, extra_body=extra, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == offline.outputs[0].text
+    finally:
+        stop_server(server)
+
+
+# ---- the real Gemma 3 270M (Q4_K_M GGUF, 253 MB) ----------------------------------------------
+
+LONG = " ".join(
+    f"Item {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 7 % 13} marbles."
+    for i in range(60)
+)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3, 5, 8, 13,",
+    LONG + " Which box holds the most marbles? The",  # ~790 tokens: past the 512 window
+    "Paged attention stores keys and values in fixed-size blocks. " * 45 + "In short,",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3_llm(gemma3_path):
+    return LLM(gemma3_path)
+
+
+@pytest.mark.slow
+def test_real_tokenizer_matches_transformers(gemma3_path):
+    from transformers import AutoTokenizer
+
+    from zllm.tokenizer import load_tokenizer
+
+    path = Path(gemma3_path)
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = load_tokenizer(gemma3_path)
+    texts = [
+        *PROMPTS[:4],
+        " leading space",
+        "two  spaces\nnewline\n\n\ttab",
+        "café naïve 你好 🙂 𝔘 ⁂",
+        "<start_of_turn>user\nHi<end_of_turn>\n",
+    ]
+    for text in texts:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.slow
+def test_real_registry_entry(gemma3_llm):
+    """The short name ships Gemma's chat template and stops on <end_of_turn> as well as <eos>."""
+    tok = gemma3_llm.get_tokenizer()
+    assert gemma3_llm.config.arch.eos_token_ids == [1, 106]  # <eos>, <end_of_turn>
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True,
+    )
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.mark.slow
+def test_real_greedy_parity_with_transformers(gemma3_path, gemma3_llm):
+    """Six prompts, two longer than the 512-token window, 24 tokens each; both sides run the
+    same dequantized weights. Near-tie flips are allowed and reported (tests/parity.py)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gemma3_path)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = gemma3_llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert sum(len(i) > 512 for i in ids) == 2
+    outputs = gemma3_llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
+    for i, (p, out) in enumerate(zip(ids, outputs, strict=True)):
+        theirs = hf_greedy(hf, p, 24)
+        assert_greedy_parity(hf, p, out.outputs[0].token_ids, theirs, label=f"gemma3-270m[{i}]")
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_real_zllm_serve_gemma3(gemma3_llm, tmp_path: Path):
+    """`zllm serve gemma3`: chat and streamed chat give the offline engine's greedy text."""
+    from openai import OpenAI
+
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    offline = gemma3_llm.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False
+    )[0].outputs[0]
+    server = start_server("gemma3", tmp_path / "server.log")
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        answer = client.chat.completions.create(
+            model="gemma3", messages=messages, temperature=0.0, max_tokens=16
+        )
+        assert answer.choices[0].message.content == offline.text
+        assert answer.choices[0].finish_reason == offline.finish_reason
+        stream = client.chat.completions.create(
+            model="gemma3", messages=messages, temperature=0.0, max_tokens=16, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == offline.text
+    finally:
+        stop_server(server)
