@@ -15,6 +15,9 @@
 #   THREADS [2]  NP [32] (llama-server slots, llama-batched-bench -npl)  PORT [8011]
 #   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
+#   LLAMA_NATIVE [OFF]  ON builds llama.cpp with -march=native; that build died with "Illegal
+#                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs, so the
+#                    default is the portable AVX2/FMA/F16C build (its own build directory)
 #   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
 #   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
 #   QUIET_LOAD [""]  if set (e.g. 0.7), wait before each measurement until the 1-minute load
@@ -34,6 +37,7 @@ NP=${NP:-32}
 PORT=${PORT:-8011}
 STEPS=${STEPS:-"setup zllm llama-q4 llama-f16 throughput batched report"}
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+LLAMA_NATIVE=${LLAMA_NATIVE:-OFF}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
@@ -45,6 +49,7 @@ QUIET_WAIT_MAX=${QUIET_WAIT_MAX:-1200}
 SRC_DIR=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION
 LLAMA_DIR=$SRC_DIR/vendor/llama.cpp
 BUILD_DIR=$CACHE/llama-build-$LLAMA_CPP_PYTHON_VERSION
+[[ $LLAMA_NATIVE == ON ]] || BUILD_DIR=$BUILD_DIR-portable
 BIN=$BUILD_DIR/bin
 HF_DIR=$CACHE/models/smollm2-135m-instruct-hf-fp32
 F16_GGUF=$CACHE/models/SmolLM2-135M-Instruct.F16.gguf
@@ -108,7 +113,7 @@ build_llama_cpp() {
     command -v ninja >/dev/null && gen=(-G Ninja)
     log "building llama-server and llama-batched-bench (nice 19; ~20-40 min on 2 cores)"
     nice -n 19 cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_CURL=OFF -DGGML_NATIVE="$LLAMA_NATIVE" -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     nice -n 19 cmake --build "$BUILD_DIR" -j2 --target llama-server llama-batched-bench
