@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch import nn
 
 from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
 from zllm.executor import cpu_kernels, quantization
 from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
 from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class
+from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
@@ -105,10 +107,7 @@ class ModelRunner:
             self.arch.head_dim,
             sliding_window=any(la.sliding_window for la in self.layer_attention),
         )
-        model_cls = get_model_class(self.arch.architecture)
-        self.model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
-        self.model.load_weights(load_weights(config.model_path, self.arch))
-        self.model.to(self.device).eval()
+        self.model = self._load_model(config)
         self.quantization = self._quantize(config)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
@@ -133,8 +132,27 @@ class ModelRunner:
         # message for them arrives: (parent req_id, sample_index) -> generator.
         self._child_generators: dict[tuple[str, int], torch.Generator | None] = {}
 
+    def _load_model(self, config: EngineConfig) -> nn.Module:
+        """Our model code, or transformers' through the transformers backend (model_impl)."""
+        if config.model_impl == "transformers":
+            return TransformersForCausalLM.load(
+                config.model_path, self.arch, self.dtype, self.device, self.attention
+            )
+        model_cls = get_model_class(self.arch.architecture)
+        model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
+        model.load_weights(load_weights(config.model_path, self.arch))
+        return model.to(self.device).eval()
+
     def _quantize(self, config: EngineConfig) -> str:
         """Apply config.quantization (or pick one when unset); returns the method in use."""
+        if config.model_impl == "transformers":
+            # Our quantized matmuls replace layers of our own model classes only.
+            if config.quantization not in (None, "none"):
+                raise ValueError(
+                    f"quantization={config.quantization!r} needs zllm's model code; the "
+                    f"transformers backend runs {config.dtype} matmuls (--model-impl zllm)"
+                )
+            return "none"
         method = config.quantization
         if method is None:
             method = "none"
@@ -163,6 +181,8 @@ class ModelRunner:
         """
         if self.device.type != "cuda" or self.attention.name != "cuda":
             return None  # graphs replay the CUDA backend's decode (not sliding-window models)
+        if config.model_impl == "transformers":
+            return None  # transformers' modeling code runs eagerly
         from zllm.executor.cuda_graph import CudaGraphRunner
 
         torch.cuda.set_device(self.device)

@@ -112,3 +112,14 @@ def test_kv_bytes_per_token_on_smollm2(llm):
     arch = llm.config.arch
     assert (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (30, 3, 64)
     assert kv_bytes_per_token(arch, torch.float32) == 2 * 30 * 3 * 64 * 4 == 46080
+
+
+def test_transformers_backend_on_the_real_model(smollm2_path, hf_model):
+    """--model-impl transformers: transformers' LlamaForCausalLM, read from the GGUF by
+    transformers, attending through zllm's paged cache; the same greedy tokens."""
+    llm = LLM(smollm2_path, model_impl="transformers", kv_cache_memory_bytes=256 << 20)
+    assert llm.config.model_impl == "transformers"
+    prompts = _token_prompts(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _check(hf_model, prompts, outputs, "smollm2-transformers-backend")

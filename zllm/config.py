@@ -83,5 +83,8 @@ class EngineConfig:
     # "gguf": matmuls on the file's Q4_1/Q8_0 blocks; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers
+    # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model_impl.py).
+    model_impl: str = "zllm"
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)

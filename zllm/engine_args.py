@@ -9,6 +9,7 @@ and `bench`, with their help. A new option is one field here (plus its use in
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 
 from zllm.arg_utils import (
@@ -24,7 +25,10 @@ from zllm.generation_config import (
     merge_eos_token_ids,
     read_generation_config,
 )
-from zllm.model_files import read_arch_config, resolve_model
+from zllm.model_files import resolve_model
+from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
+
+logger = logging.getLogger(__name__)
 
 MODEL_HELP = "short name, .gguf file or HF directory"
 
@@ -80,6 +84,14 @@ class EngineArgs:
         choices=("gguf", "int8", "none"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
+    model_impl: str = option(
+        "auto",
+        help="whose model code runs: zllm (native, fastest), transformers (transformers' "
+        "modeling code with zllm's paged attention: any decoder-only causal LM whose "
+        "transformers class supports attention backends), auto (zllm's when it has the "
+        "architecture, else transformers')",
+        choices=MODEL_IMPLS,
+    )
     generation_config: str = option(
         "auto",
         help="auto: the model directory's generation_config.json sets the defaults of "
@@ -100,7 +112,9 @@ class EngineArgs:
             )
         check_choices(self)
         model_path = resolve_model(self.model)
-        arch = read_arch_config(model_path)
+        impl = choose_model_impl(model_path, self.model_impl)
+        arch = read_model_arch(model_path, impl)
+        logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
         max_model_len = arch.max_position_embeddings
         if self.max_model_len is not None:
             if not 1 < self.max_model_len <= arch.max_position_embeddings:
@@ -143,6 +157,7 @@ class EngineArgs:
             device=device,
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
+            model_impl=impl.name,
             generation_config=generation,
         )
 

@@ -1,0 +1,306 @@
+"""Any Hugging Face causal LM under zllm's engine: transformers' modeling code, our paged KV cache.
+
+transformers sends every attention layer through a registry of attention functions
+(`AttentionInterface`). We register ours as "zllm" and load the model with
+`attn_implementation="zllm"`; the model then runs over zllm's flat batch, [1, T] tokens from
+many sequences with per-token positions. Embeddings, projections, rotary embeddings, norms,
+MLPs and mixture-of-experts routing stay transformers' own; only the attention call reaches us:
+
+    TransformersForCausalLM.forward(input_ids [T], positions [T], kv_caches, metadata)
+        base_model(input_ids [1, T], position_ids [1, T], zllm_step=_Step)
+            layer i:  q, k, v (rotated)  ->  zllm_attention(module, q, k, v, mask, **kwargs)
+                      kwargs["zllm_step"]: layer i's KV cache, metadata and PagedAttention
+                      -> write K/V at the step's slots, attend through the block tables
+
+The KV cache layout (layers, KV heads, head size, sliding windows) comes from config.json
+(zllm.model_files, which cannot import transformers' torch); `probe` runs one short forward at
+load and refuses the model if what its layers actually do differs from that layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.config import ModelArchConfig
+from zllm.executor.attention_backend import (
+    AttentionBackend,
+    AttentionLayer,
+    StepAttentionMetadata,
+    metadata_per_layer,
+)
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "zllm"  # our name in transformers' attention-interface registry
+_STEP_KWARG = "zllm_step"  # the forward keyword that carries the step to every layer
+
+
+@dataclass(slots=True)
+class LayerRecord:
+    """What one attention layer did during `probe`."""
+
+    num_kv_heads: int
+    head_dim: int
+    value_dim: int
+    sliding_window: int | None
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One forward's view of the cache, handed to every layer through the model's kwargs."""
+
+    kv_caches: Sequence[torch.Tensor]
+    metas: Sequence[StepAttentionMetadata]
+    model: TransformersForCausalLM
+    # Set during `probe`: each layer records itself here and attends without the cache.
+    records: dict[int, LayerRecord] | None = None
+
+
+def zllm_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [1, heads, T, D], key and value
+    [1, kv_heads, T, D] (rotated, this step's tokens only) -> ([1, T, heads, D], no weights)."""
+    step = kwargs.get(_STEP_KWARG)
+    if step is None:
+        raise RuntimeError(
+            f"{type(module).__name__} called the zllm attention function without the step; "
+            f"it does not pass its forward's keyword arguments through to attention"
+        )
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot find its KV cache")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    if step.records is not None:
+        step.records[layer] = _record(module, q, k, v, attention_mask, kwargs)
+        return _causal_attention(q, k, v, scaling).unsqueeze(0), None
+    attn = step.model.attention_layer(layer, q.shape[1], k.shape[1], q.shape[2], scaling)
+    out = attn(q, k, v, step.kv_caches[layer], step.metas[layer])
+    return out.unsqueeze(0), None
+
+
+def _record(
+    module: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> LayerRecord:
+    record = LayerRecord(k.shape[1], k.shape[2], v.shape[2], kwargs.get("sliding_window") or None)
+    if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
+        record.problems.append(
+            f"query/key/value head sizes {q.shape[2]}/{k.shape[2]}/{v.shape[2]} differ "
+            f"(the paged cache holds one head size for K and V)"
+        )
+    if q.shape[1] % k.shape[1]:
+        record.problems.append(f"{q.shape[1]} query heads over {k.shape[1]} KV heads")
+    if attention_mask is not None:
+        record.problems.append("the model builds its own attention mask")
+    if not getattr(module, "is_causal", True):
+        record.problems.append("non-causal attention")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            record.problems.append(f"attention {name!r} (not in zllm's attention kernels)")
+    return record
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """Plain causal attention over one sequence ([T, heads, D]); only `probe` uses it."""
+    group = q.shape[1] // max(k.shape[1], 1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, zllm_attention)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the registry cannot serve
+
+
+def causal_lm_class(config: Any) -> type:
+    """The transformers causal-LM class of `config`, or ValueError saying why it cannot run here."""
+    from transformers import AutoModelForCausalLM
+
+    name = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{name}: an encoder-decoder model; the transformers backend runs decoder-only "
+            f"causal LMs"
+        )
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{name}: transformers has no causal-LM class for this model") from None
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{name}: transformers' {cls.__name__} does not route attention through the "
+            f"attention-interface registry (_supports_attention_backend is False), so zllm "
+            f"cannot give it the paged KV cache"
+        )
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class TransformersForCausalLM(nn.Module):
+    """A transformers causal LM behind the interface of zllm's own models (forward over the
+    flat batch -> hidden states, compute_logits), attending through `attention`'s layers."""
+
+    def __init__(self, hf_model: nn.Module, arch: ModelArchConfig, attention: AttentionBackend):
+        super().__init__()
+        self.hf = hf_model
+        self.arch = arch
+        self.attention = attention
+        self.base = hf_model.base_model  # the decoder stack, its final norm included
+        self.lm_head = hf_model.get_output_embeddings()
+        config = hf_model.config
+        # What some CausalLM classes do to logits after lm_head (their forward, not a module):
+        # Granite divides by logits_scaling, Cohere multiplies by logit_scale, Gemma 2/3 cap.
+        self.logits_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
+        self.logits_multiplier = float(getattr(config, "logit_scale", None) or 1.0)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self._layers: dict[int, AttentionLayer] = {}
+        self.requires_grad_(False)
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionBackend,
+    ) -> TransformersForCausalLM:
+        """transformers' from_pretrained: the model is built on the meta device and each
+        safetensors tensor is read straight into its parameter (a GGUF file is dequantized
+        by transformers' reader first)."""
+        from transformers import AutoConfig
+
+        _register()
+        directory, gguf_file = model_path, None
+        if model_path.endswith(".gguf"):
+            directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
+        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        model_cls = causal_lm_class(config)
+        hf_model = model_cls.from_pretrained(
+            directory,
+            gguf_file=gguf_file,
+            config=config,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=dtype,
+            device_map={"": device} if device.type != "cpu" else None,
+        )
+        model = cls(hf_model.eval(), arch, attention)
+        model.check_layout(model.probe(device))
+        logger.info(
+            "Model code: transformers' %s, attention through zllm's paged KV cache",
+            model_cls.__name__,
+        )
+        return model
+
+    def attention_layer(
+        self, layer: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None
+    ) -> AttentionLayer:
+        """Layer `layer`'s attention, made on its first call (the model passes the scale)."""
+        attn = self._layers.get(layer)
+        if attn is None:
+            attn = self._layers[layer] = self.attention.make_layer(
+                num_heads, num_kv_heads, head_dim, scale
+            )
+        return attn
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, one row per new token."""
+        step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
+        return self._run(input_ids, positions, step)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+        out = self.base(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            **{_STEP_KWARG: step},
+        )
+        return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits, as the CausalLM class computes them."""
+        logits = self.lm_head(hidden_states)
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        if self.logits_multiplier != 1.0:
+            logits = logits * self.logits_multiplier
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+    # ---- load-time check ------------------------------------------------------------------
+    @torch.inference_mode()
+    def probe(self, device: torch.device) -> dict[int, LayerRecord]:
+        """One 4-token forward with recording attention: what each layer really attends with."""
+        records: dict[int, LayerRecord] = {}
+        step = _Step([], [], self, records)
+        ids = torch.arange(4, device=device) % max(self.arch.vocab_size, 1)
+        self._run(ids, torch.arange(4, device=device), step)
+        return records
+
+    def check_layout(self, records: dict[int, LayerRecord]) -> None:
+        """ValueError unless every layer attends as the KV cache layout from config.json has it."""
+        arch, name = self.arch, self.arch.architecture
+        if sorted(records) != list(range(arch.num_layers)):
+            raise ValueError(
+                f"{name}: attention ran in layers {sorted(records)}, but config.json has "
+                f"{arch.num_layers} layers"
+            )
+        for i, rec in sorted(records.items()):
+            problems = list(rec.problems)
+            if (rec.num_kv_heads, rec.head_dim) != (arch.num_kv_heads, arch.head_dim):
+                problems.append(
+                    f"{rec.num_kv_heads} KV heads of size {rec.head_dim}, but config.json reads "
+                    f"as {arch.num_kv_heads} of size {arch.head_dim}"
+                )
+            window = rec.sliding_window
+            if window is not None and window >= arch.max_position_embeddings:
+                window = None  # never drops a key
+            expected = arch.sliding_window if arch.is_sliding(i) else None
+            if window != expected:
+                problems.append(f"sliding window {window}, but config.json reads as {expected}")
+            if problems:
+                raise ValueError(
+                    f"{name} cannot run on the transformers backend: layer {i}: "
+                    + "; ".join(problems)
+                )

@@ -1,0 +1,254 @@
+"""Which code runs a model, and what the engine must know of a model only transformers runs.
+
+    --model-impl zllm          our model code (executor/models/): Llama family, Gemma 3
+    --model-impl transformers  transformers' modeling code with our paged attention plugged in
+                               (executor/models/transformers_backend.py)
+    --model-impl auto          ours when we have it, else transformers'
+
+The core sizes the KV cache from the model's layers, KV heads, head size and sliding windows
+before the executor loads anything, and this process may not import transformers' modeling
+(it brings torch). So for a model without native code those few numbers are read here from
+config.json (or GGUF metadata) under the names the common families use; the executor then
+checks them against what the loaded model's layers actually do and refuses a mismatch.
+Models the transformers backend cannot serve at all are refused here, by their config.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zllm.config import ModelArchConfig
+from zllm.model_files import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_GGUF_ARCHITECTURES,
+    GGUFFile,
+    invalid_gguf,
+    read_arch_config,
+    read_gguf,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_IMPLS = ("auto", "zllm", "transformers")
+
+# config.json keys of state-space / linear-recurrence layers (Mamba, Mamba 2, Jamba, Zamba,
+# Falcon-H1, Bamba, Qwen3-Next's linear attention): no KV cache to page.
+_STATE_SPACE_KEYS = (
+    "state_size",
+    "ssm_state_size",
+    "mamba_d_state",
+    "mamba_n_heads",
+    "mamba_d_conv",
+    "linear_conv_kernel_dim",
+    "attn_layer_indices",
+)
+_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+_ENCODER_DECODER_GGUF = frozenset({"t5", "t5encoder", "umt5", "bert", "nomic-bert"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelImpl:
+    """The code chosen for a model, and why (logged once at startup)."""
+
+    name: str  # "zllm" or "transformers"
+    architecture: str  # config.json's model_type or the GGUF general.architecture
+    reason: str
+
+
+def architecture_of(model_path: str) -> tuple[str, bool]:
+    """(the model's architecture name, whether zllm has native code for it)."""
+    if os.path.isdir(model_path):
+        model_type = str(_read_config(Path(model_path)).get("model_type"))
+        return model_type, model_type in SUPPORTED_ARCHITECTURES
+    arch = str(read_gguf(model_path).metadata.get("general.architecture"))
+    return arch, arch in SUPPORTED_GGUF_ARCHITECTURES
+
+
+def choose_model_impl(model_path: str, requested: str = "auto") -> ModelImpl:
+    if requested not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {requested!r}")
+    arch, native = architecture_of(model_path)
+    if requested == "zllm" or (requested == "auto" and native):
+        return ModelImpl("zllm", arch, "zllm's model code")
+    if requested == "transformers":
+        return ModelImpl("transformers", arch, "transformers' model code, as asked")
+    return ModelImpl(
+        "transformers", arch, f"transformers' model code (zllm has no native code for {arch!r})"
+    )
+
+
+def read_model_arch(model_path: str, impl: ModelImpl) -> ModelArchConfig:
+    """The architecture record the engine runs `model_path` with under `impl`.
+
+    Native architectures are read by model_files whichever code runs them; under "zllm" any
+    other is refused there (naming what is supported); under "transformers" it is read here.
+    """
+    _, native = architecture_of(model_path)
+    if native:
+        return read_arch_config(model_path)
+    if impl.name == "zllm":
+        try:
+            read_arch_config(model_path)  # raises, naming what zllm's own code runs
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc}; --model-impl transformers (or auto) runs it with transformers' "
+                f"modeling code"
+            ) from None
+    if os.path.isdir(model_path):
+        return _arch_from_config(Path(model_path))
+    return _arch_from_gguf(read_gguf(model_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    config_path = directory / "config.json"
+    try:
+        return json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from None
+
+
+def refuse_unservable(cfg: dict[str, Any], where: str) -> None:
+    """ValueError naming the architecture and why the transformers backend cannot serve it."""
+    name = cfg.get("model_type")
+    if cfg.get("is_encoder_decoder"):
+        raise ValueError(
+            f"{where}: {name} is an encoder-decoder model; zllm serves decoder-only causal LMs"
+        )
+    if "text_config" in cfg or "vision_config" in cfg or "audio_config" in cfg:
+        raise ValueError(
+            f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs"
+        )
+    ssm_keys = [k for k in _STATE_SPACE_KEYS if k in cfg]
+    other_layers = sorted(set(cfg.get("layer_types") or []) - _ATTENTION_LAYER_TYPES)
+    if ssm_keys or other_layers:
+        shown = ", ".join(other_layers) if other_layers else ", ".join(ssm_keys)
+        raise ValueError(
+            f"{where}: {name} has state-space or recurrent layers ({shown}); zllm's paged KV "
+            f"cache serves attention layers only"
+        )
+
+
+def _first(cfg: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
+
+def _arch_from_config(directory: Path) -> ModelArchConfig:
+    """A causal LM's KV cache layout from config.json, under the names families use."""
+    cfg = _read_config(directory)
+    where = str(directory / "config.json")
+    refuse_unservable(cfg, where)
+
+    def need(*keys: str) -> Any:
+        value = _first(cfg, *keys)
+        if value is None:
+            raise ValueError(f"{where} has none of {', '.join(map(repr, keys))}")
+        return value
+
+    num_layers = int(need("num_hidden_layers", "n_layer", "num_layers"))
+    heads = int(need("num_attention_heads", "n_head", "num_heads"))
+    hidden = int(need("hidden_size", "n_embd", "d_model"))
+    kv_heads = _first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if kv_heads is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    max_positions = int(
+        need("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+    )
+    layer_types, window = _sliding_layers(cfg, num_layers, max_positions)
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture=str(cfg.get("model_type")),
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_first(cfg, "intermediate_size", "n_inner", "ffn_hidden_size") or 0),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(kv_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(_first(cfg, "rms_norm_eps", "layer_norm_eps") or 1e-6),
+        rope_theta=float(cfg.get("rope_theta") or 10000.0),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        layer_types=layer_types,
+        sliding_window=window,
+    )
+
+
+def _sliding_layers(
+    cfg: dict[str, Any], num_layers: int, max_positions: int
+) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window): config.json's layer_types when it has them, else every
+    layer windowed when sliding_window is set (Mistral's and Starcoder2's reading); a window
+    no shorter than the context drops nothing and counts as none."""
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False or not window or window >= max_positions:
+        return None, None
+    layer_types = cfg.get("layer_types") or ["sliding_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if "sliding_attention" not in layer_types:
+        return None, None
+    return list(layer_types), int(window)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF metadata (the architectures transformers' GGUF reader knows)
+
+
+def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+    md, path = gguf.metadata, gguf.path
+    arch = str(md.get("general.architecture"))
+    if arch in _ENCODER_DECODER_GGUF:
+        raise ValueError(f"{path}: {arch} is an encoder model; zllm serves decoder-only causal LMs")
+    if any(key.startswith(f"{arch}.ssm.") for key in md):
+        raise ValueError(
+            f"{path}: {arch} has state-space layers; zllm's paged KV cache serves attention only"
+        )
+
+    def need(key: str) -> Any:
+        value = md.get(f"{arch}.{key}")
+        if value is None:
+            raise invalid_gguf(path, f"missing metadata key '{arch}.{key}'")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    num_layers, max_positions = int(need("block_count")), int(need("context_length"))
+    tokens = md.get("tokenizer.ggml.tokens")
+    embd = gguf.tensors.get("token_embd.weight")
+    vocab = md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else embd and embd.shape[0])
+    window = md.get(f"{arch}.attention.sliding_window")
+    sliding = bool(window) and window < max_positions
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab or 0),
+        hidden_size=hidden,
+        intermediate_size=int(md.get(f"{arch}.feed_forward_length") or 0),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(md.get(f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon") or 1e-6),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base") or 10000.0),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
+        layer_types=["sliding_attention"] * num_layers if sliding else None,
+        sliding_window=int(window) if sliding else None,
+    )
