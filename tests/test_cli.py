@@ -34,6 +34,7 @@ ENGINE = EngineArgs(
     quantization="int8",
     enforce_eager=True,
     generation_config="vllm",
+    model_impl="transformers",
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -52,6 +53,7 @@ ENGINE_ARGV = [
     "--quantization", "int8",
     "--enforce-eager",
     "--generation-config", "vllm",
+    "--model-impl", "transformers",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

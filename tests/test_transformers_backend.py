@@ -10,6 +10,7 @@ modeling code under zllm's scheduler and paged KV cache (--model-impl transforme
   olmoe        mixture of experts: 4 experts, 2 per token
   mixtral      mixture of experts: 4 local experts, 2 per token
   qwen3_moe    mixture of experts with q/k norms
+  qwen2_moe    mixture of experts beside a gated shared expert, q/k/v biases
 
 Each is a tiny random model from transformers' config class; zllm's greedy tokens must equal
 transformers' `generate`, token for token (tests/parity.py), through the offline API, with 32
@@ -52,6 +53,12 @@ CASES: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, head_dim=16, moe_intermediate_size=64),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
 }
 MOE = "olmoe"  # the cases the engine-composition tests run: one mixture of experts,
 DENSE = "starcoder2"  # one dense model with a sliding window
@@ -116,6 +123,23 @@ def test_auto_picks_native_code_when_zllm_has_it(tmp_path: Path) -> None:
         LLM(str(neox), model_impl="zllm")
     with pytest.raises(ValueError, match="model_impl must be one of"):
         LLM(str(neox), model_impl="vllm")
+
+
+def test_without_transformers_installed_the_fallback_says_what_to_install(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import importlib.util
+
+    neox = write_tiny_model(tmp_path / "neox", arch="gpt_neox", num_key_value_heads=None)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"no native code for 'gpt_neox'.*zllm\[transformers\]"):
+        choose_model_impl(str(neox))
+    assert choose_model_impl(str(write_tiny_model(tmp_path / "llama"))).name == "zllm"
 
 
 def test_kv_layout_is_read_from_config_json(models) -> None:

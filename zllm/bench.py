@@ -101,10 +101,11 @@ def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
 def run_transformers(args) -> ThroughputResult:
     import torch
 
-    from zllm.model_files import read_arch_config, resolve_model
+    from zllm.model_files import resolve_model
+    from zllm.model_impl import arch_of
 
     path = resolve_model(args.model)
-    arch = read_arch_config(path)
+    arch = arch_of(path)
     model = _load_hf_model(path)
     prompts = make_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.prompt_seed)
     pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0

@@ -16,7 +16,8 @@ from zllm.arg_utils import parse_size
 from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES
 from zllm.core.block_manager import BlockManager
 from zllm.kv_cache_groups import kv_bytes_per_slot, kv_cache_groups
-from zllm.model_files import read_arch_config, resolve_model
+from zllm.model_files import resolve_model
+from zllm.model_impl import arch_of
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -55,7 +56,7 @@ def concurrent_sequences(
 
 
 def main(args: argparse.Namespace) -> int:
-    arch = read_arch_config(resolve_model(args.model))
+    arch = arch_of(resolve_model(args.model))
     print(
         f"{arch.architecture}: {arch.num_layers} layers, window {arch.sliding_window}, "
         f"{args.kv_cache_memory_bytes / 2**30:.2f} GiB {args.dtype} KV pool, "

@@ -133,9 +133,10 @@ def main(args: argparse.Namespace) -> int:
 
     vocab = args.vocab_size
     if vocab is None:
-        from zllm.model_files import read_arch_config, resolve_model
+        from zllm.model_files import resolve_model
+        from zllm.model_impl import arch_of
 
-        vocab = read_arch_config(resolve_model(args.tokenizer)).vocab_size
+        vocab = arch_of(resolve_model(args.tokenizer)).vocab_size
     config = ServeBenchConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,

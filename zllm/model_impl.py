@@ -16,6 +16,7 @@ No torch here.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -76,6 +77,15 @@ def choose_model_impl(model_path: str, requested: str = "auto") -> ModelImpl:
     arch, native = architecture_of(model_path)
     if requested == "zllm" or (requested == "auto" and native):
         return ModelImpl("zllm", arch, "zllm's model code")
+    if importlib.util.find_spec("transformers") is None:
+        why = (
+            "--model-impl transformers"
+            if requested == "transformers"
+            else f"zllm has no native code for {arch!r}; running it"
+        )
+        raise ValueError(
+            f"{model_path}: {why} needs transformers: pip install 'zllm[transformers]'"
+        )
     if requested == "transformers":
         return ModelImpl("transformers", arch, "transformers' model code, as asked")
     return ModelImpl(
@@ -103,6 +113,11 @@ def read_model_arch(model_path: str, impl: ModelImpl) -> ModelArchConfig:
     if os.path.isdir(model_path):
         return _arch_from_config(Path(model_path))
     return _arch_from_gguf(read_gguf(model_path))
+
+
+def arch_of(model_path: str, requested: str = "auto") -> ModelArchConfig:
+    """The architecture record of whichever code `requested` picks (benchmarks, tools)."""
+    return read_model_arch(model_path, choose_model_impl(model_path, requested))
 
 
 # ---------------------------------------------------------------------------------------------
