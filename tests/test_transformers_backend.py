@@ -14,7 +14,7 @@ modeling code under zllm's scheduler and paged KV cache (--model-impl transforme
 
 Each is a tiny random model from transformers' config class; zllm's greedy tokens must equal
 transformers' `generate`, token for token (tests/parity.py), through the offline API, with 32
-requests at once, chunked prefill, a prefix-cache hit and preemption, and through `zllm serve`.
+requests at once, chunked prefill, a prefix-cache hit and preemption, and through `zllm serve` (five of them).
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def test_preemption_recomputes(models, case) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", ["gpt_neox", MOE])
+@pytest.mark.parametrize("case", ["gpt_neox", "olmo2", "phi", "starcoder2", MOE])
 def test_served(models, case, tmp_path: Path) -> None:
     """`zllm serve` on a model only transformers' code runs: its greedy completions are the
     offline engine's text, whose tokens are transformers'; the log says which code serves it."""
