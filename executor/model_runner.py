@@ -31,6 +31,7 @@ from zllm.executor.models import get_model_class
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask, apply_bitmask
 from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
@@ -127,6 +128,7 @@ class ModelRunner:
         self.graph_runner = self._capture_cuda_graphs(config)
         self._log_kv_cache()
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(config.model_path, self.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
         # Generators of the extra samples of an n > 1 request, drawn before the core's fork
         # message for them arrives: (parent req_id, sample_index) -> generator.
@@ -242,14 +244,18 @@ class ModelRunner:
         the step that sampled them)."""
         for fork in so.forked_requests:
             generator = self._child_generators.pop((fork.parent_req_id, fork.sample_index), None)
-            self.requests[fork.req_id] = self.requests[fork.parent_req_id].fork(fork, generator)
+            child = self.requests[fork.parent_req_id].fork(fork, generator)
+            self._attach_grammar(child)
+            self.requests[fork.req_id] = child
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             # Samples the core never forked (they finished at their first token) leave theirs.
             for key in [key for key in self._child_generators if key[0] == req_id]:
                 del self._child_generators[key]
         for new in so.new_requests:
-            self.requests[new.req_id] = RequestState.from_new(new)
+            state = RequestState.from_new(new)
+            self._attach_grammar(state)
+            self.requests[new.req_id] = state
         for cached in so.cached_requests:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
@@ -258,6 +264,13 @@ class ModelRunner:
         for src, dst in so.blocks_to_copy:
             for kv in self.kv_tensors:  # a block's bytes: its group's layers, one per tensor
                 kv[:, dst].copy_(kv[:, src])
+
+    def _attach_grammar(self, st: RequestState) -> None:
+        """A structured-output request's matcher, fed the output it already has (a recomputed
+        request after preemption, a forked sample's first token)."""
+        params = st.sampling_params.structured_outputs
+        if params is not None:
+            st.grammar = self.grammars.matcher(params, st.eos_token_ids, st.output_token_ids)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -387,6 +400,7 @@ class ModelRunner:
     def _sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
         """One token per sampler row; logits are computed once per request, then repeated."""
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows.hidden_rows)])
+        self._apply_grammars(logits, rows.requests)
         if len(rows.row_states) != len(rows.requests):
             logits = torch.repeat_interleave(logits, torch.tensor(rows.num_samples), dim=0)
         metadata = SamplingMetadata.build(
@@ -434,6 +448,17 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def _apply_grammars(self, logits: torch.Tensor, requests: list[RequestState]) -> None:
+        """Structured outputs: each such request's logits row keeps only the tokens its
+        grammar allows next (the samples of an n > 1 request share the row)."""
+        grammar_rows = [i for i, st in enumerate(requests) if st.grammar is not None]
+        if not grammar_rows:
+            return
+        bitmask = allocate_bitmask(len(grammar_rows), logits.shape[1])
+        for k, i in enumerate(grammar_rows):
+            requests[i].grammar.fill_mask(bitmask[k])  # type: ignore[union-attr]
+        apply_bitmask(logits, grammar_rows, bitmask)
+
     # ---- helpers -------------------------------------------------------------------------------
     @staticmethod
     def _banned_tokens(st: RequestState) -> list[int]:
@@ -441,6 +466,8 @@ class ModelRunner:
         params = st.sampling_params
         if len(st.output_token_ids) >= params.min_tokens:
             return []
+        if st.grammar is not None and st.grammar.is_stopped:
+            return []  # a complete answer may only end: the grammar wins over min_tokens
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:
             banned += st.eos_token_ids

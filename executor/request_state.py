@@ -9,11 +9,15 @@ steps, and across a preemption, which the executor does not see).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from zllm.protocol import ForkedRequestData, NewRequestData
 from zllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from zllm.executor.structured_output import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -30,6 +34,8 @@ class RequestState:
     eos_token_ids: list[int]
     generator: torch.Generator | None
     all_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: where the output is in its grammar (set by the model runner).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -63,6 +69,8 @@ class RequestState:
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
 
 
 def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:

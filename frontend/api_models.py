@@ -8,12 +8,13 @@ log a warning, as vLLM does. Sampling fields follow vLLM's names and extensions.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
+from zllm.structured_outputs import StructuredOutputsParams
 
 # ---- limits --------------------------------------------------------------------------------
 # Each is part of a field's type, so a request beyond it is a 400 naming the field, and the
@@ -46,6 +47,21 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`. The schema is enforced whether or not
+    `strict` is set: the answer always parses and matches."""
+
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """The sampling fields the two generation endpoints share (None: the engine default)."""
 
@@ -68,6 +84,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (json,
+    # json_object, regex, choice, grammar); at most one of the two.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -35,6 +35,7 @@ from zllm.frontend.api_models import (
 from zllm.generation_config import SamplingDefaults
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
+from zllm.structured_outputs import StructuredOutputsParams
 from zllm.tokenizer import Tokenizer
 
 # ---- requests ------------------------------------------------------------------------------
@@ -147,6 +148,7 @@ def sampling_params(
     }
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    kwargs["structured_outputs"] = structured_outputs(body)
     for name in _SAMPLING_FIELDS:
         value = getattr(body, name)
         if value is not None:
@@ -156,6 +158,26 @@ def sampling_params(
     except ParamError as e:  # the request's own name for the field, where it differs
         param = {"max_tokens": max_tokens_name, "logprobs": logprobs_name}.get(e.param, e.param)
         raise RequestError(str(e), param=param) from None
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
+    """What the answer must match: `structured_outputs` as given, or OpenAI's
+    response_format (json_object: any JSON object; json_schema: that schema)."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return body.structured_outputs
+    if body.structured_outputs is not None:
+        raise RequestError(
+            "Set response_format or structured_outputs, not both.", param="response_format"
+        )
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise RequestError(
+            "response_format of type json_schema needs json_schema.schema.",
+            param="response_format.json_schema",
+        )
+    return StructuredOutputsParams(json=fmt.json_schema.schema)
 
 
 def completion_params(

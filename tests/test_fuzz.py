@@ -59,6 +59,12 @@ def test_openapi_schema_describes_the_api(fuzz_server):
     assert {"maximum": 16, "minimum": 1, "type": "integer"}.items() <= props["n"].items()
     max_tokens = next(b for b in props["max_tokens"]["anyOf"] if b.get("type") == "integer")
     assert max_tokens["maximum"] == 64  # the server's context length
+    # Structured outputs on both endpoints: OpenAI's response_format and vLLM's field.
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = spec["components"]["schemas"][request]["properties"]
+        assert {"response_format", "structured_outputs"} <= set(fields)
+    structured = spec["components"]["schemas"]["StructuredOutputsParams"]["properties"]
+    assert {"json", "json_object", "regex", "choice", "grammar"} <= set(structured)
     responses = spec["paths"]["/v1/completions"]["post"]["responses"]
     assert {"200", "400", "413", "503", "504"} <= set(responses)
 

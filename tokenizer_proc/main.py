@@ -1,8 +1,9 @@
 """A tokenizer worker process (`zllm: tokenizer I`).
 
 frontend ──TokenizeRequest──► [PULL tokenizer_in] (ZeroMQ load-balances the N workers)
-    RequestTokenizer: apply the chat template, tokenize, check the prompt (zllm.inputs),
-    add the ids that end generation and the model's default max_tokens
+    RequestTokenizer: apply the chat template, tokenize, check the prompt (zllm.inputs) and
+    compile any structured-outputs grammar (a 400 if it cannot), add the ids that end
+    generation and the model's default max_tokens
 ──EngineCoreRequest──► core            or   ──RequestRejected──► frontend
 """
 
@@ -21,6 +22,7 @@ from zllm.messaging import receive
 from zllm.procutil import index_arg, report_ready, start_process
 from zllm.protocol import EngineCoreRequest, ProcessRole, RequestRejected, TokenizeRequest
 from zllm.sampling_params import SamplingParams
+from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("zllm.tokenizer")
@@ -60,6 +62,10 @@ class RequestTokenizer:
                 vocab_size=self.vocab_size,
                 param=param,
             )
+            if req.sampling_params.structured_outputs is not None:
+                # Compiled here, off the core's and executor's loops: a grammar that cannot
+                # compile is a 400 before anything is scheduled.
+                check_structured_outputs(req.sampling_params.structured_outputs)
         except ParamError as e:
             return RequestRejected(req.req_id, str(e), 400, e.param)
         return EngineCoreRequest(

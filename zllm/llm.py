@@ -22,6 +22,7 @@ from zllm.inputs import check_prompt
 from zllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
+from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
@@ -128,6 +129,8 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.config.arch.vocab_size,
         )
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         return _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:

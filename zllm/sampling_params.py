@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from zllm.errors import ParamError
+from zllm.structured_outputs import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 
@@ -31,6 +32,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # The answer must match this JSON schema / regex / choice / grammar (structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
