@@ -32,7 +32,7 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
-from zllm.inputs import check_prompt
+from zllm.inputs import check_prompt, check_token_params
 from zllm.kv_cache_groups import kv_cache_groups
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
@@ -110,6 +110,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 vocab_size=self.config.arch.vocab_size,
             )
+            check_token_params(params, self.config.arch.vocab_size)
         except ParamError as e:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(

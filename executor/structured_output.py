@@ -11,7 +11,7 @@ model has seen. No request waits for a round trip.
                       model's tokenizer) and a cache of compiled matchers by grammar text
     GrammarMatcher    one per request (and per sample of an n > 1 request): consumes each
                       output token; fills its row of the step's bitmask
-    apply_bitmask     the rows' masks onto their logits: disallowed tokens -> -inf
+    apply_bitmask     the rows' masks onto their logits: disallowed tokens -> lowest value
 
 A preempted request comes back as a NewRequestData with the tokens it already produced; its
 matcher is rebuilt and fed them. A sample forked from an n > 1 request gets its own matcher
@@ -21,6 +21,7 @@ only.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -37,25 +38,43 @@ _CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each, copied per
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
 
-    def __init__(self, matcher) -> None:  # an llguidance.LLMatcher
-        self._matcher = matcher
+    With an `after_token` (StructuredOutputsParams), the matcher waits, leaving the output
+    free, until that token is consumed; then it constrains from the grammar's start. With
+    `repeat`, a completed grammar goes back to waiting for the next such token.
+    """
+
+    def __init__(self, pristine, after_token: int | None = None, repeat: bool = False) -> None:
+        self._pristine = pristine  # an llguidance.LLMatcher at the grammar's start (shared)
+        self._matcher = pristine.deep_copy()
+        self.after_token = after_token
+        self.repeat = repeat
+        self.waiting = after_token is not None
 
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token. The mask allowed it, so this cannot fail unless the
         sequence went past the grammar's end (ignore_eos); then the matcher stays stopped."""
+        if self.waiting:
+            if token_id == self.after_token:
+                self.waiting = False
+                self._matcher = self._pristine.deep_copy()
+            return
         if not self._matcher.is_stopped():
             self._matcher.consume_token(token_id)
+        if self.repeat and self._matcher.is_stopped():
+            self.waiting = True
 
     def fill_mask(self, row: np.ndarray) -> None:
-        """This sequence's allowed next tokens into `row` (int32 words, one bit per token)."""
-        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        """This sequence's allowed next tokens into `row` (int32 words, one bit per token);
+        while waiting for its token, every token (the row as allocated)."""
+        if not self.waiting:
+            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete: only an end-of-sequence token may follow."""
-        return self._matcher.is_stopped()
+        return not self.waiting and self._matcher.is_stopped()
 
     @property
     def error(self) -> str:
@@ -96,7 +115,7 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        matcher = GrammarMatcher(pristine.deep_copy())
+        matcher = GrammarMatcher(pristine, params.after_token, params.repeat)
         for token in output_token_ids:
             matcher.consume(token)
         return matcher
@@ -112,9 +131,13 @@ class GrammarCompiler:
             from zllm.tokenizer import load_tokenizer
 
             start = time.perf_counter()
-            backend = load_tokenizer(self.model_path).backend
+            spec = json.loads(load_tokenizer(self.model_path).backend.to_str())
+            # llguidance treats every added token as special: its masks allow one for its
+            # text (`<tool_call>`, `<think>`) while consuming it fails. Added tokens that are
+            # not special are left out of its view; grammars spell their text in bytes.
+            spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t.get("special")]
             self._tokenizer = LLTokenizer(
-                backend.to_str(), n_vocab=self.vocab_size, eos_token=list(eos) or None
+                json.dumps(spec), n_vocab=self.vocab_size, eos_token=list(eos) or None
             )
             self._eos_token_ids = eos
             self._compiled.clear()
@@ -127,16 +150,22 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
     return np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
-    """logits [N, vocab]: in each of `rows`, tokens whose bit is 0 become -inf (in place)."""
-    words = torch.from_numpy(bitmask).to(logits.device)
-    allowed = ((words.unsqueeze(-1) >> _BIT.to(logits.device)) & 1).bool()
-    allowed = allowed.view(len(rows), -1)[:, : logits.shape[1]]
+    """logits [N, vocab]: in each of `rows`, tokens whose bit is 0 drop to the dtype's lowest
+    value (in place); bitmask row k belongs to logits row rows[k].
+
+    The lowest finite value rather than -inf: a softmax still gives them exactly 0, and the
+    mask is one multiply-add over the rows (masked_fill is ~3x slower on CPU at 32 x 49k).
+    """
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    allowed = torch.from_numpy(bits).to(device=logits.device, dtype=logits.dtype)
+    penalty = (allowed - 1).mul_(-torch.finfo(logits.dtype).min)  # 0 or the lowest value
+    if rows == list(range(logits.shape[0])):
+        logits.add_(penalty)
+        return
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, index, logits.index_select(0, index).add_(penalty))
 
 
 def _ms(start: float) -> float:

@@ -88,6 +88,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # json_object, regex, choice, grammar); at most one of the two.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id (as a string, OpenAI's JSON) -> bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -106,14 +108,55 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(msgspec.Struct, kw_only=True):
+    """A tool call in an assistant message (the request's history, or a response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[Tool] | None = None
+    # none / auto (needs --tool-call-parser) / required / one named function; default: auto
+    # when tools are given, else none.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: NonNegative | None = None
     max_completion_tokens: NonNegative | None = None
     logprobs: bool = False
@@ -238,6 +281,9 @@ class ChatLogprobs(msgspec.Struct):
 class ChatResponseMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
+    # Left out of the JSON unless set: the thinking (--reasoning-parser), the tools called.
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallMessage] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -259,9 +305,26 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: the first carries id, type and the name; the
+    arguments' JSON text follows in pieces that concatenate to valid JSON."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct, kw_only=True):

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest as prometheus_text
 from starlette.applications import Starlette
@@ -69,8 +70,10 @@ from zllm.frontend.openai_format import (
 from zllm.frontend.openapi import openapi_schema
 from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.streaming import ClientGone
+from zllm.frontend.tools import ChoiceParser, ToolPlan, plan_tools, think_end_token
 from zllm.inputs import check_vocabulary
 from zllm.protocol import TokenizeRequest
+from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer import Tokenizer
 
@@ -207,6 +210,10 @@ class OpenAIServer:
         model = self._model_name(body.model)
         messages = chat_messages(body.messages)
         params = chat_params(body, self.max_model_len, self.sampling_defaults)
+        plan = plan_tools(
+            body, self.tokenizer, self.config.tool_call_parser, params.structured_outputs
+        )
+        params = self._constrain(params, plan)
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             raise RequestError(
                 "This server does not accept a chat_template in requests "
@@ -220,16 +227,24 @@ class OpenAIServer:
             req_id=ids.engine_id(0, 1),
             sampling_params=params,
             messages=messages,
+            tools=plan.tools,
             add_generation_prompt=body.add_generation_prompt,
             chat_template=body.chat_template,
             add_special_tokens=body.add_special_tokens,
             arrival_time=now,
         )
+        shaped = plan.mode != "none" or self.config.reasoning_parser is not None
         assembler = ChatAssembler(
             n=params.n,
             want_logprobs=body.logprobs,
             want_prompt_logprobs=body.prompt_logprobs is not None,
             names=self.names,
+            parsers=[
+                ChoiceParser(plan, self.config.tool_call_parser, self.config.reasoning_parser)
+                for _ in range(params.n)
+            ]
+            if shaped
+            else None,
         )
         head: dict[str, Any] = dict(id=ids.response_id, created=int(now), model=model)
 
@@ -256,6 +271,19 @@ class OpenAIServer:
             ],
         )
         return await self.generation.run(request, job)
+
+    def _constrain(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """The request's structured-outputs constraint: the tool plan's (required, a named
+        function, auto's call grammar) or the request's own; with a reasoning parser, one
+        that does not wait for a token of its own applies after `</think>`."""
+        structured = plan.structured if plan.structured is not None else params.structured_outputs
+        if structured is None:
+            return params
+        if self.config.reasoning_parser is not None and structured.after_token is None:
+            think_end = think_end_token(self.tokenizer)
+            if think_end is not None:
+                structured = msgspec.structs.replace(structured, after_token=think_end)
+        return msgspec.structs.replace(params, structured_outputs=structured)
 
     # ---- other routes --------------------------------------------------------------------
     @_api_errors

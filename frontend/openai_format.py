@@ -7,8 +7,10 @@ choices are numbered `prompt_index * n + sample_index`, as OpenAI numbers them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.api_models import (
@@ -27,11 +29,15 @@ from zllm.frontend.api_models import (
     CompletionRequest,
     CompletionStreamChoice,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
+    ToolCallMessage,
     UsageInfo,
 )
+from zllm.frontend.tools import ChoiceParser
 from zllm.generation_config import SamplingDefaults
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
@@ -73,8 +79,10 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
     )
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template sees them: text content only (parts are joined)."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: text content (parts are joined), and, as
+    transformers' templates expect them, an assistant turn's `tool_calls` (arguments as a
+    mapping when they are JSON) and a tool result's `tool_call_id`."""
     if not messages:
         raise RequestError("messages must not be empty.", param="messages")
     result = []
@@ -92,11 +100,27 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
             content = "\n".join(texts)
         else:
             content = m.content or ""
-        message = {"role": m.role, "content": content}
+        message: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         result.append(message)
     return result
+
+
+def _template_tool_call(call: ToolCallMessage) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments  # not JSON: the template gets the text
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 _SAMPLING_FIELDS = (
@@ -149,6 +173,8 @@ def sampling_params(
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     kwargs["structured_outputs"] = structured_outputs(body)
+    if body.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(body.logit_bias)
     for name in _SAMPLING_FIELDS:
         value = getattr(body, name)
         if value is not None:
@@ -158,6 +184,13 @@ def sampling_params(
     except ParamError as e:  # the request's own name for the field, where it differs
         param = {"max_tokens": max_tokens_name, "logprobs": logprobs_name}.get(e.param, e.param)
         raise RequestError(str(e), param=param) from None
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise RequestError("logit_bias keys must be token ids.", param="logit_bias") from None
 
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputsParams | None:
@@ -524,6 +557,8 @@ class ChatAssembler:
     want_logprobs: bool
     want_prompt_logprobs: bool
     names: LogprobText
+    # One per choice when tools or a reasoning parser shape the text (frontend/tools.py).
+    parsers: list[ChoiceParser] | None = None
     choices: list[_ChoiceState] = field(init=False)
     usage: Usage = field(init=False)
     prompt_logprobs: list | None = None
@@ -547,18 +582,49 @@ class ChatAssembler:
         if self.want_logprobs and delta.logprobs is not None:
             rows = self.names.rows(delta.logprobs, delta.logprob_tokens)
             logprobs = ChatLogprobs(content=chat_logprobs(rows, self.names))
+        message = self._message(delta)
         if delta.finish_reason is not None:
-            state.finish_reason = _reason(delta)
+            state.finish_reason = self._finish_reason(delta)
             state.stop_reason = delta.stop_reason
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+        has_text = message.content or message.reasoning_content or message.tool_calls
+        if not has_text and delta.finish_reason is None and logprobs is None:
             return None
         return ChatStreamChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text),
+            delta=message,
             logprobs=logprobs,
-            finish_reason=_reason(delta),
+            finish_reason=state.finish_reason if delta.finish_reason is not None else None,
             stop_reason=delta.stop_reason,
         )
+
+    def _message(self, delta: RequestOutputDelta) -> DeltaMessage:
+        """The delta's text as content, or split by the choice's parser into reasoning,
+        content and tool-call pieces (flushed when the choice finishes)."""
+        if self.parsers is None:
+            return DeltaMessage(content=delta.text)
+        parser = self.parsers[delta.index]
+        piece = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            piece.content += rest.content
+            piece.reasoning += rest.reasoning
+            piece.tool_calls += rest.tool_calls
+        return DeltaMessage(
+            content=piece.content,
+            reasoning_content=piece.reasoning or None,
+            tool_calls=piece.tool_calls or None,
+        )
+
+    def _finish_reason(self, delta: RequestOutputDelta) -> str | None:
+        """OpenAI's "tool_calls" when the model called tools of its choice (auto, required);
+        a named tool_choice ends with "stop", as OpenAI's does."""
+        reason = _reason(delta)
+        if self.parsers is None or reason != "stop":
+            return reason
+        parser = self.parsers[delta.index]
+        if parser.called_tools and parser.plan.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
     def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
         """Non-streaming: keep this delta's fragment for `finish`."""
@@ -577,12 +643,34 @@ class ChatAssembler:
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=ChatResponseMessage(
-                        content="".join(p.delta.content or "" for p in parts)
-                    ),
+                    message=_whole_message(parts),
                     logprobs=logprobs,
                     finish_reason=state.finish_reason,
                     stop_reason=state.stop_reason,
                 )
             )
         return choices
+
+
+def _whole_message(parts: list[ChatStreamChoice]) -> ChatResponseMessage:
+    """A choice's streamed pieces joined: content, reasoning, and each tool call's id, name
+    and concatenated arguments."""
+    content = "".join(p.delta.content or "" for p in parts)
+    reasoning = "".join(p.delta.reasoning_content or "" for p in parts)
+    calls: dict[int, ToolCallMessage] = {}
+    for p in parts:
+        for d in p.delta.tool_calls or []:
+            fn = d.function or FunctionCallDelta()
+            call = calls.get(d.index)
+            if call is None:
+                call = calls[d.index] = ToolCallMessage(
+                    id=d.id or "", function=FunctionCall(name=fn.name or "", arguments="")
+                )
+            call.function.arguments += fn.arguments or ""
+    # With tool calls and nothing else to say, content is null, as OpenAI sends it.
+    message = ChatResponseMessage(content=None if calls and not content.strip() else content)
+    if reasoning:
+        message.reasoning_content = reasoning
+    if calls:
+        message.tool_calls = [calls[i] for i in sorted(calls)]
+    return message

@@ -80,6 +80,8 @@ SERVER_ARGV = [
     "--allowed-origins", "https://a.example, https://b.example",
     "--allowed-origins", '["https://c.example"]',
     "--trust-request-chat-template",
+    "--tool-call-parser", "hermes",
+    "--reasoning-parser", "qwen3",
 ]  # fmt: skip
 
 ENGINE_COMMANDS = [
@@ -167,6 +169,8 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         protect_metrics=True,
         allowed_origins=["https://a.example", "https://b.example", "https://c.example"],
         trust_request_chat_template=True,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
     )
     assert config.endpoints.ipc_dir is None
     assert len(config.endpoints.detokenizer_in) == 3

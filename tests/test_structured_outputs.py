@@ -356,3 +356,24 @@ def test_served_bad_schema_is_a_400_and_the_server_goes_on(served) -> None:
         )
     text, finish = ask_json(client, PERSON, 1)
     jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_apply_bitmask_drops_exactly_the_disallowed_tokens() -> None:
+    import numpy as np
+    import torch
+
+    from zllm.executor.structured_output import apply_bitmask
+
+    rng = np.random.default_rng(0)
+    vocab = 1000  # not a multiple of 32: the last word is partly padding
+    bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, (vocab + 31) // 32), dtype=np.int32)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    logits = torch.randn(5, vocab)
+    before = logits.clone()
+    apply_bitmask(logits, [1, 2, 4], bitmask)
+    for k, row in enumerate([1, 2, 4]):
+        keep = torch.from_numpy(allowed[k].astype(bool))
+        assert torch.equal(logits[row][keep], before[row][keep])
+        assert (logits[row][~keep] <= torch.finfo(torch.float32).min / 2).all()
+        assert torch.softmax(logits[row], 0)[~keep].sum() == 0
+    assert torch.equal(logits[[0, 3]], before[[0, 3]])

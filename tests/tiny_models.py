@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,8 +89,10 @@ def arch_config_of(config: transformers.PretrainedConfig) -> ModelArchConfig:
         return read_arch_config(directory)
 
 
-def build_tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE trained on a few sentences: fast, and covers every byte."""
+def build_tiny_tokenizer(vocab_size: int = 512, extra_tokens: Sequence[str] = ()):
+    """A byte-level BPE trained on a few sentences: fast, and covers every byte.
+    `extra_tokens` (e.g. "<tool_call>", "</think>") become single added tokens that decoding
+    keeps, as Qwen's are."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -102,14 +105,26 @@ def build_tiny_tokenizer(vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
+    if extra_tokens:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
     return tok
 
 
-def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def write_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    chat_template: str = CHAT_TEMPLATE,
+    extra_tokens: Sequence[str] = (),
+    **overrides,
+) -> Path:
     """Save a tiny random model + tokenizer in Hugging Face layout under `path`; `overrides`
     go to tiny_hf_config (the vocabulary and EOS come from the tokenizer)."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(extra_tokens=extra_tokens)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(
@@ -117,7 +132,7 @@ def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "add_bos_token": False,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": chat_template,
                 "model_max_length": 512,
             }
         )

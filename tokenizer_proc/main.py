@@ -17,7 +17,7 @@ import zmq
 
 from zllm.errors import ParamError
 from zllm.generation_config import default_max_tokens, merge_eos_token_ids
-from zllm.inputs import check_prompt
+from zllm.inputs import check_prompt, check_token_params
 from zllm.messaging import receive
 from zllm.procutil import index_arg, report_ready, start_process
 from zllm.protocol import EngineCoreRequest, ProcessRole, RequestRejected, TokenizeRequest
@@ -62,6 +62,7 @@ class RequestTokenizer:
                 vocab_size=self.vocab_size,
                 param=param,
             )
+            check_token_params(req.sampling_params, self.vocab_size)
             if req.sampling_params.structured_outputs is not None:
                 # Compiled here, off the core's and executor's loops: a grammar that cannot
                 # compile is a 400 before anything is scheduled.
@@ -92,8 +93,9 @@ class RequestTokenizer:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
+            extra = {"tools": req.tools} if req.tools else {}
             text = self.tokenizer.apply_chat_template(
-                req.messages, req.add_generation_prompt, chat_template=req.chat_template
+                req.messages, req.add_generation_prompt, chat_template=req.chat_template, **extra
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(req.prompt or "", req.add_special_tokens)

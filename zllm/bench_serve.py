@@ -52,6 +52,9 @@ class ServeBenchConfig:
     api_key: str | None = None
     temperature: float = 0.0
     label: str | None = None
+    # Sent as every request's `structured_outputs` (e.g. {"json": {...}} or {"regex": "..."}):
+    # what grammars cost per step.
+    structured_outputs: dict | None = None
 
 
 @dataclass(slots=True)
@@ -118,6 +121,13 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY if set")
     p.add_argument("--temperature", type=float, default=d.temperature)
     p.add_argument("--label", default=None, help="a name for this run, kept in the JSON")
+    p.add_argument(
+        "--structured-outputs",
+        type=json.loads,
+        default=None,
+        help='JSON sent as each request\'s structured_outputs, e.g. \'{"regex": "[a-z ]+"}\' '
+        "(zllm and vLLM): the per-step cost of grammars",
+    )
     p.add_argument("--output-json", default=None)
     p.add_argument(
         "--save-detailed", action="store_true", help="also write per-request records to JSON"
@@ -154,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
         temperature=args.temperature,
         label=args.label,
+        structured_outputs=args.structured_outputs,
     )
     if config.num_prompts < 1 or config.input_len < 1 or config.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be at least 1")
@@ -221,7 +232,7 @@ def request_body(config: ServeBenchConfig, model: str, prompt: list[int], max_to
         "temperature": config.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    } | ({"structured_outputs": config.structured_outputs} if config.structured_outputs else {})
 
 
 async def send_request(

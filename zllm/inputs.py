@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from zllm.errors import ParamError
+from zllm.sampling_params import SamplingParams
 
 
 def check_prompt(
@@ -54,3 +55,11 @@ def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str) -> N
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ParamError(f"Token id {bad} is out of vocabulary range [0, {vocab_size}).", param)
+
+
+def check_token_params(params: SamplingParams, vocab_size: int) -> None:
+    """The token ids a request's sampling names (logit_bias keys, stop_token_ids) index the
+    logits: each must be in the vocabulary."""
+    if params.logit_bias:
+        check_vocabulary(list(params.logit_bias), vocab_size, "logit_bias")
+    check_vocabulary(params.stop_token_ids, vocab_size, "stop_token_ids")

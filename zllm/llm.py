@@ -18,7 +18,7 @@ from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.engine_args import EngineArgs
 from zllm.errors import ParamError
 from zllm.generation_config import merge_eos_token_ids
-from zllm.inputs import check_prompt
+from zllm.inputs import check_prompt, check_token_params
 from zllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
@@ -129,6 +129,7 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.config.arch.vocab_size,
         )
+        check_token_params(params, self.config.arch.vocab_size)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
         return _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)

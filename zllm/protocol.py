@@ -14,6 +14,7 @@ here: every consumer (scheduler, block hashing, executor state) wants Python int
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -214,7 +215,9 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     sampling_params: SamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    messages: list[dict[str, str]] | None = None
+    # Chat messages as the template sees them (an assistant turn may carry tool_calls).
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # the request's tools, for the chat template
     add_generation_prompt: bool = True
     chat_template: str | None = None
     add_special_tokens: bool = True

@@ -34,6 +34,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     # The answer must match this JSON schema / regex / choice / grammar (structured_outputs.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to these tokens' logits before sampling (OpenAI's logit_bias: -100 bans, +100
+    # all but forces); a structured-outputs grammar still has the last word.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             check(value is None or value >= 0, name, f"{name} must be non-negative, got {value}.")
         check(all(self.stop), "stop", "stop strings must not be empty.")
+        check(
+            all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
+            "logit_bias",
+            "logit_bias maps token ids to biases in [-100, 100].",
+        )
         check(
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -116,6 +116,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     # Accept a `chat_template` in request bodies (a template is code: off by default).
     trust_request_chat_template: bool = False
+    # How the model writes tool calls (zllm/tool_parsers.py); None: no tool_choice "auto".
+    tool_call_parser: str | None = None
+    # How the model writes its reasoning (zllm/reasoning_parser.py); None: all is content.
+    reasoning_parser: str | None = None
 
     @property
     def max_in_flight(self) -> int:
@@ -211,6 +215,19 @@ class ServerArgs:
     )
     trust_request_chat_template: bool = option(
         False, help="accept a chat_template in request bodies (a template is code to run)"
+    )
+    tool_call_parser: str | None = option(
+        None,
+        help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
+        "<tool_call> JSON; llama3_json: Llama 3.x JSON); required and named tool choices need "
+        "none",
+        choices=("hermes", "llama3_json"),
+    )
+    reasoning_parser: str | None = option(
+        None,
+        help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1, "
+        "qwen3); structured outputs then apply after the reasoning",
+        choices=("deepseek_r1", "qwen3"),
     )
 
 

@@ -42,6 +42,12 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Whitespace between JSON tokens: none (compact, the default: fewer tokens, fewer ways
     # to wander) or what the model likes (True).
     whitespace_flexible: bool = False
+    # zllm's own: the grammar applies only after the model emits this token (its output is
+    # free until then): `</think>` for reasoning models, a tool-call opening tag for tool
+    # calls. With `repeat`, once the grammar completes the output is free again until the
+    # next such token (one constrained tool call per opening tag).
+    after_token: int | None = None
+    repeat: bool = False
 
     def __post_init__(self) -> None:
         kinds = self.kinds()

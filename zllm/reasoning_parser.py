@@ -1,0 +1,142 @@
+"""Reasoning models: the `<think>...</think>` part of an answer, apart from the answer.
+
+    deepseek_r1  DeepSeek-R1 and its distills: their chat templates open the think block in
+                 the prompt, so the output starts inside the reasoning (a leading `<think>`
+                 is accepted and dropped); `</think>` ends it. No `</think>` at all: the
+                 whole output was reasoning.
+    qwen3        Qwen 3: reasoning only when the output opens with `<think>` (after
+                 whitespace); then until `</think>` (or the end). Otherwise all is content
+                 (thinking turned off, or a model that does not think).
+
+Streaming: `feed` returns what each chunk adds to `reasoning` and `content`; a chunk's tail
+that could be the start of a tag is held back until the next chunk shows what it is (or
+`finish`). Whitespace right after `</think>` is dropped, as the templates put a newline
+there. The pieces concatenate to exactly what `parse_reasoning` returns for the whole text;
+nothing is lost and nothing raises. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_START, _END = "<think>", "</think>"
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    reasoning: str = ""  # goes to `reasoning_content`
+    content: str = ""  # goes to `content`
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ThinkReasoningParser:
+    """Splits a streamed answer at `<think>` / `</think>` (see the module docstring)."""
+
+    def __init__(self, starts_in_reasoning: bool = False) -> None:
+        # "opening": may still see the opening tag; "reasoning"; "after_end": dropping the
+        # whitespace after </think>; "content".
+        self.state = "opening"
+        self.starts_in_reasoning = starts_in_reasoning
+        self.pending = ""  # text held back: a possible tag, or leading whitespace
+        self.saw_reasoning = starts_in_reasoning
+
+    @property
+    def reasoning_ended(self) -> bool:
+        return self.state in ("after_end", "content")
+
+    def feed(self, text: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self.pending += text
+        while self.pending:
+            if not self._step(out, final=False):
+                break
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        out = ReasoningDelta()
+        while self.pending:
+            if not self._step(out, final=True):
+                break
+        if self.pending:  # a held-back partial tag at the very end is plain text
+            self._emit(out, self.pending)
+            self.pending = ""
+        return out
+
+    def _emit(self, out: ReasoningDelta, text: str) -> None:
+        if self.state == "reasoning":
+            out.reasoning += text
+        elif self.state == "opening":
+            # Never opened: reasoning for a model that starts in it, else content.
+            if self.starts_in_reasoning:
+                out.reasoning += text
+            else:
+                out.content += text
+        else:
+            out.content += text
+
+    def _step(self, out: ReasoningDelta, final: bool) -> bool:
+        """Consume what can be decided of `pending`; False when the rest must wait."""
+        text = self.pending
+        if self.state == "opening":
+            stripped = text.lstrip()
+            if stripped.startswith(_START):
+                self.pending = stripped[len(_START) :]
+                self.state, self.saw_reasoning = "reasoning", True
+                return True
+            if not final and (not stripped or _START.startswith(stripped)):
+                return False  # whitespace or the start of <think>: wait
+            self.state = "reasoning" if self.starts_in_reasoning else "content"
+            return True
+        if self.state == "reasoning":
+            end = text.find(_END)
+            if end >= 0:
+                out.reasoning += text[:end]
+                self.pending = text[end + len(_END) :]
+                self.state = "after_end"
+                return True
+            keep = 0 if final else _partial_suffix(text, _END)
+            out.reasoning += text[: len(text) - keep]
+            self.pending = text[len(text) - keep :]
+            return False
+        if self.state == "after_end":
+            stripped = text.lstrip()
+            if not stripped:
+                self.pending = "" if final else text
+                return False
+            self.pending, self.state = stripped, "content"
+            return True
+        out.content += text
+        self.pending = ""
+        return False
+
+
+class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    def __init__(self) -> None:
+        super().__init__(starts_in_reasoning=True)
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    def __init__(self) -> None:
+        super().__init__(starts_in_reasoning=False)
+
+
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+    "qwen3": Qwen3ReasoningParser,
+}
+
+
+def parse_reasoning(parser_name: str, text: str) -> tuple[str | None, str]:
+    """(reasoning, or None when the answer had none; content) of a whole answer."""
+    parser = REASONING_PARSERS[parser_name]()
+    first, last = parser.feed(text), parser.finish()
+    reasoning = first.reasoning + last.reasoning
+    content = first.content + last.content
+    return (reasoning if parser.saw_reasoning or reasoning else None), content

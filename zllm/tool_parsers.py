@@ -1,0 +1,298 @@
+"""Tool calls in a model's own words, turned into OpenAI tool calls (`--tool-call-parser`).
+
+    hermes       Hermes, Qwen 2.5 and Qwen 3: free text, then one or more
+                 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks
+                 ("parameters" is accepted for "arguments").
+    llama3_json  Llama 3.1 / 3.2: the whole message is the call(s) when it starts (after an
+                 optional `<|python_tag|>`) with `{`: `{"name": ..., "parameters": {...}}`,
+                 several separated by `;`. Anything else is content.
+
+A parser is fed the generated text chunk by chunk (`feed`, then `finish`) and returns what
+each chunk adds: `content`, and `ToolCallDelta`s with OpenAI's streaming semantics (the first
+delta of a call carries its id and name; the arguments' JSON text follows in pieces). The
+pieces of a call's arguments concatenate to exactly the JSON text of its arguments object;
+`parse_tool_calls` on the whole text gives the same calls and content. Text that could be
+the start of a tag is held back until the next chunk settles it. A block whose JSON does not
+parse stays content, as written; nothing raises. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def make_tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+    id: str = field(default_factory=make_tool_call_id)
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    index: int  # which call of the message
+    id: str | None = None  # first delta of a call only
+    name: str | None = None  # first delta of a call only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+@dataclass(slots=True)
+class ParsedDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def add(self, other: ParsedDelta) -> None:
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object or array starting at text[start], or None if it has
+    not closed yet (a scanner that tracks strings, escapes and nesting)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _arguments_json(obj: dict) -> str | None:
+    """A call object's arguments as JSON text (a stringified object is unwrapped)."""
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return json.dumps(args, ensure_ascii=False)
+
+
+def _call_of(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one call object's text, or None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = _arguments_json(obj)
+    return None if arguments is None else (obj["name"], arguments)
+
+
+# `{"name": "...", "arguments": ` at the start of a call: name first, so it can stream.
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+class HermesToolParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buffer = ""  # text not yet settled
+        self.in_call = False
+        self.index = 0  # the next call's index
+        # The call being streamed: its id/name sent, how much of its arguments was sent.
+        self.call_started = False
+        self.args_start = -1
+        self.args_sent = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self.buffer += text
+        out = ParsedDelta()
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.in_call:
+            self._end_call(self.buffer, out, closed=False)
+        else:
+            out.content += self.buffer
+        self.buffer = ""
+        return out
+
+    def _step(self, out: ParsedDelta) -> bool:
+        if not self.in_call:
+            start = self.buffer.find(self.OPEN)
+            if start < 0:
+                keep = _partial_suffix(self.buffer, self.OPEN)
+                out.content += self.buffer[: len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep :]
+                return False
+            out.content += self.buffer[:start]
+            self.buffer = self.buffer[start + len(self.OPEN) :]
+            self.in_call, self.call_started, self.args_start, self.args_sent = True, False, -1, 0
+            return True
+        end = self.buffer.find(self.CLOSE)
+        if end >= 0:
+            body = self.buffer[:end]
+            self.buffer = self.buffer[end + len(self.CLOSE) :]
+            self._end_call(body, out, closed=True)
+            return True
+        self._stream_call(self.buffer, out)
+        return False
+
+    def _stream_call(self, body: str, out: ParsedDelta) -> None:
+        """Inside an open block: send the name once complete, then the arguments' text as it
+        arrives, if they are an object following the name."""
+        if self.args_start < 0:
+            head = _HEAD.match(body)
+            if head is None or not body[head.end() :].startswith("{"):
+                return  # name not complete yet, another key order, or stringified: wait
+            self.args_start = head.end()
+            name = json.loads(f'"{head.group(1)}"')
+            out.tool_calls.append(ToolCallDelta(self.index, make_tool_call_id(), name))
+            self.call_started = True
+        end = _value_end(body, self.args_start)
+        upto = end if end is not None else len(body)
+        piece = body[self.args_start + self.args_sent : upto]
+        if piece:
+            out.tool_calls.append(ToolCallDelta(self.index, arguments=piece))
+            self.args_sent += len(piece)
+
+    def _end_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
+        call = _call_of(body)
+        if self.call_started:
+            # Its name and part of its arguments went out already: send the rest as written.
+            self._stream_call(body, out)
+            self.index += 1
+        elif call is not None:
+            name, arguments = call
+            out.tool_calls.append(ToolCallDelta(self.index, make_tool_call_id(), name, arguments))
+            self.index += 1
+        else:  # not a call: the block stays text
+            out.content += self.OPEN + body + (self.CLOSE if closed else "")
+        self.in_call = False
+
+
+class Llama3JsonToolParser:
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.mode = "deciding"  # "deciding", "content" or "calls"
+        self.scanned = 0  # in calls mode: buffer[:scanned] is settled
+        self.index = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self.buffer += text
+        out = ParsedDelta()
+        if self.mode == "deciding":
+            self._decide(final=False)
+        if self.mode == "content":
+            out.content, self.buffer = self.buffer, ""
+        elif self.mode == "calls":
+            self._calls(out, final=False)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.mode == "deciding":
+            self._decide(final=True)
+        if self.mode == "calls":
+            self._calls(out, final=True)
+        else:
+            out.content, self.buffer = self.buffer, ""
+        return out
+
+    def _decide(self, final: bool) -> None:
+        """Calls if the message opens with `{` (after an optional tag), else content; wait
+        while the start is only whitespace or part of the tag."""
+        head = self.buffer.lstrip()
+        if head.startswith(self.TAG):
+            after = head[len(self.TAG) :].lstrip()
+            if after.startswith("{"):
+                self.mode, self.buffer = "calls", after
+            elif after or final:
+                self.mode = "content"
+            return
+        if head.startswith("{"):
+            self.mode, self.buffer = "calls", head
+        elif final or (head and not self.TAG.startswith(head)):
+            self.mode = "content"
+
+    def _calls(self, out: ParsedDelta, final: bool) -> None:
+        """Each complete top-level object is a call, sent whole; `;` and spaces between
+        them are dropped. What does not parse (or never closes) is content."""
+        while True:
+            rest = self.buffer[self.scanned :]
+            stripped = rest.lstrip(" \t\n;")
+            start = self.scanned + len(rest) - len(stripped)
+            if not stripped:
+                self.scanned = start if final else self.scanned
+                break
+            if not stripped.startswith("{"):  # text after the calls
+                out.content += self.buffer[start:]
+                self.scanned = len(self.buffer)
+                break
+            end = _value_end(self.buffer, start)
+            if end is None:
+                if final:
+                    out.content += self.buffer[start:]
+                    self.scanned = len(self.buffer)
+                break
+            call = _call_of(self.buffer[start:end])
+            if call is None:
+                out.content += self.buffer[start:end]
+            else:
+                name, arguments = call
+                out.tool_calls.append(
+                    ToolCallDelta(self.index, make_tool_call_id(), name, arguments)
+                )
+                self.index += 1
+            self.scanned = end
+
+
+TOOL_PARSERS: dict[str, type] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
+
+
+def parse_tool_calls(parser_name: str, text: str) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a whole answer, as the streamed pieces would assemble."""
+    parser = TOOL_PARSERS[parser_name]()
+    out = parser.feed(text)
+    out.add(parser.finish())
+    calls: dict[int, ToolCall] = {}
+    for d in out.tool_calls:
+        if d.index not in calls:
+            calls[d.index] = ToolCall(d.name or "", "", d.id or make_tool_call_id())
+        calls[d.index].arguments += d.arguments
+    return out.content, [calls[i] for i in sorted(calls)]
