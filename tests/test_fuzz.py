@@ -63,6 +63,10 @@ def test_openapi_schema_describes_the_api(fuzz_server):
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         fields = spec["components"]["schemas"][request]["properties"]
         assert {"response_format", "structured_outputs"} <= set(fields)
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "logit_bias"} <= set(chat)
+    message = spec["components"]["schemas"]["ChatMessage"]["properties"]
+    assert {"tool_calls", "tool_call_id"} <= set(message)
     structured = spec["components"]["schemas"]["StructuredOutputsParams"]["properties"]
     assert {"json", "json_object", "regex", "choice", "grammar"} <= set(structured)
     responses = spec["paths"]["/v1/completions"]["post"]["responses"]
