@@ -37,6 +37,7 @@ from starlette.routing import Route
 import zllm
 from zllm.engine_client import EngineClient
 from zllm.errors import ParamError, RequestError
+from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
@@ -88,6 +89,8 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
@@ -119,6 +122,28 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return error_response(RequestError(exc.detail, exc.status_code))
+
+
+def _anthropic_errors(
+    handler: Callable[..., Awaitable[Response]],
+) -> Callable[..., Awaitable[Response]]:
+    """As _api_errors, in Anthropic's error shape."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: OpenAIServer, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except RequestError as e:
+            return anthropic_api.error_response(e)
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            logger.exception("error serving %s %s", request.method, request.url.path)
+            return anthropic_api.error_response(
+                RequestError(f"internal server error: {type(e).__name__}: {e}", 500)
+            )
+
+    return wrapper
 
 
 def _api_errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
@@ -271,6 +296,64 @@ class OpenAIServer:
             ],
         )
         return await self.generation.run(request, job)
+
+    # ---- Anthropic's Messages API ----------------------------------------------------------
+    @_anthropic_errors
+    async def messages(self, request: Request) -> Response:
+        body = self._decode(await request.body(), anthropic_api.MessagesRequest)
+        model = self._model_name(body.model)
+        chat = anthropic_api.as_chat_request(body)
+        params = chat_params(chat, self.max_model_len, self.sampling_defaults)
+        plan = plan_tools(
+            chat, self.tokenizer, self.config.tool_call_parser, params.structured_outputs
+        )
+        params = self._constrain(params, plan)
+        self.admission.admit(request.scope[TICKET_KEY], 1)
+        ids = RequestIds.of(request, "msg")
+        engine_request = TokenizeRequest(
+            req_id=ids.engine_id(0, 1),
+            sampling_params=params,
+            messages=chat_messages(chat.messages),
+            tools=plan.tools,
+            arrival_time=time.time(),
+        )
+        assembler = anthropic_api.MessageAssembler.of(
+            ids.response_id,
+            model,
+            plan,
+            self.config.reasoning_parser,
+            self.config.tool_call_parser,
+        )
+        job = GenerationJob(
+            ids,
+            [engine_request],
+            assembler,
+            body.stream,
+            None,
+            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
+            response=assembler.response,
+            events=assembler.stream,
+            done=b"",
+            on_error=anthropic_api.error_event,
+        )
+        return await self.generation.run(request, job)
+
+    @_anthropic_errors
+    async def count_tokens(self, request: Request) -> Response:
+        body = self._decode(await request.body(), anthropic_api.CountTokensRequest)
+        self._model_name(body.model)
+        chat = anthropic_api.as_chat_request(body)
+        tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
+        try:
+            text = self.tokenizer.apply_chat_template(
+                chat_messages(chat.messages),
+                add_generation_prompt=True,
+                **({"tools": tools} if tools else {}),
+            )
+        except Exception as e:  # jinja errors, or a model without a template
+            raise RequestError(f"Could not apply the chat template: {e}", param="messages") from e
+        tokens = await _maybe_in_thread(len(text), self.tokenizer.encode, text, False)
+        return json_response(anthropic_api.CountTokensResponse(len(tokens)))
 
     def _constrain(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
         """The request's structured-outputs constraint: the tool plan's (required, a named

@@ -29,7 +29,7 @@ from zllm.errors import RequestError
 from zllm.frontend.api_models import StreamOptions, UsageInfo
 from zllm.frontend.metrics import Metrics
 from zllm.frontend.openai_format import ChatAssembler, CompletionAssembler
-from zllm.frontend.responses import json_response, sse_event
+from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
 from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.serve_config import ServeConfig
@@ -72,7 +72,7 @@ class GenerationJob:
 
     ids: RequestIds
     requests: list[TokenizeRequest]  # one per prompt, in prompt order
-    assembler: CompletionAssembler | ChatAssembler
+    assembler: CompletionAssembler | ChatAssembler | Any  # anything with collect()
     stream: bool
     stream_options: StreamOptions | None
     # A stream chunk holding these choices (and usage, when the client asked for it).
@@ -81,6 +81,13 @@ class GenerationJob:
     response: Callable[[], msgspec.Struct]
     # Chunks to send before the first choice, once the engine has accepted the request.
     prelude: Callable[[], list[msgspec.Struct]] = field(default=list)
+    # Another API's stream (Anthropic's events): outputs -> SSE bytes, in place of the
+    # OpenAI chunks above; with its end marker and its error event.
+    events: (
+        Callable[[AsyncIterator[tuple[int, RequestOutputDelta]]], AsyncIterator[bytes]] | None
+    ) = None
+    done: bytes = DONE_EVENT
+    on_error: Callable[[RequestError], bytes] = error_event
 
 
 class Generation:
@@ -94,7 +101,10 @@ class Generation:
         self._log_received(job.requests)
         outputs = self._outputs(job.requests)
         if job.stream:
-            return await sse_response(request, self._events(job, outputs), outputs, job.ids.headers)
+            events = job.events(outputs) if job.events else self._events(job, outputs)
+            return await sse_response(
+                request, events, outputs, job.ids.headers, job.done, job.on_error
+            )
 
         async def collect() -> None:
             async for prompt_index, delta in outputs:

@@ -16,10 +16,12 @@ import asyncio
 import hashlib
 import hmac
 
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zllm.errors import RequestError
+from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
 from zllm.serve_config import ServeConfig
@@ -27,7 +29,7 @@ from zllm.serve_config import ServeConfig
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope
 OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
 
 
 class Gate:
@@ -53,16 +55,16 @@ class Gate:
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await error_response(refusal)(scope, receive, send)
+            return await _error(scope, refusal)(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             body = await asyncio.wait_for(read_body(receive, self.max_body), self.body_timeout_s)
         except BodyTooLarge:
-            return await error_response(self._too_large())(scope, receive, send)
+            return await _error(scope, self._too_large())(scope, receive, send)
         except asyncio.TimeoutError:  # a client trickling its body in holds a connection
             message = f"The request body did not arrive within {self.body_timeout_s:g} s."
-            return await error_response(RequestError(message, 408))(scope, receive, send)
+            return await _error(scope, RequestError(message, 408))(scope, receive, send)
         if body is None:
             return  # the client left before sending its whole request
         receive = replay(body, receive)
@@ -134,6 +136,13 @@ class Gate:
             for key in self.key_digests:  # compare with every key: no early exit to time
                 ok |= hmac.compare_digest(digest, key)
         return ok
+
+
+def _error(scope: Scope, error: RequestError) -> Response:
+    """The error in the shape of the API the path belongs to (Anthropic's or OpenAI's)."""
+    if scope["path"].startswith("/v1/messages"):
+        return anthropic_api.error_response(error)
+    return error_response(error)
 
 
 def _is_json(content_type: bytes) -> bool:

@@ -12,6 +12,13 @@ from typing import Any
 import msgspec
 
 import zllm
+from zllm.frontend.anthropic_api import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+)
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -50,6 +57,11 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             TokenizeResponse,
             DetokenizeResponse,
             ErrorResponse,
+            MessagesRequest,
+            MessagesResponse,
+            CountTokensRequest,
+            CountTokensResponse,
+            AnthropicError,
         ],
         ref_template=_REF,
     )
@@ -63,6 +75,10 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeBody", "DetokenizeBody"):
         model = components[name]["properties"]["model"]  # any other name: 404
         model["anyOf"] = [{"enum": list(config.model_names)}, {"type": "null"}]
+
+    for name in ("MessagesRequest", "CountTokensRequest"):
+        components[name]["properties"]["model"] = {"enum": list(config.model_names)}
+    _set_maximum(components["MessagesRequest"]["properties"]["max_tokens"], max_model_len)
 
     generation_errors = (400, 401, 404, 413, 503, 504)
     paths = {
@@ -84,6 +100,28 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
                 "ChatCompletionResponse",
                 generation_errors,
                 stream=True,
+            )
+        },
+        "/v1/messages": {
+            "post": _operation(
+                "createMessage",
+                "Anthropic's Messages API (JSON, or Anthropic's server-sent events with "
+                "`stream`); errors in Anthropic's shape.",
+                "MessagesRequest",
+                "MessagesResponse",
+                generation_errors,
+                stream=True,
+                error_schema="AnthropicError",
+            )
+        },
+        "/v1/messages/count_tokens": {
+            "post": _operation(
+                "countMessageTokens",
+                "The prompt tokens a Messages request would have.",
+                "CountTokensRequest",
+                "CountTokensResponse",
+                (400, 401, 404, 413),
+                error_schema="AnthropicError",
             )
         },
         "/v1/models": {
@@ -144,6 +182,7 @@ def _operation(
     response: str,
     errors: tuple[int, ...],
     stream: bool = False,
+    error_schema: str = "ErrorResponse",
 ) -> dict[str, Any]:
     content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(name=response)}}}
     if stream:
@@ -151,7 +190,10 @@ def _operation(
     op: dict[str, Any] = {
         "operationId": operation_id,
         "summary": summary,
-        "responses": {"200": {"description": "OK", "content": content}, **_error_responses(errors)},
+        "responses": {
+            "200": {"description": "OK", "content": content},
+            **_error_responses(errors, error_schema),
+        },
     }
     if request is not None:
         op["requestBody"] = {
@@ -161,8 +203,8 @@ def _operation(
     return op
 
 
-def _error_responses(statuses: tuple[int, ...]) -> dict[str, Any]:
-    error = {"application/json": {"schema": {"$ref": _REF.format(name="ErrorResponse")}}}
+def _error_responses(statuses: tuple[int, ...], schema: str = "ErrorResponse") -> dict[str, Any]:
+    error = {"application/json": {"schema": {"$ref": _REF.format(name=schema)}}}
     return {str(s): {"description": _ERRORS[s], "content": error} for s in statuses}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -96,15 +96,19 @@ async def sse_response(
     events: AsyncIterator[bytes],
     outputs: AsyncIterator[Any],
     headers: dict[str, str] | None = None,
+    done: bytes = DONE_EVENT,
+    on_error: Callable[[RequestError], bytes] = error_event,
 ) -> Response:
     """An SSE response, started once the first event is ready: a request the engine
-    refuses (a prompt too long, the engine down) still gets a proper error status."""
+    refuses (a prompt too long, the engine down) still gets a proper error status. `done`
+    ends the stream (OpenAI's `[DONE]`; empty for Anthropic's), `on_error` turns a failure
+    after the start into the API's error event."""
     try:
         first = await until_disconnect(request, _first(events), outputs)
     except BaseException:
         await events.aclose()  # type: ignore[attr-defined]
         raise
-    return EventStream(_sse_body(first, events, outputs), headers)
+    return EventStream(_sse_body(first, events, outputs, done, on_error), headers)
 
 
 async def _first(events: AsyncIterator[bytes]) -> bytes | None:
@@ -115,23 +119,28 @@ async def _first(events: AsyncIterator[bytes]) -> bytes | None:
 
 
 async def _sse_body(
-    first: bytes | None, events: AsyncIterator[bytes], outputs: AsyncIterator[Any]
+    first: bytes | None,
+    events: AsyncIterator[bytes],
+    outputs: AsyncIterator[Any],
+    done: bytes,
+    on_error: Callable[[RequestError], bytes],
 ) -> AsyncIterator[bytes]:
-    """The SSE events, then `[DONE]`; a failure after the start becomes an error event."""
+    """The SSE events, then `done`; a failure after the start becomes an error event."""
     try:
         if first is not None:
             yield first
             async for event in events:
                 yield event
     except RequestError as e:
-        yield error_event(e)
+        yield on_error(e)
     except Exception as e:
         logger.exception("error while streaming")
-        yield error_event(RequestError(f"internal server error: {type(e).__name__}: {e}", 500))
+        yield on_error(RequestError(f"internal server error: {type(e).__name__}: {e}", 500))
     finally:
         await events.aclose()  # type: ignore[attr-defined]
         await outputs.aclose()  # type: ignore[attr-defined]
-    yield DONE_EVENT
+    if done:
+        yield done
 
 
 class EventStream(Response):

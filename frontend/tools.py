@@ -60,7 +60,11 @@ def plan_tools(
 ) -> ToolPlan:
     """A request's tool plan; a RequestError (400) for a choice it cannot honour."""
     tools = [msgspec_to_builtins(t) for t in body.tools or []]
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    choice = body.tool_choice
+    if choice is None:
+        # OpenAI's default with tools is auto; a server without a tool-call parser cannot
+        # parse calls, so there the default is none (asking for auto explicitly is a 400).
+        choice = "auto" if tools and tool_parser is not None else "none"
     if not tools:
         if choice not in ("none", "auto"):
             raise RequestError("tool_choice needs tools.", param="tool_choice")

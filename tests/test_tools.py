@@ -199,7 +199,12 @@ def test_tool_choice_errors_are_400s(smollm2_server) -> None:
 
     client = client_of(smollm2_server)
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser"):
-        client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS)  # auto
+        client.chat.completions.create(
+            model="smollm2", messages=ASK, tools=TOOLS, tool_choice="auto"
+        )
+    # Left unset, the default is auto only where a parser can read the calls: here, none.
+    plain = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, max_tokens=4)
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
     named = {"type": "function", "function": {"name": "nope"}}
     with pytest.raises(openai.BadRequestError, match="'nope', which is not in tools"):
         client.chat.completions.create(

@@ -1,0 +1,479 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) on the same
+engine as the OpenAI routes.
+
+A Messages request becomes the chat request zllm already serves: the system prompt a system
+message, `tool_use` blocks an assistant turn's tool calls, `tool_result` blocks tool
+messages, `tools` OpenAI functions and `tool_choice` {auto, any, tool, none} -> auto,
+required, a named function, none (frontend/tools.py: the same grammar and parsers). The
+answer comes back as Anthropic content blocks, and a stream as Anthropic's events:
+
+    message_start, ping
+    content_block_start (text | tool_use), content_block_delta (text_delta |
+    input_json_delta), content_block_stop          ... once per block
+    message_delta (stop_reason, usage), message_stop
+
+Usage: input_tokens are the prompt tokens computed, cache_read_input_tokens those served
+from the prefix cache. Errors have Anthropic's shape ({"type": "error", "error": ...}).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+from starlette.responses import Response
+
+from zllm.errors import RequestError
+from zllm.frontend.api_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCallMessage,
+)
+from zllm.frontend.responses import RETRY_AFTER_S, json_response
+from zllm.frontend.tools import ChoiceParser, ToolPlan
+from zllm.protocol import FinishReason, RequestOutputDelta
+
+# ---- request -------------------------------------------------------------------------------
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
+    text: str
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):
+    id: str
+    name: str
+    input: dict[str, Any] = {}
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", kw_only=True):
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
+    source: dict[str, Any] = {}
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", kw_only=True):
+    thinking: str = ""
+    signature: str | None = None
+
+
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ImageBlock | ThinkingBlock
+
+
+class AnthropicMessage(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class AnthropicTool(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    input_schema: dict[str, Any] = {}
+
+
+class AnthropicToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[Annotated[str, Meta(min_length=1)]] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+
+
+# ---- response ------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+
+class MessagesResponse(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "message"
+    role: str = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: Usage
+
+
+class CountTokensResponse(msgspec.Struct):
+    input_tokens: int
+
+
+class AnthropicErrorInfo(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct):
+    error: AnthropicErrorInfo
+    type: str = "error"
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def error_body(error: RequestError) -> AnthropicError:
+    kind = _ERROR_TYPES.get(
+        error.status, "api_error" if error.status >= 500 else "invalid_request_error"
+    )
+    return AnthropicError(AnthropicErrorInfo(kind, error.message))
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def event(name: str, body: Any) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + _encoder.encode(body) + b"\n\n"
+
+
+def error_event(error: RequestError) -> bytes:
+    return event("error", error_body(error))
+
+
+def error_response(error: RequestError) -> Response:
+    headers = error.headers
+    if error.status == 503 and not headers:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return json_response(error_body(error), error.status, headers)
+
+
+# ---- translation ---------------------------------------------------------------------------
+
+
+def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request a Messages request is: system, turns, tools and tool choice."""
+    messages: list[ChatMessage] = []
+    if req.system:
+        system = (
+            req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
+        )
+        messages.append(ChatMessage(role="system", content=system))
+    for i, m in enumerate(req.messages):
+        messages += _turn(m, i)
+    tools = [
+        Tool(
+            function=FunctionDefinition(
+                name=t.name,
+                description=t.description,
+                parameters=t.input_schema or {"type": "object", "properties": {}},
+            )
+        )
+        for t in req.tools or []
+    ]
+    fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
+    if isinstance(req, MessagesRequest):
+        fields |= {
+            "max_tokens": req.max_tokens,
+            "stop": req.stop_sequences,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+        }
+        choice = req.tool_choice
+        if choice is not None:
+            fields["tool_choice"] = _tool_choice(choice)
+            fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    return ChatCompletionRequest(**fields)
+
+
+def _tool_choice(choice: AnthropicToolChoice) -> str | NamedToolChoice:
+    if choice.type == "tool":
+        if not choice.name:
+            raise RequestError("tool_choice of type tool needs a name.", param="tool_choice")
+        return NamedToolChoice(function=NamedFunction(name=choice.name))
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _turn(message: AnthropicMessage, index: int) -> list[ChatMessage]:
+    """One Anthropic turn as chat messages: a user turn's tool results become tool
+    messages (before its text), an assistant turn's tool_use blocks its tool calls."""
+    if isinstance(message.content, str):
+        return [ChatMessage(role=message.role, content=message.content)]
+    texts: list[str] = []
+    calls: list[ToolCallMessage] = []
+    results: list[ChatMessage] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(
+                ToolCallMessage(
+                    id=block.id, function=FunctionCall(name=block.name, arguments=arguments)
+                )
+            )
+        elif isinstance(block, ToolResultBlock):
+            content = block.content
+            if not isinstance(content, str):
+                content = "\n".join(b.text for b in content)
+            results.append(
+                ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id)
+            )
+        elif isinstance(block, ImageBlock):
+            raise RequestError(
+                "image content blocks are not supported; this server accepts text only.",
+                param=f"messages.{index}.content",
+            )
+        # Thinking blocks of earlier turns are not sent back to the model.
+    turn: list[ChatMessage] = list(results)
+    if texts or calls or not results:
+        turn.append(
+            ChatMessage(role=message.role, content="\n".join(texts), tool_calls=calls or None)
+        )
+    return turn
+
+
+@dataclass
+class MessageAssembler:
+    """The outputs of one Messages request as Anthropic content blocks, whole or as events."""
+
+    response_id: str
+    model: str
+    parser: ChoiceParser | None
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    _open: str | None = None  # "text", "thinking" or "tool_use": the block being streamed
+    _tool_index: int | None = None  # the tool call the open tool_use block carries
+
+    @classmethod
+    def of(
+        cls,
+        response_id: str,
+        model: str,
+        plan: ToolPlan,
+        reasoning_parser: str | None,
+        tool_parser: str | None,
+    ) -> MessageAssembler:
+        shaped = plan.mode != "none" or reasoning_parser is not None
+        parser = ChoiceParser(plan, tool_parser, reasoning_parser) if shaped else None
+        return cls(response_id, model, parser)
+
+    def usage(self) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens - self.cached_tokens,
+            output_tokens=self.output_tokens,
+            cache_read_input_tokens=self.cached_tokens,
+        )
+
+    # -- non-streaming ---------------------------------------------------------------------
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        for _ in self._events(delta):
+            pass
+
+    def response(self) -> MessagesResponse:
+        return MessagesResponse(
+            id=self.response_id,
+            model=self.model,
+            content=[_finished(b) for b in self.blocks],
+            stop_reason=self.stop_reason,
+            stop_sequence=self.stop_sequence,
+            usage=self.usage(),
+        )
+
+    # -- streaming -------------------------------------------------------------------------
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutputDelta]]
+    ) -> AsyncIterator[bytes]:
+        started = False
+        async for _, delta in outputs:
+            if not started:
+                started = True
+                self._count(delta)
+                start = MessagesResponse(
+                    id=self.response_id,
+                    model=self.model,
+                    content=[],
+                    stop_reason=None,
+                    usage=self.usage(),
+                )
+                yield event("message_start", {"type": "message_start", "message": start})
+                yield event("ping", {"type": "ping"})
+            for name, body in self._events(delta):
+                yield event(name, body)
+
+    # -- both --------------------------------------------------------------------------------
+    def _count(self, delta: RequestOutputDelta) -> None:
+        self.input_tokens = max(self.input_tokens, delta.num_prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+
+    def _events(self, delta: RequestOutputDelta):
+        """Update the blocks with this delta; yield the (event name, body) it makes."""
+        if delta.finish_reason == FinishReason.ERROR:
+            raise RequestError(
+                f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
+            )
+        self._count(delta)
+        self.output_tokens += len(delta.token_ids)
+        if self.parser is None:
+            pieces = [("text", delta.text, None)]
+        else:
+            piece = self.parser.feed(delta.text)
+            if delta.finish_reason is not None:
+                rest = self.parser.finish()
+                piece.reasoning += rest.reasoning
+                piece.content += rest.content
+                piece.tool_calls += rest.tool_calls
+            pieces = [("thinking", piece.reasoning, None), ("text", piece.content, None)]
+            pieces += [("tool_use", None, call) for call in piece.tool_calls]
+        for kind, text, call in pieces:
+            if kind == "tool_use":
+                yield from self._tool_piece(call)
+            elif text:
+                yield from self._text_piece(kind, text)
+        if delta.finish_reason is not None:
+            yield from self._close()
+            self._finish(delta)
+            yield (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                    "usage": {"output_tokens": self.output_tokens},
+                },
+            )
+            yield "message_stop", {"type": "message_stop"}
+
+    def _text_piece(self, kind: str, text: str):
+        if self._open != kind:
+            yield from self._close()
+            block = (
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": ""}
+            )
+            yield from self._start(kind, block)
+        key, delta_type = (
+            ("text", "text_delta") if kind == "text" else ("thinking", "thinking_delta")
+        )
+        self.blocks[-1][key] += text
+        yield (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": len(self.blocks) - 1,
+                "delta": {"type": delta_type, key: text},
+            },
+        )
+
+    def _tool_piece(self, call):
+        if call.id is not None:  # a new call: its own block
+            yield from self._close()
+            self._tool_index = call.index
+            block = {
+                "type": "tool_use",
+                "id": _tool_use_id(call.id),
+                "name": call.function.name,
+                "input": {},
+                "_json": "",
+            }
+            yield from self._start("tool_use", block)
+        arguments = call.function.arguments if call.function else ""
+        if arguments:
+            self.blocks[-1]["_json"] += arguments
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": len(self.blocks) - 1,
+                    "delta": {"type": "input_json_delta", "partial_json": arguments},
+                },
+            )
+
+    def _start(self, kind: str, block: dict[str, Any]):
+        self.blocks.append(block)
+        self._open = kind
+        shown = {k: v for k, v in block.items() if not k.startswith("_")}
+        yield (
+            "content_block_start",
+            {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": shown},
+        )
+
+    def _close(self):
+        if self._open is not None:
+            self._open = None
+            yield (
+                "content_block_stop",
+                {"type": "content_block_stop", "index": len(self.blocks) - 1},
+            )
+
+    def _finish(self, delta: RequestOutputDelta) -> None:
+        if delta.finish_reason == FinishReason.LENGTH:
+            self.stop_reason = "max_tokens"
+        elif isinstance(delta.stop_reason, str):
+            self.stop_reason, self.stop_sequence = "stop_sequence", delta.stop_reason
+        elif any(b["type"] == "tool_use" for b in self.blocks):
+            self.stop_reason = "tool_use"
+        else:
+            self.stop_reason = "end_turn"
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _finished(block: dict[str, Any]) -> dict[str, Any]:
+    """A block as the whole response shows it: a tool_use's input parsed from its JSON."""
+    if block["type"] != "tool_use":
+        return block
+    shown = {k: v for k, v in block.items() if not k.startswith("_")}
+    try:
+        shown["input"] = json.loads(block["_json"] or "{}")
+    except ValueError:  # cut by max_tokens: the JSON never closed
+        shown["input"] = {}
+    return shown
+
+
+def message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
