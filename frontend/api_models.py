@@ -8,7 +8,7 @@ log a warning, as vLLM does. Sampling fields follow vLLM's names and extensions.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -90,9 +90,21 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputsParams | None = None
     # Token id (as a string, OpenAI's JSON) -> bias added to its logit, in [-100, 100].
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    # OpenAI fields that hold here as they are: labels for the caller's own records, a
+    # cache hint (prefix caching is automatic), a tier (one tier here).
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
+    store: bool = False
+    modalities: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
+    # Fields of OpenAI's completions schema zllm does not implement: a 400 naming them.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("suffix",)
+
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     # (msgspec allows one array type per union, so the list's items are checked by hand.)
     prompt: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
@@ -101,6 +113,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     prompt_logprobs: NumLogprobs | None = None
     add_special_tokens: bool = True
+    # Candidates to rank: only n itself (vLLM's V1 engine draws no extra ones either).
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -151,6 +165,17 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
+    # Fields of OpenAI's chat schema zllm does not implement: a 400 naming them.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "audio",
+        "function_call",
+        "functions",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+    )
+
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     tools: list[Tool] | None = None
     # none / auto (needs --tool-call-parser) / required / one named function; default: auto
@@ -398,6 +423,9 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
         raise RequestError("The request body is nested too deeply.") from None
+    for name in getattr(cls, "UNSUPPORTED", ()):
+        if name in keys and bytes(keys[name]) != b"null":
+            raise RequestError(f"unsupported parameter: {name}", param=name)
     unknown = sorted(set(keys) - set(cls.__struct_fields__))
     return request, unknown
 

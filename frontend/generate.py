@@ -123,6 +123,8 @@ class Generation:
             if not started:  # after the first output: errors before it are a 4xx/5xx
                 started = True
                 for chunk in job.prelude():
+                    if continuous_usage:  # every chunk carries usage, the first ones too
+                        chunk.usage = usage.info()  # type: ignore[attr-defined]
                     yield sse_event(chunk)
             choice = job.assembler.add(prompt_index, delta)
             if choice is not None:

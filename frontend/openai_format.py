@@ -172,6 +172,15 @@ def sampling_params(
     }
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.store:
+        raise RequestError(
+            "store: zllm keeps no record of responses; send store false or leave it out.",
+            param="store",
+        )
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise RequestError(
+            "unsupported parameter: modalities (zllm answers in text only)", param="modalities"
+        )
     kwargs["structured_outputs"] = structured_outputs(body)
     if body.logit_bias:
         kwargs["logit_bias"] = _logit_bias(body.logit_bias)
@@ -223,6 +232,11 @@ def completion_params(
     `echo` with `max_tokens=0` (scoring a prompt, as evaluation harnesses do) runs one
     token and drops it, since the engine always samples at least one.
     """
+    if req.best_of is not None and req.best_of != req.n:
+        raise RequestError(
+            f"best_of must equal n ({req.n}): zllm draws no extra candidates to rank.",
+            param="best_of",
+        )
     echo_only = req.echo and req.max_tokens == 0
     logprobs = req.logprobs
     prompt_logprobs = req.prompt_logprobs
