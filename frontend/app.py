@@ -37,7 +37,7 @@ from starlette.routing import Route
 import zllm
 from zllm.engine_client import EngineClient
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api
+from zllm.frontend import anthropic_api, responses_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
@@ -89,6 +89,7 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
@@ -294,6 +295,37 @@ class OpenAIServer:
                 chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(params.n)
             ],
+        )
+        return await self.generation.run(request, job)
+
+    # ---- OpenAI's Responses API (stateless) ----------------------------------------------
+    @_api_errors
+    async def responses(self, request: Request) -> Response:
+        body = self._decode(await request.body(), responses_api.ResponsesRequest)
+        model = self._model_name(body.model)
+        responses_api.check_stateless(body)
+        chat = responses_api.as_chat_request(body)
+        params = chat_params(chat, self.max_model_len, self.sampling_defaults)
+        self.admission.admit(request.scope[TICKET_KEY], 1)
+        ids = RequestIds.of(request, "resp")
+        engine_request = TokenizeRequest(
+            req_id=ids.engine_id(0, 1),
+            sampling_params=params,
+            messages=chat_messages(chat.messages),
+            arrival_time=time.time(),
+        )
+        assembler = responses_api.ResponseAssembler(responses_api.response_id(), model, body)
+        job = GenerationJob(
+            ids,
+            [engine_request],
+            assembler,
+            body.stream,
+            None,
+            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
+            response=assembler.response,  # type: ignore[arg-type]
+            events=assembler.stream,
+            done=b"",
+            on_error=responses_api.error_event,
         )
         return await self.generation.run(request, job)
 

@@ -31,6 +31,7 @@ from zllm.frontend.api_models import (
     TokenizeBody,
     TokenizeResponse,
 )
+from zllm.frontend.responses_api import ResponsesRequest
 from zllm.serve_config import ServeConfig
 
 _REF = "#/components/schemas/{name}"
@@ -57,6 +58,7 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             TokenizeResponse,
             DetokenizeResponse,
             ErrorResponse,
+            ResponsesRequest,
             MessagesRequest,
             MessagesResponse,
             CountTokensRequest,
@@ -76,6 +78,12 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
         model = components[name]["properties"]["model"]  # any other name: 404
         model["anyOf"] = [{"enum": list(config.model_names)}, {"type": "null"}]
 
+    # A Response object (built as a dict: OpenAI's shape, its required fields included).
+    components["ResponseObject"] = {"type": "object", "required": ["id", "object", "output"]}
+    components["ResponsesRequest"]["properties"]["model"]["anyOf"] = [
+        {"enum": list(config.model_names)},
+        {"type": "null"},
+    ]
     for name in ("MessagesRequest", "CountTokensRequest"):
         components[name]["properties"]["model"] = {"enum": list(config.model_names)}
     _set_maximum(components["MessagesRequest"]["properties"]["max_tokens"], max_model_len)
@@ -98,6 +106,17 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
                 "Answer a conversation (JSON, or server-sent events with `stream`).",
                 "ChatCompletionRequest",
                 "ChatCompletionResponse",
+                generation_errors,
+                stream=True,
+            )
+        },
+        "/v1/responses": {
+            "post": _operation(
+                "createResponse",
+                "OpenAI's Responses API, stateless (JSON, or its server-sent events with "
+                "`stream`); previous_response_id and store true are 400s.",
+                "ResponsesRequest",
+                "ResponseObject",
                 generation_errors,
                 stream=True,
             )

@@ -169,3 +169,72 @@ def test_a_batch_of_token_id_prompts(server, tokenizer) -> None:
     assert body["usage"]["prompt_tokens"] == len(prompts[0]) + len(prompts[1])
     single = complete(server, prompt=prompts[1], temperature=0.0, max_tokens=3).json()
     assert body["choices"][2]["text"] == single["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Responses API (stateless)
+
+
+def openai_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_responses_text_and_messages(server) -> None:
+    client = openai_client(server)
+    answer = client.responses.create(
+        model="tiny",
+        input="The quick brown fox",
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert answer.object == "response" and answer.id.startswith("resp_")
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.output_text and answer.usage.output_tokens == 6
+    # The same conversation as chat messages gives the same text.
+    chat = client.chat.completions.create(
+        model="tiny",
+        max_tokens=6,
+        temperature=0.0,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "The quick brown fox"},
+        ],
+    )
+    assert answer.output_text == chat.choices[0].message.content
+    turns = client.responses.create(
+        model="tiny",
+        max_output_tokens=6,
+        temperature=0.0,
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "The quick"}]},
+            {"role": "assistant", "content": "brown"},
+            {"role": "user", "content": "fox"},
+        ],
+    )
+    assert turns.output_text
+
+
+def test_responses_stream(server) -> None:
+    client = openai_client(server)
+    kwargs = dict(model="tiny", input="The quick brown fox", max_output_tokens=6, temperature=0.0)
+    whole = client.responses.create(**kwargs)
+    kinds, text = [], ""
+    for event in client.responses.create(**kwargs, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "response.output_item.done" in kinds and text == whole.output_text
+
+
+def test_responses_are_stateless(server) -> None:
+    import openai
+
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model="tiny", input="hi", store=True)

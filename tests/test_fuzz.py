@@ -22,6 +22,7 @@ MAX_EXAMPLES = 30
 OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/responses",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
     "POST /tokenize",
@@ -57,7 +58,7 @@ def test_openapi_schema_describes_the_api(fuzz_server):
     spec = fuzz_server.get("/openapi.json").json()
     assert spec["openapi"].startswith("3.1")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
-    assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(spec["paths"])
+    assert {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses"} <= set(spec["paths"])
     props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"maximum": 16, "minimum": 1, "type": "integer"}.items() <= props["n"].items()
     max_tokens = next(b for b in props["max_tokens"]["anyOf"] if b.get("type") == "integer")
