@@ -173,8 +173,10 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # Prompt logprobs need every prompt position computed: no cache hits for those.
-            use_cache = req.sampling_params.prompt_logprobs is None
+            # Prompt logprobs and embeddings need every prompt position computed: no cache
+            # hits for those.
+            params = req.sampling_params
+            use_cache = params.prompt_logprobs is None and not params.embed
             cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else None
             num_computed = cached.num_tokens if cached is not None else 0
             num_new = req.num_tokens_with_pending - num_computed
@@ -199,6 +201,8 @@ class Scheduler:
         plan.num_scheduled[req.req_id] = num_new
         plan.budget -= num_new
         req.num_computed_tokens += num_new
+        if req.sampling_params.embed:
+            return  # its answer is the pooled vector, not a token: nothing pending to decode
         if req.num_computed_tokens == req.num_tokens_with_pending:
             # This step samples the next token. An n > 1 request draws all n first tokens
             # from the one set of prompt logits, and is forked when they come back.
@@ -219,6 +223,10 @@ class Scheduler:
                 else:
                     req.prompt_logprobs.extend(lp)
 
+        for req_id, vector in runner_out.pooled.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                outputs.append(self._finish_embedding(req, vector))
         for idx, req_id in enumerate(runner_out.req_ids):
             req = self.requests.get(req_id)
             if req is None:
@@ -252,6 +260,20 @@ class Scheduler:
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
             self._finish(req)
+        return out
+
+    def _finish_embedding(self, req: Request, vector: list[float]) -> EngineCoreOutput:
+        req.finish_reason = FinishReason.STOP
+        out = EngineCoreOutput(
+            req_id=req.client_req_id,
+            sample_index=req.sample_index,
+            new_token_ids=[],
+            finish_reason=FinishReason.STOP,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            embedding=vector,
+        )
+        self._finish(req)
         return out
 
     def _fork(self, parent: Request, tokens: list[int], logprobs) -> list[EngineCoreOutput]:

@@ -95,6 +95,7 @@ class Detokenizer:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             queue_time_s=out.queue_time_s,
+            embedding=out.embedding,
         )
 
     def _token_texts(self, logprobs: LogprobsLists | None) -> list[list[str]] | None:

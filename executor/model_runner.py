@@ -289,9 +289,11 @@ class ModelRunner:
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        pooled = self._pool(inputs, hidden)
         rows = self._choose_sample_rows(inputs, so.num_samples)
         sampled = self._sample(rows, hidden) if rows.requests else None
         output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
+        output.pooled = pooled
         output.prepare_time_s = forward_start - step_start
         output.forward_time_s = forward_end - forward_start
         output.sample_time_s = time.perf_counter() - forward_end
@@ -368,6 +370,28 @@ class ModelRunner:
             )
         return hidden
 
+    def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Embeddings requests: sum their prompt's final hidden states chunk by chunk; when
+        the prompt is complete, its vector (mean or last token, config.pooling), L2-normed.
+        A chunk starting at position 0 starts the sum over (a recompute after preemption)."""
+        pooled: dict[str, list[float]] = {}
+        batch = zip(
+            inputs.states, inputs.query_lens, inputs.seq_lens, inputs.token_ends, strict=True
+        )
+        for st, q, end, stop in batch:
+            if not st.sampling_params.embed:
+                continue
+            rows = hidden[stop - q : stop].float()
+            if end - q == 0 or st.pool_sum is None:
+                st.pool_sum = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
+            st.pool_sum += rows.sum(dim=0)
+            if end < len(st.all_token_ids):
+                continue
+            vector = st.pool_sum / end if self.config.pooling == "mean" else rows[-1]
+            pooled[st.req_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
+            st.pool_sum = None
+        return pooled
+
     def _choose_sample_rows(self, inputs: StepInputs, num_samples: dict[str, int]) -> SampleRows:
         """Every request whose known tokens are all computed after this step samples its next
         token; one named in num_samples (an n > 1 request at its first token, the scheduler
@@ -376,7 +400,7 @@ class ModelRunner:
         due = [
             i
             for i, (st, end) in enumerate(zip(inputs.states, inputs.seq_lens, strict=True))
-            if end == len(st.all_token_ids)
+            if end == len(st.all_token_ids) and not st.sampling_params.embed
         ]
         requests = [inputs.states[i] for i in due]
         counts = [num_samples.get(st.req_id, 1) for st in requests]

@@ -36,6 +36,8 @@ class RequestState:
     all_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: where the output is in its grammar (set by the model runner).
     grammar: GrammarMatcher | None = None
+    # Embeddings requests: the sum of the prompt's final hidden states so far.
+    pool_sum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -50,12 +50,14 @@ from zllm.frontend.api_models import (
     DeltaMessage,
     DetokenizeBody,
     DetokenizeResponse,
+    EmbeddingsRequest,
     ModelCard,
     ModelList,
     TokenizeBody,
     TokenizeResponse,
     decode_body,
 )
+from zllm.frontend.embeddings import EMBED_PARAMS, EmbeddingsAssembler, embedding_inputs
 from zllm.frontend.generate import Generation, GenerationJob, RequestIds
 from zllm.frontend.metrics import Metrics
 from zllm.frontend.middleware import TICKET_KEY, Gate
@@ -90,6 +92,7 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
@@ -295,6 +298,36 @@ class OpenAIServer:
                 chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                 for i in range(params.n)
             ],
+        )
+        return await self.generation.run(request, job)
+
+    @_api_errors
+    async def embeddings(self, request: Request) -> Response:
+        body = self._decode(await request.body(), EmbeddingsRequest)
+        model = self._model_name(body.model)
+        inputs = embedding_inputs(body)
+        self.admission.admit(request.scope[TICKET_KEY], len(inputs))
+        ids = RequestIds.of(request, "embd")
+        now = time.time()
+        requests = [
+            TokenizeRequest(
+                req_id=ids.engine_id(i, len(inputs)),
+                sampling_params=EMBED_PARAMS,
+                prompt=p.text,
+                prompt_token_ids=p.token_ids,
+                arrival_time=now,
+            )
+            for i, p in enumerate(inputs)
+        ]
+        assembler = EmbeddingsAssembler(len(inputs), body.encoding_format)
+        job = GenerationJob(
+            ids,
+            requests,
+            assembler,
+            False,
+            None,
+            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
+            response=lambda: assembler.response(model),
         )
         return await self.generation.run(request, job)
 

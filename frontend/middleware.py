@@ -30,7 +30,7 @@ BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope
 OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings"}
 )
 
 

@@ -26,6 +26,8 @@ from zllm.frontend.api_models import (
     CompletionResponse,
     DetokenizeBody,
     DetokenizeResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
     ErrorResponse,
     ModelList,
     TokenizeBody,
@@ -59,6 +61,8 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             DetokenizeResponse,
             ErrorResponse,
             ResponsesRequest,
+            EmbeddingsRequest,
+            EmbeddingsResponse,
             MessagesRequest,
             MessagesResponse,
             CountTokensRequest,
@@ -74,7 +78,13 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
         ("ChatCompletionRequest", "max_completion_tokens"),
     ):
         _set_maximum(components[name]["properties"][field], max_model_len)
-    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeBody", "DetokenizeBody"):
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeBody",
+        "DetokenizeBody",
+        "EmbeddingsRequest",
+    ):
         model = components[name]["properties"]["model"]  # any other name: 404
         model["anyOf"] = [{"enum": list(config.model_names)}, {"type": "null"}]
 
@@ -108,6 +118,15 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
                 "ChatCompletionResponse",
                 generation_errors,
                 stream=True,
+            )
+        },
+        "/v1/embeddings": {
+            "post": _operation(
+                "createEmbedding",
+                "The prompts' final hidden states, pooled (--pooling) and L2-normalized.",
+                "EmbeddingsRequest",
+                "EmbeddingsResponse",
+                (400, 401, 404, 413, 503, 504),
             )
         },
         "/v1/responses": {

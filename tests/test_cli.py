@@ -35,6 +35,7 @@ ENGINE = EngineArgs(
     enforce_eager=True,
     generation_config="vllm",
     model_impl="transformers",
+    pooling="last",
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -54,6 +55,7 @@ ENGINE_ARGV = [
     "--enforce-eager",
     "--generation-config", "vllm",
     "--model-impl", "transformers",
+    "--pooling", "last",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

@@ -23,6 +23,7 @@ OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
     "POST /v1/responses",
+    "POST /v1/embeddings",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
     "POST /tokenize",
@@ -59,6 +60,7 @@ def test_openapi_schema_describes_the_api(fuzz_server):
     assert spec["openapi"].startswith("3.1")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
     assert {"/v1/messages", "/v1/messages/count_tokens", "/v1/responses"} <= set(spec["paths"])
+    assert "/v1/embeddings" in spec["paths"]
     props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"maximum": 16, "minimum": 1, "type": "integer"}.items() <= props["n"].items()
     max_tokens = next(b for b in props["max_tokens"]["anyOf"] if b.get("type") == "integer")

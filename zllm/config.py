@@ -86,5 +86,7 @@ class EngineConfig:
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers
     # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model_impl.py).
     model_impl: str = "zllm"
+    # Embeddings: the prompt's final hidden states pooled by their mean or the last token's.
+    pooling: str = "mean"
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)

@@ -84,6 +84,12 @@ class EngineArgs:
         choices=("gguf", "int8", "none"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
+    pooling: str = option(
+        "mean",
+        help="embeddings (/v1/embeddings, LLM.embed): pool the prompt's final hidden states "
+        "by their mean or take the last token's; the vector is L2-normalized",
+        choices=("mean", "last"),
+    )
     model_impl: str = option(
         "auto",
         help="whose model code runs: zllm (native, fastest), transformers (transformers' "
@@ -158,6 +164,7 @@ class EngineArgs:
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
             model_impl=impl.name,
+            pooling=self.pooling,
             generation_config=generation,
         )
 

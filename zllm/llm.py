@@ -19,7 +19,14 @@ from zllm.engine_args import EngineArgs
 from zllm.errors import ParamError
 from zllm.generation_config import merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
-from zllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from zllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
 from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
 from zllm.sampling_params import SamplingParams
 from zllm.structured_outputs import check_structured_outputs
@@ -108,6 +115,23 @@ class LLM:
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm)
 
+    def embed(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt: its final hidden states pooled (`pooling`, mean by default)
+        and L2-normalized, as `/v1/embeddings` returns them."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+        trackers = [self._make_tracker(p, params) for p in prompts]
+        self._run(trackers, use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                t.req_id, list(t.prompt_token_ids), EmbeddingOutput(t.embedding or [])
+            )
+            for t in trackers
+        ]
+
     # ---- internals -------------------------------------------------------------------------
     def _make_tracker(self, prompt: PromptType, params: SamplingParams) -> _Tracker:
         if isinstance(prompt, str):
@@ -193,6 +217,7 @@ class _Tracker:
         self.finish: list[tuple[str, int | str | None] | None] = [None] * n
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.num_cached_tokens = 0
+        self.embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -201,6 +226,8 @@ class _Tracker:
     def add(self, delta: RequestOutputDelta) -> None:
         i = delta.index
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         self.texts[i] += delta.text
         self.token_ids[i].extend(delta.token_ids)
         if delta.logprobs is not None:

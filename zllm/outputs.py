@@ -40,3 +40,18 @@ class RequestOutput:
     # First entry is None: the first prompt token has nothing before it.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized; its length is the model's hidden size
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's `EmbeddingRequestOutput`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -152,6 +152,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]]
     # Per sampled request (same order), when it asked for logprobs; None elsewhere.
     logprobs: list[LogprobsLists | None] = []
+    # Embeddings requests whose prompt this step finished: their pooled vectors (no token).
+    pooled: dict[str, list[float]] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
     # Where the step's time went: input and attention metadata preparation, the model forward,
     # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
@@ -177,6 +179,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_s: float = 0.0  # arrival to first scheduled, on a request's first output
+    embedding: list[float] | None = None  # an embeddings request's answer
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
@@ -293,6 +296,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_s: float = 0.0
+    embedding: list[float] | None = None
 
 
 class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):

@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to these tokens' logits before sampling (OpenAI's logit_bias: -100 bans, +100
     # all but forces); a structured-outputs grammar still has the last word.
     logit_bias: dict[int, float] | None = None
+    # An embeddings request: its prompt's final hidden states, pooled (EngineConfig.pooling)
+    # and L2-normalized, come back instead of tokens. Never served from the prefix cache.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,0 +1,63 @@
+"""OpenAI's /v1/embeddings on the generation engine: one engine request per input, asking
+for its prompt's pooled final hidden states (`SamplingParams.embed`) instead of tokens."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zllm.errors import RequestError
+from zllm.frontend.api_models import (
+    EmbeddingData,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    EmbeddingsUsage,
+)
+from zllm.frontend.openai_format import PromptInput, prompt_inputs
+from zllm.protocol import FinishReason, RequestOutputDelta
+from zllm.sampling_params import SamplingParams
+
+EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+
+
+def embedding_inputs(req: EmbeddingsRequest) -> list[PromptInput]:
+    if req.dimensions is not None:
+        raise RequestError(
+            "dimensions: this server returns the model's full hidden size only.",
+            param="dimensions",
+        )
+    return prompt_inputs(req.input)
+
+
+@dataclass
+class EmbeddingsAssembler:
+    num_inputs: int
+    encoding_format: str
+    vectors: dict[int, list[float]] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        if delta.finish_reason == FinishReason.ERROR:
+            raise RequestError(
+                f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
+            )
+        self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
+        if delta.embedding is not None:
+            self.vectors[prompt_index] = delta.embedding
+
+    def response(self, model: str) -> EmbeddingsResponse:
+        data = [
+            EmbeddingData(index=i, embedding=self._encode(self.vectors[i]))
+            for i in range(self.num_inputs)
+        ]
+        tokens = sum(self.prompt_tokens.values())
+        return EmbeddingsResponse(
+            data=data, model=model, usage=EmbeddingsUsage(prompt_tokens=tokens, total_tokens=tokens)
+        )
+
+    def _encode(self, vector: list[float]) -> list[float] | str:
+        if self.encoding_format == "base64":  # what OpenAI's client asks for, and decodes
+            return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        return vector
