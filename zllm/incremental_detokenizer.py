@@ -31,9 +31,11 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer.backend
-        self._stream = DecodeStream(
-            list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=skip_special_tokens
-        )
+        self._prime = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(list(self._prime), skip_special_tokens=skip_special_tokens)
+        self._output_ids: list[int] = []
+        self._stopped = False  # a stop string cut the text
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
@@ -43,6 +45,7 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Decode new tokens; returns the stop string that matched, if one did."""
         for token_id in new_token_ids:
+            self._output_ids.append(token_id)
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
                 continue
@@ -66,13 +69,31 @@ class IncrementalDetokenizer:
             return None
         end = best_idx + len(best_stop) if self.include_stop_str_in_output else best_idx
         self.output_text = self.output_text[:end]
+        self._stopped = True
         return best_stop
 
     def take_delta(self, finished: bool) -> str:
         """The text not yet handed out; holds back a possible stop-string start unless finished."""
+        if finished and not self._stopped:
+            self._flush()
         limit = len(self.output_text) if finished else len(self.output_text) - self._holdback
         if limit <= self._num_sent_chars:
             return ""
         delta = self.output_text[self._num_sent_chars : limit]
         self._num_sent_chars = limit
         return delta
+
+    def _flush(self) -> None:
+        """At the end, bytes the stream still holds (a UTF-8 character the last tokens did not
+        complete) come out as U+FFFD, as decoding the whole output does."""
+        if not self._output_ids:
+            return
+        decode = self._tokenizer.decode
+        skip = self._skip_special_tokens
+        head = decode(self._prime, skip_special_tokens=skip)
+        whole = decode(self._prime + self._output_ids, skip_special_tokens=skip)
+        if whole.startswith(head):
+            text = whole[len(head) :]
+            if len(text) > len(self.output_text) and text.startswith(self.output_text):
+                self.output_text = text
+        self._output_ids = []
