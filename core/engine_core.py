@@ -100,8 +100,12 @@ class EngineCore:
         req_id = request.req_id
         if self.scheduler.is_known(req_id):
             return None
-        if self.scheduler.is_taken(req_id):  # the id of another request's sample
-            return RequestRejected(req_id, f"Request id {req_id!r} is already in use.", 400)
+        # Inside the core, a client id that another request's sample already holds (the core
+        # names samples `<id>#<i>`) gets a free name of its own; it is still the client's id
+        # everywhere else (outputs, aborts).
+        internal_id = req_id
+        while self.scheduler.is_taken(internal_id):
+            internal_id += "#"
         params = request.sampling_params
         try:
             check_prompt(
@@ -115,7 +119,8 @@ class EngineCore:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(
             Request(
-                req_id=req_id,
+                req_id=internal_id,
+                client_req_id=req_id,
                 prompt_token_ids=list(request.prompt_token_ids),
                 sampling_params=params,
                 eos_token_ids=request.eos_token_ids,

@@ -97,17 +97,24 @@ def test_refuses_prompts_that_cannot_run(prompt_len, max_tokens, message):
     assert not engine.has_unfinished_requests()
 
 
-def test_refuses_out_of_vocabulary_ids_and_sample_ids_in_use():
+def test_refuses_out_of_vocabulary_ids_and_takes_a_sample_s_id_as_a_client_id():
     engine = make_engine()
     bad = EngineCoreRequest("v", [5, VOCAB], SamplingParams())
     assert "out of vocabulary" in engine.add_request(bad).message
     assert engine.add_request(request("a", n=2)) is None
     engine.update(run(engine, engine.schedule()))  # "a" forks: its sample 1 is "a#1"
-    clash = engine.add_request(request("a#1"))
-    assert clash.message == "Request id 'a#1' is already in use."
+    # A client request named "a#1" runs too, under a free internal name; its outputs and
+    # aborts still go by "a#1".
+    assert engine.add_request(request("a#1")) is None
+    assert engine.scheduler.is_known("a#1") and engine.scheduler.num_waiting == 1
+    batches = engine.update(run(engine, engine.schedule()))
+    outputs = [out for batch in batches.values() for out in batch.outputs]
+    assert sorted((o.req_id, o.sample_index) for o in outputs) == [("a", 0), ("a", 1), ("a#1", 0)]
     # The same id again is a resend (a tokenizer worker died): ignored, not an error.
     assert engine.add_request(request("a")) is None
-    assert engine.scheduler.num_running == 2
+    assert engine.scheduler.num_running == 3
+    engine.abort(["a#1"])
+    assert engine.scheduler.num_running == 2 and not engine.scheduler.is_known("a#1")
 
 
 # ---- detokenizer announcements and outputs ------------------------------------------------------
