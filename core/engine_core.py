@@ -65,7 +65,7 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             sliding_windows=[g.sliding_window for g in groups],
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.speculative)
         self.stats = EngineStats(num_blocks=self.block_manager.num_blocks)
         self._in_flight: deque[SchedulerOutput] = deque()
         # Sent to a request's detokenizer with its first output, then dropped.
@@ -207,6 +207,11 @@ class EngineCore:
         s.prefix_cache_queries = bm.prefix_cache_queries
         s.prefix_cache_hits = bm.prefix_cache_hits
         s.block_states, s.blocks_per_cell = bm.block_states()
+        sched = self.scheduler
+        s.spec_num_drafts = sched.spec_num_drafts
+        s.spec_num_draft_tokens = sched.spec_num_draft_tokens
+        s.spec_num_accepted_tokens = sched.spec_num_accepted_tokens
+        s.spec_accepted_per_pos = list(sched.spec_accepted_per_pos)
         return s
 
     # ---- internals -------------------------------------------------------------------------

@@ -174,6 +174,8 @@ class StatsLog:
     def __init__(self) -> None:
         self.last_time = time.monotonic()
         self.last = (0, 0, 0)  # prompt tokens, generation tokens, steps at the last line
+        # speculative decoding counters at the last line: drafts, proposed, accepted, per pos
+        self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
 
     def maybe_log(self, s: EngineStats) -> None:
         now = time.monotonic()
@@ -194,8 +196,39 @@ class StatsLog:
                 100 * s.kv_cache_usage,
                 100 * hit_rate,
             )
+        if s.spec_num_drafts != self.last_spec[0]:
+            self._log_spec_decode(s, elapsed)
         self.last_time = now
         self.last = (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps)
+        self.last_spec = (
+            s.spec_num_drafts,
+            s.spec_num_draft_tokens,
+            s.spec_num_accepted_tokens,
+            list(s.spec_accepted_per_pos),
+        )
+
+    def _log_spec_decode(self, s: EngineStats, elapsed: float) -> None:
+        """vLLM's SpecDecoding line, over the interval since the last line."""
+        drafts0, proposed0, accepted0, per_pos0 = self.last_spec
+        drafts = s.spec_num_drafts - drafts0
+        proposed = s.spec_num_draft_tokens - proposed0
+        accepted = s.spec_num_accepted_tokens - accepted0
+        per_pos = [
+            (now - (per_pos0[i] if i < len(per_pos0) else 0)) / drafts
+            for i, now in enumerate(s.spec_accepted_per_pos)
+        ]
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+            "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d "
+            "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            1 + accepted / drafts,
+            accepted / elapsed,
+            proposed / elapsed,
+            accepted,
+            proposed,
+            ", ".join(f"{rate:.3f}" for rate in per_pos),
+            100 * accepted / proposed if proposed else 0.0,
+        )
 
 
 def main() -> None:

@@ -47,6 +47,12 @@ class Request:
     stop_reason: int | str | None = None
     # Whether the executor holds this request's state (cleared on preemption).
     known_to_executor: bool = False
+    # Speculative decoding: tokens the executor proposed after this request's last step,
+    # to be verified in its next one (dropped if that step cannot take them).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # A step verifying proposals of this request is in flight: it is not scheduled again
+    # until that step says how many were accepted.
+    verifying: bool = False
     # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
     prompt_logprobs: LogprobsLists | None = None
 

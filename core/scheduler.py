@@ -15,6 +15,16 @@ service plus front-of-queue requeueing means no request starves.
 request whose scheduled chunk reaches its end gets one pending token. So the core can
 schedule step N+1 while the executor still runs step N: a request that samples in N is
 scheduled in N+1 to compute that (not yet known) token, which the executor holds.
+
+Speculative decoding (config.speculative): the executor proposes up to k tokens for each
+request it sampled (`ModelRunnerOutput.draft_token_ids`), and the next step schedules the
+request's last token plus those proposals, k + 1 positions verified in one forward. How many
+are accepted is known only when that step returns, so while speculation is on a request that
+has a step in flight is *held* (not scheduled again until the step returns): requests in
+speculation run one step in flight, the others keep scheduling ahead. After a step, the
+request's `num_computed_tokens` rolls back past its rejected proposals; their KV slots are
+kept and overwritten later. A draft model writes its own proposals' keys and values, so the
+request gets `lookahead_slots` more slots than its step's tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from zllm.config import SchedulerConfig
+from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
@@ -49,11 +59,21 @@ class _StepPlan:
     computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
     # Requests sampling their first token as n > 1 samples (SchedulerOutput.num_samples).
     num_samples: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: whether this step proposes, and the proposals it verifies.
+    speculate: bool = False
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    resumed: set[str] = field(default_factory=set)  # back from preemption this step
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        speculative: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = config
+        self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         # The longest sequence the KV pool can hold alone bounds the context length, so any
@@ -68,6 +88,14 @@ class Scheduler:
         self._pending_forks: list[ForkedRequestData] = []
         self._step_id = 0
         self.num_preemptions = 0
+        # Speculative decoding counters (vLLM's spec_decode metrics): steps of a request that
+        # verified proposals, proposed tokens, accepted tokens, and accepted per position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (
+            speculative.num_speculative_tokens if speculative else 0
+        )
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -138,7 +166,7 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens, speculate=self._speculate())
         preempted = self._schedule_running(plan)
         if not preempted:  # a step that had to preempt (the pool is full) admits nobody
             self._schedule_waiting(plan)
@@ -153,18 +181,24 @@ class Scheduler:
         while i < len(self.running) and plan.budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, plan.budget)
-            if num_new <= 0:  # everything known is computed and its next token is pending
+            if num_new <= 0 or (req.num_pending_tokens and (plan.speculate or req.verifying)):
+                # Everything known is computed and its next token is pending; or it is held
+                # until its step in flight says how many proposals were accepted.
                 i += 1
                 continue
+            drafts = self._take_drafts(req, num_new, plan)
             while not bm.allocate_slots(
-                req.req_id, req.all_token_ids, req.num_computed_tokens, num_new
+                req.req_id,
+                req.all_token_ids,
+                req.num_computed_tokens,
+                num_new + len(drafts) + self._lookahead(plan),
             ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     return True  # it was the newest: nothing is left after it
-            self._add_to_step(plan, req, num_new)
+            self._add_to_step(plan, req, num_new, drafts)
             i += 1
         return preempted
 
@@ -173,6 +207,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_tokens and (plan.speculate or req.verifying):
+                return  # preempted with a step in flight: held until it returns
             # Prompt logprobs and embeddings need every prompt position computed: no cache
             # hits for those.
             params = req.sampling_params
@@ -183,7 +219,10 @@ class Scheduler:
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, plan.budget)
-            if not bm.allocate_slots(req.req_id, req.all_token_ids, num_computed, num_new, cached):
+            num_slots = num_new + self._lookahead(plan)
+            if not bm.allocate_slots(
+                req.req_id, req.all_token_ids, num_computed, num_slots, cached
+            ):
                 return
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
@@ -191,19 +230,52 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
                 bm.record_prefix_query(req.num_tokens, num_computed)
             req.num_computed_tokens = num_computed
+            if req.status == RequestStatus.PREEMPTED:
+                plan.resumed.add(req.req_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_step(plan, req, num_new)
 
-    def _add_to_step(self, plan: _StepPlan, req: Request, num_new: int) -> None:
+    def _speculate(self) -> bool:
+        """Whether this step proposes tokens: speculation is configured and the batch is not
+        past its disable_by_batch_size."""
+        spec = self.speculative
+        if spec is None:
+            return False
+        return spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size
+
+    def _lookahead(self, plan: _StepPlan) -> int:
+        return self.speculative.lookahead_slots if plan.speculate and self.speculative else 0
+
+    def _take_drafts(self, req: Request, num_new: int, plan: _StepPlan) -> list[int]:
+        """The request's proposals this step can verify: only for a decode (its last token is
+        all that is left to compute), within the budget, max_tokens and the context length."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if not (drafts and plan.speculate) or num_new != 1 or req.num_pending_tokens:
+            return []
+        # Proposals sit at positions num_tokens.. (below max_model_len); the last one allowed
+        # may be accepted as the final token, and the bonus token after it is dropped.
+        room = min(plan.budget - num_new, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens)
+        return drafts[: max(room, 0)]
+
+    def _add_to_step(
+        self, plan: _StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> None:
         plan.computed_before[req.req_id] = req.num_computed_tokens
         plan.scheduled.append(req)
-        plan.num_scheduled[req.req_id] = num_new
-        plan.budget -= num_new
-        req.num_computed_tokens += num_new
+        num_drafts = len(drafts) if drafts else 0
+        if num_drafts:
+            plan.spec_token_ids[req.req_id] = drafts  # type: ignore[assignment]
+            req.verifying = True
+        plan.num_scheduled[req.req_id] = num_new + num_drafts
+        plan.budget -= num_new + num_drafts
+        req.num_computed_tokens += num_new + num_drafts
         if req.sampling_params.embed:
             return  # its answer is the pooled vector, not a token: nothing pending to decode
-        if req.num_computed_tokens == req.num_tokens_with_pending:
+        if req.num_computed_tokens - num_drafts == req.num_tokens_with_pending:
             # This step samples the next token. An n > 1 request draws all n first tokens
             # from the one set of prompt logits, and is forked when they come back.
             if req.waits_to_fork and req.num_pending_tokens == 0:
@@ -237,18 +309,47 @@ class Scheduler:
             if req_id in sched_out.num_samples:
                 assert len(tokens) == sched_out.num_samples[req_id], "one token per sample"
                 outputs.extend(self._fork(req, tokens, logprobs))
-            outputs.append(self._append_and_check(req, tokens[0], _row(logprobs, 0)))
+                tokens, logprobs = tokens[:1], _rows(logprobs, 0, 1)
+            drafts = sched_out.spec_token_ids.get(req_id)
+            if drafts:
+                req.verifying = False
+                self._count_verified(req, len(drafts), len(tokens) - 1)
+            if runner_out.draft_token_ids and runner_out.draft_token_ids[idx]:
+                req.spec_token_ids = runner_out.draft_token_ids[idx]
+            outputs.append(self._append_and_check(req, tokens, logprobs))
         return outputs
 
+    def _count_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` proposals of `req` and accepted the first
+        `num_accepted`: count them, and roll its computed tokens back past the rejected ones
+        (their KV is overwritten later)."""
+        if req.status == RequestStatus.RUNNING:  # a preempted request recomputes anyway
+            req.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+
     # ---- internals -------------------------------------------------------------------------
-    def _append_and_check(self, req: Request, token_id: int, logprobs) -> EngineCoreOutput:
+    def _append_and_check(self, req: Request, tokens: list[int], logprobs) -> EngineCoreOutput:
+        """Append a step's tokens (several when proposals were accepted), one by one, up to
+        the first that ends the request; the rest are dropped."""
         first = req.num_output_tokens == 0
-        req.append_token(token_id)
-        finished = check_stop(req, self.max_model_len)
+        finished = False
+        num_kept = 0
+        for token_id in tokens:
+            req.append_token(token_id)
+            num_kept += 1
+            finished = check_stop(req, self.max_model_len)
+            if finished:
+                break
+        if logprobs is not None and num_kept < len(logprobs.ranks):
+            logprobs = _rows(logprobs, 0, num_kept)
         out = EngineCoreOutput(
             req_id=req.client_req_id,
             sample_index=req.sample_index,
-            new_token_ids=[token_id],
+            new_token_ids=tokens[:num_kept],
             new_logprobs=logprobs,
             new_prompt_logprobs=req.prompt_logprobs if first else None,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -299,7 +400,7 @@ class Scheduler:
             self._sequences[parent.client_req_id].append(child.req_id)
             self.block_manager.fork(parent.req_id, child.req_id)
             self.running.append(child)
-            out = self._append_and_check(child, tokens[index], _row(logprobs, index))
+            out = self._append_and_check(child, [tokens[index]], _rows(logprobs, index, 1))
             if not child.is_finished:
                 self._pending_forks.append(
                     ForkedRequestData(
@@ -317,6 +418,7 @@ class Scheduler:
         self.block_manager.free(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         if not req.output_token_ids:
             req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
         self.num_preemptions += 1
@@ -369,6 +471,7 @@ class Scheduler:
                         block_ids=(
                             bm.group_block_ids(req.req_id) if req.req_id in changed else None
                         ),
+                        resumed=req.req_id in plan.resumed,
                     )
                 )
         self._step_id += 1
@@ -379,6 +482,8 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             num_samples=plan.num_samples,
+            spec_token_ids=plan.spec_token_ids,
+            speculate=plan.speculate,
             forked_requests=self._pending_forks,
             blocks_to_copy=bm.take_pending_copies(),
             finished_req_ids=self._finished_req_ids,
@@ -415,12 +520,13 @@ def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[
     return req_id
 
 
-def _row(logprobs, index: int):
-    """Row `index` of a LogprobsLists (one position), or None."""
+def _rows(logprobs, start: int, count: int):
+    """Rows [start, start + count) of a LogprobsLists (one per position), or None."""
     if logprobs is None:
         return None
+    end = start + count
     return type(logprobs)(
-        token_ids=[logprobs.token_ids[index]],
-        logprobs=[logprobs.logprobs[index]],
-        ranks=[logprobs.ranks[index]],
+        token_ids=logprobs.token_ids[start:end],
+        logprobs=logprobs.logprobs[start:end],
+        ranks=logprobs.ranks[start:end],
     )

@@ -31,6 +31,8 @@ from zllm.executor.models import get_model_class
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from zllm.executor.spec_decode.draft_model import DraftModelProposer
+from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask, apply_bitmask
 from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -61,17 +63,28 @@ class SampleRows:
     """The requests that sample this step, and the sampler rows they fill (in batch order).
 
     A request drawing several samples (so.num_samples) fills that many rows with the same
-    logits, one generator each:
+    logits, one generator each. A request verifying d proposed tokens fills d + 1 rows, one
+    per position, each with its own logits (row j: after the first j proposals):
 
-        requests      |  a  |      b       |  c  |      b draws 3
-        sampler rows  |  a  |  b   b1  b2  |  c  |      b1, b2: generators of samples 1, 2
+        requests      |  a  |      b       |  c  |      d        |   b draws 3
+        logits rows   |  a  |      b       |  c  | d0   d1   d2  |   d verifies 2 proposals
+        sampler rows  |  a  |  b   b1  b2  |  c  | d0   d1   d2  |   b1, b2: samples 1, 2
     """
 
     requests: list[RequestState]
-    hidden_rows: np.ndarray  # int64 [R]: the row of each request's last new token
-    num_samples: list[int]  # [R]
-    row_states: list[RequestState]  # [sum(num_samples)]
-    row_generators: list[torch.Generator | None]
+    hidden_rows: np.ndarray  # int64 [L]: the hidden-state row behind each logits row
+    logits_states: list[RequestState]  # [L]
+    repeats: list[int]  # [L]: sampler rows each logits row feeds
+    num_rows: list[int]  # [R]: sampler rows of each request
+    row_states: list[RequestState]  # [B]
+    row_generators: list[torch.Generator | None]  # [B]
+    row_drafts: list[int]  # [B]: the proposal a row verifies, -1 for none
+    row_num_prior: list[int]  # [B]: proposals before the row's position (0 unless verifying)
+    drafts: dict[str, list[int]]  # the proposals each verifying request's rows check
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.drafts)
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -128,6 +141,7 @@ class ModelRunner:
         self.graph_runner = self._capture_cuda_graphs(config)
         self._log_kv_cache()
         self.sampler = Sampler()
+        self.proposer = _make_proposer(config, self.num_blocks, self.dtype)
         self.grammars = GrammarCompiler(config.model_path, self.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
         # Generators of the extra samples of an n > 1 request, drawn before the core's fork
@@ -218,8 +232,10 @@ class ModelRunner:
         return int(num_blocks)
 
     def _kv_bytes_per_slot(self) -> int:
+        """The target's bytes per slot, plus a draft model's (it shares the block ids)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return kv_bytes_per_slot(self.arch, self.kv_groups, elem)
+        draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
+        return kv_bytes_per_slot(self.arch, self.kv_groups, elem) + draft
 
     def _log_kv_cache(self) -> None:
         per_slot = self._kv_bytes_per_slot()
@@ -261,9 +277,14 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
+            if cached.resumed:  # after a preemption: blocks past the prefix hit are new
+                state.draft_num_computed = min(state.draft_num_computed, cached.num_computed_tokens)
+                state.draft_tail = []
         for src, dst in so.blocks_to_copy:
             for kv in self.kv_tensors:  # a block's bytes: its group's layers, one per tensor
                 kv[:, dst].copy_(kv[:, src])
+            if self.proposer is not None:
+                self.proposer.copy_block(src, dst)
 
     def _attach_grammar(self, st: RequestState) -> None:
         """A structured-output request's matcher, fed the output it already has (a recomputed
@@ -290,10 +311,12 @@ class ModelRunner:
         forward_end = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         pooled = self._pool(inputs, hidden)
-        rows = self._choose_sample_rows(inputs, so.num_samples)
+        rows = self._choose_sample_rows(inputs, so)
         sampled = self._sample(rows, hidden) if rows.requests else None
         output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
         output.pooled = pooled
+        if self.proposer is not None:
+            output.draft_token_ids = self._propose(so, inputs, rows)
         output.prepare_time_s = forward_start - step_start
         output.forward_time_s = forward_end - forward_start
         output.sample_time_s = time.perf_counter() - forward_end
@@ -314,7 +337,12 @@ class ModelRunner:
             st = self.requests[req_id]
             start = st.num_computed_tokens
             positions.append(np.arange(start, start + num, dtype=np.int64))
-            input_ids.extend(st.all_token_ids[start : start + num])
+            drafts = so.spec_token_ids.get(req_id)
+            if drafts:  # the last known token, then the proposals it verifies
+                input_ids.extend(st.all_token_ids[start : start + num - len(drafts)])
+                input_ids.extend(drafts)
+            else:
+                input_ids.extend(st.all_token_ids[start : start + num])
             states.append(st)
             query_lens.append(num)
             seq_lens.append(start + num)
@@ -392,52 +420,77 @@ class ModelRunner:
             st.pool_sum = None
         return pooled
 
-    def _choose_sample_rows(self, inputs: StepInputs, num_samples: dict[str, int]) -> SampleRows:
-        """Every request whose known tokens are all computed after this step samples its next
-        token; one named in num_samples (an n > 1 request at its first token, the scheduler
-        decides) draws that many samples from the same logits. Sample i > 0 draws with its own
-        seeded generator, kept here until the core's fork message for it arrives."""
-        due = [
-            i
-            for i, (st, end) in enumerate(zip(inputs.states, inputs.seq_lens, strict=True))
-            if end == len(st.all_token_ids) and not st.sampling_params.embed
-        ]
-        requests = [inputs.states[i] for i in due]
-        counts = [num_samples.get(st.req_id, 1) for st in requests]
-        row_states: list[RequestState] = []
-        row_generators: list[torch.Generator | None] = []
-        for st, n in zip(requests, counts, strict=True):
-            row_states.extend([st] * n)
-            row_generators.append(st.generator)
+    def _choose_sample_rows(self, inputs: StepInputs, so: SchedulerOutput) -> SampleRows:
+        """Every request whose known tokens (and proposals) are all computed after this step
+        samples; one named in num_samples (an n > 1 request at its first token, the scheduler
+        decides) draws that many samples from the same logits, and one with proposals
+        (so.spec_token_ids) verifies them, a logits row per position. Sample i > 0 draws with
+        its own seeded generator, kept here until the core's fork message for it arrives."""
+        rows = SampleRows([], np.empty(0, np.int64), [], [], [], [], [], [], [], {})
+        hidden_rows: list[int] = []
+        batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
+        for st, end, token_end in batch:
+            drafts = so.spec_token_ids.get(st.req_id, [])
+            if end != len(st.all_token_ids) + len(drafts) or st.sampling_params.embed:
+                continue
+            rows.requests.append(st)
+            if drafts:
+                rows.drafts[st.req_id] = drafts
+                num = len(drafts) + 1
+                hidden_rows.extend(range(int(token_end) - num, int(token_end)))
+                rows.logits_states.extend([st] * num)
+                rows.repeats.extend([1] * num)
+                rows.num_rows.append(num)
+                rows.row_states.extend([st] * num)
+                rows.row_generators.extend([st.generator] * num)
+                rows.row_drafts.extend([*drafts, -1])
+                rows.row_num_prior.extend(range(num))
+                continue
+            n = so.num_samples.get(st.req_id, 1)
+            hidden_rows.append(int(token_end) - 1)
+            rows.logits_states.append(st)
+            rows.repeats.append(n)
+            rows.num_rows.append(n)
+            rows.row_states.extend([st] * n)
+            rows.row_drafts.extend([-1] * n)
+            rows.row_num_prior.extend([0] * n)
+            rows.row_generators.append(st.generator)
             for index in range(1, n):
                 generator = make_generator(st.sampling_params.seed, index)
                 self._child_generators[(st.req_id, index)] = generator
-                row_generators.append(generator)
-        return SampleRows(
-            requests=requests,
-            hidden_rows=inputs.token_ends[due] - 1,
-            num_samples=counts,
-            row_states=row_states,
-            row_generators=row_generators,
-        )
+                rows.row_generators.append(generator)
+        rows.hidden_rows = np.asarray(hidden_rows, dtype=np.int64)
+        return rows
 
     def _sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
-        """One token per sampler row; logits are computed once per request, then repeated."""
+        """One token per sampler row; logits are computed once per logits row, then repeated
+        for the samples of an n > 1 request."""
         logits = self.model.compute_logits(hidden[torch.as_tensor(rows.hidden_rows)])
-        self._apply_logit_bias(logits, rows.requests)
-        self._apply_grammars(logits, rows.requests)
-        if len(rows.row_states) != len(rows.requests):
-            logits = torch.repeat_interleave(logits, torch.tensor(rows.num_samples), dim=0)
+        self._apply_logit_bias(logits, rows.logits_states)
+        self._apply_grammars(logits, rows)
+        if len(rows.row_states) != len(rows.logits_states):
+            logits = torch.repeat_interleave(logits, torch.tensor(rows.repeats), dim=0)
+        # A verifying row sees the proposals before it as output (penalties, min_tokens).
+        outputs = [
+            st.output_token_ids + rows.drafts[st.req_id][:prior] if prior else st.output_token_ids
+            for st, prior in zip(rows.row_states, rows.row_num_prior, strict=True)
+        ]
         metadata = SamplingMetadata.build(
             params=[st.sampling_params for st in rows.row_states],
             generators=rows.row_generators,
             prompt_ids=[st.prompt_token_ids for st in rows.row_states],
-            output_ids=[st.output_token_ids for st in rows.row_states],
-            banned=[self._banned_tokens(st) for st in rows.row_states],
+            output_ids=outputs,
+            banned=[
+                self._banned_tokens(st, prior)
+                for st, prior in zip(rows.row_states, rows.row_num_prior, strict=True)
+            ],
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
-        return self.sampler(logits, metadata)
+        drafts = None
+        if rows.verifies:
+            drafts = torch.tensor(rows.row_drafts, dtype=torch.int64, device=self.device)
+        return self.sampler(logits, metadata, drafts)
 
     def _pack_output(
         self,
@@ -448,20 +501,32 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """One entry per sampling request: its sample(s), and their logprobs when asked.
 
-        Each request keeps its first sample; the others go to the core, which forks them.
+        An n > 1 request keeps its first sample; the others go to the core, which forks them.
+        A verifying request emits its accepted proposals and the token of the first row that
+        did not accept (a correction, or the bonus token after all of them).
         """
         req_ids: list[str] = []
         tokens_per_req: list[list[int]] = []
         logprobs_per_req: list[LogprobsLists | None] = []
         if sampled is not None:
             tokens = sampled.sampled_token_ids.tolist()
+            accepted = sampled.accepted.tolist() if sampled.accepted is not None else None
             row_logprobs = self._sample_logprobs(sampled, rows.row_states)
             first = 0
-            for st, n in zip(rows.requests, rows.num_samples, strict=True):
-                st.append(tokens[first])
+            for st, n in zip(rows.requests, rows.num_rows, strict=True):
                 req_ids.append(st.req_id)
-                tokens_per_req.append(tokens[first : first + n])
-                lps = row_logprobs[first : first + n]
+                if st.req_id in rows.drafts:
+                    assert accepted is not None
+                    used = next(j for j in range(n) if not accepted[first + j]) + 1
+                    emitted = tokens[first : first + used]
+                    for token in emitted:
+                        st.append(token)
+                else:
+                    used = n
+                    emitted = tokens[first : first + n]
+                    st.append(emitted[0])
+                tokens_per_req.append(emitted)
+                lps = row_logprobs[first : first + used]
                 logprobs_per_req.append(_merge_rows(lps) if lps[0] is not None else None)
                 first += n
         has_logprobs = any(lp is not None for lp in logprobs_per_req)
@@ -472,6 +537,24 @@ class ModelRunner:
             logprobs=logprobs_per_req if has_logprobs else [],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _propose(
+        self, so: SchedulerOutput, inputs: StepInputs, rows: SampleRows
+    ) -> list[list[int]]:
+        """Speculative decoding: proposals for the requests that sampled (when the step
+        speculates), aligned with the output's req_ids; [] when there are none. A draft model
+        catches up on the step's tokens whatever the step."""
+        assert self.proposer is not None
+        stepped = [
+            (st, end)
+            for st, end in zip(inputs.states, inputs.seq_lens, strict=True)
+            if not st.sampling_params.embed
+        ]
+        propose_for = rows.requests if so.speculate else []
+        drafts = self.proposer.after_step(stepped, propose_for)
+        if not any(drafts):
+            return []
+        return drafts
 
     def _apply_logit_bias(self, logits: torch.Tensor, requests: list[RequestState]) -> None:
         rows, cols, biases = [], [], []
@@ -484,25 +567,38 @@ class ModelRunner:
             index = (torch.tensor(rows), torch.tensor(cols))
             logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype), accumulate=True)
 
-    def _apply_grammars(self, logits: torch.Tensor, requests: list[RequestState]) -> None:
-        """Structured outputs: each such request's logits row keeps only the tokens its
-        grammar allows next (the samples of an n > 1 request share the row)."""
-        grammar_rows = [i for i, st in enumerate(requests) if st.grammar is not None]
+    def _apply_grammars(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        """Structured outputs: each such request's logits rows keep only the tokens its
+        grammar allows next (the samples of an n > 1 request share the row). A verifying
+        request's row j gets the mask after its first j proposals: the matcher walks them and
+        comes back (GrammarMatcher.fill_draft_masks)."""
+        states = rows.logits_states
+        grammar_rows = [i for i, st in enumerate(states) if st.grammar is not None]
         if not grammar_rows:
             return
         bitmask = allocate_bitmask(len(grammar_rows), logits.shape[1])
         # One by one: llguidance's thread pool (LLExecutor) measured no faster on 2 cores
         # (9.0 vs 8.7 ms for 32 regex masks).
-        for k, i in enumerate(grammar_rows):
-            requests[i].grammar.fill_mask(bitmask[k])  # type: ignore[union-attr]
+        k = 0
+        while k < len(grammar_rows):
+            st = states[grammar_rows[k]]
+            assert st.grammar is not None
+            drafts = rows.drafts.get(st.req_id)
+            if drafts:
+                st.grammar.fill_draft_masks(drafts, bitmask[k : k + len(drafts) + 1])
+                k += len(drafts) + 1
+            else:
+                st.grammar.fill_mask(bitmask[k])
+                k += 1
         apply_bitmask(logits, grammar_rows, bitmask)
 
     # ---- helpers -------------------------------------------------------------------------------
     @staticmethod
-    def _banned_tokens(st: RequestState) -> list[int]:
-        """Every EOS id and stop token is forbidden until min_tokens are out."""
+    def _banned_tokens(st: RequestState, num_prior: int = 0) -> list[int]:
+        """Every EOS id and stop token is forbidden until min_tokens are out (counting
+        `num_prior` proposals before a verifying row's position)."""
         params = st.sampling_params
-        if len(st.output_token_ids) >= params.min_tokens:
+        if len(st.output_token_ids) + num_prior >= params.min_tokens:
             return []
         if st.grammar is not None and st.grammar.is_stopped:
             return []  # a complete answer may only end: the grammar wins over min_tokens
@@ -560,6 +656,27 @@ class ModelRunner:
                 ranks=ranks.tolist(),
             )
         return result
+
+
+def _make_proposer(
+    config: EngineConfig, num_blocks: int, dtype: torch.dtype
+) -> NgramProposer | DraftModelProposer | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+    if spec.method == "draft_model":
+        groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
+        if groups[0].sliding_window is not None:
+            raise ValueError(
+                "speculative draft_model needs a target with full-attention layers (the draft "
+                "reads the first KV cache group's block tables)"
+            )
+        return DraftModelProposer(config, num_blocks, dtype)
+    raise ValueError(f"speculative method {spec.method!r} is not available")
 
 
 def _layer_attention(arch: ModelArchConfig, groups: list[KVCacheGroup]) -> list[LayerAttention]:

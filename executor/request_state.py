@@ -38,6 +38,10 @@ class RequestState:
     grammar: GrammarMatcher | None = None
     # Embeddings requests: the sum of the prompt's final hidden states so far.
     pool_sum: torch.Tensor | None = None
+    # Draft-model speculation: positions the draft's KV cache holds, and the proposals whose
+    # KV it wrote after them (executor/spec_decode/draft_model.py).
+    draft_num_computed: int = 0
+    draft_tail: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -53,6 +57,7 @@ class RequestState:
             num_computed_tokens=new.num_computed_tokens,
             eos_token_ids=new.eos_token_ids,
             generator=make_generator(new.sampling_params.seed, new.sample_index),
+            draft_num_computed=new.num_computed_tokens,
         )
 
     def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
@@ -66,6 +71,8 @@ class RequestState:
             num_computed_tokens=self.num_computed_tokens,
             eos_token_ids=self.eos_token_ids,
             generator=generator,
+            # The draft's KV of the shared prompt is valid; past it is the parent's.
+            draft_num_computed=min(self.draft_num_computed, self.num_computed_tokens),
         )
 
     def append(self, token_id: int) -> None:

@@ -13,6 +13,14 @@ Order of operations (vLLM semantics):
 "race" is the exponential race: argmax(probs / q) with q ~ Exp(1) draws a token with
 probability proportional to probs, so sampling is one elementwise divide plus an argmax and
 seeded rows only need their own q row drawn from their own generator.
+
+Speculative decoding verifies proposed tokens by rejection sampling against the same
+distribution. Proposals are deterministic (n-gram lookup, a draft model's argmax), so the
+proposal distribution q is one-hot at the proposed token d, and the rule "accept d with
+probability min(1, p(d) / q(d)), else draw from max(0, p - q) renormalised" becomes: accept
+d with probability p(d), else draw from p with d removed. The output is then distributed
+exactly as p: P(d) = p(d), and P(t) = (1 - p(d)) * p(t) / (1 - p(d)) = p(t) for t != d. A
+greedy row accepts d when it is the argmax. (The race needs no renormalisation.)
 """
 
 from __future__ import annotations
@@ -130,11 +138,22 @@ class SamplerOutput:
     logprobs_token_ids: torch.Tensor | None  # int64 [B, k+1]: sampled token, then top-k ids
     logprobs: torch.Tensor | None  # float32 [B, k+1], raw log_softmax values
     sampled_token_ranks: torch.Tensor | None  # int64 [B]: 1 = most likely token
+    # With draft_token_ids: bool [B], whether the row accepted its proposed token (then
+    # sampled_token_ids holds it); a row that did not is where its sequence's step ends.
+    accepted: torch.Tensor | None = None
 
 
 class Sampler(torch.nn.Module):
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` [B, V]; the input tensor is not modified."""
+    def forward(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits` [B, V]; the input tensor is not modified.
+
+        `draft_token_ids` (int64 [B], -1 where a row has none): verify each row's proposed
+        token by rejection sampling (module docstring) instead of drawing freely."""
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -146,7 +165,10 @@ class Sampler(torch.nn.Module):
         apply_penalties(logits, metadata)
 
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
-        if metadata.all_greedy:
+        accepted = None
+        if draft_token_ids is not None:
+            sampled, accepted = verify_drafts(logits, greedy_ids, metadata, draft_token_ids)
+        elif metadata.all_greedy:
             sampled = greedy_ids
         else:
             random_ids = sample_random(logits, metadata)
@@ -157,11 +179,45 @@ class Sampler(torch.nn.Module):
                 sampled = torch.where(is_greedy, greedy_ids, random_ids)
 
         if raw_logprobs is None:
-            return SamplerOutput(sampled, None, None, None)
+            return SamplerOutput(sampled, None, None, None, accepted)
         token_ids, logprobs, ranks = gather_logprobs(
             raw_logprobs, sampled, metadata.max_num_logprobs
         )
-        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks, accepted)
+
+
+def verify_drafts(
+    logits: torch.Tensor,
+    greedy_ids: torch.Tensor | None,
+    metadata: SamplingMetadata,
+    draft_token_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling of one-hot proposals (module docstring): per row, (the token it
+    emits, whether that is its accepted proposal). A row without a proposal (-1) samples
+    freely and counts as not accepted. `logits` have bans and penalties applied; modified."""
+    has_draft = draft_token_ids >= 0
+    drafts = draft_token_ids.clamp(min=0)
+    if metadata.all_greedy:
+        assert greedy_ids is not None
+        accepted = has_draft & (greedy_ids == drafts)
+        return torch.where(accepted, drafts, greedy_ids), accepted
+    probs = processed_probs(logits, metadata)  # temperature, min-p, top-k/p: what p is
+    draft_probs = probs.gather(1, drafts[:, None]).squeeze(1)
+    uniform = torch.empty_like(draft_probs)
+    if len(metadata.generators) < uniform.shape[0]:
+        uniform.uniform_()
+    for row, generator in metadata.generators.items():
+        uniform[row : row + 1].uniform_(generator=generator)
+    accepted = has_draft & (uniform < draft_probs)
+    # The residual distribution: p without the rejected proposal (renormalising is implicit).
+    residual = probs.scatter(1, drafts[:, None], torch.where(has_draft, 0.0, draft_probs)[:, None])
+    sampled = torch.where(accepted, drafts, exponential_race(residual, metadata.generators))
+    if greedy_ids is not None:
+        is_greedy = metadata.temperature < GREEDY_TEMPERATURE
+        greedy_accepted = has_draft & (greedy_ids == drafts)
+        accepted = torch.where(is_greedy, greedy_accepted, accepted)
+        sampled = torch.where(is_greedy, torch.where(greedy_accepted, drafts, greedy_ids), sampled)
+    return sampled, accepted
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -205,6 +261,12 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
 
     Greedy rows in a mixed batch go through with temperature 1 and are discarded later.
     """
+    return exponential_race(processed_probs(logits, metadata), metadata.generators)
+
+
+def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, min-p, top-k/top-p, softmax;
+    modifies `logits`. Greedy rows in a mixed batch get temperature 1."""
     m = metadata
     temperature = m.temperature
     if not m.all_random:
@@ -214,8 +276,7 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
         apply_min_p(logits, m.min_p)
     if m.top_k is not None or m.top_p is not None:
         apply_top_k_top_p(logits, m.top_k, m.top_p)
-    probs = logits.softmax(dim=-1)
-    return exponential_race(probs, m.generators)
+    return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -71,6 +71,32 @@ class GrammarMatcher:
         if not self.waiting:
             self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
+    def fill_draft_masks(self, drafts: Sequence[int], rows: np.ndarray) -> None:
+        """Speculative decoding: rows[j] gets the mask after the first j proposed tokens
+        (len(rows) == len(drafts) + 1), and the matcher ends where it started.
+
+        The matcher consumes the proposals tentatively and rolls back (llguidance's rollback;
+        an `after_token` that fires leaves the original matcher untouched). At the first
+        proposal its grammar forbids, the walk stops: that row's mask rejects it for certain,
+        so the rows after it are never used."""
+        saved_waiting, saved_matcher = self.waiting, self._matcher
+        num_consumed = 0  # tokens the saved matcher itself consumed, to roll back
+        try:
+            for j, row in enumerate(rows):
+                self.fill_mask(row)
+                if j == len(drafts):
+                    break
+                if not self.waiting:
+                    if self._matcher.is_stopped() or not self._matcher.validate_tokens([drafts[j]]):
+                        break
+                    if self._matcher is saved_matcher:
+                        num_consumed += 1
+                self.consume(drafts[j])
+        finally:
+            self.waiting, self._matcher = saved_waiting, saved_matcher
+            if num_consumed:
+                saved_matcher.rollback(num_consumed)
+
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete: only an end-of-sequence token may follow."""

@@ -197,6 +197,11 @@ class Engine(msgspec.Struct):
     prefix_cache_hits: int  # of those, found cached
     steps: int
     in_flight: int
+    # Speculative decoding since start (None when the engine does not speculate): proposed
+    # tokens accepted, tokens a verifying step yields on average, acceptance by position.
+    spec_acceptance_rate: float | None = None
+    spec_mean_acceptance_length: float | None = None
+    spec_acceptance_per_pos: list[float] = []
 
 
 class DashboardStats(msgspec.Struct):
@@ -275,6 +280,19 @@ class Dashboard:
             steps=s.num_steps,
             in_flight=client.num_in_flight,
         )
+        if s.spec_accepted_per_pos:
+            drafts = s.spec_num_drafts
+            engine.spec_acceptance_rate = (
+                s.spec_num_accepted_tokens / s.spec_num_draft_tokens
+                if s.spec_num_draft_tokens
+                else 0.0
+            )
+            engine.spec_mean_acceptance_length = (
+                1 + s.spec_num_accepted_tokens / drafts if drafts else 1.0
+            )
+            engine.spec_acceptance_per_pos = [
+                round(n / drafts, 4) if drafts else 0.0 for n in s.spec_accepted_per_pos
+            ]
         processes = [
             ProcessInfo(role, index, alive)
             for (role, index), alive in sorted(

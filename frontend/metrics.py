@@ -299,6 +299,23 @@ _COUNTERS = (
 )
 
 
+# Speculative decoding (only when the engine speculates: EngineStats.spec_accepted_per_pos
+# then has one entry per proposal position).
+_SPEC_COUNTERS = (
+    (
+        "vllm:spec_decode_num_drafts",
+        "Request steps that verified proposed tokens.",
+        "spec_num_drafts",
+    ),
+    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "spec_num_draft_tokens"),
+    (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted.",
+        "spec_num_accepted_tokens",
+    ),
+)
+
+
 class EngineCollector:
     """Reads the latest engine heartbeat and the process table at scrape time."""
 
@@ -327,6 +344,8 @@ class EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, getattr(s, attr))
             yield c
+        if s.spec_accepted_per_pos:
+            yield from _spec_decode_metrics(s, label)
         up = GaugeMetricFamily(
             "zllm:process_up",
             "1 while the process (role, index) runs, 0 while it is down.",
@@ -335,3 +354,18 @@ class EngineCollector:
         for (role, index), alive in sorted(self.client.processes.items()):
             up.add_metric([self.model_name, role, str(index)], 1.0 if alive else 0.0)
         yield up
+
+
+def _spec_decode_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+    for name, doc, attr in _SPEC_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(label, getattr(s, attr))
+        yield c
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted proposed tokens, by position in the proposal (0 = the first).",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(s.spec_accepted_per_pos):
+        per_pos.add_metric([*label, str(position)], count)
+    yield per_pos

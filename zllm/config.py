@@ -69,6 +69,36 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's JSON shape): each step, every
+    decoding sequence gets up to `num_speculative_tokens` proposed tokens, verified by the
+    target model in one forward (executor/spec_decode/)."""
+
+    method: str  # "ngram" (prompt lookup) or "draft_model"
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix n-gram looked up in the sequence so far.
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    # draft_model: what the user named and the resolved path, and its architecture.
+    model: str | None = None
+    draft_model_path: str | None = None
+    draft_arch: ModelArchConfig | None = None
+    # Steps with more running sequences than this propose nothing (vLLM's
+    # disable_by_batch_size): under load a step is compute-bound and verification costs more
+    # than it saves. None: always speculate.
+    disable_by_batch_size: int | None = None
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots a sequence needs past its step's tokens: a draft model writes its
+        proposals' keys and values there (ngram proposes without a forward)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str  # what the user asked for: a path or a short name
@@ -90,3 +120,4 @@ class EngineConfig:
     pooling: str = "mean"
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
+    speculative: SpeculativeConfig | None = None

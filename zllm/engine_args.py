@@ -27,6 +27,7 @@ from zllm.generation_config import (
 )
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
+from zllm.speculative_config import parse_speculative_json, speculative_config_from
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,17 @@ class EngineArgs:
         "architecture, else transformers')",
         choices=MODEL_IMPLS,
     )
+    speculative_config: dict | None = option(
+        None,
+        help="speculative decoding, as a JSON object in vLLM's shape: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 2}\' proposes the continuation of the last earlier occurrence of '
+        "the sequence's final n-gram; "
+        '\'{"method": "draft_model", "model": M, "num_speculative_tokens": 4}\' runs a '
+        "smaller model with the same tokenizer; optional disable_by_batch_size: N stops "
+        "proposing while more than N sequences run",
+        parse=parse_speculative_json,
+    )
     generation_config: str = option(
         "auto",
         help="auto: the model directory's generation_config.json sets the defaults of "
@@ -166,6 +178,7 @@ class EngineArgs:
             model_impl=impl.name,
             pooling=self.pooling,
             generation_config=generation,
+            speculative=speculative_config_from(self.speculative_config, arch),
         )
 
 

@@ -42,7 +42,7 @@ class LLM:
     directory (config.json + *.safetensors + tokenizer.json). Other keywords follow vLLM's
     engine arguments (`max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
     `block_size`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, `dtype`,
-    `generation_config`, ...).
+    `generation_config`, `speculative_config`, ...).
     """
 
     def __init__(self, model: str | None = None, *, chat_template: str | None = None, **kwargs):

@@ -108,6 +108,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Every group's whole block table when one changed this step (new blocks, a copy-on-write,
     # a release), else None.
     block_ids: list[list[int]] | None = None
+    # Back after a preemption: its blocks past num_computed_tokens hold nothing of it.
+    resumed: bool = False
 
 
 class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -132,6 +134,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # decides; the executor draws `num_samples[req_id]` tokens instead of one.
     num_samples: dict[str, int] = {}
     forked_requests: list[ForkedRequestData] = []
+    # Speculative decoding: the proposed tokens each request verifies this step (they follow
+    # its last known token in num_scheduled_tokens), and whether the executor makes new
+    # proposals for the requests that sample (off past disable_by_batch_size).
+    spec_token_ids: dict[str, list[int]] = {}
+    speculate: bool = False
     # (src, dst) block copies to do before the forward (copy-on-write).
     blocks_to_copy: list[tuple[int, int]] = []
     # Requests that finished or were aborted since the last step: the executor drops them.
@@ -150,8 +157,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Requests that sampled this step, and their new tokens (n tokens for a request forking).
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # Per sampled request (same order), when it asked for logprobs; None elsewhere.
+    # Per sampled request (same order), when it asked for logprobs; None elsewhere. A request
+    # that verified proposals gets the accepted ones and one more token, a row each.
     logprobs: list[LogprobsLists | None] = []
+    # Speculative decoding, per sampled request (same order): tokens proposed for its next
+    # step; empty when none (or when the step did not speculate).
+    draft_token_ids: list[list[int]] = []
     # Embeddings requests whose prompt this step finished: their pooled vectors (no token).
     pooled: dict[str, list[float]] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
@@ -349,6 +360,12 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     # each showing the busiest state among its blocks; `blocks_per_cell` says how many.
     block_states: bytes = b""
     blocks_per_cell: int = 1
+    # Speculative decoding (vLLM's vllm:spec_decode_*): request steps that verified proposals,
+    # proposed and accepted tokens, and accepted tokens by position in the proposal.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
