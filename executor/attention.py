@@ -13,7 +13,10 @@ A step's new tokens arrive flat and grouped by sequence, without padding:
 
 Query token j of a sequence with query length q and context length L sits at position
 L - q + j and attends to context positions 0..L - q + j. Decode sequences (q == 1) run as one
-padded, masked call; the others run one by one.
+padded, masked call; the others run one by one. A short run of new tokens after cached
+context (q <= MAX_QUERY_AS_DECODE: a speculative decoding step verifying its proposals) joins
+the decode call as q rows, row j with context L - q + j + 1: every new K/V is in the cache
+before anything attends, so each row reads exactly what its position may see.
 
 Shared with the GPU path (attention_cuda.py): `StepLayout.check`, which validates a step's
 lists once for either metadata kind, the prefill chunks (`build_prefill_chunks`), and
@@ -28,6 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+# The longest run of new tokens after cached context that attends as decode rows (one per
+# token) rather than as a prefill chunk: a verify step of up to 16 proposals plus its token.
+MAX_QUERY_AS_DECODE = 17
 
 # `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -58,7 +65,9 @@ class DecodeBatch:
     allocate it with zeros, not empty.
     """
 
-    token_indices: torch.Tensor  # int64 [S_dec], where each decode token sits in the flat batch
+    # int64 [S_dec], where each decode row's token sits in the flat batch (a sequence with a
+    # few new tokens after cached context fills one row per token)
+    token_indices: torch.Tensor
     block_ids: torch.Tensor  # int64 [S_dec * max_blocks], tables trimmed to the longest context
     max_blocks: int
     seq_lens: torch.Tensor  # int64 [S_dec], context lengths (this token included)
@@ -130,6 +139,7 @@ def build_prefill_chunks(
     device: torch.device | str,
     chunk_mask: Callable[[int, int], torch.Tensor],
     sliding_window: int | None = None,
+    seq_ids: np.ndarray | None = None,
 ) -> list[PrefillChunk]:
     """The sequences with more than one new token; `chunk_mask(query_len, context_len)` makes
     the attention mask of a chunk that follows cached context (each backend its own kind).
@@ -139,7 +149,9 @@ def build_prefill_chunks(
     block manager may have released them.
     """
     chunks = []
-    for i in np.flatnonzero(layout.query_lens > 1).tolist():
+    if seq_ids is None:
+        seq_ids = np.flatnonzero(layout.query_lens > 1)
+    for i in seq_ids.tolist():
         start = int(layout.query_start_loc[i])
         q_len, ctx_len = int(layout.query_lens[i]), int(layout.seq_lens[i])
         if sliding_window is not None and ctx_len > sliding_window:
@@ -224,19 +236,26 @@ class AttentionMetadata:
             query_pos = ctx_len - q_len + np.arange(q_len)
             return to_device(np.arange(ctx_len)[None, :] <= query_pos[:, None], device)
 
-        is_decode = layout.query_lens == 1
+        q_lens = layout.query_lens
+        as_decode = (q_lens == 1) | ((q_lens <= MAX_QUERY_AS_DECODE) & (q_lens < layout.seq_lens))
         decode = None
-        if is_decode.any():
+        if as_decode.any():
             decode = _build_decode_batch(
-                np.flatnonzero(is_decode), layout, tables, block_size, device, sliding_window
+                np.flatnonzero(as_decode), layout, tables, block_size, device, sliding_window
             )
-            decode.is_whole_batch = bool(is_decode.all())
+            decode.is_whole_batch = bool(as_decode.all())
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
             decode=decode,
             prefills=build_prefill_chunks(
-                layout, block_tables, block_size, device, chunk_mask, sliding_window
+                layout,
+                block_tables,
+                block_size,
+                device,
+                chunk_mask,
+                sliding_window,
+                seq_ids=np.flatnonzero(~as_decode),
             ),
             sliding_window=sliding_window,
         )
@@ -250,9 +269,18 @@ def _build_decode_batch(
     device: torch.device | str,
     sliding_window: int | None = None,
 ) -> DecodeBatch:
-    """Without a window each sequence gathers blocks 0.. of its table; with one, from the
-    block holding the first position its query sees (earlier blocks may be released)."""
+    """Without a window each row gathers blocks 0.. of its table; with one, from the block
+    holding the first position its query sees (earlier blocks may be released). A sequence
+    with q new tokens fills q rows, row j seeing the context up to its own position."""
+    q_lens = layout.query_lens[seq_ids]
+    token_indices = layout.query_start_loc[seq_ids]
     lens = layout.seq_lens[seq_ids]
+    if (q_lens > 1).any():
+        rows_of = np.repeat(np.arange(len(seq_ids)), q_lens)
+        offset = np.arange(len(rows_of)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        token_indices = token_indices[rows_of] + offset
+        lens = lens[rows_of] - q_lens[rows_of] + offset + 1
+        seq_ids = seq_ids[rows_of]
     first_pos = (
         np.zeros_like(lens) if sliding_window is None else np.maximum(lens - sliding_window, 0)
     )
@@ -269,7 +297,7 @@ def _build_decode_batch(
     pos = first_block[:, None] * block_size + np.arange(max_blocks * block_size)[None, :]
     mask = (pos >= first_pos[:, None]) & (pos < lens[:, None])
     return DecodeBatch(
-        token_indices=to_device(layout.query_start_loc[seq_ids], device),
+        token_indices=to_device(np.ascontiguousarray(token_indices), device),
         block_ids=to_device(np.ascontiguousarray(block_ids), device),
         max_blocks=max_blocks,
         seq_lens=to_device(np.ascontiguousarray(lens), device),

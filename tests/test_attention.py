@@ -22,7 +22,9 @@ BATCHES = {
     "decode": [(1, 1), (1, 7), (1, 33), (1, 16), (1, 2)],
     "prefill": [(5, 5), (1, 1), (17, 17), (3, 3)],
     "chunked": [(4, 20), (16, 16), (7, 9)],
-    "mixed": [(1, 12), (6, 6), (1, 40), (9, 25), (1, 3), (2, 2), (5, 37), (1, 1)],
+    # (9, 25) and (5, 37): short runs after cached context (verify steps) attend as decode rows;
+    # (20, 45) is longer, a prefill chunk.
+    "mixed": [(1, 12), (6, 6), (1, 40), (9, 25), (1, 3), (2, 2), (5, 37), (1, 1), (20, 45)],
 }
 
 
@@ -212,23 +214,26 @@ def test_metadata_split():
     meta = AttentionMetadata.build(
         query_lens, context_lens, tables, list(range(sum(query_lens))), 4, "cpu"
     )
-    assert meta.slot_mapping.tolist() == list(range(26))
+    assert meta.slot_mapping.tolist() == list(range(46))
     assert meta.decode is not None and not meta.decode.is_whole_batch
-    assert meta.decode.token_indices.tolist() == [0, 7, 17, 25]
+    # One row per decode token, and one per token of each short run after cached context.
+    rows = [0, 7, *range(8, 17), 17, *range(20, 25), 25]
+    assert meta.decode.token_indices.tolist() == rows
     assert meta.decode.max_blocks == 10  # ceil(40 / 4)
-    assert meta.decode.attn_mask.shape == (4, 1, 1, 40)
-    assert meta.decode.attn_mask.sum(-1).flatten().tolist() == [12, 40, 3, 1]
+    assert meta.decode.attn_mask.shape == (len(rows), 1, 1, 40)
+    seen = [12, 40, *range(17, 26), 3, *range(33, 38), 1]  # each row up to its own position
+    assert meta.decode.attn_mask.sum(-1).flatten().tolist() == seen
+    assert meta.decode.seq_lens.tolist() == seen
     assert [(c.token_start, c.token_end, c.context_len) for c in meta.prefills] == [
         (1, 7, 6),
-        (8, 17, 25),
         (18, 20, 2),
-        (20, 25, 37),
+        (26, 46, 45),
     ]
-    fresh, chunk = meta.prefills[0], meta.prefills[1]
+    fresh, chunk = meta.prefills[0], meta.prefills[2]
     assert fresh.context_slots is None and fresh.attn_mask is None
-    assert chunk.context_slots.tolist() == [slot_of(tables[3], p, 4) for p in range(25)]
-    assert chunk.attn_mask.shape == (9, 25)
-    assert chunk.attn_mask.sum(-1).tolist() == list(range(17, 26))
+    assert chunk.context_slots.tolist() == [slot_of(tables[8], p, 4) for p in range(45)]
+    assert chunk.attn_mask.shape == (20, 45)
+    assert chunk.attn_mask.sum(-1).tolist() == list(range(26, 46))
     whole = AttentionMetadata.build([1, 1], [3, 5], [[2], [0, 1]], [10, 5], 4, "cpu")
     assert whole.decode.is_whole_batch and not whole.prefills
     assert whole.decode.block_ids.tolist() == [2, 0, 0, 1]  # tables padded to 2 blocks
@@ -262,8 +267,10 @@ def test_build_rejects_inconsistent_input(args, build):
 
 
 def test_backends_share_the_step_layout():
-    """Both metadata kinds agree on what they share: slots, lengths, chunks' context slots."""
-    batch = BATCHES["mixed"]
+    """Both metadata kinds agree on what they share: slots, lengths, chunks' context slots.
+    (Short runs after cached context are decode rows on CPU only; the CUDA path keeps them
+    as chunks, so this batch has none.)"""
+    batch = [(1, 12), (6, 6), (1, 40), (20, 45), (1, 3), (2, 2), (1, 1)]
     query_lens, context_lens = [q for q, _ in batch], [n for _, n in batch]
     _, tables = allocate(context_lens, 4, torch.Generator().manual_seed(1))
     slots = [
@@ -278,7 +285,7 @@ def test_backends_share_the_step_layout():
     def spans(meta):
         return [(c.token_start, c.token_end, c.context_len) for c in meta.prefills]
 
-    assert spans(cpu) == spans(gpu) and len(cpu.prefills) == 4
+    assert spans(cpu) == spans(gpu) and len(cpu.prefills) == 3
     for a, b in zip(cpu.prefills, gpu.prefills, strict=True):
         assert (a.context_slots is None) == (b.context_slots is None)
         if a.context_slots is not None:

@@ -29,9 +29,18 @@ STEP_COUNTERS = {
 }
 
 
+# Speculative decoding (a zllm or vLLM server that speculates): acceptance over the run.
+SPEC_COUNTERS = {
+    "spec_drafts": "vllm:spec_decode_num_drafts_total",
+    "spec_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_accepted": "vllm:spec_decode_num_accepted_tokens_total",
+}
+
+
 def parse_counters(metrics_text: str) -> dict[str, float]:
-    """Prometheus text -> {our key: value} for STEP_COUNTERS (summed over label sets)."""
-    by_name = {name: key for key, name in STEP_COUNTERS.items()}
+    """Prometheus text -> {our key: value} for STEP_COUNTERS and SPEC_COUNTERS (summed over
+    label sets)."""
+    by_name = {name: key for key, name in {**STEP_COUNTERS, **SPEC_COUNTERS}.items()}
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
@@ -82,6 +91,17 @@ def engine_cost(
         result["steps"] = int(steps)
         result["per_step_ms"] = {k: round(v / steps * 1e3, 3) for k, v in delta.items()}
         result["executor_idle_share"] = round(delta["idle"] / busy_idle, 4) if busy_idle else None
+    drafts = c1.get("spec_drafts", 0.0) - c0.get("spec_drafts", 0.0)
+    if drafts > 0:
+        proposed = c1.get("spec_draft_tokens", 0.0) - c0.get("spec_draft_tokens", 0.0)
+        accepted = c1.get("spec_accepted", 0.0) - c0.get("spec_accepted", 0.0)
+        result["spec_decode"] = {
+            "drafts": int(drafts),
+            "draft_tokens": int(proposed),
+            "accepted_tokens": int(accepted),
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3),
+        }
     if cpu1 and output_tokens > 0:
         roles = sorted(cpu1)
         per_role = {r: cpu1[r] - cpu0.get(r, 0.0) for r in roles}

@@ -28,6 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zllm.bench_datasets import DATASETS, chat_prompts
 from zllm.bench_engine_stats import engine_cost, parse_counters, process_cpu_seconds
 from zllm.percentile import percentile
 
@@ -55,6 +56,10 @@ class ServeBenchConfig:
     # Sent as every request's `structured_outputs` (e.g. {"json": {...}} or {"regex": "..."}):
     # what grammars cost per step.
     structured_outputs: dict | None = None
+    # "random": input_len random token ids; "edit" / "free": chat prompts whose answers
+    # repeat their input or do not (zllm/bench_datasets.py), tokenized with `tokenizer`.
+    dataset: str = "random"
+    tokenizer: str | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +133,14 @@ def add_parser(bench_sub) -> None:
         help='JSON sent as each request\'s structured_outputs, e.g. \'{"regex": "[a-z ]+"}\' '
         "(zllm and vLLM): the per-step cost of grammars",
     )
+    p.add_argument(
+        "--dataset",
+        default=d.dataset,
+        choices=DATASETS,
+        help="random: --input-len random token ids; edit: chat requests to rewrite a given "
+        "code or text (the answer repeats the prompt: prompt lookup pays); free: open-ended "
+        "writing (it does not); chat prompts use --tokenizer's template",
+    )
     p.add_argument("--output-json", default=None)
     p.add_argument(
         "--save-detailed", action="store_true", help="also write per-request records to JSON"
@@ -165,6 +178,8 @@ def main(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         label=args.label,
         structured_outputs=args.structured_outputs,
+        dataset=args.dataset,
+        tokenizer=args.tokenizer,
     )
     if config.num_prompts < 1 or config.input_len < 1 or config.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be at least 1")
@@ -197,6 +212,11 @@ class BenchmarkError(RuntimeError):
 
 def make_prompts(config: ServeBenchConfig) -> list[list[int]]:
     from zllm.bench import make_prompts as _make
+
+    if config.dataset != "random":
+        return chat_prompts(
+            config.dataset, config.num_prompts, config.tokenizer, config.prompt_seed
+        )
 
     if not config.vocab_size:
         raise ValueError("vocab_size is needed to draw random prompt token ids")
@@ -417,6 +437,7 @@ def summarize(
         "concurrency": config.concurrency,
         "request_rate": None if math.isinf(config.request_rate) else config.request_rate,
         "prompt_seed": config.prompt_seed,
+        "dataset": config.dataset,
         "duration_s": round(duration, 3),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -445,7 +466,12 @@ def format_table(s: dict[str, Any]) -> str:
             f"concurrency {s['concurrency'] or 'unbounded'}, "
             f"rate {s['request_rate'] or 'inf'} req/s",
         ),
-        ("Prompts x input / output", f"{s['num_prompts']} x {s['input_len']} / {s['output_len']}"),
+        (
+            "Prompts x input / output",
+            f"{s['num_prompts']} x {s['input_len']} / {s['output_len']}"
+            if s.get("dataset", "random") == "random"
+            else f"{s['num_prompts']} {s['dataset']} chats / {s['output_len']}",
+        ),
         ("Successful requests", str(s["completed"])),
         ("Failed requests", str(s["failed"])),
         ("Outputs shorter than asked", str(s["short_outputs"])),
@@ -480,6 +506,10 @@ def format_table(s: dict[str, Any]) -> str:
             rows.append((f"{name} (ms/step)", f"{step[key]:.2f}"))
         if engine.get("executor_idle_share") is not None:
             rows.append(("Executor idle share", f"{engine['executor_idle_share']:.1%}"))
+    spec = engine.get("spec_decode")
+    if spec:
+        rows.append(("Spec decode acceptance rate", f"{spec['acceptance_rate']:.1%}"))
+        rows.append(("Spec decode tokens per verify", f"{spec['mean_acceptance_length']:.2f}"))
     for role, ms in (engine.get("cpu_ms_per_output_token") or {}).items():
         rows.append((f"CPU {role} (ms/token)", f"{ms:.2f}"))
     width = max(len(k) for k, _ in rows) + 2
