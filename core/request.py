@@ -84,8 +84,15 @@ class Request:
 
     @property
     def waits_to_fork(self) -> bool:
-        """An `n > 1` request that has not yet sampled its first tokens."""
-        return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
+        """An `n > 1` request that has not yet sampled its first tokens (beam search forks
+        its own way)."""
+        params = self.sampling_params
+        return (
+            params.n > 1
+            and not params.use_beam_search
+            and self.sample_index == 0
+            and not self.output_token_ids
+        )
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from zllm.config import SchedulerConfig, SpeculativeConfig
+from zllm.core.beam_search import BeamGroup, Continuation
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
@@ -86,6 +87,10 @@ class Scheduler:
         self._sequences: dict[str, list[str]] = {}
         self._finished_req_ids: list[str] = []
         self._pending_forks: list[ForkedRequestData] = []
+        # Beam search: the group of each such client request, and the tokens chosen for
+        # running beams, sent to the executor with the next step.
+        self._beam_groups: dict[str, BeamGroup] = {}
+        self._pending_beam_tokens: dict[str, int] = {}
         self._step_id = 0
         self.num_preemptions = 0
         # Speculative decoding counters (vLLM's spec_decode metrics): steps of a request that
@@ -104,6 +109,15 @@ class Scheduler:
         self.requests[req.req_id] = req
         self._sequences[req.client_req_id] = [req.req_id]
         self.waiting.append(req)
+        params = req.sampling_params
+        if params.use_beam_search:
+            room = self.max_model_len - req.num_prompt_tokens
+            self._beam_groups[req.client_req_id] = BeamGroup(
+                params,
+                req.eos_token_ids,
+                max_new_tokens=min(params.max_tokens or room, room),
+                running=[(req, 0.0)],
+            )
 
     def abort_requests(self, client_req_ids: Iterable[str]) -> list[str]:
         """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
@@ -117,6 +131,7 @@ class Scheduler:
                 if req is not None:
                     req.finish_reason = FinishReason.ABORT
                     self._finish(req)
+            self._beam_groups.pop(client_req_id, None)
             aborted.append(client_req_id)
         return aborted
 
@@ -193,20 +208,25 @@ class Scheduler:
                 req.num_computed_tokens,
                 num_new + len(drafts) + self._lookahead(plan),
             ):
-                victim = self.running.pop()
+                # A beam that only waits for its siblings goes first, else the newest.
+                victim = self._idle_beam(plan) or self.running[-1]
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     return True  # it was the newest: nothing is left after it
             self._add_to_step(plan, req, num_new, drafts)
-            i += 1
+            i = self.running.index(req) + 1
         return preempted
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Waiting requests, FIFO: none jumps the queue."""
+        """Waiting requests, FIFO: none jumps the queue (a preempted beam that has reported
+        this round is passed over: it has nothing to compute until its siblings report)."""
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = next((r for r in self.waiting if not self._is_idle_beam(r)), None)
+            if req is None:
+                return
             if req.num_pending_tokens and (plan.speculate or req.verifying):
                 return  # preempted with a step in flight: held until it returns
             # Prompt logprobs and embeddings need every prompt position computed: no cache
@@ -223,8 +243,10 @@ class Scheduler:
             if not bm.allocate_slots(
                 req.req_id, req.all_token_ids, num_computed, num_slots, cached
             ):
+                if self._preempt_idle_beam(plan):
+                    continue  # its blocks are free now: try again
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
                 req.num_cached_tokens = num_computed
                 req.first_scheduled_time = time.time()
@@ -273,8 +295,10 @@ class Scheduler:
         plan.num_scheduled[req.req_id] = num_new + num_drafts
         plan.budget -= num_new + num_drafts
         req.num_computed_tokens += num_new + num_drafts
-        if req.sampling_params.embed:
-            return  # its answer is the pooled vector, not a token: nothing pending to decode
+        if req.sampling_params.embed or req.sampling_params.use_beam_search:
+            # An embedding's answer is the pooled vector, a beam's next token is chosen by
+            # its group once every beam has reported: nothing pending to decode.
+            return
         if req.num_computed_tokens - num_drafts == req.num_tokens_with_pending:
             # This step samples the next token. An n > 1 request draws all n first tokens
             # from the one set of prompt logits, and is forked when they come back.
@@ -303,6 +327,10 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None:
                 continue
+            if req.sampling_params.use_beam_search:
+                assert runner_out.logprobs and runner_out.logprobs[idx] is not None
+                outputs.extend(self._beam_report(req, runner_out.logprobs[idx]))
+                continue
             req.num_pending_tokens -= 1
             tokens = runner_out.sampled_token_ids[idx]
             logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
@@ -317,6 +345,136 @@ class Scheduler:
             if runner_out.draft_token_ids and runner_out.draft_token_ids[idx]:
                 req.spec_token_ids = runner_out.draft_token_ids[idx]
             outputs.append(self._append_and_check(req, tokens, logprobs))
+        return outputs
+
+    # ---- beam search -------------------------------------------------------------------------
+    def _preempt_idle_beam(self, plan: _StepPlan) -> bool:
+        """Make room for the head of the queue by preempting a beam that has reported this
+        round and only waits for its siblings (its report is kept). Without this, beams
+        holding blocks while a preempted sibling waits for blocks would wait forever."""
+        victim = self._idle_beam(plan)
+        if victim is None:
+            return False
+        self.running.remove(victim)
+        self._preempt(victim)
+        return True
+
+    def _idle_beam(self, plan: _StepPlan) -> Request | None:
+        """The newest running beam that waits for its siblings, not in this step."""
+        return next(
+            (
+                r
+                for r in reversed(self.running)
+                if self._is_idle_beam(r) and r not in plan.scheduled
+            ),
+            None,
+        )
+
+    def _is_idle_beam(self, req: Request) -> bool:
+        """A beam that has reported this round and has no token yet to compute."""
+        group = self._beam_groups.get(req.client_req_id)
+        return group is not None and req.req_id in group.reports
+
+    def _beam_report(self, req: Request, logprobs) -> list[EngineCoreOutput]:
+        """A beam's candidates (the top logprobs after the sampled token); once every beam of
+        its group has reported, the round is applied."""
+        group = self._beam_groups.get(req.client_req_id)
+        if group is None:
+            return []
+        candidates = list(zip(logprobs.token_ids[0][1:], logprobs.logprobs[0][1:], strict=True))
+        if not group.report(req.req_id, candidates):
+            return []
+        round_ = group.select()
+        return self._apply_beam_round(group, round_.continuations, round_.done)
+
+    def _apply_beam_round(
+        self, group: BeamGroup, continuations: list[Continuation], done: bool
+    ) -> list[EngineCoreOutput]:
+        """Continue each running beam by its candidates: the first appends its token, more fork
+        (blocks shared, copy-on-write), none frees it. A finished group returns its best
+        hypotheses, one output each."""
+        if done:
+            return self._finish_beam_group(group)
+        first_child: dict[str, int] = {}  # parent id -> its first continuation's index
+        for i, c in enumerate(continuations):
+            first_child.setdefault(c.parent.req_id, i)
+        for parent, _ in group.running:
+            if parent.req_id not in first_child:
+                parent.finish_reason = FinishReason.STOP
+                self._finish(parent)
+        # Forks copy their parent before it takes its own token.
+        beams = [
+            c.parent if first_child[c.parent.req_id] == i else self._fork_beam(group, c)
+            for i, c in enumerate(continuations)
+        ]
+        for i, c in enumerate(continuations):
+            if first_child[c.parent.req_id] == i:
+                c.parent.append_token(c.token)
+                self._pending_beam_tokens[c.parent.req_id] = c.token
+        # Best first, as transformers keeps its beams (ties in the next round follow it).
+        group.running = [
+            (beam, c.cum_logprob) for beam, c in zip(beams, continuations, strict=True)
+        ]
+        return []
+
+    def _fork_beam(self, group: BeamGroup, c: Continuation) -> Request:
+        parent, token = c.parent, c.token
+        index = group.next_fork
+        group.next_fork += 1
+        child = Request(
+            req_id=child_request_id(parent.req_id, index, self.is_taken),
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params,
+            eos_token_ids=parent.eos_token_ids,
+            arrival_time=parent.arrival_time,
+            client_req_id=parent.client_req_id,
+            client_id=parent.client_id,
+            output_token_ids=[*parent.output_token_ids, token],
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+            first_scheduled_time=parent.first_scheduled_time,
+            status=parent.status,
+            known_to_executor=True,
+        )
+        self.requests[child.req_id] = child
+        self._sequences[parent.client_req_id].append(child.req_id)
+        if parent.status == RequestStatus.RUNNING:
+            self.block_manager.fork(parent.req_id, child.req_id)
+            self.running.append(child)
+        else:  # the parent was preempted: the child recomputes too
+            self.waiting.appendleft(child)
+        self._pending_forks.append(
+            ForkedRequestData(
+                req_id=child.req_id,
+                parent_req_id=parent.req_id,
+                sample_index=0,
+                first_token_id=token,
+                num_parent_outputs=parent.num_output_tokens,
+            )
+        )
+        return child
+
+    def _finish_beam_group(self, group: BeamGroup) -> list[EngineCoreOutput]:
+        first = group.running[0][0] if group.running else None
+        outputs = []
+        for index, hyp in enumerate(group.best(group.params.n)):
+            out = EngineCoreOutput(
+                req_id=first.client_req_id if first else "",
+                sample_index=index,
+                new_token_ids=hyp.token_ids,
+                finish_reason=hyp.finish_reason,
+                num_prompt_tokens=first.num_prompt_tokens if first else 0,
+                num_cached_tokens=max(first.num_cached_tokens, 0) if first else 0,
+                cumulative_logprob=hyp.cum_logprob,
+            )
+            if first and first.first_scheduled_time and first.arrival_time:
+                out.queue_time_s = max(0.0, first.first_scheduled_time - first.arrival_time)
+            outputs.append(out)
+        for beam, _ in group.running:
+            beam.finish_reason = FinishReason.STOP
+            self._finish(beam)
+        if first is not None:
+            self._beam_groups.pop(first.client_req_id, None)
         return outputs
 
     def _count_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
@@ -439,6 +597,7 @@ class Scheduler:
                 del self._sequences[req.client_req_id]
         # A fork of this request not yet sent must not be sent.
         self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
+        self._pending_beam_tokens.pop(req.req_id, None)
         if req.known_to_executor:
             self._finished_req_ids.append(req.req_id)
 
@@ -482,6 +641,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             num_samples=plan.num_samples,
+            beam_tokens=self._pending_beam_tokens,
             spec_token_ids=plan.spec_token_ids,
             speculate=plan.speculate,
             forked_requests=self._pending_forks,
@@ -489,6 +649,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
         )
         self._pending_forks = []
+        self._pending_beam_tokens = {}
         self._finished_req_ids = []
         return out
 

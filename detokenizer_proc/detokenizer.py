@@ -96,6 +96,7 @@ class Detokenizer:
             num_cached_tokens=out.num_cached_tokens,
             queue_time_s=out.queue_time_s,
             embedding=out.embedding,
+            cumulative_logprob=out.cumulative_logprob,
         )
 
     def _token_texts(self, logprobs: LogprobsLists | None) -> list[list[str]] | None:

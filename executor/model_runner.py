@@ -263,6 +263,8 @@ class ModelRunner:
             child = self.requests[fork.parent_req_id].fork(fork, generator)
             self._attach_grammar(child)
             self.requests[fork.req_id] = child
+        for req_id, token in so.beam_tokens.items():  # after the forks, which copy the beam
+            self.requests[req_id].append(token)
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             # Samples the core never forked (they finished at their first token) leave theirs.
@@ -477,6 +479,7 @@ class ModelRunner:
         ]
         metadata = SamplingMetadata.build(
             params=[st.sampling_params for st in rows.row_states],
+            num_logprobs=[self._num_logprobs(st) for st in rows.row_states],
             generators=rows.row_generators,
             prompt_ids=[st.prompt_token_ids for st in rows.row_states],
             output_ids=outputs,
@@ -524,7 +527,8 @@ class ModelRunner:
                 else:
                     used = n
                     emitted = tokens[first : first + n]
-                    st.append(emitted[0])
+                    if not st.sampling_params.use_beam_search:  # the core picks a beam's token
+                        st.append(emitted[0])
                 tokens_per_req.append(emitted)
                 lps = row_logprobs[first : first + used]
                 logprobs_per_req.append(_merge_rows(lps) if lps[0] is not None else None)
@@ -608,8 +612,15 @@ class ModelRunner:
         return banned
 
     @staticmethod
+    def _num_logprobs(st: RequestState) -> int | None:
+        """Top logprobs a row returns: what the request asked for; a beam's candidates."""
+        params = st.sampling_params
+        if params.use_beam_search:
+            return params.beam_candidates(len(st.eos_token_ids))
+        return params.logprobs
+
     def _sample_logprobs(
-        out: SamplerOutput, rows: list[RequestState]
+        self, out: SamplerOutput, rows: list[RequestState]
     ) -> list[LogprobsLists | None]:
         if out.logprobs is None:
             return [None] * len(rows)
@@ -618,7 +629,7 @@ class ModelRunner:
         ranks = out.sampled_token_ranks.tolist()
         result: list[LogprobsLists | None] = []
         for i, st in enumerate(rows):
-            k = st.sampling_params.logprobs
+            k = self._num_logprobs(st)
             if k is None:
                 result.append(None)
             else:

@@ -61,11 +61,15 @@ class RequestState:
         )
 
     def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
-        """A sample of this n > 1 request: its prompt and blocks, and the sample's first token."""
+        """A copy sharing this request's prompt and blocks: a sample of an n > 1 request (its
+        first token), or a beam-search fork (the beam's tokens, then its own next one)."""
         return RequestState(
             req_id=fork.req_id,
             prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=[fork.first_token_id],
+            output_token_ids=[
+                *self.output_token_ids[: fork.num_parent_outputs],
+                fork.first_token_id,
+            ],
             sampling_params=self.sampling_params,
             block_ids=[list(table) for table in self.block_ids],
             num_computed_tokens=self.num_computed_tokens,

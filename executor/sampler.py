@@ -65,6 +65,7 @@ class SamplingMetadata:
         banned: list[list[int]],
         vocab_size: int,
         device: torch.device | str,
+        num_logprobs: list[int | None] | None = None,
     ) -> SamplingMetadata:
         """Gather per-request settings into tensors, leaving unused features as None.
 
@@ -104,7 +105,9 @@ class SamplingMetadata:
             pairs = torch.tensor(banned_pairs, dtype=torch.int64, device=device)
             banned_tokens = (pairs[:, 0], pairs[:, 1])
 
-        requested = [p.logprobs for p in params if p.logprobs is not None]
+        # Top logprobs per row: each request's own, unless given (beam search's candidates).
+        wanted = num_logprobs if num_logprobs is not None else [p.logprobs for p in params]
+        requested = [k for k in wanted if k is not None]
         return cls(
             temperature=temperature,
             top_k=top_k,

@@ -96,6 +96,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # Beam search (vLLM's extra parameters): the beam_width (default n) best hypotheses are
+    # kept each step and the best n returned, scored as transformers does.
+    use_beam_search: bool = False
+    beam_width: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
     store: bool = False
     modalities: list[str] | None = None

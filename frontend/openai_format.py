@@ -160,6 +160,15 @@ def sampling_params(
             param=max_tokens_name,
         )
     kwargs: dict = defaults.overrides(with_max_tokens=False) if defaults else {}
+    if body.use_beam_search:  # deterministic: the model's sampling defaults do not apply
+        kwargs = {
+            "use_beam_search": True,
+            "beam_width": body.beam_width,
+            "length_penalty": body.length_penalty,
+            "early_stopping": body.early_stopping,
+        }
+    elif body.beam_width is not None:
+        raise RequestError("beam_width needs use_beam_search.", param="beam_width")
     kwargs |= {
         "n": body.n,
         "max_tokens": max_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections import Counter
 
 import numpy as np
@@ -373,9 +374,13 @@ def test_served_with_ngram_speculation(model_dir, base, tmp_path) -> None:
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
-        prompts = ["ab cd ab cd ab", "The quick brown fox. The quick brown", "1 2 3 1 2 3 1"]
         params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-        expected = [o.outputs[0].text for o in base.generate(prompts, params, use_tqdm=False)]
+        # Prompts that hold the model's own continuation of their ending: lookup pays.
+        bodies = [p["prompt_token_ids"] for p in prompts_with_repeats(3, seed=10)]
+        firsts = base.generate([{"prompt_token_ids": b} for b in bodies], params, use_tqdm=False)
+        prompts = [b + o.outputs[0].token_ids + b for b, o in zip(bodies, firsts, strict=True)]
+        token_prompts = [{"prompt_token_ids": p} for p in prompts]
+        expected = [o.outputs[0].text for o in base.generate(token_prompts, params, use_tqdm=False)]
         for prompt, text in zip(prompts, expected, strict=True):
             kwargs = dict(model=model, prompt=prompt, max_tokens=32, temperature=0.0)
             extra = {"ignore_eos": True}
@@ -385,6 +390,7 @@ def test_served_with_ngram_speculation(model_dir, base, tmp_path) -> None:
                 for c in client.completions.create(**kwargs, stream=True, extra_body=extra)
             )
             assert got == text and streamed == text
+        time.sleep(1.0)  # a heartbeat (every 0.5 s) carries the counters to the frontend
         metrics = server.get("/metrics").text
         values = {
             name: float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M).group(1))

@@ -1,11 +1,20 @@
 """zllm: an LLM inference and serving engine (paged KV cache, continuous batching)."""
 
-from zllm.outputs import CompletionOutput, Logprob, RequestOutput
-from zllm.sampling_params import SamplingParams
+from zllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from zllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "BeamSearchOutput",
+    "CompletionOutput",
+    "Logprob",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

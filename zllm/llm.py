@@ -20,6 +20,8 @@ from zllm.errors import ParamError
 from zllm.generation_config import merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
 from zllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -28,7 +30,7 @@ from zllm.outputs import (
     RequestOutput,
 )
 from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import BeamSearchParams, SamplingParams
 from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
 
@@ -114,6 +116,32 @@ class LLM:
             for text in prompts
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (core/beam_search.py): per prompt, the `beam_width` best hypotheses,
+        best first, each with its prompt + output tokens, their text and its cumulative
+        logprob. The best equals transformers' generate(num_beams=..., do_sample=False)."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm)
+        results = []
+        for out in outputs:
+            sequences = []
+            for c in out.outputs:
+                tokens = [*out.prompt_token_ids, *c.token_ids]
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        finish_reason=c.finish_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def embed(
         self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
@@ -218,6 +246,7 @@ class _Tracker:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.num_cached_tokens = 0
         self.embedding: list[float] | None = None
+        self.beam_logprobs: list[float | None] = [None] * n
 
     @property
     def finished(self) -> bool:
@@ -236,6 +265,8 @@ class _Tracker:
             self.cumulative[i] += sum(next(iter(pos.values())).logprob for pos in positions)
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *self._convert(delta.prompt_logprobs, None)]
+        if delta.cumulative_logprob is not None:  # a beam-search hypothesis' score
+            self.beam_logprobs[i] = delta.cumulative_logprob
         if delta.finish_reason is not None:
             self.finish[i] = (str(delta.finish_reason), delta.stop_reason)
 
@@ -268,7 +299,7 @@ class _Tracker:
                     index=i,
                     text=self.texts[i],
                     token_ids=list(self.token_ids[i]),
-                    cumulative_logprob=self.cumulative[i] if want_lp else None,
+                    cumulative_logprob=(self.cumulative[i] if want_lp else self.beam_logprobs[i]),
                     logprobs=self.logprobs[i] if want_lp else None,
                     finish_reason=reason,
                     stop_reason=stop_reason,

@@ -55,3 +55,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One hypothesis of `LLM.beam_search`: prompt and output tokens, their text."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The hypotheses of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

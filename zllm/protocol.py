@@ -120,6 +120,9 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
     parent_req_id: str
     sample_index: int
     first_token_id: int
+    # The parent's output tokens the child keeps before first_token_id: 0 for an n > 1
+    # sample (forked at its first token), the beam's length for a beam-search fork.
+    num_parent_outputs: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -139,6 +142,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # proposals for the requests that sample (off past disable_by_batch_size).
     spec_token_ids: dict[str, list[int]] = {}
     speculate: bool = False
+    # Beam search: the token the core chose to extend each running beam with (the executor
+    # appends it; a beam's sampled token is only a candidate). Applied after the forks.
+    beam_tokens: dict[str, int] = {}
     # (src, dst) block copies to do before the forward (copy-on-write).
     blocks_to_copy: list[tuple[int, int]] = []
     # Requests that finished or were aborted since the last step: the executor drops them.
@@ -191,6 +197,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     queue_time_s: float = 0.0  # arrival to first scheduled, on a request's first output
     embedding: list[float] | None = None  # an embeddings request's answer
+    cumulative_logprob: float | None = None  # a beam-search hypothesis' (all its tokens)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
@@ -308,6 +315,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     num_cached_tokens: int = 0
     queue_time_s: float = 0.0
     embedding: list[float] | None = None
+    cumulative_logprob: float | None = None
 
 
 class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):

@@ -5,6 +5,8 @@ A msgspec Struct so the same object travels between processes unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 
 from zllm.errors import ParamError
@@ -40,6 +42,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # An embeddings request: its prompt's final hidden states, pooled (EngineConfig.pooling)
     # and L2-normalized, come back instead of tokens. Never served from the prefix cache.
     embed: bool = False
+    # Beam search (vLLM's extra parameters): keep the `beam_width` (default: n) most likely
+    # sequences each step and return the best n; deterministic, so temperature and the
+    # other sampling settings do not apply. length_penalty and early_stopping as in
+    # transformers (score = cumulative logprob / length ** length_penalty).
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,6 +61,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def num_beams(self) -> int:
+        return self.beam_width or self.n
+
+    def beam_candidates(self, num_eos: int) -> int:
+        """Beam search: the candidate next tokens each beam reports a step, as many as
+        transformers keeps overall (enough to leave num_beams running after EOS ids)."""
+        return max(2, 1 + num_eos) * self.num_beams
 
     def validate(self) -> None:
         """Raise ParamError naming the offending field; called at construction."""
@@ -110,4 +129,65 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be non-negative token ids.",
+        )
+        self._validate_beam_search(check)
+
+    def _validate_beam_search(self, check) -> None:
+        check(
+            self.early_stopping in (True, False, "never"),
+            "early_stopping",
+            f'early_stopping must be true, false or "never", got {self.early_stopping!r}.',
+        )
+        if not self.use_beam_search:
+            check(self.beam_width is None, "beam_width", "beam_width needs use_beam_search.")
+            return
+        check(
+            self.beam_width is None or self.beam_width >= 1,
+            "beam_width",
+            f"beam_width must be at least 1, got {self.beam_width}.",
+        )
+        check(
+            self.n <= self.num_beams,
+            "n",
+            f"n ({self.n}) must not exceed beam_width ({self.num_beams}).",
+        )
+        # What beam search here does not combine with: a clear error, not a silent drop.
+        unsupported = {
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "min_tokens": self.min_tokens > 0,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "embed": self.embed,
+        }
+        for name, used in unsupported.items():
+            check(not used, name, f"{name} is not supported with use_beam_search.")
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s settings (vLLM's shape): every one of the `beam_width` best
+    hypotheses comes back, best first."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width,
+            use_beam_search=True,
+            beam_width=self.beam_width,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            temperature=0.0,
         )
