@@ -81,8 +81,8 @@ runs = defaultdict(list)
 for path in glob.glob(f"{sys.argv[1]}/*.json"):
     r = json.load(open(path))
     runs[(r["dataset"], r["concurrency"], r["label"])].append(r)
-print("| workload | conc. | server | output tok/s | TPOT p50 ms | acceptance | tokens/verify | TPOT ratio | tok/s ratio |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| workload | conc. | server | output tok/s | TPOT p50 ms | acceptance | tokens/verify | step ms | idle ms/step | TPOT ratio | tok/s ratio |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for dataset, c in sorted({(d, c) for d, c, _ in runs}, key=lambda k: (k[0], k[1])):
     med = {}
     for label in ("plain", "spec"):
@@ -95,8 +95,10 @@ for dataset, c in sorted({(d, c) for d, c, _ in runs}, key=lambda k: (k[0], k[1]
             statistics.median(r["tpot_ms"]["p50"] for r in rs),
             statistics.median(s["acceptance_rate"] for s in spec) if spec else None,
             statistics.median(s["mean_acceptance_length"] for s in spec) if spec else None,
+            statistics.median(r["engine"]["per_step_ms"]["busy"] for r in rs),
+            statistics.median(r["engine"]["per_step_ms"]["idle"] for r in rs),
         )
-    for label, (tps, tpot, acc, length) in med.items():
+    for label, (tps, tpot, acc, length, busy, idle) in med.items():
         ratio = ""
         if label == "spec" and "plain" in med:
             ratio = f"{med['plain'][1] / tpot:.2f}x | {tps / med['plain'][0]:.2f}x"
@@ -104,5 +106,8 @@ for dataset, c in sorted({(d, c) for d, c, _ in runs}, key=lambda k: (k[0], k[1]
             ratio = "- | -"
         acc_s = f"{acc:.1%}" if acc is not None else "-"
         len_s = f"{length:.2f}" if length is not None else "-"
-        print(f"| {dataset} | {c} | {label} | {tps:.1f} | {tpot:.2f} | {acc_s} | {len_s} | {ratio} |")
+        print(
+            f"| {dataset} | {c} | {label} | {tps:.1f} | {tpot:.2f} | {acc_s} | {len_s} "
+            f"| {busy:.1f} | {idle:.2f} | {ratio} |"
+        )
 EOF

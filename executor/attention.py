@@ -73,6 +73,9 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # int64 [S_dec], context lengths (this token included)
     attn_mask: torch.Tensor  # bool [S_dec, 1, 1, max_blocks * block_size], True where attended
     is_whole_batch: bool  # every token of the step is a decode token, in order
+    # Batch-invariant mode: without the kernel, each row attends over exactly its own
+    # context (no padding to the batch's longest, which changes SDPA's summation).
+    exact: bool = False
     # Gather destination [2, S_dec * max_blocks, block elems], made by the first layer and
     # reused by the rest: a fresh multi-MB tensor per layer costs more in page faults than
     # the copy itself on CPU.
@@ -223,9 +226,12 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
         sliding_window: int | None = None,
+        all_as_decode: bool = False,
     ) -> AttentionMetadata:
         """`sliding_window`: build for layers whose queries see only their last that many
-        positions (block tables may then hold -1 for blocks before the window)."""
+        positions (block tables may then hold -1 for blocks before the window).
+        `all_as_decode` (batch-invariant mode): every query token is a decode row, attending
+        exactly its own context, whatever the chunk it arrived in."""
         layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
         num_seqs = len(block_tables)
         tables = np.zeros((num_seqs, max(int(layout.table_lens.max(initial=0)), 1)), np.int64)
@@ -238,12 +244,15 @@ class AttentionMetadata:
 
         q_lens = layout.query_lens
         as_decode = (q_lens == 1) | ((q_lens <= MAX_QUERY_AS_DECODE) & (q_lens < layout.seq_lens))
+        if all_as_decode:
+            as_decode = np.ones_like(as_decode)
         decode = None
         if as_decode.any():
             decode = _build_decode_batch(
                 np.flatnonzero(as_decode), layout, tables, block_size, device, sliding_window
             )
             decode.is_whole_batch = bool(as_decode.all())
+            decode.exact = all_as_decode
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
@@ -443,6 +452,8 @@ class PagedAttention(PagedAttentionBase):
         if self.decode_kernel is not None and sliding_window is None:
             tables = decode.block_ids.view(num_seqs, decode.max_blocks)
             return self.decode_kernel(q, kv_cache, tables, decode.seq_lens, self.scale)
+        if decode.exact:
+            return self._decode_rows_exactly(q, kv_cache, decode, block_size)
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)
         shape = (2, decode.block_ids.shape[0], blocks.shape[2])
         kv = decode.workspace
@@ -456,3 +467,21 @@ class PagedAttention(PagedAttentionBase):
             q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
         )
         return out.squeeze(2)
+
+    def _decode_rows_exactly(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, block_size: int
+    ) -> torch.Tensor:
+        """One SDPA per row over exactly the keys its mask admits (its window included)."""
+        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        tables = decode.block_ids.view(q.shape[0], decode.max_blocks)
+        cols = torch.arange(decode.max_blocks * block_size, device=q.device)
+        all_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        out = torch.empty_like(q)
+        for row in range(q.shape[0]):
+            keep = cols[decode.attn_mask[row, 0, 0]]
+            row_slots = all_slots[row, keep]
+            k = slots[0].index_select(0, row_slots).transpose(0, 1)[None]
+            v = slots[1].index_select(0, row_slots).transpose(0, 1)[None]
+            everything = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=q.device)
+            out[row] = self._sdpa(q[row][None, :, None], k, v, everything)[0, :, 0]
+        return out

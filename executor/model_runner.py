@@ -26,6 +26,7 @@ from torch import nn
 from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
 from zllm.executor import cpu_kernels, quantization
 from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
+from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
@@ -123,6 +124,9 @@ class ModelRunner:
         )
         self.model = self._load_model(config)
         self.quantization = self._quantize(config)
+        if config.deterministic:
+            wrapped = make_batch_invariant(self.model)
+            logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
@@ -376,6 +380,7 @@ class ModelRunner:
                 np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
                 for table, pos in zip(tables, positions, strict=True)
             ]
+            extra = {"all_as_decode": True} if self.config.deterministic else {}
             built[key] = self.attention.build_metadata(
                 query_lens=query_lens,
                 seq_lens=seq_lens,
@@ -384,6 +389,7 @@ class ModelRunner:
                 block_size=bs,
                 device=self.device,
                 sliding_window=key.sliding_window,
+                **extra,
             )
         if len(built) == 1:
             return next(iter(built.values()))
@@ -399,6 +405,12 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
             )
         return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""
+        if self.config.deterministic:
+            return tiled(self.model.compute_logits, hidden)
+        return self.model.compute_logits(hidden)
 
     def _pool(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, list[float]]:
         """Embeddings requests: sum their prompt's final hidden states chunk by chunk; when
@@ -467,7 +479,7 @@ class ModelRunner:
     def _sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
         """One token per sampler row; logits are computed once per logits row, then repeated
         for the samples of an n > 1 request."""
-        logits = self.model.compute_logits(hidden[torch.as_tensor(rows.hidden_rows)])
+        logits = self._logits(hidden[torch.as_tensor(rows.hidden_rows)])
         self._apply_logit_bias(logits, rows.logits_states)
         self._apply_grammars(logits, rows)
         if len(rows.row_states) != len(rows.logits_states):
@@ -654,7 +666,7 @@ class ModelRunner:
             if last <= start:
                 continue
             rows = hidden[stop - q : stop - q + (last - start)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            logprobs = torch.log_softmax(self._logits(rows).float(), dim=-1)
             targets = torch.tensor(st.prompt_token_ids[start + 1 : last + 1])
             chosen = logprobs.gather(1, targets[:, None])
             ranks = (logprobs > chosen).sum(dim=1) + 1

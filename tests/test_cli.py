@@ -36,6 +36,8 @@ ENGINE = EngineArgs(
     generation_config="vllm",
     model_impl="transformers",
     pooling="last",
+    speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    deterministic=True,
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -56,6 +58,8 @@ ENGINE_ARGV = [
     "--generation-config", "vllm",
     "--model-impl", "transformers",
     "--pooling", "last",
+    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+    "--deterministic",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

@@ -121,3 +121,6 @@ class EngineConfig:
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig | None = None
+    # Batch-invariant execution (executor/batch_invariant.py): a request's logprobs do not
+    # depend on its batch, chunking, prefix hits or preemptions. CPU only.
+    deterministic: bool = False

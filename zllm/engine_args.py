@@ -110,6 +110,13 @@ class EngineArgs:
         "proposing while more than N sequences run",
         parse=parse_speculative_json,
     )
+    deterministic: bool = option(
+        False,
+        help="batch-invariant execution (CPU): a request's logprobs are bitwise the same "
+        "alone or in any batch, under any prefill chunking, with prefix-cache hits and after "
+        "preemption (fixed-shape matmul tiles, every query attends as a decode row); costs "
+        "throughput, see BENCHMARKS.md",
+    )
     generation_config: str = option(
         "auto",
         help="auto: the model directory's generation_config.json sets the defaults of "
@@ -179,7 +186,22 @@ class EngineArgs:
             pooling=self.pooling,
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
+            deterministic=self._check_deterministic(device),
         )
+
+    def _check_deterministic(self, device: str) -> bool:
+        if not self.deterministic:
+            return False
+        if device != "cpu":
+            raise ValueError(
+                "deterministic (batch-invariant) execution is CPU-only; the CUDA path is not "
+                "batch-invariant (see BENCHMARKS.md)"
+            )
+        if self.quantization == "int8":
+            raise ValueError(
+                "deterministic execution cannot use int8 (its activation scales span the batch)"
+            )
+        return True
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:

@@ -1,0 +1,73 @@
+"""Batch-invariant execution (`--deterministic`): a sequence's numbers do not depend on what
+else shares its step.
+
+What varies with the batch on CPU, and what this mode does about it:
+
+- **Matmuls.** A BLAS GEMM picks its blocking (and so the order in which it sums over K) from
+  the matrix shapes: the same row multiplied inside a 1-row and a 64-row call can differ in
+  the last bits. Here every fp32 matmul runs in calls of exactly `TILE_ROWS` rows (the last
+  tile zero-padded), so each row always goes through the same kernel with the same blocking;
+  a GEMM's row never reads another row, so the other rows' values cannot matter. The GGUF
+  kernel (`csrc/cpu/gguf_linear.h`) has a separate path for 1-2 rows (different rounding)
+  and hands long chunks to BLAS: in tiles it always takes its panel path.
+- **Attention.** Prefill chunks went through SDPA over the chunk, whose reduction order
+  depends on the chunk's length; here every query token attends as a decode row (the paged
+  kernel, or SDPA over exactly its own context): the same computation for a position
+  whether it is prefilled whole, in chunks of any size, after a prefix-cache hit, after a
+  preemption, or decoded.
+- **Logits** go through the same tiles (`tiled_logits`).
+
+Row-wise work (RMSNorm, RoPE, activations, softmax) already reduces each row on its own.
+The contract is tested in tests/test_batch_invariance.py, with an inverse test showing the
+default path does differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zllm.executor.quantization import GGUFLinear
+
+TILE_ROWS = 8
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn over x [T, K] in calls of exactly TILE_ROWS rows; the result's rows as fn's."""
+    rows = x.shape[0]
+    if rows == TILE_ROWS:
+        return fn(x)
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
+    if padded != rows:
+        x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
+    return torch.cat([fn(tile) for tile in x.split(TILE_ROWS)])[:rows]
+
+
+class Tiled(nn.Module):
+    """A matmul module (nn.Linear, GGUFLinear) whose every call sees TILE_ROWS rows."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = tiled(self.inner, flat)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Run every matmul of the model in TILE_ROWS-row calls (the GGUF kernel never hands
+    long chunks to BLAS); returns how many matmuls were wrapped."""
+    wrapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, GGUFLinear):
+                child.max_kernel_rows = TILE_ROWS
+            elif type(child) is not nn.Linear:
+                continue
+            setattr(module, name, Tiled(child))
+            wrapped += 1
+    return wrapped
