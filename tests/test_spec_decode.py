@@ -442,3 +442,20 @@ def test_a_speculating_request_waits_for_its_step_while_others_schedule_ahead(ba
             step = engine.schedule()
             if step is not None:
                 engine.update(runner.execute_model(step))
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_greedy_equals_plain_and_accepts(smollm2_path) -> None:
+    """The real model on edit-style chats (the answer repeats the prompt): prompt lookup's
+    proposals are mostly accepted and the greedy tokens are exactly plain decoding's."""
+    from zllm.bench_datasets import chat_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in chat_prompts("edit", 3, smollm2_path, seed=0)]
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = LLM(smollm2_path, kv_cache_memory_bytes=256 << 20)
+    spec = LLM(smollm2_path, kv_cache_memory_bytes=256 << 20, speculative_config=NGRAM)
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
+        plain.generate(prompts, params, use_tqdm=False)
+    )
+    s = spec.engine.scheduler
+    assert s.spec_num_accepted_tokens > 0.4 * s.spec_num_draft_tokens
