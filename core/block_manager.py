@@ -105,12 +105,18 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
 
 
 def hash_full_blocks(
-    token_ids: Sequence[int], block_size: int, known: list[BlockHash] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    known: list[BlockHash] | None = None,
+    salt: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Hash chain of every full block of `token_ids`, extending the `known` prefix of it."""
+    """Hash chain of every full block of `token_ids`, extending the `known` prefix of it.
+
+    `salt` is the first block's parent: the same tokens under another salt (a LoRA adapter's,
+    `cache_salt`) hash apart, so their KV blocks are never shared."""
     hashes = list(known) if known else []
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
     return hashes
 
@@ -133,6 +139,12 @@ class _RequestBlocks:
     hashes: list[BlockHash]
     # Per group: table entries before this index are released (None).
     num_released: list[int]
+    salt: BlockHash | None = None  # its hash chain's salt (cache_salt)
+
+
+def cache_salt(lora_int_id: int | None) -> BlockHash | None:
+    """The prefix-cache salt of a request's blocks: its LoRA adapter's, None for the base."""
+    return None if lora_int_id is None else hash(("lora", lora_int_id))
 
 
 def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
@@ -241,7 +253,9 @@ class BlockManager:
         return needed
 
     # ---- prefix cache --------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> PrefixHit:
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], salt: BlockHash | None = None
+    ) -> PrefixHit:
         """The longest run of cached full blocks that starts `token_ids`, in every group.
 
         At most `len(token_ids) - 1` tokens are reported cached: the last token's logits must
@@ -251,7 +265,7 @@ class BlockManager:
             return self._no_hit()
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs)
+        hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs, salt=salt)
         # Full groups: the run of consecutive hits from block 0.
         k = max_blocks
         for group, window in enumerate(self.windows):
@@ -296,12 +310,14 @@ class BlockManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         cached_prefix: PrefixHit | None = None,
+        salt: BlockHash | None = None,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `req_id`; False if blocks run out.
 
         `token_ids` are the request's known tokens (prompt + output so far). On the first call
         for a request, `cached_prefix` (from `find_cached_prefix`) is taken over and
-        `num_computed_tokens` must equal its token count. Sliding groups first release the
+        `num_computed_tokens` must equal its token count, and `salt` (`cache_salt`) is the
+        one its lookup used. Sliding groups first release the
         blocks this step no longer reads; beyond that nothing changes when it fails.
         """
         blocks = self._requests.get(req_id)
@@ -344,7 +360,7 @@ class BlockManager:
                         self._take(block)
                     tables[group].append(block)
             released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
-            blocks = _RequestBlocks(tables, list(cached_prefix.hashes), released)
+            blocks = _RequestBlocks(tables, list(cached_prefix.hashes), released, salt)
             self._requests[req_id] = blocks
         for group, i in cow:
             shared = tables[group][i]
@@ -386,7 +402,10 @@ class BlockManager:
                 if block is not None:
                     block.ref_count += 1
         self._requests[child_id] = _RequestBlocks(
-            [list(t) for t in parent.tables], list(parent.hashes), list(parent.num_released)
+            [list(t) for t in parent.tables],
+            list(parent.hashes),
+            list(parent.num_released),
+            parent.salt,
         )
         self._changed_tables.add(child_id)
 
@@ -446,7 +465,7 @@ class BlockManager:
         if num_full <= len(hashes):
             return
         new_hashes = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, hashes
+            token_ids[: num_full * self.block_size], self.block_size, hashes, blocks.salt
         )
         for i in range(len(hashes), num_full):
             block_hash = new_hashes[i]

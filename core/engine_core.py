@@ -65,7 +65,12 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             sliding_windows=[g.sliding_window for g in groups],
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.speculative)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            config.speculative,
+            max_loras=config.lora.max_loras if config.lora else 0,
+        )
         self.stats = EngineStats(num_blocks=self.block_manager.num_blocks)
         self._in_flight: deque[SchedulerOutput] = deque()
         # Sent to a request's detokenizer with its first output, then dropped.
@@ -115,6 +120,8 @@ class EngineCore:
                 vocab_size=self.config.arch.vocab_size,
             )
             check_token_params(params, self.config.arch.vocab_size)
+            if request.lora is not None and self.config.lora is None:
+                raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
         except ParamError as e:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(
@@ -126,6 +133,7 @@ class EngineCore:
                 eos_token_ids=request.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
                 client_id=request.client_id,
+                lora=request.lora,
             )
         )
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -212,6 +220,9 @@ class EngineCore:
         s.spec_num_draft_tokens = sched.spec_num_draft_tokens
         s.spec_num_accepted_tokens = sched.spec_num_accepted_tokens
         s.spec_accepted_per_pos = list(sched.spec_accepted_per_pos)
+        if self.config.lora is not None:
+            s.running_lora_adapters, s.waiting_lora_adapters = sched.lora_adapters()
+            s.max_lora = self.config.lora.max_loras
         return s
 
     # ---- internals -------------------------------------------------------------------------

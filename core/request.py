@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from zllm.lora import LoRARequest
 from zllm.protocol import FinishReason, LogprobsLists
 from zllm.sampling_params import SamplingParams
 
@@ -55,12 +56,17 @@ class Request:
     verifying: bool = False
     # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
     prompt_logprobs: LogprobsLists | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.client_req_id:
             self.client_req_id = self.req_id
         if not self.all_token_ids:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

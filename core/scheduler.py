@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamGroup, Continuation
-from zllm.core.block_manager import BlockManager
+from zllm.core.block_manager import BlockManager, cache_salt
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
 from zllm.protocol import (
@@ -72,8 +72,11 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras`: the most distinct LoRA adapters in one step (0: LoRA off)."""
         self.config = config
+        self.max_loras = max_loras
         self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -220,11 +223,22 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Waiting requests, FIFO: none jumps the queue (a preempted beam that has reported
-        this round is passed over: it has nothing to compute until its siblings report)."""
+        """Waiting requests, FIFO: none jumps the queue, except that a preempted beam that
+        has reported this round is passed over (it has nothing to compute until its siblings
+        report) and so is a request whose LoRA adapter would be one more than --max-loras
+        in the batch (as vLLM does: the requests behind it of adapters already running go
+        ahead)."""
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = next((r for r in self.waiting if not self._is_idle_beam(r)), None)
+            adapters = self._running_adapters()
+            req = next(
+                (
+                    r
+                    for r in self.waiting
+                    if not self._is_idle_beam(r) and self._adapter_fits(r, adapters)
+                ),
+                None,
+            )
             if req is None:
                 return
             if req.num_pending_tokens and (plan.speculate or req.verifying):
@@ -233,7 +247,8 @@ class Scheduler:
             # hits for those.
             params = req.sampling_params
             use_cache = params.prompt_logprobs is None and not params.embed
-            cached = bm.find_cached_prefix(req.all_token_ids) if use_cache else None
+            salt = cache_salt(req.lora_int_id)
+            cached = bm.find_cached_prefix(req.all_token_ids, salt) if use_cache else None
             num_computed = cached.num_tokens if cached is not None else 0
             num_new = req.num_tokens_with_pending - num_computed
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
@@ -241,7 +256,7 @@ class Scheduler:
             num_new = min(num_new, plan.budget)
             num_slots = num_new + self._lookahead(plan)
             if not bm.allocate_slots(
-                req.req_id, req.all_token_ids, num_computed, num_slots, cached
+                req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
             ):
                 if self._preempt_idle_beam(plan):
                     continue  # its blocks are free now: try again
@@ -257,6 +272,23 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_step(plan, req, num_new)
+
+    def _running_adapters(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, req: Request, adapters: set[int]) -> bool:
+        """Whether `req` can join the batch without more than max_loras adapters in it."""
+        if req.lora is None or req.lora.lora_int_id in adapters:
+            return True
+        return len(adapters) < self.max_loras
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters of running and of waiting requests (vllm:lora_requests_info).
+        Called from the heartbeat thread: copies first (a deque refuses iteration while the
+        main thread changes it; list() copies it in one go under the GIL)."""
+        running = {r.lora.lora_name: None for r in list(self.running) if r.lora is not None}
+        waiting = {r.lora.lora_name: None for r in list(self.waiting) if r.lora is not None}
+        return list(running), list(waiting)
 
     def _speculate(self) -> bool:
         """Whether this step proposes tokens: speculation is configured and the batch is not
@@ -430,6 +462,7 @@ class Scheduler:
             client_req_id=parent.client_req_id,
             client_id=parent.client_id,
             output_token_ids=[*parent.output_token_ids, token],
+            lora=parent.lora,
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
             first_scheduled_time=parent.first_scheduled_time,
@@ -548,6 +581,7 @@ class Scheduler:
                 client_req_id=parent.client_req_id,
                 sample_index=index,
                 client_id=parent.client_id,
+                lora=parent.lora,
                 # The fork happens right after the prompt; the parent may be a step ahead.
                 num_computed_tokens=parent.num_prompt_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
@@ -619,6 +653,7 @@ class Scheduler:
                         num_computed_tokens=plan.computed_before[req.req_id],
                         eos_token_ids=req.eos_token_ids,
                         sample_index=req.sample_index,
+                        lora=req.lora,
                     )
                 )
                 req.known_to_executor = True

@@ -28,6 +28,7 @@ from zllm.executor import cpu_kernels, quantization
 from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.loader import load_weights
+from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.request_state import RequestState, make_generator
@@ -127,6 +128,11 @@ class ModelRunner:
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
+        self.lora = (
+            LoRAManager(self.model, config.lora, self.arch, self.dtype, self.device)
+            if config.lora is not None
+            else None
+        )
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
@@ -203,6 +209,10 @@ class ModelRunner:
             return None  # graphs replay the CUDA backend's decode (not sliding-window models)
         if config.model_impl == "transformers":
             return None  # transformers' modeling code runs eagerly
+        if config.lora is not None:
+            # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
+            logger.info("LoRA enabled: no CUDA graphs")
+            return None
         from zllm.executor.cuda_graph import CudaGraphRunner
 
         torch.cuda.set_device(self.device)
@@ -274,7 +284,12 @@ class ModelRunner:
             # Samples the core never forked (they finished at their first token) leave theirs.
             for key in [key for key in self._child_generators if key[0] == req_id]:
                 del self._child_generators[key]
+        if self.lora is not None and so.finished_req_ids:
+            self.lora.evict(st.lora_int_id for st in self.requests.values() if st.lora_int_id)
         for new in so.new_requests:
+            if new.lora is not None:
+                assert self.lora is not None, "the core refuses LoRA requests when LoRA is off"
+                self.lora.add(new.lora)
             state = RequestState.from_new(new)
             self._attach_grammar(state)
             self.requests[new.req_id] = state
@@ -353,6 +368,8 @@ class ModelRunner:
             query_lens.append(num)
             seq_lens.append(start + num)
         attn_metadata = self._build_attention_metadata(states, query_lens, seq_lens, positions)
+        if self.lora is not None:
+            self.lora.set_batch([st.lora_int_id for st in states], query_lens)
         return StepInputs(
             states=states,
             query_lens=query_lens,

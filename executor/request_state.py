@@ -42,6 +42,7 @@ class RequestState:
     # KV it wrote after them (executor/spec_decode/draft_model.py).
     draft_num_computed: int = 0
     draft_tail: list[int] = field(default_factory=list)
+    lora_int_id: int | None = None  # its LoRA adapter (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -58,6 +59,7 @@ class RequestState:
             eos_token_ids=new.eos_token_ids,
             generator=make_generator(new.sampling_params.seed, new.sample_index),
             draft_num_computed=new.num_computed_tokens,
+            lora_int_id=None if new.lora is None else new.lora.lora_int_id,
         )
 
     def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
@@ -77,6 +79,7 @@ class RequestState:
             generator=generator,
             # The draft's KV of the shared prompt is valid; past it is the parent's.
             draft_num_computed=min(self.draft_num_computed, self.num_computed_tokens),
+            lora_int_id=self.lora_int_id,
         )
 
     def append(self, token_id: int) -> None:

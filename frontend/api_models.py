@@ -409,7 +409,22 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int
     owned_by: str = "zllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterBody(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterBody(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(msgspec.Struct):

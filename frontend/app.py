@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a Starlette app over an `EngineClient`.
 
     POST /v1/completions, /v1/chat/completions   generation (JSON, or SSE with `stream`)
-    GET  /v1/models                              the served model names
+    GET  /v1/models                              the served model names (LoRA adapters too)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health, /version, /metrics             open even when an API key is set
                                                  (unless --protect-metrics)
@@ -31,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import zllm
@@ -51,14 +52,17 @@ from zllm.frontend.api_models import (
     DetokenizeBody,
     DetokenizeResponse,
     EmbeddingsRequest,
+    LoadLoRAAdapterBody,
     ModelCard,
     ModelList,
     TokenizeBody,
     TokenizeResponse,
+    UnloadLoRAAdapterBody,
     decode_body,
 )
 from zllm.frontend.embeddings import EMBED_PARAMS, EmbeddingsAssembler, embedding_inputs
 from zllm.frontend.generate import Generation, GenerationJob, RequestIds
+from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.metrics import Metrics
 from zllm.frontend.middleware import TICKET_KEY, Gate
 from zllm.frontend.openai_format import (
@@ -75,6 +79,7 @@ from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tools import ChoiceParser, ToolPlan, plan_tools, think_end_token
 from zllm.inputs import check_vocabulary
+from zllm.lora import LoRARequest
 from zllm.protocol import TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
@@ -96,6 +101,8 @@ def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
@@ -185,13 +192,14 @@ class OpenAIServer:
         self.prometheus = Metrics(client, config.model_names[0])
         self.admission = Admission(config.max_in_flight)
         self.generation = Generation(config, client, self.prometheus)
+        self.adapters = LoRAAdapters(config.engine, config.model_names, config.lora_modules)
         self._openapi: bytes | None = None
 
     # ---- generation ----------------------------------------------------------------------
     @_api_errors
     async def completions(self, request: Request) -> Response:
         body = self._decode(await request.body(), CompletionRequest)
-        model = self._model_name(body.model)
+        model, lora = self._model(body.model)
         prompts = prompt_inputs(body.prompt)
         params, echo_only = completion_params(body, self.max_model_len, self.sampling_defaults)
         self.admission.admit(request.scope[TICKET_KEY], len(prompts))
@@ -205,6 +213,7 @@ class OpenAIServer:
                 prompt_token_ids=p.token_ids,
                 add_special_tokens=body.add_special_tokens,
                 arrival_time=now,
+                lora=lora,
             )
             for i, p in enumerate(prompts)
         ]
@@ -236,7 +245,7 @@ class OpenAIServer:
     @_api_errors
     async def chat_completions(self, request: Request) -> Response:
         body = self._decode(await request.body(), ChatCompletionRequest)
-        model = self._model_name(body.model)
+        model, lora = self._model(body.model)
         messages = chat_messages(body.messages)
         params = chat_params(body, self.max_model_len, self.sampling_defaults)
         plan = plan_tools(
@@ -261,6 +270,7 @@ class OpenAIServer:
             chat_template=body.chat_template,
             add_special_tokens=body.add_special_tokens,
             arrival_time=now,
+            lora=lora,
         )
         shaped = plan.mode != "none" or self.config.reasoning_parser is not None
         assembler = ChatAssembler(
@@ -304,7 +314,7 @@ class OpenAIServer:
     @_api_errors
     async def embeddings(self, request: Request) -> Response:
         body = self._decode(await request.body(), EmbeddingsRequest)
-        model = self._model_name(body.model)
+        model, lora = self._model(body.model)
         inputs = embedding_inputs(body)
         self.admission.admit(request.scope[TICKET_KEY], len(inputs))
         ids = RequestIds.of(request, "embd")
@@ -316,6 +326,7 @@ class OpenAIServer:
                 prompt=p.text,
                 prompt_token_ids=p.token_ids,
                 arrival_time=now,
+                lora=lora,
             )
             for i, p in enumerate(inputs)
         ]
@@ -335,7 +346,7 @@ class OpenAIServer:
     @_api_errors
     async def responses(self, request: Request) -> Response:
         body = self._decode(await request.body(), responses_api.ResponsesRequest)
-        model = self._model_name(body.model)
+        model, lora = self._model(body.model)
         responses_api.check_stateless(body)
         chat = responses_api.as_chat_request(body)
         params = chat_params(chat, self.max_model_len, self.sampling_defaults)
@@ -346,6 +357,7 @@ class OpenAIServer:
             sampling_params=params,
             messages=chat_messages(chat.messages),
             arrival_time=time.time(),
+            lora=lora,
         )
         assembler = responses_api.ResponseAssembler(responses_api.response_id(), model, body)
         job = GenerationJob(
@@ -366,7 +378,7 @@ class OpenAIServer:
     @_anthropic_errors
     async def messages(self, request: Request) -> Response:
         body = self._decode(await request.body(), anthropic_api.MessagesRequest)
-        model = self._model_name(body.model)
+        model, lora = self._model(body.model)
         chat = anthropic_api.as_chat_request(body)
         params = chat_params(chat, self.max_model_len, self.sampling_defaults)
         plan = plan_tools(
@@ -381,6 +393,7 @@ class OpenAIServer:
             messages=chat_messages(chat.messages),
             tools=plan.tools,
             arrival_time=time.time(),
+            lora=lora,
         )
         assembler = anthropic_api.MessageAssembler.of(
             ids.response_id,
@@ -445,7 +458,36 @@ class OpenAIServer:
             )
             for name in self.config.model_names
         ]
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                created=self.created,
+                root=lora.lora_path,
+                parent=self.config.model_names[0],
+                max_model_len=self.max_model_len,
+            )
+            for lora in self.adapters.by_name.values()
+        ]
         return json_response(ModelList(cards))
+
+    @_api_errors
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = self._decode(await request.body(), LoadLoRAAdapterBody)
+        lora = await self.adapters.load(body.lora_name, body.lora_path)
+        logger.info(
+            "LoRA adapter %s (id %d) loaded from %s",
+            lora.lora_name,
+            lora.lora_int_id,
+            lora.lora_path,
+        )
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+    @_api_errors
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = self._decode(await request.body(), UnloadLoRAAdapterBody)
+        lora = self.adapters.unload(body.lora_name)
+        logger.info("LoRA adapter %s (id %d) unloaded", lora.lora_name, lora.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
         if self.admission.draining:
@@ -518,11 +560,19 @@ class OpenAIServer:
         return body
 
     def _model_name(self, requested: str | None) -> str:
+        return self._model(requested)[0]
+
+    def _model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name a request answers with, and the LoRA adapter it names (if any)."""
         names = self.config.model_names
         if requested is None or requested in names:
-            return requested or names[0]
+            return requested or names[0], None
+        lora = self.adapters.get(requested)
+        if lora is not None:
+            return requested, lora
+        served = [*names, *self.adapters.by_name]
         raise RequestError(
-            f"The model `{requested}` does not exist. Served models: {', '.join(names)}.",
+            f"The model `{requested}` does not exist. Served models: {', '.join(served)}.",
             status=404,
             param="model",
             code="model_not_found",

@@ -346,6 +346,8 @@ class EngineCollector:
             yield c
         if s.spec_accepted_per_pos:
             yield from _spec_decode_metrics(s, label)
+        if s.max_lora:
+            yield _lora_info(s)
         up = GaugeMetricFamily(
             "zllm:process_up",
             "1 while the process (role, index) runs, 0 while it is down.",
@@ -354,6 +356,19 @@ class EngineCollector:
         for (role, index), alive in sorted(self.client.processes.items()):
             up.add_metric([self.model_name, role, str(index)], 1.0 if alive else 0.0)
         yield up
+
+
+def _lora_info(s: EngineStats) -> Metric:
+    """vLLM's vllm:lora_requests_info: the adapters in use as labels (comma-separated), the
+    heartbeat's time as the value."""
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running and waiting LoRA adapters (labels), as of the value's time.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
+    g.add_metric([str(s.max_lora), running, waiting], s.time)
+    return g
 
 
 def _spec_decode_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:

@@ -29,9 +29,11 @@ from zllm.frontend.api_models import (
     EmbeddingsRequest,
     EmbeddingsResponse,
     ErrorResponse,
+    LoadLoRAAdapterBody,
     ModelList,
     TokenizeBody,
     TokenizeResponse,
+    UnloadLoRAAdapterBody,
 )
 from zllm.frontend.responses_api import ResponsesRequest
 from zllm.serve_config import ServeConfig
@@ -68,6 +70,8 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             CountTokensRequest,
             CountTokensResponse,
             AnthropicError,
+            LoadLoRAAdapterBody,
+            UnloadLoRAAdapterBody,
         ],
         ref_template=_REF,
     )
@@ -198,6 +202,8 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             }
         },
     }
+    if config.engine.lora is not None:
+        paths |= _lora_paths()
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "zllm", "version": zllm.__version__},
@@ -211,6 +217,32 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             for path in ("/health", "/version"):
                 paths[path]["get"]["security"] = []
     return schema
+
+
+def _lora_paths() -> dict[str, Any]:
+    """vLLM's run-time LoRA routes (with --enable-lora); they answer in plain text."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths = {}
+    for path, op_id, summary, body, errors in (
+        (
+            "/v1/load_lora_adapter",
+            "loadLoraAdapter",
+            "Check a PEFT LoRA adapter against the base model and serve it under lora_name.",
+            "LoadLoRAAdapterBody",
+            (400, 401),
+        ),
+        (
+            "/v1/unload_lora_adapter",
+            "unloadLoraAdapter",
+            "Stop serving an adapter (its running requests finish).",
+            "UnloadLoRAAdapterBody",
+            (400, 401, 404),
+        ),
+    ):
+        op = _operation(op_id, summary, body, "ErrorResponse", errors)
+        op["responses"]["200"] = {"description": "OK", "content": text}
+        paths[path] = {"post": op}
+    return paths
 
 
 def _operation(

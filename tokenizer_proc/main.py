@@ -76,6 +76,7 @@ class RequestTokenizer:
             arrival_time=req.arrival_time,
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
+            lora=req.lora,
         )
 
     def _with_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:

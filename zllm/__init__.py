@@ -1,5 +1,6 @@
 """zllm: an LLM inference and serving engine (paged KV cache, continuous batching)."""
 
+from zllm.lora import LoRARequest
 from zllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -13,6 +14,7 @@ __all__ = [
     "BeamSearchOutput",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
     "__version__",
 ]
 

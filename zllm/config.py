@@ -100,6 +100,18 @@ class SpeculativeConfig:
 
 
 @dataclass(slots=True)
+class LoRAConfig:
+    """LoRA adapters (`--enable-lora`): requests name adapters that the executor applies
+    beside the base model's matmuls, several adapters in one step (executor/lora/)."""
+
+    # The most distinct adapters one step's batch may hold (the scheduler keeps a request
+    # of another adapter waiting beyond it).
+    max_loras: int = 1
+    # The largest rank an adapter may have (a larger one is refused at load).
+    max_lora_rank: int = 16
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: str  # what the user asked for: a path or a short name
     model_path: str  # the resolved file or directory
@@ -124,3 +136,4 @@ class EngineConfig:
     # Batch-invariant execution (executor/batch_invariant.py): a request's logprobs do not
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False
+    lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)

@@ -18,8 +18,9 @@ from zllm.arg_utils import (
     dataclass_from_args,
     option,
     parse_size,
+    positive_int,
 )
-from zllm.config import CacheConfig, EngineConfig, SchedulerConfig
+from zllm.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from zllm.generation_config import (
     log_generation_config,
     merge_eos_token_ids,
@@ -117,6 +118,17 @@ class EngineArgs:
         "preemption (fixed-shape matmul tiles, every query attends as a decode row); costs "
         "throughput, see BENCHMARKS.md",
     )
+    enable_lora: bool = option(
+        False,
+        help="serve LoRA adapters (PEFT format) beside the base model: requests name one as "
+        "their model (--lora-modules, POST /v1/load_lora_adapter; offline: lora_request=)",
+    )
+    max_loras: int = option(
+        1, help="LoRA: the most distinct adapters in one step's batch", parse=positive_int
+    )
+    max_lora_rank: int = option(
+        16, help="LoRA: the largest adapter rank accepted", parse=positive_int
+    )
     generation_config: str = option(
         "auto",
         help="auto: the model directory's generation_config.json sets the defaults of "
@@ -187,7 +199,25 @@ class EngineArgs:
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
             deterministic=self._check_deterministic(device),
+            lora=self._lora_config(impl.name),
         )
+
+    def _lora_config(self, model_impl: str) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if model_impl != "zllm":
+            raise ValueError(
+                "LoRA adapters need zllm's model code (--model-impl zllm); the transformers "
+                "backend does not apply them"
+            )
+        if self.deterministic:
+            raise ValueError(
+                "LoRA adapters and deterministic execution do not combine: an adapter's "
+                "matmuls depend on which rows share it"
+            )
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
     def _check_deterministic(self, device: str) -> bool:
         if not self.deterministic:

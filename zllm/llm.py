@@ -19,6 +19,7 @@ from zllm.engine_args import EngineArgs
 from zllm.errors import ParamError
 from zllm.generation_config import merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
+from zllm.lora import LoRARequest, read_adapter
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -61,6 +62,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        self._adapters: dict[int, LoRARequest] = {}  # LoRA: each id's adapter, checked
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -76,7 +78,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter all prompts run with, or one per prompt (None: the
+        base model); needs `LLM(..., enable_lora=True)`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -91,8 +96,22 @@ class LLM:
                     f"Got {len(params_list)} sampling params for {len(prompts)} prompts.",
                     "sampling_params",
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ParamError(
+                    f"Got {len(loras)} LoRA requests for {len(prompts)} prompts.", "lora_request"
+                )
+        for lora in dict.fromkeys(loras):
+            if lora is not None:
+                self._check_adapter(lora)
         # Check every prompt before queueing any, so a bad one leaves nothing half-done.
-        trackers = [self._make_tracker(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        trackers = [
+            self._make_tracker(p, sp, lora)
+            for p, sp, lora in zip(prompts, params_list, loras, strict=True)
+        ]
         return self._run(trackers, use_tqdm)
 
     def chat(
@@ -101,6 +120,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
@@ -115,7 +135,7 @@ class LLM:
             }
             for text in prompts
         ]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -161,7 +181,27 @@ class LLM:
         ]
 
     # ---- internals -------------------------------------------------------------------------
-    def _make_tracker(self, prompt: PromptType, params: SamplingParams) -> _Tracker:
+    def _check_adapter(self, lora: LoRARequest) -> None:
+        """An adapter's files, checked against the model once per (id, path); one id names
+        one adapter for the life of this LLM (its prefix-cache entries are keyed by it)."""
+        if self.config.lora is None:
+            raise ParamError("lora_request needs LLM(..., enable_lora=True)", "lora_request")
+        if lora.lora_int_id < 1:
+            raise ParamError("lora_int_id must be positive", "lora_request")
+        known = self._adapters.get(lora.lora_int_id)
+        if known is None:
+            read_adapter(lora.lora_path, self.config.arch, self.config.lora.max_lora_rank)
+            self._adapters[lora.lora_int_id] = lora
+        elif known != lora:
+            raise ParamError(
+                f"lora_int_id {lora.lora_int_id} already names {known.lora_name!r} at "
+                f"{known.lora_path!r}; give each adapter its own id",
+                "lora_request",
+            )
+
+    def _make_tracker(
+        self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> _Tracker:
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
@@ -184,14 +224,18 @@ class LLM:
         check_token_params(params, self.config.arch.vocab_size)
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
-        return _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
+        tracker = _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
+        tracker.lora = lora
+        return tracker
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
         by_id = {t.req_id: t for t in trackers}
         eos = self.eos_token_ids
         now = time.time()
         for t in trackers:
-            request = EngineCoreRequest(t.req_id, t.prompt_token_ids, t.params, now, eos)
+            request = EngineCoreRequest(
+                t.req_id, t.prompt_token_ids, t.params, now, eos, lora=t.lora
+            )
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker
         bar = _progress_bar(len(trackers)) if use_tqdm else None
@@ -247,6 +291,7 @@ class _Tracker:
         self.num_cached_tokens = 0
         self.embedding: list[float] | None = None
         self.beam_logprobs: list[float | None] = [None] * n
+        self.lora: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:

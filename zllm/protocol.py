@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from zllm.lora import LoRARequest
 from zllm.sampling_params import SamplingParams
 
 
@@ -98,6 +99,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     eos_token_ids: list[int] = []
     # For a child of an `n > 1` request: which sample it is (seeds its generator).
     sample_index: int = 0
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -213,6 +215,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Which client (a frontend process, or an AsyncLLM) sent it: when that client dies,
     # the core aborts its requests (`ClientGone`).
     client_id: int = 0
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 # ==== the serving processes ==================================================================
@@ -244,6 +247,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     add_special_tokens: bool = True
     arrival_time: float = 0.0
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
+    lora: LoRARequest | None = None  # the adapter the request's model names
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -374,6 +378,11 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # LoRA (vLLM's vllm:lora_requests_info): names of the adapters that running and waiting
+    # requests use, and --max-loras (0: LoRA off).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
+    max_lora: int = 0
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 import zlib
@@ -25,6 +26,9 @@ from zllm.arg_utils import (
     positive_int,
 )
 from zllm.config import EngineConfig
+from zllm.lora import LoRARequest, parse_lora_modules, read_adapter
+
+logger = logging.getLogger(__name__)
 
 
 class Endpoints(msgspec.Struct):
@@ -120,6 +124,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     tool_call_parser: str | None = None
     # How the model writes its reasoning (zllm/reasoning_parser.py); None: all is content.
     reasoning_parser: str | None = None
+    # LoRA adapters served from the start (--lora-modules), checked, with ids 1, 2, ...
+    lora_modules: list[LoRARequest] = []
 
     @property
     def max_in_flight(self) -> int:
@@ -223,6 +229,12 @@ class ServerArgs:
         "none",
         choices=("hermes", "llama3_json"),
     )
+    lora_modules: list[str] = option(
+        default_factory=list,
+        help="LoRA adapters to serve from the start, as name=path (PEFT directories; needs "
+        "--enable-lora); a request names an adapter as its model",
+        nargs="+",
+    )
     reasoning_parser: str | None = option(
         None,
         help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1, "
@@ -232,7 +244,9 @@ class ServerArgs:
 
 
 # ServerArgs fields that serve_config_from resolves rather than copies.
-_RESOLVED = frozenset({"api_key", "served_model_name", "chat_template", "transport"})
+_RESOLVED = frozenset(
+    {"api_key", "served_model_name", "chat_template", "transport", "lora_modules"}
+)
 
 
 def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) -> ServeConfig:
@@ -251,8 +265,30 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         api_keys=list(server.api_key),
         served_model_names=list(server.served_model_name),
         chat_template=read_chat_template(server.chat_template),
+        lora_modules=start_adapters(engine, server.lora_modules),
         **copied,
     )
+
+
+def start_adapters(engine: EngineConfig, specs: list[str]) -> list[LoRARequest]:
+    """`--lora-modules`, each adapter checked against the model now (a bad one stops the
+    server before it starts), with ids 1, 2, ... in the order given."""
+    modules = parse_lora_modules(specs)
+    if not modules:
+        return []
+    if engine.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if len(modules) > engine.lora.max_loras:
+        logger.info(
+            "%d LoRA adapters, at most %d in one step (--max-loras)",
+            len(modules),
+            engine.lora.max_loras,
+        )
+    adapters = []
+    for i, (name, path) in enumerate(modules, start=1):
+        read_adapter(path, engine.arch, engine.lora.max_lora_rank)
+        adapters.append(LoRARequest(name, i, os.path.abspath(path)))
+    return adapters
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -1,0 +1,49 @@
+"""LoRALinear: a model matmul plus the low-rank updates of the adapters in the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zllm.executor.lora.weights import AdapterWeights
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """This step's rows by adapter, shared by every LoRALinear of the model: for each
+    adapter in the batch, its weights and its rows, a slice when they are contiguous (the
+    usual case: one request's rows always are), else an index tensor."""
+
+    groups: list[tuple[AdapterWeights, slice | torch.Tensor]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """y = base(x), then y[rows] += (x[rows] @ A) @ B for each adapter's rows.
+
+    One small matmul pair per adapter in the step, over just its rows (a segmented matmul):
+    the base matmul runs once for the whole batch whatever the adapters, and the rows of the
+    base model pay nothing.
+    """
+
+    def __init__(self, base: nn.Module, batch: LoRABatch, layer: int, name: str) -> None:
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.key = (layer, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for weights, rows in self.batch.groups:
+            update = weights.get(self.key)
+            if update is None:
+                continue
+            if isinstance(rows, slice):
+                y[rows].addmm_(x[rows] @ update.a_t, update.b_t)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ update.a_t) @ update.b_t)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.key[0]}, matmul={self.key[1]}"

@@ -1,0 +1,96 @@
+"""LoRAManager: the model's matmuls wrapped once, adapters loaded as requests name them.
+
+Adapters are loaded in the executor the first time a request with them arrives
+(NewRequestData.lora carries name, id and path) and kept while any live request uses them;
+up to max_loras more stay loaded after their last request, least recently used evicted
+first, so a returning adapter is not read again. The frontend (or `LLM`) has already checked
+the files (zllm.lora.read_adapter), so loading here only reads tensors known to fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from zllm.config import LoRAConfig, ModelArchConfig
+from zllm.executor.lora.layers import LoRABatch, LoRALinear
+from zllm.executor.lora.weights import FUSED_MATMULS, AdapterWeights, load_adapter_weights
+from zllm.lora import LoRARequest, read_adapter
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LoRAConfig,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.batch = LoRABatch()
+        self.adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self._wrap(model)
+
+    def _wrap(self, model: nn.Module) -> None:
+        """Every decoder matmul an adapter may target becomes a LoRALinear around it (after
+        quantization, so the base stays whatever kernel serves it)."""
+        for i, layer in enumerate(model.layers):
+            for name in FUSED_MATMULS:
+                block = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
+                setattr(block, name, LoRALinear(getattr(block, name), self.batch, i, name))
+
+    def add(self, lora: LoRARequest) -> None:
+        """Make sure the adapter is loaded (and mark it recently used)."""
+        if lora.lora_int_id in self.adapters:
+            self.adapters.move_to_end(lora.lora_int_id)
+            return
+        adapter = read_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
+        self.adapters[lora.lora_int_id] = load_adapter_weights(
+            adapter, self.arch, self.dtype, self.device
+        )
+        logger.info(
+            "LoRA adapter %s (id %d, rank %d) loaded from %s",
+            lora.lora_name,
+            lora.lora_int_id,
+            adapter.rank,
+            lora.lora_path,
+        )
+
+    def evict(self, live: Iterable[int]) -> None:
+        """Drop the least recently used adapters no live request uses, keeping max_loras."""
+        in_use = set(live)
+        idle = [i for i in self.adapters if i not in in_use]
+        for lora_id in idle[: max(0, len(idle) - self.config.max_loras)]:
+            del self.adapters[lora_id]
+
+    def set_batch(self, lora_ids: Sequence[int | None], query_lens: Sequence[int]) -> None:
+        """This step's rows by adapter: request i has query_lens[i] rows, in batch order."""
+        runs: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for lora_id, num in zip(lora_ids, query_lens, strict=True):
+            if lora_id is not None:
+                spans = runs.setdefault(lora_id, [])
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + num)
+                else:
+                    spans.append((start, start + num))
+            start += num
+        groups: list[tuple[AdapterWeights, slice | torch.Tensor]] = []
+        for lora_id, spans in runs.items():
+            rows: slice | torch.Tensor
+            if len(spans) == 1:
+                rows = slice(*spans[0])
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+            groups.append((self.adapters[lora_id], rows))
+        self.batch.groups = groups

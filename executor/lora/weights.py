@@ -1,0 +1,76 @@
+"""An adapter's weights, shaped for the model's fused matmuls.
+
+The model computes q/k/v in one matmul (qkv_proj) and gate/up in another (gate_up_proj);
+PEFT adapts q_proj, k_proj, ... one by one. For each fused matmul we stack the A matrices
+of its adapted parts side by side and place their B matrices block-diagonally, so one
+update serves the fused output:
+
+    x [T, in] @ a_t [in, r_q + r_v]  ->  [T, r_q + r_v]  @ b_t [r_q + r_v, q | k | v]
+                                                              B_q^T at (rows r_q, cols q)
+                                                              B_v^T at (rows r_v, cols v)
+
+The zeros of b_t add exact zeros, so the result is each part's B A x, computed at once.
+The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b_t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from zllm.config import ModelArchConfig
+from zllm.lora import LoRAAdapter, projection_shapes
+
+# Each fused matmul of a decoder layer and the PEFT modules it computes, in output order.
+FUSED_MATMULS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLoRA:
+    """One fused matmul's low-rank update: y += (x @ a_t) @ b_t."""
+
+    a_t: torch.Tensor  # [in_features, R]
+    b_t: torch.Tensor  # [R, out_features], scaled
+
+
+AdapterWeights = dict[tuple[int, str], FusedLoRA]  # (layer, fused matmul name) -> update
+
+
+def load_adapter_weights(
+    adapter: LoRAAdapter, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
+) -> AdapterWeights:
+    """Read a checked adapter (zllm.lora.read_adapter) into per-matmul updates."""
+    shapes = projection_shapes(arch)
+    by_module = {(m.layer, m.module): m for m in adapter.modules}
+    weights: AdapterWeights = {}
+    with safe_open(adapter.weights_file, framework="pt") as f:
+        for layer in range(arch.num_layers):
+            for fused, parts in FUSED_MATMULS.items():
+                present = [by_module.get((layer, part)) for part in parts]
+                if not any(present):
+                    continue
+                in_features = shapes[parts[0]][0]
+                out_sizes = [shapes[part][1] for part in parts]
+                rank = sum(m.rank for m in present if m is not None)
+                a_t = torch.zeros(in_features, rank, dtype=torch.float32)
+                b_t = torch.zeros(rank, sum(out_sizes), dtype=torch.float32)
+                r0 = c0 = 0
+                for module, width in zip(present, out_sizes, strict=True):
+                    if module is not None:
+                        a = f.get_tensor(module.a_name).float()  # [r, in]
+                        b = f.get_tensor(module.b_name).float()  # [out, r]
+                        a_t[:, r0 : r0 + module.rank] = a.t()
+                        b_t[r0 : r0 + module.rank, c0 : c0 + width] = b.t() * module.scaling
+                        r0 += module.rank
+                    c0 += width
+                weights[(layer, fused)] = FusedLoRA(
+                    a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype)
+                )
+    return weights

@@ -1,0 +1,75 @@
+"""The LoRA adapters this server serves, by the model name requests use for them.
+
+Adapters come from `--lora-modules` at start and from POST /v1/load_lora_adapter at run
+time, and go with /v1/unload_lora_adapter. Loading checks the adapter against the base
+model (zllm.lora.read_adapter: config, tensor names, shapes, rank, file integrity) before
+it is registered, so a bad adapter is a 400 that changes nothing. A registered adapter gets
+an id never used before in this server's life: its prefix-cache entries and its weights in
+the executor are keyed by it, so an adapter reloaded under the same name from other files
+shares nothing with its predecessor.
+
+Unloading stops new requests from naming the adapter; requests already running with it
+finish (they carry its LoRARequest, and the executor keeps its weights while they live).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from zllm.config import EngineConfig
+from zllm.errors import RequestError
+from zllm.lora import LoRAError, LoRARequest, read_adapter
+
+
+class LoRAAdapters:
+    def __init__(self, engine: EngineConfig, base_names: list[str], start: list[LoRARequest]):
+        self.engine = engine
+        self.base_names = base_names
+        self.by_name: dict[str, LoRARequest] = {lora.lora_name: lora for lora in start}
+        self._next_id = max((lora.lora_int_id for lora in start), default=0) + 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine.lora is not None
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self.by_name.get(name)
+
+    async def load(self, name: str, path: str) -> LoRARequest:
+        """Check and register an adapter; RequestError (400) says why not."""
+        if self.engine.lora is None:
+            raise RequestError("LoRA adapters are not enabled (start with --enable-lora).")
+        if not name:
+            raise RequestError("lora_name must not be empty.", param="lora_name")
+        if name in self.by_name or name in self.base_names:
+            raise RequestError(
+                f"The model name {name!r} is already served; unload it first.", param="lora_name"
+            )
+        path = os.path.abspath(path)
+        try:
+            # Reads a JSON config and a safetensors header: off the event loop all the same.
+            await asyncio.to_thread(
+                read_adapter, path, self.engine.arch, self.engine.lora.max_lora_rank
+            )
+        except LoRAError as e:
+            raise RequestError(str(e), param=e.param or "lora_path") from None
+        if name in self.by_name:  # another load of this name won the race while we read
+            raise RequestError(f"The model name {name!r} is already served.", param="lora_name")
+        lora = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        self.by_name[name] = lora
+        return lora
+
+    def unload(self, name: str) -> LoRARequest:
+        if self.engine.lora is None:
+            raise RequestError("LoRA adapters are not enabled (start with --enable-lora).")
+        lora = self.by_name.pop(name, None)
+        if lora is None:
+            raise RequestError(
+                f"The LoRA adapter {name!r} is not loaded.",
+                status=404,
+                param="lora_name",
+                code="model_not_found",
+            )
+        return lora

@@ -1,0 +1,462 @@
+"""LoRA adapters: zllm's greedy output with each adapter equals transformers + PEFT with the
+same adapter; requests of several adapters (and the base) batched in one step equal each run
+alone; adapters never share KV blocks; bad adapters are refused before anything changes;
+served through `zllm serve` with the openai client, with loading and unloading at run time.
+
+Adapters are made here with PEFT (random A and non-zero random B) on a tiny random model and,
+in the slow tests, on an fp32 Hugging Face copy of SmolLM2 made from its GGUF.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from parity import assert_greedy_parity, hf_greedy
+from safetensors.torch import save_file
+from servers import start_server, stop_server
+from tiny_models import arch_config_of, tiny_hf_config, write_tiny_model
+
+from zllm import LLM, LoRARequest, SamplingParams
+from zllm.config import SchedulerConfig
+from zllm.core.block_manager import BlockManager, cache_salt
+from zllm.core.request import Request
+from zllm.core.scheduler import Scheduler
+from zllm.errors import ParamError
+from zllm.lora import LoRAError, parse_lora_modules, read_adapter
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three adapters unlike each other: every projection; attention only with rsLoRA; MLP only
+# at a higher rank.
+ADAPTERS = {
+    "all": dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS),
+    "qv-rslora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "mlp": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def make_adapter(base_dir: str, out: Path, seed: int, b_std: float | None = None, **config):
+    """A PEFT adapter of base_dir with random A and non-zero random B (PEFT's own init
+    makes B zero: the adapter would change nothing). `b_std`: draw every LoRA weight from
+    N(0, b_std) instead of PEFT's uniform init (a real model stays fluent)."""
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **config))
+    if b_std is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, b_std)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_model(base_dir: str, adapter_dir: Path | None):
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    if adapter_dir is None:
+        return base.eval()
+    return peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 430) for _ in range(rng.randrange(4, 40))] for _ in range(count)]
+
+
+def greedy_tokens(llm: LLM, prompts, lora=None, params=GREEDY) -> list[list[int]]:
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs, params, use_tqdm=False, lora_request=lora)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- the tiny model ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny-lora-base")))
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: LoRARequest(name, i, str(make_adapter(base_dir, root / name, seed=i, **config)))
+        for i, (name, config) in enumerate(ADAPTERS.items(), start=1)
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(base_dir) -> LLM:
+    return LLM(base_dir, enable_lora=True, max_loras=4, kv_cache_memory_bytes=32 << 20)
+
+
+def test_each_adapter_equals_peft(llm, base_dir, adapters) -> None:
+    prompts = random_prompts(4, seed=0)
+    base_out = greedy_tokens(llm, prompts)
+    for name, lora in adapters.items():
+        reference = peft_model(base_dir, Path(lora.lora_path))
+        ours = greedy_tokens(llm, prompts, lora)
+        for prompt, out in zip(prompts, ours, strict=True):
+            theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
+            assert_greedy_parity(reference, prompt, out, theirs, label=f"lora {name}")
+        assert ours != base_out, f"adapter {name} changed nothing"
+    reference = peft_model(base_dir, None)
+    for prompt, out in zip(prompts, base_out, strict=True):
+        assert_greedy_parity(reference, prompt, out, hf_greedy(reference, prompt, 16), label="base")
+
+
+def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
+    """Three adapters and the base interleaved in one batch (so an adapter's rows are not
+    contiguous and the layers gather them) give what each request gives alone."""
+    prompts = random_prompts(12, seed=1)
+    choices = [*adapters.values(), None]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    batched = greedy_tokens(llm, prompts, loras)
+    alone = [greedy_tokens(llm, [p], lora)[0] for p, lora in zip(prompts, loras, strict=True)]
+    assert batched == alone
+
+
+def test_max_loras_one_serves_a_mix_one_adapter_at_a_time(base_dir, adapters) -> None:
+    small = LLM(base_dir, enable_lora=True, max_loras=1, kv_cache_memory_bytes=32 << 20)
+    prompts = random_prompts(8, seed=2)
+    choices = [*adapters.values(), None]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    mixed = greedy_tokens(small, prompts, loras)
+    alone = [greedy_tokens(small, [p], lora)[0] for p, lora in zip(prompts, loras, strict=True)]
+    assert mixed == alone
+
+
+def test_preemption_and_sampling_with_adapters(base_dir, adapters) -> None:
+    """A pool too small for the batch preempts and recomputes; n > 1 forks keep the adapter;
+    a seeded sample is the same in a mixed batch as alone."""
+    tight = LLM(base_dir, enable_lora=True, max_loras=4, num_gpu_blocks_override=20, block_size=4)
+    prompts = [p[:20] for p in random_prompts(6, seed=3)]
+    loras = [adapters["all"], adapters["mlp"], None] * 2
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    preempting = greedy_tokens(tight, prompts, loras, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert preempting == [
+        greedy_tokens(tight, [p], lora, params)[0] for p, lora in zip(prompts, loras, strict=True)
+    ]
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts[:3]]
+    mixed = tight.generate(inputs, sampled, use_tqdm=False, lora_request=loras[:3])
+    for prompt, lora, out in zip(prompts[:3], loras[:3], mixed, strict=True):
+        alone = tight.generate(
+            {"prompt_token_ids": prompt}, sampled, use_tqdm=False, lora_request=lora
+        )[0]
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in alone.outputs]
+
+
+def test_adapters_never_share_kv_blocks(llm, adapters) -> None:
+    prompt = {"prompt_token_ids": random_prompts(1, seed=4)[0] * 3}  # several full blocks
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+
+    def cached(lora) -> int:
+        out = llm.generate(prompt, params, use_tqdm=False, lora_request=lora)
+        return out[0].num_cached_tokens
+
+    assert cached(adapters["all"]) == 0
+    assert cached(adapters["all"]) > 0  # the same adapter hits its own blocks
+    assert cached(adapters["mlp"]) == 0
+    assert cached(None) == 0
+    assert cached(None) > 0
+
+
+def test_block_hashes_are_salted_by_adapter() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(13))
+    assert bm.allocate_slots("a", tokens, 0, 13, salt=cache_salt(1))
+    assert bm.find_cached_prefix(tokens, cache_salt(1)).num_tokens == 12
+    assert bm.find_cached_prefix(tokens, cache_salt(2)).num_tokens == 0
+    assert bm.find_cached_prefix(tokens, cache_salt(None)).num_tokens == 0
+
+
+def test_scheduler_holds_a_third_adapter_beyond_max_loras() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
+    sched = Scheduler(config, bm, max_loras=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    a, b, c = (LoRARequest(name, i, f"/{name}") for i, name in enumerate("abc", start=1))
+    for req_id, lora in [("r1", a), ("r2", b), ("r3", c), ("r4", a), ("r5", None)]:
+        sched.add_request(Request(req_id, [1, 2, 3], params, lora=lora))
+    so = sched.schedule()
+    assert set(so.num_scheduled_tokens) == {"r1", "r2", "r4", "r5"}
+    assert sched.lora_adapters() == (["a", "b"], ["c"])
+    sched.abort_requests(["r2"])  # adapter b leaves the batch: c may come in
+    assert "r3" in sched.schedule().num_scheduled_tokens
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+
+def test_lora_request_needs_enable_lora(base_dir, adapters) -> None:
+    plain = LLM(base_dir, kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(ParamError, match="enable_lora"):
+        plain.generate("hello", GREEDY, use_tqdm=False, lora_request=adapters["all"])
+    assert not plain.engine.has_unfinished_requests()
+
+
+def test_bad_adapters_are_refused_with_why(base_dir, adapters, tmp_path) -> None:
+    arch = arch_config_of(tiny_hf_config(vocab_size=512))
+    good = Path(adapters["all"].lora_path)
+
+    def variant(name: str) -> Path:
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        return path
+
+    with pytest.raises(LoRAError, match="exceeds --max-lora-rank 4"):
+        read_adapter(str(good), arch, max_lora_rank=4)
+    unknown = variant("unknown-target")
+    config = json.loads((unknown / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "fc1"]
+    (unknown / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match=r"\['fc1'\] do not exist"):
+        read_adapter(str(unknown), arch, 64)
+    truncated = variant("truncated")
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(LoRAError, match="malformed"):
+        read_adapter(str(truncated), arch, 64)
+    garbage = variant("garbage")
+    (garbage / "adapter_model.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
+    )
+    with pytest.raises(LoRAError, match="malformed"):
+        read_adapter(str(garbage), arch, 64)
+    dora = variant("dora")
+    config = json.loads((dora / "adapter_config.json").read_text())
+    config["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRAError, match="DoRA"):
+        read_adapter(str(dora), arch, 64)
+    with pytest.raises(LoRAError, match="not a directory"):
+        read_adapter(str(tmp_path / "missing"), arch, 64)
+    # An adapter made for another model: its shapes do not fit this one.
+    other = write_tiny_model(tmp_path / "wider", hidden_size=96, intermediate_size=160)
+    foreign = make_adapter(str(other), tmp_path / "foreign", seed=9, r=4, target_modules=["q_proj"])
+    with pytest.raises(LoRAError, match="base model needs A"):
+        read_adapter(str(foreign), arch, 64)
+
+
+def test_a_bad_adapter_offline_queues_nothing(llm, adapters, tmp_path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["all"].lora_path, bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(LoRAError):
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 50, str(bad)))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ParamError, match="already names"):
+        clash = LoRARequest("other", adapters["all"].lora_int_id, adapters["mlp"].lora_path)
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=clash)
+
+
+def test_parse_lora_modules() -> None:
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == [("a", "/x"), ("b", "/y")]
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_modules(["nopath"])
+    with pytest.raises(ValueError, match="repeat"):
+        parse_lora_modules(["a=/x", "a=/y"])
+
+
+# ---- served ------------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path) -> None:
+    import openai
+
+    start = adapters["all"]
+    server = start_server(
+        base_dir,
+        tmp_path / "server.log",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--lora-modules",
+        f"{start.lora_name}={start.lora_path}",
+        api_key="sekret",
+    )
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret")
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {base_dir, "all"}
+        assert models["all"].model_extra["parent"] == base_dir
+
+        prompts = random_prompts(6, seed=5)
+
+        def complete(model: str, prompt: list[int]) -> str:
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return answer.choices[0].text
+
+        # Loading needs the API key; a bad adapter is a 400 that changes nothing.
+        body = {"lora_name": "mlp", "lora_path": adapters["mlp"].lora_path}
+        assert server.post("/v1/load_lora_adapter", body, headers={}).status_code == 401
+        bad = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"})
+        assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+        assert server.post("/v1/load_lora_adapter", body).status_code == 200
+        assert server.post("/v1/load_lora_adapter", body).status_code == 400  # already there
+        assert {m.id for m in client.models.list().data} == {base_dir, "all", "mlp"}
+
+        names = ["all", "mlp", base_dir] * 2
+        with ThreadPoolExecutor(6) as pool:
+            served = list(pool.map(complete, names, prompts))
+        for name, prompt, out in zip(names, prompts, served, strict=True):
+            lora = adapters.get(name)
+            offline = llm.generate(
+                {"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=lora
+            )
+            assert out == offline[0].outputs[0].text, name
+
+        metrics = server.get("/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="2"' in metrics
+
+        assert server.post("/v1/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            complete("mlp", prompts[0])
+        assert server.post("/v1/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 404
+        assert complete("all", prompts[0]) == served[0]  # the others serve on
+    finally:
+        stop_server(server)
+
+
+def test_lora_modules_need_enable_lora(base_dir, adapters) -> None:
+    from zllm.engine_args import EngineArgs
+    from zllm.serve_config import ServerArgs, serve_config_from
+
+    engine = EngineArgs(model=base_dir).create_engine_config()
+    spec = f"all={adapters['all'].lora_path}"
+    with pytest.raises(ValueError, match="--enable-lora"):
+        serve_config_from(engine, ServerArgs(lora_modules=[spec]))
+    engine = EngineArgs(model=base_dir, enable_lora=True, max_lora_rank=4).create_engine_config()
+    with pytest.raises(LoRAError, match="max-lora-rank"):
+        serve_config_from(engine, ServerArgs(lora_modules=[spec]))
+
+
+# ---- SmolLM2 -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf_dir(smollm2_path, tmp_path_factory) -> str:
+    """An fp32 Hugging Face copy of SmolLM2 made from its GGUF (weights and tokenizer)."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    folder, name = str(Path(smollm2_path).parent), Path(smollm2_path).name
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    # transformers refuses to save a model it loaded from GGUF: write weights and config.
+    state = {k: v.float().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"))
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.torch_dtype = "float32"
+    config.save_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+SMOLLM2_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_loras(smollm2_hf_dir, tmp_path_factory) -> list[LoRARequest]:
+    """The three adapters on SmolLM2, with weights drawn from N(0, 0.05): enough to change
+    the greedy output, not so much that the model stops writing words."""
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    return [
+        LoRARequest(name, i, str(make_adapter(smollm2_hf_dir, root / name, i, 0.05, **cfg)))
+        for i, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
+    ]
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm(smollm2_hf_dir) -> LLM:
+    return LLM(smollm2_hf_dir, enable_lora=True, max_loras=3, kv_cache_memory_bytes=256 << 20)
+
+
+@pytest.mark.slow
+def test_smollm2_adapters_equal_peft_alone_and_mixed(
+    smollm2_hf_dir, smollm2_loras, smollm2_llm
+) -> None:
+    loras, ours = smollm2_loras, smollm2_llm
+    prompts = [ours.get_tokenizer().encode(t) for t in SMOLLM2_TEXTS]
+    base_out = greedy_tokens(ours, prompts)
+    alone = {}
+    for lora in loras:
+        reference = peft_model(smollm2_hf_dir, Path(lora.lora_path))
+        alone[lora.lora_name] = greedy_tokens(ours, prompts, lora)
+        for prompt, out in zip(prompts, alone[lora.lora_name], strict=True):
+            theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
+            assert_greedy_parity(reference, prompt, out, theirs, label=f"smollm2 {lora.lora_name}")
+        assert alone[lora.lora_name] != base_out
+    mixed_loras = [*loras, None]
+    mixed_prompts = [prompts[i % len(prompts)] for i in range(len(mixed_loras))]
+    mixed = greedy_tokens(ours, mixed_prompts, mixed_loras)
+    for prompt, lora, out in zip(mixed_prompts, mixed_loras, mixed, strict=True):
+        expected = base_out if lora is None else alone[lora.lora_name]
+        assert out == expected[prompts.index(prompt)]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_smollm2_served_adapters_loaded_at_run_time(
+    smollm2_hf_dir, smollm2_loras, smollm2_llm, tmp_path
+) -> None:
+    """SmolLM2 served with no adapter at start: three are loaded over HTTP, then requests of
+    all three and the base run concurrently and equal the offline API's answers."""
+    import openai
+
+    server = start_server(
+        smollm2_hf_dir, tmp_path / "server.log", "--enable-lora", "--max-loras", "3",
+        "--served-model-name", "smollm2",
+    )  # fmt: skip
+    try:
+        for lora in smollm2_loras:
+            body = {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
+            assert server.post("/v1/load_lora_adapter", body).status_code == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        jobs = [(lora, text) for lora in [*smollm2_loras, None] for text in SMOLLM2_TEXTS]
+
+        def complete(job) -> str:
+            lora, text = job
+            answer = client.completions.create(
+                model=lora.lora_name if lora else "smollm2", prompt=text, max_tokens=16,
+                temperature=0.0, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return answer.choices[0].text
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            served = list(pool.map(complete, jobs))
+        for (lora, text), out in zip(jobs, served, strict=True):
+            offline = smollm2_llm.generate(text, GREEDY, use_tqdm=False, lora_request=lora)
+            assert out == offline[0].outputs[0].text, (lora, text)
+        first_prompt = {
+            out for (_, text), out in zip(jobs, served, strict=True) if text == SMOLLM2_TEXTS[0]
+        }
+        assert len(first_prompt) > 1  # the adapters answer their own ways
+        for lora in smollm2_loras:
+            assert server.post("/v1/unload_lora_adapter", {"lora_name": lora.lora_name}).is_success
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+    finally:
+        stop_server(server)

@@ -1,0 +1,257 @@
+"""LoRA adapters: what names one (`LoRARequest`) and what its files must hold (`read_adapter`).
+
+An adapter is a directory in PEFT's format: `adapter_config.json` (r, lora_alpha, target
+modules, use_rslora) and `adapter_model.safetensors` with, per adapted projection,
+
+    base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
+    base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
+
+(A is [r, in_features], B is [out_features, r]; the layer computes W x + scaling * B A x).
+`read_adapter` checks all of it against the base model's shapes from the config and the
+safetensors header alone, without torch, so the frontend can refuse a bad adapter (400)
+before anything changes, and the executor only reads tensors that are known to fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import msgspec
+
+from zllm.config import ModelArchConfig
+from zllm.errors import ParamError
+
+# The projections an adapter may target, by PEFT's module names, and where they sit.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
+_BLOCK |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_TENSOR_NAME = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+)
+_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is not an adapter's
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An adapter a request runs with, as vLLM names it: `LoRARequest(name, id, path)`.
+
+    `lora_int_id` (> 0) is the adapter's identity inside the engine: its weights in the
+    executor and its prefix-cache entries are keyed by it, so two adapters never share KV
+    blocks. The server assigns ids; offline, the caller does (one id per adapter).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+class LoRAError(ParamError):
+    """An adapter that cannot be served, with why (the frontend answers 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModule:
+    """One adapted projection: where its A and B tensors are, and their shapes."""
+
+    layer: int
+    module: str  # a TARGET_MODULES name
+    rank: int
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    a_name: str
+    b_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """What `read_adapter` found: the adapter's rank and its modules, checked."""
+
+    path: str
+    rank: int  # the largest rank of any module
+    modules: tuple[LoRAModule, ...]
+
+    @property
+    def weights_file(self) -> str:
+        return os.path.join(self.path, WEIGHTS_FILE)
+
+
+def projection_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """Each target module's (in_features, out_features) in a layer of this architecture."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAdapter:
+    """Check a PEFT adapter directory against the base model; raise LoRAError saying why not."""
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter {path!r} is not a directory", "lora_path")
+    config = _read_config(path)
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
+        raise LoRAError(f"{CONFIG_FILE} needs a positive integer r and a numeric lora_alpha")
+    _check_supported(config)
+    tensors = _read_safetensors_header(os.path.join(path, WEIGHTS_FILE))
+    shapes = projection_shapes(arch)
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for name, (dtype, shape) in tensors.items():
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None:
+            raise LoRAError(
+                f"LoRA adapter tensor {name!r} adapts no module zllm can serve (supported: "
+                f"{', '.join(TARGET_MODULES)} of the decoder layers)"
+            )
+        layer, block, module, kind = int(match[1]), match[2], match[3], match[4]
+        if module not in shapes or _BLOCK[module] != block:
+            raise LoRAError(f"LoRA adapter targets {block}.{module}, which the base model lacks")
+        if layer >= arch.num_layers:
+            raise LoRAError(
+                f"LoRA adapter tensor {name!r} is for layer {layer}; the base model has "
+                f"{arch.num_layers} layers"
+            )
+        if dtype not in _DTYPES or len(shape) != 2:
+            raise LoRAError(f"LoRA adapter tensor {name!r} is {dtype} {shape}, not a 2-D float")
+        pairs.setdefault((layer, module), {})[kind] = name
+    if not pairs:
+        raise LoRAError("LoRA adapter has no lora_A/lora_B weights")
+    modules = []
+    for (layer, module), names in sorted(pairs.items()):
+        if set(names) != {"A", "B"}:
+            raise LoRAError(
+                f"LoRA adapter has only one of lora_A/lora_B for layer {layer} {module}"
+            )
+        a_shape, b_shape = tensors[names["A"]][1], tensors[names["B"]][1]
+        in_features, out_features = shapes[module]
+        r = a_shape[0]
+        if a_shape != [r, in_features] or b_shape != [out_features, r]:
+            raise LoRAError(
+                f"LoRA adapter's layer {layer} {module} has A {a_shape} and B {b_shape}; the "
+                f"base model needs A [r, {in_features}] and B [{out_features}, r]"
+            )
+        if r > max_lora_rank:
+            raise LoRAError(
+                f"LoRA adapter rank {r} exceeds --max-lora-rank {max_lora_rank}", "max_lora_rank"
+            )
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        modules.append(LoRAModule(layer, module, r, float(scale), names["A"], names["B"]))
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(TARGET_MODULES))
+        if unknown:
+            raise LoRAError(
+                f"LoRA adapter's target_modules {unknown} do not exist in the base model "
+                f"(it has {', '.join(TARGET_MODULES)})"
+            )
+    return LoRAAdapter(path, max(m.rank for m in modules), tuple(modules))
+
+
+def _read_config(path: str) -> dict:
+    file = os.path.join(path, CONFIG_FILE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter {path!r} has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"LoRA adapter's {CONFIG_FILE} cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"LoRA adapter's {CONFIG_FILE} is not a JSON object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoRAError(f"adapter's peft_type is {peft_type!r}; zllm serves LORA adapters")
+    return config
+
+
+def _check_supported(config: dict) -> None:
+    """Refuse the PEFT options whose arithmetic zllm does not implement."""
+    refused = {
+        "use_dora": "DoRA",
+        "modules_to_save": "modules_to_save (fully trained embeddings or heads)",
+        "alpha_pattern": "alpha_pattern",
+        "fan_in_fan_out": "fan_in_fan_out",
+        "lora_bias": "lora_bias",
+        "use_qalora": "QA-LoRA",
+        "use_bdlora": "BD-LoRA",
+        "layer_replication": "layer_replication",
+        "trainable_token_indices": "trainable_token_indices",
+        "target_parameters": "target_parameters",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    }
+    for key, what in refused.items():
+        if config.get(key):
+            raise LoRAError(f"LoRA adapter uses {what}, which zllm does not serve")
+    if config.get("bias", "none") != "none":
+        raise LoRAError("LoRA adapter trains biases (bias != 'none'), which zllm does not serve")
+
+
+def _read_safetensors_header(file: str) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from a safetensors file, checking that its data is all there.
+
+    The format: an 8-byte little-endian header length, a JSON header mapping each tensor to
+    its dtype, shape and [begin, end) byte offsets in the data that follows.
+    """
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(size - 8, _MAX_HEADER):
+                raise ValueError("header length exceeds the file")
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter has no {WEIGHTS_FILE}") from None
+    except (OSError, ValueError, struct.error) as e:
+        raise LoRAError(f"LoRA adapter's {WEIGHTS_FILE} is malformed: {e}") from None
+    if not isinstance(header, dict):
+        raise LoRAError(f"LoRA adapter's {WEIGHTS_FILE} is malformed: its header is no object")
+    data_size = size - 8 - length
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            expected = _DTYPES.get(dtype, 0) * math.prod(shape)
+            if not 0 <= begin <= end <= data_size or (expected and end - begin != expected):
+                raise ValueError(f"tensor {name!r} lies outside the file's data")
+        except (KeyError, TypeError, ValueError) as e:
+            raise LoRAError(f"LoRA adapter's {WEIGHTS_FILE} is malformed: {e}") from None
+        tensors[name] = (dtype, list(shape))
+    return tensors
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """`--lora-modules name=path ...` (vLLM's spelling; a JSON object with name and path
+    also works) -> [(name, path)]."""
+    modules = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                obj = json.loads(spec)
+                name, path = obj["name"], obj["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"--lora-modules {spec!r}: a JSON entry needs name and path"
+                ) from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {spec!r}: expected name=path")
+        modules.append((name, path))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names repeat: {names}")
+    return modules
