@@ -343,6 +343,10 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, fork, and finish requests (those gone meanwhile are skipped)."""
         outputs: list[EngineCoreOutput] = []
+        for req_id, message in runner_out.failed.items():
+            req = self.requests.get(req_id)
+            if req is not None:
+                outputs.extend(self._fail(req, message))
         for req_id, lp in runner_out.prompt_logprobs.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -567,6 +571,28 @@ class Scheduler:
         )
         self._finish(req)
         return out
+
+    def _fail(self, req: Request, message: str) -> list[EngineCoreOutput]:
+        """The executor could not run `req`: every sequence of its client request ends with
+        finish reason "error" and the executor's message (the frontend answers 500)."""
+        outputs = []
+        for seq_id in list(self._sequences.get(req.client_req_id, ())):
+            seq = self.requests[seq_id]
+            seq.finish_reason = FinishReason.ERROR
+            seq.known_to_executor = False  # it holds no state for it
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=seq.client_req_id,
+                    sample_index=seq.sample_index,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    stop_reason=message,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                )
+            )
+            self._finish(seq)
+        self._beam_groups.pop(req.client_req_id, None)
+        return outputs
 
     def _fork(self, parent: Request, tokens: list[int], logprobs) -> list[EngineCoreOutput]:
         """Split an `n > 1` request into its samples once its prompt is computed."""

@@ -269,9 +269,11 @@ class ModelRunner:
         )
 
     # ---- state updates -----------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Apply what changed since the last step, forks first (they copy their parent as of
-        the step that sampled them)."""
+        the step that sampled them). Returns the new requests that cannot run, with why;
+        they get no state here, so later steps that still name them skip them."""
+        failed: dict[str, str] = {}
         for fork in so.forked_requests:
             generator = self._child_generators.pop((fork.parent_req_id, fork.sample_index), None)
             child = self.requests[fork.parent_req_id].fork(fork, generator)
@@ -289,12 +291,19 @@ class ModelRunner:
         for new in so.new_requests:
             if new.lora is not None:
                 assert self.lora is not None, "the core refuses LoRA requests when LoRA is off"
-                self.lora.add(new.lora)
+                try:
+                    self.lora.add(new.lora)
+                except Exception as e:  # its files changed since they were checked
+                    logger.error("Request %s fails: %s", new.req_id, e)
+                    failed[new.req_id] = f"LoRA adapter {new.lora.lora_name!r}: {e}"
+                    continue
             state = RequestState.from_new(new)
             self._attach_grammar(state)
             self.requests[new.req_id] = state
         for cached in so.cached_requests:
-            state = self.requests[cached.req_id]
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                continue  # it failed; the core has not heard yet
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
@@ -306,6 +315,7 @@ class ModelRunner:
                 kv[:, dst].copy_(kv[:, src])
             if self.proposer is not None:
                 self.proposer.copy_block(src, dst)
+        return failed
 
     def _attach_grammar(self, st: RequestState) -> None:
         """A structured-output request's matcher, fed the output it already has (a recomputed
@@ -322,9 +332,11 @@ class ModelRunner:
         Timed in three parts (inputs, forward, logits + sampling + output) for /metrics.
         """
         step_start = time.perf_counter()
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+        failed = self._update_states(so)
+        if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
+            return ModelRunnerOutput(
+                step_id=so.step_id, req_ids=[], sampled_token_ids=[], failed=failed
+            )
         inputs = self._prepare_inputs(so)
         forward_start = time.perf_counter()
         hidden = self._forward(inputs)
@@ -336,6 +348,7 @@ class ModelRunner:
         sampled = self._sample(rows, hidden) if rows.requests else None
         output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
         output.pooled = pooled
+        output.failed = failed
         if self.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
         output.prepare_time_s = forward_start - step_start
@@ -355,7 +368,9 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         for req_id, num in so.num_scheduled_tokens.items():
-            st = self.requests[req_id]
+            st = self.requests.get(req_id)
+            if st is None:
+                continue  # it failed (_update_states)
             start = st.num_computed_tokens
             positions.append(np.arange(start, start + num, dtype=np.int64))
             drafts = so.spec_token_ids.get(req_id)

@@ -9,10 +9,12 @@ import shutil
 from dataclasses import fields
 
 import pytest
+from tiny_models import write_lora_adapter
 
 from zllm.arg_utils import flag_name, flag_of, format_size, parse_size
 from zllm.cli import build_parser, serve_config_from_args
 from zllm.engine_args import EngineArgs, engine_args_from
+from zllm.lora import LoRARequest
 from zllm.serve_config import ServeConfig, ServerArgs, serve_config_from
 
 # Every engine option away from its default, and the flags that say so.
@@ -38,6 +40,9 @@ ENGINE = EngineArgs(
     pooling="last",
     speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     deterministic=True,
+    enable_lora=True,
+    max_loras=3,
+    max_lora_rank=32,
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -60,6 +65,9 @@ ENGINE_ARGV = [
     "--pooling", "last",
     "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     "--deterministic",
+    "--enable-lora",
+    "--max-loras", "3",
+    "--max-lora-rank", "32",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).
@@ -88,6 +96,7 @@ SERVER_ARGV = [
     "--trust-request-chat-template",
     "--tool-call-parser", "hermes",
     "--reasoning-parser", "qwen3",
+    "--lora-modules", "x=LORA_DIR",
 ]  # fmt: skip
 
 ENGINE_COMMANDS = [
@@ -141,8 +150,10 @@ def test_every_server_option_is_a_flag_set_below():
 def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0]['content'] }}")
+    adapter = write_lora_adapter(tmp_path / "adapter", tiny_llama_dir)
     argv = [str(template) if a == "CHAT_TEMPLATE_FILE" else a for a in SERVER_ARGV]
-    engine_argv = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M"]
+    argv = [f"x={adapter}" if a == "x=LORA_DIR" else a for a in argv]
+    engine_argv = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M", "--enable-lora"]
     args = parse("serve", tiny_llama_dir, *argv, *engine_argv, "--no-enable-prefix-caching")
 
     config = serve_config_from_args(args)
@@ -152,6 +163,7 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         max_num_seqs=8,
         kv_cache_memory_bytes=64 << 20,
         enable_prefix_caching=False,
+        enable_lora=True,
     ).create_engine_config()
     assert config == ServeConfig(
         engine=engine,
@@ -177,6 +189,7 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         trust_request_chat_template=True,
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
+        lora_modules=[LoRARequest("x", 1, str(adapter))],
     )
     assert config.endpoints.ipc_dir is None
     assert len(config.endpoints.detokenizer_in) == 3

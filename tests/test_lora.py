@@ -265,6 +265,24 @@ def test_a_bad_adapter_offline_queues_nothing(llm, adapters, tmp_path) -> None:
         llm.generate("hi", GREEDY, use_tqdm=False, lora_request=clash)
 
 
+def test_adapter_files_gone_after_check_fail_that_request_only(base_dir, adapters, tmp_path):
+    """The executor loads an adapter when a request first needs it; if its files went away
+    since they were checked, that request ends with finish reason "error" (its message
+    says why) and the others in the batch finish as usual."""
+    small = LLM(base_dir, enable_lora=True, max_loras=1, kv_cache_memory_bytes=16 << 20)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=6)[0]}
+    gone = LoRARequest("gone", 10, str(shutil.copytree(adapters["mlp"].lora_path, tmp_path / "g")))
+    first = small.generate(prompt, GREEDY, use_tqdm=False, lora_request=gone)[0]
+    for other in (adapters["all"], adapters["qv-rslora"]):  # evicts the idle adapter
+        small.generate(prompt, GREEDY, use_tqdm=False, lora_request=other)
+    shutil.rmtree(gone.lora_path)
+    outs = small.generate([prompt, prompt], GREEDY, use_tqdm=False, lora_request=[gone, None])
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert first.outputs[0].finish_reason == "length"
+    assert not small.engine.has_unfinished_requests()
+
+
 def test_parse_lora_modules() -> None:
     assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}']) == [("a", "/x"), ("b", "/y")]
     with pytest.raises(ValueError, match="name=path"):
@@ -292,7 +310,7 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
         api_key="sekret",
     )
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="sekret", max_retries=0)
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {base_dir, "all"}
         assert models["all"].model_extra["parent"] == base_dir
@@ -332,6 +350,14 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
         with pytest.raises(openai.NotFoundError):
             complete("mlp", prompts[0])
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 404
+        # An adapter whose files vanish after loading fails its request, and only that one.
+        gone = tmp_path / "gone"
+        shutil.copytree(adapters["mlp"].lora_path, gone)
+        body = {"lora_name": "gone", "lora_path": str(gone)}
+        assert server.post("/v1/load_lora_adapter", body).status_code == 200
+        shutil.rmtree(gone)
+        with pytest.raises(openai.InternalServerError, match="LoRA adapter 'gone'"):
+            complete("gone", prompts[0])
         assert complete("all", prompts[0]) == served[0]  # the others serve on
     finally:
         stop_server(server)

@@ -145,3 +145,46 @@ def write_tiny_model(
     config = tiny_hf_config(arch, **{**from_tokenizer, **overrides})
     tiny_hf_model(config, seed).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def write_lora_adapter(
+    path: Path,
+    model_dir: str | Path,
+    rank: int = 4,
+    targets: Sequence[str] = ("q_proj", "v_proj"),
+    seed: int = 0,
+) -> Path:
+    """A random LoRA adapter in PEFT's format (adapter_config.json + safetensors) for the
+    model saved in `model_dir`, written directly (no PEFT needed): every named projection of
+    every layer gets A [rank, in] and a non-zero B [out, rank]."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": ("self_attn", hidden, q),
+        "k_proj": ("self_attn", hidden, kv),
+        "v_proj": ("self_attn", hidden, kv),
+        "o_proj": ("self_attn", q, hidden),
+        "gate_proj": ("mlp", hidden, inter),
+        "up_proj": ("mlp", hidden, inter),
+        "down_proj": ("mlp", inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in targets:
+            block, n_in, n_out = shapes[target]
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=generator)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    lora_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}
+    (path / "adapter_config.json").write_text(
+        json.dumps({**lora_config, "target_modules": list(targets), "bias": "none"})
+    )
+    return path

@@ -60,6 +60,9 @@ class ServeBenchConfig:
     # repeat their input or do not (zllm/bench_datasets.py), tokenized with `tokenizer`.
     dataset: str = "random"
     tokenizer: str | None = None
+    # LoRA adapters (served model names): request i names lora_modules[i % len], so every
+    # step mixes them; each is warmed up first (the executor loads an adapter on first use).
+    lora_modules: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -91,6 +94,12 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--base-url", default=d.base_url)
     p.add_argument("--endpoint", default=d.endpoint)
     p.add_argument("--model", default=None, help="model name sent; default: first of /v1/models")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        help="LoRA adapter names the server serves: request i names the (i mod N)-th",
+    )
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
     p.add_argument("--input-len", type=int, default=d.input_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
@@ -164,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
         base_url=args.base_url,
         endpoint=args.endpoint,
         model=args.model,
+        lora_modules=list(args.lora_modules),
         num_prompts=args.num_prompts,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -332,12 +342,16 @@ async def run_benchmark(
     timeout = httpx.Timeout(config.request_timeout, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         model = config.model or await fetch_model_name(client, config)
+        models = config.lora_modules or [model]
         for i in range(config.num_warmups):
-            # Reversed, so that no benchmark prompt finds its prefix cached by the warm-up.
-            warm = prompts[i % len(prompts)][::-1]
-            w = await send_request(client, config, model, warm, 4, 0.0)
-            if not w.ok:
-                raise BenchmarkError(f"warm-up request to {config.base_url} failed: {w.error}")
+            for name in models:
+                # Reversed, so that no benchmark prompt finds its prefix cached by the warm-up.
+                warm = prompts[i % len(prompts)][::-1]
+                w = await send_request(client, config, name, warm, 4, 0.0)
+                if not w.ok:
+                    raise BenchmarkError(
+                        f"warm-up request to {config.base_url} ({name}) failed: {w.error}"
+                    )
 
         load_at_start = _loadavg()
         server_before = await _server_snapshot(client, config)
@@ -346,14 +360,15 @@ async def run_benchmark(
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
+            name = models[i % len(models)]
             if sem is None:
                 results[i] = await send_request(
-                    client, config, model, prompts[i], config.output_len, t0
+                    client, config, name, prompts[i], config.output_len, t0
                 )
                 return
             async with sem:
                 results[i] = await send_request(
-                    client, config, model, prompts[i], config.output_len, t0
+                    client, config, name, prompts[i], config.output_len, t0
                 )
 
         if math.isinf(config.request_rate):
@@ -372,7 +387,7 @@ async def run_benchmark(
         await asyncio.sleep(1.2 if server_before[0] else 0.0)
         server_after = await _server_snapshot(client, config)
     done = [r for r in results if r is not None]
-    summary = summarize(config, model, done, duration)
+    summary = summarize(config, ",".join(models), done, duration)
     summary["loadavg_1m_at_start"] = load_at_start
     summary["engine"] = engine_cost(server_before, server_after, summary["total_output_tokens"])
     return summary, done

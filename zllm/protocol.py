@@ -173,6 +173,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     draft_token_ids: list[list[int]] = []
     # Embeddings requests whose prompt this step finished: their pooled vectors (no token).
     pooled: dict[str, list[float]] = {}
+    # Requests the executor could not run (a LoRA adapter whose files went away since it was
+    # checked), with why: the core fails them (finish "error"); the others go on.
+    failed: dict[str, str] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
     # Where the step's time went: input and attention metadata preparation, the model forward,
     # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
