@@ -124,7 +124,22 @@ def test_mixed_batch_equals_each_alone(llm, adapters) -> None:
     prompts = random_prompts(12, seed=1)
     choices = [*adapters.values(), None]
     loras = [choices[i % len(choices)] for i in range(len(prompts))]
-    batched = greedy_tokens(llm, prompts, loras)
+    manager = llm.model_runner.lora
+    seen: list[int] = []  # adapters per step, as the layers were told
+    gathered = []  # whether an adapter's rows were not contiguous (an index, not a slice)
+    set_batch = manager.set_batch
+
+    def recording(lora_ids, query_lens):
+        set_batch(lora_ids, query_lens)
+        seen.append(len(manager.batch.groups))
+        gathered.append(any(isinstance(rows, torch.Tensor) for _, rows in manager.batch.groups))
+
+    manager.set_batch = recording
+    try:
+        batched = greedy_tokens(llm, prompts, loras)
+    finally:
+        del manager.set_batch
+    assert max(seen) == 3 and any(gathered)  # three adapters and the base in one step
     alone = [greedy_tokens(llm, [p], lora)[0] for p, lora in zip(prompts, loras, strict=True)]
     assert batched == alone
 
@@ -442,6 +457,22 @@ def test_smollm2_adapters_equal_peft_alone_and_mixed(
     for prompt, lora, out in zip(mixed_prompts, mixed_loras, mixed, strict=True):
         expected = base_out if lora is None else alone[lora.lora_name]
         assert out == expected[prompts.index(prompt)]
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_base_with_an_adapter_equals_peft(
+    smollm2_path, smollm2_hf_dir, smollm2_loras
+) -> None:
+    """The GGUF file as the base (its Q4_1 blocks multiplied by the CPU kernel, the default):
+    the adapter's update is added to the kernel's output, and greedy output equals PEFT's over
+    the fp32 copy transformers made of the same file (near-tie rule as for greedy parity)."""
+    ours = LLM(smollm2_path, enable_lora=True, kv_cache_memory_bytes=128 << 20)
+    lora = smollm2_loras[0]
+    reference = peft_model(smollm2_hf_dir, Path(lora.lora_path))
+    prompts = [ours.get_tokenizer().encode(t) for t in SMOLLM2_TEXTS]
+    for prompt, out in zip(prompts, greedy_tokens(ours, prompts, lora), strict=True):
+        theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
+        assert_greedy_parity(reference, prompt, out, theirs, label="smollm2 gguf base + lora")
 
 
 @pytest.mark.slow
