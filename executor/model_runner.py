@@ -367,7 +367,12 @@ class ModelRunner:
         seq_lens: list[int] = []
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
-        for req_id, num in so.num_scheduled_tokens.items():
+        scheduled = list(so.num_scheduled_tokens.items())
+        if self.lora is not None:
+            # Each adapter's rows side by side (a stable sort: the base first, then by id),
+            # so a layer adds an adapter's update to one slice of the batch.
+            scheduled.sort(key=lambda item: self._lora_id(item[0]))
+        for req_id, num in scheduled:
             st = self.requests.get(req_id)
             if st is None:
                 continue  # it failed (_update_states)
@@ -394,6 +399,10 @@ class ModelRunner:
             positions=torch.from_numpy(np.concatenate(positions)).to(self.device),
             attn_metadata=attn_metadata,
         )
+
+    def _lora_id(self, req_id: str) -> int:
+        st = self.requests.get(req_id)
+        return 0 if st is None or st.lora_int_id is None else st.lora_int_id
 
     def _build_attention_metadata(
         self,

@@ -13,10 +13,10 @@ from zllm.executor.lora.weights import AdapterWeights
 @dataclass(slots=True)
 class LoRABatch:
     """This step's rows by adapter, shared by every LoRALinear of the model: for each
-    adapter in the batch, its weights and its rows, a slice when they are contiguous (the
-    usual case: one request's rows always are), else an index tensor."""
+    adapter in the batch, its weights and its rows (the model runner orders the batch by
+    adapter, so they are one slice)."""
 
-    groups: list[tuple[AdapterWeights, slice | torch.Tensor]] = field(default_factory=list)
+    groups: list[tuple[AdapterWeights, slice]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -37,12 +37,8 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         for weights, rows in self.batch.groups:
             update = weights.get(self.key)
-            if update is None:
-                continue
-            if isinstance(rows, slice):
+            if update is not None:
                 y[rows].addmm_(x[rows] @ update.a_t, update.b_t)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ update.a_t) @ update.b_t)
         return y
 
     def extra_repr(self) -> str:

@@ -74,23 +74,16 @@ class LoRAManager:
             del self.adapters[lora_id]
 
     def set_batch(self, lora_ids: Sequence[int | None], query_lens: Sequence[int]) -> None:
-        """This step's rows by adapter: request i has query_lens[i] rows, in batch order."""
-        runs: dict[int, list[tuple[int, int]]] = {}
+        """This step's rows by adapter: request i has query_lens[i] rows, in batch order, and
+        the model runner has put each adapter's requests side by side."""
+        spans: dict[int, tuple[int, int]] = {}
         start = 0
         for lora_id, num in zip(lora_ids, query_lens, strict=True):
             if lora_id is not None:
-                spans = runs.setdefault(lora_id, [])
-                if spans and spans[-1][1] == start:
-                    spans[-1] = (spans[-1][0], start + num)
-                else:
-                    spans.append((start, start + num))
+                first, end = spans.get(lora_id, (start, start))
+                assert end == start, "an adapter's rows must be contiguous"
+                spans[lora_id] = (first, start + num)
             start += num
-        groups: list[tuple[AdapterWeights, slice | torch.Tensor]] = []
-        for lora_id, spans in runs.items():
-            rows: slice | torch.Tensor
-            if len(spans) == 1:
-                rows = slice(*spans[0])
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
-            groups.append((self.adapters[lora_id], rows))
-        self.batch.groups = groups
+        self.batch.groups = [
+            (self.adapters[lora_id], slice(first, end)) for lora_id, (first, end) in spans.items()
+        ]
