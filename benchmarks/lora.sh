@@ -63,25 +63,27 @@ start_server() {  # $1: label, then zllm serve options
     return 1
 }
 
-bench() {  # $1: label, $2: round, then zllm bench serve options
-    local label="$1" round="$2"
-    shift 2
+bench() {  # $1: label, $2: prompt seed, $3: round, then zllm bench serve options
+    # Each variant draws its own prompts: on the LoRA server a later run would otherwise find
+    # an earlier one's prompts in the prefix cache (same adapter, same tokens).
+    local label="$1" seed="$2" round="$3"
+    shift 3
     "$PYTHON" -m zllm.cli bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" \
         --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        --concurrency "$CONCURRENCY" --label "$label" "$@" \
+        --concurrency "$CONCURRENCY" --prompt-seed "$seed" --label "$label" "$@" \
         --output-json "$RESULTS_DIR/$label-r$round.json" >/dev/null
     echo "round $round: $label done" >&2
 }
 
 for round in $(seq "$ROUNDS"); do
     start_server plain
-    bench plain "$round" --model base
+    bench plain 1 "$round" --model base
     stop_server
     start_server lora --enable-lora --max-loras 4 --max-lora-rank "$RANK" \
         --lora-modules "${modules[@]}"
-    bench unused "$round" --model base
-    bench 1-adapter "$round" --model lora1
-    bench 4-adapters "$round" --lora-modules lora1 lora2 lora3 lora4
+    bench unused 2 "$round" --model base
+    bench 1-adapter 3 "$round" --model lora1
+    bench 4-adapters 4 "$round" --lora-modules lora1 lora2 lora3 lora4
     stop_server
 done
 
@@ -93,7 +95,7 @@ runs = defaultdict(list)
 for path in glob.glob(f"{sys.argv[1]}/*.json"):
     r = json.load(open(path))
     runs[r["label"]].append(r)
-print("| server / requests | rounds | output tok/s (median) | TPOT p50 ms | step ms | vs plain |")
+print("| server / requests | rounds | output tok/s (median) | TPOT p50 ms | executor ms/step | vs plain |")
 print("|---|---|---|---|---|---|")
 plain = statistics.median(r["output_throughput"] for r in runs["plain"])
 for label in ("plain", "unused", "1-adapter", "4-adapters"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -62,7 +63,7 @@ from zllm.frontend.api_models import (
 )
 from zllm.frontend.embeddings import EMBED_PARAMS, EmbeddingsAssembler, embedding_inputs
 from zllm.frontend.generate import Generation, GenerationJob, RequestIds
-from zllm.frontend.lora_adapters import LoRAAdapters
+from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
 from zllm.frontend.metrics import Metrics
 from zllm.frontend.middleware import TICKET_KEY, Gate
 from zllm.frontend.openai_format import (
@@ -91,8 +92,15 @@ logger = logging.getLogger(__name__)
 _BIG_INPUT = 16384
 
 
-def build_app(config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -> Starlette:
-    server = OpenAIServer(config, client, tokenizer)
+def build_app(
+    config: ServeConfig,
+    client: EngineClient,
+    tokenizer: Tokenizer,
+    run_dir: str | None = None,
+) -> Starlette:
+    """`run_dir`: the supervisor's run directory, where state that must outlive a frontend
+    restart is kept (the LoRA adapters loaded at run time)."""
+    server = OpenAIServer(config, client, tokenizer, run_dir)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
@@ -180,7 +188,13 @@ def _api_errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Aw
 class OpenAIServer:
     """The route handlers and what they share: engine client, tokenizer, metrics."""
 
-    def __init__(self, config: ServeConfig, client: EngineClient, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        client: EngineClient,
+        tokenizer: Tokenizer,
+        run_dir: str | None = None,
+    ) -> None:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
@@ -192,7 +206,12 @@ class OpenAIServer:
         self.prometheus = Metrics(client, config.model_names[0])
         self.admission = Admission(config.max_in_flight)
         self.generation = Generation(config, client, self.prometheus)
-        self.adapters = LoRAAdapters(config.engine, config.model_names, config.lora_modules)
+        self.adapters = LoRAAdapters(
+            config.engine,
+            config.model_names,
+            config.lora_modules,
+            os.path.join(run_dir, LORA_STATE_FILE) if run_dir else None,
+        )
         self._openapi: bytes | None = None
 
     # ---- generation ----------------------------------------------------------------------

@@ -10,24 +10,61 @@ shares nothing with its predecessor.
 
 Unloading stops new requests from naming the adapter; requests already running with it
 finish (they carry its LoRARequest, and the executor keeps its weights while they live).
+
+The registry is written to the supervisor's run directory after every change, so a frontend
+that crashed and was restarted serves the same adapters under the same ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 
 from zllm.config import EngineConfig
 from zllm.errors import RequestError
 from zllm.lora import LoRAError, LoRARequest, read_adapter
 
+logger = logging.getLogger(__name__)
+
+LORA_STATE_FILE = "lora_adapters.json"
+
 
 class LoRAAdapters:
-    def __init__(self, engine: EngineConfig, base_names: list[str], start: list[LoRARequest]):
+    def __init__(
+        self,
+        engine: EngineConfig,
+        base_names: list[str],
+        start: list[LoRARequest],
+        state_file: str | None = None,
+    ):
+        """`start`: --lora-modules; `state_file`: where the registry outlives this process."""
         self.engine = engine
         self.base_names = base_names
+        self.state_file = state_file
         self.by_name: dict[str, LoRARequest] = {lora.lora_name: lora for lora in start}
         self._next_id = max((lora.lora_int_id for lora in start), default=0) + 1
+        self._restore()
+
+    def _restore(self) -> None:
+        """After a restart: the adapters the previous frontend served, with their ids."""
+        if self.state_file is None or not os.path.exists(self.state_file):
+            return
+        with open(self.state_file, encoding="utf-8") as f:
+            saved = [LoRARequest(*entry) for entry in json.load(f)]
+        self.by_name = {lora.lora_name: lora for lora in saved}
+        self._next_id = max(self._next_id, *(lora.lora_int_id + 1 for lora in saved), 1)
+        logger.info("LoRA adapters restored: %s", ", ".join(self.by_name) or "none")
+
+    def _save(self) -> None:
+        if self.state_file is None:
+            return
+        entries = [[x.lora_name, x.lora_int_id, x.lora_path] for x in self.by_name.values()]
+        tmp = self.state_file + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entries, f)
+        os.replace(tmp, self.state_file)
 
     @property
     def enabled(self) -> bool:
@@ -59,6 +96,7 @@ class LoRAAdapters:
         lora = LoRARequest(name, self._next_id, path)
         self._next_id += 1
         self.by_name[name] = lora
+        self._save()
         return lora
 
     def unload(self, name: str) -> LoRARequest:
@@ -72,4 +110,5 @@ class LoRAAdapters:
                 param="lora_name",
                 code="model_not_found",
             )
+        self._save()
         return lora

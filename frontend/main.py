@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -83,7 +84,8 @@ class _Server(uvicorn.Server):
 async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
     client = EngineClient(config)
     await client.start()
-    app = build_app(config, client, tokenizer)
+    # The supervisor's run directory holds the config file this process was started with.
+    app = build_app(config, client, tokenizer, os.path.dirname(os.path.abspath(sys.argv[1])))
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -10,7 +10,9 @@ in the slow tests, on an fp32 Hugging Face copy of SmolLM2 made from its GGUF.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,8 +21,8 @@ import pytest
 import torch
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import save_file
-from servers import start_server, stop_server
-from tiny_models import arch_config_of, tiny_hf_config, write_tiny_model
+from servers import start_server, stop_server, wait_until
+from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, write_tiny_model
 
 from zllm import LLM, LoRARequest, SamplingParams
 from zllm.config import SchedulerConfig
@@ -355,8 +357,20 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
         # Loading needs the API key; a bad adapter is a 400 that changes nothing.
         body = {"lora_name": "mlp", "lora_path": adapters["mlp"].lora_path}
         assert server.post("/v1/load_lora_adapter", body, headers={}).status_code == 401
-        bad = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"})
-        assert bad.status_code == 400 and "not a directory" in bad.json()["error"]["message"]
+        too_big = write_lora_adapter(tmp_path / "r32", base_dir, rank=32)
+        alien = write_lora_adapter(tmp_path / "alien", base_dir)
+        config = json.loads((alien / "adapter_config.json").read_text())
+        (alien / "adapter_config.json").write_text(
+            json.dumps({**config, "target_modules": ["c_attn"]})
+        )
+        for path, why in [
+            ("/nope", "not a directory"),
+            (too_big, "rank 32 exceeds --max-lora-rank 16"),
+            (alien, "['c_attn'] do not exist"),
+        ]:
+            bad = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
+            assert bad.status_code == 400 and why in bad.json()["error"]["message"], bad.text
+        assert {m.id for m in client.models.list().data} == {base_dir, "all"}
         assert server.post("/v1/load_lora_adapter", body).status_code == 200
         assert server.post("/v1/load_lora_adapter", body).status_code == 400  # already there
         assert {m.id for m in client.models.list().data} == {base_dir, "all", "mlp"}
@@ -387,6 +401,15 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
         with pytest.raises(openai.InternalServerError, match="LoRA adapter 'gone'"):
             complete("gone", prompts[0])
         assert complete("all", prompts[0]) == served[0]  # the others serve on
+
+        # A frontend that dies comes back serving the same adapters under the same ids.
+        body = {"lora_name": "qv", "lora_path": adapters["qv-rslora"].lora_path}
+        assert server.post("/v1/load_lora_adapter", body).status_code == 200
+        qv_answer = complete("qv", prompts[1])
+        os.kill(server.children()["frontend"], signal.SIGKILL)
+        assert wait_until(server.healthy, 60), server.log_tail()
+        assert {m.id for m in client.models.list().data} == {base_dir, "all", "qv", "gone"}
+        assert complete("qv", prompts[1]) == qv_answer
     finally:
         stop_server(server)
 
