@@ -122,6 +122,11 @@ class EngineCore:
             check_token_params(params, self.config.arch.vocab_size)
             if request.lora is not None and self.config.lora is None:
                 raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
+            if request.priority and self.config.scheduler.policy != "priority":
+                raise ParamError(
+                    "priority needs --scheduling-policy priority (this engine serves fcfs)",
+                    "priority",
+                )
         except ParamError as e:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(
@@ -134,6 +139,7 @@ class EngineCore:
                 arrival_time=request.arrival_time or time.time(),
                 client_id=request.client_id,
                 lora=request.lora,
+                priority=request.priority,
             )
         )
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)

@@ -57,12 +57,19 @@ class Request:
     # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
     prompt_logprobs: LogprobsLists | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # --scheduling-policy priority: lower values are served first (vLLM's `priority`).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.client_req_id:
             self.client_req_id = self.req_id
         if not self.all_token_ids:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def priority_key(self) -> tuple[int, float]:
+        """The priority policy's order: priority, then arrival (earlier first)."""
+        return (self.priority, self.arrival_time)
 
     @property
     def lora_int_id(self) -> int | None:

@@ -11,6 +11,12 @@ newest running request is preempted: its blocks are freed and it goes back to th
 the queue to be recomputed (its prefix is usually still in the prefix cache). Oldest-first
 service plus front-of-queue requeueing means no request starves.
 
+With `--scheduling-policy priority` "oldest" becomes "first in (priority, arrival) order":
+the queue is kept in that order, running requests are served in it, and the request
+preempted is the lowest priority (the newest among equals). A request of higher priority
+waits for room like any other (running requests are not preempted to admit it), and a
+stream of higher-priority requests can starve lower ones: that is what priority means.
+
 `num_computed_tokens` advances when a step is *scheduled*, not when it returns, and a
 request whose scheduled chunk reaches its end gets one pending token. So the core can
 schedule step N+1 while the executor still runs step N: a request that samples in N is
@@ -111,7 +117,7 @@ class Scheduler:
         assert req.req_id not in self.requests and req.req_id not in self._sequences
         self.requests[req.req_id] = req
         self._sequences[req.client_req_id] = [req.req_id]
-        self.waiting.append(req)
+        self._enqueue(req)
         params = req.sampling_params
         if params.use_beam_search:
             room = self.max_model_len - req.num_prompt_tokens
@@ -184,6 +190,10 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "priority":
+            # Highest priority first, so the request preempted when blocks run out (the last
+            # one) is the lowest priority and the newest among equals.
+            self.running.sort(key=lambda r: r.priority_key)
         plan = _StepPlan(budget=self.config.max_num_batched_tokens, speculate=self._speculate())
         preempted = self._schedule_running(plan)
         if not preempted:  # a step that had to preempt (the pool is full) admits nobody
@@ -467,6 +477,7 @@ class Scheduler:
             client_id=parent.client_id,
             output_token_ids=[*parent.output_token_ids, token],
             lora=parent.lora,
+            priority=parent.priority,
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
             first_scheduled_time=parent.first_scheduled_time,
@@ -479,7 +490,7 @@ class Scheduler:
             self.block_manager.fork(parent.req_id, child.req_id)
             self.running.append(child)
         else:  # the parent was preempted: the child recomputes too
-            self.waiting.appendleft(child)
+            self._enqueue(child, front=True)
         self._pending_forks.append(
             ForkedRequestData(
                 req_id=child.req_id,
@@ -608,6 +619,7 @@ class Scheduler:
                 sample_index=index,
                 client_id=parent.client_id,
                 lora=parent.lora,
+                priority=parent.priority,
                 # The fork happens right after the prompt; the parent may be a step ahead.
                 num_computed_tokens=parent.num_prompt_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
@@ -640,7 +652,22 @@ class Scheduler:
         if not req.output_token_ids:
             req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its end (a new request) or front (a preempted one,
+        which resumes first); under the priority policy, in (priority, arrival) order."""
+        if self.config.policy != "priority":
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = req.priority_key
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority_key > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def _finish(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:

@@ -102,6 +102,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     beam_width: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # vLLM's extra parameter: with --scheduling-policy priority, lower values are served
+    # first (a 400 under fcfs unless 0).
+    priority: Int64 = 0
     # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
     store: bool = False
     modalities: list[str] | None = None

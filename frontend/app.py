@@ -233,6 +233,7 @@ class OpenAIServer:
                 add_special_tokens=body.add_special_tokens,
                 arrival_time=now,
                 lora=lora,
+                priority=self._priority(body.priority),
             )
             for i, p in enumerate(prompts)
         ]
@@ -290,6 +291,7 @@ class OpenAIServer:
             add_special_tokens=body.add_special_tokens,
             arrival_time=now,
             lora=lora,
+            priority=self._priority(body.priority),
         )
         shaped = plan.mode != "none" or self.config.reasoning_parser is not None
         assembler = ChatAssembler(
@@ -577,6 +579,14 @@ class OpenAIServer:
         if unknown:
             logger.warning("The request has fields this server ignores: %s", ", ".join(unknown))
         return body
+
+    def _priority(self, priority: int) -> int:
+        if priority and self.config.engine.scheduler.policy != "priority":
+            raise RequestError(
+                "priority needs the server started with --scheduling-policy priority",
+                param="priority",
+            )
+        return priority
 
     def _model_name(self, requested: str | None) -> str:
         return self._model(requested)[0]

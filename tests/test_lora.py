@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import shutil
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

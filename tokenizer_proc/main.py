@@ -77,6 +77,7 @@ class RequestTokenizer:
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
             lora=req.lora,
+            priority=req.priority,
         )
 
     def _with_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:

@@ -67,6 +67,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # "fcfs": first come, first served; "priority": lower Request.priority first (then
+    # arrival), and preemption takes the lowest priority first (vLLM's semantics).
+    policy: str = "fcfs"
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

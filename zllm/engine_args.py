@@ -49,6 +49,12 @@ class EngineArgs:
     enable_chunked_prefill: bool = option(
         True, help="prefill a long prompt over several steps, beside other requests' decodes"
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        help="fcfs: first come, first served; priority: requests with a lower `priority` "
+        "value first (then by arrival), and preemption takes the lowest priority first",
+        choices=("fcfs", "priority"),
+    )
     block_size: int = option(16, help="tokens per KV cache block")
     kv_cache_memory_bytes: int | None = option(
         None,
@@ -188,6 +194,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
             ),
             seed=self.seed,
             dtype=dtype,

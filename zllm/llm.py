@@ -79,9 +79,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter all prompts run with, or one per prompt (None: the
-        base model); needs `LLM(..., enable_lora=True)`."""
+        base model); needs `LLM(..., enable_lora=True)`. `priority`: one per prompt, lower
+        first; needs `LLM(..., scheduling_policy="priority")`."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -107,11 +109,20 @@ class LLM:
         for lora in dict.fromkeys(loras):
             if lora is not None:
                 self._check_adapter(lora)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ParamError(
+                f"Got {len(priorities)} priorities for {len(prompts)} prompts.", "priority"
+            )
+        if any(priorities) and self.config.scheduler.policy != "priority":
+            raise ParamError("priority needs LLM(..., scheduling_policy='priority')", "priority")
         # Check every prompt before queueing any, so a bad one leaves nothing half-done.
         trackers = [
             self._make_tracker(p, sp, lora)
             for p, sp, lora in zip(prompts, params_list, loras, strict=True)
         ]
+        for tracker, value in zip(trackers, priorities, strict=True):
+            tracker.priority = int(value)
         return self._run(trackers, use_tqdm)
 
     def chat(
@@ -234,7 +245,7 @@ class LLM:
         now = time.time()
         for t in trackers:
             request = EngineCoreRequest(
-                t.req_id, t.prompt_token_ids, t.params, now, eos, lora=t.lora
+                t.req_id, t.prompt_token_ids, t.params, now, eos, lora=t.lora, priority=t.priority
             )
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker
@@ -292,6 +303,7 @@ class _Tracker:
         self.embedding: list[float] | None = None
         self.beam_logprobs: list[float | None] = [None] * n
         self.lora: LoRARequest | None = None
+        self.priority = 0
 
     @property
     def finished(self) -> bool:

@@ -219,6 +219,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # the core aborts its requests (`ClientGone`).
     client_id: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    priority: int = 0  # --scheduling-policy priority: lower first
 
 
 # ==== the serving processes ==================================================================
@@ -251,6 +252,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     arrival_time: float = 0.0
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
     lora: LoRARequest | None = None  # the adapter the request's model names
+    priority: int = 0  # --scheduling-policy priority: lower first
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
