@@ -393,6 +393,16 @@ class BlockManager:
                     self._changed_tables.add(req_id)
             blocks.num_released[group] = max(blocks.num_released[group], first)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the KV pool's contents are gone: sleep mode). Only
+        when no request holds blocks."""
+        assert not self._requests, "reset_prefix_cache with requests holding blocks"
+        for cache in self.cached_blocks:
+            cache.clear()
+        self._block_group.clear()
+        for block in self.blocks:
+            block.block_hash = None
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
         assert child_id not in self._requests

@@ -123,6 +123,27 @@ class ModelRunner:
             self.arch.head_dim,
             sliding_window=any(la.sliding_window for la in self.layer_attention),
         )
+        self._load_weights()
+        logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
+        logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
+
+        self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
+        config.cache.num_blocks = self.num_blocks
+        self._allocate_kv_cache()
+        self.graph_runner = self._capture_cuda_graphs(config)
+        self._log_kv_cache()
+        self.sampler = Sampler()
+        self.proposer = _make_proposer(config, self.num_blocks, self.dtype)
+        self.asleep = False
+        self.grammars = GrammarCompiler(config.model_path, self.arch.vocab_size)
+        self.requests: dict[str, RequestState] = {}
+        # Generators of the extra samples of an n > 1 request, drawn before the core's fork
+        # message for them arrives: (parent req_id, sample_index) -> generator.
+        self._child_generators: dict[tuple[str, int], torch.Generator | None] = {}
+
+    def _load_weights(self) -> None:
+        """The model, quantized, made batch-invariant and LoRA-wrapped as configured."""
+        config = self.config
         self.model = self._load_model(config)
         self.quantization = self._quantize(config)
         if config.deterministic:
@@ -133,11 +154,8 @@ class ModelRunner:
             if config.lora is not None
             else None
         )
-        logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
-        logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
-        self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
-        config.cache.num_blocks = self.num_blocks
+    def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
         # group_size tensors; layer i of every KV cache group uses tensor i (kv_cache_groups.py).
         self.kv_tensors = [
@@ -148,15 +166,38 @@ class ModelRunner:
         for g in self.kv_groups:
             for slot, layer in enumerate(g.layers):
                 self.kv_caches[layer] = self.kv_tensors[slot]
-        self.graph_runner = self._capture_cuda_graphs(config)
-        self._log_kv_cache()
-        self.sampler = Sampler()
-        self.proposer = _make_proposer(config, self.num_blocks, self.dtype)
-        self.grammars = GrammarCompiler(config.model_path, self.arch.vocab_size)
-        self.requests: dict[str, RequestState] = {}
-        # Generators of the extra samples of an n > 1 request, drawn before the core's fork
-        # message for them arrives: (parent req_id, sample_index) -> generator.
-        self._child_generators: dict[tuple[str, int], torch.Generator | None] = {}
+
+    # ---- sleep mode --------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the weights and the KV pool (and a draft model's), keeping the config, the
+        compiled grammars' tokenizer data and the sampler. The core calls it only when no
+        request is unfinished; the states still here are of finished requests whose ids
+        would come with the next step. The KV cache's contents are gone, so the core resets
+        its prefix cache too."""
+        if self.asleep:
+            return
+        self.requests.clear()
+        self._child_generators.clear()
+        self.model = None  # type: ignore[assignment]
+        self.lora = None
+        self.kv_tensors, self.kv_caches = [], []
+        self.graph_runner = None
+        self.proposer = None
+        self.asleep = True
+        release_freed_memory(self.device)
+        logger.info("Asleep: weights and KV cache released")
+
+    def wake_up(self) -> None:
+        """Load the weights again (from the model file) and a fresh, empty KV pool."""
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        self._load_weights()
+        self._allocate_kv_cache()
+        self.graph_runner = self._capture_cuda_graphs(self.config)
+        self.proposer = _make_proposer(self.config, self.num_blocks, self.dtype)
+        self.asleep = False
+        logger.info("Awake in %.1f s", time.perf_counter() - start)
 
     def _load_model(self, config: EngineConfig) -> nn.Module:
         """Our model code, or transformers' through the transformers backend (model_impl)."""
@@ -332,6 +373,8 @@ class ModelRunner:
         Timed in three parts (inputs, forward, logits + sampling + output) for /metrics.
         """
         step_start = time.perf_counter()
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: wake it up before running steps")
         failed = self._update_states(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
             return ModelRunnerOutput(
@@ -720,6 +763,24 @@ class ModelRunner:
                 ranks=ranks.tolist(),
             )
         return result
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand memory freed by dropped tensors back to the system: collect cycles, then on a GPU
+    empty torch's cache; on CPU ask glibc to return free heap pages (tensors below its mmap
+    threshold live in the heap, which free() alone does not shrink)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is reused, not returned
+        pass
 
 
 def _make_proposer(

@@ -191,6 +191,23 @@ class LLM:
             for t in trackers
         ]
 
+    def sleep(self, level: int = 1) -> None:
+        """Release the model's weights and KV pool while idle (vLLM's sleep mode); `wake_up`
+        loads them again. Levels 1 and 2 both release and reload from the model file here
+        (on CPU, keeping a copy would not free memory). The prefix cache starts empty."""
+        if level not in (1, 2):
+            raise ParamError("sleep level must be 1 or 2", "level")
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("sleep needs an idle engine")
+        self.model_runner.sleep()
+        self.engine.block_manager.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        self.model_runner.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.model_runner.asleep
+
     # ---- internals -------------------------------------------------------------------------
     def _check_adapter(self, lora: LoRARequest) -> None:
         """An adapter's files, checked against the model once per (id, path); one id names
@@ -240,6 +257,8 @@ class LLM:
         return tracker
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
+        if self.model_runner.asleep:
+            raise RuntimeError("the LLM is asleep: call wake_up() first")
         by_id = {t.req_id: t for t in trackers}
         eos = self.eos_token_ids
         now = time.time()
