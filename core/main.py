@@ -37,6 +37,10 @@ from zllm.protocol import (
     FinishSequence,
     ModelRunnerOutput,
     ProcessRole,
+    RequestRejected,
+    SchedulerOutput,
+    SleepControl,
+    SleepReply,
 )
 from zllm.serve_config import ServeConfig
 
@@ -66,6 +70,7 @@ class CoreProcess:
         self.to_frontend = ctx.socket(zmq.PUSH)
         self.to_frontend.connect(ep.frontend_in)
         self.runner_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        self.asleep = False  # sleep mode: the executor has released weights and KV pool
 
     # ---- threads -------------------------------------------------------------------------
     def start_threads(self) -> None:
@@ -147,9 +152,17 @@ class CoreProcess:
     def _apply(self, msg: CoreInput) -> None:
         engine = self.engine
         if isinstance(msg, EngineCoreRequest):
-            rejected = engine.add_request(msg)
+            if self.asleep:
+                message = "the engine is asleep (POST /wake_up first)"
+                rejected: RequestRejected | None = RequestRejected(msg.req_id, message, 503)
+            else:
+                rejected = engine.add_request(msg)
             if rejected is not None:
                 send_nowait(self.to_frontend, self.encoder, rejected, logger)
+        elif isinstance(msg, SleepControl):
+            ok, message = self._sleep_control(msg)
+            reply = SleepReply(msg.reply_to, ok, self.asleep, message)
+            send_nowait(self.to_frontend, self.encoder, reply, logger)
         elif isinstance(msg, AbortRequests):
             self._publish(engine.abort(msg.req_ids))
         elif isinstance(msg, FinishSequence):
@@ -162,6 +175,38 @@ class CoreProcess:
                 sum(len(b.aborted) for b in batches.values()),
             )
             self._publish(batches)
+
+    # ---- sleep mode ----------------------------------------------------------------------
+    def _sleep_control(self, msg: SleepControl) -> tuple[bool, str]:
+        """Sleep: only with no unfinished request; the steps in flight are collected first,
+        then the executor releases its memory and the prefix cache is emptied. Wake up: the
+        executor loads the weights again. Both are idempotent."""
+        if not self.config.engine.enable_sleep_mode:
+            return False, "sleep mode is off (start the server with --enable-sleep-mode)"
+        if msg.command == "sleep" and not self.asleep:
+            if self.engine.has_unfinished_requests():
+                return False, "requests are running; sleep when the engine is idle"
+            while self.engine.num_steps_in_flight:
+                self._collect_step()
+            self._control_step(SchedulerOutput(-1, [], [], {}, 0, sleep=True))
+            self.engine.block_manager.reset_prefix_cache()
+            self.asleep = True
+        elif msg.command == "wake_up" and self.asleep:
+            self._control_step(SchedulerOutput(-1, [], [], {}, 0, wake_up=True))
+            self.asleep = False
+        elif msg.command not in ("sleep", "wake_up"):
+            return False, f"unknown command {msg.command!r}"
+        self.engine.stats.asleep = self.asleep
+        logger.info("engine %s", "asleep" if self.asleep else "awake")
+        return True, ""
+
+    def _control_step(self, step: SchedulerOutput) -> None:
+        """Send a step no request is in and wait for its (empty) answer."""
+        self.to_executor.send(self.encoder.encode(step))
+        if not self.from_executor.poll(int(self.config.executor_timeout * 1000)):
+            logger.error("the executor did not answer a sleep-mode step: treating it as dead")
+            os._exit(3)
+        self.from_executor.recv()
 
     def _publish(self, batches: DetokenizerBatches) -> None:
         for worker, batch in batches.items():

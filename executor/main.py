@@ -43,7 +43,11 @@ def main() -> None:
         scheduler_output = decode_or_drop(decoder, frame.buffer, logger)
         if scheduler_output is None:
             continue
+        if scheduler_output.wake_up:
+            runner.wake_up()
         output = runner.execute_model(scheduler_output)
+        if scheduler_output.sleep:
+            runner.sleep()
         output.idle_time_s = 0.0 if scheduler_output.after_no_work else start - idle_since
         output.exec_time_s = time.perf_counter() - start
         outbox.send(encoder.encode(output))

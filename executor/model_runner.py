@@ -374,7 +374,9 @@ class ModelRunner:
         """
         step_start = time.perf_counter()
         if self.asleep:
-            raise RuntimeError("the engine is asleep: wake it up before running steps")
+            if so.total_num_scheduled_tokens or so.new_requests:
+                raise RuntimeError("the engine is asleep: wake it up before running steps")
+            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         failed = self._update_states(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
             return ModelRunnerOutput(

@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions   generation (JSON, or SSE with `stream`)
     GET  /v1/models                              the served model names (LoRA adapters too)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
+    POST /sleep?level=1, /wake_up; GET /is_sleeping      sleep mode (--enable-sleep-mode)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health, /version, /metrics             open even when an API key is set
                                                  (unless --protect-metrics)
@@ -111,6 +112,9 @@ def build_app(
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
+        Route("/sleep", server.sleep, methods=["POST"]),
+        Route("/wake_up", server.wake_up, methods=["POST"]),
+        Route("/is_sleeping", server.is_sleeping, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
@@ -509,6 +513,32 @@ class OpenAIServer:
         lora = self.adapters.unload(body.lora_name)
         logger.info("LoRA adapter %s (id %d) unloaded", lora.lora_name, lora.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
+
+    # ---- sleep mode ------------------------------------------------------------------------
+    @_api_errors
+    async def sleep(self, request: Request) -> Response:
+        try:
+            level = int(request.query_params.get("level", "1"))
+        except ValueError:
+            raise RequestError("level must be 1 or 2", param="level") from None
+        if level not in (1, 2):
+            raise RequestError("level must be 1 or 2", param="level")
+        return await self._sleep_control("sleep", level)
+
+    @_api_errors
+    async def wake_up(self, request: Request) -> Response:
+        return await self._sleep_control("wake_up", 1)
+
+    async def _sleep_control(self, command: str, level: int) -> Response:
+        if not self.config.engine.enable_sleep_mode:
+            raise RequestError("sleep mode is off (start the server with --enable-sleep-mode)")
+        reply = await self.client.sleep_control(command, level)
+        if not reply.ok:
+            raise RequestError(reply.message, 400)
+        return Response(status_code=200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return json_response({"is_sleeping": self.client.is_sleeping})
 
     async def health(self, request: Request) -> Response:
         if self.admission.draining:

@@ -204,6 +204,8 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
     }
     if config.engine.lora is not None:
         paths |= _lora_paths()
+    if config.engine.enable_sleep_mode:
+        paths |= _sleep_paths()
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "zllm", "version": zllm.__version__},
@@ -243,6 +245,42 @@ def _lora_paths() -> dict[str, Any]:
         op["responses"]["200"] = {"description": "OK", "content": text}
         paths[path] = {"post": op}
     return paths
+
+
+def _sleep_paths() -> dict[str, Any]:
+    """Sleep mode's routes (with --enable-sleep-mode), as vLLM names them."""
+    ok = {"200": {"description": "Done."}, **_error_responses((400, 401))}
+    level = {"name": "level", "in": "query", "schema": {"type": "integer", "enum": [1, 2]}}
+    state = {"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}}
+    return {
+        "/sleep": {
+            "post": {
+                "operationId": "sleep",
+                "summary": "Release the weights and KV cache while idle (400 while requests run).",
+                "parameters": [level],
+                "responses": ok,
+            }
+        },
+        "/wake_up": {
+            "post": {
+                "operationId": "wakeUp",
+                "summary": "Load the weights again; the prefix cache starts empty.",
+                "responses": ok,
+            }
+        },
+        "/is_sleeping": {
+            "get": {
+                "operationId": "isSleeping",
+                "summary": "Whether the engine sleeps.",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"application/json": {"schema": state}},
+                    }
+                },
+            }
+        },
+    }
 
 
 def _operation(

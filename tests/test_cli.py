@@ -44,6 +44,7 @@ ENGINE = EngineArgs(
     enable_lora=True,
     max_loras=3,
     max_lora_rank=32,
+    enable_sleep_mode=True,
 )
 ENGINE_ARGV = [
     "--max-model-len", "256",
@@ -70,6 +71,7 @@ ENGINE_ARGV = [
     "--enable-lora",
     "--max-loras", "3",
     "--max-lora-rank", "32",
+    "--enable-sleep-mode",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

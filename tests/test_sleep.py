@@ -4,8 +4,11 @@ weights' bytes); after waking, outputs equal those before, and the prefix cache 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
+from servers import start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 
@@ -18,7 +21,7 @@ def texts(outs) -> list[list[str]]:
 
 
 def test_outputs_after_waking_equal_those_before(tiny_llama_dir) -> None:
-    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20, enable_sleep_mode=True)
     prompts = [
         "The quick brown fox jumps over the lazy dog, again and again, all day long.",
         "Paged attention stores keys and values in fixed-size blocks of the KV cache.",
@@ -39,8 +42,13 @@ def test_outputs_after_waking_equal_those_before(tiny_llama_dir) -> None:
     assert texts(llm.generate(prompts, SAMPLED, use_tqdm=False)) == sampled
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
+def test_sleep_needs_sleep_mode(tiny_llama_dir) -> None:
+    with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+        LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20).sleep()
+
+
+def resident_bytes(pid: str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
@@ -62,7 +70,7 @@ def tensor_bytes(model: torch.nn.Module) -> int:
 
 @pytest.mark.slow
 def test_sleep_releases_weights_and_kv_pool(smollm2_path) -> None:
-    llm = LLM(smollm2_path, kv_cache_memory_bytes=48 << 20)
+    llm = LLM(smollm2_path, kv_cache_memory_bytes=48 << 20, enable_sleep_mode=True)
     prompts = [f"Write a long story about the number {i}." for i in range(10)]
     long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     before = texts(llm.generate(prompts, long, use_tqdm=False))  # touches the whole pool
@@ -75,3 +83,46 @@ def test_sleep_releases_weights_and_kv_pool(smollm2_path) -> None:
     assert released >= pool + 0.9 * weights, (released, pool, weights)
     llm.wake_up()
     assert texts(llm.generate(prompts, long, use_tqdm=False)) == before
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
+    """POST /sleep releases the executor's memory (its resident set falls by at least the
+    KV pool plus 90% of the weights' bytes, measured as the executor held them: the RSS it
+    gains between sleep and wake-up); requests meanwhile are 503s; after /wake_up the
+    answers equal those before."""
+    server = start_server(
+        smollm2_path, tmp_path / "server.log", "--enable-sleep-mode",
+        "--kv-cache-memory-bytes", "48M", "--max-num-seqs", "8",
+    )  # fmt: skip
+    try:
+        body = {"prompt": "Write a long story about a lighthouse.", "max_tokens": 120,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+
+        def complete() -> str:
+            r = server.post("/v1/completions", body, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(10) as pool:  # ~1,300 tokens: the whole 48 MB pool written
+            before = list(pool.map(lambda _: complete(), range(10)))
+        executor = str(server.children()["executor"])
+        awake = resident_bytes(executor)
+        assert server.post("/sleep?level=1", {}).status_code == 200
+        assert wait_until(lambda: server.get("/is_sleeping").json()["is_sleeping"], 10)
+        asleep = resident_bytes(executor)
+        r = server.post("/v1/completions", body)
+        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+        assert server.post("/wake_up", {}).status_code == 200
+        rewoken = resident_bytes(executor)
+        assert wait_until(lambda: not server.get("/is_sleeping").json()["is_sleeping"], 10)
+        # What waking loaded is what sleeping released: weights (fp32 and GGUF blocks) and
+        # the pool's pages as they are written; before, all of them were resident.
+        released = awake - asleep
+        pool_bytes = 48 << 20
+        assert released >= pool_bytes + 0.9 * (rewoken - asleep), (awake, asleep, rewoken)
+        assert complete() == before[0]
+        assert server.post("/sleep?level=3", {}).status_code == 400
+    finally:
+        stop_server(server)

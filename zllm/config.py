@@ -140,3 +140,6 @@ class EngineConfig:
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
+    # Sleep mode: LLM.sleep()/wake_up(), POST /sleep and /wake_up may release the weights
+    # and the KV pool while idle.
+    enable_sleep_mode: bool = False

@@ -135,6 +135,11 @@ class EngineArgs:
     max_lora_rank: int = option(
         16, help="LoRA: the largest adapter rank accepted", parse=positive_int
     )
+    enable_sleep_mode: bool = option(
+        False,
+        help="allow releasing the weights and KV cache while idle: POST /sleep and "
+        "/wake_up (LLM.sleep() / wake_up()); waking reloads the weights from the model file",
+    )
     generation_config: str = option(
         "auto",
         help="auto: the model directory's generation_config.json sets the defaults of "
@@ -207,6 +212,7 @@ class EngineArgs:
             speculative=speculative_config_from(self.speculative_config, arch),
             deterministic=self._check_deterministic(device),
             lora=self._lora_config(impl.name),
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def _lora_config(self, model_impl: str) -> LoRAConfig | None:

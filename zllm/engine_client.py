@@ -35,6 +35,8 @@ from zllm.protocol import (
     ProcessRole,
     RequestOutputDelta,
     RequestRejected,
+    SleepControl,
+    SleepReply,
     TokenizeRequest,
 )
 from zllm.serve_config import ServeConfig, detokenizer_index
@@ -66,6 +68,9 @@ class EngineClient:
         self.last_heartbeat = 0.0
         self.processes: dict[tuple[ProcessRole, int], bool] = {}
         self.closed = False
+        # Sleep mode: replies awaited from the core, by reply_to id.
+        self._sleep_replies: dict[int, asyncio.Future[SleepReply]] = {}
+        self._next_reply_id = 1
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,6 +174,22 @@ class EngineClient:
             return
         await self._to_core.send(self._encoder.encode(AbortRequests([req_id])))
 
+    async def sleep_control(self, command: str, level: int = 1, timeout: float = 600) -> SleepReply:
+        """POST /sleep or /wake_up: ask the core and wait for its answer."""
+        reply_to = self._next_reply_id
+        self._next_reply_id += 1
+        future: asyncio.Future[SleepReply] = asyncio.get_running_loop().create_future()
+        self._sleep_replies[reply_to] = future
+        try:
+            await self._to_core.send(self._encoder.encode(SleepControl(command, reply_to, level)))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._sleep_replies.pop(reply_to, None)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.stats is not None and self.stats.asleep
+
     def fail_all(self, message: str, status: int = 503) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(RequestError(message, status))
@@ -200,6 +221,12 @@ class EngineClient:
             self._on_process_event(msg)
         elif isinstance(msg, EngineLifecycle):
             self._on_lifecycle(msg)
+        elif isinstance(msg, SleepReply):
+            if self.stats is not None:
+                self.stats.asleep = msg.asleep  # until the next heartbeat says so too
+            future = self._sleep_replies.get(msg.reply_to)
+            if future is not None and not future.done():
+                future.set_result(msg)
 
     def _on_lifecycle(self, msg: EngineLifecycle) -> None:
         self.engine_state = msg.state

@@ -195,6 +195,8 @@ class LLM:
         """Release the model's weights and KV pool while idle (vLLM's sleep mode); `wake_up`
         loads them again. Levels 1 and 2 both release and reload from the model file here
         (on CPU, keeping a copy would not free memory). The prefix cache starts empty."""
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("sleep needs LLM(..., enable_sleep_mode=True)")
         if level not in (1, 2):
             raise ParamError("sleep level must be 1 or 2", "level")
         if self.engine.has_unfinished_requests():

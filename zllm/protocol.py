@@ -155,6 +155,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # The first step after the engine had no request at all: the executor's wait before it
     # was for work, not for the core, and is not counted as idle.
     after_no_work: bool = False
+    # Sleep mode (core/main.py): a step with no tokens that makes the executor release its
+    # weights and KV pool after applying it (sleep), or load them before (wake_up).
+    sleep: bool = False
+    wake_up: bool = False
 
 
 # ---- executor -> core --------------------------------------------------------------------
@@ -274,7 +278,25 @@ class ClientGone(msgspec.Struct, array_like=True, gc=False, tag=10):
     client_id: int
 
 
-CoreInput = EngineCoreRequest | AbortRequests | FinishSequence | ClientGone
+class SleepControl(msgspec.Struct, array_like=True, gc=False, tag=12):
+    """Frontend -> core: POST /sleep or /wake_up (sleep mode); answered by a SleepReply
+    naming the same `reply_to`."""
+
+    command: str  # "sleep" or "wake_up"
+    reply_to: int
+    level: int = 1
+
+
+class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=13):
+    """Core -> frontend: whether the SleepControl was carried out, and the engine's state."""
+
+    reply_to: int
+    ok: bool
+    asleep: bool
+    message: str = ""
+
+
+CoreInput = EngineCoreRequest | AbortRequests | FinishSequence | ClientGone | SleepControl
 
 
 # Prompt tokens an incremental detokenizer is primed with, so the first output token decodes
@@ -383,6 +405,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    asleep: bool = False  # sleep mode: weights and KV pool released
     # LoRA (vLLM's vllm:lora_requests_info): names of the adapters that running and waiting
     # requests use, and --max-loras (0: LoRA off).
     running_lora_adapters: list[str] = []
@@ -406,7 +429,9 @@ class EngineLifecycle(msgspec.Struct, array_like=True, gc=False, tag=9):
     message: str = ""
 
 
-FrontendInput = FrontendBatch | RequestRejected | EngineStats | ProcessEvent | EngineLifecycle
+FrontendInput = (
+    FrontendBatch | RequestRejected | EngineStats | ProcessEvent | EngineLifecycle | SleepReply
+)
 
 
 class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):
