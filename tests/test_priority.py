@@ -112,7 +112,7 @@ def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
         finished: list[str] = []
 
         def send(name: str, priority: int) -> None:
-            body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "priority": priority}
+            body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "priority": priority}
             r = server.post("/v1/completions", body, timeout=120)
             assert r.status_code == 200, r.text
             finished.append(name)
