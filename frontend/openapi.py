@@ -90,16 +90,16 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
         "EmbeddingsRequest",
     ):
         model = components[name]["properties"]["model"]  # any other name: 404
-        model["anyOf"] = [{"enum": list(config.model_names)}, {"type": "null"}]
+        model["anyOf"] = [_model_names(config), {"type": "null"}]
 
     # A Response object (built as a dict: OpenAI's shape, its required fields included).
     components["ResponseObject"] = {"type": "object", "required": ["id", "object", "output"]}
     components["ResponsesRequest"]["properties"]["model"]["anyOf"] = [
-        {"enum": list(config.model_names)},
+        _model_names(config),
         {"type": "null"},
     ]
     for name in ("MessagesRequest", "CountTokensRequest"):
-        components[name]["properties"]["model"] = {"enum": list(config.model_names)}
+        components[name]["properties"]["model"] = _model_names(config)
     _set_maximum(components["MessagesRequest"]["properties"]["max_tokens"], max_model_len)
 
     generation_errors = (400, 401, 404, 413, 503, 504)
@@ -219,6 +219,14 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
             for path in ("/health", "/version"):
                 paths[path]["get"]["security"] = []
     return schema
+
+
+def _model_names(config: ServeConfig) -> dict[str, Any]:
+    """The names a request's `model` may take: the served names, or with LoRA any string
+    (adapters come and go at run time; an unknown name is a 404)."""
+    if config.engine.lora is not None:
+        return {"type": "string"}
+    return {"enum": list(config.model_names)}
 
 
 def _lora_paths() -> dict[str, Any]:

@@ -344,6 +344,10 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {base_dir, "all"}
         assert models["all"].model_extra["parent"] == base_dir
+        spec = server.get("/openapi.json").json()
+        assert {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(spec["paths"])
+        model_field = spec["components"]["schemas"]["CompletionRequest"]["properties"]["model"]
+        assert {"type": "string"} in model_field["anyOf"]  # adapters come and go
 
         prompts = random_prompts(6, seed=5)
 
