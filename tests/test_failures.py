@@ -88,7 +88,9 @@ def test_hung_core_is_restarted(tiny_llama_dir, tmp_path):
         )
         assert wait_until(server.healthy, 60), server.log_tail()
         assert server.children()["core"] != core
-        r = server.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+        r = server.post(
+            "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True}
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     finally:
         try:
@@ -124,7 +126,9 @@ def test_dead_frontends_requests_are_aborted(tiny_llama_dir, tmp_path):
         assert generated < 32 * MAX_TOKENS / 2, generated  # stopped, not run to the end
         aborted = re.search(r"client \d+ is gone: aborted its (\d+) request", server.log_text())
         assert aborted and int(aborted.group(1)) >= 1, server.log_tail()
-        r = server.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+        r = server.post(
+            "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True}
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     finally:
         stop_server(server)
@@ -160,7 +164,9 @@ def test_second_death_during_a_restart_is_handled_at_once(tiny_llama_dir, tmp_pa
         died_at = _log_time(log[tokenizer_death])
         # Seen within a couple of watch passes; an engine restart takes seconds.
         assert died_at - killed_at < 2.0, log[tokenizer_death]
-        r = server.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+        r = server.post(
+            "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True}
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     finally:
         stop_server(server)

@@ -214,7 +214,9 @@ def test_wrong_methods_and_paths(fuzz_server):
 
 def test_engine_unharmed_after_everything(fuzz_server):
     assert fuzz_server.healthy()
-    r = fuzz_server.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+    r = fuzz_server.post(
+        "/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     stream = {"messages": _MESSAGES, "max_tokens": 8, "stream": True}
     with httpx.stream("POST", fuzz_server.url + "/v1/chat/completions", json=stream) as r:

@@ -502,7 +502,7 @@ def test_malformed_ipc_messages_are_dropped(faults):
     time.sleep(1.0)
     assert faults.children() == before, faults.log_tail()
     assert faults.healthy()
-    r = faults.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+    r = faults.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     log = faults.log_text()
     for role in ("core", "frontend", "executor", "detokenizer 0", "detokenizer 1"):
@@ -619,7 +619,7 @@ def test_kill_9_under_http_load(faults, role):
         f"200 again after {health[-1][0] - killed_at:.1f} s"
     )
     assert wait_until(lambda: victim not in faults.children().values(), 5)
-    r = faults.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8})
+    r = faults.post("/v1/completions", {"prompt": "The quick", "max_tokens": 8, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert wait_until(lambda: engine_idle(faults), 10)
 
