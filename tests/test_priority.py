@@ -61,30 +61,28 @@ def test_fcfs_keeps_arrival_order() -> None:
     assert list(sched.schedule().num_scheduled_tokens) == ["a", "b"]
 
 
-def test_priority_preempts_the_lowest_priority_when_blocks_run_out() -> None:
-    # 8 blocks of 4 tokens: three requests of 8-token prompts fill 6, and decoding needs more.
-    sched = make_scheduler("priority", num_blocks=8)
-    add(sched, "low", 9, 1.0, prompt_len=8)
-    add(sched, "high", 0, 2.0, prompt_len=8)
-    add(sched, "mid", 5, 3.0, prompt_len=8)
+def run_until_preemption(policy: str, requests: list[tuple[str, int]]) -> Scheduler:
+    """Three requests of 8-token prompts (name, priority; arriving in order) in 8 blocks of 4
+    tokens: their prompts fill 6, and decoding needs more, so one is preempted."""
+    sched = make_scheduler(policy, num_blocks=8)
+    for arrival, (req_id, priority) in enumerate(requests, start=1):
+        add(sched, req_id, priority, float(arrival), prompt_len=8)
     for _ in range(12):
         run(sched, sched.schedule())
         if sched.num_preemptions:
             break
+    return sched
+
+
+def test_priority_preempts_the_lowest_priority_when_blocks_run_out() -> None:
+    sched = run_until_preemption("priority", [("low", 9), ("high", 0), ("mid", 5)])
     assert sched.num_preemptions >= 1
     assert sched.requests["low"].status.name == "PREEMPTED"
     assert sched.requests["high"].status.name == "RUNNING"
 
 
 def test_fcfs_preempts_the_newest() -> None:
-    sched = make_scheduler("fcfs", num_blocks=8)
-    add(sched, "first", 9, 1.0, prompt_len=8)
-    add(sched, "second", 0, 2.0, prompt_len=8)
-    add(sched, "third", 5, 3.0, prompt_len=8)
-    for _ in range(12):
-        run(sched, sched.schedule())
-        if sched.num_preemptions:
-            break
+    sched = run_until_preemption("fcfs", [("first", 9), ("second", 0), ("third", 5)])
     assert sched.requests["third"].status.name == "PREEMPTED"
 
 
