@@ -13,8 +13,13 @@
 //
 //   grid = (num_kv_heads * splits, S, max_partitions)      block = 128 threads (4 warps)
 //
-//   blockIdx.z cuts the context into partitions of kPartitionSize (512) tokens, so a few long
-//   sequences still spread over many SMs. blockIdx.x picks a KV head and the query heads
+//   blockIdx.z cuts the context into partitions of `partition_size` tokens (a power of two,
+//   32 to kMaxPartitionSize = 512, chosen by cuda_kernels.plan_decode), so that a few
+//   sequences, or one, still spread over many SMs: one block walks its partition's tokens in
+//   a loop whose every turn waits on a global load, so 512 tokens per block left a batch of
+//   one on a handful of SMs, latency-bound (42 us per layer for SmolLM2 at 512 tokens).
+//   Many sequences fill the GPU by themselves and take the longest partitions (fewer
+//   partial results to combine). blockIdx.x picks a KV head and the query heads
 //   that share it (GQA): the block reads each K/V row once and uses it for up to GROUP
 //   query heads (`splits` > 1 only when a KV head has more than 8 query heads).
 //
@@ -26,7 +31,7 @@
 //
 //   1. q * scale * log2(e) -> registers (GROUP x this thread's slice of D)
 //   2. scores: dot products over the slice, summed across the lane group with shuffles;
-//      written to shared memory as logits[GROUP][512]
+//      written to shared memory as logits[GROUP][partition_size]
 //   3. per query head: max and sum of exp2(logit - max) over the partition (one warp each);
 //      logits become probabilities in place
 //   4. P @ V: each lane group accumulates its tokens' V rows in fp32 registers, then the lane
@@ -39,7 +44,7 @@
 
 #include "zllm_common.cuh"
 
-constexpr int kPartitionSize = 512;  // context tokens per split-K partition
+constexpr int kMaxPartitionSize = 512;  // context tokens per split-K partition, at most
 constexpr int kNumThreads = 128;
 constexpr int kNumWarps = kNumThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -76,7 +81,7 @@ __global__ void __launch_bounds__(kNumThreads)
                       int block_tables_int64, zllm_i64 block_table_stride,
                       const void* __restrict__ seq_lens, int seq_lens_int64, int num_heads,
                       int num_kv_heads, int block_size, int max_partitions, int heads_per_block,
-                      float scale) {
+                      float scale, int partition_size) {
   using T = typename D::T;
   using Tile = DecodeTile<D, HEAD_DIM>;
   constexpr int kVec = Tile::kVec;
@@ -86,10 +91,10 @@ __global__ void __launch_bounds__(kNumThreads)
   constexpr int kElems = Tile::kElems;
 
   // Shared memory: the partition's logits, later reused to sum the warps' outputs.
-  constexpr int kLogitFloats = GROUP * kPartitionSize;
+  constexpr int kLogitFloats = GROUP * kMaxPartitionSize;
   constexpr int kReduceFloats = kNumWarps * GROUP * HEAD_DIM;
   __shared__ float scratch[kLogitFloats > kReduceFloats ? kLogitFloats : kReduceFloats];
-  __shared__ int block_ids[kPartitionSize];  // the partition's block-table entries
+  __shared__ int block_ids[kMaxPartitionSize];  // the partition's block-table entries
   __shared__ float head_max[GROUP];
   __shared__ float head_sum[GROUP];
 
@@ -116,10 +121,10 @@ __global__ void __launch_bounds__(kNumThreads)
     return;
   }
   const int num_partitions =
-      imin((seq_len + kPartitionSize - 1) / kPartitionSize, max_partitions);
+      imin((seq_len + partition_size - 1) / partition_size, max_partitions);
   if (partition >= num_partitions) return;
-  const int start = partition * kPartitionSize;
-  const int num_tokens = imin(kPartitionSize, seq_len - start);
+  const int start = partition * partition_size;
+  const int num_tokens = imin(partition_size, seq_len - start);
 
   // Stage the block ids covering [start, start + num_tokens) in shared memory, so loading a
   // row costs one dependent global load instead of two.
@@ -183,7 +188,7 @@ __global__ void __launch_bounds__(kNumThreads)
     for (int g = 0; g < GROUP; ++g) dot[g] = group_sum<kLanes>(dot[g]);
     if (t < num_tokens && lane == 0) {
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) scratch[g * kPartitionSize + t] = dot[g];
+      for (int g = 0; g < GROUP; ++g) scratch[g * partition_size + t] = dot[g];
     }
   }
   __syncthreads();
@@ -191,7 +196,7 @@ __global__ void __launch_bounds__(kNumThreads)
   // 3. Softmax statistics, one warp per query head (heads past num_block_heads have zero
   // scores: harmless, and it keeps every probability finite).
   for (int g = warp; g < GROUP; g += kNumWarps) {
-    float* row = scratch + g * kPartitionSize;
+    float* row = scratch + g * partition_size;
     float m = kNegHuge;
     for (int t = tid % 32; t < num_tokens; t += 32) m = fmaxf(m, row[t]);
     m = group_max<32>(m);
@@ -228,7 +233,7 @@ __global__ void __launch_bounds__(kNumThreads)
         load_pack<D>(v_row + unit * kVec, v);
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-          const float p = scratch[g * kPartitionSize + t];
+          const float p = scratch[g * partition_size + t];
 #pragma unroll
           for (int e = 0; e < kVec; ++e) acc[g][l * kVec + e] += p * v[e];
         }
@@ -294,12 +299,13 @@ __global__ void __launch_bounds__(kNumThreads)
                              const float* __restrict__ partial_max,
                              const float* __restrict__ partial_sum,
                              const void* __restrict__ seq_lens, int seq_lens_int64,
-                             int num_heads, int head_dim, int max_partitions) {
+                             int num_heads, int head_dim, int max_partitions,
+                             int partition_size) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = (int)load_index(seq_lens, seq_lens_int64, seq);
   const int num_partitions =
-      imin((seq_len + kPartitionSize - 1) / kPartitionSize, max_partitions);
+      imin((seq_len + partition_size - 1) / partition_size, max_partitions);
   if (num_partitions <= 1) return;
 
   const zllm_i64 head_row = (zllm_i64)seq * num_heads + head;

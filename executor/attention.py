@@ -475,7 +475,8 @@ class PagedAttention(PagedAttentionBase):
         slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
         tables = decode.block_ids.view(q.shape[0], decode.max_blocks)
         cols = torch.arange(decode.max_blocks * block_size, device=q.device)
-        all_slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+        offsets = torch.arange(block_size, device=q.device)
+        all_slots = (tables[:, :, None] * block_size + offsets).flatten(1)
         out = torch.empty_like(q)
         for row in range(q.shape[0]):
             keep = cols[decode.attn_mask[row, 0, 0]]

@@ -109,13 +109,22 @@ def choose_attention_backend(
     device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: bool = False
 ) -> AttentionBackend:
     """Our CUDA kernels on a GPU (torch for models with sliding-window layers, which those
-    kernels do not window yet); on CPU in fp32 the csrc/cpu decode kernel when it builds (not
+    kernels do not window yet, and for head sizes they have no variant of); on CPU in fp32 the csrc/cpu decode kernel when it builds (not
     with ZLLM_CPU_KERNELS=0, nor for a head_dim it has no SIMD path for); else torch. On CPU
     the kernel serves full-attention layers; windowed decode stays in torch (attention.py)."""
     if device.type == "cuda" and sliding_window:
         logger.warning("sliding-window layers: CUDA attention kernels not used (torch SDPA)")
         return TORCH_ATTENTION
     if device.type == "cuda":
+        from zllm.executor.cuda_kernels import SUPPORTED_HEAD_DIMS
+
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            logger.warning(
+                "head_dim %d: CUDA attention kernels not used (they serve %s); torch SDPA",
+                head_dim,
+                SUPPORTED_HEAD_DIMS,
+            )
+            return TORCH_ATTENTION
         from zllm.executor.attention_cuda import CUDA_ATTENTION
 
         return CUDA_ATTENTION

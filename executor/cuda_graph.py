@@ -21,7 +21,9 @@ Static buffers (device, sized for the largest captured batch):
 
 The graph's attention reads seq_lens and block_tables from device memory, so one graph serves
 every context length up to max_blocks_per_seq * block_size: its split-K grid is sized for
-that maximum and the partitions past a sequence's end exit at once.
+that maximum and the partitions past a sequence's end exit at once. (A small batch's graph
+therefore has many short partitions, most of them empty at short contexts; one that exits
+at once costs well under a microsecond.)
 
 The returned hidden states live in the graph's output buffer, which the next replay of the
 same size overwrites: consume them (logits, sampling) before the next step.
@@ -35,7 +37,7 @@ import time
 import torch
 
 from zllm.executor.attention_cuda import CudaAttentionMetadata
-from zllm.executor.cuda_kernels import PARTITION_SIZE, DecodeWorkspace
+from zllm.executor.cuda_kernels import DecodeWorkspace, plan_decode
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +82,18 @@ class CudaGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=dev)
-        # Split-K scratch for the largest batch, made now so that no replay allocates.
+        # Split-K scratch for the captured size that needs most (each size has its own
+        # partition length: cuda_kernels.plan_decode), made now so that no replay allocates
+        # and every graph keeps pointing at the same buffer.
         self.workspace = DecodeWorkspace()
-        parts = -(-self.max_seq_len // PARTITION_SIZE)
-        if parts > 1 and n > 0:
-            self.workspace.reserve(DecodeWorkspace.num_floats(n, num_heads, parts, head_dim), dev)
+        num_kv_heads = kv_caches[0].shape[3]
+        need = 0
+        for size in self.capture_sizes:
+            parts = plan_decode(num_heads, num_kv_heads, self.max_seq_len, size).max_partitions
+            if parts > 1:
+                need = max(need, DecodeWorkspace.num_floats(size, num_heads, parts, head_dim))
+        if need:
+            self.workspace.reserve(need, dev)
 
     def _metadata(self, size: int) -> CudaAttentionMetadata:
         return CudaAttentionMetadata.for_decode(

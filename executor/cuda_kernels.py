@@ -31,7 +31,11 @@ COMMON_HEADER = "zllm_common.cuh"
 NVRTC_OPTIONS = ("-std=c++17",)
 
 # Must match the constants of csrc/paged_attention.cu.
-PARTITION_SIZE = 512  # context tokens per split-K partition
+MAX_PARTITION_SIZE = 512  # context tokens per split-K partition, at most
+MIN_PARTITION_SIZE = 32
+# Thread blocks a decode launch aims for: about four per SM of an H100 (132 SMs). Below it,
+# partitions shrink (down to MIN_PARTITION_SIZE) so a small batch still spreads out.
+TARGET_BLOCKS = 512
 NUM_THREADS = 128
 MAX_GROUP = 8  # query heads one thread block serves (GQA); more are split over blocks
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 112, 128, 256)
@@ -66,18 +70,28 @@ class DecodePlan:
     group: int  # GROUP template argument: query heads per block, rounded up to 1, 2, 4 or 8
     heads_per_block: int  # query heads each block really serves
     splits: int  # blocks per KV head (> 1 only when a KV head has over 8 query heads)
-    max_partitions: int  # split-K partitions of PARTITION_SIZE tokens covering max_seq_len
+    partition_size: int  # context tokens per split-K partition (a power of two, 32..512)
+    max_partitions: int  # split-K partitions of partition_size tokens covering max_seq_len
 
 
-def plan_decode(num_heads: int, num_kv_heads: int, max_seq_len: int) -> DecodePlan:
+def plan_decode(
+    num_heads: int, num_kv_heads: int, max_seq_len: int, num_seqs: int = 1
+) -> DecodePlan:
+    """The split of a decode launch. Partitions are as long as possible (fewer partial
+    results to combine) while the grid still has TARGET_BLOCKS blocks: many sequences get
+    512-token partitions, one sequence gets short ones so its context spreads over the SMs."""
     if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
         raise CudaKernelError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
     group_size = num_heads // num_kv_heads
     splits = -(-group_size // MAX_GROUP)
     heads_per_block = -(-group_size // splits)
     group = 1 << (heads_per_block - 1).bit_length()
-    max_partitions = max(1, -(-max_seq_len // PARTITION_SIZE))
-    return DecodePlan(group, heads_per_block, splits, max_partitions)
+    max_seq_len = max(1, max_seq_len)
+    size = MAX_PARTITION_SIZE
+    per_partition = max(1, num_seqs) * num_kv_heads * splits  # blocks per partition index
+    while size > MIN_PARTITION_SIZE and per_partition * -(-max_seq_len // size) < TARGET_BLOCKS:
+        size //= 2
+    return DecodePlan(group, heads_per_block, splits, size, -(-max_seq_len // size))
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:
@@ -214,7 +228,7 @@ def plan_paged_decode(
     if max_seq_len is None:  # an upper bound that needs no device-to-host sync
         max_seq_len = block_tables.shape[1] * block_size
 
-    plan = plan_decode(num_heads, num_kv_heads, max_seq_len)
+    plan = plan_decode(num_heads, num_kv_heads, max_seq_len, num_seqs)
     parts = plan.max_partitions
     partial_out = partial_max = partial_sum = None
     if parts > 1:
@@ -256,6 +270,7 @@ def plan_paged_decode(
             np.int32(parts),
             np.int32(plan.heads_per_block),
             np.float32(scale),
+            np.int32(plan.partition_size),
         ),
         keepalive,
     )
@@ -276,6 +291,7 @@ def plan_paged_decode(
             np.int32(num_heads),
             np.int32(head_dim),
             np.int32(parts),
+            np.int32(plan.partition_size),
         ),
         keepalive,
     )

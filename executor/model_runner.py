@@ -110,6 +110,8 @@ class ModelRunner:
         self.config = config
         self.arch = config.arch
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
@@ -338,7 +340,7 @@ class ModelRunner:
                     logger.error("Request %s fails: %s", new.req_id, e)
                     failed[new.req_id] = f"LoRA adapter {new.lora.lora_name!r}: {e}"
                     continue
-            state = RequestState.from_new(new)
+            state = RequestState.from_new(new, self.device)
             self._attach_grammar(state)
             self.requests[new.req_id] = state
         for cached in so.cached_requests:
@@ -556,7 +558,7 @@ class ModelRunner:
             rows.row_num_prior.extend([0] * n)
             rows.row_generators.append(st.generator)
             for index in range(1, n):
-                generator = make_generator(st.sampling_params.seed, index)
+                generator = make_generator(st.sampling_params.seed, index, self.device)
                 self._child_generators[(st.req_id, index)] = generator
                 rows.row_generators.append(generator)
         rows.hidden_rows = np.asarray(hidden_rows, dtype=np.int64)
@@ -569,7 +571,8 @@ class ModelRunner:
         self._apply_logit_bias(logits, rows.logits_states)
         self._apply_grammars(logits, rows)
         if len(rows.row_states) != len(rows.logits_states):
-            logits = torch.repeat_interleave(logits, torch.tensor(rows.repeats), dim=0)
+            repeats = torch.tensor(rows.repeats, device=logits.device)
+            logits = torch.repeat_interleave(logits, repeats, dim=0)
         # A verifying row sees the proposals before it as output (penalties, min_tokens).
         outputs = [
             st.output_token_ids + rows.drafts[st.req_id][:prior] if prior else st.output_token_ids
@@ -666,8 +669,10 @@ class ModelRunner:
                 cols.append(token)
                 biases.append(bias)
         if rows:
-            index = (torch.tensor(rows), torch.tensor(cols))
-            logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype), accumulate=True)
+            dev = logits.device
+            index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+            values = torch.tensor(biases, dtype=logits.dtype, device=dev)
+            logits.index_put_(index, values, accumulate=True)
 
     def _apply_grammars(self, logits: torch.Tensor, rows: SampleRows) -> None:
         """Structured outputs: each such request's logits rows keep only the tokens its
@@ -753,7 +758,7 @@ class ModelRunner:
                 continue
             rows = hidden[stop - q : stop - q + (last - start)]
             logprobs = torch.log_softmax(self._logits(rows).float(), dim=-1)
-            targets = torch.tensor(st.prompt_token_ids[start + 1 : last + 1])
+            targets = torch.tensor(st.prompt_token_ids[start + 1 : last + 1], device=self.device)
             chosen = logprobs.gather(1, targets[:, None])
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_vals, top_ids = (

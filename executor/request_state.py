@@ -48,7 +48,7 @@ class RequestState:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @classmethod
-    def from_new(cls, new: NewRequestData) -> RequestState:
+    def from_new(cls, new: NewRequestData, device: torch.device | str = "cpu") -> RequestState:
         return cls(
             req_id=new.req_id,
             prompt_token_ids=list(new.prompt_token_ids),
@@ -57,7 +57,7 @@ class RequestState:
             block_ids=[list(table) for table in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             eos_token_ids=new.eos_token_ids,
-            generator=make_generator(new.sampling_params.seed, new.sample_index),
+            generator=make_generator(new.sampling_params.seed, new.sample_index, device),
             draft_num_computed=new.num_computed_tokens,
             lora_int_id=None if new.lora is None else new.lora.lora_int_id,
         )
@@ -89,10 +89,15 @@ class RequestState:
             self.grammar.consume(token_id)
 
 
-def make_generator(seed: int | None, sample_index: int) -> torch.Generator | None:
+def make_generator(
+    seed: int | None, sample_index: int, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """A seeded request's generator, on the device its sampler draws on (torch draws into a
+    CUDA tensor only from a CUDA generator). A seed gives one stream per device: the same
+    tokens on every run on that device, not the same tokens on CPU and GPU."""
     if seed is None:
         return None
-    gen = torch.Generator()
+    gen = torch.Generator(device=device)
     # Each sample of an n > 1 request gets its own stream, derived from the request's seed.
     gen.manual_seed((seed + 1_000_003 * sample_index) & 0x7FFF_FFFF_FFFF_FFFF)
     return gen

@@ -301,6 +301,7 @@ def test_backends_share_the_step_layout():
         ("cpu", torch.bfloat16, 64, "1", "torch"),
         ("meta", torch.float32, 64, "1", "torch"),
         ("cuda", torch.bfloat16, 64, "1", "cuda"),
+        ("cuda", torch.bfloat16, 16, "1", "torch"),  # no CUDA kernel variant for head_dim 16
     ],
 )
 def test_choose_attention_backend(monkeypatch, device, dtype, head_dim, kernels, expected):

@@ -53,6 +53,8 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
     elif source == "paged_attention.cu":
         # 3 dtypes x (6 head dims x 4 groups + the reduce kernel)
         assert entries == 3 * (len(ck.SUPPORTED_HEAD_DIMS) * 4 + 1)
+    elif source == "layer_ops.cu":
+        assert entries == 3 * 3  # 3 dtypes x (rms_norm, rope, silu_mul)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -153,11 +155,30 @@ def test_nvrtc_compiles_runtime_sources(libnvrtc):
      (9, 1, 8, 5, 2), (16, 1, 8, 8, 2), (40, 2, 8, 7, 3)],
 )  # fmt: skip
 def test_plan_decode_groups_query_heads_per_kv_head(heads, kv_heads, group, per_block, splits):
-    plan = ck.plan_decode(heads, kv_heads, max_seq_len=1025)
+    plan = ck.plan_decode(heads, kv_heads, max_seq_len=1025, num_seqs=256)
     assert (plan.group, plan.heads_per_block, plan.splits) == (group, per_block, splits)
-    assert plan.max_partitions == 3
+    assert (plan.partition_size, plan.max_partitions) == (512, 3)  # the batch fills the GPU
     assert plan.splits * plan.heads_per_block >= heads // kv_heads
     assert (plan.splits - 1) * plan.heads_per_block < heads // kv_heads  # no empty block
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, max_seq_len, num_seqs, size",
+    [(9, 3, 513, 1, 32), (9, 3, 8192, 1, 32), (32, 8, 8192, 1, 128), (9, 3, 8192, 16, 512),
+     (9, 3, 100, 256, 512), (64, 8, 1025, 2, 32), (4, 4, 40, 1, 32)],
+)  # fmt: skip
+def test_plan_decode_shortens_partitions_for_small_batches(
+    heads, kv_heads, max_seq_len, num_seqs, size
+):
+    """The longest partition (a power of two, 32..512) that still gives TARGET_BLOCKS
+    thread blocks, so one sequence's context spreads over the SMs."""
+    plan = ck.plan_decode(heads, kv_heads, max_seq_len, num_seqs)
+    assert plan.partition_size == size
+    assert plan.max_partitions == -(-max_seq_len // size)
+    blocks = num_seqs * kv_heads * plan.splits * plan.max_partitions
+    assert blocks >= ck.TARGET_BLOCKS or size == ck.MIN_PARTITION_SIZE
+    if size < ck.MAX_PARTITION_SIZE:  # twice as long would have been too few blocks
+        assert num_seqs * kv_heads * plan.splits * -(-max_seq_len // (2 * size)) < ck.TARGET_BLOCKS
 
 
 def test_importing_needs_no_cupy():
@@ -191,7 +212,7 @@ def emu(tmp_path_factory) -> Emulator:
     if cxx is None:
         pytest.skip("no C++ compiler (g++ or clang++) for the kernel emulator")
     out = tmp_path_factory.mktemp("emu") / "emu_kernels.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(out),
+    cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w", "-o", str(out),
            str(CSRC / "emu" / "emu_kernels.cpp")]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 and "_Float16" in proc.stderr:
@@ -210,8 +231,12 @@ EMU_DECODE_CASES = {
 }
 
 
+@pytest.mark.parametrize("target_blocks", [1, ck.TARGET_BLOCKS], ids=["long", "short"])
 @pytest.mark.parametrize("case", EMU_DECODE_CASES)
-def test_emulated_paged_decode_matches_reference(emu, case):
+def test_emulated_paged_decode_matches_reference(emu, case, target_blocks, monkeypatch):
+    """Each case with 512-token partitions (target 1 block) and with the short partitions a
+    small batch gets on a GPU (32-64 tokens: many partial results to combine)."""
+    monkeypatch.setattr(ck, "TARGET_BLOCKS", target_blocks)
     dtype, heads, kv_heads, head_dim, block_size, lens, table_dtype = EMU_DECODE_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     num_blocks, tables = random_tables(lens, block_size, gen, table_dtype)
@@ -230,7 +255,9 @@ def test_emulated_paged_decode_matches_reference(emu, case):
     expected = decode_reference(q, kv_cache, tables, lens, block_size)
     err = (out.double() - expected).abs().max() / expected.abs().max()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
-    assert len(launches) == (2 if max(lens) > ck.PARTITION_SIZE else 1)
+    plan = ck.plan_decode(heads, kv_heads, max(lens), len(lens))
+    assert plan.partition_size == (512 if target_blocks == 1 else 32)
+    assert len(launches) == (2 if max(lens) > plan.partition_size else 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -392,3 +419,110 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
         )
         is None
     )
+
+
+# ---- the fused layer ops (csrc/layer_ops.cu, executor/cuda_layer_ops.py) ----------------------
+LAYER_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# One unit in the last place of each type, relative: what a different rounding path can move.
+ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["alone", "residual"])
+def test_emulated_rms_norm_matches_torch(emu, dtype, with_residual):
+    """The fused residual add + RMSNorm against models/llama.py's torch path: the sum
+    bit-identical, the normed rows within one rounding (only the sum of squares is added up
+    in another order); x's rows strided, as a slice of a wider tensor."""
+    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(21)
+    rows, hidden = 5, 200  # 200: a row is not a multiple of the block's 128 threads
+    x = torch.randn(rows, hidden + 24, generator=gen).to(dtype)[:, 7 : 7 + hidden]
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype) if with_residual else None
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(dtype)
+    expected, expected_sum = norm(x, residual)
+    out = torch.full((rows, hidden), float("nan"), dtype=dtype)
+    sum_out = torch.full_like(out, float("nan")) if with_residual else None
+    emu.run_launches(lo.plan_rms_norm(x, residual, norm.weight, 1e-5, out, sum_out))
+    if with_residual:
+        assert torch.equal(sum_out, expected_sum)
+    torch.testing.assert_close(out, expected, rtol=ULP[dtype], atol=ULP[dtype])
+    if dtype != torch.float32:  # fp32 keeps the scale's last bit; 16 bits round it away
+        assert (out == expected).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("rotary", [64, 48], ids=["full", "partial"])
+def test_emulated_rope_equals_torch_bitwise(emu, dtype, rotary):
+    """RoPE in place on q and k as they lie in the fused qkv output (strided heads), against
+    apply_rope: the same bits, torch's roundings included; with a partial rotary factor the
+    dimensions past the rotated ones stay as they were."""
+    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(22)
+    tokens, heads, kv_heads, head_dim = 6, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    table = torch.randn(100, rotary, generator=gen).to(dtype)  # cos | sin per position
+    positions = torch.tensor([0, 5, 99, 3, 3, 42])
+    cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    expected = apply_rope(qk.clone(), cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    emu.run_launches(lo.plan_rope(qk, cos, sin))
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("chunk", [64, 256])  # 3 column blocks per row, or 1
+def test_emulated_silu_mul_matches_torch(emu, dtype, chunk, monkeypatch):
+    from zllm.executor import cuda_layer_ops as lo
+
+    monkeypatch.setattr(lo, "SILU_THREADS", chunk)
+
+    gen = torch.Generator().manual_seed(23)
+    gate_up = torch.randn(7, 2 * 150, generator=gen).mul(4).to(dtype)
+    out = torch.full((7, 150), float("nan"), dtype=dtype)
+    emu.run_launches(lo.plan_silu_mul(gate_up, out))
+    gate, up = gate_up.split(150, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, rtol=ULP[dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@torch.inference_mode()
+def test_emulated_layer_ops_in_the_model(emu, monkeypatch, dtype, arch):
+    """The model with every fused op it takes (as on a GPU, here emulated) against the same
+    model on torch's ops: its layouts reach the kernels as they expect. Qwen 3's per-head
+    q/k norms are strided 3-D views, which stay on torch's path; Phi-3 rotates part of each
+    head."""
+    from tiny_models import arch_config_of, tiny_hf_config
+
+    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.models import LlamaForCausalLM
+
+    extra = {"partial_rotary_factor": 0.75} if arch == "phi3" else {}
+    cfg = arch_config_of(tiny_hf_config(arch, **extra))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, dtype=dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    lens = [5, 1, 9]
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    caches = [torch.zeros(2, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)] * cfg.num_layers
+    tables = [[1], [2], [3]]
+    slots = [tables[i][0] * 16 + p for i, n in enumerate(lens) for p in range(n)]
+    meta = AttentionMetadata.build(lens, lens, tables, slots, 16, "cpu")
+    expected = model(ids, positions, caches, meta)
+    monkeypatch.setattr(lo, "usable", lambda x: True)
+    monkeypatch.setattr(lo, "run_launches", emu.run_launches)
+    emu.names.clear()
+    fused = model(ids, positions, caches, meta)
+    ran = {name.split("<")[0] for name in emu.names}
+    assert ran == {"zllm_rms_norm", "zllm_rope", "zllm_silu_mul"}
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)

@@ -151,6 +151,45 @@ def test_cuda_attention_matches_reference_attention(dtype, batch):
     assert err < {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype], f"relative error {err:.2e}"
 
 
+# ---- fused layer ops (csrc/layer_ops.cu) ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_ops_match_torch_on_the_gpu(dtype):
+    """RMSNorm (+ residual), RoPE and SiLU-and-mul fused, against models/llama.py's torch ops
+    run on the same GPU tensors: RoPE bit-identical, the others within one rounding."""
+    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.models.llama import RMSNorm, apply_rope
+
+    gen = torch.Generator().manual_seed(31)
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    tokens, hidden = 37, 576
+    x = torch.randn(tokens, hidden + 64, generator=gen).to(DEVICE, dtype)[:, 64:]
+    residual = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    norm = RMSNorm(hidden, 1e-5, dtype).to(DEVICE)
+    norm.weight.data = torch.randn(hidden, generator=gen).to(DEVICE, dtype)
+    lo.ENABLED = False
+    try:
+        expected, expected_sum = norm(x, residual)
+    finally:
+        lo.ENABLED = True
+    out, summed = lo.rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(summed, expected_sum)
+    torch.testing.assert_close(out, expected, rtol=ulp, atol=ulp)
+
+    qkv = torch.randn(tokens, 15 * 64, generator=gen).to(DEVICE, dtype)
+    qk = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    table = torch.randn(4096, 64, generator=gen).to(DEVICE, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
+    cos, sin = table.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    expected = apply_rope(qk.clone(), cos, sin)
+    assert lo.rope_(qk, cos, sin) is qk
+    assert torch.equal(qk, expected)
+
+    gate_up = torch.randn(tokens, 2 * 1536, generator=gen).mul(4).to(DEVICE, dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(lo.silu_mul(gate_up), expected, rtol=ulp, atol=1e-6)
+
+
 # ---- CUDA graphs on a tiny random Llama -------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_gpu_llama_dir(tmp_path_factory):
@@ -243,3 +282,262 @@ def test_cuda_graph_replay_equals_eager(tiny_gpu_llama_dir, dtype):
     assert runner.run(ids17, ids17, big) is None
     runner.enabled = False
     assert runner.run(new_ids, pos, meta) is None
+
+
+# ---- the engine on the GPU: the offline LLM and `zllm serve`, against the CPU engine ----------
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def assert_same_greedy(gpu_out, cpu_out, label: str) -> int:
+    """Exact equality, or a first mismatch at a near-tie: each side's token in the other's
+    top-5 with a CPU logprob gap under parity.TIE_TOLERANCE (cuBLAS sums in another order
+    than CPU BLAS). Returns the number of such flips."""
+    from parity import FLIPS, TIE_TOLERANCE
+
+    flips = 0
+    for i, (g, c) in enumerate(zip(gpu_out, cpu_out, strict=True)):
+        ours, theirs = g.outputs[0].token_ids, c.outputs[0].token_ids
+        k = first_divergence(ours, theirs)
+        if k is None:
+            assert len(ours) == len(theirs), f"{label}[{i}]: lengths differ"
+            continue
+        g_top, c_top = g.outputs[0].logprobs[k], c.outputs[0].logprobs[k]
+        assert theirs[k] in g_top and ours[k] in c_top, f"{label}[{i}]: flip at {k} off top-5"
+        gap = abs(c_top[theirs[k]].logprob - c_top[ours[k]].logprob)
+        assert gap < TIE_TOLERANCE, f"{label}[{i}]: flip at {k}, CPU logprob gap {gap:.4f}"
+        FLIPS.append(f"{label}[{i}]: GPU vs CPU flip at output position {k} (gap {gap:.4f})")
+        flips += 1
+    return flips
+
+
+def make_llm(path: str, device: str, **kw):
+    from zllm import LLM
+
+    kw.setdefault("kv_cache_memory_bytes", 256 << 20)
+    return LLM(path, device=device, dtype=kw.pop("dtype", "float32"), **kw)
+
+
+def free_llm(llm) -> None:
+    import gc
+
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def engine_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tiny_gpu_llama_dir):
+    """The CPU engine's greedy outputs (top-5 logprobs) for a batch of mixed lengths, with
+    chunked prefill (128-token steps) and a repeated prompt (a prefix-cache hit)."""
+    from zllm import SamplingParams
+
+    llm = make_llm(tiny_gpu_llama_dir, "cpu", max_num_batched_tokens=128)
+    prompts = engine_prompts(llm.config.arch.vocab_size, [1, 3, 17, 40, 100, 300, 700, 64])
+    prompts.append(prompts[6])  # 700 tokens again: a prefix hit
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    return prompts, params, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_engine_greedy_on_gpu_equals_cpu(tiny_gpu_llama_dir, cpu_reference, enforce_eager):
+    prompts, params, cpu_out = cpu_reference
+    llm = make_llm(
+        tiny_gpu_llama_dir, "cuda", max_num_batched_tokens=128, enforce_eager=enforce_eager
+    )
+    assert (llm.model_runner.graph_runner.graphs != {}) is (not enforce_eager)
+    gpu_out = llm.generate(prompts, params, use_tqdm=False)
+    assert gpu_out[-1].num_cached_tokens >= 688  # the repeated prompt hit the prefix cache
+    assert_same_greedy(gpu_out, cpu_out, f"tiny fp32 eager={enforce_eager}")
+    free_llm(llm)
+
+
+def test_graph_replay_equals_eager_in_the_engine(tiny_gpu_llama_dir):
+    """Decode steps replayed from graphs give the eager engine's tokens (same device, same
+    kernels): bf16, a batch of 40 (padded to the 64-graph) and one of 3."""
+    from zllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (False, True):
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", dtype="bfloat16", enforce_eager=eager)
+        vocab = llm.config.arch.vocab_size
+        outs[eager] = [
+            [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+            for batch in (engine_prompts(vocab, [5 + i for i in range(40)], 1),
+                          engine_prompts(vocab, [9, 90, 900], 2))
+        ]  # fmt: skip
+        free_llm(llm)
+    assert outs[False] == outs[True]
+
+
+def test_seeded_sampling_reproducible_on_cuda(tiny_gpu_llama_dir):
+    """A seed gives the same samples on every run on the GPU, whatever shares the batch;
+    n > 1 samples differ from each other; every sampling option runs on device tensors."""
+    from zllm import SamplingParams
+
+    llm = make_llm(tiny_gpu_llama_dir, "cuda")
+    vocab = llm.config.arch.vocab_size
+    seeded = SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=1234, n=3, max_tokens=20,
+        presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True,
+    )  # fmt: skip
+    prompt = engine_prompts(vocab, [30], 3)
+    alone = llm.generate(prompt, seeded, use_tqdm=False)[0]
+    others = engine_prompts(vocab, [7, 70, 200], 4)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20)
+    batch = llm.generate(others + prompt, [unseeded] * 3 + [seeded], use_tqdm=False)[-1]
+    samples = [c.token_ids for c in alone.outputs]
+    assert samples == [c.token_ids for c in batch.outputs]
+    assert len({tuple(s) for s in samples}) == 3, "the n samples should differ"
+    free_llm(llm)
+
+
+def test_sampling_options_on_cuda_equal_cpu(tiny_gpu_llama_dir):
+    """Greedy under logit_bias, penalties, min_tokens and stop tokens, with logprobs and
+    prompt logprobs: the same tokens as the CPU engine and logprobs within fp32 noise."""
+    from zllm import SamplingParams
+
+    results = {}
+    for device in ("cpu", "cuda"):
+        llm = make_llm(tiny_gpu_llama_dir, device)
+        vocab = llm.config.arch.vocab_size
+        prompts = engine_prompts(vocab, [12, 50, 130], 5)
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=16, logit_bias={7: 5.0, 9: -100.0},
+                           logprobs=3, prompt_logprobs=2, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=1.0,
+                           frequency_penalty=0.5, repetition_penalty=1.3, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=16, min_tokens=4, stop_token_ids=[11]),
+        ]  # fmt: skip
+        results[device] = llm.generate(prompts, params, use_tqdm=False)
+        if device == "cuda":
+            free_llm(llm)
+    for cpu, gpu in zip(results["cpu"], results["cuda"], strict=True):
+        assert gpu.outputs[0].token_ids == cpu.outputs[0].token_ids
+    cpu, gpu = results["cpu"][0], results["cuda"][0]
+    for c_pos, g_pos in zip(cpu.outputs[0].logprobs, gpu.outputs[0].logprobs, strict=True):
+        assert c_pos.keys() == g_pos.keys()
+        for t in c_pos:
+            assert abs(c_pos[t].logprob - g_pos[t].logprob) < 1e-3
+    for c_pos, g_pos in zip(cpu.prompt_logprobs[1:], gpu.prompt_logprobs[1:], strict=True):
+        for t in c_pos:
+            assert abs(c_pos[t].logprob - g_pos[t].logprob) < 1e-3
+
+
+def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
+    """A regex-constrained answer parses; ngram speculation leaves greedy outputs unchanged."""
+    import re
+
+    from zllm import SamplingParams
+    from zllm.structured_outputs import StructuredOutputsParams
+
+    llm = make_llm(tiny_gpu_llama_dir, "cuda")
+    regex = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40,
+        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"),
+    )  # fmt: skip
+    text = llm.generate(["Give me a code:"], regex, use_tqdm=False)[0].outputs[0].text
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text), text
+    vocab = llm.config.arch.vocab_size
+    repeats = [
+        {"prompt_token_ids": p["prompt_token_ids"] * 4} for p in engine_prompts(vocab, [8, 13], 6)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(repeats, greedy, use_tqdm=False)]
+    free_llm(llm)
+    spec = make_llm(
+        tiny_gpu_llama_dir, "cuda",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    assert [o.outputs[0].token_ids for o in spec.generate(repeats, greedy, use_tqdm=False)] == plain
+    free_llm(spec)
+
+
+def test_preemption_on_cuda(tiny_gpu_llama_dir):
+    """A pool too small for the batch: requests are preempted and recomputed, and the
+    outputs equal those of a pool that holds them all."""
+    from zllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outs = []
+    for blocks in (None, 24):
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", num_gpu_blocks_override=blocks)
+        prompts = engine_prompts(llm.config.arch.vocab_size, [40, 60, 80, 100], 7)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if blocks is not None:
+            assert llm.engine.heartbeat().num_preemptions > 0
+        free_llm(llm)
+    assert outs[0] == outs[1]
+
+
+def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
+    """`zllm serve` on the GPU: all five process kinds up, chat and streaming through the
+    openai client, greedy equal to the offline GPU engine."""
+    import openai
+    from servers import start_server, stop_server
+
+    from zllm import SamplingParams
+
+    server = start_server(
+        tiny_gpu_llama_dir, tmp_path / "serve.log", "--dtype", "float32",
+        "--served-model-name", "tiny",
+    )  # fmt: skip
+    try:
+        kinds = {title.split()[0] for title in server.children()}
+        assert {"frontend", "tokenizer", "core", "executor", "detokenizer"} <= kinds
+        assert "Attention: cuda" in server.log_text()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        messages = [{"role": "user", "content": "Hello there, GPU"}]
+        chat = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, temperature=0.0
+        )
+        stream = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=24, temperature=0.0, stream=True
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == chat.choices[0].message.content
+    finally:
+        stop_server(server)
+    llm = make_llm(tiny_gpu_llama_dir, "cuda")
+    offline = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert offline[0].outputs[0].text == chat.choices[0].message.content
+    free_llm(llm)
+
+
+SMOLLM2_PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "Explain paged attention in one sentence.", "List three prime numbers.",
+    "def fibonacci(n):", "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?", "Give me a short motivational quote.",
+    "What does a GPU do?", "Name a famous painter and one of their works.",
+    "Summarize the plot of Romeo and Juliet in two sentences.", "What is 17 times 23?",
+    "Write a SQL query that counts rows in a table named users.",
+    "What is the boiling point of water in Fahrenheit?", "Suggest a name for a pet turtle.",
+    "Describe the taste of a lemon.",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_smollm2_fp32_on_gpu_equals_cpu(smollm2_path):
+    """SmolLM2 in fp32: the GPU engine's greedy outputs equal the CPU engine's on 16 chat
+    prompts (near-tie rule as in the parity tests, flips counted in the summary)."""
+    from zllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=5)
+    messages = [[{"role": "user", "content": p}] for p in SMOLLM2_PROMPTS]
+    out = {}
+    for device in ("cpu", "cuda"):
+        llm = make_llm(smollm2_path, device, quantization="none")
+        out[device] = llm.chat(messages, params, use_tqdm=False)
+        if device == "cuda":
+            free_llm(llm)
+    flips = assert_same_greedy(out["cuda"], out["cpu"], "smollm2 fp32")
+    assert flips <= 2, f"{flips} near-tie flips in 16 prompts"

@@ -106,15 +106,23 @@ def run_transformers(args) -> ThroughputResult:
 
     path = resolve_model(args.model)
     arch = arch_of(path)
-    model = _load_hf_model(path)
+    # The engine's device and dtype rules: a GPU when one is visible, bf16 there, else fp32.
+    device = (
+        args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device != "cpu" else "float32"
+    model = _load_hf_model(path, dtype).to(device)
     prompts = make_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.prompt_seed)
     pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+        model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=4, do_sample=False)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         num_out = 0
         for i in range(0, len(prompts), args.hf_batch_size):
-            batch = torch.tensor(prompts[i : i + args.hf_batch_size])  # equal lengths: no pad
+            # Equal lengths: no padding.
+            batch = torch.tensor(prompts[i : i + args.hf_batch_size], device=device)
             out = model.generate(
                 batch,
                 attention_mask=torch.ones_like(batch),
@@ -125,20 +133,21 @@ def run_transformers(args) -> ThroughputResult:
             )
             num_out += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         elapsed = time.perf_counter() - start
-    return _result(f"transformers(batch={args.hf_batch_size})", args, elapsed, num_out)
+    label = f"transformers(batch={args.hf_batch_size}, {device}, {dtype})"
+    return _result(label, args, elapsed, num_out)
 
 
-def _load_hf_model(path: str):
+def _load_hf_model(path: str, dtype: str = "float32"):
     import os
 
     from transformers import AutoModelForCausalLM
 
     if path.endswith(".gguf"):
         model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype="float32"
+            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=dtype
         )
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
     return model.eval()
 
 

@@ -183,6 +183,11 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float x, int offset) {
   return y;
 }
 
+// Multiply without contraction into a fused multiply-add (the host compiler is built with
+// -ffp-contract=off by the emulator's build line, so a plain product is already one).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
 inline float __uint_as_float(unsigned int u) {
   float f;
   std::memcpy(&f, &u, 4);

@@ -2,7 +2,7 @@
 // kernels by the name cuda_kernels.py hands NVRTC, with its arguments passed the way
 // cuLaunchKernel takes them (an array of pointers to each argument's value).
 //
-//   g++ -std=c++17 -O1 -shared -fPIC -o emu_kernels.so emu_kernels.cpp
+//   g++ -std=c++17 -O1 -ffp-contract=off -shared -fPIC -o emu_kernels.so emu_kernels.cpp
 #include <cstring>
 #include <map>
 #include <string>
@@ -10,6 +10,7 @@
 #include "cuda_host_emu.h"
 
 #include "../kv_cache.cu"
+#include "../layer_ops.cu"
 #include "../paged_attention.cu"
 
 namespace {
@@ -53,7 +54,7 @@ void run_decode(void* p) {
       arg<const T*>(a, 4), arg<zllm_i64>(a, 5), arg<zllm_i64>(a, 6), arg<const T*>(a, 7),
       arg<zllm_i64>(a, 8), arg<const void*>(a, 9), arg<int>(a, 10), arg<zllm_i64>(a, 11),
       arg<const void*>(a, 12), arg<int>(a, 13), arg<int>(a, 14), arg<int>(a, 15),
-      arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19));
+      arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19), arg<int>(a, 20));
 }
 
 template <typename D>
@@ -62,8 +63,35 @@ void run_reduce(void* p) {
   Args a = static_cast<Args>(p);
   zllm_paged_decode_reduce<D>(arg<T*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
                               arg<const float*>(a, 3), arg<const void*>(a, 4), arg<int>(a, 5),
-                              arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8));
+                              arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8), arg<int>(a, 9));
 }
+
+template <typename D>
+void run_rms_norm(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_rms_norm<D>(arg<T*>(a, 0), arg<T*>(a, 1), arg<const T*>(a, 2), arg<zllm_i64>(a, 3),
+                   arg<const T*>(a, 4), arg<const T*>(a, 5), arg<int>(a, 6), arg<float>(a, 7));
+}
+
+template <typename D>
+void run_rope(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_rope<D>(arg<T*>(a, 0), arg<zllm_i64>(a, 1), arg<zllm_i64>(a, 2), arg<int>(a, 3),
+               arg<int>(a, 4), arg<const T*>(a, 5), arg<const T*>(a, 6), arg<zllm_i64>(a, 7));
+}
+
+template <typename D>
+void run_silu_mul(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_silu_mul<D>(arg<T*>(a, 0), arg<const T*>(a, 1), arg<zllm_i64>(a, 2), arg<int>(a, 3));
+}
+
+#define LAYER_OPS(D)                                                             \
+  {"zllm_rms_norm<" #D ">", &run_rms_norm<D>}, {"zllm_rope<" #D ">", &run_rope<D>}, \
+      {"zllm_silu_mul<" #D ">", &run_silu_mul<D>}
 
 #define DECODE(D, HD, G) {"zllm_paged_decode<" #D ", " #HD ", " #G ">", &run_decode<D, HD, G>}
 #define DECODE_GROUPS(D, HD) DECODE(D, HD, 1), DECODE(D, HD, 2), DECODE(D, HD, 4), DECODE(D, HD, 8)
@@ -79,6 +107,9 @@ const std::map<std::string, Runner>& registry() {
       DECODE_DTYPE(DtypeF32),
       DECODE_DTYPE(DtypeF16),
       DECODE_DTYPE(DtypeBF16),
+      LAYER_OPS(DtypeF32),
+      LAYER_OPS(DtypeF16),
+      LAYER_OPS(DtypeBF16),
   };
   return kernels;
 }

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config import ModelArchConfig
+from zllm.executor import cuda_layer_ops
 from zllm.executor.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -56,6 +57,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cuda_layer_ops.usable(x):
+            fused = cuda_layer_ops.rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if residual is not None:
             x = x + residual
         if x.dtype == torch.float32:
@@ -278,7 +283,8 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = apply_rope(qk, cos, sin)
+        rotated = cuda_layer_ops.rope_(qk, cos, sin) if cuda_layer_ops.usable(qk) else None
+        qk = apply_rope(qk, cos, sin) if rotated is None else rotated
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
@@ -293,8 +299,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        fused = cuda_layer_ops.silu_mul(gate_up) if cuda_layer_ops.usable(gate_up) else None
+        if fused is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            fused = F.silu(gate) * up
+        return self.down_proj(fused)
 
 
 class LlamaDecoderLayer(nn.Module):
