@@ -31,6 +31,7 @@ position k * block_size.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +131,9 @@ class PrefixHit:
     num_tokens: int
     tables: list[list[KVBlock | None]]
     hashes: list[BlockHash]  # the hash chain of those blocks
+    # The hash chain of every full block that could have been a hit (past num_blocks: where
+    # the KV tiers below the pool are looked up next).
+    candidate_hashes: list[BlockHash] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,6 +144,51 @@ class _RequestBlocks:
     # Per group: table entries before this index are released (None).
     num_released: list[int]
     salt: BlockHash | None = None  # its hash chain's salt (cache_salt)
+
+
+class PrefixPins:
+    """Blocks pinned by requests (`cache_control`): each holds one reference until its time
+    is up, at most `max_blocks` at once. Expiry is checked lazily (`expired`, every step)."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._until: dict[int, tuple[KVBlock, float]] = {}  # block id -> (block, until)
+        self._heap: list[tuple[float, int]] = []  # (until, block id); stale entries skipped
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, block: KVBlock, until: float) -> bool:
+        """Pin `block` until `until` (or keep its later time); False when the bound is hit."""
+        held = self._until.get(block.block_id)
+        if held is not None:
+            if until > held[1]:
+                self._until[block.block_id] = (block, until)
+                heapq.heappush(self._heap, (until, block.block_id))
+            return True
+        if len(self._until) >= self.max_blocks:
+            return False
+        block.ref_count += 1
+        self._until[block.block_id] = (block, until)
+        heapq.heappush(self._heap, (until, block.block_id))
+        return True
+
+    def expired(self, now: float) -> list[KVBlock]:
+        """Unpin the blocks whose time is up; returns them (the caller drops the reference)."""
+        gone: list[KVBlock] = []
+        while self._heap and self._heap[0][0] <= now:
+            until, block_id = heapq.heappop(self._heap)
+            held = self._until.get(block_id)
+            if held is not None and held[1] == until:
+                del self._until[block_id]
+                gone.append(held[0])
+        return gone
+
+    def clear(self) -> list[KVBlock]:
+        blocks = [block for block, _ in self._until.values()]
+        self._until.clear()
+        self._heap.clear()
+        return blocks
 
 
 def cache_salt(lora_int_id: int | None) -> BlockHash | None:
@@ -168,7 +217,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_windows: Sequence[int | None] = (None,),
+        record_evictions: bool = False,
+        max_pinned_blocks: int = 0,
     ):
+        """`record_evictions`: keep (hash, block id) of each cached block evicted, for the
+        KV tiers (`take_evicted`). `max_pinned_blocks`: the bound of `pin`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         if not sliding_windows:
@@ -190,6 +243,8 @@ class BlockManager:
         # Prefix-cache statistics, in tokens (as vLLM counts them).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._evicted: list[tuple[BlockHash, int]] | None = [] if record_evictions else None
+        self.pins = PrefixPins(max_pinned_blocks)
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -266,6 +321,13 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (len(token_ids) - 1) // bs
         hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs, salt=salt)
+        hit = self._longest_hit(hashes)
+        hit.candidate_hashes = hashes
+        return hit
+
+    def _longest_hit(self, hashes: list[BlockHash]) -> PrefixHit:
+        bs = self.block_size
+        max_blocks = len(hashes)
         # Full groups: the run of consecutive hits from block 0.
         k = max_blocks
         for group, window in enumerate(self.windows):
@@ -395,8 +457,9 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the KV pool's contents are gone: sleep mode). Only
-        when no request holds blocks."""
+        when no request holds blocks; pins are released."""
         assert not self._requests, "reset_prefix_cache with requests holding blocks"
+        self.release_pins()
         for cache in self.cached_blocks:
             cache.clear()
         self._block_group.clear()
@@ -419,8 +482,12 @@ class BlockManager:
         )
         self._changed_tables.add(child_id)
 
-    def free(self, req_id: str) -> None:
-        """Drop a request's references, tail first, so its tail is evicted before its head."""
+    def free(self, req_id: str, keep_hashes: bool = True) -> None:
+        """Drop a request's references, tail first, so its tail is evicted before its head.
+
+        `keep_hashes=False`: its blocks' contents are not what their hashes say (the executor
+        never computed them: a request it could not run), so they stop being cached prefixes.
+        """
         blocks = self._requests.pop(req_id, None)
         self._changed_tables.discard(req_id)
         if blocks is None:
@@ -428,7 +495,45 @@ class BlockManager:
         for table in blocks.tables:
             for block in reversed(table):
                 if block is not None:
+                    if not keep_hashes and block.ref_count == 1:
+                        self._uncache(block)
                     self._unref(block)
+
+    # ---- prefix pinning --------------------------------------------------------------------
+    def pin(self, req_id: str, num_tokens: int, until: float) -> int:
+        """Pin the cached full blocks holding the first `num_tokens` of `req_id` until the
+        time `until` (one reference each, so they are never evicted meanwhile); a block
+        already pinned keeps the later time. Bounded by `pins.max_blocks`: the leading
+        blocks first. Returns how many blocks are pinned for it."""
+        blocks = self._requests.get(req_id)
+        if blocks is None:
+            return 0
+        count = 0
+        for table in blocks.tables:
+            for block in table[: num_tokens // self.block_size]:
+                if block is None or block.block_hash is None:
+                    continue
+                if not self.pins.add(block, until):
+                    return count
+                count += 1
+        return count
+
+    def unpin_expired(self, now: float) -> None:
+        for block in self.pins.expired(now):
+            self._unref(block)
+
+    def release_pins(self) -> None:
+        """Unpin every block (their time is not up, but the pool needs them)."""
+        for block in self.pins.clear():
+            self._unref(block)
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of the cached blocks evicted since the last call: their bytes are
+        still in the pool until the step that reuses them runs."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def take_changed_tables(self) -> set[str]:
         changed, self._changed_tables = self._changed_tables, set()
@@ -457,12 +562,20 @@ class BlockManager:
     def _pop_free(self) -> KVBlock:
         block = self.free_queue.popleft()
         if block.block_hash is not None:  # evict: its old contents are about to be overwritten
-            cache = self.cached_blocks[self._block_group.pop(block.block_id)]
-            if cache.get(block.block_hash) is block:
-                del cache[block.block_hash]
-            block.block_hash = None
+            if self._evicted is not None:
+                self._evicted.append((block.block_hash, block.block_id))
+            self._uncache(block)
         block.ref_count = 1
         return block
+
+    def _uncache(self, block: KVBlock) -> None:
+        """The block stops being a cached prefix (its hash is dropped)."""
+        if block.block_hash is None:
+            return
+        cache = self.cached_blocks[self._block_group.pop(block.block_id)]
+        if cache.get(block.block_hash) is block:
+            del cache[block.block_hash]
+        block.block_hash = None
 
     def _register_full_blocks(
         self, blocks: _RequestBlocks, token_ids: Sequence[int], num_tokens: int

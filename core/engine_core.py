@@ -29,13 +29,16 @@ from collections import deque
 
 from zllm.config import EngineConfig
 from zllm.core.block_manager import BlockManager
+from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv_cache_groups import kv_cache_groups
+from zllm.kv_tiers import block_bytes, existing_disk_blocks, tier_directory
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
+    CachePin,
     DetokenizerBatch,
     DetokRequest,
     EngineCoreOutput,
@@ -59,19 +62,25 @@ class EngineCore:
         self.config = config
         self.num_detokenizers = num_detokenizers
         groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
+        self.kv_connector = _make_kv_connector(config)
         self.block_manager = BlockManager(
             config.cache.num_blocks,
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             sliding_windows=[g.sliding_window for g in groups],
+            record_evictions=self.kv_connector is not None,
+            max_pinned_blocks=max_pinned_blocks(config),
         )
         self.scheduler = Scheduler(
             config.scheduler,
             self.block_manager,
             config.speculative,
             max_loras=config.lora.max_loras if config.lora else 0,
+            kv_connector=self.kv_connector,
         )
-        self.stats = EngineStats(num_blocks=self.block_manager.num_blocks)
+        self.stats = EngineStats(
+            num_blocks=self.block_manager.num_blocks, kv_block_bytes=block_bytes(config)
+        )
         self._in_flight: deque[SchedulerOutput] = deque()
         # Sent to a request's detokenizer with its first output, then dropped.
         self._unannounced: dict[str, DetokRequest] = {}
@@ -140,6 +149,7 @@ class EngineCore:
                 client_id=request.client_id,
                 lora=request.lora,
                 priority=request.priority,
+                cache_pin=self._cache_pin(request),
             )
         )
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -229,9 +239,23 @@ class EngineCore:
         if self.config.lora is not None:
             s.running_lora_adapters, s.waiting_lora_adapters = sched.lora_adapters()
             s.max_lora = self.config.lora.max_loras
+        if self.kv_connector is not None:
+            self.kv_connector.fill_stats(s)
+        s.kv_pinned_blocks = len(bm.pins)
+        s.kv_max_pinned_blocks = bm.pins.max_blocks
         return s
 
     # ---- internals -------------------------------------------------------------------------
+    def _cache_pin(self, request: EngineCoreRequest) -> CachePin | None:
+        """The request's pin with its token count resolved (the whole prompt unless the
+        tokenizer said less); None when pinning is off (the request is served unpinned)."""
+        pin = request.cache_pin
+        if pin is None or not self.block_manager.pins.max_blocks:
+            return None
+        num_prompt = len(request.prompt_token_ids)
+        num_tokens = num_prompt if pin.num_tokens < 0 else min(pin.num_tokens, num_prompt)
+        return CachePin(ttl_s=pin.ttl_s, num_tokens=num_tokens)
+
     def _batch_for(self, batches: DetokenizerBatches, req_id: str) -> DetokenizerBatch:
         worker = detokenizer_index(req_id, self.num_detokenizers)
         batch = batches.get(worker)
@@ -255,3 +279,21 @@ class EngineCore:
     def _note_if_idle(self) -> None:
         if not self._in_flight and not self.scheduler.has_unfinished_requests():
             self._idle = True
+
+
+def max_pinned_blocks(config: EngineConfig) -> int:
+    """--max-pinned-bytes in blocks; by default a tenth of the pool."""
+    num_blocks = config.cache.num_blocks or 0
+    limit = config.cache.max_pinned_bytes
+    if limit is None:
+        return num_blocks // 10
+    return min(num_blocks, limit // block_bytes(config))
+
+
+def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
+    """The KV tiers' index, the disk tier's seeded from what its directory already holds."""
+    offload = config.kv_offload
+    if offload is None or not offload.enabled:
+        return None
+    on_disk = existing_disk_blocks(tier_directory(config)) if offload.disk_dir else []
+    return TieredKVConnector(offload, block_bytes(config), on_disk)

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zllm.lora import LoRARequest
-from zllm.protocol import FinishReason, LogprobsLists
+from zllm.protocol import CachePin, FinishReason, LogprobsLists
 from zllm.sampling_params import SamplingParams
 
 
@@ -59,6 +59,13 @@ class Request:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # --scheduling-policy priority: lower values are served first (vLLM's `priority`).
     priority: int = 0
+    # Prefix pinning: what of its prompt to keep cached (num_tokens resolved), and whether
+    # its blocks were pinned already.
+    cache_pin: CachePin | None = None
+    pinned: bool = False
+    # False when the executor never computed its blocks (it could not run it): freeing it
+    # then drops its blocks' prefix-cache hashes instead of keeping them for later hits.
+    computed: bool = True
 
     def __post_init__(self) -> None:
         if not self.client_req_id:

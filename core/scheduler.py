@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamGroup, Continuation
-from zllm.core.block_manager import BlockManager, cache_salt
+from zllm.core.block_manager import BlockManager, PrefixHit, cache_salt
+from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
 from zllm.protocol import (
@@ -79,9 +80,12 @@ class Scheduler:
         block_manager: BlockManager,
         speculative: SpeculativeConfig | None = None,
         max_loras: int = 0,
+        kv_connector: TieredKVConnector | None = None,
     ) -> None:
-        """`max_loras`: the most distinct LoRA adapters in one step (0: LoRA off)."""
+        """`max_loras`: the most distinct LoRA adapters in one step (0: LoRA off).
+        `kv_connector`: the KV tiers below the pool (KV offload), if any."""
         self.config = config
+        self.kv_connector = kv_connector
         self.max_loras = max_loras
         self.speculative = speculative
         self.block_manager = block_manager
@@ -190,6 +194,8 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.block_manager.pins:
+            self.block_manager.unpin_expired(time.monotonic())
         if self.config.policy == "priority":
             # Highest priority first, so the request preempted when blocks run out (the last
             # one) is the lowest priority and the newest among equals.
@@ -221,8 +227,12 @@ class Scheduler:
                 req.num_computed_tokens,
                 num_new + len(drafts) + self._lookahead(plan),
             ):
-                # A beam that only waits for its siblings goes first, else the newest.
+                # A beam that only waits for its siblings goes first, else the newest; pinned
+                # prefixes yield before a request would have to give up its own place.
                 victim = self._idle_beam(plan) or self.running[-1]
+                if victim is req and bm.pins:
+                    bm.release_pins()
+                    continue
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -260,28 +270,53 @@ class Scheduler:
             salt = cache_salt(req.lora_int_id)
             cached = bm.find_cached_prefix(req.all_token_ids, salt) if use_cache else None
             num_computed = cached.num_tokens if cached is not None else 0
-            num_new = req.num_tokens_with_pending - num_computed
+            # KV offload: the blocks after the pool's hit that the tiers below it hold.
+            load_tiers = self._tier_hit(cached)
+            num_loaded = len(load_tiers) * self.block_size
+            num_new = req.num_tokens_with_pending - num_computed - num_loaded
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, plan.budget)
-            num_slots = num_new + self._lookahead(plan)
+            num_slots = num_loaded + num_new + self._lookahead(plan)
             if not bm.allocate_slots(
                 req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
             ):
                 if self._preempt_idle_beam(plan):
                     continue  # its blocks are free now: try again
+                if not self.running and bm.pins:
+                    bm.release_pins()  # the pool to itself would fit it: pins yield
+                    continue
                 return
             self.waiting.remove(req)
+            if load_tiers:
+                self._load_from_tiers(req, cached, load_tiers)
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
-                req.num_cached_tokens = num_computed
+                req.num_cached_tokens = num_computed + num_loaded
                 req.first_scheduled_time = time.time()
                 bm.record_prefix_query(req.num_tokens, num_computed)
-            req.num_computed_tokens = num_computed
+                if load_tiers and self.kv_connector is not None:
+                    self.kv_connector.record_hits(load_tiers, self.block_size)
+            req.num_computed_tokens = num_computed + num_loaded
             if req.status == RequestStatus.PREEMPTED:
                 plan.resumed.add(req.req_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_step(plan, req, num_new)
+
+    def _tier_hit(self, cached: PrefixHit | None) -> list[int]:
+        """The tier each block after the pool's hit loads from, as far as the tiers hold
+        the request's prefix ([] without tiers)."""
+        if self.kv_connector is None or cached is None:
+            return []
+        return self.kv_connector.lookup(cached.candidate_hashes[cached.num_blocks :])
+
+    def _load_from_tiers(self, req: Request, cached: PrefixHit, tiers: list[int]) -> None:
+        """Have the executor load those blocks into the pool blocks just allocated for them
+        (one KV cache group: kv offload refuses models with several)."""
+        assert self.kv_connector is not None
+        first, last = cached.num_blocks, cached.num_blocks + len(tiers)
+        block_ids = self.block_manager.block_ids(req.req_id)[first:last]
+        self.kv_connector.load(cached.candidate_hashes[first:last], block_ids, tiers)
 
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None}
@@ -337,6 +372,8 @@ class Scheduler:
         plan.num_scheduled[req.req_id] = num_new + num_drafts
         plan.budget -= num_new + num_drafts
         req.num_computed_tokens += num_new + num_drafts
+        if req.cache_pin is not None and not req.pinned:
+            self._pin_prefix(req)
         if req.sampling_params.embed or req.sampling_params.use_beam_search:
             # An embedding's answer is the pooled vector, a beam's next token is chosen by
             # its group once every beam has reported: nothing pending to decode.
@@ -348,11 +385,23 @@ class Scheduler:
                 plan.num_samples[req.req_id] = req.sampling_params.n
             req.num_pending_tokens += 1
 
+    def _pin_prefix(self, req: Request) -> None:
+        """Once the step computing the end of a request's pinned prefix is scheduled, pin
+        its blocks (they hold it by the time any later step reads them: steps run in order)."""
+        pin = req.cache_pin
+        assert pin is not None
+        num_tokens = min(pin.num_tokens, req.num_prompt_tokens)
+        if req.num_computed_tokens >= num_tokens:
+            req.pinned = True
+            self.block_manager.pin(req.req_id, num_tokens, time.monotonic() + pin.ttl_s)
+
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, fork, and finish requests (those gone meanwhile are skipped)."""
         outputs: list[EngineCoreOutput] = []
+        if runner_out.kv_load_failed and self.kv_connector is not None:
+            self.kv_connector.load_failed(runner_out.kv_load_failed)
         for req_id, message in runner_out.failed.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -591,6 +640,7 @@ class Scheduler:
             seq = self.requests[seq_id]
             seq.finish_reason = FinishReason.ERROR
             seq.known_to_executor = False  # it holds no state for it
+            seq.computed = False  # nor did it compute its blocks: they cache nothing
             outputs.append(
                 EngineCoreOutput(
                     req_id=seq.client_req_id,
@@ -675,7 +725,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
-        self.block_manager.free(req.req_id)
+        self.block_manager.free(req.req_id, keep_hashes=req.computed)
         del self.requests[req.req_id]
         seq_ids = self._sequences.get(req.client_req_id)
         if seq_ids is not None:
@@ -691,6 +741,10 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
+        kv_transfers = None
+        if self.kv_connector is not None:
+            self.kv_connector.evicted(bm.take_evicted())
+            kv_transfers = self.kv_connector.take_transfers()
         new_reqs, cached_reqs = [], []
         for req in plan.scheduled:
             # The executor keeps the state of preempted requests (tokens, seeded generator),
@@ -735,6 +789,7 @@ class Scheduler:
             forked_requests=self._pending_forks,
             blocks_to_copy=bm.take_pending_copies(),
             finished_req_ids=self._finished_req_ids,
+            kv_transfers=kv_transfers,
         )
         self._pending_forks = []
         self._pending_beam_tokens = {}

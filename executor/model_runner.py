@@ -27,6 +27,7 @@ from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfi
 from zllm.executor import cpu_kernels, quantization
 from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.kv_connector import KVPool, KVTiers
 from zllm.executor.loader import load_weights
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
@@ -131,7 +132,11 @@ class ModelRunner:
 
         self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
         config.cache.num_blocks = self.num_blocks
+        self.kv_pool = KVPool([])
         self._allocate_kv_cache()
+        # KV offload: the tiers below the pool (their bytes outlive sleep mode's pool).
+        offload = config.kv_offload
+        self.kv_tiers = KVTiers(config, self.kv_pool) if offload and offload.enabled else None
         self.graph_runner = self._capture_cuda_graphs(config)
         self._log_kv_cache()
         self.sampler = Sampler()
@@ -168,6 +173,7 @@ class ModelRunner:
         for g in self.kv_groups:
             for slot, layer in enumerate(g.layers):
                 self.kv_caches[layer] = self.kv_tensors[slot]
+        self.kv_pool.tensors = self.kv_tensors
 
     # ---- sleep mode --------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -183,6 +189,7 @@ class ModelRunner:
         self.model = None  # type: ignore[assignment]
         self.lora = None
         self.kv_tensors, self.kv_caches = [], []
+        self.kv_pool.tensors = []
         self.graph_runner = None
         self.proposer = None
         self.asleep = True
@@ -380,11 +387,16 @@ class ModelRunner:
                 raise RuntimeError("the engine is asleep: wake it up before running steps")
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         failed = self._update_states(so)
+        scheduled, kv_load_failed = self._transfer_kv(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
             return ModelRunnerOutput(
-                step_id=so.step_id, req_ids=[], sampled_token_ids=[], failed=failed
+                step_id=so.step_id,
+                req_ids=[],
+                sampled_token_ids=[],
+                failed=failed,
+                kv_load_failed=kv_load_failed,
             )
-        inputs = self._prepare_inputs(so)
+        inputs = self._prepare_inputs(so, scheduled)
         forward_start = time.perf_counter()
         hidden = self._forward(inputs)
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
@@ -396,6 +408,7 @@ class ModelRunner:
         output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
         output.pooled = pooled
         output.failed = failed
+        output.kv_load_failed = kv_load_failed
         if self.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
         output.prepare_time_s = forward_start - step_start
@@ -403,7 +416,35 @@ class ModelRunner:
         output.sample_time_s = time.perf_counter() - forward_end
         return output
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _transfer_kv(self, so: SchedulerOutput) -> tuple[dict[str, int], list[tuple[int, int]]]:
+        """KV offload: the step's drops, stores and loads, before its forward. A load that
+        fails (a missing or corrupt disk block) is recomputed in this step: every request
+        whose computed context covers that block starts its step at the block instead (its
+        tokens are all here), so the step's outputs are what recompute gives. Returns the
+        tokens each request computes and the failed (tier, hash) for the core."""
+        if so.kv_transfers is None:
+            return so.num_scheduled_tokens, []
+        assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"
+        failures = self.kv_tiers.apply(so.kv_transfers)
+        if not failures:
+            return so.num_scheduled_tokens, []
+        bad = {block_id for _, _, block_id in failures}
+        scheduled = dict(so.num_scheduled_tokens)
+        for req_id in scheduled:
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            computed_blocks = st.block_ids[0][: st.num_computed_tokens // self.block_size]
+            first_bad = next((i for i, b in enumerate(computed_blocks) if b in bad), None)
+            if first_bad is not None:
+                start = first_bad * self.block_size
+                scheduled[req_id] += st.num_computed_tokens - start
+                st.num_computed_tokens = start
+        return scheduled, [(tier, block_hash) for tier, block_hash, _ in failures]
+
+    def _prepare_inputs(
+        self, so: SchedulerOutput, scheduled_tokens: dict[str, int] | None = None
+    ) -> StepInputs:
         """The flat batch of the scheduled tokens, with slots and attention metadata.
 
         A request's new tokens are positions [computed, computed + scheduled) of its known
@@ -414,7 +455,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
-        scheduled = list(so.num_scheduled_tokens.items())
+        scheduled = list((scheduled_tokens or so.num_scheduled_tokens).items())
         if self.lora is not None:
             # Each adapter's rows side by side (a stable sort: the base first, then by id),
             # so a layer adds an adapter's update to one slice of the batch.

@@ -28,7 +28,8 @@ import msgspec
 from msgspec import Meta
 from starlette.responses import Response
 
-from zllm.errors import RequestError
+from zllm.cache_control import parse_cache_control
+from zllm.errors import ParamError, RequestError
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -41,25 +42,28 @@ from zllm.frontend.api_models import (
 )
 from zllm.frontend.responses import RETRY_AFTER_S, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
-from zllm.protocol import FinishReason, RequestOutputDelta
+from zllm.protocol import CachePin, FinishReason, RequestOutputDelta
 
 # ---- request -------------------------------------------------------------------------------
 
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     text: str
+    cache_control: dict[str, Any] | None = None  # pin the prompt up to here (cache_pin_of)
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):
     id: str
     name: str
     input: dict[str, Any] = {}
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", kw_only=True):
     tool_use_id: str
     content: str | list[TextBlock] = ""
     is_error: bool = False
+    cache_control: dict[str, Any] | None = None
 
 
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
@@ -83,6 +87,7 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1, max_length=64)]
     description: str | None = None
     input_schema: dict[str, Any] = {}
+    cache_control: dict[str, Any] | None = None
 
 
 class AnthropicToolChoice(msgspec.Struct, kw_only=True):
@@ -222,6 +227,36 @@ def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
             fields["tool_choice"] = _tool_choice(choice)
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     return ChatCompletionRequest(**fields)
+
+
+def cache_pin_of(req: MessagesRequest) -> CachePin | None:
+    """The prefix pin a Messages request's cache_control blocks ask for: the prompt up to
+    the last marked block (tools, then system, then messages, Anthropic's order), as the
+    number of chat messages it ends after, for as long as the longest ttl among them."""
+    marks: list[tuple[int, dict[str, Any], str]] = []  # (messages before, value, param)
+    for i, tool in enumerate(req.tools or []):
+        if tool.cache_control is not None:
+            marks.append((0, tool.cache_control, f"tools.{i}.cache_control"))
+    num_messages = 0
+    if req.system:
+        num_messages = 1
+        for j, block in enumerate(req.system if isinstance(req.system, list) else []):
+            if block.cache_control is not None:
+                marks.append((1, block.cache_control, f"system.{j}.cache_control"))
+    for i, message in enumerate(req.messages):
+        num_messages += len(_turn(message, i))
+        blocks = message.content if isinstance(message.content, list) else []
+        for j, block in enumerate(blocks):
+            value = getattr(block, "cache_control", None)
+            if value is not None:
+                marks.append((num_messages, value, f"messages.{i}.content.{j}.cache_control"))
+    if not marks:
+        return None
+    try:
+        ttls = [parse_cache_control(value, param).ttl_s for _, value, param in marks]
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
+    return CachePin(ttl_s=max(ttls), num_messages=marks[-1][0])
 
 
 def _tool_choice(choice: AnthropicToolChoice) -> str | NamedToolChoice:

@@ -105,6 +105,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's extra parameter: with --scheduling-policy priority, lower values are served
     # first (a 400 under fcfs unless 0).
     priority: Int64 = 0
+    # zllm's extra parameter (Anthropic's shape): {"type": "ephemeral", "ttl": "5m"} keeps
+    # the prompt's KV blocks cached for ttl after it is computed (zllm/cache_control.py).
+    cache_control: dict[str, Any] | None = None
     # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
     store: bool = False
     modalities: list[str] | None = None

@@ -38,6 +38,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import zllm
+from zllm.cache_control import parse_cache_control
 from zllm.engine_client import EngineClient
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api, responses_api
@@ -82,7 +83,7 @@ from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tools import ChoiceParser, ToolPlan, plan_tools, think_end_token
 from zllm.inputs import check_vocabulary
 from zllm.lora import LoRARequest
-from zllm.protocol import TokenizeRequest
+from zllm.protocol import CachePin, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer import Tokenizer
@@ -238,6 +239,7 @@ class OpenAIServer:
                 arrival_time=now,
                 lora=lora,
                 priority=self._priority(body.priority),
+                cache_pin=_cache_pin(body.cache_control),
             )
             for i, p in enumerate(prompts)
         ]
@@ -296,6 +298,7 @@ class OpenAIServer:
             arrival_time=now,
             lora=lora,
             priority=self._priority(body.priority),
+            cache_pin=_cache_pin(body.cache_control),
         )
         shaped = plan.mode != "none" or self.config.reasoning_parser is not None
         assembler = ChatAssembler(
@@ -419,6 +422,7 @@ class OpenAIServer:
             tools=plan.tools,
             arrival_time=time.time(),
             lora=lora,
+            cache_pin=anthropic_api.cache_pin_of(body),
         )
         assembler = anthropic_api.MessageAssembler.of(
             ids.response_id,
@@ -642,3 +646,13 @@ async def _maybe_in_thread(size: int, fn: Callable, *args: Any) -> Any:
     if size > _BIG_INPUT:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
+
+
+def _cache_pin(cache_control: dict[str, Any] | None) -> CachePin | None:
+    """The pin a request's `cache_control` extra asks for (its whole prompt), or None."""
+    if cache_control is None:
+        return None
+    try:
+        return parse_cache_control(cache_control)
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None

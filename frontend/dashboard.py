@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from zllm.engine_client import EngineClient
+from zllm.kv_tiers import TIER_NAMES
 from zllm.percentile import percentile
 from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
 
@@ -178,6 +179,17 @@ class ProcessInfo(msgspec.Struct):
     up: bool
 
 
+class KVTier(msgspec.Struct):
+    """One KV offload tier, since start: prompt tokens it served over those looked up."""
+
+    name: str
+    hit_rate: float
+    hits: int
+    blocks: int
+    capacity: int
+    load_failures: int
+
+
 class Engine(msgspec.Struct):
     state: str
     healthy: bool
@@ -202,6 +214,9 @@ class Engine(msgspec.Struct):
     spec_acceptance_rate: float | None = None
     spec_mean_acceptance_length: float | None = None
     spec_acceptance_per_pos: list[float] = []
+    kv_tiers: list[KVTier] = []  # KV offload, the configured tiers (empty: off)
+    pinned_blocks: int = 0  # prefix pinning: blocks pinned now, and the bound
+    max_pinned_blocks: int = 0
 
 
 class DashboardStats(msgspec.Struct):
@@ -279,6 +294,20 @@ class Dashboard:
             prefix_cache_hits=s.prefix_cache_hits,
             steps=s.num_steps,
             in_flight=client.num_in_flight,
+            kv_tiers=[
+                KVTier(
+                    name=TIER_NAMES[i],
+                    hit_rate=s.kv_tier_hits[i] / queries if queries else 0.0,
+                    hits=s.kv_tier_hits[i],
+                    blocks=s.kv_tier_blocks[i],
+                    capacity=capacity,
+                    load_failures=s.kv_tier_load_failures[i],
+                )
+                for i, capacity in enumerate(s.kv_tier_capacity)
+                if capacity
+            ],
+            pinned_blocks=s.kv_pinned_blocks,
+            max_pinned_blocks=s.kv_max_pinned_blocks,
         )
         if s.spec_accepted_per_pos:
             drafts = s.spec_num_drafts

@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from zllm.engine_client import EngineClient
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
+from zllm.kv_tiers import TIER_NAMES
 from zllm.protocol import EngineStats, RequestOutputDelta, TokenizeRequest
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -344,6 +345,9 @@ class EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, getattr(s, attr))
             yield c
+        yield from _pin_metrics(s, label)
+        if s.kv_tier_capacity:
+            yield from _kv_offload_metrics(s, label)
         if s.spec_accepted_per_pos:
             yield from _spec_decode_metrics(s, label)
         if s.max_lora:
@@ -356,6 +360,50 @@ class EngineCollector:
         for (role, index), alive in sorted(self.client.processes.items()):
             up.add_metric([self.model_name, role, str(index)], 1.0 if alive else 0.0)
         yield up
+
+
+def _pin_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+    """Prefix pinning: what is pinned now and the bound (--max-pinned-bytes)."""
+    for name, doc, value in (
+        ("zllm:kv_pinned_blocks", "KV blocks pinned by requests' cache_control.",
+         s.kv_pinned_blocks),
+        ("zllm:kv_pinned_bytes", "KV cache bytes pinned by requests' cache_control.",
+         s.kv_pinned_blocks * s.kv_block_bytes),
+        ("zllm:kv_max_pinned_bytes", "The most KV cache bytes requests may pin.",
+         s.kv_max_pinned_blocks * s.kv_block_bytes),
+    ):  # fmt: skip
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric(label, value)
+        yield g
+
+
+# KV offload, one series per tier (EngineStats.kv_tier_*, zllm/kv_tiers.py's tier order).
+_TIER_COUNTERS = (
+    ("zllm:kv_offload_hits", "Prompt tokens loaded from the tier instead of computed.",
+     "kv_tier_hits"),
+    ("zllm:kv_offload_stored_blocks", "Blocks evicted from the KV pool and stored in the tier.",
+     "kv_tier_stores"),
+    ("zllm:kv_offload_load_failures",
+     "Blocks the tier could not load (missing or corrupt), recomputed instead.",
+     "kv_tier_load_failures"),
+)  # fmt: skip
+_TIER_GAUGES = (
+    ("zllm:kv_offload_blocks", "Blocks the tier holds.", "kv_tier_blocks"),
+    ("zllm:kv_offload_capacity_blocks", "Blocks the tier can hold.", "kv_tier_capacity"),
+)
+
+
+def _kv_offload_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+    """Per configured tier; its hit rate is zllm:kv_offload_hits over vllm:prefix_cache_
+    queries, as the pool's is vllm:prefix_cache_hits over the same."""
+    tiers = [i for i, capacity in enumerate(s.kv_tier_capacity) if capacity]
+    for family, specs in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
+        for name, doc, attr in specs:
+            metric = family(name, doc, labels=["model_name", "tier"])
+            values = getattr(s, attr)
+            for i in tiers:
+                metric.add_metric([*label, TIER_NAMES[i]], values[i])
+            yield metric
 
 
 def _lora_info(s: EngineStats) -> Metric:

@@ -20,7 +20,13 @@ from zllm.generation_config import default_max_tokens, merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
 from zllm.messaging import receive
 from zllm.procutil import index_arg, report_ready, start_process
-from zllm.protocol import EngineCoreRequest, ProcessRole, RequestRejected, TokenizeRequest
+from zllm.protocol import (
+    CachePin,
+    EngineCoreRequest,
+    ProcessRole,
+    RequestRejected,
+    TokenizeRequest,
+)
 from zllm.sampling_params import SamplingParams
 from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
@@ -78,7 +84,32 @@ class RequestTokenizer:
             client_id=req.client_id,
             lora=req.lora,
             priority=req.priority,
+            cache_pin=self._cache_pin(req, ids),
         )
+
+    def _cache_pin(self, req: TokenizeRequest, ids: list[int]) -> CachePin | None:
+        """The pin with its token count: the whole prompt, or the tokens that the first
+        `num_messages` chat messages render to (the longest run of the prompt's tokens that
+        rendering them alone also gives; 0 if the template will not render them alone)."""
+        pin = req.cache_pin
+        if pin is None:
+            return None
+        num_tokens = len(ids)
+        if req.messages is not None and 0 <= pin.num_messages < len(req.messages):
+            prefix = req.messages[: pin.num_messages]
+            try:
+                extra = {"tools": req.tools} if req.tools else {}
+                text = self.tokenizer.apply_chat_template(
+                    prefix, False, chat_template=req.chat_template, **extra
+                )
+                prefix_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            except Exception:  # a template that needs a user turn, say: no pin
+                prefix_ids = []
+            num_tokens = next(
+                (i for i, (a, b) in enumerate(zip(prefix_ids, ids, strict=False)) if a != b),
+                min(len(prefix_ids), len(ids)),
+            )
+        return CachePin(ttl_s=pin.ttl_s, num_tokens=num_tokens)
 
     def _with_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A request without max_tokens gets the model's max_new_tokens. Applied here, not in

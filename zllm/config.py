@@ -59,6 +59,25 @@ class CacheConfig:
     # Sliding-window layers in their own KV cache groups (zllm/kv_cache_groups.py).
     hybrid_kv_cache: bool = True
     num_blocks: int | None = None  # filled in by the executor once it has sized the pool
+    # Prefix pinning: the most KV bytes requests may pin (cache_control); None: a tenth of
+    # the pool, 0: pinning off (requests asking for it are served unpinned).
+    max_pinned_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class KVOffloadConfig:
+    """KV cache tiers below the pool (core/kv_connector.py, executor/kv_connector.py): a
+    cached prefix block evicted from the pool is stored to every tier, and a later request
+    whose prefix hashes match loads it back instead of recomputing it. Each tier is LRU
+    within its byte bound."""
+
+    cpu_bytes: int = 0  # --kv-offload-bytes: CPU memory (0: no CPU tier)
+    disk_dir: str | None = None  # --kv-offload-dir: local disk (None: no disk tier)
+    disk_bytes: int = 4 << 30  # --kv-offload-disk-bytes
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_bytes > 0 or self.disk_dir is not None
 
 
 @dataclass(slots=True)
@@ -136,6 +155,7 @@ class EngineConfig:
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig | None = None
+    kv_offload: KVOffloadConfig | None = None  # None: no tiers below the KV pool
     # Batch-invariant execution (executor/batch_invariant.py): a request's logprobs do not
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False

@@ -20,12 +20,20 @@ from zllm.arg_utils import (
     parse_size,
     positive_int,
 )
-from zllm.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from zllm.config import (
+    CacheConfig,
+    EngineConfig,
+    KVOffloadConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from zllm.generation_config import (
     log_generation_config,
     merge_eos_token_ids,
     read_generation_config,
 )
+from zllm.kv_cache_groups import kv_cache_groups
+from zllm.kv_tiers import block_bytes
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 from zllm.speculative_config import parse_speculative_json, speculative_config_from
@@ -70,6 +78,27 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = option(
         True, help="reuse the KV blocks of prompt prefixes computed before"
+    )
+    kv_offload_bytes: int = option(
+        0,
+        help="KV offload: a CPU-memory tier of this many bytes below the KV pool (suffixes "
+        "K/M/G): cached prefix blocks evicted from the pool are kept there (LRU) and loaded "
+        "back for a later request with that prefix instead of being recomputed; 0: none",
+        parse=parse_size,
+    )
+    kv_offload_dir: str | None = option(
+        None,
+        help="KV offload: a local-disk tier in this directory (a subdirectory per model "
+        "layout; it survives restarts), below the CPU tier if both are set",
+    )
+    kv_offload_disk_bytes: int = option(
+        4 << 30, help="KV offload: the disk tier's bound in bytes (LRU)", parse=parse_size
+    )
+    max_pinned_bytes: int | None = option(
+        None,
+        help="prefix pinning: the most KV cache bytes requests may pin with cache_control "
+        "(suffixes K/M/G); default a tenth of the KV pool; 0 serves such requests unpinned",
+        parse=parse_size,
     )
     hybrid_kv_cache: bool = option(
         True,
@@ -182,7 +211,7 @@ class EngineArgs:
         if dtype == "auto":
             # bf16 is emulated on most CPUs, so fp32 is both the reference and the fast path there.
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        return EngineConfig(
+        config = EngineConfig(
             model=self.model or "smollm2",
             model_path=model_path,
             arch=arch,
@@ -193,6 +222,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 hybrid_kv_cache=self.hybrid_kv_cache,
                 num_blocks=self.num_gpu_blocks_override,
+                max_pinned_bytes=self.max_pinned_bytes,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -214,6 +244,32 @@ class EngineArgs:
             lora=self._lora_config(impl.name),
             enable_sleep_mode=self.enable_sleep_mode,
         )
+        config.kv_offload = self._kv_offload_config(config)
+        return config
+
+    def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
+        offload = KVOffloadConfig(
+            cpu_bytes=self.kv_offload_bytes,
+            disk_dir=self.kv_offload_dir,
+            disk_bytes=self.kv_offload_disk_bytes,
+        )
+        if not offload.enabled:
+            return None
+        if not self.enable_prefix_caching:
+            raise ValueError("KV offload keeps prefix-cache blocks: it needs prefix caching")
+        if len(kv_cache_groups(config.arch, self.hybrid_kv_cache)) > 1:
+            raise ValueError(
+                "KV offload moves whole blocks of one KV cache group; this model's sliding-"
+                "window layers have their own: start with --no-hybrid-kv-cache"
+            )
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            raise ValueError("KV offload does not keep a draft model's KV: use ngram speculation")
+        per_block = block_bytes(config)
+        for name, size in (("--kv-offload-bytes", offload.cpu_bytes),
+                           ("--kv-offload-disk-bytes", offload.disk_bytes)):  # fmt: skip
+            if size and size < per_block:
+                raise ValueError(f"{name} {size} holds no KV block ({per_block} bytes)")
+        return offload
 
     def _lora_config(self, model_impl: str) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from zllm.cache_control import MAX_PIN_TTL_S
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.engine_args import EngineArgs
@@ -30,7 +31,13 @@ from zllm.outputs import (
     PositionLogprobs,
     RequestOutput,
 )
-from zllm.protocol import DetokenizerBatch, EngineCoreRequest, LogprobsLists, RequestOutputDelta
+from zllm.protocol import (
+    CachePin,
+    DetokenizerBatch,
+    EngineCoreRequest,
+    LogprobsLists,
+    RequestOutputDelta,
+)
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
@@ -80,10 +87,13 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        pin_prefix_s: float | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter all prompts run with, or one per prompt (None: the
         base model); needs `LLM(..., enable_lora=True)`. `priority`: one per prompt, lower
-        first; needs `LLM(..., scheduling_policy="priority")`."""
+        first; needs `LLM(..., scheduling_policy="priority")`. `pin_prefix_s`: keep each
+        prompt's KV blocks cached for this many seconds after it is computed (prefix
+        pinning, within `max_pinned_bytes`), as a served request's `cache_control` does."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -123,6 +133,13 @@ class LLM:
         ]
         for tracker, value in zip(trackers, priorities, strict=True):
             tracker.priority = int(value)
+        if pin_prefix_s is not None:
+            if not 0 < pin_prefix_s <= MAX_PIN_TTL_S:
+                raise ParamError(
+                    f"pin_prefix_s must be in (0, {MAX_PIN_TTL_S:g}] seconds", "pin_prefix_s"
+                )
+            for tracker in trackers:
+                tracker.cache_pin = CachePin(ttl_s=float(pin_prefix_s))
         return self._run(trackers, use_tqdm)
 
     def chat(
@@ -266,7 +283,14 @@ class LLM:
         now = time.time()
         for t in trackers:
             request = EngineCoreRequest(
-                t.req_id, t.prompt_token_ids, t.params, now, eos, lora=t.lora, priority=t.priority
+                t.req_id,
+                t.prompt_token_ids,
+                t.params,
+                now,
+                eos,
+                lora=t.lora,
+                priority=t.priority,
+                cache_pin=t.cache_pin,
             )
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker
@@ -325,6 +349,7 @@ class _Tracker:
         self.beam_logprobs: list[float | None] = [None] * n
         self.lora: LoRARequest | None = None
         self.priority = 0
+        self.cache_pin: CachePin | None = None
 
     @property
     def finished(self) -> bool:

@@ -127,6 +127,19 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
     num_parent_outputs: int = 0
 
 
+class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A step's traffic between the KV pool and the tiers below it (KV offload: core/
+    kv_connector.py decides, executor/kv_connector.py moves the bytes). Tiers are numbered as
+    zllm/kv_tiers.py names them. The executor does them before the step's forward, in this
+    order: drops (room), stores (a pool block's bytes out, before anything overwrites it),
+    loads (tier bytes into newly allocated pool blocks, some of which the stores just read).
+    The core never drops a hash it loads in the same step."""
+
+    drops: list[tuple[int, int]] = []  # (tier, block hash): forget it
+    stores: list[tuple[int, int, int]] = []  # (tier, block hash, pool block id)
+    loads: list[tuple[int, int, int]] = []  # (tier, block hash, pool block id)
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     step_id: int
     new_requests: list[NewRequestData]
@@ -159,6 +172,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # weights and KV pool after applying it (sleep), or load them before (wake_up).
     sleep: bool = False
     wake_up: bool = False
+    kv_transfers: KVTransfers | None = None  # KV offload work before the forward
 
 
 # ---- executor -> core --------------------------------------------------------------------
@@ -181,6 +195,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # checked), with why: the core fails them (finish "error"); the others go on.
     failed: dict[str, str] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
+    # KV offload: (tier, block hash) of loads that failed (a missing or corrupt disk block);
+    # the executor recomputed those blocks in the step instead, the core forgets them.
+    kv_load_failed: list[tuple[int, int]] = []
     # Where the step's time went: input and attention metadata preparation, the model forward,
     # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
     # step (receive to send, decoding the message included) and the wait for it before.
@@ -209,6 +226,18 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     cumulative_logprob: float | None = None  # a beam-search hypothesis' (all its tokens)
 
 
+class CachePin(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prefix pinning (a request's `cache_control`): keep the KV blocks of the prompt's first
+    `num_tokens` tokens in the pool for `ttl_s` seconds after the request computes them, so a
+    long system prompt survives eviction. The frontend says how much of the prompt (all of
+    it, or the first `num_messages` chat messages: Anthropic's last cache_control block);
+    the tokenizer resolves that to `num_tokens` (-1: not resolved yet, the whole prompt)."""
+
+    ttl_s: float
+    num_tokens: int = -1
+    num_messages: int = -1  # chat: the prefix ends after this many messages (-1: all)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
     """A tokenized request, as it enters the core."""
 
@@ -224,6 +253,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_id: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     priority: int = 0  # --scheduling-policy priority: lower first
+    cache_pin: CachePin | None = None  # keep its prompt's prefix cached for a while
 
 
 # ==== the serving processes ==================================================================
@@ -257,6 +287,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
     lora: LoRARequest | None = None  # the adapter the request's model names
     priority: int = 0  # --scheduling-policy priority: lower first
+    cache_pin: CachePin | None = None  # see EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -411,6 +442,18 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
     max_lora: int = 0
+    # KV offload, one entry per tier in zllm/kv_tiers.py's order (empty when off): prompt
+    # tokens loaded from it, blocks stored into it, loads that failed (recomputed), blocks it
+    # holds now and its capacity in blocks; and the bytes of one block.
+    kv_tier_hits: list[int] = []
+    kv_tier_stores: list[int] = []
+    kv_tier_load_failures: list[int] = []
+    kv_tier_blocks: list[int] = []
+    kv_tier_capacity: list[int] = []
+    kv_block_bytes: int = 0
+    # Prefix pinning: blocks pinned now, and the most that may be (--max-pinned-bytes).
+    kv_pinned_blocks: int = 0
+    kv_max_pinned_blocks: int = 0
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):

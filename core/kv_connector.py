@@ -1,0 +1,210 @@
+"""The core's side of the KV tiers: which prefix blocks each tier holds, and each step's
+transfers (the executor moves the bytes: executor/kv_connector.py).
+
+    pool (the executor's KV blocks)
+      │ a cached prefix block evicted from the pool (BlockManager records it)
+      ▼ stored into every tier (write-through): cpu (fast, small), disk (slower, larger)
+    cpu tier ──LRU within --kv-offload-bytes──► dropped
+    disk tier ─LRU within --kv-offload-disk-bytes─► file deleted
+
+A request admitted with a prefix longer than what the pool holds looks further in the tiers
+(`lookup`): the leading blocks some tier holds (the cpu tier's copy preferred) are loaded
+into freshly allocated pool blocks at the start of the request's first step instead of
+being computed, and the request starts computing after them. A load that fails (a lost or
+corrupt disk block) is recomputed by the executor in that same step; the core forgets that
+tier's copy (`load_failed`).
+
+`TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
+leading blocks it holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from zllm.config import KVOffloadConfig
+from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES
+from zllm.protocol import EngineStats, KVTransfers
+
+BlockHash = int
+
+
+class KVConnector(Protocol):
+    """The core side of a KV connector (a tier here; a remote peer for disaggregation)."""
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading `block_hashes` the connector can load."""
+        ...
+
+
+class TierIndex:
+    """Which block hashes one tier holds, least recently used first, at most `capacity`."""
+
+    def __init__(self, tier: int, capacity_blocks: int, held: Sequence[BlockHash] = ()) -> None:
+        self.tier = tier
+        self.capacity = capacity_blocks
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict.fromkeys(held)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._lru
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
+        return next(
+            (i for i, h in enumerate(block_hashes) if h not in self._lru), len(block_hashes)
+        )
+
+    def touch(self, block_hash: BlockHash) -> None:
+        self._lru.move_to_end(block_hash)
+
+    def add(self, block_hash: BlockHash, protected: set[BlockHash]) -> list[BlockHash]:
+        """Hold `block_hash` (most recently used); returns the hashes evicted to make room,
+        least recently used first, never one in `protected`."""
+        self._lru[block_hash] = None
+        self._lru.move_to_end(block_hash)
+        return self.shrink(protected)
+
+    def shrink(self, protected: set[BlockHash]) -> list[BlockHash]:
+        """Evict least recently used hashes (not `protected`) until within capacity."""
+        evicted: list[BlockHash] = []
+        if len(self._lru) <= self.capacity:
+            return evicted
+        for block_hash in list(self._lru):
+            if len(self._lru) <= self.capacity:
+                break
+            if block_hash not in protected:
+                del self._lru[block_hash]
+                evicted.append(block_hash)
+        return evicted
+
+    def discard(self, block_hash: BlockHash) -> None:
+        self._lru.pop(block_hash, None)
+
+
+class TieredKVConnector:
+    """The tiers below the pool, as the scheduler uses them: `lookup` at admission,
+    `load` for the blocks it takes from them, `evicted` for what leaves the pool, and one
+    `take_transfers` per step for the executor."""
+
+    def __init__(
+        self,
+        config: KVOffloadConfig,
+        block_bytes: int,
+        disk_blocks: Sequence[BlockHash] = (),
+    ) -> None:
+        """`disk_blocks`: what the disk tier directory already holds (oldest first)."""
+        self.tiers: list[TierIndex | None] = [None, None]
+        if config.cpu_bytes > 0:
+            self.tiers[TIER_CPU] = TierIndex(TIER_CPU, config.cpu_bytes // block_bytes)
+        if config.disk_dir is not None:
+            self.tiers[TIER_DISK] = TierIndex(
+                TIER_DISK, config.disk_bytes // block_bytes, disk_blocks
+            )
+        self.block_bytes = block_bytes
+        # This step's transfers; a store cancelled by an eviction in the same step is
+        # removed rather than followed by a drop (the executor never holds it).
+        self._drops: list[tuple[int, BlockHash]] = []
+        self._stores: dict[tuple[int, BlockHash], int] = {}
+        self._loads: list[tuple[int, BlockHash, int]] = []
+        self._loading: set[BlockHash] = set()  # loaded this step: not evicted in it
+        # Statistics per tier (EngineStats.kv_tier_*).
+        self.hit_tokens = [0, 0]
+        self.stored_blocks = [0, 0]
+        self.load_failures = [0, 0]
+        # A directory holding more than the disk bound (it shrank since): trim it.
+        for tier in self.tiers:
+            if tier is not None:
+                self._drops.extend((tier.tier, h) for h in tier.shrink(set()))
+
+    @property
+    def active_tiers(self) -> list[TierIndex]:
+        return [t for t in self.tiers if t is not None]
+
+    # ---- admission -------------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """The tier to load each of the leading `block_hashes` from, as far as some tier
+        holds them (the cpu tier first)."""
+        found: list[int] = []
+        for block_hash in block_hashes:
+            tier = next((t.tier for t in self.active_tiers if block_hash in t), None)
+            if tier is None:
+                break
+            found.append(tier)
+        return found
+
+    def load(
+        self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], tiers: Sequence[int]
+    ) -> None:
+        """Load these blocks into these pool blocks this step (what `lookup` found)."""
+        for block_hash, block_id, tier in zip(block_hashes, block_ids, tiers, strict=True):
+            self._loads.append((tier, block_hash, block_id))
+            self._loading.add(block_hash)
+            for index in self.active_tiers:
+                if block_hash in index:
+                    index.touch(block_hash)
+
+    def record_hits(self, tiers: Sequence[int], block_size: int) -> None:
+        """A request's first admission took these blocks from these tiers."""
+        for tier in tiers:
+            self.hit_tokens[tier] += block_size
+
+    # ---- the pool's evictions --------------------------------------------------------------
+    def evicted(self, blocks: Sequence[tuple[BlockHash, int]]) -> None:
+        """Cached prefix blocks the pool evicted this step: store each into every tier
+        (before the step overwrites it); one a tier already holds becomes its newest."""
+        for block_hash, block_id in blocks:
+            for index in self.active_tiers:
+                if block_hash in index:
+                    index.touch(block_hash)
+                    continue
+                self._stores[(index.tier, block_hash)] = block_id
+                self.stored_blocks[index.tier] += 1
+                for gone in index.add(block_hash, self._loading):
+                    self._forget(index.tier, gone)
+                if len(index) > index.capacity:  # all else is being loaded: keep those
+                    index.discard(block_hash)
+                    self._forget(index.tier, block_hash)
+                    self.stored_blocks[index.tier] -= 1
+
+    def load_failed(self, failures: Sequence[tuple[int, BlockHash]]) -> None:
+        """The executor could not load these (and recomputed them): forget those copies."""
+        for tier, block_hash in failures:
+            index = self.tiers[tier]
+            if index is not None and block_hash in index:
+                index.discard(block_hash)
+                self._forget(tier, block_hash)
+            self.load_failures[tier] += 1
+
+    def _forget(self, tier: int, block_hash: BlockHash) -> None:
+        if self._stores.pop((tier, block_hash), None) is None:
+            self._drops.append((tier, block_hash))
+
+    # ---- each step -------------------------------------------------------------------------
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's transfers, in the order the executor applies them; None if none."""
+        if not (self._drops or self._stores or self._loads):
+            self._loading.clear()
+            return None
+        transfers = KVTransfers(
+            drops=self._drops,
+            stores=[(tier, h, block_id) for (tier, h), block_id in self._stores.items()],
+            loads=self._loads,
+        )
+        self._drops, self._stores, self._loads = [], {}, []
+        self._loading.clear()
+        return transfers
+
+    def fill_stats(self, stats: EngineStats) -> None:
+        """The per-tier counts (cpu, disk) of EngineStats; a tier that is off reads 0."""
+        stats.kv_tier_hits = list(self.hit_tokens)
+        stats.kv_tier_stores = list(self.stored_blocks)
+        stats.kv_tier_load_failures = list(self.load_failures)
+        stats.kv_tier_blocks = [len(t) if t is not None else 0 for t in self.tiers]
+        stats.kv_tier_capacity = [t.capacity if t is not None else 0 for t in self.tiers]
+
+
+assert TIER_NAMES[TIER_CPU] == "cpu" and TIER_NAMES[TIER_DISK] == "disk"

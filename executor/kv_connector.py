@@ -1,0 +1,311 @@
+"""The executor's side of the KV tiers: the bytes of the blocks the core's index names
+(core/kv_connector.py decides what moves; this file moves it).
+
+A block's bytes, as a tier keeps them, are every KV tensor's slice for that block id, one
+tensor per layer of the (single) KV cache group::
+
+    block  [layers, 2 (K, V), block_size, kv_heads, head_dim]     model dtype, on the CPU
+
+Each step's `KVTransfers` are applied before its forward, in the order drops, stores, loads
+(`KVTiers.apply`): stores read pool blocks the step is about to reuse, loads fill the newly
+allocated ones. A tier is the executor side of a `KVConnector`: `store(block_hashes,
+block_ids)` copies pool blocks in, `load(block_hashes, block_ids)` copies them back and says
+which it could not, `drop(block_hashes)` forgets them.
+
+    CpuTier    a slot buffer of --kv-offload-bytes (pinned memory on a GPU), slots on demand
+    DiskTier   one file per block under --kv-offload-dir/<layout fingerprint>/, written by a
+               background thread (so disk writes overlap the model's compute) through a
+               temporary name and a rename; each file carries its hash, size and a CRC-32 of
+               its bytes, checked on load: a missing, short or corrupt file is a failed load,
+               which the model runner recomputes (never wrong output)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from zllm.config import EngineConfig
+from zllm.kv_tiers import (
+    BLOCK_FILE_SUFFIX,
+    FILE_FORMAT_VERSION,
+    TIER_CPU,
+    TIER_DISK,
+    block_bytes,
+    block_file_name,
+    tier_directory,
+)
+from zllm.protocol import KVTransfers
+
+logger = logging.getLogger(__name__)
+
+BlockHash = int
+
+# A block file: this header, then the block's bytes.
+_HEADER = struct.Struct("<4sIqQI")  # magic, format version, block hash, payload bytes, CRC-32
+_MAGIC = b"ZKV\x00"
+
+
+class KVPool:
+    """The model runner's KV tensors, read and written a whole block at a time."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors  # replaced when sleep mode reallocates the pool
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        _, _, block_size, kv_heads, head_dim = self.tensors[0].shape
+        return (len(self.tensors), 2, block_size, kv_heads, head_dim)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, *block_shape] copies of the blocks, on the CPU (into `out` when given)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensors[0].device)
+        if out is None:
+            out = torch.empty((len(block_ids), *self.block_shape), dtype=self.tensors[0].dtype)
+        for layer, kv in enumerate(self.tensors):
+            out[:, layer].copy_(kv.index_select(1, index).transpose(0, 1))
+        return out
+
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write [n, *block_shape] into the pool blocks `block_ids`."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensors[0].device)
+        for layer, kv in enumerate(self.tensors):
+            kv.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(kv.device))
+
+
+class KVTier(Protocol):
+    """The executor side of a KV connector."""
+
+    def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None: ...
+
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[int]:
+        """Copy the blocks into the pool; returns the indexes (into the arguments) of those
+        it could not load."""
+        ...
+
+    def drop(self, block_hashes: Sequence[BlockHash]) -> None: ...
+
+
+class CpuTier:
+    """Blocks in the executor's memory: one buffer of `capacity` block slots (allocated
+    untouched, so its pages become resident as slots are first used)."""
+
+    def __init__(self, pool: KVPool, capacity: int, pin_memory: bool) -> None:
+        self.pool = pool
+        self.buffer = torch.empty(
+            (capacity, *pool.block_shape), dtype=pool.tensors[0].dtype, pin_memory=pin_memory
+        )
+        self.slots: dict[BlockHash, int] = {}
+        self.free_slots = list(range(capacity - 1, -1, -1))
+
+    def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        new = [(h, b) for h, b in zip(block_hashes, block_ids, strict=True) if h not in self.slots]
+        if not new:
+            return
+        if len(new) > len(self.free_slots):
+            raise RuntimeError("KV cpu tier: the core stored more blocks than it holds")
+        slots = [self.free_slots.pop() for _ in new]
+        self.buffer[slots] = self.pool.gather([b for _, b in new])
+        self.slots.update((h, s) for (h, _), s in zip(new, slots, strict=True))
+
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[int]:
+        found = [i for i, h in enumerate(block_hashes) if h in self.slots]
+        if found:
+            slots = [self.slots[block_hashes[i]] for i in found]
+            self.pool.scatter([block_ids[i] for i in found], self.buffer[slots])
+        return [i for i, h in enumerate(block_hashes) if h not in self.slots]
+
+    def drop(self, block_hashes: Sequence[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            slot = self.slots.pop(block_hash, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+
+class DiskTier:
+    """Blocks as files; writes in a background thread, loads checked against their CRC."""
+
+    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int, fresh: bool) -> None:
+        """`fresh`: delete what the directory holds first (its blocks cannot be trusted to
+        mean the same: LoRA adapter ids are not stable across restarts)."""
+        self.pool = pool
+        self.directory = directory
+        self.block_nbytes = block_nbytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(directory / ".lock", "w")  # held (locked) for the tier's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            raise RuntimeError(
+                f"--kv-offload-dir {directory.parent}: another engine uses {directory} "
+                "(one engine per directory and model)"
+            ) from e
+        for path in directory.iterdir():
+            if path.name.endswith(".tmp") or (fresh and path.name.endswith(BLOCK_FILE_SUFFIX)):
+                path.unlink(missing_ok=True)  # a write a crash cut short, or stale blocks
+        # Stored but not yet on disk: a load finds them here.
+        self._pending: dict[BlockHash, torch.Tensor] = {}
+        self._pending_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[str, BlockHash, torch.Tensor | None]] = (
+            queue.SimpleQueue()
+        )
+        self._flushed = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
+        self._writer.start()
+
+    def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        if not block_hashes:
+            return
+        blocks = list(self.pool.gather(block_ids))  # one tensor object per block: the
+        with self._pending_lock:  # writer drops it from _pending by identity
+            for block_hash, block in zip(block_hashes, blocks, strict=True):
+                self._pending[block_hash] = block
+        for block_hash, block in zip(block_hashes, blocks, strict=True):
+            self._queue.put(("write", block_hash, block))
+
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[int]:
+        failed, good_ids, good_blocks = [], [], []
+        for i, block_hash in enumerate(block_hashes):
+            with self._pending_lock:
+                block = self._pending.get(block_hash)
+            if block is None:
+                block = self._read(block_hash)
+            if block is None:
+                failed.append(i)
+            else:
+                good_ids.append(block_ids[i])
+                good_blocks.append(block)
+        if good_ids:
+            self.pool.scatter(good_ids, torch.stack(good_blocks))
+        return failed
+
+    def drop(self, block_hashes: Sequence[BlockHash]) -> None:
+        for block_hash in block_hashes:
+            with self._pending_lock:
+                self._pending.pop(block_hash, None)
+            self._queue.put(("delete", block_hash, None))
+
+    def flush(self) -> None:
+        """Wait until every write and delete queued so far is done (tests, benchmarks)."""
+        self._flushed.clear()
+        self._queue.put(("flush", 0, None))
+        self._flushed.wait()
+
+    # ---- files -------------------------------------------------------------------------------
+    def path_of(self, block_hash: BlockHash) -> Path:
+        return self.directory / block_file_name(block_hash)
+
+    def _read(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The block from its file, or None (logged) if it is missing or does not check."""
+        path = self.path_of(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            logger.warning("KV disk tier: block %s is missing; recomputing it", path.name)
+            return None
+        why = self._check(data, block_hash)
+        if why is not None:
+            logger.warning("KV disk tier: block %s %s; recomputing it", path.name, why)
+            return None
+        payload = bytearray(data[_HEADER.size :])
+        dtype = self.pool.tensors[0].dtype
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(self.pool.block_shape)
+
+    def _check(self, data: bytes, block_hash: BlockHash) -> str | None:
+        if len(data) < _HEADER.size:
+            return "is truncated"
+        magic, version, stored_hash, nbytes, crc = _HEADER.unpack_from(data)
+        if magic != _MAGIC or version != FILE_FORMAT_VERSION or stored_hash != block_hash:
+            return "is not this block"
+        if nbytes != self.block_nbytes or len(data) - _HEADER.size != nbytes:
+            return "has the wrong size"
+        if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
+            return "fails its checksum"
+        return None
+
+    def _write_loop(self) -> None:
+        while True:
+            op, block_hash, block = self._queue.get()
+            try:
+                if op == "write":
+                    assert block is not None
+                    self._write(block_hash, block)
+                elif op == "delete":
+                    self.path_of(block_hash).unlink(missing_ok=True)
+                else:
+                    self._flushed.set()
+            except OSError as e:  # a full disk: the block is simply not there later
+                logger.warning("KV disk tier: %s of %x failed: %s", op, block_hash, e)
+            finally:
+                if op == "write":
+                    with self._pending_lock:
+                        if self._pending.get(block_hash) is block:
+                            del self._pending[block_hash]
+
+    def _write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
+        payload = block.contiguous().view(torch.uint8).numpy()
+        header = _HEADER.pack(
+            _MAGIC, FILE_FORMAT_VERSION, block_hash, payload.nbytes, zlib.crc32(payload)
+        )
+        path = self.path_of(block_hash)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, path)
+
+
+class KVTiers:
+    """The tiers this engine has, and each step's transfers applied to them."""
+
+    def __init__(self, config: EngineConfig, pool: KVPool) -> None:
+        offload = config.kv_offload
+        assert offload is not None and offload.enabled
+        nbytes = block_bytes(config)
+        self.tiers: list[KVTier | None] = [None, None]
+        if offload.cpu_bytes > 0:
+            pin = pool.tensors[0].is_cuda
+            self.tiers[TIER_CPU] = CpuTier(pool, offload.cpu_bytes // nbytes, pin)
+        if offload.disk_dir is not None:
+            directory = tier_directory(config)
+            self.tiers[TIER_DISK] = DiskTier(pool, directory, nbytes, config.lora is not None)
+
+    def apply(self, transfers: KVTransfers) -> list[tuple[int, BlockHash, int]]:
+        """Drops, stores, loads; returns the (tier, hash, block id) loads that failed."""
+        for tier, hashes, _ in _by_tier([(t, h, 0) for t, h in transfers.drops]):
+            self._tier(tier).drop(hashes)
+        for tier, hashes, ids in _by_tier(transfers.stores):
+            self._tier(tier).store(hashes, ids)
+        failed: list[tuple[int, BlockHash, int]] = []
+        for tier, hashes, ids in _by_tier(transfers.loads):
+            for i in self._tier(tier).load(hashes, ids):
+                failed.append((tier, hashes[i], ids[i]))
+        return failed
+
+    def _tier(self, tier: int) -> KVTier:
+        found = self.tiers[tier]
+        if found is None:
+            raise RuntimeError(f"KV transfer for tier {tier}, which this executor does not have")
+        return found
+
+
+def _by_tier(
+    items: Sequence[tuple[int, BlockHash, int]],
+) -> list[tuple[int, list[BlockHash], list[int]]]:
+    """(tier, hash, block id) records grouped by tier, in order."""
+    grouped: dict[int, tuple[list[BlockHash], list[int]]] = {}
+    for tier, block_hash, block_id in items:
+        hashes, ids = grouped.setdefault(tier, ([], []))
+        hashes.append(block_hash)
+        ids.append(block_id)
+    return [(tier, hashes, ids) for tier, (hashes, ids) in grouped.items()]

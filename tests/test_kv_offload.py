@@ -1,0 +1,474 @@
+"""KV offload: the tiers below the KV pool (CPU memory, local disk) and their connector.
+
+The core's side as an executable spec (exact hashes, block ids, LRU order, transfers), the
+executor's side on real tensors and files (round trips, corruption, bounds, the directory
+lock), then the engine: a prefix evicted from the pool comes back from each tier with the
+outputs of recomputing it, a corrupt disk block is recomputed, the bounds hold, and a
+restarted engine finds its disk tier again.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from zllm import LLM, SamplingParams
+from zllm.config import KVOffloadConfig, SchedulerConfig
+from zllm.core.block_manager import BlockManager, hash_full_blocks
+from zllm.core.kv_connector import TieredKVConnector, TierIndex
+from zllm.core.request import Request
+from zllm.core.scheduler import Scheduler
+from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
+from zllm.kv_tiers import (
+    TIER_CPU,
+    TIER_DISK,
+    block_file_name,
+    existing_disk_blocks,
+    parse_block_file_name,
+    tier_directory,
+)
+from zllm.protocol import ModelRunnerOutput
+
+BS = 4
+
+
+# ---- the core's index --------------------------------------------------------------------------
+def test_tier_index_lookup_is_the_leading_run_and_lru_evicts_oldest_unprotected():
+    index = TierIndex(TIER_CPU, capacity_blocks=3)
+    assert index.add(10, set()) == [] and index.add(11, set()) == [] and index.add(12, set()) == []
+    assert index.lookup([10, 11, 12, 13]) == 3 and index.lookup([11, 10]) == 2
+    assert index.lookup([13, 10]) == 0
+    index.touch(10)  # 10 is now the newest: 11 goes first
+    assert index.add(13, set()) == [11]
+    assert index.add(14, protected={12}) == [10]  # 12 is being loaded this step
+    assert sorted([h for h in (10, 11, 12, 13, 14) if h in index]) == [12, 13, 14]
+
+
+def connector(cpu_blocks: int = 0, disk_blocks: int = 0, on_disk=()) -> TieredKVConnector:
+    config = KVOffloadConfig(
+        cpu_bytes=cpu_blocks * 100, disk_dir="/unused" if disk_blocks else None,
+        disk_bytes=disk_blocks * 100,
+    )  # fmt: skip
+    return TieredKVConnector(config, block_bytes=100, disk_blocks=on_disk)
+
+
+def test_evictions_are_stored_in_every_tier_and_lru_beyond_the_bound_is_dropped():
+    kv = connector(cpu_blocks=2, disk_blocks=3)
+    kv.evicted([(1, 7), (2, 8)])
+    t = kv.take_transfers()
+    assert t.stores == [(TIER_CPU, 1, 7), (TIER_DISK, 1, 7), (TIER_CPU, 2, 8), (TIER_DISK, 2, 8)]
+    assert t.drops == [] and t.loads == []
+    kv.evicted([(3, 9)])  # the cpu tier is full: its oldest (1) goes, the disk keeps it
+    t = kv.take_transfers()
+    assert t.drops == [(TIER_CPU, 1)]
+    assert t.stores == [(TIER_CPU, 3, 9), (TIER_DISK, 3, 9)]
+    assert kv.lookup([1, 2, 3, 4]) == [TIER_DISK, TIER_CPU, TIER_CPU]  # cpu preferred
+    assert kv.take_transfers() is None  # nothing happened since
+
+
+def test_a_block_stored_and_evicted_in_one_step_is_never_sent():
+    kv = connector(cpu_blocks=1)
+    kv.evicted([(1, 7), (2, 8)])  # 2 pushes 1 out before the executor ever held it
+    t = kv.take_transfers()
+    assert t.stores == [(TIER_CPU, 2, 8)] and t.drops == []
+
+
+def test_blocks_loaded_in_a_step_are_not_evicted_in_it():
+    kv = connector(cpu_blocks=2)
+    kv.evicted([(1, 7), (2, 8)])
+    kv.take_transfers()
+    kv.load([1, 2], [30, 31], [TIER_CPU, TIER_CPU])
+    kv.evicted([(3, 9)])  # no room without dropping a block being loaded: 3 is not kept
+    t = kv.take_transfers()
+    assert t.loads == [(TIER_CPU, 1, 30), (TIER_CPU, 2, 31)]
+    assert t.stores == [] and t.drops == []
+    assert kv.lookup([1, 2, 3]) == [TIER_CPU, TIER_CPU]
+
+
+def test_a_failed_load_forgets_that_copy_and_counts():
+    kv = connector(disk_blocks=4, on_disk=[5, 6])
+    assert kv.lookup([5, 6]) == [TIER_DISK, TIER_DISK]  # what the directory held at start
+    kv.load_failed([(TIER_DISK, 6)])
+    assert kv.lookup([5, 6]) == [TIER_DISK]
+    assert kv.take_transfers().drops == [(TIER_DISK, 6)]
+    assert kv.load_failures == [0, 1]
+
+
+def test_a_directory_over_its_bound_is_trimmed_oldest_first():
+    kv = connector(disk_blocks=2, on_disk=[1, 2, 3])
+    assert kv.take_transfers().drops == [(TIER_DISK, 1)]
+
+
+# ---- the block manager: evictions, candidate hashes, pins ----------------------------------------
+def admit(bm: BlockManager, req_id: str, tokens: list[int]) -> None:
+    hit = bm.find_cached_prefix(tokens)
+    assert bm.allocate_slots(req_id, tokens, hit.num_tokens, len(tokens) - hit.num_tokens, hit)
+
+
+def test_evictions_are_recorded_with_their_hash_and_block():
+    bm = BlockManager(4, BS, record_evictions=True)
+    admit(bm, "a", list(range(9)))  # blocks 0, 1 full (hashed), 2 partial
+    bm.free("a")
+    hashes = hash_full_blocks(list(range(8)), BS)
+    assert bm.take_evicted() == []
+    admit(bm, "b", list(range(100, 113)))  # 4 blocks: the free one, then 1 and 0 (tail first)
+    assert bm.take_evicted() == [(hashes[1], 1), (hashes[0], 0)]
+    assert bm.take_evicted() == []
+
+
+def test_candidate_hashes_cover_every_full_block_but_the_last_token():
+    bm = BlockManager(8, BS)
+    hit = bm.find_cached_prefix(list(range(13)))  # 3 full blocks; 12 tokens may be cached
+    assert hit.num_blocks == 0 and hit.candidate_hashes == hash_full_blocks(list(range(12)), BS)
+    assert len(bm.find_cached_prefix(list(range(12))).candidate_hashes) == 2  # not the last
+
+
+def test_pins_hold_blocks_until_their_time_then_free_them():
+    bm = BlockManager(6, BS, max_pinned_blocks=2)
+    admit(bm, "a", list(range(13)))  # blocks 0-3, three full
+    assert bm.pin("a", num_tokens=12, until=100.0) == 2  # the bound: the leading two
+    assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    bm.free("a")
+    assert bm.num_free_blocks == 4  # 0 and 1 stay pinned, out of the free queue
+    assert bm.pin("a", 12, 200.0) == 0  # a request no longer holding blocks pins nothing
+    bm.unpin_expired(now=99.0)
+    assert len(bm.pins) == 2
+    bm.unpin_expired(now=100.0)
+    assert len(bm.pins) == 0 and bm.num_free_blocks == 6
+    assert bm.find_cached_prefix(list(range(13))).num_blocks == 3  # still cached, just free
+
+
+def test_pinning_again_extends_and_release_frees_all():
+    bm = BlockManager(6, BS, max_pinned_blocks=4)
+    admit(bm, "a", list(range(9)))
+    bm.pin("a", 8, until=10.0)
+    admit(bm, "b", list(range(9)))  # a prefix hit on the pinned blocks
+    assert bm.pin("b", 8, until=50.0) == 2
+    assert bm.blocks[0].ref_count == 3  # a, b, and one pin (not two)
+    bm.free("a")
+    bm.free("b")
+    bm.unpin_expired(now=20.0)
+    assert len(bm.pins) == 2  # extended to 50
+    bm.release_pins()
+    assert len(bm.pins) == 0 and bm.num_free_blocks == 6
+
+
+def test_blocks_of_a_request_never_computed_stop_being_cached():
+    bm = BlockManager(6, BS)
+    admit(bm, "a", list(range(9)))
+    bm.free("a", keep_hashes=False)
+    assert bm.find_cached_prefix(list(range(9))).num_blocks == 0
+
+
+# ---- the scheduler: loads at admission ---------------------------------------------------------
+def test_a_request_whose_prefix_left_the_pool_loads_it_from_the_tier():
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    bm = BlockManager(6, BS, record_evictions=True)
+    kv = connector(cpu_blocks=8)
+    sched = Scheduler(config, bm, kv_connector=kv)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
+    hashes = hash_full_blocks(prompt[:12], BS)
+
+    def run_one(req_id: str, tokens: list[int]) -> None:
+        sched.add_request(Request(req_id, tokens, params))
+        so = sched.schedule()
+        sched.update_from_output(so, ModelRunnerOutput(so.step_id, [req_id], [[1]]))
+        return so
+
+    run_one("a", prompt)
+    so = run_one("b", list(range(200, 221)))  # 21 tokens, 6 blocks: evicts all of a's
+    assert sorted(h for _, h, _ in so.kv_transfers.stores) == sorted(hashes)
+    so = run_one("c", prompt)
+    assert so.new_requests[0].num_computed_tokens == 12
+    assert so.num_scheduled_tokens == {"c": 1}  # only the last token is computed
+    loads = so.kv_transfers.loads
+    assert [h for _, h, _ in loads] == hashes
+    assert [b for _, _, b in loads] == so.new_requests[0].block_ids[0][:3]
+    assert kv.hit_tokens[TIER_CPU] == 12 and bm.prefix_cache_hits == 0
+
+
+# ---- the executor's tiers on real tensors and files ------------------------------------------------
+def make_pool(num_blocks: int = 8, layers: int = 3, dtype=torch.float32) -> KVPool:
+    gen = torch.Generator().manual_seed(5)
+    return KVPool(
+        [torch.randn(2, num_blocks, BS, 2, 8, generator=gen).to(dtype) for _ in range(layers)]
+    )
+
+
+def block_of(pool: KVPool, block_id: int) -> torch.Tensor:
+    return torch.stack([kv[:, block_id] for kv in pool.tensors])
+
+
+def test_pool_gather_and_scatter_move_whole_blocks():
+    pool = make_pool()
+    data = pool.gather([5, 2])
+    assert data.shape == (2, 3, 2, BS, 2, 8)
+    assert torch.equal(data[0], block_of(pool, 5)) and torch.equal(data[1], block_of(pool, 2))
+    pool.scatter([0, 1], data)
+    assert torch.equal(block_of(pool, 0), block_of(pool, 5))
+    assert torch.equal(block_of(pool, 1), block_of(pool, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tier_round_trip_and_slots(dtype):
+    pool = make_pool(dtype=dtype)
+    tier = CpuTier(pool, capacity=2, pin_memory=False)
+    expected = [block_of(pool, 3).clone(), block_of(pool, 4).clone()]
+    tier.store([30, 40], [3, 4])
+    with pytest.raises(RuntimeError, match="more blocks than it holds"):
+        tier.store([50], [5])
+    assert tier.load([40, 99, 30], [0, 1, 2]) == [1]  # 99 was never stored
+    assert torch.equal(block_of(pool, 0), expected[1]) and torch.equal(
+        block_of(pool, 2), expected[0]
+    )
+    tier.drop([30])
+    tier.store([50], [5])  # its slot is free again
+    assert tier.load([30], [6]) == [0]
+
+
+def disk_tier(tmp_path: Path, pool: KVPool, fresh: bool = False) -> DiskTier:
+    nbytes = pool.tensors[0][:, 0].numel() * len(pool.tensors) * pool.tensors[0].element_size()
+    return DiskTier(pool, tmp_path / "tier", nbytes, fresh)
+
+
+def test_disk_tier_round_trip_from_memory_then_from_file(tmp_path):
+    pool = make_pool(dtype=torch.bfloat16)
+    tier = disk_tier(tmp_path, pool)
+    expected = block_of(pool, 6).clone()
+    tier.store([-123456789], [6])
+    assert tier.load([-123456789], [0]) == []  # served while (or after) it is written
+    tier.flush()
+    assert (tmp_path / "tier" / block_file_name(-123456789)).is_file()
+    assert existing_disk_blocks(tmp_path / "tier") == [-123456789]
+    pool.tensors[0].zero_()
+    assert tier.load([-123456789], [1]) == []
+    assert torch.equal(block_of(pool, 1)[1:], expected[1:])  # layer 0 was zeroed after
+    tier.drop([-123456789])
+    tier.flush()
+    assert existing_disk_blocks(tmp_path / "tier") == []
+    assert tier.load([-123456789], [1]) == [0]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other-hash"])
+def test_disk_tier_refuses_a_damaged_block(tmp_path, damage):
+    pool = make_pool()
+    tier = disk_tier(tmp_path, pool)
+    tier.store([7, 8], [1, 2])
+    tier.flush()
+    path = tmp_path / "tier" / block_file_name(7)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[:-10]))
+    elif damage == "delete":
+        path.unlink()
+    else:  # a file renamed over another block's name
+        path.write_bytes((tmp_path / "tier" / block_file_name(8)).read_bytes())
+    before = block_of(pool, 0).clone()
+    assert tier.load([7, 8], [0, 3]) == [0]
+    assert torch.equal(block_of(pool, 0), before)  # nothing written for the bad block
+    assert torch.equal(block_of(pool, 3), block_of(pool, 2))
+
+
+def test_disk_tier_directory_is_one_engines(tmp_path):
+    pool = make_pool()
+    first = disk_tier(tmp_path, pool)
+    first.store([1], [1])
+    first.flush()
+    with pytest.raises(RuntimeError, match="another engine uses"):
+        disk_tier(tmp_path, pool)
+    first._lock_file.close()  # as when its process ends
+    again = disk_tier(tmp_path, pool, fresh=True)  # LoRA: stale adapter ids, start empty
+    assert existing_disk_blocks(again.directory) == []
+
+
+def test_block_file_names_round_trip_signed_hashes():
+    for value in (0, 1, -1, 2**63 - 1, -(2**63), hash((None, (1, 2, 3)))):
+        assert parse_block_file_name(block_file_name(value)) == value
+    assert parse_block_file_name("nothex0000000000.zkv") is None
+    assert parse_block_file_name(".lock") is None
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+POOL_BYTES = 64 * 8192  # the tiny model: 512 bytes a token, 8 KiB a block: 64 blocks
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def random_prompt(rng: random.Random, n: int) -> dict:
+    return {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(n)]}
+
+
+def flush_pool(llm: LLM, rng: random.Random) -> None:
+    """Other traffic: more distinct prompts than the pool holds."""
+    for _ in range(3):
+        llm.generate([random_prompt(rng, 300) for _ in range(2)], GREEDY, use_tqdm=False)
+
+
+def assert_same_outputs(ours, reference) -> None:
+    assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+    for a, b in zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
+        for token, lp in b.items():
+            assert abs(a[token].logprob - lp.logprob) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def recomputed(tiny_llama_dir):
+    """What recomputing gives: the prompts on an engine without tiers."""
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES)
+    rng = random.Random(1)
+    prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
+    return prompts, llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_an_evicted_prefix_comes_back_from_the_tier(tiny_llama_dir, tmp_path, recomputed, tier):
+    prompts, reference = recomputed
+    extra = (
+        dict(kv_offload_bytes=1 << 20)
+        if tier == "cpu"
+        else dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    )
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, **extra)
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    flush_pool(llm, random.Random(2))
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    stats = llm.engine.heartbeat()
+    index = TIER_CPU if tier == "cpu" else TIER_DISK
+    assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
+    assert stats.kv_tier_hits[index] == 320 and stats.prefix_cache_hits == 0
+    for ours, ref, before in zip(again, reference, first, strict=True):
+        assert_same_outputs(ours, ref)
+        assert_same_outputs(before, ref)
+    # The bounds: 1 MiB is 128 blocks of 8 KiB.
+    assert stats.kv_tier_capacity[index] == 128
+    assert 0 < stats.kv_tier_blocks[index] <= 128
+    if tier == "disk":
+        llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+        files = existing_disk_blocks(tier_directory(llm.config))
+        assert len(files) == stats.kv_tier_blocks[index]
+
+
+def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
+    llm = LLM(
+        tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path),
+        kv_offload_disk_bytes=20 * 8192,
+    )  # fmt: skip
+    flush_pool(llm, random.Random(3))
+    flush_pool(llm, random.Random(4))
+    stats = llm.engine.heartbeat()
+    assert stats.kv_tier_stores[TIER_DISK] > 20 and stats.kv_tier_blocks[TIER_DISK] == 20
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    assert len(existing_disk_blocks(tier_directory(llm.config))) == 20
+
+
+def test_a_corrupt_disk_block_is_recomputed(tiny_llama_dir, tmp_path, recomputed):
+    prompts, reference = recomputed
+    llm = LLM(
+        tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path),
+        kv_offload_disk_bytes=1 << 20,
+    )  # fmt: skip
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    flush_pool(llm, random.Random(2))
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    directory = tier_directory(llm.config)
+    hashes = hash_full_blocks(prompts[0]["prompt_token_ids"][:240], 16)
+    victim = directory / block_file_name(hashes[7])  # a block in the middle of the prefix
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x01
+    victim.write_bytes(bytes(data))
+    again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    assert_same_outputs(again, reference[0])
+    stats = llm.engine.heartbeat()
+    assert stats.kv_tier_load_failures[TIER_DISK] == 1
+    assert stats.kv_tier_hits[TIER_DISK] == 240  # the loads were planned; one recomputed
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    assert not victim.exists()  # the core forgot it and the executor deleted it
+
+
+def test_a_restarted_engine_finds_its_disk_tier(tiny_llama_dir, tmp_path, recomputed):
+    prompts, reference = recomputed
+    kw = dict(kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path))
+    llm = LLM(tiny_llama_dir, **kw)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    flush_pool(llm, random.Random(2))
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    llm.model_runner.kv_tiers.tiers[TIER_DISK]._lock_file.close()  # as when it exits
+    del llm
+    restarted = LLM(tiny_llama_dir, **kw)
+    out = restarted.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 240
+    assert restarted.engine.heartbeat().kv_tier_hits[TIER_DISK] == 240
+    assert_same_outputs(out, reference[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "needs prefix caching"),
+        (dict(kv_offload_bytes=100), "holds no KV block"),
+        (
+            dict(kv_offload_bytes=1 << 20,
+                 speculative_config={"method": "draft_model", "model": "SELF",
+                                     "num_speculative_tokens": 2}),
+            "draft model",
+        ),
+    ],
+)  # fmt: skip
+def test_offload_refuses_what_it_cannot_keep(tiny_llama_dir, kwargs, message):
+    spec = kwargs.get("speculative_config")
+    if spec is not None:
+        spec["model"] = tiny_llama_dir
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, **kwargs)
+
+
+# ---- served ----------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path):
+    from servers import metric, start_server, stop_server, wait_until
+
+    server = start_server(
+        tiny_llama_dir, tmp_path / "serve.log", "--served-model-name", "tiny",
+        "--kv-cache-memory-bytes", str(POOL_BYTES), "--kv-offload-bytes", "512K",
+        "--kv-offload-dir", str(tmp_path / "tier"), "--kv-offload-disk-bytes", "1M",
+    )  # fmt: skip
+    try:
+        rng = random.Random(7)
+        first = random_prompt(rng, 250)["prompt_token_ids"]
+
+        def complete(tokens: list[int]) -> dict:
+            r = server.post("/v1/completions", {"model": "tiny", "prompt": tokens,
+                                                "max_tokens": 4, "temperature": 0})  # fmt: skip
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        before = complete(first)
+        for _ in range(6):
+            complete(random_prompt(rng, 300)["prompt_token_ids"])
+        again = complete(first)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 240
+        assert again["choices"][0]["text"] == before["choices"][0]["text"]
+
+        def series(name: str, tier: str) -> float:
+            line = rf'^{name}{{model_name="tiny",tier="{tier}"}} (\S+)$'
+            match = re.search(line, server.get("/metrics").text, re.M)
+            assert match, f"{name} {tier} missing from /metrics"
+            return float(match.group(1))
+
+        hits = "zllm:kv_offload_hits_total"
+        assert wait_until(lambda: series(hits, "cpu") + series(hits, "disk") == 240, timeout=10)
+        assert series("zllm:kv_offload_capacity_blocks", "cpu") == 64
+        assert series("zllm:kv_offload_capacity_blocks", "disk") == 128
+        assert metric(server.get("/metrics").text, "zllm:kv_offload_stored_blocks_total") > 0
+        tiers = server.get("/dashboard/stats").json()["engine"]["kv_tiers"]
+        assert [t["name"] for t in tiers] == ["cpu", "disk"]
+        assert sum(t["hits"] for t in tiers) == 240
+    finally:
+        stop_server(server)

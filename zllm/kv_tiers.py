@@ -1,0 +1,104 @@
+"""What the core and the executor both need to know about the KV cache tiers (no torch).
+
+    tier   where                        bound                     survives
+    cpu    the executor's memory        --kv-offload-bytes        nothing (a process restart)
+    disk   --kv-offload-dir/<layout>/   --kv-offload-disk-bytes   restarts of the same layout
+
+The core keeps each tier's index (which block hashes it holds, LRU: core/kv_connector.py),
+the executor holds the bytes (executor/kv_connector.py). A block on disk is one file named
+by its block hash, under a directory named by a fingerprint of everything that decides a
+block's bytes (model file, dtype, block size, layout, quantization), so a directory shared
+by several models, or outliving a change of flags, never hands one of them another's KV.
+Block hashes are stable across processes (hashes of tuples of ints), so the disk tier of a
+restarted engine still serves its prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from zllm.config import EngineConfig
+from zllm.kv_cache_groups import kv_bytes_per_slot, kv_cache_groups
+
+TIER_CPU = 0
+TIER_DISK = 1
+TIER_NAMES = ("cpu", "disk")
+
+BLOCK_FILE_SUFFIX = ".zkv"
+FILE_FORMAT_VERSION = 1
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def block_bytes(config: EngineConfig) -> int:
+    """The bytes of one KV block: every layer's K and V for block_size tokens."""
+    groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
+    per_slot = kv_bytes_per_slot(config.arch, groups, DTYPE_BYTES[config.dtype])
+    return per_slot * config.cache.block_size
+
+
+def layout_fingerprint(config: EngineConfig) -> str:
+    """16 hex digits naming everything a block's bytes depend on."""
+    path = Path(config.model_path)
+    identity = path / "config.json" if path.is_dir() else path
+    try:
+        stat = identity.stat()
+        model = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    except OSError:
+        model = [str(path)]
+    arch = config.arch
+    key = {
+        "version": FILE_FORMAT_VERSION,
+        "model": model,
+        "dtype": config.dtype,
+        "block_size": config.cache.block_size,
+        "layout": [arch.num_layers, arch.num_kv_heads, arch.head_dim],
+        "groups": len(kv_cache_groups(arch, config.cache.hybrid_kv_cache)),
+        "quantization": str(config.quantization),
+        "model_impl": config.model_impl,
+        "deterministic": config.deterministic,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tier_directory(config: EngineConfig) -> Path:
+    """Where the disk tier of this engine's layout keeps its block files."""
+    assert config.kv_offload is not None and config.kv_offload.disk_dir is not None
+    return Path(config.kv_offload.disk_dir).expanduser() / layout_fingerprint(config)
+
+
+def block_file_name(block_hash: int) -> str:
+    """A block hash (a signed 64-bit int) as a file name: 16 hex digits of its two's
+    complement."""
+    return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}{BLOCK_FILE_SUFFIX}"
+
+
+def parse_block_file_name(name: str) -> int | None:
+    """The block hash a file name holds, or None for a name that is not a block file."""
+    if not name.endswith(BLOCK_FILE_SUFFIX) or len(name) != 16 + len(BLOCK_FILE_SUFFIX):
+        return None
+    try:
+        value = int(name[:16], 16)
+    except ValueError:
+        return None
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def existing_disk_blocks(directory: Path) -> list[int]:
+    """The block hashes a tier directory holds, least recently written first (the order the
+    disk tier's LRU starts from after a restart)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    found: list[tuple[int, int]] = []
+    for entry in entries:
+        block_hash = parse_block_file_name(entry.name)
+        if block_hash is not None:
+            try:
+                found.append((entry.stat().st_mtime_ns, block_hash))
+            except OSError:
+                continue  # removed meanwhile
+    return [block_hash for _, block_hash in sorted(found)]
