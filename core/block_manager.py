@@ -527,6 +527,17 @@ class BlockManager:
         for block in self.pins.clear():
             self._unref(block)
 
+    def evict_cached(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of every cached free block, least recently used first, each
+        uncached (sleep mode stores them to the KV tiers before the pool goes)."""
+        evicted = []
+        for block_id in self.free_queue.block_ids():
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                evicted.append((block.block_hash, block_id))
+                self._uncache(block)
+        return evicted
+
     def take_evicted(self) -> list[tuple[BlockHash, int]]:
         """(hash, block id) of the cached blocks evicted since the last call: their bytes are
         still in the pool until the step that reuses them runs."""

@@ -218,6 +218,17 @@ class EngineCore:
         self.stats.core_output_s += time.perf_counter() - start
         return batches
 
+    def sleep_step(self) -> SchedulerOutput:
+        """The step that puts the executor to sleep (only when idle). The prefix cache
+        empties; with KV tiers its blocks are stored down to them first, so after waking
+        those prefixes load back instead of being recomputed."""
+        transfers = None
+        if self.kv_connector is not None:
+            self.kv_connector.evicted(self.block_manager.evict_cached())
+            transfers = self.kv_connector.take_transfers()
+        self.block_manager.reset_prefix_cache()
+        return SchedulerOutput(-1, [], [], {}, 0, sleep=True, kv_transfers=transfers)
+
     def heartbeat(self) -> EngineStats:
         """The stats struct with its gauges read now (safe to call from another thread:
         it only reads the scheduler's state)."""

@@ -188,8 +188,7 @@ class CoreProcess:
                 return False, "requests are running; sleep when the engine is idle"
             while self.engine.num_steps_in_flight:
                 self._collect_step()
-            self._control_step(SchedulerOutput(-1, [], [], {}, 0, sleep=True))
-            self.engine.block_manager.reset_prefix_cache()
+            self._control_step(self.engine.sleep_step())
             self.asleep = True
         elif msg.command == "wake_up" and self.asleep:
             self._control_step(SchedulerOutput(-1, [], [], {}, 0, wake_up=True))

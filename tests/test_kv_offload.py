@@ -472,3 +472,22 @@ def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path):
         assert sum(t["hits"] for t in tiers) == 240
     finally:
         stop_server(server)
+
+
+def test_sleep_keeps_the_prefix_cache_in_the_tier(tiny_llama_dir, recomputed):
+    """Sleep mode empties the pool; with a tier its cached prefixes are stored first, so
+    after waking they load instead of being recomputed."""
+    prompts, reference = recomputed
+    llm = LLM(
+        tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_bytes=1 << 20,
+        enable_sleep_mode=True,
+    )  # fmt: skip
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.heartbeat().kv_tier_stores[TIER_CPU] == 0  # nothing evicted yet
+    llm.sleep()
+    llm.wake_up()
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [240, 80]
+    assert llm.engine.heartbeat().kv_tier_hits[TIER_CPU] == 320
+    for ours, ref in zip(again, reference, strict=True):
+        assert_same_outputs(ours, ref)

@@ -211,15 +211,16 @@ class LLM:
     def sleep(self, level: int = 1) -> None:
         """Release the model's weights and KV pool while idle (vLLM's sleep mode); `wake_up`
         loads them again. Levels 1 and 2 both release and reload from the model file here
-        (on CPU, keeping a copy would not free memory). The prefix cache starts empty."""
+        (on CPU, keeping a copy would not free memory). The prefix cache starts empty (with
+        KV offload tiers, its blocks are stored to them and load back after waking)."""
         if not self.config.enable_sleep_mode:
             raise RuntimeError("sleep needs LLM(..., enable_sleep_mode=True)")
         if level not in (1, 2):
             raise ParamError("sleep level must be 1 or 2", "level")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep needs an idle engine")
+        self.model_runner.execute_model(self.engine.sleep_step())
         self.model_runner.sleep()
-        self.engine.block_manager.reset_prefix_cache()
 
     def wake_up(self) -> None:
         self.model_runner.wake_up()
