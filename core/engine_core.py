@@ -283,6 +283,7 @@ class EngineCore:
         s.executor_prepare_s += output.prepare_time_s
         s.executor_forward_s += output.forward_time_s
         s.executor_sample_s += output.sample_time_s
+        s.gpu_idle_s += output.gpu_idle_time_s
         allocated, used = self.scheduler.kv_slot_usage()
         s.kv_slots_allocated += allocated
         s.kv_slots_used += used

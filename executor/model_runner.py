@@ -144,6 +144,9 @@ class ModelRunner:
         self.asleep = False
         self.grammars = GrammarCompiler(config.model_path, self.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
+        # On a GPU: an event after the last step's final kernel, to time the GPU's idle gap
+        # before the next step's first one (gpu_idle_time_s).
+        self._gpu_done: torch.cuda.Event | None = None
         # Generators of the extra samples of an n > 1 request, drawn before the core's fork
         # message for them arrives: (parent req_id, sample_index) -> generator.
         self._child_generators: dict[tuple[str, int], torch.Generator | None] = {}
@@ -398,6 +401,7 @@ class ModelRunner:
             )
         inputs = self._prepare_inputs(so, scheduled)
         forward_start = time.perf_counter()
+        gpu_start = self._record_gpu_event()
         hidden = self._forward(inputs)
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
@@ -405,7 +409,9 @@ class ModelRunner:
         pooled = self._pool(inputs, hidden)
         rows = self._choose_sample_rows(inputs, so)
         sampled = self._sample(rows, hidden) if rows.requests else None
+        gpu_end = self._record_gpu_event()  # before _pack_output waits for the results
         output = self._pack_output(so.step_id, rows, sampled, prompt_logprobs)
+        output.gpu_idle_time_s = self._gpu_idle_before(gpu_start, gpu_end, so.after_no_work)
         output.pooled = pooled
         output.failed = failed
         output.kv_load_failed = kv_load_failed
@@ -441,6 +447,28 @@ class ModelRunner:
                 scheduled[req_id] += st.num_computed_tokens - start
                 st.num_computed_tokens = start
         return scheduled, [(tier, block_hash) for tier, block_hash, _ in failures]
+
+    def _record_gpu_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _gpu_idle_before(
+        self,
+        start: torch.cuda.Event | None,
+        end: torch.cuda.Event | None,
+        after_no_work: bool,
+    ) -> float:
+        """Seconds the GPU had nothing to run between the last step's final kernel and this
+        step's first one (0 on CPU, and after a wait for work). Events are timestamped when
+        the GPU reaches them, so the gap is the GPU's own, the executor's Python between the
+        two included. This step has synced by now, so `start` is complete."""
+        previous, self._gpu_done = self._gpu_done, end
+        if start is None or previous is None or after_no_work:
+            return 0.0
+        return max(0.0, previous.elapsed_time(start) / 1000)
 
     def _prepare_inputs(
         self, so: SchedulerOutput, scheduled_tokens: dict[str, int] | None = None

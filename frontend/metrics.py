@@ -288,6 +288,11 @@ _COUNTERS = (
         "executor_sample_s",
     ),
     (
+        "zllm:gpu_idle_seconds",
+        "Seconds the GPU had no kernel between steps (CUDA events; 0 on CPU).",
+        "gpu_idle_s",
+    ),
+    (
         "zllm:core_schedule_seconds",
         "Seconds the core spent in the scheduler choosing steps.",
         "core_schedule_s",

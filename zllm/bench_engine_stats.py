@@ -26,6 +26,7 @@ STEP_COUNTERS = {
     "sample": "zllm:executor_sample_seconds_total",
     "schedule": "zllm:core_schedule_seconds_total",
     "core_output": "zllm:core_output_seconds_total",
+    "gpu_idle": "zllm:gpu_idle_seconds_total",
 }
 
 
@@ -91,6 +92,8 @@ def engine_cost(
         result["steps"] = int(steps)
         result["per_step_ms"] = {k: round(v / steps * 1e3, 3) for k, v in delta.items()}
         result["executor_idle_share"] = round(delta["idle"] / busy_idle, 4) if busy_idle else None
+        if delta.get("gpu_idle") and busy_idle:  # a GPU: its own idle share between steps
+            result["gpu_idle_share"] = round(delta["gpu_idle"] / busy_idle, 4)
     drafts = c1.get("spec_drafts", 0.0) - c0.get("spec_drafts", 0.0)
     if drafts > 0:
         proposed = c1.get("spec_draft_tokens", 0.0) - c0.get("spec_draft_tokens", 0.0)

@@ -521,6 +521,8 @@ def format_table(s: dict[str, Any]) -> str:
             rows.append((f"{name} (ms/step)", f"{step[key]:.2f}"))
         if engine.get("executor_idle_share") is not None:
             rows.append(("Executor idle share", f"{engine['executor_idle_share']:.1%}"))
+        if engine.get("gpu_idle_share") is not None:
+            rows.append(("GPU idle between steps (share)", f"{engine['gpu_idle_share']:.1%}"))
     spec = engine.get("spec_decode")
     if spec:
         rows.append(("Spec decode acceptance rate", f"{spec['acceptance_rate']:.1%}"))

@@ -206,6 +206,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sample_time_s: float = 0.0
     exec_time_s: float = 0.0
     idle_time_s: float = 0.0
+    # On a GPU: how long it idled between the previous step's last kernel and this step's
+    # first (CUDA events), the executor's own Python between steps included.
+    gpu_idle_time_s: float = 0.0
 
 
 # ---- core -> the rest ----------------------------------------------------------------------
@@ -417,6 +420,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     executor_prepare_s: float = 0.0
     executor_forward_s: float = 0.0
     executor_sample_s: float = 0.0
+    gpu_idle_s: float = 0.0  # ModelRunnerOutput.gpu_idle_time_s, summed (0 on CPU)
     core_schedule_s: float = 0.0  # in Scheduler.schedule
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0
