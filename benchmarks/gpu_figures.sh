@@ -10,6 +10,8 @@
 #   throughput   zllm bench throughput vs transformers' generate, 256 x 128/128, bf16
 #   serve        zllm serve (SmolLM2, bf16) under zllm bench serve at concurrency 1/32/64/256,
 #                with GPU utilization sampled by nvidia-smi every 100 ms
+#   serve-shape  the same shape with random weights (no model transfer needed), c = 1 and
+#                64, with the GPU's idle share between steps from CUDA events
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
@@ -42,6 +44,36 @@ for step in "$@"; do
       timeout 150 zllm bench throughput --num-prompts 256 --hf-batch-size 256 \
         --backend $backend 2>&1 | grep -v "INFO" | tail -3
     done | tee "$OUT/throughput.log" ;;
+  serve-shape)
+    # SmolLM2's layer shapes with random weights and the tests' tiny tokenizer (no model
+    # transfer): the GPU's idle share between steps at concurrency 1 and 64.
+    section "$step"
+    python3 - <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from tiny_models import write_tiny_model
+write_tiny_model(Path("/tmp/smollm2-shape"), hidden_size=576, intermediate_size=1536,
+                 num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                 max_position_embeddings=2048, initializer_range=0.02)
+PY
+    zllm serve /tmp/smollm2-shape --port 8124 > "$OUT/serve-shape.log" 2>&1 &
+    python3 - <<'PY'
+import time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8124/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(0.5)
+PY
+    for c in 1 64; do
+      n=$(( c < 16 ? 32 : 4 * c ))
+      timeout 150 zllm bench serve --base-url http://127.0.0.1:8124 --concurrency $c \
+        --num-prompts $n --input-len 128 --output-len 128 --vocab-size 400 \
+        --output-json "$OUT/serve-shape-c$c.json" 2>&1 | tail -32
+    done 2>&1 | tee "$OUT/serve-shape-bench.log"
+    kill %1; wait ;;
   serve)
     section "$step"
     zllm serve smollm2 --port 8123 > "$OUT/serve.log" 2>&1 &

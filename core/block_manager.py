@@ -190,6 +190,13 @@ class PrefixPins:
         self._heap.clear()
         return blocks
 
+    def earliest(self, count: int) -> list[KVBlock]:
+        """Unpin the `count` blocks whose time is up soonest; returns them."""
+        order = sorted(self._until.items(), key=lambda item: item[1][1])[:count]
+        for block_id, _ in order:
+            del self._until[block_id]
+        return [block for _, (block, _) in order]
+
 
 def cache_salt(lora_int_id: int | None) -> BlockHash | None:
     """The prefix-cache salt of a request's blocks: its LoRA adapter's, None for the base."""
@@ -522,9 +529,11 @@ class BlockManager:
         for block in self.pins.expired(now):
             self._unref(block)
 
-    def release_pins(self) -> None:
-        """Unpin every block (their time is not up, but the pool needs them)."""
-        for block in self.pins.clear():
+    def release_pins(self, count: int | None = None) -> None:
+        """Unpin the `count` blocks whose time is up soonest, or every block (their time is
+        not up, but the pool needs them)."""
+        blocks = self.pins.clear() if count is None else self.pins.earliest(count)
+        for block in blocks:
             self._unref(block)
 
     def evict_cached(self) -> list[tuple[BlockHash, int]]:

@@ -227,12 +227,13 @@ class Scheduler:
                 req.num_computed_tokens,
                 num_new + len(drafts) + self._lookahead(plan),
             ):
-                # A beam that only waits for its siblings goes first, else the newest; pinned
-                # prefixes yield before a request would have to give up its own place.
-                victim = self._idle_beam(plan) or self.running[-1]
-                if victim is req and bm.pins:
-                    bm.release_pins()
+                # Pinned prefixes yield before any running request is preempted (half of the
+                # pins at a time, soonest to expire first); then a beam that only waits for
+                # its siblings goes first, else the newest request.
+                if bm.pins:
+                    bm.release_pins(max(1, len(bm.pins) // 2))
                     continue
+                victim = self._idle_beam(plan) or self.running[-1]
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
