@@ -35,33 +35,7 @@ cd "$(dirname "$0")/.."
 modules=()
 for i in 1 2 3 4; do modules+=("lora$i=$RESULTS_DIR/adapters/lora$i"); done
 
-server_pid=""
-stop_server() {
-    if [ -n "$server_pid" ]; then
-        kill -TERM "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-        server_pid=""
-    fi
-}
-trap stop_server EXIT
-
-start_server() {  # $1: label, then zllm serve options
-    local label="$1"
-    shift
-    "$PYTHON" -m zllm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-        --served-model-name base "$@" >"$RESULTS_DIR/server-$label.log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 600); do
-        if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then return 0; fi
-        if ! kill -0 "$server_pid" 2>/dev/null; then
-            tail -20 "$RESULTS_DIR/server-$label.log" >&2
-            return 1
-        fi
-        sleep 1
-    done
-    echo "server $label did not start" >&2
-    return 1
-}
+source benchmarks/lib.sh  # start_server, stop_server (after the cd above)
 
 bench() {  # $1: label, $2: prompt seed, $3: round, then zllm bench serve options
     # Each variant draws its own prompts: on the LoRA server a later run would otherwise find
@@ -76,10 +50,10 @@ bench() {  # $1: label, $2: prompt seed, $3: round, then zllm bench serve option
 }
 
 for round in $(seq "$ROUNDS"); do
-    start_server plain
+    start_server plain --served-model-name base
     bench plain 1 "$round" --model base
     stop_server
-    start_server lora --enable-lora --max-loras 4 --max-lora-rank "$RANK" \
+    start_server lora --served-model-name base --enable-lora --max-loras 4 --max-lora-rank "$RANK" \
         --lora-modules "${modules[@]}"
     bench unused 2 "$round" --model base
     bench 1-adapter 3 "$round" --model lora1

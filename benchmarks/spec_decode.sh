@@ -24,33 +24,7 @@ PYTHON="${PYTHON:-python}"
 RESULTS_DIR="${RESULTS_DIR:-/tmp/zllm-spec-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$RESULTS_DIR"
 
-server_pid=""
-stop_server() {
-    if [ -n "$server_pid" ]; then
-        kill -TERM "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-        server_pid=""
-    fi
-}
-trap stop_server EXIT
-
-start_server() {  # $1: label, then zllm serve options
-    local label="$1"
-    shift
-    "$PYTHON" -m zllm.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" "$@" \
-        >"$RESULTS_DIR/server-$label.log" 2>&1 &
-    server_pid=$!
-    for _ in $(seq 600); do
-        if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then return 0; fi
-        if ! kill -0 "$server_pid" 2>/dev/null; then
-            tail -20 "$RESULTS_DIR/server-$label.log" >&2
-            return 1
-        fi
-        sleep 1
-    done
-    echo "server $label did not start" >&2
-    return 1
-}
+source "$(dirname "$0")/lib.sh"  # start_server, stop_server
 
 for round in $(seq "$ROUNDS"); do
     for label in plain spec; do

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from zllm.config import EngineConfig
+from zllm.config import EngineConfig, check_priority
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
@@ -50,6 +50,7 @@ from zllm.protocol import (
     SchedulerOutput,
 )
 from zllm.serve_config import detokenizer_index
+from zllm.tenants import check_tenant_name
 
 MAX_STEPS_IN_FLIGHT = 2
 
@@ -131,11 +132,8 @@ class EngineCore:
             check_token_params(params, self.config.arch.vocab_size)
             if request.lora is not None and self.config.lora is None:
                 raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
-            if request.priority and self.config.scheduler.policy != "priority":
-                raise ParamError(
-                    "priority needs --scheduling-policy priority (this engine serves fcfs)",
-                    "priority",
-                )
+            check_priority(request.priority, self.config.scheduler)
+            check_tenant_name(request.tenant, "tenant")
         except ParamError as e:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(
@@ -149,6 +147,7 @@ class EngineCore:
                 client_id=request.client_id,
                 lora=request.lora,
                 priority=request.priority,
+                tenant=request.tenant,
                 cache_pin=self._cache_pin(request),
             )
         )
@@ -253,6 +252,7 @@ class EngineCore:
         if self.kv_connector is not None:
             self.kv_connector.fill_stats(s)
         s.kv_pinned_blocks = len(bm.pins)
+        s.tenants = sched.tenant_stats()
         s.kv_max_pinned_blocks = bm.pins.max_blocks
         return s
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from zllm.lora import LoRARequest
 from zllm.protocol import CachePin, FinishReason, LogprobsLists
 from zllm.sampling_params import SamplingParams
+from zllm.tenants import DEFAULT_TENANT
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +60,7 @@ class Request:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # --scheduling-policy priority: lower values are served first (vLLM's `priority`).
     priority: int = 0
+    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py; core/fair_share.py)
     # Prefix pinning: what of its prompt to keep cached (num_tokens resolved), and whether
     # its blocks were pinned already.
     cache_pin: CachePin | None = None

@@ -17,6 +17,10 @@ preempted is the lowest priority (the newest among equals). A request of higher 
 waits for room like any other (running requests are not preempted to admit it), and a
 stream of higher-priority requests can starve lower ones: that is what priority means.
 
+With `--scheduling-policy fair` the queue is in priority order too, but which tenant's
+request is admitted next, which running requests yield slots to a tenant below its share,
+and the running order are `FairShare`'s choices (core/fair_share.py).
+
 `num_computed_tokens` advances when a step is *scheduled*, not when it returns, and a
 request whose scheduled chunk reaches its end gets one pending token. So the core can
 schedule step N+1 while the executor still runs step N: a request that samples in N is
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamGroup, Continuation
 from zllm.core.block_manager import BlockManager, PrefixHit, cache_salt
+from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
@@ -54,6 +59,7 @@ from zllm.protocol import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TenantStats,
 )
 
 
@@ -106,6 +112,11 @@ class Scheduler:
         self._pending_beam_tokens: dict[str, int] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        # What each tenant was served (metrics, every policy), and the fair policy's choices.
+        self.tenants = TenantLedger(config.tenant_weights)
+        self.fair = (
+            FairShare(self.tenants, config.max_num_seqs) if config.policy == "fair" else None
+        )
         # Speculative decoding counters (vLLM's spec_decode metrics): steps of a request that
         # verified proposals, proposed tokens, accepted tokens, and accepted per position.
         self.spec_num_drafts = 0
@@ -121,6 +132,7 @@ class Scheduler:
         assert req.req_id not in self.requests and req.req_id not in self._sequences
         self.requests[req.req_id] = req
         self._sequences[req.client_req_id] = [req.req_id]
+        self.tenants.arrive(req.tenant)
         self._enqueue(req)
         params = req.sampling_params
         if params.use_beam_search:
@@ -184,6 +196,10 @@ class Scheduler:
         used = sum(r.num_computed_tokens for r in self.running)
         return allocated * self.block_size, used
 
+    def tenant_stats(self) -> list[TenantStats]:
+        """Per tenant, for the heartbeat thread (copies first, as in lora_adapters)."""
+        return self.tenants.stats(list(self.running), list(self.waiting))
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -196,7 +212,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self.block_manager.pins:
             self.block_manager.unpin_expired(time.monotonic())
-        if self.config.policy == "priority":
+        if self.fair is not None:
+            self._preempt_for_fair_share()
+            self.running.sort(key=self.fair.running_key)
+        elif self.config.policy == "priority":
             # Highest priority first, so the request preempted when blocks run out (the last
             # one) is the lowest priority and the newest among equals.
             self.running.sort(key=lambda r: r.priority_key)
@@ -205,6 +224,21 @@ class Scheduler:
         if not preempted:  # a step that had to preempt (the pool is full) admits nobody
             self._schedule_waiting(plan)
         return self._make_output(plan)
+
+    def _preempt_for_fair_share(self) -> None:
+        """Fair share: running requests of over-served tenants yield their slots (or blocks)
+        to tenants below their share that have requests waiting."""
+        assert self.fair is not None
+        self.fair.begin_step(self.running, self.waiting)
+        free_slots = self.config.max_num_seqs - len(self.running)
+        bm = self.block_manager
+
+        def held(req: Request) -> int:
+            return bm.num_held_blocks(req.req_id)
+
+        for victim in self.fair.victims(self.running, free_slots, held, bm.num_blocks):
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _schedule_running(self, plan: _StepPlan) -> bool:
         """Running requests, oldest first; preempts the newest when blocks run out.
@@ -252,14 +286,12 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             adapters = self._running_adapters()
-            req = next(
-                (
-                    r
-                    for r in self.waiting
-                    if not self._is_idle_beam(r) and self._adapter_fits(r, adapters)
-                ),
-                None,
+            candidates = (
+                r
+                for r in self.waiting
+                if not self._is_idle_beam(r) and self._adapter_fits(r, adapters)
             )
+            req = self.fair.pick(candidates) if self.fair else next(candidates, None)
             if req is None:
                 return
             if req.num_pending_tokens and (plan.speculate or req.verifying):
@@ -287,8 +319,12 @@ class Scheduler:
                 if not self.running and bm.pins:
                     bm.release_pins()  # the pool to itself would fit it: pins yield
                     continue
+                if self.fair is not None and self.fair.load.below_share(req.tenant):
+                    self.fair.blocked = req  # over-served tenants make room next step
                 return
             self.waiting.remove(req)
+            if self.fair is not None:
+                self.fair.load.move(req.tenant, to_running=True)
             if load_tiers:
                 self._load_from_tiers(req, cached, load_tiers)
             if req.num_cached_tokens < 0:  # first admission: this is what the client sees
@@ -373,6 +409,7 @@ class Scheduler:
         plan.num_scheduled[req.req_id] = num_new + num_drafts
         plan.budget -= num_new + num_drafts
         req.num_computed_tokens += num_new + num_drafts
+        self.tenants.charge(req.tenant, num_new + num_drafts)
         if req.cache_pin is not None and not req.pinned:
             self._pin_prefix(req)
         if req.sampling_params.embed or req.sampling_params.use_beam_search:
@@ -528,6 +565,7 @@ class Scheduler:
             output_token_ids=[*parent.output_token_ids, token],
             lora=parent.lora,
             priority=parent.priority,
+            tenant=parent.tenant,
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
             first_scheduled_time=parent.first_scheduled_time,
@@ -602,6 +640,7 @@ class Scheduler:
                 break
         if logprobs is not None and num_kept < len(logprobs.ranks):
             logprobs = _rows(logprobs, 0, num_kept)
+        self.tenants[req.tenant].num_generation_tokens += num_kept
         out = EngineCoreOutput(
             req_id=req.client_req_id,
             sample_index=req.sample_index,
@@ -671,6 +710,7 @@ class Scheduler:
                 client_id=parent.client_id,
                 lora=parent.lora,
                 priority=parent.priority,
+                tenant=parent.tenant,
                 # The fork happens right after the prompt; the parent may be a step ahead.
                 num_computed_tokens=parent.num_prompt_tokens,
                 num_cached_tokens=parent.num_cached_tokens,
@@ -703,12 +743,16 @@ class Scheduler:
         if not req.output_token_ids:
             req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
         self.num_preemptions += 1
+        self.tenants[req.tenant].num_preemptions += 1
+        if self.fair is not None:
+            self.fair.load.move(req.tenant, to_running=False)
         self._enqueue(req, front=True)
 
     def _enqueue(self, req: Request, front: bool = False) -> None:
         """Into the waiting queue: at its end (a new request) or front (a preempted one,
-        which resumes first); under the priority policy, in (priority, arrival) order."""
-        if self.config.policy != "priority":
+        which resumes first); under the priority and fair policies, in (priority, arrival)
+        order."""
+        if not self.config.orders_by_priority:
             if front:
                 self.waiting.appendleft(req)
             else:
@@ -733,6 +777,7 @@ class Scheduler:
             seq_ids.remove(req.req_id)
             if not seq_ids:
                 del self._sequences[req.client_req_id]
+                self.tenants.depart(req.tenant)
         # A fork of this request not yet sent must not be sent.
         self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
         self._pending_beam_tokens.pop(req.req_id, None)

@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 import zllm
 from zllm.cache_control import parse_cache_control
+from zllm.config import check_priority
 from zllm.engine_client import EngineClient
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api, responses_api
@@ -615,11 +616,10 @@ class OpenAIServer:
         return body
 
     def _priority(self, priority: int) -> int:
-        if priority and self.config.engine.scheduler.policy != "priority":
-            raise RequestError(
-                "priority needs the server started with --scheduling-policy priority",
-                param="priority",
-            )
+        try:
+            check_priority(priority, self.config.engine.scheduler)
+        except ParamError as e:
+            raise RequestError(str(e), param=e.param) from None
         return priority
 
     def _model_name(self, requested: str | None) -> str:

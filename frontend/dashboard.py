@@ -190,6 +190,15 @@ class KVTier(msgspec.Struct):
     load_failures: int
 
 
+class TenantRow(msgspec.Struct):
+    """A tenant with requests in the engine now (zllm/tenants.py)."""
+
+    name: str
+    running: int
+    waiting: int
+    weight: float
+
+
 class Engine(msgspec.Struct):
     state: str
     healthy: bool
@@ -217,6 +226,7 @@ class Engine(msgspec.Struct):
     kv_tiers: list[KVTier] = []  # KV offload, the configured tiers (empty: off)
     pinned_blocks: int = 0  # prefix pinning: blocks pinned now, and the bound
     max_pinned_blocks: int = 0
+    tenants: list[TenantRow] = []  # those with requests running or waiting, busiest first
 
 
 class DashboardStats(msgspec.Struct):
@@ -308,6 +318,14 @@ class Dashboard:
             ],
             pinned_blocks=s.kv_pinned_blocks,
             max_pinned_blocks=s.kv_max_pinned_blocks,
+            tenants=sorted(
+                (
+                    TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
+                    for t in s.tenants
+                    if t.num_running or t.num_waiting
+                ),
+                key=lambda t: (-t.running, -t.waiting, t.name),
+            ),
         )
         if s.spec_accepted_per_pos:
             drafts = s.spec_num_drafts

@@ -28,11 +28,13 @@ from zllm.engine_client import EngineClient
 from zllm.errors import RequestError
 from zllm.frontend.api_models import StreamOptions, UsageInfo
 from zllm.frontend.metrics import Metrics
+from zllm.frontend.middleware import TENANT_KEY
 from zllm.frontend.openai_format import ChatAssembler, CompletionAssembler
 from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
 from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.serve_config import ServeConfig
+from zllm.tenants import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,9 @@ class Generation:
 
     async def run(self, request: Request, job: GenerationJob) -> Response:
         self.metrics.timeline.start()  # the charts' history begins with the first request
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)  # the Gate's finding
+        for engine_request in job.requests:
+            engine_request.tenant = tenant
         self._log_received(job.requests)
         outputs = self._outputs(job.requests)
         if job.stream:

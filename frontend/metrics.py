@@ -9,7 +9,10 @@
                                zllm:executor_busy_seconds_total,
                                zllm:executor_idle_seconds_total, zllm:engine_steps_total,
                                zllm:executor_{prepare,forward,sample}_seconds_total,
-                               zllm:core_{schedule,output}_seconds_total (goal 4's split)
+                               zllm:core_{schedule,output}_seconds_total (goal 4's split);
+                               per tenant: zllm:tenant_requests_{running,waiting},
+                               zllm:tenant_weight, zllm:tenant_{requests,computed_tokens,
+                               generation_tokens,preemptions}_total
     supervisor events          zllm:process_up{role,index}
     this frontend              vllm:request_success_total{finished_reason},
                                vllm:time_to_first_token_seconds,
@@ -351,6 +354,7 @@ class EngineCollector:
             c.add_metric(label, getattr(s, attr))
             yield c
         yield from _pin_metrics(s, label)
+        yield from _tenant_metrics(s, label)
         if s.kv_tier_capacity:
             yield from _kv_offload_metrics(s, label)
         if s.spec_accepted_per_pos:
@@ -380,6 +384,38 @@ def _pin_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
         g.add_metric(label, value)
         yield g
+
+
+# Per tenant (EngineStats.tenants; zllm/tenants.py): (name, doc, TenantStats attribute).
+_TENANT_GAUGES = (
+    ("zllm:tenant_requests_running", "Sequences of the tenant running now.", "num_running"),
+    ("zllm:tenant_requests_waiting", "Sequences of the tenant waiting now.", "num_waiting"),
+    ("zllm:tenant_weight", "The tenant's weight under --scheduling-policy fair.", "weight"),
+)
+_TENANT_COUNTERS = (
+    ("zllm:tenant_requests", "Engine requests (one per prompt) the tenant sent.",
+     "num_requests"),
+    ("zllm:tenant_computed_tokens",
+     "Tokens the engine computed for the tenant (prompt chunks and decodes): what fair "
+     "share weighs.", "num_computed_tokens"),
+    ("zllm:tenant_generation_tokens", "Tokens generated for the tenant.",
+     "num_generation_tokens"),
+    ("zllm:tenant_preemptions", "Sequences of the tenant preempted.", "num_preemptions"),
+)  # fmt: skip
+
+
+def _tenant_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+    """One series per tenant the core remembers (active ones, and the most recently active
+    idle ones: core/fair_share.py MAX_IDLE_TENANTS)."""
+    for family, specs in (
+        (GaugeMetricFamily, _TENANT_GAUGES),
+        (CounterMetricFamily, _TENANT_COUNTERS),
+    ):
+        for name, doc, attr in specs:
+            metric = family(name, doc, labels=["model_name", "tenant"])
+            for tenant in s.tenants:
+                metric.add_metric([*label, tenant.name], getattr(tenant, attr))
+            yield metric
 
 
 # KV offload, one series per tier (EngineStats.kv_tier_*, zllm/kv_tiers.py's tier order).

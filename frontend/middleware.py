@@ -8,6 +8,9 @@ response is completely sent.
 
 With API keys set, every route needs one except /health, /metrics, /dashboard and /version
 (those too with `--protect-metrics`); an unknown path gets its 404 without.
+
+A generation request's tenant (zllm/tenants.py) goes into its scope too: the key it was sent
+with, else its X-Tenant header (400 when malformed), else the default tenant.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from zllm.errors import RequestError
+from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
 from zllm.serve_config import ServeConfig
+from zllm.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
 
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope
+TENANT_KEY = "zllm.tenant"  # and its tenant's name
 OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings"}
@@ -55,7 +60,8 @@ class Gate:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refusal = self._refusal(scope)
+        key_index = self._key_index(scope) if self.key_digests else None
+        refusal = self._refusal(scope, key_index)
         if refusal is not None:
             return await _error(scope, refusal)(scope, receive, send)
         if scope["method"] != "POST":
@@ -72,20 +78,24 @@ class Gate:
         receive = replay(body, receive)
         if scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
+        try:
+            scope[TENANT_KEY] = _tenant(scope, key_index)
+        except ParamError as e:
+            return await _error(scope, RequestError(str(e), param=e.param))(scope, receive, send)
         ticket = scope[TICKET_KEY] = Ticket()  # the route admits it; released when sent
         try:
             await self.app(scope, receive, send)
         finally:
             self.admission.release(ticket)
 
-    def _refusal(self, scope: Scope) -> RequestError | None:
+    def _refusal(self, scope: Scope, key_index: int | None) -> RequestError | None:
         """The error for a request refused at the door, or None."""
         path: str = scope["path"]
         if (
             self.key_digests
+            and key_index is None
             and not self._is_open(path)
             and self._is_route(scope)
-            and not self._authorized(scope)
         ):
             return RequestError(
                 "Missing or invalid API key: send `Authorization: Bearer <key>`.",
@@ -125,19 +135,32 @@ class Gate:
     def _is_route(self, scope: Scope) -> bool:
         return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _key_index(self, scope: Scope) -> int | None:
+        """Which of the API keys the request carries (its position), or None."""
         given: list[bytes] = []
         for name, value in scope["headers"]:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 given.append(value[7:].strip())
             elif name == b"x-api-key":
                 given.append(value.strip())
-        ok = False
+        found = None
         for candidate in given:
             digest = hashlib.sha256(candidate).digest()
-            for key in self.key_digests:  # compare with every key: no early exit to time
-                ok |= hmac.compare_digest(digest, key)
-        return ok
+            for i, key in enumerate(self.key_digests):  # every key: no early exit to time
+                if hmac.compare_digest(digest, key) and found is None:
+                    found = i
+        return found
+
+
+def _tenant(scope: Scope, key_index: int | None) -> str:
+    """The request's tenant: its API key's, else its X-Tenant header (checked), else the
+    default. With keys set, the key decides: a header cannot claim another tenant."""
+    if key_index is not None:
+        return api_key_tenant(key_index)
+    for name, value in scope["headers"]:
+        if name == TENANT_HEADER.encode():
+            return check_tenant_name(value.decode("latin-1").strip(), "X-Tenant")
+    return DEFAULT_TENANT
 
 
 def _error(scope: Scope, error: RequestError) -> Response:

@@ -220,6 +220,11 @@ def test_dashboard_renders_live_numbers_under_load(browser: str, server: Server,
     chips = re.findall(r'<span class="chip (up|down)" data-index="0">', dom)
     assert chips == ["up"] * 5, chips
     assert re.search(r'id="health" class="pill ok"[^>]*>healthy<', dom)
+    # The load sends no tenant: the default one, when anything runs at that moment.
+    tenants = re.search(r'id="fact-tenants">([^<]*)<', dom)
+    assert tenants and re.fullmatch(
+        r"default \d+ running · \d+ waiting|none active", tenants.group(1)
+    ), tenants
 
     assert shot_run.returncode == 0 and shot.exists(), shot_run.stderr[-2000:]
     assert _png_size(shot) == (WIDTH, HEIGHT)

@@ -241,3 +241,23 @@ def test_heartbeat_fills_the_wire_struct():
     assert stats.block_states == bytes([1, 1, 1, 1] + [0] * 12)
     assert stats.kv_slots_allocated == 4 * BLOCK_SIZE and stats.kv_slots_used == 12
     assert stats.time > 0
+
+
+def test_heartbeat_counts_per_tenant_and_a_malformed_tenant_is_refused():
+    engine = make_engine(num_blocks=16)
+    bad = request("bad")
+    bad.tenant = "two words"
+    rejected = engine.add_request(bad)
+    assert isinstance(rejected, RequestRejected)
+    assert rejected.status == 400 and rejected.param == "tenant"
+    a, b = request("a", prompt_len=9, max_tokens=2), request("b", prompt_len=3, max_tokens=2)
+    a.tenant = "alice"
+    engine.add_request(a)
+    engine.add_request(b)  # no tenant: the default one
+    engine.update(run(engine, engine.schedule()))
+    tenants = {t.name: t for t in engine.heartbeat().tenants}
+    assert set(tenants) == {"alice", "default"}
+    alice = tenants["alice"]
+    assert (alice.num_running, alice.num_requests, alice.num_computed_tokens) == (1, 1, 9)
+    assert alice.num_generation_tokens == 1 and alice.weight == 1.0
+    assert tenants["default"].num_computed_tokens == 3

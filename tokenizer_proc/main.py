@@ -84,6 +84,7 @@ class RequestTokenizer:
             client_id=req.client_id,
             lora=req.lora,
             priority=req.priority,
+            tenant=req.tenant,
             cache_pin=self._cache_pin(req, ids),
         )
 

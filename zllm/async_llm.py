@@ -25,6 +25,7 @@ from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServerArgs, serve_config_from
 from zllm.supervisor import Supervisor
+from zllm.tenants import DEFAULT_TENANT
 
 __all__ = ["AsyncLLM", "RequestError"]
 
@@ -64,17 +65,20 @@ class AsyncLLM:
         prompt: str | list[int] | list[dict[str, str]],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutputDelta]:
         """Yield output deltas (text and token ids per sample) until the request finishes.
 
         `prompt`: text, token ids, or chat messages (the model's chat template is applied).
         `request_id`: any string unique among this client's requests in flight (default: a
-        random one). Raises RequestError when the engine refuses or loses the request.
+        random one). `tenant`: whom it is for (fair share, per-tenant metrics; see
+        zllm/tenants.py). Raises RequestError when the engine refuses or loses the request.
         """
         req = TokenizeRequest(
             req_id=request_id or uuid.uuid4().hex,
             sampling_params=sampling_params or SamplingParams(),
             arrival_time=time.time(),
+            tenant=tenant,
         )
         if isinstance(prompt, str):
             req.prompt = prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zllm.errors import ParamError
 from zllm.generation_config import GenerationConfig
 
 # On CPU the KV pool gets a fixed budget that leaves room for tests running beside it.
@@ -87,8 +88,26 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     # "fcfs": first come, first served; "priority": lower Request.priority first (then
-    # arrival), and preemption takes the lowest priority first (vLLM's semantics).
+    # arrival), and preemption takes the lowest priority first (vLLM's semantics); "fair":
+    # weighted fair share between tenants, priority order within each (core/fair_share.py).
     policy: str = "fcfs"
+    # "fair": each tenant's weight (zllm/tenants.py names tenants); 1 for one not listed.
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def orders_by_priority(self) -> bool:
+        """Whether requests' `priority` values order them (else a non-zero one is refused)."""
+        return self.policy in ("priority", "fair")
+
+
+def check_priority(priority: int, config: SchedulerConfig) -> None:
+    """A request's `priority` is only taken by a policy that orders by it."""
+    if priority and not config.orders_by_priority:
+        raise ParamError(
+            f"priority needs the priority or fair scheduling policy (--scheduling-policy, "
+            f"LLM(scheduling_policy=...)); this engine serves {config.policy}",
+            "priority",
+        )
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

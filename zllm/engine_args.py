@@ -37,6 +37,7 @@ from zllm.kv_tiers import block_bytes
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 from zllm.speculative_config import parse_speculative_json, speculative_config_from
+from zllm.tenants import check_tenant_weights, parse_tenant_weights
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,17 @@ class EngineArgs:
     scheduling_policy: str = option(
         "fcfs",
         help="fcfs: first come, first served; priority: requests with a lower `priority` "
-        "value first (then by arrival), and preemption takes the lowest priority first",
-        choices=("fcfs", "priority"),
+        "value first (then by arrival), and preemption takes the lowest priority first; "
+        "fair: weighted fair share between tenants (API key, else X-Tenant header), so one "
+        "tenant flooding the queue cannot starve the others, priority order within a tenant",
+        choices=("fcfs", "priority", "fair"),
+    )
+    tenant_weights: dict[str, float] | None = option(
+        None,
+        help="--scheduling-policy fair: each tenant's share of the engine, as name=weight "
+        "pairs (key-1=3,alice=1.5) or a JSON object; a tenant not listed weighs 1; the "
+        "tenant of the N-th --api-key is key-N",
+        parse=parse_tenant_weights,
     )
     block_size: int = option(16, help="tokens per KV cache block")
     kv_cache_memory_bytes: int | None = option(
@@ -230,6 +240,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+                tenant_weights=self._tenant_weights(),
             ),
             seed=self.seed,
             dtype=dtype,
@@ -246,6 +257,13 @@ class EngineArgs:
         )
         config.kv_offload = self._kv_offload_config(config)
         return config
+
+    def _tenant_weights(self) -> dict[str, float]:
+        if not self.tenant_weights:
+            return {}
+        if self.scheduling_policy != "fair":
+            raise ValueError("--tenant-weights needs --scheduling-policy fair")
+        return check_tenant_weights(self.tenant_weights)
 
     def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
         offload = KVOffloadConfig(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zllm.cache_control import MAX_PIN_TTL_S
+from zllm.config import check_priority
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.engine_args import EngineArgs
@@ -124,8 +125,8 @@ class LLM:
             raise ParamError(
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts.", "priority"
             )
-        if any(priorities) and self.config.scheduler.policy != "priority":
-            raise ParamError("priority needs LLM(..., scheduling_policy='priority')", "priority")
+        for value in priorities:
+            check_priority(value, self.config.scheduler)
         # Check every prompt before queueing any, so a bad one leaves nothing half-done.
         trackers = [
             self._make_tracker(p, sp, lora)

@@ -20,6 +20,7 @@ import msgspec
 
 from zllm.lora import LoRARequest
 from zllm.sampling_params import SamplingParams
+from zllm.tenants import DEFAULT_TENANT
 
 
 class FinishReason(str, enum.Enum):
@@ -257,6 +258,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     priority: int = 0  # --scheduling-policy priority: lower first
     cache_pin: CachePin | None = None  # keep its prompt's prefix cached for a while
+    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py): fair share, metrics
 
 
 # ==== the serving processes ==================================================================
@@ -291,6 +293,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     lora: LoRARequest | None = None  # the adapter the request's model names
     priority: int = 0  # --scheduling-policy priority: lower first
     cache_pin: CachePin | None = None  # see EngineCoreRequest
+    tenant: str = DEFAULT_TENANT  # see EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -400,6 +403,22 @@ class RequestRejected(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 MAX_BLOCK_CELLS = 4096
 
 
+class TenantStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One tenant's share of the engine (EngineStats.tenants): its sequences running and
+    waiting now, and since the engine started the requests it sent, the tokens the engine
+    computed for it (prompt chunks and decodes: what fair share weighs), the tokens it
+    generated, and its sequences preempted."""
+
+    name: str
+    weight: float = 1.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_requests: int = 0
+    num_computed_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+
+
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
     """The engine's live statistics: `EngineCore` keeps one and updates it in place; the core
     process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
@@ -458,6 +477,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     # Prefix pinning: blocks pinned now, and the most that may be (--max-pinned-bytes).
     kv_pinned_blocks: int = 0
     kv_max_pinned_blocks: int = 0
+    # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
+    tenants: list[TenantStats] = []
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
