@@ -11,8 +11,9 @@
 #   tiers      --kv-offload-bytes 1G --kv-offload-dir DIR (CPU and disk tiers, never hit)
 #   sleep      --enable-sleep-mode
 #
-# for ROUNDS rounds (the servers alternate within a round, so drift spreads over all of
-# them). Prints a markdown table of medians and each variant's throughput against plain.
+# for ROUNDS rounds (the servers alternate within a round, each round starting one variant
+# later, so drift and position spread over all of them). Prints a markdown table of medians
+# and each variant's throughput against plain.
 #
 #   benchmarks/unused_features.sh                          # ~25 min on 2 cores
 #   ROUNDS=1 NUM_PROMPTS=16 benchmarks/unused_features.sh  # a quick look
@@ -46,9 +47,11 @@ options() {  # the zllm serve options of a variant
     esac
 }
 
+read -ra variants <<<"$VARIANTS"
 seed=0
 for round in $(seq "$ROUNDS"); do
-    for label in $VARIANTS; do
+    for i in "${!variants[@]}"; do
+        label="${variants[$(((i + round - 1) % ${#variants[@]}))]}"
         # shellcheck disable=SC2046  # the options are words
         start_server "$label" $(options "$label")
         seed=$((seed + 1))  # fresh prompts for every run: no prefix hits from an earlier one

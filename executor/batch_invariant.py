@@ -8,8 +8,8 @@ What varies with the batch on CPU, and what this mode does about it:
   the last bits. Here every fp32 matmul runs in calls of exactly `TILE_ROWS` rows (the last
   tile zero-padded), so each row always goes through the same kernel with the same blocking;
   a GEMM's row never reads another row, so the other rows' values cannot matter. The GGUF
-  kernel (`csrc/cpu/gguf_linear.h`) has a separate path for 1-2 rows (different rounding)
-  and hands long chunks to BLAS: in tiles it always takes its panel path.
+  kernel (`csrc/cpu/gguf_linear.h`) has a separate path for 1-2 rows (different rounding):
+  in tiles it always takes its panel path.
 - **Attention.** Prefill chunks went through SDPA over the chunk, whose reduction order
   depends on the chunk's length; here every query token attends as a decode row (the paged
   kernel, or SDPA over exactly its own context): the same computation for a position
@@ -59,14 +59,12 @@ class Tiled(nn.Module):
 
 
 def make_batch_invariant(model: nn.Module) -> int:
-    """Run every matmul of the model in TILE_ROWS-row calls (the GGUF kernel never hands
-    long chunks to BLAS); returns how many matmuls were wrapped."""
+    """Run every matmul of the model in TILE_ROWS-row calls; returns how many matmuls were
+    wrapped."""
     wrapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, GGUFLinear):
-                child.max_kernel_rows = TILE_ROWS
-            elif type(child) is not nn.Linear:
+            if not (isinstance(child, GGUFLinear) or type(child) is nn.Linear):
                 continue
             setattr(module, name, Tiled(child))
             wrapped += 1

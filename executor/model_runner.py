@@ -38,6 +38,7 @@ from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask, apply_bitmask
 from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
+from zllm.model_files import read_gguf
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -156,6 +157,10 @@ class ModelRunner:
         config = self.config
         self.model = self._load_model(config)
         self.quantization = self._quantize(config)
+        if config.model_path.endswith(".gguf"):
+            read_gguf(config.model_path).release_pages()  # copied out: the model holds them
+        if self.quantization == "gguf":
+            release_freed_memory(self.device)  # the fp32 weights the blocks replaced
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)

@@ -1,11 +1,14 @@
 """Quantized weights for CPU serving.
 
-`gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls read
-the file's own Q4_1 / Q8_0 blocks through csrc/cpu/gguf_linear.h instead of fp32 copies. The
-values multiplied are bit for bit the fp32 weights the reference path uses (the kernel
-dequantizes as gguf.quants does; load checks it), so only summation order differs; a decode
-step reads 4-6x fewer bytes. Large batches (prefill chunks) are compute-bound, where the BLAS
-GEMM on the fp32 copy is faster, so each layer keeps both and picks per call by row count.
+`gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls, the
+logits and the embedding lookup read the file's own Q4_1 / Q8_0 blocks through
+csrc/cpu/gguf_linear.h instead of fp32 copies, and the fp32 tensors they replace are released
+after load: the weights take about the file's size in memory. The values multiplied are bit for
+bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants does; load
+checks it), so only summation order differs; a decode step reads 4-6x fewer bytes. Many rows
+(prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
+L1 and multiplies them there: as fast as the BLAS GEMM on an fp32 copy from 512 rows on
+(BENCHMARKS.md), with no copy.
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
@@ -20,7 +23,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
@@ -32,41 +34,51 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("gguf", "int8", "none")
 
-# Up to this many rows (tokens) per call the GGUF kernel beats the fp32 GEMM on a 2-core AVX2
-# machine (BENCHMARKS.md, the matmuls of one step, kernel vs torch: 1.9x at 1 row, 1.8x at
-# 32, 1.7x at 64, 1.1x at 128 and 256, even from 512 on).
-GGUF_KERNEL_MAX_ROWS = 256
-
 
 class GGUFLinear(nn.Module):
-    """y = x W^T (+ b) with W held twice: GGUF blocks for few rows, fp32 for many."""
+    """y = x W^T (+ b) with W held as GGUF blocks only (qweight [N, bytes per row])."""
 
     def __init__(
         self,
         qweight: torch.Tensor,
         ggml_type: int,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        max_kernel_rows: int = GGUF_KERNEL_MAX_ROWS,
+        in_features: int,
+        bias: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.qweight = qweight
         self.ggml_type = ggml_type
-        self.weight = weight
+        self.in_features = in_features
         self.bias = bias
-        self.max_kernel_rows = max_kernel_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_kernel_rows or x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
         y = cpu_kernels.gguf_linear(
-            x if x.stride(-1) == 1 else x.contiguous(), self.qweight, self.ggml_type
+            flat if flat.stride(-1) == 1 else flat.contiguous(), self.qweight, self.ggml_type
         )
-        return y if self.bias is None else y.add_(self.bias)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
-        n, k = self.weight.shape
-        return f"in_features={k}, out_features={n}, ggml_type={self.ggml_type}"
+        n = self.qweight.shape[0]
+        return f"in_features={self.in_features}, out_features={n}, ggml_type={self.ggml_type}"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table held as GGUF blocks: the rows looked up are dequantized (bit for bit
+    the fp32 table's rows). Tied to the logits, it shares its blocks with their GGUFLinear."""
+
+    def __init__(self, qweight: torch.Tensor, ggml_type: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.ggml_type = ggml_type
+        self.embedding_dim = embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, input_ids.reshape(-1))
+        out = cpu_kernels.gguf_dequantize(rows, self.ggml_type, self.embedding_dim)
+        return out.view(*input_ids.shape, self.embedding_dim)
 
 
 def quantize_model_(
@@ -175,10 +187,8 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
     arch: ModelArchConfig = model.arch
     raw = gguf_raw_weights(model_path, arch)
 
-    def fuse(
-        names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> GGUFLinear | None:
-        """One GGUFLinear over the row-concatenated blocks of names, if they all qualify."""
+    def blocks(names: list[str], weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The row-concatenated blocks of names and their type, if they all qualify."""
         parts = [raw.get(n) for n in names]
         if any(p is None for p in parts):
             return None
@@ -192,7 +202,14 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
             cpu_kernels.gguf_dequantize(qweight, ggml_type, weight.shape[1]), weight
         ):
             raise RuntimeError(f"GGUF blocks of {names} do not dequantize to the loaded weights")
-        return GGUFLinear(qweight, ggml_type, weight, bias)
+        return qweight, ggml_type
+
+    def fuse(
+        names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> GGUFLinear | None:
+        """One GGUFLinear over the row-concatenated blocks of names, if they all qualify."""
+        found = blocks(names, weight)
+        return None if found is None else GGUFLinear(*found, weight.shape[1], bias)
 
     swapped = kept = 0
     for i, layer in enumerate(model.layers):
@@ -212,18 +229,32 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
             else:
                 setattr(module, attr, new)
                 swapped += 1
-    head_name = "model.embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
-    head_weight = model.embed_tokens if model.lm_head is None else model.lm_head
-    head = fuse([head_name], head_weight.data, None)
-    if head is not None:
-        model.logits_proj = head
+    # The embedding table (and, tied, the logits: one set of blocks for both), then an
+    # untied lm_head; each fp32 tensor the blocks replace is released.
+    embedding = blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
+    if embedding is not None:
+        model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
+        if model.lm_head is None:
+            model.logits_proj = GGUFLinear(*embedding, model.arch.hidden_size)
+        _release(model.embed_tokens)
+    if model.lm_head is not None:
+        head = fuse(["lm_head.weight"], model.lm_head.data, None)
+        if head is not None:
+            model.logits_proj = head
+            _release(model.lm_head)
     logger.info(
-        "GGUF kernels: %d of %d decoder matmuls and %s read GGUF blocks%s",
+        "GGUF kernels: %d of %d decoder matmuls, %s and %s read GGUF blocks%s",
         swapped,
         swapped + kept,
-        "the logits" if head is not None else "not the logits",
+        "the logits" if model.logits_proj is not None else "not the logits",
+        "the embedding" if embedding is not None else "not the embedding",
         _fp32_note(model_path) if kept else "",
     )
+
+
+def _release(param: nn.Parameter) -> None:
+    """Free a weight that GGUF blocks now serve: an empty tensor, so any use fails loudly."""
+    param.data = torch.empty(0, dtype=param.dtype)
 
 
 def _fp32_note(model_path: str) -> str:

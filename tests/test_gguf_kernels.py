@@ -2,8 +2,15 @@
 
 The kernel must multiply by exactly the fp32 weights gguf.quants dequantizes (bit for bit),
 for every row count (register tiles of 1-4 rows, 2 and 3 weight rows, remainders), and the
-engine must pick it by default for a GGUF file on CPU without changing any greedy output.
+engine must pick it by default for a GGUF file on CPU without changing any greedy output,
+holding no fp32 copy of what the blocks serve (the weights take the file's size in memory).
 """
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,7 +20,7 @@ from gguf.quants import dequantize, quantize
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
-from zllm.executor.quantization import GGUF_KERNEL_MAX_ROWS, GGUFLinear
+from zllm.executor.quantization import GGUFEmbedding, GGUFLinear
 
 TYPES = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -57,13 +64,22 @@ def test_linear_reads_strided_rows_and_rejects_bad_input():
         cpu_kernels.gguf_linear(torch.randn(2, 64, dtype=torch.float64), q, 3)
 
 
-def test_gguf_linear_module_switches_to_fp32_for_many_rows():
+def test_gguf_linear_module_serves_any_row_count_from_blocks_alone():
     q, ref = _blocks(16, 64, GGMLQuantizationType.Q8_0, seed=4)
     bias = torch.randn(16)
-    layer = GGUFLinear(q, 8, ref, bias, max_kernel_rows=4)
-    for rows in (1, 4, 5, 50):
-        x = torch.randn(rows, 64)
+    layer = GGUFLinear(q, 8, 64, bias)
+    assert [name for name, _ in layer.named_buffers()] == [] and not hasattr(layer, "weight")
+    for shape in [(1, 64), (4, 64), (300, 64), (2, 700, 64)]:  # prefill-sized, and 3-D
+        x = torch.randn(*shape)
         torch.testing.assert_close(layer(x), x @ ref.T + bias, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_gguf_embedding_rows_are_the_tables_rows_bit_for_bit(ggml_type):
+    q, ref = _blocks(50, 96, ggml_type, seed=5)
+    table = GGUFEmbedding(q, int(ggml_type), 96)
+    ids = torch.tensor([[3, 0, 49], [3, 7, 7]])
+    assert torch.equal(table(ids), torch.nn.functional.embedding(ids, ref))
 
 
 def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_path):
@@ -75,9 +91,13 @@ def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_p
     assert isinstance(model.layers[0].self_attn.qkv_proj, GGUFLinear)
     assert isinstance(model.layers[-1].mlp.down_proj, GGUFLinear)
     assert model.logits_proj is not None and model.logits_proj.ggml_type == 8  # Q8_0 embedding
+    # The tied embedding: one set of blocks for the lookup and the logits, no fp32 table.
+    assert isinstance(model.embed_rows, GGUFEmbedding)
+    assert model.embed_rows.qweight is model.logits_proj.qweight
+    assert model.embed_tokens.numel() == 0
     rng = np.random.default_rng(7)
-    # Prompts longer than GGUF_KERNEL_MAX_ROWS prefill on the fp32 copy, decode on blocks.
-    lengths = [5, 40, GGUF_KERNEL_MAX_ROWS + 30, 12, 70, 3]
+    # A 300-token prompt prefills in one 300-row call of the kernel's panel path.
+    lengths = [5, 40, 300, 12, 70, 3]
     prompts = [{"prompt_token_ids": rng.integers(256, 49000, n).tolist()} for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     a = gguf.generate(prompts, params, use_tqdm=False)
@@ -90,3 +110,48 @@ def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):
         LLM(tiny_llama_dir, quantization="gguf")
     # Unset: a Hugging Face directory simply runs fp32.
     assert LLM(tiny_llama_dir).model_runner.quantization == "none"
+
+
+_RESIDENT_AFTER_LOAD = textwrap.dedent("""
+    import json, sys
+    import torch
+    from zllm.engine_args import EngineArgs
+    from zllm.executor import cpu_kernels
+    from zllm.executor.model_runner import ModelRunner
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+    cpu_kernels.load()
+    config = EngineArgs(sys.argv[1], quantization=sys.argv[2], kv_cache_memory_bytes=64 << 20)
+    config = config.create_engine_config()
+    before = rss()
+    runner = ModelRunner(config)
+    print(json.dumps({"before": before, "after": rss(), "method": runner.quantization}))
+""")
+
+
+def _resident_after_load(model_path: str, quantization: str) -> dict:
+    """An executor's resident memory before loading weights and after (its own process)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _RESIDENT_AFTER_LOAD, model_path, quantization],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_smollm2_weights_take_the_file_size_in_memory(smollm2_path):
+    """After load the executor holds at most the GGUF file + the KV pool + 100 MB more than
+    before loading weights; fp32 weights (quantization none) do not fit that bound."""
+    bound = os.path.getsize(smollm2_path) + (64 << 20) + (100 << 20)
+    blocks = _resident_after_load(smollm2_path, "gguf")
+    fp32 = _resident_after_load(smollm2_path, "none")
+    grown = {m["method"]: m["after"] - m["before"] for m in (blocks, fp32)}
+    print(f"resident growth at load: {grown}, bound {bound}")
+    assert grown["gguf"] <= bound
+    assert grown["none"] > bound

@@ -333,9 +333,11 @@ def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> Non
     ]
     assert served == [[True, False, True, False], [False, True, False, True]]
     assert llm.model_runner.model.logits_proj is None  # Q6_K logits: fp32
+    assert llm.model_runner.model.embed_rows is None  # Q4_K embedding: fp32
     assert (
-        "GGUF kernels: 4 of 8 decoder matmuls and not the logits read GGUF blocks; 4 multiply "
-        "fp32 weights dequantized at load (first: tensor 'blk.0.attn_output.weight' is Q5_0"
+        "GGUF kernels: 4 of 8 decoder matmuls, not the logits and not the embedding read GGUF "
+        "blocks; 4 multiply fp32 weights dequantized at load (first: tensor "
+        "'blk.0.attn_output.weight' is Q5_0"
     ) in caplog.text
     check_greedy_parity(mixed_gguf, llm, "mixed")
 

@@ -294,6 +294,13 @@ class GGUFFile:
     tensors: dict[str, GGUFTensorInfo]
     _buffer: mmap.mmap
 
+    def release_pages(self) -> None:
+        """Unmap the pages of the file this process has read (they come back from the page
+        cache if read again): once the weights are copied out, the file need not count in
+        the resident set."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._buffer.madvise(mmap.MADV_DONTNEED)
+
     def tensor_data(self, name: str) -> np.ndarray:
         """The raw bytes of a tensor as uint8, shaped (rows..., bytes_per_row); no copy."""
         info = self.tensors[name]

@@ -361,8 +361,10 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
         )
-        # Set by quantization: a module computing logits in place of the fp32 matmul.
+        # Set by quantization: modules computing logits and looking up embedding rows in place
+        # of the fp32 tensors (which it then releases).
         self.logits_proj: nn.Module | None = None
+        self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)  # inference only; the KV cache writes must not build graphs
 
     def forward(
@@ -379,13 +381,19 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows (from GGUF blocks once quantization set embed_rows)."""
+        if self.embed_rows is not None:
+            return self.embed_rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
