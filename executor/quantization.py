@@ -7,8 +7,8 @@ after load: the weights take about the file's size in memory. The values multipl
 bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants does; load
 checks it), so only summation order differs; a decode step reads 4-6x fewer bytes. Many rows
 (prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
-L1 and multiplies them there: as fast as the BLAS GEMM on an fp32 copy from 512 rows on
-(BENCHMARKS.md), with no copy.
+L1 and multiplies them there: about 4% slower per matmul than the BLAS GEMM on an fp32 copy
+from 512 rows on (BENCHMARKS.md), with no copy.
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for

@@ -146,7 +146,7 @@ def _resident_after_load(model_path: str, quantization: str) -> dict:
 
 
 def test_smollm2_weights_take_the_file_size_in_memory(smollm2_path):
-    """After load the executor holds at most the GGUF file + the KV pool + 100 MB more than
+    """After load the executor holds at most the GGUF file + the KV pool + 100 MiB more than
     before loading weights; fp32 weights (quantization none) do not fit that bound."""
     bound = os.path.getsize(smollm2_path) + (64 << 20) + (100 << 20)
     blocks = _resident_after_load(smollm2_path, "gguf")
