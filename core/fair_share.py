@@ -125,11 +125,6 @@ class TenantLoad:
     waiting: Counter[str] = field(default_factory=Counter)
     share: dict[str, float] = field(default_factory=dict)  # exact share of max_num_seqs
 
-    def fraction(self, name: str) -> float:
-        """The tenant's share of the engine, between 0 and 1."""
-        total = sum(self.share.values())
-        return self.share.get(name, 0.0) / total if total else 0.0
-
     def owed(self, name: str) -> int:
         return math.floor(self.share.get(name, 0.0))
 
@@ -181,38 +176,42 @@ class FairShare:
         if wanted <= free_slots:
             if blocked is None or not load.below_share(blocked.tenant):
                 return []
-            # Slots are free, blocks are not: the tenant holding the most blocks beyond its
+            # Slots are free, blocks are not: another tenant holding more blocks than its
             # share of the pool yields one request a step until the blocked one fits.
-            held = Counter()
+            held: Counter[str] = Counter()
             for r in running:
                 held[r.tenant] += held_blocks(r)
-            over = [n for n, b in held.items() if b > num_blocks * load.fraction(n)]
-            return self._newest_of_most_served(running, over, [])
+            over = [
+                n
+                for n, b in held.items()
+                if n != blocked.tenant
+                and b > num_blocks * load.share.get(n, 0.0) / self.max_num_seqs
+            ]
+            victim = self._newest_of_most_served(running, over, [])
+            return [] if victim is None else [victim]
         num_running = load.running.copy()  # the load itself changes as they are preempted
         chosen: list[Request] = []
         for _ in range(wanted - free_slots):
             over = [n for n, k in num_running.items() if k > load.share.get(n, 0.0)]
             victim = self._newest_of_most_served(running, over, chosen)
-            if not victim:
+            if victim is None:
                 break
-            chosen += victim
-            num_running[victim[0].tenant] -= 1
+            chosen.append(victim)
+            num_running[victim.tenant] -= 1
         return chosen
 
     def _newest_of_most_served(
         self, running: list[Request], tenants: list[str], exclude: list[Request]
-    ) -> list[Request]:
-        """[the lowest-priority, newest running request of the most-served of `tenants`
-        (not in `exclude`)], or [] when `tenants` is empty."""
+    ) -> Request | None:
+        """The lowest-priority, newest running request of the most-served of `tenants` (not
+        in `exclude`), or None when `tenants` is empty."""
         if not tenants:
-            return []
+            return None
         name = max(tenants, key=lambda n: self.ledger[n].served)
-        return [
-            max(
-                (r for r in running if r.tenant == name and r not in exclude),
-                key=lambda r: r.priority_key,
-            )
-        ]
+        return max(
+            (r for r in running if r.tenant == name and r not in exclude),
+            key=lambda r: r.priority_key,
+        )
 
     def running_key(self, req: Request) -> tuple[float, tuple[int, float]]:
         """Order of running requests for the token budget: least-served tenant first."""

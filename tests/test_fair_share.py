@@ -9,7 +9,7 @@ import pytest
 
 from zllm.config import SchedulerConfig
 from zllm.core.block_manager import BlockManager
-from zllm.core.fair_share import TenantLedger
+from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
@@ -234,3 +234,25 @@ def test_other_policies_never_preempt_for_fairness(policy: str) -> None:
     add(sched, "b0", "B")
     step(sched)
     assert sched.num_preemptions == 0 and not running_ids(sched, "B")
+
+
+def test_a_blocked_tenant_never_yields_its_own_blocks_to_itself() -> None:
+    """Slots free, blocks short: only another tenant above its share of the pool yields."""
+    ledger = TenantLedger({})
+    fair = FairShare(ledger, max_num_seqs=4)
+    params = SamplingParams(max_tokens=4)
+    b_long = Request("b-long", [1] * 8, params, arrival_time=1.0, tenant="B")
+    a_short = Request("a-short", [2] * 8, params, arrival_time=2.0, tenant="A")
+    b_waiting = Request("b-next", [3] * 8, params, arrival_time=3.0, tenant="B")
+    for name in ("A", "B", "B"):
+        ledger.arrive(name)
+    ledger.charge("B", 100)  # B is the most served and holds most of the pool
+    blocks = {"b-long": 9, "a-short": 1}
+    held = lambda r: blocks[r.req_id]  # noqa: E731
+    fair.begin_step([b_long, a_short], [b_waiting])
+    fair.blocked = b_waiting  # B runs 1 of its 2 slots; its next request did not fit
+    assert fair.victims([b_long, a_short], 2, held, num_blocks=10) == []
+    blocks["a-short"] = 6  # now A holds more than its half of the pool: A yields
+    fair.begin_step([b_long, a_short], [b_waiting])
+    fair.blocked = b_waiting
+    assert fair.victims([b_long, a_short], 2, held, num_blocks=10) == [a_short]
