@@ -1,6 +1,7 @@
 """zllm's CPU kernels (csrc/cpu/), built at first use as a torch C++ extension.
 
-    gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF Q4_1/Q8_0 blocks   csrc/cpu/gguf_linear.h
+    gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks             csrc/cpu/gguf_linear.h
+    gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)   csrc/cpu/paged_attention.h
 
@@ -46,10 +47,18 @@ KERNEL_FILES = (
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
-# ggml type ids the kernel reads.
-GGML_Q4_1 = 3
-GGML_Q8_0 = 8
-SUPPORTED_GGML_TYPES = (GGML_Q4_1, GGML_Q8_0)
+# ggml type ids the kernel reads: the types llama.cpp's common presets write (Q4_K_M, for one,
+# holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices).
+SUPPORTED_GGML_TYPES = {
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+}
 
 
 def enabled() -> bool:
@@ -106,6 +115,13 @@ def load() -> ModuleType:
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """x [M, K] fp32 @ dequantize(qweight [N, row bytes])^T -> [M, N] fp32."""
     return load().gguf_linear(x, qweight, ggml_type)
+
+
+def gguf_linear_into(
+    x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, y: torch.Tensor
+) -> None:
+    """y[:] = x @ dequantize(qweight)^T; y [M, N] may be a column slice of a wider output."""
+    load().gguf_linear_into(x, qweight, ggml_type, y)
 
 
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:

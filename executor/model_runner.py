@@ -31,6 +31,7 @@ from zllm.executor.kv_connector import KVPool, KVTiers
 from zllm.executor.loader import load_weights
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
+from zllm.executor.models.llama import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -224,6 +225,9 @@ class ModelRunner:
             )
         model_cls = get_model_class(self.arch.architecture)
         model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.keep_positions(config.scheduler.max_model_len)
         model.load_weights(load_weights(config.model_path, self.arch))
         return model.to(self.device).eval()
 

@@ -1,14 +1,16 @@
 """Quantized weights for CPU serving.
 
 `gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls, the
-logits and the embedding lookup read the file's own Q4_1 / Q8_0 blocks through
-csrc/cpu/gguf_linear.h instead of fp32 copies, and the fp32 tensors they replace are released
-after load: the weights take about the file's size in memory. The values multiplied are bit for
-bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants does; load
-checks it), so only summation order differs; a decode step reads 4-6x fewer bytes. Many rows
-(prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
-L1 and multiplies them there: about 4% slower per matmul than the BLAS GEMM on an fp32 copy
-from 512 rows on (BENCHMARKS.md), with no copy.
+logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K) through csrc/cpu/gguf_linear.h instead of fp32 copies, and the fp32 tensors they
+replace are released after load: the weights take about the file's size in memory. The values
+multiplied are bit for bit the fp32 weights the reference path uses (the kernel dequantizes as
+gguf.quants does; load checks it), so only summation order differs; a decode step reads 4-7x
+fewer bytes. Many rows (prefill chunks) go through the kernel's panel path, which dequantizes a
+few weight rows into L1 and multiplies them there: about 4% slower per matmul than the BLAS
+GEMM on an fp32 copy from 512 rows on (BENCHMARKS.md), with no copy. A fused matmul whose parts
+the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel
+call per part, each writing its columns of the output.
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
@@ -65,6 +67,40 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={n}, ggml_type={self.ggml_type}"
 
 
+class GGUFSplitLinear(nn.Module):
+    """A fused matmul whose parts are stored in different GGUF types: y = x [W_1; W_2; ...]^T
+    with one kernel call per part, each writing its own columns of y (no concatenation)."""
+
+    def __init__(
+        self,
+        parts: list[tuple[torch.Tensor, int]],
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.parts = parts  # (qweight [rows, bytes per row], ggml type), in output order
+        self.in_features = in_features
+        self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        y = flat.new_empty(flat.shape[0], self.out_features)
+        start = 0
+        for qweight, ggml_type in self.parts:
+            rows = qweight.shape[0]
+            cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, y[:, start : start + rows])
+            start += rows
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        types = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES[t] for _, t in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types=[{types}]"
+
+
 class GGUFEmbedding(nn.Module):
     """An embedding table held as GGUF blocks: the rows looked up are dequantized (bit for bit
     the fp32 table's rows). Tied to the logits, it shares its blocks with their GGUFLinear."""
@@ -104,11 +140,11 @@ def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
     A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
-    or Q8_0). Not strict, the engine's default: the kernel serves the file if it can serve any
-    matmul; the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_
-    logs which). Strict, --quantization gguf asked for: every decoder matmul must be served,
-    else the reason names the first tensor that is not. The logits may stay fp32 either way:
-    llama.cpp writes output.weight as Q6_K in most presets, which would refuse most files.
+    or Q8_0), and may hold types the kernel does not read (Q2_K, Q3_K, the IQ types, F16).
+    Not strict, the engine's default: the kernel serves the file if it can serve any matmul;
+    the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_ logs
+    which). Strict, --quantization gguf asked for: every decoder matmul must be served, else
+    the reason names the first tensor that is not. The logits may stay fp32 either way.
     """
     if not model_path.endswith(".gguf"):
         return "the model is not a GGUF file"
@@ -125,13 +161,13 @@ def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     if any(r is None for r in reasons) or (head is not None and head.unservable() is None):
         return None
     types = sorted({t.name for m in [*decoder, head] if m is not None for t in m.types})
-    return f"no matmul of the file is Q4_1 or Q8_0 (its matrices are {', '.join(types)})"
+    return f"the kernel reads none of its matrices' types ({', '.join(types)})"
 
 
 @dataclass(frozen=True, slots=True)
 class GGUFMatmul:
-    """The GGUF tensors one kernel matmul would read: a fused one reads its parts' rows
-    concatenated, so they must share one type."""
+    """The GGUF tensors one kernel matmul would read (a fused one reads several, which may be
+    of different types: one kernel call per part)."""
 
     tensors: tuple[str, ...]
     types: tuple[GGMLQuantizationType, ...]
@@ -140,11 +176,8 @@ class GGUFMatmul:
         """Why the kernel cannot read these blocks (naming tensor and type), or None."""
         for name, ggml_type in zip(self.tensors, self.types, strict=True):
             if int(ggml_type) not in cpu_kernels.SUPPORTED_GGML_TYPES:
-                return f"tensor {name!r} is {ggml_type.name} (the kernel reads Q4_1 and Q8_0)"
-        if len(set(self.types)) > 1:
-            named = zip(self.tensors, self.types, strict=True)
-            parts = ", ".join(f"{name} {ggml_type.name}" for name, ggml_type in named)
-            return f"one fused matmul reads tensors of different types ({parts})"
+                readable = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.values())
+                return f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable})"
         return None
 
 
@@ -180,36 +213,43 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
 
 
 def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
-    """Point every matmul whose GGUF tensors are all Q4_1 or Q8_0 at those blocks."""
+    """Point every matmul whose GGUF tensors the kernel reads at those blocks."""
     from zllm.executor.loader import gguf_raw_weights
 
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
     arch: ModelArchConfig = model.arch
     raw = gguf_raw_weights(model_path, arch)
 
-    def blocks(names: list[str], weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-        """The row-concatenated blocks of names and their type, if they all qualify."""
+    def blocks(names: list[str], weight: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+        """Each tensor's blocks and type (runs of one type merged), if the kernel reads all."""
         parts = [raw.get(n) for n in names]
-        if any(p is None for p in parts):
+        if any(p is None or p[0] not in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts):
             return None
-        types = {ggml_type for ggml_type, _ in parts}
-        ggml_type = types.pop()
-        if types or ggml_type not in cpu_kernels.SUPPORTED_GGML_TYPES:
-            return None
-        qweight = torch.cat([rows for _, rows in parts]).contiguous()
         # The kernel must multiply by exactly the weights the fp32 path holds.
-        if not torch.equal(
-            cpu_kernels.gguf_dequantize(qweight, ggml_type, weight.shape[1]), weight
-        ):
-            raise RuntimeError(f"GGUF blocks of {names} do not dequantize to the loaded weights")
-        return qweight, ggml_type
+        start = 0
+        for name, (ggml_type, rows) in zip(names, parts, strict=True):
+            expected = weight[start : start + rows.shape[0]]
+            if not torch.equal(
+                cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1]), expected
+            ):
+                raise RuntimeError(f"GGUF blocks of {name} do not dequantize to the loaded weights")
+            start += rows.shape[0]
+        merged: list[tuple[torch.Tensor, int]] = []
+        for ggml_type, rows in parts:
+            if merged and merged[-1][1] == ggml_type:
+                merged[-1] = (torch.cat([merged[-1][0], rows]), ggml_type)
+            else:
+                merged.append((rows.contiguous(), ggml_type))
+        return merged
 
-    def fuse(
-        names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> GGUFLinear | None:
-        """One GGUFLinear over the row-concatenated blocks of names, if they all qualify."""
+    def fuse(names: list[str], weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """A kernel matmul over the row-concatenated blocks of names, if it reads them all."""
         found = blocks(names, weight)
-        return None if found is None else GGUFLinear(*found, weight.shape[1], bias)
+        if found is None:
+            return None
+        if len(found) == 1:
+            return GGUFLinear(*found[0], weight.shape[1], bias)
+        return GGUFSplitLinear(found, weight.shape[1], bias)
 
     swapped = kept = 0
     for i, layer in enumerate(model.layers):
@@ -231,7 +271,8 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
                 swapped += 1
     # The embedding table (and, tied, the logits: one set of blocks for both), then an
     # untied lm_head; each fp32 tensor the blocks replace is released.
-    embedding = blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
+    found = blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
+    embedding = None if found is None else found[0]
     if embedding is not None:
         model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
         if model.lm_head is None:

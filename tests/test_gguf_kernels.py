@@ -1,9 +1,10 @@
-"""csrc/cpu/gguf_linear.cpp: matmuls on GGUF Q4_1 / Q8_0 blocks, and the engine's use of them.
+"""csrc/cpu/gguf_linear.h: matmuls on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K), and the engine's use of them.
 
 The kernel must multiply by exactly the fp32 weights gguf.quants dequantizes (bit for bit),
-for every row count (register tiles of 1-4 rows, 2 and 3 weight rows, remainders), and the
-engine must pick it by default for a GGUF file on CPU without changing any greedy output,
-holding no fp32 copy of what the blocks serve (the weights take the file's size in memory).
+for every type and row count (register tiles of 1-4 rows, 2 and 3 weight rows, remainders),
+and the engine must pick it by default for a GGUF file on CPU without changing any greedy
+output, holding no fp32 copy of what the blocks serve (the weights take the file's size).
 """
 
 import json
@@ -15,57 +16,92 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from test_gguf_types import random_blocks
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
-from zllm.executor.quantization import GGUFEmbedding, GGUFLinear
+from zllm.executor.quantization import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 
-TYPES = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
-def _blocks(rows: int, cols: int, ggml_type, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    q = quantize(w, ggml_type)
+def test_the_types_are_the_ones_the_kernel_reads():
+    assert sorted(cpu_kernels.SUPPORTED_GGML_TYPES) == sorted(int(t) for t in TYPES)
+    assert all(cpu_kernels.SUPPORTED_GGML_TYPES[int(t)] == t.name for t in TYPES)
+
+
+def _blocks(rows: int, blocks_per_row: int, ggml_type, seed: int):
+    """(blocks [rows, bytes per row], gguf-py's fp32 dequantization [rows, K], K): quantized by
+    gguf-py where it can (the 32-value types), else random blocks with sane fp16 scales."""
+    cols = blocks_per_row * GGML_QUANT_SIZES[ggml_type][0]
+    rng = np.random.default_rng(seed)
+    try:
+        q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
+    except NotImplementedError:  # K-quants: gguf-py only dequantizes them
+        q = random_blocks((rows, cols), ggml_type, rng)
     ref = dequantize(q, ggml_type).reshape(rows, cols).astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(ref)
+    assert np.isfinite(ref).all() and ref.std() > 0
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(ref), cols
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_dequantize_is_bit_exact(ggml_type):
-    q, ref = _blocks(37, 96, ggml_type, seed=1)
-    assert torch.equal(cpu_kernels.gguf_dequantize(q, int(ggml_type), 96), ref)
+    q, ref, cols = _blocks(37, 3, ggml_type, seed=1)
+    assert torch.equal(cpu_kernels.gguf_dequantize(q, int(ggml_type), cols), ref)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 33, 70, 150])
 def test_linear_matches_fp32_matmul(ggml_type, rows):
-    # 37 output rows: panels of 3 leave a remainder; K = 160 is 5 blocks; 70 and 150 rows
-    # cross the 64-row chunks of the panel path.
-    q, ref = _blocks(37, 160, ggml_type, seed=rows)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    # 37 output rows: panels of 3 leave a remainder; K is 5 blocks; 70 and 150 rows cross the
+    # 64-row chunks of the panel path.
+    q, ref, cols = _blocks(37, 5, ggml_type, seed=rows)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
     expected = (x.double() @ ref.double().T).float()
     assert out.shape == (rows, 37)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6])
+def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
+    """A fused matmul of parts in different types writes each part's columns in place."""
+    q5, ref5, _ = _blocks(24, 8, T.Q5_0, seed=8)
+    q6, ref6, _ = _blocks(16, 1, T.Q6_K, seed=9)
+    x = torch.randn(rows, 256)
+    y = torch.full((rows, 50), float("nan"))
+    cpu_kernels.gguf_linear_into(x, q5, int(T.Q5_0), y[:, 3:27])
+    cpu_kernels.gguf_linear_into(x, q6, int(T.Q6_K), y[:, 27:43])
+    torch.testing.assert_close(y[:, 3:43], x @ torch.cat([ref5, ref6]).T, rtol=1e-5, atol=1e-4)
+    assert y[:, :3].isnan().all() and y[:, 43:].isnan().all()
+    layer = GGUFSplitLinear([(q5, int(T.Q5_0)), (q6, int(T.Q6_K))], 256, torch.ones(40))
+    x3 = torch.randn(2, rows, 256)
+    torch.testing.assert_close(layer(x3), x3 @ torch.cat([ref5, ref6]).T + 1, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_reads_strided_rows_and_rejects_bad_input():
-    q, ref = _blocks(8, 64, GGMLQuantizationType.Q4_1, seed=3)
+    q, ref, _ = _blocks(8, 2, T.Q4_1, seed=3)
     wide = torch.randn(3, 128)
     x = wide[:, :64]  # rows 128 floats apart
     torch.testing.assert_close(cpu_kernels.gguf_linear(x, q, 3), x @ ref.T, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="row bytes"):
         cpu_kernels.gguf_linear(torch.randn(2, 96), q, 3)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        cpu_kernels.gguf_linear(torch.randn(2, 64), q, 2)
+        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q3_K))
+    with pytest.raises(RuntimeError, match="row bytes"):  # Q4_K blocks hold 256 values
+        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q4_K))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        cpu_kernels.gguf_linear_into(torch.randn(2, 64), q, 3, torch.empty(8, 2).T)
     with pytest.raises(RuntimeError, match="fp32"):
         cpu_kernels.gguf_linear(torch.randn(2, 64, dtype=torch.float64), q, 3)
 
 
 def test_gguf_linear_module_serves_any_row_count_from_blocks_alone():
-    q, ref = _blocks(16, 64, GGMLQuantizationType.Q8_0, seed=4)
+    q, ref, _ = _blocks(16, 2, T.Q8_0, seed=4)
     bias = torch.randn(16)
     layer = GGUFLinear(q, 8, 64, bias)
     assert [name for name, _ in layer.named_buffers()] == [] and not hasattr(layer, "weight")
@@ -76,8 +112,8 @@ def test_gguf_linear_module_serves_any_row_count_from_blocks_alone():
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_gguf_embedding_rows_are_the_tables_rows_bit_for_bit(ggml_type):
-    q, ref = _blocks(50, 96, ggml_type, seed=5)
-    table = GGUFEmbedding(q, int(ggml_type), 96)
+    q, ref, cols = _blocks(50, 2, ggml_type, seed=5)
+    table = GGUFEmbedding(q, int(ggml_type), cols)
     ids = torch.tensor([[3, 0, 49], [3, 7, 7]])
     assert torch.equal(table(ids), torch.nn.functional.embedding(ids, ref))
 
@@ -124,18 +160,21 @@ _RESIDENT_AFTER_LOAD = textwrap.dedent("""
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
 
     cpu_kernels.load()
-    config = EngineArgs(sys.argv[1], quantization=sys.argv[2], kv_cache_memory_bytes=64 << 20)
-    config = config.create_engine_config()
+    max_model_len = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    config = EngineArgs(
+        sys.argv[1], quantization=sys.argv[2], kv_cache_memory_bytes=64 << 20,
+        max_model_len=max_model_len,
+    ).create_engine_config()
     before = rss()
     runner = ModelRunner(config)
     print(json.dumps({"before": before, "after": rss(), "method": runner.quantization}))
 """)
 
 
-def _resident_after_load(model_path: str, quantization: str) -> dict:
+def _resident_after_load(model_path: str, quantization: str, *args: str) -> dict:
     """An executor's resident memory before loading weights and after (its own process)."""
     out = subprocess.run(
-        [sys.executable, "-c", _RESIDENT_AFTER_LOAD, model_path, quantization],
+        [sys.executable, "-c", _RESIDENT_AFTER_LOAD, model_path, quantization, *args],
         capture_output=True,
         text=True,
         timeout=600,

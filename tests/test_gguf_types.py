@@ -2,7 +2,8 @@
 
 Each type gets a tiny Llama GGUF (hidden 256, the K-quants' block) whose every matrix is stored
 in it: quantized by gguf-py where it can, else random blocks with sane fp16 scales. Files that
-mix types check how the CPU kernel (Q4_1 / Q8_0 blocks) shares a model with fp32 matmuls.
+mix types check how the CPU kernel (Q4_0-Q8_0 and Q4_K-Q6_K blocks) shares a model with fp32
+matmuls, and how one fused matmul reads parts stored in different types.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tiny_models import build_tiny_tokenizer
 
 from zllm import LLM, SamplingParams
 from zllm.executor.loader import load_weights
-from zllm.executor.quantization import GGUFLinear, gguf_kernel_plan
+from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear, gguf_kernel_plan
 from zllm.model_files import read_arch_config
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -270,9 +271,7 @@ def tiny_llm(path: str, **kwargs) -> LLM:
     return LLM(path, kv_cache_memory_bytes=16 << 20, max_num_seqs=4, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "ggml_type", [T.Q4_0, T.Q5_1, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ4_XS, T.BF16], ids=lambda t: t.name
-)
+@pytest.mark.parametrize("ggml_type", [T.Q3_K, T.IQ4_XS, T.BF16], ids=lambda t: t.name)
 def test_greedy_matches_transformers_on_fp32_dequantized_types(gguf_of_type, ggml_type) -> None:
     path, _ = gguf_of_type(ggml_type)
     llm = tiny_llm(path)
@@ -280,38 +279,43 @@ def test_greedy_matches_transformers_on_fp32_dequantized_types(gguf_of_type, ggm
     check_greedy_parity(path, llm, ggml_type.name)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_greedy_matches_transformers_on_kernel_types(gguf_of_type, ggml_type) -> None:
     path, _ = gguf_of_type(ggml_type)
     llm = tiny_llm(path)
     assert llm.model_runner.quantization == "gguf"
     model = llm.model_runner.model
     assert all(isinstance(layer.mlp.down_proj, GGUFLinear) for layer in model.layers)
-    assert model.logits_proj is not None
+    assert model.logits_proj is not None and model.embed_rows is not None
+    assert model.lm_head.numel() == 0 and model.embed_tokens.numel() == 0  # no fp32 copies
     check_greedy_parity(path, llm, ggml_type.name)
 
 
 # ---------------------------------------------------------------------------------------------
 # Files mixing types: the kernel serves what it can, fp32 the rest; asked for, it refuses
 
-# Like llama.cpp's Q4_K_M and the Gemma 3 270M file: K-quants and Q5_0 beside Q8_0 / Q4_1.
+# Like llama.cpp's Q4_K_M and the Gemma 3 270M file (Q4_K and Q6_K beside Q5_0 and Q8_0, q/k
+# and v of different types), with types the kernel does not read (Q3_K, IQ4_XS, Q2_K).
 MIXED_TYPES = {
     "blk.0.attn_q": T.Q8_0,
     "blk.0.attn_k": T.Q8_0,
     "blk.0.attn_v": T.Q8_0,
-    "blk.0.attn_output": T.Q5_0,
+    "blk.0.attn_output": T.Q3_K,
     "blk.0.ffn_gate": T.Q4_1,
     "blk.0.ffn_up": T.Q4_1,
-    "blk.0.ffn_down": T.Q6_K,
-    "blk.1.attn_q": T.Q4_K,
-    "blk.1.attn_k": T.Q4_K,
-    "blk.1.attn_v": T.Q6_K,
-    "blk.1.attn_output": T.Q4_1,
+    "blk.0.ffn_down": T.IQ4_XS,
+    "blk.1.attn_q": T.Q5_0,
+    "blk.1.attn_k": T.Q5_0,
+    "blk.1.attn_v": T.Q8_0,
+    "blk.1.attn_output": T.Q4_K,
     "blk.1.ffn_gate": T.Q4_K,
-    "blk.1.ffn_up": T.Q4_K,
-    "blk.1.ffn_down": T.Q8_0,
+    "blk.1.ffn_up": T.Q5_K,
+    "blk.1.ffn_down": T.Q6_K,
     "token_embd": T.Q4_K,
-    "output": T.Q6_K,
+    "output": T.Q2_K,
 }
 
 
@@ -327,44 +331,50 @@ def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> Non
     llm = tiny_llm(mixed_gguf)
     assert llm.model_runner.quantization == "gguf"
     layers = llm.model_runner.model.layers
-    served = [
-        [isinstance(m, GGUFLinear) for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj)]
+    kinds = [
+        [type(m).__name__ for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj)]
         for a, p in ((layer.self_attn, layer.mlp) for layer in layers)
     ]
-    assert served == [[True, False, True, False], [False, True, False, True]]
-    assert llm.model_runner.model.logits_proj is None  # Q6_K logits: fp32
-    assert llm.model_runner.model.embed_rows is None  # Q4_K embedding: fp32
+    assert kinds == [
+        ["GGUFLinear", "Linear", "GGUFLinear", "Linear"],
+        ["GGUFSplitLinear", "GGUFLinear", "GGUFSplitLinear", "GGUFLinear"],
+    ]
+    # q and k (Q5_0) share one kernel call, v (Q8_0) has its own.
+    qkv = layers[1].self_attn.qkv_proj
+    assert [(w.shape[0], t) for w, t in qkv.parts] == [(HIDDEN + KV_HEADS * HEAD_DIM, 6), (128, 8)]
+    assert llm.model_runner.model.logits_proj is None  # Q2_K logits: fp32
+    assert llm.model_runner.model.embed_rows is not None  # Q4_K embedding: blocks
     assert (
-        "GGUF kernels: 4 of 8 decoder matmuls, not the logits and not the embedding read GGUF "
-        "blocks; 4 multiply fp32 weights dequantized at load (first: tensor "
-        "'blk.0.attn_output.weight' is Q5_0"
+        "GGUF kernels: 6 of 8 decoder matmuls, not the logits and the embedding read GGUF "
+        "blocks; 2 multiply fp32 weights dequantized at load (first: tensor "
+        "'blk.0.attn_output.weight' is Q3_K"
     ) in caplog.text
     check_greedy_parity(mixed_gguf, llm, "mixed")
 
 
 def test_asked_for_gguf_kernels_refuse_a_mixed_file_naming_the_tensor(mixed_gguf: str) -> None:
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_output.weight' is Q5_0 .*unset"):
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_output.weight' is Q3_K .*unset"):
         tiny_llm(mixed_gguf, quantization="gguf")
 
 
-def test_fused_matmul_of_two_kernel_types_stays_fp32(tmp_path: Path) -> None:
-    """q/k Q4_1 with v Q8_0: each type alone is served, one fused qkv matmul cannot be."""
+def test_fused_matmul_of_two_kernel_types_runs_one_call_per_type(tmp_path: Path) -> None:
+    """q/k Q4_1 with v Q8_0: one fused qkv matmul, two kernel calls writing their columns."""
     path = tmp_path / "v8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0 if "attn_v" in name else T.Q4_1)
-    assert gguf_kernel_plan(str(path)) is None
-    reason = gguf_kernel_plan(str(path), strict=True)
-    assert reason is not None and reason.startswith(
-        "one fused matmul reads tensors of different types (blk.0.attn_q.weight Q4_1, "
-        "blk.0.attn_k.weight Q4_1, blk.0.attn_v.weight Q8_0)"
-    )
+    assert gguf_kernel_plan(str(path), strict=True) is None
+    llm = tiny_llm(str(path), quantization="gguf")
+    qkv = llm.model_runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, GGUFSplitLinear) and [t for _, t in qkv.parts] == [3, 8]
+    check_greedy_parity(str(path), llm, "v8")
 
 
 def test_file_without_kernel_types_runs_fp32_and_says_why(gguf_of_type, caplog) -> None:
     caplog.set_level(logging.INFO, logger="zllm.executor.model_runner")
-    path, _ = gguf_of_type(T.Q4_K)
+    path, _ = gguf_of_type(T.Q3_K)
     assert tiny_llm(path).model_runner.quantization == "none"
-    assert "GGUF kernels not used, fp32 matmuls: no matmul of the file is Q4_1 or Q8_0" in (
-        caplog.text
+    assert (
+        "GGUF kernels not used, fp32 matmuls: the kernel reads none of its matrices' types "
+        "(Q3_K)" in caplog.text
     )
-    with pytest.raises(ValueError, match="tensor 'blk.0.attn_q.weight' is Q4_K"):
+    with pytest.raises(ValueError, match="tensor 'blk.0.attn_q.weight' is Q3_K"):
         tiny_llm(path, quantization="gguf")

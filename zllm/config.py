@@ -163,7 +163,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # None: "gguf" for a GGUF file on CPU when the kernel can serve it, else fp32 ("none").
-    # "gguf": matmuls on the file's Q4_1/Q8_0 blocks; "int8": fbgemm dynamic int8 (CPU).
+    # "gguf": matmuls on the file's quantized blocks; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers

@@ -125,7 +125,7 @@ class EngineArgs:
     device: str = option("auto", help="cpu, cuda or cuda:N; auto: cuda when a GPU is visible")
     quantization: str | None = option(
         None,
-        help="gguf (the default for a Q4_1/Q8_0 GGUF file on CPU): matmuls read the file's "
+        help="gguf (the default for a GGUF file on CPU): matmuls read the file's "
         "quantized blocks, the same weight values as fp32; none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
         choices=("gguf", "int8", "none"),

@@ -1,10 +1,14 @@
-// y = x @ W^T with W kept in its GGUF block-quantized form (Q4_1 or Q8_0), x and y fp32.
+// y = x @ W^T with W kept in its GGUF block-quantized form, x and y fp32.
+// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value
+// super-blocks), the ones llama.cpp's common presets write.
 //
 // Why: at small batches a decode step is bound by reading the weights. fp32 weights are
-// 4 bytes a value; Q4_1 is 0.625 and Q8_0 1.0625, so the same step reads 4-6x fewer bytes.
-// The weights are dequantized in registers/L1 exactly as gguf.quants does it (fp32 d*q + m,
-// no FMA contraction: built with -ffp-contract=off), so the values multiplied are bit for bit
-// the fp32 reference weights; only the summation order differs from a BLAS GEMM.
+// 4 bytes a value; these types are 0.56-1.06, so the same step reads 4-7x fewer bytes, and
+// the weights take the file's size in memory.
+// The weights are dequantized in registers/L1 exactly as gguf.quants does it (fp32 products
+// and sums in numpy's order, no FMA contraction: built with -ffp-contract=off), so the values
+// multiplied are bit for bit the fp32 reference weights; only the summation order differs
+// from a BLAS GEMM.
 //
 // Loop structure (one thread per chunk of output rows, torch's own thread pool):
 //   for each panel of NR output rows:
@@ -12,6 +16,7 @@
 //     for each tile of MR input rows: MR x NR dot products over K, 8 lanes at a time,
 //       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
 // Each weight byte is read from memory once per call whatever M is, and dequantized once.
+// Q4_1 and Q8_0 at one or two input rows take a path that writes no panel (linear_few_rows).
 
 #pragma once
 
@@ -30,43 +35,245 @@ namespace zllm_gguf {
 using zllm_simd::half_to_float;
 using zllm_simd::hsum;
 
-constexpr int kBlock = 32;       // values per GGUF block (Q4_1 and Q8_0)
+constexpr int kBlock = 32;       // values per block of the 32-value types
+constexpr int kSuper = 256;      // values per K-quant super-block
 constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
 constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
 constexpr int64_t kRowChunk = 64;  // input rows per L2-resident chunk (panel path)
 
-enum QType : int64_t { kQ4_1 = 3, kQ8_0 = 8 };  // ggml_type ids
+// ggml type ids.
+enum QType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
-// One Q4_1 row of K values -> fp32. Value j of a block is the low nibble of byte j (j < 16)
-// or the high nibble of byte j - 16.
-void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
+// --- Building blocks: 32 codes in one register, widened to fp32 and scaled -----------------
+
+// Every code of every type fits a signed byte (Q6_K and Q8_0 are signed, the rest < 64), so
+// one widening serves all: 32 int8 codes -> 4 x 8 fp32.
+inline void widen(__m256i codes, __m256 q[4]) {
+  const __m128i lo = _mm256_castsi256_si128(codes);
+  const __m128i hi = _mm256_extracti128_si256(codes, 1);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+// out[j] = d * code[j] (+ m): two roundings, as numpy computes (d * q) + m.
+inline void store_scaled(__m256i codes, float d, float* out) {
+  __m256 q[4];
+  widen(codes, q);
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(dv, q[i]));
+}
+
+inline void store_scaled_offset(__m256i codes, float d, float m, float* out) {
+  __m256 q[4];
+  widen(codes, q);
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, q[i]), mv));
+}
+
+// The 32-value types' nibble layout: value j < 16 is the low nibble of byte j, value j >= 16
+// the high nibble of byte j - 16.
+inline __m256i nibbles_32(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+
+// Q5's fifth bits: byte j = 0x10 if bit j of the little-endian uint32 at p is set, else 0.
+inline __m256i fifth_bits_32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  // Each 128-bit lane holds the 4 bytes repeated; byte j takes byte j / 8 of them...
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), pick);
+  // ...and tests its bit j % 8.
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// --- One row of K values -> fp32, per type (gguf.quants' dequantize_blocks) ----------------
+
+void dequant_row_q4_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 16 B nibbles
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * 18;
+    const __m256i codes = _mm256_sub_epi8(nibbles_32(blk + 2), _mm256_set1_epi8(8));
+    store_scaled(codes, half_to_float(blk), out + b * kBlock);
+  }
+}
+
+void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {  // f16 d, f16 m, nibbles
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * kQ4_1Bytes;
-    const __m256 d = _mm256_set1_ps(half_to_float(blk));
-    const __m256 m = _mm256_set1_ps(half_to_float(blk + 2));
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m128i lo = _mm_and_si128(bytes, low_mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-    float* o = out + b * kBlock;
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int i = 0; i < 4; ++i) {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-      _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(d, q), m));
+    store_scaled_offset(nibbles_32(blk + 4), half_to_float(blk), half_to_float(blk + 2),
+                        out + b * kBlock);
+  }
+}
+
+void dequant_row_q5_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, u32 qh, nibbles
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * 22;
+    const __m256i codes = _mm256_or_si256(nibbles_32(blk + 6), fifth_bits_32(blk + 2));
+    store_scaled(_mm256_sub_epi8(codes, _mm256_set1_epi8(16)), half_to_float(blk),
+                 out + b * kBlock);
+  }
+}
+
+void dequant_row_q5_1(const uint8_t* row, int64_t K, float* out) {  // d, m, u32 qh, nibbles
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * 24;
+    const __m256i codes = _mm256_or_si256(nibbles_32(blk + 8), fifth_bits_32(blk + 4));
+    store_scaled_offset(codes, half_to_float(blk), half_to_float(blk + 2), out + b * kBlock);
+  }
+}
+
+void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 32 int8
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * kQ8_0Bytes;
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    store_scaled(codes, half_to_float(blk), out + b * kBlock);
+  }
+}
+
+// Q4_K / Q5_K: eight sub-blocks of 32 values, each with a 6-bit scale and a 6-bit min packed
+// into 12 bytes: scale s < 4 is the low 6 bits of byte s, min s < 4 of byte s + 4; for s >= 4
+// the low (scale) or high (min) nibble of byte s + 4 gives the low 4 bits and the top 2 bits
+// of byte s - 4 (scale) or byte s (min) the high 2.
+inline void k_scales_mins(const uint8_t* p, float d, float dmin, float dsc[8], float dm[8]) {
+  for (int s = 0; s < 8; ++s) {
+    int sc, mn;
+    if (s < 4) {
+      sc = p[s] & 63;
+      mn = p[s + 4] & 63;
+    } else {
+      sc = (p[s + 4] & 0x0F) | ((p[s - 4] >> 6) << 4);
+      mn = (p[s + 4] >> 4) | ((p[s] >> 6) << 4);
+    }
+    // Rounded to fp32 here, as numpy forms d * sc before multiplying by the codes.
+    dsc[s] = d * static_cast<float>(sc);
+    dm[s] = dmin * static_cast<float>(mn);
+  }
+}
+
+// value = (d * scale) * q - dmin * min, with q the 4-bit code (+ 16 * fifth bit for Q5_K).
+inline void store_k(__m256i codes, float dsc, float dm, float* out) {
+  __m256 q[4];
+  widen(codes, q);
+  const __m256 dv = _mm256_set1_ps(dsc), mv = _mm256_set1_ps(dm);
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(_mm256_mul_ps(dv, q[i]), mv));
+}
+
+// Q4_K (144 B): f16 d, f16 dmin, 12 B scales/mins, 128 B nibbles: 32 bytes per pair of
+// sub-blocks, the low nibbles sub-block 2c, the high ones 2c + 1.
+void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const uint8_t* blk = row + b * 144;
+    float dsc[8], dm[8];
+    k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
+    float* o = out + b * kSuper;
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+      store_k(_mm256_and_si256(v, mask), dsc[2 * c], dm[2 * c], o + 64 * c);
+      store_k(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), dsc[2 * c + 1], dm[2 * c + 1],
+              o + 64 * c + 32);
     }
   }
 }
 
-void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    const uint8_t* blk = row + b * kQ8_0Bytes;
-    const __m256 d = _mm256_set1_ps(half_to_float(blk));
-    float* o = out + b * kBlock;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-      _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, q));
+// Q5_K (176 B): as Q4_K, with 32 B of fifth bits before the nibbles: bit s of byte j is the
+// fifth bit of value j of sub-block s.
+void dequant_row_q5_k(const uint8_t* row, int64_t K, float* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const uint8_t* blk = row + b * 176;
+    float dsc[8], dm[8];
+    k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    float* o = out + b * kSuper;
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * c));
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * c + h;
+        const __m256i low = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, mask);
+        // Bit s of each byte to bit 4 (a 16-bit shift keeps each byte's bits in that byte
+        // once masked to bit 0).
+        const __m256i fifth = _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one), 4);
+        store_k(_mm256_or_si256(low, fifth), dsc[s], dm[s], o + 32 * s);
+      }
     }
+  }
+}
+
+// Q6_K (210 B): 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, f16 d. Each half
+// of 128 values reads 64 low-nibble bytes and 32 high bytes: value r (< 128) takes the low
+// nibble of byte r % 64 (r < 64) or its high nibble, and bits 2 * (r / 32) of high byte
+// r % 32; q = that 6-bit code - 32, times d * scale[value / 16].
+void dequant_row_q6_k(const uint8_t* row, int64_t K, float* out) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const float d = half_to_float(blk + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i lows[4] = {_mm256_and_si256(l0, mask), _mm256_and_si256(l1, mask),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), mask),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), mask)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256i high = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), two_bits);
+        const __m256i codes = _mm256_sub_epi8(
+            _mm256_or_si256(lows[g], _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+        __m256 q[4];
+        widen(codes, q);
+        const int first = 8 * h + 2 * g;  // the scale of this group's first 16 values
+        float* o = out + b * kSuper + 128 * h + 32 * g;
+        for (int i = 0; i < 4; ++i) {
+          const __m256 dv = _mm256_set1_ps(d * static_cast<float>(scales[first + i / 2]));
+          _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(dv, q[i]));
+        }
+      }
+    }
+  }
+}
+
+using DequantRow = void (*)(const uint8_t*, int64_t, float*);
+
+struct BlockFormat {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+  DequantRow dequant;
+};
+
+// The layout of a type the kernel reads, or nullptr.
+inline const BlockFormat* block_format(int64_t qtype) {
+  static const BlockFormat q4_0{kBlock, 18, dequant_row_q4_0}, q4_1{kBlock, 20, dequant_row_q4_1},
+      q5_0{kBlock, 22, dequant_row_q5_0}, q5_1{kBlock, 24, dequant_row_q5_1},
+      q8_0{kBlock, 34, dequant_row_q8_0}, q4_k{kSuper, 144, dequant_row_q4_k},
+      q5_k{kSuper, 176, dequant_row_q5_k}, q6_k{kSuper, 210, dequant_row_q6_k};
+  switch (qtype) {
+    case kQ4_0: return &q4_0;
+    case kQ4_1: return &q4_1;
+    case kQ5_0: return &q5_0;
+    case kQ5_1: return &q5_1;
+    case kQ8_0: return &q8_0;
+    case kQ4_K: return &q4_k;
+    case kQ5_K: return &q5_k;
+    case kQ6_K: return &q6_k;
+    default: return nullptr;
   }
 }
 
@@ -102,12 +309,10 @@ void panel(const float* x, int64_t M, int64_t ldx, const float* w, int64_t K, fl
   }
 }
 
-using DequantRow = void (*)(const uint8_t*, int64_t, float*);
-
 // y [M, N] = x [M, K] @ W^T, NR weight rows dequantized at a time, MR x NR register tiles.
 template <int MR, int NR>
 void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-            int64_t N, int64_t K, DequantRow dequant, float* y) {
+            int64_t N, int64_t K, DequantRow dequant, float* y, int64_t ldy) {
   const int64_t num_panels = (N + NR - 1) / NR;
   // A chunk of panels per task: enough work (~64K weights) to hide the pool's overhead.
   const int64_t grain = std::max<int64_t>(1, 65536 / (NR * K));
@@ -119,17 +324,17 @@ void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ro
     for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
       const int64_t mc = std::min<int64_t>(kRowChunk, M - m0);
       const float* xc = x + m0 * ldx;
-      float* yc = y + m0 * N;
+      float* yc = y + m0 * ldy;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * NR;
         const int64_t nr = std::min<int64_t>(NR, N - n0);
         for (int64_t j = 0; j < nr; ++j)
           dequant(w + (n0 + j) * row_bytes, K, buf.data() + j * K);
         if (nr == NR) {
-          panel<MR, NR>(xc, mc, ldx, buf.data(), K, yc + n0, N);
+          panel<MR, NR>(xc, mc, ldx, buf.data(), K, yc + n0, ldy);
         } else {
           for (int64_t j = 0; j < nr; ++j)
-            panel<MR, 1>(xc, mc, ldx, buf.data() + j * K, K, yc + n0 + j, N);
+            panel<MR, 1>(xc, mc, ldx, buf.data() + j * K, K, yc + n0 + j, ldy);
         }
       }
     }
@@ -143,7 +348,7 @@ void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ro
 // with sum_k x_k per block computed once per call. Same weight values, different rounding.
 template <int MR>
 void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                     int64_t N, int64_t K, bool q4_1, float* y) {
+                     int64_t N, int64_t K, bool q4_1, float* y, int64_t ldy) {
   const int64_t num_blocks = K / kBlock;
   // Per-row block sums of x (only Q4_1's offset needs them).
   std::vector<float> xsum(q4_1 ? MR * num_blocks : 0);
@@ -193,7 +398,7 @@ void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
           if (q4_1) offset[i] += m * xsum[i * num_blocks + b];
         }
       }
-      for (int i = 0; i < MR; ++i) y[i * N + n] = hsum(acc[i]) + offset[i];
+      for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]) + offset[i];
     }
   });
 }
@@ -202,53 +407,68 @@ void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
 
 using namespace zllm_gguf;
 
-// x: fp32 [M, K] (rows contiguous), qweight: uint8 [N, bytes per row], returns fp32 [M, N].
-torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
-  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+namespace {
+
+// The checks every entry point makes; returns the type's block layout.
+const BlockFormat& checked_format(const torch::Tensor& qweight, int64_t qtype, int64_t K) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
                   qweight.is_contiguous(),
               "qweight must be contiguous uint8 [N, bytes per row]");
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported ggml type ", qtype);
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const int64_t block_bytes = qtype == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == K / kBlock * block_bytes,
+  const BlockFormat* format = block_format(qtype);
+  TORCH_CHECK(format != nullptr, "unsupported ggml type ", qtype);
+  TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
               "qweight row bytes do not match K=", K);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  return *format;
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W^T into y, whose rows may be strided (a column slice of a wider
+// output: one fused matmul whose parts are of different types writes each part's columns).
+void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype,
+                      torch::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
+  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const BlockFormat& format = checked_format(qweight, qtype, K);
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
+                  y.size(1) == N && y.stride(1) == 1,
+              "y must be fp32 [M, N] with contiguous rows");
+  if (M == 0 || N == 0) return;
   const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  const int64_t ldx = x.stride(0), ldy = y.stride(0);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const int64_t row_bytes = qweight.size(1);
   float* yp = y.data_ptr<float>();
-  const auto dequant = qtype == kQ4_1 ? dequant_row_q4_1 : dequant_row_q8_0;
-
+  const bool few_rows_path = qtype == kQ4_1 || qtype == kQ8_0;
   const bool q4_1 = qtype == kQ4_1;
-  switch (M) {
-    // Measured on 2 AVX2 cores: 1.2x faster than the panel path at one row, even at two,
-    // slower from three on.
-    case 1: linear_few_rows<1>(xp, ldx, wp, row_bytes, N, K, q4_1, yp); break;
-    case 2: linear_few_rows<2>(xp, ldx, wp, row_bytes, N, K, q4_1, yp); break;
-    // More rows: dequantize NR weight rows into an fp32 panel once and run 4 x 3 register
-    // tiles over it, so each weight's conversion is shared by every input row.
-    default: linear<4, 3>(xp, M, ldx, wp, row_bytes, N, K, dequant, yp);
+  // Measured on 2 AVX2 cores: 1.2x faster than the panel path at one row, even at two,
+  // slower from three on. Other types take the panel path at every row count.
+  if (few_rows_path && M == 1) {
+    linear_few_rows<1>(xp, ldx, wp, row_bytes, N, K, q4_1, yp, ldy);
+  } else if (few_rows_path && M == 2) {
+    linear_few_rows<2>(xp, ldx, wp, row_bytes, N, K, q4_1, yp, ldy);
+  } else {
+    // Dequantize NR weight rows into an fp32 panel once and run 4 x 3 register tiles over
+    // it, so each weight's conversion is shared by every input row.
+    linear<4, 3>(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
   }
+}
+
+// x: fp32 [M, K] (rows contiguous), qweight: uint8 [N, bytes per row], returns fp32 [M, N].
+torch::Tensor gguf_linear(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
+  auto y = torch::empty({x.size(0), qweight.size(0)}, x.options());
+  gguf_linear_into(x, qweight, qtype, y);
   return y;
 }
 
-// The fp32 values the kernel multiplies by: [N, K]. For tests and for building the fp32 copy
-// used by large batches, so both paths see identical weights.
+// The fp32 values the kernel multiplies by: [N, K]. For tests, the embedding's looked-up
+// rows, and the load-time check that the blocks are the weights the fp32 path holds.
 torch::Tensor gguf_dequantize(const torch::Tensor& qweight, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
-                  qweight.is_contiguous(),
-              "qweight must be contiguous uint8 [N, bytes per row]");
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "unsupported ggml type ", qtype);
-  const int64_t block_bytes = qtype == kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(K % kBlock == 0 && qweight.size(1) == K / kBlock * block_bytes,
-              "qweight row bytes do not match K=", K);
+  const DequantRow dequant = checked_format(qweight, qtype, K).dequant;
   const int64_t N = qweight.size(0);
   auto out = torch::empty({N, K}, torch::kFloat32);
-  const auto dequant = qtype == kQ4_1 ? dequant_row_q4_1 : dequant_row_q8_0;
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {

@@ -7,8 +7,10 @@
 #include "paged_attention.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF Q4_1/Q8_0 weights");
-  m.def("gguf_dequantize", &gguf_dequantize, "GGUF Q4_1/Q8_0 rows -> fp32");
+  m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF block-quantized weights");
+  m.def("gguf_linear_into", &gguf_linear_into,
+        "x @ dequant(qweight)^T written into y (rows may be strided)");
+  m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks -> fp32 rows");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention read from the paged KV cache");
 }

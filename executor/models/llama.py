@@ -217,6 +217,12 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
+    def keep_positions(self, count: int) -> None:
+        """Drop the table past `count` positions (the engine's max_model_len, which no position
+        reaches): Gemma 3's two 32K-position tables are 32 MB each."""
+        if count < self.cos_sin_cache.shape[0]:
+            self.cos_sin_cache = self.cos_sin_cache[:count].clone()
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for each token: [T, 1, rotary_dim / 2], broadcasting over heads."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
