@@ -2,8 +2,9 @@
 
 Per type: one [N, K] matrix of random blocks (Gemma 3 270M's gate/up shape, 4096 x 640, or
 1024 wide for the K-quants' 256-value blocks), `cpu_kernels.gguf_linear` at 1, 2, 8 and 512
-input rows vs `F.linear` on the dequantized fp32 copy: median of REPEATS timings, and the
-ratio (fp32 time / kernel time: > 1 means the kernel is faster).
+input rows vs `F.linear` on the dequantized fp32 copy, and the int8-activation kernel
+(`--quantization gguf-int8`): median of REPEATS timings, and each kernel's speed-up over fp32
+(fp32 time / kernel time: > 1 means the kernel is faster).
 
     OMP_NUM_THREADS=2 python benchmarks/gguf_types.py            # ~1 min on 2 cores
 """
@@ -61,7 +62,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, N = {args.rows}")
     print(
         f"{'type':6} {'K':>5} {'bytes/w':>7} "
-        + " ".join(f"{f'M={m} kernel ms':>16} {'fp32 ms':>8} {'ratio':>6}" for m in args.batch)
+        + " ".join(f"{f'M={m} fp32 ms':>14} {'kernel':>7} {'int8':>7}" for m in args.batch)
     )
     for ggml_type in TYPES:
         block, size = GGML_QUANT_SIZES[ggml_type]
@@ -73,8 +74,12 @@ def main() -> None:
             kernel = median_time(
                 lambda x=x, q=q, t=int(ggml_type): cpu_kernels.gguf_linear(x, q, t), args.repeats
             )
+            int8 = median_time(
+                lambda x=x, q=q, t=int(ggml_type): cpu_kernels.gguf_linear_int8(x, q, t),
+                args.repeats,
+            )
             fp32 = median_time(lambda x=x, ref=ref: F.linear(x, ref), args.repeats)
-            cells.append(f"{kernel * 1e3:16.3f} {fp32 * 1e3:8.3f} {fp32 / kernel:6.2f}")
+            cells.append(f"{fp32 * 1e3:14.3f} {fp32 / kernel:6.2f}x {fp32 / int8:6.2f}x")
         print(f"{ggml_type.name:6} {cols:5} {size / block:7.3f} " + " ".join(cells))
 
 

@@ -2,6 +2,7 @@
 
     gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks             csrc/cpu/gguf_linear.h
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
+    gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)   csrc/cpu/paged_attention.h
 
@@ -40,6 +41,7 @@ KERNEL_FILES = (
     "cpu/ops.cpp",
     "cpu/simd.h",
     "cpu/gguf_linear.h",
+    "cpu/gguf_int8.h",
     "cpu/paged_attention.h",
 )
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
@@ -122,6 +124,17 @@ def gguf_linear_into(
 ) -> None:
     """y[:] = x @ dequantize(qweight)^T; y [M, N] may be a column slice of a wider output."""
     load().gguf_linear_into(x, qweight, ggml_type, y)
+
+
+def gguf_linear_int8(
+    x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, y: torch.Tensor | None = None
+) -> torch.Tensor:
+    """As gguf_linear with x rounded to int8 per 32 values and integer dot products
+    (llama.cpp's arithmetic; `--quantization gguf-int8`). Into y when given."""
+    if y is None:
+        return load().gguf_linear_int8(x, qweight, ggml_type)
+    load().gguf_linear_int8_into(x, qweight, ggml_type, y)
+    return y
 
 
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:

@@ -160,7 +160,7 @@ class ModelRunner:
         self.quantization = self._quantize(config)
         if config.model_path.endswith(".gguf"):
             read_gguf(config.model_path).release_pages()  # copied out: the model holds them
-        if self.quantization == "gguf":
+        if self.quantization in ("gguf", "gguf-int8"):
             release_freed_memory(self.device)  # the fp32 weights the blocks replaced
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)

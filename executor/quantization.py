@@ -12,6 +12,12 @@ GEMM on an fp32 copy from 512 rows on (BENCHMARKS.md), with no copy. A fused mat
 the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel
 call per part, each writing its columns of the output.
 
+`gguf-int8` (opt-in): the same blocks, llama.cpp's arithmetic for decode-sized calls: x is
+rounded to int8 per 32 values and multiplied by the codes with integer dot products
+(csrc/cpu/gguf_int8.h), 1.3-1.7x faster per matmul at one row than the float kernel. Calls of
+more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
+where the integer path is slower. It changes the arithmetic: accuracy in BENCHMARKS.md.
+
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
 models without activation outliers.
@@ -34,7 +40,10 @@ from zllm.model_files import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "int8", "none")
+QUANTIZATION_METHODS = ("gguf", "gguf-int8", "int8", "none")
+# gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores:
+# faster than the float kernel at 1-2 rows for every type, slower from 8; BENCHMARKS.md).
+INT8_MAX_ROWS = 4
 
 
 class GGUFLinear(nn.Module):
@@ -46,18 +55,23 @@ class GGUFLinear(nn.Module):
         ggml_type: int,
         in_features: int,
         bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         self.qweight = qweight
         self.ggml_type = ggml_type
         self.in_features = in_features
         self.bias = bias
+        self.int8_activations = int8_activations  # gguf-int8: integer dots for few rows
+        self.int8_max_rows = INT8_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = cpu_kernels.gguf_linear(
-            flat if flat.stride(-1) == 1 else flat.contiguous(), self.qweight, self.ggml_type
-        )
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        if self.int8_activations and flat.shape[0] <= self.int8_max_rows:
+            y = cpu_kernels.gguf_linear_int8(flat, self.qweight, self.ggml_type)
+        else:
+            y = cpu_kernels.gguf_linear(flat, self.qweight, self.ggml_type)
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -76,21 +90,29 @@ class GGUFSplitLinear(nn.Module):
         parts: list[tuple[torch.Tensor, int]],
         in_features: int,
         bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
     ) -> None:
         super().__init__()
         self.parts = parts  # (qweight [rows, bytes per row], ggml type), in output order
         self.in_features = in_features
         self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
         self.bias = bias
+        self.int8_activations = int8_activations
+        self.int8_max_rows = INT8_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         y = flat.new_empty(flat.shape[0], self.out_features)
+        int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
         start = 0
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
-            cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, y[:, start : start + rows])
+            columns = y[:, start : start + rows]
+            if int8:
+                cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
+            else:
+                cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
             start += rows
         if self.bias is not None:
             y.add_(self.bias)
@@ -127,11 +149,11 @@ def quantize_model_(
     """
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
-    if method == "gguf":
+    if method in ("gguf", "gguf-int8"):
         reason = "no model file" if model_path is None else gguf_kernel_plan(model_path, strict)
         if reason is not None:
-            raise ValueError(f"--quantization gguf cannot serve this model: {reason}")
-        use_gguf_blocks_(model, model_path)
+            raise ValueError(f"--quantization {method} cannot serve this model: {reason}")
+        use_gguf_blocks_(model, model_path, int8_activations=method == "gguf-int8")
     elif method == "int8":
         _int8_model_(model)
 
@@ -212,8 +234,9 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
     return [m for m in decoder if m is not None], head
 
 
-def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
-    """Point every matmul whose GGUF tensors the kernel reads at those blocks."""
+def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
+    """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
+    activations for few rows: gguf-int8)."""
     from zllm.executor.loader import gguf_raw_weights
 
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
@@ -248,8 +271,8 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
         if found is None:
             return None
         if len(found) == 1:
-            return GGUFLinear(*found[0], weight.shape[1], bias)
-        return GGUFSplitLinear(found, weight.shape[1], bias)
+            return GGUFLinear(*found[0], weight.shape[1], bias, int8_activations)
+        return GGUFSplitLinear(found, weight.shape[1], bias, int8_activations)
 
     swapped = kept = 0
     for i, layer in enumerate(model.layers):
@@ -276,7 +299,9 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
     if embedding is not None:
         model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
         if model.lm_head is None:
-            model.logits_proj = GGUFLinear(*embedding, model.arch.hidden_size)
+            model.logits_proj = GGUFLinear(
+                *embedding, model.arch.hidden_size, None, int8_activations
+            )
         _release(model.embed_tokens)
     if model.lm_head is not None:
         head = fuse(["lm_head.weight"], model.lm_head.data, None)
@@ -291,6 +316,17 @@ def use_gguf_blocks_(model: nn.Module, model_path: str) -> None:
         "the embedding" if embedding is not None else "not the embedding",
         _fp32_note(model_path) if kept else "",
     )
+
+
+def set_int8_max_rows(model: nn.Module, rows: int) -> int:
+    """Make gguf-int8 matmuls take the integer path up to `rows` rows; returns how many
+    modules it set. `zllm bench accuracy` scores a whole sequence in one prefill with the
+    arithmetic decode gives each row (x is rounded per row, so a row's result does not depend
+    on the others)."""
+    modules = [m for m in model.modules() if getattr(m, "int8_activations", False)]
+    for module in modules:
+        module.int8_max_rows = rows
+    return len(modules)
 
 
 def _release(param: nn.Parameter) -> None:

@@ -150,10 +150,19 @@ def test_engine_flags_round_trip(command):
 
 
 def test_python_api_checks_the_choices_the_flags_check():
-    with pytest.raises(ValueError, match="quantization must be one of 'gguf', 'int8', 'none'"):
+    with pytest.raises(
+        ValueError, match="quantization must be one of 'gguf', 'gguf-int8', 'int8', 'none'"
+    ):
         EngineArgs(model="/nonexistent", quantization="bogus").create_engine_config()
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineArgs(model="/nonexistent", dtype="fp8").create_engine_config()
+
+
+@pytest.mark.parametrize("method", ["int8", "gguf-int8"])
+def test_deterministic_mode_refuses_arithmetic_that_depends_on_the_batch(tiny_llama_dir, method):
+    args = EngineArgs(model=tiny_llama_dir, quantization=method, deterministic=True, device="cpu")
+    with pytest.raises(ValueError, match=f"deterministic execution cannot use {method} "):
+        args.create_engine_config()
 
 
 def test_every_server_option_is_a_flag_set_below():

@@ -17,12 +17,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import Q4_K, dequantize, quantize
 from test_gguf_types import random_blocks
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
-from zllm.executor.quantization import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.quantization import (
+    INT8_MAX_ROWS,
+    GGUFEmbedding,
+    GGUFLinear,
+    GGUFSplitLinear,
+)
 
 T = GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -81,6 +86,108 @@ def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
     layer = GGUFSplitLinear([(q5, int(T.Q5_0)), (q6, int(T.Q6_K))], 256, torch.ones(40))
     x3 = torch.randn(2, rows, 256)
     torch.testing.assert_close(layer(x3), x3 @ torch.cat([ref5, ref6]).T + 1, rtol=1e-5, atol=1e-4)
+
+
+# ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
+
+
+def _int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernel rounds it: per 32 values, scale max|x| / 127, codes round-half-even of
+    x * (127 / max|x|) in fp32; returned as scale * code in float64."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
+    codes = np.rint(blocks * np.where(amax > 0, inverse, np.float32(0)))
+    return (codes.astype(np.float64) * (amax / np.float32(127))).reshape(x.shape)
+
+
+def _block_offsets(q: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray:
+    """The offset b of each 32-value group (value = a * code + b): Q4_1/Q5_1's m, the
+    K-quants' -dmin * min; 0 for the others. [rows, cols / 32]."""
+    blocks = q.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
+    if ggml_type in (T.Q4_1, T.Q5_1):
+        b = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    elif ggml_type in (T.Q4_K, T.Q5_K):
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        _, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        b = -(dmin * mins.astype(np.float32))
+    else:
+        return np.zeros((rows, cols // 32))
+    return b.reshape(rows, cols // 32).astype(np.float64)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+def test_int8_linear_is_the_int8_arithmetic_exactly(ggml_type, rows):
+    """sum_k value_k x_k with value_k = a c_k + b: a * dx * sum c qx (integers) + b * sum x
+    (x's exact block sums), against that formula in float64; and near the fp32 matmul."""
+    q, ref, cols = _blocks(37, 5, ggml_type, seed=rows)  # 37 rows: panels of 4 + a remainder
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type)).double().numpy()
+    xd, w = x.double().numpy(), ref.double().numpy()
+    x_int8 = _int8_activations(x.numpy())
+    offsets = _block_offsets(q.numpy(), ggml_type, 37, cols)
+    expected = x_int8 @ w.T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * scale)
+    exact = xd @ w.T
+    assert np.abs(out - exact).max() < 0.05 * np.abs(exact).max()  # int8 rounding, ~1%
+    y = torch.full((rows, 40), float("nan"))
+    cpu_kernels.gguf_linear_int8(x, q, int(ggml_type), y[:, 2:39])  # into a column slice
+    np.testing.assert_array_equal(y[:, 2:39].double().numpy(), out)
+    assert y[:, :2].isnan().all() and y[:, 39:].isnan().all()
+
+
+def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
+    q, ref, _ = _blocks(12, 4, T.Q4_0, seed=11)
+    q8, _, _ = _blocks(5, 4, T.Q8_0, seed=12)
+    bias = torch.randn(12)
+    layer = GGUFLinear(q, int(T.Q4_0), 128, bias, int8_activations=True)
+    split = GGUFSplitLinear([(q, int(T.Q4_0)), (q8, int(T.Q8_0))], 128, None, True)
+    for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 128)
+        kernel = cpu_kernels.gguf_linear_int8 if rows <= INT8_MAX_ROWS else cpu_kernels.gguf_linear
+        assert torch.equal(layer(x), kernel(x, q, int(T.Q4_0)) + bias)
+        both = torch.cat([kernel(x, q, int(T.Q4_0)), kernel(x, q8, int(T.Q8_0))], dim=1)
+        assert torch.equal(split(x), both)
+
+
+def test_gguf_int8_engine_prefills_as_gguf_and_decodes_with_integer_dots(smollm2_path):
+    """Prompt logprobs (every position's logits: many rows per call) are the float kernel's,
+    so they equal the default's; one sequence's decode steps and its last-position logits
+    take the integer path and stay within a small logprob drift while the tokens agree."""
+    exact = LLM(smollm2_path, max_num_seqs=4)
+    int8 = LLM(smollm2_path, max_num_seqs=4, quantization="gguf-int8")
+    assert int8.model_runner.quantization == "gguf-int8"
+    model = int8.model_runner.model
+    assert model.layers[0].self_attn.qkv_proj.int8_activations
+    assert (
+        model.logits_proj.int8_activations
+        and not exact.model_runner.model.logits_proj.int8_activations
+    )
+    text = "Mixing paint is simple once you know the rules. The three primary colors are"
+    prompt = {"prompt_token_ids": exact.get_tokenizer().encode(text)}
+    assert len(prompt["prompt_token_ids"]) > INT8_MAX_ROWS
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, logprobs=1, prompt_logprobs=1, ignore_eos=True
+    )
+    a = exact.generate([prompt], params, use_tqdm=False)[0]
+    b = int8.generate([prompt], params, use_tqdm=False)[0]
+    assert a.prompt_logprobs == b.prompt_logprobs
+    ids_a, ids_b = a.outputs[0].token_ids, b.outputs[0].token_ids
+    agree = next(
+        (i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)) if x != y), len(ids_a)
+    )
+    assert agree >= 2
+    for i in range(agree):
+        drift = abs(
+            a.outputs[0].logprobs[i][ids_a[i]].logprob - b.outputs[0].logprobs[i][ids_a[i]].logprob
+        )
+        assert drift < 0.1, (i, drift)
+    assert any(
+        a.outputs[0].logprobs[i][ids_a[i]].logprob != b.outputs[0].logprobs[i][ids_a[i]].logprob
+        for i in range(agree)
+    )  # the decode steps did take the other arithmetic
 
 
 def test_linear_reads_strided_rows_and_rejects_bad_input():

@@ -247,6 +247,11 @@ def main_accuracy(args: argparse.Namespace) -> int:
     del reference
     quant = LLM(**asdict(engine))
     q_out = [o.outputs[0].token_ids for o in quant.generate(reqs, greedy, use_tqdm=False)]
+    if args.quantization == "gguf-int8":
+        # Its integer path serves decode-sized calls only; score every position with it.
+        from zllm.executor.quantization import set_int8_max_rows
+
+        set_int8_max_rows(quant.model_runner.model, 1 << 30)
     q_lp = quant.generate(forced, score, use_tqdm=False)
 
     same = sum(a == b for a, b in zip(ref_out, q_out, strict=True))

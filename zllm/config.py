@@ -163,7 +163,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # None: "gguf" for a GGUF file on CPU when the kernel can serve it, else fp32 ("none").
-    # "gguf": matmuls on the file's quantized blocks; "int8": fbgemm dynamic int8 (CPU).
+    # "gguf": matmuls on the file's quantized blocks; "gguf-int8": the same with int8
+    # activations for decode-sized calls; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers

@@ -126,9 +126,11 @@ class EngineArgs:
     quantization: str | None = option(
         None,
         help="gguf (the default for a GGUF file on CPU): matmuls read the file's "
-        "quantized blocks, the same weight values as fp32; none: fp32 matmuls; int8: int8 "
+        "quantized blocks, the same weight values as fp32; gguf-int8: the same blocks with "
+        "activations rounded to int8 for decode-sized matmuls (llama.cpp's arithmetic; "
+        "CPU, opt-in, see BENCHMARKS.md); none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
-        choices=("gguf", "int8", "none"),
+        choices=("gguf", "gguf-int8", "int8", "none"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
     pooling: str = option(
@@ -317,6 +319,11 @@ class EngineArgs:
         if self.quantization == "int8":
             raise ValueError(
                 "deterministic execution cannot use int8 (its activation scales span the batch)"
+            )
+        if self.quantization == "gguf-int8":
+            raise ValueError(
+                "deterministic execution cannot use gguf-int8 (its arithmetic depends on how "
+                "many rows a matmul has); use gguf"
             )
         return True
 

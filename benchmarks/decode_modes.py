@@ -1,0 +1,77 @@
+"""Decode speed of the CPU quantization modes, side by side in one process (issue 20).
+
+Loads one `LLM` per mode (default `gguf` and `gguf-int8`) and, for ROUNDS rounds in rotated
+order, times a batch of BATCH random prompts of INPUT_LEN tokens: the prefill (max_tokens=1)
+and the whole request (OUTPUT_LEN greedy tokens, ignore_eos); time per output token =
+(whole - prefill) / (OUTPUT_LEN - 1). Prints each mode's median TPOT and its ratio to the
+first mode's.
+
+    OMP_NUM_THREADS=2 python benchmarks/decode_modes.py --model smollm2 --batch 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from zllm import LLM, SamplingParams
+
+
+def tpot(llm: LLM, prompts: list[dict], output_len: int) -> float:
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    prefilled = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    done = time.perf_counter()
+    return ((done - prefilled) - (prefilled - start)) / (output_len - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--modes", nargs="+", default=["gguf", "gguf-int8"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    engines = {
+        mode: LLM(
+            args.model,
+            quantization=mode,
+            max_num_seqs=max(args.batch),
+            enable_prefix_caching=False,
+            max_model_len=2048,
+        )
+        for mode in args.modes
+    }
+    vocab = engines[args.modes[0]].get_tokenizer().vocab_size
+    rng = np.random.default_rng(0)
+    for batch in args.batch:
+        prompts = [
+            {"prompt_token_ids": rng.integers(256, vocab - 1, args.input_len).tolist()}
+            for _ in range(batch)
+        ]
+        for llm in engines.values():  # warm
+            tpot(llm, prompts, 4)
+        times: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        for r in range(args.rounds):
+            order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+            for mode in order:
+                times[mode].append(tpot(engines[mode], prompts, args.output_len))
+        base = statistics.median(times[args.modes[0]])
+        for mode in args.modes:
+            med = statistics.median(times[mode])
+            rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[mode])
+            print(
+                f"batch {batch:3d} {mode:10s} TPOT median {med * 1e3:6.2f} ms "
+                f"({base / med:.2f}x the first mode's speed; rounds: {rounds})"
+            )
+
+
+if __name__ == "__main__":
+    main()
