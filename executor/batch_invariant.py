@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zllm.executor.quantization import GGUFLinear
+from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
 
 TILE_ROWS = 8
 
@@ -64,7 +64,7 @@ def make_batch_invariant(model: nn.Module) -> int:
     wrapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if not (isinstance(child, GGUFLinear) or type(child) is nn.Linear):
+            if not (isinstance(child, GGUFLinear | GGUFSplitLinear) or type(child) is nn.Linear):
                 continue
             setattr(module, name, Tiled(child))
             wrapped += 1

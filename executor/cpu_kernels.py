@@ -130,7 +130,7 @@ def gguf_linear_int8(
     x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, y: torch.Tensor | None = None
 ) -> torch.Tensor:
     """As gguf_linear with x rounded to int8 per 32 values and integer dot products
-    (llama.cpp's arithmetic; `--quantization gguf-int8`). Into y when given."""
+    (llama.cpp-style arithmetic; `--quantization gguf-int8`). Into y when given."""
     if y is None:
         return load().gguf_linear_int8(x, qweight, ggml_type)
     load().gguf_linear_int8_into(x, qweight, ggml_type, y)

@@ -7,14 +7,15 @@ replace are released after load: the weights take about the file's size in memor
 multiplied are bit for bit the fp32 weights the reference path uses (the kernel dequantizes as
 gguf.quants does; load checks it), so only summation order differs; a decode step reads 4-7x
 fewer bytes. Many rows (prefill chunks) go through the kernel's panel path, which dequantizes a
-few weight rows into L1 and multiplies them there: about 4% slower per matmul than the BLAS
-GEMM on an fp32 copy from 512 rows on (BENCHMARKS.md), with no copy. A fused matmul whose parts
+few weight rows into L1 and multiplies them there, with no copy: per matmul from 512 rows on,
+about 4% slower than the BLAS GEMM on an fp32 copy for Q4_1, up to ~16% for Q6_K, whose
+dequantization costs most (BENCHMARKS.md). A fused matmul whose parts
 the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel
 call per part, each writing its columns of the output.
 
-`gguf-int8` (opt-in): the same blocks, llama.cpp's arithmetic for decode-sized calls: x is
+`gguf-int8` (opt-in): the same blocks, llama.cpp-style arithmetic for decode-sized calls: x is
 rounded to int8 per 32 values and multiplied by the codes with integer dot products
-(csrc/cpu/gguf_int8.h), 1.3-1.7x faster per matmul at one row than the float kernel. Calls of
+(csrc/cpu/gguf_int8.h), 1.2-2.3x faster per matmul at one row than the float kernel. Calls of
 more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
 where the integer path is slower. It changes the arithmetic: accuracy in BENCHMARKS.md.
 
@@ -41,8 +42,8 @@ from zllm.model_files import GGUFFile, read_gguf
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("gguf", "gguf-int8", "int8", "none")
-# gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores:
-# faster than the float kernel at 1-2 rows for every type, slower from 8; BENCHMARKS.md).
+# gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
+# per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
 INT8_MAX_ROWS = 4
 
 

@@ -143,3 +143,17 @@ def test_smollm2_needle_is_bitwise_identical(smollm2_path) -> None:
         enable_prefix_caching=False,
     )
     assert needle_vectors(chunked, others(2, seed=3), position=1) == alone
+
+
+def test_gguf_file_with_mixed_type_fused_matmuls_is_bitwise_identical(tmp_path) -> None:
+    """q/k Q4_1 beside v Q8_0: the fused qkv runs one kernel call per type (GGUFSplitLinear),
+    which the mode must tile like any matmul (Q8_0's 1-2 row path differs from its panel)."""
+    from gguf import GGMLQuantizationType as T
+    from test_gguf_types import write_llama_gguf
+
+    path = tmp_path / "v8.gguf"
+    write_llama_gguf(path, lambda name: T.Q8_0 if "attn_v" in name else T.Q4_1)
+    llm = LLM(str(path), kv_cache_memory_bytes=32 << 20, deterministic=True)
+    assert type(llm.model_runner.model.layers[0].self_attn.qkv_proj).__name__ == "Tiled"
+    alone = needle_vectors(llm, [])
+    assert needle_vectors(llm, others(16, seed=2), position=8) == alone

@@ -158,6 +158,13 @@ def test_python_api_checks_the_choices_the_flags_check():
         EngineArgs(model="/nonexistent", dtype="fp8").create_engine_config()
 
 
+@pytest.mark.parametrize("method", ["gguf", "gguf-int8", "int8"])
+def test_cpu_quantization_methods_refuse_a_gpu(tiny_llama_dir, method):
+    args = EngineArgs(model=tiny_llama_dir, quantization=method, device="cuda")
+    with pytest.raises(ValueError, match=f"--quantization {method} runs on CPU only"):
+        args.create_engine_config()
+
+
 @pytest.mark.parametrize("method", ["int8", "gguf-int8"])
 def test_deterministic_mode_refuses_arithmetic_that_depends_on_the_batch(tiny_llama_dir, method):
     args = EngineArgs(model=tiny_llama_dir, quantization=method, deterministic=True, device="cpu")

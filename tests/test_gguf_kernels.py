@@ -77,15 +77,20 @@ def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
     """A fused matmul of parts in different types writes each part's columns in place."""
     q5, ref5, _ = _blocks(24, 8, T.Q5_0, seed=8)
     q6, ref6, _ = _blocks(16, 1, T.Q6_K, seed=9)
-    x = torch.randn(rows, 256)
-    y = torch.full((rows, 50), float("nan"))
+    q8, ref8, _ = _blocks(8, 8, T.Q8_0, seed=10)  # 1-2 rows: Q8_0's register path
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=generator)
+    y = torch.full((rows, 58), float("nan"))
     cpu_kernels.gguf_linear_into(x, q5, int(T.Q5_0), y[:, 3:27])
     cpu_kernels.gguf_linear_into(x, q6, int(T.Q6_K), y[:, 27:43])
-    torch.testing.assert_close(y[:, 3:43], x @ torch.cat([ref5, ref6]).T, rtol=1e-5, atol=1e-4)
-    assert y[:, :3].isnan().all() and y[:, 43:].isnan().all()
-    layer = GGUFSplitLinear([(q5, int(T.Q5_0)), (q6, int(T.Q6_K))], 256, torch.ones(40))
-    x3 = torch.randn(2, rows, 256)
-    torch.testing.assert_close(layer(x3), x3 @ torch.cat([ref5, ref6]).T + 1, rtol=1e-5, atol=1e-4)
+    cpu_kernels.gguf_linear_into(x, q8, int(T.Q8_0), y[:, 43:51])
+    ref = torch.cat([ref5, ref6, ref8])
+    torch.testing.assert_close(y[:, 3:51], x @ ref.T, rtol=1e-5, atol=1e-4)
+    assert y[:, :3].isnan().all() and y[:, 51:].isnan().all()
+    parts = [(q5, int(T.Q5_0)), (q6, int(T.Q6_K)), (q8, int(T.Q8_0))]
+    layer = GGUFSplitLinear(parts, 256, torch.ones(48))
+    x3 = torch.randn(2, rows, 256, generator=generator)
+    torch.testing.assert_close(layer(x3), x3 @ ref.T + 1, rtol=1e-5, atol=1e-4)
 
 
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
@@ -118,7 +123,7 @@ def _block_offsets(q: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 70])
-def test_int8_linear_is_the_int8_arithmetic_exactly(ggml_type, rows):
+def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     """sum_k value_k x_k with value_k = a c_k + b: a * dx * sum c qx (integers) + b * sum x
     (x's exact block sums), against that formula in float64; and near the fp32 matmul."""
     q, ref, cols = _blocks(37, 5, ggml_type, seed=rows)  # 37 rows: panels of 4 + a remainder
@@ -136,6 +141,20 @@ def test_int8_linear_is_the_int8_arithmetic_exactly(ggml_type, rows):
     cpu_kernels.gguf_linear_int8(x, q, int(ggml_type), y[:, 2:39])  # into a column slice
     np.testing.assert_array_equal(y[:, 2:39].double().numpy(), out)
     assert y[:, :2].isnan().all() and y[:, 39:].isnan().all()
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
+    """A NaN or infinity in x makes its rows' outputs NaN (as the float kernel's), not a
+    finite number from saturated codes; a block of subnormals rounds to zero."""
+    q, ref, cols = _blocks(6, 2, ggml_type, seed=13)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(13))
+    x[0, 5] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, :32] = 1e-39  # below FLT_MIN: 127 / max|x| would overflow
+    out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
+    assert out[:2].isnan().all()
+    torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
 
 
 def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():

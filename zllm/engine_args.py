@@ -127,7 +127,7 @@ class EngineArgs:
         None,
         help="gguf (the default for a GGUF file on CPU): matmuls read the file's "
         "quantized blocks, the same weight values as fp32; gguf-int8: the same blocks with "
-        "activations rounded to int8 for decode-sized matmuls (llama.cpp's arithmetic; "
+        "activations rounded to int8 for decode-sized matmuls (llama.cpp-style arithmetic; "
         "CPU, opt-in, see BENCHMARKS.md); none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
         choices=("gguf", "gguf-int8", "int8", "none"),
@@ -247,7 +247,7 @@ class EngineArgs:
             seed=self.seed,
             dtype=dtype,
             device=device,
-            quantization=self.quantization,
+            quantization=self._check_quantization(device),
             enforce_eager=self.enforce_eager,
             model_impl=impl.name,
             pooling=self.pooling,
@@ -307,6 +307,14 @@ class EngineArgs:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def _check_quantization(self, device: str) -> str | None:
+        if self.quantization in ("gguf", "gguf-int8", "int8") and device != "cpu":
+            raise ValueError(
+                f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
+                f"kernels); on {device} leave it unset (the model's dtype) or use none"
+            )
+        return self.quantization
 
     def _check_deterministic(self, device: str) -> bool:
         if not self.deterministic:

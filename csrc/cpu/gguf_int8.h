@@ -1,5 +1,7 @@
-// y = x @ W^T with W in GGUF blocks and x quantized to int8 per 32 values: llama.cpp's
-// arithmetic, as the opt-in `--quantization gguf-int8`.
+// y = x @ W^T with W in GGUF blocks and x quantized to int8 per 32 values: llama.cpp-style
+// arithmetic, as the opt-in `--quantization gguf-int8`. (llama.cpp itself keeps fp16
+// activation scales, 256-value activation blocks for K-quants and offsets from the codes'
+// sums; here scales are fp32, blocks 32 values, offsets from x's own sums.)
 //
 // Why: the float path widens every 4-8 bit code to fp32 before an FMA (8 values per
 // instruction); here the codes stay bytes and one VPMADDUBSW multiplies 32 code/activation
@@ -12,7 +14,7 @@
 // (Q6_K: one per 16 values, so a pair), b an offset (Q4_1/Q5_1's m, the K-quants'
 // -dmin * min). With x_k ~ dx * qx_k:
 //   sum_k value_k x_k = a * dx * sum_k c_k qx_k + b * sum_k x_k
-// the first sum in int32, the second from x's exact fp32 block sums. VPMADDUBSW wants one
+// the first sum in int32, the second from fp32 block sums of x itself. VPMADDUBSW wants one
 // unsigned operand: |c| times qx with c's sign (VPSIGNB). Pair sums stay within int16:
 // 2 * 128 * 127 < 32767.
 
@@ -24,6 +26,7 @@
 
 #include "gguf_linear.h"
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -35,10 +38,11 @@ using namespace zllm_gguf;
 // One group of 32 values of a weight row, decoded.
 struct Group {
   float a_lo, a_hi;  // scale of values 0-15 and 16-31 (equal except Q6_K)
-  float b;           // offset times x's block sum
+  float b;           // offset (multiplies x's block sum)
 };
 
-// x quantized per 32 values: codes, scales, and per block the exact fp32 sum.
+// x quantized per 32 values: codes, scales, and per block the fp32 sum of x itself (not of
+// its rounded codes), for the offsets.
 struct QuantizedX {
   std::vector<int8_t> q;   // [M, K]
   std::vector<float> d;    // [M, K / 32]
@@ -63,9 +67,13 @@ inline QuantizedX quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K) 
         __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         h = _mm_max_ps(h, _mm_movehl_ps(h, h));
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float max_abs = _mm_cvtss_f32(h);
-        const float d = max_abs / 127.0f;
-        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 127.0f / max_abs : 0.0f);
+        const float block_sum = hsum(total);
+        // A block below FLT_MIN rounds to zeros (127 / max_abs would overflow). A NaN or an
+        // infinity (which max/convert would turn into finite codes) makes d NaN, so the
+        // output is NaN as the float kernel's would be.
+        const float max_abs = _mm_cvtss_f32(h) < FLT_MIN ? 0.0f : _mm_cvtss_f32(h);
+        const float d = std::isfinite(block_sum) ? max_abs / 127.0f : NAN;
+        const __m256 inv = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
         __m256i q32[4];
         for (int i = 0; i < 4; ++i)
           q32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
@@ -77,7 +85,7 @@ inline QuantizedX quantize_x(const float* x, int64_t M, int64_t ldx, int64_t K) 
                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&out.q[m * K + g * kBlock]), q8);
         out.d[m * groups + g] = d;
-        out.sum[m * groups + g] = hsum(total);
+        out.sum[m * groups + g] = block_sum;
       }
   });
   return out;
@@ -92,7 +100,7 @@ inline void store_codes(int8_t* p, __m256i v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
 }
 
-void decode_q4_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q4_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* blk = row + g * 18;
     store_codes(codes + g * kBlock, _mm256_sub_epi8(nibbles_32(blk + 2), _mm256_set1_epi8(8)));
@@ -101,7 +109,7 @@ void decode_q4_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q4_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q4_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* blk = row + g * 20;
     store_codes(codes + g * kBlock, nibbles_32(blk + 4));
@@ -110,7 +118,7 @@ void decode_q4_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q5_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q5_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* blk = row + g * 22;
     const __m256i codes32 = _mm256_or_si256(nibbles_32(blk + 6), fifth_bits_32(blk + 2));
@@ -120,7 +128,7 @@ void decode_q5_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q5_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q5_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* blk = row + g * 24;
     store_codes(codes + g * kBlock, _mm256_or_si256(nibbles_32(blk + 8), fifth_bits_32(blk + 4)));
@@ -129,7 +137,7 @@ void decode_q5_1(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q8_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q8_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   for (int64_t g = 0; g < K / kBlock; ++g) {
     const uint8_t* blk = row + g * 34;
     std::memcpy(codes + g * kBlock, blk + 2, kBlock);  // already signed
@@ -138,7 +146,7 @@ void decode_q8_0(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q4_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q4_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 144;
@@ -154,7 +162,7 @@ void decode_q4_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q5_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q5_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 176;
@@ -175,7 +183,7 @@ void decode_q5_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   }
 }
 
-void decode_q6_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
+inline void decode_q6_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
   const __m256i mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 210;
@@ -293,6 +301,8 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
   using namespace zllm_gguf_int8;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
+              "the GGUF kernels run on CPU tensors");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
                   qweight.is_contiguous(),
               "qweight must be contiguous uint8 [N, bytes per row]");
@@ -317,8 +327,8 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
   const DotPanel dot4 = qtype == kQ6_K ? dot_panel<true, false>
                         : has_offset   ? dot_panel<false, true>
                                        : dot_panel<false, false>;
-  // Weight rows per decoded panel: each row is decoded once per call and its codes (1 byte a
-  // value) reused by every x row while they sit in L1.
+  // Each weight row is decoded once per call, kPanel rows at a time, and its codes (1 byte a
+  // value) reused by every x row while they sit in L1. A task takes ~16K weights' panels.
   const int64_t grain = std::max<int64_t>(1, 16384 / K);
   at::parallel_for(0, (N + kPanel - 1) / kPanel, grain, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> codes(kPanel * K);

@@ -15,7 +15,8 @@
 //     dequantize the NR rows (NR x K fp32, a few KB: stays in L1)
 //     for each tile of MR input rows: MR x NR dot products over K, 8 lanes at a time,
 //       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
-// Each weight byte is read from memory once per call whatever M is, and dequantized once.
+// Each weight byte is read from memory once per call whatever M is, and dequantized once per
+// 64-row chunk of x.
 // Q4_1 and Q8_0 at one or two input rows take a path that writes no panel (linear_few_rows).
 
 #pragma once
@@ -101,7 +102,7 @@ inline __m256i fifth_bits_32(const uint8_t* p) {
 
 // --- One row of K values -> fp32, per type (gguf.quants' dequantize_blocks) ----------------
 
-void dequant_row_q4_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 16 B nibbles
+inline void dequant_row_q4_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 16 B nibbles
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * 18;
     const __m256i codes = _mm256_sub_epi8(nibbles_32(blk + 2), _mm256_set1_epi8(8));
@@ -109,7 +110,7 @@ void dequant_row_q4_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 16
   }
 }
 
-void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {  // f16 d, f16 m, nibbles
+inline void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {  // f16 d, f16 m, nibbles
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * kQ4_1Bytes;
     store_scaled_offset(nibbles_32(blk + 4), half_to_float(blk), half_to_float(blk + 2),
@@ -117,7 +118,7 @@ void dequant_row_q4_1(const uint8_t* row, int64_t K, float* out) {  // f16 d, f1
   }
 }
 
-void dequant_row_q5_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, u32 qh, nibbles
+inline void dequant_row_q5_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, u32 qh, nibbles
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * 22;
     const __m256i codes = _mm256_or_si256(nibbles_32(blk + 6), fifth_bits_32(blk + 2));
@@ -126,7 +127,7 @@ void dequant_row_q5_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, u3
   }
 }
 
-void dequant_row_q5_1(const uint8_t* row, int64_t K, float* out) {  // d, m, u32 qh, nibbles
+inline void dequant_row_q5_1(const uint8_t* row, int64_t K, float* out) {  // d, m, u32 qh, nibbles
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * 24;
     const __m256i codes = _mm256_or_si256(nibbles_32(blk + 8), fifth_bits_32(blk + 4));
@@ -134,7 +135,7 @@ void dequant_row_q5_1(const uint8_t* row, int64_t K, float* out) {  // d, m, u32
   }
 }
 
-void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 32 int8
+inline void dequant_row_q8_0(const uint8_t* row, int64_t K, float* out) {  // f16 d, 32 int8
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = row + b * kQ8_0Bytes;
     const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -173,7 +174,7 @@ inline void store_k(__m256i codes, float dsc, float dm, float* out) {
 
 // Q4_K (144 B): f16 d, f16 dmin, 12 B scales/mins, 128 B nibbles: 32 bytes per pair of
 // sub-blocks, the low nibbles sub-block 2c, the high ones 2c + 1.
-void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
+inline void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 144;
@@ -191,7 +192,7 @@ void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
 
 // Q5_K (176 B): as Q4_K, with 32 B of fifth bits before the nibbles: bit s of byte j is the
 // fifth bit of value j of sub-block s.
-void dequant_row_q5_k(const uint8_t* row, int64_t K, float* out) {
+inline void dequant_row_q5_k(const uint8_t* row, int64_t K, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 176;
@@ -218,7 +219,7 @@ void dequant_row_q5_k(const uint8_t* row, int64_t K, float* out) {
 // of 128 values reads 64 low-nibble bytes and 32 high bytes: value r (< 128) takes the low
 // nibble of byte r % 64 (r < 64) or its high nibble, and bits 2 * (r / 32) of high byte
 // r % 32; q = that 6-bit code - 32, times d * scale[value / 16].
-void dequant_row_q6_k(const uint8_t* row, int64_t K, float* out) {
+inline void dequant_row_q6_k(const uint8_t* row, int64_t K, float* out) {
   const __m256i mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 210;
@@ -429,6 +430,8 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
                       torch::Tensor& y) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
+              "the GGUF kernels run on CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const BlockFormat& format = checked_format(qweight, qtype, K);
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
