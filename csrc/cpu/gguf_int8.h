@@ -289,7 +289,53 @@ inline void dot_panel(const int8_t* codes, const Group* groups, const QuantizedX
   for (int j = 0; j < kPanel; ++j) out[j] = hsum(acc[j]) + offset[j];
 }
 
+// Two x rows against a panel of kPanel weight rows: each code vector loaded (and its absolute
+// value taken) once for both rows; 8 accumulator chains.
+template <bool PAIR, bool OFFSET>
+inline void dot_panel_2rows(const int8_t* codes, const Group* groups, const QuantizedX& qx,
+                            int64_t m, int64_t K, float* out, int64_t ldy) {
+  constexpr int MR = 2;
+  const int64_t num_groups = K / kBlock;
+  const __m256i ones_16 = _mm256_set1_epi16(1);
+  __m256 acc[MR][kPanel];
+  float offset[MR][kPanel];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kPanel; ++j) {
+      acc[i][j] = _mm256_setzero_ps();
+      offset[i][j] = 0.0f;
+    }
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m256i q[MR];
+    float dx[MR], xsum[MR];
+    for (int i = 0; i < MR; ++i) {
+      q[i] = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(qx.q.data() + (m + i) * K + g * kBlock));
+      dx[i] = qx.d[(m + i) * num_groups + g];
+      xsum[i] = qx.sum[(m + i) * num_groups + g];
+    }
+    for (int j = 0; j < kPanel; ++j) {
+      const __m256i c =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + j * K + g * kBlock));
+      const __m256i magnitude = _mm256_abs_epi8(c);
+      const Group& gr = groups[j * num_groups + g];
+      for (int i = 0; i < MR; ++i) {
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(q[i], c));
+        const __m256i sums = _mm256_madd_epi16(pairs, ones_16);
+        const __m256 scale = PAIR ? _mm256_setr_m128(_mm_set1_ps(gr.a_lo * dx[i]),
+                                                     _mm_set1_ps(gr.a_hi * dx[i]))
+                                  : _mm256_set1_ps(gr.a_lo * dx[i]);
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i][j]);
+        if (OFFSET) offset[i][j] += gr.b * xsum[i];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kPanel; ++j) out[i * ldy + j] = hsum(acc[i][j]) + offset[i][j];
+}
+
 using DotRow = float (*)(const int8_t*, const Group*, const QuantizedX&, int64_t, int64_t);
+using DotPanel2 = void (*)(const int8_t*, const Group*, const QuantizedX&, int64_t, int64_t,
+                           float*, int64_t);
 using DotPanel = void (*)(const int8_t*, const Group*, const QuantizedX&, int64_t, int64_t,
                           float*);
 
@@ -327,6 +373,9 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
   const DotPanel dot4 = qtype == kQ6_K ? dot_panel<true, false>
                         : has_offset   ? dot_panel<false, true>
                                        : dot_panel<false, false>;
+  const DotPanel2 dot4x2 = qtype == kQ6_K ? dot_panel_2rows<true, false>
+                           : has_offset   ? dot_panel_2rows<false, true>
+                                          : dot_panel_2rows<false, false>;
   // Each weight row is decoded once per call, kPanel rows at a time, and its codes (1 byte a
   // value) reused by every x row while they sit in L1. A task takes ~16K weights' panels.
   const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -338,7 +387,11 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
       for (int64_t j = 0; j < nr; ++j)
         decode(wp + (n0 + j) * row_bytes, K, codes.data() + j * K,
                groups.data() + j * (K / kBlock));
-      for (int64_t m = 0; m < M; ++m) {
+      int64_t m = 0;
+      if (nr == kPanel)
+        for (; m + 2 <= M; m += 2)
+          dot4x2(codes.data(), groups.data(), qx, m, K, yp + m * ldy + n0, ldy);
+      for (; m < M; ++m) {
         if (nr == kPanel) {
           dot4(codes.data(), groups.data(), qx, m, K, yp + m * ldy + n0);
           continue;
