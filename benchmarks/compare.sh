@@ -144,6 +144,8 @@ model.save_pretrained(out)
 AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
 EOF
     log "converting to F16 GGUF with llama.cpp's convert_hf_to_gguf.py"
+    # The converter imports sentencepiece even for a BPE tokenizer.
+    "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install sentencepiece
     PYTHONPATH=$LLAMA_DIR/gguf-py nice -n 19 "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
         "$HF_DIR" --outtype f16 --outfile "$F16_GGUF.tmp"
     mv "$F16_GGUF.tmp" "$F16_GGUF"
