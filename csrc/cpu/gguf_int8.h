@@ -147,66 +147,38 @@ inline void decode_q8_0(const uint8_t* row, int64_t K, int8_t* codes, Group* gro
 }
 
 inline void decode_q4_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 144;
     float dsc[8], dm[8];
     k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      store_codes(codes + b * kSuper + 64 * c, _mm256_and_si256(v, mask));
-      store_codes(codes + b * kSuper + 64 * c + 32,
-                  _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+    for (int s = 0; s < 8; ++s) {
+      store_codes(codes + b * kSuper + 32 * s, q4_k_codes(blk, s));
+      groups[b * 8 + s] = {dsc[s], dsc[s], -dm[s]};
     }
-    for (int s = 0; s < 8; ++s) groups[b * 8 + s] = {dsc[s], dsc[s], -dm[s]};
   }
 }
 
 inline void decode_q5_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 176;
     float dsc[8], dm[8];
     k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * c));
-      for (int h = 0; h < 2; ++h) {
-        const int s = 2 * c + h;
-        const __m256i low = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, mask);
-        const __m256i fifth = _mm256_slli_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one), 4);
-        store_codes(codes + b * kSuper + 32 * s, _mm256_or_si256(low, fifth));
-      }
+    for (int s = 0; s < 8; ++s) {
+      store_codes(codes + b * kSuper + 32 * s, q5_k_codes(blk, s));
+      groups[b * 8 + s] = {dsc[s], dsc[s], -dm[s]};
     }
-    for (int s = 0; s < 8; ++s) groups[b * 8 + s] = {dsc[s], dsc[s], -dm[s]};
   }
 }
 
 inline void decode_q6_k(const uint8_t* row, int64_t K, int8_t* codes, Group* groups) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 210;
     const float d = half_to_float(blk + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = blk + 64 * h;
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i lows[4] = {_mm256_and_si256(l0, mask), _mm256_and_si256(l1, mask),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), mask),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), mask)};
-      for (int g = 0; g < 4; ++g) {
-        const __m256i high = _mm256_and_si256(
-            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), two_bits);
-        store_codes(codes + b * kSuper + 128 * h + 32 * g,
-                    _mm256_sub_epi8(_mm256_or_si256(lows[g], _mm256_slli_epi16(high, 4)),
-                                    _mm256_set1_epi8(32)));
-        const int first = 8 * h + 2 * g;
-        groups[b * 8 + 4 * h + g] = {d * static_cast<float>(scales[first]),
-                                     d * static_cast<float>(scales[first + 1]), 0.0f};
-      }
+    for (int t = 0; t < 8; ++t) {
+      store_codes(codes + b * kSuper + 32 * t, q6_k_codes(blk, t));
+      groups[b * 8 + t] = {d * static_cast<float>(scales[2 * t]),
+                           d * static_cast<float>(scales[2 * t + 1]), 0.0f};
     }
   }
 }

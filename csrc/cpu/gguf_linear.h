@@ -163,89 +163,79 @@ inline void k_scales_mins(const uint8_t* p, float d, float dmin, float dsc[8], f
   }
 }
 
-// value = (d * scale) * q - dmin * min, with q the 4-bit code (+ 16 * fifth bit for Q5_K).
-inline void store_k(__m256i codes, float dsc, float dm, float* out) {
-  __m256 q[4];
-  widen(codes, q);
-  const __m256 dv = _mm256_set1_ps(dsc), mv = _mm256_set1_ps(dm);
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(_mm256_mul_ps(dv, q[i]), mv));
-}
+// The codes of one 32-value group of a K-quant super-block, shared by the float dequantizers
+// below and the int8 decoders (gguf_int8.h).
 
-// Q4_K (144 B): f16 d, f16 dmin, 12 B scales/mins, 128 B nibbles: 32 bytes per pair of
-// sub-blocks, the low nibbles sub-block 2c, the high ones 2c + 1.
-inline void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / kSuper; ++b) {
-    const uint8_t* blk = row + b * 144;
-    float dsc[8], dm[8];
-    k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
-    float* o = out + b * kSuper;
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
-      store_k(_mm256_and_si256(v, mask), dsc[2 * c], dm[2 * c], o + 64 * c);
-      store_k(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), dsc[2 * c + 1], dm[2 * c + 1],
-              o + 64 * c + 32);
-    }
-  }
+// Q4_K (144 B: f16 d, f16 dmin, 12 B scales/mins, 128 B nibbles), sub-block s (0-7): 32
+// bytes per pair of sub-blocks, the low nibbles sub-block 2c, the high ones 2c + 1.
+inline __m256i q4_k_codes(const uint8_t* blk, int s) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (s / 2)));
+  return _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
 }
 
 // Q5_K (176 B): as Q4_K, with 32 B of fifth bits before the nibbles: bit s of byte j is the
 // fifth bit of value j of sub-block s.
+inline __m256i q5_k_codes(const uint8_t* blk, int s) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * (s / 2)));
+  const __m256i low = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+  // Bit s of each byte to bit 4 (a 16-bit shift keeps each byte's bits in that byte once
+  // masked to bit 0).
+  const __m256i fifth = _mm256_slli_epi16(
+      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(1)), 4);
+  return _mm256_or_si256(low, fifth);
+}
+
+// Q6_K (210 B: 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, f16 d), group t
+// (0-7) as signed codes (the 6-bit code - 32). Each half h of 128 values reads 64 low-nibble
+// bytes and 32 high bytes: value r (< 128) takes the low nibble of byte r % 64 (r < 64) or
+// its high nibble, and bits 2 * (r / 32) of high byte r % 32.
+inline __m256i q6_k_codes(const uint8_t* blk, int t) {
+  const int h = t / 4, g = t % 4;
+  const __m256i l =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (g % 2)));
+  const __m256i low = _mm256_and_si256(g >= 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+  const __m256i high =
+      _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+}
+
+// Q4_K / Q5_K: value = (d * scale) * q - dmin * min, written as + (-dmin * min), the same
+// IEEE result.
+inline void dequant_row_q4_k(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kSuper; ++b) {
+    const uint8_t* blk = row + b * 144;
+    float dsc[8], dm[8];
+    k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
+    for (int s = 0; s < 8; ++s)
+      store_scaled_offset(q4_k_codes(blk, s), dsc[s], -dm[s], out + b * kSuper + 32 * s);
+  }
+}
+
 inline void dequant_row_q5_k(const uint8_t* row, int64_t K, float* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 176;
     float dsc[8], dm[8];
     k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-    float* o = out + b * kSuper;
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * c));
-      for (int h = 0; h < 2; ++h) {
-        const int s = 2 * c + h;
-        const __m256i low = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, mask);
-        // Bit s of each byte to bit 4 (a 16-bit shift keeps each byte's bits in that byte
-        // once masked to bit 0).
-        const __m256i fifth = _mm256_slli_epi16(
-            _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one), 4);
-        store_k(_mm256_or_si256(low, fifth), dsc[s], dm[s], o + 32 * s);
-      }
-    }
+    for (int s = 0; s < 8; ++s)
+      store_scaled_offset(q5_k_codes(blk, s), dsc[s], -dm[s], out + b * kSuper + 32 * s);
   }
 }
 
-// Q6_K (210 B): 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, f16 d. Each half
-// of 128 values reads 64 low-nibble bytes and 32 high bytes: value r (< 128) takes the low
-// nibble of byte r % 64 (r < 64) or its high nibble, and bits 2 * (r / 32) of high byte
-// r % 32; q = that 6-bit code - 32, times d * scale[value / 16].
+// Q6_K: value = (d * scale[value / 16]) * q, two scales per 32-value group.
 inline void dequant_row_q6_k(const uint8_t* row, int64_t K, float* out) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < K / kSuper; ++b) {
     const uint8_t* blk = row + b * 210;
     const float d = half_to_float(blk + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = blk + 64 * h;
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-      const __m256i lows[4] = {_mm256_and_si256(l0, mask), _mm256_and_si256(l1, mask),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), mask),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), mask)};
-      for (int g = 0; g < 4; ++g) {
-        const __m256i high = _mm256_and_si256(
-            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), two_bits);
-        const __m256i codes = _mm256_sub_epi8(
-            _mm256_or_si256(lows[g], _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-        __m256 q[4];
-        widen(codes, q);
-        const int first = 8 * h + 2 * g;  // the scale of this group's first 16 values
-        float* o = out + b * kSuper + 128 * h + 32 * g;
-        for (int i = 0; i < 4; ++i) {
-          const __m256 dv = _mm256_set1_ps(d * static_cast<float>(scales[first + i / 2]));
-          _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(dv, q[i]));
-        }
+    for (int t = 0; t < 8; ++t) {
+      __m256 q[4];
+      widen(q6_k_codes(blk, t), q);
+      float* o = out + b * kSuper + 32 * t;
+      for (int i = 0; i < 4; ++i) {
+        const __m256 dv = _mm256_set1_ps(d * static_cast<float>(scales[2 * t + i / 2]));
+        _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(dv, q[i]));
       }
     }
   }
