@@ -301,3 +301,24 @@ def test_rms_norm_fused_path_is_bit_identical_to_hf_formula():
         h = x + residual
         ref = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
         assert torch.equal(out, ref) and torch.equal(stream, h)
+
+
+def test_rope_table_stops_at_max_model_len(tiny_llama_dir):
+    """The executor keeps cos/sin for the positions a request can reach (max_model_len), not
+    the model's whole context; outputs are those of the full table (same rows)."""
+    from zllm import LLM, SamplingParams
+
+    short = LLM(tiny_llama_dir, max_model_len=96, kv_cache_memory_bytes=8 << 20)
+    full = LLM(tiny_llama_dir, kv_cache_memory_bytes=8 << 20)
+    table = short.model_runner.model.rotary.cos_sin_cache
+    assert table.shape[0] == 96
+    assert (
+        full.model_runner.model.rotary.cos_sin_cache.shape[0]
+        == full.config.arch.max_position_embeddings
+    )
+    assert torch.equal(table, full.model_runner.model.rotary.cos_sin_cache[:96])
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 80))}  # positions up to 94
+    a = short.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    b = full.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
