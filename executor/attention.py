@@ -448,10 +448,11 @@ class PagedAttention(PagedAttentionBase):
     ) -> torch.Tensor:
         q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
         num_seqs = q.shape[0]
-        # The kernel reads each context from position 0; a window's view starts mid-table.
-        if self.decode_kernel is not None and sliding_window is None:
+        if self.decode_kernel is not None:
             tables = decode.block_ids.view(num_seqs, decode.max_blocks)
-            return self.decode_kernel(q, kv_cache, tables, decode.seq_lens, self.scale)
+            return self.decode_kernel(
+                q, kv_cache, tables, decode.seq_lens, self.scale, sliding_window
+            )
         if decode.exact:
             return self._decode_rows_exactly(q, kv_cache, decode, block_size)
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)

@@ -4,7 +4,10 @@
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
-    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)   csrc/cpu/paged_attention.h
+    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window])
+                                              one new token per sequence       csrc/cpu/paged_attention.h
+    DecodeStack, FusedMatmul                  a whole decode step's layers     csrc/cpu/decode_stack.h
+                                              in one call (executor/fused_decode.py)
 
 csrc/cpu/ops.cpp includes the kernels and binds them: one translation unit, since torch's
 headers dominate the build time.
@@ -43,6 +46,7 @@ KERNEL_FILES = (
     "cpu/gguf_linear.h",
     "cpu/gguf_int8.h",
     "cpu/paged_attention.h",
+    "cpu/decode_stack.h",
 )
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
 # does, so the kernel's weights equal the fp32 reference weights bit for bit.
@@ -147,13 +151,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one token per sequence) attending to its context in kv_cache -> [S, H, D].
 
     kv_cache [2, num_blocks, block_size, kv_heads, D] fp32 contiguous; block_tables int64
-    [S, max_blocks]; seq_lens int64 [S] (the context, this token included).
+    [S, max_blocks]; seq_lens int64 [S] (the context, this token included). With a sliding
+    `window`, each sequence attends to its last `window` positions and its table starts at the
+    block holding the first of them (attention.py's windowed decode batch).
     """
-    return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window or 0)
 
 
 if __name__ == "__main__":  # python -m zllm.executor.cpu_kernels: build now (e.g. in CI)

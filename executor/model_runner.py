@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
-from zllm.executor import cpu_kernels, quantization
+from zllm.executor import cpu_kernels, fused_decode, quantization
 from zllm.executor.attention_backend import StepAttentionMetadata, choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.fused_decode import FusedDecode
 from zllm.executor.kv_connector import KVPool, KVTiers
 from zllm.executor.loader import load_weights
 from zllm.executor.lora.manager import LoRAManager
@@ -170,6 +171,34 @@ class ModelRunner:
             if config.lora is not None
             else None
         )
+        self.fused_decode = self._build_fused_decode(config)
+
+    def _build_fused_decode(self, config: EngineConfig) -> FusedDecode | None:
+        """On CPU: the whole decoder stack in one C++ call for decode-only steps
+        (executor/fused_decode.py), where it covers the model and the features in use."""
+        if self.device.type != "cpu" or not (fused_decode.enabled() and cpu_kernels.enabled()):
+            return None
+        skip = (
+            "transformers backend"
+            if config.model_impl == "transformers"
+            else "LoRA"
+            if self.lora is not None
+            else "deterministic mode"
+            if config.deterministic
+            else "--enforce-eager"
+            if config.enforce_eager
+            else None
+        )
+        if skip is None:
+            try:
+                fused = FusedDecode.build(self.model)
+            except (fused_decode.Unsupported, cpu_kernels.CpuKernelError) as exc:
+                skip = str(exc)
+            else:
+                logger.info("Decode steps: the fused CPU path (csrc/cpu/decode_stack.h)")
+                return fused
+        logger.info("Decode steps: the module path (fused CPU path not used: %s)", skip)
+        return None
 
     def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
@@ -197,6 +226,7 @@ class ModelRunner:
         self._child_generators.clear()
         self.model = None  # type: ignore[assignment]
         self.lora = None
+        self.fused_decode = None
         self.kv_tensors, self.kv_caches = [], []
         self.kv_pool.tensors = []
         self.graph_runner = None
@@ -566,6 +596,10 @@ class ModelRunner:
         hidden = None
         if self.graph_runner is not None:  # decode-only batches on a GPU
             hidden = self.graph_runner.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if hidden is None and self.fused_decode is not None:  # decode-only steps on CPU
+            hidden = self.fused_decode.run(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
         if hidden is None:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include "decode_stack.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
@@ -16,5 +17,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8_into", &gguf_linear_int8_into, "gguf_linear_int8 written into y");
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks -> fp32 rows");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token-per-sequence attention read from the paged KV cache");
+        "one-token-per-sequence attention read from the paged KV cache", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0);
+
+  using zllm_fused::DecodeStack;
+  using zllm_fused::Matmul;
+  py::class_<Matmul>(m, "FusedMatmul")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::optional<torch::Tensor>,
+                    std::optional<torch::Tensor>, int64_t, int64_t>(),
+           py::arg("blocks"), py::arg("types"), py::arg("dense"), py::arg("bias"),
+           py::arg("in_features"), py::arg("int8_max_rows"))
+      .def_readonly("out_features", &Matmul::out_features)
+      .def("__call__", [](const Matmul& matmul, const torch::Tensor& x) {
+        TORCH_CHECK(x.dim() == 2 && x.size(1) == matmul.in_features && x.is_contiguous() &&
+                        x.scalar_type() == torch::kFloat32,
+                    "x must be contiguous fp32 [M, in_features]");
+        auto y = torch::empty({x.size(0), matmul.out_features}, x.options());
+        matmul(x, y);
+        return y;
+      });
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, int64_t,
+                    torch::Tensor>(),
+           py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("rotary_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("sandwich"),
+           py::arg("activation"), py::arg("final_norm"))
+      .def("add_rope_table", &DecodeStack::add_rope_table)
+      .def("add_layer", &DecodeStack::add_layer, py::arg("attn_norm"), py::arg("ffn_norm"),
+           py::arg("post_attn_norm"), py::arg("post_ffn_norm"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("rope_table"), py::arg("scale"))
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("positions"),
+           py::arg("kv_caches"), py::arg("meta_of_layer"), py::arg("block_tables"),
+           py::arg("slots"), py::arg("windows"), py::arg("seq_lens"));
 }

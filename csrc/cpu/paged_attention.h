@@ -15,6 +15,10 @@
 //   kv_cache     [2, num_blocks, block_size, KVH, D] contiguous, 0 = K, 1 = V
 //   block_tables int64 [S, max_blocks]     seq_lens int64 [S]
 //   out          [S, H, D] contiguous
+//
+// Sliding window (window > 0): a sequence of context L attends to positions
+// [max(0, L - window), L), and its block table starts at the block holding the first of them
+// (the blocks before the window may be released), as attention.py's decode batch builds it.
 
 #pragma once
 
@@ -79,18 +83,23 @@ inline __m256 hsum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One (sequence, KV head) item for head_dim D (64 or 128), G query heads on it.
+// One (sequence, KV head) item for head_dim D (64 or 128), G query heads on it, over the
+// context positions [begin, end) of its block table (0 and L unless windowed).
 //   pass 1: scores of 8 tokens at a time: 8 independent FMA chains, one hsum8, one exp8
 //           later; padding lanes get -inf (weight 0)
 //   pass 2: per query head, out (D floats) stays in registers while the V rows stream by.
 template <int D>
 void decode_item(const float* const* qg, int64_t G, const float* k_base, const float* v_base,
-                 const int64_t* table, int64_t block_size, int64_t row, int64_t L, float scale,
-                 float* const* out, std::vector<float>& scores) {
+                 const int64_t* table, int64_t block_size, int64_t row, int64_t begin,
+                 int64_t end, float scale, float* const* out, std::vector<float>& scores) {
   constexpr int NV = D / 8;
+  const int64_t L = end - begin;
   const int64_t Lp = (L + 7) / 8 * 8;
   scores.resize(G * Lp);
-  auto slot_of = [&](int64_t t) { return table[t / block_size] * block_size + t % block_size; };
+  auto slot_of = [&](int64_t j) {
+    const int64_t t = begin + j;
+    return table[t / block_size] * block_size + t % block_size;
+  };
   const __m256 vscale = _mm256_set1_ps(scale);
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   for (int64_t g = 0; g < G; ++g) {
@@ -141,18 +150,139 @@ void decode_item(const float* const* qg, int64_t G, const float* k_base, const f
   }
 }
 
+// Any other head_dim (a multiple of 8): the plain loops, same contract as decode_item.
+inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const float* k_base,
+                            const float* v_base, const int64_t* table, int64_t block_size,
+                            int64_t row, int64_t begin, int64_t end, float scale,
+                            float* const* out, std::vector<float>& scores) {
+  const int64_t L = end - begin;
+  scores.resize(G * L);
+  auto slot_of = [&](int64_t j) {
+    const int64_t t = begin + j;
+    return table[t / block_size] * block_size + t % block_size;
+  };
+  // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max.
+  std::vector<float> maxes(G, -INFINITY);
+  for (int64_t t = 0; t < L; ++t) {
+    const float* k = k_base + slot_of(t) * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const float x = dot(qg[g], k, D) * scale;
+      scores[g * L + t] = x;
+      maxes[g] = std::max(maxes[g], x);
+    }
+  }
+  // Softmax weights, then out_g = sum_t w[g][t] v_t / sum_t w[g][t].
+  std::vector<float> sums(G, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * L;
+    for (int64_t t = 0; t < L; ++t) {
+      sg[t] = std::exp(sg[t] - maxes[g]);
+      sums[g] += sg[t];
+    }
+    std::fill_n(out[g], D, 0.f);
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    const float* v = v_base + slot_of(t) * row;
+    for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], v, out[g], D);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / sums[g];
+    for (int64_t d = 0; d < D; ++d) out[g][d] *= inv;
+  }
+}
+
+// Where a sequence's attended positions lie in its (possibly window-trimmed) block table:
+// [begin, end), in table coordinates.
+struct Span {
+  int64_t begin, end;
+};
+
+inline Span attended_span(int64_t L, int64_t window, int64_t block_size) {
+  if (window <= 0 || L <= window) return {0, L};
+  const int64_t first = L - window;
+  const int64_t base = first / block_size * block_size;  // the table's first block starts here
+  return {first - base, L - base};
+}
+
+// The paged cache one layer reads: [2, num_blocks, block_size, KVH, D] contiguous.
+struct PagedCache {
+  const float* k;
+  const float* v;
+  int64_t num_blocks, block_size, kv_heads, head_dim;
+};
+
+inline PagedCache paged_cache(const torch::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.scalar_type() == torch::kFloat32 &&
+                  kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.device().is_cpu(),
+              "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, D] on CPU");
+  const float* k = kv_cache.data_ptr<float>();
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t KVH = kv_cache.size(3), D = kv_cache.size(4);
+  return {k, k + num_blocks * block_size * KVH * D, num_blocks, block_size, KVH, D};
+}
+
+// Every sequence's length fits its table and every block id it reads is in the cache.
+inline void check_tables(const int64_t* tables, int64_t max_blocks, const int64_t* lens,
+                         int64_t S, int64_t window, const PagedCache& cache) {
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(lens[s] >= 1, "seq_len must be at least 1");
+    const Span span = attended_span(lens[s], window, cache.block_size);
+    TORCH_CHECK(span.end <= max_blocks * cache.block_size,
+                "seq_len out of range for its block table");
+    for (int64_t b = span.begin / cache.block_size;
+         b < (span.end + cache.block_size - 1) / cache.block_size; ++b) {
+      const int64_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < cache.num_blocks, "block id out of range");
+    }
+  }
+}
+
+// out[s, h] = attention of q[s, h] over sequence s's context, for S sequences of one new
+// token each (checked tables: check_tables). q rows at q + s * q_seq + h * q_head.
+inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int64_t S,
+                             int64_t H, const PagedCache& cache, const int64_t* tables,
+                             int64_t max_blocks, const int64_t* lens, int64_t window,
+                             float scale, float* out) {
+  const int64_t KVH = cache.kv_heads, D = cache.head_dim, G = H / KVH;
+  const int64_t row = KVH * D;  // floats between consecutive tokens of a block
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const float*> qg(G);
+    std::vector<float*> og(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / KVH, kvh = item % KVH;
+      for (int64_t g = 0; g < G; ++g) {
+        qg[g] = q + s * q_seq + (kvh * G + g) * q_head;
+        og[g] = out + (s * H + kvh * G + g) * D;
+      }
+      const Span span = attended_span(lens[s], window, cache.block_size);
+      const int64_t* table = tables + s * max_blocks;
+      const float* k_base = cache.k + kvh * D;
+      const float* v_base = cache.v + kvh * D;
+      if (D == 64)
+        decode_item<64>(qg.data(), G, k_base, v_base, table, cache.block_size, row, span.begin,
+                        span.end, scale, og.data(), scores);
+      else if (D == 128)
+        decode_item<128>(qg.data(), G, k_base, v_base, table, cache.block_size, row, span.begin,
+                         span.end, scale, og.data(), scores);
+      else
+        decode_item_any(qg.data(), G, D, k_base, v_base, table, cache.block_size, row,
+                        span.begin, span.end, scale, og.data(), scores);
+    }
+  });
+}
+
 }  // namespace zllm_attn
 
 using namespace zllm_attn;
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+                                     const torch::Tensor& seq_lens, double scale,
+                                     int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
               "q must be fp32 [S, H, D] with a contiguous last dim");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.scalar_type() == torch::kFloat32 &&
-                  kv_cache.is_contiguous() && kv_cache.size(0) == 2,
-              "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, D]");
+  const PagedCache cache = paged_cache(kv_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 &&
                   block_tables.is_contiguous(),
               "block_tables must be contiguous int64 [S, max_blocks]");
@@ -160,93 +290,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                   seq_lens.is_contiguous(),
               "seq_lens must be contiguous int64 [S]");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t KVH = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
-  TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(cache.head_dim == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
+  TORCH_CHECK(H % cache.kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "one table and length per sequence");
-  const int64_t G = H / KVH, max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size,
-                "seq_len out of range for its block table");
-    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
-      const int64_t id = tables[s * max_blocks + b];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block id out of range");
-    }
-  }
-
+  check_tables(tables, max_blocks, lens, S, window, cache);
   auto out = torch::empty({S, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
-  const float* k_cache = kv_cache.data_ptr<float>();
-  const float* v_cache = k_cache + num_blocks * block_size * KVH * D;
-  const int64_t row = KVH * D;  // floats between consecutive tokens of a block
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
-  if (D == 64 || D == 128) {
-    at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<const float*> qg(G);
-      std::vector<float*> og(G);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t s = item / KVH, kvh = item % KVH;
-        for (int64_t g = 0; g < G; ++g) {
-          qg[g] = qp + s * q_seq + (kvh * G + g) * q_head;
-          og[g] = op + (s * H + kvh * G + g) * D;
-        }
-        const auto run = D == 64 ? decode_item<64> : decode_item<128>;
-        run(qg.data(), G, k_cache + kvh * D, v_cache + kvh * D, tables + s * max_blocks,
-            block_size, row, lens[s], fscale, og.data(), scores);
-      }
-    });
-    return out;
-  }
-
-  // Any other head_dim (a multiple of 8): the plain loops.
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / KVH, kvh = item % KVH;
-      const int64_t L = lens[s];
-      const int64_t* table = tables + s * max_blocks;
-      scores.resize(G * L);
-      // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max.
-      std::vector<float> maxes(G, -INFINITY);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float* k = k_cache + slot * row + kvh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qp + s * q_seq + (kvh * G + g) * q_head;
-          const float x = dot(qg, k, D) * fscale;
-          scores[g * L + t] = x;
-          maxes[g] = std::max(maxes[g], x);
-        }
-      }
-      // Softmax weights, then out_g = sum_t w[g][t] v_t / sum_t w[g][t].
-      std::vector<float> sums(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - maxes[g]);
-          sums[g] += sg[t];
-        }
-        std::fill_n(op + (s * H + kvh * G + g) * D, D, 0.f);
-      }
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const float* v = v_cache + slot * row + kvh * D;
-        for (int64_t g = 0; g < G; ++g)
-          axpy(scores[g * L + t], v, op + (s * H + kvh * G + g) * D, D);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = op + (s * H + kvh * G + g) * D;
-        const float inv = 1.f / sums[g];
-        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
-      }
-    }
-  });
+  decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), S, H, cache, tables, max_blocks,
+                   lens, window, static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }

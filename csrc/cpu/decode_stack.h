@@ -1,0 +1,412 @@
+// A decode step through the whole decoder stack in one call:
+// the fused fast path of executor/fused_decode.py for Llama-family and Gemma 3 models on CPU.
+//
+// Why: at batch 1 the module path spends more time dispatching ~3,500 small torch ops a step
+// (norms, RoPE, slicing, cache writes, activations: ~7 ms of SmolLM2's 18 ms forward on two
+// cores) than on anything but the matmuls. Here each layer is a handful of loops over the
+// step's rows between the same matmul and attention kernels the module path calls
+// (gguf_linear.h, gguf_int8.h, paged_attention.h; MKL for fp32 weights), so the step costs
+// about its matmuls.
+//
+// Rows: one per new token, each with its own position, context length and block table (a
+// decode step's one token per sequence, or a verify step's few); every row's K/V is in the
+// cache before any row attends, and a row attends up to its own position.
+// Per layer, S rows, residual stream x [S, hidden]:
+//   pre-norm (Llama):  h = norm(x);  qkv = h Wqkv^T (+b);  [q/k head norms];  RoPE;  K, V -> cache;
+//                      a = attention;  x += a Wo^T;  h = norm(x);  x += down(act(gate) * up)
+//   sandwich (Gemma):  as above, but each sublayer's output is normed before the residual add
+//                      (post_attention / post_feedforward norms), and h = pre_feedforward norm.
+// Norms are RMSNorm in fp32 with the weight as given (Gemma's 1 + w is folded in by Python).
+// Summation orders inside norms and activations differ from torch's, so results match the
+// module path to float rounding, not bit for bit (tests/test_fused_decode.py).
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include "gguf_int8.h"
+#include "gguf_linear.h"
+#include "paged_attention.h"
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace zllm_fused {
+
+using zllm_simd::hsum;
+
+// y = x W^T (+ b): GGUF parts (each its own type, writing its own output columns) or one fp32
+// weight. gguf-int8 sets int8_max_rows: calls of at most that many rows use integer dots.
+struct Matmul {
+  std::vector<torch::Tensor> blocks;  // uint8 [rows_i, bytes per row], in output-column order
+  std::vector<int64_t> types;         // ggml type of each part
+  torch::Tensor dense;                // fp32 [N, K] when there are no GGUF parts
+  torch::Tensor bias;                 // fp32 [N] or undefined
+  int64_t in_features = 0, out_features = 0, int8_max_rows = 0;
+
+  Matmul(std::vector<torch::Tensor> blocks_, std::vector<int64_t> types_,
+         std::optional<torch::Tensor> dense_, std::optional<torch::Tensor> bias_,
+         int64_t in_features_, int64_t int8_max_rows_)
+      : blocks(std::move(blocks_)), types(std::move(types_)), in_features(in_features_),
+        int8_max_rows(int8_max_rows_) {
+    TORCH_CHECK(blocks.size() == types.size(), "one ggml type per GGUF part");
+    TORCH_CHECK(blocks.empty() != !dense_.has_value(), "give GGUF parts or a dense weight");
+    if (dense_) {
+      dense = dense_->contiguous();
+      TORCH_CHECK(dense.dim() == 2 && dense.scalar_type() == torch::kFloat32 &&
+                      dense.size(1) == in_features,
+                  "dense weight must be fp32 [N, in_features]");
+      out_features = dense.size(0);
+    }
+    for (const auto& part : blocks) {
+      TORCH_CHECK(part.dim() == 2 && part.scalar_type() == torch::kUInt8 && part.is_contiguous(),
+                  "GGUF parts must be contiguous uint8 [rows, bytes per row]");
+      out_features += part.size(0);
+    }
+    if (bias_) {
+      bias = bias_->contiguous();
+      TORCH_CHECK(bias.dim() == 1 && bias.size(0) == out_features &&
+                      bias.scalar_type() == torch::kFloat32,
+                  "bias must be fp32 [out_features]");
+    }
+  }
+
+  // x [S, in] contiguous -> y [S, out] contiguous. Each call is what the module path's
+  // nn.Linear / GGUFLinear / GGUFSplitLinear computes.
+  void operator()(const torch::Tensor& x, torch::Tensor& y) const {
+    if (dense.defined()) {
+      if (bias.defined())
+        at::addmm_out(y, bias, x, dense.t());
+      else
+        at::mm_out(y, x, dense.t());
+      return;
+    }
+    const bool int8 = x.size(0) <= int8_max_rows;
+    int64_t start = 0;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      torch::Tensor columns = y.narrow(1, start, blocks[i].size(0));
+      if (int8)
+        gguf_linear_int8_into(x, blocks[i], types[i], columns);
+      else
+        gguf_linear_into(x, blocks[i], types[i], columns);
+      start += blocks[i].size(0);
+    }
+    if (bias.defined()) y.add_(bias);
+  }
+};
+
+// out = x * rsqrt(mean(x^2) + eps) * w over n floats (n a multiple of 8 or not).
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// exp(x) for x <= 0 (paged_attention.h's exp8), vectorized sigmoid and tanh from it.
+using zllm_attn::exp8;
+
+// silu(g) * u over n floats: g * sigmoid(g) with sigmoid from exp(-|g|), never overflowing.
+inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below.
+    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+// gelu_tanh(g) * u: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from exp(-2|t|).
+inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
+  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+  const __m256 sign = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 t = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+    const __m256 e = exp8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, t)));  // exp(-2|t|)
+    const __m256 mag = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 th = _mm256_or_ps(mag, _mm256_and_ps(t, sign));  // tanh(t), t's sign
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+  }
+  for (; i < n; ++i) {
+    const float x = g[i];
+    out[i] = 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+  }
+}
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+struct Layer {
+  torch::Tensor attn_norm, ffn_norm;            // pre-norms: input, before the MLP
+  torch::Tensor post_attn_norm, post_ffn_norm;  // sandwich only: on each sublayer's output
+  torch::Tensor q_norm, k_norm;                 // per-head norms [head_dim], or undefined
+  Matmul qkv, o, gate_up, down;
+  int64_t rope_table;  // index into DecodeStack::rope_tables
+  double scale;        // attention scale
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t rotary_dim, int64_t intermediate, double eps, bool sandwich,
+              int64_t activation, torch::Tensor final_norm)
+      : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim),
+        rotary_dim_(rotary_dim), intermediate_(intermediate), eps_(static_cast<float>(eps)),
+        sandwich_(sandwich), activation_(activation), final_norm_(checked_norm(final_norm, hidden)) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "heads must be a multiple of kv_heads");
+    TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim, "rotary_dim must be even, <= head_dim");
+    TORCH_CHECK(head_dim % 8 == 0, "head_dim must be a multiple of 8");
+    TORCH_CHECK(activation == kSilu || activation == kGeluTanh, "unknown activation");
+  }
+
+  // A RoPE table [positions, rotary_dim]: cos of the rotary_dim / 2 frequencies, then sin.
+  int64_t add_rope_table(torch::Tensor table) {
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kFloat32 &&
+                    table.size(1) == rotary_dim_,
+                "rope table must be fp32 [positions, rotary_dim]");
+    rope_tables_.push_back(table.contiguous());
+    return static_cast<int64_t>(rope_tables_.size()) - 1;
+  }
+
+  void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm,
+                 std::optional<torch::Tensor> post_attn_norm,
+                 std::optional<torch::Tensor> post_ffn_norm, std::optional<torch::Tensor> q_norm,
+                 std::optional<torch::Tensor> k_norm, const Matmul& qkv, const Matmul& o,
+                 const Matmul& gate_up, const Matmul& down, int64_t rope_table, double scale) {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(qkv.in_features == hidden_ && qkv.out_features == q_size + 2 * kv_size,
+                "qkv must map hidden -> q + 2 kv");
+    TORCH_CHECK(o.in_features == q_size && o.out_features == hidden_, "o must map q -> hidden");
+    TORCH_CHECK(gate_up.in_features == hidden_ && gate_up.out_features == 2 * intermediate_,
+                "gate_up must map hidden -> 2 intermediate");
+    TORCH_CHECK(down.in_features == intermediate_ && down.out_features == hidden_,
+                "down must map intermediate -> hidden");
+    TORCH_CHECK(rope_table >= 0 && rope_table < static_cast<int64_t>(rope_tables_.size()),
+                "unknown rope table");
+    TORCH_CHECK(post_attn_norm.has_value() == sandwich_ && post_ffn_norm.has_value() == sandwich_,
+                "post-sublayer norms go with the sandwich layout only");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k head norms come together");
+    Layer layer{checked_norm(attn_norm, hidden_),
+                checked_norm(ffn_norm, hidden_),
+                post_attn_norm ? checked_norm(*post_attn_norm, hidden_) : torch::Tensor(),
+                post_ffn_norm ? checked_norm(*post_ffn_norm, hidden_) : torch::Tensor(),
+                q_norm ? checked_norm(*q_norm, head_dim_) : torch::Tensor(),
+                k_norm ? checked_norm(*k_norm, head_dim_) : torch::Tensor(),
+                qkv,
+                o,
+                gate_up,
+                down,
+                rope_table,
+                scale};
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [S, hidden]: the tokens' embeddings (scaled as the model scales them); positions [S].
+  // Layer l reads cache kv_caches[l] through step metadata meta_of_layer[l]: block_tables[m]
+  // [S, max_blocks] (window-trimmed when windows[m] > 0), slots[m] [S] its new K/V's slots;
+  // seq_lens [S] the contexts with this token. Returns the final norm's output [S, hidden].
+  torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions,
+                        const std::vector<torch::Tensor>& kv_caches,
+                        const std::vector<int64_t>& meta_of_layer,
+                        const std::vector<torch::Tensor>& block_tables,
+                        const std::vector<torch::Tensor>& slots,
+                        const std::vector<int64_t>& windows, const torch::Tensor& seq_lens) {
+    const int64_t L = num_layers();
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == torch::kFloat32,
+                "x must be fp32 [S, hidden]");
+    const int64_t S = x_in.size(0);
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == L &&
+                    static_cast<int64_t>(meta_of_layer.size()) == L,
+                "one KV cache and one metadata index per layer");
+    TORCH_CHECK(block_tables.size() == slots.size() && block_tables.size() == windows.size(),
+                "one block table, slot list and window per metadata");
+    check_rows(positions, S, "positions");
+    check_rows(seq_lens, S, "seq_lens");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (const auto& table : rope_tables_)
+      for (int64_t s = 0; s < S; ++s)
+        TORCH_CHECK(pos[s] >= 0 && pos[s] < table.size(0), "position beyond the RoPE table");
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t m = meta_of_layer[l];
+      TORCH_CHECK(m >= 0 && m < static_cast<int64_t>(block_tables.size()), "bad metadata index");
+    }
+    // Every cache must have the same geometry (so a step's tables serve each layer that reads
+    // them); each metadata is checked once.
+    std::vector<bool> checked(block_tables.size(), false);
+    const zllm_attn::PagedCache first = zllm_attn::paged_cache(kv_caches[0]);
+    TORCH_CHECK(first.kv_heads == kv_heads_ && first.head_dim == head_dim_,
+                "KV cache heads do not match the model");
+    for (int64_t l = 0; l < L; ++l) {
+      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l]);
+      TORCH_CHECK(cache.num_blocks == first.num_blocks && cache.block_size == first.block_size &&
+                      cache.kv_heads == first.kv_heads && cache.head_dim == first.head_dim,
+                  "every layer's KV cache must have the same shape");
+      const int64_t m = meta_of_layer[l];
+      if (checked[m]) continue;
+      checked[m] = true;
+      const auto& table = block_tables[m];
+      TORCH_CHECK(table.dim() == 2 && table.size(0) == S && table.scalar_type() == torch::kInt64 &&
+                      table.is_contiguous(),
+                  "block tables must be contiguous int64 [S, max_blocks]");
+      zllm_attn::check_tables(table.data_ptr<int64_t>(), table.size(1), lens, S, windows[m], cache);
+      check_rows(slots[m], S, "slots");
+      const int64_t* sl = slots[m].data_ptr<int64_t>();
+      for (int64_t s = 0; s < S; ++s)
+        TORCH_CHECK(sl[s] >= 0 && sl[s] < cache.num_blocks * cache.block_size, "slot out of range");
+    }
+
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t qkv_size = q_size + 2 * kv_size;
+    const auto opts = x_in.options();
+    torch::Tensor x = x_in.contiguous().clone();  // the residual stream
+    torch::Tensor h = torch::empty({S, hidden_}, opts);
+    torch::Tensor sub = torch::empty({S, hidden_}, opts);  // a sublayer's output
+    torch::Tensor qkv = torch::empty({S, qkv_size}, opts);
+    torch::Tensor attn = torch::empty({S, q_size}, opts);
+    torch::Tensor gate_up = torch::empty({S, 2 * intermediate_}, opts);
+    torch::Tensor act = torch::empty({S, intermediate_}, opts);
+    float* xp = x.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    float* subp = sub.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& layer = layers_[l];
+      const int64_t m = meta_of_layer[l];
+      norm_rows(xp, layer.attn_norm, S, hidden_, hp);
+      layer.qkv(h, qkv);
+      if (layer.q_norm.defined()) head_norms(qkvp, S, qkv_size, layer);
+      rope(qkvp, S, qkv_size, pos, rope_tables_[layer.rope_table]);
+      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l]);
+      write_cache(qkvp, S, qkv_size, slots[m].data_ptr<int64_t>(), cache);
+      const auto& table = block_tables[m];
+      zllm_attn::decode_attention(qkvp, qkv_size, head_dim_, S, heads_, cache,
+                                  table.data_ptr<int64_t>(), table.size(1), lens, windows[m],
+                                  static_cast<float>(layer.scale), attn.data_ptr<float>());
+      layer.o(attn, sub);
+      add_sublayer(xp, subp, layer.post_attn_norm, S);
+      norm_rows(xp, layer.ffn_norm, S, hidden_, hp);
+      layer.gate_up(h, gate_up);
+      activate(gate_up.data_ptr<float>(), S, act.data_ptr<float>());
+      layer.down(act, sub);
+      add_sublayer(xp, subp, layer.post_ffn_norm, S);
+    }
+    torch::Tensor out = torch::empty({S, hidden_}, opts);
+    norm_rows(xp, final_norm_, S, hidden_, out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  static torch::Tensor checked_norm(const torch::Tensor& w, int64_t n) {
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == torch::kFloat32,
+                "norm weight must be fp32 [", n, "]");
+    return w.contiguous();
+  }
+
+  static void check_rows(const torch::Tensor& t, int64_t S, const char* what) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == S && t.scalar_type() == torch::kInt64 &&
+                    t.is_contiguous() && t.device().is_cpu(),
+                what, " must be contiguous int64 [S] on CPU");
+  }
+
+  void norm_rows(const float* x, const torch::Tensor& w, int64_t S, int64_t n, float* out) const {
+    const float* wp = w.data_ptr<float>();
+    for (int64_t s = 0; s < S; ++s) rms_norm(x + s * n, wp, n, eps_, out + s * n);
+  }
+
+  // x += sub, or x += norm(sub) in the sandwich layout.
+  void add_sublayer(float* x, float* sub, const torch::Tensor& post_norm, int64_t S) const {
+    if (post_norm.defined()) norm_rows(sub, post_norm, S, hidden_, sub);
+    for (int64_t i = 0; i < S * hidden_; ++i) x[i] = sub[i] + x[i];
+  }
+
+  // Qwen 3 / Gemma 3: an RMSNorm over each query and each key head, before RoPE.
+  void head_norms(float* qkv, int64_t S, int64_t ld, const Layer& layer) const {
+    const float* qw = layer.q_norm.data_ptr<float>();
+    const float* kw = layer.k_norm.data_ptr<float>();
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
+        float* head = qkv + s * ld + h * head_dim_;
+        rms_norm(head, h < heads_ ? qw : kw, head_dim_, eps_, head);
+      }
+  }
+
+  // Rotate the first rotary_dim dims of every q and k head (two halves, as HF's rotate_half):
+  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the module path's arithmetic.
+  void rope(float* qkv, int64_t S, int64_t ld, const int64_t* pos,
+            const torch::Tensor& table) const {
+    const int64_t half = rotary_dim_ / 2;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* cos = table.data_ptr<float>() + pos[s] * rotary_dim_;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
+        float* x1 = qkv + s * ld + h * head_dim_;
+        float* x2 = x1 + half;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * cos[i] - b * sin[i];
+          x2[i] = b * cos[i] + a * sin[i];
+        }
+      }
+    }
+  }
+
+  void write_cache(const float* qkv, int64_t S, int64_t ld, const int64_t* slot,
+                   const zllm_attn::PagedCache& cache) const {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    float* k = const_cast<float*>(cache.k);
+    float* v = const_cast<float*>(cache.v);
+    for (int64_t s = 0; s < S; ++s) {
+      std::memcpy(k + slot[s] * kv_size, qkv + s * ld + q_size, kv_size * sizeof(float));
+      std::memcpy(v + slot[s] * kv_size, qkv + s * ld + q_size + kv_size, kv_size * sizeof(float));
+    }
+  }
+
+  void activate(const float* gate_up, int64_t S, float* out) const {
+    const int64_t I = intermediate_;
+    at::parallel_for(0, S, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const float* g = gate_up + s * 2 * I;
+        if (activation_ == kSilu)
+          silu_mul(g, g + I, I, out + s * I);
+        else
+          gelu_tanh_mul(g, g + I, I, out + s * I);
+      }
+    });
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, intermediate_;
+  float eps_;
+  bool sandwich_;
+  int64_t activation_;
+  torch::Tensor final_norm_;
+  std::vector<torch::Tensor> rope_tables_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace zllm_fused

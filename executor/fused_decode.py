@@ -1,0 +1,219 @@
+"""Decode steps on CPU through the whole decoder stack in one C++ call (csrc/cpu/decode_stack.h).
+
+At one sequence a SmolLM2 step on two cores spends ~7 ms dispatching the ~3,500 small torch
+ops of the module path (norms, RoPE, slicing, cache writes, activations) beside ~11 ms of
+matmuls. `FusedDecode` hands a decode-only step's layers to `DecodeStack`, which runs them
+as loops between the same matmul and attention kernels the modules call, and returns the
+final norm's output; the logits, sampling and everything else stay as they are.
+
+What it covers, checked once when the model is loaded (`FusedDecode.build` says why not):
+  - Llama-family models (llama.py: Llama, Mistral, Qwen2 with q/k/v biases, Qwen3's head
+    norms, partial rotary) and Gemma 3 (its sandwich norms, GeGLU, local and global RoPE);
+  - fp32 on CPU with the csrc/cpu decode attention; matmuls in GGUF blocks (`gguf`,
+    `gguf-int8`) or fp32 (`none`);
+  - sliding-window layers (the kernel windows its decode attention).
+Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
+modules), deterministic mode (the modules tile their matmuls), `int8` quantization, the
+transformers backend, `--enforce-eager`, and any step with a prefill chunk in it.
+Speculative verify steps (a sequence's last token and its proposals) run fused: each token
+is a decode row attending up to its own position, after every row's K/V is in the cache.
+`ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.
+
+The step's arithmetic is the module path's except inside norms and activations (their own
+summation order and exp), so outputs agree to float rounding; tests/test_fused_decode.py
+runs both paths on the same steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zllm.executor import cpu_kernels
+from zllm.executor.attention import AttentionMetadata, PagedAttention
+from zllm.executor.attention_backend import StepAttentionMetadata, metadata_per_layer
+from zllm.executor.models.gemma3 import Gemma3ForCausalLM
+from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
+from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
+
+logger = logging.getLogger(__name__)
+
+# DecodeStack's activation ids (decode_stack.h's Activation).
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+class Unsupported(Exception):
+    """Why the fused path cannot serve this model (the module path then serves every step)."""
+
+
+def enabled() -> bool:
+    return os.environ.get("ZLLM_FUSED_DECODE", "1") != "0"
+
+
+class FusedDecode:
+    """A model's decoder stack as one `DecodeStack`, for decode-only steps."""
+
+    def __init__(self, model: nn.Module, stack: Any) -> None:
+        self.model = model
+        self.stack = stack
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FusedDecode:
+        """Raises Unsupported naming what the fused path does not cover."""
+        if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
+            raise Unsupported(f"{type(model).__name__} has no fused decode path")
+        if model.dtype != torch.float32:
+            raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
+        arch = model.arch
+        layers = list(model.layers)
+        for layer in layers:
+            attn = layer.self_attn.attn
+            if not isinstance(attn, PagedAttention) or attn.decode_kernel is None:
+                raise Unsupported("the attention backend is not the CPU kernel's")
+        gemma = isinstance(model, Gemma3ForCausalLM)
+        act = arch.hidden_act if gemma else "silu"
+        if act not in _ACTIVATIONS:
+            raise Unsupported(f"activation {act!r}")
+        kernels = cpu_kernels.load()
+        rotary_dim = model.rotary.cos_sin_cache.shape[1]
+        stack = kernels.DecodeStack(
+            hidden=arch.hidden_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            rotary_dim=rotary_dim,
+            intermediate=arch.intermediate_size,
+            eps=arch.rms_norm_eps,
+            sandwich=gemma,
+            activation=_ACTIVATIONS[act],
+            final_norm=_norm_weight(model.norm),
+        )
+        global_rope = stack.add_rope_table(model.rotary.cos_sin_cache)
+        local_rope = stack.add_rope_table(model.local_rotary.cos_sin_cache) if gemma else None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            matmuls = {
+                name: _matmul(kernels, module)
+                for name, module in (
+                    ("qkv", attn.qkv_proj),
+                    ("o", attn.o_proj),
+                    ("gate_up", mlp.gate_up_proj),
+                    ("down", mlp.down_proj),
+                )
+            }
+            if gemma:
+                norms = {
+                    "attn_norm": layer.input_layernorm,
+                    "ffn_norm": layer.pre_feedforward_layernorm,
+                    "post_attn_norm": layer.post_attention_layernorm,
+                    "post_ffn_norm": layer.post_feedforward_layernorm,
+                    "q_norm": attn.q_norm,
+                    "k_norm": attn.k_norm,
+                }
+                rope = local_rope if layer.is_sliding else global_rope
+            else:
+                qk = attn.qk_norm
+                norms = {
+                    "attn_norm": layer.input_layernorm,
+                    "ffn_norm": layer.post_attention_layernorm,
+                    "post_attn_norm": None,
+                    "post_ffn_norm": None,
+                    "q_norm": None if qk is None else qk.q_norm,
+                    "k_norm": None if qk is None else qk.k_norm,
+                }
+                rope = global_rope
+            stack.add_layer(
+                **{k: None if v is None else _norm_weight(v) for k, v in norms.items()},
+                **matmuls,
+                rope_table=rope,
+                scale=attn.attn.scale,
+            )
+        return cls(model, stack)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> torch.Tensor | None:
+        """The final hidden states [T, hidden] of a decode-only step, or None when the step
+        is not one (the caller then runs the model's modules)."""
+        metas = metadata_per_layer(attn_metadata, len(kv_caches))
+        unique: dict[int, int] = {}
+        meta_of_layer = [unique.setdefault(id(meta), len(unique)) for meta in metas]
+        distinct = list({id(m): m for m in metas}.values())
+        num_tokens = input_ids.shape[0]
+        for meta in distinct:
+            if not _decode_only(meta, num_tokens):
+                return None
+        decode = distinct[0].decode
+        x = self.model.embed(input_ids)
+        if isinstance(self.model, Gemma3ForCausalLM):
+            x = x * self.model.embed_scale
+        return self.stack.forward(
+            x=x,
+            positions=positions,
+            kv_caches=kv_caches,
+            meta_of_layer=meta_of_layer,
+            block_tables=[
+                m.decode.block_ids.view(num_tokens, m.decode.max_blocks) for m in distinct
+            ],
+            slots=[m.slot_mapping for m in distinct],
+            windows=[m.sliding_window or 0 for m in distinct],
+            seq_lens=decode.seq_lens,
+        )
+
+
+def _decode_only(meta: StepAttentionMetadata, num_tokens: int) -> bool:
+    """Every token a decode row, in order (one per sequence, or a verify step's few per
+    sequence), nothing to prefill."""
+    if not isinstance(meta, AttentionMetadata) or meta.prefills:
+        return False
+    decode = meta.decode
+    return (
+        decode is not None
+        and decode.is_whole_batch
+        and not decode.exact
+        and decode.seq_lens.shape[0] == num_tokens
+    )
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The weight a norm multiplies by: Llama's as stored, Gemma's 1 + w (as GemmaRMSNorm)."""
+    if isinstance(norm, RMSNorm):
+        return norm.weight.detach().float().contiguous()
+    return (1.0 + norm.weight.detach().float()).contiguous()
+
+
+def _matmul(kernels: Any, module: nn.Module) -> Any:
+    """The module's weights as a FusedMatmul (GGUF blocks or fp32), or Unsupported."""
+    if isinstance(module, GGUFLinear):
+        parts = [(module.qweight, module.ggml_type)]
+    elif isinstance(module, GGUFSplitLinear):
+        parts = list(module.parts)
+    elif isinstance(module, nn.Linear) and type(module) is nn.Linear:
+        bias = None if module.bias is None else module.bias.detach()
+        return kernels.FusedMatmul(
+            blocks=[],
+            types=[],
+            dense=module.weight.detach(),
+            bias=bias,
+            in_features=module.in_features,
+            int8_max_rows=0,
+        )
+    else:
+        raise Unsupported(f"{type(module).__name__} matmuls")
+    return kernels.FusedMatmul(
+        blocks=[qweight for qweight, _ in parts],
+        types=[ggml_type for _, ggml_type in parts],
+        dense=None,
+        bias=module.bias,
+        in_features=module.in_features,
+        int8_max_rows=module.int8_max_rows if module.int8_activations else 0,
+    )

@@ -1,0 +1,301 @@
+"""The fused CPU decode path (executor/fused_decode.py, csrc/cpu/decode_stack.h) against the
+module path it stands in for: the same engine steps through both, every architecture and
+weight kind it covers, and the steps and features it leaves to the modules.
+
+The greedy parity tests against transformers (test_architectures.py, test_gemma3.py,
+test_gguf_types.py, test_smollm2.py) run their decode steps on this path too, since it is
+the default on CPU; here the two paths are compared directly, to float rounding."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+from test_gguf_types import write_llama_gguf
+from tiny_models import write_tiny_model
+
+from zllm import LLM, SamplingParams
+from zllm.executor import cpu_kernels
+from zllm.executor.attention import AttentionMetadata
+from zllm.executor.fused_decode import FusedDecode, Unsupported
+from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"
+)
+
+WINDOW = 8
+BLOCK = 4
+
+# Model directories (write_tiny_model overrides): each feature the fused layer covers.
+MODEL_DIRS = {
+    "llama": dict(arch="llama"),
+    "qwen2-bias": dict(arch="qwen2"),  # q/k/v biases
+    "qwen3-qk-norm": dict(arch="qwen3", head_dim=32),
+    "phi3-partial-rotary-window": dict(
+        arch="phi3", partial_rotary_factor=0.5, sliding_window=WINDOW
+    ),
+    "mistral-window": dict(arch="mistral", sliding_window=WINDOW),
+    "gemma3": dict(
+        arch="gemma3_text",
+        num_hidden_layers=3,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=WINDOW,
+    ),
+}
+# A GGUF whose matmuls mix kernel types (q/k beside v of another type: one kernel call per
+# part), served by the default `gguf` and by `gguf-int8`.
+MIXED_TYPES = {
+    "attn_q": T.Q5_0,
+    "attn_k": T.Q5_0,
+    "attn_v": T.Q8_0,
+    "attn_output": T.Q4_K,
+    "ffn_gate": T.Q4_1,
+    "ffn_up": T.Q6_K,
+    "ffn_down": T.Q5_K,
+    "token_embd": T.Q8_0,
+    "output": T.Q4_0,
+}
+CASES = [*MODEL_DIRS, "gguf", "gguf-int8"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    built: dict[str, str] = {}
+
+    def get(case: str) -> str:
+        if case in built:
+            return built[case]
+        directory = tmp_path_factory.mktemp(case)
+        if case.startswith("gguf"):
+            path = directory / "mixed.gguf"
+            write_llama_gguf(path, lambda name: MIXED_TYPES[name.split(".")[-2]])
+            built[case] = str(path)
+        else:
+            built[case] = str(
+                randomize_norms_and_biases(write_tiny_model(directory, **MODEL_DIRS[case]))
+            )
+        return built[case]
+
+    return get
+
+
+def randomize_norms_and_biases(path: Path) -> Path:
+    """transformers initializes norms to one (Gemma's to zero, it adds one) and biases to
+    zero, which would leave those paths untested: draw them at random. Gemma's embedding is
+    scaled down since it multiplies it by sqrt(hidden), so greedy outputs vary."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gemma = model.config.model_type.startswith("gemma")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + (0.0 if gemma else 1.0))
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        if gemma:
+            model.model.embed_tokens.weight.mul_(0.125)
+    model.save_pretrained(path)
+    return path
+
+
+def make_llm(path: str, **kwargs) -> LLM:
+    kwargs = {
+        "block_size": BLOCK,
+        "kv_cache_memory_bytes": 8 << 20,
+        "enable_prefix_caching": False,
+        **kwargs,
+    }
+    return LLM(path, **kwargs)
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in lengths]
+
+
+def count_fused_steps(llm: LLM) -> list[int]:
+    """Wraps the runner's fused path; returns the list its served steps' sizes go into."""
+    fused = llm.model_runner.fused_decode
+    served: list[int] = []
+    run = fused.run
+
+    def counting(input_ids, *args):
+        hidden = run(input_ids, *args)
+        if hidden is not None:
+            served.append(input_ids.shape[0])
+        return hidden
+
+    fused.run = counting
+    return served
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_steps_match_the_module_path(model_path, case) -> None:
+    """A batch of ragged prompts (contexts crossing the sliding window, the block size and
+    each other) decoded greedily through both paths: the same tokens, logprobs to float
+    rounding (gguf-int8 rounds x to 8 bits, so tiny norm differences can move a code)."""
+    quantization = "gguf-int8" if case == "gguf-int8" else None
+    llm = make_llm(model_path(case), quantization=quantization)
+    runner = llm.model_runner
+    assert runner.fused_decode is not None
+    expected_quantization = "none" if case in MODEL_DIRS else case
+    assert runner.quantization == expected_quantization
+    served = count_fused_steps(llm)
+    prompts = prompts_of([3, 17, 30, 9, 1])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    # Every step after the prefill is decode only, all five sequences in it.
+    assert len(served) >= 15 and set(served) == {5}, served
+    fused_decode, runner.fused_decode = runner.fused_decode, None
+    modules = llm.generate(prompts, params, use_tqdm=False)
+    runner.fused_decode = fused_decode
+    tolerance = 2e-2 if case == "gguf-int8" else 1e-4
+    produced = {t for out in fused for t in out.outputs[0].token_ids}
+    assert len(produced) > 10, f"degenerate outputs prove little: {produced}"
+    for a, b in zip(fused, modules, strict=True):
+        ours, theirs = a.outputs[0], b.outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        for step_a, step_b in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for token, lp in step_a.items():
+                assert lp.logprob == pytest.approx(step_b[token].logprob, abs=tolerance)
+
+
+def test_every_matmul_kind_is_the_module_s_arithmetic() -> None:
+    """FusedMatmul computes what nn.Linear, GGUFLinear and GGUFSplitLinear compute, bit for
+    bit: the same kernels with the same row counts (gguf-int8's integer path up to its row
+    limit, the float kernel above)."""
+    kernels = cpu_kernels.load()
+    gen = torch.Generator().manual_seed(0)
+    in_features, rows = 64, 48
+    weight = torch.randn(rows, in_features, generator=gen) * 0.1
+    bias = torch.randn(rows, generator=gen)
+    for b in (None, bias):
+        dense = kernels.FusedMatmul([], [], weight, b, in_features, 0)
+        for m in (1, 3, 17):
+            x = torch.randn(m, in_features, generator=gen)
+            assert torch.equal(dense(x), F.linear(x, weight, b))
+
+    def blocks(ggml_type: T, n: int) -> torch.Tensor:
+        w = (torch.randn(n, in_features, generator=gen) * 0.1).numpy()
+        return torch.from_numpy(np.ascontiguousarray(quantize(w, ggml_type)))
+
+    parts = [(blocks(T.Q5_0, 16), int(T.Q5_0)), (blocks(T.Q8_0, 32), int(T.Q8_0))]
+    for int8 in (False, True):
+        split = GGUFSplitLinear(parts, in_features, bias, int8_activations=int8)
+        single = GGUFLinear(*parts[1], in_features, None, int8_activations=int8)
+        for module in (split, single):
+            module_parts = module.parts if module is split else [(module.qweight, module.ggml_type)]
+            fused = kernels.FusedMatmul(
+                [p for p, _ in module_parts],
+                [t for _, t in module_parts],
+                None,
+                module.bias,
+                in_features,
+                module.int8_max_rows if int8 else 0,
+            )
+            for m in (1, 2, 4, 5, 9):  # gguf-int8 switches to the float kernel after 4 rows
+                x = torch.randn(m, in_features, generator=gen)
+                assert torch.equal(fused(x), module(x)), (type(module).__name__, int8, m)
+
+
+def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path) -> None:
+    """A step with a prefill chunk is the module path's: run() declines it. A speculative
+    verify step (a sequence's last token and its proposals, each a decode row attending up
+    to its own position) runs fused, with the module path's hidden states."""
+    llm = make_llm(model_path("llama"))
+    runner = llm.model_runner
+    fused = runner.fused_decode
+    gen = torch.Generator().manual_seed(0)
+    for cache in runner.kv_caches:  # some context already cached
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+
+    def step(query_lens: list[int], seq_lens: list[int]):
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(seq_lens))]
+        positions = [p for q, n in zip(query_lens, seq_lens, strict=True) for p in range(n - q, n)]
+        rows = [i for i, q in enumerate(query_lens) for _ in range(q)]
+        slots = [
+            tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, p in zip(rows, positions, strict=True)
+        ]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BLOCK, "cpu")
+        ids = torch.randint(3, 250, (len(positions),), generator=gen)
+        return ids, torch.tensor(positions), meta
+
+    ids, positions, meta = step([1, 5], [9, 5])
+    assert fused.run(ids, positions, runner.kv_caches, meta) is None
+    ids, positions, meta = step([1, 4], [9, 12])
+    expected = runner.model(ids, positions, runner.kv_caches, meta)
+    hidden = fused.run(ids, positions, runner.kv_caches, meta)
+    assert hidden is not None
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        (dict(enforce_eager=True), "--enforce-eager"),
+        (dict(deterministic=True), "deterministic mode"),
+        (dict(quantization="int8"), "Int8DynamicLinear matmuls"),
+        (dict(model_impl="transformers"), "transformers backend"),
+    ],
+)
+def test_features_it_does_not_cover_keep_the_module_path(model_path, caplog, kwargs, why) -> None:
+    caplog.set_level("INFO", logger="zllm.executor.model_runner")
+    llm = make_llm(model_path("llama"), **kwargs)
+    assert llm.model_runner.fused_decode is None
+    assert f"fused CPU path not used: {why}" in caplog.text
+    out = llm.generate(prompts_of([5]), SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_lora_keeps_the_module_path(tmp_path: Path) -> None:
+    path = write_tiny_model(tmp_path / "base")
+    llm = make_llm(str(path), enable_lora=True)
+    assert llm.model_runner.fused_decode is None
+
+
+def test_a_model_class_it_does_not_know_is_unsupported() -> None:
+    with pytest.raises(Unsupported, match="no fused decode path"):
+        FusedDecode.build(torch.nn.Linear(2, 2))
+
+
+def test_inconsistent_step_inputs_are_refused(model_path) -> None:
+    """Positions past the RoPE table, slots or block ids outside the cache: an error naming
+    it, nothing written."""
+    llm = make_llm(model_path("llama"), max_model_len=64)
+    runner = llm.model_runner
+    stack = runner.fused_decode.stack
+    hidden = llm.config.arch.hidden_size
+    layers = len(runner.kv_caches)
+    num_slots = runner.kv_caches[0].shape[1] * BLOCK
+
+    def forward(position: int, slot: int, block: int) -> str:
+        before = [c.clone() for c in runner.kv_caches]
+        with pytest.raises(RuntimeError) as error:
+            stack.forward(
+                x=torch.zeros(1, hidden),
+                positions=torch.tensor([position]),
+                kv_caches=runner.kv_caches,
+                meta_of_layer=[0] * layers,
+                block_tables=[torch.tensor([[block]])],
+                slots=[torch.tensor([slot])],
+                windows=[0],
+                seq_lens=torch.tensor([1]),
+            )
+        assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+        return str(error.value)
+
+    assert "position beyond the RoPE table" in forward(64, 0, 0)
+    assert "slot out of range" in forward(0, num_slots, 0)
+    assert "block id out of range" in forward(0, 0, num_slots // BLOCK)
