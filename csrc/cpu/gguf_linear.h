@@ -337,59 +337,73 @@ void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ro
 // the scale and offset apply per block, not per value:
 //   sum_k (d q_k + m) x_k = d * sum_k q_k x_k + m * sum_k x_k
 // with sum_k x_k per block computed once per call. Same weight values, different rounding.
-template <int MR>
+// Even and odd blocks add into separate accumulators: one chain would wait an FMA's latency
+// per block.
+template <int MR, bool Q4_1>
 void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                     int64_t N, int64_t K, bool q4_1, float* y, int64_t ldy) {
+                     int64_t N, int64_t K, float* y, int64_t ldy) {
   const int64_t num_blocks = K / kBlock;
   // Per-row block sums of x (only Q4_1's offset needs them).
-  std::vector<float> xsum(q4_1 ? MR * num_blocks : 0);
-  for (int i = 0; q4_1 && i < MR; ++i)
+  std::vector<float> xsum(Q4_1 ? MR * num_blocks : 0);
+  for (int i = 0; Q4_1 && i < MR; ++i)
     for (int64_t b = 0; b < num_blocks; ++b) {
       float sum = 0.f;
       for (int k = 0; k < kBlock; ++k) sum += x[i * ldx + b * kBlock + k];
       xsum[i * num_blocks + b] = sum;
     }
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const __m256i low_nibble = _mm256_set1_epi32(0x0F);
+  // Block b's contribution added to acc / offset (for each of the MR rows).
+  auto add_block = [&](const uint8_t* row, int64_t b, __m256* acc, float* offset) {
+    __m256 q[4];
+    const uint8_t* blk;
+    if constexpr (Q4_1) {
+      // Widen each 8 bytes to 32-bit lanes first (2 shuffles), then split the nibbles with
+      // lane-wise and/shift: the shuffle port, not the ALUs, bounds this loop.
+      blk = row + b * kQ4_1Bytes;
+      const __m256i b0 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
+      const __m256i b1 =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
+      q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble));
+      q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble));
+      q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+      q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+    } else {
+      blk = row + b * kQ8_0Bytes;
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
+    }
+    const __m256 d = _mm256_set1_ps(half_to_float(blk));
+    const float m = Q4_1 ? half_to_float(blk + 2) : 0.f;
+    for (int i = 0; i < MR; ++i) {
+      const float* xb = x + i * ldx + b * kBlock;
+      __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+      dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), dot);
+      dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), dot);
+      dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), dot);
+      acc[i] = _mm256_fmadd_ps(d, dot, acc[i]);
+      if constexpr (Q4_1) offset[i] += m * xsum[i * num_blocks + b];
+    }
+  };
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
-      __m256 acc[MR];
-      float offset[MR];
+      __m256 even[MR], odd[MR];
+      float even_offset[MR], odd_offset[MR];
       for (int i = 0; i < MR; ++i) {
-        acc[i] = _mm256_setzero_ps();
-        offset[i] = 0.f;
+        even[i] = odd[i] = _mm256_setzero_ps();
+        even_offset[i] = odd_offset[i] = 0.f;
       }
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        __m256 q[4];
-        const uint8_t* blk;
-        if (q4_1) {
-          blk = row + b * kQ4_1Bytes;
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-          const __m128i lo = _mm_and_si128(bytes, low_mask);
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-          q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-          q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-          q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-          q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        } else {
-          blk = row + b * kQ8_0Bytes;
-          for (int j = 0; j < 4; ++j)
-            q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
-        }
-        const __m256 d = _mm256_set1_ps(half_to_float(blk));
-        const float m = q4_1 ? half_to_float(blk + 2) : 0.f;
-        for (int i = 0; i < MR; ++i) {
-          const float* xb = x + i * ldx + b * kBlock;
-          __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-          dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), dot);
-          dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), dot);
-          dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), dot);
-          acc[i] = _mm256_fmadd_ps(d, dot, acc[i]);
-          if (q4_1) offset[i] += m * xsum[i * num_blocks + b];
-        }
+      int64_t b = 0;
+      for (; b + 2 <= num_blocks; b += 2) {
+        add_block(row, b, even, even_offset);
+        add_block(row, b + 1, odd, odd_offset);
       }
-      for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]) + offset[i];
+      if (b < num_blocks) add_block(row, b, even, even_offset);
+      for (int i = 0; i < MR; ++i)
+        y[i * ldy + n] =
+            hsum(_mm256_add_ps(even[i], odd[i])) + (even_offset[i] + odd_offset[i]);
     }
   });
 }
@@ -433,14 +447,16 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const int64_t row_bytes = qweight.size(1);
   float* yp = y.data_ptr<float>();
-  const bool few_rows_path = qtype == kQ4_1 || qtype == kQ8_0;
-  const bool q4_1 = qtype == kQ4_1;
-  // Measured on 2 AVX2 cores: 1.2x faster than the panel path at one row, even at two,
-  // slower from three on. Other types take the panel path at every row count.
-  if (few_rows_path && M == 1) {
-    linear_few_rows<1>(xp, ldx, wp, row_bytes, N, K, q4_1, yp, ldy);
-  } else if (few_rows_path && M == 2) {
-    linear_few_rows<2>(xp, ldx, wp, row_bytes, N, K, q4_1, yp, ldy);
+  // Measured on 2 AVX2 cores: faster than the panel path at one row and at two, slower from
+  // three on. Other types take the panel path at every row count.
+  if (qtype == kQ4_1 && M == 1) {
+    linear_few_rows<1, true>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  } else if (qtype == kQ4_1 && M == 2) {
+    linear_few_rows<2, true>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  } else if (qtype == kQ8_0 && M == 1) {
+    linear_few_rows<1, false>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  } else if (qtype == kQ8_0 && M == 2) {
+    linear_few_rows<2, false>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
   } else {
     // Dequantize NR weight rows into an fp32 panel once and run 4 x 3 register tiles over
     // it, so each weight's conversion is shared by every input row.
