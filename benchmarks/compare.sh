@@ -12,6 +12,10 @@
 #   MODEL [smollm2]  the zllm short name (or .gguf path) served and measured; llama.cpp serves
 #                    the same GGUF file. The F16 steps (llama-f16, batched F16) are SmolLM2's.
 #   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
+#   INPUT_LENS [$INPUT_LEN]  prompt lengths the serving steps sweep (a grid with CONCURRENCIES,
+#                    e.g. "128 1024 4096"); the offline steps use INPUT_LEN
+#   REQUEST_RATES [""]  Poisson arrival rates (req/s) to serve at besides the closed-loop
+#                    concurrencies, each with at most NP requests in flight
 #   THREADS [2]  NP [32] (llama-server slots, llama-batched-bench -npl)  PORT [8011]
 #   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
@@ -32,6 +36,8 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 INPUT_LEN=${INPUT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 CONCURRENCIES=${CONCURRENCIES:-"1 8 32"}
+INPUT_LENS=${INPUT_LENS:-$INPUT_LEN}
+REQUEST_RATES=${REQUEST_RATES:-}
 THREADS=${THREADS:-2}
 NP=${NP:-32}
 PORT=${PORT:-8011}
@@ -56,7 +62,8 @@ F16_GGUF=$CACHE/models/SmolLM2-135M-Instruct.F16.gguf
 # Context for llama-server and llama-batched-bench: NP slots of (in + out + 16 spare) tokens
 # each, rounded up to a multiple of 256 per slot (llama.cpp gives each of the NP sequences
 # ctx / NP, padded to 256, and stops a request at the slot's limit).
-CTX=$(( NP * ((INPUT_LEN + OUTPUT_LEN + 16 + 255) / 256 * 256) ))
+MAX_INPUT_LEN=$(printf '%s\n' $INPUT_LEN $INPUT_LENS | sort -n | tail -1)
+CTX=$(( NP * ((MAX_INPUT_LEN + OUTPUT_LEN + 16 + 255) / 256 * 256) ))
 
 log() { printf '\n== %s: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 has_step() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -174,7 +181,7 @@ meta = {
     "torch": version("torch"), "transformers": version("transformers"), "zllm_commit": commit,
     "llama_cpp": "llama-cpp-python $LLAMA_CPP_PYTHON_VERSION vendor/llama.cpp: $llama_version".strip(),
     "num_prompts": $NUM_PROMPTS, "input_len": $INPUT_LEN, "output_len": $OUTPUT_LEN,
-    "concurrencies": "$CONCURRENCIES", "threads": $THREADS, "np": $NP, "ctx": $CTX,
+    "concurrencies": "$CONCURRENCIES", "input_lens": "$INPUT_LENS", "threads": $THREADS, "np": $NP, "ctx": $CTX,
     "model": "$MODEL", "q4_gguf": "$Q4_GGUF", "f16_gguf": "$F16_GGUF",
 }
 json.dump(meta, open("$RESULTS_DIR/meta.json", "w"), indent=2)
@@ -232,14 +239,28 @@ serve_bench() {
     done
     rm -f "$RESULTS_DIR/serve-$name-failed.json"
     log "$name: up after ${waited} s"
-    for c in $CONCURRENCIES; do
-        local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
-            --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --concurrency "$c"
-            --label "$name" --output-json "$RESULTS_DIR/serve-$name-c$c.json")
-        wait_quiet
-        log "$name: ${cmd[*]}"
-        "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-c$c.log" ||
-            log "$name: bench at concurrency $c failed"
+    local in c
+    for in in $INPUT_LENS; do
+        for c in $CONCURRENCIES; do
+            local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
+                --input-len "$in" --output-len "$OUTPUT_LEN" --concurrency "$c"
+                --label "$name" --output-json "$RESULTS_DIR/serve-$name-in$in-c$c.json")
+            wait_quiet
+            log "$name: ${cmd[*]}"
+            "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-in$in-c$c.log" ||
+                log "$name: bench at input $in, concurrency $c failed"
+        done
+        local rate
+        for rate in $REQUEST_RATES; do
+            local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
+                --input-len "$in" --output-len "$OUTPUT_LEN" --request-rate "$rate"
+                --concurrency "$NP" --label "$name"
+                --output-json "$RESULTS_DIR/serve-$name-in$in-r$rate.json")
+            wait_quiet
+            log "$name: ${cmd[*]}"
+            "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-in$in-r$rate.log" ||
+                log "$name: bench at input $in, rate $rate failed"
+        done
     done
     stop_server
 }
@@ -334,15 +355,16 @@ lines = [
     f"Machine: {meta.get('cpu', '?')}, {meta.get('nproc', '?')} CPUs; torch {meta.get('torch')}, "
     f"transformers {meta.get('transformers')}, zllm commit {meta.get('zllm_commit')}; "
     f"{meta.get('llama_cpp', '')}.",
-    f"Prompts: {meta.get('num_prompts')} random-token prompts x {meta.get('input_len')} in / "
+    f"Prompts: {meta.get('num_prompts')} random-token prompts x "
+    f"{meta.get('input_lens') or meta.get('input_len')} in / "
     f"{meta.get('output_len')} out (ignore_eos, greedy); llama.cpp threads {meta.get('threads')}, "
     f"slots {meta.get('np')}, ctx {meta.get('ctx')}. Results: `{results}`.",
     "",
     "## Online serving (`zllm bench serve`, /v1/completions streamed)",
     "",
-    "| engine | conc. | ok/failed | req/s | output tok/s | total tok/s | TTFT p50 ms | TTFT p99 ms "
-    "| TPOT p50 ms | TPOT p99 ms | ITL p50 ms | E2E p50 ms | load1 |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| engine | in | load | ok/failed | req/s | output tok/s | total tok/s | TTFT p50 ms "
+    "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p50 ms | E2E p50 ms | load1 |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
 order = {"zllm": 0, "llama.cpp-F16": 2}  # then the GGUF as quantized, between them
 serve = []
@@ -351,13 +373,23 @@ for path in glob.glob(os.path.join(results, "serve-*.json")):
     if not s.get("label"):
         s["label"] = os.path.basename(path)[len("serve-") : -len(".json")]
     serve.append(s)
-serve.sort(key=lambda s: (order.get(s.get("label"), 1), s.get("label") or "", s.get("concurrency") or 0))
+serve.sort(
+    key=lambda s: (
+        order.get(s.get("label"), 1),
+        s.get("label") or "",
+        s.get("input_len") or 0,
+        s.get("request_rate") or 0,
+        s.get("concurrency") or 0,
+    )
+)
 for s in serve:
     if "error" in s:
-        lines.append(f"| {s['label']} | - | {s['error']} |" + " |" * 10)
+        lines.append(f"| {s['label']} | - | - | {s['error']} |" + " |" * 10)
         continue
+    rate = s.get("request_rate")
+    load = f"Poisson {rate}/s" if rate else s["concurrency"]
     lines.append(
-        f"| {s['label']} | {s['concurrency']} | {s['completed']}/{s['failed']} "
+        f"| {s['label']} | {s.get('input_len', '?')} | {load} | {s['completed']}/{s['failed']} "
         f"| {s['request_throughput']:.3f} | {s['output_throughput']:.1f} "
         f"| {s['total_token_throughput']:.1f} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} "
         f"| {s['tpot_ms']['p50']:.1f} | {s['tpot_ms']['p99']:.1f} | {s['itl_ms']['p50']:.1f} "

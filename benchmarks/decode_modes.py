@@ -1,17 +1,20 @@
 """Decode speed of the CPU quantization modes, side by side in one process (issue 20).
 
-Loads one `LLM` per mode (default `gguf` and `gguf-int8`) and, for ROUNDS rounds in rotated
-order, times a batch of BATCH random prompts of INPUT_LEN tokens: the prefill (max_tokens=1)
+Loads one `LLM` per mode (default `gguf` and `gguf-int8`) and decode path (`--paths`: the
+fused C++ decode step, the default, and/or the module path, `ZLLM_FUSED_DECODE=0`) and, for
+ROUNDS rounds in rotated order, times a batch of BATCH random prompts of INPUT_LEN tokens: the prefill (max_tokens=1)
 and the whole request (OUTPUT_LEN greedy tokens, ignore_eos); time per output token =
 (whole - prefill) / (OUTPUT_LEN - 1). Prints each mode's median TPOT and its ratio to the
 first mode's.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_modes.py --model smollm2 --batch 1 8
+    OMP_NUM_THREADS=2 python benchmarks/decode_modes.py --modes gguf --paths fused module
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -34,22 +37,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--modes", nargs="+", default=["gguf", "gguf-int8"])
+    parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "module"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    engines = {
-        mode: LLM(
-            args.model,
-            quantization=mode,
-            max_num_seqs=max(args.batch),
-            enable_prefix_caching=False,
-            max_model_len=2048,
-        )
-        for mode in args.modes
-    }
-    vocab = engines[args.modes[0]].get_tokenizer().vocab_size
+    engines = {}
+    for mode in args.modes:
+        for path in args.paths:
+            # Read when the engine is built: each engine keeps the path it was built with.
+            os.environ["ZLLM_FUSED_DECODE"] = "1" if path == "fused" else "0"
+            engines[f"{mode}/{path}"] = LLM(
+                args.model,
+                quantization=mode,
+                max_num_seqs=max(args.batch),
+                enable_prefix_caching=False,
+                max_model_len=2048,
+            )
+    labels = list(engines)
+    vocab = engines[labels[0]].get_tokenizer().vocab_size
     rng = np.random.default_rng(0)
     for batch in args.batch:
         prompts = [
@@ -58,18 +65,18 @@ def main() -> None:
         ]
         for llm in engines.values():  # warm
             tpot(llm, prompts, 4)
-        times: dict[str, list[float]] = {mode: [] for mode in args.modes}
+        times: dict[str, list[float]] = {label: [] for label in labels}
         for r in range(args.rounds):
-            order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
-            for mode in order:
-                times[mode].append(tpot(engines[mode], prompts, args.output_len))
-        base = statistics.median(times[args.modes[0]])
-        for mode in args.modes:
-            med = statistics.median(times[mode])
-            rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[mode])
+            order = labels[r % len(labels) :] + labels[: r % len(labels)]
+            for label in order:
+                times[label].append(tpot(engines[label], prompts, args.output_len))
+        base = statistics.median(times[labels[0]])
+        for label in labels:
+            med = statistics.median(times[label])
+            rounds = ", ".join(f"{t * 1e3:.1f}" for t in times[label])
             print(
-                f"batch {batch:3d} {mode:10s} TPOT median {med * 1e3:6.2f} ms "
-                f"({base / med:.2f}x the first mode's speed; rounds: {rounds})"
+                f"batch {batch:3d} {label:16s} TPOT median {med * 1e3:6.2f} ms "
+                f"({base / med:.2f}x the first's speed; rounds: {rounds})"
             )
 
 

@@ -6,6 +6,8 @@
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window])
                                               one new token per sequence       csrc/cpu/paged_attention.h
+    rms_norm_rows, rope_rows_, gated_activation_rows   a layer's row-wise ops  csrc/cpu/row_ops.h
+                                              (executor/cpu_layer_ops.py)
     DecodeStack, FusedMatmul                  a whole decode step's layers     csrc/cpu/decode_stack.h
                                               in one call (executor/fused_decode.py)
 
@@ -46,6 +48,7 @@ KERNEL_FILES = (
     "cpu/gguf_linear.h",
     "cpu/gguf_int8.h",
     "cpu/paged_attention.h",
+    "cpu/row_ops.h",
     "cpu/decode_stack.h",
 )
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants

@@ -19,9 +19,9 @@ Speculative verify steps (a sequence's last token and its proposals) run fused: 
 is a decode row attending up to its own position, after every row's K/V is in the cache.
 `ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.
 
-The step's arithmetic is the module path's except inside norms and activations (their own
-summation order and exp), so outputs agree to float rounding; tests/test_fused_decode.py
-runs both paths on the same steps.
+The step's arithmetic is the module path's, bit for bit: the modules run the same matmul
+and attention kernels and, on CPU, the same row-wise ops (csrc/cpu/row_ops.h through
+cpu_layer_ops.py); tests/test_fused_decode.py runs both paths on the same steps.
 """
 
 from __future__ import annotations

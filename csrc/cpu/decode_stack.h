@@ -17,8 +17,8 @@
 //   sandwich (Gemma):  as above, but each sublayer's output is normed before the residual add
 //                      (post_attention / post_feedforward norms), and h = pre_feedforward norm.
 // Norms are RMSNorm in fp32 with the weight as given (Gemma's 1 + w is folded in by Python).
-// Summation orders inside norms and activations differ from torch's, so results match the
-// module path to float rounding, not bit for bit (tests/test_fused_decode.py).
+// Norms, RoPE and activations are row_ops.h's, which the modules call on CPU too, so the
+// step's results are the module path's bit for bit (tests/test_fused_decode.py).
 
 #pragma once
 
@@ -29,6 +29,7 @@
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -102,61 +103,9 @@ struct Matmul {
   }
 };
 
-// out = x * rsqrt(mean(x^2) + eps) * w over n floats (n a multiple of 8 or not).
-inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float sum = hsum(acc);
-  for (; i < n; ++i) sum += x[i] * x[i];
-  const float r = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
-}
-
-// exp(x) for x <= 0 (paged_attention.h's exp8), vectorized sigmoid and tanh from it.
-using zllm_attn::exp8;
-
-// silu(g) * u over n floats: g * sigmoid(g) with sigmoid from exp(-|g|), never overflowing.
-inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
-    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
-    // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below.
-    const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-  }
-  for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-}
-
-// gelu_tanh(g) * u: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from exp(-2|t|).
-inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out) {
-  const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
-  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
-  const __m256 sign = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 t = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
-    const __m256 e = exp8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, t)));  // exp(-2|t|)
-    const __m256 mag = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    const __m256 th = _mm256_or_ps(mag, _mm256_and_ps(t, sign));  // tanh(t), t's sign
-    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
-  }
-  for (; i < n; ++i) {
-    const float x = g[i];
-    out[i] = 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
-  }
-}
-
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+using zllm_rows::Activation;
+using zllm_rows::kGeluTanh;
+using zllm_rows::kSilu;
 
 struct Layer {
   torch::Tensor attn_norm, ffn_norm;            // pre-norms: input, before the MLP
@@ -336,7 +285,7 @@ class DecodeStack {
 
   void norm_rows(const float* x, const torch::Tensor& w, int64_t S, int64_t n, float* out) const {
     const float* wp = w.data_ptr<float>();
-    for (int64_t s = 0; s < S; ++s) rms_norm(x + s * n, wp, n, eps_, out + s * n);
+    for (int64_t s = 0; s < S; ++s) zllm_rows::rms_norm(x + s * n, wp, n, eps_, out + s * n);
   }
 
   // x += sub, or x += norm(sub) in the sandwich layout.
@@ -352,27 +301,18 @@ class DecodeStack {
     for (int64_t s = 0; s < S; ++s)
       for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
         float* head = qkv + s * ld + h * head_dim_;
-        rms_norm(head, h < heads_ ? qw : kw, head_dim_, eps_, head);
+        zllm_rows::rms_norm(head, h < heads_ ? qw : kw, head_dim_, eps_, head);
       }
   }
 
-  // Rotate the first rotary_dim dims of every q and k head (two halves, as HF's rotate_half):
-  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the module path's arithmetic.
+  // Rotate the first rotary_dim dims of every q and k head (zllm_rows::rotate).
   void rope(float* qkv, int64_t S, int64_t ld, const int64_t* pos,
             const torch::Tensor& table) const {
     const int64_t half = rotary_dim_ / 2;
     for (int64_t s = 0; s < S; ++s) {
       const float* cos = table.data_ptr<float>() + pos[s] * rotary_dim_;
-      const float* sin = cos + half;
-      for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
-        float* x1 = qkv + s * ld + h * head_dim_;
-        float* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * cos[i] - b * sin[i];
-          x2[i] = b * cos[i] + a * sin[i];
-        }
-      }
+      for (int64_t h = 0; h < heads_ + kv_heads_; ++h)
+        zllm_rows::rotate(qkv + s * ld + h * head_dim_, cos, cos + half, half);
     }
   }
 
@@ -388,16 +328,8 @@ class DecodeStack {
   }
 
   void activate(const float* gate_up, int64_t S, float* out) const {
-    const int64_t I = intermediate_;
-    at::parallel_for(0, S, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t s = begin; s < end; ++s) {
-        const float* g = gate_up + s * 2 * I;
-        if (activation_ == kSilu)
-          silu_mul(g, g + I, I, out + s * I);
-        else
-          gelu_tanh_mul(g, g + I, I, out + s * I);
-      }
-    });
+    zllm_rows::gated_activation(gate_up, S, 2 * intermediate_, intermediate_,
+                                static_cast<Activation>(activation_), out);
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, intermediate_;

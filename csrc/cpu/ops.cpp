@@ -7,6 +7,7 @@
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
+#include "row_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF block-quantized weights");
@@ -20,6 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one-token-per-sequence attention read from the paged KV cache", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("window") = 0);
+
+  m.def("rms_norm_rows", &rms_norm_rows,
+        "(weight * norm(x + residual), x + residual) over rows, fp32", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rope_rows_", &rope_rows_, "RoPE in place on q/k heads (rotate_half layout)");
+  m.def("gated_activation_rows", &gated_activation_rows,
+        "act(gate) * up of [T, gate | up]; activation 0 = SiLU, 1 = GELU (tanh)");
 
   using zllm_fused::DecodeStack;
   using zllm_fused::Matmul;

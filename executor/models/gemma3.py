@@ -25,13 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config import ModelArchConfig
+from zllm.executor import cpu_layer_ops
 from zllm.executor.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.models.llama import RotaryEmbedding, apply_rope
+from zllm.executor.models.llama import RotaryEmbedding, rope
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -53,6 +54,10 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_layer_ops.usable(x):  # csrc/cpu/row_ops.h, as the fused decode step
+            fused = cpu_layer_ops.rms_norm(x, None, 1.0 + self.weight.float(), self.eps)
+            if fused is not None:
+                return fused[0]
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
@@ -86,8 +91,8 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = rope(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
+        k = rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -99,13 +104,20 @@ class Gemma3MLP(nn.Module):
         if arch.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"Gemma 3 activation {arch.hidden_act!r} is not supported")
         self.act = _ACTIVATIONS[arch.hidden_act]
+        self.hidden_act = arch.hidden_act
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
         self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        fused = None
+        if cpu_layer_ops.usable(gate_up):
+            fused = cpu_layer_ops.gated_act(gate_up, self.hidden_act)
+        if fused is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            fused = self.act(gate) * up
+        return self.down_proj(fused)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config import ModelArchConfig
-from zllm.executor import cuda_layer_ops
+from zllm.executor import cpu_layer_ops, cuda_layer_ops
 from zllm.executor.attention_backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -59,6 +59,10 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if cuda_layer_ops.usable(x):
             fused = cuda_layer_ops.rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+        elif cpu_layer_ops.usable(x):  # csrc/cpu/row_ops.h, as the fused decode step
+            fused = cpu_layer_ops.rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
         if residual is not None:
@@ -242,6 +246,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope through a device's fused op where one takes the layout (in place on qk,
+    a view into the qkv projection's output), else torch's."""
+    rotated = None
+    if cuda_layer_ops.usable(qk):
+        rotated = cuda_layer_ops.rope_(qk, cos, sin)
+    elif cpu_layer_ops.usable(qk):
+        rotated = cpu_layer_ops.rope_(qk, cos, sin)
+    return apply_rope(qk, cos, sin) if rotated is None else rotated
+
+
 class QKNorm(nn.Module):
     """Qwen 3: an RMSNorm over each query head and each key head before RoPE, one weight
     [head_dim] shared by the query heads and one by the key heads (HF's q_norm, k_norm)."""
@@ -289,8 +304,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        rotated = cuda_layer_ops.rope_(qk, cos, sin) if cuda_layer_ops.usable(qk) else None
-        qk = apply_rope(qk, cos, sin) if rotated is None else rotated
+        qk = rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
@@ -306,7 +320,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = cuda_layer_ops.silu_mul(gate_up) if cuda_layer_ops.usable(gate_up) else None
+        fused = None
+        if cuda_layer_ops.usable(gate_up):
+            fused = cuda_layer_ops.silu_mul(gate_up)
+        elif cpu_layer_ops.usable(gate_up):
+            fused = cpu_layer_ops.gated_act(gate_up, "silu")
         if fused is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             fused = F.silu(gate) * up
