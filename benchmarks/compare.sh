@@ -239,12 +239,17 @@ serve_bench() {
     done
     rm -f "$RESULTS_DIR/serve-$name-failed.json"
     log "$name: up after ${waited} s"
-    local in c
+    # Each cell of the grid gets its own prompts (--prompt-seed = the cell's index, the same
+    # for every engine): with one set for all, a later cell would hit the prefix cache that
+    # an earlier one filled (zllm's, and llama-server's per-slot prompt cache).
+    local in c cell=0
     for in in $INPUT_LENS; do
         for c in $CONCURRENCIES; do
+            cell=$((cell + 1))
             local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
                 --input-len "$in" --output-len "$OUTPUT_LEN" --concurrency "$c"
-                --label "$name" --output-json "$RESULTS_DIR/serve-$name-in$in-c$c.json")
+                --prompt-seed "$cell" --label "$name"
+                --output-json "$RESULTS_DIR/serve-$name-in$in-c$c.json")
             wait_quiet
             log "$name: ${cmd[*]}"
             "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-in$in-c$c.log" ||
@@ -252,9 +257,10 @@ serve_bench() {
         done
         local rate
         for rate in $REQUEST_RATES; do
+            cell=$((cell + 1))
             local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
                 --input-len "$in" --output-len "$OUTPUT_LEN" --request-rate "$rate"
-                --concurrency "$NP" --label "$name"
+                --concurrency "$NP" --prompt-seed "$cell" --label "$name"
                 --output-json "$RESULTS_DIR/serve-$name-in$in-r$rate.json")
             wait_quiet
             log "$name: ${cmd[*]}"

@@ -2,10 +2,10 @@
 
 Loads one `LLM` per mode (default `gguf` and `gguf-int8`) and decode path (`--paths`: the
 fused C++ decode step, the default, and/or the module path, `ZLLM_FUSED_DECODE=0`) and, for
-ROUNDS rounds in rotated order, times a batch of BATCH random prompts of INPUT_LEN tokens: the prefill (max_tokens=1)
-and the whole request (OUTPUT_LEN greedy tokens, ignore_eos); time per output token =
-(whole - prefill) / (OUTPUT_LEN - 1). Prints each mode's median TPOT and its ratio to the
-first mode's.
+ROUNDS rounds in rotated order, times a batch of BATCH random prompts of INPUT_LEN tokens:
+the prefill (max_tokens=1) and the whole request (OUTPUT_LEN greedy tokens, ignore_eos);
+time per output token = (whole - prefill) / (OUTPUT_LEN - 1). Prints each engine's median
+TPOT and its speed relative to the first engine's.
 
     OMP_NUM_THREADS=2 python benchmarks/decode_modes.py --model smollm2 --batch 1 8
     OMP_NUM_THREADS=2 python benchmarks/decode_modes.py --modes gguf --paths fused module
@@ -55,6 +55,7 @@ def main() -> None:
                 enable_prefix_caching=False,
                 max_model_len=2048,
             )
+    os.environ.pop("ZLLM_FUSED_DECODE", None)
     labels = list(engines)
     vocab = engines[labels[0]].get_tokenizer().vocab_size
     rng = np.random.default_rng(0)

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -106,12 +107,14 @@ def load() -> ModuleType:
     # torch rebuilds when a source listed in `sources` changes, not an included header: name
     # the build after every file's content so an edited header gets a fresh build.
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    name = f"zllm_cpu_kernels_{digest}"
+    _clear_stale_build_lock(cpp_extension, name)
     # A first build takes ~35 s, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
         with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
             return cpp_extension.load(
-                name=f"zllm_cpu_kernels_{digest}",
+                name=name,
                 sources=[str(CSRC_DIR / s) for s in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
@@ -119,6 +122,24 @@ def load() -> ModuleType:
             )
     except Exception as exc:  # compiler errors, missing ninja, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
+
+
+# A build takes ~35 s; a lock older than this was left by a build that was killed.
+STALE_LOCK_S = 600
+
+
+def _clear_stale_build_lock(cpp_extension: ModuleType, name: str) -> None:
+    """torch's build holds a lock file in the build directory and every later load waits for
+    it to go: a build killed midway (Ctrl-C in the first minute of a first run) would leave
+    every later engine start waiting forever. Remove a lock older than any build takes."""
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
+        age = time.time() - lock.stat().st_mtime
+    except (AttributeError, OSError):
+        return  # no lock (the usual case), or a torch without that helper
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
+        lock.unlink(missing_ok=True)
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:

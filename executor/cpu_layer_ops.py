@@ -7,7 +7,8 @@ RoPE in place, SiLU/GeGLU-and-mul, one C++ call each where torch's eager ops tak
 
 The fused decode step (decode_stack.h) runs the same functions, so a step gives the same bits
 on either path. `usable(x)` says whether a tensor takes them: an fp32 CPU tensor when the CPU
-kernels are on (not with ZLLM_CPU_KERNELS=0) and built; otherwise the model code runs torch
+kernels are on (not with ZLLM_CPU_KERNELS=0) and build (the first call builds them if the
+engine has not yet, once per machine); otherwise the model code runs torch
 (the reference, and every other device and dtype). Each op returns None for a layout it does
 not read, and the caller falls back to torch.
 """

@@ -192,7 +192,9 @@ class ModelRunner:
         if skip is None:
             try:
                 fused = FusedDecode.build(self.model)
-            except (fused_decode.Unsupported, cpu_kernels.CpuKernelError) as exc:
+            except (fused_decode.Unsupported, cpu_kernels.CpuKernelError, RuntimeError) as exc:
+                # RuntimeError: a shape DecodeStack's checks refuse (say, RoPE tables of
+                # different widths); the modules serve such a model.
                 skip = str(exc)
             else:
                 logger.info("Decode steps: the fused CPU path (csrc/cpu/decode_stack.h)")

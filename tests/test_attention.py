@@ -146,7 +146,7 @@ def test_sliding_window_matches_dense_reference(batch_name, block_size, window, 
     """Decode, whole prompts and chunks longer than the window, with the blocks before each
     window released. The torch path runs in float64 (exact to rounding); the CPU kernel
     backend (fp32) windows its decode rows itself, through the trimmed block tables, for
-    the plain-loop head size (16) and a SIMD one (64)."""
+    the plain-loop head size (16) and the SIMD ones (64, 128)."""
     if not kernel:
         out, expected = run_case(
             BATCHES[batch_name], block_size, 4, 2, torch.float64, window=window
@@ -155,7 +155,7 @@ def test_sliding_window_matches_dense_reference(batch_name, block_size, window, 
         return
     if not cpu_kernels.enabled():
         pytest.skip("CPU kernels disabled")
-    for head_dim in (16, 64):
+    for head_dim in (16, 64, 128):
         out, expected = run_case(
             BATCHES[batch_name],
             block_size,
@@ -335,6 +335,25 @@ def test_cpu_kernel_build_failure_falls_back_to_torch(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "load", fail)
     assert choose_attention_backend(torch.device("cpu"), torch.float32, 64) is TORCH_ATTENTION
     assert "decode attention stays in torch: no compiler here" in caplog.text
+
+
+def test_a_killed_build_s_lock_does_not_block_later_loads(monkeypatch, tmp_path, caplog):
+    """torch waits for a build directory's lock file to go; a build killed midway leaves it.
+    One older than any build is removed (with a warning), a fresh one is left alone."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age in (("killed", cpu_kernels.STALE_LOCK_S + 60), ("building", 5)):
+        lock = tmp_path / name / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - age,) * 2)
+        cpu_kernels._clear_stale_build_lock(cpp_extension, name)
+        assert lock.exists() == (name == "building")
+    assert "removing a stale CPU-kernel build lock" in caplog.text
 
 
 @pytest.mark.parametrize("backend", [TORCH_ATTENTION, CPU_KERNEL_ATTENTION, CUDA_ATTENTION])

@@ -23,7 +23,6 @@ from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
-from zllm.executor.attention import AttentionMetadata
 from zllm.executor.fused_decode import FusedDecode, Unsupported
 from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
 
@@ -206,31 +205,45 @@ def test_every_matmul_kind_is_the_module_s_arithmetic() -> None:
                 assert torch.equal(fused(x), module(x)), (type(module).__name__, int8, m)
 
 
-def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path) -> None:
+@pytest.mark.parametrize("case", ["llama", "mistral-window", "gemma3"])
+def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, case) -> None:
     """A step with a prefill chunk is the module path's: run() declines it. A speculative
     verify step (a sequence's last token and its proposals, each a decode row attending up
-    to its own position) runs fused, with the module path's hidden states bit for bit."""
-    llm = make_llm(model_path("llama"))
+    to its own position) runs fused, with the module path's hidden states bit for bit,
+    sliding-window layers included: contexts well past the window, the blocks before it
+    released (-1) as the block manager releases them, metadata per KV cache group."""
+    llm = make_llm(model_path(case))
     runner = llm.model_runner
     fused = runner.fused_decode
     gen = torch.Generator().manual_seed(0)
     for cache in runner.kv_caches:  # some context already cached
         cache.copy_(torch.randn(cache.shape, generator=gen))
 
-    def step(query_lens: list[int], seq_lens: list[int]):
-        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(seq_lens))]
-        positions = [p for q, n in zip(query_lens, seq_lens, strict=True) for p in range(n - q, n)]
-        rows = [i for i, q in enumerate(query_lens) for _ in range(q)]
-        slots = [
-            tables[i][p // BLOCK] * BLOCK + p % BLOCK for i, p in zip(rows, positions, strict=True)
-        ]
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, BLOCK, "cpu")
-        ids = torch.randint(3, 250, (len(positions),), generator=gen)
-        return ids, torch.tensor(positions), meta
+    class State:  # what the metadata builder reads of a request
+        def __init__(self, block_ids: list[list[int]]) -> None:
+            self.block_ids = block_ids
 
+    def step(query_lens: list[int], seq_lens: list[int]):
+        states = []
+        for i, (q, n) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            tables = []
+            for g, group in enumerate(runner.kv_groups):
+                first = 64 * g + 16 * i  # disjoint: the groups' layers share cache tensors
+                table = list(range(first, first + -(-n // BLOCK)))
+                if group.sliding_window is not None:  # released before the first row's window
+                    first_needed = max(0, n - q + 1 - group.sliding_window) // BLOCK
+                    table[:first_needed] = [-1] * first_needed
+                tables.append(table)
+            states.append(State(tables))
+        positions = [np.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
+        meta = runner._build_attention_metadata(states, query_lens, seq_lens, positions)
+        ids = torch.randint(3, 250, (sum(query_lens),), generator=gen)
+        return ids, torch.from_numpy(np.concatenate(positions)), meta
+
+    assert runner.num_blocks >= 64 * len(runner.kv_groups)
     ids, positions, meta = step([1, 5], [9, 5])
     assert fused.run(ids, positions, runner.kv_caches, meta) is None
-    ids, positions, meta = step([1, 4], [9, 12])
+    ids, positions, meta = step([1, 4, 1], [30, 27, 40])
     expected = runner.model(ids, positions, runner.kv_caches, meta)
     hidden = fused.run(ids, positions, runner.kv_caches, meta)
     assert hidden is not None

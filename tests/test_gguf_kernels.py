@@ -198,14 +198,15 @@ def test_gguf_int8_engine_prefills_as_gguf_and_decodes_with_integer_dots(smollm2
         (i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)) if x != y), len(ids_a)
     )
     assert agree >= 2
-    # The bound is the mode's measured drift (BENCHMARKS.md: p99 ~0.6 nats on SmolLM2), not
-    # a tight one: rounding x to 8 bits amplifies any tiny difference upstream (the fused
-    # decode path's norms, a kernel's summation order) into drift of the same order.
+    # Measured here: at most 0.11 nats over these tokens (BENCHMARKS.md: the mode's drift
+    # against fp32 reaches p99 ~0.6 on SmolLM2's prompts). Which token drifts most moves
+    # with any change upstream of the rounding to int8 (a kernel's summation order, the
+    # row ops), so the bound leaves ~2x room rather than pinning today's values.
     for i in range(agree):
         drift = abs(
             a.outputs[0].logprobs[i][ids_a[i]].logprob - b.outputs[0].logprobs[i][ids_a[i]].logprob
         )
-        assert drift < 0.5, (i, drift)
+        assert drift < 0.25, (i, drift)
     assert any(
         a.outputs[0].logprobs[i][ids_a[i]].logprob != b.outputs[0].logprobs[i][ids_a[i]].logprob
         for i in range(agree)

@@ -252,6 +252,8 @@ def main_accuracy(args: argparse.Namespace) -> int:
         from zllm.executor.quantization import set_int8_max_rows
 
         set_int8_max_rows(quant.model_runner.model, 1 << 30)
+        # The fused decode step copied the row limit at load: the modules score from here on.
+        quant.model_runner.fused_decode = None
     q_lp = quant.generate(forced, score, use_tqdm=False)
 
     same = sum(a == b for a, b in zip(ref_out, q_out, strict=True))

@@ -57,7 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("rope_table"), py::arg("scale"))
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("positions"),
+      // No Python object is touched inside: release the GIL for the step, so the executor's
+      // other threads (the KV offload's disk writer) run meanwhile.
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
+           py::arg("x"), py::arg("positions"),
            py::arg("kv_caches"), py::arg("meta_of_layer"), py::arg("block_tables"),
            py::arg("slots"), py::arg("windows"), py::arg("seq_lens"));
 }

@@ -1,4 +1,5 @@
-// Decode attention (one new token per sequence) straight from the paged KV cache, fp32.
+// Decode attention straight from the paged KV cache, fp32: rows of one query token each (a
+// decode step's one per sequence, or a verify step's few, each with its own context length).
 //
 // Why: the torch path gathers every sequence's K and V blocks into a fresh padded tensor each
 // layer and then runs SDPA over it, so each cached value crosses memory three times (read,

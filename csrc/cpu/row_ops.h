@@ -60,24 +60,26 @@ inline void silu_mul(const float* g, const float* u, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-// gelu_tanh(g) * u: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh from exp(-2|t|).
+// gelu_tanh(g) * u. 0.5 g (1 + tanh(t)) equals g * sigmoid(2t), t = sqrt(2/pi) (g + 0.044715
+// g^3): the sigmoid form has no 1 + tanh cancellation for negative g, and shares silu's
+// overflow-free sigmoid.
 inline void gelu_tanh_mul(const float* g, const float* u, int64_t n, float* out) {
-  const __m256 one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
-  const __m256 c = _mm256_set1_ps(0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
-  const __m256 sign = _mm256_set1_ps(-0.f), minus_two = _mm256_set1_ps(-2.f);
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const __m256 c = _mm256_set1_ps(2.f * 0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 t = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
-    const __m256 e = exp8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, t)));  // exp(-2|t|)
-    const __m256 mag = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    const __m256 th = _mm256_or_ps(mag, _mm256_and_ps(t, sign));  // tanh(t), t's sign
-    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+    const __m256 z = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+    const __m256 e = exp8(_mm256_or_ps(z, sign));  // exp(-|z|)
+    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+    const __m256 neg = _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), neg);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
   }
   for (; i < n; ++i) {
     const float x = g[i];
-    out[i] = 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[i];
+    const float z = 2.f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    out[i] = x / (1.f + std::exp(-z)) * u[i];
   }
 }
 
