@@ -34,17 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.executor import cpu_kernels
+from zllm.executor import cpu_kernels, cpu_layer_ops
 from zllm.executor.attention import AttentionMetadata, PagedAttention
 from zllm.executor.attention_backend import StepAttentionMetadata, metadata_per_layer
-from zllm.executor.models.gemma3 import Gemma3ForCausalLM
+from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
 from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
 
 logger = logging.getLogger(__name__)
-
-# DecodeStack's activation ids (decode_stack.h's Activation).
-_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 class Unsupported(Exception):
@@ -77,7 +74,7 @@ class FusedDecode:
                 raise Unsupported("the attention backend is not the CPU kernel's")
         gemma = isinstance(model, Gemma3ForCausalLM)
         act = arch.hidden_act if gemma else "silu"
-        if act not in _ACTIVATIONS:
+        if act not in cpu_layer_ops.ACTIVATIONS:
             raise Unsupported(f"activation {act!r}")
         kernels = cpu_kernels.load()
         rotary_dim = model.rotary.cos_sin_cache.shape[1]
@@ -90,7 +87,7 @@ class FusedDecode:
             intermediate=arch.intermediate_size,
             eps=arch.rms_norm_eps,
             sandwich=gemma,
-            activation=_ACTIVATIONS[act],
+            activation=cpu_layer_ops.ACTIVATIONS[act],
             final_norm=_norm_weight(model.norm),
         )
         global_rope = stack.add_rope_table(model.rotary.cos_sin_cache)
@@ -153,11 +150,8 @@ class FusedDecode:
             if not _decode_only(meta, num_tokens):
                 return None
         decode = distinct[0].decode
-        x = self.model.embed(input_ids)
-        if isinstance(self.model, Gemma3ForCausalLM):
-            x = x * self.model.embed_scale
         return self.stack.forward(
-            x=x,
+            x=self.model.embed(input_ids),
             positions=positions,
             kv_caches=kv_caches,
             meta_of_layer=meta_of_layer,
@@ -184,11 +178,10 @@ def _decode_only(meta: StepAttentionMetadata, num_tokens: int) -> bool:
     )
 
 
-def _norm_weight(norm: nn.Module) -> torch.Tensor:
-    """The weight a norm multiplies by: Llama's as stored, Gemma's 1 + w (as GemmaRMSNorm)."""
-    if isinstance(norm, RMSNorm):
-        return norm.weight.detach().float().contiguous()
-    return (1.0 + norm.weight.detach().float()).contiguous()
+def _norm_weight(norm: RMSNorm | GemmaRMSNorm) -> torch.Tensor:
+    """What a norm multiplies the normed rows by: Llama's weight, Gemma's 1 + weight."""
+    weight = norm.multiplier() if isinstance(norm, GemmaRMSNorm) else norm.weight.float()
+    return weight.detach().contiguous()
 
 
 def _matmul(kernels: Any, module: nn.Module) -> Any:

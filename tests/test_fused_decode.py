@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from test_gguf_types import write_llama_gguf
-from tiny_models import write_tiny_model
+from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
@@ -42,14 +42,7 @@ MODEL_DIRS = {
         arch="phi3", partial_rotary_factor=0.5, sliding_window=WINDOW
     ),
     "mistral-window": dict(arch="mistral", sliding_window=WINDOW),
-    "gemma3": dict(
-        arch="gemma3_text",
-        num_hidden_layers=3,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=WINDOW,
-    ),
+    "gemma3": tiny_gemma3_overrides(WINDOW),
 }
 # A GGUF whose matmuls mix kernel types (q/k beside v of another type: one kernel call per
 # part), served by the default `gguf` and by `gguf-int8`.
@@ -86,27 +79,6 @@ def model_path(tmp_path_factory):
         return built[case]
 
     return get
-
-
-def randomize_norms_and_biases(path: Path) -> Path:
-    """transformers initializes norms to one (Gemma's to zero, it adds one) and biases to
-    zero, which would leave those paths untested: draw them at random. Gemma's embedding is
-    scaled down since it multiplies it by sqrt(hidden), so greedy outputs vary."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    gemma = model.config.model_type.startswith("gemma")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + (0.0 if gemma else 1.0))
-            elif name.endswith(".bias"):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        if gemma:
-            model.model.embed_tokens.weight.mul_(0.125)
-    model.save_pretrained(path)
-    return path
 
 
 def make_llm(path: str, **kwargs) -> LLM:

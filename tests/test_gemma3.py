@@ -24,28 +24,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def tiny_gemma3(tmp_path_factory) -> str:
     """Layers: sliding, global, sliding. Random norm weights and an embedding scaled down
     (Gemma multiplies it by sqrt(hidden)), so greedy outputs vary instead of repeating."""
-    import transformers
-    from tiny_models import write_tiny_model
+    from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-gemma3")
-    write_tiny_model(
-        path,
-        arch="gemma3_text",
-        num_hidden_layers=3,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=WINDOW,
-    )
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-        model.model.embed_tokens.weight.mul_(0.125)
-    model.save_pretrained(path)
-    return str(path)
+    write_tiny_model(path, **tiny_gemma3_overrides(WINDOW))
+    return str(randomize_norms_and_biases(path))
 
 
 @pytest.fixture(scope="module")

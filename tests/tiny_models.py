@@ -188,3 +188,39 @@ def write_lora_adapter(
         json.dumps({**lora_config, "target_modules": list(targets), "bias": "none"})
     )
     return path
+
+
+def tiny_gemma3_overrides(window: int) -> dict:
+    """write_tiny_model overrides for a tiny Gemma 3: sliding, global, sliding layers."""
+    return dict(
+        arch="gemma3_text",
+        num_hidden_layers=3,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=window,
+    )
+
+
+def randomize_norms_and_biases(path: Path, seed: int = 0) -> Path:
+    """Redraw a saved model's norm weights and biases, which transformers initializes to one
+    (Gemma's to zero: it adds one) and zero, leaving those paths untested. Gemma's embedding
+    is scaled down too, since Gemma multiplies it by sqrt(hidden): greedy outputs then vary
+    instead of repeating one token."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gemma = model.config.model_type.startswith("gemma")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                drawn = torch.randn(param.shape, generator=gen) * 0.5
+                param.copy_(drawn if gemma else drawn + 1.0)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+        if gemma:
+            model.model.embed_tokens.weight.mul_(0.125)
+    model.save_pretrained(path)
+    return path

@@ -22,26 +22,19 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
 #include "row_ops.h"
-#include "simd.h"
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
 
 namespace zllm_fused {
-
-using zllm_simd::hsum;
 
 // y = x W^T (+ b): GGUF parts (each its own type, writing its own output columns) or one fp32
 // weight. gguf-int8 sets int8_max_rows: calls of at most that many rows use integer dots.

@@ -53,14 +53,18 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
         self.eps = eps
 
+    def multiplier(self) -> torch.Tensor:
+        """1 + weight in fp32: what the normed rows are multiplied by."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_layer_ops.usable(x):  # csrc/cpu/row_ops.h, as the fused decode step
-            fused = cpu_layer_ops.rms_norm(x, None, 1.0 + self.weight.float(), self.eps)
+            fused = cpu_layer_ops.rms_norm(x, None, self.multiplier(), self.eps)
             if fused is not None:
                 return fused[0]
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (normed * self.multiplier()).to(x.dtype)
 
 
 class Gemma3Attention(nn.Module):
@@ -210,7 +214,7 @@ class Gemma3ForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x = self.embed(input_ids) * self.embed_scale
+        x = self.embed(input_ids)
         global_rope = self.rotary.lookup(positions)
         local_rope = self.local_rotary.lookup(positions)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
@@ -219,10 +223,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embedding rows (from GGUF blocks once quantization set embed_rows)."""
+        """The tokens' input embeddings: their rows (from GGUF blocks once quantization set
+        embed_rows) times embed_scale."""
         if self.embed_rows is not None:
-            return self.embed_rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+            return self.embed_rows(input_ids) * self.embed_scale
+        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, soft-capped when the model says so."""
