@@ -210,6 +210,19 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM  # exit, which runs stop_server
 
+# bench_cell NAME URL SEED CELL ARGS...: one `zllm bench serve` run (ARGS: its load) into
+# serve-NAME-CELL.json and .log.
+bench_cell() {
+    local name=$1 url=$2 seed=$3 cell=$4
+    shift 4
+    local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
+        --output-len "$OUTPUT_LEN" --prompt-seed "$seed" --label "$name"
+        --output-json "$RESULTS_DIR/serve-$name-$cell.json" "$@")
+    wait_quiet
+    log "$name: ${cmd[*]}"
+    "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-$cell.log" || log "$name: bench $cell failed"
+}
+
 # serve_bench NAME PORT CMD...: run the serving benchmark against the server CMD starts.
 serve_bench() {
     local name=$1 port=$2
@@ -242,30 +255,16 @@ serve_bench() {
     # Each cell of the grid gets its own prompts (--prompt-seed = the cell's index, the same
     # for every engine): with one set for all, a later cell would hit the prefix cache that
     # an earlier one filled (zllm's, and llama-server's per-slot prompt cache).
-    local in c cell=0
+    local in c rate cell=0
     for in in $INPUT_LENS; do
         for c in $CONCURRENCIES; do
             cell=$((cell + 1))
-            local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
-                --input-len "$in" --output-len "$OUTPUT_LEN" --concurrency "$c"
-                --prompt-seed "$cell" --label "$name"
-                --output-json "$RESULTS_DIR/serve-$name-in$in-c$c.json")
-            wait_quiet
-            log "$name: ${cmd[*]}"
-            "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-in$in-c$c.log" ||
-                log "$name: bench at input $in, concurrency $c failed"
+            bench_cell "$name" "$url" "$cell" "in$in-c$c" --input-len "$in" --concurrency "$c"
         done
-        local rate
         for rate in $REQUEST_RATES; do
             cell=$((cell + 1))
-            local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
-                --input-len "$in" --output-len "$OUTPUT_LEN" --request-rate "$rate"
-                --concurrency "$NP" --prompt-seed "$cell" --label "$name"
-                --output-json "$RESULTS_DIR/serve-$name-in$in-r$rate.json")
-            wait_quiet
-            log "$name: ${cmd[*]}"
-            "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-in$in-r$rate.log" ||
-                log "$name: bench at input $in, rate $rate failed"
+            bench_cell "$name" "$url" "$cell" "in$in-r$rate" --input-len "$in" \
+                --request-rate "$rate" --concurrency "$NP"
         done
     done
     stop_server
