@@ -5,9 +5,12 @@ logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0, Q5
 Q5_K, Q6_K) through csrc/cpu/gguf_linear.h instead of fp32 copies, and the fp32 tensors they
 replace are released after load: the weights take about the file's size in memory. The values
 multiplied are bit for bit the fp32 weights the reference path uses (the kernel dequantizes as
-gguf.quants does; load checks it), so only summation order differs; a decode step reads 4-7x
-fewer bytes. Many rows (prefill chunks) go through the kernel's panel path, which dequantizes a
-few weight rows into L1 and multiplies them there, with no copy: per matmul from 512 rows on,
+gguf.quants does; load checks it), so only the order of the arithmetic differs; a decode step
+reads 4-7x fewer bytes. Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K) go through the
+kernel's few-rows path, which turns each block's codes into floats in registers and applies
+the block's scale (and offset) to its dot product rather than to each value. Many rows
+(prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
+L1 and multiplies them there, with no copy: per matmul from 512 rows on,
 about 4% slower than the BLAS GEMM on an fp32 copy for Q4_1, up to ~16% for Q6_K, whose
 dequantization costs most (BENCHMARKS.md). A fused matmul whose parts
 the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel

@@ -47,6 +47,12 @@ def gemma3_path() -> str:
 def pytest_configure(config):
     # Tests run beside each other on 2 cores: keep torch from oversubscribing them.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # Always name failed and erroring tests in the short summary, even when a wrapper's `-r`
+    # (e.g. `-rs` to list skips) replaces pytest's default "fE": a log whose tail is all that
+    # survives must still say which test failed.
+    chars = config.option.reportchars or ""
+    if "a" not in chars and "A" not in chars:
+        config.option.reportchars = chars + "".join(c for c in "fE" if c not in chars)
 
 
 def pytest_sessionstart(session):

@@ -72,6 +72,19 @@ def test_linear_matches_fp32_matmul(ggml_type, rows):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_linear_reads_strided_input_rows(ggml_type):
+    """x may be a column slice of a wider tensor (rows ldx apart, ldx > K): every path (the
+    few-rows kernel at 1-4 rows, the panel beyond) gives the bits the contiguous copy gives."""
+    q, _, cols = _blocks(19, 2, ggml_type, seed=21)
+    wide = torch.randn(6, cols + 40, generator=torch.Generator().manual_seed(21))
+    for rows in range(1, 7):
+        x = wide[:rows, 24 : 24 + cols]
+        assert x.stride(0) == cols + 40
+        out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
+        assert torch.equal(out, cpu_kernels.gguf_linear(x.contiguous(), q, int(ggml_type)))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 6])
 def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
     """A fused matmul of parts in different types writes each part's columns in place."""

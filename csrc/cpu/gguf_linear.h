@@ -17,7 +17,8 @@
 //       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
 // Each weight byte is read from memory once per call whatever M is, and dequantized once per
 // 64-row chunk of x.
-// Q4_1 and Q8_0 at one or two input rows take a path that writes no panel (linear_few_rows).
+// At one to four input rows (two for Q5_0, Q5_1, Q6_K) a path that writes no panel
+// (linear_few_rows) is faster.
 
 #pragma once
 
@@ -332,80 +333,283 @@ void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t ro
   });
 }
 
-// Few input rows (decode of 1-2 sequences): memory- and conversion-bound, so no fp32 panel
-// is written. Per block the 32 codes become 4 float vectors once, shared by the MR rows, and
-// the scale and offset apply per block, not per value:
+// --- Few input rows (decode of 1-4 sequences) ----------------------------------------------
+// Memory- and conversion-bound, so no fp32 panel is written. Per 32-value group the codes
+// become float vectors once, shared by the MR rows, and the scale and offset apply per group
+// (per 16 values for Q6_K), not per value:
 //   sum_k (d q_k + m) x_k = d * sum_k q_k x_k + m * sum_k x_k
-// with sum_k x_k per block computed once per call. Same weight values, different rounding.
-// Even and odd blocks add into separate accumulators: one chain would wait an FMA's latency
-// per block.
-template <int MR, bool Q4_1>
+// with sum_k x_k per group computed once per call. Same weight values, different rounding.
+// Codes are widened 8 bytes at a time to 32-bit lanes (vpmovzxbd, one shuffle) and split into
+// nibbles and high bits with lane-wise and/shift afterwards: the shuffle port bounds these
+// loops, and unpacking a register of 32 int8 codes would cost 7 shuffles where this costs 2-4
+// (measured: building the codes byte-wise first, as the dequantizers do, was 1.1-1.3x slower).
+
+// What one row's dot product has summed so far. Groups alternate between two of these: one
+// chain would wait an FMA's latency per group.
+template <int MR>
+struct RowSums {
+  __m256 v[MR];
+  float offset[MR];
+};
+
+// Where the MR input rows are: x at the block's first value, its row stride, and the rows'
+// per-group sums of x at the block's first group (row stride xsum_ld).
+struct FewRowsInput {
+  const float* x;
+  int64_t ldx;
+  const float* xsum;
+  int64_t xsum_ld;
+};
+
+inline __m256i widen8_u(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i widen8_s(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 to_float(__m256i codes) { return _mm256_cvtepi32_ps(codes); }
+
+// sums += d * (q . x) for the 32 values of group g of the block (x + 32 g), every row.
+template <int MR>
+inline void add_group(const __m256 q[4], float d, const FewRowsInput& in, int g,
+                      RowSums<MR>& sums) {
+  const __m256 dv = _mm256_set1_ps(d);
+  for (int i = 0; i < MR; ++i) {
+    const float* xg = in.x + i * in.ldx + kBlock * g;
+    __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg));
+    dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xg + 8), dot);
+    dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xg + 16), dot);
+    dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xg + 24), dot);
+    sums.v[i] = _mm256_fmadd_ps(dv, dot, sums.v[i]);
+  }
+}
+
+// sums.offset += m * sum(x) over group g, every row.
+template <int MR>
+inline void add_group_offset(float m, const FewRowsInput& in, int g, RowSums<MR>& sums) {
+  for (int i = 0; i < MR; ++i) sums.offset[i] += m * in.xsum[i * in.xsum_ld + g];
+}
+
+// The 32-value types: a block is one group. Value j < 16 is byte j's low nibble, j >= 16 byte
+// j - 16's high one; Q5's fifth bit of value j is bit j of a little-endian uint32. Q4_0 and
+// Q5_0's codes are centred, d (q - 8) or d (q - 16): the - 8 d goes to the offset, which is
+// cheaper per group than a subtraction per value.
+template <bool kFifthBit, bool kOwnOffset>
+struct FewQ4_5 {
+  static constexpr int64_t kValues = kBlock;
+  static constexpr int64_t kBytes = 2 + (kOwnOffset ? 2 : 0) + (kFifthBit ? 4 : 0) + 16;
+  static constexpr bool kOffset = true;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even, RowSums<MR>&) {
+    const uint8_t* nibbles = blk + kBytes - 16;
+    const __m256i b0 = widen8_u(nibbles), b1 = widen8_u(nibbles + 8);
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    __m256i codes[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low),
+                        _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
+    if constexpr (kFifthBit) {
+      uint32_t bits;
+      std::memcpy(&bits, blk + (kOwnOffset ? 4 : 2), 4);
+      // Lane l of codes[j] wants bit 8 j + l of bits at bit 4: shifted down by 8 j + l from
+      // bits << 4 for j < 3, by 8 j + l - 4 = 20 + l from bits for j = 3 (bits << 4 has lost
+      // its top four).
+      const __m256i up = _mm256_set1_epi32(static_cast<int>(bits << 4));
+      const __m256i same = _mm256_set1_epi32(static_cast<int>(bits));
+      const __m256i bit = _mm256_set1_epi32(0x10);
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i fifth =
+            j < 3 ? _mm256_srlv_epi32(up, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * j)))
+                  : _mm256_srlv_epi32(same, _mm256_add_epi32(lanes, _mm256_set1_epi32(20)));
+        codes[j] = _mm256_or_si256(codes[j], _mm256_and_si256(fifth, bit));
+      }
+    }
+    __m256 q[4];
+    for (int j = 0; j < 4; ++j) q[j] = to_float(codes[j]);
+    const float d = half_to_float(blk);
+    add_group<MR>(q, d, in, 0, even);
+    const float m = kOwnOffset ? half_to_float(blk + 2) : -(kFifthBit ? 16.f : 8.f) * d;
+    add_group_offset<MR>(m, in, 0, even);
+  }
+};
+
+using FewQ4_0 = FewQ4_5<false, false>;
+using FewQ4_1 = FewQ4_5<false, true>;
+using FewQ5_0 = FewQ4_5<true, false>;
+using FewQ5_1 = FewQ4_5<true, true>;
+
+struct FewQ8_0 {
+  static constexpr int64_t kValues = kBlock, kBytes = kQ8_0Bytes;
+  static constexpr bool kOffset = false;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even, RowSums<MR>&) {
+    __m256 q[4];
+    for (int j = 0; j < 4; ++j) q[j] = to_float(widen8_s(blk + 2 + 8 * j));
+    add_group<MR>(q, half_to_float(blk), in, 0, even);
+  }
+};
+
+// Q4_K / Q5_K: sub-blocks 2c and 2c + 1 are the low and high nibbles of the same 32 bytes
+// (Q5_K: bit s of its 32 qh bytes is sub-block s's fifth bit), so each byte is widened once
+// for the pair.
+template <bool kFifthBit>
+struct FewQ45_K {
+  static constexpr int64_t kValues = kSuper, kBytes = kFifthBit ? 176 : 144;
+  static constexpr bool kOffset = true;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even,
+                  RowSums<MR>& odd) {
+    float dsc[8], dm[8];
+    k_scales_mins(blk + 4, half_to_float(blk), half_to_float(blk + 2), dsc, dm);
+    const uint8_t* nibbles = blk + (kFifthBit ? 48 : 16);
+    const __m256i low = _mm256_set1_epi32(0x0F), bit = _mm256_set1_epi32(0x10);
+    __m256i high[4];
+    if constexpr (kFifthBit)
+      for (int j = 0; j < 4; ++j) high[j] = widen8_u(blk + 16 + 8 * j);
+    for (int c = 0; c < 4; ++c) {
+      __m256i bytes[4];
+      for (int j = 0; j < 4; ++j) bytes[j] = widen8_u(nibbles + 32 * c + 8 * j);
+      for (int half = 0; half < 2; ++half) {
+        const int s = 2 * c + half;
+        __m256 q[4];
+        for (int j = 0; j < 4; ++j) {
+          __m256i codes = half ? _mm256_srli_epi32(bytes[j], 4) : _mm256_and_si256(bytes[j], low);
+          if constexpr (kFifthBit) {
+            // Bit s to bit 4.
+            const __m256i fifth = s <= 4 ? _mm256_slli_epi32(high[j], 4 - s)
+                                         : _mm256_srli_epi32(high[j], s - 4);
+            codes = _mm256_or_si256(codes, _mm256_and_si256(fifth, bit));
+          }
+          q[j] = to_float(codes);
+        }
+        RowSums<MR>& sums = half ? odd : even;
+        add_group<MR>(q, dsc[s], in, s, sums);
+        add_group_offset<MR>(-dm[s], in, s, sums);
+      }
+    }
+  }
+};
+
+// Q6_K: per half h of 128 values, group g (32 values) takes its low nibbles from bytes
+// 64 h + 32 (g % 2) (low nibble for g < 2) and its high 2 bits from bits 2 g of bytes
+// 128 + 32 h; a scale per 16 values. Widening 8 bytes of each of the three byte runs serves
+// 8 values of all four groups, so the groups are summed side by side (four dot products per
+// row) and scaled every 16 values.
+struct FewQ6_K {
+  static constexpr int64_t kValues = kSuper, kBytes = 210;
+  static constexpr bool kOffset = false;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even,
+                  RowSums<MR>& odd) {
+    const float d = half_to_float(blk + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256i low = _mm256_set1_epi32(0x0F), top = _mm256_set1_epi32(0x30),
+                  bias = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; ++h) {
+      for (int quarter = 0; quarter < 2; ++quarter) {  // values 0-15, then 16-31, of each group
+        __m256 dot[4][MR];
+        for (int j = 2 * quarter; j < 2 * quarter + 2; ++j) {
+          const __m256i l0 = widen8_u(blk + 64 * h + 8 * j);
+          const __m256i l1 = widen8_u(blk + 64 * h + 32 + 8 * j);
+          const __m256i hb = widen8_u(blk + 128 + 32 * h + 8 * j);
+          const __m256i codes[4] = {
+              _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi32(hb, 4), top)),
+              _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi32(hb, 2), top)),
+              _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(hb, top)),
+              _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), top))};
+          for (int g = 0; g < 4; ++g) {
+            const __m256 q = to_float(_mm256_sub_epi32(codes[g], bias));
+            for (int i = 0; i < MR; ++i) {
+              const __m256 xv = _mm256_loadu_ps(in.x + i * in.ldx + 128 * h + 32 * g + 8 * j);
+              dot[g][i] = j % 2 ? _mm256_fmadd_ps(q, xv, dot[g][i]) : _mm256_mul_ps(q, xv);
+            }
+          }
+        }
+        for (int g = 0; g < 4; ++g) {
+          // The reference rounds d * scale to fp32 before multiplying by the codes.
+          const __m256 dv =
+              _mm256_set1_ps(d * static_cast<float>(scales[2 * (4 * h + g) + quarter]));
+          RowSums<MR>& sums = g % 2 ? odd : even;
+          for (int i = 0; i < MR; ++i) sums.v[i] = _mm256_fmadd_ps(dv, dot[g][i], sums.v[i]);
+        }
+      }
+    }
+  }
+};
+
+template <int MR, class Format>
 void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                      int64_t N, int64_t K, float* y, int64_t ldy) {
-  const int64_t num_blocks = K / kBlock;
-  // Per-row block sums of x (only Q4_1's offset needs them).
-  std::vector<float> xsum(Q4_1 ? MR * num_blocks : 0);
-  for (int i = 0; Q4_1 && i < MR; ++i)
-    for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t num_groups = K / kBlock, num_blocks = K / Format::kValues;
+  constexpr int64_t kGroupsPerBlock = Format::kValues / kBlock;
+  // Per-row group sums of x (only the offset types need them).
+  std::vector<float> xsum(Format::kOffset ? MR * num_groups : 0);
+  for (int i = 0; Format::kOffset && i < MR; ++i)
+    for (int64_t g = 0; g < num_groups; ++g) {
       float sum = 0.f;
-      for (int k = 0; k < kBlock; ++k) sum += x[i * ldx + b * kBlock + k];
-      xsum[i * num_blocks + b] = sum;
+      for (int k = 0; k < kBlock; ++k) sum += x[i * ldx + g * kBlock + k];
+      xsum[i * num_groups + g] = sum;
     }
-  const __m256i low_nibble = _mm256_set1_epi32(0x0F);
-  // Block b's contribution added to acc / offset (for each of the MR rows).
-  auto add_block = [&](const uint8_t* row, int64_t b, __m256* acc, float* offset) {
-    __m256 q[4];
-    const uint8_t* blk;
-    if constexpr (Q4_1) {
-      // Widen each 8 bytes to 32-bit lanes first (2 shuffles), then split the nibbles with
-      // lane-wise and/shift: the shuffle port, not the ALUs, bounds this loop.
-      blk = row + b * kQ4_1Bytes;
-      const __m256i b0 =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
-      const __m256i b1 =
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
-      q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, low_nibble));
-      q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, low_nibble));
-      q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
-      q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
-    } else {
-      blk = row + b * kQ8_0Bytes;
-      for (int j = 0; j < 4; ++j)
-        q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * j))));
-    }
-    const __m256 d = _mm256_set1_ps(half_to_float(blk));
-    const float m = Q4_1 ? half_to_float(blk + 2) : 0.f;
-    for (int i = 0; i < MR; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
-      dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), dot);
-      dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), dot);
-      dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), dot);
-      acc[i] = _mm256_fmadd_ps(d, dot, acc[i]);
-      if constexpr (Q4_1) offset[i] += m * xsum[i * num_blocks + b];
-    }
+  auto input = [&](int64_t b) {
+    return FewRowsInput{x + b * Format::kValues, ldx,
+                        xsum.data() + (Format::kOffset ? b * kGroupsPerBlock : 0), num_groups};
   };
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = w + n * row_bytes;
-      __m256 even[MR], odd[MR];
-      float even_offset[MR], odd_offset[MR];
+      RowSums<MR> even, odd;
       for (int i = 0; i < MR; ++i) {
-        even[i] = odd[i] = _mm256_setzero_ps();
-        even_offset[i] = odd_offset[i] = 0.f;
+        even.v[i] = odd.v[i] = _mm256_setzero_ps();
+        even.offset[i] = odd.offset[i] = 0.f;
       }
       int64_t b = 0;
-      for (; b + 2 <= num_blocks; b += 2) {
-        add_block(row, b, even, even_offset);
-        add_block(row, b + 1, odd, odd_offset);
+      if constexpr (kGroupsPerBlock == 1) {
+        // One group a block: consecutive blocks alternate.
+        for (; b + 2 <= num_blocks; b += 2) {
+          Format::template add<MR>(row + b * Format::kBytes, input(b), even, odd);
+          Format::template add<MR>(row + (b + 1) * Format::kBytes, input(b + 1), odd, even);
+        }
       }
-      if (b < num_blocks) add_block(row, b, even, even_offset);
+      for (; b < num_blocks; ++b)
+        Format::template add<MR>(row + b * Format::kBytes, input(b), even, odd);
       for (int i = 0; i < MR; ++i)
-        y[i * ldy + n] =
-            hsum(_mm256_add_ps(even[i], odd[i])) + (even_offset[i] + odd_offset[i]);
+        y[i * ldy + n] = hsum(_mm256_add_ps(even.v[i], odd.v[i])) + (even.offset[i] + odd.offset[i]);
     }
   });
+}
+
+// The few-rows kernel for a type at M rows, or nullptr where the panel path is faster.
+// Measured on 2 AVX2 cores (benchmarks/gguf_types.py shapes, BENCHMARKS.md): the few-rows
+// kernel is faster at 1-2 rows for every type and at 3-4 for all but Q5_0, Q5_1 and Q6_K,
+// whose codes cost more to build per value (the panel builds them once per 64 rows); for
+// those it is level with the panel at 3-4 rows.
+using FewRowsKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                               float*, int64_t);
+
+template <class Format, int kMaxRows>
+inline FewRowsKernel few_rows_for(int64_t M) {
+  switch (M) {
+    case 1: return linear_few_rows<1, Format>;
+    case 2: return linear_few_rows<2, Format>;
+    case 3: return kMaxRows >= 3 ? linear_few_rows<3, Format> : nullptr;
+    case 4: return kMaxRows >= 4 ? linear_few_rows<4, Format> : nullptr;
+    default: return nullptr;
+  }
+}
+
+inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
+  switch (qtype) {
+    case kQ4_0: return few_rows_for<FewQ4_0, 4>(M);
+    case kQ4_1: return few_rows_for<FewQ4_1, 4>(M);
+    case kQ5_0: return few_rows_for<FewQ5_0, 2>(M);
+    case kQ5_1: return few_rows_for<FewQ5_1, 2>(M);
+    case kQ8_0: return few_rows_for<FewQ8_0, 4>(M);
+    case kQ4_K: return few_rows_for<FewQ45_K<false>, 4>(M);
+    case kQ5_K: return few_rows_for<FewQ45_K<true>, 4>(M);
+    case kQ6_K: return few_rows_for<FewQ6_K, 2>(M);
+    default: return nullptr;
+  }
 }
 
 }  // namespace zllm_gguf
@@ -447,16 +651,8 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const int64_t row_bytes = qweight.size(1);
   float* yp = y.data_ptr<float>();
-  // Measured on 2 AVX2 cores: faster than the panel path at one row and at two, slower from
-  // three on. Other types take the panel path at every row count.
-  if (qtype == kQ4_1 && M == 1) {
-    linear_few_rows<1, true>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
-  } else if (qtype == kQ4_1 && M == 2) {
-    linear_few_rows<2, true>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
-  } else if (qtype == kQ8_0 && M == 1) {
-    linear_few_rows<1, false>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
-  } else if (qtype == kQ8_0 && M == 2) {
-    linear_few_rows<2, false>(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
+    few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
   } else {
     // Dequantize NR weight rows into an fp32 panel once and run 4 x 3 register tiles over
     // it, so each weight's conversion is shared by every input row.
