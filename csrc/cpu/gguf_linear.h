@@ -474,7 +474,8 @@ struct FewQ45_K {
         const int s = 2 * c + half;
         __m256 q[4];
         for (int j = 0; j < 4; ++j) {
-          __m256i codes = half ? _mm256_srli_epi32(bytes[j], 4) : _mm256_and_si256(bytes[j], low);
+          __m256i codes =
+              half ? _mm256_srli_epi32(bytes[j], 4) : _mm256_and_si256(bytes[j], low);
           if constexpr (kFifthBit) {
             // Bit s to bit 4.
             const __m256i fifth = s <= 4 ? _mm256_slli_epi32(high[j], 4 - s)
@@ -513,11 +514,15 @@ struct FewQ6_K {
           const __m256i l0 = widen8_u(blk + 64 * h + 8 * j);
           const __m256i l1 = widen8_u(blk + 64 * h + 32 + 8 * j);
           const __m256i hb = widen8_u(blk + 128 + 32 * h + 8 * j);
+          // Group g: its nibble | bits 2 g, 2 g + 1 of hb moved to bits 4-5.
+          auto with_high = [&](__m256i nibble, __m256i high_at_4) {
+            return _mm256_or_si256(nibble, _mm256_and_si256(high_at_4, top));
+          };
           const __m256i codes[4] = {
-              _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi32(hb, 4), top)),
-              _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi32(hb, 2), top)),
-              _mm256_or_si256(_mm256_srli_epi32(l0, 4), _mm256_and_si256(hb, top)),
-              _mm256_or_si256(_mm256_srli_epi32(l1, 4), _mm256_and_si256(_mm256_srli_epi32(hb, 2), top))};
+              with_high(_mm256_and_si256(l0, low), _mm256_slli_epi32(hb, 4)),
+              with_high(_mm256_and_si256(l1, low), _mm256_slli_epi32(hb, 2)),
+              with_high(_mm256_srli_epi32(l0, 4), hb),
+              with_high(_mm256_srli_epi32(l1, 4), _mm256_srli_epi32(hb, 2))};
           for (int g = 0; g < 4; ++g) {
             const __m256 q = to_float(_mm256_sub_epi32(codes[g], bias));
             for (int i = 0; i < MR; ++i) {
@@ -574,7 +579,8 @@ void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
       for (; b < num_blocks; ++b)
         Format::template add<MR>(row + b * Format::kBytes, input(b), even, odd);
       for (int i = 0; i < MR; ++i)
-        y[i * ldy + n] = hsum(_mm256_add_ps(even.v[i], odd.v[i])) + (even.offset[i] + odd.offset[i]);
+        y[i * ldy + n] =
+            hsum(_mm256_add_ps(even.v[i], odd.v[i])) + (even.offset[i] + odd.offset[i]);
     }
   });
 }
