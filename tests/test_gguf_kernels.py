@@ -1,7 +1,8 @@
 """csrc/cpu/gguf_linear.h: matmuls on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K), and the engine's use of them.
 
-The kernel must multiply by exactly the fp32 weights gguf.quants dequantizes (bit for bit),
+The kernel must multiply by the fp32 weights gguf.quants dequantizes (dequantization bit for
+bit; the few-rows path applies each block's scale to its dot product, so its rounding differs),
 for every type and row count (register tiles of 1-4 rows, 2 and 3 weight rows, remainders),
 and the engine must pick it by default for a GGUF file on CPU without changing any greedy
 output, holding no fp32 copy of what the blocks serve (the weights take the file's size).
@@ -75,14 +76,33 @@ def test_linear_matches_fp32_matmul(ggml_type, rows):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_linear_reads_strided_input_rows(ggml_type):
     """x may be a column slice of a wider tensor (rows ldx apart, ldx > K): every path (the
-    few-rows kernel at 1-4 rows, the panel beyond) gives the bits the contiguous copy gives."""
-    q, _, cols = _blocks(19, 2, ggml_type, seed=21)
+    few-rows kernel at 1-4 rows, the panel beyond) gives the bits the contiguous copy gives,
+    with an odd block count (the last block has no pair)."""
+    q, _, cols = _blocks(19, 3, ggml_type, seed=21)
     wide = torch.randn(6, cols + 40, generator=torch.Generator().manual_seed(21))
     for rows in range(1, 7):
         x = wide[:rows, 24 : 24 + cols]
         assert x.stride(0) == cols + 40
         out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
         assert torch.equal(out, cpu_kernels.gguf_linear(x.contiguous(), q, int(ggml_type)))
+
+
+# Row counts the few-rows kernel takes per type (csrc/cpu/gguf_linear.h, few_rows_kernel).
+FEW_ROWS_MAX = {T.Q5_0: 2, T.Q5_1: 2, T.Q6_K: 2}
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_decode_sized_calls_take_the_few_rows_kernel(ggml_type):
+    """The few-rows kernel computes each row alone, so a row's bits do not depend on how many
+    rows share the call, up to the type's limit; the panel path beyond it rounds differently
+    (so a dispatch that sent small calls to the panel would show here)."""
+    q, _, cols = _blocks(23, 3, ggml_type, seed=31)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(31))
+    alone = cpu_kernels.gguf_linear(x[:1], q, int(ggml_type))[0]
+    limit = FEW_ROWS_MAX.get(ggml_type, 4)
+    for rows in range(2, limit + 1):
+        assert torch.equal(cpu_kernels.gguf_linear(x[:rows], q, int(ggml_type))[0], alone)
+    assert not torch.equal(cpu_kernels.gguf_linear(x[: limit + 1], q, int(ggml_type))[0], alone)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6])

@@ -5,10 +5,11 @@
 // Why: at small batches a decode step is bound by reading the weights. fp32 weights are
 // 4 bytes a value; these types are 0.56-1.06, so the same step reads 4-7x fewer bytes, and
 // the weights take the file's size in memory.
-// The weights are dequantized in registers/L1 exactly as gguf.quants does it (fp32 products
+// The panel path dequantizes the weights into L1 exactly as gguf.quants does it (fp32 products
 // and sums in numpy's order, no FMA contraction: built with -ffp-contract=off), so the values
-// multiplied are bit for bit the fp32 reference weights; only the summation order differs
-// from a BLAS GEMM.
+// it multiplies are bit for bit the fp32 reference weights; only the summation order differs
+// from a BLAS GEMM. The few-rows path multiplies the same values, rounded differently: each
+// block's scale and offset apply to its dot product, not to each weight.
 //
 // Loop structure (one thread per chunk of output rows, torch's own thread pool):
 //   for each panel of NR output rows:
@@ -598,10 +599,14 @@ inline FewRowsKernel few_rows_for(int64_t M) {
   switch (M) {
     case 1: return linear_few_rows<1, Format>;
     case 2: return linear_few_rows<2, Format>;
-    case 3: return kMaxRows >= 3 ? linear_few_rows<3, Format> : nullptr;
-    case 4: return kMaxRows >= 4 ? linear_few_rows<4, Format> : nullptr;
-    default: return nullptr;
+    default: break;
   }
+  // if constexpr: a row count the type never takes is not compiled.
+  if constexpr (kMaxRows >= 3)
+    if (M == 3) return linear_few_rows<3, Format>;
+  if constexpr (kMaxRows >= 4)
+    if (M == 4) return linear_few_rows<4, Format>;
+  return nullptr;
 }
 
 inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
