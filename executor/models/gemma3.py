@@ -226,8 +226,10 @@ class Gemma3ForCausalLM(nn.Module):
         """The tokens' input embeddings: their rows (from GGUF blocks once quantization set
         embed_rows) times embed_scale."""
         if self.embed_rows is not None:
-            return self.embed_rows(input_ids) * self.embed_scale
-        return F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+            rows = self.embed_rows(input_ids)
+        else:
+            rows = F.embedding(input_ids, self.embed_tokens)
+        return rows * self.embed_scale
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, soft-capped when the model says so."""
