@@ -7,10 +7,14 @@ directory. Sections:
 
 - `types`: `gguf_linear` on each GGUF type at M rows (benchmarks/gguf_types.py's shapes:
   4096 x 640, K-quants 4096 x 1024), median of REPEATS calls per build;
-- `logits`: Gemma 3 270M's Q8_0 logits shape (262,144 x 640, 178 MB: read from DRAM).
+- `logits`: Gemma 3 270M's Q8_0 logits shape (262,144 x 640, 178 MB: read from DRAM);
+- `layer`: a model's layer-0 matmuls (attention q/k/v/output, ffn gate/up/down) as its GGUF
+  file stores them (`--gguf PATH`), summed per call size: prefill's shapes and types.
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --rows 1 2 3 4
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --section logits
+    OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py HEAD~1 HEAD --section layer \
+        --gguf ~/.cache/zllm/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --rows 16 128 512
 
 Each side is copied to a temporary directory and built under its own name
 (`ZLLM_CSRC_DIR`, cached in ~/.cache/torch_extensions like any build); its pybind classes are
@@ -86,10 +90,35 @@ def alternate(builds: list[ModuleType], call, repeats: int) -> list[float]:
     return [statistics.median(spent[1:]) for spent in times]
 
 
+def layer_zero(builds: list[ModuleType], args: argparse.Namespace) -> None:
+    """Layer 0's matmuls from args.gguf at each row count, ms per layer summed per build."""
+    from gguf import GGUFReader
+
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    weights = []
+    for tensor in GGUFReader(args.gguf).tensors:
+        if tensor.name.removesuffix(".weight") in {f"blk.0.{n}" for n in names}:
+            in_features = int(tensor.shape[0])  # gguf lists the contiguous dimension first
+            qweight = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+            weights.append((tensor.name, qweight.reshape(int(tensor.shape[1]), -1), in_features,
+                            int(tensor.tensor_type)))  # fmt: skip
+    print(", ".join(f"{n} {q.shape[0]}x{k} type {t}" for n, q, k, t in weights))
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k) for _, _, k, _ in weights}
+
+        def call(build: ModuleType, inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for _, q, k, t in weights:
+                build.gguf_linear(inputs[k], q, t)
+
+        old, new = alternate(builds, call, args.repeats)
+        print(f"layer 0, M={m}: {old * 1e3:.3f} / {new * 1e3:.3f} ms ({old / new:.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sides", nargs=2, metavar="SIDE", help="git revision or csrc directory")
-    parser.add_argument("--section", choices=["types", "logits"], default="types")
+    parser.add_argument("--section", choices=["types", "logits", "layer"], default="types")
+    parser.add_argument("--gguf", type=Path, help="the model file (section layer)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args()
@@ -99,6 +128,9 @@ def main() -> None:
         ]
     a, b = args.sides
     print(f"threads {torch.get_num_threads()}; ms per call, {a} / {b} (speed-up of {b})")
+    if args.section == "layer":
+        layer_zero(builds, args)
+        return
     if args.section == "logits":
         q = torch.randint(0, 256, (262144, 20 * 34), dtype=torch.uint8)
         q.view(262144, 20, 34)[:, :, :2] = torch.tensor([0, 0x20], dtype=torch.uint8)  # d ~ 2^-7

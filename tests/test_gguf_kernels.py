@@ -60,10 +60,11 @@ def test_dequantize_is_bit_exact(ggml_type):
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 33, 70, 150])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 24, 33, 70, 150, 300])
 def test_linear_matches_fp32_matmul(ggml_type, rows):
-    # 37 output rows: panels of 3 leave a remainder; K is 5 blocks; 70 and 150 rows cross the
-    # 64-row chunks of the panel path.
+    # 37 output rows: panels of 3 (5-15 rows) and 12 (16 on) leave a remainder; K is 5 blocks.
+    # From 16 rows: 16-row blocks, with a last block of 1-8 rows (17, 24) or 9-15 (33, 70);
+    # 70 and 150 cross the K-quants' 64-row chunks (K = 1280), 300 the 256-row chunks at K = 160.
     q, ref, cols = _blocks(37, 5, ggml_type, seed=rows)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
@@ -79,8 +80,8 @@ def test_linear_reads_strided_input_rows(ggml_type):
     few-rows kernel at 1-4 rows, the panel beyond) gives the bits the contiguous copy gives,
     with an odd block count (the last block has no pair)."""
     q, _, cols = _blocks(19, 3, ggml_type, seed=21)
-    wide = torch.randn(6, cols + 40, generator=torch.Generator().manual_seed(21))
-    for rows in range(1, 7):
+    wide = torch.randn(40, cols + 40, generator=torch.Generator().manual_seed(21))
+    for rows in [*range(1, 7), 17, 40]:  # few rows, dot-product tiles, outer-product tiles
         x = wide[:rows, 24 : 24 + cols]
         assert x.stride(0) == cols + 40
         out = cpu_kernels.gguf_linear(x, q, int(ggml_type))
@@ -103,6 +104,19 @@ def test_decode_sized_calls_take_the_few_rows_kernel(ggml_type):
     for rows in range(2, limit + 1):
         assert torch.equal(cpu_kernels.gguf_linear(x[:rows], q, int(ggml_type))[0], alone)
     assert not torch.equal(cpu_kernels.gguf_linear(x[: limit + 1], q, int(ggml_type))[0], alone)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_panel_rows_do_not_depend_on_the_rows_beside_them(ggml_type):
+    """From 16 rows each output is one lane's sum over K in order: a row's bits are the same
+    whatever block, lane or chunk it lands in (batch sizes of a prefill or a large decode
+    step), so a sequence's numbers do not change with what shares its step."""
+    q, _, cols = _blocks(29, 3, ggml_type, seed=41)
+    x = torch.randn(300, cols, generator=torch.Generator().manual_seed(41))
+    full = cpu_kernels.gguf_linear(x, q, int(ggml_type))
+    for start, rows in [(0, 16), (5, 17), (100, 40), (280, 20), (3, 297)]:
+        part = cpu_kernels.gguf_linear(x[start : start + rows], q, int(ggml_type))
+        assert torch.equal(part, full[start : start + rows]), (start, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6])

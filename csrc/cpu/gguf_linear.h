@@ -5,19 +5,21 @@
 // Why: at small batches a decode step is bound by reading the weights. fp32 weights are
 // 4 bytes a value; these types are 0.56-1.06, so the same step reads 4-7x fewer bytes, and
 // the weights take the file's size in memory.
-// The panel path dequantizes the weights into L1 exactly as gguf.quants does it (fp32 products
+// The panel paths dequantize the weights into a panel exactly as gguf.quants does it (fp32 products
 // and sums in numpy's order, no FMA contraction: built with -ffp-contract=off), so the values
 // it multiplies are bit for bit the fp32 reference weights; only the summation order differs
 // from a BLAS GEMM. The few-rows path multiplies the same values, rounded differently: each
 // block's scale and offset apply to its dot product, not to each weight.
 //
-// Loop structure (one thread per chunk of output rows, torch's own thread pool):
-//   for each panel of NR output rows:
-//     dequantize the NR rows (NR x K fp32, a few KB: stays in L1)
-//     for each tile of MR input rows: MR x NR dot products over K, 8 lanes at a time,
-//       accumulators in registers (MR * NR ymm), x rows streamed from L1/L2.
+// Loop structure of the panel paths (one thread per run of output rows, torch's thread pool):
+//   for each chunk of input rows that stays in L2 (its transposed copy, from 16 rows):
+//     for each panel of output rows: dequantize them (a few KB to a few tens of KB)
+//       16 rows and up: 16 x 6 outer-product tiles, per k two vectors of x (x^T[k][m..m+15])
+//         times six broadcast weights, twelve accumulators, no horizontal sums;
+//       5-15 rows: 4 x 3 dot-product tiles over 3 dequantized rows (the outer-product tile
+//         would pad to 16 rows; measured).
 // Each weight byte is read from memory once per call whatever M is, and dequantized once per
-// 64-row chunk of x.
+// chunk of x (up to 256 rows).
 // At one to four input rows (two for Q5_0, Q5_1, Q6_K) a path that writes no panel
 // (linear_few_rows) is faster.
 
@@ -29,8 +31,10 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace zllm_gguf {
@@ -42,7 +46,6 @@ constexpr int kBlock = 32;       // values per block of the 32-value types
 constexpr int kSuper = 256;      // values per K-quant super-block
 constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
 constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
-constexpr int64_t kRowChunk = 64;  // input rows per L2-resident chunk (panel path)
 
 // ggml type ids.
 enum QType : int64_t {
@@ -270,6 +273,7 @@ inline const BlockFormat* block_format(int64_t qtype) {
   }
 }
 
+// --- 5 to 15 input rows: dot-product tiles ------------------------------------------------
 // y[m, n0 + j] = sum_k x[m, k] * w[j][k] for MR rows m and NR dequantized rows w.
 template <int MR, int NR>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
@@ -302,33 +306,138 @@ void panel(const float* x, int64_t M, int64_t ldx, const float* w, int64_t K, fl
   }
 }
 
-// y [M, N] = x [M, K] @ W^T, NR weight rows dequantized at a time, MR x NR register tiles.
+// y [M, N] = x [M, K] @ W^T, NR weight rows dequantized at a time, MR x NR dot-product tiles:
+// for 5-15 input rows, where the outer-product tiles below would pad to 16 rows (measured).
 template <int MR, int NR>
-void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-            int64_t N, int64_t K, DequantRow dequant, float* y, int64_t ldy) {
+void linear_dot(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                int64_t N, int64_t K, DequantRow dequant, float* y, int64_t ldy) {
   const int64_t num_panels = (N + NR - 1) / NR;
   // A chunk of panels per task: enough work (~64K weights) to hide the pool's overhead.
   const int64_t grain = std::max<int64_t>(1, 65536 / (NR * K));
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(NR * K);
-    // Input rows in chunks that stay in L2 (64 x K fp32: 147 KB at K = 576) while this task's
-    // panels go by; each panel is dequantized once per chunk, a small cost beside 64 rows of
-    // FMAs. Without chunks a prefill of 2048 rows would stream all of x from L3 per panel.
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t mc = std::min<int64_t>(kRowChunk, M - m0);
-      const float* xc = x + m0 * ldx;
-      float* yc = y + m0 * ldy;
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * NR;
-        const int64_t nr = std::min<int64_t>(NR, N - n0);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * NR;
+      const int64_t nr = std::min<int64_t>(NR, N - n0);
+      for (int64_t j = 0; j < nr; ++j) dequant(w + (n0 + j) * row_bytes, K, buf.data() + j * K);
+      if (nr == NR) {
+        panel<MR, NR>(x, M, ldx, buf.data(), K, y + n0, ldy);
+      } else {
         for (int64_t j = 0; j < nr; ++j)
-          dequant(w + (n0 + j) * row_bytes, K, buf.data() + j * K);
-        if (nr == NR) {
-          panel<MR, NR>(xc, mc, ldx, buf.data(), K, yc + n0, ldy);
-        } else {
-          for (int64_t j = 0; j < nr; ++j)
-            panel<MR, 1>(xc, mc, ldx, buf.data() + j * K, K, yc + n0 + j, ldy);
+          panel<MR, 1>(x, M, ldx, buf.data() + j * K, K, y + n0 + j, ldy);
+      }
+    }
+  });
+}
+
+// --- 16 input rows and more (prefill, large decode batches): outer-product tiles ------
+// The problem is turned around: for each k, a vector of 8 input rows' x[m, k] times one
+// weight w[n, k] broadcast adds into y[m..m+7, n]. No horizontal sums, and per k a 16 x 6 tile
+// loads two vectors of x and six scalars of w for twelve FMAs (the dot-product tile above
+// loads seven vectors for twelve, four of them x's from L2).
+constexpr int kPanelRows = 12;  // weight rows dequantized per panel (two 6-row tiles)
+constexpr int kRowBlock = 16;   // input rows per transposed block: two ymm of x per k
+
+// Input rows a chunk holds: its transposed copy (rows x K fp32, up to 384 KB) and a panel
+// (12 x K) should stay in L2 (512 KB here) while the panels go by, and a chunk as long as
+// that, since each chunk dequantizes every weight again: 144-160 rows at K = 576-640, 96 at
+// 1024, 64 at 1536.
+inline int64_t chunk_rows(int64_t K) {
+  return std::clamp<int64_t>(98304 / K / kRowBlock * kRowBlock, kRowBlock, 256);
+}
+
+// x's rows [0, rows) as blocks of 16 rows, each [K][16], zero-padded past the last row.
+inline void pack_transposed(const float* x, int64_t rows, int64_t ldx, int64_t K, float* xt) {
+  for (int64_t b = 0; b * kRowBlock < rows; ++b) {
+    float* block = xt + b * kRowBlock * K;
+    for (int i = 0; i < kRowBlock; ++i) {
+      const int64_t m = b * kRowBlock + i;
+      if (m < rows) {
+        const float* src = x + m * ldx;
+        for (int64_t k = 0; k < K; ++k) block[k * kRowBlock + i] = src[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) block[k * kRowBlock + i] = 0.0f;
+      }
+    }
+  }
+}
+
+// y[i, j] = sum_k xt[k][i] * w[j][k] for i < rows (at most 8 * NV) and j < cols (at most NJ):
+// NV vectors of input rows by NJ dequantized weight rows, NV * NJ accumulators. Each output is
+// one lane's sum over k in order, so a row's result does not depend on the rows beside it.
+// GCC 12 keeps the NV * NJ accumulators in registers only when every loop over them is
+// unrolled before it scalarizes the array (the pragmas, the epilogue's included) and the tile
+// is not inlined into linear_panels' lambda; otherwise it stores each one to the stack after
+// every FMA, which halved the speed (checked in the assembly).
+template <int NV, int NJ>
+__attribute__((noinline)) void outer_tile(const float* xt, const float* w, int64_t K, float* y,
+                                          int64_t ldy, int64_t rows, int64_t cols) {
+  __m256 acc[NJ][NV];
+#pragma GCC unroll 16
+  for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) xv[v] = _mm256_loadu_ps(xt + k * kRowBlock + 8 * v);
+#pragma GCC unroll 16
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 wv = _mm256_broadcast_ss(w + j * K + k);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm256_fmadd_ps(xv[v], wv, acc[j][v]);
+    }
+  }
+  alignas(32) float out[NJ][8 * NV];
+#pragma GCC unroll 16
+  for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(out[j] + 8 * v, acc[j][v]);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) y[i * ldy + j] = out[j][i];
+}
+
+// y [M, N] = x [M, K] @ W^T: 12 weight rows dequantized at a time into an fp32 panel, which
+// every input row of the chunk then meets in 16 x 6 tiles (8 x 12 for a last block of <= 8).
+inline void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t* w,
+                          int64_t row_bytes, int64_t N, int64_t K, DequantRow dequant, float* y,
+                          int64_t ldy) {
+  const int64_t num_panels = (N + kPanelRows - 1) / kPanelRows;
+  // A chunk of panels per task: enough work (~64K weights) to hide the pool's overhead.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kPanelRows * K));
+  const int64_t max_rows = chunk_rows(K);
+  at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
+    // Left uninitialized (both are written before they are read): zeroing a 384 KB chunk
+    // buffer per call cost a tenth of a 16-row call.
+    const std::unique_ptr<float[]> panel(new float[kPanelRows * K]);
+    const int64_t xt_rows = std::min(max_rows, (M + kRowBlock - 1) / kRowBlock * kRowBlock);
+    const std::unique_ptr<float[]> xt(new float[xt_rows * K]);
+    // Input rows in chunks that stay in L2 while this task's panels go by; each panel is
+    // dequantized once per chunk, a small cost beside a chunk's FMAs. Without chunks a
+    // prefill of 2048 rows would stream all of x from L3 per panel.
+    for (int64_t m0 = 0; m0 < M; m0 += max_rows) {
+      const int64_t rows = std::min(max_rows, M - m0);
+      pack_transposed(x + m0 * ldx, rows, ldx, K, xt.get());
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kPanelRows;
+        const int64_t cols = std::min<int64_t>(kPanelRows, N - n0);
+        for (int64_t j = 0; j < cols; ++j)
+          dequant(w + (n0 + j) * row_bytes, K, panel.get() + j * K);
+        // The last panel's missing rows multiply as zeros and are not stored.
+        std::fill(panel.get() + cols * K, panel.get() + kPanelRows * K, 0.0f);
+        float* yp = y + m0 * ldy + n0;
+        int64_t m = 0;
+        for (; rows - m > 8; m += kRowBlock) {
+          const int64_t r = std::min<int64_t>(kRowBlock, rows - m);
+          outer_tile<2, 6>(xt.get() + m * K, panel.get(), K, yp + m * ldy, ldy, r,
+                           std::min<int64_t>(6, cols));
+          if (cols > 6)
+            outer_tile<2, 6>(xt.get() + m * K, panel.get() + 6 * K, K, yp + m * ldy + 6, ldy,
+                             r, cols - 6);
         }
+        if (m < rows)
+          outer_tile<1, 12>(xt.get() + m * K, panel.get(), K, yp + m * ldy, ldy, rows - m,
+                            cols);
       }
     }
   });
@@ -664,10 +773,13 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
   float* yp = y.data_ptr<float>();
   if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
     few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  } else if (M < kRowBlock) {
+    // Dequantize 3 weight rows into an fp32 panel and run 4 x 3 dot-product tiles over it.
+    linear_dot<4, 3>(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
   } else {
-    // Dequantize NR weight rows into an fp32 panel once and run 4 x 3 register tiles over
-    // it, so each weight's conversion is shared by every input row.
-    linear<4, 3>(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
+    // Dequantize 12 weight rows into an fp32 panel once and run outer-product register tiles
+    // over it, so each weight's conversion is shared by every input row of a chunk.
+    linear_panels(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
   }
 }
 
