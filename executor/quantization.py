@@ -10,9 +10,8 @@ reads 4-7x fewer bytes. Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K) 
 kernel's few-rows path, which turns each block's codes into floats in registers and applies
 the block's scale (and offset) to its dot product rather than to each value. Many rows
 (prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
-L1 and multiplies them there, with no copy: per matmul from 512 rows on,
-about 4% slower than the BLAS GEMM on an fp32 copy for Q4_1, up to ~16% for Q6_K, whose
-dequantization costs most (BENCHMARKS.md). A fused matmul whose parts
+a small fp32 panel and multiplies them there (outer-product register tiles from 16 rows), with
+no copy of the matrix (BENCHMARKS.md compares it with the BLAS GEMM on an fp32 copy). A fused matmul whose parts
 the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel
 call per part, each writing its columns of the output.
 
