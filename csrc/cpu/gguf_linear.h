@@ -346,18 +346,39 @@ inline int64_t chunk_rows(int64_t K) {
   return std::clamp<int64_t>(98304 / K / kRowBlock * kRowBlock, kRowBlock, 256);
 }
 
-// x's rows [0, rows) as blocks of 16 rows, each [K][16], zero-padded past the last row.
+// Eight rows' x[r][k..k+7] (r < live; zeros for the rest) stored as eight columns: out[c * 16
+// + r] = x[r][k + c], one 8 x 8 transpose in registers.
+inline void transpose8(const float* x, int64_t ldx, int64_t live, float* out) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = i < live ? _mm256_loadu_ps(x + i * ldx) : _mm256_setzero_ps();
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // r_i0 r_(i+1)0 r_i1 r_(i+1)1 | lanes 4-5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // columns 2-3 | 6-7
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));      // column 0 | 4
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));  // column 1 | 5
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));  // 2 | 6
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));  // 3 | 7
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(out + c * kRowBlock, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+    _mm256_storeu_ps(out + (c + 4) * kRowBlock, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+  }
+}
+
+// x's rows [0, rows) as blocks of 16 rows, each [K][16], zero-padded past the last row
+// (K is a multiple of 32: whole GGUF blocks).
 inline void pack_transposed(const float* x, int64_t rows, int64_t ldx, int64_t K, float* xt) {
   for (int64_t b = 0; b * kRowBlock < rows; ++b) {
     float* block = xt + b * kRowBlock * K;
-    for (int i = 0; i < kRowBlock; ++i) {
-      const int64_t m = b * kRowBlock + i;
-      if (m < rows) {
-        const float* src = x + m * ldx;
-        for (int64_t k = 0; k < K; ++k) block[k * kRowBlock + i] = src[k];
-      } else {
-        for (int64_t k = 0; k < K; ++k) block[k * kRowBlock + i] = 0.0f;
-      }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t m = b * kRowBlock + half * 8;
+      const int64_t live = std::clamp<int64_t>(rows - m, 0, 8);
+      const float* src = live > 0 ? x + m * ldx : x;  // no pointer past x's rows
+      for (int64_t k = 0; k < K; k += 8)
+        transpose8(src + k, ldx, live, block + k * kRowBlock + half * 8);
     }
   }
 }
