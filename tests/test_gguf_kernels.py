@@ -119,7 +119,7 @@ def test_panel_rows_do_not_depend_on_the_rows_beside_them(ggml_type):
         assert torch.equal(part, full[start : start + rows]), (start, rows)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 6])
+@pytest.mark.parametrize("rows", [1, 2, 6, 16, 17, 40])  # few-rows, dot tiles, outer tiles
 def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
     """A fused matmul of parts in different types writes each part's columns in place."""
     q5, ref5, _ = _blocks(24, 8, T.Q5_0, seed=8)
@@ -138,6 +138,14 @@ def test_linear_into_writes_only_its_columns_of_a_wider_output(rows):
     layer = GGUFSplitLinear(parts, 256, torch.ones(48))
     x3 = torch.randn(2, rows, 256, generator=generator)
     torch.testing.assert_close(layer(x3), x3 @ ref.T + 1, rtol=1e-5, atol=1e-4)
+
+
+def test_an_empty_sum_is_zero():
+    """K = 0 (no input features): y is zeros, not a division by zero in the chunk sizes."""
+    q = torch.empty(3, 0, dtype=torch.uint8)
+    for rows in (1, 6, 16):
+        y = cpu_kernels.gguf_linear(torch.empty(rows, 0), q, int(T.Q4_1))
+        assert y.shape == (rows, 3) and not y.any()
 
 
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)

@@ -13,11 +13,11 @@
 //
 // Loop structure of the panel paths (one thread per run of output rows, torch's thread pool):
 //   for each chunk of input rows that stays in L2 (its transposed copy, from 16 rows):
-//     for each panel of output rows: dequantize them (a few KB to a few tens of KB)
+//     for each panel of weight rows (output features): dequantize them (a few KB to tens of KB)
 //       16 rows and up: 16 x 6 outer-product tiles, per k two vectors of x (x^T[k][m..m+15])
 //         times six broadcast weights, twelve accumulators, no horizontal sums;
-//       5-15 rows: 4 x 3 dot-product tiles over 3 dequantized rows (the outer-product tile
-//         would pad to 16 rows; measured).
+//       5-15 rows (3-15 for Q5_0, Q5_1, Q6_K): 4 x 3 dot-product tiles over 3 dequantized
+//         rows (the outer-product tile would pad to 16 rows; measured).
 // Each weight byte is read from memory once per call whatever M is, and dequantized once per
 // chunk of x (up to 256 rows).
 // At one to four input rows (two for Q5_0, Q5_1, Q6_K) a path that writes no panel
@@ -273,7 +273,7 @@ inline const BlockFormat* block_format(int64_t qtype) {
   }
 }
 
-// --- 5 to 15 input rows: dot-product tiles ------------------------------------------------
+// --- 5 to 15 input rows (3 to 15 for Q5_0/Q5_1/Q6_K): dot-product tiles --------------------
 // y[m, n0 + j] = sum_k x[m, k] * w[j][k] for MR rows m and NR dequantized rows w.
 template <int MR, int NR>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
@@ -307,7 +307,8 @@ void panel(const float* x, int64_t M, int64_t ldx, const float* w, int64_t K, fl
 }
 
 // y [M, N] = x [M, K] @ W^T, NR weight rows dequantized at a time, MR x NR dot-product tiles:
-// for 5-15 input rows, where the outer-product tiles below would pad to 16 rows (measured).
+// for 5-15 input rows (3-15 for Q5_0, Q5_1, Q6_K), where the outer-product tiles below would
+// pad to 16 rows (measured).
 template <int MR, int NR>
 void linear_dot(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                 int64_t N, int64_t K, DequantRow dequant, float* y, int64_t ldy) {
@@ -338,10 +339,11 @@ void linear_dot(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_
 constexpr int kPanelRows = 12;  // weight rows dequantized per panel (two 6-row tiles)
 constexpr int kRowBlock = 16;   // input rows per transposed block: two ymm of x per k
 
-// Input rows a chunk holds: its transposed copy (rows x K fp32, up to 384 KB) and a panel
-// (12 x K) should stay in L2 (512 KB here) while the panels go by, and a chunk as long as
-// that, since each chunk dequantizes every weight again: 144-160 rows at K = 576-640, 96 at
-// 1024, 64 at 1536.
+// Input rows a chunk holds: its transposed copy (rows x K fp32, at most 384 KB up to K = 6144)
+// and a panel (12 x K) should stay in L2 (512 KB here) while the panels go by, and a chunk as
+// long as that, since each chunk dequantizes every weight again: 144-160 rows at K = 576-640,
+// 96 at 1024, 64 at 1536. Past K = 6144 the 16-row floor outgrows L2 (the tiles then stream
+// from L3; K-blocking would fix it, but measured slower at the K <= 1536 of our models).
 inline int64_t chunk_rows(int64_t K) {
   return std::clamp<int64_t>(98304 / K / kRowBlock * kRowBlock, kRowBlock, 256);
 }
@@ -428,8 +430,8 @@ inline void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t*
   const int64_t grain = std::max<int64_t>(1, 65536 / (kPanelRows * K));
   const int64_t max_rows = chunk_rows(K);
   at::parallel_for(0, num_panels, grain, [&](int64_t begin, int64_t end) {
-    // Left uninitialized (both are written before they are read): zeroing a 384 KB chunk
-    // buffer per call cost a tenth of a 16-row call.
+    // Left uninitialized (both are written before they are read): zeroing the chunk buffer
+    // (up to 384 KB) per call cost a tenth of a 16-row call when it was always that size.
     const std::unique_ptr<float[]> panel(new float[kPanelRows * K]);
     const int64_t xt_rows = std::min(max_rows, (M + kRowBlock - 1) / kRowBlock * kRowBlock);
     const std::unique_ptr<float[]> xt(new float[xt_rows * K]);
@@ -444,7 +446,8 @@ inline void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t*
         const int64_t cols = std::min<int64_t>(kPanelRows, N - n0);
         for (int64_t j = 0; j < cols; ++j)
           dequant(w + (n0 + j) * row_bytes, K, panel.get() + j * K);
-        // The last panel's missing rows multiply as zeros and are not stored.
+        // The last panel's missing rows are never stored, but they are multiplied: zeros keep
+        // uninitialized memory (NaNs, denormals that slow FMAs) out of the tiles.
         std::fill(panel.get() + cols * K, panel.get() + kPanelRows * K, 0.0f);
         float* yp = y + m0 * ldy + n0;
         int64_t m = 0;
@@ -787,6 +790,10 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
                   y.size(1) == N && y.stride(1) == 1,
               "y must be fp32 [M, N] with contiguous rows");
   if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum (and the chunk sizes below divide by K)
+    y.zero_();
+    return;
+  }
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = y.stride(0);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
