@@ -34,6 +34,7 @@ from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.llama import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
+from zllm.executor.parallel import SINGLE, TensorParallel, local_arch
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
@@ -110,9 +111,13 @@ class LayerAttention:
 class ModelRunner:
     """The model, its KV cache and every request's state: `execute_model` runs one step."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this process's tensor-parallel rank. Every rank runs every step on its part of
+        the model (self.arch: that part's heads, so its KV cache too) and samples the same
+        tokens from the same gathered logits; only rank 0's output is sent to the core."""
         self.config = config
-        self.arch = config.arch
+        self.tp = tp
+        self.arch = local_arch(config.arch, tp)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -187,6 +192,8 @@ class ModelRunner:
             if config.deterministic
             else "--enforce-eager"
             if config.enforce_eager
+            else "tensor parallel (an all-reduce inside each layer)"
+            if self.tp.enabled
             else None
         )
         if skip is None:
@@ -256,11 +263,11 @@ class ModelRunner:
                 config.model_path, self.arch, self.dtype, self.device, self.attention
             )
         model_cls = get_model_class(self.arch.architecture)
-        model = model_cls(self.arch, dtype=self.dtype, attention=self.attention)
+        model = model_cls(config.arch, dtype=self.dtype, attention=self.attention, tp=self.tp)
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.keep_positions(config.scheduler.max_model_len)
-        model.load_weights(load_weights(config.model_path, self.arch))
+        model.load_weights(load_weights(config.model_path, config.arch))
         return model.to(self.device).eval()
 
     def _quantize(self, config: EngineConfig) -> str:

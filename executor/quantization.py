@@ -34,11 +34,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from zllm.config import ModelArchConfig
 from zllm.executor import cpu_kernels
+from zllm.executor.parallel import SINGLE, TensorParallel, shard_blocks
 from zllm.model_files import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
@@ -243,12 +244,25 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
     from zllm.executor.loader import gguf_raw_weights
 
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
-    arch: ModelArchConfig = model.arch
-    raw = gguf_raw_weights(model_path, arch)
+    # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
+    tp: TensorParallel = getattr(model, "tp", SINGLE)
+    checkpoint_arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
+    raw = gguf_raw_weights(model_path, checkpoint_arch)
+    if tp.enabled and checkpoint_arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
+        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
+
+    def rank_part(name: str) -> tuple[int, torch.Tensor] | None:
+        found = raw.get(name)
+        if found is None or not tp.enabled:
+            return found
+        ggml_type, rows = found
+        block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        part = shard_blocks(name, rows, block_values, block_bytes, checkpoint_arch, tp)
+        return None if part is None else (ggml_type, part)
 
     def blocks(names: list[str], weight: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
         """Each tensor's blocks and type (runs of one type merged), if the kernel reads all."""
-        parts = [raw.get(n) for n in names]
+        parts = [rank_part(n) for n in names]
         if any(p is None or p[0] not in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts):
             return None
         # The kernel must multiply by exactly the weights the fp32 path holds.

@@ -294,3 +294,33 @@ def error_of(r: httpx.Response | RawResponse, status: int) -> dict:
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"]
     return error
+
+
+async def one_request(client: httpx.AsyncClient, url: str, i: int, stream: bool) -> str:
+    """One /v1/completions request of 400 tokens (streamed or not) under fault injection:
+    'ok', or how it failed: 'status 503', 'error event', 'dropped' (the connection)."""
+    max_tokens = 400
+    body = {"prompt": f"Paged attention {i}", "max_tokens": max_tokens, "ignore_eos": True}
+    try:
+        if not stream:
+            r = await client.post(url + "/v1/completions", json=body)
+            if r.status_code != 200:
+                assert error_of(r, r.status_code)
+                return f"status {r.status_code}"
+            assert r.json()["usage"]["completion_tokens"] == max_tokens
+            return "ok"
+        body["stream"] = True
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                assert error_of(r, r.status_code)
+                return f"status {r.status_code}"
+            lines = [line async for line in asse_lines(r.aiter_text())]
+        events = sse_events(lines)
+        if "error" in events[-1]:
+            assert events[-1]["error"]["message"]
+            return "error event"
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        return "ok"
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
+        return "dropped"

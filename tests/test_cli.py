@@ -49,6 +49,7 @@ ENGINE = EngineArgs(
     enable_lora=True,
     max_loras=3,
     max_lora_rank=32,
+    tensor_parallel_size=2,
     enable_sleep_mode=True,
 )
 ENGINE_ARGV = [
@@ -81,6 +82,7 @@ ENGINE_ARGV = [
     "--enable-lora",
     "--max-loras", "3",
     "--max-lora-rank", "32",
+    "--tensor-parallel-size", "2",
     "--enable-sleep-mode",
 ]  # fmt: skip
 

@@ -25,6 +25,7 @@ from servers import (
     error_of,
     http,
     metric,
+    one_request,
     sse_events,
     start_server,
     stop_server,
@@ -539,35 +540,6 @@ def test_malformed_ipc_messages_are_dropped(faults):
 # ---- kill -9 under load ----------------------------------------------------------------------
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, i: int, stream: bool) -> str:
-    """'ok', or how it failed: 'status 503', 'error event', 'dropped' (the connection)."""
-    max_tokens = 400
-    body = {"prompt": f"Paged attention {i}", "max_tokens": max_tokens, "ignore_eos": True}
-    try:
-        if not stream:
-            r = await client.post(url + "/v1/completions", json=body)
-            if r.status_code != 200:
-                assert error_of(r, r.status_code)
-                return f"status {r.status_code}"
-            assert r.json()["usage"]["completion_tokens"] == max_tokens
-            return "ok"
-        body["stream"] = True
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                assert error_of(r, r.status_code)
-                return f"status {r.status_code}"
-            lines = [line async for line in asse_lines(r.aiter_text())]
-        events = sse_events(lines)
-        if "error" in events[-1]:
-            assert events[-1]["error"]["message"]
-            return "error event"
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
-        return "ok"
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
-        return "dropped"
-
-
 def _log_time(line: str) -> float:
     stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     return stamp.timestamp()
@@ -588,7 +560,7 @@ def test_kill_9_under_http_load(faults, role):
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(timeout=60, limits=limits) as c:
             tasks = [
-                asyncio.create_task(_one_request(c, faults.url, i, stream=i % 2 == 0))
+                asyncio.create_task(one_request(c, faults.url, i, stream=i % 2 == 0))
                 for i in range(32)
             ]
             await asyncio.sleep(0.5)

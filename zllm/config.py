@@ -183,3 +183,5 @@ class EngineConfig:
     # Sleep mode: LLM.sleep()/wake_up(), POST /sleep and /wake_up may release the weights
     # and the KV pool while idle.
     enable_sleep_mode: bool = False
+    # Ranks the model is split over (executor/parallel.py): each an executor process.
+    tensor_parallel_size: int = 1

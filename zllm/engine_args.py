@@ -36,6 +36,7 @@ from zllm.kv_cache_groups import kv_cache_groups
 from zllm.kv_tiers import block_bytes
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
+from zllm.parallel_config import check_tensor_parallel
 from zllm.speculative_config import parse_speculative_json, speculative_config_from
 from zllm.tenants import check_tenant_weights, parse_tenant_weights
 
@@ -176,6 +177,12 @@ class EngineArgs:
     max_lora_rank: int = option(
         16, help="LoRA: the largest adapter rank accepted", parse=positive_int
     )
+    tensor_parallel_size: int = option(
+        1,
+        help="split the model over this many executor processes (tensor parallelism: heads, "
+        "MLP and vocabulary split, an all-reduce per layer half; gloo on CPU, NCCL on GPUs)",
+        parse=positive_int,
+    )
     enable_sleep_mode: bool = option(
         False,
         help="allow releasing the weights and KV cache while idle: POST /sleep and "
@@ -256,8 +263,10 @@ class EngineArgs:
             deterministic=self._check_deterministic(device),
             lora=self._lora_config(impl.name),
             enable_sleep_mode=self.enable_sleep_mode,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         config.kv_offload = self._kv_offload_config(config)
+        check_tensor_parallel(config)
         return config
 
     def _tenant_weights(self) -> dict[str, float]:

@@ -64,9 +64,10 @@ class LLM:
         self.eos_token_ids = merge_eos_token_ids(
             [self.tokenizer.eos_token_id], self.config.arch.eos_token_ids
         )
-        from zllm.executor.model_runner import ModelRunner  # torch lives behind this import
+        from zllm.executor.ranks import start_ranks  # torch lives behind this import
 
-        self.model_runner = ModelRunner(self.config)
+        # With tensor_parallel_size N: rank 0 here, ranks 1..N-1 in processes it feeds.
+        self.model_runner, self._ranks = start_ranks(self.config)
         self.engine = EngineCore(self.config)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
@@ -318,6 +319,8 @@ class LLM:
         step = self.engine.schedule()
         if step is None:
             raise RuntimeError("the scheduler made no progress with requests waiting")
+        if self._ranks is not None:
+            self._ranks.forward(step)
         return self._detokenize(self.engine.update(self.model_runner.execute_model(step)))
 
     def _detokenize(self, batches: dict[int, DetokenizerBatch]) -> list[RequestOutputDelta]:

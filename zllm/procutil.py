@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -17,19 +18,28 @@ from zllm.serve_config import ServeConfig, decode_config
 _PR_SET_PDEATHSIG = 1
 
 
-def start_process(role: ProcessRole, index: int | None = None) -> ServeConfig:
-    """Read the config named on the command line, set the title, die with the parent."""
+def start_process(
+    role: ProcessRole,
+    index: int | None = None,
+    index_of: Callable[[ServeConfig], int | None] | None = None,
+) -> ServeConfig:
+    """Read the config named on the command line, set the title, die with the parent.
+    `index_of`: the index to title the process with, read from the config (an executor's
+    rank, shown only when there are several)."""
     import setproctitle
 
+    die_with_parent()
+    with open(sys.argv[1], "rb") as f:
+        config = decode_config(f.read())
+    if index_of is not None:
+        index = index_of(config)
     title = f"zllm: {role}" if index is None else f"zllm: {role} {index}"
     setproctitle.setproctitle(title)
-    die_with_parent()
     logging.basicConfig(
         level=os.environ.get("ZLLM_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s %(levelname)s [{title[6:]}] %(name)s: %(message)s",
     )
-    with open(sys.argv[1], "rb") as f:
-        return decode_config(f.read())
+    return config
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

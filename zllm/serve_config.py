@@ -38,6 +38,8 @@ class Endpoints(msgspec.Struct):
     core_in        core binds PULL; tokenizers, frontend and detokenizers PUSH
     executor_in    executor binds PULL; core PUSHes SchedulerOutput
     executor_out   executor binds PUSH; core PULLs ModelRunnerOutput
+    executor_ranks tensor parallel: one per rank from 1, executor rank 0 binds PUSH and
+                   forwards each step's SchedulerOutput; that rank PULLs
     detokenizer_in one per worker, each worker binds PULL; core PUSHes to hash(req_id) % M
     frontend_in    frontend binds PULL; detokenizers, tokenizers, core, supervisor PUSH
     supervisor_in  supervisor binds PULL; children report ready
@@ -51,9 +53,10 @@ class Endpoints(msgspec.Struct):
     frontend_in: str
     supervisor_in: str
     ipc_dir: str | None = None
+    executor_ranks: list[str] = []
 
     @classmethod
-    def ipc(cls, num_detokenizers: int) -> Endpoints:
+    def ipc(cls, num_detokenizers: int, num_ranks: int = 1) -> Endpoints:
         """ipc:// sockets in a fresh private (0700) directory."""
         d = tempfile.mkdtemp(prefix="zllm-")
         os.chmod(d, 0o700)
@@ -70,12 +73,13 @@ class Endpoints(msgspec.Struct):
             frontend_in=addr("frontend_in"),
             supervisor_in=addr("supervisor_in"),
             ipc_dir=d,
+            executor_ranks=[addr(f"executor_rank_{r}") for r in range(1, num_ranks)],
         )
 
     @classmethod
-    def tcp(cls, num_detokenizers: int, host: str = "127.0.0.1") -> Endpoints:
+    def tcp(cls, num_detokenizers: int, num_ranks: int = 1, host: str = "127.0.0.1") -> Endpoints:
         """tcp:// sockets on free loopback ports (for processes that share no filesystem)."""
-        ports = _free_ports(6 + num_detokenizers, host)
+        ports = free_ports(6 + num_detokenizers + num_ranks - 1, host)
         addr = [f"tcp://{host}:{p}" for p in ports]
         return cls(
             tokenizer_in=addr[0],
@@ -84,7 +88,8 @@ class Endpoints(msgspec.Struct):
             executor_out=addr[3],
             frontend_in=addr[4],
             supervisor_in=addr[5],
-            detokenizer_in=addr[6:],
+            detokenizer_in=addr[6 : 6 + num_detokenizers],
+            executor_ranks=addr[6 + num_detokenizers :],
         )
 
 
@@ -254,6 +259,7 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     n = server.detokenizer_workers
+    ranks = engine.tensor_parallel_size
     copied = {
         f.name: getattr(server, f.name)
         for f in dataclasses.fields(server)
@@ -261,7 +267,9 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     }
     return ServeConfig(
         engine=engine,
-        endpoints=Endpoints.tcp(n) if server.transport == "tcp" else Endpoints.ipc(n),
+        endpoints=(
+            Endpoints.tcp(n, ranks) if server.transport == "tcp" else Endpoints.ipc(n, ranks)
+        ),
         api_keys=list(server.api_key),
         served_model_names=list(server.served_model_name),
         chat_template=read_chat_template(server.chat_template),
@@ -312,7 +320,7 @@ def decode_config(data: bytes) -> ServeConfig:
     return msgspec.json.decode(data, type=ServeConfig)
 
 
-def _free_ports(n: int, host: str) -> list[int]:
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     import socket
 
     sockets, ports = [], []

@@ -34,6 +34,7 @@ import msgspec
 import zmq
 
 from zllm.messaging import receive_nowait, send_nowait
+from zllm.parallel_config import TP_INIT_ENV
 from zllm.protocol import (
     ClientGone,
     EngineLifecycle,
@@ -44,7 +45,7 @@ from zllm.protocol import (
     ProcessRole,
     SupervisorInput,
 )
-from zllm.serve_config import ServeConfig, encode_config
+from zllm.serve_config import ServeConfig, encode_config, free_ports
 
 logger = logging.getLogger("zllm.supervisor")
 
@@ -134,9 +135,13 @@ class Supervisor:
         self._tell_frontend(EngineLifecycle(EngineState.READY))
 
     def _start_engine(self) -> None:
-        """The executor first; the core follows once the executor reports its KV pool."""
+        """The executor first (every tensor-parallel rank of it); the core follows once the
+        ranks report their KV pool."""
         self.engine_state = EngineState.STARTING
-        self._spawn(ProcessRole.EXECUTOR, 0)
+        # A fresh rendezvous port each start: a killed rank 0's may still be in use.
+        env = {**os.environ, TP_INIT_ENV: f"tcp://127.0.0.1:{free_ports(1)[0]}"}
+        for rank in range(self.config.engine.tensor_parallel_size):
+            self._spawn(ProcessRole.EXECUTOR, rank, env)
 
     def _write_config(self) -> None:
         tmp = self.config_path + ".tmp"
@@ -144,9 +149,9 @@ class Supervisor:
             f.write(encode_config(self.config))
         os.replace(tmp, self.config_path)
 
-    def _spawn(self, role: ProcessRole, index: int) -> Child:
+    def _spawn(self, role: ProcessRole, index: int, env: dict[str, str] | None = None) -> Child:
         cmd = [sys.executable, "-m", _MODULES[role], self.config_path, str(index)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         child = Child(role, index, proc, time.monotonic())
         self.children.append(child)
         logger.debug("started %s (pid %d)", child.name, proc.pid)
@@ -197,7 +202,9 @@ class Supervisor:
         child.ready = True
         logger.debug("%s (pid %d) is ready", child.name, msg.pid)
         if child.role == ProcessRole.EXECUTOR:
-            self._executor_ready(msg.num_blocks)
+            ranks = [c for c in self.children if c.role == ProcessRole.EXECUTOR]
+            if all(c.ready for c in ranks):  # every rank sized the same pool
+                self._executor_ready(msg.num_blocks)
         elif child.role == ProcessRole.CORE:
             self._engine_ready()
         elif self.started:  # a restarted worker

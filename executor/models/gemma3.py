@@ -33,6 +33,15 @@ from zllm.executor.attention_backend import (
     metadata_per_layer,
 )
 from zllm.executor.models.llama import RotaryEmbedding, rope
+from zllm.executor.parallel import (
+    SINGLE,
+    TensorParallel,
+    fill_tied_logits_shard,
+    gather_logits,
+    local_arch,
+    logits_weight,
+    shard_weight,
+)
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -69,9 +78,15 @@ class GemmaRMSNorm(nn.Module):
 
 class Gemma3Attention(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """`arch`: this rank's (executor/parallel.py local_arch): its heads only."""
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
@@ -99,12 +114,15 @@ class Gemma3Attention(nn.Module):
         k = rope(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         if arch.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"Gemma 3 activation {arch.hidden_act!r} is not supported")
         self.act = _ACTIVATIONS[arch.hidden_act]
@@ -121,7 +139,7 @@ class Gemma3MLP(nn.Module):
         if fused is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             fused = self.act(gate) * up
-        return self.down_proj(fused)
+        return self.tp.all_reduce(self.down_proj(fused))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -131,15 +149,16 @@ class Gemma3DecoderLayer(nn.Module):
         dtype: torch.dtype,
         attention: AttentionBackend,
         is_sliding: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.is_sliding = is_sliding  # picks the local RoPE table
         eps, size = arch.rms_norm_eps, arch.hidden_size
         self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.self_attn = Gemma3Attention(arch, dtype, attention)
+        self.self_attn = Gemma3Attention(arch, dtype, attention, tp)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.mlp = Gemma3MLP(arch, dtype)
+        self.mlp = Gemma3MLP(arch, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
     def forward(
@@ -162,7 +181,9 @@ class Gemma3ForCausalLM(nn.Module):
         arch: ModelArchConfig,
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend = TORCH_ATTENTION,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """`arch` is the checkpoint's; with `tp` this rank builds its part (self.arch)."""
         super().__init__()
         if arch.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
@@ -170,6 +191,9 @@ class Gemma3ForCausalLM(nn.Module):
             raise ValueError(
                 f"num_heads={arch.num_heads} must be a multiple of num_kv_heads={arch.num_kv_heads}"
             )
+        self.checkpoint_arch = arch
+        self.tp = tp
+        arch = local_arch(arch, tp)
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = nn.Parameter(
@@ -188,15 +212,11 @@ class Gemma3ForCausalLM(nn.Module):
         )
         self.local_rotary = RotaryEmbedding(local, dtype)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, dtype, attention, arch.is_sliding(i))
+            Gemma3DecoderLayer(arch, dtype, attention, arch.is_sliding(i), tp)
             for i in range(arch.num_layers)
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
-        )
+        self.lm_head = logits_weight(arch, dtype, tp)
         # Set by quantization: modules computing logits and looking up embedding rows in place
         # of the fp32 tensors (which it then releases).
         self.logits_proj: nn.Module | None = None
@@ -238,6 +258,7 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             weight = self.embed_tokens if self.lm_head is None else self.lm_head
             logits = F.linear(hidden_states, weight).float()
+        logits = gather_logits(logits, self.arch.vocab_size, self.tp)
         cap = self.arch.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -249,9 +270,10 @@ class Gemma3ForCausalLM(nn.Module):
         targets = self._weight_targets()
         loaded: set[str] = set()
         for name, tensor in weights:
+            tensor = shard_weight(name, tensor, self.checkpoint_arch, self.tp)
             target = targets.get(name)
             if target is None:
-                if name == "lm_head.weight" and self.lm_head is None:
+                if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                     continue  # tied: the embedding serves as lm_head
                 raise ValueError(f"unexpected weight {name!r} for a gemma3 model")
             if tuple(tensor.shape) != tuple(target.shape):
@@ -260,6 +282,8 @@ class Gemma3ForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(name)
+            if name == "model.embed_tokens.weight":
+                fill_tied_logits_shard(self.lm_head, tensor, self.arch, self.tp)
         missing = sorted(targets.keys() - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (
@@ -272,7 +296,7 @@ class Gemma3ForCausalLM(nn.Module):
             "model.embed_tokens.weight": self.embed_tokens.data,
             "model.norm.weight": self.norm.weight.data,
         }
-        if self.lm_head is not None:
+        if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."

@@ -32,6 +32,15 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.parallel import (
+    SINGLE,
+    TensorParallel,
+    fill_tied_logits_shard,
+    gather_logits,
+    local_arch,
+    logits_weight,
+    shard_weight,
+)
 
 # Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
 # [gate | up] order: their tensors fill the fused matrices whole.
@@ -275,9 +284,15 @@ class QKNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """`arch`: this rank's (executor/parallel.py local_arch): its heads only."""
         super().__init__()
+        self.tp = tp
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -308,12 +323,15 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
         self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, False, dtype)
@@ -328,18 +346,22 @@ class LlamaMLP(nn.Module):
         if fused is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             fused = F.silu(gate) * up
-        return self.down_proj(fused)
+        return self.tp.all_reduce(self.down_proj(fused))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, dtype, attention)
+        self.self_attn = LlamaAttention(arch, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.mlp = LlamaMLP(arch, dtype, tp)
 
     def forward(
         self,
@@ -363,13 +385,18 @@ class LlamaForCausalLM(nn.Module):
         arch: ModelArchConfig,
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend = TORCH_ATTENTION,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        """`attention`: the backend every layer attends with (attention_backend.py)."""
+        """`attention`: the backend every layer attends with (attention_backend.py). `arch` is
+        the checkpoint's; with `tp` this rank builds its part (self.arch: that part's)."""
         super().__init__()
         if arch.num_heads % arch.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads={arch.num_heads} must be a multiple of num_kv_heads={arch.num_kv_heads}"
             )
+        self.checkpoint_arch = arch
+        self.tp = tp
+        arch = local_arch(arch, tp)
         self.arch = arch
         self.dtype = dtype
         self.embed_tokens = nn.Parameter(
@@ -377,14 +404,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(arch, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, attention) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, dtype, attention, tp) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype))
-        )
+        self.lm_head = logits_weight(arch, dtype, tp)
         # Set by quantization: modules computing logits and looking up embedding rows in place
         # of the fp32 tensors (which it then releases).
         self.logits_proj: nn.Module | None = None
@@ -422,9 +445,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         if self.logits_proj is not None:
-            return self.logits_proj(hidden_states).float()
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden_states, weight).float()
+            logits = self.logits_proj(hidden_states).float()
+        else:
+            weight = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden_states, weight).float()
+        return gather_logits(logits, self.arch.vocab_size, self.tp)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -432,10 +457,11 @@ class LlamaForCausalLM(nn.Module):
         targets = self._weight_targets()
         loaded: set[str] = set()
         for name, tensor in weights:
+            tensor = shard_weight(name, tensor, self.checkpoint_arch, self.tp)
             target = targets.get(name)
             if target is None:
                 if name.endswith("rotary_emb.inv_freq") or (
-                    name == "lm_head.weight" and self.lm_head is None
+                    name == "lm_head.weight" and self.arch.tie_word_embeddings
                 ):
                     continue  # recomputed here / the tied embedding serves as lm_head
                 raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
@@ -445,6 +471,8 @@ class LlamaForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             loaded.add(name)
+            if name == "model.embed_tokens.weight":
+                fill_tied_logits_shard(self.lm_head, tensor, self.arch, self.tp)
         missing = sorted(targets.keys() - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (
@@ -458,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
             "model.embed_tokens.weight": self.embed_tokens.data,
             "model.norm.weight": self.norm.weight.data,
         }
-        if self.lm_head is not None:
+        if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."

@@ -1,0 +1,350 @@
+"""Tensor parallelism (executor/parallel.py): how a model is cut, and a cut model's logits
+against the whole model's, with 2 and 3 gloo ranks as processes on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from servers import free_port, start_server, stop_server
+from test_model import MODELS, PROMPTS, PagedRunner, Sequence
+from tiny_models import arch_config_of
+
+from zllm.executor.models import get_model_class
+from zllm.executor.parallel import (
+    SINGLE,
+    TensorParallel,
+    init_tensor_parallel,
+    kv_heads_of,
+    local_arch,
+    shard_blocks,
+    shard_weight,
+)
+from zllm.parallel_config import check_divisible
+
+# name -> (test_model.MODELS entry, HF config overrides, ranks)
+CASES = {
+    "llama-2": ("llama", {}, 2),  # 4 heads / 2 KV heads: one KV head per rank
+    "llama-tied-2": ("llama-tied", {}, 2),  # logits from the tied embedding's rows
+    "qwen2-bias-2": ("qwen2", {}, 2),  # q/k/v biases cut with their rows
+    # 6 heads / 1 KV head on 3 ranks: the KV head replicated; vocabulary 256 over 3 ranks
+    # leaves the last share one row short (padded, then cut off after the gather).
+    "gqa-replicated-3": (
+        "llama",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            head_dim=16,
+            hidden_size=96,
+            intermediate_size=96,
+        ),
+        3,
+    ),
+    # SmolLM2's shape of heads: 9 query / 3 KV heads on 3 ranks.
+    "smollm2-heads-3": (
+        "llama",
+        dict(
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=16,
+            hidden_size=144,
+            intermediate_size=96,
+        ),
+        3,
+    ),
+}
+
+
+def arch_of(case: str):
+    config, _ = build_case(case)
+    return arch_config_of(config)
+
+
+def build_case(case: str):
+    name, overrides, _ = CASES[case]
+    architecture, base_overrides = MODELS[name]
+    from test_model import BASE
+    from tiny_models import tiny_hf_config, tiny_hf_model
+
+    config = tiny_hf_config(architecture, **{**BASE, **base_overrides, **overrides})
+    hf = tiny_hf_model(config, 0).eval()
+    with torch.no_grad():
+        for pname, param in hf.named_parameters():
+            scale = 0.2 if "norm" in pname else 0.15
+            param.copy_((1 if "norm" in pname else 0) + scale * torch.randn_like(param))
+    return config, hf
+
+
+def run_model(case: str, tp: TensorParallel) -> tuple[torch.Tensor, list[list[int]]]:
+    """Prefill all PROMPTS in one step (logits of every token), then 6 greedy decode steps."""
+    torch.manual_seed(0)
+    config, hf = build_case(case)
+    arch = arch_config_of(config)
+    model = get_model_class(arch.architecture)(arch, tp=tp).eval()
+    model.load_weights(hf.state_dict().items())
+    runner = PagedRunner(model)
+    seqs = [Sequence(list(p)) for p in PROMPTS]
+    prefill = runner.step([(s, len(s.tokens)) for s in seqs])
+    runner_seqs = seqs
+    ends = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
+    for s, token in zip(runner_seqs, prefill[ends].argmax(-1).tolist(), strict=True):
+        s.tokens.append(token)
+    for _ in range(6):
+        runner.step_and_sample([(s, 1) for s in runner_seqs])
+    return prefill, [s.tokens for s in runner_seqs]
+
+
+def _rank_main(rank: int, size: int, port: int, case: str, results) -> None:
+    tp = init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", "cpu")
+    try:
+        torch.set_num_threads(1)
+        logits, tokens = run_model(case, tp)
+        results.put((rank, logits.numpy(), tokens))  # plain pickles: the process may exit first
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(case: str) -> dict[int, tuple[torch.Tensor, list[list[int]]]]:
+    size = CASES[case][2]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, size, port, case, results)) for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in range(size):
+        rank, logits, tokens = results.get()
+        out[rank] = (torch.from_numpy(logits), tokens)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_compute_the_whole_models_logits(case):
+    """Every rank ends with the same logits bits (they sample alike), within fp32 summation
+    noise of the single-rank model's, and the same greedy tokens."""
+    whole_logits, whole_tokens = run_model(case, SINGLE)
+    ranks = run_ranks(case)
+    logits0, tokens0 = ranks[0]
+    for rank, (logits, tokens) in ranks.items():
+        assert torch.equal(logits, logits0), f"rank {rank} differs from rank 0"
+        assert tokens == tokens0
+    assert logits0.shape == whole_logits.shape
+    scale = whole_logits.abs().max().item()
+    torch.testing.assert_close(logits0, whole_logits, atol=2e-5 * scale, rtol=0)
+    assert tokens0 == whole_tokens
+
+
+# ---- the cut, without processes ----------------------------------------------------------
+
+
+def test_kv_heads_split_or_replicated():
+    arch = arch_of("smollm2-heads-3")  # 9 / 3
+    assert [list(kv_heads_of(arch, TensorParallel(r, 3))) for r in range(3)] == [[0], [1], [2]]
+    rep = arch_of("gqa-replicated-3")  # 6 / 1: every rank holds KV head 0
+    assert [list(kv_heads_of(rep, TensorParallel(r, 3))) for r in range(3)] == [[0], [0], [0]]
+    two = dataclasses.replace(rep, num_heads=8, num_kv_heads=2)  # 4 ranks, 2 KV heads
+    assert [list(kv_heads_of(two, TensorParallel(r, 4))) for r in range(4)] == [[0], [0], [1], [1]]
+    local = local_arch(arch, TensorParallel(1, 3))
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (3, 1, 32)
+
+
+def test_query_heads_read_their_own_kv_head():
+    """Rank r's query heads are the ones that, in the whole model, read rank r's KV heads."""
+    for heads, kv, size in [(9, 3, 3), (8, 2, 4), (6, 1, 3), (16, 4, 2), (4, 4, 4)]:
+        arch = dataclasses.replace(arch_of("llama-2"), num_heads=heads, num_kv_heads=kv)
+        group = heads // kv
+        for rank in range(size):
+            tp = TensorParallel(rank, size)
+            q_heads = range(rank * heads // size, (rank + 1) * heads // size)
+            held = kv_heads_of(arch, tp)
+            assert {h // group for h in q_heads} <= set(held), (heads, kv, size, rank)
+            assert len(held) == max(1, kv // size)
+
+
+def test_indivisible_sizes_are_refused_with_what_fits():
+    arch = arch_of("smollm2-heads-3")  # 9 heads, 3 KV heads, intermediate 96
+    with pytest.raises(ValueError, match=r"9 attention heads.*sizes that fit: \[3\]"):
+        check_divisible(arch, 2)
+    check_divisible(arch, 3)
+
+
+def test_shard_weight_rows_columns_and_vocab():
+    arch = arch_of("llama-2")  # 4 heads of 16, 2 KV heads, intermediate 128, vocab 256
+    tp = TensorParallel(1, 2)
+    w = torch.arange(256 * 128, dtype=torch.float32).view(256, 128)
+    layer = "model.layers.0."
+    assert torch.equal(shard_weight(layer + "self_attn.q_proj.weight", w[:64], arch, tp), w[32:64])
+    assert torch.equal(shard_weight(layer + "self_attn.k_proj.weight", w[:32], arch, tp), w[16:32])
+    assert torch.equal(shard_weight(layer + "mlp.up_proj.weight", w[:128], arch, tp), w[64:128])
+    o = w[:64, :64]
+    assert torch.equal(shard_weight(layer + "self_attn.o_proj.weight", o, arch, tp), o[:, 32:])
+    down = w[:64]  # [hidden 64, intermediate 128]
+    assert torch.equal(shard_weight(layer + "mlp.down_proj.weight", down, arch, tp), down[:, 64:])
+    assert torch.equal(shard_weight("model.norm.weight", w[0], arch, tp), w[0])
+    odd = TensorParallel(2, 3)  # 256 rows over 3 ranks: 86, 86, 84 + 2 zero rows
+    last = shard_weight("lm_head.weight", w, arch, odd)
+    assert last.shape == (86, 128) and torch.equal(last[:84], w[172:]) and not last[84:].any()
+
+
+def test_shard_blocks_on_block_boundaries_only():
+    arch = arch_of("llama-2")  # q_proj: 64 rows; o_proj: 64 inputs, 32 per rank
+    tp = TensorParallel(1, 2)
+    # 64 rows of 2 blocks (32 values in 18 bytes each: Q4_1's geometry).
+    blocks = (torch.arange(64 * 36) % 251).to(torch.uint8).view(64, 36)
+    o = shard_blocks("model.layers.0.self_attn.o_proj.weight", blocks, 32, 18, arch, tp)
+    assert torch.equal(o, blocks[:, 18:])
+    q = shard_blocks("model.layers.0.self_attn.q_proj.weight", blocks, 32, 18, arch, tp)
+    assert torch.equal(q, blocks[32:])
+    # 256-value blocks (K-quants) cannot be cut at 32: that matmul keeps fp32 weights.
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert shard_blocks(name, blocks, 256, 144, arch, tp) is None
+
+
+# ---- through `zllm serve` ----------------------------------------------------------------
+
+SERVED_PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys",
+    "def add(a, b):",
+    "Continuous batching lets requests",
+    "1234567890 + 42 =",
+    "Emoji and accents: café",
+    "The capital of France is",
+    "Once upon a time",
+]
+
+
+def served_greedy(server, prompts: list[str], max_tokens: int) -> list[tuple[list, list]]:
+    """Each prompt's greedy tokens and top-5 logprobs per position, through the openai client."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    response = client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    choices = sorted(response.choices, key=lambda c: c.index)
+    return [(c.logprobs.tokens, c.logprobs.top_logprobs) for c in choices]
+
+
+def count_flips(tp_out, single_out, label: str) -> int:
+    """Exact equality per prompt, or a first mismatch at a near-tie (the parity tests' rule:
+    each side's token in the other's top-5, the single rank's logprob gap between them under
+    TIE_TOLERANCE): the all-reduce sums in another order. Flips are recorded and reported."""
+    from parity import FLIPS, TIE_TOLERANCE
+
+    flips = 0
+    for i, ((ours, our_top), (theirs, their_top)) in enumerate(
+        zip(tp_out, single_out, strict=True)
+    ):
+        k = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if k is None:
+            continue
+        assert theirs[k] in our_top[k] and ours[k] in their_top[k], (
+            f"{label}[{i}]: flip at {k} off top-5"
+        )
+        gap = abs(their_top[k][theirs[k]] - their_top[k][ours[k]])
+        assert gap < TIE_TOLERANCE, f"{label}[{i}]: flip at {k}, logprob gap {gap:.4f}"
+        FLIPS.append(f"{label}[{i}]: TP vs one rank, flip at output position {k} (gap {gap:.4f})")
+        flips += 1
+    return flips
+
+
+def serve_and_generate(model: str, log, tp: int, max_tokens: int) -> tuple[list, dict]:
+    server = start_server(model, log, "--tensor-parallel-size", str(tp))
+    try:
+        return served_greedy(server, SERVED_PROMPTS, max_tokens), server.children()
+    finally:
+        assert stop_server(server) == 0
+
+
+@pytest.mark.e2e
+def test_served_tp2_equals_one_rank(tiny_llama_dir, tmp_path):
+    """`zllm serve --tensor-parallel-size 2`: two executor processes, titled by rank, whose
+    greedy output equals one rank's (near-tie rule)."""
+    single, _ = serve_and_generate(tiny_llama_dir, tmp_path / "tp1.log", 1, 24)
+    split, children = serve_and_generate(tiny_llama_dir, tmp_path / "tp2.log", 2, 24)
+    assert {"executor 0", "executor 1"} <= children.keys() and "executor" not in children
+    flips = count_flips(split, single, "tiny TP=2")
+    assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_served_smollm2_tp3_equals_one_rank(smollm2_path, tmp_path):
+    """SmolLM2 (9 query / 3 KV heads, Q4_1 blocks cut per rank) on 3 ranks through the server:
+    greedy output equal to one rank's (near-tie rule)."""
+    single, _ = serve_and_generate(smollm2_path, tmp_path / "tp1.log", 1, 32)
+    split, children = serve_and_generate(smollm2_path, tmp_path / "tp3.log", 3, 32)
+    assert {"executor 0", "executor 1", "executor 2"} <= children.keys()
+    flips = count_flips(split, single, "smollm2 TP=3")
+    assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+    log = (tmp_path / "tp3.log").read_text()
+    assert log.count("GGUF kernels: 120 of 120 decoder matmuls") == 3  # every rank, on blocks
+
+
+@pytest.mark.e2e
+def test_kill_9_of_one_rank_restarts_every_rank(tiny_llama_dir, tmp_path):
+    """SIGKILL rank 1 while requests run: it is an executor death. In-flight requests end
+    with a 503 or an error event, every rank (and the core) is restarted, /health comes back,
+    and the restarted ranks serve the same greedy output as before."""
+    import asyncio
+    import os
+    import signal
+
+    import httpx
+    from servers import one_request, wait_until
+
+    server = start_server(tiny_llama_dir, tmp_path / "server.log", "--tensor-parallel-size", "2")
+    try:
+        before = served_greedy(server, SERVED_PROMPTS[:2], 16)
+        old = server.children()
+        victim = old["executor 1"]
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [
+                    asyncio.create_task(one_request(c, server.url, i, stream=i % 2 == 0))
+                    for i in range(8)
+                ]
+                await asyncio.sleep(0.5)
+                os.kill(victim, signal.SIGKILL)
+                return await asyncio.wait_for(asyncio.gather(*tasks), 90)
+
+        outcomes = asyncio.run(scenario())
+        assert set(outcomes) <= {"ok", "status 503", "error event"}, outcomes
+        assert outcomes.count("ok") < len(outcomes)
+        assert wait_until(server.healthy, 60)
+        new = server.children()
+        for rank in ("executor 0", "executor 1", "core"):
+            assert new[rank] != old[rank], f"{rank} was not restarted"
+        assert f"executor 1 (pid {victim}) died" in server.log_text()
+        assert served_greedy(server, SERVED_PROMPTS[:2], 16) == before
+    finally:
+        assert stop_server(server) == 0
+
+
+def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_dir):
+    from zllm.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"4 attention heads.*sizes that fit: \[2, 4\]"):
+        EngineArgs(model=tiny_llama_dir, tensor_parallel_size=3).create_engine_config()
+    with pytest.raises(ValueError, match="does not support --enable-lora, --enable-sleep-mode yet"):
+        EngineArgs(
+            model=tiny_llama_dir, tensor_parallel_size=2, enable_lora=True, enable_sleep_mode=True
+        ).create_engine_config()
+    config = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
+    assert config.tensor_parallel_size == 2
