@@ -23,6 +23,8 @@
 #                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs, so the
 #                    default is the portable AVX2/FMA/F16C build (its own build directory)
 #   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
+#   REQUEST_TIMEOUT [600]  the client's limit on one request (`zllm bench serve
+#                    --request-timeout`); long-prompt cells at high concurrency need more
 #   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
 #   QUIET_LOAD [""]  if set (e.g. 0.7), wait before each measurement until the 1-minute load
 #                    average is below it, for at most QUIET_WAIT_MAX [1200] seconds
@@ -45,6 +47,7 @@ STEPS=${STEPS:-"setup zllm llama-q4 llama-f16 throughput batched report"}
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 LLAMA_NATIVE=${LLAMA_NATIVE:-OFF}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
+REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
 PYTHON=${PYTHON:-python}
@@ -217,7 +220,7 @@ bench_cell() {
     shift 4
     local cmd=(zllm bench serve --base-url "$url" --num-prompts "$NUM_PROMPTS"
         --output-len "$OUTPUT_LEN" --prompt-seed "$seed" --label "$name"
-        --output-json "$RESULTS_DIR/serve-$name-$cell.json" "$@")
+        --request-timeout "$REQUEST_TIMEOUT" --output-json "$RESULTS_DIR/serve-$name-$cell.json" "$@")
     wait_quiet
     log "$name: ${cmd[*]}"
     "${cmd[@]}" 2>&1 | tee "$RESULTS_DIR/serve-$name-$cell.log" || log "$name: bench $cell failed"
