@@ -121,6 +121,9 @@ class RankProcesses:
         self.fanout.forward(self.encoder.encode(step))
 
     def close(self) -> None:
+        """Stop the other ranks and leave the process group (a later engine may form one)."""
+        import torch.distributed as dist
+
         self.fanout.close()
         for proc in self.processes:
             if proc.is_alive():
@@ -131,6 +134,8 @@ class RankProcesses:
         import shutil
 
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def start_ranks(config: EngineConfig):

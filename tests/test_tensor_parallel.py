@@ -348,3 +348,26 @@ def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_
         ).create_engine_config()
     config = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
     assert config.tensor_parallel_size == 2
+
+
+def test_offline_llm_with_two_ranks(tiny_llama_dir):
+    """LLM(tensor_parallel_size=2): rank 1 in a process of its own, the same greedy tokens as
+    one rank; when the LLM is collected its rank stops, and a second one can be made."""
+    import gc
+
+    from zllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kw = dict(kv_cache_memory_bytes=64 << 20)
+    single = [
+        o.outputs[0].token_ids for o in LLM(tiny_llama_dir, **kw).generate(SERVED_PROMPTS, params)
+    ]
+    for _ in range(2):
+        llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
+        (rank1,) = llm._ranks.processes
+        split = [o.outputs[0].token_ids for o in llm.generate(SERVED_PROMPTS, params)]
+        assert split == single
+        del llm
+        gc.collect()
+        rank1.join(10)
+        assert not rank1.is_alive()

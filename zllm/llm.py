@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +69,8 @@ class LLM:
 
         # With tensor_parallel_size N: rank 0 here, ranks 1..N-1 in processes it feeds.
         self.model_runner, self._ranks = start_ranks(self.config)
+        if self._ranks is not None:  # stopped when this LLM is collected, or at exit
+            weakref.finalize(self, self._ranks.close)
         self.engine = EngineCore(self.config)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
