@@ -124,6 +124,11 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype]
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
+        # Tensor parallel: unseeded rows draw from a generator of the runner's own, the same
+        # on every rank (rank 0 of an offline engine shares torch's global one with the user).
+        self._unseeded_generator = (
+            torch.Generator(device=self.device).manual_seed(config.seed) if tp.enabled else None
+        )
 
         start = time.perf_counter()
         self.kv_groups = kv_cache_groups(self.arch, config.cache.hybrid_kv_cache)
@@ -138,7 +143,8 @@ class ModelRunner:
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
-        self.num_blocks = config.cache.num_blocks or self.profile_num_blocks()
+        # Ranks may see different free memory (GPUs): the pool is the smallest any can hold.
+        self.num_blocks = tp.min_across(config.cache.num_blocks or self.profile_num_blocks())
         config.cache.num_blocks = self.num_blocks
         self.kv_pool = KVPool([])
         self._allocate_kv_cache()
@@ -313,6 +319,10 @@ class ModelRunner:
         if config.lora is not None:
             # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
             logger.info("LoRA enabled: no CUDA graphs")
+            return None
+        if self.tp.enabled:
+            # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
+            logger.info("Tensor parallel: no CUDA graphs")
             return None
         from zllm.executor.cuda_graph import CudaGraphRunner
 
@@ -712,6 +722,7 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
+        metadata.unseeded_generator = self._unseeded_generator
         drafts = None
         if rows.verifies:
             drafts = torch.tensor(rows.row_drafts, dtype=torch.int64, device=self.device)

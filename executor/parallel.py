@@ -58,6 +58,15 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def min_across(self, value: int) -> int:
+        """The smallest of every rank's `value` (one number the ranks must agree on)."""
+        if self.size == 1:
+            return value
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, c] on each rank -> [rows, size * c], rank 0's columns first."""
         if self.size == 1:
@@ -75,6 +84,11 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str) ->
     if size == 1:
         return SINGLE
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if not init_method:
+        raise RuntimeError(f"tensor-parallel rank {rank}: no rendezvous address was given")
+    if backend == "nccl":
+        # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=init_method,

@@ -12,7 +12,7 @@ has connected waits for it instead of being lost.
 
 In `zllm serve` the supervisor starts every rank as an executor process (executor/main.py).
 The offline `LLM` runs rank 0 in its own process and starts the others here
-(`start_rank_processes`).
+(`start_ranks`, `RankProcesses`).
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
         size = config.tensor_parallel_size
-        run_dir = _private_dir()
+        self.closed = False
+        self.run_dir = run_dir = _private_dir()
+        self.encoder = msgspec.msgpack.Encoder()
         self.endpoints = [f"ipc://{run_dir}/executor_rank_{r}" for r in range(1, size)]
         self.fanout = StepFanout(zmq.Context.instance(), self.endpoints)
         ctx = multiprocessing.get_context("spawn")
@@ -109,10 +111,12 @@ class RankProcesses:
             )
             for rank in range(1, size)
         ]
-        for proc in self.processes:
-            proc.start()
-        self.run_dir = run_dir
-        self.encoder = msgspec.msgpack.Encoder()
+        try:
+            for proc in self.processes:
+                proc.start()
+        except BaseException:
+            self.close()  # the ones started, the sockets, the directory
+            raise
 
     def forward(self, step: SchedulerOutput) -> None:
         dead = [p.name for p in self.processes if not p.is_alive()]
@@ -124,13 +128,17 @@ class RankProcesses:
         """Stop the other ranks and leave the process group (a later engine may form one)."""
         import torch.distributed as dist
 
+        if self.closed:
+            return
+        self.closed = True
         self.fanout.close()
         for proc in self.processes:
-            if proc.is_alive():
+            if proc.pid is not None and proc.is_alive():
                 proc.kill()
         deadline = time.monotonic() + 10
         for proc in self.processes:
-            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.pid is not None:
+                proc.join(max(0.0, deadline - time.monotonic()))
         import shutil
 
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -54,6 +54,10 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None  # int64 [B, Lo], padded with vocab_size
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None  # (rows [K], token ids [K])
     max_num_logprobs: int | None  # None: no row wants logprobs
+    # Rows without a seed draw from this (None: torch's global generator). Tensor-parallel
+    # ranks each hold one seeded alike, so their draws agree whatever else uses the global
+    # one in their processes.
+    unseeded_generator: torch.Generator | None = None
 
     @classmethod
     def build(
@@ -208,13 +212,17 @@ def verify_drafts(
     draft_probs = probs.gather(1, drafts[:, None]).squeeze(1)
     uniform = torch.empty_like(draft_probs)
     if len(metadata.generators) < uniform.shape[0]:
-        uniform.uniform_()
+        uniform.uniform_(generator=metadata.unseeded_generator)
     for row, generator in metadata.generators.items():
         uniform[row : row + 1].uniform_(generator=generator)
     accepted = has_draft & (uniform < draft_probs)
     # The residual distribution: p without the rejected proposal (renormalising is implicit).
     residual = probs.scatter(1, drafts[:, None], torch.where(has_draft, 0.0, draft_probs)[:, None])
-    sampled = torch.where(accepted, drafts, exponential_race(residual, metadata.generators))
+    sampled = torch.where(
+        accepted,
+        drafts,
+        exponential_race(residual, metadata.generators, metadata.unseeded_generator),
+    )
     if greedy_ids is not None:
         is_greedy = metadata.temperature < GREEDY_TEMPERATURE
         greedy_accepted = has_draft & (greedy_ids == drafts)
@@ -264,7 +272,9 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
 
     Greedy rows in a mixed batch go through with temperature 1 and are discarded later.
     """
-    return exponential_race(processed_probs(logits, metadata), metadata.generators)
+    return exponential_race(
+        processed_probs(logits, metadata), metadata.generators, metadata.unseeded_generator
+    )
 
 
 def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -335,7 +345,11 @@ def apply_top_k_top_p(
     logits.masked_fill_(logits < threshold.unsqueeze(1), neg_inf)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    unseeded: torch.Generator | None = None,
+) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1): a draw from each row's distribution.
 
     A seeded row draws its whole q row from its own generator, so its tokens do not depend
@@ -344,7 +358,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        q.exponential_(generator=unseeded)
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
     q.clamp_min_(torch.finfo(q.dtype).tiny)

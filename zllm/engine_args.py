@@ -77,8 +77,8 @@ class EngineArgs:
     block_size: int = option(16, help="tokens per KV cache block")
     kv_cache_memory_bytes: int | None = option(
         None,
-        help="KV cache budget in bytes (suffixes K/M/G); default 1 GiB on CPU, "
-        "--gpu-memory-utilization of the free memory on GPU",
+        help="KV cache budget in bytes (suffixes K/M/G), per executor rank; default 1 GiB on "
+        "CPU, --gpu-memory-utilization of the free memory on GPU",
         parse=parse_size,
     )
     gpu_memory_utilization: float = option(

@@ -322,9 +322,22 @@ class LLM:
         step = self.engine.schedule()
         if step is None:
             raise RuntimeError("the scheduler made no progress with requests waiting")
-        if self._ranks is not None:
+        if self._ranks is None:
+            return self._detokenize(self.engine.update(self.model_runner.execute_model(step)))
+        if self._ranks.closed:
+            raise RuntimeError(
+                "this LLM's tensor-parallel ranks were stopped after a step failed or was "
+                "interrupted (they could no longer be kept in step): make a new LLM"
+            )
+        try:
             self._ranks.forward(step)
-        return self._detokenize(self.engine.update(self.model_runner.execute_model(step)))
+            output = self.model_runner.execute_model(step)
+        except BaseException:
+            # The other ranks may be inside this step's collectives, or never got it: rank 0
+            # cannot rejoin them, so they stop (and later calls say so).
+            self._ranks.close()
+            raise
+        return self._detokenize(self.engine.update(output))
 
     def _detokenize(self, batches: dict[int, DetokenizerBatch]) -> list[RequestOutputDelta]:
         deltas: list[RequestOutputDelta] = []
