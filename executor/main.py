@@ -38,7 +38,7 @@ def main() -> None:
     # torch: only in this process
     from zllm.executor.model_runner import ModelRunner
     from zllm.executor.parallel import init_tensor_parallel
-    from zllm.executor.ranks import StepFanout, follow_steps
+    from zllm.executor.ranks import StepFanout, follow_steps, run_step
 
     size = config.engine.tensor_parallel_size
     ctx = zmq.Context()
@@ -67,11 +67,7 @@ def main() -> None:
         scheduler_output = decode_or_drop(decoder, frame.buffer, logger)
         if scheduler_output is None:
             continue
-        if scheduler_output.wake_up:
-            runner.wake_up()
-        output = runner.execute_model(scheduler_output)
-        if scheduler_output.sleep:
-            runner.sleep()
+        output = run_step(runner, scheduler_output)
         output.idle_time_s = 0.0 if scheduler_output.after_no_work else start - idle_since
         output.exec_time_s = time.perf_counter() - start
         outbox.send(encoder.encode(output))

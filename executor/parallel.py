@@ -138,7 +138,7 @@ def kv_heads_of(arch: ModelArchConfig, tp: TensorParallel) -> range:
 def vocab_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
     """[start, end) of the logits rows this rank computes; the last rank's may run short of
     the others' (the gather pads it)."""
-    per_rank = -(-vocab_size // tp.size)
+    per_rank = vocab_per_rank(vocab_size, tp)
     start = min(tp.rank * per_rank, vocab_size)
     return start, min(start + per_rank, vocab_size)
 

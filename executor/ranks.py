@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import time
 from collections.abc import Sequence
 
@@ -52,33 +51,32 @@ class StepFanout:
             sock.close(linger=0)
 
 
+def run_step(runner, step: SchedulerOutput):
+    """One step as every rank runs it: waking first or sleeping after when the core says."""
+    if step.wake_up:
+        runner.wake_up()
+    output = runner.execute_model(step)
+    if step.sleep:
+        runner.sleep()
+    return output
+
+
 def follow_steps(runner, inbox: zmq.Socket) -> None:
     """A rank from 1: run every step rank 0 forwards, forever; the output stays here."""
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     while True:
         frame = inbox.recv(copy=False)
         step = decode_or_drop(decoder, frame.buffer, logger)
-        if step is None:
-            continue
-        if step.wake_up:
-            runner.wake_up()
-        runner.execute_model(step)
-        if step.sleep:
-            runner.sleep()
+        if step is not None:
+            run_step(runner, step)
 
 
 def _rank_process(config_bytes: bytes, rank: int, init_method: str, endpoint: str) -> None:
     """Entry of an offline rank process (spawned, so it imports torch afresh)."""
-    from zllm.procutil import die_with_parent
+    from zllm.procutil import die_with_parent, title_process
 
     die_with_parent()
-    import setproctitle
-
-    setproctitle.setproctitle(f"zllm: executor {rank}")
-    logging.basicConfig(
-        level=os.environ.get("ZLLM_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s %(levelname)s [executor {rank}] %(name)s: %(message)s",
-    )
+    title_process(f"zllm: executor {rank}")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     inbox = zmq.Context.instance().socket(zmq.PULL)
     inbox.connect(endpoint)

@@ -26,20 +26,24 @@ def start_process(
     """Read the config named on the command line, set the title, die with the parent.
     `index_of`: the index to title the process with, read from the config (an executor's
     rank, shown only when there are several)."""
-    import setproctitle
-
     die_with_parent()
     with open(sys.argv[1], "rb") as f:
         config = decode_config(f.read())
     if index_of is not None:
         index = index_of(config)
-    title = f"zllm: {role}" if index is None else f"zllm: {role} {index}"
+    title_process(f"zllm: {role}" if index is None else f"zllm: {role} {index}")
+    return config
+
+
+def title_process(title: str) -> None:
+    """Set the process title (`zllm: <role> [i]`) and log lines tagged with the role."""
+    import setproctitle
+
     setproctitle.setproctitle(title)
     logging.basicConfig(
         level=os.environ.get("ZLLM_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s %(levelname)s [{title[6:]}] %(name)s: %(message)s",
     )
-    return config
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -32,15 +32,13 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.models.llama import RotaryEmbedding, rope
+from zllm.executor.models.llama import RotaryEmbedding, copy_checkpoint, rope
 from zllm.executor.parallel import (
     SINGLE,
     TensorParallel,
-    fill_tied_logits_shard,
     gather_logits,
     local_arch,
     logits_weight,
-    shard_weight,
 )
 
 _ACTIVATIONS = {
@@ -267,29 +265,7 @@ class Gemma3ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, one at a time."""
-        targets = self._weight_targets()
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            tensor = shard_weight(name, tensor, self.checkpoint_arch, self.tp)
-            target = targets.get(name)
-            if target is None:
-                if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                    continue  # tied: the embedding serves as lm_head
-                raise ValueError(f"unexpected weight {name!r} for a gemma3 model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(name)
-            if name == "model.embed_tokens.weight":
-                fill_tied_logits_shard(self.lm_head, tensor, self.arch, self.tp)
-        missing = sorted(targets.keys() - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            )
-            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+        copy_checkpoint(self, self._weight_targets(), weights)
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {

@@ -379,6 +379,42 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def copy_checkpoint(
+    model: nn.Module,
+    targets: dict[str, torch.Tensor],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    recomputed: tuple[str, ...] = (),
+) -> None:
+    """Copy Hugging Face-named checkpoint tensors into `targets` (name -> the tensor it
+    fills), each cut to this rank's part first (model.tp); names ending in `recomputed` and a
+    tied model's lm_head are skipped. Refuses unexpected names, wrong shapes and missing ones."""
+    arch, tp = model.arch, model.tp
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        tensor = shard_weight(name, tensor, model.checkpoint_arch, tp)
+        target = targets.get(name)
+        if target is None:
+            if (recomputed and name.endswith(recomputed)) or (
+                name == "lm_head.weight" and arch.tie_word_embeddings
+            ):
+                continue  # recomputed by the model / the tied embedding serves as lm_head
+            raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        loaded.add(name)
+        if name == "model.embed_tokens.weight":
+            fill_tied_logits_shard(model.lm_head, tensor, arch, tp)
+    missing = sorted(targets.keys() - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
@@ -454,31 +490,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works)."""
-        targets = self._weight_targets()
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            tensor = shard_weight(name, tensor, self.checkpoint_arch, self.tp)
-            target = targets.get(name)
-            if target is None:
-                if name.endswith("rotary_emb.inv_freq") or (
-                    name == "lm_head.weight" and self.arch.tie_word_embeddings
-                ):
-                    continue  # recomputed here / the tied embedding serves as lm_head
-                raise ValueError(f"unexpected weight {name!r} for a {self.arch.architecture} model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            loaded.add(name)
-            if name == "model.embed_tokens.weight":
-                fill_tied_logits_shard(self.lm_head, tensor, self.arch, self.tp)
-        missing = sorted(targets.keys() - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (
-                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            )
-            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+        copy_checkpoint(self, self._weight_targets(), weights, recomputed=("rotary_emb.inv_freq",))
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Each Hugging Face weight name -> the tensor (a row slice for fused ones) it fills."""
