@@ -35,9 +35,8 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from zllm.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
-
-BlockHash = int
 
 
 @dataclass(slots=True, eq=False)
@@ -98,28 +97,6 @@ class FreeBlockQueue:
         assert prev is not None
         prev.next, block.prev, block.next, anchor.prev = block, prev, anchor, block
         self.num_free += 1
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chain a block's tokens onto its parent's hash. Tuples of ints hash deterministically."""
-    return hash((parent_hash, tuple(token_ids)))
-
-
-def hash_full_blocks(
-    token_ids: Sequence[int],
-    block_size: int,
-    known: list[BlockHash] | None = None,
-    salt: BlockHash | None = None,
-) -> list[BlockHash]:
-    """Hash chain of every full block of `token_ids`, extending the `known` prefix of it.
-
-    `salt` is the first block's parent: the same tokens under another salt (a LoRA adapter's,
-    `cache_salt`) hash apart, so their KV blocks are never shared."""
-    hashes = list(known) if known else []
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hashes[-1] if hashes else salt
-        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
-    return hashes
 
 
 @dataclass(slots=True)
@@ -198,11 +175,6 @@ class PrefixPins:
         return [block for _, (block, _) in order]
 
 
-def cache_salt(lora_int_id: int | None) -> BlockHash | None:
-    """The prefix-cache salt of a request's blocks: its LoRA adapter's, None for the base."""
-    return None if lora_int_id is None else hash(("lora", lora_int_id))
-
-
 def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
     """The first block a step starting at `num_computed_tokens` reads in a group: 0 for full
     attention; with a window, the block of the earliest key the step's first query sees."""
@@ -252,6 +224,12 @@ class BlockManager:
         self.prefix_cache_hits = 0
         self._evicted: list[tuple[BlockHash, int]] | None = [] if record_evictions else None
         self.pins = PrefixPins(max_pinned_blocks)
+        # Data parallel (`record_kv_events`): hashes the prefix cache gained (True) or lost
+        # (False) since `take_kv_events`, the last change winning; None while not recorded.
+        # One group speaks for the cache: the first full-attention one (a prefix hit needs it).
+        self._kv_events: dict[BlockHash, bool] | None = None
+        self._kv_events_cleared = False
+        self._event_group = next((g for g, w in enumerate(self.windows) if w is None), 0)
 
     # ---- introspection -------------------------------------------------------------------
     @property
@@ -472,6 +450,8 @@ class BlockManager:
         self._block_group.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self._kv_events is not None:
+            self._kv_events, self._kv_events_cleared = {}, True
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
@@ -555,6 +535,20 @@ class BlockManager:
         evicted, self._evicted = self._evicted, []
         return evicted
 
+    def record_kv_events(self) -> None:
+        """Start keeping the prefix cache's changes for `take_kv_events`."""
+        if self._kv_events is None:
+            self._kv_events = {}
+
+    def take_kv_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        """The hashes cached and uncached since the last call, and whether the whole cache
+        was emptied before them (`reset_prefix_cache`)."""
+        events, cleared = self._kv_events or {}, self._kv_events_cleared
+        if self._kv_events is not None:
+            self._kv_events, self._kv_events_cleared = {}, False
+        stored = [h for h, present in events.items() if present]
+        return stored, [h for h, present in events.items() if not present], cleared
+
     def take_changed_tables(self) -> set[str]:
         changed, self._changed_tables = self._changed_tables, set()
         return changed
@@ -592,9 +586,12 @@ class BlockManager:
         """The block stops being a cached prefix (its hash is dropped)."""
         if block.block_hash is None:
             return
-        cache = self.cached_blocks[self._block_group.pop(block.block_id)]
+        group = self._block_group.pop(block.block_id)
+        cache = self.cached_blocks[group]
         if cache.get(block.block_hash) is block:
             del cache[block.block_hash]
+            if self._kv_events is not None and group == self._event_group:
+                self._kv_events[block.block_hash] = False
         block.block_hash = None
 
     def _register_full_blocks(
@@ -620,3 +617,5 @@ class BlockManager:
                     block.block_hash = block_hash
                     cache[block_hash] = block
                     self._block_group[block.block_id] = group
+                    if self._kv_events is not None and group == self._event_group:
+                        self._kv_events[block_hash] = True

@@ -8,6 +8,9 @@
     DetokenizerBatch ──► [PUSH detokenizer_in[i]]   (one message per worker per step)
     RequestRejected  ──► [PUSH frontend_in]
     heartbeat thread: EngineStats every 0.5 s ──► frontend_in and supervisor_in
+    with --data-parallel-size > 1, the same thread also publishes [PUB events]: the heartbeat
+    and the prefix cache's KVCacheEvents (queued by the main loop), for the tokenizer workers'
+    routing
 
 Every rule (checks, announcing requests to detokenizers, aborts, statistics) lives in
 `EngineCore`; this file only moves messages.
@@ -35,6 +38,7 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishSequence,
+    KVCacheEvents,
     ModelRunnerOutput,
     ProcessRole,
     RequestRejected,
@@ -54,21 +58,27 @@ class CoreProcess:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.engine = EngineCore(config.engine, config.detokenizer_workers)
+        self.engine.stats.engine_index = config.engine_index
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
         self.encoder = msgspec.msgpack.Encoder()
+        # Data parallel: the prefix cache's changes, for the heartbeat thread to publish.
+        self.kv_events: queue.SimpleQueue[KVCacheEvents] | None = None
+        if config.data_parallel_size > 1:
+            self.kv_events = queue.SimpleQueue()
+            self.engine.block_manager.record_kv_events()
         ctx = zmq.Context.instance()
-        ep = config.endpoints
+        ep = config.engine_endpoints
         self.to_executor = ctx.socket(zmq.PUSH)
         self.to_executor.connect(ep.executor_in)
         self.from_executor = ctx.socket(zmq.PULL)
         self.from_executor.connect(ep.executor_out)
         self.to_detokenizers = []
-        for addr in ep.detokenizer_in:
+        for addr in config.endpoints.detokenizer_in:
             sock = ctx.socket(zmq.PUSH)
             sock.connect(addr)
             self.to_detokenizers.append(sock)
         self.to_frontend = ctx.socket(zmq.PUSH)
-        self.to_frontend.connect(ep.frontend_in)
+        self.to_frontend.connect(config.endpoints.frontend_in)
         self.runner_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self.asleep = False  # sleep mode: the executor has released weights and KV pool
 
@@ -80,22 +90,35 @@ class CoreProcess:
     def _input_loop(self) -> None:
         """Receive and decode here (ZeroMQ releases the GIL while waiting)."""
         sock = zmq.Context.instance().socket(zmq.PULL)
-        sock.bind(self.config.endpoints.core_in)
+        sock.bind(self.config.engine_endpoints.core_in)
         for msg in receive(sock, msgspec.msgpack.Decoder(CoreInput), logger):
             self.inputs.put(msg)
 
     def _heartbeat_loop(self) -> None:
         """The engine's stats every HEARTBEAT_INTERVAL_S, whatever a step costs: the frontend
-        reads them (metrics, /health), the supervisor watches for them (a hung core)."""
+        reads them (metrics, /health), the supervisor watches for them (a hung core). With
+        several engines, the tokenizer workers get them too (each engine's load), and the
+        KV cache events as they come."""
         ctx = zmq.Context.instance()
         targets = []
         for addr in (self.config.endpoints.frontend_in, self.config.endpoints.supervisor_in):
             sock = ctx.socket(zmq.PUSH)
             sock.connect(addr)
             targets.append(sock)
+        publisher = None
+        if self.kv_events is not None:
+            publisher = ctx.socket(zmq.PUB)
+            publisher.bind(self.config.engine_endpoints.events)
+            # A restarted engine's cache is empty: the tokenizers forget what it held.
+            self.kv_events.put(KVCacheEvents(self.config.engine_index, cleared=True))
         encoder = msgspec.msgpack.Encoder()
         stats_log = StatsLog()
+        next_beat = time.monotonic()
         while True:
+            if publisher is not None and self._publish_events(publisher, encoder, next_beat):
+                continue
+            time.sleep(max(0.0, next_beat - time.monotonic()))
+            next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
             stats = self.engine.heartbeat()
             data = encoder.encode(stats)
             for sock in targets:
@@ -103,26 +126,53 @@ class CoreProcess:
                     sock.send(data, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # that receiver is restarting; the next beat will do
+            if publisher is not None:
+                publisher.send(data)  # PUB never blocks: a slow subscriber loses messages
             if not self.config.disable_log_stats:
                 stats_log.maybe_log(stats)
-            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _publish_events(
+        self, publisher: zmq.Socket, encoder: msgspec.msgpack.Encoder, until: float
+    ) -> bool:
+        """Publish the next KV cache events the main loop queued, waiting for them until
+        `until` (the next heartbeat); False when none came."""
+        assert self.kv_events is not None
+        try:
+            events = self.kv_events.get(timeout=max(0.0, until - time.monotonic()))
+        except queue.Empty:
+            return False
+        publisher.send(encoder.encode(events))
+        return True
+
+    def _queue_kv_events(self) -> None:
+        """Data parallel: hand the prefix cache's changes since the last call to the
+        heartbeat thread (which owns the PUB socket: ZeroMQ sockets are single-threaded)."""
+        if self.kv_events is None:
+            return
+        stored, removed, cleared = self.engine.block_manager.take_kv_events()
+        if stored or removed or cleared:
+            engine = self.config.engine_index
+            self.kv_events.put(KVCacheEvents(engine, stored, removed, cleared))
 
     # ---- the main loop -------------------------------------------------------------------
     def run(self) -> None:
         # Any detokenizer state from before a restart belongs to requests failed upstream.
+        reset = DetokenizerBatch(reset=True, engine=self.config.engine_index)
         for sock in self.to_detokenizers:
-            send_nowait(sock, self.encoder, DetokenizerBatch(reset=True), logger)
+            send_nowait(sock, self.encoder, reset, logger)
         engine = self.engine
         while True:
             idle = not engine.num_steps_in_flight and not engine.has_unfinished_requests()
             self._apply_inputs(block=idle)
             if engine.can_schedule():
                 step = engine.schedule()
+                self._queue_kv_events()  # blocks are cached as they are allocated
                 if step is not None:
                     self.to_executor.send(self.encoder.encode(step))
                     continue  # schedule the next step right away, while this one runs
             if engine.num_steps_in_flight:
                 self._collect_step()
+                self._queue_kv_events()
 
     def _collect_step(self) -> None:
         if not self.from_executor.poll(int(self.config.executor_timeout * 1000)):
@@ -209,6 +259,7 @@ class CoreProcess:
 
     def _publish(self, batches: DetokenizerBatches) -> None:
         for worker, batch in batches.items():
+            batch.engine = self.config.engine_index
             send_nowait(self.to_detokenizers[worker], self.encoder, batch, logger)
 
 

@@ -44,9 +44,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamGroup, Continuation
-from zllm.core.block_manager import BlockManager, PrefixHit, cache_salt
+from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request, RequestStatus

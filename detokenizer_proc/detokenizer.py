@@ -25,6 +25,7 @@ from zllm.tokenizer import Tokenizer
 class _RequestState:
     info: DetokRequest
     samples: list[IncrementalDetokenizer]
+    engine: int  # the data-parallel engine that runs it
     finished: set[int] = field(default_factory=set)
 
 
@@ -38,11 +39,12 @@ class Detokenizer:
     ) -> tuple[list[RequestOutputDelta], list[FinishSequence]]:
         """The text deltas of this batch's outputs, and the samples a stop string ended
         (which the core must finish: it does not know yet)."""
-        if batch.reset:
-            self.requests.clear()
+        if batch.reset:  # only the restarted engine's requests: the others run on
+            for req_id in [r for r, st in self.requests.items() if st.engine == batch.engine]:
+                del self.requests[req_id]
         for info in batch.new_requests:
             self.requests[info.req_id] = _RequestState(
-                info, [self._sample_decoder(info) for _ in range(info.n)]
+                info, [self._sample_decoder(info) for _ in range(info.n)], batch.engine
             )
         deltas: list[RequestOutputDelta] = []
         stops: list[FinishSequence] = []

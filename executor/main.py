@@ -7,7 +7,8 @@ answering one step and receiving the next is the executor's idle time, reported 
 step: the design exists to keep it near zero.
 
 With --tensor-parallel-size N the supervisor starts N of these, ranks 0..N-1 (the second
-argument), titled `zllm: executor <rank>`. Rank 0 is the one above and also forwards each
+argument), titled `zllm: executor <rank>` (`zllm: executor <rank> dp<engine>` for engine
+<engine> of --data-parallel-size; the third argument). Rank 0 is the one above and also forwards each
 step to the others (executor/ranks.py), which run it on their part of the model and answer
 no one.
 """
@@ -41,16 +42,23 @@ def main() -> None:
     from zllm.executor.ranks import StepFanout, follow_steps, run_step
 
     size = config.engine.tensor_parallel_size
+    endpoints = config.engine_endpoints
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     if rank > 0:
-        inbox.connect(config.endpoints.executor_ranks[rank - 1])
+        inbox.connect(endpoints.executor_ranks[rank - 1])
     else:
-        inbox.bind(config.endpoints.executor_in)
+        inbox.bind(endpoints.executor_in)
         outbox = ctx.socket(zmq.PUSH)
-        outbox.bind(config.endpoints.executor_out)
-        fanout = StepFanout(ctx, config.endpoints.executor_ranks)
-    tp = init_tensor_parallel(rank, size, os.environ.get(TP_INIT_ENV, ""), config.engine.device)
+        outbox.bind(endpoints.executor_out)
+        fanout = StepFanout(ctx, endpoints.executor_ranks)
+    tp = init_tensor_parallel(
+        rank,
+        size,
+        os.environ.get(TP_INIT_ENV, ""),
+        config.engine.device,
+        first_gpu=config.engine_index * size,
+    )
     runner = ModelRunner(config.engine, tp)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)
     if rank > 0:

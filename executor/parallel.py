@@ -79,16 +79,19 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
-    """Join the process group (gloo on CPU, NCCL on CUDA); returns this rank's view of it."""
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, device: str, first_gpu: int = 0
+) -> TensorParallel:
+    """Join the process group (gloo on CPU, NCCL on CUDA); returns this rank's view of it.
+    `first_gpu`: the GPU of rank 0 (data-parallel engines on one host take the next ones)."""
+    if device == "cuda":
+        # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
+        torch.cuda.set_device((first_gpu + rank) % torch.cuda.device_count())
     if size == 1:
         return SINGLE
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not init_method:
         raise RuntimeError(f"tensor-parallel rank {rank}: no rendezvous address was given")
-    if backend == "nccl":
-        # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
-        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=init_method,

@@ -549,6 +549,9 @@ class OpenAIServer:
         if self.admission.draining:
             return error_response(RequestError(SHUTTING_DOWN, 503))
         ok, reason = self.client.health()
+        if ok and reason != "ok":
+            # Degraded: some data-parallel engine is down, the others serve (and say so).
+            return json_response({"status": "degraded", "message": reason})
         if ok:
             return Response(status_code=200)
         return error_response(RequestError(reason, 503))

@@ -341,10 +341,17 @@ class Dashboard:
                 round(n / drafts, 4) if drafts else 0.0 for n in s.spec_accepted_per_pos
             ]
         processes = [
-            ProcessInfo(role, index, alive)
-            for (role, index), alive in sorted(
+            # Engine processes carry their engine: a row per engine's role when several.
+            ProcessInfo(
+                f"{key[0]} (engine {key[2]})"
+                if client.num_engines > 1 and len(key) > 2
+                else key[0],
+                key[1],
+                alive,
+            )
+            for key, alive in sorted(
                 client.processes.items(),
-                key=lambda item: (_role_rank(item[0][0]), item[0][0], item[0][1]),
+                key=lambda item: (_role_rank(item[0][0]), item[0][2:], item[0][0], item[0][1]),
             )
         ]
         return DashboardStats(

@@ -13,7 +13,7 @@
                                per tenant: zllm:tenant_requests_{running,waiting},
                                zllm:tenant_weight, zllm:tenant_{requests,computed_tokens,
                                generation_tokens,preemptions}_total
-    supervisor events          zllm:process_up{role,index}
+    supervisor events          zllm:process_up{role,index,engine}
     this frontend              vllm:request_success_total{finished_reason},
                                vllm:time_to_first_token_seconds,
                                vllm:inter_token_latency_seconds,
@@ -34,6 +34,10 @@ is several), as the frontend receives its outputs:
 
 A request refused as invalid (a 4xx from the tokenizer or the core, such as a prompt that is
 too long) never ran and counts nowhere; it is still logged, as "rejected".
+
+The core-heartbeat metrics carry an `engine` label (as vLLM's do): one series per
+data-parallel engine ("0" with one). The frontend's own request metrics are the whole
+server's.
 
 Every series exists, at 0, from the start. Counters that come from the core start again
 from 0 if the engine restarts, which Prometheus' `rate()` reads as a counter reset.
@@ -336,53 +340,67 @@ class EngineCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        s = self.client.stats or EngineStats()
-        label = [self.model_name]
+        client = self.client
+        # One label set per engine (a data-parallel replica), each from its latest heartbeat.
+        engines = [
+            ([self.model_name, str(e)], client.engine_stats.get(e) or EngineStats())
+            for e in range(client.num_engines)
+        ]
         for name, doc, attr in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, getattr(s, attr))
+            g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
+            for label, s in engines:
+                g.add_metric(label, getattr(s, attr))
             yield g
         g = GaugeMetricFamily(
             "zllm:num_requests_in_flight",
             "Engine requests (one per prompt) this frontend is serving.",
             labels=["model_name"],
         )
-        g.add_metric(label, self.client.num_in_flight)
+        g.add_metric([self.model_name], client.num_in_flight)
         yield g
         for name, doc, attr in _COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, getattr(s, attr))
+            c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
+            for label, s in engines:
+                c.add_metric(label, getattr(s, attr))
             yield c
-        yield from _pin_metrics(s, label)
-        yield from _tenant_metrics(s, label)
-        if s.kv_tier_capacity:
-            yield from _kv_offload_metrics(s, label)
-        if s.spec_accepted_per_pos:
-            yield from _spec_decode_metrics(s, label)
-        if s.max_lora:
-            yield _lora_info(s)
+        yield from _pin_metrics(engines)
+        yield from _tenant_metrics(engines)
+        if any(s.kv_tier_capacity for _, s in engines):
+            yield from _kv_offload_metrics(engines)
+        if any(s.spec_accepted_per_pos for _, s in engines):
+            yield from _spec_decode_metrics(engines)
+        if any(s.max_lora for _, s in engines):
+            yield _lora_info(engines)
         up = GaugeMetricFamily(
             "zllm:process_up",
-            "1 while the process (role, index) runs, 0 while it is down.",
-            labels=["model_name", "role", "index"],
+            "1 while the process (role, index; engine for a core or executor rank) runs, 0 "
+            "while it is down.",
+            labels=["model_name", "role", "index", "engine"],
         )
-        for (role, index), alive in sorted(self.client.processes.items()):
-            up.add_metric([self.model_name, role, str(index)], 1.0 if alive else 0.0)
+        for key, alive in sorted(client.processes.items()):
+            engine = str(key[2]) if len(key) > 2 else ""
+            up.add_metric([self.model_name, key[0], str(key[1]), engine], 1.0 if alive else 0.0)
         yield up
 
 
-def _pin_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+# Per engine: what each series of an EngineStats-derived metric is labelled with.
+ENGINE_LABELS = ["model_name", "engine"]
+PerEngine = list[tuple[list[str], EngineStats]]
+
+
+def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Prefix pinning: what is pinned now and the bound (--max-pinned-bytes)."""
     for name, doc, value in (
         ("zllm:kv_pinned_blocks", "KV blocks pinned by requests' cache_control.",
-         s.kv_pinned_blocks),
+         lambda s: s.kv_pinned_blocks),
         ("zllm:kv_pinned_bytes", "KV cache bytes pinned by requests' cache_control.",
-         s.kv_pinned_blocks * s.kv_block_bytes),
+         lambda s: s.kv_pinned_blocks * s.kv_block_bytes),
         ("zllm:kv_max_pinned_bytes", "The most KV cache bytes requests may pin.",
-         s.kv_max_pinned_blocks * s.kv_block_bytes),
+         lambda s: s.kv_max_pinned_blocks * s.kv_block_bytes),
     ):  # fmt: skip
-        g = GaugeMetricFamily(name, doc, labels=["model_name"])
-        g.add_metric(label, value)
+        g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
+        for label, s in engines:
+            g.add_metric(label, value(s))
         yield g
 
 
@@ -404,17 +422,18 @@ _TENANT_COUNTERS = (
 )  # fmt: skip
 
 
-def _tenant_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
-    """One series per tenant the core remembers (active ones, and the most recently active
+def _tenant_metrics(engines: PerEngine) -> Iterator[Metric]:
+    """One series per tenant each core remembers (active ones, and the most recently active
     idle ones: core/fair_share.py MAX_IDLE_TENANTS)."""
     for family, specs in (
         (GaugeMetricFamily, _TENANT_GAUGES),
         (CounterMetricFamily, _TENANT_COUNTERS),
     ):
         for name, doc, attr in specs:
-            metric = family(name, doc, labels=["model_name", "tenant"])
-            for tenant in s.tenants:
-                metric.add_metric([*label, tenant.name], getattr(tenant, attr))
+            metric = family(name, doc, labels=[*ENGINE_LABELS, "tenant"])
+            for label, s in engines:
+                for tenant in s.tenants:
+                    metric.add_metric([*label, tenant.name], getattr(tenant, attr))
             yield metric
 
 
@@ -434,42 +453,46 @@ _TIER_GAUGES = (
 )
 
 
-def _kv_offload_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+def _kv_offload_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Per configured tier; its hit rate is zllm:kv_offload_hits over vllm:prefix_cache_
     queries, as the pool's is vllm:prefix_cache_hits over the same."""
-    tiers = [i for i, capacity in enumerate(s.kv_tier_capacity) if capacity]
     for family, specs in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
         for name, doc, attr in specs:
-            metric = family(name, doc, labels=["model_name", "tier"])
-            values = getattr(s, attr)
-            for i in tiers:
-                metric.add_metric([*label, TIER_NAMES[i]], values[i])
+            metric = family(name, doc, labels=[*ENGINE_LABELS, "tier"])
+            for label, s in engines:
+                values = getattr(s, attr)
+                for i, capacity in enumerate(s.kv_tier_capacity):
+                    if capacity:
+                        metric.add_metric([*label, TIER_NAMES[i]], values[i])
             yield metric
 
 
-def _lora_info(s: EngineStats) -> Metric:
+def _lora_info(engines: PerEngine) -> Metric:
     """vLLM's vllm:lora_requests_info: the adapters in use as labels (comma-separated), the
     heartbeat's time as the value."""
     g = GaugeMetricFamily(
         "vllm:lora_requests_info",
         "Running and waiting LoRA adapters (labels), as of the value's time.",
-        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"],
     )
-    running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
-    g.add_metric([str(s.max_lora), running, waiting], s.time)
+    for (_, engine), s in engines:
+        running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
+        g.add_metric([str(s.max_lora), running, waiting, engine], s.time)
     return g
 
 
-def _spec_decode_metrics(s: EngineStats, label: list[str]) -> Iterator[Metric]:
+def _spec_decode_metrics(engines: PerEngine) -> Iterator[Metric]:
     for name, doc, attr in _SPEC_COUNTERS:
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
-        c.add_metric(label, getattr(s, attr))
+        c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
+        for label, s in engines:
+            c.add_metric(label, getattr(s, attr))
         yield c
     per_pos = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Accepted proposed tokens, by position in the proposal (0 = the first).",
-        labels=["model_name", "position"],
+        labels=[*ENGINE_LABELS, "position"],
     )
-    for position, count in enumerate(s.spec_accepted_per_pos):
-        per_pos.add_metric([*label, str(position)], count)
+    for label, s in engines:
+        for position, count in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([*label, str(position)], count)
     yield per_pos

@@ -2,7 +2,8 @@
 
 import pytest
 
-from zllm.core.block_manager import BlockManager, FreeBlockQueue, KVBlock, hash_full_blocks
+from zllm.block_hash import hash_full_blocks
+from zllm.core.block_manager import BlockManager, FreeBlockQueue, KVBlock
 
 BS = 4
 

@@ -113,6 +113,8 @@ SERVER_ARGV = [
     "--tool-call-parser", "hermes",
     "--reasoning-parser", "qwen3",
     "--lora-modules", "x=LORA_DIR",
+    "--data-parallel-size", "2",
+    "--data-parallel-routing", "load",
 ]  # fmt: skip
 
 ENGINE_COMMANDS = [
@@ -222,10 +224,18 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         lora_modules=[LoRARequest("x", 1, str(adapter))],
+        data_parallel_size=2,
+        data_parallel_routing="load",
     )
     assert config.endpoints.ipc_dir is None
     assert len(config.endpoints.detokenizer_in) == 3
     assert all(a.startswith("tcp://127.0.0.1:") for a in config.endpoints.detokenizer_in)
+    # Every engine has its own five addresses, none shared.
+    engines = config.endpoints.engines
+    assert len(engines) == 2
+    own = [a for e in engines for a in (e.core_in, e.executor_in, e.executor_out, e.events)]
+    shared = [config.endpoints.tokenizer_in, config.endpoints.frontend_in]
+    assert len(set(own + shared)) == len(own) + len(shared)
 
 
 def test_server_defaults_are_the_serve_config_defaults(tiny_llama_dir):

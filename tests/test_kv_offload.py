@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from zllm import LLM, SamplingParams
+from zllm.block_hash import hash_full_blocks
 from zllm.config import KVOffloadConfig, SchedulerConfig
-from zllm.core.block_manager import BlockManager, hash_full_blocks
+from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector, TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
@@ -457,7 +458,7 @@ def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path):
         assert again["choices"][0]["text"] == before["choices"][0]["text"]
 
         def series(name: str, tier: str) -> float:
-            line = rf'^{name}{{model_name="tiny",tier="{tier}"}} (\S+)$'
+            line = rf'^{name}{{engine="0",model_name="tiny",tier="{tier}"}} (\S+)$'
             match = re.search(line, server.get("/metrics").text, re.M)
             assert match, f"{name} {tier} missing from /metrics"
             return float(match.group(1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +26,9 @@ from servers import start_server, stop_server, wait_until
 from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, write_tiny_model
 
 from zllm import LLM, LoRARequest, SamplingParams
+from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig
-from zllm.core.block_manager import BlockManager, cache_salt
+from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
@@ -390,7 +392,7 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
             assert out == offline[0].outputs[0].text, name
 
         metrics = server.get("/metrics").text
-        assert 'vllm:lora_requests_info{max_lora="2"' in metrics
+        assert re.search(r'^vllm:lora_requests_info\{[^}]*max_lora="2"', metrics, re.M)
 
         assert server.post("/v1/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 200
         with pytest.raises(openai.NotFoundError):

@@ -62,6 +62,8 @@ def scrape(server: Server) -> Samples:
             if s.name.endswith("_created"):
                 continue
             assert labels.pop("model_name", None) == MODEL, f"{s.name} lacks model_name"
+            if "engine" in labels and s.name != "zllm:process_up":
+                assert labels.pop("engine") == "0", f"{s.name}: one engine, engine 0"
             samples[(s.name, frozenset(labels.items()))] = s.value
     return samples
 
@@ -70,6 +72,12 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     key = (name, frozenset(labels.items()))
     assert key in samples, f"{name}{labels or ''} missing from /metrics"
     return samples[key]
+
+
+def process_up(samples: Samples, role: str) -> float:
+    """zllm:process_up of a role's process 0 (a core or executor: of engine 0)."""
+    engine = "0" if role in ("core", "executor") else ""
+    return value(samples, "zllm:process_up", role=role, index="0", engine=engine)
 
 
 def wait_for(server: Server, ok: Callable[[Samples], bool], what: str, timeout: float = 10.0):
@@ -117,7 +125,7 @@ def test_every_metric_is_present_at_zero_before_any_request(server):
         assert value(samples, name + "_sum") == 0, name
         assert value(samples, name + "_bucket", le="+Inf") == 0, name
     for role in ROLES:
-        assert value(samples, "zllm:process_up", role=role, index="0") == 1, role
+        assert process_up(samples, role) == 1, role
     assert sum(1 for name, _ in samples if name == "zllm:process_up") == len(ROLES)
 
 
@@ -209,7 +217,7 @@ def test_counters_and_histograms_match_the_requests_sent(server, tiny_llama_dir)
     assert value(samples, "zllm:core_schedule_seconds_total") > 0
     assert value(samples, "zllm:core_output_seconds_total") > 0
     for role in ROLES:
-        assert value(samples, "zllm:process_up", role=role, index="0") == 1, role
+        assert process_up(samples, role) == 1, role
 
     # The frontend's side: one observation per engine request (per prompt).
     success = {r: value(samples, "vllm:request_success_total", finished_reason=r) for r in REASONS}
@@ -272,6 +280,8 @@ class _FakeClient:
                 num_blocks = 64
 
     stats = None
+    engine_stats: dict = {}
+    num_engines = 1
     processes: dict = {}
     num_in_flight = 0
 

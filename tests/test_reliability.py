@@ -480,10 +480,10 @@ def test_malformed_ipc_messages_are_dropped(faults):
     before = faults.children()
     endpoints = faults.config()["endpoints"]
     targets = {
-        "core_in": endpoints["core_in"],
+        "core_in": endpoints["engines"][0]["core_in"],
         "frontend_in": endpoints["frontend_in"],
         "supervisor_in": endpoints["supervisor_in"],
-        "executor_in": endpoints["executor_in"],
+        "executor_in": endpoints["engines"][0]["executor_in"],
     }
     for i, addr in enumerate(endpoints["detokenizer_in"]):
         targets[f"detokenizer_in_{i}"] = addr

@@ -5,6 +5,10 @@ frontend ──TokenizeRequest──► [PULL tokenizer_in] (ZeroMQ load-balance
     compile any structured-outputs grammar (a 400 if it cannot), add the ids that end
     generation and the model's default max_tokens
 ──EngineCoreRequest──► core            or   ──RequestRejected──► frontend
+
+With --data-parallel-size N, each worker also subscribes to every core's [PUB events]
+(heartbeats, KV cache events) and picks the core of each request (router.py): the request
+goes to that engine's core, and a RequestRouted tells the frontend which engine it is on.
 """
 
 from __future__ import annotations
@@ -15,21 +19,26 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
+from zllm.block_hash import cache_salt, hash_full_blocks
 from zllm.errors import ParamError
 from zllm.generation_config import default_max_tokens, merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
-from zllm.messaging import receive
+from zllm.messaging import receive, receive_nowait
 from zllm.procutil import index_arg, report_ready, start_process
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
     ProcessRole,
     RequestRejected,
+    RequestRouted,
+    RouterInput,
     TokenizeRequest,
 )
 from zllm.sampling_params import SamplingParams
+from zllm.serve_config import ServeConfig
 from zllm.structured_outputs import check_structured_outputs
 from zllm.tokenizer import Tokenizer, load_tokenizer
+from zllm.tokenizer_proc.router import Router
 
 logger = logging.getLogger("zllm.tokenizer")
 
@@ -135,6 +144,64 @@ class RequestTokenizer:
         return self.tokenizer.encode(req.prompt or "", req.add_special_tokens)
 
 
+class EngineSender:
+    """Sends each tokenized request to a core: the one engine's, or with several engines
+    the one the router picks, telling the frontend which."""
+
+    def __init__(self, ctx: zmq.Context, config: ServeConfig) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.block_size = config.engine.cache.block_size
+        self.prefix_caching = config.engine.cache.enable_prefix_caching
+        self.to_frontend = ctx.socket(zmq.PUSH)
+        self.to_frontend.connect(config.endpoints.frontend_in)
+        self.to_cores = []
+        for engine in config.endpoints.engines:
+            sock = ctx.socket(zmq.PUSH)
+            # Several engines: queue nothing for a core that is not connected (a dead one),
+            # so a send to it fails at once and the request goes to another.
+            sock.setsockopt(zmq.IMMEDIATE, len(config.endpoints.engines) > 1)
+            sock.connect(engine.core_in)
+            self.to_cores.append(sock)
+        self.router: Router | None = None
+        self.events: zmq.Socket | None = None
+        if len(self.to_cores) > 1:
+            self.router = Router(len(self.to_cores), config.data_parallel_routing)
+            self.events = ctx.socket(zmq.SUB)
+            self.events.setsockopt(zmq.SUBSCRIBE, b"")
+            for engine in config.endpoints.engines:
+                self.events.connect(engine.events)
+
+    def send(self, result: EngineCoreRequest | RequestRejected) -> None:
+        if isinstance(result, RequestRejected):
+            self.to_frontend.send(self.encoder.encode(result))
+        elif self.router is None:
+            self.to_cores[0].send(self.encoder.encode(result))
+        else:
+            self._route(result)
+
+    def _route(self, req: EngineCoreRequest) -> None:
+        assert self.router is not None
+        hashes = []
+        if self.prefix_caching:
+            salt = cache_salt(None if req.lora is None else req.lora.lora_int_id)
+            hashes = hash_full_blocks(req.prompt_token_ids, self.block_size, salt=salt)
+        data = self.encoder.encode(req)
+        tried: list[int] = []
+        while (engine := self.router.choose(hashes, exclude=tried)) is not None:
+            try:
+                self.to_cores[engine].send(data, flags=zmq.NOBLOCK)
+            except zmq.Again:  # its core is gone (or not keeping up): try another
+                logger.warning("engine %d is not taking requests; routing around it", engine)
+                self.router.mark_down(engine)
+                tried.append(engine)
+                continue
+            self.router.routed(engine, hashes)
+            self.to_frontend.send(self.encoder.encode(RequestRouted(req.req_id, engine)))
+            return
+        message = "no engine is serving right now (all are restarting); retry shortly"
+        self.to_frontend.send(self.encoder.encode(RequestRejected(req.req_id, message, 503)))
+
+
 def main() -> None:
     index = index_arg()
     config = start_process(ProcessRole.TOKENIZER, index)
@@ -151,16 +218,26 @@ def main() -> None:
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(config.endpoints.tokenizer_in)
-    to_core = ctx.socket(zmq.PUSH)
-    to_core.connect(config.endpoints.core_in)
-    to_frontend = ctx.socket(zmq.PUSH)
-    to_frontend.connect(config.endpoints.frontend_in)
-    encoder = msgspec.msgpack.Encoder()
+    sender = EngineSender(ctx, config)
     report_ready(config, ProcessRole.TOKENIZER, index)
-    for req in receive(inbox, msgspec.msgpack.Decoder(TokenizeRequest), logger):
-        result = handle(req)
-        target = to_core if isinstance(result, EngineCoreRequest) else to_frontend
-        target.send(encoder.encode(result))
+    requests = msgspec.msgpack.Decoder(TokenizeRequest)
+    if sender.events is None:
+        for req in receive(inbox, requests, logger):
+            sender.send(handle(req))
+    router, events = sender.router, sender.events
+    assert router is not None
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    poller.register(events, zmq.POLLIN)
+    engine_news = msgspec.msgpack.Decoder(RouterInput)
+    while True:
+        ready = dict(poller.poll())
+        if events in ready:  # first: route with the freshest view
+            for msg in receive_nowait(events, engine_news, logger):
+                router.on_message(msg)
+        if inbox in ready:
+            for req in receive_nowait(inbox, requests, logger):
+                sender.send(handle(req))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ outputs, rejections, heartbeats and process events on one PULL socket.
 
 Every request it sends carries this process's id as `client_id`: if this process dies, the
 supervisor tells the core, which aborts its requests.
+
+With several data-parallel engines it tracks each one: its state and heartbeat, and which
+engine each request went to (the tokenizer's RequestRouted). An engine's death fails only
+the requests on it; the client serves while any engine is ready.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from zllm.protocol import (
     ProcessRole,
     RequestOutputDelta,
     RequestRejected,
+    RequestRouted,
     SleepControl,
     SleepReply,
+    TenantStats,
     TokenizeRequest,
 )
 from zllm.serve_config import ServeConfig, detokenizer_index
@@ -52,6 +58,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_finished: int = 0
     started: bool = False  # some output arrived: the tokenizer stage is behind it
+    engine: int | None = None  # the engine it was sent to (None: not known yet)
 
 
 class EngineClient:
@@ -62,11 +69,13 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._streams: dict[str, _Stream] = {}
         self._receiver: asyncio.Task | None = None
-        self.engine_state = EngineState.STARTING
-        self.engine_message = "the engine is starting"
-        self.stats: EngineStats | None = None  # the latest heartbeat
-        self.last_heartbeat = 0.0
-        self.processes: dict[tuple[ProcessRole, int], bool] = {}
+        self.num_engines = config.data_parallel_size
+        self.engine_states = [EngineState.STARTING] * self.num_engines
+        self.engine_messages = ["the engine is starting"] * self.num_engines
+        self.engine_stats: dict[int, EngineStats] = {}  # the latest heartbeat of each
+        self.heartbeats = [0.0] * self.num_engines  # monotonic time of each one's latest
+        # (role, index) of every worker, (role, index, engine) of engine processes: alive?
+        self.processes: dict[tuple[ProcessRole, int] | tuple[ProcessRole, int, int], bool] = {}
         self.closed = False
         # Sleep mode: replies awaited from the core, by reply_to id.
         self._sleep_replies: dict[int, asyncio.Future[SleepReply]] = {}
@@ -77,8 +86,14 @@ class EngineClient:
         ep = self.config.endpoints
         self._to_tokenizers = self._ctx.socket(zmq.PUSH)
         self._to_tokenizers.bind(ep.tokenizer_in)
-        self._to_core = self._ctx.socket(zmq.PUSH)
-        self._to_core.connect(ep.core_in)
+        self._to_cores = []
+        for engine in ep.engines:
+            sock = self._ctx.socket(zmq.PUSH)
+            # Queue nothing for a core that is down: an abort for it is moot (its requests
+            # failed with it), and a send must not wait for it to come back.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.connect(engine.core_in)
+            self._to_cores.append(sock)
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.bind(ep.frontend_in)
         self._receiver = asyncio.create_task(self._receive_loop())
@@ -88,24 +103,65 @@ class EngineClient:
         if self._receiver is not None:
             self._receiver.cancel()
         self.fail_all(_SHUTTING_DOWN, 503)
-        for sock in (self._to_tokenizers, self._to_core, self._inbox):
+        for sock in (self._to_tokenizers, *self._to_cores, self._inbox):
             sock.close(linger=0)
 
     def mark_ready(self) -> None:
-        """The engine is up (for an embedding that started it without a supervisor event)."""
-        self.engine_state = EngineState.READY
-        self.last_heartbeat = time.monotonic()
+        """The engines are up (for an embedding that started them without supervisor
+        events)."""
+        self.engine_states = [EngineState.READY] * self.num_engines
+        self.heartbeats = [time.monotonic()] * self.num_engines
 
     # ---- health --------------------------------------------------------------------------
-    def health(self) -> tuple[bool, str]:
-        if self.engine_state != EngineState.READY:
-            return False, self.engine_message
-        age = time.monotonic() - self.last_heartbeat
+    @property
+    def engine_state(self) -> EngineState:
+        """READY while any engine is; else DEAD if one died, else STARTING."""
+        for state in (EngineState.READY, EngineState.DEAD):
+            if state in self.engine_states:
+                return state
+        return EngineState.STARTING
+
+    @property
+    def engine_message(self) -> str:
+        """Why no engine serves (the first one's reason)."""
+        return self.engine_messages[0]
+
+    @property
+    def stats(self) -> EngineStats | None:
+        """The latest heartbeat; with several engines, theirs summed (merge_stats)."""
+        if not self.engine_stats:
+            return None
+        return merge_stats([self.engine_stats[e] for e in sorted(self.engine_stats)])
+
+    @property
+    def last_heartbeat(self) -> float:
+        return max(self.heartbeats)
+
+    def engine_health(self, engine: int) -> str | None:
+        """Why an engine is not serving, or None when it is."""
+        if self.engine_states[engine] != EngineState.READY:
+            return self.engine_messages[engine]
+        age = time.monotonic() - self.heartbeats[engine]
         if age > self.config.heartbeat_timeout:
-            return False, f"no heartbeat from the engine core for {age:.1f} s"
-        dead = [f"{role} {i}" for (role, i), alive in self.processes.items() if not alive]
+            return f"no heartbeat from the engine core for {age:.1f} s"
+        return None
+
+    def health(self) -> tuple[bool, str]:
+        """(serving, what is wrong): serving while any engine is; the message names the
+        engines that are down ("ok" when none is)."""
+        problems = {e: self.engine_health(e) for e in range(self.num_engines)}
+        down = {e: why for e, why in problems.items() if why is not None}
+        if len(down) == self.num_engines:
+            return False, down[0] if self.num_engines == 1 else _engines_down(down)
+        dead = [
+            f"{key[0]} {key[1]}"
+            for key, alive in self.processes.items()
+            if not alive and not key[0].is_engine
+        ]
         if dead:
             return False, "process down: " + ", ".join(sorted(dead))
+        if down:
+            return True, _engines_down(down)
         return True, "ok"
 
     @property
@@ -145,7 +201,7 @@ class EngineClient:
                 timer.cancel()
             self._streams.pop(request.req_id, None)
             if not finished:
-                await self.abort(request.req_id)
+                await self.abort(request.req_id, self._engine_of(stream))
 
     def _arm_timeout(self, stream: _Stream) -> asyncio.TimerHandle | None:
         """`request_timeout` seconds after the request arrived, fail it with a 504 (which
@@ -169,10 +225,17 @@ class EngineClient:
         )
         stream.queue.put_nowait(RequestError(message, 504, code="request_timeout"))
 
-    async def abort(self, req_id: str) -> None:
+    async def abort(self, req_id: str, engine: int | None = None) -> None:
+        """Abort in its engine's core (every core, when it is not known)."""
         if self.closed:
             return
-        await self._to_core.send(self._encoder.encode(AbortRequests([req_id])))
+        data = self._encoder.encode(AbortRequests([req_id]))
+        for e, sock in enumerate(self._to_cores):
+            if engine is None or e == engine:
+                try:
+                    await sock.send(data, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # that core is down: its requests died with it
 
     async def sleep_control(self, command: str, level: int = 1, timeout: float = 600) -> SleepReply:
         """POST /sleep or /wake_up: ask the core and wait for its answer."""
@@ -181,7 +244,9 @@ class EngineClient:
         future: asyncio.Future[SleepReply] = asyncio.get_running_loop().create_future()
         self._sleep_replies[reply_to] = future
         try:
-            await self._to_core.send(self._encoder.encode(SleepControl(command, reply_to, level)))
+            # (Sleep mode runs with one engine only: serve_config.check_data_parallel.)
+            message = self._encoder.encode(SleepControl(command, reply_to, level))
+            await self._to_cores[0].send(message)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._sleep_replies.pop(reply_to, None)
@@ -190,9 +255,15 @@ class EngineClient:
     def is_sleeping(self) -> bool:
         return self.stats is not None and self.stats.asleep
 
-    def fail_all(self, message: str, status: int = 503) -> None:
+    def fail_all(self, message: str, status: int = 503, engine: int | None = None) -> None:
+        """Fail every request in flight (on `engine`, when given)."""
         for stream in self._streams.values():
-            stream.queue.put_nowait(RequestError(message, status))
+            if engine is None or self._engine_of(stream) == engine:
+                stream.queue.put_nowait(RequestError(message, status))
+
+    def _engine_of(self, stream: _Stream) -> int | None:
+        """The engine a request is on (None: not known yet; with one engine, that one)."""
+        return 0 if self.num_engines == 1 else stream.engine
 
     # ---- receiving -----------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -211,8 +282,11 @@ class EngineClient:
                     stream.started = True
                     stream.queue.put_nowait(out)
         elif isinstance(msg, EngineStats):
-            self.stats = msg
-            self.last_heartbeat = time.monotonic()
+            if msg.engine_index < self.num_engines:
+                self.engine_stats[msg.engine_index] = msg
+                self.heartbeats[msg.engine_index] = time.monotonic()
+        elif isinstance(msg, RequestRouted):
+            self._on_routed(msg)
         elif isinstance(msg, RequestRejected):
             stream = self._streams.get(msg.req_id)
             if stream is not None:
@@ -222,29 +296,49 @@ class EngineClient:
         elif isinstance(msg, EngineLifecycle):
             self._on_lifecycle(msg)
         elif isinstance(msg, SleepReply):
-            if self.stats is not None:
-                self.stats.asleep = msg.asleep  # until the next heartbeat says so too
+            if 0 in self.engine_stats:
+                self.engine_stats[0].asleep = msg.asleep  # until the next heartbeat says so
             future = self._sleep_replies.get(msg.reply_to)
             if future is not None and not future.done():
                 future.set_result(msg)
 
     def _on_lifecycle(self, msg: EngineLifecycle) -> None:
-        self.engine_state = msg.state
-        self.engine_message = msg.message or f"the engine is {msg.state}"
+        engine = msg.engine
+        if not 0 <= engine < self.num_engines:
+            return
+        self.engine_states[engine] = msg.state
+        self.engine_messages[engine] = msg.message or f"the engine is {msg.state}"
         if msg.state == EngineState.READY:
-            self.last_heartbeat = time.monotonic()
+            self.heartbeats[engine] = time.monotonic()
         else:
-            self.fail_all(f"the engine failed and is restarting: {msg.message}", 503)
+            self.engine_stats.pop(engine, None)
+            message = f"the engine failed and is restarting: {msg.message}"
+            if self.num_engines > 1:
+                message = f"engine {engine} failed and is restarting: {msg.message}"
+            self.fail_all(message, 503, engine)
+
+    def _on_routed(self, msg: RequestRouted) -> None:
+        """The tokenizer sent a request to an engine. If that engine died meanwhile (the
+        news crossed), the request is lost with it: fail it, as its death did the others."""
+        stream = self._streams.get(msg.req_id)
+        if stream is None or not 0 <= msg.engine < self.num_engines:
+            return
+        stream.engine = msg.engine
+        if self.engine_states[msg.engine] != EngineState.READY:
+            message = f"engine {msg.engine} failed and is restarting"
+            stream.queue.put_nowait(RequestError(message, 503))
 
     def _on_process_event(self, msg: ProcessEvent) -> None:
-        self.processes[(msg.role, msg.index)] = msg.alive
+        key = (msg.role, msg.index, msg.engine) if msg.role.is_engine else (msg.role, msg.index)
+        self.processes[key] = msg.alive
         if msg.alive:
             return
         if msg.role == ProcessRole.TOKENIZER:
             # Requests queued in the dead worker are lost; send every request that has not
-            # produced output again. The core ignores ids it already holds.
+            # produced output again. The core ignores ids it already holds (and with several
+            # engines, one already routed to an engine is not sent again).
             for stream in self._streams.values():
-                if not stream.started:
+                if not stream.started and stream.engine is None:
                     self._to_tokenizers.send(self._encoder.encode(stream.request))
         elif msg.role == ProcessRole.DETOKENIZER:
             # Its incremental decoding state is gone: fail its requests cleanly.
@@ -254,3 +348,50 @@ class EngineClient:
                     stream.queue.put_nowait(
                         RequestError("the detokenizer serving this request restarted", 503)
                     )
+
+
+def _engines_down(down: dict[int, str]) -> str:
+    return "; ".join(f"engine {e} down: {why}" for e, why in sorted(down.items()))
+
+
+def merge_stats(stats: list[EngineStats]) -> EngineStats:
+    """Several engines' heartbeats as one (the dashboard's totals): counts and times summed,
+    lists summed item by item, the KV pools' usage weighed by their sizes and their cells
+    side by side, tenants summed by name."""
+    if len(stats) == 1:
+        return stats[0]
+    merged = EngineStats()
+    for name in EngineStats.__struct_fields__:
+        values = [getattr(s, name) for s in stats]
+        if name in ("time", "blocks_per_cell", "max_lora", "kv_block_bytes"):
+            value = max(values)
+        elif name == "engine_index":
+            value = 0
+        elif name == "kv_cache_usage":
+            total = sum(s.num_blocks for s in stats)
+            value = sum(s.kv_cache_usage * s.num_blocks for s in stats) / total if total else 0.0
+        elif name == "block_states":
+            value = b"".join(values)
+        elif name == "tenants":
+            value = _merge_tenants(stats)
+        elif name.endswith("_lora_adapters"):
+            value = sorted({a for v in values for a in v})
+        elif isinstance(values[0], bool):
+            value = all(values) if name == "asleep" else any(values)
+        elif isinstance(values[0], list):
+            value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
+        else:
+            value = sum(values)
+        setattr(merged, name, value)
+    return merged
+
+
+def _merge_tenants(stats: list[EngineStats]) -> list[TenantStats]:
+    by_name: dict[str, TenantStats] = {}
+    for s in stats:
+        for t in s.tenants:
+            into = by_name.setdefault(t.name, TenantStats(t.name, t.weight))
+            for name in TenantStats.__struct_fields__:
+                if name not in ("name", "weight"):
+                    setattr(into, name, getattr(into, name) + getattr(t, name))
+    return list(by_name.values())

@@ -25,13 +25,20 @@ def start_process(
 ) -> ServeConfig:
     """Read the config named on the command line, set the title, die with the parent.
     `index_of`: the index to title the process with, read from the config (an executor's
-    rank, shown only when there are several)."""
+    rank, shown only when there are several). A core or executor rank of one of several
+    data-parallel engines gets the engine's index as its third argument (`dp<engine>` in
+    its title)."""
     die_with_parent()
     with open(sys.argv[1], "rb") as f:
         config = decode_config(f.read())
+    if len(sys.argv) > 3:
+        config.engine_index = int(sys.argv[3])
     if index_of is not None:
         index = index_of(config)
-    title_process(f"zllm: {role}" if index is None else f"zllm: {role} {index}")
+    title = f"zllm: {role}" if index is None else f"zllm: {role} {index}"
+    if role.is_engine and config.data_parallel_size > 1:
+        title += f" dp{config.engine_index}"
+    title_process(title)
     return config
 
 
@@ -61,7 +68,13 @@ def report_ready(
 ) -> None:
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.connect(config.endpoints.supervisor_in)
-    msg = ProcessReady(role=role, index=index, pid=os.getpid(), num_blocks=num_blocks)
+    msg = ProcessReady(
+        role=role,
+        index=index,
+        pid=os.getpid(),
+        num_blocks=num_blocks,
+        engine=config.engine_index,
+    )
     sock.send(msgspec.msgpack.encode(msg))
     sock.close(linger=2000)
 

@@ -272,6 +272,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 #      │◄──EngineStats (heartbeat thread of the core; to the supervisor too)
 #      │◄──ProcessEvent, EngineLifecycle (supervisor)     supervisor ──ClientGone──► core
 #
+# With --data-parallel-size N there are N cores (each with its executor): the tokenizer picks
+# one per request and tells the frontend (RequestRouted); each core publishes its heartbeat
+# and KVCacheEvents to the tokenizers (PUB/SUB), which route by them.
+#
 # Sockets that carry several kinds decode a tagged union (the tag is the first array item).
 
 
@@ -362,8 +366,11 @@ class DetokenizerBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     outputs: list[EngineCoreOutput] = []
     # Requests aborted in the core after their first output: drop their state.
     aborted: list[str] = []
-    # The engine restarted: forget every request (they were failed upstream).
+    # The engine restarted: forget every request it sent (they were failed upstream).
     reset: bool = False
+    # The data-parallel replica (engine index) that sent it: a reset forgets only that
+    # replica's requests, and stop strings found go back to its core.
+    engine: int = 0
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -479,6 +486,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     kv_max_pinned_blocks: int = 0
     # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
     tenants: list[TenantStats] = []
+    # The data-parallel replica whose core sent it (`--data-parallel-size`).
+    engine_index: int = 0
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
@@ -488,18 +497,51 @@ class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
     index: int
     alive: bool
     pid: int = 0
+    engine: int = 0  # a core's or executor rank's data-parallel replica
 
 
 class EngineLifecycle(msgspec.Struct, array_like=True, gc=False, tag=9):
-    """Supervisor -> frontend: the engine became ready, or died (with why)."""
+    """Supervisor -> frontend: an engine (one data-parallel replica: a core and its executor
+    ranks) became ready, or died (with why)."""
 
     state: EngineState
     message: str = ""
+    engine: int = 0
+
+
+class RequestRouted(msgspec.Struct, array_like=True, gc=False, tag=14):
+    """Tokenizer -> frontend, with several data-parallel replicas: the replica a request was
+    sent to (if that replica dies, the frontend fails the request with a 503)."""
+
+    req_id: str
+    engine: int
 
 
 FrontendInput = (
-    FrontendBatch | RequestRejected | EngineStats | ProcessEvent | EngineLifecycle | SleepReply
+    FrontendBatch
+    | RequestRejected
+    | EngineStats
+    | ProcessEvent
+    | EngineLifecycle
+    | SleepReply
+    | RequestRouted
 )
+
+
+class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=15):
+    """Core -> tokenizer workers (PUB/SUB), with several data-parallel replicas: the block
+    hashes the replica's prefix cache gained and lost since its last message, so the
+    tokenizers can route a prompt to the replica that holds its prefix. A SUB socket may
+    drop messages: the view they build is a routing hint, never a correctness input."""
+
+    engine: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False  # applied first: the replica's cache was emptied (a restart)
+
+
+# What a tokenizer worker subscribes to from every core: its heartbeat and its KV events.
+RouterInput = EngineStats | KVCacheEvents
 
 
 class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=11):
@@ -509,6 +551,7 @@ class ProcessReady(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     index: int
     pid: int
     num_blocks: int = 0
+    engine: int = 0  # a core's or executor rank's data-parallel replica
 
 
 SupervisorInput = ProcessReady | EngineStats

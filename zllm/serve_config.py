@@ -31,65 +31,91 @@ from zllm.lora import LoRARequest, parse_lora_modules, read_adapter
 logger = logging.getLogger(__name__)
 
 
-class Endpoints(msgspec.Struct):
-    """ZeroMQ addresses. The side named `binds` owns the address; the others connect.
+class EngineEndpoints(msgspec.Struct):
+    """One engine's addresses: a core and its executor ranks (one data-parallel replica).
 
-    tokenizer_in   frontend binds PUSH; tokenizer workers PULL (ZeroMQ load-balances them)
-    core_in        core binds PULL; tokenizers, frontend and detokenizers PUSH
+    core_in        core binds PULL; tokenizers, frontend, detokenizers, supervisor PUSH
     executor_in    executor binds PULL; core PUSHes SchedulerOutput
     executor_out   executor binds PUSH; core PULLs ModelRunnerOutput
     executor_ranks tensor parallel: one per rank from 1, executor rank 0 binds PUSH and
                    forwards each step's SchedulerOutput; that rank PULLs
-    detokenizer_in one per worker, each worker binds PULL; core PUSHes to hash(req_id) % M
-    frontend_in    frontend binds PULL; detokenizers, tokenizers, core, supervisor PUSH
-    supervisor_in  supervisor binds PULL; children report ready
+    events         data parallel: core binds PUB (heartbeats, KV cache events); tokenizer
+                   workers SUB, to route by prefix and load
     """
 
-    tokenizer_in: str
     core_in: str
     executor_in: str
     executor_out: str
+    executor_ranks: list[str] = []
+    events: str = ""
+
+
+class Endpoints(msgspec.Struct):
+    """ZeroMQ addresses. The side named `binds` owns the address; the others connect.
+
+    tokenizer_in   frontend binds PUSH; tokenizer workers PULL (ZeroMQ load-balances them)
+    detokenizer_in one per worker, each worker binds PULL; cores PUSH to crc32(req_id) % M
+    frontend_in    frontend binds PULL; detokenizers, tokenizers, cores, supervisor PUSH
+    supervisor_in  supervisor binds PULL; children report ready
+    engines        one EngineEndpoints per data-parallel replica
+    """
+
+    tokenizer_in: str
     detokenizer_in: list[str]
     frontend_in: str
     supervisor_in: str
+    engines: list[EngineEndpoints]
     ipc_dir: str | None = None
-    executor_ranks: list[str] = []
 
     @classmethod
-    def ipc(cls, num_detokenizers: int, num_ranks: int = 1) -> Endpoints:
+    def ipc(cls, num_detokenizers: int, num_ranks: int = 1, num_engines: int = 1) -> Endpoints:
         """ipc:// sockets in a fresh private (0700) directory."""
         d = tempfile.mkdtemp(prefix="zllm-")
         os.chmod(d, 0o700)
 
-        def addr(name: str) -> str:
-            return f"ipc://{d}/{name}"
+        def addr(name: str, engine: int = 0) -> str:
+            return f"ipc://{d}/{name}" + (f"_dp{engine}" if engine else "")
 
         return cls(
             tokenizer_in=addr("tokenizer_in"),
-            core_in=addr("core_in"),
-            executor_in=addr("executor_in"),
-            executor_out=addr("executor_out"),
             detokenizer_in=[addr(f"detokenizer_in_{i}") for i in range(num_detokenizers)],
             frontend_in=addr("frontend_in"),
             supervisor_in=addr("supervisor_in"),
+            engines=[
+                EngineEndpoints(
+                    core_in=addr("core_in", e),
+                    executor_in=addr("executor_in", e),
+                    executor_out=addr("executor_out", e),
+                    executor_ranks=[addr(f"executor_rank_{r}", e) for r in range(1, num_ranks)],
+                    events=addr("events", e),
+                )
+                for e in range(num_engines)
+            ],
             ipc_dir=d,
-            executor_ranks=[addr(f"executor_rank_{r}") for r in range(1, num_ranks)],
         )
 
     @classmethod
-    def tcp(cls, num_detokenizers: int, num_ranks: int = 1, host: str = "127.0.0.1") -> Endpoints:
+    def tcp(
+        cls,
+        num_detokenizers: int,
+        num_ranks: int = 1,
+        num_engines: int = 1,
+        host: str = "127.0.0.1",
+    ) -> Endpoints:
         """tcp:// sockets on free loopback ports (for processes that share no filesystem)."""
-        ports = free_ports(6 + num_detokenizers + num_ranks - 1, host)
+        per_engine = 4 + num_ranks - 1
+        ports = free_ports(4 + num_detokenizers + per_engine * num_engines, host)
         addr = [f"tcp://{host}:{p}" for p in ports]
+        engines = []
+        for e in range(num_engines):
+            own = addr[4 + num_detokenizers + e * per_engine :][:per_engine]
+            engines.append(EngineEndpoints(own[0], own[1], own[2], own[4:], events=own[3]))
         return cls(
             tokenizer_in=addr[0],
-            core_in=addr[1],
-            executor_in=addr[2],
-            executor_out=addr[3],
-            frontend_in=addr[4],
-            supervisor_in=addr[5],
-            detokenizer_in=addr[6 : 6 + num_detokenizers],
-            executor_ranks=addr[6 + num_detokenizers :],
+            frontend_in=addr[1],
+            supervisor_in=addr[2],
+            detokenizer_in=addr[4 : 4 + num_detokenizers],
+            engines=engines,
         )
 
 
@@ -131,6 +157,18 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None
     # LoRA adapters served from the start (--lora-modules), checked, with ids 1, 2, ...
     lora_modules: list[LoRARequest] = []
+    # Data parallelism: engines (core + executor ranks) serving behind the one frontend, and
+    # how the tokenizer workers pick one for each request (tokenizer_proc/router.py).
+    data_parallel_size: int = 1
+    data_parallel_routing: str = "cache_aware"
+    # Which engine a core or executor process belongs to (the supervisor's command line
+    # sets it; the shared processes keep 0 and look at every engine).
+    engine_index: int = 0
+
+    @property
+    def engine_endpoints(self) -> EngineEndpoints:
+        """This engine's addresses (a core's or executor rank's own)."""
+        return self.endpoints.engines[self.engine_index]
 
     @property
     def max_in_flight(self) -> int:
@@ -246,6 +284,19 @@ class ServerArgs:
         "qwen3); structured outputs then apply after the reasoning",
         choices=("deepseek_r1", "qwen3"),
     )
+    data_parallel_size: int = option(
+        1,
+        help="engines (a core and its executor ranks each, a whole copy of the model) behind "
+        "the one endpoint; the tokenizer workers route each request to one",
+        parse=positive_int,
+    )
+    data_parallel_routing: str = option(
+        "cache_aware",
+        help="how a request's engine is picked with --data-parallel-size above 1: "
+        "cache_aware (the engine holding most of its prompt's prefix, unless it is much "
+        "busier) or load (the least busy: waiting x 4 + running)",
+        choices=("cache_aware", "load"),
+    )
 
 
 # ServerArgs fields that serve_config_from resolves rather than copies.
@@ -260,6 +311,8 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     server = server or ServerArgs()
     n = server.detokenizer_workers
     ranks = engine.tensor_parallel_size
+    check_data_parallel(engine, server.data_parallel_size)
+    engines = server.data_parallel_size
     copied = {
         f.name: getattr(server, f.name)
         for f in dataclasses.fields(server)
@@ -268,7 +321,9 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     return ServeConfig(
         engine=engine,
         endpoints=(
-            Endpoints.tcp(n, ranks) if server.transport == "tcp" else Endpoints.ipc(n, ranks)
+            Endpoints.tcp(n, ranks, engines)
+            if server.transport == "tcp"
+            else Endpoints.ipc(n, ranks, engines)
         ),
         api_keys=list(server.api_key),
         served_model_names=list(server.served_model_name),
@@ -276,6 +331,25 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         lora_modules=start_adapters(engine, server.lora_modules),
         **copied,
     )
+
+
+def check_data_parallel(engine: EngineConfig, size: int) -> None:
+    """Refuse data parallelism with the features it does not cover yet, naming them."""
+    if size == 1:
+        return
+    unsupported = [
+        (engine.enable_sleep_mode, "--enable-sleep-mode"),
+        (
+            engine.kv_offload is not None and engine.kv_offload.disk_dir is not None,
+            "--kv-offload-dir (the engines would share one disk tier)",
+        ),
+    ]
+    named = [name for refused, name in unsupported if refused]
+    if named:
+        raise ValueError(
+            f"--data-parallel-size {size} does not support {', '.join(named)} yet: "
+            "use one engine with it, or leave it out"
+        )
 
 
 def start_adapters(engine: EngineConfig, specs: list[str]) -> list[LoRARequest]:

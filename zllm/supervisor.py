@@ -2,15 +2,18 @@
 
 Start order: the executor first (it loads the model and sizes the KV pool, which fixes the
 number of blocks and so the longest context), then the core, the tokenizer and detokenizer
-workers, and last the frontend. Each child reports ready on `supervisor_in`.
+workers, and last the frontend. Each child reports ready on `supervisor_in`. With
+--data-parallel-size N there are N engines (a core and its executor ranks each), started
+side by side; each engine's processes read a config file of their own (its KV pool size).
 
 Watching (every 0.1 s, in one loop that never blocks on a restart):
 - A dead child (a SIGKILL or an OOM kill shows up the same way): tokenizer, detokenizer and
-  frontend workers are restarted alone; a dead frontend's requests are aborted in the core
+  frontend workers are restarted alone; a dead frontend's requests are aborted in the cores
   (`ClientGone`), since nobody will read them. The core and the executor are one engine:
-  the frontend is told the engine is dead (it fails every request in flight with a 503 and
-  /health turns 503), both are restarted (`--on-engine-failure restart`) or the supervisor
-  exits non-zero (`exit`) for an orchestrator to restart it.
+  the frontend is told the engine is dead (it fails every request in flight on it with a
+  503; /health turns 503 when no engine is left), its processes are restarted
+  (`--on-engine-failure restart`; the other engines serve on) or the supervisor exits
+  non-zero (`exit`) for an orchestrator to restart it.
 - A hung core: its heartbeat (every 0.5 s, from a thread of its own) reaches the supervisor
   too; none for `--engine-hang-timeout` seconds counts as a dead core.
 - A restart spawns the new process and goes back to watching; the child's ready report is
@@ -45,7 +48,7 @@ from zllm.protocol import (
     ProcessRole,
     SupervisorInput,
 )
-from zllm.serve_config import ServeConfig, encode_config, free_ports
+from zllm.serve_config import ServeConfig, decode_config, encode_config, free_ports
 
 logger = logging.getLogger("zllm.supervisor")
 
@@ -71,10 +74,22 @@ class Child:
     proc: subprocess.Popen
     started_at: float  # monotonic
     ready: bool = False
+    engine: int = 0  # a core's or executor rank's engine
 
     @property
     def name(self) -> str:
-        return f"{self.role} {self.index}"
+        return f"{self.role} {self.index}" + (f" of engine {self.engine}" if self.engine else "")
+
+
+@dataclass(eq=False)
+class Engine:
+    """One engine (a data-parallel replica): a core and its executor ranks."""
+
+    index: int
+    config: ServeConfig  # its own copy: its KV pool size
+    config_path: str
+    state: EngineState = EngineState.STARTING
+    last_heartbeat: float = 0.0  # monotonic
 
 
 class Supervisor:
@@ -90,12 +105,21 @@ class Supervisor:
         self.inbox.bind(config.endpoints.supervisor_in)
         self.to_frontend = ctx.socket(zmq.PUSH)
         self.to_frontend.connect(config.endpoints.frontend_in)
-        self.to_core = ctx.socket(zmq.PUSH)
-        self.to_core.connect(config.endpoints.core_in)
+        self.to_cores = []
+        for endpoints in config.endpoints.engines:
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(endpoints.core_in)
+            self.to_cores.append(sock)
         self.decoder = msgspec.msgpack.Decoder(SupervisorInput)
         self.encoder = msgspec.msgpack.Encoder()
-        self.engine_state = EngineState.STARTING
-        self.last_heartbeat = time.monotonic()
+        self.engines = [
+            Engine(
+                e,
+                msgspec.structs.replace(_copy(config), engine_index=e),
+                os.path.join(self.run_dir, f"engine-{e}.json"),
+            )
+            for e in range(config.data_parallel_size)
+        ]
         self.started = False  # start() finished: from now on a failure restarts, not raises
         self.stopping = False
         self.exit_code = 0
@@ -103,9 +127,10 @@ class Supervisor:
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start every child and wait until all are ready; StartupError if one fails."""
+        for engine in self.engines:
+            self._start_engine(engine)
+        self._watch_until(lambda: all(e.state == EngineState.READY for e in self.engines))
         self._write_config()
-        self._start_engine()
-        self._watch_until(lambda: self.engine_state == EngineState.READY)
         for role, count in (
             (ProcessRole.TOKENIZER, self.config.tokenizer_workers),
             (ProcessRole.DETOKENIZER, self.config.detokenizer_workers),
@@ -129,30 +154,42 @@ class Supervisor:
             self._watch_once()
 
     def _brief_frontend(self) -> None:
-        """Tell the frontend every child is up and the engine is ready."""
+        """Tell the frontend every child is up and which engines are ready."""
         for child in self.children:
-            self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
-        self._tell_frontend(EngineLifecycle(EngineState.READY))
+            self._tell_frontend(_process_event(child, True))
+        for engine in self.engines:
+            if engine.state == EngineState.READY:
+                self._tell_frontend(EngineLifecycle(EngineState.READY, engine=engine.index))
 
-    def _start_engine(self) -> None:
+    def _start_engine(self, engine: Engine) -> None:
         """The executor first (every tensor-parallel rank of it); the core follows once the
         ranks report their KV pool."""
-        self.engine_state = EngineState.STARTING
+        engine.state = EngineState.STARTING
+        _write(engine.config_path, engine.config)
         # A fresh rendezvous port each start: a killed rank 0's may still be in use.
         env = {**os.environ, TP_INIT_ENV: f"tcp://127.0.0.1:{free_ports(1)[0]}"}
         for rank in range(self.config.engine.tensor_parallel_size):
-            self._spawn(ProcessRole.EXECUTOR, rank, env)
+            self._spawn(ProcessRole.EXECUTOR, rank, env, engine)
 
     def _write_config(self) -> None:
-        tmp = self.config_path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(encode_config(self.config))
-        os.replace(tmp, self.config_path)
+        """The shared processes' config: the longest context every engine can hold."""
+        cache, scheduler = self.config.engine.cache, self.config.engine.scheduler
+        cache.num_blocks = min(e.config.engine.cache.num_blocks or 0 for e in self.engines)
+        scheduler.max_model_len = min(e.config.engine.scheduler.max_model_len for e in self.engines)
+        _write(self.config_path, self.config)
 
-    def _spawn(self, role: ProcessRole, index: int, env: dict[str, str] | None = None) -> Child:
+    def _spawn(
+        self,
+        role: ProcessRole,
+        index: int,
+        env: dict[str, str] | None = None,
+        engine: Engine | None = None,
+    ) -> Child:
         cmd = [sys.executable, "-m", _MODULES[role], self.config_path, str(index)]
+        if engine is not None:  # its own config, and its index (for the title)
+            cmd[3:] = [engine.config_path, str(index), str(engine.index)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
-        child = Child(role, index, proc, time.monotonic())
+        child = Child(role, index, proc, time.monotonic(), engine=engine.index if engine else 0)
         self.children.append(child)
         logger.debug("started %s (pid %d)", child.name, proc.pid)
         return child
@@ -171,8 +208,8 @@ class Supervisor:
         for msg in receive_nowait(self.inbox, self.decoder, logger, WATCH_INTERVAL_S):
             if isinstance(msg, ProcessReady):
                 self._on_ready(msg)
-            elif isinstance(msg, EngineStats):
-                self.last_heartbeat = time.monotonic()
+            elif isinstance(msg, EngineStats) and msg.engine_index < len(self.engines):
+                self.engines[msg.engine_index].last_heartbeat = time.monotonic()
         now = time.monotonic()
         for child in list(self.children):
             if self.stopping:
@@ -183,17 +220,23 @@ class Supervisor:
                 self._on_death(child, f"died with code {child.proc.returncode}")
             elif not child.ready and now - child.started_at > READY_TIMEOUT_S:
                 self._on_death(child, f"did not report ready within {READY_TIMEOUT_S:.0f} s")
-        hang = now - self.last_heartbeat
-        if self.engine_state == EngineState.READY and hang > self.config.engine_hang_timeout:
-            core = next(c for c in self.children if c.role == ProcessRole.CORE)
-            self._on_death(core, f"sent no heartbeat for {hang:.1f} s (hung)")
+        for engine in self.engines:
+            hang = now - engine.last_heartbeat
+            if engine.state == EngineState.READY and hang > self.config.engine_hang_timeout:
+                core = next(
+                    c
+                    for c in self.children
+                    if c.role == ProcessRole.CORE and c.engine == engine.index
+                )
+                self._on_death(core, f"sent no heartbeat for {hang:.1f} s (hung)")
 
     def _on_ready(self, msg: ProcessReady) -> None:
         child = next(
             (
                 c
                 for c in self.children
-                if (c.role, c.index, c.proc.pid) == (msg.role, msg.index, msg.pid)
+                if (c.role, c.index, c.proc.pid, c.engine)
+                == (msg.role, msg.index, msg.pid, msg.engine)
             ),
             None,
         )
@@ -201,38 +244,46 @@ class Supervisor:
             return  # a child killed meanwhile, or a duplicate report
         child.ready = True
         logger.debug("%s (pid %d) is ready", child.name, msg.pid)
+        engine = self.engines[child.engine]
         if child.role == ProcessRole.EXECUTOR:
-            ranks = [c for c in self.children if c.role == ProcessRole.EXECUTOR]
+            ranks = [
+                c
+                for c in self.children
+                if c.role == ProcessRole.EXECUTOR and c.engine == engine.index
+            ]
             if all(c.ready for c in ranks):  # every rank sized the same pool
-                self._executor_ready(msg.num_blocks)
+                self._executor_ready(engine, msg.num_blocks)
         elif child.role == ProcessRole.CORE:
-            self._engine_ready()
+            self._engine_ready(engine)
         elif self.started:  # a restarted worker
             if child.role == ProcessRole.FRONTEND:
                 self._brief_frontend()  # a new frontend knows nothing yet
             else:
-                self._tell_frontend(ProcessEvent(child.role, child.index, True, msg.pid))
+                self._tell_frontend(_process_event(child, True))
 
-    def _executor_ready(self, num_blocks: int) -> None:
-        engine = self.config.engine
-        if engine.cache.num_blocks != num_blocks:
-            engine.cache.num_blocks = num_blocks
-            # The pool bounds the context: one request alone must always fit.
-            capacity = num_blocks * engine.cache.block_size
-            engine.scheduler.max_model_len = min(engine.scheduler.max_model_len, capacity)
-            self._write_config()
-        self._spawn(ProcessRole.CORE, 0)
+    def _executor_ready(self, engine: Engine, num_blocks: int) -> None:
+        config = engine.config.engine
+        # Its executor sized the pool from the configured budget each time it starts: the
+        # same number, unless a GPU's free memory changed.
+        config.cache.num_blocks = num_blocks
+        # The pool bounds the context: one request alone must always fit.
+        capacity = num_blocks * config.cache.block_size
+        config.scheduler.max_model_len = min(self.config.engine.scheduler.max_model_len, capacity)
+        _write(engine.config_path, engine.config)
+        self._spawn(ProcessRole.CORE, 0, engine=engine)
 
-    def _engine_ready(self) -> None:
-        self.engine_state = EngineState.READY
-        self.last_heartbeat = time.monotonic()
+    def _engine_ready(self, engine: Engine) -> None:
+        engine.state = EngineState.READY
+        engine.last_heartbeat = time.monotonic()
         if not self.started:
             return
         for child in self.children:
-            if child.role.is_engine:
-                self._tell_frontend(ProcessEvent(child.role, child.index, True, child.proc.pid))
-        self._tell_frontend(EngineLifecycle(EngineState.READY))
-        logger.info("engine restarted")
+            if child.role.is_engine and child.engine == engine.index:
+                self._tell_frontend(_process_event(child, True))
+        self._tell_frontend(EngineLifecycle(EngineState.READY, engine=engine.index))
+        logger.info(
+            "engine restarted" if len(self.engines) == 1 else f"engine {engine.index} restarted"
+        )
 
     def _on_death(self, child: Child, what: str) -> None:
         logger.error("%s (pid %d) %s", child.name, child.proc.pid, what)
@@ -245,17 +296,18 @@ class Supervisor:
             self.exit_code = 1
             self.stopping = True
         elif child.role.is_engine:
-            self._restart_engine(f"{child.name} {what}")
+            self._restart_engine(self.engines[child.engine], f"{child.name} {what}")
         else:
             if child.role == ProcessRole.FRONTEND:
-                # Its requests are still running in the core: nobody will read them.
-                send_nowait(self.to_core, self.encoder, ClientGone(child.proc.pid), logger)
+                # Its requests are still running in the cores: nobody will read them.
+                for sock in self.to_cores:
+                    send_nowait(sock, self.encoder, ClientGone(child.proc.pid), logger)
             self._spawn(child.role, child.index)
 
-    def _restart_engine(self, reason: str) -> None:
-        self.engine_state = EngineState.DEAD
-        self._tell_frontend(EngineLifecycle(EngineState.DEAD, reason))
-        for other in [c for c in self.children if c.role.is_engine]:
+    def _restart_engine(self, engine: Engine, reason: str) -> None:
+        engine.state = EngineState.DEAD
+        self._tell_frontend(EngineLifecycle(EngineState.DEAD, reason, engine.index))
+        for other in [c for c in self.children if c.role.is_engine and c.engine == engine.index]:
             self._kill(other)
         if self.config.on_engine_failure == "exit":
             logger.error("engine failed (%s); exiting as --on-engine-failure exit asks", reason)
@@ -263,7 +315,7 @@ class Supervisor:
             self.stopping = True
             return
         logger.warning("engine failed (%s); restarting it", reason)
-        self._start_engine()
+        self._start_engine(engine)
 
     def _kill(self, child: Child) -> None:
         if child.proc.poll() is None:
@@ -271,7 +323,7 @@ class Supervisor:
             child.proc.wait()
         if child in self.children:
             self.children.remove(child)
-        self._tell_frontend(ProcessEvent(child.role, child.index, False, child.proc.pid))
+        self._tell_frontend(_process_event(child, False))
 
     def _tell_frontend(self, msg: ProcessEvent | EngineLifecycle) -> None:
         """(Or the embedding application's EngineClient, which binds the same socket.)"""
@@ -296,7 +348,7 @@ class Supervisor:
         for child in self.children:
             _wait(child, 5.0)
         self.children.clear()
-        for sock in (self.inbox, self.to_frontend, self.to_core):
+        for sock in (self.inbox, self.to_frontend, *self.to_cores):
             sock.close(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         logger.info("all processes stopped")
@@ -319,6 +371,21 @@ def serve(config: ServeConfig) -> int:
     print(f"zllm: sockets and config in {supervisor.run_dir}", flush=True)
     print(f"zllm: serving {names} on http://{config.host}:{config.port}", flush=True)
     return supervisor.run()
+
+
+def _process_event(child: Child, alive: bool) -> ProcessEvent:
+    return ProcessEvent(child.role, child.index, alive, child.proc.pid, child.engine)
+
+
+def _copy(config: ServeConfig) -> ServeConfig:
+    return decode_config(encode_config(config))
+
+
+def _write(path: str, config: ServeConfig) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(encode_config(config))
+    os.replace(tmp, path)
 
 
 def _private_dir() -> str:

@@ -1,0 +1,220 @@
+"""Data-parallel routing, piece by piece (no processes): the tokenizer workers' Router, the
+block hashes it shares with the cores, the block manager's KV cache events, the detokenizer's
+per-engine reset and the frontend's merged statistics. The served behaviour is in
+tests/test_data_parallel.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from zllm.block_hash import cache_salt, hash_full_blocks
+from zllm.core.block_manager import BlockManager
+from zllm.engine_client import merge_stats
+from zllm.protocol import DetokenizerBatch, DetokRequest, EngineStats, KVCacheEvents, TenantStats
+from zllm.tokenizer_proc.router import DOWN_AFTER_S, PREFIX_WEIGHT, RECENT_S, Router
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def router_with(num_engines: int, policy: str = "cache_aware") -> tuple[Router, Clock]:
+    clock = Clock()
+    router = Router(num_engines, policy, clock=clock)
+    for e in range(num_engines):
+        router.on_stats(EngineStats(engine_index=e))
+    return router, clock
+
+
+def hashes(tokens: list[int]) -> list[int]:
+    return hash_full_blocks(tokens, BS)
+
+
+PREFIX = list(range(100, 140))  # 10 blocks
+
+
+def test_a_prompt_goes_to_the_engine_that_holds_its_prefix():
+    router, _ = router_with(3)
+    router.on_kv_events(KVCacheEvents(engine=2, stored=hashes(PREFIX)))
+    prompt = hashes([*PREFIX, 1, 2, 3, 4, 5, 6, 7, 8])  # 12 blocks, 10 held by engine 2
+    assert router.choose(prompt) == 2
+    # Only a leading run counts: the same tokens after a different first block are no hit
+    # (their hashes chain from another parent), so the busier engine 2 is passed over.
+    router.on_stats(EngineStats(engine_index=2, num_running=1))
+    assert router.choose(hashes([9, 9, 9, 9, *PREFIX])) != 2
+
+
+def test_without_a_held_prefix_load_spreads_round_robin():
+    router, _ = router_with(2)
+    chosen = []
+    for i in range(8):
+        prompt = hashes([i, i + 1, i + 2, i + 3, 7, 7, 7, 7])
+        engine = router.choose(prompt)
+        router.routed(engine, prompt)
+        chosen.append(engine)
+    assert chosen.count(0) == chosen.count(1) == 4
+
+
+def test_prompts_routed_moments_ago_count_as_held_until_events_catch_up():
+    """A burst sharing a prefix stays together although no KV event has arrived yet."""
+    router, clock = router_with(2)
+    prompt = hashes(PREFIX)
+    first = router.choose(prompt)
+    router.routed(first, prompt)
+    for _ in range(3):
+        engine = router.choose(hashes([*PREFIX, 5, 5, 5, 5]))
+        router.routed(engine, prompt)
+        assert engine == first
+    clock.now += RECENT_S + 1  # the memory of routing fades; only events hold it now
+    for e in range(2):
+        router.on_stats(EngineStats(engine_index=e))  # (heartbeats keep both up)
+    router.engines[first].num_running = 1
+    assert router.choose(prompt) != first
+
+
+def test_a_busy_holder_sheds_work_to_an_idle_engine():
+    router, _ = router_with(2)
+    router.on_kv_events(KVCacheEvents(engine=0, stored=hashes(PREFIX)))
+    prompt = hashes(PREFIX)
+    router.on_stats(EngineStats(engine_index=0, num_running=int(PREFIX_WEIGHT) - 1))
+    assert router.choose(prompt) == 0  # a whole-prompt hit outweighs 7 running requests
+    router.on_stats(EngineStats(engine_index=0, num_running=2, num_waiting=2))  # load 10
+    assert router.choose(prompt) == 1
+
+
+def test_load_routing_ignores_the_prefix():
+    router, _ = router_with(2, policy="load")
+    router.on_kv_events(KVCacheEvents(engine=0, stored=hashes(PREFIX)))
+    router.on_stats(EngineStats(engine_index=0, num_running=1))
+    assert router.choose(hashes(PREFIX)) == 1
+
+
+def test_kv_events_remove_and_clear_what_an_engine_holds():
+    router, _ = router_with(2)
+    held = hashes(PREFIX)
+    router.on_kv_events(KVCacheEvents(engine=0, stored=held))
+    router.on_kv_events(KVCacheEvents(engine=0, removed=held[:1]))
+    assert router.engines[0].held == set(held[1:])
+    router.on_kv_events(KVCacheEvents(engine=0, stored=held[:2], cleared=True))
+    assert router.engines[0].held == set(held[:2])  # cleared first, then stored
+    router.on_message(KVCacheEvents(engine=7, stored=[1]))  # no such engine: ignored
+    router.on_message(EngineStats(engine_index=7))
+
+
+def test_silent_or_unreachable_engines_are_down_and_forgotten():
+    router, clock = router_with(2)
+    router.on_kv_events(KVCacheEvents(engine=1, stored=hashes(PREFIX)))
+    clock.now += DOWN_AFTER_S + 0.1
+    router.on_stats(EngineStats(engine_index=0))
+    assert router.choose(hashes(PREFIX)) == 0  # engine 1 went silent
+    assert router.engines[1].held == set()  # a restarted engine starts empty
+    router.on_stats(EngineStats(engine_index=1))  # back
+    router.mark_down(0)  # a send to it failed
+    assert router.choose(hashes(PREFIX)) == 1
+    assert router.choose(hashes(PREFIX), exclude=[1]) is None
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        Router(2, "random")
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """The tokenizers route by the hashes the cores compute: they must not depend on the
+    process (Python randomizes str hashes, and hash(None) is an address before 3.12)."""
+    tokens = list(range(37))
+    code = (
+        "from zllm.block_hash import hash_full_blocks, cache_salt;"
+        f"print(hash_full_blocks({tokens}, 4), hash_full_blocks({tokens}, 4, salt=cache_salt(3)))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in (1, 2)
+    }
+    here = f"{hash_full_blocks(tokens, 4)} {hash_full_blocks(tokens, 4, salt=cache_salt(3))}\n"
+    assert outputs == {here}
+    assert hash_full_blocks(tokens, 4) != hash_full_blocks(tokens, 4, salt=cache_salt(3))
+
+
+def test_the_block_manager_reports_what_its_prefix_cache_gains_and_loses():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    bm.record_kv_events()
+    a = list(range(8))
+    assert bm.allocate_slots("a", a, 0, 8)
+    stored, removed, cleared = bm.take_kv_events()
+    assert stored == hash_full_blocks(a, BS) and removed == [] and not cleared
+    bm.free("a")
+    assert bm.take_kv_events() == ([], [], False)  # freed blocks stay cached
+    b = list(range(50, 66))  # needs all 4 blocks: a's two are evicted
+    assert bm.allocate_slots("b", b, 0, 16)
+    stored, removed, _ = bm.take_kv_events()
+    assert set(removed) == set(hash_full_blocks(a, BS))
+    assert stored == hash_full_blocks(b, BS)
+    bm.free("b")
+    bm.reset_prefix_cache()
+    assert bm.take_kv_events() == ([], [], True)
+    quiet = BlockManager(num_blocks=4, block_size=BS)  # not recording: nothing kept
+    assert quiet.allocate_slots("a", a, 0, 8)
+    assert quiet.take_kv_events() == ([], [], False)
+
+
+def test_a_restarted_engine_resets_only_its_own_requests_in_the_detokenizer(tiny_llama_dir):
+    from zllm.detokenizer_proc.detokenizer import Detokenizer
+    from zllm.tokenizer import load_tokenizer
+
+    detok = Detokenizer(load_tokenizer(tiny_llama_dir, None))
+    params = {"prompt_tail": [1, 2], "n": 1}
+    detok.process(DetokenizerBatch(new_requests=[DetokRequest("a", **params)], engine=0))
+    detok.process(DetokenizerBatch(new_requests=[DetokRequest("b", **params)], engine=1))
+    detok.process(DetokenizerBatch(reset=True, engine=1))
+    assert set(detok.requests) == {"a"}
+
+
+def test_merged_stats_sum_the_engines():
+    one = EngineStats(
+        num_running=2,
+        num_waiting=1,
+        kv_cache_usage=0.5,
+        num_blocks=100,
+        prefix_cache_hits=10,
+        spec_accepted_per_pos=[3, 1],
+        tenants=[TenantStats("t", 2.0, num_running=2, num_requests=5)],
+        time=5.0,
+        block_states=b"\x01\x00",
+    )
+    two = EngineStats(
+        num_running=1,
+        kv_cache_usage=0.0,
+        num_blocks=300,
+        prefix_cache_hits=4,
+        spec_accepted_per_pos=[2],
+        tenants=[TenantStats("t", 2.0, num_requests=1), TenantStats("u")],
+        time=7.0,
+        engine_index=1,
+        block_states=b"\x02",
+    )
+    merged = merge_stats([one, two])
+    assert (merged.num_running, merged.num_waiting, merged.prefix_cache_hits) == (3, 1, 14)
+    assert merged.kv_cache_usage == pytest.approx(0.125)  # 50 of 400 blocks
+    assert merged.num_blocks == 400 and merged.time == 7.0
+    assert merged.spec_accepted_per_pos == [5, 1]
+    assert merged.block_states == b"\x01\x00\x02"
+    tenants = {t.name: t for t in merged.tenants}
+    assert tenants["t"].num_requests == 6 and tenants["t"].weight == 2.0
+    assert set(tenants) == {"t", "u"}
+    assert merge_stats([one]) is one

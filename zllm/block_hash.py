@@ -1,0 +1,46 @@
+"""The hash chain that names a full KV block by its tokens (automatic prefix caching).
+
+The core's block manager keys its prefix cache by it, the KV tiers name their blocks by it,
+and with several data-parallel replicas the tokenizer workers hash each prompt the same way to
+find the replica that holds its prefix. So a hash must not depend on the process computing
+it: only ints and tuples of ints go into Python's `hash` (a `str` or `None` hashes
+differently in every process, under hash randomization and address layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+BlockHash = int
+
+# The first block's parent for a request without a salt; any fixed int would do.
+NO_SALT: BlockHash = 0
+# Tags the salt of a LoRA adapter's blocks (a fixed int: "LoRA" in ASCII).
+_LORA_TAG = 0x4C6F5241
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Chain a block's tokens onto its parent's hash."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    known: list[BlockHash] | None = None,
+    salt: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hash chain of every full block of `token_ids`, extending the `known` prefix of it.
+
+    `salt` is the first block's parent: the same tokens under another salt (a LoRA adapter's,
+    `cache_salt`) hash apart, so their KV blocks are never shared."""
+    hashes = list(known) if known else []
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else (NO_SALT if salt is None else salt)
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+    return hashes
+
+
+def cache_salt(lora_int_id: int | None) -> BlockHash | None:
+    """The prefix-cache salt of a request's blocks: its LoRA adapter's, None for the base."""
+    return None if lora_int_id is None else hash((_LORA_TAG, lora_int_id))
