@@ -71,7 +71,7 @@ async def send_all(url: str, prompts: list[list[int]], args: argparse.Namespace)
     gate = asyncio.Semaphore(args.concurrency)
 
     async def one(client: httpx.AsyncClient, tokens: list[int]) -> float:
-        body = {"model": "m", "prompt": tokens, "max_tokens": args.output_len, "temperature": 0,
+        body = {"model": args.model, "prompt": tokens, "max_tokens": args.output_len, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
         async with gate:
             start_time = time.perf_counter()
@@ -130,8 +130,11 @@ def main() -> int:
             results[name] = run_config(args, name, tmp)
             print(f"{name}: {results[name]}", flush=True)
     n = args.groups * args.per_group
-    ideal = (args.per_group - 1) * args.prefix_len / args.per_group / (
-        args.prefix_len + args.question_len
+    ideal = (
+        (args.per_group - 1)
+        * args.prefix_len
+        / args.per_group
+        / (args.prefix_len + args.question_len)
     )
     print(f"\n{args.groups} groups x {args.per_group} requests, {args.prefix_len}-token shared "
           f"prefix + {args.question_len}-token question, {args.output_len} out, c="

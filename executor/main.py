@@ -57,7 +57,8 @@ def main() -> None:
         size,
         os.environ.get(TP_INIT_ENV, ""),
         config.engine.device,
-        first_gpu=config.engine_index * size,
+        engines=config.data_parallel_size,
+        engine=config.engine_index,
     )
     runner = ModelRunner(config.engine, tp)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)

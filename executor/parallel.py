@@ -80,13 +80,20 @@ SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, device: str, first_gpu: int = 0
+    rank: int, size: int, init_method: str, device: str, engines: int = 1, engine: int = 0
 ) -> TensorParallel:
     """Join the process group (gloo on CPU, NCCL on CUDA); returns this rank's view of it.
-    `first_gpu`: the GPU of rank 0 (data-parallel engines on one host take the next ones)."""
+    `engines`: the data-parallel engines on this host, of which this rank's is `engine`: each
+    engine's ranks take the next GPUs, or their share of the CPU cores."""
     if device == "cuda":
         # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
-        torch.cuda.set_device((first_gpu + rank) % torch.cuda.device_count())
+        torch.cuda.set_device((engine * size + rank) % torch.cuda.device_count())
+    elif (
+        not device.startswith("cuda") and size * engines > 1 and "OMP_NUM_THREADS" not in os.environ
+    ):
+        # The processes share this machine's cores: one thread pool each of a core per core
+        # would oversubscribe them N-fold (torch sizes its pool to every core by default).
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (size * engines)))
     if size == 1:
         return SINGLE
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -101,10 +108,6 @@ def init_tensor_parallel(
         # long enough for a slow rank to load a large model before the first step.
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
-    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
-        # The ranks share this machine's cores: one thread pool each of a core per core would
-        # oversubscribe them size-fold (torch sizes its pool to every core by default).
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     logger.info(
         "tensor-parallel rank %d of %d joined (%s, %d threads)",
         rank,
