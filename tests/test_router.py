@@ -123,6 +123,14 @@ def test_silent_or_unreachable_engines_are_down_and_forgotten():
     assert router.choose(hashes(PREFIX), exclude=[1]) is None
 
 
+def test_a_new_router_routes_before_any_heartbeat_and_drops_the_silent():
+    clock = Clock()
+    router = Router(2, clock=clock)
+    assert router.choose([]) in (0, 1)  # the engines were ready before the worker started
+    clock.now += DOWN_AFTER_S + 0.1
+    assert router.choose([]) is None
+
+
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown routing policy"):
         Router(2, "random")

@@ -23,9 +23,11 @@ long prefix stays on its engine while the engines are near balance, and an engin
 a queue sheds new work whatever it holds. `load` routing
 ignores the prefix.
 
-An engine is down (never chosen) once its heartbeats stop for DOWN_AFTER_S, or when a send to
-it fails; its view is then forgotten (a restarted engine's cache is empty) and it is up again
-with its next heartbeat. The view is a routing hint: a stale or lost event costs a prefix hit
+Every engine is up when the worker starts (the supervisor starts the workers once every
+engine is ready, so the first requests need not wait for a heartbeat). An engine is down
+(never chosen) once its heartbeats stop for DOWN_AFTER_S, or when a send to it fails; its
+view is then forgotten (a restarted engine's cache is empty) and it is up again with its
+next heartbeat. The view is a routing hint: a stale or lost event costs a prefix hit
 elsewhere, never a wrong answer, since each engine checks its own cache.
 """
 
@@ -88,9 +90,10 @@ class Router:
     ) -> None:
         if policy not in ("cache_aware", "load"):
             raise ValueError(f"unknown routing policy {policy!r}")
-        self.engines = [EngineView(i) for i in range(num_engines)]
         self.policy = policy
         self.clock = clock
+        # Up from the start: see the module's docstring.
+        self.engines = [EngineView(i, last_heartbeat=clock()) for i in range(num_engines)]
         self._next = 0  # round robin among ties
 
     # ---- what the engines publish ------------------------------------------------------
