@@ -7,6 +7,7 @@
                                    └──► [PUSH executor_in]   [PULL executor_out]
     DetokenizerBatch ──► [PUSH detokenizer_in[i]]   (one message per worker per step)
     RequestRejected  ──► [PUSH frontend_in]
+    (inputs that arrive while the main loop waits for a step are taken in as they come)
     heartbeat thread: EngineStats every 0.5 s ──► frontend_in and supervisor_in
     with --data-parallel-size > 1, the same thread also publishes [PUB events]: the heartbeat
     and the prefix cache's KVCacheEvents (queued by the main loop), for the tokenizer workers'
@@ -52,6 +53,8 @@ logger = logging.getLogger("zllm.core")
 
 HEARTBEAT_INTERVAL_S = 0.5
 LOG_STATS_INTERVAL_S = 10.0
+# How often the main loop takes in new inputs while it waits for a step (milliseconds).
+INPUT_POLL_MS = 10
 
 
 class CoreProcess:
@@ -60,6 +63,8 @@ class CoreProcess:
         self.engine = EngineCore(config.engine, config.detokenizer_workers)
         self.engine.stats.engine_index = config.engine_index
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
+        # A sleep-mode call met while a step ran: applied between steps, before later inputs.
+        self.held_input: SleepControl | None = None
         self.encoder = msgspec.msgpack.Encoder()
         # Data parallel: the prefix cache's changes, for the heartbeat thread to publish.
         self.kv_events: queue.SimpleQueue[KVCacheEvents] | None = None
@@ -174,8 +179,17 @@ class CoreProcess:
                 self._collect_step()
                 self._queue_kv_events()
 
-    def _collect_step(self) -> None:
-        if not self.from_executor.poll(int(self.config.executor_timeout * 1000)):
+    def _collect_step(self, take_inputs: bool = True) -> None:
+        """Wait for the oldest step in flight and publish its output. While it runs, new
+        requests and aborts are taken in every INPUT_POLL_MS (`take_inputs`), so the
+        heartbeat's waiting count (metrics, the data-parallel router's load) holds what
+        arrived during a long step, not only what arrived between steps."""
+        deadline = time.monotonic() + self.config.executor_timeout
+        while not self.from_executor.poll(INPUT_POLL_MS):
+            if take_inputs:
+                self._take_inputs_during_step()
+            if time.monotonic() < deadline:
+                continue
             # A stuck executor is as bad as a dead one: exit, and the supervisor fails what
             # was in flight and restarts the engine.
             logger.error(
@@ -186,12 +200,28 @@ class CoreProcess:
         output = self.runner_decoder.decode(self.from_executor.recv())
         self._publish(self.engine.update(output))
 
+    def _take_inputs_during_step(self) -> None:
+        """What is queued, up to a sleep-mode call: that one collects the steps in flight
+        itself, so it waits (held, the inputs behind it still queued) for the main loop."""
+        while self.held_input is None:
+            try:
+                msg = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(msg, SleepControl):
+                self.held_input = msg
+            else:
+                self._apply(msg)
+
     def _apply_inputs(self, block: bool) -> None:
         """Everything queued; when `block`, first wait (briefly) for something to arrive."""
-        try:
-            msg = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
-        except queue.Empty:
-            return
+        if self.held_input is not None:
+            msg, self.held_input = self.held_input, None
+        else:
+            try:
+                msg = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
+            except queue.Empty:
+                return
         while True:
             self._apply(msg)
             try:
@@ -237,7 +267,7 @@ class CoreProcess:
             if self.engine.has_unfinished_requests():
                 return False, "requests are running; sleep when the engine is idle"
             while self.engine.num_steps_in_flight:
-                self._collect_step()
+                self._collect_step(take_inputs=False)  # nothing new joins while it sleeps
             self._control_step(self.engine.sleep_step())
             self.asleep = True
         elif msg.command == "wake_up" and self.asleep:

@@ -5,11 +5,12 @@ paths."""
 
 from __future__ import annotations
 
-import time
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from servers import start_server, stop_server
+from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config import SchedulerConfig
@@ -101,11 +102,17 @@ def test_offline_priority_needs_the_policy(tiny_llama_dir) -> None:
 @pytest.mark.e2e
 def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
     """One sequence at a time: a high-priority request sent behind five low-priority ones
-    runs as soon as the running one is done, ahead of the four still waiting."""
+    runs as soon as the running one is done, ahead of the four still waiting.
+
+    The executor is paused (SIGSTOP, far under --executor-timeout) until the core holds all
+    six, so the order does not depend on this machine's speed: unpaused, the tiny model
+    finishes a 400-token request in ~0.2 s, and CI once saw the high one come 4th after a
+    fixed 0.3 s sleep."""
     server = start_server(
         tiny_llama_dir, tmp_path / "server.log", "--scheduling-policy", "priority",
         "--max-num-seqs", "1",
     )  # fmt: skip
+    executor = server.children()["executor"]
     try:
         finished: list[str] = []
 
@@ -115,13 +122,28 @@ def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
             assert r.status_code == 200, r.text
             finished.append(name)
 
-        with ThreadPoolExecutor(6) as pool:
-            lows = [pool.submit(send, f"low{i}", 10) for i in range(5)]
-            time.sleep(0.3)  # the lows are queued (one running) before the high one comes
-            high = pool.submit(send, "high", -5)
-            for f in [*lows, high]:
-                f.result()
-        assert finished.index("high") <= 2, finished
+        def queued() -> tuple[float, float]:
+            """(running, waiting) in the core, from its heartbeat."""
+            text = server.get("/metrics").text
+            return (
+                metric(text, "vllm:num_requests_running"),
+                metric(text, "vllm:num_requests_waiting"),
+            )
+
+        os.kill(executor, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(6) as pool:
+                lows = [pool.submit(send, f"low{i}", 10) for i in range(5)]
+                assert wait_until(lambda: queued() == (1, 4), 20), queued()
+                high = pool.submit(send, "high", -5)
+                assert wait_until(lambda: queued() == (1, 5), 20), queued()
+                os.kill(executor, signal.SIGCONT)
+                for f in [*lows, high]:
+                    f.result()
+        finally:
+            os.kill(executor, signal.SIGCONT)
+        # The low running when the high one came finishes first; the high one runs next.
+        assert finished.index("high") == 1, finished
     finally:
         stop_server(server)
 

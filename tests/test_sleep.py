@@ -4,11 +4,15 @@ weights' bytes); after waking, outputs equal those before, and the prefix cache 
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import torch
-from servers import start_server, stop_server, wait_until
+from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 
@@ -129,3 +133,59 @@ def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
         assert server.post("/sleep?level=3", {}).status_code == 400
     finally:
         stop_server(server)
+
+
+@pytest.mark.e2e
+def test_served_sleep_asked_during_a_step_waits_for_it(tiny_llama_dir, tmp_path) -> None:
+    """The core takes requests and aborts in while it waits for a step, but a sleep call met
+    then is held until that step is collected: sleeping collects the steps in flight itself,
+    and doing so inside the wait would leave the wait for a step already taken (the core
+    would give the executor up as dead after --executor-timeout). Here the executor is
+    paused with a step in flight whose request the client has dropped (aborted: nothing
+    unfinished, a step still out), /sleep is asked, the executor resumes: the engine
+    sleeps, no executor is given up, and it serves again after /wake_up. While a request
+    runs, /sleep is refused."""
+    server = start_server(
+        tiny_llama_dir, tmp_path / "server.log", "--enable-sleep-mode", "--executor-timeout", "3"
+    )
+    core, executor = server.children()["core"], server.children()["executor"]
+    body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+
+    def running() -> float:
+        return metric(server.get("/metrics").text, "vllm:num_requests_running")
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            os.kill(executor, signal.SIGSTOP)  # (for well under --executor-timeout)
+            try:
+                dropped = pool.submit(server.post, "/v1/completions", body, timeout=0.5)
+                assert wait_until(lambda: running() == 1, 2)
+                with pytest.raises(httpx.ReadTimeout):
+                    dropped.result()
+                assert wait_until(lambda: running() == 0, 2)  # aborted mid-step
+                asked = pool.submit(server.post, "/sleep?level=1", {}, timeout=30)
+                time.sleep(0.5)  # for the call to reach the core (which holds it unseen)
+            finally:
+                os.kill(executor, signal.SIGCONT)
+            assert asked.result().status_code == 200, asked.result().text
+        assert server.get("/is_sleeping").json()["is_sleeping"]
+        r = server.post("/v1/completions", body)
+        assert r.status_code == 503 and "asleep" in r.json()["error"]["message"]
+        time.sleep(3.5)  # past --executor-timeout: a wait left for a taken step would fail
+        assert server.post("/wake_up", {}).status_code == 200
+        with ThreadPoolExecutor(2) as pool:
+            os.kill(executor, signal.SIGSTOP)
+            try:
+                long = pool.submit(server.post, "/v1/completions", body)
+                assert wait_until(lambda: running() == 1, 2)
+                asked = pool.submit(server.post, "/sleep?level=1", {}, timeout=30)
+                time.sleep(0.5)
+            finally:
+                os.kill(executor, signal.SIGCONT)
+            refused = asked.result()
+            assert refused.status_code == 400 and "requests are running" in refused.text
+            assert long.result().status_code == 200
+        assert server.children()["core"] == core, server.log_tail()
+        assert "treating the executor as dead" not in server.log_text()
+    finally:
+        assert stop_server(server) == 0
