@@ -79,8 +79,13 @@ class EngineCore:
             max_loras=config.lora.max_loras if config.lora else 0,
             kv_connector=self.kv_connector,
         )
+        stages = config.pipeline_parallel_size
         self.stats = EngineStats(
-            num_blocks=self.block_manager.num_blocks, kv_block_bytes=block_bytes(config)
+            num_blocks=self.block_manager.num_blocks,
+            kv_block_bytes=block_bytes(config),
+            # Pipeline stages' time, at 0 from the start (one entry per stage).
+            stage_idle_s=[0.0] * stages if stages > 1 else [],
+            stage_busy_s=[0.0] * stages if stages > 1 else [],
         )
         self._in_flight: deque[SchedulerOutput] = deque()
         # Sent to a request's detokenizer with its first output, then dropped.
@@ -101,10 +106,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def can_schedule(self) -> bool:
-        """Work is waiting and the executor has room for another step."""
-        return (
-            len(self._in_flight) < MAX_STEPS_IN_FLIGHT and self.scheduler.has_unfinished_requests()
-        )
+        """Work is waiting and the executor has room for another step: MAX_STEPS_IN_FLIGHT,
+        or with pipeline stages one per stage (each works on its own micro-batch)."""
+        limit = max(MAX_STEPS_IN_FLIGHT, self.config.scheduler.pipeline_stages)
+        return len(self._in_flight) < limit and self.scheduler.has_unfinished_requests()
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> RequestRejected | None:
@@ -284,6 +289,9 @@ class EngineCore:
         s.executor_forward_s += output.forward_time_s
         s.executor_sample_s += output.sample_time_s
         s.gpu_idle_s += output.gpu_idle_time_s
+        if output.stage_idle_s:  # (new lists: the heartbeat thread may be encoding these)
+            s.stage_idle_s = _add(s.stage_idle_s, output.stage_idle_s)
+            s.stage_busy_s = _add(s.stage_busy_s, output.stage_busy_s)
         allocated, used = self.scheduler.kv_slot_usage()
         s.kv_slots_allocated += allocated
         s.kv_slots_used += used
@@ -309,3 +317,8 @@ def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
         return None
     on_disk = existing_disk_blocks(tier_directory(config)) if offload.disk_dir else []
     return TieredKVConnector(offload, block_bytes(config), on_disk)
+
+
+def _add(totals: list[float], values: list[float]) -> list[float]:
+    """Per-stage sums: `totals` plus `values`."""
+    return [t + v for t, v in zip(totals, values, strict=True)]

@@ -49,6 +49,9 @@ class Request:
     stop_reason: int | str | None = None
     # Whether the executor holds this request's state (cleared on preemption).
     known_to_executor: bool = False
+    # Pipeline parallel: how many of its tokens the executor's earlier stages hold (the last
+    # stage samples them; the others get them with the request's next step).
+    num_tokens_sent: int = 0
     # Speculative decoding: tokens the executor proposed after this request's last step,
     # to be verified in its next one (dropped if that step cannot take them).
     spec_token_ids: list[int] = field(default_factory=list)

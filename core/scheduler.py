@@ -78,6 +78,8 @@ class _StepPlan:
     speculate: bool = False
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)  # back from preemption this step
+    # Pipeline parallel: the most running requests this step takes (None: no limit).
+    max_running: int | None = None
 
 
 class Scheduler:
@@ -221,6 +223,12 @@ class Scheduler:
             # one) is the lowest priority and the newest among equals.
             self.running.sort(key=lambda r: r.priority_key)
         plan = _StepPlan(budget=self.config.max_num_batched_tokens, speculate=self._speculate())
+        stages = self.config.pipeline_stages
+        if stages > 1:
+            # About a stage's share of the running requests per step: the next step takes
+            # the others (these are held while in flight), so the stages' micro-batches
+            # overlap instead of the whole batch going down the pipeline alone.
+            plan.max_running = -(-len(self.running) // stages)
         preempted = self._schedule_running(plan)
         if not preempted:  # a step that had to preempt (the pool is full) admits nobody
             self._schedule_waiting(plan)
@@ -248,11 +256,13 @@ class Scheduler:
         preempted = False
         i = 0
         while i < len(self.running) and plan.budget > 0:
+            if plan.max_running is not None and len(plan.scheduled) >= plan.max_running:
+                break
             req = self.running[i]
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, plan.budget)
-            if num_new <= 0 or (req.num_pending_tokens and (plan.speculate or req.verifying)):
+            if num_new <= 0 or self._held(req, plan):
                 # Everything known is computed and its next token is pending; or it is held
-                # until its step in flight says how many proposals were accepted.
+                # until its step in flight returns.
                 i += 1
                 continue
             drafts = self._take_drafts(req, num_new, plan)
@@ -295,7 +305,7 @@ class Scheduler:
             req = self.fair.pick(candidates) if self.fair else next(candidates, None)
             if req is None:
                 return
-            if req.num_pending_tokens and (plan.speculate or req.verifying):
+            if self._held(req, plan):
                 return  # preempted with a step in flight: held until it returns
             # Prompt logprobs and embeddings need every prompt position computed: no cache
             # hits for those.
@@ -340,6 +350,14 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_to_step(plan, req, num_new)
+
+    def _held(self, req: Request, plan: _StepPlan) -> bool:
+        """Whether `req` waits for its step in flight before it is scheduled again: while
+        speculating (how many proposals that step accepts is unknown), and with pipeline
+        stages (the first stage needs the token that step samples)."""
+        return bool(req.num_pending_tokens) and (
+            plan.speculate or req.verifying or self.config.pipeline_stages > 1
+        )
 
     def _tier_hit(self, cached: PrefixHit | None) -> list[int]:
         """The tier each block after the pool's hit loads from, as far as the tiers hold
@@ -545,6 +563,7 @@ class Scheduler:
             if first_child[c.parent.req_id] == i:
                 c.parent.append_token(c.token)
                 self._pending_beam_tokens[c.parent.req_id] = c.token
+                c.parent.num_tokens_sent += 1  # every stage gets it (beam_tokens)
         # Best first, as transformers keeps its beams (ties in the next round follow it).
         group.running = [
             (beam, c.cum_logprob) for beam, c in zip(beams, continuations, strict=True)
@@ -573,6 +592,7 @@ class Scheduler:
             status=parent.status,
             known_to_executor=True,
         )
+        child.num_tokens_sent = child.num_tokens  # the fork gives every stage its tokens
         self.requests[child.req_id] = child
         self._sequences[parent.client_req_id].append(child.req_id)
         if parent.status == RequestStatus.RUNNING:
@@ -733,6 +753,7 @@ class Scheduler:
                     )
                 )
                 child.known_to_executor = True
+                child.num_tokens_sent = child.num_tokens  # its first token: in the fork
             outputs.append(out)
         return outputs
 
@@ -811,17 +832,18 @@ class Scheduler:
                     )
                 )
                 req.known_to_executor = True
+                req.num_tokens_sent = req.num_tokens
             else:
-                cached_reqs.append(
-                    CachedRequestData(
-                        req_id=req.req_id,
-                        num_computed_tokens=plan.computed_before[req.req_id],
-                        block_ids=(
-                            bm.group_block_ids(req.req_id) if req.req_id in changed else None
-                        ),
-                        resumed=req.req_id in plan.resumed,
-                    )
+                cached = CachedRequestData(
+                    req_id=req.req_id,
+                    num_computed_tokens=plan.computed_before[req.req_id],
+                    block_ids=(bm.group_block_ids(req.req_id) if req.req_id in changed else None),
+                    resumed=req.req_id in plan.resumed,
                 )
+                if self.config.pipeline_stages > 1:
+                    cached.new_token_ids = req.all_token_ids[req.num_tokens_sent :]
+                    req.num_tokens_sent = req.num_tokens
+                cached_reqs.append(cached)
         self._step_id += 1
         out = SchedulerOutput(
             step_id=self._step_id,

@@ -138,9 +138,13 @@ class FusedDecode:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+        stream: torch.Tensor | None = None,
+        final_norm: bool = True,
     ) -> torch.Tensor | None:
         """The final hidden states [T, hidden] of a decode-only step, or None when the step
-        is not one (the caller then runs the model's modules)."""
+        is not one (the caller then runs the model's modules). A pipeline stage passes the
+        residual `stream` entering its layers (not the first stage) and, before the last
+        stage, gets the stream leaving them (`final_norm` False)."""
         metas = metadata_per_layer(attn_metadata, len(kv_caches))
         unique: dict[int, int] = {}
         meta_of_layer = [unique.setdefault(id(meta), len(unique)) for meta in metas]
@@ -151,7 +155,7 @@ class FusedDecode:
                 return None
         decode = distinct[0].decode
         return self.stack.forward(
-            x=self.model.embed(input_ids),
+            x=self.model.embed(input_ids) if stream is None else stream,
             positions=positions,
             kv_caches=kv_caches,
             meta_of_layer=meta_of_layer,
@@ -161,6 +165,7 @@ class FusedDecode:
             slots=[m.slot_mapping for m in distinct],
             windows=[m.sliding_window or 0 for m in distinct],
             seq_lens=decode.seq_lens,
+            final_norm=final_norm,
         )
 
 

@@ -34,13 +34,13 @@ from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.llama import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
-from zllm.executor.parallel import SINGLE, TensorParallel, local_arch
+from zllm.executor.parallel import ONE_RANK, Parallel, local_arch
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask, apply_bitmask
-from zllm.kv_cache_groups import KVCacheGroup, group_size, kv_bytes_per_slot, kv_cache_groups
+from zllm.kv_cache_groups import KVCacheGroup, kv_bytes_per_slot, kv_cache_groups
 from zllm.model_files import read_gguf
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
@@ -111,13 +111,17 @@ class LayerAttention:
 class ModelRunner:
     """The model, its KV cache and every request's state: `execute_model` runs one step."""
 
-    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE) -> None:
-        """`tp`: this process's tensor-parallel rank. Every rank runs every step on its part of
-        the model (self.arch: that part's heads, so its KV cache too) and samples the same
-        tokens from the same gathered logits; only rank 0's output is sent to the core."""
+    def __init__(self, config: EngineConfig, parallel: Parallel = ONE_RANK) -> None:
+        """`parallel`: this process's place among the executor's ranks. Every rank runs every
+        step on its part of the model: its tensor-parallel share of the heads (self.arch, so
+        its KV cache too), its pipeline stage's layers (self.layers). The last stage's ranks
+        sample the same tokens from the same gathered logits; one of them answers the core
+        (parallel.answers), and the earlier stages return no output."""
         self.config = config
-        self.tp = tp
+        self.parallel = parallel
+        self.tp, self.pp = tp, pp = parallel.tp, parallel.pp
         self.arch = local_arch(config.arch, tp)
+        self.layers = pp.layer_range(self.arch.num_layers)  # the layers this stage holds
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -129,10 +133,16 @@ class ModelRunner:
         self._unseeded_generator = (
             torch.Generator(device=self.device).manual_seed(config.seed) if tp.enabled else None
         )
+        # Pipeline parallel: this stage's sends still in flight (the tensors they read), and
+        # when its last step ended (its idle time before the next).
+        self._sends: list[tuple[torch.distributed.Work, torch.Tensor]] = []
+        self._step_end = time.perf_counter()
 
         start = time.perf_counter()
         self.kv_groups = kv_cache_groups(self.arch, config.cache.hybrid_kv_cache)
-        self.layer_attention = _layer_attention(self.arch, self.kv_groups)
+        self.layer_attention = _layer_attention(self.arch, self.kv_groups, self.layers)
+        # The cache tensors this stage's layers use (every one of them on a single stage).
+        self.kv_slot_of = _kv_slots(self.kv_groups, self.layers)
         self.attention = choose_attention_backend(
             self.device,
             self.dtype,
@@ -143,8 +153,9 @@ class ModelRunner:
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
 
-        # Ranks may see different free memory (GPUs): the pool is the smallest any can hold.
-        self.num_blocks = tp.min_across(config.cache.num_blocks or self.profile_num_blocks())
+        # Ranks may see different free memory (GPUs), stages hold different layers: the pool
+        # is the smallest any can hold.
+        self.num_blocks = parallel.min_across(config.cache.num_blocks or self.profile_num_blocks())
         config.cache.num_blocks = self.num_blocks
         self.kv_pool = KVPool([])
         self._allocate_kv_cache()
@@ -217,15 +228,15 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        # group_size tensors; layer i of every KV cache group uses tensor i (kv_cache_groups.py).
-        self.kv_tensors = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(group_size(self.kv_groups))
-        ]
-        self.kv_caches: list[torch.Tensor] = [None] * self.arch.num_layers  # type: ignore[list-item]
-        for g in self.kv_groups:
-            for slot, layer in enumerate(g.layers):
-                self.kv_caches[layer] = self.kv_tensors[slot]
+        # Layer i of every KV cache group uses tensor i (kv_cache_groups.py): group_size
+        # tensors, or on a pipeline stage those its layers use.
+        by_slot = {
+            slot: torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for slot in sorted(set(self.kv_slot_of.values()))
+        }
+        self.kv_tensors = list(by_slot.values())
+        # One per layer of this stage, in order (self.layers).
+        self.kv_caches = [by_slot[self.kv_slot_of[layer]] for layer in self.layers]
         self.kv_pool.tensors = self.kv_tensors
 
     # ---- sleep mode --------------------------------------------------------------------------
@@ -269,7 +280,9 @@ class ModelRunner:
                 config.model_path, self.arch, self.dtype, self.device, self.attention
             )
         model_cls = get_model_class(self.arch.architecture)
-        model = model_cls(config.arch, dtype=self.dtype, attention=self.attention, tp=self.tp)
+        model = model_cls(
+            config.arch, dtype=self.dtype, attention=self.attention, tp=self.tp, pp=self.pp
+        )
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.keep_positions(config.scheduler.max_model_len)
@@ -320,9 +333,9 @@ class ModelRunner:
             # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
             logger.info("LoRA enabled: no CUDA graphs")
             return None
-        if self.tp.enabled:
+        if self.tp.enabled or self.pp.enabled:
             # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
-            logger.info("Tensor parallel: no CUDA graphs")
+            logger.info("Tensor or pipeline parallel: no CUDA graphs")
             return None
         from zllm.executor.cuda_graph import CudaGraphRunner
 
@@ -357,10 +370,14 @@ class ModelRunner:
         return int(num_blocks)
 
     def _kv_bytes_per_slot(self) -> int:
-        """The target's bytes per slot, plus a draft model's (it shares the block ids)."""
+        """The target's bytes per slot (this stage's layers'), plus a draft model's (it shares
+        the block ids)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
-        return kv_bytes_per_slot(self.arch, self.kv_groups, elem) + draft
+        if not self.pp.enabled:
+            return kv_bytes_per_slot(self.arch, self.kv_groups, elem) + draft
+        num_tensors = len(set(self.kv_slot_of.values()))
+        return 2 * num_tensors * self.arch.num_kv_heads * self.arch.head_dim * elem + draft
 
     def _log_kv_cache(self) -> None:
         per_slot = self._kv_bytes_per_slot()
@@ -415,6 +432,9 @@ class ModelRunner:
             state = self.requests.get(cached.req_id)
             if state is None:
                 continue  # it failed; the core has not heard yet
+            if not self.pp.is_last:  # the tokens the last stage sampled (its own are here)
+                for token in cached.new_token_ids:
+                    state.append(token)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
@@ -432,17 +452,27 @@ class ModelRunner:
         """A structured-output request's matcher, fed the output it already has (a recomputed
         request after preemption, a forked sample's first token)."""
         params = st.sampling_params.structured_outputs
-        if params is not None:
+        if params is not None and self.pp.is_last:  # (earlier stages do not sample)
             st.grammar = self.grammars.matcher(params, st.eos_token_ids, st.output_token_ids)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step: apply the changes, run the forward, sample for the requests that are due.
+        A pipeline stage before the last runs its layers, passes them on, and returns None.
 
         Timed in three parts (inputs, forward, logits + sampling + output) for /metrics.
         """
         step_start = time.perf_counter()
+        idle_s = 0.0 if so.after_no_work else step_start - self._step_end
+        try:
+            return self._execute(so, step_start, idle_s)
+        finally:
+            self._step_end = time.perf_counter()
+
+    def _execute(
+        self, so: SchedulerOutput, step_start: float, idle_s: float
+    ) -> ModelRunnerOutput | None:
         if self.asleep:
             if so.total_num_scheduled_tokens or so.new_requests:
                 raise RuntimeError("the engine is asleep: wake it up before running steps")
@@ -450,6 +480,8 @@ class ModelRunner:
         failed = self._update_states(so)
         scheduled, kv_load_failed = self._transfer_kv(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
+            if not self.pp.is_last:  # (every stage holds the same states: none runs it)
+                return None
             return ModelRunnerOutput(
                 step_id=so.step_id,
                 req_ids=[],
@@ -460,7 +492,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(so, scheduled)
         forward_start = time.perf_counter()
         gpu_start = self._record_gpu_event()
-        hidden = self._forward(inputs)
+        stage_times = None
+        if self.pp.enabled:
+            hidden, stage_times = self._forward_stage(inputs, idle_s, step_start)
+            if hidden is None:
+                return None  # passed on to the next stage
+        else:
+            hidden = self._forward(inputs)
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
@@ -478,6 +516,9 @@ class ModelRunner:
         output.prepare_time_s = forward_start - step_start
         output.forward_time_s = forward_end - forward_start
         output.sample_time_s = time.perf_counter() - forward_end
+        if stage_times is not None:
+            stage_times[-1, 1] += output.sample_time_s  # this stage's busy time: all of it
+            output.stage_idle_s, output.stage_busy_s = stage_times.T.tolist()
         return output
 
     def _transfer_kv(self, so: SchedulerOutput) -> tuple[dict[str, int], list[tuple[int, int]]]:
@@ -624,6 +665,58 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
             )
         return hidden
+
+    def _forward_stage(
+        self, inputs: StepInputs, idle_s: float, step_start: float
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """This pipeline stage's part of the forward: the first embeds the tokens, later ones
+        receive the residual stream from the stage before (waiting for it); each runs its
+        layers (fused on CPU for decode-only steps, as one stage would), and all but the last
+        send the stream on (without waiting for it to arrive) and return None; the last
+        returns the final hidden states.
+
+        With the stream goes a [stages, 2] table of each stage's (idle, busy) seconds in this
+        step, so the last stage can report every stage's: idle is the time before the step
+        came and waiting for the stage before, busy the rest."""
+        pp, model = self.pp, self.model
+        wait_s = 0.0  # for the stage before
+        if pp.is_first:
+            stream = model.embed(inputs.input_ids)
+            times = torch.zeros((pp.size, 2), dtype=torch.float64, device=self.device)
+        else:
+            rows = (inputs.positions.shape[0], self.arch.hidden_size)
+            wait_start = time.perf_counter()
+            stream, times = pp.recv([rows, (pp.size, 2)], [self.dtype, torch.float64], self.device)
+            wait_s = time.perf_counter() - wait_start
+        out = None
+        if self.fused_decode is not None:  # decode-only steps on CPU
+            out = self.fused_decode.run(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.attn_metadata,
+                stream=stream,
+                final_norm=pp.is_last,
+            )
+        if out is None:
+            x, residual = model.forward_layers(
+                stream, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
+            # The last stage's hidden states; or the stream the next stage takes in.
+            out = (
+                model.final_norm(x, residual)
+                if pp.is_last
+                else (x if residual is None else x + residual)
+            )
+        times[pp.stage, 0] = idle_s + wait_s
+        times[pp.stage, 1] = time.perf_counter() - step_start - wait_s
+        if pp.is_last:
+            return out, times.cpu()
+        for work, _ in self._sends:  # the last step's: its tensors may be freed now
+            work.wait()
+        tensors = [out, times]
+        self._sends = list(zip(pp.send(tensors), tensors, strict=True))
+        return None, times
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""
@@ -943,12 +1036,20 @@ def _make_proposer(
     raise ValueError(f"speculative method {spec.method!r} is not available")
 
 
-def _layer_attention(arch: ModelArchConfig, groups: list[KVCacheGroup]) -> list[LayerAttention]:
+def _layer_attention(
+    arch: ModelArchConfig, groups: list[KVCacheGroup], layers: range
+) -> list[LayerAttention]:
+    """Per layer of `layers`, which block tables and window its attention uses."""
     group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
     return [
         LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
-        for i in range(arch.num_layers)
+        for i in layers
     ]
+
+
+def _kv_slots(groups: list[KVCacheGroup], layers: range) -> dict[int, int]:
+    """Layer -> the cache tensor it uses (its place in its group), for `layers`."""
+    return {layer: slot for g in groups for slot, layer in enumerate(g.layers) if layer in layers}
 
 
 def _merge_rows(rows: list[LogprobsLists | None]) -> LogprobsLists:

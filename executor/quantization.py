@@ -292,7 +292,8 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
         return GGUFSplitLinear(found, weight.shape[1], bias, int8_activations)
 
     swapped = kept = 0
-    for i, layer in enumerate(model.layers):
+    # (A pipeline stage holds some of the layers: layer_indices names them.)
+    for i, layer in zip(model.layer_indices, model.layers, strict=True):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         targets = [

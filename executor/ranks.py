@@ -1,18 +1,22 @@
-"""Tensor-parallel ranks as processes: rank 0 forwards every step to the others.
+"""Executor ranks as processes: rank 0 forwards every step to the others.
 
     core ──SchedulerOutput──► rank 0 ──the same frame──► rank 1 .. N-1   (ZeroMQ PUSH/PULL)
                                │                          │
-                               └──── all-reduce / all-gather (torch.distributed) ────┘
-    rank 0 ──ModelRunnerOutput──► core                     (the others' outputs are dropped)
+                               └── collectives, stage to stage sends (torch.distributed) ──┘
+    answering rank ──ModelRunnerOutput──► core          (the others answer no one)
 
 Rank 0 passes the message on before decoding it, so the ranks start a step together; every
 rank then runs the same `ModelRunner.execute_model` on its part of the model, meeting the
-others in each layer's collectives. PUSH/PULL (not PUB/SUB) so a message sent before a rank
-has connected waits for it instead of being lost.
+others in each layer's collectives (tensor parallel) or waiting for the stage before
+(pipeline parallel: a stage that has passed its part on goes to the next step at once, so
+stages work on different steps). The answering rank is rank 0, or with pipeline stages the
+last stage's first rank. PUSH/PULL (not PUB/SUB) so a message sent before a rank has
+connected waits for it instead of being lost.
 
 In `zllm serve` the supervisor starts every rank as an executor process (executor/main.py).
 The offline `LLM` runs rank 0 in its own process and starts the others here
-(`start_ranks`, `RankProcesses`).
+(`start_ranks`, `RankProcesses`); with pipeline stages the last stage's answer comes back to
+it over a socket (`RankProcesses.receive_output`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import zmq
 
 from zllm.config import EngineConfig
 from zllm.messaging import decode_or_drop
-from zllm.protocol import SchedulerOutput
+from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class StepFanout:
             sock.close(linger=0)
 
 
-def run_step(runner, step: SchedulerOutput):
+def run_step(runner, step: SchedulerOutput) -> ModelRunnerOutput | None:
     """One step as every rank runs it: waking first or sleeping after when the core says."""
     if step.wake_up:
         runner.wake_up()
@@ -61,49 +65,93 @@ def run_step(runner, step: SchedulerOutput):
     return output
 
 
-def follow_steps(runner, inbox: zmq.Socket) -> None:
-    """A rank from 1: run every step rank 0 forwards, forever; the output stays here."""
+def serve_steps(
+    runner,
+    inbox: zmq.Socket,
+    fanout: StepFanout | None = None,
+    outbox: zmq.Socket | None = None,
+) -> None:
+    """Run every step that arrives, forever. Rank 0 first passes each on to the other ranks
+    (`fanout`); the answering rank sends the output (`outbox`), timed: the step from
+    receiving its message to sending the answer (decoding included), and the wait before."""
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    encoder = msgspec.msgpack.Encoder()
+    idle_since = time.perf_counter()
     while True:
         frame = inbox.recv(copy=False)
+        start = time.perf_counter()
+        if fanout is not None:
+            fanout.forward(frame)  # the other ranks start the step with this one
         step = decode_or_drop(decoder, frame.buffer, logger)
-        if step is not None:
-            run_step(runner, step)
+        if step is None:
+            continue  # (every rank got the same frame: all drop it)
+        output = run_step(runner, step)
+        if outbox is None or output is None:
+            continue
+        output.idle_time_s = 0.0 if step.after_no_work else start - idle_since
+        output.exec_time_s = time.perf_counter() - start
+        outbox.send(encoder.encode(output))
+        idle_since = time.perf_counter()
 
 
-def _rank_process(config_bytes: bytes, rank: int, init_method: str, endpoint: str) -> None:
+def _rank_process(
+    config_bytes: bytes, rank: int, init_method: str, endpoint: str, output_endpoint: str
+) -> None:
     """Entry of an offline rank process (spawned, so it imports torch afresh)."""
     from zllm.procutil import die_with_parent, title_process
 
     die_with_parent()
     title_process(f"zllm: executor {rank}")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    inbox = zmq.Context.instance().socket(zmq.PULL)
+    ctx = zmq.Context.instance()
+    inbox = ctx.socket(zmq.PULL)
     inbox.connect(endpoint)
     from zllm.executor.model_runner import ModelRunner
-    from zllm.executor.parallel import init_tensor_parallel
 
-    tp = init_tensor_parallel(rank, config.tensor_parallel_size, init_method, config.device)
-    follow_steps(ModelRunner(config, tp), inbox)
+    parallel = _init_parallel(config, rank, init_method)
+    outbox = None
+    if parallel.answers:  # the last pipeline stage's first rank
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.connect(output_endpoint)
+    serve_steps(ModelRunner(config, parallel), inbox, outbox=outbox)
+
+
+def _init_parallel(config: EngineConfig, rank: int, init_method: str):
+    from zllm.executor.parallel import init_parallel
+
+    return init_parallel(
+        rank,
+        init_method,
+        config.device,
+        tp_size=config.tensor_parallel_size,
+        pp_size=config.pipeline_parallel_size,
+        num_layers=config.arch.num_layers,
+    )
 
 
 class RankProcesses:
     """The offline engine's ranks 1..N-1 (rank 0 is the caller's ModelRunner): started
-    here, fed through `fanout`, killed with `close` or when this process dies."""
+    here, fed through `fanout`, killed with `close` or when this process dies. With pipeline
+    stages the answering rank is one of them: its outputs arrive on `outputs`."""
 
     def __init__(self, config: EngineConfig, init_method: str) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
         self.closed = False
         self.run_dir = run_dir = _private_dir()
         self.encoder = msgspec.msgpack.Encoder()
         self.endpoints = [f"ipc://{run_dir}/executor_rank_{r}" for r in range(1, size)]
-        self.fanout = StepFanout(zmq.Context.instance(), self.endpoints)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = zmq.Context.instance()
+        self.fanout = StepFanout(ctx, self.endpoints)
+        output_endpoint = f"ipc://{run_dir}/executor_out"
+        self.outputs = ctx.socket(zmq.PULL)
+        self.outputs.bind(output_endpoint)
+        self.output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+        mp_ctx = multiprocessing.get_context("spawn")
         config_bytes = msgspec.msgpack.encode(config)
         self.processes = [
-            ctx.Process(
+            mp_ctx.Process(
                 target=_rank_process,
-                args=(config_bytes, rank, init_method, self.endpoints[rank - 1]),
+                args=(config_bytes, rank, init_method, self.endpoints[rank - 1], output_endpoint),
                 name=f"zllm-executor-{rank}",
                 daemon=True,
             )
@@ -116,11 +164,20 @@ class RankProcesses:
             self.close()  # the ones started, the sockets, the directory
             raise
 
-    def forward(self, step: SchedulerOutput) -> None:
+    def _check_alive(self) -> None:
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"tensor-parallel rank processes died: {', '.join(dead)}")
+            raise RuntimeError(f"executor rank processes died: {', '.join(dead)}")
+
+    def forward(self, step: SchedulerOutput) -> None:
+        self._check_alive()
         self.fanout.forward(self.encoder.encode(step))
+
+    def receive_output(self) -> ModelRunnerOutput:
+        """The answering rank's output of the step forwarded last (pipeline stages)."""
+        while not self.outputs.poll(1000):
+            self._check_alive()
+        return self.output_decoder.decode(self.outputs.recv())
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (a later engine may form one)."""
@@ -130,6 +187,7 @@ class RankProcesses:
             return
         self.closed = True
         self.fanout.close()
+        self.outputs.close(linger=0)
         for proc in self.processes:
             if proc.pid is not None and proc.is_alive():
                 proc.kill()
@@ -145,19 +203,17 @@ class RankProcesses:
 
 
 def start_ranks(config: EngineConfig):
-    """The offline engine's ModelRunner (rank 0) and, with tensor_parallel_size > 1, the
-    processes of ranks 1..N-1 it forwards each step to (None on one rank)."""
+    """The offline engine's ModelRunner (rank 0) and, with several ranks, the processes of
+    ranks 1..N-1 it forwards each step to (None on one rank)."""
     from zllm.executor.model_runner import ModelRunner
-    from zllm.executor.parallel import init_tensor_parallel
     from zllm.serve_config import free_ports
 
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return ModelRunner(config), None
     init_method = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     ranks = RankProcesses(config, init_method)
     try:
-        tp = init_tensor_parallel(0, config.tensor_parallel_size, init_method, config.device)
-        return ModelRunner(config, tp), ranks
+        return ModelRunner(config, _init_parallel(config, 0, init_method)), ranks
     except BaseException:
         ranks.close()
         raise

@@ -10,6 +10,8 @@
                                zllm:executor_idle_seconds_total, zllm:engine_steps_total,
                                zllm:executor_{prepare,forward,sample}_seconds_total,
                                zllm:core_{schedule,output}_seconds_total (goal 4's split);
+                               with pipeline stages, per stage:
+                               zllm:pipeline_stage_{busy,idle}_seconds_total
                                per tenant: zllm:tenant_requests_{running,waiting},
                                zllm:tenant_weight, zllm:tenant_{requests,computed_tokens,
                                generation_tokens,preemptions}_total
@@ -371,6 +373,8 @@ class EngineCollector:
             yield from _spec_decode_metrics(engines)
         if any(s.max_lora for _, s in engines):
             yield _lora_info(engines)
+        if any(s.stage_busy_s for _, s in engines):
+            yield from _pipeline_metrics(engines)
         up = GaugeMetricFamily(
             "zllm:process_up",
             "1 while the process (role, index; engine for a core or executor rank) runs, 0 "
@@ -465,6 +469,23 @@ def _kv_offload_metrics(engines: PerEngine) -> Iterator[Metric]:
                     if capacity:
                         metric.add_metric([*label, TIER_NAMES[i]], values[i])
             yield metric
+
+
+def _pipeline_metrics(engines: PerEngine) -> Iterator[Metric]:
+    """Pipeline parallel, per stage: seconds working on steps and waiting (for the step, and
+    for the stage before); idle over idle + busy is the stage's bubble."""
+    for name, doc, attr in (
+        ("zllm:pipeline_stage_busy_seconds", "Seconds the pipeline stage worked on steps.",
+         "stage_busy_s"),
+        ("zllm:pipeline_stage_idle_seconds",
+         "Seconds the pipeline stage waited for a step or for the stage before.",
+         "stage_idle_s"),
+    ):  # fmt: skip
+        c = CounterMetricFamily(name, doc, labels=[*ENGINE_LABELS, "stage"])
+        for label, s in engines:
+            for stage, value in enumerate(getattr(s, attr)):
+                c.add_metric([*label, str(stage)], value)
+        yield c
 
 
 def _lora_info(engines: PerEngine) -> Metric:

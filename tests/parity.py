@@ -67,3 +67,57 @@ def assert_greedy_parity(
     assert gap < TIE_TOLERANCE, f"{label}: flip at {i} with logprob gap {gap:.4f} nats"
     FLIPS.append(f"{label}: flip at output position {i} (gap {gap:.4f} nats)")
     return Divergence(i, ours[i], theirs[i], gap)
+
+
+# ---- a model split over executor ranks, through `zllm serve` ----------------------------
+
+SERVED_PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys",
+    "def add(a, b):",
+    "Continuous batching lets requests",
+    "1234567890 + 42 =",
+    "Emoji and accents: café",
+    "The capital of France is",
+    "Once upon a time",
+]
+
+
+def served_greedy(server, prompts: list[str], max_tokens: int) -> list[tuple[list, list]]:
+    """Each prompt's greedy tokens and top-5 logprobs per position, through the openai client."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    response = client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    choices = sorted(response.choices, key=lambda c: c.index)
+    return [(c.logprobs.tokens, c.logprobs.top_logprobs) for c in choices]
+
+
+def count_flips(split_out, single_out, label: str) -> int:
+    """Exact equality per prompt, or a first mismatch at a near-tie (the parity tests' rule:
+    each side's token in the other's top-5, the single rank's logprob gap between them under
+    TIE_TOLERANCE) between a model split over ranks and one rank: an all-reduce sums in
+    another order, micro-batches group rows differently. Flips are recorded and reported."""
+    flips = 0
+    for i, ((ours, our_top), (theirs, their_top)) in enumerate(
+        zip(split_out, single_out, strict=True)
+    ):
+        k = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
+        if k is None:
+            continue
+        assert theirs[k] in our_top[k] and ours[k] in their_top[k], (
+            f"{label}[{i}]: flip at {k} off top-5"
+        )
+        gap = abs(their_top[k][theirs[k]] - their_top[k][ours[k]])
+        assert gap < TIE_TOLERANCE, f"{label}[{i}]: flip at {k}, logprob gap {gap:.4f}"
+        FLIPS.append(f"{label}[{i}]: vs one rank, flip at output position {k} (gap {gap:.4f})")
+        flips += 1
+    return flips

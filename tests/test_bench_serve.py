@@ -259,6 +259,25 @@ def test_engine_cost_from_counters_and_process_cpu():
     assert engine_cost(({}, {}), ({}, {}), 10) is None  # another engine: nothing to report
 
 
+def test_pipeline_stage_idle_shares_from_counters():
+    from zllm.bench_engine_stats import engine_cost, parse_counters
+
+    text = "\n".join(
+        [
+            'zllm:engine_steps_total{engine="0",model_name="m"} 20.0',
+            'zllm:pipeline_stage_busy_seconds_total{engine="0",model_name="m",stage="0"} 3.0',
+            'zllm:pipeline_stage_busy_seconds_total{engine="0",model_name="m",stage="1"} 4.0',
+            'zllm:pipeline_stage_idle_seconds_total{engine="0",model_name="m",stage="0"} 2.0',
+            'zllm:pipeline_stage_idle_seconds_total{engine="0",model_name="m",stage="1"} 1.5',
+        ]
+    )
+    after = parse_counters(text)
+    assert after["stage_busy:1"] == 4.0 and after["stage_idle:0"] == 2.0
+    before = {"steps": 10.0, "stage_busy:0": 1.0, "stage_idle:0": 1.0, "stage_busy:1": 1.0}
+    cost = engine_cost((before, {}), (after, {}), output_tokens=100)
+    assert cost["pipeline_stage_idle_share"] == [0.3333, 0.3333]  # 1 / (2 + 1), 1.5 / (3 + 1.5)
+
+
 @pytest.mark.e2e
 def test_engine_split_reported_against_a_real_zllm_server(tiny_llama_dir, tmp_path):
     from servers import start_server, stop_server

@@ -50,6 +50,7 @@ ENGINE = EngineArgs(
     max_loras=3,
     max_lora_rank=32,
     tensor_parallel_size=2,
+    pipeline_parallel_size=3,
     enable_sleep_mode=True,
 )
 ENGINE_ARGV = [
@@ -83,6 +84,7 @@ ENGINE_ARGV = [
     "--max-loras", "3",
     "--max-lora-rank", "32",
     "--tensor-parallel-size", "2",
+    "--pipeline-parallel-size", "3",
     "--enable-sleep-mode",
 ]  # fmt: skip
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.multiprocessing as mp
+from parity import SERVED_PROMPTS, count_flips, served_greedy
 from servers import free_port, start_server, stop_server
 from test_model import MODELS, PROMPTS, PagedRunner, Sequence
 from tiny_models import arch_config_of
@@ -16,7 +17,7 @@ from zllm.executor.models import get_model_class
 from zllm.executor.parallel import (
     SINGLE,
     TensorParallel,
-    init_tensor_parallel,
+    init_parallel,
     kv_heads_of,
     local_arch,
     shard_blocks,
@@ -97,7 +98,7 @@ def run_model(case: str, tp: TensorParallel) -> tuple[torch.Tensor, list[list[in
 
 
 def _rank_main(rank: int, size: int, port: int, case: str, results) -> None:
-    tp = init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", "cpu")
+    tp = init_parallel(rank, f"tcp://127.0.0.1:{port}", "cpu", tp_size=size).tp
     try:
         torch.set_num_threads(1)
         logits, tokens = run_model(case, tp)
@@ -209,58 +210,6 @@ def test_shard_blocks_on_block_boundaries_only():
 
 
 # ---- through `zllm serve` ----------------------------------------------------------------
-
-SERVED_PROMPTS = [
-    "The quick brown fox",
-    "Paged attention stores keys",
-    "def add(a, b):",
-    "Continuous batching lets requests",
-    "1234567890 + 42 =",
-    "Emoji and accents: café",
-    "The capital of France is",
-    "Once upon a time",
-]
-
-
-def served_greedy(server, prompts: list[str], max_tokens: int) -> list[tuple[list, list]]:
-    """Each prompt's greedy tokens and top-5 logprobs per position, through the openai client."""
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    model = client.models.list().data[0].id
-    response = client.completions.create(
-        model=model,
-        prompt=prompts,
-        max_tokens=max_tokens,
-        temperature=0,
-        logprobs=5,
-        extra_body={"ignore_eos": True},
-    )
-    choices = sorted(response.choices, key=lambda c: c.index)
-    return [(c.logprobs.tokens, c.logprobs.top_logprobs) for c in choices]
-
-
-def count_flips(tp_out, single_out, label: str) -> int:
-    """Exact equality per prompt, or a first mismatch at a near-tie (the parity tests' rule:
-    each side's token in the other's top-5, the single rank's logprob gap between them under
-    TIE_TOLERANCE): the all-reduce sums in another order. Flips are recorded and reported."""
-    from parity import FLIPS, TIE_TOLERANCE
-
-    flips = 0
-    for i, ((ours, our_top), (theirs, their_top)) in enumerate(
-        zip(tp_out, single_out, strict=True)
-    ):
-        k = next((j for j, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
-        if k is None:
-            continue
-        assert theirs[k] in our_top[k] and ours[k] in their_top[k], (
-            f"{label}[{i}]: flip at {k} off top-5"
-        )
-        gap = abs(their_top[k][theirs[k]] - their_top[k][ours[k]])
-        assert gap < TIE_TOLERANCE, f"{label}[{i}]: flip at {k}, logprob gap {gap:.4f}"
-        FLIPS.append(f"{label}[{i}]: TP vs one rank, flip at output position {k} (gap {gap:.4f})")
-        flips += 1
-    return flips
 
 
 def serve_and_generate(model: str, log, tp: int, max_tokens: int) -> tuple[list, dict]:

@@ -4,6 +4,8 @@ Two snapshots, before and after the timed requests, of:
 - the server's /metrics step counters (zllm:executor_*_seconds_total, zllm:core_*_seconds_total,
   zllm:engine_steps_total): where each step's time went, and the executor's idle share, the
   time it waited for the core between steps (the overlap the multi-process design exists for);
+- with pipeline stages, each stage's busy and idle seconds (zllm:pipeline_stage_*): its idle
+  share is the pipeline's bubble at that stage;
 - the CPU time (user + system, from /proc) of every local process titled `zllm: <role> ...`:
   what each role costs per generated token. On 2 cores every cycle another process uses is
   one the executor's matmuls don't get.
@@ -15,6 +17,7 @@ engine (llama-server) both simply come back empty.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 STEP_COUNTERS = {
@@ -38,16 +41,27 @@ SPEC_COUNTERS = {
 }
 
 
+# Pipeline parallel, per stage (the key gets ":<stage>").
+STAGE_COUNTERS = {
+    "stage_busy": "zllm:pipeline_stage_busy_seconds_total",
+    "stage_idle": "zllm:pipeline_stage_idle_seconds_total",
+}
+
+
 def parse_counters(metrics_text: str) -> dict[str, float]:
     """Prometheus text -> {our key: value} for STEP_COUNTERS and SPEC_COUNTERS (summed over
-    label sets)."""
+    label sets), and STAGE_COUNTERS per stage ("stage_idle:0", ...)."""
     by_name = {name: key for key, name in {**STEP_COUNTERS, **SPEC_COUNTERS}.items()}
+    per_stage = {name: key for key, name in STAGE_COUNTERS.items()}
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
         key = by_name.get(name)
+        if key is None and name in per_stage:
+            stage = re.search(r'stage="(\d+)"', line)
+            key = f"{per_stage[name]}:{stage.group(1)}" if stage else None
         if key is not None:
             values[key] = values.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return values
@@ -94,6 +108,14 @@ def engine_cost(
         result["executor_idle_share"] = round(delta["idle"] / busy_idle, 4) if busy_idle else None
         if delta.get("gpu_idle") and busy_idle:  # a GPU: its own idle share between steps
             result["gpu_idle_share"] = round(delta["gpu_idle"] / busy_idle, 4)
+    stages = sorted(int(k.split(":")[1]) for k in c1 if k.startswith("stage_busy:"))
+    if stages:
+        shares = []
+        for stage in stages:
+            busy = c1[f"stage_busy:{stage}"] - c0.get(f"stage_busy:{stage}", 0.0)
+            idle = c1.get(f"stage_idle:{stage}", 0.0) - c0.get(f"stage_idle:{stage}", 0.0)
+            shares.append(round(idle / (busy + idle), 4) if busy + idle > 0 else None)
+        result["pipeline_stage_idle_share"] = shares
     drafts = c1.get("spec_drafts", 0.0) - c0.get("spec_drafts", 0.0)
     if drafts > 0:
         proposed = c1.get("spec_draft_tokens", 0.0) - c0.get("spec_draft_tokens", 0.0)

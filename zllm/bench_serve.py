@@ -523,6 +523,9 @@ def format_table(s: dict[str, Any]) -> str:
             rows.append(("Executor idle share", f"{engine['executor_idle_share']:.1%}"))
         if engine.get("gpu_idle_share") is not None:
             rows.append(("GPU idle between steps (share)", f"{engine['gpu_idle_share']:.1%}"))
+    for stage, share in enumerate(engine.get("pipeline_stage_idle_share") or []):
+        if share is not None:
+            rows.append((f"Pipeline stage {stage} idle share", f"{share:.1%}"))
     spec = engine.get("spec_decode")
     if spec:
         rows.append(("Spec decode acceptance rate", f"{spec['acceptance_rate']:.1%}"))

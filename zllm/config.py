@@ -93,6 +93,11 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # "fair": each tenant's weight (zllm/tenants.py names tenants); 1 for one not listed.
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Pipeline stages the executor runs (EngineConfig.pipeline_parallel_size): with more
+    # than one, a request is never in two steps in flight (stage 0 needs its last token) and
+    # each step takes about 1/stages of the running requests, so the stages' micro-batches
+    # overlap (core/scheduler.py).
+    pipeline_stages: int = 1
 
     @property
     def orders_by_priority(self) -> bool:
@@ -184,4 +189,12 @@ class EngineConfig:
     # and the KV pool while idle.
     enable_sleep_mode: bool = False
     # Ranks the model is split over (executor/parallel.py): each an executor process.
+    # tensor_parallel_size ranks per pipeline stage, pipeline_parallel_size stages:
+    # rank = stage * tensor_parallel_size + tensor-parallel rank.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Executor ranks (processes) in all."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -36,7 +36,7 @@ from zllm.kv_cache_groups import kv_cache_groups
 from zllm.kv_tiers import block_bytes
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
-from zllm.parallel_config import check_tensor_parallel
+from zllm.parallel_config import check_parallel
 from zllm.speculative_config import parse_speculative_json, speculative_config_from
 from zllm.tenants import check_tenant_weights, parse_tenant_weights
 
@@ -183,6 +183,13 @@ class EngineArgs:
         "MLP and vocabulary split, an all-reduce per layer half; gloo on CPU, NCCL on GPUs)",
         parse=positive_int,
     )
+    pipeline_parallel_size: int = option(
+        1,
+        help="split the model's layers into this many pipeline stages, each its own executor "
+        "process(es) (x --tensor-parallel-size); the stages pass activations on and work on "
+        "different micro-batches at once",
+        parse=positive_int,
+    )
     enable_sleep_mode: bool = option(
         False,
         help="allow releasing the weights and KV cache while idle: POST /sleep and "
@@ -250,6 +257,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 tenant_weights=self._tenant_weights(),
+                pipeline_stages=self.pipeline_parallel_size,
             ),
             seed=self.seed,
             dtype=dtype,
@@ -264,9 +272,10 @@ class EngineArgs:
             lora=self._lora_config(impl.name),
             enable_sleep_mode=self.enable_sleep_mode,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         config.kv_offload = self._kv_offload_config(config)
-        check_tensor_parallel(config)
+        check_parallel(config)
         return config
 
     def _tenant_weights(self) -> dict[str, float]:

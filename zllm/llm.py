@@ -38,7 +38,9 @@ from zllm.protocol import (
     DetokenizerBatch,
     EngineCoreRequest,
     LogprobsLists,
+    ModelRunnerOutput,
     RequestOutputDelta,
+    SchedulerOutput,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 from zllm.structured_outputs import check_structured_outputs
@@ -67,7 +69,8 @@ class LLM:
         )
         from zllm.executor.ranks import start_ranks  # torch lives behind this import
 
-        # With tensor_parallel_size N: rank 0 here, ranks 1..N-1 in processes it feeds.
+        # With N ranks (tensor x pipeline parallel): rank 0 here, ranks 1..N-1 in processes
+        # it feeds.
         self.model_runner, self._ranks = start_ranks(self.config)
         if self._ranks is not None:  # stopped when this LLM is collected, or at exit
             weakref.finalize(self, self._ranks.close)
@@ -330,14 +333,31 @@ class LLM:
                 "interrupted (they could no longer be kept in step): make a new LLM"
             )
         try:
-            self._ranks.forward(step)
-            output = self.model_runner.execute_model(step)
+            if self.config.pipeline_parallel_size == 1:
+                self._ranks.forward(step)
+                outputs = [self.model_runner.execute_model(step)]
+            else:
+                outputs = self._pipelined_steps(step)
         except BaseException:
             # The other ranks may be inside this step's collectives, or never got it: rank 0
             # cannot rejoin them, so they stop (and later calls say so).
             self._ranks.close()
             raise
-        return self._detokenize(self.engine.update(output))
+        return [d for output in outputs for d in self._detokenize(self.engine.update(output))]
+
+    def _pipelined_steps(self, first: SchedulerOutput) -> list[ModelRunnerOutput]:
+        """Pipeline stages: up to one step per stage sent down the pipeline (this process
+        runs the first stage's part of each), then their outputs from the last stage."""
+        assert self._ranks is not None
+        sent = 0
+        step: SchedulerOutput | None = first
+        while step is not None:
+            self._ranks.forward(step)
+            self.model_runner.execute_model(step)
+            sent += 1
+            more = sent < self.config.pipeline_parallel_size and self.engine.can_schedule()
+            step = self.engine.schedule() if more else None
+        return [self._ranks.receive_output() for _ in range(sent)]
 
     def _detokenize(self, batches: dict[int, DetokenizerBatch]) -> list[RequestOutputDelta]:
         deltas: list[RequestOutputDelta] = []

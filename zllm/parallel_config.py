@@ -1,5 +1,6 @@
-"""What tensor parallelism asks of a model and of the engine, checked without torch (the
-engine arguments run in processes that never import it; executor/parallel.py does the cut)."""
+"""What tensor and pipeline parallelism ask of a model and of the engine, checked without
+torch (the engine arguments run in processes that never import it; executor/parallel.py does
+the cut), and which layers each pipeline stage holds."""
 
 from __future__ import annotations
 
@@ -38,14 +39,32 @@ def check_divisible(arch: ModelArchConfig, size: int) -> None:
         )
 
 
-def check_tensor_parallel(config: EngineConfig) -> None:
-    """Refuse tensor parallelism with the features it does not cover yet, naming them."""
-    size = config.tensor_parallel_size
-    if size < 1:
-        raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
-    if size == 1:
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The decoder layers pipeline stage `stage` holds: consecutive runs, as even as they
+    come, the earlier stages taking one more when they do not divide (the last stage also
+    computes the logits and samples)."""
+    per_stage, extra = divmod(num_layers, num_stages)
+    start = stage * per_stage + min(stage, extra)
+    return range(start, start + per_stage + (stage < extra))
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Refuse rank counts the model cannot be split into, and tensor or pipeline parallelism
+    with the features they do not cover yet, naming them."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    if pp < 1:
+        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {pp}")
+    if tp > 1:
+        check_divisible(config.arch, tp)
+    if pp > config.arch.num_layers:
+        raise ValueError(
+            f"--pipeline-parallel-size {pp} is more than this model's "
+            f"{config.arch.num_layers} layers (each stage holds at least one)"
+        )
+    if tp * pp == 1:
         return
-    check_divisible(config.arch, size)
     unsupported = [
         (config.model_impl != "zllm", "--model-impl transformers"),
         (config.lora is not None, "--enable-lora"),
@@ -55,7 +74,9 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     ]
     named = [name for refused, name in unsupported if refused]
     if named:
+        flags = [f"--tensor-parallel-size {tp}"] if tp > 1 else []
+        flags += [f"--pipeline-parallel-size {pp}"] if pp > 1 else []
         raise ValueError(
-            f"--tensor-parallel-size {size} does not support {', '.join(named)} yet: "
+            f"{' with '.join(flags)} does not support {', '.join(named)} yet: "
             "use one rank with it, or leave it out"
         )

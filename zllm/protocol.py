@@ -113,6 +113,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     block_ids: list[list[int]] | None = None
     # Back after a preemption: its blocks past num_computed_tokens hold nothing of it.
     resumed: bool = False
+    # Pipeline parallel: the tokens it got since it was last sent (sampled by the last
+    # stage, which holds them already; the earlier stages append them).
+    new_token_ids: list[int] = []
 
 
 class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -210,6 +213,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # On a GPU: how long it idled between the previous step's last kernel and this step's
     # first (CUDA events), the executor's own Python between steps included.
     gpu_idle_time_s: float = 0.0
+    # Pipeline parallel, per stage: seconds it waited (for the step, and for the stage before)
+    # and worked on this step (empty on one stage).
+    stage_idle_s: list[float] = []
+    stage_busy_s: list[float] = []
 
 
 # ---- core -> the rest ----------------------------------------------------------------------
@@ -447,6 +454,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     executor_forward_s: float = 0.0
     executor_sample_s: float = 0.0
     gpu_idle_s: float = 0.0  # ModelRunnerOutput.gpu_idle_time_s, summed (0 on CPU)
+    # Pipeline parallel: ModelRunnerOutput.stage_idle_s / stage_busy_s, summed per stage.
+    stage_idle_s: list[float] = []
+    stage_busy_s: list[float] = []
     core_schedule_s: float = 0.0  # in Scheduler.schedule
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0

@@ -36,9 +36,10 @@ class EngineEndpoints(msgspec.Struct):
 
     core_in        core binds PULL; tokenizers, frontend, detokenizers, supervisor PUSH
     executor_in    executor binds PULL; core PUSHes SchedulerOutput
-    executor_out   executor binds PUSH; core PULLs ModelRunnerOutput
-    executor_ranks tensor parallel: one per rank from 1, executor rank 0 binds PUSH and
-                   forwards each step's SchedulerOutput; that rank PULLs
+    executor_out   the answering executor rank (rank 0; with pipeline stages the last
+                   stage's first rank) binds PUSH; core PULLs ModelRunnerOutput
+    executor_ranks tensor or pipeline parallel: one per rank from 1, executor rank 0 binds
+                   PUSH and forwards each step's SchedulerOutput; that rank PULLs
     events         data parallel: core binds PUB (heartbeats, KV cache events); tokenizer
                    workers SUB, to route by prefix and load
     """
@@ -310,7 +311,7 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     n = server.detokenizer_workers
-    ranks = engine.tensor_parallel_size
+    ranks = engine.world_size
     check_data_parallel(engine, server.data_parallel_size)
     engines = server.data_parallel_size
     copied = {

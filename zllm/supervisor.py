@@ -162,13 +162,13 @@ class Supervisor:
                 self._tell_frontend(EngineLifecycle(EngineState.READY, engine=engine.index))
 
     def _start_engine(self, engine: Engine) -> None:
-        """The executor first (every tensor-parallel rank of it); the core follows once the
-        ranks report their KV pool."""
+        """The executor first (every rank of it: tensor-parallel ranks times pipeline
+        stages); the core follows once the ranks report their KV pool."""
         engine.state = EngineState.STARTING
         _write(engine.config_path, engine.config)
         # A fresh rendezvous port each start: a killed rank 0's may still be in use.
         env = {**os.environ, TP_INIT_ENV: f"tcp://127.0.0.1:{free_ports(1)[0]}"}
-        for rank in range(self.config.engine.tensor_parallel_size):
+        for rank in range(self.config.engine.world_size):
             self._spawn(ProcessRole.EXECUTOR, rank, env, engine)
 
     def _write_config(self) -> None:

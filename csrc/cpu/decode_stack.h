@@ -170,13 +170,16 @@ class DecodeStack {
   // x [S, hidden]: the tokens' embeddings (scaled as the model scales them); positions [S].
   // Layer l reads cache kv_caches[l] through step metadata meta_of_layer[l]: block_tables[m]
   // [S, max_blocks] (window-trimmed when windows[m] > 0), slots[m] [S] its new K/V's slots;
-  // seq_lens [S] the contexts with this token. Returns the final norm's output [S, hidden].
+  // seq_lens [S] the contexts with this token. Returns the final norm's output [S, hidden];
+  // without final_norm the residual stream after the last layer (a pipeline stage before the
+  // last passes it on; x_in is then the stream the stage before passed).
   torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions,
                         const std::vector<torch::Tensor>& kv_caches,
                         const std::vector<int64_t>& meta_of_layer,
                         const std::vector<torch::Tensor>& block_tables,
                         const std::vector<torch::Tensor>& slots,
-                        const std::vector<int64_t>& windows, const torch::Tensor& seq_lens) {
+                        const std::vector<int64_t>& windows, const torch::Tensor& seq_lens,
+                        bool final_norm) {
     const int64_t L = num_layers();
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == torch::kFloat32,
                 "x must be fp32 [S, hidden]");
@@ -258,6 +261,7 @@ class DecodeStack {
       layer.down(act, sub);
       add_sublayer(xp, subp, layer.post_ffn_norm, S);
     }
+    if (!final_norm) return x;
     torch::Tensor out = torch::empty({S, hidden_}, opts);
     norm_rows(xp, final_norm_, S, hidden_, out.data_ptr<float>());
     return out;

@@ -62,5 +62,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>(),
            py::arg("x"), py::arg("positions"),
            py::arg("kv_caches"), py::arg("meta_of_layer"), py::arg("block_tables"),
-           py::arg("slots"), py::arg("windows"), py::arg("seq_lens"));
+           py::arg("slots"), py::arg("windows"), py::arg("seq_lens"),
+           py::arg("final_norm") = true);
 }

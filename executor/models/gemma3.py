@@ -35,6 +35,8 @@ from zllm.executor.attention_backend import (
 from zllm.executor.models.llama import RotaryEmbedding, copy_checkpoint, rope
 from zllm.executor.parallel import (
     SINGLE,
+    WHOLE,
+    PipelineParallel,
     TensorParallel,
     gather_logits,
     local_arch,
@@ -180,8 +182,10 @@ class Gemma3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend = TORCH_ATTENTION,
         tp: TensorParallel = SINGLE,
+        pp: PipelineParallel = WHOLE,
     ) -> None:
-        """`arch` is the checkpoint's; with `tp` this rank builds its part (self.arch)."""
+        """`arch` is the checkpoint's; with `tp` this rank builds its part (self.arch), with
+        `pp` only its stage's layers (self.layers[i] is layer layer_indices[i])."""
         super().__init__()
         if arch.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
@@ -209,9 +213,10 @@ class Gemma3ForCausalLM(nn.Module):
             rope_freq_factors=None,
         )
         self.local_rotary = RotaryEmbedding(local, dtype)
+        self.layer_indices = pp.layer_range(arch.num_layers)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(arch, dtype, attention, arch.is_sliding(i), tp)
-            for i in range(arch.num_layers)
+            for i in self.layer_indices
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = logits_weight(arch, dtype, tp)
@@ -229,15 +234,30 @@ class Gemma3ForCausalLM(nn.Module):
         attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per new token."""
+        x, _ = self.forward_layers(self.embed(input_ids), positions, kv_caches, attn_metadata)
+        return self.final_norm(x, None)
+
+    def forward_layers(
+        self,
+        stream: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> tuple[torch.Tensor, None]:
+        """This model's layers (a pipeline stage's) over the hidden states entering them;
+        returns those leaving them (and no separate residual: Gemma adds it in the layer)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x = self.embed(input_ids)
+        x = stream
         global_rope = self.rotary.lookup(positions)
         local_rope = self.local_rotary.lookup(positions)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = local_rope if layer.is_sliding else global_rope
             x = layer(x, cos, sin, kv_cache, meta)
+        return x, None
+
+    def final_norm(self, x: torch.Tensor, residual: None) -> torch.Tensor:
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -274,7 +294,7 @@ class Gemma3ForCausalLM(nn.Module):
         }
         if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v = attn.qkv_proj.weight.data.split([attn.q_size, attn.kv_size, attn.kv_size])

@@ -34,6 +34,8 @@ from zllm.executor.attention_backend import (
 )
 from zllm.executor.parallel import (
     SINGLE,
+    WHOLE,
+    PipelineParallel,
     TensorParallel,
     fill_tied_logits_shard,
     gather_logits,
@@ -379,6 +381,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer a Hugging Face weight name belongs to (None: not a layer's)."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
+
+
 def copy_checkpoint(
     model: nn.Module,
     targets: dict[str, torch.Tensor],
@@ -386,11 +395,15 @@ def copy_checkpoint(
     recomputed: tuple[str, ...] = (),
 ) -> None:
     """Copy Hugging Face-named checkpoint tensors into `targets` (name -> the tensor it
-    fills), each cut to this rank's part first (model.tp); names ending in `recomputed` and a
-    tied model's lm_head are skipped. Refuses unexpected names, wrong shapes and missing ones."""
+    fills), each cut to this rank's part first (model.tp); names ending in `recomputed`, a
+    tied model's lm_head and the layers of other pipeline stages are skipped. Refuses unexpected names, wrong shapes and missing ones."""
     arch, tp = model.arch, model.tp
+    layers = model.layer_indices
     loaded: set[str] = set()
     for name, tensor in weights:
+        layer = layer_of(name)
+        if layer is not None and layer not in layers:
+            continue  # another pipeline stage's
         tensor = shard_weight(name, tensor, model.checkpoint_arch, tp)
         target = targets.get(name)
         if target is None:
@@ -422,9 +435,11 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend = TORCH_ATTENTION,
         tp: TensorParallel = SINGLE,
+        pp: PipelineParallel = WHOLE,
     ) -> None:
         """`attention`: the backend every layer attends with (attention_backend.py). `arch` is
-        the checkpoint's; with `tp` this rank builds its part (self.arch: that part's)."""
+        the checkpoint's; with `tp` this rank builds its part (self.arch: that part's), with
+        `pp` only its stage's layers (self.layers[i] is layer layer_indices[i])."""
         super().__init__()
         if arch.num_heads % arch.num_kv_heads != 0:
             raise ValueError(
@@ -439,8 +454,9 @@ class LlamaForCausalLM(nn.Module):
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         )
         self.rotary = RotaryEmbedding(arch, dtype)
+        self.layer_indices = pp.layer_range(arch.num_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, attention, tp) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, dtype, attention, tp) for _ in self.layer_indices
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = logits_weight(arch, dtype, tp)
@@ -461,16 +477,33 @@ class LlamaForCausalLM(nn.Module):
 
         `attn_metadata`: one per layer, or one for all (attention_backend.metadata_per_layer).
         """
+        x, residual = self.forward_layers(
+            self.embed(input_ids), positions, kv_caches, attn_metadata
+        )
+        return self.final_norm(x, residual)
+
+    def forward_layers(
+        self,
+        stream: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This model's layers (a pipeline stage's: forward() is embed, forward_layers,
+        final_norm) over the residual stream entering them (the embeddings at the first
+        layer). Returns the last sublayer's output and the residual before it: their sum is
+        the stream the next stage takes."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x = self.embed(input_ids)
+        x, residual = stream, None
         cos, sin = self.rotary.lookup(positions)
-        residual = None
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return x, residual
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embedding rows (from GGUF blocks once quantization set embed_rows)."""
@@ -500,7 +533,7 @@ class LlamaForCausalLM(nn.Module):
         }
         if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             if self.arch.architecture in _FUSED_CHECKPOINTS:

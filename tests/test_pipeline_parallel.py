@@ -1,0 +1,262 @@
+"""Pipeline parallelism (--pipeline-parallel-size): which layers each stage holds, how the
+scheduler feeds the stages (a request in one step in flight at a time, about a stage's share
+of the running requests per step, the sampled tokens sent to the earlier stages), and the
+engine with 2 and 3 stages (and 2 x 2 ranks with tensor parallelism) against one rank,
+offline and through `zllm serve` with the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import signal
+
+import httpx
+import pytest
+from parity import SERVED_PROMPTS, count_flips, served_greedy
+from servers import one_request, start_server, stop_server, wait_until
+from test_scheduler import BS, make_request
+
+from zllm import LLM, SamplingParams
+from zllm.config import SchedulerConfig
+from zllm.core.block_manager import BlockManager
+from zllm.core.scheduler import Scheduler
+from zllm.engine_args import EngineArgs
+from zllm.parallel_config import stage_layers
+from zllm.protocol import ModelRunnerOutput
+
+# ---- which layers a stage holds ------------------------------------------------------------
+
+
+def test_stages_hold_consecutive_layers_the_earlier_ones_one_more():
+    assert [stage_layers(30, 3, s) for s in range(3)] == [
+        range(0, 10),
+        range(10, 20),
+        range(20, 30),
+    ]
+    assert [stage_layers(30, 4, s) for s in range(4)] == [
+        range(0, 8),
+        range(8, 16),
+        range(16, 23),
+        range(23, 30),
+    ]
+    assert [stage_layers(2, 2, s) for s in range(2)] == [range(0, 1), range(1, 2)]
+    for layers, stages in ((18, 4), (7, 7), (5, 2)):
+        held = [i for s in range(stages) for i in stage_layers(layers, stages, s)]
+        assert held == list(range(layers))
+
+
+def test_engine_arguments_refuse_what_pipeline_parallel_does_not_cover(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 9 is more than this model's"):
+        EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=9).create_engine_config()
+    with pytest.raises(
+        ValueError, match="--pipeline-parallel-size 2 does not support --enable-lora"
+    ):
+        EngineArgs(
+            model=tiny_llama_dir, pipeline_parallel_size=2, enable_lora=True
+        ).create_engine_config()
+    config = EngineArgs(
+        model=tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2
+    ).create_engine_config()
+    assert config.world_size == 4 and config.scheduler.pipeline_stages == 2
+
+
+# ---- the scheduler with stages -------------------------------------------------------------
+
+
+def staged_scheduler(stages: int) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=64, max_model_len=1000, pipeline_stages=stages
+    )
+    return Scheduler(config, BlockManager(100, BS))
+
+
+def answer(so, sampled: dict[str, int]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        step_id=so.step_id,
+        req_ids=list(sampled),
+        sampled_token_ids=[[t] for t in sampled.values()],
+    )
+
+
+def test_stages_get_alternating_micro_batches_and_the_sampled_tokens():
+    """Four requests on two stages: once they decode, each step takes two of them (a stage's
+    share), a request is not scheduled again while its step is in flight, and the step
+    after its return sends the earlier stages the token it sampled."""
+    sched = staged_scheduler(2)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", 4, start=10 * i))
+    first = sched.schedule()  # every prompt: four new requests (2 stages, no one running yet)
+    assert sorted(first.num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]
+    assert sched.schedule().num_scheduled_tokens == {}  # all four in flight: none again
+    sched.update_from_output(first, answer(first, {f"r{i}": 100 + i for i in range(4)}))
+
+    a = sched.schedule()  # two of the four running
+    assert a.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert {c.req_id: c.new_token_ids for c in a.cached_requests} == {"r0": [100], "r1": [101]}
+    b = sched.schedule()  # the other two, while a is in flight
+    assert b.num_scheduled_tokens == {"r2": 1, "r3": 1}
+    assert {c.req_id: c.new_token_ids for c in b.cached_requests} == {"r2": [102], "r3": [103]}
+    assert sched.schedule().num_scheduled_tokens == {}  # both micro-batches in flight
+    sched.update_from_output(a, answer(a, {"r0": 200, "r1": 201}))
+    c = sched.schedule()
+    assert c.num_scheduled_tokens == {"r0": 1, "r1": 1}
+    assert {x.req_id: x.new_token_ids for x in c.cached_requests} == {"r0": [200], "r1": [201]}
+
+
+def test_one_stage_keeps_scheduling_ahead():
+    """Without stages a request is scheduled again while its step is in flight (its token
+    pending, which the executor holds) and no tokens are sent back."""
+    sched = staged_scheduler(1)
+    sched.add_request(make_request("a", 4))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert all(not c.new_token_ids for c in second.cached_requests)
+    assert first.step_id + 1 == second.step_id
+
+
+# ---- offline -------------------------------------------------------------------------------
+
+
+def generate(llm: LLM, params: SamplingParams) -> list[list[list[int]]]:
+    outs = llm.generate(SERVED_PROMPTS, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def test_offline_stages_equal_one_rank(tiny_llama_dir):
+    """LLM(pipeline_parallel_size=2), and 2 stages x 2 tensor-parallel ranks: greedy tokens,
+    and seeded n = 2 samples (the second sample forked after the prompt, its first token
+    given to every stage), equal one rank's; the stages' processes stop with the LLM."""
+    kw = dict(kv_cache_memory_bytes=64 << 20)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    single = LLM(tiny_llama_dir, **kw)
+    expected = (generate(single, greedy), generate(single, sampled))
+    del single
+    for ranks in (
+        {"pipeline_parallel_size": 2},
+        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+    ):
+        llm = LLM(tiny_llama_dir, **ranks, **kw)
+        processes = llm._ranks.processes
+        assert (generate(llm, greedy), generate(llm, sampled)) == expected, ranks
+        del llm
+        gc.collect()
+        for proc in processes:
+            proc.join(10)
+            assert not proc.is_alive()
+
+
+def test_offline_gemma3_stages_split_sliding_and_global_layers(tmp_path):
+    """Gemma 3 (sliding, global, sliding layers: hybrid KV cache groups) on 3 stages, a layer
+    each: the same greedy tokens as one rank."""
+    from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
+
+    path = str(randomize_norms_and_biases(write_tiny_model(tmp_path, **tiny_gemma3_overrides(8))))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = {}
+    for stages in (1, 3):
+        llm = LLM(path, pipeline_parallel_size=stages, kv_cache_memory_bytes=64 << 20)
+        outputs[stages] = generate(llm, params)
+        del llm
+        gc.collect()
+    assert outputs[3] == outputs[1]
+    assert len({t for out in outputs[1] for t in out[0]}) > 10  # not a degenerate output
+
+
+# ---- through `zllm serve` ------------------------------------------------------------------
+
+
+def serve_and_generate(model: str, log, max_tokens: int, *flags: str):
+    server = start_server(model, log, *flags)
+    try:
+        return served_greedy(server, SERVED_PROMPTS, max_tokens), server
+    finally:
+        assert stop_server(server) == 0
+
+
+def stage_seconds(metrics: str, kind: str) -> dict[str, float]:
+    name = f"zllm:pipeline_stage_{kind}_seconds_total"
+    found = re.findall(rf'^{name}{{[^}}]*stage="(\d+)"[^}}]*}} (\S+)$', metrics, re.M)
+    return {stage: float(value) for stage, value in found}
+
+
+def check_served_split(server, single: list, label: str, ranks: int) -> None:
+    """An executor process per rank, greedy output equal to one rank's (near-tie rule), and
+    each stage's busy and idle seconds on /metrics."""
+    assert {f"executor {r}" for r in range(ranks)} <= server.children().keys()
+    flips = count_flips(served_greedy(server, SERVED_PROMPTS, 24), single, label)
+    assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+
+    def timed() -> bool:  # (with the core's next heartbeat)
+        busy = stage_seconds(server.get("/metrics").text, "busy")
+        return set(busy) == {"0", "1"} and min(busy.values()) > 0
+
+    assert wait_until(timed, 5)
+    idle = stage_seconds(server.get("/metrics").text, "idle")
+    assert set(idle) == {"0", "1"} and idle["1"] > 0  # stage 1 waits for stage 0
+
+
+@pytest.mark.e2e
+def test_served_stages_equal_one_rank_and_report_their_idle_time(tiny_llama_dir, tmp_path):
+    """`zllm serve --pipeline-parallel-size 2`, and 2 stages x 2 tensor-parallel ranks."""
+    single, _ = serve_and_generate(tiny_llama_dir, tmp_path / "pp1.log", 24)
+    for flags, ranks in (
+        (("--pipeline-parallel-size", "2"), 2),
+        (("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"), 4),
+    ):
+        server = start_server(tiny_llama_dir, tmp_path / f"pp{ranks}.log", *flags)
+        try:
+            check_served_split(server, single, f"tiny {' '.join(flags)}", ranks)
+        finally:
+            assert stop_server(server) == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_served_smollm2_three_stages_equal_one_rank(smollm2_path, tmp_path):
+    """SmolLM2 (30 layers: 10 a stage, Q4_1 blocks) on 3 stages through the server: greedy
+    output equal to one rank's (near-tie rule), every stage's matmuls on GGUF blocks."""
+    single, _ = serve_and_generate(smollm2_path, tmp_path / "pp1.log", 32)
+    split, _ = serve_and_generate(
+        smollm2_path, tmp_path / "pp3.log", 32, "--pipeline-parallel-size", "3"
+    )
+    flips = count_flips(split, single, "smollm2 PP=3")
+    assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+    assert (tmp_path / "pp3.log").read_text().count("GGUF kernels: 40 of 40 decoder matmuls") == 3
+
+
+@pytest.mark.e2e
+def test_kill_9_of_the_last_stage_restarts_every_rank(tiny_llama_dir, tmp_path):
+    """SIGKILL the last stage (the rank that answers the core) while requests run: an
+    executor death. In-flight requests end with a 503 or an error event, every rank and the
+    core restart, and the same greedy output follows."""
+    server = start_server(tiny_llama_dir, tmp_path / "server.log", "--pipeline-parallel-size", "2")
+    try:
+        before = served_greedy(server, SERVED_PROMPTS[:2], 16)
+        old = server.children()
+        victim = old["executor 1"]
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [
+                    asyncio.create_task(one_request(c, server.url, i, stream=i % 2 == 0))
+                    for i in range(8)
+                ]
+                await asyncio.sleep(0.5)
+                os.kill(victim, signal.SIGKILL)
+                return await asyncio.wait_for(asyncio.gather(*tasks), 90)
+
+        outcomes = asyncio.run(scenario())
+        assert set(outcomes) <= {"ok", "status 503", "error event"}, outcomes
+        assert outcomes.count("ok") < len(outcomes)
+        assert wait_until(server.healthy, 60)
+        new = server.children()
+        for name in ("executor 0", "executor 1", "core"):
+            assert new[name] != old[name], f"{name} was not restarted"
+        after = served_greedy(server, SERVED_PROMPTS[:2], 16)
+        assert [tokens for tokens, _ in after] == [tokens for tokens, _ in before]
+    finally:
+        assert stop_server(server) == 0
