@@ -251,6 +251,12 @@ class BlockManager:
             return []
         return [-1 if b is None else b.block_id for b in blocks.tables[group]]
 
+    def block_hashes(self, req_id: str) -> list[BlockHash]:
+        """The hash chain of the request's full blocks registered so far (with prefix
+        caching; the same blocks in every group)."""
+        blocks = self._requests.get(req_id)
+        return [] if blocks is None else list(blocks.hashes)
+
     def group_block_ids(self, req_id: str) -> list[list[int]]:
         """Every group's block table: what the executor receives."""
         return [self.block_ids(req_id, g) for g in range(self.num_groups)]

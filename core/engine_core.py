@@ -78,6 +78,7 @@ class EngineCore:
             config.speculative,
             max_loras=config.lora.max_loras if config.lora else 0,
             kv_connector=self.kv_connector,
+            kv_transfer=config.kv_transfer,
         )
         stages = config.pipeline_parallel_size
         self.stats = EngineStats(
@@ -154,6 +155,7 @@ class EngineCore:
                 priority=request.priority,
                 tenant=request.tenant,
                 cache_pin=self._cache_pin(request),
+                kv_transfer=request.kv_transfer,
             )
         )
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -181,6 +183,12 @@ class EngineCore:
         """A client process died: nobody will read its requests' outputs, so abort them."""
         return self.abort(self.scheduler.requests_of_client(client_id))
 
+    def kv_received(self, stored: list[int], removed: list[int]) -> None:
+        """A disaggregation consumer's executor took in these blocks from a producer (and
+        dropped those to make room): the remote tier's index follows."""
+        if self.kv_connector is not None:
+            self.kv_connector.received(stored, removed)
+
     def finish_sample(self, req_id: str, sample_index: int) -> None:
         """A stop string ended one sample (the detokenizer found it; its state is gone)."""
         self.scheduler.finish_sequence(req_id, sample_index, FinishReason.STOP)
@@ -197,6 +205,8 @@ class EngineCore:
             or step.finished_req_ids
             or step.forked_requests
             or step.blocks_to_copy
+            or step.beam_tokens  # (taken from the scheduler: this step must carry them)
+            or step.kv_transfers
         ):
             return None
         step.after_no_work, self._idle = self._idle, False
@@ -256,6 +266,10 @@ class EngineCore:
             s.max_lora = self.config.lora.max_loras
         if self.kv_connector is not None:
             self.kv_connector.fill_stats(s)
+        if self.config.kv_transfer is not None:
+            s.kv_transfer_role = self.config.kv_transfer.role
+            s.kv_transfer_sent_blocks = sched.num_kv_sent_blocks
+            s.kv_transfer_wait_timeouts = sched.num_kv_wait_timeouts
         s.kv_pinned_blocks = len(bm.pins)
         s.tenants = sched.tenant_stats()
         s.kv_max_pinned_blocks = bm.pins.max_blocks
@@ -311,12 +325,15 @@ def max_pinned_blocks(config: EngineConfig) -> int:
 
 
 def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
-    """The KV tiers' index, the disk tier's seeded from what its directory already holds."""
-    offload = config.kv_offload
-    if offload is None or not offload.enabled:
+    """The KV tiers' index, the disk tier's seeded from what its directory already holds,
+    and a disaggregation consumer's remote buffer."""
+    offload = config.kv_offload if config.kv_offload and config.kv_offload.enabled else None
+    transfer = config.kv_transfer
+    remote_bytes = transfer.buffer_bytes if transfer is not None and transfer.consumes else 0
+    if offload is None and not remote_bytes:
         return None
-    on_disk = existing_disk_blocks(tier_directory(config)) if offload.disk_dir else []
-    return TieredKVConnector(offload, block_bytes(config), on_disk)
+    on_disk = existing_disk_blocks(tier_directory(config)) if offload and offload.disk_dir else []
+    return TieredKVConnector(offload, block_bytes(config), on_disk, remote_bytes)
 
 
 def _add(totals: list[float], values: list[float]) -> list[float]:

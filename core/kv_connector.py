@@ -16,6 +16,12 @@ tier's copy (`load_failed`).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
+
+Prefill/decode disaggregation adds a third tier on a consumer, `remote`: the executor's buffer
+of blocks a producer sent (executor/kv_transfer.py). The core never stores into it; its index
+mirrors what the executor says it received and dropped (`received`), and its blocks load like
+any tier's. A producer's core asks its executor, step by step, to send the prompt blocks of
+the requests marked for it (`prompt_blocks_to_send`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from zllm.config import KVOffloadConfig
-from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES
+from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
 from zllm.protocol import EngineStats, KVTransfers
 
 BlockHash = int
@@ -84,6 +90,14 @@ class TierIndex:
     def discard(self, block_hash: BlockHash) -> None:
         self._lru.pop(block_hash, None)
 
+    def mirror(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
+        """Follow a tier that manages its own contents (the remote buffer)."""
+        for block_hash in removed:
+            self._lru.pop(block_hash, None)
+        for block_hash in stored:
+            self._lru[block_hash] = None
+            self._lru.move_to_end(block_hash)
+
 
 class TieredKVConnector:
     """The tiers below the pool, as the scheduler uses them: `lookup` at admission,
@@ -92,18 +106,22 @@ class TieredKVConnector:
 
     def __init__(
         self,
-        config: KVOffloadConfig,
+        config: KVOffloadConfig | None,
         block_bytes: int,
         disk_blocks: Sequence[BlockHash] = (),
+        remote_bytes: int = 0,
     ) -> None:
-        """`disk_blocks`: what the disk tier directory already holds (oldest first)."""
-        self.tiers: list[TierIndex | None] = [None, None]
-        if config.cpu_bytes > 0:
+        """`disk_blocks`: what the disk tier directory already holds (oldest first).
+        `remote_bytes`: a disaggregation consumer's buffer of received blocks (0: none)."""
+        self.tiers: list[TierIndex | None] = [None, None, None]
+        if config is not None and config.cpu_bytes > 0:
             self.tiers[TIER_CPU] = TierIndex(TIER_CPU, config.cpu_bytes // block_bytes)
-        if config.disk_dir is not None:
+        if config is not None and config.disk_dir is not None:
             self.tiers[TIER_DISK] = TierIndex(
                 TIER_DISK, config.disk_bytes // block_bytes, disk_blocks
             )
+        if remote_bytes:
+            self.tiers[TIER_REMOTE] = TierIndex(TIER_REMOTE, remote_bytes // block_bytes)
         self.block_bytes = block_bytes
         # This step's transfers; a store cancelled by an eviction in the same step is
         # removed rather than followed by a drop (the executor never holds it).
@@ -112,9 +130,9 @@ class TieredKVConnector:
         self._loads: list[tuple[int, BlockHash, int]] = []
         self._loading: set[BlockHash] = set()  # loaded this step: not evicted in it
         # Statistics per tier (EngineStats.kv_tier_*).
-        self.hit_tokens = [0, 0]
-        self.stored_blocks = [0, 0]
-        self.load_failures = [0, 0]
+        self.hit_tokens = [0, 0, 0]
+        self.stored_blocks = [0, 0, 0]
+        self.load_failures = [0, 0, 0]
         # A directory holding more than the disk bound (it shrank since): trim it.
         for tier in self.tiers:
             if tier is not None:
@@ -123,6 +141,18 @@ class TieredKVConnector:
     @property
     def active_tiers(self) -> list[TierIndex]:
         return [t for t in self.tiers if t is not None]
+
+    @property
+    def stored_tiers(self) -> list[TierIndex]:
+        """The tiers evicted pool blocks are stored into (not the remote one)."""
+        return [t for t in self.active_tiers if t.tier != TIER_REMOTE]
+
+    def received(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
+        """The remote tier's buffer took in `stored` and dropped `removed`."""
+        index = self.tiers[TIER_REMOTE]
+        if index is not None:
+            index.mirror(stored, removed)
+            self.stored_blocks[TIER_REMOTE] += len(stored)
 
     # ---- admission -------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
@@ -157,7 +187,7 @@ class TieredKVConnector:
         """Cached prefix blocks the pool evicted this step: store each into every tier
         (before the step overwrites it); one a tier already holds becomes its newest."""
         for block_hash, block_id in blocks:
-            for index in self.active_tiers:
+            for index in self.stored_tiers:
                 if block_hash in index:
                     index.touch(block_hash)
                     continue
@@ -176,7 +206,8 @@ class TieredKVConnector:
             index = self.tiers[tier]
             if index is not None and block_hash in index:
                 index.discard(block_hash)
-                self._forget(tier, block_hash)
+                if tier != TIER_REMOTE:  # (the remote buffer no longer has it)
+                    self._forget(tier, block_hash)
             self.load_failures[tier] += 1
 
     def _forget(self, tier: int, block_hash: BlockHash) -> None:
@@ -207,4 +238,4 @@ class TieredKVConnector:
         stats.kv_tier_capacity = [t.capacity if t is not None else 0 for t in self.tiers]
 
 
-assert TIER_NAMES[TIER_CPU] == "cpu" and TIER_NAMES[TIER_DISK] == "disk"
+assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

@@ -39,6 +39,7 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishSequence,
+    KVBlocksReceived,
     KVCacheEvents,
     ModelRunnerOutput,
     ProcessRole,
@@ -166,15 +167,20 @@ class CoreProcess:
         for sock in self.to_detokenizers:
             send_nowait(sock, self.encoder, reset, logger)
         engine = self.engine
+        stalled = False  # work waits, but nothing could be scheduled and nothing is out
         while True:
             idle = not engine.num_steps_in_flight and not engine.has_unfinished_requests()
-            self._apply_inputs(block=idle)
+            # Stalled (say, a request waiting for KV blocks from a prefill instance): wait
+            # for inputs, which is what changes that, or a moment, instead of spinning.
+            self._apply_inputs(block=idle or stalled)
+            stalled = False
             if engine.can_schedule():
                 step = engine.schedule()
                 self._queue_kv_events()  # blocks are cached as they are allocated
                 if step is not None:
                     self.to_executor.send(self.encoder.encode(step))
                     continue  # schedule the next step right away, while this one runs
+                stalled = not engine.num_steps_in_flight
             if engine.num_steps_in_flight:
                 self._collect_step()
                 self._queue_kv_events()
@@ -247,6 +253,8 @@ class CoreProcess:
             self._publish(engine.abort(msg.req_ids))
         elif isinstance(msg, FinishSequence):
             engine.finish_sample(msg.req_id, msg.sample_index)
+        elif isinstance(msg, KVBlocksReceived):
+            engine.kv_received(msg.stored, msg.removed)
         elif isinstance(msg, ClientGone):
             batches = engine.client_gone(msg.client_id)
             logger.warning(

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zllm.lora import LoRARequest
-from zllm.protocol import CachePin, FinishReason, LogprobsLists
+from zllm.protocol import CachePin, FinishReason, KVTransferParams, LogprobsLists
 from zllm.sampling_params import SamplingParams
 from zllm.tenants import DEFAULT_TENANT
 
@@ -42,6 +42,11 @@ class Request:
     # core scheduling step N+1 while the executor runs step N, a request can be scheduled
     # to compute a token whose id the core does not know yet; the executor has it.
     num_pending_tokens: int = 0
+    # Steps sent with this request that have not returned yet (pipeline parallel holds a
+    # request until none is out), and the id of the step being built when it was last
+    # preempted (what a step scheduled before that returns for it is stale).
+    num_steps_in_flight: int = 0
+    preempted_at_step: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1: not yet looked)
     first_scheduled_time: float | None = None  # wall clock, like arrival_time
     status: RequestStatus = RequestStatus.WAITING
@@ -68,6 +73,12 @@ class Request:
     # its blocks were pinned already.
     cache_pin: CachePin | None = None
     pinned: bool = False
+    # Prefill/decode disaggregation (zllm/kv_transfer_config.py): its part, whether its
+    # prompt's blocks were sent (a producer), and until when it waits for them (a consumer;
+    # time.monotonic()).
+    kv_transfer: KVTransferParams | None = None
+    kv_sent: bool = False
+    remote_kv_deadline: float | None = None
     # False when the executor never computed its blocks (it could not run it): freeing it
     # then drops its blocks' prefix-cache hashes instead of keeping them for later hits.
     computed: bool = True

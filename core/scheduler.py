@@ -52,6 +52,8 @@ from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request, RequestStatus
 from zllm.core.stopping import check_stop
+from zllm.kv_tiers import TIER_REMOTE
+from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
     CachedRequestData,
     EngineCoreOutput,
@@ -90,11 +92,16 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         max_loras: int = 0,
         kv_connector: TieredKVConnector | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         """`max_loras`: the most distinct LoRA adapters in one step (0: LoRA off).
-        `kv_connector`: the KV tiers below the pool (KV offload), if any."""
+        `kv_connector`: the KV tiers below the pool (KV offload; a disaggregation consumer's
+        remote buffer), if any. `kv_transfer`: this engine's part in disaggregation."""
         self.config = config
         self.kv_connector = kv_connector
+        self.kv_transfer = kv_transfer
+        self.num_kv_sent_blocks = 0  # a producer: prompt blocks it had the executor send
+        self.num_kv_wait_timeouts = 0  # a consumer: requests admitted without all blocks
         self.max_loras = max_loras
         self.speculative = speculative
         self.block_manager = block_manager
@@ -300,7 +307,9 @@ class Scheduler:
             candidates = (
                 r
                 for r in self.waiting
-                if not self._is_idle_beam(r) and self._adapter_fits(r, adapters)
+                if not self._is_idle_beam(r)
+                and self._adapter_fits(r, adapters)
+                and not self._awaits_remote_kv(r)
             )
             req = self.fair.pick(candidates) if self.fair else next(candidates, None)
             if req is None:
@@ -351,13 +360,45 @@ class Scheduler:
             self.running.append(req)
             self._add_to_step(plan, req, num_new)
 
+    def _awaits_remote_kv(self, req: Request) -> bool:
+        """A consumer's request marked do_remote_prefill waits, without holding up the
+        requests behind it, until every full block of its prompt that a prefix hit could use
+        is in the pool or the remote buffer, or wait_timeout_s has passed (then what has not
+        come is computed)."""
+        transfer = self.kv_transfer
+        params = req.kv_transfer
+        if transfer is None or not transfer.consumes or params is None:
+            return False
+        if not params.do_remote_prefill or req.num_cached_tokens >= 0:
+            return False  # (not marked, or admitted before: a preempted request)
+        if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
+            return False  # these compute every prompt position anyway
+        now = time.monotonic()
+        if req.remote_kv_deadline is None:
+            req.remote_kv_deadline = now + transfer.wait_timeout_s
+        hit = self.block_manager.find_cached_prefix(req.all_token_ids, cache_salt(req.lora_int_id))
+        wanted = hit.candidate_hashes[hit.num_blocks :]
+        remote = self.kv_connector.tiers[TIER_REMOTE] if self.kv_connector else None
+        if remote is None or len(wanted) > remote.capacity:
+            return False  # more than the buffer holds: it never comes whole
+        wanted = wanted[len(self.kv_connector.lookup(wanted)) :]
+        if not wanted:
+            return False
+        if now < req.remote_kv_deadline:
+            return True
+        if req.remote_kv_deadline > 0:  # count it once
+            req.remote_kv_deadline = 0.0
+            self.num_kv_wait_timeouts += 1
+        return False
+
     def _held(self, req: Request, plan: _StepPlan) -> bool:
         """Whether `req` waits for its step in flight before it is scheduled again: while
         speculating (how many proposals that step accepts is unknown), and with pipeline
-        stages (the first stage needs the token that step samples)."""
-        return bool(req.num_pending_tokens) and (
-            plan.speculate or req.verifying or self.config.pipeline_stages > 1
-        )
+        stages any step of it (the first stage needs the token it samples; a beam's report,
+        prompt logprobs and a preempted request's recompute follow from it)."""
+        if self.config.pipeline_stages > 1:
+            return req.num_steps_in_flight > 0
+        return bool(req.num_pending_tokens) and (plan.speculate or req.verifying)
 
     def _tier_hit(self, cached: PrefixHit | None) -> list[int]:
         """The tier each block after the pool's hit loads from, as far as the tiers hold
@@ -421,6 +462,7 @@ class Scheduler:
     ) -> None:
         plan.computed_before[req.req_id] = req.num_computed_tokens
         plan.scheduled.append(req)
+        req.num_steps_in_flight += 1
         num_drafts = len(drafts) if drafts else 0
         if num_drafts:
             plan.spec_token_ids[req.req_id] = drafts  # type: ignore[assignment]
@@ -457,6 +499,10 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, fork, and finish requests (those gone meanwhile are skipped)."""
         outputs: list[EngineCoreOutput] = []
+        for req_id in sched_out.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is not None:
+                req.num_steps_in_flight -= 1
         if runner_out.kv_load_failed and self.kv_connector is not None:
             self.kv_connector.load_failed(runner_out.kv_load_failed)
         for req_id, message in runner_out.failed.items():
@@ -465,7 +511,8 @@ class Scheduler:
                 outputs.extend(self._fail(req, message))
         for req_id, lp in runner_out.prompt_logprobs.items():
             req = self.requests.get(req_id)
-            if req is not None:
+            # (a chunk computed before the request was preempted: its recompute sends them)
+            if req is not None and sched_out.step_id >= req.preempted_at_step:
                 if req.prompt_logprobs is None:
                     req.prompt_logprobs = lp
                 else:
@@ -740,8 +787,13 @@ class Scheduler:
             )
             self.requests[child.req_id] = child
             self._sequences[parent.client_req_id].append(child.req_id)
-            self.block_manager.fork(parent.req_id, child.req_id)
-            self.running.append(child)
+            if parent.status == RequestStatus.RUNNING:
+                self.block_manager.fork(parent.req_id, child.req_id)
+                self.running.append(child)
+            else:  # the parent was preempted while this step ran: the child recomputes too
+                child.status = RequestStatus.PREEMPTED
+                child.num_computed_tokens = 0
+                self._enqueue(child, front=True)
             out = self._append_and_check(child, [tokens[index]], _rows(logprobs, index, 1))
             if not child.is_finished:
                 self._pending_forks.append(
@@ -762,8 +814,13 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
-        if not req.output_token_ids:
-            req.prompt_logprobs = None  # the prefill starts over, and so do its logprobs
+        if not req.output_token_ids and not req.num_pending_tokens:
+            # The prefill starts over, and so do its prompt logprobs: those of chunks still in
+            # flight are stale (dropped when they come back). With its first token pending,
+            # the step in flight finishes the prompt and its logprobs; the recompute, which
+            # then has an output, sends none.
+            req.prompt_logprobs = None
+            req.preempted_at_step = self._step_id + 1  # the step being built
         self.num_preemptions += 1
         self.tenants[req.tenant].num_preemptions += 1
         if self.fair is not None:
@@ -814,6 +871,7 @@ class Scheduler:
             self.kv_connector.evicted(bm.take_evicted())
             kv_transfers = self.kv_connector.take_transfers()
         new_reqs, cached_reqs = [], []
+        kv_sends = self._kv_sends(plan)
         for req in plan.scheduled:
             # The executor keeps the state of preempted requests (tokens, seeded generator),
             # so a resumed request is sent as cached: a new block table and computed count.
@@ -859,11 +917,33 @@ class Scheduler:
             blocks_to_copy=bm.take_pending_copies(),
             finished_req_ids=self._finished_req_ids,
             kv_transfers=kv_transfers,
+            kv_sends=kv_sends,
         )
         self._pending_forks = []
         self._pending_beam_tokens = {}
         self._finished_req_ids = []
         return out
+
+    def _kv_sends(self, plan: _StepPlan) -> list[tuple[int, int]]:
+        """A producer: the (hash, block id) of every full prompt block of each request marked
+        do_remote_decode whose prompt this step completes (its cached blocks too), for the
+        executor to send once the forward has written them."""
+        if self.kv_transfer is None or not self.kv_transfer.produces:
+            return []
+        sends: list[tuple[int, int]] = []
+        bm = self.block_manager
+        for req in plan.scheduled:
+            params = req.kv_transfer
+            if params is None or not params.do_remote_decode or req.kv_sent:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # a prompt chunk: its blocks go with the last one
+            req.kv_sent = True
+            num_full = req.num_prompt_tokens // self.block_size
+            hashes = bm.block_hashes(req.req_id)[:num_full]
+            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
+        self.num_kv_sent_blocks += len(sends)
+        return sends
 
 
 def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> int:

@@ -41,6 +41,7 @@ from zllm.kv_tiers import (
     FILE_FORMAT_VERSION,
     TIER_CPU,
     TIER_DISK,
+    TIER_REMOTE,
     block_bytes,
     block_file_name,
     tier_directory,
@@ -66,6 +67,11 @@ class KVPool:
     def block_shape(self) -> tuple[int, ...]:
         _, _, block_size, kv_heads, head_dim = self.tensors[0].shape
         return (len(self.tensors), 2, block_size, kv_heads, head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """The bytes of one block (every layer's K and V)."""
+        return torch.Size(self.block_shape).numel() * self.tensors[0].element_size()
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, *block_shape] copies of the blocks, on the CPU (into `out` when given)."""
@@ -270,15 +276,24 @@ class KVTiers:
 
     def __init__(self, config: EngineConfig, pool: KVPool) -> None:
         offload = config.kv_offload
-        assert offload is not None and offload.enabled
         nbytes = block_bytes(config)
-        self.tiers: list[KVTier | None] = [None, None]
-        if offload.cpu_bytes > 0:
-            pin = pool.tensors[0].is_cuda
+        pin = pool.tensors[0].is_cuda
+        self.tiers: list[KVTier | None] = [None, None, None]
+        if offload is not None and offload.cpu_bytes > 0:
             self.tiers[TIER_CPU] = CpuTier(pool, offload.cpu_bytes // nbytes, pin)
-        if offload.disk_dir is not None:
+        if offload is not None and offload.disk_dir is not None:
             directory = tier_directory(config)
             self.tiers[TIER_DISK] = DiskTier(pool, directory, nbytes, config.lora is not None)
+        transfer = config.kv_transfer
+        if transfer is not None and transfer.consumes:  # what a prefill instance sends
+            from zllm.executor.kv_transfer import RemoteKVBuffer
+
+            self.tiers[TIER_REMOTE] = RemoteKVBuffer(pool, transfer.buffer_bytes // nbytes, pin)
+
+    @property
+    def remote(self):
+        """The disaggregation consumer's buffer of received blocks (None: not a consumer)."""
+        return self.tiers[TIER_REMOTE]
 
     def apply(self, transfers: KVTransfers) -> list[tuple[int, BlockHash, int]]:
         """Drops, stores, loads; returns the (tier, hash, block id) loads that failed."""

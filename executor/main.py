@@ -12,6 +12,13 @@ dp<engine>` for engine <engine> of --data-parallel-size; the third argument). Ra
 executor_in and forwards each step to the others (executor/ranks.py); every rank runs it on
 its part of the model, and the answering rank (rank 0, or with pipeline stages the last
 stage's first rank) binds executor_out and sends the output.
+
+With --distributed-executor-backend ray there is one executor process, which places the
+ranks as Ray actors and relays between them and the core (executor/ray_executor.py).
+
+A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
+receiver thread here: KV blocks from prefill instances into its buffer, news of them to the
+core (executor/kv_transfer.py).
 """
 
 from __future__ import annotations
@@ -32,8 +39,13 @@ def main() -> None:
     rank = index_arg()
     config = start_process(
         ProcessRole.EXECUTOR,
-        index_of=lambda c: rank if c.engine.world_size > 1 else None,
+        index_of=lambda c: rank if c.engine.executor_processes > 1 else None,
     )
+    if config.engine.distributed_executor_backend == "ray":
+        from zllm.executor.ray_executor import run_ray_driver
+
+        run_ray_driver(config)  # the ranks are Ray actors; this process relays and watches
+        return
     # torch: only in this process
     from zllm.executor.model_runner import ModelRunner
     from zllm.executor.parallel import init_parallel
@@ -64,6 +76,14 @@ def main() -> None:
         outbox = ctx.socket(zmq.PUSH)
         outbox.bind(endpoints.executor_out)
     runner = ModelRunner(engine, parallel)
+    transfer = engine.kv_transfer
+    if transfer is not None and transfer.consumes:
+        # Prefill/decode disaggregation: blocks from prefill instances, into the buffer.
+        from zllm.executor.kv_transfer import KVReceiver, transfer_layout
+
+        assert runner.kv_tiers is not None and runner.kv_tiers.remote is not None
+        layout = transfer_layout(engine)
+        KVReceiver(transfer, runner.kv_tiers.remote, layout, endpoints.core_in)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)
     serve_steps(runner, inbox, fanout, outbox)
 

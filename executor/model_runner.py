@@ -29,6 +29,7 @@ from zllm.executor.attention_backend import StepAttentionMetadata, choose_attent
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
 from zllm.executor.kv_connector import KVPool, KVTiers
+from zllm.executor.kv_transfer import KVSender, transfer_layout
 from zllm.executor.loader import load_weights
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
@@ -40,7 +41,7 @@ from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask, apply_bitmask
-from zllm.kv_cache_groups import KVCacheGroup, kv_bytes_per_slot, kv_cache_groups
+from zllm.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.model_files import read_gguf
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
@@ -159,9 +160,19 @@ class ModelRunner:
         config.cache.num_blocks = self.num_blocks
         self.kv_pool = KVPool([])
         self._allocate_kv_cache()
-        # KV offload: the tiers below the pool (their bytes outlive sleep mode's pool).
+        # KV offload: the tiers below the pool (their bytes outlive sleep mode's pool); a
+        # disaggregation consumer's buffer of received blocks is one too.
         offload = config.kv_offload
-        self.kv_tiers = KVTiers(config, self.kv_pool) if offload and offload.enabled else None
+        transfer = config.kv_transfer
+        offloads = offload is not None and offload.enabled
+        receives = transfer is not None and transfer.consumes
+        self.kv_tiers = KVTiers(config, self.kv_pool) if offloads or receives else None
+        # A disaggregation producer's sender of prompt blocks.
+        self.kv_sender = (
+            KVSender(transfer, self.kv_pool, transfer_layout(config))
+            if transfer is not None and transfer.produces
+            else None
+        )
         self.graph_runner = self._capture_cuda_graphs(config)
         self._log_kv_cache()
         self.sampler = Sampler()
@@ -374,8 +385,7 @@ class ModelRunner:
         the block ids)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
-        if not self.pp.enabled:
-            return kv_bytes_per_slot(self.arch, self.kv_groups, elem) + draft
+        # The cache tensors this stage allocates (every group's slots on one stage).
         num_tensors = len(set(self.kv_slot_of.values()))
         return 2 * num_tensors * self.arch.num_kv_heads * self.arch.head_dim * elem + draft
 
@@ -499,6 +509,8 @@ class ModelRunner:
                 return None  # passed on to the next stage
         else:
             hidden = self._forward(inputs)
+        if so.kv_sends and self.kv_sender is not None:
+            self.kv_sender.send(so.kv_sends)  # the prompt blocks this forward completed
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)

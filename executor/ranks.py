@@ -46,6 +46,18 @@ class StepFanout:
             sock.bind(endpoint)
             self.sockets.append(sock)
 
+    @classmethod
+    def on_random_ports(cls, ctx: zmq.Context, host: str, count: int) -> tuple[StepFanout, list]:
+        """`count` sockets bound on free TCP ports of `host` (ranks on other machines), and
+        the addresses they connect to."""
+        fanout = cls(ctx, [])
+        addresses = []
+        for _ in range(count):
+            sock = ctx.socket(zmq.PUSH)
+            addresses.append(f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}")
+            fanout.sockets.append(sock)
+        return fanout, addresses
+
     def forward(self, frame: zmq.Frame | bytes) -> None:
         for sock in self.sockets:
             sock.send(frame, copy=False)

@@ -108,6 +108,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # zllm's extra parameter (Anthropic's shape): {"type": "ephemeral", "ttl": "5m"} keeps
     # the prompt's KV blocks cached for ttl after it is computed (zllm/cache_control.py).
     cache_control: dict[str, Any] | None = None
+    # vLLM's extra parameter for prefill/decode disaggregation, set by `zllm proxy`:
+    # {"do_remote_decode": true} (to a prefill instance: send the prompt's KV on),
+    # {"do_remote_prefill": true} (to a decode instance: wait for it). Other keys (vLLM's
+    # NIXL fields) are ignored.
+    kv_transfer_params: dict[str, Any] | None = None
     # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
     store: bool = False
     modalities: list[str] | None = None

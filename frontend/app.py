@@ -84,7 +84,7 @@ from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tools import ChoiceParser, ToolPlan, plan_tools, think_end_token
 from zllm.inputs import check_vocabulary
 from zllm.lora import LoRARequest
-from zllm.protocol import CachePin, TokenizeRequest
+from zllm.protocol import CachePin, KVTransferParams, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer import Tokenizer
@@ -241,6 +241,7 @@ class OpenAIServer:
                 lora=lora,
                 priority=self._priority(body.priority),
                 cache_pin=_cache_pin(body.cache_control),
+                kv_transfer=_kv_transfer(body.kv_transfer_params),
             )
             for i, p in enumerate(prompts)
         ]
@@ -300,6 +301,7 @@ class OpenAIServer:
             lora=lora,
             priority=self._priority(body.priority),
             cache_pin=_cache_pin(body.cache_control),
+            kv_transfer=_kv_transfer(body.kv_transfer_params),
         )
         shaped = plan.mode != "none" or self.config.reasoning_parser is not None
         assembler = ChatAssembler(
@@ -659,3 +661,18 @@ def _cache_pin(cache_control: dict[str, Any] | None) -> CachePin | None:
         return parse_cache_control(cache_control)
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
+
+
+def _kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:
+    """A request's `kv_transfer_params` (prefill/decode disaggregation), or None."""
+    if not params:
+        return None
+    flags = {}
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        value = params.get(key, False)
+        if not isinstance(value, bool):
+            raise RequestError(
+                f"kv_transfer_params.{key} must be true or false", param="kv_transfer_params"
+            )
+        flags[key] = value
+    return KVTransferParams(**flags) if any(flags.values()) else None

@@ -11,7 +11,9 @@
                                zllm:executor_{prepare,forward,sample}_seconds_total,
                                zllm:core_{schedule,output}_seconds_total (goal 4's split);
                                with pipeline stages, per stage:
-                               zllm:pipeline_stage_{busy,idle}_seconds_total
+                               zllm:pipeline_stage_{busy,idle}_seconds_total;
+                               with --kv-transfer-config: zllm:kv_transfer_sent_blocks_total,
+                               zllm:kv_transfer_wait_timeouts_total
                                per tenant: zllm:tenant_requests_{running,waiting},
                                zllm:tenant_weight, zllm:tenant_{requests,computed_tokens,
                                generation_tokens,preemptions}_total
@@ -375,6 +377,8 @@ class EngineCollector:
             yield _lora_info(engines)
         if any(s.stage_busy_s for _, s in engines):
             yield from _pipeline_metrics(engines)
+        if any(s.kv_transfer_role for _, s in engines):
+            yield from _kv_transfer_metrics(engines)
         up = GaugeMetricFamily(
             "zllm:process_up",
             "1 while the process (role, index; engine for a core or executor rank) runs, 0 "
@@ -445,8 +449,9 @@ def _tenant_metrics(engines: PerEngine) -> Iterator[Metric]:
 _TIER_COUNTERS = (
     ("zllm:kv_offload_hits", "Prompt tokens loaded from the tier instead of computed.",
      "kv_tier_hits"),
-    ("zllm:kv_offload_stored_blocks", "Blocks evicted from the KV pool and stored in the tier.",
-     "kv_tier_stores"),
+    ("zllm:kv_offload_stored_blocks",
+     "Blocks stored in the tier: evicted from the KV pool (cpu, disk), received from a "
+     "prefill instance (remote).", "kv_tier_stores"),
     ("zllm:kv_offload_load_failures",
      "Blocks the tier could not load (missing or corrupt), recomputed instead.",
      "kv_tier_load_failures"),
@@ -485,6 +490,23 @@ def _pipeline_metrics(engines: PerEngine) -> Iterator[Metric]:
         for label, s in engines:
             for stage, value in enumerate(getattr(s, attr)):
                 c.add_metric([*label, str(stage)], value)
+        yield c
+
+
+def _kv_transfer_metrics(engines: PerEngine) -> Iterator[Metric]:
+    """Prefill/decode disaggregation (the consumer's received blocks and their hits are the
+    kv_offload series with tier="remote")."""
+    for name, doc, attr in (
+        ("zllm:kv_transfer_sent_blocks",
+         "Prompt KV blocks a prefill instance had its executor send (one its consumer does "
+         "not take is dropped, and computed there).", "kv_transfer_sent_blocks"),
+        ("zllm:kv_transfer_wait_timeouts",
+         "Requests a decode instance admitted before all their KV blocks came (it computed "
+         "the rest).", "kv_transfer_wait_timeouts"),
+    ):  # fmt: skip
+        c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
+        for label, s in engines:
+            c.add_metric(label, getattr(s, attr))
         yield c
 
 

@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -324,3 +324,38 @@ async def one_request(client: httpx.AsyncClient, url: str, i: int, stream: bool)
         return "ok"
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError):
         return "dropped"
+
+
+def fail_under_load(server: Server, fail: Callable[[], object], timeout: float = 90) -> list[str]:
+    """Eight 400-token completions in flight (every other one streamed), `fail()` called half
+    a second after they start (in a thread: it may block); each one's outcome (`one_request`:
+    'ok', 'status 503', 'error event', 'dropped')."""
+
+    async def scenario() -> list[str]:
+        async with httpx.AsyncClient(timeout=timeout) as c:
+            tasks = [
+                asyncio.create_task(one_request(c, server.url, i, stream=i % 2 == 0))
+                for i in range(8)
+            ]
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(fail)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+
+    return asyncio.run(scenario())
+
+
+def kill_rank_under_load(server: Server, victim_name: str, restarted: Iterable[str]) -> int:
+    """SIGKILL the child titled `victim_name` (an executor rank) while eight requests run: an
+    executor death. Every in-flight request ends well or with a 503 / error event (at least
+    one of them fails), /health comes back, and each process in `restarted` has a new pid.
+    Returns the victim's pid."""
+    old = server.children()
+    victim = old[victim_name]
+    outcomes = fail_under_load(server, lambda: os.kill(victim, signal.SIGKILL))
+    assert set(outcomes) <= {"ok", "status 503", "error event"}, outcomes
+    assert outcomes.count("ok") < len(outcomes), outcomes
+    assert wait_until(server.healthy, 60)
+    new = server.children()
+    for name in restarted:
+        assert new[name] != old[name], f"{name} was not restarted"
+    return victim

@@ -51,6 +51,9 @@ ENGINE = EngineArgs(
     max_lora_rank=32,
     tensor_parallel_size=2,
     pipeline_parallel_size=3,
+    kv_transfer_config={"kv_role": "kv_consumer", "kv_port": 15000},
+    distributed_executor_backend="ray",
+    ray_placement_strategy="STRICT_SPREAD",
     enable_sleep_mode=True,
 )
 ENGINE_ARGV = [
@@ -85,6 +88,9 @@ ENGINE_ARGV = [
     "--max-lora-rank", "32",
     "--tensor-parallel-size", "2",
     "--pipeline-parallel-size", "3",
+    "--kv-transfer-config", '{"kv_role": "kv_consumer", "kv_port": 15000}',
+    "--distributed-executor-backend", "ray",
+    "--ray-placement-strategy", "STRICT_SPREAD",
     "--enable-sleep-mode",
 ]  # fmt: skip
 

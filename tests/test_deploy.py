@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -73,13 +74,15 @@ def serve_args(args: list[str]):
 
 
 OVERLAY_NAMES = sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir())
+# The overlays of one Deployment of `zllm serve`; multi-node is a LeaderWorkerSet.
+DEPLOYMENT_OVERLAYS = ["cpu", "gpu", "multi-replica"]
 
 
 def test_every_overlay_is_here():
-    assert OVERLAY_NAMES == ["cpu", "gpu", "multi-replica"]
+    assert OVERLAY_NAMES == ["cpu", "gpu", "multi-node", "multi-replica"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
+@pytest.mark.parametrize("overlay", DEPLOYMENT_OVERLAYS)
 def test_core_kinds_pass_strict_schema_validation(overlay):
     kv = pytest.importorskip("kubernetes_validate")
     docs = render(overlay)
@@ -97,7 +100,7 @@ def test_core_kinds_pass_strict_schema_validation(overlay):
         kv.validate(bad, K8S_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("overlay", OVERLAY_NAMES)
+@pytest.mark.parametrize("overlay", DEPLOYMENT_OVERLAYS)
 def test_the_server_the_manifests_describe(overlay):
     """Flags `zllm serve` accepts; the probes, the Service and the scrape annotations on the
     port it listens on; a grace period that outlasts preStop plus the drain."""
@@ -233,6 +236,78 @@ def test_inference_pool():
     if picker.get("kind", "Service") == "Service":
         assert 1 <= picker["port"]["number"] <= 65535
     assert picker.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
+
+
+def test_multi_node_leader_worker_set():
+    """The LeaderWorkerSet is a custom resource (kubernetes-sigs/lws) with no schema where
+    kubernetes-validate looks. Its pod templates are checked as Kubernetes' own PodTemplate
+    (strict), the Service as a Service, and the set's own fields against the upstream CRD,
+    config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml (v1): spec requires
+    leaderWorkerTemplate, which requires workerTemplate; size and replicas are integers
+    (replicas 0..1000000); restartPolicy is one of Default, RecreateGroupOnPodRestart,
+    RecreateGroupAfterStart, None; startupPolicy one of LeaderCreated, LeaderReady. Then the
+    leader's command is `zllm serve` with the Ray backend over as many ranks as the group has
+    GPUs, and the workers join the leader's Ray head."""
+    kv = pytest.importorskip("kubernetes_validate")
+    docs = render("multi-node")
+    (lws,) = of_kind(docs, "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = lws["spec"]
+    assert set(spec) <= {
+        "replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"
+    }  # fmt: skip
+    template = spec["leaderWorkerTemplate"]
+    assert "workerTemplate" in template
+    assert set(template) <= {
+        "leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy",
+        "volumeClaimTemplates", "persistentVolumeClaimRetentionPolicy",
+    }  # fmt: skip
+    assert isinstance(template["size"], int) and template["size"] >= 2
+    assert isinstance(spec["replicas"], int) and 0 <= spec["replicas"] <= 1_000_000
+    assert template["restartPolicy"] in (
+        "Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"
+    )  # fmt: skip
+    # Not LeaderReady: the leader is ready only once the workers have joined.
+    assert spec["startupPolicy"] == "LeaderCreated"
+    for name in ("leaderTemplate", "workerTemplate"):
+        pod_template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"zllm-{name}"},
+            "template": template[name],
+        }
+        kv.validate(pod_template, K8S_VERSION, strict=True)
+    (service,) = of_kind(docs, "Service")
+    kv.validate(service, K8S_VERSION, strict=True)
+
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    script = leader["args"][0]
+    head_port = re.search(r"ray start --head --port=(\d+)", script).group(1)
+    args = serve_args(shlex.split(script.split("exec zllm serve", 1)[1]))
+    assert args.distributed_executor_backend == "ray" and args.host == "0.0.0.0"
+    gpus = [
+        int(c["resources"]["limits"]["nvidia.com/gpu"]) for c in (leader, worker)
+    ]  # one pod of each kind: the leader, then size - 1 workers
+    group_gpus = gpus[0] + gpus[1] * (template["size"] - 1)
+    assert args.tensor_parallel_size * args.pipeline_parallel_size == group_gpus
+    assert f'ray start --address="${{LWS_LEADER_ADDRESS}}:{head_port}"' in worker["args"][0]
+    assert "--block" in worker["args"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader[probe]["httpGet"]["path"] == "/health"
+    (http,) = [p for p in leader["ports"] if p["name"] == "http"]
+    assert http["containerPort"] == args.port
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    # Every pod holds the model at the same path (a rank on a worker loads it there).
+    for container in (leader, worker):
+        env = {e["name"]: e["value"] for e in container["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert env["ZLLM_CACHE"] == mounts["model-cache"]
+    assert "zllm download smollm2" in worker["args"][0] and args.model == "smollm2"
+    grace = template["leaderTemplate"]["spec"]["terminationGracePeriodSeconds"]
+    pre_stop_s = leader["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert grace > pre_stop_s + args.drain_timeout + SUPERVISOR_STOP_S
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)

@@ -96,7 +96,7 @@ def test_a_failed_load_forgets_that_copy_and_counts():
     kv.load_failed([(TIER_DISK, 6)])
     assert kv.lookup([5, 6]) == [TIER_DISK]
     assert kv.take_transfers().drops == [(TIER_DISK, 6)]
-    assert kv.load_failures == [0, 1]
+    assert kv.load_failures == [0, 1, 0]  # (cpu, disk, remote)
 
 
 def test_a_directory_over_its_bound_is_trimmed_oldest_first():

@@ -95,6 +95,7 @@ class RequestTokenizer:
             priority=req.priority,
             tenant=req.tenant,
             cache_pin=self._cache_pin(req, ids),
+            kv_transfer=req.kv_transfer,
         )
 
     def _cache_pin(self, req: TokenizeRequest, ids: list[int]) -> CachePin | None:

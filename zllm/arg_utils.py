@@ -187,3 +187,29 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object (`--speculative-config`, `--kv-transfer-config`)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def check_config_dict(name: str, value: Any, known: set[str]) -> dict[str, Any]:
+    """A dict-valued option (`speculative_config`, `kv_transfer_config`) as the user gave it:
+    a ValueError naming the option unless it is a dict whose keys are all `known`."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    return value

@@ -1,5 +1,6 @@
 """The `zllm` command: serve a model over an OpenAI-compatible API, generate from the shell,
-download a model, and benchmark."""
+download a model, benchmark, and put one endpoint over disaggregated prefill and decode
+servers (`zllm proxy`)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(serve_config_from_args(args))
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from zllm.frontend.disagg_proxy import ProxyConfig, run_proxy
+
+    run_proxy(ProxyConfig(args.prefill, args.decode, args.timeout), args.host, args.port)
+    return 0
+
+
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """What `zllm serve` runs with: the parsed flags, with the model resolved."""
     server = dataclass_from_args(ServerArgs, args)
@@ -69,6 +77,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "proxy",
+        help="one OpenAI endpoint over prefill (kv_producer) and decode (kv_consumer) servers",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a prefill server's base URL (repeat for several: round robin)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a decode server's base URL (repeat for several: round robin)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request to a server may take")  # fmt: skip
+    p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("download", help="put a known model into the model cache")
     p.add_argument("name", nargs="?", default="smollm2")

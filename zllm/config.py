@@ -7,6 +7,7 @@ from typing import Any
 
 from zllm.errors import ParamError
 from zllm.generation_config import GenerationConfig
+from zllm.kv_transfer_config import KVTransferConfig
 
 # On CPU the KV pool gets a fixed budget that leaves room for tests running beside it.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -94,9 +95,9 @@ class SchedulerConfig:
     # "fair": each tenant's weight (zllm/tenants.py names tenants); 1 for one not listed.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # Pipeline stages the executor runs (EngineConfig.pipeline_parallel_size): with more
-    # than one, a request is never in two steps in flight (stage 0 needs its last token) and
-    # each step takes about 1/stages of the running requests, so the stages' micro-batches
-    # overlap (core/scheduler.py).
+    # than one, a request is never scheduled while a step of it is in flight (stage 0 needs
+    # its last token) and each step takes about 1/stages of the running requests, so the
+    # stages' micro-batches overlap (core/scheduler.py).
     pipeline_stages: int = 1
 
     @property
@@ -193,8 +194,20 @@ class EngineConfig:
     # rank = stage * tensor_parallel_size + tensor-parallel rank.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Where the ranks run: "mp", executor processes the supervisor starts on this host; "ray",
+    # Ray actors placed on a Ray cluster's nodes with ray_placement_strategy (one executor
+    # process drives them: executor/ray_executor.py).
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "PACK"
+    # Prefill/decode disaggregation (--kv-transfer-config; zllm/kv_transfer_config.py).
+    kv_transfer: KVTransferConfig | None = None
 
     @property
     def world_size(self) -> int:
-        """Executor ranks (processes) in all."""
+        """Executor ranks in all."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_processes(self) -> int:
+        """The executor processes the supervisor starts: one per rank, or the Ray driver."""
+        return 1 if self.distributed_executor_backend == "ray" else self.world_size

@@ -17,6 +17,7 @@ from zllm.arg_utils import (
     check_choices,
     dataclass_from_args,
     option,
+    parse_json_object,
     parse_size,
     positive_int,
 )
@@ -34,10 +35,11 @@ from zllm.generation_config import (
 )
 from zllm.kv_cache_groups import kv_cache_groups
 from zllm.kv_tiers import block_bytes
+from zllm.kv_transfer_config import KVTransferConfig, kv_transfer_config_from
 from zllm.model_files import resolve_model
 from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 from zllm.parallel_config import check_parallel
-from zllm.speculative_config import parse_speculative_json, speculative_config_from
+from zllm.speculative_config import speculative_config_from
 from zllm.tenants import check_tenant_weights, parse_tenant_weights
 
 logger = logging.getLogger(__name__)
@@ -157,7 +159,7 @@ class EngineArgs:
         '\'{"method": "draft_model", "model": M, "num_speculative_tokens": 4}\' runs a '
         "smaller model with the same tokenizer; optional disable_by_batch_size: N stops "
         "proposing while more than N sequences run",
-        parse=parse_speculative_json,
+        parse=parse_json_object,
     )
     deterministic: bool = option(
         False,
@@ -189,6 +191,27 @@ class EngineArgs:
         "process(es) (x --tensor-parallel-size); the stages pass activations on and work on "
         "different micro-batches at once",
         parse=positive_int,
+    )
+    distributed_executor_backend: str = option(
+        "mp",
+        help="where the executor's ranks run: mp, processes on this host; ray, Ray actors on "
+        "the nodes of a Ray cluster (RAY_ADDRESS, else one running here, else a local one; "
+        "pip install 'zllm[ray]')",
+        choices=("mp", "ray"),
+    )
+    ray_placement_strategy: str = option(
+        "PACK",
+        help="with --distributed-executor-backend ray: how the ranks' bundles (one CPU or GPU "
+        "each) are placed on the cluster's nodes (Ray placement group strategies)",
+        choices=("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"),
+    )
+    kv_transfer_config: dict | None = option(
+        None,
+        help="prefill/decode disaggregation, as JSON in vLLM's shape: "
+        '\'{"kv_connector": "ZllmConnector", "kv_role": "kv_producer"|"kv_consumer", '
+        '"kv_ip": "127.0.0.1", "kv_port": 14579}\' (a producer sends the prompt KV of requests '
+        "marked do_remote_decode to the consumer at kv_ip:kv_port; see zllm proxy)",
+        parse=parse_json_object,
     )
     enable_sleep_mode: bool = option(
         False,
@@ -273,8 +296,11 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self._check_backend(),
+            ray_placement_strategy=self.ray_placement_strategy,
         )
         config.kv_offload = self._kv_offload_config(config)
+        config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
         return config
 
@@ -308,6 +334,52 @@ class EngineArgs:
             if size and size < per_block:
                 raise ValueError(f"{name} {size} holds no KV block ({per_block} bytes)")
         return offload
+
+    def _check_backend(self) -> str:
+        if self.distributed_executor_backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "--distributed-executor-backend ray needs Ray: pip install 'zllm[ray]'"
+                )
+        return self.distributed_executor_backend
+
+    def _kv_transfer_config(self, config: EngineConfig) -> KVTransferConfig | None:
+        """--kv-transfer-config, checked against what disaggregation needs: whole blocks of
+        one KV cache group named by prefix-cache hashes."""
+        transfer = kv_transfer_config_from(self.kv_transfer_config)
+        if transfer is None:
+            return None
+        if not config.cache.enable_prefix_caching:
+            raise ValueError(
+                "--kv-transfer-config names blocks by their prefix-cache hashes: it needs "
+                "prefix caching (leave out --no-enable-prefix-caching)"
+            )
+        if len(kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)) > 1:
+            raise ValueError(
+                "--kv-transfer-config moves whole blocks of one KV cache group; this model's "
+                "sliding-window layers have their own: start with --no-hybrid-kv-cache"
+            )
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            raise ValueError("--kv-transfer-config does not move a draft model's KV")
+        if config.lora is not None:
+            raise ValueError(
+                "--kv-transfer-config with --enable-lora: a LoRA request's blocks are named by "
+                "its adapter's id, which each server numbers itself, so another server's "
+                "blocks could be another adapter's"
+            )
+        if self.distributed_executor_backend != "mp":
+            raise ValueError(
+                "--kv-transfer-config runs with the mp executor backend (the Ray driver has "
+                "no receiver for blocks yet)"
+            )
+        if transfer.consumes and transfer.buffer_bytes < block_bytes(config):
+            raise ValueError(
+                f"kv_buffer_size {transfer.buffer_bytes} holds no KV block "
+                f"({block_bytes(config)} bytes)"
+            )
+        return transfer
 
     def _lora_config(self, model_impl: str) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -376,6 +376,8 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
             value = _merge_tenants(stats)
         elif name.endswith("_lora_adapters"):
             value = sorted({a for v in values for a in v})
+        elif isinstance(values[0], str):  # (kv_transfer_role: every engine's alike)
+            value = values[0]
         elif isinstance(values[0], bool):
             value = all(values) if name == "asleep" else any(values)
         elif isinstance(values[0], list):

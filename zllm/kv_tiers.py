@@ -3,6 +3,9 @@
     tier   where                        bound                     survives
     cpu    the executor's memory        --kv-offload-bytes        nothing (a process restart)
     disk   --kv-offload-dir/<layout>/   --kv-offload-disk-bytes   restarts of the same layout
+    remote the executor's memory, filled kv_buffer_size of         nothing
+           by a prefill instance        --kv-transfer-config
+           (disaggregation: executor/kv_transfer.py)
 
 The core keeps each tier's index (which block hashes it holds, LRU: core/kv_connector.py),
 the executor holds the bytes (executor/kv_connector.py). A block on disk is one file named
@@ -25,7 +28,8 @@ from zllm.kv_cache_groups import kv_bytes_per_slot, kv_cache_groups
 
 TIER_CPU = 0
 TIER_DISK = 1
-TIER_NAMES = ("cpu", "disk")
+TIER_REMOTE = 2  # not stored into by the core: a producer fills it
+TIER_NAMES = ("cpu", "disk", "remote")
 
 BLOCK_FILE_SUFFIX = ".zkv"
 FILE_FORMAT_VERSION = 1

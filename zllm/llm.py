@@ -62,6 +62,16 @@ class LLM:
     def __init__(self, model: str | None = None, *, chat_template: str | None = None, **kwargs):
         args = EngineArgs(model=model, **kwargs)
         self.config = args.create_engine_config()
+        if self.config.kv_transfer is not None:
+            raise ValueError(
+                "kv_transfer_config is for served engines (zllm serve with "
+                "--kv-transfer-config, behind zllm proxy), not the offline LLM"
+            )
+        if self.config.distributed_executor_backend != "mp":
+            raise ValueError(
+                "the offline LLM starts its ranks as processes (distributed_executor_backend "
+                "mp); Ray actors serve through zllm serve --distributed-executor-backend ray"
+            )
         self.tokenizer: Tokenizer = load_tokenizer(self.config.model_path, chat_template)
         # What the tokenizer worker adds to a served request: the ids that end generation.
         self.eos_token_ids = merge_eos_token_ids(

@@ -58,6 +58,11 @@ def check_parallel(config: EngineConfig) -> None:
         raise ValueError(f"--pipeline-parallel-size must be at least 1, got {pp}")
     if tp > 1:
         check_divisible(config.arch, tp)
+    if config.scheduler.pipeline_stages != pp:  # (EngineArgs sets both; a hand-made config)
+        raise ValueError(
+            f"scheduler.pipeline_stages {config.scheduler.pipeline_stages} must equal "
+            f"pipeline_parallel_size {pp}: the core feeds the stages by it"
+        )
     if pp > config.arch.num_layers:
         raise ValueError(
             f"--pipeline-parallel-size {pp} is more than this model's "
@@ -71,6 +76,7 @@ def check_parallel(config: EngineConfig) -> None:
         (config.speculative is not None, "--speculative-config"),
         (config.kv_offload is not None, "KV offload (--kv-offload-bytes / --kv-offload-dir)"),
         (config.enable_sleep_mode, "--enable-sleep-mode"),
+        (config.kv_transfer is not None, "--kv-transfer-config"),
     ]
     named = [name for refused, name in unsupported if refused]
     if named:

@@ -177,6 +177,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     sleep: bool = False
     wake_up: bool = False
     kv_transfers: KVTransfers | None = None  # KV offload work before the forward
+    # Prefill/decode disaggregation, a producer: (block hash, block id) of the prompt blocks
+    # this step completes, to send to the consumer once the forward has written them.
+    kv_sends: list[tuple[int, int]] = []
 
 
 # ---- executor -> core --------------------------------------------------------------------
@@ -249,6 +252,15 @@ class CachePin(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_messages: int = -1  # chat: the prefix ends after this many messages (-1: all)
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True, gc=False):
+    """A request's part in prefill/decode disaggregation (vLLM's `kv_transfer_params`, set by
+    `zllm proxy`; zllm/kv_transfer_config.py): a producer sends the KV of a request marked
+    do_remote_decode; a consumer waits for the KV of one marked do_remote_prefill."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
     """A tokenized request, as it enters the core."""
 
@@ -266,6 +278,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0  # --scheduling-policy priority: lower first
     cache_pin: CachePin | None = None  # keep its prompt's prefix cached for a while
     tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py): fair share, metrics
+    kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
 
 
 # ==== the serving processes ==================================================================
@@ -305,6 +318,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     priority: int = 0  # --scheduling-policy priority: lower first
     cache_pin: CachePin | None = None  # see EngineCoreRequest
     tenant: str = DEFAULT_TENANT  # see EngineCoreRequest
+    kv_transfer: KVTransferParams | None = None  # see EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -344,7 +358,35 @@ class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     message: str = ""
 
 
-CoreInput = EngineCoreRequest | AbortRequests | FinishSequence | ClientGone | SleepControl
+class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
+    """Producer executor -> consumer executor (prefill/decode disaggregation): the first frame
+    of a message of KV blocks. Their bytes, [len(hashes), *block_shape] of `dtype`, follow as
+    the second frame, or (transport "shm") are in /dev/shm/<shm_file>, which the consumer
+    deletes. `layout` names the model and KV layout (executor/kv_transfer.py)."""
+
+    hashes: list[int]
+    layout: str
+    dtype: str
+    block_shape: list[int]
+    shm_file: str = ""
+
+
+class KVBlocksReceived(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=16):
+    """Executor -> core (prefill/decode disaggregation, a consumer): block hashes whose KV
+    arrived from a producer into the executor's buffer, and those it dropped to make room."""
+
+    stored: list[int] = []
+    removed: list[int] = []
+
+
+CoreInput = (
+    EngineCoreRequest
+    | AbortRequests
+    | FinishSequence
+    | ClientGone
+    | SleepControl
+    | KVBlocksReceived
+)
 
 
 # Prompt tokens an incremental detokenizer is primed with, so the first output token decodes
@@ -494,6 +536,12 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     # Prefix pinning: blocks pinned now, and the most that may be (--max-pinned-bytes).
     kv_pinned_blocks: int = 0
     kv_max_pinned_blocks: int = 0
+    # Prefill/decode disaggregation (--kv-transfer-config): this engine's role ("" when
+    # off), prompt blocks a producer had its executor send, and requests a consumer admitted
+    # without all of their blocks (wait_timeout_s passed: it computed the rest).
+    kv_transfer_role: str = ""
+    kv_transfer_sent_blocks: int = 0
+    kv_transfer_wait_timeouts: int = 0
     # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
     tenants: list[TenantStats] = []
     # The data-parallel replica whose core sent it (`--data-parallel-size`).

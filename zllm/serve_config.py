@@ -344,6 +344,12 @@ def check_data_parallel(engine: EngineConfig, size: int) -> None:
             engine.kv_offload is not None and engine.kv_offload.disk_dir is not None,
             "--kv-offload-dir (the engines would share one disk tier)",
         ),
+        (engine.kv_transfer is not None, "--kv-transfer-config (one KV address per server)"),
+        (
+            engine.distributed_executor_backend == "ray",
+            "--distributed-executor-backend ray (each engine's driver would start its own "
+            "local Ray cluster, or share one)",
+        ),
     ]
     named = [name for refused, name in unsupported if refused]
     if named:

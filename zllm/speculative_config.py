@@ -3,9 +3,9 @@ into a `SpeculativeConfig` (zllm/config.py). No torch here."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from zllm.arg_utils import check_config_dict
 from zllm.config import SPECULATIVE_METHODS, ModelArchConfig, SpeculativeConfig
 from zllm.model_files import resolve_model
 from zllm.model_impl import choose_model_impl, read_model_arch
@@ -21,33 +21,13 @@ _KEYS = {
 MAX_SPECULATIVE_TOKENS = 16
 
 
-def parse_speculative_json(text: str) -> dict[str, Any]:
-    """The command line's value: a JSON object."""
-    import argparse
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def speculative_config_from(
     spec: dict[str, Any] | None, target: ModelArchConfig
 ) -> SpeculativeConfig | None:
     """Check the user's dict against the target model; a clear ValueError for anything off."""
     if spec is None:
         return None
-    if not isinstance(spec, dict):
-        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - _KEYS)
-    if unknown:
-        raise ValueError(
-            f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-            f"known: {', '.join(sorted(_KEYS))}"
-        )
+    check_config_dict("speculative_config", spec, _KEYS)
     method = spec.get("method")
     if method is None:  # vLLM: a model means a draft model
         method = "draft_model" if spec.get("model") else "ngram"

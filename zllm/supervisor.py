@@ -168,7 +168,7 @@ class Supervisor:
         _write(engine.config_path, engine.config)
         # A fresh rendezvous port each start: a killed rank 0's may still be in use.
         env = {**os.environ, TP_INIT_ENV: f"tcp://127.0.0.1:{free_ports(1)[0]}"}
-        for rank in range(self.config.engine.world_size):
+        for rank in range(self.config.engine.executor_processes):
             self._spawn(ProcessRole.EXECUTOR, rank, env, engine)
 
     def _write_config(self) -> None:

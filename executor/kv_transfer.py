@@ -1,0 +1,353 @@
+"""Prefill/decode disaggregation, the executor's side: the bytes of KV blocks between a
+producer's pool and a consumer's (zllm/kv_transfer_config.py says who does what; the cores
+decide which blocks: core/kv_connector.py).
+
+    producer                                       consumer
+    step's forward writes the prompt's KV          KVReceiver thread: PULL bound at kv_ip:kv_port
+    KVSender.send: gather the blocks (now:         check the layout, put the blocks into the
+      the next step may reuse them), then a         RemoteKVBuffer (LRU, kv_buffer_size), tell
+      thread sends them: PUSH ─────────────────►    the core what it holds (KVBlocksReceived)
+      [KVBlocksHeader, bytes]   (tcp)
+      [KVBlocksHeader] + a /dev/shm file (shm)     core admits the request: its blocks load
+                                                    from the buffer like a KV tier's (TIER_REMOTE)
+
+Nothing waits for the peer: a producer whose consumer is gone drops the blocks (ZeroMQ
+IMMEDIATE: nothing queues for a peer that is not connected), as does one with kv_buffer_size
+bytes already queued; a consumer whose buffer is full drops its oldest blocks, and a block
+that is not there when its load comes is recomputed (executor/model_runner.py
+`_transfer_kv`). Blocks are keyed by the hash chain of their tokens (zllm/block_hash.py), the
+same in both engines.
+
+Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
+reads only such names, owned by its own user, and deletes each once read. Files of producers
+that died before their consumer read them are deleted at the next start of either side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import torch
+import zmq
+
+from zllm.config import EngineConfig
+from zllm.executor.kv_connector import KVPool
+from zllm.kv_transfer_config import KVTransferConfig
+from zllm.protocol import KVBlocksHeader, KVBlocksReceived
+
+logger = logging.getLogger(__name__)
+
+BlockHash = int
+
+# Where the shm transport's files go: memory-backed on Linux.
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(r"zllm-kv-(\d+)-\d+")
+# Messages ZeroMQ queues on either side of the socket (each may be a whole prompt's KV).
+SOCKET_QUEUE_MESSAGES = 4
+
+
+def transfer_layout(config: EngineConfig) -> str:
+    """What a block's bytes depend on, which two engines must share to exchange blocks:
+    the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
+    and block size."""
+    arch = config.arch
+    path = config.model_path
+    try:
+        if os.path.isdir(path):
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        else:
+            size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    return (
+        f"{os.path.basename(config.model_path.rstrip('/'))}:{size}:{arch.architecture}:"
+        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.dtype}:"
+        f"{config.cache.block_size}:{config.quantization}"
+    )
+
+
+class KVSender:
+    """A producer's sends: `send` copies the blocks out of the pool at once; a thread puts
+    them on the wire."""
+
+    def __init__(self, config: KVTransferConfig, pool: KVPool, layout: str) -> None:
+        self.config = config
+        self.pool = pool
+        self.layout = layout
+        self._names = (f"zllm-kv-{os.getpid()}-{i}" for i in itertools.count())
+        self._queue: queue.SimpleQueue[tuple[KVBlocksHeader, torch.Tensor | None, int]] = (
+            queue.SimpleQueue()
+        )
+        # Bytes queued and not yet handed to the socket, at most kv_buffer_size.
+        self._queued_bytes = 0
+        self._lock = threading.Lock()
+        if config.transport == "shm":
+            remove_orphaned_shm_files()
+        self._thread = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
+        self._thread.start()
+
+    def send(self, sends: Sequence[tuple[BlockHash, int]]) -> None:
+        """Send these (block hash, block id) pool blocks to the consumer."""
+        if not sends:
+            return
+        hashes = [h for h, _ in sends]
+        block_ids = [b for _, b in sends]
+        dtype = self.pool.tensors[0].dtype
+        nbytes = len(sends) * self.pool.block_nbytes
+        with self._lock:
+            if self._queued_bytes + nbytes > self.config.buffer_bytes:
+                full = True
+            else:
+                full = False
+                self._queued_bytes += nbytes
+        if full:  # the consumer does not keep up: it recomputes these
+            self._dropped(len(sends))
+            return
+        header = KVBlocksHeader(
+            hashes=hashes,
+            layout=self.layout,
+            dtype=str(dtype).removeprefix("torch."),
+            block_shape=list(self.pool.block_shape),
+        )
+        payload = None
+        if self.config.transport == "shm":
+            header.shm_file = self._write_shm(block_ids)
+        else:
+            payload = self.pool.gather(block_ids)
+        self._queue.put((header, payload, nbytes))
+
+    def _write_shm(self, block_ids: list[int]) -> str:
+        """The blocks, gathered straight into a new file in /dev/shm; returns its name."""
+        name = next(self._names)
+        path = os.path.join(SHM_DIR, name)
+        shape = (len(block_ids), *self.pool.block_shape)
+        nbytes = len(block_ids) * self.pool.block_nbytes
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            import mmap
+
+            with mmap.mmap(fd, nbytes) as mapped:
+                out = torch.frombuffer(mapped, dtype=torch.uint8)
+                out = out.view(self.pool.tensors[0].dtype).view(shape)
+                self.pool.gather(block_ids, out=out)
+                del out  # (the mapping closes only once no tensor views it)
+        finally:
+            os.close(fd)
+        return name
+
+    def _send_loop(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a consumer that is not there
+        sock.setsockopt(zmq.SNDHWM, SOCKET_QUEUE_MESSAGES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.address)
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            header, payload, nbytes = self._queue.get()
+            frames = [encoder.encode(header)]
+            if payload is not None:
+                frames.append(payload.contiguous().view(torch.uint8).numpy())
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._dropped(len(header.hashes))
+                if header.shm_file:
+                    _unlink(header.shm_file)
+            with self._lock:
+                self._queued_bytes -= nbytes
+
+    def _dropped(self, count: int) -> None:
+        logger.warning(
+            "KV transfer: the consumer at %s is not taking blocks; %d dropped (it recomputes)",
+            self.config.address,
+            count,
+        )
+
+
+class RemoteKVBuffer:
+    """A consumer's received blocks: `capacity` slots, least recently arrived dropped first;
+    the KV tier the core's TIER_REMOTE index mirrors. Filled by the receiver thread, read by
+    the model runner's loads (hence the lock)."""
+
+    def __init__(self, pool: KVPool, capacity: int, pin_memory: bool) -> None:
+        self.pool = pool
+        self.capacity = capacity
+        self.buffer = torch.empty(
+            (capacity, *pool.block_shape), dtype=pool.tensors[0].dtype, pin_memory=pin_memory
+        )
+        self.slots: OrderedDict[BlockHash, int] = OrderedDict()
+        self.free_slots = list(range(capacity - 1, -1, -1))
+        self.lock = threading.Lock()
+
+    def put(self, hashes: Sequence[BlockHash], blocks) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Store blocks[i] (a [block_shape] tensor, or a callable filling one) under hashes[i];
+        returns (stored, removed to make room)."""
+        stored: list[BlockHash] = []
+        removed: list[BlockHash] = []
+        with self.lock:
+            for i, block_hash in enumerate(hashes[: self.capacity]):
+                slot = self.slots.get(block_hash)
+                if slot is None:
+                    if not self.free_slots:
+                        old, freed = self.slots.popitem(last=False)
+                        self.free_slots.append(freed)
+                        removed.append(old)
+                    slot = self.free_slots.pop()
+                self.slots[block_hash] = slot
+                self.slots.move_to_end(block_hash)
+                target = self.buffer[slot]
+                if callable(blocks):
+                    blocks(i, target)
+                else:
+                    target.copy_(blocks[i])
+                stored.append(block_hash)
+            return stored, [h for h in removed if h not in self.slots]
+
+    # ---- the KV tier interface (executor/kv_connector.py KVTier) ----------------------------
+    def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        raise RuntimeError("the remote KV buffer is filled by its producer, not by the core")
+
+    def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[int]:
+        with self.lock:
+            missing = [i for i, h in enumerate(block_hashes) if h not in self.slots]
+            found = [i for i in range(len(block_hashes)) if i not in set(missing)]
+            if found:
+                slots = [self.slots[block_hashes[i]] for i in found]
+                self.pool.scatter([block_ids[i] for i in found], self.buffer[slots])
+        return missing
+
+    def drop(self, block_hashes: Sequence[BlockHash]) -> None:
+        with self.lock:
+            for block_hash in block_hashes:
+                slot = self.slots.pop(block_hash, None)
+                if slot is not None:
+                    self.free_slots.append(slot)
+
+
+class KVReceiver:
+    """A consumer's thread: blocks from producers into the buffer, news of them to the core."""
+
+    def __init__(
+        self, config: KVTransferConfig, buffer: RemoteKVBuffer, layout: str, core_in: str
+    ) -> None:
+        self.config = config
+        self.buffer = buffer
+        self.layout = layout
+        self.core_in = core_in
+        if config.transport == "shm":
+            remove_orphaned_shm_files()
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, SOCKET_QUEUE_MESSAGES)
+        try:  # here, so a port in use fails the executor's start, saying so
+            sock.bind(config.address)
+        except zmq.ZMQError as e:
+            raise RuntimeError(
+                f"--kv-transfer-config: cannot listen for KV blocks at {config.address}: {e}"
+            ) from e
+        self._sock = sock
+        threading.Thread(target=self._receive_loop, name="kv-receive", daemon=True).start()
+
+    def _receive_loop(self) -> None:
+        to_core = zmq.Context.instance().socket(zmq.PUSH)
+        to_core.connect(self.core_in)
+        decoder = msgspec.msgpack.Decoder(KVBlocksHeader)
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                header = decoder.decode(frames[0].buffer)
+            except msgspec.DecodeError as e:
+                logger.warning("KV transfer: a malformed message dropped: %s", e)
+                continue
+            stored, removed = self._store(header, frames[1:])
+            if stored or removed:
+                to_core.send(encoder.encode(KVBlocksReceived(stored=stored, removed=removed)))
+
+    def _store(self, header: KVBlocksHeader, frames: list) -> tuple[list, list]:
+        try:
+            if header.layout != self.layout:
+                raise ValueError(
+                    f"blocks of another model or layout ({header.layout!r}, this engine's "
+                    f"is {self.layout!r})"
+                )
+            dtype = self.buffer.buffer.dtype
+            shape = tuple(self.buffer.buffer.shape[1:])
+            if (
+                header.dtype != str(dtype).removeprefix("torch.")
+                or tuple(header.block_shape) != shape
+            ):
+                raise ValueError(f"blocks of {header.dtype} {header.block_shape}, not {shape}")
+            block_bytes = self.buffer.buffer[0].numel() * self.buffer.buffer.element_size()
+            count = len(header.hashes)
+            if header.shm_file:
+                return self._store_from_file(header, count * block_bytes, block_bytes)
+            if self.config.transport == "shm":
+                raise ValueError("bytes over the socket, but this consumer takes shm files")
+            if len(frames) != 1 or len(frames[0].buffer) != count * block_bytes:
+                raise ValueError("the message's bytes do not match its header")
+            raw = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
+            blocks = raw.view(dtype).view(count, *shape)
+            return self.buffer.put(header.hashes, blocks)
+        except (ValueError, OSError) as e:
+            logger.warning("KV transfer: %d blocks dropped: %s", len(header.hashes), e)
+            return [], []
+
+    def _store_from_file(
+        self, header: KVBlocksHeader, nbytes: int, block_bytes: int
+    ) -> tuple[list, list]:
+        """Blocks from a producer's /dev/shm file: only a zllm-kv-* name, only with the shm
+        transport, only a file of this user (a peer must not point it at anything else)."""
+        name = header.shm_file
+        if self.config.transport != "shm" or not SHM_NAME.fullmatch(name):
+            raise ValueError(f"not a KV transfer file this consumer reads: {name!r}")
+        path = os.path.join(SHM_DIR, name)
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                if stat.st_uid != os.getuid():
+                    raise ValueError(f"{path} belongs to another user")
+                if stat.st_size != nbytes:
+                    raise ValueError("the shared-memory file's size does not match its header")
+
+                def read_block(i: int, target: torch.Tensor) -> None:
+                    f.seek(i * block_bytes)
+                    f.readinto(target.view(torch.uint8).numpy())
+
+                return self.buffer.put(header.hashes, read_block)
+        finally:
+            _unlink(name)
+
+
+def remove_orphaned_shm_files() -> None:
+    """Delete the shm transport's files of producers that are no longer alive (a file is
+    deleted by its consumer once read; these were never read)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        match = SHM_NAME.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _unlink(name)
+        except PermissionError:
+            pass  # another user's producer, alive
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, os.path.basename(name)))
+    except OSError:
+        pass

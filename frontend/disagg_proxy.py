@@ -1,0 +1,232 @@
+"""`zllm proxy --prefill URL --decode URL`: one OpenAI endpoint over disaggregated engines.
+
+    client ──POST /v1/completions──► proxy ──① same body, max_tokens 1, not streamed,
+                                       │      kv_transfer_params {"do_remote_decode": true}
+                                       │      ──► a prefill server (kv_producer): computes the
+                                       │          prompt, sends its KV blocks to the decode
+                                       │          server's buffer
+                                       └──② the client's body, kv_transfer_params
+                                              {"do_remote_prefill": true} ──► a decode server
+                                              (kv_consumer): waits for the blocks, decodes;
+                                              its answer (streamed or not) goes back as it is
+
+Each prefill server sends its blocks to the one decode server its --kv-transfer-config names,
+so the servers come in pairs: the i-th --prefill with the i-th --decode (or every prefill
+server with the one --decode), and requests go to the pairs round robin. What the client
+sends is what the decode server answers: its status, headers that matter, and body, relayed
+chunk by chunk; a client that goes away closes the decode request (which the server aborts). A prefill server's 4xx
+(bad input) is the answer, as one server would have given it; a prefill server that is down
+or fails (5xx) is skipped: the decode server then computes the prompt itself, so the request
+is slower, not lost. Everything else (GET /v1/models, /health, /tokenize, ...) goes to a
+decode server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+logger = logging.getLogger("zllm.proxy")
+
+# Headers passed on to the servers (the client's credentials and request id), and back.
+_REQUEST_HEADERS = ("authorization", "x-api-key", "x-request-id", "x-tenant")
+_RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
+# The generation endpoints that go through prefill first.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class ProxyConfig:
+    prefill_urls: Sequence[str]
+    decode_urls: Sequence[str]
+    timeout_s: float = 600.0
+
+
+class DisaggProxy:
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self._pairs = itertools.cycle(pairs_of(config.prefill_urls, config.decode_urls))
+        self._decode = itertools.cycle([u.rstrip("/") for u in config.decode_urls])
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def generate(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        headers = _pass_on(request.headers, _REQUEST_HEADERS)
+        prefill_url, decode_url = next(self._pairs)
+        if not isinstance(body, dict):  # not ours to judge: the server answers it
+            return await self._forward(decode_url + request.url.path, raw, headers)
+        prefilled, answer = await self._prefill_step(prefill_url + request.url.path, body, headers)
+        if answer is not None:
+            return answer
+        params = dict(body.get("kv_transfer_params") or {})
+        if prefilled:
+            params["do_remote_prefill"] = True
+        decode_body = {**body, "kv_transfer_params": params} if params else body
+        return await self._forward(
+            decode_url + request.url.path, json.dumps(decode_body).encode(), headers
+        )
+
+    async def _prefill_step(
+        self, url: str, body: dict, headers: dict[str, str]
+    ) -> tuple[bool, Response | None]:
+        """Have a prefill server compute the prompt. Returns whether it did (the decode
+        server then waits for the blocks), and its 4xx, which is the client's answer."""
+        prefill_body = {
+            **body,
+            "max_tokens": 1,
+            "min_tokens": 0,
+            "stream": False,
+            "n": 1,
+            "kv_transfer_params": {
+                **(body.get("kv_transfer_params") or {}),
+                "do_remote_decode": True,
+            },
+        }
+        if "max_completion_tokens" in body:
+            prefill_body["max_completion_tokens"] = 1
+        for key in ("stream_options", "best_of", "use_beam_search"):
+            prefill_body.pop(key, None)
+        try:
+            r = await self.client.post(url, json=prefill_body, headers=headers)
+        except httpx.HTTPError as e:
+            return self._skip_prefill(url, repr(e)), None
+        if 400 <= r.status_code < 500:
+            answer = Response(r.content, r.status_code, _pass_on(r.headers, _RESPONSE_HEADERS))
+            return False, answer
+        if r.status_code != 200:
+            return self._skip_prefill(url, f"status {r.status_code}"), None
+        return True, None
+
+    def _skip_prefill(self, url: str, why: str) -> bool:
+        logger.warning("prefill at %s failed (%s): the decode server computes the prompt", url, why)
+        return False
+
+    async def _forward(self, url: str, content: bytes, headers: dict[str, str]) -> Response:
+        """POST to a decode server; its answer, relayed as it comes (streamed or not: either
+        way a client that leaves closes the request to the server)."""
+        send_headers = {**headers, "content-type": "application/json"}
+        upstream = self.client.build_request("POST", url, content=content, headers=send_headers)
+        try:
+            r = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as e:
+            return _unavailable(f"the decode server at {url} is not answering: {e!r}")
+        out_headers = _pass_on(r.headers, _RESPONSE_HEADERS)
+        if r.status_code != 200:
+            body = await r.aread()
+            await r.aclose()
+            return Response(body, r.status_code, out_headers)
+        return StreamingResponse(
+            _relay(r), r.status_code, out_headers, background=BackgroundTask(r.aclose)
+        )
+
+    async def other(self, request: Request) -> Response:
+        """Anything but generation: a decode server answers it."""
+        url = next(self._decode) + request.url.path
+        if request.url.query:
+            url += "?" + request.url.query
+        headers = _pass_on(request.headers, (*_REQUEST_HEADERS, "content-type"))
+        try:
+            r = await self.client.request(
+                request.method, url, content=await request.body(), headers=headers
+            )
+        except httpx.HTTPError as e:
+            return _unavailable(f"the decode server at {url} is not answering: {e!r}")
+        return Response(r.content, r.status_code, _pass_on(r.headers, _RESPONSE_HEADERS))
+
+    async def health(self, request: Request) -> Response:
+        """200 when every prefill and decode server answers /health with 200."""
+        urls = [*self.config.prefill_urls, *self.config.decode_urls]
+        down = []
+        for url in urls:
+            try:
+                r = await self.client.get(url.rstrip("/") + "/health", timeout=5.0)
+                if r.status_code != 200:
+                    down.append(f"{url} ({r.status_code})")
+            except httpx.HTTPError:
+                down.append(f"{url} (not answering)")
+        if not down:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unavailable", "down": down}, 503)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def _relay(r: httpx.Response) -> AsyncIterator[bytes]:
+    async for chunk in r.aiter_raw():
+        yield chunk
+
+
+def pairs_of(prefill: Sequence[str], decode: Sequence[str]) -> list[tuple[str, str]]:
+    """(prefill, decode) server pairs: the i-th of each, or every prefill server with the one
+    decode server."""
+    prefill = [u.rstrip("/") for u in prefill]
+    decode = [u.rstrip("/") for u in decode]
+    if not prefill or not decode:
+        raise ValueError("zllm proxy needs at least one --prefill and one --decode URL")
+    if len(decode) == 1:
+        return [(p, decode[0]) for p in prefill]
+    if len(prefill) != len(decode):
+        raise ValueError(
+            f"{len(prefill)} --prefill and {len(decode)} --decode servers: each prefill server "
+            "sends to the one decode server its kv_ip:kv_port names, so give as many of each "
+            "(paired in order) or one --decode"
+        )
+    return list(zip(prefill, decode, strict=True))
+
+
+def _pass_on(headers, names: Sequence[str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() in names}
+
+
+def _unavailable(message: str) -> Response:
+    body = {"error": {"message": message, "type": "service_unavailable", "code": 503}}
+    return JSONResponse(body, 503, headers={"retry-after": "1"})
+
+
+def build_proxy_app(config: ProxyConfig) -> Starlette:
+    proxy = DisaggProxy(config)
+    routes = [Route(p, proxy.generate, methods=["POST"]) for p in GENERATION_PATHS]
+    routes.append(Route("/health", proxy.health, methods=["GET"]))
+    routes.append(Route("/{path:path}", proxy.other, methods=["GET", "POST", "PUT", "DELETE"]))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await proxy.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = proxy
+    return app
+
+
+def run_proxy(config: ProxyConfig, host: str, port: int) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [proxy] %(message)s")
+    logger.info(
+        "zllm proxy on http://%s:%d: prefill %s, decode %s",
+        host,
+        port,
+        ", ".join(config.prefill_urls),
+        ", ".join(config.decode_urls),
+    )
+    uvicorn.run(build_proxy_app(config), host=host, port=port, log_level="warning", loop="auto")

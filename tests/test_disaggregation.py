@@ -1,0 +1,529 @@
+"""Prefill/decode disaggregation (--kv-transfer-config, `zllm proxy`): the config, the core's
+part (a producer's sends, a consumer's wait and loads) as exact specs, the executor's bytes
+(sender to receiver over tcp and shared memory, the buffer's bounds), then through servers
+with the openai client: a prefill and a decode server behind the proxy answer as one server
+does, streamed and not, with the prompt's blocks loaded from the transfer; a lost transfer is
+recomputed; errors, cancellation and a prefill server that is down pass through."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from servers import free_port, metric, start_server, stop_server, wait_until
+from test_kv_offload import make_pool
+
+from zllm import LLM, SamplingParams
+from zllm.block_hash import hash_full_blocks
+from zllm.config import SchedulerConfig
+from zllm.core.block_manager import BlockManager
+from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.request import Request
+from zllm.core.scheduler import Scheduler
+from zllm.engine_args import EngineArgs
+from zllm.executor.kv_transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
+from zllm.kv_tiers import TIER_REMOTE
+from zllm.kv_transfer_config import KVTransferConfig, kv_transfer_config_from
+from zllm.protocol import KVBlocksReceived, KVTransferParams, ModelRunnerOutput
+
+BS = 4
+
+# ---- the config ----------------------------------------------------------------------------
+
+
+def test_config_in_vllms_shape():
+    config = kv_transfer_config_from(
+        {
+            "kv_connector": "ZllmConnector",
+            "kv_role": "kv_consumer",
+            "kv_ip": "10.0.0.2",  # (transport tcp: shm would need an address of this host)
+            "kv_port": 15000,
+            "kv_buffer_size": 1e9,
+            "kv_rank": 1,  # vLLM's, meaningless here: accepted
+            "kv_connector_extra_config": {"transport": "tcp", "wait_timeout_s": 2},
+        }
+    )
+    assert config == KVTransferConfig(
+        role="kv_consumer",
+        host="10.0.0.2",
+        port=15000,
+        buffer_bytes=10**9,
+        transport="tcp",
+        wait_timeout_s=2.0,
+    )
+    assert config.consumes and not config.produces and config.address == "tcp://10.0.0.2:15000"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"kv_role": "kv_producer", "kv_connector": "NixlConnector"}, "not available here"),
+        ({"kv_role": "prefill"}, "kv_role must be one of"),
+        ({"kv_role": "kv_both"}, "kv_role must be one of"),
+        ({"kv_role": "kv_producer", "kv_ip": "192.0.2.123",
+          "kv_connector_extra_config": {"transport": "shm"}}, "not an address of this host"),
+        ({"kv_role": "kv_producer", "kv_port": 70000}, "is not a port"),
+        ({"kv_role": "kv_producer", "kv_port": "x"}, "kv_port must be a number"),
+        ({"kv_role": "kv_producer", "bogus": 1}, "unknown key"),
+        ({"kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "rdma"}},
+         "transport must be one of"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_problem(value, message):
+    with pytest.raises(ValueError, match=message):
+        kv_transfer_config_from(value)
+
+
+def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_path):
+    from tiny_models import tiny_gemma3_overrides, write_tiny_model
+
+    consumer = {"kv_role": "kv_consumer"}
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config=consumer, enable_prefix_caching=False
+        ).create_engine_config()
+    gemma = str(write_tiny_model(tmp_path, **tiny_gemma3_overrides(8)))
+    with pytest.raises(ValueError, match="start with --no-hybrid-kv-cache"):
+        EngineArgs(model=gemma, kv_transfer_config=consumer).create_engine_config()
+    with pytest.raises(ValueError, match="does not support --kv-transfer-config"):
+        EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="for served engines"):
+        LLM(tiny_llama_dir, kv_transfer_config=consumer)
+    with pytest.raises(ValueError, match="with --enable-lora"):
+        EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config=consumer, enable_lora=True
+        ).create_engine_config()
+    with pytest.raises(ValueError, match="mp executor backend"):
+        EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config=consumer, distributed_executor_backend="ray"
+        ).create_engine_config()
+
+
+def test_the_proxy_pairs_each_prefill_server_with_its_decode_server():
+    from zllm.frontend.disagg_proxy import pairs_of
+
+    assert pairs_of(["http://p1/", "http://p2"], ["http://d1", "http://d2"]) == [
+        ("http://p1", "http://d1"),
+        ("http://p2", "http://d2"),
+    ]
+    assert pairs_of(["http://p1", "http://p2"], ["http://d"]) == [
+        ("http://p1", "http://d"),
+        ("http://p2", "http://d"),
+    ]
+    with pytest.raises(ValueError, match="as many of each"):
+        pairs_of(["http://p1"], ["http://d1", "http://d2"])
+
+
+# ---- the core ------------------------------------------------------------------------------
+
+
+def disagg_scheduler(role: str, wait_timeout_s: float = 60.0, budget: int = 64):
+    transfer = KVTransferConfig(role=role, buffer_bytes=64, wait_timeout_s=wait_timeout_s)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256)
+    bm = BlockManager(64, BS, record_evictions=True)
+    kv = TieredKVConnector(None, block_bytes=1, remote_bytes=64) if transfer.consumes else None
+    return Scheduler(config, bm, kv_connector=kv, kv_transfer=transfer), kv
+
+
+def request(req_id: str, tokens: list[int], **flags) -> Request:
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    return Request(req_id, tokens, params, kv_transfer=KVTransferParams(**flags))
+
+
+def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
+    sched, _ = disagg_scheduler("kv_producer", budget=8)
+    prompt = list(range(100, 114))  # 14 tokens: 3 full blocks, prefilled in chunks of 8
+    sched.add_request(request("marked", prompt, do_remote_decode=True))
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"marked": 8} and first.kv_sends == []  # a chunk
+    sched.update_from_output(first, ModelRunnerOutput(first.step_id, [], []))
+    last = sched.schedule()
+    blocks = sched.block_manager.block_ids("marked")
+    assert last.kv_sends == list(zip(hash_full_blocks(prompt[:12], BS), blocks[:3], strict=True))
+    sched.update_from_output(last, ModelRunnerOutput(last.step_id, ["marked"], [[7]]))
+    sched.add_request(Request("plain", list(range(300, 309)), SamplingParams(max_tokens=2)))
+    assert sched.schedule().kv_sends == []  # not marked: nothing sent
+    assert sched.num_kv_sent_blocks == 3
+
+
+def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():
+    sched, kv = disagg_scheduler("kv_consumer")
+    prompt = list(range(40, 53))  # 13 tokens: 3 full blocks a hit may use
+    hashes = hash_full_blocks(prompt[:12], BS)
+    sched.add_request(request("decode", prompt, do_remote_prefill=True))
+    sched.add_request(Request("other", list(range(500, 505)), SamplingParams(max_tokens=1)))
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["other"]  # "decode" waits, "other" goes ahead
+    kv.received(hashes[:2], [])
+    assert "decode" not in sched.schedule().num_scheduled_tokens  # one block still missing
+    kv.received(hashes[2:], [])
+    so = sched.schedule()
+    assert so.num_scheduled_tokens["decode"] == 1  # only the last token is computed
+    assert [(t, h) for t, h, _ in so.kv_transfers.loads] == [(TIER_REMOTE, h) for h in hashes]
+    assert kv.hit_tokens[TIER_REMOTE] == 12 and sched.num_kv_wait_timeouts == 0
+
+
+def test_a_consumer_stops_waiting_at_the_timeout_and_computes_the_rest():
+    sched, kv = disagg_scheduler("kv_consumer", wait_timeout_s=0.05)
+    prompt = list(range(40, 53))
+    kv.received(hash_full_blocks(prompt[:4], BS), [])  # only the first block ever comes
+    sched.add_request(request("decode", prompt, do_remote_prefill=True))
+    assert sched.schedule().num_scheduled_tokens == {}
+    time.sleep(0.06)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"decode": 9}  # one block loaded, 9 tokens computed
+    assert len(so.kv_transfers.loads) == 1 and sched.num_kv_wait_timeouts == 1
+
+
+def test_a_consumer_does_not_wait_for_what_cannot_come_or_be_used():
+    """A prompt with more blocks than the buffer holds, and a request that computes every
+    prompt position anyway (prompt logprobs), are admitted at once."""
+    sched, _ = disagg_scheduler("kv_consumer")  # a 64-block buffer
+    sched.add_request(
+        request("long", list(range(1000, 1000 + 65 * BS + 1)), do_remote_prefill=True)
+    )
+    assert "long" in sched.schedule().num_scheduled_tokens
+    sched, _ = disagg_scheduler("kv_consumer")
+    logprobs = Request(
+        "logprobs", list(range(40, 53)), SamplingParams(max_tokens=1, prompt_logprobs=0),
+        kv_transfer=KVTransferParams(do_remote_prefill=True),
+    )  # fmt: skip
+    sched.add_request(logprobs)
+    assert "logprobs" in sched.schedule().num_scheduled_tokens
+
+
+def test_the_remote_index_follows_what_the_buffer_says():
+    kv = TieredKVConnector(None, block_bytes=1, remote_bytes=8)
+    kv.received([1, 2, 3], [])
+    kv.received([4], [1])
+    assert kv.lookup([2, 3, 4]) == [TIER_REMOTE] * 3 and kv.lookup([1]) == []
+    kv.evicted([(9, 0)])  # a pool eviction is stored into no tier here
+    assert kv.take_transfers() is None
+    kv.load_failed([(TIER_REMOTE, 3)])
+    assert kv.lookup([2, 3]) == [TIER_REMOTE] and kv.load_failures[TIER_REMOTE] == 1
+
+
+# ---- the executor's bytes ------------------------------------------------------------------
+
+
+def test_the_buffer_drops_its_oldest_blocks_and_loads_into_the_pool():
+    pool = make_pool(num_blocks=8)
+    buffer = RemoteKVBuffer(pool, capacity=2, pin_memory=False)
+    blocks = pool.gather([0, 1, 2])
+    assert buffer.put([10, 11], blocks[:2]) == ([10, 11], [])
+    assert buffer.put([12], blocks[2:]) == ([12], [10])  # full: the oldest goes
+    assert buffer.load([10, 11, 12], [5, 6, 7]) == [0]  # 10 is gone
+    assert torch.equal(pool.gather([6, 7]), blocks[1:])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport):
+    import msgspec
+    import zmq
+
+    port = free_port()
+    config = KVTransferConfig(role="kv_producer", port=port, transport=transport)
+    consumer = KVTransferConfig(role="kv_consumer", port=port, transport=transport)
+    producer_pool, consumer_pool = make_pool(num_blocks=8), make_pool(num_blocks=8)
+    consumer_pool.tensors = [torch.zeros_like(t) for t in consumer_pool.tensors]
+    core_in = f"ipc:///tmp/zllm-test-kv-{port}"
+    news = zmq.Context.instance().socket(zmq.PULL)
+    news.bind(core_in)
+    buffer = RemoteKVBuffer(consumer_pool, capacity=16, pin_memory=False)
+    KVReceiver(consumer, buffer, "layout-a", core_in)
+    sender = KVSender(config, producer_pool, "layout-a")
+    before = set(os.listdir(SHM_DIR))
+    deadline = time.monotonic() + 10
+    while not news.poll(200):  # (sends before the connection is up are dropped)
+        assert time.monotonic() < deadline
+        sender.send([(111, 3), (222, 5)])
+    message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
+    assert message.stored == [111, 222]
+    time.sleep(0.3)
+    while news.poll(0):  # repeats of a send made while the first was on its way
+        news.recv()
+    assert buffer.load([111, 222], [0, 1]) == []
+    assert torch.equal(consumer_pool.gather([0, 1]), producer_pool.gather([3, 5]))
+    assert set(os.listdir(SHM_DIR)) <= before  # the consumer deleted the shared-memory files
+    # Blocks of another model or layout are dropped, and the core hears of nothing.
+    KVSender(config, producer_pool, "layout-b").send([(333, 1)])
+    assert not news.poll(500)
+    news.close(linger=0)
+
+
+def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
+    """A header naming any other /dev/shm file is refused and that file left alone; files of
+    producers that are no longer alive are deleted."""
+    from zllm.executor import kv_transfer
+    from zllm.protocol import KVBlocksHeader
+
+    pool = make_pool(num_blocks=4)
+    buffer = RemoteKVBuffer(pool, capacity=4, pin_memory=False)
+    config = KVTransferConfig(role="kv_consumer", port=free_port(), transport="shm")
+    receiver = KVReceiver(config, buffer, "layout", "ipc:///tmp/zllm-test-unused")
+    bystander = os.path.join(SHM_DIR, f"not-zllm-{os.getpid()}")
+    with open(bystander, "wb") as f:
+        f.write(bytes(pool.block_nbytes))
+    try:
+        header = KVBlocksHeader([1], "layout", "float32", list(pool.block_shape), "x")
+        for name in (os.path.basename(bystander), "../etc/passwd"):
+            header.shm_file = name
+            assert receiver._store(header, []) == ([], [])
+        assert os.path.exists(bystander)
+    finally:
+        os.unlink(bystander)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = os.path.join(SHM_DIR, f"zllm-kv-{dead.pid}-0")
+    mine = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-999")
+    for path in (orphan, mine):
+        open(path, "wb").close()
+    try:
+        kv_transfer.remove_orphaned_shm_files()
+        assert not os.path.exists(orphan) and os.path.exists(mine)
+    finally:
+        for path in (orphan, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+# ---- through servers -----------------------------------------------------------------------
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Paged attention stores keys and values in blocks; " * 5,
+    "def add(a, b):\n    return a + b\n" * 4,
+]
+
+
+def kv_config(role: str, port: int, **extra) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "ZllmConnector",
+            "kv_role": role,
+            "kv_ip": "127.0.0.1",
+            "kv_port": port,
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+class Proxy:
+    def __init__(self, prefill: str, decode: str, log) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "zllm.cli", "proxy", "--prefill", prefill]
+        cmd += ["--decode", decode, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+        def up() -> bool:
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return self.proc.poll() is None and False
+
+        assert wait_until(up, 30), open(log).read()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def greedy(base_url: str, prompts: list[str], max_tokens: int = 24, stream: bool = False):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    outs = []
+    for prompt in prompts:
+        kw = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        if stream:
+            chunks = client.completions.create(**kw, stream=True)
+            outs.append("".join(c.choices[0].text for c in chunks if c.choices))
+        else:
+            outs.append(client.completions.create(**kw).choices[0].text)
+    return outs
+
+
+def chat(base_url: str, content: str) -> str:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=16, temperature=0
+    )
+    return r.choices[0].message.content
+
+
+def metric_with(text: str, name: str, label: str) -> float:
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*{label}[^}}]*}} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def remote_hits(server) -> float:
+    text = server.get("/metrics").text
+    match = re.search(r'^zllm:kv_offload_hits_total{[^}]*tier="remote"[^}]*} (\S+)$', text, re.M)
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def disagg(tiny_llama_dir, tmp_path_factory):
+    """A plain server (the reference), a decode server (kv_consumer), a prefill server
+    (kv_producer) sending to it over tcp, and the proxy in front of the pair."""
+    logs = tmp_path_factory.mktemp("disagg")
+    port = free_port()
+    servers = {
+        "plain": start_server(tiny_llama_dir, logs / "plain.log"),
+        "decode": start_server(
+            tiny_llama_dir, logs / "decode.log", "--kv-transfer-config",
+            kv_config("kv_consumer", port, wait_timeout_s=30),
+        ),
+        "prefill": start_server(
+            tiny_llama_dir, logs / "prefill.log", "--kv-transfer-config",
+            kv_config("kv_producer", port),
+        ),
+    }  # fmt: skip
+    proxy = Proxy(servers["prefill"].url, servers["decode"].url, logs / "proxy.log")
+    yield servers, proxy
+    proxy.stop()
+    for server in servers.values():
+        assert stop_server(server) == 0
+
+
+@pytest.mark.e2e
+def test_the_pair_behind_the_proxy_answers_as_one_server(disagg):
+    """Greedy completions (plain and streamed) and a chat equal one server's, and the decode
+    server took each prompt's blocks from the transfer (its remote hits grow by them)."""
+    servers, proxy = disagg
+    decode = servers["decode"]
+    reference = greedy(servers["plain"].url, PROMPTS)
+    hits = remote_hits(decode)
+    assert greedy(proxy.url, PROMPTS) == reference
+    assert wait_until(lambda: remote_hits(decode) > hits, 5)
+    assert greedy(proxy.url, PROMPTS[:1], stream=True) == reference[:1]
+    assert chat(proxy.url, "Tell me about paged attention.") == chat(
+        servers["plain"].url, "Tell me about paged attention."
+    )
+    assert metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total") == 0
+    sent = metric(servers["prefill"].get("/metrics").text, "zllm:kv_transfer_sent_blocks_total")
+    assert sent > 0
+
+
+@pytest.mark.e2e
+def test_errors_and_cancellation_pass_through_the_proxy(disagg):
+    servers, proxy = disagg
+    bad = {"prompt": "hi", "max_tokens": -1}
+    direct = servers["plain"].post("/v1/completions", bad)
+    through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
+    assert through.status_code == direct.status_code == 400
+    assert through.json()["error"]["param"] == direct.json()["error"]["param"]
+    # A streamed request whose client leaves after its first event: the decode server
+    # aborts it. Its executor is paused meanwhile (well under --executor-timeout), so the
+    # request cannot simply have finished.
+    decode = servers["decode"]
+    executor = decode.children()["executor"]
+
+    def aborted() -> float:
+        text = decode.get("/metrics").text
+        return metric_with(text, "vllm:request_success_total", 'finished_reason="abort"')
+
+    before = aborted()
+
+    async def leave_early() -> None:
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", proxy.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        os.kill(executor, signal.SIGSTOP)
+                        break  # the first event, then gone
+
+    try:
+        asyncio.run(leave_early())
+        assert wait_until(lambda: aborted() == before + 1, 10)
+    finally:
+        os.kill(executor, signal.SIGCONT)
+    assert httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"]
+
+
+@pytest.mark.e2e
+def test_a_lost_transfer_is_recomputed(disagg, tiny_llama_dir, tmp_path):
+    """A prefill server whose blocks go nowhere (its kv_port has no consumer): the decode
+    server waits for them until its timeout, then computes the prompt: the same answer.
+    While it waits, its core sleeps on its inputs instead of spinning (it used a core's
+    worth of CPU for the whole wait)."""
+    from zllm.bench_engine_stats import process_cpu_seconds
+
+    servers, _ = disagg
+    decode_port, lost_port = free_port(), free_port()
+    decode = start_server(
+        tiny_llama_dir, tmp_path / "decode.log", "--kv-transfer-config",
+        kv_config("kv_consumer", decode_port, wait_timeout_s=2),
+    )  # fmt: skip
+    prefill = start_server(
+        tiny_llama_dir, tmp_path / "prefill.log", "--kv-transfer-config",
+        kv_config("kv_producer", lost_port),
+    )  # fmt: skip
+    proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+    try:
+        reference = greedy(servers["plain"].url, PROMPTS[:2])
+        core_cpu = process_cpu_seconds().get("core", 0.0)  # every local core process's
+        start = time.monotonic()
+        assert greedy(proxy.url, PROMPTS[:2]) == reference
+        waited = time.monotonic() - start
+        assert waited >= 4  # two requests, each held for its 2 s
+        assert process_cpu_seconds().get("core", 0.0) - core_cpu < 0.25 * waited
+        assert wait_until(
+            lambda: (
+                metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total") == 2
+            ),
+            5,
+        )
+        assert remote_hits(decode) == 0
+    finally:
+        proxy.stop()
+        stop_server(prefill)
+        stop_server(decode)
+
+
+@pytest.mark.e2e
+def test_shared_memory_transport_and_a_prefill_server_that_is_down(tiny_llama_dir, tmp_path):
+    """transport "shm": the same answers, the blocks through /dev/shm files the decode
+    server deletes. Then the prefill server stops: the proxy skips it and the decode server
+    computes the prompt (still the same answer)."""
+    port = free_port()
+    plain = start_server(tiny_llama_dir, tmp_path / "plain.log")
+    decode = start_server(
+        tiny_llama_dir, tmp_path / "decode.log", "--kv-transfer-config",
+        kv_config("kv_consumer", port, transport="shm", wait_timeout_s=30),
+    )  # fmt: skip
+    prefill = start_server(
+        tiny_llama_dir, tmp_path / "prefill.log", "--kv-transfer-config",
+        kv_config("kv_producer", port, transport="shm"),
+    )  # fmt: skip
+    proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+    shm_before = {n for n in os.listdir(SHM_DIR) if n.startswith("zllm-kv-")}
+    try:
+        reference = greedy(plain.url, PROMPTS)
+        assert greedy(proxy.url, PROMPTS) == reference
+        assert wait_until(lambda: remote_hits(decode) > 0, 5)
+        leftover = {n for n in os.listdir(SHM_DIR) if n.startswith("zllm-kv-")} - shm_before
+        assert not leftover
+        assert stop_server(prefill) == 0
+        assert greedy(proxy.url, PROMPTS[:1]) == reference[:1]
+        assert "the decode server computes the prompt" in (tmp_path / "proxy.log").read_text()
+    finally:
+        proxy.stop()
+        stop_server(prefill)
+        stop_server(decode)
+        stop_server(plain)

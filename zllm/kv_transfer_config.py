@@ -1,0 +1,133 @@
+"""`--kv-transfer-config`: prefill/decode disaggregation, in vLLM's shape (no torch).
+
+    {"kv_connector": "ZllmConnector", "kv_role": "kv_producer" | "kv_consumer",
+     "kv_ip": "127.0.0.1", "kv_port": 14579, "kv_buffer_size": 1e9,
+     "kv_connector_extra_config": {"transport": "tcp" | "shm", "wait_timeout_s": 5.0}}
+
+A producer (the prefill instance) sends the KV blocks of each prompt it computes for a
+request marked `kv_transfer_params: {"do_remote_decode": true}` to the consumer at
+kv_ip:kv_port, keyed by block hash (zllm/block_hash.py: the same in every process). A
+consumer (the decode instance) listens there, keeps what arrives in a buffer of
+kv_buffer_size bytes, and admits a request marked `{"do_remote_prefill": true}` once its
+prompt's blocks are in (or after wait_timeout_s): they are then prefix-cache hits, loaded
+from the buffer. What never arrives is computed, so a lost transfer costs time, never a
+wrong answer. `transport` "shm" moves the bytes through shared memory (both on one host),
+"tcp" through the socket.
+
+`zllm proxy` (frontend/disagg_proxy.py) sends each request to a producer with max_tokens 1
+and then to a consumer, marking both.
+
+(vLLM's `kv_both`, an engine that is both, is not offered: a producer sends to the one
+consumer address it is given.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zllm.arg_utils import check_config_dict
+
+CONNECTOR_NAME = "ZllmConnector"
+ROLES = ("kv_producer", "kv_consumer")
+TRANSPORTS = ("tcp", "shm")
+_KEYS = {
+    "kv_connector",
+    "kv_role",
+    "kv_ip",
+    "kv_port",
+    "kv_buffer_size",
+    "kv_connector_extra_config",
+    # vLLM fields that mean nothing here but which its example configs carry.
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_buffer_device",
+    "engine_id",
+}
+_EXTRA_KEYS = {"transport", "wait_timeout_s"}
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    role: str  # one of ROLES
+    host: str = "127.0.0.1"  # the consumer's address: it binds, producers connect
+    port: int = 14579
+    buffer_bytes: int = 1 << 30  # the consumer's buffer of received blocks
+    transport: str = "tcp"
+    wait_timeout_s: float = 5.0  # how long a consumer holds a request for its blocks
+
+    @property
+    def produces(self) -> bool:
+        return self.role == "kv_producer"
+
+    @property
+    def consumes(self) -> bool:
+        return self.role == "kv_consumer"
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def kv_transfer_config_from(value: dict[str, Any] | None) -> KVTransferConfig | None:
+    """Check the user's dict; a ValueError naming what is off."""
+    if value is None:
+        return None
+    check_config_dict("kv_transfer_config", value, _KEYS)
+    connector = value.get("kv_connector", CONNECTOR_NAME)
+    if connector != CONNECTOR_NAME:
+        raise ValueError(
+            f"kv_transfer_config: kv_connector {connector!r} is not available here; "
+            f"zllm's is {CONNECTOR_NAME!r}"
+        )
+    role = value.get("kv_role")
+    if role not in ROLES:
+        raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(ROLES)}")
+    extra = value.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict) or set(extra) - _EXTRA_KEYS:
+        raise ValueError(
+            f"kv_transfer_config: kv_connector_extra_config takes {', '.join(sorted(_EXTRA_KEYS))}"
+        )
+    config = KVTransferConfig(
+        role=role,
+        host=str(value.get("kv_ip", "127.0.0.1")),
+        port=_int(value, "kv_port", 14579),
+        buffer_bytes=_int(value, "kv_buffer_size", 1 << 30),
+        transport=str(extra.get("transport", "tcp")),
+        wait_timeout_s=float(extra.get("wait_timeout_s", 5.0)),
+    )
+    if not 0 < config.port < 65536:
+        raise ValueError(f"kv_transfer_config: kv_port {config.port} is not a port")
+    if config.transport not in TRANSPORTS:
+        raise ValueError(f"kv_transfer_config: transport must be one of {', '.join(TRANSPORTS)}")
+    if config.wait_timeout_s < 0:
+        raise ValueError("kv_transfer_config: wait_timeout_s must be at least 0")
+    if config.transport == "shm" and not _is_local(config.host):
+        raise ValueError(
+            f"kv_transfer_config: transport shm moves blocks through this host's /dev/shm, "
+            f"but kv_ip {config.host} is not an address of this host: use tcp"
+        )
+    return config
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` is one of this machine's addresses (a socket can bind to it)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+    except OSError:
+        return False
+    return True
+
+
+def _int(value: dict[str, Any], key: str, default: int) -> int:
+    raw = value.get(key, default)
+    try:
+        number = float(raw)  # vLLM writes kv_buffer_size as 1e9
+    except (TypeError, ValueError):
+        raise ValueError(f"kv_transfer_config: {key} must be a number, got {raw!r}") from None
+    if number != int(number) or number < 0:
+        raise ValueError(f"kv_transfer_config: {key} must be a whole number, got {raw!r}")
+    return int(number)
