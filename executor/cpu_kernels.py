@@ -26,12 +26,14 @@ libgomp torch loaded), so they never add threads that compete with torch's for t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -108,11 +110,14 @@ def load() -> ModuleType:
     # the build after every file's content so an edited header gets a fresh build.
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     name = f"zllm_cpu_kernels_{digest}"
-    _clear_stale_build_lock(cpp_extension, name)
+    build_dir = Path(cpp_extension._get_build_directory(name, False))
     # A first build takes ~35 s, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
-        with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
+        with (
+            exclusive_build(build_dir),
+            Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger),
+        ):
             return cpp_extension.load(
                 name=name,
                 sources=[str(CSRC_DIR / s) for s in SOURCES],
@@ -124,22 +129,22 @@ def load() -> ModuleType:
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
 
 
-# A build takes ~35 s; a lock older than this was left by a build that was killed.
-STALE_LOCK_S = 600
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory for one loader at a time (TP ranks and DP engines load at once).
 
-
-def _clear_stale_build_lock(cpp_extension: ModuleType, name: str) -> None:
-    """torch's build holds a lock file in the build directory and every later load waits for
-    it to go: a build killed midway (Ctrl-C in the first minute of a first run) would leave
-    every later engine start waiting forever. Remove a lock older than any build takes."""
-    try:
-        lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-        age = time.time() - lock.stat().st_mtime
-    except (AttributeError, OSError):
-        return  # no lock (the usual case), or a torch without that helper
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale CPU-kernel build lock (%.0f s old): %s", age, lock)
-        lock.unlink(missing_ok=True)
+    torch's own guard is a `lock` file that every later load waits on until it goes, so a
+    build killed midway (Ctrl-C or kill -9 in a first start's first minute) left every later
+    start waiting forever. Ours is an flock, which the kernel drops when its holder dies: once
+    we hold it no other build of ours is running, and a `lock` file still there is a dead
+    build's, removed."""
+    with open(build_dir / "zllm-build.flock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # waits while another process builds or loads
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("removing the lock file a killed CPU-kernel build left: %s", baton)
+            baton.unlink(missing_ok=True)
+        yield  # the flock goes with the file's close
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:

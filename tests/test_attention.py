@@ -337,23 +337,52 @@ def test_cpu_kernel_build_failure_falls_back_to_torch(monkeypatch, caplog):
     assert "decode attention stays in torch: no compiler here" in caplog.text
 
 
-def test_a_killed_build_s_lock_does_not_block_later_loads(monkeypatch, tmp_path, caplog):
-    """torch waits for a build directory's lock file to go; a build killed midway leaves it.
-    One older than any build is removed (with a warning), a fresh one is left alone."""
-    import os
-    import time
+def test_a_killed_build_s_lock_does_not_block_later_loads(tmp_path, caplog):
+    """torch waits for a build directory's `lock` file to go; a build killed midway leaves it.
+    Once a loader holds the directory's flock, such a file is a dead build's: removed."""
+    (tmp_path / "lock").touch()
+    with cpu_kernels.exclusive_build(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "removing the lock file a killed CPU-kernel build left" in caplog.text
 
-    from torch.utils import cpp_extension
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    for name, age in (("killed", cpu_kernels.STALE_LOCK_S + 60), ("building", 5)):
-        lock = tmp_path / name / "lock"
-        lock.parent.mkdir()
-        lock.touch()
-        os.utime(lock, (time.time() - age,) * 2)
-        cpu_kernels._clear_stale_build_lock(cpp_extension, name)
-        assert lock.exists() == (name == "building")
-    assert "removing a stale CPU-kernel build lock" in caplog.text
+def test_a_live_build_is_waited_for_and_its_lock_left(tmp_path, caplog):
+    """Another process holding the flock (building: its `lock` file there) is waited for, and
+    its lock file is not touched; the load goes on once that process lets go."""
+    import subprocess
+    import sys
+    import threading
+
+    builder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, pathlib, sys\n"
+            f"d = pathlib.Path({str(tmp_path)!r})\n"
+            "f = open(d / 'zllm-build.flock', 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "(d / 'lock').touch(); print('building', flush=True)\n"
+            "sys.stdin.read()\n"  # builds until the test closes its stdin
+            "assert (d / 'lock').exists(); (d / 'lock').unlink()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert builder.stdout.readline() == "building\n"
+    entered = threading.Event()
+
+    def load() -> None:
+        with cpu_kernels.exclusive_build(tmp_path):
+            entered.set()
+
+    waiter = threading.Thread(target=load)
+    waiter.start()
+    assert not entered.wait(0.5)  # held off while the builder runs
+    builder.stdin.close()
+    assert builder.wait(30) == 0  # its lock file was still there when it finished
+    waiter.join(30)
+    assert entered.is_set()
+    assert "removing the lock file" not in caplog.text
 
 
 @pytest.mark.parametrize("backend", [TORCH_ATTENTION, CPU_KERNEL_ATTENTION, CUDA_ATTENTION])
