@@ -35,7 +35,7 @@ from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.llama import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
-from zllm.executor.parallel import ONE_RANK, Parallel, local_arch
+from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
 from zllm.executor.request_state import RequestState, make_generator
 from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
@@ -192,10 +192,12 @@ class ModelRunner:
         config = self.config
         self.model = self._load_model(config)
         self.quantization = self._quantize(config)
+        ends_released = release_other_stages_ends(self.model, self.pp)
         if config.model_path.endswith(".gguf"):
             read_gguf(config.model_path).release_pages()  # copied out: the model holds them
-        if self.quantization in ("gguf", "gguf-int8"):
-            release_freed_memory(self.device)  # the fp32 weights the blocks replaced
+        if self.quantization in ("gguf", "gguf-int8") or ends_released:
+            # The fp32 weights the blocks replaced, another stage's embedding / logits.
+            release_freed_memory(self.device)
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)

@@ -287,6 +287,32 @@ def fill_tied_logits_shard(
         lm_head.data.copy_(shard_weight("lm_head.weight", embedding, arch, tp))
 
 
+def release_weight(param: nn.Parameter) -> None:
+    """Free a weight nothing here reads any more: an empty tensor, so any use fails loudly."""
+    param.data = torch.empty(0, dtype=param.dtype)
+
+
+def release_other_stages_ends(model: nn.Module, pp: PipelineParallel) -> bool:
+    """Every stage builds the model's embedding and logits weights (the checkpoint holds them
+    once); only the first stage embeds tokens and only the last computes logits, so the others
+    let theirs go (SmolLM2's tied table is 113 MB in fp32, a 128K-vocabulary model's several
+    GB). `model`: ours, loaded and quantized (embed_rows / logits_proj, when GGUF blocks serve
+    them). Returns whether anything was released."""
+    if not pp.enabled:
+        return False
+    if not pp.is_first:
+        model.embed_rows = None
+    if not pp.is_last:
+        model.logits_proj = None
+        if model.lm_head is not None:
+            release_weight(model.lm_head)
+    # One rank's tied logits read the input embedding itself (no lm_head, no GGUF blocks).
+    tied_logits = pp.is_last and model.lm_head is None and model.logits_proj is None
+    if not (pp.is_first or tied_logits):
+        release_weight(model.embed_tokens)
+    return True
+
+
 # HF weight-name endings -> how the tensor is split: by output rows (column-parallel) or by
 # input columns (row-parallel).
 _Q = ("self_attn.q_proj.weight", "self_attn.q_proj.bias")

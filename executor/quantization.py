@@ -39,7 +39,7 @@ from torch import nn
 
 from zllm.config import ModelArchConfig
 from zllm.executor import cpu_kernels
-from zllm.executor.parallel import SINGLE, TensorParallel, shard_blocks
+from zllm.executor.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.model_files import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
@@ -320,12 +320,12 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
             model.logits_proj = GGUFLinear(
                 *embedding, model.arch.hidden_size, None, int8_activations
             )
-        _release(model.embed_tokens)
+        release_weight(model.embed_tokens)
     if model.lm_head is not None:
         head = fuse(["lm_head.weight"], model.lm_head.data, None)
         if head is not None:
             model.logits_proj = head
-            _release(model.lm_head)
+            release_weight(model.lm_head)
     logger.info(
         "GGUF kernels: %d of %d decoder matmuls, %s and %s read GGUF blocks%s",
         swapped,
@@ -345,11 +345,6 @@ def set_int8_max_rows(model: nn.Module, rows: int) -> int:
     for module in modules:
         module.int8_max_rows = rows
     return len(modules)
-
-
-def _release(param: nn.Parameter) -> None:
-    """Free a weight that GGUF blocks now serve: an empty tensor, so any use fails loudly."""
-    param.data = torch.empty(0, dtype=param.dtype)
 
 
 def _fp32_note(model_path: str) -> str:

@@ -313,6 +313,47 @@ def test_offline_gemma3_stages_split_sliding_and_global_layers(tmp_path):
     assert len({t for out in outputs[1] for t in out[0]}) > 10  # not a degenerate output
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
+    """Three stages of a tiny Llama: only the first holds the embedding table, only the last
+    the logits weights (tied: the embedding table, which serves as them); what each keeps
+    gives the whole model's results."""
+    import torch
+    from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
+
+    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.parallel import PipelineParallel, release_other_stages_ends
+
+    config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
+    weights = tiny_hf_model(config, 0).state_dict()
+    arch = arch_config_of(config)
+    whole = LlamaForCausalLM(arch)
+    whole.load_weights(weights.items())
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    hidden = torch.randn(2, arch.hidden_size)
+    table = arch.vocab_size * arch.hidden_size
+    for stage in range(3):
+        pp = PipelineParallel(stage=stage, size=3, layers=stage_layers(3, 3, stage))
+        model = LlamaForCausalLM(arch, pp=pp)
+        model.load_weights(weights.items())
+        assert release_other_stages_ends(model, pp)
+        ends = model.embed_tokens.numel() + (0 if model.lm_head is None else model.lm_head.numel())
+        first, last = stage == 0, stage == 2
+        expected = table * (first + (last and not tied)) + (table if last and tied else 0)
+        assert ends == expected, (stage, ends, expected)
+        if first:
+            assert torch.equal(model.embed(ids), whole.embed(ids))
+        elif not (tied and last):  # (the last stage's table serves as the logits, tied)
+            with pytest.raises(RuntimeError):
+                model.embed(ids)
+        if last:
+            assert torch.equal(model.compute_logits(hidden), whole.compute_logits(hidden))
+        elif not (tied and first):  # (the first stage's table would serve, tied)
+            with pytest.raises(RuntimeError):
+                model.compute_logits(hidden)
+    assert not release_other_stages_ends(whole, PipelineParallel())
+
+
 # ---- through `zllm serve` ------------------------------------------------------------------
 
 
