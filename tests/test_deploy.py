@@ -10,6 +10,7 @@ not have: the Dockerfiles are linted (hadolint) and their entry points parsed, n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import yaml
 from servers import start_server, stop_server
 
 from zllm.cli import build_parser
+from zllm.engine_args import engine_args_from
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
@@ -238,7 +240,7 @@ def test_inference_pool():
     assert picker.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
 
 
-def test_multi_node_leader_worker_set():
+def test_multi_node_leader_worker_set(smollm2_path):
     """The LeaderWorkerSet is a custom resource (kubernetes-sigs/lws) with no schema where
     kubernetes-validate looks. Its pod templates are checked as Kubernetes' own PodTemplate
     (strict), the Service as a Service, and the set's own fields against the upstream CRD,
@@ -291,6 +293,12 @@ def test_multi_node_leader_worker_set():
     ]  # one pod of each kind: the leader, then size - 1 workers
     group_gpus = gpus[0] + gpus[1] * (template["size"] - 1)
     assert args.tensor_parallel_size * args.pipeline_parallel_size == group_gpus
+    # The engine takes that split of the model (the parser alone took a TP size that SmolLM2's
+    # 9 heads refuse): its config is built as `zllm serve` builds it, from the cached file.
+    assert args.model == "smollm2"
+    engine = dataclasses.replace(engine_args_from(args), model=smollm2_path)
+    config = engine.create_engine_config()
+    assert config.distributed_executor_backend == "ray" and config.world_size == group_gpus
     assert f'ray start --address="${{LWS_LEADER_ADDRESS}}:{head_port}"' in worker["args"][0]
     assert "--block" in worker["args"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -362,3 +370,45 @@ def test_a_server_started_as_the_manifest_says(tiny_llama_dir, tmp_path):
             assert re.search(rf"^{re.escape(series)}\{{", metrics, re.M), series
     finally:
         assert stop_server(server) == 0
+
+
+def documented_commands(path: Path) -> list[list[str]]:
+    """The `zllm serve` / `zllm proxy` commands in a Markdown file's code blocks, as argv
+    (continuation lines joined, comments, `&` and `&&`-joined commands split off)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                if not part.strip().startswith("zllm "):
+                    continue
+                words = shlex.split(part, comments=True)
+                if words[-1:] == ["&"]:
+                    words = words[:-1]
+                if words[:2] in (["zllm", "serve"], ["zllm", "proxy"]):
+                    commands.append(words[1:])
+    return commands
+
+
+def test_documented_deployment_commands_start_on_smollm2(smollm2_path):
+    """Every `zllm serve` command docs/deploy.md shows, and the README's for SmolLM2, is one
+    the server takes: parsed by its parser and its config built as `zllm serve` builds it,
+    against the cached SmolLM2 (a tensor-parallel size its 9 heads refuse fails here);
+    `zllm proxy` commands parse."""
+    from zllm.cli import serve_config_from_args
+
+    root = Path(__file__).parent.parent
+    commands = documented_commands(root / "docs" / "deploy.md") + [
+        argv for argv in documented_commands(root / "README.md") if "smollm2" in argv
+    ]
+    served = 0
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        if argv[0] == "proxy":
+            assert args.prefill and args.decode
+            continue
+        assert args.model == "smollm2", argv
+        args.model = smollm2_path
+        config = serve_config_from_args(args)
+        assert config.engine.world_size == args.tensor_parallel_size * args.pipeline_parallel_size
+        served += 1
+    assert served >= 12, commands  # the doc's and README's serve commands were all found
