@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
+from multiprocessing.synchronize import Event as EventType
 
 import msgspec
 import zmq
@@ -107,7 +108,12 @@ def serve_steps(
 
 
 def _rank_process(
-    config_bytes: bytes, rank: int, init_method: str, endpoint: str, output_endpoint: str
+    config_bytes: bytes,
+    rank: int,
+    init_method: str,
+    endpoint: str,
+    output_endpoint: str,
+    joining: EventType,
 ) -> None:
     """Entry of an offline rank process (spawned, so it imports torch afresh)."""
     from zllm.procutil import die_with_parent, title_process
@@ -120,6 +126,7 @@ def _rank_process(
     inbox.connect(endpoint)
     from zllm.executor.model_runner import ModelRunner
 
+    joining.set()  # rank 0 joins the group once every rank is this far (RankProcesses.wait_joining)
     parallel = _init_parallel(config, rank, init_method)
     outbox = None
     if parallel.answers:  # the last pipeline stage's first rank
@@ -160,10 +167,18 @@ class RankProcesses:
         self.output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         mp_ctx = multiprocessing.get_context("spawn")
         config_bytes = msgspec.msgpack.encode(config)
+        self.joining = [mp_ctx.Event() for _ in range(1, size)]
         self.processes = [
             mp_ctx.Process(
                 target=_rank_process,
-                args=(config_bytes, rank, init_method, self.endpoints[rank - 1], output_endpoint),
+                args=(
+                    config_bytes,
+                    rank,
+                    init_method,
+                    self.endpoints[rank - 1],
+                    output_endpoint,
+                    self.joining[rank - 1],
+                ),
                 name=f"zllm-executor-{rank}",
                 daemon=True,
             )
@@ -176,19 +191,29 @@ class RankProcesses:
             self.close()  # the ones started, the sockets, the directory
             raise
 
-    def _check_alive(self) -> None:
+    def wait_joining(self) -> None:
+        """Until every rank is about to join the process group. Rank 0 (the caller's process)
+        waits here, not at the rendezvous, which would wait COLLECTIVE_TIMEOUT_S (10 minutes)
+        for a rank that died starting: a blocked rendezvous cannot be interrupted. A rank
+        that dies later, loading the model, fails rank 0's first collective at once (its
+        connection closes)."""
+        for event in self.joining:
+            while not event.wait(0.5):
+                self.check_alive()
+
+    def check_alive(self) -> None:
         dead = [p.name for p in self.processes if not p.is_alive()]
         if dead:
             raise RuntimeError(f"executor rank processes died: {', '.join(dead)}")
 
     def forward(self, step: SchedulerOutput) -> None:
-        self._check_alive()
+        self.check_alive()
         self.fanout.forward(self.encoder.encode(step))
 
     def receive_output(self) -> ModelRunnerOutput:
         """The answering rank's output of the step forwarded last (pipeline stages)."""
         while not self.outputs.poll(1000):
-            self._check_alive()
+            self.check_alive()
         return self.output_decoder.decode(self.outputs.recv())
 
     def close(self) -> None:
@@ -225,6 +250,7 @@ def start_ranks(config: EngineConfig):
     init_method = f"tcp://127.0.0.1:{free_ports(1)[0]}"
     ranks = RankProcesses(config, init_method)
     try:
+        ranks.wait_joining()
         return ModelRunner(config, _init_parallel(config, 0, init_method)), ranks
     except BaseException:
         ranks.close()

@@ -341,6 +341,47 @@ def test_offline_unseeded_sampling_ignores_the_callers_random_state(tiny_llama_d
     assert samples[0] == samples[1]
 
 
+@pytest.mark.parametrize("when", ["before joining", "while loading"])
+def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, monkeypatch, when):
+    """Rank 1 killed before it joins the process group (rank 0 would wait at the rendezvous
+    for COLLECTIVE_TIMEOUT_S, 10 minutes), or after, while the ranks load the model (rank 0's
+    first collective meets a closed connection): LLM() raises within seconds and leaves no
+    rank process behind."""
+    import os
+    import signal
+    import time
+
+    from zllm import LLM
+    from zllm.executor import parallel, ranks
+    from zllm.executor.model_runner import ModelRunner
+
+    started: list = []
+
+    class RanksKilledAtOnce(ranks.RankProcesses):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            started.extend(self.processes)
+            if when == "before joining":
+                os.kill(self.processes[0].pid, signal.SIGKILL)
+                self.processes[0].join(10)
+
+    load = ModelRunner._load_weights
+
+    def killed_while_loading(runner) -> None:
+        if when == "while loading":  # every rank has joined: rank 0's init returned
+            os.kill(started[0].pid, signal.SIGKILL)
+            started[0].join(10)
+        load(runner)
+
+    monkeypatch.setattr(ranks, "RankProcesses", RanksKilledAtOnce)
+    monkeypatch.setattr(ModelRunner, "_load_weights", killed_while_loading)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="executor rank processes died|[Cc]onnection"):
+        LLM(tiny_llama_dir, tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)
+    assert time.monotonic() - start < parallel.COLLECTIVE_TIMEOUT_S / 10
+    assert [p.is_alive() for p in started] == [False]
+
+
 def test_offline_step_that_fails_stops_the_ranks_and_says_so(tiny_llama_dir, monkeypatch):
     """A step that fails on rank 0 (here: an injected error) leaves the other ranks where
     rank 0 cannot rejoin them: they are stopped, and the next call says to make a new LLM
