@@ -110,10 +110,10 @@ def load() -> ModuleType:
     # the build after every file's content so an edited header gets a fresh build.
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     name = f"zllm_cpu_kernels_{digest}"
-    build_dir = Path(cpp_extension._get_build_directory(name, False))
     # A first build takes ~35 s, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
+        build_dir = Path(cpp_extension._get_build_directory(name, False))  # (creates it)
         with (
             exclusive_build(build_dir),
             Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger),
@@ -125,7 +125,7 @@ def load() -> ModuleType:
                 extra_ldflags=list(LDFLAGS),
                 verbose=False,
             )
-    except Exception as exc:  # compiler errors, missing ninja, ...
+    except Exception as exc:  # compiler errors, missing ninja, an unwritable directory, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
 
 

@@ -346,6 +346,16 @@ def test_a_killed_build_s_lock_does_not_block_later_loads(tmp_path, caplog):
     assert "removing the lock file a killed CPU-kernel build left" in caplog.text
 
 
+def test_a_build_directory_that_cannot_be_made_is_a_kernel_error(monkeypatch, tmp_path):
+    """An extensions directory that cannot be made fails as CpuKernelError, which the
+    engine's start turns into running without the kernels, not as a crash."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "extensions"))
+    with pytest.raises(cpu_kernels.CpuKernelError, match="building the CPU kernels failed"):
+        cpu_kernels.load.__wrapped__()
+
+
 def test_a_live_build_is_waited_for_and_its_lock_left(tmp_path, caplog):
     """Another process holding the flock (building: its `lock` file there) is waited for, and
     its lock file is not touched; the load goes on once that process lets go."""

@@ -319,15 +319,7 @@ class EngineArgs:
         )
         if not offload.enabled:
             return None
-        if not self.enable_prefix_caching:
-            raise ValueError("KV offload keeps prefix-cache blocks: it needs prefix caching")
-        if len(kv_cache_groups(config.arch, self.hybrid_kv_cache)) > 1:
-            raise ValueError(
-                "KV offload moves whole blocks of one KV cache group; this model's sliding-"
-                "window layers have their own: start with --no-hybrid-kv-cache"
-            )
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            raise ValueError("KV offload does not keep a draft model's KV: use ngram speculation")
+        _check_moves_whole_blocks(config, "KV offload")
         per_block = block_bytes(config)
         for name, size in (("--kv-offload-bytes", offload.cpu_bytes),
                            ("--kv-offload-disk-bytes", offload.disk_bytes)):  # fmt: skip
@@ -351,18 +343,7 @@ class EngineArgs:
         transfer = kv_transfer_config_from(self.kv_transfer_config)
         if transfer is None:
             return None
-        if not config.cache.enable_prefix_caching:
-            raise ValueError(
-                "--kv-transfer-config names blocks by their prefix-cache hashes: it needs "
-                "prefix caching (leave out --no-enable-prefix-caching)"
-            )
-        if len(kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)) > 1:
-            raise ValueError(
-                "--kv-transfer-config moves whole blocks of one KV cache group; this model's "
-                "sliding-window layers have their own: start with --no-hybrid-kv-cache"
-            )
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            raise ValueError("--kv-transfer-config does not move a draft model's KV")
+        _check_moves_whole_blocks(config, "--kv-transfer-config")
         if config.lora is not None:
             raise ValueError(
                 "--kv-transfer-config with --enable-lora: a LoRA request's blocks are named by "
@@ -433,6 +414,23 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     else:
         parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dataclass_args(parser, EngineArgs, title="engine options")
+
+
+def _check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
+    """What KV offload and disaggregation both ask of the engine: blocks named by their
+    prefix-cache hashes, whole blocks of one KV cache group, and the target model's KV only."""
+    if not config.cache.enable_prefix_caching:
+        raise ValueError(
+            f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
+            "(leave out --no-enable-prefix-caching)"
+        )
+    if len(kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)) > 1:
+        raise ValueError(
+            f"{what} moves whole blocks of one KV cache group; this model's sliding-window "
+            "layers have their own: start with --no-hybrid-kv-cache"
+        )
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        raise ValueError(f"{what} does not move a draft model's KV: use ngram speculation")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
