@@ -37,10 +37,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from zllm.errors import RequestError
+from zllm.frontend.responses import error_response
+from zllm.tenants import TENANT_HEADER
+
 logger = logging.getLogger("zllm.proxy")
 
 # Headers passed on to the servers (the client's credentials and request id), and back.
-_REQUEST_HEADERS = ("authorization", "x-api-key", "x-request-id", "x-tenant")
+_REQUEST_HEADERS = ("authorization", "x-api-key", "x-request-id", TENANT_HEADER)
 _RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
 # The generation endpoints that go through prefill first.
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -71,7 +75,9 @@ class DisaggProxy:
             body = None
         headers = _pass_on(request.headers, _REQUEST_HEADERS)
         prefill_url, decode_url = next(self._pairs)
-        if not isinstance(body, dict):  # not ours to judge: the server answers it
+        if not isinstance(body, dict) or not isinstance(
+            body.get("kv_transfer_params") or {}, dict
+        ):  # not ours to judge: the server answers it (a 400)
             return await self._forward(decode_url + request.url.path, raw, headers)
         prefilled, answer = await self._prefill_step(prefill_url + request.url.path, body, headers)
         if answer is not None:
@@ -198,8 +204,8 @@ def _pass_on(headers, names: Sequence[str]) -> dict[str, str]:
 
 
 def _unavailable(message: str) -> Response:
-    body = {"error": {"message": message, "type": "service_unavailable", "code": 503}}
-    return JSONResponse(body, 503, headers={"retry-after": "1"})
+    """The servers' own 503 body (and its Retry-After)."""
+    return error_response(RequestError(message, status=503))
 
 
 def build_proxy_app(config: ProxyConfig) -> Starlette:

@@ -426,6 +426,13 @@ def test_errors_and_cancellation_pass_through_the_proxy(disagg):
     through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
     assert through.status_code == direct.status_code == 400
     assert through.json()["error"]["param"] == direct.json()["error"]["param"]
+    # A field the proxy itself reads, of the wrong type: the server's 400, not the proxy's 500.
+    for params in ("x", 5, [True]):
+        bad = {"prompt": "hi", "max_tokens": 4, "kv_transfer_params": params}
+        direct = servers["plain"].post("/v1/completions", bad)
+        through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
+        assert through.status_code == direct.status_code == 400, params
+        assert through.json()["error"]["message"] == direct.json()["error"]["message"]
     # A streamed request whose client leaves after its first event: the decode server
     # aborts it. Its executor is paused meanwhile (well under --executor-timeout), so the
     # request cannot simply have finished.
