@@ -34,13 +34,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from zllm.serve_config import free_ports
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
@@ -102,11 +96,11 @@ def run_layouts(args, out: Path) -> list[dict]:
         procs = []
         try:
             if layout == "single":
-                port = free_port()
+                (port,) = free_ports(1)
                 procs.append(serve(args, port, out / "single.log", []))
                 url = decode_url = f"http://127.0.0.1:{port}"
             else:
-                kv_port, pre, dec, proxy_port = free_port(), free_port(), free_port(), free_port()
+                kv_port, pre, dec, proxy_port = free_ports(4)
 
                 half = max(1, cores // 2)
                 consumer = kv_flags("kv_consumer", kv_port, args.transport)
@@ -167,7 +161,7 @@ def transfer_cost(args) -> list[dict]:
             pool = KVPool([torch.randn(2, blocks + 1, bs, arch.num_kv_heads, arch.head_dim)
                            for _ in range(arch.num_layers)])  # fmt: skip
             target = KVPool([torch.zeros_like(t) for t in pool.tensors])
-            port = free_port()
+            (port,) = free_ports(1)
             transfer = KVTransferConfig(role="kv_both", port=port, transport=transport)
             news_addr = f"ipc://{tempfile.mkdtemp()}/news"
             news = zmq.Context.instance().socket(zmq.PULL)

@@ -219,7 +219,7 @@ class RemoteKVBuffer:
     def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> list[int]:
         with self.lock:
             missing = [i for i, h in enumerate(block_hashes) if h not in self.slots]
-            found = [i for i in range(len(block_hashes)) if i not in set(missing)]
+            found = [i for i, h in enumerate(block_hashes) if h in self.slots]
             if found:
                 slots = [self.slots[block_hashes[i]] for i in found]
                 self.pool.scatter([block_ids[i] for i in found], self.buffer[slots])

@@ -48,8 +48,7 @@ def main() -> None:
         return
     # torch: only in this process
     from zllm.executor.model_runner import ModelRunner
-    from zllm.executor.parallel import init_parallel
-    from zllm.executor.ranks import StepFanout, serve_steps
+    from zllm.executor.ranks import StepFanout, join_ranks, serve_steps
 
     engine = config.engine
     endpoints = config.engine_endpoints
@@ -61,13 +60,10 @@ def main() -> None:
     else:
         inbox.bind(endpoints.executor_in)
         fanout = StepFanout(ctx, endpoints.executor_ranks)
-    parallel = init_parallel(
+    parallel = join_ranks(
+        engine,
         rank,
         os.environ.get(TP_INIT_ENV, ""),
-        engine.device,
-        tp_size=engine.tensor_parallel_size,
-        pp_size=engine.pipeline_parallel_size,
-        num_layers=engine.arch.num_layers,
         engines=config.data_parallel_size,
         engine=config.engine_index,
     )

@@ -119,7 +119,6 @@ class ModelRunner:
         sample the same tokens from the same gathered logits; one of them answers the core
         (parallel.answers), and the earlier stages return no output."""
         self.config = config
-        self.parallel = parallel
         self.tp, self.pp = tp, pp = parallel.tp, parallel.pp
         self.arch = local_arch(config.arch, tp)
         self.layers = pp.layer_range(self.arch.num_layers)  # the layers this stage holds

@@ -127,7 +127,7 @@ def _rank_process(
     from zllm.executor.model_runner import ModelRunner
 
     joining.set()  # rank 0 joins the group once every rank is this far (RankProcesses.wait_joining)
-    parallel = _init_parallel(config, rank, init_method)
+    parallel = join_ranks(config, rank, init_method)
     outbox = None
     if parallel.answers:  # the last pipeline stage's first rank
         outbox = ctx.socket(zmq.PUSH)
@@ -135,7 +135,11 @@ def _rank_process(
     serve_steps(ModelRunner(config, parallel), inbox, outbox=outbox)
 
 
-def _init_parallel(config: EngineConfig, rank: int, init_method: str):
+def join_ranks(
+    config: EngineConfig, rank: int, init_method: str, engines: int = 1, engine: int = 0
+):
+    """This rank's place among the engine's ranks (executor/parallel.py init_parallel), as
+    every kind of rank process joins: the server's, the offline engine's, Ray actors."""
     from zllm.executor.parallel import init_parallel
 
     return init_parallel(
@@ -145,6 +149,8 @@ def _init_parallel(config: EngineConfig, rank: int, init_method: str):
         tp_size=config.tensor_parallel_size,
         pp_size=config.pipeline_parallel_size,
         num_layers=config.arch.num_layers,
+        engines=engines,
+        engine=engine,
     )
 
 
@@ -251,7 +257,7 @@ def start_ranks(config: EngineConfig):
     ranks = RankProcesses(config, init_method)
     try:
         ranks.wait_joining()
-        return ModelRunner(config, _init_parallel(config, 0, init_method)), ranks
+        return ModelRunner(config, join_ranks(config, 0, init_method)), ranks
     except BaseException:
         ranks.close()
         raise

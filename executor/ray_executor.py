@@ -81,7 +81,7 @@ class RankActor:
         from `inbox`, outputs (the answering rank) to `outbox`. Returns the KV pool's blocks
         (the same on every rank)."""
         from zllm.executor.model_runner import ModelRunner
-        from zllm.executor.parallel import init_parallel
+        from zllm.executor.ranks import join_ranks
 
         config = self.config
         if not os.path.exists(config.model_path):
@@ -91,14 +91,7 @@ class RankActor:
                 "every node needs the model at the same path (shared storage, or `zllm "
                 "download` with the same ZLLM_CACHE before `ray start`)"
             )
-        parallel = init_parallel(
-            self.rank,
-            init_method,
-            config.device,
-            tp_size=config.tensor_parallel_size,
-            pp_size=config.pipeline_parallel_size,
-            num_layers=config.arch.num_layers,
-        )
+        parallel = join_ranks(config, self.rank, init_method)
         if not config.device.startswith("cuda"):
             import torch
 

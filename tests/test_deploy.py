@@ -10,7 +10,7 @@ not have: the Dockerfiles are linted (hadolint) and their entry points parsed, n
 
 from __future__ import annotations
 
-import dataclasses
+import argparse
 import json
 import os
 import re
@@ -23,8 +23,7 @@ import pytest
 import yaml
 from servers import start_server, stop_server
 
-from zllm.cli import build_parser
-from zllm.engine_args import engine_args_from
+from zllm.cli import build_parser, serve_config_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
@@ -296,8 +295,8 @@ def test_multi_node_leader_worker_set(smollm2_path):
     # The engine takes that split of the model (the parser alone took a TP size that SmolLM2's
     # 9 heads refuse): its config is built as `zllm serve` builds it, from the cached file.
     assert args.model == "smollm2"
-    engine = dataclasses.replace(engine_args_from(args), model=smollm2_path)
-    config = engine.create_engine_config()
+    served = argparse.Namespace(**{**vars(args), "model": smollm2_path})
+    config = serve_config_from_args(served).engine
     assert config.distributed_executor_backend == "ray" and config.world_size == group_gpus
     assert f'ray start --address="${{LWS_LEADER_ADDRESS}}:{head_port}"' in worker["args"][0]
     assert "--block" in worker["args"][0]
@@ -394,8 +393,6 @@ def test_documented_deployment_commands_start_on_smollm2(smollm2_path):
     the server takes: parsed by its parser and its config built as `zllm serve` builds it,
     against the cached SmolLM2 (a tensor-parallel size its 9 heads refuse fails here);
     `zllm proxy` commands parse."""
-    from zllm.cli import serve_config_from_args
-
     root = Path(__file__).parent.parent
     commands = documented_commands(root / "docs" / "deploy.md") + [
         argv for argv in documented_commands(root / "README.md") if "smollm2" in argv
