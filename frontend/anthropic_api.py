@@ -109,6 +109,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
+    # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
+    # prefill/decode disaggregation (frontend/disagg_proxy.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):

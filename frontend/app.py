@@ -389,6 +389,7 @@ class OpenAIServer:
             messages=chat_messages(chat.messages),
             arrival_time=time.time(),
             lora=lora,
+            kv_transfer=_kv_transfer(body.kv_transfer_params),
         )
         assembler = responses_api.ResponseAssembler(responses_api.response_id(), model, body)
         job = GenerationJob(
@@ -426,6 +427,7 @@ class OpenAIServer:
             arrival_time=time.time(),
             lora=lora,
             cache_pin=anthropic_api.cache_pin_of(body),
+            kv_transfer=_kv_transfer(body.kv_transfer_params),
         )
         assembler = anthropic_api.MessageAssembler.of(
             ids.response_id,

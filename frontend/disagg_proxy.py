@@ -10,19 +10,22 @@
                                               (kv_consumer): waits for the blocks, decodes;
                                               its answer (streamed or not) goes back as it is
 
-Each prefill server sends its blocks to the one decode server its --kv-transfer-config names,
-so the servers come in pairs: the i-th --prefill with the i-th --decode (or every prefill
-server with the one --decode), and requests go to the pairs round robin. What the client
-sends is what the decode server answers: its status, headers that matter, and body, relayed
-chunk by chunk; a client that goes away closes the decode request (which the server aborts). A prefill server's 4xx
-(bad input) is the answer, as one server would have given it; a prefill server that is down
-or fails (5xx) is skipped: the decode server then computes the prompt itself, so the request
-is slower, not lost. Everything else (GET /v1/models, /health, /tokenize, ...) goes to a
-decode server.
+The same goes for /v1/chat/completions, Anthropic's /v1/messages and /v1/responses (whose
+cap is max_output_tokens). Each prefill server sends its blocks to the one decode server
+its --kv-transfer-config names, so the servers come in pairs: the i-th --prefill with the
+i-th --decode (or every prefill server with the one --decode), and requests go to the pairs
+round robin. What the client sends is what the decode server answers: its status, headers
+that matter, and body, relayed chunk by chunk; a client that goes away closes the decode
+request (which the server aborts). A prefill server's 4xx (bad input) is the answer, as one
+server would have given it; a prefill server that is down or fails (5xx) is skipped: the
+decode server then computes the prompt itself, so the request is slower, not lost.
+Everything else (GET /v1/models, /tokenize, ...) goes to a decode server, relayed as it
+comes; /health asks every server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -46,8 +49,16 @@ logger = logging.getLogger("zllm.proxy")
 # Headers passed on to the servers (the client's credentials and request id), and back.
 _REQUEST_HEADERS = ("authorization", "x-api-key", "x-request-id", TENANT_HEADER)
 _RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after")
-# The generation endpoints that go through prefill first.
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The generation endpoints that go through prefill first, and the field each caps the
+# prefill server's answer with (one token: all that matters there is the prompt's KV).
+GENERATION_PATHS = {
+    "/v1/completions": "max_tokens",
+    "/v1/chat/completions": "max_tokens",
+    "/v1/messages": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
+# Fields of the client's body that make no sense for that one-token, unstreamed prefill.
+_NOT_FOR_PREFILL = ("stream_options", "best_of", "use_beam_search", "min_tokens", "n")
 
 
 @dataclass
@@ -78,8 +89,11 @@ class DisaggProxy:
         if not isinstance(body, dict) or not isinstance(
             body.get("kv_transfer_params") or {}, dict
         ):  # not ours to judge: the server answers it (a 400)
-            return await self._forward(decode_url + request.url.path, raw, headers)
-        prefilled, answer = await self._prefill_step(prefill_url + request.url.path, body, headers)
+            return await self._forward("POST", decode_url + request.url.path, raw, headers)
+        path = request.url.path
+        prefilled, answer = await self._prefill_step(
+            prefill_url + path, prefill_body(path, body), headers
+        )
         if answer is not None:
             return answer
         params = dict(body.get("kv_transfer_params") or {})
@@ -87,29 +101,14 @@ class DisaggProxy:
             params["do_remote_prefill"] = True
         decode_body = {**body, "kv_transfer_params": params} if params else body
         return await self._forward(
-            decode_url + request.url.path, json.dumps(decode_body).encode(), headers
+            "POST", decode_url + path, json.dumps(decode_body).encode(), headers
         )
 
     async def _prefill_step(
-        self, url: str, body: dict, headers: dict[str, str]
+        self, url: str, prefill_body: dict, headers: dict[str, str]
     ) -> tuple[bool, Response | None]:
         """Have a prefill server compute the prompt. Returns whether it did (the decode
         server then waits for the blocks), and its 4xx, which is the client's answer."""
-        prefill_body = {
-            **body,
-            "max_tokens": 1,
-            "min_tokens": 0,
-            "stream": False,
-            "n": 1,
-            "kv_transfer_params": {
-                **(body.get("kv_transfer_params") or {}),
-                "do_remote_decode": True,
-            },
-        }
-        if "max_completion_tokens" in body:
-            prefill_body["max_completion_tokens"] = 1
-        for key in ("stream_options", "best_of", "use_beam_search"):
-            prefill_body.pop(key, None)
         try:
             r = await self.client.post(url, json=prefill_body, headers=headers)
         except httpx.HTTPError as e:
@@ -125,11 +124,13 @@ class DisaggProxy:
         logger.warning("prefill at %s failed (%s): the decode server computes the prompt", url, why)
         return False
 
-    async def _forward(self, url: str, content: bytes, headers: dict[str, str]) -> Response:
-        """POST to a decode server; its answer, relayed as it comes (streamed or not: either
-        way a client that leaves closes the request to the server)."""
-        send_headers = {**headers, "content-type": "application/json"}
-        upstream = self.client.build_request("POST", url, content=content, headers=send_headers)
+    async def _forward(
+        self, method: str, url: str, content: bytes, headers: dict[str, str]
+    ) -> Response:
+        """A request to a decode server; its answer, relayed as it comes (streamed or not:
+        either way a client that leaves closes the request to the server)."""
+        send_headers = {**headers, "content-type": headers.get("content-type", "application/json")}
+        upstream = self.client.build_request(method, url, content=content, headers=send_headers)
         try:
             r = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as e:
@@ -149,28 +150,25 @@ class DisaggProxy:
         if request.url.query:
             url += "?" + request.url.query
         headers = _pass_on(request.headers, (*_REQUEST_HEADERS, "content-type"))
-        try:
-            r = await self.client.request(
-                request.method, url, content=await request.body(), headers=headers
-            )
-        except httpx.HTTPError as e:
-            return _unavailable(f"the decode server at {url} is not answering: {e!r}")
-        return Response(r.content, r.status_code, _pass_on(r.headers, _RESPONSE_HEADERS))
+        return await self._forward(request.method, url, await request.body(), headers)
 
     async def health(self, request: Request) -> Response:
-        """200 when every prefill and decode server answers /health with 200."""
+        """200 when every prefill and decode server answers /health with 200 (asked all at
+        once: one that hangs costs its 5 s timeout once, not once per server after it)."""
         urls = [*self.config.prefill_urls, *self.config.decode_urls]
-        down = []
-        for url in urls:
-            try:
-                r = await self.client.get(url.rstrip("/") + "/health", timeout=5.0)
-                if r.status_code != 200:
-                    down.append(f"{url} ({r.status_code})")
-            except httpx.HTTPError:
-                down.append(f"{url} (not answering)")
+        problems = await asyncio.gather(*(self._health_of(url) for url in urls))
+        down = [f"{url} ({why})" for url, why in zip(urls, problems, strict=True) if why]
         if not down:
             return Response(status_code=200)
         return JSONResponse({"status": "unavailable", "down": down}, 503)
+
+    async def _health_of(self, url: str) -> str | None:
+        """Why the server at `url` is not healthy, or None when it is."""
+        try:
+            r = await self.client.get(url.rstrip("/") + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            return "not answering"
+        return None if r.status_code == 200 else str(r.status_code)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -179,6 +177,18 @@ class DisaggProxy:
 async def _relay(r: httpx.Response) -> AsyncIterator[bytes]:
     async for chunk in r.aiter_raw():
         yield chunk
+
+
+def prefill_body(path: str, body: dict) -> dict:
+    """The client's body as the prefill server gets it: one token, not streamed, and
+    kv_transfer_params asking it to send the prompt's blocks on."""
+    out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    out[GENERATION_PATHS[path]] = 1
+    if "max_completion_tokens" in body:  # (chat's newer name for max_tokens)
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
+    return out
 
 
 def pairs_of(prefill: Sequence[str], decode: Sequence[str]) -> list[tuple[str, str]]:

@@ -54,6 +54,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # zllm's extra parameter, as on the other generation endpoints: set by `zllm proxy` for
+    # prefill/decode disaggregation (frontend/disagg_proxy.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def check_stateless(req: ResponsesRequest) -> None:

@@ -483,7 +483,10 @@ def test_disconnected_streams_are_aborted(server):
         text = httpx.get(server.url + "/metrics").text
         running = metric(text, "vllm:num_requests_running")
         usage = metric(text, "vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0 and metric(text, "vllm:num_requests_waiting") == 0:
+        waiting = metric(text, "vllm:num_requests_waiting")
+        # (idle as of a heartbeat from after the streams: one that counted their tokens)
+        fresh = metric(text, "vllm:generation_tokens_total") > before
+        if running == 0 and usage == 0 and waiting == 0 and fresh:
             break
         assert time.monotonic() < deadline, f"running={running} kv usage={usage}"
         time.sleep(0.2)

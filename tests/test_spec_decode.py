@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
-from servers import start_server, stop_server
+from servers import start_server, stop_server, wait_until
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -390,16 +389,20 @@ def test_served_with_ngram_speculation(model_dir, base, tmp_path) -> None:
                 for c in client.completions.create(**kwargs, stream=True, extra_body=extra)
             )
             assert got == text and streamed == text
-        time.sleep(1.0)  # a heartbeat (every 0.5 s) carries the counters to the frontend
-        metrics = server.get("/metrics").text
-        values = {
-            name: float(re.search(rf"^{name}{{[^}}]*}} (\S+)$", metrics, re.M).group(1))
-            for name in (
-                "vllm:spec_decode_num_drafts_total",
-                "vllm:spec_decode_num_draft_tokens_total",
-                "vllm:spec_decode_num_accepted_tokens_total",
-            )
-        }
+        names = (
+            "vllm:spec_decode_num_drafts_total",
+            "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_total",
+        )
+
+        def read() -> tuple[str, dict[str, float]]:
+            text = server.get("/metrics").text
+            found = {n: re.search(rf"^{n}{{[^}}]*}} (\S+)$", text, re.M) for n in names}
+            return text, {n: float(m.group(1)) if m else 0.0 for n, m in found.items()}
+
+        # A heartbeat (every 0.5 s) carries the counters to the frontend.
+        wait_until(lambda: read()[1]["vllm:spec_decode_num_accepted_tokens_total"] > 0, 10)
+        metrics, values = read()
         assert values["vllm:spec_decode_num_drafts_total"] > 0
         assert 0 < values["vllm:spec_decode_num_accepted_tokens_total"]
         assert re.search(

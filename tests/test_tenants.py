@@ -63,10 +63,14 @@ def test_served_tenant_from_the_x_tenant_header(tiny_llama_dir, tmp_path) -> Non
             error = error_of(complete(server, {"X-Tenant": bad}), 400)
             assert error["param"] == "X-Tenant" and "X-Tenant" in error["message"]
 
+        # (Requests are counted as they reach the core, tokens as they come: wait for a
+        # heartbeat from after the last one finished.)
         def counted() -> bool:
-            return tenant_series(server, "zllm:tenant_requests_total") == {
-                "alice": 2.0, "bob": 2.0, "default": 1.0
-            }  # fmt: skip
+            requests = tenant_series(server, "zllm:tenant_requests_total")
+            running = tenant_series(server, "zllm:tenant_requests_running")
+            return requests == {"alice": 2.0, "bob": 2.0, "default": 1.0} and not any(
+                running.values()
+            )
 
         assert wait_until(counted, 5), tenant_series(server, "zllm:tenant_requests_total")
         generated = tenant_series(server, "zllm:tenant_generation_tokens_total")
@@ -194,7 +198,12 @@ def test_a_flooding_tenant_does_not_starve_another_under_fair_share(smollm2_path
         alone = statistics.median(asyncio.run(probe_ttfts(fair.port, rng, 60)))
         loaded = asyncio.run(probes_under_flood(fair, rng, 8 * alone))
         fair_p50 = statistics.median(loaded)
-        time.sleep(0.6)  # a heartbeat
+
+        # The preemptions came as B's probes were admitted; a heartbeat carries them here.
+        def yielded() -> bool:
+            return tenant_series(fair, "zllm:tenant_preemptions_total").get("A", 0) >= 16 // 2
+
+        wait_until(yielded, 10)
         preempted = tenant_series(fair, "zllm:tenant_preemptions_total")
     finally:
         fair.kill()
