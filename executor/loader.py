@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -54,17 +54,34 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_NON_WEIGHTS = frozenset({"rope_freqs.weight"})  # ModelArchConfig.rope_freq_factors
 
 
-def load_weights(model_path: str, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) one at a time, so peak memory is one tensor beyond the model."""
+def load_weights(
+    model_path: str, arch: ModelArchConfig, layers: Container[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor) one at a time, so peak memory is one tensor beyond the model.
+
+    `layers`: only these decoder layers' tensors are read (a pipeline stage's; the others are
+    neither read nor dequantized), with every tensor outside the layers; None: all."""
     if os.path.isdir(model_path):
-        yield from _load_safetensors(Path(model_path), arch)
+        yield from _load_safetensors(Path(model_path), arch, layers)
         return
     gguf = read_gguf(model_path)
     # Bytes rather than tensors: dequantizing dominates, and the embedding alone can be a third.
     total = sum(info.nbytes for info in gguf.tensors.values())
     description = f"Loading {Path(model_path).name}"
     with Progress(description, total=total, unit="B", logger=logger) as progress:
-        yield from _load_gguf(gguf, arch, progress)
+        yield from _load_gguf(gguf, arch, progress, layers)
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a Hugging Face weight name belongs to (None: not a layer's)."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])
+
+
+def _wanted(hf_name: str, layers: Container[int] | None) -> bool:
+    layer = layer_of(hf_name)
+    return layers is None or layer is None or layer in layers
 
 
 def hf_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
@@ -78,7 +95,7 @@ def hf_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
 
 
 def _load_gguf(
-    gguf: GGUFFile, arch: ModelArchConfig, progress: Progress
+    gguf: GGUFFile, arch: ModelArchConfig, progress: Progress, layers: Container[int] | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
@@ -87,7 +104,9 @@ def _load_gguf(
         hf_name = hf_name_from_gguf(name, arch.architecture)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
-        if hf_name == "lm_head.weight" and arch.tie_word_embeddings:
+        if (hf_name == "lm_head.weight" and arch.tie_word_embeddings) or not _wanted(
+            hf_name, layers
+        ):
             continue
         try:
             weight = dequantize(gguf.tensor_data(name), info.ggml_type).reshape(info.shape)
@@ -108,17 +127,20 @@ def _load_gguf(
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
-def gguf_raw_weights(model_path: str, arch: ModelArchConfig) -> dict[str, tuple[int, torch.Tensor]]:
+def gguf_raw_weights(
+    model_path: str, arch: ModelArchConfig, layers: Container[int] | None = None
+) -> dict[str, tuple[int, torch.Tensor]]:
     """HF name -> (ggml type id, the tensor's raw rows as uint8 [rows, bytes per row]).
 
-    Only matrices. q/k rows are put in HF's order as load_weights does: a row permutation
-    moves whole rows, and GGUF blocks run along a row, so it applies to the bytes unchanged.
+    Only matrices, and of the decoder layers only `layers` (as in load_weights). q/k rows are
+    put in HF's order as load_weights does: a row permutation moves whole rows, and GGUF
+    blocks run along a row, so it applies to the bytes unchanged.
     """
     gguf = read_gguf(model_path)
     raw: dict[str, tuple[int, torch.Tensor]] = {}
     for name, info in gguf.tensors.items():
         hf_name = hf_name_from_gguf(name, arch.architecture)
-        if hf_name is None or len(info.shape) != 2:
+        if hf_name is None or len(info.shape) != 2 or not _wanted(hf_name, layers):
             continue
         rows = gguf.tensor_data(name)
         if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
@@ -144,7 +166,9 @@ def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:
     return by_pair.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _load_safetensors(directory: Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _load_safetensors(
+    directory: Path, arch: ModelArchConfig, layers: Container[int] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files (pytorch_model.bin is not read)")
@@ -159,6 +183,8 @@ def _load_safetensors(directory: Path, arch: ModelArchConfig) -> Iterator[tuple[
                         continue
                     if name == "lm_head.weight" and arch.tie_word_embeddings:
                         continue
+                    if not _wanted(name, layers):
+                        continue  # another pipeline stage's (not read)
                     yield name, shard.get_tensor(name).to(torch.float32)
 
 

@@ -298,7 +298,9 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.keep_positions(config.scheduler.max_model_len)
-        model.load_weights(load_weights(config.model_path, config.arch))
+        # (A pipeline stage reads only its own layers' weights.)
+        layers = getattr(model, "layer_indices", None)
+        model.load_weights(load_weights(config.model_path, config.arch, layers))
         return model.to(self.device).eval()
 
     def _quantize(self, config: EngineConfig) -> str:

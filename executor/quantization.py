@@ -247,7 +247,7 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
     # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
     tp: TensorParallel = getattr(model, "tp", SINGLE)
     checkpoint_arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
-    raw = gguf_raw_weights(model_path, checkpoint_arch)
+    raw = gguf_raw_weights(model_path, checkpoint_arch, getattr(model, "layer_indices", None))
     if tp.enabled and checkpoint_arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
         raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
 

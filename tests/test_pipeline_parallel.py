@@ -354,6 +354,32 @@ def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
     assert not release_other_stages_ends(whole, PipelineParallel())
 
 
+def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):
+    """load_weights and gguf_raw_weights with a stage's layers: that layer's tensors and
+    every tensor outside the layers, equal to a whole read's (safetensors and GGUF)."""
+    import torch
+    from test_architectures import write_llama3_gguf
+
+    from zllm.executor.loader import gguf_raw_weights, layer_of, load_weights
+    from zllm.model_files import read_arch_config
+
+    gguf = tmp_path / "tiny.gguf"
+    write_llama3_gguf(gguf)
+    for path in (tiny_llama_dir, str(gguf)):
+        arch = read_arch_config(path)
+        whole = dict(load_weights(path, arch))
+        assert {layer_of(n) for n in whole} == {None, *range(arch.num_layers)}
+        stage = dict(load_weights(path, arch, layers=range(1, 2)))
+        assert stage.keys() == {n for n in whole if layer_of(n) in (None, 1)}, path
+        assert all(torch.equal(stage[n], whole[n]) for n in stage)
+    arch = read_arch_config(str(gguf))
+    whole_raw = gguf_raw_weights(str(gguf), arch)
+    raw = gguf_raw_weights(str(gguf), arch, layers=range(1, 2))
+    assert raw.keys() == {n for n in whole_raw if layer_of(n) in (None, 1)}
+    assert any(layer_of(n) == 1 for n in raw)
+    assert all(torch.equal(raw[n][1], whole_raw[n][1]) for n in raw)
+
+
 # ---- through `zllm serve` ------------------------------------------------------------------
 
 

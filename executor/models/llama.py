@@ -32,6 +32,7 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.loader import layer_of
 from zllm.executor.parallel import (
     SINGLE,
     WHOLE,
@@ -379,13 +380,6 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a Hugging Face weight name belongs to (None: not a layer's)."""
-    if not name.startswith("model.layers."):
-        return None
-    return int(name.split(".", 3)[2])
 
 
 def copy_checkpoint(
