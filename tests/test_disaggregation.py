@@ -473,13 +473,24 @@ def test_errors_and_cancellation_pass_through_the_proxy(disagg):
     through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
     assert through.status_code == direct.status_code == 400
     assert through.json()["error"]["param"] == direct.json()["error"]["param"]
-    # A field the proxy itself reads, of the wrong type: the server's 400, not the proxy's 500.
-    for params in ("x", 5, [True]):
-        bad = {"prompt": "hi", "max_tokens": 4, "kv_transfer_params": params}
-        direct = servers["plain"].post("/v1/completions", bad)
-        through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
-        assert through.status_code == direct.status_code == 400, params
-        assert through.json()["error"]["message"] == direct.json()["error"]["message"]
+    # A field the proxy itself reads, of the wrong type, and a body that is no JSON, on each
+    # generation endpoint: the server's 400 (OpenAI's or Anthropic's shape), not the proxy's 500.
+    model = model_of(proxy.url)
+    user = [{"role": "user", "content": "hi"}]
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+        ("/v1/messages", {"model": model, "messages": user, "max_tokens": 4}),
+        ("/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 4}),
+    ):
+        for params in ("x", 5, [True], {"do_remote_decode": "yes"}, None):
+            if params is None:
+                kw = {"content": b"{not json", "headers": {"content-type": "application/json"}}
+            else:
+                kw = {"json": {**body, "kv_transfer_params": params}}
+            direct = httpx.post(servers["plain"].url + path, timeout=30, **kw)
+            through = httpx.post(proxy.url + path, timeout=30, **kw)
+            assert through.status_code == direct.status_code == 400, (path, params)
+            assert through.json()["error"]["message"] == direct.json()["error"]["message"]
     # A streamed request whose client leaves after its first event: the decode server
     # aborts it. Its executor is paused meanwhile (well under --executor-timeout), so the
     # request cannot simply have finished.
