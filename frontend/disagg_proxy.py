@@ -72,7 +72,9 @@ class DisaggProxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self._pairs = itertools.cycle(pairs_of(config.prefill_urls, config.decode_urls))
-        self._decode = itertools.cycle([u.rstrip("/") for u in config.decode_urls])
+        decode = [u.rstrip("/") for u in config.decode_urls]
+        self._decode = itertools.cycle(decode)
+        self._servers = [*(u.rstrip("/") for u in config.prefill_urls), *decode]
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.timeout_s, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -80,25 +82,23 @@ class DisaggProxy:
 
     async def generate(self, request: Request) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
+        path = request.url.path
         headers = _pass_on(request.headers, _REQUEST_HEADERS)
         prefill_url, decode_url = next(self._pairs)
-        if not isinstance(body, dict) or not isinstance(
-            body.get("kv_transfer_params") or {}, dict
-        ):  # not ours to judge: the server answers it (a 400)
-            return await self._forward("POST", decode_url + request.url.path, raw, headers)
-        path = request.url.path
+        body = _json_object(raw)
+        params = None if body is None else body.get("kv_transfer_params")
+        if params is None:
+            params = {}  # (JSON null is no params, as the servers read it)
+        if body is None or not isinstance(params, dict):
+            # Not ours to judge: the server answers it (a 400), as it would without us.
+            return await self._forward("POST", decode_url + path, raw, headers)
         prefilled, answer = await self._prefill_step(
-            prefill_url + path, prefill_body(path, body), headers
+            prefill_url + path, prefill_body(path, body, params), headers
         )
         if answer is not None:
             return answer
-        params = dict(body.get("kv_transfer_params") or {})
         if prefilled:
-            params["do_remote_prefill"] = True
+            params = {**params, "do_remote_prefill": True}
         decode_body = {**body, "kv_transfer_params": params} if params else body
         return await self._forward(
             "POST", decode_url + path, json.dumps(decode_body).encode(), headers
@@ -112,17 +112,15 @@ class DisaggProxy:
         try:
             r = await self.client.post(url, json=prefill_body, headers=headers)
         except httpx.HTTPError as e:
-            return self._skip_prefill(url, repr(e)), None
+            _log_skipped_prefill(url, repr(e))
+            return False, None
         if 400 <= r.status_code < 500:
             answer = Response(r.content, r.status_code, _pass_on(r.headers, _RESPONSE_HEADERS))
             return False, answer
         if r.status_code != 200:
-            return self._skip_prefill(url, f"status {r.status_code}"), None
+            _log_skipped_prefill(url, f"status {r.status_code}")
+            return False, None
         return True, None
-
-    def _skip_prefill(self, url: str, why: str) -> bool:
-        logger.warning("prefill at %s failed (%s): the decode server computes the prompt", url, why)
-        return False
 
     async def _forward(
         self, method: str, url: str, content: bytes, headers: dict[str, str]
@@ -141,7 +139,7 @@ class DisaggProxy:
             await r.aclose()
             return Response(body, r.status_code, out_headers)
         return StreamingResponse(
-            _relay(r), r.status_code, out_headers, background=BackgroundTask(r.aclose)
+            r.aiter_raw(), r.status_code, out_headers, background=BackgroundTask(r.aclose)
         )
 
     async def other(self, request: Request) -> Response:
@@ -155,9 +153,8 @@ class DisaggProxy:
     async def health(self, request: Request) -> Response:
         """200 when every prefill and decode server answers /health with 200 (asked all at
         once: one that hangs costs its 5 s timeout once, not once per server after it)."""
-        urls = [*self.config.prefill_urls, *self.config.decode_urls]
-        problems = await asyncio.gather(*(self._health_of(url) for url in urls))
-        down = [f"{url} ({why})" for url, why in zip(urls, problems, strict=True) if why]
+        problems = await asyncio.gather(*(self._health_of(url) for url in self._servers))
+        down = [f"{url} ({why})" for url, why in zip(self._servers, problems, strict=True) if why]
         if not down:
             return Response(status_code=200)
         return JSONResponse({"status": "unavailable", "down": down}, 503)
@@ -165,7 +162,7 @@ class DisaggProxy:
     async def _health_of(self, url: str) -> str | None:
         """Why the server at `url` is not healthy, or None when it is."""
         try:
-            r = await self.client.get(url.rstrip("/") + "/health", timeout=5.0)
+            r = await self.client.get(url + "/health", timeout=5.0)
         except httpx.HTTPError:
             return "not answering"
         return None if r.status_code == 200 else str(r.status_code)
@@ -174,20 +171,29 @@ class DisaggProxy:
         await self.client.aclose()
 
 
-async def _relay(r: httpx.Response) -> AsyncIterator[bytes]:
-    async for chunk in r.aiter_raw():
-        yield chunk
+def _log_skipped_prefill(url: str, why: str) -> None:
+    logger.warning("prefill at %s failed (%s): the decode server computes the prompt", url, why)
 
 
-def prefill_body(path: str, body: dict) -> dict:
-    """The client's body as the prefill server gets it: one token, not streamed, and
-    kv_transfer_params asking it to send the prompt's blocks on."""
+def _json_object(raw: bytes) -> dict | None:
+    """The body as a JSON object; None when it is none (not JSON, nested past what the
+    parser recurses into, or another JSON value)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def prefill_body(path: str, body: dict, params: dict) -> dict:
+    """The client's body (with its kv_transfer_params `params`) as the prefill server gets
+    it: one token, not streamed, and asked to send the prompt's blocks on."""
     out = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
     out[GENERATION_PATHS[path]] = 1
     if "max_completion_tokens" in body:  # (chat's newer name for max_tokens)
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = {**(body.get("kv_transfer_params") or {}), "do_remote_decode": True}
+    out["kv_transfer_params"] = {**params, "do_remote_decode": True}
     return out
 
 

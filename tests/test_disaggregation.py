@@ -473,7 +473,7 @@ def test_errors_and_cancellation_pass_through_the_proxy(disagg):
     through = httpx.post(proxy.url + "/v1/completions", json=bad, timeout=30)
     assert through.status_code == direct.status_code == 400
     assert through.json()["error"]["param"] == direct.json()["error"]["param"]
-    # A field the proxy itself reads, of the wrong type, and a body that is no JSON, on each
+    # A body that is no JSON object, and a field the proxy itself reads of the wrong type, on each
     # generation endpoint: the server's 400 (OpenAI's or Anthropic's shape), not the proxy's 500.
     model = model_of(proxy.url)
     user = [{"role": "user", "content": "hi"}]
@@ -482,13 +482,15 @@ def test_errors_and_cancellation_pass_through_the_proxy(disagg):
         ("/v1/messages", {"model": model, "messages": user, "max_tokens": 4}),
         ("/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 4}),
     ):
-        for params in ("x", 5, [True], {"do_remote_decode": "yes"}, None):
-            if params is None:
-                kw = {"content": b"{not json", "headers": {"content-type": "application/json"}}
-            else:
-                kw = {"json": {**body, "kv_transfer_params": params}}
-            direct = httpx.post(servers["plain"].url + path, timeout=30, **kw)
-            through = httpx.post(proxy.url + path, timeout=30, **kw)
+        # Not JSON, and JSON nested past what a parser recurses into.
+        for content in (b"{not json", b"[" * 200_000):
+            direct = httpx.post(servers["plain"].url + path, content=content, timeout=30)
+            through = httpx.post(proxy.url + path, content=content, timeout=30)
+            assert through.status_code == direct.status_code == 400, (path, content[:9])
+        for params in ("x", 5, [True], [], 0, False, "", {"do_remote_decode": "yes"}):
+            bad = {**body, "kv_transfer_params": params}
+            direct = httpx.post(servers["plain"].url + path, json=bad, timeout=30)
+            through = httpx.post(proxy.url + path, json=bad, timeout=30)
             assert through.status_code == direct.status_code == 400, (path, params)
             assert through.json()["error"]["message"] == direct.json()["error"]["message"]
     # A streamed request whose client leaves after its first event: the decode server

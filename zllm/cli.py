@@ -87,14 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         metavar="URL",
-        help="a prefill server's base URL (repeat for several: round robin)",
+        help="a prefill server's base URL (repeat for several: the pairs take requests round "
+        "robin)",
     )
     p.add_argument(
         "--decode",
         action="append",
         required=True,
         metavar="URL",
-        help="a decode server's base URL (repeat for several: round robin)",
+        help="a decode server's base URL (repeat for several, paired in order with --prefill; "
+        "or one for all)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
