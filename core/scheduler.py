@@ -939,7 +939,9 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 continue  # a prompt chunk: its blocks go with the last one
             req.kv_sent = True
-            num_full = req.num_prompt_tokens // self.block_size
+            # The blocks a consumer's prefix hit can take: not one that ends with the
+            # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
+            num_full = (req.num_prompt_tokens - 1) // self.block_size
             hashes = bm.block_hashes(req.req_id)[:num_full]
             sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
         self.num_kv_sent_blocks += len(sends)

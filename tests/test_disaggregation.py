@@ -95,6 +95,10 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
     gemma = str(write_tiny_model(tmp_path, **tiny_gemma3_overrides(8)))
     with pytest.raises(ValueError, match="start with --no-hybrid-kv-cache"):
         EngineArgs(model=gemma, kv_transfer_config=consumer).create_engine_config()
+    windowed = str(write_tiny_model(tmp_path / "mistral", "mistral", sliding_window=16))
+    for role in ("kv_producer", "kv_consumer"):
+        with pytest.raises(ValueError, match="every layer has a sliding window"):
+            EngineArgs(model=windowed, kv_transfer_config={"kv_role": role}).create_engine_config()
     with pytest.raises(ValueError, match="does not support --kv-transfer-config"):
         EngineArgs(
             model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2
@@ -156,6 +160,15 @@ def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
     sched.add_request(Request("plain", list(range(300, 309)), SamplingParams(max_tokens=2)))
     assert sched.schedule().kv_sends == []  # not marked: nothing sent
     assert sched.num_kv_sent_blocks == 3
+    # 8 tokens, two full blocks: only the first is sent, as the second ends with the token
+    # whose logits the consumer computes (no prefix hit takes it).
+    exact = list(range(400, 408))
+    sched.add_request(request("exact", exact, do_remote_decode=True))
+    sends = next(so.kv_sends for so in iter(sched.schedule, None) if so.kv_sends)
+    assert sends == [
+        (hash_full_blocks(exact[:4], BS)[0], sched.block_manager.block_ids("exact")[0])
+    ]
+    assert sched.num_kv_sent_blocks == 4
 
 
 def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():

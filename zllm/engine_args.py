@@ -344,6 +344,13 @@ class EngineArgs:
         if transfer is None:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config")
+        if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
+            # Its block tables drop blocks that left the window: a prompt's early blocks are
+            # gone by the time the step that completes it would send them.
+            raise ValueError(
+                "--kv-transfer-config with a model whose every layer has a sliding window: "
+                "its early prompt blocks are freed before they could be sent"
+            )
         if config.lora is not None:
             raise ValueError(
                 "--kv-transfer-config with --enable-lora: a LoRA request's blocks are named by "
