@@ -119,7 +119,14 @@ class KVSender:
         )
         payload = None
         if self.config.transport == "shm":
-            header.shm_file = self._write_shm(block_ids)
+            try:
+                header.shm_file = self._write_shm(block_ids)
+            except OSError as e:  # /dev/shm full, a name taken, ...: the consumer recomputes
+                logger.warning("KV transfer: could not write the blocks to %s: %s", SHM_DIR, e)
+                with self._lock:
+                    self._queued_bytes -= nbytes
+                self._dropped(len(sends))
+                return
         else:
             payload = self.pool.gather(block_ids)
         self._queue.put((header, payload, nbytes))
@@ -132,7 +139,9 @@ class KVSender:
         nbytes = len(block_ids) * self.pool.block_nbytes
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            # Reserve the pages now: a file only truncated to size would fail its first write
+            # into a full tmpfs with SIGBUS, which kills the process; this raises ENOSPC.
+            os.posix_fallocate(fd, 0, nbytes)
             import mmap
 
             with mmap.mmap(fd, nbytes) as mapped:
@@ -140,6 +149,9 @@ class KVSender:
                 out = out.view(self.pool.tensors[0].dtype).view(shape)
                 self.pool.gather(block_ids, out=out)
                 del out  # (the mapping closes only once no tensor views it)
+        except BaseException:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         return name
@@ -311,7 +323,9 @@ class KVReceiver:
             raise ValueError(f"not a KV transfer file this consumer reads: {name!r}")
         path = os.path.join(SHM_DIR, name)
         try:
-            with open(path, "rb") as f:
+            # Not through a link: /dev/shm is anyone's to write, and a link another user made
+            # would lead to a file of ours (whose owner fstat then reports).
+            with open(path, "rb", opener=_no_follow) as f:
                 stat = os.fstat(f.fileno())
                 if stat.st_uid != os.getuid():
                     raise ValueError(f"{path} belongs to another user")
@@ -325,6 +339,10 @@ class KVReceiver:
                 return self.buffer.put(header.hashes, read_block)
         finally:
             _unlink(name)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def remove_orphaned_shm_files() -> None:

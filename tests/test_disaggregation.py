@@ -277,8 +277,9 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport):
 
 
 def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
-    """A header naming any other /dev/shm file is refused and that file left alone; files of
-    producers that are no longer alive are deleted."""
+    """A header naming any other /dev/shm file, or a transfer file's name that links to one,
+    is refused and that file left alone; files of producers that are no longer alive are
+    deleted."""
     from zllm.executor import kv_transfer
     from zllm.protocol import KVBlocksHeader
 
@@ -289,14 +290,18 @@ def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
     bystander = os.path.join(SHM_DIR, f"not-zllm-{os.getpid()}")
     with open(bystander, "wb") as f:
         f.write(bytes(pool.block_nbytes))
+    link = f"zllm-kv-{os.getpid()}-777"
+    os.symlink(bystander, os.path.join(SHM_DIR, link))  # (of the right size and owner)
     try:
         header = KVBlocksHeader([1], "layout", "float32", list(pool.block_shape), "x")
-        for name in (os.path.basename(bystander), "../etc/passwd"):
+        for name in (os.path.basename(bystander), "../etc/passwd", link):
             header.shm_file = name
-            assert receiver._store(header, []) == ([], [])
+            assert receiver._store(header, []) == ([], []), name
         assert os.path.exists(bystander)
     finally:
         os.unlink(bystander)
+        if os.path.lexists(os.path.join(SHM_DIR, link)):
+            os.unlink(os.path.join(SHM_DIR, link))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     orphan = os.path.join(SHM_DIR, f"zllm-kv-{dead.pid}-0")
@@ -308,6 +313,27 @@ def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
         assert not os.path.exists(orphan) and os.path.exists(mine)
     finally:
         for path in (orphan, mine):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on():
+    """The file's name taken (as a full /dev/shm fails, with ENOSPC): the send is dropped (the
+    consumer recomputes), not raised into the executor's step, and its bytes are not held."""
+    pool = make_pool(num_blocks=4)
+    config = KVTransferConfig(role="kv_producer", port=free_port(), transport="shm")
+    sender = KVSender(config, pool, "layout")
+    taken = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-0")  # its first file's name
+    open(taken, "wb").close()
+    try:
+        sender.send([(1, 0), (2, 1)])
+        assert sender._queued_bytes == 0
+        assert os.path.getsize(taken) == 0  # left as it was
+        sender.send([(3, 2)])  # the next name is free: queued
+        assert sender._queued_bytes == pool.block_nbytes
+    finally:
+        for i in (0, 1):
+            path = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{i}")
             if os.path.exists(path):
                 os.unlink(path)
 
