@@ -58,12 +58,12 @@ def launch(cmd: list[str], log: Path, threads: int | None = None) -> subprocess.
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
 
-def serve(args, port: int, log: Path, extra: list[str], threads: int | None = None):
+def serve(args, port: int, log: Path, extra: list[str], procs: list, threads: int | None = None):
     cmd = [sys.executable, "-m", "zllm.cli", "serve", args.model, "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
     proc = launch(cmd, log, threads)
+    procs.append(proc)  # (the caller stops it, healthy or not)
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
-    return proc
 
 
 def bench(args, url: str, label: str, concurrency: int, seed: int, out: Path) -> dict:
@@ -97,7 +97,7 @@ def run_layouts(args, out: Path) -> list[dict]:
         try:
             if layout == "single":
                 (port,) = free_ports(1)
-                procs.append(serve(args, port, out / "single.log", []))
+                serve(args, port, out / "single.log", [], procs)
                 url = decode_url = f"http://127.0.0.1:{port}"
             else:
                 kv_port, pre, dec, proxy_port = free_ports(4)
@@ -105,8 +105,8 @@ def run_layouts(args, out: Path) -> list[dict]:
                 half = max(1, cores // 2)
                 consumer = kv_flags("kv_consumer", kv_port, args.transport)
                 producer = kv_flags("kv_producer", kv_port, args.transport)
-                procs.append(serve(args, dec, out / "decode.log", consumer, half))
-                procs.append(serve(args, pre, out / "prefill.log", producer, half))
+                serve(args, dec, out / "decode.log", consumer, procs, half)
+                serve(args, pre, out / "prefill.log", producer, procs, half)
                 cmd = [sys.executable, "-m", "zllm.cli", "proxy", "--port", str(proxy_port),
                        "--prefill", f"http://127.0.0.1:{pre}",
                        "--decode", f"http://127.0.0.1:{dec}"]  # fmt: skip

@@ -371,6 +371,8 @@ class Scheduler:
             return False
         if not params.do_remote_prefill or req.num_cached_tokens >= 0:
             return False  # (not marked, or admitted before: a preempted request)
+        if req.remote_kv_deadline == 0.0:
+            return False  # waited its time already (no need to hash its prompt again)
         if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
             return False  # these compute every prompt position anyway
         now = time.monotonic()

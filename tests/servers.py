@@ -238,9 +238,11 @@ def _dechunk(data: bytes) -> bytes:
         pos = end + 2 + size + 2
 
 
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
+def metric(text: str, name: str, label: str = "") -> float:
+    """The value of the first series of `name` in a /metrics text whose labels hold `label`
+    (e.g. 'tier="remote"'; "": any)."""
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*{label}[^}}]*}} (\S+)$", text, re.M)
+    assert match, f"{name}{{{label}}} missing from /metrics"
     return float(match.group(1))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -77,6 +76,12 @@ def test_config_in_vllms_shape():
         ({"kv_role": "kv_producer", "bogus": 1}, "unknown key"),
         ({"kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "rdma"}},
          "transport must be one of"),
+        ({"kv_role": "kv_consumer", "kv_connector_extra_config": {"wait_s": 1}},
+         "kv_connector_extra_config: unknown key.*wait_s"),
+        ({"kv_role": "kv_consumer", "kv_connector_extra_config": [1]},
+         "kv_connector_extra_config must be a dict"),
+        ({"kv_role": "kv_consumer", "kv_connector_extra_config": {"wait_timeout_s": "soon"}},
+         "wait_timeout_s must be a number"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_problem(value, message):
@@ -368,12 +373,17 @@ class Proxy:
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
         def up() -> bool:
+            assert self.proc.poll() is None, f"zllm proxy exited:\n{open(log).read()}"
             try:
                 return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                return self.proc.poll() is None and False
+                return False
 
-        assert wait_until(up, 30), open(log).read()
+        try:
+            assert wait_until(up, 30), open(log).read()
+        except AssertionError:
+            self.proc.kill()
+            raise
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -403,15 +413,9 @@ def chat(base_url: str, content: str) -> str:
     return r.choices[0].message.content
 
 
-def metric_with(text: str, name: str, label: str) -> float:
-    match = re.search(rf"^{re.escape(name)}{{[^}}]*{label}[^}}]*}} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
 def remote_hits(server) -> float:
     text = server.get("/metrics").text
-    match = re.search(r'^zllm:kv_offload_hits_total{[^}]*tier="remote"[^}]*} (\S+)$', text, re.M)
-    return float(match.group(1))
+    return metric(text, "zllm:kv_offload_hits_total", 'tier="remote"')
 
 
 @pytest.fixture(scope="module")
@@ -540,7 +544,7 @@ def test_errors_and_cancellation_pass_through_the_proxy(disagg):
 
     def aborted() -> float:
         text = decode.get("/metrics").text
-        return metric_with(text, "vllm:request_success_total", 'finished_reason="abort"')
+        return metric(text, "vllm:request_success_total", 'finished_reason="abort"')
 
     before = aborted()
 

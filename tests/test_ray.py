@@ -100,6 +100,12 @@ def test_ray_backend_flags(tiny_llama_dir):
         model=tiny_llama_dir, distributed_executor_backend="ray", tensor_parallel_size=2
     ).create_engine_config()
     assert config.executor_processes == 1 and config.world_size == 2
+    # The driver is the one executor process: no rank endpoints (tcp ports) are set aside.
+    from zllm.serve_config import ServerArgs, serve_config_from
+
+    for transport in ("ipc", "tcp"):
+        endpoints = serve_config_from(config, ServerArgs(transport=transport)).endpoints
+        assert endpoints.engines[0].executor_ranks == [], transport
     with pytest.raises(ValueError, match="invalid choice|must be one of"):
         EngineArgs(model=tiny_llama_dir, ray_placement_strategy="ANYWHERE").create_engine_config()
     with pytest.raises(ValueError, match="the offline LLM starts its ranks as processes"):

@@ -83,18 +83,18 @@ def kv_transfer_config_from(value: dict[str, Any] | None) -> KVTransferConfig | 
     role = value.get("kv_role")
     if role not in ROLES:
         raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(ROLES)}")
-    extra = value.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict) or set(extra) - _EXTRA_KEYS:
-        raise ValueError(
-            f"kv_transfer_config: kv_connector_extra_config takes {', '.join(sorted(_EXTRA_KEYS))}"
-        )
+    extra = check_config_dict(
+        "kv_transfer_config: kv_connector_extra_config",
+        value.get("kv_connector_extra_config") or {},
+        _EXTRA_KEYS,
+    )
     config = KVTransferConfig(
         role=role,
         host=str(value.get("kv_ip", "127.0.0.1")),
         port=_int(value, "kv_port", 14579),
         buffer_bytes=_int(value, "kv_buffer_size", 1 << 30),
         transport=str(extra.get("transport", "tcp")),
-        wait_timeout_s=float(extra.get("wait_timeout_s", 5.0)),
+        wait_timeout_s=_number(extra, "wait_timeout_s", 5.0),
     )
     if not 0 < config.port < 65536:
         raise ValueError(f"kv_transfer_config: kv_port {config.port} is not a port")
@@ -122,12 +122,17 @@ def _is_local(host: str) -> bool:
     return True
 
 
-def _int(value: dict[str, Any], key: str, default: int) -> int:
+def _number(value: dict[str, Any], key: str, default: float) -> float:
     raw = value.get(key, default)
     try:
-        number = float(raw)  # vLLM writes kv_buffer_size as 1e9
+        return float(raw)
     except (TypeError, ValueError):
         raise ValueError(f"kv_transfer_config: {key} must be a number, got {raw!r}") from None
+
+
+def _int(value: dict[str, Any], key: str, default: int) -> int:
+    raw = value.get(key, default)
+    number = _number(value, key, default)  # (a float: vLLM writes kv_buffer_size as 1e9)
     if number != int(number) or number < 0:
         raise ValueError(f"kv_transfer_config: {key} must be a whole number, got {raw!r}")
     return int(number)

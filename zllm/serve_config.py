@@ -311,7 +311,7 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     n = server.detokenizer_workers
-    ranks = engine.world_size
+    ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
     check_data_parallel(engine, server.data_parallel_size)
     engines = server.data_parallel_size
     copied = {
