@@ -1,19 +1,24 @@
-"""The engine core: the scheduler and block manager, and the rules around them.
+"""The engine core: the scheduler and block manager, the step loop, and the rules around them.
 
-A plain class with no sockets and no threads, driven the same way by the offline `LLM` (in
-one process, beside a `ModelRunner`) and by the core process (`core/main.py`, which adds the
-sockets, an input thread and a heartbeat thread):
+A plain class with no sockets and no threads, driven the same way by the offline `LLM` (an
+in-process executor) and by the core process (`core/main.py`, which adds the sockets, an
+input thread and a heartbeat thread):
 
     add_request(EngineCoreRequest) -> RequestRejected | None      as messages arrive
     abort(ids) / client_gone(client_id) -> DetokenizerBatches       (drop detokenizer state)
     finish_sample(req_id, sample_index)                             (a stop string matched)
-    step = schedule()          -> SchedulerOutput for the executor, or None (nothing to run)
-    batches = update(output)   -> one DetokenizerBatch per detokenizer worker that has news
+    batches = step(executor)   -> schedule -> executor.submit -> executor.poll -> update:
+                                  one DetokenizerBatch per detokenizer worker that has news
+    sleep(executor) / wake_up(executor)                             (sleep mode, when idle)
     heartbeat()                -> EngineStats, the wire struct, filled in place
 
-Steps are answered in order: `update` pairs each ModelRunnerOutput with the oldest step still
-in flight, so up to `MAX_STEPS_IN_FLIGHT` steps can be out at once (the core schedules step
-N+1 while the executor runs step N).
+The in-flight rule lives in `step` alone: an executor that `runs_ahead` (another process runs
+the steps) gets up to `MAX_STEPS_IN_FLIGHT` steps at once, or with pipeline stages one per
+stage (each stage works on its own micro-batch), so the core schedules step N+1 while the
+executor runs step N; an in-process executor gets one. Outputs are answered in order:
+`update` pairs each ModelRunnerOutput with the oldest step still in flight. Which requests
+may join a step while an earlier one of theirs is out (a speculating request is held to one)
+is the scheduler's rule (core/scheduler.py).
 
 Detokenizer rules. A request's detokenizer worker is `detokenizer_index(req_id, M)`. What it
 needs to know of the request (`DetokRequest`) is parked here and sent with the request's
@@ -29,6 +34,7 @@ from collections import deque
 
 from zllm.config import EngineConfig, check_priority
 from zllm.core.block_manager import BlockManager
+from zllm.core.executors import Executor, ExecutorTimeout
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
@@ -94,6 +100,7 @@ class EngineCore:
         # True until a step is scheduled after the engine had nothing at all to do: the
         # executor's wait before that step was for work, not for the core.
         self._idle = True
+        self.asleep = False  # sleep mode: the executor has released weights and KV pool
 
     @property
     def max_model_len(self) -> int:
@@ -106,11 +113,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def can_schedule(self) -> bool:
-        """Work is waiting and the executor has room for another step: MAX_STEPS_IN_FLIGHT,
-        or with pipeline stages one per stage (each works on its own micro-batch)."""
-        limit = max(MAX_STEPS_IN_FLIGHT, self.config.scheduler.pipeline_stages)
-        return len(self._in_flight) < limit and self.scheduler.has_unfinished_requests()
+    def max_steps_in_flight(self, executor: Executor) -> int:
+        """How many steps `executor` may hold at once (the module docstring's rule)."""
+        if not executor.runs_ahead:
+            return 1
+        return max(MAX_STEPS_IN_FLIGHT, self.config.scheduler.pipeline_stages)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> RequestRejected | None:
@@ -194,6 +201,75 @@ class EngineCore:
         self.scheduler.finish_sequence(req_id, sample_index, FinishReason.STOP)
         self._note_if_idle()
 
+    # ---- the step loop ---------------------------------------------------------------------
+    def step(self, executor: Executor, wait_s: float | None = None) -> DetokenizerBatches | None:
+        """One turn of the loop: submit steps while the executor has room, then apply the
+        oldest step's output, waiting up to `wait_s` for it (None: until it comes). Returns
+        what each detokenizer worker must be sent, or None when no output was applied
+        (nothing out, or not answered within `wait_s`)."""
+        self._submit_steps(executor)
+        if not self._in_flight:
+            return None  # idle, or stalled (nothing could be scheduled)
+        output = executor.poll(wait_s)
+        if output is None:
+            return None
+        batches = self.update(output)
+        if executor.runs_ahead:  # the next step runs while these outputs are published
+            self._submit_steps(executor)
+        return batches
+
+    def _submit_steps(self, executor: Executor) -> None:
+        limit = self.max_steps_in_flight(executor)
+        while len(self._in_flight) < limit and self.scheduler.has_unfinished_requests():
+            step = self.schedule()
+            if step is None:
+                return
+            try:
+                executor.submit(step)
+            except BaseException:
+                self._in_flight.pop()  # it never ran (the caller aborts its requests)
+                raise
+
+    def drain(self, executor: Executor) -> DetokenizerBatches:
+        """Wait for every step in flight and apply their outputs (nothing new is scheduled)."""
+        batches: DetokenizerBatches = {}
+        while self._in_flight:
+            output = executor.poll(None)
+            if output is None:
+                raise ExecutorTimeout("the executor did not answer a step in flight")
+            for worker, batch in self.update(output).items():
+                _merge_batch(batches, worker, batch)
+        return batches
+
+    # ---- sleep mode ------------------------------------------------------------------------
+    def sleep(self, executor: Executor) -> DetokenizerBatches:
+        """Put the executor to sleep (idempotent; only with no unfinished request): the steps
+        in flight are collected first (their outputs returned), then the executor releases
+        its weights and KV pool and the prefix cache empties (with KV tiers, its blocks are
+        stored down to them first, so after waking those prefixes load back)."""
+        if self.asleep:
+            return {}
+        if self.scheduler.has_unfinished_requests():
+            raise ParamError("requests are running; sleep when the engine is idle", "sleep")
+        batches = self.drain(executor)
+        self._control_step(executor, self._sleep_step())
+        self.asleep = self.stats.asleep = True
+        return batches
+
+    def wake_up(self, executor: Executor) -> None:
+        """The executor loads its weights and KV pool again (idempotent)."""
+        if not self.asleep:
+            return
+        self._control_step(executor, SchedulerOutput(-1, [], [], {}, 0, wake_up=True))
+        self.asleep = self.stats.asleep = False
+
+    def _control_step(self, executor: Executor, step: SchedulerOutput) -> None:
+        """Run a step no request is in (nothing else is out) and wait for its empty answer."""
+        assert not self._in_flight
+        executor.submit(step)
+        if executor.poll(None) is None:
+            raise ExecutorTimeout("the executor did not answer a sleep-mode step")
+
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """The next step for the executor, or None when it would carry nothing."""
@@ -232,10 +308,8 @@ class EngineCore:
         self.stats.core_output_s += time.perf_counter() - start
         return batches
 
-    def sleep_step(self) -> SchedulerOutput:
-        """The step that puts the executor to sleep (only when idle). The prefix cache
-        empties; with KV tiers its blocks are stored down to them first, so after waking
-        those prefixes load back instead of being recomputed."""
+    def _sleep_step(self) -> SchedulerOutput:
+        """The step that puts the executor to sleep, emptying the prefix cache first."""
         transfers = None
         if self.kv_connector is not None:
             self.kv_connector.evicted(self.block_manager.evict_cached())
@@ -334,6 +408,17 @@ def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
         return None
     on_disk = existing_disk_blocks(tier_directory(config)) if offload and offload.disk_dir else []
     return TieredKVConnector(offload, block_bytes(config), on_disk, remote_bytes)
+
+
+def _merge_batch(batches: DetokenizerBatches, worker: int, batch: DetokenizerBatch) -> None:
+    """Add one step's batch for `worker` to those of earlier steps (in order)."""
+    into = batches.get(worker)
+    if into is None:
+        batches[worker] = batch
+        return
+    into.new_requests += batch.new_requests
+    into.outputs += batch.outputs
+    into.aborted += batch.aborted
 
 
 def _add(totals: list[float], values: list[float]) -> list[float]:

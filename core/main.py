@@ -2,19 +2,20 @@
 
     tokenizers, frontend, detokenizers, supervisor ──► [PULL core_in] ─ input thread ─► queue
                                                                                           │
-    main loop:  apply inputs ─► schedule step N+1 ─► send ─► wait for step N ─► publish   │
-                                   │  (while the executor runs step N)          │   ◄──────┘
-                                   └──► [PUSH executor_in]   [PULL executor_out]
+    main loop:  apply inputs ─► EngineCore.step(SocketExecutor) ─► publish                │
+                  ▲   (schedules step N+1 while the executor runs step N;      ◄──────────┘
+                  │    waits at most 10 ms for an output)
+                  └─────────── [PUSH executor_in]   [PULL executor_out]
     DetokenizerBatch ──► [PUSH detokenizer_in[i]]   (one message per worker per step)
     RequestRejected  ──► [PUSH frontend_in]
-    (inputs that arrive while the main loop waits for a step are taken in as they come)
     heartbeat thread: EngineStats every 0.5 s ──► frontend_in and supervisor_in
     with --data-parallel-size > 1, the same thread also publishes [PUB events]: the heartbeat
     and the prefix cache's KVCacheEvents (queued by the main loop), for the tokenizer workers'
     routing
 
-Every rule (checks, announcing requests to detokenizers, aborts, statistics) lives in
-`EngineCore`; this file only moves messages.
+Every rule (checks, the step loop and how many steps are out, announcing requests to
+detokenizers, aborts, sleep mode, statistics) lives in `EngineCore`; this file only moves
+messages.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import msgspec
 import zmq
 
 from zllm.core.engine_core import DetokenizerBatches, EngineCore
+from zllm.core.executors import ExecutorTimeout, SocketExecutor
+from zllm.errors import ParamError
 from zllm.messaging import receive, send_nowait
 from zllm.procutil import report_ready, start_process
 from zllm.protocol import (
@@ -41,10 +44,8 @@ from zllm.protocol import (
     FinishSequence,
     KVBlocksReceived,
     KVCacheEvents,
-    ModelRunnerOutput,
     ProcessRole,
     RequestRejected,
-    SchedulerOutput,
     SleepControl,
     SleepReply,
 )
@@ -54,8 +55,8 @@ logger = logging.getLogger("zllm.core")
 
 HEARTBEAT_INTERVAL_S = 0.5
 LOG_STATS_INTERVAL_S = 10.0
-# How often the main loop takes in new inputs while it waits for a step (milliseconds).
-INPUT_POLL_MS = 10
+# How often the main loop takes in new inputs while it waits for a step (seconds).
+INPUT_POLL_S = 0.01
 
 
 class CoreProcess:
@@ -64,8 +65,6 @@ class CoreProcess:
         self.engine = EngineCore(config.engine, config.detokenizer_workers)
         self.engine.stats.engine_index = config.engine_index
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
-        # A sleep-mode call met while a step ran: applied between steps, before later inputs.
-        self.held_input: SleepControl | None = None
         self.encoder = msgspec.msgpack.Encoder()
         # Data parallel: the prefix cache's changes, for the heartbeat thread to publish.
         self.kv_events: queue.SimpleQueue[KVCacheEvents] | None = None
@@ -74,10 +73,9 @@ class CoreProcess:
             self.engine.block_manager.record_kv_events()
         ctx = zmq.Context.instance()
         ep = config.engine_endpoints
-        self.to_executor = ctx.socket(zmq.PUSH)
-        self.to_executor.connect(ep.executor_in)
-        self.from_executor = ctx.socket(zmq.PULL)
-        self.from_executor.connect(ep.executor_out)
+        self.executor = SocketExecutor(
+            ctx, ep.executor_in, ep.executor_out, config.executor_timeout
+        )
         self.to_detokenizers = []
         for addr in config.endpoints.detokenizer_in:
             sock = ctx.socket(zmq.PUSH)
@@ -85,8 +83,6 @@ class CoreProcess:
             self.to_detokenizers.append(sock)
         self.to_frontend = ctx.socket(zmq.PUSH)
         self.to_frontend.connect(config.endpoints.frontend_in)
-        self.runner_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-        self.asleep = False  # sleep mode: the executor has released weights and KV pool
 
     # ---- threads -------------------------------------------------------------------------
     def start_threads(self) -> None:
@@ -166,68 +162,35 @@ class CoreProcess:
         reset = DetokenizerBatch(reset=True, engine=self.config.engine_index)
         for sock in self.to_detokenizers:
             send_nowait(sock, self.encoder, reset, logger)
-        engine = self.engine
-        stalled = False  # work waits, but nothing could be scheduled and nothing is out
-        while True:
-            idle = not engine.num_steps_in_flight and not engine.has_unfinished_requests()
-            # Stalled (say, a request waiting for KV blocks from a prefill instance): wait
-            # for inputs, which is what changes that, or a moment, instead of spinning.
-            self._apply_inputs(block=idle or stalled)
-            stalled = False
-            if engine.can_schedule():
-                step = engine.schedule()
-                self._queue_kv_events()  # blocks are cached as they are allocated
-                if step is not None:
-                    self.to_executor.send(self.encoder.encode(step))
-                    continue  # schedule the next step right away, while this one runs
-                stalled = not engine.num_steps_in_flight
-            if engine.num_steps_in_flight:
-                self._collect_step()
-                self._queue_kv_events()
-
-    def _collect_step(self, take_inputs: bool = True) -> None:
-        """Wait for the oldest step in flight and publish its output. While it runs, new
-        requests and aborts are taken in every INPUT_POLL_MS (`take_inputs`), so the
-        heartbeat's waiting count (metrics, the data-parallel router's load) holds what
-        arrived during a long step, not only what arrived between steps."""
-        deadline = time.monotonic() + self.config.executor_timeout
-        while not self.from_executor.poll(INPUT_POLL_MS):
-            if take_inputs:
-                self._take_inputs_during_step()
-            if time.monotonic() < deadline:
-                continue
+        try:
+            self._loop()
+        except ExecutorTimeout as e:
             # A stuck executor is as bad as a dead one: exit, and the supervisor fails what
             # was in flight and restarts the engine.
-            logger.error(
-                "no step finished for %.0f s with work pending: treating the executor as dead",
-                self.config.executor_timeout,
-            )
+            logger.error("%s: treating the executor as dead", e)
             os._exit(3)
-        output = self.runner_decoder.decode(self.from_executor.recv())
-        self._publish(self.engine.update(output))
 
-    def _take_inputs_during_step(self) -> None:
-        """What is queued, up to a sleep-mode call: that one collects the steps in flight
-        itself, so it waits (held, the inputs behind it still queued) for the main loop."""
-        while self.held_input is None:
-            try:
-                msg = self.inputs.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(msg, SleepControl):
-                self.held_input = msg
-            else:
-                self._apply(msg)
+    def _loop(self) -> None:
+        """Inputs, then one turn of `EngineCore.step`, forever. With steps out, the turn waits
+        at most INPUT_POLL_S for an output, so new requests and aborts are taken in while a
+        long step runs (the heartbeat's waiting count, metrics and the data-parallel
+        router's load, hold what arrived during it). With nothing out, the engine is idle or
+        stalled (say, a request waiting for KV blocks from a prefill instance): only an input
+        changes that, so the loop waits for one instead of spinning."""
+        engine = self.engine
+        while True:
+            self._apply_inputs(block=not engine.num_steps_in_flight)
+            batches = engine.step(self.executor, INPUT_POLL_S)
+            self._queue_kv_events()  # blocks are cached as they are allocated
+            if batches is not None:
+                self._publish(batches)
 
     def _apply_inputs(self, block: bool) -> None:
         """Everything queued; when `block`, first wait (briefly) for something to arrive."""
-        if self.held_input is not None:
-            msg, self.held_input = self.held_input, None
-        else:
-            try:
-                msg = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
-            except queue.Empty:
-                return
+        try:
+            msg = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
         while True:
             self._apply(msg)
             try:
@@ -238,7 +201,7 @@ class CoreProcess:
     def _apply(self, msg: CoreInput) -> None:
         engine = self.engine
         if isinstance(msg, EngineCoreRequest):
-            if self.asleep:
+            if engine.asleep:
                 message = "the engine is asleep (POST /wake_up first)"
                 rejected: RequestRejected | None = RequestRejected(msg.req_id, message, 503)
             else:
@@ -247,7 +210,7 @@ class CoreProcess:
                 send_nowait(self.to_frontend, self.encoder, rejected, logger)
         elif isinstance(msg, SleepControl):
             ok, message = self._sleep_control(msg)
-            reply = SleepReply(msg.reply_to, ok, self.asleep, message)
+            reply = SleepReply(msg.reply_to, ok, engine.asleep, message)
             send_nowait(self.to_frontend, self.encoder, reply, logger)
         elif isinstance(msg, AbortRequests):
             self._publish(engine.abort(msg.req_ids))
@@ -264,36 +227,21 @@ class CoreProcess:
             )
             self._publish(batches)
 
-    # ---- sleep mode ----------------------------------------------------------------------
     def _sleep_control(self, msg: SleepControl) -> tuple[bool, str]:
-        """Sleep: only with no unfinished request; the steps in flight are collected first,
-        then the executor releases its memory and the prefix cache is emptied. Wake up: the
-        executor loads the weights again. Both are idempotent."""
+        """Sleep mode's calls, with EngineCore's rules (both idempotent)."""
         if not self.config.engine.enable_sleep_mode:
             return False, "sleep mode is off (start the server with --enable-sleep-mode)"
-        if msg.command == "sleep" and not self.asleep:
-            if self.engine.has_unfinished_requests():
-                return False, "requests are running; sleep when the engine is idle"
-            while self.engine.num_steps_in_flight:
-                self._collect_step(take_inputs=False)  # nothing new joins while it sleeps
-            self._control_step(self.engine.sleep_step())
-            self.asleep = True
-        elif msg.command == "wake_up" and self.asleep:
-            self._control_step(SchedulerOutput(-1, [], [], {}, 0, wake_up=True))
-            self.asleep = False
-        elif msg.command not in ("sleep", "wake_up"):
+        if msg.command == "sleep":
+            try:
+                self._publish(self.engine.sleep(self.executor))
+            except ParamError as e:
+                return False, str(e)
+        elif msg.command == "wake_up":
+            self.engine.wake_up(self.executor)
+        else:
             return False, f"unknown command {msg.command!r}"
-        self.engine.stats.asleep = self.asleep
-        logger.info("engine %s", "asleep" if self.asleep else "awake")
+        logger.info("engine %s", "asleep" if self.engine.asleep else "awake")
         return True, ""
-
-    def _control_step(self, step: SchedulerOutput) -> None:
-        """Send a step no request is in and wait for its (empty) answer."""
-        self.to_executor.send(self.encoder.encode(step))
-        if not self.from_executor.poll(int(self.config.executor_timeout * 1000)):
-            logger.error("the executor did not answer a sleep-mode step: treating it as dead")
-            os._exit(3)
-        self.from_executor.recv()
 
     def _publish(self, batches: DetokenizerBatches) -> None:
         for worker, batch in batches.items():

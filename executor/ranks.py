@@ -15,8 +15,8 @@ connected waits for it instead of being lost.
 
 In `zllm serve` the supervisor starts every rank as an executor process (executor/main.py).
 The offline `LLM` runs rank 0 in its own process and starts the others here
-(`start_ranks`, `RankProcesses`); with pipeline stages the last stage's answer comes back to
-it over a socket (`RankProcesses.receive_output`).
+(`RankProcesses`, driven by executor/offline.py's RankProcessExecutor); with pipeline stages
+the last stage's answer comes back to it over a socket (`RankProcesses.receive_output`).
 """
 
 from __future__ import annotations
@@ -216,11 +216,17 @@ class RankProcesses:
         self.check_alive()
         self.fanout.forward(self.encoder.encode(step))
 
-    def receive_output(self) -> ModelRunnerOutput:
-        """The answering rank's output of the step forwarded last (pipeline stages)."""
-        while not self.outputs.poll(1000):
+    def receive_output(self, timeout_s: float | None = None) -> ModelRunnerOutput | None:
+        """The answering rank's next output (pipeline stages), waiting up to `timeout_s`
+        (None: until it comes); None if it has not come by then."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if self.outputs.poll(max(0, int(wait_s * 1000))):
+                return self.output_decoder.decode(self.outputs.recv())
             self.check_alive()
-        return self.output_decoder.decode(self.outputs.recv())
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (a later engine may form one)."""
@@ -243,24 +249,6 @@ class RankProcesses:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def start_ranks(config: EngineConfig):
-    """The offline engine's ModelRunner (rank 0) and, with several ranks, the processes of
-    ranks 1..N-1 it forwards each step to (None on one rank)."""
-    from zllm.executor.model_runner import ModelRunner
-    from zllm.serve_config import free_ports
-
-    if config.world_size == 1:
-        return ModelRunner(config), None
-    init_method = f"tcp://127.0.0.1:{free_ports(1)[0]}"
-    ranks = RankProcesses(config, init_method)
-    try:
-        ranks.wait_joining()
-        return ModelRunner(config, join_ranks(config, 0, init_method)), ranks
-    except BaseException:
-        ranks.close()
-        raise
 
 
 def _private_dir() -> str:

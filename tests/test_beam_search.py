@@ -122,12 +122,12 @@ def test_beams_share_the_prompt_blocks_and_free_them(model_dir) -> None:
     engine.add_request(EngineCoreRequest("beams", prompt, params, eos_token_ids=[0]))
     group = engine.scheduler._beam_groups["beams"]
     while len(group.running) < 4:
-        engine.update(runner.execute_model(engine.schedule()))
+        engine.step(llm.executor)
     tables = [bm.block_ids(beam.req_id) for beam, _ in group.running]
     assert all(t[:4] == tables[0][:4] for t in tables)  # the prompt's blocks, shared
     assert len({b for t in tables for b in t}) < 4 * len(tables[0])
     while engine.has_unfinished_requests():
-        engine.update(runner.execute_model(engine.schedule()))
+        engine.step(llm.executor)
     assert bm.num_referenced_blocks() == 0
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from zllm.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
 from zllm.core.engine_core import EngineCore
+from zllm.errors import ParamError
 from zllm.protocol import (
     EngineCoreRequest,
     FinishReason,
@@ -22,7 +23,9 @@ BLOCK_SIZE = 4
 WORKERS = 2
 
 
-def make_engine(num_blocks: int = 64, max_model_len: int = 64) -> EngineCore:
+def make_engine(
+    num_blocks: int = 64, max_model_len: int = 64, pipeline_stages: int = 1
+) -> EngineCore:
     arch = ModelArchConfig(
         architecture="llama",
         vocab_size=VOCAB,
@@ -42,7 +45,12 @@ def make_engine(num_blocks: int = 64, max_model_len: int = 64) -> EngineCore:
         model_path="/nowhere",
         arch=arch,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_model_len=max_model_len,
+            pipeline_stages=pipeline_stages,
+        ),
+        pipeline_parallel_size=pipeline_stages,
     )
     return EngineCore(config, num_detokenizers=WORKERS)
 
@@ -183,19 +191,126 @@ def test_a_finished_output_carries_its_reason_to_the_worker():
 # ---- steps in flight ---------------------------------------------------------------------------
 
 
-def test_two_steps_in_flight_are_answered_in_order():
+class FakeExecutor:
+    """The Executor protocol (core/executors.py) with `run` as its model: `submit` records
+    the step and computes its answer (from the state the step was scheduled in), `poll`
+    hands answers back in submit order. `runs_ahead` as a separate process's executor
+    (True) or an in-process one (False)."""
+
+    def __init__(self, engine: EngineCore, runs_ahead: bool = True) -> None:
+        self.engine = engine
+        self.runs_ahead = runs_ahead
+        self.submitted: list[SchedulerOutput] = []
+        self.answers: list[ModelRunnerOutput] = []
+        self.answered = 0
+        self.hold = False  # poll answers nothing (a step still running)
+
+    def submit(self, step: SchedulerOutput) -> None:
+        self.submitted.append(step)
+        if step.step_id < 0:  # sleep mode's control steps
+            self.answers.append(ModelRunnerOutput(step.step_id, [], []))
+        else:  # every request whose prompt this step completes samples a token
+            token = 8 + len(self.answers)
+            requests = self.engine.scheduler.requests
+            req_ids = [
+                r
+                for r in step.num_scheduled_tokens
+                if requests[r].num_computed_tokens >= len(requests[r].prompt_token_ids)
+            ]
+            sampled = [[token] for _ in req_ids]
+            self.answers.append(ModelRunnerOutput(step.step_id, req_ids, sampled))
+
+    def poll(self, timeout_s: float | None) -> ModelRunnerOutput | None:
+        if self.hold or self.answered == len(self.submitted):
+            return None
+        self.answered += 1
+        return self.answers[self.answered - 1]
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.submitted) - self.answered
+
+
+def test_an_executor_that_runs_ahead_holds_two_steps_answered_in_order():
     engine = make_engine()
+    executor = FakeExecutor(engine)
     engine.add_request(request("a", max_tokens=3))
-    first = engine.schedule()
-    assert engine.can_schedule()
-    second = engine.schedule()
-    assert engine.num_steps_in_flight == 2 and not engine.can_schedule()
+    executor.hold = True
+    assert engine.step(executor, wait_s=0) is None  # both steps out, neither answered
+    first, second = executor.submitted
+    assert executor.num_outstanding == engine.num_steps_in_flight == 2
     assert second.num_scheduled_tokens == {"a": 1}  # computes the token `first` samples
-    (batch,) = engine.update(ModelRunnerOutput(first.step_id, ["a"], [[7]])).values()
-    assert batch.outputs[0].new_token_ids == [7]
-    (batch,) = engine.update(ModelRunnerOutput(second.step_id, ["a"], [[8]])).values()
-    assert batch.outputs[0].new_token_ids == [8]
-    assert engine.num_steps_in_flight == 0 and engine.can_schedule()
+    executor.hold = False
+    (batch,) = engine.step(executor).values()
+    assert batch.outputs[0].new_token_ids == [8]  # first's answer
+    # After an answer the loop submits at once (the executor never waits for the publish).
+    assert executor.num_outstanding == 2
+    (batch,) = engine.step(executor).values()
+    assert batch.outputs[0].new_token_ids == [9]  # second's
+    (batch,) = engine.step(executor).values()
+    assert batch.outputs[0].finish_reason == FinishReason.LENGTH
+    assert engine.step(executor) == {}  # the step scheduled ahead: nothing left to say
+    assert engine.step(executor) is None and not engine.has_unfinished_requests()
+    assert engine.num_steps_in_flight == executor.num_outstanding == 0
+
+
+def test_an_in_process_executor_gets_one_step_at_a_time():
+    engine = make_engine()
+    executor = FakeExecutor(engine, runs_ahead=False)
+    engine.add_request(request("a", max_tokens=3))
+    for expected in ([8], [9], [10]):
+        (batch,) = engine.step(executor).values()
+        assert batch.outputs[0].new_token_ids == expected
+        assert engine.num_steps_in_flight == executor.num_outstanding == 0
+    assert len(executor.submitted) == 3 and not engine.has_unfinished_requests()
+
+
+def test_pipeline_stages_keep_one_step_per_stage_in_flight():
+    engine = make_engine(pipeline_stages=4)
+    executor = FakeExecutor(engine)
+    for name in "abcd":
+        engine.add_request(request(name, max_tokens=4))
+    engine.step(executor)  # the four prompts in one step; once it is answered, decodes
+    assert engine.num_steps_in_flight == 4 == engine.max_steps_in_flight(executor)
+    # A micro-batch per stage, a request in one of them at a time.
+    batches = [set(s.num_scheduled_tokens) for s in executor.submitted[1:]]
+    assert all(len(b) == 1 for b in batches) and set().union(*batches) == set("abcd")
+    assert engine.max_steps_in_flight(FakeExecutor(engine, runs_ahead=False)) == 1
+
+
+def test_a_stalled_engine_submits_nothing_and_says_so():
+    """Nothing schedulable and nothing out: step returns None at once (the core process
+    then waits for inputs, the offline LLM raises)."""
+    engine = make_engine()
+    executor = FakeExecutor(engine)
+    assert engine.step(executor) is None and executor.submitted == []
+
+
+def test_sleep_collects_the_steps_in_flight_then_sends_the_sleep_step():
+    engine = make_engine()
+    executor = FakeExecutor(engine)
+    engine.add_request(request("a", max_tokens=2))
+    executor.hold = True
+    engine.step(executor, wait_s=0)
+    with pytest.raises(ParamError, match="requests are running"):
+        engine.sleep(executor)
+    executor.hold = False
+    engine.step(executor)  # a's first token
+    engine.step(executor)  # a's second: a finishes, with the step scheduled ahead still out
+    assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 1
+    engine.sleep(executor)
+    assert engine.asleep and engine.heartbeat().asleep
+    assert engine.num_steps_in_flight == executor.num_outstanding == 0
+    assert executor.submitted[-1].sleep
+    engine.sleep(executor)  # idempotent: nothing more is sent
+    assert sum(s.sleep for s in executor.submitted) == 1
+    engine.wake_up(executor)
+    assert not engine.asleep and executor.submitted[-1].wake_up
+    engine.wake_up(executor)
+    assert sum(s.wake_up for s in executor.submitted) == 1
 
 
 def test_after_no_work_marks_the_first_step_after_idling():

@@ -220,7 +220,7 @@ def test_kv_memory_per_token_and_waste(llm):
         )
     steps = 0
     while llm.engine.has_unfinished_requests():
-        llm.engine.update(llm.model_runner.execute_model(llm.engine.schedule()))
+        llm.engine.step(llm.executor)
         steps += 1
         for req in sched.running:
             slots = bm.num_held_blocks(req.req_id) * bm.block_size

@@ -287,7 +287,7 @@ def test_offline_stages_equal_one_rank(tiny_llama_dir):
         {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
     ):
         llm = LLM(tiny_llama_dir, **ranks, **kw)
-        processes = llm._ranks.processes
+        processes = llm.executor.ranks.processes
         assert (generate(llm, greedy), generate(llm, sampled)) == expected, ranks
         del llm
         gc.collect()

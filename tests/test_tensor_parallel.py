@@ -292,7 +292,7 @@ def test_offline_llm_with_two_ranks(tiny_llama_dir):
     ]
     for _ in range(2):
         llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
-        (rank1,) = llm._ranks.processes
+        (rank1,) = llm.executor.ranks.processes
         split = [o.outputs[0].token_ids for o in llm.generate(SERVED_PROMPTS, params)]
         assert split == single
         del llm
@@ -352,7 +352,7 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
     import time
 
     from zllm import LLM
-    from zllm.executor import parallel, ranks
+    from zllm.executor import offline, parallel, ranks
     from zllm.executor.model_runner import ModelRunner
 
     started: list = []
@@ -373,7 +373,7 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
             started[0].join(10)
         load(runner)
 
-    monkeypatch.setattr(ranks, "RankProcesses", RanksKilledAtOnce)
+    monkeypatch.setattr(offline, "RankProcesses", RanksKilledAtOnce)
     monkeypatch.setattr(ModelRunner, "_load_weights", killed_while_loading)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="executor rank processes died|[Cc]onnection"):
@@ -389,7 +389,7 @@ def test_offline_step_that_fails_stops_the_ranks_and_says_so(tiny_llama_dir, mon
     from zllm import LLM, SamplingParams
 
     llm = LLM(tiny_llama_dir, tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)
-    (rank1,) = llm._ranks.processes
+    (rank1,) = llm.executor.ranks.processes
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     def fail(step):

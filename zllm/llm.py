@@ -1,16 +1,17 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM.
 
-Runs the same pieces as the server, in this process: the `EngineCore` (scheduler and block
-manager), a `ModelRunner` in place of the executor process, and a `Detokenizer` in place of
-the detokenizer workers. Thousands of prompts stream through continuous batching (requests
-join and leave the batch every step), not padded batches.
+Runs the same pieces as the server, in this process: the `EngineCore` (scheduler, block
+manager and the step loop, `EngineCore.step`), an in-process executor in place of the
+executor process (executor/offline.py: a `ModelRunner` here, and with several ranks the
+processes of the others), and a `Detokenizer` in place of the detokenizer workers. Thousands
+of prompts stream through continuous batching (requests join and leave the batch every
+step), not padded batches.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,9 +39,7 @@ from zllm.protocol import (
     DetokenizerBatch,
     EngineCoreRequest,
     LogprobsLists,
-    ModelRunnerOutput,
     RequestOutputDelta,
-    SchedulerOutput,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 from zllm.structured_outputs import check_structured_outputs
@@ -77,17 +76,20 @@ class LLM:
         self.eos_token_ids = merge_eos_token_ids(
             [self.tokenizer.eos_token_id], self.config.arch.eos_token_ids
         )
-        from zllm.executor.ranks import start_ranks  # torch lives behind this import
+        from zllm.executor.offline import start_offline_executor  # torch lives behind this
 
         # With N ranks (tensor x pipeline parallel): rank 0 here, ranks 1..N-1 in processes
-        # it feeds.
-        self.model_runner, self._ranks = start_ranks(self.config)
-        if self._ranks is not None:  # stopped when this LLM is collected, or at exit
-            weakref.finalize(self, self._ranks.close)
+        # it feeds (stopped when this LLM is collected, or at exit).
+        self.executor = start_offline_executor(self.config)
         self.engine = EngineCore(self.config)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._adapters: dict[int, LoRARequest] = {}  # LoRA: each id's adapter, checked
+
+    @property
+    def model_runner(self):
+        """Rank 0's ModelRunner (in this process)."""
+        return self.executor.runner
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -237,14 +239,13 @@ class LLM:
             raise ParamError("sleep level must be 1 or 2", "level")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep needs an idle engine")
-        self.model_runner.execute_model(self.engine.sleep_step())
-        self.model_runner.sleep()
+        self.engine.sleep(self.executor)
 
     def wake_up(self) -> None:
-        self.model_runner.wake_up()
+        self.engine.wake_up(self.executor)
 
     def is_sleeping(self) -> bool:
-        return self.model_runner.asleep
+        return self.engine.asleep
 
     # ---- internals -------------------------------------------------------------------------
     def _check_adapter(self, lora: LoRARequest) -> None:
@@ -295,7 +296,7 @@ class LLM:
         return tracker
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
-        if self.model_runner.asleep:
+        if self.engine.asleep:
             raise RuntimeError("the LLM is asleep: call wake_up() first")
         by_id = {t.req_id: t for t in trackers}
         eos = self.eos_token_ids
@@ -315,7 +316,9 @@ class LLM:
             assert rejected is None, rejected  # the same checks passed in _make_tracker
         bar = _progress_bar(len(trackers)) if use_tqdm else None
         try:
-            while self.engine.has_unfinished_requests():
+            # (Steps still in flight when the last request has finished carry only finished
+            # requests; they are collected too, so the next call starts with none out.)
+            while self.engine.has_unfinished_requests() or self.engine.num_steps_in_flight:
                 for delta in self._step():
                     tracker = by_id[delta.req_id]
                     tracker.add(delta)
@@ -331,43 +334,11 @@ class LLM:
         return [t.to_output() for t in trackers]
 
     def _step(self) -> list[RequestOutputDelta]:
-        """One engine step, run to completion: schedule, execute, detokenize."""
-        step = self.engine.schedule()
-        if step is None:
+        """One turn of the engine's step loop, run to its output, detokenized."""
+        batches = self.engine.step(self.executor)
+        if batches is None:
             raise RuntimeError("the scheduler made no progress with requests waiting")
-        if self._ranks is None:
-            return self._detokenize(self.engine.update(self.model_runner.execute_model(step)))
-        if self._ranks.closed:
-            raise RuntimeError(
-                "this LLM's tensor-parallel ranks were stopped after a step failed or was "
-                "interrupted (they could no longer be kept in step): make a new LLM"
-            )
-        try:
-            if self.config.pipeline_parallel_size == 1:
-                self._ranks.forward(step)
-                outputs = [self.model_runner.execute_model(step)]
-            else:
-                outputs = self._pipelined_steps(step)
-        except BaseException:
-            # The other ranks may be inside this step's collectives, or never got it: rank 0
-            # cannot rejoin them, so they stop (and later calls say so).
-            self._ranks.close()
-            raise
-        return [d for output in outputs for d in self._detokenize(self.engine.update(output))]
-
-    def _pipelined_steps(self, first: SchedulerOutput) -> list[ModelRunnerOutput]:
-        """Pipeline stages: up to one step per stage sent down the pipeline (this process
-        runs the first stage's part of each), then their outputs from the last stage."""
-        assert self._ranks is not None
-        sent = 0
-        step: SchedulerOutput | None = first
-        while step is not None:
-            self._ranks.forward(step)
-            self.model_runner.execute_model(step)
-            sent += 1
-            more = sent < self.config.pipeline_parallel_size and self.engine.can_schedule()
-            step = self.engine.schedule() if more else None
-        return [self._ranks.receive_output() for _ in range(sent)]
+        return self._detokenize(batches)
 
     def _detokenize(self, batches: dict[int, DetokenizerBatch]) -> list[RequestOutputDelta]:
         deltas: list[RequestOutputDelta] = []
