@@ -114,7 +114,7 @@ def test_beams_share_the_prompt_blocks_and_free_them(model_dir) -> None:
     """Four beams of a 64-token prompt hold its 4 full blocks once (ref count 4), not 16
     blocks; when the search ends every block is free again."""
     llm = LLM(model_dir, kv_cache_memory_bytes=32 << 20, block_size=16)
-    engine, runner = llm.engine, llm.model_runner
+    engine = llm.engine
     bm = engine.block_manager
     prompt = random_prompts(1, seed=7)[0] * 4
     prompt = (prompt * 3)[:64]
