@@ -133,11 +133,33 @@ def _actor_class(bundle: dict[str, float]) -> Any:
 def run_ray_driver(config: ServeConfig) -> None:
     """The executor process under the Ray backend: never returns while the ranks serve."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    _join_cluster()
+    # The supervisor stops this process with SIGTERM: exit quietly (Ray's own handler logs a
+    # stack), and the actors, owned by this driver, go with it.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     engine = config.engine
-    world = engine.world_size
+    actors = _place_actors(engine)
+    num_blocks = _start_ranks(config, actors)
+    report_ready(config, ProcessRole.EXECUTOR, 0, num_blocks=num_blocks)
+    logger.info(
+        "%d executor rank(s) ready as Ray actors (%s)",
+        engine.world_size,
+        engine.ray_placement_strategy,
+    )
+    serving = [actor.serve.remote() for actor in actors]
+    done, _ = ray.wait(serving, num_returns=1)
+    try:
+        ray.get(done[0])
+    except Exception as e:  # an actor died (its node lost) or stopped serving
+        logger.error("a Ray executor rank is gone: %s", e)
+    os._exit(3)  # an executor death: the supervisor restarts the engine
+
+
+def _join_cluster() -> None:
+    """`RAY_ADDRESS`, else a cluster already running on this host, else a local one."""
+    import ray
+
     address = os.environ.get("RAY_ADDRESS")
     try:
         ray.init(address=address or "auto", log_to_driver=True, logging_level=logging.WARNING)
@@ -146,9 +168,15 @@ def run_ray_driver(config: ServeConfig) -> None:
             raise
         logger.info("no Ray cluster on this host: starting a local one for this engine")
         ray.init(log_to_driver=True, logging_level=logging.WARNING)
-    # The supervisor stops this process with SIGTERM: exit quietly (Ray's own handler logs a
-    # stack), and the actors, owned by this driver, go with it.
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+
+
+def _place_actors(engine: EngineConfig) -> list[Any]:
+    """One actor per rank, each in its bundle of a placement group."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    world = engine.world_size
     bundle = rank_bundle(engine)
     strategy = engine.ray_placement_strategy
     group = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
@@ -175,8 +203,15 @@ def run_ray_driver(config: ServeConfig) -> None:
     places = ray.get([a.where.remote() for a in actors])
     for rank, (node, ip) in enumerate(places):
         logger.info("executor rank %d: Ray actor on node %s (%s)", rank, node, ip)
+    return actors
 
-    # The driver's end of the relays, on an address every node can reach.
+
+def _start_ranks(config: ServeConfig, actors: list[Any]) -> int:
+    """Join the actors into the engine's ranks, with the driver's relays between them and
+    the core (on an address every node can reach); returns the KV pool's blocks."""
+    import ray
+
+    engine = config.engine
     ctx = zmq.Context.instance()
     driver_ip = ray.util.get_node_ip_address()
     from_core = ctx.socket(zmq.PULL)
@@ -190,7 +225,7 @@ def run_ray_driver(config: ServeConfig) -> None:
 
     rank0 = actors[0]
     init_method = ray.get(rank0.open_rendezvous.remote())
-    fanout = ray.get(rank0.open_fanout.remote(world - 1))
+    fanout = ray.get(rank0.open_fanout.remote(len(actors) - 1))
     answering = (engine.pipeline_parallel_size - 1) * engine.tensor_parallel_size
     starts = [
         actor.start.remote(
@@ -207,13 +242,4 @@ def run_ray_driver(config: ServeConfig) -> None:
         num_blocks = ray.get(done[0])
     for name, src, dst in (("steps", from_core, to_rank0), ("outputs", from_ranks, to_core)):
         threading.Thread(target=zmq.proxy, args=(src, dst), name=name, daemon=True).start()
-    report_ready(config, ProcessRole.EXECUTOR, 0, num_blocks=num_blocks)
-    logger.info("%d executor rank(s) ready as Ray actors (%s)", world, strategy)
-
-    serving = [actor.serve.remote() for actor in actors]
-    done, _ = ray.wait(serving, num_returns=1)
-    try:
-        ray.get(done[0])
-    except Exception as e:  # an actor died (its node lost) or stopped serving
-        logger.error("a Ray executor rank is gone: %s", e)
-    os._exit(3)  # an executor death: the supervisor restarts the engine
+    return num_blocks
