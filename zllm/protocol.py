@@ -287,7 +287,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 #      ▲  │                            │                               │
 #      │  └──AbortRequests─────────────┼──────────────────────────────►│
 #      │◄────────RequestRejected───────┘                               │ DetokenizerBatch
-#      │◄──FrontendBatch── detokenizer ×M ◄────────────────────────────┘ (hash(req_id) % M)
+#      │◄──FrontendBatch── detokenizer ×M ◄────────────────────────────┘ (crc32(req_id) % M)
 #      │                        └──FinishSequence (stop string)──► core
 #      │◄──EngineStats (heartbeat thread of the core; to the supervisor too)
 #      │◄──ProcessEvent, EngineLifecycle (supervisor)     supervisor ──ClientGone──► core

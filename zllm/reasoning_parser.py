@@ -47,10 +47,6 @@ class ThinkReasoningParser:
         self.pending = ""  # text held back: a possible tag, or leading whitespace
         self.saw_reasoning = starts_in_reasoning
 
-    @property
-    def reasoning_ended(self) -> bool:
-        return self.state in ("after_end", "content")
-
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
         self.pending += text

@@ -78,11 +78,6 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
-    def all_special_ids(self) -> list[int]:
-        added = self.backend.get_added_tokens_decoder()
-        return sorted(i for i, token in added.items() if token.special)
-
-    @property
     def chat_template(self) -> str | None:
         return self._chat_template
 
