@@ -51,9 +51,14 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishReason,
+    KVTransferStats,
+    LoRAStats,
     ModelRunnerOutput,
+    PinStats,
     RequestRejected,
     SchedulerOutput,
+    SpecDecodeStats,
+    StageStats,
 )
 from zllm.serve_config import detokenizer_index
 from zllm.tenants import check_tenant_name
@@ -91,8 +96,7 @@ class EngineCore:
             num_blocks=self.block_manager.num_blocks,
             kv_block_bytes=block_bytes(config),
             # Pipeline stages' time, at 0 from the start (one entry per stage).
-            stage_idle_s=[0.0] * stages if stages > 1 else [],
-            stage_busy_s=[0.0] * stages if stages > 1 else [],
+            stages=StageStats([0.0] * stages, [0.0] * stages) if stages > 1 else None,
         )
         self._in_flight: deque[SchedulerOutput] = deque()
         # Sent to a request's detokenizer with its first output, then dropped.
@@ -331,22 +335,24 @@ class EngineCore:
         s.prefix_cache_hits = bm.prefix_cache_hits
         s.block_states, s.blocks_per_cell = bm.block_states()
         sched = self.scheduler
-        s.spec_num_drafts = sched.spec_num_drafts
-        s.spec_num_draft_tokens = sched.spec_num_draft_tokens
-        s.spec_num_accepted_tokens = sched.spec_num_accepted_tokens
-        s.spec_accepted_per_pos = list(sched.spec_accepted_per_pos)
+        if self.config.speculative is not None:
+            s.spec = SpecDecodeStats(
+                sched.spec_num_drafts,
+                sched.spec_num_draft_tokens,
+                sched.spec_num_accepted_tokens,
+                list(sched.spec_accepted_per_pos),
+            )
         if self.config.lora is not None:
-            s.running_lora_adapters, s.waiting_lora_adapters = sched.lora_adapters()
-            s.max_lora = self.config.lora.max_loras
+            running, waiting = sched.lora_adapters()
+            s.lora = LoRAStats(running, waiting, self.config.lora.max_loras)
         if self.kv_connector is not None:
-            self.kv_connector.fill_stats(s)
+            s.kv_tiers = self.kv_connector.stats()
         if self.config.kv_transfer is not None:
-            s.kv_transfer_role = self.config.kv_transfer.role
-            s.kv_transfer_sent_blocks = sched.num_kv_sent_blocks
-            s.kv_transfer_wait_timeouts = sched.num_kv_wait_timeouts
-        s.kv_pinned_blocks = len(bm.pins)
+            s.kv_transfer = KVTransferStats(
+                self.config.kv_transfer.role, sched.num_kv_sent_blocks, sched.num_kv_wait_timeouts
+            )
+        s.pins = PinStats(len(bm.pins), bm.pins.max_blocks)
         s.tenants = sched.tenant_stats()
-        s.kv_max_pinned_blocks = bm.pins.max_blocks
         return s
 
     # ---- internals -------------------------------------------------------------------------
@@ -377,9 +383,12 @@ class EngineCore:
         s.executor_forward_s += output.forward_time_s
         s.executor_sample_s += output.sample_time_s
         s.gpu_idle_s += output.gpu_idle_time_s
-        if output.stage_idle_s:  # (new lists: the heartbeat thread may be encoding these)
-            s.stage_idle_s = _add(s.stage_idle_s, output.stage_idle_s)
-            s.stage_busy_s = _add(s.stage_busy_s, output.stage_busy_s)
+        if output.stage_idle_s and s.stages is not None:
+            # (A new section: the heartbeat thread may be encoding the old one.)
+            s.stages = StageStats(
+                _add(s.stages.idle_s, output.stage_idle_s),
+                _add(s.stages.busy_s, output.stage_busy_s),
+            )
         allocated, used = self.scheduler.kv_slot_usage()
         s.kv_slots_allocated += allocated
         s.kv_slots_used += used

@@ -32,7 +32,7 @@ from typing import Protocol
 
 from zllm.config import KVOffloadConfig
 from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
-from zllm.protocol import EngineStats, KVTransfers
+from zllm.protocol import KVTierStats, KVTransfers
 
 BlockHash = int
 
@@ -129,7 +129,7 @@ class TieredKVConnector:
         self._stores: dict[tuple[int, BlockHash], int] = {}
         self._loads: list[tuple[int, BlockHash, int]] = []
         self._loading: set[BlockHash] = set()  # loaded this step: not evicted in it
-        # Statistics per tier (EngineStats.kv_tier_*).
+        # Statistics per tier (the heartbeat's KVTierStats).
         self.hit_tokens = [0, 0, 0]
         self.stored_blocks = [0, 0, 0]
         self.load_failures = [0, 0, 0]
@@ -229,13 +229,16 @@ class TieredKVConnector:
         self._loading.clear()
         return transfers
 
-    def fill_stats(self, stats: EngineStats) -> None:
-        """The per-tier counts (cpu, disk) of EngineStats; a tier that is off reads 0."""
-        stats.kv_tier_hits = list(self.hit_tokens)
-        stats.kv_tier_stores = list(self.stored_blocks)
-        stats.kv_tier_load_failures = list(self.load_failures)
-        stats.kv_tier_blocks = [len(t) if t is not None else 0 for t in self.tiers]
-        stats.kv_tier_capacity = [t.capacity if t is not None else 0 for t in self.tiers]
+    def stats(self) -> KVTierStats:
+        """The heartbeat's KV tiers section, per tier (cpu, disk, remote); a tier that is off
+        reads 0."""
+        return KVTierStats(
+            hits=list(self.hit_tokens),
+            stores=list(self.stored_blocks),
+            load_failures=list(self.load_failures),
+            blocks=[len(t) if t is not None else 0 for t in self.tiers],
+            capacity=[t.capacity if t is not None else 0 for t in self.tiers],
+        )
 
 
 assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

@@ -48,6 +48,7 @@ from zllm.protocol import (
     RequestRejected,
     SleepControl,
     SleepReply,
+    SpecDecodeStats,
 )
 from zllm.serve_config import ServeConfig
 
@@ -255,8 +256,8 @@ class StatsLog:
     def __init__(self) -> None:
         self.last_time = time.monotonic()
         self.last = (0, 0, 0)  # prompt tokens, generation tokens, steps at the last line
-        # speculative decoding counters at the last line: drafts, proposed, accepted, per pos
-        self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+        # The speculative decoding section at the last line.
+        self.last_spec = SpecDecodeStats()
 
     def maybe_log(self, s: EngineStats) -> None:
         now = time.monotonic()
@@ -277,26 +278,22 @@ class StatsLog:
                 100 * s.kv_cache_usage,
                 100 * hit_rate,
             )
-        if s.spec_num_drafts != self.last_spec[0]:
-            self._log_spec_decode(s, elapsed)
+        if s.spec is not None and s.spec.num_drafts != self.last_spec.num_drafts:
+            self._log_spec_decode(s.spec, elapsed)
+            self.last_spec = s.spec
         self.last_time = now
         self.last = (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps)
-        self.last_spec = (
-            s.spec_num_drafts,
-            s.spec_num_draft_tokens,
-            s.spec_num_accepted_tokens,
-            list(s.spec_accepted_per_pos),
-        )
 
-    def _log_spec_decode(self, s: EngineStats, elapsed: float) -> None:
+    def _log_spec_decode(self, spec: SpecDecodeStats, elapsed: float) -> None:
         """vLLM's SpecDecoding line, over the interval since the last line."""
-        drafts0, proposed0, accepted0, per_pos0 = self.last_spec
-        drafts = s.spec_num_drafts - drafts0
-        proposed = s.spec_num_draft_tokens - proposed0
-        accepted = s.spec_num_accepted_tokens - accepted0
+        last = self.last_spec
+        drafts = spec.num_drafts - last.num_drafts
+        proposed = spec.num_draft_tokens - last.num_draft_tokens
+        accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+        before = last.accepted_per_pos
         per_pos = [
-            (now - (per_pos0[i] if i < len(per_pos0) else 0)) / drafts
-            for i, now in enumerate(s.spec_accepted_per_pos)
+            (now - (before[i] if i < len(before) else 0)) / drafts
+            for i, now in enumerate(spec.accepted_per_pos)
         ]
         logger.info(
             "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from zllm.engine_client import EngineClient
 from zllm.kv_tiers import TIER_NAMES
 from zllm.percentile import percentile
-from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
+from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, KVTierStats, ProcessRole
 
 HISTORY_S = 120  # what the charts show
 _ROLE_ORDER = (
@@ -285,6 +285,7 @@ class Dashboard:
         healthy, message = client.health()
         gen_tps, prompt_tps, busy = self.timeline.rates(now)
         queries = s.prefix_cache_queries
+        tiers = s.kv_tiers or KVTierStats()
         engine = Engine(
             state=str(client.engine_state),
             healthy=healthy,
@@ -307,17 +308,17 @@ class Dashboard:
             kv_tiers=[
                 KVTier(
                     name=TIER_NAMES[i],
-                    hit_rate=s.kv_tier_hits[i] / queries if queries else 0.0,
-                    hits=s.kv_tier_hits[i],
-                    blocks=s.kv_tier_blocks[i],
+                    hit_rate=tiers.hits[i] / queries if queries else 0.0,
+                    hits=tiers.hits[i],
+                    blocks=tiers.blocks[i],
                     capacity=capacity,
-                    load_failures=s.kv_tier_load_failures[i],
+                    load_failures=tiers.load_failures[i],
                 )
-                for i, capacity in enumerate(s.kv_tier_capacity)
+                for i, capacity in enumerate(tiers.capacity)
                 if capacity
             ],
-            pinned_blocks=s.kv_pinned_blocks,
-            max_pinned_blocks=s.kv_max_pinned_blocks,
+            pinned_blocks=s.pins.pinned_blocks,
+            max_pinned_blocks=s.pins.max_pinned_blocks,
             tenants=sorted(
                 (
                     TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
@@ -327,18 +328,17 @@ class Dashboard:
                 key=lambda t: (-t.running, -t.waiting, t.name),
             ),
         )
-        if s.spec_accepted_per_pos:
-            drafts = s.spec_num_drafts
+        spec = s.spec
+        if spec is not None and spec.accepted_per_pos:
+            drafts = spec.num_drafts
             engine.spec_acceptance_rate = (
-                s.spec_num_accepted_tokens / s.spec_num_draft_tokens
-                if s.spec_num_draft_tokens
-                else 0.0
+                spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
             )
             engine.spec_mean_acceptance_length = (
-                1 + s.spec_num_accepted_tokens / drafts if drafts else 1.0
+                1 + spec.num_accepted_tokens / drafts if drafts else 1.0
             )
             engine.spec_acceptance_per_pos = [
-                round(n / drafts, 4) if drafts else 0.0 for n in s.spec_accepted_per_pos
+                round(n / drafts, 4) if drafts else 0.0 for n in spec.accepted_per_pos
             ]
         processes = [
             # Engine processes carry their engine: a row per engine's role when several.

@@ -322,13 +322,13 @@ _SPEC_COUNTERS = (
     (
         "vllm:spec_decode_num_drafts",
         "Request steps that verified proposed tokens.",
-        "spec_num_drafts",
+        "num_drafts",
     ),
-    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "num_draft_tokens"),
     (
         "vllm:spec_decode_num_accepted_tokens",
         "Proposed tokens accepted.",
-        "spec_num_accepted_tokens",
+        "num_accepted_tokens",
     ),
 )
 
@@ -369,16 +369,11 @@ class EngineCollector:
             yield c
         yield from _pin_metrics(engines)
         yield from _tenant_metrics(engines)
-        if any(s.kv_tier_capacity for _, s in engines):
-            yield from _kv_offload_metrics(engines)
-        if any(s.spec_accepted_per_pos for _, s in engines):
-            yield from _spec_decode_metrics(engines)
-        if any(s.max_lora for _, s in engines):
-            yield _lora_info(engines)
-        if any(s.stage_busy_s for _, s in engines):
-            yield from _pipeline_metrics(engines)
-        if any(s.kv_transfer_role for _, s in engines):
-            yield from _kv_transfer_metrics(engines)
+        # A feature's section, exported while some engine has it on.
+        for section, export in _SECTION_METRICS:
+            present = [(label, s) for label, s in engines if getattr(s, section) is not None]
+            if present:
+                yield from export(present)
         up = GaugeMetricFamily(
             "zllm:process_up",
             "1 while the process (role, index; engine for a core or executor rank) runs, 0 "
@@ -400,11 +395,11 @@ def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Prefix pinning: what is pinned now and the bound (--max-pinned-bytes)."""
     for name, doc, value in (
         ("zllm:kv_pinned_blocks", "KV blocks pinned by requests' cache_control.",
-         lambda s: s.kv_pinned_blocks),
+         lambda s: s.pins.pinned_blocks),
         ("zllm:kv_pinned_bytes", "KV cache bytes pinned by requests' cache_control.",
-         lambda s: s.kv_pinned_blocks * s.kv_block_bytes),
+         lambda s: s.pins.pinned_blocks * s.kv_block_bytes),
         ("zllm:kv_max_pinned_bytes", "The most KV cache bytes requests may pin.",
-         lambda s: s.kv_max_pinned_blocks * s.kv_block_bytes),
+         lambda s: s.pins.max_pinned_blocks * s.kv_block_bytes),
     ):  # fmt: skip
         g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
         for label, s in engines:
@@ -445,20 +440,20 @@ def _tenant_metrics(engines: PerEngine) -> Iterator[Metric]:
             yield metric
 
 
-# KV offload, one series per tier (EngineStats.kv_tier_*, zllm/kv_tiers.py's tier order).
+# KV offload, one series per tier (KVTierStats, zllm/kv_tiers.py's tier order).
 _TIER_COUNTERS = (
     ("zllm:kv_offload_hits", "Prompt tokens loaded from the tier instead of computed.",
-     "kv_tier_hits"),
+     "hits"),
     ("zllm:kv_offload_stored_blocks",
      "Blocks stored in the tier: evicted from the KV pool (cpu, disk), received from a "
-     "prefill instance (remote).", "kv_tier_stores"),
+     "prefill instance (remote).", "stores"),
     ("zllm:kv_offload_load_failures",
      "Blocks the tier could not load (missing or corrupt), recomputed instead.",
-     "kv_tier_load_failures"),
+     "load_failures"),
 )  # fmt: skip
 _TIER_GAUGES = (
-    ("zllm:kv_offload_blocks", "Blocks the tier holds.", "kv_tier_blocks"),
-    ("zllm:kv_offload_capacity_blocks", "Blocks the tier can hold.", "kv_tier_capacity"),
+    ("zllm:kv_offload_blocks", "Blocks the tier holds.", "blocks"),
+    ("zllm:kv_offload_capacity_blocks", "Blocks the tier can hold.", "capacity"),
 )
 
 
@@ -469,8 +464,8 @@ def _kv_offload_metrics(engines: PerEngine) -> Iterator[Metric]:
         for name, doc, attr in specs:
             metric = family(name, doc, labels=[*ENGINE_LABELS, "tier"])
             for label, s in engines:
-                values = getattr(s, attr)
-                for i, capacity in enumerate(s.kv_tier_capacity):
+                values = getattr(s.kv_tiers, attr)
+                for i, capacity in enumerate(s.kv_tiers.capacity):
                     if capacity:
                         metric.add_metric([*label, TIER_NAMES[i]], values[i])
             yield metric
@@ -481,14 +476,14 @@ def _pipeline_metrics(engines: PerEngine) -> Iterator[Metric]:
     for the stage before); idle over idle + busy is the stage's bubble."""
     for name, doc, attr in (
         ("zllm:pipeline_stage_busy_seconds", "Seconds the pipeline stage worked on steps.",
-         "stage_busy_s"),
+         "busy_s"),
         ("zllm:pipeline_stage_idle_seconds",
          "Seconds the pipeline stage waited for a step or for the stage before.",
-         "stage_idle_s"),
+         "idle_s"),
     ):  # fmt: skip
         c = CounterMetricFamily(name, doc, labels=[*ENGINE_LABELS, "stage"])
         for label, s in engines:
-            for stage, value in enumerate(getattr(s, attr)):
+            for stage, value in enumerate(getattr(s.stages, attr)):
                 c.add_metric([*label, str(stage)], value)
         yield c
 
@@ -499,18 +494,18 @@ def _kv_transfer_metrics(engines: PerEngine) -> Iterator[Metric]:
     for name, doc, attr in (
         ("zllm:kv_transfer_sent_blocks",
          "Prompt KV blocks a prefill instance had its executor send (one its consumer does "
-         "not take is dropped, and computed there).", "kv_transfer_sent_blocks"),
+         "not take is dropped, and computed there).", "sent_blocks"),
         ("zllm:kv_transfer_wait_timeouts",
          "Requests a decode instance admitted before all their KV blocks came (it computed "
-         "the rest).", "kv_transfer_wait_timeouts"),
+         "the rest).", "wait_timeouts"),
     ):  # fmt: skip
         c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
         for label, s in engines:
-            c.add_metric(label, getattr(s, attr))
+            c.add_metric(label, getattr(s.kv_transfer, attr))
         yield c
 
 
-def _lora_info(engines: PerEngine) -> Metric:
+def _lora_info(engines: PerEngine) -> Iterator[Metric]:
     """vLLM's vllm:lora_requests_info: the adapters in use as labels (comma-separated), the
     heartbeat's time as the value."""
     g = GaugeMetricFamily(
@@ -519,16 +514,17 @@ def _lora_info(engines: PerEngine) -> Metric:
         labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"],
     )
     for (_, engine), s in engines:
-        running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
-        g.add_metric([str(s.max_lora), running, waiting, engine], s.time)
-    return g
+        lora = s.lora
+        running, waiting = ",".join(lora.running_adapters), ",".join(lora.waiting_adapters)
+        g.add_metric([str(lora.max_lora), running, waiting, engine], s.time)
+    yield g
 
 
 def _spec_decode_metrics(engines: PerEngine) -> Iterator[Metric]:
     for name, doc, attr in _SPEC_COUNTERS:
         c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
         for label, s in engines:
-            c.add_metric(label, getattr(s, attr))
+            c.add_metric(label, getattr(s.spec, attr))
         yield c
     per_pos = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -536,6 +532,16 @@ def _spec_decode_metrics(engines: PerEngine) -> Iterator[Metric]:
         labels=[*ENGINE_LABELS, "position"],
     )
     for label, s in engines:
-        for position, count in enumerate(s.spec_accepted_per_pos):
+        for position, count in enumerate(s.spec.accepted_per_pos):
             per_pos.add_metric([*label, str(position)], count)
     yield per_pos
+
+
+# EngineStats' feature sections and their exporters, in /metrics order.
+_SECTION_METRICS = (
+    ("kv_tiers", _kv_offload_metrics),
+    ("spec", _spec_decode_metrics),
+    ("lora", _lora_info),
+    ("stages", _pipeline_metrics),
+    ("kv_transfer", _kv_transfer_metrics),
+)

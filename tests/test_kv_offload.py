@@ -343,17 +343,17 @@ def test_an_evicted_prefix_comes_back_from_the_tier(tiny_llama_dir, tmp_path, re
     stats = llm.engine.heartbeat()
     index = TIER_CPU if tier == "cpu" else TIER_DISK
     assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
-    assert stats.kv_tier_hits[index] == 320 and stats.prefix_cache_hits == 0
+    assert stats.kv_tiers.hits[index] == 320 and stats.prefix_cache_hits == 0
     for ours, ref, before in zip(again, reference, first, strict=True):
         assert_same_outputs(ours, ref)
         assert_same_outputs(before, ref)
     # The bounds: 1 MiB is 128 blocks of 8 KiB.
-    assert stats.kv_tier_capacity[index] == 128
-    assert 0 < stats.kv_tier_blocks[index] <= 128
+    assert stats.kv_tiers.capacity[index] == 128
+    assert 0 < stats.kv_tiers.blocks[index] <= 128
     if tier == "disk":
         llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
         files = existing_disk_blocks(tier_directory(llm.config))
-        assert len(files) == stats.kv_tier_blocks[index]
+        assert len(files) == stats.kv_tiers.blocks[index]
 
 
 def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
@@ -364,7 +364,7 @@ def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
     flush_pool(llm, random.Random(3))
     flush_pool(llm, random.Random(4))
     stats = llm.engine.heartbeat()
-    assert stats.kv_tier_stores[TIER_DISK] > 20 and stats.kv_tier_blocks[TIER_DISK] == 20
+    assert stats.kv_tiers.stores[TIER_DISK] > 20 and stats.kv_tiers.blocks[TIER_DISK] == 20
     llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
     assert len(existing_disk_blocks(tier_directory(llm.config))) == 20
 
@@ -387,8 +387,8 @@ def test_a_corrupt_disk_block_is_recomputed(tiny_llama_dir, tmp_path, recomputed
     again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert_same_outputs(again, reference[0])
     stats = llm.engine.heartbeat()
-    assert stats.kv_tier_load_failures[TIER_DISK] == 1
-    assert stats.kv_tier_hits[TIER_DISK] == 240  # the loads were planned; one recomputed
+    assert stats.kv_tiers.load_failures[TIER_DISK] == 1
+    assert stats.kv_tiers.hits[TIER_DISK] == 240  # the loads were planned; one recomputed
     llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
     assert not victim.exists()  # the core forgot it and the executor deleted it
 
@@ -405,7 +405,7 @@ def test_a_restarted_engine_finds_its_disk_tier(tiny_llama_dir, tmp_path, recomp
     restarted = LLM(tiny_llama_dir, **kw)
     out = restarted.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 240
-    assert restarted.engine.heartbeat().kv_tier_hits[TIER_DISK] == 240
+    assert restarted.engine.heartbeat().kv_tiers.hits[TIER_DISK] == 240
     assert_same_outputs(out, reference[0])
 
 
@@ -484,11 +484,11 @@ def test_sleep_keeps_the_prefix_cache_in_the_tier(tiny_llama_dir, recomputed):
         enable_sleep_mode=True,
     )  # fmt: skip
     llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.heartbeat().kv_tier_stores[TIER_CPU] == 0  # nothing evicted yet
+    assert llm.engine.heartbeat().kv_tiers.stores[TIER_CPU] == 0  # nothing evicted yet
     llm.sleep()
     llm.wake_up()
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.num_cached_tokens for o in again] == [240, 80]
-    assert llm.engine.heartbeat().kv_tier_hits[TIER_CPU] == 320
+    assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] == 320
     for ours, ref in zip(again, reference, strict=True):
         assert_same_outputs(ours, ref)

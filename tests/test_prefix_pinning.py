@@ -46,7 +46,7 @@ def test_a_pinned_prefix_survives_other_traffic(llm):
     flush(llm)
     assert llm.generate([system], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0  # unpinned
     llm.generate([system], GREEDY, use_tqdm=False, pin_prefix_s=60)
-    assert llm.engine.heartbeat().kv_pinned_blocks == 15  # 250 tokens: 15 full blocks
+    assert llm.engine.heartbeat().pins.pinned_blocks == 15  # 250 tokens: 15 full blocks
     flush(llm, seed=70)
     again = llm.generate([system], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 240
@@ -58,7 +58,7 @@ def test_pins_expire(llm):
     llm.generate([system], GREEDY, use_tqdm=False, pin_prefix_s=0.3)
     time.sleep(0.4)
     flush(llm)  # its first step unpins (expired), then the traffic evicts the blocks
-    assert llm.engine.heartbeat().kv_pinned_blocks == 0
+    assert llm.engine.heartbeat().pins.pinned_blocks == 0
     assert llm.generate([system], GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
 
 
@@ -67,7 +67,7 @@ def test_pinned_bytes_are_bounded_leading_blocks_first(tiny_llama_dir):
     system = prompt(3, 250)
     llm.generate([system], GREEDY, use_tqdm=False, pin_prefix_s=60)
     stats = llm.engine.heartbeat()
-    assert (stats.kv_pinned_blocks, stats.kv_max_pinned_blocks) == (5, 5)
+    assert (stats.pins.pinned_blocks, stats.pins.max_pinned_blocks) == (5, 5)
     flush(llm)
     assert llm.generate([system], GREEDY, use_tqdm=False)[0].num_cached_tokens == 80
 
@@ -75,7 +75,7 @@ def test_pinned_bytes_are_bounded_leading_blocks_first(tiny_llama_dir):
 def test_pinning_off_serves_unpinned(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, max_pinned_bytes=0)
     llm.generate([prompt(4, 250)], GREEDY, use_tqdm=False, pin_prefix_s=60)
-    assert llm.engine.heartbeat().kv_pinned_blocks == 0
+    assert llm.engine.heartbeat().pins.pinned_blocks == 0
     with pytest.raises(ParamError, match="pin_prefix_s"):
         llm.generate([prompt(4, 10)], GREEDY, use_tqdm=False, pin_prefix_s=-1)
 
@@ -86,10 +86,10 @@ def test_pins_yield_to_a_request_that_needs_the_whole_pool(tiny_llama_dir):
     pool = 32 * 8192
     llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=pool, max_pinned_bytes=24 * 8192)
     llm.generate([prompt(5, 330)], GREEDY, use_tqdm=False, pin_prefix_s=60)  # 20 blocks
-    assert llm.engine.heartbeat().kv_pinned_blocks == 20
+    assert llm.engine.heartbeat().pins.pinned_blocks == 20
     big = prompt(6, 400)  # 26 blocks with its output: more than 32 - 20
     out = llm.generate([big], GREEDY, use_tqdm=False)[0]
-    assert llm.engine.heartbeat().kv_pinned_blocks == 0
+    assert llm.engine.heartbeat().pins.pinned_blocks == 0
     fresh = LLM(tiny_llama_dir, kv_cache_memory_bytes=pool)
     assert out.outputs[0].token_ids == fresh.generate([big], GREEDY)[0].outputs[0].token_ids
 

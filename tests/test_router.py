@@ -12,8 +12,15 @@ import pytest
 
 from zllm.block_hash import cache_salt, hash_full_blocks
 from zllm.core.block_manager import BlockManager
-from zllm.engine_client import merge_stats
-from zllm.protocol import DetokenizerBatch, DetokRequest, EngineStats, KVCacheEvents, TenantStats
+from zllm.engine_stats import merge_stats
+from zllm.protocol import (
+    DetokenizerBatch,
+    DetokRequest,
+    EngineStats,
+    KVCacheEvents,
+    SpecDecodeStats,
+    TenantStats,
+)
 from zllm.tokenizer_proc.router import DOWN_AFTER_S, PREFIX_WEIGHT, RECENT_S, Router
 
 BS = 4
@@ -200,7 +207,7 @@ def test_merged_stats_sum_the_engines():
         kv_cache_usage=0.5,
         num_blocks=100,
         prefix_cache_hits=10,
-        spec_accepted_per_pos=[3, 1],
+        spec=SpecDecodeStats(accepted_per_pos=[3, 1]),
         tenants=[TenantStats("t", 2.0, num_running=2, num_requests=5)],
         time=5.0,
         block_states=b"\x01\x00",
@@ -210,7 +217,7 @@ def test_merged_stats_sum_the_engines():
         kv_cache_usage=0.0,
         num_blocks=300,
         prefix_cache_hits=4,
-        spec_accepted_per_pos=[2],
+        spec=SpecDecodeStats(accepted_per_pos=[2]),
         tenants=[TenantStats("t", 2.0, num_requests=1), TenantStats("u")],
         time=7.0,
         engine_index=1,
@@ -220,7 +227,7 @@ def test_merged_stats_sum_the_engines():
     assert (merged.num_running, merged.num_waiting, merged.prefix_cache_hits) == (3, 1, 14)
     assert merged.kv_cache_usage == pytest.approx(0.125)  # 50 of 400 blocks
     assert merged.num_blocks == 400 and merged.time == 7.0
-    assert merged.spec_accepted_per_pos == [5, 1]
+    assert merged.spec.accepted_per_pos == [5, 1] and merged.lora is None
     assert merged.block_states == b"\x01\x00\x02"
     tenants = {t.name: t for t in merged.tenants}
     assert tenants["t"].num_requests == 6 and tenants["t"].weight == 2.0

@@ -58,8 +58,8 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def counters(llm: LLM) -> tuple[int, int, int]:
-    s = llm.engine.scheduler
-    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens
+    s = llm.engine.heartbeat()
+    return s.spec.num_drafts, s.spec.num_draft_tokens, s.spec.num_accepted_tokens
 
 
 # ---- proposals ------------------------------------------------------------------------------
@@ -157,10 +157,10 @@ def test_a_model_drafting_for_itself_accepts_everything(model_dir, base) -> None
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(
         base.generate(prompts, GREEDY, use_tqdm=False)
     )
-    s = llm.engine.scheduler
-    assert s.spec_num_draft_tokens > 0
-    assert s.spec_num_accepted_tokens == s.spec_num_draft_tokens
-    assert s.spec_accepted_per_pos[0] == s.spec_num_drafts
+    s = llm.engine.heartbeat()
+    assert s.spec.num_draft_tokens > 0
+    assert s.spec.num_accepted_tokens == s.spec.num_draft_tokens
+    assert s.spec.accepted_per_pos[0] == s.spec.num_drafts
 
 
 def test_a_different_draft_model_changes_nothing_but_speed(model_dir, base, tmp_path) -> None:
@@ -181,8 +181,8 @@ def test_a_different_draft_model_changes_nothing_but_speed(model_dir, base, tmp_
     again = llm.generate(prompts[-2:], GREEDY, use_tqdm=False)  # prefix-cache hits
     assert [o.num_cached_tokens > 0 for o in again] == [True, True]
     assert token_ids(again) == expected[-2:]
-    s = llm.engine.scheduler
-    assert 0 < s.spec_num_accepted_tokens < s.spec_num_draft_tokens
+    s = llm.engine.heartbeat()
+    assert 0 < s.spec.num_accepted_tokens < s.spec.num_draft_tokens
 
 
 def test_ngram_under_preemption_chunking_and_prefix_hits(model_dir, base) -> None:
@@ -328,10 +328,10 @@ def test_sampled_tokens_keep_the_targets_distribution(model_dir, base, method) -
         for s in range(1500)
     ]
     out = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-    s = llm.engine.scheduler
-    assert s.spec_num_drafts == len(params)
+    s = llm.engine.heartbeat()
+    assert s.spec.num_drafts == len(params)
     if method == "draft_model":
-        assert 0.2 * len(params) < s.spec_num_accepted_tokens < 0.9 * len(params)
+        assert 0.2 * len(params) < s.spec.num_accepted_tokens < 0.9 * len(params)
     pairs = [tuple(o.outputs[0].token_ids) for o in out]
     statistic, dof = 0.0, 0
     for first, count in Counter(p[0] for p in pairs).items():
@@ -460,5 +460,5 @@ def test_smollm2_ngram_greedy_equals_plain_and_accepts(smollm2_path) -> None:
     assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == token_ids(
         plain.generate(prompts, params, use_tqdm=False)
     )
-    s = spec.engine.scheduler
-    assert s.spec_num_accepted_tokens > 0.4 * s.spec_num_draft_tokens
+    s = spec.engine.heartbeat()
+    assert s.spec.num_accepted_tokens > 0.4 * s.spec.num_draft_tokens

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from zllm.engine_stats import merge_stats
 from zllm.errors import RequestError
 from zllm.messaging import areceive
 from zllm.protocol import (
@@ -42,7 +43,6 @@ from zllm.protocol import (
     RequestRouted,
     SleepControl,
     SleepReply,
-    TenantStats,
     TokenizeRequest,
 )
 from zllm.serve_config import ServeConfig, detokenizer_index
@@ -352,48 +352,3 @@ class EngineClient:
 
 def _engines_down(down: dict[int, str]) -> str:
     return "; ".join(f"engine {e} down: {why}" for e, why in sorted(down.items()))
-
-
-def merge_stats(stats: list[EngineStats]) -> EngineStats:
-    """Several engines' heartbeats as one (the dashboard's totals): counts and times summed,
-    lists summed item by item, the KV pools' usage weighed by their sizes and their cells
-    side by side, tenants summed by name."""
-    if len(stats) == 1:
-        return stats[0]
-    merged = EngineStats()
-    for name in EngineStats.__struct_fields__:
-        values = [getattr(s, name) for s in stats]
-        if name in ("time", "blocks_per_cell", "max_lora", "kv_block_bytes"):
-            value = max(values)
-        elif name == "engine_index":
-            value = 0
-        elif name == "kv_cache_usage":
-            total = sum(s.num_blocks for s in stats)
-            value = sum(s.kv_cache_usage * s.num_blocks for s in stats) / total if total else 0.0
-        elif name == "block_states":
-            value = b"".join(values)
-        elif name == "tenants":
-            value = _merge_tenants(stats)
-        elif name.endswith("_lora_adapters"):
-            value = sorted({a for v in values for a in v})
-        elif isinstance(values[0], str):  # (kv_transfer_role: every engine's alike)
-            value = values[0]
-        elif isinstance(values[0], bool):
-            value = all(values) if name == "asleep" else any(values)
-        elif isinstance(values[0], list):
-            value = [sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values)))]
-        else:
-            value = sum(values)
-        setattr(merged, name, value)
-    return merged
-
-
-def _merge_tenants(stats: list[EngineStats]) -> list[TenantStats]:
-    by_name: dict[str, TenantStats] = {}
-    for s in stats:
-        for t in s.tenants:
-            into = by_name.setdefault(t.name, TenantStats(t.name, t.weight))
-            for name in TenantStats.__struct_fields__:
-                if name not in ("name", "weight"):
-                    setattr(into, name, getattr(into, name) + getattr(t, name))
-    return list(by_name.values())

@@ -475,10 +475,67 @@ class TenantStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     num_preemptions: int = 0
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding (vLLM's vllm:spec_decode_*): request steps that verified
+    proposals, proposed and accepted tokens, and accepted tokens by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+
+class LoRAStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """LoRA (vLLM's vllm:lora_requests_info): the adapters running and waiting requests
+    use, and --max-loras."""
+
+    running_adapters: list[str] = []
+    waiting_adapters: list[str] = []
+    max_lora: int = 0
+
+
+class KVTierStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """KV offload, one entry per tier in zllm/kv_tiers.py's order: prompt tokens loaded
+    from it, blocks stored into it, loads that failed (recomputed), blocks it holds now and
+    its capacity in blocks (0: the tier is off)."""
+
+    hits: list[int] = []
+    stores: list[int] = []
+    load_failures: list[int] = []
+    blocks: list[int] = []
+    capacity: list[int] = []
+
+
+class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prefill/decode disaggregation (--kv-transfer-config): this engine's role, prompt
+    blocks a producer had its executor send, and requests a consumer admitted without all
+    of their blocks (wait_timeout_s passed: it computed the rest)."""
+
+    role: str = ""
+    sent_blocks: int = 0
+    wait_timeouts: int = 0
+
+
+class PinStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prefix pinning: blocks pinned now, and the most that may be (--max-pinned-bytes)."""
+
+    pinned_blocks: int = 0
+    max_pinned_blocks: int = 0
+
+
+class StageStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Pipeline parallel: ModelRunnerOutput.stage_idle_s / stage_busy_s, summed per stage."""
+
+    idle_s: list[float] = []
+    busy_s: list[float] = []
+
+
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
     """The engine's live statistics: `EngineCore` keeps one and updates it in place; the core
     process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
-    (metrics, dashboard, /health) and the supervisor (hang detection)."""
+    (metrics, dashboard, /health) and the supervisor (hang detection). A feature's counts
+    are its own section (None while the feature is off), filled by its owner and merged
+    across engines by its own rule (zllm/engine_stats.py)."""
 
     time: float = 0.0  # wall clock when sent
     num_running: int = 0
@@ -496,13 +553,11 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     executor_forward_s: float = 0.0
     executor_sample_s: float = 0.0
     gpu_idle_s: float = 0.0  # ModelRunnerOutput.gpu_idle_time_s, summed (0 on CPU)
-    # Pipeline parallel: ModelRunnerOutput.stage_idle_s / stage_busy_s, summed per stage.
-    stage_idle_s: list[float] = []
-    stage_busy_s: list[float] = []
     core_schedule_s: float = 0.0  # in Scheduler.schedule
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0
     num_free_blocks: int = 0
+    kv_block_bytes: int = 0  # the bytes of one block (all its layers)
     # KV slots held by running requests and those holding computed tokens, summed over
     # steps (their ratio is the share of allocated KV memory that sat unused).
     kv_slots_allocated: int = 0
@@ -512,40 +567,18 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     # each showing the busiest state among its blocks; `blocks_per_cell` says how many.
     block_states: bytes = b""
     blocks_per_cell: int = 1
-    # Speculative decoding (vLLM's vllm:spec_decode_*): request steps that verified proposals,
-    # proposed and accepted tokens, and accepted tokens by position in the proposal.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = []
     asleep: bool = False  # sleep mode: weights and KV pool released
-    # LoRA (vLLM's vllm:lora_requests_info): names of the adapters that running and waiting
-    # requests use, and --max-loras (0: LoRA off).
-    running_lora_adapters: list[str] = []
-    waiting_lora_adapters: list[str] = []
-    max_lora: int = 0
-    # KV offload, one entry per tier in zllm/kv_tiers.py's order (empty when off): prompt
-    # tokens loaded from it, blocks stored into it, loads that failed (recomputed), blocks it
-    # holds now and its capacity in blocks; and the bytes of one block.
-    kv_tier_hits: list[int] = []
-    kv_tier_stores: list[int] = []
-    kv_tier_load_failures: list[int] = []
-    kv_tier_blocks: list[int] = []
-    kv_tier_capacity: list[int] = []
-    kv_block_bytes: int = 0
-    # Prefix pinning: blocks pinned now, and the most that may be (--max-pinned-bytes).
-    kv_pinned_blocks: int = 0
-    kv_max_pinned_blocks: int = 0
-    # Prefill/decode disaggregation (--kv-transfer-config): this engine's role ("" when
-    # off), prompt blocks a producer had its executor send, and requests a consumer admitted
-    # without all of their blocks (wait_timeout_s passed: it computed the rest).
-    kv_transfer_role: str = ""
-    kv_transfer_sent_blocks: int = 0
-    kv_transfer_wait_timeouts: int = 0
-    # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
-    tenants: list[TenantStats] = []
     # The data-parallel replica whose core sent it (`--data-parallel-size`).
     engine_index: int = 0
+    # ---- sections, one per feature --------------------------------------------------------
+    pins: PinStats = msgspec.field(default_factory=PinStats)
+    # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
+    tenants: list[TenantStats] = []
+    spec: SpecDecodeStats | None = None
+    lora: LoRAStats | None = None
+    kv_tiers: KVTierStats | None = None
+    kv_transfer: KVTransferStats | None = None
+    stages: StageStats | None = None
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):
