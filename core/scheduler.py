@@ -26,15 +26,10 @@ request whose scheduled chunk reaches its end gets one pending token. So the cor
 schedule step N+1 while the executor still runs step N: a request that samples in N is
 scheduled in N+1 to compute that (not yet known) token, which the executor holds.
 
-Speculative decoding (config.speculative): the executor proposes up to k tokens for each
-request it sampled (`ModelRunnerOutput.draft_token_ids`), and the next step schedules the
-request's last token plus those proposals, k + 1 positions verified in one forward. How many
-are accepted is known only when that step returns, so while speculation is on a request that
-has a step in flight is *held* (not scheduled again until the step returns): requests in
-speculation run one step in flight, the others keep scheduling ahead. After a step, the
-request's `num_computed_tokens` rolls back past its rejected proposals; their KV slots are
-kept and overwritten later. A draft model writes its own proposals' keys and values, so the
-request gets `lookahead_slots` more slots than its step's tokens.
+Speculative decoding (config.speculative; core/speculation.py): a request's next step
+verifies the executor's proposals, and how many are accepted is known only when it returns,
+so while speculation is on a request with a step in flight is *held* until then; the others
+keep scheduling ahead.
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request, RequestStatus
+from zllm.core.speculation import Speculation
 from zllm.core.stopping import check_stop
 from zllm.kv_tiers import TIER_REMOTE
 from zllm.kv_transfer_config import KVTransferConfig
@@ -103,7 +99,6 @@ class Scheduler:
         self.num_kv_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_kv_wait_timeouts = 0  # a consumer: requests admitted without all blocks
         self.max_loras = max_loras
-        self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         # The longest sequence the KV pool can hold alone bounds the context length, so any
@@ -127,14 +122,7 @@ class Scheduler:
         self.fair = (
             FairShare(self.tenants, config.max_num_seqs) if config.policy == "fair" else None
         )
-        # Speculative decoding counters (vLLM's spec_decode metrics): steps of a request that
-        # verified proposals, proposed tokens, accepted tokens, and accepted per position.
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_pos = [0] * (
-            speculative.num_speculative_tokens if speculative else 0
-        )
+        self.spec = Speculation(speculative)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -210,6 +198,23 @@ class Scheduler:
         """Per tenant, for the heartbeat thread (copies first, as in lora_adapters)."""
         return self.tenants.stats(list(self.running), list(self.waiting))
 
+    # Speculative decoding counters, as EngineCore reads them.
+    @property
+    def spec_num_drafts(self) -> int:
+        return self.spec.num_drafts
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def spec_accepted_per_pos(self) -> list[int]:
+        return self.spec.accepted_per_pos
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -229,7 +234,10 @@ class Scheduler:
             # Highest priority first, so the request preempted when blocks run out (the last
             # one) is the lowest priority and the newest among equals.
             self.running.sort(key=lambda r: r.priority_key)
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens, speculate=self._speculate())
+        plan = _StepPlan(
+            budget=self.config.max_num_batched_tokens,
+            speculate=self.spec.enabled_for(len(self.running)),
+        )
         stages = self.config.pipeline_stages
         if stages > 1:
             # About a stage's share of the running requests per step: the next step takes
@@ -272,12 +280,14 @@ class Scheduler:
                 # until its step in flight returns.
                 i += 1
                 continue
-            drafts = self._take_drafts(req, num_new, plan)
+            drafts = self.spec.take_drafts(
+                req, num_new, plan.budget, plan.speculate, self.max_model_len
+            )
             while not bm.allocate_slots(
                 req.req_id,
                 req.all_token_ids,
                 req.num_computed_tokens,
-                num_new + len(drafts) + self._lookahead(plan),
+                num_new + len(drafts) + self.spec.lookahead(plan.speculate),
             ):
                 # Pinned prefixes yield before any running request is preempted (half of the
                 # pins at a time, soonest to expire first); then a beam that only waits for
@@ -330,7 +340,7 @@ class Scheduler:
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, plan.budget)
-            num_slots = num_loaded + num_new + self._lookahead(plan)
+            num_slots = num_loaded + num_new + self.spec.lookahead(plan.speculate)
             if not bm.allocate_slots(
                 req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
             ):
@@ -434,31 +444,6 @@ class Scheduler:
         waiting = {r.lora.lora_name: None for r in list(self.waiting) if r.lora is not None}
         return list(running), list(waiting)
 
-    def _speculate(self) -> bool:
-        """Whether this step proposes tokens: speculation is configured and the batch is not
-        past its disable_by_batch_size."""
-        spec = self.speculative
-        if spec is None:
-            return False
-        return spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size
-
-    def _lookahead(self, plan: _StepPlan) -> int:
-        return self.speculative.lookahead_slots if plan.speculate and self.speculative else 0
-
-    def _take_drafts(self, req: Request, num_new: int, plan: _StepPlan) -> list[int]:
-        """The request's proposals this step can verify: only for a decode (its last token is
-        all that is left to compute), within the budget, max_tokens and the context length."""
-        drafts, req.spec_token_ids = req.spec_token_ids, []
-        if not (drafts and plan.speculate) or num_new != 1 or req.num_pending_tokens:
-            return []
-        # Proposals sit at positions num_tokens.. (below max_model_len); the last one allowed
-        # may be accepted as the final token, and the bonus token after it is dropped.
-        room = min(plan.budget - num_new, self.max_model_len - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - req.num_output_tokens)
-        return drafts[: max(room, 0)]
-
     def _add_to_step(
         self, plan: _StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
@@ -541,8 +526,7 @@ class Scheduler:
                 tokens, logprobs = tokens[:1], _rows(logprobs, 0, 1)
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts:
-                req.verifying = False
-                self._count_verified(req, len(drafts), len(tokens) - 1)
+                self.spec.count_verified(req, len(drafts), len(tokens) - 1)
             if runner_out.draft_token_ids and runner_out.draft_token_ids[idx]:
                 req.spec_token_ids = runner_out.draft_token_ids[idx]
             outputs.append(self._append_and_check(req, tokens, logprobs))
@@ -623,32 +607,17 @@ class Scheduler:
         parent, token = c.parent, c.token
         index = group.next_fork
         group.next_fork += 1
-        child = Request(
-            req_id=child_request_id(parent.req_id, index, self.is_taken),
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params,
-            eos_token_ids=parent.eos_token_ids,
-            arrival_time=parent.arrival_time,
-            client_req_id=parent.client_req_id,
-            client_id=parent.client_id,
+        child = parent.fork(
+            child_request_id(parent.req_id, index, self.is_taken),
+            sample_index=0,
             output_token_ids=[*parent.output_token_ids, token],
-            lora=parent.lora,
-            priority=parent.priority,
-            tenant=parent.tenant,
             num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
-            first_scheduled_time=parent.first_scheduled_time,
             status=parent.status,
-            known_to_executor=True,
         )
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.known_to_executor = True
         child.num_tokens_sent = child.num_tokens  # the fork gives every stage its tokens
-        self.requests[child.req_id] = child
-        self._sequences[parent.client_req_id].append(child.req_id)
-        if parent.status == RequestStatus.RUNNING:
-            self.block_manager.fork(parent.req_id, child.req_id)
-            self.running.append(child)
-        else:  # the parent was preempted: the child recomputes too
-            self._enqueue(child, front=True)
+        self._adopt(parent, child)
         self._pending_forks.append(
             ForkedRequestData(
                 req_id=child.req_id,
@@ -682,18 +651,6 @@ class Scheduler:
         if first is not None:
             self._beam_groups.pop(first.client_req_id, None)
         return outputs
-
-    def _count_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` proposals of `req` and accepted the first
-        `num_accepted`: count them, and roll its computed tokens back past the rejected ones
-        (their KV is overwritten later)."""
-        if req.status == RequestStatus.RUNNING:  # a preempted request recomputes anyway
-            req.num_computed_tokens -= num_drafts - num_accepted
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.spec_accepted_per_pos[pos] += 1
 
     # ---- internals -------------------------------------------------------------------------
     def _append_and_check(self, req: Request, tokens: list[int], logprobs) -> EngineCoreOutput:
@@ -769,33 +726,16 @@ class Scheduler:
         """Split an `n > 1` request into its samples once its prompt is computed."""
         outputs = []
         for index in range(1, len(tokens)):
-            child = Request(
-                req_id=child_request_id(parent.req_id, index, self.is_taken),
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=parent.sampling_params,
-                eos_token_ids=parent.eos_token_ids,
-                arrival_time=parent.arrival_time,
-                client_req_id=parent.client_req_id,
+            # The fork happens right after the prompt; the parent may be a step ahead.
+            child = parent.fork(
+                child_request_id(parent.req_id, index, self.is_taken),
                 sample_index=index,
-                client_id=parent.client_id,
-                lora=parent.lora,
-                priority=parent.priority,
-                tenant=parent.tenant,
-                # The fork happens right after the prompt; the parent may be a step ahead.
+                output_token_ids=[],
                 num_computed_tokens=parent.num_prompt_tokens,
-                num_cached_tokens=parent.num_cached_tokens,
-                prompt_logprobs=parent.prompt_logprobs,
                 status=RequestStatus.RUNNING,
             )
-            self.requests[child.req_id] = child
-            self._sequences[parent.client_req_id].append(child.req_id)
-            if parent.status == RequestStatus.RUNNING:
-                self.block_manager.fork(parent.req_id, child.req_id)
-                self.running.append(child)
-            else:  # the parent was preempted while this step ran: the child recomputes too
-                child.status = RequestStatus.PREEMPTED
-                child.num_computed_tokens = 0
-                self._enqueue(child, front=True)
+            child.prompt_logprobs = parent.prompt_logprobs
+            self._adopt(parent, child)
             out = self._append_and_check(child, [tokens[index]], _rows(logprobs, index, 1))
             if not child.is_finished:
                 self._pending_forks.append(
@@ -810,6 +750,19 @@ class Scheduler:
                 child.num_tokens_sent = child.num_tokens  # its first token: in the fork
             outputs.append(out)
         return outputs
+
+    def _adopt(self, parent: Request, child: Request) -> None:
+        """A forked sequence joins its parent's client request: it shares the parent's
+        blocks, or, when the parent was preempted while its step ran, recomputes too."""
+        self.requests[child.req_id] = child
+        self._sequences[parent.client_req_id].append(child.req_id)
+        if parent.status == RequestStatus.RUNNING:
+            self.block_manager.fork(parent.req_id, child.req_id)
+            self.running.append(child)
+            return
+        child.status = RequestStatus.PREEMPTED
+        child.num_computed_tokens = 0
+        self._enqueue(child, front=True)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.req_id)
