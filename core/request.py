@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zllm.lora import LoRARequest
@@ -167,3 +168,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:
+    """The id of sample `sample_index` (>= 1) of an `n > 1` request; sample 0 is the request
+    itself. `<parent>#<index>`, made longer until no request or sample here holds it: client
+    ids are free-form, so "a" forking must not collide with a client request named "a#1"."""
+    req_id = f"{parent_req_id}#{sample_index}"
+    while is_taken(req_id):
+        req_id += "#"
+    return req_id

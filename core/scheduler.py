@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
-from zllm.core.beam_search import BeamGroup, Continuation
+from zllm.core.beam_search import BeamCoordinator
 from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import TieredKVConnector
-from zllm.core.request import Request, RequestStatus
+from zllm.core.request import Request, RequestStatus, child_request_id
 from zllm.core.speculation import Speculation
 from zllm.core.stopping import check_stop
 from zllm.kv_tiers import TIER_REMOTE
@@ -111,10 +111,7 @@ class Scheduler:
         self._sequences: dict[str, list[str]] = {}
         self._finished_req_ids: list[str] = []
         self._pending_forks: list[ForkedRequestData] = []
-        # Beam search: the group of each such client request, and the tokens chosen for
-        # running beams, sent to the executor with the next step.
-        self._beam_groups: dict[str, BeamGroup] = {}
-        self._pending_beam_tokens: dict[str, int] = {}
+        self.beams = BeamCoordinator(self.is_taken, self._adopt, self._end)
         self._step_id = 0
         self.num_preemptions = 0
         # What each tenant was served (metrics, every policy), and the fair policy's choices.
@@ -132,15 +129,8 @@ class Scheduler:
         self._sequences[req.client_req_id] = [req.req_id]
         self.tenants.arrive(req.tenant)
         self._enqueue(req)
-        params = req.sampling_params
-        if params.use_beam_search:
-            room = self.max_model_len - req.num_prompt_tokens
-            self._beam_groups[req.client_req_id] = BeamGroup(
-                params,
-                req.eos_token_ids,
-                max_new_tokens=min(params.max_tokens or room, room),
-                running=[(req, 0.0)],
-            )
+        if req.sampling_params.use_beam_search:
+            self.beams.add(req, self.max_model_len)
 
     def abort_requests(self, client_req_ids: Iterable[str]) -> list[str]:
         """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
@@ -152,9 +142,8 @@ class Scheduler:
             for req_id in list(seq_ids):
                 req = self.requests.get(req_id)
                 if req is not None:
-                    req.finish_reason = FinishReason.ABORT
-                    self._finish(req)
-            self._beam_groups.pop(client_req_id, None)
+                    self._end(req, FinishReason.ABORT)
+            self.beams.drop(client_req_id)
             aborted.append(client_req_id)
         return aborted
 
@@ -163,8 +152,7 @@ class Scheduler:
         for req_id in self._sequences.get(client_req_id, ()):
             req = self.requests[req_id]
             if req.sample_index == sample_index:
-                req.finish_reason = reason
-                self._finish(req)
+                self._end(req, reason)
                 return True
         return False
 
@@ -295,7 +283,7 @@ class Scheduler:
                 if bm.pins:
                     bm.release_pins(max(1, len(bm.pins) // 2))
                     continue
-                victim = self._idle_beam(plan) or self.running[-1]
+                victim = self.beams.idle_beam(self.running, plan.scheduled) or self.running[-1]
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -317,7 +305,7 @@ class Scheduler:
             candidates = (
                 r
                 for r in self.waiting
-                if not self._is_idle_beam(r)
+                if not self.beams.is_idle(r)
                 and self._adapter_fits(r, adapters)
                 and not self._awaits_remote_kv(r)
             )
@@ -344,8 +332,11 @@ class Scheduler:
             if not bm.allocate_slots(
                 req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
             ):
-                if self._preempt_idle_beam(plan):
-                    continue  # its blocks are free now: try again
+                idle = self.beams.idle_beam(self.running, plan.scheduled)
+                if idle is not None:  # preempt it: its blocks are free now, try again
+                    self.running.remove(idle)
+                    self._preempt(idle)
+                    continue
                 if not self.running and bm.pins:
                     bm.release_pins()  # the pool to itself would fit it: pins yield
                     continue
@@ -515,7 +506,7 @@ class Scheduler:
                 continue
             if req.sampling_params.use_beam_search:
                 assert runner_out.logprobs and runner_out.logprobs[idx] is not None
-                outputs.extend(self._beam_report(req, runner_out.logprobs[idx]))
+                outputs.extend(self.beams.report(req, runner_out.logprobs[idx]))
                 continue
             req.num_pending_tokens -= 1
             tokens = runner_out.sampled_token_ids[idx]
@@ -530,126 +521,6 @@ class Scheduler:
             if runner_out.draft_token_ids and runner_out.draft_token_ids[idx]:
                 req.spec_token_ids = runner_out.draft_token_ids[idx]
             outputs.append(self._append_and_check(req, tokens, logprobs))
-        return outputs
-
-    # ---- beam search -------------------------------------------------------------------------
-    def _preempt_idle_beam(self, plan: _StepPlan) -> bool:
-        """Make room for the head of the queue by preempting a beam that has reported this
-        round and only waits for its siblings (its report is kept). Without this, beams
-        holding blocks while a preempted sibling waits for blocks would wait forever."""
-        victim = self._idle_beam(plan)
-        if victim is None:
-            return False
-        self.running.remove(victim)
-        self._preempt(victim)
-        return True
-
-    def _idle_beam(self, plan: _StepPlan) -> Request | None:
-        """The newest running beam that waits for its siblings, not in this step."""
-        return next(
-            (
-                r
-                for r in reversed(self.running)
-                if self._is_idle_beam(r) and r not in plan.scheduled
-            ),
-            None,
-        )
-
-    def _is_idle_beam(self, req: Request) -> bool:
-        """A beam that has reported this round and has no token yet to compute."""
-        group = self._beam_groups.get(req.client_req_id)
-        return group is not None and req.req_id in group.reports
-
-    def _beam_report(self, req: Request, logprobs) -> list[EngineCoreOutput]:
-        """A beam's candidates (the top logprobs after the sampled token); once every beam of
-        its group has reported, the round is applied."""
-        group = self._beam_groups.get(req.client_req_id)
-        if group is None:
-            return []
-        candidates = list(zip(logprobs.token_ids[0][1:], logprobs.logprobs[0][1:], strict=True))
-        if not group.report(req.req_id, candidates):
-            return []
-        round_ = group.select()
-        return self._apply_beam_round(group, round_.continuations, round_.done)
-
-    def _apply_beam_round(
-        self, group: BeamGroup, continuations: list[Continuation], done: bool
-    ) -> list[EngineCoreOutput]:
-        """Continue each running beam by its candidates: the first appends its token, more fork
-        (blocks shared, copy-on-write), none frees it. A finished group returns its best
-        hypotheses, one output each."""
-        if done:
-            return self._finish_beam_group(group)
-        first_child: dict[str, int] = {}  # parent id -> its first continuation's index
-        for i, c in enumerate(continuations):
-            first_child.setdefault(c.parent.req_id, i)
-        for parent, _ in group.running:
-            if parent.req_id not in first_child:
-                parent.finish_reason = FinishReason.STOP
-                self._finish(parent)
-        # Forks copy their parent before it takes its own token.
-        beams = [
-            c.parent if first_child[c.parent.req_id] == i else self._fork_beam(group, c)
-            for i, c in enumerate(continuations)
-        ]
-        for i, c in enumerate(continuations):
-            if first_child[c.parent.req_id] == i:
-                c.parent.append_token(c.token)
-                self._pending_beam_tokens[c.parent.req_id] = c.token
-                c.parent.num_tokens_sent += 1  # every stage gets it (beam_tokens)
-        # Best first, as transformers keeps its beams (ties in the next round follow it).
-        group.running = [
-            (beam, c.cum_logprob) for beam, c in zip(beams, continuations, strict=True)
-        ]
-        return []
-
-    def _fork_beam(self, group: BeamGroup, c: Continuation) -> Request:
-        parent, token = c.parent, c.token
-        index = group.next_fork
-        group.next_fork += 1
-        child = parent.fork(
-            child_request_id(parent.req_id, index, self.is_taken),
-            sample_index=0,
-            output_token_ids=[*parent.output_token_ids, token],
-            num_computed_tokens=parent.num_computed_tokens,
-            status=parent.status,
-        )
-        child.first_scheduled_time = parent.first_scheduled_time
-        child.known_to_executor = True
-        child.num_tokens_sent = child.num_tokens  # the fork gives every stage its tokens
-        self._adopt(parent, child)
-        self._pending_forks.append(
-            ForkedRequestData(
-                req_id=child.req_id,
-                parent_req_id=parent.req_id,
-                sample_index=0,
-                first_token_id=token,
-                num_parent_outputs=parent.num_output_tokens,
-            )
-        )
-        return child
-
-    def _finish_beam_group(self, group: BeamGroup) -> list[EngineCoreOutput]:
-        first = group.running[0][0] if group.running else None
-        outputs = []
-        for index, hyp in enumerate(group.best(group.params.n)):
-            out = EngineCoreOutput(
-                req_id=first.client_req_id if first else "",
-                sample_index=index,
-                new_token_ids=hyp.token_ids,
-                finish_reason=hyp.finish_reason,
-                num_prompt_tokens=first.num_prompt_tokens if first else 0,
-                num_cached_tokens=max(first.num_cached_tokens, 0) if first else 0,
-                cumulative_logprob=hyp.cum_logprob,
-            )
-            if first and first.first_scheduled_time and first.arrival_time:
-                out.queue_time_s = max(0.0, first.first_scheduled_time - first.arrival_time)
-            outputs.append(out)
-        for beam, _ in group.running:
-            beam.finish_reason = FinishReason.STOP
-            self._finish(beam)
-        if first is not None:
-            self._beam_groups.pop(first.client_req_id, None)
         return outputs
 
     # ---- internals -------------------------------------------------------------------------
@@ -719,7 +590,7 @@ class Scheduler:
                 )
             )
             self._finish(seq)
-        self._beam_groups.pop(req.client_req_id, None)
+        self.beams.drop(req.client_req_id)
         return outputs
 
     def _fork(self, parent: Request, tokens: list[int], logprobs) -> list[EngineCoreOutput]:
@@ -751,9 +622,14 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _adopt(self, parent: Request, child: Request) -> None:
+    def _adopt(
+        self, parent: Request, child: Request, fork: ForkedRequestData | None = None
+    ) -> None:
         """A forked sequence joins its parent's client request: it shares the parent's
-        blocks, or, when the parent was preempted while its step ran, recomputes too."""
+        blocks, or, when the parent was preempted while its step ran, recomputes too.
+        `fork`: what tells the executor, if it is to know of the child now."""
+        if fork is not None:
+            self._pending_forks.append(fork)
         self.requests[child.req_id] = child
         self._sequences[parent.client_req_id].append(child.req_id)
         if parent.status == RequestStatus.RUNNING:
@@ -798,6 +674,10 @@ class Scheduler:
             i -= 1
         self.waiting.insert(i, req)
 
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self._finish(req)
+
     def _finish(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -814,7 +694,7 @@ class Scheduler:
                 self.tenants.depart(req.tenant)
         # A fork of this request not yet sent must not be sent.
         self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
-        self._pending_beam_tokens.pop(req.req_id, None)
+        self.beams.forget(req.req_id)
         if req.known_to_executor:
             self._finished_req_ids.append(req.req_id)
 
@@ -865,7 +745,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             num_samples=plan.num_samples,
-            beam_tokens=self._pending_beam_tokens,
+            beam_tokens=self.beams.take_tokens(),
             spec_token_ids=plan.spec_token_ids,
             speculate=plan.speculate,
             forked_requests=self._pending_forks,
@@ -875,7 +755,6 @@ class Scheduler:
             kv_sends=kv_sends,
         )
         self._pending_forks = []
-        self._pending_beam_tokens = {}
         self._finished_req_ids = []
         return out
 
@@ -918,16 +797,6 @@ def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> in
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
-
-
-def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:
-    """The id of sample `sample_index` (>= 1) of an `n > 1` request; sample 0 is the request
-    itself. `<parent>#<index>`, made longer until no request or sample here holds it: client
-    ids are free-form, so "a" forking must not collide with a client request named "a#1"."""
-    req_id = f"{parent_req_id}#{sample_index}"
-    while is_taken(req_id):
-        req_id += "#"
-    return req_id
 
 
 def _rows(logprobs, start: int, count: int):
