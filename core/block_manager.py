@@ -300,21 +300,34 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(
-        self, token_ids: Sequence[int], salt: BlockHash | None = None
+        self,
+        token_ids: Sequence[int],
+        salt: BlockHash | None = None,
+        hashes: list[BlockHash] | None = None,
     ) -> PrefixHit:
         """The longest run of cached full blocks that starts `token_ids`, in every group.
 
         At most `len(token_ids) - 1` tokens are reported cached: the last token's logits must
-        be computed. Takes no references (see `allocate_slots`).
+        be computed. Takes no references (see `allocate_slots`). `hashes`: what
+        `prefix_hashes` gave for these tokens, if the caller kept it.
         """
         if not self.enable_prefix_caching:
             return self._no_hit()
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs, salt=salt)
+        if hashes is None:
+            hashes = self.prefix_hashes(token_ids, salt)
         hit = self._longest_hit(hashes)
         hit.candidate_hashes = hashes
         return hit
+
+    def prefix_hashes(self, token_ids: Sequence[int], salt: BlockHash | None) -> list[BlockHash]:
+        """The hash chain of the full blocks of `token_ids` a prefix hit could take (not one
+        ending with the last token); [] without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        return hash_full_blocks(
+            token_ids[: num_blocks * self.block_size], self.block_size, salt=salt
+        )
 
     def _longest_hit(self, hashes: list[BlockHash]) -> PrefixHit:
         bs = self.block_size

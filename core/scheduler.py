@@ -39,16 +39,15 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from zllm.block_hash import cache_salt
+from zllm.block_hash import BlockHash, cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamCoordinator
 from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.fair_share import FairShare, TenantLedger
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv_connector import SchedulerConnector, TieredKVConnector
 from zllm.core.request import Request, RequestStatus, child_request_id
 from zllm.core.speculation import Speculation
 from zllm.core.stopping import check_stop
-from zllm.kv_tiers import TIER_REMOTE
 from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
     CachedRequestData,
@@ -60,6 +59,25 @@ from zllm.protocol import (
     SchedulerOutput,
     TenantStats,
 )
+
+
+@dataclass(slots=True)
+class _PrefixFound:
+    """What of a waiting request's tokens need not be computed: the pool's prefix hit (None:
+    not looked up) and the blocks after it that the KV tiers load."""
+
+    cached: PrefixHit | None
+    salt: BlockHash | None
+    load_tiers: list[int] = field(default_factory=list)  # the tier of each loaded block
+    num_loaded: int = 0  # tokens
+
+    @property
+    def num_computed(self) -> int:
+        return self.cached.num_tokens if self.cached is not None else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_computed + self.num_loaded
 
 
 @dataclass(slots=True)
@@ -94,10 +112,7 @@ class Scheduler:
         `kv_connector`: the KV tiers below the pool (KV offload; a disaggregation consumer's
         remote buffer), if any. `kv_transfer`: this engine's part in disaggregation."""
         self.config = config
-        self.kv_connector = kv_connector
-        self.kv_transfer = kv_transfer
-        self.num_kv_sent_blocks = 0  # a producer: prompt blocks it had the executor send
-        self.num_kv_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+        self.kv = SchedulerConnector(block_manager, kv_connector, kv_transfer)
         self.max_loras = max_loras
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -203,6 +218,15 @@ class Scheduler:
     def spec_accepted_per_pos(self) -> list[int]:
         return self.spec.accepted_per_pos
 
+    # Disaggregation counters, as EngineCore reads them.
+    @property
+    def num_kv_sent_blocks(self) -> int:
+        return self.kv.num_sent_blocks
+
+    @property
+    def num_kv_wait_timeouts(self) -> int:
+        return self.kv.num_wait_timeouts
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -296,103 +320,89 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Waiting requests, FIFO: none jumps the queue, except that a preempted beam that
         has reported this round is passed over (it has nothing to compute until its siblings
-        report) and so is a request whose LoRA adapter would be one more than --max-loras
+        report), and so are a request whose LoRA adapter would be one more than --max-loras
         in the batch (as vLLM does: the requests behind it of adapters already running go
-        ahead)."""
+        ahead) and a consumer's request waiting for its remote blocks."""
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            adapters = self._running_adapters()
-            candidates = (
-                r
-                for r in self.waiting
-                if not self.beams.is_idle(r)
-                and self._adapter_fits(r, adapters)
-                and not self._awaits_remote_kv(r)
-            )
-            req = self.fair.pick(candidates) if self.fair else next(candidates, None)
-            if req is None:
-                return
-            if self._held(req, plan):
-                return  # preempted with a step in flight: held until it returns
-            # Prompt logprobs and embeddings need every prompt position computed: no cache
-            # hits for those.
-            params = req.sampling_params
-            use_cache = params.prompt_logprobs is None and not params.embed
-            salt = cache_salt(req.lora_int_id)
-            cached = bm.find_cached_prefix(req.all_token_ids, salt) if use_cache else None
-            num_computed = cached.num_tokens if cached is not None else 0
-            # KV offload: the blocks after the pool's hit that the tiers below it hold.
-            load_tiers = self._tier_hit(cached)
-            num_loaded = len(load_tiers) * self.block_size
-            num_new = req.num_tokens_with_pending - num_computed - num_loaded
+            req = self._next_waiting()
+            if req is None or self._held(req, plan):
+                return  # (held: preempted with a step in flight, until that returns)
+            found = self._find_prefix(req)
+            num_new = req.num_tokens_with_pending - found.num_tokens
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, plan.budget)
-            num_slots = num_loaded + num_new + self.spec.lookahead(plan.speculate)
+            num_slots = found.num_loaded + num_new + self.spec.lookahead(plan.speculate)
             if not bm.allocate_slots(
-                req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
+                req.req_id,
+                req.all_token_ids,
+                found.num_computed,
+                num_slots,
+                found.cached,
+                found.salt,
             ):
-                idle = self.beams.idle_beam(self.running, plan.scheduled)
-                if idle is not None:  # preempt it: its blocks are free now, try again
-                    self.running.remove(idle)
-                    self._preempt(idle)
+                if self._make_room_for(req, plan):
                     continue
-                if not self.running and bm.pins:
-                    bm.release_pins()  # the pool to itself would fit it: pins yield
-                    continue
-                if self.fair is not None and self.fair.load.below_share(req.tenant):
-                    self.fair.blocked = req  # over-served tenants make room next step
                 return
-            self.waiting.remove(req)
-            if self.fair is not None:
-                self.fair.load.move(req.tenant, to_running=True)
-            if load_tiers:
-                self._load_from_tiers(req, cached, load_tiers)
-            if req.num_cached_tokens < 0:  # first admission: this is what the client sees
-                req.num_cached_tokens = num_computed + num_loaded
-                req.first_scheduled_time = time.time()
-                bm.record_prefix_query(req.num_tokens, num_computed)
-                if load_tiers and self.kv_connector is not None:
-                    self.kv_connector.record_hits(load_tiers, self.block_size)
-            req.num_computed_tokens = num_computed + num_loaded
-            if req.status == RequestStatus.PREEMPTED:
-                plan.resumed.add(req.req_id)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add_to_step(plan, req, num_new)
+            self._admit(req, plan, found, num_new)
 
-    def _awaits_remote_kv(self, req: Request) -> bool:
-        """A consumer's request marked do_remote_prefill waits, without holding up the
-        requests behind it, until every full block of its prompt that a prefix hit could use
-        is in the pool or the remote buffer, or wait_timeout_s has passed (then what has not
-        come is computed)."""
-        transfer = self.kv_transfer
-        params = req.kv_transfer
-        if transfer is None or not transfer.consumes or params is None:
-            return False
-        if not params.do_remote_prefill or req.num_cached_tokens >= 0:
-            return False  # (not marked, or admitted before: a preempted request)
-        if req.remote_kv_deadline == 0.0:
-            return False  # waited its time already (no need to hash its prompt again)
-        if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
-            return False  # these compute every prompt position anyway
-        now = time.monotonic()
-        if req.remote_kv_deadline is None:
-            req.remote_kv_deadline = now + transfer.wait_timeout_s
-        hit = self.block_manager.find_cached_prefix(req.all_token_ids, cache_salt(req.lora_int_id))
-        wanted = hit.candidate_hashes[hit.num_blocks :]
-        remote = self.kv_connector.tiers[TIER_REMOTE] if self.kv_connector else None
-        if remote is None or len(wanted) > remote.capacity:
-            return False  # more than the buffer holds: it never comes whole
-        wanted = wanted[len(self.kv_connector.lookup(wanted)) :]
-        if not wanted:
-            return False
-        if now < req.remote_kv_deadline:
+    def _next_waiting(self) -> Request | None:
+        adapters = self._running_adapters()
+        candidates = (
+            r
+            for r in self.waiting
+            if not self.beams.is_idle(r)
+            and self._adapter_fits(r, adapters)
+            and not self.kv.awaits_remote_kv(r)
+        )
+        return self.fair.pick(candidates) if self.fair else next(candidates, None)
+
+    def _find_prefix(self, req: Request) -> _PrefixFound:
+        """What of `req` the prefix cache holds, and the tiers below it. Prompt logprobs and
+        embeddings need every prompt position computed: no cache hits for those."""
+        params = req.sampling_params
+        salt = cache_salt(req.lora_int_id)
+        if params.prompt_logprobs is not None or params.embed:
+            return _PrefixFound(None, salt)
+        # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
+        cached = self.block_manager.find_cached_prefix(
+            req.all_token_ids, salt, req.prompt_block_hashes
+        )
+        load_tiers = self.kv.tier_hit(cached)
+        return _PrefixFound(cached, salt, load_tiers, len(load_tiers) * self.block_size)
+
+    def _make_room_for(self, req: Request, plan: _StepPlan) -> bool:
+        """Blocks ran out for `req`: free some if that is allowed (True: try again)."""
+        idle = self.beams.idle_beam(self.running, plan.scheduled)
+        if idle is not None:  # a beam that only waits for its siblings yields
+            self.running.remove(idle)
+            self._preempt(idle)
             return True
-        if req.remote_kv_deadline > 0:  # count it once
-            req.remote_kv_deadline = 0.0
-            self.num_kv_wait_timeouts += 1
+        if not self.running and self.block_manager.pins:
+            self.block_manager.release_pins()  # the pool to itself would fit it: pins yield
+            return True
+        if self.fair is not None and self.fair.load.below_share(req.tenant):
+            self.fair.blocked = req  # over-served tenants make room next step
         return False
+
+    def _admit(self, req: Request, plan: _StepPlan, found: _PrefixFound, num_new: int) -> None:
+        """`req` got its blocks: from the queue into the step."""
+        self.waiting.remove(req)
+        if self.fair is not None:
+            self.fair.load.move(req.tenant, to_running=True)
+        first = req.num_cached_tokens < 0
+        self.kv.admitted(req, found.cached, found.load_tiers, first)
+        if first:  # this is what the client sees
+            req.num_cached_tokens = found.num_tokens
+            req.first_scheduled_time = time.time()
+            self.block_manager.record_prefix_query(req.num_tokens, found.num_computed)
+        req.num_computed_tokens = found.num_tokens
+        if req.status == RequestStatus.PREEMPTED:
+            plan.resumed.add(req.req_id)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._add_to_step(plan, req, num_new)
 
     def _held(self, req: Request, plan: _StepPlan) -> bool:
         """Whether `req` waits for its step in flight before it is scheduled again: while
@@ -402,21 +412,6 @@ class Scheduler:
         if self.config.pipeline_stages > 1:
             return req.num_steps_in_flight > 0
         return bool(req.num_pending_tokens) and (plan.speculate or req.verifying)
-
-    def _tier_hit(self, cached: PrefixHit | None) -> list[int]:
-        """The tier each block after the pool's hit loads from, as far as the tiers hold
-        the request's prefix ([] without tiers)."""
-        if self.kv_connector is None or cached is None:
-            return []
-        return self.kv_connector.lookup(cached.candidate_hashes[cached.num_blocks :])
-
-    def _load_from_tiers(self, req: Request, cached: PrefixHit, tiers: list[int]) -> None:
-        """Have the executor load those blocks into the pool blocks just allocated for them
-        (one KV cache group: kv offload refuses models with several)."""
-        assert self.kv_connector is not None
-        first, last = cached.num_blocks, cached.num_blocks + len(tiers)
-        block_ids = self.block_manager.block_ids(req.req_id)[first:last]
-        self.kv_connector.load(cached.candidate_hashes[first:last], block_ids, tiers)
 
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None}
@@ -481,8 +476,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_steps_in_flight -= 1
-        if runner_out.kv_load_failed and self.kv_connector is not None:
-            self.kv_connector.load_failed(runner_out.kv_load_failed)
+        self.kv.load_failed(runner_out.kv_load_failed)
         for req_id, message in runner_out.failed.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -701,12 +695,9 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
-        kv_transfers = None
-        if self.kv_connector is not None:
-            self.kv_connector.evicted(bm.take_evicted())
-            kv_transfers = self.kv_connector.take_transfers()
+        kv_transfers = self.kv.take_transfers()
         new_reqs, cached_reqs = [], []
-        kv_sends = self._kv_sends(plan)
+        kv_sends = self.kv.sends(plan.scheduled)
         for req in plan.scheduled:
             # The executor keeps the state of preempted requests (tokens, seeded generator),
             # so a resumed request is sent as cached: a new block table and computed count.
@@ -757,29 +748,6 @@ class Scheduler:
         self._pending_forks = []
         self._finished_req_ids = []
         return out
-
-    def _kv_sends(self, plan: _StepPlan) -> list[tuple[int, int]]:
-        """A producer: the (hash, block id) of every full prompt block of each request marked
-        do_remote_decode whose prompt this step completes (its cached blocks too), for the
-        executor to send once the forward has written them."""
-        if self.kv_transfer is None or not self.kv_transfer.produces:
-            return []
-        sends: list[tuple[int, int]] = []
-        bm = self.block_manager
-        for req in plan.scheduled:
-            params = req.kv_transfer
-            if params is None or not params.do_remote_decode or req.kv_sent:
-                continue
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                continue  # a prompt chunk: its blocks go with the last one
-            req.kv_sent = True
-            # The blocks a consumer's prefix hit can take: not one that ends with the
-            # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
-            num_full = (req.num_prompt_tokens - 1) // self.block_size
-            hashes = bm.block_hashes(req.req_id)[:num_full]
-            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
-        self.num_kv_sent_blocks += len(sends)
-        return sends
 
 
 def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> int:
