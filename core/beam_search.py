@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zllm.core.request import Request, child_request_id
+from zllm.core.step_outputs import queue_time
 from zllm.protocol import EngineCoreOutput, FinishReason, ForkedRequestData, LogprobsLists
 from zllm.sampling_params import SamplingParams
 
@@ -278,8 +279,7 @@ class BeamCoordinator:
                 num_cached_tokens=max(first.num_cached_tokens, 0) if first else 0,
                 cumulative_logprob=hyp.cum_logprob,
             )
-            if first and first.first_scheduled_time and first.arrival_time:
-                out.queue_time_s = max(0.0, first.first_scheduled_time - first.arrival_time)
+            out.queue_time_s = queue_time(first) if first else 0.0
             outputs.append(out)
         for beam, _ in group.running:
             self._end(beam, FinishReason.STOP)

@@ -37,65 +37,27 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from zllm.block_hash import BlockHash, cache_salt
+from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamCoordinator
-from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import SchedulerConnector, TieredKVConnector
 from zllm.core.request import Request, RequestStatus, child_request_id
 from zllm.core.speculation import Speculation
+from zllm.core.step_outputs import embedding_output, error_output, rows, tokens_output
+from zllm.core.step_plan import PrefixFound, StepPlan
 from zllm.core.stopping import check_stop
 from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
-    CachedRequestData,
     EngineCoreOutput,
     FinishReason,
     ForkedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     TenantStats,
 )
-
-
-@dataclass(slots=True)
-class _PrefixFound:
-    """What of a waiting request's tokens need not be computed: the pool's prefix hit (None:
-    not looked up) and the blocks after it that the KV tiers load."""
-
-    cached: PrefixHit | None
-    salt: BlockHash | None
-    load_tiers: list[int] = field(default_factory=list)  # the tier of each loaded block
-    num_loaded: int = 0  # tokens
-
-    @property
-    def num_computed(self) -> int:
-        return self.cached.num_tokens if self.cached is not None else 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_computed + self.num_loaded
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one `schedule()` call has put into the step so far."""
-
-    budget: int  # tokens left
-    scheduled: list[Request] = field(default_factory=list)
-    num_scheduled: dict[str, int] = field(default_factory=dict)  # new tokens per request
-    computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
-    # Requests sampling their first token as n > 1 samples (SchedulerOutput.num_samples).
-    num_samples: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding: whether this step proposes, and the proposals it verifies.
-    speculate: bool = False
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    resumed: set[str] = field(default_factory=set)  # back from preemption this step
-    # Pipeline parallel: the most running requests this step takes (None: no limit).
-    max_running: int | None = None
 
 
 class Scheduler:
@@ -246,7 +208,7 @@ class Scheduler:
             # Highest priority first, so the request preempted when blocks run out (the last
             # one) is the lowest priority and the newest among equals.
             self.running.sort(key=lambda r: r.priority_key)
-        plan = _StepPlan(
+        plan = StepPlan(
             budget=self.config.max_num_batched_tokens,
             speculate=self.spec.enabled_for(len(self.running)),
         )
@@ -276,7 +238,7 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
-    def _schedule_running(self, plan: _StepPlan) -> bool:
+    def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests, oldest first; preempts the newest when blocks run out.
         Returns whether anything was preempted."""
         bm = self.block_manager
@@ -317,7 +279,7 @@ class Scheduler:
             i = self.running.index(req) + 1
         return preempted
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Waiting requests, FIFO: none jumps the queue, except that a preempted beam that
         has reported this round is passed over (it has nothing to compute until its siblings
         report), and so are a request whose LoRA adapter would be one more than --max-loras
@@ -358,21 +320,21 @@ class Scheduler:
         )
         return self.fair.pick(candidates) if self.fair else next(candidates, None)
 
-    def _find_prefix(self, req: Request) -> _PrefixFound:
+    def _find_prefix(self, req: Request) -> PrefixFound:
         """What of `req` the prefix cache holds, and the tiers below it. Prompt logprobs and
         embeddings need every prompt position computed: no cache hits for those."""
         params = req.sampling_params
         salt = cache_salt(req.lora_int_id)
         if params.prompt_logprobs is not None or params.embed:
-            return _PrefixFound(None, salt)
+            return PrefixFound(None, salt)
         # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
         cached = self.block_manager.find_cached_prefix(
             req.all_token_ids, salt, req.prompt_block_hashes
         )
         load_tiers = self.kv.tier_hit(cached)
-        return _PrefixFound(cached, salt, load_tiers, len(load_tiers) * self.block_size)
+        return PrefixFound(cached, salt, load_tiers, len(load_tiers) * self.block_size)
 
-    def _make_room_for(self, req: Request, plan: _StepPlan) -> bool:
+    def _make_room_for(self, req: Request, plan: StepPlan) -> bool:
         """Blocks ran out for `req`: free some if that is allowed (True: try again)."""
         idle = self.beams.idle_beam(self.running, plan.scheduled)
         if idle is not None:  # a beam that only waits for its siblings yields
@@ -386,7 +348,7 @@ class Scheduler:
             self.fair.blocked = req  # over-served tenants make room next step
         return False
 
-    def _admit(self, req: Request, plan: _StepPlan, found: _PrefixFound, num_new: int) -> None:
+    def _admit(self, req: Request, plan: StepPlan, found: PrefixFound, num_new: int) -> None:
         """`req` got its blocks: from the queue into the step."""
         self.waiting.remove(req)
         if self.fair is not None:
@@ -404,7 +366,7 @@ class Scheduler:
         self.running.append(req)
         self._add_to_step(plan, req, num_new)
 
-    def _held(self, req: Request, plan: _StepPlan) -> bool:
+    def _held(self, req: Request, plan: StepPlan) -> bool:
         """Whether `req` waits for its step in flight before it is scheduled again: while
         speculating (how many proposals that step accepts is unknown), and with pipeline
         stages any step of it (the first stage needs the token it samples; a beam's report,
@@ -431,19 +393,11 @@ class Scheduler:
         return list(running), list(waiting)
 
     def _add_to_step(
-        self, plan: _StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
+        self, plan: StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
-        plan.computed_before[req.req_id] = req.num_computed_tokens
-        plan.scheduled.append(req)
-        req.num_steps_in_flight += 1
-        num_drafts = len(drafts) if drafts else 0
-        if num_drafts:
-            plan.spec_token_ids[req.req_id] = drafts  # type: ignore[assignment]
-            req.verifying = True
-        plan.num_scheduled[req.req_id] = num_new + num_drafts
-        plan.budget -= num_new + num_drafts
-        req.num_computed_tokens += num_new + num_drafts
-        self.tenants.charge(req.tenant, num_new + num_drafts)
+        drafts = drafts or []
+        num_drafts = len(drafts)
+        self.tenants.charge(req.tenant, plan.add(req, num_new, drafts))
         if req.cache_pin is not None and not req.pinned:
             self._pin_prefix(req)
         if req.sampling_params.embed or req.sampling_params.use_beam_search:
@@ -508,7 +462,7 @@ class Scheduler:
             if req_id in sched_out.num_samples:
                 assert len(tokens) == sched_out.num_samples[req_id], "one token per sample"
                 outputs.extend(self._fork(req, tokens, logprobs))
-                tokens, logprobs = tokens[:1], _rows(logprobs, 0, 1)
+                tokens, logprobs = tokens[:1], rows(logprobs, 0, 1)
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts:
                 self.spec.count_verified(req, len(drafts), len(tokens) - 1)
@@ -531,19 +485,9 @@ class Scheduler:
             if finished:
                 break
         if logprobs is not None and num_kept < len(logprobs.ranks):
-            logprobs = _rows(logprobs, 0, num_kept)
+            logprobs = rows(logprobs, 0, num_kept)
         self.tenants[req.tenant].num_generation_tokens += num_kept
-        out = EngineCoreOutput(
-            req_id=req.client_req_id,
-            sample_index=req.sample_index,
-            new_token_ids=tokens[:num_kept],
-            new_logprobs=logprobs,
-            new_prompt_logprobs=req.prompt_logprobs if first else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
-        if first and req.first_scheduled_time and req.arrival_time:
-            out.queue_time_s = max(0.0, req.first_scheduled_time - req.arrival_time)
+        out = tokens_output(req, tokens[:num_kept], logprobs, first)
         if finished:
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
@@ -551,17 +495,8 @@ class Scheduler:
         return out
 
     def _finish_embedding(self, req: Request, vector: list[float]) -> EngineCoreOutput:
-        req.finish_reason = FinishReason.STOP
-        out = EngineCoreOutput(
-            req_id=req.client_req_id,
-            sample_index=req.sample_index,
-            new_token_ids=[],
-            finish_reason=FinishReason.STOP,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            embedding=vector,
-        )
-        self._finish(req)
+        out = embedding_output(req, vector)
+        self._end(req, FinishReason.STOP)
         return out
 
     def _fail(self, req: Request, message: str) -> list[EngineCoreOutput]:
@@ -570,20 +505,10 @@ class Scheduler:
         outputs = []
         for seq_id in list(self._sequences.get(req.client_req_id, ())):
             seq = self.requests[seq_id]
-            seq.finish_reason = FinishReason.ERROR
             seq.known_to_executor = False  # it holds no state for it
             seq.computed = False  # nor did it compute its blocks: they cache nothing
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=seq.client_req_id,
-                    sample_index=seq.sample_index,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    stop_reason=message,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                )
-            )
-            self._finish(seq)
+            outputs.append(error_output(seq, message))
+            self._end(seq, FinishReason.ERROR)
         self.beams.drop(req.client_req_id)
         return outputs
 
@@ -601,7 +526,7 @@ class Scheduler:
             )
             child.prompt_logprobs = parent.prompt_logprobs
             self._adopt(parent, child)
-            out = self._append_and_check(child, [tokens[index]], _rows(logprobs, index, 1))
+            out = self._append_and_check(child, [tokens[index]], rows(logprobs, index, 1))
             if not child.is_finished:
                 self._pending_forks.append(
                     ForkedRequestData(
@@ -692,42 +617,13 @@ class Scheduler:
         if req.known_to_executor:
             self._finished_req_ids.append(req.req_id)
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
         kv_transfers = self.kv.take_transfers()
-        new_reqs, cached_reqs = [], []
         kv_sends = self.kv.sends(plan.scheduled)
-        for req in plan.scheduled:
-            # The executor keeps the state of preempted requests (tokens, seeded generator),
-            # so a resumed request is sent as cached: a new block table and computed count.
-            if not req.known_to_executor:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=req.req_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=req.output_token_ids,
-                        sampling_params=req.sampling_params,
-                        block_ids=bm.group_block_ids(req.req_id),
-                        num_computed_tokens=plan.computed_before[req.req_id],
-                        eos_token_ids=req.eos_token_ids,
-                        sample_index=req.sample_index,
-                        lora=req.lora,
-                    )
-                )
-                req.known_to_executor = True
-                req.num_tokens_sent = req.num_tokens
-            else:
-                cached = CachedRequestData(
-                    req_id=req.req_id,
-                    num_computed_tokens=plan.computed_before[req.req_id],
-                    block_ids=(bm.group_block_ids(req.req_id) if req.req_id in changed else None),
-                    resumed=req.req_id in plan.resumed,
-                )
-                if self.config.pipeline_stages > 1:
-                    cached.new_token_ids = req.all_token_ids[req.num_tokens_sent :]
-                    req.num_tokens_sent = req.num_tokens
-                cached_reqs.append(cached)
+        pipeline = self.config.pipeline_stages > 1
+        new_reqs, cached_reqs = plan.request_data(bm, changed, pipeline)
         self._step_id += 1
         out = SchedulerOutput(
             step_id=self._step_id,
@@ -765,15 +661,3 @@ def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> in
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
-
-
-def _rows(logprobs, start: int, count: int):
-    """Rows [start, start + count) of a LogprobsLists (one per position), or None."""
-    if logprobs is None:
-        return None
-    end = start + count
-    return type(logprobs)(
-        token_ids=logprobs.token_ids[start:end],
-        logprobs=logprobs.logprobs[start:end],
-        ranks=logprobs.ranks[start:end],
-    )
