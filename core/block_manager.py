@@ -31,72 +31,13 @@ position k * block_size.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zllm.block_hash import BlockHash, hash_full_blocks
+from zllm.core.free_blocks import FreeBlockQueue, KVBlock
+from zllm.core.prefix_pins import PrefixPins
 from zllm.protocol import MAX_BLOCK_CELLS
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    block_id: int
-    ref_count: int = 0
-    block_hash: BlockHash | None = None
-    # Free-queue links; None while the block is in use.
-    prev: KVBlock | None = field(default=None, repr=False)
-    next: KVBlock | None = field(default=None, repr=False)
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks; the head is evicted first."""
-
-    def __init__(self, blocks: Sequence[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels, never handed out
-        self._tail = KVBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self.num_free
-
-    def popleft(self) -> KVBlock:
-        block = self._head.next
-        if block is self._tail or block is None:
-            raise RuntimeError("no free KV blocks")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVBlock) -> None:
-        self._insert_before(self._tail, block)
-
-    def appendleft(self, block: KVBlock) -> None:
-        assert self._head.next is not None
-        self._insert_before(self._head.next, block)
-
-    def remove(self, block: KVBlock) -> None:
-        assert block.prev is not None and block.next is not None, "block is not free"
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
-        self.num_free -= 1
-
-    def block_ids(self) -> list[int]:
-        """Free block ids from head to tail: the eviction order (exact-id tests read it)."""
-        out, block = [], self._head.next
-        while block is not None and block is not self._tail:
-            out.append(block.block_id)
-            block = block.next
-        return out
-
-    def _insert_before(self, anchor: KVBlock, block: KVBlock) -> None:
-        assert block.prev is None and block.next is None, "block is already free"
-        prev = anchor.prev
-        assert prev is not None
-        prev.next, block.prev, block.next, anchor.prev = block, prev, anchor, block
-        self.num_free += 1
 
 
 @dataclass(slots=True)
@@ -121,58 +62,6 @@ class _RequestBlocks:
     # Per group: table entries before this index are released (None).
     num_released: list[int]
     salt: BlockHash | None = None  # its hash chain's salt (cache_salt)
-
-
-class PrefixPins:
-    """Blocks pinned by requests (`cache_control`): each holds one reference until its time
-    is up, at most `max_blocks` at once. Expiry is checked lazily (`expired`, every step)."""
-
-    def __init__(self, max_blocks: int) -> None:
-        self.max_blocks = max_blocks
-        self._until: dict[int, tuple[KVBlock, float]] = {}  # block id -> (block, until)
-        self._heap: list[tuple[float, int]] = []  # (until, block id); stale entries skipped
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def add(self, block: KVBlock, until: float) -> bool:
-        """Pin `block` until `until` (or keep its later time); False when the bound is hit."""
-        held = self._until.get(block.block_id)
-        if held is not None:
-            if until > held[1]:
-                self._until[block.block_id] = (block, until)
-                heapq.heappush(self._heap, (until, block.block_id))
-            return True
-        if len(self._until) >= self.max_blocks:
-            return False
-        block.ref_count += 1
-        self._until[block.block_id] = (block, until)
-        heapq.heappush(self._heap, (until, block.block_id))
-        return True
-
-    def expired(self, now: float) -> list[KVBlock]:
-        """Unpin the blocks whose time is up; returns them (the caller drops the reference)."""
-        gone: list[KVBlock] = []
-        while self._heap and self._heap[0][0] <= now:
-            until, block_id = heapq.heappop(self._heap)
-            held = self._until.get(block_id)
-            if held is not None and held[1] == until:
-                del self._until[block_id]
-                gone.append(held[0])
-        return gone
-
-    def clear(self) -> list[KVBlock]:
-        blocks = [block for block, _ in self._until.values()]
-        self._until.clear()
-        self._heap.clear()
-        return blocks
-
-    def earliest(self, count: int) -> list[KVBlock]:
-        """Unpin the `count` blocks whose time is up soonest; returns them."""
-        order = sorted(self._until.items(), key=lambda item: item[1][1])[:count]
-        for block_id, _ in order:
-            del self._until[block_id]
-        return [block for _, (block, _) in order]
 
 
 def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
@@ -300,21 +189,34 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(
-        self, token_ids: Sequence[int], salt: BlockHash | None = None
+        self,
+        token_ids: Sequence[int],
+        salt: BlockHash | None = None,
+        hashes: list[BlockHash] | None = None,
     ) -> PrefixHit:
         """The longest run of cached full blocks that starts `token_ids`, in every group.
 
         At most `len(token_ids) - 1` tokens are reported cached: the last token's logits must
-        be computed. Takes no references (see `allocate_slots`).
+        be computed. Takes no references (see `allocate_slots`). `hashes`: what
+        `prefix_hashes` gave for these tokens, if the caller kept it.
         """
         if not self.enable_prefix_caching:
             return self._no_hit()
-        bs = self.block_size
-        max_blocks = (len(token_ids) - 1) // bs
-        hashes = hash_full_blocks(token_ids[: max_blocks * bs], bs, salt=salt)
+        if hashes is None:
+            hashes = self.prefix_hashes(token_ids, salt)
         hit = self._longest_hit(hashes)
         hit.candidate_hashes = hashes
         return hit
+
+    def prefix_hashes(self, token_ids: Sequence[int], salt: BlockHash | None) -> list[BlockHash]:
+        """The hash chain of the full blocks of `token_ids` a prefix hit could take (not one
+        ending with the last token); [] without prefix caching."""
+        if not self.enable_prefix_caching:
+            return []
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        return hash_full_blocks(
+            token_ids[: num_blocks * self.block_size], self.block_size, salt=salt
+        )
 
     def _longest_hit(self, hashes: list[BlockHash]) -> PrefixHit:
         bs = self.block_size
@@ -386,17 +288,10 @@ class BlockManager:
             tables = cached_prefix.tables
         total_blocks = -(-(num_computed_tokens + num_new_tokens) // bs)
         num_needed = sum(max(0, total_blocks - len(table)) for table in tables)
-        # Copy-on-write: blocks this step writes into that other sequences share (a fork's
-        # partial last block, or a block its parent allocated a step ahead).
         cow = (
             []
             if is_new or num_new_tokens == 0
-            else [
-                (group, i)
-                for group, table in enumerate(tables)
-                for i in range(num_computed_tokens // bs, len(table))
-                if table[i] is not None and table[i].ref_count > 1
-            ]
+            else self._shared_to_write(tables, num_computed_tokens)
         )
         # Cached blocks sitting in the free queue are taken out of it, so they count too.
         num_revived = (
@@ -406,22 +301,9 @@ class BlockManager:
             return False
 
         if is_new:
-            tables = [[] for _ in self.windows]
-            for group, hit_table in enumerate(cached_prefix.tables):
-                for block in hit_table:
-                    if block is not None:
-                        self._take(block)
-                    tables[group].append(block)
-            released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
-            blocks = _RequestBlocks(tables, list(cached_prefix.hashes), released, salt)
-            self._requests[req_id] = blocks
-        for group, i in cow:
-            shared = tables[group][i]
-            assert shared is not None
-            fresh = self._pop_free()
-            shared.ref_count -= 1
-            tables[group][i] = fresh
-            self._pending_copies.append((shared.block_id, fresh.block_id))
+            blocks = self._take_prefix(req_id, cached_prefix, num_computed_tokens, salt)
+            tables = blocks.tables
+        self._copy_on_write(tables, cow)
         for table in tables:
             for _ in range(total_blocks - len(table)):
                 table.append(self._pop_free())
@@ -429,6 +311,47 @@ class BlockManager:
             self._changed_tables.add(req_id)
         self._register_full_blocks(blocks, token_ids, num_computed_tokens + num_new_tokens)
         return True
+
+    def _shared_to_write(
+        self, tables: list[list[KVBlock | None]], num_computed_tokens: int
+    ) -> list[tuple[int, int]]:
+        """(group, index) of the blocks a step from `num_computed_tokens` writes into that
+        other sequences share (a fork's partial last block, or a block its parent allocated
+        a step ahead): copied first (copy-on-write)."""
+        start = num_computed_tokens // self.block_size
+        return [
+            (group, i)
+            for group, table in enumerate(tables)
+            for i in range(start, len(table))
+            if table[i] is not None and table[i].ref_count > 1
+        ]
+
+    def _copy_on_write(
+        self, tables: list[list[KVBlock | None]], cow: list[tuple[int, int]]
+    ) -> None:
+        for group, i in cow:
+            shared = tables[group][i]
+            assert shared is not None
+            fresh = self._pop_free()
+            shared.ref_count -= 1
+            tables[group][i] = fresh
+            self._pending_copies.append((shared.block_id, fresh.block_id))
+
+    def _take_prefix(
+        self, req_id: str, hit: PrefixHit, num_computed_tokens: int, salt: BlockHash | None
+    ) -> _RequestBlocks:
+        """A new request's block tables: the hit's cached blocks, referenced."""
+        tables: list[list[KVBlock | None]] = [[] for _ in self.windows]
+        for group, hit_table in enumerate(hit.tables):
+            for block in hit_table:
+                if block is not None:
+                    self._take(block)
+                tables[group].append(block)
+        bs = self.block_size
+        released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
+        blocks = _RequestBlocks(tables, list(hit.hashes), released, salt)
+        self._requests[req_id] = blocks
+        return blocks
 
     def _release_out_of_window(
         self, req_id: str, blocks: _RequestBlocks, num_computed_tokens: int

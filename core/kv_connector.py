@@ -21,17 +21,26 @@ Prefill/decode disaggregation adds a third tier on a consumer, `remote`: the exe
 of blocks a producer sent (executor/kv_transfer.py). The core never stores into it; its index
 mirrors what the executor says it received and dropped (`received`), and its blocks load like
 any tier's. A producer's core asks its executor, step by step, to send the prompt blocks of
-the requests marked for it (`prompt_blocks_to_send`).
+the requests marked for it.
+
+`SchedulerConnector` is what the scheduler calls (vLLM's scheduler-side connector): the
+tiers' hit at admission and the loads it takes, a consumer's wait for remote blocks, and
+each step's transfers and sends.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from zllm.block_hash import cache_salt
 from zllm.config import KVOffloadConfig
+from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.request import Request
 from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
+from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import KVTierStats, KVTransfers
 
 BlockHash = int
@@ -239,6 +248,122 @@ class TieredKVConnector:
             blocks=[len(t) if t is not None else 0 for t in self.tiers],
             capacity=[t.capacity if t is not None else 0 for t in self.tiers],
         )
+
+
+class SchedulerConnector:
+    """The scheduler's side of the KV tiers (`tiers`, if any) and of disaggregation
+    (`transfer`: this engine's part, if any)."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        tiers: TieredKVConnector | None,
+        transfer: KVTransferConfig | None,
+    ) -> None:
+        self.block_manager = block_manager
+        self.tiers = tiers
+        self.transfer = transfer
+        self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
+        self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+
+    # ---- admission -------------------------------------------------------------------------
+    def awaits_remote_kv(self, req: Request) -> bool:
+        """A consumer's request marked do_remote_prefill waits, without holding up the
+        requests behind it, until every full block of its prompt that a prefix hit could use
+        is in the pool or the remote buffer, or wait_timeout_s has passed (then what has not
+        come is computed). Its prompt is hashed once (Request.prompt_block_hashes)."""
+        transfer, params = self.transfer, req.kv_transfer
+        if transfer is None or not transfer.consumes or params is None:
+            return False
+        if not params.do_remote_prefill or req.num_cached_tokens >= 0:
+            return False  # (not marked, or admitted before: a preempted request)
+        if req.remote_kv_deadline == 0.0:
+            return False  # waited its time already
+        if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
+            return False  # these compute every prompt position anyway
+        now = time.monotonic()
+        if req.remote_kv_deadline is None:
+            req.remote_kv_deadline = now + transfer.wait_timeout_s
+        if not self._remote_blocks_missing(req):
+            return False
+        if now < req.remote_kv_deadline:
+            return True
+        req.remote_kv_deadline = 0.0  # counted once
+        self.num_wait_timeouts += 1
+        return False
+
+    def _remote_blocks_missing(self, req: Request) -> bool:
+        """Whether blocks of `req`'s prompt past the pool's hit are yet to come into the
+        remote buffer (False when more are wanted than it holds: they never come whole)."""
+        remote = self.tiers.tiers[TIER_REMOTE] if self.tiers else None
+        if self.tiers is None or remote is None:
+            return False
+        bm, salt = self.block_manager, cache_salt(req.lora_int_id)
+        if req.prompt_block_hashes is None:
+            req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
+        hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
+        wanted = hit.candidate_hashes[hit.num_blocks :]
+        if len(wanted) > remote.capacity:
+            return False
+        return len(self.tiers.lookup(wanted)) < len(wanted)
+
+    def tier_hit(self, cached: PrefixHit | None) -> list[int]:
+        """The tier each block after the pool's hit loads from, as far as the tiers hold
+        the request's prefix ([] without tiers)."""
+        if self.tiers is None or cached is None:
+            return []
+        return self.tiers.lookup(cached.candidate_hashes[cached.num_blocks :])
+
+    def admitted(
+        self, req: Request, cached: PrefixHit | None, tiers: list[int], first: bool
+    ) -> None:
+        """`req` got its blocks: have the executor load the tiers' blocks into the pool
+        blocks just allocated for them (one KV cache group: kv offload refuses models with
+        several), and count them as hits on its `first` admission."""
+        req.prompt_block_hashes = None  # (its wait is over)
+        if not tiers:
+            return
+        assert self.tiers is not None and cached is not None
+        first_block, end = cached.num_blocks, cached.num_blocks + len(tiers)
+        block_ids = self.block_manager.block_ids(req.req_id)[first_block:end]
+        self.tiers.load(cached.candidate_hashes[first_block:end], block_ids, tiers)
+        if first:
+            self.tiers.record_hits(tiers, self.block_manager.block_size)
+
+    # ---- each step -------------------------------------------------------------------------
+    def load_failed(self, failures: Sequence[tuple[int, BlockHash]]) -> None:
+        if failures and self.tiers is not None:
+            self.tiers.load_failed(failures)
+
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's tier transfers: the pool's evictions stored, the loads taken."""
+        if self.tiers is None:
+            return None
+        self.tiers.evicted(self.block_manager.take_evicted())
+        return self.tiers.take_transfers()
+
+    def sends(self, scheduled: Sequence[Request]) -> list[tuple[int, int]]:
+        """A producer: the (hash, block id) of every full prompt block of each request marked
+        do_remote_decode whose prompt this step completes (its cached blocks too), for the
+        executor to send once the forward has written them."""
+        if self.transfer is None or not self.transfer.produces:
+            return []
+        sends: list[tuple[int, int]] = []
+        bm = self.block_manager
+        for req in scheduled:
+            params = req.kv_transfer
+            if params is None or not params.do_remote_decode or req.kv_sent:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # a prompt chunk: its blocks go with the last one
+            req.kv_sent = True
+            # The blocks a consumer's prefix hit can take: not one that ends with the
+            # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
+            num_full = (req.num_prompt_tokens - 1) // bm.block_size
+            hashes = bm.block_hashes(req.req_id)[:num_full]
+            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
+        self.num_sent_blocks += len(sends)
+        return sends
 
 
 assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zllm.lora import LoRARequest
@@ -82,6 +83,9 @@ class Request:
     # False when the executor never computed its blocks (it could not run it): freeing it
     # then drops its blocks' prefix-cache hashes instead of keeping them for later hits.
     computed: bool = True
+    # The hash chain of its prompt's full blocks (those a prefix hit can take), kept while
+    # a disaggregation consumer's request waits for them so it is hashed once, not per step.
+    prompt_block_hashes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.client_req_id:
@@ -130,6 +134,47 @@ class Request:
             and not self.output_token_ids
         )
 
+    def fork(
+        self,
+        req_id: str,
+        *,
+        sample_index: int,
+        output_token_ids: list[int],
+        num_computed_tokens: int,
+        status: RequestStatus,
+    ) -> Request:
+        """Another sequence of the same client request (an `n > 1` sample, a beam): the
+        prompt, who asked and its per-request options are copied here, in one place; its
+        progress is the caller's. The pin and the KV transfer stay with the parent (done
+        once per prompt)."""
+        return Request(
+            req_id=req_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=self.arrival_time,
+            client_req_id=self.client_req_id,
+            sample_index=sample_index,
+            client_id=self.client_id,
+            output_token_ids=output_token_ids,
+            lora=self.lora,
+            priority=self.priority,
+            tenant=self.tenant,
+            num_computed_tokens=num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            status=status,
+        )
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:
+    """The id of sample `sample_index` (>= 1) of an `n > 1` request; sample 0 is the request
+    itself. `<parent>#<index>`, made longer until no request or sample here holds it: client
+    ids are free-form, so "a" forking must not collide with a client request named "a#1"."""
+    req_id = f"{parent_req_id}#{sample_index}"
+    while is_taken(req_id):
+        req_id += "#"
+    return req_id

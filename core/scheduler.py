@@ -26,62 +26,38 @@ request whose scheduled chunk reaches its end gets one pending token. So the cor
 schedule step N+1 while the executor still runs step N: a request that samples in N is
 scheduled in N+1 to compute that (not yet known) token, which the executor holds.
 
-Speculative decoding (config.speculative): the executor proposes up to k tokens for each
-request it sampled (`ModelRunnerOutput.draft_token_ids`), and the next step schedules the
-request's last token plus those proposals, k + 1 positions verified in one forward. How many
-are accepted is known only when that step returns, so while speculation is on a request that
-has a step in flight is *held* (not scheduled again until the step returns): requests in
-speculation run one step in flight, the others keep scheduling ahead. After a step, the
-request's `num_computed_tokens` rolls back past its rejected proposals; their KV slots are
-kept and overwritten later. A draft model writes its own proposals' keys and values, so the
-request gets `lookahead_slots` more slots than its step's tokens.
+Speculative decoding (config.speculative; core/speculation.py): a request's next step
+verifies the executor's proposals, and how many are accepted is known only when it returns,
+so while speculation is on a request with a step in flight is *held* until then; the others
+keep scheduling ahead.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
-from zllm.core.beam_search import BeamGroup, Continuation
-from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.beam_search import BeamCoordinator
+from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
-from zllm.core.kv_connector import TieredKVConnector
-from zllm.core.request import Request, RequestStatus
+from zllm.core.kv_connector import SchedulerConnector, TieredKVConnector
+from zllm.core.request import Request, RequestStatus, child_request_id
+from zllm.core.speculation import Speculation
+from zllm.core.step_outputs import embedding_output, error_output, rows, tokens_output
+from zllm.core.step_plan import PrefixFound, StepPlan
 from zllm.core.stopping import check_stop
-from zllm.kv_tiers import TIER_REMOTE
 from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
-    CachedRequestData,
     EngineCoreOutput,
     FinishReason,
     ForkedRequestData,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     TenantStats,
 )
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one `schedule()` call has put into the step so far."""
-
-    budget: int  # tokens left
-    scheduled: list[Request] = field(default_factory=list)
-    num_scheduled: dict[str, int] = field(default_factory=dict)  # new tokens per request
-    computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
-    # Requests sampling their first token as n > 1 samples (SchedulerOutput.num_samples).
-    num_samples: dict[str, int] = field(default_factory=dict)
-    # Speculative decoding: whether this step proposes, and the proposals it verifies.
-    speculate: bool = False
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    resumed: set[str] = field(default_factory=set)  # back from preemption this step
-    # Pipeline parallel: the most running requests this step takes (None: no limit).
-    max_running: int | None = None
 
 
 class Scheduler:
@@ -98,12 +74,8 @@ class Scheduler:
         `kv_connector`: the KV tiers below the pool (KV offload; a disaggregation consumer's
         remote buffer), if any. `kv_transfer`: this engine's part in disaggregation."""
         self.config = config
-        self.kv_connector = kv_connector
-        self.kv_transfer = kv_transfer
-        self.num_kv_sent_blocks = 0  # a producer: prompt blocks it had the executor send
-        self.num_kv_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+        self.kv = SchedulerConnector(block_manager, kv_connector, kv_transfer)
         self.max_loras = max_loras
-        self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         # The longest sequence the KV pool can hold alone bounds the context length, so any
@@ -116,10 +88,7 @@ class Scheduler:
         self._sequences: dict[str, list[str]] = {}
         self._finished_req_ids: list[str] = []
         self._pending_forks: list[ForkedRequestData] = []
-        # Beam search: the group of each such client request, and the tokens chosen for
-        # running beams, sent to the executor with the next step.
-        self._beam_groups: dict[str, BeamGroup] = {}
-        self._pending_beam_tokens: dict[str, int] = {}
+        self.beams = BeamCoordinator(self.is_taken, self._adopt, self._end)
         self._step_id = 0
         self.num_preemptions = 0
         # What each tenant was served (metrics, every policy), and the fair policy's choices.
@@ -127,14 +96,7 @@ class Scheduler:
         self.fair = (
             FairShare(self.tenants, config.max_num_seqs) if config.policy == "fair" else None
         )
-        # Speculative decoding counters (vLLM's spec_decode metrics): steps of a request that
-        # verified proposals, proposed tokens, accepted tokens, and accepted per position.
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_accepted_per_pos = [0] * (
-            speculative.num_speculative_tokens if speculative else 0
-        )
+        self.spec = Speculation(speculative)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -144,15 +106,8 @@ class Scheduler:
         self._sequences[req.client_req_id] = [req.req_id]
         self.tenants.arrive(req.tenant)
         self._enqueue(req)
-        params = req.sampling_params
-        if params.use_beam_search:
-            room = self.max_model_len - req.num_prompt_tokens
-            self._beam_groups[req.client_req_id] = BeamGroup(
-                params,
-                req.eos_token_ids,
-                max_new_tokens=min(params.max_tokens or room, room),
-                running=[(req, 0.0)],
-            )
+        if req.sampling_params.use_beam_search:
+            self.beams.add(req, self.max_model_len)
 
     def abort_requests(self, client_req_ids: Iterable[str]) -> list[str]:
         """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
@@ -164,9 +119,8 @@ class Scheduler:
             for req_id in list(seq_ids):
                 req = self.requests.get(req_id)
                 if req is not None:
-                    req.finish_reason = FinishReason.ABORT
-                    self._finish(req)
-            self._beam_groups.pop(client_req_id, None)
+                    self._end(req, FinishReason.ABORT)
+            self.beams.drop(client_req_id)
             aborted.append(client_req_id)
         return aborted
 
@@ -175,8 +129,7 @@ class Scheduler:
         for req_id in self._sequences.get(client_req_id, ()):
             req = self.requests[req_id]
             if req.sample_index == sample_index:
-                req.finish_reason = reason
-                self._finish(req)
+                self._end(req, reason)
                 return True
         return False
 
@@ -210,6 +163,32 @@ class Scheduler:
         """Per tenant, for the heartbeat thread (copies first, as in lora_adapters)."""
         return self.tenants.stats(list(self.running), list(self.waiting))
 
+    # Speculative decoding counters, as EngineCore reads them.
+    @property
+    def spec_num_drafts(self) -> int:
+        return self.spec.num_drafts
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        return self.spec.num_draft_tokens
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        return self.spec.num_accepted_tokens
+
+    @property
+    def spec_accepted_per_pos(self) -> list[int]:
+        return self.spec.accepted_per_pos
+
+    # Disaggregation counters, as EngineCore reads them.
+    @property
+    def num_kv_sent_blocks(self) -> int:
+        return self.kv.num_sent_blocks
+
+    @property
+    def num_kv_wait_timeouts(self) -> int:
+        return self.kv.num_wait_timeouts
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -229,7 +208,10 @@ class Scheduler:
             # Highest priority first, so the request preempted when blocks run out (the last
             # one) is the lowest priority and the newest among equals.
             self.running.sort(key=lambda r: r.priority_key)
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens, speculate=self._speculate())
+        plan = StepPlan(
+            budget=self.config.max_num_batched_tokens,
+            speculate=self.spec.enabled_for(len(self.running)),
+        )
         stages = self.config.pipeline_stages
         if stages > 1:
             # About a stage's share of the running requests per step: the next step takes
@@ -256,7 +238,7 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
 
-    def _schedule_running(self, plan: _StepPlan) -> bool:
+    def _schedule_running(self, plan: StepPlan) -> bool:
         """Running requests, oldest first; preempts the newest when blocks run out.
         Returns whether anything was preempted."""
         bm = self.block_manager
@@ -272,12 +254,14 @@ class Scheduler:
                 # until its step in flight returns.
                 i += 1
                 continue
-            drafts = self._take_drafts(req, num_new, plan)
+            drafts = self.spec.take_drafts(
+                req, num_new, plan.budget, plan.speculate, self.max_model_len
+            )
             while not bm.allocate_slots(
                 req.req_id,
                 req.all_token_ids,
                 req.num_computed_tokens,
-                num_new + len(drafts) + self._lookahead(plan),
+                num_new + len(drafts) + self.spec.lookahead(plan.speculate),
             ):
                 # Pinned prefixes yield before any running request is preempted (half of the
                 # pins at a time, soonest to expire first); then a beam that only waits for
@@ -285,7 +269,7 @@ class Scheduler:
                 if bm.pins:
                     bm.release_pins(max(1, len(bm.pins) // 2))
                     continue
-                victim = self._idle_beam(plan) or self.running[-1]
+                victim = self.beams.idle_beam(self.running, plan.scheduled) or self.running[-1]
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
@@ -295,105 +279,94 @@ class Scheduler:
             i = self.running.index(req) + 1
         return preempted
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Waiting requests, FIFO: none jumps the queue, except that a preempted beam that
         has reported this round is passed over (it has nothing to compute until its siblings
-        report) and so is a request whose LoRA adapter would be one more than --max-loras
+        report), and so are a request whose LoRA adapter would be one more than --max-loras
         in the batch (as vLLM does: the requests behind it of adapters already running go
-        ahead)."""
+        ahead) and a consumer's request waiting for its remote blocks."""
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            adapters = self._running_adapters()
-            candidates = (
-                r
-                for r in self.waiting
-                if not self._is_idle_beam(r)
-                and self._adapter_fits(r, adapters)
-                and not self._awaits_remote_kv(r)
-            )
-            req = self.fair.pick(candidates) if self.fair else next(candidates, None)
-            if req is None:
-                return
-            if self._held(req, plan):
-                return  # preempted with a step in flight: held until it returns
-            # Prompt logprobs and embeddings need every prompt position computed: no cache
-            # hits for those.
-            params = req.sampling_params
-            use_cache = params.prompt_logprobs is None and not params.embed
-            salt = cache_salt(req.lora_int_id)
-            cached = bm.find_cached_prefix(req.all_token_ids, salt) if use_cache else None
-            num_computed = cached.num_tokens if cached is not None else 0
-            # KV offload: the blocks after the pool's hit that the tiers below it hold.
-            load_tiers = self._tier_hit(cached)
-            num_loaded = len(load_tiers) * self.block_size
-            num_new = req.num_tokens_with_pending - num_computed - num_loaded
+            req = self._next_waiting()
+            if req is None or self._held(req, plan):
+                return  # (held: preempted with a step in flight, until that returns)
+            found = self._find_prefix(req)
+            num_new = req.num_tokens_with_pending - found.num_tokens
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = min(num_new, plan.budget)
-            num_slots = num_loaded + num_new + self._lookahead(plan)
+            num_slots = found.num_loaded + num_new + self.spec.lookahead(plan.speculate)
             if not bm.allocate_slots(
-                req.req_id, req.all_token_ids, num_computed, num_slots, cached, salt
+                req.req_id,
+                req.all_token_ids,
+                found.num_computed,
+                num_slots,
+                found.cached,
+                found.salt,
             ):
-                if self._preempt_idle_beam(plan):
-                    continue  # its blocks are free now: try again
-                if not self.running and bm.pins:
-                    bm.release_pins()  # the pool to itself would fit it: pins yield
+                if self._make_room_for(req, plan):
                     continue
-                if self.fair is not None and self.fair.load.below_share(req.tenant):
-                    self.fair.blocked = req  # over-served tenants make room next step
                 return
-            self.waiting.remove(req)
-            if self.fair is not None:
-                self.fair.load.move(req.tenant, to_running=True)
-            if load_tiers:
-                self._load_from_tiers(req, cached, load_tiers)
-            if req.num_cached_tokens < 0:  # first admission: this is what the client sees
-                req.num_cached_tokens = num_computed + num_loaded
-                req.first_scheduled_time = time.time()
-                bm.record_prefix_query(req.num_tokens, num_computed)
-                if load_tiers and self.kv_connector is not None:
-                    self.kv_connector.record_hits(load_tiers, self.block_size)
-            req.num_computed_tokens = num_computed + num_loaded
-            if req.status == RequestStatus.PREEMPTED:
-                plan.resumed.add(req.req_id)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add_to_step(plan, req, num_new)
+            self._admit(req, plan, found, num_new)
 
-    def _awaits_remote_kv(self, req: Request) -> bool:
-        """A consumer's request marked do_remote_prefill waits, without holding up the
-        requests behind it, until every full block of its prompt that a prefix hit could use
-        is in the pool or the remote buffer, or wait_timeout_s has passed (then what has not
-        come is computed)."""
-        transfer = self.kv_transfer
-        params = req.kv_transfer
-        if transfer is None or not transfer.consumes or params is None:
-            return False
-        if not params.do_remote_prefill or req.num_cached_tokens >= 0:
-            return False  # (not marked, or admitted before: a preempted request)
-        if req.remote_kv_deadline == 0.0:
-            return False  # waited its time already (no need to hash its prompt again)
-        if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
-            return False  # these compute every prompt position anyway
-        now = time.monotonic()
-        if req.remote_kv_deadline is None:
-            req.remote_kv_deadline = now + transfer.wait_timeout_s
-        hit = self.block_manager.find_cached_prefix(req.all_token_ids, cache_salt(req.lora_int_id))
-        wanted = hit.candidate_hashes[hit.num_blocks :]
-        remote = self.kv_connector.tiers[TIER_REMOTE] if self.kv_connector else None
-        if remote is None or len(wanted) > remote.capacity:
-            return False  # more than the buffer holds: it never comes whole
-        wanted = wanted[len(self.kv_connector.lookup(wanted)) :]
-        if not wanted:
-            return False
-        if now < req.remote_kv_deadline:
+    def _next_waiting(self) -> Request | None:
+        adapters = self._running_adapters()
+        candidates = (
+            r
+            for r in self.waiting
+            if not self.beams.is_idle(r)
+            and self._adapter_fits(r, adapters)
+            and not self.kv.awaits_remote_kv(r)
+        )
+        return self.fair.pick(candidates) if self.fair else next(candidates, None)
+
+    def _find_prefix(self, req: Request) -> PrefixFound:
+        """What of `req` the prefix cache holds, and the tiers below it. Prompt logprobs and
+        embeddings need every prompt position computed: no cache hits for those."""
+        params = req.sampling_params
+        salt = cache_salt(req.lora_int_id)
+        if params.prompt_logprobs is not None or params.embed:
+            return PrefixFound(None, salt)
+        # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
+        cached = self.block_manager.find_cached_prefix(
+            req.all_token_ids, salt, req.prompt_block_hashes
+        )
+        load_tiers = self.kv.tier_hit(cached)
+        return PrefixFound(cached, salt, load_tiers, len(load_tiers) * self.block_size)
+
+    def _make_room_for(self, req: Request, plan: StepPlan) -> bool:
+        """Blocks ran out for `req`: free some if that is allowed (True: try again)."""
+        idle = self.beams.idle_beam(self.running, plan.scheduled)
+        if idle is not None:  # a beam that only waits for its siblings yields
+            self.running.remove(idle)
+            self._preempt(idle)
             return True
-        if req.remote_kv_deadline > 0:  # count it once
-            req.remote_kv_deadline = 0.0
-            self.num_kv_wait_timeouts += 1
+        if not self.running and self.block_manager.pins:
+            self.block_manager.release_pins()  # the pool to itself would fit it: pins yield
+            return True
+        if self.fair is not None and self.fair.load.below_share(req.tenant):
+            self.fair.blocked = req  # over-served tenants make room next step
         return False
 
-    def _held(self, req: Request, plan: _StepPlan) -> bool:
+    def _admit(self, req: Request, plan: StepPlan, found: PrefixFound, num_new: int) -> None:
+        """`req` got its blocks: from the queue into the step."""
+        self.waiting.remove(req)
+        if self.fair is not None:
+            self.fair.load.move(req.tenant, to_running=True)
+        first = req.num_cached_tokens < 0
+        self.kv.admitted(req, found.cached, found.load_tiers, first)
+        if first:  # this is what the client sees
+            req.num_cached_tokens = found.num_tokens
+            req.first_scheduled_time = time.time()
+            self.block_manager.record_prefix_query(req.num_tokens, found.num_computed)
+        req.num_computed_tokens = found.num_tokens
+        if req.status == RequestStatus.PREEMPTED:
+            plan.resumed.add(req.req_id)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._add_to_step(plan, req, num_new)
+
+    def _held(self, req: Request, plan: StepPlan) -> bool:
         """Whether `req` waits for its step in flight before it is scheduled again: while
         speculating (how many proposals that step accepts is unknown), and with pipeline
         stages any step of it (the first stage needs the token it samples; a beam's report,
@@ -401,21 +374,6 @@ class Scheduler:
         if self.config.pipeline_stages > 1:
             return req.num_steps_in_flight > 0
         return bool(req.num_pending_tokens) and (plan.speculate or req.verifying)
-
-    def _tier_hit(self, cached: PrefixHit | None) -> list[int]:
-        """The tier each block after the pool's hit loads from, as far as the tiers hold
-        the request's prefix ([] without tiers)."""
-        if self.kv_connector is None or cached is None:
-            return []
-        return self.kv_connector.lookup(cached.candidate_hashes[cached.num_blocks :])
-
-    def _load_from_tiers(self, req: Request, cached: PrefixHit, tiers: list[int]) -> None:
-        """Have the executor load those blocks into the pool blocks just allocated for them
-        (one KV cache group: kv offload refuses models with several)."""
-        assert self.kv_connector is not None
-        first, last = cached.num_blocks, cached.num_blocks + len(tiers)
-        block_ids = self.block_manager.block_ids(req.req_id)[first:last]
-        self.kv_connector.load(cached.candidate_hashes[first:last], block_ids, tiers)
 
     def _running_adapters(self) -> set[int]:
         return {r.lora.lora_int_id for r in self.running if r.lora is not None}
@@ -434,45 +392,12 @@ class Scheduler:
         waiting = {r.lora.lora_name: None for r in list(self.waiting) if r.lora is not None}
         return list(running), list(waiting)
 
-    def _speculate(self) -> bool:
-        """Whether this step proposes tokens: speculation is configured and the batch is not
-        past its disable_by_batch_size."""
-        spec = self.speculative
-        if spec is None:
-            return False
-        return spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size
-
-    def _lookahead(self, plan: _StepPlan) -> int:
-        return self.speculative.lookahead_slots if plan.speculate and self.speculative else 0
-
-    def _take_drafts(self, req: Request, num_new: int, plan: _StepPlan) -> list[int]:
-        """The request's proposals this step can verify: only for a decode (its last token is
-        all that is left to compute), within the budget, max_tokens and the context length."""
-        drafts, req.spec_token_ids = req.spec_token_ids, []
-        if not (drafts and plan.speculate) or num_new != 1 or req.num_pending_tokens:
-            return []
-        # Proposals sit at positions num_tokens.. (below max_model_len); the last one allowed
-        # may be accepted as the final token, and the bonus token after it is dropped.
-        room = min(plan.budget - num_new, self.max_model_len - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - req.num_output_tokens)
-        return drafts[: max(room, 0)]
-
     def _add_to_step(
-        self, plan: _StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
+        self, plan: StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
     ) -> None:
-        plan.computed_before[req.req_id] = req.num_computed_tokens
-        plan.scheduled.append(req)
-        req.num_steps_in_flight += 1
-        num_drafts = len(drafts) if drafts else 0
-        if num_drafts:
-            plan.spec_token_ids[req.req_id] = drafts  # type: ignore[assignment]
-            req.verifying = True
-        plan.num_scheduled[req.req_id] = num_new + num_drafts
-        plan.budget -= num_new + num_drafts
-        req.num_computed_tokens += num_new + num_drafts
-        self.tenants.charge(req.tenant, num_new + num_drafts)
+        drafts = drafts or []
+        num_drafts = len(drafts)
+        self.tenants.charge(req.tenant, plan.add(req, num_new, drafts))
         if req.cache_pin is not None and not req.pinned:
             self._pin_prefix(req)
         if req.sampling_params.embed or req.sampling_params.use_beam_search:
@@ -505,8 +430,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None:
                 req.num_steps_in_flight -= 1
-        if runner_out.kv_load_failed and self.kv_connector is not None:
-            self.kv_connector.load_failed(runner_out.kv_load_failed)
+        self.kv.load_failed(runner_out.kv_load_failed)
         for req_id, message in runner_out.failed.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -530,7 +454,7 @@ class Scheduler:
                 continue
             if req.sampling_params.use_beam_search:
                 assert runner_out.logprobs and runner_out.logprobs[idx] is not None
-                outputs.extend(self._beam_report(req, runner_out.logprobs[idx]))
+                outputs.extend(self.beams.report(req, runner_out.logprobs[idx]))
                 continue
             req.num_pending_tokens -= 1
             tokens = runner_out.sampled_token_ids[idx]
@@ -538,162 +462,14 @@ class Scheduler:
             if req_id in sched_out.num_samples:
                 assert len(tokens) == sched_out.num_samples[req_id], "one token per sample"
                 outputs.extend(self._fork(req, tokens, logprobs))
-                tokens, logprobs = tokens[:1], _rows(logprobs, 0, 1)
+                tokens, logprobs = tokens[:1], rows(logprobs, 0, 1)
             drafts = sched_out.spec_token_ids.get(req_id)
             if drafts:
-                req.verifying = False
-                self._count_verified(req, len(drafts), len(tokens) - 1)
+                self.spec.count_verified(req, len(drafts), len(tokens) - 1)
             if runner_out.draft_token_ids and runner_out.draft_token_ids[idx]:
                 req.spec_token_ids = runner_out.draft_token_ids[idx]
             outputs.append(self._append_and_check(req, tokens, logprobs))
         return outputs
-
-    # ---- beam search -------------------------------------------------------------------------
-    def _preempt_idle_beam(self, plan: _StepPlan) -> bool:
-        """Make room for the head of the queue by preempting a beam that has reported this
-        round and only waits for its siblings (its report is kept). Without this, beams
-        holding blocks while a preempted sibling waits for blocks would wait forever."""
-        victim = self._idle_beam(plan)
-        if victim is None:
-            return False
-        self.running.remove(victim)
-        self._preempt(victim)
-        return True
-
-    def _idle_beam(self, plan: _StepPlan) -> Request | None:
-        """The newest running beam that waits for its siblings, not in this step."""
-        return next(
-            (
-                r
-                for r in reversed(self.running)
-                if self._is_idle_beam(r) and r not in plan.scheduled
-            ),
-            None,
-        )
-
-    def _is_idle_beam(self, req: Request) -> bool:
-        """A beam that has reported this round and has no token yet to compute."""
-        group = self._beam_groups.get(req.client_req_id)
-        return group is not None and req.req_id in group.reports
-
-    def _beam_report(self, req: Request, logprobs) -> list[EngineCoreOutput]:
-        """A beam's candidates (the top logprobs after the sampled token); once every beam of
-        its group has reported, the round is applied."""
-        group = self._beam_groups.get(req.client_req_id)
-        if group is None:
-            return []
-        candidates = list(zip(logprobs.token_ids[0][1:], logprobs.logprobs[0][1:], strict=True))
-        if not group.report(req.req_id, candidates):
-            return []
-        round_ = group.select()
-        return self._apply_beam_round(group, round_.continuations, round_.done)
-
-    def _apply_beam_round(
-        self, group: BeamGroup, continuations: list[Continuation], done: bool
-    ) -> list[EngineCoreOutput]:
-        """Continue each running beam by its candidates: the first appends its token, more fork
-        (blocks shared, copy-on-write), none frees it. A finished group returns its best
-        hypotheses, one output each."""
-        if done:
-            return self._finish_beam_group(group)
-        first_child: dict[str, int] = {}  # parent id -> its first continuation's index
-        for i, c in enumerate(continuations):
-            first_child.setdefault(c.parent.req_id, i)
-        for parent, _ in group.running:
-            if parent.req_id not in first_child:
-                parent.finish_reason = FinishReason.STOP
-                self._finish(parent)
-        # Forks copy their parent before it takes its own token.
-        beams = [
-            c.parent if first_child[c.parent.req_id] == i else self._fork_beam(group, c)
-            for i, c in enumerate(continuations)
-        ]
-        for i, c in enumerate(continuations):
-            if first_child[c.parent.req_id] == i:
-                c.parent.append_token(c.token)
-                self._pending_beam_tokens[c.parent.req_id] = c.token
-                c.parent.num_tokens_sent += 1  # every stage gets it (beam_tokens)
-        # Best first, as transformers keeps its beams (ties in the next round follow it).
-        group.running = [
-            (beam, c.cum_logprob) for beam, c in zip(beams, continuations, strict=True)
-        ]
-        return []
-
-    def _fork_beam(self, group: BeamGroup, c: Continuation) -> Request:
-        parent, token = c.parent, c.token
-        index = group.next_fork
-        group.next_fork += 1
-        child = Request(
-            req_id=child_request_id(parent.req_id, index, self.is_taken),
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params,
-            eos_token_ids=parent.eos_token_ids,
-            arrival_time=parent.arrival_time,
-            client_req_id=parent.client_req_id,
-            client_id=parent.client_id,
-            output_token_ids=[*parent.output_token_ids, token],
-            lora=parent.lora,
-            priority=parent.priority,
-            tenant=parent.tenant,
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
-            first_scheduled_time=parent.first_scheduled_time,
-            status=parent.status,
-            known_to_executor=True,
-        )
-        child.num_tokens_sent = child.num_tokens  # the fork gives every stage its tokens
-        self.requests[child.req_id] = child
-        self._sequences[parent.client_req_id].append(child.req_id)
-        if parent.status == RequestStatus.RUNNING:
-            self.block_manager.fork(parent.req_id, child.req_id)
-            self.running.append(child)
-        else:  # the parent was preempted: the child recomputes too
-            self._enqueue(child, front=True)
-        self._pending_forks.append(
-            ForkedRequestData(
-                req_id=child.req_id,
-                parent_req_id=parent.req_id,
-                sample_index=0,
-                first_token_id=token,
-                num_parent_outputs=parent.num_output_tokens,
-            )
-        )
-        return child
-
-    def _finish_beam_group(self, group: BeamGroup) -> list[EngineCoreOutput]:
-        first = group.running[0][0] if group.running else None
-        outputs = []
-        for index, hyp in enumerate(group.best(group.params.n)):
-            out = EngineCoreOutput(
-                req_id=first.client_req_id if first else "",
-                sample_index=index,
-                new_token_ids=hyp.token_ids,
-                finish_reason=hyp.finish_reason,
-                num_prompt_tokens=first.num_prompt_tokens if first else 0,
-                num_cached_tokens=max(first.num_cached_tokens, 0) if first else 0,
-                cumulative_logprob=hyp.cum_logprob,
-            )
-            if first and first.first_scheduled_time and first.arrival_time:
-                out.queue_time_s = max(0.0, first.first_scheduled_time - first.arrival_time)
-            outputs.append(out)
-        for beam, _ in group.running:
-            beam.finish_reason = FinishReason.STOP
-            self._finish(beam)
-        if first is not None:
-            self._beam_groups.pop(first.client_req_id, None)
-        return outputs
-
-    def _count_verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` proposals of `req` and accepted the first
-        `num_accepted`: count them, and roll its computed tokens back past the rejected ones
-        (their KV is overwritten later)."""
-        if req.status == RequestStatus.RUNNING:  # a preempted request recomputes anyway
-            req.num_computed_tokens -= num_drafts - num_accepted
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += num_accepted
-        for pos in range(num_accepted):
-            self.spec_accepted_per_pos[pos] += 1
 
     # ---- internals -------------------------------------------------------------------------
     def _append_and_check(self, req: Request, tokens: list[int], logprobs) -> EngineCoreOutput:
@@ -709,19 +485,9 @@ class Scheduler:
             if finished:
                 break
         if logprobs is not None and num_kept < len(logprobs.ranks):
-            logprobs = _rows(logprobs, 0, num_kept)
+            logprobs = rows(logprobs, 0, num_kept)
         self.tenants[req.tenant].num_generation_tokens += num_kept
-        out = EngineCoreOutput(
-            req_id=req.client_req_id,
-            sample_index=req.sample_index,
-            new_token_ids=tokens[:num_kept],
-            new_logprobs=logprobs,
-            new_prompt_logprobs=req.prompt_logprobs if first else None,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
-        if first and req.first_scheduled_time and req.arrival_time:
-            out.queue_time_s = max(0.0, req.first_scheduled_time - req.arrival_time)
+        out = tokens_output(req, tokens[:num_kept], logprobs, first)
         if finished:
             out.finish_reason = req.finish_reason
             out.stop_reason = req.stop_reason
@@ -729,17 +495,8 @@ class Scheduler:
         return out
 
     def _finish_embedding(self, req: Request, vector: list[float]) -> EngineCoreOutput:
-        req.finish_reason = FinishReason.STOP
-        out = EngineCoreOutput(
-            req_id=req.client_req_id,
-            sample_index=req.sample_index,
-            new_token_ids=[],
-            finish_reason=FinishReason.STOP,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            embedding=vector,
-        )
-        self._finish(req)
+        out = embedding_output(req, vector)
+        self._end(req, FinishReason.STOP)
         return out
 
     def _fail(self, req: Request, message: str) -> list[EngineCoreOutput]:
@@ -748,55 +505,28 @@ class Scheduler:
         outputs = []
         for seq_id in list(self._sequences.get(req.client_req_id, ())):
             seq = self.requests[seq_id]
-            seq.finish_reason = FinishReason.ERROR
             seq.known_to_executor = False  # it holds no state for it
             seq.computed = False  # nor did it compute its blocks: they cache nothing
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=seq.client_req_id,
-                    sample_index=seq.sample_index,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    stop_reason=message,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                )
-            )
-            self._finish(seq)
-        self._beam_groups.pop(req.client_req_id, None)
+            outputs.append(error_output(seq, message))
+            self._end(seq, FinishReason.ERROR)
+        self.beams.drop(req.client_req_id)
         return outputs
 
     def _fork(self, parent: Request, tokens: list[int], logprobs) -> list[EngineCoreOutput]:
         """Split an `n > 1` request into its samples once its prompt is computed."""
         outputs = []
         for index in range(1, len(tokens)):
-            child = Request(
-                req_id=child_request_id(parent.req_id, index, self.is_taken),
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=parent.sampling_params,
-                eos_token_ids=parent.eos_token_ids,
-                arrival_time=parent.arrival_time,
-                client_req_id=parent.client_req_id,
+            # The fork happens right after the prompt; the parent may be a step ahead.
+            child = parent.fork(
+                child_request_id(parent.req_id, index, self.is_taken),
                 sample_index=index,
-                client_id=parent.client_id,
-                lora=parent.lora,
-                priority=parent.priority,
-                tenant=parent.tenant,
-                # The fork happens right after the prompt; the parent may be a step ahead.
+                output_token_ids=[],
                 num_computed_tokens=parent.num_prompt_tokens,
-                num_cached_tokens=parent.num_cached_tokens,
-                prompt_logprobs=parent.prompt_logprobs,
                 status=RequestStatus.RUNNING,
             )
-            self.requests[child.req_id] = child
-            self._sequences[parent.client_req_id].append(child.req_id)
-            if parent.status == RequestStatus.RUNNING:
-                self.block_manager.fork(parent.req_id, child.req_id)
-                self.running.append(child)
-            else:  # the parent was preempted while this step ran: the child recomputes too
-                child.status = RequestStatus.PREEMPTED
-                child.num_computed_tokens = 0
-                self._enqueue(child, front=True)
-            out = self._append_and_check(child, [tokens[index]], _rows(logprobs, index, 1))
+            child.prompt_logprobs = parent.prompt_logprobs
+            self._adopt(parent, child)
+            out = self._append_and_check(child, [tokens[index]], rows(logprobs, index, 1))
             if not child.is_finished:
                 self._pending_forks.append(
                     ForkedRequestData(
@@ -810,6 +540,24 @@ class Scheduler:
                 child.num_tokens_sent = child.num_tokens  # its first token: in the fork
             outputs.append(out)
         return outputs
+
+    def _adopt(
+        self, parent: Request, child: Request, fork: ForkedRequestData | None = None
+    ) -> None:
+        """A forked sequence joins its parent's client request: it shares the parent's
+        blocks, or, when the parent was preempted while its step ran, recomputes too.
+        `fork`: what tells the executor, if it is to know of the child now."""
+        if fork is not None:
+            self._pending_forks.append(fork)
+        self.requests[child.req_id] = child
+        self._sequences[parent.client_req_id].append(child.req_id)
+        if parent.status == RequestStatus.RUNNING:
+            self.block_manager.fork(parent.req_id, child.req_id)
+            self.running.append(child)
+            return
+        child.status = RequestStatus.PREEMPTED
+        child.num_computed_tokens = 0
+        self._enqueue(child, front=True)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.req_id)
@@ -845,6 +593,10 @@ class Scheduler:
             i -= 1
         self.waiting.insert(i, req)
 
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self._finish(req)
+
     def _finish(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -861,49 +613,17 @@ class Scheduler:
                 self.tenants.depart(req.tenant)
         # A fork of this request not yet sent must not be sent.
         self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
-        self._pending_beam_tokens.pop(req.req_id, None)
+        self.beams.forget(req.req_id)
         if req.known_to_executor:
             self._finished_req_ids.append(req.req_id)
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
-        kv_transfers = None
-        if self.kv_connector is not None:
-            self.kv_connector.evicted(bm.take_evicted())
-            kv_transfers = self.kv_connector.take_transfers()
-        new_reqs, cached_reqs = [], []
-        kv_sends = self._kv_sends(plan)
-        for req in plan.scheduled:
-            # The executor keeps the state of preempted requests (tokens, seeded generator),
-            # so a resumed request is sent as cached: a new block table and computed count.
-            if not req.known_to_executor:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=req.req_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=req.output_token_ids,
-                        sampling_params=req.sampling_params,
-                        block_ids=bm.group_block_ids(req.req_id),
-                        num_computed_tokens=plan.computed_before[req.req_id],
-                        eos_token_ids=req.eos_token_ids,
-                        sample_index=req.sample_index,
-                        lora=req.lora,
-                    )
-                )
-                req.known_to_executor = True
-                req.num_tokens_sent = req.num_tokens
-            else:
-                cached = CachedRequestData(
-                    req_id=req.req_id,
-                    num_computed_tokens=plan.computed_before[req.req_id],
-                    block_ids=(bm.group_block_ids(req.req_id) if req.req_id in changed else None),
-                    resumed=req.req_id in plan.resumed,
-                )
-                if self.config.pipeline_stages > 1:
-                    cached.new_token_ids = req.all_token_ids[req.num_tokens_sent :]
-                    req.num_tokens_sent = req.num_tokens
-                cached_reqs.append(cached)
+        kv_transfers = self.kv.take_transfers()
+        kv_sends = self.kv.sends(plan.scheduled)
+        pipeline = self.config.pipeline_stages > 1
+        new_reqs, cached_reqs = plan.request_data(bm, changed, pipeline)
         self._step_id += 1
         out = SchedulerOutput(
             step_id=self._step_id,
@@ -912,7 +632,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             num_samples=plan.num_samples,
-            beam_tokens=self._pending_beam_tokens,
+            beam_tokens=self.beams.take_tokens(),
             spec_token_ids=plan.spec_token_ids,
             speculate=plan.speculate,
             forked_requests=self._pending_forks,
@@ -922,32 +642,8 @@ class Scheduler:
             kv_sends=kv_sends,
         )
         self._pending_forks = []
-        self._pending_beam_tokens = {}
         self._finished_req_ids = []
         return out
-
-    def _kv_sends(self, plan: _StepPlan) -> list[tuple[int, int]]:
-        """A producer: the (hash, block id) of every full prompt block of each request marked
-        do_remote_decode whose prompt this step completes (its cached blocks too), for the
-        executor to send once the forward has written them."""
-        if self.kv_transfer is None or not self.kv_transfer.produces:
-            return []
-        sends: list[tuple[int, int]] = []
-        bm = self.block_manager
-        for req in plan.scheduled:
-            params = req.kv_transfer
-            if params is None or not params.do_remote_decode or req.kv_sent:
-                continue
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                continue  # a prompt chunk: its blocks go with the last one
-            req.kv_sent = True
-            # The blocks a consumer's prefix hit can take: not one that ends with the
-            # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
-            num_full = (req.num_prompt_tokens - 1) // self.block_size
-            hashes = bm.block_hashes(req.req_id)[:num_full]
-            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
-        self.num_kv_sent_blocks += len(sends)
-        return sends
 
 
 def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> int:
@@ -965,25 +661,3 @@ def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> in
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
-
-
-def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:
-    """The id of sample `sample_index` (>= 1) of an `n > 1` request; sample 0 is the request
-    itself. `<parent>#<index>`, made longer until no request or sample here holds it: client
-    ids are free-form, so "a" forking must not collide with a client request named "a#1"."""
-    req_id = f"{parent_req_id}#{sample_index}"
-    while is_taken(req_id):
-        req_id += "#"
-    return req_id
-
-
-def _rows(logprobs, start: int, count: int):
-    """Rows [start, start + count) of a LogprobsLists (one per position), or None."""
-    if logprobs is None:
-        return None
-    end = start + count
-    return type(logprobs)(
-        token_ids=logprobs.token_ids[start:end],
-        logprobs=logprobs.logprobs[start:end],
-        ranks=logprobs.ranks[start:end],
-    )

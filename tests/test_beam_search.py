@@ -120,7 +120,7 @@ def test_beams_share_the_prompt_blocks_and_free_them(model_dir) -> None:
     prompt = (prompt * 3)[:64]
     params = BeamSearchParams(beam_width=4, max_tokens=12).to_sampling_params()
     engine.add_request(EngineCoreRequest("beams", prompt, params, eos_token_ids=[0]))
-    group = engine.scheduler._beam_groups["beams"]
+    group = engine.scheduler.beams.groups["beams"]
     while len(group.running) < 4:
         engine.step(llm.executor)
     tables = [bm.block_ids(beam.req_id) for beam, _ in group.running]

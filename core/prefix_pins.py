@@ -1,0 +1,64 @@
+"""Prefix pinning's table (`cache_control`, zllm/cache_control.py): which KV blocks requests
+pinned, and until when. The block manager pins the cached full blocks of a request's prefix
+(`BlockManager.pin`); each pinned block holds one reference, so it is never evicted, until its
+time is up or the pool needs it (`release_pins`)."""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zllm.core.free_blocks import KVBlock
+
+
+class PrefixPins:
+    """Blocks pinned by requests (`cache_control`): each holds one reference until its time
+    is up, at most `max_blocks` at once. Expiry is checked lazily (`expired`, every step)."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self.max_blocks = max_blocks
+        self._until: dict[int, tuple[KVBlock, float]] = {}  # block id -> (block, until)
+        self._heap: list[tuple[float, int]] = []  # (until, block id); stale entries skipped
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, block: KVBlock, until: float) -> bool:
+        """Pin `block` until `until` (or keep its later time); False when the bound is hit."""
+        held = self._until.get(block.block_id)
+        if held is not None:
+            if until > held[1]:
+                self._until[block.block_id] = (block, until)
+                heapq.heappush(self._heap, (until, block.block_id))
+            return True
+        if len(self._until) >= self.max_blocks:
+            return False
+        block.ref_count += 1
+        self._until[block.block_id] = (block, until)
+        heapq.heappush(self._heap, (until, block.block_id))
+        return True
+
+    def expired(self, now: float) -> list[KVBlock]:
+        """Unpin the blocks whose time is up; returns them (the caller drops the reference)."""
+        gone: list[KVBlock] = []
+        while self._heap and self._heap[0][0] <= now:
+            until, block_id = heapq.heappop(self._heap)
+            held = self._until.get(block_id)
+            if held is not None and held[1] == until:
+                del self._until[block_id]
+                gone.append(held[0])
+        return gone
+
+    def clear(self) -> list[KVBlock]:
+        blocks = [block for block, _ in self._until.values()]
+        self._until.clear()
+        self._heap.clear()
+        return blocks
+
+    def earliest(self, count: int) -> list[KVBlock]:
+        """Unpin the `count` blocks whose time is up soonest; returns them."""
+        order = sorted(self._until.items(), key=lambda item: item[1][1])[:count]
+        for block_id, _ in order:
+            del self._until[block_id]
+        return [block for _, (block, _) in order]
