@@ -57,7 +57,6 @@ from zllm.protocol import (
     PinStats,
     RequestRejected,
     SchedulerOutput,
-    SpecDecodeStats,
     StageStats,
 )
 from zllm.serve_config import detokenizer_index
@@ -336,12 +335,7 @@ class EngineCore:
         s.block_states, s.blocks_per_cell = bm.block_states()
         sched = self.scheduler
         if self.config.speculative is not None:
-            s.spec = SpecDecodeStats(
-                sched.spec_num_drafts,
-                sched.spec_num_draft_tokens,
-                sched.spec_num_accepted_tokens,
-                list(sched.spec_accepted_per_pos),
-            )
+            s.spec = sched.spec.stats()
         if self.config.lora is not None:
             running, waiting = sched.lora_adapters()
             s.lora = LoRAStats(running, waiting, self.config.lora.max_loras)

@@ -163,23 +163,6 @@ class Scheduler:
         """Per tenant, for the heartbeat thread (copies first, as in lora_adapters)."""
         return self.tenants.stats(list(self.running), list(self.waiting))
 
-    # Speculative decoding counters, as EngineCore reads them.
-    @property
-    def spec_num_drafts(self) -> int:
-        return self.spec.num_drafts
-
-    @property
-    def spec_num_draft_tokens(self) -> int:
-        return self.spec.num_draft_tokens
-
-    @property
-    def spec_num_accepted_tokens(self) -> int:
-        return self.spec.num_accepted_tokens
-
-    @property
-    def spec_accepted_per_pos(self) -> list[int]:
-        return self.spec.accepted_per_pos
-
     # Disaggregation counters, as EngineCore reads them.
     @property
     def num_kv_sent_blocks(self) -> int:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from zllm.config import SpeculativeConfig
 from zllm.core.request import Request, RequestStatus
+from zllm.protocol import SpecDecodeStats
 
 
 class Speculation:
-    """Speculation's rules inside a step, and its counters (EngineStats.spec_*)."""
+    """Speculation's rules inside a step, and its counters (the heartbeat's
+    SpecDecodeStats, `stats`)."""
 
     def __init__(self, config: SpeculativeConfig | None) -> None:
         self.config = config
@@ -29,6 +31,14 @@ class Speculation:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * (config.num_speculative_tokens if config else 0)
+
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+        )
 
     def enabled_for(self, num_running: int) -> bool:
         """Whether a step over `num_running` requests proposes tokens: speculation is

@@ -316,8 +316,8 @@ _COUNTERS = (
 )
 
 
-# Speculative decoding (only when the engine speculates: EngineStats.spec_accepted_per_pos
-# then has one entry per proposal position).
+# Speculative decoding (only when the engine speculates: EngineStats.spec, whose per-
+# position list has one entry per proposal position).
 _SPEC_COUNTERS = (
     (
         "vllm:spec_decode_num_drafts",

@@ -190,7 +190,7 @@ def test_speculative_decoding_with_adapters(base_dir, adapters, llm) -> None:
     prompts = [p[:12] * 3 for p in random_prompts(4, seed=8)]  # lookups find continuations
     loras = [adapters["all"], adapters["mlp"], None, adapters["qv-rslora"]]
     assert greedy_tokens(spec, prompts, loras) == greedy_tokens(llm, prompts, loras)
-    assert spec.engine.scheduler.spec_num_drafts > 0
+    assert spec.engine.scheduler.spec.num_drafts > 0
 
 
 def test_adapters_never_share_kv_blocks(llm, adapters) -> None:

@@ -198,7 +198,7 @@ def test_ngram_under_preemption_chunking_and_prefix_hits(model_dir, base) -> Non
     out = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(out) == token_ids(base.generate(prompts, GREEDY, use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.scheduler.spec_num_accepted_tokens > 0
+    assert llm.engine.scheduler.spec.num_accepted_tokens > 0
 
 
 def test_stops_inside_accepted_proposals(base, ngram) -> None:
@@ -272,10 +272,10 @@ def test_disable_by_batch_size(model_dir, base) -> None:
     ]
     out = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(out) == token_ids(base.generate(prompts, params, use_tqdm=False))
-    many = llm.engine.scheduler.spec_num_drafts
+    many = llm.engine.scheduler.spec.num_drafts
     assert many > 0  # speculates once the batch has drained to two sequences
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.spec_num_drafts - many >= 5  # alone, it speculates at once
+    assert llm.engine.scheduler.spec.num_drafts - many >= 5  # alone, it speculates at once
 
 
 @pytest.mark.parametrize(
