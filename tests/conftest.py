@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
+import servers
 
 # Re-exported: test_cuda.py and test_csrc_compile.py import it from here.
 from tiny_models import write_tiny_model  # noqa: F401
@@ -65,6 +67,96 @@ def pytest_sessionstart(session):
         cpu_kernels.load()
     except cpu_kernels.CpuKernelError as exc:
         print(f"\nCPU kernels unavailable: {exc}")
+
+
+# The only skips a CI run may show: tests that need an NVIDIA GPU or its runtime compiler,
+# which CI's CPU machine lacks (test file, start of the skip's reason).
+CI_SKIPS_ALLOWED = (
+    ("test_cuda.py", "no CUDA device"),
+    ("test_csrc_compile.py", "libnvrtc not found"),
+)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+def fail_skip_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Under CI=true a skip is a failure that names its reason: CI installs everything the
+    suite needs, so a skip there is breakage a green run would hide (a missing extra, a CPU
+    without AVX2, a model that did not download)."""
+    if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    test_file = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    if any(test_file == f and reason.startswith(r) for f, r in CI_SKIPS_ALLOWED):
+        return
+    where = f" ({longrepr[0]}:{longrepr[1]})" if isinstance(longrepr, tuple) else ""
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI=true, where only GPU/NVRTC tests may: {reason}{where}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A module-level skip (importorskip at the top of a file) is a collection report.
+    outcome = yield
+    fail_skip_in_ci(outcome.get_result())
+
+
+def calls_start_server(func) -> bool:
+    try:
+        return "start_server(" in inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts a real `zllm serve` is marked e2e, so `pytest -m "not e2e"`
+    is the fast run. Here: a test (or a fixture it uses, however indirectly) that calls
+    start_server; servers.start_server checks the rest (helpers) when it runs."""
+    unmarked = [
+        item.nodeid
+        for item in items
+        if isinstance(item, pytest.Function)
+        and item.get_closest_marker("e2e") is None
+        and (
+            calls_start_server(item.function)
+            or any(
+                calls_start_server(d.func)
+                for defs in item._fixtureinfo.name2fixturedefs.values()
+                for d in defs
+            )
+        )
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "these tests start `zllm serve` but are not marked e2e (pytest.mark.e2e):\n  "
+            + "\n  ".join(unmarked)
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    # Module fixtures start their servers in the first test's setup: check both phases.
+    servers.in_e2e_test = item.get_closest_marker("e2e") is not None
+    yield
+    servers.in_e2e_test = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    servers.in_e2e_test = item.get_closest_marker("e2e") is not None
+    yield
+    servers.in_e2e_test = None
 
 
 def pytest_terminal_summary(terminalreporter):

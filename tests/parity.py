@@ -29,7 +29,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' own forward and KV cache, never stopping at EOS.
 
     A plain loop rather than `generate`, so no generation-config processor (EOS suppression
-    from `min_new_tokens`, a default repetition penalty) changes the argmax.
+    from `min_new_tokens`, a default repetition penalty) changes the argmax. The cache goes
+    in and out as `cache` (transformers 5's name; `past_key_values` is deprecated there).
     """
     out_ids: list[int] = []
     with torch.inference_mode():
@@ -37,9 +38,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             token = int(out.logits[0, -1].argmax())
             out_ids.append(token)
-            out = model(
-                torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
-            )
+            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
     return out_ids
 
 

@@ -89,10 +89,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set by tests/conftest.py while a test sets up and runs: whether it is marked e2e (None
+# outside those phases, or outside pytest).
+in_e2e_test: bool | None = None
+
+
 def start_server(model_dir: str, log: Path, *extra: str, api_key: str | None = None) -> Server:
     """`zllm serve` on loopback with a small KV pool; returns once /health answers 200 and
     the run directory is known. `extra` are more `zllm serve` options (later ones win), e.g.
     worker counts or --served-model-name; with `api_key`, get/post send it."""
+    if in_e2e_test is False:
+        raise RuntimeError("a test that starts `zllm serve` must be marked pytest.mark.e2e")
     port = free_port()
     cmd = [sys.executable, "-m", "zllm.cli", "serve", model_dir]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", "64M"]

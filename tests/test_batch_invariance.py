@@ -95,13 +95,21 @@ def test_the_default_path_is_not_batch_invariant(model_dir) -> None:
 @pytest.mark.e2e
 def test_served_needle_alone_and_in_a_crowd(model_dir, tmp_path) -> None:
     """`zllm serve --deterministic` through the openai client: the needle's top-20 logprobs
-    (JSON floats, exact) are the same alone and among 24 concurrent requests."""
+    (JSON floats, exact) are the same alone and among 24 concurrent requests.
+
+    That it ran among them is shown, not hoped for: the executor is paused (SIGSTOP, far
+    under --executor-timeout) until the core holds all 25, and the engine's step counter
+    then finds fewer steps than the needle's 6 plus another's 16 (ignore_eos), which the
+    needle sharing no step with anyone would take."""
+    import os
+    import signal
     from concurrent.futures import ThreadPoolExecutor
 
     from openai import OpenAI
-    from servers import start_server, stop_server
+    from servers import metric, start_server, stop_server, wait_until
 
     server = start_server(model_dir, tmp_path / "server.log", "--deterministic")
+    executor = server.children()["executor"]
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
@@ -113,17 +121,41 @@ def test_served_needle_alone_and_in_a_crowd(model_dir, tmp_path) -> None:
             return choice.logprobs.top_logprobs
 
         def other(prompt):
-            client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=1.0)
+            client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+        def counters() -> tuple[float, float, float]:
+            """(requests in the core, tokens generated, steps), from its latest heartbeat."""
+            text = server.get("/metrics").text
+            held = metric(text, "vllm:num_requests_running")
+            held += metric(text, "vllm:num_requests_waiting")
+            tokens = metric(text, "vllm:generation_tokens_total")
+            return held, tokens, metric(text, "zllm:engine_steps_total")
 
         alone = needle()
+        # Counters read once a heartbeat holds the needle's 6 tokens, and at the end once it
+        # holds everyone's: a heartbeat is a count in the past.
+        assert wait_until(lambda: counters()[1] == 6, 30), counters()
+        steps_before = counters()[2]
         crowd = [p["prompt_token_ids"] for p in others(24, seed=5)]
-        with ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(other, p) for p in crowd[:12]]
-            among = pool.submit(needle)
-            futures += [pool.submit(other, p) for p in crowd[12:]]
-            assert among.result() == alone
-            for f in futures:
-                f.result()
+        os.kill(executor, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(len(crowd) + 1) as pool:
+                futures = [pool.submit(other, p) for p in crowd[:12]]
+                among = pool.submit(needle)
+                futures += [pool.submit(other, p) for p in crowd[12:]]
+                assert wait_until(lambda: counters()[0] == len(crowd) + 1, 60), counters()
+                os.kill(executor, signal.SIGCONT)
+                assert among.result() == alone
+                for f in futures:
+                    f.result()
+        finally:
+            os.kill(executor, signal.SIGCONT)
+        total = 6 + 6 + 16 * len(crowd)
+        assert wait_until(lambda: counters()[1] == total, 30), counters()
+        assert counters()[2] - steps_before < 6 + 16, counters()
     finally:
         stop_server(server)
 

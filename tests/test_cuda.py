@@ -478,6 +478,7 @@ def test_preemption_on_cuda(tiny_gpu_llama_dir):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.e2e
 def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
     """`zllm serve` on the GPU: all five process kinds up, chat and streaming through the
     openai client, greedy equal to the offline GPU engine."""

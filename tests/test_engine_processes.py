@@ -145,8 +145,15 @@ def wait_for(predicate, timeout=10.0):
 
 
 def test_abandoned_streams_free_their_blocks(engine):
+    """50 streams left after their first delta: the core aborts them and frees their blocks.
+    Read from a heartbeat the core sent after the last stream was left (an older one, from
+    before the streams, is idle too), whose counts show the requests were cut short (had
+    they all run their 400 tokens, they would have freed their blocks anyway)."""
     _, llm = engine
+    loop = engine[0]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    assert loop.run_until_complete(_poll(lambda: llm.client.stats is not None, 10.0))
+    generated_before = llm.client.stats.num_generation_tokens
 
     async def abandon(i):
         async for _ in llm.generate([20 + i, 21, 22], params):
@@ -156,15 +163,17 @@ def test_abandoned_streams_free_their_blocks(engine):
         await asyncio.gather(*(abandon(i) for i in range(50)))
 
     run(engine, all_streams())
+    left_at = time.time()
 
-    def idle():
+    def idle_since_left():
         status = llm.client.stats
-        return status is not None and status.num_running == 0 and status.kv_cache_usage == 0.0
+        return status.time > left_at and status.num_running == 0 and status.kv_cache_usage == 0.0
 
     # Heartbeats come every 0.5 s from the core; give the aborts a moment to land.
-    loop = engine[0]
-    assert loop.run_until_complete(_poll(idle, 10.0))
+    assert loop.run_until_complete(_poll(idle_since_left, 30.0)), llm.client.stats
     assert llm.client.num_in_flight == 0
+    generated = llm.client.stats.num_generation_tokens - generated_before
+    assert 50 <= generated < 50 * 400, generated  # each got a token; not all ran out
 
 
 async def _poll(predicate, timeout):
@@ -241,3 +250,42 @@ def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
     assert loop.run_until_complete(_poll(lambda: llm.client.health()[0], 30.0))
     tokens, _, _ = run(engine, collect(llm, [5, 6, 7]))
     assert len(tokens[0]) == 16
+
+
+@pytest.mark.e2e
+def test_requests_held_by_a_dead_tokenizer_are_resent(engine, offline):
+    """README: "a tokenizer's lost requests are re-sent". Tokenizer 0 is stopped (SIGSTOP),
+    so that of 8 requests the frontend pushes round-robin, those for it wait unread in its
+    socket; once the others are answered it is killed while holding them. All 8 are then
+    answered in full: its requests, which had produced nothing, were sent again. (The
+    kill test above fires after tokenization, when nothing is left in a tokenizer.)"""
+    loop, llm = engine
+    victim = next(c for c in llm._supervisor.children if c.role == "tokenizer" and c.index == 0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = random_prompts(8, seed=9)
+
+    def only_held_left(tasks) -> bool:
+        """Some requests answered, and every one still open neither started nor reached
+        an engine: what is left sits in the stopped tokenizer."""
+        streams = list(llm.client._streams.values())
+        return (
+            any(t.done() for t in tasks)
+            and bool(streams)
+            and all(not s.started and s.engine is None for s in streams)
+        )
+
+    async def scenario():
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            tasks = [asyncio.create_task(collect(llm, p, params)) for p in prompts]
+            assert await _poll(lambda: only_held_left(tasks), 60), llm.client._streams
+            held = sum(not t.done() for t in tasks)
+        finally:
+            os.kill(victim.proc.pid, signal.SIGKILL)
+        return held, await asyncio.gather(*tasks)
+
+    held, results = run(engine, scenario(), timeout=120)
+    assert held > 0
+    expected = offline.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [tokens[0] for tokens, _, _ in results] == [o.outputs[0].token_ids for o in expected]
+    assert loop.run_until_complete(_poll(lambda: llm.client.health()[0], 30.0))

@@ -140,6 +140,7 @@ def cached_tokens(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.e2e
 def test_served_cache_control_pins_the_prompt(server):
     body = {
         "model": "tiny", "prompt": prompt(10, 250)["prompt_token_ids"], "max_tokens": 4,
@@ -157,6 +158,7 @@ def test_served_cache_control_pins_the_prompt(server):
     assert cached_tokens(server.post("/v1/completions", body)) == 240
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "value, fragment",
     [
@@ -176,6 +178,7 @@ def test_served_cache_control_refusals_name_the_field(server, value, fragment):
     assert fragment in error["message"] and error["param"].startswith("cache_control")
 
 
+@pytest.mark.e2e
 def test_anthropic_cache_control_pins_up_to_the_marked_block(server):
     """A system prompt marked with cache_control is pinned, the turns after it are not."""
     rng = random.Random(11)

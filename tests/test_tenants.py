@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
+import signal
 import statistics
 import time
 
@@ -123,9 +125,8 @@ def completion(rng: random.Random, stream: bool) -> bytes:
 
 
 async def post(port: int, body: bytes, tenant: str, until_first_event: bool) -> float:
-    """Seconds until the response's first SSE event (the first token: TTFT), or until the
+    """The time (monotonic) of the response's first SSE event (the first token), or of the
     whole response, on a raw connection (the client stays light beside the server)."""
-    start = time.monotonic()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     head = [
         "POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", "Connection: close",
@@ -140,17 +141,24 @@ async def post(port: int, body: bytes, tenant: str, until_first_event: bool) -> 
                 break
             seen += chunk
         assert seen.startswith(b"HTTP/1.1 200"), seen[:300]
-        return time.monotonic() - start
+        return time.monotonic()
     finally:
         writer.close()
 
 
-async def probe_ttfts(port: int, rng: random.Random, timeout: float) -> list[float]:
-    """Tenant B's 10 streamed requests at once: each one's TTFT (inf past `timeout`)."""
+async def probe_ttfts(
+    port: int, rng: random.Random, timeout: float, resumed: asyncio.Future[float] | None = None
+) -> list[float]:
+    """Tenant B's 10 streamed requests at once: each one's TTFT (inf past `timeout`), from
+    its send, or from `resumed` (the time the engine was let go; see probes_under_flood)."""
 
     async def one() -> float:
+        sent = time.monotonic()
+        first_token = asyncio.ensure_future(post(port, completion(rng, True), "B", True))
+        start = sent if resumed is None else await asyncio.shield(resumed)
         try:
-            return await asyncio.wait_for(post(port, completion(rng, True), "B", True), timeout)
+            left = timeout - (time.monotonic() - start)
+            return await asyncio.wait_for(first_token, left) - start
         except asyncio.TimeoutError:
             return float("inf")
 
@@ -159,7 +167,13 @@ async def probe_ttfts(port: int, rng: random.Random, timeout: float) -> list[flo
 
 async def probes_under_flood(server: Server, rng: random.Random, timeout: float) -> list[float]:
     """Tenant A sends 200 requests at once; once its first 16 are decoding (so B does not
-    arrive behind a 2,048-token prefill step that is already running), B's 10 probes."""
+    arrive behind a 2,048-token prefill step that is already running), B's 10 probes.
+
+    The probes reach the core together: the executor is paused (SIGSTOP, far under
+    --executor-timeout) until the core holds all ten, and their TTFTs count from its
+    release. Sent unpaused, they arrived over several steps on a loaded machine, and the
+    first ones could finish (a probe leaves at its first token) and give their slots back to
+    A before the last ones came, which preempted A again (CI saw more than 8)."""
     flood = [
         asyncio.ensure_future(post(server.port, completion(rng, False), "A", False))
         for _ in range(NUM_FLOOD)
@@ -170,7 +184,19 @@ async def probes_under_flood(server: Server, rng: random.Random, timeout: float)
             assert time.monotonic() < deadline, "tenant A's first requests never decoded"
             await asyncio.sleep(0.1)
         assert tenant_series(server, "zllm:tenant_requests_waiting")["A"] > 100
-        return await probe_ttfts(server.port, rng, timeout)
+        resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        executor = server.children()["executor"]
+        os.kill(executor, signal.SIGSTOP)
+        try:
+            probes = asyncio.ensure_future(probe_ttfts(server.port, rng, timeout, resumed))
+            deadline = time.monotonic() + 30
+            while tenant_series(server, "zllm:tenant_requests_waiting").get("B", 0) < NUM_PROBES:
+                assert time.monotonic() < deadline, "B's probes never all reached the core"
+                await asyncio.sleep(0.1)
+        finally:
+            os.kill(executor, signal.SIGCONT)
+        resumed.set_result(time.monotonic())
+        return await probes
     finally:
         for task in flood:
             task.cancel()
@@ -203,7 +229,7 @@ def test_a_flooding_tenant_does_not_starve_another_under_fair_share(smollm2_path
         def yielded() -> bool:
             return tenant_series(fair, "zllm:tenant_preemptions_total").get("A", 0) >= 16 // 2
 
-        wait_until(yielded, 10)
+        assert wait_until(yielded, 30), tenant_series(fair, "zllm:tenant_preemptions_total")
         preempted = tenant_series(fair, "zllm:tenant_preemptions_total")
     finally:
         fair.kill()

@@ -4,6 +4,7 @@ against the whole model's, with 2 and 3 gloo ranks as processes on loopback."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -107,7 +108,10 @@ def _rank_main(rank: int, size: int, port: int, case: str, results) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(case: str) -> dict[int, tuple[torch.Tensor, list[list[int]]]]:
+def run_ranks(case: str, timeout: float = 300) -> dict[int, tuple[torch.Tensor, list[list[int]]]]:
+    """Every rank's (logits, tokens). A rank that dies early fails this at once, naming it,
+    and the others (blocked in a collective or at the rendezvous, waiting for it) are
+    killed: a blocking get() on the results would wait for the dead rank forever."""
     size = CASES[case][2]
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -118,12 +122,25 @@ def run_ranks(case: str) -> dict[int, tuple[torch.Tensor, list[list[int]]]]:
     for p in procs:
         p.start()
     out = {}
-    for _ in range(size):
-        rank, logits, tokens = results.get()
-        out[rank] = (torch.from_numpy(logits), tokens)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < size:
+            if not results.empty():
+                rank, logits, tokens = results.get()
+                out[rank] = (torch.from_numpy(logits), tokens)
+                continue
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            assert not dead, f"{case}: ranks exited early (rank: exit code): {dead}"
+            assert time.monotonic() < deadline, f"{case}: ranks gave no result in {timeout} s"
+            time.sleep(0.05)
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     return out
 
 
