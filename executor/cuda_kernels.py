@@ -184,40 +184,16 @@ class DecodeWorkspace:
     def num_floats(num_seqs: int, num_heads: int, max_partitions: int, head_dim: int) -> int:
         return num_seqs * num_heads * max_partitions * (head_dim + 2)
 
-
-@dataclass(frozen=True, slots=True)
-class _DecodePartials:
-    """A split decode's per-partition results (views of one workspace buffer), which the
-    reduce launch combines; every pointer is null for a single partition."""
-
-    out: torch.Tensor | None = None
-    max: torch.Tensor | None = None
-    sum: torch.Tensor | None = None
-
-    @classmethod
-    def reserve(
-        cls, workspace: DecodeWorkspace | None, q: torch.Tensor, parts: int
-    ) -> _DecodePartials:
-        if parts == 1:
-            return cls()
+    def partials(self, q: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """A split decode's partial outputs, maxima and sums: views of the one buffer."""
         num_seqs, num_heads, head_dim = q.shape
         n = num_seqs * num_heads * parts
-        workspace = workspace or DecodeWorkspace()
-        buf = workspace.reserve(
-            DecodeWorkspace.num_floats(num_seqs, num_heads, parts, head_dim), q.device
-        )
-        return cls(
+        buf = self.reserve(self.num_floats(num_seqs, num_heads, parts, head_dim), q.device)
+        return [
             buf[: n * head_dim],
             buf[n * head_dim : n * (head_dim + 1)],
             buf[n * (head_dim + 1) : n * (head_dim + 2)],
-        )
-
-    def pointers(self) -> tuple[np.uint64, np.uint64, np.uint64]:
-        return _ptr(self.out), _ptr(self.max), _ptr(self.sum)
-
-    def kept(self) -> tuple[torch.Tensor, ...]:
-        """What a launch must keep alive (the one buffer the three views share)."""
-        return () if self.out is None else (self.out,)
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +205,7 @@ class _DecodeArgs:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     out: torch.Tensor
-    partials: _DecodePartials
+    partials: list[torch.Tensor | None]  # out, max, sum: null pointers for one partition
     plan: DecodePlan
     keepalive: tuple[torch.Tensor, ...]
 
@@ -297,8 +273,10 @@ def plan_paged_decode(
         max_seq_len = block_tables.shape[1] * block_size
 
     plan = plan_decode(num_heads, num_kv_heads, max_seq_len, num_seqs)
-    partials = _DecodePartials.reserve(workspace, q, plan.max_partitions)
-    keepalive = (q, block_tables, seq_lens, out) + partials.kept()
+    partials: list[torch.Tensor | None] = [None] * 3
+    if plan.max_partitions > 1:
+        partials = (workspace or DecodeWorkspace()).partials(q, plan.max_partitions)
+    keepalive = tuple(t for t in (q, block_tables, seq_lens, out, partials[0]) if t is not None)
     args = _DecodeArgs(q, kv_cache, block_tables, seq_lens, out, partials, plan, keepalive)
     launches = [_decode_launch(args, scale)]
     if plan.max_partitions > 1:
@@ -318,7 +296,7 @@ def _decode_launch(a: _DecodeArgs, scale: float) -> KernelLaunch:
         (NUM_THREADS, 1, 1),
         (
             _ptr(a.out),
-            *a.partials.pointers(),
+            *map(_ptr, a.partials),
             _ptr(a.q),
             np.int64(a.q.stride(0)),
             np.int64(a.q.stride(1)),
@@ -351,7 +329,7 @@ def _reduce_launch(a: _DecodeArgs) -> KernelLaunch:
         (NUM_THREADS, 1, 1),
         (
             _ptr(a.out),
-            *a.partials.pointers(),
+            *map(_ptr, a.partials),
             _ptr(a.seq_lens),
             a.seq_lens_int64,
             np.int32(num_heads),

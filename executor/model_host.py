@@ -29,7 +29,7 @@ from zllm.executor.kv_transfer import KVSender, transfer_layout
 from zllm.executor.loader import load_weights
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
-from zllm.executor.models.llama import RotaryEmbedding
+from zllm.executor.models.rope import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
