@@ -326,6 +326,20 @@ def test_banned_tokens_never_sampled() -> None:
     assert sampled[5].item() == 1  # greedy, odd row: best token left is 1
 
 
+def test_sampler_runs_its_processors_in_order_after_the_raw_logprobs() -> None:
+    """Banned tokens, then penalties (logits_processors.SAMPLER_PROCESSORS), on the fp32
+    copy: the logprobs stay those of the raw logits; a sampler without processors ignores
+    the bans."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=1.5)]
+    metadata = build(params, 4, output_ids=[[2]], banned=[[1]])
+    out = Sampler()(logits, metadata)
+    # 1 is banned, 2 pays 1.5 for its one earlier use: 3 (1.0) beats it (0.5).
+    assert out.sampled_token_ids.tolist() == [3]
+    assert out.logprobs_token_ids.tolist() == [[3, 1]]  # the raw logits' best is still 1
+    assert Sampler(processors=())(logits, metadata).sampled_token_ids.tolist() == [1]
+
+
 @pytest.mark.parametrize("num_logprobs", [0, 3, VOCAB + 5])
 def test_logprobs_from_raw_logits(num_logprobs: int) -> None:
     rows = 8
