@@ -33,14 +33,14 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from zllm.executor.attention import (
-    PagedAttentionBase,
+from zllm.executor.attention import PagedAttentionBase
+from zllm.executor.attention_backend import AttentionBackend
+from zllm.executor.attention_metadata import (
     PrefillChunk,
     StepLayout,
     build_prefill_chunks,
     to_device,
 )
-from zllm.executor.attention_backend import AttentionBackend
 from zllm.executor.cuda_kernels import DecodeWorkspace, paged_decode_attention, write_kv_cache
 
 

@@ -184,6 +184,70 @@ class DecodeWorkspace:
     def num_floats(num_seqs: int, num_heads: int, max_partitions: int, head_dim: int) -> int:
         return num_seqs * num_heads * max_partitions * (head_dim + 2)
 
+    def partials(self, q: torch.Tensor, parts: int) -> list[torch.Tensor]:
+        """A split decode's partial outputs, maxima and sums: views of the one buffer."""
+        num_seqs, num_heads, head_dim = q.shape
+        n = num_seqs * num_heads * parts
+        buf = self.reserve(self.num_floats(num_seqs, num_heads, parts, head_dim), q.device)
+        return [
+            buf[: n * head_dim],
+            buf[n * head_dim : n * (head_dim + 1)],
+            buf[n * (head_dim + 1) : n * (head_dim + 2)],
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeArgs:
+    """A planned paged decode's tensors (made contiguous where the kernel needs it)."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    out: torch.Tensor
+    partials: list[torch.Tensor | None]  # out, max, sum: null pointers for one partition
+    plan: DecodePlan
+    keepalive: tuple[torch.Tensor, ...]
+
+    @property
+    def seq_lens_int64(self) -> np.int32:
+        return np.int32(self.seq_lens.dtype == torch.int64)
+
+
+def _check_decode_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    """The cache's (num_blocks, block_size, num_kv_heads, head_dim), once every argument of a
+    paged decode is checked against it."""
+    dims = _check_cache(kv_cache)
+    head_dim = dims[3]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.dtype != kv_cache.dtype:
+        raise CudaKernelError(
+            f"q must be {kv_cache.dtype} [num_seqs, num_heads, {head_dim}], "
+            f"got {q.dtype} {list(q.shape)}"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise CudaKernelError(f"head_dim={head_dim} unsupported (supported: {SUPPORTED_HEAD_DIMS})")
+    num_seqs = q.shape[0]
+    _check_devices(kv_cache, q=q, out=out, block_tables=block_tables, seq_lens=seq_lens)
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
+        raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
+    if (
+        block_tables.dim() != 2
+        or block_tables.shape[0] != num_seqs
+        or block_tables.dtype not in _INDEX_DTYPES
+    ):
+        raise CudaKernelError(f"block_tables must be int32/int64 [{num_seqs}, max_blocks]")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES:
+        raise CudaKernelError(f"seq_lens must be int32/int64 [{num_seqs}]")
+    if num_seqs > 65535:
+        raise CudaKernelError(f"{num_seqs} sequences exceed one launch's grid (65535)")
+    return dims
+
 
 def plan_paged_decode(
     q: torch.Tensor,
@@ -196,30 +260,10 @@ def plan_paged_decode(
     workspace: DecodeWorkspace | None = None,
 ) -> list[KernelLaunch]:
     """Launches for paged_decode_attention; `out` must be a contiguous [S, heads, D] tensor."""
-    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
-    if q.dim() != 3 or q.shape[2] != head_dim or q.dtype != kv_cache.dtype:
-        raise CudaKernelError(
-            f"q must be {kv_cache.dtype} [num_seqs, num_heads, {head_dim}], "
-            f"got {q.dtype} {list(q.shape)}"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise CudaKernelError(f"head_dim={head_dim} unsupported (supported: {SUPPORTED_HEAD_DIMS})")
+    _, block_size, num_kv_heads, _ = _check_decode_args(q, kv_cache, block_tables, seq_lens, out)
     num_seqs, num_heads, _ = q.shape
-    _check_devices(kv_cache, q=q, out=out, block_tables=block_tables, seq_lens=seq_lens)
-    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
-        raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
-    if (
-        block_tables.dim() != 2
-        or block_tables.shape[0] != num_seqs
-        or block_tables.dtype not in _INDEX_DTYPES
-    ):
-        raise CudaKernelError(f"block_tables must be int32/int64 [{num_seqs}, max_blocks]")
-    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in _INDEX_DTYPES:
-        raise CudaKernelError(f"seq_lens must be int32/int64 [{num_seqs}]")
     if num_seqs == 0:
         return []
-    if num_seqs > 65535:
-        raise CudaKernelError(f"{num_seqs} sequences exceed one launch's grid (65535)")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
@@ -229,73 +273,72 @@ def plan_paged_decode(
         max_seq_len = block_tables.shape[1] * block_size
 
     plan = plan_decode(num_heads, num_kv_heads, max_seq_len, num_seqs)
-    parts = plan.max_partitions
-    partial_out = partial_max = partial_sum = None
-    if parts > 1:
-        n = num_seqs * num_heads * parts
-        workspace = workspace or DecodeWorkspace()
-        buf = workspace.reserve(
-            DecodeWorkspace.num_floats(num_seqs, num_heads, parts, head_dim), q.device
-        )
-        partial_out = buf[: n * head_dim]
-        partial_max = buf[n * head_dim : n * (head_dim + 1)]
-        partial_sum = buf[n * (head_dim + 1) : n * (head_dim + 2)]
+    partials: list[torch.Tensor | None] = [None] * 3
+    if plan.max_partitions > 1:
+        partials = (workspace or DecodeWorkspace()).partials(q, plan.max_partitions)
+    keepalive = tuple(t for t in (q, block_tables, seq_lens, out, partials[0]) if t is not None)
+    args = _DecodeArgs(q, kv_cache, block_tables, seq_lens, out, partials, plan, keepalive)
+    launches = [_decode_launch(args, scale)]
+    if plan.max_partitions > 1:
+        launches.append(_reduce_launch(args))
+    return launches
 
-    keepalive = (q, block_tables, seq_lens, out) + (() if partial_out is None else (partial_out,))
-    tag = _DTYPE_TAG[q.dtype]
-    seq_lens_int64 = np.int32(seq_lens.dtype == torch.int64)
-    decode = KernelLaunch(
+
+def _decode_launch(a: _DecodeArgs, scale: float) -> KernelLaunch:
+    """zllm_paged_decode: each (kv head split, sequence, partition) block attends its part."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = a.kv_cache.shape
+    num_seqs, num_heads, _ = a.q.shape
+    plan = a.plan
+    return KernelLaunch(
         "paged_attention.cu",
-        f"zllm_paged_decode<{tag}, {head_dim}, {plan.group}>",
-        (num_kv_heads * plan.splits, num_seqs, parts),
+        f"zllm_paged_decode<{_DTYPE_TAG[a.q.dtype]}, {head_dim}, {plan.group}>",
+        (num_kv_heads * plan.splits, num_seqs, plan.max_partitions),
         (NUM_THREADS, 1, 1),
         (
-            _ptr(out),
-            _ptr(partial_out),
-            _ptr(partial_max),
-            _ptr(partial_sum),
-            _ptr(q),
-            np.int64(q.stride(0)),
-            np.int64(q.stride(1)),
-            _ptr(kv_cache),
+            _ptr(a.out),
+            *map(_ptr, a.partials),
+            _ptr(a.q),
+            np.int64(a.q.stride(0)),
+            np.int64(a.q.stride(1)),
+            _ptr(a.kv_cache),
             np.int64(num_blocks * block_size),
-            _ptr(block_tables),
-            np.int32(block_tables.dtype == torch.int64),
-            np.int64(block_tables.stride(0)),
-            _ptr(seq_lens),
-            seq_lens_int64,
+            _ptr(a.block_tables),
+            np.int32(a.block_tables.dtype == torch.int64),
+            np.int64(a.block_tables.stride(0)),
+            _ptr(a.seq_lens),
+            a.seq_lens_int64,
             np.int32(num_heads),
             np.int32(num_kv_heads),
             np.int32(block_size),
-            np.int32(parts),
+            np.int32(plan.max_partitions),
             np.int32(plan.heads_per_block),
             np.float32(scale),
             np.int32(plan.partition_size),
         ),
-        keepalive,
+        a.keepalive,
     )
-    if parts == 1:
-        return [decode]
-    reduce = KernelLaunch(
+
+
+def _reduce_launch(a: _DecodeArgs) -> KernelLaunch:
+    """zllm_paged_decode_reduce: combines a split decode's partitions into `out`."""
+    num_seqs, num_heads, head_dim = a.q.shape
+    return KernelLaunch(
         "paged_attention.cu",
-        f"zllm_paged_decode_reduce<{tag}>",
+        f"zllm_paged_decode_reduce<{_DTYPE_TAG[a.q.dtype]}>",
         (num_heads, num_seqs, 1),
         (NUM_THREADS, 1, 1),
         (
-            _ptr(out),
-            _ptr(partial_out),
-            _ptr(partial_max),
-            _ptr(partial_sum),
-            _ptr(seq_lens),
-            seq_lens_int64,
+            _ptr(a.out),
+            *map(_ptr, a.partials),
+            _ptr(a.seq_lens),
+            a.seq_lens_int64,
             np.int32(num_heads),
             np.int32(head_dim),
-            np.int32(parts),
-            np.int32(plan.partition_size),
+            np.int32(a.plan.max_partitions),
+            np.int32(a.plan.partition_size),
         ),
-        keepalive,
+        a.keepalive,
     )
-    return [decode, reduce]
 
 
 # ---- running on the GPU ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ for RMSNorm (with the residual add), RoPE and SiLU-and-mul, where torch's eager 
 this is most of the gap between a step and its kernels' real work (BENCHMARKS.md).
 
     rms_norm(x, residual, weight, eps) -> (normed, x + residual)   models/llama.py RMSNorm
-    rope_(qk, cos, sin)                  rotates q and k in place   models/llama.py apply_rope
+    rope_(qk, cos, sin)                  rotates q and k in place   models/rope.py apply_rope
     silu_mul(gate_up)                    silu(gate) * up            models/llama.py LlamaMLP
 
 `usable(x)` says whether a tensor takes the fused path: a CUDA tensor, unless

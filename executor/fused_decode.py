@@ -93,42 +93,12 @@ class FusedDecode:
         global_rope = stack.add_rope_table(model.rotary.cos_sin_cache)
         local_rope = stack.add_rope_table(model.local_rotary.cos_sin_cache) if gemma else None
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            matmuls = {
-                name: _matmul(kernels, module)
-                for name, module in (
-                    ("qkv", attn.qkv_proj),
-                    ("o", attn.o_proj),
-                    ("gate_up", mlp.gate_up_proj),
-                    ("down", mlp.down_proj),
-                )
-            }
-            if gemma:
-                norms = {
-                    "attn_norm": layer.input_layernorm,
-                    "ffn_norm": layer.pre_feedforward_layernorm,
-                    "post_attn_norm": layer.post_attention_layernorm,
-                    "post_ffn_norm": layer.post_feedforward_layernorm,
-                    "q_norm": attn.q_norm,
-                    "k_norm": attn.k_norm,
-                }
-                rope = local_rope if layer.is_sliding else global_rope
-            else:
-                qk = attn.qk_norm
-                norms = {
-                    "attn_norm": layer.input_layernorm,
-                    "ffn_norm": layer.post_attention_layernorm,
-                    "post_attn_norm": None,
-                    "post_ffn_norm": None,
-                    "q_norm": None if qk is None else qk.q_norm,
-                    "k_norm": None if qk is None else qk.k_norm,
-                }
-                rope = global_rope
+            is_local = gemma and layer.is_sliding
             stack.add_layer(
-                **{k: None if v is None else _norm_weight(v) for k, v in norms.items()},
-                **matmuls,
-                rope_table=rope,
-                scale=attn.attn.scale,
+                **_layer_norms(layer, gemma),
+                **_layer_matmuls(kernels, layer),
+                rope_table=local_rope if is_local else global_rope,
+                scale=layer.self_attn.attn.scale,
             )
         return cls(model, stack)
 
@@ -167,6 +137,45 @@ class FusedDecode:
             seq_lens=decode.seq_lens,
             final_norm=final_norm,
         )
+
+
+def _layer_norms(layer: nn.Module, gemma: bool) -> dict[str, torch.Tensor | None]:
+    """A layer's norm weights as DecodeStack.add_layer takes them (None: no such norm)."""
+    attn = layer.self_attn
+    if gemma:
+        norms = {
+            "attn_norm": layer.input_layernorm,
+            "ffn_norm": layer.pre_feedforward_layernorm,
+            "post_attn_norm": layer.post_attention_layernorm,
+            "post_ffn_norm": layer.post_feedforward_layernorm,
+            "q_norm": attn.q_norm,
+            "k_norm": attn.k_norm,
+        }
+    else:
+        qk = attn.qk_norm
+        norms = {
+            "attn_norm": layer.input_layernorm,
+            "ffn_norm": layer.post_attention_layernorm,
+            "post_attn_norm": None,
+            "post_ffn_norm": None,
+            "q_norm": None if qk is None else qk.q_norm,
+            "k_norm": None if qk is None else qk.k_norm,
+        }
+    return {k: None if v is None else _norm_weight(v) for k, v in norms.items()}
+
+
+def _layer_matmuls(kernels: Any, layer: nn.Module) -> dict[str, Any]:
+    """A layer's four matmuls as DecodeStack.add_layer takes them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {
+        name: _matmul(kernels, module)
+        for name, module in (
+            ("qkv", attn.qkv_proj),
+            ("o", attn.o_proj),
+            ("gate_up", mlp.gate_up_proj),
+            ("down", mlp.down_proj),
+        )
+    }
 
 
 def _decode_only(meta: StepAttentionMetadata, num_tokens: int) -> bool:

@@ -168,17 +168,7 @@ def init_parallel(
     r // tp_size. `engines`: the data-parallel engines on this host, of which this rank's is
     `engine`: each engine's ranks take the next GPUs, or their share of the CPU cores."""
     world = tp_size * pp_size
-    if device == "cuda":
-        # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
-        torch.cuda.set_device((engine * world + rank) % torch.cuda.device_count())
-    elif (
-        not device.startswith("cuda")
-        and world * engines > 1
-        and "OMP_NUM_THREADS" not in os.environ
-    ):
-        # The processes share this machine's cores: one thread pool each of a core per core
-        # would oversubscribe them N-fold (torch sizes its pool to every core by default).
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (world * engines)))
+    _place_on_device(device, engine * world + rank, world * engines)
     if world == 1:
         return ONE_RANK
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -194,13 +184,7 @@ def init_parallel(
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     stage, tp_rank = divmod(rank, tp_size)
-    group = None
-    if pp_size > 1 and tp_size > 1:
-        # Every rank creates every stage's group, in the same order (torch.distributed's rule).
-        for s in range(pp_size):
-            g = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
-            if s == stage:
-                group = g
+    group = _tensor_parallel_group(stage, tp_size, pp_size)
     pp = WHOLE
     if pp_size > 1:
         pp = PipelineParallel(
@@ -223,6 +207,32 @@ def init_parallel(
         pp_size,
     )
     return Parallel(rank, world, TensorParallel(tp_rank, tp_size, group), pp)
+
+
+def _place_on_device(device: str, slot: int, num_processes: int) -> None:
+    """A rank's GPU (`slot` among this host's ranks of every engine), or its share of the
+    CPU cores among `num_processes`."""
+    if device == "cuda":
+        # One GPU per rank (ranks on one host; more ranks than GPUs share them round-robin).
+        torch.cuda.set_device(slot % torch.cuda.device_count())
+    elif (
+        not device.startswith("cuda") and num_processes > 1 and "OMP_NUM_THREADS" not in os.environ
+    ):
+        # The processes share this machine's cores: one thread pool each of a core per core
+        # would oversubscribe them N-fold (torch sizes its pool to every core by default).
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // num_processes))
+
+
+def _tensor_parallel_group(stage: int, tp_size: int, pp_size: int) -> dist.ProcessGroup | None:
+    """The group of this stage's ranks (None: the whole world is one stage)."""
+    group = None
+    if pp_size > 1 and tp_size > 1:
+        # Every rank creates every stage's group, in the same order (torch.distributed's rule).
+        for s in range(pp_size):
+            g = dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+            if s == stage:
+                group = g
+    return group
 
 
 def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:

@@ -238,31 +238,37 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
     return [m for m in decoder if m is not None], head
 
 
-def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
-    """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
-    activations for few rows: gguf-int8)."""
-    from zllm.executor.loader import gguf_raw_weights
+class _GGUFBlocks:
+    """A GGUF file's blocks for this rank's matrices (its tensor-parallel part of each), as
+    kernel matmuls over them where the kernel reads every tensor involved."""
 
-    cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
-    # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
-    tp: TensorParallel = getattr(model, "tp", SINGLE)
-    checkpoint_arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
-    raw = gguf_raw_weights(model_path, checkpoint_arch, getattr(model, "layer_indices", None))
-    if tp.enabled and checkpoint_arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
-        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
+    def __init__(self, model: nn.Module, model_path: str, int8_activations: bool) -> None:
+        from zllm.executor.loader import gguf_raw_weights
 
-    def rank_part(name: str) -> tuple[int, torch.Tensor] | None:
-        found = raw.get(name)
-        if found is None or not tp.enabled:
+        # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
+        self.tp: TensorParallel = getattr(model, "tp", SINGLE)
+        arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
+        self.checkpoint_arch = arch
+        self.int8_activations = int8_activations
+        raw = gguf_raw_weights(model_path, arch, getattr(model, "layer_indices", None))
+        if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
+            raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
+        self.raw = raw
+
+    def rank_part(self, name: str) -> tuple[int, torch.Tensor] | None:
+        found = self.raw.get(name)
+        if found is None or not self.tp.enabled:
             return found
         ggml_type, rows = found
         block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-        part = shard_blocks(name, rows, block_values, block_bytes, checkpoint_arch, tp)
+        part = shard_blocks(name, rows, block_values, block_bytes, self.checkpoint_arch, self.tp)
         return None if part is None else (ggml_type, part)
 
-    def blocks(names: list[str], weight: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+    def blocks(
+        self, names: list[str], weight: torch.Tensor
+    ) -> list[tuple[torch.Tensor, int]] | None:
         """Each tensor's blocks and type (runs of one type merged), if the kernel reads all."""
-        parts = [rank_part(n) for n in names]
+        parts = [self.rank_part(n) for n in names]
         if any(p is None or p[0] not in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts):
             return None
         # The kernel must multiply by exactly the weights the fp32 path holds.
@@ -282,15 +288,38 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
                 merged.append((rows.contiguous(), ggml_type))
         return merged
 
-    def fuse(names: list[str], weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+    def fuse(
+        self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> nn.Module | None:
         """A kernel matmul over the row-concatenated blocks of names, if it reads them all."""
-        found = blocks(names, weight)
+        found = self.blocks(names, weight)
         if found is None:
             return None
         if len(found) == 1:
-            return GGUFLinear(*found[0], weight.shape[1], bias, int8_activations)
-        return GGUFSplitLinear(found, weight.shape[1], bias, int8_activations)
+            return GGUFLinear(*found[0], weight.shape[1], bias, self.int8_activations)
+        return GGUFSplitLinear(found, weight.shape[1], bias, self.int8_activations)
 
+
+def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
+    """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
+    activations for few rows: gguf-int8)."""
+    cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
+    source = _GGUFBlocks(model, model_path, int8_activations)
+    swapped, kept = _swap_decoder_matmuls(model, source)
+    embedding = _swap_ends(model, source)
+    logger.info(
+        "GGUF kernels: %d of %d decoder matmuls, %s and %s read GGUF blocks%s",
+        swapped,
+        swapped + kept,
+        "the logits" if model.logits_proj is not None else "not the logits",
+        "the embedding" if embedding else "not the embedding",
+        _fp32_note(model_path) if kept else "",
+    )
+
+
+def _swap_decoder_matmuls(model: nn.Module, source: _GGUFBlocks) -> tuple[int, int]:
+    """Every decoder layer's matmuls the kernel reads become kernel matmuls; returns how many
+    were swapped and how many kept."""
     swapped = kept = 0
     # (A pipeline stage holds some of the layers: layer_indices names them.)
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
@@ -304,36 +333,34 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
         ]
         for module, attr, names in targets:
             linear = getattr(module, attr)
-            new = fuse(names, linear.weight.data, None if linear.bias is None else linear.bias.data)
+            bias = None if linear.bias is None else linear.bias.data
+            new = source.fuse(names, linear.weight.data, bias)
             if new is None:
                 kept += 1
             else:
                 setattr(module, attr, new)
                 swapped += 1
-    # The embedding table (and, tied, the logits: one set of blocks for both), then an
-    # untied lm_head; each fp32 tensor the blocks replace is released.
-    found = blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
+    return swapped, kept
+
+
+def _swap_ends(model: nn.Module, source: _GGUFBlocks) -> bool:
+    """The embedding table (and, tied, the logits: one set of blocks for both), then an
+    untied lm_head; each fp32 tensor the blocks replace is released. Returns whether the
+    embedding reads blocks."""
+    int8 = source.int8_activations
+    found = source.blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
     embedding = None if found is None else found[0]
     if embedding is not None:
         model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
         if model.lm_head is None:
-            model.logits_proj = GGUFLinear(
-                *embedding, model.arch.hidden_size, None, int8_activations
-            )
+            model.logits_proj = GGUFLinear(*embedding, model.arch.hidden_size, None, int8)
         release_weight(model.embed_tokens)
     if model.lm_head is not None:
-        head = fuse(["lm_head.weight"], model.lm_head.data, None)
+        head = source.fuse(["lm_head.weight"], model.lm_head.data, None)
         if head is not None:
             model.logits_proj = head
             release_weight(model.lm_head)
-    logger.info(
-        "GGUF kernels: %d of %d decoder matmuls, %s and %s read GGUF blocks%s",
-        swapped,
-        swapped + kept,
-        "the logits" if model.logits_proj is not None else "not the logits",
-        "the embedding" if embedding is not None else "not the embedding",
-        _fp32_note(model_path) if kept else "",
-    )
+    return embedding is not None
 
 
 def set_int8_max_rows(model: nn.Module, rows: int) -> int:

@@ -25,11 +25,14 @@ greedy row accepts d when it is the argmax. (The race needs no renormalisation.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from zllm.executor.logits_processors import SAMPLER_PROCESSORS, SamplerProcessor
 from zllm.sampling_params import SamplingParams
 
 # Rows with temperature below this are greedy (same threshold as SamplingParams.greedy).
@@ -75,13 +78,7 @@ class SamplingMetadata:
 
         `prompt_ids`/`output_ids` are read only when a row uses a penalty that needs them.
         """
-        num_rows = len(params)
-        if not (len(generators) == len(prompt_ids) == len(output_ids) == len(banned) == num_rows):
-            raise ValueError(
-                "params, generators, prompt_ids, output_ids and banned must have one entry per "
-                f"row; got lengths {len(params)}, {len(generators)}, {len(prompt_ids)}, "
-                f"{len(output_ids)}, {len(banned)}."
-            )
+        _check_one_per_row(params, generators, prompt_ids, output_ids, banned)
         greedy = [p.greedy for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
@@ -96,19 +93,7 @@ class SamplingMetadata:
         top_p = floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
         min_p = floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None
 
-        presence = [p.presence_penalty for p in params]
-        frequency = [p.frequency_penalty for p in params]
-        repetition = [p.repetition_penalty for p in params]
-        use_presence = any(presence)
-        use_frequency = any(frequency)
-        use_repetition = any(r != 1.0 for r in repetition)
-
-        banned_pairs = [(row, tok) for row, toks in enumerate(banned) for tok in toks]
-        banned_tokens = None
-        if banned_pairs:
-            pairs = torch.tensor(banned_pairs, dtype=torch.int64, device=device)
-            banned_tokens = (pairs[:, 0], pairs[:, 1])
-
+        penalties = _penalty_tensors(params, prompt_ids, output_ids, vocab_size, device)
         # Top logprobs per row: each request's own, unless given (beam search's candidates).
         wanted = num_logprobs if num_logprobs is not None else [p.logprobs for p in params]
         requested = [k for k in wanted if k is not None]
@@ -122,18 +107,12 @@ class SamplingMetadata:
             generators={
                 row: g for row, g in enumerate(generators) if g is not None and not greedy[row]
             },
-            presence_penalty=floats(presence) if use_presence else None,
-            frequency_penalty=floats(frequency) if use_frequency else None,
-            repetition_penalty=floats(repetition) if use_repetition else None,
-            prompt_token_ids=(
-                _pad_token_ids(prompt_ids, vocab_size, device) if use_repetition else None
-            ),
-            output_token_ids=(
-                _pad_token_ids(output_ids, vocab_size, device)
-                if use_presence or use_frequency or use_repetition
-                else None
-            ),
-            banned_tokens=banned_tokens,
+            presence_penalty=penalties.presence,
+            frequency_penalty=penalties.frequency,
+            repetition_penalty=penalties.repetition,
+            prompt_token_ids=penalties.prompt_token_ids,
+            output_token_ids=penalties.output_token_ids,
+            banned_tokens=_banned_tokens(banned, device),
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -151,6 +130,11 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    def __init__(self, processors: Sequence[SamplerProcessor] = SAMPLER_PROCESSORS) -> None:
+        """`processors`: edit the fp32 logits before the draw (logits_processors.py)."""
+        super().__init__()
+        self.processors = tuple(processors)
+
     def forward(
         self,
         logits: torch.Tensor,
@@ -166,10 +150,8 @@ class Sampler(torch.nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
         logits = logits.to(torch.float32, copy=True)
-        if metadata.banned_tokens is not None:
-            rows, token_ids = metadata.banned_tokens
-            logits[rows, token_ids] = float("-inf")
-        apply_penalties(logits, metadata)
+        for processor in self.processors:
+            processor.apply(logits, metadata)
 
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
         accepted = None
@@ -229,42 +211,6 @@ def verify_drafts(
         accepted = torch.where(is_greedy, greedy_accepted, accepted)
         sampled = torch.where(is_greedy, torch.where(greedy_accepted, drafts, greedy_ids), sampled)
     return sampled, accepted
-
-
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-    """Repetition (HF style, prompt or output), then frequency and presence (output), in place.
-
-    Token counts come from one scatter_add over the padded id tensors; the pad id is
-    vocab_size, so counts get one spare column that is dropped afterwards.
-    """
-    m = metadata
-    if m.repetition_penalty is None and m.frequency_penalty is None and m.presence_penalty is None:
-        return
-    if m.output_token_ids is None:
-        raise ValueError("penalties need output_token_ids (use SamplingMetadata.build).")
-    num_rows, vocab_size = logits.shape
-    output_counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
-    output_counts.scatter_add_(
-        1, m.output_token_ids, torch.ones_like(m.output_token_ids, dtype=logits.dtype)
-    )
-    output_counts = output_counts[:, :vocab_size]
-    output_seen = output_counts > 0
-
-    if m.repetition_penalty is not None:
-        if m.prompt_token_ids is None:
-            raise ValueError(
-                "repetition_penalty needs prompt_token_ids (use SamplingMetadata.build)."
-            )
-        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-        seen.scatter_(1, m.prompt_token_ids, True)
-        seen = seen[:, :vocab_size] | output_seen
-        penalty = m.repetition_penalty.unsqueeze(1).to(logits.dtype)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        torch.where(seen, penalised, logits, out=logits)
-    if m.frequency_penalty is not None:
-        logits.sub_(m.frequency_penalty.unsqueeze(1) * output_counts)
-    if m.presence_penalty is not None:
-        logits.sub_(m.presence_penalty.unsqueeze(1) * output_seen)
 
 
 def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -380,6 +326,65 @@ def gather_logprobs(
     token_ids = torch.cat([sampled, top_ids], dim=1)
     logprobs = torch.cat([sampled_logprobs, top_logprobs], dim=1)
     return token_ids, logprobs, ranks
+
+
+def _check_one_per_row(*per_row: list) -> None:
+    """params, generators, prompt_ids, output_ids and banned: one entry per row each."""
+    if len({len(values) for values in per_row}) > 1:
+        raise ValueError(
+            "params, generators, prompt_ids, output_ids and banned must have one entry per "
+            f"row; got lengths {', '.join(str(len(values)) for values in per_row)}."
+        )
+
+
+class _PenaltyTensors(NamedTuple):
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: torch.Tensor | None
+
+
+def _penalty_tensors(
+    params: list[SamplingParams],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> _PenaltyTensors:
+    """The penalties as batch tensors, each None when no row uses it; the token ids only where
+    a penalty in use reads them (repetition: prompt and output; the others: output)."""
+    presence = [p.presence_penalty for p in params]
+    frequency = [p.frequency_penalty for p in params]
+    repetition = [p.repetition_penalty for p in params]
+    use_presence = any(presence)
+    use_frequency = any(frequency)
+    use_repetition = any(r != 1.0 for r in repetition)
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    reads_output = use_presence or use_frequency or use_repetition
+    return _PenaltyTensors(
+        presence=floats(presence) if use_presence else None,
+        frequency=floats(frequency) if use_frequency else None,
+        repetition=floats(repetition) if use_repetition else None,
+        prompt_token_ids=(
+            _pad_token_ids(prompt_ids, vocab_size, device) if use_repetition else None
+        ),
+        output_token_ids=(_pad_token_ids(output_ids, vocab_size, device) if reads_output else None),
+    )
+
+
+def _banned_tokens(
+    banned: list[list[int]], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows [K], token ids [K]) of every row's banned tokens; None when there are none."""
+    banned_pairs = [(row, tok) for row, toks in enumerate(banned) for tok in toks]
+    if not banned_pairs:
+        return None
+    pairs = torch.tensor(banned_pairs, dtype=torch.int64, device=device)
+    return pairs[:, 0], pairs[:, 1]
 
 
 def _pad_token_ids(

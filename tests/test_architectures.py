@@ -34,7 +34,7 @@ from tiny_models import CHAT_TEMPLATE, arch_config_of, tiny_hf_config, write_tin
 
 from zllm import LLM, SamplingParams
 from zllm.config import ModelArchConfig
-from zllm.executor.models.llama import rope_inv_freq
+from zllm.executor.models.rope import rope_inv_freq
 from zllm.model_files import read_arch_config
 
 WINDOW = 16

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.executor import cpu_kernels, cpu_layer_ops
-from zllm.executor.models.llama import apply_rope
+from zllm.executor.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"

@@ -460,7 +460,7 @@ def test_emulated_rope_equals_torch_bitwise(emu, dtype, rotary):
     apply_rope: the same bits, torch's roundings included; with a partial rotary factor the
     dimensions past the rotated ones stay as they were."""
     from zllm.executor import cuda_layer_ops as lo
-    from zllm.executor.models.llama import apply_rope
+    from zllm.executor.models.rope import apply_rope
 
     gen = torch.Generator().manual_seed(22)
     tokens, heads, kv_heads, head_dim = 6, 4, 2, 64

@@ -25,6 +25,7 @@ from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
 from zllm.executor.fused_decode import FusedDecode, Unsupported
 from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
+from zllm.executor.step_inputs import build_attention_metadata
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"
@@ -102,8 +103,8 @@ def count_fused_steps(llm: LLM) -> list[int]:
     served: list[int] = []
     run = fused.run
 
-    def counting(input_ids, *args):
-        hidden = run(input_ids, *args)
+    def counting(input_ids, *args, **kwargs):
+        hidden = run(input_ids, *args, **kwargs)
         if hidden is not None:
             served.append(input_ids.shape[0])
         return hidden
@@ -208,7 +209,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
                 tables.append(table)
             states.append(State(tables))
         positions = [np.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
-        meta = runner._build_attention_metadata(states, query_lens, seq_lens, positions)
+        meta = build_attention_metadata(runner.host, states, query_lens, seq_lens, positions)
         ids = torch.randint(3, 250, (sum(query_lens),), generator=gen)
         return ids, torch.from_numpy(np.concatenate(positions)), meta
 
@@ -232,7 +233,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
     ],
 )
 def test_features_it_does_not_cover_keep_the_module_path(model_path, caplog, kwargs, why) -> None:
-    caplog.set_level("INFO", logger="zllm.executor.model_runner")
+    caplog.set_level("INFO", logger="zllm.executor.model_host")
     llm = make_llm(model_path("llama"), **kwargs)
     assert llm.model_runner.fused_decode is None
     assert f"fused CPU path not used: {why}" in caplog.text

@@ -369,7 +369,7 @@ def test_fused_matmul_of_two_kernel_types_runs_one_call_per_type(tmp_path: Path)
 
 
 def test_file_without_kernel_types_runs_fp32_and_says_why(gguf_of_type, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="zllm.executor.model_runner")
+    caplog.set_level(logging.INFO, logger="zllm.executor.model_host")
     path, _ = gguf_of_type(T.Q3_K)
     assert tiny_llm(path).model_runner.quantization == "none"
     assert (

@@ -11,7 +11,7 @@ from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
 from zllm.executor.attention import AttentionMetadata
 from zllm.executor.models import LlamaForCausalLM, get_model_class
-from zllm.executor.models.llama import rope_inv_freq
+from zllm.executor.models.rope import rope_inv_freq
 
 VOCAB = 256
 # What every model here changes in the tiny config: a smaller vocabulary and context, a

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from zllm.executor.sampler import Sampler, SamplingMetadata, apply_penalties
+from zllm.executor.logits_processors import apply_penalties
+from zllm.executor.sampler import Sampler, SamplingMetadata
 from zllm.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -325,6 +326,20 @@ def test_banned_tokens_never_sampled() -> None:
     assert sampled[5].item() == 1  # greedy, odd row: best token left is 1
 
 
+def test_sampler_runs_its_processors_in_order_after_the_raw_logprobs() -> None:
+    """Banned tokens, then penalties (logits_processors.SAMPLER_PROCESSORS), on the fp32
+    copy: the logprobs stay those of the raw logits; a sampler without processors ignores
+    the bans."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=1.5)]
+    metadata = build(params, 4, output_ids=[[2]], banned=[[1]])
+    out = Sampler()(logits, metadata)
+    # 1 is banned, 2 pays 1.5 for its one earlier use: 3 (1.0) beats it (0.5).
+    assert out.sampled_token_ids.tolist() == [3]
+    assert out.logprobs_token_ids.tolist() == [[3, 1]]  # the raw logits' best is still 1
+    assert Sampler(processors=())(logits, metadata).sampled_token_ids.tolist() == [1]
+
+
 @pytest.mark.parametrize("num_logprobs", [0, 3, VOCAB + 5])
 def test_logprobs_from_raw_logits(num_logprobs: int) -> None:
     rows = 8
@@ -424,7 +439,7 @@ def test_runner_draws_the_samples_the_scheduler_asks_for(runner) -> None:
     assert out.req_ids == ["a#b"] and len(out.sampled_token_ids[0]) == 3
     first, second, _ = out.sampled_token_ids[0]
     assert runner.requests["a#b"].output_token_ids == [first]
-    assert set(runner._child_generators) == {("a#b", 1), ("a#b", 2)}
+    assert set(runner.sampling.child_generators) == {("a#b", 1), ("a#b", 2)}
 
     # Sample 1 draws from its own seeded stream: the same prompt as sample 1 alone agrees.
     alone = run_step(runner, 2, {"one": 5}, new_requests=[new_request("one", params, [2, 3], 1)])
@@ -432,13 +447,13 @@ def test_runner_draws_the_samples_the_scheduler_asks_for(runner) -> None:
 
     # The fork of sample 1 takes its parked generator; when the parent finishes, sample 2's
     # (never forked: say it stopped at its first token) goes too.
-    parked = runner._child_generators[("a#b", 1)]
+    parked = runner.sampling.child_generators[("a#b", 1)]
     fork = ForkedRequestData(req_id="a#b.1", parent_req_id="a#b", sample_index=1,
                              first_token_id=second)  # fmt: skip
     run_step(runner, 3, {}, forked_requests=[fork], finished_req_ids=["a#b", "one"])
     child = runner.requests["a#b.1"]
     assert child.generator is parked and child.output_token_ids == [second]
-    assert "a#b" not in runner.requests and runner._child_generators == {}
+    assert "a#b" not in runner.requests and runner.sampling.child_generators == {}
 
     # Without num_samples an n > 1 request draws one token: forking is the scheduler's call.
     out = run_step(runner, 4, {"c": 5}, new_requests=[new_request("c", params, [4, 5])])

@@ -12,7 +12,7 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.executor.model_runner import kv_bytes_per_token
+from zllm.executor.model_host import kv_bytes_per_token
 
 pytestmark = pytest.mark.slow
 

@@ -370,7 +370,7 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
 
     from zllm import LLM
     from zllm.executor import offline, parallel, ranks
-    from zllm.executor.model_runner import ModelRunner
+    from zllm.executor.model_host import ModelHost
 
     started: list = []
 
@@ -382,16 +382,16 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
                 os.kill(self.processes[0].pid, signal.SIGKILL)
                 self.processes[0].join(10)
 
-    load = ModelRunner._load_weights
+    load = ModelHost._load_weights
 
-    def killed_while_loading(runner) -> None:
+    def killed_while_loading(host) -> None:
         if when == "while loading":  # every rank has joined: rank 0's init returned
             os.kill(started[0].pid, signal.SIGKILL)
             started[0].join(10)
-        load(runner)
+        load(host)
 
     monkeypatch.setattr(offline, "RankProcesses", RanksKilledAtOnce)
-    monkeypatch.setattr(ModelRunner, "_load_weights", killed_while_loading)
+    monkeypatch.setattr(ModelHost, "_load_weights", killed_while_loading)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="executor rank processes died|[Cc]onnection"):
         LLM(tiny_llama_dir, tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)

@@ -32,7 +32,8 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.models.llama import RotaryEmbedding, copy_checkpoint, rope
+from zllm.executor.models.llama import copy_checkpoint
+from zllm.executor.models.rope import RotaryEmbedding, rope
 from zllm.executor.parallel import (
     SINGLE,
     WHOLE,

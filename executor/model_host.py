@@ -1,0 +1,392 @@
+"""The model host: what a rank holds for its model, and how it got it (vLLM's `Worker`).
+
+    ModelHost(config, parallel)   the layout (this rank's heads, this stage's layers, KV groups)
+                                  the weights: loaded, quantized, batch-invariant, LoRA-wrapped
+                                  the decode path: fused CPU stack, CUDA graphs, or the modules
+                                  the KV pool: sized, allocated, its tiers and transfer sender
+                                  the proposer of speculative decoding (its own weights)
+    sleep() / wake_up()           release all of it, and load it again
+
+The step (model_runner.py) reads the host; it never decides how the model was built.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
+from zllm.executor import cpu_kernels, fused_decode, quantization
+from zllm.executor.attention_backend import choose_attention_backend
+from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.fused_decode import FusedDecode
+from zllm.executor.kv_connector import KVPool, KVTiers
+from zllm.executor.kv_transfer import KVSender, transfer_layout
+from zllm.executor.loader import load_weights
+from zllm.executor.lora.manager import LoRAManager
+from zllm.executor.models import get_model_class
+from zllm.executor.models.rope import RotaryEmbedding
+from zllm.executor.models.transformers_backend import TransformersForCausalLM
+from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
+from zllm.executor.spec_decode.draft_model import DraftModelProposer
+from zllm.executor.spec_decode.ngram import NgramProposer
+from zllm.executor.step_inputs import layer_attention, layer_kv_slots
+from zllm.kv_cache_groups import kv_cache_groups
+from zllm.model_files import read_gguf
+
+if TYPE_CHECKING:
+    from zllm.executor.cuda_graph import CudaGraphRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Proposer = NgramProposer | DraftModelProposer
+
+
+def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype size."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+
+
+class ModelHost:
+    """This rank's model, its decode path and its KV pool; released by sleep, reloaded by
+    wake_up."""
+
+    def __init__(self, config: EngineConfig, parallel: Parallel = ONE_RANK) -> None:
+        """`parallel`: this process's place among the executor's ranks: its tensor-parallel
+        share of the heads (self.arch, so its KV cache too), its pipeline stage's layers
+        (self.layers)."""
+        self.config = config
+        self.tp, self.pp = parallel.tp, parallel.pp
+        self.arch = local_arch(config.arch, self.tp)
+        self.layers = self.pp.layer_range(self.arch.num_layers)  # the layers this stage holds
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = _DTYPES[config.dtype]
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.seed)
+
+        start = time.perf_counter()
+        self.kv_groups = kv_cache_groups(self.arch, config.cache.hybrid_kv_cache)
+        self.layer_attention = layer_attention(self.arch, self.kv_groups, self.layers)
+        # The cache tensors this stage's layers use (every one of them on a single stage).
+        self.kv_slot_of = layer_kv_slots(self.kv_groups, self.layers)
+        self.attention = choose_attention_backend(
+            self.device,
+            self.dtype,
+            self.arch.head_dim,
+            sliding_window=any(la.sliding_window for la in self.layer_attention),
+        )
+        self._load_weights()
+        logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
+        logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
+        self._create_kv_pool(parallel)
+        self.graph_runner = self._capture_cuda_graphs()
+        self._log_kv_cache()
+        self.proposer = make_proposer(config, self.num_blocks, self.dtype)
+        self.asleep = False
+
+    def _create_kv_pool(self, parallel: Parallel) -> None:
+        """The pool, the tiers below it and a disaggregation producer's sender."""
+        config = self.config
+        # Ranks may see different free memory (GPUs), stages hold different layers: the pool
+        # is the smallest any can hold.
+        self.num_blocks = parallel.min_across(config.cache.num_blocks or self.profile_num_blocks())
+        config.cache.num_blocks = self.num_blocks
+        self.kv_pool = KVPool([])
+        self._allocate_kv_cache()
+        # KV offload: the tiers below the pool (their bytes outlive sleep mode's pool); a
+        # disaggregation consumer's buffer of received blocks is one too.
+        offload, transfer = config.kv_offload, config.kv_transfer
+        offloads = offload is not None and offload.enabled
+        receives = transfer is not None and transfer.consumes
+        self.kv_tiers = KVTiers(config, self.kv_pool) if offloads or receives else None
+        # A disaggregation producer's sender of prompt blocks.
+        self.kv_sender = (
+            KVSender(transfer, self.kv_pool, transfer_layout(config))
+            if transfer is not None and transfer.produces
+            else None
+        )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""
+        if self.config.deterministic:
+            return tiled(self.model.compute_logits, hidden)
+        return self.model.compute_logits(hidden)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def _load_weights(self) -> None:
+        """The model, quantized, made batch-invariant and LoRA-wrapped as configured."""
+        config = self.config
+        self.model = self._load_model()
+        self.quantization = self._quantize()
+        ends_released = release_other_stages_ends(self.model, self.pp)
+        if config.model_path.endswith(".gguf"):
+            read_gguf(config.model_path).release_pages()  # copied out: the model holds them
+        if self.quantization in ("gguf", "gguf-int8") or ends_released:
+            # The fp32 weights the blocks replaced, another stage's embedding / logits.
+            release_freed_memory(self.device)
+        if config.deterministic:
+            wrapped = make_batch_invariant(self.model)
+            logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
+        self.lora = (
+            LoRAManager(self.model, config.lora, self.arch, self.dtype, self.device)
+            if config.lora is not None
+            else None
+        )
+        self.fused_decode = self._build_fused_decode()
+
+    def _load_model(self) -> nn.Module:
+        """Our model code, or transformers' through the transformers backend (model_impl)."""
+        config = self.config
+        if config.model_impl == "transformers":
+            return TransformersForCausalLM.load(
+                config.model_path, self.arch, self.dtype, self.device, self.attention
+            )
+        model_cls = get_model_class(self.arch.architecture)
+        model = model_cls(
+            config.arch, dtype=self.dtype, attention=self.attention, tp=self.tp, pp=self.pp
+        )
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.keep_positions(config.scheduler.max_model_len)
+        # (A pipeline stage reads only its own layers' weights.)
+        layers = getattr(model, "layer_indices", None)
+        model.load_weights(load_weights(config.model_path, config.arch, layers))
+        return model.to(self.device).eval()
+
+    def _quantize(self) -> str:
+        """Apply config.quantization (or pick one when unset); returns the method in use."""
+        config = self.config
+        if config.model_impl == "transformers":
+            # Our quantized matmuls replace layers of our own model classes only.
+            if config.quantization not in (None, "none"):
+                raise ValueError(
+                    f"quantization={config.quantization!r} needs zllm's model code; the "
+                    f"transformers backend runs {config.dtype} matmuls (--model-impl zllm)"
+                )
+            return "none"
+        method = config.quantization
+        if method is None:
+            method = "none"
+            if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.enabled():
+                reason = quantization.gguf_kernel_plan(config.model_path)
+                if reason is None:
+                    method = "gguf"
+                elif config.model_path.endswith(".gguf"):
+                    logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
+        if method == "none":
+            return method
+        try:
+            explicit = config.quantization is not None  # asked for: refuse what it can't serve
+            quantization.quantize_model_(self.model, method, config.model_path, strict=explicit)
+        except cpu_kernels.CpuKernelError as exc:
+            if config.quantization is None:
+                logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
+                return "none"
+            raise
+        return method
+
+    # ---- the decode path ----------------------------------------------------------------------
+    def _build_fused_decode(self) -> FusedDecode | None:
+        """On CPU: the whole decoder stack in one C++ call for decode-only steps
+        (executor/fused_decode.py), where it covers the model and the features in use."""
+        config = self.config
+        if self.device.type != "cpu" or not (fused_decode.enabled() and cpu_kernels.enabled()):
+            return None
+        skip = (
+            "transformers backend"
+            if config.model_impl == "transformers"
+            else "LoRA"
+            if self.lora is not None
+            else "deterministic mode"
+            if config.deterministic
+            else "--enforce-eager"
+            if config.enforce_eager
+            else "tensor parallel (an all-reduce inside each layer)"
+            if self.tp.enabled
+            else None
+        )
+        if skip is None:
+            try:
+                fused = FusedDecode.build(self.model)
+            except (fused_decode.Unsupported, cpu_kernels.CpuKernelError, RuntimeError) as exc:
+                # RuntimeError: a shape DecodeStack's checks refuse (say, RoPE tables of
+                # different widths); the modules serve such a model.
+                skip = str(exc)
+            else:
+                logger.info("Decode steps: the fused CPU path (csrc/cpu/decode_stack.h)")
+                return fused
+        logger.info("Decode steps: the module path (fused CPU path not used: %s)", skip)
+        return None
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        """On a GPU: CUDA graphs for decode-only steps (csrc/); None elsewhere.
+
+        Not yet verified on a GPU (see the GPU issue's notes); the CPU path is untouched.
+        """
+        config = self.config
+        if self.device.type != "cuda" or self.attention.name != "cuda":
+            return None  # graphs replay the CUDA backend's decode (not sliding-window models)
+        if config.model_impl == "transformers":
+            return None  # transformers' modeling code runs eagerly
+        if config.lora is not None:
+            # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
+            logger.info("LoRA enabled: no CUDA graphs")
+            return None
+        if self.tp.enabled or self.pp.enabled:
+            # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
+            logger.info("Tensor or pipeline parallel: no CUDA graphs")
+            return None
+        from zllm.executor.cuda_graph import CudaGraphRunner
+
+        torch.cuda.set_device(self.device)
+        graph_runner = CudaGraphRunner(
+            self.model,
+            self.kv_caches,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-config.scheduler.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_heads=self.arch.num_heads,
+            head_dim=self.arch.head_dim,
+            enabled=not config.enforce_eager,
+        )
+        graph_runner.capture()
+        return graph_runner
+
+    # ---- the KV pool --------------------------------------------------------------------------
+    def profile_num_blocks(self) -> int:
+        budget = self.config.cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.cache.gpu_memory_utilization)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        per_block = self._kv_bytes_per_slot() * self.block_size
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)."
+            )
+        return int(num_blocks)
+
+    def _kv_bytes_per_slot(self) -> int:
+        """The target's bytes per slot (this stage's layers'), plus a draft model's (it shares
+        the block ids)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
+        # The cache tensors this stage allocates (every group's slots on one stage).
+        num_tensors = len(set(self.kv_slot_of.values()))
+        return 2 * num_tensors * self.arch.num_kv_heads * self.arch.head_dim * elem + draft
+
+    def _allocate_kv_cache(self) -> None:
+        shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        # Layer i of every KV cache group uses tensor i (kv_cache_groups.py): group_size
+        # tensors, or on a pipeline stage those its layers use.
+        by_slot = {
+            slot: torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for slot in sorted(set(self.kv_slot_of.values()))
+        }
+        self.kv_tensors = list(by_slot.values())
+        # One per layer of this stage, in order (self.layers).
+        self.kv_caches = [by_slot[self.kv_slot_of[layer]] for layer in self.layers]
+        self.kv_pool.tensors = self.kv_tensors
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block `src`'s bytes into `dst`, the draft model's too."""
+        for kv in self.kv_tensors:  # a block's bytes: its group's layers, one per tensor
+            kv[:, dst].copy_(kv[:, src])
+        if self.proposer is not None:
+            self.proposer.copy_block(src, dst)
+
+    def _log_kv_cache(self) -> None:
+        per_slot = self._kv_bytes_per_slot()
+        groups = ", ".join(
+            f"{len(g.layers)} layers "
+            + (f"window {g.sliding_window}" if g.sliding_window else "full")
+            for g in self.kv_groups
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d bytes per slot, %.2f GiB); %d group(s): %s",
+            self.num_blocks,
+            self.block_size,
+            per_slot,
+            self.num_blocks * self.block_size * per_slot / 2**30,
+            len(self.kv_groups),
+            groups,
+        )
+
+    # ---- sleep mode ---------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Release the weights and the KV pool (and a draft model's), keeping the config. The
+        KV cache's contents are gone, so the core resets its prefix cache too."""
+        if self.asleep:
+            return
+        self.model = None  # type: ignore[assignment]
+        self.lora = None
+        self.fused_decode = None
+        self.kv_tensors, self.kv_caches = [], []
+        self.kv_pool.tensors = []
+        self.graph_runner = None
+        self.proposer = None
+        self.asleep = True
+        release_freed_memory(self.device)
+        logger.info("Asleep: weights and KV cache released")
+
+    def wake_up(self) -> None:
+        """Load the weights again (from the model file) and a fresh, empty KV pool."""
+        if not self.asleep:
+            return
+        start = time.perf_counter()
+        self._load_weights()
+        self._allocate_kv_cache()
+        self.graph_runner = self._capture_cuda_graphs()
+        self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
+        self.asleep = False
+        logger.info("Awake in %.1f s", time.perf_counter() - start)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand memory freed by dropped tensors back to the system: collect cycles, then on a GPU
+    empty torch's cache; on CPU ask glibc to return free heap pages (tensors below its mmap
+    threshold live in the heap, which free() alone does not shrink)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is reused, not returned
+        pass
+
+
+def make_proposer(config: EngineConfig, num_blocks: int, dtype: torch.dtype) -> Proposer | None:
+    """Speculative decoding's proposer (config.speculative), None without speculation."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+    if spec.method == "draft_model":
+        groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
+        if groups[0].sliding_window is not None:
+            raise ValueError(
+                "speculative draft_model needs a target with full-attention layers (the draft "
+                "reads the first KV cache group's block tables)"
+            )
+        return DraftModelProposer(config, num_blocks, dtype)
+    raise ValueError(f"speculative method {spec.method!r} is not available")

@@ -1,0 +1,149 @@
+"""A step's inputs: the scheduled requests' new tokens as one flat batch, with their positions
+and the attention metadata of every (KV cache group, window) the layers use.
+
+A request's new tokens are positions [computed, computed + scheduled) of its known tokens,
+so a prompt chunk, a decode and a pending token are all the same case:
+
+    requests     |      a (prompt chunk)     | b | c (verifies 2) |
+    input_ids    | a4  a5  a6  a7  a8  a9    | b | c  d1  d2      |   d1, d2: proposals
+    positions    | 4   5   6   7   8   9     | 30| 17 18  19      |
+    token_ends   |                       6   | 7 |            10  |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from zllm.config import ModelArchConfig
+from zllm.executor.attention_backend import StepAttentionMetadata
+from zllm.executor.request_state import RequestState
+from zllm.kv_cache_groups import KVCacheGroup
+from zllm.protocol import SchedulerOutput
+
+if TYPE_CHECKING:
+    from zllm.executor.model_host import ModelHost
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flat batch: the scheduled requests in order, their new tokens back to back."""
+
+    states: list[RequestState]
+    query_lens: list[int]  # new tokens per request
+    seq_lens: list[int]  # context per request after this step (computed + new)
+    token_ends: np.ndarray  # int64 [S]: where each request's rows end in the flat batch
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn_metadata: StepAttentionMetadata | list[StepAttentionMetadata]  # one, or one per layer
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """Which block tables and which view a layer's attention metadata is built from."""
+
+    group: int  # its KV cache group: the block tables it reads
+    sliding_window: int | None  # its own window (a non-hybrid group may mix layers)
+
+
+def layer_attention(
+    arch: ModelArchConfig, groups: list[KVCacheGroup], layers: range
+) -> list[LayerAttention]:
+    """Per layer of `layers`, which block tables and window its attention uses."""
+    group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    return [
+        LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
+        for i in layers
+    ]
+
+
+def layer_kv_slots(groups: list[KVCacheGroup], layers: range) -> dict[int, int]:
+    """Layer -> the cache tensor it uses (its place in its group), for `layers`."""
+    return {layer: slot for g in groups for slot, layer in enumerate(g.layers) if layer in layers}
+
+
+def prepare_inputs(
+    host: ModelHost,
+    requests: Mapping[str, RequestState],
+    so: SchedulerOutput,
+    scheduled_tokens: dict[str, int],
+) -> StepInputs:
+    """The flat batch of the scheduled tokens, with slots and attention metadata. Requests
+    without a state (they failed to start) are left out."""
+    states: list[RequestState] = []
+    query_lens: list[int] = []
+    input_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    scheduled = list(scheduled_tokens.items())
+    if host.lora is not None:
+        # Each adapter's rows side by side (a stable sort: the base first, then by id),
+        # so a layer adds an adapter's update to one slice of the batch.
+        scheduled.sort(key=lambda item: _lora_id(requests.get(item[0])))
+    for req_id, num in scheduled:
+        st = requests.get(req_id)
+        if st is None:
+            continue
+        start = st.num_computed_tokens
+        positions.append(np.arange(start, start + num, dtype=np.int64))
+        drafts = so.spec_token_ids.get(req_id)
+        if drafts:  # the last known token, then the proposals it verifies
+            input_ids.extend(st.all_token_ids[start : start + num - len(drafts)])
+            input_ids.extend(drafts)
+        else:
+            input_ids.extend(st.all_token_ids[start : start + num])
+        states.append(st)
+        query_lens.append(num)
+    seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
+    attn_metadata = build_attention_metadata(host, states, query_lens, seq_lens, positions)
+    if host.lora is not None:
+        host.lora.set_batch([st.lora_int_id for st in states], query_lens)
+    return StepInputs(
+        states=states,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        token_ends=np.cumsum(query_lens),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=host.device),
+        positions=torch.from_numpy(np.concatenate(positions)).to(host.device),
+        attn_metadata=attn_metadata,
+    )
+
+
+def _lora_id(st: RequestState | None) -> int:
+    return 0 if st is None or st.lora_int_id is None else st.lora_int_id
+
+
+def build_attention_metadata(
+    host: ModelHost,
+    states: list[RequestState],
+    query_lens: list[int],
+    seq_lens: list[int],
+    positions: list[np.ndarray],
+) -> StepAttentionMetadata | list[StepAttentionMetadata]:
+    """One metadata per (KV cache group, window) the layers use; a list with one entry per
+    layer, or a single metadata when every layer shares one (the common case)."""
+    bs = host.block_size
+    built: dict[LayerAttention, StepAttentionMetadata] = {}
+    for key in dict.fromkeys(host.layer_attention):
+        tables = [st.block_ids[key.group] for st in states]
+        slots = [
+            np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            for table, pos in zip(tables, positions, strict=True)
+        ]
+        extra = {"all_as_decode": True} if host.config.deterministic else {}
+        built[key] = host.attention.build_metadata(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=np.concatenate(slots),
+            block_size=bs,
+            device=host.device,
+            sliding_window=key.sliding_window,
+            **extra,
+        )
+    if len(built) == 1:
+        return next(iter(built.values()))
+    return [built[key] for key in host.layer_attention]
