@@ -304,56 +304,12 @@ class Dashboard:
             prefix_cache_hits=s.prefix_cache_hits,
             steps=s.num_steps,
             in_flight=client.num_in_flight,
-            kv_tiers=[
-                KVTier(
-                    name=TIER_NAMES[i],
-                    hit_rate=s.kv_tier_hits[i] / queries if queries else 0.0,
-                    hits=s.kv_tier_hits[i],
-                    blocks=s.kv_tier_blocks[i],
-                    capacity=capacity,
-                    load_failures=s.kv_tier_load_failures[i],
-                )
-                for i, capacity in enumerate(s.kv_tier_capacity)
-                if capacity
-            ],
+            kv_tiers=_kv_tiers(s),
             pinned_blocks=s.kv_pinned_blocks,
             max_pinned_blocks=s.kv_max_pinned_blocks,
-            tenants=sorted(
-                (
-                    TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
-                    for t in s.tenants
-                    if t.num_running or t.num_waiting
-                ),
-                key=lambda t: (-t.running, -t.waiting, t.name),
-            ),
+            tenants=_busy_tenants(s),
         )
-        if s.spec_accepted_per_pos:
-            drafts = s.spec_num_drafts
-            engine.spec_acceptance_rate = (
-                s.spec_num_accepted_tokens / s.spec_num_draft_tokens
-                if s.spec_num_draft_tokens
-                else 0.0
-            )
-            engine.spec_mean_acceptance_length = (
-                1 + s.spec_num_accepted_tokens / drafts if drafts else 1.0
-            )
-            engine.spec_acceptance_per_pos = [
-                round(n / drafts, 4) if drafts else 0.0 for n in s.spec_accepted_per_pos
-            ]
-        processes = [
-            # Engine processes carry their engine: a row per engine's role when several.
-            ProcessInfo(
-                f"{key[0]} (engine {key[2]})"
-                if client.num_engines > 1 and len(key) > 2
-                else key[0],
-                key[1],
-                alive,
-            )
-            for key, alive in sorted(
-                client.processes.items(),
-                key=lambda item: (_role_rank(item[0][0]), item[0][2:], item[0][0], item[0][1]),
-            )
-        ]
+        _add_speculation(engine, s)
         return DashboardStats(
             model=self.model_name,
             time=now,
@@ -365,7 +321,7 @@ class Dashboard:
             itl=self.itl.percentiles(mono),
             latency_window_s=self.ttft.window_s,
             finished=dict(self.num_finished),
-            processes=processes,
+            processes=_processes(client),
         )
 
     def _kv_pool(self, s: EngineStats) -> KVPool:
@@ -391,6 +347,64 @@ class Dashboard:
 
 
 _CELL_CHARS = bytes.maketrans(b"\x00\x01\x02", b"012")
+
+
+def _kv_tiers(s: EngineStats) -> list[KVTier]:
+    """The configured KV offload tiers (empty: off)."""
+    queries = s.prefix_cache_queries
+    return [
+        KVTier(
+            name=TIER_NAMES[i],
+            hit_rate=s.kv_tier_hits[i] / queries if queries else 0.0,
+            hits=s.kv_tier_hits[i],
+            blocks=s.kv_tier_blocks[i],
+            capacity=capacity,
+            load_failures=s.kv_tier_load_failures[i],
+        )
+        for i, capacity in enumerate(s.kv_tier_capacity)
+        if capacity
+    ]
+
+
+def _busy_tenants(s: EngineStats) -> list[TenantRow]:
+    """Tenants with requests running or waiting, busiest first."""
+    return sorted(
+        (
+            TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
+            for t in s.tenants
+            if t.num_running or t.num_waiting
+        ),
+        key=lambda t: (-t.running, -t.waiting, t.name),
+    )
+
+
+def _add_speculation(engine: Engine, s: EngineStats) -> None:
+    """Speculative decoding's acceptance, when the engine speculates."""
+    if not s.spec_accepted_per_pos:
+        return
+    drafts = s.spec_num_drafts
+    engine.spec_acceptance_rate = (
+        s.spec_num_accepted_tokens / s.spec_num_draft_tokens if s.spec_num_draft_tokens else 0.0
+    )
+    engine.spec_mean_acceptance_length = 1 + s.spec_num_accepted_tokens / drafts if drafts else 1.0
+    engine.spec_acceptance_per_pos = [
+        round(n / drafts, 4) if drafts else 0.0 for n in s.spec_accepted_per_pos
+    ]
+
+
+def _processes(client: EngineClient) -> list[ProcessInfo]:
+    return [
+        # Engine processes carry their engine: a row per engine's role when several.
+        ProcessInfo(
+            f"{key[0]} (engine {key[2]})" if client.num_engines > 1 and len(key) > 2 else key[0],
+            key[1],
+            alive,
+        )
+        for key, alive in sorted(
+            client.processes.items(),
+            key=lambda item: (_role_rank(item[0][0]), item[0][2:], item[0][0], item[0][1]),
+        )
+    ]
 
 
 def _role_rank(role: ProcessRole) -> int:
