@@ -44,10 +44,9 @@ from zllm.frontend.api_models import (
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
 from zllm.frontend.openai_api import tooled_chat_params
 from zllm.frontend.openai_format import chat_messages
-from zllm.frontend.options import EngineOptions
 from zllm.frontend.responses import RETRY_AFTER_S, check_failed, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
-from zllm.protocol import CachePin, FinishReason, RequestOutputDelta
+from zllm.protocol import CachePin, FinishReason, RequestOptions, RequestOutputDelta
 
 # ---- request -------------------------------------------------------------------------------
 
@@ -247,8 +246,8 @@ class MessagesCall(ApiCall):
         self.params, self.plan = tooled_chat_params(chat, ctx)
         self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
 
-    def options(self) -> EngineOptions:
-        return EngineOptions(
+    def options(self) -> RequestOptions:
+        return RequestOptions(
             cache_pin=cache_pin_of(self.body),
             kv_transfer=options.kv_transfer(self.body.kv_transfer_params),
         )

@@ -38,11 +38,10 @@ from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.metrics import Metrics
 from zllm.frontend.middleware import TENANT_KEY, TICKET_KEY
 from zllm.frontend.openai_format import PromptInput
-from zllm.frontend.options import EngineOptions
 from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
 from zllm.generation_config import SamplingDefaults
-from zllm.protocol import RequestOutputDelta, TokenizeRequest
+from zllm.protocol import NO_OPTIONS, RequestOptions, RequestOutputDelta, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tenants import DEFAULT_TENANT
@@ -159,10 +158,10 @@ class ApiCall(ABC):
     params: SamplingParams
     add_special_tokens: bool = True
 
-    def options(self) -> EngineOptions:
-        """The request's own engine options (priority, pinning, KV transfer); after
-        admission, as each API has always checked them."""
-        return EngineOptions()
+    def options(self) -> RequestOptions:
+        """The request's own engine options from its fields (priority, pinning, KV
+        transfer: frontend/options.py); parsed after admission, as each API always has."""
+        return NO_OPTIONS
 
     @abstractmethod
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob: ...
@@ -192,17 +191,15 @@ class Generation:
         self.admission.admit(request.scope[TICKET_KEY], len(call.prompts))
         ids = RequestIds.of(request, call.id_prefix)
         now = time.time()
-        options = call.options()
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)  # the Gate's finding
+        options = msgspec.structs.replace(call.options(), lora=lora, tenant=tenant)
         requests = [
             TokenizeRequest(
                 req_id=ids.engine_id(i, len(call.prompts)),
                 sampling_params=call.params,
                 add_special_tokens=call.add_special_tokens,
                 arrival_time=now,
-                lora=lora,
-                priority=options.priority,
-                cache_pin=options.cache_pin,
-                kv_transfer=options.kv_transfer,
+                options=options,
                 **_prompt_fields(prompt),
             )
             for i, prompt in enumerate(call.prompts)
@@ -217,9 +214,6 @@ class Generation:
         job: GenerationJob,
     ) -> Response:
         self.metrics.timeline.start()  # the charts' history begins with the first request
-        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)  # the Gate's finding
-        for engine_request in requests:
-            engine_request.tenant = tenant
         self._log_received(requests)
         outputs = self._outputs(requests)
         if job.stream:

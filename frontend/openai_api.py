@@ -33,8 +33,8 @@ from zllm.frontend.openai_format import (
     completion_params,
     prompt_inputs,
 )
-from zllm.frontend.options import EngineOptions
 from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, plan_tools
+from zllm.protocol import RequestOptions
 from zllm.sampling_params import SamplingParams
 
 
@@ -61,7 +61,7 @@ class CompletionsCall(ApiCall):
         )
         self.add_special_tokens = body.add_special_tokens
 
-    def options(self) -> EngineOptions:
+    def options(self) -> RequestOptions:
         return _openai_options(self.body, self.ctx)
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
@@ -108,7 +108,7 @@ class ChatCall(ApiCall):
         ]
         self.add_special_tokens = body.add_special_tokens
 
-    def options(self) -> EngineOptions:
+    def options(self) -> RequestOptions:
         return _openai_options(self.body, self.ctx)
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
@@ -154,8 +154,8 @@ class ChatCall(ApiCall):
 
 def _openai_options(
     body: CompletionRequest | ChatCompletionRequest, ctx: ApiContext
-) -> EngineOptions:
-    return EngineOptions(
+) -> RequestOptions:
+    return RequestOptions(
         priority=options.priority(body.priority, ctx.config.engine.scheduler),
         cache_pin=options.cache_pin(body.cache_control),
         kv_transfer=options.kv_transfer(body.kv_transfer_params),

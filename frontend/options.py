@@ -1,23 +1,17 @@
-"""A generation request's own engine options, as its API gives them: priority, prefix
-pinning (`cache_control`) and prefill/decode disaggregation (`kv_transfer_params`). Each is
-checked here, once, whichever API it came through; a bad value is a 400 naming the field."""
+"""A generation request's own engine options (`RequestOptions`, zllm/protocol.py) from the
+API fields that set them: priority, prefix pinning (`cache_control`) and prefill/decode
+disaggregation (`kv_transfer_params`); the adapter (the model name) and the tenant (the
+gate's finding) are added by `Generation.serve`. Each field is parsed here, whichever API
+it came through; a bad value is a 400 naming the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from zllm.cache_control import parse_cache_control
 from zllm.config import SchedulerConfig, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.protocol import CachePin, KVTransferParams
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    priority: int = 0  # --scheduling-policy priority: lower first
-    cache_pin: CachePin | None = None
-    kv_transfer: KVTransferParams | None = None
 
 
 def priority(value: int, scheduler: SchedulerConfig) -> int:

@@ -30,9 +30,8 @@ from zllm.frontend import options
 from zllm.frontend.api_models import ChatCompletionRequest, ChatMessage
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
 from zllm.frontend.openai_format import chat_messages, chat_params
-from zllm.frontend.options import EngineOptions
 from zllm.frontend.responses import check_failed
-from zllm.protocol import FinishReason, RequestOutputDelta
+from zllm.protocol import FinishReason, RequestOptions, RequestOutputDelta
 
 
 class InputText(msgspec.Struct, kw_only=True):
@@ -74,8 +73,8 @@ class ResponsesCall(ApiCall):
         self.params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
         self.prompts = [ChatPrompt(chat_messages(chat.messages))]
 
-    def options(self) -> EngineOptions:
-        return EngineOptions(kv_transfer=options.kv_transfer(self.body.kv_transfer_params))
+    def options(self) -> RequestOptions:
+        return RequestOptions(kv_transfer=options.kv_transfer(self.body.kv_transfer_params))
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         assembler = ResponseAssembler(response_id(), model, self.body)
