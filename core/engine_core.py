@@ -32,7 +32,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from zllm.config import EngineConfig, check_priority
+import msgspec
+
+from zllm.config import EngineConfig, check_request_options
 from zllm.core.block_manager import BlockManager
 from zllm.core.executors import Executor, ExecutorTimeout
 from zllm.core.kv_connector import TieredKVConnector
@@ -60,7 +62,6 @@ from zllm.protocol import (
     StageStats,
 )
 from zllm.serve_config import detokenizer_index
-from zllm.tenants import check_tenant_name
 
 MAX_STEPS_IN_FLIGHT = 2
 
@@ -146,10 +147,7 @@ class EngineCore:
                 vocab_size=self.config.arch.vocab_size,
             )
             check_token_params(params, self.config.arch.vocab_size)
-            if request.lora is not None and self.config.lora is None:
-                raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
-            check_priority(request.priority, self.config.scheduler)
-            check_tenant_name(request.tenant, "tenant")
+            check_request_options(request.options, self.config)
         except ParamError as e:
             return RequestRejected(req_id, str(e), 400, e.param)
         self.scheduler.add_request(
@@ -161,11 +159,9 @@ class EngineCore:
                 eos_token_ids=request.eos_token_ids,
                 arrival_time=request.arrival_time or time.time(),
                 client_id=request.client_id,
-                lora=request.lora,
-                priority=request.priority,
-                tenant=request.tenant,
-                cache_pin=self._cache_pin(request),
-                kv_transfer=request.kv_transfer,
+                options=msgspec.structs.replace(
+                    request.options, cache_pin=self._cache_pin(request)
+                ),
             )
         )
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
@@ -353,7 +349,7 @@ class EngineCore:
     def _cache_pin(self, request: EngineCoreRequest) -> CachePin | None:
         """The request's pin with its token count resolved (the whole prompt unless the
         tokenizer said less); None when pinning is off (the request is served unpinned)."""
-        pin = request.cache_pin
+        pin = request.options.cache_pin
         if pin is None or not self.block_manager.pins.max_blocks:
             return None
         num_prompt = len(request.prompt_token_ids)

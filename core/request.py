@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from operator import attrgetter
+
+import msgspec
 
 from zllm.lora import LoRARequest
-from zllm.protocol import CachePin, FinishReason, KVTransferParams, LogprobsLists
+from zllm.protocol import (
+    NO_OPTIONS,
+    CachePin,
+    FinishReason,
+    KVTransferParams,
+    LogprobsLists,
+    RequestOptions,
+)
 from zllm.sampling_params import SamplingParams
-from zllm.tenants import DEFAULT_TENANT
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,18 +75,14 @@ class Request:
     verifying: bool = False
     # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
     prompt_logprobs: LogprobsLists | None = None
-    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
-    # --scheduling-policy priority: lower values are served first (vLLM's `priority`).
-    priority: int = 0
-    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py; core/fair_share.py)
-    # Prefix pinning: what of its prompt to keep cached (num_tokens resolved), and whether
-    # its blocks were pinned already.
-    cache_pin: CachePin | None = None
+    # Its own options, as the client gave them (read as .lora, .priority, .tenant,
+    # .cache_pin with num_tokens resolved, .kv_transfer: see _OPTION_NAMES).
+    options: RequestOptions = NO_OPTIONS
+    # Prefix pinning: whether its blocks were pinned already.
     pinned: bool = False
-    # Prefill/decode disaggregation (zllm/kv_transfer_config.py): its part, whether its
-    # prompt's blocks were sent (a producer), and until when it waits for them (a consumer;
+    # Prefill/decode disaggregation (zllm/kv_transfer_config.py): whether its prompt's
+    # blocks were sent (a producer), and until when it waits for them (a consumer;
     # time.monotonic()).
-    kv_transfer: KVTransferParams | None = None
     kv_sent: bool = False
     remote_kv_deadline: float | None = None
     # False when the executor never computed its blocks (it could not run it): freeing it
@@ -86,8 +91,31 @@ class Request:
     # The hash chain of its prompt's full blocks (those a prefix hit can take), kept while
     # a disaggregation consumer's request waits for them so it is hashed once, not per step.
     prompt_block_hashes: list[int] | None = None
+    # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
+    lora: InitVar[LoRARequest | None] = None
+    priority: InitVar[int | None] = None
+    tenant: InitVar[str | None] = None
+    cache_pin: InitVar[CachePin | None] = None
+    kv_transfer: InitVar[KVTransferParams | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        lora: LoRARequest | None,
+        priority: int | None,
+        tenant: str | None,
+        cache_pin: CachePin | None,
+        kv_transfer: KVTransferParams | None,
+    ) -> None:
+        given = dict(
+            lora=lora,
+            priority=priority,
+            tenant=tenant,
+            cache_pin=cache_pin,
+            kv_transfer=kv_transfer,
+        )
+        given = {name: value for name, value in given.items() if value is not None}
+        if given:
+            self.options = msgspec.structs.replace(self.options, **given)
         if not self.client_req_id:
             self.client_req_id = self.req_id
         if not self.all_token_ids:
@@ -157,9 +185,7 @@ class Request:
             sample_index=sample_index,
             client_id=self.client_id,
             output_token_ids=output_token_ids,
-            lora=self.lora,
-            priority=self.priority,
-            tenant=self.tenant,
+            options=msgspec.structs.replace(self.options, cache_pin=None, kv_transfer=None),
             num_computed_tokens=num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=status,
@@ -178,3 +204,10 @@ def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[
     while is_taken(req_id):
         req_id += "#"
     return req_id
+
+
+# The options read as the Request's own attributes (read-only): the scheduler, fair share,
+# the block manager and the KV connector read `request.tenant`, `request.lora`, ...
+_OPTION_NAMES = ("lora", "priority", "tenant", "cache_pin", "kv_transfer")
+for _name in _OPTION_NAMES:
+    setattr(Request, _name, property(attrgetter(f"options.{_name}")))

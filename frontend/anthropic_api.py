@@ -30,6 +30,7 @@ from starlette.responses import Response
 
 from zllm.cache_control import parse_cache_control
 from zllm.errors import ParamError, RequestError
+from zllm.frontend import options
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -40,9 +41,12 @@ from zllm.frontend.api_models import (
     Tool,
     ToolCallMessage,
 )
-from zllm.frontend.responses import RETRY_AFTER_S, json_response
+from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
+from zllm.frontend.openai_api import tooled_chat_params
+from zllm.frontend.openai_format import chat_messages
+from zllm.frontend.responses import RETRY_AFTER_S, check_failed, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
-from zllm.protocol import CachePin, FinishReason, RequestOutputDelta
+from zllm.protocol import CachePin, FinishReason, RequestOptions, RequestOutputDelta
 
 # ---- request -------------------------------------------------------------------------------
 
@@ -232,6 +236,30 @@ def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
     return ChatCompletionRequest(**fields)
 
 
+class MessagesCall(ApiCall):
+    id_prefix = "msg"
+
+    def __init__(self, body: MessagesRequest, ctx: ApiContext) -> None:
+        chat = as_chat_request(body)
+        self.body = body
+        self.ctx = ctx
+        self.params, self.plan = tooled_chat_params(chat, ctx)
+        self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
+
+    def options(self) -> RequestOptions:
+        return RequestOptions(
+            cache_pin=cache_pin_of(self.body),
+            kv_transfer=options.kv_transfer(self.body.kv_transfer_params),
+        )
+
+    def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
+        config = self.ctx.config
+        assembler = MessageAssembler.of(
+            ids.response_id, model, self.plan, config.reasoning_parser, config.tool_call_parser
+        )
+        return GenerationJob.of_events(assembler, self.body.stream, error_event)
+
+
 def cache_pin_of(req: MessagesRequest) -> CachePin | None:
     """The prefix pin a Messages request's cache_control blocks ask for: the prompt up to
     the last marked block (tools, then system, then messages, Anthropic's order), as the
@@ -388,10 +416,7 @@ class MessageAssembler:
 
     def _events(self, delta: RequestOutputDelta):
         """Update the blocks with this delta; yield the (event name, body) it makes."""
-        if delta.finish_reason == FinishReason.ERROR:
-            raise RequestError(
-                f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
-            )
+        check_failed(delta)
         self._count(delta)
         self.output_tokens += len(delta.token_ids)
         if self.parser is None:

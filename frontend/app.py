@@ -10,9 +10,11 @@
     GET  /dashboard, /dashboard/stats            the live dashboard (frontend/dashboard.py)
     GET  /openapi.json                           the API's OpenAPI 3.1 description
 
-The routes only parse: generation goes through `frontend/generate.py`, streams and
-disconnects through `frontend/streaming.py`, keys/limits/admission through
-`frontend/middleware.py`. Every error is OpenAI's `{"error": {...}}` with its HTTP status.
+The routes, the door's rules and /openapi.json all come from one table (frontend/routes.py).
+The routes only parse: every generation API turns its body into a job through
+`Generation.serve` (frontend/generate.py), streams and disconnects go through
+`frontend/streaming.py`, keys/limits/admission through `frontend/middleware.py`. Every error
+is its API's (OpenAI's `{"error": {...}}`, or Anthropic's) with its HTTP status.
 No torch in this process.
 """
 
@@ -24,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -38,24 +41,13 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import zllm
-from zllm.cache_control import parse_cache_control
-from zllm.config import check_priority
 from zllm.engine_client import EngineClient
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api, responses_api
+from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
-    ChatStreamChoice,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
-    DeltaMessage,
     DetokenizeBody,
     DetokenizeResponse,
-    EmbeddingsRequest,
     LoadLoRAAdapterBody,
     ModelCard,
     ModelList,
@@ -64,28 +56,17 @@ from zllm.frontend.api_models import (
     UnloadLoRAAdapterBody,
     decode_body,
 )
-from zllm.frontend.embeddings import EMBED_PARAMS, EmbeddingsAssembler, embedding_inputs
-from zllm.frontend.generate import Generation, GenerationJob, RequestIds
+from zllm.frontend.generate import ApiContext, Generation
+from zllm.frontend.logprobs import LogprobText
 from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
 from zllm.frontend.metrics import Metrics
-from zllm.frontend.middleware import TICKET_KEY, Gate
-from zllm.frontend.openai_format import (
-    ChatAssembler,
-    CompletionAssembler,
-    LogprobText,
-    chat_messages,
-    chat_params,
-    completion_params,
-    prompt_inputs,
-)
+from zllm.frontend.middleware import Gate
+from zllm.frontend.openai_format import chat_messages
 from zllm.frontend.openapi import openapi_schema
 from zllm.frontend.responses import encode_json, error_response, json_response
+from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
-from zllm.frontend.tools import ChoiceParser, ToolPlan, plan_tools, think_end_token
 from zllm.inputs import check_vocabulary
-from zllm.lora import LoRARequest
-from zllm.protocol import CachePin, KVTransferParams, TokenizeRequest
-from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tokenizer import Tokenizer
 
@@ -93,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 # Tokenize or detokenize this much in a worker thread, not on the event loop.
 _BIG_INPUT = 16384
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def build_app(
@@ -104,29 +86,8 @@ def build_app(
     """`run_dir`: the supervisor's run directory, where state that must outlive a frontend
     restart is kept (the LoRA adapters loaded at run time)."""
     server = OpenAIServer(config, client, tokenizer, run_dir)
-    routes = [
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/responses", server.responses, methods=["POST"]),
-        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
-        Route("/v1/messages", server.messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
-        Route("/sleep", server.sleep, methods=["POST"]),
-        Route("/wake_up", server.wake_up, methods=["POST"]),
-        Route("/is_sleeping", server.is_sleeping, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/tokenize", server.tokenize, methods=["POST"]),
-        Route("/detokenize", server.detokenize, methods=["POST"]),
-        Route("/version", server.version, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
-        Route("/dashboard", server.prometheus.dashboard.page, methods=["GET"]),
-        Route("/dashboard/stats", server.prometheus.dashboard.stats, methods=["GET"]),
-        Route("/openapi.json", server.openapi, methods=["GET"]),
-    ]
-    middleware = [Middleware(Gate, config=config, admission=server.admission, routes=routes)]
+    routes = [Route(r.path, _endpoint(server, r), methods=[r.method], name=r.path) for r in ROUTES]
+    middleware = [Middleware(Gate, config=config, admission=server.admission, routes=ROUTES)]
     if config.allowed_origins:  # CORS is off unless asked for
         cors = Middleware(
             CORSMiddleware,
@@ -149,46 +110,36 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return error_response(RequestError(exc.detail, exc.status_code))
 
 
-def _anthropic_errors(
-    handler: Callable[..., Awaitable[Response]],
-) -> Callable[..., Awaitable[Response]]:
-    """As _api_errors, in Anthropic's error shape."""
+def _endpoint(server: OpenAIServer, route: ApiRoute) -> Endpoint:
+    """The route's handler, with its body decoded first (if it has one); any failure
+    becomes an error in the route's API's shape, and the server keeps serving."""
+    if isinstance(route.handler, str):
+        handler = attrgetter(route.handler)(server)
+    else:
+        handler = functools.partial(server.generation.serve, route.handler)
 
-    @functools.wraps(handler)
-    async def wrapper(self: OpenAIServer, request: Request) -> Response:
+    async def endpoint(request: Request) -> Response:
         try:
-            return await handler(self, request)
+            if route.body is None:
+                return await handler(request)
+            return await handler(request, _decode(await request.body(), route.body))
         except RequestError as e:
-            return anthropic_api.error_response(e)
+            return route.errors.response(e)
         except ClientGone:
             return Response(status_code=499)
         except Exception as e:
             logger.exception("error serving %s %s", request.method, request.url.path)
-            return anthropic_api.error_response(
-                RequestError(f"internal server error: {type(e).__name__}: {e}", 500)
-            )
+            error = RequestError(f"internal server error: {type(e).__name__}: {e}", 500)
+            return route.errors.response(error)
 
-    return wrapper
+    return endpoint
 
 
-def _api_errors(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-    """Any failure of a route becomes an OpenAI error response; the server keeps serving."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: OpenAIServer, request: Request) -> Response:
-        try:
-            return await handler(self, request)
-        except RequestError as e:
-            return error_response(e)
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            logger.exception("error serving %s %s", request.method, request.url.path)
-            return error_response(
-                RequestError(f"internal server error: {type(e).__name__}: {e}", 500)
-            )
-
-    return wrapper
+def _decode(data: bytes, cls: type) -> Any:
+    body, unknown = decode_body(data, cls)
+    if unknown:
+        logger.warning("The request has fields this server ignores: %s", ", ".join(unknown))
+    return body
 
 
 class OpenAIServer:
@@ -204,256 +155,33 @@ class OpenAIServer:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
-        self.names = LogprobText(tokenizer)
         self.max_model_len = config.engine.scheduler.max_model_len
-        # The model's generation_config.json defaults, for fields a request leaves unset.
-        self.sampling_defaults = config.engine.generation_config.defaults
         self.created = int(time.time())
         self.prometheus = Metrics(client, config.model_names[0])
         self.admission = Admission(config.max_in_flight)
-        self.generation = Generation(config, client, self.prometheus)
         self.adapters = LoRAAdapters(
             config.engine,
             config.model_names,
             config.lora_modules,
             os.path.join(run_dir, LORA_STATE_FILE) if run_dir else None,
         )
+        context = ApiContext(
+            config,
+            tokenizer,
+            LogprobText(tokenizer),
+            self.max_model_len,
+            # The model's generation_config.json defaults, for fields a request leaves unset.
+            config.engine.generation_config.defaults,
+        )
+        self.generation = Generation(
+            config, client, self.prometheus, self.admission, self.adapters, context
+        )
         self._openapi: bytes | None = None
 
-    # ---- generation ----------------------------------------------------------------------
-    @_api_errors
-    async def completions(self, request: Request) -> Response:
-        body = self._decode(await request.body(), CompletionRequest)
-        model, lora = self._model(body.model)
-        prompts = prompt_inputs(body.prompt)
-        params, echo_only = completion_params(body, self.max_model_len, self.sampling_defaults)
-        self.admission.admit(request.scope[TICKET_KEY], len(prompts))
-        ids = RequestIds.of(request, "cmpl")
-        now = time.time()
-        requests = [
-            TokenizeRequest(
-                req_id=ids.engine_id(i, len(prompts)),
-                sampling_params=params,
-                prompt=p.text,
-                prompt_token_ids=p.token_ids,
-                add_special_tokens=body.add_special_tokens,
-                arrival_time=now,
-                lora=lora,
-                priority=self._priority(body.priority),
-                cache_pin=_cache_pin(body.cache_control),
-                kv_transfer=_kv_transfer(body.kv_transfer_params),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        assembler = CompletionAssembler(
-            n=params.n,
-            prompts=prompts,
-            echo=body.echo,
-            echo_only=echo_only,
-            want_logprobs=body.logprobs is not None,
-            want_prompt_logprobs=body.prompt_logprobs is not None,
-            names=self.names,
-        )
-        head: dict[str, Any] = dict(id=ids.response_id, created=int(now), model=model)
-        job = GenerationJob(
-            ids,
-            requests,
-            assembler,
-            body.stream,
-            body.stream_options,
-            chunk=lambda choices, usage: CompletionStreamResponse(
-                **head, choices=choices, usage=usage
-            ),
-            response=lambda: CompletionResponse(
-                **head, choices=assembler.finish(), usage=assembler.usage.info()
-            ),
-        )
-        return await self.generation.run(request, job)
-
-    @_api_errors
-    async def chat_completions(self, request: Request) -> Response:
-        body = self._decode(await request.body(), ChatCompletionRequest)
-        model, lora = self._model(body.model)
-        messages = chat_messages(body.messages)
-        params = chat_params(body, self.max_model_len, self.sampling_defaults)
-        plan = plan_tools(
-            body, self.tokenizer, self.config.tool_call_parser, params.structured_outputs
-        )
-        params = self._constrain(params, plan)
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise RequestError(
-                "This server does not accept a chat_template in requests "
-                "(start it with --trust-request-chat-template to allow it).",
-                param="chat_template",
-            )
-        self.admission.admit(request.scope[TICKET_KEY], 1)
-        ids = RequestIds.of(request, "chatcmpl")
-        now = time.time()
-        engine_request = TokenizeRequest(
-            req_id=ids.engine_id(0, 1),
-            sampling_params=params,
-            messages=messages,
-            tools=plan.tools,
-            add_generation_prompt=body.add_generation_prompt,
-            chat_template=body.chat_template,
-            add_special_tokens=body.add_special_tokens,
-            arrival_time=now,
-            lora=lora,
-            priority=self._priority(body.priority),
-            cache_pin=_cache_pin(body.cache_control),
-            kv_transfer=_kv_transfer(body.kv_transfer_params),
-        )
-        shaped = plan.mode != "none" or self.config.reasoning_parser is not None
-        assembler = ChatAssembler(
-            n=params.n,
-            want_logprobs=body.logprobs,
-            want_prompt_logprobs=body.prompt_logprobs is not None,
-            names=self.names,
-            parsers=[
-                ChoiceParser(plan, self.config.tool_call_parser, self.config.reasoning_parser)
-                for _ in range(params.n)
-            ]
-            if shaped
-            else None,
-        )
-        head: dict[str, Any] = dict(id=ids.response_id, created=int(now), model=model)
-
-        def chunk(choices: list[ChatStreamChoice], usage=None) -> ChatCompletionStreamResponse:
-            return ChatCompletionStreamResponse(**head, choices=choices, usage=usage)
-
-        job = GenerationJob(
-            ids,
-            [engine_request],
-            assembler,
-            body.stream,
-            body.stream_options,
-            chunk=chunk,
-            response=lambda: ChatCompletionResponse(
-                **head,
-                choices=assembler.finish(),
-                usage=assembler.usage.info(),
-                prompt_logprobs=assembler.prompt_logprobs,
-            ),
-            # Each choice's first chunk names its role.
-            prelude=lambda: [
-                chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                for i in range(params.n)
-            ],
-        )
-        return await self.generation.run(request, job)
-
-    @_api_errors
-    async def embeddings(self, request: Request) -> Response:
-        body = self._decode(await request.body(), EmbeddingsRequest)
-        model, lora = self._model(body.model)
-        inputs = embedding_inputs(body)
-        self.admission.admit(request.scope[TICKET_KEY], len(inputs))
-        ids = RequestIds.of(request, "embd")
-        now = time.time()
-        requests = [
-            TokenizeRequest(
-                req_id=ids.engine_id(i, len(inputs)),
-                sampling_params=EMBED_PARAMS,
-                prompt=p.text,
-                prompt_token_ids=p.token_ids,
-                arrival_time=now,
-                lora=lora,
-            )
-            for i, p in enumerate(inputs)
-        ]
-        assembler = EmbeddingsAssembler(len(inputs), body.encoding_format)
-        job = GenerationJob(
-            ids,
-            requests,
-            assembler,
-            False,
-            None,
-            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
-            response=lambda: assembler.response(model),
-        )
-        return await self.generation.run(request, job)
-
-    # ---- OpenAI's Responses API (stateless) ----------------------------------------------
-    @_api_errors
-    async def responses(self, request: Request) -> Response:
-        body = self._decode(await request.body(), responses_api.ResponsesRequest)
-        model, lora = self._model(body.model)
-        responses_api.check_stateless(body)
-        chat = responses_api.as_chat_request(body)
-        params = chat_params(chat, self.max_model_len, self.sampling_defaults)
-        self.admission.admit(request.scope[TICKET_KEY], 1)
-        ids = RequestIds.of(request, "resp")
-        engine_request = TokenizeRequest(
-            req_id=ids.engine_id(0, 1),
-            sampling_params=params,
-            messages=chat_messages(chat.messages),
-            arrival_time=time.time(),
-            lora=lora,
-            kv_transfer=_kv_transfer(body.kv_transfer_params),
-        )
-        assembler = responses_api.ResponseAssembler(responses_api.response_id(), model, body)
-        job = GenerationJob(
-            ids,
-            [engine_request],
-            assembler,
-            body.stream,
-            None,
-            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
-            response=assembler.response,  # type: ignore[arg-type]
-            events=assembler.stream,
-            done=b"",
-            on_error=responses_api.error_event,
-        )
-        return await self.generation.run(request, job)
-
-    # ---- Anthropic's Messages API ----------------------------------------------------------
-    @_anthropic_errors
-    async def messages(self, request: Request) -> Response:
-        body = self._decode(await request.body(), anthropic_api.MessagesRequest)
-        model, lora = self._model(body.model)
-        chat = anthropic_api.as_chat_request(body)
-        params = chat_params(chat, self.max_model_len, self.sampling_defaults)
-        plan = plan_tools(
-            chat, self.tokenizer, self.config.tool_call_parser, params.structured_outputs
-        )
-        params = self._constrain(params, plan)
-        self.admission.admit(request.scope[TICKET_KEY], 1)
-        ids = RequestIds.of(request, "msg")
-        engine_request = TokenizeRequest(
-            req_id=ids.engine_id(0, 1),
-            sampling_params=params,
-            messages=chat_messages(chat.messages),
-            tools=plan.tools,
-            arrival_time=time.time(),
-            lora=lora,
-            cache_pin=anthropic_api.cache_pin_of(body),
-            kv_transfer=_kv_transfer(body.kv_transfer_params),
-        )
-        assembler = anthropic_api.MessageAssembler.of(
-            ids.response_id,
-            model,
-            plan,
-            self.config.reasoning_parser,
-            self.config.tool_call_parser,
-        )
-        job = GenerationJob(
-            ids,
-            [engine_request],
-            assembler,
-            body.stream,
-            None,
-            chunk=lambda choices, usage: None,  # type: ignore[arg-type,return-value]
-            response=assembler.response,
-            events=assembler.stream,
-            done=b"",
-            on_error=anthropic_api.error_event,
-        )
-        return await self.generation.run(request, job)
-
-    @_anthropic_errors
-    async def count_tokens(self, request: Request) -> Response:
-        body = self._decode(await request.body(), anthropic_api.CountTokensRequest)
-        self._model_name(body.model)
+    async def count_tokens(
+        self, request: Request, body: anthropic_api.CountTokensRequest
+    ) -> Response:
+        self.adapters.resolve(body.model)
         chat = anthropic_api.as_chat_request(body)
         tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
         try:
@@ -467,21 +195,6 @@ class OpenAIServer:
         tokens = await _maybe_in_thread(len(text), self.tokenizer.encode, text, False)
         return json_response(anthropic_api.CountTokensResponse(len(tokens)))
 
-    def _constrain(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-        """The request's structured-outputs constraint: the tool plan's (required, a named
-        function, auto's call grammar) or the request's own; with a reasoning parser, one
-        that does not wait for a token of its own applies after `</think>`."""
-        structured = plan.structured if plan.structured is not None else params.structured_outputs
-        if structured is None:
-            return params
-        if self.config.reasoning_parser is not None and structured.after_token is None:
-            think_end = think_end_token(self.tokenizer)
-            if think_end is not None:
-                structured = msgspec.structs.replace(structured, after_token=think_end)
-        return msgspec.structs.replace(params, structured_outputs=structured)
-
-    # ---- other routes --------------------------------------------------------------------
-    @_api_errors
     async def models(self, request: Request) -> Response:
         cards = [
             ModelCard(
@@ -504,9 +217,7 @@ class OpenAIServer:
         ]
         return json_response(ModelList(cards))
 
-    @_api_errors
-    async def load_lora_adapter(self, request: Request) -> Response:
-        body = self._decode(await request.body(), LoadLoRAAdapterBody)
+    async def load_lora_adapter(self, request: Request, body: LoadLoRAAdapterBody) -> Response:
         lora = await self.adapters.load(body.lora_name, body.lora_path)
         logger.info(
             "LoRA adapter %s (id %d) loaded from %s",
@@ -516,15 +227,12 @@ class OpenAIServer:
         )
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
 
-    @_api_errors
-    async def unload_lora_adapter(self, request: Request) -> Response:
-        body = self._decode(await request.body(), UnloadLoRAAdapterBody)
+    async def unload_lora_adapter(self, request: Request, body: UnloadLoRAAdapterBody) -> Response:
         lora = self.adapters.unload(body.lora_name)
         logger.info("LoRA adapter %s (id %d) unloaded", lora.lora_name, lora.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     # ---- sleep mode ------------------------------------------------------------------------
-    @_api_errors
     async def sleep(self, request: Request) -> Response:
         try:
             level = int(request.query_params.get("level", "1"))
@@ -534,7 +242,6 @@ class OpenAIServer:
             raise RequestError("level must be 1 or 2", param="level")
         return await self._sleep_control("sleep", level)
 
-    @_api_errors
     async def wake_up(self, request: Request) -> Response:
         return await self._sleep_control("wake_up", 1)
 
@@ -565,16 +272,14 @@ class OpenAIServer:
 
     async def openapi(self, request: Request) -> Response:
         if self._openapi is None:
-            self._openapi = encode_json(openapi_schema(self.config))
+            self._openapi = encode_json(openapi_schema(self.config, ROUTES))
         return Response(self._openapi, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
         return Response(prometheus_text(self.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @_api_errors
-    async def tokenize(self, request: Request) -> Response:
-        body = self._decode(await request.body(), TokenizeBody)
-        self._model_name(body.model)
+    async def tokenize(self, request: Request, body: TokenizeBody) -> Response:
+        self.adapters.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
@@ -603,10 +308,8 @@ class OpenAIServer:
             )
         )
 
-    @_api_errors
-    async def detokenize(self, request: Request) -> Response:
-        body = self._decode(await request.body(), DetokenizeBody)
-        self._model_name(body.model)
+    async def detokenize(self, request: Request, body: DetokenizeBody) -> Response:
+        self.adapters.resolve(body.model)
         try:
             check_vocabulary(body.tokens, self.tokenizer.vocab_size, "tokens")
         except ParamError as e:
@@ -614,67 +317,8 @@ class OpenAIServer:
         text = await _maybe_in_thread(len(body.tokens), self.tokenizer.decode, body.tokens, False)
         return json_response(DetokenizeResponse(prompt=text))
 
-    # ---- helpers -------------------------------------------------------------------------
-    @staticmethod
-    def _decode(data: bytes, cls: type) -> Any:
-        body, unknown = decode_body(data, cls)
-        if unknown:
-            logger.warning("The request has fields this server ignores: %s", ", ".join(unknown))
-        return body
-
-    def _priority(self, priority: int) -> int:
-        try:
-            check_priority(priority, self.config.engine.scheduler)
-        except ParamError as e:
-            raise RequestError(str(e), param=e.param) from None
-        return priority
-
-    def _model_name(self, requested: str | None) -> str:
-        return self._model(requested)[0]
-
-    def _model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
-        """The model name a request answers with, and the LoRA adapter it names (if any)."""
-        names = self.config.model_names
-        if requested is None or requested in names:
-            return requested or names[0], None
-        lora = self.adapters.get(requested)
-        if lora is not None:
-            return requested, lora
-        served = [*names, *self.adapters.by_name]
-        raise RequestError(
-            f"The model `{requested}` does not exist. Served models: {', '.join(served)}.",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
-
 
 async def _maybe_in_thread(size: int, fn: Callable, *args: Any) -> Any:
     if size > _BIG_INPUT:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
-
-
-def _cache_pin(cache_control: dict[str, Any] | None) -> CachePin | None:
-    """The pin a request's `cache_control` extra asks for (its whole prompt), or None."""
-    if cache_control is None:
-        return None
-    try:
-        return parse_cache_control(cache_control)
-    except ParamError as e:
-        raise RequestError(str(e), param=e.param) from None
-
-
-def _kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:
-    """A request's `kv_transfer_params` (prefill/decode disaggregation), or None."""
-    if not params:
-        return None
-    flags = {}
-    for key in ("do_remote_decode", "do_remote_prefill"):
-        value = params.get(key, False)
-        if not isinstance(value, bool):
-            raise RequestError(
-                f"kv_transfer_params.{key} must be true or false", param="kv_transfer_params"
-            )
-        flags[key] = value
-    return KVTransferParams(**flags) if any(flags.values()) else None

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from zllm.engine_client import EngineClient
 from zllm.kv_tiers import TIER_NAMES
 from zllm.percentile import percentile
-from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, KVTierStats, ProcessRole
+from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
 
 HISTORY_S = 120  # what the charts show
 _ROLE_ORDER = (
@@ -285,7 +285,6 @@ class Dashboard:
         healthy, message = client.health()
         gen_tps, prompt_tps, busy = self.timeline.rates(now)
         queries = s.prefix_cache_queries
-        tiers = s.kv_tiers or KVTierStats()
         engine = Engine(
             state=str(client.engine_state),
             healthy=healthy,
@@ -305,55 +304,12 @@ class Dashboard:
             prefix_cache_hits=s.prefix_cache_hits,
             steps=s.num_steps,
             in_flight=client.num_in_flight,
-            kv_tiers=[
-                KVTier(
-                    name=TIER_NAMES[i],
-                    hit_rate=tiers.hits[i] / queries if queries else 0.0,
-                    hits=tiers.hits[i],
-                    blocks=tiers.blocks[i],
-                    capacity=capacity,
-                    load_failures=tiers.load_failures[i],
-                )
-                for i, capacity in enumerate(tiers.capacity)
-                if capacity
-            ],
+            kv_tiers=_kv_tiers(s),
             pinned_blocks=s.pins.pinned_blocks,
             max_pinned_blocks=s.pins.max_pinned_blocks,
-            tenants=sorted(
-                (
-                    TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
-                    for t in s.tenants
-                    if t.num_running or t.num_waiting
-                ),
-                key=lambda t: (-t.running, -t.waiting, t.name),
-            ),
+            tenants=_busy_tenants(s),
         )
-        spec = s.spec
-        if spec is not None and spec.accepted_per_pos:
-            drafts = spec.num_drafts
-            engine.spec_acceptance_rate = (
-                spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
-            )
-            engine.spec_mean_acceptance_length = (
-                1 + spec.num_accepted_tokens / drafts if drafts else 1.0
-            )
-            engine.spec_acceptance_per_pos = [
-                round(n / drafts, 4) if drafts else 0.0 for n in spec.accepted_per_pos
-            ]
-        processes = [
-            # Engine processes carry their engine: a row per engine's role when several.
-            ProcessInfo(
-                f"{key[0]} (engine {key[2]})"
-                if client.num_engines > 1 and len(key) > 2
-                else key[0],
-                key[1],
-                alive,
-            )
-            for key, alive in sorted(
-                client.processes.items(),
-                key=lambda item: (_role_rank(item[0][0]), item[0][2:], item[0][0], item[0][1]),
-            )
-        ]
+        _add_speculation(engine, s)
         return DashboardStats(
             model=self.model_name,
             time=now,
@@ -365,7 +321,7 @@ class Dashboard:
             itl=self.itl.percentiles(mono),
             latency_window_s=self.ttft.window_s,
             finished=dict(self.num_finished),
-            processes=processes,
+            processes=_processes(client),
         )
 
     def _kv_pool(self, s: EngineStats) -> KVPool:
@@ -391,6 +347,67 @@ class Dashboard:
 
 
 _CELL_CHARS = bytes.maketrans(b"\x00\x01\x02", b"012")
+
+
+def _kv_tiers(s: EngineStats) -> list[KVTier]:
+    """The configured KV offload tiers (empty: off)."""
+    queries, tiers = s.prefix_cache_queries, s.kv_tiers
+    if tiers is None:
+        return []
+    return [
+        KVTier(
+            name=TIER_NAMES[i],
+            hit_rate=tiers.hits[i] / queries if queries else 0.0,
+            hits=tiers.hits[i],
+            blocks=tiers.blocks[i],
+            capacity=capacity,
+            load_failures=tiers.load_failures[i],
+        )
+        for i, capacity in enumerate(tiers.capacity)
+        if capacity
+    ]
+
+
+def _busy_tenants(s: EngineStats) -> list[TenantRow]:
+    """Tenants with requests running or waiting, busiest first."""
+    return sorted(
+        (
+            TenantRow(t.name, t.num_running, t.num_waiting, t.weight)
+            for t in s.tenants
+            if t.num_running or t.num_waiting
+        ),
+        key=lambda t: (-t.running, -t.waiting, t.name),
+    )
+
+
+def _add_speculation(engine: Engine, s: EngineStats) -> None:
+    """Speculative decoding's acceptance, when the engine speculates."""
+    spec = s.spec
+    if spec is None or not spec.accepted_per_pos:
+        return
+    drafts = spec.num_drafts
+    engine.spec_acceptance_rate = (
+        spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0
+    )
+    engine.spec_mean_acceptance_length = 1 + spec.num_accepted_tokens / drafts if drafts else 1.0
+    engine.spec_acceptance_per_pos = [
+        round(n / drafts, 4) if drafts else 0.0 for n in spec.accepted_per_pos
+    ]
+
+
+def _processes(client: EngineClient) -> list[ProcessInfo]:
+    return [
+        # Engine processes carry their engine: a row per engine's role when several.
+        ProcessInfo(
+            f"{key[0]} (engine {key[2]})" if client.num_engines > 1 and len(key) > 2 else key[0],
+            key[1],
+            alive,
+        )
+        for key, alive in sorted(
+            client.processes.items(),
+            key=lambda item: (_role_rank(item[0][0]), item[0][2:], item[0][0], item[0][1]),
+        )
+    ]
 
 
 def _role_rank(role: ProcessRole) -> int:

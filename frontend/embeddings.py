@@ -15,20 +15,33 @@ from zllm.frontend.api_models import (
     EmbeddingsResponse,
     EmbeddingsUsage,
 )
-from zllm.frontend.openai_format import PromptInput, prompt_inputs
-from zllm.protocol import FinishReason, RequestOutputDelta
+from zllm.frontend.generate import ApiCall, ApiContext, GenerationJob, RequestIds
+from zllm.frontend.openai_format import prompt_inputs
+from zllm.frontend.responses import check_failed
+from zllm.protocol import RequestOutputDelta
 from zllm.sampling_params import SamplingParams
 
 EMBED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
 
 
-def embedding_inputs(req: EmbeddingsRequest) -> list[PromptInput]:
-    if req.dimensions is not None:
-        raise RequestError(
-            "dimensions: this server returns the model's full hidden size only.",
-            param="dimensions",
+class EmbeddingsCall(ApiCall):
+    id_prefix = "embd"
+    params = EMBED_PARAMS
+
+    def __init__(self, body: EmbeddingsRequest, ctx: ApiContext) -> None:
+        if body.dimensions is not None:
+            raise RequestError(
+                "dimensions: this server returns the model's full hidden size only.",
+                param="dimensions",
+            )
+        self.body = body
+        self.prompts = list(prompt_inputs(body.input))
+
+    def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
+        assembler = EmbeddingsAssembler(len(self.prompts), self.body.encoding_format)
+        return GenerationJob(
+            assembler=assembler, stream=False, response=lambda: assembler.response(model)
         )
-    return prompt_inputs(req.input)
 
 
 @dataclass
@@ -39,10 +52,7 @@ class EmbeddingsAssembler:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
 
     def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
-        if delta.finish_reason == FinishReason.ERROR:
-            raise RequestError(
-                f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
-            )
+        check_failed(delta)
         self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
         if delta.embedding is not None:
             self.vectors[prompt_index] = delta.embedding

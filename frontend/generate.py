@@ -1,6 +1,9 @@
-"""The one generation path both OpenAI routes take, once they have parsed their request.
+"""The one generation path every API takes (frontend/routes.py names them).
 
-    route: parse body -> GenerationJob (engine requests, an assembler, response builders)
+    Generation.serve(api, body):
+        model/adapter -> api(body): prompts and params (its 400s) -> admission -> ids
+        -> one TokenizeRequest per prompt (with the API's options) -> api.job(): an
+        assembler and its response builders
     Generation.run(job):
         engine requests -> EngineClient.generate, merged (one stream per prompt)
         each output delta -> metrics, then the assembler -> a stream chunk or a whole choice
@@ -15,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 from starlette.requests import Request
@@ -26,15 +31,21 @@ from starlette.responses import Response
 
 from zllm.engine_client import EngineClient
 from zllm.errors import RequestError
+from zllm.frontend.admission import Admission
 from zllm.frontend.api_models import StreamOptions, UsageInfo
+from zllm.frontend.logprobs import LogprobText
+from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.metrics import Metrics
-from zllm.frontend.middleware import TENANT_KEY
-from zllm.frontend.openai_format import ChatAssembler, CompletionAssembler
+from zllm.frontend.middleware import TENANT_KEY, TICKET_KEY
+from zllm.frontend.openai_format import PromptInput
 from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
-from zllm.protocol import RequestOutputDelta, TokenizeRequest
+from zllm.generation_config import SamplingDefaults
+from zllm.protocol import NO_OPTIONS, RequestOptions, RequestOutputDelta, TokenizeRequest
+from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServeConfig
 from zllm.tenants import DEFAULT_TENANT
+from zllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +79,23 @@ class RequestIds:
         return self.engine_base if num_prompts == 1 else f"{self.engine_base}-{prompt_index}"
 
 
-@dataclass(eq=False)
-class GenerationJob:
-    """What a route hands to `Generation.run`."""
+class Assembler(Protocol):
+    """An API's answer in the making: collects output deltas (non-streaming)."""
 
-    ids: RequestIds
-    requests: list[TokenizeRequest]  # one per prompt, in prompt order
-    assembler: CompletionAssembler | ChatAssembler | Any  # anything with collect()
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None: ...
+
+
+@dataclass(eq=False, kw_only=True)
+class GenerationJob:
+    """How an API answers its engine requests' outputs: whole, or as a stream."""
+
+    assembler: Assembler | Any  # OpenAI's also add() a delta as a stream choice, with usage
     stream: bool
-    stream_options: StreamOptions | None
-    # A stream chunk holding these choices (and usage, when the client asked for it).
-    chunk: Callable[[list[Any], UsageInfo | None], msgspec.Struct]
     # The whole (non-streaming) response, built once every output is in.
-    response: Callable[[], msgspec.Struct]
+    response: Callable[[], Any]
+    stream_options: StreamOptions | None = None
+    # OpenAI's stream: a chunk holding these choices (and usage, when the client asked).
+    chunk: Callable[[list[Any], UsageInfo | None], msgspec.Struct] | None = None
     # Chunks to send before the first choice, once the engine has accepted the request.
     prelude: Callable[[], list[msgspec.Struct]] = field(default=list)
     # Another API's stream (Anthropic's events): outputs -> SSE bytes, in place of the
@@ -91,38 +106,134 @@ class GenerationJob:
     done: bytes = DONE_EVENT
     on_error: Callable[[RequestError], bytes] = error_event
 
+    @classmethod
+    def of_events(
+        cls, assembler: Any, stream: bool, on_error: Callable[[RequestError], bytes]
+    ) -> GenerationJob:
+        """An API whose assembler builds both its response and its own stream of events
+        (Anthropic's, the Responses API's): no OpenAI chunks, no `[DONE]`."""
+        return cls(
+            assembler=assembler,
+            stream=stream,
+            response=assembler.response,
+            events=assembler.stream,
+            done=b"",
+            on_error=on_error,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation as the chat template sees it: one engine request."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+Prompt = PromptInput | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    """What the APIs read to parse a request: the server's config, its tokenizer, limits."""
+
+    config: ServeConfig
+    tokenizer: Tokenizer
+    names: LogprobText
+    max_model_len: int
+    sampling_defaults: SamplingDefaults
+
+
+class ApiCall(ABC):
+    """One generation request of one API (completions, chat, responses, messages,
+    embeddings), parsed by its constructor `(body, ApiContext)`: every 400 that needs no
+    admission is raised there. It holds the prompts (one engine request each) and their
+    sampling params; once admitted, it names its per-request options and builds the job
+    that answers the outputs. `Generation.serve` is the one path every API takes."""
+
+    id_prefix: ClassVar[str]  # of the response id: "cmpl", "chatcmpl", ...
+    prompts: list[Prompt]
+    params: SamplingParams
+    add_special_tokens: bool = True
+
+    def options(self) -> RequestOptions:
+        """The request's own engine options from its fields (priority, pinning, KV
+        transfer: frontend/options.py); parsed after admission, as each API always has."""
+        return NO_OPTIONS
+
+    @abstractmethod
+    def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob: ...
+
 
 class Generation:
-    def __init__(self, config: ServeConfig, client: EngineClient, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        client: EngineClient,
+        metrics: Metrics,
+        admission: Admission,
+        adapters: LoRAAdapters,
+        context: ApiContext,
+    ) -> None:
         self.config = config
         self.client = client
         self.metrics = metrics
+        self.admission = admission
+        self.adapters = adapters
+        self.context = context
 
-    async def run(self, request: Request, job: GenerationJob) -> Response:
-        self.metrics.timeline.start()  # the charts' history begins with the first request
+    async def serve(self, api: type[ApiCall], request: Request, body: Any) -> Response:
+        """decode (done) -> model/adapter -> parse -> admit -> ids -> engine requests -> job."""
+        model, lora = self.adapters.resolve(body.model)
+        call = api(body, self.context)  # type: ignore[call-arg]
+        self.admission.admit(request.scope[TICKET_KEY], len(call.prompts))
+        ids = RequestIds.of(request, call.id_prefix)
+        now = time.time()
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)  # the Gate's finding
-        for engine_request in job.requests:
-            engine_request.tenant = tenant
-        self._log_received(job.requests)
-        outputs = self._outputs(job.requests)
+        options = msgspec.structs.replace(call.options(), lora=lora, tenant=tenant)
+        requests = [
+            TokenizeRequest(
+                req_id=ids.engine_id(i, len(call.prompts)),
+                sampling_params=call.params,
+                add_special_tokens=call.add_special_tokens,
+                arrival_time=now,
+                options=options,
+                **_prompt_fields(prompt),
+            )
+            for i, prompt in enumerate(call.prompts)
+        ]
+        return await self.run(request, ids, requests, call.job(ids, model, now))
+
+    async def run(
+        self,
+        request: Request,
+        ids: RequestIds,
+        requests: list[TokenizeRequest],
+        job: GenerationJob,
+    ) -> Response:
+        self.metrics.timeline.start()  # the charts' history begins with the first request
+        self._log_received(requests)
+        outputs = self._outputs(requests)
         if job.stream:
             events = job.events(outputs) if job.events else self._events(job, outputs)
-            return await sse_response(
-                request, events, outputs, job.ids.headers, job.done, job.on_error
-            )
+            return await sse_response(request, events, outputs, ids.headers, job.done, job.on_error)
 
         async def collect() -> None:
             async for prompt_index, delta in outputs:
                 job.assembler.collect(prompt_index, delta)
 
         await until_disconnect(request, collect(), outputs)
-        return json_response(job.response(), headers=job.ids.headers)
+        return json_response(job.response(), headers=ids.headers)
 
     async def _events(
         self, job: GenerationJob, outputs: AsyncIterator[tuple[int, RequestOutputDelta]]
     ) -> AsyncIterator[bytes]:
         include_usage, continuous_usage = _usage_options(job.stream_options)
         usage = job.assembler.usage
+        make_chunk = job.chunk
+        assert make_chunk is not None, "an OpenAI stream builds chunks"
         started = False
         async for prompt_index, delta in outputs:
             if not started:  # after the first output: errors before it are a 4xx/5xx
@@ -133,9 +244,9 @@ class Generation:
                     yield sse_event(chunk)
             choice = job.assembler.add(prompt_index, delta)
             if choice is not None:
-                yield sse_event(job.chunk([choice], usage.info() if continuous_usage else None))
+                yield sse_event(make_chunk([choice], usage.info() if continuous_usage else None))
         if include_usage:
-            yield sse_event(job.chunk([], usage.info()))
+            yield sse_event(make_chunk([], usage.info()))
 
     async def _outputs(
         self, requests: list[TokenizeRequest]
@@ -173,6 +284,18 @@ class Generation:
             logger.info(
                 "request received: id=%s prompt=%s params=%s", r.req_id, preview, r.sampling_params
             )
+
+
+def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """The TokenizeRequest fields that carry one prompt."""
+    if isinstance(prompt, ChatPrompt):
+        return {
+            "messages": prompt.messages,
+            "tools": prompt.tools,
+            "add_generation_prompt": prompt.add_generation_prompt,
+            "chat_template": prompt.chat_template,
+        }
+    return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
 
 def _usage_options(options: StreamOptions | None) -> tuple[bool, bool]:

@@ -70,8 +70,21 @@ class LoRAAdapters:
     def enabled(self) -> bool:
         return self.engine.lora is not None
 
-    def get(self, name: str) -> LoRARequest | None:
-        return self.by_name.get(name)
+    def resolve(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The model name a request answers with, and the adapter it names (if any); an
+        unknown name is a 404 that lists the served ones."""
+        if requested is None or requested in self.base_names:
+            return requested or self.base_names[0], None
+        lora = self.by_name.get(requested)
+        if lora is not None:
+            return requested, lora
+        served = [*self.base_names, *self.by_name]
+        raise RequestError(
+            f"The model `{requested}` does not exist. Served models: {', '.join(served)}.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
     async def load(self, name: str, path: str) -> LoRARequest:
         """Check and register an adapter; RequestError (400) says why not."""

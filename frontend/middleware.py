@@ -6,8 +6,10 @@ it streams in), 415 for a body that is not JSON, 408 for a body that does not ar
 time. A generation request then gets an admission `Ticket` in its scope, released when the
 response is completely sent.
 
-With API keys set, every route needs one except /health, /metrics, /dashboard and /version
-(those too with `--protect-metrics`); an unknown path gets its 404 without.
+The routes come from the route table (frontend/routes.py): which are generation routes,
+which are open. With API keys set, every route needs one except the observability routes
+(/health, /metrics, /dashboard, /version; those too with `--protect-metrics`); an unknown
+path gets its 404 without. A refusal has the shape of its route's API's errors.
 
 A generation request's tenant (zllm/tenants.py) goes into its scope too: the key it was sent
 with, else its X-Tenant header (400 when malformed), else the default tenant.
@@ -18,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
 from zllm.serve_config import ServeConfig
@@ -33,10 +35,9 @@ from zllm.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_te
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope
 TENANT_KEY = "zllm.tenant"  # and its tenant's name
-OBSERVABILITY_PATHS = ("/health", "/metrics", "/dashboard", "/version")
-GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings"}
-)
+
+if TYPE_CHECKING:
+    from zllm.frontend.routes import ApiRoute
 
 
 class Gate:
@@ -45,15 +46,17 @@ class Gate:
         app: ASGIApp,
         config: ServeConfig,
         admission: Admission,
-        routes: list[BaseRoute],
+        routes: Sequence[ApiRoute],
         body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.admission = admission
-        self.routes = routes
+        # The table's paths have no parameters: a request's route is found by its path.
+        self.routes = {route.path: route for route in routes}
+        self.generation_paths = frozenset(r.path for r in routes if r.generation)
         # Keys are compared as SHA-256 digests: constant time, whatever their lengths.
         self.key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
-        self.open_paths = () if config.protect_metrics else OBSERVABILITY_PATHS
+        self.protect_metrics = config.protect_metrics
         self.max_body = config.max_request_body_bytes
         self.body_timeout_s = body_timeout_s
 
@@ -63,25 +66,26 @@ class Gate:
         key_index = self._key_index(scope) if self.key_digests else None
         refusal = self._refusal(scope, key_index)
         if refusal is not None:
-            return await _error(scope, refusal)(scope, receive, send)
+            return await self._error(scope, refusal)(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         try:
             body = await asyncio.wait_for(read_body(receive, self.max_body), self.body_timeout_s)
         except BodyTooLarge:
-            return await _error(scope, self._too_large())(scope, receive, send)
+            return await self._error(scope, self._too_large())(scope, receive, send)
         except asyncio.TimeoutError:  # a client trickling its body in holds a connection
             message = f"The request body did not arrive within {self.body_timeout_s:g} s."
-            return await _error(scope, RequestError(message, 408))(scope, receive, send)
+            return await self._error(scope, RequestError(message, 408))(scope, receive, send)
         if body is None:
             return  # the client left before sending its whole request
         receive = replay(body, receive)
-        if scope["path"] not in GENERATION_PATHS:
+        if scope["path"] not in self.generation_paths:
             return await self.app(scope, receive, send)
         try:
             scope[TENANT_KEY] = _tenant(scope, key_index)
         except ParamError as e:
-            return await _error(scope, RequestError(str(e), param=e.param))(scope, receive, send)
+            refusal = RequestError(str(e), param=e.param)
+            return await self._error(scope, refusal)(scope, receive, send)
         ticket = scope[TICKET_KEY] = Ticket()  # the route admits it; released when sent
         try:
             await self.app(scope, receive, send)
@@ -91,11 +95,12 @@ class Gate:
     def _refusal(self, scope: Scope, key_index: int | None) -> RequestError | None:
         """The error for a request refused at the door, or None."""
         path: str = scope["path"]
+        route = self.routes.get(path)
         if (
             self.key_digests
             and key_index is None
-            and not self._is_open(path)
-            and self._is_route(scope)
+            and route is not None
+            and not self._is_open(route)
         ):
             return RequestError(
                 "Missing or invalid API key: send `Authorization: Bearer <key>`.",
@@ -106,7 +111,7 @@ class Gate:
             return None
         if self.admission.draining:
             return RequestError(SHUTTING_DOWN, 503)
-        if path in GENERATION_PATHS and self.admission.full():
+        if path in self.generation_paths and self.admission.full():
             return self.admission.overloaded()
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"").strip()
@@ -129,11 +134,13 @@ class Gate:
             413,
         )
 
-    def _is_open(self, path: str) -> bool:
-        return any(path == p or path.startswith(p + "/") for p in self.open_paths)
+    def _is_open(self, route: ApiRoute) -> bool:
+        return route.observability and not self.protect_metrics
 
-    def _is_route(self, scope: Scope) -> bool:
-        return any(route.matches(scope)[0] != Match.NONE for route in self.routes)
+    def _error(self, scope: Scope, error: RequestError) -> Response:
+        """The error in the shape of its route's API (Anthropic's or OpenAI's)."""
+        route = self.routes.get(scope["path"])
+        return route.errors.response(error) if route is not None else error_response(error)
 
     def _key_index(self, scope: Scope) -> int | None:
         """Which of the API keys the request carries (its position), or None."""
@@ -161,13 +168,6 @@ def _tenant(scope: Scope, key_index: int | None) -> str:
         if name == TENANT_HEADER.encode():
             return check_tenant_name(value.decode("latin-1").strip(), "X-Tenant")
     return DEFAULT_TENANT
-
-
-def _error(scope: Scope, error: RequestError) -> Response:
-    """The error in the shape of the API the path belongs to (Anthropic's or OpenAI's)."""
-    if scope["path"].startswith("/v1/messages"):
-        return anthropic_api.error_response(error)
-    return error_response(error)
 
 
 def _is_json(content_type: bytes) -> bool:

@@ -1,41 +1,20 @@
-"""The OpenAPI 3.1 description of the server (`GET /openapi.json`).
+"""The OpenAPI 3.1 description of the server (`GET /openapi.json`), made from the route
+table (frontend/routes.py).
 
-Request and response schemas come from the msgspec Structs in `api_models.py`, limits
+Request and response schemas come from the msgspec Structs the table names, limits
 included, so the description cannot drift from what the server decodes. Fuzzers
 (tests/test_fuzz.py runs schemathesis) and client generators read it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 import zllm
-from zllm.frontend.anthropic_api import (
-    AnthropicError,
-    CountTokensRequest,
-    CountTokensResponse,
-    MessagesRequest,
-    MessagesResponse,
-)
-from zllm.frontend.api_models import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeBody,
-    DetokenizeResponse,
-    EmbeddingsRequest,
-    EmbeddingsResponse,
-    ErrorResponse,
-    LoadLoRAAdapterBody,
-    ModelList,
-    TokenizeBody,
-    TokenizeResponse,
-    UnloadLoRAAdapterBody,
-)
-from zllm.frontend.responses_api import ResponsesRequest
+from zllm.frontend.routes import ApiRoute, Operation, Schema
 from zllm.serve_config import ServeConfig
 
 _REF = "#/components/schemas/{name}"
@@ -47,165 +26,17 @@ _ERRORS = {
     503: "Overloaded (see Retry-After), shutting down, or the engine is restarting.",
     504: "The request ran past --request-timeout and was aborted.",
 }
+# Body fields the model's context length bounds.
+_CONTEXT_BOUND = ("max_tokens", "max_completion_tokens")
 
 
-def openapi_schema(config: ServeConfig) -> dict[str, Any]:
-    _, components = msgspec.json.schema_components(
-        [
-            CompletionRequest,
-            ChatCompletionRequest,
-            TokenizeBody,
-            DetokenizeBody,
-            CompletionResponse,
-            ChatCompletionResponse,
-            ModelList,
-            TokenizeResponse,
-            DetokenizeResponse,
-            ErrorResponse,
-            ResponsesRequest,
-            EmbeddingsRequest,
-            EmbeddingsResponse,
-            MessagesRequest,
-            MessagesResponse,
-            CountTokensRequest,
-            CountTokensResponse,
-            AnthropicError,
-            LoadLoRAAdapterBody,
-            UnloadLoRAAdapterBody,
-        ],
-        ref_template=_REF,
-    )
-    max_model_len = config.engine.scheduler.max_model_len
-    for name, field in (
-        ("CompletionRequest", "max_tokens"),
-        ("ChatCompletionRequest", "max_tokens"),
-        ("ChatCompletionRequest", "max_completion_tokens"),
-    ):
-        _set_maximum(components[name]["properties"][field], max_model_len)
-    for name in (
-        "CompletionRequest",
-        "ChatCompletionRequest",
-        "TokenizeBody",
-        "DetokenizeBody",
-        "EmbeddingsRequest",
-    ):
-        model = components[name]["properties"]["model"]  # any other name: 404
-        model["anyOf"] = [_model_names(config), {"type": "null"}]
-
-    # A Response object (built as a dict: OpenAI's shape, its required fields included).
-    components["ResponseObject"] = {"type": "object", "required": ["id", "object", "output"]}
-    components["ResponsesRequest"]["properties"]["model"]["anyOf"] = [
-        _model_names(config),
-        {"type": "null"},
-    ]
-    for name in ("MessagesRequest", "CountTokensRequest"):
-        components[name]["properties"]["model"] = _model_names(config)
-    _set_maximum(components["MessagesRequest"]["properties"]["max_tokens"], max_model_len)
-
-    generation_errors = (400, 401, 404, 413, 503, 504)
-    paths = {
-        "/v1/completions": {
-            "post": _operation(
-                "createCompletion",
-                "Complete prompts (JSON, or server-sent events with `stream`).",
-                "CompletionRequest",
-                "CompletionResponse",
-                generation_errors,
-                stream=True,
-            )
-        },
-        "/v1/chat/completions": {
-            "post": _operation(
-                "createChatCompletion",
-                "Answer a conversation (JSON, or server-sent events with `stream`).",
-                "ChatCompletionRequest",
-                "ChatCompletionResponse",
-                generation_errors,
-                stream=True,
-            )
-        },
-        "/v1/embeddings": {
-            "post": _operation(
-                "createEmbedding",
-                "The prompts' final hidden states, pooled (--pooling) and L2-normalized.",
-                "EmbeddingsRequest",
-                "EmbeddingsResponse",
-                (400, 401, 404, 413, 503, 504),
-            )
-        },
-        "/v1/responses": {
-            "post": _operation(
-                "createResponse",
-                "OpenAI's Responses API, stateless (JSON, or its server-sent events with "
-                "`stream`); previous_response_id and store true are 400s.",
-                "ResponsesRequest",
-                "ResponseObject",
-                generation_errors,
-                stream=True,
-            )
-        },
-        "/v1/messages": {
-            "post": _operation(
-                "createMessage",
-                "Anthropic's Messages API (JSON, or Anthropic's server-sent events with "
-                "`stream`); errors in Anthropic's shape.",
-                "MessagesRequest",
-                "MessagesResponse",
-                generation_errors,
-                stream=True,
-                error_schema="AnthropicError",
-            )
-        },
-        "/v1/messages/count_tokens": {
-            "post": _operation(
-                "countMessageTokens",
-                "The prompt tokens a Messages request would have.",
-                "CountTokensRequest",
-                "CountTokensResponse",
-                (400, 401, 404, 413),
-                error_schema="AnthropicError",
-            )
-        },
-        "/v1/models": {
-            "get": _operation("listModels", "The served model names.", None, "ModelList", (401,))
-        },
-        "/tokenize": {
-            "post": _operation(
-                "tokenize",
-                "Token ids of a prompt or of chat messages.",
-                "TokenizeBody",
-                "TokenizeResponse",
-                (400, 401, 404, 413),
-            )
-        },
-        "/detokenize": {
-            "post": _operation(
-                "detokenize",
-                "Text of token ids.",
-                "DetokenizeBody",
-                "DetokenizeResponse",
-                (400, 401, 404, 413),
-            )
-        },
-        "/health": {
-            "get": {
-                "operationId": "health",
-                "summary": "200 when every process is up and the engine answers, else 503.",
-                "responses": {"200": {"description": "Healthy."}, **_error_responses((503,))},
-            }
-        },
-        "/version": {
-            "get": {
-                "operationId": "version",
-                "summary": "The server's version.",
-                "responses": {"200": {"description": "The version."}},
-            }
-        },
-    }
-    if config.engine.lora is not None:
-        paths |= _lora_paths()
-    if config.engine.enable_sleep_mode:
-        paths |= _sleep_paths()
+def openapi_schema(config: ServeConfig, routes: Sequence[ApiRoute]) -> dict[str, Any]:
+    documented = [r for r in routes if r.doc is not None]
+    components = _components(config, documented)
+    paths: dict[str, Any] = {}
+    for route in documented:
+        if route.documented_if is None or route.documented_if(config):
+            paths[route.path] = {route.method.lower(): _operation(route)}
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "zllm", "version": zllm.__version__},
@@ -216,9 +47,39 @@ def openapi_schema(config: ServeConfig) -> dict[str, Any]:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         schema["security"] = [{"bearer": []}]
         if not config.protect_metrics:
-            for path in ("/health", "/version"):
-                paths[path]["get"]["security"] = []
+            for route in documented:
+                if route.observability and route.path in paths:
+                    paths[route.path][route.method.lower()]["security"] = []
     return schema
+
+
+def _components(config: ServeConfig, routes: list[ApiRoute]) -> dict[str, Any]:
+    """Every body, response and error schema the routes name (features off included), with
+    the served model names and the context length filled in."""
+    structs: list[type] = []
+    named: dict[str, Any] = {}
+    for route in routes:
+        assert route.doc is not None
+        response = route.doc.response
+        for t in (route.body, response, route.errors.schema):
+            if isinstance(t, type) and t not in structs:
+                structs.append(t)
+        if isinstance(response, Schema) and response.name is not None:
+            named[response.name] = response.schema
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    max_model_len = config.engine.scheduler.max_model_len
+    for body in {r.body for r in routes if r.body is not None}:
+        properties = components[body.__name__]["properties"]
+        if "model" in properties:  # any other name: 404
+            model = properties["model"]
+            if "anyOf" in model:  # optional
+                model["anyOf"] = [_model_names(config), {"type": "null"}]
+            else:
+                properties["model"] = _model_names(config)
+        for name in _CONTEXT_BOUND:
+            if name in properties:
+                _set_maximum(properties[name], max_model_len)
+    return components | named
 
 
 def _model_names(config: ServeConfig) -> dict[str, Any]:
@@ -229,99 +90,41 @@ def _model_names(config: ServeConfig) -> dict[str, Any]:
     return {"enum": list(config.model_names)}
 
 
-def _lora_paths() -> dict[str, Any]:
-    """vLLM's run-time LoRA routes (with --enable-lora); they answer in plain text."""
-    text = {"text/plain": {"schema": {"type": "string"}}}
-    paths = {}
-    for path, op_id, summary, body, errors in (
-        (
-            "/v1/load_lora_adapter",
-            "loadLoraAdapter",
-            "Check a PEFT LoRA adapter against the base model and serve it under lora_name.",
-            "LoadLoRAAdapterBody",
-            (400, 401),
-        ),
-        (
-            "/v1/unload_lora_adapter",
-            "unloadLoraAdapter",
-            "Stop serving an adapter (its running requests finish).",
-            "UnloadLoRAAdapterBody",
-            (400, 401, 404),
-        ),
-    ):
-        op = _operation(op_id, summary, body, "ErrorResponse", errors)
-        op["responses"]["200"] = {"description": "OK", "content": text}
-        paths[path] = {"post": op}
-    return paths
-
-
-def _sleep_paths() -> dict[str, Any]:
-    """Sleep mode's routes (with --enable-sleep-mode), as vLLM names them."""
-    ok = {"200": {"description": "Done."}, **_error_responses((400, 401))}
-    level = {"name": "level", "in": "query", "schema": {"type": "integer", "enum": [1, 2]}}
-    state = {"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}}
-    return {
-        "/sleep": {
-            "post": {
-                "operationId": "sleep",
-                "summary": "Release the weights and KV cache while idle (400 while requests run).",
-                "parameters": [level],
-                "responses": ok,
-            }
-        },
-        "/wake_up": {
-            "post": {
-                "operationId": "wakeUp",
-                "summary": "Load the weights again; the prefix cache starts empty.",
-                "responses": ok,
-            }
-        },
-        "/is_sleeping": {
-            "get": {
-                "operationId": "isSleeping",
-                "summary": "Whether the engine sleeps.",
-                "responses": {
-                    "200": {
-                        "description": "OK",
-                        "content": {"application/json": {"schema": state}},
-                    }
-                },
-            }
-        },
-    }
-
-
-def _operation(
-    operation_id: str,
-    summary: str,
-    request: str | None,
-    response: str,
-    errors: tuple[int, ...],
-    stream: bool = False,
-    error_schema: str = "ErrorResponse",
-) -> dict[str, Any]:
-    content: dict[str, Any] = {"application/json": {"schema": {"$ref": _REF.format(name=response)}}}
-    if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+def _operation(route: ApiRoute) -> dict[str, Any]:
+    doc: Operation = route.doc  # type: ignore[assignment]
+    ok: dict[str, Any] = {"description": doc.ok}
+    if doc.response is not None:
+        ok["content"] = _content(doc.response)
+        if doc.stream:
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    error = {"application/json": {"schema": _ref(route.errors.schema.__name__)}}
     op: dict[str, Any] = {
-        "operationId": operation_id,
-        "summary": summary,
+        "operationId": doc.operation_id,
+        "summary": doc.summary,
         "responses": {
-            "200": {"description": "OK", "content": content},
-            **_error_responses(errors, error_schema),
+            "200": ok,
+            **{str(s): {"description": _ERRORS[s], "content": error} for s in doc.errors},
         },
     }
-    if request is not None:
+    if doc.parameters:
+        op["parameters"] = list(doc.parameters)
+    if route.body is not None:
         op["requestBody"] = {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": _REF.format(name=request)}}},
+            "content": {"application/json": {"schema": _ref(route.body.__name__)}},
         }
     return op
 
 
-def _error_responses(statuses: tuple[int, ...], schema: str = "ErrorResponse") -> dict[str, Any]:
-    error = {"application/json": {"schema": {"$ref": _REF.format(name=schema)}}}
-    return {str(s): {"description": _ERRORS[s], "content": error} for s in statuses}
+def _content(response: type | Schema) -> dict[str, Any]:
+    if isinstance(response, Schema):
+        schema = response.schema if response.name is None else _ref(response.name)
+        return {response.media_type: {"schema": schema}}
+    return {"application/json": {"schema": _ref(response.__name__)}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(name=name)}
 
 
 def _set_maximum(schema: dict[str, Any], maximum: int) -> None:

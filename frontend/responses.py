@@ -1,4 +1,5 @@
-"""JSON and server-sent-event bodies, and errors in OpenAI's shape, for every route."""
+"""JSON and server-sent-event bodies, and errors in OpenAI's shape, for every route; an
+output the engine failed as the request's error, in every API."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from starlette.responses import Response
 
 from zllm.errors import ERROR_TYPES, RequestError
 from zllm.frontend.api_models import ErrorInfo, ErrorResponse
+from zllm.protocol import FinishReason, RequestOutputDelta
 
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait before retrying
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -37,6 +39,14 @@ def sse_event(body: Any) -> bytes:
 def error_event(error: RequestError) -> bytes:
     """The last event of a stream that failed after it started (then `[DONE]`)."""
     return sse_event(_error_body(error))
+
+
+def check_failed(delta: RequestOutputDelta) -> None:
+    """An output the engine failed is the request's 500, in every API."""
+    if delta.finish_reason == FinishReason.ERROR:
+        raise RequestError(
+            f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
+        )
 
 
 def encode_json(body: Any) -> bytes:

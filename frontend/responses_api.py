@@ -26,8 +26,12 @@ import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
+from zllm.frontend import options
 from zllm.frontend.api_models import ChatCompletionRequest, ChatMessage
-from zllm.protocol import FinishReason, RequestOutputDelta
+from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
+from zllm.frontend.openai_format import chat_messages, chat_params
+from zllm.frontend.responses import check_failed
+from zllm.protocol import FinishReason, RequestOptions, RequestOutputDelta
 
 
 class InputText(msgspec.Struct, kw_only=True):
@@ -57,6 +61,29 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # zllm's extra parameter, as on the other generation endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (frontend/disagg_proxy.py).
     kv_transfer_params: dict[str, Any] | None = None
+
+
+class ResponsesCall(ApiCall):
+    id_prefix = "resp"
+
+    def __init__(self, body: ResponsesRequest, ctx: ApiContext) -> None:
+        check_stateless(body)
+        chat = as_chat_request(body)
+        self.body = body
+        self.params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
+        self.prompts = [ChatPrompt(chat_messages(chat.messages))]
+
+    def options(self) -> RequestOptions:
+        return RequestOptions(kv_transfer=options.kv_transfer(self.body.kv_transfer_params))
+
+    def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
+        assembler = ResponseAssembler(response_id(), model, self.body)
+        return GenerationJob.of_events(assembler, self.body.stream, error_event)
+
+
+# A Response object's schema for /openapi.json: it is built as a dict (OpenAI's shape, its
+# required fields included), not a Struct.
+RESPONSE_OBJECT: dict[str, Any] = {"type": "object", "required": ["id", "object", "output"]}
 
 
 def check_stateless(req: ResponsesRequest) -> None:
@@ -117,10 +144,7 @@ class ResponseAssembler:
         self._add(delta)
 
     def _add(self, delta: RequestOutputDelta) -> None:
-        if delta.finish_reason == FinishReason.ERROR:
-            raise RequestError(
-                f"the request failed in the engine: {delta.stop_reason or 'unknown error'}", 500
-            )
+        check_failed(delta)
         self.input_tokens = max(self.input_tokens, delta.num_prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.output_tokens += len(delta.token_ids)

@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from zllm.errors import RequestError
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
@@ -31,6 +33,7 @@ from zllm.frontend.api_models import (
     ToolCallDelta,
 )
 from zllm.reasoning_parser import REASONING_PARSERS
+from zllm.sampling_params import SamplingParams
 from zllm.structured_outputs import StructuredOutputsParams
 from zllm.tokenizer import Tokenizer
 from zllm.tool_parsers import TOOL_PARSERS, make_tool_call_id
@@ -166,6 +169,22 @@ def _auto_call_grammar(
 def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
+
+
+def constrain(
+    params: SamplingParams, plan: ToolPlan, tokenizer: Tokenizer, reasoning_parser: str | None
+) -> SamplingParams:
+    """The request's structured-outputs constraint: the tool plan's (required, a named
+    function, auto's call grammar) or the request's own; with a reasoning parser, one
+    that does not wait for a token of its own applies after `</think>`."""
+    structured = plan.structured if plan.structured is not None else params.structured_outputs
+    if structured is None:
+        return params
+    if reasoning_parser is not None and structured.after_token is None:
+        think_end = think_end_token(tokenizer)
+        if think_end is not None:
+            structured = msgspec.structs.replace(structured, after_token=think_end)
+    return msgspec.structs.replace(params, structured_outputs=structured)
 
 
 def think_end_token(tokenizer: Tokenizer) -> int | None:

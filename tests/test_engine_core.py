@@ -12,6 +12,7 @@ from zllm.protocol import (
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
+    RequestOptions,
     RequestRejected,
     SchedulerOutput,
 )
@@ -361,12 +362,12 @@ def test_heartbeat_fills_the_wire_struct():
 def test_heartbeat_counts_per_tenant_and_a_malformed_tenant_is_refused():
     engine = make_engine(num_blocks=16)
     bad = request("bad")
-    bad.tenant = "two words"
+    bad.options = RequestOptions(tenant="two words")
     rejected = engine.add_request(bad)
     assert isinstance(rejected, RequestRejected)
     assert rejected.status == 400 and rejected.param == "tenant"
     a, b = request("a", prompt_len=9, max_tokens=2), request("b", prompt_len=3, max_tokens=2)
-    a.tenant = "alice"
+    a.options = RequestOptions(tenant="alice")
     engine.add_request(a)
     engine.add_request(b)  # no tenant: the default one
     engine.update(run(engine, engine.schedule()))

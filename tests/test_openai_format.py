@@ -1,5 +1,6 @@
-"""frontend/openai_format.py without a server: request fields to SamplingParams (with the
-field each error names), and engine output deltas to OpenAI choices, logprobs and usage."""
+"""frontend/openai_format.py, openai_choices.py and logprobs.py without a server: request
+fields to SamplingParams (with the field each error names), and engine output deltas to
+OpenAI choices, logprobs and usage."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ import pytest
 
 from zllm.errors import RequestError
 from zllm.frontend.api_models import ChatCompletionRequest, CompletionRequest, decode_body
-from zllm.frontend.openai_format import (
-    ChatAssembler,
-    CompletionAssembler,
-    LogprobText,
-    chat_params,
-    completion_params,
-    prompt_inputs,
-)
+from zllm.frontend.logprobs import LogprobText
+from zllm.frontend.openai_choices import ChatAssembler, CompletionAssembler
+from zllm.frontend.openai_format import chat_params, completion_params, prompt_inputs
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.tokenizer import load_tokenizer
 

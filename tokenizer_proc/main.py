@@ -29,6 +29,7 @@ from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
     ProcessRole,
+    RequestOptions,
     RequestRejected,
     RequestRouted,
     RouterInput,
@@ -91,18 +92,19 @@ class RequestTokenizer:
             arrival_time=req.arrival_time,
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
-            lora=req.lora,
-            priority=req.priority,
-            tenant=req.tenant,
-            cache_pin=self._cache_pin(req, ids),
-            kv_transfer=req.kv_transfer,
+            options=self._with_pin_tokens(req, ids),
         )
+
+    def _with_pin_tokens(self, req: TokenizeRequest, ids: list[int]) -> RequestOptions:
+        if req.options.cache_pin is None:
+            return req.options
+        return msgspec.structs.replace(req.options, cache_pin=self._cache_pin(req, ids))
 
     def _cache_pin(self, req: TokenizeRequest, ids: list[int]) -> CachePin | None:
         """The pin with its token count: the whole prompt, or the tokens that the first
         `num_messages` chat messages render to (the longest run of the prompt's tokens that
         rendering them alone also gives; 0 if the template will not render them alone)."""
-        pin = req.cache_pin
+        pin = req.options.cache_pin
         if pin is None:
             return None
         num_tokens = len(ids)
@@ -184,7 +186,8 @@ class EngineSender:
         assert self.router is not None
         hashes = []
         if self.prefix_caching:
-            salt = cache_salt(None if req.lora is None else req.lora.lora_int_id)
+            lora = req.options.lora
+            salt = cache_salt(None if lora is None else lora.lora_int_id)
             hashes = hash_full_blocks(req.prompt_token_ids, self.block_size, salt=salt)
         data = self.encoder.encode(req)
         tried: list[int] = []

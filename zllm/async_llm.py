@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from zllm.engine_args import EngineArgs
 from zllm.engine_client import EngineClient
 from zllm.errors import RequestError
-from zllm.protocol import RequestOutputDelta, TokenizeRequest
+from zllm.protocol import RequestOptions, RequestOutputDelta, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 from zllm.serve_config import ServerArgs, serve_config_from
 from zllm.supervisor import Supervisor
@@ -78,7 +78,7 @@ class AsyncLLM:
             req_id=request_id or uuid.uuid4().hex,
             sampling_params=sampling_params or SamplingParams(),
             arrival_time=time.time(),
-            tenant=tenant,
+            options=RequestOptions(tenant=tenant),
         )
         if isinstance(prompt, str):
             req.prompt = prompt

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zllm.errors import ParamError
 from zllm.generation_config import GenerationConfig
 from zllm.kv_transfer_config import KVTransferConfig
+from zllm.tenants import check_tenant_name
+
+if TYPE_CHECKING:
+    from zllm.protocol import RequestOptions
 
 # On CPU the KV pool gets a fixed budget that leaves room for tests running beside it.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -104,6 +108,14 @@ class SchedulerConfig:
     def orders_by_priority(self) -> bool:
         """Whether requests' `priority` values order them (else a non-zero one is refused)."""
         return self.policy in ("priority", "fair")
+
+
+def check_request_options(options: RequestOptions, config: EngineConfig) -> None:
+    """What the engine checks of a request's own options, whoever sent it."""
+    if options.lora is not None and config.lora is None:
+        raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
+    check_priority(options.priority, config.scheduler)
+    check_tenant_name(options.tenant, "tenant")
 
 
 def check_priority(priority: int, config: SchedulerConfig) -> None:

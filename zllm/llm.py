@@ -39,6 +39,7 @@ from zllm.protocol import (
     DetokenizerBatch,
     EngineCoreRequest,
     LogprobsLists,
+    RequestOptions,
     RequestOutputDelta,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
@@ -308,9 +309,7 @@ class LLM:
                 t.params,
                 now,
                 eos,
-                lora=t.lora,
-                priority=t.priority,
-                cache_pin=t.cache_pin,
+                options=RequestOptions(lora=t.lora, priority=t.priority, cache_pin=t.cache_pin),
             )
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker

@@ -261,6 +261,23 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, gc=False):
     do_remote_prefill: bool = False
 
 
+class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """A request's own engine options: decided once where it enters (a frontend route and
+    the gate, LLM.generate, AsyncLLM.generate), carried whole to the core's `Request`, read
+    only where each is used; the core checks them in one place (`check_request_options`).
+    A new per-request option is a field here, the API field that sets it, and its reader."""
+
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    priority: int = 0  # --scheduling-policy priority: lower first
+    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py): fair share, metrics
+    # Keep its prompt's prefix cached for a while (the tokenizer resolves num_tokens).
+    cache_pin: CachePin | None = None
+    kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
+
+
+NO_OPTIONS = RequestOptions()
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=1):
     """A tokenized request, as it enters the core."""
 
@@ -274,11 +291,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Which client (a frontend process, or an AsyncLLM) sent it: when that client dies,
     # the core aborts its requests (`ClientGone`).
     client_id: int = 0
-    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
-    priority: int = 0  # --scheduling-policy priority: lower first
-    cache_pin: CachePin | None = None  # keep its prompt's prefix cached for a while
-    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py): fair share, metrics
-    kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
+    options: RequestOptions = NO_OPTIONS
 
 
 # ==== the serving processes ==================================================================
@@ -314,11 +327,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     add_special_tokens: bool = True
     arrival_time: float = 0.0
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
-    lora: LoRARequest | None = None  # the adapter the request's model names
-    priority: int = 0  # --scheduling-policy priority: lower first
-    cache_pin: CachePin | None = None  # see EngineCoreRequest
-    tenant: str = DEFAULT_TENANT  # see EngineCoreRequest
-    kv_transfer: KVTransferParams | None = None  # see EngineCoreRequest
+    options: RequestOptions = NO_OPTIONS
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

@@ -1,0 +1,47 @@
+"""A generation request's own engine options (`RequestOptions`, zllm/protocol.py) from the
+API fields that set them: priority, prefix pinning (`cache_control`) and prefill/decode
+disaggregation (`kv_transfer_params`); the adapter (the model name) and the tenant (the
+gate's finding) are added by `Generation.serve`. Each field is parsed here, whichever API
+it came through; a bad value is a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zllm.cache_control import parse_cache_control
+from zllm.config import SchedulerConfig, check_priority
+from zllm.errors import ParamError, RequestError
+from zllm.protocol import CachePin, KVTransferParams
+
+
+def priority(value: int, scheduler: SchedulerConfig) -> int:
+    try:
+        check_priority(value, scheduler)
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
+    return value
+
+
+def cache_pin(cache_control: dict[str, Any] | None) -> CachePin | None:
+    """The pin a request's `cache_control` extra asks for (its whole prompt), or None."""
+    if cache_control is None:
+        return None
+    try:
+        return parse_cache_control(cache_control)
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
+
+
+def kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:
+    """A request's `kv_transfer_params` (prefill/decode disaggregation), or None."""
+    if not params:
+        return None
+    flags = {}
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        value = params.get(key, False)
+        if not isinstance(value, bool):
+            raise RequestError(
+                f"kv_transfer_params.{key} must be true or false", param="kv_transfer_params"
+            )
+        flags[key] = value
+    return KVTransferParams(**flags) if any(flags.values()) else None

@@ -1,0 +1,307 @@
+"""Every route of the server, in one table: the Starlette app (frontend/app.py), the door in
+front of it (frontend/middleware.py) and /openapi.json (frontend/openapi.py) are all made
+from `ROUTES`, so they cannot disagree.
+
+A route's handler is either an `ApiCall` (a generation API: its body becomes engine requests
+through `Generation.serve`, admitted, with a tenant) or the name of an `OpenAIServer`
+attribute. A route with a `body` gets it decoded (a 400 naming the field) before its handler
+runs; every failure is an error in the route's API's shape (OpenAI's or Anthropic's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from starlette.responses import Response
+
+from zllm.errors import RequestError
+from zllm.frontend import anthropic_api
+from zllm.frontend.anthropic_api import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesCall,
+    MessagesRequest,
+    MessagesResponse,
+)
+from zllm.frontend.api_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeBody,
+    DetokenizeResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    ErrorResponse,
+    LoadLoRAAdapterBody,
+    ModelList,
+    TokenizeBody,
+    TokenizeResponse,
+    UnloadLoRAAdapterBody,
+)
+from zllm.frontend.embeddings import EmbeddingsCall
+from zllm.frontend.generate import ApiCall
+from zllm.frontend.openai_api import ChatCall, CompletionsCall
+from zllm.frontend.responses import error_response
+from zllm.frontend.responses_api import RESPONSE_OBJECT, ResponsesCall, ResponsesRequest
+from zllm.serve_config import ServeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """How one API spells an error: the response, and its schema for /openapi.json."""
+
+    response: Callable[[RequestError], Response]
+    schema: type[msgspec.Struct]
+
+
+OPENAI_ERRORS = ErrorShape(error_response, ErrorResponse)
+ANTHROPIC_ERRORS = ErrorShape(anthropic_api.error_response, AnthropicError)
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """A schema that is no Struct: named (a component), or inline, in a media type."""
+
+    schema: dict[str, Any]
+    name: str | None = None
+    media_type: str = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """A route as /openapi.json describes it."""
+
+    operation_id: str
+    summary: str
+    response: type[msgspec.Struct] | Schema | None = None  # None: a 200 with no body
+    errors: tuple[int, ...] = ()
+    stream: bool = False  # also answers server-sent events
+    ok: str = "OK"  # the 200's description
+    parameters: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRoute:
+    path: str
+    method: Literal["GET", "POST"]
+    handler: type[ApiCall] | str  # a generation API, or an OpenAIServer attribute (dotted)
+    body: type[msgspec.Struct] | None = None
+    doc: Operation | None = None  # None: not in /openapi.json
+    errors: ErrorShape = OPENAI_ERRORS
+    observability: bool = False  # open without an API key, unless --protect-metrics
+    documented_if: Callable[[ServeConfig], bool] | None = None  # a feature's routes
+
+    @property
+    def generation(self) -> bool:
+        return not isinstance(self.handler, str)
+
+
+def _lora_on(config: ServeConfig) -> bool:
+    return config.engine.lora is not None
+
+
+def _sleep_on(config: ServeConfig) -> bool:
+    return config.engine.enable_sleep_mode
+
+
+GENERATION_ERRORS = (400, 401, 404, 413, 503, 504)
+BODY_ERRORS = (400, 401, 404, 413)
+_TEXT = Schema({"type": "string"}, media_type="text/plain")
+_SLEEP_LEVEL = {"name": "level", "in": "query", "schema": {"type": "integer", "enum": [1, 2]}}
+_SLEEPING = Schema({"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}})
+
+ROUTES: tuple[ApiRoute, ...] = (
+    ApiRoute(
+        "/v1/completions",
+        "POST",
+        CompletionsCall,
+        CompletionRequest,
+        Operation(
+            "createCompletion",
+            "Complete prompts (JSON, or server-sent events with `stream`).",
+            CompletionResponse,
+            GENERATION_ERRORS,
+            stream=True,
+        ),
+    ),
+    ApiRoute(
+        "/v1/chat/completions",
+        "POST",
+        ChatCall,
+        ChatCompletionRequest,
+        Operation(
+            "createChatCompletion",
+            "Answer a conversation (JSON, or server-sent events with `stream`).",
+            ChatCompletionResponse,
+            GENERATION_ERRORS,
+            stream=True,
+        ),
+    ),
+    ApiRoute(
+        "/v1/embeddings",
+        "POST",
+        EmbeddingsCall,
+        EmbeddingsRequest,
+        Operation(
+            "createEmbedding",
+            "The prompts' final hidden states, pooled (--pooling) and L2-normalized.",
+            EmbeddingsResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/v1/responses",
+        "POST",
+        ResponsesCall,
+        ResponsesRequest,
+        Operation(
+            "createResponse",
+            "OpenAI's Responses API, stateless (JSON, or its server-sent events with "
+            "`stream`); previous_response_id and store true are 400s.",
+            Schema(RESPONSE_OBJECT, name="ResponseObject"),
+            GENERATION_ERRORS,
+            stream=True,
+        ),
+    ),
+    ApiRoute(
+        "/v1/messages",
+        "POST",
+        MessagesCall,
+        MessagesRequest,
+        Operation(
+            "createMessage",
+            "Anthropic's Messages API (JSON, or Anthropic's server-sent events with "
+            "`stream`); errors in Anthropic's shape.",
+            MessagesResponse,
+            GENERATION_ERRORS,
+            stream=True,
+        ),
+        ANTHROPIC_ERRORS,
+    ),
+    ApiRoute(
+        "/v1/messages/count_tokens",
+        "POST",
+        "count_tokens",
+        CountTokensRequest,
+        Operation(
+            "countMessageTokens",
+            "The prompt tokens a Messages request would have.",
+            CountTokensResponse,
+            BODY_ERRORS,
+        ),
+        ANTHROPIC_ERRORS,
+    ),
+    ApiRoute(
+        "/v1/models",
+        "GET",
+        "models",
+        doc=Operation("listModels", "The served model names.", ModelList, (401,)),
+    ),
+    ApiRoute(
+        "/tokenize",
+        "POST",
+        "tokenize",
+        TokenizeBody,
+        Operation(
+            "tokenize",
+            "Token ids of a prompt or of chat messages.",
+            TokenizeResponse,
+            BODY_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/detokenize",
+        "POST",
+        "detokenize",
+        DetokenizeBody,
+        Operation("detokenize", "Text of token ids.", DetokenizeResponse, BODY_ERRORS),
+    ),
+    ApiRoute(
+        "/health",
+        "GET",
+        "health",
+        doc=Operation(
+            "health",
+            "200 when every process is up and the engine answers, else 503.",
+            errors=(503,),
+            ok="Healthy.",
+        ),
+        observability=True,
+    ),
+    ApiRoute(
+        "/version",
+        "GET",
+        "version",
+        doc=Operation("version", "The server's version.", ok="The version."),
+        observability=True,
+    ),
+    ApiRoute("/metrics", "GET", "metrics", observability=True),
+    ApiRoute("/dashboard", "GET", "prometheus.dashboard.page", observability=True),
+    ApiRoute("/dashboard/stats", "GET", "prometheus.dashboard.stats", observability=True),
+    ApiRoute("/openapi.json", "GET", "openapi"),
+    # vLLM's run-time LoRA routes (with --enable-lora); they answer in plain text.
+    ApiRoute(
+        "/v1/load_lora_adapter",
+        "POST",
+        "load_lora_adapter",
+        LoadLoRAAdapterBody,
+        Operation(
+            "loadLoraAdapter",
+            "Check a PEFT LoRA adapter against the base model and serve it under lora_name.",
+            _TEXT,
+            (400, 401),
+        ),
+        documented_if=_lora_on,
+    ),
+    ApiRoute(
+        "/v1/unload_lora_adapter",
+        "POST",
+        "unload_lora_adapter",
+        UnloadLoRAAdapterBody,
+        Operation(
+            "unloadLoraAdapter",
+            "Stop serving an adapter (its running requests finish).",
+            _TEXT,
+            (400, 401, 404),
+        ),
+        documented_if=_lora_on,
+    ),
+    # Sleep mode's routes (with --enable-sleep-mode), as vLLM names them.
+    ApiRoute(
+        "/sleep",
+        "POST",
+        "sleep",
+        doc=Operation(
+            "sleep",
+            "Release the weights and KV cache while idle (400 while requests run).",
+            errors=(400, 401),
+            ok="Done.",
+            parameters=(_SLEEP_LEVEL,),
+        ),
+        documented_if=_sleep_on,
+    ),
+    ApiRoute(
+        "/wake_up",
+        "POST",
+        "wake_up",
+        doc=Operation(
+            "wakeUp",
+            "Load the weights again; the prefix cache starts empty.",
+            errors=(400, 401),
+            ok="Done.",
+        ),
+        documented_if=_sleep_on,
+    ),
+    ApiRoute(
+        "/is_sleeping",
+        "GET",
+        "is_sleeping",
+        doc=Operation("isSleeping", "Whether the engine sleeps.", _SLEEPING),
+        documented_if=_sleep_on,
+    ),
+)
