@@ -424,18 +424,26 @@ def disagg(tiny_llama_dir, tmp_path_factory):
     (kv_producer) sending to it over tcp, and the proxy in front of the pair."""
     logs = tmp_path_factory.mktemp("disagg")
     port = free_port()
-    servers = {
-        "plain": start_server(tiny_llama_dir, logs / "plain.log"),
-        "decode": start_server(
-            tiny_llama_dir, logs / "decode.log", "--kv-transfer-config",
+    servers = {}
+    try:  # a server that fails to start must not leave the ones before it running
+        servers["plain"] = start_server(tiny_llama_dir, logs / "plain.log")
+        servers["decode"] = start_server(
+            tiny_llama_dir,
+            logs / "decode.log",
+            "--kv-transfer-config",
             kv_config("kv_consumer", port, wait_timeout_s=30),
-        ),
-        "prefill": start_server(
-            tiny_llama_dir, logs / "prefill.log", "--kv-transfer-config",
+        )
+        servers["prefill"] = start_server(
+            tiny_llama_dir,
+            logs / "prefill.log",
+            "--kv-transfer-config",
             kv_config("kv_producer", port),
-        ),
-    }  # fmt: skip
-    proxy = Proxy(servers["prefill"].url, servers["decode"].url, logs / "proxy.log")
+        )
+        proxy = Proxy(servers["prefill"].url, servers["decode"].url, logs / "proxy.log")
+    except BaseException:
+        for server in servers.values():
+            stop_server(server)
+        raise
     yield servers, proxy
     proxy.stop()
     for server in servers.values():
