@@ -187,6 +187,21 @@ class BlockManager:
                 needed += min(total, span)
         return needed
 
+    def longest_sequence(self, limit: int, chunk_tokens: int) -> int:
+        """`limit`, or less: the most tokens one request can hold with the whole pool to
+        itself, prefilled in chunks of `chunk_tokens`."""
+
+        def fits(n: int) -> bool:
+            return self.blocks_needed(n, chunk_tokens) <= self.num_blocks
+
+        if fits(limit):
+            return limit
+        low, high = 0, limit  # fits(low), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
+
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(
         self,

@@ -160,12 +160,12 @@ class FairShare:
         self,
         running: list[Request],
         free_slots: int,
-        held_blocks: Callable[[Request], int],
+        held_blocks: Callable[[str], int],
         num_blocks: int,
     ) -> list[Request]:
         """Running requests to preempt before this step, so that tenants below their share
         with requests waiting get room (see the module doc). `held_blocks`: the KV blocks a
-        running request holds, of the pool's `num_blocks`."""
+        running request holds (by its id), of the pool's `num_blocks`."""
         load = self.load
         wanted = sum(
             min(load.waiting[name], load.owed(name) - load.running[name])
@@ -180,7 +180,7 @@ class FairShare:
             # share of the pool yields one request a step until the blocked one fits.
             held: Counter[str] = Counter()
             for r in running:
-                held[r.tenant] += held_blocks(r)
+                held[r.tenant] += held_blocks(r.req_id)
             over = [
                 n
                 for n, b in held.items()

@@ -6,10 +6,13 @@ time is up or the pool needs it (`release_pins`)."""
 from __future__ import annotations
 
 import heapq
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from zllm.core.block_manager import BlockManager
     from zllm.core.free_blocks import KVBlock
+    from zllm.core.request import Request
 
 
 class PrefixPins:
@@ -62,3 +65,14 @@ class PrefixPins:
         for block_id, _ in order:
             del self._until[block_id]
         return [block for _, (block, _) in order]
+
+
+def pin_computed_prefix(req: Request, bm: BlockManager) -> None:
+    """Once the step computing the end of a request's pinned prefix is scheduled, pin its
+    blocks (they hold it by the time any later step reads them: steps run in order)."""
+    pin = req.cache_pin
+    assert pin is not None
+    num_tokens = min(pin.num_tokens, req.num_prompt_tokens)
+    if req.num_computed_tokens >= num_tokens:
+        req.pinned = True
+        bm.pin(req.req_id, num_tokens, time.monotonic() + pin.ttl_s)

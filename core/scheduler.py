@@ -11,15 +11,11 @@ newest running request is preempted: its blocks are freed and it goes back to th
 the queue to be recomputed (its prefix is usually still in the prefix cache). Oldest-first
 service plus front-of-queue requeueing means no request starves.
 
-With `--scheduling-policy priority` "oldest" becomes "first in (priority, arrival) order":
-the queue is kept in that order, running requests are served in it, and the request
-preempted is the lowest priority (the newest among equals). A request of higher priority
-waits for room like any other (running requests are not preempted to admit it), and a
-stream of higher-priority requests can starve lower ones: that is what priority means.
-
-With `--scheduling-policy fair` the queue is in priority order too, but which tenant's
-request is admitted next, which running requests yield slots to a tenant below its share,
-and the running order are `FairShare`'s choices (core/fair_share.py).
+With `--scheduling-policy priority` "oldest" becomes "first in (priority, arrival) order"
+(core/request_queue.py): running requests are served in it and the one preempted is the
+lowest priority, the newest among equals. A request of higher priority waits for room like
+any other. Under `fair`, which tenant is admitted next, which running requests yield to a
+tenant below its share, and the running order are `FairShare`'s choices (core/fair_share.py).
 
 `num_computed_tokens` advances when a step is *scheduled*, not when it returns, and a
 request whose scheduled chunk reaches its end gets one pending token. So the core can
@@ -35,19 +31,21 @@ keep scheduling ahead.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
-from zllm.block_hash import cache_salt
 from zllm.config import SchedulerConfig, SpeculativeConfig
 from zllm.core.beam_search import BeamCoordinator
 from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.kv_connector import SchedulerConnector, TieredKVConnector
+from zllm.core.lora_batch import adapter_fits, adapter_names, running_adapters
+from zllm.core.prefix_pins import pin_computed_prefix
 from zllm.core.request import Request, RequestStatus, child_request_id
+from zllm.core.request_queue import WaitingQueue
+from zllm.core.sequences import SequenceTable
 from zllm.core.speculation import Speculation
 from zllm.core.step_outputs import embedding_output, error_output, rows, tokens_output
-from zllm.core.step_plan import PrefixFound, StepPlan
+from zllm.core.step_plan import PrefixFound, StepPlan, find_prefix
 from zllm.core.stopping import check_stop
 from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
@@ -80,12 +78,13 @@ class Scheduler:
         self.block_size = block_manager.block_size
         # The longest sequence the KV pool can hold alone bounds the context length, so any
         # single request can always run once everything else is preempted.
-        self.max_model_len = _longest_context(config, block_manager)
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.max_model_len = block_manager.longest_sequence(
+            config.max_model_len, config.max_num_batched_tokens
+        )
+        self.seqs = SequenceTable()
+        self.requests = self.seqs.requests  # sequence id -> sequence
+        self.waiting = WaitingQueue(by_priority=config.orders_by_priority)
         self.running: list[Request] = []
-        # client request id -> ids of its sequences (several when n > 1)
-        self._sequences: dict[str, list[str]] = {}
         self._finished_req_ids: list[str] = []
         self._pending_forks: list[ForkedRequestData] = []
         self.beams = BeamCoordinator(self.is_taken, self._adopt, self._end)
@@ -101,11 +100,9 @@ class Scheduler:
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request that passed EngineCore's checks (its id is unused)."""
-        assert req.req_id not in self.requests and req.req_id not in self._sequences
-        self.requests[req.req_id] = req
-        self._sequences[req.client_req_id] = [req.req_id]
+        self.seqs.add(req)
         self.tenants.arrive(req.tenant)
-        self._enqueue(req)
+        self.waiting.add(req)
         if req.sampling_params.use_beam_search:
             self.beams.add(req, self.max_model_len)
 
@@ -113,40 +110,32 @@ class Scheduler:
         """Drop requests wherever they are; idempotent. Returns the ids actually aborted."""
         aborted = []
         for client_req_id in client_req_ids:
-            seq_ids = self._sequences.get(client_req_id)
-            if not seq_ids:
+            if not self.seqs.is_known(client_req_id):
                 continue
-            for req_id in list(seq_ids):
-                req = self.requests.get(req_id)
-                if req is not None:
-                    self._end(req, FinishReason.ABORT)
+            for req in self.seqs.of_client(client_req_id):
+                self._end(req, FinishReason.ABORT)
             self.beams.drop(client_req_id)
             aborted.append(client_req_id)
         return aborted
 
     def finish_sequence(self, client_req_id: str, sample_index: int, reason: FinishReason) -> bool:
         """End one sample of a request (a stop string was found); the others go on."""
-        for req_id in self._sequences.get(client_req_id, ()):
-            req = self.requests[req_id]
+        for req in self.seqs.of_client(client_req_id):
             if req.sample_index == sample_index:
                 self._end(req, reason)
                 return True
         return False
 
     def is_known(self, client_req_id: str) -> bool:
-        return client_req_id in self._sequences
+        return self.seqs.is_known(client_req_id)
 
     def is_taken(self, req_id: str) -> bool:
         """Whether `req_id` names a request or one of its samples here."""
-        return req_id in self._sequences or req_id in self.requests
+        return self.seqs.is_taken(req_id)
 
     def requests_of_client(self, client_id: int) -> list[str]:
         """The client request ids sent by one client process."""
-        return [
-            client_req_id
-            for client_req_id, seq_ids in self._sequences.items()
-            if self.requests[seq_ids[0]].client_id == client_id
-        ]
+        return self.seqs.client_requests_of(client_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -213,10 +202,7 @@ class Scheduler:
         self.fair.begin_step(self.running, self.waiting)
         free_slots = self.config.max_num_seqs - len(self.running)
         bm = self.block_manager
-
-        def held(req: Request) -> int:
-            return bm.num_held_blocks(req.req_id)
-
+        held = bm.num_held_blocks
         for victim in self.fair.victims(self.running, free_slots, held, bm.num_blocks):
             self.running.remove(victim)
             self._preempt(victim)
@@ -273,7 +259,7 @@ class Scheduler:
             req = self._next_waiting()
             if req is None or self._held(req, plan):
                 return  # (held: preempted with a step in flight, until that returns)
-            found = self._find_prefix(req)
+            found = find_prefix(req, self.block_manager, self.kv)
             num_new = req.num_tokens_with_pending - found.num_tokens
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
@@ -293,29 +279,15 @@ class Scheduler:
             self._admit(req, plan, found, num_new)
 
     def _next_waiting(self) -> Request | None:
-        adapters = self._running_adapters()
+        adapters = running_adapters(self.running)
         candidates = (
             r
             for r in self.waiting
             if not self.beams.is_idle(r)
-            and self._adapter_fits(r, adapters)
+            and adapter_fits(r, adapters, self.max_loras)
             and not self.kv.awaits_remote_kv(r)
         )
         return self.fair.pick(candidates) if self.fair else next(candidates, None)
-
-    def _find_prefix(self, req: Request) -> PrefixFound:
-        """What of `req` the prefix cache holds, and the tiers below it. Prompt logprobs and
-        embeddings need every prompt position computed: no cache hits for those."""
-        params = req.sampling_params
-        salt = cache_salt(req.lora_int_id)
-        if params.prompt_logprobs is not None or params.embed:
-            return PrefixFound(None, salt)
-        # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
-        cached = self.block_manager.find_cached_prefix(
-            req.all_token_ids, salt, req.prompt_block_hashes
-        )
-        load_tiers = self.kv.tier_hit(cached)
-        return PrefixFound(cached, salt, load_tiers, len(load_tiers) * self.block_size)
 
     def _make_room_for(self, req: Request, plan: StepPlan) -> bool:
         """Blocks ran out for `req`: free some if that is allowed (True: try again)."""
@@ -358,22 +330,11 @@ class Scheduler:
             return req.num_steps_in_flight > 0
         return bool(req.num_pending_tokens) and (plan.speculate or req.verifying)
 
-    def _running_adapters(self) -> set[int]:
-        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
-
-    def _adapter_fits(self, req: Request, adapters: set[int]) -> bool:
-        """Whether `req` can join the batch without more than max_loras adapters in it."""
-        if req.lora is None or req.lora.lora_int_id in adapters:
-            return True
-        return len(adapters) < self.max_loras
-
     def lora_adapters(self) -> tuple[list[str], list[str]]:
         """Names of the adapters of running and of waiting requests (vllm:lora_requests_info).
         Called from the heartbeat thread: copies first (a deque refuses iteration while the
         main thread changes it; list() copies it in one go under the GIL)."""
-        running = {r.lora.lora_name: None for r in list(self.running) if r.lora is not None}
-        waiting = {r.lora.lora_name: None for r in list(self.waiting) if r.lora is not None}
-        return list(running), list(waiting)
+        return adapter_names(list(self.running)), adapter_names(list(self.waiting))
 
     def _add_to_step(
         self, plan: StepPlan, req: Request, num_new: int, drafts: list[int] | None = None
@@ -382,7 +343,7 @@ class Scheduler:
         num_drafts = len(drafts)
         self.tenants.charge(req.tenant, plan.add(req, num_new, drafts))
         if req.cache_pin is not None and not req.pinned:
-            self._pin_prefix(req)
+            pin_computed_prefix(req, self.block_manager)
         if req.sampling_params.embed or req.sampling_params.use_beam_search:
             # An embedding's answer is the pooled vector, a beam's next token is chosen by
             # its group once every beam has reported: nothing pending to decode.
@@ -393,16 +354,6 @@ class Scheduler:
             if req.waits_to_fork and req.num_pending_tokens == 0:
                 plan.num_samples[req.req_id] = req.sampling_params.n
             req.num_pending_tokens += 1
-
-    def _pin_prefix(self, req: Request) -> None:
-        """Once the step computing the end of a request's pinned prefix is scheduled, pin
-        its blocks (they hold it by the time any later step reads them: steps run in order)."""
-        pin = req.cache_pin
-        assert pin is not None
-        num_tokens = min(pin.num_tokens, req.num_prompt_tokens)
-        if req.num_computed_tokens >= num_tokens:
-            req.pinned = True
-            self.block_manager.pin(req.req_id, num_tokens, time.monotonic() + pin.ttl_s)
 
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
@@ -486,8 +437,7 @@ class Scheduler:
         """The executor could not run `req`: every sequence of its client request ends with
         finish reason "error" and the executor's message (the frontend answers 500)."""
         outputs = []
-        for seq_id in list(self._sequences.get(req.client_req_id, ())):
-            seq = self.requests[seq_id]
+        for seq in self.seqs.of_client(req.client_req_id):
             seq.known_to_executor = False  # it holds no state for it
             seq.computed = False  # nor did it compute its blocks: they cache nothing
             outputs.append(error_output(seq, message))
@@ -532,15 +482,14 @@ class Scheduler:
         `fork`: what tells the executor, if it is to know of the child now."""
         if fork is not None:
             self._pending_forks.append(fork)
-        self.requests[child.req_id] = child
-        self._sequences[parent.client_req_id].append(child.req_id)
+        self.seqs.add_fork(child)
         if parent.status == RequestStatus.RUNNING:
             self.block_manager.fork(parent.req_id, child.req_id)
             self.running.append(child)
             return
         child.status = RequestStatus.PREEMPTED
         child.num_computed_tokens = 0
-        self._enqueue(child, front=True)
+        self.waiting.add(child, front=True)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.req_id)
@@ -558,23 +507,7 @@ class Scheduler:
         self.tenants[req.tenant].num_preemptions += 1
         if self.fair is not None:
             self.fair.load.move(req.tenant, to_running=False)
-        self._enqueue(req, front=True)
-
-    def _enqueue(self, req: Request, front: bool = False) -> None:
-        """Into the waiting queue: at its end (a new request) or front (a preempted one,
-        which resumes first); under the priority and fair policies, in (priority, arrival)
-        order."""
-        if not self.config.orders_by_priority:
-            if front:
-                self.waiting.appendleft(req)
-            else:
-                self.waiting.append(req)
-            return
-        key = req.priority_key
-        i = len(self.waiting)
-        while i > 0 and self.waiting[i - 1].priority_key > key:
-            i -= 1
-        self.waiting.insert(i, req)
+        self.waiting.add(req, front=True)
 
     def _end(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
@@ -587,13 +520,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         self.block_manager.free(req.req_id, keep_hashes=req.computed)
-        del self.requests[req.req_id]
-        seq_ids = self._sequences.get(req.client_req_id)
-        if seq_ids is not None:
-            seq_ids.remove(req.req_id)
-            if not seq_ids:
-                del self._sequences[req.client_req_id]
-                self.tenants.depart(req.tenant)
+        if self.seqs.remove(req):
+            self.tenants.depart(req.tenant)
         # A fork of this request not yet sent must not be sent.
         self._pending_forks = [f for f in self._pending_forks if f.req_id != req.req_id]
         self.beams.forget(req.req_id)
@@ -627,20 +555,3 @@ class Scheduler:
         self._pending_forks = []
         self._finished_req_ids = []
         return out
-
-
-def _longest_context(config: SchedulerConfig, block_manager: BlockManager) -> int:
-    """config.max_model_len, or less: the most tokens one request can hold with the whole
-    pool to itself, prefilled in chunks of max_num_batched_tokens."""
-    chunk = config.max_num_batched_tokens
-
-    def fits(n: int) -> bool:
-        return block_manager.blocks_needed(n, chunk) <= block_manager.num_blocks
-
-    if fits(config.max_model_len):
-        return config.max_model_len
-    low, high = 0, config.max_model_len  # fits(low), not fits(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zllm.block_hash import BlockHash
+from zllm.block_hash import BlockHash, cache_salt
 from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.kv_connector import SchedulerConnector
 from zllm.core.request import Request
 from zllm.protocol import CachedRequestData, NewRequestData
 
@@ -30,6 +31,19 @@ class PrefixFound:
     @property
     def num_tokens(self) -> int:
         return self.num_computed + self.num_loaded
+
+
+def find_prefix(req: Request, bm: BlockManager, kv: SchedulerConnector) -> PrefixFound:
+    """What of waiting `req` the prefix cache holds, and the tiers below it. Prompt logprobs
+    and embeddings need every prompt position computed: no cache hits for those."""
+    params = req.sampling_params
+    salt = cache_salt(req.lora_int_id)
+    if params.prompt_logprobs is not None or params.embed:
+        return PrefixFound(None, salt)
+    # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
+    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
+    load_tiers = kv.tier_hit(cached)
+    return PrefixFound(cached, salt, load_tiers, len(load_tiers) * bm.block_size)
 
 
 @dataclass(slots=True)

@@ -184,11 +184,16 @@ def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():
     sched.add_request(Request("other", list(range(500, 505)), SamplingParams(max_tokens=1)))
     so = sched.schedule()
     assert list(so.num_scheduled_tokens) == ["other"]  # "decode" waits, "other" goes ahead
+    waiting = sched.requests["decode"]
+    kept = waiting.prompt_block_hashes
+    assert kept == hashes  # its prompt, hashed while it waits
     kv.received(hashes[:2], [])
     assert "decode" not in sched.schedule().num_scheduled_tokens  # one block still missing
+    assert waiting.prompt_block_hashes is kept  # not hashed again
     kv.received(hashes[2:], [])
     so = sched.schedule()
     assert so.num_scheduled_tokens["decode"] == 1  # only the last token is computed
+    assert waiting.prompt_block_hashes is None  # admitted: not kept
     assert [(t, h) for t, h, _ in so.kv_transfers.loads] == [(TIER_REMOTE, h) for h in hashes]
     assert kv.hit_tokens[TIER_REMOTE] == 12 and sched.num_kv_wait_timeouts == 0
 

@@ -248,7 +248,7 @@ def test_a_blocked_tenant_never_yields_its_own_blocks_to_itself() -> None:
         ledger.arrive(name)
     ledger.charge("B", 100)  # B is the most served and holds most of the pool
     blocks = {"b-long": 9, "a-short": 1}
-    held = lambda r: blocks[r.req_id]  # noqa: E731
+    held = blocks.__getitem__  # the blocks each request holds, by its id
     fair.begin_step([b_long, a_short], [b_waiting])
     fair.blocked = b_waiting  # B runs 1 of its 2 slots; its next request did not fit
     assert fair.victims([b_long, a_short], 2, held, num_blocks=10) == []
