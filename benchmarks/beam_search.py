@@ -18,7 +18,7 @@ import time
 import torch
 
 from zllm import LLM, BeamSearchParams
-from zllm.model_files import resolve_model
+from zllm.model.files import resolve_model
 
 PROMPTS = [
     "The capital of France is",

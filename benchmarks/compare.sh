@@ -276,7 +276,7 @@ serve_bench() {
 # ---------------------------------------------------------------------------------------------
 
 ensure_python_deps
-Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model_files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
+Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model.files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
 # The file's quantization as llama.cpp names it, for labels: ...Q4_1.gguf -> Q4_1.
 QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]')
 if has_step setup; then

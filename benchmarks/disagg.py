@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from zllm.serve_config import free_ports
+from zllm.config.serve import free_ports
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
@@ -146,10 +146,10 @@ def transfer_cost(args) -> list[dict]:
     import torch
     import zmq
 
-    from zllm.engine_args import EngineArgs
+    from zllm.config.engine_args import EngineArgs
+    from zllm.config.kv_transfer import KVTransferConfig
     from zllm.executor.kv_connector import KVPool
     from zllm.executor.kv_transfer import KVReceiver, KVSender, RemoteKVBuffer
-    from zllm.kv_transfer_config import KVTransferConfig
 
     config = EngineArgs(model=args.model).create_engine_config()
     arch, bs = config.arch, config.cache.block_size

@@ -83,7 +83,7 @@ def launch_time(device: torch.device) -> tuple[float, float]:
 
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
-    from zllm.config import ModelArchConfig
+    from zllm.config.engine import ModelArchConfig
     from zllm.executor.attention_cuda import CUDA_ATTENTION
     from zllm.executor.models import LlamaForCausalLM
 
@@ -98,7 +98,8 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
                 p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
         return model.eval(), arch
     from zllm.executor.loader import load_weights
-    from zllm.model_files import read_arch_config, resolve_model
+    from zllm.model.arch import read_arch_config
+    from zllm.model.files import resolve_model
 
     path = resolve_model("smollm2")
     arch = read_arch_config(path)
@@ -288,7 +289,7 @@ def divergence(args: argparse.Namespace) -> dict:
     from test_cuda import SMOLLM2_PROMPTS
 
     from zllm import LLM, SamplingParams
-    from zllm.model_files import resolve_model
+    from zllm.model.files import resolve_model
 
     path = resolve_model("smollm2")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

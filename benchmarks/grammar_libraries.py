@@ -47,8 +47,8 @@ REGEX_ANSWER = "lovelace@analytic.org"
 
 
 def tokenizer_json() -> tuple[str, int, int]:
-    from zllm.model_files import resolve_model
-    from zllm.tokenizer import load_tokenizer
+    from zllm.model.files import resolve_model
+    from zllm.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model("smollm2"))
     return tok.backend.to_str(), tok.vocab_size, tok.eos_token_id

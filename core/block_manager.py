@@ -21,7 +21,7 @@ removing from the middle are all O(1).
 is about to be written (the partial last block) is copied first (copy-on-write); the copies a
 step needs are returned by `take_pending_copies` and carried out by the executor.
 
-KV cache groups (zllm/kv_cache_groups.py): a request holds one block table per group, all
+KV cache groups (zllm/kv/cache_groups.py): a request holds one block table per group, all
 drawn from the one pool. A sliding-window group releases blocks that fell out of the window
 of the step's first new token (None in the table, -1 on the wire), so a long sequence holds
 about window/block_size + 1 blocks there. A prefix hit of k blocks must hold in every group:
@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from zllm.block_hash import BlockHash, hash_full_blocks
 from zllm.core.free_blocks import FreeBlockQueue, KVBlock
 from zllm.core.prefix_pins import PrefixPins
+from zllm.kv.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
 
 
@@ -129,9 +129,6 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by some request (cached free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def has_blocks(self, req_id: str) -> bool:
-        return req_id in self._requests
 
     def block_ids(self, req_id: str, group: int = 0) -> list[int]:
         """One group's block table (-1 for released entries)."""

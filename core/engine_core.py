@@ -34,7 +34,8 @@ from collections import deque
 
 import msgspec
 
-from zllm.config import EngineConfig, check_request_options
+from zllm.config.engine import EngineConfig, check_request_options
+from zllm.config.serve import detokenizer_index
 from zllm.core.block_manager import BlockManager
 from zllm.core.executors import Executor, ExecutorTimeout
 from zllm.core.kv_connector import TieredKVConnector
@@ -42,8 +43,8 @@ from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
-from zllm.kv_cache_groups import kv_cache_groups
-from zllm.kv_tiers import block_bytes, existing_disk_blocks, tier_directory
+from zllm.kv.cache_groups import kv_cache_groups
+from zllm.kv.tiers import block_bytes, existing_disk_blocks, tier_directory
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     CachePin,
@@ -61,7 +62,6 @@ from zllm.protocol import (
     SchedulerOutput,
     StageStats,
 )
-from zllm.serve_config import detokenizer_index
 
 MAX_STEPS_IN_FLIGHT = 2
 

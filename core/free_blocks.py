@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from zllm.block_hash import BlockHash
+from zllm.kv.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)

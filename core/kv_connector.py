@@ -35,12 +35,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from zllm.block_hash import cache_salt
-from zllm.config import KVOffloadConfig
+from zllm.config.engine import KVOffloadConfig
+from zllm.config.kv_transfer import KVTransferConfig
 from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.request import Request
-from zllm.kv_tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
-from zllm.kv_transfer_config import KVTransferConfig
+from zllm.kv.block_hash import cache_salt
+from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
 from zllm.protocol import KVTierStats, KVTransfers
 
 BlockHash = int

@@ -29,11 +29,10 @@ import time
 import msgspec
 import zmq
 
+from zllm.config.serve import ServeConfig
 from zllm.core.engine_core import DetokenizerBatches, EngineCore
 from zllm.core.executors import ExecutorTimeout, SocketExecutor
 from zllm.errors import ParamError
-from zllm.messaging import receive, send_nowait
-from zllm.procutil import report_ready, start_process
 from zllm.protocol import (
     AbortRequests,
     ClientGone,
@@ -50,7 +49,8 @@ from zllm.protocol import (
     SleepReply,
     SpecDecodeStats,
 )
-from zllm.serve_config import ServeConfig
+from zllm.runtime.messaging import receive, send_nowait
+from zllm.runtime.procutil import report_ready, start_process
 
 logger = logging.getLogger("zllm.core")
 

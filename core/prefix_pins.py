@@ -1,4 +1,4 @@
-"""Prefix pinning's table (`cache_control`, zllm/cache_control.py): which KV blocks requests
+"""Prefix pinning's table (`cache_control`, zllm/kv/cache_control.py): which KV blocks requests
 pinned, and until when. The block manager pins the cached full blocks of a request's prefix
 (`BlockManager.pin`); each pinned block holds one reference, so it is never evicted, until its
 time is up or the pool needs it (`release_pins`)."""

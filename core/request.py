@@ -80,7 +80,7 @@ class Request:
     options: RequestOptions = NO_OPTIONS
     # Prefix pinning: whether its blocks were pinned already.
     pinned: bool = False
-    # Prefill/decode disaggregation (zllm/kv_transfer_config.py): whether its prompt's
+    # Prefill/decode disaggregation (zllm/config/kv_transfer.py): whether its prompt's
     # blocks were sent (a producer), and until when it waits for them (a consumer;
     # time.monotonic()).
     kv_sent: bool = False

@@ -33,7 +33,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from zllm.config import SchedulerConfig, SpeculativeConfig
+from zllm.config.engine import SchedulerConfig, SpeculativeConfig
+from zllm.config.kv_transfer import KVTransferConfig
 from zllm.core.beam_search import BeamCoordinator
 from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
@@ -47,7 +48,6 @@ from zllm.core.speculation import Speculation
 from zllm.core.step_outputs import embedding_output, error_output, rows, tokens_output
 from zllm.core.step_plan import PrefixFound, StepPlan, find_prefix
 from zllm.core.stopping import check_stop
-from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import (
     EngineCoreOutput,
     FinishReason,

@@ -14,7 +14,7 @@ The executor proposes (executor/spec_decode/); the scheduler only counts and bud
 
 from __future__ import annotations
 
-from zllm.config import SpeculativeConfig
+from zllm.config.engine import SpeculativeConfig
 from zllm.core.request import Request, RequestStatus
 from zllm.protocol import SpecDecodeStats
 

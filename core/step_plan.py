@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zllm.block_hash import BlockHash, cache_salt
 from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.kv_connector import SchedulerConnector
 from zllm.core.request import Request
+from zllm.kv.block_hash import BlockHash, cache_salt
 from zllm.protocol import CachedRequestData, NewRequestData
 
 

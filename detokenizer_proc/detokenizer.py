@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zllm.incremental_detokenizer import IncrementalDetokenizer
 from zllm.protocol import (
     DetokenizerBatch,
     DetokRequest,
@@ -18,7 +17,8 @@ from zllm.protocol import (
     LogprobsLists,
     RequestOutputDelta,
 )
-from zllm.tokenizer import Tokenizer
+from zllm.text.incremental_detokenizer import IncrementalDetokenizer
+from zllm.text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

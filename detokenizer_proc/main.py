@@ -16,10 +16,10 @@ import msgspec
 import zmq
 
 from zllm.detokenizer_proc.detokenizer import Detokenizer
-from zllm.messaging import receive, send_nowait
-from zllm.procutil import index_arg, report_ready, start_process
 from zllm.protocol import DetokenizerBatch, FrontendBatch, ProcessRole
-from zllm.tokenizer import load_tokenizer
+from zllm.runtime.messaging import receive, send_nowait
+from zllm.runtime.procutil import index_arg, report_ready, start_process
+from zllm.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("zllm.detokenizer")
 

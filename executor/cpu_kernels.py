@@ -39,11 +39,11 @@ from types import ModuleType
 
 import torch
 
-from zllm.progress import Progress
+from zllm.executor.csrc_dir import CSRC_DIR
+from zllm.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[1] / "csrc")
 SOURCES = ("cpu/ops.cpp",)
 KERNEL_FILES = (
     "cpu/ops.cpp",

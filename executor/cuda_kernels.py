@@ -17,16 +17,15 @@ host emulator of the kernels (csrc/emu), so the planning is tested without a GPU
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[1] / "csrc")
+from zllm.executor.csrc_dir import CSRC_DIR
+
 COMMON_HEADER = "zllm_common.cuh"
 NVRTC_OPTIONS = ("-std=c++17",)
 

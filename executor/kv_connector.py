@@ -35,8 +35,8 @@ from typing import Protocol
 
 import torch
 
-from zllm.config import EngineConfig
-from zllm.kv_tiers import (
+from zllm.config.engine import EngineConfig
+from zllm.kv.tiers import (
     BLOCK_FILE_SUFFIX,
     FILE_FORMAT_VERSION,
     TIER_CPU,

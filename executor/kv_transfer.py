@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation, the executor's side: the bytes of KV blocks between a
-producer's pool and a consumer's (zllm/kv_transfer_config.py says who does what; the cores
+producer's pool and a consumer's (zllm/config/kv_transfer.py says who does what; the cores
 decide which blocks: core/kv_connector.py).
 
     producer                                       consumer
@@ -15,7 +15,7 @@ Nothing waits for the peer: a producer whose consumer is gone drops the blocks (
 IMMEDIATE: nothing queues for a peer that is not connected), as does one with kv_buffer_size
 bytes already queued; a consumer whose buffer is full drops its oldest blocks, and a block
 that is not there when its load comes is recomputed (executor/model_runner.py
-`_transfer_kv`). Blocks are keyed by the hash chain of their tokens (zllm/block_hash.py), the
+`_transfer_kv`). Blocks are keyed by the hash chain of their tokens (zllm/kv/block_hash.py), the
 same in both engines.
 
 Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
@@ -38,9 +38,9 @@ import msgspec
 import torch
 import zmq
 
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
+from zllm.config.kv_transfer import KVTransferConfig
 from zllm.executor.kv_connector import KVPool
-from zllm.kv_transfer_config import KVTransferConfig
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived
 
 logger = logging.getLogger(__name__)

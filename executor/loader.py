@@ -16,9 +16,9 @@ import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
 
-from zllm.config import ModelArchConfig
-from zllm.model_files import GGUFFile, read_gguf
-from zllm.progress import Progress
+from zllm.config.engine import ModelArchConfig
+from zllm.model.gguf import GGUFFile, read_gguf
+from zllm.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
 

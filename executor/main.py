@@ -28,9 +28,9 @@ import os
 
 import zmq
 
-from zllm.parallel_config import TP_INIT_ENV
-from zllm.procutil import index_arg, report_ready, start_process
+from zllm.config.parallel import TP_INIT_ENV
 from zllm.protocol import ProcessRole
+from zllm.runtime.procutil import index_arg, report_ready, start_process
 
 logger = logging.getLogger("zllm.executor")
 

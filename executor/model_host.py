@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
+from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
 from zllm.executor import cpu_kernels, fused_decode, quantization
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
@@ -35,8 +35,8 @@ from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.step_inputs import layer_attention, layer_kv_slots
-from zllm.kv_cache_groups import kv_cache_groups
-from zllm.model_files import read_gguf
+from zllm.kv.cache_groups import kv_cache_groups
+from zllm.model.gguf import read_gguf
 
 if TYPE_CHECKING:
     from zllm.executor.cuda_graph import CudaGraphRunner

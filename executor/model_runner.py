@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
 from zllm.executor.fused_decode import FusedDecode
 from zllm.executor.kv_connector import KVTiers
 from zllm.executor.lora.manager import LoRAManager
@@ -36,7 +36,7 @@ from zllm.executor.step_inputs import StepInputs, prepare_inputs
 from zllm.executor.step_sampler import StepSampler
 from zllm.executor.step_timing import GpuIdleClock
 from zllm.executor.structured_output import GrammarCompiler
-from zllm.kv_cache_groups import KVCacheGroup
+from zllm.kv.cache_groups import KVCacheGroup
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
 from zllm.executor.model_runner import ModelRunner
 from zllm.executor.ranks import RankProcesses, join_ranks, run_step
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
@@ -84,7 +84,7 @@ def start_offline_executor(config: EngineConfig) -> InProcessExecutor | RankProc
     """The offline engine's executor: rank 0's ModelRunner in this process and, with several
     ranks, the processes of ranks 1..N-1 it forwards each step to (stopped when the executor
     is collected, or at exit)."""
-    from zllm.serve_config import free_ports
+    from zllm.config.serve import free_ports
 
     if config.world_size == 1:
         return InProcessExecutor(ModelRunner(config))

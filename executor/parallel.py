@@ -16,7 +16,7 @@ on the N / num_kv_heads ranks whose query heads read it. A rank's model is an or
 built from `local_arch` (its head and intermediate counts), so attention, the KV cache and its
 sizing need no change; `shard_weight` cuts each checkpoint tensor to the rank's part.
 
-Pipeline parallelism splits the layers into stages (zllm/parallel_config.py `stage_layers`),
+Pipeline parallelism splits the layers into stages (zllm/config/parallel.py `stage_layers`),
 each stage's ranks a tensor-parallel group of their own; a stage's model holds only its
 layers (`PipelineParallel.layers`) and passes the residual stream to the next stage point to
 point (`send` / `recv`). `init_parallel` joins a rank to both.
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zllm.config import ModelArchConfig
-from zllm.parallel_config import check_divisible, stage_layers
+from zllm.config.engine import ModelArchConfig
+from zllm.config.parallel import check_divisible, stage_layers
 
 logger = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor import cpu_kernels
 from zllm.executor.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
-from zllm.model_files import GGUFFile, read_gguf
+from zllm.model.gguf import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from multiprocessing.synchronize import Event as EventType
 import msgspec
 import zmq
 
-from zllm.config import EngineConfig
-from zllm.messaging import decode_or_drop
+from zllm.config.engine import EngineConfig
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
+from zllm.runtime.messaging import decode_or_drop
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _rank_process(
     joining: EventType,
 ) -> None:
     """Entry of an offline rank process (spawned, so it imports torch afresh)."""
-    from zllm.procutil import die_with_parent, title_process
+    from zllm.runtime.procutil import die_with_parent, title_process
 
     die_with_parent()
     title_process(f"zllm: executor {rank}")

@@ -29,10 +29,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from zllm.config import EngineConfig
-from zllm.procutil import report_ready
+from zllm.config.engine import EngineConfig
+from zllm.config.serve import ServeConfig
 from zllm.protocol import ProcessRole
-from zllm.serve_config import ServeConfig
+from zllm.runtime.procutil import report_ready
 
 logger = logging.getLogger("zllm.executor")
 
@@ -46,7 +46,7 @@ class RankActor:
 
     def __init__(self, config_bytes: bytes, rank: int, cpus: int) -> None:
         """`cpus`: the CPUs its bundle reserved, its torch pool's threads on CPU."""
-        from zllm.procutil import title_process
+        from zllm.runtime.procutil import title_process
 
         # Titled and logging as a rank process would (Ray sends its output to the driver's).
         title_process(f"zllm: executor {rank} (ray)")
@@ -64,7 +64,7 @@ class RankActor:
 
     def open_rendezvous(self) -> str:
         """Rank 0: a free port on its node for torch.distributed's rendezvous."""
-        from zllm.serve_config import free_ports
+        from zllm.config.serve import free_ports
 
         ip = self.where()[1]
         return f"tcp://{ip}:{free_ports(1, ip)[0]}"

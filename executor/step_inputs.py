@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention_backend import StepAttentionMetadata
 from zllm.executor.request_state import RequestState
-from zllm.kv_cache_groups import KVCacheGroup
+from zllm.kv.cache_groups import KVCacheGroup
 from zllm.protocol import SchedulerOutput
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from zllm.structured_outputs import StructuredOutputsParams, grammar_of
+from zllm.text.structured_outputs import StructuredOutputsParams, grammar_of
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class GrammarCompiler:
         if self._tokenizer is None or eos != self._eos_token_ids:
             from llguidance import LLTokenizer
 
-            from zllm.tokenizer import load_tokenizer
+            from zllm.text.tokenizer import load_tokenizer
 
             start = time.perf_counter()
             spec = json.loads(load_tokenizer(self.model_path).backend.to_str())

@@ -28,7 +28,6 @@ import msgspec
 from msgspec import Meta
 from starlette.responses import Response
 
-from zllm.cache_control import parse_cache_control
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import options
 from zllm.frontend.api_models import (
@@ -46,6 +45,7 @@ from zllm.frontend.openai_api import tooled_chat_params
 from zllm.frontend.openai_format import chat_messages
 from zllm.frontend.responses import RETRY_AFTER_S, check_failed, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
+from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, FinishReason, RequestOptions, RequestOutputDelta
 
 # ---- request -------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tool_choice: AnthropicToolChoice | None = None
     metadata: dict[str, Any] | None = None
     # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
-    # prefill/decode disaggregation (frontend/disagg_proxy.py).
+    # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
 
 

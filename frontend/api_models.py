@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
-from zllm.structured_outputs import StructuredOutputsParams
+from zllm.text.structured_outputs import StructuredOutputsParams
 
 # ---- limits --------------------------------------------------------------------------------
 # Each is part of a field's type, so a request beyond it is a 400 naming the field, and the
@@ -106,7 +106,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # first (a 400 under fcfs unless 0).
     priority: Int64 = 0
     # zllm's extra parameter (Anthropic's shape): {"type": "ephemeral", "ttl": "5m"} keeps
-    # the prompt's KV blocks cached for ttl after it is computed (zllm/cache_control.py).
+    # the prompt's KV blocks cached for ttl after it is computed (zllm/kv/cache_control.py).
     cache_control: dict[str, Any] | None = None
     # vLLM's extra parameter for prefill/decode disaggregation, set by `zllm proxy`:
     # {"do_remote_decode": true} (to a prefill instance: send the prompt's KV on),

@@ -41,7 +41,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import zllm
-from zllm.engine_client import EngineClient
+from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
@@ -67,8 +67,8 @@ from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.inputs import check_vocabulary
-from zllm.serve_config import ServeConfig
-from zllm.tokenizer import Tokenizer
+from zllm.runtime.engine_client import EngineClient
+from zllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from zllm.engine_client import EngineClient
-from zllm.kv_tiers import TIER_NAMES
-from zllm.percentile import percentile
+from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
+from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.percentile import percentile
 
 HISTORY_S = 120  # what the charts show
 _ROLE_ORDER = (
@@ -191,7 +191,7 @@ class KVTier(msgspec.Struct):
 
 
 class TenantRow(msgspec.Struct):
-    """A tenant with requests in the engine now (zllm/tenants.py)."""
+    """A tenant with requests in the engine now (zllm/runtime/tenants.py)."""
 
     name: str
     running: int

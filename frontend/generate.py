@@ -29,7 +29,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from zllm.engine_client import EngineClient
+from zllm.config.generation import SamplingDefaults
+from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.frontend.admission import Admission
 from zllm.frontend.api_models import StreamOptions, UsageInfo
@@ -40,12 +41,11 @@ from zllm.frontend.middleware import TENANT_KEY, TICKET_KEY
 from zllm.frontend.openai_format import PromptInput
 from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
-from zllm.generation_config import SamplingDefaults
 from zllm.protocol import NO_OPTIONS, RequestOptions, RequestOutputDelta, TokenizeRequest
+from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
-from zllm.serve_config import ServeConfig
-from zllm.tenants import DEFAULT_TENANT
-from zllm.tokenizer import Tokenizer
+from zllm.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from zllm.frontend.api_models import (
     PromptLogprob,
 )
 from zllm.protocol import LogprobsLists
-from zllm.tokenizer import Tokenizer
+from zllm.text.tokenizer import Tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:

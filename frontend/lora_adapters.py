@@ -22,7 +22,7 @@ import json
 import logging
 import os
 
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
 from zllm.errors import RequestError
 from zllm.lora import LoRAError, LoRARequest, read_adapter
 

@@ -16,12 +16,12 @@ import time
 
 import uvicorn
 
-from zllm.engine_client import EngineClient
+from zllm.config.serve import ServeConfig
 from zllm.frontend.app import OpenAIServer, build_app
-from zllm.procutil import die_with_parent, index_arg, report_ready, start_process
 from zllm.protocol import ProcessRole
-from zllm.serve_config import ServeConfig
-from zllm.tokenizer import Tokenizer, load_tokenizer
+from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.procutil import die_with_parent, index_arg, report_ready, start_process
+from zllm.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("zllm.frontend")
 

@@ -57,10 +57,10 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from zllm.engine_client import EngineClient
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
-from zllm.kv_tiers import TIER_NAMES
+from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import EngineStats, RequestOutputDelta, TokenizeRequest
+from zllm.runtime.engine_client import EngineClient
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -407,7 +407,7 @@ def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
         yield g
 
 
-# Per tenant (EngineStats.tenants; zllm/tenants.py): (name, doc, TenantStats attribute).
+# Per tenant (EngineStats.tenants; zllm/runtime/tenants.py): (name, doc, TenantStats attribute).
 _TENANT_GAUGES = (
     ("zllm:tenant_requests_running", "Sequences of the tenant running now.", "num_running"),
     ("zllm:tenant_requests_waiting", "Sequences of the tenant waiting now.", "num_waiting"),
@@ -440,7 +440,7 @@ def _tenant_metrics(engines: PerEngine) -> Iterator[Metric]:
             yield metric
 
 
-# KV offload, one series per tier (KVTierStats, zllm/kv_tiers.py's tier order).
+# KV offload, one series per tier (KVTierStats, zllm/kv/tiers.py's tier order).
 _TIER_COUNTERS = (
     ("zllm:kv_offload_hits", "Prompt tokens loaded from the tier instead of computed.",
      "hits"),

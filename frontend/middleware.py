@@ -11,7 +11,7 @@ which are open. With API keys set, every route needs one except the observabilit
 (/health, /metrics, /dashboard, /version; those too with `--protect-metrics`); an unknown
 path gets its 404 without. A refusal has the shape of its route's API's errors.
 
-A generation request's tenant (zllm/tenants.py) goes into its scope too: the key it was sent
+A generation request's tenant (zllm/runtime/tenants.py) goes into its scope too: the key it was sent
 with, else its X-Tenant header (400 when malformed), else the default tenant.
 """
 
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
-from zllm.serve_config import ServeConfig
-from zllm.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
+from zllm.runtime.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
 
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope

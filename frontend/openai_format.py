@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from zllm.config.generation import SamplingDefaults
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.api_models import (
     MAX_LOGPROBS,
@@ -20,9 +21,8 @@ from zllm.frontend.api_models import (
     SamplingFields,
     ToolCallMessage,
 )
-from zllm.generation_config import SamplingDefaults
 from zllm.sampling_params import SamplingParams
-from zllm.structured_outputs import StructuredOutputsParams
+from zllm.text.structured_outputs import StructuredOutputsParams
 
 # ---- requests ------------------------------------------------------------------------------
 

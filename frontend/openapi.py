@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 import zllm
+from zllm.config.serve import ServeConfig
 from zllm.frontend.routes import ApiRoute, Operation, Schema
-from zllm.serve_config import ServeConfig
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {

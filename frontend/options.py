@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.cache_control import parse_cache_control
-from zllm.config import SchedulerConfig, check_priority
+from zllm.config.engine import SchedulerConfig, check_priority
 from zllm.errors import ParamError, RequestError
+from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
 
 

@@ -59,7 +59,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     # zllm's extra parameter, as on the other generation endpoints: set by `zllm proxy` for
-    # prefill/decode disaggregation (frontend/disagg_proxy.py).
+    # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
 
 

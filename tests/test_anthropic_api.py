@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from servers import start_server, stop_server
 
-from zllm.tokenizer import load_tokenizer
+from zllm.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import pytest
 from servers import start_server, stop_server
 
 from zllm.frontend.api_models import ChatCompletionRequest, CompletionRequest
-from zllm.tokenizer import load_tokenizer
+from zllm.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.e2e
 

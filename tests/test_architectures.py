@@ -33,9 +33,9 @@ from test_loader import llama_cpp_permute
 from tiny_models import CHAT_TEMPLATE, arch_config_of, tiny_hf_config, write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor.models.rope import rope_inv_freq
-from zllm.model_files import read_arch_config
+from zllm.model.arch import read_arch_config
 
 WINDOW = 16
 BLOCK = 4

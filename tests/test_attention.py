@@ -397,7 +397,7 @@ def test_a_live_build_is_waited_for_and_its_lock_left(tmp_path, caplog):
 
 @pytest.mark.parametrize("backend", [TORCH_ATTENTION, CPU_KERNEL_ATTENTION, CUDA_ATTENTION])
 def test_model_layers_come_from_the_backend(backend):
-    from zllm.config import ModelArchConfig
+    from zllm.config.engine import ModelArchConfig
     from zllm.executor.models import LlamaForCausalLM
 
     arch = ModelArchConfig(

@@ -3,7 +3,7 @@ beams continue, fork or end each round, what the executor is told, and what is f
 
 from __future__ import annotations
 
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler

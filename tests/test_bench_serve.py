@@ -25,7 +25,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from zllm.bench_serve import (  # noqa: E402
+from zllm.bench.serve import (  # noqa: E402
     ServeBenchConfig,
     format_table,
     percentile,
@@ -231,7 +231,7 @@ def test_percentile_matches_linear_interpolation():
 
 
 def test_engine_cost_from_counters_and_process_cpu():
-    from zllm.bench_engine_stats import engine_cost, parse_counters
+    from zllm.bench.engine_stats import engine_cost, parse_counters
 
     text = "\n".join(
         [
@@ -263,7 +263,7 @@ def test_engine_cost_from_counters_and_process_cpu():
 
 
 def test_pipeline_stage_idle_shares_from_counters():
-    from zllm.bench_engine_stats import engine_cost, parse_counters
+    from zllm.bench.engine_stats import engine_cost, parse_counters
 
     text = "\n".join(
         [
@@ -285,7 +285,7 @@ def test_pipeline_stage_idle_shares_from_counters():
 def test_engine_split_reported_against_a_real_zllm_server(tiny_llama_dir, tmp_path):
     from servers import start_server, stop_server
 
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     server = start_server(tiny_llama_dir, tmp_path / "serve.log")
     try:

@@ -11,11 +11,11 @@ from dataclasses import fields
 import pytest
 from tiny_models import write_lora_adapter
 
-from zllm.arg_utils import flag_name, flag_of, format_size, parse_size
 from zllm.cli import build_parser, serve_config_from_args
-from zllm.engine_args import EngineArgs, engine_args_from
+from zllm.config.arg_utils import flag_name, flag_of, format_size, parse_size
+from zllm.config.engine_args import EngineArgs, engine_args_from
+from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
 from zllm.lora import LoRARequest
-from zllm.serve_config import ServeConfig, ServerArgs, serve_config_from
 
 # Every engine option away from its default, and the flags that say so.
 ENGINE = EngineArgs(

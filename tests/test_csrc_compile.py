@@ -336,7 +336,7 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     from zllm.executor.attention_cuda import CUDA_ATTENTION
     from zllm.executor.loader import load_weights
     from zllm.executor.models import LlamaForCausalLM
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     monkeypatch.setattr(ck, "run_launches", emu.run_launches)
     path = str(write_tiny_model(tmp_path / "m", hidden_size=256, intermediate_size=256,

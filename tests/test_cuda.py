@@ -211,7 +211,7 @@ def tiny_gpu_llama_dir(tmp_path_factory):
 def load_model(path: str, dtype: torch.dtype):
     from zllm.executor.loader import load_weights
     from zllm.executor.models import LlamaForCausalLM
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     arch = read_arch_config(path)
     model = LlamaForCausalLM(arch, dtype=dtype, attention=CUDA_ATTENTION)
@@ -438,7 +438,7 @@ def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
     import re
 
     from zllm import SamplingParams
-    from zllm.structured_outputs import StructuredOutputsParams
+    from zllm.text.structured_outputs import StructuredOutputsParams
 
     llm = make_llm(tiny_gpu_llama_dir, "cuda")
     regex = SamplingParams(

@@ -190,8 +190,8 @@ def test_kill_9_of_one_engine_fails_its_requests_and_the_other_serves_on(tiny_ll
 
 
 def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
-    from zllm.engine_args import EngineArgs
-    from zllm.serve_config import ServerArgs, serve_config_from
+    from zllm.config.engine_args import EngineArgs
+    from zllm.config.serve import ServerArgs, serve_config_from
 
     engine = EngineArgs(model=tiny_llama_dir, enable_sleep_mode=True).create_engine_config()
     with pytest.raises(ValueError, match="--data-parallel-size 2 does not support --enable-sleep"):

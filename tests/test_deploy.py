@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("Dockerfile.*"))
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes these manifests are for (preStop `sleep`: GA 1.32)
-SUPERVISOR_STOP_S = 5  # zllm/supervisor.py waits drain_timeout + 5 s for the frontend
+SUPERVISOR_STOP_S = 5  # zllm/runtime/supervisor.py waits drain_timeout + 5 s for the frontend
 LABELS = {"app.kubernetes.io/name": "zllm"}
 
 

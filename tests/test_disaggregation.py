@@ -23,16 +23,16 @@ from servers import free_port, metric, start_server, stop_server, wait_until
 from test_kv_offload import make_pool
 
 from zllm import LLM, SamplingParams
-from zllm.block_hash import hash_full_blocks
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
+from zllm.config.engine_args import EngineArgs
+from zllm.config.kv_transfer import KVTransferConfig, kv_transfer_config_from
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.engine_args import EngineArgs
 from zllm.executor.kv_transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
-from zllm.kv_tiers import TIER_REMOTE
-from zllm.kv_transfer_config import KVTransferConfig, kv_transfer_config_from
+from zllm.kv.block_hash import hash_full_blocks
+from zllm.kv.tiers import TIER_REMOTE
 from zllm.protocol import KVBlocksReceived, KVTransferParams, ModelRunnerOutput
 
 BS = 4
@@ -121,7 +121,7 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
 
 
 def test_the_proxy_pairs_each_prefill_server_with_its_decode_server():
-    from zllm.frontend.disagg_proxy import pairs_of
+    from zllm.proxy.app import pairs_of
 
     assert pairs_of(["http://p1/", "http://p2"], ["http://d1", "http://d2"]) == [
         ("http://p1", "http://d1"),
@@ -585,7 +585,7 @@ def test_a_lost_transfer_is_recomputed(disagg, tiny_llama_dir, tmp_path):
     server waits for them until its timeout, then computes the prompt: the same answer.
     While it waits, its core sleeps on its inputs instead of spinning (it used a core's
     worth of CPU for the whole wait)."""
-    from zllm.bench_engine_stats import process_cpu_seconds
+    from zllm.bench.engine_stats import process_cpu_seconds
 
     servers, _ = disagg
     decode_port, lost_port = free_port(), free_port()

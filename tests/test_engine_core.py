@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from zllm.config import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
+from zllm.config.engine import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
+from zllm.config.serve import detokenizer_index
 from zllm.core.engine_core import EngineCore
 from zllm.errors import ParamError
 from zllm.protocol import (
@@ -17,7 +18,6 @@ from zllm.protocol import (
     SchedulerOutput,
 )
 from zllm.sampling_params import SamplingParams
-from zllm.serve_config import detokenizer_index
 
 VOCAB = 100
 BLOCK_SIZE = 4

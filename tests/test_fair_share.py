@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.request import Request, RequestStatus

@@ -130,7 +130,7 @@ def gemma3_llm(gemma3_path):
 def test_real_tokenizer_matches_transformers(gemma3_path):
     from transformers import AutoTokenizer
 
-    from zllm.tokenizer import load_tokenizer
+    from zllm.text.tokenizer import load_tokenizer
 
     path = Path(gemma3_path)
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

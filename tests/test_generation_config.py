@@ -17,10 +17,10 @@ from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
 from zllm.cli import main as cli_main
-from zllm.engine_args import EngineArgs
+from zllm.config.engine_args import EngineArgs
+from zllm.config.generation import FILE_NAME, SamplingDefaults, read_generation_config
 from zllm.frontend.api_models import ChatCompletionRequest, decode_body
 from zllm.frontend.openai_format import chat_params
-from zllm.generation_config import FILE_NAME, SamplingDefaults, read_generation_config
 from zllm.protocol import EngineCoreRequest, TokenizeRequest
 from zllm.tokenizer_proc.main import RequestTokenizer
 

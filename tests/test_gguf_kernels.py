@@ -336,7 +336,7 @@ def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):
 _RESIDENT_AFTER_LOAD = textwrap.dedent("""
     import json, sys
     import torch
-    from zllm.engine_args import EngineArgs
+    from zllm.config.engine_args import EngineArgs
     from zllm.executor import cpu_kernels
     from zllm.executor.model_runner import ModelRunner
 

@@ -27,7 +27,7 @@ from tiny_models import build_tiny_tokenizer
 from zllm import LLM, SamplingParams
 from zllm.executor.loader import load_weights
 from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear, gguf_kernel_plan
-from zllm.model_files import read_arch_config
+from zllm.model.arch import read_arch_config
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS

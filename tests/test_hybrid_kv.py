@@ -10,9 +10,9 @@ import pytest
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.bench_kv import concurrent_sequences
-from zllm.config import ModelArchConfig
-from zllm.kv_cache_groups import KVCacheGroup, kv_cache_groups
+from zllm.bench.kv import concurrent_sequences
+from zllm.config.engine import ModelArchConfig
+from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.protocol import EngineCoreRequest
 
 WINDOW = 8
@@ -120,7 +120,7 @@ def test_long_sequence_holds_only_its_window_in_sliding_groups(hybrid_dir):
     while engine.has_unfinished_requests():
         engine.update(llm.model_runner.execute_model(engine.schedule()))
         req = engine.scheduler.requests.get("long")
-        if req is not None and bm.has_blocks("long"):
+        if req is not None and bm.block_ids("long"):
             held.append(
                 (
                     req.num_computed_tokens,

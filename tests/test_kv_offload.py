@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from zllm import LLM, SamplingParams
-from zllm.block_hash import hash_full_blocks
-from zllm.config import KVOffloadConfig, SchedulerConfig
+from zllm.config.engine import KVOffloadConfig, SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector, TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
-from zllm.kv_tiers import (
+from zllm.kv.block_hash import hash_full_blocks
+from zllm.kv.tiers import (
     TIER_CPU,
     TIER_DISK,
     block_file_name,

@@ -10,7 +10,7 @@ import torch
 from tiny_models import tiny_hf_config, tiny_hf_model
 
 from zllm.executor.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
-from zllm.model_files import read_arch_config
+from zllm.model.arch import read_arch_config
 
 
 @pytest.mark.slow

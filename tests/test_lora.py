@@ -26,12 +26,12 @@ from servers import start_server, stop_server, wait_until
 from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, write_tiny_model
 
 from zllm import LLM, LoRARequest, SamplingParams
-from zllm.block_hash import cache_salt
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
+from zllm.kv.block_hash import cache_salt
 from zllm.lora import LoRAError, parse_lora_modules, read_adapter
 
 peft = pytest.importorskip("peft")
@@ -421,8 +421,8 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
 
 
 def test_lora_modules_need_enable_lora(base_dir, adapters) -> None:
-    from zllm.engine_args import EngineArgs
-    from zllm.serve_config import ServerArgs, serve_config_from
+    from zllm.config.engine_args import EngineArgs
+    from zllm.config.serve import ServerArgs, serve_config_from
 
     engine = EngineArgs(model=base_dir).create_engine_config()
     spec = f"all={adapters['all'].lora_path}"

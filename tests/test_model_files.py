@@ -13,14 +13,12 @@ import pytest
 from gguf import GGUFWriter
 from tiny_models import tiny_hf_config
 
-import zllm.model_files as mf
-from zllm.model_files import (
-    download_model,
-    find_installed,
-    read_arch_config,
-    read_gguf,
-    resolve_model,
-)
+import zllm.model.arch as model_arch
+import zllm.model.files as mf
+from zllm.config.engine import ModelArchConfig
+from zllm.model.arch import read_arch_config
+from zllm.model.files import download_model, find_installed, resolve_model
+from zllm.model.gguf import read_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -173,7 +171,7 @@ def test_resolve_rejects_unknown_paths(tmp_path: Path, name: str, why: str) -> N
 
 def test_smollm2_arch_config(smollm2_path: str) -> None:
     arch = read_arch_config(smollm2_path)
-    assert arch == mf.ModelArchConfig(
+    assert arch == ModelArchConfig(
         architecture="llama",
         vocab_size=49152,
         hidden_size=576,
@@ -291,16 +289,16 @@ def test_gguf_rope_scaling_becomes_hf_dict() -> None:
         "qwen2.rope.scaling.factor": 4.0,
         "qwen2.rope.scaling.original_context_length": 32768,
     }
-    assert mf._gguf_rope_scaling(md, "qwen2") == {
+    assert model_arch._gguf_rope_scaling(md, "qwen2") == {
         "rope_type": "yarn",
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
-    assert mf._gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {
+    assert model_arch._gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {
         "rope_type": "linear",
         "factor": 2.0,
     }
-    assert mf._gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama") is None
+    assert model_arch._gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama") is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +351,7 @@ def test_hf_config_unsupported_or_broken(tmp_path: Path) -> None:
 
 def test_no_torch_or_transformers_import() -> None:
     code = (
-        "import sys, zllm.model_files; print('torch' in sys.modules, 'transformers' in sys.modules)"
+        "import sys, zllm.model.files; print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr

@@ -13,7 +13,7 @@ from zllm.frontend.logprobs import LogprobText
 from zllm.frontend.openai_choices import ChatAssembler, CompletionAssembler
 from zllm.frontend.openai_format import chat_params, completion_params, prompt_inputs
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
-from zllm.tokenizer import load_tokenizer
+from zllm.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from zllm.reasoning_parser import REASONING_PARSERS, parse_reasoning
-from zllm.tool_parsers import TOOL_PARSERS, ParsedDelta, parse_tool_calls
+from zllm.text.reasoning_parser import REASONING_PARSERS, parse_reasoning
+from zllm.text.tool_parsers import TOOL_PARSERS, ParsedDelta, parse_tool_calls
 
 
 def partitions(text: str):

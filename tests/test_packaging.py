@@ -29,7 +29,8 @@ def test_every_kernel_source_is_package_data():
 def test_kernel_modules_find_csrc_beside_the_package_both_ways():
     # Repository: executor/cpu_kernels.py -> <repo>/csrc. Installed: zllm/executor/... ->
     # zllm/csrc, where package-dir puts it. Same expression, parents[1] / "csrc".
-    for module in (cpu_kernels, cuda_kernels):
-        here = Path(module.__file__).resolve()
-        assert module.CSRC_DIR == here.parents[1] / "csrc"
-        assert (module.CSRC_DIR / "cpu" / "ops.cpp").is_file()
+    # One definition (executor/csrc_dir.py) that both kernel modules use.
+    assert cpu_kernels.CSRC_DIR is cuda_kernels.CSRC_DIR
+    here = Path(cpu_kernels.__file__).resolve()
+    assert cpu_kernels.CSRC_DIR == here.parents[1] / "csrc"
+    assert (cpu_kernels.CSRC_DIR / "cpu" / "ops.cpp").is_file()

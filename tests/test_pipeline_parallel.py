@@ -19,12 +19,12 @@ from servers import kill_rank_under_load, start_server, stop_server, wait_until
 from test_scheduler import BS, make_request
 
 from zllm import LLM, SamplingParams
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
+from zllm.config.engine_args import EngineArgs
+from zllm.config.parallel import stage_layers
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.engine_args import EngineArgs
-from zllm.parallel_config import stage_layers
 from zllm.protocol import LogprobsLists, ModelRunnerOutput
 
 # ---- which layers a stage holds ------------------------------------------------------------
@@ -361,7 +361,7 @@ def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):
     from test_architectures import write_llama3_gguf
 
     from zllm.executor.loader import gguf_raw_weights, layer_of, load_weights
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     gguf = tmp_path / "tiny.gguf"
     write_llama3_gguf(gguf)

@@ -13,7 +13,7 @@ import pytest
 from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler

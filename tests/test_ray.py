@@ -94,14 +94,14 @@ def test_a_node_killed_under_load_is_an_executor_death(cluster, tiny_llama_dir, 
 
 def test_ray_backend_flags(tiny_llama_dir):
     from zllm import LLM
-    from zllm.engine_args import EngineArgs
+    from zllm.config.engine_args import EngineArgs
 
     config = EngineArgs(
         model=tiny_llama_dir, distributed_executor_backend="ray", tensor_parallel_size=2
     ).create_engine_config()
     assert config.executor_processes == 1 and config.world_size == 2
     # The driver is the one executor process: no rank endpoints (tcp ports) are set aside.
-    from zllm.serve_config import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs, serve_config_from
 
     for transport in ("ipc", "tcp"):
         endpoints = serve_config_from(config, ServerArgs(transport=transport)).endpoints

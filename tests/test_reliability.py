@@ -533,7 +533,7 @@ def test_malformed_ipc_messages_are_dropped(faults):
         lambda: faults.children().get("tokenizer 1") not in (None, before["tokenizer 1"]), 30
     )
     assert wait_until(faults.healthy, 30), faults.log_tail()
-    assert "zllm.supervisor: dropping a malformed" in faults.log_text()
+    assert "zllm.runtime.supervisor: dropping a malformed" in faults.log_text()
     assert faults.proc.poll() is None
 
 

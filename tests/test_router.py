@@ -10,9 +10,8 @@ import sys
 
 import pytest
 
-from zllm.block_hash import cache_salt, hash_full_blocks
 from zllm.core.block_manager import BlockManager
-from zllm.engine_stats import merge_stats
+from zllm.kv.block_hash import cache_salt, hash_full_blocks
 from zllm.protocol import (
     DetokenizerBatch,
     DetokRequest,
@@ -21,6 +20,7 @@ from zllm.protocol import (
     SpecDecodeStats,
     TenantStats,
 )
+from zllm.runtime.engine_stats import merge_stats
 from zllm.tokenizer_proc.router import DOWN_AFTER_S, PREFIX_WEIGHT, RECENT_S, Router
 
 BS = 4
@@ -148,7 +148,7 @@ def test_block_hashes_are_the_same_in_every_process():
     process (Python randomizes str hashes, and hash(None) is an address before 3.12)."""
     tokens = list(range(37))
     code = (
-        "from zllm.block_hash import hash_full_blocks, cache_salt;"
+        "from zllm.kv.block_hash import hash_full_blocks, cache_salt;"
         f"print(hash_full_blocks({tokens}, 4), hash_full_blocks({tokens}, 4, salt=cache_salt(3)))"
     )
     outputs = {
@@ -190,7 +190,7 @@ def test_the_block_manager_reports_what_its_prefix_cache_gains_and_loses():
 
 def test_a_restarted_engine_resets_only_its_own_requests_in_the_detokenizer(tiny_llama_dir):
     from zllm.detokenizer_proc.detokenizer import Detokenizer
-    from zllm.tokenizer import load_tokenizer
+    from zllm.text.tokenizer import load_tokenizer
 
     detok = Detokenizer(load_tokenizer(tiny_llama_dir, None))
     params = {"prompt_tail": [1, 2], "n": 1}

@@ -384,9 +384,9 @@ def test_logprobs_of_half_precision_logits_are_fp32() -> None:
 # ---- the model runner: how many samples a request draws --------------------------------------
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir):
-    from zllm.config import CacheConfig, EngineConfig, SchedulerConfig
+    from zllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig
     from zllm.executor.model_runner import ModelRunner
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     config = EngineConfig(
         model=tiny_llama_dir,

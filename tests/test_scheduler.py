@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zllm.config import SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler

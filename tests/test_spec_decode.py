@@ -22,7 +22,7 @@ from tiny_models import write_tiny_model
 from zllm import LLM, SamplingParams
 from zllm.executor.sampler import SamplingMetadata, processed_probs, verify_drafts
 from zllm.executor.spec_decode.ngram import NgramProposer
-from zllm.structured_outputs import StructuredOutputsParams
+from zllm.text.structured_outputs import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -451,7 +451,7 @@ def test_a_speculating_request_waits_for_its_step_while_others_schedule_ahead(ba
 def test_smollm2_ngram_greedy_equals_plain_and_accepts(smollm2_path) -> None:
     """The real model on edit-style chats (the answer repeats the prompt): prompt lookup's
     proposals are mostly accepted and the greedy tokens are exactly plain decoding's."""
-    from zllm.bench_datasets import chat_prompts
+    from zllm.bench.datasets import chat_prompts
 
     prompts = [{"prompt_token_ids": p} for p in chat_prompts("edit", 3, smollm2_path, seed=0)]
     params = SamplingParams(temperature=0.0, max_tokens=48)

@@ -22,8 +22,8 @@ from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.errors import ParamError
-from zllm.structured_outputs import StructuredOutputsParams as Structured
-from zllm.structured_outputs import check_structured_outputs
+from zllm.text.structured_outputs import StructuredOutputsParams as Structured
+from zllm.text.structured_outputs import check_structured_outputs
 
 PERSON = {
     "type": "object",

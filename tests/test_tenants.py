@@ -18,8 +18,8 @@ import time
 import pytest
 from servers import Server, error_of, start_server, stop_server, wait_until
 
-from zllm.engine_args import EngineArgs
-from zllm.tenants import parse_tenant_weights
+from zllm.config.engine_args import EngineArgs
+from zllm.runtime.tenants import parse_tenant_weights
 
 
 def test_tenant_weights_flag() -> None:

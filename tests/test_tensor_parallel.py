@@ -14,6 +14,7 @@ from servers import free_port, start_server, stop_server
 from test_model import MODELS, PROMPTS, PagedRunner, Sequence
 from tiny_models import arch_config_of
 
+from zllm.config.parallel import check_divisible
 from zllm.executor.models import get_model_class
 from zllm.executor.parallel import (
     SINGLE,
@@ -24,7 +25,6 @@ from zllm.executor.parallel import (
     shard_blocks,
     shard_weight,
 )
-from zllm.parallel_config import check_divisible
 
 # name -> (test_model.MODELS entry, HF config overrides, ranks)
 CASES = {
@@ -283,7 +283,7 @@ def test_kill_9_of_one_rank_restarts_every_rank(tiny_llama_dir, tmp_path):
 
 
 def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_dir):
-    from zllm.engine_args import EngineArgs
+    from zllm.config.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match=r"4 attention heads.*sizes that fit: \[2, 4\]"):
         EngineArgs(model=tiny_llama_dir, tensor_parallel_size=3).create_engine_config()

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGUFWriter
 from jinja2.exceptions import TemplateError
 
-from zllm.tokenizer import Tokenizer, load_tokenizer
+from zllm.text.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -256,6 +256,6 @@ def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf: Path) -> No
 
 
 def test_no_torch_or_transformers_import() -> None:
-    code = "import sys, zllm.tokenizer;print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, zllm.text.tokenizer;print('torch' in sys.modules, 'transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"], result.stderr

@@ -23,7 +23,7 @@ from tiny_models import write_tiny_model
 
 from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask
 from zllm.frontend.tools import _auto_call_grammar
-from zllm.tokenizer import load_tokenizer
+from zllm.text.tokenizer import load_tokenizer
 
 WEATHER = {
     "type": "function",

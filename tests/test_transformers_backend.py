@@ -35,7 +35,7 @@ from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.model_impl import choose_model_impl, read_model_arch
+from zllm.model.impl import choose_model_impl, read_model_arch
 
 WINDOW = 16
 BLOCK = 4
@@ -154,7 +154,7 @@ def test_kv_layout_is_read_from_config_json(models) -> None:
 
 
 def test_model_impl_reading_imports_no_torch() -> None:
-    code = "import sys, zllm.model_impl; print('torch' in sys.modules)"
+    code = "import sys, zllm.model.impl; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["False"], result.stderr
 
@@ -226,7 +226,7 @@ import sys, torch
 import transformers.models.gpt_neox.modeling_gpt_neox  # imported before the baseline
 from zllm.executor.attention_backend import TORCH_ATTENTION
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
-from zllm.model_impl import choose_model_impl, read_model_arch
+from zllm.model.impl import choose_model_impl, read_model_arch
 
 def peak_mib():
     for line in open("/proc/self/status"):

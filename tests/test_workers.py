@@ -15,7 +15,7 @@ from zllm.protocol import (
     TokenizeRequest,
 )
 from zllm.sampling_params import SamplingParams
-from zllm.tokenizer import load_tokenizer
+from zllm.text.tokenizer import load_tokenizer
 from zllm.tokenizer_proc.main import RequestTokenizer
 
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     import transformers
 
-    from zllm.config import ModelArchConfig
+    from zllm.config.engine import ModelArchConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -82,7 +82,7 @@ def tiny_hf_model(
 def arch_config_of(config: transformers.PretrainedConfig) -> ModelArchConfig:
     """What zllm makes of `config`: saved as config.json and read back by read_arch_config,
     the mapping `zllm serve` uses, rather than a second copy of it here."""
-    from zllm.model_files import read_arch_config
+    from zllm.model.arch import read_arch_config
 
     with tempfile.TemporaryDirectory() as directory:
         config.save_pretrained(directory)

@@ -19,12 +19,11 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from zllm.block_hash import cache_salt, hash_full_blocks
+from zllm.config.generation import default_max_tokens, merge_eos_token_ids
+from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError
-from zllm.generation_config import default_max_tokens, merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
-from zllm.messaging import receive, receive_nowait
-from zllm.procutil import index_arg, report_ready, start_process
+from zllm.kv.block_hash import cache_salt, hash_full_blocks
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
@@ -35,13 +34,14 @@ from zllm.protocol import (
     RouterInput,
     TokenizeRequest,
 )
+from zllm.runtime.messaging import receive, receive_nowait
+from zllm.runtime.procutil import index_arg, report_ready, start_process
 from zllm.sampling_params import SamplingParams
-from zllm.serve_config import ServeConfig
-from zllm.structured_outputs import check_structured_outputs
-from zllm.tokenizer import Tokenizer, load_tokenizer
+from zllm.text.structured_outputs import check_structured_outputs
+from zllm.text.tokenizer import Tokenizer, load_tokenizer
 from zllm.tokenizer_proc.router import Router
 
-logger = logging.getLogger("zllm.tokenizer")
+logger = logging.getLogger("zllm.text.tokenizer")
 
 
 class RequestTokenizer:

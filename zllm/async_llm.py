@@ -18,14 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from zllm.engine_args import EngineArgs
-from zllm.engine_client import EngineClient
+from zllm.config.engine_args import EngineArgs
+from zllm.config.serve import ServerArgs, serve_config_from
 from zllm.errors import RequestError
 from zllm.protocol import RequestOptions, RequestOutputDelta, TokenizeRequest
+from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.supervisor import Supervisor
+from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
-from zllm.serve_config import ServerArgs, serve_config_from
-from zllm.supervisor import Supervisor
-from zllm.tenants import DEFAULT_TENANT
 
 __all__ = ["AsyncLLM", "RequestError"]
 
@@ -72,7 +72,7 @@ class AsyncLLM:
         `prompt`: text, token ids, or chat messages (the model's chat template is applied).
         `request_id`: any string unique among this client's requests in flight (default: a
         random one). `tenant`: whom it is for (fair share, per-tenant metrics; see
-        zllm/tenants.py). Raises RequestError when the engine refuses or loses the request.
+        zllm/runtime/tenants.py). Raises RequestError when the engine refuses or loses the request.
         """
         req = TokenizeRequest(
             req_id=request_id or uuid.uuid4().hex,

@@ -9,13 +9,13 @@ import logging
 import sys
 from dataclasses import asdict
 
-from zllm.arg_utils import add_dataclass_args, dataclass_from_args
-from zllm.engine_args import add_engine_args, engine_args_from
-from zllm.serve_config import ServeConfig, ServerArgs, serve_config_from
+from zllm.config.arg_utils import add_dataclass_args, dataclass_from_args
+from zllm.config.engine_args import add_engine_args, engine_args_from
+from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from zllm.model_files import download_model
+    from zllm.model.files import download_model
 
     print(download_model(args.name))
     return 0
@@ -40,13 +40,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from zllm.supervisor import serve
+    from zllm.runtime.supervisor import serve
 
     return serve(serve_config_from_args(args))
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from zllm.frontend.disagg_proxy import ProxyConfig, run_proxy
+    from zllm.proxy.app import ProxyConfig, run_proxy
 
     run_proxy(ProxyConfig(args.prefill, args.decode, args.timeout), args.host, args.port)
     return 0
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default="smollm2")
     p.set_defaults(func=cmd_download)
 
-    from zllm import bench
+    from zllm.bench import cli as bench
 
     bench.add_parsers(sub)
     return parser

@@ -15,14 +15,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from zllm.cache_control import MAX_PIN_TTL_S
-from zllm.config import check_priority
+from zllm.config.engine import check_priority
+from zllm.config.engine_args import EngineArgs
+from zllm.config.generation import merge_eos_token_ids
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
-from zllm.engine_args import EngineArgs
 from zllm.errors import ParamError
-from zllm.generation_config import merge_eos_token_ids
 from zllm.inputs import check_prompt, check_token_params
+from zllm.kv.cache_control import MAX_PIN_TTL_S
 from zllm.lora import LoRARequest, read_adapter
 from zllm.outputs import (
     BeamSearchOutput,
@@ -43,8 +43,8 @@ from zllm.protocol import (
     RequestOutputDelta,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
-from zllm.structured_outputs import check_structured_outputs
-from zllm.tokenizer import Tokenizer, load_tokenizer
+from zllm.text.structured_outputs import check_structured_outputs
+from zllm.text.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.errors import ParamError
 
 # The projections an adapter may target, by PEFT's module names, and where they sit.

@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 
 from zllm.lora import LoRARequest
+from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
-from zllm.tenants import DEFAULT_TENANT
 
 
 class FinishReason(str, enum.Enum):
@@ -92,7 +92,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Output tokens generated before a preemption (recomputed as part of the context).
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    # One block table per KV cache group (zllm/kv_cache_groups.py); -1 marks a block a
+    # One block table per KV cache group (zllm/kv/cache_groups.py); -1 marks a block a
     # sliding-window group released.
     block_ids: list[list[int]]
     num_computed_tokens: int
@@ -134,7 +134,7 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
 class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A step's traffic between the KV pool and the tiers below it (KV offload: core/
     kv_connector.py decides, executor/kv_connector.py moves the bytes). Tiers are numbered as
-    zllm/kv_tiers.py names them. The executor does them before the step's forward, in this
+    zllm/kv/tiers.py names them. The executor does them before the step's forward, in this
     order: drops (room), stores (a pool block's bytes out, before anything overwrites it),
     loads (tier bytes into newly allocated pool blocks, some of which the stores just read).
     The core never drops a hash it loads in the same step."""
@@ -254,7 +254,7 @@ class CachePin(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True, gc=False):
     """A request's part in prefill/decode disaggregation (vLLM's `kv_transfer_params`, set by
-    `zllm proxy`; zllm/kv_transfer_config.py): a producer sends the KV of a request marked
+    `zllm proxy`; zllm/config/kv_transfer.py): a producer sends the KV of a request marked
     do_remote_decode; a consumer waits for the KV of one marked do_remote_prefill."""
 
     do_remote_decode: bool = False
@@ -269,7 +269,7 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     priority: int = 0  # --scheduling-policy priority: lower first
-    tenant: str = DEFAULT_TENANT  # who it is for (zllm/tenants.py): fair share, metrics
+    tenant: str = DEFAULT_TENANT  # who it is for (zllm/runtime/tenants.py): fair share, metrics
     # Keep its prompt's prefix cached for a while (the tokenizer resolves num_tokens).
     cache_pin: CachePin | None = None
     kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
@@ -504,7 +504,7 @@ class LoRAStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class KVTierStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """KV offload, one entry per tier in zllm/kv_tiers.py's order: prompt tokens loaded
+    """KV offload, one entry per tier in zllm/kv/tiers.py's order: prompt tokens loaded
     from it, blocks stored into it, loads that failed (recomputed), blocks it holds now and
     its capacity in blocks (0: the tier is off)."""
 
@@ -544,7 +544,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
     (metrics, dashboard, /health) and the supervisor (hang detection). A feature's counts
     are its own section (None while the feature is off), filled by its owner and merged
-    across engines by its own rule (zllm/engine_stats.py)."""
+    across engines by its own rule (zllm/runtime/engine_stats.py)."""
 
     time: float = 0.0  # wall clock when sent
     num_running: int = 0
@@ -581,7 +581,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     engine_index: int = 0
     # ---- sections, one per feature --------------------------------------------------------
     pins: PinStats = msgspec.field(default_factory=PinStats)
-    # Per tenant (zllm/tenants.py), every tenant the core remembers (core/fair_share.py).
+    # Per tenant (zllm/runtime/tenants.py), every tenant the core remembers (core/fair_share.py).
     tenants: list[TenantStats] = []
     spec: SpecDecodeStats | None = None
     lora: LoRAStats | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import msgspec
 
 from zllm.errors import ParamError
-from zllm.structured_outputs import StructuredOutputsParams
+from zllm.text.structured_outputs import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from zllm.config import LoRAConfig, ModelArchConfig
+from zllm.config.engine import LoRAConfig, ModelArchConfig
 from zllm.executor.lora.layers import LoRABatch, LoRALinear
 from zllm.executor.lora.weights import FUSED_MATMULS, AdapterWeights, load_adapter_weights
 from zllm.lora import LoRARequest, read_adapter

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.lora import LoRAAdapter, projection_shapes
 
 # Each fused matmul of a decoder layer and the PEFT modules it computes, in output order.

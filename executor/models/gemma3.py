@@ -12,7 +12,7 @@ What differs from the Llama family (executor/models/llama.py), each as transform
 
 The sliding window itself is not applied here: the model runner gives sliding layers
 window-limited attention metadata (executor/attention.py) over their own KV cache groups
-(zllm/kv_cache_groups.py). q/k/v and gate/up are fused into one GEMM each, as in llama.py.
+(zllm/kv/cache_groups.py). q/k/v and gate/up are fused into one GEMM each, as in llama.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor import cpu_layer_ops
 from zllm.executor.attention_backend import (
     TORCH_ATTENTION,

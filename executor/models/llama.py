@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor import cpu_layer_ops, cuda_layer_ops
 from zllm.executor.attention_backend import (
     TORCH_ATTENTION,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor import cpu_layer_ops, cuda_layer_ops
 
 

@@ -13,7 +13,7 @@ MLPs and mixture-of-experts routing stay transformers' own; only the attention c
                       -> write K/V at the step's slots, attend through the block tables
 
 The KV cache layout (layers, KV heads, head size, sliding windows) comes from config.json
-(zllm.model_files, which cannot import transformers' torch); `probe` runs one short forward at
+(zllm.model.files, which cannot import transformers' torch); `probe` runs one short forward at
 load and refuses the model if what its layers actually do differs from that layout.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention_backend import (
     AttentionBackend,
     AttentionLayer,

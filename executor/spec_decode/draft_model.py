@@ -25,7 +25,7 @@ import logging
 import numpy as np
 import torch
 
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.loader import load_weights
 from zllm.executor.models import get_model_class

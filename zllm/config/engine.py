@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zllm.config.generation import GenerationConfig
+from zllm.config.kv_transfer import KVTransferConfig
 from zllm.errors import ParamError
-from zllm.generation_config import GenerationConfig
-from zllm.kv_transfer_config import KVTransferConfig
-from zllm.tenants import check_tenant_name
+from zllm.runtime.tenants import check_tenant_name
 
 if TYPE_CHECKING:
     from zllm.protocol import RequestOptions
@@ -62,7 +62,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None: CPU default / GPU utilisation fraction
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # Sliding-window layers in their own KV cache groups (zllm/kv_cache_groups.py).
+    # Sliding-window layers in their own KV cache groups (zllm/kv/cache_groups.py).
     hybrid_kv_cache: bool = True
     num_blocks: int | None = None  # filled in by the executor once it has sized the pool
     # Prefix pinning: the most KV bytes requests may pin (cache_control); None: a tenth of
@@ -96,7 +96,7 @@ class SchedulerConfig:
     # arrival), and preemption takes the lowest priority first (vLLM's semantics); "fair":
     # weighted fair share between tenants, priority order within each (core/fair_share.py).
     policy: str = "fcfs"
-    # "fair": each tenant's weight (zllm/tenants.py names tenants); 1 for one not listed.
+    # "fair": each tenant's weight (zllm/runtime/tenants.py names tenants); 1 for one not listed.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # Pipeline stages the executor runs (EngineConfig.pipeline_parallel_size): with more
     # than one, a request is never scheduled while a step of it is in flight (stage 0 needs
@@ -186,7 +186,7 @@ class EngineConfig:
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers
-    # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model_impl.py).
+    # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model/impl.py).
     model_impl: str = "zllm"
     # Embeddings: the prompt's final hidden states pooled by their mean or the last token's.
     pooling: str = "mean"
@@ -211,7 +211,7 @@ class EngineConfig:
     # process drives them: executor/ray_executor.py).
     distributed_executor_backend: str = "mp"
     ray_placement_strategy: str = "PACK"
-    # Prefill/decode disaggregation (--kv-transfer-config; zllm/kv_transfer_config.py).
+    # Prefill/decode disaggregation (--kv-transfer-config; zllm/config/kv_transfer.py).
     kv_transfer: KVTransferConfig | None = None
 
     @property

@@ -155,8 +155,8 @@ def chat_messages(dataset: str, index: int) -> list[dict[str, str]]:
 
 def chat_prompts(dataset: str, num_prompts: int, tokenizer_model: str | None, seed: int) -> list:
     """Token ids of `num_prompts` chat prompts of `dataset`, in a seeded order."""
-    from zllm.model_files import resolve_model
-    from zllm.tokenizer import load_tokenizer
+    from zllm.model.files import resolve_model
+    from zllm.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(tokenizer_model))
     order = list(range(num_prompts))
@@ -166,3 +166,10 @@ def chat_prompts(dataset: str, num_prompts: int, tokenizer_model: str | None, se
         text = tokenizer.apply_chat_template(chat_messages(dataset, index))
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
     return prompts
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids, avoiding the first 256 ids (special and byte tokens)."""
+    rng = random.Random(seed)
+    low = min(256, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from tokenizers.decoders import DecodeStream
 
 from zllm.protocol import PROMPT_TAIL_TOKENS
-from zllm.tokenizer import Tokenizer
+from zllm.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

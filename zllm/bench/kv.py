@@ -1,5 +1,5 @@
 """`zllm bench kv-capacity`: how many tokens of long sequences the KV pool holds at once,
-with and without the hybrid KV cache (zllm/kv_cache_groups.py).
+with and without the hybrid KV cache (zllm/kv/cache_groups.py).
 
 No model runs: the pool is sized as the executor sizes it (the budget over the bytes of a
 block), then the block manager itself is driven as the scheduler would drive it: each
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-from zllm.arg_utils import parse_size
-from zllm.config import DEFAULT_CPU_KV_CACHE_BYTES
+from zllm.config.arg_utils import parse_size
+from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
 from zllm.core.block_manager import BlockManager
-from zllm.kv_cache_groups import kv_bytes_per_slot, kv_cache_groups
-from zllm.model_files import resolve_model
-from zllm.model_impl import arch_of
+from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
+from zllm.model.files import resolve_model
+from zllm.model.impl import arch_of
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from zllm.config.serve import ServeConfig, decode_config
 from zllm.protocol import ProcessReady, ProcessRole
-from zllm.serve_config import ServeConfig, decode_config
 
 _PR_SET_PDEATHSIG = 1
 

@@ -1,7 +1,7 @@
 """From what the user typed (a model name and vLLM-named options) to an `EngineConfig`.
 
 `EngineArgs` is the one place an engine option is declared: its fields are the keywords of
-`LLM(model, **kwargs)` and, through `zllm.arg_utils`, the flags of `zllm serve`, `generate`
+`LLM(model, **kwargs)` and, through `zllm.config.arg_utils`, the flags of `zllm serve`, `generate`
 and `bench`, with their help. A new option is one field here (plus its use in
 `create_engine_config`).
 """
@@ -12,7 +12,7 @@ import argparse
 import logging
 from dataclasses import dataclass
 
-from zllm.arg_utils import (
+from zllm.config.arg_utils import (
     add_dataclass_args,
     check_choices,
     dataclass_from_args,
@@ -21,26 +21,26 @@ from zllm.arg_utils import (
     parse_size,
     positive_int,
 )
-from zllm.config import (
+from zllm.config.engine import (
     CacheConfig,
     EngineConfig,
     KVOffloadConfig,
     LoRAConfig,
     SchedulerConfig,
 )
-from zllm.generation_config import (
+from zllm.config.generation import (
     log_generation_config,
     merge_eos_token_ids,
     read_generation_config,
 )
-from zllm.kv_cache_groups import kv_cache_groups
-from zllm.kv_tiers import block_bytes
-from zllm.kv_transfer_config import KVTransferConfig, kv_transfer_config_from
-from zllm.model_files import resolve_model
-from zllm.model_impl import MODEL_IMPLS, choose_model_impl, read_model_arch
-from zllm.parallel_config import check_parallel
-from zllm.speculative_config import speculative_config_from
-from zllm.tenants import check_tenant_weights, parse_tenant_weights
+from zllm.config.kv_transfer import KVTransferConfig, kv_transfer_config_from
+from zllm.config.parallel import check_parallel
+from zllm.config.speculative import speculative_config_from
+from zllm.kv.cache_groups import kv_cache_groups
+from zllm.kv.tiers import block_bytes
+from zllm.model.files import resolve_model
+from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
+from zllm.runtime.tenants import check_tenant_weights, parse_tenant_weights
 
 logger = logging.getLogger(__name__)
 

@@ -24,15 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zllm.config import ModelArchConfig
-from zllm.model_files import (
-    SUPPORTED_ARCHITECTURES,
-    SUPPORTED_GGUF_ARCHITECTURES,
-    GGUFFile,
-    invalid_gguf,
-    read_arch_config,
-    read_gguf,
-)
+from zllm.config.engine import ModelArchConfig
+from zllm.model.arch import SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
+from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 
 logger = logging.getLogger(__name__)
 

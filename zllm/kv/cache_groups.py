@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zllm.config import ModelArchConfig
+from zllm.config.engine import ModelArchConfig
 
 
 @dataclass(frozen=True, slots=True)

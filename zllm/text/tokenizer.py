@@ -21,7 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from zllm.model_files import read_gguf, registry_entry_of
+from zllm.model.files import registry_entry_of
+from zllm.model.gguf import read_gguf
 
 
 class Tokenizer:

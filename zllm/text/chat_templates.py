@@ -1,5 +1,5 @@
 """Chat templates zllm ships for registered models whose files carry none (Jinja, rendered by
-zllm/tokenizer.py like a model's own)."""
+zllm/text/tokenizer.py like a model's own)."""
 
 from __future__ import annotations
 

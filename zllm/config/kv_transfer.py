@@ -6,7 +6,7 @@
 
 A producer (the prefill instance) sends the KV blocks of each prompt it computes for a
 request marked `kv_transfer_params: {"do_remote_decode": true}` to the consumer at
-kv_ip:kv_port, keyed by block hash (zllm/block_hash.py: the same in every process). A
+kv_ip:kv_port, keyed by block hash (zllm/kv/block_hash.py: the same in every process). A
 consumer (the decode instance) listens there, keeps what arrives in a buffer of
 kv_buffer_size bytes, and admits a request marked `{"do_remote_prefill": true}` once its
 prompt's blocks are in (or after wait_timeout_s): they are then prefix-cache hits, loaded
@@ -14,7 +14,7 @@ from the buffer. What never arrives is computed, so a lost transfer costs time, 
 wrong answer. `transport` "shm" moves the bytes through shared memory (both on one host),
 "tcp" through the socket.
 
-`zllm proxy` (frontend/disagg_proxy.py) sends each request to a producer with max_tokens 1
+`zllm proxy` (zllm/proxy/app.py) sends each request to a producer with max_tokens 1
 and then to a consumer, marking both.
 
 (vLLM's `kv_both`, an engine that is both, is not offered: a producer sends to the one
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zllm.arg_utils import check_config_dict
+from zllm.config.arg_utils import check_config_dict
 
 CONNECTOR_NAME = "ZllmConnector"
 ROLES = ("kv_producer", "kv_consumer")

@@ -28,9 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zllm.bench_datasets import DATASETS, chat_prompts
-from zllm.bench_engine_stats import engine_cost, parse_counters, process_cpu_seconds
-from zllm.percentile import percentile
+from zllm.bench.datasets import DATASETS, chat_prompts, random_prompts
+from zllm.bench.engine_stats import engine_cost, parse_counters, process_cpu_seconds
+from zllm.runtime.percentile import percentile
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -57,7 +57,7 @@ class ServeBenchConfig:
     # what grammars cost per step.
     structured_outputs: dict | None = None
     # "random": input_len random token ids; "edit" / "free": chat prompts whose answers
-    # repeat their input or do not (zllm/bench_datasets.py), tokenized with `tokenizer`.
+    # repeat their input or do not (zllm/bench/datasets.py), tokenized with `tokenizer`.
     dataset: str = "random"
     tokenizer: str | None = None
     # LoRA adapters (served model names): request i names lora_modules[i % len], so every
@@ -165,8 +165,8 @@ def main(args: argparse.Namespace) -> int:
 
     vocab = args.vocab_size
     if vocab is None:
-        from zllm.model_files import resolve_model
-        from zllm.model_impl import arch_of
+        from zllm.model.files import resolve_model
+        from zllm.model.impl import arch_of
 
         vocab = arch_of(resolve_model(args.tokenizer)).vocab_size
     config = ServeBenchConfig(
@@ -221,8 +221,6 @@ class BenchmarkError(RuntimeError):
 
 
 def make_prompts(config: ServeBenchConfig) -> list[list[int]]:
-    from zllm.bench import make_prompts as _make
-
     if config.dataset != "random":
         return chat_prompts(
             config.dataset, config.num_prompts, config.tokenizer, config.prompt_seed
@@ -230,7 +228,9 @@ def make_prompts(config: ServeBenchConfig) -> list[list[int]]:
 
     if not config.vocab_size:
         raise ValueError("vocab_size is needed to draw random prompt token ids")
-    return _make(config.num_prompts, config.input_len, config.vocab_size, config.prompt_seed)
+    return random_prompts(
+        config.num_prompts, config.input_len, config.vocab_size, config.prompt_seed
+    )
 
 
 def _headers(config: ServeBenchConfig) -> dict[str, str]:

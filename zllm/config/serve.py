@@ -2,7 +2,7 @@
 and the server options. The supervisor writes it once (JSON) into its private directory.
 
 `ServerArgs` declares the options of `zllm serve` (each field is its flag, see
-`zllm.arg_utils`); `serve_config_from` resolves them, with an `EngineConfig`, into the
+`zllm.config.arg_utils`); `serve_config_from` resolves them, with an `EngineConfig`, into the
 `ServeConfig` the processes read.
 """
 
@@ -17,7 +17,7 @@ import zlib
 
 import msgspec
 
-from zllm.arg_utils import (
+from zllm.config.arg_utils import (
     format_size,
     non_negative_int,
     option,
@@ -25,7 +25,7 @@ from zllm.arg_utils import (
     positive_float,
     positive_int,
 )
-from zllm.config import EngineConfig
+from zllm.config.engine import EngineConfig
 from zllm.lora import LoRARequest, parse_lora_modules, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -152,9 +152,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     # Accept a `chat_template` in request bodies (a template is code: off by default).
     trust_request_chat_template: bool = False
-    # How the model writes tool calls (zllm/tool_parsers.py); None: no tool_choice "auto".
+    # How the model writes tool calls (zllm/text/tool_parsers.py); None: no tool_choice "auto".
     tool_call_parser: str | None = None
-    # How the model writes its reasoning (zllm/reasoning_parser.py); None: all is content.
+    # How the model writes its reasoning (zllm/text/reasoning_parser.py); None: all is content.
     reasoning_parser: str | None = None
     # LoRA adapters served from the start (--lora-modules), checked, with ids 1, 2, ...
     lora_modules: list[LoRARequest] = []

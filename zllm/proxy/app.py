@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from zllm.errors import RequestError
 from zllm.frontend.responses import error_response
-from zllm.tenants import TENANT_HEADER
+from zllm.runtime.tenants import TENANT_HEADER
 
 logger = logging.getLogger("zllm.proxy")
 

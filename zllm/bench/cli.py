@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, replace
 
-from zllm.engine_args import EngineArgs, add_engine_args, engine_args_from
+from zllm.bench.datasets import random_prompts
+from zllm.config.engine_args import EngineArgs, add_engine_args, engine_args_from
 
 
 @dataclass(slots=True)
@@ -59,25 +59,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.set_defaults(func=main_prefix)
 
-    from zllm.bench_kv import add_parser as _add_kv
-    from zllm.bench_serve import add_parser as _add_serve
+    from zllm.bench.kv import add_parser as _add_kv
+    from zllm.bench.serve import add_parser as _add_serve
 
     _add_serve(bench_sub)
     _add_kv(bench_sub)
-
-
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Random token ids, avoiding the first 256 ids (special and byte tokens)."""
-    rng = random.Random(seed)
-    low = min(256, vocab_size // 2)
-    return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
 def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
     from zllm import LLM, SamplingParams
 
     llm = LLM(**asdict(engine))
-    prompts = make_prompts(
+    prompts = random_prompts(
         args.num_prompts, args.input_len, llm.config.arch.vocab_size, args.prompt_seed
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -101,8 +94,8 @@ def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
 def run_transformers(args) -> ThroughputResult:
     import torch
 
-    from zllm.model_files import resolve_model
-    from zllm.model_impl import arch_of
+    from zllm.model.files import resolve_model
+    from zllm.model.impl import arch_of
 
     path = resolve_model(args.model)
     arch = arch_of(path)
@@ -112,7 +105,7 @@ def run_transformers(args) -> ThroughputResult:
     )
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device != "cpu" else "float32"
     model = _load_hf_model(path, dtype).to(device)
-    prompts = make_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.prompt_seed)
+    prompts = random_prompts(args.num_prompts, args.input_len, arch.vocab_size, args.prompt_seed)
     pad = arch.eos_token_ids[0] if arch.eos_token_ids else 0
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=4, do_sample=False)
@@ -191,12 +184,12 @@ def main_prefix(args: argparse.Namespace) -> int:
     llm = LLM(**asdict(engine_args_from(args)))
     vocab = llm.config.arch.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    shared = make_prompts(1, args.prefix_len, vocab, seed=1)[0]
+    shared = random_prompts(1, args.prefix_len, vocab, seed=1)[0]
     llm.generate({"prompt_token_ids": shared + [300]}, one, use_tqdm=False)  # warm the cache
     cold, warm, cached = [], [], []
     for i in range(args.repeats):
-        fresh = make_prompts(1, args.prefix_len, vocab, seed=100 + i)[0]
-        suffix = make_prompts(1, args.suffix_len, vocab, seed=200 + i)[0]
+        fresh = random_prompts(1, args.prefix_len, vocab, seed=100 + i)[0]
+        suffix = random_prompts(1, args.suffix_len, vocab, seed=200 + i)[0]
         for prefix, times in ((fresh, cold), (shared, warm)):
             start = time.perf_counter()
             out = llm.generate({"prompt_token_ids": prefix + suffix}, one, use_tqdm=False)[0]
@@ -226,7 +219,7 @@ def main_accuracy(args: argparse.Namespace) -> int:
         raise ValueError("bench accuracy compares a --quantization method against fp32")
     engine = engine_args_from(args)
     reference = LLM(**asdict(replace(engine, quantization="none")))
-    prompts = make_prompts(
+    prompts = random_prompts(
         args.num_prompts, args.input_len, reference.config.arch.vocab_size, seed=7
     )
     # Real text too: random ids are an unusual input for a language model.

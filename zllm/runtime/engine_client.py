@@ -26,9 +26,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from zllm.engine_stats import merge_stats
+from zllm.config.serve import ServeConfig, detokenizer_index
 from zllm.errors import RequestError
-from zllm.messaging import areceive
 from zllm.protocol import (
     AbortRequests,
     EngineLifecycle,
@@ -45,7 +44,8 @@ from zllm.protocol import (
     SleepReply,
     TokenizeRequest,
 )
-from zllm.serve_config import ServeConfig, detokenizer_index
+from zllm.runtime.engine_stats import merge_stats
+from zllm.runtime.messaging import areceive
 
 logger = logging.getLogger(__name__)
 

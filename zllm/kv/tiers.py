@@ -23,8 +23,8 @@ import json
 import os
 from pathlib import Path
 
-from zllm.config import EngineConfig
-from zllm.kv_cache_groups import kv_bytes_per_slot, kv_cache_groups
+from zllm.config.engine import EngineConfig
+from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 
 TIER_CPU = 0
 TIER_DISK = 1

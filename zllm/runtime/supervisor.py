@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from zllm.messaging import receive_nowait, send_nowait
-from zllm.parallel_config import TP_INIT_ENV
+from zllm.config.parallel import TP_INIT_ENV
+from zllm.config.serve import ServeConfig, decode_config, encode_config, free_ports
 from zllm.protocol import (
     ClientGone,
     EngineLifecycle,
@@ -48,9 +48,9 @@ from zllm.protocol import (
     ProcessRole,
     SupervisorInput,
 )
-from zllm.serve_config import ServeConfig, decode_config, encode_config, free_ports
+from zllm.runtime.messaging import receive_nowait, send_nowait
 
-logger = logging.getLogger("zllm.supervisor")
+logger = logging.getLogger("zllm.runtime.supervisor")
 
 _MODULES = {
     ProcessRole.EXECUTOR: "zllm.executor.main",

@@ -1,14 +1,14 @@
 """`--speculative-config '{...}'` / `LLM(speculative_config={...})`: vLLM's JSON shape, checked
-into a `SpeculativeConfig` (zllm/config.py). No torch here."""
+into a `SpeculativeConfig` (zllm/config/engine.py). No torch here."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from zllm.arg_utils import check_config_dict
-from zllm.config import SPECULATIVE_METHODS, ModelArchConfig, SpeculativeConfig
-from zllm.model_files import resolve_model
-from zllm.model_impl import choose_model_impl, read_model_arch
+from zllm.config.arg_utils import check_config_dict
+from zllm.config.engine import SPECULATIVE_METHODS, ModelArchConfig, SpeculativeConfig
+from zllm.model.files import resolve_model
+from zllm.model.impl import choose_model_impl, read_model_arch
 
 _KEYS = {
     "method",

@@ -1,0 +1,1 @@
+"""`zllm bench`: offline throughput and latency, served load, KV capacity."""

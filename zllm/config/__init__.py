@@ -1,0 +1,1 @@
+"""Configuration: engine and server options, their flags, and the checks on them."""

@@ -1,0 +1,334 @@
+"""What a model file says about the model's shape (`ModelArchConfig`): from a Hugging Face
+directory's config.json or a GGUF file's metadata, Gemma 3's conventions included. No torch
+here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from zllm.config.engine import ModelArchConfig
+from zllm.model.files import registry_entry_of
+from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
+
+logger = logging.getLogger(__name__)
+
+
+SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen2")
+
+
+def read_arch_config(model_path: str) -> ModelArchConfig:
+    if os.path.isdir(model_path):
+        return _arch_from_hf_dir(Path(model_path))
+    gguf = read_gguf(model_path)
+    if gguf.metadata.get("general.architecture") == "gemma3":
+        arch = _gemma3_arch_from_gguf(gguf)
+    else:
+        arch = _arch_from_gguf(gguf)
+    entry = registry_entry_of(model_path)
+    if entry is not None and entry.stop_tokens:
+        tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
+        extra = [tokens.index(t) for t in entry.stop_tokens if t in tokens]
+        arch.eos_token_ids = list(dict.fromkeys([*arch.eos_token_ids, *extra]))
+    return arch
+
+
+def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+    md, path = gguf.metadata, gguf.path
+
+    def need(key: str, kind: type) -> Any:
+        value = md.get(key)
+        if value is None:
+            raise invalid_gguf(path, f"missing metadata key {key!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) and kind is not bool:
+            raise invalid_gguf(path, f"metadata key {key!r} is {value!r}, expected {kind.__name__}")
+        return kind(value)
+
+    arch = md.get("general.architecture")
+    if arch is None:
+        raise invalid_gguf(path, "missing metadata key 'general.architecture'")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported architecture {arch!r} "
+            f"(zllm runs GGUF files of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
+    hidden, heads = need(f"{arch}.embedding_length", int), need(f"{arch}.attention.head_count", int)
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is None:
+        raise invalid_gguf(path, "missing tensor 'token_embd.weight'")
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = md.get(f"{arch}.vocab_size") or (len(tokens) if tokens else embd.shape[0])
+    # End of sequence, end of turn (chat models), end of message (Llama 3.1 tool calls).
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=need(f"{arch}.feed_forward_length", int),
+        num_layers=need(f"{arch}.block_count", int),
+        num_heads=heads,
+        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=need(f"{arch}.attention.layer_norm_rms_epsilon", float),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=need(f"{arch}.context_length", int),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        rope_scaling=_gguf_rope_scaling(md, arch),
+        rope_freq_factors=_gguf_rope_freq_factors(gguf),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
+    )
+
+
+def _gguf_rope_freq_factors(gguf: GGUFFile) -> list[float] | None:
+    """Llama 3.x files store their RoPE scaling as one divisor per frequency (F32
+    rope_freqs.weight, [rotary_dim / 2]) rather than as rope.scaling.* parameters."""
+    info = gguf.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.ggml_type != GGMLQuantizationType.F32 or len(info.shape) != 1:
+        raise invalid_gguf(
+            gguf.path, f"rope_freqs.weight is {info.ggml_type.name} {list(info.shape)}, not F32 [n]"
+        )
+    return gguf.tensor_data("rope_freqs.weight").view(np.float32).tolist()
+
+
+def _gguf_rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = md.get(f"{arch}.rope.scaling.type")
+    factor = md.get(f"{arch}.rope.scaling.factor") or md.get(f"{arch}.rope.scale_linear")
+    if kind is None and factor:
+        kind = "linear"  # old files only wrote rope.scale_linear
+    if kind in (None, "none") or not factor:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
+    config_path = directory / "config.json"
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from None
+    model_type = cfg.get("model_type")
+    if model_type == "gemma3":  # the multimodal wrapper: its language model is what we run
+        raise ValueError(
+            f"{config_path}: a multimodal Gemma 3 checkpoint (model_type 'gemma3'); zllm runs "
+            f"Gemma 3 text models (model_type 'gemma3_text', e.g. Gemma 3 270M and 1B)"
+        )
+    if model_type == "gemma3_text":
+        return _gemma3_arch_from_hf(cfg, config_path)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{config_path}: unsupported model_type {model_type!r} "
+            f"(zllm runs {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"{config_path} is missing {key!r}")
+        return cfg[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    # transformers 5 writes rope_theta (and any scaling) inside rope_parameters.
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+    eos = cfg.get("eos_token_id")
+    num_layers, max_positions = int(need("num_hidden_layers")), int(need("max_position_embeddings"))
+    layer_types, sliding_window = _hf_sliding_window(cfg, num_layers, max_positions)
+    return ModelArchConfig(
+        architecture=model_type,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def _hf_rope_scaling(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope parameters (less rope_theta) as transformers resolves them; None for plain RoPE
+    over whole heads. Keeps partial_rotary_factor (Phi-3 family) when it is below 1."""
+    scaling = dict(scaling)
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")  # the pre-4.45 spelling
+    rope_type = scaling.get("rope_type", "default")
+    if cfg["model_type"] == "phi3" and rope_type in ("su", "yarn"):
+        # Phi-3's early names for LongRoPE, which transformers reads as longrope.
+        scaling["rope_type"] = rope_type = "longrope"
+    # Phi-3 configs keep the pretraining context at the top level; transformers prefers it.
+    if rope_type in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    partial = scaling.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1
+    if partial != 1:
+        if cfg["model_type"] != "phi3":  # transformers rotates whole heads for the others
+            raise ValueError(f"partial_rotary_factor={partial} is supported for phi3 models only")
+        scaling["partial_rotary_factor"] = partial
+    if rope_type == "default" and partial == 1:
+        return None
+    return scaling
+
+
+def _hf_sliding_window(
+    cfg: dict[str, Any], num_layers: int, max_positions: int
+) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) as transformers applies them; (None, None) for none.
+
+    Mistral and Phi-3 window every layer when sliding_window is set (Mistral's config class
+    defaults it to 4096 when config.json leaves it out); Qwen2/Qwen3 window only with
+    use_sliding_window, and then the layers from max_window_layers on (or config.json's own
+    layer_types). A window no shorter than max_position_embeddings never drops a key, so it
+    is left out: such layers stay full attention (and keep the full-attention kernels).
+    """
+    model_type = cfg["model_type"]
+    if model_type == "mistral":
+        window = cfg.get("sliding_window", 4096)
+        layer_types = ["sliding_attention"] * num_layers
+    elif model_type == "phi3":
+        window = cfg.get("sliding_window")
+        layer_types = ["sliding_attention"] * num_layers
+    elif model_type in ("qwen2", "qwen3"):
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+        first_sliding = cfg.get("max_window_layers", 28)
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(num_layers)
+        ]
+    else:
+        return None, None
+    if window is None or window >= max_positions or "sliding_attention" not in layer_types:
+        return None, None
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    return list(layer_types), int(window)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gemma 3
+
+# What Gemma 3 GGUF files leave out, as llama.cpp and transformers' GGUF loader assume it:
+# every 6th layer global, the rest sliding; the local RoPE base; the attention scale's scalar
+# is the head size (256 for the released models).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = _GEMMA3_PATTERN) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+def _gemma3_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+    md, path = gguf.metadata, gguf.path
+
+    def need(key: str) -> Any:
+        value = md.get(f"gemma3.{key}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid_gguf(path, f"metadata key 'gemma3.{key}' is {value!r}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(md.get("gemma3.attention.key_length", hidden // heads))
+    num_layers = int(need("block_count"))
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [int(md[f"tokenizer.ggml.{k}"]) for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    return ModelArchConfig(
+        architecture="gemma3",
+        vocab_size=len(tokens) or gguf.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(md.get("gemma3.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(md.get("gemma3.rope.freq_base", 1_000_000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        rope_scaling=_gguf_rope_scaling(md, "gemma3"),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos)),
+        layer_types=gemma3_layer_types(num_layers),
+        sliding_window=int(need("attention.sliding_window")),
+        qk_norm=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(head_dim),
+        rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+    )
+
+
+def _gemma3_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+    """config.json of model_type gemma3_text, as transformers 4.5x or 5 writes it."""
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"{config_path} is missing {key!r}")
+        return cfg[key]
+
+    num_layers = int(need("num_hidden_layers"))
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or 256)
+    layer_types = cfg.get("layer_types") or gemma3_layer_types(
+        num_layers, int(cfg.get("sliding_window_pattern") or _GEMMA3_PATTERN)
+    )
+    # transformers 5: rope_parameters per layer type; 4.x: rope_theta, rope_local_base_freq
+    # and rope_scaling (which applies to the global layers only).
+    rope = cfg.get("rope_parameters") or {}
+    full_rope = dict(rope.get("full_attention") or {})
+    local_rope = rope.get("sliding_attention") or {}
+    rope_theta = full_rope.pop("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local_theta = local_rope.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture="gemma3",
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(need("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or full_rope),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        layer_types=list(layer_types),
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        qk_norm=True,
+        hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
+        rope_local_theta=float(local_theta),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+    )

@@ -1,0 +1,1 @@
+"""`zllm proxy`: prefill/decode disaggregation's router in front of two servers."""

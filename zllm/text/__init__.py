@@ -1,0 +1,2 @@
+"""Text: tokenizers, chat templates, incremental detokenizing, tool-call and reasoning parsers,
+grammars."""
