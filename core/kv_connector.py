@@ -298,7 +298,7 @@ class SchedulerConnector:
         remote = self.tiers.tiers[TIER_REMOTE] if self.tiers else None
         if self.tiers is None or remote is None:
             return False
-        bm, salt = self.block_manager, cache_salt(req.lora_int_id)
+        bm, salt = self.block_manager, cache_salt(req.options)
         if req.prompt_block_hashes is None:
             req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
         hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)

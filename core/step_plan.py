@@ -37,7 +37,7 @@ def find_prefix(req: Request, bm: BlockManager, kv: SchedulerConnector) -> Prefi
     """What of waiting `req` the prefix cache holds, and the tiers below it. Prompt logprobs
     and embeddings need every prompt position computed: no cache hits for those."""
     params = req.sampling_params
-    salt = cache_salt(req.lora_int_id)
+    salt = cache_salt(req.options)
     if params.prompt_logprobs is not None or params.embed:
         return PrefixFound(None, salt)
     # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)

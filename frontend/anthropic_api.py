@@ -116,6 +116,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # zllm's extra parameter, as on the OpenAI endpoints
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -250,6 +251,7 @@ class MessagesCall(ApiCall):
         return RequestOptions(
             cache_pin=cache_pin_of(self.body),
             kv_transfer=options.kv_transfer(self.body.kv_transfer_params),
+            cache_salt=options.cache_salt(self.body.cache_salt),
         )
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:

@@ -113,6 +113,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # {"do_remote_prefill": true} (to a decode instance: wait for it). Other keys (vLLM's
     # NIXL fields) are ignored.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's extra parameter: this request's KV blocks are shared (prefix cache, KV tiers)
+    # only with requests that give the same salt.
+    cache_salt: str | None = None
     # Only what zllm does: nothing stored (true is a 400), text out (anything else a 400).
     store: bool = False
     modalities: list[str] | None = None

@@ -159,4 +159,5 @@ def _openai_options(
         priority=options.priority(body.priority, ctx.config.engine.scheduler),
         cache_pin=options.cache_pin(body.cache_control),
         kv_transfer=options.kv_transfer(body.kv_transfer_params),
+        cache_salt=options.cache_salt(body.cache_salt),
     )

@@ -1,6 +1,6 @@
 """A generation request's own engine options (`RequestOptions`, zllm/protocol.py) from the
-API fields that set them: priority, prefix pinning (`cache_control`) and prefill/decode
-disaggregation (`kv_transfer_params`); the adapter (the model name) and the tenant (the
+API fields that set them: priority, prefix pinning (`cache_control`), prefill/decode
+disaggregation (`kv_transfer_params`) and the prefix cache's `cache_salt`; the adapter (the model name) and the tenant (the
 gate's finding) are added by `Generation.serve`. Each field is parsed here, whichever API
 it came through; a bad value is a 400 naming the field."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zllm.config.engine import SchedulerConfig, check_priority
+from zllm.config.engine import SchedulerConfig, check_cache_salt, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
@@ -30,6 +30,15 @@ def cache_pin(cache_control: dict[str, Any] | None) -> CachePin | None:
         return parse_cache_control(cache_control)
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
+
+
+def cache_salt(value: str | None) -> str | None:
+    """A request's `cache_salt`, checked (non-empty, bounded)."""
+    try:
+        check_cache_salt(value)
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
+    return value
 
 
 def kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:

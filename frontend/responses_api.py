@@ -61,6 +61,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # zllm's extra parameter, as on the other generation endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # as on the other generation endpoints
 
 
 class ResponsesCall(ApiCall):
@@ -74,7 +75,10 @@ class ResponsesCall(ApiCall):
         self.prompts = [ChatPrompt(chat_messages(chat.messages))]
 
     def options(self) -> RequestOptions:
-        return RequestOptions(kv_transfer=options.kv_transfer(self.body.kv_transfer_params))
+        return RequestOptions(
+            kv_transfer=options.kv_transfer(self.body.kv_transfer_params),
+            cache_salt=options.cache_salt(self.body.cache_salt),
+        )
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         assembler = ResponseAssembler(response_id(), model, self.body)

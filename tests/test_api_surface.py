@@ -217,6 +217,42 @@ def test_responses_text_and_messages(server) -> None:
     assert turns.output_text
 
 
+LONG_TEXT = " ".join(f"word{i}" for i in range(60))  # well over one KV block
+
+
+@pytest.mark.parametrize(
+    "path, body, cached",
+    [
+        ("/v1/completions", {"prompt": LONG_TEXT},
+         lambda u: u["prompt_tokens_details"]["cached_tokens"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]},
+         lambda u: u["prompt_tokens_details"]["cached_tokens"]),
+        ("/v1/responses", {"input": LONG_TEXT},
+         lambda u: u["input_tokens_details"]["cached_tokens"]),
+        ("/v1/messages", {"messages": [{"role": "user", "content": LONG_TEXT}]},
+         lambda u: u["cache_read_input_tokens"]),
+    ],
+)  # fmt: skip
+def test_cache_salt_on_every_generation_api(server, path, body, cached) -> None:
+    """vLLM's `cache_salt`: a request reuses cached KV blocks only of requests that gave the
+    same salt; an empty salt is a 400 naming the field."""
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    body = {"model": "tiny", limit: 2, **body}
+
+    def usage(salt: str) -> dict:
+        r = server.post(path, {**body, "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    first = path.replace("/", "") + "-a"  # a salt no other test of the module uses
+    assert cached(usage(first)) == 0
+    assert cached(usage(first)) > 0
+    assert cached(usage(first + "b")) == 0
+    r = server.post(path, {**body, "cache_salt": ""})
+    assert r.status_code == 400, r.text
+    assert "cache_salt must be a non-empty string" in r.text
+
+
 def test_responses_stream(server) -> None:
     client = openai_client(server)
     kwargs = dict(model="tiny", input="The quick brown fox", max_output_tokens=6, temperature=0.0)

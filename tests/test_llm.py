@@ -237,6 +237,7 @@ def test_kv_memory_per_token_and_waste(llm):
         ({"prompt_token_ids": []}, GREEDY, "empty"),
         ({"prompt_token_ids": [1] * 600}, GREEDY, "maximum context length"),
         ({"prompt_token_ids": [10**9]}, GREEDY, "out of vocabulary"),
+        ({"prompt": "salted", "cache_salt": ""}, GREEDY, "cache_salt must be a non-empty"),
     ],
 )
 def test_bad_input_gets_clear_error_and_engine_keeps_serving(llm, prompt, params, message):
@@ -244,6 +245,25 @@ def test_bad_input_gets_clear_error_and_engine_keeps_serving(llm, prompt, params
         llm.generate(["good prompt", prompt], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # the good one was not left queued
     assert llm.generate("still serving", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cache_salt_keeps_prefix_cache_hits_within_the_salt(llm):
+    """vLLM's prompt dicts take a `cache_salt`: the prompt's KV blocks are found again only
+    under the same salt, and the answer is the same whichever blocks it took."""
+    ids = random_prompts(llm.config.arch.vocab_size, [70], seed=5)[0]
+
+    def run(salt: str | None):
+        prompt = {"prompt_token_ids": ids} | ({} if salt is None else {"cache_salt": salt})
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    first_cached, first = run("alice")
+    assert first_cached == 0
+    again_cached, again = run("alice")
+    assert again_cached >= 64 and again == first  # a hit under the same salt
+    assert run("bob") == (0, first)  # another salt computes it all
+    assert run(None) == (0, first)  # and so does no salt
+    assert run("bob")[0] >= 64  # bob's own blocks are found by bob
 
 
 @pytest.mark.parametrize(

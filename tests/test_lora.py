@@ -33,6 +33,7 @@ from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.kv.block_hash import cache_salt
 from zllm.lora import LoRAError, parse_lora_modules, read_adapter
+from zllm.protocol import RequestOptions
 
 peft = pytest.importorskip("peft")
 
@@ -211,10 +212,15 @@ def test_adapters_never_share_kv_blocks(llm, adapters) -> None:
 def test_block_hashes_are_salted_by_adapter() -> None:
     bm = BlockManager(num_blocks=16, block_size=4)
     tokens = list(range(13))
-    assert bm.allocate_slots("a", tokens, 0, 13, salt=cache_salt(1))
-    assert bm.find_cached_prefix(tokens, cache_salt(1)).num_tokens == 12
-    assert bm.find_cached_prefix(tokens, cache_salt(2)).num_tokens == 0
-    assert bm.find_cached_prefix(tokens, cache_salt(None)).num_tokens == 0
+
+    def salt(lora_int_id: int | None) -> int | None:
+        lora = None if lora_int_id is None else LoRARequest(f"a{lora_int_id}", lora_int_id, "/a")
+        return cache_salt(RequestOptions(lora=lora))
+
+    assert bm.allocate_slots("a", tokens, 0, 13, salt=salt(1))
+    assert bm.find_cached_prefix(tokens, salt(1)).num_tokens == 12
+    assert bm.find_cached_prefix(tokens, salt(2)).num_tokens == 0
+    assert bm.find_cached_prefix(tokens, salt(None)).num_tokens == 0
 
 
 def test_scheduler_holds_a_third_adapter_beyond_max_loras() -> None:

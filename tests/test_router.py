@@ -12,11 +12,13 @@ import pytest
 
 from zllm.core.block_manager import BlockManager
 from zllm.kv.block_hash import cache_salt, hash_full_blocks
+from zllm.lora import LoRARequest
 from zllm.protocol import (
     DetokenizerBatch,
     DetokRequest,
     EngineStats,
     KVCacheEvents,
+    RequestOptions,
     SpecDecodeStats,
     TenantStats,
 )
@@ -147,9 +149,12 @@ def test_block_hashes_are_the_same_in_every_process():
     """The tokenizers route by the hashes the cores compute: they must not depend on the
     process (Python randomizes str hashes, and hash(None) is an address before 3.12)."""
     tokens = list(range(37))
+    salted = "RequestOptions(lora=LoRARequest('a', 3, '/a'), cache_salt='tenant-7')"
     code = (
         "from zllm.kv.block_hash import hash_full_blocks, cache_salt;"
-        f"print(hash_full_blocks({tokens}, 4), hash_full_blocks({tokens}, 4, salt=cache_salt(3)))"
+        "from zllm.lora import LoRARequest; from zllm.protocol import RequestOptions;"
+        f"print(hash_full_blocks({tokens}, 4), hash_full_blocks({tokens}, 4, "
+        f"salt=cache_salt({salted})))"
     )
     outputs = {
         subprocess.run(
@@ -161,9 +166,10 @@ def test_block_hashes_are_the_same_in_every_process():
         ).stdout
         for seed in (1, 2)
     }
-    here = f"{hash_full_blocks(tokens, 4)} {hash_full_blocks(tokens, 4, salt=cache_salt(3))}\n"
+    salt = cache_salt(RequestOptions(lora=LoRARequest("a", 3, "/a"), cache_salt="tenant-7"))
+    here = f"{hash_full_blocks(tokens, 4)} {hash_full_blocks(tokens, 4, salt=salt)}\n"
     assert outputs == {here}
-    assert hash_full_blocks(tokens, 4) != hash_full_blocks(tokens, 4, salt=cache_salt(3))
+    assert hash_full_blocks(tokens, 4) != hash_full_blocks(tokens, 4, salt=salt)
 
 
 def test_the_block_manager_reports_what_its_prefix_cache_gains_and_loses():

@@ -186,8 +186,7 @@ class EngineSender:
         assert self.router is not None
         hashes = []
         if self.prefix_caching:
-            lora = req.options.lora
-            salt = cache_salt(None if lora is None else lora.lora_int_id)
+            salt = cache_salt(req.options)
             hashes = hash_full_blocks(req.prompt_token_ids, self.block_size, salt=salt)
         data = self.encoder.encode(req)
         tried: list[int] = []

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from zllm.config.engine import check_priority
+from zllm.config.engine import check_cache_salt, check_priority
 from zllm.config.engine_args import EngineArgs
 from zllm.config.generation import merge_eos_token_ids
 from zllm.core.engine_core import EngineCore
@@ -294,6 +294,9 @@ class LLM:
             check_structured_outputs(params.structured_outputs)
         tracker = _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
         tracker.lora = lora
+        if isinstance(prompt, dict):  # vLLM's prompt dicts carry a `cache_salt` too
+            tracker.cache_salt = prompt.get("cache_salt")
+            check_cache_salt(tracker.cache_salt)
         return tracker
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
@@ -309,7 +312,9 @@ class LLM:
                 t.params,
                 now,
                 eos,
-                options=RequestOptions(lora=t.lora, priority=t.priority, cache_pin=t.cache_pin),
+                options=RequestOptions(
+                    lora=t.lora, priority=t.priority, cache_pin=t.cache_pin, cache_salt=t.cache_salt
+                ),
             )
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker
@@ -371,6 +376,7 @@ class _Tracker:
         self.lora: LoRARequest | None = None
         self.priority = 0
         self.cache_pin: CachePin | None = None
+        self.cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -273,6 +273,9 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # Keep its prompt's prefix cached for a while (the tokenizer resolves num_tokens).
     cache_pin: CachePin | None = None
     kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
+    # vLLM's `cache_salt`: its KV blocks are shared only with requests of the same salt
+    # (zllm/kv/block_hash.py cache_salt).
+    cache_salt: str | None = None
 
 
 NO_OPTIONS = RequestOptions()

@@ -116,6 +116,23 @@ def check_request_options(options: RequestOptions, config: EngineConfig) -> None
         raise ParamError("LoRA adapters are not enabled (--enable-lora)", "model")
     check_priority(options.priority, config.scheduler)
     check_tenant_name(options.tenant, "tenant")
+    check_cache_salt(options.cache_salt)
+
+
+# The longest `cache_salt` a request may give (vLLM sets no bound; this one bounds the bytes
+# a request carries and hashes).
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: str | None) -> None:
+    """A request's `cache_salt`: a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if salt is not None and (
+        not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+    ):
+        raise ParamError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            "cache_salt",
+        )
 
 
 def check_priority(priority: int, config: SchedulerConfig) -> None:

@@ -9,14 +9,19 @@ differently in every process, under hash randomization and address layout).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+
+from zllm.protocol import RequestOptions
 
 BlockHash = int
 
 # The first block's parent for a request without a salt; any fixed int would do.
 NO_SALT: BlockHash = 0
-# Tags the salt of a LoRA adapter's blocks (a fixed int: "LoRA" in ASCII).
+# Tag the salts of a LoRA adapter's blocks and of a request's `cache_salt` (fixed ints:
+# "LoRA" and "Salt" in ASCII).
 _LORA_TAG = 0x4C6F5241
+_SALT_TAG = 0x53616C74
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -41,6 +46,15 @@ def hash_full_blocks(
     return hashes
 
 
-def cache_salt(lora_int_id: int | None) -> BlockHash | None:
-    """The prefix-cache salt of a request's blocks: its LoRA adapter's, None for the base."""
-    return None if lora_int_id is None else hash((_LORA_TAG, lora_int_id))
+def cache_salt(options: RequestOptions) -> BlockHash | None:
+    """The prefix-cache salt of a request's blocks, from its options: its LoRA adapter's and
+    its `cache_salt`'s, chained; None for the base model without a `cache_salt`. Requests
+    share blocks only under equal salts."""
+    salt = None
+    if options.lora is not None:
+        salt = hash((_LORA_TAG, options.lora.lora_int_id))
+    if options.cache_salt is not None:
+        # A str hashes differently in every process: its bytes' digest is the same in all.
+        digest = hashlib.blake2b(options.cache_salt.encode(), digest_size=8).digest()
+        salt = hash((_SALT_TAG, salt or NO_SALT, int.from_bytes(digest, "little")))
+    return salt
