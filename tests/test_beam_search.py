@@ -207,17 +207,11 @@ SMOLLM2_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_best_beam_equals_transformers_on_smollm2(smollm2_path) -> None:
+def test_best_beam_equals_transformers_on_smollm2(smollm2_path, smollm2_hf) -> None:
     """SmolLM2, width 4: the best hypothesis equals transformers' for every prompt, or the
     two differ only where transformers' own scores of both are within TIE_TOLERANCE (a
     near tie that fp32 summation order can flip; counted in FLIPS and reported)."""
-    import os
-
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    ).eval()
+    hf = smollm2_hf
     llm = LLM(smollm2_path, kv_cache_memory_bytes=256 << 20)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(p) for p in SMOLLM2_PROMPTS]

@@ -14,12 +14,8 @@ from zllm.model.arch import read_arch_config
 
 
 @pytest.mark.slow
-def test_smollm2_weights_match_transformers(smollm2_path: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    gguf = Path(smollm2_path)
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    expected = reference.state_dict()
+def test_smollm2_weights_match_transformers(smollm2_path: str, smollm2_hf) -> None:
+    expected = smollm2_hf.state_dict()
     arch = read_arch_config(smollm2_path)
     ours = dict(load_weights(smollm2_path, arch))
     # Tied: lm_head is the embedding, so it is not yielded separately.

@@ -443,25 +443,23 @@ def test_lora_modules_need_enable_lora(base_dir, adapters) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf_dir(smollm2_path, tmp_path_factory) -> str:
+def smollm2_hf_dir(smollm2_hf, smollm2_hf_tokenizer, tmp_path_factory) -> str:
     """An fp32 Hugging Face copy of SmolLM2 made from its GGUF (weights and tokenizer)."""
-    import transformers
+    import copy
 
     out = tmp_path_factory.mktemp("smollm2-hf")
-    folder, name = str(Path(smollm2_path).parent), Path(smollm2_path).name
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    model = smollm2_hf
     # transformers refuses to save a model it loaded from GGUF: write weights and config.
     state = {k: v.float().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"))
-    config = model.config
+    config = copy.deepcopy(model.config)  # the shared model's own config stays as it is
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.torch_dtype = "float32"
     config.save_pretrained(out)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tokenizer.save_pretrained(out)
+    smollm2_hf_tokenizer.save_pretrained(out)
     return str(out)
 
 

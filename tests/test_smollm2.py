@@ -5,8 +5,6 @@ transformers dequantizes the same GGUF file, so both run the same fp32 weights.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from parity import assert_greedy_parity, hf_greedy
@@ -35,12 +33,8 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
-    ).eval()
+def hf_model(smollm2_hf):
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")

@@ -50,11 +50,8 @@ def smollm2(smollm2_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: str):
-    from transformers import AutoTokenizer
-
-    gguf = Path(smollm2_path)
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def reference(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.mark.slow
