@@ -7,6 +7,7 @@ import os
 
 import pytest
 import servers
+from shared_gguf_reader import share_gguf_readers
 
 # Re-exported: test_cuda.py and test_csrc_compile.py import it from here.
 from tiny_models import write_tiny_model  # noqa: F401
@@ -71,6 +72,7 @@ def gemma3_path() -> str:
 def pytest_configure(config):
     # Tests run beside each other on 2 cores: keep torch from oversubscribing them.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    share_gguf_readers()
     # Always name failed and erroring tests in the short summary, even when a wrapper's `-r`
     # (e.g. `-rs` to list skips) replaces pytest's default "fE": a log whose tail is all that
     # survives must still say which test failed.

@@ -14,6 +14,18 @@ from servers import alive, children_of, start_server, wait_until
 pytestmark = pytest.mark.e2e
 
 
+def role_of(pid: int) -> str:
+    """A child's role and index from its title (`zllm: tokenizer 1`; one core: `zllm: core`)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[0].decode().removeprefix("zllm: ").strip()
+
+
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat, field 22)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_sigterm_drains_and_leaves_nothing_behind(tiny_llama_dir, tmp_path, in_flight):
     drain_s = 5
@@ -24,6 +36,11 @@ def test_sigterm_drains_and_leaves_nothing_behind(tiny_llama_dir, tmp_path, in_f
     try:
         kids = children_of(server.proc.pid)
         assert len(kids) == 6  # executor, core, 2 tokenizers, 1 detokenizer, frontend
+        # The shared workers started beside the executor (their imports overlap its load),
+        # not after the core: they were held until their config was written.
+        started = {role_of(k): start_ticks(k) for k in kids}
+        for role in ("tokenizer 0", "tokenizer 1", "detokenizer 0", "frontend"):
+            assert started[role] < started["core"], started
         assert os.path.isdir(server.run_dir)
         assert oct(os.stat(server.run_dir).st_mode & 0o777) == "0o700"
         assert any(name.endswith("_in") for name in os.listdir(server.run_dir))

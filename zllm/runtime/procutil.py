@@ -16,6 +16,8 @@ from zllm.config.serve import ServeConfig, decode_config
 from zllm.protocol import ProcessReady, ProcessRole
 
 _PR_SET_PDEATHSIG = 1
+# Set by the supervisor on a worker it starts before the config exists: wait for its word.
+HELD_ENV = "ZLLM_HELD_FOR_CONFIG"
 
 
 def start_process(
@@ -29,6 +31,7 @@ def start_process(
     data-parallel engines gets the engine's index as its third argument (`dp<engine>` in
     its title)."""
     die_with_parent()
+    wait_for_config()
     with open(sys.argv[1], "rb") as f:
         config = decode_config(f.read())
     if len(sys.argv) > 3:
@@ -40,6 +43,16 @@ def start_process(
         title += f" dp{config.engine_index}"
     title_process(title)
     return config
+
+
+def wait_for_config() -> None:
+    """A worker the supervisor started beside the engine (so its imports overlap the model's
+    load) waits for a line on stdin: its config, which needs the engine's KV pool size, is
+    written. End of file instead: the supervisor gave up starting."""
+    if os.environ.pop(HELD_ENV, None) is None:
+        return
+    if not sys.stdin.readline():
+        sys.exit(1)
 
 
 def title_process(title: str) -> None:

@@ -1,8 +1,10 @@
 """`zllm serve`: start every process, wire the sockets, watch the children, shut down cleanly.
 
 Start order: the executor first (it loads the model and sizes the KV pool, which fixes the
-number of blocks and so the longest context), then the core, the tokenizer and detokenizer
-workers, and last the frontend. Each child reports ready on `supervisor_in`. With
+number of blocks and so the longest context), then the core. The tokenizer and detokenizer
+workers and the frontend start beside the executor, so their imports overlap its load, but
+are held (`wait_for_config`) until the config they read, the pool's size in it, is written.
+Each child reports ready on `supervisor_in`. With
 --data-parallel-size N there are N engines (a core and its executor ranks each), started
 side by side; each engine's processes read a config file of their own (its KV pool size).
 
@@ -49,6 +51,7 @@ from zllm.protocol import (
     SupervisorInput,
 )
 from zllm.runtime.messaging import receive_nowait, send_nowait
+from zllm.runtime.procutil import HELD_ENV
 
 logger = logging.getLogger("zllm.runtime.supervisor")
 
@@ -129,20 +132,22 @@ class Supervisor:
         """Start every child and wait until all are ready; StartupError if one fails."""
         for engine in self.engines:
             self._start_engine(engine)
+        held = [self._spawn(role, i, held=True) for role, i in self._shared_workers()]
         self._watch_until(lambda: all(e.state == EngineState.READY for e in self.engines))
         self._write_config()
-        for role, count in (
-            (ProcessRole.TOKENIZER, self.config.tokenizer_workers),
-            (ProcessRole.DETOKENIZER, self.config.detokenizer_workers),
-        ):
-            for i in range(count):
-                self._spawn(role, i)
+        for child in held:
+            _release(child)
         self._watch_until(self._all_ready)
-        if self.with_frontend:
-            self._spawn(ProcessRole.FRONTEND, 0)
-            self._watch_until(self._all_ready)
         self._brief_frontend()
         self.started = True
+
+    def _shared_workers(self) -> list[tuple[ProcessRole, int]]:
+        """The processes every engine shares (role, index)."""
+        workers = [(ProcessRole.TOKENIZER, i) for i in range(self.config.tokenizer_workers)]
+        workers += [(ProcessRole.DETOKENIZER, i) for i in range(self.config.detokenizer_workers)]
+        if self.with_frontend:
+            workers.append((ProcessRole.FRONTEND, 0))
+        return workers
 
     def _all_ready(self) -> bool:
         return all(c.ready for c in self.children)
@@ -184,11 +189,16 @@ class Supervisor:
         index: int,
         env: dict[str, str] | None = None,
         engine: Engine | None = None,
+        held: bool = False,
     ) -> Child:
+        """`held`: the child waits for `_release` before it reads its config."""
         cmd = [sys.executable, "-m", _MODULES[role], self.config_path, str(index)]
         if engine is not None:  # its own config, and its index (for the title)
             cmd[3:] = [engine.config_path, str(index), str(engine.index)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+        if held:
+            env = {**(env or os.environ), HELD_ENV: "1"}
+        stdin = subprocess.PIPE if held else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdin=stdin, env=env)
         child = Child(role, index, proc, time.monotonic(), engine=engine.index if engine else 0)
         self.children.append(child)
         logger.debug("started %s (pid %d)", child.name, proc.pid)
@@ -394,6 +404,15 @@ def _private_dir() -> str:
     d = tempfile.mkdtemp(prefix="zllm-")
     os.chmod(d, 0o700)
     return d
+
+
+def _release(child: Child) -> None:
+    """Tell a held child its config is written (a dead one's death is seen by the watch)."""
+    try:
+        child.proc.stdin.write(b"go\n")
+        child.proc.stdin.close()
+    except OSError:
+        pass
 
 
 def _signal(child: Child, sig: int) -> None:
