@@ -54,7 +54,6 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishReason,
-    KVTransferStats,
     LoRAStats,
     ModelRunnerOutput,
     PinStats,
@@ -337,10 +336,7 @@ class EngineCore:
             s.lora = LoRAStats(running, waiting, self.config.lora.max_loras)
         if self.kv_connector is not None:
             s.kv_tiers = self.kv_connector.stats()
-        if self.config.kv_transfer is not None:
-            s.kv_transfer = KVTransferStats(
-                self.config.kv_transfer.role, sched.num_kv_sent_blocks, sched.num_kv_wait_timeouts
-            )
+        s.kv_transfer = sched.kv.transfer_stats()
         s.pins = PinStats(len(bm.pins), bm.pins.max_blocks)
         s.tenants = sched.tenant_stats()
         return s

@@ -41,7 +41,7 @@ from zllm.core.block_manager import BlockManager, PrefixHit
 from zllm.core.request import Request
 from zllm.kv.block_hash import cache_salt
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
-from zllm.protocol import KVTierStats, KVTransfers
+from zllm.protocol import KVTierStats, KVTransfers, KVTransferStats
 
 BlockHash = int
 
@@ -265,6 +265,12 @@ class SchedulerConnector:
         self.transfer = transfer
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+
+    def transfer_stats(self) -> KVTransferStats | None:
+        """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
+        if self.transfer is None:
+            return None
+        return KVTransferStats(self.transfer.role, self.num_sent_blocks, self.num_wait_timeouts)
 
     # ---- admission -------------------------------------------------------------------------
     def awaits_remote_kv(self, req: Request) -> bool:

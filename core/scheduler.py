@@ -152,15 +152,6 @@ class Scheduler:
         """Per tenant, for the heartbeat thread (copies first, as in lora_adapters)."""
         return self.tenants.stats(list(self.running), list(self.waiting))
 
-    # Disaggregation counters, as EngineCore reads them.
-    @property
-    def num_kv_sent_blocks(self) -> int:
-        return self.kv.num_sent_blocks
-
-    @property
-    def num_kv_wait_timeouts(self) -> int:
-        return self.kv.num_wait_timeouts
-
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -164,7 +164,7 @@ def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
     sched.update_from_output(last, ModelRunnerOutput(last.step_id, ["marked"], [[7]]))
     sched.add_request(Request("plain", list(range(300, 309)), SamplingParams(max_tokens=2)))
     assert sched.schedule().kv_sends == []  # not marked: nothing sent
-    assert sched.num_kv_sent_blocks == 3
+    assert sched.kv.num_sent_blocks == 3
     # 8 tokens, two full blocks: only the first is sent, as the second ends with the token
     # whose logits the consumer computes (no prefix hit takes it).
     exact = list(range(400, 408))
@@ -173,7 +173,7 @@ def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
     assert sends == [
         (hash_full_blocks(exact[:4], BS)[0], sched.block_manager.block_ids("exact")[0])
     ]
-    assert sched.num_kv_sent_blocks == 4
+    assert sched.kv.num_sent_blocks == 4
 
 
 def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():
@@ -195,7 +195,7 @@ def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():
     assert so.num_scheduled_tokens["decode"] == 1  # only the last token is computed
     assert waiting.prompt_block_hashes is None  # admitted: not kept
     assert [(t, h) for t, h, _ in so.kv_transfers.loads] == [(TIER_REMOTE, h) for h in hashes]
-    assert kv.hit_tokens[TIER_REMOTE] == 12 and sched.num_kv_wait_timeouts == 0
+    assert kv.hit_tokens[TIER_REMOTE] == 12 and sched.kv.num_wait_timeouts == 0
 
 
 def test_a_consumer_stops_waiting_at_the_timeout_and_computes_the_rest():
@@ -207,7 +207,7 @@ def test_a_consumer_stops_waiting_at_the_timeout_and_computes_the_rest():
     time.sleep(0.06)
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"decode": 9}  # one block loaded, 9 tokens computed
-    assert len(so.kv_transfers.loads) == 1 and sched.num_kv_wait_timeouts == 1
+    assert len(so.kv_transfers.loads) == 1 and sched.kv.num_wait_timeouts == 1
 
 
 def test_a_consumer_does_not_wait_for_what_cannot_come_or_be_used():
