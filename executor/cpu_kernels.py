@@ -107,8 +107,11 @@ def load() -> ModuleType:
     if missing:
         raise CpuKernelError(f"kernel sources not found: {missing} (set ZLLM_CSRC_DIR)")
     # torch rebuilds when a source listed in `sources` changes, not an included header: name
-    # the build after every file's content so an edited header gets a fresh build.
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    # the build after every file's content so an edited header gets a fresh build. And after
+    # where the sources are: torch also rebuilds when the include paths change, so two
+    # checkouts sharing one build directory rebuilt it in turn (each start paying ~35 s).
+    where = str(CSRC_DIR.resolve()).encode()
+    digest = hashlib.sha256(where + b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
     name = f"zllm_cpu_kernels_{digest}"
     # A first build takes ~35 s, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
