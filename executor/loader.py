@@ -55,12 +55,16 @@ _GGUF_NON_WEIGHTS = frozenset({"rope_freqs.weight"})  # ModelArchConfig.rope_fre
 
 
 def load_weights(
-    model_path: str, arch: ModelArchConfig, layers: Container[int] | None = None
+    model_path: str,
+    arch: ModelArchConfig,
+    layers: Container[int] | None = None,
+    skip: Container[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, fp32 tensor) one at a time, so peak memory is one tensor beyond the model.
 
     `layers`: only these decoder layers' tensors are read (a pipeline stage's; the others are
-    neither read nor dequantized), with every tensor outside the layers; None: all."""
+    neither read nor dequantized), with every tensor outside the layers; None: all. `skip`:
+    GGUF tensors neither dequantized nor yielded (the GGUF kernel reads their blocks)."""
     if os.path.isdir(model_path):
         yield from _load_safetensors(Path(model_path), arch, layers)
         return
@@ -69,7 +73,7 @@ def load_weights(
     total = sum(info.nbytes for info in gguf.tensors.values())
     description = f"Loading {Path(model_path).name}"
     with Progress(description, total=total, unit="B", logger=logger) as progress:
-        yield from _load_gguf(gguf, arch, progress, layers)
+        yield from _load_gguf(gguf, arch, progress, layers, skip)
 
 
 def layer_of(name: str) -> int | None:
@@ -95,7 +99,11 @@ def hf_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
 
 
 def _load_gguf(
-    gguf: GGUFFile, arch: ModelArchConfig, progress: Progress, layers: Container[int] | None
+    gguf: GGUFFile,
+    arch: ModelArchConfig,
+    progress: Progress,
+    layers: Container[int] | None,
+    skip: Container[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
@@ -104,8 +112,10 @@ def _load_gguf(
         hf_name = hf_name_from_gguf(name, arch.architecture)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
-        if (hf_name == "lm_head.weight" and arch.tie_word_embeddings) or not _wanted(
-            hf_name, layers
+        if (
+            (hf_name == "lm_head.weight" and arch.tie_word_embeddings)
+            or not _wanted(hf_name, layers)
+            or hf_name in skip
         ):
             continue
         try:

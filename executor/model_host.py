@@ -125,8 +125,8 @@ class ModelHost:
     def _load_weights(self) -> None:
         """The model, quantized, made batch-invariant and LoRA-wrapped as configured."""
         config = self.config
+        self.quantization = self._quantization_method()
         self.model = self._load_model()
-        self.quantization = self._quantize()
         ends_released = release_other_stages_ends(self.model, self.pp)
         if config.model_path.endswith(".gguf"):
             read_gguf(config.model_path).release_pages()  # copied out: the model holds them
@@ -157,13 +157,23 @@ class ModelHost:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.keep_positions(config.scheduler.max_model_len)
+        # GGUF blocks serve the matrices the kernel reads: those are never dequantized.
+        plan = None
+        if self.quantization in ("gguf", "gguf-int8"):
+            plan = quantization.GGUFPlan(model, config.model_path, self.quantization)
+        served = plan.served if plan is not None else frozenset()
         # (A pipeline stage reads only its own layers' weights.)
         layers = getattr(model, "layer_indices", None)
-        model.load_weights(load_weights(config.model_path, config.arch, layers))
+        weights = load_weights(config.model_path, config.arch, layers, skip=served)
+        model.load_weights(weights, served=served)
+        if plan is not None:
+            plan.apply(model, config.model_path)
+        elif self.quantization != "none":
+            quantization.quantize_model_(model, self.quantization, config.model_path)
         return model.to(self.device).eval()
 
-    def _quantize(self) -> str:
-        """Apply config.quantization (or pick one when unset); returns the method in use."""
+    def _quantization_method(self) -> str:
+        """config.quantization, checked against the model (or one picked when unset)."""
         config = self.config
         if config.model_impl == "transformers":
             # Our quantized matmuls replace layers of our own model classes only.
@@ -184,14 +194,16 @@ class ModelHost:
                     logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
         if method == "none":
             return method
-        try:
-            explicit = config.quantization is not None  # asked for: refuse what it can't serve
-            quantization.quantize_model_(self.model, method, config.model_path, strict=explicit)
-        except cpu_kernels.CpuKernelError as exc:
-            if config.quantization is None:
+        explicit = config.quantization is not None  # asked for: refuse what it can't serve
+        quantization.check_quantization(method, config.model_path, strict=explicit)
+        if method in ("gguf", "gguf-int8"):
+            try:
+                cpu_kernels.load()  # built (or loaded) now: a failure surfaces here, once
+            except cpu_kernels.CpuKernelError as exc:
+                if explicit:
+                    raise
                 logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
                 return "none"
-            raise
         return method
 
     # ---- the decode path ----------------------------------------------------------------------

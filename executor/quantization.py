@@ -5,7 +5,7 @@ logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0, Q5
 Q5_K, Q6_K) through csrc/cpu/gguf_linear.h instead of fp32 copies, and the fp32 tensors they
 replace are released after load: the weights take about the file's size in memory. The values
 multiplied are bit for bit the fp32 weights the reference path uses (the kernel dequantizes as
-gguf.quants does; load checks it), so only the order of the arithmetic differs; a decode step
+gguf.quants does; tests check it), so only the order of the arithmetic differs; a decode step
 reads 4-7x fewer bytes. Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K) go through the
 kernel's few-rows path, which turns each block's codes into floats in registers and applies
 the block's scale (and offset) to its dot product rather than to each value. Many rows
@@ -31,6 +31,7 @@ models without activation outliers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -151,15 +152,21 @@ def quantize_model_(
     `strict` (the method was asked for): refuse a GGUF file whose decoder matmuls the kernel
     cannot all serve. Not strict (the engine's own choice): serve what it can.
     """
+    check_quantization(method, model_path, strict)
+    if method in ("gguf", "gguf-int8"):
+        use_gguf_blocks_(model, model_path, int8_activations=method == "gguf-int8")
+    elif method == "int8":
+        _int8_model_(model)
+
+
+def check_quantization(method: str, model_path: str | None, strict: bool = True) -> None:
+    """Refuse (ValueError) a method that is unknown or cannot serve this model."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
     if method in ("gguf", "gguf-int8"):
         reason = "no model file" if model_path is None else gguf_kernel_plan(model_path, strict)
         if reason is not None:
             raise ValueError(f"--quantization {method} cannot serve this model: {reason}")
-        use_gguf_blocks_(model, model_path, int8_activations=method == "gguf-int8")
-    elif method == "int8":
-        _int8_model_(model)
 
 
 def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
@@ -242,7 +249,11 @@ class _GGUFBlocks:
     """A GGUF file's blocks for this rank's matrices (its tensor-parallel part of each), as
     kernel matmuls over them where the kernel reads every tensor involved."""
 
-    def __init__(self, model: nn.Module, model_path: str, int8_activations: bool) -> None:
+    def __init__(
+        self, model: nn.Module, model_path: str, int8_activations: bool, verify: bool = True
+    ) -> None:
+        """`verify`: the model holds the fp32 weights the blocks replace; check each matrix's
+        blocks dequantize to them bit for bit (False: they were never loaded, GGUFPlan)."""
         from zllm.executor.loader import gguf_raw_weights
 
         # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
@@ -250,6 +261,7 @@ class _GGUFBlocks:
         arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
         self.checkpoint_arch = arch
         self.int8_activations = int8_activations
+        self.verify = verify
         raw = gguf_raw_weights(model_path, arch, getattr(model, "layer_indices", None))
         if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
             raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
@@ -264,22 +276,29 @@ class _GGUFBlocks:
         part = shard_blocks(name, rows, block_values, block_bytes, self.checkpoint_arch, self.tp)
         return None if part is None else (ggml_type, part)
 
+    def reads(self, names: list[str]) -> bool:
+        """Whether the kernel reads every one of these tensors (this rank's part of each)."""
+        parts = [self.rank_part(n) for n in names]
+        return all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
+
     def blocks(
         self, names: list[str], weight: torch.Tensor
     ) -> list[tuple[torch.Tensor, int]] | None:
-        """Each tensor's blocks and type (runs of one type merged), if the kernel reads all."""
-        parts = [self.rank_part(n) for n in names]
-        if any(p is None or p[0] not in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts):
+        """Each tensor's blocks and type (runs of one type merged), if the kernel reads all.
+        `weight`: the fp32 matrix they replace (its shape; its values too where `verify`)."""
+        if not self.reads(names):
             return None
-        # The kernel must multiply by exactly the weights the fp32 path holds.
-        start = 0
-        for name, (ggml_type, rows) in zip(names, parts, strict=True):
-            expected = weight[start : start + rows.shape[0]]
-            if not torch.equal(
-                cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1]), expected
-            ):
-                raise RuntimeError(f"GGUF blocks of {name} do not dequantize to the loaded weights")
-            start += rows.shape[0]
+        parts = [self.rank_part(n) for n in names]
+        if self.verify:  # the kernel must multiply by exactly the weights the fp32 path holds
+            start = 0
+            for name, (ggml_type, rows) in zip(names, parts, strict=True):
+                expected = weight[start : start + rows.shape[0]]
+                dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1])
+                if not torch.equal(dequantized, expected):
+                    raise RuntimeError(
+                        f"GGUF blocks of {name} do not dequantize to the loaded weights"
+                    )
+                start += rows.shape[0]
         merged: list[tuple[torch.Tensor, int]] = []
         for ggml_type, rows in parts:
             if merged and merged[-1][1] == ggml_type:
@@ -300,11 +319,45 @@ class _GGUFBlocks:
         return GGUFSplitLinear(found, weight.shape[1], bias, self.int8_activations)
 
 
+class GGUFPlan:
+    """The GGUF blocks a model's matmuls will read, known before its weights load, so the
+    loader never dequantizes the tensors they replace (`served`): loading takes the blocks'
+    bytes and none of the fp32 copies' time or memory. Built on the model's empty shell."""
+
+    def __init__(self, model: nn.Module, model_path: str, method: str) -> None:
+        cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
+        self.source = _GGUFBlocks(model, model_path, method == "gguf-int8", verify=False)
+        self.served = self._served(model)
+
+    def _served(self, model: nn.Module) -> frozenset[str]:
+        """The checkpoint names whose tensors the swaps below replace with blocks."""
+        reads = self.source.reads
+        served = {
+            name for _, _, names in _decoder_matmul_targets(model) if reads(names) for name in names
+        }
+        head_read = model.lm_head is not None and reads(["lm_head.weight"])
+        if head_read:
+            served.add("lm_head.weight")
+        # A tensor-parallel rank's tied logits are filled from the loaded embedding: load it
+        # unless the blocks serve the logits too.
+        tied_shard = model.lm_head is not None and model.arch.tie_word_embeddings
+        if reads(["model.embed_tokens.weight"]) and (not tied_shard or head_read):
+            served.add("model.embed_tokens.weight")
+        return frozenset(served)
+
+    def apply(self, model: nn.Module, model_path: str) -> None:
+        """Swap the matmuls (the model loaded without `served`)."""
+        _swap_blocks_in(model, model_path, self.source)
+
+
 def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
     """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
-    activations for few rows: gguf-int8)."""
+    activations for few rows: gguf-int8), checking them against the loaded fp32 weights."""
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
-    source = _GGUFBlocks(model, model_path, int8_activations)
+    _swap_blocks_in(model, model_path, _GGUFBlocks(model, model_path, int8_activations))
+
+
+def _swap_blocks_in(model: nn.Module, model_path: str, source: _GGUFBlocks) -> None:
     swapped, kept = _swap_decoder_matmuls(model, source)
     embedding = _swap_ends(model, source)
     logger.info(
@@ -321,26 +374,28 @@ def _swap_decoder_matmuls(model: nn.Module, source: _GGUFBlocks) -> tuple[int, i
     """Every decoder layer's matmuls the kernel reads become kernel matmuls; returns how many
     were swapped and how many kept."""
     swapped = kept = 0
+    for module, attr, names in _decoder_matmul_targets(model):
+        linear = getattr(module, attr)
+        bias = None if linear.bias is None else linear.bias.data
+        new = source.fuse(names, linear.weight.data, bias)
+        if new is None:
+            kept += 1
+        else:
+            setattr(module, attr, new)
+            swapped += 1
+    return swapped, kept
+
+
+def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
+    """(module, attribute, checkpoint names) of every decoder matmul the blocks may serve."""
     # (A pipeline stage holds some of the layers: layer_indices names them.)
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        targets = [
-            (attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]),
-            (attn, "o_proj", [f"{p}self_attn.o_proj.weight"]),
-            (mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
-            (mlp, "down_proj", [f"{p}mlp.down_proj.weight"]),
-        ]
-        for module, attr, names in targets:
-            linear = getattr(module, attr)
-            bias = None if linear.bias is None else linear.bias.data
-            new = source.fuse(names, linear.weight.data, bias)
-            if new is None:
-                kept += 1
-            else:
-                setattr(module, attr, new)
-                swapped += 1
-    return swapped, kept
+        yield attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        yield attn, "o_proj", [f"{p}self_attn.o_proj.weight"]
+        yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
 
 
 def _swap_ends(model: nn.Module, source: _GGUFBlocks) -> bool:

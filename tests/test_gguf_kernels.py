@@ -316,6 +316,21 @@ def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_p
     assert isinstance(model.embed_rows, GGUFEmbedding)
     assert model.embed_rows.qweight is model.logits_proj.qweight
     assert model.embed_tokens.numel() == 0
+    # The blocks were never dequantized at load; the kernel multiplies by exactly the fp32
+    # engine's weights.
+    ref = fp32.model_runner.model
+    for ours, theirs in zip(model.layers, ref.layers, strict=True):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear, weight = ours.get_submodule(name), theirs.get_submodule(name).weight
+            dequantized = cpu_kernels.gguf_dequantize(
+                linear.qweight, linear.ggml_type, weight.shape[1]
+            )
+            assert torch.equal(dequantized, weight), name
+    embedding = model.embed_rows
+    table = cpu_kernels.gguf_dequantize(
+        embedding.qweight, embedding.ggml_type, embedding.embedding_dim
+    )
+    assert torch.equal(table, ref.embed_tokens)
     rng = np.random.default_rng(7)
     # A 300-token prompt prefills in one 300-row call of the kernel's panel path.
     lengths = [5, 40, 300, 12, 70, 3]
@@ -324,6 +339,28 @@ def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_p
     a = gguf.generate(prompts, params, use_tqdm=False)
     b = fp32.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_matrices_the_kernel_reads_are_never_dequantized_at_load(smollm2_path, monkeypatch):
+    """Only the tensors no kernel reads (SmolLM2: its F32 norms) are dequantized to fp32."""
+    from zllm.executor import loader
+
+    dequantized = []
+
+    def recording(data, ggml_type):
+        dequantized.append(GGMLQuantizationType(ggml_type))
+        return real(data, ggml_type)
+
+    real = loader.dequantize
+    monkeypatch.setattr(loader, "dequantize", recording)
+    llm = LLM(smollm2_path, max_num_seqs=4)
+    assert llm.model_runner.quantization == "gguf"
+    assert set(dequantized) == {GGMLQuantizationType.F32}
+    assert len(dequantized) == 1 + 2 * llm.config.arch.num_layers  # final norm, 2 per layer
+    # --quantization none dequantizes every matrix.
+    dequantized.clear()
+    LLM(smollm2_path, max_num_seqs=4, quantization="none")
+    assert {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0} <= set(dequantized)
 
 
 def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):

@@ -18,7 +18,7 @@ window-limited attention metadata (executor/attention.py) over their own KV cach
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -284,9 +284,12 @@ class Gemma3ForCausalLM(nn.Module):
         return logits
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, one at a time."""
-        copy_checkpoint(self, self._weight_targets(), weights)
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
+    ) -> None:
+        """Copy Hugging Face-named tensors in, one at a time; `served`: names the checkpoint
+        leaves out (copy_checkpoint)."""
+        copy_checkpoint(self, self._weight_targets(), weights, served=served)
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {

@@ -16,7 +16,7 @@ What the family members add, each switched on by ModelArchConfig:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -205,10 +205,13 @@ def copy_checkpoint(
     targets: dict[str, torch.Tensor],
     weights: Iterable[tuple[str, torch.Tensor]],
     recomputed: tuple[str, ...] = (),
+    served: Container[str] = frozenset(),
 ) -> None:
     """Copy Hugging Face-named checkpoint tensors into `targets` (name -> the tensor it
     fills), each cut to this rank's part first (model.tp); names ending in `recomputed`, a
-    tied model's lm_head and the layers of other pipeline stages are skipped. Refuses unexpected names, wrong shapes and missing ones."""
+    tied model's lm_head and the layers of other pipeline stages are skipped. Refuses
+    unexpected names, wrong shapes and missing ones, but for `served` (GGUF blocks will
+    serve those matrices: the loader skipped them, quantization.GGUFPlan)."""
     arch, tp = model.arch, model.tp
     layers = model.layer_indices
     loaded: set[str] = set()
@@ -232,7 +235,7 @@ def copy_checkpoint(
         loaded.add(name)
         if name == "model.embed_tokens.weight":
             fill_tied_logits_shard(model.lm_head, tensor, arch, tp)
-    missing = sorted(targets.keys() - loaded)
+    missing = sorted(name for name in targets.keys() - loaded if name not in served)
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -333,9 +336,18 @@ class LlamaForCausalLM(nn.Module):
         return gather_logits(logits, self.arch.vocab_size, self.tp)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works)."""
-        copy_checkpoint(self, self._weight_targets(), weights, recomputed=("rotary_emb.inv_freq",))
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
+    ) -> None:
+        """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works);
+        `served`: names the checkpoint leaves out (copy_checkpoint)."""
+        copy_checkpoint(
+            self,
+            self._weight_targets(),
+            weights,
+            recomputed=("rotary_emb.inv_freq",),
+            served=served,
+        )
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Each Hugging Face weight name -> the tensor (a row slice for fused ones) it fills."""
