@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 from safetensors import safe_open
+from torch import nn
 
 from zllm.config.engine import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
@@ -74,6 +75,21 @@ def load_weights(
     description = f"Loading {Path(model_path).name}"
     with Progress(description, total=total, unit="B", logger=logger) as progress:
         yield from _load_gguf(gguf, arch, progress, layers, skip)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """--load-format dummy: random weights of the model's shapes, no file read. Matrices
+    uniform in +-1/sqrt(fan-in) (a layer keeps its input's scale), norm weights 1, biases 0;
+    seeded, so every load (a wake-up, another rank) draws the same values."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            bound = param.shape[-1] ** -0.5
+            values = torch.rand(param.shape, generator=generator) * (2 * bound) - bound
+            param.copy_(values)
+        else:
+            param.fill_(1.0 if "norm" in name else 0.0)
 
 
 def layer_of(name: str) -> int | None:
@@ -181,7 +197,9 @@ def _load_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{directory} has no *.safetensors files (pytorch_model.bin is not read)")
+        raise ValueError(
+            f"{directory} has no *.safetensors files (pytorch_model.bin is not read; --load-format dummy runs random weights without any)"
+        )
     total = sum(_num_tensors(file) for file in files)
     description = f"Loading {directory.name}"
     with Progress(description, total=total, unit="tensors", logger=logger) as progress:

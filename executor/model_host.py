@@ -26,7 +26,7 @@ from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
 from zllm.executor.kv_connector import KVPool, KVTiers
 from zllm.executor.kv_transfer import KVSender, transfer_layout
-from zllm.executor.loader import load_weights
+from zllm.executor.loader import init_dummy_weights, load_weights
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.rope import RotaryEmbedding
@@ -146,9 +146,10 @@ class ModelHost:
     def _load_model(self) -> nn.Module:
         """Our model code, or transformers' through the transformers backend (model_impl)."""
         config = self.config
+        dummy = config.load_format == "dummy"
         if config.model_impl == "transformers":
             return TransformersForCausalLM.load(
-                config.model_path, self.arch, self.dtype, self.device, self.attention
+                config.model_path, self.arch, self.dtype, self.device, self.attention, dummy
             )
         model_cls = get_model_class(self.arch.architecture)
         model = model_cls(
@@ -157,6 +158,11 @@ class ModelHost:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.keep_positions(config.scheduler.max_model_len)
+        if dummy:
+            init_dummy_weights(model, config.seed)
+            if self.quantization != "none":
+                quantization.quantize_model_(model, self.quantization, config.model_path)
+            return model.to(self.device).eval()
         # GGUF blocks serve the matrices the kernel reads: those are never dequantized.
         plan = None
         if self.quantization in ("gguf", "gguf-int8"):
@@ -186,6 +192,8 @@ class ModelHost:
         method = config.quantization
         if method is None:
             method = "none"
+            if config.load_format == "dummy":
+                return method  # random fp32 weights: no blocks to read
             if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.enabled():
                 reason = quantization.gguf_kernel_plan(config.model_path)
                 if reason is None:

@@ -131,3 +131,58 @@ def test_hf_dir_without_safetensors(tmp_path: Path) -> None:
     tiny_model("qwen2", tie=True).config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has no \\*.safetensors files"):
         next(load_weights(str(tmp_path), read_arch_config(str(tmp_path))))
+
+
+# ---- --load-format dummy -----------------------------------------------------------------
+
+
+def without_weights(tmp_path: Path, arch: str = "llama", **overrides) -> str:
+    """A model directory with config.json and a tokenizer but no weight file."""
+    from tiny_models import write_tiny_model
+
+    path = write_tiny_model(tmp_path / arch, arch=arch, **overrides)
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    return str(path)
+
+
+def test_dummy_weights_need_no_weight_file(tmp_path: Path) -> None:
+    from zllm import LLM, SamplingParams
+
+    path = without_weights(tmp_path)
+    with pytest.raises(ValueError, match="no \\*.safetensors.*--load-format dummy"):
+        LLM(path)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    answers = []
+    for _ in range(2):
+        llm = LLM(path, load_format="dummy", kv_cache_memory_bytes=8 << 20)
+        model = llm.model_runner.model
+        assert llm.model_runner.quantization == "none"
+        for name, param in model.named_parameters():
+            assert torch.isfinite(param).all(), name
+            if param.dim() >= 2:  # every matrix drawn, within +-1/sqrt(fan-in)
+                bound = param.shape[-1] ** -0.5
+                assert 0 < param.abs().max() <= bound and param.std() > bound / 4, name
+        out = llm.generate(["a prompt", "another one"], params, use_tqdm=False)
+        answers.append([o.outputs[0].token_ids for o in out])
+    assert answers[0] == answers[1]  # seeded: the same weights at every load
+    assert len(answers[0][0]) == 12
+
+
+def test_dummy_weights_through_the_transformers_backend(tmp_path: Path) -> None:
+    from zllm import LLM, SamplingParams
+
+    path = without_weights(tmp_path, "gpt_neox", num_key_value_heads=None)
+    llm = LLM(path, load_format="dummy", kv_cache_memory_bytes=8 << 20)
+    assert llm.config.model_impl == "transformers"
+    out = llm.generate(["a prompt"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_dummy_weights_refuse_the_gguf_kernels(smollm2_path: str) -> None:
+    """A GGUF file read for its shapes only: fp32 random weights, and the kernel that would
+    read its blocks is refused by name."""
+    from zllm.config.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="--load-format dummy does not load"):
+        EngineArgs(smollm2_path, load_format="dummy", quantization="gguf").create_engine_config()

@@ -198,10 +198,12 @@ class TransformersForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         attention: AttentionBackend,
+        dummy: bool = False,
     ) -> TransformersForCausalLM:
         """transformers' from_pretrained: the model is built on the meta device and each
         safetensors tensor is read straight into its parameter (a GGUF file is dequantized
-        by transformers' reader first)."""
+        by transformers' reader first). `dummy`: built from the config alone, with
+        transformers' own random initialization (--load-format dummy)."""
         from transformers import AutoConfig
 
         _register()
@@ -210,14 +212,19 @@ class TransformersForCausalLM(nn.Module):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
         model_cls = causal_lm_class(config)
-        hf_model = model_cls.from_pretrained(
-            directory,
-            gguf_file=gguf_file,
-            config=config,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            dtype=dtype,
-            device_map={"": device} if device.type != "cpu" else None,
-        )
+        if dummy:
+            hf_model = model_cls._from_config(
+                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype
+            ).to(device)
+        else:
+            hf_model = model_cls.from_pretrained(
+                directory,
+                gguf_file=gguf_file,
+                config=config,
+                attn_implementation=ATTN_IMPLEMENTATION,
+                dtype=dtype,
+                device_map={"": device} if device.type != "cpu" else None,
+            )
         model = cls(hf_model.eval(), arch, attention)
         model.check_layout(model.probe(device))
         logger.info(

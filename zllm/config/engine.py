@@ -202,6 +202,8 @@ class EngineConfig:
     # activations for decode-sized calls; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # "auto": weights from the model's files; "dummy": random weights, no weight file read.
+    load_format: str = "auto"
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers
     # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model/impl.py).
     model_impl: str = "zllm"

@@ -135,6 +135,13 @@ class EngineArgs:
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
         choices=("gguf", "gguf-int8", "int8", "none"),
     )
+    load_format: str = option(
+        "auto",
+        help="auto: the model's weights from its files; dummy: random weights of the model's "
+        "shapes, no weight files read (a directory with config.json and a tokenizer is "
+        "enough): benchmarks of any architecture and size",
+        choices=("auto", "dummy"),
+    )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
     pooling: str = option(
         "mean",
@@ -287,6 +294,7 @@ class EngineArgs:
             device=device,
             quantization=self._check_quantization(device),
             enforce_eager=self.enforce_eager,
+            load_format=self.load_format,
             model_impl=impl.name,
             pooling=self.pooling,
             generation_config=generation,
@@ -387,6 +395,11 @@ class EngineArgs:
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
     def _check_quantization(self, device: str) -> str | None:
+        if self.load_format == "dummy" and self.quantization in ("gguf", "gguf-int8"):
+            raise ValueError(
+                f"--quantization {self.quantization} reads the file's quantized blocks, which "
+                f"--load-format dummy does not load (random weights); use none or int8"
+            )
         if self.quantization in ("gguf", "gguf-int8", "int8") and device != "cpu":
             raise ValueError(
                 f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
