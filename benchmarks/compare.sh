@@ -107,26 +107,31 @@ ensure_python_deps() {
 }
 
 build_llama_cpp() {
-    if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench ]]; then
+    if [[ -x $BIN/llama-server && -x $BIN/llama-batched-bench && -x $BIN/llama-quantize ]]; then
         log "llama.cpp already built in $BUILD_DIR"
         return
     fi
     if [[ ! -d $LLAMA_DIR ]]; then
         log "downloading the llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist (vendors llama.cpp)"
         mkdir -p "$CACHE/sdist"
-        "$PYTHON" -m pip download --no-deps --no-binary :all: \
-            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$CACHE/sdist"
+        # From PyPI's simple index with curl: `pip download --no-binary :all:` would also
+        # build the package's build dependencies (cmake, ninja) from source just to read its
+        # metadata.
+        local name=llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz url
+        url=$(curl -fsSL https://pypi.org/simple/llama-cpp-python/ | grep -o "https://[^\"#]*/$name" | head -1)
+        [[ -n $url ]] || { echo "no $name on PyPI's simple index" >&2; return 1; }
+        curl -fsSL -o "$CACHE/sdist/$name" "$url"
         tar xzf "$CACHE/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$CACHE"
     fi
     command -v cmake >/dev/null || "$PYTHON" -m pip install cmake
     local gen=()
     command -v ninja >/dev/null && gen=(-G Ninja)
-    log "building llama-server and llama-batched-bench (nice 19; ~20-40 min on 2 cores)"
+    log "building llama-server, llama-batched-bench and llama-quantize (nice 19; ~20-40 min on 2 cores)"
     nice -n 19 cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_CURL=OFF -DGGML_NATIVE="$LLAMA_NATIVE" -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    nice -n 19 cmake --build "$BUILD_DIR" -j2 --target llama-server llama-batched-bench
+    nice -n 19 cmake --build "$BUILD_DIR" -j2 --target llama-server llama-batched-bench llama-quantize
 }
 
 make_f16_gguf() {

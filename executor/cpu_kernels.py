@@ -60,8 +60,10 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 # ggml type ids the kernel reads: the types llama.cpp's common presets write (Q4_K_M, for one,
-# holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices).
+# holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices), and 16-bit weights (F16/BF16 files, and the
+# matrices of bf16/fp16 checkpoints), widened to fp32 in registers.
 SUPPORTED_GGML_TYPES = {
+    1: "F16",
     2: "Q4_0",
     3: "Q4_1",
     6: "Q5_0",
@@ -70,7 +72,10 @@ SUPPORTED_GGML_TYPES = {
     12: "Q4_K",
     13: "Q5_K",
     14: "Q6_K",
+    30: "BF16",
 }
+# The types gguf_linear_int8 reads (the quantized ones: 16-bit weights keep float dots).
+INT8_GGML_TYPES = frozenset(SUPPORTED_GGML_TYPES) - {1, 30}
 
 
 def enabled() -> bool:

@@ -67,7 +67,8 @@ class GGUFLinear(nn.Module):
         self.ggml_type = ggml_type
         self.in_features = in_features
         self.bias = bias
-        self.int8_activations = int8_activations  # gguf-int8: integer dots for few rows
+        # gguf-int8: integer dots for few rows (quantized types; 16-bit weights keep floats)
+        self.int8_activations = int8_activations and ggml_type in cpu_kernels.INT8_GGML_TYPES
         self.int8_max_rows = INT8_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,9 @@ class GGUFSplitLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
         self.bias = bias
-        self.int8_activations = int8_activations
+        self.int8_activations = int8_activations and all(
+            ggml_type in cpu_kernels.INT8_GGML_TYPES for _, ggml_type in parts
+        )
         self.int8_max_rows = INT8_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

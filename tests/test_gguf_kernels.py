@@ -31,7 +31,9 @@ from zllm.executor.quantization import (
 )
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
+SIXTEEN_BIT = (T.F16, T.BF16)  # plain 16-bit values, read in runs of 32
+INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT]  # what gguf_linear_int8 reads
 
 
 def test_the_types_are_the_ones_the_kernel_reads():
@@ -42,12 +44,13 @@ def test_the_types_are_the_ones_the_kernel_reads():
 def _blocks(rows: int, blocks_per_row: int, ggml_type, seed: int):
     """(blocks [rows, bytes per row], gguf-py's fp32 dequantization [rows, K], K): quantized by
     gguf-py where it can (the 32-value types), else random blocks with sane fp16 scales."""
-    cols = blocks_per_row * GGML_QUANT_SIZES[ggml_type][0]
+    cols = blocks_per_row * max(GGML_QUANT_SIZES[ggml_type][0], 32)
     rng = np.random.default_rng(seed)
     try:
         q = quantize(rng.standard_normal((rows, cols)).astype(np.float32), ggml_type)
     except NotImplementedError:  # K-quants: gguf-py only dequantizes them
         q = random_blocks((rows, cols), ggml_type, rng)
+    q = q.view(np.uint8).reshape(rows, -1)  # F16/BF16 come back as 16-bit values
     ref = dequantize(q, ggml_type).reshape(rows, cols).astype(np.float32)
     assert np.isfinite(ref).all() and ref.std() > 0
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(ref), cols
@@ -176,7 +179,7 @@ def _block_offsets(q: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray
     return b.reshape(rows, cols // 32).astype(np.float64)
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", INT8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 70])
 def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     """sum_k value_k x_k with value_k = a c_k + b: a * dx * sum c qx (integers) + b * sum x
@@ -224,6 +227,13 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
         assert torch.equal(layer(x), kernel(x, q, int(T.Q4_0)) + bias)
         both = torch.cat([kernel(x, q, int(T.Q4_0)), kernel(x, q8, int(T.Q8_0))], dim=1)
         assert torch.equal(split(x), both)
+    # 16-bit weights keep float dot products (the integer kernel reads quantized types).
+    q16, _, _ = _blocks(7, 4, T.BF16, seed=13)
+    sixteen = GGUFLinear(q16, int(T.BF16), 128, None, int8_activations=True)
+    mixed = GGUFSplitLinear([(q, int(T.Q4_0)), (q16, int(T.BF16))], 128, None, True)
+    assert not sixteen.int8_activations and not mixed.int8_activations
+    x = torch.randn(1, 128)
+    assert torch.equal(sixteen(x), cpu_kernels.gguf_linear(x, q16, int(T.BF16)))
 
 
 def test_gguf_int8_engine_prefills_as_gguf_and_decodes_with_integer_dots(smollm2_path):

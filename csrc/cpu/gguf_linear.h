@@ -49,8 +49,11 @@ constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
 
 // ggml type ids.
 enum QType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kBF16 = 30
 };
+// F16 and BF16 are plain 16-bit values; the kernel reads them in runs of 32 (64 bytes) so
+// they share the block-wise loops below. Both widen to fp32 exactly.
 
 // --- Building blocks: 32 codes in one register, widened to fp32 and scaled -----------------
 
@@ -246,6 +249,22 @@ inline void dequant_row_q6_k(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
+// 8 IEEE halves / bfloat16 values at p, widened to fp32 (exact).
+inline __m256 widen_f16(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 widen_bf16(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+template <bool kBrain>
+inline void dequant_row_16(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 8)
+    _mm256_storeu_ps(out + k, kBrain ? widen_bf16(row + 2 * k) : widen_f16(row + 2 * k));
+}
+
 using DequantRow = void (*)(const uint8_t*, int64_t, float*);
 
 struct BlockFormat {
@@ -259,8 +278,11 @@ inline const BlockFormat* block_format(int64_t qtype) {
   static const BlockFormat q4_0{kBlock, 18, dequant_row_q4_0}, q4_1{kBlock, 20, dequant_row_q4_1},
       q5_0{kBlock, 22, dequant_row_q5_0}, q5_1{kBlock, 24, dequant_row_q5_1},
       q8_0{kBlock, 34, dequant_row_q8_0}, q4_k{kSuper, 144, dequant_row_q4_k},
-      q5_k{kSuper, 176, dequant_row_q5_k}, q6_k{kSuper, 210, dequant_row_q6_k};
+      q5_k{kSuper, 176, dequant_row_q5_k}, q6_k{kSuper, 210, dequant_row_q6_k},
+      f16{kBlock, 64, dequant_row_16<false>}, bf16{kBlock, 64, dequant_row_16<true>};
   switch (qtype) {
+    case kF16: return &f16;
+    case kBF16: return &bf16;
     case kQ4_0: return &q4_0;
     case kQ4_1: return &q4_1;
     case kQ5_0: return &q5_0;
@@ -584,6 +606,19 @@ struct FewQ8_0 {
   }
 };
 
+// F16 / BF16: 32 values widened in registers; no scale (d = 1), no offset.
+template <bool kBrain>
+struct Few16 {
+  static constexpr int64_t kValues = kBlock, kBytes = 64;
+  static constexpr bool kOffset = false;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even, RowSums<MR>&) {
+    __m256 q[4];
+    for (int j = 0; j < 4; ++j) q[j] = kBrain ? widen_bf16(blk + 16 * j) : widen_f16(blk + 16 * j);
+    add_group<MR>(q, 1.f, in, 0, even);
+  }
+};
+
 // Q4_K / Q5_K: sub-blocks 2c and 2c + 1 are the low and high nibbles of the same 32 bytes
 // (Q5_K: bit s of its 32 qh bytes is sub-block s's fifth bit), so each byte is widened once
 // for the pair.
@@ -752,6 +787,8 @@ inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
     case kQ4_K: return few_rows_for<FewQ45_K<false>, 4>(M);
     case kQ5_K: return few_rows_for<FewQ45_K<true>, 4>(M);
     case kQ6_K: return few_rows_for<FewQ6_K, 2>(M);
+    case kF16: return few_rows_for<Few16<false>, 4>(M);
+    case kBF16: return few_rows_for<Few16<true>, 4>(M);
     default: return nullptr;
   }
 }
