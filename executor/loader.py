@@ -65,9 +65,9 @@ def load_weights(
 
     `layers`: only these decoder layers' tensors are read (a pipeline stage's; the others are
     neither read nor dequantized), with every tensor outside the layers; None: all. `skip`:
-    GGUF tensors neither dequantized nor yielded (the GGUF kernel reads their blocks)."""
+    tensors neither widened nor yielded (the CPU kernel reads their blocks or 16-bit rows)."""
     if os.path.isdir(model_path):
-        yield from _load_safetensors(Path(model_path), arch, layers)
+        yield from _load_safetensors(Path(model_path), arch, layers, skip)
         return
     gguf = read_gguf(model_path)
     # Bytes rather than tensors: dequantizing dominates, and the embedding alone can be a third.
@@ -192,14 +192,54 @@ def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:
     return by_pair.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _load_safetensors(
-    directory: Path, arch: ModelArchConfig, layers: Container[int] | None
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(
-            f"{directory} has no *.safetensors files (pytorch_model.bin is not read; --load-format dummy runs random weights without any)"
+            f"{directory} has no *.safetensors files (pytorch_model.bin is not read; "
+            f"--load-format dummy runs random weights without any)"
         )
+    return files
+
+
+def safetensors_dtypes(directory: str) -> dict[str, str]:
+    """Each tensor's stored dtype ("BF16", "F16", "F32", ...), from the files' headers."""
+    dtypes = {}
+    for file in _safetensors_files(Path(directory)):
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():
+                dtypes[name] = shard.get_slice(name).get_dtype()
+    return dtypes
+
+
+# ggml type ids of the 16-bit dtypes, as the CPU kernel reads them.
+_SIXTEEN_BIT_TYPES = {torch.float16: 1, torch.bfloat16: 30}
+
+
+def sixteen_bit_raw_weights(
+    directory: str, arch: ModelArchConfig, layers: Container[int] | None = None
+) -> dict[str, tuple[int, torch.Tensor]]:
+    """HF name -> (ggml type id, the matrix's 16-bit rows as uint8 [rows, 2 x columns]) for
+    every bf16/fp16 matrix of a checkpoint (of the decoder layers only `layers`), as
+    gguf_raw_weights gives a GGUF file's blocks."""
+    raw = {}
+    for file in _safetensors_files(Path(directory)):
+        with safe_open(str(file), framework="pt") as shard:
+            for name in shard.keys():
+                if not _wanted(name, layers) or len(shard.get_slice(name).get_shape()) != 2:
+                    continue
+                if name == "lm_head.weight" and arch.tie_word_embeddings:
+                    continue
+                tensor = shard.get_tensor(name)
+                if tensor.dtype in _SIXTEEN_BIT_TYPES:
+                    raw[name] = (_SIXTEEN_BIT_TYPES[tensor.dtype], tensor.view(torch.uint8))
+    return raw
+
+
+def _load_safetensors(
+    directory: Path, arch: ModelArchConfig, layers: Container[int] | None, skip: Container[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    files = _safetensors_files(directory)
     total = sum(_num_tensors(file) for file in files)
     description = f"Loading {directory.name}"
     with Progress(description, total=total, unit="tensors", logger=logger) as progress:
@@ -211,8 +251,8 @@ def _load_safetensors(
                         continue
                     if name == "lm_head.weight" and arch.tie_word_embeddings:
                         continue
-                    if not _wanted(name, layers):
-                        continue  # another pipeline stage's (not read)
+                    if not _wanted(name, layers) or name in skip:
+                        continue  # another pipeline stage's, or read as 16-bit rows (not read)
                     yield name, shard.get_tensor(name).to(torch.float32)
 
 

@@ -163,10 +163,11 @@ class ModelHost:
             if self.quantization != "none":
                 quantization.quantize_model_(model, self.quantization, config.model_path)
             return model.to(self.device).eval()
-        # GGUF blocks serve the matrices the kernel reads: those are never dequantized.
+        # GGUF blocks (or a 16-bit checkpoint's rows) serve the matrices the kernel reads:
+        # those are never widened to fp32.
         plan = None
-        if self.quantization in ("gguf", "gguf-int8"):
-            plan = quantization.GGUFPlan(model, config.model_path, self.quantization)
+        if self.quantization in ("gguf", "gguf-int8", quantization.SIXTEEN_BIT):
+            plan = quantization.BlockPlan(model, config.model_path, self.quantization)
         served = plan.served if plan is not None else frozenset()
         # (A pipeline stage reads only its own layers' weights.)
         layers = getattr(model, "layer_indices", None)
@@ -200,11 +201,14 @@ class ModelHost:
                     method = "gguf"
                 elif config.model_path.endswith(".gguf"):
                     logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
+                elif quantization.sixteen_bit_checkpoint(config.model_path):
+                    method = quantization.SIXTEEN_BIT
         if method == "none":
             return method
         explicit = config.quantization is not None  # asked for: refuse what it can't serve
-        quantization.check_quantization(method, config.model_path, strict=explicit)
-        if method in ("gguf", "gguf-int8"):
+        if explicit:
+            quantization.check_quantization(method, config.model_path, strict=True)
+        if method in ("gguf", "gguf-int8", quantization.SIXTEEN_BIT):
             try:
                 cpu_kernels.load()  # built (or loaded) now: a failure surfaces here, once
             except cpu_kernels.CpuKernelError as exc:

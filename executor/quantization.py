@@ -172,6 +172,24 @@ def check_quantization(method: str, model_path: str | None, strict: bool = True)
             raise ValueError(f"--quantization {method} cannot serve this model: {reason}")
 
 
+# The engine's own choice for a bf16/fp16 checkpoint on CPU (not a --quantization choice): its
+# matrices stay 16-bit in memory and the kernel widens them to fp32 in registers, so a decode
+# step reads half the bytes of an fp32 copy, with the same values (both widen exactly).
+SIXTEEN_BIT = "16-bit"
+
+
+def sixteen_bit_checkpoint(model_path: str) -> bool:
+    """Whether a Hugging Face directory stores its decoder's matrices in bf16 or fp16 (read
+    from the safetensors headers, nothing loaded)."""
+    from zllm.executor.loader import safetensors_dtypes
+
+    if model_path.endswith(".gguf"):
+        return False
+    dtypes = safetensors_dtypes(model_path)
+    matrices = [d for name, d in dtypes.items() if name.endswith("_proj.weight")]
+    return bool(matrices) and all(d in ("BF16", "F16") for d in matrices)
+
+
 def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
@@ -248,7 +266,7 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
     return [m for m in decoder if m is not None], head
 
 
-class _GGUFBlocks:
+class _WeightBlocks:
     """A GGUF file's blocks for this rank's matrices (its tensor-parallel part of each), as
     kernel matmuls over them where the kernel reads every tensor involved."""
 
@@ -256,8 +274,8 @@ class _GGUFBlocks:
         self, model: nn.Module, model_path: str, int8_activations: bool, verify: bool = True
     ) -> None:
         """`verify`: the model holds the fp32 weights the blocks replace; check each matrix's
-        blocks dequantize to them bit for bit (False: they were never loaded, GGUFPlan)."""
-        from zllm.executor.loader import gguf_raw_weights
+        blocks dequantize to them bit for bit (False: they were never loaded, BlockPlan)."""
+        from zllm.executor.loader import gguf_raw_weights, sixteen_bit_raw_weights
 
         # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
         self.tp: TensorParallel = getattr(model, "tp", SINGLE)
@@ -265,7 +283,11 @@ class _GGUFBlocks:
         self.checkpoint_arch = arch
         self.int8_activations = int8_activations
         self.verify = verify
-        raw = gguf_raw_weights(model_path, arch, getattr(model, "layer_indices", None))
+        layers = getattr(model, "layer_indices", None)
+        if model_path.endswith(".gguf"):
+            raw = gguf_raw_weights(model_path, arch, layers)
+        else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
+            raw = sixteen_bit_raw_weights(model_path, arch, layers)
         if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
             raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
         self.raw = raw
@@ -322,14 +344,15 @@ class _GGUFBlocks:
         return GGUFSplitLinear(found, weight.shape[1], bias, self.int8_activations)
 
 
-class GGUFPlan:
-    """The GGUF blocks a model's matmuls will read, known before its weights load, so the
-    loader never dequantizes the tensors they replace (`served`): loading takes the blocks'
-    bytes and none of the fp32 copies' time or memory. Built on the model's empty shell."""
+class BlockPlan:
+    """The blocks a model's matmuls will read (a GGUF file's, or a 16-bit checkpoint's rows
+    as F16/BF16), known before its weights load, so the loader never widens the tensors they
+    replace (`served`) to fp32: loading takes the blocks' bytes and none of the fp32 copies'
+    time or memory. Built on the model's empty shell."""
 
     def __init__(self, model: nn.Module, model_path: str, method: str) -> None:
         cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
-        self.source = _GGUFBlocks(model, model_path, method == "gguf-int8", verify=False)
+        self.source = _WeightBlocks(model, model_path, method == "gguf-int8", verify=False)
         self.served = self._served(model)
 
     def _served(self, model: nn.Module) -> frozenset[str]:
@@ -357,23 +380,26 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
     """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
     activations for few rows: gguf-int8), checking them against the loaded fp32 weights."""
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
-    _swap_blocks_in(model, model_path, _GGUFBlocks(model, model_path, int8_activations))
+    _swap_blocks_in(model, model_path, _WeightBlocks(model, model_path, int8_activations))
 
 
-def _swap_blocks_in(model: nn.Module, model_path: str, source: _GGUFBlocks) -> None:
+def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) -> None:
     swapped, kept = _swap_decoder_matmuls(model, source)
     embedding = _swap_ends(model, source)
+    gguf = model_path.endswith(".gguf")
     logger.info(
-        "GGUF kernels: %d of %d decoder matmuls, %s and %s read GGUF blocks%s",
+        "%s: %d of %d decoder matmuls, %s and %s read %s%s",
+        "GGUF kernels" if gguf else "16-bit weights",
         swapped,
         swapped + kept,
         "the logits" if model.logits_proj is not None else "not the logits",
         "the embedding" if embedding else "not the embedding",
-        _fp32_note(model_path) if kept else "",
+        "GGUF blocks" if gguf else "16-bit rows widened in the kernel",
+        _fp32_note(model_path) if kept and gguf else "",
     )
 
 
-def _swap_decoder_matmuls(model: nn.Module, source: _GGUFBlocks) -> tuple[int, int]:
+def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int, int]:
     """Every decoder layer's matmuls the kernel reads become kernel matmuls; returns how many
     were swapped and how many kept."""
     swapped = kept = 0
@@ -401,7 +427,7 @@ def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, 
         yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
 
 
-def _swap_ends(model: nn.Module, source: _GGUFBlocks) -> bool:
+def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
     """The embedding table (and, tied, the logits: one set of blocks for both), then an
     untied lm_head; each fp32 tensor the blocks replace is released. Returns whether the
     embedding reads blocks."""

@@ -119,10 +119,12 @@ def write_tiny_model(
     *,
     chat_template: str = CHAT_TEMPLATE,
     extra_tokens: Sequence[str] = (),
+    dtype: torch.dtype | None = None,
     **overrides,
 ) -> Path:
     """Save a tiny random model + tokenizer in Hugging Face layout under `path`; `overrides`
-    go to tiny_hf_config (the vocabulary and EOS come from the tokenizer)."""
+    go to tiny_hf_config (the vocabulary and EOS come from the tokenizer). `dtype`: the
+    weights' stored dtype (default fp32)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(extra_tokens=extra_tokens)
     tok.save(str(path / "tokenizer.json"))
@@ -143,7 +145,7 @@ def write_tiny_model(
         eos_token_id=tok.token_to_id("<|im_end|>"),
     )
     config = tiny_hf_config(arch, **{**from_tokenizer, **overrides})
-    tiny_hf_model(config, seed).save_pretrained(path, safe_serialization=True)
+    tiny_hf_model(config, seed, dtype).save_pretrained(path, safe_serialization=True)
     return path
 
 
