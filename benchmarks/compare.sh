@@ -11,13 +11,21 @@
 #   COMPARE_REPORT   [$RESULTS_DIR/report.md]  the markdown table is also written here
 #   MODEL [smollm2]  the zllm short name (or .gguf path) served and measured; llama.cpp serves
 #                    the same GGUF file. The F16 steps (llama-f16, batched F16) are SmolLM2's.
+#                    MODEL=llama1b-q4km: a random-weight model of Llama-3.2-1B's shape, built
+#                    once into $CACHE/models/llama1b (benchmarks/make_llama1b.py: a bf16 HF
+#                    directory, converted to F16 GGUF by llama.cpp's converter and quantized to
+#                    Q4_K_M and Q8_0 by llama-quantize); the F16 steps use its F16 GGUF, the
+#                    llama-q8 step its Q8_0, zllm-bf16 / zllm-f16 serve its bf16 directory and
+#                    F16 GGUF with zllm.
 #   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
 #   INPUT_LENS [$INPUT_LEN]  prompt lengths the serving steps sweep (a grid with CONCURRENCIES,
 #                    e.g. "128 1024 4096"); the offline steps use INPUT_LEN
 #   REQUEST_RATES [""]  Poisson arrival rates (req/s) to serve at besides the closed-loop
 #                    concurrencies, each with at most NP requests in flight
 #   THREADS [2]  NP [32] (llama-server slots, llama-batched-bench -npl)  PORT [8011]
-#   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run
+#   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run; also
+#                    zllm-f16 (zllm on the F16 GGUF), and with MODEL=llama1b-q4km zllm-bf16 and
+#                    llama-q8
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
 #   LLAMA_NATIVE [OFF]  ON builds llama.cpp with -march=native; that build died with "Illegal
 #                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs, so the
@@ -166,6 +174,29 @@ EOF
     mv "$F16_GGUF.tmp" "$F16_GGUF"
 }
 
+# The 1B-shaped model (MODEL=llama1b-q4km): HF bf16 directory -> F16 GGUF -> Q4_K_M, Q8_0.
+LLAMA1B_DIR=$CACHE/models/llama1b
+make_llama1b() {
+    local hf=$LLAMA1B_DIR/hf-bf16 f16=$LLAMA1B_DIR/llama1b-F16.gguf
+    if [[ ! -s $hf/config.json ]]; then
+        log "writing the random-weight 1B model to $hf"
+        nice -n 19 "$PYTHON" "$REPO/benchmarks/make_llama1b.py" "$hf"
+    fi
+    if [[ ! -s $f16 ]]; then
+        "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install sentencepiece
+        PYTHONPATH=$LLAMA_DIR/gguf-py nice -n 19 "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
+            "$hf" --outtype f16 --outfile "$f16.tmp"
+        mv "$f16.tmp" "$f16"
+    fi
+    local quant
+    for quant in Q4_K_M Q8_0; do
+        if [[ ! -s $LLAMA1B_DIR/llama1b-$quant.gguf ]]; then
+            nice -n 19 "$BIN/llama-quantize" "$f16" "$LLAMA1B_DIR/llama1b-$quant.gguf.tmp" "$quant" 2
+            mv "$LLAMA1B_DIR/llama1b-$quant.gguf.tmp" "$LLAMA1B_DIR/llama1b-$quant.gguf"
+        fi
+    done
+}
+
 write_meta() {
     [[ -s $RESULTS_DIR/meta.json ]] && return  # a partial run adding to an earlier one
     local llama_version="not built"
@@ -281,19 +312,42 @@ serve_bench() {
 # ---------------------------------------------------------------------------------------------
 
 ensure_python_deps
-Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model.files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
+if [[ $MODEL == llama1b-q4km ]]; then
+    Q4_GGUF=$LLAMA1B_DIR/llama1b-Q4_K_M.gguf
+    Q8_GGUF=$LLAMA1B_DIR/llama1b-Q8_0.gguf
+    F16_GGUF=$LLAMA1B_DIR/llama1b-F16.gguf
+    HF16_DIR=$LLAMA1B_DIR/hf-bf16
+    ZLLM_MODEL=$Q4_GGUF
+else
+    Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model.files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
+    ZLLM_MODEL=$MODEL
+fi
 # The file's quantization as llama.cpp names it, for labels: ...Q4_1.gguf -> Q4_1.
 QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]')
 if has_step setup; then
     build_llama_cpp
     if [[ $MODEL == smollm2 ]]; then make_f16_gguf; fi
+    if [[ $MODEL == llama1b-q4km ]]; then make_llama1b; fi
 fi
 write_meta
 log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
 
 if has_step zllm; then
     # shellcheck disable=SC2086
-    serve_bench zllm "$PORT" zllm serve "$MODEL" --port "$PORT" $ZLLM_SERVE_ARGS
+    serve_bench zllm "$PORT" zllm serve "$ZLLM_MODEL" --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+if has_step zllm-bf16 && [[ -n ${HF16_DIR:-} ]]; then
+    # shellcheck disable=SC2086
+    serve_bench zllm-bf16 "$PORT" zllm serve "$HF16_DIR" --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+if has_step zllm-f16; then
+    # shellcheck disable=SC2086
+    serve_bench zllm-F16 "$PORT" zllm serve "$F16_GGUF" --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+if has_step llama-q8 && [[ -n ${Q8_GGUF:-} ]]; then
+    # shellcheck disable=SC2086
+    serve_bench llama.cpp-Q8_0 "$((PORT + 1))" "$BIN/llama-server" -m "$Q8_GGUF" \
+        -t "$THREADS" -np "$NP" -c "$CTX" --host 127.0.0.1 --port "$((PORT + 1))" $LLAMA_SERVER_ARGS
 fi
 if has_step llama-q4; then
     # shellcheck disable=SC2086
@@ -307,7 +361,7 @@ if has_step llama-f16; then
 fi
 if has_step throughput; then
     for backend in zllm transformers; do
-        cmd=(zllm bench throughput --model "$MODEL" --backend "$backend" --num-prompts "$NUM_PROMPTS"
+        cmd=(zllm bench throughput --model "$ZLLM_MODEL" --backend "$backend" --num-prompts "$NUM_PROMPTS"
             --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --hf-batch-size "$NP"
             --output-json "$RESULTS_DIR/throughput-$backend.json")
         wait_quiet
@@ -319,7 +373,8 @@ if has_step throughput; then
 fi
 if has_step batched; then
     pairs=("$QUANT:$Q4_GGUF")
-    [[ $MODEL == smollm2 ]] && pairs+=("F16:$F16_GGUF")
+    [[ $MODEL == smollm2 || $MODEL == llama1b-q4km ]] && pairs+=("F16:$F16_GGUF")
+    [[ -n ${Q8_GGUF:-} ]] && pairs+=("Q8_0:$Q8_GGUF")
     for pair in "${pairs[@]}"; do
         cmd=("$BIN/llama-batched-bench" -m "${pair#*:}" -c "$CTX" -b 2048 -ub 512
             -npp "$INPUT_LEN" -ntg "$OUTPUT_LEN" -npl "$NP" -t "$THREADS" --output-format jsonl)
