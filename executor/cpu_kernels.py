@@ -50,6 +50,7 @@ KERNEL_FILES = (
     "cpu/simd.h",
     "cpu/gguf_linear.h",
     "cpu/gguf_int8.h",
+    "cpu/kquant_int8.h",
     "cpu/paged_attention.h",
     "cpu/row_ops.h",
     "cpu/decode_stack.h",

@@ -16,8 +16,9 @@ the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs
 call per part, each writing its columns of the output.
 
 `gguf-int8` (opt-in): the same blocks, llama.cpp-style arithmetic for decode-sized calls: x is
-rounded to int8 per 32 values and multiplied by the codes with integer dot products
-(csrc/cpu/gguf_int8.h), 1.2-2.3x faster per matmul at one row than the float kernel. Calls of
+rounded to int8 per 32 values (per 256 for Q4_K and Q6_K, whose whole super-blocks are then
+summed in integers: csrc/cpu/kquant_int8.h) and multiplied by the codes with integer dot
+products (csrc/cpu/gguf_int8.h), 1.2-2.5x faster per matmul at one row than the float kernel. Calls of
 more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
 where the integer path is slower. It changes the arithmetic: accuracy in BENCHMARKS.md.
 

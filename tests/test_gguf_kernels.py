@@ -154,10 +154,14 @@ def test_an_empty_sum_is_zero():
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
 
 
-def _int8_activations(x: np.ndarray) -> np.ndarray:
-    """x as the kernel rounds it: per 32 values, scale max|x| / 127, codes round-half-even of
-    x * (127 / max|x|) in fp32; returned as scale * code in float64."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+# Q4_K and Q6_K at decode sizes (1-4 rows) round x per 256 values (csrc/cpu/kquant_int8.h).
+KQUANT_ROWS = {T.Q4_K: 4, T.Q6_K: 4}
+
+
+def _int8_activations(x: np.ndarray, values: int = 32) -> np.ndarray:
+    """x as the kernel rounds it: per `values` values, scale max|x| / 127, codes round-half-even
+    of x * (127 / max|x|) in fp32; returned as scale * code in float64."""
+    blocks = x.reshape(x.shape[0], -1, values)
     amax = np.abs(blocks).max(-1, keepdims=True)
     inverse = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
     codes = np.rint(blocks * np.where(amax > 0, inverse, np.float32(0)))
@@ -188,7 +192,8 @@ def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type)).double().numpy()
     xd, w = x.double().numpy(), ref.double().numpy()
-    x_int8 = _int8_activations(x.numpy())
+    whole_blocks = rows <= KQUANT_ROWS.get(ggml_type, 0)
+    x_int8 = _int8_activations(x.numpy(), 256 if whole_blocks else 32)
     offsets = _block_offsets(q.numpy(), ggml_type, 37, cols)
     expected = x_int8 @ w.T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
     scale = np.abs(expected).max()
@@ -201,7 +206,9 @@ def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     assert y[:, :2].isnan().all() and y[:, 39:].isnan().all()
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q8_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [T.Q4_0, T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     """A NaN or infinity in x makes its rows' outputs NaN (as the float kernel's), not a
     finite number from saturated codes; a block of subnormals rounds to zero."""
@@ -209,7 +216,7 @@ def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(13))
     x[0, 5] = float("nan")
     x[1, 40] = float("inf")
-    x[2, :32] = 1e-39  # below FLT_MIN: 127 / max|x| would overflow
+    x[2, : 256 if ggml_type in KQUANT_ROWS else 32] = 1e-39  # a block below FLT_MIN
     out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
     assert out[:2].isnan().all()
     torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
