@@ -50,6 +50,16 @@ QUANTIZATION_METHODS = ("gguf", "gguf-int8", "int8", "none")
 # gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
 # per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
 INT8_MAX_ROWS = 4
+# Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h, a pass per 4 rows) stay ahead of the float
+# panels further: Llama-1B Q4_K_M's matmuls of a step took 98 against 181 ms at 8 rows, 197
+# against 238 at 16 (2 cores, BENCHMARKS.md).
+KQUANT_INT8_MAX_ROWS = 16
+_KQUANT_TYPES = frozenset({12, 14})  # Q4_K, Q6_K
+
+
+def int8_max_rows(types: list[int]) -> int:
+    """The most rows a gguf-int8 matmul over blocks of these types sends to the integer path."""
+    return KQUANT_INT8_MAX_ROWS if set(types) <= _KQUANT_TYPES else INT8_MAX_ROWS
 
 
 class GGUFLinear(nn.Module):
@@ -70,7 +80,7 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         # gguf-int8: integer dots for few rows (quantized types; 16-bit weights keep floats)
         self.int8_activations = int8_activations and ggml_type in cpu_kernels.INT8_GGML_TYPES
-        self.int8_max_rows = INT8_MAX_ROWS
+        self.int8_max_rows = int8_max_rows([ggml_type])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -107,7 +117,7 @@ class GGUFSplitLinear(nn.Module):
         self.int8_activations = int8_activations and all(
             ggml_type in cpu_kernels.INT8_GGML_TYPES for _, ggml_type in parts
         )
-        self.int8_max_rows = INT8_MAX_ROWS
+        self.int8_max_rows = int8_max_rows([ggml_type for _, ggml_type in parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

@@ -25,6 +25,7 @@ from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
 from zllm.executor.quantization import (
     INT8_MAX_ROWS,
+    KQUANT_INT8_MAX_ROWS,
     GGUFEmbedding,
     GGUFLinear,
     GGUFSplitLinear,
@@ -154,8 +155,8 @@ def test_an_empty_sum_is_zero():
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
 
 
-# Q4_K and Q6_K at decode sizes (1-4 rows) round x per 256 values (csrc/cpu/kquant_int8.h).
-KQUANT_ROWS = {T.Q4_K: 4, T.Q6_K: 4}
+# Q4_K and Q6_K round x per 256 values (csrc/cpu/kquant_int8.h).
+KQUANT = (T.Q4_K, T.Q6_K)
 
 
 def _int8_activations(x: np.ndarray, values: int = 32) -> np.ndarray:
@@ -192,8 +193,7 @@ def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type)).double().numpy()
     xd, w = x.double().numpy(), ref.double().numpy()
-    whole_blocks = rows <= KQUANT_ROWS.get(ggml_type, 0)
-    x_int8 = _int8_activations(x.numpy(), 256 if whole_blocks else 32)
+    x_int8 = _int8_activations(x.numpy(), 256 if ggml_type in KQUANT else 32)
     offsets = _block_offsets(q.numpy(), ggml_type, 37, cols)
     expected = x_int8 @ w.T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
     scale = np.abs(expected).max()
@@ -216,7 +216,7 @@ def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(13))
     x[0, 5] = float("nan")
     x[1, 40] = float("inf")
-    x[2, : 256 if ggml_type in KQUANT_ROWS else 32] = 1e-39  # a block below FLT_MIN
+    x[2, : 256 if ggml_type in KQUANT else 32] = 1e-39  # a block below FLT_MIN
     out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
     assert out[:2].isnan().all()
     torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
@@ -234,6 +234,14 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
         assert torch.equal(layer(x), kernel(x, q, int(T.Q4_0)) + bias)
         both = torch.cat([kernel(x, q, int(T.Q4_0)), kernel(x, q8, int(T.Q8_0))], dim=1)
         assert torch.equal(split(x), both)
+    # Q4_K / Q6_K matmuls keep the integer path up to 16 rows (their super-block kernel).
+    qk, _, _ = _blocks(6, 1, T.Q4_K, seed=14)
+    kquant = GGUFLinear(qk, int(T.Q4_K), 256, None, int8_activations=True)
+    assert kquant.int8_max_rows == KQUANT_INT8_MAX_ROWS == 16
+    for rows in (1, 16, 17):
+        x = torch.randn(rows, 256)
+        kernel = cpu_kernels.gguf_linear_int8 if rows <= 16 else cpu_kernels.gguf_linear
+        assert torch.equal(kquant(x), kernel(x, qk, int(T.Q4_K)))
     # 16-bit weights keep float dot products (the integer kernel reads quantized types).
     q16, _, _ = _blocks(7, 4, T.BF16, seed=13)
     sixteen = GGUFLinear(q16, int(T.BF16), 128, None, int8_activations=True)

@@ -335,7 +335,7 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
                   y.size(1) == N && y.stride(1) == 1,
               "y must be fp32 [M, N] with contiguous rows");
   if (M == 0 || N == 0) return;
-  if (zllm_kquant::serves(qtype, M)) {  // Q4_K / Q6_K at decode sizes: whole super-blocks
+  if (zllm_kquant::serves(qtype)) {  // Q4_K / Q6_K: whole super-blocks
     zllm_kquant::linear(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(),
                         qweight.size(1), qtype, N, K, y.data_ptr<float>(), y.stride(0));
     return;

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -188,11 +189,11 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
 }
 
+// Rows sharing one pass over the weights (a pass per 4 rows beyond: the modules send decode-
+// sized calls only, and `zllm bench accuracy` scores whole sequences with decode's arithmetic).
 constexpr int64_t kMaxRows = 4;
 
-inline bool serves(int64_t qtype, int64_t M) {
-  return (qtype == kQ4_K || qtype == kQ6_K) && M >= 1 && M <= kMaxRows;
-}
+inline bool serves(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
 
 template <int MR>
 inline void linear_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
@@ -206,14 +207,18 @@ inline void linear_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t r
   });
 }
 
-// y [M, N] (rows ldy apart) = int8(x) @ W^T for M <= kMaxRows rows of a Q4_K or Q6_K W.
+// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q4_K or Q6_K W, kMaxRows rows a pass.
 inline void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                    int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
-  switch (M) {
-    case 1: return linear_rows<1>(x, ldx, w, row_bytes, qtype, N, K, y, ldy);
-    case 2: return linear_rows<2>(x, ldx, w, row_bytes, qtype, N, K, y, ldy);
-    case 3: return linear_rows<3>(x, ldx, w, row_bytes, qtype, N, K, y, ldy);
-    default: return linear_rows<4>(x, ldx, w, row_bytes, qtype, N, K, y, ldy);
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (std::min(kMaxRows, M - m)) {
+      case 1: linear_rows<1>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
+      case 2: linear_rows<2>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
+      case 3: linear_rows<3>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
+      default: linear_rows<4>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
+    }
   }
 }
 
