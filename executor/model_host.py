@@ -130,7 +130,7 @@ class ModelHost:
         ends_released = release_other_stages_ends(self.model, self.pp)
         if config.model_path.endswith(".gguf"):
             read_gguf(config.model_path).release_pages()  # copied out: the model holds them
-        if self.quantization in ("gguf", "gguf-int8") or ends_released:
+        if self.quantization in ("gguf", "gguf-int8", quantization.SIXTEEN_BIT) or ends_released:
             # The fp32 weights the blocks replaced, another stage's embedding / logits.
             release_freed_memory(self.device)
         if config.deterministic:
