@@ -205,7 +205,7 @@ def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
     A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
-    or Q8_0), and may hold types the kernel does not read (Q2_K, Q3_K, the IQ types, F16).
+    or Q8_0), and may hold types the kernel does not read (Q2_K, Q3_K, the IQ types).
     Not strict, the engine's default: the kernel serves the file if it can serve any matmul;
     the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_ logs
     which). Strict, --quantization gguf asked for: every decoder matmul must be served, else

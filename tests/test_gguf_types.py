@@ -271,7 +271,7 @@ def tiny_llm(path: str, **kwargs) -> LLM:
     return LLM(path, kv_cache_memory_bytes=16 << 20, max_num_seqs=4, **kwargs)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q3_K, T.IQ4_XS, T.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q3_K, T.IQ4_XS, T.Q2_K], ids=lambda t: t.name)
 def test_greedy_matches_transformers_on_fp32_dequantized_types(gguf_of_type, ggml_type) -> None:
     path, _ = gguf_of_type(ggml_type)
     llm = tiny_llm(path)
@@ -279,7 +279,7 @@ def test_greedy_matches_transformers_on_fp32_dequantized_types(gguf_of_type, ggm
     check_greedy_parity(path, llm, ggml_type.name)
 
 
-KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
