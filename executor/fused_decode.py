@@ -37,9 +37,9 @@ from torch import nn
 from zllm.executor import cpu_kernels, cpu_layer_ops
 from zllm.executor.attention import AttentionMetadata, PagedAttention
 from zllm.executor.attention_backend import StepAttentionMetadata, metadata_per_layer
+from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
-from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
-from zllm.executor import cpu_kernels, fused_decode, quantization
+from zllm.executor import cpu_kernels, fused_decode, quantization, weight_blocks
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
@@ -167,7 +167,7 @@ class ModelHost:
         # those are never widened to fp32.
         plan = None
         if self.quantization in ("gguf", "gguf-int8", quantization.SIXTEEN_BIT):
-            plan = quantization.BlockPlan(model, config.model_path, self.quantization)
+            plan = weight_blocks.BlockPlan(model, config.model_path, self.quantization)
         served = plan.served if plan is not None else frozenset()
         # (A pipeline stage reads only its own layers' weights.)
         layers = getattr(model, "layer_indices", None)
@@ -196,7 +196,7 @@ class ModelHost:
             if config.load_format == "dummy":
                 return method  # random fp32 weights: no blocks to read
             if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.enabled():
-                reason = quantization.gguf_kernel_plan(config.model_path)
+                reason = weight_blocks.gguf_kernel_plan(config.model_path)
                 if reason is None:
                     method = "gguf"
                 elif config.model_path.endswith(".gguf"):

@@ -24,7 +24,7 @@ from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
 from zllm.executor.fused_decode import FusedDecode, Unsupported
-from zllm.executor.quantization import GGUFLinear, GGUFSplitLinear
+from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
 from zllm.executor.step_inputs import build_attention_metadata
 
 pytestmark = pytest.mark.skipif(

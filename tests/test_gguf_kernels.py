@@ -23,7 +23,7 @@ from test_gguf_types import random_blocks
 
 from zllm import LLM, SamplingParams
 from zllm.executor import cpu_kernels
-from zllm.executor.quantization import (
+from zllm.executor.gguf_modules import (
     INT8_MAX_ROWS,
     KQUANT_INT8_MAX_ROWS,
     GGUFEmbedding,

@@ -211,7 +211,7 @@ def copy_checkpoint(
     fills), each cut to this rank's part first (model.tp); names ending in `recomputed`, a
     tied model's lm_head and the layers of other pipeline stages are skipped. Refuses
     unexpected names, wrong shapes and missing ones, but for `served` (GGUF blocks will
-    serve those matrices: the loader skipped them, quantization.GGUFPlan)."""
+    serve those matrices: the loader skipped them, weight_blocks.BlockPlan)."""
     arch, tp = model.arch, model.tp
     layers = model.layer_indices
     loaded: set[str] = set()

@@ -1,0 +1,122 @@
+"""The matmuls and the embedding lookup that read weight blocks through the CPU kernel
+(csrc/cpu/gguf_linear.h, gguf_int8.h): a GGUF file's quantized blocks, or F16/BF16 rows
+(16-bit files and checkpoints). executor/weight_blocks.py decides which matrices become
+these; executor/quantization.py, when.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zllm.executor import cpu_kernels
+
+# gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
+# per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
+INT8_MAX_ROWS = 4
+# Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h, a pass per 4 rows) stay ahead of the float
+# panels further: Llama-1B Q4_K_M's matmuls of a step took 98 against 181 ms at 8 rows, 197
+# against 238 at 16 (2 cores, BENCHMARKS.md).
+KQUANT_INT8_MAX_ROWS = 16
+_KQUANT_TYPES = frozenset({12, 14})  # Q4_K, Q6_K
+
+
+def int8_max_rows(types: list[int]) -> int:
+    """The most rows a gguf-int8 matmul over blocks of these types sends to the integer path."""
+    return KQUANT_INT8_MAX_ROWS if set(types) <= _KQUANT_TYPES else INT8_MAX_ROWS
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b) with W held as GGUF blocks only (qweight [N, bytes per row])."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        ggml_type: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
+    ) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.ggml_type = ggml_type
+        self.in_features = in_features
+        self.bias = bias
+        # gguf-int8: integer dots for few rows (quantized types; 16-bit weights keep floats)
+        self.int8_activations = int8_activations and ggml_type in cpu_kernels.INT8_GGML_TYPES
+        self.int8_max_rows = int8_max_rows([ggml_type])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        if self.int8_activations and flat.shape[0] <= self.int8_max_rows:
+            y = cpu_kernels.gguf_linear_int8(flat, self.qweight, self.ggml_type)
+        else:
+            y = cpu_kernels.gguf_linear(flat, self.qweight, self.ggml_type)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self) -> str:
+        n = self.qweight.shape[0]
+        return f"in_features={self.in_features}, out_features={n}, ggml_type={self.ggml_type}"
+
+
+class GGUFSplitLinear(nn.Module):
+    """A fused matmul whose parts are stored in different GGUF types: y = x [W_1; W_2; ...]^T
+    with one kernel call per part, each writing its own columns of y (no concatenation)."""
+
+    def __init__(
+        self,
+        parts: list[tuple[torch.Tensor, int]],
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        int8_activations: bool = False,
+    ) -> None:
+        super().__init__()
+        self.parts = parts  # (qweight [rows, bytes per row], ggml type), in output order
+        self.in_features = in_features
+        self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
+        self.bias = bias
+        self.int8_activations = int8_activations and all(
+            ggml_type in cpu_kernels.INT8_GGML_TYPES for _, ggml_type in parts
+        )
+        self.int8_max_rows = int8_max_rows([ggml_type for _, ggml_type in parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        y = flat.new_empty(flat.shape[0], self.out_features)
+        int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
+        start = 0
+        for qweight, ggml_type in self.parts:
+            rows = qweight.shape[0]
+            columns = y[:, start : start + rows]
+            if int8:
+                cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
+            else:
+                cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
+            start += rows
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        types = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES[t] for _, t in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types=[{types}]"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table held as GGUF blocks: the rows looked up are dequantized (bit for bit
+    the fp32 table's rows). Tied to the logits, it shares its blocks with their GGUFLinear."""
+
+    def __init__(self, qweight: torch.Tensor, ggml_type: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.ggml_type = ggml_type
+        self.embedding_dim = embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, input_ids.reshape(-1))
+        out = cpu_kernels.gguf_dequantize(rows, self.ggml_type, self.embedding_dim)
+        return out.view(*input_ids.shape, self.embedding_dim)

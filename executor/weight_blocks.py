@@ -1,0 +1,292 @@
+"""Which of a model's matrices read weight blocks, and swapping them in.
+
+A GGUF file's blocks (gguf_raw_weights) or a bf16/fp16 checkpoint's rows
+(sixteen_bit_raw_weights), cut to this rank's part, become the model's GGUFLinear /
+GGUFSplitLinear / GGUFEmbedding modules (executor/gguf_modules.py). BlockPlan names the
+tensors they serve before the weights load, so the loader never widens those to fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from zllm.config.engine import ModelArchConfig
+from zllm.executor import cpu_kernels
+from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
+from zllm.model.gguf import GGUFFile, read_gguf
+
+logger = logging.getLogger(__name__)
+
+
+def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
+    """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
+
+    A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
+    or Q8_0), and may hold types the kernel does not read (Q2_K, Q3_K, the IQ types).
+    Not strict, the engine's default: the kernel serves the file if it can serve any matmul;
+    the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_ logs
+    which). Strict, --quantization gguf asked for: every decoder matmul must be served, else
+    the reason names the first tensor that is not. The logits may stay fp32 either way.
+    """
+    if not model_path.endswith(".gguf"):
+        return "the model is not a GGUF file"
+    decoder, head = gguf_matmuls(read_gguf(model_path))
+    reasons = [m.unservable() for m in decoder]
+    if strict:
+        first = next((r for r in reasons if r is not None), None)
+        if first is not None:
+            return (
+                f"{first}; leave --quantization unset to use the kernel where the file allows "
+                f"and fp32 matmuls elsewhere"
+            )
+        return None
+    if any(r is None for r in reasons) or (head is not None and head.unservable() is None):
+        return None
+    types = sorted({t.name for m in [*decoder, head] if m is not None for t in m.types})
+    return f"the kernel reads none of its matrices' types ({', '.join(types)})"
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFMatmul:
+    """The GGUF tensors one kernel matmul would read (a fused one reads several, which may be
+    of different types: one kernel call per part)."""
+
+    tensors: tuple[str, ...]
+    types: tuple[GGMLQuantizationType, ...]
+
+    def unservable(self) -> str | None:
+        """Why the kernel cannot read these blocks (naming tensor and type), or None."""
+        for name, ggml_type in zip(self.tensors, self.types, strict=True):
+            if int(ggml_type) not in cpu_kernels.SUPPORTED_GGML_TYPES:
+                readable = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.values())
+                return f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable})"
+        return None
+
+
+# Per layer, the GGUF tensors (blk.{i}.<key>.weight) behind each matmul the kernel replaces:
+# the model's fused qkv and gate/up projections, then the output and down projections.
+_LAYER_MATMULS = (
+    ("attn_q", "attn_k", "attn_v"),
+    ("attn_output",),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_down",),
+)
+
+
+def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
+    """The decoder's matmuls layer by layer, and the logits' (output.weight, else the tied
+    embedding), from the file's tensor names and types."""
+
+    def matmul(names: list[str]) -> GGUFMatmul | None:
+        infos = [gguf.tensors.get(n) for n in names]
+        if any(info is None for info in infos):
+            return None
+        return GGUFMatmul(tuple(names), tuple(info.ggml_type for info in infos))
+
+    numbers = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+    layers = sorted((n for n in numbers if n.isdigit()), key=int)
+    decoder = [
+        matmul([f"blk.{layer}.{key}.weight" for key in keys])
+        for layer in layers
+        for keys in _LAYER_MATMULS
+    ]
+    head = matmul(["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"])
+    return [m for m in decoder if m is not None], head
+
+
+class _WeightBlocks:
+    """A GGUF file's blocks (or a 16-bit checkpoint's rows) for this rank's matrices (its
+    tensor-parallel part of each), as
+    kernel matmuls over them where the kernel reads every tensor involved."""
+
+    def __init__(
+        self, model: nn.Module, model_path: str, int8_activations: bool, verify: bool = True
+    ) -> None:
+        """`verify`: the model holds the fp32 weights the blocks replace; check each matrix's
+        blocks dequantize to them bit for bit (False: they were never loaded, BlockPlan)."""
+        from zllm.executor.loader import gguf_raw_weights, sixteen_bit_raw_weights
+
+        # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
+        self.tp: TensorParallel = getattr(model, "tp", SINGLE)
+        arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
+        self.checkpoint_arch = arch
+        self.int8_activations = int8_activations
+        self.verify = verify
+        layers = getattr(model, "layer_indices", None)
+        if model_path.endswith(".gguf"):
+            raw = gguf_raw_weights(model_path, arch, layers)
+        else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
+            raw = sixteen_bit_raw_weights(model_path, arch, layers)
+        if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
+            raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
+        self.raw = raw
+
+    def rank_part(self, name: str) -> tuple[int, torch.Tensor] | None:
+        found = self.raw.get(name)
+        if found is None or not self.tp.enabled:
+            return found
+        ggml_type, rows = found
+        block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        part = shard_blocks(name, rows, block_values, block_bytes, self.checkpoint_arch, self.tp)
+        return None if part is None else (ggml_type, part)
+
+    def reads(self, names: list[str]) -> bool:
+        """Whether the kernel reads every one of these tensors (this rank's part of each)."""
+        parts = [self.rank_part(n) for n in names]
+        return all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
+
+    def blocks(
+        self, names: list[str], weight: torch.Tensor
+    ) -> list[tuple[torch.Tensor, int]] | None:
+        """Each tensor's blocks and type (runs of one type merged), if the kernel reads all.
+        `weight`: the fp32 matrix they replace (its shape; its values too where `verify`)."""
+        if not self.reads(names):
+            return None
+        parts = [self.rank_part(n) for n in names]
+        if self.verify:  # the kernel must multiply by exactly the weights the fp32 path holds
+            start = 0
+            for name, (ggml_type, rows) in zip(names, parts, strict=True):
+                expected = weight[start : start + rows.shape[0]]
+                dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1])
+                if not torch.equal(dequantized, expected):
+                    raise RuntimeError(
+                        f"GGUF blocks of {name} do not dequantize to the loaded weights"
+                    )
+                start += rows.shape[0]
+        merged: list[tuple[torch.Tensor, int]] = []
+        for ggml_type, rows in parts:
+            if merged and merged[-1][1] == ggml_type:
+                merged[-1] = (torch.cat([merged[-1][0], rows]), ggml_type)
+            else:
+                merged.append((rows.contiguous(), ggml_type))
+        return merged
+
+    def fuse(
+        self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> nn.Module | None:
+        """A kernel matmul over the row-concatenated blocks of names, if it reads them all."""
+        found = self.blocks(names, weight)
+        if found is None:
+            return None
+        if len(found) == 1:
+            return GGUFLinear(*found[0], weight.shape[1], bias, self.int8_activations)
+        return GGUFSplitLinear(found, weight.shape[1], bias, self.int8_activations)
+
+
+class BlockPlan:
+    """The blocks a model's matmuls will read (a GGUF file's, or a 16-bit checkpoint's rows
+    as F16/BF16), known before its weights load, so the loader never widens the tensors they
+    replace (`served`) to fp32: loading takes the blocks' bytes and none of the fp32 copies'
+    time or memory. Built on the model's empty shell."""
+
+    def __init__(self, model: nn.Module, model_path: str, method: str) -> None:
+        cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
+        self.source = _WeightBlocks(model, model_path, method == "gguf-int8", verify=False)
+        self.served = self._served(model)
+
+    def _served(self, model: nn.Module) -> frozenset[str]:
+        """The checkpoint names whose tensors the swaps below replace with blocks."""
+        reads = self.source.reads
+        served = {
+            name for _, _, names in _decoder_matmul_targets(model) if reads(names) for name in names
+        }
+        head_read = model.lm_head is not None and reads(["lm_head.weight"])
+        if head_read:
+            served.add("lm_head.weight")
+        # A tensor-parallel rank's tied logits are filled from the loaded embedding: load it
+        # unless the blocks serve the logits too.
+        tied_shard = model.lm_head is not None and model.arch.tie_word_embeddings
+        if reads(["model.embed_tokens.weight"]) and (not tied_shard or head_read):
+            served.add("model.embed_tokens.weight")
+        return frozenset(served)
+
+    def apply(self, model: nn.Module, model_path: str) -> None:
+        """Swap the matmuls (the model loaded without `served`)."""
+        _swap_blocks_in(model, model_path, self.source)
+
+
+def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
+    """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
+    activations for few rows: gguf-int8), checking them against the loaded fp32 weights."""
+    cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
+    _swap_blocks_in(model, model_path, _WeightBlocks(model, model_path, int8_activations))
+
+
+def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) -> None:
+    swapped, kept = _swap_decoder_matmuls(model, source)
+    embedding = _swap_ends(model, source)
+    gguf = model_path.endswith(".gguf")
+    logger.info(
+        "%s: %d of %d decoder matmuls, %s and %s read %s%s",
+        "GGUF kernels" if gguf else "16-bit weights",
+        swapped,
+        swapped + kept,
+        "the logits" if model.logits_proj is not None else "not the logits",
+        "the embedding" if embedding else "not the embedding",
+        "GGUF blocks" if gguf else "16-bit rows widened in the kernel",
+        _fp32_note(model_path) if kept and gguf else "",
+    )
+
+
+def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int, int]:
+    """Every decoder layer's matmuls the kernel reads become kernel matmuls; returns how many
+    were swapped and how many kept."""
+    swapped = kept = 0
+    for module, attr, names in _decoder_matmul_targets(model):
+        linear = getattr(module, attr)
+        bias = None if linear.bias is None else linear.bias.data
+        new = source.fuse(names, linear.weight.data, bias)
+        if new is None:
+            kept += 1
+        else:
+            setattr(module, attr, new)
+            swapped += 1
+    return swapped, kept
+
+
+def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
+    """(module, attribute, checkpoint names) of every decoder matmul the blocks may serve."""
+    # (A pipeline stage holds some of the layers: layer_indices names them.)
+    for i, layer in zip(model.layer_indices, model.layers, strict=True):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        yield attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        yield attn, "o_proj", [f"{p}self_attn.o_proj.weight"]
+        yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
+
+
+def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
+    """The embedding table (and, tied, the logits: one set of blocks for both), then an
+    untied lm_head; each fp32 tensor the blocks replace is released. Returns whether the
+    embedding reads blocks."""
+    int8 = source.int8_activations
+    found = source.blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
+    embedding = None if found is None else found[0]
+    if embedding is not None:
+        model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
+        if model.lm_head is None:
+            model.logits_proj = GGUFLinear(*embedding, model.arch.hidden_size, None, int8)
+        release_weight(model.embed_tokens)
+    if model.lm_head is not None:
+        head = source.fuse(["lm_head.weight"], model.lm_head.data, None)
+        if head is not None:
+            model.logits_proj = head
+            release_weight(model.lm_head)
+    return embedding is not None
+
+
+def _fp32_note(model_path: str) -> str:
+    """For the log: why the matmuls the kernel does not serve stay fp32."""
+    decoder, _ = gguf_matmuls(read_gguf(model_path))
+    reasons = [r for r in (m.unservable() for m in decoder) if r is not None]
+    if not reasons:
+        return ""
+    return f"; {len(reasons)} multiply fp32 weights dequantized at load (first: {reasons[0]})"
