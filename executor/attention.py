@@ -45,11 +45,12 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their cache slots."""
+    """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their cache slots, at the
+    cache's dtype (--kv-cache-dtype: rounded to nearest even, as torch converts)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, key)
-    slots[1].index_copy_(0, slot_mapping, value)
+    slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
 class PagedAttentionBase:
@@ -100,9 +101,11 @@ class PagedAttentionBase:
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_slots is None:  # the new tokens are the whole context
             k, v = key[span], value[span]
+            if slots.dtype != key.dtype:  # attend over what the cache holds (--kv-cache-dtype)
+                k, v = k.to(slots.dtype).to(key.dtype), v.to(slots.dtype).to(key.dtype)
         else:
-            k = slots[0].index_select(0, chunk.context_slots)
-            v = slots[1].index_select(0, chunk.context_slots)
+            k = slots[0].index_select(0, chunk.context_slots).to(query.dtype)
+            v = slots[1].index_select(0, chunk.context_slots).to(query.dtype)
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, D]
         v = v.transpose(0, 1).unsqueeze(0)
         out = self._sdpa(q, k, v, chunk.attn_mask)
@@ -191,6 +194,7 @@ class PagedAttention(PagedAttentionBase):
         torch.index_select(blocks[1], 0, decode.block_ids, out=kv[1])
         # [2, S_dec, padded_len, kv_heads, head_dim] -> K, V as [S_dec, kv_heads, padded_len, hd]
         kv = kv.view(2, num_seqs, decode.max_blocks * block_size, self.num_kv_heads, self.head_dim)
+        kv = kv.to(q.dtype)  # a 16-bit cache (--kv-cache-dtype) widened
         out = self._sdpa(
             q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
         )
@@ -209,8 +213,8 @@ class PagedAttention(PagedAttentionBase):
         for row in range(q.shape[0]):
             keep = cols[decode.attn_mask[row, 0, 0]]
             row_slots = all_slots[row, keep]
-            k = slots[0].index_select(0, row_slots).transpose(0, 1)[None]
-            v = slots[1].index_select(0, row_slots).transpose(0, 1)[None]
+            k = slots[0].index_select(0, row_slots).to(q.dtype).transpose(0, 1)[None]
+            v = slots[1].index_select(0, row_slots).to(q.dtype).transpose(0, 1)[None]
             everything = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=q.device)
             out[row] = self._sdpa(q[row][None, :, None], k, v, everything)[0, :, 0]
         return out

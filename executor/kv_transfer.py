@@ -69,7 +69,7 @@ def transfer_layout(config: EngineConfig) -> str:
         size = 0
     return (
         f"{os.path.basename(config.model_path.rstrip('/'))}:{size}:{arch.architecture}:"
-        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.dtype}:"
+        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.kv_dtype}:"
         f"{config.cache.block_size}:{config.quantization}"
     )
 

@@ -70,6 +70,7 @@ class ModelHost:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _DTYPES[config.dtype]
+        self.kv_dtype = _DTYPES[config.kv_dtype]  # what the KV pool stores (--kv-cache-dtype)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
 
@@ -305,7 +306,7 @@ class ModelHost:
     def _kv_bytes_per_slot(self) -> int:
         """The target's bytes per slot (this stage's layers'), plus a draft model's (it shares
         the block ids)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
         # The cache tensors this stage allocates (every group's slots on one stage).
         num_tensors = len(set(self.kv_slot_of.values()))
@@ -316,7 +317,7 @@ class ModelHost:
         # Layer i of every KV cache group uses tensor i (kv_cache_groups.py): group_size
         # tensors, or on a pipeline stage those its layers use.
         by_slot = {
-            slot: torch.zeros(shape, dtype=self.dtype, device=self.device)
+            slot: torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for slot in sorted(set(self.kv_slot_of.values()))
         }
         self.kv_tensors = list(by_slot.values())
@@ -339,9 +340,10 @@ class ModelHost:
             for g in self.kv_groups
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d bytes per slot, %.2f GiB); %d group(s): %s",
+            "KV cache: %d blocks of %d tokens, %s (%d bytes per slot, %.2f GiB); %d group(s): %s",
             self.num_blocks,
             self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
             per_slot,
             self.num_blocks * self.block_size * per_slot / 2**30,
             len(self.kv_groups),

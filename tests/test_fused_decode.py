@@ -140,6 +140,28 @@ def test_decode_steps_match_the_module_path(model_path, case) -> None:
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_a_16_bit_kv_cache_decodes_as_the_module_path(model_path, case, kv) -> None:
+    """--kv-cache-dtype: the fused step writes K/V rounded as torch rounds them and reads them
+    widened, so both paths give the same tokens and logprobs bit for bit."""
+    llm = make_llm(model_path(case), kv_cache_dtype=kv)
+    runner = llm.model_runner
+    expected = torch.bfloat16 if kv == "bf16" else torch.float16
+    assert {t.dtype for t in runner.kv_tensors} == {expected}
+    served = count_fused_steps(llm)
+    prompts = prompts_of([3, 17, 30, 9, 1], seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    assert len(served) >= 15
+    fused_decode, runner.fused_decode = runner.fused_decode, None
+    modules = llm.generate(prompts, params, use_tqdm=False)
+    runner.fused_decode = fused_decode
+    for a, b in zip(fused, modules, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_every_matmul_kind_is_the_module_s_arithmetic() -> None:
     """FusedMatmul computes what nn.Linear, GGUFLinear and GGUFSplitLinear compute, bit for
     bit: the same kernels with the same row counts (gguf-int8's integer path up to its row

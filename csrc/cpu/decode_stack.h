@@ -313,15 +313,20 @@ class DecodeStack {
     }
   }
 
+  // The rows' K and V into their cache slots, at the cache's type (--kv-cache-dtype).
   void write_cache(const float* qkv, int64_t S, int64_t ld, const int64_t* slot,
                    const zllm_attn::PagedCache& cache) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    float* k = const_cast<float*>(cache.k);
-    float* v = const_cast<float*>(cache.v);
-    for (int64_t s = 0; s < S; ++s) {
-      std::memcpy(k + slot[s] * kv_size, qkv + s * ld + q_size, kv_size * sizeof(float));
-      std::memcpy(v + slot[s] * kv_size, qkv + s * ld + q_size + kv_size, kv_size * sizeof(float));
-    }
+    zllm_attn::with_elements(cache, cache.k, [&](auto* k) {
+      using E = std::remove_pointer_t<decltype(k)>;
+      E* v = static_cast<E*>(cache.v);
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < kv_size; d += 8) {
+          const float* row = qkv + s * ld + q_size;
+          zllm_attn::store8(k + slot[s] * kv_size + d, _mm256_loadu_ps(row + d));
+          zllm_attn::store8(v + slot[s] * kv_size + d, _mm256_loadu_ps(row + kv_size + d));
+        }
+    });
   }
 
   void activate(const float* gate_up, int64_t S, float* out) const {

@@ -13,7 +13,8 @@
 //
 // Layouts (the executor's contract, executor/attention.py):
 //   q            [S, H, D]   any sequence/head stride, last dim contiguous
-//   kv_cache     [2, num_blocks, block_size, KVH, D] contiguous, 0 = K, 1 = V
+//   kv_cache     [2, num_blocks, block_size, KVH, D] contiguous, 0 = K, 1 = V; fp32, or
+//                bf16 / fp16 (--kv-cache-dtype: each K/V row is widened to fp32 as it loads)
 //   block_tables int64 [S, max_blocks]     seq_lens int64 [S]
 //   out          [S, H, D] contiguous
 //
@@ -32,29 +33,65 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace zllm_attn {
 
 using zllm_simd::hsum;
 
-inline float dot(const float* a, const float* b, int64_t D) {
+// A KV cache's element types: fp32, or 16-bit values widened to fp32 as they load.
+struct Half {
+  uint16_t bits;
+};
+struct Brain {
+  uint16_t bits;
+};
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const Brain* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+// fp32 -> the cache's type, rounded to nearest even as torch's .to() rounds (a NaN stays a
+// NaN), so the fused decode step writes the bits the module path's index_copy_ writes.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store8(Brain* p, __m256 v) {
+  alignas(32) uint32_t bits[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bits), _mm256_castps_si256(v));
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t b = bits[i];
+    const bool nan = (b & 0x7fffffffu) > 0x7f800000u;
+    p[i].bits = nan ? uint16_t{0x7fc0}  // torch's bf16 NaN
+                    : static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+template <class E>
+inline float dot(const float* a, const E* b, int64_t D) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b + d + 8), acc1);
   }
-  for (; d < D; d += 8)
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+  for (; d < D; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), acc0);
   return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-// out += w * v over D floats.
-inline void axpy(float w, const float* v, float* out, int64_t D) {
+// out += w * v over D values.
+template <class E>
+inline void axpy(float w, const E* v, float* out, int64_t D) {
   const __m256 wv = _mm256_set1_ps(w);
   for (int64_t d = 0; d < D; d += 8)
-    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+    _mm256_storeu_ps(out + d, _mm256_fmadd_ps(wv, load8(v + d), _mm256_loadu_ps(out + d)));
 }
 
 // exp(x) for 8 floats, x <= 0 here (scores minus their max): Cephes' polynomial on
@@ -89,8 +126,8 @@ inline __m256 hsum8(const __m256* a) {
 //   pass 1: scores of 8 tokens at a time: 8 independent FMA chains, one hsum8, one exp8
 //           later; padding lanes get -inf (weight 0)
 //   pass 2: per query head, out (D floats) stays in registers while the V rows stream by.
-template <int D>
-void decode_item(const float* const* qg, int64_t G, const float* k_base, const float* v_base,
+template <int D, class E>
+void decode_item(const float* const* qg, int64_t G, const E* k_base, const E* v_base,
                  const int64_t* table, int64_t block_size, int64_t row, int64_t begin,
                  int64_t end, float scale, float* const* out, std::vector<float>& scores) {
   constexpr int NV = D / 8;
@@ -112,10 +149,10 @@ void decode_item(const float* const* qg, int64_t G, const float* k_base, const f
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t j = 0; j < tb; ++j) {
-        const float* k = k_base + slot_of(t0 + j) * row;
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        const E* k = k_base + slot_of(t0 + j) * row;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
         for (int v = 1; v < NV; ++v)
-          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), load8(k + 8 * v), a);
         acc[j] = a;
       }
       __m256 sc = _mm256_mul_ps(hsum8(acc), vscale);
@@ -142,9 +179,9 @@ void decode_item(const float* const* qg, int64_t G, const float* k_base, const f
     __m256 o[NV];
     for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const float* vr = v_base + slot_of(t) * row;
+      const E* vr = v_base + slot_of(t) * row;
       const __m256 w = _mm256_set1_ps(sg[t]);
-      for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * v), o[v]);
+      for (int v = 0; v < NV; ++v) o[v] = _mm256_fmadd_ps(w, load8(vr + 8 * v), o[v]);
     }
     const __m256 vinv = _mm256_set1_ps(inv);
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out[g] + 8 * v, _mm256_mul_ps(o[v], vinv));
@@ -152,8 +189,9 @@ void decode_item(const float* const* qg, int64_t G, const float* k_base, const f
 }
 
 // Any other head_dim (a multiple of 8): the plain loops, same contract as decode_item.
-inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const float* k_base,
-                            const float* v_base, const int64_t* table, int64_t block_size,
+template <class E>
+inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const E* k_base,
+                            const E* v_base, const int64_t* table, int64_t block_size,
                             int64_t row, int64_t begin, int64_t end, float scale,
                             float* const* out, std::vector<float>& scores) {
   const int64_t L = end - begin;
@@ -165,7 +203,7 @@ inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const 
   // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max.
   std::vector<float> maxes(G, -INFINITY);
   for (int64_t t = 0; t < L; ++t) {
-    const float* k = k_base + slot_of(t) * row;
+    const E* k = k_base + slot_of(t) * row;
     for (int64_t g = 0; g < G; ++g) {
       const float x = dot(qg[g], k, D) * scale;
       scores[g * L + t] = x;
@@ -183,7 +221,7 @@ inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const 
     std::fill_n(out[g], D, 0.f);
   }
   for (int64_t t = 0; t < L; ++t) {
-    const float* v = v_base + slot_of(t) * row;
+    const E* v = v_base + slot_of(t) * row;
     for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], v, out[g], D);
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -205,21 +243,41 @@ inline Span attended_span(int64_t L, int64_t window, int64_t block_size) {
   return {first - base, L - base};
 }
 
-// The paged cache one layer reads: [2, num_blocks, block_size, KVH, D] contiguous.
+// The paged cache one layer reads: [2, num_blocks, block_size, KVH, D] contiguous, of `type`.
+enum class KVType { kF32, kF16, kBF16 };
+
 struct PagedCache {
-  const float* k;
-  const float* v;
+  void* k;  // of the element type `type` names
+  void* v;
+  KVType type;
   int64_t num_blocks, block_size, kv_heads, head_dim;
 };
 
 inline PagedCache paged_cache(const torch::Tensor& kv_cache) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.scalar_type() == torch::kFloat32 &&
-                  kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.device().is_cpu(),
-              "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, D] on CPU");
-  const float* k = kv_cache.data_ptr<float>();
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2 &&
+                  kv_cache.device().is_cpu(),
+              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, D] on CPU");
+  const auto st = kv_cache.scalar_type();
+  TORCH_CHECK(st == torch::kFloat32 || st == torch::kFloat16 || st == torch::kBFloat16,
+              "kv_cache must be fp32, fp16 or bf16");
+  const KVType type = st == torch::kFloat32   ? KVType::kF32
+                      : st == torch::kFloat16 ? KVType::kF16
+                                              : KVType::kBF16;
+  auto* k = static_cast<uint8_t*>(kv_cache.data_ptr());
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t KVH = kv_cache.size(3), D = kv_cache.size(4);
-  return {k, k + num_blocks * block_size * KVH * D, num_blocks, block_size, KVH, D};
+  const int64_t half = num_blocks * block_size * KVH * D * kv_cache.element_size();
+  return {k, k + half, type, num_blocks, block_size, KVH, D};
+}
+
+// Calls f(E*) with the cache's K (or V) base as its element type.
+template <class F>
+inline void with_elements(const PagedCache& cache, void* base, F&& f) {
+  switch (cache.type) {
+    case KVType::kF32: return f(static_cast<float*>(base));
+    case KVType::kF16: return f(static_cast<Half*>(base));
+    case KVType::kBF16: return f(static_cast<Brain*>(base));
+  }
 }
 
 // Every sequence's length fits its table and every block id it reads is in the cache.
@@ -245,7 +303,7 @@ inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int6
                              int64_t max_blocks, const int64_t* lens, int64_t window,
                              float scale, float* out) {
   const int64_t KVH = cache.kv_heads, D = cache.head_dim, G = H / KVH;
-  const int64_t row = KVH * D;  // floats between consecutive tokens of a block
+  const int64_t row = KVH * D;  // values between consecutive tokens of a block
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> qg(G);
@@ -258,17 +316,20 @@ inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int6
       }
       const Span span = attended_span(lens[s], window, cache.block_size);
       const int64_t* table = tables + s * max_blocks;
-      const float* k_base = cache.k + kvh * D;
-      const float* v_base = cache.v + kvh * D;
-      if (D == 64)
-        decode_item<64>(qg.data(), G, k_base, v_base, table, cache.block_size, row, span.begin,
-                        span.end, scale, og.data(), scores);
-      else if (D == 128)
-        decode_item<128>(qg.data(), G, k_base, v_base, table, cache.block_size, row, span.begin,
-                         span.end, scale, og.data(), scores);
-      else
-        decode_item_any(qg.data(), G, D, k_base, v_base, table, cache.block_size, row,
-                        span.begin, span.end, scale, og.data(), scores);
+      with_elements(cache, cache.k, [&](auto* k) {
+        using E = std::remove_pointer_t<decltype(k)>;
+        const E* k_base = k + kvh * D;
+        const E* v_base = static_cast<const E*>(cache.v) + kvh * D;
+        if (D == 64)
+          decode_item<64>(qg.data(), G, k_base, v_base, table, cache.block_size, row,
+                          span.begin, span.end, scale, og.data(), scores);
+        else if (D == 128)
+          decode_item<128>(qg.data(), G, k_base, v_base, table, cache.block_size, row,
+                           span.begin, span.end, scale, og.data(), scores);
+        else
+          decode_item_any(qg.data(), G, D, k_base, v_base, table, cache.block_size, row,
+                          span.begin, span.end, scale, og.data(), scores);
+      });
     }
   });
 }

@@ -14,12 +14,12 @@ import argparse
 
 from zllm.config.arg_utils import parse_size
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
+from zllm.config.engine_args import KV_CACHE_DTYPES, KV_DTYPE_NAMES
 from zllm.core.block_manager import BlockManager
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
+from zllm.kv.tiers import DTYPE_BYTES
 from zllm.model.files import resolve_model
 from zllm.model.impl import arch_of
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def add_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,10 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="a short name, a .gguf file or a HF directory")
     p.add_argument("--context-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=parse_size, default=DEFAULT_CPU_KV_CACHE_BYTES)
-    p.add_argument("--dtype", choices=tuple(_DTYPE_BYTES), default="float32")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32")
+    p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: --dtype"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     p.set_defaults(func=main)
@@ -57,14 +60,15 @@ def concurrent_sequences(
 
 def main(args: argparse.Namespace) -> int:
     arch = arch_of(resolve_model(args.model))
+    stored = KV_DTYPE_NAMES.get(args.kv_cache_dtype, args.dtype)
     print(
         f"{arch.architecture}: {arch.num_layers} layers, window {arch.sliding_window}, "
-        f"{args.kv_cache_memory_bytes / 2**30:.2f} GiB {args.dtype} KV pool, "
+        f"{args.kv_cache_memory_bytes / 2**30:.2f} GiB {stored} KV pool, "
         f"block {args.block_size}, sequences of {args.context_len} tokens"
     )
     for hybrid in (False, True):
         groups = kv_cache_groups(arch, hybrid)
-        per_block = kv_bytes_per_slot(arch, groups, _DTYPE_BYTES[args.dtype]) * args.block_size
+        per_block = kv_bytes_per_slot(arch, groups, DTYPE_BYTES[stored]) * args.block_size
         num_blocks = args.kv_cache_memory_bytes // per_block
         windows = [g.sliding_window for g in groups]
         seqs = concurrent_sequences(

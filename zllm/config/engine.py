@@ -68,6 +68,9 @@ class CacheConfig:
     # Prefix pinning: the most KV bytes requests may pin (cache_control); None: a tenth of
     # the pool, 0: pinning off (requests asking for it are served unpinned).
     max_pinned_bytes: int | None = None
+    # --kv-cache-dtype: what the KV pool stores ("bfloat16", "float16"); None: the model's
+    # dtype (EngineConfig.kv_dtype resolves it).
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(slots=True)
@@ -232,6 +235,12 @@ class EngineConfig:
     ray_placement_strategy: str = "PACK"
     # Prefill/decode disaggregation (--kv-transfer-config; zllm/config/kv_transfer.py).
     kv_transfer: KVTransferConfig | None = None
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype the KV pool stores (and the tiers and transfers move): --kv-cache-dtype,
+        else the model's."""
+        return self.cache.kv_cache_dtype or self.dtype
 
     @property
     def world_size(self) -> int:

@@ -45,6 +45,14 @@ from zllm.runtime.tenants import check_tenant_weights, parse_tenant_weights
 logger = logging.getLogger(__name__)
 
 MODEL_HELP = "short name, .gguf file or HF directory"
+# --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "bfloat16", "float16")
+KV_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 @dataclass(slots=True)
@@ -126,6 +134,13 @@ class EngineArgs:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     device: str = option("auto", help="cpu, cuda or cuda:N; auto: cuda when a GPU is visible")
+    kv_cache_dtype: str = option(
+        "auto",
+        help="what the KV cache stores: auto (the model's dtype), bf16 or fp16 (half the bytes "
+        "of fp32 KV on CPU: twice the tokens fit, long contexts decode faster; attention reads "
+        "them widened to fp32); bfloat16 / float16 are the same",
+        choices=KV_CACHE_DTYPES,
+    )
     quantization: str | None = option(
         None,
         help="gguf (the default for a GGUF file on CPU): matmuls read the file's "
@@ -279,6 +294,7 @@ class EngineArgs:
                 hybrid_kv_cache=self.hybrid_kv_cache,
                 num_blocks=self.num_gpu_blocks_override,
                 max_pinned_bytes=self.max_pinned_bytes,
+                kv_cache_dtype=self._kv_cache_dtype(dtype),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -393,6 +409,18 @@ class EngineArgs:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+
+    def _kv_cache_dtype(self, dtype: str) -> str | None:
+        """--kv-cache-dtype as a torch dtype name, None where it is the model's own."""
+        kv = KV_DTYPE_NAMES.get(self.kv_cache_dtype)
+        if kv is None or kv == dtype:
+            return None
+        if dtype != "float32":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} needs float32 activations (the CPU "
+                f"path); the {dtype} model's attention reads its cache in {dtype}"
+            )
+        return kv
 
     def _check_quantization(self, device: str) -> str | None:
         if self.load_format == "dummy" and self.quantization in ("gguf", "gguf-int8"):

@@ -39,7 +39,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def block_bytes(config: EngineConfig) -> int:
     """The bytes of one KV block: every layer's K and V for block_size tokens."""
     groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
-    per_slot = kv_bytes_per_slot(config.arch, groups, DTYPE_BYTES[config.dtype])
+    per_slot = kv_bytes_per_slot(config.arch, groups, DTYPE_BYTES[config.kv_dtype])
     return per_slot * config.cache.block_size
 
 
@@ -56,7 +56,7 @@ def layout_fingerprint(config: EngineConfig) -> str:
     key = {
         "version": FILE_FORMAT_VERSION,
         "model": model,
-        "dtype": config.dtype,
+        "dtype": config.kv_dtype,
         "block_size": config.cache.block_size,
         "layout": [arch.num_layers, arch.num_kv_heads, arch.head_dim],
         "groups": len(kv_cache_groups(arch, config.cache.hybrid_kv_cache)),
