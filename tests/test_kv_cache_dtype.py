@@ -140,3 +140,15 @@ def test_the_stored_dtype_names_the_blocks_tiers_and_transfers_keep(tiny_llama_d
         EngineArgs(
             model=tiny_llama_dir, dtype="bfloat16", kv_cache_dtype="fp16"
         ).create_engine_config()
+
+
+def test_bench_accuracy_measures_a_kv_dtype_against_fp32_kv(tiny_llama_dir, capsys):
+    from zllm.cli import main
+
+    argv = ["bench", "accuracy", "--model", tiny_llama_dir, "--kv-cache-dtype", "bf16"]
+    assert main([*argv, "--num-prompts", "2", "--input-len", "16", "--output-len", "6"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("bf16 KV vs fp32 on 6 prompts x 6 greedy tokens"), line
+    assert "logprob drift" in line
+    assert main(["bench", "accuracy", "--model", tiny_llama_dir]) == 2  # nothing to measure
+    assert "--quantization method or a --kv-cache-dtype" in capsys.readouterr().err

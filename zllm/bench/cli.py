@@ -215,10 +215,16 @@ def main_accuracy(args: argparse.Namespace) -> int:
 
     from zllm import LLM, SamplingParams
 
-    if args.quantization in (None, "none"):
-        raise ValueError("bench accuracy compares a --quantization method against fp32")
+    kv_dtype = engine_args_from(args).kv_cache_dtype
+    measures_quantization = args.quantization not in (None, "none")
+    if not measures_quantization and kv_dtype == "auto":
+        raise ValueError(
+            "bench accuracy compares a --quantization method or a --kv-cache-dtype against fp32"
+        )
     engine = engine_args_from(args)
-    reference = LLM(**asdict(replace(engine, quantization="none")))
+    # The reference differs in what is measured only: fp32 matmuls, or fp32 KV.
+    quantization = "none" if measures_quantization else engine.quantization
+    reference = LLM(**asdict(replace(engine, quantization=quantization, kv_cache_dtype="auto")))
     prompts = random_prompts(
         args.num_prompts, args.input_len, reference.config.arch.vocab_size, seed=7
     )
@@ -261,8 +267,9 @@ def main_accuracy(args: argparse.Namespace) -> int:
             drifts.append(
                 abs(r.prompt_logprobs[pos][t].logprob - q.prompt_logprobs[pos][t].logprob)
             )
+    measured = args.quantization if measures_quantization else f"{kv_dtype} KV"
     print(
-        f"{args.quantization} vs fp32 on {len(prompts)} prompts x {args.output_len} greedy tokens: "
+        f"{measured} vs fp32 on {len(prompts)} prompts x {args.output_len} greedy tokens: "
         f"identical outputs {same}/{len(prompts)} ({100 * same / len(prompts):.0f}%), "
         f"median first divergence at token {statistics.median(first_div):.0f}, "
         f"logprob drift of the fp32 tokens: mean {statistics.mean(drifts):.4f}, "
