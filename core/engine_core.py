@@ -9,7 +9,7 @@ input thread and a heartbeat thread):
     finish_sample(req_id, sample_index)                             (a stop string matched)
     batches = step(executor)   -> schedule -> executor.submit -> executor.poll -> update:
                                   one DetokenizerBatch per detokenizer worker that has news
-    sleep(executor) / wake_up(executor)                             (sleep mode, when idle)
+    sleep(executor, level) / wake_up(executor, tags)                (sleep mode, when idle)
     heartbeat()                -> EngineStats, the wire struct, filled in place
 
 The in-flight rule lives in `step` alone: an executor that `runs_ahead` (another process runs
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 
@@ -47,6 +48,7 @@ from zllm.kv.cache_groups import kv_cache_groups
 from zllm.kv.tiers import block_bytes, existing_disk_blocks, tier_directory
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
+    SLEEP_TAGS,
     CachePin,
     DetokenizerBatch,
     DetokRequest,
@@ -103,7 +105,8 @@ class EngineCore:
         # True until a step is scheduled after the engine had nothing at all to do: the
         # executor's wait before that step was for work, not for the core.
         self._idle = True
-        self.asleep = False  # sleep mode: the executor has released weights and KV pool
+        # Sleep mode: the parts the executor has released (SLEEP_TAGS), until woken.
+        self.sleeping: set[str] = set()
 
     @property
     def max_model_len(self) -> int:
@@ -240,26 +243,42 @@ class EngineCore:
         return batches
 
     # ---- sleep mode ------------------------------------------------------------------------
-    def sleep(self, executor: Executor) -> DetokenizerBatches:
+    @property
+    def asleep(self) -> bool:
+        """Whether any part is released: requests wait for a whole wake-up."""
+        return bool(self.sleeping)
+
+    def sleep(self, executor: Executor, level: int = 1) -> DetokenizerBatches:
         """Put the executor to sleep (idempotent; only with no unfinished request): the steps
         in flight are collected first (their outputs returned), then the executor releases
-        its weights and KV pool and the prefix cache empties (with KV tiers, its blocks are
-        stored down to them first, so after waking those prefixes load back)."""
+        its KV pool (level 1; the weights stay in host memory) or its weights too (level 2),
+        and the prefix cache empties (with KV tiers, its blocks are stored down to them
+        first, so after waking those prefixes load back)."""
+        if level not in (1, 2):
+            raise ParamError("sleep level must be 1 or 2", "level")
         if self.asleep:
             return {}
         if self.scheduler.has_unfinished_requests():
             raise ParamError("requests are running; sleep when the engine is idle", "sleep")
         batches = self.drain(executor)
-        self._control_step(executor, self._sleep_step())
-        self.asleep = self.stats.asleep = True
+        self._control_step(executor, self._sleep_step(level))
+        self.sleeping = set(SLEEP_TAGS)
+        self.stats.asleep = True
         return batches
 
-    def wake_up(self, executor: Executor) -> None:
-        """The executor loads its weights and KV pool again (idempotent)."""
-        if not self.asleep:
+    def wake_up(self, executor: Executor, tags: Sequence[str] | None = None) -> None:
+        """The executor restores the parts named (vLLM's tags: "weights", "kv_cache"; None:
+        both); idempotent. The engine serves again once both are back."""
+        tags = list(SLEEP_TAGS) if not tags else list(tags)
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise ParamError(f"unknown wake_up tags {unknown}: use {list(SLEEP_TAGS)}", "tags")
+        waking = [t for t in SLEEP_TAGS if t in tags and t in self.sleeping]
+        if not waking:
             return
-        self._control_step(executor, SchedulerOutput(-1, [], [], {}, 0, wake_up=True))
-        self.asleep = self.stats.asleep = False
+        self._control_step(executor, SchedulerOutput(-1, [], [], {}, 0, wake_up=waking))
+        self.sleeping -= set(waking)
+        self.stats.asleep = self.asleep
 
     def _control_step(self, executor: Executor, step: SchedulerOutput) -> None:
         """Run a step no request is in (nothing else is out) and wait for its empty answer."""
@@ -306,14 +325,14 @@ class EngineCore:
         self.stats.core_output_s += time.perf_counter() - start
         return batches
 
-    def _sleep_step(self) -> SchedulerOutput:
+    def _sleep_step(self, level: int) -> SchedulerOutput:
         """The step that puts the executor to sleep, emptying the prefix cache first."""
         transfers = None
         if self.kv_connector is not None:
             self.kv_connector.evicted(self.block_manager.evict_cached())
             transfers = self.kv_connector.take_transfers()
         self.block_manager.reset_prefix_cache()
-        return SchedulerOutput(-1, [], [], {}, 0, sleep=True, kv_transfers=transfers)
+        return SchedulerOutput(-1, [], [], {}, 0, sleep_level=level, kv_transfers=transfers)
 
     def heartbeat(self) -> EngineStats:
         """The stats struct with its gauges read now (safe to call from another thread:

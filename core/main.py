@@ -232,15 +232,15 @@ class CoreProcess:
         """Sleep mode's calls, with EngineCore's rules (both idempotent)."""
         if not self.config.engine.enable_sleep_mode:
             return False, "sleep mode is off (start the server with --enable-sleep-mode)"
-        if msg.command == "sleep":
-            try:
-                self._publish(self.engine.sleep(self.executor))
-            except ParamError as e:
-                return False, str(e)
-        elif msg.command == "wake_up":
-            self.engine.wake_up(self.executor)
-        else:
-            return False, f"unknown command {msg.command!r}"
+        try:
+            if msg.command == "sleep":
+                self._publish(self.engine.sleep(self.executor, msg.level))
+            elif msg.command == "wake_up":
+                self.engine.wake_up(self.executor, msg.tags)
+            else:
+                return False, f"unknown command {msg.command!r}"
+        except ParamError as e:
+            return False, str(e)
         logger.info("engine %s", "asleep" if self.engine.asleep else "awake")
         return True, ""
 

@@ -3,6 +3,7 @@
 KV cache of one layer (the fixed contract every executor shares):
 
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]    index 0 = K, 1 = V
+                                          (int8: head_dim and its scales, kv_quant.py)
     slot = block_id * block_size + offset_in_block
 
 A step's new tokens arrive flat and grouped by sequence, without padding:
@@ -37,6 +38,7 @@ from zllm.executor.attention_metadata import (
     DecodeBatch,
     PrefillChunk,
 )
+from zllm.executor.kv_quant import as_stored, narrow, widen
 
 # `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -45,12 +47,12 @@ _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their cache slots, at the
-    cache's dtype (--kv-cache-dtype: rounded to nearest even, as torch converts)."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    """Store the new tokens' K and V ([T, kv_heads, head_dim]) at their cache slots, as the
+    cache stores them (--kv-cache-dtype: kv_quant.narrow)."""
+    _, num_blocks, block_size, num_kv_heads, width = kv_cache.shape
+    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, width)
+    slots[0].index_copy_(0, slot_mapping, narrow(key, kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, narrow(value, kv_cache.dtype))
 
 
 class PagedAttentionBase:
@@ -83,7 +85,7 @@ class PagedAttentionBase:
         """Write each chunk's attention output into its rows of `out`."""
         if not prefills:
             return
-        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        slots = kv_cache.view(2, -1, self.num_kv_heads, kv_cache.shape[-1])
         for chunk in prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
                 query, key, value, slots, chunk
@@ -100,12 +102,11 @@ class PagedAttentionBase:
         span = slice(chunk.token_start, chunk.token_end)
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         if chunk.context_slots is None:  # the new tokens are the whole context
-            k, v = key[span], value[span]
-            if slots.dtype != key.dtype:  # attend over what the cache holds (--kv-cache-dtype)
-                k, v = k.to(slots.dtype).to(key.dtype), v.to(slots.dtype).to(key.dtype)
+            # Over what the cache holds (--kv-cache-dtype), as a later chunk would read it.
+            k, v = as_stored(key[span], slots.dtype), as_stored(value[span], slots.dtype)
         else:
-            k = slots[0].index_select(0, chunk.context_slots).to(query.dtype)
-            v = slots[1].index_select(0, chunk.context_slots).to(query.dtype)
+            k = widen(slots[0].index_select(0, chunk.context_slots), query.dtype, self.head_dim)
+            v = widen(slots[1].index_select(0, chunk.context_slots), query.dtype, self.head_dim)
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, D]
         v = v.transpose(0, 1).unsqueeze(0)
         out = self._sdpa(q, k, v, chunk.attn_mask)
@@ -193,8 +194,9 @@ class PagedAttention(PagedAttentionBase):
         torch.index_select(blocks[0], 0, decode.block_ids, out=kv[0])
         torch.index_select(blocks[1], 0, decode.block_ids, out=kv[1])
         # [2, S_dec, padded_len, kv_heads, head_dim] -> K, V as [S_dec, kv_heads, padded_len, hd]
-        kv = kv.view(2, num_seqs, decode.max_blocks * block_size, self.num_kv_heads, self.head_dim)
-        kv = kv.to(q.dtype)  # a 16-bit cache (--kv-cache-dtype) widened
+        padded_len = decode.max_blocks * block_size
+        kv = kv.view(2, num_seqs, padded_len, self.num_kv_heads, kv_cache.shape[-1])
+        kv = widen(kv, q.dtype, self.head_dim)  # a 16-bit or int8 cache as activations
         out = self._sdpa(
             q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
         )
@@ -204,7 +206,7 @@ class PagedAttention(PagedAttentionBase):
         self, q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, block_size: int
     ) -> torch.Tensor:
         """One SDPA per row over exactly the keys its mask admits (its window included)."""
-        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        slots = kv_cache.view(2, -1, self.num_kv_heads, kv_cache.shape[-1])
         tables = decode.block_ids.view(q.shape[0], decode.max_blocks)
         cols = torch.arange(decode.max_blocks * block_size, device=q.device)
         offsets = torch.arange(block_size, device=q.device)
@@ -213,8 +215,9 @@ class PagedAttention(PagedAttentionBase):
         for row in range(q.shape[0]):
             keep = cols[decode.attn_mask[row, 0, 0]]
             row_slots = all_slots[row, keep]
-            k = slots[0].index_select(0, row_slots).to(q.dtype).transpose(0, 1)[None]
-            v = slots[1].index_select(0, row_slots).to(q.dtype).transpose(0, 1)[None]
+            k = widen(slots[0].index_select(0, row_slots), q.dtype, self.head_dim)
+            v = widen(slots[1].index_select(0, row_slots), q.dtype, self.head_dim)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             everything = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=q.device)
             out[row] = self._sdpa(q[row][None, :, None], k, v, everything)[0, :, 0]
         return out

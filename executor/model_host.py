@@ -5,7 +5,7 @@
                                   the decode path: fused CPU stack, CUDA graphs, or the modules
                                   the KV pool: sized, allocated, its tiers and transfer sender
                                   the proposer of speculative decoding (its own weights)
-    sleep() / wake_up()           release all of it, and load it again
+    sleep(level) / wake_up(tags)  release the KV pool (and at level 2 the weights), restore them
 
 The step (model_runner.py) reads the host; it never decides how the model was built.
 """
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
-from zllm.executor import cpu_kernels, fused_decode, quantization, weight_blocks
+from zllm.executor import cpu_kernels, fused_decode, quantization, sleep_mode, weight_blocks
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
@@ -36,7 +37,9 @@ from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.executor.step_inputs import layer_attention, layer_kv_slots
 from zllm.kv.cache_groups import kv_cache_groups
+from zllm.kv.kv_dtypes import row_bytes, row_width
 from zllm.model.gguf import read_gguf
+from zllm.protocol import SLEEP_TAGS
 
 if TYPE_CHECKING:
     from zllm.executor.cuda_graph import CudaGraphRunner
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}
 
 Proposer = NgramProposer | DraftModelProposer
 
@@ -70,7 +74,10 @@ class ModelHost:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current one
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = _DTYPES[config.dtype]
-        self.kv_dtype = _DTYPES[config.kv_dtype]  # what the KV pool stores (--kv-cache-dtype)
+        # What the KV pool stores (--kv-cache-dtype; zllm/kv/kv_dtypes.py: an int8 row carries
+        # its scale in row_width's last bytes).
+        self.kv_dtype = _KV_DTYPES[config.kv_dtype]
+        self.kv_row_width = row_width(self.arch.head_dim, config.kv_dtype)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
 
@@ -92,7 +99,8 @@ class ModelHost:
         self.graph_runner = self._capture_cuda_graphs()
         self._log_kv_cache()
         self.proposer = make_proposer(config, self.num_blocks, self.dtype)
-        self.asleep = False
+        self.sleeping: set[str] = set()  # sleep mode: the parts released (SLEEP_TAGS)
+        self.weights_on_host = False  # sleep level 1 on a GPU (sleep_mode.py)
 
     def _create_kv_pool(self, parallel: Parallel) -> None:
         """The pool, the tiers below it and a disaggregation producer's sender."""
@@ -138,7 +146,9 @@ class ModelHost:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
         self.lora = (
-            LoRAManager(self.model, config.lora, self.arch, self.dtype, self.device)
+            LoRAManager(
+                self.model, config.lora, self.arch, self.dtype, self.device, config.deterministic
+            )
             if config.lora is not None
             else None
         )
@@ -306,14 +316,14 @@ class ModelHost:
     def _kv_bytes_per_slot(self) -> int:
         """The target's bytes per slot (this stage's layers'), plus a draft model's (it shares
         the block ids)."""
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        row = row_bytes(self.arch.head_dim, self.config.kv_dtype)
         draft = DraftModelProposer.kv_bytes_per_slot(self.config, self.dtype)
         # The cache tensors this stage allocates (every group's slots on one stage).
         num_tensors = len(set(self.kv_slot_of.values()))
-        return 2 * num_tensors * self.arch.num_kv_heads * self.arch.head_dim * elem + draft
+        return 2 * num_tensors * self.arch.num_kv_heads * row + draft
 
     def _allocate_kv_cache(self) -> None:
-        shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.kv_row_width)
         # Layer i of every KV cache group uses tensor i (kv_cache_groups.py): group_size
         # tensors, or on a pipeline stage those its layers use.
         by_slot = {
@@ -351,33 +361,52 @@ class ModelHost:
         )
 
     # ---- sleep mode ---------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Release the weights and the KV pool (and a draft model's), keeping the config. The
-        KV cache's contents are gone, so the core resets its prefix cache too."""
+    @property
+    def asleep(self) -> bool:
+        return bool(self.sleeping)
+
+    def sleep(self, level: int) -> None:
+        """vLLM's levels. 1: release the KV pool; the weights stay in host memory (on a GPU
+        they move to pinned host memory, sleep_mode.py; on CPU they are there already, so the
+        pool is all that is freed). 2: release the weights too; waking reads the model file.
+        Either way the KV cache's contents are gone (the core resets its prefix cache), and a
+        draft model (its weights beside its KV) is released and loaded again on waking."""
         if self.asleep:
             return
-        self.model = None  # type: ignore[assignment]
-        self.lora = None
-        self.fused_decode = None
         self.kv_tensors, self.kv_caches = [], []
         self.kv_pool.tensors = []
-        self.graph_runner = None
+        self.graph_runner = None  # (captured over the pool's addresses)
         self.proposer = None
-        self.asleep = True
+        if level >= 2:
+            self.model = None  # type: ignore[assignment]
+            self.lora = None
+            self.fused_decode = None
+        elif self.device.type == "cuda":
+            sleep_mode.move_weights(self.model, torch.device("cpu"), pin=True)
+            self.weights_on_host = True
+        self.sleeping = set(SLEEP_TAGS)
         release_freed_memory(self.device)
-        logger.info("Asleep: weights and KV cache released")
+        logger.info("Asleep (level %d): KV cache%s released", level, " and weights" * (level >= 2))
 
-    def wake_up(self) -> None:
-        """Load the weights again (from the model file) and a fresh, empty KV pool."""
-        if not self.asleep:
-            return
-        start = time.perf_counter()
-        self._load_weights()
-        self._allocate_kv_cache()
-        self.graph_runner = self._capture_cuda_graphs()
-        self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
-        self.asleep = False
-        logger.info("Awake in %.1f s", time.perf_counter() - start)
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Restore the parts named (vLLM's tags): "weights" (from host memory, or the model
+        file after level 2), "kv_cache" (a fresh, empty pool). Awake once both are back."""
+        start, was_asleep = time.perf_counter(), self.asleep
+        if "weights" in tags and "weights" in self.sleeping:
+            if self.model is None:
+                self._load_weights()
+            elif self.weights_on_host:
+                sleep_mode.move_weights(self.model, self.device)
+                self.weights_on_host = False
+            self.sleeping.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.sleeping:
+            self._allocate_kv_cache()
+            self.sleeping.discard("kv_cache")
+        if was_asleep and not self.sleeping:  # both back: what reads both
+            self.graph_runner = self._capture_cuda_graphs()
+            self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
+        still = f" (still asleep: {', '.join(sorted(self.sleeping))})" if self.sleeping else ""
+        logger.info("Woke %s in %.1f s%s", "+".join(tags), time.perf_counter() - start, still)
 
 
 def release_freed_memory(device: torch.device) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,7 @@ from zllm.executor.step_sampler import StepSampler
 from zllm.executor.step_timing import GpuIdleClock
 from zllm.executor.structured_output import GrammarCompiler
 from zllm.kv.cache_groups import KVCacheGroup
-from zllm.protocol import ModelRunnerOutput, SchedulerOutput
+from zllm.protocol import SLEEP_TAGS, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from zllm.executor.cuda_graph import CudaGraphRunner
@@ -127,20 +128,20 @@ class ModelRunner:
         return self.host.asleep
 
     # ---- sleep mode ----------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Release the weights and the KV pool (ModelHost.sleep), keeping the config, the
-        compiled grammars' tokenizer data and the sampler. The core calls it only when no
-        request is unfinished; the states still here are of finished requests whose ids
-        would come with the next step."""
+    def sleep(self, level: int = 2) -> None:
+        """Release the KV pool, and at level 2 the weights (ModelHost.sleep), keeping the
+        config, the compiled grammars' tokenizer data and the sampler. The core calls it only
+        when no request is unfinished; the states still here are of finished requests whose
+        ids would come with the next step."""
         if self.asleep:
             return
         self.requests.clear()
         self.sampling.child_generators.clear()
-        self.host.sleep()
+        self.host.sleep(level)
 
-    def wake_up(self) -> None:
-        """Load the weights again (from the model file) and a fresh, empty KV pool."""
-        self.host.wake_up()
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Restore the parts named: the weights, a fresh and empty KV pool, or both."""
+        self.host.wake_up(tags)
 
     # ---- state updates -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:

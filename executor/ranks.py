@@ -71,10 +71,10 @@ class StepFanout:
 def run_step(runner, step: SchedulerOutput) -> ModelRunnerOutput | None:
     """One step as every rank runs it: waking first or sleeping after when the core says."""
     if step.wake_up:
-        runner.wake_up()
+        runner.wake_up(step.wake_up)
     output = runner.execute_model(step)
-    if step.sleep:
-        runner.sleep()
+    if step.sleep_level:
+        runner.sleep(step.sleep_level)
     return output
 
 

@@ -3,7 +3,7 @@
     POST /v1/completions, /v1/chat/completions   generation (JSON, or SSE with `stream`)
     GET  /v1/models                              the served model names (LoRA adapters too)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
-    POST /sleep?level=1, /wake_up; GET /is_sleeping      sleep mode (--enable-sleep-mode)
+    POST /sleep?level=1|2, /wake_up[?tags=weights|kv_cache]; GET /is_sleeping   (sleep mode)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health, /version, /metrics             open even when an API key is set
                                                  (unless --protect-metrics)
@@ -67,6 +67,7 @@ from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.inputs import check_vocabulary
+from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
 from zllm.text.tokenizer import Tokenizer
 
@@ -243,12 +244,18 @@ class OpenAIServer:
         return await self._sleep_control("sleep", level)
 
     async def wake_up(self, request: Request) -> Response:
-        return await self._sleep_control("wake_up", 1)
+        tags = request.query_params.getlist("tags")  # vLLM's: ?tags=weights&tags=kv_cache
+        unknown = sorted(set(tags) - set(SLEEP_TAGS))
+        if unknown:
+            raise RequestError(f"unknown tags {unknown}: use {list(SLEEP_TAGS)}", param="tags")
+        return await self._sleep_control("wake_up", 1, tuple(tags))
 
-    async def _sleep_control(self, command: str, level: int) -> Response:
+    async def _sleep_control(
+        self, command: str, level: int, tags: tuple[str, ...] = ()
+    ) -> Response:
         if not self.config.engine.enable_sleep_mode:
             raise RequestError("sleep mode is off (start the server with --enable-sleep-mode)")
-        reply = await self.client.sleep_control(command, level)
+        reply = await self.client.sleep_control(command, level, tags)
         if not reply.ok:
             raise RequestError(reply.message, 400)
         return Response(status_code=200)

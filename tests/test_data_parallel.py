@@ -41,8 +41,13 @@ def complete(client: openai.OpenAI, prompt: str, max_tokens: int = 4):
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("dp") / "server.log"
-    server = start_server(tiny_llama_dir, log, "--data-parallel-size", "2")
+    run = tmp_path_factory.mktemp("dp")
+    server = start_server(
+        tiny_llama_dir, run / "server.log", "--data-parallel-size", "2", "--enable-sleep-mode",
+        "--kv-cache-memory-bytes", "32M", "--kv-offload-bytes", "8M",
+        "--kv-offload-dir", str(run / "tier"),
+    )  # fmt: skip
+    server.tier_dir = run / "tier"
     yield server
     assert stop_server(server) == 0
 
@@ -108,6 +113,48 @@ def test_requests_with_different_prompts_spread_over_the_engines(dp_server):
 
     assert wait_until(lambda: sum(counts().values()) == 8, 5), counts()
     assert min(counts().values()) >= 2, counts()
+
+
+def test_both_engines_sleep_and_wake_together(dp_server):
+    """POST /sleep reaches every engine: each executor releases its KV pool (level 1) or its
+    weights too (level 2), requests are refused while asleep, and after /wake_up both
+    engines answer as before. Sleeping stores each engine's cached prefixes down to its KV
+    tiers: the disk tier of engine i is its own subdirectory engine-<i>."""
+    from test_sleep import resident_bytes
+
+    client = client_of(dp_server)
+    prompts = [f"{i} sleeps {i * 13}" for i in range(6)]  # spread over both engines
+
+    model = client.models.list().data[0].id
+
+    def answers() -> list[str]:
+        return [
+            client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+            for p in prompts
+        ]
+
+    before = answers()
+    children = dp_server.children()
+    executors = [str(children[f"executor dp{e}"]) for e in (0, 1)]
+    for level in (1, 2):
+        awake = [resident_bytes(pid) for pid in executors]
+        assert dp_server.post(f"/sleep?level={level}", {}).status_code == 200
+        assert dp_server.get("/is_sleeping").json()["is_sleeping"]
+        released = [a - resident_bytes(pid) for a, pid in zip(awake, executors, strict=True)]
+        assert min(released) >= 0.8 * (32 << 20), (level, released)
+        refused = dp_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and "asleep" in refused.text
+        assert dp_server.post("/wake_up", {}).status_code == 200
+        assert wait_until(lambda: not dp_server.get("/is_sleeping").json()["is_sleeping"], 10)
+        assert answers() == before
+
+    def block_files(engine: int) -> list:
+        return list((dp_server.tier_dir / f"engine-{engine}").rglob("*.zkv"))
+
+    assert wait_until(lambda: block_files(0) and block_files(1), 10), "a disk tier per engine"
+    assert sorted(p.name for p in dp_server.tier_dir.iterdir()) == ["engine-0", "engine-1"]
 
 
 async def stream_one(client: openai.AsyncOpenAI, model: str, i: int, started: list) -> str:
@@ -193,8 +240,10 @@ def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
     from zllm.config.engine_args import EngineArgs
     from zllm.config.serve import ServerArgs, serve_config_from
 
-    engine = EngineArgs(model=tiny_llama_dir, enable_sleep_mode=True).create_engine_config()
-    with pytest.raises(ValueError, match="--data-parallel-size 2 does not support --enable-sleep"):
+    engine = EngineArgs(
+        model=tiny_llama_dir, kv_transfer_config={"kv_role": "kv_producer"}
+    ).create_engine_config()
+    with pytest.raises(ValueError, match="does not support --kv-transfer-config"):
         serve_config_from(engine, ServerArgs(data_parallel_size=2))
     config = serve_config_from(
         EngineArgs(model=tiny_llama_dir).create_engine_config(), ServerArgs(data_parallel_size=3)

@@ -251,15 +251,19 @@ def test_the_buffer_drops_its_oldest_blocks_and_loads_into_the_pool():
     assert torch.equal(pool.gather([6, 7]), blocks[1:])
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport):
+@pytest.mark.parametrize(
+    ("transport", "dtype"), [("tcp", torch.float32), ("shm", torch.float32), ("tcp", torch.int8)]
+)
+def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dtype):
+    """Blocks move at their stored width: fp32, or int8 rows with their scales."""
     import msgspec
     import zmq
 
     port = free_port()
     config = KVTransferConfig(role="kv_producer", port=port, transport=transport)
     consumer = KVTransferConfig(role="kv_consumer", port=port, transport=transport)
-    producer_pool, consumer_pool = make_pool(num_blocks=8), make_pool(num_blocks=8)
+    producer_pool = make_pool(num_blocks=8, dtype=dtype)
+    consumer_pool = make_pool(num_blocks=8, dtype=dtype)
     consumer_pool.tensors = [torch.zeros_like(t) for t in consumer_pool.tensors]
     core_in = f"ipc:///tmp/zllm-test-kv-{port}"
     news = zmq.Context.instance().socket(zmq.PULL)
@@ -284,6 +288,7 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport):
     KVSender(config, producer_pool, "layout-b").send([(333, 1)])
     assert not news.poll(500)
     news.close(linger=0)
+    os.unlink(core_in.removeprefix("ipc://"))  # zmq leaves a bound ipc path behind
 
 
 def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():

@@ -302,16 +302,19 @@ def test_sleep_collects_the_steps_in_flight_then_sends_the_sleep_step():
     engine.step(executor)  # a's first token
     engine.step(executor)  # a's second: a finishes, with the step scheduled ahead still out
     assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 1
-    engine.sleep(executor)
+    engine.sleep(executor, level=2)
     assert engine.asleep and engine.heartbeat().asleep
     assert engine.num_steps_in_flight == executor.num_outstanding == 0
-    assert executor.submitted[-1].sleep
+    assert executor.submitted[-1].sleep_level == 2
     engine.sleep(executor)  # idempotent: nothing more is sent
-    assert sum(s.sleep for s in executor.submitted) == 1
+    assert sum(bool(s.sleep_level) for s in executor.submitted) == 1
+    engine.wake_up(executor, ["kv_cache"])  # in parts: asleep until both are back
+    assert engine.asleep and executor.submitted[-1].wake_up == ["kv_cache"]
+    engine.wake_up(executor)  # what is still asleep, only
+    assert not engine.asleep and not engine.heartbeat().asleep
+    assert executor.submitted[-1].wake_up == ["weights"]
     engine.wake_up(executor)
-    assert not engine.asleep and executor.submitted[-1].wake_up
-    engine.wake_up(executor)
-    assert sum(s.wake_up for s in executor.submitted) == 1
+    assert sum(bool(s.wake_up) for s in executor.submitted) == 2
 
 
 def test_after_no_work_marks_the_first_step_after_idling():

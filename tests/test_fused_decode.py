@@ -140,14 +140,15 @@ def test_decode_steps_match_the_module_path(model_path, case) -> None:
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp16"])
+@pytest.mark.parametrize("kv", ["bf16", "fp16", "int8"])
 @pytest.mark.parametrize("case", ["llama", "gemma3"])
-def test_a_16_bit_kv_cache_decodes_as_the_module_path(model_path, case, kv) -> None:
-    """--kv-cache-dtype: the fused step writes K/V rounded as torch rounds them and reads them
-    widened, so both paths give the same tokens and logprobs bit for bit."""
+def test_a_narrow_kv_cache_decodes_as_the_module_path(model_path, case, kv) -> None:
+    """--kv-cache-dtype: the fused step writes K/V rounded (int8: quantized per row) as torch
+    does and reads them widened, so both paths give the same tokens and logprobs bit for
+    bit."""
     llm = make_llm(model_path(case), kv_cache_dtype=kv)
     runner = llm.model_runner
-    expected = torch.bfloat16 if kv == "bf16" else torch.float16
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}[kv]
     assert {t.dtype for t in runner.kv_tensors} == {expected}
     served = count_fused_steps(llm)
     prompts = prompts_of([3, 17, 30, 9, 1], seed=2)

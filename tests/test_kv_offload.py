@@ -23,6 +23,7 @@ from zllm.core.kv_connector import TieredKVConnector, TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
+from zllm.executor.kv_quant import narrow
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import (
     TIER_CPU,
@@ -195,9 +196,10 @@ def test_a_request_whose_prefix_left_the_pool_loads_it_from_the_tier():
 
 # ---- the executor's tiers on real tensors and files ------------------------------------------------
 def make_pool(num_blocks: int = 8, layers: int = 3, dtype=torch.float32) -> KVPool:
+    """A pool of random K/V of head_dim 8 stored as `dtype` (int8: quantized rows, 10 bytes)."""
     gen = torch.Generator().manual_seed(5)
     return KVPool(
-        [torch.randn(2, num_blocks, BS, 2, 8, generator=gen).to(dtype) for _ in range(layers)]
+        [narrow(torch.randn(2, num_blocks, BS, 2, 8, generator=gen), dtype) for _ in range(layers)]
     )
 
 
@@ -215,7 +217,7 @@ def test_pool_gather_and_scatter_move_whole_blocks():
     assert torch.equal(block_of(pool, 1), block_of(pool, 2))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_cpu_tier_round_trip_and_slots(dtype):
     pool = make_pool(dtype=dtype)
     tier = CpuTier(pool, capacity=2, pin_memory=False)
@@ -237,8 +239,9 @@ def disk_tier(tmp_path: Path, pool: KVPool, fresh: bool = False) -> DiskTier:
     return DiskTier(pool, tmp_path / "tier", nbytes, fresh)
 
 
-def test_disk_tier_round_trip_from_memory_then_from_file(tmp_path):
-    pool = make_pool(dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_disk_tier_round_trip_from_memory_then_from_file(tmp_path, dtype):
+    pool = make_pool(dtype=dtype)
     tier = disk_tier(tmp_path, pool)
     expected = block_of(pool, 6).clone()
     tier.store([-123456789], [6])

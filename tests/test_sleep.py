@@ -1,6 +1,9 @@
-"""Sleep mode (vLLM's `LLM.sleep()` / `wake_up()`): while asleep the weights and the KV pool
-are released (the process's resident memory falls by at least the pool plus 90% of the
-weights' bytes); after waking, outputs equal those before, and the prefix cache starts empty."""
+"""Sleep mode (vLLM's `LLM.sleep(level)` / `wake_up(tags)`): level 1 releases the KV pool
+(on CPU the weights stay where they are, in host memory), level 2 the weights too (the
+process's resident memory falls by at least the pool plus 90% of the weights' bytes); waking
+restores the parts named; after waking, outputs equal those before, and the prefix cache
+starts empty. With tensor or pipeline ranks every rank sleeps (test_composition.py), with
+data-parallel engines every engine (test_data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +49,34 @@ def test_outputs_after_waking_equal_those_before(tiny_llama_dir) -> None:
     assert texts(llm.generate(prompts, SAMPLED, use_tqdm=False)) == sampled
 
 
+def test_level_1_keeps_the_weights_and_wakes_in_parts(tiny_llama_dir) -> None:
+    from zllm.errors import ParamError
+
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20, enable_sleep_mode=True)
+    prompts = ["Blocks of the KV cache hold keys and values for sixteen tokens each."]
+    before = texts(llm.generate(prompts, GREEDY, use_tqdm=False))
+    runner = llm.model_runner
+    model = runner.model
+    llm.sleep(level=1)
+    assert runner.model is model and runner.kv_tensors == []  # the pool alone released
+    with pytest.raises(ParamError, match="unknown wake_up tags"):
+        llm.wake_up(["optimizer"])
+    llm.wake_up(["weights"])  # (already here on CPU) not awake without a KV pool
+    assert llm.is_sleeping()
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.wake_up(["kv_cache"])
+    assert not llm.is_sleeping() and runner.model is model
+    assert texts(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
+    llm.sleep(level=2)
+    assert runner.model is None
+    llm.wake_up(["kv_cache"])  # the parts in either order
+    llm.wake_up(["weights"])
+    assert texts(llm.generate(prompts, GREEDY, use_tqdm=False)) == before
+    with pytest.raises(ParamError, match="sleep level must be 1 or 2"):
+        llm.sleep(level=3)
+
+
 def test_sleep_needs_sleep_mode(tiny_llama_dir) -> None:
     with pytest.raises(RuntimeError, match="enable_sleep_mode"):
         LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20).sleep()
@@ -82,7 +113,13 @@ def test_sleep_releases_weights_and_kv_pool(smollm2_path) -> None:
     weights = tensor_bytes(runner.model)
     pool = sum(t.nbytes for t in runner.kv_tensors)
     resident = resident_bytes()
-    llm.sleep()
+    llm.sleep(level=1)  # the pool, not the weights
+    released = resident - resident_bytes()
+    assert 0.9 * pool <= released < pool + 0.5 * weights, (released, pool, weights)
+    llm.wake_up()
+    assert texts(llm.generate(prompts, long, use_tqdm=False)) == before
+    resident = resident_bytes()
+    llm.sleep(level=2)
     released = resident - resident_bytes()
     assert released >= pool + 0.9 * weights, (released, pool, weights)
     llm.wake_up()
@@ -113,7 +150,7 @@ def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
             before = list(pool.map(lambda _: complete(), range(10)))
         executor = str(server.children()["executor"])
         awake = resident_bytes(executor)
-        assert server.post("/sleep?level=1", {}).status_code == 200
+        assert server.post("/sleep?level=2", {}).status_code == 200
         assert wait_until(lambda: server.get("/is_sleeping").json()["is_sleeping"], 10)
         asleep = resident_bytes(executor)
         r = server.post("/v1/completions", body)
@@ -131,6 +168,21 @@ def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
         assert released >= pool_bytes + 0.9 * weight_bytes, (awake, asleep, rewoken)
         assert complete() == before[0]
         assert server.post("/sleep?level=3", {}).status_code == 400
+        # Level 1 releases the pool; the weights stay. Woken in parts (vLLM's tags): not
+        # serving until both are back.
+        with ThreadPoolExecutor(10) as pool:
+            assert list(pool.map(lambda _: complete(), range(10))) == before
+        awake = resident_bytes(executor)
+        assert server.post("/sleep?level=1", {}).status_code == 200
+        released = awake - resident_bytes(executor)
+        assert 0.9 * pool_bytes <= released < pool_bytes + 0.5 * weight_bytes, released
+        assert server.post("/wake_up?tags=optimizer", {}).status_code == 400
+        assert server.post("/wake_up?tags=weights", {}).status_code == 200
+        assert server.get("/is_sleeping").json()["is_sleeping"]
+        assert server.post("/v1/completions", body).status_code == 503
+        assert server.post("/wake_up?tags=kv_cache", {}).status_code == 200
+        assert wait_until(lambda: not server.get("/is_sleeping").json()["is_sleeping"], 10)
+        assert complete() == before[0]
     finally:
         stop_server(server)
 

@@ -230,20 +230,21 @@ class LLM:
         ]
 
     def sleep(self, level: int = 1) -> None:
-        """Release the model's weights and KV pool while idle (vLLM's sleep mode); `wake_up`
-        loads them again. Levels 1 and 2 both release and reload from the model file here
-        (on CPU, keeping a copy would not free memory). The prefix cache starts empty (with
-        KV offload tiers, its blocks are stored to them and load back after waking)."""
+        """Release memory while idle (vLLM's sleep mode). Level 1 releases the KV pool and
+        keeps the weights in host memory (on a GPU they move there; on CPU they are there, so
+        only the pool is freed); level 2 releases the weights too, and waking reads the model
+        file. The prefix cache starts empty (with KV offload tiers, its blocks are stored to
+        them and load back after waking)."""
         if not self.config.enable_sleep_mode:
             raise RuntimeError("sleep needs LLM(..., enable_sleep_mode=True)")
-        if level not in (1, 2):
-            raise ParamError("sleep level must be 1 or 2", "level")
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep needs an idle engine")
-        self.engine.sleep(self.executor)
+        self.engine.sleep(self.executor, level)
 
-    def wake_up(self) -> None:
-        self.engine.wake_up(self.executor)
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep released: `tags` names the parts ("weights", "kv_cache"; None:
+        both), as vLLM's; the LLM generates again once both are back."""
+        self.engine.wake_up(self.executor, tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.asleep

@@ -172,10 +172,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # The first step after the engine had no request at all: the executor's wait before it
     # was for work, not for the core, and is not counted as idle.
     after_no_work: bool = False
-    # Sleep mode (core/main.py): a step with no tokens that makes the executor release its
-    # weights and KV pool after applying it (sleep), or load them before (wake_up).
-    sleep: bool = False
-    wake_up: bool = False
+    # Sleep mode (core/engine_core.py): a step with no tokens after which the executor
+    # releases its KV pool (sleep_level 1: the weights stay in host memory) or its weights too
+    # (2), or before which it restores the parts named (wake_up: SLEEP_TAGS).
+    sleep_level: int = 0
+    wake_up: list[str] = []
     kv_transfers: KVTransfers | None = None  # KV offload work before the forward
     # Prefill/decode disaggregation, a producer: (block hash, block id) of the prompt blocks
     # this step completes, to send to the consumer once the forward has written them.
@@ -352,13 +353,18 @@ class ClientGone(msgspec.Struct, array_like=True, gc=False, tag=10):
     client_id: int
 
 
+# What sleep mode releases and wake_up restores, by the names vLLM's /wake_up?tags= takes.
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 class SleepControl(msgspec.Struct, array_like=True, gc=False, tag=12):
     """Frontend -> core: POST /sleep or /wake_up (sleep mode); answered by a SleepReply
     naming the same `reply_to`."""
 
     command: str  # "sleep" or "wake_up"
     reply_to: int
-    level: int = 1
+    level: int = 1  # sleep: 1 releases the KV pool, 2 the weights too
+    tags: list[str] = []  # wake_up: the parts to restore (SLEEP_TAGS); none: all
 
 
 class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=13):

@@ -203,11 +203,11 @@ class DecodeStack {
     // Every cache must have the same geometry (so a step's tables serve each layer that reads
     // them); each metadata is checked once.
     std::vector<bool> checked(block_tables.size(), false);
-    const zllm_attn::PagedCache first = zllm_attn::paged_cache(kv_caches[0]);
+    const zllm_attn::PagedCache first = zllm_attn::paged_cache(kv_caches[0], head_dim_);
     TORCH_CHECK(first.kv_heads == kv_heads_ && first.head_dim == head_dim_,
                 "KV cache heads do not match the model");
     for (int64_t l = 0; l < L; ++l) {
-      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l]);
+      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l], head_dim_);
       TORCH_CHECK(cache.num_blocks == first.num_blocks && cache.block_size == first.block_size &&
                       cache.kv_heads == first.kv_heads && cache.head_dim == first.head_dim,
                   "every layer's KV cache must have the same shape");
@@ -247,7 +247,7 @@ class DecodeStack {
       layer.qkv(h, qkv);
       if (layer.q_norm.defined()) head_norms(qkvp, S, qkv_size, layer);
       rope(qkvp, S, qkv_size, pos, rope_tables_[layer.rope_table]);
-      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l]);
+      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l], head_dim_);
       write_cache(qkvp, S, qkv_size, slots[m].data_ptr<int64_t>(), cache);
       const auto& table = block_tables[m];
       zllm_attn::decode_attention(qkvp, qkv_size, head_dim_, S, heads_, cache,
@@ -317,14 +317,16 @@ class DecodeStack {
   void write_cache(const float* qkv, int64_t S, int64_t ld, const int64_t* slot,
                    const zllm_attn::PagedCache& cache) const {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const int64_t row = kv_heads_ * cache.head_stride;  // a slot's elements in the cache
     zllm_attn::with_elements(cache, cache.k, [&](auto* k) {
       using E = std::remove_pointer_t<decltype(k)>;
       E* v = static_cast<E*>(cache.v);
       for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < kv_size; d += 8) {
-          const float* row = qkv + s * ld + q_size;
-          zllm_attn::store8(k + slot[s] * kv_size + d, _mm256_loadu_ps(row + d));
-          zllm_attn::store8(v + slot[s] * kv_size + d, _mm256_loadu_ps(row + kv_size + d));
+        for (int64_t h = 0; h < kv_heads_; ++h) {
+          const float* src = qkv + s * ld + q_size + h * head_dim_;
+          const int64_t dst = slot[s] * row + h * cache.head_stride;
+          zllm_attn::store_row(k + dst, src, head_dim_, cache.group_shift);
+          zllm_attn::store_row(v + dst, src + kv_size, head_dim_, cache.group_shift);
         }
     });
   }

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zllm.executor.batch_invariant import tiled
 from zllm.executor.lora.weights import AdapterWeights
 
 
@@ -17,6 +18,9 @@ class LoRABatch:
     adapter, so they are one slice)."""
 
     groups: list[tuple[AdapterWeights, slice]] = field(default_factory=list)
+    # --deterministic: the updates in calls of exactly TILE_ROWS rows, so a row's bits do
+    # not depend on how many rows share its adapter (batch_invariant.py).
+    tiled: bool = False
 
 
 class LoRALinear(nn.Module):
@@ -37,7 +41,11 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         for weights, rows in self.batch.groups:
             update = weights.get(self.key)
-            if update is not None:
+            if update is None:
+                continue
+            if self.batch.tiled:
+                y[rows] += tiled(lambda t, u=update: (t @ u.a_t) @ u.b_t, x[rows])
+            else:
                 y[rows].addmm_(x[rows] @ update.a_t, update.b_t)
         return y
 

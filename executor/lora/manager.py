@@ -32,12 +32,13 @@ class LoRAManager:
         arch: ModelArchConfig,
         dtype: torch.dtype,
         device: torch.device,
+        deterministic: bool = False,
     ) -> None:
         self.config = config
         self.arch = arch
         self.dtype = dtype
         self.device = device
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(tiled=deterministic)
         self.adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
         self._wrap(model)
 

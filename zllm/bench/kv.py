@@ -17,7 +17,6 @@ from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
 from zllm.config.engine_args import KV_CACHE_DTYPES, KV_DTYPE_NAMES
 from zllm.core.block_manager import BlockManager
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
-from zllm.kv.tiers import DTYPE_BYTES
 from zllm.model.files import resolve_model
 from zllm.model.impl import arch_of
 
@@ -29,7 +28,7 @@ def add_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="a short name, a .gguf file or a HF directory")
     p.add_argument("--context-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=parse_size, default=DEFAULT_CPU_KV_CACHE_BYTES)
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: --dtype"
     )
@@ -68,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     )
     for hybrid in (False, True):
         groups = kv_cache_groups(arch, hybrid)
-        per_block = kv_bytes_per_slot(arch, groups, DTYPE_BYTES[stored]) * args.block_size
+        per_block = kv_bytes_per_slot(arch, groups, stored) * args.block_size
         num_blocks = args.kv_cache_memory_bytes // per_block
         windows = [g.sliding_window for g in groups]
         seqs = concurrent_sequences(

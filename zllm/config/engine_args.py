@@ -45,14 +45,18 @@ from zllm.runtime.tenants import check_tenant_weights, parse_tenant_weights
 logger = logging.getLogger(__name__)
 
 MODEL_HELP = "short name, .gguf file or HF directory"
-# --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names.
-KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "bfloat16", "float16")
+# --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names
+# (zllm/kv/kv_dtypes.py: how each is stored). vLLM's fp8 spellings are accepted to be refused
+# with the reason (_kv_cache_dtype).
 KV_DTYPE_NAMES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
     "fp16": "float16",
     "float16": "float16",
+    "int8": "int8",
 }
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
 
 
 @dataclass(slots=True)
@@ -138,7 +142,8 @@ class EngineArgs:
         "auto",
         help="what the KV cache stores: auto (the model's dtype), bf16 or fp16 (half the bytes "
         "of fp32 KV on CPU: twice the tokens fit, long contexts decode faster; attention reads "
-        "them widened to fp32); bfloat16 / float16 are the same",
+        "them widened to fp32; bfloat16 / float16 are the same), int8 (a quarter of the bytes "
+        "plus a scale per token and head; CPU)",
         choices=KV_CACHE_DTYPES,
     )
     quantization: str | None = option(
@@ -294,7 +299,7 @@ class EngineArgs:
                 hybrid_kv_cache=self.hybrid_kv_cache,
                 num_blocks=self.num_gpu_blocks_override,
                 max_pinned_bytes=self.max_pinned_bytes,
-                kv_cache_dtype=self._kv_cache_dtype(dtype),
+                kv_cache_dtype=self._kv_cache_dtype(dtype, device),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -401,20 +406,26 @@ class EngineArgs:
                 "LoRA adapters need zllm's model code (--model-impl zllm); the transformers "
                 "backend does not apply them"
             )
-        if self.deterministic:
-            raise ValueError(
-                "LoRA adapters and deterministic execution do not combine: an adapter's "
-                "matmuls depend on which rows share it"
-            )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
 
-    def _kv_cache_dtype(self, dtype: str) -> str | None:
-        """--kv-cache-dtype as a torch dtype name, None where it is the model's own."""
+    def _kv_cache_dtype(self, dtype: str, device: str) -> str | None:
+        """--kv-cache-dtype as a dtype name (kv_dtypes.py), None where it is the model's own."""
+        if self.kv_cache_dtype in FP8_KV_DTYPES:
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} is not built: CPUs have no fp8 "
+                "arithmetic (use int8: the same byte per value, with a scale per token and "
+                "head), and the CUDA attention kernels read the model's own dtype"
+            )
         kv = KV_DTYPE_NAMES.get(self.kv_cache_dtype)
         if kv is None or kv == dtype:
             return None
+        if device != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} runs on CPU only: the CUDA attention "
+                f"kernels read and write the cache in the model's dtype"
+            )
         if dtype != "float32":
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} needs float32 activations (the CPU "

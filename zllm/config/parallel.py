@@ -73,9 +73,7 @@ def check_parallel(config: EngineConfig) -> None:
     unsupported = [
         (config.model_impl != "zllm", "--model-impl transformers"),
         (config.lora is not None, "--enable-lora"),
-        (config.speculative is not None, "--speculative-config"),
         (config.kv_offload is not None, "KV offload (--kv-offload-bytes / --kv-offload-dir)"),
-        (config.enable_sleep_mode, "--enable-sleep-mode"),
         (config.kv_transfer is not None, "--kv-transfer-config"),
     ]
     named = [name for refused, name in unsupported if refused]

@@ -339,11 +339,6 @@ def check_data_parallel(engine: EngineConfig, size: int) -> None:
     if size == 1:
         return
     unsupported = [
-        (engine.enable_sleep_mode, "--enable-sleep-mode"),
-        (
-            engine.kv_offload is not None and engine.kv_offload.disk_dir is not None,
-            "--kv-offload-dir (the engines would share one disk tier)",
-        ),
         (engine.kv_transfer is not None, "--kv-transfer-config (one KV address per server)"),
         (
             engine.distributed_executor_backend == "ray",

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zllm.config.engine import ModelArchConfig
+from zllm.kv.kv_dtypes import row_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ def group_size(groups: list[KVCacheGroup]) -> int:
     return max(len(g.layers) for g in groups)
 
 
-def kv_bytes_per_slot(arch: ModelArchConfig, groups: list[KVCacheGroup], dtype_bytes: int) -> int:
-    """Bytes of one token slot of a block: K and V of group_size layers."""
-    return 2 * group_size(groups) * arch.num_kv_heads * arch.head_dim * dtype_bytes
+def kv_bytes_per_slot(arch: ModelArchConfig, groups: list[KVCacheGroup], kv_dtype: str) -> int:
+    """Bytes of one token slot of a block: K and V of group_size layers, stored as `kv_dtype`
+    (kv_dtypes.py: an int8 row carries its scale)."""
+    return 2 * group_size(groups) * arch.num_kv_heads * row_bytes(arch.head_dim, kv_dtype)

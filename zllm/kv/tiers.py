@@ -33,13 +33,12 @@ TIER_NAMES = ("cpu", "disk", "remote")
 
 BLOCK_FILE_SUFFIX = ".zkv"
 FILE_FORMAT_VERSION = 1
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def block_bytes(config: EngineConfig) -> int:
     """The bytes of one KV block: every layer's K and V for block_size tokens."""
     groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
-    per_slot = kv_bytes_per_slot(config.arch, groups, DTYPE_BYTES[config.kv_dtype])
+    per_slot = kv_bytes_per_slot(config.arch, groups, config.kv_dtype)
     return per_slot * config.cache.block_size
 
 

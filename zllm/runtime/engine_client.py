@@ -19,7 +19,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -79,6 +79,7 @@ class EngineClient:
         self.closed = False
         # Sleep mode: replies awaited from the core, by reply_to id.
         self._sleep_replies: dict[int, asyncio.Future[SleepReply]] = {}
+        self._sleep_reply_engine: dict[int, int] = {}  # reply id -> the engine asked
         self._next_reply_id = 1
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -237,19 +238,37 @@ class EngineClient:
                 except zmq.Again:
                     pass  # that core is down: its requests died with it
 
-    async def sleep_control(self, command: str, level: int = 1, timeout: float = 600) -> SleepReply:
-        """POST /sleep or /wake_up: ask the core and wait for its answer."""
-        reply_to = self._next_reply_id
+    async def sleep_control(
+        self, command: str, level: int = 1, tags: Sequence[str] = (), timeout: float = 600
+    ) -> SleepReply:
+        """POST /sleep or /wake_up: every engine's core is asked (data-parallel engines sleep
+        and wake together) and the answers are combined: ok when every core carried it out,
+        else the first refusal (a core that did sleep stays asleep: sleeping is idempotent,
+        so the call can be repeated once the others are idle)."""
+        replies = await asyncio.gather(
+            *(
+                self._ask_core(engine, SleepControl(command, 0, level, list(tags)), timeout)
+                for engine in range(len(self._to_cores))
+            )
+        )
+        refused = [r for r in replies if not r.ok]
+        first = refused[0] if refused else replies[0]
+        return SleepReply(
+            first.reply_to, not refused, any(r.asleep for r in replies), first.message
+        )
+
+    async def _ask_core(self, engine: int, control: SleepControl, timeout: float) -> SleepReply:
+        control.reply_to = reply_to = self._next_reply_id
         self._next_reply_id += 1
         future: asyncio.Future[SleepReply] = asyncio.get_running_loop().create_future()
         self._sleep_replies[reply_to] = future
+        self._sleep_reply_engine[reply_to] = engine
         try:
-            # (Sleep mode runs with one engine only: serve_config.check_data_parallel.)
-            message = self._encoder.encode(SleepControl(command, reply_to, level))
-            await self._to_cores[0].send(message)
+            await self._to_cores[engine].send(self._encoder.encode(control))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._sleep_replies.pop(reply_to, None)
+            self._sleep_reply_engine.pop(reply_to, None)
 
     @property
     def is_sleeping(self) -> bool:
@@ -296,8 +315,9 @@ class EngineClient:
         elif isinstance(msg, EngineLifecycle):
             self._on_lifecycle(msg)
         elif isinstance(msg, SleepReply):
-            if 0 in self.engine_stats:
-                self.engine_stats[0].asleep = msg.asleep  # until the next heartbeat says so
+            engine = self._sleep_reply_engine.get(msg.reply_to, 0)
+            if engine in self.engine_stats:  # until the next heartbeat says so
+                self.engine_stats[engine].asleep = msg.asleep
             future = self._sleep_replies.get(msg.reply_to)
             if future is not None and not future.done():
                 future.set_result(msg)

@@ -116,11 +116,7 @@ class Supervisor:
         self.decoder = msgspec.msgpack.Decoder(SupervisorInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.engines = [
-            Engine(
-                e,
-                msgspec.structs.replace(_copy(config), engine_index=e),
-                os.path.join(self.run_dir, f"engine-{e}.json"),
-            )
+            Engine(e, engine_config(config, e), os.path.join(self.run_dir, f"engine-{e}.json"))
             for e in range(config.data_parallel_size)
         ]
         self.started = False  # start() finished: from now on a failure restarts, not raises
@@ -385,6 +381,19 @@ def serve(config: ServeConfig) -> int:
 
 def _process_event(child: Child, alive: bool) -> ProcessEvent:
     return ProcessEvent(child.role, child.index, alive, child.proc.pid, child.engine)
+
+
+def engine_config(config: ServeConfig, engine: int) -> ServeConfig:
+    """Data-parallel engine `engine`'s copy of the config. With several engines each keeps
+    its disk tier in a subdirectory of --kv-offload-dir (engine-<i>): a tier is one engine's
+    index of block files, its byte bound and its LRU order, and holds a lock on its
+    directory; sharing one would need the engines to agree on every store and eviction,
+    while the router already sends a prefix to the engine that holds it."""
+    own = msgspec.structs.replace(_copy(config), engine_index=engine)
+    offload = own.engine.kv_offload
+    if config.data_parallel_size > 1 and offload is not None and offload.disk_dir is not None:
+        offload.disk_dir = os.path.join(offload.disk_dir, f"engine-{engine}")
+    return own
 
 
 def _copy(config: ServeConfig) -> ServeConfig:

@@ -1,0 +1,124 @@
+"""Features that compose (issue 38): each pair runs and equals its single-feature reference.
+The README's combination table names these tests; pairs tested in their own feature's file
+are named there too (e.g. data-parallel engines sleeping: test_data_parallel.py).
+
+Here: tensor- and pipeline-parallel ranks with sleep mode (every rank releases its memory
+and wakes to the outputs it gave before, which are one rank's outputs); LoRA adapters with
+deterministic execution (a request's logprobs bit for bit whatever shares its adapter);
+tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft model: one
+rank's greedy tokens, proposals accepted)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_sleep import resident_bytes
+
+from zllm import LLM, LoRARequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    "Tensor parallelism splits every matmul across the ranks of one engine.",
+    "Pipeline stages hold consecutive layers and pass the residual stream on.",
+]
+POOL = 32 << 20  # each rank's KV pool, zeroed at allocation: resident
+
+
+def token_ids(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama_dir) -> list[list[int]]:
+    return token_ids(LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL))
+
+
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_every_rank_sleeps_and_wakes(tiny_llama_dir, one_rank, layout):
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL, enable_sleep_mode=True, **layout)
+    assert token_ids(llm) == one_rank
+    pids = ["self", *(str(p.pid) for p in llm.executor.ranks.processes)]
+    pool = sum(t.nbytes for t in llm.model_runner.kv_tensors)  # rank 0's
+    assert pool > 0.8 * POOL
+    for level in (1, 2):
+        awake = [resident_bytes(pid) for pid in pids]
+        llm.sleep(level=level)
+        released = [a - resident_bytes(pid) for a, pid in zip(awake, pids, strict=True)]
+        assert all(r >= 0.8 * pool for r in released), (level, released, pool)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.wake_up()
+        assert token_ids(llm) == one_rank
+
+
+def test_an_adapters_rows_are_batch_invariant_under_deterministic(tiny_llama_dir, tmp_path):
+    """--deterministic with LoRA: the adapter's update runs in fixed row tiles too, so a
+    needle request's full logprob vectors are the same bits alone and among 1 or 20 other
+    requests of its adapter (and of the base); the adapter does change them."""
+    from test_lora import ADAPTERS, make_adapter
+
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "all", seed=1, **ADAPTERS["all"])
+    lora = LoRARequest("all", 1, str(adapter))
+    llm = LLM(tiny_llama_dir, enable_lora=True, deterministic=True, kv_cache_memory_bytes=POOL)
+    vocab = llm.config.arch.vocab_size
+    needle = [random.Random(2).randrange(3, 400) for _ in range(40)]
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=vocab)
+    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+
+    def vectors(count: int, with_adapter: LoRARequest | None = lora) -> list[dict]:
+        rng = random.Random(count)
+        crowd = [
+            {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 60))]}
+            for _ in range(count)
+        ]
+        prompts = [{"prompt_token_ids": needle}, *crowd]
+        params = [logprobs] + [other] * count
+        loras = [with_adapter] + [lora if i % 3 else None for i in range(count)]
+        out = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)[0].outputs[0]
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    alone = vectors(0)
+    assert vectors(1) == alone
+    assert vectors(20) == alone
+    assert vectors(0, with_adapter=None) != alone
+
+
+def prompts_with_repeats(count: int) -> list[dict]:
+    """Prompts that repeat a stretch of themselves: n-gram lookup finds proposals."""
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(count):
+        body = [rng.randrange(3, 400) for _ in range(rng.randrange(8, 30))]
+        prompts.append({"prompt_token_ids": body + body[:4]})
+    return prompts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_ranks_speculate_and_answer_as_one_rank(tiny_llama_dir, layout, method):
+    """Proposals are made where the step's tokens are sampled (every rank samples alike, the
+    answering rank's proposals reach the core), verified by every rank: the greedy tokens of
+    one rank without speculation, and proposals accepted (the draft model is the target
+    itself, so it proposes what the target then samples; n-gram lookup finds the loops a
+    random model's greedy text falls into)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": tiny_llama_dir, "num_speculative_tokens": 3}
+    prompts = prompts_with_repeats(6)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = greedy(LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL))
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL, speculative_config=spec, **layout)
+    assert greedy(llm) == expected
+    stats = llm.engine.heartbeat().spec
+    assert stats.num_accepted_tokens > 0, stats
+    if method == "draft_model":  # drafting for itself: every proposal is the target's token
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
