@@ -479,6 +479,34 @@ def test_preemption_on_cuda(tiny_gpu_llama_dir):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_levels_free_the_gpu_and_wake_to_the_same_outputs(tiny_gpu_llama_dir, level):
+    """Level 1: the KV pool is freed and the weights wait in pinned host memory (GPU memory
+    falls by the pool and the weights); level 2: the weights are freed and reloaded from
+    the file. Woken in parts (weights, then the pool), the outputs equal those before."""
+    from zllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(tiny_gpu_llama_dir, "cuda", dtype="bfloat16", enable_sleep_mode=True)
+    prompts = engine_prompts(llm.config.arch.vocab_size, [30, 50], 3)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    runner = llm.model_runner
+    weights = sum(p.nbytes for p in runner.model.parameters())
+    pool = sum(t.nbytes for t in runner.kv_tensors)
+    allocated = torch.cuda.memory_allocated()
+    llm.sleep(level=level)
+    assert allocated - torch.cuda.memory_allocated() >= pool + 0.9 * weights
+    if level == 1:
+        param = next(runner.model.parameters())
+        assert param.device.type == "cpu" and param.is_pinned()
+    llm.wake_up(["weights"])
+    assert llm.is_sleeping() and next(runner.model.parameters()).device.type == "cuda"
+    llm.wake_up(["kv_cache"])
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before
+    free_llm(llm)
+
+
 @pytest.mark.e2e
 def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
     """`zllm serve` on the GPU: all five process kinds up, chat and streaming through the
