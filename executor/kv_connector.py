@@ -37,7 +37,6 @@ import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.kv.tiers import (
-    BLOCK_FILE_SUFFIX,
     FILE_FORMAT_VERSION,
     TIER_CPU,
     TIER_DISK,
@@ -141,9 +140,9 @@ class CpuTier:
 class DiskTier:
     """Blocks as files; writes in a background thread, loads checked against their CRC."""
 
-    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int, fresh: bool) -> None:
-        """`fresh`: delete what the directory holds first (its blocks cannot be trusted to
-        mean the same: LoRA adapter ids are not stable across restarts)."""
+    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int) -> None:
+        """The blocks the directory holds stay: their hashes name the same tokens under the
+        same salts after a restart (an adapter's salt is its files' digest, lora.py)."""
         self.pool = pool
         self.directory = directory
         self.block_nbytes = block_nbytes
@@ -157,8 +156,8 @@ class DiskTier:
                 "(one engine per directory and model)"
             ) from e
         for path in directory.iterdir():
-            if path.name.endswith(".tmp") or (fresh and path.name.endswith(BLOCK_FILE_SUFFIX)):
-                path.unlink(missing_ok=True)  # a write a crash cut short, or stale blocks
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write a crash cut short
         # Stored but not yet on disk: a load finds them here.
         self._pending: dict[BlockHash, torch.Tensor] = {}
         self._pending_lock = threading.Lock()
@@ -283,7 +282,7 @@ class KVTiers:
             self.tiers[TIER_CPU] = CpuTier(pool, offload.cpu_bytes // nbytes, pin)
         if offload is not None and offload.disk_dir is not None:
             directory = tier_directory(config)
-            self.tiers[TIER_DISK] = DiskTier(pool, directory, nbytes, config.lora is not None)
+            self.tiers[TIER_DISK] = DiskTier(pool, directory, nbytes)
         transfer = config.kv_transfer
         if transfer is not None and transfer.consumes:  # what a prefill instance sends
             from zllm.executor.kv_transfer import RemoteKVBuffer

@@ -24,7 +24,7 @@ import os
 
 from zllm.config.engine import EngineConfig
 from zllm.errors import RequestError
-from zllm.lora import LoRAError, LoRARequest, read_adapter
+from zllm.lora import LoRAError, LoRARequest, adapter_digest, read_adapter, with_digest
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LoRAAdapters:
         if self.state_file is None or not os.path.exists(self.state_file):
             return
         with open(self.state_file, encoding="utf-8") as f:
-            saved = [LoRARequest(*entry) for entry in json.load(f)]
+            saved = [_with_digest_if_readable(LoRARequest(*entry)) for entry in json.load(f)]
         self.by_name = {lora.lora_name: lora for lora in saved}
         self._next_id = max(self._next_id, *(lora.lora_int_id + 1 for lora in saved), 1)
         logger.info("LoRA adapters restored: %s", ", ".join(self.by_name) or "none")
@@ -98,15 +98,19 @@ class LoRAAdapters:
             )
         path = os.path.abspath(path)
         try:
-            # Reads a JSON config and a safetensors header: off the event loop all the same.
+            # Reads a JSON config and a safetensors header, then hashes the files (the
+            # digest its KV blocks are salted with): off the event loop.
             await asyncio.to_thread(
                 read_adapter, path, self.engine.arch, self.engine.lora.max_lora_rank
             )
+            digest = await asyncio.to_thread(adapter_digest, path)
         except LoRAError as e:
             raise RequestError(str(e), param=e.param or "lora_path") from None
+        except OSError as e:
+            raise RequestError(f"LoRA adapter {path!r}: {e}", param="lora_path") from None
         if name in self.by_name:  # another load of this name won the race while we read
             raise RequestError(f"The model name {name!r} is already served.", param="lora_name")
-        lora = LoRARequest(name, self._next_id, path)
+        lora = LoRARequest(name, self._next_id, path, digest)
         self._next_id += 1
         self.by_name[name] = lora
         self._save()
@@ -124,4 +128,14 @@ class LoRAAdapters:
                 code="model_not_found",
             )
         self._save()
+        return lora
+
+
+def _with_digest_if_readable(lora: LoRARequest) -> LoRARequest:
+    """A restored adapter with its files' digest; one whose files are gone keeps none (its
+    requests then fail in the executor, as before the restart they would have)."""
+    try:
+        return with_digest(lora)
+    except OSError:
+        logger.warning("LoRA adapter %s: %s is not readable", lora.lora_name, lora.lora_path)
         return lora

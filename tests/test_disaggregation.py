@@ -110,10 +110,6 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
         ).create_engine_config()
     with pytest.raises(ValueError, match="for served engines"):
         LLM(tiny_llama_dir, kv_transfer_config=consumer)
-    with pytest.raises(ValueError, match="with --enable-lora"):
-        EngineArgs(
-            model=tiny_llama_dir, kv_transfer_config=consumer, enable_lora=True
-        ).create_engine_config()
     with pytest.raises(ValueError, match="mp executor backend"):
         EngineArgs(
             model=tiny_llama_dir, kv_transfer_config=consumer, distributed_executor_backend="ray"
@@ -431,23 +427,34 @@ def remote_hits(server) -> float:
 @pytest.fixture(scope="module")
 def disagg(tiny_llama_dir, tmp_path_factory):
     """A plain server (the reference), a decode server (kv_consumer), a prefill server
-    (kv_producer) sending to it over tcp, and the proxy in front of the pair."""
+    (kv_producer) sending to it over tcp, and the proxy in front of the pair. All three
+    serve two LoRA adapters, the decode server under other ids than the others."""
+    from test_lora import ADAPTERS, make_adapter
+
     logs = tmp_path_factory.mktemp("disagg")
+    a, b = (
+        make_adapter(tiny_llama_dir, logs / name, seed=seed, **ADAPTERS[config])
+        for name, seed, config in (("a", 1, "all"), ("b", 2, "mlp"))
+    )
+    ids_1_2 = ("--enable-lora", "--lora-modules", f"a={a}", f"b={b}")
+    ids_2_1 = ("--enable-lora", "--lora-modules", f"b={b}", f"a={a}")
     port = free_port()
     servers = {}
     try:  # a server that fails to start must not leave the ones before it running
-        servers["plain"] = start_server(tiny_llama_dir, logs / "plain.log")
+        servers["plain"] = start_server(tiny_llama_dir, logs / "plain.log", *ids_1_2)
         servers["decode"] = start_server(
             tiny_llama_dir,
             logs / "decode.log",
             "--kv-transfer-config",
             kv_config("kv_consumer", port, wait_timeout_s=30),
+            *ids_2_1,
         )
         servers["prefill"] = start_server(
             tiny_llama_dir,
             logs / "prefill.log",
             "--kv-transfer-config",
             kv_config("kv_producer", port),
+            *ids_1_2,
         )
         proxy = Proxy(servers["prefill"].url, servers["decode"].url, logs / "proxy.log")
     except BaseException:
@@ -482,6 +489,28 @@ def test_the_pair_behind_the_proxy_answers_as_one_server(disagg):
         return metric(prefill.get("/metrics").text, "zllm:kv_transfer_sent_blocks_total")
 
     assert wait_until(lambda: sent() > 0, 5), prefill.log_tail()
+
+
+@pytest.mark.e2e
+def test_an_adapters_blocks_travel_between_servers_that_number_it_apart(disagg):
+    """Adapter `a` is id 1 on the prefill server and id 2 on the decode server: its blocks
+    are salted by its files' digest, so the decode server takes them from the transfer and
+    answers as one server with the adapter does (which differs from the base model)."""
+    servers, proxy = disagg
+    decode = servers["decode"]
+
+    def complete(base_url: str, model: str, prompt: str) -> str:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        return r.choices[0].text
+
+    prompt = "An adapter's prompt, long enough to fill a few blocks of sixteen tokens each."
+    reference = complete(servers["plain"].url, "a", prompt)
+    assert reference != complete(servers["plain"].url, model_of(servers["plain"].url), prompt)
+    hits = remote_hits(decode)
+    assert complete(proxy.url, "a", prompt) == reference
+    assert wait_until(lambda: remote_hits(decode) > hits, 5), decode.log_tail()
+    assert complete(proxy.url, "b", prompt) == complete(servers["plain"].url, "b", prompt)
 
 
 def model_of(base_url: str) -> str:

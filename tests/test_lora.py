@@ -32,7 +32,7 @@ from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.kv.block_hash import cache_salt
-from zllm.lora import LoRAError, parse_lora_modules, read_adapter
+from zllm.lora import LoRAError, adapter_digest, parse_lora_modules, read_adapter, with_digest
 from zllm.protocol import RequestOptions
 
 peft = pytest.importorskip("peft")
@@ -221,6 +221,33 @@ def test_block_hashes_are_salted_by_adapter() -> None:
     assert bm.find_cached_prefix(tokens, salt(1)).num_tokens == 12
     assert bm.find_cached_prefix(tokens, salt(2)).num_tokens == 0
     assert bm.find_cached_prefix(tokens, salt(None)).num_tokens == 0
+
+
+def test_an_adapters_blocks_are_salted_by_its_files_not_its_id(base_dir, adapters, tmp_path):
+    """Two engines that give the same adapter different ids salt its blocks alike (a
+    disaggregated pair, a disk tier after a restart); other files salt apart, and so do
+    the same files after they change."""
+    import shutil
+
+    path = adapters["all"].lora_path
+    copy = shutil.copytree(path, tmp_path / "copy")
+    first, second = (LLM(base_dir, enable_lora=True, kv_cache_memory_bytes=8 << 20) for _ in "ab")
+    tokens = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=1)
+    first.generate(tokens, params, lora_request=LoRARequest("x", 1, path), use_tqdm=False)
+    second.generate(tokens, params, lora_request=LoRARequest("y", 7, str(copy)), use_tqdm=False)
+    salts = [llm._adapters[i].lora_digest for llm, i in ((first, 1), (second, 7))]
+    assert salts[0] == salts[1] != 0
+    other = with_digest(adapters["mlp"])
+    assert other.lora_digest != salts[0]
+    assert cache_salt(RequestOptions(lora=other)) != cache_salt(
+        RequestOptions(lora=first._adapters[1])
+    )
+    weights = copy / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert adapter_digest(str(copy)) != salts[0]
 
 
 def test_scheduler_holds_a_third_adapter_beyond_max_loras() -> None:

@@ -23,7 +23,7 @@ from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv.cache_control import MAX_PIN_TTL_S
-from zllm.lora import LoRARequest, read_adapter
+from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -140,6 +140,8 @@ class LLM:
         for lora in dict.fromkeys(loras):
             if lora is not None:
                 self._check_adapter(lora)
+        # As checked: with the digest of its files (the salt of its KV blocks).
+        loras = [None if x is None else self._adapters[x.lora_int_id] for x in loras]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ParamError(
@@ -260,8 +262,8 @@ class LLM:
         known = self._adapters.get(lora.lora_int_id)
         if known is None:
             read_adapter(lora.lora_path, self.config.arch, self.config.lora.max_lora_rank)
-            self._adapters[lora.lora_int_id] = lora
-        elif known != lora:
+            self._adapters[lora.lora_int_id] = with_digest(lora)
+        elif known.identity != lora.identity:
             raise ParamError(
                 f"lora_int_id {lora.lora_int_id} already names {known.lora_name!r} at "
                 f"{known.lora_path!r}; give each adapter its own id",

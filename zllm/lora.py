@@ -14,6 +14,7 @@ before anything changes, and the executor only reads tensors that are known to f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -42,14 +43,38 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An adapter a request runs with, as vLLM names it: `LoRARequest(name, id, path)`.
 
-    `lora_int_id` (> 0) is the adapter's identity inside the engine: its weights in the
-    executor and its prefix-cache entries are keyed by it, so two adapters never share KV
-    blocks. The server assigns ids; offline, the caller does (one id per adapter).
+    `lora_int_id` (> 0) names the adapter inside one engine: its weights in the executor
+    are keyed by it. The server assigns ids; offline, the caller does (one id per adapter).
+    Its KV blocks are salted with `lora_digest`, what its files hash to (`adapter_digest`,
+    filled in when the adapter is checked): the same on every server that loads the same
+    files whatever id each gives it, so a disaggregated pair and the disk tier across
+    restarts agree on an adapter's blocks, and two adapters never share one.
     """
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    lora_digest: int = 0  # 0: not computed yet (the id stands in)
+
+    @property
+    def identity(self) -> tuple[str, int, str]:
+        """What the caller named: equal for the same adapter with or without its digest."""
+        return (self.lora_name, self.lora_int_id, self.lora_path)
+
+
+def adapter_digest(path: str) -> int:
+    """A 63-bit digest of an adapter's config and weight files' bytes (never 0)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return (int.from_bytes(digest.digest(), "little") >> 1) or 1
+
+
+def with_digest(lora: LoRARequest) -> LoRARequest:
+    """The request with its files' digest filled in (read_adapter has checked them)."""
+    return msgspec.structs.replace(lora, lora_digest=adapter_digest(lora.lora_path))
 
 
 class LoRAError(ParamError):

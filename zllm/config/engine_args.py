@@ -380,12 +380,6 @@ class EngineArgs:
                 "--kv-transfer-config with a model whose every layer has a sliding window: "
                 "its early prompt blocks are freed before they could be sent"
             )
-        if config.lora is not None:
-            raise ValueError(
-                "--kv-transfer-config with --enable-lora: a LoRA request's blocks are named by "
-                "its adapter's id, which each server numbers itself, so another server's "
-                "blocks could be another adapter's"
-            )
         if self.distributed_executor_backend != "mp":
             raise ValueError(
                 "--kv-transfer-config runs with the mp executor backend (the Ray driver has "

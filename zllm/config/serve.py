@@ -26,7 +26,7 @@ from zllm.config.arg_utils import (
     positive_int,
 )
 from zllm.config.engine import EngineConfig
-from zllm.lora import LoRARequest, parse_lora_modules, read_adapter
+from zllm.lora import LoRARequest, parse_lora_modules, read_adapter, with_digest
 
 logger = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ def start_adapters(engine: EngineConfig, specs: list[str]) -> list[LoRARequest]:
     adapters = []
     for i, (name, path) in enumerate(modules, start=1):
         read_adapter(path, engine.arch, engine.lora.max_lora_rank)
-        adapters.append(LoRARequest(name, i, os.path.abspath(path)))
+        adapters.append(with_digest(LoRARequest(name, i, os.path.abspath(path))))
     return adapters
 
 

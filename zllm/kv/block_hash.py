@@ -51,8 +51,9 @@ def cache_salt(options: RequestOptions) -> BlockHash | None:
     its `cache_salt`'s, chained; None for the base model without a `cache_salt`. Requests
     share blocks only under equal salts."""
     salt = None
-    if options.lora is not None:
-        salt = hash((_LORA_TAG, options.lora.lora_int_id))
+    if options.lora is not None:  # its files' digest: alike on every server (lora.py)
+        lora = options.lora
+        salt = hash((_LORA_TAG, lora.lora_digest or lora.lora_int_id))
     if options.cache_salt is not None:
         # A str hashes differently in every process: its bytes' digest is the same in all.
         digest = hashlib.blake2b(options.cache_salt.encode(), digest_size=8).digest()

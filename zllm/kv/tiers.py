@@ -32,7 +32,7 @@ TIER_REMOTE = 2  # not stored into by the core: a producer fills it
 TIER_NAMES = ("cpu", "disk", "remote")
 
 BLOCK_FILE_SUFFIX = ".zkv"
-FILE_FORMAT_VERSION = 1
+FILE_FORMAT_VERSION = 2  # 2: adapters' blocks salted by their files' digest
 
 
 def block_bytes(config: EngineConfig) -> int:
