@@ -6,7 +6,8 @@ Here: tensor- and pipeline-parallel ranks with sleep mode (every rank releases i
 and wakes to the outputs it gave before, which are one rank's outputs); LoRA adapters with
 deterministic execution (a request's logprobs bit for bit whatever shares its adapter);
 tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft model: one
-rank's greedy tokens, proposals accepted)."""
+rank's greedy tokens, proposals accepted) and with the CPU KV tier (each rank stores and
+loads its own part of a block under the block's one hash)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,25 @@ def test_ranks_speculate_and_answer_as_one_rank(tiny_llama_dir, layout, method):
     assert stats.num_accepted_tokens > 0, stats
     if method == "draft_model":  # drafting for itself: every proposal is the target's token
         assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
+
+
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
+    """A pool of 16 blocks: later prompts push the first one's blocks out to the CPU tier
+    (every rank its heads' or its layers' part), and asked again it loads back (tier hits)
+    and answers as one rank does."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = {"prompt_token_ids": list(range(5, 45))}  # 10 blocks of 4
+    others = [{"prompt_token_ids": list(range(100 + 50 * i, 140 + 50 * i))} for i in range(3)]
+    kw = dict(block_size=4, num_gpu_blocks_override=16, kv_offload_bytes=4 << 20)
+    reference = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL)
+    expected = reference.generate(first, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(tiny_llama_dir, **kw, **layout)
+    assert llm.generate(first, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    for prompt in others:
+        llm.generate(prompt, params, use_tqdm=False)
+    again = llm.generate(first, params, use_tqdm=False)[0]
+    assert llm.engine.heartbeat().kv_tiers.hits[0] > 0
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected

@@ -298,6 +298,13 @@ def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_
         EngineArgs(
             model=tiny_llama_dir, tensor_parallel_size=2, enable_lora=True, enable_sleep_mode=True
         ).create_engine_config()
+    with pytest.raises(ValueError, match="a rank's disk load can fail alone"):
+        EngineArgs(
+            model=tiny_llama_dir,
+            tensor_parallel_size=2,
+            kv_offload_bytes=1 << 20,
+            kv_offload_dir="/tmp/unused",
+        ).create_engine_config()
     config = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
     assert config.tensor_parallel_size == 2
 

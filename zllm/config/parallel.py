@@ -73,8 +73,17 @@ def check_parallel(config: EngineConfig) -> None:
     unsupported = [
         (config.model_impl != "zllm", "--model-impl transformers"),
         (config.lora is not None, "--enable-lora"),
-        (config.kv_offload is not None, "KV offload (--kv-offload-bytes / --kv-offload-dir)"),
-        (config.kv_transfer is not None, "--kv-transfer-config"),
+        (
+            config.kv_offload is not None and config.kv_offload.disk_dir is not None,
+            "--kv-offload-dir (a rank's disk load can fail alone, a damaged or missing file, "
+            "and the ranks do not agree on failed loads yet: they would compute different "
+            "tokens; the CPU tier's loads cannot fail, --kv-offload-bytes works)",
+        ),
+        (
+            config.kv_transfer is not None,
+            "--kv-transfer-config (a rank's transfer can be lost alone, and the ranks do not "
+            "agree on failed loads yet)",
+        ),
     ]
     named = [name for refused, name in unsupported if refused]
     if named:
