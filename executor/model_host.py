@@ -146,9 +146,7 @@ class ModelHost:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
         self.lora = (
-            LoRAManager(
-                self.model, config.lora, self.arch, self.dtype, self.device, config.deterministic
-            )
+            LoRAManager(self.model, config, self.dtype, self.device, self.tp)
             if config.lora is not None
             else None
         )

@@ -6,8 +6,9 @@ Here: tensor- and pipeline-parallel ranks with sleep mode (every rank releases i
 and wakes to the outputs it gave before, which are one rank's outputs); LoRA adapters with
 deterministic execution (a request's logprobs bit for bit whatever shares its adapter);
 tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft model: one
-rank's greedy tokens, proposals accepted) and with the CPU KV tier (each rank stores and
-loads its own part of a block under the block's one hash)."""
+rank's greedy tokens, proposals accepted), with the CPU KV tier (each rank stores and loads
+its own part of a block under the block's one hash) and with LoRA adapters (each rank its
+part of every update)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,34 @@ def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
     again = llm.generate(first, params, use_tqdm=False)[0]
     assert llm.engine.heartbeat().kv_tiers.hits[0] > 0
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 4}],
+    ids=["tp2", "pp2", "tp4-replicated-kv-heads"],
+)
+def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, tmp_path, layout):
+    """Three adapters (every projection; q/v with rsLoRA; the MLP) and the base model mixed in
+    one batch: each rank keeps its part of an update (a column-parallel matmul its outputs'
+    columns of B, a row-parallel one its input rows of A, summed by the all-reduce), so the
+    greedy tokens are one rank's; the adapters change them."""
+    from test_lora import ADAPTERS, make_adapter
+
+    loras = [
+        LoRARequest(name, i, str(make_adapter(tiny_llama_dir, tmp_path / name, seed=i, **cfg)))
+        for i, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
+    ]
+    prompts = prompts_with_repeats(8)
+    per_prompt = [[*loras, None][i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def greedy(llm: LLM, adapters) -> list[list[int]]:
+        outs = llm.generate(prompts, params, lora_request=adapters, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    kw = dict(enable_lora=True, max_loras=4, kv_cache_memory_bytes=POOL)
+    one = LLM(tiny_llama_dir, **kw)
+    expected = greedy(one, per_prompt)
+    assert expected != greedy(one, None)
+    assert greedy(LLM(tiny_llama_dir, **kw, **layout), per_prompt) == expected

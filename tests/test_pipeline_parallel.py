@@ -52,10 +52,10 @@ def test_engine_arguments_refuse_what_pipeline_parallel_does_not_cover(tiny_llam
     with pytest.raises(ValueError, match="--pipeline-parallel-size 9 is more than this model's"):
         EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=9).create_engine_config()
     with pytest.raises(
-        ValueError, match="--pipeline-parallel-size 2 does not support --enable-lora"
+        ValueError, match="--pipeline-parallel-size 2 does not support --model-impl transformers"
     ):
         EngineArgs(
-            model=tiny_llama_dir, pipeline_parallel_size=2, enable_lora=True
+            model=tiny_llama_dir, pipeline_parallel_size=2, model_impl="transformers"
         ).create_engine_config()
     config = EngineArgs(
         model=tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2

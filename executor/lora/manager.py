@@ -16,9 +16,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from zllm.config.engine import LoRAConfig, ModelArchConfig
+from zllm.config.engine import EngineConfig, LoRAConfig
 from zllm.executor.lora.layers import LoRABatch, LoRALinear
 from zllm.executor.lora.weights import FUSED_MATMULS, AdapterWeights, load_adapter_weights
+from zllm.executor.parallel import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
 
 logger = logging.getLogger(__name__)
@@ -28,24 +29,29 @@ class LoRAManager:
     def __init__(
         self,
         model: nn.Module,
-        config: LoRAConfig,
-        arch: ModelArchConfig,
+        engine: EngineConfig,
         dtype: torch.dtype,
         device: torch.device,
-        deterministic: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        self.config = config
-        self.arch = arch
+        """Adapters are checked and cut against the whole model (`engine.arch`); `tp`: this
+        rank's place, whose part of each update it keeps (weights.py)."""
+        assert engine.lora is not None
+        self.config: LoRAConfig = engine.lora
+        self.arch = engine.arch
+        self.tp = tp
+        # The model's layers by their index in the whole model (a pipeline stage holds some).
+        self.layers = getattr(model, "layer_indices", range(len(model.layers)))
         self.dtype = dtype
         self.device = device
-        self.batch = LoRABatch(tiled=deterministic)
+        self.batch = LoRABatch(tiled=engine.deterministic)
         self.adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
         self._wrap(model)
 
     def _wrap(self, model: nn.Module) -> None:
         """Every decoder matmul an adapter may target becomes a LoRALinear around it (after
         quantization, so the base stays whatever kernel serves it)."""
-        for i, layer in enumerate(model.layers):
+        for i, layer in zip(self.layers, model.layers, strict=True):
             for name in FUSED_MATMULS:
                 block = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
                 setattr(block, name, LoRALinear(getattr(block, name), self.batch, i, name))
@@ -57,7 +63,7 @@ class LoRAManager:
             return
         adapter = read_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
         self.adapters[lora.lora_int_id] = load_adapter_weights(
-            adapter, self.arch, self.dtype, self.device
+            adapter, self.arch, self.dtype, self.device, self.tp, self.layers
         )
         logger.info(
             "LoRA adapter %s (id %d, rank %d) loaded from %s",

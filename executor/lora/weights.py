@@ -11,6 +11,12 @@ update serves the fused output:
 
 The zeros of b_t add exact zeros, so the result is each part's B A x, computed at once.
 The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b_t.
+
+Under tensor parallelism each rank keeps the part of an update that matches its part of the
+base matmul (executor/parallel.py `shard_of`): a column-parallel matmul (qkv, gate/up) keeps
+b_t's columns of its outputs, whole a_t; a row-parallel one (o, down) keeps a_t's rows of its
+input slice, whole b_t, so its partial update joins the partial product before the
+all-reduce that sums them: sum over ranks of (x_r A_r) B = (x A) B.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from zllm.config.engine import ModelArchConfig
+from zllm.executor.parallel import SINGLE, TensorParallel, shard_of
 from zllm.lora import LoRAAdapter, projection_shapes
 
 # Each fused matmul of a decoder layer and the PEFT modules it computes, in output order.
@@ -44,14 +51,21 @@ AdapterWeights = dict[tuple[int, str], FusedLoRA]  # (layer, fused matmul name) 
 
 
 def load_adapter_weights(
-    adapter: LoRAAdapter, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
+    adapter: LoRAAdapter,
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+    layers: range | None = None,
 ) -> AdapterWeights:
-    """Read a checked adapter (zllm.lora.read_adapter) into per-matmul updates."""
+    """Read a checked adapter (zllm.lora.read_adapter, against the whole model's `arch`)
+    into per-matmul updates for `layers` (a pipeline stage's; None: all), cut to this
+    tensor-parallel rank's part."""
     shapes = projection_shapes(arch)
     by_module = {(m.layer, m.module): m for m in adapter.modules}
     weights: AdapterWeights = {}
     with safe_open(adapter.weights_file, framework="pt") as f:
-        for layer in range(arch.num_layers):
+        for layer in layers if layers is not None else range(arch.num_layers):
             for fused, parts in FUSED_MATMULS.items():
                 present = [by_module.get((layer, part)) for part in parts]
                 if not any(present):
@@ -70,7 +84,26 @@ def load_adapter_weights(
                         b_t[r0 : r0 + module.rank, c0 : c0 + width] = b.t() * module.scaling
                         r0 += module.rank
                     c0 += width
+                a_t, b_t = _rank_part(a_t, b_t, layer, fused, arch, tp)
                 weights[(layer, fused)] = FusedLoRA(
                     a_t.to(device=device, dtype=dtype), b_t.to(device=device, dtype=dtype)
                 )
     return weights
+
+
+def _rank_part(
+    a_t: torch.Tensor,
+    b_t: torch.Tensor,
+    layer: int,
+    fused: str,
+    arch: ModelArchConfig,
+    tp: TensorParallel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update's part for this rank's part of the fused matmul (its weight's shard)."""
+    block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+    shard = shard_of(f"model.layers.{layer}.{block}.{fused}.weight", arch, tp)
+    if shard is None:
+        return a_t, b_t
+    if shard.columns is not None:  # row-parallel: its slice of the inputs
+        return a_t[shard.columns].contiguous(), b_t
+    return a_t, torch.cat([b_t[:, rows] for rows in shard.rows], dim=1)  # its outputs

@@ -72,7 +72,6 @@ def check_parallel(config: EngineConfig) -> None:
         return
     unsupported = [
         (config.model_impl != "zllm", "--model-impl transformers"),
-        (config.lora is not None, "--enable-lora"),
         (
             config.kv_offload is not None and config.kv_offload.disk_dir is not None,
             "--kv-offload-dir (a rank's disk load can fail alone, a damaged or missing file, "
