@@ -8,7 +8,8 @@ deterministic execution (a request's logprobs bit for bit whatever shares its ad
 tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft model: one
 rank's greedy tokens, proposals accepted), with the CPU KV tier (each rank stores and loads
 its own part of a block under the block's one hash) and with LoRA adapters (each rank its
-part of every update)."""
+part of every update); LoRA on the transformers backend (transformers' own linear modules
+wrapped)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,32 @@ def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, tmp_path, layout):
     expected = greedy(one, per_prompt)
     assert expected != greedy(one, None)
     assert greedy(LLM(tiny_llama_dir, **kw, **layout), per_prompt) == expected
+
+
+def test_the_transformers_backend_serves_adapters_as_zllm_code_does(tiny_llama_dir, tmp_path):
+    """--model-impl transformers with LoRA: transformers' q/k/v/o and MLP linear modules are
+    wrapped one by one (zllm's models fuse them), over the [1, T] batch transformers' code
+    sees: three adapters and the base mixed in one batch give zllm's model code's tokens."""
+    from test_lora import ADAPTERS, make_adapter
+
+    loras = [
+        LoRARequest(name, i, str(make_adapter(tiny_llama_dir, tmp_path / name, seed=i, **cfg)))
+        for i, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
+    ]
+    prompts = prompts_with_repeats(8)
+    per_prompt = [[*loras, None][i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def greedy(impl: str) -> list[list[int]]:
+        llm = LLM(
+            tiny_llama_dir,
+            model_impl=impl,
+            enable_lora=True,
+            max_loras=4,
+            kv_cache_memory_bytes=POOL,
+        )
+        outs = llm.generate(prompts, params, lora_request=per_prompt, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = greedy("zllm")
+    assert greedy("transformers") == expected

@@ -38,7 +38,11 @@ class LoRALinear(nn.Module):
         self.key = (layer, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        out = self.base(x)
+        if not self.batch.groups:
+            return out
+        # Rows are tokens: transformers' modules (the transformers backend) see [1, T, ...].
+        x, y = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         for weights, rows in self.batch.groups:
             update = weights.get(self.key)
             if update is None:
@@ -47,7 +51,7 @@ class LoRALinear(nn.Module):
                 y[rows] += tiled(lambda t, u=update: (t @ u.a_t) @ u.b_t, x[rows])
             else:
                 y[rows].addmm_(x[rows] @ update.a_t, update.b_t)
-        return y
+        return out
 
     def extra_repr(self) -> str:
         return f"layer={self.key[0]}, matmul={self.key[1]}"

@@ -18,7 +18,13 @@ from torch import nn
 
 from zllm.config.engine import EngineConfig, LoRAConfig
 from zllm.executor.lora.layers import LoRABatch, LoRALinear
-from zllm.executor.lora.weights import FUSED_MATMULS, AdapterWeights, load_adapter_weights
+from zllm.executor.lora.weights import (
+    ATTENTION_MATMULS,
+    FUSED_MATMULS,
+    UNFUSED_MATMULS,
+    AdapterWeights,
+    load_adapter_weights,
+)
 from zllm.executor.parallel import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
 
@@ -40,21 +46,34 @@ class LoRAManager:
         self.config: LoRAConfig = engine.lora
         self.arch = engine.arch
         self.tp = tp
-        # The model's layers by their index in the whole model (a pipeline stage holds some).
-        self.layers = getattr(model, "layer_indices", range(len(model.layers)))
+        # The decoder layers, by their index in the whole model (a pipeline stage holds some),
+        # and the matmuls adapters update: zllm's fused ones, or transformers' one per PEFT
+        # module (the transformers backend: its decoder stack is model.base).
+        decoder = model.base.layers if hasattr(model, "hf") else model.layers
+        self.layers = getattr(model, "layer_indices", range(len(decoder)))
+        self.matmuls = UNFUSED_MATMULS if hasattr(model, "hf") else FUSED_MATMULS
         self.dtype = dtype
         self.device = device
         self.batch = LoRABatch(tiled=engine.deterministic)
         self.adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
-        self._wrap(model)
+        self._wrap(decoder)
 
-    def _wrap(self, model: nn.Module) -> None:
+    def _wrap(self, decoder: nn.ModuleList) -> None:
         """Every decoder matmul an adapter may target becomes a LoRALinear around it (after
         quantization, so the base stays whatever kernel serves it)."""
-        for i, layer in zip(self.layers, model.layers, strict=True):
-            for name in FUSED_MATMULS:
-                block = layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp
-                setattr(block, name, LoRALinear(getattr(block, name), self.batch, i, name))
+        wrapped = 0
+        for i, layer in zip(self.layers, decoder, strict=True):
+            for name in self.matmuls:
+                block = getattr(layer, "self_attn" if name in ATTENTION_MATMULS else "mlp", None)
+                base = getattr(block, name, None)
+                if isinstance(base, nn.Module):
+                    setattr(block, name, LoRALinear(base, self.batch, i, name))
+                    wrapped += 1
+        if not wrapped:
+            raise ValueError(
+                "LoRA: this model's decoder layers have none of the matmuls adapters target "
+                f"(self_attn / mlp .{', .'.join(self.matmuls)})"
+            )
 
     def add(self, lora: LoRARequest) -> None:
         """Make sure the adapter is loaded (and mark it recently used)."""
@@ -63,7 +82,7 @@ class LoRAManager:
             return
         adapter = read_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
         self.adapters[lora.lora_int_id] = load_adapter_weights(
-            adapter, self.arch, self.dtype, self.device, self.tp, self.layers
+            adapter, self.arch, self.dtype, self.device, self.tp, self.layers, self.matmuls
         )
         logger.info(
             "LoRA adapter %s (id %d, rank %d) loaded from %s",

@@ -30,13 +30,16 @@ from zllm.config.engine import ModelArchConfig
 from zllm.executor.parallel import SINGLE, TensorParallel, shard_of
 from zllm.lora import LoRAAdapter, projection_shapes
 
-# Each fused matmul of a decoder layer and the PEFT modules it computes, in output order.
+# Each fused matmul of a decoder layer (zllm's models) and the PEFT modules it computes, in
+# output order; transformers' models (the transformers backend) have one matmul per module.
 FUSED_MATMULS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+UNFUSED_MATMULS = {module: (module,) for parts in FUSED_MATMULS.values() for module in parts}
+ATTENTION_MATMULS = ("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj")  # the rest: the MLP
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ def load_adapter_weights(
     device: torch.device,
     tp: TensorParallel = SINGLE,
     layers: range | None = None,
+    matmuls: dict[str, tuple[str, ...]] = FUSED_MATMULS,
 ) -> AdapterWeights:
     """Read a checked adapter (zllm.lora.read_adapter, against the whole model's `arch`)
     into per-matmul updates for `layers` (a pipeline stage's; None: all), cut to this
@@ -66,7 +70,7 @@ def load_adapter_weights(
     weights: AdapterWeights = {}
     with safe_open(adapter.weights_file, framework="pt") as f:
         for layer in layers if layers is not None else range(arch.num_layers):
-            for fused, parts in FUSED_MATMULS.items():
+            for fused, parts in matmuls.items():
                 present = [by_module.get((layer, part)) for part in parts]
                 if not any(present):
                     continue
@@ -100,7 +104,7 @@ def _rank_part(
     tp: TensorParallel,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The update's part for this rank's part of the fused matmul (its weight's shard)."""
-    block = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+    block = "self_attn" if fused in ATTENTION_MATMULS else "mlp"
     shard = shard_of(f"model.layers.{layer}.{block}.{fused}.weight", arch, tp)
     if shard is None:
         return a_t, b_t

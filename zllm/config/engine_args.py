@@ -321,7 +321,7 @@ class EngineArgs:
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
             deterministic=self._check_deterministic(device),
-            lora=self._lora_config(impl.name),
+            lora=self._lora_config(),
             enable_sleep_mode=self.enable_sleep_mode,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -392,14 +392,9 @@ class EngineArgs:
             )
         return transfer
 
-    def _lora_config(self, model_impl: str) -> LoRAConfig | None:
+    def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        if model_impl != "zllm":
-            raise ValueError(
-                "LoRA adapters need zllm's model code (--model-impl zllm); the transformers "
-                "backend does not apply them"
-            )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
