@@ -12,10 +12,12 @@
 #
 #   benchmarks/lora.sh                               # ~15 min on 2 cores
 #   ROUNDS=1 NUM_PROMPTS=32 benchmarks/lora.sh       # a quick look
+#   SERVE_ARGS="--tensor-parallel-size 2" benchmarks/lora.sh   # the same over two ranks
 #
 # Environment (defaults): MODEL (smollm2), CONCURRENCY (32), NUM_PROMPTS (64), INPUT_LEN
 # (128), OUTPUT_LEN (64), RANK (16), ROUNDS (3), PORT (8022), RESULTS_DIR
-# (/tmp/zllm-lora-<date-time>), PYTHON (python).
+# (/tmp/zllm-lora-<date-time>), PYTHON (python), SERVE_ARGS (more `zllm serve` options, for
+# both servers).
 set -euo pipefail
 MODEL="${MODEL:-smollm2}"
 CONCURRENCY="${CONCURRENCY:-32}"
@@ -26,6 +28,7 @@ RANK="${RANK:-16}"
 ROUNDS="${ROUNDS:-3}"
 PORT="${PORT:-8022}"
 PYTHON="${PYTHON:-python}"
+read -r -a serve_args <<<"${SERVE_ARGS:-}"
 RESULTS_DIR="${RESULTS_DIR:-/tmp/zllm-lora-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$RESULTS_DIR"
 cd "$(dirname "$0")/.."
@@ -50,11 +53,11 @@ bench() {  # $1: label, $2: prompt seed, $3: round, then zllm bench serve option
 }
 
 for round in $(seq "$ROUNDS"); do
-    start_server plain --served-model-name base
+    start_server plain --served-model-name base "${serve_args[@]}"
     bench plain 1 "$round" --model base
     stop_server
     start_server lora --served-model-name base --enable-lora --max-loras 4 --max-lora-rank "$RANK" \
-        --lora-modules "${modules[@]}"
+        --lora-modules "${modules[@]}" "${serve_args[@]}"
     bench unused 2 "$round" --model base
     bench 1-adapter 3 "$round" --model lora1
     bench 4-adapters 4 "$round" --lora-modules lora1 lora2 lora3 lora4
