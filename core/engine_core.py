@@ -45,7 +45,7 @@ from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv.cache_groups import kv_cache_groups
-from zllm.kv.tiers import block_bytes, existing_disk_blocks, tier_directory
+from zllm.kv.tiers import block_bytes, blocks_on_every_rank
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     SLEEP_TAGS,
@@ -420,7 +420,7 @@ def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
     remote_bytes = transfer.buffer_bytes if transfer is not None and transfer.consumes else 0
     if offload is None and not remote_bytes:
         return None
-    on_disk = existing_disk_blocks(tier_directory(config)) if offload and offload.disk_dir else []
+    on_disk = blocks_on_every_rank(config) if offload and offload.disk_dir else []
     return TieredKVConnector(offload, block_bytes(config), on_disk, remote_bytes)
 
 

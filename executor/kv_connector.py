@@ -273,16 +273,18 @@ class DiskTier:
 class KVTiers:
     """The tiers this engine has, and each step's transfers applied to them."""
 
-    def __init__(self, config: EngineConfig, pool: KVPool) -> None:
+    def __init__(self, config: EngineConfig, pool: KVPool, rank: int = 0) -> None:
+        """`rank`: this tensor-parallel rank (its disk tier directory); each tier holds as
+        many blocks as the core counts, each at this rank's part of a block's bytes."""
         offload = config.kv_offload
-        nbytes = block_bytes(config)
+        nbytes = block_bytes(config)  # a whole block: the core's unit for the tiers' bounds
         pin = pool.tensors[0].is_cuda
         self.tiers: list[KVTier | None] = [None, None, None]
         if offload is not None and offload.cpu_bytes > 0:
             self.tiers[TIER_CPU] = CpuTier(pool, offload.cpu_bytes // nbytes, pin)
         if offload is not None and offload.disk_dir is not None:
-            directory = tier_directory(config)
-            self.tiers[TIER_DISK] = DiskTier(pool, directory, nbytes)
+            directory = tier_directory(config, rank)
+            self.tiers[TIER_DISK] = DiskTier(pool, directory, pool.block_nbytes)
         transfer = config.kv_transfer
         if transfer is not None and transfer.consumes:  # what a prefill instance sends
             from zllm.executor.kv_transfer import RemoteKVBuffer

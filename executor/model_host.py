@@ -116,7 +116,9 @@ class ModelHost:
         offload, transfer = config.kv_offload, config.kv_transfer
         offloads = offload is not None and offload.enabled
         receives = transfer is not None and transfer.consumes
-        self.kv_tiers = KVTiers(config, self.kv_pool) if offloads or receives else None
+        self.kv_tiers = (
+            KVTiers(config, self.kv_pool, self.tp.rank) if offloads or receives else None
+        )
         # A disaggregation producer's sender of prompt blocks.
         self.kv_sender = (
             KVSender(transfer, self.kv_pool, transfer_layout(config))

@@ -279,6 +279,10 @@ class ModelRunner:
             return so.num_scheduled_tokens, []
         assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"
         failures = self.kv_tiers.apply(so.kv_transfers)
+        if so.kv_transfers.loads:
+            # A rank's disk load can fail alone (a damaged file of its part): the ranks
+            # recompute what failed on any of them, so they compute the same tokens.
+            failures = self.tp.union_across(failures)
         if not failures:
             return so.num_scheduled_tokens, []
         bad = {block_id for _, _, block_id in failures}

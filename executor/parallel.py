@@ -66,6 +66,15 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def union_across(self, items: list) -> list:
+        """Every rank's items (picklable, hashable) together, sorted: what the ranks agree
+        on after each found its own (e.g. the KV loads that failed on any rank)."""
+        if self.size == 1:
+            return sorted(set(items))
+        gathered: list[list | None] = [None] * self.size
+        dist.all_gather_object(gathered, items, group=self.group)
+        return sorted({item for part in gathered for item in part or []})
+
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, c] on each rank -> [rows, size * c], rank 0's columns first."""
         if self.size == 1:

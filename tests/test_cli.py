@@ -15,7 +15,7 @@ from zllm.cli import build_parser, serve_config_from_args
 from zllm.config.arg_utils import flag_name, flag_of, format_size, parse_size
 from zllm.config.engine_args import EngineArgs, engine_args_from
 from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
-from zllm.lora import LoRARequest
+from zllm.lora import LoRARequest, with_digest
 
 # Every engine option away from its default, and the flags that say so.
 ENGINE = EngineArgs(
@@ -235,7 +235,7 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         trust_request_chat_template=True,
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
-        lora_modules=[LoRARequest("x", 1, str(adapter))],
+        lora_modules=[with_digest(LoRARequest("x", 1, str(adapter)))],
         data_parallel_size=2,
         data_parallel_routing="load",
     )

@@ -7,15 +7,16 @@ and wakes to the outputs it gave before, which are one rank's outputs); LoRA ada
 deterministic execution (a request's logprobs bit for bit whatever shares its adapter);
 tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft model: one
 rank's greedy tokens, proposals accepted), with the CPU KV tier (each rank stores and loads
-its own part of a block under the block's one hash) and with LoRA adapters (each rank its
-part of every update); LoRA on the transformers backend (transformers' own linear modules
-wrapped)."""
+its own part of a block under the block's one hash; tensor-parallel ranks keep a disk tier
+each and agree on failed loads) and with LoRA adapters (each rank its part of every
+update); LoRA on the transformers backend (transformers' own linear modules wrapped)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from servers import wait_until
 from test_sleep import resident_bytes
 
 from zllm import LLM, LoRARequest, SamplingParams
@@ -99,9 +100,10 @@ def prompts_with_repeats(count: int) -> list[dict]:
     return prompts
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize(
-    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+    "layout, method",
+    [({"tensor_parallel_size": 2}, "ngram"), ({"pipeline_parallel_size": 2}, "draft_model")],
+    ids=["tp2-ngram", "pp2-draft_model"],
 )
 def test_ranks_speculate_and_answer_as_one_rank(tiny_llama_dir, layout, method):
     """Proposals are made where the step's tokens are sampled (every rank samples alike, the
@@ -151,8 +153,8 @@ def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
 
 @pytest.mark.parametrize(
     "layout",
-    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 4}],
-    ids=["tp2", "pp2", "tp4-replicated-kv-heads"],
+    [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 4}],
+    ids=["pp2", "tp4-replicated-kv-heads"],
 )
 def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, tmp_path, layout):
     """Three adapters (every projection; q/v with rsLoRA; the MLP) and the base model mixed in
@@ -207,3 +209,42 @@ def test_the_transformers_backend_serves_adapters_as_zllm_code_does(tiny_llama_d
 
     expected = greedy("zllm")
     assert greedy("transformers") == expected
+
+
+def test_tensor_parallel_ranks_keep_a_disk_tier_each_and_agree_on_a_failed_load(
+    tiny_llama_dir, tmp_path
+):
+    """Each rank writes its part of an evicted block to a directory of its own. Rank 1's copy
+    of one block is then damaged: its load fails there and succeeds on rank 0; the ranks
+    recompute the block together (what failed on any rank), so the tokens are still one
+    rank's, and the core counts one failed load."""
+    from zllm.kv.block_hash import hash_full_blocks
+    from zllm.kv.tiers import TIER_DISK, block_file_name, tier_directory
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = {"prompt_token_ids": list(range(5, 45))}  # 10 blocks of 4
+    others = [{"prompt_token_ids": list(range(100 + 50 * i, 140 + 50 * i))} for i in range(3)]
+    reference = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL)
+    expected = reference.generate(first, params, use_tqdm=False)[0].outputs[0].token_ids
+    tier = str(tmp_path / "tier")
+    kw = dict(block_size=4, num_gpu_blocks_override=16, kv_offload_dir=tier)
+    llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
+    assert llm.generate(first, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+    for prompt in others:  # push the first prompt's blocks out of the pool, to the disk
+        llm.generate(prompt, params, use_tqdm=False)
+    files = [
+        [
+            tier_directory(llm.config, rank) / block_file_name(h)
+            for h in hash_full_blocks(first["prompt_token_ids"], 4)
+        ]
+        for rank in (0, 1)
+    ]
+    assert wait_until(lambda: all(f.exists() for f in files[0][:4] + files[1][:4]), 10)
+    victim = files[1][2]  # rank 1's part of the prompt's third block
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    again = llm.generate(first, params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == expected
+    stats = llm.engine.heartbeat().kv_tiers
+    assert stats.hits[TIER_DISK] > 0 and stats.load_failures[TIER_DISK] == 1, stats

@@ -298,10 +298,10 @@ def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_
         EngineArgs(
             model=tiny_llama_dir, tensor_parallel_size=2, model_impl="transformers"
         ).create_engine_config()
-    with pytest.raises(ValueError, match="a rank's disk load can fail alone"):
+    with pytest.raises(ValueError, match="a stage's disk load can fail alone"):
         EngineArgs(
             model=tiny_llama_dir,
-            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
             kv_offload_bytes=1 << 20,
             kv_offload_dir="/tmp/unused",
         ).create_engine_config()

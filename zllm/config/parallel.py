@@ -73,15 +73,16 @@ def check_parallel(config: EngineConfig) -> None:
     unsupported = [
         (config.model_impl != "zllm", "--model-impl transformers"),
         (
-            config.kv_offload is not None and config.kv_offload.disk_dir is not None,
-            "--kv-offload-dir (a rank's disk load can fail alone, a damaged or missing file, "
-            "and the ranks do not agree on failed loads yet: they would compute different "
-            "tokens; the CPU tier's loads cannot fail, --kv-offload-bytes works)",
+            pp > 1 and config.kv_offload is not None and config.kv_offload.disk_dir is not None,
+            "--kv-offload-dir (a stage's disk load can fail alone, a damaged or missing file, "
+            "and the stages could only agree on it before the first stage's forward by "
+            "stalling the pipeline; tensor-parallel ranks agree, and the CPU tier's loads "
+            "cannot fail: --kv-offload-bytes works)",
         ),
         (
             config.kv_transfer is not None,
-            "--kv-transfer-config (a rank's transfer can be lost alone, and the ranks do not "
-            "agree on failed loads yet)",
+            "--kv-transfer-config (each rank would need its own channel to its peer rank, "
+            "and the ranks to agree on lost transfers)",
         ),
     ]
     named = [name for refused, name in unsupported if refused]

@@ -62,14 +62,27 @@ def layout_fingerprint(config: EngineConfig) -> str:
         "quantization": str(config.quantization),
         "model_impl": config.model_impl,
         "deterministic": config.deterministic,
+        "tensor_parallel": config.tensor_parallel_size,  # a rank's part of a block per file
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tier_directory(config: EngineConfig) -> Path:
-    """Where the disk tier of this engine's layout keeps its block files."""
+def tier_directory(config: EngineConfig, rank: int = 0) -> Path:
+    """Where the disk tier of this engine's layout keeps its block files: with
+    tensor-parallel ranks, each rank its part of every block in a directory of its own."""
     assert config.kv_offload is not None and config.kv_offload.disk_dir is not None
-    return Path(config.kv_offload.disk_dir).expanduser() / layout_fingerprint(config)
+    directory = Path(config.kv_offload.disk_dir).expanduser() / layout_fingerprint(config)
+    return directory / f"rank-{rank}" if config.tensor_parallel_size > 1 else directory
+
+
+def blocks_on_every_rank(config: EngineConfig) -> list[int]:
+    """The blocks every rank's disk tier directory holds, least recently written first (as
+    rank 0 wrote them): what the core may ask the ranks to load after a restart."""
+    order = existing_disk_blocks(tier_directory(config))
+    held = set(order)
+    for rank in range(1, config.tensor_parallel_size):
+        held &= set(existing_disk_blocks(tier_directory(config, rank)))
+    return [block_hash for block_hash in order if block_hash in held]
 
 
 def block_file_name(block_hash: int) -> str:
