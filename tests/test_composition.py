@@ -248,3 +248,52 @@ def test_tensor_parallel_ranks_keep_a_disk_tier_each_and_agree_on_a_failed_load(
     assert again.outputs[0].token_ids == expected
     stats = llm.engine.heartbeat().kv_tiers
     assert stats.hits[TIER_DISK] > 0 and stats.load_failures[TIER_DISK] == 1, stats
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapters_serve_again_after_sleep(tiny_llama_dir, tmp_path, level):
+    """Sleep mode with LoRA: at level 2 the wrapped model is rebuilt and adapters are read
+    again on first use; at level 1 they stay. Either way the adapter's tokens are the same
+    after waking, and differ from the base model's."""
+    from test_lora import ADAPTERS, make_adapter
+
+    lora = LoRARequest(
+        "all", 1, str(make_adapter(tiny_llama_dir, tmp_path / "all", seed=1, **ADAPTERS["all"]))
+    )
+    llm = LLM(tiny_llama_dir, enable_lora=True, enable_sleep_mode=True, kv_cache_memory_bytes=POOL)
+    prompts = prompts_with_repeats(3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def tokens(adapter) -> list[list[int]]:
+        outs = llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    before, base = tokens(lora), tokens(None)
+    assert before != base
+    llm.sleep(level=level)
+    llm.wake_up()
+    assert tokens(lora) == before and tokens(None) == base
+
+
+def test_tensor_parallel_ranks_are_batch_invariant_under_deterministic(tiny_llama_dir):
+    """--deterministic over two ranks: a needle's full logprob vectors are the same bits
+    alone and among 20 other requests (each rank's matmuls in fixed tiles, the all-reduce
+    over the same partial sums whatever the batch)."""
+    llm = LLM(
+        tiny_llama_dir, tensor_parallel_size=2, deterministic=True, kv_cache_memory_bytes=POOL
+    )
+    vocab = llm.config.arch.vocab_size
+    needle = {"prompt_token_ids": [random.Random(5).randrange(3, 400) for _ in range(30)]}
+    logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=vocab)
+    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+
+    def vectors(count: int) -> list[dict]:
+        rng = random.Random(count)
+        crowd = [
+            {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 50))]}
+            for _ in range(count)
+        ]
+        out = llm.generate([needle, *crowd], [logprobs] + [other] * count, use_tqdm=False)
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out[0].outputs[0].logprobs]
+
+    assert vectors(20) == vectors(0)
