@@ -297,3 +297,50 @@ def test_tensor_parallel_ranks_are_batch_invariant_under_deterministic(tiny_llam
         return [{t: lp.logprob for t, lp in pos.items()} for pos in out[0].outputs[0].logprobs]
 
     assert vectors(20) == vectors(0)
+
+
+@pytest.mark.parametrize("case", ["int8-kv", "hybrid-gemma3"])
+def test_speculation_over_a_narrow_or_hybrid_cache(tiny_llama_dir, tmp_path, case):
+    """ngram speculation verifies its proposals through whatever cache the model has: an
+    int8 KV cache, or Gemma 3's hybrid groups (sliding and full): the greedy tokens of the
+    same engine without speculation, with proposals accepted."""
+    from tiny_models import tiny_gemma3_overrides, write_tiny_model
+
+    path, kw = tiny_llama_dir, {"kv_cache_dtype": "int8"}
+    if case == "hybrid-gemma3":
+        path, kw = str(write_tiny_model(tmp_path, **tiny_gemma3_overrides(8))), {}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    prompts = prompts_with_repeats(6)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+    def greedy(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = greedy(LLM(path, kv_cache_memory_bytes=POOL, **kw))
+    llm = LLM(path, kv_cache_memory_bytes=POOL, speculative_config=spec, **kw)
+    assert greedy(llm) == expected
+    assert llm.engine.heartbeat().spec.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_ranks_run_beam_search_and_an_int8_cache_as_one_rank(tiny_llama_dir, layout):
+    """Beam search over ranks (forks copy blocks on every rank) and an int8 KV cache split by
+    heads or layers: one rank's beams and tokens."""
+    from zllm import BeamSearchParams
+
+    prompts = [p["prompt_token_ids"] for p in prompts_with_repeats(2)]
+    beams = BeamSearchParams(beam_width=3, max_tokens=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(kv_cache_memory_bytes=POOL, kv_cache_dtype="int8")
+
+    def run(llm: LLM):
+        found = llm.beam_search([{"prompt_token_ids": p} for p in prompts], beams)
+        greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return (
+            [[s.tokens for s in out.sequences] for out in found],
+            [o.outputs[0].token_ids for o in greedy],
+        )
+
+    assert run(LLM(tiny_llama_dir, **kw, **layout)) == run(LLM(tiny_llama_dir, **kw))
