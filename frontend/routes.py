@@ -113,6 +113,11 @@ GENERATION_ERRORS = (400, 401, 404, 413, 503, 504)
 BODY_ERRORS = (400, 401, 404, 413)
 _TEXT = Schema({"type": "string"}, media_type="text/plain")
 _SLEEP_LEVEL = {"name": "level", "in": "query", "schema": {"type": "integer", "enum": [1, 2]}}
+_WAKE_TAGS = {  # repeatable: ?tags=weights&tags=kv_cache (none: both)
+    "name": "tags",
+    "in": "query",
+    "schema": {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}},
+}
 _SLEEPING = Schema({"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}})
 
 ROUTES: tuple[ApiRoute, ...] = (
@@ -278,7 +283,8 @@ ROUTES: tuple[ApiRoute, ...] = (
         "sleep",
         doc=Operation(
             "sleep",
-            "Release the weights and KV cache while idle (400 while requests run).",
+            "Release the KV cache (level 1; the weights stay in host memory) or the weights "
+            "too (level 2) while idle (400 while requests run).",
             errors=(400, 401),
             ok="Done.",
             parameters=(_SLEEP_LEVEL,),
@@ -291,9 +297,11 @@ ROUTES: tuple[ApiRoute, ...] = (
         "wake_up",
         doc=Operation(
             "wakeUp",
-            "Load the weights again; the prefix cache starts empty.",
+            "Restore what sleep released, or the parts tags name; the engine serves once both "
+            "are back and the prefix cache starts empty.",
             errors=(400, 401),
             ok="Done.",
+            parameters=(_WAKE_TAGS,),
         ),
         documented_if=_sleep_on,
     ),
