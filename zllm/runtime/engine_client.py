@@ -245,10 +245,13 @@ class EngineClient:
         and wake together) and the answers are combined: ok when every core carried it out,
         else the first refusal (a core that did sleep stays asleep: sleeping is idempotent,
         so the call can be repeated once the others are idle)."""
+        # The engines that serve (one that is down or restarting has nothing to release and
+        # would not answer; it comes back awake).
+        serving = [e for e in range(self.num_engines) if self.engine_health(e) is None] or [0]
         replies = await asyncio.gather(
             *(
                 self._ask_core(engine, SleepControl(command, 0, level, list(tags)), timeout)
-                for engine in range(len(self._to_cores))
+                for engine in serving
             )
         )
         refused = [r for r in replies if not r.ok]
