@@ -17,8 +17,8 @@ An executor that runs a step inside `submit` (in-process) sets `runs_ahead = Fal
 core then keeps one step out at a time. A later asynchronous GPU executor (inputs for N+1
 prepared while N runs) fits the same two calls.
 
-Sleep mode travels as steps too (`SchedulerOutput(sleep=True)` / `wake_up=True`, answered like
-any step), so every transport sleeps the same way: `EngineCore.sleep(executor)`.
+Sleep mode travels as steps too (`SchedulerOutput(sleep_level=1|2)` / `wake_up=[parts]`,
+answered like any step), so every transport sleeps the same way: `EngineCore.sleep(executor)`.
 This module never imports torch.
 """
 

@@ -128,7 +128,7 @@ class ModelRunner:
         return self.host.asleep
 
     # ---- sleep mode ----------------------------------------------------------------------------
-    def sleep(self, level: int = 2) -> None:
+    def sleep(self, level: int) -> None:
         """Release the KV pool, and at level 2 the weights (ModelHost.sleep), keeping the
         config, the compiled grammars' tokenizer data and the sampler. The core calls it only
         when no request is unfinished; the states still here are of finished requests whose

@@ -38,6 +38,24 @@ def one_rank(tiny_llama_dir) -> list[list[int]]:
     return token_ids(LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL))
 
 
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory) -> list[LoRARequest]:
+    """test_lora's three adapters of the tiny model (every projection; q/v with rsLoRA; the
+    MLP), ids 1-3, written once for the module."""
+    from test_lora import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return [
+        LoRARequest(name, i, str(make_adapter(tiny_llama_dir, root / name, seed=i, **config)))
+        for i, (name, config) in enumerate(ADAPTERS.items(), start=1)
+    ]
+
+
+def each_adapter_and_the_base(count: int, adapters: list[LoRARequest]) -> list:
+    """One adapter (or None, the base model) per prompt, in turn: every step mixes them."""
+    return [[*adapters, None][i % (len(adapters) + 1)] for i in range(count)]
+
+
 @pytest.mark.parametrize(
     "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
 )
@@ -58,14 +76,11 @@ def test_every_rank_sleeps_and_wakes(tiny_llama_dir, one_rank, layout):
         assert token_ids(llm) == one_rank
 
 
-def test_an_adapters_rows_are_batch_invariant_under_deterministic(tiny_llama_dir, tmp_path):
+def test_an_adapters_rows_are_batch_invariant_under_deterministic(tiny_llama_dir, adapters):
     """--deterministic with LoRA: the adapter's update runs in fixed row tiles too, so a
     needle request's full logprob vectors are the same bits alone and among 1 or 20 other
     requests of its adapter (and of the base); the adapter does change them."""
-    from test_lora import ADAPTERS, make_adapter
-
-    adapter = make_adapter(tiny_llama_dir, tmp_path / "all", seed=1, **ADAPTERS["all"])
-    lora = LoRARequest("all", 1, str(adapter))
+    lora = adapters[0]  # every projection
     llm = LLM(tiny_llama_dir, enable_lora=True, deterministic=True, kv_cache_memory_bytes=POOL)
     vocab = llm.config.arch.vocab_size
     needle = [random.Random(2).randrange(3, 400) for _ in range(40)]
@@ -156,19 +171,13 @@ def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
     [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 4}],
     ids=["pp2", "tp4-replicated-kv-heads"],
 )
-def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, tmp_path, layout):
+def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, adapters, layout):
     """Three adapters (every projection; q/v with rsLoRA; the MLP) and the base model mixed in
     one batch: each rank keeps its part of an update (a column-parallel matmul its outputs'
     columns of B, a row-parallel one its input rows of A, summed by the all-reduce), so the
     greedy tokens are one rank's; the adapters change them."""
-    from test_lora import ADAPTERS, make_adapter
-
-    loras = [
-        LoRARequest(name, i, str(make_adapter(tiny_llama_dir, tmp_path / name, seed=i, **cfg)))
-        for i, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
-    ]
     prompts = prompts_with_repeats(8)
-    per_prompt = [[*loras, None][i % 4] for i in range(len(prompts))]
+    per_prompt = each_adapter_and_the_base(len(prompts), adapters)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def greedy(llm: LLM, adapters) -> list[list[int]]:
@@ -182,18 +191,12 @@ def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, tmp_path, layout):
     assert greedy(LLM(tiny_llama_dir, **kw, **layout), per_prompt) == expected
 
 
-def test_the_transformers_backend_serves_adapters_as_zllm_code_does(tiny_llama_dir, tmp_path):
+def test_the_transformers_backend_serves_adapters_as_zllm_code_does(tiny_llama_dir, adapters):
     """--model-impl transformers with LoRA: transformers' q/k/v/o and MLP linear modules are
     wrapped one by one (zllm's models fuse them), over the [1, T] batch transformers' code
     sees: three adapters and the base mixed in one batch give zllm's model code's tokens."""
-    from test_lora import ADAPTERS, make_adapter
-
-    loras = [
-        LoRARequest(name, i, str(make_adapter(tiny_llama_dir, tmp_path / name, seed=i, **cfg)))
-        for i, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
-    ]
     prompts = prompts_with_repeats(8)
-    per_prompt = [[*loras, None][i % 4] for i in range(len(prompts))]
+    per_prompt = each_adapter_and_the_base(len(prompts), adapters)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def greedy(impl: str) -> list[list[int]]:
@@ -251,15 +254,11 @@ def test_tensor_parallel_ranks_keep_a_disk_tier_each_and_agree_on_a_failed_load(
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_adapters_serve_again_after_sleep(tiny_llama_dir, tmp_path, level):
+def test_adapters_serve_again_after_sleep(tiny_llama_dir, adapters, level):
     """Sleep mode with LoRA: at level 2 the wrapped model is rebuilt and adapters are read
     again on first use; at level 1 they stay. Either way the adapter's tokens are the same
     after waking, and differ from the base model's."""
-    from test_lora import ADAPTERS, make_adapter
-
-    lora = LoRARequest(
-        "all", 1, str(make_adapter(tiny_llama_dir, tmp_path / "all", seed=1, **ADAPTERS["all"]))
-    )
+    lora = adapters[0]  # every projection
     llm = LLM(tiny_llama_dir, enable_lora=True, enable_sleep_mode=True, kv_cache_memory_bytes=POOL)
     prompts = prompts_with_repeats(3)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

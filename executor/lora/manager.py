@@ -49,9 +49,10 @@ class LoRAManager:
         # The decoder layers, by their index in the whole model (a pipeline stage holds some),
         # and the matmuls adapters update: zllm's fused ones, or transformers' one per PEFT
         # module (the transformers backend: its decoder stack is model.base).
-        decoder = model.base.layers if hasattr(model, "hf") else model.layers
+        transformers_model = hasattr(model, "hf")
+        decoder = model.base.layers if transformers_model else model.layers
         self.layers = getattr(model, "layer_indices", range(len(decoder)))
-        self.matmuls = UNFUSED_MATMULS if hasattr(model, "hf") else FUSED_MATMULS
+        self.matmuls = UNFUSED_MATMULS if transformers_model else FUSED_MATMULS
         self.dtype = dtype
         self.device = device
         self.batch = LoRABatch(tiled=engine.deterministic)

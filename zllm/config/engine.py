@@ -220,8 +220,8 @@ class EngineConfig:
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
-    # Sleep mode: LLM.sleep()/wake_up(), POST /sleep and /wake_up may release the weights
-    # and the KV pool while idle.
+    # Sleep mode: LLM.sleep(level)/wake_up(tags), POST /sleep and /wake_up may release the KV
+    # pool (level 1) or the weights too (level 2) while idle.
     enable_sleep_mode: bool = False
     # Ranks the model is split over (executor/parallel.py): each an executor process.
     # tensor_parallel_size ranks per pipeline stage, pipeline_parallel_size stages:

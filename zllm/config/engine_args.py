@@ -242,8 +242,9 @@ class EngineArgs:
     )
     enable_sleep_mode: bool = option(
         False,
-        help="allow releasing the weights and KV cache while idle: POST /sleep and "
-        "/wake_up (LLM.sleep() / wake_up()); waking reloads the weights from the model file",
+        help="allow releasing the KV cache (level 1; the weights stay in host memory) or the "
+        "weights too (level 2, reloaded from the model file on waking) while idle: POST "
+        "/sleep?level=1|2 and /wake_up[?tags=weights|kv_cache] (LLM.sleep() / wake_up())",
     )
     generation_config: str = option(
         "auto",
