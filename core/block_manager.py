@@ -32,26 +32,13 @@ position k * block_size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from zllm.core.free_blocks import FreeBlockQueue, KVBlock
+from zllm.core.prefix_lookup import PrefixHit, TierOf, first_needed_block, longest_hit, no_hit
 from zllm.core.prefix_pins import PrefixPins
-from zllm.kv.block_hash import BlockHash, hash_full_blocks
+from zllm.kv.block_hash import BlockHash, group_block_key, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    """Cached blocks a new request can take over: per group, its first `num_blocks` table
-    entries (None where a sliding group needs nothing: before the window)."""
-
-    num_blocks: int
-    num_tokens: int
-    tables: list[list[KVBlock | None]]
-    hashes: list[BlockHash]  # the hash chain of those blocks
-    # The hash chain of every full block that could have been a hit (past num_blocks: where
-    # the KV tiers below the pool are looked up next).
-    candidate_hashes: list[BlockHash] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,14 +49,6 @@ class _RequestBlocks:
     # Per group: table entries before this index are released (None).
     num_released: list[int]
     salt: BlockHash | None = None  # its hash chain's salt (cache_salt)
-
-
-def first_needed_block(num_computed_tokens: int, window: int | None, block_size: int) -> int:
-    """The first block a step starting at `num_computed_tokens` reads in a group: 0 for full
-    attention; with a window, the block of the earliest key the step's first query sees."""
-    if window is None:
-        return 0
-    return max(0, num_computed_tokens - window + 1) // block_size
 
 
 class BlockManager:
@@ -88,8 +67,8 @@ class BlockManager:
         record_evictions: bool = False,
         max_pinned_blocks: int = 0,
     ):
-        """`record_evictions`: keep (hash, block id) of each cached block evicted, for the
-        KV tiers (`take_evicted`). `max_pinned_blocks`: the bound of `pin`."""
+        """`record_evictions`: keep (tier key, block id) of each cached block evicted, for
+        the KV tiers (`take_evicted`; the key is `group_block_key` of its hash and group). `max_pinned_blocks`: the bound of `pin`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         if not sliding_windows:
@@ -205,18 +184,21 @@ class BlockManager:
         token_ids: Sequence[int],
         salt: BlockHash | None = None,
         hashes: list[BlockHash] | None = None,
+        tier_of: TierOf | None = None,
     ) -> PrefixHit:
         """The longest run of cached full blocks that starts `token_ids`, in every group.
 
         At most `len(token_ids) - 1` tokens are reported cached: the last token's logits must
         be computed. Takes no references (see `allocate_slots`). `hashes`: what
-        `prefix_hashes` gave for these tokens, if the caller kept it.
+        `prefix_hashes` gave for these tokens, if the caller kept it. `tier_of`: the KV tier
+        holding a block's tier key (None: none does); with it, each group's block the pool
+        lacks may come from a tier (`PrefixHit.loads`).
         """
         if not self.enable_prefix_caching:
             return self._no_hit()
         if hashes is None:
             hashes = self.prefix_hashes(token_ids, salt)
-        hit = self._longest_hit(hashes)
+        hit = longest_hit(self.cached_blocks, self.windows, self.block_size, hashes, tier_of)
         hit.candidate_hashes = hashes
         return hit
 
@@ -230,39 +212,11 @@ class BlockManager:
             token_ids[: num_blocks * self.block_size], self.block_size, salt=salt
         )
 
-    def _longest_hit(self, hashes: list[BlockHash]) -> PrefixHit:
-        bs = self.block_size
-        max_blocks = len(hashes)
-        # Full groups: the run of consecutive hits from block 0.
-        k = max_blocks
-        for group, window in enumerate(self.windows):
-            if window is None:
-                cache = self.cached_blocks[group]
-                k = next((i for i in range(k) if hashes[i] not in cache), k)
-        # Sliding groups: the longest k whose window blocks are all cached.
-        while k > 0 and not all(
-            self._window_cached(group, hashes, k) for group in self._sliding_groups()
-        ):
-            k -= 1
-        if k == 0:
-            return self._no_hit()
-        tables: list[list[KVBlock | None]] = []
-        for group, window in enumerate(self.windows):
-            first = first_needed_block(k * bs, window, bs)
-            cache = self.cached_blocks[group]
-            tables.append([None] * first + [cache[h] for h in hashes[first:k]])
-        return PrefixHit(k, k * bs, tables, hashes[:k])
-
     def _no_hit(self) -> PrefixHit:
-        return PrefixHit(0, 0, [[] for _ in self.windows], [])
+        return no_hit(self.num_groups)
 
     def _sliding_groups(self) -> list[int]:
         return [g for g, w in enumerate(self.windows) if w is not None]
-
-    def _window_cached(self, group: int, hashes: list[BlockHash], k: int) -> bool:
-        first = first_needed_block(k * self.block_size, self.windows[group], self.block_size)
-        cache = self.cached_blocks[group]
-        return all(h in cache for h in hashes[first:k])
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup once the request it was for is admitted (not on every retry)."""
@@ -300,6 +254,8 @@ class BlockManager:
             tables = cached_prefix.tables
         total_blocks = -(-(num_computed_tokens + num_new_tokens) // bs)
         num_needed = sum(max(0, total_blocks - len(table)) for table in tables)
+        if is_new:
+            num_needed += len(cached_prefix.loads)  # a fresh block for each to load into
         cow = (
             []
             if is_new or num_new_tokens == 0
@@ -352,13 +308,19 @@ class BlockManager:
     def _take_prefix(
         self, req_id: str, hit: PrefixHit, num_computed_tokens: int, salt: BlockHash | None
     ) -> _RequestBlocks:
-        """A new request's block tables: the hit's cached blocks, referenced."""
+        """A new request's block tables: the hit's cached blocks, referenced, and a fresh
+        block, cached under its hash, for each one a KV tier loads (after the takes, so
+        popping a free block never evicts one of the hit's)."""
         tables: list[list[KVBlock | None]] = [[] for _ in self.windows]
         for group, hit_table in enumerate(hit.tables):
             for block in hit_table:
                 if block is not None:
                     self._take(block)
                 tables[group].append(block)
+        for group, i, _ in hit.loads:
+            block = self._pop_free()
+            tables[group][i] = block
+            self._cache(block, hit.hashes[i], group)
         bs = self.block_size
         released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
         blocks = _RequestBlocks(tables, list(hit.hashes), released, salt)
@@ -464,13 +426,13 @@ class BlockManager:
         for block_id in self.free_queue.block_ids():
             block = self.blocks[block_id]
             if block.block_hash is not None:
-                evicted.append((block.block_hash, block_id))
+                evicted.append((self._tier_key(block), block_id))
                 self._uncache(block)
         return evicted
 
     def take_evicted(self) -> list[tuple[BlockHash, int]]:
-        """(hash, block id) of the cached blocks evicted since the last call: their bytes are
-        still in the pool until the step that reuses them runs."""
+        """(tier key, block id) of the cached blocks evicted since the last call: their bytes
+        are still in the pool until the step that reuses them runs."""
         if not self._evicted:
             return []
         evicted, self._evicted = self._evicted, []
@@ -518,10 +480,23 @@ class BlockManager:
         block = self.free_queue.popleft()
         if block.block_hash is not None:  # evict: its old contents are about to be overwritten
             if self._evicted is not None:
-                self._evicted.append((block.block_hash, block.block_id))
+                self._evicted.append((self._tier_key(block), block.block_id))
             self._uncache(block)
         block.ref_count = 1
         return block
+
+    def _tier_key(self, block: KVBlock) -> BlockHash:
+        """What the KV tiers call a cached block: its hash, told apart by its group."""
+        assert block.block_hash is not None
+        return group_block_key(block.block_hash, self._block_group[block.block_id])
+
+    def _cache(self, block: KVBlock, block_hash: BlockHash, group: int) -> None:
+        """`block` holds `group`'s layers of the full block `block_hash` names."""
+        block.block_hash = block_hash
+        self.cached_blocks[group][block_hash] = block
+        self._block_group[block.block_id] = group
+        if self._kv_events is not None and group == self._event_group:
+            self._kv_events[block_hash] = True
 
     def _uncache(self, block: KVBlock) -> None:
         """The block stops being a cached prefix (its hash is dropped)."""
@@ -555,8 +530,4 @@ class BlockManager:
                 block = table[i]
                 cache = self.cached_blocks[group]
                 if block is not None and block.block_hash is None and block_hash not in cache:
-                    block.block_hash = block_hash
-                    cache[block_hash] = block
-                    self._block_group[block.block_id] = group
-                    if self._kv_events is not None and group == self._event_group:
-                        self._kv_events[block_hash] = True
+                    self._cache(block, block_hash, group)

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.block_manager import BlockManager
+from zllm.core.prefix_lookup import PrefixHit
 from zllm.core.request import Request
-from zllm.kv.block_hash import cache_salt
+from zllm.kv.block_hash import cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
 from zllm.protocol import KVTierStats, KVTransfers, KVTransferStats
 
@@ -164,6 +165,10 @@ class TieredKVConnector:
             self.stored_blocks[TIER_REMOTE] += len(stored)
 
     # ---- admission -------------------------------------------------------------------------
+    def tier_of(self, key: BlockHash) -> int | None:
+        """The tier to load a block from (the cpu tier first), or None if none holds it."""
+        return next((t.tier for t in self.active_tiers if key in t), None)
+
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """The tier to load each of the leading `block_hashes` from, as far as some tier
         holds them (the cpu tier first)."""
@@ -313,10 +318,21 @@ class SchedulerConnector:
             return False
         return len(self.tiers.lookup(wanted)) < len(wanted)
 
+    def tier_of(self) -> Callable[[BlockHash], int | None] | None:
+        """With several KV cache groups, what `BlockManager.find_cached_prefix` asks of the
+        tiers block by block (None: a model with one group takes a pool hit, then the
+        tiers' blocks after it: `tier_hit`)."""
+        if self.tiers is None or self.block_manager.num_groups == 1:
+            return None
+        return self.tiers.tier_of
+
     def tier_hit(self, cached: PrefixHit | None) -> list[int]:
         """The tier each block after the pool's hit loads from, as far as the tiers hold
-        the request's prefix ([] without tiers)."""
-        if self.tiers is None or cached is None:
+        the request's prefix ([] without tiers, and with several KV cache groups, whose hit
+        holds its loads)."""
+        if self.tiers is None or cached is None or cached.loads:
+            return []
+        if self.block_manager.num_groups > 1:
             return []
         return self.tiers.lookup(cached.candidate_hashes[cached.num_blocks :])
 
@@ -324,9 +340,11 @@ class SchedulerConnector:
         self, req: Request, cached: PrefixHit | None, tiers: list[int], first: bool
     ) -> None:
         """`req` got its blocks: have the executor load the tiers' blocks into the pool
-        blocks just allocated for them (one KV cache group: kv offload refuses models with
-        several), and count them as hits on its `first` admission."""
+        blocks just allocated for them, and count them as hits on its `first` admission."""
         req.prompt_block_hashes = None  # (its wait is over)
+        if cached is not None and cached.loads:
+            self._load_groups(req, cached, first)
+            return
         if not tiers:
             return
         assert self.tiers is not None and cached is not None
@@ -335,6 +353,21 @@ class SchedulerConnector:
         self.tiers.load(cached.candidate_hashes[first_block:end], block_ids, tiers)
         if first:
             self.tiers.record_hits(tiers, self.block_manager.block_size)
+
+    def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> None:
+        """The loads of a hit over several KV cache groups: each group's copy of a block
+        under its tier key, into the block that group's table got for it."""
+        assert self.tiers is not None
+        bm = self.block_manager
+        tables = bm.group_block_ids(req.req_id)
+        keys = [group_block_key(cached.hashes[i], group) for group, i, _ in cached.loads]
+        block_ids = [tables[group][i] for group, i, _ in cached.loads]
+        self.tiers.load(keys, block_ids, [tier for _, _, tier in cached.loads])
+        if first:  # a block counts once, as the tier of its first group's load
+            tier_of_block = {}
+            for _, i, tier in cached.loads:
+                tier_of_block.setdefault(i, tier)
+            self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
 
     # ---- each step -------------------------------------------------------------------------
     def load_failed(self, failures: Sequence[tuple[int, BlockHash]]) -> None:

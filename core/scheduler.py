@@ -304,7 +304,7 @@ class Scheduler:
         if first:  # this is what the client sees
             req.num_cached_tokens = found.num_tokens
             req.first_scheduled_time = time.time()
-            self.block_manager.record_prefix_query(req.num_tokens, found.num_computed)
+            self.block_manager.record_prefix_query(req.num_tokens, found.num_pool_hit)
         req.num_computed_tokens = found.num_tokens
         if req.status == RequestStatus.PREEMPTED:
             plan.resumed.add(req.req_id)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zllm.core.block_manager import BlockManager, PrefixHit
+from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import SchedulerConnector
+from zllm.core.prefix_lookup import PrefixHit
 from zllm.core.request import Request
 from zllm.kv.block_hash import BlockHash, cache_salt
 from zllm.protocol import CachedRequestData, NewRequestData
@@ -26,7 +27,18 @@ class PrefixFound:
 
     @property
     def num_computed(self) -> int:
+        """Tokens the request's blocks hold once admitted, before the tiers' blocks after
+        the hit (`num_loaded`): the hit's, tier loads inside it included."""
         return self.cached.num_tokens if self.cached is not None else 0
+
+    @property
+    def num_pool_hit(self) -> int:
+        """Tokens found in the pool (the prefix cache's hits)."""
+        hit = self.cached
+        if hit is None or not hit.loads:
+            return self.num_computed
+        block_size = hit.num_tokens // hit.num_blocks
+        return (hit.num_blocks - hit.num_loaded_blocks) * block_size
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +53,7 @@ def find_prefix(req: Request, bm: BlockManager, kv: SchedulerConnector) -> Prefi
     if params.prompt_logprobs is not None or params.embed:
         return PrefixFound(None, salt)
     # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
-    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
+    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes, kv.tier_of())
     load_tiers = kv.tier_hit(cached)
     return PrefixFound(cached, salt, load_tiers, len(load_tiers) * bm.block_size)
 

@@ -24,7 +24,7 @@ from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
 from zllm.executor.kv_quant import narrow
-from zllm.kv.block_hash import hash_full_blocks
+from zllm.kv.block_hash import group_block_key, hash_full_blocks
 from zllm.kv.tiers import (
     TIER_CPU,
     TIER_DISK,
@@ -164,6 +164,38 @@ def test_blocks_of_a_request_never_computed_stop_being_cached():
     admit(bm, "a", list(range(9)))
     bm.free("a", keep_hashes=False)
     assert bm.find_cached_prefix(list(range(9))).num_blocks == 0
+
+
+def test_several_groups_take_each_block_from_the_pool_or_a_tier():
+    """A hybrid cache (a full group and a sliding one, window 4: it needs a prefix's last
+    block only): the blocks of a prefix are spread over the pool and a tier, group by
+    group; the hit takes each from where it is and loads the rest into fresh blocks, which
+    become cached; evictions name each group's copy apart (group_block_key)."""
+    bm = BlockManager(12, BS, sliding_windows=(None, 4), record_evictions=True)
+    tokens = list(range(13))  # 3 full blocks
+    hashes = hash_full_blocks(tokens[:12], BS)
+    assert bm.allocate_slots("a", tokens, 0, 8, bm.find_cached_prefix(tokens))
+    assert bm.allocate_slots("a", tokens, 8, 5)  # the sliding group lets block 0 go
+    assert bm.group_block_ids("a") == [[0, 1, 4, 5], [-1, 3, 6, 7]]
+    bm.free("a")
+    admit(bm, "b", list(range(100, 113)))  # evicts the sliding group's 0, the full group's 2
+    evicted = bm.take_evicted()
+    assert evicted == [(group_block_key(hashes[0], 1), 2), (hashes[2], 4)]
+    assert group_block_key(hashes[0], 0) == hashes[0]  # group 0: the hash itself
+    in_tier = {key for key, _ in evicted}
+    hit = bm.find_cached_prefix(tokens, tier_of=lambda key: TIER_CPU if key in in_tier else None)
+    assert hit.num_blocks == 3
+    tables = [[b and b.block_id for b in table] for table in hit.tables]
+    assert tables == [[0, 1, None], [None, None, 6]]
+    assert hit.loads == [(0, 2, TIER_CPU)] and hit.num_loaded_blocks == 1
+    bm.free("b")
+    assert bm.allocate_slots("c", tokens, 12, 1, hit)
+    assert bm.group_block_ids("c") == [[0, 1, 4, 9], [-1, -1, 6, 3]]
+    assert bm.cached_blocks[0][hashes[2]].block_id == 4  # the loaded block is a prefix now
+    assert bm.take_evicted() == [(group_block_key(hashes[1], 1), 3)]
+    # Without the tiers: the full group holds blocks 0 and 1, but the sliding group's
+    # window for k = 2 is its block 1, just evicted, and for k = 1 its block 0: no hit.
+    assert bm.find_cached_prefix(tokens[:9], tier_of=lambda key: None).num_blocks == 0
 
 
 # ---- the scheduler: loads at admission ---------------------------------------------------------
@@ -357,6 +389,41 @@ def test_an_evicted_prefix_comes_back_from_the_tier(tiny_llama_dir, tmp_path, re
         llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
         files = existing_disk_blocks(tier_directory(llm.config))
         assert len(files) == stats.kv_tiers.blocks[index]
+
+
+def test_a_hybrid_models_evicted_prefix_comes_back_from_the_cpu_tier(tmp_path):
+    """Gemma 3's hybrid KV cache (a full group, two sliding ones of window 8): each group's
+    blocks go to the CPU tier under their own keys and come back, every group's, with the
+    outputs of recomputing them. A disk tier, whose loads can fail, is refused with why."""
+    from tiny_models import tiny_gemma3_overrides, write_tiny_model
+
+    from zllm.config.engine_args import EngineArgs
+    from zllm.kv.cache_groups import kv_cache_groups
+    from zllm.kv.tiers import block_bytes
+
+    gemma = str(write_tiny_model(tmp_path / "gemma", **tiny_gemma3_overrides(8)))
+    config = EngineArgs(model=gemma).create_engine_config()
+    assert len(kv_cache_groups(config.arch)) == 3
+    pool = 64 * block_bytes(config)
+    rng = random.Random(1)
+    prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
+    reference = LLM(gemma, kv_cache_memory_bytes=pool).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(gemma, kv_cache_memory_bytes=pool, kv_offload_bytes=512 * block_bytes(config))
+    first = llm.generate(prompts, GREEDY, use_tqdm=False)
+    flush_pool(llm, random.Random(2))
+    stats = llm.engine.heartbeat()  # (one struct, filled in place by each call)
+    tier_hits, pool_hits = stats.kv_tiers.hits[TIER_CPU], stats.prefix_cache_hits
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.engine.heartbeat()
+    assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
+    tier_hits = stats.kv_tiers.hits[TIER_CPU] - tier_hits
+    pool_hits = stats.prefix_cache_hits - pool_hits
+    assert tier_hits > 0 and tier_hits + pool_hits == 320
+    for ours, ref, earlier in zip(again, reference, first, strict=True):
+        assert_same_outputs(ours, ref)
+        assert_same_outputs(earlier, ref)
+    with pytest.raises(ValueError, match="several KV cache groups"):
+        LLM(gemma, kv_cache_memory_bytes=pool, kv_offload_dir=str(tmp_path / "tier"))
 
 
 def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):

@@ -22,6 +22,8 @@ NO_SALT: BlockHash = 0
 # "LoRA" and "Salt" in ASCII).
 _LORA_TAG = 0x4C6F5241
 _SALT_TAG = 0x53616C74
+# Tags a KV cache group's copy of a block in the KV tiers ("Grup" in ASCII).
+_GROUP_TAG = 0x47727570
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -44,6 +46,14 @@ def hash_full_blocks(
         parent = hashes[-1] if hashes else (NO_SALT if salt is None else salt)
         hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
     return hashes
+
+
+def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """What the KV tiers name one KV cache group's copy of a full block by. With several
+    groups (the hybrid KV cache) the same tokens live in a block per group, each holding
+    other layers' K/V; group 0's key is the block hash itself, so a model with one group
+    names its blocks as before."""
+    return block_hash if group == 0 else hash((_GROUP_TAG, block_hash, group))
 
 
 def cache_salt(options: RequestOptions) -> BlockHash | None:
