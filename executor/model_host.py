@@ -159,8 +159,10 @@ class ModelHost:
         config = self.config
         dummy = config.load_format == "dummy"
         if config.model_impl == "transformers":
+            # The whole model's arch: each rank cuts its part of the loaded model (tp).
+            where = (self.dtype, self.device, self.attention)
             return TransformersForCausalLM.load(
-                config.model_path, self.arch, self.dtype, self.device, self.attention, dummy
+                config.model_path, config.arch, *where, dummy, self.tp
             )
         model_cls = get_model_class(self.arch.architecture)
         model = model_cls(

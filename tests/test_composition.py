@@ -9,7 +9,8 @@ tensor- and pipeline-parallel ranks with speculative decoding (ngram and a draft
 rank's greedy tokens, proposals accepted), with the CPU KV tier (each rank stores and loads
 its own part of a block under the block's one hash; tensor-parallel ranks keep a disk tier
 each and agree on failed loads) and with LoRA adapters (each rank its part of every
-update); LoRA on the transformers backend (transformers' own linear modules wrapped)."""
+update); LoRA on the transformers backend (transformers' own linear modules wrapped); the
+transformers backend over tensor-parallel ranks (its modules cut by transformers' plan)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import random
 import pytest
 from servers import wait_until
 from test_sleep import resident_bytes
+from tiny_models import write_tiny_model
 
 from zllm import LLM, LoRARequest, SamplingParams
 
@@ -168,14 +170,20 @@ def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
 
 @pytest.mark.parametrize(
     "layout",
-    [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 4}],
-    ids=["pp2", "tp4-replicated-kv-heads"],
+    [
+        {"pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 4},
+        {"tensor_parallel_size": 4, "model_impl": "transformers"},
+    ],
+    ids=["pp2", "tp4-replicated-kv-heads", "tp4-transformers-backend"],
 )
 def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, adapters, layout):
     """Three adapters (every projection; q/v with rsLoRA; the MLP) and the base model mixed in
     one batch: each rank keeps its part of an update (a column-parallel matmul its outputs'
     columns of B, a row-parallel one its input rows of A, summed by the all-reduce), so the
-    greedy tokens are one rank's; the adapters change them."""
+    greedy tokens are one rank's; the adapters change them. On the transformers backend the
+    ranks cut transformers' modules by its plan, each of 4 ranks holding one of the 2 KV heads,
+    and an adapter's row-parallel update joins the partial product before the all-reduce."""
     prompts = prompts_with_repeats(8)
     per_prompt = each_adapter_and_the_base(len(prompts), adapters)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -343,3 +351,44 @@ def test_ranks_run_beam_search_and_an_int8_cache_as_one_rank(tiny_llama_dir, lay
         )
 
     assert run(LLM(tiny_llama_dir, **kw, **layout)) == run(LLM(tiny_llama_dir, **kw))
+
+
+def test_the_transformers_backend_splits_over_ranks_by_its_plan(tiny_llama_dir):
+    """--model-impl transformers with two tensor-parallel ranks: transformers' q/k/v and
+    gate/up cut by output rows, o/down by input columns and all-reduced (Llama's
+    base_model_tp_plan), each rank attending with its heads over its part of the KV cache:
+    one rank's greedy tokens, and its logprobs to 1e-4 (only the all-reduce's sum order
+    differs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    kw = dict(model_impl="transformers", kv_cache_memory_bytes=POOL)
+
+    def run(llm: LLM) -> tuple[list, list]:
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        steps = [zip(o.token_ids, o.logprobs, strict=True) for o in outs]
+        logprobs = [[pos[t].logprob for t, pos in each] for each in steps]
+        return [o.token_ids for o in outs], logprobs
+
+    tokens, logprobs = run(LLM(tiny_llama_dir, **kw))
+    split = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
+    assert split.model_runner.host.arch.num_heads == 2  # rank 0's share of 4 query heads
+    split_tokens, split_logprobs = run(split)
+    assert split_tokens == tokens
+    for ours, theirs in zip(split_logprobs, logprobs, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_the_transformers_backend_refuses_ranks_without_a_plan_it_can_cut(tmp_path):
+    """An architecture transformers declares no tensor-parallel plan for (GPT-2), or one whose
+    plan cuts experts (OLMoE), is refused at load on every rank, before a weight is read,
+    naming the architecture and why."""
+    from tiny_models import tiny_hf_config
+
+    from zllm.executor.models.transformers_tp import usable_plan
+
+    moe = tiny_hf_config("olmoe", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"olmoe cannot be split: its plan cuts experts \("):
+        usable_plan(moe)
+    assert usable_plan(tiny_hf_config("llama"))["layers.*.mlp.down_proj"] == "rowwise"
+    gpt2 = write_tiny_model(tmp_path / "gpt2", "gpt2", num_key_value_heads=None)
+    with pytest.raises(ValueError, match="transformers declares no tensor-parallel plan for gpt2"):
+        LLM(str(gpt2), model_impl="transformers", tensor_parallel_size=2)

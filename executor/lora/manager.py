@@ -25,6 +25,7 @@ from zllm.executor.lora.weights import (
     AdapterWeights,
     load_adapter_weights,
 )
+from zllm.executor.models.transformers_tp import RowParallelLinear
 from zllm.executor.parallel import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
 
@@ -66,9 +67,14 @@ class LoRAManager:
         for i, layer in zip(self.layers, decoder, strict=True):
             for name in self.matmuls:
                 block = getattr(layer, "self_attn" if name in ATTENTION_MATMULS else "mlp", None)
-                base = getattr(block, name, None)
+                owner, attr = block, name
+                if isinstance(getattr(block, name, None), RowParallelLinear):
+                    # A row-parallel transformers matmul: the update joins the rank's partial
+                    # product before the all-reduce sums it (and before the bias, added once).
+                    owner, attr = getattr(block, name), "local"
+                base = getattr(owner, attr, None)
                 if isinstance(base, nn.Module):
-                    setattr(block, name, LoRALinear(base, self.batch, i, name))
+                    setattr(owner, attr, LoRALinear(base, self.batch, i, name))
                     wrapped += 1
         if not wrapped:
             raise ValueError(

@@ -36,6 +36,8 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
+from zllm.executor.parallel import SINGLE, TensorParallel, local_arch
 
 logger = logging.getLogger(__name__)
 
@@ -175,6 +177,7 @@ class TransformersForCausalLM(nn.Module):
     flat batch -> hidden states, compute_logits), attending through `attention`'s layers."""
 
     def __init__(self, hf_model: nn.Module, arch: ModelArchConfig, attention: AttentionBackend):
+        """`arch`: this rank's (executor/parallel.py local_arch), what its layers attend with."""
         super().__init__()
         self.hf = hf_model
         self.arch = arch
@@ -199,11 +202,14 @@ class TransformersForCausalLM(nn.Module):
         device: torch.device,
         attention: AttentionBackend,
         dummy: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> TransformersForCausalLM:
         """transformers' from_pretrained: the model is built on the meta device and each
         safetensors tensor is read straight into its parameter (a GGUF file is dequantized
         by transformers' reader first). `dummy`: built from the config alone, with
-        transformers' own random initialization (--load-format dummy)."""
+        transformers' own random initialization (--load-format dummy). `arch`: the whole
+        model's; `tp`: this rank's place, whose part it keeps (transformers_tp.py: every rank
+        loads the whole model, then cuts it by the architecture's tensor-parallel plan)."""
         from transformers import AutoConfig
 
         _register()
@@ -212,6 +218,8 @@ class TransformersForCausalLM(nn.Module):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
         model_cls = causal_lm_class(config)
+        # Refused before any weight is read: an architecture without a plan zllm can cut.
+        plan = usable_plan(config) if tp.enabled else None
         if dummy:
             hf_model = model_cls._from_config(
                 config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype
@@ -225,8 +233,11 @@ class TransformersForCausalLM(nn.Module):
                 dtype=dtype,
                 device_map={"": device} if device.type != "cpu" else None,
             )
-        model = cls(hf_model.eval(), arch, attention)
-        model.check_layout(model.probe(device))
+        if plan is not None:
+            cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
+            logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
+        model = cls(hf_model.eval(), local_arch(arch, tp), attention)
+        model.check_layout(model.probe_cut(device, tp))
         logger.info(
             "Model code: transformers' %s, attention through zllm's paged KV cache",
             model_cls.__name__,
@@ -284,6 +295,19 @@ class TransformersForCausalLM(nn.Module):
         ids = torch.arange(4, device=device) % max(self.arch.vocab_size, 1)
         self._run(ids, torch.arange(4, device=device), step)
         return records
+
+    def probe_cut(self, device: torch.device, tp: TensorParallel) -> dict[int, LayerRecord]:
+        """`probe`; on a cut model, a module that kept a whole-model shape fails here, the
+        same way on every rank: refused, naming it."""
+        if not tp.enabled:
+            return self.probe(device)
+        try:
+            return self.probe(device)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"{self.arch.architecture}: transformers' modeling code does not run cut over "
+                f"{tp.size} tensor-parallel ranks (a module keeps a whole-model size): {exc}"
+            ) from exc
 
     def check_layout(self, records: dict[int, LayerRecord]) -> None:
         """ValueError unless every layer attends as the KV cache layout from config.json has it."""
