@@ -191,11 +191,11 @@ class EngineCore:
         """A client process died: nobody will read its requests' outputs, so abort them."""
         return self.abort(self.scheduler.requests_of_client(client_id))
 
-    def kv_received(self, stored: list[int], removed: list[int]) -> None:
-        """A disaggregation consumer's executor took in these blocks from a producer (and
-        dropped those to make room): the remote tier's index follows."""
+    def kv_received(self, stored: list[int], removed: list[int], rank: int = 0) -> None:
+        """A disaggregation consumer's executor rank took in these blocks (its part of them)
+        from a producer and dropped those to make room: the remote tier's index follows."""
         if self.kv_connector is not None:
-            self.kv_connector.received(stored, removed)
+            self.kv_connector.received(stored, removed, rank)
 
     def finish_sample(self, req_id: str, sample_index: int) -> None:
         """A stop string ended one sample (the detokenizer found it; its state is gone)."""
@@ -421,7 +421,9 @@ def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
     if offload is None and not remote_bytes:
         return None
     on_disk = blocks_on_every_rank(config) if offload and offload.disk_dir else []
-    return TieredKVConnector(offload, block_bytes(config), on_disk, remote_bytes)
+    return TieredKVConnector(
+        offload, block_bytes(config), on_disk, remote_bytes, config.tensor_parallel_size
+    )
 
 
 def _merge_batch(batches: DetokenizerBatches, worker: int, batch: DetokenizerBatch) -> None:

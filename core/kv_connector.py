@@ -20,8 +20,10 @@ leading blocks it holds.
 Prefill/decode disaggregation adds a third tier on a consumer, `remote`: the executor's buffer
 of blocks a producer sent (executor/kv_transfer.py). The core never stores into it; its index
 mirrors what the executor says it received and dropped (`received`), and its blocks load like
-any tier's. A producer's core asks its executor, step by step, to send the prompt blocks of
-the requests marked for it.
+any tier's. With tensor parallelism each rank's buffer holds its part of a block and reports
+on its own: the index holds a block once every rank does (`RemoteTierIndex`). A producer's
+core asks its executor, step by step, to send the prompt blocks of the requests marked for
+it.
 
 `SchedulerConnector` is what the scheduler calls (vLLM's scheduler-side connector): the
 tiers' hit at admission and the loads it takes, a consumer's wait for remote blocks, and
@@ -100,13 +102,42 @@ class TierIndex:
     def discard(self, block_hash: BlockHash) -> None:
         self._lru.pop(block_hash, None)
 
-    def mirror(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
-        """Follow a tier that manages its own contents (the remote buffer)."""
+
+class RemoteTierIndex(TierIndex):
+    """The remote tier: follows the buffers that manage their own contents, one per
+    tensor-parallel rank, each holding its part (its KV heads) of a block. A block is held
+    once every rank holds its part (a load needs them all), and not once any rank dropped
+    it; the blocks some ranks hold wait in `_holders` for the others."""
+
+    def __init__(self, capacity_blocks: int, ranks: int = 1) -> None:
+        super().__init__(TIER_REMOTE, capacity_blocks)
+        self.ranks = ranks
+        self._holders: dict[BlockHash, set[int]] = {}  # the ranks holding each part
+
+    def received(self, rank: int, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> int:
+        """Rank `rank`'s buffer took in `stored` and dropped `removed`; returns how many
+        blocks this made held (every rank now has its part)."""
         for block_hash in removed:
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(rank)
+                if not holders:
+                    del self._holders[block_hash]
             self._lru.pop(block_hash, None)
+        held = 0
         for block_hash in stored:
-            self._lru[block_hash] = None
-            self._lru.move_to_end(block_hash)
+            holders = self._holders.setdefault(block_hash, set())
+            holders.add(rank)
+            if len(holders) == self.ranks:
+                held += block_hash not in self._lru
+                self._lru[block_hash] = None
+                self._lru.move_to_end(block_hash)
+        return held
+
+    def discard(self, block_hash: BlockHash) -> None:
+        """A failed load: some rank had lost its part; forget every rank's."""
+        super().discard(block_hash)
+        self._holders.pop(block_hash, None)
 
 
 class TieredKVConnector:
@@ -120,9 +151,11 @@ class TieredKVConnector:
         block_bytes: int,
         disk_blocks: Sequence[BlockHash] = (),
         remote_bytes: int = 0,
+        remote_ranks: int = 1,
     ) -> None:
         """`disk_blocks`: what the disk tier directory already holds (oldest first).
-        `remote_bytes`: a disaggregation consumer's buffer of received blocks (0: none)."""
+        `remote_bytes`: a disaggregation consumer's buffer of received blocks (0: none), one
+        on each of `remote_ranks` tensor-parallel ranks."""
         self.tiers: list[TierIndex | None] = [None, None, None]
         if config is not None and config.cpu_bytes > 0:
             self.tiers[TIER_CPU] = TierIndex(TIER_CPU, config.cpu_bytes // block_bytes)
@@ -131,7 +164,7 @@ class TieredKVConnector:
                 TIER_DISK, config.disk_bytes // block_bytes, disk_blocks
             )
         if remote_bytes:
-            self.tiers[TIER_REMOTE] = TierIndex(TIER_REMOTE, remote_bytes // block_bytes)
+            self.tiers[TIER_REMOTE] = RemoteTierIndex(remote_bytes // block_bytes, remote_ranks)
         self.block_bytes = block_bytes
         # This step's transfers; a store cancelled by an eviction in the same step is
         # removed rather than followed by a drop (the executor never holds it).
@@ -157,12 +190,13 @@ class TieredKVConnector:
         """The tiers evicted pool blocks are stored into (not the remote one)."""
         return [t for t in self.active_tiers if t.tier != TIER_REMOTE]
 
-    def received(self, stored: Sequence[BlockHash], removed: Sequence[BlockHash]) -> None:
-        """The remote tier's buffer took in `stored` and dropped `removed`."""
+    def received(
+        self, stored: Sequence[BlockHash], removed: Sequence[BlockHash], rank: int = 0
+    ) -> None:
+        """Rank `rank`'s remote buffer took in `stored` and dropped `removed`."""
         index = self.tiers[TIER_REMOTE]
-        if index is not None:
-            index.mirror(stored, removed)
-            self.stored_blocks[TIER_REMOTE] += len(stored)
+        if isinstance(index, RemoteTierIndex):
+            self.stored_blocks[TIER_REMOTE] += index.received(rank, stored, removed)
 
     # ---- admission -------------------------------------------------------------------------
     def tier_of(self, key: BlockHash) -> int | None:

@@ -218,7 +218,7 @@ class CoreProcess:
         elif isinstance(msg, FinishSequence):
             engine.finish_sample(msg.req_id, msg.sample_index)
         elif isinstance(msg, KVBlocksReceived):
-            engine.kv_received(msg.stored, msg.removed)
+            engine.kv_received(msg.stored, msg.removed, msg.rank)
         elif isinstance(msg, ClientGone):
             batches = engine.client_gone(msg.client_id)
             logger.warning(

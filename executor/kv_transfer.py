@@ -18,6 +18,12 @@ that is not there when its load comes is recomputed (executor/model_runner.py
 `_transfer_kv`). Blocks are keyed by the hash chain of their tokens (zllm/kv/block_hash.py), the
 same in both engines.
 
+With tensor parallelism every rank does this for its part of each block (its KV heads):
+producer rank r's sender connects to consumer rank r's receiver at kv_port + r, and each
+consumer rank tells the core what its buffer holds (the core counts a block once every rank
+holds it; a load that fails on one rank is recomputed on all, model_runner.py). The layout
+names the rank count and the rank, so a peer cut otherwise has its blocks dropped.
+
 Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
 reads only such names, owned by its own user, and deletes each once read. Files of producers
 that died before their consumer read them are deleted at the next start of either side.
@@ -54,10 +60,10 @@ SHM_NAME = re.compile(r"zllm-kv-(\d+)-\d+")
 SOCKET_QUEUE_MESSAGES = 4
 
 
-def transfer_layout(config: EngineConfig) -> str:
+def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
     """What a block's bytes depend on, which two engines must share to exchange blocks:
     the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
-    and block size."""
+    and block size, and which tensor-parallel rank's part of it (its KV heads) of how many."""
     arch = config.arch
     path = config.model_path
     try:
@@ -70,7 +76,8 @@ def transfer_layout(config: EngineConfig) -> str:
     return (
         f"{os.path.basename(config.model_path.rstrip('/'))}:{size}:{arch.architecture}:"
         f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.kv_dtype}:"
-        f"{config.cache.block_size}:{config.quantization}"
+        f"{config.cache.block_size}:{config.quantization}:"
+        f"tp{config.tensor_parallel_size}.{rank}"
     )
 
 
@@ -78,10 +85,13 @@ class KVSender:
     """A producer's sends: `send` copies the blocks out of the pool at once; a thread puts
     them on the wire."""
 
-    def __init__(self, config: KVTransferConfig, pool: KVPool, layout: str) -> None:
+    def __init__(self, config: KVTransferConfig, pool: KVPool, layout: str, rank: int = 0) -> None:
+        """`rank`: this tensor-parallel rank, which sends its part of each block to the
+        consumer's rank of the same number."""
         self.config = config
         self.pool = pool
         self.layout = layout
+        self.address = config.rank_address(rank)
         self._names = (f"zllm-kv-{os.getpid()}-{i}" for i in itertools.count())
         self._queue: queue.SimpleQueue[tuple[KVBlocksHeader, torch.Tensor | None, int]] = (
             queue.SimpleQueue()
@@ -161,7 +171,7 @@ class KVSender:
         sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a consumer that is not there
         sock.setsockopt(zmq.SNDHWM, SOCKET_QUEUE_MESSAGES)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.config.address)
+        sock.connect(self.address)
         encoder = msgspec.msgpack.Encoder()
         while True:
             header, payload, nbytes = self._queue.get()
@@ -180,7 +190,7 @@ class KVSender:
     def _dropped(self, count: int) -> None:
         logger.warning(
             "KV transfer: the consumer at %s is not taking blocks; %d dropped (it recomputes)",
-            self.config.address,
+            self.address,
             count,
         )
 
@@ -249,21 +259,31 @@ class KVReceiver:
     """A consumer's thread: blocks from producers into the buffer, news of them to the core."""
 
     def __init__(
-        self, config: KVTransferConfig, buffer: RemoteKVBuffer, layout: str, core_in: str
+        self,
+        config: KVTransferConfig,
+        buffer: RemoteKVBuffer,
+        layout: str,
+        core_in: str,
+        rank: int = 0,
     ) -> None:
+        """`rank`: this tensor-parallel rank: it listens at kv_port + rank for its peer
+        rank's parts of blocks, and names itself in what it tells the core."""
         self.config = config
         self.buffer = buffer
         self.layout = layout
         self.core_in = core_in
+        self.rank = rank
+        address = config.rank_address(rank)
         if config.transport == "shm":
             remove_orphaned_shm_files()
         sock = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, SOCKET_QUEUE_MESSAGES)
         try:  # here, so a port in use fails the executor's start, saying so
-            sock.bind(config.address)
+            sock.bind(address)
         except zmq.ZMQError as e:
             raise RuntimeError(
-                f"--kv-transfer-config: cannot listen for KV blocks at {config.address}: {e}"
+                f"--kv-transfer-config: cannot listen for KV blocks at {address} "
+                f"(rank {rank}: kv_port + {rank}): {e}"
             ) from e
         self._sock = sock
         threading.Thread(target=self._receive_loop, name="kv-receive", daemon=True).start()
@@ -282,7 +302,8 @@ class KVReceiver:
                 continue
             stored, removed = self._store(header, frames[1:])
             if stored or removed:
-                to_core.send(encoder.encode(KVBlocksReceived(stored=stored, removed=removed)))
+                news = KVBlocksReceived(stored=stored, removed=removed, rank=self.rank)
+                to_core.send(encoder.encode(news))
 
     def _store(self, header: KVBlocksHeader, frames: list) -> tuple[list, list]:
         try:

@@ -17,8 +17,9 @@ With --distributed-executor-backend ray there is one executor process, which pla
 ranks as Ray actors and relays between them and the core (executor/ray_executor.py).
 
 A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
-receiver thread here: KV blocks from prefill instances into its buffer, news of them to the
-core (executor/kv_transfer.py).
+receiver thread here, in every tensor-parallel rank (rank r at kv_port + r): its part of the
+KV blocks from the producer's rank r into its buffer, news of them to the core
+(executor/kv_transfer.py).
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def main() -> None:
         # Prefill/decode disaggregation: blocks from prefill instances, into the buffer.
         from zllm.executor.kv_transfer import KVReceiver, transfer_layout
 
+        # Each tensor-parallel rank receives its part of the blocks on its own port.
         assert runner.kv_tiers is not None and runner.kv_tiers.remote is not None
-        layout = transfer_layout(engine)
-        KVReceiver(transfer, runner.kv_tiers.remote, layout, endpoints.core_in)
+        tp_rank = parallel.tp.rank
+        layout = transfer_layout(engine, tp_rank)
+        KVReceiver(transfer, runner.kv_tiers.remote, layout, endpoints.core_in, tp_rank)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)
     serve_steps(runner, inbox, fanout, outbox)
 

@@ -121,7 +121,7 @@ class ModelHost:
         )
         # A disaggregation producer's sender of prompt blocks.
         self.kv_sender = (
-            KVSender(transfer, self.kv_pool, transfer_layout(config))
+            KVSender(transfer, self.kv_pool, transfer_layout(config, self.tp.rank), self.tp.rank)
             if transfer is not None and transfer.produces
             else None
         )

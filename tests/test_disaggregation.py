@@ -8,6 +8,7 @@ recomputed; errors, cancellation and a prefill server that is down pass through.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -104,16 +105,39 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
     for role in ("kv_producer", "kv_consumer"):
         with pytest.raises(ValueError, match="every layer has a sliding window"):
             EngineArgs(model=windowed, kv_transfer_config={"kv_role": role}).create_engine_config()
-    with pytest.raises(ValueError, match="does not support --kv-transfer-config"):
+    # Tensor-parallel ranks each move their heads (on kv_port + rank); pipeline stages could
+    # not agree on a lost part without stalling the pipeline.
+    with pytest.raises(ValueError, match="does not support --kv-transfer-config.*a stage's"):
         EngineArgs(
-            model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2
+            model=tiny_llama_dir, kv_transfer_config=consumer, pipeline_parallel_size=2
         ).create_engine_config()
+    tp2 = EngineArgs(model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2)
+    assert tp2.create_engine_config().kv_transfer.rank_address(1) == "tcp://127.0.0.1:14580"
     with pytest.raises(ValueError, match="for served engines"):
         LLM(tiny_llama_dir, kv_transfer_config=consumer)
     with pytest.raises(ValueError, match="mp executor backend"):
         EngineArgs(
             model=tiny_llama_dir, kv_transfer_config=consumer, distributed_executor_backend="ray"
         ).create_engine_config()
+
+
+def test_a_tensor_parallel_consumers_ports_must_fit_and_leave_the_http_port(tiny_llama_dir):
+    """Rank r listens at kv_port + r: the range must be ports, and not the server's own."""
+    from zllm.config.serve import ServerArgs, serve_config_from
+
+    last = {"kv_role": "kv_consumer", "kv_port": 65535}
+    EngineArgs(model=tiny_llama_dir, kv_transfer_config=last).create_engine_config()
+    with pytest.raises(ValueError, match="needs ports 65535-65536.*past 65535"):
+        EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config=last, tensor_parallel_size=2
+        ).create_engine_config()
+    consumer = {"kv_role": "kv_consumer", "kv_port": 9000}
+    engine = EngineArgs(
+        model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2
+    ).create_engine_config()
+    with pytest.raises(ValueError, match="KV ports 9000-9001.*take the server's --port 9001"):
+        serve_config_from(engine, ServerArgs(port=9001))
+    assert serve_config_from(engine, ServerArgs(port=9002)).engine.kv_transfer.port == 9000
 
 
 def test_the_proxy_pairs_each_prefill_server_with_its_decode_server():
@@ -234,6 +258,45 @@ def test_the_remote_index_follows_what_the_buffer_says():
     assert kv.lookup([2, 3]) == [TIER_REMOTE] and kv.load_failures[TIER_REMOTE] == 1
 
 
+def test_the_remote_index_holds_a_block_once_every_rank_holds_its_part():
+    """Tensor-parallel ranks each hold their heads of a block in their own buffer: the core
+    loads a block only once every rank reported it, and forgets it once any rank dropped it
+    (or a load of it failed on some rank)."""
+    kv = TieredKVConnector(None, block_bytes=1, remote_bytes=8, remote_ranks=2)
+    kv.received([1, 2, 3], [], rank=0)
+    assert kv.lookup([1]) == [] and kv.stored_blocks[TIER_REMOTE] == 0  # rank 1's parts?
+    kv.received([1, 2], [], rank=1)
+    assert kv.lookup([1, 2, 3]) == [TIER_REMOTE] * 2 and kv.stored_blocks[TIER_REMOTE] == 2
+    kv.received([2], [], rank=1)  # a resend: held already, counted once
+    assert kv.stored_blocks[TIER_REMOTE] == 2
+    kv.received([4], [1], rank=1)  # rank 1 dropped block 1: no whole copy is left
+    assert kv.lookup([1]) == [] and kv.lookup([2]) == [TIER_REMOTE]
+    kv.received([1], [], rank=1)  # (rank 0 dropped nothing: its part of 1 is still there)
+    assert kv.lookup([1]) == [TIER_REMOTE]
+    kv.received([4], [3], rank=0)  # 3's part only ever on rank 0, now gone; 4 on both
+    assert kv.lookup([4]) == [TIER_REMOTE] and kv.lookup([3]) == []
+    kv.received([3], [], rank=1)  # so rank 1's part of 3 alone does not make it held
+    assert kv.lookup([3]) == []
+    kv.load_failed([(TIER_REMOTE, 2)])  # a rank lost its part between report and load
+    assert kv.lookup([2]) == []
+    kv.received([2], [], rank=0)  # sent again: held once every rank has it again
+    assert kv.lookup([2]) == []
+    kv.received([2], [], rank=1)
+    assert kv.lookup([2]) == [TIER_REMOTE]
+
+
+def test_a_ranks_news_decodes_and_one_from_before_ranks_reads_as_rank_0():
+    import msgspec
+
+    from zllm.protocol import CoreInput
+
+    decode = msgspec.msgpack.Decoder(CoreInput).decode
+    news = KVBlocksReceived(stored=[5], removed=[6], rank=1)
+    assert decode(msgspec.msgpack.encode(news)) == news
+    old = msgspec.msgpack.encode(KVBlocksReceived(stored=[5], removed=[6]))
+    assert decode(old).rank == 0
+
+
 # ---- the executor's bytes ------------------------------------------------------------------
 
 
@@ -285,6 +348,40 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     assert not news.poll(500)
     news.close(linger=0)
     os.unlink(core_in.removeprefix("ipc://"))  # zmq leaves a bound ipc path behind
+
+
+def test_each_rank_sends_its_part_of_the_blocks_to_its_peer_rank(tiny_llama_dir):
+    """Tensor-parallel rank 1 of a producer reaches rank 1 of the consumer at kv_port + 1,
+    which names its rank to the core. The layout names the rank count and the rank, so the
+    parts of a producer cut otherwise are dropped (the consumer computes those blocks)."""
+    import msgspec
+    import zmq
+
+    from zllm.executor.kv_transfer import transfer_layout
+
+    configs = [
+        EngineArgs(model=tiny_llama_dir, tensor_parallel_size=tp).create_engine_config()
+        for tp in (1, 2)
+    ]
+    layouts = {transfer_layout(configs[0]), *(transfer_layout(configs[1], r) for r in (0, 1))}
+    assert len(layouts) == 3
+    port = free_port_range(2)
+    consumer = KVTransferConfig(role="kv_consumer", port=port)
+    core_in = f"ipc:///tmp/zllm-test-kv-{port}"
+    news = zmq.Context.instance().socket(zmq.PULL)
+    news.bind(core_in)
+    buffer = RemoteKVBuffer(make_pool(num_blocks=8), capacity=4, pin_memory=False)
+    KVReceiver(consumer, buffer, "rank-1-layout", core_in, rank=1)
+    producer = KVTransferConfig(role="kv_producer", port=port)
+    sender = KVSender(producer, make_pool(num_blocks=8), "rank-1-layout", rank=1)
+    deadline = time.monotonic() + 10
+    while not news.poll(200):  # (sends before the connection is up are dropped)
+        assert time.monotonic() < deadline
+        sender.send([(111, 3)])
+    message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
+    assert (message.stored, message.rank) == ([111], 1)
+    news.close(linger=0)
+    os.unlink(core_in.removeprefix("ipc://"))
 
 
 def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
@@ -350,6 +447,24 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
 
 
 # ---- through servers -----------------------------------------------------------------------
+
+
+def free_port_range(n: int) -> int:
+    """A port p with p .. p + n - 1 all free (a tensor-parallel consumer's kv_port)."""
+    import socket
+
+    for _ in range(50):
+        first = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 6,
@@ -650,6 +765,47 @@ def test_a_lost_transfer_is_recomputed(disagg, tiny_llama_dir, tmp_path):
     finally:
         proxy.stop()
         stop_server(prefill)
+        stop_server(decode)
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_pair_sends_each_ranks_heads(tiny_llama_dir, tmp_path):
+    """Both servers with --tensor-parallel-size 2: producer rank r sends its KV heads of each
+    prompt block to consumer rank r (kv_port + r). Through the proxy the greedy answers equal
+    a plain server's (the producer's own, asked unmarked: the same cut of the model), and the
+    consumer loaded every full prompt block from the transfer, held on both its ranks."""
+    port = free_port_range(2)
+    tp2 = ("--tensor-parallel-size", "2", "--kv-transfer-config")
+    decode = start_server(
+        tiny_llama_dir, tmp_path / "decode.log", *tp2,
+        kv_config("kv_consumer", port, wait_timeout_s=30),
+    )  # fmt: skip
+    prefill = None
+    proxy = None
+    try:
+        prefill = start_server(
+            tiny_llama_dir, tmp_path / "prefill.log", *tp2, kv_config("kv_producer", port)
+        )
+        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+        client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        reference, loadable = [], 0
+        for prompt in PROMPTS[:2]:
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=0
+            )
+            reference.append(answer.choices[0].text)
+            # The full blocks a prefix hit can take (not one ending with the last token).
+            loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+        assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
+        assert wait_until(lambda: remote_hits(decode) == loadable, 5), decode.log_tail()
+        timeouts = metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total")
+        assert timeouts == 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if prefill is not None:
+            stop_server(prefill)
         stop_server(decode)
 
 

@@ -391,10 +391,13 @@ class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
 
 class KVBlocksReceived(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=16):
     """Executor -> core (prefill/decode disaggregation, a consumer): block hashes whose KV
-    arrived from a producer into the executor's buffer, and those it dropped to make room."""
+    arrived from a producer into the executor's buffer, and those it dropped to make room.
+    `rank`: the tensor-parallel rank whose buffer (its part of each block) this is; the
+    core holds a block once every rank has its part."""
 
     stored: list[int] = []
     removed: list[int] = []
+    rank: int = 0  # (last, with a default: a message of one rank decodes as before)
 
 
 CoreInput = (

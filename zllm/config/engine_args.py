@@ -33,7 +33,7 @@ from zllm.config.generation import (
     merge_eos_token_ids,
     read_generation_config,
 )
-from zllm.config.kv_transfer import KVTransferConfig, kv_transfer_config_from
+from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.parallel import check_parallel
 from zllm.config.speculative import speculative_config_from
 from zllm.kv.cache_groups import kv_cache_groups
@@ -375,6 +375,7 @@ class EngineArgs:
         if transfer is None:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config", fallible=True)
+        check_ports(transfer, self.tensor_parallel_size)
         if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
             # Its block tables drop blocks that left the window: a prompt's early blocks are
             # gone by the time the step that completes it would send them.

@@ -14,6 +14,10 @@ from the buffer. What never arrives is computed, so a lost transfer costs time, 
 wrong answer. `transport` "shm" moves the bytes through shared memory (both on one host),
 "tcp" through the socket.
 
+With --tensor-parallel-size N (the same N on both servers) each rank moves its own part of
+a block (its KV heads): producer rank r sends to consumer rank r, which listens at
+kv_port + r, so a consumer takes the ports kv_port .. kv_port + N - 1 (`rank_address`).
+
 `zllm proxy` (zllm/proxy/app.py) sends each request to a producer with max_tokens 1
 and then to a consumer, marking both.
 
@@ -66,7 +70,28 @@ class KVTransferConfig:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return self.rank_address(0)
+
+    def rank_address(self, rank: int) -> str:
+        """Where tensor-parallel rank `rank`'s blocks go: each rank has its own channel to its
+        peer rank, so the parts of a block never need to meet in one process."""
+        return f"tcp://{self.host}:{self.port + rank}"
+
+
+def check_ports(config: KVTransferConfig, ranks: int, server_port: int | None = None) -> None:
+    """Refuse a port range (kv_port + each rank) that is not all ports, or that takes the
+    server's own HTTP port (a consumer binds them all on its host; a producer connects)."""
+    last = config.port + ranks - 1
+    if last > 65535:
+        raise ValueError(
+            f"kv_transfer_config: kv_port {config.port} with {ranks} tensor-parallel ranks "
+            f"needs ports {config.port}-{last} (rank r at kv_port + r), past 65535"
+        )
+    if server_port is not None and config.port <= server_port <= last:
+        raise ValueError(
+            f"kv_transfer_config: the KV ports {config.port}-{last} (kv_port + each "
+            f"tensor-parallel rank) take the server's --port {server_port}"
+        )
 
 
 def kv_transfer_config_from(value: dict[str, Any] | None) -> KVTransferConfig | None:

@@ -86,9 +86,11 @@ def check_parallel(config: EngineConfig) -> None:
             "cannot fail: --kv-offload-bytes works)",
         ),
         (
-            config.kv_transfer is not None,
-            "--kv-transfer-config (each rank would need its own channel to its peer rank, "
-            "and the ranks to agree on lost transfers)",
+            pp > 1 and config.kv_transfer is not None,
+            "--kv-transfer-config (a stage's load of received blocks can fail alone, its "
+            "part dropped from a full buffer, and the stages could only agree on it before "
+            "the first stage's forward by stalling the pipeline; tensor-parallel ranks "
+            "agree: each sends its heads to its peer rank)",
         ),
     ]
     named = [name for refused, name in unsupported if refused]

@@ -26,6 +26,7 @@ from zllm.config.arg_utils import (
     positive_int,
 )
 from zllm.config.engine import EngineConfig
+from zllm.config.kv_transfer import check_ports
 from zllm.lora import LoRARequest, parse_lora_modules, read_adapter, with_digest
 
 logger = logging.getLogger(__name__)
@@ -313,6 +314,8 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     n = server.detokenizer_workers
     ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
     check_data_parallel(engine, server.data_parallel_size)
+    if engine.kv_transfer is not None and engine.kv_transfer.consumes:  # it binds them
+        check_ports(engine.kv_transfer, engine.tensor_parallel_size, server.port)
     engines = server.data_parallel_size
     copied = {
         f.name: getattr(server, f.name)
