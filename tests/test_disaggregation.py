@@ -330,7 +330,10 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     buffer = RemoteKVBuffer(consumer_pool, capacity=16, pin_memory=False)
     KVReceiver(consumer, buffer, "layout-a", core_in)
     sender = KVSender(config, producer_pool, "layout-a")
-    before = set(os.listdir(SHM_DIR))
+    def transfer_files() -> set[str]:  # (only ours: other processes use /dev/shm too)
+        return {name for name in os.listdir(SHM_DIR) if name.startswith("zllm-kv-")}
+
+    before = transfer_files()
     deadline = time.monotonic() + 10
     while not news.poll(200):  # (sends before the connection is up are dropped)
         assert time.monotonic() < deadline
@@ -342,7 +345,7 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
         news.recv()
     assert buffer.load([111, 222], [0, 1]) == []
     assert torch.equal(consumer_pool.gather([0, 1]), producer_pool.gather([3, 5]))
-    assert set(os.listdir(SHM_DIR)) <= before  # the consumer deleted the shared-memory files
+    assert transfer_files() <= before  # the consumer deleted the shared-memory files
     # Blocks of another model or layout are dropped, and the core hears of nothing.
     KVSender(config, producer_pool, "layout-b").send([(333, 1)])
     assert not news.poll(500)
