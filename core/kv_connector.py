@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from zllm.config.engine import KVOffloadConfig
-from zllm.config.kv_transfer import KVTransferConfig
+from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
 from zllm.core.block_manager import BlockManager
 from zllm.core.prefix_lookup import PrefixHit
 from zllm.core.request import Request
@@ -415,14 +415,17 @@ class SchedulerConnector:
         self.tiers.evicted(self.block_manager.take_evicted())
         return self.tiers.take_transfers()
 
-    def sends(self, scheduled: Sequence[Request]) -> list[tuple[int, int]]:
+    def sends(self, scheduled: Sequence[Request]) -> tuple[list[tuple[int, int]], list[int]]:
         """A producer: the (hash, block id) of every full prompt block of each request marked
         do_remote_decode whose prompt this step completes (its cached blocks too), for the
-        executor to send once the forward has written them."""
+        executor to send once the forward has written them; and, to a consumer of several
+        data-parallel engines, the engine each block goes to (the one its request is routed
+        to there: `consumer_engine`; [] with one engine, where all go to engine 0)."""
         if self.transfer is None or not self.transfer.produces:
-            return []
+            return [], []
         sends: list[tuple[int, int]] = []
-        bm = self.block_manager
+        engines: list[int] = []
+        bm, num_engines = self.block_manager, self.transfer.consumer_engines
         for req in scheduled:
             params = req.kv_transfer
             if params is None or not params.do_remote_decode or req.kv_sent:
@@ -435,8 +438,11 @@ class SchedulerConnector:
             num_full = (req.num_prompt_tokens - 1) // bm.block_size
             hashes = bm.block_hashes(req.req_id)[:num_full]
             sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
+            engine = consumer_engine(hashes, num_engines)
+            if num_engines > 1 and engine is not None:
+                engines.extend([engine] * len(hashes))
         self.num_sent_blocks += len(sends)
-        return sends
+        return sends, engines
 
 
 assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

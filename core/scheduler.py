@@ -523,7 +523,7 @@ class Scheduler:
         bm = self.block_manager
         changed = bm.take_changed_tables()
         kv_transfers = self.kv.take_transfers()
-        kv_sends = self.kv.sends(plan.scheduled)
+        kv_sends, kv_send_engines = self.kv.sends(plan.scheduled)
         pipeline = self.config.pipeline_stages > 1
         new_reqs, cached_reqs = plan.request_data(bm, changed, pipeline)
         self._step_id += 1
@@ -542,6 +542,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             kv_transfers=kv_transfers,
             kv_sends=kv_sends,
+            kv_send_engines=kv_send_engines,
         )
         self._pending_forks = []
         self._finished_req_ids = []

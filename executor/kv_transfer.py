@@ -18,6 +18,11 @@ that is not there when its load comes is recomputed (executor/model_runner.py
 `_transfer_kv`). Blocks are keyed by the hash chain of their tokens (zllm/kv/block_hash.py), the
 same in both engines.
 
+A consumer with several data-parallel engines listens in each engine's executors, each on
+its own ports (kv_port + engine x ranks + rank); a producer's sender keeps a socket per
+consumer engine and sends each request's blocks to the one its core names (the engine the
+consumer routes that request to: zllm/config/kv_transfer.py `consumer_engine`).
+
 With tensor parallelism every rank does this for its part of each block (its KV heads):
 producer rank r's sender connects to consumer rank r's receiver at kv_port + r, and each
 consumer rank tells the core what its buffer holds (the core counts a block once every rank
@@ -83,17 +88,22 @@ def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
 
 class KVSender:
     """A producer's sends: `send` copies the blocks out of the pool at once; a thread puts
-    them on the wire."""
+    them on the wire, to the consumer engine each block's request is served by."""
 
-    def __init__(self, config: KVTransferConfig, pool: KVPool, layout: str, rank: int = 0) -> None:
-        """`rank`: this tensor-parallel rank, which sends its part of each block to the
-        consumer's rank of the same number."""
+    def __init__(
+        self, config: KVTransferConfig, pool: KVPool, layout: str, rank: int = 0, ranks: int = 1
+    ) -> None:
+        """`rank`: this tensor-parallel rank (of `ranks`), which sends its part of each block
+        to the consumer's rank of the same number, in each of the consumer's engines."""
         self.config = config
         self.pool = pool
         self.layout = layout
-        self.address = config.rank_address(rank)
+        # One address (and socket) per consumer engine: each has its own buffer.
+        self.addresses = [
+            config.engine_address(engine, rank, ranks) for engine in range(config.consumer_engines)
+        ]
         self._names = (f"zllm-kv-{os.getpid()}-{i}" for i in itertools.count())
-        self._queue: queue.SimpleQueue[tuple[KVBlocksHeader, torch.Tensor | None, int]] = (
+        self._queue: queue.SimpleQueue[tuple[int, KVBlocksHeader, torch.Tensor | None, int]] = (
             queue.SimpleQueue()
         )
         # Bytes queued and not yet handed to the socket, at most kv_buffer_size.
@@ -104,9 +114,23 @@ class KVSender:
         self._thread = threading.Thread(target=self._send_loop, name="kv-send", daemon=True)
         self._thread.start()
 
-    def send(self, sends: Sequence[tuple[BlockHash, int]]) -> None:
-        """Send these (block hash, block id) pool blocks to the consumer."""
+    def send(self, sends: Sequence[tuple[BlockHash, int]], engines: Sequence[int] = ()) -> None:
+        """Send these (block hash, block id) pool blocks to the consumer: sends[i] to its
+        engine engines[i] (none given: all to engine 0)."""
+        if not engines:
+            self._send_to(0, sends)
+            return
+        by_engine: dict[int, list[tuple[BlockHash, int]]] = {}
+        for send, engine in zip(sends, engines, strict=True):
+            by_engine.setdefault(engine, []).append(send)
+        for engine, own in by_engine.items():
+            self._send_to(engine, own)
+
+    def _send_to(self, engine: int, sends: Sequence[tuple[BlockHash, int]]) -> None:
         if not sends:
+            return
+        if not 0 <= engine < len(self.addresses):  # (a core's config this one does not share)
+            self._dropped(engine, len(sends))
             return
         hashes = [h for h, _ in sends]
         block_ids = [b for _, b in sends]
@@ -119,7 +143,7 @@ class KVSender:
                 full = False
                 self._queued_bytes += nbytes
         if full:  # the consumer does not keep up: it recomputes these
-            self._dropped(len(sends))
+            self._dropped(engine, len(sends))
             return
         header = KVBlocksHeader(
             hashes=hashes,
@@ -135,11 +159,11 @@ class KVSender:
                 logger.warning("KV transfer: could not write the blocks to %s: %s", SHM_DIR, e)
                 with self._lock:
                     self._queued_bytes -= nbytes
-                self._dropped(len(sends))
+                self._dropped(engine, len(sends))
                 return
         else:
             payload = self.pool.gather(block_ids)
-        self._queue.put((header, payload, nbytes))
+        self._queue.put((engine, header, payload, nbytes))
 
     def _write_shm(self, block_ids: list[int]) -> str:
         """The blocks, gathered straight into a new file in /dev/shm; returns its name."""
@@ -167,30 +191,36 @@ class KVSender:
         return name
 
     def _send_loop(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a consumer that is not there
-        sock.setsockopt(zmq.SNDHWM, SOCKET_QUEUE_MESSAGES)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.address)
+        socks = [self._connect(address) for address in self.addresses]
         encoder = msgspec.msgpack.Encoder()
         while True:
-            header, payload, nbytes = self._queue.get()
+            engine, header, payload, nbytes = self._queue.get()
             frames = [encoder.encode(header)]
             if payload is not None:
                 frames.append(payload.contiguous().view(torch.uint8).numpy())
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                socks[engine].send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                self._dropped(len(header.hashes))
+                self._dropped(engine, len(header.hashes))
                 if header.shm_file:
                     _unlink(header.shm_file)
             with self._lock:
                 self._queued_bytes -= nbytes
 
-    def _dropped(self, count: int) -> None:
+    @staticmethod
+    def _connect(address: str) -> zmq.Socket:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a consumer that is not there
+        sock.setsockopt(zmq.SNDHWM, SOCKET_QUEUE_MESSAGES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
+    def _dropped(self, engine: int, count: int) -> None:
+        address = self.addresses[engine] if 0 <= engine < len(self.addresses) else engine
         logger.warning(
             "KV transfer: the consumer at %s is not taking blocks; %d dropped (it recomputes)",
-            self.address,
+            address,
             count,
         )
 
@@ -265,15 +295,18 @@ class KVReceiver:
         layout: str,
         core_in: str,
         rank: int = 0,
+        engine: int = 0,
+        ranks: int = 1,
     ) -> None:
-        """`rank`: this tensor-parallel rank: it listens at kv_port + rank for its peer
-        rank's parts of blocks, and names itself in what it tells the core."""
+        """`rank`: this tensor-parallel rank (of `ranks`) of data-parallel engine `engine`:
+        it listens at kv_port + engine x ranks + rank for its peer rank's parts of blocks,
+        and names itself in what it tells the core."""
         self.config = config
         self.buffer = buffer
         self.layout = layout
         self.core_in = core_in
         self.rank = rank
-        address = config.rank_address(rank)
+        address = config.engine_address(engine, rank, ranks)
         if config.transport == "shm":
             remove_orphaned_shm_files()
         sock = zmq.Context.instance().socket(zmq.PULL)
@@ -283,7 +316,7 @@ class KVReceiver:
         except zmq.ZMQError as e:
             raise RuntimeError(
                 f"--kv-transfer-config: cannot listen for KV blocks at {address} "
-                f"(rank {rank}: kv_port + {rank}): {e}"
+                f"(engine {engine}'s rank {rank}: kv_port + {engine * ranks + rank}): {e}"
             ) from e
         self._sock = sock
         threading.Thread(target=self._receive_loop, name="kv-receive", daemon=True).start()

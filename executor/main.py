@@ -17,21 +17,26 @@ With --distributed-executor-backend ray there is one executor process, which pla
 ranks as Ray actors and relays between them and the core (executor/ray_executor.py).
 
 A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
-receiver thread here, in every tensor-parallel rank (rank r at kv_port + r): its part of the
-KV blocks from the producer's rank r into its buffer, news of them to the core
-(executor/kv_transfer.py).
+receiver thread here, in every tensor-parallel rank (rank r of data-parallel engine e at
+kv_port + e x ranks + r): its part of the KV blocks from the producer's rank r into its
+buffer, news of them to its core (executor/kv_transfer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import zmq
 
 from zllm.config.parallel import TP_INIT_ENV
+from zllm.config.serve import ServeConfig
 from zllm.protocol import ProcessRole
 from zllm.runtime.procutil import index_arg, report_ready, start_process
+
+if TYPE_CHECKING:  # (imported in main: torch only once the process knows it runs a model)
+    from zllm.executor.model_runner import ModelRunner
 
 logger = logging.getLogger("zllm.executor")
 
@@ -73,18 +78,30 @@ def main() -> None:
         outbox = ctx.socket(zmq.PUSH)
         outbox.bind(endpoints.executor_out)
     runner = ModelRunner(engine, parallel)
-    transfer = engine.kv_transfer
-    if transfer is not None and transfer.consumes:
-        # Prefill/decode disaggregation: blocks from prefill instances, into the buffer.
-        from zllm.executor.kv_transfer import KVReceiver, transfer_layout
-
-        # Each tensor-parallel rank receives its part of the blocks on its own port.
-        assert runner.kv_tiers is not None and runner.kv_tiers.remote is not None
-        tp_rank = parallel.tp.rank
-        layout = transfer_layout(engine, tp_rank)
-        KVReceiver(transfer, runner.kv_tiers.remote, layout, endpoints.core_in, tp_rank)
+    if engine.kv_transfer is not None and engine.kv_transfer.consumes:
+        start_kv_receiver(config, runner, parallel.tp.rank)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)
     serve_steps(runner, inbox, fanout, outbox)
+
+
+def start_kv_receiver(config: ServeConfig, runner: ModelRunner, tp_rank: int) -> None:
+    """Prefill/decode disaggregation, a consumer: blocks from prefill instances, into the
+    buffer. Each tensor-parallel rank of each data-parallel engine receives its part of the
+    blocks on its own port."""
+    from zllm.executor.kv_transfer import KVReceiver, transfer_layout
+
+    engine = config.engine
+    assert engine.kv_transfer is not None
+    assert runner.kv_tiers is not None and runner.kv_tiers.remote is not None
+    KVReceiver(
+        engine.kv_transfer,
+        runner.kv_tiers.remote,
+        transfer_layout(engine, tp_rank),
+        config.engine_endpoints.core_in,
+        tp_rank,
+        engine=config.engine_index,
+        ranks=engine.tensor_parallel_size,
+    )
 
 
 if __name__ == "__main__":

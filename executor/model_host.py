@@ -120,11 +120,10 @@ class ModelHost:
             KVTiers(config, self.kv_pool, self.tp.rank) if offloads or receives else None
         )
         # A disaggregation producer's sender of prompt blocks.
-        self.kv_sender = (
-            KVSender(transfer, self.kv_pool, transfer_layout(config, self.tp.rank), self.tp.rank)
-            if transfer is not None and transfer.produces
-            else None
-        )
+        self.kv_sender: KVSender | None = None
+        if transfer is not None and transfer.produces:
+            layout, ranks = transfer_layout(config, self.tp.rank), config.tensor_parallel_size
+            self.kv_sender = KVSender(transfer, self.kv_pool, layout, self.tp.rank, ranks)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""

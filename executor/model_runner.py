@@ -246,7 +246,8 @@ class ModelRunner:
         if hidden is None:
             return None  # passed on to the next stage
         if so.kv_sends and self.host.kv_sender is not None:
-            self.host.kv_sender.send(so.kv_sends)  # the prompt blocks this forward completed
+            # The prompt blocks this forward completed, each to its consumer engine.
+            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
         prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)

@@ -240,10 +240,15 @@ def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
     from zllm.config.engine_args import EngineArgs
     from zllm.config.serve import ServerArgs, serve_config_from
 
-    engine = EngineArgs(
-        model=tiny_llama_dir, kv_transfer_config={"kv_role": "kv_producer"}
-    ).create_engine_config()
-    with pytest.raises(ValueError, match="does not support --kv-transfer-config"):
+    engine = EngineArgs(model=tiny_llama_dir).create_engine_config()
+    engine.distributed_executor_backend = "ray"  # (as if Ray were installed)
+    with pytest.raises(ValueError, match="does not support --distributed-executor-backend ray"):
+        serve_config_from(engine, ServerArgs(data_parallel_size=2))
+    # KV transfers compose (test_disaggregation.py: each consumer engine has its own ports).
+    for role in ("kv_producer", "kv_consumer"):
+        engine = EngineArgs(
+            model=tiny_llama_dir, kv_transfer_config={"kv_role": role}
+        ).create_engine_config()
         serve_config_from(engine, ServerArgs(data_parallel_size=2))
     config = serve_config_from(
         EngineArgs(model=tiny_llama_dir).create_engine_config(), ServerArgs(data_parallel_size=3)

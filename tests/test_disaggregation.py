@@ -50,7 +50,11 @@ def test_config_in_vllms_shape():
             "kv_port": 15000,
             "kv_buffer_size": 1e9,
             "kv_rank": 1,  # vLLM's, meaningless here: accepted
-            "kv_connector_extra_config": {"transport": "tcp", "wait_timeout_s": 2},
+            "kv_connector_extra_config": {
+                "transport": "tcp",
+                "wait_timeout_s": 2,
+                "consumer_data_parallel_size": 2,
+            },
         }
     )
     assert config == KVTransferConfig(
@@ -60,6 +64,7 @@ def test_config_in_vllms_shape():
         buffer_bytes=10**9,
         transport="tcp",
         wait_timeout_s=2.0,
+        consumer_engines=2,
     )
     assert config.consumes and not config.produces and config.address == "tcp://10.0.0.2:15000"
 
@@ -83,6 +88,12 @@ def test_config_in_vllms_shape():
          "kv_connector_extra_config must be a dict"),
         ({"kv_role": "kv_consumer", "kv_connector_extra_config": {"wait_timeout_s": "soon"}},
          "wait_timeout_s must be a number"),
+        ({"kv_role": "kv_producer",
+          "kv_connector_extra_config": {"consumer_data_parallel_size": 0}},
+         "consumer_data_parallel_size must be at least 1"),
+        ({"kv_role": "kv_producer",
+          "kv_connector_extra_config": {"consumer_data_parallel_size": 1.5}},
+         "consumer_data_parallel_size must be a whole number"),
     ],
 )  # fmt: skip
 def test_config_errors_name_the_problem(value, message):
@@ -330,6 +341,7 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     buffer = RemoteKVBuffer(consumer_pool, capacity=16, pin_memory=False)
     KVReceiver(consumer, buffer, "layout-a", core_in)
     sender = KVSender(config, producer_pool, "layout-a")
+
     def transfer_files() -> set[str]:  # (only ours: other processes use /dev/shm too)
         return {name for name in os.listdir(SHM_DIR) if name.startswith("zllm-kv-")}
 

@@ -239,3 +239,76 @@ def test_merged_stats_sum_the_engines():
     assert tenants["t"].num_requests == 6 and tenants["t"].weight == 2.0
     assert set(tenants) == {"t", "u"}
     assert merge_stats([one]) is one
+
+
+def test_a_disaggregation_consumers_marked_request_is_pinned_to_its_blocks_engine():
+    """do_remote_prefill requests go to the engine their blocks are sent to, whatever the
+    prefix affinity, the load or the policy; if it is down, where the policy says."""
+    for policy in ("cache_aware", "load"):
+        router, _ = router_with(3, policy)
+        router.on_kv_events(KVCacheEvents(engine=2, stored=hashes(PREFIX)))
+        router.on_stats(EngineStats(engine_index=1, num_waiting=50))
+        assert router.choose(hashes(PREFIX), pinned=1) == 1
+        router.mark_down(1)
+        expected = {2} if policy == "cache_aware" else {0, 2}  # (load: a tie, round robin)
+        assert router.choose(hashes(PREFIX), pinned=1) in expected
+        assert router.choose(hashes(PREFIX), exclude=[0], pinned=0) == 2
+
+
+def test_the_consumer_engine_of_a_prompt_is_its_first_blocks_hash_modulo_the_engines():
+    from zllm.config.kv_transfer import consumer_engine
+
+    first = hashes(PREFIX)[0]
+    assert consumer_engine(hashes(PREFIX), 3) == first % 3
+    assert consumer_engine(hashes(PREFIX[:5]), 3) == first % 3  # only the first block counts
+    assert consumer_engine([], 3) is None  # no full block: nothing is sent, any engine will do
+    assert consumer_engine([-7], 2) == 1  # (hashes may be negative)
+    salted = hash_full_blocks(PREFIX, BS, salt=cache_salt(RequestOptions(cache_salt="x")))
+    spread = {consumer_engine(hash_full_blocks([i, *PREFIX], BS), 4) for i in range(64)}
+    assert salted[0] != first and spread == {0, 1, 2, 3}
+
+
+class FakeSocket:
+    def __init__(self, refuses: bool = False) -> None:
+        self.refuses = refuses
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        import zmq
+
+        if self.refuses:
+            raise zmq.Again()
+        self.sent.append(data)
+
+
+def test_a_tokenizer_routes_a_marked_request_to_its_blocks_engine_or_unmarks_it():
+    """A consumer's tokenizer worker sends a do_remote_prefill request to the engine its
+    prompt's blocks go to; when that engine's core refuses the send (it is down), another
+    engine gets it unmarked: its blocks will not come there, so it computes the prompt at
+    once instead of waiting its timeout."""
+    import msgspec
+
+    from zllm.config.kv_transfer import consumer_engine
+    from zllm.protocol import EngineCoreRequest, KVTransferParams
+    from zllm.sampling_params import SamplingParams
+    from zllm.tokenizer_proc.main import EngineSender
+
+    sender = EngineSender.__new__(EngineSender)  # (its sockets faked: no ZeroMQ here)
+    sender.encoder = msgspec.msgpack.Encoder()
+    sender.block_size, sender.prefix_caching, sender.consumes = BS, True, True
+    sender.to_frontend = FakeSocket()
+    sender.router, _ = router_with(2)
+    marked = RequestOptions(kv_transfer=KVTransferParams(do_remote_prefill=True))
+    prompt = next(  # a prompt whose blocks go to engine 1 (engine 0 holds nothing of it)
+        p for i in range(64) if consumer_engine(hashes(p := [i, *PREFIX]), 2) == 1
+    )
+    request = EngineCoreRequest("r1", prompt, SamplingParams(max_tokens=1), options=marked)
+    decode = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+    for target_down in (False, True):
+        sender.to_cores = [FakeSocket(), FakeSocket(refuses=target_down)]
+        sender.router.on_stats(EngineStats(engine_index=1, num_waiting=50))  # busy, and up
+        sender.send(request)
+        engine = 0 if target_down else 1
+        (sent,) = sender.to_cores[engine].sent
+        assert decode(sent).options.kv_transfer.do_remote_prefill is not target_down
+        assert decode(sent).prompt_token_ids == prompt

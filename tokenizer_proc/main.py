@@ -9,6 +9,8 @@ frontend ──TokenizeRequest──► [PULL tokenizer_in] (ZeroMQ load-balance
 With --data-parallel-size N, each worker also subscribes to every core's [PUB events]
 (heartbeats, KV cache events) and picks the core of each request (router.py): the request
 goes to that engine's core, and a RequestRouted tells the frontend which engine it is on.
+A disaggregation consumer's request marked do_remote_prefill goes to the engine its blocks
+are sent to (zllm/config/kv_transfer.py `consumer_engine`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import msgspec
 import zmq
 
 from zllm.config.generation import default_max_tokens, merge_eos_token_ids
+from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
@@ -155,6 +158,8 @@ class EngineSender:
         self.encoder = msgspec.msgpack.Encoder()
         self.block_size = config.engine.cache.block_size
         self.prefix_caching = config.engine.cache.enable_prefix_caching
+        transfer = config.engine.kv_transfer
+        self.consumes = transfer is not None and transfer.consumes
         self.to_frontend = ctx.socket(zmq.PUSH)
         self.to_frontend.connect(config.endpoints.frontend_in)
         self.to_cores = []
@@ -188,9 +193,13 @@ class EngineSender:
         if self.prefix_caching:
             salt = cache_salt(req.options)
             hashes = hash_full_blocks(req.prompt_token_ids, self.block_size, salt=salt)
+        pinned = self._remote_engine(req, hashes)
         data = self.encoder.encode(req)
         tried: list[int] = []
-        while (engine := self.router.choose(hashes, exclude=tried)) is not None:
+        while (engine := self.router.choose(hashes, tried, pinned)) is not None:
+            if pinned is not None and engine != pinned:  # its blocks' engine is down
+                req, pinned = unmarked(req), None
+                data = self.encoder.encode(req)
             try:
                 self.to_cores[engine].send(data, flags=zmq.NOBLOCK)
             except zmq.Again:  # its core is gone (or not keeping up): try another
@@ -203,6 +212,23 @@ class EngineSender:
             return
         message = "no engine is serving right now (all are restarting); retry shortly"
         self.to_frontend.send(self.encoder.encode(RequestRejected(req.req_id, message, 503)))
+
+    def _remote_engine(self, req: EngineCoreRequest, hashes: list[int]) -> int | None:
+        """A disaggregation consumer's request marked do_remote_prefill: the engine its
+        producer sends its blocks to (None: not one, or no full block to send)."""
+        params = req.options.kv_transfer
+        if not self.consumes or params is None or not params.do_remote_prefill:
+            return None
+        return consumer_engine(hashes, len(self.to_cores))
+
+
+def unmarked(req: EngineCoreRequest) -> EngineCoreRequest:
+    """`req` without do_remote_prefill: it computes its prompt without waiting for blocks."""
+    params = req.options.kv_transfer
+    assert params is not None
+    params = msgspec.structs.replace(params, do_remote_prefill=False)
+    options = msgspec.structs.replace(req.options, kv_transfer=params)
+    return msgspec.structs.replace(req, options=options)
 
 
 def main() -> None:

@@ -23,6 +23,12 @@ long prefix stays on its engine while the engines are near balance, and an engin
 a queue sheds new work whatever it holds. `load` routing
 ignores the prefix.
 
+A prefill/decode disaggregation consumer's request marked do_remote_prefill is pinned
+instead, under either policy: its KV blocks come from the producer into the buffer of one
+engine, which both servers compute from the prompt (zllm/config/kv_transfer.py
+`consumer_engine`). If that engine is down it goes where the policy says, unmarked (its
+blocks went to the engine that is down: it computes the prompt rather than wait for them).
+
 Every engine is up when the worker starts (the supervisor starts the workers once every
 engine is ready, so the first requests need not wait for a heartbeat). An engine is down
 (never chosen) once its heartbeats stop for DOWN_AFTER_S, or when a send to it fails; its
@@ -135,11 +141,17 @@ class Router:
                 live.append(view)
         return live
 
-    def choose(self, block_hashes: Sequence[int], exclude: Sequence[int] = ()) -> int | None:
-        """The engine for a prompt with these full-block hashes (None: no engine is up)."""
+    def choose(
+        self, block_hashes: Sequence[int], exclude: Sequence[int] = (), pinned: int | None = None
+    ) -> int | None:
+        """The engine for a prompt with these full-block hashes (None: no engine is up):
+        `pinned` if it is up and not excluded, whatever the policy (a disaggregation
+        consumer's request, whose blocks go to that engine), else the policy's pick."""
         candidates = [v for v in self.up() if v.index not in exclude]
         if not candidates:
             return None
+        if any(v.index == pinned for v in candidates):
+            return pinned
         now = self.clock()
 
         def score(view: EngineView) -> tuple[float, int]:

@@ -181,6 +181,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # Prefill/decode disaggregation, a producer: (block hash, block id) of the prompt blocks
     # this step completes, to send to the consumer once the forward has written them.
     kv_sends: list[tuple[int, int]] = []
+    # The consumer's data-parallel engine each of kv_sends goes to ([]: a consumer of one
+    # engine, all to engine 0).
+    kv_send_engines: list[int] = []
 
 
 # ---- executor -> core --------------------------------------------------------------------

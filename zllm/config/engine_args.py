@@ -375,7 +375,7 @@ class EngineArgs:
         if transfer is None:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config", fallible=True)
-        check_ports(transfer, self.tensor_parallel_size)
+        check_ports(transfer, self.tensor_parallel_size, transfer.consumer_engines)
         if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
             # Its block tables drop blocks that left the window: a prompt's early blocks are
             # gone by the time the step that completes it would send them.

@@ -2,7 +2,8 @@
 
     {"kv_connector": "ZllmConnector", "kv_role": "kv_producer" | "kv_consumer",
      "kv_ip": "127.0.0.1", "kv_port": 14579, "kv_buffer_size": 1e9,
-     "kv_connector_extra_config": {"transport": "tcp" | "shm", "wait_timeout_s": 5.0}}
+     "kv_connector_extra_config": {"transport": "tcp" | "shm", "wait_timeout_s": 5.0,
+                                   "consumer_data_parallel_size": 1}}
 
 A producer (the prefill instance) sends the KV blocks of each prompt it computes for a
 request marked `kv_transfer_params: {"do_remote_decode": true}` to the consumer at
@@ -18,6 +19,20 @@ With --tensor-parallel-size N (the same N on both servers) each rank moves its o
 a block (its KV heads): producer rank r sends to consumer rank r, which listens at
 kv_port + r, so a consumer takes the ports kv_port .. kv_port + N - 1 (`rank_address`).
 
+With --data-parallel-size D on the consumer, each of its engines has its own executors and
+buffers, so each listens on its own ports: engine e's rank r at kv_port + e x N + r (the
+consumer takes kv_port .. kv_port + D x N - 1: `engine_address`). A request's blocks must
+reach the engine that serves it, and neither server can ask the other which one that is,
+so both compute it from the prompt (`consumer_engine`): its first full block's hash (which
+holds the request's salt) modulo D. The consumer's tokenizer workers route a request marked
+do_remote_prefill there, whatever its prefix affinity; the producer's core names that engine
+for each request's blocks. So the producer must know D: `consumer_data_parallel_size` in
+its kv_connector_extra_config (default 1; a consumer's own D is its --data-parallel-size,
+which the key, if a consumer gives it, must equal). It is the producer's to say because the
+config is static and one-way (nothing flows from the consumer to the producer to learn it
+from), and the ports follow from it. A data-parallel producer needs nothing more: each of
+its engines sends what it prefilled.
+
 `zllm proxy` (zllm/proxy/app.py) sends each request to a producer with max_tokens 1
 and then to a consumer, marking both.
 
@@ -27,6 +42,7 @@ consumer address it is given.)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +64,7 @@ _KEYS = {
     "kv_buffer_device",
     "engine_id",
 }
-_EXTRA_KEYS = {"transport", "wait_timeout_s"}
+_EXTRA_KEYS = {"transport", "wait_timeout_s", "consumer_data_parallel_size"}
 
 
 @dataclass(slots=True)
@@ -59,6 +75,9 @@ class KVTransferConfig:
     buffer_bytes: int = 1 << 30  # the consumer's buffer of received blocks
     transport: str = "tcp"
     wait_timeout_s: float = 5.0  # how long a consumer holds a request for its blocks
+    # The consumer's data-parallel engines (a producer's extra config names it; a consumer's
+    # is its --data-parallel-size, set by serve_config_from).
+    consumer_engines: int = 1
 
     @property
     def produces(self) -> bool:
@@ -73,24 +92,43 @@ class KVTransferConfig:
         return self.rank_address(0)
 
     def rank_address(self, rank: int) -> str:
-        """Where tensor-parallel rank `rank`'s blocks go: each rank has its own channel to its
-        peer rank, so the parts of a block never need to meet in one process."""
-        return f"tcp://{self.host}:{self.port + rank}"
+        """Where tensor-parallel rank `rank`'s blocks go (a consumer of one engine): each rank
+        has its own channel to its peer rank, so the parts of a block never need to meet in
+        one process."""
+        return self.engine_address(0, rank, rank + 1)
+
+    def engine_address(self, engine: int, rank: int, ranks: int) -> str:
+        """Where the consumer's data-parallel engine `engine`'s rank `rank` (of `ranks` per
+        engine) listens: each engine's executors keep their own buffer."""
+        return f"tcp://{self.host}:{self.port + engine * ranks + rank}"
 
 
-def check_ports(config: KVTransferConfig, ranks: int, server_port: int | None = None) -> None:
-    """Refuse a port range (kv_port + each rank) that is not all ports, or that takes the
-    server's own HTTP port (a consumer binds them all on its host; a producer connects)."""
-    last = config.port + ranks - 1
+def consumer_engine(block_hashes: Sequence[int], engines: int) -> int | None:
+    """The consumer engine that serves a prompt with these full-block hashes, and so gets its
+    blocks: both servers compute it alike (the hashes are the same in every process, and
+    the first holds the request's salt). None: no full block, nothing to send."""
+    if not block_hashes:
+        return None
+    return block_hashes[0] % engines  # (Python's % of a negative hash is >= 0 too)
+
+
+def check_ports(
+    config: KVTransferConfig, ranks: int, engines: int = 1, server_port: int | None = None
+) -> None:
+    """Refuse a port range (kv_port + engine x ranks + rank, for each engine and rank) that
+    is not all ports, or that takes the server's own HTTP port (a consumer binds them all on
+    its host; a producer connects to them)."""
+    last = config.port + engines * ranks - 1
+    layout = f"{ranks} tensor-parallel ranks" + (f" x {engines} engines" if engines > 1 else "")
     if last > 65535:
         raise ValueError(
-            f"kv_transfer_config: kv_port {config.port} with {ranks} tensor-parallel ranks "
-            f"needs ports {config.port}-{last} (rank r at kv_port + r), past 65535"
+            f"kv_transfer_config: kv_port {config.port} with {layout} needs ports "
+            f"{config.port}-{last} (engine e's rank r at kv_port + e x ranks + r), past 65535"
         )
     if server_port is not None and config.port <= server_port <= last:
         raise ValueError(
             f"kv_transfer_config: the KV ports {config.port}-{last} (kv_port + each "
-            f"tensor-parallel rank) take the server's --port {server_port}"
+            f"tensor-parallel rank of each engine) take the server's --port {server_port}"
         )
 
 
@@ -120,11 +158,14 @@ def kv_transfer_config_from(value: dict[str, Any] | None) -> KVTransferConfig | 
         buffer_bytes=_int(value, "kv_buffer_size", 1 << 30),
         transport=str(extra.get("transport", "tcp")),
         wait_timeout_s=_number(extra, "wait_timeout_s", 5.0),
+        consumer_engines=_int(extra, "consumer_data_parallel_size", 1),
     )
     if not 0 < config.port < 65536:
         raise ValueError(f"kv_transfer_config: kv_port {config.port} is not a port")
     if config.transport not in TRANSPORTS:
         raise ValueError(f"kv_transfer_config: transport must be one of {', '.join(TRANSPORTS)}")
+    if config.consumer_engines < 1:
+        raise ValueError("kv_transfer_config: consumer_data_parallel_size must be at least 1")
     if config.wait_timeout_s < 0:
         raise ValueError("kv_transfer_config: wait_timeout_s must be at least 0")
     if config.transport == "shm" and not _is_local(config.host):

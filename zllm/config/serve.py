@@ -314,8 +314,10 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     n = server.detokenizer_workers
     ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
     check_data_parallel(engine, server.data_parallel_size)
+    engine = with_consumer_engines(engine, server.data_parallel_size)
     if engine.kv_transfer is not None and engine.kv_transfer.consumes:  # it binds them
-        check_ports(engine.kv_transfer, engine.tensor_parallel_size, server.port)
+        transfer = engine.kv_transfer
+        check_ports(transfer, engine.tensor_parallel_size, transfer.consumer_engines, server.port)
     engines = server.data_parallel_size
     copied = {
         f.name: getattr(server, f.name)
@@ -342,7 +344,6 @@ def check_data_parallel(engine: EngineConfig, size: int) -> None:
     if size == 1:
         return
     unsupported = [
-        (engine.kv_transfer is not None, "--kv-transfer-config (one KV address per server)"),
         (
             engine.distributed_executor_backend == "ray",
             "--distributed-executor-backend ray (each engine's driver would start its own "
@@ -355,6 +356,25 @@ def check_data_parallel(engine: EngineConfig, size: int) -> None:
             f"--data-parallel-size {size} does not support {', '.join(named)} yet: "
             "use one engine with it, or leave it out"
         )
+
+
+def with_consumer_engines(engine: EngineConfig, size: int) -> EngineConfig:
+    """A disaggregation consumer's engine config with its engine count in its transfer
+    config (its ports and the routing of marked requests follow from it). A consumer may
+    give consumer_data_parallel_size too (one config shape for both sides), but only as its
+    own --data-parallel-size."""
+    transfer = engine.kv_transfer
+    if transfer is None or not transfer.consumes or transfer.consumer_engines == size:
+        return engine
+    if transfer.consumer_engines != 1:
+        raise ValueError(
+            f"kv_transfer_config: consumer_data_parallel_size {transfer.consumer_engines} on "
+            f"a consumer with --data-parallel-size {size}: a consumer's engines are its own "
+            "--data-parallel-size (leave the key to the producer)"
+        )
+    return dataclasses.replace(
+        engine, kv_transfer=dataclasses.replace(transfer, consumer_engines=size)
+    )
 
 
 def start_adapters(engine: EngineConfig, specs: list[str]) -> list[LoRARequest]:
