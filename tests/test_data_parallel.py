@@ -249,4 +249,8 @@ def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
         EngineArgs(model=tiny_llama_dir).create_engine_config(), ServerArgs(data_parallel_size=3)
     )
     assert len(config.endpoints.engines) == 3
+    # Ray engines share one cluster (tests/test_ray.py).
+    ray = EngineArgs(model=tiny_llama_dir, distributed_executor_backend="ray")
+    ray_config = serve_config_from(ray.create_engine_config(), ServerArgs(data_parallel_size=2))
+    assert len(ray_config.endpoints.engines) == 2
     assert len({e.core_in for e in config.endpoints.engines}) == 3

@@ -343,11 +343,6 @@ def check_data_parallel(engine: EngineConfig, size: int) -> None:
         return
     unsupported = [
         (engine.kv_transfer is not None, "--kv-transfer-config (one KV address per server)"),
-        (
-            engine.distributed_executor_backend == "ray",
-            "--distributed-executor-backend ray (each engine's driver would start its own "
-            "local Ray cluster, or share one)",
-        ),
     ]
     named = [name for refused, name in unsupported if refused]
     if named:
