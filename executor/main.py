@@ -14,7 +14,8 @@ its part of the model, and the answering rank (rank 0, or with pipeline stages t
 stage's first rank) binds executor_out and sends the output.
 
 With --distributed-executor-backend ray there is one executor process, which places the
-ranks as Ray actors and relays between them and the core (executor/ray_executor.py).
+ranks as Ray actors and relays between them and the core (executor/ray_executor.py); a KV
+consumer's receivers then run in the actors.
 
 A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
 receiver thread here, in every tensor-parallel rank (rank r of data-parallel engine e at

@@ -16,6 +16,17 @@ the core's steps to rank 0 and the answering rank's outputs back (two `zmq.proxy
 reports the KV pool to the supervisor, then watches the actors: when any dies (its node lost,
 killed), the driver exits, which is an executor death as with processes: the supervisor
 fails what was in flight and starts the engine again, with a new placement group.
+
+With --data-parallel-size N every engine has its own driver, placement group (named
+`zllm-engine-<i>-<driver pid>`) and actors, all on one cluster (zllm/runtime/ray_head.py: the
+supervisor names it in RAY_ADDRESS); an engine's driver owns only its own, so its restart
+leaves the other engines' actors serving.
+
+Prefill/decode disaggregation: a producer rank's KVSender runs in its actor (the ModelRunner
+holds it); a consumer rank's KVReceiver too, beside the KV pool whose buffer it fills, bound
+at kv_port + its tensor-parallel rank on the actor's node, and its news (KVBlocksReceived)
+go to the core through the driver's relay, since the core's input may be ipc:// on the
+driver's host.
 """
 
 from __future__ import annotations
@@ -56,11 +67,11 @@ class RankActor:
         self.ctx = zmq.Context.instance()
         self.fanout = None  # rank 0's sockets to the others (open_fanout)
 
-    def where(self) -> tuple[str, str]:
-        """(this actor's node id, its IP address)."""
+    def where(self) -> tuple[str, str, int]:
+        """(this actor's node id, its IP address, its process id)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
     def open_rendezvous(self) -> str:
         """Rank 0: a free port on its node for torch.distributed's rendezvous."""
@@ -76,27 +87,32 @@ class RankActor:
         self.fanout, addresses = StepFanout.on_random_ports(self.ctx, self.where()[1], num_others)
         return addresses
 
-    def start(self, init_method: str, inbox: str, outbox: str | None) -> int:
+    def start(
+        self,
+        init_method: str,
+        inbox: str,
+        outbox: str | None,
+        kv_news: str | None = None,
+        engine_index: int = 0,
+    ) -> int:
         """Join the ranks and load this rank's part of the model, with its sockets: steps
-        from `inbox`, outputs (the answering rank) to `outbox`. Returns the KV pool's blocks
-        (the same on every rank)."""
+        from `inbox`, outputs (the answering rank) to `outbox`; a KV consumer's receiver
+        (of data-parallel engine `engine_index`) tells the core what it received through
+        `kv_news` (the driver's relay). Returns the KV pool's blocks (the same on every
+        rank)."""
         from zllm.executor.model_runner import ModelRunner
         from zllm.executor.ranks import join_ranks
 
         config = self.config
-        if not os.path.exists(config.model_path):
-            node, ip = self.where()
-            raise FileNotFoundError(
-                f"executor rank {self.rank} on Ray node {node} ({ip}) has no {config.model_path}: "
-                "every node needs the model at the same path (shared storage, or `zllm "
-                "download` with the same ZLLM_CACHE before `ray start`)"
-            )
+        self._check_model()
         parallel = join_ranks(config, self.rank, init_method)
         if not config.device.startswith("cuda"):
             import torch
 
             torch.set_num_threads(self.cpus)  # the bundle's cores
-        self.runner = ModelRunner(config, parallel)
+        self.runner = ModelRunner(config, parallel)  # a KV producer's sender starts in it
+        if kv_news is not None:
+            self._receive_kv(parallel.tp.rank, kv_news, engine_index)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(inbox)
         self.outbox = None
@@ -104,6 +120,35 @@ class RankActor:
             self.outbox = self.ctx.socket(zmq.PUSH)
             self.outbox.connect(outbox)
         return self.runner.num_blocks
+
+    def _check_model(self) -> None:
+        if not os.path.exists(self.config.model_path):
+            node, ip, _ = self.where()
+            raise FileNotFoundError(
+                f"executor rank {self.rank} on Ray node {node} ({ip}) has no "
+                f"{self.config.model_path}: every node needs the model at the same path "
+                "(shared storage, or `zllm download` with the same ZLLM_CACHE before `ray start`)"
+            )
+
+    def _receive_kv(self, tp_rank: int, kv_news: str, engine_index: int) -> None:
+        """A KV consumer's receiver, here where this rank's buffer is (its KV pool's tier):
+        it binds kv_port + engine_index x ranks + tp_rank on this actor's node and sends its
+        news to the driver's relay (the core's own socket may be ipc:// on the driver's
+        host)."""
+        from zllm.executor.kv_transfer import KVReceiver, transfer_layout
+
+        transfer, tiers = self.config.kv_transfer, self.runner.kv_tiers
+        assert transfer is not None and tiers is not None and tiers.remote is not None
+        layout = transfer_layout(self.config, tp_rank)
+        self.kv_receiver = KVReceiver(
+            transfer,
+            tiers.remote,
+            layout,
+            kv_news,
+            tp_rank,
+            engine=engine_index,
+            ranks=self.config.tensor_parallel_size,
+        )
 
     def serve(self) -> None:
         """Run every step that comes, forever (an actor call that returns only by failing).
@@ -114,14 +159,15 @@ class RankActor:
         serve_steps(self.runner, self.inbox, self.fanout, self.outbox)
 
 
-def rank_bundle(config: EngineConfig) -> dict[str, float]:
+def rank_bundle(config: EngineConfig, engines: int = 1) -> dict[str, float]:
     """What one rank reserves: a GPU; on CPU its share of a node's cores, taken as this
-    host's cores over the ranks (nodes alike), at least one. Ray gives an actor as many
-    threads (OMP_NUM_THREADS) as CPUs, so the share is the rank's torch pool, as a rank
-    process's on one host."""
+    host's cores over every engine's ranks (nodes alike), at least one. Ray gives an actor
+    as many threads (OMP_NUM_THREADS) as CPUs, so the share is the rank's torch pool, as a
+    rank process's on one host."""
     if config.device.startswith("cuda"):
         return {"GPU": 1.0}
-    return {"CPU": float(max(1, len(os.sched_getaffinity(0)) // config.world_size))}
+    share = len(os.sched_getaffinity(0)) // (config.world_size * engines)
+    return {"CPU": float(max(1, share))}
 
 
 def _actor_class(bundle: dict[str, float]) -> Any:
@@ -139,7 +185,7 @@ def run_ray_driver(config: ServeConfig) -> None:
     # stack), and the actors, owned by this driver, go with it.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     engine = config.engine
-    actors = _place_actors(engine)
+    actors = _place_actors(config)
     num_blocks = _start_ranks(config, actors)
     report_ready(config, ProcessRole.EXECUTOR, 0, num_blocks=num_blocks)
     logger.info(
@@ -170,16 +216,20 @@ def _join_cluster() -> None:
         ray.init(log_to_driver=True, logging_level=logging.WARNING)
 
 
-def _place_actors(engine: EngineConfig) -> list[Any]:
-    """One actor per rank, each in its bundle of a placement group."""
+def _place_actors(config: ServeConfig) -> list[Any]:
+    """One actor per rank, each in its bundle of this engine's own placement group (named
+    by engine and driver, so data-parallel engines never take each other's bundles; it and
+    the actors are this driver's, and go with it alone)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    engine = config.engine
     world = engine.world_size
-    bundle = rank_bundle(engine)
+    bundle = rank_bundle(engine, config.data_parallel_size)
     strategy = engine.ray_placement_strategy
-    group = placement_group([dict(bundle) for _ in range(world)], strategy=strategy)
+    name = f"zllm-engine-{config.engine_index}-{os.getpid()}"
+    group = placement_group([dict(bundle) for _ in range(world)], strategy=strategy, name=name)
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         raise RuntimeError(
@@ -201,8 +251,15 @@ def _place_actors(engine: EngineConfig) -> list[Any]:
         for rank in range(world)
     ]
     places = ray.get([a.where.remote() for a in actors])
-    for rank, (node, ip) in enumerate(places):
-        logger.info("executor rank %d: Ray actor on node %s (%s)", rank, node, ip)
+    for rank, (node, ip, pid) in enumerate(places):
+        logger.info(
+            "executor rank %d: Ray actor on node %s (%s), pid %d, group %s",
+            rank,
+            node,
+            ip,
+            pid,
+            name,
+        )
     return actors
 
 
@@ -214,15 +271,7 @@ def _start_ranks(config: ServeConfig, actors: list[Any]) -> int:
     engine = config.engine
     ctx = zmq.Context.instance()
     driver_ip = ray.util.get_node_ip_address()
-    from_core = ctx.socket(zmq.PULL)
-    from_core.bind(config.engine_endpoints.executor_in)
-    to_core = ctx.socket(zmq.PUSH)
-    to_core.bind(config.engine_endpoints.executor_out)
-    to_rank0 = ctx.socket(zmq.PUSH)
-    rank0_port = to_rank0.bind_to_random_port(f"tcp://{driver_ip}")
-    from_ranks = ctx.socket(zmq.PULL)
-    answer_port = from_ranks.bind_to_random_port(f"tcp://{driver_ip}")
-
+    relays = _Relays(ctx, config, driver_ip)
     rank0 = actors[0]
     init_method = ray.get(rank0.open_rendezvous.remote())
     fanout = ray.get(rank0.open_fanout.remote(len(actors) - 1))
@@ -230,8 +279,10 @@ def _start_ranks(config: ServeConfig, actors: list[Any]) -> int:
     starts = [
         actor.start.remote(
             init_method,
-            f"tcp://{driver_ip}:{rank0_port}" if rank == 0 else fanout[rank - 1],
-            f"tcp://{driver_ip}:{answer_port}" if rank == answering else None,
+            relays.to_rank0 if rank == 0 else fanout[rank - 1],
+            relays.answers if rank == answering else None,
+            relays.kv_news,
+            config.engine_index,
         )
         for rank, actor in enumerate(actors)
     ]
@@ -240,6 +291,41 @@ def _start_ranks(config: ServeConfig, actors: list[Any]) -> int:
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         num_blocks = ray.get(done[0])
-    for name, src, dst in (("steps", from_core, to_rank0), ("outputs", from_ranks, to_core)):
-        threading.Thread(target=zmq.proxy, args=(src, dst), name=name, daemon=True).start()
+    relays.start()
     return num_blocks
+
+
+class _Relays:
+    """The driver's sockets between the core's (which may be ipc://, on this host only) and
+    the actors' (TCP on the driver's IP): steps to rank 0, the answering rank's outputs
+    back, and a KV consumer's receivers' news (KVBlocksReceived) to the core's input."""
+
+    def __init__(self, ctx: zmq.Context, config: ServeConfig, driver_ip: str) -> None:
+        endpoints = config.engine_endpoints
+        self.pairs: list[tuple[str, zmq.Socket, zmq.Socket]] = []
+        from_core = ctx.socket(zmq.PULL)
+        from_core.bind(endpoints.executor_in)
+        to_core = ctx.socket(zmq.PUSH)
+        to_core.bind(endpoints.executor_out)
+        self.to_rank0 = self._pair(ctx, "steps", from_core, zmq.PUSH, driver_ip, outward=True)
+        self.answers = self._pair(ctx, "outputs", to_core, zmq.PULL, driver_ip, outward=False)
+        self.kv_news: str | None = None
+        transfer = config.engine.kv_transfer
+        if transfer is not None and transfer.consumes:
+            to_core_in = ctx.socket(zmq.PUSH)
+            to_core_in.connect(endpoints.core_in)
+            self.kv_news = self._pair(ctx, "kv-news", to_core_in, zmq.PULL, driver_ip, False)
+
+    def _pair(
+        self, ctx: zmq.Context, name: str, core_side: zmq.Socket, kind: int, ip: str, outward: bool
+    ) -> str:
+        """A TCP socket for the actors, relayed to or from `core_side`; its address."""
+        sock = ctx.socket(kind)
+        address = f"tcp://{ip}:{sock.bind_to_random_port(f'tcp://{ip}')}"
+        self.pairs.append((name, core_side, sock) if outward else (name, sock, core_side))
+        return address
+
+    def start(self) -> None:
+        """The relays run from now on (once every rank has started)."""
+        for name, src, dst in self.pairs:
+            threading.Thread(target=zmq.proxy, args=(src, dst), name=name, daemon=True).start()

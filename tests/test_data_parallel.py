@@ -236,14 +236,10 @@ def test_kill_9_of_one_engine_fails_its_requests_and_the_other_serves_on(tiny_ll
         assert stop_server(server) == 0
 
 
-def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
+def test_data_parallel_takes_kv_transfers_and_ray(tiny_llama_dir):
     from zllm.config.engine_args import EngineArgs
     from zllm.config.serve import ServerArgs, serve_config_from
 
-    engine = EngineArgs(model=tiny_llama_dir).create_engine_config()
-    engine.distributed_executor_backend = "ray"  # (as if Ray were installed)
-    with pytest.raises(ValueError, match="does not support --distributed-executor-backend ray"):
-        serve_config_from(engine, ServerArgs(data_parallel_size=2))
     # KV transfers compose (test_disaggregation.py: each consumer engine has its own ports).
     for role in ("kv_producer", "kv_consumer"):
         engine = EngineArgs(
@@ -254,4 +250,8 @@ def test_data_parallel_refuses_what_it_does_not_cover(tiny_llama_dir):
         EngineArgs(model=tiny_llama_dir).create_engine_config(), ServerArgs(data_parallel_size=3)
     )
     assert len(config.endpoints.engines) == 3
+    # Ray engines share one cluster (tests/test_ray.py).
+    ray = EngineArgs(model=tiny_llama_dir, distributed_executor_backend="ray")
+    ray_config = serve_config_from(ray.create_engine_config(), ServerArgs(data_parallel_size=2))
+    assert len(ray_config.endpoints.engines) == 2
     assert len({e.core_in for e in config.endpoints.engines}) == 3

@@ -126,10 +126,11 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
     assert tp2.create_engine_config().kv_transfer.rank_address(1) == "tcp://127.0.0.1:14580"
     with pytest.raises(ValueError, match="for served engines"):
         LLM(tiny_llama_dir, kv_transfer_config=consumer)
-    with pytest.raises(ValueError, match="mp executor backend"):
-        EngineArgs(
-            model=tiny_llama_dir, kv_transfer_config=consumer, distributed_executor_backend="ray"
-        ).create_engine_config()
+    # Ray actors receive (and send) blocks themselves: tests/test_ray.py.
+    ray = EngineArgs(
+        model=tiny_llama_dir, kv_transfer_config=consumer, distributed_executor_backend="ray"
+    ).create_engine_config()
+    assert ray.kv_transfer is not None and ray.kv_transfer.consumes
 
 
 def test_a_tensor_parallel_consumers_ports_must_fit_and_leave_the_http_port(tiny_llama_dir):

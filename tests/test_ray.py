@@ -2,17 +2,30 @@
 on loopback (ray.cluster_utils.Cluster: two raylets with their own ports and resources),
 through `zllm serve` with the openai client. Tensor parallelism across the two nodes gives
 one rank's greedy output (near-tie rule), and a node killed under load is an executor death:
-in-flight requests fail, the engine comes back once the cluster can place its ranks again."""
+in-flight requests fail, the engine comes back once the cluster can place its ranks again.
+Data-parallel engines share one cluster (the supervisor's own head node), and a consumer of
+KV transfers receives blocks in its rank's actor."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 
+import openai
 import pytest
 from parity import SERVED_PROMPTS, count_flips, served_greedy
 from ray import cluster_utils
-from servers import fail_under_load, start_server, stop_server, wait_until
+from servers import (
+    alive,
+    fail_under_load,
+    free_port,
+    metric,
+    start_server,
+    stop_server,
+    wait_until,
+)
+from test_data_parallel import per_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -22,6 +35,63 @@ RAY_TP2 = (
     "--distributed-executor-backend", "ray", "--tensor-parallel-size", "2",
     "--ray-placement-strategy", "STRICT_SPREAD",
 )  # fmt: skip
+
+
+def actor_pids(log: str) -> dict[str, list[int]]:
+    """Engine ("dp<i>") -> its rank actors' process ids (not the server's children: Ray's),
+    in the order its drivers logged them (a restarted engine's last)."""
+    pids: dict[str, list[int]] = {}
+    pattern = r"\[executor (dp\d+)\].*: Ray actor on node \w+ \(\S+\), pid (\d+)"
+    for engine, pid in re.findall(pattern, log):
+        pids.setdefault(engine, []).append(int(pid))
+    return pids
+
+
+def test_data_parallel_engines_share_one_cluster_and_restart_alone(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """`--data-parallel-size 2` with Ray actors and no RAY_ADDRESS (first in this file, before
+    the two-node cluster exists): the supervisor starts one head node, both engines' drivers
+    join it, each with its own placement group. Greedy answers equal a plain server's, and
+    requests reach both engines. Engine 1's driver killed: engine 1 restarts with new actors
+    while engine 0's actor, never touched, serves on."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    single = start_server(tiny_llama_dir, tmp_path / "mp.log")
+    try:
+        expected = served_greedy(single, SERVED_PROMPTS, 16)
+    finally:
+        assert stop_server(single) == 0
+    dp2 = ("--data-parallel-size", "2", "--distributed-executor-backend", "ray")
+    server = start_server(tiny_llama_dir, tmp_path / "dp.log", *dp2)
+    try:
+        log = server.log_text()
+        assert "started a Ray head node" in log
+        assert len(set(re.findall(r"group (zllm-engine-\d+-\d+)", log))) == 2, log
+        flips = count_flips(served_greedy(server, SERVED_PROMPTS, 16), expected, "ray DP=2")
+        assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+
+        def requests() -> dict[str, float]:  # (counters come with each core's heartbeat)
+            return per_engine(server.get("/metrics").text, "zllm:tenant_requests_total")
+
+        assert wait_until(lambda: sum(requests().values()) == len(SERVED_PROMPTS), 5)
+        assert set(requests()) == {"0", "1"} and min(requests().values()) >= 1, requests()
+
+        pids = actor_pids(server.log_text())
+        [actor0], [actor1] = pids["dp0"], pids["dp1"]
+        driver1 = server.children()["executor dp1"]
+        os.kill(driver1, signal.SIGKILL)
+        assert wait_until(lambda: "engine 1 restarted" in server.log_text(), 120), server.log_tail()
+        assert wait_until(lambda: not alive(actor1), 30)  # its driver's actor went with it
+        pids = actor_pids(server.log_text())
+        assert pids["dp0"] == [actor0] and alive(actor0), pids  # engine 0's, never touched
+        assert len(pids["dp1"]) == 2 and alive(pids["dp1"][1]), pids
+        assert "engine 0 restarted" not in server.log_text()
+        flips = count_flips(served_greedy(server, SERVED_PROMPTS, 16), expected, "restarted")
+        assert flips <= 1, f"{flips} near-tie flips after the restart"
+    finally:
+        assert stop_server(server) == 0
+    # The head node took every actor with it.
+    assert wait_until(lambda: not any(alive(p) for ps in pids.values() for p in ps), 30)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +162,7 @@ def test_a_node_killed_under_load_is_an_executor_death(cluster, tiny_llama_dir, 
         assert stop_server(server) == 0
 
 
-def test_ray_backend_flags(tiny_llama_dir):
+def test_ray_backend_flags(tiny_llama_dir, monkeypatch):
     from zllm import LLM
     from zllm.config.engine_args import EngineArgs
 
@@ -106,7 +176,60 @@ def test_ray_backend_flags(tiny_llama_dir):
     for transport in ("ipc", "tcp"):
         endpoints = serve_config_from(config, ServerArgs(transport=transport)).endpoints
         assert endpoints.engines[0].executor_ranks == [], transport
+    # Several Ray engines share one cluster: RAY_ADDRESS's, else a head the supervisor starts;
+    # each rank's share of the host's cores counts every engine's ranks.
+    from zllm.executor.ray_executor import rank_bundle
+    from zllm.runtime.ray_head import needs_own_head
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert needs_own_head("ray", 2) and not needs_own_head("ray", 1)
+    assert not needs_own_head("mp", 2)
+    cores = len(os.sched_getaffinity(0))
+    assert rank_bundle(config, 2) == {"CPU": float(max(1, cores // 4))}
     with pytest.raises(ValueError, match="invalid choice|must be one of"):
         EngineArgs(model=tiny_llama_dir, ray_placement_strategy="ANYWHERE").create_engine_config()
     with pytest.raises(ValueError, match="the offline LLM starts its ranks as processes"):
         LLM(tiny_llama_dir, distributed_executor_backend="ray")
+
+
+def test_ray_ranks_send_and_receive_kv_blocks(cluster, tiny_llama_dir, tmp_path):
+    """Prefill/decode disaggregation with both servers' ranks as Ray actors (one each, on
+    either node): the producer's actor sends the prompt blocks, the consumer's actor
+    receives them into its buffer and its news reaches the core through the driver's relay.
+    Through the proxy the greedy answers equal the producer's own, and the consumer loaded
+    every full prompt block from the transfer."""
+    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+
+    port = free_port()
+    ray = ("--distributed-executor-backend", "ray", "--kv-transfer-config")
+    decode = start_server(
+        tiny_llama_dir, tmp_path / "decode.log", *ray,
+        kv_config("kv_consumer", port, wait_timeout_s=30),
+    )  # fmt: skip
+    prefill = proxy = None
+    try:
+        prefill = start_server(
+            tiny_llama_dir, tmp_path / "prefill.log", *ray, kv_config("kv_producer", port)
+        )
+        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+        client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        reference, loadable = [], 0
+        for prompt in PROMPTS[:2]:
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=16, temperature=0
+            )
+            reference.append(answer.choices[0].text)
+            # The full blocks a prefix hit can take (not one ending with the last token).
+            loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+        assert loadable > 0
+        assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
+        assert wait_until(lambda: remote_hits(decode) == loadable, 5), decode.log_tail()
+        timeouts = metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total")
+        assert timeouts == 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if prefill is not None:
+            stop_server(prefill)
+        stop_server(decode)

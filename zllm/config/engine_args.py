@@ -223,7 +223,8 @@ class EngineArgs:
         "mp",
         help="where the executor's ranks run: mp, processes on this host; ray, Ray actors on "
         "the nodes of a Ray cluster (RAY_ADDRESS, else one running here, else a local one; "
-        "pip install 'zllm[ray]')",
+        "with --data-parallel-size, RAY_ADDRESS else a head node the server starts, shared "
+        "by every engine; pip install 'zllm[ray]')",
         choices=("mp", "ray"),
     )
     ray_placement_strategy: str = option(
@@ -382,11 +383,6 @@ class EngineArgs:
             raise ValueError(
                 "--kv-transfer-config with a model whose every layer has a sliding window: "
                 "its early prompt blocks are freed before they could be sent"
-            )
-        if self.distributed_executor_backend != "mp":
-            raise ValueError(
-                "--kv-transfer-config runs with the mp executor backend (the Ray driver has "
-                "no receiver for blocks yet)"
             )
         if transfer.consumes and transfer.buffer_bytes < block_bytes(config):
             raise ValueError(

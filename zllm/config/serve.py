@@ -313,7 +313,6 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     server = server or ServerArgs()
     n = server.detokenizer_workers
     ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
-    check_data_parallel(engine, server.data_parallel_size)
     engine = with_consumer_engines(engine, server.data_parallel_size)
     if engine.kv_transfer is not None and engine.kv_transfer.consumes:  # it binds them
         transfer = engine.kv_transfer
@@ -337,25 +336,6 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         lora_modules=start_adapters(engine, server.lora_modules),
         **copied,
     )
-
-
-def check_data_parallel(engine: EngineConfig, size: int) -> None:
-    """Refuse data parallelism with the features it does not cover yet, naming them."""
-    if size == 1:
-        return
-    unsupported = [
-        (
-            engine.distributed_executor_backend == "ray",
-            "--distributed-executor-backend ray (each engine's driver would start its own "
-            "local Ray cluster, or share one)",
-        ),
-    ]
-    named = [name for refused, name in unsupported if refused]
-    if named:
-        raise ValueError(
-            f"--data-parallel-size {size} does not support {', '.join(named)} yet: "
-            "use one engine with it, or leave it out"
-        )
 
 
 def with_consumer_engines(engine: EngineConfig, size: int) -> EngineConfig:

@@ -52,6 +52,7 @@ from zllm.protocol import (
 )
 from zllm.runtime.messaging import receive_nowait, send_nowait
 from zllm.runtime.procutil import HELD_ENV
+from zllm.runtime.ray_head import RAY_ADDRESS_ENV, RayHead, needs_own_head
 
 logger = logging.getLogger("zllm.runtime.supervisor")
 
@@ -119,6 +120,7 @@ class Supervisor:
             Engine(e, engine_config(config, e), os.path.join(self.run_dir, f"engine-{e}.json"))
             for e in range(config.data_parallel_size)
         ]
+        self.ray_head: RayHead | None = None  # the engines' shared Ray cluster (ray_head.py)
         self.started = False  # start() finished: from now on a failure restarts, not raises
         self.stopping = False
         self.exit_code = 0
@@ -126,6 +128,13 @@ class Supervisor:
     # ---- start ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start every child and wait until all are ready; StartupError if one fails."""
+        backend = self.config.engine.distributed_executor_backend
+        if needs_own_head(backend, self.config.data_parallel_size):
+            self.ray_head = RayHead(self.run_dir)
+            try:
+                self.ray_head.wait_ready()
+            except RuntimeError as e:
+                raise StartupError(str(e)) from e
         for engine in self.engines:
             self._start_engine(engine)
         held = [self._spawn(role, i, held=True) for role, i in self._shared_workers()]
@@ -169,6 +178,8 @@ class Supervisor:
         _write(engine.config_path, engine.config)
         # A fresh rendezvous port each start: a killed rank 0's may still be in use.
         env = {**os.environ, TP_INIT_ENV: f"tcp://127.0.0.1:{free_ports(1)[0]}"}
+        if self.ray_head is not None:  # every engine's Ray driver joins the one cluster
+            env[RAY_ADDRESS_ENV] = self.ray_head.address
         for rank in range(self.config.engine.executor_processes):
             self._spawn(ProcessRole.EXECUTOR, rank, env, engine)
 
@@ -216,6 +227,11 @@ class Supervisor:
                 self._on_ready(msg)
             elif isinstance(msg, EngineStats) and msg.engine_index < len(self.engines):
                 self.engines[msg.engine_index].last_heartbeat = time.monotonic()
+        if self.ray_head is not None and self.ray_head.dead():
+            # Every engine's actors went with it: nothing left to restart on.
+            logger.error("the engines' Ray head node exited; shutting down")
+            self.exit_code, self.stopping, self.ray_head = 1, True, None
+            return
         now = time.monotonic()
         for child in list(self.children):
             if self.stopping:
@@ -354,6 +370,8 @@ class Supervisor:
         for child in self.children:
             _wait(child, 5.0)
         self.children.clear()
+        if self.ray_head is not None:  # after the drivers: their actors go first
+            self.ray_head.stop()
         for sock in (self.inbox, self.to_frontend, *self.to_cores):
             sock.close(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
