@@ -11,7 +11,8 @@
 #   COMPARE_REPORT   [$RESULTS_DIR/report.md]  the markdown table is also written here
 #   MODEL [smollm2]  the zllm short name (or .gguf path) served and measured; llama.cpp serves
 #                    the same GGUF file. The F16 steps (llama-f16, batched F16) are SmolLM2's.
-#                    MODEL=llama1b-q4km: a random-weight model of Llama-3.2-1B's shape, built
+#                    MODEL=llama1b-q4km (qwen3b-q4km: Qwen2.5-3B's shape, for c=1): a
+#                    random-weight model of Llama-3.2-1B's shape, built
 #                    once into $CACHE/models/llama1b (benchmarks/make_llama1b.py: a bf16 HF
 #                    directory, converted to F16 GGUF by llama.cpp's converter and quantized to
 #                    Q4_K_M and Q8_0 by llama-quantize); the F16 steps use its F16 GGUF, the
@@ -174,13 +175,15 @@ EOF
     mv "$F16_GGUF.tmp" "$F16_GGUF"
 }
 
-# The 1B-shaped model (MODEL=llama1b-q4km): HF bf16 directory -> F16 GGUF -> Q4_K_M, Q8_0.
-LLAMA1B_DIR=$CACHE/models/llama1b
+# The random-weight models of real shapes (MODEL=llama1b-q4km: Llama-3.2-1B's; MODEL=qwen3b-q4km:
+# Qwen2.5-3B's): HF bf16 directory -> F16 GGUF -> Q4_K_M, Q8_0.
+SHAPE=${MODEL%-q4km}
+LLAMA1B_DIR=$CACHE/models/$SHAPE
 make_llama1b() {
-    local hf=$LLAMA1B_DIR/hf-bf16 f16=$LLAMA1B_DIR/llama1b-F16.gguf
+    local hf=$LLAMA1B_DIR/hf-bf16 f16=$LLAMA1B_DIR/$SHAPE-F16.gguf
     if [[ ! -s $hf/config.json ]]; then
-        log "writing the random-weight 1B model to $hf"
-        nice -n 19 "$PYTHON" "$REPO/benchmarks/make_llama1b.py" "$hf"
+        log "writing the random-weight $SHAPE model to $hf"
+        nice -n 19 "$PYTHON" "$REPO/benchmarks/make_llama1b.py" "$hf" --shape "$SHAPE"
     fi
     if [[ ! -s $f16 ]]; then
         "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install sentencepiece
@@ -190,9 +193,9 @@ make_llama1b() {
     fi
     local quant
     for quant in Q4_K_M Q8_0; do
-        if [[ ! -s $LLAMA1B_DIR/llama1b-$quant.gguf ]]; then
-            nice -n 19 "$BIN/llama-quantize" "$f16" "$LLAMA1B_DIR/llama1b-$quant.gguf.tmp" "$quant" 2
-            mv "$LLAMA1B_DIR/llama1b-$quant.gguf.tmp" "$LLAMA1B_DIR/llama1b-$quant.gguf"
+        if [[ ! -s $LLAMA1B_DIR/$SHAPE-$quant.gguf ]]; then
+            nice -n 19 "$BIN/llama-quantize" "$f16" "$LLAMA1B_DIR/$SHAPE-$quant.gguf.tmp" "$quant" 2
+            mv "$LLAMA1B_DIR/$SHAPE-$quant.gguf.tmp" "$LLAMA1B_DIR/$SHAPE-$quant.gguf"
         fi
     done
 }
@@ -312,10 +315,10 @@ serve_bench() {
 # ---------------------------------------------------------------------------------------------
 
 ensure_python_deps
-if [[ $MODEL == llama1b-q4km ]]; then
-    Q4_GGUF=$LLAMA1B_DIR/llama1b-Q4_K_M.gguf
-    Q8_GGUF=$LLAMA1B_DIR/llama1b-Q8_0.gguf
-    F16_GGUF=$LLAMA1B_DIR/llama1b-F16.gguf
+if [[ $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]]; then
+    Q4_GGUF=$LLAMA1B_DIR/$SHAPE-Q4_K_M.gguf
+    Q8_GGUF=$LLAMA1B_DIR/$SHAPE-Q8_0.gguf
+    F16_GGUF=$LLAMA1B_DIR/$SHAPE-F16.gguf
     HF16_DIR=$LLAMA1B_DIR/hf-bf16
     ZLLM_MODEL=$Q4_GGUF
 else
@@ -327,7 +330,7 @@ QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]
 if has_step setup; then
     build_llama_cpp
     if [[ $MODEL == smollm2 ]]; then make_f16_gguf; fi
-    if [[ $MODEL == llama1b-q4km ]]; then make_llama1b; fi
+    if [[ $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]]; then make_llama1b; fi
 fi
 write_meta
 log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
@@ -373,7 +376,8 @@ if has_step throughput; then
 fi
 if has_step batched; then
     pairs=("$QUANT:$Q4_GGUF")
-    [[ $MODEL == smollm2 || $MODEL == llama1b-q4km ]] && pairs+=("F16:$F16_GGUF")
+    [[ $MODEL == smollm2 || $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]] &&
+        pairs+=("F16:$F16_GGUF")
     [[ -n ${Q8_GGUF:-} ]] && pairs+=("Q8_0:$Q8_GGUF")
     for pair in "${pairs[@]}"; do
         cmd=("$BIN/llama-batched-bench" -m "${pair#*:}" -c "$CTX" -b 2048 -ub 512
