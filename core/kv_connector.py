@@ -40,6 +40,7 @@ from typing import Protocol
 from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
 from zllm.core.block_manager import BlockManager
+from zllm.core.kv_prefetch import Prefetches
 from zllm.core.prefix_lookup import PrefixHit
 from zllm.core.request import Request
 from zllm.kv.block_hash import cache_salt, group_block_key
@@ -203,6 +204,11 @@ class TieredKVConnector:
         """The tier to load a block from (the cpu tier first), or None if none holds it."""
         return next((t.tier for t in self.active_tiers if key in t), None)
 
+    def cpu_tier_of(self, key: BlockHash) -> int | None:
+        """`tier_of` among the tiers whose loads cannot fail: the cpu tier."""
+        cpu = self.tiers[TIER_CPU]
+        return TIER_CPU if cpu is not None and key in cpu else None
+
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """The tier to load each of the leading `block_hashes` from, as far as some tier
         holds them (the cpu tier first)."""
@@ -304,6 +310,7 @@ class SchedulerConnector:
         self.transfer = transfer
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+        self.prefetches = Prefetches(block_manager)  # several groups: core/kv_prefetch.py
 
     def transfer_stats(self) -> KVTransferStats | None:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
@@ -352,12 +359,15 @@ class SchedulerConnector:
             return False
         return len(self.tiers.lookup(wanted)) < len(wanted)
 
-    def tier_of(self) -> Callable[[BlockHash], int | None] | None:
+    def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:
         """With several KV cache groups, what `BlockManager.find_cached_prefix` asks of the
-        tiers block by block (None: a model with one group takes a pool hit, then the
-        tiers' blocks after it: `tier_hit`)."""
+        tiers block by block for `req` (None: a model with one group takes a pool hit, then
+        the tiers' blocks after it: `tier_hit`). A request that prefetched once sees only
+        the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
         if self.tiers is None or self.block_manager.num_groups == 1:
             return None
+        if req.num_prefetched_tokens is not None:
+            return self.tiers.cpu_tier_of
         return self.tiers.tier_of
 
     def tier_hit(self, cached: PrefixHit | None) -> list[int]:
@@ -377,7 +387,8 @@ class SchedulerConnector:
         blocks just allocated for them, and count them as hits on its `first` admission."""
         req.prompt_block_hashes = None  # (its wait is over)
         if cached is not None and cached.loads:
-            self._load_groups(req, cached, first)
+            # (a prefetch counted its blocks' hits: a block counts once)
+            self._load_groups(req, cached, first and req.num_prefetched_tokens is None)
             return
         if not tiers:
             return
@@ -388,9 +399,10 @@ class SchedulerConnector:
         if first:
             self.tiers.record_hits(tiers, self.block_manager.block_size)
 
-    def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> None:
+    def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> list[BlockHash]:
         """The loads of a hit over several KV cache groups: each group's copy of a block
-        under its tier key, into the block that group's table got for it."""
+        under its tier key, into the block that group's table got for it. Returns the
+        keys."""
         assert self.tiers is not None
         bm = self.block_manager
         tables = bm.group_block_ids(req.req_id)
@@ -402,16 +414,43 @@ class SchedulerConnector:
             for _, i, tier in cached.loads:
                 tier_of_block.setdefault(i, tier)
             self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
+        return keys
+
+    # ---- prefetches (several KV cache groups: core/kv_prefetch.py) ------------------------
+    def wants_prefetch(self, req: Request, cached: PrefixHit | None) -> bool:
+        """Whether waiting `req` loads its hit in a step of its own (not computing)."""
+        return self.prefetches.wanted(req, cached)
+
+    def prefetch(self, req: Request, cached: PrefixHit | None, salt: BlockHash | None) -> bool:
+        """`req` takes `cached` and has its loads go out in the step being built; it is
+        passed over until that step returns (`prefetching`). False if blocks run out."""
+        assert cached is not None
+        if not self.block_manager.hold_prefix(req.req_id, cached, salt):
+            return False
+        keys = self._load_groups(req, cached, first=req.num_cached_tokens < 0)
+        self.prefetches.start(req, cached, keys)
+        return True
+
+    def prefetching(self, req: Request) -> bool:
+        return self.prefetches.holds(req)
+
+    def prefetched(self, step_id: int, failures: Sequence[tuple[int, BlockHash]]) -> None:
+        """Step `step_id` returned (its failed loads' tier copies already forgotten): its
+        prefetches' requests go back to a lookup that finds what loaded well."""
+        if len(self.prefetches):
+            self.prefetches.returned(step_id, failures)
 
     # ---- each step -------------------------------------------------------------------------
     def load_failed(self, failures: Sequence[tuple[int, BlockHash]]) -> None:
         if failures and self.tiers is not None:
             self.tiers.load_failed(failures)
 
-    def take_transfers(self) -> KVTransfers | None:
-        """This step's tier transfers: the pool's evictions stored, the loads taken."""
+    def take_transfers(self, step_id: int = 0) -> KVTransfers | None:
+        """This step's tier transfers (step `step_id`, being built): the pool's evictions
+        stored, the loads taken."""
         if self.tiers is None:
             return None
+        self.prefetches.sent(step_id)
         self.tiers.evicted(self.block_manager.take_evicted())
         return self.tiers.take_transfers()
 
