@@ -41,7 +41,7 @@ from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_prefetch import Prefetches
-from zllm.core.prefix_lookup import PrefixHit
+from zllm.core.prefix_lookup import PrefixHit, first_needed_block
 from zllm.core.request import Request
 from zllm.kv.block_hash import cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
@@ -329,6 +329,8 @@ class SchedulerConnector:
             return False
         if not params.do_remote_prefill or req.num_cached_tokens >= 0:
             return False  # (not marked, or admitted before: a preempted request)
+        if req.num_prefetched_tokens is not None:
+            return False  # it loaded what had come (core/kv_prefetch.py)
         if req.remote_kv_deadline == 0.0:
             return False  # waited its time already
         if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
@@ -353,11 +355,28 @@ class SchedulerConnector:
         bm, salt = self.block_manager, cache_salt(req.options)
         if req.prompt_block_hashes is None:
             req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
+        if bm.num_groups > 1:
+            return self._group_blocks_missing(req, salt, remote.capacity)
         hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
         wanted = hit.candidate_hashes[hit.num_blocks :]
         if len(wanted) > remote.capacity:
             return False
         return len(self.tiers.lookup(wanted)) < len(wanted)
+
+    def _group_blocks_missing(self, req: Request, salt: BlockHash | None, capacity: int) -> bool:
+        """`_remote_blocks_missing` with several KV cache groups: whether a hit of the whole
+        prompt lacks some group's block that neither the pool nor a tier holds (a full
+        group needs every block, a sliding one those in the window of the prompt's end)."""
+        assert self.tiers is not None and req.prompt_block_hashes is not None
+        bm, hashes = self.block_manager, req.prompt_block_hashes
+        end = len(hashes) * bm.block_size
+        needed = sum(
+            len(hashes) - first_needed_block(end, window, bm.block_size) for window in bm.windows
+        )
+        if not hashes or needed > capacity:
+            return False
+        hit = bm.find_cached_prefix(req.all_token_ids, salt, hashes, self.tiers.tier_of)
+        return hit.num_blocks < len(hashes)
 
     def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:
         """With several KV cache groups, what `BlockManager.find_cached_prefix` asks of the
@@ -476,12 +495,27 @@ class SchedulerConnector:
             # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
             num_full = (req.num_prompt_tokens - 1) // bm.block_size
             hashes = bm.block_hashes(req.req_id)[:num_full]
-            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
+            blocks = self._blocks_to_send(req.req_id, hashes)
+            sends.extend(blocks)
             engine = consumer_engine(hashes, num_engines)
             if num_engines > 1 and engine is not None:
-                engines.extend([engine] * len(hashes))
+                engines.extend([engine] * len(blocks))
         self.num_sent_blocks += len(sends)
         return sends, engines
+
+    def _blocks_to_send(self, req_id: str, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """(tier key, block id) of every group's block a consumer's hit of `hashes` needs:
+        a full group's every block, a sliding group's those in the window of the hit's end
+        (each group's copy under its own key: group_block_key; one group: the hashes)."""
+        bm, k = self.block_manager, len(hashes)
+        blocks: list[tuple[int, int]] = []
+        for group, window in enumerate(bm.windows):
+            table = bm.block_ids(req_id, group)
+            for i in range(first_needed_block(k * bm.block_size, window, bm.block_size), k):
+                if table[i] >= 0:  # (a sliding block released before the last chunk: the
+                    # consumer's hit is shorter, never wrong)
+                    blocks.append((group_block_key(hashes[i], group), table[i]))
+        return blocks
 
 
 assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

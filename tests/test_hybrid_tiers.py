@@ -16,12 +16,14 @@ from test_kv_offload import GREEDY, assert_same_outputs, connector, flush_pool, 
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
+from zllm.config.kv_transfer import KVTransferConfig
 from zllm.core.block_manager import BlockManager
+from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.kv.block_hash import group_block_key, hash_full_blocks
-from zllm.kv.tiers import TIER_CPU, TIER_DISK, block_file_name, tier_directory
-from zllm.protocol import ModelRunnerOutput
+from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name, tier_directory
+from zllm.protocol import KVTransferParams, ModelRunnerOutput
 
 BS = 4
 PROMPT = list(range(50, 63))  # 13 tokens: 3 full blocks a hit can take
@@ -180,3 +182,84 @@ def test_a_hybrid_models_corrupt_disk_block_is_recomputed(gemma, tmp_path):
     assert again.num_cached_tokens < 240  # its hit stopped before the failed block
     llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
     assert not victim.exists()  # the core forgot it and the executor deleted it
+
+
+# ---- KV transfers with several groups --------------------------------------------------------------
+def hybrid_disagg_scheduler(role: str) -> Scheduler:
+    transfer = KVTransferConfig(role=role, buffer_bytes=64, wait_timeout_s=60.0)
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    bm = BlockManager(32, BS, sliding_windows=(None, 4), record_evictions=True)
+    kv = TieredKVConnector(None, block_bytes=1, remote_bytes=64) if transfer.consumes else None
+    return Scheduler(config, bm, kv_connector=kv, kv_transfer=transfer)
+
+
+def marked(req_id: str, **flags) -> Request:
+    return Request(req_id, PROMPT, ONE_TOKEN, kv_transfer=KVTransferParams(**flags))
+
+
+def test_a_hybrid_producer_sends_every_groups_blocks_a_hit_needs():
+    """The full group's every block and the sliding group's in the window of the prompt's
+    end (block 2), each under its group's key."""
+    sched = hybrid_disagg_scheduler("kv_producer")
+    sched.add_request(marked("p", do_remote_decode=True))
+    so = sched.schedule()
+    full, sliding = sched.block_manager.group_block_ids("p")
+    assert so.kv_sends == [
+        *((HASHES[i], full[i]) for i in range(3)),
+        (group_block_key(HASHES[2], 1), sliding[2]),
+    ]
+    assert sched.kv.num_sent_blocks == 4
+
+
+def test_a_hybrid_consumer_waits_for_every_groups_blocks_then_prefetches_them():
+    sched = hybrid_disagg_scheduler("kv_consumer")
+    remote = sched.kv.tiers
+    sched.add_request(marked("c", do_remote_prefill=True))
+    remote.received(HASHES, [])  # the full group's blocks: the sliding one's is yet to come
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {} and so.kv_transfers is None  # it waits
+    remote.received([group_block_key(HASHES[2], 1)], [])
+    so = sched.schedule()  # its loads, in a step where it computes nothing
+    assert so.num_scheduled_tokens == {} and not so.new_requests
+    keys = [*HASHES, group_block_key(HASHES[2], 1)]
+    assert so.kv_transfers.loads == [(TIER_REMOTE, key, b) for b, key in enumerate(keys)]
+    lost = [(TIER_REMOTE, HASHES[1])]  # the buffer dropped one before the load
+    sched.update_from_output(so, ModelRunnerOutput(so.step_id, [], [], kv_load_failed=lost))
+    so = sched.schedule()  # no waiting again: it computes from the failed block's
+    (new,) = so.new_requests
+    assert new.num_computed_tokens == 0 and so.num_scheduled_tokens == {"c": 13}
+    assert remote.load_failures == [0, 0, 1] and sched.kv.num_wait_timeouts == 0
+
+
+@pytest.mark.e2e
+def test_a_served_hybrid_pair_answers_as_one_server(gemma, tmp_path):
+    """A tiny Gemma 3's prefill and decode servers behind the proxy: greedy completions
+    equal one server's, and the decode server took the prompts' blocks, every group's, from
+    the transfer (its remote hits grow by them)."""
+    from servers import free_port, start_server, stop_server, wait_until
+    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+
+    path = gemma[0]
+    port = free_port()
+    servers = {}
+    try:
+        servers["plain"] = start_server(path, tmp_path / "plain.log")
+        servers["decode"] = start_server(
+            path, tmp_path / "decode.log", "--kv-transfer-config",
+            kv_config("kv_consumer", port, wait_timeout_s=30),
+        )  # fmt: skip
+        servers["prefill"] = start_server(
+            path, tmp_path / "prefill.log", "--kv-transfer-config", kv_config("kv_producer", port)
+        )
+        proxy = Proxy(servers["prefill"].url, servers["decode"].url, tmp_path / "proxy.log")
+        try:
+            decode = servers["decode"]
+            reference = greedy(servers["plain"].url, PROMPTS)
+            hits = remote_hits(decode)
+            assert greedy(proxy.url, PROMPTS) == reference
+            assert wait_until(lambda: remote_hits(decode) > hits, 5), decode.log_tail()
+        finally:
+            proxy.stop()
+    finally:
+        for server in servers.values():
+            stop_server(server)

@@ -370,23 +370,18 @@ class EngineArgs:
         return self.distributed_executor_backend
 
     def _kv_transfer_config(self, config: EngineConfig) -> KVTransferConfig | None:
-        """--kv-transfer-config, checked against what disaggregation needs: whole blocks of
-        one KV cache group named by prefix-cache hashes."""
+        """--kv-transfer-config, checked against what disaggregation needs: whole blocks
+        named by prefix-cache hashes (each KV cache group's under its own key)."""
         transfer = kv_transfer_config_from(self.kv_transfer_config)
         if transfer is None:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config")
-        if len(kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)) > 1:
-            # A producer sends its prompts' blocks of the first group only.
-            raise ValueError(
-                "--kv-transfer-config with several KV cache groups (this model's "
-                "sliding-window layers): a producer sends only the full-attention group's "
-                "blocks; start both servers with --no-hybrid-kv-cache"
-            )
         check_ports(transfer, self.tensor_parallel_size, transfer.consumer_engines)
         if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
-            # Its block tables drop blocks that left the window: a prompt's early blocks are
-            # gone by the time the step that completes it would send them.
+            # Its one group drops blocks that left the window, so a producer sends only the
+            # window of a prompt's end, and a consumer's one-group hit takes a pool hit and
+            # then the tiers' leading run from there (core/kv_connector.py `tier_hit`), not
+            # the window alone as a hit over several groups does.
             raise ValueError(
                 "--kv-transfer-config with a model whose every layer has a sliding window: "
                 "its early prompt blocks are freed before they could be sent"
