@@ -12,7 +12,8 @@ A request admitted with a prefix longer than what the pool holds looks further i
 into freshly allocated pool blocks at the start of the request's first step instead of
 being computed, and the request starts computing after them. A load that fails (a lost or
 corrupt disk block) is recomputed by the executor in that same step; the core forgets that
-tier's copy (`load_failed`).
+tier's copy (`load_failed`). With several KV cache groups a hit's loads from a tier that can
+fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
