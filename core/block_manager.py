@@ -280,6 +280,28 @@ class BlockManager:
         self._register_full_blocks(blocks, token_ids, num_computed_tokens + num_new_tokens)
         return True
 
+    def hold_prefix(self, req_id: str, hit: PrefixHit, salt: BlockHash | None) -> bool:
+        """Take `hit` for `req_id` without room for any new token: its pool blocks, and a
+        fresh block for each of its loads, left uncached (a fallible load's bytes are known
+        good only once its step returns: `cache_loaded`); False if blocks run out."""
+        assert req_id not in self._requests and hit.num_blocks
+        tables = hit.tables
+        num_revived = sum(1 for t in tables for b in t if b is not None and b.ref_count == 0)
+        if len(hit.loads) + num_revived > self.num_free_blocks:
+            return False
+        self._take_prefix(req_id, hit, hit.num_tokens, salt, cache_loads=False)
+        self._changed_tables.add(req_id)
+        return True
+
+    def cache_loaded(self, req_id: str, entries: Sequence[tuple[int, int]]) -> None:
+        """The (group, table index) blocks of `req_id` whose loads succeeded hold what their
+        hashes name: cache them (unless that group caches another copy already)."""
+        blocks = self._requests[req_id]
+        for group, i in entries:
+            block, block_hash = blocks.tables[group][i], blocks.hashes[i]
+            if block is not None and block_hash not in self.cached_blocks[group]:
+                self._cache(block, block_hash, group)
+
     def _shared_to_write(
         self, tables: list[list[KVBlock | None]], num_computed_tokens: int
     ) -> list[tuple[int, int]]:
@@ -306,11 +328,16 @@ class BlockManager:
             self._pending_copies.append((shared.block_id, fresh.block_id))
 
     def _take_prefix(
-        self, req_id: str, hit: PrefixHit, num_computed_tokens: int, salt: BlockHash | None
+        self,
+        req_id: str,
+        hit: PrefixHit,
+        num_computed_tokens: int,
+        salt: BlockHash | None,
+        cache_loads: bool = True,
     ) -> _RequestBlocks:
         """A new request's block tables: the hit's cached blocks, referenced, and a fresh
-        block, cached under its hash, for each one a KV tier loads (after the takes, so
-        popping a free block never evicts one of the hit's)."""
+        block, cached under its hash unless `cache_loads` is False, for each one a KV tier
+        loads (after the takes, so popping a free block never evicts one of the hit's)."""
         tables: list[list[KVBlock | None]] = [[] for _ in self.windows]
         for group, hit_table in enumerate(hit.tables):
             for block in hit_table:
@@ -320,7 +347,8 @@ class BlockManager:
         for group, i, _ in hit.loads:
             block = self._pop_free()
             tables[group][i] = block
-            self._cache(block, hit.hashes[i], group)
+            if cache_loads:
+                self._cache(block, hit.hashes[i], group)
         bs = self.block_size
         released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
         blocks = _RequestBlocks(tables, list(hit.hashes), released, salt)

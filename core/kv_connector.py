@@ -12,7 +12,8 @@ A request admitted with a prefix longer than what the pool holds looks further i
 into freshly allocated pool blocks at the start of the request's first step instead of
 being computed, and the request starts computing after them. A load that fails (a lost or
 corrupt disk block) is recomputed by the executor in that same step; the core forgets that
-tier's copy (`load_failed`).
+tier's copy (`load_failed`). With several KV cache groups a hit's loads from a tier that can
+fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
@@ -40,7 +41,8 @@ from typing import Protocol
 from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
 from zllm.core.block_manager import BlockManager
-from zllm.core.prefix_lookup import PrefixHit
+from zllm.core.kv_prefetch import Prefetches
+from zllm.core.prefix_lookup import PrefixHit, first_needed_block
 from zllm.core.request import Request
 from zllm.kv.block_hash import cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
@@ -203,6 +205,11 @@ class TieredKVConnector:
         """The tier to load a block from (the cpu tier first), or None if none holds it."""
         return next((t.tier for t in self.active_tiers if key in t), None)
 
+    def cpu_tier_of(self, key: BlockHash) -> int | None:
+        """`tier_of` among the tiers whose loads cannot fail: the cpu tier."""
+        cpu = self.tiers[TIER_CPU]
+        return TIER_CPU if cpu is not None and key in cpu else None
+
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """The tier to load each of the leading `block_hashes` from, as far as some tier
         holds them (the cpu tier first)."""
@@ -304,6 +311,7 @@ class SchedulerConnector:
         self.transfer = transfer
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+        self.prefetches = Prefetches(block_manager)  # several groups: core/kv_prefetch.py
 
     def transfer_stats(self) -> KVTransferStats | None:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
@@ -322,6 +330,8 @@ class SchedulerConnector:
             return False
         if not params.do_remote_prefill or req.num_cached_tokens >= 0:
             return False  # (not marked, or admitted before: a preempted request)
+        if req.num_prefetched_tokens is not None:
+            return False  # it loaded what had come (core/kv_prefetch.py)
         if req.remote_kv_deadline == 0.0:
             return False  # waited its time already
         if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
@@ -346,18 +356,38 @@ class SchedulerConnector:
         bm, salt = self.block_manager, cache_salt(req.options)
         if req.prompt_block_hashes is None:
             req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
+        if bm.num_groups > 1:
+            return self._group_blocks_missing(req, salt, remote.capacity)
         hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
         wanted = hit.candidate_hashes[hit.num_blocks :]
         if len(wanted) > remote.capacity:
             return False
         return len(self.tiers.lookup(wanted)) < len(wanted)
 
-    def tier_of(self) -> Callable[[BlockHash], int | None] | None:
+    def _group_blocks_missing(self, req: Request, salt: BlockHash | None, capacity: int) -> bool:
+        """`_remote_blocks_missing` with several KV cache groups: whether a hit of the whole
+        prompt lacks some group's block that neither the pool nor a tier holds (a full
+        group needs every block, a sliding one those in the window of the prompt's end)."""
+        assert self.tiers is not None and req.prompt_block_hashes is not None
+        bm, hashes = self.block_manager, req.prompt_block_hashes
+        end = len(hashes) * bm.block_size
+        needed = sum(
+            len(hashes) - first_needed_block(end, window, bm.block_size) for window in bm.windows
+        )
+        if not hashes or needed > capacity:
+            return False
+        hit = bm.find_cached_prefix(req.all_token_ids, salt, hashes, self.tiers.tier_of)
+        return hit.num_blocks < len(hashes)
+
+    def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:
         """With several KV cache groups, what `BlockManager.find_cached_prefix` asks of the
-        tiers block by block (None: a model with one group takes a pool hit, then the
-        tiers' blocks after it: `tier_hit`)."""
+        tiers block by block for `req` (None: a model with one group takes a pool hit, then
+        the tiers' blocks after it: `tier_hit`). A request that prefetched once sees only
+        the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
         if self.tiers is None or self.block_manager.num_groups == 1:
             return None
+        if req.num_prefetched_tokens is not None:
+            return self.tiers.cpu_tier_of
         return self.tiers.tier_of
 
     def tier_hit(self, cached: PrefixHit | None) -> list[int]:
@@ -377,7 +407,8 @@ class SchedulerConnector:
         blocks just allocated for them, and count them as hits on its `first` admission."""
         req.prompt_block_hashes = None  # (its wait is over)
         if cached is not None and cached.loads:
-            self._load_groups(req, cached, first)
+            # (a prefetch counted its blocks' hits: a block counts once)
+            self._load_groups(req, cached, first and req.num_prefetched_tokens is None)
             return
         if not tiers:
             return
@@ -388,9 +419,10 @@ class SchedulerConnector:
         if first:
             self.tiers.record_hits(tiers, self.block_manager.block_size)
 
-    def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> None:
+    def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> list[BlockHash]:
         """The loads of a hit over several KV cache groups: each group's copy of a block
-        under its tier key, into the block that group's table got for it."""
+        under its tier key, into the block that group's table got for it. Returns the
+        keys."""
         assert self.tiers is not None
         bm = self.block_manager
         tables = bm.group_block_ids(req.req_id)
@@ -402,16 +434,43 @@ class SchedulerConnector:
             for _, i, tier in cached.loads:
                 tier_of_block.setdefault(i, tier)
             self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
+        return keys
+
+    # ---- prefetches (several KV cache groups: core/kv_prefetch.py) ------------------------
+    def wants_prefetch(self, req: Request, cached: PrefixHit | None) -> bool:
+        """Whether waiting `req` loads its hit in a step of its own (not computing)."""
+        return self.prefetches.wanted(req, cached)
+
+    def prefetch(self, req: Request, cached: PrefixHit | None, salt: BlockHash | None) -> bool:
+        """`req` takes `cached` and has its loads go out in the step being built; it is
+        passed over until that step returns (`prefetching`). False if blocks run out."""
+        assert cached is not None
+        if not self.block_manager.hold_prefix(req.req_id, cached, salt):
+            return False
+        keys = self._load_groups(req, cached, first=req.num_cached_tokens < 0)
+        self.prefetches.start(req, cached, keys)
+        return True
+
+    def prefetching(self, req: Request) -> bool:
+        return self.prefetches.holds(req)
+
+    def prefetched(self, step_id: int, failures: Sequence[tuple[int, BlockHash]]) -> None:
+        """Step `step_id` returned (its failed loads' tier copies already forgotten): its
+        prefetches' requests go back to a lookup that finds what loaded well."""
+        if len(self.prefetches):
+            self.prefetches.returned(step_id, failures)
 
     # ---- each step -------------------------------------------------------------------------
     def load_failed(self, failures: Sequence[tuple[int, BlockHash]]) -> None:
         if failures and self.tiers is not None:
             self.tiers.load_failed(failures)
 
-    def take_transfers(self) -> KVTransfers | None:
-        """This step's tier transfers: the pool's evictions stored, the loads taken."""
+    def take_transfers(self, step_id: int = 0) -> KVTransfers | None:
+        """This step's tier transfers (step `step_id`, being built): the pool's evictions
+        stored, the loads taken."""
         if self.tiers is None:
             return None
+        self.prefetches.sent(step_id)
         self.tiers.evicted(self.block_manager.take_evicted())
         return self.tiers.take_transfers()
 
@@ -437,12 +496,27 @@ class SchedulerConnector:
             # prompt's last token, whose logits it computes (BlockManager.find_cached_prefix).
             num_full = (req.num_prompt_tokens - 1) // bm.block_size
             hashes = bm.block_hashes(req.req_id)[:num_full]
-            sends.extend(zip(hashes, bm.block_ids(req.req_id)[: len(hashes)], strict=True))
+            blocks = self._blocks_to_send(req.req_id, hashes)
+            sends.extend(blocks)
             engine = consumer_engine(hashes, num_engines)
             if num_engines > 1 and engine is not None:
-                engines.extend([engine] * len(hashes))
+                engines.extend([engine] * len(blocks))
         self.num_sent_blocks += len(sends)
         return sends, engines
+
+    def _blocks_to_send(self, req_id: str, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+        """(tier key, block id) of every group's block a consumer's hit of `hashes` needs:
+        a full group's every block, a sliding group's those in the window of the hit's end
+        (each group's copy under its own key: group_block_key; one group: the hashes)."""
+        bm, k = self.block_manager, len(hashes)
+        blocks: list[tuple[int, int]] = []
+        for group, window in enumerate(bm.windows):
+            table = bm.block_ids(req_id, group)
+            for i in range(first_needed_block(k * bm.block_size, window, bm.block_size), k):
+                if table[i] >= 0:  # (a sliding block released before the last chunk: the
+                    # consumer's hit is shorter, never wrong)
+                    blocks.append((group_block_key(hashes[i], group), table[i]))
+        return blocks
 
 
 assert TIER_NAMES == ("cpu", "disk", "remote") and (TIER_CPU, TIER_DISK, TIER_REMOTE) == (0, 1, 2)

@@ -91,6 +91,10 @@ class Request:
     # The hash chain of its prompt's full blocks (those a prefix hit can take), kept while
     # a disaggregation consumer's request waits for them so it is hashed once, not per step.
     prompt_block_hashes: list[int] | None = None
+    # Several KV cache groups: the tokens of the blocks it took from a tier whose loads can
+    # fail (disk, remote) in a step ahead of its own (core/kv_prefetch.py) that loaded
+    # well; None while it never did (it does at most once: later lookups skip those tiers).
+    num_prefetched_tokens: int | None = None
     # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
     lora: InitVar[LoRARequest | None] = None
     priority: InitVar[int | None] = None

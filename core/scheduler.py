@@ -244,13 +244,22 @@ class Scheduler:
         has reported this round is passed over (it has nothing to compute until its siblings
         report), and so are a request whose LoRA adapter would be one more than --max-loras
         in the batch (as vLLM does: the requests behind it of adapters already running go
-        ahead) and a consumer's request waiting for its remote blocks."""
+        ahead), a consumer's request waiting for its remote blocks, and one whose prefix
+        loads in a step in flight (a prefetch)."""
         bm = self.block_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
             if req is None or self._held(req, plan):
                 return  # (held: preempted with a step in flight, until that returns)
             found = find_prefix(req, self.block_manager, self.kv)
+            if self.kv.wants_prefetch(req, found.cached):
+                # Its loads go out in a step of their own (core/kv_prefetch.py).
+                if not (
+                    self.kv.prefetch(req, found.cached, found.salt)
+                    or self._make_room_for(req, plan)
+                ):
+                    return
+                continue
             num_new = req.num_tokens_with_pending - found.num_tokens
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
@@ -277,6 +286,7 @@ class Scheduler:
             if not self.beams.is_idle(r)
             and adapter_fits(r, adapters, self.max_loras)
             and not self.kv.awaits_remote_kv(r)
+            and not self.kv.prefetching(r)
         )
         return self.fair.pick(candidates) if self.fair else next(candidates, None)
 
@@ -356,6 +366,7 @@ class Scheduler:
             if req is not None:
                 req.num_steps_in_flight -= 1
         self.kv.load_failed(runner_out.kv_load_failed)
+        self.kv.prefetched(sched_out.step_id, runner_out.kv_load_failed)
         for req_id, message in runner_out.failed.items():
             req = self.requests.get(req_id)
             if req is not None:
@@ -522,7 +533,7 @@ class Scheduler:
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         bm = self.block_manager
         changed = bm.take_changed_tables()
-        kv_transfers = self.kv.take_transfers()
+        kv_transfers = self.kv.take_transfers(self._step_id + 1)
         kv_sends, kv_send_engines = self.kv.sends(plan.scheduled)
         pipeline = self.config.pipeline_stages > 1
         new_reqs, cached_reqs = plan.request_data(bm, changed, pipeline)

@@ -24,6 +24,8 @@ class PrefixFound:
     salt: BlockHash | None
     load_tiers: list[int] = field(default_factory=list)  # the tier of each loaded block
     num_loaded: int = 0  # tokens
+    # Tokens of the hit a prefetch loaded (counted as tier hits then): not pool hits.
+    num_prefetched: int = 0
 
     @property
     def num_computed(self) -> int:
@@ -36,9 +38,10 @@ class PrefixFound:
         """Tokens found in the pool (the prefix cache's hits)."""
         hit = self.cached
         if hit is None or not hit.loads:
-            return self.num_computed
+            return max(0, self.num_computed - self.num_prefetched)
         block_size = hit.num_tokens // hit.num_blocks
-        return (hit.num_blocks - hit.num_loaded_blocks) * block_size
+        pool_hit = (hit.num_blocks - hit.num_loaded_blocks) * block_size
+        return max(0, pool_hit - self.num_prefetched)
 
     @property
     def num_tokens(self) -> int:
@@ -53,9 +56,11 @@ def find_prefix(req: Request, bm: BlockManager, kv: SchedulerConnector) -> Prefi
     if params.prompt_logprobs is not None or params.embed:
         return PrefixFound(None, salt)
     # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
-    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes, kv.tier_of())
+    tier_of = kv.tier_of(req)
+    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes, tier_of)
     load_tiers = kv.tier_hit(cached)
-    return PrefixFound(cached, salt, load_tiers, len(load_tiers) * bm.block_size)
+    prefetched = req.num_prefetched_tokens or 0
+    return PrefixFound(cached, salt, load_tiers, len(load_tiers) * bm.block_size, prefetched)
 
 
 @dataclass(slots=True)

@@ -275,7 +275,8 @@ class ModelRunner:
         fails (a missing or corrupt disk block) is recomputed in this step: every request
         whose computed context covers that block starts its step at the block instead (its
         tokens are all here), so the step's outputs are what recompute gives. Returns the
-        tokens each request computes and the failed (tier, hash) for the core."""
+        tokens each request computes and every failed (tier, hash) for the core, those of
+        loads no scheduled request covers too (a prefetch: core/kv_prefetch.py)."""
         if so.kv_transfers is None:
             return so.num_scheduled_tokens, []
         assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"

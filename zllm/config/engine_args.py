@@ -351,7 +351,7 @@ class EngineArgs:
         if not offload.enabled:
             return None
         what = "--kv-offload-dir" if offload.disk_dir is not None else "KV offload"
-        _check_moves_whole_blocks(config, what, fallible=offload.disk_dir is not None)
+        _check_moves_whole_blocks(config, what)
         per_block = block_bytes(config)
         for name, size in (("--kv-offload-bytes", offload.cpu_bytes),
                            ("--kv-offload-disk-bytes", offload.disk_bytes)):  # fmt: skip
@@ -370,16 +370,18 @@ class EngineArgs:
         return self.distributed_executor_backend
 
     def _kv_transfer_config(self, config: EngineConfig) -> KVTransferConfig | None:
-        """--kv-transfer-config, checked against what disaggregation needs: whole blocks of
-        one KV cache group named by prefix-cache hashes."""
+        """--kv-transfer-config, checked against what disaggregation needs: whole blocks
+        named by prefix-cache hashes (each KV cache group's under its own key)."""
         transfer = kv_transfer_config_from(self.kv_transfer_config)
         if transfer is None:
             return None
-        _check_moves_whole_blocks(config, "--kv-transfer-config", fallible=True)
+        _check_moves_whole_blocks(config, "--kv-transfer-config")
         check_ports(transfer, self.tensor_parallel_size, transfer.consumer_engines)
         if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
-            # Its block tables drop blocks that left the window: a prompt's early blocks are
-            # gone by the time the step that completes it would send them.
+            # Its one group drops blocks that left the window, so a producer sends only the
+            # window of a prompt's end, and a consumer's one-group hit takes a pool hit and
+            # then the tiers' leading run from there (core/kv_connector.py `tier_hit`), not
+            # the window alone as a hit over several groups does.
             raise ValueError(
                 "--kv-transfer-config with a model whose every layer has a sliding window: "
                 "its early prompt blocks are freed before they could be sent"
@@ -463,25 +465,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     add_dataclass_args(parser, EngineArgs, title="engine options")
 
 
-def _check_moves_whole_blocks(config: EngineConfig, what: str, fallible: bool) -> None:
+def _check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
     """What KV offload and disaggregation both ask of the engine: blocks named by their
-    prefix-cache hashes, loads that cannot fail where a model has several KV cache groups
-    (`fallible`: some of `what`'s loads can), and the target model's KV only."""
+    prefix-cache hashes, and the target model's KV only. (With several KV cache groups a
+    load that can fail is prefetched in a step of its own: core/kv_prefetch.py.)"""
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
             "(leave out --no-enable-prefix-caching)"
-        )
-    if len(kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)) > 1 and fallible:
-        # A failed load (a damaged file, a block the buffer dropped) is recomputed from that
-        # block in the same step; with sliding-window groups that needs the window before it,
-        # whose blocks a request taking a cached prefix no longer holds. The CPU tier's loads
-        # cannot fail, so it keeps every group's blocks.
-        raise ValueError(
-            f"{what} with several KV cache groups (this model's sliding-window layers): a "
-            "block whose load fails is recomputed, which needs the sliding layers' earlier "
-            "blocks that a cached prefix's request does not hold; --kv-offload-bytes (the "
-            "CPU tier, whose loads cannot fail) works, or start with --no-hybrid-kv-cache"
         )
     if config.speculative is not None and config.speculative.method == "draft_model":
         raise ValueError(f"{what} does not move a draft model's KV: use ngram speculation")

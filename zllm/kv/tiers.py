@@ -30,6 +30,8 @@ TIER_CPU = 0
 TIER_DISK = 1
 TIER_REMOTE = 2  # not stored into by the core: a producer fills it
 TIER_NAMES = ("cpu", "disk", "remote")
+# The tiers whose loads can fail (a damaged or missing file, a block the buffer dropped).
+FALLIBLE_TIERS = (TIER_DISK, TIER_REMOTE)
 
 BLOCK_FILE_SUFFIX = ".zkv"
 FILE_FORMAT_VERSION = 2  # 2: adapters' blocks salted by their files' digest
