@@ -466,7 +466,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 def _check_moves_whole_blocks(config: EngineConfig, what: str, fallible: bool) -> None:
     """What KV offload and disaggregation both ask of the engine: blocks named by their
     prefix-cache hashes, loads that cannot fail where a model has several KV cache groups
-    (`fallible`: some of `what`'s loads can), and the target model's KV only."""
+    (`fallible`: some of `what`'s loads can). A draft model's KV moves with the target's
+    (executor/kv_pool.py)."""
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
@@ -483,8 +484,6 @@ def _check_moves_whole_blocks(config: EngineConfig, what: str, fallible: bool) -
             "blocks that a cached prefix's request does not hold; --kv-offload-bytes (the "
             "CPU tier, whose loads cannot fail) works, or start with --no-hybrid-kv-cache"
         )
-    if config.speculative is not None and config.speculative.method == "draft_model":
-        raise ValueError(f"{what} does not move a draft model's KV: use ngram speculation")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
