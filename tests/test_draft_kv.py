@@ -80,9 +80,8 @@ def test_a_pool_with_a_draft_part_gathers_and_scatters_both_parts(dtype):
     single = target_only.gather([5, 2])
     assert torch.equal(data[:, :target_bytes].contiguous().view(dtype).view(single.shape), single)
     draft = data[:, target_bytes:].contiguous().view(torch.bfloat16).view(2, 2, 2, BS, 1, 16)
-    assert torch.equal(draft[0], draft_block(pool, 5)) and torch.equal(
-        draft[1], draft_block(pool, 2)
-    )
+    assert torch.equal(draft[0], draft_block(pool, 5))
+    assert torch.equal(draft[1], draft_block(pool, 2))
     before = make_pool(dtype=dtype)  # the same draws: the blocks as they were
     pool.scatter([0, 1], data)
     assert_same_block(pool, 0, before, 5) and assert_same_block(pool, 1, before, 2)
