@@ -222,3 +222,107 @@ def test_a_draft_models_kv_comes_back_from_the_tier(tiny_llama_dir, draft_dir, t
         disk.flush()
         files = existing_disk_blocks(tier_directory(llm.config))
         assert files and disk.block_nbytes == block_bytes(llm.config)
+
+
+def test_after_sleep_the_draft_reads_its_kv_from_the_tier(tiny_llama_dir, draft_dir):
+    """Sleep stores the cached prefixes to the tier and releases the pool and the draft; on
+    waking the draft is made again with new tensors, which the pool's draft part follows:
+    the prefixes load back into both, and the draft's proposals are accepted as before."""
+    kw = dict(kv_cache_memory_bytes=8 << 20, speculative_config=spec(draft_dir))
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
+    expected, expected_rate = run(LLM(tiny_llama_dir, **kw), prompts)
+    llm = LLM(tiny_llama_dir, **kw, kv_offload_bytes=16 << 20, enable_sleep_mode=True)
+    run(llm, prompts)
+    llm.sleep()
+    llm.wake_up()
+    host = llm.model_runner.host
+    assert host.kv_pool.draft and host.kv_pool.draft[0] is host.proposer.kv_caches[0]
+    tokens, rate = run(llm, prompts)
+    assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] == 320
+    assert tokens == expected and rate >= expected_rate - 0.05 > 0.85, (rate, expected_rate)
+
+
+# ---- transfers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_blocks_travel_with_their_draft_part(transport):
+    """A producer's blocks (both parts, as bytes) reach a consumer's buffer and load into both
+    parts of its pool."""
+    import msgspec
+    import zmq
+    from servers import free_port
+
+    from zllm.config.kv_transfer import KVTransferConfig
+    from zllm.executor.kv_transfer import KVReceiver, KVSender, RemoteKVBuffer
+    from zllm.protocol import KVBlocksReceived
+
+    port = free_port()
+    producer_pool, consumer_pool = make_pool(dtype=torch.int8), make_pool(seed=6)
+    consumer_pool.tensors = [torch.zeros_like(t) for t in producer_pool.tensors]
+    zero(consumer_pool)
+    core_in = f"ipc:///tmp/zllm-test-draft-kv-{port}"
+    news = zmq.Context.instance().socket(zmq.PULL)
+    news.bind(core_in)
+    try:
+        buffer = RemoteKVBuffer(consumer_pool, capacity=4, pin_memory=False)
+        role = dict(port=port, transport=transport)
+        KVReceiver(KVTransferConfig(role="kv_consumer", **role), buffer, "layout", core_in)
+        sender = KVSender(KVTransferConfig(role="kv_producer", **role), producer_pool, "layout")
+        while not news.poll(200):  # (sends before the connection is up are dropped)
+            sender.send([(111, 3), (222, 5)])
+        assert msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived).stored == [111, 222]
+        assert buffer.load([111, 222], [0, 1]) == []
+        assert_same_block(consumer_pool, 0, producer_pool, 3)
+        assert_same_block(consumer_pool, 1, producer_pool, 5)
+    finally:
+        news.close(linger=0)
+        Path(core_in.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+@pytest.mark.e2e
+def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_dir, tmp_path):
+    """Both servers speculate with the draft: the producer sends each prompt block's target and
+    draft layers, the consumer loads both (remote hits), answers as the producer does asked
+    unmarked, and accepts the draft's proposals as often as it does."""
+    from servers import free_port, metric, start_server, stop_server, wait_until
+    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+
+    port = free_port()
+    drafted = ("--speculative-config", json.dumps(spec(draft_dir)), "--kv-transfer-config")
+    decode = start_server(
+        tiny_llama_dir, tmp_path / "decode.log", *drafted,
+        kv_config("kv_consumer", port, wait_timeout_s=30),
+    )  # fmt: skip
+    prefill = proxy = None
+
+    # (Counters come with the core's heartbeat, every 0.5 s: a moment behind the requests.)
+    def counted(server, name: str) -> float:
+        return metric(server.get("/metrics").text, name)
+
+    def rate(server) -> float:
+        accepted = counted(server, "vllm:spec_decode_num_accepted_tokens_total")
+        return accepted / counted(server, "vllm:spec_decode_num_draft_tokens_total")
+
+    def proposed(server) -> bool:
+        return counted(server, "vllm:spec_decode_num_draft_tokens_total") > 0
+
+    try:
+        prefill = start_server(
+            tiny_llama_dir, tmp_path / "prefill.log", *drafted, kv_config("kv_producer", port)
+        )
+        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+        # First through the pair: the producer computes the prompts (a prefix it had cached
+        # would have the draft's KV from an earlier step, whatever the sends did).
+        answers = greedy(proxy.url, PROMPTS)
+        assert wait_until(lambda: remote_hits(decode) > 0 and proposed(decode), 5)
+        assert answers == greedy(prefill.url, PROMPTS)  # unmarked: the producer decodes them
+        assert wait_until(lambda: proposed(prefill), 5), prefill.log_tail()
+        sent = "zllm:kv_transfer_sent_blocks_total"
+        assert wait_until(lambda: counted(prefill, sent) > 0, 5), prefill.log_tail()
+        assert rate(prefill) > 0.9 and rate(decode) >= rate(prefill) - 0.05, decode.log_tail()
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if prefill is not None:
+            stop_server(prefill)
+        stop_server(decode)
