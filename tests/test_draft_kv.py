@@ -224,6 +224,31 @@ def test_a_draft_models_kv_comes_back_from_the_tier(tiny_llama_dir, draft_dir, t
         assert files and disk.block_nbytes == block_bytes(llm.config)
 
 
+def test_a_corrupt_block_is_recomputed_by_the_draft_too(tiny_llama_dir, draft_dir, tmp_path):
+    """A block file damaged in its draft part fails its load whole: the target and the draft
+    both recompute from that block (the draft's catch-up rewinds with the target's), so the
+    tokens and the acceptance are those without offload."""
+    from zllm.kv.block_hash import hash_full_blocks
+
+    kw = dict(kv_cache_memory_bytes=8 << 20, speculative_config=spec(draft_dir))
+    prompt = random_prompt(random.Random(4), 250)
+    expected, expected_rate = run(LLM(tiny_llama_dir, **kw), [prompt])
+    llm = LLM(tiny_llama_dir, **kw, kv_offload_dir=str(tmp_path), enable_sleep_mode=True)
+    run(llm, [prompt])
+    llm.sleep()  # (stores the cached prefix to the tier, and empties the pool)
+    llm.wake_up()
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    hashes = hash_full_blocks(prompt["prompt_token_ids"][:240], 16)
+    victim = tier_directory(llm.config) / block_file_name(hashes[2])
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x01  # (the draft's part: it follows the target's)
+    victim.write_bytes(bytes(data))
+    tokens, rate = run(llm, [prompt])
+    stats = llm.engine.heartbeat()
+    assert stats.kv_tiers.load_failures[TIER_DISK] == 1 and stats.kv_tiers.hits[TIER_DISK] == 240
+    assert tokens == expected and rate >= expected_rate - 0.05 > 0.85, (rate, expected_rate)
+
+
 def test_after_sleep_the_draft_reads_its_kv_from_the_tier(tiny_llama_dir, draft_dir):
     """Sleep stores the cached prefixes to the tier and releases the pool and the draft; on
     waking the draft is made again with new tensors, which the pool's draft part follows:
