@@ -341,7 +341,10 @@ class ModelHost:
         (the tiers and transfers move them with the target's, under the same key)."""
         self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
         draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
-        self.kv_pool.draft = draft.kv_caches if draft is not None else []
+        # Only the last pipeline stage runs the draft (it proposes after sampling): an
+        # earlier stage's draft tensors are never written, so its tiers need not keep them.
+        runs_draft = draft is not None and self.pp.is_last
+        self.kv_pool.draft = draft.kv_caches if runs_draft else []
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: block `src`'s bytes into `dst`, the draft model's too."""

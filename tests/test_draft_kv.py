@@ -268,6 +268,28 @@ def test_after_sleep_the_draft_reads_its_kv_from_the_tier(tiny_llama_dir, draft_
     assert tokens == expected and rate >= expected_rate - 0.05 > 0.85, (rate, expected_rate)
 
 
+@pytest.mark.parametrize(
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_ranks_offload_the_drafts_kv_with_their_part(tiny_llama_dir, draft_dir, layout):
+    """Each tensor-parallel rank runs the whole draft, so each stores and loads the draft's
+    layers with its heads' part of a block; of pipeline stages only the last runs the draft
+    and keeps its part. The evicted prefix comes back with one rank's tokens and the draft's
+    proposals accepted as there."""
+    kw = dict(block_size=4, num_gpu_blocks_override=24, speculative_config=spec(draft_dir))
+    rng = random.Random(5)
+    first = [random_prompt(rng, 40)]  # 10 blocks of 4
+    others = [[random_prompt(rng, 40)] for _ in range(3)]
+    expected, expected_rate = run(LLM(tiny_llama_dir, **kw), first)
+    llm = LLM(tiny_llama_dir, **kw, kv_offload_bytes=4 << 20, **layout)
+    assert run(llm, first)[0] == expected
+    for prompt in others:
+        run(llm, prompt)
+    tokens, rate = run(llm, first)
+    assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] > 0
+    assert tokens == expected and rate >= expected_rate - 0.05 > 0.85, (rate, expected_rate)
+
+
 # ---- transfers ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_blocks_travel_with_their_draft_part(transport):
