@@ -51,7 +51,7 @@ import zmq
 
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.executor.kv_connector import KVPool
+from zllm.executor.kv_pool import KVPool
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived
 
 logger = logging.getLogger(__name__)

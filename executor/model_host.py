@@ -25,7 +25,8 @@ from zllm.executor import cpu_kernels, fused_decode, quantization, sleep_mode, w
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
-from zllm.executor.kv_connector import KVPool, KVTiers
+from zllm.executor.kv_connector import KVTiers
+from zllm.executor.kv_pool import KVPool
 from zllm.executor.kv_transfer import KVSender, transfer_layout
 from zllm.executor.loader import init_dummy_weights, load_weights
 from zllm.executor.lora.manager import LoRAManager
