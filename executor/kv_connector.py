@@ -2,9 +2,11 @@
 (core/kv_connector.py decides what moves; this file moves it).
 
 A block's bytes, as a tier keeps them, are every KV tensor's slice for that block id, one
-tensor per layer of the (single) KV cache group::
+tensor per layer of the (single) KV cache group, and a draft model's layers' beside them
+under the same key (executor/kv_pool.py)::
 
     block  [layers, 2 (K, V), block_size, kv_heads, head_dim]     model dtype, on the CPU
+           [nbytes] uint8 with a draft model: the target's part, then the draft's
 
 Each step's `KVTransfers` are applied before its forward, in the order drops, stores, loads
 (`KVTiers.apply`): stores read pool blocks the step is about to reuse, loads fill the newly
@@ -36,6 +38,7 @@ from typing import Protocol
 import torch
 
 from zllm.config.engine import EngineConfig
+from zllm.executor.kv_pool import KVPool
 from zllm.kv.tiers import (
     FILE_FORMAT_VERSION,
     TIER_CPU,
@@ -54,38 +57,6 @@ BlockHash = int
 # A block file: this header, then the block's bytes.
 _HEADER = struct.Struct("<4sIqQI")  # magic, format version, block hash, payload bytes, CRC-32
 _MAGIC = b"ZKV\x00"
-
-
-class KVPool:
-    """The model runner's KV tensors, read and written a whole block at a time."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors  # replaced when sleep mode reallocates the pool
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        _, _, block_size, kv_heads, head_dim = self.tensors[0].shape
-        return (len(self.tensors), 2, block_size, kv_heads, head_dim)
-
-    @property
-    def block_nbytes(self) -> int:
-        """The bytes of one block (every layer's K and V)."""
-        return torch.Size(self.block_shape).numel() * self.tensors[0].element_size()
-
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """[n, *block_shape] copies of the blocks, on the CPU (into `out` when given)."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensors[0].device)
-        if out is None:
-            out = torch.empty((len(block_ids), *self.block_shape), dtype=self.tensors[0].dtype)
-        for layer, kv in enumerate(self.tensors):
-            out[:, layer].copy_(kv.index_select(1, index).transpose(0, 1))
-        return out
-
-    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write [n, *block_shape] into the pool blocks `block_ids`."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.tensors[0].device)
-        for layer, kv in enumerate(self.tensors):
-            kv.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(kv.device))
 
 
 class KVTier(Protocol):
@@ -108,7 +79,7 @@ class CpuTier:
     def __init__(self, pool: KVPool, capacity: int, pin_memory: bool) -> None:
         self.pool = pool
         self.buffer = torch.empty(
-            (capacity, *pool.block_shape), dtype=pool.tensors[0].dtype, pin_memory=pin_memory
+            (capacity, *pool.block_shape), dtype=pool.block_dtype, pin_memory=pin_memory
         )
         self.slots: dict[BlockHash, int] = {}
         self.free_slots = list(range(capacity - 1, -1, -1))
@@ -223,7 +194,7 @@ class DiskTier:
             logger.warning("KV disk tier: block %s %s; recomputing it", path.name, why)
             return None
         payload = bytearray(data[_HEADER.size :])
-        dtype = self.pool.tensors[0].dtype
+        dtype = self.pool.block_dtype
         return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(self.pool.block_shape)
 
     def _check(self, data: bytes, block_hash: BlockHash) -> str | None:

@@ -51,7 +51,7 @@ import zmq
 
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.executor.kv_connector import KVPool
+from zllm.executor.kv_pool import KVPool
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived
 
 logger = logging.getLogger(__name__)
@@ -68,9 +68,31 @@ SOCKET_QUEUE_MESSAGES = 4
 def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
     """What a block's bytes depend on, which two engines must share to exchange blocks:
     the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
-    and block size, and which tensor-parallel rank's part of it (its KV heads) of how many."""
+    and block size, which tensor-parallel rank's part of it (its KV heads) of how many, and a
+    draft model's, whose KV travels in the same blocks (executor/kv_pool.py)."""
     arch = config.arch
-    path = config.model_path
+    return (
+        f"{_model_name(config.model_path)}:{arch.architecture}:"
+        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.kv_dtype}:"
+        f"{config.cache.block_size}:{config.quantization}:"
+        f"tp{config.tensor_parallel_size}.{rank}" + _draft_layout(config)
+    )
+
+
+def _draft_layout(config: EngineConfig) -> str:
+    """The draft model's part of the layout ("" without one: the target's layout as ever)."""
+    spec = config.speculative
+    if spec is None or spec.draft_arch is None or spec.draft_model_path is None:
+        return ""
+    arch = spec.draft_arch
+    return (
+        f":draft:{_model_name(spec.draft_model_path)}:{arch.architecture}:"
+        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.dtype}"
+    )
+
+
+def _model_name(path: str) -> str:
+    """A model file's, or directory's, name and bytes (its files')."""
     try:
         if os.path.isdir(path):
             size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
@@ -78,12 +100,7 @@ def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
             size = os.stat(path).st_size
     except OSError:
         size = 0
-    return (
-        f"{os.path.basename(config.model_path.rstrip('/'))}:{size}:{arch.architecture}:"
-        f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.kv_dtype}:"
-        f"{config.cache.block_size}:{config.quantization}:"
-        f"tp{config.tensor_parallel_size}.{rank}"
-    )
+    return f"{os.path.basename(path.rstrip('/'))}:{size}"
 
 
 class KVSender:
@@ -134,7 +151,7 @@ class KVSender:
             return
         hashes = [h for h, _ in sends]
         block_ids = [b for _, b in sends]
-        dtype = self.pool.tensors[0].dtype
+        dtype = self.pool.block_dtype  # uint8 with a draft model's part (kv_pool.py)
         nbytes = len(sends) * self.pool.block_nbytes
         with self._lock:
             if self._queued_bytes + nbytes > self.config.buffer_bytes:
@@ -180,7 +197,7 @@ class KVSender:
 
             with mmap.mmap(fd, nbytes) as mapped:
                 out = torch.frombuffer(mapped, dtype=torch.uint8)
-                out = out.view(self.pool.tensors[0].dtype).view(shape)
+                out = out.view(self.pool.block_dtype).view(shape)
                 self.pool.gather(block_ids, out=out)
                 del out  # (the mapping closes only once no tensor views it)
         except BaseException:
@@ -234,7 +251,7 @@ class RemoteKVBuffer:
         self.pool = pool
         self.capacity = capacity
         self.buffer = torch.empty(
-            (capacity, *pool.block_shape), dtype=pool.tensors[0].dtype, pin_memory=pin_memory
+            (capacity, *pool.block_shape), dtype=pool.block_dtype, pin_memory=pin_memory
         )
         self.slots: OrderedDict[BlockHash, int] = OrderedDict()
         self.free_slots = list(range(capacity - 1, -1, -1))

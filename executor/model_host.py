@@ -25,7 +25,8 @@ from zllm.executor import cpu_kernels, fused_decode, quantization, sleep_mode, w
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
-from zllm.executor.kv_connector import KVPool, KVTiers
+from zllm.executor.kv_connector import KVTiers
+from zllm.executor.kv_pool import KVPool
 from zllm.executor.kv_transfer import KVSender, transfer_layout
 from zllm.executor.loader import init_dummy_weights, load_weights
 from zllm.executor.lora.manager import LoRAManager
@@ -34,7 +35,7 @@ from zllm.executor.models.rope import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
-from zllm.executor.spec_decode.ngram import NgramProposer
+from zllm.executor.spec_decode.proposer import make_proposer
 from zllm.executor.step_inputs import layer_attention, layer_kv_slots
 from zllm.kv.cache_groups import kv_cache_groups
 from zllm.kv.kv_dtypes import row_bytes, row_width
@@ -48,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "int8": torch.int8}
-
-Proposer = NgramProposer | DraftModelProposer
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
@@ -98,12 +97,12 @@ class ModelHost:
         self._create_kv_pool(parallel)
         self.graph_runner = self._capture_cuda_graphs()
         self._log_kv_cache()
-        self.proposer = make_proposer(config, self.num_blocks, self.dtype)
         self.sleeping: set[str] = set()  # sleep mode: the parts released (SLEEP_TAGS)
         self.weights_on_host = False  # sleep level 1 on a GPU (sleep_mode.py)
 
     def _create_kv_pool(self, parallel: Parallel) -> None:
-        """The pool, the tiers below it and a disaggregation producer's sender."""
+        """The pool, the proposer (a draft model's KV is part of the pool's blocks), the tiers
+        below the pool and a disaggregation producer's sender."""
         config = self.config
         # Ranks may see different free memory (GPUs), stages hold different layers: the pool
         # is the smallest any can hold.
@@ -111,6 +110,8 @@ class ModelHost:
         config.cache.num_blocks = self.num_blocks
         self.kv_pool = KVPool([])
         self._allocate_kv_cache()
+        # Before the tiers: a draft model's KV is part of every block they hold.
+        self._make_proposer()
         # KV offload: the tiers below the pool (their bytes outlive sleep mode's pool); a
         # disaggregation consumer's buffer of received blocks is one too.
         offload, transfer = config.kv_offload, config.kv_transfer
@@ -336,6 +337,16 @@ class ModelHost:
         self.kv_caches = [by_slot[self.kv_slot_of[layer]] for layer in self.layers]
         self.kv_pool.tensors = self.kv_tensors
 
+    def _make_proposer(self) -> None:
+        """Speculative decoding's proposer; a draft model's KV tensors join the pool's blocks
+        (the tiers and transfers move them with the target's, under the same key)."""
+        self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
+        draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
+        # Only the last pipeline stage runs the draft (it proposes after sampling): an
+        # earlier stage's draft tensors are never written, so its tiers need not keep them.
+        runs_draft = draft is not None and self.pp.is_last
+        self.kv_pool.draft = draft.kv_caches if runs_draft else []
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: block `src`'s bytes into `dst`, the draft model's too."""
         for kv in self.kv_tensors:  # a block's bytes: its group's layers, one per tensor
@@ -375,7 +386,7 @@ class ModelHost:
         if self.asleep:
             return
         self.kv_tensors, self.kv_caches = [], []
-        self.kv_pool.tensors = []
+        self.kv_pool.tensors, self.kv_pool.draft = [], []
         self.graph_runner = None  # (captured over the pool's addresses)
         self.proposer = None
         if level >= 2:
@@ -405,7 +416,7 @@ class ModelHost:
             self.sleeping.discard("kv_cache")
         if was_asleep and not self.sleeping:  # both back: what reads both
             self.graph_runner = self._capture_cuda_graphs()
-            self.proposer = make_proposer(self.config, self.num_blocks, self.dtype)
+            self._make_proposer()
         still = f" (still asleep: {', '.join(sorted(self.sleeping))})" if self.sleeping else ""
         logger.info("Woke %s in %.1f s%s", "+".join(tags), time.perf_counter() - start, still)
 
@@ -426,23 +437,3 @@ def release_freed_memory(device: torch.device) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the memory is reused, not returned
         pass
-
-
-def make_proposer(config: EngineConfig, num_blocks: int, dtype: torch.dtype) -> Proposer | None:
-    """Speculative decoding's proposer (config.speculative), None without speculation."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-    if spec.method == "draft_model":
-        groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
-        if groups[0].sliding_window is not None:
-            raise ValueError(
-                "speculative draft_model needs a target with full-attention layers (the draft "
-                "reads the first KV cache group's block tables)"
-            )
-        return DraftModelProposer(config, num_blocks, dtype)
-    raise ValueError(f"speculative method {spec.method!r} is not available")

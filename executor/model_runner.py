@@ -245,9 +245,6 @@ class ModelRunner:
         hidden, stage_times = self._forward(inputs, idle_s, step_start)
         if hidden is None:
             return None  # passed on to the next stage
-        if so.kv_sends and self.host.kv_sender is not None:
-            # The prompt blocks this forward completed, each to its consumer engine.
-            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
         prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)
@@ -262,6 +259,10 @@ class ModelRunner:
         output.kv_load_failed = kv_load_failed
         if self.host.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
+        if so.kv_sends and self.host.kv_sender is not None:
+            # The prompt blocks this forward completed, each to its consumer engine; after
+            # the proposer, whose catch-up writes a draft model's part of them.
+            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
         output.prepare_time_s = forward_start - step_start
         output.forward_time_s = forward_end - forward_start
         output.sample_time_s = time.perf_counter() - forward_end
@@ -300,6 +301,8 @@ class ModelRunner:
                 start = first_bad * block_size
                 scheduled[req_id] += st.num_computed_tokens - start
                 st.num_computed_tokens = start
+                # A draft model's part of the block did not load either.
+                st.draft_num_computed = min(st.draft_num_computed, start)
         return scheduled, [(tier, block_hash) for tier, block_hash, _ in failures]
 
     def _forward(

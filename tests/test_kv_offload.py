@@ -482,18 +482,9 @@ def test_a_restarted_engine_finds_its_disk_tier(tiny_llama_dir, tmp_path, recomp
     [
         (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), "needs prefix caching"),
         (dict(kv_offload_bytes=100), "holds no KV block"),
-        (
-            dict(kv_offload_bytes=1 << 20,
-                 speculative_config={"method": "draft_model", "model": "SELF",
-                                     "num_speculative_tokens": 2}),
-            "draft model",
-        ),
     ],
 )  # fmt: skip
 def test_offload_refuses_what_it_cannot_keep(tiny_llama_dir, kwargs, message):
-    spec = kwargs.get("speculative_config")
-    if spec is not None:
-        spec["model"] = tiny_llama_dir
     with pytest.raises(ValueError, match=message):
         LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, **kwargs)
 

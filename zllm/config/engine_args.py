@@ -467,15 +467,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
 
 def _check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
     """What KV offload and disaggregation both ask of the engine: blocks named by their
-    prefix-cache hashes, and the target model's KV only. (With several KV cache groups a
-    load that can fail is prefetched in a step of its own: core/kv_prefetch.py.)"""
+    prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
+    a step of its own: core/kv_prefetch.py; a draft model's KV moves with the target's:
+    executor/kv_pool.py.)"""
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
             "(leave out --no-enable-prefix-caching)"
         )
-    if config.speculative is not None and config.speculative.method == "draft_model":
-        raise ValueError(f"{what} does not move a draft model's KV: use ngram speculation")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -11,7 +11,9 @@ The core keeps each tier's index (which block hashes it holds, LRU: core/kv_conn
 the executor holds the bytes (executor/kv_connector.py). A block on disk is one file named
 by its block hash, under a directory named by a fingerprint of everything that decides a
 block's bytes (model file, dtype, block size, layout, quantization), so a directory shared
-by several models, or outliving a change of flags, never hands one of them another's KV.
+by several models, or outliving a change of flags, never hands one of them another's KV;
+with a draft model (speculative decoding) a block is its layers' KV too, and the fingerprint
+names the draft.
 Block hashes are stable across processes (hashes of tuples of ints), so the disk tier of a
 restarted engine still serves its prefixes.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from zllm.config.engine import EngineConfig
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
+from zllm.kv.kv_dtypes import ELEMENT_BYTES
 
 TIER_CPU = 0
 TIER_DISK = 1
@@ -38,25 +41,29 @@ FILE_FORMAT_VERSION = 2  # 2: adapters' blocks salted by their files' digest
 
 
 def block_bytes(config: EngineConfig) -> int:
-    """The bytes of one KV block: every layer's K and V for block_size tokens."""
+    """The bytes of one KV block: every layer's K and V for block_size tokens, a draft
+    model's layers' too (its KV lives under the same block ids and moves with the block)."""
     groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
     per_slot = kv_bytes_per_slot(config.arch, groups, config.kv_dtype)
-    return per_slot * config.cache.block_size
+    return (per_slot + draft_bytes_per_slot(config)) * config.cache.block_size
+
+
+def draft_bytes_per_slot(config: EngineConfig) -> int:
+    """A draft model's K and V of one token slot (0 without one): every layer of it, at the
+    model dtype (the draft's cache is never narrowed), on every tensor-parallel rank."""
+    spec = config.speculative
+    if spec is None or spec.draft_arch is None:
+        return 0
+    arch = spec.draft_arch
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * ELEMENT_BYTES[config.dtype]
 
 
 def layout_fingerprint(config: EngineConfig) -> str:
     """16 hex digits naming everything a block's bytes depend on."""
-    path = Path(config.model_path)
-    identity = path / "config.json" if path.is_dir() else path
-    try:
-        stat = identity.stat()
-        model = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
-    except OSError:
-        model = [str(path)]
     arch = config.arch
-    key = {
+    key: dict = {
         "version": FILE_FORMAT_VERSION,
-        "model": model,
+        "model": _model_identity(config.model_path),
         "dtype": config.kv_dtype,
         "block_size": config.cache.block_size,
         "layout": [arch.num_layers, arch.num_kv_heads, arch.head_dim],
@@ -66,7 +73,31 @@ def layout_fingerprint(config: EngineConfig) -> str:
         "deterministic": config.deterministic,
         "tensor_parallel": config.tensor_parallel_size,  # a rank's part of a block per file
     }
+    draft = _draft_identity(config)
+    if draft is not None:  # (only then: a single model's directory keeps its name)
+        key["draft"] = draft
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _draft_identity(config: EngineConfig) -> list | None:
+    """What a draft model's part of a block depends on, None without a draft model."""
+    spec = config.speculative
+    if spec is None or spec.draft_arch is None or spec.draft_model_path is None:
+        return None
+    arch = spec.draft_arch
+    layout = [arch.architecture, arch.num_layers, arch.num_kv_heads, arch.head_dim]
+    return [*_model_identity(spec.draft_model_path), *layout, config.dtype]
+
+
+def _model_identity(path_name: str) -> list:
+    """A model's resolved path, and its config's (or file's) size and mtime when readable."""
+    path = Path(path_name)
+    identity = path / "config.json" if path.is_dir() else path
+    try:
+        stat = identity.stat()
+        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    except OSError:
+        return [str(path)]
 
 
 def tier_directory(config: EngineConfig, rank: int = 0) -> Path:
