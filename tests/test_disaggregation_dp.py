@@ -185,7 +185,7 @@ def test_data_parallel_pair_sends_each_prompts_blocks_to_the_engine_that_serves_
             now = remote_hits_per_engine(decode)
             return {e: now[e] - before.get(e, 0.0) for e in now}
 
-        assert wait_until(lambda: gained() == loadable, 5), (gained(), loadable)
+        assert wait_until(lambda: gained() == loadable, 30), (gained(), loadable)
         text = decode.get("/metrics").text
         timeouts = re.findall(r"^zllm:kv_transfer_wait_timeouts_total\{.*\} (\S+)$", text, re.M)
         assert len(timeouts) == 2 and sum(map(float, timeouts)) == 0

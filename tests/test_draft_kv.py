@@ -361,11 +361,11 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
         # First through the pair: the producer computes the prompts (a prefix it had cached
         # would have the draft's KV from an earlier step, whatever the sends did).
         answers = greedy(proxy.url, PROMPTS)
-        assert wait_until(lambda: remote_hits(decode) > 0 and proposed(decode), 5)
+        assert wait_until(lambda: remote_hits(decode) > 0 and proposed(decode), 30)
         assert answers == greedy(prefill.url, PROMPTS)  # unmarked: the producer decodes them
-        assert wait_until(lambda: proposed(prefill), 5), prefill.log_tail()
+        assert wait_until(lambda: proposed(prefill), 30), prefill.log_tail()
         sent = "zllm:kv_transfer_sent_blocks_total"
-        assert wait_until(lambda: counted(prefill, sent) > 0, 5), prefill.log_tail()
+        assert wait_until(lambda: counted(prefill, sent) > 0, 30), prefill.log_tail()
         assert rate(prefill) > 0.9 and rate(decode) >= rate(prefill) - 0.05, decode.log_tail()
     finally:
         if proxy is not None:

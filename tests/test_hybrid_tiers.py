@@ -257,7 +257,7 @@ def test_a_served_hybrid_pair_answers_as_one_server(gemma, tmp_path):
             reference = greedy(servers["plain"].url, PROMPTS)
             hits = remote_hits(decode)
             assert greedy(proxy.url, PROMPTS) == reference
-            assert wait_until(lambda: remote_hits(decode) > hits, 5), decode.log_tail()
+            assert wait_until(lambda: remote_hits(decode) > hits, 30), decode.log_tail()
         finally:
             proxy.stop()
     finally:
