@@ -74,7 +74,7 @@ def test_served_tenant_from_the_x_tenant_header(tiny_llama_dir, tmp_path) -> Non
                 running.values()
             )
 
-        assert wait_until(counted, 5), tenant_series(server, "zllm:tenant_requests_total")
+        assert wait_until(counted, 30), tenant_series(server, "zllm:tenant_requests_total")
         generated = tenant_series(server, "zllm:tenant_generation_tokens_total")
         assert generated["alice"] == 4 and generated["default"] == 2 and generated["bob"] == 5
         computed = tenant_series(server, "zllm:tenant_computed_tokens_total")
