@@ -242,6 +242,8 @@ ZLLM_TARGET_AVX512 inline __m128i k_scales_mins_xmm(const uint8_t* p) {
   return _mm_or_si128(low, top);
 }
 
+constexpr int64_t kPrefetchBytes = 2048;
+
 template <int MR>
 ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
                                          const QuantizedX256& qx, int64_t K, int64_t begin,
@@ -257,6 +259,11 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
     for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = row + b * kQ4_KBytes;
+      // The hardware prefetcher alone left this loop ~7% under the machine's read bandwidth
+      // at one row (the Q6_K loop, slower per byte, gained nothing): ask for the block
+      // kPrefetchBytes ahead (14 blocks; past the matrix's end a prefetch is harmless).
+      for (int line = 0; line < kQ4_KBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
       const __m128i scales_mins = k_scales_mins_xmm(blk + 4);
       const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(scales_mins));
       __m512i isum[MR];
