@@ -13,14 +13,18 @@ directory. Sections:
 - `kquant`: `gguf_linear_int8` (`--quantization gguf-int8`'s csrc/cpu/kquant_int8.h) on one
   Llama-3.2-1B layer's matrices as the decode step calls them (qkv 3072 x 2048, o 2048 x 2048,
   gate/up 16384 x 2048 Q4_K, down 2048 x 8192 Q6_K: a Q4_K_M file's types), random blocks
-  with sane fp16 scales; per matrix and the layer summed. $ZLLM_CPU_ISA=avx2 makes a build
-  that has an AVX-512 VNNI variant run its AVX2 code (csrc/cpu/cpu_isa.h).
+  with sane fp16 scales; per matrix and the layer summed. With `--gguf PATH`, also every
+  Q4_K/Q6_K matrix of that file in turn (one token's matmuls, each streamed from memory).
+  $ZLLM_CPU_ISA=avx2 makes a build that has an AVX-512 VNNI variant run its AVX2 code
+  (csrc/cpu/cpu_isa.h).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --rows 1 2 3 4
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --section logits
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py HEAD~1 HEAD --section layer \
         --gguf ~/.cache/zllm/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --rows 16 128 512
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 2 4 8 16
+    OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 \
+        --gguf ~/.cache/zllm-peers/models/llama1b/llama1b-Q4_K_M.gguf --repeats 30
 
 Each side is copied to a temporary directory and built under its own name
 (`ZLLM_CSRC_DIR`, cached in ~/.cache/torch_extensions like any build); its pybind classes are
@@ -175,6 +179,28 @@ def kquant_layer(builds: list[ModuleType], args: argparse.Namespace) -> None:
         old, new = alternate(builds, layer, args.repeats)
         print(f"M={m:2}: layer {old * 1e3:.3f} / {new * 1e3:.3f} ({old / new:.2f}x); "
               + "; ".join(cells), flush=True)  # fmt: skip
+    if args.gguf is None:
+        return
+    from gguf import GGUFReader
+
+    matrices = []
+    for tensor in GGUFReader(args.gguf).tensors:
+        if int(tensor.tensor_type) in (12, 14):
+            qweight = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+            matrices.append((qweight.reshape(int(tensor.shape[1]), -1), int(tensor.shape[0]),
+                             int(tensor.tensor_type)))  # fmt: skip
+    gigabytes = sum(q.numel() for q, _, _ in matrices) / 1e9
+    print(f"{args.gguf.name}: {len(matrices)} Q4_K/Q6_K matrices, {gigabytes * 1e3:.0f} MB")
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k) for _, k, _ in matrices}
+
+        def token(build: ModuleType, inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for q, k, t in matrices:
+                build.gguf_linear_int8(inputs[k], q, t)
+
+        old, new = alternate(builds, token, args.repeats)
+        print(f"M={m:2}: a token's matmuls {old * 1e3:.2f} / {new * 1e3:.2f} ms "
+              f"({old / new:.2f}x; {gigabytes / old:.1f} / {gigabytes / new:.1f} GB/s)", flush=True)  # fmt: skip
 
 
 def main() -> None:
