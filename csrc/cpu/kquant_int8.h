@@ -215,8 +215,8 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
 // scale vector per 64 values, and Q6_K's code extraction done once per 64.
 
 // VPERMW indices picking a super-block's scales (int16 lanes of the source): int16 lanes
-// 0-7 of the result take scale a, 8-15 b, 16-23 c, 24-31 d. Q4_K's a sub-block per 32
-// values is (s, s, s + 1, s + 1); Q6_K's per 16 values four in a row.
+// 0-7 of the result take scale a, 8-15 b, 16-23 c, 24-31 d. Q4_K (a scale per 32 values)
+// repeats two, (s, s, s', s'); Q6_K (per 16) takes four in a row.
 ZLLM_TARGET_AVX512 inline __m512i lanes_of(int a, int b, int c, int d) {
   return _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c,  //
                           b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
@@ -237,8 +237,9 @@ ZLLM_TARGET_AVX512 inline __m128i k_scales_mins_xmm(const uint8_t* p) {
       _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
       _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
   // ... and for words 1, 3 the top two bits of w0 / w1 to bits 4-5: ((w >> 6) & 3) << 4.
-  const __m128i top = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i top =
+      _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
   return _mm_or_si128(low, top);
 }
 
@@ -305,7 +306,8 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   // Groups t = 2p and 2p + 1 (32 values each, a scale per 16): scales 4p .. 4p + 3.
   const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
                            lanes_of(12, 13, 14, 15)};
-  // Group t = 4h + g takes bits 2g of the high bytes: g = 0, 1 in pair 2h; 2, 3 in 2h + 1.
+  // Group t = 4h + g takes bits 2g, 2g + 1 of the high bytes: g = 0, 1 in the step p = 0
+  // of half h, 2, 3 in p = 1.
   const __m512i shift[2] = {
       _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
       _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
