@@ -260,9 +260,10 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
     for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = row + b * kQ4_KBytes;
-      // The hardware prefetcher alone left this loop ~7% under the machine's read bandwidth
-      // at one row (the Q6_K loop, slower per byte, gained nothing): ask for the block
-      // kPrefetchBytes ahead (14 blocks; past the matrix's end a prefetch is harmless).
+      // The hardware prefetcher alone leaves this loop waiting on DRAM: asking for the block
+      // kPrefetchBytes ahead (14 blocks; past the matrix's end a prefetch is harmless) took
+      // 7-8% off a Llama-1B token's matmuls at one row, 10% at two (BENCHMARKS.md); the
+      // Q6_K loop, slower per byte, gained nothing in a first try.
       for (int line = 0; line < kQ4_KBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
       const __m128i scales_mins = k_scales_mins_xmm(blk + 4);
