@@ -10,11 +10,21 @@ directory. Sections:
 - `logits`: Gemma 3 270M's Q8_0 logits shape (262,144 x 640, 178 MB: read from DRAM);
 - `layer`: a model's layer-0 matmuls (attention q/k/v/output, ffn gate/up/down) as its GGUF
   file stores them (`--gguf PATH`), summed per call size: prefill's shapes and types.
+- `kquant`: `gguf_linear_int8` (`--quantization gguf-int8`'s csrc/cpu/kquant_int8.h) on one
+  Llama-3.2-1B layer's matrices as the decode step calls them (qkv 3072 x 2048, o 2048 x 2048,
+  gate/up 16384 x 2048 Q4_K, down 2048 x 8192 Q6_K: a Q4_K_M file's types), random blocks
+  with sane fp16 scales; per matrix and the layer summed. With `--gguf PATH`, also every
+  Q4_K/Q6_K matrix of that file in turn (one token's matmuls, each streamed from memory).
+  $ZLLM_CPU_ISA=avx2 makes a build that has an AVX-512 VNNI variant run its AVX2 code
+  (csrc/cpu/cpu_isa.h).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --rows 1 2 3 4
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --section logits
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py HEAD~1 HEAD --section layer \
         --gguf ~/.cache/zllm/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --rows 16 128 512
+    OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 2 4 8 16
+    OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 \
+        --gguf ~/.cache/zllm-peers/models/llama1b/llama1b-Q4_K_M.gguf --repeats 30
 
 Each side is copied to a temporary directory and built under its own name
 (`ZLLM_CSRC_DIR`, cached in ~/.cache/torch_extensions like any build); its pybind classes are
@@ -36,8 +46,9 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_types import TYPES, blocks  # noqa: E402
@@ -58,6 +69,14 @@ def csrc_copy(side: str, into: Path) -> Path:
         subprocess.run(
             ["tar", "-x", "-C", str(into), "--strip-components=1"], input=archive, check=True
         )
+    # This checkout's loader checks for (and hashes) every file it lists; one the side
+    # predates (cpu/cpu_isa.h before the AVX-512 variants) is made empty: nothing of the
+    # side includes it.
+    from zllm.executor.cpu_kernels import KERNEL_FILES
+
+    for name in KERNEL_FILES:
+        if not (into / name).exists():
+            (into / name).touch()
     ops = into / "cpu" / "ops.cpp"
     ops.write_text(
         re.sub(r'(py::class_<\w+>\(m, "\w+")\)', r"\1, py::module_local())", ops.read_text())
@@ -114,10 +133,82 @@ def layer_zero(builds: list[ModuleType], args: argparse.Namespace) -> None:
         print(f"layer 0, M={m}: {old * 1e3:.3f} / {new * 1e3:.3f} ms ({old / new:.2f}x)")
 
 
+# (name, output rows, input features, ggml type): Llama-3.2-1B (hidden 2048, MLP 8192, 32 x 64
+# query heads, 8 KV heads) as the fused decode step calls it, fused parts concatenated.
+LLAMA_1B_LAYER = (
+    ("qkv", 3072, 2048, 12),
+    ("o", 2048, 2048, 12),
+    ("gate_up", 16384, 2048, 12),
+    ("down", 2048, 8192, 14),
+)
+
+
+def random_kquant(rows: int, cols: int, ggml_type: int, rng: np.random.Generator) -> torch.Tensor:
+    """[rows, bytes per row] of random Q4_K (12) or Q6_K (14) blocks, their fp16 d (and
+    Q4_K's dmin) set to small positive values: the kernel's work does not depend on the
+    values, only finite scales keep the outputs numbers."""
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    q = rng.integers(0, 256, (rows * cols // block_values, block_bytes), dtype=np.uint8)
+    scale_at = (0, 2) if ggml_type == 12 else (208,)
+    for at in scale_at:
+        d = rng.uniform(0.5e-3, 1.5e-3, len(q)).astype(np.float16)
+        q[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(q.reshape(rows, -1))
+
+
+def kquant_layer(builds: list[ModuleType], args: argparse.Namespace) -> None:
+    """gguf_linear_int8 on LLAMA_1B_LAYER at each row count: ms per call, per matrix and summed."""
+    rng = np.random.default_rng(0)
+    weights = [(name, random_kquant(n, k, t, rng), k, t) for name, n, k, t in LLAMA_1B_LAYER]
+    print("; ".join(f"{name} {q.shape[0]}x{k} type {t}" for name, q, k, t in weights))
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k) for _, _, k, _ in weights}
+        cells = []
+        for name, q, k, t in weights:
+            old, new = alternate(
+                builds,
+                lambda b, x=inputs[k], q=q, t=t: b.gguf_linear_int8(x, q, t),
+                args.repeats,
+            )
+            cells.append(f"{name} {old * 1e3:.3f} / {new * 1e3:.3f} ({old / new:.2f}x)")
+
+        def layer(build: ModuleType, inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for _, q, k, t in weights:
+                build.gguf_linear_int8(inputs[k], q, t)
+
+        old, new = alternate(builds, layer, args.repeats)
+        print(f"M={m:2}: layer {old * 1e3:.3f} / {new * 1e3:.3f} ({old / new:.2f}x); "
+              + "; ".join(cells), flush=True)  # fmt: skip
+    if args.gguf is None:
+        return
+    from gguf import GGUFReader
+
+    matrices = []
+    for tensor in GGUFReader(args.gguf).tensors:
+        if int(tensor.tensor_type) in (12, 14):
+            qweight = torch.from_numpy(tensor.data.copy()).view(torch.uint8)
+            matrices.append((qweight.reshape(int(tensor.shape[1]), -1), int(tensor.shape[0]),
+                             int(tensor.tensor_type)))  # fmt: skip
+    gigabytes = sum(q.numel() for q, _, _ in matrices) / 1e9
+    print(f"{args.gguf.name}: {len(matrices)} Q4_K/Q6_K matrices, {gigabytes * 1e3:.0f} MB")
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k) for _, k, _ in matrices}
+
+        def token(build: ModuleType, inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for q, k, t in matrices:
+                build.gguf_linear_int8(inputs[k], q, t)
+
+        old, new = alternate(builds, token, args.repeats)
+        print(f"M={m:2}: a token's matmuls {old * 1e3:.2f} / {new * 1e3:.2f} ms "
+              f"({old / new:.2f}x; {gigabytes / old:.1f} / {gigabytes / new:.1f} GB/s)", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sides", nargs=2, metavar="SIDE", help="git revision or csrc directory")
-    parser.add_argument("--section", choices=["types", "logits", "layer"], default="types")
+    parser.add_argument(
+        "--section", choices=["types", "logits", "layer", "kquant"], default="types"
+    )
     parser.add_argument("--gguf", type=Path, help="the model file (section layer)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--repeats", type=int, default=100)
@@ -130,6 +221,9 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}; ms per call, {a} / {b} (speed-up of {b})")
     if args.section == "layer":
         layer_zero(builds, args)
+        return
+    if args.section == "kquant":
+        kquant_layer(builds, args)
         return
     if args.section == "logits":
         q = torch.randint(0, 256, (262144, 20 * 34), dtype=torch.uint8)

@@ -4,6 +4,8 @@
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
+    cpu_isa(), set_cpu_isa(name)              AVX-512 VNNI or AVX2 for the kernels with both
+                                              ($ZLLM_CPU_ISA)                  csrc/cpu/cpu_isa.h
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window])
                                               one new token per sequence       csrc/cpu/paged_attention.h
     rms_norm_rows, rope_rows_, gated_activation_rows   a layer's row-wise ops  csrc/cpu/row_ops.h
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 SOURCES = ("cpu/ops.cpp",)
 KERNEL_FILES = (
     "cpu/ops.cpp",
+    "cpu/cpu_isa.h",
     "cpu/simd.h",
     "cpu/gguf_linear.h",
     "cpu/gguf_int8.h",
@@ -55,6 +58,8 @@ KERNEL_FILES = (
     "cpu/row_ops.h",
     "cpu/decode_stack.h",
 )
+# AVX2 for the whole library, so it runs on every CPU cpu_supports_kernels admits; functions
+# with an AVX-512 VNNI variant compile it per function and choose at run time (cpu_isa.h).
 # -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
 # does, so the kernel's weights equal the fp32 reference weights bit for bit.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
@@ -79,6 +84,14 @@ SUPPORTED_GGML_TYPES = {
 INT8_GGML_TYPES = frozenset(SUPPORTED_GGML_TYPES) - {1, 30}
 
 
+# $ZLLM_CPU_ISA: "avx2" forces the AVX2 code where an AVX-512 VNNI variant exists (tests
+# and A/B timings of both paths on one machine), "avx512vnni" the variant (refused on a CPU
+# without it); "auto" (the default) takes the best the CPU has. The library reads it at
+# first use; set_cpu_isa changes it in a running process.
+CPU_ISA_CHOICES = ("auto", "avx2", "avx512vnni")
+AVX512_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # /proc/cpuinfo's names
+
+
 def enabled() -> bool:
     """False when $ZLLM_CPU_KERNELS is 0: the engine then picks no kernel by itself (an
     explicit --quantization gguf still builds them). For A/B measurements and debugging."""
@@ -89,14 +102,25 @@ class CpuKernelError(RuntimeError):
     """The CPU kernels cannot be built or cannot run on this machine."""
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split())
+
+
 def cpu_supports_kernels() -> bool:
     """AVX2, FMA and F16C, which the kernels are compiled for."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    line = next((line for line in flags.splitlines() if line.startswith("flags")), "")
-    return all(f in line.split() for f in ("avx2", "fma", "f16c"))
+    return {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+def cpu_has_avx512_vnni() -> bool:
+    """AVX-512 F/BW/VL and VNNI, which the kernels' wider variants use (the library asks the
+    CPU itself, cpu_isa(); Linux lists a feature only where the OS saves its registers)."""
+    return set(AVX512_VNNI_FLAGS) <= cpu_flags()
 
 
 @functools.cache
@@ -104,6 +128,11 @@ def load() -> ModuleType:
     """The compiled extension; builds it on first use. Raises CpuKernelError when it can't."""
     if not cpu_supports_kernels():
         raise CpuKernelError("the CPU kernels need an x86-64 CPU with AVX2, FMA and F16C")
+    isa = os.environ.get("ZLLM_CPU_ISA", "auto") or "auto"
+    if isa not in CPU_ISA_CHOICES:
+        raise CpuKernelError(f"ZLLM_CPU_ISA={isa!r}: expected one of {CPU_ISA_CHOICES}")
+    if isa == "avx512vnni" and not cpu_has_avx512_vnni():
+        raise CpuKernelError("ZLLM_CPU_ISA=avx512vnni: this CPU lacks AVX-512 F/BW/VL or VNNI")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise CpuKernelError("the CPU kernels need a C++ compiler (c++ on PATH, or $CXX)")
     from torch.utils import cpp_extension
@@ -177,6 +206,18 @@ def gguf_linear_int8(
         return load().gguf_linear_int8(x, qweight, ggml_type)
     load().gguf_linear_int8_into(x, qweight, ggml_type, y)
     return y
+
+
+def cpu_isa() -> str:
+    """The instruction set of the kernels with an AVX-512 variant (csrc/cpu/kquant_int8.h):
+    "avx512vnni" on a CPU with AVX-512 F/BW/VL and VNNI unless forced, else "avx2"."""
+    return load().cpu_isa()
+
+
+def set_cpu_isa(name: str) -> str:
+    """Force "avx2" or "avx512vnni" (where the CPU has it), or "auto" (the best it has), for
+    this process; returns the choice, which set_cpu_isa(cpu_isa()) restores."""
+    return load().set_cpu_isa(name)
 
 
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:

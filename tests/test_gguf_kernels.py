@@ -222,6 +222,96 @@ def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
 
 
+# Q4_K / Q6_K have an AVX-512 VNNI variant (csrc/cpu/kquant_int8.h), taken where the CPU has
+# the features unless $ZLLM_CPU_ISA / set_cpu_isa forces AVX2: both paths run here.
+ISAS = ("avx2", "auto")
+
+
+@pytest.fixture
+def restore_cpu_isa():
+    before = cpu_kernels.cpu_isa()
+    yield
+    cpu_kernels.set_cpu_isa(before)
+
+
+def _kquant_expected(q, ref, x, ggml_type) -> np.ndarray:
+    """The int8 formula of test_int8_linear_computes_the_int8_formula, in float64."""
+    rows, cols = x.shape
+    x_int8 = _int8_activations(x.numpy(), 256)
+    offsets = _block_offsets(q.numpy(), ggml_type, q.shape[0], cols)
+    xd = x.double().numpy()
+    return x_int8 @ ref.double().numpy().T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
+
+
+@pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks_per_row", [1, 3, 5])
+def test_kquant_int8_avx512_path_equals_the_avx2_path(ggml_type, blocks_per_row, restore_cpu_isa):
+    """Same int32 sums per super-block in the same 8 lanes, the same float tail: the outputs
+    are equal bit for bit, at every row count the modules send (1-16: passes of 4, 3, 2, 1
+    rows), an odd number of super-blocks and of weight rows; both equal the formula."""
+    q, ref, cols = _blocks(37, blocks_per_row, ggml_type, seed=20 + blocks_per_row)
+    for rows in range(1, 17):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        x[0] *= 1e4  # one row's scale far from the others' (a scale per row and super-block)
+        outs = []
+        for isa in ISAS:
+            cpu_kernels.set_cpu_isa(isa)
+            outs.append(cpu_kernels.gguf_linear_int8(x, q, int(ggml_type)))
+        assert torch.equal(outs[0], outs[1]), rows
+        expected = _kquant_expected(q, ref, x, ggml_type)
+        for r in range(rows):  # rows' magnitudes differ: each against its own scale
+            np.testing.assert_allclose(
+                outs[1][r].double().numpy(),
+                expected[r],
+                rtol=0,
+                atol=1e-5 * np.abs(expected[r]).max(),
+            )
+
+
+@pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", ISAS)
+def test_kquant_int8_keeps_nan_and_tiny_blocks_on_both_paths(ggml_type, isa, restore_cpu_isa):
+    """As test_int8_linear_keeps_nan_and_tiny_blocks, on each path, for every pass size."""
+    cpu_kernels.set_cpu_isa(isa)
+    q, ref, cols = _blocks(6, 3, ggml_type, seed=13)
+    for rows in (3, 4, 7):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        x[0, 5] = float("nan")
+        x[1, 300] = float("inf")  # the second super-block
+        x[2, 256:512] = 1e-39  # a super-block below FLT_MIN: rounds to zero
+        out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
+        assert out[:2].isnan().all() and not out[2:].isnan().any()
+        kept = x[2].clone()
+        kept[256:512] = 0
+        torch.testing.assert_close(out[2], kept @ ref.T, rtol=0.05, atol=0.05)
+
+
+def test_the_avx512_path_is_taken_exactly_where_the_cpu_has_it(restore_cpu_isa):
+    """auto picks avx512vnni iff Linux lists AVX-512 F, BW, VL and VNNI (the library asks CPUID
+    itself: two readings that must agree); avx2 can always be forced, avx512vnni only there;
+    $ZLLM_CPU_ISA sets the choice a process starts with, and a bad value is refused at load."""
+    has = cpu_kernels.cpu_has_avx512_vnni()
+    assert cpu_kernels.set_cpu_isa("auto") == cpu_kernels.cpu_isa()
+    assert cpu_kernels.cpu_isa() == ("avx512vnni" if has else "avx2")
+    assert cpu_kernels.set_cpu_isa("avx2") == cpu_kernels.cpu_isa() == "avx2"
+    if has:
+        assert cpu_kernels.set_cpu_isa("avx512vnni") == "avx512vnni"
+    else:
+        with pytest.raises(RuntimeError, match="avx512vnni"):
+            cpu_kernels.set_cpu_isa("avx512vnni")
+        assert cpu_kernels.cpu_isa() == "avx2"
+    with pytest.raises(RuntimeError, match="expected auto"):
+        cpu_kernels.set_cpu_isa("avx512")
+    code = "from zllm.executor import cpu_kernels as k; print(k.cpu_isa())"
+    for value, expected in (("avx2", "avx2"), ("auto", "avx512vnni" if has else "avx2")):
+        env = {**os.environ, "ZLLM_CPU_ISA": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.split()[-1] == expected, out.stderr[-2000:]
+    env = {**os.environ, "ZLLM_CPU_ISA": "sse2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "ZLLM_CPU_ISA='sse2'" in out.stderr
+
+
 def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
     q, ref, _ = _blocks(12, 4, T.Q4_0, seed=11)
     q8, _, _ = _blocks(5, 4, T.Q8_0, seed=12)

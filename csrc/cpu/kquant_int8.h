@@ -19,6 +19,10 @@
 // Integer ranges: VPMADDUBSW pairs stay within int16 (Q4_K 2 * 15 * 127, Q6_K's |c| <= 32:
 // 2 * 32 * 127); VPMADDWD by a scale (< 64, or |int8| <= 128) gives at most ~1.1M a lane and
 // a super-block's 8 sub-blocks sum well inside int32.
+//
+// Two instruction sets, chosen per call by cpu_isa.h: AVX2 (q4_k_row / q6_k_row, any CPU the
+// engine runs on) and AVX-512 F/BW/VL + VNNI (q4_k_rows_avx512 / q6_k_rows_avx512, compiled
+// per function): the same int32 lane sums and float tail, so the same output bits.
 
 #pragma once
 
@@ -32,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "gguf_linear.h"
 
 namespace zllm_kquant {
@@ -47,7 +52,14 @@ struct QuantizedX256 {
   std::vector<float> sum32;  // [M, K / 32]
 };
 
-inline QuantizedX256 quantize_x256(const float* x, int64_t M, int64_t ldx, int64_t K) {
+// kQ4_KPairs: each 128 values' 32-value chunks stored in the order 0, 2, 1, 3, so the AVX-512
+// Q4_K loop finds next to each other the chunks that 64 bytes of its codes' low nibbles (and
+// high ones) multiply. Else x's own order.
+enum class XOrder { kNatural, kQ4_KPairs };
+
+inline QuantizedX256 quantize_x256(const float* x, int64_t M, int64_t ldx, int64_t K,
+                                   XOrder order = XOrder::kNatural) {
+  static constexpr int kPairs[8] = {0, 2, 1, 3, 4, 6, 5, 7};
   const int64_t blocks = K / kSuper, groups = K / kBlock;
   QuantizedX256 out{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
                     std::vector<float>(M * groups)};
@@ -87,7 +99,8 @@ inline QuantizedX256 quantize_x256(const float* x, int64_t M, int64_t ldx, int64
             _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]),
                                _mm256_packs_epi32(q32[2], q32[3])),
             _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&out.q[m * K + b * kSuper + kBlock * g]),
+        const int at = order == XOrder::kQ4_KPairs ? kPairs[g] : g;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&out.q[m * K + b * kSuper + kBlock * at]),
                             q8);
       }
     }
@@ -189,6 +202,160 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
 }
 
+// ---- AVX-512 (F/BW/VL + VNNI) variant, taken when the CPU has it (cpu_isa.h) ----
+//
+// The same integers as the AVX2 rows above, 64 values an instruction: a zmm holds two of the
+// AVX2 loop's 32-value steps side by side, VPMADDUBSW makes the same int16 pairs, and
+// VPDPWSSD (VNNI) does VPMADDWD by the scale and the int32 add in one. Its int32 lane j of the
+// low half sums what the AVX2 lane j sums for the first step, the high half for the second,
+// so adding the halves at the end of a super-block gives the AVX2 kernel's 8 lane sums
+// exactly (integers, no overflow as above); the float tail is then the AVX2 one, operation
+// for operation, so both paths return the same bits. Zen 4 runs a zmm op as two 256-bit
+// halves, so the gain is in the instructions not issued: the fused add, one load, mask and
+// scale vector per 64 values, and Q6_K's code extraction done once per 64.
+
+// VPERMW indices picking a super-block's scales (int16 lanes of the source): int16 lanes
+// 0-7 of the result take scale a, 8-15 b, 16-23 c, 24-31 d. Q4_K (a scale per 32 values)
+// repeats two, (s, s, s', s'); Q6_K (per 16) takes four in a row.
+ZLLM_TARGET_AVX512 inline __m512i lanes_of(int a, int b, int c, int d) {
+  return _mm512_set_epi16(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c,  //
+                          b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+}
+
+// The 8 lane sums the AVX2 kernel would hold: low half + high half.
+ZLLM_TARGET_AVX512 inline __m256i fold_halves(__m512i v) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// k_scales_mins_bytes in one xmm (scales in bytes 0-7, mins in 8-15), from the 16 bytes at p
+// (the 12 packed ones and 4 of the codes after them, unused): the same words, built with
+// 32-bit lanes instead of scalar code and a round trip through memory.
+ZLLM_TARGET_AVX512 inline __m128i k_scales_mins_xmm(const uint8_t* p) {
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // w0 w1 w2 -
+  // Low six bits (words 0, 2 of the output) or the low/high nibbles of w2 (words 1, 3) ...
+  const __m128i low = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  // ... and for words 1, 3 the top two bits of w0 / w1 to bits 4-5: ((w >> 6) & 3) << 4.
+  const __m128i top =
+      _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
+}
+
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <int MR>
+ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
+                                         const QuantizedX256& qx, int64_t K, int64_t begin,
+                                         int64_t end, float* y, int64_t ldy) {
+  const int64_t blocks = K / kSuper, groups = K / kBlock;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // Step c's scales: sub-blocks 0, 2 / 1, 3 / 4, 6 / 5, 7 (one per half).
+  const __m512i pick[4] = {lanes_of(0, 0, 2, 2), lanes_of(1, 1, 3, 3), lanes_of(4, 4, 6, 6),
+                           lanes_of(5, 5, 7, 7)};
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR], offset[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * kQ4_KBytes;
+      // The hardware prefetcher alone leaves this loop waiting on DRAM: asking for the block
+      // kPrefetchBytes ahead (14 blocks; past the matrix's end a prefetch is harmless) took
+      // 7-8% off a Llama-1B token's matmuls at one row, 10% at two (BENCHMARKS.md); the
+      // Q6_K loop, slower per byte, gained nothing in a first try.
+      for (int line = 0; line < kQ4_KBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      const __m128i scales_mins = k_scales_mins_xmm(blk + 4);
+      const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(scales_mins));
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        // 64 bytes of codes: their low nibbles are sub-blocks 4j and 4j + 2 (j = c / 2), the
+        // high ones 4j + 1 and 4j + 3; x (kQ4_KPairs) holds those pairs as 64 bytes each.
+        const __m512i v = _mm512_loadu_si512(blk + 16 + 64 * (c / 2));
+        const __m512i codes = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+        const __m512i scale = _mm512_permutexvar_epi16(pick[c], sc16);
+        for (int i = 0; i < MR; ++i) {
+          const __m512i xq = _mm512_loadu_si512(qx.q.data() + i * K + b * kSuper + 64 * c);
+          isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(codes, xq), scale);
+        }
+      }
+      const float d = half_to_float(blk);
+      const __m256 mins = _mm256_mul_ps(
+          _mm256_set1_ps(half_to_float(blk + 2)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales_mins, scales_mins))));
+      for (int i = 0; i < MR; ++i) {
+        const float dx = qx.d[i * blocks + b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
+                                 _mm256_set1_ps(d * dx), acc[i]);
+        const __m256 xs = _mm256_loadu_ps(qx.sum32.data() + i * groups + b * 8);
+        offset[i] = _mm256_fmadd_ps(mins, xs, offset[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]) - hsum(offset[i]);
+  }
+}
+
+template <int MR>
+ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
+                                         const QuantizedX256& qx, int64_t K, int64_t begin,
+                                         int64_t end, float* y, int64_t ldy) {
+  const int64_t blocks = K / kSuper;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two_bits = _mm512_set1_epi8(3);
+  const __m512i zero = _mm512_setzero_si512();
+  // Groups t = 2p and 2p + 1 (32 values each, a scale per 16): scales 4p .. 4p + 3.
+  const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
+                           lanes_of(12, 13, 14, 15)};
+  // Group t = 4h + g takes bits 2g, 2g + 1 of the high bytes: g = 0, 1 in the step p = 0
+  // of half h, 2, 3 in p = 1.
+  const __m512i shift[2] = {
+      _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
+      _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * kQ6_KBytes;
+      const __m512i sc16 = _mm512_castsi256_si512(
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {  // values 128h .. 128h + 127
+        // Their low nibbles: 64 bytes, value r the low nibble of byte r (r < 64) or the high
+        // nibble of byte r - 64; their high 2-bit pairs: 32 bytes, read by both halves.
+        const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(load32(blk + 128 + 32 * h));
+        for (int p = 0; p < 2; ++p) {  // groups 4h + 2p, 4h + 2p + 1
+          const __m512i lo4 = _mm512_and_si512(p ? _mm512_srli_epi16(l, 4) : l, nibble);
+          const __m512i hi2 = _mm512_and_si512(_mm512_srlv_epi16(qh, shift[p]), two_bits);
+          const __m512i codes = _mm512_sub_epi8(
+              _mm512_or_si512(lo4, _mm512_slli_epi16(hi2, 4)), _mm512_set1_epi8(32));
+          // |c| times x with c's sign, as the AVX2 loop's VPSIGNB (none at 512 bits): x
+          // negated where c < 0; where c = 0 |c| is 0 and the product 0 either way.
+          const __m512i magnitude = _mm512_abs_epi8(codes);
+          const __mmask64 negative = _mm512_movepi8_mask(codes);
+          const __m512i scale = _mm512_permutexvar_epi16(pick[2 * h + p], sc16);
+          for (int i = 0; i < MR; ++i) {
+            const __m512i xq =
+                _mm512_loadu_si512(qx.q.data() + i * K + b * kSuper + 128 * h + 64 * p);
+            const __m512i xs = _mm512_mask_sub_epi8(xq, negative, zero, xq);
+            isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
+          }
+        }
+      }
+      const float d = half_to_float(blk + 208);
+      for (int i = 0; i < MR; ++i) {
+        const float dx = qx.d[i * blocks + b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
+                                 _mm256_set1_ps(d * dx), acc[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]);
+  }
+}
+
 // Rows sharing one pass over the weights (a pass per 4 rows beyond: the modules send decode-
 // sized calls only, and `zllm bench accuracy` scores whole sequences with decode's arithmetic).
 constexpr int64_t kMaxRows = 4;
@@ -198,10 +365,19 @@ inline bool serves(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
 template <int MR>
 inline void linear_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                         int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
-  const QuantizedX256 qx = quantize_x256(x, MR, ldx, K);
-  const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : q6_k_row<MR>;
   // A task takes ~64K weights' rows (decode-sized matmuls are a few million weights).
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
+  if (zllm_isa::use_avx512_vnni()) {
+    const QuantizedX256 qx = quantize_x256(
+        x, MR, ldx, K, qtype == kQ4_K ? XOrder::kQ4_KPairs : XOrder::kNatural);
+    const auto rows = qtype == kQ4_K ? q4_k_rows_avx512<MR> : q6_k_rows_avx512<MR>;
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+      rows(w, row_bytes, qx, K, begin, end, y, ldy);
+    });
+    return;
+  }
+  const QuantizedX256 qx = quantize_x256(x, MR, ldx, K);
+  const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : q6_k_row<MR>;
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) row_dot(w + n * row_bytes, qx, 0, K, y + n, ldy);
   });

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include "cpu_isa.h"
 #include "decode_stack.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
@@ -16,6 +17,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x quantized to int8 per 32 values @ GGUF weights, integer dot products");
   m.def("gguf_linear_int8_into", &gguf_linear_int8_into, "gguf_linear_int8 written into y");
+  m.def(
+      "cpu_isa", [] { return std::string(zllm_isa::isa_name(zllm_isa::isa_choice().load())); },
+      "the instruction set the kernels with an AVX-512 variant use now: avx512vnni or avx2");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        int isa = zllm_isa::kAvx2;
+        TORCH_CHECK(zllm_isa::isa_from_name(name, &isa), "CPU ISA '", name,
+                    "': expected auto, avx2 or (on a CPU with it) avx512vnni");
+        zllm_isa::isa_choice().store(isa);
+        return std::string(zllm_isa::isa_name(isa));
+      },
+      "force avx2 or avx512vnni, or auto (the best this CPU has); returns the choice",
+      py::arg("name"));
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks -> fp32 rows");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention read from the paged KV cache", py::arg("q"),
