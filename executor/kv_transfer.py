@@ -23,14 +23,13 @@ its own ports (kv_port + engine x ranks + rank); a producer's sender keeps a soc
 consumer engine and sends each request's blocks to the one its core names (the engine the
 consumer routes that request to: zllm/config/kv_transfer.py `consumer_engine`).
 
-With tensor parallelism or pipeline stages every rank does this for its part of each block
-(its KV heads of its stage's layers): producer rank r (stage x tensor-parallel size +
-tensor-parallel rank) sends, after its stage's forward, to consumer rank r's receiver at
-kv_port + r, and each consumer rank tells the core what its buffer holds (the core counts a
-block once every rank holds it; a load that fails on one rank is recomputed on all,
-model_runner.py, or with stages the request prefetches: core/kv_prefetch.py). The layout
-names the rank count, the stages and the rank, so a peer cut otherwise has its blocks
-dropped.
+With tensor parallelism or pipeline stages every rank (stage x tp size + tp rank) does this
+for its part of each block (its KV heads of its stage's layers, sent after its stage's
+forward): producer rank r to consumer rank r's receiver at kv_port + r, and each consumer
+rank tells the core what its buffer holds (the core counts a block once every rank holds
+it; a load that fails on one rank is recomputed on all, model_runner.py; with stages such
+loads are prefetched: core/kv_prefetch.py). The layout names the ranks, stages and rank, so
+a peer cut otherwise has its blocks dropped.
 
 Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
 reads only such names, owned by its own user, and deletes each once read. Files of producers
@@ -71,9 +70,8 @@ SOCKET_QUEUE_MESSAGES = 4
 def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
     """What a block's bytes depend on, which two engines must share to exchange blocks:
     the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
-    and block size, which rank's part of it (its KV heads of its stage's layers; `rank` is
-    stage x tensor-parallel size + tensor-parallel rank) of how many ranks and stages, and a
-    draft model's, whose KV travels in the same blocks (executor/kv_pool.py)."""
+    and block size, which rank's part of it (`rank`: stage x tp size + tp rank) of how many
+    ranks and stages, and a draft model's, whose KV travels in the same blocks."""
     arch = config.arch
     stages = config.pipeline_parallel_size
     return (
@@ -117,9 +115,8 @@ class KVSender:
     def __init__(
         self, config: KVTransferConfig, pool: KVPool, layout: str, rank: int = 0, ranks: int = 1
     ) -> None:
-        """`rank`: this executor rank (of `ranks`, every stage's tensor-parallel ranks),
-        which sends its part of each block to the consumer's rank of the same number, in
-        each of the consumer's engines."""
+        """`rank`: this executor rank (of `ranks`, every stage's), which sends its part of
+        each block to the consumer's rank of the same number, in each consumer engine."""
         self.config = config
         self.pool = pool
         self.layout = layout
@@ -323,10 +320,9 @@ class KVReceiver:
         engine: int = 0,
         ranks: int = 1,
     ) -> None:
-        """`rank`: this executor rank (of `ranks`, every stage's tensor-parallel ranks) of
-        data-parallel engine `engine`:
-        it listens at kv_port + engine x ranks + rank for its peer rank's parts of blocks,
-        and names itself in what it tells the core."""
+        """`rank`: this executor rank (of `ranks`, every stage's) of data-parallel engine
+        `engine`: it listens at kv_port + engine x ranks + rank for its peer rank's parts of
+        blocks, and names itself in what it tells the core."""
         self.config = config
         self.buffer = buffer
         self.layout = layout
