@@ -63,15 +63,17 @@ class PipelineStage:
         self._sends: list[tuple[torch.distributed.Work, torch.Tensor]] = []
         self._times = torch.zeros(0)
         self._wait_s = 0.0
-        # This step's loads, and the mask of those that failed on this stage or before it.
+        # This step's loads, and the mask of those that failed on this stage or before it
+        # (most steps load nothing: one empty mask for them, not a new tensor each step).
+        self._no_loads = torch.zeros(0, dtype=torch.uint8, device=device)
         self._loads: Sequence[Load] = []
-        self._failed = torch.zeros(0, dtype=torch.uint8)
+        self._failed = self._no_loads
 
     def loads_failed(self, loads: Sequence[Load], failures: Sequence[tuple[int, int, int]]) -> None:
         """This step's KV loads, and those that failed on this stage (its ranks' union):
         the mask that goes down the pipeline with the step."""
         self._loads = loads
-        self._failed = failure_mask(loads, failures, self.device)
+        self._failed = failure_mask(loads, failures, self.device) if loads else self._no_loads
 
     def failed_loads(self) -> list[tuple[int, int]]:
         """The last stage, once the step came down: the loads that failed on any stage."""

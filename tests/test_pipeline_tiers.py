@@ -235,12 +235,13 @@ def one_rank(tiny_llama_dir) -> tuple[list[int], list[int]]:
     return outs[0].outputs[0].token_ids, outs[1].outputs[0].token_ids
 
 
-def staged_with_disk(tiny_llama_dir, tmp_path) -> LLM:
-    """2 stages, a pool of 16 blocks, a disk tier: FIRST is computed, then OTHERS push its
-    blocks out of the pool to every stage's directory."""
+def staged_with_disk(tiny_llama_dir, tmp_path, tp: int = 1) -> LLM:
+    """2 stages (of `tp` ranks each), a pool of 16 blocks, a disk tier: FIRST is computed,
+    then OTHERS push its blocks out of the pool to every rank's directory."""
     llm = LLM(
         tiny_llama_dir,
         pipeline_parallel_size=2,
+        tensor_parallel_size=tp,
         block_size=4,
         num_gpu_blocks_override=16,
         kv_offload_dir=str(tmp_path / "tier"),
@@ -274,18 +275,24 @@ def test_two_stages_keep_a_disk_tier_each_and_load_a_prefix_back(
 
 
 @pytest.mark.parametrize(
-    "victim, with_fresh",
-    [(0, False), (1, False), (0, True)],
-    ids=["first-stage-alone", "last-stage-alone", "first-stage-beside-a-computing-request"],
+    "victim, with_fresh, tp",
+    [(0, False, 1), (1, False, 1), (0, True, 1), (1, True, 2)],
+    ids=[
+        "first-stage-alone",
+        "last-stage-alone",
+        "first-stage-beside-a-computing-request",
+        "2x2-ranks-the-first-stages-second-rank",
+    ],
 )
 def test_a_block_damaged_on_one_stage_is_recomputed(
-    tiny_llama_dir, tmp_path, one_rank, victim, with_fresh
+    tiny_llama_dir, tmp_path, one_rank, victim, with_fresh, tp
 ):
-    """One stage's part of the prompt's third block is damaged: its load fails there only,
+    """One rank's part of the prompt's third block is damaged: its load fails there only,
     the mask brings that down the pipeline (alone in a step that only loads, or with the
-    stream of a request computing beside the prefetch), the core counts the failure and
-    the request computes from that block: one rank's tokens."""
-    llm = staged_with_disk(tiny_llama_dir, tmp_path)
+    stream of a request computing beside the prefetch; with 2 x 2 ranks the first stage's
+    ranks first take the union of theirs), the core counts the failure and the request
+    computes from that block: one rank's tokens."""
+    llm = staged_with_disk(tiny_llama_dir, tmp_path, tp)
     files = block_files(llm, victim)
     assert wait_until(lambda: all(f.exists() for f in files[:9]), 10)
     data = bytearray(files[2].read_bytes())
