@@ -24,9 +24,8 @@ of blocks a producer sent (executor/kv_transfer.py). The core never stores into 
 mirrors what the executor says it received and dropped (`received`), and its blocks load like
 any tier's. With tensor or pipeline parallelism each rank's buffer holds its part of a block
 (its KV heads, its stage's layers) and reports on its own: the index holds a block once every
-rank of every stage does (`RemoteTierIndex`). A producer's
-core asks its executor, step by step, to send the prompt blocks of the requests marked for
-it.
+rank of every stage does (`RemoteTierIndex`). A producer's core asks its executor, step by
+step, to send the prompt blocks of the requests marked for it.
 
 `SchedulerConnector` is what the scheduler calls (vLLM's scheduler-side connector): the
 tiers' hit at admission and the loads it takes, a consumer's wait for remote blocks, and
@@ -110,9 +109,9 @@ class TierIndex:
 class RemoteTierIndex(TierIndex):
     """The remote tier: follows the buffers that manage their own contents, one per
     executor rank (stage x tensor-parallel size + tensor-parallel rank), each holding its
-    part (its KV heads of its stage's layers) of a block. A block is held
-    once every rank holds its part (a load needs them all), and not once any rank dropped
-    it; the blocks some ranks hold wait in `_holders` for the others."""
+    part (its KV heads of its stage's layers) of a block. A block is held once every rank
+    holds its part (a load needs them all), and not once any rank dropped it; the blocks
+    some ranks hold wait in `_holders` for the others."""
 
     def __init__(self, capacity_blocks: int, ranks: int = 1) -> None:
         super().__init__(TIER_REMOTE, capacity_blocks)
