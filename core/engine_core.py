@@ -421,9 +421,7 @@ def _make_kv_connector(config: EngineConfig) -> TieredKVConnector | None:
     if offload is None and not remote_bytes:
         return None
     on_disk = blocks_on_every_rank(config) if offload and offload.disk_dir else []
-    return TieredKVConnector(
-        offload, block_bytes(config), on_disk, remote_bytes, config.tensor_parallel_size
-    )
+    return TieredKVConnector(offload, block_bytes(config), on_disk, remote_bytes, config.world_size)
 
 
 def _merge_batch(batches: DetokenizerBatches, worker: int, batch: DetokenizerBatch) -> None:

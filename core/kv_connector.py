@@ -12,8 +12,9 @@ A request admitted with a prefix longer than what the pool holds looks further i
 into freshly allocated pool blocks at the start of the request's first step instead of
 being computed, and the request starts computing after them. A load that fails (a lost or
 corrupt disk block) is recomputed by the executor in that same step; the core forgets that
-tier's copy (`load_failed`). With several KV cache groups a hit's loads from a tier that can
-fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
+tier's copy (`load_failed`). With several KV cache groups, or pipeline stages, a hit's loads
+from a tier that can fail go out in a step of their own instead (a prefetch: core/
+kv_prefetch.py).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
@@ -21,10 +22,10 @@ leading blocks it holds.
 Prefill/decode disaggregation adds a third tier on a consumer, `remote`: the executor's buffer
 of blocks a producer sent (executor/kv_transfer.py). The core never stores into it; its index
 mirrors what the executor says it received and dropped (`received`), and its blocks load like
-any tier's. With tensor parallelism each rank's buffer holds its part of a block and reports
-on its own: the index holds a block once every rank does (`RemoteTierIndex`). A producer's
-core asks its executor, step by step, to send the prompt blocks of the requests marked for
-it.
+any tier's. With tensor or pipeline parallelism each rank's buffer holds its part of a block
+(its KV heads, its stage's layers) and reports on its own: the index holds a block once every
+rank of every stage does (`RemoteTierIndex`). A producer's core asks its executor, step by
+step, to send the prompt blocks of the requests marked for it.
 
 `SchedulerConnector` is what the scheduler calls (vLLM's scheduler-side connector): the
 tiers' hit at admission and the loads it takes, a consumer's wait for remote blocks, and
@@ -107,9 +108,10 @@ class TierIndex:
 
 class RemoteTierIndex(TierIndex):
     """The remote tier: follows the buffers that manage their own contents, one per
-    tensor-parallel rank, each holding its part (its KV heads) of a block. A block is held
-    once every rank holds its part (a load needs them all), and not once any rank dropped
-    it; the blocks some ranks hold wait in `_holders` for the others."""
+    executor rank (stage x tensor-parallel size + tensor-parallel rank), each holding its
+    part (its KV heads of its stage's layers) of a block. A block is held once every rank
+    holds its part (a load needs them all), and not once any rank dropped it; the blocks
+    some ranks hold wait in `_holders` for the others."""
 
     def __init__(self, capacity_blocks: int, ranks: int = 1) -> None:
         super().__init__(TIER_REMOTE, capacity_blocks)
@@ -157,7 +159,7 @@ class TieredKVConnector:
     ) -> None:
         """`disk_blocks`: what the disk tier directory already holds (oldest first).
         `remote_bytes`: a disaggregation consumer's buffer of received blocks (0: none), one
-        on each of `remote_ranks` tensor-parallel ranks."""
+        on each of `remote_ranks` executor ranks (every stage's tensor-parallel ranks)."""
         self.tiers: list[TierIndex | None] = [None, None, None]
         if config is not None and config.cpu_bytes > 0:
             self.tiers[TIER_CPU] = TierIndex(TIER_CPU, config.cpu_bytes // block_bytes)
@@ -305,13 +307,25 @@ class SchedulerConnector:
         block_manager: BlockManager,
         tiers: TieredKVConnector | None,
         transfer: KVTransferConfig | None,
+        pipeline_stages: int = 1,
     ) -> None:
+        """`pipeline_stages`: the executor's (more than one: every hit is looked up block by
+        block and a fallible one prefetched, as with several KV cache groups)."""
         self.block_manager = block_manager
         self.tiers = tiers
         self.transfer = transfer
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
-        self.prefetches = Prefetches(block_manager)  # several groups: core/kv_prefetch.py
+        # Several groups or stages: core/kv_prefetch.py.
+        self.prefetches = Prefetches(block_manager, pipeline=pipeline_stages > 1)
+
+    @property
+    def per_block_lookup(self) -> bool:
+        """Whether a hit's tier loads are found block by block (`PrefixHit.loads`, which a
+        prefetch takes): with several KV cache groups, or pipeline stages (whose stages
+        cannot recompute a failed load in its step). Otherwise a pool hit, then the tiers'
+        leading run after it (`tier_hit`)."""
+        return self.block_manager.num_groups > 1 or self.prefetches.pipeline
 
     def transfer_stats(self) -> KVTransferStats | None:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
@@ -380,11 +394,11 @@ class SchedulerConnector:
         return hit.num_blocks < len(hashes)
 
     def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:
-        """With several KV cache groups, what `BlockManager.find_cached_prefix` asks of the
-        tiers block by block for `req` (None: a model with one group takes a pool hit, then
-        the tiers' blocks after it: `tier_hit`). A request that prefetched once sees only
-        the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
-        if self.tiers is None or self.block_manager.num_groups == 1:
+        """With several KV cache groups or pipeline stages (`per_block_lookup`), what
+        `BlockManager.find_cached_prefix` asks of the tiers block by block for `req` (None:
+        a pool hit, then the tiers' blocks after it: `tier_hit`). A request that prefetched
+        once sees only the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
+        if self.tiers is None or not self.per_block_lookup:
             return None
         if req.num_prefetched_tokens is not None:
             return self.tiers.cpu_tier_of
@@ -392,11 +406,11 @@ class SchedulerConnector:
 
     def tier_hit(self, cached: PrefixHit | None) -> list[int]:
         """The tier each block after the pool's hit loads from, as far as the tiers hold
-        the request's prefix ([] without tiers, and with several KV cache groups, whose hit
+        the request's prefix ([] without tiers, and with a lookup block by block, whose hit
         holds its loads)."""
         if self.tiers is None or cached is None or cached.loads:
             return []
-        if self.block_manager.num_groups > 1:
+        if self.per_block_lookup:
             return []
         return self.tiers.lookup(cached.candidate_hashes[cached.num_blocks :])
 
@@ -436,7 +450,7 @@ class SchedulerConnector:
             self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
         return keys
 
-    # ---- prefetches (several KV cache groups: core/kv_prefetch.py) ------------------------
+    # ---- prefetches (several KV cache groups, pipeline stages: core/kv_prefetch.py) -------
     def wants_prefetch(self, req: Request, cached: PrefixHit | None) -> bool:
         """Whether waiting `req` loads its hit in a step of its own (not computing)."""
         return self.prefetches.wanted(req, cached)

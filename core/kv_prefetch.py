@@ -1,11 +1,15 @@
-"""Several KV cache groups and a tier whose loads can fail (disk, remote): a request's prefix
-is loaded in a step ahead of its own compute (a prefetch), never in the step that computes.
+"""Several KV cache groups, or pipeline stages, and a tier whose loads can fail (disk,
+remote): a request's prefix is loaded in a step ahead of its own compute (a prefetch), never
+in the step that computes.
 
-With one group a failed load is recomputed in the very step that loads it (executor/
-model_runner.py `_transfer_kv`): the request restarts at the failed block and holds every
-block before it. A sliding-window group's request that took a cached prefix holds only the
-window of the prefix's end, so it has no blocks to recompute an earlier failed block from.
-So such a hit goes in two steps::
+With one group on one stage a failed load is recomputed in the very step that loads it
+(executor/model_runner.py `_transfer_kv`): the request restarts at the failed block and holds
+every block before it. A sliding-window group's request that took a cached prefix holds only
+the window of the prefix's end, so it has no blocks to recompute an earlier failed block
+from. With pipeline stages each stage loads its own layers' part of a block, and stage 0 has
+run its layers by the time stage s finds its part failed: the stages cannot all start the
+request at the failed block in that step (they would have to agree before stage 0's forward,
+stalling the pipeline). So such a hit goes in two steps::
 
     step N      the hit's pool blocks referenced, its loads into fresh blocks left uncached;
                 the request computes nothing and is passed over while N is out
@@ -46,8 +50,11 @@ class Prefetch:
 class Prefetches:
     """The prefetches in flight, by request id."""
 
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, pipeline: bool = False) -> None:
+        """`pipeline`: the executor has pipeline stages (a prefetch then serves one group
+        too)."""
         self.block_manager = block_manager
+        self.pipeline = pipeline
         self._by_req: dict[str, Prefetch] = {}
 
     def __len__(self) -> int:
@@ -55,10 +62,10 @@ class Prefetches:
 
     def wanted(self, req: Request, hit: PrefixHit | None) -> bool:
         """Whether `req`'s hit loads from a tier that can fail, with several KV cache groups
-        (and `req` never prefetched)."""
+        or pipeline stages (and `req` never prefetched)."""
         if hit is None or req.num_prefetched_tokens is not None:
             return False
-        if self.block_manager.num_groups == 1:
+        if self.block_manager.num_groups == 1 and not self.pipeline:
             return False  # (a failed load is recomputed in its step)
         return any(tier in FALLIBLE_TIERS for _, _, tier in hit.loads)
 

@@ -72,7 +72,9 @@ class Scheduler:
         `kv_connector`: the KV tiers below the pool (KV offload; a disaggregation consumer's
         remote buffer), if any. `kv_transfer`: this engine's part in disaggregation."""
         self.config = config
-        self.kv = SchedulerConnector(block_manager, kv_connector, kv_transfer)
+        self.kv = SchedulerConnector(
+            block_manager, kv_connector, kv_transfer, config.pipeline_stages
+        )
         self.max_loras = max_loras
         self.block_manager = block_manager
         self.block_size = block_manager.block_size

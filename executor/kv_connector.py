@@ -245,8 +245,9 @@ class KVTiers:
     """The tiers this engine has, and each step's transfers applied to them."""
 
     def __init__(self, config: EngineConfig, pool: KVPool, rank: int = 0) -> None:
-        """`rank`: this tensor-parallel rank (its disk tier directory); each tier holds as
-        many blocks as the core counts, each at this rank's part of a block's bytes."""
+        """`rank`: this executor rank (stage x tensor-parallel size + tensor-parallel rank:
+        its disk tier directory); each tier holds as many blocks as the core counts, each at
+        this rank's part of a block's bytes (its KV heads of its stage's layers)."""
         offload = config.kv_offload
         nbytes = block_bytes(config)  # a whole block: the core's unit for the tiers' bounds
         pin = pool.tensors[0].is_cuda

@@ -23,11 +23,13 @@ its own ports (kv_port + engine x ranks + rank); a producer's sender keeps a soc
 consumer engine and sends each request's blocks to the one its core names (the engine the
 consumer routes that request to: zllm/config/kv_transfer.py `consumer_engine`).
 
-With tensor parallelism every rank does this for its part of each block (its KV heads):
-producer rank r's sender connects to consumer rank r's receiver at kv_port + r, and each
-consumer rank tells the core what its buffer holds (the core counts a block once every rank
-holds it; a load that fails on one rank is recomputed on all, model_runner.py). The layout
-names the rank count and the rank, so a peer cut otherwise has its blocks dropped.
+With tensor parallelism or pipeline stages every rank (stage x tp size + tp rank) does this
+for its part of each block (its KV heads of its stage's layers, sent after its stage's
+forward): producer rank r to consumer rank r's receiver at kv_port + r, and each consumer
+rank tells the core what its buffer holds (the core counts a block once every rank holds
+it; a load that fails on one rank is recomputed on all, model_runner.py; with stages such
+loads are prefetched: core/kv_prefetch.py). The layout names the ranks, stages and rank, so
+a peer cut otherwise has its blocks dropped.
 
 Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
 reads only such names, owned by its own user, and deletes each once read. Files of producers
@@ -68,14 +70,17 @@ SOCKET_QUEUE_MESSAGES = 4
 def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
     """What a block's bytes depend on, which two engines must share to exchange blocks:
     the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
-    and block size, which tensor-parallel rank's part of it (its KV heads) of how many, and a
-    draft model's, whose KV travels in the same blocks (executor/kv_pool.py)."""
+    and block size, which rank's part of it (`rank`: stage x tp size + tp rank) of how many
+    ranks and stages, and a draft model's, whose KV travels in the same blocks."""
     arch = config.arch
+    stages = config.pipeline_parallel_size
     return (
         f"{_model_name(config.model_path)}:{arch.architecture}:"
         f"{arch.num_layers}x{arch.num_kv_heads}x{arch.head_dim}:{config.kv_dtype}:"
         f"{config.cache.block_size}:{config.quantization}:"
-        f"tp{config.tensor_parallel_size}.{rank}" + _draft_layout(config)
+        f"tp{config.tensor_parallel_size}.{rank}"
+        + (f":pp{stages}" if stages > 1 else "")  # (one stage: the layout as ever)
+        + _draft_layout(config)
     )
 
 
@@ -110,8 +115,8 @@ class KVSender:
     def __init__(
         self, config: KVTransferConfig, pool: KVPool, layout: str, rank: int = 0, ranks: int = 1
     ) -> None:
-        """`rank`: this tensor-parallel rank (of `ranks`), which sends its part of each block
-        to the consumer's rank of the same number, in each of the consumer's engines."""
+        """`rank`: this executor rank (of `ranks`, every stage's), which sends its part of
+        each block to the consumer's rank of the same number, in each consumer engine."""
         self.config = config
         self.pool = pool
         self.layout = layout
@@ -315,9 +320,9 @@ class KVReceiver:
         engine: int = 0,
         ranks: int = 1,
     ) -> None:
-        """`rank`: this tensor-parallel rank (of `ranks`) of data-parallel engine `engine`:
-        it listens at kv_port + engine x ranks + rank for its peer rank's parts of blocks,
-        and names itself in what it tells the core."""
+        """`rank`: this executor rank (of `ranks`, every stage's) of data-parallel engine
+        `engine`: it listens at kv_port + engine x ranks + rank for its peer rank's parts of
+        blocks, and names itself in what it tells the core."""
         self.config = config
         self.buffer = buffer
         self.layout = layout

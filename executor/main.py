@@ -18,9 +18,10 @@ ranks as Ray actors and relays between them and the core (executor/ray_executor.
 consumer's receivers then run in the actors.
 
 A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
-receiver thread here, in every tensor-parallel rank (rank r of data-parallel engine e at
-kv_port + e x ranks + r): its part of the KV blocks from the producer's rank r into its
-buffer, news of them to its core (executor/kv_transfer.py).
+receiver thread here, in every rank of every stage (rank r = stage x tensor-parallel size +
+tensor-parallel rank, of data-parallel engine e, at kv_port + e x ranks + r): its part of the
+KV blocks from the producer's rank r into its buffer, news of them to its core
+(executor/kv_transfer.py).
 """
 
 from __future__ import annotations
@@ -80,15 +81,16 @@ def main() -> None:
         outbox.bind(endpoints.executor_out)
     runner = ModelRunner(engine, parallel)
     if engine.kv_transfer is not None and engine.kv_transfer.consumes:
-        start_kv_receiver(config, runner, parallel.tp.rank)
+        start_kv_receiver(config, runner, parallel.rank)
     report_ready(config, ProcessRole.EXECUTOR, rank, num_blocks=runner.num_blocks)
     serve_steps(runner, inbox, fanout, outbox)
 
 
-def start_kv_receiver(config: ServeConfig, runner: ModelRunner, tp_rank: int) -> None:
+def start_kv_receiver(config: ServeConfig, runner: ModelRunner, rank: int) -> None:
     """Prefill/decode disaggregation, a consumer: blocks from prefill instances, into the
-    buffer. Each tensor-parallel rank of each data-parallel engine receives its part of the
-    blocks on its own port."""
+    buffer. Each executor rank (every stage's tensor-parallel ranks: `rank` is stage x
+    tensor-parallel size + tensor-parallel rank) of each data-parallel engine receives its
+    part of the blocks on its own port."""
     from zllm.executor.kv_transfer import KVReceiver, transfer_layout
 
     engine = config.engine
@@ -97,11 +99,11 @@ def start_kv_receiver(config: ServeConfig, runner: ModelRunner, tp_rank: int) ->
     KVReceiver(
         engine.kv_transfer,
         runner.kv_tiers.remote,
-        transfer_layout(engine, tp_rank),
+        transfer_layout(engine, rank),
         config.engine_endpoints.core_in,
-        tp_rank,
+        rank,
         engine=config.engine_index,
-        ranks=engine.tensor_parallel_size,
+        ranks=engine.world_size,
     )
 
 

@@ -117,14 +117,14 @@ class ModelHost:
         offload, transfer = config.kv_offload, config.kv_transfer
         offloads = offload is not None and offload.enabled
         receives = transfer is not None and transfer.consumes
-        self.kv_tiers = (
-            KVTiers(config, self.kv_pool, self.tp.rank) if offloads or receives else None
-        )
+        # Each rank (every stage's tensor-parallel ranks) keeps and moves its part of a block.
+        rank, ranks = parallel.rank, config.world_size
+        self.kv_tiers = KVTiers(config, self.kv_pool, rank) if offloads or receives else None
         # A disaggregation producer's sender of prompt blocks.
         self.kv_sender: KVSender | None = None
         if transfer is not None and transfer.produces:
-            layout, ranks = transfer_layout(config, self.tp.rank), config.tensor_parallel_size
-            self.kv_sender = KVSender(transfer, self.kv_pool, layout, self.tp.rank, ranks)
+            layout = transfer_layout(config, rank)
+            self.kv_sender = KVSender(transfer, self.kv_pool, layout, rank, ranks)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""

@@ -228,8 +228,10 @@ class ModelRunner:
                 raise RuntimeError("the engine is asleep: wake it up before running steps")
             return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
         failed = self._update_states(so)
-        scheduled, kv_load_failed = self._transfer_kv(so)
+        scheduled, load_failures = self._transfer_kv(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
+            if self.stage is not None:  # (a prefetch's loads: the failures go down alone)
+                self.stage.pass_failures()
             if not self.pp.is_last:  # (every stage holds the same states: none runs it)
                 return None
             return ModelRunnerOutput(
@@ -237,13 +239,14 @@ class ModelRunner:
                 req_ids=[],
                 sampled_token_ids=[],
                 failed=failed,
-                kv_load_failed=kv_load_failed,
+                kv_load_failed=self._kv_load_failed(load_failures),
             )
         inputs = prepare_inputs(self.host, self.requests, so, scheduled)
         forward_start = time.perf_counter()
         gpu_start = self._gpu_clock.record()
         hidden, stage_times = self._forward(inputs, idle_s, step_start)
         if hidden is None:
+            self._send_kv(so)  # this stage's layers' part of the blocks its forward wrote
             return None  # passed on to the next stage
         # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
         forward_end = time.perf_counter()
@@ -256,13 +259,11 @@ class ModelRunner:
         output.gpu_idle_time_s = self._gpu_clock.idle_before(gpu_start, gpu_end, so.after_no_work)
         output.pooled = pooled
         output.failed = failed
-        output.kv_load_failed = kv_load_failed
+        output.kv_load_failed = self._kv_load_failed(load_failures)
         if self.host.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
-        if so.kv_sends and self.host.kv_sender is not None:
-            # The prompt blocks this forward completed, each to its consumer engine; after
-            # the proposer, whose catch-up writes a draft model's part of them.
-            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
+        # After the proposer, whose catch-up writes a draft model's part of the blocks.
+        self._send_kv(so)
         output.prepare_time_s = forward_start - step_start
         output.forward_time_s = forward_end - forward_start
         output.sample_time_s = time.perf_counter() - forward_end
@@ -271,21 +272,33 @@ class ModelRunner:
             output.stage_idle_s, output.stage_busy_s = stage_times.T.tolist()
         return output
 
-    def _transfer_kv(self, so: SchedulerOutput) -> tuple[dict[str, int], list[tuple[int, int]]]:
+    def _transfer_kv(
+        self, so: SchedulerOutput
+    ) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
         """KV offload: the step's drops, stores and loads, before its forward. A load that
         fails (a missing or corrupt disk block) is recomputed in this step: every request
         whose computed context covers that block starts its step at the block instead (its
         tokens are all here), so the step's outputs are what recompute gives. Returns the
-        tokens each request computes and every failed (tier, hash) for the core, those of
-        loads no scheduled request covers too (a prefetch: core/kv_prefetch.py)."""
+        tokens each request computes and every failed (tier, hash, block id), those of
+        loads no scheduled request covers too (a prefetch: core/kv_prefetch.py). With
+        pipeline stages nothing is recomputed: the failures go down the pipeline with the
+        step (pipeline_stage.py)."""
+        loads = so.kv_transfers.loads if so.kv_transfers is not None else []
         if so.kv_transfers is None:
-            return so.num_scheduled_tokens, []
-        assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"
-        failures = self.kv_tiers.apply(so.kv_transfers)
-        if so.kv_transfers.loads:
+            failures = []
+        else:
+            assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"
+            failures = self.kv_tiers.apply(so.kv_transfers)
+        if loads:
             # A rank's disk load can fail alone (a damaged file of its part): the ranks
             # recompute what failed on any of them, so they compute the same tokens.
             failures = self.tp.union_across(failures)
+        if self.stage is not None:
+            self.stage.loads_failed(loads, failures)
+            # A stage cannot recompute alone (the stages before it have run the step), and
+            # need not: the core sends a load that can fail only in a step in which no
+            # request reads its block (a prefetch), with pipeline stages.
+            return so.num_scheduled_tokens, failures
         if not failures:
             return so.num_scheduled_tokens, []
         bad = {block_id for _, _, block_id in failures}
@@ -303,7 +316,21 @@ class ModelRunner:
                 st.num_computed_tokens = start
                 # A draft model's part of the block did not load either.
                 st.draft_num_computed = min(st.draft_num_computed, start)
-        return scheduled, [(tier, block_hash) for tier, block_hash, _ in failures]
+        return scheduled, failures
+
+    def _kv_load_failed(self, failures: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """The (tier, hash) of the step's failed loads, for the core: on one stage what
+        `_transfer_kv` found; on the last pipeline stage every stage's (the mask that came
+        down the pipeline with the step)."""
+        if self.stage is not None:
+            return self.stage.failed_loads()
+        return [(tier, block_hash) for tier, block_hash, _ in failures]
+
+    def _send_kv(self, so: SchedulerOutput) -> None:
+        """A disaggregation producer: the prompt blocks this step's forward completed, each
+        to its consumer engine; every pipeline stage sends its own layers' part."""
+        if so.kv_sends and self.host.kv_sender is not None:
+            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
 
     def _forward(
         self, inputs: StepInputs, idle_s: float, step_start: float

@@ -112,7 +112,7 @@ class RankActor:
             torch.set_num_threads(self.cpus)  # the bundle's cores
         self.runner = ModelRunner(config, parallel)  # a KV producer's sender starts in it
         if kv_news is not None:
-            self._receive_kv(parallel.tp.rank, kv_news, engine_index)
+            self._receive_kv(parallel.rank, kv_news, engine_index)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.connect(inbox)
         self.outbox = None
@@ -130,24 +130,25 @@ class RankActor:
                 "(shared storage, or `zllm download` with the same ZLLM_CACHE before `ray start`)"
             )
 
-    def _receive_kv(self, tp_rank: int, kv_news: str, engine_index: int) -> None:
+    def _receive_kv(self, rank: int, kv_news: str, engine_index: int) -> None:
         """A KV consumer's receiver, here where this rank's buffer is (its KV pool's tier):
-        it binds kv_port + engine_index x ranks + tp_rank on this actor's node and sends its
+        it binds kv_port + engine_index x ranks + rank (stage x tensor-parallel size +
+        tensor-parallel rank) on this actor's node and sends its
         news to the driver's relay (the core's own socket may be ipc:// on the driver's
         host)."""
         from zllm.executor.kv_transfer import KVReceiver, transfer_layout
 
         transfer, tiers = self.config.kv_transfer, self.runner.kv_tiers
         assert transfer is not None and tiers is not None and tiers.remote is not None
-        layout = transfer_layout(self.config, tp_rank)
+        layout = transfer_layout(self.config, rank)
         self.kv_receiver = KVReceiver(
             transfer,
             tiers.remote,
             layout,
             kv_news,
-            tp_rank,
+            rank,
             engine=engine_index,
-            ranks=self.config.tensor_parallel_size,
+            ranks=self.config.world_size,
         )
 
     def serve(self) -> None:

@@ -115,14 +115,25 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
     for role in ("kv_producer", "kv_consumer"):
         with pytest.raises(ValueError, match="every layer has a sliding window"):
             EngineArgs(model=windowed, kv_transfer_config={"kv_role": role}).create_engine_config()
-    # Tensor-parallel ranks each move their heads (on kv_port + rank); pipeline stages could
-    # not agree on a lost part without stalling the pipeline.
-    with pytest.raises(ValueError, match="does not support --kv-transfer-config.*a stage's"):
-        EngineArgs(
-            model=tiny_llama_dir, kv_transfer_config=consumer, pipeline_parallel_size=2
-        ).create_engine_config()
+    # Tensor-parallel ranks each move their heads, pipeline stages their layers: every
+    # executor rank (stage x tensor-parallel size + its rank) on kv_port + rank.
     tp2 = EngineArgs(model=tiny_llama_dir, kv_transfer_config=consumer, tensor_parallel_size=2)
     assert tp2.create_engine_config().kv_transfer.rank_address(1) == "tcp://127.0.0.1:14580"
+    staged = EngineArgs(
+        model=tiny_llama_dir,
+        kv_transfer_config=consumer,
+        pipeline_parallel_size=2,
+        tensor_parallel_size=2,
+    ).create_engine_config()
+    assert staged.world_size == 4
+    assert staged.kv_transfer.rank_address(3) == "tcp://127.0.0.1:14582"
+    with pytest.raises(ValueError, match="4 executor ranks needs ports 65533-65536"):
+        EngineArgs(
+            model=tiny_llama_dir,
+            kv_transfer_config={**consumer, "kv_port": 65533},
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+        ).create_engine_config()
     with pytest.raises(ValueError, match="for served engines"):
         LLM(tiny_llama_dir, kv_transfer_config=consumer)
     # Ray actors receive (and send) blocks themselves: tests/test_ray.py.

@@ -62,7 +62,7 @@ def test_a_data_parallel_consumers_engines_each_take_their_own_ports(tiny_llama_
     # A producer connects to its consumer's range: it must be ports too.
     producer = {"kv_role": "kv_producer", "kv_port": 65534}
     producer["kv_connector_extra_config"] = {"consumer_data_parallel_size": 3}
-    with pytest.raises(ValueError, match="1 tensor-parallel ranks x 3 engines.*past 65535"):
+    with pytest.raises(ValueError, match="1 executor ranks x 3 engines.*past 65535"):
         EngineArgs(model=tiny_llama_dir, kv_transfer_config=producer).create_engine_config()
 
 

@@ -297,13 +297,16 @@ def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_
     # The transformers backend is cut by transformers' plan at load (test_composition.py).
     hf = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, model_impl="transformers")
     assert hf.create_engine_config().model_impl == "transformers"
-    with pytest.raises(ValueError, match="a stage's disk load can fail alone"):
-        EngineArgs(
-            model=tiny_llama_dir,
-            pipeline_parallel_size=2,
-            kv_offload_bytes=1 << 20,
-            kv_offload_dir="/tmp/unused",
-        ).create_engine_config()
+    # Pipeline stages keep a disk tier each (test_pipeline_tiers.py), in directories named
+    # apart from one stage's: a stage's files hold its layers' part of a block.
+    from zllm.kv.tiers import tier_directory
+
+    disk = dict(kv_offload_bytes=1 << 20, kv_offload_dir="/tmp/unused")
+    staged = EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=2, **disk)
+    staged = staged.create_engine_config()
+    whole = EngineArgs(model=tiny_llama_dir, **disk).create_engine_config()
+    assert tier_directory(staged, 1).name == "rank-1"
+    assert tier_directory(staged, 0).parent != tier_directory(whole)
     config = EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
     assert config.tensor_parallel_size == 2
 

@@ -207,7 +207,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     failed: dict[str, str] = {}
     prompt_logprobs: dict[str, LogprobsLists] = {}
     # KV offload: (tier, block hash) of loads that failed (a missing or corrupt disk block);
-    # the executor recomputed those blocks in the step instead, the core forgets them.
+    # the executor recomputed those blocks in the step instead (or no request read them: a
+    # prefetch), the core forgets them. With pipeline stages: every stage's, the union.
     kv_load_failed: list[tuple[int, int]] = []
     # Where the step's time went: input and attention metadata preparation, the model forward,
     # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
@@ -395,8 +396,9 @@ class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
 class KVBlocksReceived(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=16):
     """Executor -> core (prefill/decode disaggregation, a consumer): block hashes whose KV
     arrived from a producer into the executor's buffer, and those it dropped to make room.
-    `rank`: the tensor-parallel rank whose buffer (its part of each block) this is; the
-    core holds a block once every rank has its part."""
+    `rank`: the executor rank (stage x tensor-parallel size + tensor-parallel rank) whose
+    buffer (its part of each block) this is; the core holds a block once every rank of
+    every stage has its part."""
 
     stored: list[int] = []
     removed: list[int] = []

@@ -376,7 +376,7 @@ class EngineArgs:
         if transfer is None:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config")
-        check_ports(transfer, self.tensor_parallel_size, transfer.consumer_engines)
+        check_ports(transfer, config.world_size, transfer.consumer_engines)
         if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
             # Its one group drops blocks that left the window, so a producer sends only the
             # window of a prompt's end, and a consumer's one-group hit takes a pool hit and

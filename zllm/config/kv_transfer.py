@@ -15,9 +15,11 @@ from the buffer. What never arrives is computed, so a lost transfer costs time, 
 wrong answer. `transport` "shm" moves the bytes through shared memory (both on one host),
 "tcp" through the socket.
 
-With --tensor-parallel-size N (the same N on both servers) each rank moves its own part of
-a block (its KV heads): producer rank r sends to consumer rank r, which listens at
-kv_port + r, so a consumer takes the ports kv_port .. kv_port + N - 1 (`rank_address`).
+With --tensor-parallel-size T and --pipeline-parallel-size P (the same on both servers) each
+of the N = P x T executor ranks moves its own part of a block (its KV heads of its stage's
+layers): producer rank r (stage x T + tensor-parallel rank) sends to consumer rank r, which
+listens at kv_port + r, so a consumer takes the ports kv_port .. kv_port + N - 1
+(`rank_address`).
 
 With --data-parallel-size D on the consumer, each of its engines has its own executors and
 buffers, so each listens on its own ports: engine e's rank r at kv_port + e x N + r (the
@@ -92,7 +94,7 @@ class KVTransferConfig:
         return self.rank_address(0)
 
     def rank_address(self, rank: int) -> str:
-        """Where tensor-parallel rank `rank`'s blocks go (a consumer of one engine): each rank
+        """Where executor rank `rank`'s blocks go (a consumer of one engine): each rank
         has its own channel to its peer rank, so the parts of a block never need to meet in
         one process."""
         return self.engine_address(0, rank, rank + 1)
@@ -119,7 +121,7 @@ def check_ports(
     is not all ports, or that takes the server's own HTTP port (a consumer binds them all on
     its host; a producer connects to them)."""
     last = config.port + engines * ranks - 1
-    layout = f"{ranks} tensor-parallel ranks" + (f" x {engines} engines" if engines > 1 else "")
+    layout = f"{ranks} executor ranks" + (f" x {engines} engines" if engines > 1 else "")
     if last > 65535:
         raise ValueError(
             f"kv_transfer_config: kv_port {config.port} with {layout} needs ports "
@@ -128,7 +130,7 @@ def check_ports(
     if server_port is not None and config.port <= server_port <= last:
         raise ValueError(
             f"kv_transfer_config: the KV ports {config.port}-{last} (kv_port + each "
-            f"tensor-parallel rank of each engine) take the server's --port {server_port}"
+            f"executor rank of each engine) take the server's --port {server_port}"
         )
 
 

@@ -78,20 +78,6 @@ def check_parallel(config: EngineConfig) -> None:
             "from a received residual stream nor stop before the norm; tensor parallelism "
             "works with it, where transformers declares a plan zllm can cut)",
         ),
-        (
-            pp > 1 and config.kv_offload is not None and config.kv_offload.disk_dir is not None,
-            "--kv-offload-dir (a stage's disk load can fail alone, a damaged or missing file, "
-            "and the stages could only agree on it before the first stage's forward by "
-            "stalling the pipeline; tensor-parallel ranks agree, and the CPU tier's loads "
-            "cannot fail: --kv-offload-bytes works)",
-        ),
-        (
-            pp > 1 and config.kv_transfer is not None,
-            "--kv-transfer-config (a stage's load of received blocks can fail alone, its "
-            "part dropped from a full buffer, and the stages could only agree on it before "
-            "the first stage's forward by stalling the pipeline; tensor-parallel ranks "
-            "agree: each sends its heads to its peer rank)",
-        ),
     ]
     named = [name for refused, name in unsupported if refused]
     if named:

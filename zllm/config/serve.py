@@ -316,7 +316,7 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     engine = with_consumer_engines(engine, server.data_parallel_size)
     if engine.kv_transfer is not None and engine.kv_transfer.consumes:  # it binds them
         transfer = engine.kv_transfer
-        check_ports(transfer, engine.tensor_parallel_size, transfer.consumer_engines, server.port)
+        check_ports(transfer, engine.world_size, transfer.consumer_engines, server.port)
     engines = server.data_parallel_size
     copied = {
         f.name: getattr(server, f.name)

@@ -73,6 +73,8 @@ def layout_fingerprint(config: EngineConfig) -> str:
         "deterministic": config.deterministic,
         "tensor_parallel": config.tensor_parallel_size,  # a rank's part of a block per file
     }
+    if config.pipeline_parallel_size > 1:  # (only then: one stage's directory keeps its name)
+        key["pipeline_parallel"] = config.pipeline_parallel_size  # a stage's layers per file
     draft = _draft_identity(config)
     if draft is not None:  # (only then: a single model's directory keeps its name)
         key["draft"] = draft
@@ -101,11 +103,13 @@ def _model_identity(path_name: str) -> list:
 
 
 def tier_directory(config: EngineConfig, rank: int = 0) -> Path:
-    """Where the disk tier of this engine's layout keeps its block files: with
-    tensor-parallel ranks, each rank its part of every block in a directory of its own."""
+    """Where the disk tier of this engine's layout keeps its block files: with tensor-
+    parallel ranks or pipeline stages, each executor rank (stage x tensor-parallel size +
+    tensor-parallel rank) its part of every block (its KV heads of its stage's layers) in a
+    directory of its own."""
     assert config.kv_offload is not None and config.kv_offload.disk_dir is not None
     directory = Path(config.kv_offload.disk_dir).expanduser() / layout_fingerprint(config)
-    return directory / f"rank-{rank}" if config.tensor_parallel_size > 1 else directory
+    return directory / f"rank-{rank}" if config.world_size > 1 else directory
 
 
 def blocks_on_every_rank(config: EngineConfig) -> list[int]:
@@ -113,7 +117,7 @@ def blocks_on_every_rank(config: EngineConfig) -> list[int]:
     rank 0 wrote them): what the core may ask the ranks to load after a restart."""
     order = existing_disk_blocks(tier_directory(config))
     held = set(order)
-    for rank in range(1, config.tensor_parallel_size):
+    for rank in range(1, config.world_size):
         held &= set(existing_disk_blocks(tier_directory(config, rank)))
     return [block_hash for block_hash in order if block_hash in held]
 
