@@ -209,3 +209,31 @@ def test_the_fp32_weights_a_swap_replaces_are_freed(tmp_path) -> None:
     use_weight_blocks_(hf, str(path), int8_activations=False)
     gc.collect()
     assert len(replaced) == 2 * 7 + 2 and all(ref() is None for ref in replaced)
+
+
+def test_a_scaled_embedding_reads_blocks_and_scales_them_as_its_forward_does() -> None:
+    """Gemma 3's Gemma3TextScaledWordEmbedding (rows times embed_scale) over Q8_0 blocks; an
+    embedding subclass whose forward does something else keeps its fp32 module."""
+    from gguf.quants import dequantize, quantize
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from zllm.executor.models.transformers_quant import GGUFScaledEmbedding, _embedding_of
+
+    rows = quantize(torch.randn(300, 64).numpy() * 0.1, T.Q8_0)
+    scaled = Gemma3TextScaledWordEmbedding(300, 64, padding_idx=0, embed_scale=8.0)
+    scaled.weight.data = torch.from_numpy(dequantize(rows, T.Q8_0).reshape(300, 64))
+    blocks = (int(T.Q8_0), torch.from_numpy(rows))
+    new = _embedding_of(blocks, scaled)
+    assert isinstance(new, GGUFScaledEmbedding)
+    ids = torch.tensor([[0, 7, 299, 150]])
+    assert torch.equal(new(ids), scaled(ids))
+
+    class Shifted(nn.Embedding):
+        embed_scale = torch.tensor(8.0)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids) * self.embed_scale + 1.0
+
+    shifted = Shifted(300, 64)
+    shifted.weight.data = scaled.weight.data
+    assert _embedding_of(blocks, shifted) == "Shifted does more than scale the rows it looks up"

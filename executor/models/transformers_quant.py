@@ -1,6 +1,6 @@
 """Quantized matmuls for the transformers backend: after from_pretrained, transformers' own
-nn.Linear modules (and a plain nn.Embedding) are swapped one by one for the modules that read
-weight blocks through the CPU kernel (executor/gguf_modules.py), as LoRA wraps them.
+nn.Linear modules and the embedding are swapped one by one for the modules that read weight
+blocks through the CPU kernel (executor/gguf_modules.py), as LoRA wraps them.
 
 Which tensor serves a module comes from transformers itself, so no table per architecture:
 
@@ -146,12 +146,44 @@ def use_weight_blocks_(hf_model: nn.Module, model_path: str, int8_activations: b
 
 
 def _leaf_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
-    """(parent, attribute, qualified name, module) of every plain nn.Linear and nn.Embedding:
-    exact types only, so a subclass with its own forward (Gemma's scaled embedding) stays."""
+    """(parent, attribute, qualified name, module) of every plain nn.Linear (exact type: a
+    subclass may do more in its forward) and every nn.Embedding (subclasses too: a scaled
+    one is served if it checks out, _embedding_of)."""
     for name, module in model.named_modules():
-        if type(module) in (nn.Linear, nn.Embedding):
+        if type(module) is nn.Linear or isinstance(module, nn.Embedding):
             parent_name, _, attr = name.rpartition(".")
             yield model.get_submodule(parent_name), attr, name, module
+
+
+class GGUFScaledEmbedding(nn.Module):
+    """transformers' scaled word embeddings (Gemma 3's): the rows looked up, times
+    embed_scale, as their forward computes it."""
+
+    def __init__(self, rows: GGUFEmbedding, embed_scale: torch.Tensor) -> None:
+        super().__init__()
+        self.rows = rows
+        self.embed_scale = embed_scale.float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(input_ids) * self.embed_scale
+
+
+def _embedding_of(blocks: Blocks, module: nn.Embedding) -> nn.Module | str:
+    """A kernel embedding over `blocks` doing what `module` does, or why there is none. A
+    subclass (its own forward) is served only as a scaled embedding (an `embed_scale`
+    tensor), and only if it looks up the same values as the module on a spread of ids."""
+    ggml_type, rows = blocks
+    new: nn.Module = GGUFEmbedding(rows, ggml_type, module.embedding_dim)
+    if type(module) is nn.Embedding:
+        return new
+    scale = getattr(module, "embed_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        return f"{type(module).__name__} has its own forward"
+    new = GGUFScaledEmbedding(new, scale)
+    ids = torch.arange(0, module.num_embeddings, max(1, module.num_embeddings // 64))
+    if not torch.equal(new(ids), module(ids)):
+        return f"{type(module).__name__} does more than scale the rows it looks up"
+    return new
 
 
 class _Swapper:
@@ -173,10 +205,13 @@ class _Swapper:
         if isinstance(found, str):
             self.kept.append((name, found))
             return
-        ggml_type, rows = found
         if isinstance(module, nn.Embedding):
-            new: nn.Module = GGUFEmbedding(rows, ggml_type, module.embedding_dim)
+            new = _embedding_of(found, module)
+            if isinstance(new, str):
+                self.kept.append((name, new))
+                return
         else:
+            ggml_type, rows = found
             bias = None if module.bias is None else module.bias.data
             new = GGUFLinear(rows, ggml_type, module.in_features, bias, self.int8)
         setattr(parent, attr, new)  # the fp32 module, and its weight, are dropped
