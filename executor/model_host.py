@@ -161,8 +161,9 @@ class ModelHost:
         if config.model_impl == "transformers":
             # The whole model's arch: each rank cuts its part of the loaded model (tp).
             where = (self.dtype, self.device, self.attention)
+            # (Quantized: transformers' matmuls swapped for ours after loading.)
             return TransformersForCausalLM.load(
-                config.model_path, config.arch, *where, dummy, self.tp
+                config.model_path, config.arch, *where, dummy, self.tp, self.quantization
             )
         model_cls = get_model_class(self.arch.architecture)
         model = model_cls(
@@ -195,12 +196,14 @@ class ModelHost:
     def _quantization_method(self) -> str:
         """config.quantization, checked against the model (or one picked when unset)."""
         config = self.config
-        if config.model_impl == "transformers":
-            # Our quantized matmuls replace layers of our own model classes only.
+        if config.model_impl == "transformers" and self.tp.enabled:
+            # transformers_tp.py cuts fp32 nn.Linear modules by transformers' plan; cutting
+            # a file's blocks (or int8 weights) by that plan is not done.
             if config.quantization not in (None, "none"):
                 raise ValueError(
-                    f"quantization={config.quantization!r} needs zllm's model code; the "
-                    f"transformers backend runs {config.dtype} matmuls (--model-impl zllm)"
+                    f"quantization={config.quantization!r} with tensor parallelism needs "
+                    f"zllm's model code; the transformers backend cuts only {config.dtype} "
+                    f"matmuls (--model-impl zllm)"
                 )
             return "none"
         method = config.quantization

@@ -10,6 +10,7 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
+from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear
 from zllm.executor.model_host import kv_bytes_per_token
 
 pytestmark = pytest.mark.slow
@@ -117,9 +118,18 @@ def test_kv_bytes_per_token_on_smollm2(llm):
 
 def test_transformers_backend_on_the_real_model(smollm2_path, hf_model):
     """--model-impl transformers: transformers' LlamaForCausalLM, read from the GGUF by
-    transformers, attending through zllm's paged cache; the same greedy tokens."""
+    transformers, attending through zllm's paged cache; its matmuls, embedding and tied
+    logits swapped for the GGUF kernel's modules over the file's Q4_1 / Q8_0 blocks (the
+    default, as on zllm's code); the same greedy tokens."""
     llm = LLM(smollm2_path, model_impl="transformers", kv_cache_memory_bytes=256 << 20)
     assert llm.config.model_impl == "transformers"
+    assert llm.model_runner.quantization == "gguf"
+    hf = llm.model_runner.model.hf
+    kernel = [m for m in hf.modules() if isinstance(m, GGUFLinear)]
+    assert len(kernel) == 30 * 7 + 1  # every decoder matmul, and the logits
+    assert isinstance(hf.model.embed_tokens, GGUFEmbedding)
+    assert hf.lm_head.qweight is hf.model.embed_tokens.qweight  # tied: one set of blocks
+    assert not [p for p in hf.parameters() if p.dim() >= 2]  # no fp32 matrix left
     prompts = _token_prompts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -263,11 +263,6 @@ def test_safetensors_weights_are_loaded_once(tmp_path: Path) -> None:
     assert growth_mib < 1.25 * params_mib, (params_mib, growth_mib)
 
 
-def test_quantization_needs_native_code(models) -> None:
-    with pytest.raises(ValueError, match="quantization='int8' needs zllm's model code"):
-        make_llm(models("olmo2"), quantization="int8")
-
-
 # ---------------------------------------------------------------------------------------------
 # Greedy parity with transformers
 

@@ -36,6 +36,7 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.models.transformers_quant import quantize_transformers_model_
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
 from zllm.executor.parallel import SINGLE, TensorParallel, local_arch
 
@@ -203,13 +204,16 @@ class TransformersForCausalLM(nn.Module):
         attention: AttentionBackend,
         dummy: bool = False,
         tp: TensorParallel = SINGLE,
+        quantization: str = "none",
     ) -> TransformersForCausalLM:
         """transformers' from_pretrained: the model is built on the meta device and each
         safetensors tensor is read straight into its parameter (a GGUF file is dequantized
         by transformers' reader first). `dummy`: built from the config alone, with
         transformers' own random initialization (--load-format dummy). `arch`: the whole
         model's; `tp`: this rank's place, whose part it keeps (transformers_tp.py: every rank
-        loads the whole model, then cuts it by the architecture's tensor-parallel plan)."""
+        loads the whole model, then cuts it by the architecture's tensor-parallel plan).
+        `quantization`: the method (executor/quantization.py, or its 16-bit rows) whose
+        modules replace transformers' matmuls after loading (transformers_quant.py)."""
         from transformers import AutoConfig
 
         _register()
@@ -233,6 +237,8 @@ class TransformersForCausalLM(nn.Module):
                 dtype=dtype,
                 device_map={"": device} if device.type != "cpu" else None,
             )
+        if quantization != "none":  # (model_host refuses it with tensor parallelism)
+            quantize_transformers_model_(hf_model, model_path, quantization)
         if plan is not None:
             cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
             logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
