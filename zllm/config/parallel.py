@@ -72,13 +72,6 @@ def check_parallel(config: EngineConfig) -> None:
         return
     unsupported = [
         (
-            pp > 1 and config.model_impl != "zllm",
-            "--model-impl transformers (transformers' base model runs the embedding, every "
-            "decoder layer and the final norm in one forward, so a stage could neither start "
-            "from a received residual stream nor stop before the norm; tensor parallelism "
-            "works with it, where transformers declares a plan zllm can cut)",
-        ),
-        (
             pp > 1 and config.kv_offload is not None and config.kv_offload.disk_dir is not None,
             "--kv-offload-dir (a stage's disk load can fail alone, a damaged or missing file, "
             "and the stages could only agree on it before the first stage's forward by "
