@@ -402,17 +402,18 @@ def assert_stages_equal_one_rank(path: str, prompts: list[str], *layouts: dict) 
             assert ours == pytest.approx(theirs, abs=1e-4), layout
 
 
-def test_the_transformers_backend_runs_pipeline_stages_as_one_rank(tiny_llama_dir):
+@pytest.mark.parametrize(
+    "layout",
+    [{"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}],
+    ids=["pp2", "pp2-tp2"],
+)
+def test_the_transformers_backend_runs_pipeline_stages_as_one_rank(tiny_llama_dir, layout):
     """--model-impl transformers over 2 pipeline stages, and 2 stages x 2 tensor-parallel
     ranks: each stage runs transformers' base-model forward over its own decoder layers (the
     second from the received stream, the first stopping before the final norm), attending
     through its layers' part of the KV cache: one rank's greedy tokens and logprobs (to 1e-4:
     tensor parallelism's all-reduce sums in another order)."""
-    layouts = (
-        {"pipeline_parallel_size": 2},
-        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
-    )
-    assert_stages_equal_one_rank(tiny_llama_dir, PROMPTS, *layouts)
+    assert_stages_equal_one_rank(tiny_llama_dir, PROMPTS, layout)
 
 
 def test_the_transformers_backends_stages_split_gemma3s_sliding_and_global_layers(tmp_path):
@@ -430,6 +431,20 @@ def test_the_transformers_backends_stages_split_gemma3s_sliding_and_global_layer
     path = randomize_norms_and_biases(write_tiny_model(tmp_path / "gemma3", **overrides))
     prompts = [p + " " + p for p in PROMPTS]  # past the window
     assert_stages_equal_one_rank(str(path), prompts, {"pipeline_parallel_size": 2})
+
+
+def test_the_transformers_backends_later_stage_takes_the_stream_unscaled(tmp_path):
+    """Granite multiplies its embeddings by embedding_multiplier inside the base model's
+    forward: on the second of 2 stages the received stream replaces what that made of it,
+    so it is not scaled twice. One rank's tokens and logprobs."""
+    granite = write_tiny_model(
+        tmp_path / "granite",
+        "granite",
+        logits_scaling=4.0,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+    )
+    assert_stages_equal_one_rank(str(granite), PROMPTS, {"pipeline_parallel_size": 2})
 
 
 def test_the_transformers_backend_refuses_stages_it_cannot_cut(tmp_path):

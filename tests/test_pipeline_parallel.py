@@ -387,7 +387,8 @@ def test_a_transformers_stages_ends_replace_and_take_the_stream():
     """StageEnds around a forward that scales its embeddings and ends with a norm (as some
     transformers base models do): a middle stage's first layer sees the received stream as
     sent, not scaled, and the stage returns the stream leaving its last layer, not normed;
-    the first and last stages keep what the forward does at their end."""
+    the first and last stages keep what the forward does at their end. Layers that pass
+    something other than the one stream are refused."""
     import torch
     from torch import nn
 
@@ -417,6 +418,14 @@ def test_a_transformers_stages_ends_replace_and_take_the_stream():
         torch.testing.assert_close(entered, stream * 8.0 if first else stream)
         after_layers = base.layers[1](base.layers[0](entered[None]))[0]
         torch.testing.assert_close(out, torch.tanh(after_layers) if last else after_layers)
+
+    class Streams(Base):  # layers that pass two streams between them (Gemma 3n's AltUp four)
+        def forward(self, inputs_embeds: torch.Tensor):
+            return super().forward(torch.stack([inputs_embeds, inputs_embeds]))
+
+    base = Streams()
+    with pytest.raises(ValueError, match=r"\(2, 1, 3, 4\), not the \(1, 3, 4\) residual stream"):
+        StageEnds(base.layers, first=False, last=True).run(base, stream)
 
 
 def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):

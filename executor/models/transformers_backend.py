@@ -15,6 +15,9 @@ MLPs and mixture-of-experts routing stay transformers' own; only the attention c
 The KV cache layout (layers, KV heads, head size, sliding windows) comes from config.json
 (zllm.model.files, which cannot import transformers' torch); `probe` runs one short forward at
 load and refuses the model if what its layers actually do differs from that layout.
+
+Over tensor-parallel ranks transformers' modules are cut by its plan (transformers_tp.py);
+over pipeline stages each stage runs the forward over its own layers (transformers_pp.py).
 """
 
 from __future__ import annotations
