@@ -138,11 +138,16 @@ class ModelHost:
         config = self.config
         self.quantization = self._quantization_method()
         self.model = self._load_model()
-        ends_released = release_other_stages_ends(self.model, self.pp)
+        if isinstance(self.model, TransformersForCausalLM):
+            # Its stage was cut at load (transformers_pp.py): other stages' layers, ends.
+            ends_released = self.pp.enabled
+        else:
+            ends_released = release_other_stages_ends(self.model, self.pp)
         if config.model_path.endswith(".gguf"):
             read_gguf(config.model_path).release_pages()  # copied out: the model holds them
         if self.quantization in ("gguf", "gguf-int8", quantization.SIXTEEN_BIT) or ends_released:
-            # The fp32 weights the blocks replaced, another stage's embedding / logits.
+            # The fp32 weights the blocks replaced, another stage's embedding / logits (and
+            # on the transformers backend the other stages' layers, loaded with the model).
             release_freed_memory(self.device)
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
@@ -159,11 +164,11 @@ class ModelHost:
         config = self.config
         dummy = config.load_format == "dummy"
         if config.model_impl == "transformers":
-            # The whole model's arch: each rank cuts its part of the loaded model (tp).
+            # The whole model's arch: each rank cuts its part of the loaded model (tp, pp).
             where = (self.dtype, self.device, self.attention)
             # (Quantized: transformers' matmuls swapped for ours after loading.)
             return TransformersForCausalLM.load(
-                config.model_path, config.arch, *where, dummy, self.tp, self.quantization
+                config.model_path, config.arch, *where, dummy, self.tp, self.pp, self.quantization
             )
         model_cls = get_model_class(self.arch.architecture)
         model = model_cls(

@@ -10,7 +10,8 @@ rank's greedy tokens, proposals accepted), with the CPU KV tier (each rank store
 its own part of a block under the block's one hash; tensor-parallel ranks keep a disk tier
 each and agree on failed loads) and with LoRA adapters (each rank its part of every
 update); LoRA on the transformers backend (transformers' own linear modules wrapped); the
-transformers backend over tensor-parallel ranks (its modules cut by transformers' plan)."""
+transformers backend over tensor-parallel ranks (its modules cut by transformers' plan) and
+pipeline stages (transformers' forward over a stage's layers)."""
 
 from __future__ import annotations
 
@@ -174,8 +175,9 @@ def test_ranks_offload_a_prefix_and_load_it_back(tiny_llama_dir, layout):
         {"pipeline_parallel_size": 2},
         {"tensor_parallel_size": 4},
         {"tensor_parallel_size": 4, "model_impl": "transformers"},
+        {"pipeline_parallel_size": 2, "model_impl": "transformers"},
     ],
-    ids=["pp2", "tp4-replicated-kv-heads", "tp4-transformers-backend"],
+    ids=["pp2", "tp4-replicated-kv-heads", "tp4-transformers-backend", "pp2-transformers-backend"],
 )
 def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, adapters, layout):
     """Three adapters (every projection; q/v with rsLoRA; the MLP) and the base model mixed in
@@ -183,7 +185,8 @@ def test_ranks_serve_adapters_as_one_rank(tiny_llama_dir, adapters, layout):
     columns of B, a row-parallel one its input rows of A, summed by the all-reduce), so the
     greedy tokens are one rank's; the adapters change them. On the transformers backend the
     ranks cut transformers' modules by its plan, each of 4 ranks holding one of the 2 KV heads,
-    and an adapter's row-parallel update joins the partial product before the all-reduce."""
+    and an adapter's row-parallel update joins the partial product before the all-reduce; on
+    its 2 stages each wraps its own layers' modules with their layers' updates."""
     prompts = prompts_with_repeats(8)
     per_prompt = each_adapter_and_the_base(len(prompts), adapters)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -375,6 +378,81 @@ def test_the_transformers_backend_splits_over_ranks_by_its_plan(tiny_llama_dir):
     assert split_tokens == tokens
     for ours, theirs in zip(split_logprobs, logprobs, strict=True):
         assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> tuple[list, list]:
+    """Greedy tokens and each one's logprob, per prompt."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    logprobs = [
+        [pos[t].logprob for t, pos in zip(o.token_ids, o.logprobs, strict=True)] for o in outs
+    ]
+    return [o.token_ids for o in outs], logprobs
+
+
+def assert_stages_equal_one_rank(path: str, prompts: list[str], *layouts: dict) -> None:
+    kw = dict(model_impl="transformers", kv_cache_memory_bytes=POOL)
+    tokens, logprobs = tokens_and_logprobs(LLM(path, **kw), prompts)
+    for layout in layouts:
+        llm = LLM(path, **layout, **kw)
+        staged_tokens, staged_logprobs = tokens_and_logprobs(llm, prompts)
+        del llm
+        assert staged_tokens == tokens, layout
+        for ours, theirs in zip(staged_logprobs, logprobs, strict=True):
+            assert ours == pytest.approx(theirs, abs=1e-4), layout
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}],
+    ids=["pp2", "pp2-tp2"],
+)
+def test_the_transformers_backend_runs_pipeline_stages_as_one_rank(tiny_llama_dir, layout):
+    """--model-impl transformers over 2 pipeline stages, and 2 stages x 2 tensor-parallel
+    ranks: each stage runs transformers' base-model forward over its own decoder layers (the
+    second from the received stream, the first stopping before the final norm), attending
+    through its layers' part of the KV cache: one rank's greedy tokens and logprobs (to 1e-4:
+    tensor parallelism's all-reduce sums in another order)."""
+    assert_stages_equal_one_rank(tiny_llama_dir, PROMPTS, layout)
+
+
+def test_the_transformers_backends_stages_split_gemma3s_sliding_and_global_layers(tmp_path):
+    """A tiny Gemma 3 on the transformers backend over 2 stages: a sliding layer (window 4)
+    on the first, the global one on the second, whose forward must pick the global mask and
+    rotary table for its first layer (the stage's `layer_types`) and take the received stream
+    as it is (Gemma scales its embeddings: not again). One rank's tokens and logprobs."""
+    from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides
+
+    overrides = {
+        **tiny_gemma3_overrides(4),
+        "num_hidden_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
+    path = randomize_norms_and_biases(write_tiny_model(tmp_path / "gemma3", **overrides))
+    prompts = [p + " " + p for p in PROMPTS]  # past the window
+    assert_stages_equal_one_rank(str(path), prompts, {"pipeline_parallel_size": 2})
+
+
+def test_the_transformers_backends_later_stage_takes_the_stream_unscaled(tmp_path):
+    """Granite multiplies its embeddings by embedding_multiplier inside the base model's
+    forward: on the second of 2 stages the received stream replaces what that made of it,
+    so it is not scaled twice. One rank's tokens and logprobs."""
+    granite = write_tiny_model(
+        tmp_path / "granite",
+        "granite",
+        logits_scaling=4.0,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+    )
+    assert_stages_equal_one_rank(str(granite), PROMPTS, {"pipeline_parallel_size": 2})
+
+
+def test_the_transformers_backend_refuses_stages_it_cannot_cut(tmp_path):
+    """A base model that does not keep its decoder layers as a `layers` ModuleList (GPT-2's
+    `h`) is refused at load on every stage, naming why."""
+    gpt2 = write_tiny_model(tmp_path / "gpt2", "gpt2", num_key_value_heads=None)
+    with pytest.raises(ValueError, match=r"does not keep its 2 decoder layers as a `layers`"):
+        LLM(str(gpt2), model_impl="transformers", pipeline_parallel_size=2)
 
 
 def test_the_transformers_backend_refuses_ranks_without_a_plan_it_can_cut(tmp_path):

@@ -51,13 +51,12 @@ def test_stages_hold_consecutive_layers_the_earlier_ones_one_more():
 def test_engine_arguments_refuse_what_pipeline_parallel_does_not_cover(tiny_llama_dir):
     with pytest.raises(ValueError, match="--pipeline-parallel-size 9 is more than this model's"):
         EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=9).create_engine_config()
-    with pytest.raises(
-        ValueError,
-        match="--pipeline-parallel-size 2 does not support --model-impl transformers.*one forward",
-    ):
-        EngineArgs(
-            model=tiny_llama_dir, pipeline_parallel_size=2, model_impl="transformers"
-        ).create_engine_config()
+    # The transformers backend runs stages (test_composition.py); an architecture it cannot
+    # cut into stages is refused at load.
+    config = EngineArgs(
+        model=tiny_llama_dir, pipeline_parallel_size=2, model_impl="transformers"
+    ).create_engine_config()
+    assert config.model_impl == "transformers" and config.pipeline_parallel_size == 2
     config = EngineArgs(
         model=tiny_llama_dir, pipeline_parallel_size=2, tensor_parallel_size=2
     ).create_engine_config()
@@ -353,6 +352,80 @@ def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
             with pytest.raises(RuntimeError):
                 model.compute_logits(hidden)
     assert not release_other_stages_ends(whole, PipelineParallel())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_transformers_stage_keeps_its_layers_and_the_ends_it_uses(tied):
+    """cut_to_stage on a tiny transformers Llama's 3 stages: each keeps its decoder layer
+    (with its whole-model layer_idx), the dropped layers are freed, and only the first stage
+    keeps the embedding table, only the last the logits weights (tied: one table, kept by
+    either)."""
+    import weakref
+
+    from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
+
+    from zllm.executor.models.transformers_pp import cut_to_stage
+    from zllm.executor.parallel import PipelineParallel
+
+    config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
+    arch = arch_config_of(config)
+    for stage in range(3):
+        model = tiny_hf_model(config, 0)
+        dropped = [weakref.ref(layer) for i, layer in enumerate(model.model.layers) if i != stage]
+        pp = PipelineParallel(stage, 3, stage_layers(3, 3, stage))
+        ends = cut_to_stage(model, arch, pp)
+        gc.collect()
+        assert [layer.self_attn.layer_idx for layer in model.model.layers] == [stage]
+        assert all(ref() is None for ref in dropped)
+        assert (ends.first, ends.last) == (stage == 0, stage == 2)
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        assert (embedding.numel() > 0) == (stage == 0 or (tied and stage == 2))
+        assert (head.numel() > 0) == (stage == 2 or (tied and stage == 0))
+
+
+def test_a_transformers_stages_ends_replace_and_take_the_stream():
+    """StageEnds around a forward that scales its embeddings and ends with a norm (as some
+    transformers base models do): a middle stage's first layer sees the received stream as
+    sent, not scaled, and the stage returns the stream leaving its last layer, not normed;
+    the first and last stages keep what the forward does at their end. Layers that pass
+    something other than the one stream are refused."""
+    import torch
+    from torch import nn
+
+    from zllm.executor.models.transformers_pp import StageEnds
+
+    class Layer(nn.Linear):
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            self.entered = hidden
+            return super().forward(hidden)
+
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer(4, 4) for _ in range(2))
+
+        def forward(self, inputs_embeds: torch.Tensor):
+            hidden = inputs_embeds * 8.0  # Gemma-style scaling inside the forward
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return type("Out", (), {"last_hidden_state": torch.tanh(hidden)})
+
+    stream = torch.randn(3, 4)
+    for first, last in ((False, False), (True, False), (False, True)):
+        base = Base()
+        out = StageEnds(base.layers, first=first, last=last).run(base, stream)
+        entered = base.layers[0].entered[0]
+        torch.testing.assert_close(entered, stream * 8.0 if first else stream)
+        after_layers = base.layers[1](base.layers[0](entered[None]))[0]
+        torch.testing.assert_close(out, torch.tanh(after_layers) if last else after_layers)
+
+    class Streams(Base):  # layers that pass two streams between them (Gemma 3n's AltUp four)
+        def forward(self, inputs_embeds: torch.Tensor):
+            return super().forward(torch.stack([inputs_embeds, inputs_embeds]))
+
+    base = Streams()
+    with pytest.raises(ValueError, match=r"\(2, 1, 3, 4\), not the \(1, 3, 4\) residual stream"):
+        StageEnds(base.layers, first=False, last=True).run(base, stream)
 
 
 def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):

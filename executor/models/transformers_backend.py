@@ -15,6 +15,9 @@ MLPs and mixture-of-experts routing stay transformers' own; only the attention c
 The KV cache layout (layers, KV heads, head size, sliding windows) comes from config.json
 (zllm.model.files, which cannot import transformers' torch); `probe` runs one short forward at
 load and refuses the model if what its layers actually do differs from that layout.
+
+Over tensor-parallel ranks transformers' modules are cut by its plan (transformers_tp.py);
+over pipeline stages each stage runs the forward over its own layers (transformers_pp.py).
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.models.transformers_pp import StageEnds, cut_to_stage
 from zllm.executor.models.transformers_quant import quantize_transformers_model_
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
-from zllm.executor.parallel import SINGLE, TensorParallel, local_arch
+from zllm.executor.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +98,9 @@ def zllm_attention(
         step.records[layer] = _record(module, q, k, v, attention_mask, kwargs)
         return _causal_attention(q, k, v, scaling).unsqueeze(0), None
     attn = step.model.attention_layer(layer, q.shape[1], k.shape[1], q.shape[2], scaling)
-    out = attn(q, k, v, step.kv_caches[layer], step.metas[layer])
+    # A pipeline stage holds its layers' caches in order, from its first layer's.
+    local = layer - step.model.layer_indices.start
+    out = attn(q, k, v, step.kv_caches[local], step.metas[local])
     return out.unsqueeze(0), None
 
 
@@ -177,12 +183,24 @@ class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind the interface of zllm's own models (forward over the
     flat batch -> hidden states, compute_logits), attending through `attention`'s layers."""
 
-    def __init__(self, hf_model: nn.Module, arch: ModelArchConfig, attention: AttentionBackend):
-        """`arch`: this rank's (executor/parallel.py local_arch), what its layers attend with."""
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        arch: ModelArchConfig,
+        attention: AttentionBackend,
+        stage: StageEnds | None = None,
+        layers: range | None = None,
+    ):
+        """`arch`: this rank's (executor/parallel.py local_arch), what its layers attend with.
+        On a pipeline stage (transformers_pp.py): `stage`, its ends in the forward, and
+        `layers`, the whole model's indices of the decoder layers it kept."""
         super().__init__()
         self.hf = hf_model
         self.arch = arch
         self.attention = attention
+        self.stage = stage
+        # As zllm's models name them (the LoRA manager maps adapter layers by them too).
+        self.layer_indices = range(arch.num_layers) if layers is None else layers
         self.base = hf_model.base_model  # the decoder stack, its final norm included
         self.lm_head = hf_model.get_output_embeddings()
         config = hf_model.config
@@ -204,6 +222,7 @@ class TransformersForCausalLM(nn.Module):
         attention: AttentionBackend,
         dummy: bool = False,
         tp: TensorParallel = SINGLE,
+        pp: PipelineParallel = WHOLE,
         quantization: str = "none",
     ) -> TransformersForCausalLM:
         """transformers' from_pretrained: the model is built on the meta device and each
@@ -211,9 +230,12 @@ class TransformersForCausalLM(nn.Module):
         by transformers' reader first). `dummy`: built from the config alone, with
         transformers' own random initialization (--load-format dummy). `arch`: the whole
         model's; `tp`: this rank's place, whose part it keeps (transformers_tp.py: every rank
-        loads the whole model, then cuts it by the architecture's tensor-parallel plan).
+        loads the whole model, then cuts it by the architecture's tensor-parallel plan);
+        `pp`: its pipeline stage, whose layers it keeps (transformers_pp.py: likewise loaded
+        whole, then cut, before the tensor-parallel cut so that cuts only the stage's).
         `quantization`: the method (executor/quantization.py, or its 16-bit rows) whose
-        modules replace transformers' matmuls after loading (transformers_quant.py)."""
+        modules replace transformers' matmuls after loading and the stage's cut
+        (transformers_quant.py)."""
         from transformers import AutoConfig
 
         _register()
@@ -237,12 +259,14 @@ class TransformersForCausalLM(nn.Module):
                 dtype=dtype,
                 device_map={"": device} if device.type != "cpu" else None,
             )
+        stage = cut_to_stage(hf_model, arch, pp) if pp.enabled else None
         if quantization != "none":  # (model_host refuses it with tensor parallelism)
             quantize_transformers_model_(hf_model, model_path, quantization)
         if plan is not None:
             cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
             logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
-        model = cls(hf_model.eval(), local_arch(arch, tp), attention)
+        layers = pp.layer_range(arch.num_layers)
+        model = cls(hf_model.eval(), local_arch(arch, tp), attention, stage, layers)
         model.check_layout(model.probe_cut(device, tp))
         logger.info(
             "Model code: transformers' %s, attention through zllm's paged KV cache",
@@ -281,6 +305,37 @@ class TransformersForCausalLM(nn.Module):
         )
         return out.last_hidden_state[0]
 
+    # ---- a pipeline stage (the model runner's interface to zllm's models' stages) -------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's stream in: the input embedding's lookup, which the forward then
+        treats as its own (transformers_pp.py)."""
+        return self.hf.get_input_embeddings()(input_ids)
+
+    def forward_layers(
+        self,
+        stream: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
+    ) -> tuple[torch.Tensor, None]:
+        """This stage's layers over the stream entering them: the stream leaving them, or on
+        the last stage the final hidden states (transformers' forward applies the norm; no
+        residual is kept apart, so `final_norm` passes them through)."""
+        step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
+        return self._run_stage(stream, positions, step), None
+
+    def final_norm(self, x: torch.Tensor, residual: None) -> torch.Tensor:
+        return x  # applied inside the last stage's forward_layers
+
+    def _run_stage(
+        self, stream: torch.Tensor, positions: torch.Tensor, step: _Step
+    ) -> torch.Tensor:
+        assert self.stage is not None, "forward_layers is a pipeline stage's"
+        kwargs = {_STEP_KWARG: step}
+        return self.stage.run(
+            self.base, stream, position_ids=positions[None], use_cache=False, **kwargs
+        )
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, as the CausalLM class computes them."""
         logits = self.lm_head(hidden_states)
@@ -299,7 +354,14 @@ class TransformersForCausalLM(nn.Module):
         records: dict[int, LayerRecord] = {}
         step = _Step([], [], self, records)
         ids = torch.arange(4, device=device) % max(self.arch.vocab_size, 1)
-        self._run(ids, torch.arange(4, device=device), step)
+        positions = torch.arange(4, device=device)
+        if self.stage is None:
+            self._run(ids, positions, step)
+        elif self.stage.first:
+            self._run_stage(self.embed(ids), positions, step)
+        else:  # (its embedding table is released) a stream as the stage before would send
+            stream = torch.randn(4, self.arch.hidden_size, generator=torch.Generator())
+            self._run_stage(stream.to(device, self.hf.dtype), positions, step)
         return records
 
     def probe_cut(self, device: torch.device, tp: TensorParallel) -> dict[int, LayerRecord]:
@@ -318,10 +380,12 @@ class TransformersForCausalLM(nn.Module):
     def check_layout(self, records: dict[int, LayerRecord]) -> None:
         """ValueError unless every layer attends as the KV cache layout from config.json has it."""
         arch, name = self.arch, self.arch.architecture
-        if sorted(records) != list(range(arch.num_layers)):
+        layers = self.layer_indices
+        if sorted(records) != list(layers):
+            held = f" (this stage holds {layers.start} to {layers.stop - 1})" if self.stage else ""
             raise ValueError(
                 f"{name}: attention ran in layers {sorted(records)}, but config.json has "
-                f"{arch.num_layers} layers"
+                f"{arch.num_layers} layers{held}"
             )
         for i, rec in sorted(records.items()):
             problems = list(rec.problems)

@@ -68,22 +68,3 @@ def check_parallel(config: EngineConfig) -> None:
             f"--pipeline-parallel-size {pp} is more than this model's "
             f"{config.arch.num_layers} layers (each stage holds at least one)"
         )
-    if tp * pp == 1:
-        return
-    unsupported = [
-        (
-            pp > 1 and config.model_impl != "zllm",
-            "--model-impl transformers (transformers' base model runs the embedding, every "
-            "decoder layer and the final norm in one forward, so a stage could neither start "
-            "from a received residual stream nor stop before the norm; tensor parallelism "
-            "works with it, where transformers declares a plan zllm can cut)",
-        ),
-    ]
-    named = [name for refused, name in unsupported if refused]
-    if named:
-        flags = [f"--tensor-parallel-size {tp}"] if tp > 1 else []
-        flags += [f"--pipeline-parallel-size {pp}"] if pp > 1 else []
-        raise ValueError(
-            f"{' with '.join(flags)} does not support {', '.join(named)} yet: "
-            "use one rank with it, or leave it out"
-        )
