@@ -237,3 +237,15 @@ def test_a_scaled_embedding_reads_blocks_and_scales_them_as_its_forward_does() -
     shifted = Shifted(300, 64)
     shifted.weight.data = scaled.weight.data
     assert _embedding_of(blocks, shifted) == "Shifted does more than scale the rows it looks up"
+
+
+def test_pipeline_stages_of_the_transformers_backend_read_their_layers_blocks(tmp_path) -> None:
+    """Pipeline stages on the transformers backend (transformers_pp.py) with the kernel: each
+    stage swaps the matmuls of the layers it keeps for block-reading modules, and two stages
+    give one stage's tokens."""
+    path = tmp_path / "q8.gguf"
+    write_llama_gguf(path, lambda name: T.Q8_0)
+    reference = generate(tiny_llm(str(path), model_impl="transformers"))
+    staged = tiny_llm(str(path), model_impl="transformers", pipeline_parallel_size=2)
+    assert staged.model_runner.quantization == "gguf"
+    assert_same_outputs(generate(staged), reference)

@@ -201,6 +201,8 @@ class _Swapper:
         self.kept: list[tuple[str, str]] = []
 
     def swap(self, parent: nn.Module, attr: str, name: str, module: nn.Module) -> None:
+        if module.weight.numel() == 0:
+            return  # released: a pipeline stage that does not use it (transformers_pp.py)
         found = self._checked_blocks(name, module)
         if isinstance(found, str):
             self.kept.append((name, found))
