@@ -55,9 +55,9 @@ def start(args: argparse.Namespace, extra: list[str], log: Path) -> subprocess.P
     raise RuntimeError(f"zllm serve did not start: see {log}")
 
 
-def stream(url: str, tokens: list[int], max_tokens: int, extra: dict | None = None):
-    """(TTFT seconds, cached prompt tokens) of one streamed completion."""
-    body = {"model": "smollm2", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+def stream(url: str, model: str, tokens: list[int], max_tokens: int, extra: dict | None = None):
+    """(TTFT seconds, cached prompt tokens) of one streamed completion of `model`."""
+    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}  # fmt: skip
     start = time.perf_counter()
     ttft, cached = None, None
@@ -82,13 +82,15 @@ def run_config(args: argparse.Namespace, name: str, tmp: str) -> list[tuple[floa
     prefix = [rng.randrange(256, 49152) for _ in range(args.prefix_len)]
     pin = {"cache_control": {"type": "ephemeral", "ttl": "1h"}} if name == "pin" else None
     try:
-        stream(url, prefix + [rng.randrange(256, 49152) for _ in range(16)], 1, pin)
+        stream(url, args.model, prefix + [rng.randrange(256, 49152) for _ in range(16)], 1, pin)
         results = []
         for _ in range(args.rounds):
             for _ in range(args.flush):
-                stream(url, [rng.randrange(256, 49152) for _ in range(args.prefix_len)], 1)
+                stream(
+                    url, args.model, [rng.randrange(256, 49152) for _ in range(args.prefix_len)], 1
+                )
             question = [rng.randrange(256, 49152) for _ in range(16)]
-            results.append(stream(url, prefix + question, 8))
+            results.append(stream(url, args.model, prefix + question, 8))
             print(f"{name}: TTFT {results[-1][0]:.3f} s, {results[-1][1]} cached", flush=True)
         return results
     finally:
