@@ -565,6 +565,48 @@ def remote_hits(server) -> float:
     return metric(text, "zllm:kv_offload_hits_total", 'tier="remote"')
 
 
+@contextlib.contextmanager
+def served_pair(model: str, tmp_path, port: int, *flags: str, **producer_extra):
+    """A decode server (kv_consumer, waiting up to 30 s for blocks) and a prefill server
+    (kv_producer, `producer_extra` in its kv_connector_extra_config) on `model`, both started
+    with `flags`, and `zllm proxy` over them: (prefill, decode, proxy). Whatever started is
+    stopped at the end."""
+    decode = start_server(
+        model, tmp_path / "decode.log", *flags,
+        "--kv-transfer-config", kv_config("kv_consumer", port, wait_timeout_s=30),
+    )  # fmt: skip
+    prefill = proxy = None
+    try:
+        prefill = start_server(
+            model, tmp_path / "prefill.log", *flags,
+            "--kv-transfer-config", kv_config("kv_producer", port, **producer_extra),
+        )  # fmt: skip
+        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+        yield prefill, decode, proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if prefill is not None:
+            stop_server(prefill)
+        stop_server(decode)
+
+
+def answers_and_loadable(server, prompts: list[str], max_tokens: int = 16) -> tuple[list, int]:
+    """`server`'s greedy answers to `prompts` asked unmarked, and how many of their prompt
+    tokens a consumer's prefix hits can take: the full blocks, not one ending with the last
+    token (BlockManager.find_cached_prefix)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    answers, loadable = [], 0
+    for prompt in prompts:
+        answer = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        answers.append(answer.choices[0].text)
+        loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+    return answers, loadable
+
+
 @pytest.fixture(scope="module")
 def disagg(tiny_llama_dir, tmp_path_factory):
     """A plain server (the reference), a decode server (kv_consumer), a prefill server
@@ -800,39 +842,17 @@ def test_tensor_parallel_pair_sends_each_ranks_heads(tiny_llama_dir, tmp_path):
     prompt block to consumer rank r (kv_port + r). Through the proxy the greedy answers equal
     a plain server's (the producer's own, asked unmarked: the same cut of the model), and the
     consumer loaded every full prompt block from the transfer, held on both its ranks."""
-    port = free_port_range(2)
-    tp2 = ("--tensor-parallel-size", "2", "--kv-transfer-config")
-    decode = start_server(
-        tiny_llama_dir, tmp_path / "decode.log", *tp2,
-        kv_config("kv_consumer", port, wait_timeout_s=30),
-    )  # fmt: skip
-    prefill = None
-    proxy = None
-    try:
-        prefill = start_server(
-            tiny_llama_dir, tmp_path / "prefill.log", *tp2, kv_config("kv_producer", port)
-        )
-        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
-        client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        reference, loadable = [], 0
-        for prompt in PROMPTS[:2]:
-            answer = client.completions.create(
-                model=model, prompt=prompt, max_tokens=16, temperature=0
-            )
-            reference.append(answer.choices[0].text)
-            # The full blocks a prefix hit can take (not one ending with the last token).
-            loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+    tp2 = ("--tensor-parallel-size", "2")
+    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *tp2) as (
+        prefill,
+        decode,
+        proxy,
+    ):
+        reference, loadable = answers_and_loadable(prefill, PROMPTS[:2])
         assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
         assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
         timeouts = metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total")
         assert timeouts == 0
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if prefill is not None:
-            stop_server(prefill)
-        stop_server(decode)
 
 
 @pytest.mark.e2e

@@ -11,16 +11,15 @@ import re
 import time
 
 import pytest
-from servers import start_server, stop_server, wait_until
+from servers import wait_until
 from test_disaggregation import (
     BS,
     PROMPTS,
-    Proxy,
     disagg_scheduler,
     free_port_range,
     greedy,
-    kv_config,
     request,
+    served_pair,
 )
 from test_kv_offload import make_pool
 
@@ -152,20 +151,11 @@ def test_data_parallel_pair_sends_each_prompts_blocks_to_the_engine_that_serves_
     there. Through the proxy the greedy answers equal a plain server's (the producer's own,
     asked unmarked), and each consumer engine loaded exactly its prompts' full blocks from
     the transfer, with no wait timed out (which blocks sent to the wrong engine would be)."""
-    port = free_port_range(2)
-    dp2 = ("--data-parallel-size", "2", "--kv-transfer-config")
-    decode = start_server(
-        tiny_llama_dir, tmp_path / "decode.log", *dp2,
-        kv_config("kv_consumer", port, wait_timeout_s=30),
-    )  # fmt: skip
-    prefill = None
-    proxy = None
-    try:
-        prefill = start_server(
-            tiny_llama_dir, tmp_path / "prefill.log", *dp2,
-            kv_config("kv_producer", port, consumer_data_parallel_size=2),
-        )  # fmt: skip
-        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+    dp2 = ("--data-parallel-size", "2")
+    pair = served_pair(
+        tiny_llama_dir, tmp_path, free_port_range(2), *dp2, consumer_data_parallel_size=2
+    )
+    with pair as (prefill, decode, proxy):
         prompts, loadable = {}, {"0": 0.0, "1": 0.0}
         for i in range(32):  # one prompt for each consumer engine
             prompt = f"Question {i}: " + PROMPTS[i % len(PROMPTS)]
@@ -189,9 +179,3 @@ def test_data_parallel_pair_sends_each_prompts_blocks_to_the_engine_that_serves_
         text = decode.get("/metrics").text
         timeouts = re.findall(r"^zllm:kv_transfer_wait_timeouts_total\{.*\} (\S+)$", text, re.M)
         assert len(timeouts) == 2 and sum(map(float, timeouts)) == 0
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if prefill is not None:
-            stop_server(prefill)
-        stop_server(decode)

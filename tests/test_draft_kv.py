@@ -331,16 +331,10 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
     """Both servers speculate with the draft: the producer sends each prompt block's target and
     draft layers, the consumer loads both (remote hits), answers as the producer does asked
     unmarked, and accepts the draft's proposals as often as it does."""
-    from servers import free_port, metric, start_server, stop_server, wait_until
-    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+    from servers import free_port, metric, wait_until
+    from test_disaggregation import PROMPTS, greedy, remote_hits, served_pair
 
-    port = free_port()
-    drafted = ("--speculative-config", json.dumps(spec(draft_dir)), "--kv-transfer-config")
-    decode = start_server(
-        tiny_llama_dir, tmp_path / "decode.log", *drafted,
-        kv_config("kv_consumer", port, wait_timeout_s=30),
-    )  # fmt: skip
-    prefill = proxy = None
+    drafted = ("--speculative-config", json.dumps(spec(draft_dir)))
 
     # (Counters come with the core's heartbeat, every 0.5 s: a moment behind the requests.)
     def counted(server, name: str) -> float:
@@ -353,11 +347,8 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
     def proposed(server) -> bool:
         return counted(server, "vllm:spec_decode_num_draft_tokens_total") > 0
 
-    try:
-        prefill = start_server(
-            tiny_llama_dir, tmp_path / "prefill.log", *drafted, kv_config("kv_producer", port)
-        )
-        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+    pair = served_pair(tiny_llama_dir, tmp_path, free_port(), *drafted)
+    with pair as (prefill, decode, proxy):
         # First through the pair: the producer computes the prompts (a prefix it had cached
         # would have the draft's KV from an earlier step, whatever the sends did).
         answers = greedy(proxy.url, PROMPTS)
@@ -367,9 +358,3 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
         sent = "zllm:kv_transfer_sent_blocks_total"
         assert wait_until(lambda: counted(prefill, sent) > 0, 30), prefill.log_tail()
         assert rate(prefill) > 0.9 and rate(decode) >= rate(prefill) - 0.05, decode.log_tail()
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if prefill is not None:
-            stop_server(prefill)
-        stop_server(decode)

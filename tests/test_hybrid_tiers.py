@@ -234,32 +234,12 @@ def test_a_hybrid_consumer_waits_for_every_groups_blocks_then_prefetches_them():
 @pytest.mark.e2e
 def test_a_served_hybrid_pair_answers_as_one_server(gemma, tmp_path):
     """A tiny Gemma 3's prefill and decode servers behind the proxy: greedy completions
-    equal one server's, and the decode server took the prompts' blocks, every group's, from
-    the transfer (its remote hits grow by them)."""
-    from servers import free_port, start_server, stop_server, wait_until
-    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+    equal the producer's own (asked unmarked), and the decode server took the prompts'
+    blocks, every group's, from the transfer (its remote hits grow by them)."""
+    from servers import free_port, wait_until
+    from test_disaggregation import PROMPTS, greedy, remote_hits, served_pair
 
-    path = gemma[0]
-    port = free_port()
-    servers = {}
-    try:
-        servers["plain"] = start_server(path, tmp_path / "plain.log")
-        servers["decode"] = start_server(
-            path, tmp_path / "decode.log", "--kv-transfer-config",
-            kv_config("kv_consumer", port, wait_timeout_s=30),
-        )  # fmt: skip
-        servers["prefill"] = start_server(
-            path, tmp_path / "prefill.log", "--kv-transfer-config", kv_config("kv_producer", port)
-        )
-        proxy = Proxy(servers["prefill"].url, servers["decode"].url, tmp_path / "proxy.log")
-        try:
-            decode = servers["decode"]
-            reference = greedy(servers["plain"].url, PROMPTS)
-            hits = remote_hits(decode)
-            assert greedy(proxy.url, PROMPTS) == reference
-            assert wait_until(lambda: remote_hits(decode) > hits, 30), decode.log_tail()
-        finally:
-            proxy.stop()
-    finally:
-        for server in servers.values():
-            stop_server(server)
+    with served_pair(gemma[0], tmp_path, free_port()) as (prefill, decode, proxy):
+        answers = greedy(proxy.url, PROMPTS)
+        assert wait_until(lambda: remote_hits(decode) > 0, 30), decode.log_tail()
+        assert answers == greedy(prefill.url, PROMPTS)  # unmarked: the producer decodes them

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import collections
 
-import openai
 import pytest
 import torch
-from servers import start_server, stop_server, wait_until
+from servers import wait_until
 from test_kv_offload import connector
 
 from zllm import LLM, SamplingParams
@@ -315,38 +314,24 @@ def test_a_pipeline_parallel_pair_sends_each_stages_layers(tiny_llama_dir, tmp_p
     full prompt block from the transfer (held once both stages had their part, loaded in
     a prefetch step), with no wait timing out."""
     from servers import metric
-    from test_disaggregation import PROMPTS, Proxy, free_port_range, greedy, kv_config, remote_hits
+    from test_disaggregation import (
+        PROMPTS,
+        answers_and_loadable,
+        free_port_range,
+        greedy,
+        remote_hits,
+        served_pair,
+    )
 
-    port = free_port_range(2)
-    pp2 = ("--pipeline-parallel-size", "2", "--kv-transfer-config")
-    decode = start_server(
-        tiny_llama_dir, tmp_path / "decode.log", *pp2,
-        kv_config("kv_consumer", port, wait_timeout_s=30),
-    )  # fmt: skip
-    prefill = proxy = None
-    try:
-        prefill = start_server(
-            tiny_llama_dir, tmp_path / "prefill.log", *pp2, kv_config("kv_producer", port)
-        )
-        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
-        client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        reference, loadable = [], 0
-        for prompt in PROMPTS[:2]:
-            answer = client.completions.create(
-                model=model, prompt=prompt, max_tokens=16, temperature=0
-            )
-            reference.append(answer.choices[0].text)
-            # The full blocks a prefix hit can take (not one ending with the last token).
-            loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+    pp2 = ("--pipeline-parallel-size", "2")
+    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *pp2) as (
+        prefill,
+        decode,
+        proxy,
+    ):
+        reference, loadable = answers_and_loadable(prefill, PROMPTS[:2])
         assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
         assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
         text = decode.get("/metrics").text
         assert metric(text, "zllm:kv_transfer_wait_timeouts_total") == 0
         assert metric(text, "zllm:kv_offload_load_failures_total", 'tier="remote"') == 0
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if prefill is not None:
-            stop_server(prefill)
-        stop_server(decode)

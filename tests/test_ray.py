@@ -12,7 +12,6 @@ import os
 import re
 import signal
 
-import openai
 import pytest
 from parity import SERVED_PROMPTS, count_flips, served_greedy
 from ray import cluster_utils
@@ -198,38 +197,13 @@ def test_ray_ranks_send_and_receive_kv_blocks(cluster, tiny_llama_dir, tmp_path)
     receives them into its buffer and its news reaches the core through the driver's relay.
     Through the proxy the greedy answers equal the producer's own, and the consumer loaded
     every full prompt block from the transfer."""
-    from test_disaggregation import PROMPTS, Proxy, greedy, kv_config, remote_hits
+    from test_disaggregation import PROMPTS, answers_and_loadable, greedy, remote_hits, served_pair
 
-    port = free_port()
-    ray = ("--distributed-executor-backend", "ray", "--kv-transfer-config")
-    decode = start_server(
-        tiny_llama_dir, tmp_path / "decode.log", *ray,
-        kv_config("kv_consumer", port, wait_timeout_s=30),
-    )  # fmt: skip
-    prefill = proxy = None
-    try:
-        prefill = start_server(
-            tiny_llama_dir, tmp_path / "prefill.log", *ray, kv_config("kv_producer", port)
-        )
-        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
-        client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        reference, loadable = [], 0
-        for prompt in PROMPTS[:2]:
-            answer = client.completions.create(
-                model=model, prompt=prompt, max_tokens=16, temperature=0
-            )
-            reference.append(answer.choices[0].text)
-            # The full blocks a prefix hit can take (not one ending with the last token).
-            loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
+    ray = ("--distributed-executor-backend", "ray")
+    with served_pair(tiny_llama_dir, tmp_path, free_port(), *ray) as (prefill, decode, proxy):
+        reference, loadable = answers_and_loadable(prefill, PROMPTS[:2])
         assert loadable > 0
         assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
         assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
         timeouts = metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total")
         assert timeouts == 0
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if prefill is not None:
-            stop_server(prefill)
-        stop_server(decode)
