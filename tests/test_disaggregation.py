@@ -591,20 +591,24 @@ def served_pair(model: str, tmp_path, port: int, *flags: str, **producer_extra):
         stop_server(decode)
 
 
-def answers_and_loadable(server, prompts: list[str], max_tokens: int = 16) -> tuple[list, int]:
-    """`server`'s greedy answers to `prompts` asked unmarked, and how many of their prompt
-    tokens a consumer's prefix hits can take: the full blocks, not one ending with the last
-    token (BlockManager.find_cached_prefix)."""
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def assert_pair_answers_as_one_server(prefill, decode, proxy, prompts: list[str]) -> str:
+    """Through the proxy the greedy answers equal the producer's own (asked unmarked: the
+    same cut of the model), and the consumer loaded every full prompt block from the
+    transfer (not one ending with the last token: BlockManager.find_cached_prefix) with no
+    wait timing out. Returns the consumer's last /metrics text."""
+    client = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    answers, loadable = [], 0
+    reference, loadable = [], 0
     for prompt in prompts:
-        answer = client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0
-        )
-        answers.append(answer.choices[0].text)
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        reference.append(answer.choices[0].text)
         loadable += (answer.usage.prompt_tokens - 1) // 16 * 16
-    return answers, loadable
+    assert loadable > 0
+    assert greedy(proxy.url, prompts, max_tokens=16) == reference
+    assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
+    text = decode.get("/metrics").text
+    assert metric(text, "zllm:kv_transfer_wait_timeouts_total") == 0
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -843,16 +847,8 @@ def test_tensor_parallel_pair_sends_each_ranks_heads(tiny_llama_dir, tmp_path):
     a plain server's (the producer's own, asked unmarked: the same cut of the model), and the
     consumer loaded every full prompt block from the transfer, held on both its ranks."""
     tp2 = ("--tensor-parallel-size", "2")
-    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *tp2) as (
-        prefill,
-        decode,
-        proxy,
-    ):
-        reference, loadable = answers_and_loadable(prefill, PROMPTS[:2])
-        assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
-        assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
-        timeouts = metric(decode.get("/metrics").text, "zllm:kv_transfer_wait_timeouts_total")
-        assert timeouts == 0
+    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *tp2) as pair:
+        assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
 
 
 @pytest.mark.e2e

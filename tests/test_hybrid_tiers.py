@@ -3,7 +3,7 @@ cache groups (the hybrid KV cache): a hit that loads from them is prefetched in 
 its own (core/kv_prefetch.py), then the request is admitted again through the lookup.
 
 The scheduler's flow as an executable spec (exact block ids and transfers), then a tiny
-Gemma 3 engine: an evicted prefix comes back from the disk tier, and a corrupt disk block is
+Gemma 3 engine: an evicted prefix comes back from the CPU or the disk tier, and a corrupt disk block is
 recomputed, each with the outputs of recomputing.
 """
 
@@ -12,7 +12,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_kv_offload import GREEDY, assert_same_outputs, connector, flush_pool, random_prompt
+from test_kv_offload import (
+    GREEDY,
+    assert_same_outputs,
+    connector,
+    damage_a_disk_block,
+    flush_pool,
+    random_prompt,
+)
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
@@ -22,7 +29,7 @@ from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.kv.block_hash import group_block_key, hash_full_blocks
-from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name, tier_directory
+from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE
 from zllm.protocol import KVTransferParams, ModelRunnerOutput
 
 BS = 4
@@ -126,7 +133,7 @@ def test_a_request_aborted_during_its_prefetch_leaves_nothing_cached():
     assert not sched.kv.prefetches
 
 
-# ---- a tiny Gemma 3 engine with a disk tier ------------------------------------------------------
+# ---- a tiny Gemma 3 engine with a CPU or disk tier ---------------------------------------------------
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """A tiny Gemma 3 (a full group, two sliding ones of window 8), its pool of 64 blocks,
@@ -134,27 +141,36 @@ def gemma(tmp_path_factory):
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
     from zllm.config.engine_args import EngineArgs
+    from zllm.kv.cache_groups import kv_cache_groups
     from zllm.kv.tiers import block_bytes
 
     path = str(write_tiny_model(tmp_path_factory.mktemp("gemma"), **tiny_gemma3_overrides(8)))
-    pool = 64 * block_bytes(EngineArgs(model=path).create_engine_config())
+    config = EngineArgs(model=path).create_engine_config()
+    assert len(kv_cache_groups(config.arch)) == 3
+    pool = 64 * block_bytes(config)
     rng = random.Random(1)
     prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
     reference = LLM(path, kv_cache_memory_bytes=pool).generate(prompts, GREEDY, use_tqdm=False)
     return path, pool, prompts, reference
 
 
-def test_a_hybrid_models_evicted_prefix_comes_back_from_the_disk_tier(gemma, tmp_path):
+@pytest.mark.parametrize("tier", [TIER_CPU, TIER_DISK], ids=["cpu", "disk"])
+def test_a_hybrid_models_evicted_prefix_comes_back_from_a_tier(gemma, tier, tmp_path):
+    """Each group's blocks (a full group, two sliding ones) go to the tier under their own
+    keys and come back, every group's, with the outputs of recomputing them."""
     path, pool, prompts, reference = gemma
-    llm = LLM(path, kv_cache_memory_bytes=pool, kv_offload_dir=str(tmp_path))
+    offload = {"kv_offload_bytes": 8 * pool} if tier == TIER_CPU else {}
+    if tier == TIER_DISK:
+        offload["kv_offload_dir"] = str(tmp_path)
+    llm = LLM(path, kv_cache_memory_bytes=pool, **offload)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     flush_pool(llm, random.Random(2))
     stats = llm.engine.heartbeat()  # (one struct, filled in place by each call)
-    tier_hits, pool_hits = stats.kv_tiers.hits[TIER_DISK], stats.prefix_cache_hits
+    tier_hits, pool_hits = stats.kv_tiers.hits[tier], stats.prefix_cache_hits
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.engine.heartbeat()
     assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
-    tier_hits = stats.kv_tiers.hits[TIER_DISK] - tier_hits
+    tier_hits = stats.kv_tiers.hits[tier] - tier_hits
     pool_hits = stats.prefix_cache_hits - pool_hits
     assert tier_hits > 0 and tier_hits + pool_hits == 320
     assert stats.kv_tiers.load_failures == [0, 0, 0]
@@ -166,15 +182,7 @@ def test_a_hybrid_models_evicted_prefix_comes_back_from_the_disk_tier(gemma, tmp
 def test_a_hybrid_models_corrupt_disk_block_is_recomputed(gemma, tmp_path):
     path, pool, prompts, reference = gemma
     llm = LLM(path, kv_cache_memory_bytes=pool, kv_offload_dir=str(tmp_path))
-    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    flush_pool(llm, random.Random(2))
-    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
-    hashes = hash_full_blocks(prompts[0]["prompt_token_ids"][:240], 16)
-    victim = tier_directory(llm.config) / block_file_name(hashes[7])  # the full group's
-    assert victim.exists()
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0x01
-    victim.write_bytes(bytes(data))
+    victim = damage_a_disk_block(llm, prompts[0])
     again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert_same_outputs(again, reference[0])
     stats = llm.engine.heartbeat()

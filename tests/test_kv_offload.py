@@ -391,39 +391,6 @@ def test_an_evicted_prefix_comes_back_from_the_tier(tiny_llama_dir, tmp_path, re
         assert len(files) == stats.kv_tiers.blocks[index]
 
 
-def test_a_hybrid_models_evicted_prefix_comes_back_from_the_cpu_tier(tmp_path):
-    """Gemma 3's hybrid KV cache (a full group, two sliding ones of window 8): each group's
-    blocks go to the CPU tier under their own keys and come back, every group's, with the
-    outputs of recomputing them (the disk tier, whose loads can fail: test_hybrid_tiers.py)."""
-    from tiny_models import tiny_gemma3_overrides, write_tiny_model
-
-    from zllm.config.engine_args import EngineArgs
-    from zllm.kv.cache_groups import kv_cache_groups
-    from zllm.kv.tiers import block_bytes
-
-    gemma = str(write_tiny_model(tmp_path / "gemma", **tiny_gemma3_overrides(8)))
-    config = EngineArgs(model=gemma).create_engine_config()
-    assert len(kv_cache_groups(config.arch)) == 3
-    pool = 64 * block_bytes(config)
-    rng = random.Random(1)
-    prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
-    reference = LLM(gemma, kv_cache_memory_bytes=pool).generate(prompts, GREEDY, use_tqdm=False)
-    llm = LLM(gemma, kv_cache_memory_bytes=pool, kv_offload_bytes=512 * block_bytes(config))
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    flush_pool(llm, random.Random(2))
-    stats = llm.engine.heartbeat()  # (one struct, filled in place by each call)
-    tier_hits, pool_hits = stats.kv_tiers.hits[TIER_CPU], stats.prefix_cache_hits
-    again = llm.generate(prompts, GREEDY, use_tqdm=False)
-    llm.engine.heartbeat()
-    assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
-    tier_hits = stats.kv_tiers.hits[TIER_CPU] - tier_hits
-    pool_hits = stats.prefix_cache_hits - pool_hits
-    assert tier_hits > 0 and tier_hits + pool_hits == 320
-    for ours, ref, earlier in zip(again, reference, first, strict=True):
-        assert_same_outputs(ours, ref)
-        assert_same_outputs(earlier, ref)
-
-
 def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
     llm = LLM(
         tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path),
@@ -437,21 +404,28 @@ def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
     assert len(existing_disk_blocks(tier_directory(llm.config))) == 20
 
 
+def damage_a_disk_block(llm: LLM, prompt: dict) -> Path:
+    """Serve `prompt`, push its blocks out of the pool to the disk tier, and flip one bit of
+    its 8th block's file (in the middle of its prefix; a hybrid model's full group's): the
+    file's path."""
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    flush_pool(llm, random.Random(2))
+    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
+    hashes = hash_full_blocks(prompt["prompt_token_ids"][:240], 16)
+    victim = tier_directory(llm.config) / block_file_name(hashes[7])
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x01
+    victim.write_bytes(bytes(data))
+    return victim
+
+
 def test_a_corrupt_disk_block_is_recomputed(tiny_llama_dir, tmp_path, recomputed):
     prompts, reference = recomputed
     llm = LLM(
         tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path),
         kv_offload_disk_bytes=1 << 20,
     )  # fmt: skip
-    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    flush_pool(llm, random.Random(2))
-    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
-    directory = tier_directory(llm.config)
-    hashes = hash_full_blocks(prompts[0]["prompt_token_ids"][:240], 16)
-    victim = directory / block_file_name(hashes[7])  # a block in the middle of the prefix
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0x01
-    victim.write_bytes(bytes(data))
+    victim = damage_a_disk_block(llm, prompts[0])
     again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert_same_outputs(again, reference[0])
     stats = llm.engine.heartbeat()

@@ -316,22 +316,12 @@ def test_a_pipeline_parallel_pair_sends_each_stages_layers(tiny_llama_dir, tmp_p
     from servers import metric
     from test_disaggregation import (
         PROMPTS,
-        answers_and_loadable,
+        assert_pair_answers_as_one_server,
         free_port_range,
-        greedy,
-        remote_hits,
         served_pair,
     )
 
     pp2 = ("--pipeline-parallel-size", "2")
-    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *pp2) as (
-        prefill,
-        decode,
-        proxy,
-    ):
-        reference, loadable = answers_and_loadable(prefill, PROMPTS[:2])
-        assert greedy(proxy.url, PROMPTS[:2], max_tokens=16) == reference
-        assert wait_until(lambda: remote_hits(decode) == loadable, 30), decode.log_tail()
-        text = decode.get("/metrics").text
-        assert metric(text, "zllm:kv_transfer_wait_timeouts_total") == 0
+    with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *pp2) as pair:
+        text = assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
         assert metric(text, "zllm:kv_offload_load_failures_total", 'tier="remote"') == 0
