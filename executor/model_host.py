@@ -201,16 +201,6 @@ class ModelHost:
     def _quantization_method(self) -> str:
         """config.quantization, checked against the model (or one picked when unset)."""
         config = self.config
-        if config.model_impl == "transformers" and self.tp.enabled:
-            # transformers_tp.py cuts fp32 nn.Linear modules by transformers' plan; cutting
-            # a file's blocks (or int8 weights) by that plan is not done.
-            if config.quantization not in (None, "none"):
-                raise ValueError(
-                    f"quantization={config.quantization!r} with tensor parallelism needs "
-                    f"zllm's model code; the transformers backend cuts only {config.dtype} "
-                    f"matmuls (--model-impl zllm)"
-                )
-            return "none"
         method = config.quantization
         if method is None:
             method = "none"

@@ -173,27 +173,51 @@ def hf_matrices_of(path: str) -> list[torch.Tensor]:
     ]
 
 
-def test_int8_quantizes_the_projections_zllm_code_does(tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_int8_quantizes_the_projections_zllm_code_does(tmp_path, ranks) -> None:
     """fbgemm int8 for q/k/v, o and gate/up; down_proj and the logits stay fp32 (found by
-    their role in gguf-py's name map), as on zllm's code."""
+    their role in gguf-py's name map), as on zllm's code. Over two ranks each quantizes its
+    part (o_proj's, its input columns, inside the row-parallel matmul)."""
+    from zllm.executor.models.transformers_tp import RowParallelLinear
+
     path = str(write_tiny_model(tmp_path / "llama"))
-    reference = generate(tiny_llm(path, quantization="int8"))
-    llm = tiny_llm(path, model_impl="transformers", quantization="int8")
+    reference = generate(tiny_llm(path, quantization="int8", tensor_parallel_size=ranks))
+    llm = tiny_llm(path, model_impl="transformers", quantization="int8", tensor_parallel_size=ranks)
     hf = hf_model_of(llm)
     for layer in hf.model.layers:
-        kinds = [type(m) for m in matmuls_of(layer)]
+        matmuls = matmuls_of(layer)
+        if ranks > 1:
+            assert type(matmuls[3]) is RowParallelLinear and type(matmuls[6]) is RowParallelLinear
+            matmuls = [m.local if type(m) is RowParallelLinear else m for m in matmuls]
+        kinds = [type(m) for m in matmuls]
         assert kinds == [Int8DynamicLinear] * 6 + [nn.Linear]
     assert type(hf.lm_head) is nn.Linear
     assert_close_first_tokens(generate(llm), reference)
 
 
-def test_quantization_over_tensor_parallel_ranks_needs_zllm_code(tmp_path) -> None:
-    """transformers_tp.py cuts fp32 nn.Linear modules; blocks are not cut by its plan."""
-    path = tmp_path / "q8.gguf"
-    write_llama_gguf(path, lambda name: T.Q8_0)
-    message = "quantization='gguf' with tensor parallelism needs zllm's model code"
-    with pytest.raises(ValueError, match=message):
-        tiny_llm(str(path), model_impl="transformers", quantization="gguf", tensor_parallel_size=2)
+@pytest.mark.parametrize("ggml_type", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_tensor_parallel_ranks_read_their_part_of_the_blocks(tmp_path, ggml_type) -> None:
+    """Two ranks on the transformers backend, cut by transformers' plan, each matmul then
+    swapped for its rank's part of the file's blocks: colwise q/k/v and gate/up their output
+    rows, rowwise o/down their input columns where those fall on block boundaries (Q4_K's
+    256-value blocks do not split o_proj's 256 columns in two: it keeps its fp32 part, as
+    zllm's own ranks do). The tokens zllm's code gives on two ranks with the same kernel."""
+    from zllm.executor.models.transformers_tp import RowParallelLinear
+
+    path = tmp_path / f"tiny-{ggml_type.name}.gguf"
+    write_llama_gguf(path, lambda name: ggml_type)
+    reference = generate(tiny_llm(str(path), tensor_parallel_size=2))
+    llm = tiny_llm(str(path), model_impl="transformers", tensor_parallel_size=2)
+    assert llm.model_runner.quantization == "gguf"  # the default for a GGUF file, as on one rank
+    hf = hf_model_of(llm)
+    for layer in hf.model.layers:
+        q, k, v, o, gate, up, down = matmuls_of(layer)
+        assert type(o) is RowParallelLinear and type(down) is RowParallelLinear
+        assert all(type(m) is GGUFLinear for m in (q, k, v, gate, up, down.local))
+        assert q.qweight.shape[0] == 128 and gate.qweight.shape[0] == 256  # half the rows
+        assert down.local.in_features == 256  # half the columns, 512 / 2
+        assert type(o.local) is (GGUFLinear if ggml_type == T.Q8_0 else nn.Linear)
+    assert_same_outputs(generate(llm), reference)
 
 
 def test_the_fp32_weights_a_swap_replaces_are_freed(tmp_path) -> None:
@@ -239,13 +263,18 @@ def test_a_scaled_embedding_reads_blocks_and_scales_them_as_its_forward_does() -
     assert _embedding_of(blocks, shifted) == "Shifted does more than scale the rows it looks up"
 
 
-def test_pipeline_stages_of_the_transformers_backend_read_their_layers_blocks(tmp_path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2], ids=["pp2", "pp2-tp2"])
+def test_pipeline_stages_of_the_transformers_backend_read_their_layers_blocks(
+    tmp_path, ranks
+) -> None:
     """Pipeline stages on the transformers backend (transformers_pp.py) with the kernel: each
-    stage swaps the matmuls of the layers it keeps for block-reading modules, and two stages
-    give one stage's tokens."""
+    stage (each of its tensor-parallel ranks) swaps the matmuls of the layers it keeps for
+    block-reading modules, and two stages give one stage's tokens."""
     path = tmp_path / "q8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0)
     reference = generate(tiny_llm(str(path), model_impl="transformers"))
-    staged = tiny_llm(str(path), model_impl="transformers", pipeline_parallel_size=2)
+    staged = tiny_llm(
+        str(path), model_impl="transformers", pipeline_parallel_size=2, tensor_parallel_size=ranks
+    )
     assert staged.model_runner.quantization == "gguf"
     assert_same_outputs(generate(staged), reference)

@@ -40,7 +40,7 @@ from zllm.executor.attention_backend import (
     metadata_per_layer,
 )
 from zllm.executor.models.transformers_pp import StageEnds, cut_to_stage
-from zllm.executor.models.transformers_quant import quantize_transformers_model_
+from zllm.executor.models.transformers_quant import TransformersQuantization
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
 from zllm.executor.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
 
@@ -260,11 +260,12 @@ class TransformersForCausalLM(nn.Module):
                 device_map={"": device} if device.type != "cpu" else None,
             )
         stage = cut_to_stage(hf_model, arch, pp) if pp.enabled else None
-        if quantization != "none":  # (model_host refuses it with tensor parallelism)
-            quantize_transformers_model_(hf_model, model_path, quantization)
+        # Prepared on the whole model (its names), applied to the rank's cut of it.
+        quantized = TransformersQuantization(hf_model, model_path, quantization)
         if plan is not None:
             cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
             logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
+        quantized.apply(hf_model)
         layers = pp.layer_range(arch.num_layers)
         model = cls(hf_model.eval(), local_arch(arch, tp), attention, stage, layers)
         model.check_layout(model.probe_cut(device, tp))

@@ -18,6 +18,12 @@ dropped with its module (model_host releases the freed memory).
 
 `int8` (fbgemm, executor/quantization.py) takes the same modules zllm's own models give it:
 the q/k/v, output and gate/up projections, found by their role in gguf-py's name map.
+
+Over tensor-parallel ranks the names are read on the whole model and the swap runs on the
+rank's cut of it (transformers_tp.py): a matmul cut by output rows reads those rows' blocks,
+one cut by input columns reads each row's blocks over its columns when they start and stop
+on block boundaries (else it keeps its fp32 part, logged), as zllm's own models' ranks do
+(executor/parallel.py shard_blocks).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import nn
 
 from zllm.executor import cpu_kernels
 from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.models.transformers_tp import RankPart
 from zllm.executor.quantization import Int8DynamicLinear
 from zllm.model.gguf import read_gguf
 
@@ -47,12 +54,33 @@ _INT8_ROLES = frozenset(
 )
 
 
-def quantize_transformers_model_(hf_model: nn.Module, model_path: str, method: str) -> None:
-    """Swap the loaded transformers model's matmuls for `method`'s modules, in place."""
-    if method == "int8":
-        _int8_model_(hf_model)
-    elif method != "none":  # gguf, gguf-int8, or a 16-bit checkpoint's rows
-        use_weight_blocks_(hf_model, model_path, int8_activations=method == "gguf-int8")
+class TransformersQuantization:
+    """`method`'s swap for a transformers model, prepared on the whole model (the checkpoint
+    tensor behind each parameter is found by name: transformers' GGUF map walks the model's
+    state dict, whose names a tensor-parallel cut changes) and applied after any cut, each cut
+    matmul then reading its rank's part of the blocks (RankPart, transformers_tp.py)."""
+
+    def __init__(self, hf_model: nn.Module, model_path: str, method: str) -> None:
+        self.method = method
+        self.roles: dict[str, str] = {}
+        self.source: _GGUFBlocks | _SixteenBitRows | None = None
+        if method == "int8":
+            self.roles = _int8_roles(hf_model)
+        elif method != "none":  # gguf, gguf-int8, or a 16-bit checkpoint's rows
+            cpu_kernels.load()  # built (or loaded) first: a failure surfaces here, once
+            gguf = model_path.endswith(".gguf")
+            self.source = _GGUFBlocks(hf_model, model_path) if gguf else _SixteenBitRows(model_path)
+
+    def apply(self, hf_model: nn.Module) -> None:
+        """Swap the (possibly cut) model's matmuls for the method's modules, in place."""
+        if self.method == "int8":
+            _int8_model_(hf_model, self.roles)
+        elif self.source is not None:
+            swapper = _Swapper(hf_model, self.source, self.method == "gguf-int8")
+            for parent, attr, name, module in list(_leaf_modules(hf_model)):
+                swapper.swap(parent, attr, name, module)
+            gguf = isinstance(self.source, _GGUFBlocks)
+            swapper.log("GGUF blocks" if gguf else "16-bit rows widened in the kernel")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,13 +164,8 @@ class _SixteenBitRows:
 
 def use_weight_blocks_(hf_model: nn.Module, model_path: str, int8_activations: bool) -> None:
     """Every nn.Linear / nn.Embedding whose blocks the kernel reads becomes a kernel module."""
-    cpu_kernels.load()  # built (or loaded) first: a failure surfaces here, once
-    gguf = model_path.endswith(".gguf")
-    source = _GGUFBlocks(hf_model, model_path) if gguf else _SixteenBitRows(model_path)
-    swapper = _Swapper(hf_model, source, int8_activations)
-    for parent, attr, name, module in list(_leaf_modules(hf_model)):
-        swapper.swap(parent, attr, name, module)
-    swapper.log("GGUF blocks" if gguf else "16-bit rows widened in the kernel")
+    method = "gguf-int8" if int8_activations else "gguf"
+    TransformersQuantization(hf_model, model_path, method).apply(hf_model)
 
 
 def _leaf_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
@@ -220,14 +243,20 @@ class _Swapper:
         self.swapped.append(name)
 
     def _checked_blocks(self, name: str, module: nn.Module) -> Blocks | str:
-        """The module's blocks if they dequantize bit for bit to its fp32 weight."""
-        param = f"{name}.weight"
+        """The module's blocks (its rank's part of them, if cut) if they dequantize bit for
+        bit to its fp32 weight."""
+        part: RankPart | None = getattr(module, "rank_part", None)
+        param = f"{whole_module_name(name, part)}.weight"
         if module.weight is self.tied and self.embedding_name is not None:
             param = f"{self.embedding_name}.weight"  # tied logits: the embedding's tensor
         found = self.shared.get(param) or self.source.blocks(param)
         if isinstance(found, str):
             return found
         self.shared[param] = found
+        if part is not None:
+            found = _rank_blocks(found, part)
+            if isinstance(found, str):
+                return f"{param}: {found}"
         reason = _mismatch(found, module.weight.data)
         return found if reason is None else f"{param}: {reason}"
 
@@ -243,6 +272,25 @@ class _Swapper:
         )
         for name, reason in self.kept[1:]:
             logger.debug("kept fp32: %s (%s)", name, reason)
+
+
+def whole_module_name(name: str, part: RankPart | None) -> str:
+    """The uncut module's name: a row-parallel matmul's `local` is its parent's part."""
+    return name.removesuffix(".local") if part is not None and part.columns else name
+
+
+def _rank_blocks(found: Blocks, part: RankPart) -> Blocks | str:
+    """The rank's part of a whole matrix's blocks: its rows, or its columns where they start
+    and stop on block boundaries (blocks run along a row; else the reason)."""
+    ggml_type, rows = found
+    if part.rows is not None:
+        return ggml_type, rows[part.rows].contiguous()
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    start, stop = part.columns.start, part.columns.stop
+    if start % block_values or stop % block_values:
+        return f"the rank's columns {start}:{stop} cut blocks of {block_values} values"
+    first, end = start // block_values * block_bytes, stop // block_values * block_bytes
+    return ggml_type, rows[:, first:end].contiguous()
 
 
 def _mismatch(found: Blocks, weight: torch.Tensor) -> str | None:
@@ -263,13 +311,13 @@ def _mismatch(found: Blocks, weight: torch.Tensor) -> str | None:
 # int8
 
 
-def _int8_model_(hf_model: nn.Module) -> None:
-    """The q/k/v, output and gate/up projections as fbgemm int8 matmuls; gguf-py's name map
-    (through transformers' GGUF map, which needs no file) tells each module's role."""
+def _int8_roles(hf_model: nn.Module) -> dict[str, str]:
+    """Module name -> its GGUF role (attn_q, ffn_up, ...), by gguf-py's name map through
+    transformers' GGUF map (which needs no file)."""
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
     try:
-        roles = {
+        return {
             hf.removesuffix(".weight"): gguf.split(".")[2]
             for hf, gguf in gguf_names_of(hf_model, TensorProcessor()).items()
             if gguf.startswith("blk.")
@@ -278,9 +326,15 @@ def _int8_model_(hf_model: nn.Module) -> None:
         raise ValueError(
             f"--quantization int8 cannot tell this model's matmuls apart: {exc}"
         ) from exc
+
+
+def _int8_model_(hf_model: nn.Module, roles: dict[str, str]) -> None:
+    """The q/k/v, output and gate/up projections (by `roles`) as fbgemm int8 matmuls; a cut
+    one quantizes its rank's part."""
     swapped = 0
     for parent, attr, name, module in list(_leaf_modules(hf_model)):
-        if type(module) is nn.Linear and roles.get(name) in _INT8_ROLES:
+        whole = whole_module_name(name, getattr(module, "rank_part", None))
+        if type(module) is nn.Linear and roles.get(whole) in _INT8_ROLES:
             setattr(parent, attr, Int8DynamicLinear(module.weight, module.bias))
             swapped += 1
     if not swapped:

@@ -22,7 +22,7 @@ sequence-parallel styles) are refused with the reason, before any weight is read
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +40,15 @@ _EXPERT_MARKS = ("expert", "moe", "grouped_gemm", "packed")
 _KV_PROJECTIONS = ("k_proj", "v_proj")  # replicated per rank when ranks outnumber KV heads
 
 _FLAG = "--tensor-parallel-size with --model-impl transformers"
+
+
+class RankPart(NamedTuple):
+    """Which part of the whole matrix a cut nn.Linear holds, kept on it as `rank_part` so a
+    later swap (transformers_quant.py) cuts the checkpoint's blocks the same way: its output
+    rows (colwise) or its input columns (rowwise, the `local` matmul of a RowParallelLinear)."""
+
+    rows: slice | None = None
+    columns: slice | None = None
 
 
 def usable_plan(config: Any) -> dict[str, str]:
@@ -92,6 +101,7 @@ class RowParallelLinear(nn.Module):
             dtype=linear.weight.dtype,
         )
         self.local.weight.data = linear.weight.data[:, columns].contiguous()
+        self.local.rank_part = RankPart(columns=columns)
         self.bias = linear.bias  # whole: added once, after the sum
         self.tp = tp
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -126,6 +136,7 @@ def _cut_colwise(name: str, linear: nn.Linear, arch: ModelArchConfig, tp: Tensor
     if linear.bias is not None:
         linear.bias.data = linear.bias.data[rows].contiguous()
     linear.out_features = rows.stop - rows.start
+    linear.rank_part = RankPart(rows=rows)
     return linear
 
 
