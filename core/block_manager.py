@@ -78,6 +78,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = list(sliding_windows)
         self.num_groups = len(self.windows)
+        # Some group frees the blocks that leave its window (the hybrid cache, or a model
+        # whose every layer slides): a request holding a cached prefix may lack its early
+        # blocks, so the KV tiers' hits are looked up block by block (core/kv_prefetch.py).
+        self.windowed = any(w is not None for w in self.windows)
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         # Per group: hash of a cached full block -> the block holding it for that group.

@@ -12,9 +12,9 @@ A request admitted with a prefix longer than what the pool holds looks further i
 into freshly allocated pool blocks at the start of the request's first step instead of
 being computed, and the request starts computing after them. A load that fails (a lost or
 corrupt disk block) is recomputed by the executor in that same step; the core forgets that
-tier's copy (`load_failed`). With several KV cache groups, or pipeline stages, a hit's loads
-from a tier that can fail go out in a step of their own instead (a prefetch: core/
-kv_prefetch.py).
+tier's copy (`load_failed`). With a sliding-window KV cache group (the hybrid cache, or a
+model whose every layer slides), or pipeline stages, a hit's loads from a tier that can
+fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
@@ -322,10 +322,11 @@ class SchedulerConnector:
     @property
     def per_block_lookup(self) -> bool:
         """Whether a hit's tier loads are found block by block (`PrefixHit.loads`, which a
-        prefetch takes): with several KV cache groups, or pipeline stages (whose stages
-        cannot recompute a failed load in its step). Otherwise a pool hit, then the tiers'
-        leading run after it (`tier_hit`)."""
-        return self.block_manager.num_groups > 1 or self.prefetches.pipeline
+        prefetch takes): with a group that frees the blocks leaving its window (several KV
+        cache groups, or one of sliding layers: a hit needs only its window's blocks), or
+        pipeline stages (whose stages cannot recompute a failed load in its step).
+        Otherwise a pool hit, then the tiers' leading run after it (`tier_hit`)."""
+        return self.block_manager.windowed or self.prefetches.pipeline
 
     def transfer_stats(self) -> KVTransferStats | None:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
@@ -370,7 +371,7 @@ class SchedulerConnector:
         bm, salt = self.block_manager, cache_salt(req.options)
         if req.prompt_block_hashes is None:
             req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
-        if bm.num_groups > 1:
+        if bm.windowed:
             return self._group_blocks_missing(req, salt, remote.capacity)
         hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
         wanted = hit.candidate_hashes[hit.num_blocks :]
@@ -379,7 +380,7 @@ class SchedulerConnector:
         return len(self.tiers.lookup(wanted)) < len(wanted)
 
     def _group_blocks_missing(self, req: Request, salt: BlockHash | None, capacity: int) -> bool:
-        """`_remote_blocks_missing` with several KV cache groups: whether a hit of the whole
+        """`_remote_blocks_missing` with a sliding-window group: whether a hit of the whole
         prompt lacks some group's block that neither the pool nor a tier holds (a full
         group needs every block, a sliding one those in the window of the prompt's end)."""
         assert self.tiers is not None and req.prompt_block_hashes is not None

@@ -1,8 +1,8 @@
-"""Several KV cache groups, or pipeline stages, and a tier whose loads can fail (disk,
-remote): a request's prefix is loaded in a step ahead of its own compute (a prefetch), never
-in the step that computes.
+"""A sliding-window KV cache group (several groups, or a model whose every layer slides), or
+pipeline stages, and a tier whose loads can fail (disk, remote): a request's prefix is
+loaded in a step ahead of its own compute (a prefetch), never in the step that computes.
 
-With one group on one stage a failed load is recomputed in the very step that loads it
+With one full-attention group on one stage a failed load is recomputed in the very step that loads it
 (executor/model_runner.py `_transfer_kv`): the request restarts at the failed block and holds
 every block before it. A sliding-window group's request that took a cached prefix holds only
 the window of the prefix's end, so it has no blocks to recompute an earlier failed block
@@ -61,11 +61,11 @@ class Prefetches:
         return len(self._by_req)
 
     def wanted(self, req: Request, hit: PrefixHit | None) -> bool:
-        """Whether `req`'s hit loads from a tier that can fail, with several KV cache groups
+        """Whether `req`'s hit loads from a tier that can fail, with a sliding-window group
         or pipeline stages (and `req` never prefetched)."""
         if hit is None or req.num_prefetched_tokens is not None:
             return False
-        if self.block_manager.num_groups == 1 and not self.pipeline:
+        if not self.block_manager.windowed and not self.pipeline:
             return False  # (a failed load is recomputed in its step)
         return any(tier in FALLIBLE_TIERS for _, _, tier in hit.loads)
 

@@ -133,20 +133,24 @@ def test_a_request_aborted_during_its_prefetch_leaves_nothing_cached():
     assert not sched.kv.prefetches
 
 
-# ---- a tiny Gemma 3 engine with a CPU or disk tier ---------------------------------------------------
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    """A tiny Gemma 3 (a full group, two sliding ones of window 8), its pool of 64 blocks,
-    two prompts, and what recomputing them gives."""
+# ---- tiny Gemma 3 and Mistral engines with a CPU or disk tier -------------------------------
+def windowed_model(directory, kind: str) -> tuple[str, int, list, list]:
+    """A tiny windowed model, its pool of 64 blocks, two prompts, and what recomputing them
+    gives: Gemma 3 (a full group, two sliding ones of window 8: the hybrid cache) or
+    Mistral (every layer sliding, window 16: one group that frees blocks)."""
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
     from zllm.config.engine_args import EngineArgs
     from zllm.kv.cache_groups import kv_cache_groups
     from zllm.kv.tiers import block_bytes
 
-    path = str(write_tiny_model(tmp_path_factory.mktemp("gemma"), **tiny_gemma3_overrides(8)))
+    if kind == "gemma3":
+        path = str(write_tiny_model(directory, **tiny_gemma3_overrides(8)))
+    else:
+        path = str(write_tiny_model(directory, "mistral", sliding_window=16))
     config = EngineArgs(model=path).create_engine_config()
-    assert len(kv_cache_groups(config.arch)) == 3
+    groups = kv_cache_groups(config.arch)
+    assert len(groups) == (3 if kind == "gemma3" else 1) and groups[-1].sliding_window
     pool = 64 * block_bytes(config)
     rng = random.Random(1)
     prompts = [random_prompt(rng, 250), random_prompt(rng, 90)]
@@ -154,11 +158,24 @@ def gemma(tmp_path_factory):
     return path, pool, prompts, reference
 
 
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return windowed_model(tmp_path_factory.mktemp("gemma"), "gemma3")
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def windowed(request, tmp_path_factory):
+    if request.param == "gemma3":
+        return request.getfixturevalue("gemma")
+    return windowed_model(tmp_path_factory.mktemp("mistral"), "mistral")
+
+
 @pytest.mark.parametrize("tier", [TIER_CPU, TIER_DISK], ids=["cpu", "disk"])
-def test_a_hybrid_models_evicted_prefix_comes_back_from_a_tier(gemma, tier, tmp_path):
-    """Each group's blocks (a full group, two sliding ones) go to the tier under their own
-    keys and come back, every group's, with the outputs of recomputing them."""
-    path, pool, prompts, reference = gemma
+def test_a_windowed_models_evicted_prefix_comes_back_from_a_tier(windowed, tier, tmp_path):
+    """Each group's blocks (Gemma 3: a full group, two sliding ones; Mistral: one sliding
+    group) go to the tier under their own keys and come back, a sliding group's those of the
+    window at the hit's end, with the outputs of recomputing them."""
+    path, pool, prompts, reference = windowed
     offload = {"kv_offload_bytes": 8 * pool} if tier == TIER_CPU else {}
     if tier == TIER_DISK:
         offload["kv_offload_dir"] = str(tmp_path)
@@ -240,14 +257,15 @@ def test_a_hybrid_consumer_waits_for_every_groups_blocks_then_prefetches_them():
 
 
 @pytest.mark.e2e
-def test_a_served_hybrid_pair_answers_as_one_server(gemma, tmp_path):
-    """A tiny Gemma 3's prefill and decode servers behind the proxy: greedy completions
-    equal the producer's own (asked unmarked), and the decode server took the prompts'
-    blocks, every group's, from the transfer (its remote hits grow by them)."""
+def test_a_served_windowed_pair_answers_as_one_server(windowed, tmp_path):
+    """A tiny Gemma 3's, then a tiny all-sliding Mistral's, prefill and decode servers behind
+    the proxy: greedy completions equal the producer's own (asked unmarked), and the decode
+    server took the prompts' blocks, every group's (a sliding group's: its window at the
+    prompt's end), from the transfer (its remote hits grow by them)."""
     from servers import free_port, wait_until
     from test_disaggregation import PROMPTS, greedy, remote_hits, served_pair
 
-    with served_pair(gemma[0], tmp_path, free_port()) as (prefill, decode, proxy):
+    with served_pair(windowed[0], tmp_path, free_port()) as (prefill, decode, proxy):
         answers = greedy(proxy.url, PROMPTS)
         assert wait_until(lambda: remote_hits(decode) > 0, 30), decode.log_tail()
         assert answers == greedy(prefill.url, PROMPTS)  # unmarked: the producer decodes them

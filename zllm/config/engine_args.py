@@ -36,7 +36,6 @@ from zllm.config.generation import (
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.parallel import check_parallel
 from zllm.config.speculative import speculative_config_from
-from zllm.kv.cache_groups import kv_cache_groups
 from zllm.kv.tiers import block_bytes
 from zllm.model.files import resolve_model
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
@@ -377,15 +376,6 @@ class EngineArgs:
             return None
         _check_moves_whole_blocks(config, "--kv-transfer-config")
         check_ports(transfer, config.world_size, transfer.consumer_engines)
-        if kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)[0].sliding_window:
-            # Its one group drops blocks that left the window, so a producer sends only the
-            # window of a prompt's end, and a consumer's one-group hit takes a pool hit and
-            # then the tiers' leading run from there (core/kv_connector.py `tier_hit`), not
-            # the window alone as a hit over several groups does.
-            raise ValueError(
-                "--kv-transfer-config with a model whose every layer has a sliding window: "
-                "its early prompt blocks are freed before they could be sent"
-            )
         if transfer.consumes and transfer.buffer_bytes < block_bytes(config):
             raise ValueError(
                 f"kv_buffer_size {transfer.buffer_bytes} holds no KV block "
