@@ -10,6 +10,8 @@ directory. Sections:
 - `logits`: Gemma 3 270M's Q8_0 logits shape (262,144 x 640, 178 MB: read from DRAM);
 - `layer`: a model's layer-0 matmuls (attention q/k/v/output, ffn gate/up/down) as its GGUF
   file stores them (`--gguf PATH`), summed per call size: prefill's shapes and types.
+- `kquant-float`: each side's `gguf_linear_int8` against the second side's float `gguf_linear`
+  on those matrices at prefill row counts (where the integer path stops paying).
 - `kquant`: `gguf_linear_int8` (`--quantization gguf-int8`'s csrc/cpu/kquant_int8.h) on one
   Llama-3.2-1B layer's matrices as the decode step calls them (qkv 3072 x 2048, o 2048 x 2048,
   gate/up 16384 x 2048 Q4_K, down 2048 x 8192 Q6_K: a Q4_K_M file's types), random blocks
@@ -203,11 +205,37 @@ def kquant_layer(builds: list[ModuleType], args: argparse.Namespace) -> None:
               f"({old / new:.2f}x; {gigabytes / old:.1f} / {gigabytes / new:.1f} GB/s)", flush=True)  # fmt: skip
 
 
+def kquant_against_float(builds: list[ModuleType], args: argparse.Namespace) -> None:
+    """Each side's gguf_linear_int8 against the second side's float gguf_linear on
+    LLAMA_1B_LAYER's matrices, the layer summed, at each row count (prefill sizes: where the
+    integer path stops paying, GGUFLinear's int8_max_rows)."""
+    rng = np.random.default_rng(0)
+    weights = [(random_kquant(n, k, t, rng), k, t) for _, n, k, t in LLAMA_1B_LAYER]
+    flops = sum(2 * q.shape[0] * k for q, k, _ in weights)
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k) for _, k, _ in weights}
+        kernels = [b.gguf_linear_int8 for b in builds] + [builds[-1].gguf_linear]
+
+        def call(kernel, inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for q, k, t in weights:
+                kernel(inputs[k], q, t)
+
+        spent = alternate(kernels, call, max(3, args.repeats // max(1, m // 4)))
+        cells = [f"{t * 1e3:.1f} ms ({flops * m / t / 1e9:.0f} GOP/s)" for t in spent]
+        print(
+            f"M={m:4}: int8 {cells[0]} / int8 {cells[1]} / float {cells[2]}; "
+            f"{spent[2] / spent[1]:.2f}x float's speed",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sides", nargs=2, metavar="SIDE", help="git revision or csrc directory")
     parser.add_argument(
-        "--section", choices=["types", "logits", "layer", "kquant"], default="types"
+        "--section",
+        choices=["types", "logits", "layer", "kquant", "kquant-float"],
+        default="types",
     )
     parser.add_argument("--gguf", type=Path, help="the model file (section layer)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4])
@@ -224,6 +252,9 @@ def main() -> None:
         return
     if args.section == "kquant":
         kquant_layer(builds, args)
+        return
+    if args.section == "kquant-float":
+        kquant_against_float(builds, args)
         return
     if args.section == "logits":
         q = torch.randint(0, 256, (262144, 20 * 34), dtype=torch.uint8)

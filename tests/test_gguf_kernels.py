@@ -270,6 +270,20 @@ def test_kquant_int8_avx512_path_equals_the_avx2_path(ggml_type, blocks_per_row,
 
 @pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", ISAS)
+def test_kquant_int8_rows_do_not_depend_on_the_call_size(ggml_type, isa, restore_cpu_isa):
+    """A prefill-sized call (tiles of 16 weight rows that every 4 x rows meet in turn, x in
+    blocks of 204 rows at K = 1,280) gives each row the bits it gets alone, on both paths."""
+    cpu_kernels.set_cpu_isa(isa)
+    q, _, cols = _blocks(37, 5, ggml_type, seed=31)
+    x = torch.randn(211, cols, generator=torch.Generator().manual_seed(31))
+    out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
+    for r in (0, 3, 4, 5, 203, 204, 207, 210):  # pass and block edges
+        assert torch.equal(out[r], cpu_kernels.gguf_linear_int8(x[r : r + 1], q, int(ggml_type))[0])
+    assert torch.equal(out[200:211], cpu_kernels.gguf_linear_int8(x[200:211], q, int(ggml_type)))
+
+
+@pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", ISAS)
 def test_kquant_int8_keeps_nan_and_tiny_blocks_on_both_paths(ggml_type, isa, restore_cpu_isa):
     """As test_int8_linear_keeps_nan_and_tiny_blocks, on each path, for every pass size."""
     cpu_kernels.set_cpu_isa(isa)
@@ -312,7 +326,7 @@ def test_the_avx512_path_is_taken_exactly_where_the_cpu_has_it(restore_cpu_isa):
     assert out.returncode != 0 and "ZLLM_CPU_ISA='sse2'" in out.stderr
 
 
-def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
+def test_gguf_int8_modules_take_the_integer_path_for_few_rows_or_k_quants():
     q, ref, _ = _blocks(12, 4, T.Q4_0, seed=11)
     q8, _, _ = _blocks(5, 4, T.Q8_0, seed=12)
     bias = torch.randn(12)
@@ -324,14 +338,14 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_only():
         assert torch.equal(layer(x), kernel(x, q, int(T.Q4_0)) + bias)
         both = torch.cat([kernel(x, q, int(T.Q4_0)), kernel(x, q8, int(T.Q8_0))], dim=1)
         assert torch.equal(split(x), both)
-    # Q4_K / Q6_K matmuls keep the integer path up to 16 rows (their super-block kernel).
+    # Q4_K / Q6_K matmuls take the integer path at every size (their super-block kernel
+    # outruns the float one in prefills too).
     qk, _, _ = _blocks(6, 1, T.Q4_K, seed=14)
     kquant = GGUFLinear(qk, int(T.Q4_K), 256, None, int8_activations=True)
-    assert kquant.int8_max_rows == KQUANT_INT8_MAX_ROWS == 16
-    for rows in (1, 16, 17):
+    assert kquant.int8_max_rows == KQUANT_INT8_MAX_ROWS >= 1 << 20
+    for rows in (1, 16, 17, 300):
         x = torch.randn(rows, 256)
-        kernel = cpu_kernels.gguf_linear_int8 if rows <= 16 else cpu_kernels.gguf_linear
-        assert torch.equal(kquant(x), kernel(x, qk, int(T.Q4_K)))
+        assert torch.equal(kquant(x), cpu_kernels.gguf_linear_int8(x, qk, int(T.Q4_K)))
     # 16-bit weights keep float dot products (the integer kernel reads quantized types).
     q16, _, _ = _blocks(7, 4, T.BF16, seed=13)
     sixteen = GGUFLinear(q16, int(T.BF16), 128, None, int8_activations=True)

@@ -1,6 +1,6 @@
-// Q4_K and Q6_K matrices against a few int8 activation rows, one super-block (256 values) at
-// a time with no decode pass: `--quantization gguf-int8`'s kernel for these types at decode
-// sizes (gguf_int8.h's generic path decodes each weight row into codes first).
+// Q4_K and Q6_K matrices against int8 activation rows, one super-block (256 values) at a
+// time with no decode pass: `--quantization gguf-int8`'s kernel for these types, decode and
+// prefill (gguf_int8.h's generic path decodes each weight row into codes first).
 //
 // Why: at one row a decode step is a stream of weight bytes, and the generic path spends
 // per 32 values a float conversion, a scale product and an FMA besides the integer dot, plus
@@ -247,8 +247,8 @@ constexpr int64_t kPrefetchBytes = 2048;
 
 template <int MR>
 ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
-                                         const QuantizedX256& qx, int64_t K, int64_t begin,
-                                         int64_t end, float* y, int64_t ldy) {
+                                         const QuantizedX256& qx, int64_t m0, int64_t K,
+                                         int64_t begin, int64_t end, float* y, int64_t ldy) {
   const int64_t blocks = K / kSuper, groups = K / kBlock;
   const __m512i low = _mm512_set1_epi8(0x0F);
   // Step c's scales: sub-blocks 0, 2 / 1, 3 / 4, 6 / 5, 7 (one per half).
@@ -277,7 +277,8 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
         const __m512i codes = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(v, 4) : v, low);
         const __m512i scale = _mm512_permutexvar_epi16(pick[c], sc16);
         for (int i = 0; i < MR; ++i) {
-          const __m512i xq = _mm512_loadu_si512(qx.q.data() + i * K + b * kSuper + 64 * c);
+          const __m512i xq =
+              _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 64 * c);
           isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(codes, xq), scale);
         }
       }
@@ -286,10 +287,10 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
           _mm256_set1_ps(half_to_float(blk + 2)),
           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales_mins, scales_mins))));
       for (int i = 0; i < MR; ++i) {
-        const float dx = qx.d[i * blocks + b];
+        const float dx = qx.d[(m0 + i) * blocks + b];
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
                                  _mm256_set1_ps(d * dx), acc[i]);
-        const __m256 xs = _mm256_loadu_ps(qx.sum32.data() + i * groups + b * 8);
+        const __m256 xs = _mm256_loadu_ps(qx.sum32.data() + (m0 + i) * groups + b * 8);
         offset[i] = _mm256_fmadd_ps(mins, xs, offset[i]);
       }
     }
@@ -299,8 +300,8 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
 
 template <int MR>
 ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
-                                         const QuantizedX256& qx, int64_t K, int64_t begin,
-                                         int64_t end, float* y, int64_t ldy) {
+                                         const QuantizedX256& qx, int64_t m0, int64_t K,
+                                         int64_t begin, int64_t end, float* y, int64_t ldy) {
   const int64_t blocks = K / kSuper;
   const __m512i nibble = _mm512_set1_epi8(0x0F), two_bits = _mm512_set1_epi8(3);
   const __m512i zero = _mm512_setzero_si512();
@@ -339,7 +340,7 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
           const __m512i scale = _mm512_permutexvar_epi16(pick[2 * h + p], sc16);
           for (int i = 0; i < MR; ++i) {
             const __m512i xq =
-                _mm512_loadu_si512(qx.q.data() + i * K + b * kSuper + 128 * h + 64 * p);
+                _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 128 * h + 64 * p);
             const __m512i xs = _mm512_mask_sub_epi8(xq, negative, zero, xq);
             isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
           }
@@ -347,7 +348,7 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
       }
       const float d = half_to_float(blk + 208);
       for (int i = 0; i < MR; ++i) {
-        const float dx = qx.d[i * blocks + b];
+        const float dx = qx.d[(m0 + i) * blocks + b];
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
                                  _mm256_set1_ps(d * dx), acc[i]);
       }
@@ -356,46 +357,64 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   }
 }
 
-// Rows sharing one pass over the weights (a pass per 4 rows beyond: the modules send decode-
-// sized calls only, and `zllm bench accuracy` scores whole sequences with decode's arithmetic).
-constexpr int64_t kMaxRows = 4;
+// Rows of x sharing one pass over a weight row (its blocks decoded once for them all): 4 on
+// AVX2 (16 ymm registers: each row holds 3), 8 with AVX-512 (32 zmm).
+constexpr int64_t kMaxRows = 4, kMaxRowsAvx512 = 8;
+// Weight rows every kMaxRows rows of x meet before the next tile: a tile stays in L1/L2 while
+// the x rows go over it (16 rows of a Q4_K matrix of K = 8192: 74 KB), so many rows (a
+// prefill) read each weight byte from memory once, not once per kMaxRows rows.
+constexpr int64_t kTileRows = 16;
+// x rows (K int8 bytes each) in play at once: their int8 copy stays in L2 beside the tile.
+constexpr int64_t kXBlockBytes = 256 << 10;
 
 inline bool serves(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
 
+// y rows m0 .. m0 + MR (y points at row m0) for weight rows [begin, end).
 template <int MR>
-inline void linear_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
-                        int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
-  // A task takes ~64K weights' rows (decode-sized matmuls are a few million weights).
-  const int64_t grain = std::max<int64_t>(1, 65536 / K);
-  if (zllm_isa::use_avx512_vnni()) {
-    const QuantizedX256 qx = quantize_x256(
-        x, MR, ldx, K, qtype == kQ4_K ? XOrder::kQ4_KPairs : XOrder::kNatural);
+inline void rows_pass(bool vnni, int64_t qtype, const uint8_t* w, int64_t row_bytes,
+                      const QuantizedX256& qx, int64_t m0, int64_t K, int64_t begin, int64_t end,
+                      float* y, int64_t ldy) {
+  if (vnni) {
     const auto rows = qtype == kQ4_K ? q4_k_rows_avx512<MR> : q6_k_rows_avx512<MR>;
-    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-      rows(w, row_bytes, qx, K, begin, end, y, ldy);
-    });
+    rows(w, row_bytes, qx, m0, K, begin, end, y, ldy);
     return;
   }
-  const QuantizedX256 qx = quantize_x256(x, MR, ldx, K);
   const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : q6_k_row<MR>;
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) row_dot(w + n * row_bytes, qx, 0, K, y + n, ldy);
-  });
+  for (int64_t n = begin; n < end; ++n) row_dot(w + n * row_bytes, qx, m0, K, y + n, ldy);
 }
 
-// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q4_K or Q6_K W, kMaxRows rows a pass.
+// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q4_K or Q6_K W. Every (row, output) sums
+// the same integers in the same order whatever M, so a row's bits do not depend on M.
 inline void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                    int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
-  for (int64_t m = 0; m < M; m += kMaxRows) {
-    const float* xm = x + m * ldx;
-    float* ym = y + m * ldy;
-    switch (std::min(kMaxRows, M - m)) {
-      case 1: linear_rows<1>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
-      case 2: linear_rows<2>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
-      case 3: linear_rows<3>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
-      default: linear_rows<4>(xm, ldx, w, row_bytes, qtype, N, K, ym, ldy); break;
+  const bool vnni = zllm_isa::use_avx512_vnni();
+  const QuantizedX256 qx =
+      quantize_x256(x, M, ldx, K, vnni && qtype == kQ4_K ? XOrder::kQ4_KPairs : XOrder::kNatural);
+  // A task takes ~64K weights' rows (decode-sized matmuls are a few million weights).
+  const int64_t grain = std::max<int64_t>(1, 65536 / K);
+  const int64_t pass = vnni ? kMaxRowsAvx512 : kMaxRows;
+  const int64_t x_block = std::max<int64_t>(pass, kXBlockBytes / K / pass * pass);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t mb = 0; mb < M; mb += x_block) {
+      const int64_t mb_end = std::min(M, mb + x_block);
+      for (int64_t n0 = begin; n0 < end; n0 += kTileRows) {
+        const int64_t n1 = std::min(end, n0 + kTileRows);
+        for (int64_t m = mb; m < mb_end; m += pass) {
+          float* ym = y + m * ldy;
+          switch (std::min(pass, mb_end - m)) {
+            case 1: rows_pass<1>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 2: rows_pass<2>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 3: rows_pass<3>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 4: rows_pass<4>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 5: rows_pass<5>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 6: rows_pass<6>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            case 7: rows_pass<7>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+            default: rows_pass<8>(vnni, qtype, w, row_bytes, qx, m, K, n0, n1, ym, ldy); break;
+          }
+        }
+      }
     }
-  }
+  });
 }
 
 }  // namespace zllm_kquant
