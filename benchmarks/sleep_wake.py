@@ -1,15 +1,26 @@
 """Sleep mode's cost per level: how long `sleep(level)` and `wake_up()` take and how much
-resident memory sleeping releases, offline (the served path runs the same EngineCore calls).
-Median of `--repeats`; the KV pool is written once first so it is resident.
+resident memory sleeping releases. Median of `--repeats`; the KV pool is written first so it
+is resident.
 
     python benchmarks/sleep_wake.py smollm2 [--kv-cache-memory-bytes 1G] [--repeats 3]
+
+Offline by default (the served path runs the same EngineCore calls). With `--serve`, a
+`zllm serve` on loopback with the flags after `--` (e.g. `--data-parallel-size 2` or
+`--tensor-parallel-size 3`: every engine and rank sleeps), timed through POST /sleep and
+/wake_up, resident memory summed over the server's process tree, and a greedy completion
+checked equal before and after each wake-up:
+
+    python benchmarks/sleep_wake.py smollm2 --serve -- --data-parallel-size 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 
@@ -28,12 +39,104 @@ def touch_pool(llm) -> None:
         tensor.fill_(0)
 
 
+def tree_resident_bytes(pid: int) -> int:
+    """VmRSS summed over `pid` and its descendants (a server's processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo.extend(children.get(current, []))
+        try:
+            with open(f"/proc/{current}/status") as f:
+                total += next(
+                    int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")
+                )
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def served(args: argparse.Namespace) -> dict:
+    """The served measurement (--serve): one server, each level `repeats` times."""
+    import httpx
+
+    from zllm.config.serve import free_ports
+
+    port = free_ports(1)[0]
+    command = [
+        sys.executable, "-m", "zllm.cli", "serve", args.model, "--host", "127.0.0.1",
+        "--port", str(port), "--enable-sleep-mode",
+        "--kv-cache-memory-bytes", args.kv_cache_memory_bytes, *args.serve_args,
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(base_url=url, timeout=600)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{' '.join(command)} did not come up")
+            time.sleep(0.5)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Sleep mode releases memory while the engine is idle.",
+                "max_tokens": 16, "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+        def complete() -> str:
+            # (long prompts fill the pool's pages: several requests at once touch it all)
+            return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+        expected = complete()
+        results = {}
+        for level in (1, 2):
+            sleeps, wakes, released = [], [], []
+            for _ in range(args.repeats):
+                before = tree_resident_bytes(server.pid)
+                start = time.perf_counter()
+                client.post("/sleep", params={"level": level}).raise_for_status()
+                sleeps.append(time.perf_counter() - start)
+                released.append(before - tree_resident_bytes(server.pid))
+                start = time.perf_counter()
+                client.post("/wake_up").raise_for_status()
+                wakes.append(time.perf_counter() - start)
+                assert complete() == expected, "outputs after waking differ"
+            results[f"level{level}"] = {
+                "sleep_s": round(statistics.median(sleeps), 3),
+                "wake_s": round(statistics.median(wakes), 3),
+                "released_mib": round(statistics.median(released) / 2**20, 1),
+            }
+        return results
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--kv-cache-memory-bytes", default="1G")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--serve", action="store_true", help="through `zllm serve`")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # `zllm serve` flags after --
+    args = parser.parse_args(argv[:cut])
+    args.serve_args = argv[cut + 1 :]
+    if args.serve:
+        results = served(args)
+        print(json.dumps({"model": args.model, "serve_args": args.serve_args, **results}))
+        return 0
 
     from zllm import LLM, SamplingParams
     from zllm.config.arg_utils import parse_size
