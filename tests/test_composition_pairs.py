@@ -1,0 +1,122 @@
+"""Pairs of the README's combination table that run offline on one rank: sleep mode and the
+CPU tier, each with the other features whose outputs they must not change (issue 38).
+
+- Sleep × X: the engine sleeps at level 1 (the KV pool freed) and 2 (the weights too),
+  its resident memory falls by at least the pool, and after waking it answers as before.
+- Offload × X: a pool of 16 blocks of 4 tokens; later prompts push the first prompt's
+  blocks out to the CPU tier, and asked again the engine loads them back (tier hits, cached
+  tokens) and answers as it did the first time.
+
+The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
+tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_sleep import resident_bytes
+from tiny_models import tiny_gemma3_overrides, write_tiny_model
+
+from zllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+from zllm.kv.tiers import TIER_CPU
+
+POOL = 32 << 20  # zeroed at allocation: resident
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+BEAM = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+# Repeats give n-gram lookup something to find.
+PROMPTS = [{"prompt_token_ids": [7, 8, 9, 10] * 6}, {"prompt_token_ids": list(range(30, 57))}]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> str:
+    """A tiny Gemma 3: sliding, global, sliding layers (window 8): the hybrid KV cache."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("gemma3"), **tiny_gemma3_overrides(8)))
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_llama_dir, tmp_path_factory) -> LoRARequest:
+    from test_lora import ADAPTERS, make_adapter
+
+    name, config = next(iter(ADAPTERS.items()))  # every projection
+    path = make_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter") / name, 1, **config)
+    return LoRARequest(name, 1, str(path))
+
+
+def answers(llm: LLM, beam: bool, lora: LoRARequest | None = None) -> list:
+    """Greedy token ids per prompt, or with `beam` each prompt's beams (tokens, score)."""
+    if beam:
+        outs = llm.beam_search(PROMPTS, BEAM)
+        return [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences] for o in outs]
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# (model: "llama" or "gemma3", engine options, beam search?)
+SLEEP_PAIRS = {
+    "transformers-backend": ("llama", {"model_impl": "transformers"}, False),
+    "deterministic": ("llama", {"deterministic": True}, False),
+    "int8-kv-cache": ("llama", {"kv_cache_dtype": "int8"}, False),
+    "ngram-speculation": ("llama", {"speculative_config": NGRAM}, False),
+    "beam-search": ("llama", {}, True),
+    "hybrid-kv-cache": ("gemma3", {}, False),
+}
+
+
+@pytest.mark.parametrize("pair", list(SLEEP_PAIRS))
+def test_sleep_composes_with(tiny_llama_dir, gemma3_dir, pair):
+    """Sleep × the transformers backend, deterministic mode, an int8 KV cache, speculation,
+    beam search, the hybrid KV cache: at both levels the pool's memory is released and the
+    answers after waking equal those before."""
+    model, options, beam = SLEEP_PAIRS[pair]
+    path = gemma3_dir if model == "gemma3" else tiny_llama_dir
+    llm = LLM(path, kv_cache_memory_bytes=POOL, enable_sleep_mode=True, **options)
+    before = answers(llm, beam)
+    if pair == "ngram-speculation":
+        assert llm.engine.heartbeat().spec.num_draft_tokens > 0
+    pool = sum(t.nbytes for t in llm.model_runner.kv_tensors)
+    for level in (1, 2):
+        resident = resident_bytes()
+        llm.sleep(level=level)
+        assert resident - resident_bytes() >= 0.9 * pool, level
+        llm.wake_up()
+        assert answers(llm, beam) == before, level
+
+
+# (engine options, beam search?, use the adapter?)
+OFFLOAD_PAIRS = {
+    "transformers-backend": ({"model_impl": "transformers"}, False, False),
+    "deterministic": ({"deterministic": True}, False, False),
+    "beam-search": ({}, True, False),
+    "lora": ({"enable_lora": True}, False, True),
+    "gguf-blocks": ({}, False, False),  # a GGUF file: its matmuls read the blocks
+}
+
+
+@pytest.mark.parametrize("pair", list(OFFLOAD_PAIRS))
+def test_the_cpu_tier_composes_with(tiny_llama_dir, lora, tmp_path, pair):
+    """Offload × the transformers backend, deterministic mode, beam search, LoRA (the
+    adapter's blocks under its salt) and quantized matmuls: an evicted prefix comes back
+    from the tier and the answers equal the first ones."""
+    options, beam, use_lora = OFFLOAD_PAIRS[pair]
+    path = tiny_llama_dir
+    if pair == "gguf-blocks":
+        from gguf import GGMLQuantizationType as T
+        from test_gguf_types import write_llama_gguf
+
+        path = str(tmp_path / "q8.gguf")
+        write_llama_gguf(tmp_path / "q8.gguf", lambda name: T.Q8_0)
+    kw = dict(block_size=4, num_gpu_blocks_override=16, kv_offload_bytes=4 << 20)
+    llm = LLM(path, **kw, **options)
+    if pair == "gguf-blocks":
+        assert llm.model_runner.quantization == "gguf"
+    adapter = lora if use_lora else None
+    first = answers(llm, beam, adapter)
+    if use_lora:  # (its blocks are salted apart from the base model's)
+        assert first != answers(llm, beam)
+    for i in range(3):  # other prompts, 10 blocks each: the first ones' blocks are evicted
+        other = {"prompt_token_ids": list(range(100 + 50 * i, 140 + 50 * i))}
+        llm.generate(other, GREEDY, lora_request=adapter, use_tqdm=False)
+    hits = llm.engine.heartbeat().kv_tiers.hits[TIER_CPU]
+    assert answers(llm, beam, adapter) == first
+    assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] > hits
