@@ -1,5 +1,6 @@
 """Pairs of the README's combination table that run offline on one rank: sleep mode and the
-CPU tier, each with the other features whose outputs they must not change (issue 38).
+CPU tier, each with the other features whose outputs they must not change; deterministic
+mode's batch invariance with the others; the transformers backend with them (issue 38).
 
 - Sleep × X: the engine sleeps at level 1 (the KV pool freed) and 2 (the weights too),
   its resident memory falls by at least the pool, and after waking it answers as before.
@@ -7,11 +8,17 @@ CPU tier, each with the other features whose outputs they must not change (issue
   blocks out to the CPU tier, and asked again the engine loads them back (tier hits, cached
   tokens) and answers as it did the first time.
 
+- Det × X: a needle request's full logprob vectors are the same bits alone and among 20
+  other requests.
+- HF × X: the transformers backend gives zllm's code's answers with X on the same model.
+
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from test_sleep import resident_bytes
@@ -120,3 +127,67 @@ def test_the_cpu_tier_composes_with(tiny_llama_dir, lora, tmp_path, pair):
     hits = llm.engine.heartbeat().kv_tiers.hits[TIER_CPU]
     assert answers(llm, beam, adapter) == first
     assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] > hits
+
+
+# (model, engine options) deterministic mode runs with
+DETERMINISTIC_PAIRS = {
+    "hybrid-kv-cache": ("gemma3", {}),
+    "ngram-speculation": ("llama", {"speculative_config": NGRAM}),
+    "transformers-backend": ("llama", {"model_impl": "transformers"}),
+}
+
+
+@pytest.mark.parametrize("pair", list(DETERMINISTIC_PAIRS))
+def test_deterministic_mode_composes_with(tiny_llama_dir, gemma3_dir, pair):
+    """Det × the hybrid KV cache, speculation, the transformers backend: a needle request's
+    full logprob vectors are the same bits alone and among 20 other requests."""
+    model, options = DETERMINISTIC_PAIRS[pair]
+    path = gemma3_dir if model == "gemma3" else tiny_llama_dir
+    llm = LLM(path, deterministic=True, kv_cache_memory_bytes=POOL, **options)
+    vocab = llm.config.arch.vocab_size
+    needle = [7, 8, 9, 10] * 5 + [random.Random(2).randrange(3, 400) for _ in range(20)]
+    logprobs = SamplingParams(temperature=0.0, max_tokens=6, logprobs=vocab, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+
+    def vectors(count: int) -> list[dict]:
+        rng = random.Random(count)
+        crowd = [
+            {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 60))]}
+            for _ in range(count)
+        ]
+        prompts = [{"prompt_token_ids": needle}, *crowd]
+        out = llm.generate(prompts, [logprobs] + [other] * count, use_tqdm=False)[0].outputs[0]
+        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+    alone = vectors(0)
+    assert len(alone) == 6 and len(alone[0]) >= vocab
+    assert vectors(20) == alone
+
+
+# (model, engine options, beam search?) the transformers backend runs with
+TRANSFORMERS_PAIRS = {
+    "beam-search": ("llama", {}, True),
+    "int8-kv-cache": ("llama", {"kv_cache_dtype": "int8"}, False),
+    "hybrid-kv-cache": ("gemma3", {}, False),
+    "deterministic": ("llama", {"deterministic": True}, False),
+}
+
+
+@pytest.mark.parametrize("pair", list(TRANSFORMERS_PAIRS))
+def test_the_transformers_backend_composes_with(tiny_llama_dir, gemma3_dir, pair):
+    """HF × beam search, an int8 KV cache, the hybrid KV cache (Gemma 3's sliding and
+    global layers in their own groups), deterministic mode: the answers zllm's own code
+    gives with the same feature on the same model."""
+    model, options, beam = TRANSFORMERS_PAIRS[pair]
+    path = gemma3_dir if model == "gemma3" else tiny_llama_dir
+    ours = LLM(path, kv_cache_memory_bytes=POOL, **options)
+    theirs = LLM(path, kv_cache_memory_bytes=POOL, model_impl="transformers", **options)
+    assert hasattr(theirs.model_runner.model, "hf")
+    expected = answers(ours, beam)
+    if beam:  # scores: fp32 sums in another order
+        got = answers(theirs, beam)
+        assert [[t for t, _ in b] for b in got] == [[t for t, _ in b] for b in expected]
+        for b_got, b_expected in zip(got, expected, strict=True):
+            assert [s for _, s in b_got] == pytest.approx([s for _, s in b_expected], abs=1e-3)
+    else:
+        assert answers(theirs, beam) == expected
