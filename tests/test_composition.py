@@ -285,6 +285,24 @@ def test_adapters_serve_again_after_sleep(tiny_llama_dir, adapters, level):
     assert tokens(lora) == before and tokens(None) == base
 
 
+def needle_vectors(llm: LLM, needle: list[int], count: int, max_tokens: int = 4) -> list[dict]:
+    """The full logprob vector of each greedy token of `needle`, run among `count` other
+    requests (random prompts, sampled): batch invariance compares count 0 with others."""
+    vocab = llm.config.arch.vocab_size
+    logprobs = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=vocab, ignore_eos=True
+    )
+    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+    rng = random.Random(count)
+    crowd = [
+        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 50))]}
+        for _ in range(count)
+    ]
+    prompts = [{"prompt_token_ids": needle}, *crowd]
+    out = llm.generate(prompts, [logprobs] + [other] * count, use_tqdm=False)[0].outputs[0]
+    return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
+
+
 def test_tensor_parallel_ranks_are_batch_invariant_under_deterministic(tiny_llama_dir):
     """--deterministic over two ranks: a needle's full logprob vectors are the same bits
     alone and among 20 other requests (each rank's matmuls in fixed tiles, the all-reduce
@@ -292,21 +310,8 @@ def test_tensor_parallel_ranks_are_batch_invariant_under_deterministic(tiny_llam
     llm = LLM(
         tiny_llama_dir, tensor_parallel_size=2, deterministic=True, kv_cache_memory_bytes=POOL
     )
-    vocab = llm.config.arch.vocab_size
-    needle = {"prompt_token_ids": [random.Random(5).randrange(3, 400) for _ in range(30)]}
-    logprobs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=vocab)
-    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
-
-    def vectors(count: int) -> list[dict]:
-        rng = random.Random(count)
-        crowd = [
-            {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 50))]}
-            for _ in range(count)
-        ]
-        out = llm.generate([needle, *crowd], [logprobs] + [other] * count, use_tqdm=False)
-        return [{t: lp.logprob for t, lp in pos.items()} for pos in out[0].outputs[0].logprobs]
-
-    assert vectors(20) == vectors(0)
+    needle = [random.Random(5).randrange(3, 400) for _ in range(30)]
+    assert needle_vectors(llm, needle, 20) == needle_vectors(llm, needle, 0)
 
 
 @pytest.mark.parametrize("case", ["int8-kv", "hybrid-gemma3"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_composition import needle_vectors
 from test_sleep import resident_bytes
 from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
@@ -144,24 +145,10 @@ def test_deterministic_mode_composes_with(tiny_llama_dir, gemma3_dir, pair):
     model, options = DETERMINISTIC_PAIRS[pair]
     path = gemma3_dir if model == "gemma3" else tiny_llama_dir
     llm = LLM(path, deterministic=True, kv_cache_memory_bytes=POOL, **options)
-    vocab = llm.config.arch.vocab_size
     needle = [7, 8, 9, 10] * 5 + [random.Random(2).randrange(3, 400) for _ in range(20)]
-    logprobs = SamplingParams(temperature=0.0, max_tokens=6, logprobs=vocab, ignore_eos=True)
-    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
-
-    def vectors(count: int) -> list[dict]:
-        rng = random.Random(count)
-        crowd = [
-            {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 60))]}
-            for _ in range(count)
-        ]
-        prompts = [{"prompt_token_ids": needle}, *crowd]
-        out = llm.generate(prompts, [logprobs] + [other] * count, use_tqdm=False)[0].outputs[0]
-        return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
-
-    alone = vectors(0)
-    assert len(alone) == 6 and len(alone[0]) >= vocab
-    assert vectors(20) == alone
+    alone = needle_vectors(llm, needle, 0, max_tokens=6)
+    assert len(alone) == 6 and len(alone[0]) >= llm.config.arch.vocab_size
+    assert needle_vectors(llm, needle, 20, max_tokens=6) == alone
 
 
 # (model, engine options, beam search?) the transformers backend runs with
