@@ -133,6 +133,7 @@ def test_the_cpu_tier_composes_with(tiny_llama_dir, lora, tmp_path, pair):
 # (model, engine options) deterministic mode runs with
 DETERMINISTIC_PAIRS = {
     "hybrid-kv-cache": ("gemma3", {}),
+    "int8-kv-cache": ("llama", {"kv_cache_dtype": "int8"}),
     "ngram-speculation": ("llama", {"speculative_config": NGRAM}),
     "transformers-backend": ("llama", {"model_impl": "transformers"}),
 }
@@ -140,8 +141,8 @@ DETERMINISTIC_PAIRS = {
 
 @pytest.mark.parametrize("pair", list(DETERMINISTIC_PAIRS))
 def test_deterministic_mode_composes_with(tiny_llama_dir, gemma3_dir, pair):
-    """Det × the hybrid KV cache, speculation, the transformers backend: a needle request's
-    full logprob vectors are the same bits alone and among 20 other requests."""
+    """Det × the hybrid KV cache, an int8 KV cache, speculation, the transformers backend: a
+    needle request's full logprob vectors are the same bits alone and among 20 others."""
     model, options = DETERMINISTIC_PAIRS[pair]
     path = gemma3_dir if model == "gemma3" else tiny_llama_dir
     llm = LLM(path, deterministic=True, kv_cache_memory_bytes=POOL, **options)
@@ -178,3 +179,34 @@ def test_the_transformers_backend_composes_with(tiny_llama_dir, gemma3_dir, pair
             assert [s for _, s in b_got] == pytest.approx([s for _, s in b_expected], abs=1e-3)
     else:
         assert answers(theirs, beam) == expected
+
+
+@pytest.fixture(scope="module")
+def gemma3_lora(gemma3_dir, tmp_path_factory) -> LoRARequest:
+    from test_lora import ADAPTERS, make_adapter
+
+    name, config = next(iter(ADAPTERS.items()))  # every projection
+    path = make_adapter(gemma3_dir, tmp_path_factory.mktemp("gemma3-adapter") / name, 1, **config)
+    return LoRARequest(name, 1, str(path))
+
+
+@pytest.mark.parametrize("pair", ["beam-search", "lora"])
+def test_the_hybrid_cache_composes_with(gemma3_dir, gemma3_lora, pair):
+    """Hybrid × beam search (beams forking blocks in every group), LoRA: the answers of the
+    same model with one KV cache group (every layer keeping every block)."""
+    beam, options = pair == "beam-search", {"enable_lora": pair == "lora"}
+    adapter = gemma3_lora if pair == "lora" else None
+    hybrid = LLM(gemma3_dir, kv_cache_memory_bytes=POOL, **options)
+    assert len(hybrid.engine.scheduler.block_manager.windows) == 3
+    one_group = LLM(gemma3_dir, kv_cache_memory_bytes=POOL, hybrid_kv_cache=False, **options)
+    got = answers(hybrid, beam, adapter)
+    assert got == answers(one_group, beam, adapter)
+    if adapter is not None:  # (a tiny random Gemma repeats one token: compare logprobs)
+        scored = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+
+        def first_logprob(lora: LoRARequest | None) -> float:
+            out = hybrid.generate(PROMPTS[1], scored, lora_request=lora, use_tqdm=False)
+            position = out[0].outputs[0].logprobs[0]
+            return next(iter(position.values())).logprob
+
+        assert abs(first_logprob(adapter) - first_logprob(None)) > 1e-3
