@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_composition import needle_vectors
+from test_composition import needle_vectors, prompts_with_repeats
 from test_sleep import resident_bytes
 from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
@@ -54,7 +54,7 @@ def lora(tiny_llama_dir, tmp_path_factory) -> LoRARequest:
 def answers(llm: LLM, beam: bool, lora: LoRARequest | None = None) -> list:
     """Greedy token ids per prompt, or with `beam` each prompt's beams (tokens, score)."""
     if beam:
-        outs = llm.beam_search(PROMPTS, BEAM)
+        outs = llm.beam_search(PROMPTS, BEAM, lora_request=lora)
         return [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences] for o in outs]
     outs = llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -210,3 +210,65 @@ def test_the_hybrid_cache_composes_with(gemma3_dir, gemma3_lora, pair):
             return next(iter(position.values())).logprob
 
         assert abs(first_logprob(adapter) - first_logprob(None)) > 1e-3
+
+
+# name -> (model, the pair's options, the reference's options, beam search?, the adapter?):
+# the pair must give the reference's tokens (beams: their tokens, scores within 1e-2)
+REFERENCE_PAIRS = {
+    # Beam requests get no drafts (README note 6): the beams of an engine without speculation.
+    "spec-beam": ("llama", {"speculative_config": NGRAM}, {}, True, False),
+    # A target on the transformers backend speculates as zllm's code does.
+    "spec-transformers": (
+        "llama", {"model_impl": "transformers", "speculative_config": NGRAM},
+        {"model_impl": "transformers"}, False, False,
+    ),
+    # An adapter's beams on zllm's code and on transformers' modules wrapped (README ✓21).
+    "lora-beam": (
+        "llama", {"enable_lora": True}, {"enable_lora": True, "model_impl": "transformers"},
+        True, True,
+    ),
+    "lora-bf16-kv-cache": (
+        "llama", {"enable_lora": True, "kv_cache_dtype": "bf16"}, {"enable_lora": True},
+        False, True,
+    ),
+    "gguf-int8-kv-cache": ("gguf", {"kv_cache_dtype": "int8"}, {}, False, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pair", list(REFERENCE_PAIRS))
+def test_pairs_answer_as_their_reference(tiny_llama_dir, lora, tmp_path, pair):
+    """Spec × Beam, Spec × HF, LoRA × Beam, LoRA × KV dtype, KV dtype × Quant: each pair's
+    tokens equal its reference's (the same requests without the second feature, or on the
+    other model code)."""
+    model, options, reference_options, beam, use_lora = REFERENCE_PAIRS[pair]
+    path = tiny_llama_dir
+    if model == "gguf":
+        from gguf import GGMLQuantizationType as T
+        from test_gguf_types import write_llama_gguf
+
+        path = str(tmp_path / "q8.gguf")
+        write_llama_gguf(tmp_path / "q8.gguf", lambda name: T.Q8_0)
+    adapter = lora if use_lora else None
+    llm = LLM(path, kv_cache_memory_bytes=POOL, **options)
+    reference = LLM(path, kv_cache_memory_bytes=POOL, **reference_options)
+    if pair == "spec-transformers":  # (a random model's greedy loops give lookup matches)
+        prompts = prompts_with_repeats(6)
+        long = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+
+        def greedy(engine: LLM) -> list[list[int]]:
+            return [o.outputs[0].token_ids for o in engine.generate(prompts, long, use_tqdm=False)]
+
+        assert greedy(llm) == greedy(reference)
+        assert llm.engine.heartbeat().spec.num_accepted_tokens > 0
+        return
+    got, expected = answers(llm, beam, adapter), answers(reference, beam, adapter)
+    if pair == "gguf-int8-kv-cache":
+        assert llm.model_runner.quantization == "gguf"
+    if not beam:
+        assert got == expected
+        return
+    assert [[t for t, _ in b] for b in got] == [[t for t, _ in b] for b in expected]
+    for ours, theirs in zip(got, expected, strict=True):
+        assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=1e-2)
+    if use_lora:
+        assert got != answers(llm, beam)  # the adapter's beams are not the base model's

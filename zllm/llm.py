@@ -193,11 +193,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search (core/beam_search.py): per prompt, the `beam_width` best hypotheses,
         best first, each with its prompt + output tokens, their text and its cumulative
-        logprob. The best equals transformers' generate(num_beams=..., do_sample=False)."""
-        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm)
+        logprob. The best equals transformers' generate(num_beams=..., do_sample=False).
+        `lora_request`: as `generate`'s (every beam of a prompt runs its adapter)."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm, lora_request)
         results = []
         for out in outputs:
             sequences = []
