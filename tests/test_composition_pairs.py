@@ -232,13 +232,18 @@ REFERENCE_PAIRS = {
         False, True,
     ),
     "gguf-int8-kv-cache": ("gguf", {"kv_cache_dtype": "int8"}, {}, False, False),
+    # Beams forking int8 blocks (rows and their scales), on zllm's code and transformers'.
+    "beam-int8-kv-cache": (
+        "llama", {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "int8", "model_impl": "transformers"},
+        True, False,
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("pair", list(REFERENCE_PAIRS))
 def test_pairs_answer_as_their_reference(tiny_llama_dir, lora, tmp_path, pair):
-    """Spec × Beam, Spec × HF, LoRA × Beam, LoRA × KV dtype, KV dtype × Quant: each pair's
-    tokens equal its reference's (the same requests without the second feature, or on the
+    """Spec × Beam, Spec × HF, LoRA × Beam, LoRA × KV dtype, KV dtype × Quant, Beam × KV
+    dtype: each pair's tokens equal its reference's (the same requests without the second feature, or on the
     other model code)."""
     model, options, reference_options, beam, use_lora = REFERENCE_PAIRS[pair]
     path = tiny_llama_dir
@@ -272,3 +277,17 @@ def test_pairs_answer_as_their_reference(tiny_llama_dir, lora, tmp_path, pair):
         assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], abs=1e-2)
     if use_lora:
         assert got != answers(llm, beam)  # the adapter's beams are not the base model's
+
+
+def test_beam_search_is_batch_invariant_under_deterministic(tiny_llama_dir):
+    """Det × Beam: a prompt's beams (tokens and scores, every bit) are the same searched
+    alone and beside two other prompts' searches."""
+    llm = LLM(tiny_llama_dir, deterministic=True, kv_cache_memory_bytes=POOL)
+    crowd = [{"prompt_token_ids": list(range(200, 200 + n))} for n in (5, 33)]
+
+    def beams(prompts: list) -> list:
+        out = llm.beam_search(prompts, BEAM)[0]
+        return [(s.tokens, s.cum_logprob) for s in out.sequences]
+
+    alone = beams(PROMPTS[1:])
+    assert len(alone) == 3 and beams([PROMPTS[1], *crowd]) == alone
