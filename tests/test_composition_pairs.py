@@ -11,6 +11,7 @@ mode's batch invariance with the others; the transformers backend with them (iss
 - Det × X: a needle request's full logprob vectors are the same bits alone and among 20
   other requests.
 - HF × X: the transformers backend gives zllm's code's answers with X on the same model.
+- Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four.
 
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
@@ -291,3 +292,22 @@ def test_beam_search_is_batch_invariant_under_deterministic(tiny_llama_dir):
 
     alone = beams(PROMPTS[1:])
     assert len(alone) == 3 and beams([PROMPTS[1], *crowd]) == alone
+
+
+@pytest.mark.e2e
+def test_a_served_pair_composes_with_the_backend_a_narrow_cache_a_tier_and_determinism(
+    tiny_llama_dir, tmp_path
+):
+    """Disagg × HF, KV dtype, Offload, Det, in one producer/consumer pair (both servers with
+    --model-impl transformers --kv-cache-dtype int8 --deterministic and a CPU tier): through
+    the proxy the producer's own answers, the consumer loading every full prompt block from
+    the transfer (int8 rows and their scales) with no wait timing out."""
+    from servers import free_port
+    from test_disaggregation import PROMPTS, assert_pair_answers_as_one_server, served_pair
+
+    flags = (
+        "--model-impl", "transformers", "--kv-cache-dtype", "int8", "--deterministic",
+        "--kv-offload-bytes", "8M",
+    )  # fmt: skip
+    with served_pair(tiny_llama_dir, tmp_path, free_port(), *flags) as pair:
+        assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
