@@ -11,7 +11,8 @@ mode's batch invariance with the others; the transformers backend with them (iss
 - Det × X: a needle request's full logprob vectors are the same bits alone and among 20
   other requests.
 - HF × X: the transformers backend gives zllm's code's answers with X on the same model.
-- Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four.
+- Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four;
+  DP × LoRA, Spec, HF, Det, KV dtype: one served pair of data-parallel engines with all five.
 
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
@@ -19,6 +20,7 @@ tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_s
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -311,3 +313,57 @@ def test_a_served_pair_composes_with_the_backend_a_narrow_cache_a_tier_and_deter
     )  # fmt: skip
     with served_pair(tiny_llama_dir, tmp_path, free_port(), *flags) as pair:
         assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
+
+
+@pytest.mark.e2e
+def test_data_parallel_engines_compose_with_adapters_speculation_the_backend_and_more(
+    tiny_llama_dir, lora, tmp_path
+):
+    """DP × LoRA, Spec, HF, Det, KV dtype: two engines, each with an adapter, ngram
+    speculation, the transformers backend, deterministic mode and an int8 KV cache, answer
+    every prompt (base and adapter) as the offline engine with the same options does, and
+    both engines serve some of them."""
+    import openai
+    from servers import start_server, stop_server, wait_until
+    from test_data_parallel import per_engine
+
+    options = dict(
+        enable_lora=True, speculative_config=NGRAM, model_impl="transformers",
+        deterministic=True, kv_cache_dtype="int8",
+    )  # fmt: skip
+    prompts = [f"Request {i}: " + "tick tock " * (2 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    offline = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL, **options)
+    expected = {}
+    for adapter in (None, lora):
+        outs = offline.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            expected[prompt, adapter is None] = out.outputs[0].text
+    del offline
+    assert any(expected[p, True] != expected[p, False] for p in prompts)  # the adapter acts
+    flags = (
+        "--data-parallel-size", "2", "--enable-lora", "--lora-modules", f"{lora.lora_name}={lora.lora_path}",
+        "--speculative-config", json.dumps(NGRAM), "--model-impl", "transformers",
+        "--deterministic", "--kv-cache-dtype", "int8",
+    )  # fmt: skip
+    server = start_server(tiny_llama_dir, tmp_path / "server.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        base = client.models.list().data[0].id
+        for (prompt, is_base), text in expected.items():
+            model = base if is_base else lora.lora_name
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=12, temperature=0
+            )
+            assert answer.choices[0].text == text, (prompt, model)
+        name = "zllm:tenant_requests_total"
+
+        def served() -> dict[str, float]:
+            return per_engine(server.get("/metrics").text, name)
+
+        assert wait_until(lambda: sum(served().values()) == len(expected), 30), served()
+        assert min(served().values()) >= 1, served()
+        drafts = per_engine(server.get("/metrics").text, "vllm:spec_decode_num_draft_tokens_total")
+        assert sum(drafts.values()) > 0, drafts
+    finally:
+        stop_server(server)
