@@ -12,7 +12,8 @@ mode's batch invariance with the others; the transformers backend with them (iss
   other requests.
 - HF × X: the transformers backend gives zllm's code's answers with X on the same model.
 - Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four;
-  DP × LoRA, Spec, HF, Det, KV dtype: one served pair of data-parallel engines with all five.
+  DP × LoRA, Spec, HF, Det, KV dtype: one server of two data-parallel engines with all
+  five; DP × TP, Hybrid, Beam: two engines of two ranks each on a tiny Gemma 3.
 
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
@@ -365,5 +366,50 @@ def test_data_parallel_engines_compose_with_adapters_speculation_the_backend_and
         assert min(served().values()) >= 1, served()
         drafts = per_engine(server.get("/metrics").text, "vllm:spec_decode_num_draft_tokens_total")
         assert sum(drafts.values()) > 0, drafts
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.e2e
+def test_data_parallel_engines_of_tensor_parallel_ranks_serve_a_hybrid_model_and_beams(
+    gemma3_dir, tmp_path
+):
+    """DP × TP, Hybrid, Beam: two engines of two tensor-parallel ranks each, on a tiny Gemma
+    3 (its sliding and global layers in their own KV cache groups), answer greedy and beam
+    search requests as the offline engine on two ranks does, both engines serving."""
+    import openai
+    from servers import start_server, stop_server, wait_until
+    from test_data_parallel import per_engine
+
+    prompts = [f"Question {i}: " + "how far " * (1 + i) for i in range(4)]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    offline = LLM(gemma3_dir, kv_cache_memory_bytes=POOL, tensor_parallel_size=2)
+    expected = [o.outputs[0].text for o in offline.generate(prompts, greedy, use_tqdm=False)]
+    beams = offline.beam_search(prompts[0], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    prompt_len = len(offline.tokenizer.encode(prompts[0]))
+    expected_beams = [offline.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
+    del offline
+    flags = ("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    server = start_server(gemma3_dir, tmp_path / "server.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, text in zip(prompts, expected, strict=True):
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=10, temperature=0
+            )
+            assert answer.choices[0].text == text, prompt
+        answer = client.completions.create(
+            model=model, prompt=prompts[0], max_tokens=6, n=3,
+            extra_body={"use_beam_search": True, "beam_width": 3},
+        )  # fmt: skip
+        assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == expected_beams
+        name = "zllm:tenant_requests_total"
+
+        def served() -> dict[str, float]:
+            return per_engine(server.get("/metrics").text, name)
+
+        assert wait_until(lambda: sum(served().values()) == len(prompts) + 1, 30), served()
+        assert min(served().values()) >= 1, served()
     finally:
         stop_server(server)
