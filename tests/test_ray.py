@@ -201,3 +201,70 @@ def test_ray_ranks_send_and_receive_kv_blocks(cluster, tiny_llama_dir, tmp_path)
     ray = ("--distributed-executor-backend", "ray")
     with served_pair(tiny_llama_dir, tmp_path, free_port(), *ray) as pair:
         assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
+
+
+def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_path):
+    """Ray × LoRA, Spec, Offload, Sleep, HF, Det, KV dtype, Beam: two Ray rank actors (one
+    per node) of the transformers backend with an adapter, ngram speculation, a CPU tier,
+    sleep mode, deterministic mode and an int8 KV cache answer greedy requests (base and
+    adapter) and a beam search as the offline engine on two rank processes with the same
+    options does, before and after a sleep."""
+    import json
+
+    import openai
+    from test_composition_pairs import NGRAM
+    from test_lora import ADAPTERS, make_adapter
+
+    from zllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+
+    name, config = next(iter(ADAPTERS.items()))
+    adapter = LoRARequest(name, 1, str(make_adapter(tiny_llama_dir, tmp_path / name, 1, **config)))
+    options = dict(
+        tensor_parallel_size=2, enable_lora=True, speculative_config=NGRAM,
+        model_impl="transformers", deterministic=True, kv_cache_dtype="int8",
+        kv_offload_bytes=8 << 20, kv_cache_memory_bytes=64 << 20,
+    )  # fmt: skip
+    prompts = [f"Request {i}: " + "tick tock " * (2 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    offline = LLM(tiny_llama_dir, **options)
+    expected = {}
+    for lora in (None, adapter):
+        outs = offline.generate(prompts, params, lora_request=lora, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            expected[prompt, lora is None] = out.outputs[0].text
+    beams = offline.beam_search(prompts[0], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    prompt_len = len(offline.tokenizer.encode(prompts[0]))
+    expected_beams = [offline.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
+    del offline
+    assert any(expected[p, True] != expected[p, False] for p in prompts)  # the adapter acts
+    flags = (
+        *RAY_TP2, "--enable-lora", "--lora-modules", f"{name}={adapter.lora_path}",
+        "--speculative-config", json.dumps(NGRAM), "--model-impl", "transformers",
+        "--deterministic", "--kv-cache-dtype", "int8", "--kv-offload-bytes", "8M",
+        "--enable-sleep-mode",
+    )  # fmt: skip
+    server = start_server(tiny_llama_dir, tmp_path / "ray.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        base = client.models.list().data[0].id
+
+        def check() -> None:
+            for (prompt, is_base), text in expected.items():
+                model = base if is_base else name
+                answer = client.completions.create(
+                    model=model, prompt=prompt, max_tokens=12, temperature=0
+                )
+                assert answer.choices[0].text == text, (prompt, model)
+            answer = client.completions.create(
+                model=base, prompt=prompts[0], max_tokens=6, n=3,
+                extra_body={"use_beam_search": True, "beam_width": 3},
+            )  # fmt: skip
+            texts = [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+            assert texts == expected_beams
+
+        check()
+        assert server.post("/sleep?level=1", {}).status_code == 200
+        assert server.post("/wake_up", {}).status_code == 200
+        check()
+    finally:
+        assert stop_server(server) == 0
