@@ -13,7 +13,8 @@ mode's batch invariance with the others; the transformers backend with them (iss
 - HF × X: the transformers backend gives zllm's code's answers with X on the same model.
 - Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four;
   DP × LoRA, Spec, HF, Det, KV dtype: one server of two data-parallel engines with all
-  five; DP × TP, Hybrid, Beam: two engines of two ranks each on a tiny Gemma 3.
+  five; DP × TP, Hybrid, Beam: two engines of two ranks each on a tiny Gemma 3;
+  Disagg × Quant, Sleep: a served pair on a GGUF file, asleep and awake again.
 
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
@@ -413,3 +414,34 @@ def test_data_parallel_engines_of_tensor_parallel_ranks_serve_a_hybrid_model_and
         assert min(served().values()) >= 1, served()
     finally:
         stop_server(server)
+
+
+@pytest.mark.e2e
+def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
+    """Disagg × Quant, Sleep: a producer/consumer pair on a Q8_0 GGUF file (its matmuls read
+    the blocks), both servers in sleep mode: the pair answers as the producer, both sleep and
+    wake, and the pair answers the same again, loading the new prompts from the transfer."""
+    from gguf import GGMLQuantizationType as T
+    from servers import free_port, wait_until
+    from test_disaggregation import (
+        PROMPTS,
+        assert_pair_answers_as_one_server,
+        greedy,
+        remote_hits,
+        served_pair,
+    )
+    from test_gguf_types import write_llama_gguf
+
+    path = tmp_path / "q8.gguf"
+    write_llama_gguf(path, lambda name: T.Q8_0)
+    with served_pair(str(path), tmp_path, free_port(), "--enable-sleep-mode") as pair:
+        assert_pair_answers_as_one_server(*pair, PROMPTS[:2])
+        prefill, decode, proxy = pair
+        for server in (prefill, decode):
+            assert "read GGUF blocks" in server.log_text()
+            assert server.post("/sleep?level=2", {}).status_code == 200
+            assert server.post("/wake_up", {}).status_code == 200
+        hits = remote_hits(decode)
+        reference = greedy(prefill.url, PROMPTS[2:], max_tokens=16)
+        assert greedy(proxy.url, PROMPTS[2:], max_tokens=16) == reference
+        assert wait_until(lambda: remote_hits(decode) > hits, 30), decode.log_tail()
