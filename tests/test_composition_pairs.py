@@ -14,7 +14,7 @@ mode's batch invariance with the others; the transformers backend with them (iss
 - Disagg × HF, KV dtype, Offload, Det: one served producer/consumer pair with all four;
   DP × LoRA, Spec, HF, Det, KV dtype: one server of two data-parallel engines with all
   five; DP × TP, Hybrid, Beam: two engines of two ranks each on a tiny Gemma 3;
-  Disagg × Quant, Sleep: a served pair on a GGUF file, asleep and awake again.
+  Disagg × Quant, Sleep, Beam: a served pair on a GGUF file, asleep and awake again.
 
 The parallel layouts' pairs are in tests/test_composition.py; the tiers' own rules in
 tests/test_kv_offload.py and tests/test_hybrid_tiers.py; sleep's in tests/test_sleep.py.
@@ -416,11 +416,24 @@ def test_data_parallel_engines_of_tensor_parallel_ranks_serve_a_hybrid_model_and
         stop_server(server)
 
 
+def beam_texts(url: str, prompt: str) -> list[str]:
+    """A served beam search's 3 beams (best first) for `prompt`, through the openai client."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, n=3,
+        extra_body={"use_beam_search": True, "beam_width": 3},
+    )  # fmt: skip
+    return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+
+
 @pytest.mark.e2e
 def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
-    """Disagg × Quant, Sleep: a producer/consumer pair on a Q8_0 GGUF file (its matmuls read
-    the blocks), both servers in sleep mode: the pair answers as the producer, both sleep and
-    wake, and the pair answers the same again, loading the new prompts from the transfer."""
+    """Disagg × Quant, Sleep, Beam: a producer/consumer pair on a Q8_0 GGUF file (its matmuls
+    read the blocks), both servers in sleep mode: the pair answers as the producer, both
+    sleep and wake, and the pair answers the same again, loading the new prompts from the
+    transfer; a beam search through the proxy gives the producer's own beams."""
     from gguf import GGMLQuantizationType as T
     from servers import free_port, wait_until
     from test_disaggregation import (
@@ -445,3 +458,6 @@ def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
         reference = greedy(prefill.url, PROMPTS[2:], max_tokens=16)
         assert greedy(proxy.url, PROMPTS[2:], max_tokens=16) == reference
         assert wait_until(lambda: remote_hits(decode) > hits, 30), decode.log_tail()
+        # Disagg × Beam: the proxy's prefill leg drops the beams; the consumer runs them.
+        beams = [beam_texts(url, PROMPTS[0]) for url in (prefill.url, proxy.url)]
+        assert len(beams[0]) == 3 and beams[1] == beams[0]

@@ -57,8 +57,13 @@ GENERATION_PATHS = {
     "/v1/messages": "max_tokens",
     "/v1/responses": "max_output_tokens",
 }
-# Fields of the client's body that make no sense for that one-token, unstreamed prefill.
-_NOT_FOR_PREFILL = ("stream_options", "best_of", "use_beam_search", "min_tokens", "n")
+# Fields of the client's body that make no sense for that one-token, unstreamed prefill
+# (beam search's settings with use_beam_search: the decode server runs the beams, and a
+# server refuses beam_width without use_beam_search).
+_NOT_FOR_PREFILL = (
+    "stream_options", "best_of", "min_tokens", "n",
+    "use_beam_search", "beam_width", "length_penalty", "early_stopping",
+)  # fmt: skip
 
 
 @dataclass
