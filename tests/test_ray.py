@@ -268,3 +268,51 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
         check()
     finally:
         assert stop_server(server) == 0
+
+
+@pytest.mark.parametrize("case", ["hybrid-tp2", "gguf-dp2"])
+def test_ray_ranks_serve_a_hybrid_model_and_a_gguf_file(cluster, tmp_path, case):
+    """Ray × Hybrid: a tiny Gemma 3 over two Ray rank actors (one per node); Ray × Quant and
+    DP × Quant: a Q8_0 GGUF file (its matmuls read the blocks) on two data-parallel engines
+    of one Ray rank actor each. Greedy answers equal the offline engine's on the same layout
+    of rank processes (one rank for each engine of the second)."""
+    import openai
+    from gguf import GGMLQuantizationType as T
+    from test_gguf_types import write_llama_gguf
+    from tiny_models import tiny_gemma3_overrides, write_tiny_model
+
+    from zllm import LLM, SamplingParams
+
+    if case == "hybrid-tp2":
+        path = str(write_tiny_model(tmp_path / "gemma3", **tiny_gemma3_overrides(8)))
+        flags, offline_options = RAY_TP2, {"tensor_parallel_size": 2}
+    else:
+        path = str(tmp_path / "q8.gguf")
+        write_llama_gguf(tmp_path / "q8.gguf", lambda name: T.Q8_0)
+        flags = ("--distributed-executor-backend", "ray", "--data-parallel-size", "2")
+        offline_options = {}
+    prompts = [f"Question {i}: " + "how far " * (1 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    offline = LLM(path, kv_cache_memory_bytes=64 << 20, **offline_options)
+    expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+    del offline
+    server = start_server(path, tmp_path / "ray.log", *flags)
+    try:
+        if case == "gguf-dp2":
+            assert server.log_text().count("read GGUF blocks") == 2  # each engine's actor
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, text in zip(prompts, expected, strict=True):
+            answer = client.completions.create(
+                model=model, prompt=prompt, max_tokens=10, temperature=0
+            )
+            assert answer.choices[0].text == text, prompt
+        if case == "gguf-dp2":  # both engines answered some
+
+            def served() -> dict[str, float]:
+                return per_engine(server.get("/metrics").text, "zllm:tenant_requests_total")
+
+            assert wait_until(lambda: sum(served().values()) == len(prompts), 30), served()
+            assert min(served().values()) >= 1, served()
+    finally:
+        assert stop_server(server) == 0
