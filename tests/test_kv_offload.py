@@ -465,12 +465,18 @@ def test_offload_refuses_what_it_cannot_keep(tiny_llama_dir, kwargs, message):
 
 # ---- served ----------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "tp2"])
+def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path, ranks):
+    """Both tiers' hits, capacity and stores in /metrics and the dashboard; with two
+    tensor-parallel ranks too (each rank's pool, sized per rank, holds its KV head of every
+    block: half the bytes for the same blocks; the tiers' sizes are the whole blocks', each
+    rank keeping its part)."""
     from servers import metric, start_server, stop_server, wait_until
 
     server = start_server(
         tiny_llama_dir, tmp_path / "serve.log", "--served-model-name", "tiny",
-        "--kv-cache-memory-bytes", str(POOL_BYTES), "--kv-offload-bytes", "512K",
+        "--tensor-parallel-size", str(ranks), "--kv-cache-memory-bytes", str(POOL_BYTES // ranks),
+        "--kv-offload-bytes", "512K",
         "--kv-offload-dir", str(tmp_path / "tier"), "--kv-offload-disk-bytes", "1M",
     )  # fmt: skip
     try:
