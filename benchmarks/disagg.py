@@ -17,6 +17,7 @@ into its buffer; the time from `send` until the receiver reports them, per token
 
     python benchmarks/disagg.py                                   # SmolLM2, ~15 min on 2 cores
     python benchmarks/disagg.py --concurrencies 8 --num-prompts 16 --transport shm
+    python benchmarks/disagg.py --data-parallel-size 2   # every server of two engines
 """
 
 from __future__ import annotations
@@ -78,15 +79,40 @@ def bench(args, url: str, label: str, concurrency: int, seed: int, out: Path) ->
 
 
 def counter(url: str, name: str, label: str = "") -> float:
+    """A counter summed over its series (data-parallel engines each have theirs)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    match = re.search(rf"^{re.escape(name)}{{[^}}]*{label}[^}}]*}} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
+    found = re.findall(rf"^{re.escape(name)}{{[^}}]*{label}[^}}]*}} (\S+)$", text, re.M)
+    return sum(float(value) for value in found)
 
 
-def kv_flags(role: str, port: int, transport: str) -> list[str]:
-    config = {"kv_role": role, "kv_port": port,
-              "kv_connector_extra_config": {"transport": transport}}  # fmt: skip
+def kv_flags(role: str, port: int, transport: str, engines: int = 1) -> list[str]:
+    extra: dict = {"transport": transport}
+    if role == "kv_producer" and engines > 1:
+        extra["consumer_data_parallel_size"] = engines
+    config = {"kv_role": role, "kv_port": port, "kv_connector_extra_config": extra}
     return ["--kv-transfer-config", json.dumps(config)]
+
+
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive free loopback ports (a data-parallel consumer's
+    engines listen at kv_port + engine)."""
+    import socket
+
+    for _ in range(100):
+        (first,) = free_ports(1)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def run_layouts(args, out: Path) -> list[dict]:
@@ -95,16 +121,18 @@ def run_layouts(args, out: Path) -> list[dict]:
     for layout in args.layouts:
         procs = []
         try:
+            engines = args.data_parallel_size
+            dp = ["--data-parallel-size", str(engines)] if engines > 1 else []
             if layout == "single":
                 (port,) = free_ports(1)
-                serve(args, port, out / "single.log", [], procs)
+                serve(args, port, out / "single.log", dp, procs)
                 url = decode_url = f"http://127.0.0.1:{port}"
             else:
-                kv_port, pre, dec, proxy_port = free_ports(4)
-
+                pre, dec, proxy_port = free_ports(3)
+                kv_port = free_port_run(engines)
                 half = max(1, cores // 2)
-                consumer = kv_flags("kv_consumer", kv_port, args.transport)
-                producer = kv_flags("kv_producer", kv_port, args.transport)
+                consumer = kv_flags("kv_consumer", kv_port, args.transport) + dp
+                producer = kv_flags("kv_producer", kv_port, args.transport, engines) + dp
                 serve(args, dec, out / "decode.log", consumer, procs, half)
                 serve(args, pre, out / "prefill.log", producer, procs, half)
                 cmd = [sys.executable, "-m", "zllm.cli", "proxy", "--port", str(proxy_port),
@@ -204,6 +232,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--transport", choices=["tcp", "shm"], default="tcp")
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1, help="engines of each server (both layouts)"
+    )
     parser.add_argument("--transfer-tokens", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--skip-serving", action="store_true")
