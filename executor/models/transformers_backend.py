@@ -260,8 +260,7 @@ class TransformersForCausalLM(nn.Module):
                 device_map={"": device} if device.type != "cpu" else None,
             )
         stage = cut_to_stage(hf_model, arch, pp) if pp.enabled else None
-        # Prepared on the whole model (its names), applied to the rank's cut of it.
-        quantized = TransformersQuantization(hf_model, model_path, quantization)
+        quantized = TransformersQuantization(hf_model, model_path, quantization)  # before the cut
         if plan is not None:
             cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
             logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
