@@ -107,7 +107,8 @@ class EngineArgs:
         0,
         help="KV offload: a CPU-memory tier of this many bytes below the KV pool (suffixes "
         "K/M/G): cached prefix blocks evicted from the pool are kept there (LRU) and loaded "
-        "back for a later request with that prefix instead of being recomputed; 0: none",
+        "back for a later request with that prefix instead of being recomputed; 0: none. "
+        "Counted in whole blocks: with tensor-parallel ranks each keeps its part of them",
         parse=parse_size,
     )
     kv_offload_dir: str | None = option(
@@ -116,7 +117,10 @@ class EngineArgs:
         "layout; it survives restarts), below the CPU tier if both are set",
     )
     kv_offload_disk_bytes: int = option(
-        4 << 30, help="KV offload: the disk tier's bound in bytes (LRU)", parse=parse_size
+        4 << 30,
+        help="KV offload: the disk tier's bound in bytes (LRU), in whole blocks as "
+        "--kv-offload-bytes",
+        parse=parse_size,
     )
     max_pinned_bytes: int | None = option(
         None,
