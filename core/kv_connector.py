@@ -310,14 +310,14 @@ class SchedulerConnector:
         pipeline_stages: int = 1,
     ) -> None:
         """`pipeline_stages`: the executor's (more than one: every hit is looked up block by
-        block and a fallible one prefetched, as with several KV cache groups)."""
+        block and a fallible one prefetched, as with a sliding-window group)."""
         self.block_manager = block_manager
         self.tiers = tiers
         self.transfer = transfer
+        self.pipeline = pipeline_stages > 1
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
-        # Several groups or stages: core/kv_prefetch.py.
-        self.prefetches = Prefetches(block_manager, pipeline=pipeline_stages > 1)
+        self.prefetches = Prefetches(block_manager)  # core/kv_prefetch.py
 
     @property
     def per_block_lookup(self) -> bool:
@@ -326,7 +326,7 @@ class SchedulerConnector:
         cache groups, or one of sliding layers: a hit needs only its window's blocks), or
         pipeline stages (whose stages cannot recompute a failed load in its step).
         Otherwise a pool hit, then the tiers' leading run after it (`tier_hit`)."""
-        return self.block_manager.windowed or self.prefetches.pipeline
+        return self.block_manager.windowed or self.pipeline
 
     def transfer_stats(self) -> KVTransferStats | None:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
@@ -395,7 +395,7 @@ class SchedulerConnector:
         return hit.num_blocks < len(hashes)
 
     def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:
-        """With several KV cache groups or pipeline stages (`per_block_lookup`), what
+        """With a sliding-window group or pipeline stages (`per_block_lookup`), what
         `BlockManager.find_cached_prefix` asks of the tiers block by block for `req` (None:
         a pool hit, then the tiers' blocks after it: `tier_hit`). A request that prefetched
         once sees only the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
@@ -435,7 +435,7 @@ class SchedulerConnector:
             self.tiers.record_hits(tiers, self.block_manager.block_size)
 
     def _load_groups(self, req: Request, cached: PrefixHit, first: bool) -> list[BlockHash]:
-        """The loads of a hit over several KV cache groups: each group's copy of a block
+        """The loads of a hit looked up block by block: each group's copy of a block
         under its tier key, into the block that group's table got for it. Returns the
         keys."""
         assert self.tiers is not None
@@ -451,7 +451,7 @@ class SchedulerConnector:
             self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
         return keys
 
-    # ---- prefetches (several KV cache groups, pipeline stages: core/kv_prefetch.py) -------
+    # ---- prefetches (a sliding-window group, pipeline stages: core/kv_prefetch.py) -------
     def wants_prefetch(self, req: Request, cached: PrefixHit | None) -> bool:
         """Whether waiting `req` loads its hit in a step of its own (not computing)."""
         return self.prefetches.wanted(req, cached)

@@ -2,9 +2,9 @@
 pipeline stages, and a tier whose loads can fail (disk, remote): a request's prefix is
 loaded in a step ahead of its own compute (a prefetch), never in the step that computes.
 
-With one full-attention group on one stage a failed load is recomputed in the very step that loads it
-(executor/model_runner.py `_transfer_kv`): the request restarts at the failed block and holds
-every block before it. A sliding-window group's request that took a cached prefix holds only
+With one full-attention group on one stage a failed load is recomputed in the very step that
+loads it (executor/model_runner.py `_transfer_kv`): the request restarts at the failed block
+and holds every block before it. A sliding-window group's request that took a cached prefix holds only
 the window of the prefix's end, so it has no blocks to recompute an earlier failed block
 from. With pipeline stages each stage loads its own layers' part of a block, and stage 0 has
 run its layers by the time stage s finds its part failed: the stages cannot all start the
@@ -50,23 +50,20 @@ class Prefetch:
 class Prefetches:
     """The prefetches in flight, by request id."""
 
-    def __init__(self, block_manager: BlockManager, pipeline: bool = False) -> None:
-        """`pipeline`: the executor has pipeline stages (a prefetch then serves one group
-        too)."""
+    def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
-        self.pipeline = pipeline
         self._by_req: dict[str, Prefetch] = {}
 
     def __len__(self) -> int:
         return len(self._by_req)
 
     def wanted(self, req: Request, hit: PrefixHit | None) -> bool:
-        """Whether `req`'s hit loads from a tier that can fail, with a sliding-window group
-        or pipeline stages (and `req` never prefetched)."""
+        """Whether `req`'s hit loads from a tier that can fail (and `req` never prefetched).
+        A hit lists loads only where they are looked up block by block, with a
+        sliding-window group or pipeline stages (`SchedulerConnector.per_block_lookup`);
+        elsewhere a failed load is recomputed in its step."""
         if hit is None or req.num_prefetched_tokens is not None:
             return False
-        if not self.block_manager.windowed and not self.pipeline:
-            return False  # (a failed load is recomputed in its step)
         return any(tier in FALLIBLE_TIERS for _, _, tier in hit.loads)
 
     def start(self, req: Request, hit: PrefixHit, keys: Sequence[BlockHash]) -> None:
