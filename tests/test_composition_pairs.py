@@ -65,6 +65,37 @@ def answers(llm: LLM, beam: bool, lora: LoRARequest | None = None) -> list:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def beam_texts(url: str, prompt: str) -> list[str]:
+    """A served beam search's 3 beams (best first) for `prompt`, through the openai client."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    answer = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, n=3,
+        extra_body={"use_beam_search": True, "beam_width": 3},
+    )  # fmt: skip
+    return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
+
+
+def offline_beam_texts(llm: LLM, prompt: str) -> list[str]:
+    """What `beam_texts` answers, from the offline engine: each beam's output text."""
+    beams = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    prompt_len = len(llm.tokenizer.encode(prompt))
+    return [llm.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
+
+
+def assert_every_engine_served(server, count: int) -> None:
+    """A data-parallel server's engines answered `count` requests in all, each some."""
+    from servers import wait_until
+    from test_data_parallel import per_engine
+
+    def served() -> dict[str, float]:
+        return per_engine(server.get("/metrics").text, "zllm:tenant_requests_total")
+
+    assert wait_until(lambda: sum(served().values()) == count, 30), served()
+    assert min(served().values()) >= 1, served()
+
+
 # (model: "llama" or "gemma3", engine options, beam search?)
 SLEEP_PAIRS = {
     "transformers-backend": ("llama", {"model_impl": "transformers"}, False),
@@ -326,7 +357,7 @@ def test_data_parallel_engines_compose_with_adapters_speculation_the_backend_and
     every prompt (base and adapter) as the offline engine with the same options does, and
     both engines serve some of them."""
     import openai
-    from servers import start_server, stop_server, wait_until
+    from servers import start_server, stop_server
     from test_data_parallel import per_engine
 
     options = dict(
@@ -358,13 +389,7 @@ def test_data_parallel_engines_compose_with_adapters_speculation_the_backend_and
                 model=model, prompt=prompt, max_tokens=12, temperature=0
             )
             assert answer.choices[0].text == text, (prompt, model)
-        name = "zllm:tenant_requests_total"
-
-        def served() -> dict[str, float]:
-            return per_engine(server.get("/metrics").text, name)
-
-        assert wait_until(lambda: sum(served().values()) == len(expected), 30), served()
-        assert min(served().values()) >= 1, served()
+        assert_every_engine_served(server, len(expected))
         drafts = per_engine(server.get("/metrics").text, "vllm:spec_decode_num_draft_tokens_total")
         assert sum(drafts.values()) > 0, drafts
     finally:
@@ -378,54 +403,23 @@ def test_data_parallel_engines_of_tensor_parallel_ranks_serve_a_hybrid_model_and
     """DP × TP, Hybrid, Beam: two engines of two tensor-parallel ranks each, on a tiny Gemma
     3 (its sliding and global layers in their own KV cache groups), answer greedy and beam
     search requests as the offline engine on two ranks does, both engines serving."""
-    import openai
-    from servers import start_server, stop_server, wait_until
-    from test_data_parallel import per_engine
+    from servers import start_server, stop_server
+    from test_disaggregation import greedy
 
     prompts = [f"Question {i}: " + "how far " * (1 + i) for i in range(4)]
-    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    params = SamplingParams(max_tokens=10, temperature=0.0)
     offline = LLM(gemma3_dir, kv_cache_memory_bytes=POOL, tensor_parallel_size=2)
-    expected = [o.outputs[0].text for o in offline.generate(prompts, greedy, use_tqdm=False)]
-    beams = offline.beam_search(prompts[0], BeamSearchParams(beam_width=3, max_tokens=6))[0]
-    prompt_len = len(offline.tokenizer.encode(prompts[0]))
-    expected_beams = [offline.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+    expected_beams = offline_beam_texts(offline, prompts[0])
     del offline
     flags = ("--data-parallel-size", "2", "--tensor-parallel-size", "2")
     server = start_server(gemma3_dir, tmp_path / "server.log", *flags)
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        for prompt, text in zip(prompts, expected, strict=True):
-            answer = client.completions.create(
-                model=model, prompt=prompt, max_tokens=10, temperature=0
-            )
-            assert answer.choices[0].text == text, prompt
-        answer = client.completions.create(
-            model=model, prompt=prompts[0], max_tokens=6, n=3,
-            extra_body={"use_beam_search": True, "beam_width": 3},
-        )  # fmt: skip
-        assert [c.text for c in sorted(answer.choices, key=lambda c: c.index)] == expected_beams
-        name = "zllm:tenant_requests_total"
-
-        def served() -> dict[str, float]:
-            return per_engine(server.get("/metrics").text, name)
-
-        assert wait_until(lambda: sum(served().values()) == len(prompts) + 1, 30), served()
-        assert min(served().values()) >= 1, served()
+        assert greedy(server.url, prompts, max_tokens=10) == expected
+        assert beam_texts(server.url, prompts[0]) == expected_beams
+        assert_every_engine_served(server, len(prompts) + 1)
     finally:
         stop_server(server)
-
-
-def beam_texts(url: str, prompt: str) -> list[str]:
-    """A served beam search's 3 beams (best first) for `prompt`, through the openai client."""
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    answer = client.completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, n=3,
-        extra_body={"use_beam_search": True, "beam_width": 3},
-    )  # fmt: skip
-    return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
 
 
 @pytest.mark.e2e

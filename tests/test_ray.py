@@ -212,10 +212,10 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
     import json
 
     import openai
-    from test_composition_pairs import NGRAM
+    from test_composition_pairs import NGRAM, beam_texts, offline_beam_texts
     from test_lora import ADAPTERS, make_adapter
 
-    from zllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+    from zllm import LLM, LoRARequest, SamplingParams
 
     name, config = next(iter(ADAPTERS.items()))
     adapter = LoRARequest(name, 1, str(make_adapter(tiny_llama_dir, tmp_path / name, 1, **config)))
@@ -232,9 +232,7 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
         outs = offline.generate(prompts, params, lora_request=lora, use_tqdm=False)
         for prompt, out in zip(prompts, outs, strict=True):
             expected[prompt, lora is None] = out.outputs[0].text
-    beams = offline.beam_search(prompts[0], BeamSearchParams(beam_width=3, max_tokens=6))[0]
-    prompt_len = len(offline.tokenizer.encode(prompts[0]))
-    expected_beams = [offline.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
+    expected_beams = offline_beam_texts(offline, prompts[0])
     del offline
     assert any(expected[p, True] != expected[p, False] for p in prompts)  # the adapter acts
     flags = (
@@ -255,12 +253,7 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
                     model=model, prompt=prompt, max_tokens=12, temperature=0
                 )
                 assert answer.choices[0].text == text, (prompt, model)
-            answer = client.completions.create(
-                model=base, prompt=prompts[0], max_tokens=6, n=3,
-                extra_body={"use_beam_search": True, "beam_width": 3},
-            )  # fmt: skip
-            texts = [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
-            assert texts == expected_beams
+            assert beam_texts(server.url, prompts[0]) == expected_beams
 
         check()
         assert server.post("/sleep?level=1", {}).status_code == 200
@@ -276,8 +269,9 @@ def test_ray_ranks_serve_a_hybrid_model_and_a_gguf_file(cluster, tmp_path, case)
     DP × Quant: a Q8_0 GGUF file (its matmuls read the blocks) on two data-parallel engines
     of one Ray rank actor each. Greedy answers equal the offline engine's on the same layout
     of rank processes (one rank for each engine of the second)."""
-    import openai
     from gguf import GGMLQuantizationType as T
+    from test_composition_pairs import assert_every_engine_served
+    from test_disaggregation import greedy
     from test_gguf_types import write_llama_gguf
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
@@ -300,19 +294,8 @@ def test_ray_ranks_serve_a_hybrid_model_and_a_gguf_file(cluster, tmp_path, case)
     try:
         if case == "gguf-dp2":
             assert server.log_text().count("read GGUF blocks") == 2  # each engine's actor
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        for prompt, text in zip(prompts, expected, strict=True):
-            answer = client.completions.create(
-                model=model, prompt=prompt, max_tokens=10, temperature=0
-            )
-            assert answer.choices[0].text == text, prompt
+        assert greedy(server.url, prompts, max_tokens=10) == expected
         if case == "gguf-dp2":  # both engines answered some
-
-            def served() -> dict[str, float]:
-                return per_engine(server.get("/metrics").text, "zllm:tenant_requests_total")
-
-            assert wait_until(lambda: sum(served().values()) == len(prompts), 30), served()
-            assert min(served().values()) >= 1, served()
+            assert_every_engine_served(server, len(prompts))
     finally:
         assert stop_server(server) == 0

@@ -224,13 +224,13 @@ def test_the_fp32_weights_a_swap_replaces_are_freed(tmp_path) -> None:
     """No reference to a replaced fp32 matrix outlives the swap (the blocks alone stay)."""
     from transformers import AutoModelForCausalLM
 
-    from zllm.executor.models.transformers_quant import use_weight_blocks_
+    from zllm.executor.models.transformers_quant import TransformersQuantization
 
     path = tmp_path / "q8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name)
     replaced = [weakref.ref(p) for p in hf.parameters() if p.dim() == 2]
-    use_weight_blocks_(hf, str(path), int8_activations=False)
+    TransformersQuantization(hf, str(path), "gguf").apply(hf)
     gc.collect()
     assert len(replaced) == 2 * 7 + 2 and all(ref() is None for ref in replaced)
 
