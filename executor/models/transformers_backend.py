@@ -234,8 +234,8 @@ class TransformersForCausalLM(nn.Module):
         `pp`: its pipeline stage, whose layers it keeps (transformers_pp.py: likewise loaded
         whole, then cut, before the tensor-parallel cut so that cuts only the stage's).
         `quantization`: the method (executor/quantization.py, or its 16-bit rows) whose
-        modules replace transformers' matmuls after loading and the stage's cut
-        (transformers_quant.py)."""
+        modules replace transformers' matmuls after loading and both cuts, each reading its
+        rank's part of the blocks (transformers_quant.py)."""
         from transformers import AutoConfig
 
         _register()

@@ -162,12 +162,6 @@ class _SixteenBitRows:
 # The swap
 
 
-def use_weight_blocks_(hf_model: nn.Module, model_path: str, int8_activations: bool) -> None:
-    """Every nn.Linear / nn.Embedding whose blocks the kernel reads becomes a kernel module."""
-    method = "gguf-int8" if int8_activations else "gguf"
-    TransformersQuantization(hf_model, model_path, method).apply(hf_model)
-
-
 def _leaf_modules(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Module]]:
     """(parent, attribute, qualified name, module) of every plain nn.Linear (exact type: a
     subclass may do more in its forward) and every nn.Embedding (subclasses too: a scaled
