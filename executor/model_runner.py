@@ -283,11 +283,10 @@ class ModelRunner:
         loads no scheduled request covers too (a prefetch: core/kv_prefetch.py). With
         pipeline stages nothing is recomputed: the failures go down the pipeline with the
         step (pipeline_stage.py)."""
-        loads = so.kv_transfers.loads if so.kv_transfers is not None else []
-        if so.kv_transfers is None:
-            failures = []
-        else:
+        loads, failures = [], []
+        if so.kv_transfers is not None:
             assert self.kv_tiers is not None, "the core sends KV transfers only with tiers"
+            loads = so.kv_transfers.loads
             failures = self.kv_tiers.apply(so.kv_transfers)
         if loads:
             # A rank's disk load can fail alone (a damaged file of its part): the ranks
