@@ -24,12 +24,13 @@ import sys
 import time
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
+def resident_bytes(pid: int | str = "self") -> int:
+    """A process's resident set (0 for one that has no memory of its own: a kernel thread)."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    return 0
 
 
 def touch_pool(llm) -> None:
@@ -55,13 +56,34 @@ def tree_resident_bytes(pid: int) -> int:
         current = todo.pop()
         todo.extend(children.get(current, []))
         try:
-            with open(f"/proc/{current}/status") as f:
-                total += next(
-                    int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")
-                )
-        except (OSError, StopIteration):
+            total += resident_bytes(current)
+        except OSError:  # (it ended meanwhile)
             continue
     return total
+
+
+def measure_levels(sleep, wake_up, resident, check, repeats: int) -> dict:
+    """Per level, the median seconds `sleep(level)` and `wake_up()` took and the resident
+    bytes sleeping released (`resident()` before and after), `check()` after each wake-up."""
+    results = {}
+    for level in (1, 2):
+        sleeps, wakes, released = [], [], []
+        for _ in range(repeats):
+            before = resident()
+            start = time.perf_counter()
+            sleep(level)
+            sleeps.append(time.perf_counter() - start)
+            released.append(before - resident())
+            start = time.perf_counter()
+            wake_up()
+            wakes.append(time.perf_counter() - start)
+            check()
+        results[f"level{level}"] = {
+            "sleep_s": round(statistics.median(sleeps), 3),
+            "wake_s": round(statistics.median(wakes), 3),
+            "released_mib": round(statistics.median(released) / 2**20, 1),
+        }
+    return results
 
 
 def served(args: argparse.Namespace) -> dict:
@@ -95,29 +117,20 @@ def served(args: argparse.Namespace) -> dict:
                 "max_tokens": 16, "temperature": 0, "ignore_eos": True}  # fmt: skip
 
         def complete() -> str:
-            # (long prompts fill the pool's pages: several requests at once touch it all)
             return client.post("/v1/completions", json=body).json()["choices"][0]["text"]
 
         expected = complete()
-        results = {}
-        for level in (1, 2):
-            sleeps, wakes, released = [], [], []
-            for _ in range(args.repeats):
-                before = tree_resident_bytes(server.pid)
-                start = time.perf_counter()
-                client.post("/sleep", params={"level": level}).raise_for_status()
-                sleeps.append(time.perf_counter() - start)
-                released.append(before - tree_resident_bytes(server.pid))
-                start = time.perf_counter()
-                client.post("/wake_up").raise_for_status()
-                wakes.append(time.perf_counter() - start)
-                assert complete() == expected, "outputs after waking differ"
-            results[f"level{level}"] = {
-                "sleep_s": round(statistics.median(sleeps), 3),
-                "wake_s": round(statistics.median(wakes), 3),
-                "released_mib": round(statistics.median(released) / 2**20, 1),
-            }
-        return results
+
+        def check() -> None:
+            assert complete() == expected, "outputs after waking differ"
+
+        return measure_levels(
+            lambda level: client.post("/sleep", params={"level": level}).raise_for_status(),
+            lambda: client.post("/wake_up").raise_for_status(),
+            lambda: tree_resident_bytes(server.pid),
+            check,
+            args.repeats,
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -150,26 +163,15 @@ def main() -> int:
     prompt = "Sleep mode releases memory while the engine is idle."
     expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     touch_pool(llm)
-    results = {}
-    for level in (1, 2):
-        sleeps, wakes, released = [], [], []
-        for _ in range(args.repeats):
-            before = resident_bytes()
-            start = time.perf_counter()
-            llm.sleep(level=level)
-            sleeps.append(time.perf_counter() - start)
-            released.append(before - resident_bytes())
-            start = time.perf_counter()
-            llm.wake_up()
-            wakes.append(time.perf_counter() - start)
-            touch_pool(llm)
-            again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-            assert again == expected, "outputs after waking differ"
-        results[f"level{level}"] = {
-            "sleep_s": round(statistics.median(sleeps), 3),
-            "wake_s": round(statistics.median(wakes), 3),
-            "released_mib": round(statistics.median(released) / 2**20, 1),
-        }
+
+    def check() -> None:
+        touch_pool(llm)
+        again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert again == expected, "outputs after waking differ"
+
+    results = measure_levels(
+        lambda level: llm.sleep(level=level), llm.wake_up, resident_bytes, check, args.repeats
+    )
     print(
         json.dumps(
             {"model": args.model, "kv_cache_memory_bytes": args.kv_cache_memory_bytes, **results}
