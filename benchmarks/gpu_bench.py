@@ -5,11 +5,14 @@ benchmarks/README.md):
                  replayed from CUDA graphs, timed with CUDA events; with the two floors of a
                  batch-1 step: bytes over measured HBM bandwidth, and kernel launches
   profile        a batch-1 decode step's kernels, grouped by name, with their GPU time
+  prefill        eager prefill steps (whole prompts, a chunk after cached context) through
+                 varlen FlashAttention, csrc/paged_prefill.cu, and one SDPA call per sequence
   divergence     SmolLM2 in bf16 on the GPU against the CPU engine in fp32: where greedy
                  outputs first diverge
 
     python benchmarks/gpu_bench.py decode-steps --shape smollm2|llama3-8b [--context 512]
     python benchmarks/gpu_bench.py profile [--shape smollm2-shape]
+    python benchmarks/gpu_bench.py prefill [--shape llama3-8b]
     python benchmarks/gpu_bench.py divergence
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,6 +138,48 @@ def count_kernels(fn) -> int:
     )
 
 
+# Eager prefill steps (graphs hold decode steps only): (prompts, new tokens, cached tokens).
+PREFILL_STEPS = ((16, 128, 0), (4, 1024, 0), (4, 512, 1536), (64, 64, 0))
+
+
+def prefill_steps(model, caches, block_size: int, device, vocab_size: int) -> list[dict]:
+    """Each PREFILL_STEPS step through the varlen FlashAttention call, the varlen kernel
+    (ZLLM_CUDA_PREFILL=kernel) and one SDPA call per sequence (=sdpa), in the same run."""
+    from zllm.executor.attention_cuda import CudaAttentionMetadata
+
+    results = []
+    for n, q, cached in PREFILL_STEPS:
+        per_seq = -(-(q + cached) // block_size)
+        tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
+        slots = [
+            t[p // block_size] * block_size + p % block_size
+            for t in tables
+            for p in range(cached, cached + q)
+        ]
+        ids = torch.randint(0, vocab_size, (n * q,), device=device)
+        pos = torch.arange(cached, cached + q, device=device).repeat(n)
+        row = dict(prompts=n, new_tokens=q, cached_tokens=cached)
+        for label, mode in (("flash_ms", "auto"), ("kernel_ms", "kernel"), ("sdpa_ms", "sdpa")):
+            os.environ["ZLLM_CUDA_PREFILL"] = mode
+            meta = CudaAttentionMetadata.build(
+                [q] * n, [cached + q] * n, tables, slots, block_size, device
+            )
+
+            def step(ids=ids, pos=pos, meta=meta, n=n):
+                model.compute_logits(model(ids, pos, caches, meta)[-n:])
+
+            row[label] = 1000 * time_events(step, 10)
+        os.environ.pop("ZLLM_CUDA_PREFILL")
+        print(
+            f"prefill {n} x {q} new tokens after {cached} cached, eager: varlen flash "
+            f"{row['flash_ms']:.3f} ms, varlen kernel {row['kernel_ms']:.3f} ms, per-sequence "
+            f"SDPA {row['sdpa_ms']:.3f} ms (SDPA / flash {row['sdpa_ms'] / row['flash_ms']:.2f}x)",
+            flush=True,
+        )
+        results.append(row)
+    return results
+
+
 @torch.inference_mode()
 def decode_steps(args: argparse.Namespace) -> dict:
     from zllm.executor.attention_cuda import CudaAttentionMetadata
@@ -191,15 +237,7 @@ def decode_steps(args: argparse.Namespace) -> dict:
             f"graph / floor {g / floor:5.2f}x  {b / g:9.0f} tok/s",
             flush=True,
         )
-    # A prefill step, eager (graphs hold decode steps only): 16 prompts of 128 new tokens.
-    n, q = 16, 128
-    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(n)]
-    slots = [t[p // block_size] * block_size + p % block_size for t in tables for p in range(q)]
-    meta = CudaAttentionMetadata.build([q] * n, [q] * n, tables, slots, block_size, device)
-    ids = torch.randint(0, arch.vocab_size, (n * q,), device=device)
-    pos = torch.arange(q, device=device).repeat(n)
-    prefill = time_events(lambda: model.compute_logits(model(ids, pos, caches, meta)[-n:]), 10)
-    print(f"prefill 16 x 128 tokens, eager: {1000 * prefill:.3f} ms", flush=True)
+    prefills = prefill_steps(model, caches, block_size, device, arch.vocab_size)
     one = rows[0]
     tables = [list(range(1, 1 + blocks_per_seq))]
     meta = CudaAttentionMetadata.build(
@@ -220,7 +258,8 @@ def decode_steps(args: argparse.Namespace) -> dict:
         shape=args.shape, device=torch.cuda.get_device_name(device), torch=torch.__version__,
         context=ctx, weight_bytes=weight_bytes, hbm_bytes_per_s=bandwidth,
         launch_eager_us=1e6 * eager_launch, launch_graph_us=1e6 * graph_launch,
-        kernels_per_step=kernels, rows=rows, prefill_16x128_ms=1000 * prefill,
+        kernels_per_step=kernels, rows=rows, prefill_16x128_ms=prefills[0]["flash_ms"],
+        prefill_steps=prefills,
     )  # fmt: skip
     print(
         f"{args.shape}: weights {weight_bytes / 1e9:.2f} GB; HBM {bandwidth / 1e12:.2f} TB/s "
@@ -319,6 +358,22 @@ def divergence(args: argparse.Namespace) -> dict:
     return result
 
 
+@torch.inference_mode()
+def prefill(args: argparse.Namespace) -> dict:
+    """PREFILL_STEPS alone (no decode batches): flash, the kernel and per-sequence SDPA."""
+    device, dtype = torch.device("cuda", 0), torch.bfloat16
+    model, arch = build_model(args.shape, device, dtype)
+    block_size = 16
+    num_blocks = max(n * -(-(q + c) // block_size) for n, q, c in PREFILL_STEPS) + 1
+    caches = [
+        torch.randn(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+                    dtype=dtype, device=device)
+        for _ in range(arch.num_layers)
+    ]  # fmt: skip
+    rows = prefill_steps(model, caches, block_size, device, arch.vocab_size)
+    return dict(shape=args.shape, device=torch.cuda.get_device_name(device), rows=rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -330,11 +385,18 @@ def main() -> int:
     f.add_argument("--shape", choices=("smollm2", *SHAPES), default="smollm2-shape")
     f.add_argument("--context", type=int, default=512)
     f.add_argument("--top", type=int, default=25)
+    r = sub.add_parser("prefill")
+    r.add_argument("--shape", choices=("smollm2", *SHAPES), default="llama3-8b")
     v = sub.add_parser("divergence")
     v.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    commands = {"decode-steps": decode_steps, "profile": profile_step, "divergence": divergence}
+    commands = {
+        "decode-steps": decode_steps,
+        "profile": profile_step,
+        "prefill": prefill,
+        "divergence": divergence,
+    }
     result = commands[args.command](args)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -58,6 +58,12 @@ __host__ __device__ constexpr int ceil_pow2(int x) {
 
 ZLLM_DEVICE int imin(int a, int b) { return a < b ? a : b; }
 
+// The first context position a decode query sees: with a sliding window W > 0 the query at
+// position seq_len - 1 sees only its last W positions (Hugging Face's band), else all.
+ZLLM_DEVICE int window_start(int seq_len, int window) {
+  return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
 // How one token's head row is spread over a lane group.
 template <typename D, int HEAD_DIM>
 struct DecodeTile {
@@ -81,7 +87,7 @@ __global__ void __launch_bounds__(kNumThreads)
                       int block_tables_int64, zllm_i64 block_table_stride,
                       const void* __restrict__ seq_lens, int seq_lens_int64, int num_heads,
                       int num_kv_heads, int block_size, int max_partitions, int heads_per_block,
-                      float scale, int partition_size) {
+                      float scale, int partition_size, int window) {
   using T = typename D::T;
   using Tile = DecodeTile<D, HEAD_DIM>;
   constexpr int kVec = Tile::kVec;
@@ -120,10 +126,12 @@ __global__ void __launch_bounds__(kNumThreads)
     }
     return;
   }
+  // A sliding window (> 0) keeps the last `window` positions: the partitions cover those.
+  const int first_pos = window_start(seq_len, window);
   const int num_partitions =
-      imin((seq_len + partition_size - 1) / partition_size, max_partitions);
+      imin((seq_len - first_pos + partition_size - 1) / partition_size, max_partitions);
   if (partition >= num_partitions) return;
-  const int start = partition * partition_size;
+  const int start = first_pos + partition * partition_size;
   const int num_tokens = imin(partition_size, seq_len - start);
 
   // Stage the block ids covering [start, start + num_tokens) in shared memory, so loading a
@@ -300,12 +308,13 @@ __global__ void __launch_bounds__(kNumThreads)
                              const float* __restrict__ partial_sum,
                              const void* __restrict__ seq_lens, int seq_lens_int64,
                              int num_heads, int head_dim, int max_partitions,
-                             int partition_size) {
+                             int partition_size, int window) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = (int)load_index(seq_lens, seq_lens_int64, seq);
-  const int num_partitions =
-      imin((seq_len + partition_size - 1) / partition_size, max_partitions);
+  const int num_partitions = imin(
+      (seq_len - window_start(seq_len, window) + partition_size - 1) / partition_size,
+      max_partitions);
   if (num_partitions <= 1) return;
 
   const zllm_i64 head_row = (zllm_i64)seq * num_heads + head;

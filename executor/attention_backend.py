@@ -106,16 +106,12 @@ CPU_KERNEL_ATTENTION = AttentionBackend(
 
 
 def choose_attention_backend(
-    device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: bool = False
+    device: torch.device, dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    """Our CUDA kernels on a GPU (torch for models with sliding-window layers, which those
-    kernels do not window yet, and for head sizes they have no variant of); on CPU in fp32
-    the csrc/cpu decode kernel when it builds (not with ZLLM_CPU_KERNELS=0, nor for a
-    head_dim that is not a multiple of 8); else torch. On CPU the kernel serves full and
-    sliding-window layers alike (it windows the decode rows itself)."""
-    if device.type == "cuda" and sliding_window:
-        logger.warning("sliding-window layers: CUDA attention kernels not used (torch SDPA)")
-        return TORCH_ATTENTION
+    """Our CUDA kernels on a GPU (torch for head sizes they have no variant of); on CPU in
+    fp32 the csrc/cpu decode kernel when it builds (not with ZLLM_CPU_KERNELS=0, nor for a
+    head_dim that is not a multiple of 8); else torch. Both kernels serve full and
+    sliding-window layers alike (they window the rows themselves)."""
     if device.type == "cuda":
         from zllm.executor.cuda_kernels import SUPPORTED_HEAD_DIMS
 

@@ -1,4 +1,4 @@
-"""Paged attention on the GPU: our CUDA kernels for the cache write and decode, SDPA for prefill.
+"""Paged attention on the GPU: our CUDA kernels for the cache write, decode and prefill.
 
 Same contract as executor/attention.py (the KV cache of one layer is
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, slot = block_id * block_size + offset;
@@ -8,21 +8,23 @@ kernels instead of for CPU gathers:
     tokens      | a0 a1 a2 a3 | b0 | c0 c1 | d0 |
     query_lens  |      4      |  1 |   2   |  1 |      b and d decode, a prefills, c is a chunk
     decode      |             | b  |       | d  |  -> csrc/paged_attention.cu, one launch
-    prefills    | a: causal SDPA over its new K/V   | c: SDPA over the cached context
-                                                       gathered by slot, lower-right causal
+    prefill     |      a      |    |   c   |    |  -> one varlen call (cuda_prefill.py)
 
-- Cache write: csrc/kv_cache.cu, one launch for K and V of every token (slot -1 skipped).
+- Cache write: csrc/kv_cache.cu, one launch for K and V of every token (slot -1 skipped),
+  before either attention kernel reads the cache.
 - Decode (query length 1): the split-K paged kernel, reading K/V in place through the block
   tables. With `CudaAttentionMetadata.for_decode` (all decode, tensors already on the GPU)
   this path makes no host-device copy and no sync, so it can be captured in a CUDA graph.
-- Prefill of a whole prompt: `scaled_dot_product_attention(is_causal=True)` on the new K/V.
-- Chunked prefill (cached context before the chunk): K/V of the whole context gathered from
-  the cache by slot (after the chunk's own K/V were written), then SDPA with
-  `torch.nn.attention.bias.causal_lower_right(q_len, context_len)`: query j sits at position
-  context_len - q_len + j. Correctness first: one SDPA call per prefilling sequence.
+- Prefill (query length > 1: whole prompts, chunks after cached context, prompts after a
+  prefix hit): every such sequence in one varlen call (executor/cuda_prefill.py: torch's
+  FlashAttention over K/V gathered from the cache in bf16/fp16, csrc/paged_prefill.cu
+  reading the cache in place otherwise), lower-right causal.
+- Sliding windows (Gemma 3's local layers, Mistral): both kernels take the window, so such
+  layers stay on these kernels (table entries before a window are never read).
 
-The step layout checks, the prefill chunks and the prefill SDPA are attention.py's
-(`StepLayout`, `build_prefill_chunks`, `PagedAttentionBase`); only the chunk mask differs.
+`ZLLM_CUDA_PREFILL=sdpa` runs prefills as before the varlen call, one SDPA call per
+prefilling sequence (attention.py's `PagedAttentionBase`), for A/B measurements;
+`ZLLM_CUDA_PREFILL=kernel` keeps bf16/fp16 on csrc/paged_prefill.cu.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from zllm.executor.attention_metadata import (
     to_device,
 )
 from zllm.executor.cuda_kernels import DecodeWorkspace, paged_decode_attention, write_kv_cache
+from zllm.executor.cuda_prefill import PrefillBatch, paged_prefill_attention, prefill_mode
 
 
 @dataclass(slots=True)
@@ -55,10 +58,13 @@ class CudaAttentionMetadata:
     max_decode_seq_len: int  # host bound on seq_lens (sets the split-K partition count)
     # Where each decode token sits in the flat batch; None when every token is a decode.
     decode_token_indices: torch.Tensor | None
-    # Chunks after cached context attend under causal_lower_right(q_len, context_len).
-    prefills: list[PrefillChunk]
+    # The prefilling sequences (query length > 1), for the one varlen launch per layer.
+    prefill: PrefillBatch | None
     block_size: int
+    window: int = 0  # sliding window of these layers (0: none)
     workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
+    # ZLLM_CUDA_PREFILL=sdpa only: per-sequence SDPA chunks instead of `prefill`.
+    prefills: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -66,7 +72,7 @@ class CudaAttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        return self.decode_token_indices is None and not self.prefills
+        return self.decode_token_indices is None and self.prefill is None and not self.prefills
 
     @classmethod
     def build(
@@ -79,10 +85,8 @@ class CudaAttentionMetadata:
         device: torch.device | str,
         sliding_window: int | None = None,
     ) -> CudaAttentionMetadata:
-        """Same arguments as AttentionMetadata.build; no sliding windows yet (the kernels read
-        each context from position 0), so choose_attention_backend keeps such models off it."""
-        if sliding_window is not None:
-            raise ValueError("the CUDA attention backend has no sliding-window support yet")
+        """Same arguments as AttentionMetadata.build (block tables may hold -1 before a
+        sliding window: the kernels never read those entries)."""
         layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
         q_lens, ctx_lens = layout.query_lens, layout.seq_lens
         decode_ids = np.flatnonzero(q_lens == 1)
@@ -94,6 +98,22 @@ class CudaAttentionMetadata:
             n = -(-int(ctx_lens[i]) // block_size)
             tables[row, :n] = block_tables[i][:n]
         all_decode = len(decode_ids) == len(q_lens)
+        prefill_ids = np.flatnonzero(q_lens > 1)
+        prefill, chunks = None, []
+        if len(prefill_ids) and prefill_mode() != "sdpa":
+            prefill = PrefillBatch.build(
+                layout.query_start_loc[prefill_ids],
+                q_lens[prefill_ids],
+                ctx_lens[prefill_ids],
+                [block_tables[i] for i in prefill_ids.tolist()],
+                block_size,
+                device,
+                sliding_window,
+            )
+        elif len(prefill_ids):
+            chunks = build_prefill_chunks(
+                layout, block_tables, block_size, device, causal_lower_right, sliding_window
+            )
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_tables=to_device(tables, device),
@@ -102,10 +122,10 @@ class CudaAttentionMetadata:
             decode_token_indices=(
                 None if all_decode else to_device(layout.query_start_loc[decode_ids], device)
             ),
-            prefills=build_prefill_chunks(
-                layout, block_tables, block_size, device, causal_lower_right
-            ),
+            prefill=prefill,
             block_size=block_size,
+            window=int(sliding_window or 0),
+            prefills=chunks,
         )
 
     @classmethod
@@ -117,6 +137,7 @@ class CudaAttentionMetadata:
         block_size: int,
         max_seq_len: int,
         workspace: DecodeWorkspace,
+        window: int = 0,
     ) -> CudaAttentionMetadata:
         """A decode-only batch over tensors already on the GPU (CUDA graphs' static buffers)."""
         return cls(
@@ -125,8 +146,9 @@ class CudaAttentionMetadata:
             seq_lens=seq_lens,
             max_decode_seq_len=max_seq_len,
             decode_token_indices=None,
-            prefills=[],
+            prefill=None,
             block_size=block_size,
+            window=window,
             workspace=workspace,
         )
 
@@ -151,6 +173,8 @@ class CudaPagedAttention(PagedAttentionBase):
         idx = meta.decode_token_indices
         if meta.num_decodes and idx is not None:  # idx is None only when all are decodes
             out.index_copy_(0, idx, self._decode(query.index_select(0, idx), kv_cache, meta))
+        if meta.prefill is not None:
+            paged_prefill_attention(query, kv_cache, meta.prefill, self.scale, out)
         self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
         return out
 
@@ -165,12 +189,13 @@ class CudaPagedAttention(PagedAttentionBase):
             self.scale,
             max_seq_len=meta.max_decode_seq_len,
             workspace=meta.workspace,
+            window=meta.window,
         )
 
 
 CUDA_ATTENTION = AttentionBackend(
     name="cuda",
-    description="csrc CUDA kernels for the cache write and decode, SDPA for prefill",
+    description="csrc CUDA kernels: cache write, split-K decode, varlen prefill",
     make_layer=CudaPagedAttention,
     build_metadata=CudaAttentionMetadata.build,
 )

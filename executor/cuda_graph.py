@@ -19,6 +19,10 @@ Static buffers (device, sized for the largest captured batch):
     seq_lens     int32 [max_bs]                  1 (attends to one slot of block 0)
     block_tables int32 [max_bs, max_blocks_per_seq]  block 0
 
+A model whose layers attend in several ways (sliding-window layers, a hybrid cache's second
+KV cache group: `layer_attention`) gets slot_mapping, seq_lens and block_tables once per
+distinct (group, window), and each layer's captured metadata reads its own set.
+
 The graph's attention reads seq_lens and block_tables from device memory, so one graph serves
 every context length up to max_blocks_per_seq * block_size: its split-K grid is sized for
 that maximum and the partitions past a sequence's end exit at once. (A small batch's graph
@@ -38,6 +42,7 @@ import torch
 
 from zllm.executor.attention_cuda import CudaAttentionMetadata
 from zllm.executor.cuda_kernels import DecodeWorkspace, plan_decode
+from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,11 @@ class CudaGraphRunner:
         capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
         enabled: bool = True,
         device: torch.device | str | None = None,
+        layer_attention: list[LayerAttention] | None = None,
     ) -> None:
-        """`enabled=False` (--enforce-eager) makes run() always answer None."""
+        """`enabled=False` (--enforce-eager) makes run() always answer None.
+        `layer_attention`: per layer, the block tables and window its attention uses (None:
+        every layer shares one metadata without a window)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -79,9 +87,15 @@ class CudaGraphRunner:
         n, dev = self.max_batch, self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=dev)
+        # One set of attention buffers per distinct (group, window), in first-layer order.
+        self.layer_attention = layer_attention
+        keys = list(dict.fromkeys(layer_attention)) if layer_attention else [None]
+        self.attention_keys: list[LayerAttention | None] = keys
+        self.buffers = [_AttentionBuffers(n, max_blocks_per_seq, dev) for _ in keys]
+        # The first set under the names of a single-metadata model (tests, the padding check).
+        self.slot_mapping = self.buffers[0].slot_mapping
+        self.seq_lens = self.buffers[0].seq_lens
+        self.block_tables = self.buffers[0].block_tables
         # Split-K scratch for the captured size that needs most (each size has its own
         # partition length: cuda_kernels.plan_decode), made now so that no replay allocates
         # and every graph keeps pointing at the same buffer.
@@ -95,15 +109,40 @@ class CudaGraphRunner:
         if need:
             self.workspace.reserve(need, dev)
 
-    def _metadata(self, size: int) -> CudaAttentionMetadata:
-        return CudaAttentionMetadata.for_decode(
-            slot_mapping=self.slot_mapping[:size],
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            block_size=self.block_size,
-            max_seq_len=self.max_seq_len,
-            workspace=self.workspace,
-        )
+    def _metadata(self, size: int) -> CudaAttentionMetadata | list[CudaAttentionMetadata]:
+        """The captured step's metadata, shaped as the eager step's: one, or one per layer."""
+        metas = [
+            CudaAttentionMetadata.for_decode(
+                slot_mapping=b.slot_mapping[:size],
+                block_tables=b.block_tables[:size],
+                seq_lens=b.seq_lens[:size],
+                block_size=self.block_size,
+                max_seq_len=self.max_seq_len,
+                workspace=self.workspace,
+                window=int(key.sliding_window or 0) if key is not None else 0,
+            )
+            for key, b in zip(self.attention_keys, self.buffers, strict=True)
+        ]
+        if len(metas) == 1:
+            return metas[0]
+        assert self.layer_attention is not None
+        return [metas[self.attention_keys.index(key)] for key in self.layer_attention]
+
+    def _step_metadata(self, attn_metadata: object) -> list[CudaAttentionMetadata] | None:
+        """The eager step's metadata per distinct (group, window), in attention_keys order;
+        None unless each is a decode-only CudaAttentionMetadata."""
+        if isinstance(attn_metadata, list) and len(self.attention_keys) > 1:
+            assert self.layer_attention is not None
+            first_layer = [self.layer_attention.index(key) for key in self.attention_keys]
+            metas = [attn_metadata[i] for i in first_layer]
+        elif len(self.attention_keys) == 1:
+            metas = [attn_metadata]
+        else:
+            return None
+        for meta in metas:
+            if not isinstance(meta, CudaAttentionMetadata) or not meta.is_decode_only:
+                return None
+        return metas
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(
@@ -156,30 +195,47 @@ class CudaGraphRunner:
         """
         if not self.enabled or not self.graphs:
             return None
-        meta = attn_metadata
-        if not isinstance(meta, CudaAttentionMetadata) or not meta.is_decode_only:
-            return None
+        metas = self._step_metadata(attn_metadata)
         n = input_ids.shape[0]
         size = self.graph_size_for(n)
-        width = meta.block_tables.shape[1]
         if (
-            size is None
-            or width > self.max_blocks_per_seq
-            or meta.max_decode_seq_len > self.max_seq_len
+            metas is None
+            or size is None
+            or any(m.block_tables.shape[1] > self.max_blocks_per_seq for m in metas)
+            or any(m.max_decode_seq_len > self.max_seq_len for m in metas)
         ):
             return None
 
         # Real rows, then padding rows up to the graph's size (device-to-device copies).
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+        for meta, buffers in zip(metas, self.buffers, strict=True):
+            buffers.fill(meta, n, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+
+class _AttentionBuffers:
+    """One (group, window)'s static attention inputs; padding rows write nowhere (slot -1)
+    and attend to one slot of block 0."""
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(
+            (max_batch, max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+
+    def fill(self, meta: CudaAttentionMetadata, n: int, size: int) -> None:
+        """The step's n real rows, then padding up to the captured size."""
+        width = meta.block_tables.shape[1]
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
         if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size].zero_()
-        self.graphs[size].replay()
-        return self.outputs[size][:n]

@@ -8,6 +8,7 @@ imported by the first launch (`pip install zllm[cuda]`).
 
     write_kv_cache(key, value, kv_cache, slot_mapping)                    csrc/kv_cache.cu
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)    csrc/paged_attention.cu
+    paged_prefill_attention (executor/cuda_prefill.py)                    csrc/paged_prefill.cu
 
 Each public function first plans its launches as `KernelLaunch` records (pure Python: kernel
 name, grid, typed arguments), then runs them. The CPU tests run the same records through a
@@ -206,6 +207,7 @@ class _DecodeArgs:
     out: torch.Tensor
     partials: list[torch.Tensor | None]  # out, max, sum: null pointers for one partition
     plan: DecodePlan
+    window: int  # sliding window (0: none): each query sees its last `window` positions
     keepalive: tuple[torch.Tensor, ...]
 
     @property
@@ -257,6 +259,7 @@ def plan_paged_decode(
     out: torch.Tensor,
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    window: int = 0,
 ) -> list[KernelLaunch]:
     """Launches for paged_decode_attention; `out` must be a contiguous [S, heads, D] tensor."""
     _, block_size, num_kv_heads, _ = _check_decode_args(q, kv_cache, block_tables, seq_lens, out)
@@ -271,12 +274,16 @@ def plan_paged_decode(
     if max_seq_len is None:  # an upper bound that needs no device-to-host sync
         max_seq_len = block_tables.shape[1] * block_size
 
+    if window > 0:  # the partitions cover the window only
+        max_seq_len = min(max_seq_len, window)
     plan = plan_decode(num_heads, num_kv_heads, max_seq_len, num_seqs)
     partials: list[torch.Tensor | None] = [None] * 3
     if plan.max_partitions > 1:
         partials = (workspace or DecodeWorkspace()).partials(q, plan.max_partitions)
     keepalive = tuple(t for t in (q, block_tables, seq_lens, out, partials[0]) if t is not None)
-    args = _DecodeArgs(q, kv_cache, block_tables, seq_lens, out, partials, plan, keepalive)
+    args = _DecodeArgs(
+        q, kv_cache, block_tables, seq_lens, out, partials, plan, max(0, window), keepalive
+    )
     launches = [_decode_launch(args, scale)]
     if plan.max_partitions > 1:
         launches.append(_reduce_launch(args))
@@ -313,6 +320,7 @@ def _decode_launch(a: _DecodeArgs, scale: float) -> KernelLaunch:
             np.int32(plan.heads_per_block),
             np.float32(scale),
             np.int32(plan.partition_size),
+            np.int32(a.window),
         ),
         a.keepalive,
     )
@@ -335,6 +343,7 @@ def _reduce_launch(a: _DecodeArgs) -> KernelLaunch:
             np.int32(head_dim),
             np.int32(a.plan.max_partitions),
             np.int32(a.plan.partition_size),
+            np.int32(a.window),
         ),
         a.keepalive,
     )
@@ -431,19 +440,21 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence attends to its context through the block tables.
 
     q [S, heads, D] -> [S, heads, D]. `max_seq_len` (host int, >= every seq_len) sets the
     number of split-K partitions; without it the block tables' width bounds it (no sync).
-    Rows with seq_len 0 come out as zeros.
+    Rows with seq_len 0 come out as zeros. With a sliding `window` > 0 each query sees only
+    its last `window` positions (table entries before them are never read).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launches = plan_paged_decode(
-        q, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, workspace
+        q, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, workspace, window
     )
     run_launches(launches, q.device)
     return out

@@ -85,12 +85,7 @@ class ModelHost:
         self.layer_attention = layer_attention(self.arch, self.kv_groups, self.layers)
         # The cache tensors this stage's layers use (every one of them on a single stage).
         self.kv_slot_of = layer_kv_slots(self.kv_groups, self.layers)
-        self.attention = choose_attention_backend(
-            self.device,
-            self.dtype,
-            self.arch.head_dim,
-            sliding_window=any(la.sliding_window for la in self.layer_attention),
-        )
+        self.attention = choose_attention_backend(self.device, self.dtype, self.arch.head_dim)
         self._load_weights()
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
@@ -269,7 +264,7 @@ class ModelHost:
         """
         config = self.config
         if self.device.type != "cuda" or self.attention.name != "cuda":
-            return None  # graphs replay the CUDA backend's decode (not sliding-window models)
+            return None  # graphs replay the CUDA backend's decode
         if config.model_impl == "transformers":
             return None  # transformers' modeling code runs eagerly
         if config.lora is not None:
@@ -292,6 +287,7 @@ class ModelHost:
             num_heads=self.arch.num_heads,
             head_dim=self.arch.head_dim,
             enabled=not config.enforce_eager,
+            layer_attention=list(self.layer_attention),
         )
         graph_runner.capture()
         return graph_runner

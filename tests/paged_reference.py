@@ -25,8 +25,9 @@ def random_tables(lens, block_size, gen, dtype=torch.int32, spare=3):
     return num_blocks, tables
 
 
-def decode_reference(q, kv_cache, tables, lens, block_size) -> torch.Tensor:
-    """float64 attention of q [S, H, D] over each sequence's gathered context."""
+def decode_reference(q, kv_cache, tables, lens, block_size, window=0) -> torch.Tensor:
+    """float64 attention of q [S, H, D] over each sequence's gathered context (with a window
+    W > 0, its last W positions)."""
     num_kv_heads, head_dim = kv_cache.shape[3:]
     group = q.shape[1] // num_kv_heads
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -34,10 +35,35 @@ def decode_reference(q, kv_cache, tables, lens, block_size) -> torch.Tensor:
     for s, n in enumerate(lens):
         if n == 0:
             continue
-        pos = torch.arange(n, device=q.device)
+        pos = torch.arange(max(0, n - window) if window > 0 else 0, n, device=q.device)
         slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
         k = flat[0, slots].double().repeat_interleave(group, dim=1)
         v = flat[1, slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].double(), k) / math.sqrt(head_dim)
         out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0) -> torch.Tensor:
+    """float64 attention of each prefilling sequence's queries over its cached context.
+
+    q [T, H, D] is the step's flat batch; `seqs` lists (first token, query count, context
+    length) per sequence; query j sits at position ctx_len - q_len + j and sees the keys at or
+    before it (with a window W > 0, only its last W). Rows of other tokens stay zero."""
+    num_kv_heads, head_dim = kv_cache.shape[3:]
+    group = q.shape[1] // num_kv_heads
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for s, (first, q_len, ctx_len) in enumerate(seqs):
+        pos = torch.arange(ctx_len, device=q.device)
+        slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
+        k = flat[0, slots].double().repeat_interleave(group, dim=1)
+        v = flat[1, slots].double().repeat_interleave(group, dim=1)
+        query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+        diff = query_pos[:, None] - pos[None, :]
+        visible = (diff >= 0) & ((diff < window) if window > 0 else True)
+        rows = q[first : first + q_len].double()
+        scores = torch.einsum("qhd,lhd->hql", rows, k) / math.sqrt(head_dim)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[first : first + q_len] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
     return out

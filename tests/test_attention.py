@@ -283,9 +283,10 @@ def test_build_rejects_inconsistent_input(args, build):
 
 
 def test_backends_share_the_step_layout():
-    """Both metadata kinds agree on what they share: slots, lengths, chunks' context slots.
-    (Short runs after cached context are decode rows on CPU only; the CUDA path keeps them
-    as chunks, so this batch has none.)"""
+    """Both metadata kinds agree on what they share: slots, lengths, the prefilling
+    sequences (CPU: one SDPA chunk each; CUDA: one row each of the varlen kernel's batch) and
+    the blocks they read. (Short runs after cached context are decode rows on CPU only; the
+    CUDA path keeps them as prefills, so this batch has none.)"""
     batch = [(1, 12), (6, 6), (1, 40), (20, 45), (1, 3), (2, 2), (1, 1)]
     query_lens, context_lens = [q for q, _ in batch], [n for _, n in batch]
     _, tables = allocate(context_lens, 4, torch.Generator().manual_seed(1))
@@ -298,14 +299,14 @@ def test_backends_share_the_step_layout():
     assert gpu.seq_lens.tolist() == cpu.decode.seq_lens.tolist() == [12, 40, 3, 1]
     assert gpu.decode_token_indices.tolist() == cpu.decode.token_indices.tolist()
 
-    def spans(meta):
-        return [(c.token_start, c.token_end, c.context_len) for c in meta.prefills]
-
-    assert spans(cpu) == spans(gpu) and len(cpu.prefills) == 3
-    for a, b in zip(cpu.prefills, gpu.prefills, strict=True):
-        assert (a.context_slots is None) == (b.context_slots is None)
-        if a.context_slots is not None:
-            assert torch.equal(a.context_slots, b.context_slots)
+    spans = [(c.token_start, c.token_end, c.context_len) for c in cpu.prefills]
+    rows = gpu.prefill.seqs.view(-1, 3).tolist()
+    assert spans == [(first, first + q, n) for first, q, n in rows] and len(spans) == 3
+    for chunk, table in zip(cpu.prefills, gpu.prefill.block_tables, strict=True):
+        if chunk.context_slots is not None:  # a chunk after cached context reads these slots
+            blocks = table[: -(-chunk.context_len // 4)].long()
+            slots = (blocks[:, None] * 4 + torch.arange(4)).reshape(-1)[: chunk.context_len]
+            assert torch.equal(chunk.context_slots, slots)
 
 
 @pytest.mark.parametrize(

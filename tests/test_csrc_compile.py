@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from paged_reference import TOLERANCE, decode_reference, random_tables
+from paged_reference import TOLERANCE, decode_reference, prefill_reference, random_tables
 
 from zllm.executor import cuda_kernels as ck
+from zllm.executor import cuda_prefill as cp
 from zllm.executor.attention import AttentionMetadata, PagedAttention
 from zllm.executor.attention_cuda import CudaAttentionMetadata, CudaPagedAttention
 
@@ -55,6 +56,8 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
         assert entries == 3 * (len(ck.SUPPORTED_HEAD_DIMS) * 4 + 1)
     elif source == "layer_ops.cu":
         assert entries == 3 * 3  # 3 dtypes x (rms_norm, rope, silu_mul)
+    elif source == "paged_prefill.cu":
+        assert entries == 3 * len(ck.SUPPORTED_HEAD_DIMS)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -146,6 +149,13 @@ def test_nvrtc_compiles_runtime_sources(libnvrtc):
     ] + [f"zllm_paged_decode_reduce<{tag}>" for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")]
     lowered = nvrtc_compile(libnvrtc, ck.kernel_source("paged_attention.cu"), options, names)
     assert all(v.startswith("_Z") for v in lowered.values())
+    names = [
+        f"zllm_paged_prefill<{tag}, {hd}>"
+        for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")
+        for hd in ck.SUPPORTED_HEAD_DIMS
+    ]
+    lowered = nvrtc_compile(libnvrtc, ck.kernel_source("paged_prefill.cu"), options, names)
+    assert all(v.startswith("_Z") for v in lowered.values())
 
 
 # ---- planning (pure Python) -------------------------------------------------------------------
@@ -221,13 +231,16 @@ def emu(tmp_path_factory) -> Emulator:
     return Emulator(out)
 
 
-# (dtype, heads, kv_heads, head_dim, block_size, context lengths, block table dtype)
+# (dtype, heads, kv_heads, head_dim, block_size, context lengths, block table dtype, sliding
+# window or 0)
 EMU_DECODE_CASES = {
-    "f32-mha": (torch.float32, 4, 4, 64, 16, [1, 7, 33, 16], torch.int32),
-    "bf16-gqa9/3-splitk": (torch.bfloat16, 9, 3, 64, 8, [5, 600, 1100], torch.int64),
-    "f16-gqa32/8": (torch.float16, 32, 8, 128, 32, [1, 513, 2], torch.int32),
-    "f32-d256-mqa16": (torch.float32, 16, 1, 256, 16, [100, 1030], torch.int64),
-    "bf16-d80-mqa12": (torch.bfloat16, 12, 1, 80, 16, [700, 0], torch.int32),
+    "f32-mha": (torch.float32, 4, 4, 64, 16, [1, 7, 33, 16], torch.int32, 0),
+    "bf16-gqa9/3-splitk": (torch.bfloat16, 9, 3, 64, 8, [5, 600, 1100], torch.int64, 0),
+    "f16-gqa32/8": (torch.float16, 32, 8, 128, 32, [1, 513, 2], torch.int32, 0),
+    "f32-d256-mqa16": (torch.float32, 16, 1, 256, 16, [100, 1030], torch.int64, 0),
+    "bf16-d80-mqa12": (torch.bfloat16, 12, 1, 80, 16, [700, 0], torch.int32, 0),
+    "f32-gqa4/2-window": (torch.float32, 4, 2, 64, 16, [3, 100, 700, 37], torch.int32, 37),
+    "bf16-window-splitk": (torch.bfloat16, 8, 2, 128, 8, [900, 20, 513], torch.int64, 600),
 }
 
 
@@ -237,9 +250,12 @@ def test_emulated_paged_decode_matches_reference(emu, case, target_blocks, monke
     """Each case with 512-token partitions (target 1 block) and with the short partitions a
     small batch gets on a GPU (32-64 tokens: many partial results to combine)."""
     monkeypatch.setattr(ck, "TARGET_BLOCKS", target_blocks)
-    dtype, heads, kv_heads, head_dim, block_size, lens, table_dtype = EMU_DECODE_CASES[case]
+    dtype, heads, kv_heads, head_dim, block_size, lens, table_dtype, window = EMU_DECODE_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     num_blocks, tables = random_tables(lens, block_size, gen, table_dtype)
+    if window:  # blocks wholly before the window are released (-1) and never read
+        for i, n in enumerate(lens):
+            tables[i, : max(0, n - window) // block_size] = -1
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     # q as the model makes it: a view of a wider [T, heads + kv_heads, D] rope output.
     qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
@@ -247,17 +263,116 @@ def test_emulated_paged_decode_matches_reference(emu, case, target_blocks, monke
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     workspace = ck.DecodeWorkspace()
     launches = ck.plan_paged_decode(
-        q, kv_cache, tables, torch.tensor(lens), head_dim**-0.5, out, max(lens), workspace
+        q, kv_cache, tables, torch.tensor(lens), head_dim**-0.5, out, max(lens), workspace, window
     )
     assert launches[0].keepalive[0] is q  # strided q is read in place, not copied
     emu.run_launches(launches)
     assert not out.isnan().any(), "some output row was never written"
-    expected = decode_reference(q, kv_cache, tables, lens, block_size)
+    expected = decode_reference(q, kv_cache, tables, lens, block_size, window)
     err = (out.double() - expected).abs().max() / expected.abs().max()
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
-    plan = ck.plan_decode(heads, kv_heads, max(lens), len(lens))
+    span = min(max(lens), window or max(lens))  # the partitions cover the window only
+    plan = ck.plan_decode(heads, kv_heads, span, len(lens))
     assert plan.partition_size == (512 if target_blocks == 1 else 32)
-    assert len(launches) == (2 if max(lens) > plan.partition_size else 1)
+    assert len(launches) == (2 if span > plan.partition_size else 1)
+
+
+# (dtype, heads, kv_heads, head_dim, block_size, (query count, context length) per prefilling
+# sequence, sliding window): whole prompts, chunks after cached context (chunked prefill, a
+# prefix hit), ragged lengths across tile edges, GQA/MQA, windows shorter than a chunk.
+EMU_PREFILL_CASES = {
+    "f32-mha-ragged": (torch.float32, 4, 4, 64, 16, [(5, 5), (17, 17), (33, 33)], 0),
+    "bf16-gqa9/3-chunks": (torch.bfloat16, 9, 3, 64, 8, [(20, 45), (1, 30), (16, 16)], 0),
+    "f16-gqa8/2-d128": (torch.float16, 8, 2, 128, 32, [(40, 70), (3, 3)], 0),
+    "f32-d256-mqa": (torch.float32, 4, 1, 256, 16, [(18, 40), (7, 7)], 0),
+    "bf16-d80-window": (torch.bfloat16, 4, 2, 80, 8, [(30, 30), (12, 50)], 9),
+    "f32-window-long-context": (torch.float32, 6, 2, 64, 16, [(20, 90), (33, 33)], 24),
+}
+
+
+@pytest.mark.parametrize("case", EMU_PREFILL_CASES)
+def test_emulated_paged_prefill_matches_reference(emu, case):
+    """Every prefilling sequence in one launch (keys read from the paged cache) against
+    float64 attention; decode tokens between them in the flat batch stay untouched."""
+    dtype, heads, kv_heads, head_dim, block_size, pairs, window = EMU_PREFILL_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    ctx_lens = [n for _, n in pairs]
+    num_blocks, tables = random_tables(ctx_lens, block_size, gen)
+    if window:  # blocks wholly before every query's window are released (-1), never read
+        for i, (q_len, n) in enumerate(pairs):
+            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # One decode token before each prefill in the flat batch: prefill rows start mid-batch.
+    seqs, first = [], 0
+    for q_len, n in pairs:
+        seqs.append((first + 1, q_len, n))
+        first += 1 + q_len
+    qk = torch.randn(first, heads + kv_heads, head_dim, generator=gen).to(dtype)
+    q = qk[:, :heads]  # strided, as the model's rope output
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    starts, q_lens, lens = (np.array(c) for c in zip(*seqs, strict=True))
+    batch = cp.PrefillBatch.build(
+        starts, q_lens, lens, list(tables.numpy()), block_size, "cpu", window
+    )
+    assert batch.num_tiles == sum(-(-q // cp.TILE_ROWS) for q, _ in pairs)
+    emu.run_launches(cp.plan_paged_prefill(q, kv_cache, batch, head_dim**-0.5, out))
+    expected = prefill_reference(q, kv_cache, tables, seqs, block_size, window)
+    rows = torch.cat([torch.arange(f, f + n) for f, n, _ in seqs])
+    decode_rows = torch.tensor([f - 1 for f, _, _ in seqs])
+    assert out[decode_rows].isnan().all(), "a decode token's row was written"
+    got, want = out[rows].double(), expected[rows]
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("window", [0, 9, 24])
+def test_flash_inputs_pack_each_sequences_visible_keys(window):
+    """The packed batch of the FlashAttention path, checked by doing what that call does
+    (per sequence: its keys gathered by slot, causal aligned to the last key, the window as
+    a left band) in float64 on CPU, against the reference on the whole context."""
+    pairs, block_size, heads, kv_heads, head_dim = (
+        [(30, 30), (12, 50), (5, 5), (20, 90)],
+        8,
+        4,
+        2,
+        16,
+    )
+    gen = torch.Generator().manual_seed(window)
+    ctx_lens = [n for _, n in pairs]
+    num_blocks, tables = random_tables(ctx_lens, block_size, gen)
+    if window:
+        for i, (q_len, n) in enumerate(pairs):
+            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).double()
+    seqs, first = [], 0
+    for q_len, n in pairs:
+        seqs.append((first + 1, q_len, n))
+        first += 1 + q_len
+    q = torch.randn(first, heads, head_dim, generator=gen).double()
+    starts, q_lens, lens = (np.array(c) for c in zip(*seqs, strict=True))
+    flash = cp.FlashInputs.build(
+        starts, q_lens, lens, list(tables.numpy()), block_size, "cpu", window
+    )
+    slots = cache.view(2, -1, kv_heads, head_dim)
+    assert (flash.key_slots >= 0).all(), "a released block's slot was packed"
+    got = torch.zeros_like(q)
+    cu_q, cu_k = flash.cu_queries.tolist(), flash.cu_keys.tolist()
+    for i in range(len(pairs)):
+        rows = flash.query_rows[cu_q[i] : cu_q[i + 1]]
+        key_slots = flash.key_slots[cu_k[i] : cu_k[i + 1]]
+        k = slots[0, key_slots].repeat_interleave(heads // kv_heads, 1)
+        v = slots[1, key_slots].repeat_interleave(heads // kv_heads, 1)
+        n_q, n_k = len(rows), len(key_slots)
+        diff = (torch.arange(n_q)[:, None] + n_k - n_q) - torch.arange(n_k)[None, :]
+        visible = (diff >= 0) & ((diff < window) if window else True)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], k) / head_dim**0.5
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        got[rows] = torch.einsum("hqk,khd->qhd", probs, v)
+    assert flash.max_queries == max(q_lens) and flash.max_keys == max(
+        cu_k[i + 1] - cu_k[i] for i in range(len(pairs))
+    )
+    expected = prefill_reference(q, cache, tables, seqs, block_size, window)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -289,13 +404,18 @@ def test_emulated_cache_write_lands_in_slots_and_skips_padding(emu, dtype, align
 BATCHES = {
     "decode": [(1, 1), (1, 7), (1, 33), (1, 16), (1, 2)],
     "mixed": [(1, 12), (6, 6), (1, 40), (9, 25), (1, 3), (2, 2), (5, 37), (1, 600)],
+    "mixed-window": [(1, 12), (30, 30), (1, 40), (9, 25), (5, 37), (1, 600)],
 }
 
 
+@pytest.mark.parametrize("mode", ["auto", "sdpa"])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_emulated_cuda_attention_matches_cpu_attention(emu, monkeypatch, batch):
-    """CudaPagedAttention (kernels emulated, SDPA on CPU) against PagedAttention."""
+def test_emulated_cuda_attention_matches_cpu_attention(emu, monkeypatch, batch, mode):
+    """CudaPagedAttention (its decode and varlen prefill kernels emulated) against the CPU's
+    PagedAttention, with a sliding window of 20 in the last batch; ZLLM_CUDA_PREFILL=sdpa
+    (the A/B runs' per-sequence SDPA) too."""
     monkeypatch.setattr(ck, "run_launches", emu.run_launches)
+    monkeypatch.setenv("ZLLM_CUDA_PREFILL", mode)
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     pairs = BATCHES[batch]
     q_lens, lens = [q for q, _ in pairs], [n for _, n in pairs]
@@ -313,29 +433,43 @@ def test_emulated_cuda_attention_matches_cpu_attention(emu, monkeypatch, batch):
     key = torch.randn(t, kv_heads, head_dim, generator=gen)
     value = torch.randn(t, kv_heads, head_dim, generator=gen)
 
+    window = 20 if batch == "mixed-window" else None
+    args = (q_lens, lens, table_lists, slot_mapping, block_size, "cpu")
     ref_cache = cache.clone()
-    ref_meta = AttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, "cpu")
+    ref_meta = AttentionMetadata.build(*args, sliding_window=window)
     expected = PagedAttention(heads, kv_heads, head_dim)(query, key, value, ref_cache, ref_meta)
 
-    meta = CudaAttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, "cpu")
+    meta = CudaAttentionMetadata.build(*args, sliding_window=window)
     assert meta.is_decode_only == (batch == "decode")
+    emu.names.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SDPA's "no fused kernel on CPU" notes
         out = CudaPagedAttention(heads, kv_heads, head_dim)(query, key, value, cache, meta)
     assert torch.equal(cache, ref_cache)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert any(name.startswith("zllm_paged_decode<") for name in emu.names)
+    ran = {name.split("<")[0] for name in emu.names}
+    assert {"zllm_write_kv_cache_f32", "zllm_paged_decode"} <= ran
+    # one launch for every prefill, unless the A/B mode asks for SDPA per sequence
+    assert ("zllm_paged_prefill" in ran) == (batch != "decode" and mode == "auto")
+
+
+# Per layer of the two-layer tiny model, (KV cache group, sliding window): one metadata for
+# all layers; one with a window; a window on layer 0 only (two metadata sets per step).
+GRAPH_LAYOUTS = {"full": None, "all-sliding": [(0, 40)] * 2, "mixed": [(0, 24), (0, None)]}
 
 
 @torch.inference_mode()
-def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
-    """CudaGraphRunner.run's buffer handling, with 'replay' re-running the captured forward."""
+@pytest.mark.parametrize("layout", GRAPH_LAYOUTS)
+def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path, layout):
+    """CudaGraphRunner.run's buffer handling, with 'replay' re-running the captured forward;
+    with sliding windows, each distinct (group, window) gets its own captured buffers."""
     from conftest import write_tiny_model
 
     from zllm.executor import cuda_graph
     from zllm.executor.attention_cuda import CUDA_ATTENTION
     from zllm.executor.loader import load_weights
     from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.step_inputs import LayerAttention
     from zllm.model.arch import read_arch_config
 
     monkeypatch.setattr(ck, "run_launches", emu.run_launches)
@@ -346,6 +480,16 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     model = LlamaForCausalLM(arch, attention=CUDA_ATTENTION)
     model.load_weights(load_weights(path, arch))
     assert all(isinstance(layer.self_attn.attn, CudaPagedAttention) for layer in model.layers)
+    assert arch.num_layers == 2
+    layers = GRAPH_LAYOUTS[layout] and [LayerAttention(g, w) for g, w in GRAPH_LAYOUTS[layout]]
+
+    def build(*args):
+        """The eager step's metadata, as step_inputs.build_attention_metadata shapes it."""
+        if layers is None:
+            return CudaAttentionMetadata.build(*args, "cpu")
+        built = {k: CudaAttentionMetadata.build(*args, "cpu", k.sliding_window) for k in layers}
+        return built[layers[0]] if len(built) == 1 else [built[k] for k in layers]
+
     block_size, max_blocks = 16, 40
     gen = torch.Generator().manual_seed(4)
     lens = [3, 520, 17, 64, 1]
@@ -363,12 +507,7 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     slots = [slot(i, p) for i, n in enumerate(lens) for p in range(n)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model(
-            ids,
-            positions,
-            caches,
-            CudaAttentionMetadata.build(lens, lens, tables, slots, 16, "cpu"),
-        )
+        model(ids, positions, caches, build(lens, lens, tables, slots, 16))
 
     class FakeGraph:
         def replay(self) -> None:
@@ -380,8 +519,9 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     runner = cuda_graph.CudaGraphRunner(
         model, caches, max_num_seqs=6, max_blocks_per_seq=max_blocks, block_size=block_size,
-        num_heads=4, head_dim=64, capture_sizes=(1, 2, 4, 8, 16),
+        num_heads=4, head_dim=64, capture_sizes=(1, 2, 4, 8, 16), layer_attention=layers,
     )  # fmt: skip
+    assert len(runner.buffers) == (2 if layout == "mixed" else 1)
     assert runner.capture_sizes == [1, 2, 4, 8] and not runner.enabled  # a CPU device
     runner.enabled = True
     runner.capture()
@@ -392,9 +532,9 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
     for n in (1, 3, 5):
         new_ids = torch.randint(0, arch.vocab_size, (n,), generator=gen)
         pos = torch.tensor(lens[:n])
-        meta = CudaAttentionMetadata.build(
+        meta = build(
             [1] * n, [x + 1 for x in lens[:n]], tables[:n], [slot(i, lens[i]) for i in range(n)],
-            block_size, "cpu",
+            block_size,
         )  # fmt: skip
         written = torch.tensor([slot(i, lens[i]) for i in range(n)])
         eager = model(new_ids, pos, caches, meta).clone()
@@ -412,13 +552,9 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path):
             flat[:, written] = flat_eager[:, written]
             assert torch.equal(c, c_eager)
         padded = runner.graph_size_for(n)
-        assert runner.slot_mapping[n:padded].eq(-1).all() and runner.seq_lens[n:padded].eq(1).all()
-    assert (
-        runner.run(
-            ids, positions, CudaAttentionMetadata.build(lens, lens, tables, slots, 16, "cpu")
-        )
-        is None
-    )
+        for b in runner.buffers:
+            assert b.slot_mapping[n:padded].eq(-1).all() and b.seq_lens[n:padded].eq(1).all()
+    assert runner.run(ids, positions, build(lens, lens, tables, slots, 16)) is None
 
 
 # ---- the fused layer ops (csrc/layer_ops.cu, executor/cuda_layer_ops.py) ----------------------

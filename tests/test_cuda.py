@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from paged_reference import TOLERANCE, decode_reference, random_tables
+from paged_reference import TOLERANCE, decode_reference, prefill_reference, random_tables
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -18,6 +18,7 @@ if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
 from zllm.executor import cuda_kernels as ck  # noqa: E402
+from zllm.executor import cuda_prefill as cp  # noqa: E402
 from zllm.executor.attention import AttentionMetadata, PagedAttention  # noqa: E402
 from zllm.executor.attention_cuda import (  # noqa: E402
     CUDA_ATTENTION,
@@ -82,6 +83,79 @@ def test_paged_decode_max_seq_len_and_empty_rows(dtype):
     assert err < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [37, 600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_with_a_sliding_window(dtype, window):
+    """Each query sees its last `window` positions; table entries before them are -1."""
+    gen = torch.Generator().manual_seed(window)
+    lens = [1, 36, 37, 38, 599, 600, 601, 2000, 4096]
+    num_blocks, tables = random_tables(lens, 16, gen)
+    for i, n in enumerate(lens):
+        tables[i, : max(0, n - window) // 16] = -1
+    kv_cache = torch.randn(2, num_blocks, 16, 2, 128, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(len(lens), 8, 128, generator=gen).to(DEVICE, dtype)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    out = ck.paged_decode_attention(q, kv_cache, tables.to(DEVICE), seq_lens, window=window)
+    expected = decode_reference(q, kv_cache, tables.to(DEVICE), lens, 16, window)
+    err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+# (query count, context length): whole prompts of ragged lengths (tile edges at 16), and
+# chunks after cached context (chunked prefill, prefix-cache hits), short and long.
+PREFILL_PAIRS = [(2, 2), (16, 16), (17, 17), (128, 128), (700, 700), (64, 1000), (5, 517),
+                 (300, 2100), (16, 48), (33, 4096)]  # fmt: skip
+PREFILL_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 2, 256), (16, 1, 64), (12, 12, 80)]
+
+
+# (implementation, dtype): csrc/paged_prefill.cu in every dtype, FlashAttention in its two.
+PREFILL_IMPLS = [("kernel", torch.float32), ("kernel", torch.bfloat16), ("kernel", torch.float16),
+                 ("flash", torch.bfloat16), ("flash", torch.float16)]  # fmt: skip
+# FlashAttention rounds the probabilities to the element type before P @ V.
+FLASH_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("window", [0, 100], ids=["full", "window100"])
+@pytest.mark.parametrize("impl, dtype", PREFILL_IMPLS)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", PREFILL_SHAPES)
+def test_paged_prefill_matches_reference(
+    heads, kv_heads, head_dim, block_size, impl, dtype, window
+):
+    """Every prefilling sequence in one varlen call, keys from the paged cache, against
+    float64 attention; the decode rows between them in the flat batch are not written."""
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size + window)
+    ctx_lens = [n for _, n in PREFILL_PAIRS]
+    num_blocks, tables = random_tables(ctx_lens, block_size, gen)
+    if window:
+        for i, (q_len, n) in enumerate(PREFILL_PAIRS):
+            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    kv_cache = kv_cache.to(DEVICE, dtype)
+    seqs, first = [], 0
+    for q_len, n in PREFILL_PAIRS:  # a decode token before each prefill in the flat batch
+        seqs.append((first + 1, q_len, n))
+        first += 1 + q_len
+    qk = torch.randn(first, heads + kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q = qk[:, :heads]
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    starts, q_lens, lens = (torch.tensor(c).numpy() for c in zip(*seqs, strict=True))
+    batch = cp.PrefillBatch.build(
+        starts, q_lens, lens, list(tables.numpy()), block_size, DEVICE, window
+    )
+    if impl == "flash":
+        assert cp.uses_flash(q), "FlashAttention should run on this GPU"
+    cp.paged_prefill_attention(q, kv_cache, batch, head_dim**-0.5, out, impl=impl)
+    torch.cuda.synchronize()
+    expected = prefill_reference(q, kv_cache, tables.to(DEVICE), seqs, block_size, window)
+    rows = torch.cat([torch.arange(f, f + n) for f, n, _ in seqs]).to(DEVICE)
+    assert out[[f - 1 for f, _, _ in seqs]].isnan().all(), "a decode row was written"
+    got, want = out[rows].double(), expected[rows]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    tolerance = FLASH_TOLERANCE[dtype] if impl == "flash" else TOLERANCE[dtype]
+    assert err < tolerance, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("aligned", [True, False])
 def test_write_kv_cache_lands_in_slots_and_skips_padding(dtype, aligned):
@@ -116,9 +190,10 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 24], ids=["full", "window24"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_cuda_attention_matches_reference_attention(dtype, batch):
+def test_cuda_attention_matches_reference_attention(dtype, batch, window):
     heads, kv_heads, head_dim, block_size = 12, 4, 64, 16
     pairs = BATCHES[batch]
     q_lens, lens = [q for q, _ in pairs], [n for _, n in pairs]
@@ -138,10 +213,11 @@ def test_cuda_attention_matches_reference_attention(dtype, batch):
         for h in (heads, kv_heads, kv_heads)
     )
     ref_cache = cache.clone()
-    ref_meta = AttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, DEVICE)
+    args = (q_lens, lens, table_lists, slot_mapping, block_size, DEVICE)
+    ref_meta = AttentionMetadata.build(*args, sliding_window=window)
     ref_attn = PagedAttention(heads, kv_heads, head_dim)
     expected = ref_attn(query.double(), key.double(), value.double(), ref_cache.double(), ref_meta)
-    meta = CudaAttentionMetadata.build(q_lens, lens, table_lists, slot_mapping, block_size, DEVICE)
+    meta = CudaAttentionMetadata.build(*args, sliding_window=window)
     out = CudaPagedAttention(heads, kv_heads, head_dim)(query, key, value, cache, meta)
     flat_ref = ref_cache.view(2, -1, kv_heads, head_dim)
     flat_ref[0, slot_mapping], flat_ref[1, slot_mapping] = key, value
@@ -358,6 +434,43 @@ def test_engine_greedy_on_gpu_equals_cpu(tiny_gpu_llama_dir, cpu_reference, enfo
     assert gpu_out[-1].num_cached_tokens >= 688  # the repeated prompt hit the prefix cache
     assert_same_greedy(gpu_out, cpu_out, f"tiny fp32 eager={enforce_eager}")
     free_llm(llm)
+
+
+WINDOWED_MODELS = {
+    "mistral-all-sliding": dict(arch="mistral", sliding_window=48),
+    "gemma3-hybrid": dict(
+        arch="gemma3_text", num_hidden_layers=3, head_dim=64, query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=48,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", WINDOWED_MODELS)
+def test_sliding_window_models_on_gpu_equal_cpu(model, tmp_path):
+    """Sliding-window layers on the CUDA kernels (decode, replayed from CUDA graphs with a
+    metadata set per (group, window), and the varlen prefill both window): prompts longer
+    than the window, chunked prefill, a prefix hit; fp32 against the CPU."""
+    from conftest import write_tiny_model
+
+    from zllm import SamplingParams
+
+    path = str(write_tiny_model(tmp_path / model, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                **WINDOWED_MODELS[model]))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=5)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = make_llm(path, device, max_num_batched_tokens=64)
+        prompts = engine_prompts(llm.config.arch.vocab_size, [3, 30, 47, 49, 100, 200], seed=1)
+        prompts.append(prompts[5])  # a prefix hit
+        if device == "cuda":  # the CUDA kernels, decode replayed from graphs
+            assert llm.model_runner.host.attention.name == "cuda"
+            assert llm.model_runner.graph_runner.graphs
+        outs[device] = llm.generate(prompts, params, use_tqdm=False)
+        free_llm(llm)
+    assert outs["cuda"][-1].num_cached_tokens > 0
+    assert_same_greedy(outs["cuda"], outs["cpu"], f"{model} fp32")
 
 
 def test_graph_replay_equals_eager_in_the_engine(tiny_gpu_llama_dir):

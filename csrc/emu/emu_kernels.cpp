@@ -12,6 +12,7 @@
 #include "../kv_cache.cu"
 #include "../layer_ops.cu"
 #include "../paged_attention.cu"
+#include "../paged_prefill.cu"
 
 namespace {
 
@@ -54,7 +55,8 @@ void run_decode(void* p) {
       arg<const T*>(a, 4), arg<zllm_i64>(a, 5), arg<zllm_i64>(a, 6), arg<const T*>(a, 7),
       arg<zllm_i64>(a, 8), arg<const void*>(a, 9), arg<int>(a, 10), arg<zllm_i64>(a, 11),
       arg<const void*>(a, 12), arg<int>(a, 13), arg<int>(a, 14), arg<int>(a, 15),
-      arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19), arg<int>(a, 20));
+      arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19), arg<int>(a, 20),
+      arg<int>(a, 21));
 }
 
 template <typename D>
@@ -63,7 +65,19 @@ void run_reduce(void* p) {
   Args a = static_cast<Args>(p);
   zllm_paged_decode_reduce<D>(arg<T*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
                               arg<const float*>(a, 3), arg<const void*>(a, 4), arg<int>(a, 5),
-                              arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8), arg<int>(a, 9));
+                              arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8), arg<int>(a, 9),
+                              arg<int>(a, 10));
+}
+
+template <typename D, int HEAD_DIM>
+void run_prefill(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_paged_prefill<D, HEAD_DIM>(
+      arg<T*>(a, 0), arg<const T*>(a, 1), arg<zllm_i64>(a, 2), arg<zllm_i64>(a, 3),
+      arg<const T*>(a, 4), arg<zllm_i64>(a, 5), arg<const void*>(a, 6), arg<int>(a, 7),
+      arg<zllm_i64>(a, 8), arg<const int*>(a, 9), arg<const int*>(a, 10), arg<int>(a, 11),
+      arg<int>(a, 12), arg<int>(a, 13), arg<float>(a, 14), arg<int>(a, 15));
 }
 
 template <typename D>
@@ -99,6 +113,9 @@ void run_silu_mul(void* p) {
   DECODE_GROUPS(D, 64), DECODE_GROUPS(D, 80), DECODE_GROUPS(D, 128), DECODE_GROUPS(D, 256), \
       {"zllm_paged_decode_reduce<" #D ">", &run_reduce<D>}
 
+#define PREFILL(D, HD) {"zllm_paged_prefill<" #D ", " #HD ">", &run_prefill<D, HD>}
+#define PREFILL_DTYPE(D) PREFILL(D, 64), PREFILL(D, 80), PREFILL(D, 128), PREFILL(D, 256)
+
 const std::map<std::string, Runner>& registry() {
   static const std::map<std::string, Runner> kernels = {
       {"zllm_write_kv_cache_f32", &run_write_f32<zllm_write_kv_cache_f32>},
@@ -107,6 +124,9 @@ const std::map<std::string, Runner>& registry() {
       DECODE_DTYPE(DtypeF32),
       DECODE_DTYPE(DtypeF16),
       DECODE_DTYPE(DtypeBF16),
+      PREFILL_DTYPE(DtypeF32),
+      PREFILL_DTYPE(DtypeF16),
+      PREFILL_DTYPE(DtypeBF16),
       LAYER_OPS(DtypeF32),
       LAYER_OPS(DtypeF16),
       LAYER_OPS(DtypeBF16),
