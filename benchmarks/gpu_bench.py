@@ -258,7 +258,7 @@ def decode_steps(args: argparse.Namespace) -> dict:
         shape=args.shape, device=torch.cuda.get_device_name(device), torch=torch.__version__,
         context=ctx, weight_bytes=weight_bytes, hbm_bytes_per_s=bandwidth,
         launch_eager_us=1e6 * eager_launch, launch_graph_us=1e6 * graph_launch,
-        kernels_per_step=kernels, rows=rows, prefill_16x128_ms=prefills[0]["flash_ms"],
+        kernels_per_step=kernels, rows=rows, prefill_16x128_flash_ms=prefills[0]["flash_ms"],
         prefill_steps=prefills,
     )  # fmt: skip
     print(

@@ -41,6 +41,7 @@ from zllm.executor.attention_metadata import (
     PrefillChunk,
     StepLayout,
     build_prefill_chunks,
+    padded_tables,
     to_device,
 )
 from zllm.executor.cuda_kernels import DecodeWorkspace, paged_decode_attention, write_kv_cache
@@ -64,7 +65,7 @@ class CudaAttentionMetadata:
     window: int = 0  # sliding window of these layers (0: none)
     workspace: DecodeWorkspace = field(default_factory=DecodeWorkspace)
     # ZLLM_CUDA_PREFILL=sdpa only: per-sequence SDPA chunks instead of `prefill`.
-    prefills: list[PrefillChunk] = field(default_factory=list)
+    sdpa_chunks: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -72,7 +73,7 @@ class CudaAttentionMetadata:
 
     @property
     def is_decode_only(self) -> bool:
-        return self.decode_token_indices is None and self.prefill is None and not self.prefills
+        return self.decode_token_indices is None and self.prefill is None and not self.sdpa_chunks
 
     @classmethod
     def build(
@@ -92,11 +93,7 @@ class CudaAttentionMetadata:
         decode_ids = np.flatnonzero(q_lens == 1)
         dec_lens = ctx_lens[decode_ids]
         max_dec_len = int(dec_lens.max(initial=0))
-        width = max(1, -(-max_dec_len // block_size))
-        tables = np.zeros((len(decode_ids), width), dtype=np.int32)
-        for row, i in enumerate(decode_ids.tolist()):
-            n = -(-int(ctx_lens[i]) // block_size)
-            tables[row, :n] = block_tables[i][:n]
+        tables = padded_tables([block_tables[i] for i in decode_ids], dec_lens, block_size)
         all_decode = len(decode_ids) == len(q_lens)
         prefill_ids = np.flatnonzero(q_lens > 1)
         prefill, chunks = None, []
@@ -125,7 +122,7 @@ class CudaAttentionMetadata:
             prefill=prefill,
             block_size=block_size,
             window=int(sliding_window or 0),
-            prefills=chunks,
+            sdpa_chunks=chunks,
         )
 
     @classmethod
@@ -175,7 +172,7 @@ class CudaPagedAttention(PagedAttentionBase):
             out.index_copy_(0, idx, self._decode(query.index_select(0, idx), kv_cache, meta))
         if meta.prefill is not None:
             paged_prefill_attention(query, kv_cache, meta.prefill, self.scale, out)
-        self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
+        self._attend_prefills(out, query, key, value, kv_cache, meta.sdpa_chunks)
         return out
 
     def _decode(

@@ -112,6 +112,25 @@ def context_slots(table: list[int] | np.ndarray, context_len: int, block_size: i
     return (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:context_len]
 
 
+def first_visible_key(context_len: int, query_len: int, window: int | None) -> int:
+    """The earliest position a chunk's first query sees: 0, or with a sliding window its
+    last `window` positions' first (q - window < k, as Hugging Face's band)."""
+    if not window:
+        return 0
+    return max(0, context_len - query_len - window + 1)
+
+
+def padded_tables(
+    tables: list[np.ndarray | list[int]], context_lens: np.ndarray, block_size: int
+) -> np.ndarray:
+    """int32 [S, max blocks]: each row's blocks covering its context, padded with 0."""
+    counts = [-(-int(n) // block_size) for n in context_lens]
+    padded = np.zeros((len(counts), max(1, max(counts, default=1))), dtype=np.int32)
+    for row, (table, n) in enumerate(zip(tables, counts, strict=True)):
+        padded[row, :n] = np.asarray(table[:n], dtype=np.int32)
+    return padded
+
+
 def build_prefill_chunks(
     layout: StepLayout,
     block_tables: list[list[int]],
@@ -168,7 +187,7 @@ def _window_chunk(
 ) -> PrefillChunk:
     """A chunk of a sliding-window layer whose context is longer than the window."""
     first_query = ctx_len - q_len
-    first_key = max(0, first_query - window + 1)  # the earliest key the first query sees
+    first_key = first_visible_key(ctx_len, q_len, window)
     query_pos = np.arange(first_query, ctx_len)
     if first_query == 0:  # a whole prompt: attend over its new K/V, under a band mask
         mask = window_mask(query_pos, query_pos, window)

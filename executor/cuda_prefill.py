@@ -26,15 +26,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from zllm.executor import cuda_kernels as ck
+from zllm.executor.attention_metadata import context_slots, first_visible_key, padded_tables
 from zllm.executor.cuda_kernels import (
     _DTYPE_TAG,
-    NUM_THREADS,
     SUPPORTED_HEAD_DIMS,
     CudaKernelError,
     KernelLaunch,
@@ -46,6 +46,7 @@ from zllm.executor.cuda_kernels import (
 logger = logging.getLogger(__name__)
 
 TILE_ROWS = 16  # query tokens per thread block: kRows of csrc/paged_prefill.cu
+PREFILL_THREADS = 128  # kPrefillThreads of csrc/paged_prefill.cu (its row mapping needs it)
 PREFILL_MODES = ("auto", "kernel", "sdpa")
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -60,6 +61,24 @@ def prefill_mode() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelInputs:
+    """The prefill batch as csrc/paged_prefill.cu reads it."""
+
+    rows: torch.Tensor  # int32, the seqs table [P, 3] then the tiles table [N, 2], flat
+    block_tables: torch.Tensor  # int32 [P, max_blocks]
+    num_seqs: int
+    num_tiles: int
+
+    @property
+    def seqs(self) -> torch.Tensor:
+        return self.rows[: 3 * self.num_seqs]
+
+    @property
+    def tiles(self) -> torch.Tensor:
+        return self.rows[3 * self.num_seqs :]
+
+
+@dataclass(frozen=True, slots=True)
 class FlashInputs:
     """The prefill batch packed for one varlen FlashAttention call."""
 
@@ -70,63 +89,24 @@ class FlashInputs:
     max_queries: int
     max_keys: int
 
-    @classmethod
-    def build(
-        cls,
-        first_tokens: np.ndarray,
-        query_lens: np.ndarray,
-        context_lens: np.ndarray,
-        tables: list[np.ndarray | list[int]],
-        block_size: int,
-        device: torch.device | str,
-        window: int,
-    ) -> FlashInputs:
-        """Keys from each sequence's first visible position: 0, or with a window the first
-        one its earliest query sees (so released blocks before it are never read)."""
-        rows, slots = [], []
-        key_lens = np.empty(len(query_lens), dtype=np.int64)
-        for i, table in enumerate(tables):
-            q_len, ctx_len = int(query_lens[i]), int(context_lens[i])
-            first_key = max(0, ctx_len - q_len - window + 1) if window else 0
-            positions = np.arange(first_key, ctx_len, dtype=np.int64)
-            blocks = np.asarray(table[: -(-ctx_len // block_size)], dtype=np.int64)
-            slots.append(blocks[positions // block_size] * block_size + positions % block_size)
-            rows.append(np.arange(first_tokens[i], first_tokens[i] + q_len, dtype=np.int64))
-            key_lens[i] = ctx_len - first_key
-        q_lens = np.asarray(query_lens, dtype=np.int64)
 
-        def cumulative(lens: np.ndarray) -> torch.Tensor:
-            cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-            return torch.from_numpy(cu).to(device, non_blocking=True)
-
-        return cls(
-            query_rows=torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True),
-            key_slots=torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True),
-            cu_queries=cumulative(q_lens),
-            cu_keys=cumulative(key_lens),
-            max_queries=int(q_lens.max()),
-            max_keys=int(key_lens.max()),
-        )
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillBatch:
-    """The prefilling sequences of one step, on the device, for every layer's launch."""
+    """The prefilling sequences of one step: per sequence, where its queries start in the
+    flat batch, how many, its context length (this step's tokens included) and block table.
+    Each layer's call reads the device form its implementation needs, made on first use
+    and kept for the step's other layers (`kernel` or `flash`), so a step builds one."""
 
-    rows: torch.Tensor  # int32, the seqs table [P, 3] then the tiles table [N, 2], flat
-    block_tables: torch.Tensor  # int32 [P, max_blocks]
-    num_seqs: int
-    num_tiles: int
-    window: int  # sliding window (0: none)
-    flash: FlashInputs  # the same batch packed for FlashAttention
-
-    @property
-    def seqs(self) -> torch.Tensor:
-        return self.rows[: 3 * self.num_seqs]
-
-    @property
-    def tiles(self) -> torch.Tensor:
-        return self.rows[3 * self.num_seqs :]
+    first_tokens: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_tables: list[np.ndarray | list[int]]  # entries before a window may be -1
+    block_size: int
+    device: torch.device | str
+    window: int = 0  # sliding window (0: none)
+    mode: str = "auto"  # ZLLM_CUDA_PREFILL when the step was built
+    _kernel: KernelInputs | None = field(default=None, repr=False)
+    _flash: FlashInputs | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -139,33 +119,74 @@ class PrefillBatch:
         device: torch.device | str,
         window: int | None = None,
     ) -> PrefillBatch:
-        """One row per prefilling sequence: where its queries start in the flat batch, how
-        many, and its context length (this step's tokens included). Table entries before a
-        window's first block are never read (they may be -1)."""
-        num_seqs = len(query_lens)
-        seqs = np.stack([first_tokens, query_lens, context_lens], axis=1).astype(np.int32)
-        tiles_per_seq = -(-np.asarray(query_lens, dtype=np.int64) // TILE_ROWS)
-        tile_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), tiles_per_seq)
-        tile_starts = np.cumsum(tiles_per_seq) - tiles_per_seq
-        first_query = (np.arange(len(tile_seq)) - np.repeat(tile_starts, tiles_per_seq)) * TILE_ROWS
-        tiles = np.stack([tile_seq, first_query.astype(np.int32)], axis=1)
-        width = max(1, max((-(-int(n) // block_size) for n in context_lens), default=1))
-        tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            n = -(-int(context_lens[i]) // block_size)
-            tables[i, :n] = np.asarray(table[:n], dtype=np.int32)
-        rows = np.concatenate([seqs.ravel(), tiles.ravel()])
-        window = int(window or 0)
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        context_lens = np.asarray(context_lens, dtype=np.int64)
+        if not len(query_lens) or (query_lens < 1).any() or (query_lens > context_lens).any():
+            raise ValueError("a prefill batch needs sequences of 1..context_len new tokens")
         return cls(
-            rows=torch.from_numpy(rows).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(tables).to(device, non_blocking=True),
-            num_seqs=num_seqs,
-            num_tiles=len(tiles),
-            window=window,
-            flash=FlashInputs.build(
-                first_tokens, query_lens, context_lens, block_tables, block_size, device, window
-            ),
+            np.asarray(first_tokens, dtype=np.int64),
+            query_lens,
+            context_lens,
+            list(block_tables),
+            block_size,
+            device,
+            int(window or 0),
+            prefill_mode(),
         )
+
+    @property
+    def kernel(self) -> KernelInputs:
+        if self._kernel is None:
+            num_seqs = len(self.query_lens)
+            seqs = np.stack([self.first_tokens, self.query_lens, self.context_lens], axis=1)
+            tiles_per_seq = -(-self.query_lens // TILE_ROWS)
+            tile_seq = np.repeat(np.arange(num_seqs), tiles_per_seq)
+            tile_starts = np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
+            first_query = (np.arange(len(tile_seq)) - tile_starts) * TILE_ROWS
+            tiles = np.stack([tile_seq, first_query], axis=1)
+            rows = np.concatenate([seqs.ravel(), tiles.ravel()]).astype(np.int32)
+            tables = padded_tables(self.block_tables, self.context_lens, self.block_size)
+            self._kernel = KernelInputs(
+                torch.from_numpy(rows).to(self.device, non_blocking=True),
+                torch.from_numpy(tables).to(self.device, non_blocking=True),
+                num_seqs,
+                len(tiles),
+            )
+        return self._kernel
+
+    @property
+    def flash(self) -> FlashInputs:
+        """Keys from each sequence's first visible position (0, or with a window the first
+        its earliest query sees: released blocks before it are never read)."""
+        if self._flash is None:
+            rows, slots, key_lens = [], [], []
+            for first, q_len, ctx_len, table in zip(
+                self.first_tokens.tolist(),
+                self.query_lens.tolist(),
+                self.context_lens.tolist(),
+                self.block_tables,
+                strict=True,
+            ):
+                first_key = first_visible_key(ctx_len, q_len, self.window)
+                slots.append(context_slots(table, ctx_len, self.block_size)[first_key:])
+                rows.append(np.arange(first, first + q_len, dtype=np.int64))
+                key_lens.append(ctx_len - first_key)
+
+            def device(array: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+            def cumulative(lens) -> torch.Tensor:
+                return device(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+            self._flash = FlashInputs(
+                query_rows=device(np.concatenate(rows)),
+                key_slots=device(np.concatenate(slots)),
+                cu_queries=cumulative(self.query_lens),
+                cu_keys=cumulative(key_lens),
+                max_queries=int(self.query_lens.max()),
+                max_keys=max(key_lens),
+            )
+        return self._flash
 
 
 def plan_paged_prefill(
@@ -190,18 +211,17 @@ def plan_paged_prefill(
         raise CudaKernelError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
     if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
         raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
-    _check_devices(kv_cache, q=q, out=out, rows=batch.rows, block_tables=batch.block_tables)
-    if batch.num_tiles == 0:
-        return []
+    inputs = batch.kernel
+    _check_devices(kv_cache, q=q, out=out, rows=inputs.rows, block_tables=inputs.block_tables)
     if num_heads > 65535:
         raise CudaKernelError(f"{num_heads} heads exceed one launch's grid (65535)")
-    seqs, tiles = batch.seqs, batch.tiles
+    seqs, tiles = inputs.seqs, inputs.tiles
     return [
         KernelLaunch(
             "paged_prefill.cu",
             f"zllm_paged_prefill<{_DTYPE_TAG[q.dtype]}, {head_dim}>",
-            (batch.num_tiles, num_heads, 1),
-            (NUM_THREADS, 1, 1),
+            (inputs.num_tiles, num_heads, 1),
+            (PREFILL_THREADS, 1, 1),
             (
                 _ptr(out),
                 _ptr(q),
@@ -209,9 +229,9 @@ def plan_paged_prefill(
                 np.int64(q.stride(1)),
                 _ptr(kv_cache),
                 np.int64(num_blocks * block_size),
-                _ptr(batch.block_tables),
+                _ptr(inputs.block_tables),
                 np.int32(0),  # the tables are int32
-                np.int64(batch.block_tables.stride(0)),
+                np.int64(inputs.block_tables.stride(0)),
                 _ptr(seqs),
                 _ptr(tiles),
                 np.int32(num_heads),
@@ -220,7 +240,7 @@ def plan_paged_prefill(
                 np.float32(scale),
                 np.int32(batch.window),
             ),
-            (q, out, seqs, tiles, batch.block_tables),
+            (q, out, seqs, tiles, inputs.block_tables),
         )
     ]
 
@@ -236,24 +256,26 @@ def paged_prefill_attention(
     """Writes the prefill tokens' attention into their rows of `out` ([T, heads, D]).
     `impl`: "flash" or "kernel"; None picks flash where it runs (`uses_flash`)."""
     if impl is None:
-        impl = "flash" if uses_flash(q) else "kernel"
+        impl = "flash" if uses_flash(q, batch.mode) else "kernel"
     if impl == "flash":
         flash_prefill(q, kv_cache, batch.flash, scale, out, batch.window)
-    else:
+    elif impl == "kernel":
         ck.run_launches(plan_paged_prefill(q, kv_cache, batch, scale, out), q.device)
+    else:
+        raise ValueError(f"prefill implementation {impl!r}: expected 'flash' or 'kernel'")
     return out
 
 
-def uses_flash(q: torch.Tensor) -> bool:
+def uses_flash(q: torch.Tensor, mode: str = "auto") -> bool:
     """FlashAttention for this layer's prefill: bf16/fp16 on a GPU where it runs, a head
     size it has (a multiple of 8 up to 256), and not ZLLM_CUDA_PREFILL=kernel."""
     head_dim = q.shape[-1]
     return (
-        q.dtype in FLASH_DTYPES
+        mode == "auto"
+        and q.dtype in FLASH_DTYPES
         and q.is_cuda
         and head_dim % 8 == 0
         and head_dim <= 256
-        and prefill_mode() == "auto"
         and flash_available(q.device.index or 0)
     )
 
@@ -261,7 +283,8 @@ def uses_flash(q: torch.Tensor) -> bool:
 @functools.cache
 def flash_available(device_index: int) -> bool:
     """torch's FlashAttention-2 runs here (sm80+, built in), checked once per device with a
-    tiny varlen call; else the kernel serves every prefill, with one warning."""
+    tiny varlen call shaped as flash_prefill's (GQA, a window, a scale); else the kernel
+    serves every prefill, with one warning."""
     major, _ = torch.cuda.get_device_capability(device_index)
     if major < 8 or not torch.backends.cuda.is_flash_attention_available():
         logger.warning("FlashAttention unavailable on this GPU: prefill by csrc/paged_prefill.cu")
@@ -270,8 +293,9 @@ def flash_available(device_index: int) -> bool:
         x = torch.zeros(2, 2, 64, dtype=torch.bfloat16, device=f"cuda:{device_index}")
         cu = torch.tensor([0, 2], dtype=torch.int32, device=x.device)
         torch.ops.aten._flash_attention_forward(
-            x, x[:, :1], x[:, :1], cu, cu, 2, 2, 0.0, True, False
-        )
+            x, x[:, :1], x[:, :1], cu, cu, 2, 2, 0.0, True, False,
+            scale=0.125, window_size_left=1, window_size_right=0,
+        )  # fmt: skip
     except (RuntimeError, TypeError) as exc:
         logger.warning("FlashAttention varlen failed (%s): prefill by csrc/paged_prefill.cu", exc)
         return False

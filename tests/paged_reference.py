@@ -55,7 +55,9 @@ def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0) -> torch.
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for s, (first, q_len, ctx_len) in enumerate(seqs):
-        pos = torch.arange(ctx_len, device=q.device)
+        # From the first key any of its queries sees: a released block is never gathered.
+        first_key = max(0, ctx_len - q_len - window + 1) if window > 0 else 0
+        pos = torch.arange(first_key, ctx_len, device=q.device)
         slots = tables[s].long()[pos // block_size] * block_size + pos % block_size
         k = flat[0, slots].double().repeat_interleave(group, dim=1)
         v = flat[1, slots].double().repeat_interleave(group, dim=1)
@@ -67,3 +69,27 @@ def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0) -> torch.
         scores = scores.masked_fill(~visible, float("-inf"))
         out[first : first + q_len] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
     return out
+
+
+def packed_prefills(pairs) -> tuple[list[tuple[int, int, int]], int]:
+    """(first token, query count, context length) per (query count, context length) pair,
+    laid out as a step's flat batch with one decode token before each prefill (so prefill
+    rows start mid-batch); and the batch's token count."""
+    seqs, first = [], 0
+    for q_len, ctx_len in pairs:
+        seqs.append((first + 1, q_len, ctx_len))
+        first += 1 + q_len
+    return seqs, first
+
+
+def poison_released_blocks(kv_cache, tables, released, block_size) -> torch.Tensor:
+    """A cache with one more block, all NaN, that the `released[i]` first positions of each
+    sequence i now point to (as blocks a sliding window released): a kernel that reads any
+    of them puts NaN in its output. Returns the new cache; `tables` change in place."""
+    poison = kv_cache.shape[1]
+    shape = list(kv_cache.shape)
+    shape[1] = 1
+    nan_block = torch.full(shape, float("nan"), dtype=kv_cache.dtype, device=kv_cache.device)
+    for i, n in enumerate(released):
+        tables[i, : n // block_size] = poison
+    return torch.cat([kv_cache, nan_block], dim=1)

@@ -300,9 +300,9 @@ def test_backends_share_the_step_layout():
     assert gpu.decode_token_indices.tolist() == cpu.decode.token_indices.tolist()
 
     spans = [(c.token_start, c.token_end, c.context_len) for c in cpu.prefills]
-    rows = gpu.prefill.seqs.view(-1, 3).tolist()
+    rows = gpu.prefill.kernel.seqs.view(-1, 3).tolist()
     assert spans == [(first, first + q, n) for first, q, n in rows] and len(spans) == 3
-    for chunk, table in zip(cpu.prefills, gpu.prefill.block_tables, strict=True):
+    for chunk, table in zip(cpu.prefills, gpu.prefill.kernel.block_tables, strict=True):
         if chunk.context_slots is not None:  # a chunk after cached context reads these slots
             blocks = table[: -(-chunk.context_len // 4)].long()
             slots = (blocks[:, None] * 4 + torch.arange(4)).reshape(-1)[: chunk.context_len]

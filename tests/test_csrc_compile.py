@@ -26,7 +26,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from paged_reference import TOLERANCE, decode_reference, prefill_reference, random_tables
+from paged_reference import (
+    TOLERANCE,
+    decode_reference,
+    packed_prefills,
+    poison_released_blocks,
+    prefill_reference,
+    random_tables,
+)
 
 from zllm.executor import cuda_kernels as ck
 from zllm.executor import cuda_prefill as cp
@@ -253,10 +260,10 @@ def test_emulated_paged_decode_matches_reference(emu, case, target_blocks, monke
     dtype, heads, kv_heads, head_dim, block_size, lens, table_dtype, window = EMU_DECODE_CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     num_blocks, tables = random_tables(lens, block_size, gen, table_dtype)
-    if window:  # blocks wholly before the window are released (-1) and never read
-        for i, n in enumerate(lens):
-            tables[i, : max(0, n - window) // block_size] = -1
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    if window:  # blocks wholly before the window are released: poisoned, never read
+        released = [max(0, n - window) for n in lens]
+        kv_cache = poison_released_blocks(kv_cache, tables, released, block_size)
     # q as the model makes it: a view of a wider [T, heads + kv_heads, D] rope output.
     qk = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :heads]
@@ -298,15 +305,11 @@ def test_emulated_paged_prefill_matches_reference(emu, case):
     gen = torch.Generator().manual_seed(len(case))
     ctx_lens = [n for _, n in pairs]
     num_blocks, tables = random_tables(ctx_lens, block_size, gen)
-    if window:  # blocks wholly before every query's window are released (-1), never read
-        for i, (q_len, n) in enumerate(pairs):
-            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    # One decode token before each prefill in the flat batch: prefill rows start mid-batch.
-    seqs, first = [], 0
-    for q_len, n in pairs:
-        seqs.append((first + 1, q_len, n))
-        first += 1 + q_len
+    if window:  # blocks wholly before every query's window are released: poisoned, unread
+        released = [max(0, n - q - window + 1) for q, n in pairs]
+        kv_cache = poison_released_blocks(kv_cache, tables, released, block_size)
+    seqs, first = packed_prefills(pairs)
     qk = torch.randn(first, heads + kv_heads, head_dim, generator=gen).to(dtype)
     q = qk[:, :heads]  # strided, as the model's rope output
     out = torch.full(q.shape, float("nan"), dtype=dtype)
@@ -314,7 +317,7 @@ def test_emulated_paged_prefill_matches_reference(emu, case):
     batch = cp.PrefillBatch.build(
         starts, q_lens, lens, list(tables.numpy()), block_size, "cpu", window
     )
-    assert batch.num_tiles == sum(-(-q // cp.TILE_ROWS) for q, _ in pairs)
+    assert batch.kernel.num_tiles == sum(-(-q // cp.TILE_ROWS) for q, _ in pairs)
     emu.run_launches(cp.plan_paged_prefill(q, kv_cache, batch, head_dim**-0.5, out))
     expected = prefill_reference(q, kv_cache, tables, seqs, block_size, window)
     rows = torch.cat([torch.arange(f, f + n) for f, n, _ in seqs])
@@ -329,7 +332,9 @@ def test_emulated_paged_prefill_matches_reference(emu, case):
 def test_flash_inputs_pack_each_sequences_visible_keys(window):
     """The packed batch of the FlashAttention path, checked by doing what that call does
     (per sequence: its keys gathered by slot, causal aligned to the last key, the window as
-    a left band) in float64 on CPU, against the reference on the whole context."""
+    a left band) in float64 on CPU, against the reference on the whole context. The call's
+    own arguments (window_size_left = W - 1, right 0) are checked on a GPU only
+    (tests/test_cuda.py)."""
     pairs, block_size, heads, kv_heads, head_dim = (
         [(30, 30), (12, 50), (5, 5), (20, 90)],
         8,
@@ -340,21 +345,18 @@ def test_flash_inputs_pack_each_sequences_visible_keys(window):
     gen = torch.Generator().manual_seed(window)
     ctx_lens = [n for _, n in pairs]
     num_blocks, tables = random_tables(ctx_lens, block_size, gen)
-    if window:
-        for i, (q_len, n) in enumerate(pairs):
-            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).double()
-    seqs, first = [], 0
-    for q_len, n in pairs:
-        seqs.append((first + 1, q_len, n))
-        first += 1 + q_len
+    released = [max(0, n - q - window + 1) if window else 0 for q, n in pairs]
+    cache = poison_released_blocks(cache, tables, released, block_size)
+    seqs, first = packed_prefills(pairs)
     q = torch.randn(first, heads, head_dim, generator=gen).double()
     starts, q_lens, lens = (np.array(c) for c in zip(*seqs, strict=True))
-    flash = cp.FlashInputs.build(
+    batch = cp.PrefillBatch.build(
         starts, q_lens, lens, list(tables.numpy()), block_size, "cpu", window
     )
+    flash = batch.flash
     slots = cache.view(2, -1, kv_heads, head_dim)
-    assert (flash.key_slots >= 0).all(), "a released block's slot was packed"
+    assert not slots[:, flash.key_slots].isnan().any(), "a released block's slot was packed"
     got = torch.zeros_like(q)
     cu_q, cu_k = flash.cu_queries.tolist(), flash.cu_keys.tolist()
     for i in range(len(pairs)):
@@ -368,9 +370,9 @@ def test_flash_inputs_pack_each_sequences_visible_keys(window):
         scores = torch.einsum("qhd,khd->hqk", q[rows], k) / head_dim**0.5
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         got[rows] = torch.einsum("hqk,khd->qhd", probs, v)
-    assert flash.max_queries == max(q_lens) and flash.max_keys == max(
-        cu_k[i + 1] - cu_k[i] for i in range(len(pairs))
-    )
+    visible_keys = [min(n, q + window - 1) if window else n for q, n in pairs]
+    assert flash.max_queries == max(q_lens) and flash.max_keys == max(visible_keys)
+    assert [cu_k[i + 1] - cu_k[i] for i in range(len(pairs))] == visible_keys
     expected = prefill_reference(q, cache, tables, seqs, block_size, window)
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
 

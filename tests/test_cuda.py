@@ -10,7 +10,14 @@ import importlib.util
 
 import pytest
 import torch
-from paged_reference import TOLERANCE, decode_reference, prefill_reference, random_tables
+from paged_reference import (
+    TOLERANCE,
+    decode_reference,
+    packed_prefills,
+    poison_released_blocks,
+    prefill_reference,
+    random_tables,
+)
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
@@ -86,13 +93,14 @@ def test_paged_decode_max_seq_len_and_empty_rows(dtype):
 @pytest.mark.parametrize("window", [37, 600])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_with_a_sliding_window(dtype, window):
-    """Each query sees its last `window` positions; table entries before them are -1."""
+    """Each query sees its last `window` positions; blocks wholly before them point to a
+    NaN block (released), which no read may touch."""
     gen = torch.Generator().manual_seed(window)
     lens = [1, 36, 37, 38, 599, 600, 601, 2000, 4096]
     num_blocks, tables = random_tables(lens, 16, gen)
-    for i, n in enumerate(lens):
-        tables[i, : max(0, n - window) // 16] = -1
     kv_cache = torch.randn(2, num_blocks, 16, 2, 128, generator=gen).to(DEVICE, dtype)
+    released = [max(0, n - window) for n in lens]
+    kv_cache = poison_released_blocks(kv_cache, tables, released, 16)
     q = torch.randn(len(lens), 8, 128, generator=gen).to(DEVICE, dtype)
     seq_lens = torch.tensor(lens, device=DEVICE)
     out = ck.paged_decode_attention(q, kv_cache, tables.to(DEVICE), seq_lens, window=window)
@@ -127,15 +135,12 @@ def test_paged_prefill_matches_reference(
     gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size + window)
     ctx_lens = [n for _, n in PREFILL_PAIRS]
     num_blocks, tables = random_tables(ctx_lens, block_size, gen)
-    if window:
-        for i, (q_len, n) in enumerate(PREFILL_PAIRS):
-            tables[i, : max(0, n - q_len - window + 1) // block_size] = -1
     kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
     kv_cache = kv_cache.to(DEVICE, dtype)
-    seqs, first = [], 0
-    for q_len, n in PREFILL_PAIRS:  # a decode token before each prefill in the flat batch
-        seqs.append((first + 1, q_len, n))
-        first += 1 + q_len
+    if window:  # blocks wholly before every query's window: a NaN block, never to be read
+        released = [max(0, n - q - window + 1) for q, n in PREFILL_PAIRS]
+        kv_cache = poison_released_blocks(kv_cache, tables, released, block_size)
+    seqs, first = packed_prefills(PREFILL_PAIRS)  # a decode token before each prefill
     qk = torch.randn(first, heads + kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     q = qk[:, :heads]
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
