@@ -66,6 +66,7 @@ from zllm.frontend.openapi import openapi_schema
 from zllm.frontend.responses import encode_json, error_response, json_response
 from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
+from zllm.frontend.tenant_limits import TenantLimits
 from zllm.inputs import check_vocabulary
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
@@ -88,7 +89,15 @@ def build_app(
     restart is kept (the LoRA adapters loaded at run time)."""
     server = OpenAIServer(config, client, tokenizer, run_dir)
     routes = [Route(r.path, _endpoint(server, r), methods=[r.method], name=r.path) for r in ROUTES]
-    middleware = [Middleware(Gate, config=config, admission=server.admission, routes=ROUTES)]
+    middleware = [
+        Middleware(
+            Gate,
+            config=config,
+            admission=server.admission,
+            routes=ROUTES,
+            tenant_limits=server.tenant_limits,
+        )
+    ]
     if config.allowed_origins:  # CORS is off unless asked for
         cors = Middleware(
             CORSMiddleware,
@@ -160,6 +169,11 @@ class OpenAIServer:
         self.created = int(time.time())
         self.prometheus = Metrics(client, config.model_names[0])
         self.admission = Admission(config.max_in_flight)
+        self.tenant_limits = TenantLimits(
+            config.tenant_max_concurrency,
+            config.tenant_max_requests_per_second,
+            self.prometheus.registry,
+        )
         self.adapters = LoRAAdapters(
             config.engine,
             config.model_names,

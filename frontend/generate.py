@@ -192,7 +192,12 @@ class Generation:
         ids = RequestIds.of(request, call.id_prefix)
         now = time.time()
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)  # the Gate's finding
-        options = msgspec.structs.replace(call.options(), lora=lora, tenant=tenant)
+        options = msgspec.structs.replace(
+            call.options(),
+            lora=lora,
+            tenant=tenant,
+            isolate_tenant_cache=self.config.prefix_cache_isolation == "tenant",
+        )
         requests = [
             TokenizeRequest(
                 req_id=ids.engine_id(i, len(call.prompts)),

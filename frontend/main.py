@@ -57,7 +57,8 @@ class _Server(uvicorn.Server):
             await asyncio.to_thread(
                 report_ready, self.serve_config, ProcessRole.FRONTEND, index_arg()
             )
-            logger.info("listening on http://%s:%d", self.serve_config.host, self.serve_config.port)
+            config = self.serve_config
+            logger.info("listening on %s://%s:%d", config.scheme, config.host, config.port)
 
     async def shutdown(self, sockets=None) -> None:
         # uvicorn stops listening, then waits for open connections; meanwhile fail whatever
@@ -93,6 +94,11 @@ async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
         loop="uvloop",
         log_level="warning",
         timeout_graceful_shutdown=config.drain_timeout + _FAIL_GRACE_S,
+        # HTTPS when a certificate is given (checked by the supervisor: zllm/config/tls.py).
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs,
     )
     server = _Server(uv_config, config, app.state.server, client)
     try:

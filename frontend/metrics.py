@@ -23,7 +23,9 @@
                                vllm:inter_token_latency_seconds,
                                vllm:e2e_request_latency_seconds,
                                vllm:request_queue_time_seconds,
-                               vllm:request_prompt_tokens, vllm:request_generation_tokens
+                               vllm:request_prompt_tokens, vllm:request_generation_tokens,
+                               zllm:tenant_requests_limited_total{tenant,limit}
+                               (frontend/tenant_limits.py)
 
 Per-request numbers are observed per engine request (one prompt; a multi-prompt HTTP request
 is several), as the frontend receives its outputs:

@@ -12,7 +12,8 @@ which are open. With API keys set, every route needs one except the observabilit
 path gets its 404 without. A refusal has the shape of its route's API's errors.
 
 A generation request's tenant (zllm/runtime/tenants.py) goes into its scope too: the key it was sent
-with, else its X-Tenant header (400 when malformed), else the default tenant.
+with, else its X-Tenant header (400 when malformed), else the default tenant; the tenant's
+own limits (frontend/tenant_limits.py) then answer 429 beyond them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
+from zllm.frontend.tenant_limits import TenantLimits
 from zllm.runtime.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
 
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
@@ -47,10 +49,12 @@ class Gate:
         config: ServeConfig,
         admission: Admission,
         routes: Sequence[ApiRoute],
+        tenant_limits: TenantLimits | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.admission = admission
+        self.tenant_limits = tenant_limits
         # The table's paths have no parameters: a request's route is found by its path.
         self.routes = {route.path: route for route in routes}
         self.generation_paths = frozenset(r.path for r in routes if r.generation)
@@ -82,15 +86,20 @@ class Gate:
         if scope["path"] not in self.generation_paths:
             return await self.app(scope, receive, send)
         try:
-            scope[TENANT_KEY] = _tenant(scope, key_index)
+            tenant = scope[TENANT_KEY] = _tenant(scope, key_index)
         except ParamError as e:
             refusal = RequestError(str(e), param=e.param)
+            return await self._error(scope, refusal)(scope, receive, send)
+        limits = self.tenant_limits if self.tenant_limits and self.tenant_limits.enabled else None
+        if limits is not None and (refusal := limits.enter(tenant)) is not None:
             return await self._error(scope, refusal)(scope, receive, send)
         ticket = scope[TICKET_KEY] = Ticket()  # the route admits it; released when sent
         try:
             await self.app(scope, receive, send)
         finally:
             self.admission.release(ticket)
+            if limits is not None:
+                limits.leave(tenant)
 
     def _refusal(self, scope: Scope, key_index: int | None) -> RequestError | None:
         """The error for a request refused at the door, or None."""

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ class Server:
     log: Path
     run_dir: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    # An https server's client context (its CA trusted, a client certificate if asked for).
+    verify: ssl.SSLContext | bool = True
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -61,10 +64,12 @@ class Server:
 
     def get(self, path: str, **kw) -> httpx.Response:
         kw.setdefault("headers", self.headers)
+        kw.setdefault("verify", self.verify)
         return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
 
     def post(self, path: str, body, **kw) -> httpx.Response:
         kw.setdefault("headers", self.headers)
+        kw.setdefault("verify", self.verify)
         timeout = kw.pop("timeout", 60)
         if isinstance(body, (dict, list)):
             return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
@@ -94,10 +99,17 @@ def free_port() -> int:
 in_e2e_test: bool | None = None
 
 
-def start_server(model_dir: str, log: Path, *extra: str, api_key: str | None = None) -> Server:
+def start_server(
+    model_dir: str,
+    log: Path,
+    *extra: str,
+    api_key: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> Server:
     """`zllm serve` on loopback with a small KV pool; returns once /health answers 200 and
     the run directory is known. `extra` are more `zllm serve` options (later ones win), e.g.
-    worker counts or --served-model-name; with `api_key`, get/post send it."""
+    worker counts or --served-model-name; with `api_key`, get/post send it. `tls`: the
+    server serves HTTPS (its --ssl-* options in `extra`), reached with this client context."""
     if in_e2e_test is False:
         raise RuntimeError("a test that starts `zllm serve` must be marked pytest.mark.e2e")
     port = free_port()
@@ -112,7 +124,10 @@ def start_server(model_dir: str, log: Path, *extra: str, api_key: str | None = N
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    server = Server(f"http://127.0.0.1:{port}", port, proc, log, headers=headers)
+    scheme = "http" if tls is None else "https"
+    server = Server(f"{scheme}://127.0.0.1:{port}", port, proc, log, headers=headers)
+    if tls is not None:
+        server.verify = tls
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (server.healthy() and "sockets and config in" in server.log_text()):
         if proc.poll() is not None:

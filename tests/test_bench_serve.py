@@ -36,6 +36,7 @@ TTFT_S = 0.05
 GAP_S = 0.01
 FAIL_TOKEN = 1  # a prompt starting with this token gets an HTTP 500
 HANG_TOKEN = 2  # ... with this one, a stream that stalls (for the timeout)
+SILENT_TOKEN = 3  # ... with this one, tokens that decode to no text: only the closing chunk
 
 
 class FakeServer:
@@ -95,7 +96,7 @@ class FakeServer:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             try:
                 await asyncio.sleep(TTFT_S if prompt[0] != HANG_TOKEN else 30)
-                for i in range(n):
+                for i in range(n if prompt[0] != SILENT_TOKEN else 0):
                     if i:
                         await asyncio.sleep(GAP_S)
                     chunk = {
@@ -312,3 +313,20 @@ def test_engine_split_reported_against_a_real_zllm_server(tiny_llama_dir, tmp_pa
         assert cpu[role] >= 0, role
     assert cpu["executor"] > 0
     assert "Executor idle share" in format_table(s)
+
+
+def test_a_stream_of_tokens_without_text_is_completed(server):
+    """Tokens that decode to nothing (special tokens skipped, say): zllm streams no chunk for
+    them, only the closing one (empty text, finish_reason) and usage. The request completed."""
+    n, out_len = 2, 6
+    config = ServeBenchConfig(
+        base_url=server.base_url, num_prompts=n, input_len=8, output_len=out_len, num_warmups=0
+    )
+    prompts = [[SILENT_TOKEN] + [400] * 7, [300] + [400] * 7]
+    s, results = _run(config, prompts)
+    assert s["completed"] == n and s["failed"] == 0 and s["errors"] == {}
+    silent, normal = results
+    assert silent.ok and silent.output_tokens == out_len and silent.usage_reported
+    assert silent.num_chunks == 1 and silent.itl == [] and 0 < silent.ttft <= silent.e2e
+    # A closing empty chunk after token chunks still adds nothing.
+    assert normal.ok and normal.num_chunks == out_len

@@ -9,6 +9,7 @@ import shutil
 from dataclasses import fields
 
 import pytest
+import trustme
 from tiny_models import write_lora_adapter
 
 from zllm.cli import build_parser, serve_config_from_args
@@ -127,6 +128,13 @@ SERVER_ARGV = [
     "--lora-modules", "x=LORA_DIR",
     "--data-parallel-size", "2",
     "--data-parallel-routing", "load",
+    "--prefix-cache-isolation", "none",
+    "--tenant-max-concurrency", "3",
+    "--tenant-max-requests-per-second", "2.5",
+    "--ssl-keyfile", "SSL_KEY",
+    "--ssl-certfile", "SSL_CERT",
+    "--ssl-ca-certs", "SSL_CA",
+    "--ssl-cert-reqs", "2",
 ]  # fmt: skip
 
 ENGINE_COMMANDS = [
@@ -199,6 +207,14 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
     adapter = write_lora_adapter(tmp_path / "adapter", tiny_llama_dir)
     argv = [str(template) if a == "CHAT_TEMPLATE_FILE" else a for a in SERVER_ARGV]
     argv = [f"x={adapter}" if a == "x=LORA_DIR" else a for a in argv]
+    ca = trustme.CA()  # the --ssl-* files must load
+    leaf = ca.issue_cert("127.0.0.1")
+    tls = {"SSL_KEY": tmp_path / "key.pem", "SSL_CERT": tmp_path / "cert.pem",
+           "SSL_CA": tmp_path / "ca.pem"}  # fmt: skip
+    leaf.private_key_pem.write_to_path(str(tls["SSL_KEY"]))
+    leaf.cert_chain_pems[0].write_to_path(str(tls["SSL_CERT"]))
+    ca.cert_pem.write_to_path(str(tls["SSL_CA"]))
+    argv = [str(tls[a]) if a in tls else a for a in argv]
     engine_argv = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "64M", "--enable-lora"]
     args = parse("serve", tiny_llama_dir, *argv, *engine_argv, "--no-enable-prefix-caching")
 
@@ -238,6 +254,13 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         lora_modules=[with_digest(LoRARequest("x", 1, str(adapter)))],
         data_parallel_size=2,
         data_parallel_routing="load",
+        prefix_cache_isolation="none",
+        tenant_max_concurrency=3,
+        tenant_max_requests_per_second=2.5,
+        ssl_keyfile=str(tls["SSL_KEY"]),
+        ssl_certfile=str(tls["SSL_CERT"]),
+        ssl_ca_certs=str(tls["SSL_CA"]),
+        ssl_cert_reqs=2,
     )
     assert config.endpoints.ipc_dir is None
     assert len(config.endpoints.detokenizer_in) == 3

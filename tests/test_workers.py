@@ -118,3 +118,27 @@ def test_detokenizer_abort_and_reset(tokenizer):
     assert set(detok.requests) == {"b"}
     detok.process(DetokenizerBatch([], [], reset=True))
     assert detok.requests == {}
+
+
+def test_prompt_ending_inside_a_character_leaks_nothing_into_the_output(tokenizer):
+    """A prompt whose last token is the first byte of a UTF-8 character: the output is its own
+    tokens' text (never the prompt's), a character it leaves unfinished comes out as U+FFFD,
+    and the streamed deltas add up to what decoding the output alone gives."""
+    from zllm.text.incremental_detokenizer import IncrementalDetokenizer
+
+    backend = tokenizer.backend
+    lead = backend.token_to_id("Ã")  # byte 0xc3 alone: the first of a two-byte character
+    cont = backend.token_to_id("©")  # byte 0xa9: a continuation byte
+    word = backend.encode("the").ids
+    assert lead is not None and cont is not None
+    prompt = backend.encode("hello").ids + [lead]
+    for output in ([cont, cont], [*word, cont], [cont, *word], [lead, cont, *word]):
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = []
+        for t in output:
+            detok.update([t])
+            deltas.append(detok.take_delta(finished=False))
+        deltas.append(detok.take_delta(finished=True))
+        text = "".join(deltas)
+        assert "hello" not in text, (output, text)
+        assert text == backend.decode(output, skip_special_tokens=True), (output, deltas)

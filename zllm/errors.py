@@ -19,6 +19,7 @@ ERROR_TYPES = {
     408: "TimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
+    429: "RateLimitError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",
 }

@@ -281,6 +281,9 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # vLLM's `cache_salt`: its KV blocks are shared only with requests of the same salt
     # (zllm/kv/block_hash.py cache_salt).
     cache_salt: str | None = None
+    # --prefix-cache-isolation tenant: its blocks are salted by its tenant too, so they are
+    # shared only within the tenant (and no tenant sees another's prefixes through TTFT).
+    isolate_tenant_cache: bool = False
 
 
 NO_OPTIONS = RequestOptions()

@@ -316,8 +316,14 @@ async def _stream(client, config, model, prompt, max_tokens, start, result: Requ
             if not choices:
                 continue
             choice = choices[0]
-            # A closing chunk with no text (only finish_reason) carries no token.
-            if not choice.get("text") and choice.get("finish_reason") is not None:
+            # A closing chunk with no text (only finish_reason) adds no token to those counted,
+            # unless it is the first: tokens that decode to no text (special tokens, which are
+            # skipped, or bytes of an unfinished character) may stream nothing before it.
+            if (
+                result.num_chunks
+                and not choice.get("text")
+                and choice.get("finish_reason") is not None
+            ):
                 continue
             if result.num_chunks == 0:
                 result.ttft = now - start

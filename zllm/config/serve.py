@@ -27,6 +27,7 @@ from zllm.config.arg_utils import (
 )
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import check_ports
+from zllm.config.tls import check_tls
 from zllm.lora import LoRARequest, parse_lora_modules, read_adapter, with_digest
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,17 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # how the tokenizer workers pick one for each request (tokenizer_proc/router.py).
     data_parallel_size: int = 1
     data_parallel_routing: str = "cache_aware"
+    # "tenant": each tenant's prefix-cache blocks are its own (zllm/kv/block_hash.py); "none".
+    prefix_cache_isolation: str = "none"
+    # Per-tenant limits at the door (frontend/tenant_limits.py): 429 beyond them.
+    tenant_max_concurrency: int | None = None
+    tenant_max_requests_per_second: float | None = None
+    # HTTPS (zllm/config/tls.py): the server's key and certificate, and the CAs whose client
+    # certificates it accepts (ssl_cert_reqs: ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
     # Which engine a core or executor process belongs to (the supervisor's command line
     # sets it; the shared processes keep 0 and look at every engine).
     engine_index: int = 0
@@ -180,6 +192,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     @property
     def model_names(self) -> list[str]:
         return self.served_model_names or [self.engine.model]
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
 
 def parse_origins(text: str) -> list[str]:
@@ -299,11 +315,50 @@ class ServerArgs:
         "busier) or load (the least busy: waiting x 4 + running)",
         choices=("cache_aware", "load"),
     )
+    prefix_cache_isolation: str | None = option(
+        None,
+        help="tenant: each tenant's prompts share cached KV blocks only with its own, so no "
+        "tenant can tell from its TTFT what another sent; none: one shared prefix cache "
+        "(default: tenant with several --api-key or --tenant-weights, else none)",
+        choices=("none", "tenant"),
+    )
+    tenant_max_concurrency: int | None = option(
+        None,
+        help="generation requests one tenant may have in flight; more get 429 with "
+        "Retry-After (default: no limit)",
+        parse=positive_int,
+    )
+    tenant_max_requests_per_second: float | None = option(
+        None,
+        help="generation requests one tenant may start per second (a burst of max(1, R)); "
+        "more get 429 with Retry-After (default: no limit)",
+        parse=positive_float,
+    )
+    ssl_keyfile: str | None = option(None, help="HTTPS: the server's private key (PEM)")
+    ssl_certfile: str | None = option(
+        None, help="HTTPS: the server's certificate chain (PEM); serving is HTTPS with it"
+    )
+    ssl_ca_certs: str | None = option(
+        None, help="HTTPS: CA certificates (PEM) that client certificates are checked against"
+    )
+    ssl_cert_reqs: int = option(
+        0,
+        help="client certificates, as Python's ssl module numbers them: 0 not asked for, 1 "
+        "checked when given, 2 required (needs --ssl-ca-certs)",
+        choices=(0, 1, 2),
+    )
 
 
 # ServerArgs fields that serve_config_from resolves rather than copies.
 _RESOLVED = frozenset(
-    {"api_key", "served_model_name", "chat_template", "transport", "lora_modules"}
+    {
+        "api_key",
+        "served_model_name",
+        "chat_template",
+        "transport",
+        "lora_modules",
+        "prefix_cache_isolation",
+    }
 )
 
 
@@ -311,6 +366,7 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     """The config every process gets. The engine config is made first (it resolves the model:
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
+    check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
     n = server.detokenizer_workers
     ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
     engine = with_consumer_engines(engine, server.data_parallel_size)
@@ -334,8 +390,17 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         served_model_names=list(server.served_model_name),
         chat_template=read_chat_template(server.chat_template),
         lora_modules=start_adapters(engine, server.lora_modules),
+        prefix_cache_isolation=prefix_cache_isolation(engine, server),
         **copied,
     )
+
+
+def prefix_cache_isolation(engine: EngineConfig, server: ServerArgs) -> str:
+    """As given, else "tenant" where tenants are configured (several API keys, or weights)."""
+    if server.prefix_cache_isolation is not None:
+        return server.prefix_cache_isolation
+    tenants = len(server.api_key) > 1 or engine.scheduler.tenant_weights
+    return "tenant" if tenants else "none"
 
 
 def with_consumer_engines(engine: EngineConfig, size: int) -> EngineConfig:

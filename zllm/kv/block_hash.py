@@ -22,6 +22,8 @@ NO_SALT: BlockHash = 0
 # "LoRA" and "Salt" in ASCII).
 _LORA_TAG = 0x4C6F5241
 _SALT_TAG = 0x53616C74
+# Tags the salt of a tenant's blocks under --prefix-cache-isolation tenant ("Tent").
+_TENANT_TAG = 0x54656E74
 # Tags a KV cache group's copy of a block in the KV tiers ("Grup" in ASCII).
 _GROUP_TAG = 0x47727570
 
@@ -57,15 +59,20 @@ def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
 
 
 def cache_salt(options: RequestOptions) -> BlockHash | None:
-    """The prefix-cache salt of a request's blocks, from its options: its LoRA adapter's and
-    its `cache_salt`'s, chained; None for the base model without a `cache_salt`. Requests
-    share blocks only under equal salts."""
+    """The prefix-cache salt of a request's blocks, from its options: its LoRA adapter's, its
+    tenant's (under --prefix-cache-isolation tenant) and its `cache_salt`'s, chained; None
+    for the base model with neither. Requests share blocks only under equal salts."""
     salt = None
     if options.lora is not None:  # its files' digest: alike on every server (lora.py)
         lora = options.lora
         salt = hash((_LORA_TAG, lora.lora_digest or lora.lora_int_id))
+    if options.isolate_tenant_cache:
+        salt = hash((_TENANT_TAG, salt or NO_SALT, _text_digest(options.tenant)))
     if options.cache_salt is not None:
-        # A str hashes differently in every process: its bytes' digest is the same in all.
-        digest = hashlib.blake2b(options.cache_salt.encode(), digest_size=8).digest()
-        salt = hash((_SALT_TAG, salt or NO_SALT, int.from_bytes(digest, "little")))
+        salt = hash((_SALT_TAG, salt or NO_SALT, _text_digest(options.cache_salt)))
     return salt
+
+
+def _text_digest(text: str) -> int:
+    """A str hashes differently in every process: its bytes' digest is the same in all."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")

@@ -393,7 +393,7 @@ def serve(config: ServeConfig) -> int:
         raise
     names = ", ".join(config.model_names)
     print(f"zllm: sockets and config in {supervisor.run_dir}", flush=True)
-    print(f"zllm: serving {names} on http://{config.host}:{config.port}", flush=True)
+    print(f"zllm: serving {names} on {config.scheme}://{config.host}:{config.port}", flush=True)
     return supervisor.run()
 
 

@@ -4,7 +4,8 @@ Decoding the whole sequence after every token costs O(n^2). Instead a `tokenizer
 DecodeStream keeps a small window of previous ids and emits only the new text, holding back
 bytes until they form whole UTF-8 characters (byte-fallback tokens included). The stream is
 primed with the prompt's last few tokens so the first output token decodes with the right
-leading space.
+leading space (stopping before a prompt that ends inside a character: the output's text is
+its own tokens', never a piece of the prompt's).
 
 Stop strings: the text ends *before* a stop string (unless `include_stop_str_in_output`).
 While streaming, the last `max(len(stop)) - 1` characters are held back, since they could be
@@ -31,8 +32,8 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer.backend
-        self._prime = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         self._skip_special_tokens = skip_special_tokens
+        self._prime = self._clean_prime(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
         self._stream = DecodeStream(list(self._prime), skip_special_tokens=skip_special_tokens)
         self._output_ids: list[int] = []
         self._stopped = False  # a stop string cut the text
@@ -41,6 +42,17 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.output_text = ""
         self._num_sent_chars = 0  # how much of output_text was handed out as deltas
+
+    def _clean_prime(self, tail: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, without those that end it inside a UTF-8 character (a
+        byte-fallback or byte-level token): primed with one, DecodeStream's first piece
+        repeats the primed text itself, and the prompt's text would leak into the output."""
+        prime = list(tail)
+        while prime and self._tokenizer.decode(
+            prime, skip_special_tokens=self._skip_special_tokens
+        ).endswith("\ufffd"):
+            prime.pop()
+        return prime
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Decode new tokens; returns the stop string that matched, if one did."""
