@@ -215,6 +215,24 @@ class _DecodeArgs:
         return np.int32(self.seq_lens.dtype == torch.int64)
 
 
+def check_query(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """The cache's (num_blocks, block_size, num_kv_heads, head_dim), once q [tokens, heads,
+    head_dim] (a head size the kernels have) and out (contiguous, like q) match it."""
+    dims = _check_cache(kv_cache)
+    head_dim = dims[3]
+    if q.dim() != 3 or q.shape[2] != head_dim or q.dtype != kv_cache.dtype:
+        raise CudaKernelError(
+            f"q must be {kv_cache.dtype} [tokens, heads, {head_dim}], got {q.dtype} {list(q.shape)}"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise CudaKernelError(f"head_dim={head_dim} unsupported (supported: {SUPPORTED_HEAD_DIMS})")
+    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
+        raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
+    return dims
+
+
 def _check_decode_args(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -224,19 +242,9 @@ def _check_decode_args(
 ) -> tuple[int, int, int, int]:
     """The cache's (num_blocks, block_size, num_kv_heads, head_dim), once every argument of a
     paged decode is checked against it."""
-    dims = _check_cache(kv_cache)
-    head_dim = dims[3]
-    if q.dim() != 3 or q.shape[2] != head_dim or q.dtype != kv_cache.dtype:
-        raise CudaKernelError(
-            f"q must be {kv_cache.dtype} [num_seqs, num_heads, {head_dim}], "
-            f"got {q.dtype} {list(q.shape)}"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise CudaKernelError(f"head_dim={head_dim} unsupported (supported: {SUPPORTED_HEAD_DIMS})")
+    dims = check_query(q, kv_cache, out)
     num_seqs = q.shape[0]
     _check_devices(kv_cache, q=q, out=out, block_tables=block_tables, seq_lens=seq_lens)
-    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
-        raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
     if (
         block_tables.dim() != 2
         or block_tables.shape[0] != num_seqs

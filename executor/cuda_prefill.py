@@ -35,12 +35,11 @@ from zllm.executor import cuda_kernels as ck
 from zllm.executor.attention_metadata import context_slots, first_visible_key, padded_tables
 from zllm.executor.cuda_kernels import (
     _DTYPE_TAG,
-    SUPPORTED_HEAD_DIMS,
     CudaKernelError,
     KernelLaunch,
-    _check_cache,
     _check_devices,
     _ptr,
+    check_query,
 )
 
 logger = logging.getLogger(__name__)
@@ -198,19 +197,12 @@ def plan_paged_prefill(
 ) -> list[KernelLaunch]:
     """The launch of zllm_paged_prefill: q and out [T, heads, D] over the step's flat batch
     (only the prefill tokens' rows of `out` are written)."""
-    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
-    if q.dim() != 3 or q.shape[2] != head_dim or q.dtype != kv_cache.dtype or q.stride(2) != 1:
-        raise CudaKernelError(
-            f"q must be {kv_cache.dtype} [tokens, heads, {head_dim}] with a contiguous last dim, "
-            f"got {q.dtype} {list(q.shape)} strides {q.stride()}"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise CudaKernelError(f"head_dim={head_dim} unsupported (supported: {SUPPORTED_HEAD_DIMS})")
+    num_blocks, block_size, num_kv_heads, head_dim = check_query(q, kv_cache, out)
+    if q.stride(2) != 1:
+        raise CudaKernelError(f"q's last dim must be contiguous, got strides {q.stride()}")
     num_heads = q.shape[1]
     if num_heads % num_kv_heads != 0:
         raise CudaKernelError(f"{num_heads=} must be a multiple of {num_kv_heads=}")
-    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or not out.is_contiguous():
-        raise CudaKernelError("out must be a contiguous tensor shaped and typed like q")
     inputs = batch.kernel
     _check_devices(kv_cache, q=q, out=out, rows=inputs.rows, block_tables=inputs.block_tables)
     if num_heads > 65535:
