@@ -17,20 +17,23 @@ which it could not, `drop(block_hashes)` forgets them.
     CpuTier    a slot buffer of --kv-offload-bytes (pinned memory on a GPU), slots on demand
     DiskTier   one file per block under --kv-offload-dir/<layout fingerprint>/, written by a
                background thread (so disk writes overlap the model's compute) through a
-               temporary name and a rename; each file carries its hash, size and a CRC-32 of
-               its bytes, checked on load: a missing, short or corrupt file is a failed load,
-               which the model runner recomputes (never wrong output)
+               temporary name and a rename; each file carries its hash, size and an
+               HMAC-SHA256 of header and bytes under a key kept outside the directory
+               (zllm/kv/tier_key.py), checked on load: a missing, short, corrupt or edited
+               file is a failed load, removed, which the model runner recomputes (never
+               wrong output)
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import logging
 import os
 import queue
 import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -39,6 +42,7 @@ import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.kv_pool import KVPool
+from zllm.kv.tier_key import read_key
 from zllm.kv.tiers import (
     FILE_FORMAT_VERSION,
     TIER_CPU,
@@ -54,8 +58,10 @@ logger = logging.getLogger(__name__)
 
 BlockHash = int
 
-# A block file: this header, then the block's bytes.
-_HEADER = struct.Struct("<4sIqQI")  # magic, format version, block hash, payload bytes, CRC-32
+# A block file: this header, then the block's bytes. The MAC covers the header before it and
+# the bytes: HMAC-SHA256 under the tier's key.
+_HEADER = struct.Struct("<4sIqQ32s")  # magic, format version, block hash, payload bytes, MAC
+_MACED = _HEADER.size - 32  # the header bytes the MAC covers
 _MAGIC = b"ZKV\x00"
 
 
@@ -109,14 +115,16 @@ class CpuTier:
 
 
 class DiskTier:
-    """Blocks as files; writes in a background thread, loads checked against their CRC."""
+    """Blocks as files; writes in a background thread, loads checked against their MAC."""
 
-    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int) -> None:
+    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int, key: bytes) -> None:
         """The blocks the directory holds stay: their hashes name the same tokens under the
-        same salts after a restart (an adapter's salt is its files' digest, lora.py)."""
+        same salts after a restart (an adapter's salt is its files' digest, lora.py), and
+        their MACs check under the same key."""
         self.pool = pool
         self.directory = directory
         self.block_nbytes = block_nbytes
+        self._key = key
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(directory / ".lock", "w")  # held (locked) for the tier's life
         try:
@@ -191,7 +199,8 @@ class DiskTier:
             return None
         why = self._check(data, block_hash)
         if why is not None:
-            logger.warning("KV disk tier: block %s %s; recomputing it", path.name, why)
+            logger.warning("KV disk tier: block %s %s; removed, recomputing it", path.name, why)
+            path.unlink(missing_ok=True)
             return None
         payload = bytearray(data[_HEADER.size :])
         dtype = self.pool.block_dtype
@@ -200,14 +209,20 @@ class DiskTier:
     def _check(self, data: bytes, block_hash: BlockHash) -> str | None:
         if len(data) < _HEADER.size:
             return "is truncated"
-        magic, version, stored_hash, nbytes, crc = _HEADER.unpack_from(data)
+        magic, version, stored_hash, nbytes, mac = _HEADER.unpack_from(data)
         if magic != _MAGIC or version != FILE_FORMAT_VERSION or stored_hash != block_hash:
             return "is not this block"
         if nbytes != self.block_nbytes or len(data) - _HEADER.size != nbytes:
             return "has the wrong size"
-        if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
-            return "fails its checksum"
+        view = memoryview(data)
+        if not hmac.compare_digest(self._mac(view[:_MACED], view[_HEADER.size :]), mac):
+            return "fails its authentication (edited, damaged, or written under another key)"
         return None
+
+    def _mac(self, header: memoryview | bytes, payload) -> bytes:
+        mac = hmac.new(self._key, header, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
 
     def _write_loop(self) -> None:
         while True:
@@ -230,9 +245,9 @@ class DiskTier:
 
     def _write(self, block_hash: BlockHash, block: torch.Tensor) -> None:
         payload = block.contiguous().view(torch.uint8).numpy()
-        header = _HEADER.pack(
-            _MAGIC, FILE_FORMAT_VERSION, block_hash, payload.nbytes, zlib.crc32(payload)
-        )
+        fields = (_MAGIC, FILE_FORMAT_VERSION, block_hash, payload.nbytes)
+        prefix = _HEADER.pack(*fields, b"\0" * 32)[:_MACED]
+        header = _HEADER.pack(*fields, self._mac(prefix, payload))
         path = self.path_of(block_hash)
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -256,7 +271,10 @@ class KVTiers:
             self.tiers[TIER_CPU] = CpuTier(pool, offload.cpu_bytes // nbytes, pin)
         if offload is not None and offload.disk_dir is not None:
             directory = tier_directory(config, rank)
-            self.tiers[TIER_DISK] = DiskTier(pool, directory, pool.block_nbytes)
+            if offload.key_file is None:
+                raise ValueError("the KV disk tier needs its key file (kv_offload.key_file)")
+            key = read_key(offload.key_file)
+            self.tiers[TIER_DISK] = DiskTier(pool, directory, pool.block_nbytes, key)
         transfer = config.kv_transfer
         if transfer is not None and transfer.consumes:  # what a prefill instance sends
             from zllm.executor.kv_transfer import RemoteKVBuffer

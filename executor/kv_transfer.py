@@ -54,6 +54,7 @@ import zmq
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.executor.kv_pool import KVPool
+from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ SOCKET_QUEUE_MESSAGES = 4
 
 def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
     """What a block's bytes depend on, which two engines must share to exchange blocks:
-    the model (its file's, or its directory's files', name and bytes), its KV layout, dtype
+    the model (its name and weights fingerprint), its KV layout, dtype
     and block size, which rank's part of it (`rank`: stage x tp size + tp rank) of how many
     ranks and stages, and a draft model's, whose KV travels in the same blocks."""
     arch = config.arch
@@ -97,15 +98,9 @@ def _draft_layout(config: EngineConfig) -> str:
 
 
 def _model_name(path: str) -> str:
-    """A model file's, or directory's, name and bytes (its files')."""
-    try:
-        if os.path.isdir(path):
-            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-        else:
-            size = os.stat(path).st_size
-    except OSError:
-        size = 0
-    return f"{os.path.basename(path.rstrip('/'))}:{size}"
+    """A model's file or directory name (for people) and its weights' fingerprint (the
+    contents: another model of the same name and size differs, zllm/model/fingerprint.py)."""
+    return f"{os.path.basename(path.rstrip('/'))}:{weights_fingerprint(path)}"
 
 
 class KVSender:

@@ -100,11 +100,11 @@ def test_the_cpu_tier_holds_both_parts():
 
 def test_the_disk_tier_files_hold_both_parts_and_only_their_layout_reads_them(tmp_path):
     pool, before = make_pool(dtype=torch.int8), make_pool(dtype=torch.int8)
-    tier = DiskTier(pool, tmp_path / "tier", pool.block_nbytes)
+    tier = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, bytes(32))
     tier.store([-77, 88], [6, 1])
     tier.flush()
     path = tmp_path / "tier" / block_file_name(-77)
-    assert path.stat().st_size == 28 + pool.block_nbytes  # the header, then both parts
+    assert path.stat().st_size == 56 + pool.block_nbytes  # the header, then both parts
     assert existing_disk_blocks(tmp_path / "tier") == [-77, 88]
     assert not tier._pending  # (written: they load from the files)
     zero(pool)
@@ -112,7 +112,7 @@ def test_the_disk_tier_files_hold_both_parts_and_only_their_layout_reads_them(tm
     assert_same_block(pool, 2, before, 1) and assert_same_block(pool, 3, before, 6)
     # The target's part alone is not this file's size: a tier without the draft refuses it.
     single = KVPool(make_pool(dtype=torch.int8).tensors)
-    other = DiskTier(single, tmp_path / "other", single.block_nbytes)
+    other = DiskTier(single, tmp_path / "other", single.block_nbytes, bytes(32))
     shutil.copy(path, tmp_path / "other" / path.name)
     assert other.load([-77], [0]) == [0]
 

@@ -9,8 +9,12 @@ restarted engine finds its disk tier again.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import random
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,7 @@ from zllm.core.scheduler import Scheduler
 from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
 from zllm.executor.kv_quant import narrow
 from zllm.kv.block_hash import group_block_key, hash_full_blocks
+from zllm.kv.tier_key import read_key, resolve_key_file
 from zllm.kv.tiers import (
     TIER_CPU,
     TIER_DISK,
@@ -266,9 +271,13 @@ def test_cpu_tier_round_trip_and_slots(dtype):
     assert tier.load([30], [6]) == [0]
 
 
+TIER_KEY = bytes(range(32))  # a disk tier's key in the tests that make one directly
+DISK_HEADER_BYTES = 56  # magic, version, hash, size, then the 32-byte MAC
+
+
 def disk_tier(tmp_path: Path, pool: KVPool) -> DiskTier:
     nbytes = pool.tensors[0][:, 0].numel() * len(pool.tensors) * pool.tensors[0].element_size()
-    return DiskTier(pool, tmp_path / "tier", nbytes)
+    return DiskTier(pool, tmp_path / "tier", nbytes, TIER_KEY)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
@@ -404,10 +413,11 @@ def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
     assert len(existing_disk_blocks(tier_directory(llm.config))) == 20
 
 
-def damage_a_disk_block(llm: LLM, prompt: dict) -> Path:
+def damage_a_disk_block(llm: LLM, prompt: dict, forge_key: bytes | None = None) -> Path:
     """Serve `prompt`, push its blocks out of the pool to the disk tier, and flip one bit of
     its 8th block's file (in the middle of its prefix; a hybrid model's full group's): the
-    file's path."""
+    file's path. With `forge_key`, the header's MAC is then recomputed under that key, as
+    someone who can write the directory but does not hold the tier's key would."""
     llm.generate([prompt], GREEDY, use_tqdm=False)
     flush_pool(llm, random.Random(2))
     llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
@@ -415,17 +425,25 @@ def damage_a_disk_block(llm: LLM, prompt: dict) -> Path:
     victim = tier_directory(llm.config) / block_file_name(hashes[7])
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0x01
+    if forge_key is not None:
+        mac = hmac.new(forge_key, bytes(data[: DISK_HEADER_BYTES - 32]), hashlib.sha256)
+        mac.update(bytes(data[DISK_HEADER_BYTES:]))
+        data[DISK_HEADER_BYTES - 32 : DISK_HEADER_BYTES] = mac.digest()
     victim.write_bytes(bytes(data))
     return victim
 
 
-def test_a_corrupt_disk_block_is_recomputed(tiny_llama_dir, tmp_path, recomputed):
+@pytest.mark.parametrize("forged", [False, True], ids=["damaged", "forged"])
+def test_a_corrupt_disk_block_is_recomputed(tiny_llama_dir, tmp_path, recomputed, forged):
+    """A flipped bit, or an edit whose MAC is recomputed under another key (where a CRC
+    would have been recomputed to match): the load fails, the file is removed, the block is
+    recomputed and the output is the same."""
     prompts, reference = recomputed
     llm = LLM(
-        tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path),
-        kv_offload_disk_bytes=1 << 20,
+        tiny_llama_dir, kv_cache_memory_bytes=POOL_BYTES, kv_offload_dir=str(tmp_path / "kv"),
+        kv_offload_disk_bytes=1 << 20, kv_offload_key_file=str(tmp_path / "key"),
     )  # fmt: skip
-    victim = damage_a_disk_block(llm, prompts[0])
+    victim = damage_a_disk_block(llm, prompts[0], forge_key=bytes(32) if forged else None)
     again = llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0]
     assert_same_outputs(again, reference[0])
     stats = llm.engine.heartbeat()
@@ -531,3 +549,36 @@ def test_sleep_keeps_the_prefix_cache_in_the_tier(tiny_llama_dir, recomputed):
     assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] == 320
     for ours, ref in zip(again, reference, strict=True):
         assert_same_outputs(ours, ref)
+
+
+def test_the_disk_tier_key_is_made_once_owner_only_and_outside_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZLLM_CACHE", str(tmp_path / "cache"))
+    path = resolve_key_file(str(tmp_path / "kv"), None)  # the default: made at first start
+    assert path == str((tmp_path / "cache" / "kv-offload.key").resolve())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "cache").st_mode) == 0o700
+    key = read_key(path)
+    assert len(key) == 32 and resolve_key_file(str(tmp_path / "kv"), None) == path
+    assert read_key(path) == key  # kept: a restarted engine reads its files again
+    with pytest.raises(ValueError, match="inside --kv-offload-dir"):
+        resolve_key_file(str(tmp_path / "kv"), str(tmp_path / "kv" / "sub" / "key"))
+    short = tmp_path / "short.key"
+    short.write_bytes(b"0123")
+    with pytest.raises(ValueError, match="at least 32"):
+        resolve_key_file(str(tmp_path / "kv"), str(short))
+
+
+def test_blocks_written_under_another_key_are_removed_not_loaded(tmp_path):
+    """A restart with another key (or files another engine's key signed): each load fails
+    its check and the file is removed, so nothing unauthenticated reaches the pool."""
+    pool = make_pool()
+    tier = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, TIER_KEY)
+    tier.store([5, 6], [1, 2])
+    tier.flush()
+    tier._lock_file.close()  # as when its engine exits
+    other = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, bytes(32))
+    for kv in pool.tensors:
+        kv[:, 3:5] = 0
+    assert other.load([5, 6], [3, 4]) == [0, 1]
+    assert existing_disk_blocks(tmp_path / "tier") == []  # removed, never loaded
+    assert not block_of(pool, 3).any() and not block_of(pool, 4).any()

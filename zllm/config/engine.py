@@ -83,6 +83,8 @@ class KVOffloadConfig:
     cpu_bytes: int = 0  # --kv-offload-bytes: CPU memory (0: no CPU tier)
     disk_dir: str | None = None  # --kv-offload-dir: local disk (None: no disk tier)
     disk_bytes: int = 4 << 30  # --kv-offload-disk-bytes
+    # --kv-offload-key-file, resolved (zllm/kv/tier_key.py): authenticates the disk's files.
+    key_file: str | None = None
 
     @property
     def enabled(self) -> bool:

@@ -36,6 +36,7 @@ from zllm.config.generation import (
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.parallel import check_parallel
 from zllm.config.speculative import speculative_config_from
+from zllm.kv.tier_key import resolve_key_file
 from zllm.kv.tiers import block_bytes
 from zllm.model.files import resolve_model
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
@@ -115,6 +116,12 @@ class EngineArgs:
         None,
         help="KV offload: a local-disk tier in this directory (a subdirectory per model "
         "layout; it survives restarts), below the CPU tier if both are set",
+    )
+    kv_offload_key_file: str | None = option(
+        None,
+        help="KV offload: the secret that authenticates the disk tier's files (an HMAC of "
+        "each), kept outside --kv-offload-dir; default $ZLLM_CACHE/kv-offload.key, made at "
+        "first start with owner-only permissions",
     )
     kv_offload_disk_bytes: int = option(
         4 << 30,
@@ -353,6 +360,8 @@ class EngineArgs:
         )
         if not offload.enabled:
             return None
+        if offload.disk_dir is not None:
+            offload.key_file = resolve_key_file(offload.disk_dir, self.kv_offload_key_file)
         what = "--kv-offload-dir" if offload.disk_dir is not None else "KV offload"
         _check_moves_whole_blocks(config, what)
         per_block = block_bytes(config)

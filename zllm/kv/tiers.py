@@ -28,6 +28,7 @@ from pathlib import Path
 from zllm.config.engine import EngineConfig
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 from zllm.kv.kv_dtypes import ELEMENT_BYTES
+from zllm.model.fingerprint import weights_fingerprint
 
 TIER_CPU = 0
 TIER_DISK = 1
@@ -37,7 +38,8 @@ TIER_NAMES = ("cpu", "disk", "remote")
 FALLIBLE_TIERS = (TIER_DISK, TIER_REMOTE)
 
 BLOCK_FILE_SUFFIX = ".zkv"
-FILE_FORMAT_VERSION = 2  # 2: adapters' blocks salted by their files' digest
+# 2: adapters' blocks salted by their files' digest; 3: an HMAC (zllm/kv/tier_key.py), not a CRC
+FILE_FORMAT_VERSION = 3
 
 
 def block_bytes(config: EngineConfig) -> int:
@@ -63,7 +65,8 @@ def layout_fingerprint(config: EngineConfig) -> str:
     arch = config.arch
     key: dict = {
         "version": FILE_FORMAT_VERSION,
-        "model": _model_identity(config.model_path),
+        "model": weights_fingerprint(config.model_path),  # the weights' contents
+        "load_format": config.load_format,
         "dtype": config.kv_dtype,
         "block_size": config.cache.block_size,
         "layout": [arch.num_layers, arch.num_kv_heads, arch.head_dim],
@@ -88,18 +91,7 @@ def _draft_identity(config: EngineConfig) -> list | None:
         return None
     arch = spec.draft_arch
     layout = [arch.architecture, arch.num_layers, arch.num_kv_heads, arch.head_dim]
-    return [*_model_identity(spec.draft_model_path), *layout, config.dtype]
-
-
-def _model_identity(path_name: str) -> list:
-    """A model's resolved path, and its config's (or file's) size and mtime when readable."""
-    path = Path(path_name)
-    identity = path / "config.json" if path.is_dir() else path
-    try:
-        stat = identity.stat()
-        return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
-    except OSError:
-        return [str(path)]
+    return [weights_fingerprint(spec.draft_model_path), *layout, config.dtype]
 
 
 def tier_directory(config: EngineConfig, rank: int = 0) -> Path:
