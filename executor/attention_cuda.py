@@ -97,7 +97,8 @@ class CudaAttentionMetadata:
         all_decode = len(decode_ids) == len(q_lens)
         prefill_ids = np.flatnonzero(q_lens > 1)
         prefill, chunks = None, []
-        if len(prefill_ids) and prefill_mode() != "sdpa":
+        mode = prefill_mode() if len(prefill_ids) else None  # (decode steps read no env)
+        if len(prefill_ids) and mode != "sdpa":
             prefill = PrefillBatch.build(
                 layout.query_start_loc[prefill_ids],
                 q_lens[prefill_ids],
@@ -106,6 +107,7 @@ class CudaAttentionMetadata:
                 block_size,
                 device,
                 sliding_window,
+                mode,
             )
         elif len(prefill_ids):
             chunks = build_prefill_chunks(

@@ -87,15 +87,15 @@ class CudaGraphRunner:
         n, dev = self.max_batch, self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        # One set of attention buffers per distinct (group, window), in first-layer order.
-        self.layer_attention = layer_attention
-        keys = list(dict.fromkeys(layer_attention)) if layer_attention else [None]
-        self.attention_keys: list[LayerAttention | None] = keys
+        # One set of attention buffers per distinct (group, window), in first-layer order;
+        # per layer, which set its metadata reads; per set, a layer whose eager metadata
+        # fills it.
+        layers: list[LayerAttention | None] = list(layer_attention or [None])
+        keys = list(dict.fromkeys(layers))
+        self.attention_keys = keys
         self.buffers = [_AttentionBuffers(n, max_blocks_per_seq, dev) for _ in keys]
-        # The first set under the names of a single-metadata model (tests, the padding check).
-        self.slot_mapping = self.buffers[0].slot_mapping
-        self.seq_lens = self.buffers[0].seq_lens
-        self.block_tables = self.buffers[0].block_tables
+        self._set_of_layer = [keys.index(k) for k in layers]
+        self._first_layer_of_set = [layers.index(k) for k in keys]
         # Split-K scratch for the captured size that needs most (each size has its own
         # partition length: cuda_kernels.plan_decode), made now so that no replay allocates
         # and every graph keeps pointing at the same buffer.
@@ -125,16 +125,13 @@ class CudaGraphRunner:
         ]
         if len(metas) == 1:
             return metas[0]
-        assert self.layer_attention is not None
-        return [metas[self.attention_keys.index(key)] for key in self.layer_attention]
+        return [metas[i] for i in self._set_of_layer]
 
     def _step_metadata(self, attn_metadata: object) -> list[CudaAttentionMetadata] | None:
         """The eager step's metadata per distinct (group, window), in attention_keys order;
         None unless each is a decode-only CudaAttentionMetadata."""
         if isinstance(attn_metadata, list) and len(self.attention_keys) > 1:
-            assert self.layer_attention is not None
-            first_layer = [self.layer_attention.index(key) for key in self.attention_keys]
-            metas = [attn_metadata[i] for i in first_layer]
+            metas = [attn_metadata[i] for i in self._first_layer_of_set]
         elif len(self.attention_keys) == 1:
             metas = [attn_metadata]
         else:

@@ -3,12 +3,14 @@
 The queries of all prefilling sequences sit packed in the step's flat batch; each reads its
 keys from the paged KV cache (this step's K/V are written there first), so a whole prompt, a
 chunk after cached context and a prompt after a prefix-cache hit are one case, and a sliding
-window is a band. The host describes the batch once per step (`PrefillBatch.build`); every
+window is a band. The host describes the batch once per step (`PrefillBatch.build`; the
+first layer's call makes its implementation's device form, the others reuse it); every
 layer then makes one call, by one of two implementations:
 
 - flash (bf16/fp16 where torch's FlashAttention-2 runs, sm80+): the keys of every sequence
-  gathered from the cache by slot into one packed K and one packed V (two index_selects),
-  then one varlen FlashAttention call on tensor cores, causal aligned bottom-right (query j
+  gathered from the cache by slot into one packed K and one packed V, the queries out of the
+  flat batch (three index_selects; the output goes back with one index_copy), then one
+  varlen FlashAttention call on tensor cores, causal aligned bottom-right (query j
   of a chunk sits at context position ctx_len - q_len + j), window as its left size.
 - kernel (csrc/paged_prefill.cu: fp32, older GPUs, or ZLLM_CUDA_PREFILL=kernel): reads the
   keys in place through the block tables, fp32 FMAs on CUDA cores. Its batch description:
@@ -117,7 +119,9 @@ class PrefillBatch:
         block_size: int,
         device: torch.device | str,
         window: int | None = None,
+        mode: str | None = None,
     ) -> PrefillBatch:
+        """`mode`: ZLLM_CUDA_PREFILL as the caller read it (None: read it here)."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         context_lens = np.asarray(context_lens, dtype=np.int64)
         if not len(query_lens) or (query_lens < 1).any() or (query_lens > context_lens).any():
@@ -130,7 +134,7 @@ class PrefillBatch:
             block_size,
             device,
             int(window or 0),
-            prefill_mode(),
+            mode or prefill_mode(),
         )
 
     @property
