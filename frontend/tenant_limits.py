@@ -24,8 +24,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from zllm.errors import RequestError
 
-LIMITS = ("concurrency", "rate")
 CONCURRENCY_RETRY_AFTER_S = 1
+# Buckets kept before the full ones are forgotten: a full bucket is what a tenant without
+# one gets, so dropping it changes nothing, and tenant names (X-Tenant) cannot grow memory.
+MAX_IDLE_BUCKETS = 256
 
 
 @dataclass(slots=True)
@@ -98,6 +100,8 @@ class TenantLimits:
         now = self.clock()
         bucket = self._buckets.get(tenant)
         if bucket is None:
+            if len(self._buckets) >= MAX_IDLE_BUCKETS:
+                self._forget_full_buckets(now)
             bucket = self._buckets[tenant] = _Bucket(self.burst, now)
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
@@ -105,6 +109,12 @@ class TenantLimits:
             bucket.tokens -= 1.0
             return 0.0
         return (1.0 - bucket.tokens) / self.rate
+
+    def _forget_full_buckets(self, now: float) -> None:
+        assert self.rate is not None
+        for name, b in list(self._buckets.items()):
+            if b.tokens + (now - b.updated) * self.rate >= self.burst:
+                del self._buckets[name]
 
     def _refuse(self, tenant: str, limit: str, message: str, retry_s: int) -> RequestError:
         self.limited.labels(tenant, limit).inc()

@@ -67,6 +67,24 @@ def test_rate_limit_is_a_token_bucket_per_tenant(rate, burst, retry_after):
     assert limited_count(registry, "a", "rate") == 3
 
 
+def test_buckets_of_idle_tenants_are_forgotten():
+    """Many tenant names (X-Tenant is anyone's to choose) do not grow the buckets past the
+    bound; a forgotten tenant's bucket was full, so it gets its whole burst again."""
+    from zllm.frontend.tenant_limits import MAX_IDLE_BUCKETS
+
+    clock = Clock()
+    limits = TenantLimits(None, 1.0, CollectorRegistry(), clock)
+    assert limits.enter("t0") is None and limits.enter("t0") is not None  # t0's one is used
+    for i in range(1, 5 * MAX_IDLE_BUCKETS):
+        clock.now += 0.01
+        assert limits.enter(f"t{i}") is None
+        limits.leave(f"t{i}")
+    assert len(limits._buckets) <= MAX_IDLE_BUCKETS
+    assert limits.enter("t0") is None  # refilled long ago: full, as a new one
+    limits.leave("t0")
+    assert limits.enter(f"t{5 * MAX_IDLE_BUCKETS - 1}") is not None  # a recent one is kept
+
+
 def test_no_limits_by_default():
     limits = TenantLimits(None, None, CollectorRegistry())
     assert not limits.enabled
