@@ -123,7 +123,9 @@ def choose_attention_backend(
             )
             return TORCH_ATTENTION
         from zllm.executor.attention_cuda import CUDA_ATTENTION
+        from zllm.executor.cuda_prefill import prefill_mode
 
+        prefill_mode()  # a bad ZLLM_CUDA_PREFILL stops the engine at start, not at a prefill
         return CUDA_ATTENTION
     if device.type != "cpu" or dtype != torch.float32:
         return TORCH_ATTENTION

@@ -282,6 +282,14 @@ def test_build_rejects_inconsistent_input(args, build):
         build(*args, device="cpu")
 
 
+def test_a_bad_cuda_prefill_mode_is_refused_when_the_backend_is_chosen(monkeypatch):
+    monkeypatch.setenv("ZLLM_CUDA_PREFILL", "fast")
+    with pytest.raises(ValueError, match="ZLLM_CUDA_PREFILL='fast': expected one of"):
+        choose_attention_backend(torch.device("cuda"), torch.bfloat16, 64)
+    monkeypatch.setenv("ZLLM_CUDA_PREFILL", "kernel")
+    assert choose_attention_backend(torch.device("cuda"), torch.bfloat16, 64).name == "cuda"
+
+
 def test_backends_share_the_step_layout():
     """Both metadata kinds agree on what they share: slots, lengths, the prefilling
     sequences (CPU: one SDPA chunk each; CUDA: one row each of the varlen kernel's batch) and
