@@ -14,6 +14,14 @@ from tiny_models import write_tiny_model  # noqa: F401
 
 
 @pytest.fixture(scope="session")
+def emu(tmp_path_factory):
+    """csrc/'s CUDA kernels built for the host (tests/csrc_emulator.py), once per run."""
+    from csrc_emulator import build_emulator
+
+    return build_emulator(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -97,6 +105,7 @@ def pytest_sessionstart(session):
 # which CI's CPU machine lacks (test file, start of the skip's reason).
 CI_SKIPS_ALLOWED = (
     ("test_cuda.py", "no CUDA device"),
+    ("test_cuda_prefill.py", "no CUDA device"),
     ("test_csrc_compile.py", "libnvrtc not found"),
 )
 

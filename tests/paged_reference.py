@@ -1,4 +1,4 @@
-"""Reference pieces for the paged-attention kernel tests (real CUDA in test_cuda.py, the CPU
+"""Reference pieces for the paged-attention kernel tests (real CUDA in test_cuda*.py, the CPU
 emulator of the same kernels in test_csrc_compile.py): random block tables and a float64
 decode attention to compare against."""
 
