@@ -191,7 +191,7 @@ class EngineCore:
         """A client process died: nobody will read its requests' outputs, so abort them."""
         return self.abort(self.scheduler.requests_of_client(client_id))
 
-    def kv_received(self, stored: list[int], removed: list[int], rank: int = 0) -> None:
+    def kv_received(self, stored: list[bytes], removed: list[bytes], rank: int = 0) -> None:
         """A disaggregation consumer's executor rank took in these blocks (its part of them)
         from a producer and dropped those to make room: the remote tier's index follows."""
         if self.kv_connector is not None:

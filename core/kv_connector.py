@@ -45,11 +45,9 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.kv_prefetch import Prefetches
 from zllm.core.prefix_lookup import PrefixHit, first_needed_block
 from zllm.core.request import Request
-from zllm.kv.block_hash import cache_salt, group_block_key
+from zllm.kv.block_hash import BlockHash, cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
 from zllm.protocol import KVTierStats, KVTransfers, KVTransferStats
-
-BlockHash = int
 
 
 class KVConnector(Protocol):
@@ -489,7 +487,7 @@ class SchedulerConnector:
         self.tiers.evicted(self.block_manager.take_evicted())
         return self.tiers.take_transfers()
 
-    def sends(self, scheduled: Sequence[Request]) -> tuple[list[tuple[int, int]], list[int]]:
+    def sends(self, scheduled: Sequence[Request]) -> tuple[list[tuple[BlockHash, int]], list[int]]:
         """A producer: the (hash, block id) of every full prompt block of each request marked
         do_remote_decode whose prompt this step completes (its cached blocks too), for the
         executor to send once the forward has written them; and, to a consumer of several
@@ -497,7 +495,7 @@ class SchedulerConnector:
         to there: `consumer_engine`; [] with one engine, where all go to engine 0)."""
         if self.transfer is None or not self.transfer.produces:
             return [], []
-        sends: list[tuple[int, int]] = []
+        sends: list[tuple[BlockHash, int]] = []
         engines: list[int] = []
         bm, num_engines = self.block_manager, self.transfer.consumer_engines
         for req in scheduled:
@@ -519,12 +517,14 @@ class SchedulerConnector:
         self.num_sent_blocks += len(sends)
         return sends, engines
 
-    def _blocks_to_send(self, req_id: str, hashes: Sequence[BlockHash]) -> list[tuple[int, int]]:
+    def _blocks_to_send(
+        self, req_id: str, hashes: Sequence[BlockHash]
+    ) -> list[tuple[BlockHash, int]]:
         """(tier key, block id) of every group's block a consumer's hit of `hashes` needs:
         a full group's every block, a sliding group's those in the window of the hit's end
         (each group's copy under its own key: group_block_key; one group: the hashes)."""
         bm, k = self.block_manager, len(hashes)
-        blocks: list[tuple[int, int]] = []
+        blocks: list[tuple[BlockHash, int]] = []
         for group, window in enumerate(bm.windows):
             table = bm.block_ids(req_id, group)
             for i in range(first_needed_block(k * bm.block_size, window, bm.block_size), k):

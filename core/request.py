@@ -90,7 +90,7 @@ class Request:
     computed: bool = True
     # The hash chain of its prompt's full blocks (those a prefix hit can take), kept while
     # a disaggregation consumer's request waits for them so it is hashed once, not per step.
-    prompt_block_hashes: list[int] | None = None
+    prompt_block_hashes: list[bytes] | None = None
     # Several KV cache groups: the tokens of the blocks it took from a tier whose loads can
     # fail (disk, remote) in a step ahead of its own (core/kv_prefetch.py) that loaded
     # well; None while it never did (it does at most once: later lookups skip those tiers).

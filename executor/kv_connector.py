@@ -60,7 +60,7 @@ BlockHash = int
 
 # A block file: this header, then the block's bytes. The MAC covers the header before it and
 # the bytes: HMAC-SHA256 under the tier's key.
-_HEADER = struct.Struct("<4sIqQ32s")  # magic, format version, block hash, payload bytes, MAC
+_HEADER = struct.Struct("<4sI16sQ32s")  # magic, format version, block hash, payload bytes, MAC
 _MACED = _HEADER.size - 32  # the header bytes the MAC covers
 _MAGIC = b"ZKV\x00"
 
@@ -236,7 +236,7 @@ class DiskTier:
                 else:
                     self._flushed.set()
             except OSError as e:  # a full disk: the block is simply not there later
-                logger.warning("KV disk tier: %s of %x failed: %s", op, block_hash, e)
+                logger.warning("KV disk tier: %s of %s failed: %s", op, block_hash.hex(), e)
             finally:
                 if op == "write":
                     with self._pending_lock:

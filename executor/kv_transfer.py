@@ -54,12 +54,11 @@ import zmq
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.executor.kv_pool import KVPool
+from zllm.kv.block_hash import BlockHash
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived
 
 logger = logging.getLogger(__name__)
-
-BlockHash = int
 
 # Where the shm transport's files go: memory-backed on Linux.
 SHM_DIR = "/dev/shm"

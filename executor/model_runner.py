@@ -274,7 +274,7 @@ class ModelRunner:
 
     def _transfer_kv(
         self, so: SchedulerOutput
-    ) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
+    ) -> tuple[dict[str, int], list[tuple[int, bytes, int]]]:
         """KV offload: the step's drops, stores and loads, before its forward. A load that
         fails (a missing or corrupt disk block) is recomputed in this step: every request
         whose computed context covers that block starts its step at the block instead (its
@@ -317,7 +317,7 @@ class ModelRunner:
                 st.draft_num_computed = min(st.draft_num_computed, start)
         return scheduled, failures
 
-    def _kv_load_failed(self, failures: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    def _kv_load_failed(self, failures: list[tuple[int, bytes, int]]) -> list[tuple[int, bytes]]:
         """The (tier, hash) of the step's failed loads, for the core: on one stage what
         `_transfer_kv` found; on the last pipeline stage every stage's (the mask that came
         down the pipeline with the step)."""

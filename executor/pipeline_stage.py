@@ -27,11 +27,11 @@ import torch
 
 from zllm.executor.parallel import PipelineParallel
 
-Load = Sequence[int]  # (tier, block hash, pool block id), as KVTransfers.loads holds it
+Load = tuple[int, bytes, int]  # (tier, block hash, pool block id), as KVTransfers.loads holds
 
 
 def failure_mask(
-    loads: Sequence[Load], failures: Sequence[tuple[int, int, int]], device: torch.device
+    loads: Sequence[Load], failures: Sequence[Load], device: torch.device
 ) -> torch.Tensor:
     """[len(loads)] uint8: 1 at each of the step's loads that is among `failures` (this
     stage's ranks' union of the loads that failed)."""
@@ -39,10 +39,10 @@ def failure_mask(
     return torch.tensor([tuple(load) in failed for load in loads], dtype=torch.uint8, device=device)
 
 
-def failed_loads(loads: Sequence[Load], mask: torch.Tensor) -> list[tuple[int, int]]:
+def failed_loads(loads: Sequence[Load], mask: torch.Tensor) -> list[tuple[int, bytes]]:
     """The (tier, block hash) of each load `mask` marks failed, each once, in load order:
     what the core forgets (ModelRunnerOutput.kv_load_failed)."""
-    failed: dict[tuple[int, int], None] = {}
+    failed: dict[tuple[int, bytes], None] = {}
     for (tier, block_hash, _), bad in zip(loads, mask.tolist(), strict=True):
         if bad:
             failed[(tier, block_hash)] = None
@@ -69,13 +69,13 @@ class PipelineStage:
         self._loads: Sequence[Load] = []
         self._failed = self._no_loads
 
-    def loads_failed(self, loads: Sequence[Load], failures: Sequence[tuple[int, int, int]]) -> None:
+    def loads_failed(self, loads: Sequence[Load], failures: Sequence[Load]) -> None:
         """This step's KV loads, and those that failed on this stage (its ranks' union):
         the mask that goes down the pipeline with the step."""
         self._loads = loads
         self._failed = failure_mask(loads, failures, self.device) if loads else self._no_loads
 
-    def failed_loads(self) -> list[tuple[int, int]]:
+    def failed_loads(self) -> list[tuple[int, bytes]]:
         """The last stage, once the step came down: the loads that failed on any stage."""
         return failed_loads(self._loads, self._failed.cpu())
 

@@ -98,23 +98,29 @@ def test_the_cpu_tier_holds_both_parts():
     assert_same_block(pool, 0, before, 4) and assert_same_block(pool, 2, before, 3)
 
 
+KEY_A, KEY_B = (
+    b"\xa7" * 16,
+    bytes(range(16)),
+)  # block keys named by hand (16 bytes, as the engine's)
+
+
 def test_the_disk_tier_files_hold_both_parts_and_only_their_layout_reads_them(tmp_path):
     pool, before = make_pool(dtype=torch.int8), make_pool(dtype=torch.int8)
     tier = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, bytes(32))
-    tier.store([-77, 88], [6, 1])
+    tier.store([KEY_A, KEY_B], [6, 1])
     tier.flush()
-    path = tmp_path / "tier" / block_file_name(-77)
-    assert path.stat().st_size == 56 + pool.block_nbytes  # the header, then both parts
-    assert existing_disk_blocks(tmp_path / "tier") == [-77, 88]
+    path = tmp_path / "tier" / block_file_name(KEY_A)
+    assert path.stat().st_size == 64 + pool.block_nbytes  # the header, then both parts
+    assert existing_disk_blocks(tmp_path / "tier") == [KEY_A, KEY_B]
     assert not tier._pending  # (written: they load from the files)
     zero(pool)
-    assert tier.load([88, -77], [2, 3]) == []
+    assert tier.load([KEY_B, KEY_A], [2, 3]) == []
     assert_same_block(pool, 2, before, 1) and assert_same_block(pool, 3, before, 6)
     # The target's part alone is not this file's size: a tier without the draft refuses it.
     single = KVPool(make_pool(dtype=torch.int8).tensors)
     other = DiskTier(single, tmp_path / "other", single.block_nbytes, bytes(32))
     shutil.copy(path, tmp_path / "other" / path.name)
-    assert other.load([-77], [0]) == [0]
+    assert other.load([KEY_A], [0]) == [0]
 
 
 def draft_of(target: str, path: Path) -> str:
@@ -316,9 +322,9 @@ def test_blocks_travel_with_their_draft_part(transport):
         KVReceiver(KVTransferConfig(role="kv_consumer", **role), buffer, "layout", core_in)
         sender = KVSender(KVTransferConfig(role="kv_producer", **role), producer_pool, "layout")
         while not news.poll(200):  # (sends before the connection is up are dropped)
-            sender.send([(111, 3), (222, 5)])
-        assert msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived).stored == [111, 222]
-        assert buffer.load([111, 222], [0, 1]) == []
+            sender.send([(KEY_A, 3), (KEY_B, 5)])
+        assert msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived).stored == [KEY_A, KEY_B]
+        assert buffer.load([KEY_A, KEY_B], [0, 1]) == []
         assert_same_block(consumer_pool, 0, producer_pool, 3)
         assert_same_block(consumer_pool, 1, producer_pool, 5)
     finally:

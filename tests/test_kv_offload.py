@@ -271,8 +271,13 @@ def test_cpu_tier_round_trip_and_slots(dtype):
     assert tier.load([30], [6]) == [0]
 
 
+def key(n: int) -> bytes:
+    """A 16-byte block key for the tests that name blocks by hand (as wide as the engine's)."""
+    return n.to_bytes(16, "little", signed=True)
+
+
 TIER_KEY = bytes(range(32))  # a disk tier's key in the tests that make one directly
-DISK_HEADER_BYTES = 56  # magic, version, hash, size, then the 32-byte MAC
+DISK_HEADER_BYTES = 64  # magic, version, hash, size, then the 32-byte MAC
 
 
 def disk_tier(tmp_path: Path, pool: KVPool) -> DiskTier:
@@ -285,27 +290,27 @@ def test_disk_tier_round_trip_from_memory_then_from_file(tmp_path, dtype):
     pool = make_pool(dtype=dtype)
     tier = disk_tier(tmp_path, pool)
     expected = block_of(pool, 6).clone()
-    tier.store([-123456789], [6])
-    assert tier.load([-123456789], [0]) == []  # served while (or after) it is written
+    tier.store([key(-123456789)], [6])
+    assert tier.load([key(-123456789)], [0]) == []  # served while (or after) it is written
     tier.flush()
-    assert (tmp_path / "tier" / block_file_name(-123456789)).is_file()
-    assert existing_disk_blocks(tmp_path / "tier") == [-123456789]
+    assert (tmp_path / "tier" / block_file_name(key(-123456789))).is_file()
+    assert existing_disk_blocks(tmp_path / "tier") == [key(-123456789)]
     pool.tensors[0].zero_()
-    assert tier.load([-123456789], [1]) == []
+    assert tier.load([key(-123456789)], [1]) == []
     assert torch.equal(block_of(pool, 1)[1:], expected[1:])  # layer 0 was zeroed after
-    tier.drop([-123456789])
+    tier.drop([key(-123456789)])
     tier.flush()
     assert existing_disk_blocks(tmp_path / "tier") == []
-    assert tier.load([-123456789], [1]) == [0]
+    assert tier.load([key(-123456789)], [1]) == [0]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other-hash"])
 def test_disk_tier_refuses_a_damaged_block(tmp_path, damage):
     pool = make_pool()
     tier = disk_tier(tmp_path, pool)
-    tier.store([7, 8], [1, 2])
+    tier.store([key(7), key(8)], [1, 2])
     tier.flush()
-    path = tmp_path / "tier" / block_file_name(7)
+    path = tmp_path / "tier" / block_file_name(key(7))
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
@@ -315,9 +320,9 @@ def test_disk_tier_refuses_a_damaged_block(tmp_path, damage):
     elif damage == "delete":
         path.unlink()
     else:  # a file renamed over another block's name
-        path.write_bytes((tmp_path / "tier" / block_file_name(8)).read_bytes())
+        path.write_bytes((tmp_path / "tier" / block_file_name(key(8))).read_bytes())
     before = block_of(pool, 0).clone()
-    assert tier.load([7, 8], [0, 3]) == [0]
+    assert tier.load([key(7), key(8)], [0, 3]) == [0]
     assert torch.equal(block_of(pool, 0), before)  # nothing written for the bad block
     assert torch.equal(block_of(pool, 3), block_of(pool, 2))
 
@@ -325,19 +330,21 @@ def test_disk_tier_refuses_a_damaged_block(tmp_path, damage):
 def test_disk_tier_directory_is_one_engines(tmp_path):
     pool = make_pool()
     first = disk_tier(tmp_path, pool)
-    first.store([1], [1])
+    first.store([key(1)], [1])
     first.flush()
     with pytest.raises(RuntimeError, match="another engine uses"):
         disk_tier(tmp_path, pool)
     first._lock_file.close()  # as when its process ends
     again = disk_tier(tmp_path, pool)  # the next engine keeps what the first stored
-    assert existing_disk_blocks(again.directory) == [1]
+    assert existing_disk_blocks(again.directory) == [key(1)]
 
 
-def test_block_file_names_round_trip_signed_hashes():
-    for value in (0, 1, -1, 2**63 - 1, -(2**63), hash((None, (1, 2, 3)))):
+def test_block_file_names_round_trip_keys():
+    for value in (bytes(16), b"\xff" * 16, key(-1), *hash_full_blocks(list(range(8)), 4)):
         assert parse_block_file_name(block_file_name(value)) == value
-    assert parse_block_file_name("nothex0000000000.zkv") is None
+    assert block_file_name(key(1)) == "01" + "00" * 15 + ".zkv"  # 32 hex digits, byte order
+    assert parse_block_file_name("nothex" + "0" * 26 + ".zkv") is None
+    assert parse_block_file_name("0" * 16 + ".zkv") is None  # a 64-bit key's (format 3) name
     assert parse_block_file_name(".lock") is None
 
 
@@ -573,12 +580,12 @@ def test_blocks_written_under_another_key_are_removed_not_loaded(tmp_path):
     its check and the file is removed, so nothing unauthenticated reaches the pool."""
     pool = make_pool()
     tier = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, TIER_KEY)
-    tier.store([5, 6], [1, 2])
+    tier.store([key(5), key(6)], [1, 2])
     tier.flush()
     tier._lock_file.close()  # as when its engine exits
     other = DiskTier(pool, tmp_path / "tier", pool.block_nbytes, bytes(32))
     for kv in pool.tensors:
         kv[:, 3:5] = 0
-    assert other.load([5, 6], [3, 4]) == [0, 1]
+    assert other.load([key(5), key(6)], [3, 4]) == [0, 1]
     assert existing_disk_blocks(tmp_path / "tier") == []  # removed, never loaded
     assert not block_of(pool, 3).any() and not block_of(pool, 4).any()

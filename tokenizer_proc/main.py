@@ -26,7 +26,7 @@ from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
-from zllm.kv.block_hash import cache_salt, hash_full_blocks
+from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
@@ -213,7 +213,7 @@ class EngineSender:
         message = "no engine is serving right now (all are restarting); retry shortly"
         self.to_frontend.send(self.encoder.encode(RequestRejected(req.req_id, message, 503)))
 
-    def _remote_engine(self, req: EngineCoreRequest, hashes: list[int]) -> int | None:
+    def _remote_engine(self, req: EngineCoreRequest, hashes: list[BlockHash]) -> int | None:
         """A disaggregation consumer's request marked do_remote_prefill: the engine its
         producer sends its blocks to (None: not one, or no full block to send)."""
         params = req.options.kv_transfer

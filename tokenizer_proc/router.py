@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from zllm.kv.block_hash import BlockHash
 from zllm.protocol import EngineStats, KVCacheEvents
 
 # A waiting request weighs this many running ones (the inference gateway's queue scorer).
@@ -63,8 +64,8 @@ class EngineView:
     """What one tokenizer worker knows of one engine."""
 
     index: int
-    held: set[int] = field(default_factory=set)  # block hashes from its KV events
-    recent: dict[int, float] = field(default_factory=dict)  # routed here: hash -> when
+    held: set[BlockHash] = field(default_factory=set)  # block hashes from its KV events
+    recent: dict[BlockHash, float] = field(default_factory=dict)  # routed here: hash -> when
     num_waiting: int = 0
     num_running: int = 0
     routed_since_stats: int = 0
@@ -74,7 +75,7 @@ class EngineView:
     def load(self) -> int:
         return WAITING_WEIGHT * self.num_waiting + self.num_running + self.routed_since_stats
 
-    def holds(self, block_hash: int, now: float) -> bool:
+    def holds(self, block_hash: BlockHash, now: float) -> bool:
         if block_hash in self.held:
             return True
         routed_at = self.recent.get(block_hash)
@@ -142,7 +143,10 @@ class Router:
         return live
 
     def choose(
-        self, block_hashes: Sequence[int], exclude: Sequence[int] = (), pinned: int | None = None
+        self,
+        block_hashes: Sequence[BlockHash],
+        exclude: Sequence[int] = (),
+        pinned: int | None = None,
     ) -> int | None:
         """The engine for a prompt with these full-block hashes (None: no engine is up):
         `pinned` if it is up and not excluded, whatever the policy (a disaggregation
@@ -169,7 +173,7 @@ class Router:
         self._next += 1
         return tied[self._next % len(tied)].index
 
-    def routed(self, engine: int, block_hashes: Sequence[int]) -> None:
+    def routed(self, engine: int, block_hashes: Sequence[BlockHash]) -> None:
         """A request was sent to `engine`: count it, and its prompt's blocks as held there."""
         view = self.engines[engine]
         view.routed_since_stats += 1

@@ -54,7 +54,7 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
     lora_name: str
     lora_int_id: int
     lora_path: str
-    lora_digest: int = 0  # 0: not computed yet (the id stands in)
+    lora_digest: bytes = b""  # empty: not computed yet (the id stands in)
 
     @property
     def identity(self) -> tuple[str, int, str]:
@@ -62,14 +62,15 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
         return (self.lora_name, self.lora_int_id, self.lora_path)
 
 
-def adapter_digest(path: str) -> int:
-    """A 63-bit digest of an adapter's config and weight files' bytes (never 0)."""
-    digest = hashlib.blake2b(digest_size=8)
+def adapter_digest(path: str) -> bytes:
+    """The first 16 bytes of the SHA-256 of an adapter's config and weight files' bytes: as
+    wide as a block key (zllm/kv/block_hash.py), since its blocks are salted with it."""
+    digest = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         with open(os.path.join(path, name), "rb") as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
-    return (int.from_bytes(digest.digest(), "little") >> 1) or 1
+    return digest.digest()[:16]
 
 
 def with_digest(lora: LoRARequest) -> LoRARequest:

@@ -9,6 +9,9 @@ Token ids travel as msgpack arrays of ints, which are already compact: ids below
 vocabulary: 24.5 KB and 0.31 ms to encode and decode back to a list, against 32.8 KB and
 0.38 ms for raw int32 bytes (`np.frombuffer(...).tolist()`), so raw arrays would cost more
 here: every consumer (scheduler, block hashing, executor state) wants Python ints.
+
+Block hashes (the keys of KV blocks) travel as 16-byte `bytes`: they are 128-bit digests
+(zllm/kv/block_hash.py), and msgpack's ints stop at 64 bits.
 """
 
 from __future__ import annotations
@@ -139,9 +142,9 @@ class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     loads (tier bytes into newly allocated pool blocks, some of which the stores just read).
     The core never drops a hash it loads in the same step."""
 
-    drops: list[tuple[int, int]] = []  # (tier, block hash): forget it
-    stores: list[tuple[int, int, int]] = []  # (tier, block hash, pool block id)
-    loads: list[tuple[int, int, int]] = []  # (tier, block hash, pool block id)
+    drops: list[tuple[int, bytes]] = []  # (tier, block hash): forget it
+    stores: list[tuple[int, bytes, int]] = []  # (tier, block hash, pool block id)
+    loads: list[tuple[int, bytes, int]] = []  # (tier, block hash, pool block id)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -180,7 +183,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     kv_transfers: KVTransfers | None = None  # KV offload work before the forward
     # Prefill/decode disaggregation, a producer: (block hash, block id) of the prompt blocks
     # this step completes, to send to the consumer once the forward has written them.
-    kv_sends: list[tuple[int, int]] = []
+    kv_sends: list[tuple[bytes, int]] = []
     # The consumer's data-parallel engine each of kv_sends goes to ([]: a consumer of one
     # engine, all to engine 0).
     kv_send_engines: list[int] = []
@@ -209,7 +212,7 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # KV offload: (tier, block hash) of loads that failed (a missing or corrupt disk block);
     # the executor recomputed those blocks in the step instead (or no request read them: a
     # prefetch), the core forgets them. With pipeline stages: every stage's, the union.
-    kv_load_failed: list[tuple[int, int]] = []
+    kv_load_failed: list[tuple[int, bytes]] = []
     # Where the step's time went: input and attention metadata preparation, the model forward,
     # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
     # step (receive to send, decoding the message included) and the wait for it before.
@@ -389,7 +392,7 @@ class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
     the second frame, or (transport "shm") are in /dev/shm/<shm_file>, which the consumer
     deletes. `layout` names the model and KV layout (executor/kv_transfer.py)."""
 
-    hashes: list[int]
+    hashes: list[bytes]
     layout: str
     dtype: str
     block_shape: list[int]
@@ -403,8 +406,8 @@ class KVBlocksReceived(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     buffer (its part of each block) this is; the core holds a block once every rank of
     every stage has its part."""
 
-    stored: list[int] = []
-    removed: list[int] = []
+    stored: list[bytes] = []
+    removed: list[bytes] = []
     rank: int = 0  # (last, with a default: a message of one rank decodes as before)
 
 
@@ -655,8 +658,8 @@ class KVCacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     drop messages: the view they build is a routing hint, never a correctness input."""
 
     engine: int
-    stored: list[int] = []
-    removed: list[int] = []
+    stored: list[bytes] = []
+    removed: list[bytes] = []
     cleared: bool = False  # applied first: the replica's cache was emptied (a restart)
 
 

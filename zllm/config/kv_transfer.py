@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zllm.config.arg_utils import check_config_dict
+from zllm.kv.block_hash import key_to_int
 
 CONNECTOR_NAME = "ZllmConnector"
 ROLES = ("kv_producer", "kv_consumer")
@@ -105,13 +106,13 @@ class KVTransferConfig:
         return f"tcp://{self.host}:{self.port + engine * ranks + rank}"
 
 
-def consumer_engine(block_hashes: Sequence[int], engines: int) -> int | None:
+def consumer_engine(block_hashes: Sequence[bytes], engines: int) -> int | None:
     """The consumer engine that serves a prompt with these full-block hashes, and so gets its
     blocks: both servers compute it alike (the hashes are the same in every process, and
     the first holds the request's salt). None: no full block, nothing to send."""
     if not block_hashes:
         return None
-    return block_hashes[0] % engines  # (Python's % of a negative hash is >= 0 too)
+    return key_to_int(block_hashes[0]) % engines
 
 
 def check_ports(

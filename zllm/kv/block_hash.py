@@ -1,36 +1,59 @@
 """The hash chain that names a full KV block by its tokens (automatic prefix caching).
 
-The core's block manager keys its prefix cache by it, the KV tiers name their blocks by it,
-and with several data-parallel replicas the tokenizer workers hash each prompt the same way to
-find the replica that holds its prefix. So a hash must not depend on the process computing
-it: only ints and tuples of ints go into Python's `hash` (a `str` or `None` hashes
-differently in every process, under hash randomization and address layout).
+The core's block manager keys its prefix cache by it, the KV tiers name their blocks by it
+(in memory, in files, across restarts), a producer server names the blocks it ships by it, and
+with several data-parallel replicas the tokenizer workers hash each prompt the same way to find
+the replica that holds its prefix. Two different token blocks with one key would make one
+request compute on another's KV, and a client can choose its tokens: so a key is a
+cryptographic hash, 128 bits wide wherever it is kept or travels (a birthday search needs
+~2^64 tries; cut to 64 bits it would need ~2^32). Keys are `bytes` of `KEY_BYTES`: msgpack
+carries them as they are (its ints stop at 64 bits), and any process computes the same key.
+
+The encoding (tests/test_block_keys.py checks it against hashlib from this text):
+- a block's key: the first 16 bytes of SHA-256(parent key || each token id as a 4-byte
+  little-endian unsigned int), its parent the previous block's key, or for the first block
+  the request's salt, or `NO_SALT` (16 zero bytes) without one;
+- a salt: the first 16 bytes of SHA-256(tag || previous salt (NO_SALT for none) || value),
+  chained in the order: LoRA adapter (tag b"zllm-lora\\0", value the 16-byte digest of its
+  files, zllm/lora.py), tenant (under --prefix-cache-isolation tenant; b"zllm-tenant\\0", its
+  name in UTF-8), `cache_salt` (b"zllm-salt\\0", in UTF-8);
+- a KV cache group's copy of a block in the tiers (the hybrid KV cache, group > 0): the first
+  16 bytes of SHA-256(b"zllm-group\\0" || key || group as a 4-byte little-endian int).
+SHA-256 is vLLM's default; a keyed BLAKE2b measured slower here in Python (BENCHMARKS.md,
+"Block keys"), the unkeyed one ~10% faster, not enough to leave the known standard.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from zllm.protocol import RequestOptions
+if TYPE_CHECKING:  # (zllm.config imports this module, and zllm.protocol imports zllm.config)
+    from zllm.protocol import RequestOptions
 
-BlockHash = int
+BlockHash = bytes  # KEY_BYTES of a SHA-256 digest
+KEY_BYTES = 16
 
-# The first block's parent for a request without a salt; any fixed int would do.
-NO_SALT: BlockHash = 0
-# Tag the salts of a LoRA adapter's blocks and of a request's `cache_salt` (fixed ints:
-# "LoRA" and "Salt" in ASCII).
-_LORA_TAG = 0x4C6F5241
-_SALT_TAG = 0x53616C74
-# Tags the salt of a tenant's blocks under --prefix-cache-isolation tenant ("Tent").
-_TENANT_TAG = 0x54656E74
-# Tags a KV cache group's copy of a block in the KV tiers ("Grup" in ASCII).
-_GROUP_TAG = 0x47727570
+# The first block's parent for a request without a salt.
+NO_SALT: BlockHash = bytes(KEY_BYTES)
+# Tags keep each kind of salt (and a group's copy) apart from the others and from block keys.
+_LORA_TAG = b"zllm-lora\0"
+_TENANT_TAG = b"zllm-tenant\0"
+_SALT_TAG = b"zllm-salt\0"
+_GROUP_TAG = b"zllm-group\0"
+
+# struct.Struct("<{n}I") per block length: packing a block's ids is most of a key's cost.
+_packers: dict[int, struct.Struct] = {}
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    """Chain a block's tokens onto its parent's hash."""
-    return hash((parent_hash, tuple(token_ids)))
+    """Chain a block's tokens onto its parent's key."""
+    packer = _packers.get(len(token_ids))
+    if packer is None:
+        packer = _packers[len(token_ids)] = struct.Struct(f"<{len(token_ids)}I")
+    return hashlib.sha256(parent_hash + packer.pack(*token_ids)).digest()[:KEY_BYTES]
 
 
 def hash_full_blocks(
@@ -39,10 +62,10 @@ def hash_full_blocks(
     known: list[BlockHash] | None = None,
     salt: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Hash chain of every full block of `token_ids`, extending the `known` prefix of it.
+    """Key chain of every full block of `token_ids`, extending the `known` prefix of it.
 
     `salt` is the first block's parent: the same tokens under another salt (a LoRA adapter's,
-    `cache_salt`) hash apart, so their KV blocks are never shared."""
+    a tenant's, `cache_salt`) hash apart, so their KV blocks are never shared."""
     hashes = list(known) if known else []
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else (NO_SALT if salt is None else salt)
@@ -53,9 +76,13 @@ def hash_full_blocks(
 def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
     """What the KV tiers name one KV cache group's copy of a full block by. With several
     groups (the hybrid KV cache) the same tokens live in a block per group, each holding
-    other layers' K/V; group 0's key is the block hash itself, so a model with one group
+    other layers' K/V; group 0's key is the block key itself, so a model with one group
     names its blocks as before."""
-    return block_hash if group == 0 else hash((_GROUP_TAG, block_hash, group))
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(_GROUP_TAG + block_hash + group.to_bytes(4, "little")).digest()[
+        :KEY_BYTES
+    ]
 
 
 def cache_salt(options: RequestOptions) -> BlockHash | None:
@@ -65,14 +92,20 @@ def cache_salt(options: RequestOptions) -> BlockHash | None:
     salt = None
     if options.lora is not None:  # its files' digest: alike on every server (lora.py)
         lora = options.lora
-        salt = hash((_LORA_TAG, lora.lora_digest or lora.lora_int_id))
+        # (offline, before the digest is filled in, the caller's id stands in)
+        salt = _salt(_LORA_TAG, salt, lora.lora_digest or b"id:%d" % lora.lora_int_id)
     if options.isolate_tenant_cache:
-        salt = hash((_TENANT_TAG, salt or NO_SALT, _text_digest(options.tenant)))
+        salt = _salt(_TENANT_TAG, salt, options.tenant.encode())
     if options.cache_salt is not None:
-        salt = hash((_SALT_TAG, salt or NO_SALT, _text_digest(options.cache_salt)))
+        salt = _salt(_SALT_TAG, salt, options.cache_salt.encode())
     return salt
 
 
-def _text_digest(text: str) -> int:
-    """A str hashes differently in every process: its bytes' digest is the same in all."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+def _salt(tag: bytes, previous: BlockHash | None, value: bytes) -> BlockHash:
+    return hashlib.sha256(tag + (previous or NO_SALT) + value).digest()[:KEY_BYTES]
+
+
+def key_to_int(block_hash: BlockHash) -> int:
+    """A key as a non-negative int (its first 8 bytes, little-endian), for spreading keys
+    over a few buckets (data-parallel engines): any 8 bytes of a SHA-256 are uniform."""
+    return int.from_bytes(block_hash[:8], "little")

@@ -14,8 +14,8 @@ block's bytes (model file, dtype, block size, layout, quantization), so a direct
 by several models, or outliving a change of flags, never hands one of them another's KV;
 with a draft model (speculative decoding) a block is its layers' KV too, and the fingerprint
 names the draft.
-Block hashes are stable across processes (hashes of tuples of ints), so the disk tier of a
-restarted engine still serves its prefixes.
+Block hashes are the same in every process (SHA-256 digests: zllm/kv/block_hash.py), so the
+disk tier of a restarted engine still serves its prefixes.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from zllm.config.engine import EngineConfig
+from zllm.kv.block_hash import KEY_BYTES, BlockHash
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 from zllm.kv.kv_dtypes import ELEMENT_BYTES
 from zllm.model.fingerprint import weights_fingerprint
@@ -38,8 +39,9 @@ TIER_NAMES = ("cpu", "disk", "remote")
 FALLIBLE_TIERS = (TIER_DISK, TIER_REMOTE)
 
 BLOCK_FILE_SUFFIX = ".zkv"
-# 2: adapters' blocks salted by their files' digest; 3: an HMAC (zllm/kv/tier_key.py), not a CRC
-FILE_FORMAT_VERSION = 3
+# 2: adapters' blocks salted by their files' digest; 3: an HMAC (zllm/kv/tier_key.py), not a CRC;
+# 4: 128-bit block keys (SHA-256), not Python's 64-bit tuple hash
+FILE_FORMAT_VERSION = 4
 
 
 def block_bytes(config: EngineConfig) -> int:
@@ -104,7 +106,7 @@ def tier_directory(config: EngineConfig, rank: int = 0) -> Path:
     return directory / f"rank-{rank}" if config.world_size > 1 else directory
 
 
-def blocks_on_every_rank(config: EngineConfig) -> list[int]:
+def blocks_on_every_rank(config: EngineConfig) -> list[BlockHash]:
     """The blocks every rank's disk tier directory holds, least recently written first (as
     rank 0 wrote them): what the core may ask the ranks to load after a restart."""
     order = existing_disk_blocks(tier_directory(config))
@@ -114,31 +116,30 @@ def blocks_on_every_rank(config: EngineConfig) -> list[int]:
     return [block_hash for block_hash in order if block_hash in held]
 
 
-def block_file_name(block_hash: int) -> str:
-    """A block hash (a signed 64-bit int) as a file name: 16 hex digits of its two's
-    complement."""
-    return f"{block_hash & 0xFFFF_FFFF_FFFF_FFFF:016x}{BLOCK_FILE_SUFFIX}"
+def block_file_name(block_hash: BlockHash) -> str:
+    """A block hash as a file name: its 32 hex digits."""
+    return f"{block_hash.hex()}{BLOCK_FILE_SUFFIX}"
 
 
-def parse_block_file_name(name: str) -> int | None:
+def parse_block_file_name(name: str) -> BlockHash | None:
     """The block hash a file name holds, or None for a name that is not a block file."""
-    if not name.endswith(BLOCK_FILE_SUFFIX) or len(name) != 16 + len(BLOCK_FILE_SUFFIX):
+    digits = 2 * KEY_BYTES
+    if not name.endswith(BLOCK_FILE_SUFFIX) or len(name) != digits + len(BLOCK_FILE_SUFFIX):
         return None
     try:
-        value = int(name[:16], 16)
+        return bytes.fromhex(name[:digits])
     except ValueError:
         return None
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def existing_disk_blocks(directory: Path) -> list[int]:
+def existing_disk_blocks(directory: Path) -> list[BlockHash]:
     """The block hashes a tier directory holds, least recently written first (the order the
     disk tier's LRU starts from after a restart)."""
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return []
-    found: list[tuple[int, int]] = []
+    found: list[tuple[int, BlockHash]] = []
     for entry in entries:
         block_hash = parse_block_file_name(entry.name)
         if block_hash is not None:
