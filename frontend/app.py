@@ -173,6 +173,7 @@ class OpenAIServer:
             config.tenant_max_concurrency,
             config.tenant_max_requests_per_second,
             self.prometheus.registry,
+            per_tenant=config.engine.scheduler.tenant_limits,
         )
         self.adapters = LoRAAdapters(
             config.engine,

@@ -399,7 +399,8 @@ def prefix_cache_isolation(engine: EngineConfig, server: ServerArgs) -> str:
     """As given, else "tenant" where tenants are configured (several API keys, or weights)."""
     if server.prefix_cache_isolation is not None:
         return server.prefix_cache_isolation
-    tenants = len(server.api_key) > 1 or engine.scheduler.tenant_weights
+    scheduler = engine.scheduler
+    tenants = len(server.api_key) > 1 or scheduler.tenant_weights or scheduler.tenant_limits
     return "tenant" if tenants else "none"
 
 
