@@ -5,9 +5,11 @@
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
     POST /sleep?level=1|2, /wake_up[?tags=weights|kv_cache]; GET /is_sleeping   (sleep mode)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
-    GET  /health, /version, /metrics             open even when an API key is set
-                                                 (unless --protect-metrics)
-    GET  /dashboard, /dashboard/stats            the live dashboard (frontend/dashboard.py)
+    GET  /health                                 open even when an API key is set
+    GET  /version, /metrics                      open too, unless --protect-metrics
+    GET  /dashboard, /dashboard/stats            the live dashboard (frontend/dashboard.py),
+                                                 as /metrics; each shows what its reader may
+                                                 see (frontend/access.py)
     GET  /openapi.json                           the API's OpenAPI 3.1 description
 
 The routes, the door's rules and /openapi.json all come from one table (frontend/routes.py).
@@ -44,6 +46,7 @@ import zllm
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api
+from zllm.frontend.access import EVERYONE, VIEWER_KEY, RegistryView
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
     DetokenizeBody,
@@ -173,6 +176,7 @@ class OpenAIServer:
             config.tenant_max_concurrency,
             config.tenant_max_requests_per_second,
             self.prometheus.registry,
+            per_tenant=config.engine.scheduler.tenant_limits,
         )
         self.adapters = LoRAAdapters(
             config.engine,
@@ -297,7 +301,9 @@ class OpenAIServer:
         return Response(self._openapi, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
-        return Response(prometheus_text(self.prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+        view = RegistryView(self.prometheus.registry, request.scope.get(VIEWER_KEY, EVERYONE))
+        text = prometheus_text(view)  # type: ignore[arg-type]  # any collector will do
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request, body: TokenizeBody) -> Response:
         self.adapters.resolve(body.model)

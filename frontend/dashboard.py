@@ -5,6 +5,9 @@ stats are the core's latest heartbeat (KV block grid, running and waiting reques
 counters), the supervisor's process table, and what this frontend keeps beside them: the
 heartbeat sampled once a second for the last few minutes (`Timeline`), and the TTFT and
 inter-token latencies of the last minute (`LatencyWindow`), which `metrics.Metrics` feeds.
+
+A tenant's view (frontend/access.py) has its own prefix-cache hits in place of the engine's,
+only its own row among the tenants, and no tier hits.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from zllm.frontend.access import EVERYONE, VIEWER_KEY, Viewer
+from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
 from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
 from zllm.runtime.engine_client import EngineClient
@@ -231,6 +236,7 @@ class Engine(msgspec.Struct):
 
 class DashboardStats(msgspec.Struct):
     model: str
+    tenant: str | None  # whose view: one tenant's (frontend/access.py), or None: everyone's
     time: float
     uptime_s: float
     engine: Engine
@@ -254,6 +260,7 @@ class Dashboard:
         ttft: LatencyWindow,
         itl: LatencyWindow,
         num_finished: dict[str, int],
+        prefix_hits: TenantPrefixHits,
     ) -> None:
         self.client = client
         self.model_name = model_name
@@ -261,6 +268,7 @@ class Dashboard:
         self.ttft = ttft
         self.itl = itl
         self.num_finished = num_finished
+        self.prefix_hits = prefix_hits
         self.started = time.time()
         self._page = (resources.files("zllm.frontend") / "static" / "dashboard.html").read_bytes()
         self._encoder = msgspec.json.Encoder()
@@ -273,18 +281,21 @@ class Dashboard:
     async def stats(self, request: Request) -> Response:
         self.timeline.start()
         return Response(
-            self._encoder.encode(self.snapshot()),
+            self._encoder.encode(self.snapshot(request.scope.get(VIEWER_KEY, EVERYONE))),
             media_type="application/json",
             headers={"cache-control": "no-store"},
         )
 
-    def snapshot(self) -> DashboardStats:
+    def snapshot(self, viewer: Viewer = EVERYONE) -> DashboardStats:
         client = self.client
         s = client.stats or EngineStats()
         now, mono = time.time(), time.monotonic()
         healthy, message = client.health()
         gen_tps, prompt_tps, busy = self.timeline.rates(now)
-        queries = s.prefix_cache_queries
+        queries, hits = s.prefix_cache_queries, s.prefix_cache_hits
+        if viewer.tenant is not None:  # its own hits, not every tenant's
+            own = self.prefix_hits.of(viewer.tenant)
+            queries, hits = own.queries, own.hits
         engine = Engine(
             state=str(client.engine_state),
             healthy=healthy,
@@ -299,19 +310,20 @@ class Dashboard:
             prompt_tokens=s.num_prompt_tokens,
             generation_tokens=s.num_generation_tokens,
             preemptions=s.num_preemptions,
-            prefix_cache_hit_rate=s.prefix_cache_hits / queries if queries else 0.0,
+            prefix_cache_hit_rate=hits / queries if queries else 0.0,
             prefix_cache_queries=queries,
-            prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_hits=hits,
             steps=s.num_steps,
             in_flight=client.num_in_flight,
-            kv_tiers=_kv_tiers(s),
+            kv_tiers=_kv_tiers(s) if viewer.sees_all else [],
             pinned_blocks=s.pins.pinned_blocks,
             max_pinned_blocks=s.pins.max_pinned_blocks,
-            tenants=_busy_tenants(s),
+            tenants=[t for t in _busy_tenants(s) if viewer.sees(t.name)],
         )
         _add_speculation(engine, s)
         return DashboardStats(
             model=self.model_name,
+            tenant=viewer.tenant,
             time=now,
             uptime_s=round(now - self.started, 1),
             engine=engine,

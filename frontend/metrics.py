@@ -25,7 +25,9 @@
                                vllm:request_queue_time_seconds,
                                vllm:request_prompt_tokens, vllm:request_generation_tokens,
                                zllm:tenant_requests_limited_total{tenant,limit}
-                               (frontend/tenant_limits.py)
+                               (frontend/tenant_limits.py),
+                               zllm:tenant_prefix_cache_{queries,hits}_total{tenant}
+                               (frontend/tenant_prefix_hits.py)
 
 Per-request numbers are observed per engine request (one prompt; a multi-prompt HTTP request
 is several), as the frontend receives its outputs:
@@ -40,6 +42,8 @@ is several), as the frontend receives its outputs:
 
 A request refused as invalid (a 4xx from the tokenizer or the core, such as a prompt that is
 too long) never ran and counts nowhere; it is still logged, as "rejected".
+
+Who reads /metrics decides which tenants' series it shows (frontend/access.py).
 
 The core-heartbeat metrics carry an `engine` label (as vLLM's do): one series per
 data-parallel engine ("0" with one). The frontend's own request metrics are the whole
@@ -60,9 +64,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
+from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
 from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import EngineStats, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.tenants import DEFAULT_TENANT
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -98,6 +104,7 @@ class RequestTrace:
     req_id: str
     n: int
     start: float
+    tenant: str = DEFAULT_TENANT
     first_token: float | None = None
     end: float | None = None
     queue_time_s: float | None = None
@@ -146,6 +153,8 @@ class Metrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(client, model_name))
+        self.prefix_hits = TenantPrefixHits(model_name)
+        self.registry.register(self.prefix_hits)
         labels = ["model_name"]
         success = Counter(
             "vllm:request_success",
@@ -197,17 +206,29 @@ class Metrics:
         self.num_finished = dict.fromkeys(FINISHED_REASONS, 0)
         self.timeline = Timeline(client)
         self.dashboard = Dashboard(
-            client, model_name, self.timeline, self.ttft_window, self.itl_window, self.num_finished
+            client,
+            model_name,
+            self.timeline,
+            self.ttft_window,
+            self.itl_window,
+            self.num_finished,
+            self.prefix_hits,
         )
 
     # ---- per engine request --------------------------------------------------------------
     def track(self, request: TokenizeRequest) -> RequestTrace:
-        return RequestTrace(request.req_id, request.sampling_params.n, time.monotonic())
+        return RequestTrace(
+            request.req_id, request.sampling_params.n, time.monotonic(), request.options.tenant
+        )
 
     def on_output(self, trace: RequestTrace, delta: RequestOutputDelta) -> None:
         now = time.monotonic()
         num_tokens = len(delta.token_ids)
         if delta.num_prompt_tokens:
+            if not trace.num_prompt_tokens:  # its first output: the prefix was looked up
+                self.prefix_hits.count(
+                    trace.tenant, delta.num_prompt_tokens, delta.num_cached_tokens
+                )
             trace.num_prompt_tokens = delta.num_prompt_tokens
             trace.num_cached_tokens = delta.num_cached_tokens
         if num_tokens:

@@ -7,9 +7,12 @@ time. A generation request then gets an admission `Ticket` in its scope, release
 response is completely sent.
 
 The routes come from the route table (frontend/routes.py): which are generation routes,
-which are open. With API keys set, every route needs one except the observability routes
-(/health, /metrics, /dashboard, /version; those too with `--protect-metrics`); an unknown
-path gets its 404 without. A refusal has the shape of its route's API's errors.
+which key each needs (`Access`). With API keys set, every route needs one except /health
+(never) and the observability routes (/metrics, /dashboard, /version), which need a key
+only with `--protect-metrics`: an API key, or a `--metrics-api-key` (those open nothing
+else). An unknown path gets its 404 without. A refusal has the shape of its route's API's
+errors. An observability request's `Viewer` goes into its scope (frontend/access.py): an
+API key under tenant isolation sees its own tenant's series, anyone else every tenant's.
 
 A generation request's tenant (zllm/runtime/tenants.py) goes into its scope too: the key it was sent
 with, else its X-Tenant header (400 when malformed), else the default tenant; the tenant's
@@ -29,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
+from zllm.frontend.access import EVERYONE, VIEWER_KEY, Access, Viewer
 from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.responses import error_response
 from zllm.frontend.tenant_limits import TenantLimits
@@ -40,6 +44,8 @@ TENANT_KEY = "zllm.tenant"  # and its tenant's name
 
 if TYPE_CHECKING:
     from zllm.frontend.routes import ApiRoute
+
+MISSING_KEY = "Missing or invalid API key: send `Authorization: Bearer <key>`."
 
 
 class Gate:
@@ -59,16 +65,22 @@ class Gate:
         self.routes = {route.path: route for route in routes}
         self.generation_paths = frozenset(r.path for r in routes if r.generation)
         # Keys are compared as SHA-256 digests: constant time, whatever their lengths.
-        self.key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
-        self.protect_metrics = config.protect_metrics
+        self.key_digests = [_digest(k.encode()) for k in config.api_keys]
+        self.metrics_key_digests = [_digest(k.encode()) for k in config.metrics_api_keys]
+        # Observability routes need a key only when protected and some key can open them.
+        self.observability_keyed = config.protect_metrics and bool(
+            self.key_digests or self.metrics_key_digests
+        )
+        self.tenant_views = config.prefix_cache_isolation == "tenant"
         self.max_body = config.max_request_body_bytes
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        key_index = self._key_index(scope) if self.key_digests else None
-        refusal = self._refusal(scope, key_index)
+        keys = _given_keys(scope)
+        key_index = _find(keys, self.key_digests) if self.key_digests else None
+        refusal = self._refusal(scope, keys, key_index)
         if refusal is not None:
             return await self._error(scope, refusal)(scope, receive, send)
         if scope["method"] != "POST":
@@ -101,21 +113,21 @@ class Gate:
             if limits is not None:
                 limits.leave(tenant)
 
-    def _refusal(self, scope: Scope, key_index: int | None) -> RequestError | None:
-        """The error for a request refused at the door, or None."""
+    def _refusal(
+        self, scope: Scope, keys: list[bytes], key_index: int | None
+    ) -> RequestError | None:
+        """The error for a request refused at the door, or None. An observability request
+        let in gets its Viewer in its scope."""
         path: str = scope["path"]
         route = self.routes.get(path)
-        if (
-            self.key_digests
-            and key_index is None
-            and route is not None
-            and not self._is_open(route)
-        ):
-            return RequestError(
-                "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-                401,
-                code="invalid_api_key",
-            )
+        access = Access.PUBLIC if route is None else route.access
+        if access is Access.API and self.key_digests and key_index is None:
+            return RequestError(MISSING_KEY, 401, code="invalid_api_key")
+        if access is Access.OBSERVABILITY:
+            viewer = self._viewer(keys, key_index)
+            if viewer is None:
+                return RequestError(MISSING_KEY, 401, code="invalid_api_key")
+            scope[VIEWER_KEY] = viewer
         if scope["method"] != "POST":
             return None
         if self.admission.draining:
@@ -143,29 +155,47 @@ class Gate:
             413,
         )
 
-    def _is_open(self, route: ApiRoute) -> bool:
-        return route.observability and not self.protect_metrics
+    def _viewer(self, keys: list[bytes], key_index: int | None) -> Viewer | None:
+        """Who reads an observability route (frontend/access.py), or None: refused."""
+        if not self.observability_keyed:
+            return EVERYONE  # open: anyone sees all, so a key narrows nothing
+        if key_index is not None:
+            return Viewer(api_key_tenant(key_index)) if self.tenant_views else EVERYONE
+        if self.metrics_key_digests and _find(keys, self.metrics_key_digests) is not None:
+            return EVERYONE
+        return None
 
     def _error(self, scope: Scope, error: RequestError) -> Response:
         """The error in the shape of its route's API (Anthropic's or OpenAI's)."""
         route = self.routes.get(scope["path"])
         return route.errors.response(error) if route is not None else error_response(error)
 
-    def _key_index(self, scope: Scope) -> int | None:
-        """Which of the API keys the request carries (its position), or None."""
-        given: list[bytes] = []
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                given.append(value[7:].strip())
-            elif name == b"x-api-key":
-                given.append(value.strip())
-        found = None
-        for candidate in given:
-            digest = hashlib.sha256(candidate).digest()
-            for i, key in enumerate(self.key_digests):  # every key: no early exit to time
-                if hmac.compare_digest(digest, key) and found is None:
-                    found = i
-        return found
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _given_keys(scope: Scope) -> list[bytes]:
+    """The keys a request carries (`Authorization: Bearer`, `x-api-key`)."""
+    given: list[bytes] = []
+    for name, value in scope["headers"]:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            given.append(value[7:].strip())
+        elif name == b"x-api-key":
+            given.append(value.strip())
+    return given
+
+
+def _find(given: list[bytes], digests: list[bytes]) -> int | None:
+    """Which of `digests` one of the `given` keys matches (its position), or None. Keys are
+    compared as SHA-256 digests in constant time, whatever their lengths."""
+    found = None
+    for candidate in given:
+        digest = _digest(candidate)
+        for i, key in enumerate(digests):  # every key: no early exit to time
+            if hmac.compare_digest(digest, key) and found is None:
+                found = i
+    return found
 
 
 def _tenant(scope: Scope, key_index: int | None) -> str:

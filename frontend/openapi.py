@@ -15,6 +15,7 @@ import msgspec
 
 import zllm
 from zllm.config.serve import ServeConfig
+from zllm.frontend.access import Access
 from zllm.frontend.routes import ApiRoute, Operation, Schema
 
 _REF = "#/components/schemas/{name}"
@@ -46,10 +47,12 @@ def openapi_schema(config: ServeConfig, routes: Sequence[ApiRoute]) -> dict[str,
     if config.api_keys:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         schema["security"] = [{"bearer": []}]
-        if not config.protect_metrics:
-            for route in documented:
-                if route.observability and route.path in paths:
-                    paths[route.path][route.method.lower()]["security"] = []
+        for route in documented:
+            if route.path in paths and (
+                route.access is Access.PUBLIC
+                or (route.access is Access.OBSERVABILITY and not config.protect_metrics)
+            ):
+                paths[route.path][route.method.lower()]["security"] = []
     return schema
 
 

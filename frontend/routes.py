@@ -20,6 +20,7 @@ from starlette.responses import Response
 from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.frontend import anthropic_api
+from zllm.frontend.access import Access
 from zllm.frontend.anthropic_api import (
     AnthropicError,
     CountTokensRequest,
@@ -93,7 +94,7 @@ class ApiRoute:
     body: type[msgspec.Struct] | None = None
     doc: Operation | None = None  # None: not in /openapi.json
     errors: ErrorShape = OPENAI_ERRORS
-    observability: bool = False  # open without an API key, unless --protect-metrics
+    access: Access = Access.API
     documented_if: Callable[[ServeConfig], bool] | None = None  # a feature's routes
 
     @property
@@ -236,18 +237,18 @@ ROUTES: tuple[ApiRoute, ...] = (
             errors=(503,),
             ok="Healthy.",
         ),
-        observability=True,
+        access=Access.PUBLIC,
     ),
     ApiRoute(
         "/version",
         "GET",
         "version",
         doc=Operation("version", "The server's version.", ok="The version."),
-        observability=True,
+        access=Access.OBSERVABILITY,
     ),
-    ApiRoute("/metrics", "GET", "metrics", observability=True),
-    ApiRoute("/dashboard", "GET", "prometheus.dashboard.page", observability=True),
-    ApiRoute("/dashboard/stats", "GET", "prometheus.dashboard.stats", observability=True),
+    ApiRoute("/metrics", "GET", "metrics", access=Access.OBSERVABILITY),
+    ApiRoute("/dashboard", "GET", "prometheus.dashboard.page", access=Access.OBSERVABILITY),
+    ApiRoute("/dashboard/stats", "GET", "prometheus.dashboard.stats", access=Access.OBSERVABILITY),
     ApiRoute("/openapi.json", "GET", "openapi"),
     # vLLM's run-time LoRA routes (with --enable-lora); they answer in plain text.
     ApiRoute(

@@ -9,6 +9,10 @@ request's body is parsed, after the server-wide admission limit (503); a refused
 never reaches the engine and is counted in `zllm:tenant_requests_limited_total{tenant,
 limit}`. Other tenants are not slowed: one tenant at its limit costs them nothing.
 
+A tenant's own limits (an object in --tenant-weights: zllm/runtime/tenants.py) replace the
+global ones for it, each limit on its own: `{"key-1": {"max_concurrency": 8}}` gives key-1
+8 requests in flight and the global rate.
+
 Limits bind authenticated tenants (API keys); an X-Tenant header without keys is a label
 anyone can change, so under it the limits shape well-behaved clients only.
 """
@@ -17,12 +21,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
 from zllm.errors import RequestError
+from zllm.runtime.tenants import TenantLimit
 
 CONCURRENCY_RETRY_AFTER_S = 1
 # Buckets kept before the full ones are forgotten: a full bucket is what a tenant without
@@ -36,6 +41,37 @@ class _Bucket:
     updated: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """One tenant's limits in force, and the flag each comes from (for the 429's message)."""
+
+    max_concurrency: int | None
+    rate: float | None
+    concurrency_flag: str
+    rate_flag: str
+
+    @property
+    def burst(self) -> float:
+        return max(1.0, self.rate) if self.rate else 0.0
+
+
+_OWN = "its {} in --tenant-weights"
+
+
+def _limits(default: TenantLimit, own: TenantLimit | None) -> _Limits:
+    """A tenant's own limits where it has them, the global flags' elsewhere."""
+    own = own or TenantLimit()
+    concurrency, rate = own.max_concurrency, own.max_requests_per_second
+    return _Limits(
+        default.max_concurrency if concurrency is None else concurrency,
+        default.max_requests_per_second if rate is None else rate,
+        "--tenant-max-concurrency" if concurrency is None else _OWN.format("max_concurrency"),
+        "--tenant-max-requests-per-second"
+        if rate is None
+        else _OWN.format("max_requests_per_second"),
+    )
+
+
 class TenantLimits:
     def __init__(
         self,
@@ -43,10 +79,12 @@ class TenantLimits:
         rate: float | None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        per_tenant: Mapping[str, TenantLimit] | None = None,
     ) -> None:
-        self.max_concurrency = max_concurrency
-        self.rate = rate
-        self.burst = max(1.0, rate) if rate else 0.0
+        default = TenantLimit(max_concurrency, rate)
+        self.default = _limits(default, None)
+        # Decided once per configured tenant; every other tenant has the defaults.
+        self.per_tenant = {name: _limits(default, own) for name, own in (per_tenant or {}).items()}
         self.clock = clock
         self.in_flight: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
@@ -60,27 +98,34 @@ class TenantLimits:
 
     @property
     def enabled(self) -> bool:
-        return self.max_concurrency is not None or self.rate is not None
+        return any(
+            limits.max_concurrency is not None or limits.rate is not None
+            for limits in (self.default, *self.per_tenant.values())
+        )
+
+    def limits_of(self, tenant: str) -> _Limits:
+        return self.per_tenant.get(tenant, self.default)
 
     def enter(self, tenant: str) -> RequestError | None:
         """Count a request of `tenant` in, or return the 429 to answer (nothing counted)."""
+        limits = self.limits_of(tenant)
         running = self.in_flight.get(tenant, 0)
-        if self.max_concurrency is not None and running >= self.max_concurrency:
+        if limits.max_concurrency is not None and running >= limits.max_concurrency:
             return self._refuse(
                 tenant,
                 "concurrency",
                 f"Tenant {tenant!r} has {running} requests in flight, its limit "
-                f"(--tenant-max-concurrency).",
+                f"({limits.concurrency_flag}).",
                 CONCURRENCY_RETRY_AFTER_S,
             )
-        if self.rate is not None:
-            wait_s = self._take(tenant)
+        if limits.rate is not None:
+            wait_s = self._take(tenant, limits)
             if wait_s > 0:
                 return self._refuse(
                     tenant,
                     "rate",
-                    f"Tenant {tenant!r} is over its rate of {self.rate:g} requests per "
-                    f"second (--tenant-max-requests-per-second).",
+                    f"Tenant {tenant!r} is over its rate of {limits.rate:g} requests per "
+                    f"second ({limits.rate_flag}).",
                     max(1, math.ceil(wait_s)),
                 )
         self.in_flight[tenant] = running + 1
@@ -94,26 +139,28 @@ class TenantLimits:
         else:
             self.in_flight.pop(tenant, None)
 
-    def _take(self, tenant: str) -> float:
+    def _take(self, tenant: str, limits: _Limits) -> float:
         """Take one token of the tenant's bucket: 0, or the seconds until one is there."""
-        assert self.rate is not None
+        rate, burst = limits.rate, limits.burst
+        assert rate is not None
         now = self.clock()
         bucket = self._buckets.get(tenant)
         if bucket is None:
             if len(self._buckets) >= MAX_IDLE_BUCKETS:
                 self._forget_full_buckets(now)
-            bucket = self._buckets[tenant] = _Bucket(self.burst, now)
-        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
+            bucket = self._buckets[tenant] = _Bucket(burst, now)
+        bucket.tokens = min(burst, bucket.tokens + (now - bucket.updated) * rate)
         bucket.updated = now
         if bucket.tokens >= 1.0:
             bucket.tokens -= 1.0
             return 0.0
-        return (1.0 - bucket.tokens) / self.rate
+        return (1.0 - bucket.tokens) / rate
 
     def _forget_full_buckets(self, now: float) -> None:
-        assert self.rate is not None
         for name, b in list(self._buckets.items()):
-            if b.tokens + (now - b.updated) * self.rate >= self.burst:
+            limits = self.limits_of(name)
+            assert limits.rate is not None  # only rate-limited tenants have buckets
+            if b.tokens + (now - b.updated) * limits.rate >= limits.burst:
                 del self._buckets[name]
 
     def _refuse(self, tenant: str, limit: str, message: str, retry_s: int) -> RequestError:

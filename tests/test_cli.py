@@ -17,6 +17,7 @@ from zllm.config.arg_utils import flag_name, flag_of, format_size, parse_size
 from zllm.config.engine_args import EngineArgs, engine_args_from
 from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
 from zllm.lora import LoRARequest, with_digest
+from zllm.runtime.tenants import TenantPolicy
 
 # Every engine option away from its default, and the flags that say so.
 ENGINE = EngineArgs(
@@ -26,7 +27,10 @@ ENGINE = EngineArgs(
     max_num_batched_tokens=64,
     enable_chunked_prefill=False,
     scheduling_policy="fair",
-    tenant_weights={"key-1": 3.0, "alice": 1.5},
+    tenant_weights={
+        "key-1": TenantPolicy(weight=3.0, max_concurrency=2),
+        "alice": TenantPolicy(weight=1.5),
+    },
     block_size=32,
     kv_cache_memory_bytes=64 << 20,
     gpu_memory_utilization=0.5,
@@ -66,7 +70,7 @@ ENGINE_ARGV = [
     "--max-num-batched-tokens", "64",
     "--no-enable-chunked-prefill",
     "--scheduling-policy", "fair",
-    "--tenant-weights", "key-1=3,alice=1.5",
+    "--tenant-weights", '{"key-1": {"weight": 3, "max_concurrency": 2}, "alice": 1.5}',
     "--block-size", "32",
     "--kv-cache-memory-bytes", "64M",
     "--gpu-memory-utilization", "0.5",
@@ -122,6 +126,7 @@ SERVER_ARGV = [
     "--request-timeout", "90",
     "--max-request-body-bytes", "1.5K",
     "--protect-metrics",
+    "--metrics-api-key", "m1",
     "--allowed-origins", "https://a.example, https://b.example",
     "--allowed-origins", '["https://c.example"]',
     "--trust-request-chat-template",
@@ -249,6 +254,7 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         request_timeout=90.0,
         max_request_body_bytes=1536,
         protect_metrics=True,
+        metrics_api_keys=["m1"],
         allowed_origins=["https://a.example", "https://b.example", "https://c.example"],
         trust_request_chat_template=True,
         tool_call_parser="hermes",

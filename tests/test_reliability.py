@@ -1,8 +1,8 @@
 """Reliability and security of the real server (every process) on the tiny random model:
 admission control under overload, request timeouts, body and field limits, API keys,
---protect-metrics, CORS, no prompt text in logs, malformed inter-process messages, kill -9 of
-each kind of child under HTTP load, and SIGTERM under load. Loopback only; every request and
-every wait is bounded in time."""
+--protect-metrics (not /health), CORS, no prompt text in logs, malformed inter-process
+messages, kill -9 of each kind of child under HTTP load, and SIGTERM under load. Loopback
+only; every request and every wait is bounded in time."""
 
 from __future__ import annotations
 
@@ -124,7 +124,13 @@ def _gate(body_timeout: float = 60.0):
     from zllm.frontend.admission import Admission
     from zllm.frontend.middleware import Gate
 
-    config = SimpleNamespace(api_keys=[], protect_metrics=False, max_request_body_bytes=100)
+    config = SimpleNamespace(
+        api_keys=[],
+        metrics_api_keys=[],
+        protect_metrics=False,
+        prefix_cache_isolation="none",
+        max_request_body_bytes=100,
+    )
     seen = []
 
     async def inner(scope, receive, send):
@@ -406,10 +412,11 @@ def test_api_key_guards_everything_but_health_and_metrics(limited):
 
 
 @pytest.mark.e2e
-def test_protect_metrics_puts_health_and_metrics_behind_the_key(guarded):
-    for path in ("/health", "/metrics", "/version", "/v1/models"):
+def test_protect_metrics_puts_metrics_behind_the_key_and_leaves_health_open(guarded):
+    for path in ("/metrics", "/version", "/dashboard", "/dashboard/stats", "/v1/models"):
         error_of(guarded.get(path, headers={}), 401)
         assert guarded.get(path).status_code == 200
+    assert guarded.get("/health", headers={}).status_code == 200  # load balancers' probe
 
 
 @pytest.mark.e2e

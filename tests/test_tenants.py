@@ -19,12 +19,15 @@ import pytest
 from servers import Server, error_of, start_server, stop_server, wait_until
 
 from zllm.config.engine_args import EngineArgs
-from zllm.runtime.tenants import parse_tenant_weights
+from zllm.runtime.tenants import TenantPolicy, parse_tenant_weights
 
 
 def test_tenant_weights_flag() -> None:
-    assert parse_tenant_weights("key-1=3, alice=1.5") == {"key-1": 3.0, "alice": 1.5}
-    assert parse_tenant_weights('{"bob": 2}') == {"bob": 2.0}
+    assert parse_tenant_weights("key-1=3, alice=1.5") == {
+        "key-1": TenantPolicy(weight=3.0),
+        "alice": TenantPolicy(weight=1.5),
+    }
+    assert parse_tenant_weights('{"bob": 2}') == {"bob": TenantPolicy(weight=2.0)}
     for bad in ["alice", "alice=0", "alice=-1", "alice=nan", "a b=1", '["x"]', "x=inf"]:
         with pytest.raises(argparse.ArgumentTypeError, match="name=weight"):
             parse_tenant_weights(bad)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from zllm.config.generation import GenerationConfig
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.errors import ParamError
-from zllm.runtime.tenants import check_tenant_name
+from zllm.runtime.tenants import TenantLimit, check_tenant_name
 
 if TYPE_CHECKING:
     from zllm.protocol import RequestOptions
@@ -103,6 +103,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # "fair": each tenant's weight (zllm/runtime/tenants.py names tenants); 1 for one not listed.
     tenant_weights: dict[str, float] = field(default_factory=dict)
+    # Tenants' own limits from --tenant-weights' objects: read by the frontend's door
+    # (frontend/tenant_limits.py), not the scheduler; here because one flag gives both.
+    tenant_limits: dict[str, TenantLimit] = field(default_factory=dict)
     # Pipeline stages the executor runs (EngineConfig.pipeline_parallel_size): with more
     # than one, a request is never scheduled while a step of it is in flight (stage 0 needs
     # its last token) and each step takes about 1/stages of the running requests, so the

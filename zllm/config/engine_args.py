@@ -40,7 +40,12 @@ from zllm.kv.tier_key import resolve_key_file
 from zllm.kv.tiers import block_bytes
 from zllm.model.files import resolve_model
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
-from zllm.runtime.tenants import check_tenant_weights, parse_tenant_weights
+from zllm.runtime.tenants import (
+    TenantLimit,
+    TenantPolicy,
+    check_tenant_policies,
+    parse_tenant_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +86,14 @@ class EngineArgs:
         "tenant flooding the queue cannot starve the others, priority order within a tenant",
         choices=("fcfs", "priority", "fair"),
     )
-    tenant_weights: dict[str, float] | None = option(
+    tenant_weights: dict[str, float | TenantPolicy] | None = option(
         None,
         help="--scheduling-policy fair: each tenant's share of the engine, as name=weight "
         "pairs (key-1=3,alice=1.5) or a JSON object; a tenant not listed weighs 1; the "
-        "tenant of the N-th --api-key is key-N",
+        "tenant of the N-th --api-key is key-N. A JSON value may be an object that also "
+        'gives the tenant\'s own limits ({"key-1": {"weight": 3, "max_concurrency": 4, '
+        '"max_requests_per_second": 10}}), replacing --tenant-max-concurrency and '
+        "--tenant-max-requests-per-second for it; limits alone need no fair policy",
         parse=parse_tenant_weights,
     )
     block_size: int = option(16, help="tokens per KV cache block")
@@ -320,6 +328,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 tenant_weights=self._tenant_weights(),
+                tenant_limits=self._tenant_limits(),
                 pipeline_stages=self.pipeline_parallel_size,
             ),
             seed=self.seed,
@@ -346,11 +355,18 @@ class EngineArgs:
         return config
 
     def _tenant_weights(self) -> dict[str, float]:
-        if not self.tenant_weights:
-            return {}
-        if self.scheduling_policy != "fair":
-            raise ValueError("--tenant-weights needs --scheduling-policy fair")
-        return check_tenant_weights(self.tenant_weights)
+        policies = check_tenant_policies(self.tenant_weights or {})
+        weights = {n: p.weight for n, p in policies.items() if p.weight is not None}
+        if weights and self.scheduling_policy != "fair":
+            raise ValueError(
+                "--tenant-weights needs --scheduling-policy fair for weights (a tenant's "
+                "limits alone do not)"
+            )
+        return weights
+
+    def _tenant_limits(self) -> dict[str, TenantLimit]:
+        policies = check_tenant_policies(self.tenant_weights or {})
+        return {n: p.limit for n, p in policies.items() if p.limit is not None}
 
     def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
         offload = KVOffloadConfig(

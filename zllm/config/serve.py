@@ -148,8 +148,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # Seconds a request may run before it is aborted and the client gets a 504 (None: never).
     request_timeout: float | None = None
     max_request_body_bytes: int = 8 << 20
-    # Put /health, /metrics, /dashboard and /version behind the API key too.
+    # Put /metrics, /dashboard (and its stats) and /version behind a key too (/health stays
+    # open, for load balancers): an --api-key, which under tenant isolation shows its own
+    # tenant's series only (frontend/access.py), or a metrics key, which shows every tenant's.
     protect_metrics: bool = False
+    metrics_api_keys: list[str] = []
     # CORS: origins allowed to call the API from a browser (none by default: CORS off).
     allowed_origins: list[str] = []
     # Accept a `chat_template` in request bodies (a template is code: off by default).
@@ -271,7 +274,16 @@ class ServerArgs:
         show_default=format_size,
     )
     protect_metrics: bool = option(
-        False, help="require the API key for /health, /metrics, /dashboard and /version too"
+        False,
+        help="require a key for /metrics, /dashboard and /version too (/health stays open): "
+        "an --api-key, which under --prefix-cache-isolation tenant sees its own tenant's "
+        "series only, or a --metrics-api-key",
+    )
+    metrics_api_key: list[str] = option(
+        default_factory=list,
+        help="a key that reads /metrics, /dashboard and /version with every tenant's series, "
+        "and nothing else (a scraper's; repeatable); implies --protect-metrics",
+        action="append",
     )
     allowed_origins: list[str] = option(
         default_factory=list,
@@ -319,7 +331,8 @@ class ServerArgs:
         None,
         help="tenant: each tenant's prompts share cached KV blocks only with its own, so no "
         "tenant can tell from its TTFT what another sent; none: one shared prefix cache "
-        "(default: tenant with several --api-key or --tenant-weights, else none)",
+        "(default: tenant with several --api-key or --tenant-weights, else none); under tenant, "
+        "an --api-key reading protected metrics sees its own tenant's series only",
         choices=("none", "tenant"),
     )
     tenant_max_concurrency: int | None = option(
@@ -358,6 +371,8 @@ _RESOLVED = frozenset(
         "transport",
         "lora_modules",
         "prefix_cache_isolation",
+        "protect_metrics",
+        "metrics_api_key",
     }
 )
 
@@ -367,6 +382,8 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
+    if set(server.metrics_api_key) & set(server.api_key):
+        raise ValueError("a --metrics-api-key must not also be an --api-key (a tenant's)")
     n = server.detokenizer_workers
     ranks = engine.executor_processes  # (Ray's actors get none: its driver relays to them)
     engine = with_consumer_engines(engine, server.data_parallel_size)
@@ -391,6 +408,9 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         chat_template=read_chat_template(server.chat_template),
         lora_modules=start_adapters(engine, server.lora_modules),
         prefix_cache_isolation=prefix_cache_isolation(engine, server),
+        # A metrics key is only asked for where metrics are protected.
+        protect_metrics=server.protect_metrics or bool(server.metrics_api_key),
+        metrics_api_keys=list(server.metrics_api_key),
         **copied,
     )
 
@@ -399,7 +419,8 @@ def prefix_cache_isolation(engine: EngineConfig, server: ServerArgs) -> str:
     """As given, else "tenant" where tenants are configured (several API keys, or weights)."""
     if server.prefix_cache_isolation is not None:
         return server.prefix_cache_isolation
-    tenants = len(server.api_key) > 1 or engine.scheduler.tenant_weights
+    scheduler = engine.scheduler
+    tenants = len(server.api_key) > 1 or scheduler.tenant_weights or scheduler.tenant_limits
     return "tenant" if tenants else "none"
 
 

@@ -9,6 +9,13 @@
 `--scheduling-policy fair` shares the engine between tenants in proportion to their weights
 (`--tenant-weights key-1=3,alice=2`; 1 for a tenant not listed): core/fair_share.py. Under
 every policy the core counts each tenant's requests and tokens for /metrics.
+
+--tenant-weights also takes a tenant's own door limits, which replace the global
+--tenant-max-concurrency / --tenant-max-requests-per-second for it (frontend/tenant_limits.py):
+
+    {"key-1": {"weight": 3, "max_concurrency": 4, "max_requests_per_second": 10}, "alice": 2}
+
+A weight needs the fair policy; limits alone do not (a tenant without a weight weighs 1).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Mapping
+
+import msgspec
 
 from zllm.errors import ParamError
 
@@ -43,43 +53,87 @@ def check_tenant_name(name: str, param: str = "X-Tenant") -> str:
     return name
 
 
-def check_tenant_weights(weights: dict[str, float]) -> dict[str, float]:
-    """Names checked, weights positive and finite (float)."""
+class TenantLimit(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One tenant's own limits at the door (frontend/tenant_limits.py); None: the global
+    flag's (--tenant-max-concurrency, --tenant-max-requests-per-second)."""
+
+    max_concurrency: int | None = None
+    max_requests_per_second: float | None = None
+
+
+class TenantPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One tenant's entry in --tenant-weights: a plain number is its weight; an object may
+    give its weight (fair share, in the core) and its own limits (at the door) beside it."""
+
+    weight: float | None = None
+    max_concurrency: int | None = None
+    max_requests_per_second: float | None = None
+
+    @property
+    def limit(self) -> TenantLimit | None:
+        if self.max_concurrency is None and self.max_requests_per_second is None:
+            return None
+        return TenantLimit(self.max_concurrency, self.max_requests_per_second)
+
+
+def check_tenant_policies(entries: Mapping[str, object]) -> dict[str, TenantPolicy]:
+    """--tenant-weights as the CLI or the Python API gives it (each value a number, a
+    TenantPolicy or an object of its fields): names checked, every number positive and
+    finite, max_concurrency an integer."""
     checked = {}
-    for name, weight in weights.items():
+    for name, entry in entries.items():
         check_tenant_name(str(name), "tenant_weights")
-        try:
-            value = float(weight)
-        except (TypeError, ValueError):
-            value = math.nan
-        if not (value > 0 and math.isfinite(value)):
-            raise ParamError(
-                f"tenant_weights: the weight of {name!r} must be a positive number, got {weight!r}",
-                "tenant_weights",
-            )
-        checked[str(name)] = value
+        checked[str(name)] = _policy(str(name), entry)
     return checked
 
 
-def parse_tenant_weights(text: str) -> dict[str, float]:
-    """`--tenant-weights`: `name=weight,...` or a JSON object."""
+def _policy(name: str, entry: object) -> TenantPolicy:
+    def refuse(detail: str) -> ParamError:
+        return ParamError(f"tenant_weights: {name!r}: {detail}, got {entry!r}", "tenant_weights")
+
+    if isinstance(entry, TenantPolicy):
+        policy = entry
+    elif isinstance(entry, Mapping):
+        try:
+            policy = msgspec.convert(entry, TenantPolicy)
+        except msgspec.ValidationError as e:
+            fields = "fields: weight, max_concurrency, max_requests_per_second"
+            raise refuse(f"{e} ({fields})") from None
+    else:
+        try:
+            policy = TenantPolicy(weight=float(entry))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise refuse("the weight must be a positive number") from None
+    for field in ("weight", "max_concurrency", "max_requests_per_second"):
+        value = getattr(policy, field)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise refuse(f"{field} must be a positive number")
+    if isinstance(policy.max_concurrency, float):  # a TenantPolicy made in Python
+        raise refuse("max_concurrency must be an integer")
+    return policy
+
+
+def parse_tenant_weights(text: str) -> dict[str, TenantPolicy]:
+    """`--tenant-weights`: `name=weight,...`, or a JSON object whose values are weights or
+    objects with weight, max_concurrency and max_requests_per_second."""
     text = text.strip()
     try:
         if text.startswith("{"):
-            weights = json.loads(text)
-            if not isinstance(weights, dict):
+            entries = json.loads(text)
+            if not isinstance(entries, dict):
                 raise ValueError
         else:
-            weights = {}
+            entries = {}
             for item in filter(None, (part.strip() for part in text.split(","))):
                 name, sep, value = item.partition("=")
                 if not sep:
                     raise ValueError
-                weights[name.strip()] = value.strip()
-        return check_tenant_weights(weights)
+                entries[name.strip()] = value.strip()
+        return check_tenant_policies(entries)
     except (ValueError, ParamError) as e:
         detail = f": {e}" if isinstance(e, ParamError) else ""
         raise argparse.ArgumentTypeError(
             f"expected name=weight pairs separated by commas (key-1=3,alice=1.5) or a JSON "
-            f"object, got {text!r}{detail}"
+            f'object ({{"key-1": {{"weight": 3, "max_concurrency": 4}}, "alice": 1.5}}), got '
+            f"{text!r}{detail}"
         ) from None
