@@ -56,6 +56,7 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishReason,
+    KVRejection,
     LoRAStats,
     ModelRunnerOutput,
     PinStats,
@@ -196,6 +197,10 @@ class EngineCore:
         from a producer and dropped those to make room: the remote tier's index follows."""
         if self.kv_connector is not None:
             self.kv_connector.received(stored, removed, rank)
+
+    def kv_rejected(self, count: int, rejection: KVRejection) -> None:
+        """A disaggregation consumer's executor rank refused `count` blocks (counted only)."""
+        self.scheduler.kv.rejected(count, rejection)
 
     def finish_sample(self, req_id: str, sample_index: int) -> None:
         """A stop string ended one sample (the detokenizer found it; its state is gone)."""

@@ -47,7 +47,7 @@ from zllm.core.prefix_lookup import PrefixHit, first_needed_block
 from zllm.core.request import Request
 from zllm.kv.block_hash import BlockHash, cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
-from zllm.protocol import KVTierStats, KVTransfers, KVTransferStats
+from zllm.protocol import KVRejection, KVTierStats, KVTransfers, KVTransferStats
 
 
 class KVConnector(Protocol):
@@ -315,6 +315,8 @@ class SchedulerConnector:
         self.pipeline = pipeline_stages > 1
         self.num_sent_blocks = 0  # a producer: prompt blocks it had the executor send
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
+        # A consumer: blocks its executor ranks refused, by KVRejection.
+        self.num_rejected_blocks = [0] * len(KVRejection)
         self.prefetches = Prefetches(block_manager)  # core/kv_prefetch.py
 
     @property
@@ -330,7 +332,16 @@ class SchedulerConnector:
         """Disaggregation's section of the heartbeat (None: this engine takes no part)."""
         if self.transfer is None:
             return None
-        return KVTransferStats(self.transfer.role, self.num_sent_blocks, self.num_wait_timeouts)
+        return KVTransferStats(
+            self.transfer.role,
+            self.num_sent_blocks,
+            self.num_wait_timeouts,
+            list(self.num_rejected_blocks),
+        )
+
+    def rejected(self, count: int, rejection: KVRejection) -> None:
+        """An executor rank refused `count` blocks a producer sent (it logged why)."""
+        self.num_rejected_blocks[rejection] += count
 
     # ---- admission -------------------------------------------------------------------------
     def awaits_remote_kv(self, req: Request) -> bool:

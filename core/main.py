@@ -219,6 +219,8 @@ class CoreProcess:
             engine.finish_sample(msg.req_id, msg.sample_index)
         elif isinstance(msg, KVBlocksReceived):
             engine.kv_received(msg.stored, msg.removed, msg.rank)
+            if msg.rejected:
+                engine.kv_rejected(msg.rejected, msg.rejection)
         elif isinstance(msg, ClientGone):
             batches = engine.client_gone(msg.client_id)
             logger.warning(

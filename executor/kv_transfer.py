@@ -31,9 +31,16 @@ it; a load that fails on one rank is recomputed on all, model_runner.py; with st
 loads are prefetched: core/kv_prefetch.py). The layout names the ranks, stages and rank, so
 a peer cut otherwise has its blocks dropped.
 
-Shared-memory files are named `zllm-kv-<producer pid>-<n>`; a consumer with the shm transport
-reads only such names, owned by its own user, and deletes each once read. Files of producers
-that died before their consumer read them are deleted at the next start of either side.
+Shared-memory files are named `zllm-kv-<producer pid>-<consumer port>-<n>`; a consumer with
+the shm transport reads only such names for its own port, owned by its own user, and deletes
+each once read (or refused). Files never read go at a later start: a dead producer's at the
+next start of either side (its pid is gone), and those a consumer left unread when it died,
+while their producer lives on, when the next consumer binds that port
+(`remove_unread_shm_files`: once it holds the port, nobody else here reads them).
+
+A consumer refuses blocks of another model, weights or layout with a logged error (once per
+foreign layout) and counts them for its core (`KVBlocksReceived.rejected`, by KVRejection:
+zllm:kv_transfer_rejected_blocks_total{reason}), as it counts a malformed message.
 """
 
 from __future__ import annotations
@@ -56,15 +63,17 @@ from zllm.config.kv_transfer import KVTransferConfig
 from zllm.executor.kv_pool import KVPool
 from zllm.kv.block_hash import BlockHash
 from zllm.model.fingerprint import weights_fingerprint
-from zllm.protocol import KVBlocksHeader, KVBlocksReceived
+from zllm.protocol import KVBlocksHeader, KVBlocksReceived, KVRejection
 
 logger = logging.getLogger(__name__)
 
 # Where the shm transport's files go: memory-backed on Linux.
 SHM_DIR = "/dev/shm"
-SHM_NAME = re.compile(r"zllm-kv-(\d+)-\d+")
+SHM_NAME = re.compile(r"zllm-kv-(\d+)-(\d+)-\d+")  # producer pid, consumer port, number
 # Messages ZeroMQ queues on either side of the socket (each may be a whole prompt's KV).
 SOCKET_QUEUE_MESSAGES = 4
+# Foreign layouts a receiver remembers having logged (each is logged once, then counted).
+_LOGGED_LAYOUTS = 64
 
 
 def transfer_layout(config: EngineConfig, rank: int = 0) -> str:
@@ -118,7 +127,11 @@ class KVSender:
         self.addresses = [
             config.engine_address(engine, rank, ranks) for engine in range(config.consumer_engines)
         ]
-        self._names = (f"zllm-kv-{os.getpid()}-{i}" for i in itertools.count())
+        # (A file names the consumer's port, so a consumer restarting can tell its own.)
+        self._ports = [
+            config.engine_port(engine, rank, ranks) for engine in range(config.consumer_engines)
+        ]
+        self._file_numbers = itertools.count()
         self._queue: queue.SimpleQueue[tuple[int, KVBlocksHeader, torch.Tensor | None, int]] = (
             queue.SimpleQueue()
         )
@@ -170,7 +183,7 @@ class KVSender:
         payload = None
         if self.config.transport == "shm":
             try:
-                header.shm_file = self._write_shm(block_ids)
+                header.shm_file = self._write_shm(block_ids, self._ports[engine])
             except OSError as e:  # /dev/shm full, a name taken, ...: the consumer recomputes
                 logger.warning("KV transfer: could not write the blocks to %s: %s", SHM_DIR, e)
                 with self._lock:
@@ -181,9 +194,10 @@ class KVSender:
             payload = self.pool.gather(block_ids)
         self._queue.put((engine, header, payload, nbytes))
 
-    def _write_shm(self, block_ids: list[int]) -> str:
-        """The blocks, gathered straight into a new file in /dev/shm; returns its name."""
-        name = next(self._names)
+    def _write_shm(self, block_ids: list[int], port: int) -> str:
+        """The blocks, gathered straight into a new file in /dev/shm for the consumer at
+        `port`; returns its name."""
+        name = f"zllm-kv-{os.getpid()}-{port}-{next(self._file_numbers)}"
         path = os.path.join(SHM_DIR, name)
         shape = (len(block_ids), *self.pool.block_shape)
         nbytes = len(block_ids) * self.pool.block_nbytes
@@ -322,6 +336,8 @@ class KVReceiver:
         self.layout = layout
         self.core_in = core_in
         self.rank = rank
+        self.port = config.engine_port(engine, rank, ranks)
+        self._logged_layouts: set[str] = set()
         address = config.engine_address(engine, rank, ranks)
         if config.transport == "shm":
             remove_orphaned_shm_files()
@@ -335,6 +351,8 @@ class KVReceiver:
                 f"(engine {engine}'s rank {rank}: kv_port + {engine * ranks + rank}): {e}"
             ) from e
         self._sock = sock
+        if config.transport == "shm":  # (now that this port is ours: a previous life's files)
+            remove_unread_shm_files(self.port)
         threading.Thread(target=self._receive_loop, name="kv-receive", daemon=True).start()
 
     def _receive_loop(self) -> None:
@@ -349,47 +367,77 @@ class KVReceiver:
             except msgspec.DecodeError as e:
                 logger.warning("KV transfer: a malformed message dropped: %s", e)
                 continue
-            stored, removed = self._store(header, frames[1:])
-            if stored or removed:
-                news = KVBlocksReceived(stored=stored, removed=removed, rank=self.rank)
+            news = self.take(header, frames[1:])
+            if news is not None:
                 to_core.send(encoder.encode(news))
 
-    def _store(self, header: KVBlocksHeader, frames: list) -> tuple[list, list]:
+    def take(self, header: KVBlocksHeader, frames: list) -> KVBlocksReceived | None:
+        """Store one message's blocks; the core's news of them: stored and removed, or
+        refused and why (None: nothing to tell)."""
+        count = len(header.hashes)
         try:
-            if header.layout != self.layout:
-                raise ValueError(
-                    f"blocks of another model or layout ({header.layout!r}, this engine's "
-                    f"is {self.layout!r})"
+            stored, removed = self._store(header, frames)
+        except ForeignBlocks as e:
+            self._discard_file(header)  # (unread: its producer lives on, and would fill /dev/shm)
+            if str(e) not in self._logged_layouts:  # (every prompt of the pair would log)
+                if len(self._logged_layouts) < _LOGGED_LAYOUTS:
+                    self._logged_layouts.add(str(e))
+                logger.error(
+                    "KV transfer: %d blocks refused: %s; further blocks of it are only counted "
+                    '(zllm:kv_transfer_rejected_blocks_total{reason="layout"})',
+                    count,
+                    e,
                 )
-            dtype = self.buffer.buffer.dtype
-            shape = tuple(self.buffer.buffer.shape[1:])
-            if (
-                header.dtype != str(dtype).removeprefix("torch.")
-                or tuple(header.block_shape) != shape
-            ):
-                raise ValueError(f"blocks of {header.dtype} {header.block_shape}, not {shape}")
-            block_bytes = self.buffer.buffer[0].numel() * self.buffer.buffer.element_size()
-            count = len(header.hashes)
-            if header.shm_file:
-                return self._store_from_file(header, count * block_bytes, block_bytes)
-            if self.config.transport == "shm":
-                raise ValueError("bytes over the socket, but this consumer takes shm files")
-            if len(frames) != 1 or len(frames[0].buffer) != count * block_bytes:
-                raise ValueError("the message's bytes do not match its header")
-            raw = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
-            blocks = raw.view(dtype).view(count, *shape)
-            return self.buffer.put(header.hashes, blocks)
+            return KVBlocksReceived(rank=self.rank, rejected=count, rejection=KVRejection.LAYOUT)
         except (ValueError, OSError) as e:
-            logger.warning("KV transfer: %d blocks dropped: %s", len(header.hashes), e)
-            return [], []
+            self._discard_file(header)
+            logger.warning("KV transfer: %d blocks dropped: %s", count, e)
+            return KVBlocksReceived(rank=self.rank, rejected=count, rejection=KVRejection.INVALID)
+        if not stored and not removed:
+            return None
+        return KVBlocksReceived(stored=stored, removed=removed, rank=self.rank)
+
+    def _store(self, header: KVBlocksHeader, frames: list) -> tuple[list, list]:
+        """The blocks into the buffer: (stored, removed to make room). ForeignBlocks for
+        another layout; ValueError or OSError for a message that is wrong."""
+        if header.layout != self.layout:
+            raise ForeignBlocks(
+                f"blocks of another model, weights or KV layout ({header.layout!r}; this "
+                f"engine's is {self.layout!r})"
+            )
+        dtype = self.buffer.buffer.dtype
+        shape = tuple(self.buffer.buffer.shape[1:])
+        if header.dtype != str(dtype).removeprefix("torch.") or tuple(header.block_shape) != shape:
+            raise ForeignBlocks(
+                f"blocks of {header.dtype} {header.block_shape}, not {dtype} {list(shape)}"
+            )
+        block_bytes = self.buffer.buffer[0].numel() * self.buffer.buffer.element_size()
+        count = len(header.hashes)
+        if header.shm_file:
+            return self._store_from_file(header, count * block_bytes, block_bytes)
+        if self.config.transport == "shm":
+            raise ValueError("bytes over the socket, but this consumer takes shm files")
+        if len(frames) != 1 or len(frames[0].buffer) != count * block_bytes:
+            raise ValueError("the message's bytes do not match its header")
+        raw = torch.frombuffer(frames[0].buffer, dtype=torch.uint8)
+        blocks = raw.view(dtype).view(count, *shape)
+        return self.buffer.put(header.hashes, blocks)
+
+    def _discard_file(self, header: KVBlocksHeader) -> None:
+        """Delete a refused message's shm file, if it is one this consumer reads."""
+        match = SHM_NAME.fullmatch(header.shm_file)
+        if self.config.transport == "shm" and match and int(match.group(2)) == self.port:
+            _unlink(header.shm_file)
 
     def _store_from_file(
         self, header: KVBlocksHeader, nbytes: int, block_bytes: int
     ) -> tuple[list, list]:
-        """Blocks from a producer's /dev/shm file: only a zllm-kv-* name, only with the shm
-        transport, only a file of this user (a peer must not point it at anything else)."""
+        """Blocks from a producer's /dev/shm file: only a zllm-kv-* name for this consumer's
+        port, only with the shm transport, only a file of this user (a peer must not point
+        it at anything else)."""
         name = header.shm_file
-        if self.config.transport != "shm" or not SHM_NAME.fullmatch(name):
+        match = SHM_NAME.fullmatch(name)
+        if self.config.transport != "shm" or match is None or int(match.group(2)) != self.port:
             raise ValueError(f"not a KV transfer file this consumer reads: {name!r}")
         path = os.path.join(SHM_DIR, name)
         try:
@@ -409,6 +457,10 @@ class KVReceiver:
                 return self.buffer.put(header.hashes, read_block)
         finally:
             _unlink(name)
+
+
+class ForeignBlocks(ValueError):
+    """Blocks of another model, weights or KV layout: the two servers are not a pair."""
 
 
 def _no_follow(path: str, flags: int) -> int:
@@ -432,6 +484,22 @@ def remove_orphaned_shm_files() -> None:
             _unlink(name)
         except PermissionError:
             pass  # another user's producer, alive
+
+
+def remove_unread_shm_files(port: int) -> None:
+    """Delete the shm transport's files for the consumer at `port` (of producers alive or
+    not): called by the consumer that has just bound that port, before it reads any, so
+    they are what a previous consumer there left unread when it died (a producer that lives
+    on never deletes a file once sent). A file sent in the moment between the bind and this
+    is deleted too: its blocks are then computed, as for any lost transfer."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        match = SHM_NAME.fullmatch(name)
+        if match is not None and int(match.group(2)) == port:
+            _unlink(name)  # (another user's, in sticky /dev/shm, fails and stays)
 
 
 def _unlink(name: str) -> None:

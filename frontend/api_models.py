@@ -417,6 +417,15 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo | None = None
 
 
+class KVTransferCard(msgspec.Struct, kw_only=True):
+    """A disaggregated server's part (--kv-transfer-config), on its model's cards: what
+    `zllm proxy` checks at start (zllm/proxy/pairing.py). KV blocks pass only between
+    servers of the same weights (zllm/model/fingerprint.py)."""
+
+    role: str  # kv_producer or kv_consumer
+    weights_fingerprint: str
+
+
 class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     object: str = "model"
@@ -425,6 +434,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+    kv_transfer: KVTransferCard | None = None  # (zllm's own; the base model's cards only)
 
 
 class LoadLoRAAdapterBody(msgspec.Struct, kw_only=True):

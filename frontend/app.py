@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a Starlette app over an `EngineClient`.
 
     POST /v1/completions, /v1/chat/completions   generation (JSON, or SSE with `stream`)
-    GET  /v1/models                              the served model names (LoRA adapters too)
+    GET  /v1/models                              the served model names (LoRA adapters too;
+                                                 a disaggregated server's kv_transfer part)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
     POST /sleep?level=1|2, /wake_up[?tags=weights|kv_cache]; GET /is_sleeping   (sleep mode)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
@@ -51,6 +52,7 @@ from zllm.frontend.admission import SHUTTING_DOWN, Admission
 from zllm.frontend.api_models import (
     DetokenizeBody,
     DetokenizeResponse,
+    KVTransferCard,
     LoadLoRAAdapterBody,
     ModelCard,
     ModelList,
@@ -71,6 +73,7 @@ from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tenant_limits import TenantLimits
 from zllm.inputs import check_vocabulary
+from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
 from zllm.text.tokenizer import Tokenizer
@@ -155,6 +158,18 @@ def _decode(data: bytes, cls: type) -> Any:
     return body
 
 
+def kv_transfer_card(config: ServeConfig) -> KVTransferCard | None:
+    """The server's part in disaggregation, None without one. Its weights fingerprint is
+    the one its executors name their blocks by; they computed it before this frontend
+    started, so this reads it from the fingerprint cache (a stat of each weights file)."""
+    transfer = config.engine.kv_transfer
+    if transfer is None:
+        return None
+    return KVTransferCard(
+        role=transfer.role, weights_fingerprint=weights_fingerprint(config.engine.model_path)
+    )
+
+
 class OpenAIServer:
     """The route handlers and what they share: engine client, tokenizer, metrics."""
 
@@ -196,6 +211,7 @@ class OpenAIServer:
             config, client, self.prometheus, self.admission, self.adapters, context
         )
         self._openapi: bytes | None = None
+        self.kv_transfer_card = kv_transfer_card(config)
 
     async def count_tokens(
         self, request: Request, body: anthropic_api.CountTokensRequest
@@ -221,6 +237,7 @@ class OpenAIServer:
                 created=self.created,
                 root=self.config.engine.model_path,
                 max_model_len=self.max_model_len,
+                kv_transfer=self.kv_transfer_card,
             )
             for name in self.config.model_names
         ]

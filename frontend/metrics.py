@@ -13,7 +13,8 @@
                                with pipeline stages, per stage:
                                zllm:pipeline_stage_{busy,idle}_seconds_total;
                                with --kv-transfer-config: zllm:kv_transfer_sent_blocks_total,
-                               zllm:kv_transfer_wait_timeouts_total
+                               zllm:kv_transfer_wait_timeouts_total,
+                               zllm:kv_transfer_rejected_blocks_total{reason}
                                per tenant: zllm:tenant_requests_{running,waiting},
                                zllm:tenant_weight, zllm:tenant_{requests,computed_tokens,
                                generation_tokens,preemptions}_total
@@ -66,7 +67,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
 from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
 from zllm.kv.tiers import TIER_NAMES
-from zllm.protocol import EngineStats, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import EngineStats, KVRejection, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.tenants import DEFAULT_TENANT
 
@@ -526,6 +527,20 @@ def _kv_transfer_metrics(engines: PerEngine) -> Iterator[Metric]:
         for label, s in engines:
             c.add_metric(label, getattr(s.kv_transfer, attr))
         yield c
+    rejected = CounterMetricFamily(
+        "zllm:kv_transfer_rejected_blocks",
+        "KV blocks a decode instance refused (each executor rank's part counts): reason "
+        '"layout" for another model, other weights or another KV layout (a misconfigured '
+        'pair: each is logged as an error), "invalid" for a malformed message or an '
+        "unreadable shared-memory file. Refused blocks are computed.",
+        labels=[*ENGINE_LABELS, "reason"],
+    )
+    for label, s in engines:
+        counts = s.kv_transfer.rejected_blocks
+        for reason in KVRejection:
+            count = counts[reason] if reason < len(counts) else 0
+            rejected.add_metric([*label, str(reason)], count)
+    yield rejected
 
 
 def _lora_info(engines: PerEngine) -> Iterator[Metric]:

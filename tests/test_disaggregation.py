@@ -34,7 +34,7 @@ from zllm.core.scheduler import Scheduler
 from zllm.executor.kv_transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_REMOTE
-from zllm.protocol import KVBlocksReceived, KVTransferParams, ModelRunnerOutput
+from zllm.protocol import KVBlocksReceived, KVRejection, KVTransferParams, ModelRunnerOutput
 
 BS = 4
 
@@ -316,6 +316,20 @@ def test_a_ranks_news_decodes_and_one_from_before_ranks_reads_as_rank_0():
     assert decode(msgspec.msgpack.encode(news)) == news
     old = msgspec.msgpack.encode(KVBlocksReceived(stored=[5], removed=[6]))
     assert decode(old).rank == 0
+    refused = KVBlocksReceived(rank=1, rejected=3, rejection=KVRejection.INVALID)
+    assert decode(msgspec.msgpack.encode(refused)) == refused
+
+
+def test_the_core_counts_the_blocks_its_executor_ranks_refused_by_reason():
+    """Counted only (the index is not touched), per rank's part, into the heartbeat's
+    kv_transfer section (zllm:kv_transfer_rejected_blocks_total{reason})."""
+    sched, kv = disagg_scheduler("kv_consumer")
+    assert sched.kv.transfer_stats().rejected_blocks == [0, 0]  # present from the start
+    sched.kv.rejected(3, KVRejection.LAYOUT)
+    sched.kv.rejected(2, KVRejection.LAYOUT)
+    sched.kv.rejected(1, KVRejection.INVALID)
+    assert sched.kv.transfer_stats().rejected_blocks == [5, 1]
+    assert kv.stored_blocks[TIER_REMOTE] == 0
 
 
 # ---- the executor's bytes ------------------------------------------------------------------
@@ -368,9 +382,17 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     assert buffer.load([111, 222], [0, 1]) == []
     assert torch.equal(consumer_pool.gather([0, 1]), producer_pool.gather([3, 5]))
     assert transfer_files() <= before  # the consumer deleted the shared-memory files
-    # Blocks of another model or layout are dropped, and the core hears of nothing.
-    KVSender(config, producer_pool, "layout-b").send([(333, 1)])
-    assert not news.poll(500)
+    # Blocks of another model or layout are refused: the core hears only their count (and
+    # a shared-memory file is deleted all the same).
+    foreign = KVSender(config, producer_pool, "layout-b")
+    deadline = time.monotonic() + 10
+    while not news.poll(200):  # (as above: until its connection is up)
+        assert time.monotonic() < deadline
+        foreign.send([(333, 1)])
+    message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
+    assert (message.stored, message.rejected, message.rejection) == ([], 1, KVRejection.LAYOUT)
+    assert buffer.load([333], [2]) == [0]
+    assert wait_until(lambda: transfer_files() <= before, 5)
     news.close(linger=0)
     os.unlink(core_in.removeprefix("ipc://"))  # zmq leaves a bound ipc path behind
 
@@ -423,22 +445,26 @@ def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
     bystander = os.path.join(SHM_DIR, f"not-zllm-{os.getpid()}")
     with open(bystander, "wb") as f:
         f.write(bytes(pool.block_nbytes))
-    link = f"zllm-kv-{os.getpid()}-777"
+    link = f"zllm-kv-{os.getpid()}-{config.port}-777"
     os.symlink(bystander, os.path.join(SHM_DIR, link))  # (of the right size and owner)
+    others = f"zllm-kv-{os.getpid()}-{config.port + 1}-0"  # another consumer's file
+    with open(os.path.join(SHM_DIR, others), "wb") as f:
+        f.write(bytes(pool.block_nbytes))
     try:
         header = KVBlocksHeader([1], "layout", "float32", list(pool.block_shape), "x")
-        for name in (os.path.basename(bystander), "../etc/passwd", link):
+        for name in (os.path.basename(bystander), "../etc/passwd", link, others):
             header.shm_file = name
-            assert receiver._store(header, []) == ([], []), name
-        assert os.path.exists(bystander)
+            news = receiver.take(header, [])
+            assert (news.rejected, news.rejection) == (1, KVRejection.INVALID), name
+        assert os.path.exists(bystander) and os.path.exists(os.path.join(SHM_DIR, others))
     finally:
-        os.unlink(bystander)
-        if os.path.lexists(os.path.join(SHM_DIR, link)):
-            os.unlink(os.path.join(SHM_DIR, link))
+        for name in (os.path.basename(bystander), link, others):
+            if os.path.lexists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    orphan = os.path.join(SHM_DIR, f"zllm-kv-{dead.pid}-0")
-    mine = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-999")
+    orphan = os.path.join(SHM_DIR, f"zllm-kv-{dead.pid}-1-0")
+    mine = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-1-999")
     for path in (orphan, mine):
         open(path, "wb").close()
     try:
@@ -456,7 +482,7 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     pool = make_pool(num_blocks=4)
     config = KVTransferConfig(role="kv_producer", port=free_port(), transport="shm")
     sender = KVSender(config, pool, "layout")
-    taken = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-0")  # its first file's name
+    taken = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-0")  # its first file
     open(taken, "wb").close()
     try:
         sender.send([(1, 0), (2, 1)])
@@ -466,7 +492,37 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
         assert sender._queued_bytes == pool.block_nbytes
     finally:
         for i in (0, 1):
-            path = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{i}")
+            path = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{i}")
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_a_consumer_removes_what_its_ports_previous_consumer_left_unread():
+    """Files for a port whose consumer died unread stay while their producer lives (this
+    test process is that producer); the next consumer to bind that port removes them, and
+    only them: a live consumer's files (another port, or this port while a live consumer
+    still holds it, so a second one fails to bind) are left alone."""
+    live_port, restarted_port = free_port(), free_port()
+    pool = make_pool(num_blocks=4)
+
+    def consumer(port: int) -> KVReceiver:
+        config = KVTransferConfig(role="kv_consumer", port=port, transport="shm")
+        buffer = RemoteKVBuffer(pool, capacity=4, pin_memory=False)
+        return KVReceiver(config, buffer, "layout", "ipc:///tmp/zllm-test-unused")
+
+    consumer(live_port)
+    left = [os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{restarted_port}-{i}") for i in (0, 1)]
+    live = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{live_port}-0")
+    for path in (*left, live):
+        open(path, "wb").close()
+    try:
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            consumer(live_port)  # the port is a live consumer's: its file stays
+        assert os.path.exists(live)
+        consumer(restarted_port)
+        assert not any(os.path.exists(p) for p in left) and os.path.exists(live)
+    finally:
+        for path in (*left, live):
             if os.path.exists(path):
                 os.unlink(path)
 
@@ -511,11 +567,12 @@ def kv_config(role: str, port: int, **extra) -> str:
 
 
 class Proxy:
-    def __init__(self, prefill: str, decode: str, log) -> None:
+    def __init__(self, prefill: str, decode: str, log, *extra: str) -> None:
+        """`zllm proxy` over the two servers (`extra`: more of its options), up."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "zllm.cli", "proxy", "--prefill", prefill]
-        cmd += ["--decode", decode, "--port", str(self.port)]
+        cmd += ["--decode", decode, "--port", str(self.port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
         def up() -> bool:
@@ -881,3 +938,54 @@ def test_shared_memory_transport_and_a_prefill_server_that_is_down(tiny_llama_di
         stop_server(prefill)
         stop_server(decode)
         stop_server(plain)
+
+
+@pytest.mark.e2e
+def test_a_restarted_decode_server_removes_the_files_its_last_life_left_unread(
+    tiny_llama_dir, tmp_path
+):
+    """transport shm: with the decode server's executor paused, the prefill server's blocks
+    of two prompts wait in /dev/shm files. Killed, the decode server leaves them there (their
+    producer lives on, so no orphan sweep takes them); started again on the same kv_port,
+    it removes them before it reads any, and the pair serves as before."""
+    import re
+
+    port = free_port()
+    consumer = kv_config("kv_consumer", port, transport="shm", wait_timeout_s=30)
+    decode = start_server(tiny_llama_dir, tmp_path / "decode.log", "--kv-transfer-config", consumer)
+    prefill = start_server(
+        tiny_llama_dir, tmp_path / "prefill.log", "--kv-transfer-config",
+        kv_config("kv_producer", port, transport="shm"),
+    )  # fmt: skip
+    servers = [decode, prefill]
+    ours = re.compile(rf"zllm-kv-\d+-{port}-\d+")
+
+    def transfer_files() -> set[str]:
+        return {name for name in os.listdir(SHM_DIR) if ours.fullmatch(name)}
+
+    try:
+        executor = decode.children()["executor"]
+        os.kill(executor, signal.SIGSTOP)
+        for prompt in PROMPTS[:2]:
+            marked = {"prompt": prompt, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            assert prefill.post("/v1/completions", marked).status_code == 200
+        assert wait_until(lambda: len(transfer_files()) == 2, 10), prefill.log_tail()
+        decode.kill()
+        assert wait_until(lambda: not os.path.exists(f"/proc/{executor}"), 10)
+        left = transfer_files()
+        assert len(left) == 2  # the producer lives: nothing else removes them
+        decode = start_server(
+            tiny_llama_dir, tmp_path / "decode-again.log", "--kv-transfer-config", consumer
+        )
+        servers.append(decode)
+        assert not transfer_files() & left
+        proxy = Proxy(prefill.url, decode.url, tmp_path / "proxy.log")
+        try:
+            assert_pair_answers_as_one_server(prefill, decode, proxy, PROMPTS[2:])
+        finally:
+            proxy.stop()
+        assert not transfer_files()
+    finally:
+        for server in servers:
+            stop_server(server)

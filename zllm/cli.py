@@ -48,7 +48,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     from zllm.proxy.app import ProxyConfig, run_proxy
 
-    run_proxy(ProxyConfig(args.prefill, args.decode, args.timeout), args.host, args.port)
+    config = ProxyConfig(
+        args.prefill, args.decode, args.timeout, args.api_key, args.startup_timeout
+    )
+    run_proxy(config, args.host, args.port)  # (a pairing refused: a ValueError, exit 2)
     return 0
 
 
@@ -102,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request to a server may take")  # fmt: skip
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait at start for servers still starting; then the proxy "
+                   "checks that they pair up (kv roles, the same weights) or exits")  # fmt: skip
+    p.add_argument("--api-key", default=None,
+                   help="the key the start's check asks the servers' GET /v1/models with, if "
+                   "they need one (clients' requests carry their own)")  # fmt: skip
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("download", help="put a known model into the model cache")

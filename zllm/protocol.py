@@ -399,16 +399,30 @@ class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
     shm_file: str = ""
 
 
+class KVRejection(enum.IntEnum):
+    """Why a consumer refused blocks a producer sent (the `reason` label of
+    zllm:kv_transfer_rejected_blocks_total; the index into KVTransferStats.rejected_blocks)."""
+
+    LAYOUT = 0  # another model, other weights or another KV layout: the pair is misconfigured
+    INVALID = 1  # a malformed message, or a shared-memory file it may not or cannot read
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
 class KVBlocksReceived(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=16):
     """Executor -> core (prefill/decode disaggregation, a consumer): block hashes whose KV
     arrived from a producer into the executor's buffer, and those it dropped to make room.
     `rank`: the executor rank (stage x tensor-parallel size + tensor-parallel rank) whose
     buffer (its part of each block) this is; the core holds a block once every rank of
-    every stage has its part."""
+    every stage has its part. `rejected`: blocks of a message it refused, for `rejection`
+    (counted only: the core never hears of their hashes)."""
 
     stored: list[bytes] = []
     removed: list[bytes] = []
     rank: int = 0  # (last, with a default: a message of one rank decodes as before)
+    rejected: int = 0
+    rejection: KVRejection = KVRejection.LAYOUT
 
 
 CoreInput = (
@@ -540,12 +554,14 @@ class KVTierStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 class KVTransferStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Prefill/decode disaggregation (--kv-transfer-config): this engine's role, prompt
-    blocks a producer had its executor send, and requests a consumer admitted without all
-    of their blocks (wait_timeout_s passed: it computed the rest)."""
+    blocks a producer had its executor send, requests a consumer admitted without all
+    of their blocks (wait_timeout_s passed: it computed the rest), and blocks it refused."""
 
     role: str = ""
     sent_blocks: int = 0
     wait_timeouts: int = 0
+    # Blocks a consumer's executor ranks refused, by KVRejection (each rank's part counts).
+    rejected_blocks: list[int] = []
 
 
 class PinStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

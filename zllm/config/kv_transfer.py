@@ -103,7 +103,11 @@ class KVTransferConfig:
     def engine_address(self, engine: int, rank: int, ranks: int) -> str:
         """Where the consumer's data-parallel engine `engine`'s rank `rank` (of `ranks` per
         engine) listens: each engine's executors keep their own buffer."""
-        return f"tcp://{self.host}:{self.port + engine * ranks + rank}"
+        return f"tcp://{self.host}:{self.engine_port(engine, rank, ranks)}"
+
+    def engine_port(self, engine: int, rank: int, ranks: int) -> int:
+        """`engine_address`'s port (which also names the shm transport's files for it)."""
+        return self.port + engine * ranks + rank
 
 
 def consumer_engine(block_hashes: Sequence[bytes], engines: int) -> int | None:

@@ -20,7 +20,9 @@ request (which the server aborts). A prefill server's 4xx (bad input) is the ans
 server would have given it; a prefill server that is down or fails (5xx) is skipped: the
 decode server then computes the prompt itself, so the request is slower, not lost.
 Everything else (GET /v1/models, /tokenize, ...) goes to a decode server, relayed as it
-comes; /health asks every server.
+comes; /health asks every server. Before serving, the proxy checks that the servers pair up:
+prefill servers kv_producers, decode servers kv_consumers, all on the same weights
+(zllm/proxy/pairing.py); otherwise it exits naming them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from starlette.routing import Route
 
 from zllm.errors import RequestError
 from zllm.frontend.responses import error_response
+from zllm.proxy.pairing import check_servers
 from zllm.runtime.tenants import TENANT_HEADER
 
 logger = logging.getLogger("zllm.proxy")
@@ -71,6 +74,10 @@ class ProxyConfig:
     prefill_urls: Sequence[str]
     decode_urls: Sequence[str]
     timeout_s: float = 600.0
+    # The start's check (zllm/proxy/pairing.py): the key it asks the servers with, and how
+    # long it waits for servers still starting.
+    api_key: str | None = None
+    startup_timeout_s: float = 600.0
 
 
 class DisaggProxy:
@@ -246,9 +253,15 @@ def build_proxy_app(config: ProxyConfig) -> Starlette:
 
 
 def run_proxy(config: ProxyConfig, host: str, port: int) -> None:
+    """Serve until stopped; PairingError (a ValueError) if the servers cannot be a pair."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [proxy] %(message)s")
+    pairs_of(config.prefill_urls, config.decode_urls)  # (their count first: no server asked)
+    servers = check_servers(
+        config.prefill_urls, config.decode_urls, config.api_key, config.startup_timeout_s
+    )
+    logger.info("the servers pair up: weights %s", servers[0].weights_fingerprint)
     logger.info(
         "zllm proxy on http://%s:%d: prefill %s, decode %s",
         host,
