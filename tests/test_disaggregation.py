@@ -38,6 +38,12 @@ from zllm.protocol import KVBlocksReceived, KVRejection, KVTransferParams, Model
 
 BS = 4
 
+
+def key(n: int) -> bytes:
+    """A block key named by hand (16 bytes, as the engine's: zllm/kv/block_hash.py)."""
+    return n.to_bytes(16, "little")
+
+
 # ---- the config ----------------------------------------------------------------------------
 
 
@@ -312,9 +318,9 @@ def test_a_ranks_news_decodes_and_one_from_before_ranks_reads_as_rank_0():
     from zllm.protocol import CoreInput
 
     decode = msgspec.msgpack.Decoder(CoreInput).decode
-    news = KVBlocksReceived(stored=[5], removed=[6], rank=1)
+    news = KVBlocksReceived(stored=[key(5)], removed=[key(6)], rank=1)
     assert decode(msgspec.msgpack.encode(news)) == news
-    old = msgspec.msgpack.encode(KVBlocksReceived(stored=[5], removed=[6]))
+    old = msgspec.msgpack.encode(KVBlocksReceived(stored=[key(5)], removed=[key(6)]))
     assert decode(old).rank == 0
     refused = KVBlocksReceived(rank=1, rejected=3, rejection=KVRejection.INVALID)
     assert decode(msgspec.msgpack.encode(refused)) == refused
@@ -339,9 +345,9 @@ def test_the_buffer_drops_its_oldest_blocks_and_loads_into_the_pool():
     pool = make_pool(num_blocks=8)
     buffer = RemoteKVBuffer(pool, capacity=2, pin_memory=False)
     blocks = pool.gather([0, 1, 2])
-    assert buffer.put([10, 11], blocks[:2]) == ([10, 11], [])
-    assert buffer.put([12], blocks[2:]) == ([12], [10])  # full: the oldest goes
-    assert buffer.load([10, 11, 12], [5, 6, 7]) == [0]  # 10 is gone
+    assert buffer.put([key(10), key(11)], blocks[:2]) == ([key(10), key(11)], [])
+    assert buffer.put([key(12)], blocks[2:]) == ([key(12)], [key(10)])  # full: the oldest goes
+    assert buffer.load([key(10), key(11), key(12)], [5, 6, 7]) == [0]  # 10 is gone
     assert torch.equal(pool.gather([6, 7]), blocks[1:])
 
 
@@ -373,13 +379,13 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     deadline = time.monotonic() + 10
     while not news.poll(200):  # (sends before the connection is up are dropped)
         assert time.monotonic() < deadline
-        sender.send([(111, 3), (222, 5)])
+        sender.send([(key(111), 3), (key(222), 5)])
     message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
-    assert message.stored == [111, 222]
+    assert message.stored == [key(111), key(222)]
     time.sleep(0.3)
     while news.poll(0):  # repeats of a send made while the first was on its way
         news.recv()
-    assert buffer.load([111, 222], [0, 1]) == []
+    assert buffer.load([key(111), key(222)], [0, 1]) == []
     assert torch.equal(consumer_pool.gather([0, 1]), producer_pool.gather([3, 5]))
     assert transfer_files() <= before  # the consumer deleted the shared-memory files
     # Blocks of another model or layout are refused: the core hears only their count (and
@@ -388,10 +394,10 @@ def test_blocks_travel_from_a_producers_pool_to_a_consumers_buffer(transport, dt
     deadline = time.monotonic() + 10
     while not news.poll(200):  # (as above: until its connection is up)
         assert time.monotonic() < deadline
-        foreign.send([(333, 1)])
+        foreign.send([(key(333), 1)])
     message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
     assert (message.stored, message.rejected, message.rejection) == ([], 1, KVRejection.LAYOUT)
-    assert buffer.load([333], [2]) == [0]
+    assert buffer.load([key(333)], [2]) == [0]
     assert wait_until(lambda: transfer_files() <= before, 5)
     news.close(linger=0)
     os.unlink(core_in.removeprefix("ipc://"))  # zmq leaves a bound ipc path behind
@@ -424,9 +430,9 @@ def test_each_rank_sends_its_part_of_the_blocks_to_its_peer_rank(tiny_llama_dir)
     deadline = time.monotonic() + 10
     while not news.poll(200):  # (sends before the connection is up are dropped)
         assert time.monotonic() < deadline
-        sender.send([(111, 3)])
+        sender.send([(key(111), 3)])
     message = msgspec.msgpack.decode(news.recv(), type=KVBlocksReceived)
-    assert (message.stored, message.rank) == ([111], 1)
+    assert (message.stored, message.rank) == ([key(111)], 1)
     news.close(linger=0)
     os.unlink(core_in.removeprefix("ipc://"))
 
@@ -485,10 +491,10 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     taken = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-0")  # its first file
     open(taken, "wb").close()
     try:
-        sender.send([(1, 0), (2, 1)])
+        sender.send([(key(1), 0), (key(2), 1)])
         assert sender._queued_bytes == 0
         assert os.path.getsize(taken) == 0  # left as it was
-        sender.send([(3, 2)])  # the next name is free: queued
+        sender.send([(key(3), 2)])  # the next name is free: queued
         assert sender._queued_bytes == pool.block_nbytes
     finally:
         for i in (0, 1):

@@ -110,18 +110,19 @@ def test_a_sender_sends_each_block_to_its_consumer_engines_rank():
     producer = KVTransferConfig(role="kv_producer", port=port, consumer_engines=2)
     sender = KVSender(producer, make_pool(num_blocks=8), "layout", rank=1, ranks=2)
     assert sender.addresses == [f"tcp://127.0.0.1:{port + 1}", f"tcp://127.0.0.1:{port + 3}"]
-    received: list[list[int]] = [[], []]
+    A, B, C = (bytes([i]) * 16 for i in (1, 2, 3))  # three block keys
+    received: list[list[bytes]] = [[], []]
     deadline = time.monotonic() + 10
     while not all(received):  # (sends before the connections are up are dropped)
         assert time.monotonic() < deadline
-        sender.send([(111, 3), (222, 4), (333, 5)], [1, 0, 1])
+        sender.send([(A, 3), (B, 4), (C, 5)], [1, 0, 1])
         time.sleep(0.1)
         for engine, (sock, _) in enumerate(news):
             while sock.poll(0):
                 message = msgspec.msgpack.decode(sock.recv(), type=KVBlocksReceived)
                 assert message.rank == 1
                 received[engine].extend(message.stored)
-    assert set(received[0]) == {222} and set(received[1]) == {111, 333}
+    assert set(received[0]) == {B} and set(received[1]) == {A, C}
     for sock, core_in in news:
         sock.close(linger=0)
         os.unlink(core_in.removeprefix("ipc://"))
