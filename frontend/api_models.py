@@ -491,7 +491,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
     try:
         request = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
-        raise RequestError(f"Invalid request: {e}", param=_error_param(str(e))) from None
+        raise RequestError(f"Invalid request: {e}", param=error_param(str(e))) from None
     except UnicodeDecodeError as e:
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
@@ -503,7 +503,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
     return request, unknown
 
 
-def _error_param(message: str) -> str | None:
+def error_param(message: str) -> str | None:
     """The field a msgspec validation message points at, as a dotted path."""
     match = _PATH.search(message)
     path = match.group("path") if match else ""

@@ -168,7 +168,9 @@ ROUTES: tuple[ApiRoute, ...] = (
         Operation(
             "createResponse",
             "OpenAI's Responses API, stateless (JSON, or its server-sent events with "
-            "`stream`); previous_response_id and store true are 400s.",
+            "`stream`): function tools, tool_choice, function_call / function_call_output "
+            "items, text.format, reasoning items; previous_response_id, store true and "
+            "fields zllm does not implement are 400s naming them.",
             Schema(RESPONSE_OBJECT, name="ResponseObject"),
             GENERATION_ERRORS,
             stream=True,

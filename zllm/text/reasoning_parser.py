@@ -47,6 +47,12 @@ class ThinkReasoningParser:
         self.pending = ""  # text held back: a possible tag, or leading whitespace
         self.saw_reasoning = starts_in_reasoning
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would be reasoning, as far as the parser knows yet (the
+        Responses API counts a chunk's tokens as reasoning by it)."""
+        return self.state == "reasoning" or (self.state == "opening" and self.starts_in_reasoning)
+
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
         self.pending += text
