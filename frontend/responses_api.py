@@ -92,7 +92,15 @@ class ResponsesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.ctx = ctx
-        self.params, self.plan = tooled_chat_params(chat, ctx)
+        try:
+            self.params, self.plan = tooled_chat_params(chat, ctx)
+        except RequestError as e:  # named as the chat request names it: rename it
+            name = CHAT_PARAMS.get(e.param or "")
+            if name is not None:
+                if e.message.startswith(f"{e.param} "):
+                    e.message = name + e.message[len(e.param or "") :]
+                e.param = name
+            raise
         self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
 
     def options(self) -> RequestOptions:
@@ -112,6 +120,14 @@ class ResponsesCall(ApiCall):
         echo = echoed_settings(self.body, self.plan)
         assembler = ResponseAssembler(response_id(), model, echo, parser)
         return GenerationJob.of_events(assembler, self.body.stream, assembler.error_event)
+
+
+# The chat request's names for a Responses request's fields, where they differ.
+CHAT_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema": "text.format.schema",
+}
 
 
 # A Response object's schema for /openapi.json: it is built as a dict (OpenAI's shape, its

@@ -406,6 +406,7 @@ REFUSED = [
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens must be at most"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "conversation state"),
     ({"store": True}, "store", "store"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
