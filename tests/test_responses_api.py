@@ -143,6 +143,12 @@ def test_a_function_call_round(tools_server, stream, tool_choice) -> None:
     if stream:
         events, first = streamed(client, **first_kwargs)
         check_item_events(events, first.output)
+        # The client's stream helper rebuilds the response from the events and checks their
+        # identities (ids, output indexes) on the way.
+        with client.responses.stream(**first_kwargs) as helper:
+            rebuilt = helper.get_final_response()
+        (call,) = rebuilt.output
+        check_call(call)
     else:
         first = client.responses.create(**first_kwargs)
     assert first.status == "completed" and first.parallel_tool_calls is False
