@@ -157,11 +157,11 @@ def check_request(req: ResponsesRequest) -> None:
             "a 400. Send disabled or leave it out.",
             param="truncation",
         )
-    for i, name in enumerate(req.include or []):
+    if req.include:  # the first value names the problem; an empty list asks for nothing
         raise RequestError(
-            f"include: {name!r} is not supported (zllm returns reasoning as plain text in "
+            f"include: {req.include[0]!r} is not supported (zllm returns reasoning as plain text in "
             "reasoning items, and no logprobs or tool results here).",
-            param=f"include[{i}]",
+            param="include[0]",
         )
     if req.text is not None and req.text.verbosity is not None:
         raise RequestError("unsupported parameter: text.verbosity", param="text.verbosity")
