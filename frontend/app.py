@@ -5,6 +5,7 @@
                                                  a disaggregated server's kv_transfer part)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
     POST /sleep?level=1|2, /wake_up[?tags=weights|kv_cache]; GET /is_sleeping   (sleep mode)
+    POST /reset_prefix_cache[?tiers=1]                                         (vLLM's)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health                                 open even when an API key is set
     GET  /version, /metrics                      open too, unless --protect-metrics
@@ -73,6 +74,7 @@ from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tenant_limits import TenantLimits
 from zllm.inputs import check_vocabulary
+from zllm.kv.tiers import TIER_NAMES, TIER_REMOTE
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
@@ -298,6 +300,26 @@ class OpenAIServer:
     async def is_sleeping(self, request: Request) -> Response:
         return json_response({"is_sleeping": self.client.is_sleeping})
 
+    # ---- prefix cache ----------------------------------------------------------------------
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's route, answered with what was dropped: every engine forgets the cached
+        blocks no running request holds (pins released); `?tiers=1` (or vLLM's
+        `?reset_external=true`) empties the cpu and disk KV tiers too."""
+        tiers = _query_flag(request, "tiers") or _query_flag(request, "reset_external")
+        reset = await self.client.reset_prefix_cache(tiers)
+        dropped = reset.tier_blocks_dropped
+        return json_response(
+            {
+                "reset": True,
+                "blocks_dropped": reset.blocks_dropped,
+                "tier_blocks_dropped": {
+                    name: dropped[tier] if tier < len(dropped) else 0
+                    for tier, name in enumerate(TIER_NAMES)
+                    if tier != TIER_REMOTE
+                },
+            }
+        )
+
     async def health(self, request: Request) -> Response:
         if self.admission.draining:
             return error_response(RequestError(SHUTTING_DOWN, 503))
@@ -360,6 +382,16 @@ class OpenAIServer:
             raise RequestError(str(e), param=e.param) from None
         text = await _maybe_in_thread(len(body.tokens), self.tokenizer.decode, body.tokens, False)
         return json_response(DetokenizeResponse(prompt=text))
+
+
+def _query_flag(request: Request, name: str) -> bool:
+    """A boolean query parameter: 1/true/yes or 0/false/no (absent: false); else a 400."""
+    value = request.query_params.get(name, "0").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no", ""):
+        return False
+    raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
 
 
 async def _maybe_in_thread(size: int, fn: Callable, *args: Any) -> Any:

@@ -147,6 +147,7 @@ SERVER_ARGV = [
 ENGINE_COMMANDS = [
     ["serve", "tiny"],
     ["generate", "hello", "--model", "tiny"],
+    ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "tiny"],
     ["bench", "throughput", "--model", "tiny"],
     ["bench", "accuracy", "--model", "tiny"],
     ["bench", "prefix", "--model", "tiny"],

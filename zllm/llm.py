@@ -253,6 +253,14 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.asleep
 
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's; pins are released), and with `tiers` the KV
+        offload tiers' blocks too (their disk files are deleted). True, as vLLM answers a
+        reset that happened (the engine is idle between calls, so none is refused)."""
+        _, batches = self.engine.reset_prefix_cache(self.executor, tiers)
+        assert not batches, "no step is in flight between calls"
+        return True
+
     # ---- internals -------------------------------------------------------------------------
     def _check_adapter(self, lora: LoRARequest) -> None:
         """An adapter's files, checked against the model once per (id, path); one id names

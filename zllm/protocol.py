@@ -386,6 +386,24 @@ class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     message: str = ""
 
 
+class ResetPrefixCache(msgspec.Struct, array_like=True, gc=False, tag=17):
+    """Frontend -> core: POST /reset_prefix_cache; answered by a PrefixCacheReset naming the
+    same `reply_to`. `tiers`: the KV offload tiers (cpu, disk) are emptied too."""
+
+    reply_to: int
+    tiers: bool = False
+
+
+class PrefixCacheReset(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=18):
+    """Core -> frontend: what a ResetPrefixCache dropped. `blocks_dropped`: cached pool blocks
+    no running request held (pinned ones included: a reset releases pins);
+    `tier_blocks_dropped`: per tier (cpu, disk, remote: zllm/kv/tiers.py), the blocks it held."""
+
+    reply_to: int
+    blocks_dropped: int = 0
+    tier_blocks_dropped: list[int] = []
+
+
 class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
     """Producer executor -> consumer executor (prefill/decode disaggregation): the first frame
     of a message of KV blocks. Their bytes, [len(hashes), *block_shape] of `dtype`, follow as
@@ -432,6 +450,7 @@ CoreInput = (
     | ClientGone
     | SleepControl
     | KVBlocksReceived
+    | ResetPrefixCache
 )
 
 
@@ -664,6 +683,7 @@ FrontendInput = (
     | EngineLifecycle
     | SleepReply
     | RequestRouted
+    | PrefixCacheReset
 )
 
 
