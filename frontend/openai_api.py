@@ -33,7 +33,7 @@ from zllm.frontend.openai_format import (
     completion_params,
     prompt_inputs,
 )
-from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, plan_tools
+from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, keep_call_tags, plan_tools
 from zllm.protocol import RequestOptions
 from zllm.sampling_params import SamplingParams
 
@@ -45,6 +45,7 @@ def tooled_chat_params(
     params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
     config = ctx.config
     plan = plan_tools(chat, ctx.tokenizer, config.tool_call_parser, params.structured_outputs)
+    params = keep_call_tags(params, plan, config.tool_call_parser)
     return constrain(params, plan, ctx.tokenizer, config.reasoning_parser), plan
 
 

@@ -131,6 +131,7 @@ SERVER_ARGV = [
     "--allowed-origins", '["https://c.example"]',
     "--trust-request-chat-template",
     "--tool-call-parser", "hermes",
+    "--enable-auto-tool-choice",
     "--reasoning-parser", "qwen3",
     "--lora-modules", "x=LORA_DIR",
     "--data-parallel-size", "2",
@@ -296,6 +297,12 @@ def test_server_defaults_are_the_serve_config_defaults(tiny_llama_dir):
         assert other.tokenizer_workers == 2 and other.engine_hang_timeout == 30.0
     finally:
         shutil.rmtree(config.endpoints.ipc_dir, ignore_errors=True)
+
+
+def test_enable_auto_tool_choice_needs_a_tool_call_parser(tiny_llama_dir):
+    """vLLM's flag is accepted; alone it is refused, naming both flags (as vLLM does)."""
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        serve_config_from_args(parse("serve", tiny_llama_dir, "--enable-auto-tool-choice"))
 
 
 def test_chat_template_that_is_no_file_is_the_template(tiny_llama_dir):

@@ -298,9 +298,15 @@ class ServerArgs:
     tool_call_parser: str | None = option(
         None,
         help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
-        "<tool_call> JSON; llama3_json: Llama 3.x JSON); required and named tool choices need "
-        "none",
-        choices=("hermes", "llama3_json"),
+        "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
+        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>); required and named "
+        "tool choices need none",
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"),
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='accepted as vLLM spells it: tool_choice "auto" works wherever --tool-call-parser '
+        "is given (this flag changes nothing); without --tool-call-parser it is refused",
     )
     lora_modules: list[str] = option(
         default_factory=list,
@@ -373,6 +379,7 @@ _RESOLVED = frozenset(
         "prefix_cache_isolation",
         "protect_metrics",
         "metrics_api_key",
+        "enable_auto_tool_choice",
     }
 )
 
@@ -382,6 +389,11 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
+    if server.enable_auto_tool_choice and server.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its "
+            "calls); with a parser, tool_choice auto works without the flag"
+        )
     if set(server.metrics_api_key) & set(server.api_key):
         raise ValueError("a --metrics-api-key must not also be an --api-key (a tenant's)")
     n = server.detokenizer_workers
