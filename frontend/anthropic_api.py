@@ -47,6 +47,7 @@ from zllm.frontend.responses import RETRY_AFTER_S, check_failed, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, FinishReason, RequestOptions, RequestOutputDelta
+from zllm.text.template_kwargs import reasoning_parser_for
 
 # ---- request -------------------------------------------------------------------------------
 
@@ -117,6 +118,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # zllm's extra parameter, as on the OpenAI endpoints
+    # Not Anthropic's: vLLM's extra, as on chat completions (zllm/text/template_kwargs.py).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -124,6 +127,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- response ------------------------------------------------------------------------------
@@ -244,8 +248,15 @@ class MessagesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.ctx = ctx
-        self.params, self.plan = tooled_chat_params(chat, ctx)
-        self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
+        config = ctx.config
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, config.default_chat_template_kwargs
+        )
+        self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
+        self.params, self.plan = tooled_chat_params(chat, ctx, self.reasoning_parser)
+        self.prompts = [
+            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+        ]
 
     def options(self) -> RequestOptions:
         return RequestOptions(
@@ -257,7 +268,7 @@ class MessagesCall(ApiCall):
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         config = self.ctx.config
         assembler = MessageAssembler.of(
-            ids.response_id, model, self.plan, config.reasoning_parser, config.tool_call_parser
+            ids.response_id, model, self.plan, self.reasoning_parser, config.tool_call_parser
         )
         return GenerationJob.of_events(assembler, self.body.stream, error_event)
 

@@ -130,6 +130,8 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # Extra template variables, the server's defaults merged (zllm/text/template_kwargs.py).
+    template_kwargs: dict[str, Any] | None = None
 
 
 Prompt = PromptInput | ChatPrompt
@@ -299,6 +301,7 @@ def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
             "tools": prompt.tools,
             "add_generation_prompt": prompt.add_generation_prompt,
             "chat_template": prompt.chat_template,
+            "chat_template_kwargs": prompt.template_kwargs or None,
         }
     return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 

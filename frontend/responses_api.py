@@ -62,6 +62,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # as on the other generation endpoints
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions
 
 
 class ResponsesCall(ApiCall):
@@ -72,7 +73,10 @@ class ResponsesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
-        self.prompts = [ChatPrompt(chat_messages(chat.messages))]
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, ctx.config.default_chat_template_kwargs
+        )
+        self.prompts = [ChatPrompt(chat_messages(chat.messages), template_kwargs=kwargs)]
 
     def options(self) -> RequestOptions:
         return RequestOptions(
