@@ -49,6 +49,7 @@ from zllm.errors import ParamError, RequestError
 from zllm.frontend import anthropic_api, options
 from zllm.frontend.access import EVERYONE, VIEWER_KEY, RegistryView
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
+from zllm.frontend.anthropic_thinking import ThinkingSigner
 from zllm.frontend.api_models import (
     DetokenizeBody,
     DetokenizeResponse,
@@ -206,6 +207,7 @@ class OpenAIServer:
             self.max_model_len,
             # The model's generation_config.json defaults, for fields a request leaves unset.
             config.engine.generation_config.defaults,
+            ThinkingSigner.of(config.thinking_signature_key_file),
         )
         self.generation = Generation(
             config, client, self.prometheus, self.admission, self.adapters, context

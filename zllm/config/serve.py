@@ -163,6 +163,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # Template variables every chat request gets unless it sets them in chat_template_kwargs
     # (zllm/text/template_kwargs.py), e.g. {"enable_thinking": false}.
     default_chat_template_kwargs: dict[str, Any] | None = None
+    # The key that signs Anthropic thinking blocks (frontend/anthropic_thinking.py); None:
+    # $ZLLM_CACHE/thinking-signature.key, made at first use.
+    thinking_signature_key_file: str | None = None
     # How the model writes tool calls (zllm/text/tool_parsers.py); None: no tool_choice "auto".
     tool_call_parser: str | None = None
     # How the model writes its reasoning (zllm/text/reasoning_parser.py); None: all is content.
@@ -307,6 +310,12 @@ class ServerArgs:
         "'{\"enable_thinking\": false}' (Qwen 3 without thinking); a request's "
         "chat_template_kwargs override them key by key",
         parse=parse_json_object,
+    )
+    thinking_signature_key_file: str | None = option(
+        None,
+        help="the key (32+ bytes) whose HMAC signs the thinking blocks of /v1/messages "
+        "answers and checks those sent back (default: $ZLLM_CACHE/thinking-signature.key, "
+        "made at first use, owner-only)",
     )
     tool_call_parser: str | None = option(
         None,
