@@ -208,6 +208,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     prompt_logprobs: NumLogprobs | None = None
     chat_template: str | None = None
+    # Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false};
+    # over the server's --default-chat-template-kwargs (zllm/text/template_kwargs.py).
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # The chat template already writes the special tokens it wants.
     add_special_tokens: bool = False
@@ -250,6 +253,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -47,9 +47,10 @@ from starlette.routing import Route
 import zllm
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api
+from zllm.frontend import anthropic_api, options
 from zllm.frontend.access import EVERYONE, VIEWER_KEY, RegistryView
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
+from zllm.frontend.anthropic_thinking import ThinkingSigner
 from zllm.frontend.api_models import (
     DetokenizeBody,
     DetokenizeResponse,
@@ -208,6 +209,7 @@ class OpenAIServer:
             self.max_model_len,
             # The model's generation_config.json defaults, for fields a request leaves unset.
             config.engine.generation_config.defaults,
+            ThinkingSigner.of(config.thinking_signature_key_file),
         )
         self.generation = Generation(
             config, client, self.prometheus, self.admission, self.adapters, context
@@ -221,10 +223,14 @@ class OpenAIServer:
         self.adapters.resolve(body.model)
         chat = anthropic_api.as_chat_request(body)
         tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, self.config.default_chat_template_kwargs
+        )
         try:
             text = self.tokenizer.apply_chat_template(
                 chat_messages(chat.messages),
                 add_generation_prompt=True,
+                **kwargs,
                 **({"tools": tools} if tools else {}),
             )
         except Exception as e:  # jinja errors, or a model without a template
@@ -349,9 +355,14 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
+            kwargs = options.template_kwargs(
+                body.chat_template_kwargs, self.config.default_chat_template_kwargs
+            )
             try:
                 text = self.tokenizer.apply_chat_template(
-                    chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt
+                    chat_messages(body.messages),
+                    add_generation_prompt=body.add_generation_prompt,
+                    **kwargs,
                 )
             except Exception as e:  # jinja errors, or a model without a template
                 raise RequestError(

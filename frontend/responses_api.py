@@ -35,6 +35,7 @@ from zllm.frontend.responses_input import (
 from zllm.frontend.responses_output import ResponseAssembler, response_id
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.protocol import RequestOptions
+from zllm.text.template_kwargs import reasoning_parser_for
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -82,6 +83,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # as on the other generation endpoints
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions
 
 
 class ResponsesCall(ApiCall):
@@ -92,8 +94,12 @@ class ResponsesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.ctx = ctx
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, ctx.config.default_chat_template_kwargs
+        )
+        self.reasoning_parser = reasoning_parser_for(ctx.config.reasoning_parser, kwargs)
         try:
-            self.params, self.plan = tooled_chat_params(chat, ctx)
+            self.params, self.plan = tooled_chat_params(chat, ctx, self.reasoning_parser)
         except RequestError as e:  # named as the chat request names it: rename it
             name = CHAT_PARAMS.get(e.param or "")
             if name is not None:
@@ -101,7 +107,9 @@ class ResponsesCall(ApiCall):
                     e.message = name + e.message[len(e.param or "") :]
                 e.param = name
             raise
-        self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
+        self.prompts = [
+            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+        ]
 
     def options(self) -> RequestOptions:
         return RequestOptions(
@@ -111,9 +119,9 @@ class ResponsesCall(ApiCall):
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         config = self.ctx.config
-        shaped = self.plan.mode != "none" or config.reasoning_parser is not None
+        shaped = self.plan.mode != "none" or self.reasoning_parser is not None
         parser = (
-            ChoiceParser(self.plan, config.tool_call_parser, config.reasoning_parser)
+            ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
             if shaped
             else None
         )

@@ -342,6 +342,8 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     arrival_time: float = 0.0
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
     options: RequestOptions = NO_OPTIONS
+    # Extra template variables (zllm/text/template_kwargs.py), the server's defaults merged.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

@@ -135,6 +135,13 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
 }
 
 
+def reasoning_markers(parser_name: str) -> tuple[str | None, str]:
+    """(the opening marker the model writes, None where the template opens the reasoning;
+    the closing marker) of a parser's models: what a thinking budget counts from and forces."""
+    starts_inside = REASONING_PARSERS[parser_name]().starts_in_reasoning
+    return (None if starts_inside else _START), _END
+
+
 def parse_reasoning(parser_name: str, text: str) -> tuple[str | None, str]:
     """(reasoning, or None when the answer had none; content) of a whole answer."""
     parser = REASONING_PARSERS[parser_name]()
