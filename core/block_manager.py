@@ -462,6 +462,14 @@ class BlockManager:
                 self._uncache(block)
         return evicted
 
+    def drop_cached(self) -> int:
+        """POST /reset_prefix_cache: release every pin, then forget every cached block no
+        request holds (a running request's blocks stay cached: its next steps read them).
+        Returns how many blocks stopped being cached prefixes; their bytes are simply left
+        to be overwritten (nothing is stored to the KV tiers)."""
+        self.release_pins()
+        return len(self.evict_cached())
+
     def take_evicted(self) -> list[tuple[BlockHash, int]]:
         """(tier key, block id) of the cached blocks evicted since the last call: their bytes
         are still in the pool until the step that reuses them runs."""

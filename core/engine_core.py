@@ -10,6 +10,7 @@ input thread and a heartbeat thread):
     batches = step(executor)   -> schedule -> executor.submit -> executor.poll -> update:
                                   one DetokenizerBatch per detokenizer worker that has news
     sleep(executor, level) / wake_up(executor, tags)                (sleep mode, when idle)
+    reset_prefix_cache(executor, tiers) -> PrefixCacheReset, batches (any time)
     heartbeat()                -> EngineStats, the wire struct, filled in place
 
 The in-flight rule lives in `step` alone: an executor that `runs_ahead` (another process runs
@@ -60,6 +61,7 @@ from zllm.protocol import (
     LoRAStats,
     ModelRunnerOutput,
     PinStats,
+    PrefixCacheReset,
     RequestRejected,
     SchedulerOutput,
     StageStats,
@@ -290,7 +292,33 @@ class EngineCore:
         assert not self._in_flight
         executor.submit(step)
         if executor.poll(None) is None:
-            raise ExecutorTimeout("the executor did not answer a sleep-mode step")
+            raise ExecutorTimeout("the executor did not answer a control step")
+
+    # ---- prefix cache reset ----------------------------------------------------------------
+    def reset_prefix_cache(
+        self, executor: Executor, tiers: bool = False
+    ) -> tuple[PrefixCacheReset, DetokenizerBatches]:
+        """vLLM's reset_prefix_cache, while serving: every pin is released and every cached
+        block no request holds is forgotten (running requests keep theirs and are not
+        disturbed: only the core's bookkeeping changes). With `tiers`, the cpu and disk KV
+        tiers are emptied too: the steps in flight are collected first (their outputs
+        returned), so the drops follow every load and store those carry, and one step with
+        no request carries the drops (asleep, they wait for the first step after waking).
+        Returns the counts (`reply_to` 0: the caller's to fill in)."""
+        batches: DetokenizerBatches = {}
+        clear_tiers = tiers and self.kv_connector is not None
+        if clear_tiers:
+            batches = self.drain(executor)
+        reset = PrefixCacheReset(0, self.block_manager.drop_cached())
+        if clear_tiers:
+            assert self.kv_connector is not None
+            reset.tier_blocks_dropped = self.kv_connector.clear_stored_tiers()
+            transfers = self.kv_connector.take_transfers() if not self.asleep else None
+            if transfers is not None:
+                self._control_step(
+                    executor, SchedulerOutput(-1, [], [], {}, 0, kv_transfers=transfers)
+                )
+        return reset, batches
 
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:

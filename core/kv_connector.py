@@ -103,6 +103,12 @@ class TierIndex:
     def discard(self, block_hash: BlockHash) -> None:
         self._lru.pop(block_hash, None)
 
+    def clear(self) -> list[BlockHash]:
+        """Forget every hash; returns them, least recently used first."""
+        held = list(self._lru)
+        self._lru.clear()
+        return held
+
 
 class RemoteTierIndex(TierIndex):
     """The remote tier: follows the buffers that manage their own contents, one per
@@ -264,6 +270,19 @@ class TieredKVConnector:
                 if tier != TIER_REMOTE:  # (the remote buffer no longer has it)
                     self._forget(tier, block_hash)
             self.load_failures[tier] += 1
+
+    def clear_stored_tiers(self) -> list[int]:
+        """POST /reset_prefix_cache?tiers=1: forget every block the cpu and disk tiers hold
+        (the executor drops their bytes and files with the next transfers; a store not yet
+        sent is cancelled instead). The remote tier is the producer's to fill and is left
+        alone. Returns how many blocks each tier held (indexed like `tiers`)."""
+        dropped = [0, 0, 0]
+        for index in self.stored_tiers:
+            held = index.clear()
+            for block_hash in held:
+                self._forget(index.tier, block_hash)
+            dropped[index.tier] = len(held)
+        return dropped
 
     def _forget(self, tier: int, block_hash: BlockHash) -> None:
         if self._stores.pop((tier, block_hash), None) is None:

@@ -45,6 +45,7 @@ from zllm.protocol import (
     KVCacheEvents,
     ProcessRole,
     RequestRejected,
+    ResetPrefixCache,
     SleepControl,
     SleepReply,
     SpecDecodeStats,
@@ -213,6 +214,16 @@ class CoreProcess:
             ok, message = self._sleep_control(msg)
             reply = SleepReply(msg.reply_to, ok, engine.asleep, message)
             send_nowait(self.to_frontend, self.encoder, reply, logger)
+        elif isinstance(msg, ResetPrefixCache):
+            reset, batches = engine.reset_prefix_cache(self.executor, msg.tiers)
+            self._publish(batches)
+            reset.reply_to = msg.reply_to
+            send_nowait(self.to_frontend, self.encoder, reset, logger)
+            logger.info(
+                "prefix cache reset: %d cached blocks dropped%s",
+                reset.blocks_dropped,
+                f", tiers' blocks {reset.tier_blocks_dropped}" if msg.tiers else "",
+            )
         elif isinstance(msg, AbortRequests):
             self._publish(engine.abort(msg.req_ids))
         elif isinstance(msg, FinishSequence):

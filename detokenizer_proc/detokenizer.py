@@ -73,7 +73,7 @@ class Detokenizer:
         if state is None or i in state.finished:
             return None  # failed upstream, or a token computed after its stop string
         detok = state.samples[i]
-        stop_str = detok.update(out.new_token_ids)
+        stop_str = detok.update(self._text_ids(out, state.info))
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop_str is not None:
             finish_reason, stop_reason = FinishReason.STOP, stop_str
@@ -100,6 +100,22 @@ class Detokenizer:
             embedding=out.embedding,
             cumulative_logprob=out.cumulative_logprob,
         )
+
+    def _text_ids(self, out: EngineCoreOutput, info: DetokRequest) -> list[int]:
+        """The new tokens that make text. With special tokens kept (skip_special_tokens
+        false, or a tool parser that needs Mistral's [TOOL_CALLS]), the special token that
+        ended the sample (EOS, a stop token id) is not text, as in vLLM."""
+        ids = out.new_token_ids
+        if (
+            info.skip_special_tokens
+            or info.include_stop_str_in_output
+            or out.finish_reason != FinishReason.STOP
+            or isinstance(out.stop_reason, str)
+            or not ids
+            or self.tokenizer.decode(ids[-1:], skip_special_tokens=True)
+        ):
+            return ids
+        return ids[:-1]
 
     def _token_texts(self, logprobs: LogprobsLists | None) -> list[list[str]] | None:
         if logprobs is None:

@@ -3,7 +3,8 @@
 They act in two places, in this order:
 
     logits rows (one per request, or per verified position; the model's dtype)
-        │  ROW_PROCESSORS: LogitBias, GrammarMask          (the logprobs see these)
+        │  ROW_PROCESSORS: LogitBias, GrammarMask,         (the logprobs see these)
+        │                  ThinkingBudgetEnd
         ▼  repeated for the samples of an n > 1 request
     sampler rows ── raw logprobs kept aside ── fp32 copy
         │  SAMPLER_PROCESSORS: BannedTokens, Penalties     (the logprobs do not)
@@ -83,6 +84,32 @@ class GrammarMask:
         apply_bitmask(logits, grammar_rows, bitmask)
 
 
+class ThinkingBudgetEnd:
+    """A thinking budget spent: the row allows only the end marker's next token (whatever
+    the bias or a grammar said: the budget is the hard limit). A verifying request's row j
+    follows its first j proposals (ThinkingTracker.forced_tokens)."""
+
+    def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        states = rows.logits_states
+        forced_rows: list[int] = []
+        forced_tokens: list[int] = []
+        i = 0
+        while i < len(states):
+            st = states[i]
+            drafts = rows.drafts.get(st.req_id) or []
+            if st.thinking is not None:
+                for j, token in enumerate(st.thinking.forced_tokens(drafts)):
+                    if token is not None:
+                        forced_rows.append(i + j)
+                        forced_tokens.append(token)
+            i += len(drafts) + 1
+        if forced_rows:
+            dev = logits.device
+            index = torch.tensor(forced_rows, device=dev)
+            logits[index] = float("-inf")
+            logits[index, torch.tensor(forced_tokens, device=dev)] = 0.0
+
+
 class BannedTokens:
     """min_tokens: every EOS id and stop token is forbidden until that many are out."""
 
@@ -150,5 +177,5 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 
 # In the order they apply (module docstring).
-ROW_PROCESSORS: tuple[RowProcessor, ...] = (LogitBias(), GrammarMask())
+ROW_PROCESSORS: tuple[RowProcessor, ...] = (LogitBias(), GrammarMask(), ThinkingBudgetEnd())
 SAMPLER_PROCESSORS: tuple[SamplerProcessor, ...] = (BannedTokens(), Penalties())

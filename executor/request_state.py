@@ -15,6 +15,7 @@ import torch
 
 from zllm.protocol import ForkedRequestData, NewRequestData
 from zllm.sampling_params import SamplingParams
+from zllm.text.thinking_budget import ThinkingTracker
 
 if TYPE_CHECKING:
     from zllm.executor.structured_output import GrammarMatcher
@@ -43,9 +44,14 @@ class RequestState:
     draft_num_computed: int = 0
     draft_tail: list[int] = field(default_factory=list)
     lora_int_id: int | None = None  # its LoRA adapter (None: the base model)
+    # A thinking budget: where the output is in its reasoning (zllm/text/thinking_budget.py).
+    thinking: ThinkingTracker | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        budget = self.sampling_params.thinking_budget
+        if budget is not None:  # a new, recomputed or forked sequence: from its output
+            self.thinking = ThinkingTracker(budget, self.output_token_ids)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device | str = "cpu") -> RequestState:
@@ -87,6 +93,8 @@ class RequestState:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume(token_id)
+        if self.thinking is not None:
+            self.thinking.consume(token_id)
 
 
 def make_generator(

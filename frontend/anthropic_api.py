@@ -8,9 +8,13 @@ required, a named function, none (frontend/tools.py: the same grammar and parser
 answer comes back as Anthropic content blocks, and a stream as Anthropic's events:
 
     message_start, ping
-    content_block_start (text | tool_use), content_block_delta (text_delta |
-    input_json_delta), content_block_stop          ... once per block
+    content_block_start (thinking | text | tool_use), content_block_delta (thinking_delta
+    | text_delta | input_json_delta; a thinking block's signature_delta last),
+    content_block_stop                              ... once per block
     message_delta (stop_reason, usage), message_stop
+
+`thinking` (disabled, or enabled with a budget) and the signatures of thinking blocks:
+frontend/anthropic_thinking.py.
 
 Usage: input_tokens are the prompt tokens computed, cache_read_input_tokens those served
 from the prefix cache. Errors have Anthropic's shape ({"type": "error", "error": ...}).
@@ -30,6 +34,13 @@ from starlette.responses import Response
 
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import options
+from zllm.frontend.anthropic_thinking import (
+    ThinkingConfig,
+    ThinkingSigner,
+    check_thinking,
+    template_switch,
+    thinking_budget,
+)
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
     ChatMessage,
@@ -47,6 +58,7 @@ from zllm.frontend.responses import RETRY_AFTER_S, check_failed, json_response
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, FinishReason, RequestOptions, RequestOutputDelta
+from zllm.text.template_kwargs import reasoning_parser_for
 
 # ---- request -------------------------------------------------------------------------------
 
@@ -112,11 +124,15 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    # Extended thinking (frontend/anthropic_thinking.py).
+    thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # zllm's extra parameter, as on the OpenAI endpoints
+    # Not Anthropic's: vLLM's extra, as on chat completions (zllm/text/template_kwargs.py).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -124,6 +140,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- response ------------------------------------------------------------------------------
@@ -244,8 +261,24 @@ class MessagesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.ctx = ctx
-        self.params, self.plan = tooled_chat_params(chat, ctx)
-        self.prompts = [ChatPrompt(chat_messages(chat.messages), self.plan.tools)]
+        config = ctx.config
+        if body.thinking is not None:
+            check_thinking(body.thinking, body.max_tokens, config.reasoning_parser)
+        signer = ctx.thinking_signer
+        assert signer is not None, "the app makes one"
+        check_signatures(body.messages, signer)
+        self.signer = signer
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, config.default_chat_template_kwargs
+        )
+        kwargs |= template_switch(body.thinking)  # `thinking` has the last word
+        self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
+        params, self.plan = tooled_chat_params(chat, ctx, self.reasoning_parser)
+        budget = thinking_budget(body.thinking, ctx.tokenizer, self.reasoning_parser)
+        self.params = msgspec.structs.replace(params, thinking_budget=budget) if budget else params
+        self.prompts = [
+            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+        ]
 
     def options(self) -> RequestOptions:
         return RequestOptions(
@@ -257,8 +290,9 @@ class MessagesCall(ApiCall):
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         config = self.ctx.config
         assembler = MessageAssembler.of(
-            ids.response_id, model, self.plan, config.reasoning_parser, config.tool_call_parser
+            ids.response_id, model, self.plan, self.reasoning_parser, config.tool_call_parser
         )
+        assembler.signer = self.signer
         return GenerationJob.of_events(assembler, self.body.stream, error_event)
 
 
@@ -290,6 +324,21 @@ def cache_pin_of(req: MessagesRequest) -> CachePin | None:
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
     return CachePin(ttl_s=max(ttls), num_messages=marks[-1][0])
+
+
+def check_signatures(messages: list[AnthropicMessage], signer: ThinkingSigner) -> None:
+    """Every thinking block sent back must carry the signature this server gave it."""
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            continue
+        for j, block in enumerate(message.content):
+            if isinstance(block, ThinkingBlock) and not signer.verify(
+                block.thinking, block.signature
+            ):
+                raise RequestError(
+                    f"messages.{i}.content.{j}: Invalid `signature` in `thinking` block",
+                    param=f"messages.{i}.content.{j}.signature",
+                )
 
 
 def _tool_choice(choice: AnthropicToolChoice) -> str | NamedToolChoice:
@@ -330,7 +379,8 @@ def _turn(message: AnthropicMessage, index: int) -> list[ChatMessage]:
                 "image content blocks are not supported; this server accepts text only.",
                 param=f"messages.{index}.content",
             )
-        # Thinking blocks of earlier turns are not sent back to the model.
+        # Thinking blocks of earlier turns (their signatures checked: check_signatures) are
+        # not sent back to the model, as Anthropic drops them.
     turn: list[ChatMessage] = list(results)
     if texts or calls or not results:
         turn.append(
@@ -354,6 +404,7 @@ class MessageAssembler:
     stop_sequence: str | None = None
     _open: str | None = None  # "text", "thinking" or "tool_use": the block being streamed
     _tool_index: int | None = None  # the tool call the open tool_use block carries
+    signer: ThinkingSigner | None = None  # signs each thinking block as it closes
 
     @classmethod
     def of(
@@ -456,7 +507,7 @@ class MessageAssembler:
             block = (
                 {"type": "text", "text": ""}
                 if kind == "text"
-                else {"type": "thinking", "thinking": ""}
+                else {"type": "thinking", "thinking": "", "signature": ""}
             )
             yield from self._start(kind, block)
         key, delta_type = (
@@ -506,6 +557,18 @@ class MessageAssembler:
         )
 
     def _close(self):
+        if self._open == "thinking" and self.signer is not None:
+            # Anthropic's order: the signature comes last, just before the block stops.
+            block = self.blocks[-1]
+            block["signature"] = self.signer.sign(block["thinking"])
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": len(self.blocks) - 1,
+                    "delta": {"type": "signature_delta", "signature": block["signature"]},
+                },
+            )
         if self._open is not None:
             self._open = None
             yield (

@@ -208,6 +208,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     prompt_logprobs: NumLogprobs | None = None
     chat_template: str | None = None
+    # Extra variables for the chat template (vLLM's field), e.g. {"enable_thinking": false};
+    # over the server's --default-chat-template-kwargs (zllm/text/template_kwargs.py).
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # The chat template already writes the special tokens it wants.
     add_special_tokens: bool = False
@@ -250,6 +253,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -491,7 +495,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
     try:
         request = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
-        raise RequestError(f"Invalid request: {e}", param=_error_param(str(e))) from None
+        raise RequestError(f"Invalid request: {e}", param=error_param(str(e))) from None
     except UnicodeDecodeError as e:
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
@@ -503,7 +507,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
     return request, unknown
 
 
-def _error_param(message: str) -> str | None:
+def error_param(message: str) -> str | None:
     """The field a msgspec validation message points at, as a dotted path."""
     match = _PATH.search(message)
     path = match.group("path") if match else ""

@@ -5,6 +5,7 @@
                                                  a disaggregated server's kv_transfer part)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at run time (vLLM's)
     POST /sleep?level=1|2, /wake_up[?tags=weights|kv_cache]; GET /is_sleeping   (sleep mode)
+    POST /reset_prefix_cache[?tiers=1]                                         (vLLM's)
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health                                 open even when an API key is set
     GET  /version, /metrics                      open too, unless --protect-metrics
@@ -46,9 +47,10 @@ from starlette.routing import Route
 import zllm
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api
+from zllm.frontend import anthropic_api, options
 from zllm.frontend.access import EVERYONE, VIEWER_KEY, RegistryView
 from zllm.frontend.admission import SHUTTING_DOWN, Admission
+from zllm.frontend.anthropic_thinking import ThinkingSigner
 from zllm.frontend.api_models import (
     DetokenizeBody,
     DetokenizeResponse,
@@ -73,6 +75,7 @@ from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.frontend.tenant_limits import TenantLimits
 from zllm.inputs import check_vocabulary
+from zllm.kv.tiers import TIER_NAMES, TIER_REMOTE
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
@@ -206,6 +209,7 @@ class OpenAIServer:
             self.max_model_len,
             # The model's generation_config.json defaults, for fields a request leaves unset.
             config.engine.generation_config.defaults,
+            ThinkingSigner.of(config.thinking_signature_key_file),
         )
         self.generation = Generation(
             config, client, self.prometheus, self.admission, self.adapters, context
@@ -219,10 +223,14 @@ class OpenAIServer:
         self.adapters.resolve(body.model)
         chat = anthropic_api.as_chat_request(body)
         tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, self.config.default_chat_template_kwargs
+        )
         try:
             text = self.tokenizer.apply_chat_template(
                 chat_messages(chat.messages),
                 add_generation_prompt=True,
+                **kwargs,
                 **({"tools": tools} if tools else {}),
             )
         except Exception as e:  # jinja errors, or a model without a template
@@ -298,6 +306,26 @@ class OpenAIServer:
     async def is_sleeping(self, request: Request) -> Response:
         return json_response({"is_sleeping": self.client.is_sleeping})
 
+    # ---- prefix cache ----------------------------------------------------------------------
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's route, answered with what was dropped: every engine forgets the cached
+        blocks no running request holds (pins released); `?tiers=1` (or vLLM's
+        `?reset_external=true`) empties the cpu and disk KV tiers too."""
+        tiers = _query_flag(request, "tiers") or _query_flag(request, "reset_external")
+        reset = await self.client.reset_prefix_cache(tiers)
+        dropped = reset.tier_blocks_dropped
+        return json_response(
+            {
+                "reset": True,
+                "blocks_dropped": reset.blocks_dropped,
+                "tier_blocks_dropped": {
+                    name: dropped[tier] if tier < len(dropped) else 0
+                    for tier, name in enumerate(TIER_NAMES)
+                    if tier != TIER_REMOTE
+                },
+            }
+        )
+
     async def health(self, request: Request) -> Response:
         if self.admission.draining:
             return error_response(RequestError(SHUTTING_DOWN, 503))
@@ -327,9 +355,14 @@ class OpenAIServer:
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
+            kwargs = options.template_kwargs(
+                body.chat_template_kwargs, self.config.default_chat_template_kwargs
+            )
             try:
                 text = self.tokenizer.apply_chat_template(
-                    chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt
+                    chat_messages(body.messages),
+                    add_generation_prompt=body.add_generation_prompt,
+                    **kwargs,
                 )
             except Exception as e:  # jinja errors, or a model without a template
                 raise RequestError(
@@ -360,6 +393,16 @@ class OpenAIServer:
             raise RequestError(str(e), param=e.param) from None
         text = await _maybe_in_thread(len(body.tokens), self.tokenizer.decode, body.tokens, False)
         return json_response(DetokenizeResponse(prompt=text))
+
+
+def _query_flag(request: Request, name: str) -> bool:
+    """A boolean query parameter: 1/true/yes or 0/false/no (absent: false); else a 400."""
+    value = request.query_params.get(name, "0").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no", ""):
+        return False
+    raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
 
 
 async def _maybe_in_thread(size: int, fn: Callable, *args: Any) -> Any:

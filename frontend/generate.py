@@ -23,7 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
 from starlette.requests import Request
@@ -46,6 +46,9 @@ from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
 from zllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from zllm.frontend.anthropic_thinking import ThinkingSigner
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +133,8 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    # Extra template variables, the server's defaults merged (zllm/text/template_kwargs.py).
+    template_kwargs: dict[str, Any] | None = None
 
 
 Prompt = PromptInput | ChatPrompt
@@ -144,6 +149,8 @@ class ApiContext:
     names: LogprobText
     max_model_len: int
     sampling_defaults: SamplingDefaults
+    # Signs and checks Anthropic thinking blocks (frontend/anthropic_thinking.py).
+    thinking_signer: ThinkingSigner | None = None
 
 
 class ApiCall(ABC):
@@ -299,6 +306,7 @@ def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
             "tools": prompt.tools,
             "add_generation_prompt": prompt.add_generation_prompt,
             "chat_template": prompt.chat_template,
+            "chat_template_kwargs": prompt.template_kwargs or None,
         }
     return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 

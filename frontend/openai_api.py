@@ -33,19 +33,23 @@ from zllm.frontend.openai_format import (
     completion_params,
     prompt_inputs,
 )
-from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, plan_tools
+from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, keep_call_tags, plan_tools
 from zllm.protocol import RequestOptions
 from zllm.sampling_params import SamplingParams
+from zllm.text.template_kwargs import reasoning_parser_for
 
 
 def tooled_chat_params(
-    chat: ChatCompletionRequest, ctx: ApiContext
+    chat: ChatCompletionRequest, ctx: ApiContext, reasoning_parser: str | None
 ) -> tuple[SamplingParams, ToolPlan]:
-    """A chat request's SamplingParams with the constraint its tools impose, and the plan."""
+    """A chat request's SamplingParams with the constraint its tools impose, and the plan;
+    `reasoning_parser`: the request's own (none with thinking off), which a constraint
+    waits out."""
     params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
     config = ctx.config
     plan = plan_tools(chat, ctx.tokenizer, config.tool_call_parser, params.structured_outputs)
-    return constrain(params, plan, ctx.tokenizer, config.reasoning_parser), plan
+    params = keep_call_tags(params, plan, config.tool_call_parser)
+    return constrain(params, plan, ctx.tokenizer, reasoning_parser), plan
 
 
 class CompletionsCall(ApiCall):
@@ -96,7 +100,13 @@ class ChatCall(ApiCall):
         self.body = body
         self.ctx = ctx
         messages = chat_messages(body.messages)
-        self.params, self.plan = tooled_chat_params(body, ctx)
+        config = ctx.config
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, config.default_chat_template_kwargs
+        )
+        # Thinking switched off in the template: no reasoning to take apart.
+        self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
+        self.params, self.plan = tooled_chat_params(body, ctx, self.reasoning_parser)
         if body.chat_template is not None and not ctx.config.trust_request_chat_template:
             raise RequestError(
                 "This server does not accept a chat_template in requests "
@@ -104,7 +114,9 @@ class ChatCall(ApiCall):
                 param="chat_template",
             )
         self.prompts = [
-            ChatPrompt(messages, self.plan.tools, body.add_generation_prompt, body.chat_template)
+            ChatPrompt(
+                messages, self.plan.tools, body.add_generation_prompt, body.chat_template, kwargs
+            )
         ]
         self.add_special_tokens = body.add_special_tokens
 
@@ -113,14 +125,14 @@ class ChatCall(ApiCall):
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         body, n, config = self.body, self.params.n, self.ctx.config
-        shaped = self.plan.mode != "none" or config.reasoning_parser is not None
+        shaped = self.plan.mode != "none" or self.reasoning_parser is not None
         assembler = ChatAssembler(
             n=n,
             want_logprobs=body.logprobs,
             want_prompt_logprobs=body.prompt_logprobs is not None,
             names=self.ctx.names,
             parsers=[
-                ChoiceParser(self.plan, config.tool_call_parser, config.reasoning_parser)
+                ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
                 for _ in range(n)
             ]
             if shaped

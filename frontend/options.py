@@ -12,6 +12,7 @@ from zllm.config.engine import SchedulerConfig, check_cache_salt, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
+from zllm.text.template_kwargs import merge_template_kwargs
 
 
 def priority(value: int, scheduler: SchedulerConfig) -> int:
@@ -39,6 +40,17 @@ def cache_salt(value: str | None) -> str | None:
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
     return value
+
+
+def template_kwargs(
+    given: dict[str, Any] | None, defaults: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` over the server's defaults; a reserved name
+    (one the server passes to the template itself) is a 400 naming it."""
+    try:
+        return merge_template_kwargs(defaults, given)
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
 
 
 def kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:

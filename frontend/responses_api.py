@@ -1,78 +1,115 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless: text or message input,
-`instructions`, `max_output_tokens`, and the answer as one output message.
+"""OpenAI's Responses API (`POST /v1/responses`), stateless: a Responses request becomes the
+chat request zllm serves (frontend/responses_input.py: input items as turns, function tools,
+tool_choice, text.format as response_format), so tools, structured outputs and reasoning go
+through the same grammar and parsers as chat (frontend/tools.py); the answer comes back as
+output items, whole or as OpenAI's stream of events (frontend/responses_output.py).
 
-A Responses request becomes the chat request zllm serves (instructions as a system message,
-input items as turns); the answer comes back as a Response object, or as its stream of
-events:
-
-    response.created, response.in_progress
-    response.output_item.added, response.content_part.added
-    response.output_text.delta ...
-    response.output_text.done, response.content_part.done, response.output_item.done
-    response.completed (or response.incomplete when max_output_tokens cut it)
-
-zllm keeps no conversation state: `previous_response_id`, and `store: true`, are 400s.
+zllm keeps no conversation state: `previous_response_id`, and `store: true`, are 400s. So is
+every other field of the API zllm does not implement (`UNSUPPORTED`, and the values
+`check_request` refuses), naming it.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
 from zllm.frontend import options
-from zllm.frontend.api_models import ChatCompletionRequest, ChatMessage
+from zllm.frontend.api_models import ChatCompletionRequest
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
-from zllm.frontend.openai_format import chat_messages, chat_params
-from zllm.frontend.responses import check_failed
-from zllm.protocol import FinishReason, RequestOptions, RequestOutputDelta
-
-
-class InputText(msgspec.Struct, kw_only=True):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class InputMessage(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
-    type: Literal["message"] = "message"
+from zllm.frontend.openai_api import tooled_chat_params
+from zllm.frontend.openai_format import chat_messages
+from zllm.frontend.responses_input import (
+    FunctionTool,
+    FunctionToolChoice,
+    ReasoningConfig,
+    TextConfig,
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    chat_turns,
+)
+from zllm.frontend.responses_output import ResponseAssembler, response_id
+from zllm.frontend.tools import ChoiceParser, ToolPlan
+from zllm.protocol import RequestOptions
+from zllm.text.template_kwargs import reasoning_parser_for
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
+    # Fields of OpenAI's Responses API zllm does not implement: a 400 naming them.
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "background_options",
+        "context_management",
+        "conversation",
+        "max_tool_calls",
+        "prompt",
+        "prompt_cache_options",
+        "top_logprobs",
+    )
+
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Meta(min_length=1)]
+    # Text (one user turn), or items: message, function_call, function_call_output,
+    # reasoning (frontend/responses_input.py reads each by its type).
+    input: str | Annotated[list[dict[str, Any]], Meta(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     stream: bool = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    # Refused when they ask for what zllm does not do (check_request).
+    include: list[str] | None = None
+    background: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     # Stateless: no stored responses to continue from, none stored.
     previous_response_id: str | None = None
     store: bool | None = None
+    # Held as they are: labels for the caller's records, cache and tier hints (prefix
+    # caching is automatic, one tier here), stream options (no obfuscation to turn off).
     metadata: dict[str, str] | None = None
     user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
     # zllm's extra parameter, as on the other generation endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # as on the other generation endpoints
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions
 
 
 class ResponsesCall(ApiCall):
     id_prefix = "resp"
 
     def __init__(self, body: ResponsesRequest, ctx: ApiContext) -> None:
-        check_stateless(body)
+        check_request(body)
         chat = as_chat_request(body)
         self.body = body
-        self.params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
-        self.prompts = [ChatPrompt(chat_messages(chat.messages))]
+        self.ctx = ctx
+        kwargs = options.template_kwargs(
+            body.chat_template_kwargs, ctx.config.default_chat_template_kwargs
+        )
+        self.reasoning_parser = reasoning_parser_for(ctx.config.reasoning_parser, kwargs)
+        try:
+            self.params, self.plan = tooled_chat_params(chat, ctx, self.reasoning_parser)
+        except RequestError as e:  # named as the chat request names it: rename it
+            name = CHAT_PARAMS.get(e.param or "")
+            if name is not None:
+                if e.message.startswith(f"{e.param} "):
+                    e.message = name + e.message[len(e.param or "") :]
+                e.param = name
+            raise
+        self.prompts = [
+            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+        ]
 
     def options(self) -> RequestOptions:
         return RequestOptions(
@@ -81,8 +118,24 @@ class ResponsesCall(ApiCall):
         )
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
-        assembler = ResponseAssembler(response_id(), model, self.body)
-        return GenerationJob.of_events(assembler, self.body.stream, error_event)
+        config = self.ctx.config
+        shaped = self.plan.mode != "none" or self.reasoning_parser is not None
+        parser = (
+            ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
+            if shaped
+            else None
+        )
+        echo = echoed_settings(self.body, self.plan)
+        assembler = ResponseAssembler(response_id(), model, echo, parser)
+        return GenerationJob.of_events(assembler, self.body.stream, assembler.error_event)
+
+
+# The chat request's names for a Responses request's fields, where they differ.
+CHAT_PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema": "text.format.schema",
+}
 
 
 # A Response object's schema for /openapi.json: it is built as a dict (OpenAI's shape, its
@@ -90,7 +143,9 @@ class ResponsesCall(ApiCall):
 RESPONSE_OBJECT: dict[str, Any] = {"type": "object", "required": ["id", "object", "output"]}
 
 
-def check_stateless(req: ResponsesRequest) -> None:
+def check_request(req: ResponsesRequest) -> None:
+    """400s for what zllm does not do: keep state, run in the background, return encrypted
+    or summarized reasoning, set reasoning effort or verbosity, truncate a conversation."""
     if req.previous_response_id is not None:
         raise RequestError(
             "previous_response_id: zllm keeps no conversation state; send the whole "
@@ -102,149 +157,69 @@ def check_stateless(req: ResponsesRequest) -> None:
             "store: zllm keeps no record of responses; send store false or leave it out.",
             param="store",
         )
+    if req.background:
+        raise RequestError("unsupported parameter: background (true)", param="background")
+    if req.truncation == "auto":
+        raise RequestError(
+            "truncation auto: zllm does not drop parts of a conversation; a prompt too long is "
+            "a 400. Send disabled or leave it out.",
+            param="truncation",
+        )
+    if req.include:  # the first value names the problem; an empty list asks for nothing
+        raise RequestError(
+            f"include: {req.include[0]!r} is not supported (zllm returns reasoning as plain text in "
+            "reasoning items, and no logprobs or tool results here).",
+            param="include[0]",
+        )
+    if req.text is not None and req.text.verbosity is not None:
+        raise RequestError("unsupported parameter: text.verbosity", param="text.verbosity")
+    reasoning = req.reasoning
+    for name in ("effort", "summary", "generate_summary"):
+        if reasoning is not None and getattr(reasoning, name) is not None:
+            raise RequestError(
+                f"unsupported parameter: reasoning.{name} (a model served with "
+                "--reasoning-parser returns its own reasoning text as reasoning items; zllm "
+                "neither sets its effort nor summarizes it)",
+                param=f"reasoning.{name}",
+            )
 
 
 def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    messages: list[ChatMessage] = []
-    if req.instructions:
-        messages.append(ChatMessage(role="system", content=req.instructions))
-    if isinstance(req.input, str):
-        messages.append(ChatMessage(role="user", content=req.input))
-    else:
-        for item in req.input:
-            content = item.content
-            if not isinstance(content, str):
-                content = "\n".join(part.text for part in content)
-            role = "system" if item.role == "developer" else item.role
-            messages.append(ChatMessage(role=role, content=content))
+    """The chat request a Responses request is."""
     return ChatCompletionRequest(
-        messages=messages,
+        messages=chat_turns(req.input, req.instructions),
+        tools=chat_tools(req.tools),
+        tool_choice=chat_tool_choice(req.tool_choice),
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=chat_response_format(req.text),
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
     )
 
 
-_encoder = msgspec.json.Encoder()
-
-
-@dataclass
-class ResponseAssembler:
-    """The outputs of one Responses request as a Response object, whole or as events."""
-
-    response_id: str
-    model: str
-    request: ResponsesRequest
-    created_at: int = field(default_factory=lambda: int(time.time()))
-    message_id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex[:24])
-    text: str = ""
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    status: str = "in_progress"
-    _sequence: int = 0
-
-    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
-        self._add(delta)
-
-    def _add(self, delta: RequestOutputDelta) -> None:
-        check_failed(delta)
-        self.input_tokens = max(self.input_tokens, delta.num_prompt_tokens)
-        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-        self.output_tokens += len(delta.token_ids)
-        self.text += delta.text
-        if delta.finish_reason is not None:
-            self.status = (
-                "incomplete" if delta.finish_reason == FinishReason.LENGTH else "completed"
-            )
-
-    def _message(self, done: bool) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": self.text, "annotations": []}] if done else []
-        return {
-            "type": "message",
-            "id": self.message_id,
-            "status": "completed" if done else "in_progress",
-            "role": "assistant",
-            "content": content,
-        }
-
-    def response(self) -> dict[str, Any]:
-        done = self.status != "in_progress"
-        req = self.request
-        return {
-            "id": self.response_id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": self.status,
-            "model": self.model,
-            "output": [self._message(done)] if done else [],
-            "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "metadata": req.metadata or {},
-            "parallel_tool_calls": True,
-            "tool_choice": "none",
-            "tools": [],
-            "store": False,
-            "error": None,
-            "incomplete_details": (
-                {"reason": "max_output_tokens"} if self.status == "incomplete" else None
-            ),
-            "usage": {
-                "input_tokens": self.input_tokens,
-                "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": self.output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input_tokens + self.output_tokens,
-            }
-            if done
-            else None,
-        }
-
-    def _event(self, kind: str, **body: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self._sequence, **body}
-        self._sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
-
-    async def stream(
-        self, outputs: AsyncIterator[tuple[int, RequestOutputDelta]]
-    ) -> AsyncIterator[bytes]:
-        started = False
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        async for _, delta in outputs:
-            if not started:
-                started = True
-                yield self._event("response.created", response=self.response())
-                yield self._event("response.in_progress", response=self.response())
-                yield self._event(
-                    "response.output_item.added", output_index=0, item=self._message(False)
-                )
-                yield self._event(
-                    "response.content_part.added",
-                    **where,
-                    part={"type": "output_text", "text": "", "annotations": []},
-                )
-            self._add(delta)
-            if delta.text:
-                yield self._event("response.output_text.delta", **where, delta=delta.text)
-        part = {"type": "output_text", "text": self.text, "annotations": []}
-        yield self._event("response.output_text.done", **where, text=self.text)
-        yield self._event("response.content_part.done", **where, part=part)
-        yield self._event("response.output_item.done", output_index=0, item=self._message(True))
-        final = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        yield self._event(final, response=self.response())
-
-
-def error_event(error: RequestError) -> bytes:
-    body = {
-        "type": "error",
-        "code": str(error.code or error.status),
-        "message": error.message,
-        "param": error.param,
+def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
+    """The request's settings a Response object repeats, as they were applied."""
+    if plan.mode == "named":
+        tool_choice: Any = {"type": "function", "name": plan.function_name}
+    else:
+        tool_choice = plan.mode
+    fmt = req.text.format if req.text is not None else None
+    text_format = {"type": "text"} if fmt is None else _without_none(msgspec.to_builtins(fmt))
+    return {
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "tool_choice": tool_choice,
+        "tools": [msgspec.to_builtins(t) for t in req.tools or []],
+        "text": {"format": text_format},
+        "reasoning": {"effort": None, "summary": None},
+        "truncation": "disabled",
     }
-    return b"event: error\ndata: " + _encoder.encode(body) + b"\n\n"
 
 
-def response_id() -> str:
-    return "resp_" + uuid.uuid4().hex
+def _without_none(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}

@@ -120,6 +120,22 @@ _WAKE_TAGS = {  # repeatable: ?tags=weights&tags=kv_cache (none: both)
     "schema": {"type": "array", "items": {"type": "string", "enum": ["weights", "kv_cache"]}},
 }
 _SLEEPING = Schema({"type": "object", "properties": {"is_sleeping": {"type": "boolean"}}})
+_FLAG = {"type": "boolean", "default": False}
+_RESET_TIERS = {"name": "tiers", "in": "query", "schema": _FLAG}
+_RESET_EXTERNAL = {"name": "reset_external", "in": "query", "schema": _FLAG}  # vLLM's name
+_RESET = Schema(
+    {
+        "type": "object",
+        "properties": {
+            "reset": {"type": "boolean"},
+            "blocks_dropped": {"type": "integer"},
+            "tier_blocks_dropped": {
+                "type": "object",
+                "properties": {"cpu": {"type": "integer"}, "disk": {"type": "integer"}},
+            },
+        },
+    }
+)
 
 ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
@@ -168,7 +184,9 @@ ROUTES: tuple[ApiRoute, ...] = (
         Operation(
             "createResponse",
             "OpenAI's Responses API, stateless (JSON, or its server-sent events with "
-            "`stream`); previous_response_id and store true are 400s.",
+            "`stream`): function tools, tool_choice, function_call / function_call_output "
+            "items, text.format, reasoning items; previous_response_id, store true and "
+            "fields zllm does not implement are 400s naming them.",
             Schema(RESPONSE_OBJECT, name="ResponseObject"),
             GENERATION_ERRORS,
             stream=True,
@@ -276,6 +294,19 @@ ROUTES: tuple[ApiRoute, ...] = (
             (400, 401, 404),
         ),
         documented_if=_lora_on,
+    ),
+    ApiRoute(
+        "/reset_prefix_cache",
+        "POST",
+        "reset_prefix_cache",
+        doc=Operation(
+            "resetPrefixCache",
+            "Forget every cached prefix block no running request holds (pins released), on "
+            "every engine, while serving; tiers=1 empties the cpu and disk KV tiers too.",
+            _RESET,
+            errors=(400, 401),
+            parameters=(_RESET_TIERS, _RESET_EXTERNAL),
+        ),
     ),
     # Sleep mode's routes (with --enable-sleep-mode), as vLLM names them.
     ApiRoute(

@@ -3,9 +3,10 @@ engine, and how each choice's text becomes content, reasoning and tool calls on 
 
     tool_choice   the engine's output is constrained to                 parsed by
     none          nothing (tools still reach the chat template)         -
-    auto          the model's own format; after its call-opening token  --tool-call-parser
-                  (`<tool_call>`), the rest of the call matches the     (hermes, llama3_json)
-                  tool schemas (a grammar that waits for that token)
+    auto          the model's own format; with hermes, after its        --tool-call-parser
+                  call-opening token (`<tool_call>`), the rest of the   (hermes, llama3_json,
+                  call matches the tool schemas (a grammar that waits   mistral, pythonic,
+                  for that token); other formats are parsed only        qwen3_xml)
     required      a JSON array of {"name", "parameters"} objects, one   _RequiredCalls
                   per call, each matching its tool's schema
     a function    that function's parameters schema: the text is the    _NamedCall
@@ -187,6 +188,20 @@ def constrain(
     return msgspec.structs.replace(params, structured_outputs=structured)
 
 
+# Formats whose call-opening tag is a special token in the model's tokenizer (Mistral's
+# `[TOOL_CALLS]`): decoding must keep special tokens, or the parser never sees a call open.
+_SPECIAL_CALL_TAGS = frozenset({"mistral"})
+
+
+def keep_call_tags(
+    params: SamplingParams, plan: ToolPlan, tool_parser: str | None
+) -> SamplingParams:
+    """`auto` with such a format: special tokens stay in the text (as vLLM does)."""
+    if plan.mode != "auto" or tool_parser not in _SPECIAL_CALL_TAGS:
+        return params
+    return msgspec.structs.replace(params, skip_special_tokens=False)
+
+
 def think_end_token(tokenizer: Tokenizer) -> int | None:
     return _single_token(tokenizer, _THINK_END)
 
@@ -214,7 +229,7 @@ class ChoiceParser:
         )
         self.calls: _Calls | None = None
         if plan.mode == "auto":
-            self.calls = _ParserCalls(TOOL_PARSERS[tool_parser]())  # type: ignore[index]
+            self.calls = _ParserCalls(TOOL_PARSERS[tool_parser](plan.tools))  # type: ignore[index]
         elif plan.mode == "required":
             self.calls = _RequiredCalls()
         elif plan.mode == "named":

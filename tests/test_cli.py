@@ -130,7 +130,10 @@ SERVER_ARGV = [
     "--allowed-origins", "https://a.example, https://b.example",
     "--allowed-origins", '["https://c.example"]',
     "--trust-request-chat-template",
+    "--default-chat-template-kwargs", '{"enable_thinking": false}',
+    "--thinking-signature-key-file", "/keys/thinking.key",
     "--tool-call-parser", "hermes",
+    "--enable-auto-tool-choice",
     "--reasoning-parser", "qwen3",
     "--lora-modules", "x=LORA_DIR",
     "--data-parallel-size", "2",
@@ -147,6 +150,7 @@ SERVER_ARGV = [
 ENGINE_COMMANDS = [
     ["serve", "tiny"],
     ["generate", "hello", "--model", "tiny"],
+    ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "tiny"],
     ["bench", "throughput", "--model", "tiny"],
     ["bench", "accuracy", "--model", "tiny"],
     ["bench", "prefix", "--model", "tiny"],
@@ -257,6 +261,8 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         metrics_api_keys=["m1"],
         allowed_origins=["https://a.example", "https://b.example", "https://c.example"],
         trust_request_chat_template=True,
+        default_chat_template_kwargs={"enable_thinking": False},
+        thinking_signature_key_file="/keys/thinking.key",
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
         lora_modules=[with_digest(LoRARequest("x", 1, str(adapter)))],
@@ -295,6 +301,12 @@ def test_server_defaults_are_the_serve_config_defaults(tiny_llama_dir):
         assert other.tokenizer_workers == 2 and other.engine_hang_timeout == 30.0
     finally:
         shutil.rmtree(config.endpoints.ipc_dir, ignore_errors=True)
+
+
+def test_enable_auto_tool_choice_needs_a_tool_call_parser(tiny_llama_dir):
+    """vLLM's flag is accepted; alone it is refused, naming both flags (as vLLM does)."""
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        serve_config_from_args(parse("serve", tiny_llama_dir, "--enable-auto-tool-choice"))
 
 
 def test_chat_template_that_is_no_file_is_the_template(tiny_llama_dir):

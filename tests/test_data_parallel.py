@@ -157,6 +157,54 @@ def test_both_engines_sleep_and_wake_together(dp_server):
     assert sorted(p.name for p in dp_server.tier_dir.iterdir()) == ["engine-0", "engine-1"]
 
 
+def test_a_prefix_cache_reset_reaches_every_engine_and_sums_their_counts(dp_server):
+    """POST /reset_prefix_cache: every engine drops its cached blocks and the answer sums
+    them; with ?tiers=1 every engine's disk tier is emptied too (the sleep test above
+    stored blocks into both)."""
+    import random
+    import time
+
+    name = "zllm:tenant_requests_total"
+    dp_server.post("/reset_prefix_cache", {})  # what earlier tests left cached
+
+    def settled() -> dict[str, float]:
+        """The counts once the engines' heartbeats have told all (two reads agree)."""
+        last = per_engine(dp_server.get("/metrics").text, name)
+        while True:
+            time.sleep(1.0)
+            now = per_engine(dp_server.get("/metrics").text, name)
+            if now == last:
+                return now
+            last = now
+
+    before = settled()
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 400) for _ in range(2 * 16 + 3)] for _ in range(8)]
+
+    async def burst() -> None:  # at once, so the router spreads them
+        client = openai.AsyncOpenAI(base_url=dp_server.url + "/v1", api_key="x", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        await asyncio.gather(
+            *(client.completions.create(model=model, prompt=p, max_tokens=1) for p in prompts)
+        )
+
+    asyncio.run(burst())
+
+    def counts() -> dict[str, float]:
+        now = per_engine(dp_server.get("/metrics").text, name)
+        return {e: now[e] - before.get(e, 0.0) for e in now}
+
+    assert wait_until(lambda: sum(counts().values()) == 8, 30), counts()
+    assert min(counts().values()) >= 1, counts()  # both engines hold some
+    had_files = list(dp_server.tier_dir.rglob("*.zkv"))
+    r = dp_server.post("/reset_prefix_cache?tiers=1", {})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["blocks_dropped"] == 8 * 2  # two full blocks a prompt, on either engine
+    assert (answer["tier_blocks_dropped"]["disk"] > 0) == bool(had_files)
+    assert wait_until(lambda: not list(dp_server.tier_dir.rglob("*.zkv")), 10)
+
+
 async def stream_one(client: openai.AsyncOpenAI, model: str, i: int, started: list) -> str:
     """One streamed completion of 400 tokens: 'ok', or how it failed."""
     try:

@@ -5,7 +5,9 @@ guaranteed by the grammar, streamed and not; a follow-up turn with the tool's re
 A tiny model with a Qwen 2.5-style tools template and `<tool_call>` tokens, served with
 --tool-call-parser hermes: a two-call turn (forced by a grammar) comes back as tool_calls,
 streamed deltas concatenating to valid JSON arguments; once the model opens a call on its
-own, the rest of it matches a tool's schema.
+own, the rest of it matches a tool's schema. The same tiny model, with a special [TOOL_CALLS]
+token, served with each other parser (llama3_json, mistral, pythonic, qwen3_xml) and
+--enable-auto-tool-choice: two calls forced in that format come back as tool_calls.
 A tiny model whose template opens a think block, served with --reasoning-parser
 deepseek_r1: reasoning_content apart from content, a JSON answer constrained only after
 `</think>`.
@@ -306,6 +308,105 @@ def test_auto_constrains_a_call_once_the_model_opens_it(tools_model) -> None:
     mask = allocate_bitmask(1, vocab)
     matcher.fill_mask(mask[0])
     assert not (int(mask[0][bad // 32]) >> (bad % 32)) & 1  # prose is not a call
+
+
+# ---------------------------------------------------------------------------------------------
+# auto with the other parsers: each format forced by a grammar, through a real server
+
+FORMAT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    TIME,
+]
+FORMAT_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"timezone": "UTC"})]
+
+
+def _format_sentence(parser: str, tag_id: int) -> tuple[str, str]:
+    """(grammar, content the parser should leave) for FORMAT_CALLS in `parser`'s format."""
+    (weather, w_args), (time, t_args) = FORMAT_CALLS
+    if parser == "llama3_json":
+        text = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in FORMAT_CALLS)
+        return f"start: {json.dumps(text)}", ""
+    if parser == "mistral":  # the special [TOOL_CALLS] token itself, then a JSON list
+        calls = json.dumps([{"name": n, "arguments": a} for n, a in FORMAT_CALLS])
+        return f"start: {json.dumps('Checking. ')} <[{tag_id}]> {json.dumps(calls)}", "Checking. "
+    if parser == "pythonic":
+        text = f'[{weather}(city="Paris", days=3), {time}(timezone="UTC")]'
+        return f"start: {json.dumps(text)}", ""
+    assert parser == "qwen3_xml"
+    text = "Checking.\n" + "\n".join(
+        f"<tool_call>\n<function={n}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+        + "</function>\n</tool_call>"
+        for n, a in FORMAT_CALLS
+    )
+    return f"start: {json.dumps(text)}", "Checking.\n\n"  # the text between calls too
+
+
+@pytest.fixture(scope="module")
+def formats_model(tmp_path_factory) -> Path:
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny-formats"),
+        chat_template=TOOLS_TEMPLATE,
+        extra_tokens=CALL_TOKENS,
+        extra_special=["[TOOL_CALLS]"],  # special, as in Mistral's tokenizers
+        max_position_embeddings=2048,
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral", "pythonic", "qwen3_xml"])
+def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
+    """Two calls in the parser's format (and text before them where the format allows it)
+    come back as tool_calls, the same streamed and not; streamed arguments concatenate to
+    JSON equal to the whole answer's. With --enable-auto-tool-choice, as vLLM is started."""
+    server = start_server(
+        str(formats_model),
+        tmp_path / "server.log",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        parser,
+        "--served-model-name",
+        "tiny",
+    )
+    try:
+        client = client_of(server)
+        tag_id = load_tokenizer(str(formats_model)).encode("[TOOL_CALLS]", add_special_tokens=False)
+        grammar, content = _format_sentence(parser, tag_id[0])
+        common = dict(
+            model="tiny",
+            messages=ASK,
+            tools=FORMAT_TOOLS,
+            tool_choice="auto",
+            max_tokens=400,
+            extra_body={"structured_outputs": {"grammar": grammar}},
+        )
+        choice = client.chat.completions.create(**common).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        whole = [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+        ]
+        assert whole == FORMAT_CALLS
+        ids = [c.id for c in choice.message.tool_calls]
+        assert len(set(ids)) == 2
+        if parser == "mistral":  # Mistral's templates take nothing else in a later turn
+            assert all(len(i) == 9 and i.isalnum() for i in ids)
+        assert (choice.message.content or "") == content
+        streamed_content, calls, finish = stream_calls(
+            client.chat.completions.create(**common, stream=True)
+        )
+        assert finish == "tool_calls" and streamed_content == content
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == whole
+    finally:
+        stop_server(server)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,10 +89,13 @@ def arch_config_of(config: transformers.PretrainedConfig) -> ModelArchConfig:
         return read_arch_config(directory)
 
 
-def build_tiny_tokenizer(vocab_size: int = 512, extra_tokens: Sequence[str] = ()):
+def build_tiny_tokenizer(
+    vocab_size: int = 512, extra_tokens: Sequence[str] = (), extra_special: Sequence[str] = ()
+):
     """A byte-level BPE trained on a few sentences: fast, and covers every byte.
     `extra_tokens` (e.g. "<tool_call>", "</think>") become single added tokens that decoding
-    keeps, as Qwen's are."""
+    keeps, as Qwen's are; `extra_special` (e.g. Mistral's "[TOOL_CALLS]") ones that decoding
+    drops unless asked to keep special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -109,6 +112,12 @@ def build_tiny_tokenizer(vocab_size: int = 512, extra_tokens: Sequence[str] = ()
         from tokenizers import AddedToken
 
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra_tokens])
+    if extra_special:
+        from tokenizers import AddedToken
+
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in extra_special]
+        )
     return tok
 
 
@@ -119,6 +128,7 @@ def write_tiny_model(
     *,
     chat_template: str = CHAT_TEMPLATE,
     extra_tokens: Sequence[str] = (),
+    extra_special: Sequence[str] = (),
     dtype: torch.dtype | None = None,
     **overrides,
 ) -> Path:
@@ -126,7 +136,7 @@ def write_tiny_model(
     go to tiny_hf_config (the vocabulary and EOS come from the tokenizer). `dtype`: the
     weights' stored dtype (default fp32)."""
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer(extra_tokens=extra_tokens)
+    tok = build_tiny_tokenizer(extra_tokens=extra_tokens, extra_special=extra_special)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -114,9 +115,8 @@ class RequestTokenizer:
         if req.messages is not None and 0 <= pin.num_messages < len(req.messages):
             prefix = req.messages[: pin.num_messages]
             try:
-                extra = {"tools": req.tools} if req.tools else {}
                 text = self.tokenizer.apply_chat_template(
-                    prefix, False, chat_template=req.chat_template, **extra
+                    prefix, False, chat_template=req.chat_template, **_template_extra(req)
                 )
                 prefix_ids = self.tokenizer.encode(text, add_special_tokens=False)
             except Exception:  # a template that needs a user turn, say: no pin
@@ -142,12 +142,23 @@ class RequestTokenizer:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            extra = {"tools": req.tools} if req.tools else {}
             text = self.tokenizer.apply_chat_template(
-                req.messages, req.add_generation_prompt, chat_template=req.chat_template, **extra
+                req.messages,
+                req.add_generation_prompt,
+                chat_template=req.chat_template,
+                **_template_extra(req),
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+
+
+def _template_extra(req: TokenizeRequest) -> dict[str, Any]:
+    """What the chat template gets beside the messages: the request's chat_template_kwargs
+    (checked by the frontend: no reserved names) and its tools."""
+    extra = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        extra["tools"] = req.tools
+    return extra
 
 
 class EngineSender:

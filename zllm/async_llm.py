@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from zllm.config.engine_args import EngineArgs
-from zllm.config.serve import ServerArgs, serve_config_from
+from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
 from zllm.errors import RequestError
 from zllm.protocol import RequestOptions, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
@@ -49,7 +49,12 @@ class AsyncLLM:
         server = ServerArgs(
             tokenizer_workers=tokenizer_workers, detokenizer_workers=detokenizer_workers
         )
-        config = serve_config_from(engine, server)
+        return await cls.start_with(serve_config_from(engine, server))
+
+    @classmethod
+    async def start_with(cls, config: ServeConfig) -> AsyncLLM:
+        """The engine processes of `config` (what `zllm serve` would run, less the HTTP
+        frontend), e.g. for `zllm run-batch`, which answers through the frontend's app."""
         client = EngineClient(config)
         await client.start()  # bind first: the workers connect to us
         supervisor = Supervisor(config, with_frontend=False)

@@ -1,6 +1,7 @@
 """The `zllm` command: serve a model over an OpenAI-compatible API, generate from the shell,
-download a model, benchmark, and put one endpoint over disaggregated prefill and decode
-servers (`zllm proxy`)."""
+answer a file of OpenAI batch requests offline (`zllm run-batch`), download a model,
+benchmark, and put one endpoint over disaggregated prefill and decode servers (`zllm
+proxy`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(serve_config_from_args(args))
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from zllm.frontend.batch import run_batch
+
+    config = serve_config_from_args(args)
+    asyncio.run(run_batch(config, args.input_file, args.output_file, not args.no_progress_bar))
+    return 0  # (as vllm run-batch: failed lines are answered in the output, not an exit code)
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     from zllm.proxy.app import ProxyConfig, run_proxy
 
@@ -80,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests (chat, completions, embeddings) offline",
+    )
+    p.add_argument("-i", "--input-file", required=True,
+                   help="JSONL of {custom_id, method, url, body} lines; - for stdin")  # fmt: skip
+    p.add_argument("-o", "--output-file", required=True,
+                   help="JSONL of one answer per request line, in order; - for stdout")  # fmt: skip
+    p.add_argument("--no-progress-bar", action="store_true", help="no progress bar on stderr")
+    add_dataclass_args(p, ServerArgs, title="server options (those that shape answers apply)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_run_batch)
 
     p = sub.add_parser(
         "proxy",

@@ -63,3 +63,7 @@ def check_token_params(params: SamplingParams, vocab_size: int) -> None:
     if params.logit_bias:
         check_vocabulary(list(params.logit_bias), vocab_size, "logit_bias")
     check_vocabulary(params.stop_token_ids, vocab_size, "stop_token_ids")
+    if params.thinking_budget is not None:
+        budget = params.thinking_budget
+        markers = [*budget.end_token_ids, *budget.start_token_ids]
+        check_vocabulary(markers, vocab_size, "thinking_budget")

@@ -44,6 +44,7 @@ from zllm.protocol import (
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 from zllm.text.structured_outputs import check_structured_outputs
+from zllm.text.template_kwargs import merge_template_kwargs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
@@ -172,10 +173,16 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """`chat_template_kwargs`: extra template variables, as vLLM's (e.g.
+        {"enable_thinking": False}); the names the template already gets are refused."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = merge_template_kwargs(None, chat_template_kwargs)
         prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **kwargs
+            )
             for conv in conversations  # type: ignore[union-attr]
         ]
         # The template already holds the special tokens: don't add a second BOS.
@@ -252,6 +259,14 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.engine.asleep
+
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Forget every cached prefix (vLLM's; pins are released), and with `tiers` the KV
+        offload tiers' blocks too (their disk files are deleted). True, as vLLM answers a
+        reset that happened (the engine is idle between calls, so none is refused)."""
+        _, batches = self.engine.reset_prefix_cache(self.executor, tiers)
+        assert not batches, "no step is in flight between calls"
+        return True
 
     # ---- internals -------------------------------------------------------------------------
     def _check_adapter(self, lora: LoRARequest) -> None:

@@ -342,6 +342,8 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     arrival_time: float = 0.0
     client_id: int = 0  # the sending client's process id (see EngineCoreRequest)
     options: RequestOptions = NO_OPTIONS
+    # Extra template variables (zllm/text/template_kwargs.py), the server's defaults merged.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -384,6 +386,24 @@ class SleepReply(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, 
     ok: bool
     asleep: bool
     message: str = ""
+
+
+class ResetPrefixCache(msgspec.Struct, array_like=True, gc=False, tag=17):
+    """Frontend -> core: POST /reset_prefix_cache; answered by a PrefixCacheReset naming the
+    same `reply_to`. `tiers`: the KV offload tiers (cpu, disk) are emptied too."""
+
+    reply_to: int
+    tiers: bool = False
+
+
+class PrefixCacheReset(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=18):
+    """Core -> frontend: what a ResetPrefixCache dropped. `blocks_dropped`: cached pool blocks
+    no running request held (pinned ones included: a reset releases pins);
+    `tier_blocks_dropped`: per tier (cpu, disk, remote: zllm/kv/tiers.py), the blocks it held."""
+
+    reply_to: int
+    blocks_dropped: int = 0
+    tier_blocks_dropped: list[int] = []
 
 
 class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
@@ -432,6 +452,7 @@ CoreInput = (
     | ClientGone
     | SleepControl
     | KVBlocksReceived
+    | ResetPrefixCache
 )
 
 
@@ -664,6 +685,7 @@ FrontendInput = (
     | EngineLifecycle
     | SleepReply
     | RequestRouted
+    | PrefixCacheReset
 )
 
 

@@ -11,6 +11,7 @@ import msgspec
 
 from zllm.errors import ParamError
 from zllm.text.structured_outputs import StructuredOutputsParams
+from zllm.text.thinking_budget import ThinkingBudget
 
 _SAMPLING_EPS = 1e-5
 
@@ -39,6 +40,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to these tokens' logits before sampling (OpenAI's logit_bias: -100 bans, +100
     # all but forces); a structured-outputs grammar still has the last word.
     logit_bias: dict[int, float] | None = None
+    # Reasoning cut at this many tokens: the end marker is then forced (thinking_budget.py).
+    thinking_budget: ThinkingBudget | None = None
     # An embeddings request: its prompt's final hidden states, pooled (EngineConfig.pooling)
     # and L2-normalized, come back instead of tokens. Never served from the prefix cache.
     embed: bool = False
@@ -129,6 +132,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be non-negative token ids.",
+        )
+        budget = self.thinking_budget
+        check(
+            budget is None
+            or (
+                budget.max_tokens >= 0
+                and bool(budget.end_token_ids)
+                and all(t >= 0 for t in [*budget.end_token_ids, *budget.start_token_ids])
+            ),
+            "thinking_budget",
+            "thinking_budget needs max_tokens >= 0 and the end marker's token ids.",
         )
         self._validate_beam_search(check)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import zlib
+from typing import Any
 
 import msgspec
 
@@ -21,6 +22,7 @@ from zllm.config.arg_utils import (
     format_size,
     non_negative_int,
     option,
+    parse_json_object,
     parse_size,
     positive_float,
     positive_int,
@@ -29,6 +31,7 @@ from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import check_ports
 from zllm.config.tls import check_tls
 from zllm.lora import LoRARequest, parse_lora_modules, read_adapter, with_digest
+from zllm.text.template_kwargs import check_template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +160,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     allowed_origins: list[str] = []
     # Accept a `chat_template` in request bodies (a template is code: off by default).
     trust_request_chat_template: bool = False
+    # Template variables every chat request gets unless it sets them in chat_template_kwargs
+    # (zllm/text/template_kwargs.py), e.g. {"enable_thinking": false}.
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # The key that signs Anthropic thinking blocks (frontend/anthropic_thinking.py); None:
+    # $ZLLM_CACHE/thinking-signature.key, made at first use.
+    thinking_signature_key_file: str | None = None
     # How the model writes tool calls (zllm/text/tool_parsers.py); None: no tool_choice "auto".
     tool_call_parser: str | None = None
     # How the model writes its reasoning (zllm/text/reasoning_parser.py); None: all is content.
@@ -295,12 +304,31 @@ class ServerArgs:
     trust_request_chat_template: bool = option(
         False, help="accept a chat_template in request bodies (a template is code to run)"
     )
+    default_chat_template_kwargs: dict | None = option(
+        None,
+        help="template variables for every chat request, as a JSON object, e.g. "
+        "'{\"enable_thinking\": false}' (Qwen 3 without thinking); a request's "
+        "chat_template_kwargs override them key by key",
+        parse=parse_json_object,
+    )
+    thinking_signature_key_file: str | None = option(
+        None,
+        help="the key (32+ bytes) whose HMAC signs the thinking blocks of /v1/messages "
+        "answers and checks those sent back (default: $ZLLM_CACHE/thinking-signature.key, "
+        "made at first use, owner-only)",
+    )
     tool_call_parser: str | None = option(
         None,
         help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
-        "<tool_call> JSON; llama3_json: Llama 3.x JSON); required and named tool choices need "
-        "none",
-        choices=("hermes", "llama3_json"),
+        "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
+        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>); required and named "
+        "tool choices need none",
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"),
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help='accepted as vLLM spells it: tool_choice "auto" works wherever --tool-call-parser '
+        "is given (this flag changes nothing); without --tool-call-parser it is refused",
     )
     lora_modules: list[str] = option(
         default_factory=list,
@@ -373,6 +401,7 @@ _RESOLVED = frozenset(
         "prefix_cache_isolation",
         "protect_metrics",
         "metrics_api_key",
+        "enable_auto_tool_choice",
     }
 )
 
@@ -382,6 +411,14 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
     server = server or ServerArgs()
     check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
+    if server.enable_auto_tool_choice and server.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (how the model writes its "
+            "calls); with a parser, tool_choice auto works without the flag"
+        )
+    check_template_kwargs(
+        server.default_chat_template_kwargs or {}, "--default-chat-template-kwargs"
+    )
     if set(server.metrics_api_key) & set(server.api_key):
         raise ValueError("a --metrics-api-key must not also be an --api-key (a tenant's)")
     n = server.detokenizer_workers

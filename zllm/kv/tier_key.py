@@ -37,7 +37,8 @@ def resolve_key_file(disk_dir: str, key_file: str | None) -> str:
             "write the blocks must not hold the key that authenticates them"
         )
     if not path.exists():
-        _make_key(path)
+        make_key_file(path, "--kv-offload-key-file")
+        logger.info("KV disk tier: made the key that authenticates its files, %s", path)
     read_key(str(path))  # readable and long enough, or the engine does not start
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
@@ -45,21 +46,20 @@ def resolve_key_file(disk_dir: str, key_file: str | None) -> str:
     return str(path)
 
 
-def read_key(key_file: str) -> bytes:
+def read_key(key_file: str, flag: str = "--kv-offload-key-file") -> bytes:
     try:
         key = Path(key_file).read_bytes()
     except OSError as e:
-        raise ValueError(f"--kv-offload-key-file {key_file}: cannot read it ({e})") from e
+        raise ValueError(f"{flag} {key_file}: cannot read it ({e})") from e
     if len(key) < KEY_BYTES:
-        raise ValueError(
-            f"--kv-offload-key-file {key_file}: {len(key)} bytes, at least {KEY_BYTES} needed"
-        )
+        raise ValueError(f"{flag} {key_file}: {len(key)} bytes, at least {KEY_BYTES} needed")
     return key
 
 
-def _make_key(path: Path) -> None:
-    """Written whole under a temporary name, then linked into place: an engine starting at
-    the same moment reads either no file or the whole key, never a part of it."""
+def make_key_file(path: Path, flag: str) -> None:
+    """32 random bytes, 0600 in a 0700 directory (errors name `flag`). Written whole under
+    a temporary name, then linked into place: an engine starting at the same moment reads
+    either no file or the whole key, never a part of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -70,7 +70,6 @@ def _make_key(path: Path) -> None:
     except FileExistsError:
         return  # another engine made it first: use theirs
     except OSError as e:
-        raise ValueError(f"--kv-offload-key-file {path}: cannot create it ({e})") from e
+        raise ValueError(f"{flag} {path}: cannot create it ({e})") from e
     finally:
         tmp.unlink(missing_ok=True)
-    logger.info("KV disk tier: made the key that authenticates its files, %s", path)

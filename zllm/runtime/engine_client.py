@@ -35,11 +35,13 @@ from zllm.protocol import (
     EngineStats,
     FrontendBatch,
     FrontendInput,
+    PrefixCacheReset,
     ProcessEvent,
     ProcessRole,
     RequestOutputDelta,
     RequestRejected,
     RequestRouted,
+    ResetPrefixCache,
     SleepControl,
     SleepReply,
     TokenizeRequest,
@@ -50,6 +52,9 @@ from zllm.runtime.messaging import areceive
 logger = logging.getLogger(__name__)
 
 _SHUTTING_DOWN = "the server is shutting down"
+
+CoreControl = SleepControl | ResetPrefixCache  # a control call, answered by a CoreReply
+CoreReply = SleepReply | PrefixCacheReset
 
 
 @dataclass(eq=False)
@@ -77,9 +82,10 @@ class EngineClient:
         # (role, index) of every worker, (role, index, engine) of engine processes: alive?
         self.processes: dict[tuple[ProcessRole, int] | tuple[ProcessRole, int, int], bool] = {}
         self.closed = False
-        # Sleep mode: replies awaited from the core, by reply_to id.
-        self._sleep_replies: dict[int, asyncio.Future[SleepReply]] = {}
-        self._sleep_reply_engine: dict[int, int] = {}  # reply id -> the engine asked
+        # Control calls (sleep mode, prefix cache reset): replies awaited from the cores, by
+        # reply_to id.
+        self._replies: dict[int, asyncio.Future[CoreReply]] = {}
+        self._reply_engine: dict[int, int] = {}  # reply id -> the engine asked
         self._next_reply_id = 1
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -245,33 +251,56 @@ class EngineClient:
         and wake together) and the answers are combined: ok when every core carried it out,
         else the first refusal (a core that did sleep stays asleep: sleeping is idempotent,
         so the call can be repeated once the others are idle)."""
-        # The engines that serve (one that is down or restarting has nothing to release and
-        # would not answer; it comes back awake).
-        serving = [e for e in range(self.num_engines) if self.engine_health(e) is None] or [0]
         replies = await asyncio.gather(
             *(
                 self._ask_core(engine, SleepControl(command, 0, level, list(tags)), timeout)
-                for engine in serving
+                for engine in self._serving_engines()
             )
         )
-        refused = [r for r in replies if not r.ok]
-        first = refused[0] if refused else replies[0]
+        sleep_replies = [r for r in replies if isinstance(r, SleepReply)]
+        refused = [r for r in sleep_replies if not r.ok]
+        first = refused[0] if refused else sleep_replies[0]
         return SleepReply(
-            first.reply_to, not refused, any(r.asleep for r in replies), first.message
+            first.reply_to, not refused, any(r.asleep for r in sleep_replies), first.message
         )
 
-    async def _ask_core(self, engine: int, control: SleepControl, timeout: float) -> SleepReply:
+    async def reset_prefix_cache(
+        self, tiers: bool = False, timeout: float = 600
+    ) -> PrefixCacheReset:
+        """POST /reset_prefix_cache: every serving engine's core drops its cached blocks
+        (and with `tiers` its cpu and disk tiers' blocks); the counts are summed."""
+        replies = await asyncio.gather(
+            *(
+                self._ask_core(engine, ResetPrefixCache(0, tiers), timeout)
+                for engine in self._serving_engines()
+            )
+        )
+        total = PrefixCacheReset(0, 0, [0, 0, 0])
+        for reply in replies:
+            if isinstance(reply, PrefixCacheReset):
+                total.blocks_dropped += reply.blocks_dropped
+                for tier, count in enumerate(reply.tier_blocks_dropped):
+                    total.tier_blocks_dropped[tier] += count
+        return total
+
+    def _serving_engines(self) -> list[int]:
+        """The engines a control call goes to: those that serve (one that is down or
+        restarting has nothing to release and would not answer; it comes back awake with
+        an empty prefix cache)."""
+        return [e for e in range(self.num_engines) if self.engine_health(e) is None] or [0]
+
+    async def _ask_core(self, engine: int, control: CoreControl, timeout: float) -> CoreReply:
         control.reply_to = reply_to = self._next_reply_id
         self._next_reply_id += 1
-        future: asyncio.Future[SleepReply] = asyncio.get_running_loop().create_future()
-        self._sleep_replies[reply_to] = future
-        self._sleep_reply_engine[reply_to] = engine
+        future: asyncio.Future[CoreReply] = asyncio.get_running_loop().create_future()
+        self._replies[reply_to] = future
+        self._reply_engine[reply_to] = engine
         try:
             await self._to_cores[engine].send(self._encoder.encode(control))
             return await asyncio.wait_for(future, timeout)
         finally:
-            self._sleep_replies.pop(reply_to, None)
-            self._sleep_reply_engine.pop(reply_to, None)
+            self._replies.pop(reply_to, None)
+            self._reply_engine.pop(reply_to, None)
 
     @property
     def is_sleeping(self) -> bool:
@@ -317,11 +346,11 @@ class EngineClient:
             self._on_process_event(msg)
         elif isinstance(msg, EngineLifecycle):
             self._on_lifecycle(msg)
-        elif isinstance(msg, SleepReply):
-            engine = self._sleep_reply_engine.get(msg.reply_to, 0)
-            if engine in self.engine_stats:  # until the next heartbeat says so
-                self.engine_stats[engine].asleep = msg.asleep
-            future = self._sleep_replies.get(msg.reply_to)
+        elif isinstance(msg, (SleepReply, PrefixCacheReset)):
+            engine = self._reply_engine.get(msg.reply_to, 0)
+            if isinstance(msg, SleepReply) and engine in self.engine_stats:
+                self.engine_stats[engine].asleep = msg.asleep  # until the next heartbeat
+            future = self._replies.get(msg.reply_to)
             if future is not None and not future.done():
                 future.set_result(msg)
 

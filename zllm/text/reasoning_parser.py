@@ -47,6 +47,12 @@ class ThinkReasoningParser:
         self.pending = ""  # text held back: a possible tag, or leading whitespace
         self.saw_reasoning = starts_in_reasoning
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would be reasoning, as far as the parser knows yet (the
+        Responses API counts a chunk's tokens as reasoning by it)."""
+        return self.state == "reasoning" or (self.state == "opening" and self.starts_in_reasoning)
+
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
         self.pending += text
@@ -127,6 +133,13 @@ REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
+
+
+def reasoning_markers(parser_name: str) -> tuple[str | None, str]:
+    """(the opening marker the model writes, None where the template opens the reasoning;
+    the closing marker) of a parser's models: what a thinking budget counts from and forces."""
+    starts_inside = REASONING_PARSERS[parser_name]().starts_in_reasoning
+    return (None if starts_inside else _START), _END
 
 
 def parse_reasoning(parser_name: str, text: str) -> tuple[str | None, str]:

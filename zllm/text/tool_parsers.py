@@ -6,6 +6,15 @@
     llama3_json  Llama 3.1 / 3.2: the whole message is the call(s) when it starts (after an
                  optional `<|python_tag|>`) with `{`: `{"name": ..., "parameters": {...}}`,
                  several separated by `;`. Anything else is content.
+    mistral      Mistral: `[TOOL_CALLS]` then a JSON list of calls, or `name{...}` /
+                 `name[ARGS]{...}` (zllm/text/mistral_tool_parser.py).
+    pythonic     Llama 3.2 / Llama 4: `[f(x=1), g(y="a")]`, read with `ast`
+                 (zllm/text/pythonic_tool_parser.py).
+    qwen3_xml    Qwen3-Coder: `<tool_call><function=f><parameter=x>1</parameter>...` with
+                 values read by the tool's schema (zllm/text/qwen3_xml_tool_parser.py).
+
+Every parser is made with the request's tools (OpenAI's shape; qwen3_xml reads their
+parameter schemas, the others ignore them).
 
 A parser is fed the generated text chunk by chunk (`feed`, then `finish`) and returns what
 each chunk adds: `content`, and `ToolCallDelta`s with OpenAI's streaming semantics (the first
@@ -19,110 +28,28 @@ parse stays content, as written; nothing raises. No torch here.
 from __future__ import annotations
 
 import json
-import re
-import secrets
-import string
-from dataclasses import dataclass, field
 
-_ID_CHARS = string.ascii_letters + string.digits
-
-
-def make_tool_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
-
-
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # the arguments object as JSON text
-    id: str = field(default_factory=make_tool_call_id)
-
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    index: int  # which call of the message
-    id: str | None = None  # first delta of a call only
-    name: str | None = None  # first delta of a call only
-    arguments: str = ""  # the next piece of the arguments' JSON text
-
-
-@dataclass(slots=True)
-class ParsedDelta:
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-    def add(self, other: ParsedDelta) -> None:
-        self.content += other.content
-        self.tool_calls += other.tool_calls
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object or array starting at text[start], or None if it has
-    not closed yet (a scanner that tracks strings, escapes and nesting)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
-def _arguments_json(obj: dict) -> str | None:
-    """A call object's arguments as JSON text (a stringified object is unwrapped)."""
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return json.dumps(args, ensure_ascii=False)
-
-
-def _call_of(text: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of one call object's text, or None if it is not one."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = _arguments_json(obj)
-    return None if arguments is None else (obj["name"], arguments)
-
-
-# `{"name": "...", "arguments": ` at the start of a call: name first, so it can stream.
-_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+from zllm.text.mistral_tool_parser import MistralToolParser
+from zllm.text.pythonic_tool_parser import PythonicToolParser
+from zllm.text.qwen3_xml_tool_parser import Qwen3XmlToolParser
+from zllm.text.tool_call_text import (
+    CALL_HEAD,
+    ParsedDelta,
+    ToolCall,
+    ToolCallDelta,
+    call_of,
+    make_tool_call_id,
+    partial_suffix,
+    value_end,
 )
+
+__all__ = ["TOOL_PARSERS", "ParsedDelta", "ToolCall", "ToolCallDelta", "make_tool_call_id"]
 
 
 class HermesToolParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
         self.buffer = ""  # text not yet settled
         self.in_call = False
         self.index = 0  # the next call's index
@@ -151,7 +78,7 @@ class HermesToolParser:
         if not self.in_call:
             start = self.buffer.find(self.OPEN)
             if start < 0:
-                keep = _partial_suffix(self.buffer, self.OPEN)
+                keep = partial_suffix(self.buffer, self.OPEN)
                 out.content += self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 return False
@@ -172,14 +99,14 @@ class HermesToolParser:
         """Inside an open block: send the name once complete, then the arguments' text as it
         arrives, if they are an object following the name."""
         if self.args_start < 0:
-            head = _HEAD.match(body)
+            head = CALL_HEAD.match(body)
             if head is None or not body[head.end() :].startswith("{"):
                 return  # name not complete yet, another key order, or stringified: wait
             self.args_start = head.end()
             name = json.loads(f'"{head.group(1)}"')
             out.tool_calls.append(ToolCallDelta(self.index, make_tool_call_id(), name))
             self.call_started = True
-        end = _value_end(body, self.args_start)
+        end = value_end(body, self.args_start)
         upto = end if end is not None else len(body)
         piece = body[self.args_start + self.args_sent : upto]
         if piece:
@@ -187,7 +114,7 @@ class HermesToolParser:
             self.args_sent += len(piece)
 
     def _end_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
-        call = _call_of(body)
+        call = call_of(body)
         if self.call_started:
             # Its name and part of its arguments went out already: send the rest as written.
             self._stream_call(body, out)
@@ -204,7 +131,7 @@ class HermesToolParser:
 class Llama3JsonToolParser:
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
         self.buffer = ""
         self.mode = "deciding"  # "deciding", "content" or "calls"
         self.scanned = 0  # in calls mode: buffer[:scanned] is settled
@@ -261,13 +188,13 @@ class Llama3JsonToolParser:
                 out.content += self.buffer[start:]
                 self.scanned = len(self.buffer)
                 break
-            end = _value_end(self.buffer, start)
+            end = value_end(self.buffer, start)
             if end is None:
                 if final:
                     out.content += self.buffer[start:]
                     self.scanned = len(self.buffer)
                 break
-            call = _call_of(self.buffer[start:end])
+            call = call_of(self.buffer[start:end])
             if call is None:
                 out.content += self.buffer[start:end]
             else:
@@ -282,12 +209,17 @@ class Llama3JsonToolParser:
 TOOL_PARSERS: dict[str, type] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "qwen3_xml": Qwen3XmlToolParser,
 }
 
 
-def parse_tool_calls(parser_name: str, text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(
+    parser_name: str, text: str, tools: list[dict] | None = None
+) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a whole answer, as the streamed pieces would assemble."""
-    parser = TOOL_PARSERS[parser_name]()
+    parser = TOOL_PARSERS[parser_name](tools)
     out = parser.feed(text)
     out.add(parser.finish())
     calls: dict[int, ToolCall] = {}

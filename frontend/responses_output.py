@@ -1,0 +1,310 @@
+"""The answer to a Responses request: output items, whole or as OpenAI's stream of events.
+
+The choice's text goes through the chat path's parser (frontend/tools.py: reasoning, content,
+tool calls) and becomes items, in the order the model wrote them:
+
+    reasoning      {id, summary: [], content: [{type: reasoning_text, text}]}
+    message        {id, role: assistant, content: [{type: output_text, text}]}
+    function_call  {id, call_id, name, arguments}
+
+Each item streams as
+
+    response.output_item.added
+      reasoning:     response.content_part.added, response.reasoning_text.delta ...,
+                     response.reasoning_text.done, response.content_part.done
+      message:       response.content_part.added, response.output_text.delta ...,
+                     response.output_text.done, response.content_part.done
+      function_call: response.function_call_arguments.delta ...,
+                     response.function_call_arguments.done
+    response.output_item.done
+
+between response.created, response.in_progress and response.completed (or
+response.incomplete when max_output_tokens cut it), every event with its sequence_number.
+Content that is only whitespace opens no message (the newline between a model's tool calls);
+an answer with no item at all is one message, empty or not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from zllm.errors import RequestError
+from zllm.frontend.api_models import ToolCallDelta
+from zllm.frontend.responses import check_failed
+from zllm.frontend.tools import ChoiceParser, Piece
+from zllm.protocol import FinishReason, RequestOutputDelta
+
+Event = tuple[str, dict[str, Any]]  # (type, body without type and sequence_number)
+
+_encoder = msgspec.json.Encoder()
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+@dataclass(slots=True)
+class OutputItem:
+    kind: str  # "reasoning", "message" or "function_call"
+    id: str
+    text: str = ""  # the reasoning, the message's text, or the call's arguments (JSON)
+    call_id: str | None = None
+    name: str | None = None
+    status: str = "in_progress"
+
+    def shown(self) -> dict[str, Any]:
+        """The item as OpenAI shows it (ResponseReasoningItem, ResponseOutputMessage,
+        ResponseFunctionToolCall)."""
+        done = self.status != "in_progress"
+        if self.kind == "function_call":
+            return {
+                "type": "function_call",
+                "id": self.id,
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": self.text,
+                "status": self.status,
+            }
+        if self.kind == "reasoning":
+            content = [_reasoning_part(self.text)] if done else []
+            return {
+                "type": "reasoning",
+                "id": self.id,
+                "summary": [],
+                "content": content,
+                "status": self.status,
+            }
+        return {
+            "type": "message",
+            "id": self.id,
+            "role": "assistant",
+            "status": self.status,
+            "content": [_text_part(self.text)] if done else [],
+        }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+@dataclass
+class ResponseAssembler:
+    """The outputs of one Responses request as a Response object, whole or as events.
+    `echo` holds the request's settings the Response object repeats (tools, text, ...)."""
+
+    response_id: str
+    model: str
+    echo: dict[str, Any]
+    parser: ChoiceParser | None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    items: list[OutputItem] = field(default_factory=list)
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    status: str = "in_progress"
+    _open: OutputItem | None = None
+    _space: str = ""  # whitespace content held back until text follows it
+    _sequence: int = 0
+
+    # -- non-streaming ---------------------------------------------------------------------
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        for _ in self._events(delta):
+            pass
+
+    def response(self) -> dict[str, Any]:
+        done = self.status != "in_progress"
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "model": self.model,
+            "output": [item.shown() for item in self.items] if done else [],
+            **self.echo,
+            "store": False,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+            ),
+            "usage": self._usage() if done else None,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+    # -- streaming -------------------------------------------------------------------------
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutputDelta]]
+    ) -> AsyncIterator[bytes]:
+        started = False
+        async for _, delta in outputs:
+            if not started:  # after the first output: errors before it are a 4xx/5xx
+                started = True
+                yield self._sse("response.created", {"response": self.response()})
+                yield self._sse("response.in_progress", {"response": self.response()})
+            for kind, body in self._events(delta):
+                yield self._sse(kind, body)
+
+    def error_event(self, error: RequestError) -> bytes:
+        """The last event of a stream that failed after it started."""
+        body = {"code": str(error.code or error.status), "message": error.message}
+        return self._sse("error", body | {"param": error.param})
+
+    def _sse(self, kind: str, body: dict[str, Any]) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **body}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(data) + b"\n\n"
+
+    # -- both --------------------------------------------------------------------------------
+    def _events(self, delta: RequestOutputDelta) -> Iterator[Event]:
+        """Update the items with this delta; yield the events it makes."""
+        check_failed(delta)
+        self.input_tokens = max(self.input_tokens, delta.num_prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        self.output_tokens += len(delta.token_ids)
+        piece = self._piece(delta)
+        if piece.reasoning:
+            yield from self._text("reasoning", piece.reasoning)
+        if piece.content:
+            yield from self._content(piece.content)
+        for call in piece.tool_calls:
+            yield from self._call(call)
+        if delta.finish_reason is None:
+            return
+        cut = delta.finish_reason == FinishReason.LENGTH
+        if not self.items:  # nothing came out, or only whitespace: one message all the same
+            yield from self._open_item(OutputItem("message", _new_id("msg_")))
+            yield from self._add_text(self._space)
+        yield from self._close("incomplete" if cut and self._cut_short() else "completed")
+        self.status = "incomplete" if cut else "completed"
+        final = "response.incomplete" if cut else "response.completed"
+        yield final, {"response": self.response()}
+
+    def _cut_short(self) -> bool:
+        """Whether max_output_tokens cut the open item: any text, a call whose arguments
+        are not whole JSON yet (`required` sends each call whole, before the cut)."""
+        item = self._open
+        if item is None or item.kind != "function_call":
+            return True
+        try:
+            json.loads(item.text)
+        except ValueError:
+            return True
+        return False
+
+    def _piece(self, delta: RequestOutputDelta) -> Piece:
+        """What this delta adds (through the chat path's parser, if the request has one);
+        its tokens count as reasoning when the parser is in the reasoning before or after."""
+        if self.parser is None:
+            return Piece(content=delta.text)
+        reasoning = self.parser.reasoning
+        thinking = reasoning is not None and reasoning.in_reasoning
+        piece = self.parser.feed(delta.text)
+        thinking = thinking or (reasoning is not None and reasoning.in_reasoning)
+        if delta.finish_reason is not None:
+            rest = self.parser.finish()
+            piece.reasoning += rest.reasoning
+            piece.content += rest.content
+            piece.tool_calls += rest.tool_calls
+        if thinking:
+            self.reasoning_tokens += len(delta.token_ids)
+        return piece
+
+    def _content(self, text: str) -> Iterator[Event]:
+        if self._open is None or self._open.kind != "message":
+            if not (self._space + text).strip():
+                self._space += text
+                return
+            text, self._space = self._space + text, ""
+        yield from self._text("message", text)
+
+    def _text(self, kind: str, text: str) -> Iterator[Event]:
+        if self._open is None or self._open.kind != kind:
+            yield from self._close("completed")
+            yield from self._open_item(
+                OutputItem(kind, _new_id("rs_" if kind == "reasoning" else "msg_"))
+            )
+        yield from self._add_text(text)
+
+    def _call(self, call: ToolCallDelta) -> Iterator[Event]:
+        if call.id is not None:  # a new call: its own item
+            yield from self._close("completed")
+            name = call.function.name if call.function else None
+            yield from self._open_item(
+                OutputItem("function_call", _new_id("fc_"), call_id=call.id, name=name)
+            )
+        arguments = call.function.arguments if call.function else None
+        if arguments and self._open is not None:
+            yield from self._add_text(arguments)
+
+    def _open_item(self, item: OutputItem) -> Iterator[Event]:
+        self.items.append(item)
+        self._open = item
+        yield "response.output_item.added", {"output_index": self._index, "item": item.shown()}
+        if item.kind == "message":
+            yield "response.content_part.added", self._where() | {"part": _text_part("")}
+        elif item.kind == "reasoning":
+            yield "response.content_part.added", self._where() | {"part": _reasoning_part("")}
+
+    def _add_text(self, text: str) -> Iterator[Event]:
+        item = self._open
+        assert item is not None
+        item.text += text
+        if item.kind == "function_call":
+            where = {"item_id": item.id, "output_index": self._index}
+            yield "response.function_call_arguments.delta", where | {"delta": text}
+        elif item.kind == "message":
+            yield "response.output_text.delta", self._where() | {"delta": text, "logprobs": []}
+        else:
+            yield "response.reasoning_text.delta", self._where() | {"delta": text}
+
+    def _close(self, status: str) -> Iterator[Event]:
+        item = self._open
+        if item is None:
+            return
+        self._open = None
+        item.status = status
+        if item.kind == "function_call":
+            where = {"item_id": item.id, "output_index": self._index}
+            yield "response.function_call_arguments.done", where | {"arguments": item.text}
+        elif item.kind == "message":
+            where = self._where(item)
+            yield "response.output_text.done", where | {"text": item.text, "logprobs": []}
+            yield "response.content_part.done", where | {"part": _text_part(item.text)}
+        else:
+            where = self._where(item)
+            yield "response.reasoning_text.done", where | {"text": item.text}
+            yield "response.content_part.done", where | {"part": _reasoning_part(item.text)}
+        yield "response.output_item.done", {"output_index": self._index, "item": item.shown()}
+
+    @property
+    def _index(self) -> int:
+        """The output_index of the newest item (the open one)."""
+        return len(self.items) - 1
+
+    def _where(self, item: OutputItem | None = None) -> dict[str, Any]:
+        item = item or self._open
+        assert item is not None
+        return {"item_id": item.id, "output_index": self._index, "content_index": 0}
+
+
+def response_id() -> str:
+    return "resp_" + uuid.uuid4().hex

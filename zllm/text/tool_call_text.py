@@ -1,0 +1,111 @@
+"""What every tool-call parser (zllm/text/tool_parsers.py) shares: the call and delta types
+a parser returns, and the scanners that find where a tag or a JSON value ends in text that is
+still arriving. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def make_tool_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+def make_mistral_tool_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other id in a later turn."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # the arguments object as JSON text
+    id: str = field(default_factory=make_tool_call_id)
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    index: int  # which call of the message
+    id: str | None = None  # first delta of a call only
+    name: str | None = None  # first delta of a call only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+@dataclass(slots=True)
+class ParsedDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def add(self, other: ParsedDelta) -> None:
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def value_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object or array starting at text[start], or None if it has
+    not closed yet (a scanner that tracks strings, escapes and nesting)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def arguments_json(obj: dict) -> str | None:
+    """A call object's arguments as JSON text (a stringified object is unwrapped)."""
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return json.dumps(args, ensure_ascii=False)
+
+
+def call_of(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one call object's text, or None if it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = arguments_json(obj)
+    return None if arguments is None else (obj["name"], arguments)
+
+
+# `{"name": "...", "arguments": ` at the start of a call: name first, so it can stream.
+CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
