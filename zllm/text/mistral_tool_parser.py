@@ -19,10 +19,10 @@ import re
 from zllm.text.tool_call_text import (
     CALL_HEAD,
     ParsedDelta,
+    ScanningToolParser,
     ToolCallDelta,
     call_of,
     make_mistral_tool_call_id,
-    partial_suffix,
     value_end,
 )
 
@@ -34,44 +34,18 @@ _NAMED_SO_FAR = re.compile(r"[A-Za-z0-9_.\-]*\s*(?:\[(?:A(?:R(?:G(?:S\]?)?)?)?)?
 _SPACE = " \t\r\n"
 
 
-class MistralToolParser:
+class MistralToolParser(ScanningToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
-        self.text = ""  # everything fed so far
-        self.pos = 0  # text[:pos] is settled: sent as content or as calls
-        self.cursor = 0  # where the current state reads next
         # content | opened (pos at a TAG) | named | args | list | list_args | between
-        self.state = "content"
-        self.index = 0  # the next call's index
+        super().__init__("content")
         self.object_start = -1  # list form: the call object being read
         self.args_start = -1  # the arguments object being streamed, and how far it went out
         self.args_sent = -1
 
-    def feed(self, text: str) -> ParsedDelta:
-        self.text += text
-        return self._run(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ParsedDelta:
-        out = ParsedDelta()
-        while getattr(self, "_" + self.state)(out, final):
-            pass
-        return out
-
     # Each state reads from self.cursor; True means "step again", False "wait for more".
 
     def _content(self, out: ParsedDelta, final: bool) -> bool:
-        start = self.text.find(TAG, self.pos)
-        if start < 0:
-            keep = 0 if final else partial_suffix(self.text[self.pos :], TAG)
-            upto = len(self.text) - keep
-            out.content += self.text[self.pos : upto]
-            self.pos = upto
-            return False
-        out.content += self.text[self.pos : start]
-        self.pos, self.cursor, self.state = start, start + len(TAG), "opened"
-        return True
+        return self._content_until(TAG, out, final)
 
     def _opened(self, out: ParsedDelta, final: bool) -> bool:
         at = self._skip(self.cursor, _SPACE)

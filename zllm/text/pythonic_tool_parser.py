@@ -17,7 +17,12 @@ import ast
 import json
 import re
 
-from zllm.text.tool_call_text import ParsedDelta, ToolCallDelta, make_tool_call_id
+from zllm.text.tool_call_text import (
+    ParsedDelta,
+    ScanningToolParser,
+    ToolCallDelta,
+    make_tool_call_id,
+)
 
 OPEN, CLOSE = "<|python_start|>", "<|python_end|>"
 _CALL_NAME = re.compile(r"[ \t\r\n,]*([A-Za-z_][\w.]*)\s*\(")
@@ -25,26 +30,9 @@ _CALL_NAME_SO_FAR = re.compile(r"[ \t\r\n,]*(?:[A-Za-z_][\w.]*\s*)?")
 _SPACE = " \t\r\n"
 
 
-class PythonicToolParser:
+class PythonicToolParser(ScanningToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
-        self.text = ""
-        self.pos = 0  # text[:pos] is settled
-        self.cursor = 0
-        self.state = "deciding"  # deciding | calls | after | content
-        self.index = 0
-
-    def feed(self, text: str) -> ParsedDelta:
-        self.text += text
-        return self._run(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ParsedDelta:
-        out = ParsedDelta()
-        while getattr(self, "_" + self.state)(out, final):
-            pass
-        return out
+        super().__init__("deciding")  # deciding | calls | after | content
 
     def _deciding(self, out: ParsedDelta, final: bool) -> bool:
         """Calls if the text opens with `[` (after spaces and an optional tag), else content;

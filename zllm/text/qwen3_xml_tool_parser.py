@@ -25,7 +25,12 @@ import json
 import re
 from typing import Any
 
-from zllm.text.tool_call_text import ParsedDelta, ToolCallDelta, make_tool_call_id, partial_suffix
+from zllm.text.tool_call_text import (
+    ParsedDelta,
+    ScanningToolParser,
+    ToolCallDelta,
+    make_tool_call_id,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_END, PARAMETER_END = "</function>", "</parameter>"
@@ -37,7 +42,7 @@ _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
 _SPACE = " \t\r\n"
 
 
-class Qwen3XmlToolParser:
+class Qwen3XmlToolParser(ScanningToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         # Each tool's parameter schemas, by name: they say how to read a value.
         self.properties: dict[str, dict[str, Any]] = {}
@@ -45,38 +50,12 @@ class Qwen3XmlToolParser:
             function = tool.get("function") or {}
             parameters = function.get("parameters") or {}
             self.properties[function.get("name", "")] = parameters.get("properties") or {}
-        self.text = ""
-        self.pos = 0  # text[:pos] is settled
-        self.cursor = 0
-        self.state = "content"  # content | opened | function | closing
-        self.index = 0
+        super().__init__("content")  # content | opened | function | closing
         self.name = ""  # the function being read, and how many parameters went out
         self.num_params = 0
 
-    def feed(self, text: str) -> ParsedDelta:
-        self.text += text
-        return self._run(final=False)
-
-    def finish(self) -> ParsedDelta:
-        return self._run(final=True)
-
-    def _run(self, final: bool) -> ParsedDelta:
-        out = ParsedDelta()
-        while getattr(self, "_" + self.state)(out, final):
-            pass
-        return out
-
     def _content(self, out: ParsedDelta, final: bool) -> bool:
-        start = self.text.find(OPEN, self.pos)
-        if start < 0:
-            keep = 0 if final else partial_suffix(self.text[self.pos :], OPEN)
-            upto = len(self.text) - keep
-            out.content += self.text[self.pos : upto]
-            self.pos = upto
-            return False
-        out.content += self.text[self.pos : start]
-        self.pos, self.cursor, self.state = start, start + len(OPEN), "opened"
-        return True
+        return self._content_until(OPEN, out, final)
 
     def _opened(self, out: ParsedDelta, final: bool) -> bool:
         match = _FUNCTION.match(self.text, self.cursor)

@@ -48,6 +48,48 @@ class ParsedDelta:
         self.tool_calls += other.tool_calls
 
 
+class ScanningToolParser:
+    """A streaming tool-call parser as a state machine over the text so far (mistral,
+    pythonic, qwen3_xml): each state is a method `_<state>(out, final)` that reads from
+    `self.cursor` and returns True to step again, False to wait for more text (or, with
+    `final`, because the text ended). `self.pos`: text[:pos] is settled, sent as content or
+    as calls; `self.index`: the next call's index."""
+
+    def __init__(self, state: str) -> None:
+        self.text = ""  # everything fed so far
+        self.pos = 0
+        self.cursor = 0
+        self.state = state
+        self.index = 0
+
+    def feed(self, text: str) -> ParsedDelta:
+        self.text += text
+        return self._run(final=False)
+
+    def finish(self) -> ParsedDelta:
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while getattr(self, "_" + self.state)(out, final):
+            pass
+        return out
+
+    def _content_until(self, tag: str, out: ParsedDelta, final: bool) -> bool:
+        """Send text as content up to `tag` (holding back a tail that may grow into it);
+        at the tag, move to state "opened" with the cursor past it."""
+        start = self.text.find(tag, self.pos)
+        if start < 0:
+            keep = 0 if final else partial_suffix(self.text[self.pos :], tag)
+            upto = len(self.text) - keep
+            out.content += self.text[self.pos : upto]
+            self.pos = upto
+            return False
+        out.content += self.text[self.pos : start]
+        self.pos, self.cursor, self.state = start, start + len(tag), "opened"
+        return True
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
