@@ -467,17 +467,19 @@ def _no_follow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW)
 
 
-def remove_orphaned_shm_files() -> None:
-    """Delete the shm transport's files of producers that are no longer alive (a file is
-    deleted by its consumer once read; these were never read)."""
+def _shm_files() -> list[tuple[str, re.Match[str]]]:
+    """The shm transport's files in SHM_DIR, each with its name's match of SHM_NAME."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
-        return
-    for name in names:
-        match = SHM_NAME.fullmatch(name)
-        if match is None:
-            continue
+        return []
+    return [(name, match) for name in names if (match := SHM_NAME.fullmatch(name))]
+
+
+def remove_orphaned_shm_files() -> None:
+    """Delete the shm transport's files of producers that are no longer alive (a file is
+    deleted by its consumer once read; these were never read)."""
+    for name, match in _shm_files():
         try:
             os.kill(int(match.group(1)), 0)
         except ProcessLookupError:
@@ -492,13 +494,8 @@ def remove_unread_shm_files(port: int) -> None:
     they are what a previous consumer there left unread when it died (a producer that lives
     on never deletes a file once sent). A file sent in the moment between the bind and this
     is deleted too: its blocks are then computed, as for any lost transfer."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return
-    for name in names:
-        match = SHM_NAME.fullmatch(name)
-        if match is not None and int(match.group(2)) == port:
+    for name, match in _shm_files():
+        if int(match.group(2)) == port:
             _unlink(name)  # (another user's, in sticky /dev/shm, fails and stays)
 
 
