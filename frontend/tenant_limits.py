@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ CONCURRENCY_RETRY_AFTER_S = 1
 # Buckets kept before the full ones are forgotten: a full bucket is what a tenant without
 # one gets, so dropping it changes nothing, and tenant names (X-Tenant) cannot grow memory.
 MAX_IDLE_BUCKETS = 256
+# The zllm:tenant_requests_limited_total series kept (tenant, limit pairs; see _refuse).
+MAX_LIMITED_SERIES = 256
 
 
 @dataclass(slots=True)
@@ -88,6 +91,7 @@ class TenantLimits:
         self.clock = clock
         self.in_flight: dict[str, int] = {}
         self._buckets: dict[str, _Bucket] = {}
+        self._limited_series: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.limited = Counter(
             "zllm:tenant_requests_limited",
             "Generation requests refused with 429 by a per-tenant limit "
@@ -165,6 +169,14 @@ class TenantLimits:
 
     def _refuse(self, tenant: str, limit: str, message: str, retry_s: int) -> RequestError:
         self.limited.labels(tenant, limit).inc()
+        # Series of the most recently limited MAX_LIMITED_SERIES (tenant, limit) pairs are
+        # kept: tenant names from X-Tenant cannot grow /metrics (a forgotten series that
+        # comes back starts from 0, which Prometheus reads as a counter reset).
+        self._limited_series[(tenant, limit)] = None
+        self._limited_series.move_to_end((tenant, limit))
+        if len(self._limited_series) > MAX_LIMITED_SERIES:
+            oldest, _ = self._limited_series.popitem(last=False)
+            self.limited.remove(*oldest)
         return RequestError(
             f"{message} Retry after {retry_s} s.",
             status=429,

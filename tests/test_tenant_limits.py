@@ -96,6 +96,22 @@ def test_buckets_of_idle_tenants_are_forgotten():
     assert limits.enter(f"t{5 * MAX_IDLE_BUCKETS - 1}") is not None  # a recent one is kept
 
 
+def test_limited_series_of_many_tenants_stay_bounded():
+    """Each refused tenant gets a /metrics series; past the bound the least recently limited
+    go, so tenant names from X-Tenant cannot grow /metrics either."""
+    from zllm.frontend.tenant_limits import MAX_LIMITED_SERIES
+
+    registry = CollectorRegistry()
+    limits = TenantLimits(1, None, registry, Clock())
+    for i in range(3 * MAX_LIMITED_SERIES):
+        assert limits.enter(f"t{i}") is None and limits.enter(f"t{i}") is not None
+        limits.leave(f"t{i}")
+    series = [s for m in registry.collect() for s in m.samples if s.name.endswith("_total")]
+    assert len(series) == MAX_LIMITED_SERIES
+    assert limited_count(registry, "t0", "concurrency") == 0  # forgotten
+    assert limited_count(registry, f"t{3 * MAX_LIMITED_SERIES - 1}", "concurrency") == 1
+
+
 def test_no_limits_by_default():
     limits = TenantLimits(None, None, CollectorRegistry())
     assert not limits.enabled
