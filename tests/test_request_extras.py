@@ -316,3 +316,45 @@ def test_documents_reach_the_template(served) -> None:
         },
     )
     assert error_of(r, 400)["param"] == "documents"
+
+
+# ---- offline: the same fields on SamplingParams and LLM.chat -------------------------------
+
+
+def test_offline_llm_takes_the_extras(tiny_llama_dir) -> None:
+    from zllm import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=64 << 20)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode(PROMPT)
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cut, alone = llm.generate(
+        [PROMPT, {"prompt_token_ids": ids[-4:]}],
+        [SamplingParams(**greedy, truncate_prompt_tokens=4), SamplingParams(**greedy)],
+        use_tqdm=False,
+    )
+    assert len(cut.prompt_token_ids) == 4
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    before = alone.outputs[0].token_ids
+    allowed = sorted(set(ids))[:5]
+    masked = llm.generate(
+        {"prompt_token_ids": ids[-4:]},
+        SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        use_tqdm=False,
+    )[0]  # fmt: skip
+    assert set(masked.outputs[0].token_ids) <= set(allowed)
+    word = next(
+        (w for t in before if (w := tokenizer.decode([t]).strip())
+         and [t] in encode_bad_words([w], tokenizer)),
+        None,
+    )  # fmt: skip
+    assert word is not None, before
+    banned = llm.generate(
+        {"prompt_token_ids": ids[-4:]}, SamplingParams(**greedy, bad_words=[word]), use_tqdm=False
+    )[0]
+    for encoding in encode_bad_words([word], tokenizer):
+        assert not _contains(list(banned.outputs[0].token_ids), encoding)
+    with pytest.raises(ParamError) as err:
+        llm.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=[10**6]), use_tqdm=False)
+    assert err.value.param == "allowed_token_ids"
