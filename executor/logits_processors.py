@@ -3,8 +3,8 @@
 They act in two places, in this order:
 
     logits rows (one per request, or per verified position; the model's dtype)
-        │  ROW_PROCESSORS: LogitBias, GrammarMask,         (the logprobs see these)
-        │                  ThinkingBudgetEnd
+        │  ROW_PROCESSORS: LogitBias, AllowedTokens,       (the logprobs see these)
+        │                  BadWords, GrammarMask, ThinkingBudgetEnd
         ▼  repeated for the samples of an n > 1 request
     sampler rows ── raw logprobs kept aside ── fp32 copy
         │  SAMPLER_PROCESSORS: BannedTokens, Penalties     (the logprobs do not)
@@ -23,6 +23,7 @@ import torch
 
 from zllm.executor.request_state import RequestState
 from zllm.executor.structured_output import allocate_bitmask, apply_bitmask
+from zllm.text.bad_words import banned_next
 
 if TYPE_CHECKING:
     from zllm.executor.sample_rows import SampleRows
@@ -54,6 +55,46 @@ class LogitBias:
             index = (torch.tensor(row_index, device=dev), torch.tensor(cols, device=dev))
             values = torch.tensor(biases, dtype=logits.dtype, device=dev)
             logits.index_put_(index, values, accumulate=True)
+
+
+class AllowedTokens:
+    """allowed_token_ids: a request's rows keep only those tokens' logits."""
+
+    def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        for i, st in enumerate(rows.logits_states):
+            allowed = st.sampling_params.allowed_token_ids
+            if allowed:
+                index = torch.tensor(allowed, device=logits.device)
+                kept = logits[i, index]
+                logits[i] = float("-inf")
+                logits[i, index] = kept
+
+
+class BadWords:
+    """bad_words: a row may not take the token that would complete one of the request's bad
+    words after its output so far (zllm/text/bad_words.py). A verifying request's row j sees
+    its first j proposals as output."""
+
+    def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        states = rows.logits_states
+        banned_rows: list[int] = []
+        banned_tokens: list[int] = []
+        i = 0
+        while i < len(states):
+            st = states[i]
+            drafts = rows.drafts.get(st.req_id) or []
+            encodings = st.sampling_params.bad_words_token_ids
+            if encodings:
+                for j in range(len(drafts) + 1):
+                    output = st.output_token_ids + drafts[:j] if j else st.output_token_ids
+                    for token in banned_next(encodings, output):
+                        banned_rows.append(i + j)
+                        banned_tokens.append(token)
+            i += len(drafts) + 1
+        if banned_rows:
+            dev = logits.device
+            index = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_tokens, device=dev))
+            logits[index] = float("-inf")
 
 
 class GrammarMask:
@@ -177,5 +218,11 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 
 # In the order they apply (module docstring).
-ROW_PROCESSORS: tuple[RowProcessor, ...] = (LogitBias(), GrammarMask(), ThinkingBudgetEnd())
+ROW_PROCESSORS: tuple[RowProcessor, ...] = (
+    LogitBias(),
+    AllowedTokens(),
+    BadWords(),
+    GrammarMask(),
+    ThinkingBudgetEnd(),
+)
 SAMPLER_PROCESSORS: tuple[SamplerProcessor, ...] = (BannedTokens(), Penalties())

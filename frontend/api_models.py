@@ -27,6 +27,7 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 256
 _INT64_MAX = 2**63 - 1
 
 # Integers that fit the wire format (msgpack: 64 bits) and torch's int64.
@@ -90,6 +91,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputsParams | None = None
     # Token id (as a string, OpenAI's JSON) -> bias added to its logit, in [-100, 100].
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    # vLLM's extra parameters: only these tokens may be sampled; words the output never
+    # contains (zllm/text/bad_words.py); the prompt cut to its last k tokens (-1: the
+    # context length); logprobs naming tokens "token_id:<id>" instead of their text.
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    bad_words: Annotated[list[str], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None
+    return_tokens_as_token_ids: bool = False
     # OpenAI fields that hold here as they are: labels for the caller's own records, a
     # cache hint (prefix caching is automatic), a tier (one tier here).
     metadata: dict[str, str] | None = None
@@ -212,6 +220,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # over the server's --default-chat-template-kwargs (zllm/text/template_kwargs.py).
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message (an assistant's) is left open for the model to continue,
+    # rendered without a generation prompt (zllm/text/continue_final.py).
+    continue_final_message: bool = False
+    # vLLM's: documents for a RAG template, passed to it as `documents`.
+    documents: list[dict[str, Any]] | None = None
     # The chat template already writes the special tokens it wants.
     add_special_tokens: bool = False
 
@@ -224,6 +237,8 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # the model's hidden size only: any value is a 400
     user: str | None = None
+    # vLLM's: each input cut to its last k tokens (-1: the context length).
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None
 
 
 class EmbeddingData(msgspec.Struct, kw_only=True):
@@ -252,6 +267,8 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -356,12 +356,16 @@ class OpenAIServer:
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
             kwargs = options.template_kwargs(
-                body.chat_template_kwargs, self.config.default_chat_template_kwargs
+                body.chat_template_kwargs, self.config.default_chat_template_kwargs, body.documents
+            )
+            continue_final = options.continue_final_message(
+                body.continue_final_message, body.add_generation_prompt
             )
             try:
                 text = self.tokenizer.apply_chat_template(
                     chat_messages(body.messages),
                     add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=continue_final,
                     **kwargs,
                 )
             except Exception as e:  # jinja errors, or a model without a template

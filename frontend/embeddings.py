@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zllm.errors import RequestError
+from zllm.errors import ParamError, RequestError
 from zllm.frontend.api_models import (
     EmbeddingData,
     EmbeddingsRequest,
@@ -36,6 +36,16 @@ class EmbeddingsCall(ApiCall):
             )
         self.body = body
         self.prompts = list(prompt_inputs(body.input))
+        if body.truncate_prompt_tokens is not None:
+            try:
+                self.params = SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    embed=True,
+                    truncate_prompt_tokens=body.truncate_prompt_tokens,
+                )
+            except ParamError as e:
+                raise RequestError(str(e), param=e.param) from None
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         assembler = EmbeddingsAssembler(len(self.prompts), self.body.encoding_format)

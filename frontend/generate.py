@@ -135,6 +135,7 @@ class ChatPrompt:
     chat_template: str | None = None
     # Extra template variables, the server's defaults merged (zllm/text/template_kwargs.py).
     template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # the last message left open (continue_final.py)
 
 
 Prompt = PromptInput | ChatPrompt
@@ -307,6 +308,7 @@ def _prompt_fields(prompt: Prompt) -> dict[str, Any]:
             "add_generation_prompt": prompt.add_generation_prompt,
             "chat_template": prompt.chat_template,
             "chat_template_kwargs": prompt.template_kwargs or None,
+            "continue_final_message": prompt.continue_final_message,
         }
     return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 

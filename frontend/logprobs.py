@@ -33,10 +33,22 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class LogprobText:
-    """Token texts and raw bytes for logprobs, from the frontend's tokenizer."""
+    """Token texts and raw bytes for logprobs, from the frontend's tokenizer. With
+    `as_token_ids` (vLLM's return_tokens_as_token_ids) a token is named "token_id:<id>"
+    instead of by its text (its `bytes` stay its text's), so a client can tell tokens that
+    decode alike apart."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
+
+    def by_token_ids(self, as_token_ids: bool = True) -> LogprobText:
+        """These names for a request that asked for token ids (or self)."""
+        return LogprobText(self.tokenizer, True) if as_token_ids else self
+
+    def name(self, token_id: int, text: str) -> str:
+        """A token as chat's logprobs name it: its text, or "token_id:<id>"."""
+        return f"token_id:{token_id}" if self.as_token_ids else text
 
     def text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -55,6 +67,8 @@ class LogprobText:
     def label(self, token_id: int, text: str) -> str:
         """A token as the legacy completions API names it: part of a UTF-8 character is
         spelled as its bytes (`bytes:\\xe4\\xbd`), so different tokens keep different names."""
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
         if "\ufffd" not in text:
             return text
         return "bytes:" + "".join(f"\\x{b:02x}" for b in self.token_bytes(token_id, text))
@@ -113,11 +127,13 @@ def chat_logprobs(
 ) -> list[ChatLogprob]:
     return [
         ChatLogprob(
-            token=row[0][1],
+            token=names.name(row[0][0], row[0][1]),
             logprob=row[0][2],
             bytes=names.token_bytes(row[0][0], row[0][1]),
             top_logprobs=[
-                ChatTopLogprob(token=t, logprob=lp, bytes=names.token_bytes(tid, t))
+                ChatTopLogprob(
+                    token=names.name(tid, t), logprob=lp, bytes=names.token_bytes(tid, t)
+                )
                 for tid, t, lp in row[1:]
             ],
         )

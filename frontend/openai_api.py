@@ -77,7 +77,7 @@ class CompletionsCall(ApiCall):
             echo_only=self.echo_only,
             want_logprobs=body.logprobs is not None,
             want_prompt_logprobs=body.prompt_logprobs is not None,
-            names=self.ctx.names,
+            names=self.ctx.names.by_token_ids(body.return_tokens_as_token_ids),
         )
         head: dict[str, Any] = dict(id=ids.response_id, created=int(now), model=model)
         return GenerationJob(
@@ -102,7 +102,10 @@ class ChatCall(ApiCall):
         messages = chat_messages(body.messages)
         config = ctx.config
         kwargs = options.template_kwargs(
-            body.chat_template_kwargs, config.default_chat_template_kwargs
+            body.chat_template_kwargs, config.default_chat_template_kwargs, body.documents
+        )
+        continue_final = options.continue_final_message(
+            body.continue_final_message, body.add_generation_prompt
         )
         # Thinking switched off in the template: no reasoning to take apart.
         self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
@@ -115,7 +118,12 @@ class ChatCall(ApiCall):
             )
         self.prompts = [
             ChatPrompt(
-                messages, self.plan.tools, body.add_generation_prompt, body.chat_template, kwargs
+                messages,
+                self.plan.tools,
+                body.add_generation_prompt,
+                body.chat_template,
+                kwargs,
+                continue_final,
             )
         ]
         self.add_special_tokens = body.add_special_tokens
@@ -130,7 +138,7 @@ class ChatCall(ApiCall):
             n=n,
             want_logprobs=body.logprobs,
             want_prompt_logprobs=body.prompt_logprobs is not None,
-            names=self.ctx.names,
+            names=self.ctx.names.by_token_ids(body.return_tokens_as_token_ids),
             parsers=[
                 ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
                 for _ in range(n)

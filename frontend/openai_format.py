@@ -113,6 +113,9 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "stop_token_ids",
+    "allowed_token_ids",  # vLLM's extras: checked against the vocabulary by the tokenizer
+    "bad_words",  # worker, which also encodes the bad words and cuts the prompt
+    "truncate_prompt_tokens",
 )
 
 

@@ -12,7 +12,7 @@ from zllm.config.engine import SchedulerConfig, check_cache_salt, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
-from zllm.text.template_kwargs import merge_template_kwargs
+from zllm.text.template_kwargs import merge_template_kwargs, with_documents
 
 
 def priority(value: int, scheduler: SchedulerConfig) -> int:
@@ -43,14 +43,30 @@ def cache_salt(value: str | None) -> str | None:
 
 
 def template_kwargs(
-    given: dict[str, Any] | None, defaults: dict[str, Any] | None
+    given: dict[str, Any] | None,
+    defaults: dict[str, Any] | None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A request's `chat_template_kwargs` over the server's defaults; a reserved name
-    (one the server passes to the template itself) is a 400 naming it."""
+    """A request's `chat_template_kwargs` over the server's defaults, with its `documents`;
+    a reserved name (one the server passes to the template itself), or documents given
+    twice, is a 400 naming it."""
     try:
-        return merge_template_kwargs(defaults, given)
+        return with_documents(merge_template_kwargs(defaults, given), documents, given)
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
+
+
+def continue_final_message(continue_final: bool, add_generation_prompt: bool) -> bool:
+    """vLLM's `continue_final_message`, checked: a generation prompt would open a new turn
+    after the message to continue, so both true is a 400 (add_generation_prompt defaults
+    to true: a client continuing a message sets it false, as with vLLM)."""
+    if continue_final and add_generation_prompt:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true: set "
+            "add_generation_prompt to false to continue the final message.",
+            param="continue_final_message",
+        )
+    return continue_final
 
 
 def kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:

@@ -1,7 +1,8 @@
 """A tokenizer worker process (`zllm: tokenizer I`).
 
 frontend ──TokenizeRequest──► [PULL tokenizer_in] (ZeroMQ load-balances the N workers)
-    RequestTokenizer: apply the chat template, tokenize, check the prompt (zllm.inputs) and
+    RequestTokenizer: apply the chat template, tokenize, cut the prompt to
+    truncate_prompt_tokens and encode the bad_words, check the prompt (zllm.inputs) and
     compile any structured-outputs grammar (a 400 if it cannot), add the ids that end
     generation and the model's default max_tokens
 ──EngineCoreRequest──► core            or   ──RequestRejected──► frontend
@@ -26,7 +27,7 @@ from zllm.config.generation import default_max_tokens, merge_eos_token_ids
 from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError
-from zllm.inputs import check_prompt, check_token_params
+from zllm.inputs import check_prompt, check_token_params, truncate_prompt
 from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks
 from zllm.protocol import (
     CachePin,
@@ -41,6 +42,7 @@ from zllm.protocol import (
 from zllm.runtime.messaging import receive, receive_nowait
 from zllm.runtime.procutil import index_arg, report_ready, start_process
 from zllm.sampling_params import SamplingParams
+from zllm.text.bad_words import with_bad_words_ids
 from zllm.text.structured_outputs import check_structured_outputs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
 from zllm.tokenizer_proc.router import Router
@@ -74,25 +76,27 @@ class RequestTokenizer:
             ids = self._token_ids(req)
         except Exception as e:  # a template error, bad messages: the client's problem
             return RequestRejected(req.req_id, f"Could not build the prompt: {e}", 400, param)
+        params = with_bad_words_ids(req.sampling_params, self.tokenizer)
         try:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
             check_prompt(
                 ids,
-                max_tokens=req.sampling_params.max_tokens,
+                max_tokens=params.max_tokens,
                 max_model_len=self.max_model_len,
                 vocab_size=self.vocab_size,
                 param=param,
             )
-            check_token_params(req.sampling_params, self.vocab_size)
-            if req.sampling_params.structured_outputs is not None:
+            check_token_params(params, self.vocab_size)
+            if params.structured_outputs is not None:
                 # Compiled here, off the core's and executor's loops: a grammar that cannot
                 # compile is a 400 before anything is scheduled.
-                check_structured_outputs(req.sampling_params.structured_outputs)
+                check_structured_outputs(params.structured_outputs)
         except ParamError as e:
             return RequestRejected(req.req_id, str(e), 400, e.param)
         return EngineCoreRequest(
             req_id=req.req_id,
             prompt_token_ids=ids,
-            sampling_params=self._with_max_tokens(req.sampling_params, len(ids)),
+            sampling_params=self._with_max_tokens(params, len(ids)),
             arrival_time=req.arrival_time,
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
@@ -146,6 +150,7 @@ class RequestTokenizer:
                 req.messages,
                 req.add_generation_prompt,
                 chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message,
                 **_template_extra(req),
             )
             return self.tokenizer.encode(text, add_special_tokens=False)

@@ -50,6 +50,25 @@ def check_prompt(
         )
 
 
+def truncate_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, param: str = "prompt"
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: the context
+    length; None: all). A `keep` beyond the context length is a ParamError, since no prompt
+    that long could run; the cut is from the left, so the end the model continues stays."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise ParamError(
+            f"truncate_prompt_tokens ({keep}) must be at most the model's context length "
+            f"({max_model_len}).",
+            "truncate_prompt_tokens",
+        )
+    return token_ids[-keep:]
+
+
 def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     """Raise ParamError (naming `param`) if any id is outside the vocabulary."""
     if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
@@ -58,11 +77,15 @@ def check_vocabulary(token_ids: Sequence[int], vocab_size: int, param: str) -> N
 
 
 def check_token_params(params: SamplingParams, vocab_size: int) -> None:
-    """The token ids a request's sampling names (logit_bias keys, stop_token_ids) index the
-    logits: each must be in the vocabulary."""
+    """The token ids a request's sampling names (logit_bias keys, stop_token_ids,
+    allowed_token_ids, bad words' encodings) index the logits: each must be in the
+    vocabulary."""
     if params.logit_bias:
         check_vocabulary(list(params.logit_bias), vocab_size, "logit_bias")
     check_vocabulary(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_vocabulary(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
+    for ids in params.bad_words_token_ids:
+        check_vocabulary(ids, vocab_size, "bad_words")
     if params.thinking_budget is not None:
         budget = params.thinking_budget
         markers = [*budget.end_token_ids, *budget.start_token_ids]

@@ -21,7 +21,7 @@ from zllm.config.generation import merge_eos_token_ids
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
-from zllm.inputs import check_prompt, check_token_params
+from zllm.inputs import check_prompt, check_token_params, truncate_prompt
 from zllm.kv.cache_control import MAX_PIN_TTL_S
 from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.outputs import (
@@ -43,6 +43,7 @@ from zllm.protocol import (
     RequestOutputDelta,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
+from zllm.text.bad_words import with_bad_words_ids
 from zllm.text.structured_outputs import check_structured_outputs
 from zllm.text.template_kwargs import merge_template_kwargs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
@@ -174,14 +175,20 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """`chat_template_kwargs`: extra template variables, as vLLM's (e.g.
-        {"enable_thinking": False}); the names the template already gets are refused."""
+        {"enable_thinking": False}); the names the template already gets are refused.
+        `continue_final_message`: the last message is left open for the model to go on
+        with (needs add_generation_prompt=False), as vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = merge_template_kwargs(None, chat_template_kwargs)
         prompts = [
             self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, **kwargs
+                conv,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
             for conv in conversations  # type: ignore[union-attr]
         ]
@@ -303,6 +310,10 @@ class LLM:
             raise TypeError(
                 "A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'."
             )
+        params = with_bad_words_ids(params, self.tokenizer)
+        token_ids = truncate_prompt(
+            token_ids, params.truncate_prompt_tokens, self.engine.max_model_len
+        )
         check_prompt(
             token_ids,
             max_tokens=params.max_tokens,

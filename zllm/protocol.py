@@ -344,6 +344,8 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     options: RequestOptions = NO_OPTIONS
     # Extra template variables (zllm/text/template_kwargs.py), the server's defaults merged.
     chat_template_kwargs: dict[str, Any] | None = None
+    # The last message left open for the model to continue (zllm/text/continue_final.py).
+    continue_final_message: bool = False
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

@@ -40,6 +40,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Added to these tokens' logits before sampling (OpenAI's logit_bias: -100 bans, +100
     # all but forces); a structured-outputs grammar still has the last word.
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids): a mask on the logits.
+    allowed_token_ids: list[int] | None = None
+    # Words the output never contains (vLLM's bad_words). Their encodings, which the executor
+    # bans, are filled in where a tokenizer is: the tokenizer worker, the offline LLM
+    # (zllm/text/bad_words.py); the executor has none.
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # Keep only the prompt's last k tokens (-1: the model's context length), cut after
+    # tokenizing (zllm/inputs.py truncate_prompt); vLLM's truncate_prompt_tokens.
+    truncate_prompt_tokens: int | None = None
     # Reasoning cut at this many tokens: the end marker is then forced (thinking_budget.py).
     thinking_budget: ThinkingBudget | None = None
     # An embeddings request: its prompt's final hidden states, pooled (EngineConfig.pooling)
@@ -123,6 +133,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             check(value is None or value >= 0, name, f"{name} must be non-negative, got {value}.")
         check(all(self.stop), "stop", "stop strings must not be empty.")
+        allowed = self.allowed_token_ids
+        check(
+            allowed is None or (bool(allowed) and all(t >= 0 for t in allowed)),
+            "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of token ids.",
+        )
+        check(
+            all(word.strip() for word in self.bad_words),
+            "bad_words",
+            "bad_words must not be empty or blank.",
+        )
+        check(
+            all(ids and min(ids) >= 0 for ids in self.bad_words_token_ids),
+            "bad_words",
+            "bad_words_token_ids must be non-empty lists of token ids.",
+        )
+        k = self.truncate_prompt_tokens
+        check(
+            k is None or k == -1 or k >= 1,
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {k}.",
+        )
         check(
             all(t >= 0 and -100 <= b <= 100 for t, b in (self.logit_bias or {}).items()),
             "logit_bias",
@@ -174,6 +206,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "prompt_logprobs": self.prompt_logprobs is not None,
             "structured_outputs": self.structured_outputs is not None,
             "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words or self.bad_words_token_ids),
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,

@@ -9,6 +9,11 @@ Names the server passes to the template itself (RESERVED) are refused, not overr
 request that set `messages` or `add_generation_prompt` this way would change the prompt
 behind the fields that say what it is (vLLM lets them through; a 400 is clearer).
 
+`documents` (vLLM's chat field, for RAG templates) is a template variable like any other:
+the request's own `documents` field sets it, and a request giving both that field and
+chat_template_kwargs.documents is refused (which one it meant is not knowable); the server's
+default documents, if any, are overridden by either.
+
 Turning thinking off (`enable_thinking: false`, Qwen 3's name; `thinking: false`, DeepSeek
 V3.1's) also turns the reasoning parser off for that request: the template then closes an
 empty think block in the prompt, or opens none, so everything the model writes is content.
@@ -28,6 +33,7 @@ RESERVED = frozenset(
         "messages",
         "tools",
         "add_generation_prompt",
+        "continue_final_message",
         "bos_token",
         "eos_token",
         "chat_template",
@@ -58,6 +64,21 @@ def merge_template_kwargs(
     """The request's kwargs over the server's defaults (both checked)."""
     check_template_kwargs(given or {})
     return {**(defaults or {}), **(given or {})}
+
+
+def with_documents(
+    kwargs: dict[str, Any], documents: list[dict[str, Any]] | None, given: dict[str, Any] | None
+) -> dict[str, Any]:
+    """`kwargs` (merged) with the request's `documents` field; `given`: the request's own
+    chat_template_kwargs, which may not name documents too."""
+    if documents is None:
+        return kwargs
+    if given and "documents" in given:
+        raise ParamError(
+            "Give documents either as the documents field or in chat_template_kwargs, not both.",
+            param="documents",
+        )
+    return {**kwargs, "documents": documents}
 
 
 def thinking_disabled(kwargs: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import read_gguf
+from zllm.text.continue_final import leave_final_message_open
 
 
 class Tokenizer:
@@ -51,20 +52,29 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **extra: Any,
     ) -> str:
         """Render the model's (or the given) chat template; `extra` (tools, documents, ...)
-        reaches it as-is."""
+        reaches it as-is. `continue_final_message`: the last message is left open for the
+        model to continue (zllm/text/continue_final.py); no generation prompt then."""
         template = chat_template or self._chat_template
         if template is None:
             raise ValueError("this model has no chat template; pass one with chat_template=")
-        return _compile(template).render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true."
+            )
+        rendered = _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),
             **extra,
         )
+        if continue_final_message:
+            return leave_final_message_open(rendered, messages)
+        return rendered
 
     @property
     def eos_token_id(self) -> int | None:
