@@ -19,6 +19,7 @@ tools template, a think block the request can switch off, --reasoning-parser dee
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +247,7 @@ def test_chat(server, case) -> None:
 def test_chat_reasoning(server) -> None:
     """The think block a random model never closes: reasoning_content (vLLM's field, beside
     OpenAI's; the schemas allow fields they do not name)."""
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6}
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0.0}
     whole = post(server, "/v1/chat/completions", body)
     assert whole["choices"][0]["message"]["reasoning_content"]
     check("CreateChatCompletionResponse", whole)
@@ -339,3 +340,136 @@ def test_error_bodies_of_other_statuses(server) -> None:
     bad_json = server.post("/v1/chat/completions", b"{not json")
     assert bad_json.status_code == 400
     check("ErrorResponse", bad_json.json())
+
+
+# ---- the walk: no request field accepted and silently ignored ----------------------------
+
+
+def held_by_design() -> set[str]:
+    """The names README.md lists as accepted and ignored by design (its paragraph that
+    begins so): the doc and this test read one list."""
+    readme = (ROOT.parent / "README.md").read_text()
+    match = re.search(r"^Accepted and ignored by design.*?(?=\n\n)", readme, re.M | re.S)
+    assert match, "README.md lost its 'Accepted and ignored by design' paragraph"
+    listed = match.group(0).split(" (", 1)[0]  # the names, before the reasons
+    return set(re.findall(r"`([a-z_]+)`", listed))
+
+
+def properties(name: str) -> dict[str, Any]:
+    """A request schema's top-level properties, its allOf parts merged."""
+    schema, found = SCHEMAS[name], {}
+    for part in schema.get("allOf", [schema]):
+        if "$ref" in part:
+            found |= properties(part["$ref"].rsplit("/", 1)[1])
+        found |= part.get("properties", {})
+    return found
+
+
+# Objects with required keys the plain candidates below lack (still checked against the
+# schema before they are sent).
+EXAMPLES = [
+    {"voice": "alloy", "format": "wav"},
+    {"id": "pmpt_1"},
+    {"model": "omni-moderation-latest"},
+    {"type": "content", "content": "x"},
+    [{"name": "f"}],
+]
+
+
+def schema_valid_example(schema: dict) -> Any:
+    """A non-null value the property's schema accepts (its default, an enum value, or the
+    first of a few plain candidates that validates)."""
+    absolute = json.loads(json.dumps(schema).replace('"#/components/', f'"{BASE}#/components/'))
+    check_value = jsonschema.Draft202012Validator(as_json_schema(absolute), registry=REGISTRY)
+    candidates = [*EXAMPLES, schema.get("default")]
+    candidates += re.findall(r'"enum": \[("[^"]+")', json.dumps(schema))
+    candidates += ["auto", "low", 1, True, "x", {}, [], {"type": "text"}, [{"type": "text"}]]
+    for value in candidates:
+        value = json.loads(value) if isinstance(value, str) and value.startswith('"') else value
+        if value is not None and check_value.is_valid(value):
+            return value
+    raise AssertionError(f"no example value for {json.dumps(schema)[:200]}")
+
+
+ROUTES = {
+    "CreateChatCompletionRequest": (
+        "/v1/chat/completions",
+        "ChatCompletionRequest",
+        {"messages": MESSAGES, "max_tokens": 1},
+    ),
+    "CreateCompletionRequest": (
+        "/v1/completions",
+        "CompletionRequest",
+        {"prompt": "x", "max_tokens": 1},
+    ),
+    "CreateResponse": ("/v1/responses", "ResponsesRequest", {"input": "x", "max_output_tokens": 1}),
+    "CreateEmbeddingRequest": ("/v1/embeddings", "EmbeddingsRequest", {"input": "x"}),
+}
+
+
+def request_model(name: str):
+    from zllm.frontend import api_models, responses_api
+
+    return getattr(api_models, name, None) or getattr(responses_api, name)
+
+
+@pytest.mark.parametrize("schema", ROUTES)
+def test_no_openai_field_is_silently_ignored(server, schema) -> None:
+    path, model_name, base = ROUTES[schema]
+    model = request_model(model_name)
+    refused = set(getattr(model, "UNSUPPORTED", ()))
+    held = held_by_design()
+    silent = []
+    for name, prop in properties(schema).items():
+        if name in refused:  # (c): sent with a value the schema accepts, a 400 naming it
+            value = schema_valid_example(prop)
+            error = post(server, path, {**base, name: value}, 400)["error"]
+            assert error["param"] == name and name in error["message"], (name, value, error)
+        elif name not in model.__struct_fields__ and name not in held:
+            silent.append(name)  # neither (a) declared nor (b) listed: ignored, with a warning
+    assert not silent, f"{schema}: accepted and ignored: {silent}"
+    assert refused <= set(properties(schema)) | {"background_options"}, refused
+
+
+# A value Anthropic's API accepts, for each field of MessageCreateParams zllm refuses.
+ANTHROPIC_VALUES = {
+    "cache_control": {"type": "ephemeral"},
+    "container": "container_1",
+    "diagnostics": {},
+    "inference_geo": "us",
+    "output_config": {"effort": "low"},
+    "speed": "fast",
+    "user_profile_id": "profile_1",
+    "workspace_id": "workspace_1",
+}
+
+
+def test_no_anthropic_field_is_silently_ignored(server) -> None:
+    from anthropic.types import message_create_params
+
+    from zllm.frontend.anthropic_api import MessagesRequest
+
+    params = message_create_params.MessageCreateParamsBase
+    fields = params.__required_keys__ | params.__optional_keys__
+    held = held_by_design()
+    base = {"model": "tiny", "max_tokens": 1, "messages": MESSAGES}
+    silent = []
+    for name in sorted(fields):
+        if name in MessagesRequest.UNSUPPORTED:
+            error = post(server, "/v1/messages", {**base, name: ANTHROPIC_VALUES[name]}, 400)
+            assert error["error"]["message"] == f"unsupported parameter: {name}", error
+        elif name not in MessagesRequest.__struct_fields__ and name not in held:
+            silent.append(name)
+    assert not silent, f"MessageCreateParams: accepted and ignored: {silent}"
+
+
+def test_held_fields_are_schema_fields() -> None:
+    """The README's list names only fields of the schemas walked (so it cannot hold a name
+    that excuses nothing), and each is declared by the request models that hold it."""
+    from anthropic.types import message_create_params
+
+    params = message_create_params.MessageCreateParamsBase
+    every = set(params.__required_keys__ | params.__optional_keys__)
+    for schema in ROUTES:
+        every |= set(properties(schema))
+    assert held_by_design() and held_by_design() <= every, held_by_design() - every

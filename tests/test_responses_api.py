@@ -380,6 +380,8 @@ UNSUPPORTED_VALUES = {
     "max_tool_calls": 2,
     "prompt": {"id": "pmpt_1"},
     "prompt_cache_options": {"ttl": "30m"},
+    "prompt_cache_retention": "24h",
+    "moderation": {"model": "omni-moderation-latest"},
     "top_logprobs": 2,
 }
 
