@@ -26,7 +26,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -113,6 +113,20 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
+    # Fields of Anthropic's Messages API zllm does not implement: a 400 naming them
+    # (cache_control here is Anthropic's automatic caching; zllm's prefix caching is always on
+    # and its blocks pin by cache_control on a block).
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
+        "cache_control",
+        "container",
+        "diagnostics",
+        "inference_geo",
+        "output_config",
+        "speed",
+        "user_profile_id",
+        "workspace_id",
+    )
+
     model: str
     max_tokens: Annotated[int, Meta(ge=1)]
     messages: Annotated[list[AnthropicMessage], Meta(min_length=1)]
@@ -127,6 +141,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     # Extended thinking (frontend/anthropic_thinking.py).
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
+    service_tier: str | None = None  # held as it is: one tier here
     # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
     # prefill/decode disaggregation (zllm/proxy/app.py).
     kv_transfer_params: dict[str, Any] | None = None

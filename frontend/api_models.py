@@ -198,7 +198,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         "audio",
         "function_call",
         "functions",
+        "moderation",
         "prediction",
+        "prompt_cache_options",
+        "prompt_cache_retention",
         "reasoning_effort",
         "verbosity",
         "web_search_options",
@@ -286,7 +289,8 @@ class ErrorInfo(msgspec.Struct):
     message: str
     type: str
     param: str | None
-    code: int | str | None
+    # A string, as OpenAI's schema has it: a named code ("invalid_api_key"), else the status.
+    code: str | None
 
 
 class ErrorResponse(msgspec.Struct):
@@ -343,7 +347,8 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    # Left out: OpenAI's schema has a string or nothing, and zllm has no fingerprint.
+    system_fingerprint: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -370,11 +375,13 @@ class ChatLogprob(msgspec.Struct):
 
 class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprob] | None = None
+    refusal: None = None  # OpenAI's schema requires the key; zllm's models never refuse
 
 
 class ChatResponseMessage(msgspec.Struct):
     role: str = "assistant"
     content: str | None = None
+    refusal: None = None  # OpenAI's schema requires the key; zllm's models never refuse
     # Left out of the JSON unless set: the thinking (--reasoning-parser), the tools called.
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
     tool_calls: list[ToolCallMessage] | msgspec.UnsetType = msgspec.UNSET
@@ -395,7 +402,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    system_fingerprint: str | None = None
+    # Left out: OpenAI's schema has a string or nothing, and zllm has no fingerprint.
+    system_fingerprint: str | msgspec.UnsetType = msgspec.UNSET
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 

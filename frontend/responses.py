@@ -56,5 +56,5 @@ def encode_json(body: Any) -> bytes:
 def _error_body(error: RequestError) -> ErrorResponse:
     error_type = ERROR_TYPES.get(error.status, "InternalServerError")
     return ErrorResponse(
-        ErrorInfo(error.message, error_type, error.param, error.code or error.status)
+        ErrorInfo(error.message, error_type, error.param, error.code or str(error.status))
     )

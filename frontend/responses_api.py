@@ -45,8 +45,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         "context_management",
         "conversation",
         "max_tool_calls",
+        "moderation",
         "prompt",
         "prompt_cache_options",
+        "prompt_cache_retention",
         "top_logprobs",
     )
 

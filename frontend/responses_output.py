@@ -138,13 +138,16 @@ class ResponseAssembler:
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if self.status == "incomplete" else None
             ),
-            "usage": self._usage() if done else None,
+            # Left out until the end: OpenAI's schema has usage an object, never null.
+            **({"usage": self._usage()} if done else {}),
         }
 
     def _usage(self) -> dict[str, Any]:
         return {
             "input_tokens": self.input_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            # cache_write_tokens: OpenAI's count of prompt tokens written at a price; the
+            # prefix cache here stores blocks as a side effect, at no cost, so 0.
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": self.output_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.input_tokens + self.output_tokens,
@@ -284,7 +287,8 @@ class ResponseAssembler:
         item.status = status
         if item.kind == "function_call":
             where = {"item_id": item.id, "output_index": self._index}
-            yield "response.function_call_arguments.done", where | {"arguments": item.text}
+            done = {"name": item.name, "arguments": item.text}  # the name: OpenAI's schema
+            yield "response.function_call_arguments.done", where | done
         elif item.kind == "message":
             where = self._where(item)
             yield "response.output_text.done", where | {"text": item.text, "logprobs": []}

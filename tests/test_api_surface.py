@@ -53,6 +53,9 @@ UNSUPPORTED_VALUES = {
     "reasoning_effort": "low",
     "verbosity": "low",
     "web_search_options": {},
+    "moderation": {"model": "omni-moderation-latest"},
+    "prompt_cache_options": {"ttl": "30m"},
+    "prompt_cache_retention": "24h",
     "suffix": "tail",
 }
 

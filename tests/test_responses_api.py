@@ -53,14 +53,11 @@ def client_of(server):
 
 
 def checked(event_dicts: list[dict]) -> list:
-    """Each event validated strictly against its class in the openai package (usage aside:
-    the package wants cache_write_tokens, which zllm does not count), its sequence_number the
-    next one."""
+    """Each event validated strictly against its class in the openai package, its
+    sequence_number the next one."""
     events = []
     for n, data in enumerate(event_dicts):
         data = json.loads(json.dumps(data))
-        if isinstance(data.get("response"), dict):
-            data["response"].pop("usage")
         event = EVENT_CLASSES[data["type"]].model_validate(data)
         assert event.sequence_number == n, (n, data)
         events.append(event)
@@ -383,6 +380,8 @@ UNSUPPORTED_VALUES = {
     "max_tool_calls": 2,
     "prompt": {"id": "pmpt_1"},
     "prompt_cache_options": {"ttl": "30m"},
+    "prompt_cache_retention": "24h",
+    "moderation": {"model": "omni-moderation-latest"},
     "top_logprobs": 2,
 }
 
