@@ -202,7 +202,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         "prediction",
         "prompt_cache_options",
         "prompt_cache_retention",
-        "reasoning_effort",
         "verbosity",
         "web_search_options",
     )
@@ -213,6 +212,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # when tools are given, else none.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # A template variable, as vLLM passes it (gpt-oss-style templates set the model's
+    # reasoning level from it; a template that does not read it is unchanged).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     max_tokens: NonNegative | None = None
     max_completion_tokens: NonNegative | None = None
     logprobs: bool = False

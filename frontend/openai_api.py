@@ -102,7 +102,10 @@ class ChatCall(ApiCall):
         messages = chat_messages(body.messages)
         config = ctx.config
         kwargs = options.template_kwargs(
-            body.chat_template_kwargs, config.default_chat_template_kwargs, body.documents
+            body.chat_template_kwargs,
+            config.default_chat_template_kwargs,
+            body.documents,
+            body.reasoning_effort,
         )
         continue_final = options.continue_final_message(
             body.continue_final_message, body.add_generation_prompt

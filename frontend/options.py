@@ -12,7 +12,7 @@ from zllm.config.engine import SchedulerConfig, check_cache_salt, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
-from zllm.text.template_kwargs import merge_template_kwargs, with_documents
+from zllm.text.template_kwargs import merge_template_kwargs, with_fields
 
 
 def priority(value: int, scheduler: SchedulerConfig) -> int:
@@ -46,12 +46,14 @@ def template_kwargs(
     given: dict[str, Any] | None,
     defaults: dict[str, Any] | None,
     documents: list[dict[str, Any]] | None = None,
+    reasoning_effort: str | None = None,
 ) -> dict[str, Any]:
-    """A request's `chat_template_kwargs` over the server's defaults, with its `documents`;
-    a reserved name (one the server passes to the template itself), or documents given
-    twice, is a 400 naming it."""
+    """A request's `chat_template_kwargs` over the server's defaults, with its `documents`
+    and `reasoning_effort`; a reserved name (one the server passes to the template itself),
+    or a field given twice, is a 400 naming it."""
     try:
-        return with_documents(merge_template_kwargs(defaults, given), documents, given)
+        merged = merge_template_kwargs(defaults, given)
+        return with_fields(merged, given, documents=documents, reasoning_effort=reasoning_effort)
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
 

@@ -96,8 +96,9 @@ class ResponsesCall(ApiCall):
         chat = as_chat_request(body)
         self.body = body
         self.ctx = ctx
+        effort = body.reasoning.effort if body.reasoning is not None else None
         kwargs = options.template_kwargs(
-            body.chat_template_kwargs, ctx.config.default_chat_template_kwargs
+            body.chat_template_kwargs, ctx.config.default_chat_template_kwargs, None, effort
         )
         self.reasoning_parser = reasoning_parser_for(ctx.config.reasoning_parser, kwargs)
         try:
@@ -147,7 +148,7 @@ RESPONSE_OBJECT: dict[str, Any] = {"type": "object", "required": ["id", "object"
 
 def check_request(req: ResponsesRequest) -> None:
     """400s for what zllm does not do: keep state, run in the background, return encrypted
-    or summarized reasoning, set reasoning effort or verbosity, truncate a conversation."""
+    or summarized reasoning, set verbosity, truncate a conversation."""
     if req.previous_response_id is not None:
         raise RequestError(
             "previous_response_id: zllm keeps no conversation state; send the whole "
@@ -176,12 +177,12 @@ def check_request(req: ResponsesRequest) -> None:
     if req.text is not None and req.text.verbosity is not None:
         raise RequestError("unsupported parameter: text.verbosity", param="text.verbosity")
     reasoning = req.reasoning
-    for name in ("effort", "summary", "generate_summary"):
+    for name in ("summary", "generate_summary"):
         if reasoning is not None and getattr(reasoning, name) is not None:
             raise RequestError(
                 f"unsupported parameter: reasoning.{name} (a model served with "
                 "--reasoning-parser returns its own reasoning text as reasoning items; zllm "
-                "neither sets its effort nor summarizes it)",
+                "does not summarize it)",
                 param=f"reasoning.{name}",
             )
 

@@ -75,9 +75,10 @@ class TextConfig(msgspec.Struct, kw_only=True):
 
 class ReasoningConfig(msgspec.Struct, kw_only=True):
     """Reasoning comes from the server's --reasoning-parser as reasoning items carrying the
-    model's own text; zllm cannot set a model's effort nor summarize: those are 400s."""
+    model's own text. `effort` reaches the chat template as `reasoning_effort` (as chat's
+    field does); zllm cannot summarize: `summary` is a 400."""
 
-    effort: str | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: str | None = None
     generate_summary: str | None = None
 

@@ -50,7 +50,6 @@ UNSUPPORTED_VALUES = {
     "function_call": "auto",
     "functions": [{"name": "f", "parameters": {}}],
     "prediction": {"type": "content", "content": "x"},
-    "reasoning_effort": "low",
     "verbosity": "low",
     "web_search_options": {},
     "moderation": {"model": "omni-moderation-latest"},

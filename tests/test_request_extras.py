@@ -18,10 +18,13 @@ from zllm.text.bad_words import banned_next, encode_bad_words
 from zllm.text.continue_final import leave_final_message_open
 from zllm.text.tokenizer import load_tokenizer
 
-# A RAG template: documents, when given, become a system turn before the conversation.
+# A RAG template: documents, when given, become a system turn before the conversation (and a
+# reasoning effort another, as gpt-oss-style templates set a reasoning level).
 RAG_TEMPLATE = (
     "{% if documents %}<|im_start|>system\nDocuments:\n"
     "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% if reasoning_effort %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n"
+    "{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -358,3 +361,37 @@ def test_offline_llm_takes_the_extras(tiny_llama_dir) -> None:
     with pytest.raises(ParamError) as err:
         llm.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=[10**6]), use_tqdm=False)
     assert err.value.param == "allowed_token_ids"
+
+
+@pytest.mark.e2e
+def test_reasoning_effort_reaches_the_template(served) -> None:
+    """Chat's `reasoning_effort` and Responses' `reasoning.effort` are template variables, as
+    vLLM passes them; given twice (the field and chat_template_kwargs) is a 400."""
+    server, tokenizer = served
+    client = openai_client(server)
+    messages = [{"role": "user", "content": "Think?"}]
+    expected = (
+        "<|im_start|>system\nReasoning: high<|im_end|>\n"
+        "<|im_start|>user\nThink?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    want = len(tokenizer.encode(expected, add_special_tokens=False))
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, reasoning_effort="high"
+    )
+    assert chat.usage.prompt_tokens == want
+    answer = client.responses.create(
+        model="tiny", input=messages, max_output_tokens=2, reasoning={"effort": "high"}
+    )
+    assert answer.usage.input_tokens == want
+    bare = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert bare.usage.prompt_tokens < want
+    r = server.post(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": messages,
+            "reasoning_effort": "low",
+            "chat_template_kwargs": {"reasoning_effort": "low"},
+        },
+    )
+    assert error_of(r, 400)["param"] == "reasoning_effort"

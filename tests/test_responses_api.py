@@ -407,7 +407,7 @@ REFUSED = [
     ({"background": True}, "background", "background"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]", "reasoning.encrypted_content"),
-    ({"reasoning": {"effort": "high"}}, "reasoning.effort", "reasoning.effort"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "reasoning.effort"),
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),

@@ -66,19 +66,24 @@ def merge_template_kwargs(
     return {**(defaults or {}), **(given or {})}
 
 
-def with_documents(
-    kwargs: dict[str, Any], documents: list[dict[str, Any]] | None, given: dict[str, Any] | None
+def with_fields(
+    kwargs: dict[str, Any], given: dict[str, Any] | None, **fields: Any
 ) -> dict[str, Any]:
-    """`kwargs` (merged) with the request's `documents` field; `given`: the request's own
-    chat_template_kwargs, which may not name documents too."""
-    if documents is None:
-        return kwargs
-    if given and "documents" in given:
-        raise ParamError(
-            "Give documents either as the documents field or in chat_template_kwargs, not both.",
-            param="documents",
-        )
-    return {**kwargs, "documents": documents}
+    """`kwargs` (merged) with the request's fields that are template variables, as vLLM
+    passes them (`documents` for RAG templates, `reasoning_effort` for gpt-oss-style ones;
+    None: not given); `given`: the request's own chat_template_kwargs, which may not name
+    one of them too (which was meant is unknowable)."""
+    out = dict(kwargs)
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if given and name in given:
+            raise ParamError(
+                f"Give {name} either as the {name} field or in chat_template_kwargs, not both.",
+                param=name,
+            )
+        out[name] = value
+    return out
 
 
 def thinking_disabled(kwargs: dict[str, Any]) -> bool:
