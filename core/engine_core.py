@@ -167,8 +167,11 @@ class EngineCore:
                 options=msgspec.structs.replace(
                     request.options, cache_pin=self._cache_pin(request)
                 ),
+                timing=request.timing,
             )
         )
+        if request.timing is not None:
+            request.timing.core_arrival = time.time()
         self.stats.num_prompt_tokens += len(request.prompt_token_ids)
         self._unannounced[req_id] = DetokRequest(
             req_id=req_id,

@@ -17,6 +17,7 @@ from zllm.protocol import (
     KVTransferParams,
     LogprobsLists,
     RequestOptions,
+    RequestTiming,
 )
 from zllm.sampling_params import SamplingParams
 
@@ -78,6 +79,9 @@ class Request:
     # Its own options, as the client gave them (read as .lora, .priority, .tenant,
     # .cache_pin with num_tokens resolved, .kv_transfer: see _OPTION_NAMES).
     options: RequestOptions = NO_OPTIONS
+    # A traced request's stage times (--otlp-traces-endpoint), sent on its first output; a
+    # fork (another sample) has none.
+    timing: RequestTiming | None = None
     # Prefix pinning: whether its blocks were pinned already.
     pinned: bool = False
     # Prefill/decode disaggregation (zllm/config/kv_transfer.py): whether its prompt's

@@ -4,6 +4,8 @@ only build the messages."""
 
 from __future__ import annotations
 
+import time
+
 from zllm.core.request import Request
 from zllm.protocol import EngineCoreOutput, FinishReason, LogprobsLists
 
@@ -24,6 +26,10 @@ def tokens_output(
     )
     if first:
         out.queue_time_s = queue_time(req)
+        if req.timing is not None:  # traced: its stages so far go with it, once
+            req.timing.scheduled = req.first_scheduled_time or 0.0
+            req.timing.first_token = time.time()
+            out.timing = req.timing
     return out
 
 

@@ -6,6 +6,7 @@ A plain class (no sockets): the worker process feeds it the core's batches, and 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from zllm.protocol import (
@@ -16,6 +17,7 @@ from zllm.protocol import (
     FinishSequence,
     LogprobsLists,
     RequestOutputDelta,
+    RequestTiming,
 )
 from zllm.text.incremental_detokenizer import IncrementalDetokenizer
 from zllm.text.tokenizer import Tokenizer
@@ -27,6 +29,7 @@ class _RequestState:
     samples: list[IncrementalDetokenizer]
     engine: int  # the data-parallel engine that runs it
     finished: set[int] = field(default_factory=set)
+    timing: RequestTiming | None = None  # a traced request's, from its first output
 
 
 class Detokenizer:
@@ -48,8 +51,9 @@ class Detokenizer:
             )
         deltas: list[RequestOutputDelta] = []
         stops: list[FinishSequence] = []
+        received = time.time()  # once a batch: a traced request's stage times
         for out in batch.outputs:
-            delta = self._process_output(out, stops)
+            delta = self._process_output(out, stops, received)
             if delta is not None:
                 deltas.append(delta)
         for req_id in batch.aborted:
@@ -66,13 +70,16 @@ class Detokenizer:
         )
 
     def _process_output(
-        self, out: EngineCoreOutput, stops: list[FinishSequence]
+        self, out: EngineCoreOutput, stops: list[FinishSequence], received: float
     ) -> RequestOutputDelta | None:
         state = self.requests.get(out.req_id)
         i = out.sample_index
         if state is None or i in state.finished:
             return None  # failed upstream, or a token computed after its stop string
         detok = state.samples[i]
+        if out.timing is not None:
+            state.timing = out.timing
+            state.timing.detokenize_start = received
         stop_str = detok.update(self._text_ids(out, state.info))
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if stop_str is not None:
@@ -80,11 +87,13 @@ class Detokenizer:
             if out.finish_reason is None:
                 stops.append(FinishSequence(out.req_id, i))
         finished = finish_reason is not None
+        timing = None
         if finished:
             state.finished.add(i)
             if len(state.finished) == state.info.n:
                 del self.requests[out.req_id]
-        return RequestOutputDelta(
+                timing = state.timing
+        delta = RequestOutputDelta(
             req_id=out.req_id,
             index=i,
             text=detok.take_delta(finished),
@@ -100,6 +109,11 @@ class Detokenizer:
             embedding=out.embedding,
             cumulative_logprob=out.cumulative_logprob,
         )
+        if timing is not None:  # the request's final delta: its decode and ours end
+            timing.last_output = received
+            timing.detokenize_end = time.time()
+            delta.timing = timing
+        return delta
 
     def _text_ids(self, out: EngineCoreOutput, info: DetokRequest) -> list[int]:
         """The new tokens that make text. With special tokens kept (skip_special_tokens

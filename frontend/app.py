@@ -211,8 +211,13 @@ class OpenAIServer:
             config.engine.generation_config.defaults,
             ThinkingSigner.of(config.thinking_signature_key_file),
         )
+        self.tracer = None
+        if config.otlp_traces_endpoint is not None:  # only then is OpenTelemetry imported
+            from zllm.frontend.tracing import Tracer
+
+            self.tracer = Tracer(config.otlp_traces_endpoint)
         self.generation = Generation(
-            config, client, self.prometheus, self.admission, self.adapters, context
+            config, client, self.prometheus, self.admission, self.adapters, context, self.tracer
         )
         self._openapi: bytes | None = None
         self.kv_transfer_card = kv_transfer_card(config)

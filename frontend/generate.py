@@ -11,7 +11,9 @@
 
 The metrics count each prompt as one engine request, and with --enable-log-requests each is
 logged as it arrives (with the start of its prompt: the flag is the operator's consent) and
-as it ends (never with text).
+as it ends (never with text). With --otlp-traces-endpoint each engine request is traced: it
+carries an empty RequestTiming that the processes stamp, and ends as a span tree
+(frontend/tracing.py), under the client's `traceparent` when it sent one.
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ from zllm.frontend.middleware import TENANT_KEY, TICKET_KEY
 from zllm.frontend.openai_format import PromptInput
 from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
-from zllm.protocol import NO_OPTIONS, RequestOptions, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import (
+    NO_OPTIONS,
+    RequestOptions,
+    RequestOutputDelta,
+    RequestTiming,
+    TokenizeRequest,
+)
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
@@ -49,6 +57,7 @@ from zllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from zllm.frontend.anthropic_thinking import ThinkingSigner
+    from zllm.frontend.tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +193,9 @@ class Generation:
         admission: Admission,
         adapters: LoRAAdapters,
         context: ApiContext,
+        tracer: Tracer | None = None,
     ) -> None:
+        self.tracer = tracer  # --otlp-traces-endpoint
         self.config = config
         self.client = client
         self.metrics = metrics
@@ -213,11 +224,12 @@ class Generation:
                 add_special_tokens=call.add_special_tokens,
                 arrival_time=now,
                 options=options,
+                timing=RequestTiming() if self.tracer is not None else None,
                 **_prompt_fields(prompt),
             )
             for i, prompt in enumerate(call.prompts)
         ]
-        return await self.run(request, ids, requests, call.job(ids, model, now))
+        return await self.run(request, ids, requests, call.job(ids, model, now), model)
 
     async def run(
         self,
@@ -225,10 +237,14 @@ class Generation:
         ids: RequestIds,
         requests: list[TokenizeRequest],
         job: GenerationJob,
+        model: str = "",
     ) -> Response:
         self.metrics.timeline.start()  # the charts' history begins with the first request
         self._log_received(requests)
-        outputs = self._outputs(requests)
+        traced = None
+        if self.tracer is not None:
+            traced = _Traced(self.tracer, self.tracer.parent(request.headers), model)
+        outputs = self._outputs(requests, traced)
         if job.stream:
             events = job.events(outputs) if job.events else self._events(job, outputs)
             return await sse_response(request, events, outputs, ids.headers, job.done, job.on_error)
@@ -262,7 +278,7 @@ class Generation:
             yield sse_event(make_chunk([], usage.info()))
 
     async def _outputs(
-        self, requests: list[TokenizeRequest]
+        self, requests: list[TokenizeRequest], traced: _Traced | None = None
     ) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
         """Every prompt's output deltas as (prompt index, delta), observed by the metrics."""
         traces = [self.metrics.track(r) for r in requests]
@@ -281,10 +297,13 @@ class Generation:
             raise
         finally:
             await merged.aclose()
-            for trace in traces:
+            end = time.time()
+            for request, trace in zip(requests, traces, strict=True):
                 self.metrics.finish(trace, interrupted)
                 if self.config.enable_log_requests:
                     logger.info(trace.log_line())
+                if traced is not None:
+                    traced.tracer.export(request, trace, traced.parent, traced.model, end)
 
     def _log_received(self, requests: list[TokenizeRequest]) -> None:
         if not self.config.enable_log_requests:
@@ -297,6 +316,15 @@ class Generation:
             logger.info(
                 "request received: id=%s prompt=%s params=%s", r.req_id, preview, r.sampling_params
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Traced:
+    """An HTTP request's tracing: the exporter, the client's span, the model it named."""
+
+    tracer: Tracer
+    parent: Any  # an OpenTelemetry context
+    model: str
 
 
 def _prompt_fields(prompt: Prompt) -> dict[str, Any]:

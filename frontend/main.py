@@ -105,6 +105,9 @@ async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
         await server.serve()
     finally:
         await client.close()
+        tracer = app.state.server.tracer
+        if tracer is not None:  # the spans still batched
+            await asyncio.to_thread(tracer.shutdown)
 
 
 def main() -> int:

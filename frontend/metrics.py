@@ -67,7 +67,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
 from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
 from zllm.kv.tiers import TIER_NAMES
-from zllm.protocol import EngineStats, KVRejection, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import (
+    EngineStats,
+    KVRejection,
+    RequestOutputDelta,
+    RequestTiming,
+    TokenizeRequest,
+)
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.tenants import DEFAULT_TENANT
 
@@ -115,6 +121,8 @@ class RequestTrace:
     last_token: dict[int, float] = field(default_factory=dict)  # per sample
     finish_reasons: dict[int, str] = field(default_factory=dict)  # per finished sample
     finish_reason: str | None = None  # the request's, once it ended
+    # A traced request's stage times (wall clock), from its final delta (frontend/tracing.py).
+    timing: RequestTiming | None = None
 
     @property
     def finished_by_engine(self) -> bool:
@@ -251,6 +259,8 @@ class Metrics:
             trace.last_token[delta.index] = now
         if delta.finish_reason is not None:
             trace.finish_reasons[delta.index] = str(delta.finish_reason)
+        if delta.timing is not None:
+            trace.timing = delta.timing
 
     def finish(self, trace: RequestTrace, interrupted: str) -> None:
         """The request's stream ended; `interrupted` is its reason if the engine had not

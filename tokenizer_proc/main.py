@@ -17,6 +17,7 @@ are sent to (zllm/config/kv_transfer.py `consumer_engine`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,8 @@ class RequestTokenizer:
         self.max_new_tokens = max_new_tokens
 
     def __call__(self, req: TokenizeRequest) -> EngineCoreRequest | RequestRejected:
+        if req.timing is not None:
+            req.timing.tokenize_start = time.time()
         param = "messages" if req.messages is not None else "prompt"
         try:
             ids = self._token_ids(req)
@@ -93,6 +96,8 @@ class RequestTokenizer:
                 check_structured_outputs(params.structured_outputs)
         except ParamError as e:
             return RequestRejected(req.req_id, str(e), 400, e.param)
+        if req.timing is not None:
+            req.timing.tokenize_end = time.time()
         return EngineCoreRequest(
             req_id=req.req_id,
             prompt_token_ids=ids,
@@ -101,6 +106,7 @@ class RequestTokenizer:
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
             options=self._with_pin_tokens(req, ids),
+            timing=req.timing,
         )
 
     def _with_pin_tokens(self, req: TokenizeRequest, ids: list[int]) -> RequestOptions:

@@ -233,6 +233,25 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 # ---- core -> the rest ----------------------------------------------------------------------
 
 
+class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """When a traced request (--otlp-traces-endpoint) passed each stage, stamped by the process
+    that saw it, as wall-clock seconds (`time.time()`: the processes share the host's clock;
+    0.0: not reached). Only a traced request carries one (the frontend creates it empty), so
+    an untraced request costs nothing. It travels with the request: TokenizeRequest ->
+    EngineCoreRequest -> the core's first output of sample 0 -> the detokenizer, which sends
+    it with the request's final delta; the frontend turns it into spans
+    (frontend/tracing.py)."""
+
+    tokenize_start: float = 0.0  # the tokenizer took the request
+    tokenize_end: float = 0.0  # ... and sent it to the core
+    core_arrival: float = 0.0  # the core took it (its queue begins)
+    scheduled: float = 0.0  # first scheduled (its prefill begins)
+    first_token: float = 0.0  # the core built its first output (the prefill's end)
+    detokenize_start: float = 0.0  # the detokenizer took its first output
+    last_output: float = 0.0  # ... took its last one (the decode's end)
+    detokenize_end: float = 0.0  # ... sent its final delta
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     req_id: str  # the client's request id
     sample_index: int
@@ -246,6 +265,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     queue_time_s: float = 0.0  # arrival to first scheduled, on a request's first output
     embedding: list[float] | None = None  # an embeddings request's answer
     cumulative_logprob: float | None = None  # a beam-search hypothesis' (all its tokens)
+    timing: RequestTiming | None = None  # a traced request's, on sample 0's first output
 
 
 class CachePin(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -306,6 +326,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # the core aborts its requests (`ClientGone`).
     client_id: int = 0
     options: RequestOptions = NO_OPTIONS
+    timing: RequestTiming | None = None  # traced: the tokenizer's stamps so far
 
 
 # ==== the serving processes ==================================================================
@@ -346,6 +367,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     chat_template_kwargs: dict[str, Any] | None = None
     # The last message left open for the model to continue (zllm/text/continue_final.py).
     continue_final_message: bool = False
+    timing: RequestTiming | None = None  # set (empty) when the request is traced
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):
@@ -509,6 +531,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     queue_time_s: float = 0.0
     embedding: list[float] | None = None
     cumulative_logprob: float | None = None
+    timing: RequestTiming | None = None  # a traced request's, on its final delta
 
 
 class FrontendBatch(msgspec.Struct, array_like=True, gc=False, tag=5):

@@ -187,6 +187,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # OpenTelemetry: where the frontend exports one span tree per request (OTLP over HTTP,
+    # frontend/tracing.py); None: no tracing, and no process imports OpenTelemetry.
+    otlp_traces_endpoint: str | None = None
     # Which engine a core or executor process belongs to (the supervisor's command line
     # sets it; the shared processes keep 0 and look at every engine).
     engine_index: int = 0
@@ -388,6 +391,13 @@ class ServerArgs:
         "checked when given, 2 required (needs --ssl-ca-certs)",
         choices=(0, 1, 2),
     )
+    otlp_traces_endpoint: str | None = option(
+        None,
+        help="OpenTelemetry: export a span per request (with queue, tokenize, prefill, "
+        "decode and detokenize spans under it) to this OTLP/HTTP traces URL, e.g. "
+        "http://127.0.0.1:4318/v1/traces; a client's traceparent header is honoured "
+        "(needs zllm[tracing])",
+    )
 
 
 # ServerArgs fields that serve_config_from resolves rather than copies.
@@ -419,6 +429,8 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     check_template_kwargs(
         server.default_chat_template_kwargs or {}, "--default-chat-template-kwargs"
     )
+    if server.otlp_traces_endpoint is not None:
+        check_tracing_installed()
     if set(server.metrics_api_key) & set(server.api_key):
         raise ValueError("a --metrics-api-key must not also be an --api-key (a tenant's)")
     n = server.detokenizer_workers
@@ -450,6 +462,20 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         metrics_api_keys=list(server.metrics_api_key),
         **copied,
     )
+
+
+def check_tracing_installed() -> None:
+    """--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter: say so
+    at startup, not in the frontend's first request. (Finds them without importing them.)"""
+    import importlib.util
+
+    for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"--otlp-traces-endpoint needs {module}: pip install 'zllm[tracing]'")
 
 
 def prefix_cache_isolation(engine: EngineConfig, server: ServerArgs) -> str:
