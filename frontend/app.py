@@ -366,10 +366,17 @@ class OpenAIServer:
             continue_final = options.continue_final_message(
                 body.continue_final_message, body.add_generation_prompt
             )
+            if body.chat_template is not None and not self.config.trust_request_chat_template:
+                raise RequestError(  # as chat completions answers (frontend/openai_api.py)
+                    "This server does not accept a chat_template in requests "
+                    "(start it with --trust-request-chat-template to allow it).",
+                    param="chat_template",
+                )
             try:
                 text = self.tokenizer.apply_chat_template(
                     chat_messages(body.messages),
                     add_generation_prompt=body.add_generation_prompt,
+                    chat_template=body.chat_template,
                     continue_final_message=continue_final,
                     **kwargs,
                 )

@@ -376,6 +376,11 @@ def test_body_size_limit(limited):
             {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"},
             "chat_template",
         ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 7 * 7 }}"},
+            "chat_template",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": 3, "content": "hi"}]}, "messages[0].role"),
     ],
 )

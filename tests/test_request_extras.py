@@ -76,6 +76,7 @@ def served(tmp_path_factory):
         "tiny",
         "--max-model-len",
         str(MAX_MODEL_LEN),
+        "--trust-request-chat-template",
     )
     try:
         yield server, load_tokenizer(str(model))
@@ -395,3 +396,19 @@ def test_reasoning_effort_reaches_the_template(served) -> None:
         },
     )
     assert error_of(r, 400)["param"] == "reasoning_effort"
+
+
+@pytest.mark.e2e
+def test_a_requests_chat_template_renders_in_tokenize_as_in_chat(served) -> None:
+    """With --trust-request-chat-template, /tokenize renders a body's `chat_template` as chat
+    completions does (it was ignored there: the model's own template rendered)."""
+    server, tokenizer = served
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    messages = [{"role": "user", "content": "What is it?"}]
+    want = tokenizer.encode("<<What is it?>>", add_special_tokens=False)
+    body = {"messages": messages, "chat_template": template}
+    assert server.post("/tokenize", body).json()["tokens"] == want
+    chat = openai_client(server).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=2, extra_body={"chat_template": template}
+    )
+    assert chat.usage.prompt_tokens == len(want)
