@@ -42,6 +42,7 @@ import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.kv_pool import KVPool
+from zllm.kv.block_hash import BlockHash
 from zllm.kv.tier_key import read_key
 from zllm.kv.tiers import (
     FILE_FORMAT_VERSION,
@@ -55,8 +56,6 @@ from zllm.kv.tiers import (
 from zllm.protocol import KVTransfers
 
 logger = logging.getLogger(__name__)
-
-BlockHash = int
 
 # A block file: this header, then the block's bytes. The MAC covers the header before it and
 # the bytes: HMAC-SHA256 under the tier's key.

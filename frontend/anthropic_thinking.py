@@ -124,4 +124,7 @@ class ThinkingSigner:
         return base64.b64encode(digest).decode()
 
     def verify(self, thinking: str, signature: str | None) -> bool:
-        return signature is not None and hmac.compare_digest(self.sign(thinking), signature)
+        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, a 500).
+        if signature is None:
+            return False
+        return hmac.compare_digest(self.sign(thinking).encode(), signature.encode())

@@ -112,8 +112,11 @@ def parse_line(line: str) -> BatchRequest:
 class BatchRunner:
     """Answers batch lines through the server's app (`build_app`), in this process."""
 
-    def __init__(self, app: Any, api_key: str | None = None) -> None:
+    def __init__(self, app: Any, api_key: str | None = None, max_in_flight: int = 256) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Lines sent at once, at most: the server's admission limit (a line past it would only
+        # come back 503 and be sent again, over and over, taking time from those admitted).
+        self._slots = asyncio.Semaphore(max_in_flight)
         transport = httpx.ASGITransport(app=app)
         self.http = httpx.AsyncClient(
             transport=transport, base_url="http://run-batch", headers=headers, timeout=None
@@ -130,11 +133,12 @@ class BatchRunner:
         except LineError as e:
             return BatchOutput(output_id, e.custom_id, None, BatchError(e.code, str(e)))
         request_id = f"req_{uuid.uuid4().hex}"
-        self.in_flight += 1
-        try:
-            r = await self._post(request, request_id)
-        finally:
-            self.in_flight -= 1
+        async with self._slots:
+            self.in_flight += 1
+            try:
+                r = await self._post(request, request_id)
+            finally:
+                self.in_flight -= 1
         body = _json_or_text(r)
         response = BatchResponse(r.status_code, request_id, body)
         return BatchOutput(output_id, request.custom_id, response, _error_of(r.status_code, body))
@@ -201,20 +205,23 @@ async def run_batch(
     Returns how many lines failed."""
     lines = read_lines(input_path)
     tokenizer = load_tokenizer(config.engine.model_path, config.chat_template)
-    llm = await AsyncLLM.start_with(config)
-    runner = BatchRunner(
-        build_app(config, llm.client, tokenizer), config.api_keys[0] if config.api_keys else None
-    )
-    bar = _progress_bar(len(lines)) if progress else None
+    # Opened before the engine starts: a bad path fails with nothing to stop.
     out = sys.stdout if output_path == "-" else open(output_path, "w", encoding="utf-8")
-    try:
+    llm = await AsyncLLM.start_with(config)
+    runner, bar = None, None
+    try:  # from here on, whatever fails, the engine's processes are stopped
+        api_key = config.api_keys[0] if config.api_keys else None
+        app = build_app(config, llm.client, tokenizer)
+        runner = BatchRunner(app, api_key, config.max_in_flight)
+        bar = _progress_bar(len(lines)) if progress else None
         failed = await answer_lines(runner, lines, out, bar)
     finally:
         if out is not sys.stdout:
             out.close()
         if bar is not None:
             bar.close()
-        await runner.close()
+        if runner is not None:
+            await runner.close()
         await llm.shutdown()
     logger.info("run-batch: %d lines, %d failed", len(lines), failed)
     return failed

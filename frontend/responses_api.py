@@ -219,7 +219,7 @@ def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
         "tool_choice": tool_choice,
         "tools": [msgspec.to_builtins(t) for t in req.tools or []],
         "text": {"format": text_format},
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "truncation": "disabled",
     }
 

@@ -78,6 +78,7 @@ def test_signer_key_is_made_owner_only_and_kept(tmp_path, monkeypatch) -> None:
     assert ThinkingSigner.of(None).sign("x") == first.sign("x")  # kept across restarts
     assert first.verify("x", first.sign("x")) and not first.verify("y", first.sign("x"))
     assert not first.verify("x", None)
+    assert not first.verify("x", "\u00e9" * 44)  # not ASCII: refused, not a TypeError (a 500)
 
 
 # ---- through the server -------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_signatures_sent_back_are_checked(served) -> None:
     )
     assert prompt_tokens(valid) == prompt_tokens(without)
 
-    for signature in (signature_of(key, thinking.thinking + " "), "", None):
+    for signature in (signature_of(key, thinking.thinking + " "), "", "\u00e9", None):
         tampered = [{**turn[0], "signature": signature}, *turn[1:]]
         if signature is None:
             del tampered[0]["signature"]

@@ -315,6 +315,19 @@ def test_qwen3_xml(label, text, content, calls) -> None:
         assert streamed_calls("qwen3_xml", chunks, QWEN_TOOLS) == (content, calls), chunks
 
 
+def test_qwen3_xml_reads_values_under_any_schema_a_client_sends() -> None:
+    """Schemas are the client's: odd `type` and `enum` shapes leave the value a string (never
+    a crash mid-stream), and NaN is not read as a number (its JSON would be invalid)."""
+    from zllm.text.qwen3_xml_tool_parser import read_value
+
+    assert read_value("1", {"type": [{"x": 1}]}) == 1  # (no usable type: read as JSON)
+    assert read_value("a", {"type": {"x": 1}}) == "a"
+    assert read_value("a", {"enum": "abc"}) == "a"
+    assert read_value("2", {"type": ["integer", {}]}) == 2
+    assert read_value("NaN", {"type": "object"}) == "NaN"
+    assert read_value("NaN", {"type": "number"}) == "NaN"
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
     [

@@ -143,10 +143,12 @@ def read_value(raw: str, schema: dict[str, Any] | None) -> Any:
     the text does not read as that type."""
     if schema is None:
         return raw
+    # A client's schema may be anything: only string type names count, only a list enum.
     kinds = schema.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
-    if not kinds and "enum" in schema:
-        for option in schema["enum"]:
+    kinds = {k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)}
+    enum = schema.get("enum")
+    if not kinds and isinstance(enum, list):
+        for option in enum:
             if raw == (option if isinstance(option, str) else json.dumps(option)):
                 return option
         return raw
@@ -172,7 +174,9 @@ def read_value(raw: str, schema: dict[str, Any] | None) -> Any:
                 return int(number) if re.fullmatch(r"-?\d+", text) else number
     if kinds & {"object", "array"} or not kinds:
         try:
-            return json.loads(text)
+            value = json.loads(text)
+            json.dumps(value, allow_nan=False)  # NaN, Infinity: not JSON arguments
+            return value
         except ValueError:
             pass
         try:
