@@ -145,6 +145,7 @@ SERVER_ARGV = [
     "--ssl-certfile", "SSL_CERT",
     "--ssl-ca-certs", "SSL_CA",
     "--ssl-cert-reqs", "2",
+    "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces",
 ]  # fmt: skip
 
 ENGINE_COMMANDS = [
@@ -275,6 +276,7 @@ def test_serve_flags_make_the_serve_config(tiny_llama_dir, tmp_path):
         ssl_certfile=str(tls["SSL_CERT"]),
         ssl_ca_certs=str(tls["SSL_CA"]),
         ssl_cert_reqs=2,
+        otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces",
     )
     assert config.endpoints.ipc_dir is None
     assert len(config.endpoints.detokenizer_in) == 3
