@@ -27,8 +27,8 @@ from zllm.frontend.anthropic_api import (
     CountTokensResponse,
     MessagesCall,
     MessagesRequest,
-    MessagesResponse,
 )
+from zllm.frontend.anthropic_output import MessagesResponse
 from zllm.frontend.api_models import (
     ChatCompletionRequest,
     ChatCompletionResponse,
