@@ -82,14 +82,7 @@ class PythonicToolParser(ScanningToolParser):
 
     def _after(self, out: ParsedDelta, final: bool) -> bool:
         """After the list: its closing tag is dropped; any other text is content."""
-        at = _skip(self.text, self.pos)
-        rest = self.text[at:]
-        if rest.startswith(CLOSE):
-            self.pos = at + len(CLOSE)
-        elif not final and CLOSE.startswith(rest):
-            return False
-        self.state = "content"
-        return True
+        return self._drop_closing_tag(self.pos, CLOSE, final)
 
     def _content(self, out: ParsedDelta, final: bool) -> bool:
         out.content += self.text[self.pos :]

@@ -116,16 +116,7 @@ class Qwen3XmlToolParser(ScanningToolParser):
         return True
 
     def _closing(self, out: ParsedDelta, final: bool) -> bool:
-        at = self.cursor
-        while at < len(self.text) and self.text[at] in _SPACE:
-            at += 1
-        rest = self.text[at:]
-        if rest.startswith(CLOSE):
-            self.pos = at + len(CLOSE)
-        elif not final and CLOSE.startswith(rest):
-            return False
-        self.state = "content"
-        return True
+        return self._drop_closing_tag(self.cursor, CLOSE, final)
 
     def _end_call(self, out: ParsedDelta, settled: int) -> None:
         out.tool_calls.append(ToolCallDelta(self.index, arguments="}"))

@@ -89,6 +89,19 @@ class ScanningToolParser:
         self.pos, self.cursor, self.state = start, start + len(tag), "opened"
         return True
 
+    def _drop_closing_tag(self, at: int, tag: str, final: bool) -> bool:
+        """After the calls: from `at`, past spaces, drop `tag` if it is there, wait while the
+        text may still grow into it; then on to state "content" (the rest is content)."""
+        while at < len(self.text) and self.text[at] in " \t\r\n":
+            at += 1
+        rest = self.text[at:]
+        if rest.startswith(tag):
+            self.pos = at + len(tag)
+        elif not final and tag.startswith(rest):
+            return False
+        self.state = "content"
+        return True
+
 
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
