@@ -21,7 +21,7 @@ import typing
 import jsonschema
 import pytest
 from servers import start_server, stop_server
-from test_tools import CALL_TOKENS, THINK_TEMPLATE, TOOLS, TOOLS_TEMPLATE
+from test_tools import CALL_TOKENS, TOOLS, TOOLS_TEMPLATE, start_think_server
 from tiny_models import write_tiny_model
 
 from zllm.frontend.responses_api import ResponsesRequest, echoed_settings
@@ -263,17 +263,7 @@ def test_text_format_is_enforced(tools_server) -> None:
 
 @pytest.mark.e2e
 def test_reasoning_items(tmp_path) -> None:
-    model = write_tiny_model(
-        tmp_path / "think", chat_template=THINK_TEMPLATE, extra_tokens=["<think>", "</think>"]
-    )
-    server = start_server(
-        str(model),
-        tmp_path / "server.log",
-        "--reasoning-parser",
-        "deepseek_r1",
-        "--served-model-name",
-        "tiny",
-    )
+    _, server = start_think_server(tmp_path)
     try:
         client = client_of(server)
         # The template opens the think block and a random model never closes it: all of the

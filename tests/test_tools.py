@@ -413,8 +413,9 @@ def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
 # Reasoning
 
 
-@pytest.mark.e2e
-def test_reasoning_is_separated_and_structure_follows_it(tmp_path) -> None:
+def start_think_server(tmp_path):
+    """A tiny model whose template opens a think block, served with the deepseek_r1 reasoning
+    parser as "tiny": (its directory, the server)."""
     model = write_tiny_model(
         tmp_path / "think", chat_template=THINK_TEMPLATE, extra_tokens=["<think>", "</think>"]
     )
@@ -426,6 +427,12 @@ def test_reasoning_is_separated_and_structure_follows_it(tmp_path) -> None:
         "--served-model-name",
         "tiny",
     )
+    return model, server
+
+
+@pytest.mark.e2e
+def test_reasoning_is_separated_and_structure_follows_it(tmp_path) -> None:
+    model, server = start_think_server(tmp_path)
     try:
         client = client_of(server)
         think_end = load_tokenizer(str(model)).encode("</think>", add_special_tokens=False)
