@@ -133,6 +133,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             check(value is None or value >= 0, name, f"{name} must be non-negative, got {value}.")
         check(all(self.stop), "stop", "stop strings must not be empty.")
+        self._validate_token_rules(check)
+        self._validate_beam_search(check)
+
+    def _validate_token_rules(self, check) -> None:
+        """The fields that name token ids (masks, bans, biases, stops, the thinking budget)
+        and the prompt truncation."""
         allowed = self.allowed_token_ids
         check(
             allowed is None or (bool(allowed) and all(t >= 0 for t in allowed)),
@@ -176,7 +182,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             "thinking_budget",
             "thinking_budget needs max_tokens >= 0 and the end marker's token ids.",
         )
-        self._validate_beam_search(check)
 
     def _validate_beam_search(self, check) -> None:
         check(
