@@ -11,7 +11,8 @@
 #   serve        zllm serve (SmolLM2, bf16) under zllm bench serve at concurrency 1/32/64/256,
 #                with GPU utilization sampled by nvidia-smi every 100 ms
 #   serve-shape  the same shape with random weights (no model transfer needed), c = 1 and
-#                64, with the GPU's idle share between steps from CUDA events
+#                64, with the GPU's idle share between steps from CUDA events, once with the
+#                asynchronous executor and once without (ASYNC_MODES="on off")
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
@@ -57,8 +58,12 @@ write_tiny_model(Path("/tmp/smollm2-shape"), hidden_size=576, intermediate_size=
                  num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                  max_position_embeddings=2048, initializer_range=0.02)
 PY
-    zllm serve /tmp/smollm2-shape --port 8124 > "$OUT/serve-shape.log" 2>&1 &
-    python3 - <<'PY'
+    # Once per executor mode (ASYNC_MODES, default "on off"): the asynchronous executor
+    # (launch N+1 before N's tokens reach the host) against one step at a time.
+    for mode in ${ASYNC_MODES:-on off}; do
+      zllm serve /tmp/smollm2-shape --port 8124 --async-executor $mode \
+        > "$OUT/serve-shape-$mode.log" 2>&1 &
+      python3 - <<'PY'
 import time, urllib.request
 for _ in range(240):
     try:
@@ -67,13 +72,15 @@ for _ in range(240):
     except Exception:
         time.sleep(0.5)
 PY
-    for c in 1 64; do
-      n=$(( c < 16 ? 32 : 4 * c ))
-      timeout 150 zllm bench serve --base-url http://127.0.0.1:8124 --concurrency $c \
-        --num-prompts $n --input-len 128 --output-len 128 --vocab-size 400 \
-        --output-json "$OUT/serve-shape-c$c.json" 2>&1 | tail -32
-    done 2>&1 | tee "$OUT/serve-shape-bench.log"
-    kill %1; wait ;;
+      for c in 1 64; do
+        n=$(( c < 16 ? 32 : 4 * c ))
+        echo "--- async executor $mode, concurrency $c"
+        timeout 150 zllm bench serve --base-url http://127.0.0.1:8124 --concurrency $c \
+          --num-prompts $n --input-len 128 --output-len 128 --vocab-size 400 \
+          --output-json "$OUT/serve-shape-$mode-c$c.json" 2>&1 | tail -34
+      done 2>&1 | tee -a "$OUT/serve-shape-bench.log"
+      kill %1; wait
+    done ;;
   serve)
     section "$step"
     zllm serve smollm2 --port 8123 > "$OUT/serve.log" 2>&1 &

@@ -424,6 +424,7 @@ class EngineCore:
         s.executor_forward_s += output.forward_time_s
         s.executor_sample_s += output.sample_time_s
         s.gpu_idle_s += output.gpu_idle_time_s
+        s.num_overlapped_steps += output.overlapped
         if output.stage_idle_s and s.stages is not None:
             # (A new section: the heartbeat thread may be encoding the old one.)
             s.stages = StageStats(

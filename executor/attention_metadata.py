@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from zllm.executor.host_to_device import to_device
+
 # The longest run of new tokens after cached context that attends as decode rows (one per
 # token) rather than as a prefill chunk: a verify step of up to 16 proposals plus its token.
 MAX_QUERY_AS_DECODE = 17
@@ -100,10 +102,6 @@ class StepLayout:
                 f"slot_mapping has {slots.shape[0]} slots for {query_start[-1]} tokens"
             )
         return cls(q_lens, ctx_lens, table_lens, query_start, slots)
-
-
-def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    return torch.from_numpy(array).to(device)
 
 
 def context_slots(table: list[int] | np.ndarray, context_len: int, block_size: int) -> np.ndarray:

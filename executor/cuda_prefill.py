@@ -43,6 +43,7 @@ from zllm.executor.cuda_kernels import (
     _ptr,
     check_query,
 )
+from zllm.executor.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ class PrefillBatch:
             rows = np.concatenate([seqs.ravel(), tiles.ravel()]).astype(np.int32)
             tables = padded_tables(self.block_tables, self.context_lens, self.block_size)
             self._kernel = KernelInputs(
-                torch.from_numpy(rows).to(self.device, non_blocking=True),
-                torch.from_numpy(tables).to(self.device, non_blocking=True),
+                to_device(rows, self.device),
+                to_device(tables, self.device),
                 num_seqs,
                 len(tiles),
             )
@@ -175,15 +176,14 @@ class PrefillBatch:
                 rows.append(np.arange(first, first + q_len, dtype=np.int64))
                 key_lens.append(ctx_len - first_key)
 
-            def device(array: np.ndarray) -> torch.Tensor:
-                return torch.from_numpy(array).to(self.device, non_blocking=True)
-
             def cumulative(lens) -> torch.Tensor:
-                return device(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+                return to_device(
+                    np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), self.device
+                )
 
             self._flash = FlashInputs(
-                query_rows=device(np.concatenate(rows)),
-                key_slots=device(np.concatenate(slots)),
+                query_rows=to_device(np.concatenate(rows), self.device),
+                key_slots=to_device(np.concatenate(slots), self.device),
                 cu_queries=cumulative(self.query_lens),
                 cu_keys=cumulative(key_lens),
                 max_queries=int(self.query_lens.max()),

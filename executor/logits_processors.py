@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
 from zllm.executor.structured_output import allocate_bitmask, apply_bitmask
 from zllm.text.bad_words import banned_next
@@ -52,8 +53,8 @@ class LogitBias:
                 biases.append(bias)
         if row_index:
             dev = logits.device
-            index = (torch.tensor(row_index, device=dev), torch.tensor(cols, device=dev))
-            values = torch.tensor(biases, dtype=logits.dtype, device=dev)
+            index = (to_device(row_index, dev, torch.int64), to_device(cols, dev, torch.int64))
+            values = to_device(biases, dev, logits.dtype)
             logits.index_put_(index, values, accumulate=True)
 
 
@@ -64,7 +65,7 @@ class AllowedTokens:
         for i, st in enumerate(rows.logits_states):
             allowed = st.sampling_params.allowed_token_ids
             if allowed:
-                index = torch.tensor(allowed, device=logits.device)
+                index = to_device(allowed, logits.device, torch.int64)
                 kept = logits[i, index]
                 logits[i] = float("-inf")
                 logits[i, index] = kept
@@ -93,7 +94,10 @@ class BadWords:
             i += len(drafts) + 1
         if banned_rows:
             dev = logits.device
-            index = (torch.tensor(banned_rows, device=dev), torch.tensor(banned_tokens, device=dev))
+            index = (
+                to_device(banned_rows, dev, torch.int64),
+                to_device(banned_tokens, dev, torch.int64),
+            )
             logits[index] = float("-inf")
 
 
@@ -146,9 +150,9 @@ class ThinkingBudgetEnd:
             i += len(drafts) + 1
         if forced_rows:
             dev = logits.device
-            index = torch.tensor(forced_rows, device=dev)
+            index = to_device(forced_rows, dev, torch.int64)
             logits[index] = float("-inf")
-            logits[index, torch.tensor(forced_tokens, device=dev)] = 0.0
+            logits[index, to_device(forced_tokens, dev, torch.int64)] = 0.0
 
 
 class BannedTokens:

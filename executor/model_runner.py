@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import EngineConfig
+from zllm.executor.async_steps import LaunchedStep, copy_to_host
 from zllm.executor.fused_decode import FusedDecode
 from zllm.executor.kv_connector import KVTiers
 from zllm.executor.lora.manager import LoRAManager
@@ -206,68 +207,122 @@ class ModelRunner:
             st.grammar = self.grammars.matcher(params, st.eos_token_ids, st.output_token_ids)
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """One step: apply the changes, run the forward, sample for the requests that are due.
-        A pipeline stage before the last runs its layers, passes them on, and returns None.
+    @property
+    def can_overlap_steps(self) -> bool:
+        """Whether steps may be launched over an unfinished one (async_steps.py): one rank
+        (the ranks would have to agree on every overlap) and no speculation (a proposer reads
+        each step's tokens on the host)."""
+        return not self.tp.enabled and not self.pp.enabled and self.host.proposer is None
 
-        Timed in three parts (inputs, forward, logits + sampling + output) for /metrics.
-        """
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step, start to finish. A pipeline stage before the last runs its layers,
+        passes them on, and returns None."""
+        launched = self.launch(so)
+        return None if launched is None else self.finish(launched)
+
+    @torch.inference_mode()
+    def launch(
+        self, so: SchedulerOutput, pending: LaunchedStep | None = None
+    ) -> LaunchedStep | None:
+        """Apply the step's changes, build its inputs and queue its forward and sampling; on a
+        GPU the sampled ids are then on their way to pinned host memory. `pending`: a step
+        launched before and not finished yet (the asynchronous executor): tokens it sampled
+        for this step's requests are read from the device. None: a pipeline stage before the
+        last passed the step on.
+
+        Timed in three parts (inputs, forward, logits + sampling + output) for /metrics; on a
+        GPU the forward is only enqueued, so its time lands in finish's wait."""
         step_start = time.perf_counter()
-        idle_s = 0.0 if so.after_no_work else step_start - self._step_end
+        idle_s = 0.0 if so.after_no_work or pending is not None else step_start - self._step_end
+        launched = LaunchedStep(so, step_start=step_start)
         try:
-            return self._execute(so, step_start, idle_s)
+            return self._launch(launched, idle_s, pending)
         finally:
             self._step_end = time.perf_counter()
 
-    def _execute(
-        self, so: SchedulerOutput, step_start: float, idle_s: float
-    ) -> ModelRunnerOutput | None:
+    def _launch(
+        self, launched: LaunchedStep, idle_s: float, pending: LaunchedStep | None
+    ) -> LaunchedStep | None:
+        so = launched.so
         if self.asleep:
             if so.total_num_scheduled_tokens or so.new_requests:
                 raise RuntimeError("the engine is asleep: wake it up before running steps")
-            return ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
-        failed = self._update_states(so)
-        scheduled, load_failures = self._transfer_kv(so)
+            launched.output = ModelRunnerOutput(
+                step_id=so.step_id, req_ids=[], sampled_token_ids=[]
+            )
+            return launched
+        launched.failed = self._update_states(so)
+        scheduled, launched.load_failures = self._transfer_kv(so)
         if not any(req_id in self.requests for req_id in so.num_scheduled_tokens):
             if self.stage is not None:  # (a prefetch's loads: the failures go down alone)
                 self.stage.pass_failures()
             if not self.pp.is_last:  # (every stage holds the same states: none runs it)
                 return None
-            return ModelRunnerOutput(
+            launched.output = ModelRunnerOutput(
                 step_id=so.step_id,
                 req_ids=[],
                 sampled_token_ids=[],
-                failed=failed,
-                kv_load_failed=self._kv_load_failed(load_failures),
+                failed=launched.failed,
+                kv_load_failed=self._kv_load_failed(launched.load_failures),
             )
-        inputs = prepare_inputs(self.host, self.requests, so, scheduled)
-        forward_start = time.perf_counter()
-        gpu_start = self._gpu_clock.record()
-        hidden, stage_times = self._forward(inputs, idle_s, step_start)
+            return launched
+        pending_tokens = None if pending is None else pending.pending_tokens()
+        launched.inputs = inputs = prepare_inputs(
+            self.host, self.requests, so, scheduled, pending_tokens
+        )
+        launched.forward_start = time.perf_counter()
+        launched.gpu_start = self._gpu_clock.record()
+        hidden, launched.stage_times = self._forward(inputs, idle_s, launched.step_start)
         if hidden is None:
             self._send_kv(so)  # this stage's layers' part of the blocks its forward wrote
             return None  # passed on to the next stage
-        # On a GPU the forward is only enqueued here; its time then lands in sampling's wait.
-        forward_end = time.perf_counter()
-        prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)
-        pooled = pool_embeddings(inputs, hidden, self.config.pooling)
-        rows = self.sampling.choose_rows(inputs, so)
-        sampled = self.sampling.sample(rows, hidden) if rows.requests else None
-        gpu_end = self._gpu_clock.record()  # before pack waits for the results
-        output = self.sampling.pack(so.step_id, rows, sampled, prompt_logprobs)
-        output.gpu_idle_time_s = self._gpu_clock.idle_before(gpu_start, gpu_end, so.after_no_work)
-        output.pooled = pooled
-        output.failed = failed
-        output.kv_load_failed = self._kv_load_failed(load_failures)
+        launched.forward_end = time.perf_counter()
+        launched.prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)
+        launched.pooled = pool_embeddings(inputs, hidden, self.config.pooling)
+        launched.rows = rows = self.sampling.choose_rows(inputs, so)
+        if rows.requests:
+            sampled = self.sampling.sample(rows, hidden)
+            launched.device_token_ids = sampled.sampled_token_ids
+            launched.sampled = copy_to_host(sampled)
+            for st in rows.requests:
+                st.num_pending += 1  # until finish appends it
+        launched.gpu_end = self._gpu_clock.record()
+        launched.ready = self._gpu_clock.record()  # after the copies to the host
+        launched.launched_end = time.perf_counter()
+        return launched
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids on the host, append them to their requests
+        and pack the step's output (proposals and KV sends after)."""
+        if launched.output is not None:
+            return launched.output
+        finish_start = time.perf_counter()
+        so, rows, inputs = launched.so, launched.rows, launched.inputs
+        assert rows is not None and inputs is not None
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        for st in rows.requests:
+            st.num_pending -= 1
+        output = self.sampling.pack(so.step_id, rows, launched.sampled, launched.prompt_logprobs)
+        output.gpu_idle_time_s = self._gpu_clock.idle_before(
+            launched.gpu_start, launched.gpu_end, so.after_no_work
+        )
+        output.pooled = launched.pooled
+        output.failed = launched.failed
+        output.kv_load_failed = self._kv_load_failed(launched.load_failures)
         if self.host.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
         # After the proposer, whose catch-up writes a draft model's part of the blocks.
         self._send_kv(so)
-        output.prepare_time_s = forward_start - step_start
-        output.forward_time_s = forward_end - forward_start
-        output.sample_time_s = time.perf_counter() - forward_end
-        if stage_times is not None:
+        output.prepare_time_s = launched.forward_start - launched.step_start
+        output.forward_time_s = launched.forward_end - launched.forward_start
+        # Sampling's launch and this finish; not the other steps launched in between.
+        output.sample_time_s = (
+            launched.launched_end - launched.forward_end + time.perf_counter() - finish_start
+        )
+        if launched.stage_times is not None:
+            stage_times = launched.stage_times
             stage_times[-1, 1] += output.sample_time_s  # this stage's busy time: all of it
             output.stage_idle_s, output.stage_busy_s = stage_times.T.tolist()
         return output

@@ -1,7 +1,8 @@
 """The offline `LLM`'s executors (core/executors.py's protocol): a ModelRunner in the
 caller's process, alone or as rank 0 of rank processes it starts.
 
-    InProcessExecutor     one rank: each step runs inside `submit`
+    InProcessExecutor     one rank: each step runs inside `submit` (with the asynchronous
+                          executor: launched there, finished at the next submit or poll)
     RankProcessExecutor   N ranks (tensor x pipeline parallel): `submit` passes the step to
                           ranks 1..N-1 and runs rank 0's part here; with pipeline stages the
                           last stage answers over a socket, so submit returns before the step
@@ -15,24 +16,31 @@ import weakref
 from collections import deque
 
 from zllm.config.engine import EngineConfig
+from zllm.executor.async_steps import StepPipeline, run_step
 from zllm.executor.model_runner import ModelRunner
-from zllm.executor.ranks import RankProcesses, join_ranks, run_step
+from zllm.executor.ranks import RankProcesses, join_ranks
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 
 
 class InProcessExecutor:
-    runs_ahead = False
+    """One rank here. With the asynchronous executor (`async_executor`) a step is launched
+    in `submit` and finished when the next one is launched or its output is polled, so the
+    engine core keeps two steps out (`runs_ahead`); else each runs whole inside `submit`."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.pipeline = StepPipeline(runner, runner.config.async_executor)
+        self.runs_ahead = self.pipeline.overlap
         self.outputs: deque[ModelRunnerOutput] = deque()
 
     def submit(self, step: SchedulerOutput) -> None:
-        output = run_step(self.runner, step)
-        assert output is not None, "one rank answers every step"
-        self.outputs.append(output)
+        outputs = self.pipeline.run(step)
+        assert outputs or self.pipeline.pending, "one rank answers every step"
+        self.outputs.extend(outputs)
 
     def poll(self, timeout_s: float | None) -> ModelRunnerOutput | None:
+        if not self.outputs:
+            self.outputs.extend(self.pipeline.drain())
         return self.outputs.popleft() if self.outputs else None
 
     def close(self) -> None:

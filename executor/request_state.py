@@ -46,6 +46,9 @@ class RequestState:
     lora_int_id: int | None = None  # its LoRA adapter (None: the base model)
     # A thinking budget: where the output is in its reasoning (zllm/text/thinking_budget.py).
     thinking: ThinkingTracker | None = None
+    # Tokens sampled by launched steps and not appended yet: the asynchronous executor's
+    # next step reads them on the device (executor/async_steps.py).
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]

@@ -89,7 +89,8 @@ def choose_sample_rows(
     batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
     for st, end, token_end in batch:
         drafts = so.spec_token_ids.get(st.req_id, [])
-        if end != len(st.all_token_ids) + len(drafts) or st.sampling_params.embed:
+        known = len(st.all_token_ids) + st.num_pending  # (pending: sampled, still on the device)
+        if end != known + len(drafts) or st.sampling_params.embed:
             continue
         rows.requests.append(st)
         if drafts:

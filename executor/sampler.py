@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from zllm.executor.host_to_device import to_device
 from zllm.executor.logits_processors import SAMPLER_PROCESSORS, SamplerProcessor
 from zllm.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class SamplingMetadata:
 
     temperature: torch.Tensor  # float32 [B]; 0 means greedy for that row
     top_k: torch.Tensor | None  # int64 [B], 0 = disabled
+    max_top_k: int  # the largest of top_k (known on the host: no wait for the device)
     top_p: torch.Tensor | None  # float32 [B], 1.0 = disabled
     min_p: torch.Tensor | None  # float32 [B], 0 = disabled
     all_greedy: bool
@@ -82,14 +84,14 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, device, torch.float32)
 
         temperature = floats([0.0 if p.greedy else p.temperature for p in params])
         # top_k >= vocab_size keeps every token, the same as disabled.
         top_k_values = [p.top_k if p.top_k < vocab_size else 0 for p in params]
         top_k = None
         if any(top_k_values):
-            top_k = torch.tensor(top_k_values, dtype=torch.int64, device=device)
+            top_k = to_device(top_k_values, device, torch.int64)
         top_p = floats([p.top_p for p in params]) if any(p.top_p < 1.0 for p in params) else None
         min_p = floats([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None
 
@@ -100,6 +102,7 @@ class SamplingMetadata:
         return cls(
             temperature=temperature,
             top_k=top_k,
+            max_top_k=max(top_k_values),
             top_p=top_p,
             min_p=min_p,
             all_greedy=all(greedy),
@@ -234,7 +237,7 @@ def processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     if m.min_p is not None:
         apply_min_p(logits, m.min_p)
     if m.top_k is not None or m.top_p is not None:
-        apply_top_k_top_p(logits, m.top_k, m.top_p)
+        apply_top_k_top_p(logits, m.top_k, m.top_p, m.max_top_k)
     return logits.softmax(dim=-1)
 
 
@@ -249,9 +252,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int = 0,
 ) -> None:
-    """Keep each row's top-k, then its top-p nucleus of what is left, in place.
+    """Keep each row's top-k, then its top-p nucleus of what is left, in place. `max_top_k`:
+    the largest of top_k (read from the device when 0).
 
     Both filters keep a prefix of the row sorted by value, so each reduces to a per-row
     threshold value and the row keeps logits >= the larger of the two thresholds (ties at
@@ -262,7 +269,7 @@ def apply_top_k_top_p(
     neg_inf = float("-inf")
     if top_p is None:
         assert top_k is not None
-        max_k = min(int(top_k.max().item()), vocab_size)
+        max_k = min(max_top_k or int(top_k.max().item()), vocab_size)
         if max_k == 0:
             return
         top_values = logits.topk(max_k, dim=-1).values
@@ -362,7 +369,7 @@ def _penalty_tensors(
     use_repetition = any(r != 1.0 for r in repetition)
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(values, device, torch.float32)
 
     reads_output = use_presence or use_frequency or use_repetition
     return _PenaltyTensors(
@@ -383,7 +390,7 @@ def _banned_tokens(
     banned_pairs = [(row, tok) for row, toks in enumerate(banned) for tok in toks]
     if not banned_pairs:
         return None
-    pairs = torch.tensor(banned_pairs, dtype=torch.int64, device=device)
+    pairs = to_device(banned_pairs, device, torch.int64)
     return pairs[:, 0], pairs[:, 1]
 
 
@@ -395,4 +402,4 @@ def _pad_token_ids(
     padded = np.full((len(token_ids), max_len), vocab_size, dtype=np.int64)
     for row, ids in enumerate(token_ids):
         padded[row, : len(ids)] = ids
-    return torch.from_numpy(padded).to(device)
+    return to_device(padded, device)

@@ -21,11 +21,13 @@ import torch
 
 from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention_backend import StepAttentionMetadata
+from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
 from zllm.kv.cache_groups import KVCacheGroup
 from zllm.protocol import SchedulerOutput
 
 if TYPE_CHECKING:
+    from zllm.executor.async_steps import PendingTokens
     from zllm.executor.model_host import ModelHost
 
 
@@ -71,13 +73,17 @@ def prepare_inputs(
     requests: Mapping[str, RequestState],
     so: SchedulerOutput,
     scheduled_tokens: dict[str, int],
+    pending: PendingTokens | None = None,
 ) -> StepInputs:
     """The flat batch of the scheduled tokens, with slots and attention metadata. Requests
-    without a state (they failed to start) are left out."""
+    without a state (they failed to start) are left out. `pending`: the tokens a launched,
+    unfinished step sampled (async_steps.py); a request's token not yet on the host is
+    copied from there on the device."""
     states: list[RequestState] = []
     query_lens: list[int] = []
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
+    pending_slots: list[tuple[int, str]] = []  # (flat index, req_id): filled on the device
     scheduled = list(scheduled_tokens.items())
     if host.lora is not None:
         # Each adapter's rows side by side (a stable sort: the base first, then by id),
@@ -94,20 +100,29 @@ def prepare_inputs(
             input_ids.extend(st.all_token_ids[start : start + num - len(drafts)])
             input_ids.extend(drafts)
         else:
-            input_ids.extend(st.all_token_ids[start : start + num])
+            known = st.all_token_ids[start : start + num]
+            if len(known) < num:  # its last token is still on the device (st.num_pending)
+                assert pending is not None and len(known) + 1 == num, (st.req_id, start, num)
+                pending_slots.append((len(input_ids) + len(known), req_id))
+                known = [*known, 0]
+            input_ids.extend(known)
         states.append(st)
         query_lens.append(num)
     seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
     attn_metadata = build_attention_metadata(host, states, query_lens, seq_lens, positions)
     if host.lora is not None:
         host.lora.set_batch([st.lora_int_id for st in states], query_lens)
+    ids = to_device(input_ids, host.device, torch.int64)
+    if pending_slots:
+        assert pending is not None
+        pending.fill(ids, pending_slots)
     return StepInputs(
         states=states,
         query_lens=query_lens,
         seq_lens=seq_lens,
         token_ends=np.cumsum(query_lens),
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=host.device),
-        positions=torch.from_numpy(np.concatenate(positions)).to(host.device),
+        input_ids=ids,
+        positions=to_device(np.concatenate(positions), host.device),
         attn_metadata=attn_metadata,
     )
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from zllm.executor.host_to_device import to_device
 from zllm.executor.logits_processors import ROW_PROCESSORS, BannedTokens, RowProcessor
 from zllm.executor.request_state import RequestState
 from zllm.executor.sample_rows import ChildGenerators, SampleRows, choose_sample_rows
@@ -61,11 +62,11 @@ class StepSampler:
     def sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
         """One token per sampler row; logits are computed once per logits row, then repeated
         for the samples of an n > 1 request."""
-        logits = self.compute_logits(hidden[torch.as_tensor(rows.hidden_rows)])
+        logits = self.compute_logits(hidden[to_device(rows.hidden_rows, hidden.device)])
         for processor in self.processors:
             processor.apply(logits, rows)
         if len(rows.row_states) != len(rows.logits_states):
-            repeats = torch.tensor(rows.repeats, device=logits.device)
+            repeats = to_device(rows.repeats, logits.device, torch.int64)
             logits = torch.repeat_interleave(logits, repeats, dim=0)
         pairs = list(zip(rows.row_states, rows.row_num_prior, strict=True))
         # A verifying row sees the proposals before it as output (penalties, min_tokens).
@@ -86,7 +87,7 @@ class StepSampler:
         metadata.unseeded_generator = self.unseeded_generator
         drafts = None
         if rows.verifies:
-            drafts = torch.tensor(rows.row_drafts, dtype=torch.int64, device=self.device)
+            drafts = to_device(rows.row_drafts, self.device, torch.int64)
         return self.sampler(logits, metadata, drafts)
 
     def pack(

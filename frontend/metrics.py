@@ -308,6 +308,11 @@ _COUNTERS = (
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("zllm:engine_steps", "Steps the executor finished.", "num_steps"),
     (
+        "zllm:executor_overlapped_steps",
+        "Steps launched before the step ahead of them had finished (--async-executor).",
+        "num_overlapped_steps",
+    ),
+    (
         "zllm:executor_busy_seconds",
         "Seconds the executor spent computing steps.",
         "executor_busy_s",

@@ -553,6 +553,71 @@ def test_sleep_levels_free_the_gpu_and_wake_to_the_same_outputs(tiny_gpu_llama_d
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_async_executor_on_gpu_equals_one_step_at_a_time(tiny_gpu_llama_dir, enforce_eager):
+    """`--async-executor` (on by default for CUDA): greedy and seeded outputs equal to the
+    synchronous executor's on the same GPU, with most steps launched over the one before
+    (tokens fed on the device into graph replays and eager steps alike)."""
+    from zllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=5, max_tokens=32),
+        SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.3),
+    ] * 4
+    outs, overlapped = {}, {}
+    for mode in ("off", "on"):
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", async_executor=mode,
+                       enforce_eager=enforce_eager, max_num_batched_tokens=128)  # fmt: skip
+        prompts = engine_prompts(llm.config.arch.vocab_size, [3, 30, 90, 200] * 3, seed=8)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]  # fmt: skip
+        overlapped[mode] = llm.executor.pipeline.num_overlapped
+        solo = llm.generate(prompts[:1], params[0], use_tqdm=False)[0].outputs[0].token_ids
+        assert solo == outs[mode][0]
+        free_llm(llm)
+    assert outs["on"] == outs["off"]
+    assert overlapped["off"] == 0 and overlapped["on"] > 10
+
+
+def test_launching_a_step_over_a_pending_one_never_waits_for_the_gpu(tiny_gpu_llama_dir):
+    """While a step is pending, launching the next one must only queue work: any call that
+    synchronizes with the device (a blocking copy, .item(), .tolist()) would stall the host
+    until the pending step's kernels finish, undoing the overlap. CUDA's sync debug mode
+    turns such a call into an error, raised inside the launch that made it."""
+    from zllm import SamplingParams
+    from zllm.executor.model_runner import ModelRunner
+
+    launch = ModelRunner.launch
+    checked = []
+
+    def strict_launch(self, so, pending=None):
+        if pending is None:
+            return launch(self, so, pending)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(self, so, pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(so.step_id)
+
+    ModelRunner.launch = strict_launch
+    try:
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", dtype="bfloat16", async_executor="on")
+        vocab = llm.config.arch.vocab_size
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=1.0, top_p=0.8, min_p=0.01, max_tokens=24,
+                           logit_bias={5: 1.0}, ignore_eos=True),
+        ]  # fmt: skip
+        llm.generate(engine_prompts(vocab, [5, 50, 150], seed=9), params, use_tqdm=False)
+    finally:
+        ModelRunner.launch = launch
+    assert len(checked) > 10
+    free_llm(llm)
+
+
 def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
     """`zllm serve` on the GPU: all five process kinds up, chat and streaming through the
     openai client, greedy equal to the offline GPU engine."""

@@ -214,13 +214,16 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # prefetch), the core forgets them. With pipeline stages: every stage's, the union.
     kv_load_failed: list[tuple[int, bytes]] = []
     # Where the step's time went: input and attention metadata preparation, the model forward,
-    # logits + sampling + output (ModelRunner), and, filled by the executor process, the whole
-    # step (receive to send, decoding the message included) and the wait for it before.
+    # logits + sampling + output (ModelRunner); the time the step alone held the executor
+    # (launch to finish, less what overlapped the step before: executor/async_steps.py) and,
+    # in the executor process, the wait for it before.
     prepare_time_s: float = 0.0
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
     exec_time_s: float = 0.0
     idle_time_s: float = 0.0
+    # The asynchronous executor launched this step before the one ahead of it had finished.
+    overlapped: bool = False
     # On a GPU: how long it idled between the previous step's last kernel and this step's
     # first (CUDA events), the executor's own Python between steps included.
     gpu_idle_time_s: float = 0.0
@@ -647,6 +650,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     executor_forward_s: float = 0.0
     executor_sample_s: float = 0.0
     gpu_idle_s: float = 0.0  # ModelRunnerOutput.gpu_idle_time_s, summed (0 on CPU)
+    num_overlapped_steps: int = 0  # steps launched before the one ahead had finished
     core_schedule_s: float = 0.0  # in Scheduler.schedule
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
     num_blocks: int = 0

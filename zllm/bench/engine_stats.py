@@ -30,6 +30,7 @@ STEP_COUNTERS = {
     "schedule": "zllm:core_schedule_seconds_total",
     "core_output": "zllm:core_output_seconds_total",
     "gpu_idle": "zllm:gpu_idle_seconds_total",
+    "overlapped": "zllm:executor_overlapped_steps_total",
 }
 
 
@@ -102,8 +103,10 @@ def engine_cost(
     steps = c1.get("steps", 0.0) - c0.get("steps", 0.0)
     if steps > 0:
         delta = {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in STEP_COUNTERS if k != "steps"}
+        overlapped = delta.pop("overlapped")  # (a count, not seconds)
         busy_idle = delta["busy"] + delta["idle"]
         result["steps"] = int(steps)
+        result["overlapped_share"] = round(overlapped / steps, 4)
         result["per_step_ms"] = {k: round(v / steps * 1e3, 3) for k, v in delta.items()}
         result["executor_idle_share"] = round(delta["idle"] / busy_idle, 4) if busy_idle else None
         if delta.get("gpu_idle") and busy_idle:  # a GPU: its own idle share between steps

@@ -529,6 +529,8 @@ def format_table(s: dict[str, Any]) -> str:
             rows.append(("Executor idle share", f"{engine['executor_idle_share']:.1%}"))
         if engine.get("gpu_idle_share") is not None:
             rows.append(("GPU idle between steps (share)", f"{engine['gpu_idle_share']:.1%}"))
+        if engine.get("overlapped_share"):
+            rows.append(("Steps launched over the one before", f"{engine['overlapped_share']:.1%}"))
     for stage, share in enumerate(engine.get("pipeline_stage_idle_share") or []):
         if share is not None:
             rows.append((f"Pipeline stage {stage} idle share", f"{share:.1%}"))

@@ -210,6 +210,8 @@ class EngineConfig:
     # activations for decode-sized calls; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # Launch step N+1 before step N's tokens reach the host (executor/async_steps.py).
+    async_executor: bool = False
     # "auto": weights from the model's files; "dummy": random weights, no weight file read.
     load_format: str = "auto"
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers

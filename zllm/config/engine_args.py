@@ -181,6 +181,15 @@ class EngineArgs:
         choices=("auto", "dummy"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
+    async_executor: str = option(
+        "auto",
+        help="launch each step before the last one's sampled tokens reach the host, so the "
+        "executor's Python overlaps the GPU's kernels (tokens feed the next step on the "
+        "device); auto: on for CUDA, off on CPU (whose kernels run on the calling thread). "
+        "One rank, no speculative decoding; steps whose sampling reads the output on the host "
+        "(penalties, grammars, ...) run one at a time",
+        choices=("auto", "on", "off"),
+    )
     pooling: str = option(
         "mean",
         help="embeddings (/v1/embeddings, LLM.embed): pool the prompt's final hidden states "
@@ -336,6 +345,7 @@ class EngineArgs:
             device=device,
             quantization=self._check_quantization(device),
             enforce_eager=self.enforce_eager,
+            async_executor=self._async_executor(device),
             load_format=self.load_format,
             model_impl=impl.name,
             pooling=self.pooling,
@@ -454,6 +464,28 @@ class EngineArgs:
                 f"kernels); on {device} leave it unset (the model's dtype) or use none"
             )
         return self.quantization
+
+    def _async_executor(self, device: str) -> bool:
+        if self.async_executor == "off":
+            return False
+        if self.async_executor == "auto":
+            return (
+                device == "cuda"
+                and self.tensor_parallel_size * self.pipeline_parallel_size == 1
+                and not self.speculative_config
+            )
+        if self.speculative_config:
+            raise ValueError(
+                "--async-executor on cannot run with speculative decoding: the next step's "
+                "proposals are made from this step's tokens, which it would not wait for"
+            )
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--async-executor on runs one executor rank: with several ranks a step's "
+                "tokens are settled by the ranks together (pipeline stages already overlap "
+                "steps, one per stage)"
+            )
+        return True
 
     def _check_deterministic(self, device: str) -> bool:
         if not self.deterministic:
