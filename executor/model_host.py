@@ -25,6 +25,12 @@ from zllm.executor import cpu_kernels, fused_decode, quantization, sleep_mode, w
 from zllm.executor.attention_backend import choose_attention_backend
 from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.fused_decode import FusedDecode
+from zllm.executor.gpu_memory import (
+    StepShape,
+    activation_reserve_bytes,
+    kv_pool_bytes,
+    weight_bytes,
+)
 from zllm.executor.kv_connector import KVTiers
 from zllm.executor.kv_pool import KVPool
 from zllm.executor.kv_transfer import KVSender, transfer_layout
@@ -86,6 +92,10 @@ class ModelHost:
         # The cache tensors this stage's layers use (every one of them on a single stage).
         self.kv_slot_of = layer_kv_slots(self.kv_groups, self.layers)
         self.attention = choose_attention_backend(self.device, self.dtype, self.arch.head_dim)
+        # What is free before the load: the load's share of --gpu-memory-utilization.
+        self._free_before_load = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         self._load_weights()
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
@@ -297,8 +307,7 @@ class ModelHost:
         budget = self.config.cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.cache.gpu_memory_utilization)
+                budget = self._gpu_kv_budget()
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         per_block = self._kv_bytes_per_slot() * self.block_size
@@ -308,6 +317,34 @@ class ModelHost:
                 f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)."
             )
         return int(num_blocks)
+
+    def _gpu_kv_budget(self) -> int:
+        """--gpu-memory-utilization of the device's memory, less the load and the largest
+        step's activations, within what is free (executor/gpu_memory.py)."""
+        config = self.config
+        torch.cuda.empty_cache()  # (the load's freed fp32 copies are not ours to count)
+        free, total = torch.cuda.mem_get_info(self.device)
+        step = StepShape(
+            max_tokens=config.scheduler.max_num_batched_tokens,
+            max_sampled_rows=config.scheduler.max_num_seqs,
+            max_context=config.scheduler.max_model_len,
+            dtype_bytes=self.dtype.itemsize,
+        )
+        reserve = activation_reserve_bytes(self.arch, step)
+        draft = config.speculative.draft_arch if config.speculative is not None else None
+        if draft is not None:  # (loaded after the pool)
+            reserve += weight_bytes(draft, self.dtype.itemsize)
+        budget = kv_pool_bytes(
+            total, self._free_before_load, free, reserve, config.cache.gpu_memory_utilization
+        )
+        logger.info("GPU memory: %s", budget.explanation)
+        if budget.pool_bytes <= 0:
+            raise ValueError(
+                f"no GPU memory is left for the KV cache: {budget.explanation}. Raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens / --max-num-seqs / "
+                "--max-model-len, or free the GPU"
+            )
+        return budget.pool_bytes
 
     def _kv_bytes_per_slot(self) -> int:
         """The target's bytes per slot (this stage's layers'), plus a draft model's (it shares

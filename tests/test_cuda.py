@@ -618,6 +618,46 @@ def test_launching_a_step_over_a_pending_one_never_waits_for_the_gpu(tiny_gpu_ll
     free_llm(llm)
 
 
+@pytest.mark.parametrize("other_job_gib", [0, 8], ids=["alone", "beside-another-job"])
+def test_gpu_memory_utilization_keeps_the_engine_in_its_share(tiny_gpu_llama_dir, other_job_gib):
+    """--gpu-memory-utilization 0.3: the engine's peak (weights, KV pool, the largest steps'
+    activations, graphs) stays within 0.3 of the GPU, the activations' peak within the
+    reserve computed from the shapes, and the pool takes what the share leaves. Beside
+    another job holding memory (a tensor allocated before the engine: not the engine's
+    load), the pool takes only what is free, and long prefills still run."""
+    from zllm import SamplingParams
+    from zllm.executor.gpu_memory import StepShape, activation_reserve_bytes
+
+    free_llm(None)
+    hog = torch.empty(other_job_gib << 30, dtype=torch.uint8, device=DEVICE)
+    _, total = torch.cuda.mem_get_info()
+    utilization = 0.3 if other_job_gib == 0 else 1.0
+    base = torch.cuda.memory_reserved()
+    llm = make_llm(tiny_gpu_llama_dir, "cuda", kv_cache_memory_bytes=None,
+                   gpu_memory_utilization=utilization, max_num_batched_tokens=2048,
+                   max_num_seqs=256)  # fmt: skip
+    config = llm.config
+    loaded = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    vocab = config.arch.vocab_size
+    prompts = engine_prompts(vocab, [500] * 8 + [5] * 248, seed=10)  # 2,048-token prefills
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    peak_activations = torch.cuda.max_memory_allocated() - loaded
+    step = StepShape(2048, 256, config.scheduler.max_model_len, 4)
+    assert peak_activations <= activation_reserve_bytes(config.arch, step)
+    engine_peak = torch.cuda.max_memory_reserved() - base
+    if other_job_gib == 0:
+        assert engine_peak <= utilization * total
+        per_block = llm.model_runner.host._kv_bytes_per_slot() * config.cache.block_size
+        pool = config.cache.num_blocks * per_block
+        weights_and_rest = loaded - pool
+        reserve = activation_reserve_bytes(config.arch, step)
+        assert pool >= utilization * total - weights_and_rest - reserve - (1 << 30)
+    del hog
+    free_llm(llm)
+
+
 def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
     """`zllm serve` on the GPU: all five process kinds up, chat and streaming through the
     openai client, greedy equal to the offline GPU engine."""

@@ -189,6 +189,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A share: above 0, at most 1."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
+    return value
+
+
 def parse_json_object(text: str) -> dict[str, Any]:
     """A flag whose value is a JSON object (`--speculative-config`, `--kv-transfer-config`)."""
     import json

@@ -20,6 +20,7 @@ from zllm.config.arg_utils import (
     parse_json_object,
     parse_size,
     positive_int,
+    unit_fraction,
 )
 from zllm.config.engine import (
     CacheConfig,
@@ -100,11 +101,15 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = option(
         None,
         help="KV cache budget in bytes (suffixes K/M/G), per executor rank; default 1 GiB on "
-        "CPU, --gpu-memory-utilization of the free memory on GPU",
+        "CPU, on GPU what --gpu-memory-utilization leaves",
         parse=parse_size,
     )
     gpu_memory_utilization: float = option(
-        0.9, help="GPU: the share of free GPU memory the KV cache takes"
+        0.9,
+        help="GPU: the share of the GPU's total memory this engine may hold (weights, the "
+        "largest step's activations, the KV cache: vLLM's meaning); the KV cache never takes "
+        "more than is free after the load",
+        parse=unit_fraction,
     )
     num_gpu_blocks_override: int | None = option(
         None, help="this many KV cache blocks, whatever the memory budget (for tests)"
