@@ -692,6 +692,83 @@ def test_served_on_gpu_with_the_openai_client(tiny_gpu_llama_dir, tmp_path):
     free_llm(llm)
 
 
+@pytest.mark.e2e
+def test_served_soak_at_concurrency_128_then_kill_9_of_the_executor(tiny_gpu_llama_dir, tmp_path):
+    """Reliability on the GPU: 1,000 requests at concurrency 128 (a quarter streamed, some
+    cancelled mid-stream, random lengths) leave no KV block held and no request running;
+    then kill -9 of the executor while it holds the GPU: the supervisor restarts it and
+    the server answers again, greedy as before."""
+    import asyncio
+    import os
+    import random
+    import signal
+
+    import httpx
+    from servers import metric, start_server, stop_server, wait_until
+
+    server = start_server(tiny_gpu_llama_dir, tmp_path / "serve.log", "--dtype", "bfloat16",
+                          "--served-model-name", "tiny")  # fmt: skip
+    try:
+        body = {"model": "tiny", "prompt": "The GPU soak", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        before = server.post("/v1/completions", body).json()["choices"][0]["text"]
+
+        async def one(client: httpx.AsyncClient, i: int, rng: random.Random) -> str:
+            request = {"model": "tiny", "prompt": [rng.randrange(3, 400) for _ in range(
+                rng.randrange(1, 300))], "max_tokens": rng.randrange(1, 48),
+                "temperature": rng.choice([0.0, 0.8]), "ignore_eos": True,
+                "stream": i % 4 == 0}  # fmt: skip
+            if not request["stream"]:
+                r = await client.post(server.url + "/v1/completions", json=request)
+                return "ok" if r.status_code == 200 else f"status {r.status_code}"
+            async with client.stream("POST", server.url + "/v1/completions", json=request) as r:
+                async for i_line, _ in enumerate_lines(r):
+                    if i % 8 == 0 and i_line >= 3:
+                        return "cancelled"
+            return "ok"
+
+        async def enumerate_lines(response):
+            i = 0
+            async for line in response.aiter_lines():
+                yield i, line
+                i += 1
+
+        async def soak() -> list[str]:
+            rng = random.Random(0)
+            gate = asyncio.Semaphore(128)
+            limits = httpx.Limits(max_connections=160)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+                async def bounded(i: int) -> str:
+                    async with gate:
+                        return await one(client, i, rng)
+
+                return await asyncio.wait_for(
+                    asyncio.gather(*(bounded(i) for i in range(1000))), 480
+                )
+
+        outcomes = asyncio.run(soak())
+        assert set(outcomes) <= {"ok", "cancelled"}, {o: outcomes.count(o) for o in outcomes}
+
+        def idle() -> bool:
+            text = server.get("/metrics").text
+            return (
+                metric(text, "vllm:num_requests_running") == 0
+                and metric(text, "vllm:num_requests_waiting") == 0
+                and metric(text, "vllm:kv_cache_usage_perc") == 0
+            )
+
+        assert wait_until(idle, 15), "KV blocks or requests left after the soak"
+        executor = server.children()["executor"]
+        os.kill(executor, signal.SIGKILL)
+        assert wait_until(lambda: server.children().get("executor", executor) != executor, 60)
+        assert wait_until(server.healthy, 120), server.log_tail()
+        after = server.post("/v1/completions", body).json()["choices"][0]["text"]
+        assert after == before
+    finally:
+        assert stop_server(server) == 0
+
+
 SMOLLM2_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
     "Explain paged attention in one sentence.", "List three prime numbers.",
