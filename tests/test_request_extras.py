@@ -43,6 +43,19 @@ def test_bad_words_ban_the_last_token_after_the_rest() -> None:
     assert banned_next(words, [3, 4, 9]) == [7]
 
 
+def test_allowed_tokens_that_are_all_bad_words_are_refused() -> None:
+    """No token left to sample is a request error, not a row of -inf logits."""
+    from zllm import SamplingParams
+    from zllm.inputs import check_token_params
+
+    params = SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6], [6, 7]])
+    with pytest.raises(ParamError) as err:
+        check_token_params(params, 100)
+    assert err.value.param == "allowed_token_ids"
+    still_one = SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [3, 6]])
+    check_token_params(still_one, 100)
+
+
 def test_truncation_keeps_the_last_tokens() -> None:
     ids = list(range(10))
     assert truncate_prompt(ids, 3, 20) == [7, 8, 9]

@@ -86,6 +86,14 @@ def check_token_params(params: SamplingParams, vocab_size: int) -> None:
     check_vocabulary(params.allowed_token_ids or [], vocab_size, "allowed_token_ids")
     for ids in params.bad_words_token_ids:
         check_vocabulary(ids, vocab_size, "bad_words")
+    if params.allowed_token_ids:
+        always_banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+        if always_banned.issuperset(params.allowed_token_ids):
+            raise ParamError(
+                "Every token in allowed_token_ids is a one-token bad word: no token could be "
+                "sampled.",
+                "allowed_token_ids",
+            )
     if params.thinking_budget is not None:
         budget = params.thinking_budget
         markers = [*budget.end_token_ids, *budget.start_token_ids]
