@@ -19,6 +19,10 @@ directory. Sections:
   Q4_K/Q6_K matrix of that file in turn (one token's matmuls, each streamed from memory).
   $ZLLM_CPU_ISA=avx2 makes a build that has an AVX-512 VNNI variant run its AVX2 code
   (csrc/cpu/cpu_isa.h).
+- `f16`: `gguf_linear` on every matrix of a 16-bit GGUF file (`--gguf`, F16) as the decode
+  step calls them (q/k/v and gate/up fused, the tied embedding as the logits), once as F16
+  and once converted to BF16 (a bf16 checkpoint's rows): one token's matmuls, each streamed
+  from memory, beside a torch sum over the same bytes (the read bandwidth the machine gives).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --rows 1 2 3 4
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py 7786bdb HEAD --section logits
@@ -27,6 +31,8 @@ directory. Sections:
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 2 4 8 16
     OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py main HEAD --section kquant --rows 1 \
         --gguf ~/.cache/zllm-peers/models/llama1b/llama1b-Q4_K_M.gguf --repeats 30
+    OMP_NUM_THREADS=2 python benchmarks/kernel_ab.py HEAD csrc --section f16 --rows 1 2 4 \
+        --gguf ~/.cache/zllm-peers/models/llama1b/llama1b-F16.gguf --repeats 20
 
 Each side is copied to a temporary directory and built under its own name
 (`ZLLM_CSRC_DIR`, cached in ~/.cache/torch_extensions like any build); its pybind classes are
@@ -229,12 +235,62 @@ def kquant_against_float(builds: list[ModuleType], args: argparse.Namespace) -> 
         )
 
 
+def sixteen_bit_matrices(path: Path) -> list[tuple[torch.Tensor, int]]:
+    """(F16 rows as uint8 [N, 2 K], K) of every matrix of a 16-bit GGUF file in decode order:
+    per layer q/k/v fused, o, gate/up fused, down; the token embedding last (the logits). Each
+    in torch's own memory, as the engine's fused matrices are."""
+    from gguf import GGUFReader
+
+    fused = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up",
+             "ffn_up": "gate_up"}  # fmt: skip
+    groups: dict[str, list[torch.Tensor]] = {}
+    for tensor in GGUFReader(path).tensors:
+        if int(tensor.tensor_type) != 1 or len(tensor.shape) != 2:
+            continue
+        parts = tensor.name.removesuffix(".weight").split(".")
+        key = parts[0] if len(parts) == 1 else f"{parts[1]}.{fused.get(parts[2], parts[2])}"
+        groups.setdefault(key, []).append(torch.from_numpy(tensor.data).view(torch.uint8))
+    order = {"qkv": 0, "attn_output": 1, "gate_up": 2, "ffn_down": 3}
+
+    def rank(key: str) -> tuple[int, int]:
+        if "." not in key:
+            return (1 << 30, 0)
+        layer, part = key.split(".")
+        return (int(layer), order[part])
+
+    keys = sorted(groups, key=rank)
+    return [(torch.cat(groups[key]), groups[key][0].shape[1] // 2) for key in keys]
+
+
+def sixteen_bit_token(builds: list[ModuleType], args: argparse.Namespace) -> None:
+    """gguf_linear on every matrix of args.gguf (F16), then the same values as BF16, at each
+    row count: one token's matmuls per call, ms and GB/s per build."""
+    f16 = sixteen_bit_matrices(args.gguf)
+    bf16 = [(q.view(torch.float16).to(torch.bfloat16).view(torch.uint8), k) for q, k in f16]
+    gigabytes = sum(q.numel() for q, _ in f16) / 1e9
+    print(f"{args.gguf.name}: {len(f16)} matmuls a token, {gigabytes * 1e3:.0f} MB")
+    as_float = [q.view(torch.float32) for q, _ in f16]
+    (read,) = alternate([None], lambda _: [t.sum() for t in as_float], args.repeats)
+    print(f"torch sum over the same bytes: {read * 1e3:.2f} ms ({gigabytes / read:.1f} GB/s)")
+    for name, ggml_type, matrices in (("F16", 1, f16), ("BF16", 30, bf16)):
+        for m in args.rows:
+            inputs = {k: torch.randn(m, k) for _, k in matrices}
+
+            def token(build: ModuleType, inputs=inputs, matrices=matrices, t=ggml_type) -> None:
+                for q, k in matrices:
+                    build.gguf_linear(inputs[k], q, t)
+
+            old, new = alternate(builds, token, args.repeats)
+            print(f"{name:4} M={m}: a token's matmuls {old * 1e3:.2f} / {new * 1e3:.2f} ms "
+                  f"({old / new:.3f}x; {gigabytes / old:.1f} / {gigabytes / new:.1f} GB/s)", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sides", nargs=2, metavar="SIDE", help="git revision or csrc directory")
     parser.add_argument(
         "--section",
-        choices=["types", "logits", "layer", "kquant", "kquant-float"],
+        choices=["types", "logits", "layer", "kquant", "kquant-float", "f16"],
         default="types",
     )
     parser.add_argument("--gguf", type=Path, help="the model file (section layer)")
@@ -252,6 +308,9 @@ def main() -> None:
         return
     if args.section == "kquant":
         kquant_layer(builds, args)
+        return
+    if args.section == "f16":
+        sixteen_bit_token(builds, args)
         return
     if args.section == "kquant-float":
         kquant_against_float(builds, args)
