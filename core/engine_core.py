@@ -16,7 +16,8 @@ input thread and a heartbeat thread):
 The in-flight rule lives in `step` alone: an executor that `runs_ahead` (another process runs
 the steps) gets up to `MAX_STEPS_IN_FLIGHT` steps at once, or with pipeline stages one per
 stage (each stage works on its own micro-batch), so the core schedules step N+1 while the
-executor runs step N; an in-process executor gets one. Outputs are answered in order:
+executor runs step N; an in-process executor gets one (two when it is asynchronous: it
+launches a step in `submit` and finishes it at the next `submit` or `poll`). Outputs are answered in order:
 `update` pairs each ModelRunnerOutput with the oldest step still in flight. Which requests
 may join a step while an earlier one of theirs is out (a speculating request is held to one)
 is the scheduler's rule (core/scheduler.py).

@@ -11,11 +11,11 @@ talks to the model through this protocol, whatever carries the steps:
                                     (executor/offline.py, torch)
 
 `submit` never waits for the step to run when the executor `runs_ahead` (another process runs
-it), so the engine core schedules step N+1 while step N runs; outputs come back from `poll`
-in the order the steps were submitted, and only `EngineCore` pairs them with their steps.
-An executor that runs a step inside `submit` (in-process) sets `runs_ahead = False`: the
-core then keeps one step out at a time. A later asynchronous GPU executor (inputs for N+1
-prepared while N runs) fits the same two calls.
+it, or the asynchronous executor has only launched it: executor/async_steps.py), so the
+engine core schedules step N+1 while step N runs; outputs come back from `poll` in the order
+the steps were submitted, and only `EngineCore` pairs them with their steps. An executor
+that runs a step whole inside `submit` (in-process, synchronous) sets `runs_ahead = False`:
+the core then keeps one step out at a time.
 
 Sleep mode travels as steps too (`SchedulerOutput(sleep_level=1|2)` / `wake_up=[parts]`,
 answered like any step), so every transport sleeps the same way: `EngineCore.sleep(executor)`.
@@ -39,7 +39,8 @@ class ExecutorTimeout(RuntimeError):
 
 
 class Executor(Protocol):
-    # True when `submit` returns before the step has run (it runs in another process).
+    # True when `submit` returns before the step has finished (it runs in another process,
+    # or it was launched on the device and is finished later: the asynchronous executor).
     runs_ahead: bool
 
     def submit(self, step: SchedulerOutput) -> None:

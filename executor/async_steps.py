@@ -89,6 +89,7 @@ class LaunchedStep:
     gpu_start: torch.cuda.Event | None = None
     gpu_end: torch.cuda.Event | None = None
     step_start: float = 0.0
+    idle_s: float = 0.0  # the executor's wait for this step (serve_steps)
     overlapped: bool = False  # launched while the step before it was unfinished
     forward_start: float = 0.0
     forward_end: float = 0.0
@@ -99,6 +100,7 @@ class LaunchedStep:
         return self.ready is None or self.ready.query()
 
     def pending_tokens(self) -> PendingTokens | None:
+        """The tokens this step sampled, for the next step's inputs (built when asked)."""
         if self.rows is None or self.device_token_ids is None:
             return None
         rows = {st.req_id: i for i, st in enumerate(self.rows.row_states)}
@@ -192,9 +194,16 @@ class StepPipeline:
         self.overlap = overlap and runner.can_overlap_steps
         self.pending: LaunchedStep | None = None
         self.num_overlapped = 0  # steps launched while another was pending
+        # Answers for steps whose finish failed (an error, Ctrl-C): see _finish.
+        self.failed: list[ModelRunnerOutput] = []
         self._last_finish = time.perf_counter()
 
-    def run(self, step: SchedulerOutput) -> list[ModelRunnerOutput]:
+    def run(self, step: SchedulerOutput, idle_s: float = 0.0) -> list[ModelRunnerOutput]:
+        """`idle_s`: how long the executor waited for `step` (its output carries it).
+
+        If finishing the pending step raises after `step` was launched, `step` is dropped
+        (the caller treats a step whose submit raised as never run and aborts its requests)
+        and the pending step's answer is an empty output in `failed`."""
         done: list[ModelRunnerOutput] = []
         if self.pending is not None and not is_plain(step):
             done.append(self.drain_one())
@@ -210,6 +219,7 @@ class StepPipeline:
         if launched is None:  # a pipeline stage before the last: passed on
             return done
         launched.step_start = started
+        launched.idle_s = idle_s
         launched.overlapped = overlapped
         if self.overlap and may_stay_pending(launched):
             self.pending = launched
@@ -226,8 +236,19 @@ class StepPipeline:
         return self._finish(launched)
 
     def _finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
-        output = self.runner.finish(launched)
+        try:
+            output = self.runner.finish(launched)
+        except BaseException:
+            # The engine core still waits for this step's answer: an empty one keeps steps
+            # and answers paired, while the caller aborts the requests (LLM._run). Its
+            # requests' tokens may be half appended, so they are not for running on.
+            so = launched.so
+            self.failed.append(
+                ModelRunnerOutput(step_id=so.step_id, req_ids=[], sampled_token_ids=[])
+            )
+            raise
         output.overlapped = launched.overlapped
+        output.idle_time_s = launched.idle_s
         now = time.perf_counter()
         output.exec_time_s = now - max(launched.step_start, self._last_finish)
         self._last_finish = now

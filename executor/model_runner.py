@@ -286,8 +286,8 @@ class ModelRunner:
             launched.sampled = copy_to_host(sampled)
             for st in rows.requests:
                 st.num_pending += 1  # until finish appends it
-        launched.gpu_end = self._gpu_clock.record()
-        launched.ready = self._gpu_clock.record()  # after the copies to the host
+        # After the copies to the host: the step's end for the idle clock and for finish.
+        launched.gpu_end = launched.ready = self._gpu_clock.record()
         launched.launched_end = time.perf_counter()
         return launched
 
@@ -295,6 +295,12 @@ class ModelRunner:
     def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids on the host, append them to their requests
         and pack the step's output (proposals and KV sends after)."""
+        try:
+            return self._finish(launched)
+        finally:
+            self._step_end = time.perf_counter()  # (a pipeline stage's idle time starts here)
+
+    def _finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
         if launched.output is not None:
             return launched.output
         finish_start = time.perf_counter()

@@ -34,13 +34,21 @@ class InProcessExecutor:
         self.outputs: deque[ModelRunnerOutput] = deque()
 
     def submit(self, step: SchedulerOutput) -> None:
-        outputs = self.pipeline.run(step)
+        try:
+            outputs = self.pipeline.run(step)
+        finally:  # (a step whose finish failed still gets its answer: StepPipeline.run)
+            self.outputs.extend(self.pipeline.failed)
+            self.pipeline.failed.clear()
         assert outputs or self.pipeline.pending, "one rank answers every step"
         self.outputs.extend(outputs)
 
     def poll(self, timeout_s: float | None) -> ModelRunnerOutput | None:
         if not self.outputs:
-            self.outputs.extend(self.pipeline.drain())
+            try:
+                self.outputs.extend(self.pipeline.drain())
+            finally:
+                self.outputs.extend(self.pipeline.failed)
+                self.pipeline.failed.clear()
         return self.outputs.popleft() if self.outputs else None
 
     def close(self) -> None:

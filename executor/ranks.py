@@ -108,21 +108,28 @@ def serve_steps(
         if step is None:
             continue  # (every rank got the same frame: all drop it)
         idle_s = 0.0 if step.after_no_work or pipeline.pending else start - idle_since
-        outputs = pipeline.run(step)
-        if outputs:
-            outputs[0].idle_time_s = idle_s
-        send(outputs)
+        send(pipeline.run(step, idle_s))
         if pipeline.pending is None:
             idle_since = time.perf_counter()
 
 
+# How long `_step_waiting` spins before it sleeps between looks: a GPU decode step is ~1-3
+# ms, so the next step usually comes (or the device finishes) within it; past it (a long
+# prefill) a look every ~50 us leaves the core's and the frontend's processes their CPU.
+SPIN_S = 200e-6
+NAP_S = 50e-6
+
+
 def _step_waiting(inbox: zmq.Socket, launched: LaunchedStep) -> bool:
     """Wait until the next step's message is here (True) or the device has finished
-    `launched` (False: nothing to overlap it with). A busy wait: a step is ~1-3 ms on a GPU,
-    below what a timed poll resolves."""
+    `launched` (False: nothing to overlap it with). ZeroMQ's poll resolves milliseconds
+    only, too coarse for a step: the socket and the device's event are looked at in turn."""
+    spin_until = time.perf_counter() + SPIN_S
     while not inbox.poll(0):
         if launched.is_done():
             return bool(inbox.poll(0))
+        if time.perf_counter() > spin_until:
+            time.sleep(NAP_S)
     return True
 
 

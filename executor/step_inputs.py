@@ -102,7 +102,12 @@ def prepare_inputs(
         else:
             known = st.all_token_ids[start : start + num]
             if len(known) < num:  # its last token is still on the device (st.num_pending)
-                assert pending is not None and len(known) + 1 == num, (st.req_id, start, num)
+                assert pending is not None and req_id in pending.rows and len(known) + 1 == num, (
+                    "a missing token must be the pending step's",
+                    req_id,
+                    start,
+                    num,
+                )
                 pending_slots.append((len(input_ids) + len(known), req_id))
                 known = [*known, 0]
             input_ids.extend(known)

@@ -67,7 +67,10 @@ class StepSampler:
             processor.apply(logits, rows)
         if len(rows.row_states) != len(rows.logits_states):
             repeats = to_device(rows.repeats, logits.device, torch.int64)
-            logits = torch.repeat_interleave(logits, repeats, dim=0)
+            # (output_size known here: else torch reads the repeats' sum from the device)
+            logits = torch.repeat_interleave(
+                logits, repeats, dim=0, output_size=len(rows.row_states)
+            )
         pairs = list(zip(rows.row_states, rows.row_num_prior, strict=True))
         # A verifying row sees the proposals before it as output (penalties, min_tokens).
         outputs = [
@@ -155,7 +158,7 @@ class StepSampler:
                 continue
             rows = hidden[stop - q : stop - q + (last - start)]
             logprobs = torch.log_softmax(self.compute_logits(rows).float(), dim=-1)
-            targets = torch.tensor(st.prompt_token_ids[start + 1 : last + 1], device=self.device)
+            targets = to_device(st.prompt_token_ids[start + 1 : last + 1], self.device, torch.int64)
             chosen = logprobs.gather(1, targets[:, None])
             ranks = (logprobs > chosen).sum(dim=1) + 1
             top_vals, top_ids = (

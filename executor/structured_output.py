@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from zllm.executor.host_to_device import to_device
 from zllm.text.structured_outputs import StructuredOutputsParams, grammar_of
 
 logger = logging.getLogger(__name__)
@@ -185,12 +186,12 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) ->
     """
     vocab = logits.shape[1]
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    allowed = torch.from_numpy(bits).to(device=logits.device, dtype=logits.dtype)
+    allowed = to_device(bits, logits.device).to(logits.dtype)
     penalty = (allowed - 1).mul_(-torch.finfo(logits.dtype).min)  # 0 or the lowest value
     if rows == list(range(logits.shape[0])):
         logits.add_(penalty)
         return
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device, torch.int64)
     logits.index_copy_(0, index, logits.index_select(0, index).add_(penalty))
 
 

@@ -177,3 +177,34 @@ def test_served_async_executor_streams_what_the_offline_engine_returns(model_dir
         assert server.healthy()
     finally:
         assert stop_server(server) == 0
+
+
+def test_an_interrupted_finish_leaves_the_engine_usable(model_dir, monkeypatch) -> None:
+    """Ctrl-C (or an error) while a pending step is being finished: generate raises, the
+    step still gets an (empty) answer so the core's steps and answers stay paired, and the
+    next generate answers as a fresh engine does."""
+    from zllm.executor.model_runner import ModelRunner
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    batch = prompts(4, seed=13)
+    want, _ = run(model_dir, "off", batch, params)
+    llm = LLM(model_dir, deterministic=True, async_executor="on")
+    finish = ModelRunner.finish
+    calls = []
+
+    def interrupted(self, launched):
+        calls.append(launched.so.step_id)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return finish(self, launched)
+
+    monkeypatch.setattr(ModelRunner, "finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(batch, params, use_tqdm=False)
+    assert overlapped(llm) > 0
+    monkeypatch.setattr(ModelRunner, "finish", finish)
+    again = llm.generate(batch, params, use_tqdm=False)
+    got = [[(c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason) for c in o.outputs]
+           for o in again]  # fmt: skip
+    assert got == want
+    assert not llm.engine.has_unfinished_requests() and llm.engine.num_steps_in_flight == 0

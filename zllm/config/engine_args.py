@@ -475,7 +475,7 @@ class EngineArgs:
             return False
         if self.async_executor == "auto":
             return (
-                device == "cuda"
+                device.startswith("cuda")
                 and self.tensor_parallel_size * self.pipeline_parallel_size == 1
                 and not self.speculative_config
             )
