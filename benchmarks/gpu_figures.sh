@@ -19,13 +19,15 @@ section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
 for step in "$@"; do
   case $step in
   steps-8b|steps-shape)
-    # Fused layer ops off, then on (ZLLM_CUDA_LAYER_OPS): what they are worth.
+    # Fused layer ops off, on without the RoPE + cache-write kernel, and on with it
+    # (ZLLM_CUDA_LAYER_OPS, ZLLM_CUDA_ROPE_CACHE): what each is worth.
     shape=$([ "$step" = steps-8b ] && echo llama3-8b || echo smollm2-shape)
-    for ops in 0 1; do
+    for ops in 0 1-split 1; do
       section "$step layer-ops=$ops"
-      ZLLM_CUDA_LAYER_OPS=$ops timeout 240 python3 benchmarks/gpu_bench.py \
-        --output-json "$OUT/$step-ops$ops.json" decode-steps --shape $shape 2>&1 \
-        | grep -v "Warning\|warn_once" | tee -a "$OUT/$step.log"
+      rope_cache=$([ "$ops" = 1 ] && echo 1 || echo 0)
+      ZLLM_CUDA_LAYER_OPS=${ops%-split} ZLLM_CUDA_ROPE_CACHE=$rope_cache timeout 240 \
+        python3 benchmarks/gpu_bench.py --output-json "$OUT/$step-ops$ops.json" \
+        decode-steps --shape $shape 2>&1 | grep -v "Warning\|warn_once" | tee -a "$OUT/$step.log"
     done ;;
   steps)
     section "$step"

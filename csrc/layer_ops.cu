@@ -4,6 +4,7 @@
 //
 //   zllm_rms_norm       out = weight * norm(x [+ residual]); the sum is also written out
 //   zllm_rope           rotates q and k in place (rotate-half RoPE, Hugging Face's layout)
+//   zllm_rope_cache     the same, then k and v into the paged KV cache (one launch for both)
 //   zllm_silu_mul       out = silu(gate) * up from the fused [gate | up] projection
 //
 // Grids (cuda_layer_ops.py plans them): RMSNorm and RoPE take one thread block per token row
@@ -76,10 +77,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 // cos and sin rows (rot_half elements) are cs_stride apart. Elements past 2 * rot_half (a
 // partial rotary factor) are left alone.
 template <typename D>
-__global__ void __launch_bounds__(kMaxThreads)
-    zllm_rope(typename D::T* __restrict__ qk, zllm_i64 token_stride, zllm_i64 head_stride,
-              int num_heads, int rot_half, const typename D::T* __restrict__ cos,
-              const typename D::T* __restrict__ sin, zllm_i64 cs_stride) {
+ZLLM_DEVICE void rotate_row(typename D::T* __restrict__ qk, zllm_i64 token_stride,
+                           zllm_i64 head_stride, int num_heads, int rot_half,
+                           const typename D::T* __restrict__ cos,
+                           const typename D::T* __restrict__ sin, zllm_i64 cs_stride) {
   const zllm_i64 row = blockIdx.x;
   for (int i = threadIdx.x; i < num_heads * rot_half; i += blockDim.x) {
     const int h = i / rot_half;
@@ -92,6 +93,48 @@ __global__ void __launch_bounds__(kMaxThreads)
     head[j] = D::from_float(round_to<D>(__fmul_rn(x1, c)) - round_to<D>(__fmul_rn(x2, s)));
     head[j + rot_half] =
         D::from_float(round_to<D>(__fmul_rn(x2, c)) + round_to<D>(__fmul_rn(x1, s)));
+  }
+}
+
+template <typename D>
+__global__ void __launch_bounds__(kMaxThreads)
+    zllm_rope(typename D::T* __restrict__ qk, zllm_i64 token_stride, zllm_i64 head_stride,
+              int num_heads, int rot_half, const typename D::T* __restrict__ cos,
+              const typename D::T* __restrict__ sin, zllm_i64 cs_stride) {
+  rotate_row<D>(qk, token_stride, head_stride, num_heads, rot_half, cos, sin, cs_stride);
+}
+
+// zllm_rope over row r's q heads and its num_kv_heads k heads (after them), then the row's
+// rotated k and its v into the paged KV cache at slot_mapping[r] (kv_cache.cu's layout:
+// [2, num_slots, num_kv_heads, head_dim], K then V; a slot outside [0, num_slots) is not
+// written): a layer's RoPE and cache write in one launch instead of two, which at batch 1
+// are two of a decode step's ~11 kernels per layer. v rows are v_token_stride apart, its
+// heads v_head_stride; head_dim elements each, contiguous.
+template <typename D>
+__global__ void __launch_bounds__(kMaxThreads)
+    zllm_rope_cache(typename D::T* __restrict__ qk, zllm_i64 token_stride, zllm_i64 head_stride,
+                    int num_heads, int num_kv_heads, int head_dim, int rot_half,
+                    const typename D::T* __restrict__ cos, const typename D::T* __restrict__ sin,
+                    zllm_i64 cs_stride, const typename D::T* __restrict__ v,
+                    zllm_i64 v_token_stride, zllm_i64 v_head_stride,
+                    typename D::T* __restrict__ kv_cache,
+                    const zllm_i64* __restrict__ slot_mapping, zllm_i64 num_slots) {
+  rotate_row<D>(qk, token_stride, head_stride, num_heads + num_kv_heads, rot_half, cos, sin,
+                cs_stride);
+  __syncthreads();  // the k heads other threads rotated are read back below
+  const zllm_i64 row = blockIdx.x;
+  const zllm_i64 slot = slot_mapping[row];
+  if (slot < 0 || slot >= num_slots) return;  // padding (-1) or not a slot of this cache
+  const zllm_i64 width = (zllm_i64)num_kv_heads * head_dim;
+  typename D::T* k_dst = kv_cache + slot * width;
+  typename D::T* v_dst = k_dst + num_slots * width;
+  const typename D::T* k_src = qk + row * token_stride + num_heads * head_stride;
+  const typename D::T* v_src = v + row * v_token_stride;
+  for (int i = threadIdx.x; i < num_kv_heads * head_dim; i += blockDim.x) {
+    const int h = i / head_dim;
+    const int d = i - h * head_dim;
+    k_dst[i] = k_src[h * head_stride + d];
+    v_dst[i] = v_src[h * v_head_stride + d];
   }
 }
 
@@ -112,8 +155,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 #ifdef ZLLM_INSTANTIATE_ALL
-#define ZLLM_LAYER_OPS(D) \
-  (void*)&zllm_rms_norm<D>, (void*)&zllm_rope<D>, (void*)&zllm_silu_mul<D>
+#define ZLLM_LAYER_OPS(D)                                                             \
+  (void*)&zllm_rms_norm<D>, (void*)&zllm_rope<D>, (void*)&zllm_rope_cache<D>, \
+      (void*)&zllm_silu_mul<D>
 void* zllm_layer_ops_kernel(int i) {
   static void* const kernels[] = {ZLLM_LAYER_OPS(DtypeF32), ZLLM_LAYER_OPS(DtypeF16),
                                   ZLLM_LAYER_OPS(DtypeBF16)};

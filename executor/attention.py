@@ -154,9 +154,12 @@ class PagedAttention(PagedAttentionBase):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim].
+        `kv_written`: the model wrote key and value to the cache already."""
+        if not kv_written:
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         decode = meta.decode
         window = meta.sliding_window
         if decode is not None and decode.is_whole_batch:

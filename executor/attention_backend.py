@@ -45,6 +45,7 @@ class AttentionLayer(Protocol):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: Any,
+        kv_written: bool = False,  # the model wrote key and value already (one fused kernel)
     ) -> torch.Tensor: ...
 
 

@@ -162,9 +162,12 @@ class CudaPagedAttention(PagedAttentionBase):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: CudaAttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
-        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
-        write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+        """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim].
+        `kv_written`: the model wrote key and value to the cache already (rope_into_cache)."""
+        if not kv_written:
+            write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:
             return self._decode(query, kv_cache, meta)
 

@@ -5,6 +5,8 @@ this is most of the gap between a step and its kernels' real work (BENCHMARKS.md
 
     rms_norm(x, residual, weight, eps) -> (normed, x + residual)   models/llama.py RMSNorm
     rope_(qk, cos, sin)                  rotates q and k in place   models/rope.py apply_rope
+    rope_cache_(qk, v, cos, sin, cache, slots)   the same, and k, v into the KV cache
+                                         (the attention layer then skips its write)
     silu_mul(gate_up)                    silu(gate) * up            models/llama.py LlamaMLP
 
 `usable(x)` says whether a tensor takes the fused path: a CUDA tensor, unless
@@ -25,6 +27,7 @@ from zllm.executor.cuda_kernels import (
     _DTYPE_TAG,
     CudaKernelError,
     KernelLaunch,
+    _check_cache,
     _ptr,
     run_launches,
 )
@@ -44,6 +47,8 @@ def threads_for(work: int, per_thread: int) -> int:
 
 
 ENABLED = os.environ.get("ZLLM_CUDA_LAYER_OPS", "1") != "0"
+# RoPE and the KV cache write in one kernel (ZLLM_CUDA_ROPE_CACHE=0: two, for A/B runs).
+ROPE_CACHE = os.environ.get("ZLLM_CUDA_ROPE_CACHE", "1") != "0"
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -129,6 +134,69 @@ def plan_rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[Ke
     return [KernelLaunch(SOURCE, name, (qk.shape[0], 1, 1), block, args)]
 
 
+def _rope_cache_usable(
+    qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor, slots
+) -> bool:
+    """Whether zllm_rope_cache reads these: the RoPE layout, v [T, kv_heads, head_dim] with
+    contiguous heads, a cache of qk's dtype with v's heads, int64 slots, one device."""
+    return (
+        v.dim() == 3
+        and v.stride(2) == 1
+        and v.shape[0] == qk.shape[0]
+        and v.shape[2] == qk.shape[2]
+        and 0 < v.shape[1] < qk.shape[1]
+        and kv_cache.dim() == 5
+        and kv_cache.is_contiguous()
+        and kv_cache.dtype == qk.dtype == v.dtype
+        and tuple(kv_cache.shape[3:]) == tuple(v.shape[1:])
+        and slots.dtype == torch.int64
+        and tuple(slots.shape) == (qk.shape[0],)
+        and slots.is_contiguous()
+        and len({qk.device, v.device, cos.device, kv_cache.device, slots.device}) == 1
+    )
+
+
+def plan_rope_cache(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> list[KernelLaunch]:
+    layout = _rope_layout(qk, cos, sin)
+    if layout is None or not _rope_cache_usable(qk, v, cos, kv_cache, slot_mapping):
+        raise CudaKernelError(
+            "rope_cache takes qk [T, heads + kv_heads, D], v [T, kv_heads, D], cos/sin "
+            "[T, 1, rot/2], a contiguous cache of their dtype and int64 slots [T]"
+        )
+    token_stride, head_stride, cs_stride = layout
+    num_blocks, block_size, num_kv_heads, head_dim = _check_cache(kv_cache)
+    if qk.shape[0] == 0:
+        return []
+    args = (
+        _ptr(qk),
+        np.int64(token_stride),
+        np.int64(head_stride),
+        np.int32(qk.shape[1] - num_kv_heads),
+        np.int32(num_kv_heads),
+        np.int32(head_dim),
+        np.int32(cos.shape[-1]),
+        _ptr(cos),
+        _ptr(sin),
+        np.int64(cs_stride),
+        _ptr(v),
+        np.int64(v.stride(0)),
+        np.int64(v.stride(1)),
+        _ptr(kv_cache),
+        _ptr(slot_mapping),
+        np.int64(num_blocks * block_size),
+    )
+    name = f"zllm_rope_cache<{_DTYPE_TAG[qk.dtype]}>"
+    block = (threads_for(qk.shape[1] * cos.shape[-1], 2), 1, 1)
+    return [KernelLaunch(SOURCE, name, (qk.shape[0], 1, 1), block, args)]
+
+
 def plan_silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> list[KernelLaunch]:
     rows = _rows(gate_up)
     if rows is None or gate_up.shape[1] % 2:
@@ -167,6 +235,24 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     run_launches(plan_rope(qk, cos, sin), qk.device)
     return qk
+
+
+def rope_cache_(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Rotates qk's q and k heads in place and writes k and v at their cache slots, in one
+    kernel; False (nothing done) when a layout is not one the kernel reads."""
+    if not ROPE_CACHE or _rope_layout(qk, cos, sin) is None:
+        return False
+    if not _rope_cache_usable(qk, v, cos, kv_cache, slot_mapping):
+        return False
+    run_launches(plan_rope_cache(qk, v, cos, sin, kv_cache, slot_mapping), qk.device)
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

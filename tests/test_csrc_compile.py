@@ -52,7 +52,7 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
         # 3 dtypes x (6 head dims x 4 groups + the reduce kernel)
         assert entries == 3 * (len(ck.SUPPORTED_HEAD_DIMS) * 4 + 1)
     elif source == "layer_ops.cu":
-        assert entries == 3 * 3  # 3 dtypes x (rms_norm, rope, silu_mul)
+        assert entries == 3 * 4  # 3 dtypes x (rms_norm, rope, rope_cache, silu_mul)
     elif source == "paged_prefill.cu":
         assert entries == 3 * len(ck.SUPPORTED_HEAD_DIMS)
 
@@ -483,6 +483,40 @@ def test_emulated_rope_equals_torch_bitwise(emu, dtype, rotary):
 
 
 @pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("rotary", [64, 48], ids=["full", "partial"])
+def test_emulated_rope_cache_equals_rope_then_the_cache_write(emu, dtype, rotary):
+    """One kernel for RoPE and the KV cache write: q and k rotated in place as zllm_rope
+    does (torch's bits), then the rotated k and v at each token's slot, exactly what the
+    separate cache write stores; a padding row (slot -1) writes nothing."""
+    from zllm.executor import cuda_kernels as ck
+    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.models.rope import apply_rope
+
+    gen = torch.Generator().manual_seed(24)
+    tokens, heads, kv_heads, head_dim, block_size = 5, 4, 2, 64, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    table = torch.randn(50, rotary, generator=gen).to(dtype)
+    cos, sin = table.index_select(0, torch.tensor([3, 0, 7, 49, 12])).unsqueeze(1).chunk(2, -1)
+    cache = torch.randn(2, 6, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([5, 0, -1, 23, 9])
+    expected_qk = apply_rope(qk.clone(), cos, sin)
+    expected_cache = cache.clone()
+    keep = slots >= 0
+    flat = expected_cache.view(2, -1, kv_heads, head_dim)
+    flat[0, slots[keep]] = expected_qk[keep, heads:]
+    flat[1, slots[keep]] = v[keep]
+    emu.names.clear()
+    emu.run_launches(lo.plan_rope_cache(qk, v, cos, sin, cache, slots))
+    assert {name.split("<")[0] for name in emu.names} == {"zllm_rope_cache"}
+    assert torch.equal(qk, expected_qk)
+    assert torch.equal(cache, expected_cache)
+    with pytest.raises(ck.CudaKernelError, match="rope_cache takes"):
+        lo.plan_rope_cache(qk, v.transpose(1, 2), cos, sin, cache, slots)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
 @pytest.mark.parametrize("chunk", [64, 256])  # 3 column blocks per row, or 1
 def test_emulated_silu_mul_matches_torch(emu, dtype, chunk, monkeypatch):
     from zllm.executor import cuda_layer_ops as lo
@@ -529,6 +563,7 @@ def test_emulated_layer_ops_in_the_model(emu, monkeypatch, dtype, arch):
     emu.names.clear()
     fused = model(ids, positions, caches, meta)
     ran = {name.split("<")[0] for name in emu.names}
-    assert ran == {"zllm_rms_norm", "zllm_rope", "zllm_silu_mul"}
+    # RoPE and the cache write are one kernel; the attention layer then skips its write.
+    assert ran == {"zllm_rms_norm", "zllm_rope_cache", "zllm_silu_mul"}
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)

@@ -553,6 +553,36 @@ def test_sleep_levels_free_the_gpu_and_wake_to_the_same_outputs(tiny_gpu_llama_d
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_cache_kernel_equals_rope_then_the_cache_write(dtype):
+    """zllm_rope_cache on the GPU: the bits of zllm_rope followed by the cache write kernel
+    (decode-sized and prefill-sized rows, a padding slot, strided q/k/v as in qkv)."""
+    from zllm.executor import cuda_layer_ops as lo
+
+    gen = torch.Generator().manual_seed(31)
+    heads, kv_heads, head_dim, block_size = 8, 2, 128, 16
+    for tokens in (3, 300):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+        qkv = qkv.to(DEVICE, dtype)
+        cos, sin = torch.randn(2, tokens, 1, head_dim // 2, generator=gen).to(DEVICE, dtype)
+        slots = torch.randperm(64 * block_size, generator=gen)[:tokens].to(DEVICE)
+        slots[1] = -1
+        caches = [torch.zeros(2, 64, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+                  for _ in range(2)]  # fmt: skip
+        qkvs = [qkv.clone() for _ in range(2)]
+        views = [
+            (x[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim),
+             x[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim))
+            for x in qkvs
+        ]  # fmt: skip
+        (qk0, v0), (qk1, v1) = views
+        assert lo.rope_cache_(qk0, v0, cos, sin, caches[0], slots)
+        lo.rope_(qk1, cos, sin)
+        ck.write_kv_cache(qk1[:, heads:], v1, caches[1], slots)
+        assert torch.equal(qkvs[0], qkvs[1])
+        assert torch.equal(caches[0], caches[1])
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_async_executor_on_gpu_equals_one_step_at_a_time(tiny_gpu_llama_dir, enforce_eager):
     """`--async-executor` (on by default for CUDA): greedy and seeded outputs equal to the

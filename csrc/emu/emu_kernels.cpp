@@ -97,6 +97,17 @@ void run_rope(void* p) {
 }
 
 template <typename D>
+void run_rope_cache(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_rope_cache<D>(arg<T*>(a, 0), arg<zllm_i64>(a, 1), arg<zllm_i64>(a, 2), arg<int>(a, 3),
+                     arg<int>(a, 4), arg<int>(a, 5), arg<int>(a, 6), arg<const T*>(a, 7),
+                     arg<const T*>(a, 8), arg<zllm_i64>(a, 9), arg<const T*>(a, 10),
+                     arg<zllm_i64>(a, 11), arg<zllm_i64>(a, 12), arg<T*>(a, 13),
+                     arg<const zllm_i64*>(a, 14), arg<zllm_i64>(a, 15));
+}
+
+template <typename D>
 void run_silu_mul(void* p) {
   using T = typename D::T;
   Args a = static_cast<Args>(p);
@@ -105,6 +116,7 @@ void run_silu_mul(void* p) {
 
 #define LAYER_OPS(D)                                                             \
   {"zllm_rms_norm<" #D ">", &run_rms_norm<D>}, {"zllm_rope<" #D ">", &run_rope<D>}, \
+      {"zllm_rope_cache<" #D ">", &run_rope_cache<D>},                               \
       {"zllm_silu_mul<" #D ">", &run_silu_mul<D>}
 
 #define DECODE(D, HD, G) {"zllm_paged_decode<" #D ", " #HD ", " #G ">", &run_decode<D, HD, G>}

@@ -31,7 +31,7 @@ from zllm.executor.attention_backend import (
     metadata_per_layer,
 )
 from zllm.executor.loader import layer_of
-from zllm.executor.models.rope import RotaryEmbedding, rope
+from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
 from zllm.executor.parallel import (
     SINGLE,
     WHOLE,
@@ -140,10 +140,12 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, meta)
+        written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
+        if not written:
+            qk = rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v, kv_cache, meta, kv_written=written)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 

@@ -189,6 +189,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_into_cache(
+    qk: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: object,
+) -> bool:
+    """RoPE on q and k (in place) and the step's k and v into the KV cache, in one kernel
+    where the device has one (CUDA); False when nothing was done: rotate with `rope`, and
+    the attention layer writes the cache."""
+    if not cuda_layer_ops.usable(qk):
+        return False
+    slots = getattr(meta, "slot_mapping", None)
+    return slots is not None and cuda_layer_ops.rope_cache_(qk, v, cos, sin, kv_cache, slots)
+
+
 def rope(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope through a device's fused op where one takes the layout (in place on qk,
     a view into the qkv projection's output), else torch's."""
