@@ -78,16 +78,15 @@ class LaunchedStep:
     output: ModelRunnerOutput | None = None
     inputs: StepInputs | None = None
     rows: SampleRows | None = None
-    sampled: SamplerOutput | None = None  # on the host once `ready` has completed
+    sampled: SamplerOutput | None = None  # on the host once `gpu_end` has completed
     device_token_ids: torch.Tensor | None = None  # the sampled ids on the device
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     load_failures: list[tuple[int, bytes, int]] = field(default_factory=list)
     stage_times: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None  # recorded after the step's last queued work
     gpu_start: torch.cuda.Event | None = None
-    gpu_end: torch.cuda.Event | None = None
+    gpu_end: torch.cuda.Event | None = None  # after the step's last queued work (host copies)
     step_start: float = 0.0
     idle_s: float = 0.0  # the executor's wait for this step (serve_steps)
     overlapped: bool = False  # launched while the step before it was unfinished
@@ -97,7 +96,7 @@ class LaunchedStep:
 
     def is_done(self) -> bool:
         """Whether the device has finished the step (always, on CPU)."""
-        return self.ready is None or self.ready.query()
+        return self.gpu_end is None or self.gpu_end.query()
 
     def pending_tokens(self) -> PendingTokens | None:
         """The tokens this step sampled, for the next step's inputs (built when asked)."""

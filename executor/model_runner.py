@@ -287,7 +287,7 @@ class ModelRunner:
             for st in rows.requests:
                 st.num_pending += 1  # until finish appends it
         # After the copies to the host: the step's end for the idle clock and for finish.
-        launched.gpu_end = launched.ready = self._gpu_clock.record()
+        launched.gpu_end = self._gpu_clock.record()
         launched.launched_end = time.perf_counter()
         return launched
 
@@ -306,8 +306,8 @@ class ModelRunner:
         finish_start = time.perf_counter()
         so, rows, inputs = launched.so, launched.rows, launched.inputs
         assert rows is not None and inputs is not None
-        if launched.ready is not None:
-            launched.ready.synchronize()
+        if launched.gpu_end is not None:
+            launched.gpu_end.synchronize()
         for st in rows.requests:
             st.num_pending -= 1
         output = self.sampling.pack(so.step_id, rows, launched.sampled, launched.prompt_logprobs)
