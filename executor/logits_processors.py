@@ -17,6 +17,7 @@ processor reads the batch tensors of SamplingMetadata, built once per step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -39,6 +40,18 @@ class RowProcessor(Protocol):
 class SamplerProcessor(Protocol):
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         """Edit the sampler's fp32 `logits` [B, V] in place."""
+
+
+def rows_by_request(rows: SampleRows) -> Iterator[tuple[int, RequestState, list[int]]]:
+    """(its first logits row, its state, its proposals) for each request of the step: a
+    verifying request's rows follow its first, one per proposal."""
+    states = rows.logits_states
+    i = 0
+    while i < len(states):
+        st = states[i]
+        drafts = rows.drafts.get(st.req_id) or []
+        yield i, st, drafts
+        i += len(drafts) + 1
 
 
 class LogitBias:
@@ -77,13 +90,9 @@ class BadWords:
     its first j proposals as output."""
 
     def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
-        states = rows.logits_states
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
-        i = 0
-        while i < len(states):
-            st = states[i]
-            drafts = rows.drafts.get(st.req_id) or []
+        for i, st, drafts in rows_by_request(rows):
             encodings = st.sampling_params.bad_words_token_ids
             if encodings:
                 for j in range(len(drafts) + 1):
@@ -91,7 +100,6 @@ class BadWords:
                     for token in banned_next(encodings, output):
                         banned_rows.append(i + j)
                         banned_tokens.append(token)
-            i += len(drafts) + 1
         if banned_rows:
             dev = logits.device
             index = (
@@ -135,19 +143,14 @@ class ThinkingBudgetEnd:
     follows its first j proposals (ThinkingTracker.forced_tokens)."""
 
     def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
-        states = rows.logits_states
         forced_rows: list[int] = []
         forced_tokens: list[int] = []
-        i = 0
-        while i < len(states):
-            st = states[i]
-            drafts = rows.drafts.get(st.req_id) or []
+        for i, st, drafts in rows_by_request(rows):
             if st.thinking is not None:
                 for j, token in enumerate(st.thinking.forced_tokens(drafts)):
                     if token is not None:
                         forced_rows.append(i + j)
                         forced_tokens.append(token)
-            i += len(drafts) + 1
         if forced_rows:
             dev = logits.device
             index = to_device(forced_rows, dev, torch.int64)
