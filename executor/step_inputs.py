@@ -100,17 +100,9 @@ def prepare_inputs(
             input_ids.extend(st.all_token_ids[start : start + num - len(drafts)])
             input_ids.extend(drafts)
         else:
-            known = st.all_token_ids[start : start + num]
-            if len(known) < num:  # its last token is still on the device (st.num_pending)
-                assert pending is not None and req_id in pending.rows and len(known) + 1 == num, (
-                    "a missing token must be the pending step's",
-                    req_id,
-                    start,
-                    num,
-                )
-                pending_slots.append((len(input_ids) + len(known), req_id))
-                known = [*known, 0]
-            input_ids.extend(known)
+            if start + num > len(st.all_token_ids):  # its last token is still on the device
+                pending_slots.append((len(input_ids) + num - 1, req_id))
+            input_ids.extend(_known_tokens(st, start, num, pending))
         states.append(st)
         query_lens.append(num)
     seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
@@ -130,6 +122,23 @@ def prepare_inputs(
         positions=to_device(np.concatenate(positions), host.device),
         attn_metadata=attn_metadata,
     )
+
+
+def _known_tokens(
+    st: RequestState, start: int, num: int, pending: PendingTokens | None
+) -> list[int]:
+    """A request's tokens [start, start + num); a last one that `pending` sampled and the
+    host has not yet (st.num_pending) as a 0, which PendingTokens.fill overwrites."""
+    known = st.all_token_ids[start : start + num]
+    if len(known) == num:
+        return known
+    assert pending is not None and st.req_id in pending.rows and len(known) + 1 == num, (
+        "a missing token must be the pending step's",
+        st.req_id,
+        start,
+        num,
+    )
+    return [*known, 0]
 
 
 def _lora_id(st: RequestState | None) -> int:
