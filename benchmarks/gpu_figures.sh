@@ -12,7 +12,8 @@
 #                with GPU utilization sampled by nvidia-smi every 100 ms
 #   serve-shape  the same shape with random weights (no model transfer needed), c = 1 and
 #                64, with the GPU's idle share between steps from CUDA events, once with the
-#                asynchronous executor and once without (ASYNC_MODES="on off")
+#                asynchronous executor and once without (ASYNC_MODES="on off"; other
+#                concurrencies: SHAPE_CONCURRENCIES="32 256")
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
@@ -74,7 +75,7 @@ for _ in range(240):
     except Exception:
         time.sleep(0.5)
 PY
-      for c in 1 64; do
+      for c in ${SHAPE_CONCURRENCIES:-1 64}; do
         n=$(( c < 16 ? 32 : 4 * c ))
         echo "--- async executor $mode, concurrency $c"
         timeout 150 zllm bench serve --base-url http://127.0.0.1:8124 --concurrency $c \
