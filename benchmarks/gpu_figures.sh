@@ -14,6 +14,8 @@
 #                64, with the GPU's idle share between steps from CUDA events, once with the
 #                asynchronous executor and once without (ASYNC_MODES="on off"; other
 #                concurrencies: SHAPE_CONCURRENCIES="32 256")
+# SERVE_ARGS: more zllm serve flags for serve and serve-shape, e.g.
+#   SERVE_ARGS="--cudagraph-mode full_and_piecewise" (prefill and mixed steps as graphs)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
@@ -64,7 +66,7 @@ PY
     # Once per executor mode (ASYNC_MODES, default "on off"): the asynchronous executor
     # (launch N+1 before N's tokens reach the host) against one step at a time.
     for mode in ${ASYNC_MODES:-on off}; do
-      zllm serve /tmp/smollm2-shape --port 8124 --async-executor $mode \
+      zllm serve /tmp/smollm2-shape --port 8124 --async-executor $mode ${SERVE_ARGS:-} \
         > "$OUT/serve-shape-$mode.log" 2>&1 &
       python3 - <<'PY'
 import time, urllib.request
@@ -86,7 +88,7 @@ PY
     done ;;
   serve)
     section "$step"
-    zllm serve smollm2 --port 8123 > "$OUT/serve.log" 2>&1 &
+    zllm serve smollm2 --port 8123 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
     python3 - <<'PY'
 import time, urllib.request
 for _ in range(240):

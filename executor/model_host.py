@@ -50,6 +50,7 @@ from zllm.protocol import SLEEP_TAGS
 
 if TYPE_CHECKING:
     from zllm.executor.cuda_graph import CudaGraphRunner
+    from zllm.executor.piecewise_graph import PiecewiseGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class ModelHost:
         logger.info("Attention: %s (%s)", self.attention.name, self.attention.description)
         self._create_kv_pool(parallel)
         self.graph_runner = self._capture_cuda_graphs()
+        self.piecewise_runner = self._capture_piecewise_graphs()
         self._log_kv_cache()
         self.sleeping: set[str] = set()  # sleep mode: the parts released (SLEEP_TAGS)
         self.weights_on_host = False  # sleep level 1 on a GPU (sleep_mode.py)
@@ -267,23 +269,27 @@ class ModelHost:
         logger.info("Decode steps: the module path (fused CPU path not used: %s)", skip)
         return None
 
-    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
-        """On a GPU: CUDA graphs for decode-only steps (csrc/); None elsewhere.
-
-        Not yet verified on a GPU (see the GPU issue's notes); the CPU path is untouched.
-        """
+    def _graphs_apply(self) -> bool:
+        """Whether this engine's steps may replay CUDA graphs at all."""
         config = self.config
         if self.device.type != "cuda" or self.attention.name != "cuda":
-            return None  # graphs replay the CUDA backend's decode
+            return False  # graphs replay the CUDA backend's kernels
         if config.model_impl == "transformers":
-            return None  # transformers' modeling code runs eagerly
+            return False  # transformers' modeling code runs eagerly
         if config.lora is not None:
             # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
             logger.info("LoRA enabled: no CUDA graphs")
-            return None
+            return False
         if self.tp.enabled or self.pp.enabled:
             # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
             logger.info("Tensor or pipeline parallel: no CUDA graphs")
+            return False
+        return True
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        """On a GPU: CUDA graphs for decode-only steps (csrc/); None elsewhere."""
+        config = self.config
+        if not self._graphs_apply():
             return None
         from zllm.executor.cuda_graph import CudaGraphRunner
 
@@ -301,6 +307,23 @@ class ModelHost:
         )
         graph_runner.capture()
         return graph_runner
+
+    def _capture_piecewise_graphs(self) -> PiecewiseGraphRunner | None:
+        """On a GPU with --cudagraph-mode full_and_piecewise: graphs for the pieces between
+        attention calls of prefill and mixed steps (executor/piecewise_graph.py)."""
+        config = self.config
+        if not config.piecewise_cuda_graphs or config.enforce_eager or not self._graphs_apply():
+            return None
+        from zllm.executor.piecewise_graph import CudaPieces, PiecewiseGraphRunner
+
+        runner = PiecewiseGraphRunner(
+            self.model,
+            self.kv_caches,
+            CudaPieces(self.device),
+            max_num_tokens=config.scheduler.max_num_batched_tokens,
+            layer_attention=list(self.layer_attention),
+        )
+        return runner if runner.capture() else None
 
     # ---- the KV pool --------------------------------------------------------------------------
     def profile_num_blocks(self) -> int:
@@ -331,6 +354,10 @@ class ModelHost:
             dtype_bytes=self.dtype.itemsize,
         )
         reserve = activation_reserve_bytes(self.arch, step)
+        if config.piecewise_cuda_graphs:  # captured after the pool
+            from zllm.executor.piecewise_graph import static_bytes
+
+            reserve += static_bytes(self.arch, step.max_tokens, self.dtype.itemsize)
         draft = config.speculative.draft_arch if config.speculative is not None else None
         if draft is not None:  # (loaded after the pool)
             reserve += weight_bytes(draft, self.dtype.itemsize)
@@ -419,6 +446,7 @@ class ModelHost:
         self.kv_tensors, self.kv_caches = [], []
         self.kv_pool.tensors, self.kv_pool.draft = [], []
         self.graph_runner = None  # (captured over the pool's addresses)
+        self.piecewise_runner = None
         self.proposer = None
         if level >= 2:
             self.model = None  # type: ignore[assignment]
@@ -447,6 +475,7 @@ class ModelHost:
             self.sleeping.discard("kv_cache")
         if was_asleep and not self.sleeping:  # both back: what reads both
             self.graph_runner = self._capture_cuda_graphs()
+            self.piecewise_runner = self._capture_piecewise_graphs()
             self._make_proposer()
         still = f" (still asleep: {', '.join(sorted(self.sleeping))})" if self.sleeping else ""
         logger.info("Woke %s in %.1f s%s", "+".join(tags), time.perf_counter() - start, still)

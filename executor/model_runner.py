@@ -407,8 +407,9 @@ class ModelRunner:
     def _run_model(
         self, inputs: StepInputs, stream: torch.Tensor | None = None, final_norm: bool = True
     ) -> torch.Tensor:
-        """The model's layers over the step: a captured CUDA graph replay when one fits, the
-        fused CPU stack for decode-only steps, else the modules. `stream`: the residual
+        """The model's layers over the step: a captured CUDA graph replay when one fits (a
+        decode graph, else the pieces of a piecewise one), the fused CPU stack for
+        decode-only steps, else the modules. `stream`: the residual
         stream entering a pipeline stage's layers (None: embed the tokens); `final_norm`
         False: return the stream leaving them (a stage before the last)."""
         host, ids, positions = self.host, inputs.input_ids, inputs.positions
@@ -416,6 +417,8 @@ class ModelRunner:
         hidden = None
         if host.graph_runner is not None:  # decode-only batches on a GPU (never a stage)
             hidden = host.graph_runner.run(ids, positions, meta)
+        if hidden is None and host.piecewise_runner is not None:  # prefill and mixed steps
+            hidden = host.piecewise_runner.run(ids, positions, meta)
         if hidden is None and host.fused_decode is not None:  # decode-only steps on CPU
             hidden = host.fused_decode.run(
                 ids, positions, kv_caches, meta, stream=stream, final_norm=final_norm

@@ -424,6 +424,29 @@ def test_graph_replay_equals_eager_in_the_engine(tiny_gpu_llama_dir):
     assert outs[False] == outs[True]
 
 
+@pytest.mark.parametrize("async_executor", ["on", "off"])
+def test_piecewise_graphs_equal_eager_in_the_engine(tiny_gpu_llama_dir, async_executor):
+    """--cudagraph-mode full_and_piecewise: prefill and mixed steps (prompts chunked by a
+    64-token budget beside running decodes) replay their pieces, and every token equals the
+    eager engine's (fp32, same device)."""
+    from zllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs, replayed = {}, {}
+    for mode in ("piecewise", "eager"):
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", max_num_batched_tokens=64,
+                       async_executor=async_executor, enforce_eager=mode == "eager",
+                       cudagraph_mode="full_and_piecewise")  # fmt: skip
+        prompts = engine_prompts(llm.config.arch.vocab_size, [3, 40, 150, 7, 61, 300, 12], 4)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]  # fmt: skip
+        runner = llm.executor.runner.host.piecewise_runner
+        replayed[mode] = runner.steps_replayed if runner is not None else 0
+        free_llm(llm)
+    assert outs["piecewise"] == outs["eager"]
+    assert replayed["eager"] == 0 and replayed["piecewise"] >= 8
+
+
 def test_seeded_sampling_reproducible_on_cuda(tiny_gpu_llama_dir):
     """A seed gives the same samples on every run on the GPU, whatever shares the batch;
     n > 1 samples differ from each other; every sampling option runs on device tensors."""

@@ -210,6 +210,9 @@ class EngineConfig:
     # activations for decode-sized calls; "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
+    # GPU: prefill and mixed steps replay graphs in pieces between attention calls too
+    # (executor/piecewise_graph.py; --cudagraph-mode full_and_piecewise).
+    piecewise_cuda_graphs: bool = False
     # Launch step N+1 before step N's tokens reach the host (executor/async_steps.py).
     async_executor: bool = False
     # "auto": weights from the model's files; "dummy": random weights, no weight file read.

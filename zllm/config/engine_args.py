@@ -186,6 +186,14 @@ class EngineArgs:
         choices=("auto", "dummy"),
     )
     enforce_eager: bool = option(False, help="GPU: run eagerly, no CUDA graphs")
+    cudagraph_mode: str = option(
+        "full_decode_only",
+        help="GPU: which steps replay CUDA graphs. full_decode_only: decode-only steps, one "
+        "graph each; full_and_piecewise: those, and prefill and mixed steps of up to 512 "
+        "tokens in pieces between the attention calls, which run eagerly (vLLM's modes; "
+        "opt-in until measured on a GPU)",
+        choices=("full_decode_only", "full_and_piecewise"),
+    )
     async_executor: str = option(
         "auto",
         help="launch each step before the last one's sampled tokens reach the host, so the "
@@ -350,6 +358,7 @@ class EngineArgs:
             device=device,
             quantization=self._check_quantization(device),
             enforce_eager=self.enforce_eager,
+            piecewise_cuda_graphs=self.cudagraph_mode == "full_and_piecewise",
             async_executor=self._async_executor(device),
             load_format=self.load_format,
             model_impl=impl.name,
