@@ -136,7 +136,8 @@ class BlockManager:
         if blocks is None:
             return 0
         tables = blocks.tables if group is None else [blocks.tables[group]]
-        return sum(1 for table in tables for b in table if b is not None)
+        # (len - count: C loops; this runs for every running request each step)
+        return sum(len(table) - table.count(None) for table in tables)
 
     def block_states(self, max_cells: int = MAX_BLOCK_CELLS) -> tuple[bytes, int]:
         """The pool as one byte per cell (0 free, 1 in use, 2 cached prefix), and how many

@@ -219,6 +219,7 @@ class Scheduler:
             drafts = self.spec.take_drafts(
                 req, num_new, plan.budget, plan.speculate, self.max_model_len
             )
+            moved = False  # whether a preemption may have moved req in self.running
             while not bm.allocate_slots(
                 req.req_id,
                 req.all_token_ids,
@@ -234,11 +235,12 @@ class Scheduler:
                 victim = self.beams.idle_beam(self.running, plan.scheduled) or self.running[-1]
                 self.running.remove(victim)
                 self._preempt(victim)
-                preempted = True
+                preempted = moved = True
                 if victim is req:
                     return True  # it was the newest: nothing is left after it
             self._add_to_step(plan, req, num_new, drafts)
-            i = self.running.index(req) + 1
+            # (a search of the list for every request would make a step quadratic in them)
+            i = self.running.index(req) + 1 if moved else i + 1
         return preempted
 
     def _schedule_waiting(self, plan: StepPlan) -> None:

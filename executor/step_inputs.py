@@ -12,7 +12,7 @@ so a prompt chunk, a decode and a pending token are all the same case:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import torch
 
 from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention_backend import StepAttentionMetadata
+from zllm.executor.attention_metadata import stack_tables
 from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
 from zllm.kv.cache_groups import KVCacheGroup
@@ -82,7 +83,6 @@ def prepare_inputs(
     states: list[RequestState] = []
     query_lens: list[int] = []
     input_ids: list[int] = []
-    positions: list[np.ndarray] = []
     pending_slots: list[tuple[int, str]] = []  # (flat index, req_id): filled on the device
     scheduled = list(scheduled_tokens.items())
     if host.lora is not None:
@@ -94,7 +94,6 @@ def prepare_inputs(
         if st is None:
             continue
         start = st.num_computed_tokens
-        positions.append(np.arange(start, start + num, dtype=np.int64))
         drafts = so.spec_token_ids.get(req_id)
         if drafts:  # the last known token, then the proposals it verifies
             input_ids.extend(st.all_token_ids[start : start + num - len(drafts)])
@@ -106,6 +105,7 @@ def prepare_inputs(
         states.append(st)
         query_lens.append(num)
     seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
+    positions = token_positions(query_lens, seq_lens)
     attn_metadata = build_attention_metadata(host, states, query_lens, seq_lens, positions)
     if host.lora is not None:
         host.lora.set_batch([st.lora_int_id for st in states], query_lens)
@@ -119,9 +119,16 @@ def prepare_inputs(
         seq_lens=seq_lens,
         token_ends=np.cumsum(query_lens),
         input_ids=ids,
-        positions=to_device(np.concatenate(positions), host.device),
+        positions=to_device(positions, host.device),
         attn_metadata=attn_metadata,
     )
+
+
+def token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]) -> np.ndarray:
+    """int64 [T]: each new token's position, row by row (a row's tokens end its sequence)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    first = np.asarray(seq_lens, dtype=np.int64) - q  # each row's first new position
+    return np.arange(int(q.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(q) - q), q)
 
 
 def _known_tokens(
@@ -150,24 +157,23 @@ def build_attention_metadata(
     states: list[RequestState],
     query_lens: list[int],
     seq_lens: list[int],
-    positions: list[np.ndarray],
+    positions: np.ndarray,
 ) -> StepAttentionMetadata | list[StepAttentionMetadata]:
     """One metadata per (KV cache group, window) the layers use; a list with one entry per
-    layer, or a single metadata when every layer shares one (the common case)."""
+    layer, or a single metadata when every layer shares one (the common case). `positions`:
+    the new tokens', row after row (token_positions)."""
     bs = host.block_size
     built: dict[LayerAttention, StepAttentionMetadata] = {}
+    row_of_token = np.repeat(np.arange(len(states)), query_lens)
     for key in dict.fromkeys(host.layer_attention):
         tables = [st.block_ids[key.group] for st in states]
-        slots = [
-            np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
-            for table, pos in zip(tables, positions, strict=True)
-        ]
+        slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
         extra = {"all_as_decode": True} if host.config.deterministic else {}
         built[key] = host.attention.build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=tables,
-            slot_mapping=np.concatenate(slots),
+            slot_mapping=slots,
             block_size=bs,
             device=host.device,
             sliding_window=key.sliding_window,

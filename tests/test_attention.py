@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -422,3 +423,27 @@ def test_model_layers_come_from_the_backend(backend):
         assert getattr(attn, "decode_kernel", None) is getattr(expected, "decode_kernel", None)
         assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (4, 2, 8)
     assert LlamaForCausalLM(arch).layers[0].self_attn.attn.decode_kernel is None  # torch default
+
+
+def test_stacked_tables_and_positions_equal_row_by_row():
+    """The vectorised helpers a step's metadata is built with (hundreds of rows a step)
+    against the row-by-row construction they replaced: ragged tables with released (-1)
+    entries, an empty step, and positions of decodes beside chunks."""
+    from zllm.executor.attention_metadata import padded_tables, stack_tables
+    from zllm.executor.step_inputs import token_positions
+
+    tables = [[5, 9, 2], [-1, -1, 7, 8, 1], [3], [4, 6]]
+    stacked = stack_tables(tables)
+    assert stacked.dtype == np.int64 and stacked.shape == (4, 5)
+    for row, table in zip(stacked, tables, strict=True):
+        assert row.tolist() == table + [0] * (5 - len(table))
+    ctx = np.array([33, 70, 1, 17])  # blocks of 16: 3, 5, 1, 2
+    padded = padded_tables(tables, ctx, 16)
+    assert padded.dtype == np.int32
+    assert padded.tolist() == [[5, 9, 2, 0, 0], [-1, -1, 7, 8, 1], [3, 0, 0, 0, 0], [4, 6, 0, 0, 0]]
+    assert padded_tables([[5, 9, 2]], np.array([5]), 16).tolist() == [[5]]
+    assert stack_tables([]).shape == (0, 1) and padded_tables([], np.array([]), 16).shape == (0, 1)
+    q, seq = [1, 4, 1, 3], [33, 70, 1, 17]
+    expected = np.concatenate([np.arange(s - n, s) for n, s in zip(q, seq, strict=True)])
+    assert token_positions(q, seq).tolist() == expected.tolist()
+    assert token_positions([], []).tolist() == []

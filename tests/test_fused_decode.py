@@ -232,7 +232,9 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
                 tables.append(table)
             states.append(State(tables))
         positions = [np.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
-        meta = build_attention_metadata(runner.host, states, query_lens, seq_lens, positions)
+        meta = build_attention_metadata(
+            runner.host, states, query_lens, seq_lens, np.concatenate(positions)
+        )
         ids = torch.randint(3, 250, (sum(query_lens),), generator=gen)
         return ids, torch.from_numpy(np.concatenate(positions)), meta
 
