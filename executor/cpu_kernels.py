@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -145,26 +146,66 @@ def load() -> ModuleType:
     # the build after every file's content so an edited header gets a fresh build. And after
     # where the sources are: torch also rebuilds when the include paths change, so two
     # checkouts sharing one build directory rebuilt it in turn (each start paying ~35 s).
+    # The flags too: a build found under this name is then this exact build, which lets a
+    # later start import it without asking ninja (below).
     where = str(CSRC_DIR.resolve()).encode()
-    digest = hashlib.sha256(where + b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
-    name = f"zllm_cpu_kernels_{digest}"
+    flags = " ".join((*SOURCES, *CFLAGS, "|", *LDFLAGS)).encode()
+    digest = hashlib.sha256(where + flags + b"".join(f.read_bytes() for f in files))
+    name = f"zllm_cpu_kernels_{digest.hexdigest()[:12]}"
     # A first build takes ~35 s, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
         build_dir = Path(cpp_extension._get_build_directory(name, False))  # (creates it)
-        with (
-            exclusive_build(build_dir),
-            Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger),
-        ):
-            return cpp_extension.load(
-                name=name,
-                sources=[str(CSRC_DIR / s) for s in SOURCES],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                verbose=False,
-            )
+        with exclusive_build(build_dir):
+            built = _import_built(name, build_dir)
+            if built is not None:
+                return built
+            with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(CSRC_DIR / s) for s in SOURCES],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
+                    verbose=False,
+                )
+            _stamp(build_dir / f"{name}.so").write_text(_identity(build_dir / f"{name}.so"))
+            return module
     except Exception as exc:  # compiler errors, missing ninja, an unwritable directory, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
+
+
+def _stamp(library: Path) -> Path:
+    return library.with_suffix(".built")
+
+
+def _identity(library: Path) -> str:
+    stat = library.stat()
+    return f"{stat.st_size} {stat.st_mtime_ns}"
+
+
+def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The extension a finished build left under this name, imported directly: torch's
+    loader runs ninja first to check that it is up to date, a third of a second of every
+    start, and the name already says which sources and flags it was built from. Only a
+    library whose stamp (written once torch's load returned) names its size and time: a
+    link killed midway leaves a file that can crash the process that loads it. None when
+    there is none, or it does not import: then build."""
+    library = build_dir / f"{name}.so"
+    try:
+        if _stamp(library).read_text() != _identity(library):
+            return None
+    except OSError:  # no library, or no stamp
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        logger.warning("rebuilding the CPU kernels: %s did not load (%s)", library, e)
+        return None
+    return module
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -354,6 +355,30 @@ def test_a_killed_build_s_lock_does_not_block_later_loads(tmp_path, caplog):
     with cpu_kernels.exclusive_build(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "removing the lock file a killed CPU-kernel build left" in caplog.text
+
+
+def test_a_finished_build_is_imported_without_ninja_and_an_unfinished_one_never(tmp_path):
+    """A start finds the build its name describes (sources, flags, place) and imports it
+    directly, but only one whose stamp (written when the build finished) matches it: a link
+    killed midway leaves a library that would crash the process loading it."""
+    if not cpu_kernels.cpu_supports_kernels():
+        pytest.skip("the CPU kernels need AVX2/FMA/F16C")
+    built = Path(cpu_kernels.load().__file__)
+    name = built.stem  # (the module's init function is named after it)
+    copy = tmp_path / built.name
+    copy.write_bytes(built.read_bytes())
+    assert cpu_kernels._import_built(name, tmp_path) is None  # no stamp
+    copy.with_suffix(".built").write_text(cpu_kernels._identity(copy))
+    module = cpu_kernels._import_built(name, tmp_path)
+    assert module is not None
+    assert {"gguf_linear", "paged_decode_attention"} <= set(dir(module))
+    # Cut short after its stamp was written (its size no longer matches): never loaded.
+    cut = tmp_path / "zllm_cpu_kernels_cut.so"
+    cut.write_bytes(built.read_bytes())
+    cut.with_suffix(".built").write_text(cpu_kernels._identity(cut))
+    cut.write_bytes(built.read_bytes()[:4096])
+    assert cpu_kernels._import_built("zllm_cpu_kernels_cut", tmp_path) is None
+    assert cpu_kernels._import_built("zllm_cpu_kernels_none", tmp_path) is None
 
 
 def test_a_build_directory_that_cannot_be_made_is_a_kernel_error(monkeypatch, tmp_path):
