@@ -160,8 +160,14 @@ class RecordedPieces:
     def __init__(self) -> None:
         self._mode: RecordedOps | None = None
 
-    def session(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if self._mode is not None:  # a failed capture: leave no recording mode on
+                self._mode.__exit__(None, None, None)
+                self._mode = None
 
     def begin(self) -> None:
         self._mode = RecordedOps()
@@ -268,7 +274,9 @@ class PiecewiseGraphRunner:
                 self._capture(size)
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager path
             logger.warning("Piecewise CUDA graphs off: capturing them failed (%s)", e)
-            self.pieces.clear(), self.sites.clear(), self.outputs.clear()
+            self.pieces.clear()
+            self.sites.clear()
+            self.outputs.clear()
             return False
         logger.info(
             "Captured piecewise CUDA graphs for %d token counts (%s), %d pieces each, in %.1f s",

@@ -148,3 +148,32 @@ def test_a_forward_that_cannot_be_cut_leaves_the_eager_path(tiny, monkeypatch, c
     meta = AttentionMetadata.build([4], [4], [[1]], [16, 17, 18, 19], BLOCK, "cpu")
     assert runner.run(torch.zeros(4, dtype=torch.int64), positions, meta) is None
     assert model.layers[0].self_attn.attn is runner.layers[0]  # the real layers are back
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("tiny", ["torch"], indirect=True)
+def test_a_capture_that_fails_midway_leaves_nothing_recording(tiny, monkeypatch):
+    """An error inside a piece (here the MLP of layer 0, on the recorded pass after the
+    warm-up) ends the capture cleanly: no recording mode left on, the eager model intact."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    _, arch, model = tiny
+    caches = [torch.zeros(2, 9, BLOCK, 2, 64) for _ in range(arch.num_layers)]
+    runner = PiecewiseGraphRunner(model, caches, RecordedPieces(), max_num_tokens=8,
+                                  capture_sizes=(8,))  # fmt: skip
+    mlp, calls = model.layers[0].mlp, []
+    original = mlp.forward
+
+    def second_call_fails(x):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("not capturable")
+        return original(x)
+
+    monkeypatch.setattr(mlp, "forward", second_call_fails)
+    assert not runner.capture()
+    assert len(calls) == 2 and _get_current_dispatch_mode() is None
+    assert model.layers[0].self_attn.attn is runner.layers[0]
+    meta = AttentionMetadata.build([4], [4], [[1]], [16, 17, 18, 19], BLOCK, "cpu")
+    out = model(torch.zeros(4, dtype=torch.int64), torch.arange(4), caches, meta)
+    assert out.shape == (4, arch.hidden_size) and torch.isfinite(out).all()
