@@ -131,9 +131,7 @@ def needs_host_tokens(st: RequestState, num_samples: int = 1) -> bool:
     return (
         num_samples > 1
         or params.use_beam_search
-        or params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
+        or params.penalizes_output
         or len(st.output_token_ids) < params.min_tokens
         or bool(params.bad_words_token_ids)
         or st.grammar is not None

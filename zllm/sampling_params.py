@@ -76,6 +76,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return self.temperature < _SAMPLING_EPS
 
     @property
+    def penalizes_output(self) -> bool:
+        """Whether a penalty reads the tokens generated so far (presence, frequency,
+        repetition): the sampler then needs them, and the asynchronous executor runs this
+        request's steps one at a time (executor/async_steps.py needs_host_tokens)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
     def num_beams(self) -> int:
         return self.beam_width or self.n
 
