@@ -522,12 +522,17 @@ def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(repeats, greedy, use_tqdm=False)]
     free_llm(llm)
-    spec = make_llm(
-        tiny_gpu_llama_dir, "cuda",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-    )  # fmt: skip
-    assert [o.outputs[0].token_ids for o in spec.generate(repeats, greedy, use_tqdm=False)] == plain
-    free_llm(spec)
+    # Verify steps (several tokens a row) replay nothing but the pieces of piecewise graphs.
+    for mode in ("full_decode_only", "full_and_piecewise"):
+        spec = make_llm(
+            tiny_gpu_llama_dir, "cuda", cudagraph_mode=mode,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        )  # fmt: skip
+        outs = [o.outputs[0].token_ids for o in spec.generate(repeats, greedy, use_tqdm=False)]
+        assert outs == plain, mode
+        runner = spec.executor.runner.host.piecewise_runner
+        assert (runner is not None and runner.steps_replayed > 0) == (mode != "full_decode_only")
+        free_llm(spec)
 
 
 def test_preemption_on_cuda(tiny_gpu_llama_dir):

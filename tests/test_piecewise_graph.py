@@ -111,6 +111,8 @@ def test_piecewise_replay_equals_the_eager_step(tiny, layout):
         ([0, 3], [38, 60], [1, 2]),
         # decodes only: the piecewise runner takes those too
         ([0, 1, 2, 3, 4], [39, 6, 36, 62, 9], [1, 1, 1, 1, 1]),
+        # a speculative verify step's shape: the last token and proposals, a few per row
+        ([0, 1, 3], [40, 7, 63], [4, 3, 2]),
     ]
     for seq_ids, before, new in steps:
         positions, meta = seqs.step(seq_ids, before, new)
