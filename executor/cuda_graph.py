@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container, Sequence
 
 import torch
 
@@ -47,6 +48,18 @@ from zllm.executor.step_inputs import LayerAttention
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def sizes_to_capture(limit: int, sizes: Sequence[int]) -> list[int]:
+    """The sizes below `limit` (a step never exceeds it) and the first that holds it, sorted."""
+    ordered = sorted(set(sizes))
+    holding = [s for s in ordered if s >= limit]
+    return [s for s in ordered if s < limit] + holding[:1]
+
+
+def smallest_holding(sizes: Sequence[int], captured: Container[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` that is at least `n` and was captured, if any."""
+    return next((s for s in sizes if s >= n and s in captured), None)
 
 
 class CudaGraphRunner:
@@ -75,11 +88,8 @@ class CudaGraphRunner:
         self.max_seq_len = max_blocks_per_seq * block_size
         self.device = torch.device(device) if device is not None else kv_caches[0].device
         self.enabled = enabled and self.device.type == "cuda"
-        # A batch never exceeds max_num_seqs: capture the sizes below it and the first one
-        # that holds it, none bigger.
-        sizes = sorted(set(capture_sizes))
-        holding = [s for s in sizes if s >= max_num_seqs]
-        self.capture_sizes = [s for s in sizes if s < max_num_seqs] + holding[:1]
+        # A batch never exceeds max_num_seqs.
+        self.capture_sizes = sizes_to_capture(max_num_seqs, capture_sizes)
         self.max_batch = self.capture_sizes[-1] if self.capture_sizes else 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -176,10 +186,7 @@ class CudaGraphRunner:
 
     def graph_size_for(self, num_tokens: int) -> int | None:
         """The smallest captured batch size that holds num_tokens, if any."""
-        for size in self.capture_sizes:
-            if size >= num_tokens and size in self.graphs:
-                return size
-        return None
+        return smallest_holding(self.capture_sizes, self.graphs, num_tokens)
 
     @torch.inference_mode()
     def run(

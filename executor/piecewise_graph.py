@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention import PagedAttentionBase
 from zllm.executor.attention_backend import metadata_per_layer
+from zllm.executor.cuda_graph import sizes_to_capture, smallest_holding
 from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)
@@ -52,19 +53,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_PIECEWISE_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-def sizes_to_capture(
-    max_num_tokens: int, capture_sizes: Sequence[int] = DEFAULT_PIECEWISE_SIZES
-) -> list[int]:
-    """The sizes below the step budget and the first that holds it, none bigger."""
-    sizes = sorted(set(capture_sizes))
-    holding = [s for s in sizes if s >= max_num_tokens]
-    return [s for s in sizes if s < max_num_tokens] + holding[:1]
-
-
 def static_bytes(arch: ModelArchConfig, max_num_tokens: int, dtype_bytes: int) -> int:
     """What the captured pieces keep for good: per size and layer, the q/k/v projection the
     attention reads at replay and its output buffer, and the final hidden states."""
-    tokens = sum(sizes_to_capture(max_num_tokens))
+    tokens = sum(sizes_to_capture(max_num_tokens, DEFAULT_PIECEWISE_SIZES))
     q_width = arch.num_heads * arch.head_dim
     per_token = arch.num_layers * (2 * q_width + 2 * arch.num_kv_heads * arch.head_dim)
     return tokens * (per_token + arch.hidden_size) * dtype_bytes
@@ -337,10 +329,7 @@ class PiecewiseGraphRunner:
     # ---- replay -------------------------------------------------------------------------------
 
     def size_for(self, num_tokens: int) -> int | None:
-        for size in self.capture_sizes:
-            if size >= num_tokens and size in self.pieces:
-                return size
-        return None
+        return smallest_holding(self.capture_sizes, self.pieces, num_tokens)
 
     @torch.inference_mode()
     def run(
