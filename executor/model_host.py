@@ -354,7 +354,7 @@ class ModelHost:
             dtype_bytes=self.dtype.itemsize,
         )
         reserve = activation_reserve_bytes(self.arch, step)
-        if config.piecewise_cuda_graphs:  # captured after the pool
+        if config.piecewise_cuda_graphs and not config.enforce_eager:  # captured after the pool
             from zllm.executor.piecewise_graph import static_bytes
 
             reserve += static_bytes(self.arch, step.max_tokens, self.dtype.itemsize)
