@@ -371,7 +371,7 @@ def _penalty_tensors(
     def floats(values: list[float]) -> torch.Tensor:
         return to_device(values, device, torch.float32)
 
-    reads_output = any(p.penalizes_output for p in params)
+    reads_output = use_presence or use_frequency or use_repetition
     return _PenaltyTensors(
         presence=floats(presence) if use_presence else None,
         frequency=floats(frequency) if use_frequency else None,

@@ -78,8 +78,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def penalizes_output(self) -> bool:
         """Whether a penalty reads the tokens generated so far (presence, frequency,
-        repetition): the sampler then needs them, and the asynchronous executor runs this
-        request's steps one at a time (executor/async_steps.py needs_host_tokens)."""
+        repetition): the asynchronous executor then runs this request's steps one at a
+        time (executor/async_steps.py needs_host_tokens)."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
