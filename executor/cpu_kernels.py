@@ -156,8 +156,9 @@ def load() -> ModuleType:
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
         build_dir = Path(cpp_extension._get_build_directory(name, False))  # (creates it)
+        library = build_dir / f"{name}.so"
         with exclusive_build(build_dir):
-            built = _import_built(name, build_dir)
+            built = _import_built(name, library)
             if built is not None:
                 return built
             with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
@@ -168,7 +169,7 @@ def load() -> ModuleType:
                     extra_ldflags=list(LDFLAGS),
                     verbose=False,
                 )
-            _stamp(build_dir / f"{name}.so").write_text(_identity(build_dir / f"{name}.so"))
+            _stamp(library).write_text(_identity(library))
             return module
     except Exception as exc:  # compiler errors, missing ninja, an unwritable directory, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
@@ -183,14 +184,13 @@ def _identity(library: Path) -> str:
     return f"{stat.st_size} {stat.st_mtime_ns}"
 
 
-def _import_built(name: str, build_dir: Path) -> ModuleType | None:
+def _import_built(name: str, library: Path) -> ModuleType | None:
     """The extension a finished build left under this name, imported directly: torch's
     loader runs ninja first to check that it is up to date, a third of a second of every
     start, and the name already says which sources and flags it was built from. Only a
     library whose stamp (written once torch's load returned) names its size and time: a
     link killed midway leaves a file that can crash the process that loads it. None when
     there is none, or it does not import: then build."""
-    library = build_dir / f"{name}.so"
     try:
         if _stamp(library).read_text() != _identity(library):
             return None

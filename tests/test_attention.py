@@ -367,9 +367,9 @@ def test_a_finished_build_is_imported_without_ninja_and_an_unfinished_one_never(
     name = built.stem  # (the module's init function is named after it)
     copy = tmp_path / built.name
     copy.write_bytes(built.read_bytes())
-    assert cpu_kernels._import_built(name, tmp_path) is None  # no stamp
+    assert cpu_kernels._import_built(name, copy) is None  # no stamp
     copy.with_suffix(".built").write_text(cpu_kernels._identity(copy))
-    module = cpu_kernels._import_built(name, tmp_path)
+    module = cpu_kernels._import_built(name, copy)
     assert module is not None
     assert {"gguf_linear", "paged_decode_attention"} <= set(dir(module))
     # Cut short after its stamp was written (its size no longer matches): never loaded.
@@ -377,8 +377,11 @@ def test_a_finished_build_is_imported_without_ninja_and_an_unfinished_one_never(
     cut.write_bytes(built.read_bytes())
     cut.with_suffix(".built").write_text(cpu_kernels._identity(cut))
     cut.write_bytes(built.read_bytes()[:4096])
-    assert cpu_kernels._import_built("zllm_cpu_kernels_cut", tmp_path) is None
-    assert cpu_kernels._import_built("zllm_cpu_kernels_none", tmp_path) is None
+    assert cpu_kernels._import_built("zllm_cpu_kernels_cut", cut) is None
+    assert (
+        cpu_kernels._import_built("zllm_cpu_kernels_none", tmp_path / "zllm_cpu_kernels_none.so")
+        is None
+    )
 
 
 def test_a_build_directory_that_cannot_be_made_is_a_kernel_error(monkeypatch, tmp_path):
