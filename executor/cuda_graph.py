@@ -62,6 +62,18 @@ def smallest_holding(sizes: Sequence[int], captured: Container[int], n: int) -> 
     return next((s for s in sizes if s >= n and s in captured), None)
 
 
+def attention_sets(
+    layer_attention: Sequence[LayerAttention] | None, num_layers: int
+) -> tuple[list[LayerAttention | None], list[int], list[int]]:
+    """The distinct (KV cache group, window) pairs the layers attend with, in first-layer
+    order (one, None, when `layer_attention` is not given: `num_layers` layers share it);
+    per layer, which of them it uses; per pair, its first layer (whose eager metadata
+    fills that pair's static buffers)."""
+    per_layer = list(layer_attention) if layer_attention else [None] * num_layers
+    keys = list(dict.fromkeys(per_layer))
+    return keys, [keys.index(k) for k in per_layer], [per_layer.index(k) for k in keys]
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -100,12 +112,9 @@ class CudaGraphRunner:
         # One set of attention buffers per distinct (group, window), in first-layer order;
         # per layer, which set its metadata reads; per set, a layer whose eager metadata
         # fills it.
-        layers: list[LayerAttention | None] = list(layer_attention or [None])
-        keys = list(dict.fromkeys(layers))
+        keys, self._set_of_layer, self._first_layer_of_set = attention_sets(layer_attention, 1)
         self.attention_keys = keys
         self.buffers = [_AttentionBuffers(n, max_blocks_per_seq, dev) for _ in keys]
-        self._set_of_layer = [keys.index(k) for k in layers]
-        self._first_layer_of_set = [layers.index(k) for k in keys]
         # Split-K scratch for the captured size that needs most (each size has its own
         # partition length: cuda_kernels.plan_decode), made now so that no replay allocates
         # and every graph keeps pointing at the same buffer.

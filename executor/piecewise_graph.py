@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention import PagedAttentionBase
 from zllm.executor.attention_backend import metadata_per_layer
-from zllm.executor.cuda_graph import sizes_to_capture, smallest_holding
+from zllm.executor.cuda_graph import attention_sets, sizes_to_capture, smallest_holding
 from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)
@@ -239,10 +239,9 @@ class PiecewiseGraphRunner:
         self.layers = [getattr(module, name) for module, name in self.owners]
         if len(self.owners) != len(kv_caches):
             raise ValueError(f"{len(self.owners)} attention layers for {len(kv_caches)} caches")
-        keys = list(dict.fromkeys(layer_attention or [None]))
-        per_layer = list(layer_attention or [None] * len(kv_caches))
-        self._set_of_layer = [keys.index(k) for k in per_layer]
-        self._first_layer_of_set = [per_layer.index(k) for k in keys]
+        keys, self._set_of_layer, self._first_layer_of_set = attention_sets(
+            layer_attention, len(kv_caches)
+        )
         n, dev = self.max_size, self.device
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -282,20 +281,23 @@ class PiecewiseGraphRunner:
     def _capture(self, size: int) -> None:
         ids, positions = self.input_ids[:size], self.positions[:size]
         metas = [_CaptureMeta(self.slots[s][:size]) for s in self._set_of_layer]
-        with self.recorder.session(), self._sites_swapped():
-            # Warm-up outside the recording: kernels compile, libraries set up their
-            # workspaces. The sites answer zeros: no attention runs.
-            self.model(ids, positions, self.kv_caches, metas)
-            self._capturing, self._closed = [], []
-            self.recorder.begin()
-            hidden = self.model(ids, positions, self.kv_caches, metas)
-            last = self.recorder.end()
-        if len(self._capturing) != len(self.layers):
-            raise RuntimeError(f"{len(self._capturing)} attention calls, {len(self.layers)} layers")
-        self.pieces[size] = [*self._closed, last]
-        self.sites[size] = self._capturing
+        try:
+            with self.recorder.session(), self._sites_swapped():
+                # Warm-up outside the recording: kernels compile, libraries set up their
+                # workspaces. The sites answer zeros: no attention runs.
+                self.model(ids, positions, self.kv_caches, metas)
+                self._capturing, self._closed = [], []
+                self.recorder.begin()
+                hidden = self.model(ids, positions, self.kv_caches, metas)
+                last = self.recorder.end()
+        finally:  # (a failed capture leaves no half-made state behind either)
+            sites, closed = self._capturing or [], self._closed
+            self._capturing, self._closed = None, []
+        if len(sites) != len(self.layers):
+            raise RuntimeError(f"{len(sites)} attention calls, {len(self.layers)} layers")
+        self.pieces[size] = [*closed, last]
+        self.sites[size] = sites
         self.outputs[size] = hidden
-        self._capturing, self._closed = None, []
 
     @contextlib.contextmanager
     def _sites_swapped(self) -> Iterator[None]:

@@ -175,6 +175,7 @@ def test_a_capture_that_fails_midway_leaves_nothing_recording(tiny, monkeypatch)
     monkeypatch.setattr(mlp, "forward", second_call_fails)
     assert not runner.capture()
     assert len(calls) == 2 and _get_current_dispatch_mode() is None
+    assert runner._capturing is None and not runner._closed  # no half-made capture kept
     assert model.layers[0].self_attn.attn is runner.layers[0]
     meta = AttentionMetadata.build([4], [4], [[1]], [16, 17, 18, 19], BLOCK, "cpu")
     out = model(torch.zeros(4, dtype=torch.int64), torch.arange(4), caches, meta)
