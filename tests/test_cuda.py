@@ -522,7 +522,7 @@ def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(repeats, greedy, use_tqdm=False)]
     free_llm(llm)
-    # Verify steps (several tokens a row) replay nothing but the pieces of piecewise graphs.
+    # Verify steps (several tokens a row) take no decode graph; piecewise graphs replay them.
     for mode in ("full_decode_only", "full_and_piecewise"):
         spec = make_llm(
             tiny_gpu_llama_dir, "cuda", cudagraph_mode=mode,
