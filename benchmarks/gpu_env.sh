@@ -1,8 +1,7 @@
 # Sourced at the start of every command on a lent GPU machine (the device tool; see
 # benchmarks/README.md). That machine has torch, triton, cupy, transformers and tokenizers
-# but no package registry, so the rest travels as wheels in .whl/ (carried), and SmolLM2
-# (98 MB, over one transfer's 64 MiB) arrives in two parts over two calls: .gpu/a and .gpu/b,
-# assembled into the model cache and checked against .gpu/a/sha256.
+# but no package registry, so the rest travels as wheels in .whl/ (carried), and the models
+# (SmolLM2 98 MB, Gemma 3 253 MB: over one transfer's 64 MiB) arrive in parts, one per call.
 if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && touch /tmp/site/.done
@@ -10,17 +9,24 @@ fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 ZLLM_CACHE=/tmp/zllm-cache
 python3 -c "import zllm.core" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null
+# A registered model over the transfer limit travels as .gpu/<dir>/<name>.part-<i> (split -n
+# K -d -a 1) over several calls, with <name>.sha256 beside its first part; once the parts
+# carried so far join to that digest, the model is put into the cache under its registered
+# file name.
 mkdir -p /tmp/zllm-parts
-for part in .gpu/a/part-* .gpu/b/part-*; do [ -f "$part" ] && cp "$part" /tmp/zllm-parts/; done
-[ -f .gpu/a/sha256 ] && cp .gpu/a/sha256 /tmp/zllm-parts/
-gguf=$ZLLM_CACHE/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ -f /tmp/zllm-parts/part-aa ] && [ -f /tmp/zllm-parts/part-ab ]; then
-    mkdir -p "$(dirname "$gguf")"
-    cat /tmp/zllm-parts/part-a? > "$gguf.tmp"
-    if [ "$(sha256sum "$gguf.tmp" | cut -d' ' -f1)" = "$(cat /tmp/zllm-parts/sha256)" ]; then
-        mv "$gguf.tmp" "$gguf"
+for f in .gpu/*/*.part-* .gpu/*/*.sha256; do [ -f "$f" ] && cp "$f" /tmp/zllm-parts/; done
+for digest in /tmp/zllm-parts/*.sha256; do
+    [ -f "$digest" ] || continue
+    name=$(basename "$digest" .sha256)
+    file=$(python3 -c "from zllm.model.files import MODEL_REGISTRY; print(MODEL_REGISTRY['$name'].filename)")
+    target=$ZLLM_CACHE/models/$name/$file
+    [ -f "$target" ] && continue
+    mkdir -p "$(dirname "$target")"
+    cat $(ls /tmp/zllm-parts/"$name".part-* | sort -V) > "$target.tmp"
+    if [ "$(sha256sum "$target.tmp" | cut -d' ' -f1)" = "$(cat "$digest")" ]; then
+        mv "$target.tmp" "$target"; echo "$name assembled"
     else
-        echo "SmolLM2 parts do not match their sha256" >&2; rm -f "$gguf.tmp"
+        rm -f "$target.tmp"; echo "$name: $(ls /tmp/zllm-parts/"$name".part-* | wc -l) part(s) so far"
     fi
-fi
+done
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader

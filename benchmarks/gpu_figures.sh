@@ -10,15 +10,30 @@
 #   throughput   zllm bench throughput vs transformers' generate, 256 x 128/128, bf16
 #   serve        zllm serve (SmolLM2, bf16) under zllm bench serve at concurrency 1/32/64/256,
 #                with GPU utilization sampled by nvidia-smi every 100 ms
+#   serve-parity PARITY_MODEL (smollm2) served on the GPU in PARITY_DTYPE (float32) against
+#                the CPU engine's fp32 answers, recorded here with benchmarks/serve_parity.py
+#                record into .gpu/*/<model>-fp32-cpu.json (carried): 16 greedy prompts, as
+#                chat turns or (PARITY_ENDPOINT=completions, for base models) raw text
 #   serve-shape  the same shape with random weights (no model transfer needed), c = 1 and
 #                64, with the GPU's idle share between steps from CUDA events, once with the
 #                asynchronous executor and once without (ASYNC_MODES="on off"; other
 #                concurrencies: SHAPE_CONCURRENCIES="32 256")
+#   serve-8b     a Llama-3-8B shape (bf16, --load-format dummy: random weights, no files; the
+#                tests' 440-token tokenizer and vocabulary) served at concurrency 64
 # SERVE_ARGS: more zllm serve flags for serve and serve-shape, e.g.
 #   SERVE_ARGS="--cudagraph-mode full_and_piecewise" (prefill and mixed steps as graphs)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
+wait_healthy() {  # the server on port $1 (process $2) answering /health; fails at once if it exits
+  for _ in $(seq 240); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" \
+      2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || { echo "the server on port $1 exited before serving" >&2; return 1; }
+    sleep 0.5
+  done
+  echo "server on port $1 not healthy after 120 s" >&2; return 1
+}
 for step in "$@"; do
   case $step in
   steps-8b|steps-shape)
@@ -68,15 +83,7 @@ PY
     for mode in ${ASYNC_MODES:-on off}; do
       zllm serve /tmp/smollm2-shape --port 8124 --async-executor $mode ${SERVE_ARGS:-} \
         > "$OUT/serve-shape-$mode.log" 2>&1 &
-      python3 - <<'PY'
-import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8124/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(0.5)
-PY
+      wait_healthy 8124 $! || { kill %1 2>/dev/null; wait; continue; }
       for c in ${SHAPE_CONCURRENCIES:-1 64}; do
         n=$(( c < 16 ? 32 : 4 * c ))
         echo "--- async executor $mode, concurrency $c"
@@ -86,18 +93,38 @@ PY
       done 2>&1 | tee -a "$OUT/serve-shape-bench.log"
       kill %1; wait
     done ;;
+  serve-8b)
+    section "$step"
+    python3 - <<'PY'
+import sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from tiny_models import write_tiny_model
+write_tiny_model(Path("/tmp/llama3-8b-shape"), weights=False, hidden_size=4096,
+                 intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+PY
+    zllm serve /tmp/llama3-8b-shape --port 8126 --load-format dummy --dtype bfloat16 \
+      ${SERVE_ARGS:-} > "$OUT/serve-8b.log" 2>&1 &
+    wait_healthy 8126 $! || { kill %1 2>/dev/null; wait; continue; }
+    timeout 200 zllm bench serve --base-url http://127.0.0.1:8126 --concurrency 64 \
+      --num-prompts 256 --input-len 128 --output-len 128 --vocab-size 400 \
+      --output-json "$OUT/serve-8b-c64.json" 2>&1 | tail -24 | tee "$OUT/serve-8b-bench.log"
+    kill %1; wait ;;
+  serve-parity)
+    section "$step"
+    model=${PARITY_MODEL:-smollm2}
+    zllm serve $model --port 8125 --dtype ${PARITY_DTYPE:-float32} --quantization none \
+      > "$OUT/serve-parity-$model.log" 2>&1 &
+    wait_healthy 8125 $! || { kill %1 2>/dev/null; wait; continue; }
+    timeout 150 python3 benchmarks/serve_parity.py compare --base-url http://127.0.0.1:8125 \
+      --reference .gpu/*/$model-fp32-cpu.json --endpoint ${PARITY_ENDPOINT:-chat} 2>&1 | tee "$OUT/serve-parity-$model.txt"
+    kill %1; wait ;;
   serve)
     section "$step"
     zllm serve smollm2 --port 8123 ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1 &
-    python3 - <<'PY'
-import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8123/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(0.5)
-PY
+    wait_healthy 8123 $! || { kill %1 2>/dev/null; wait; continue; }
     for c in 1 32 64 256; do
       n=$(( c < 16 ? 32 : 2 * c ))
       nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 100 \

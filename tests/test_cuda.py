@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 import torch
+from chat_prompts import SMOLLM2_PROMPTS
 from paged_reference import (
     TOLERANCE,
     decode_reference,
@@ -835,19 +836,6 @@ def test_served_soak_at_concurrency_128_then_kill_9_of_the_executor(tiny_gpu_lla
         assert after == before
     finally:
         assert stop_server(server) == 0
-
-
-SMOLLM2_PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain paged attention in one sentence.", "List three prime numbers.",
-    "def fibonacci(n):", "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?", "Give me a short motivational quote.",
-    "What does a GPU do?", "Name a famous painter and one of their works.",
-    "Summarize the plot of Romeo and Juliet in two sentences.", "What is 17 times 23?",
-    "Write a SQL query that counts rows in a table named users.",
-    "What is the boiling point of water in Fahrenheit?", "Suggest a name for a pet turtle.",
-    "Describe the taste of a lemon.",
-]  # fmt: skip
 
 
 @pytest.mark.slow

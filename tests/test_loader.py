@@ -140,9 +140,8 @@ def without_weights(tmp_path: Path, arch: str = "llama", **overrides) -> str:
     """A model directory with config.json and a tokenizer but no weight file."""
     from tiny_models import write_tiny_model
 
-    path = write_tiny_model(tmp_path / arch, arch=arch, **overrides)
-    for weights in path.glob("*.safetensors"):
-        weights.unlink()
+    path = write_tiny_model(tmp_path / arch, arch=arch, weights=False, **overrides)
+    assert not list(path.glob("*.safetensors"))
     return str(path)
 
 

@@ -130,11 +130,13 @@ def write_tiny_model(
     extra_tokens: Sequence[str] = (),
     extra_special: Sequence[str] = (),
     dtype: torch.dtype | None = None,
+    weights: bool = True,
     **overrides,
 ) -> Path:
     """Save a tiny random model + tokenizer in Hugging Face layout under `path`; `overrides`
     go to tiny_hf_config (the vocabulary and EOS come from the tokenizer). `dtype`: the
-    weights' stored dtype (default fp32)."""
+    weights' stored dtype (default fp32). `weights=False` saves the config and tokenizer
+    only, for `--load-format dummy` at shapes too large to write (the GPU's 8B)."""
     path.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(extra_tokens=extra_tokens, extra_special=extra_special)
     tok.save(str(path / "tokenizer.json"))
@@ -155,6 +157,9 @@ def write_tiny_model(
         eos_token_id=tok.token_to_id("<|im_end|>"),
     )
     config = tiny_hf_config(arch, **{**from_tokenizer, **overrides})
+    if not weights:
+        config.save_pretrained(path)
+        return path
     tiny_hf_model(config, seed, dtype).save_pretrained(path, safe_serialization=True)
     return path
 
