@@ -159,8 +159,11 @@ class ModelHost:
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
+        # Where steps replay CUDA graphs, adapters sit in fixed slot buffers (lora/slots.py);
+        # --deterministic keeps the tiled segmented updates, so LoRA steps run eagerly there.
+        slots = self._graphs_run_here() and not (config.enforce_eager or config.deterministic)
         self.lora = (
-            LoRAManager(self.model, config, self.dtype, self.device, self.tp)
+            LoRAManager(self.model, config, self.dtype, self.device, self.tp, slots=slots)
             if config.lora is not None
             else None
         )
@@ -269,20 +272,25 @@ class ModelHost:
         logger.info("Decode steps: the module path (fused CPU path not used: %s)", skip)
         return None
 
-    def _graphs_apply(self) -> bool:
-        """Whether this engine's steps may replay CUDA graphs at all."""
-        config = self.config
+    def _graphs_run_here(self) -> bool:
+        """Whether this engine's device, attention and model could replay CUDA graphs."""
         if self.device.type != "cuda" or self.attention.name != "cuda":
             return False  # graphs replay the CUDA backend's kernels
-        if config.model_impl == "transformers":
+        if self.config.model_impl == "transformers":
             return False  # transformers' modeling code runs eagerly
-        if config.lora is not None:
-            # Graphs would freeze one step's rows-by-adapter; LoRA steps run eagerly.
-            logger.info("LoRA enabled: no CUDA graphs")
-            return False
         if self.tp.enabled or self.pp.enabled:
             # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
             logger.info("Tensor or pipeline parallel: no CUDA graphs")
+            return False
+        return True
+
+    def _graphs_apply(self) -> bool:
+        """Whether this engine's steps may replay CUDA graphs at all."""
+        if not self._graphs_run_here():
+            return False
+        if self.lora is not None and self.lora.slots is None:
+            # The segmented update's calls follow each step's adapters (lora/layers.py).
+            logger.info("LoRA without slot buffers (--deterministic): no CUDA graphs")
             return False
         return True
 

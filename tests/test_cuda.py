@@ -425,6 +425,57 @@ def test_graph_replay_equals_eager_in_the_engine(tiny_gpu_llama_dir):
     assert outs[False] == outs[True]
 
 
+def counting_replays(runner) -> list[int]:
+    """Wrap a CudaGraphRunner's run so that each replay (an answer other than None) is
+    counted in the one-element list returned."""
+    count, run = [0], runner.run
+
+    def counted(*args):
+        out = run(*args)
+        count[0] += out is not None
+        return out
+
+    runner.run = counted
+    return count
+
+
+def test_lora_steps_replay_cuda_graphs(tiny_gpu_llama_dir, tmp_path):
+    """LoRA with CUDA graphs (adapters in fixed slot buffers, executor/lora/slots.py):
+    decode steps replay their graphs and prefill/mixed steps their pieces, three adapters
+    and the base share two slots, and the greedy tokens equal the eager engine's (its
+    segmented updates: the same sums in other GEMM shapes, so near ties may flip)."""
+    from tiny_models import write_lora_adapter
+
+    from zllm import LoRARequest, SamplingParams
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [
+        LoRARequest(f"a{i}", i, str(write_lora_adapter(tmp_path / f"a{i}", tiny_gpu_llama_dir,
+                                                       rank=4 * i, targets=targets, seed=i)))
+        for i in (1, 2)
+    ] + [LoRARequest("a3", 3, str(write_lora_adapter(tmp_path / "a3", tiny_gpu_llama_dir,
+                                                     rank=8, targets=["q_proj"], seed=3)))]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    outs, replays = {}, {}
+    for mode in ("graphs", "eager"):
+        llm = make_llm(tiny_gpu_llama_dir, "cuda", enable_lora=True, max_loras=2,
+                       max_lora_rank=8, max_num_batched_tokens=64,
+                       enforce_eager=mode == "eager",
+                       cudagraph_mode="full_and_piecewise")  # fmt: skip
+        host = llm.executor.runner.host
+        assert (host.lora.slots is not None) == (mode == "graphs")
+        graphs = counting_replays(host.graph_runner) if host.graph_runner else [0]
+        prompts = engine_prompts(llm.config.arch.vocab_size, [3, 40, 150, 7, 61, 30, 12, 90], 5)
+        loras = [[*adapters, None][i % 4] for i in range(len(prompts))]
+        outs[mode] = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        pieces = host.piecewise_runner.steps_replayed if host.piecewise_runner else 0
+        replays[mode] = (graphs[0], pieces)
+        free_llm(llm)
+    assert replays["eager"] == (0, 0)
+    assert replays["graphs"][0] >= 10 and replays["graphs"][1] >= 4, replays["graphs"]
+    assert assert_same_greedy(outs["graphs"], outs["eager"], "lora graphs") <= 1
+
+
 @pytest.mark.parametrize("async_executor", ["on", "off"])
 def test_piecewise_graphs_equal_eager_in_the_engine(tiny_gpu_llama_dir, async_executor):
     """--cudagraph-mode full_and_piecewise: prefill and mixed steps (prompts chunked by a

@@ -157,6 +157,28 @@ def test_max_loras_one_serves_a_mix_one_adapter_at_a_time(base_dir, adapters) ->
     assert mixed == alone
 
 
+def test_slot_buffers_give_what_the_segmented_updates_give(base_dir, adapters, monkeypatch):
+    """Where CUDA graphs replay steps, adapters sit in fixed slot buffers (lora/slots.py).
+    The engine here runs that path on CPU (the device check answered yes, no graphs
+    captured): three adapters and the base through two slots, so slots are reused between
+    steps, give the segmented engine's tokens."""
+    from zllm.executor.model_host import ModelHost
+
+    # (Engines of its own: the module's `llm` keeps a prefix cache other tests count on.)
+    segmented = LLM(base_dir, enable_lora=True, max_loras=2, kv_cache_memory_bytes=32 << 20)
+    assert segmented.model_runner.lora.slots is None
+    monkeypatch.setattr(ModelHost, "_graphs_run_here", lambda self: True)
+    monkeypatch.setattr(ModelHost, "_capture_cuda_graphs", lambda self: None)
+    slotted = LLM(base_dir, enable_lora=True, max_loras=2, kv_cache_memory_bytes=32 << 20)
+    manager = slotted.model_runner.lora
+    assert manager.slots is not None and manager.slots.num_slots == 2
+    prompts = random_prompts(12, seed=4)
+    choices = [*adapters.values(), None]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    assert greedy_tokens(slotted, prompts, loras) == greedy_tokens(segmented, prompts, loras)
+    assert not manager.batch.groups  # every update came from the slots
+
+
 def test_preemption_and_sampling_with_adapters(base_dir, adapters) -> None:
     """A pool too small for the batch preempts and recomputes; n > 1 forks keep the adapter;
     a seeded sample is the same in a mixed batch as alone."""

@@ -180,3 +180,51 @@ def test_a_capture_that_fails_midway_leaves_nothing_recording(tiny, monkeypatch)
     meta = AttentionMetadata.build([4], [4], [[1]], [16, 17, 18, 19], BLOCK, "cpu")
     out = model(torch.zeros(4, dtype=torch.int64), torch.arange(4), caches, meta)
     assert out.shape == (4, arch.hidden_size) and torch.isfinite(out).all()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("tiny", ["torch"], indirect=True)
+def test_lora_slots_replay_the_steps_adapters(tiny, tmp_path):
+    """LoRA steps in pieces (lora/slots.py): captured with no adapter in any row, the
+    replay reads each step's rows-by-slot from memory, so steps with adapters (one, two,
+    one reused in another slot) equal the eager model with the same adapters."""
+    from tiny_models import write_lora_adapter
+
+    from zllm.config.engine_args import EngineArgs
+    from zllm.executor.lora.manager import LoRAManager
+    from zllm.lora import LoRARequest
+
+    _, arch, model = tiny
+    path = tmp_path / "m"
+    engine = EngineArgs(str(path), enable_lora=True, max_loras=2, max_lora_rank=8)
+    lora = LoRAManager(model, engine.create_engine_config(), torch.float32,
+                       torch.device("cpu"), slots=True)  # fmt: skip
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for i in (1, 2, 3):
+        adapter = write_lora_adapter(tmp_path / f"a{i}", path, rank=2 * i, targets=targets, seed=i)
+        lora.add(LoRARequest(f"a{i}", i, str(adapter)))
+    seqs = Sequences("torch", None, num_seqs=4)
+    caches = [torch.zeros(2, seqs.num_blocks, BLOCK, 2, 64) for _ in range(arch.num_layers)]
+    runner = PiecewiseGraphRunner(model, caches, RecordedPieces(), max_num_tokens=32,
+                                  capture_sizes=(8, 16, 32))  # fmt: skip
+    assert runner.capture()
+    gen = torch.Generator().manual_seed(5)
+    steps = [  # (sequences, cached, new tokens, each sequence's adapter)
+        ([0, 1, 2], [0, 0, 0], [9, 5, 12], [1, 1, None]),
+        ([0, 1, 2, 3], [9, 5, 12, 0], [1, 1, 1, 7], [2, 1, None, 2]),
+        ([0, 3], [10, 7], [1, 1], [3, 1]),  # adapter 3 takes adapter 2's slot
+    ]
+    for seq_ids, before, new, loras in steps:
+        positions, meta = seqs.step(seq_ids, before, new)
+        ids = torch.randint(0, arch.vocab_size, (sum(new),), generator=gen)
+        lora.set_batch([None] * len(new), new)
+        base = model(ids, positions, [c.clone() for c in caches], meta).clone()
+        lora.set_batch(loras, new)
+        eager_caches = [c.clone() for c in caches]
+        expected = model(ids, positions, eager_caches, meta).clone()
+        assert (expected - base).abs().max() > 1e-2  # the adapters change the step
+        replayed = runner.run(ids, positions, meta)
+        assert replayed is not None
+        torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+        for c, c_eager in zip(caches, eager_caches, strict=True):
+            torch.testing.assert_close(c, c_eager, atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zllm.executor.batch_invariant import tiled
+from zllm.executor.lora.slots import LoRASlots
 from zllm.executor.lora.weights import AdapterWeights
 
 
@@ -21,6 +22,9 @@ class LoRABatch:
     # --deterministic: the updates in calls of exactly TILE_ROWS rows, so a row's bits do
     # not depend on how many rows share its adapter (batch_invariant.py).
     tiled: bool = False
+    # Set where CUDA graphs replay LoRA steps: every update goes through the fixed slot
+    # buffers (slots.py) and `groups` stays empty.
+    slots: LoRASlots | None = None
 
 
 class LoRALinear(nn.Module):
@@ -28,7 +32,8 @@ class LoRALinear(nn.Module):
 
     One small matmul pair per adapter in the step, over just its rows (a segmented matmul):
     the base matmul runs once for the whole batch whatever the adapters, and the rows of the
-    base model pay nothing.
+    base model pay nothing. Where CUDA graphs replay the steps, the same update comes from
+    fixed slot buffers instead (slots.py).
     """
 
     def __init__(self, base: nn.Module, batch: LoRABatch, layer: int, name: str) -> None:
@@ -39,6 +44,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        if self.batch.slots is not None:  # always, even with no adapter: a graph's kernels
+            out += self.batch.slots.update(self.key, x)
+            return out
         if not self.batch.groups:
             return out
         # Rows are tokens: transformers' modules (the transformers backend) see [1, T, ...].

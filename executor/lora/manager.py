@@ -18,6 +18,7 @@ from torch import nn
 
 from zllm.config.engine import EngineConfig, LoRAConfig
 from zllm.executor.lora.layers import LoRABatch, LoRALinear
+from zllm.executor.lora.slots import LoRASlots, rows_by_slot
 from zllm.executor.lora.weights import (
     ATTENTION_MATMULS,
     FUSED_MATMULS,
@@ -40,9 +41,12 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallel = SINGLE,
+        *,
+        slots: bool = False,
     ) -> None:
         """Adapters are checked and cut against the whole model (`engine.arch`); `tp`: this
-        rank's place, whose part of each update it keeps (weights.py)."""
+        rank's place, whose part of each update it keeps (weights.py). `slots`: updates from
+        fixed buffers of max_loras slots (slots.py), so CUDA graphs can replay LoRA steps."""
         assert engine.lora is not None
         self.config: LoRAConfig = engine.lora
         self.arch = engine.arch
@@ -58,12 +62,14 @@ class LoRAManager:
         self.device = device
         self.batch = LoRABatch(tiled=engine.deterministic)
         self.adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
-        self._wrap(decoder)
+        wrapped = self._wrap(decoder)
+        self.slots = self._make_slots(wrapped, engine) if slots else None
+        self.batch.slots = self.slots
 
-    def _wrap(self, decoder: nn.ModuleList) -> None:
+    def _wrap(self, decoder: nn.ModuleList) -> list[LoRALinear]:
         """Every decoder matmul an adapter may target becomes a LoRALinear around it (after
         quantization, so the base stays whatever kernel serves it)."""
-        wrapped = 0
+        wrapped: list[LoRALinear] = []
         for i, layer in zip(self.layers, decoder, strict=True):
             for name in self.matmuls:
                 block = getattr(layer, "self_attn" if name in ATTENTION_MATMULS else "mlp", None)
@@ -74,13 +80,37 @@ class LoRAManager:
                     owner, attr = getattr(block, name), "local"
                 base = getattr(owner, attr, None)
                 if isinstance(base, nn.Module):
-                    setattr(owner, attr, LoRALinear(base, self.batch, i, name))
-                    wrapped += 1
+                    wrapped.append(LoRALinear(base, self.batch, i, name))
+                    setattr(owner, attr, wrapped[-1])
         if not wrapped:
             raise ValueError(
                 "LoRA: this model's decoder layers have none of the matmuls adapters target "
                 f"(self_attn / mlp .{', .'.join(self.matmuls)})"
             )
+        return wrapped
+
+    def _make_slots(self, wrapped: list[LoRALinear], engine: EngineConfig) -> LoRASlots:
+        """Slot buffers for every wrapped matmul: its base's shape, and room for the widest
+        update an adapter may bring there (max_lora_rank for each PEFT module it fuses)."""
+        shapes = {}
+        for linear in wrapped:
+            base = linear.base
+            out_features = getattr(base, "out_features", None) or base.weight.shape[0]
+            width = self.config.max_lora_rank * len(self.matmuls[linear.key[1]])
+            shapes[linear.key] = (base.in_features, out_features, width)
+        slots = LoRASlots(
+            shapes,
+            num_slots=self.config.max_loras,
+            max_tokens=engine.scheduler.max_num_batched_tokens,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "LoRA: %d slots in fixed buffers (%.1f MiB), so CUDA graphs replay LoRA steps",
+            slots.num_slots,
+            slots.bytes() / 2**20,
+        )
+        return slots
 
     def add(self, lora: LoRARequest) -> None:
         """Make sure the adapter is loaded (and mark it recently used)."""
@@ -105,10 +135,19 @@ class LoRAManager:
         idle = [i for i in self.adapters if i not in in_use]
         for lora_id in idle[: max(0, len(idle) - self.config.max_loras)]:
             del self.adapters[lora_id]
+            if self.slots is not None:
+                self.slots.forget(lora_id)
 
     def set_batch(self, lora_ids: Sequence[int | None], query_lens: Sequence[int]) -> None:
         """This step's rows by adapter: request i has query_lens[i] rows, in batch order, and
         the model runner has put each adapter's requests side by side."""
+        if self.slots is not None:
+            step = {i for i in lora_ids if i is not None}
+            slot_of = [
+                -1 if i is None else self.slots.place(i, self.adapters[i], step) for i in lora_ids
+            ]
+            self.slots.set_rows(rows_by_slot(slot_of, query_lens))
+            return
         spans: dict[int, tuple[int, int]] = {}
         start = 0
         for lora_id, num in zip(lora_ids, query_lens, strict=True):
