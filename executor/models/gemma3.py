@@ -32,7 +32,7 @@ from zllm.executor.attention_backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.models.llama import copy_checkpoint
+from zllm.executor.models.llama import copy_checkpoint, empty_linear
 from zllm.executor.models.rope import RotaryEmbedding, rope
 from zllm.executor.parallel import (
     SINGLE,
@@ -49,10 +49,6 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
     "silu": F.silu,
 }
-
-
-def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -92,8 +88,8 @@ class Gemma3Attention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = _linear(arch.hidden_size, self.q_size + 2 * self.kv_size, dtype)
-        self.o_proj = _linear(self.q_size, arch.hidden_size, dtype)
+        self.qkv_proj = empty_linear(arch.hidden_size, self.q_size + 2 * self.kv_size, dtype)
+        self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype)
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
         scalar = arch.query_pre_attn_scalar or arch.head_dim
@@ -129,8 +125,8 @@ class Gemma3MLP(nn.Module):
         self.act = _ACTIVATIONS[arch.hidden_act]
         self.hidden_act = arch.hidden_act
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
-        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, dtype)
+        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
+        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -49,9 +49,18 @@ from zllm.executor.parallel import (
 _FUSED_CHECKPOINTS = frozenset({"phi3"})
 
 
-def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    """A Linear with uninitialised weights: load_weights overwrites them anyway."""
-    return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype)
+def empty_linear(
+    in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False
+) -> nn.Linear:
+    """A Linear with uninitialised weights: load_weights overwrites them anyway. Made on the
+    meta device and given plain empty tensors (untouched pages), not through `skip_init`,
+    whose `to_empty` runs torch's reference ops and imports torch.fx's symbolic shapes: half
+    a second of a CPU engine's start-up."""
+    linear = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+    if bias:
+        linear.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+    return linear
 
 
 class RMSNorm(nn.Module):
@@ -119,11 +128,11 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = _linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, arch.attention_bias, dtype
+        self.qkv_proj = empty_linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, dtype, bias=arch.attention_bias
         )
         self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
-        self.o_proj = _linear(self.q_size, arch.hidden_size, False, dtype)
+        self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype)
         self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
     def forward(
@@ -156,8 +165,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = _linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
-        self.down_proj = _linear(arch.intermediate_size, arch.hidden_size, False, dtype)
+        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
+        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
