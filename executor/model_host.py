@@ -161,12 +161,12 @@ class ModelHost:
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
         # Where steps replay CUDA graphs, adapters sit in fixed slot buffers (lora/slots.py);
         # --deterministic keeps the tiled segmented updates, so LoRA steps run eagerly there.
-        slots = self._graphs_run_here() and not (config.enforce_eager or config.deterministic)
-        self.lora = (
-            LoRAManager(self.model, config, self.dtype, self.device, self.tp, slots=slots)
-            if config.lora is not None
-            else None
-        )
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            slots = not (config.enforce_eager or config.deterministic) and self._graphs_run_here()
+            self.lora = LoRAManager(
+                self.model, config, self.dtype, self.device, self.tp, slots=slots
+            )
         self.fused_decode = self._build_fused_decode()
 
     def _load_model(self) -> nn.Module:
