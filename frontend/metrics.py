@@ -172,13 +172,30 @@ class Metrics:
             registry=self.registry,
         )
         self.success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self._add_histograms(labels, client.config.engine.scheduler.max_model_len)
+        # What the dashboard shows beside the heartbeat: recent latencies and outcomes.
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
+        self.num_finished = dict.fromkeys(FINISHED_REASONS, 0)
+        self.timeline = Timeline(client)
+        self.dashboard = Dashboard(
+            client,
+            model_name,
+            self.timeline,
+            self.ttft_window,
+            self.itl_window,
+            self.num_finished,
+            self.prefix_hits,
+        )
+
+    def _add_histograms(self, labels: list[str], max_len: int) -> None:
+        """vLLM's per-request histograms, each labelled with this model's name."""
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, labels, registry=self.registry, buckets=buckets).labels(
-                model_name
+                self.model_name
             )
 
-        max_len = client.config.engine.scheduler.max_model_len
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Seconds from arrival to the first token (per prompt).",
@@ -208,20 +225,6 @@ class Metrics:
             "vllm:request_generation_tokens",
             "Generated tokens per finished request (all samples).",
             token_buckets(max_len),
-        )
-        # What the dashboard shows beside the heartbeat: recent latencies and outcomes.
-        self.ttft_window = LatencyWindow()
-        self.itl_window = LatencyWindow()
-        self.num_finished = dict.fromkeys(FINISHED_REASONS, 0)
-        self.timeline = Timeline(client)
-        self.dashboard = Dashboard(
-            client,
-            model_name,
-            self.timeline,
-            self.ttft_window,
-            self.itl_window,
-            self.num_finished,
-            self.prefix_hits,
         )
 
     # ---- per engine request --------------------------------------------------------------
