@@ -25,6 +25,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-figures}; mkdir -p "$OUT"
 section() { echo "=== $1 $(date -u +%H:%M:%S)"; }
+# The lines of zllm bench serve's table that BENCHMARKS.md quotes (the whole table is ~60).
+bench_lines() {
+  grep -E "Successful|Failed|throughput|TTFT|TPOT|ITL|E2E|idle|launched|Executor step|inputs|forward|logits|Core"
+}
 wait_healthy() {  # the server on port $1 (process $2) answering /health; fails at once if it exits
   for _ in $(seq 240); do
     python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=2)" \
@@ -89,7 +93,7 @@ PY
         echo "--- async executor $mode, concurrency $c"
         timeout 150 zllm bench serve --base-url http://127.0.0.1:8124 --concurrency $c \
           --num-prompts $n --input-len 128 --output-len 128 --vocab-size 400 \
-          --output-json "$OUT/serve-shape-$mode-c$c.json" 2>&1 | tail -34
+          --output-json "$OUT/serve-shape-$mode-c$c.json" 2>&1 | bench_lines
       done 2>&1 | tee -a "$OUT/serve-shape-bench.log"
       kill %1; wait
     done ;;
@@ -110,7 +114,7 @@ PY
     wait_healthy 8126 $! || { kill %1 2>/dev/null; wait; continue; }
     timeout 200 zllm bench serve --base-url http://127.0.0.1:8126 --concurrency 64 \
       --num-prompts 256 --input-len 128 --output-len 128 --vocab-size 400 \
-      --output-json "$OUT/serve-8b-c64.json" 2>&1 | tail -24 | tee "$OUT/serve-8b-bench.log"
+      --output-json "$OUT/serve-8b-c64.json" 2>&1 | bench_lines | tee "$OUT/serve-8b-bench.log"
     kill %1; wait ;;
   serve-parity)
     section "$step"
@@ -132,7 +136,7 @@ PY
       smi=$!
       timeout 150 zllm bench serve --base-url http://127.0.0.1:8123 --concurrency $c \
         --num-prompts $n --input-len 128 --output-len 128 --output-json "$OUT/serve-c$c.json" \
-        2>&1 | tail -30
+        2>&1 | bench_lines
       kill $smi
       sort -n "$OUT/util-c$c.txt" | awk '{a[NR]=$1} END {print "GPU utilization (nvidia-smi, 100 ms samples): median " a[int((NR+1)/2)] "%, n=" NR}'
     done 2>&1 | tee "$OUT/serve-bench.log"
