@@ -730,13 +730,21 @@ def test_launching_a_step_over_a_pending_one_never_waits_for_the_gpu(tiny_gpu_ll
     free_llm(llm)
 
 
-@pytest.mark.parametrize("other_job_gib", [0, 8], ids=["alone", "beside-another-job"])
-def test_gpu_memory_utilization_keeps_the_engine_in_its_share(tiny_gpu_llama_dir, other_job_gib):
+@pytest.mark.parametrize(
+    "other_job_gib, cudagraph_mode",
+    [(0, "full_decode_only"), (0, "full_and_piecewise"), (8, "full_decode_only")],
+    ids=["alone", "alone-piecewise", "beside-another-job"],
+)
+def test_gpu_memory_utilization_keeps_the_engine_in_its_share(
+    tiny_gpu_llama_dir, other_job_gib, cudagraph_mode
+):
     """--gpu-memory-utilization 0.3: the engine's peak (weights, KV pool, the largest steps'
     activations, graphs) stays within 0.3 of the GPU, the activations' peak within the
-    reserve computed from the shapes, and the pool takes what the share leaves. Beside
-    another job holding memory (a tensor allocated before the engine: not the engine's
-    load), the pool takes only what is free, and long prefills still run."""
+    reserve computed from the shapes, and the pool takes what the share leaves; with
+    piecewise graphs too, whose pieces are captured after the pool within the static
+    memory reserved for them (`piecewise_graph.static_bytes`). Beside another job holding
+    memory (a tensor allocated before the engine: not the engine's load), the pool takes
+    only what is free, and long prefills still run."""
     from zllm import SamplingParams
     from zllm.executor.gpu_memory import StepShape, activation_reserve_bytes
 
@@ -747,7 +755,7 @@ def test_gpu_memory_utilization_keeps_the_engine_in_its_share(tiny_gpu_llama_dir
     base = torch.cuda.memory_reserved()
     llm = make_llm(tiny_gpu_llama_dir, "cuda", kv_cache_memory_bytes=None,
                    gpu_memory_utilization=utilization, max_num_batched_tokens=2048,
-                   max_num_seqs=256)  # fmt: skip
+                   max_num_seqs=256, cudagraph_mode=cudagraph_mode)  # fmt: skip
     config = llm.config
     loaded = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
