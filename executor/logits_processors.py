@@ -90,6 +90,8 @@ class BadWords:
     its first j proposals as output."""
 
     def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        if not any(st.sampling_params.bad_words_token_ids for st in rows.logits_states):
+            return  # (the common step: one pass, not rows_by_request's per-row walk)
         banned_rows: list[int] = []
         banned_tokens: list[int] = []
         for i, st, drafts in rows_by_request(rows):
@@ -143,6 +145,8 @@ class ThinkingBudgetEnd:
     follows its first j proposals (ThinkingTracker.forced_tokens)."""
 
     def apply(self, logits: torch.Tensor, rows: SampleRows) -> None:
+        if all(st.thinking is None for st in rows.logits_states):
+            return
         forced_rows: list[int] = []
         forced_tokens: list[int] = []
         for i, st, drafts in rows_by_request(rows):

@@ -84,6 +84,18 @@ def choose_sample_rows(
     (so.spec_token_ids) verifies them, a logits row per position. Sample i > 0 draws with its
     own seeded generator, parked in `child_generators` until the core's fork message for it
     arrives."""
+    if not so.spec_token_ids and not so.num_samples:
+        return _one_row_each(inputs)
+    return _row_by_row(inputs, so, child_generators, device)
+
+
+def _row_by_row(
+    inputs: StepInputs,
+    so: SchedulerOutput,
+    child_generators: ChildGenerators,
+    device: torch.device,
+) -> SampleRows:
+    """choose_sample_rows, one request at a time: proposals and n > 1 draws included."""
     rows = SampleRows()
     hidden_rows: list[int] = []
     batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
@@ -105,3 +117,28 @@ def choose_sample_rows(
         rows.add_samples(st, generators)
     rows.hidden_rows = np.asarray(hidden_rows, dtype=np.int64)
     return rows
+
+
+def _one_row_each(inputs: StepInputs) -> SampleRows:
+    """choose_sample_rows for a step without proposals or n > 1 draws (most steps): each
+    sampling request fills one logits row and one sampler row, so every list is built in
+    one pass instead of row by row (a quarter of a millisecond of host time at 256 rows)."""
+    batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
+    picked = [
+        (st, int(token_end) - 1)
+        for st, end, token_end in batch
+        if end == len(st.all_token_ids) + st.num_pending and not st.sampling_params.embed
+    ]
+    states = [st for st, _ in picked]
+    count = len(states)
+    return SampleRows(
+        requests=states,
+        hidden_rows=np.asarray([row for _, row in picked], dtype=np.int64),
+        logits_states=list(states),
+        repeats=[1] * count,
+        num_rows=[1] * count,
+        row_states=list(states),
+        row_generators=[st.generator for st in states],
+        row_drafts=[-1] * count,
+        row_num_prior=[0] * count,
+    )
