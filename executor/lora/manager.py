@@ -101,7 +101,9 @@ class LoRAManager:
         slots = LoRASlots(
             shapes,
             num_slots=self.config.max_loras,
-            max_tokens=engine.scheduler.max_num_batched_tokens,
+            # Every graph's rows: piecewise steps up to the token budget, decode graphs up to
+            # max_num_seqs rows.
+            max_tokens=max(engine.scheduler.max_num_batched_tokens, engine.scheduler.max_num_seqs),
             dtype=self.dtype,
             device=self.device,
         )
