@@ -36,6 +36,8 @@ MatmulKey = tuple[int, str]  # (layer, fused matmul name), as AdapterWeights
 
 
 class LoRASlots:
+    """The slot buffers of every wrapped matmul, the adapters in them, and the step's rows."""
+
     def __init__(
         self,
         shapes: dict[MatmulKey, tuple[int, int, int]],
