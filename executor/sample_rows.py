@@ -89,6 +89,14 @@ def choose_sample_rows(
     return _row_by_row(inputs, so, child_generators, device)
 
 
+def _samples(st: RequestState, end: int, num_drafts: int) -> bool:
+    """Whether `st` samples in a step whose context ends at `end`: all its known tokens
+    (pending ones included: sampled, still on the device) and its proposals are computed,
+    and it is not an embeddings request."""
+    known = len(st.all_token_ids) + st.num_pending
+    return end == known + num_drafts and not st.sampling_params.embed
+
+
 def _row_by_row(
     inputs: StepInputs,
     so: SchedulerOutput,
@@ -101,8 +109,7 @@ def _row_by_row(
     batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
     for st, end, token_end in batch:
         drafts = so.spec_token_ids.get(st.req_id, [])
-        known = len(st.all_token_ids) + st.num_pending  # (pending: sampled, still on the device)
-        if end != known + len(drafts) or st.sampling_params.embed:
+        if not _samples(st, end, len(drafts)):
             continue
         rows.requests.append(st)
         if drafts:
@@ -124,11 +131,7 @@ def _one_row_each(inputs: StepInputs) -> SampleRows:
     sampling request fills one logits row and one sampler row, so every list is built in
     one pass instead of row by row (a quarter of a millisecond of host time at 256 rows)."""
     batch = zip(inputs.states, inputs.seq_lens, inputs.token_ends, strict=True)
-    picked = [
-        (st, int(token_end) - 1)
-        for st, end, token_end in batch
-        if end == len(st.all_token_ids) + st.num_pending and not st.sampling_params.embed
-    ]
+    picked = [(st, int(token_end) - 1) for st, end, token_end in batch if _samples(st, end, 0)]
     states = [st for st, _ in picked]
     count = len(states)
     return SampleRows(
