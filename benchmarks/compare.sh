@@ -35,6 +35,8 @@
 #   REQUEST_TIMEOUT [600]  the client's limit on one request (`zllm bench serve
 #                    --request-timeout`); long-prompt cells at high concurrency need more
 #   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
+#   ZLLM_LABEL [zllm]  the zllm step's name in the results (two zllm configurations, e.g.
+#                    with and without --quantization gguf-int8, can share one RESULTS_DIR)
 #   QUIET_LOAD [""]  if set (e.g. 0.7), wait before each measurement until the 1-minute load
 #                    average is below it, for at most QUIET_WAIT_MAX [1200] seconds
 set -euo pipefail
@@ -58,6 +60,7 @@ LLAMA_NATIVE=${LLAMA_NATIVE:-OFF}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
+ZLLM_LABEL=${ZLLM_LABEL:-zllm}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-smollm2}
@@ -337,7 +340,7 @@ log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
 
 if has_step zllm; then
     # shellcheck disable=SC2086
-    serve_bench zllm "$PORT" zllm serve "$ZLLM_MODEL" --port "$PORT" $ZLLM_SERVE_ARGS
+    serve_bench "$ZLLM_LABEL" "$PORT" zllm serve "$ZLLM_MODEL" --port "$PORT" $ZLLM_SERVE_ARGS
 fi
 if has_step zllm-bf16 && [[ -n ${HF16_DIR:-} ]]; then
     # shellcheck disable=SC2086

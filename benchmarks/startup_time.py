@@ -13,6 +13,7 @@ run, so a drift in the machine's load touches both alike.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--output-json", default=None, help="also write {label: runs} here")
     args = parser.parse_args()
     engines = [e.split("=", 1) for e in args.engine]
     times: dict[str, list[float]] = {label: [] for label, _ in engines}
@@ -65,6 +67,16 @@ def main() -> None:
     for label, runs in times.items():
         shown = " ".join(f"{t:.2f}" for t in runs)
         print(f"{label}: median {statistics.median(runs):.2f} s (runs: {shown})")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                {
+                    label: {"median_s": statistics.median(runs), "runs_s": runs}
+                    for label, runs in times.items()
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_real_weights_take_the_file_size_in_memory(gemma3_path):
     from test_gguf_kernels import _resident_after_load
 
     bound = os.path.getsize(gemma3_path) + (64 << 20) + (100 << 20)
-    grown = _resident_after_load(gemma3_path, "gguf", "8192")
+    grown = _resident_after_load(gemma3_path, "gguf", "--max-model-len", "8192")
     print(f"resident growth at load: {grown['after'] - grown['before']}, bound {bound}")
     assert grown["after"] - grown["before"] <= bound
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -499,33 +498,14 @@ def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):
     assert LLM(tiny_llama_dir).model_runner.quantization == "none"
 
 
-_RESIDENT_AFTER_LOAD = textwrap.dedent("""
-    import json, sys
-    import torch
-    from zllm.config.engine_args import EngineArgs
-    from zllm.executor import cpu_kernels
-    from zllm.executor.model_runner import ModelRunner
-
-    def rss():
-        with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
-
-    cpu_kernels.load()
-    max_model_len = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    config = EngineArgs(
-        sys.argv[1], quantization=sys.argv[2], kv_cache_memory_bytes=64 << 20,
-        max_model_len=max_model_len,
-    ).create_engine_config()
-    before = rss()
-    runner = ModelRunner(config)
-    print(json.dumps({"before": before, "after": rss(), "method": runner.quantization}))
-""")
+_LOAD_MEMORY = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "load_memory.py")
 
 
 def _resident_after_load(model_path: str, quantization: str, *args: str) -> dict:
-    """An executor's resident memory before loading weights and after (its own process)."""
+    """An executor's resident memory before loading weights and after (its own process):
+    benchmarks/load_memory.py, the goal's own measurement, with a 64 MiB KV pool."""
     out = subprocess.run(
-        [sys.executable, "-c", _RESIDENT_AFTER_LOAD, model_path, quantization, *args],
+        [sys.executable, _LOAD_MEMORY, model_path, "--quantization", quantization, *args],
         capture_output=True,
         text=True,
         timeout=600,

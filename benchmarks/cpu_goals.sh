@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Issue 37's goals in one command: zllm against llama-server (the native build) on the
+# random-weight Llama-3.2-1B-shaped model and on SmolLM2, the machine's decode floor, memory
+# after load, start-up time, logits against transformers and the int8 KV cache, each engine
+# alone on the machine in turn; then one table of every goal with its ratio and whether it
+# is met (benchmarks/cpu_goals.py). Everything it builds or writes goes under $CACHE (see
+# benchmarks/compare.sh, whose runs it drives), nothing into the repository.
+#
+#   benchmarks/cpu_goals.sh                      # every part, ~40 min on the 2-core machine
+#   PARTS="floor memory startup" benchmarks/cpu_goals.sh
+#
+# Environment (defaults in brackets):
+#   CACHE [~/.cache/zllm-peers]  GOALS_DIR [$CACHE/results/goals-<date-time>]  results; the
+#           table is written to $GOALS_DIR/goals.md
+#   PARTS ["setup llama1b prefill 16bit smollm2 floor memory startup logits kv report"]
+#   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export CACHE=${CACHE:-$HOME/.cache/zllm-peers}
+export LLAMA_NATIVE=${LLAMA_NATIVE:-ON}
+export PYTHON=${PYTHON:-python}
+GOALS_DIR=${GOALS_DIR:-$CACHE/results/goals-$(date +%Y%m%d-%H%M%S)}
+PARTS=${PARTS:-"setup llama1b prefill 16bit smollm2 floor memory startup logits kv report"}
+LLAMA1B=$CACHE/models/llama1b
+Q4=$LLAMA1B/llama1b-Q4_K_M.gguf
+INT8="--quantization gguf-int8"
+# compare.sh's llama.cpp build (the native one unless LLAMA_NATIVE=OFF).
+LLAMA_BUILD=$CACHE/llama-build-${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+[[ $LLAMA_NATIVE == ON ]] || LLAMA_BUILD=$LLAMA_BUILD-portable
+
+has_part() { [[ " $PARTS " == *" $1 "* ]]; }
+log() { printf '\n== %s: %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+mkdir -p "$GOALS_DIR"
+
+# compare DIR VAR=VALUE...: one benchmarks/compare.sh run into $GOALS_DIR/DIR.
+compare() {
+    local dir=$1
+    shift
+    env RESULTS_DIR="$GOALS_DIR/$dir" "$@" "$REPO/benchmarks/compare.sh"
+}
+
+# Both engines' figures at 128 in / 64 out: zllm's default (the float GGUF kernel) and
+# gguf-int8 (llama.cpp's own arithmetic: x rounded to int8 per block), llama-server on the
+# Q4_K_M and Q8_0 files. c=32 takes 32 prompts; c=1 and c=8 take 16.
+llama1b_cells() {
+    local dir=$1
+    shift
+    compare "$dir" MODEL=llama1b-q4km STEPS="zllm llama-q4 llama-q8" "$@"
+    compare "$dir" MODEL=llama1b-q4km STEPS="zllm" ZLLM_LABEL=zllm-gguf-int8 \
+        ZLLM_SERVE_ARGS="$INT8" "$@"
+}
+
+if has_part setup; then
+    compare setup MODEL=llama1b-q4km STEPS=setup
+    compare setup MODEL=smollm2 STEPS=setup
+fi
+if has_part llama1b; then
+    llama1b_cells llama1b NUM_PROMPTS=16 INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCIES="1 8"
+    llama1b_cells llama1b-c32 NUM_PROMPTS=32 INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCIES=32
+fi
+if has_part prefill; then
+    compare prefill MODEL=llama1b-q4km STEPS="zllm llama-q4" NUM_PROMPTS=3 INPUT_LEN=1024 \
+        OUTPUT_LEN=16 CONCURRENCIES=1
+    compare prefill MODEL=llama1b-q4km STEPS=zllm ZLLM_LABEL=zllm-gguf-int8 \
+        ZLLM_SERVE_ARGS="$INT8" NUM_PROMPTS=3 INPUT_LEN=1024 OUTPUT_LEN=16 CONCURRENCIES=1
+fi
+if has_part 16bit; then
+    compare 16bit MODEL=llama1b-q4km STEPS="zllm-bf16 zllm-f16 llama-f16" NUM_PROMPTS=4 \
+        INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCIES=1
+fi
+if has_part smollm2; then
+    compare smollm2 MODEL=smollm2 STEPS="zllm llama-q4 llama-f16" NUM_PROMPTS=32 \
+        INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCIES="1 8 32"
+    compare smollm2 MODEL=smollm2 STEPS=zllm ZLLM_LABEL=zllm-gguf-int8 ZLLM_SERVE_ARGS="$INT8" \
+        NUM_PROMPTS=32 INPUT_LEN=128 OUTPUT_LEN=64 CONCURRENCIES="1 8 32"
+fi
+if has_part floor; then
+    log "the decode floor of $Q4"
+    "$PYTHON" "$REPO/benchmarks/memory_floor.py" "$Q4" --output-json "$GOALS_DIR/floor.json"
+fi
+if has_part memory; then
+    for model in "$Q4" "$LLAMA1B/llama1b-F16.gguf" "$LLAMA1B/hf-bf16"; do
+        log "resident memory after loading $model"
+        OMP_NUM_THREADS=1 "$PYTHON" "$REPO/benchmarks/load_memory.py" "$model" |
+            tail -1 >"$GOALS_DIR/memory-$(basename "$model").json"
+    done
+fi
+if has_part startup; then
+    log "start-up to /health, both engines on $Q4"
+    "$PYTHON" "$REPO/benchmarks/startup_time.py" --repeats 5 \
+        --output-json "$GOALS_DIR/startup.json" \
+        --engine "zllm=zllm serve $Q4 --port {port}" \
+        --engine "llama-server=$LLAMA_BUILD/bin/llama-server -m $Q4 -t 2 -np 32 -c 16384 --host 127.0.0.1 --port {port}"
+fi
+if has_part logits; then
+    log "logits against transformers on $LLAMA1B/hf-bf16"
+    "$PYTHON" "$REPO/benchmarks/logits_parity.py" "$LLAMA1B/hf-bf16" \
+        --output-json "$GOALS_DIR/logits.json"
+fi
+if has_part kv; then
+    for kv in auto int8; do
+        log "a decode step at 4K context, c=8, KV $kv (SmolLM2)"
+        "$PYTHON" "$REPO/benchmarks/kv_decode.py" smollm2 --kv-cache-dtype "$kv" --batch 8 |
+            tail -1 >"$GOALS_DIR/kv-$kv.json"
+    done
+fi
+if has_part report; then
+    "$PYTHON" "$REPO/benchmarks/cpu_goals.py" "$GOALS_DIR" | tee "$GOALS_DIR/goals.md"
+fi
