@@ -13,6 +13,7 @@ import random
 import pytest
 
 from zllm.text.reasoning_parser import REASONING_PARSERS, parse_reasoning
+from zllm.text.tool_call_text import ValueScanner
 from zllm.text.tool_parsers import TOOL_PARSERS, ParsedDelta, parse_tool_calls
 
 
@@ -212,6 +213,12 @@ PYTHONIC = [
     ("positional arguments", "[f(1)]", "[f(1)]", []),
     ("an unclosed call", "[f(x=1", "[f(x=1", []),
     ("a good call, then junk", "[f(), 42]", ", 42]", [("f", {})]),
+    (
+        "quotes that may still grow into a triple quote, and escapes",
+        '[f(s="""a""b\\"""", t=\'x\\\'y\', e="", u=\'\'\'\'\'\'), g()]',
+        "",
+        [("f", {"s": 'a""b"', "t": "x'y", "e": "", "u": ""}), ("g", {})],
+    ),
 ]
 
 
@@ -352,6 +359,27 @@ def test_arguments_stream_as_they_come(parser, text) -> None:
     assert len(pieces) >= 3
     assert "".join(p.arguments for p in pieces) == call.arguments
     json.loads(call.arguments)
+
+
+JSON_VALUES = [
+    '{"a": "x\\"}{", "b": [1, {"c": "]"}], "d": "\\\\"}',
+    '[{"name": "f"}, "[", "\\\\\\"", {}]',
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_a_json_scanner_reads_on_where_it_stopped(value) -> None:
+    """A scanner fed a growing text answers at every step as a fresh one reading the whole
+    text so far does: None until the value closes, then just past it, whatever follows."""
+    assert json.loads(value) is not None
+    text = "x " + value + ' ]} "tail'
+    for chunks in partitions(text):
+        resumed, so_far = ValueScanner(2), ""
+        for chunk in chunks:
+            so_far += chunk
+            expected = ValueScanner(2).end(so_far)
+            assert resumed.end(so_far) == expected, (chunks, so_far)
+            assert expected == (2 + len(value) if len(so_far) >= 2 + len(value) else None)
 
 
 def test_llama3_json_and_pythonic_stream_call_by_call() -> None:

@@ -21,9 +21,10 @@ from zllm.text.tool_call_text import (
     ParsedDelta,
     ScanningToolParser,
     ToolCallDelta,
+    ValueScanner,
     call_of,
     make_mistral_tool_call_id,
-    value_end,
+    scanner_at,
 )
 
 TAG = "[TOOL_CALLS]"
@@ -41,6 +42,10 @@ class MistralToolParser(ScanningToolParser):
         self.object_start = -1  # list form: the call object being read
         self.args_start = -1  # the arguments object being streamed, and how far it went out
         self.args_sent = -1
+        # Read on as the text grows (positions in it never move): the call object of the
+        # list form, and the arguments object being streamed.
+        self.object_scan: ValueScanner | None = None
+        self.args_scan: ValueScanner | None = None
 
     # Each state reads from self.cursor; True means "step again", False "wait for more".
 
@@ -103,7 +108,8 @@ class MistralToolParser(ScanningToolParser):
             self._start_call(out, _json_string(head.group(1)), head.end())
             self.state = "list_args"
             return True
-        end = value_end(self.text, at)
+        self.object_scan = scanner_at(self.object_scan, at)
+        end = self.object_scan.end(self.text)
         if end is None:  # the name not complete yet, or another key order: wait for it all
             return self._not_a_call(out) if final else False
         call = call_of(self.text[at:end])
@@ -120,7 +126,8 @@ class MistralToolParser(ScanningToolParser):
     def _list_args(self, out: ParsedDelta, final: bool) -> bool:
         if self._stream_arguments(out, final) is None:
             return False
-        end = value_end(self.text, self.object_start)  # the call object around the arguments
+        self.object_scan = scanner_at(self.object_scan, self.object_start)
+        end = self.object_scan.end(self.text)  # the call object around the arguments
         if end is None and not final:
             return False
         self.index += 1
@@ -137,7 +144,8 @@ class MistralToolParser(ScanningToolParser):
     def _stream_arguments(self, out: ParsedDelta, final: bool) -> int | None:
         """Send the arguments' text that arrived; their end once closed (at the end of the
         text, the arguments as far as the model wrote them)."""
-        end = value_end(self.text, self.args_start)
+        self.args_scan = scanner_at(self.args_scan, self.args_start)
+        end = self.args_scan.end(self.text)
         upto = len(self.text) if end is None else end
         if upto > self.args_sent:
             out.tool_calls.append(

@@ -33,6 +33,7 @@ _SPACE = " \t\r\n"
 class PythonicToolParser(ScanningToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__("deciding")  # deciding | calls | after | content
+        self.call_scan: _CallScanner | None = None  # the call being read
 
     def _deciding(self, out: ParsedDelta, final: bool) -> bool:
         """Calls if the text opens with `[` (after spaces and an optional tag), else content;
@@ -65,7 +66,9 @@ class PythonicToolParser(ScanningToolParser):
                 return False
             self.state = "content"
             return True
-        end = _call_end(self.text, name.end())
+        if self.call_scan is None or self.call_scan.start != name.end():
+            self.call_scan = _CallScanner(name.end())
+        end = self.call_scan.end(self.text)
         if end is None:
             if final:
                 self.state = "content"
@@ -96,34 +99,64 @@ def _skip(text: str, at: int, chars: str = _SPACE) -> int:
     return at
 
 
-def _call_end(text: str, start: int) -> int | None:
-    """Index just past the `)` that closes a call whose arguments start at text[start], or
-    None if it has not closed yet (tracks Python strings, triple-quoted too, and nesting)."""
-    depth, i = 1, start
-    while i < len(text):
-        c = text[i]
-        if c in "'\"":
-            quote = c * 3 if text.startswith(c * 3, i) else c
-            i += len(quote)
-            while True:
-                if i >= len(text):
-                    return None
-                if text[i] == "\\":
+class _CallScanner:
+    """Where a call whose arguments start at text[start] closes: just past its `)`, tracking
+    Python strings (triple-quoted too) and nesting. The text only grows between calls, and
+    each call reads on from where the last one stopped, so a long call that streams in token
+    by token is read once. It waits, rather than guess, where what has arrived could still
+    become a triple quote."""
+
+    __slots__ = ("start", "_next", "_depth", "_quote", "_end")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._next = start  # the first character not yet read
+        self._depth = 1
+        self._quote = ""  # the open string's quote, "" outside one
+        self._end: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """Index just past the closing `)`, or None if it has not arrived yet."""
+        if self._end is not None:
+            return self._end
+        i, depth, quote = self._next, self._depth, self._quote
+        while i < len(text):
+            c = text[i]
+            if quote:
+                if c == "\\":
+                    if i + 1 >= len(text):
+                        break
                     i += 2
                     continue
                 if text.startswith(quote, i):
-                    i += len(quote)
+                    i, quote = i + len(quote), ""
+                    continue
+                if len(quote) == 3 and _may_grow_into(text, i, quote):
                     break
                 i += 1
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return None
+                continue
+            if c in "'\"":
+                if _may_grow_into(text, i, c * 3):
+                    break
+                quote = c * 3 if text.startswith(c * 3, i) else c
+                i += len(quote)
+                continue
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+                if depth == 0:
+                    self._end = i + 1
+                    return self._end
+            i += 1
+        self._next, self._depth, self._quote = i, depth, quote
+        return None
+
+
+def _may_grow_into(text: str, i: int, quote: str) -> bool:
+    """text[i:] is a proper prefix of a triple quote: the next characters decide what it is."""
+    rest = text[i:]
+    return len(rest) < len(quote) and quote.startswith(rest)
 
 
 def _read_call(source: str) -> tuple[str, str] | None:

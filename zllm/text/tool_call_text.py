@@ -111,28 +111,60 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def value_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object or array starting at text[start], or None if it has
-    not closed yet (a scanner that tracks strings, escapes and nesting)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+# The characters a JSON scanner stops at: inside a string its end or an escape, outside one
+# a string's start or a bracket. Everything between them is skipped at C speed.
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE = re.compile(r'["{}\[\]]')
+
+
+class ValueScanner:
+    """Where the JSON object or array starting at text[start] ends, in a text that only grows
+    between calls: each call reads on from where the last one stopped, so a long value that
+    streams in token by token is read once, not once per token."""
+
+    __slots__ = ("start", "_next", "_depth", "_in_string", "_end")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._next = start  # the first character not yet read
+        self._depth = 0
+        self._in_string = False
+        self._end: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """Index just past the value, or None if it has not closed in `text` yet."""
+        if self._end is not None:
+            return self._end
+        i, depth, in_string = self._next, self._depth, self._in_string
+        while True:
+            found = (_IN_STRING if in_string else _OUTSIDE).search(text, i)
+            if found is None:
+                i = len(text)
+                break
+            i = found.start()
+            c = text[i]
+            if c == "\\":  # an escape: skip the next character, once it has arrived
+                if i + 1 >= len(text):
+                    break
+                i += 2
+                continue
+            if c == '"':
+                in_string = not in_string
+            elif c in "{[":
+                depth += 1
+            else:  # } or ]
+                depth -= 1
+                if depth == 0:
+                    self._end = i + 1
+                    return self._end
+            i += 1
+        self._next, self._depth, self._in_string = i, depth, in_string
+        return None
+
+
+def scanner_at(scanner: ValueScanner | None, start: int) -> ValueScanner:
+    """`scanner` if it reads the value at `start` of the same growing text, else a new one."""
+    return scanner if scanner is not None and scanner.start == start else ValueScanner(start)
 
 
 def arguments_json(obj: dict) -> str | None:

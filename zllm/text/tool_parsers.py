@@ -37,10 +37,11 @@ from zllm.text.tool_call_text import (
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
+    ValueScanner,
     call_of,
     make_tool_call_id,
     partial_suffix,
-    value_end,
+    scanner_at,
 )
 
 __all__ = ["TOOL_PARSERS", "ParsedDelta", "ToolCall", "ToolCallDelta", "make_tool_call_id"]
@@ -57,6 +58,9 @@ class HermesToolParser:
         self.call_started = False
         self.args_start = -1
         self.args_sent = 0
+        # Reads the arguments object on as the buffer grows (a call's own: reset per call,
+        # since the buffer starts afresh at each call's tag).
+        self.args_scan: ValueScanner | None = None
 
     def feed(self, text: str) -> ParsedDelta:
         self.buffer += text
@@ -85,6 +89,7 @@ class HermesToolParser:
             out.content += self.buffer[:start]
             self.buffer = self.buffer[start + len(self.OPEN) :]
             self.in_call, self.call_started, self.args_start, self.args_sent = True, False, -1, 0
+            self.args_scan = None
             return True
         end = self.buffer.find(self.CLOSE)
         if end >= 0:
@@ -106,7 +111,10 @@ class HermesToolParser:
             name = json.loads(f'"{head.group(1)}"')
             out.tool_calls.append(ToolCallDelta(self.index, make_tool_call_id(), name))
             self.call_started = True
-        end = value_end(body, self.args_start)
+        # At the call's end `body` is the buffer before the closing tag; the scanner may have
+        # read part of that tag already, which holds no quote, bracket or backslash.
+        self.args_scan = scanner_at(self.args_scan, self.args_start)
+        end = self.args_scan.end(body)
         upto = end if end is not None else len(body)
         piece = body[self.args_start + self.args_sent : upto]
         if piece:
@@ -136,6 +144,7 @@ class Llama3JsonToolParser:
         self.mode = "deciding"  # "deciding", "content" or "calls"
         self.scanned = 0  # in calls mode: buffer[:scanned] is settled
         self.index = 0
+        self.call_scan: ValueScanner | None = None  # the call object being read
 
     def feed(self, text: str) -> ParsedDelta:
         self.buffer += text
@@ -188,7 +197,8 @@ class Llama3JsonToolParser:
                 out.content += self.buffer[start:]
                 self.scanned = len(self.buffer)
                 break
-            end = value_end(self.buffer, start)
+            self.call_scan = scanner_at(self.call_scan, start)
+            end = self.call_scan.end(self.buffer)
             if end is None:
                 if final:
                     out.content += self.buffer[start:]
