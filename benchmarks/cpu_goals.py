@@ -78,45 +78,68 @@ def _best_peer(
     return best
 
 
+def _per_run(
+    r: Results,
+    part: str,
+    c: int,
+    key: str,
+    peer: tuple[str, float | None],
+    goal: str,
+    what: str,
+    met: Callable[[float], bool],
+) -> list[Row]:
+    """One row per zllm configuration: its `key` figure at concurrency c against the peer's
+    (`goal` names the configuration where it says {run}, the peer where it says {peer})."""
+    stat = None if key == "output_throughput" else "p50"
+    return [
+        _ratio_row(
+            goal.format(run=run, peer=peer[0]),
+            _field(r.serve(part, run, c), key, stat),
+            peer[1],
+            what,
+            met,
+        )
+        for run in ZLLM_RUNS
+    ]
+
+
+def _p50(r: Results, part: str, label: str, key: str) -> tuple[str, float | None]:
+    return label, _field(r.serve(part, label, 1), key)
+
+
 def llama1b_rows(r: Results) -> list[Row]:
-    rows = []
-    peer_tpot = _field(r.serve("llama1b", "llama.cpp-Q4_K_M", 1), "tpot_ms")
-    for run in ZLLM_RUNS:
-        ours = _field(r.serve("llama1b", run, 1), "tpot_ms")
-        rows.append(
-            _ratio_row(
-                f"1B Q4_K_M c=1 TPOT <= 0.9x llama-server ({run})",
-                ours,
-                peer_tpot,
-                "TPOT p50 ms",
-                lambda x: x <= 0.9,
-            )
-        )
+    q4 = "llama.cpp-Q4_K_M"
+    rows = _per_run(
+        r,
+        "llama1b",
+        1,
+        "tpot_ms",
+        _p50(r, "llama1b", q4, "tpot_ms"),
+        "1B Q4_K_M c=1 TPOT <= 0.9x llama-server ({run})",
+        "TPOT p50 ms",
+        lambda x: x <= 0.9,
+    )
     for part, c in (("llama1b", 8), ("llama1b-c32", 32)):
-        peer, rate = _best_peer(r, part, ("llama.cpp-Q4_K_M", "llama.cpp-Q8_0"), c)
-        for run in ZLLM_RUNS:
-            ours = _field(r.serve(part, run, c), "output_throughput", None)
-            rows.append(
-                _ratio_row(
-                    f"1B c={c} output tok/s >= 1.5x llama-server's best ({run} vs {peer})",
-                    ours,
-                    rate,
-                    "tok/s",
-                    lambda x: x >= 1.5,
-                )
-            )
-    peer_ttft = _field(r.serve("prefill", "llama.cpp-Q4_K_M", 1), "ttft_ms")
-    for run in ZLLM_RUNS:
-        ours = _field(r.serve("prefill", run, 1), "ttft_ms")
-        rows.append(
-            _ratio_row(
-                f"1B 1,024-token prompt, c=1 TTFT <= llama-server ({run})",
-                ours,
-                peer_ttft,
-                "TTFT p50 ms",
-                lambda x: x <= 1.0,
-            )
+        rows += _per_run(
+            r,
+            part,
+            c,
+            "output_throughput",
+            _best_peer(r, part, (q4, "llama.cpp-Q8_0"), c),
+            f"1B c={c} output tok/s >= 1.5x llama-server's best ({{run}} vs {{peer}})",
+            "tok/s",
+            lambda x: x >= 1.5,
         )
+    rows += _per_run(
+        r,
+        "prefill",
+        1,
+        "ttft_ms",
+        _p50(r, "prefill", q4, "ttft_ms"),
+        "1B 1,024-token prompt, c=1 TTFT <= llama-server ({run})",
+        "TTFT p50 ms",
+        lambda x: x <= 1.0,
+    )
     return rows
 
 
@@ -180,32 +203,27 @@ def memory_rows(r: Results) -> list[Row]:
 
 
 def smollm2_rows(r: Results) -> list[Row]:
-    rows = []
-    peer_tpot = _field(r.serve("smollm2", "llama.cpp-Q4_1", 1), "tpot_ms")
-    for run in ZLLM_RUNS:
-        ours = _field(r.serve("smollm2", run, 1), "tpot_ms")
-        rows.append(
-            _ratio_row(
-                f"SmolLM2 c=1 TPOT <= llama-server Q4_1 ({run})",
-                ours,
-                peer_tpot,
-                "TPOT p50 ms",
-                lambda x: x <= 1.0,
-            )
-        )
+    rows = _per_run(
+        r,
+        "smollm2",
+        1,
+        "tpot_ms",
+        _p50(r, "smollm2", "llama.cpp-Q4_1", "tpot_ms"),
+        "SmolLM2 c=1 TPOT <= llama-server Q4_1 ({run})",
+        "TPOT p50 ms",
+        lambda x: x <= 1.0,
+    )
     for c in (8, 32):
-        peer, rate = _best_peer(r, "smollm2", ("llama.cpp-Q4_1", "llama.cpp-F16"), c)
-        for run in ZLLM_RUNS:
-            ours = _field(r.serve("smollm2", run, c), "output_throughput", None)
-            rows.append(
-                _ratio_row(
-                    f"SmolLM2 c={c} output tok/s >= 1.5x the better llama format ({run} vs {peer})",
-                    ours,
-                    rate,
-                    "tok/s",
-                    lambda x: x >= 1.5,
-                )
-            )
+        rows += _per_run(
+            r,
+            "smollm2",
+            c,
+            "output_throughput",
+            _best_peer(r, "smollm2", ("llama.cpp-Q4_1", "llama.cpp-F16"), c),
+            f"SmolLM2 c={c} output tok/s >= 1.5x the better llama format ({{run}} vs {{peer}})",
+            "tok/s",
+            lambda x: x >= 1.5,
+        )
     return rows
 
 
