@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from zllm.errors import RequestError
-from zllm.kv.tier_key import make_key_file, read_key
+from zllm.kv.tier_key import make_key_file, read_key, warn_if_shared
 from zllm.model.files import cache_dir
 from zllm.text.reasoning_parser import reasoning_markers
 from zllm.text.thinking_budget import ThinkingBudget
@@ -115,6 +115,7 @@ class ThinkingSigner:
                 if not path.exists():
                     make_key_file(path, KEY_FLAG)
                 self._key = read_key(str(path), KEY_FLAG)
+                warn_if_shared(path, "Thinking signature key")
             except ValueError as e:
                 raise RequestError(f"Cannot sign thinking blocks: {e}", status=500) from e
         return self._key

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -79,6 +80,19 @@ def test_signer_key_is_made_owner_only_and_kept(tmp_path, monkeypatch) -> None:
     assert first.verify("x", first.sign("x")) and not first.verify("y", first.sign("x"))
     assert not first.verify("x", None)
     assert not first.verify("x", "\u00e9" * 44)  # not ASCII: refused, not a TypeError (a 500)
+
+
+def test_signer_warns_of_a_key_others_can_read(tmp_path, caplog) -> None:
+    """A key file open to its group or others still signs, with a warning naming it (whoever
+    else reads it can forge signatures); an owner-only one signs without a word."""
+    key_file = tmp_path / "signature.key"
+    key_file.write_bytes(os.urandom(32))
+    for mode, warned in ((0o600, False), (0o640, True)):
+        key_file.chmod(mode)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert ThinkingSigner.of(str(key_file)).sign("x")
+        assert any(str(key_file) in r.getMessage() for r in caplog.records) == warned, mode
 
 
 # ---- through the server -------------------------------------------------------------------

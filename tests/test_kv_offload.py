@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import random
 import re
@@ -573,6 +574,15 @@ def test_the_disk_tier_key_is_made_once_owner_only_and_outside_the_directory(tmp
     short.write_bytes(b"0123")
     with pytest.raises(ValueError, match="at least 32"):
         resolve_key_file(str(tmp_path / "kv"), str(short))
+
+
+def test_a_disk_tier_key_others_can_read_is_used_with_a_warning(tmp_path, caplog):
+    shared = tmp_path / "shared.key"
+    shared.write_bytes(os.urandom(32))
+    shared.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_key_file(str(tmp_path / "kv"), str(shared)) == str(shared.resolve())
+    assert any("readable by others" in r.getMessage() for r in caplog.records)
 
 
 def test_blocks_written_under_another_key_are_removed_not_loaded(tmp_path):

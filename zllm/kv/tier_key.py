@@ -40,10 +40,16 @@ def resolve_key_file(disk_dir: str, key_file: str | None) -> str:
         make_key_file(path, "--kv-offload-key-file")
         logger.info("KV disk tier: made the key that authenticates its files, %s", path)
     read_key(str(path))  # readable and long enough, or the engine does not start
+    warn_if_shared(path, "KV disk tier key")
+    return str(path)
+
+
+def warn_if_shared(path: Path, what: str) -> None:
+    """A warning when a key file is open to its group or to others: it still works, but
+    whoever else can read it can forge what it authenticates."""
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
-        logger.warning("KV disk tier key %s is readable by others (mode %o): chmod 600", path, mode)
-    return str(path)
+        logger.warning("%s %s is readable by others (mode %o): chmod 600", what, path, mode)
 
 
 def read_key(key_file: str, flag: str = "--kv-offload-key-file") -> bytes:
