@@ -4,7 +4,8 @@ registers beside the frontend's own request metrics (the table there lists every
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -115,11 +116,7 @@ class EngineCollector:
             ([self.model_name, str(e)], client.engine_stats.get(e) or EngineStats())
             for e in range(client.num_engines)
         ]
-        for name, doc, attr in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
-            for label, s in engines:
-                g.add_metric(label, getattr(s, attr))
-            yield g
+        yield from _per_engine(GaugeMetricFamily, _GAUGES, engines, getattr)
         g = GaugeMetricFamily(
             "zllm:num_requests_in_flight",
             "Engine requests (one per prompt) this frontend is serving.",
@@ -127,11 +124,7 @@ class EngineCollector:
         )
         g.add_metric([self.model_name], client.num_in_flight)
         yield g
-        for name, doc, attr in _COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
-            for label, s in engines:
-                c.add_metric(label, getattr(s, attr))
-            yield c
+        yield from _per_engine(CounterMetricFamily, _COUNTERS, engines, getattr)
         yield from _pin_metrics(engines)
         yield from _tenant_metrics(engines)
         # A feature's section, exported while some engine has it on.
@@ -156,20 +149,29 @@ ENGINE_LABELS = ["model_name", "engine"]
 PerEngine = list[tuple[list[str], EngineStats]]
 
 
+def _per_engine(
+    family: type, specs: tuple, engines: PerEngine, value: Callable[[EngineStats, Any], float]
+) -> Iterator[Metric]:
+    """A metric of one series per engine for each (name, doc, key) of `specs`: the series'
+    value is value(engine's stats, key)."""
+    for name, doc, key in specs:
+        metric = family(name, doc, labels=ENGINE_LABELS)
+        for label, s in engines:
+            metric.add_metric(label, value(s, key))
+        yield metric
+
+
 def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Prefix pinning: what is pinned now and the bound (--max-pinned-bytes)."""
-    for name, doc, value in (
+    pins = (
         ("zllm:kv_pinned_blocks", "KV blocks pinned by requests' cache_control.",
          lambda s: s.pins.pinned_blocks),
         ("zllm:kv_pinned_bytes", "KV cache bytes pinned by requests' cache_control.",
          lambda s: s.pins.pinned_blocks * s.kv_block_bytes),
         ("zllm:kv_max_pinned_bytes", "The most KV cache bytes requests may pin.",
          lambda s: s.pins.max_pinned_blocks * s.kv_block_bytes),
-    ):  # fmt: skip
-        g = GaugeMetricFamily(name, doc, labels=ENGINE_LABELS)
-        for label, s in engines:
-            g.add_metric(label, value(s))
-        yield g
+    )  # fmt: skip
+    yield from _per_engine(GaugeMetricFamily, pins, engines, lambda s, value: value(s))
 
 
 # Per tenant (EngineStats.tenants; zllm/runtime/tenants.py): (name, doc, TenantStats attribute).
@@ -256,18 +258,17 @@ def _pipeline_metrics(engines: PerEngine) -> Iterator[Metric]:
 def _kv_transfer_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Prefill/decode disaggregation (the consumer's received blocks and their hits are the
     kv_offload series with tier="remote")."""
-    for name, doc, attr in (
+    counters = (
         ("zllm:kv_transfer_sent_blocks",
          "Prompt KV blocks a prefill instance had its executor send (one its consumer does "
          "not take is dropped, and computed there).", "sent_blocks"),
         ("zllm:kv_transfer_wait_timeouts",
          "Requests a decode instance admitted before all their KV blocks came (it computed "
          "the rest).", "wait_timeouts"),
-    ):  # fmt: skip
-        c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
-        for label, s in engines:
-            c.add_metric(label, getattr(s.kv_transfer, attr))
-        yield c
+    )  # fmt: skip
+    yield from _per_engine(
+        CounterMetricFamily, counters, engines, lambda s, attr: getattr(s.kv_transfer, attr)
+    )
     rejected = CounterMetricFamily(
         "zllm:kv_transfer_rejected_blocks",
         "KV blocks a decode instance refused (each executor rank's part counts): reason "
@@ -300,11 +301,9 @@ def _lora_info(engines: PerEngine) -> Iterator[Metric]:
 
 
 def _spec_decode_metrics(engines: PerEngine) -> Iterator[Metric]:
-    for name, doc, attr in _SPEC_COUNTERS:
-        c = CounterMetricFamily(name, doc, labels=ENGINE_LABELS)
-        for label, s in engines:
-            c.add_metric(label, getattr(s.spec, attr))
-        yield c
+    yield from _per_engine(
+        CounterMetricFamily, _SPEC_COUNTERS, engines, lambda s, attr: getattr(s.spec, attr)
+    )
     per_pos = CounterMetricFamily(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Accepted proposed tokens, by position in the proposal (0 = the first).",
