@@ -64,6 +64,16 @@ class _Stream:
     num_finished: int = 0
     started: bool = False  # some output arrived: the tokenizer stage is behind it
     engine: int | None = None  # the engine it was sent to (None: not known yet)
+    # Why it failed, once it has: read before any output still queued (see fail).
+    error: RequestError | None = None
+
+    def fail(self, error: RequestError) -> None:
+        """End the request with `error` at once: outputs queued behind a slow reader (a
+        stream whose client reads slowly) are dropped, so a shutdown's or a timeout's error
+        reaches the client without waiting on them. The first failure is the one kept."""
+        if self.error is None:
+            self.error = error
+            self.queue.put_nowait(error)  # wakes a reader waiting on an empty queue
 
 
 class EngineClient:
@@ -197,8 +207,8 @@ class EngineClient:
             await self._to_tokenizers.send(self._encoder.encode(request))
             while not finished:
                 item = await stream.queue.get()
-                if isinstance(item, RequestError):
-                    raise item  # the finally clause aborts it in the core (idempotent)
+                if stream.error is not None:
+                    raise stream.error  # the finally clause aborts it in the core (idempotent)
                 if item.finish_reason is not None:
                     stream.num_finished += 1
                     finished = stream.num_finished >= request.sampling_params.n
@@ -230,7 +240,7 @@ class EngineClient:
             f"The request did not finish within the server's request timeout ({timeout:g} s) "
             "and was aborted."
         )
-        stream.queue.put_nowait(RequestError(message, 504, code="request_timeout"))
+        stream.fail(RequestError(message, 504, code="request_timeout"))
 
     async def abort(self, req_id: str, engine: int | None = None) -> None:
         """Abort in its engine's core (every core, when it is not known)."""
@@ -310,7 +320,7 @@ class EngineClient:
         """Fail every request in flight (on `engine`, when given)."""
         for stream in self._streams.values():
             if engine is None or self._engine_of(stream) == engine:
-                stream.queue.put_nowait(RequestError(message, status))
+                stream.fail(RequestError(message, status))
 
     def _engine_of(self, stream: _Stream) -> int | None:
         """The engine a request is on (None: not known yet; with one engine, that one)."""
@@ -341,7 +351,7 @@ class EngineClient:
         elif isinstance(msg, RequestRejected):
             stream = self._streams.get(msg.req_id)
             if stream is not None:
-                stream.queue.put_nowait(RequestError(msg.message, msg.status, msg.param))
+                stream.fail(RequestError(msg.message, msg.status, msg.param))
         elif isinstance(msg, ProcessEvent):
             self._on_process_event(msg)
         elif isinstance(msg, EngineLifecycle):
@@ -378,7 +388,7 @@ class EngineClient:
         stream.engine = msg.engine
         if self.engine_states[msg.engine] != EngineState.READY:
             message = f"engine {msg.engine} failed and is restarting"
-            stream.queue.put_nowait(RequestError(message, 503))
+            stream.fail(RequestError(message, 503))
 
     def _on_process_event(self, msg: ProcessEvent) -> None:
         key = (msg.role, msg.index, msg.engine) if msg.role.is_engine else (msg.role, msg.index)
@@ -397,9 +407,7 @@ class EngineClient:
             m = self.config.detokenizer_workers
             for req_id, stream in list(self._streams.items()):
                 if detokenizer_index(req_id, m) == msg.index:
-                    stream.queue.put_nowait(
-                        RequestError("the detokenizer serving this request restarted", 503)
-                    )
+                    stream.fail(RequestError("the detokenizer serving this request restarted", 503))
 
 
 def _engines_down(down: dict[int, str]) -> str:
