@@ -484,22 +484,34 @@ def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
 
 def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on():
     """The file's name taken (as a full /dev/shm fails, with ENOSPC): the send is dropped (the
-    consumer recomputes), not raised into the executor's step, and its bytes are not held."""
+    consumer recomputes), not raised into the executor's step, and its bytes are not held;
+    the next send writes the next file and reaches the consumer."""
+    import msgspec
+    import zmq
+
+    from zllm.protocol import KVBlocksHeader
+
     pool = make_pool(num_blocks=4)
     config = KVTransferConfig(role="kv_producer", port=free_port(), transport="shm")
+    consumer = zmq.Context.instance().socket(zmq.PULL)  # stands in for the consumer's receiver
+    consumer.bind(config.engine_address(0, 0, 1))
     sender = KVSender(config, pool, "layout")
-    taken = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-0")  # its first file
-    open(taken, "wb").close()
+    files = [os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{i}") for i in (0, 1)]
+    open(files[0], "wb").close()  # its first file's name, taken
     try:
         sender.send([(key(1), 0), (key(2), 1)])
         assert sender._queued_bytes == 0
-        assert os.path.getsize(taken) == 0  # left as it was
-        sender.send([(key(3), 2)])  # the next name is free: queued
-        assert sender._queued_bytes == pool.block_nbytes
+        assert os.path.getsize(files[0]) == 0  # left as it was
+        sender.send([(key(3), 2)])  # the next name is free: sent
+        assert consumer.poll(10_000), "the second send never reached the consumer"
+        header = msgspec.msgpack.decode(consumer.recv_multipart()[0], type=KVBlocksHeader)
+        assert header.hashes == [key(3)]
+        assert header.shm_file == os.path.basename(files[1])
+        assert os.path.getsize(files[1]) == pool.block_nbytes
     finally:
-        for i in (0, 1):
-            path = os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{i}")
-            if os.path.exists(path):
+        consumer.close(linger=0)
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
 
