@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -73,10 +73,6 @@ async def until(condition, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def first_item(stream: AsyncIterator[RequestOutputDelta]) -> RequestOutputDelta:
-    return await anext(stream)
-
-
 def test_a_failure_is_read_before_outputs_still_queued(config):
     """A slow reader has outputs queued when the server fails its request (a drain timeout,
     the engine restarting): the next read raises the error at once instead of handing out
@@ -86,7 +82,7 @@ def test_a_failure_is_read_before_outputs_still_queued(config):
         client, workers = await started_client(config)
         try:
             stream = client.generate(request("slow"))
-            reading = asyncio.ensure_future(first_item(stream))  # sends the request
+            reading = asyncio.ensure_future(anext(stream))  # sends the request
             assert (await workers.next_request()).req_id == "slow"
             await workers.send_tokens("slow", [5])
             assert (await reading).token_ids == [5]
@@ -118,8 +114,8 @@ def test_the_first_failure_is_the_one_kept_and_others_still_stream(config):
         try:
             failing = client.generate(request("a"))
             healthy = client.generate(request("b"))
-            reading_a = asyncio.ensure_future(first_item(failing))
-            reading_b = asyncio.ensure_future(first_item(healthy))
+            reading_a = asyncio.ensure_future(anext(failing))
+            reading_b = asyncio.ensure_future(anext(healthy))
             sent = {(await workers.next_request()).req_id for _ in range(2)}
             assert sent == {"a", "b"}
             await workers.send_tokens("a", [1])
