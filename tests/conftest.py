@@ -7,6 +7,7 @@ import os
 
 import pytest
 import servers
+import solo
 from shared_gguf_reader import share_gguf_readers
 
 # Re-exported: test_cuda.py and test_csrc_compile.py import it from here.
@@ -78,8 +79,13 @@ def gemma3_path() -> str:
 
 
 def pytest_configure(config):
-    # Tests run beside each other on 2 cores: keep torch from oversubscribing them.
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    # Keep torch from oversubscribing the cores: the suite's xdist workers (pyproject's
+    # addopts, one per core on CI's 2-core machine) run one thread each; a run without
+    # workers (`-n 0`) runs two.
+    workers = config.getoption("numprocesses", default=None) or 0  # xdist's -n
+    os.environ.setdefault("OMP_NUM_THREADS", "1" if workers > 1 else "2")
+    if not hasattr(config, "workerinput"):  # the controller (or the one process)
+        solo.create()
     share_gguf_readers()
     # Always name failed and erroring tests in the short summary, even when a wrapper's `-r`
     # (e.g. `-rs` to list skips) replaces pytest's default "fE": a log whose tail is all that
@@ -87,6 +93,17 @@ def pytest_configure(config):
     chars = config.option.reportchars or ""
     if "a" not in chars and "A" not in chars:
         config.option.reportchars = chars + "".join(c for c in "fE" if c not in chars)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        solo.remove()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with solo.running(item.get_closest_marker("solo") is not None):
+        yield
 
 
 def pytest_sessionstart(session):
@@ -134,7 +151,27 @@ def fail_skip_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    fail_skip_in_ci(outcome.get_result())
+    report = outcome.get_result()
+    fail_skip_in_ci(report)
+    carry_flips(report)
+
+
+def carry_flips(report: pytest.TestReport) -> None:
+    """The near-tie flips this phase recorded (tests/parity.py's FLIPS) go with its report:
+    under xdist they are recorded in a worker, and only reports reach the controller, which
+    prints the summary."""
+    from parity import FLIPS
+
+    report.user_properties.extend((_FLIP, line) for line in FLIPS)
+    FLIPS.clear()
+
+
+_FLIP = "parity_flip"
+_flips_reported: list[str] = []  # every report's flips, in the process that prints the summary
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _flips_reported.extend(str(value) for name, value in report.user_properties if name == _FLIP)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -193,11 +230,10 @@ def pytest_runtest_call(item):
 
 
 def pytest_terminal_summary(terminalreporter):
-    from parity import FLIPS
-
-    if FLIPS:
-        terminalreporter.write_line(f"greedy parity: {len(FLIPS)} near-tie flip(s) accepted:")
-        for line in FLIPS:
+    if _flips_reported:
+        count = len(_flips_reported)
+        terminalreporter.write_line(f"greedy parity: {count} near-tie flip(s) accepted:")
+        for line in _flips_reported:
             terminalreporter.write_line(f"  {line}")
     else:
         terminalreporter.write_line("greedy parity: no near-tie flips (all exact)")

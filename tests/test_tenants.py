@@ -216,6 +216,7 @@ def start_smollm2(smollm2_path: str, tmp_path, policy: str) -> Server:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.solo
 def test_a_flooding_tenant_does_not_starve_another_under_fair_share(smollm2_path, tmp_path) -> None:
     """--max-num-seqs 16: tenant A sends 200 requests of 128 prompt / 64 output tokens at
     once, then tenant B sends 10. Under fair share B's median TTFT stays within 2x of B

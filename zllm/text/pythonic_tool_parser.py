@@ -66,8 +66,7 @@ class PythonicToolParser(ScanningToolParser):
                 return False
             self.state = "content"
             return True
-        if self.call_scan is None or self.call_scan.start != name.end():
-            self.call_scan = _CallScanner(name.end())
+        self.call_scan = _CallScanner.of_call(self.call_scan, name.end())
         end = self.call_scan.end(self.text)
         if end is None:
             if final:
@@ -114,6 +113,14 @@ class _CallScanner:
         self._depth = 1
         self._quote = ""  # the open string's quote, "" outside one
         self._end: int | None = None
+
+    @classmethod
+    def of_call(cls, scanner: _CallScanner | None, start: int) -> _CallScanner:
+        """`scanner` if it reads the call whose arguments start at `start` (it goes on where it
+        stopped), else a new scanner for that call."""
+        if scanner is not None and scanner.start == start:
+            return scanner
+        return cls(start)
 
     def end(self, text: str) -> int | None:
         """Index just past the closing `)`, or None if it has not arrived yet."""
