@@ -170,6 +170,19 @@ class Request:
             and not self.output_token_ids
         )
 
+    @property
+    def num_seqs_to_run(self) -> int:
+        """The sequences of the batch (max_num_seqs) this request holds once it runs: an
+        `n > 1` request forks its samples right after its prompt, a beam search's first beam
+        forks into `beam_width` beams after its first step; anything else is one. Admission
+        counts them all, as vLLM counts a sequence group's."""
+        params = self.sampling_params
+        if self.waits_to_fork:
+            return params.n
+        if params.use_beam_search and self.sample_index == 0 and not self.output_token_ids:
+            return params.num_beams
+        return 1
+
     def fork(
         self,
         req_id: str,

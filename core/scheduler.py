@@ -6,7 +6,9 @@ up to the budget's remaining tokens. A long prompt is therefore prefilled in chu
 decodes ride in the same step as prefills.
 
 Order per step: running requests first (oldest first), then waiting ones (FIFO) while the
-budget, `max_num_seqs` and the blocks last. When blocks run out for a running request, the
+budget, `max_num_seqs` and the blocks last (an `n > 1` request counts its samples, which
+fork after its prompt, and a beam search its beams: `Request.num_seqs_to_run`; one wider
+than the whole batch runs alone). When blocks run out for a running request, the
 newest running request is preempted: its blocks are freed and it goes back to the *front* of
 the queue to be recomputed (its prefix is usually still in the prefix cache). Oldest-first
 service plus front-of-queue requeueing means no request starves.
@@ -193,7 +195,7 @@ class Scheduler:
         to tenants below their share that have requests waiting."""
         assert self.fair is not None
         self.fair.begin_step(self.running, self.waiting)
-        free_slots = self.config.max_num_seqs - len(self.running)
+        free_slots = self.config.max_num_seqs - self._seats_taken()
         bm = self.block_manager
         held = bm.num_held_blocks
         for victim in self.fair.victims(self.running, free_slots, held, bm.num_blocks):
@@ -251,10 +253,15 @@ class Scheduler:
         ahead), a consumer's request waiting for its remote blocks, and one whose prefix
         loads in a step in flight (a prefetch)."""
         bm = self.block_manager
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        seats = self._seats_taken()
+        while self.waiting and plan.budget > 0 and seats < max_seqs:
             req = self._next_waiting()
             if req is None or self._held(req, plan):
                 return  # (held: preempted with a step in flight, until that returns)
+            need = req.num_seqs_to_run
+            if seats and seats + need > max_seqs:
+                return  # its samples would overfill the batch: it waits, first in line
             found = find_prefix(req, self.block_manager, self.kv)
             if self.kv.wants_prefetch(req, found.cached):
                 # Its loads go out in a step of their own (core/kv_prefetch.py).
@@ -278,9 +285,16 @@ class Scheduler:
                 found.salt,
             ):
                 if self._make_room_for(req, plan):
+                    seats = self._seats_taken()  # (it may have preempted)
                     continue
                 return
             self._admit(req, plan, found, num_new)
+            seats += need
+
+    def _seats_taken(self) -> int:
+        """The running sequences, with the samples of those not yet forked: max_num_seqs
+        bounds what the batch holds once they fork."""
+        return sum(req.num_seqs_to_run for req in self.running)
 
     def _next_waiting(self) -> Request | None:
         adapters = running_adapters(self.running)

@@ -342,3 +342,60 @@ def test_sample_ids_never_collide_with_client_ids_holding_hashes():
     while sched.has_unfinished_requests():
         step(sched)
     assert sched.block_manager.num_referenced_blocks() == 0
+
+
+def running_seqs_per_step(sched: Scheduler) -> list[int]:
+    """Run every request to its end; the sequences each step schedules."""
+    counts = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched)
+        counts.append(len(so.num_scheduled_tokens))
+    return counts
+
+
+def test_max_num_seqs_counts_the_samples_a_request_forks() -> None:
+    """Two n=4 requests under max_num_seqs=4: the second waits for the first's samples to
+    end (admitted as one sequence, the first would fork past the limit: 1 + 4 + 3)."""
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add_request(make_request("a", 6, max_tokens=3, n=4))
+    sched.add_request(make_request("b", 6, max_tokens=3, n=4, start=100))
+    so, _ = step(sched)
+    assert list(so.num_scheduled_tokens) == ["a"] and sched.num_waiting == 1
+    counts = running_seqs_per_step(sched)
+    assert max(counts) == 4, counts
+    assert sched.block_manager.num_referenced_blocks() == 0
+
+
+def test_a_chunked_prompt_keeps_the_seats_of_its_samples() -> None:
+    """A prompt in chunks has not forked yet: a short request arriving meanwhile does not
+    take the seats its samples will need."""
+    sched = make_scheduler(max_num_seqs=3, budget=4)
+    sched.add_request(make_request("p", 10, max_tokens=2, n=3))
+    step(sched)  # the first chunk
+    sched.add_request(make_request("q", 2, start=100))
+    counts = running_seqs_per_step(sched)
+    assert max(counts) == 3, counts
+
+
+def test_a_request_wider_than_the_batch_runs_alone() -> None:
+    """n=6 under max_num_seqs=4 cannot fit: it runs once the batch is empty (over the limit
+    by its own samples only) rather than never; the request behind it waits its turn."""
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add_request(make_request("s", 3, max_tokens=2))
+    sched.add_request(make_request("wide", 6, max_tokens=3, n=6, start=100))
+    sched.add_request(make_request("t", 3, max_tokens=2, start=200))
+    so, _ = step(sched)
+    assert list(so.num_scheduled_tokens) == ["s"]  # wide waits, and t behind it (FIFO)
+    counts = running_seqs_per_step(sched)
+    assert 6 in counts and not sched.has_unfinished_requests()
+
+
+def test_a_beam_search_holds_its_width_from_the_start() -> None:
+    """Its first beam forks into beam_width beams after one step: it takes that many seats."""
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add_request(make_request("beam", 4, max_tokens=3, use_beam_search=True, beam_width=3))
+    sched.add_request(make_request("x", 3, max_tokens=2, start=100))
+    sched.add_request(make_request("y", 3, max_tokens=2, start=200))
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["beam", "x"]  # 3 seats + 1: y waits
+    assert sched.num_waiting == 1
