@@ -252,6 +252,8 @@ class Scheduler:
         in the batch (as vLLM does: the requests behind it of adapters already running go
         ahead), a consumer's request waiting for its remote blocks, and one whose prefix
         loads in a step in flight (a prefetch)."""
+        if not self.waiting:
+            return  # (a decode-only step need not count the seats)
         bm = self.block_manager
         max_seqs = self.config.max_num_seqs
         seats = self._seats_taken()
