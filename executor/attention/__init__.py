@@ -1,0 +1,1 @@
+"""Attention: the backend chosen per model, its metadata, the torch/CPU and CUDA paths."""

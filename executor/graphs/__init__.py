@@ -1,0 +1,1 @@
+"""CUDA graphs: decode-only steps by batch size, and piecewise graphs for the rest."""

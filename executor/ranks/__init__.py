@@ -1,0 +1,1 @@
+"""More than one rank: tensor and pipeline parallelism, rank processes, Ray actors."""

@@ -1,0 +1,1 @@
+"""Sampling: rows to sample, logits processors, structured outputs, the vectorised sampler."""

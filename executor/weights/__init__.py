@@ -1,0 +1,1 @@
+"""Weights: loading them, quantizing them, and the matmuls that read GGUF blocks."""

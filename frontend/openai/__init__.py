@@ -1,0 +1,1 @@
+"""OpenAI's completions, chat, embeddings and batch APIs: bodies, formats, choices."""

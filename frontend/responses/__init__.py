@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: input, output items and their stream."""
