@@ -176,8 +176,8 @@ def transfer_cost(args) -> list[dict]:
 
     from zllm.config.engine_args import EngineArgs
     from zllm.config.kv_transfer import KVTransferConfig
-    from zllm.executor.kv_connector import KVPool
-    from zllm.executor.kv_transfer import KVReceiver, KVSender, RemoteKVBuffer
+    from zllm.executor.kv.connector import KVPool
+    from zllm.executor.kv.transfer import KVReceiver, KVSender, RemoteKVBuffer
 
     config = EngineArgs(model=args.model).create_engine_config()
     arch, bs = config.arch, config.cache.block_size

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from zllm import LLM, SamplingParams
-from zllm.executor import cpu_kernels
-from zllm.executor.gguf_modules import GGUFLinear
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.weights.gguf_modules import GGUFLinear
 
 OLD_MAX_KERNEL_ROWS = 256  # the old path: more rows than this used the fp32 copy
 

@@ -27,7 +27,7 @@ from gguf.quants import dequantize, quantize
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_gguf_types import random_blocks  # noqa: E402  (random K-quant blocks, sane scales)
 
-from zllm.executor import cpu_kernels  # noqa: E402
+from zllm.executor.kernels import cpu as cpu_kernels  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 

@@ -88,7 +88,7 @@ def launch_time(device: torch.device) -> tuple[float, float]:
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     from zllm.config.engine import ModelArchConfig
-    from zllm.executor.attention_cuda import CUDA_ATTENTION
+    from zllm.executor.attention.cuda import CUDA_ATTENTION
     from zllm.executor.models import LlamaForCausalLM
 
     if shape in SHAPES:
@@ -101,7 +101,7 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
             for p in model.parameters():
                 p.normal_(0.0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
         return model.eval(), arch
-    from zllm.executor.loader import load_weights
+    from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
     from zllm.model.files import resolve_model
 
@@ -145,7 +145,7 @@ PREFILL_STEPS = ((16, 128, 0), (4, 1024, 0), (4, 512, 1536), (64, 64, 0))
 def prefill_steps(model, caches, block_size: int, device, vocab_size: int) -> list[dict]:
     """Each PREFILL_STEPS step through the varlen FlashAttention call, the varlen kernel
     (ZLLM_CUDA_PREFILL=kernel) and one SDPA call per sequence (=sdpa), in the same run."""
-    from zllm.executor.attention_cuda import CudaAttentionMetadata
+    from zllm.executor.attention.cuda import CudaAttentionMetadata
 
     results = []
     for n, q, cached in PREFILL_STEPS:
@@ -182,8 +182,8 @@ def prefill_steps(model, caches, block_size: int, device, vocab_size: int) -> li
 
 @torch.inference_mode()
 def decode_steps(args: argparse.Namespace) -> dict:
-    from zllm.executor.attention_cuda import CudaAttentionMetadata
-    from zllm.executor.cuda_graph import CudaGraphRunner
+    from zllm.executor.attention.cuda import CudaAttentionMetadata
+    from zllm.executor.graphs.decode import CudaGraphRunner
 
     device, dtype = torch.device("cuda", 0), torch.bfloat16
     bandwidth = measured_bandwidth(device)
@@ -278,7 +278,7 @@ def profile_step(args: argparse.Namespace) -> dict:
     so each kernel's own duration; a graph replay runs the same kernels back to back)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from zllm.executor.attention_cuda import CudaAttentionMetadata
+    from zllm.executor.attention.cuda import CudaAttentionMetadata
 
     device = torch.device("cuda", 0)
     model, arch = build_model(args.shape, device, torch.bfloat16)

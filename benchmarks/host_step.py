@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 # sampler, the output's packing.
 PARTS = [
     ("zllm.executor.model_runner", "prepare_inputs", "inputs + metadata"),
-    ("zllm.executor.step_sampler:StepSampler", "choose_rows", "sample rows"),
-    ("zllm.executor.step_sampler:StepSampler", "sample", "logits + sampling"),
-    ("zllm.executor.step_sampler:StepSampler", "pack", "pack"),
+    ("zllm.executor.sample.step_sampler:StepSampler", "choose_rows", "sample rows"),
+    ("zllm.executor.sample.step_sampler:StepSampler", "sample", "logits + sampling"),
+    ("zllm.executor.sample.step_sampler:StepSampler", "pack", "pack"),
 ]
 
 

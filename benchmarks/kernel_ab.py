@@ -80,7 +80,7 @@ def csrc_copy(side: str, into: Path) -> Path:
     # This checkout's loader checks for (and hashes) every file it lists; one the side
     # predates (cpu/cpu_isa.h before the AVX-512 variants) is made empty: nothing of the
     # side includes it.
-    from zllm.executor.cpu_kernels import KERNEL_FILES
+    from zllm.executor.kernels.cpu import KERNEL_FILES
 
     for name in KERNEL_FILES:
         if not (into / name).exists():
@@ -94,7 +94,7 @@ def csrc_copy(side: str, into: Path) -> Path:
 
 def build(csrc: Path) -> ModuleType:
     """Build (or find cached) the extension of csrc in a child process, then import it here."""
-    code = "from zllm.executor import cpu_kernels; print(cpu_kernels.load().__file__)"
+    code = "from zllm.executor.kernels import cpu; print(cpu.load().__file__)"
     env = {**os.environ, "ZLLM_CSRC_DIR": str(csrc)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, check=True, text=True, capture_output=True

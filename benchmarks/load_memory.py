@@ -42,7 +42,7 @@ def main() -> int:
 
     from zllm.config.arg_utils import parse_size
     from zllm.config.engine_args import EngineArgs
-    from zllm.executor import cpu_kernels
+    from zllm.executor.kernels import cpu as cpu_kernels
     from zllm.executor.model_runner import ModelRunner
 
     cpu_kernels.load()

@@ -23,7 +23,7 @@ import torch
 @torch.inference_mode()
 def zllm_logits(llm, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), vocab] fp32: the engine's model over a fresh paged cache, one prefill."""
-    from zllm.executor.attention import AttentionMetadata
+    from zllm.executor.attention.paged import AttentionMetadata
 
     model = llm.model_runner.model
     arch = model.arch

@@ -20,8 +20,8 @@ import warnings
 import numpy as np
 import torch
 
-from zllm.executor.attention_backend import TORCH_ATTENTION
-from zllm.executor.attention_cuda import CUDA_ATTENTION
+from zllm.executor.attention.backend import TORCH_ATTENTION
+from zllm.executor.attention.cuda import CUDA_ATTENTION
 from zllm.executor.step_inputs import LayerAttention, build_attention_metadata, token_positions
 
 

@@ -1,5 +1,5 @@
 """torch's CPU ops in a process's main thread against a thread Python started: the reason the
-Ray rank actor runs its steps in the actor's main thread (executor/ray_executor.py).
+Ray rank actor runs its steps in the actor's main thread (executor/ranks/ray_actors.py).
 
 A decode-sized linear (8 x 576 by 1536 x 576, SmolLM2's gate/up shape at batch 8) in a loop
 for a second, with the same torch thread count, in the main thread and in a new thread.

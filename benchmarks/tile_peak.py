@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import load_inline
 
-from zllm.executor.cpu_kernels import CFLAGS, LDFLAGS
+from zllm.executor.kernels.cpu import CFLAGS, LDFLAGS
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "gguf_linear.h"
 

@@ -1,5 +1,5 @@
 """The core's side of the KV tiers: which prefix blocks each tier holds, and each step's
-transfers (the executor moves the bytes: executor/kv_connector.py).
+transfers (the executor moves the bytes: executor/kv/connector.py).
 
     pool (the executor's KV blocks)
       │ a cached prefix block evicted from the pool (BlockManager records it)
@@ -20,7 +20,7 @@ fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
 leading blocks it holds.
 
 Prefill/decode disaggregation adds a third tier on a consumer, `remote`: the executor's buffer
-of blocks a producer sent (executor/kv_transfer.py). The core never stores into it; its index
+of blocks a producer sent (executor/kv/transfer.py). The core never stores into it; its index
 mirrors what the executor says it received and dropped (`received`), and its blocks load like
 any tier's. With tensor or pipeline parallelism each rank's buffer holds its part of a block
 (its KV heads, its stage's layers) and reports on its own: the index holds a block once every

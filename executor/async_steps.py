@@ -41,8 +41,8 @@ import torch
 
 from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
-from zllm.executor.sample_rows import SampleRows
-from zllm.executor.sampler import SamplerOutput
+from zllm.executor.sample.rows import SampleRows
+from zllm.executor.sample.sampler import SamplerOutput
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 

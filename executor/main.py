@@ -9,19 +9,19 @@ step: the design exists to keep it near zero.
 With --tensor-parallel-size and --pipeline-parallel-size the supervisor starts one of these
 per rank (the second argument), titled `zllm: executor <rank>` (`zllm: executor <rank>
 dp<engine>` for engine <engine> of --data-parallel-size; the third argument). Rank 0 binds
-executor_in and forwards each step to the others (executor/ranks.py); every rank runs it on
+executor_in and forwards each step to the others (executor/ranks/processes.py); every rank runs it on
 its part of the model, and the answering rank (rank 0, or with pipeline stages the last
 stage's first rank) binds executor_out and sends the output.
 
 With --distributed-executor-backend ray there is one executor process, which places the
-ranks as Ray actors and relays between them and the core (executor/ray_executor.py); a KV
+ranks as Ray actors and relays between them and the core (executor/ranks/ray_actors.py); a KV
 consumer's receivers then run in the actors.
 
 A prefill/decode disaggregation consumer (--kv-transfer-config kv_consumer) also runs a
 receiver thread here, in every rank of every stage (rank r = stage x tensor-parallel size +
 tensor-parallel rank, of data-parallel engine e, at kv_port + e x ranks + r): its part of the
 KV blocks from the producer's rank r into its buffer, news of them to its core
-(executor/kv_transfer.py).
+(executor/kv/transfer.py).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def main() -> None:
         index_of=lambda c: rank if c.engine.executor_processes > 1 else None,
     )
     if config.engine.distributed_executor_backend == "ray":
-        from zllm.executor.ray_executor import run_ray_driver
+        from zllm.executor.ranks.ray_actors import run_ray_driver
 
         run_ray_driver(config)  # the ranks are Ray actors; this process relays and watches
         return
     # torch: only in this process
     from zllm.executor.model_runner import ModelRunner
-    from zllm.executor.ranks import StepFanout, join_ranks, serve_steps
+    from zllm.executor.ranks.processes import StepFanout, join_ranks, serve_steps
 
     engine = config.engine
     endpoints = config.engine_endpoints
@@ -91,7 +91,7 @@ def start_kv_receiver(config: ServeConfig, runner: ModelRunner, rank: int) -> No
     buffer. Each executor rank (every stage's tensor-parallel ranks: `rank` is stage x
     tensor-parallel size + tensor-parallel rank) of each data-parallel engine receives its
     part of the blocks on its own port."""
-    from zllm.executor.kv_transfer import KVReceiver, transfer_layout
+    from zllm.executor.kv.transfer import KVReceiver, transfer_layout
 
     engine = config.engine
     assert engine.kv_transfer is not None

@@ -21,36 +21,40 @@ import torch
 from torch import nn
 
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelArchConfig
-from zllm.executor import cpu_kernels, fused_decode, quantization, sleep_mode, weight_blocks
-from zllm.executor.attention_backend import choose_attention_backend
-from zllm.executor.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
-from zllm.executor.fused_decode import FusedDecode
-from zllm.executor.gpu_memory import (
+from zllm.executor import sleep_mode
+from zllm.executor.attention.backend import choose_attention_backend
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import fused_decode
+from zllm.executor.kernels.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.kernels.fused_decode import FusedDecode
+from zllm.executor.kv.connector import KVTiers
+from zllm.executor.kv.gpu_memory import (
     StepShape,
     activation_reserve_bytes,
     kv_pool_bytes,
     weight_bytes,
 )
-from zllm.executor.kv_connector import KVTiers
-from zllm.executor.kv_pool import KVPool
-from zllm.executor.kv_transfer import KVSender, transfer_layout
-from zllm.executor.loader import init_dummy_weights, load_weights
+from zllm.executor.kv.pool import KVPool
+from zllm.executor.kv.transfer import KVSender, transfer_layout
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
 from zllm.executor.models.rope import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
-from zllm.executor.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
+from zllm.executor.ranks.parallel import ONE_RANK, Parallel, local_arch, release_other_stages_ends
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.proposer import make_proposer
 from zllm.executor.step_inputs import layer_attention, layer_kv_slots
+from zllm.executor.weights import blocks as weight_blocks
+from zllm.executor.weights import quantization
+from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.kv.cache_groups import kv_cache_groups
 from zllm.kv.kv_dtypes import row_bytes, row_width
 from zllm.model.gguf import read_gguf
 from zllm.protocol import SLEEP_TAGS
 
 if TYPE_CHECKING:
-    from zllm.executor.cuda_graph import CudaGraphRunner
-    from zllm.executor.piecewise_graph import PiecewiseGraphRunner
+    from zllm.executor.graphs.decode import CudaGraphRunner
+    from zllm.executor.graphs.piecewise import PiecewiseGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +246,7 @@ class ModelHost:
     # ---- the decode path ----------------------------------------------------------------------
     def _build_fused_decode(self) -> FusedDecode | None:
         """On CPU: the whole decoder stack in one C++ call for decode-only steps
-        (executor/fused_decode.py), where it covers the model and the features in use."""
+        (executor/kernels/fused_decode.py), where it covers the model and the features in use."""
         config = self.config
         if self.device.type != "cpu" or not (fused_decode.enabled() and cpu_kernels.enabled()):
             return None
@@ -299,7 +303,7 @@ class ModelHost:
         config = self.config
         if not self._graphs_apply():
             return None
-        from zllm.executor.cuda_graph import CudaGraphRunner
+        from zllm.executor.graphs.decode import CudaGraphRunner
 
         torch.cuda.set_device(self.device)
         graph_runner = CudaGraphRunner(
@@ -318,11 +322,11 @@ class ModelHost:
 
     def _capture_piecewise_graphs(self) -> PiecewiseGraphRunner | None:
         """On a GPU with --cudagraph-mode full_and_piecewise: graphs for the pieces between
-        attention calls of prefill and mixed steps (executor/piecewise_graph.py)."""
+        attention calls of prefill and mixed steps (executor/graphs/piecewise.py)."""
         config = self.config
         if not config.piecewise_cuda_graphs or config.enforce_eager or not self._graphs_apply():
             return None
-        from zllm.executor.piecewise_graph import CudaPieces, PiecewiseGraphRunner
+        from zllm.executor.graphs.piecewise import CudaPieces, PiecewiseGraphRunner
 
         runner = PiecewiseGraphRunner(
             self.model,
@@ -351,7 +355,7 @@ class ModelHost:
 
     def _gpu_kv_budget(self) -> int:
         """--gpu-memory-utilization of the device's memory, less the load and the largest
-        step's activations, within what is free (executor/gpu_memory.py)."""
+        step's activations, within what is free (executor/kv/gpu_memory.py)."""
         config = self.config
         torch.cuda.empty_cache()  # (the load's freed fp32 copies are not ours to count)
         free, total = torch.cuda.mem_get_info(self.device)
@@ -363,7 +367,7 @@ class ModelHost:
         )
         reserve = activation_reserve_bytes(self.arch, step)
         if config.piecewise_cuda_graphs and not config.enforce_eager:  # captured after the pool
-            from zllm.executor.piecewise_graph import static_bytes
+            from zllm.executor.graphs.piecewise import static_bytes
 
             reserve += static_bytes(self.arch, step.max_tokens, self.dtype.itemsize)
         draft = config.speculative.draft_arch if config.speculative is not None else None

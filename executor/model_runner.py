@@ -25,24 +25,24 @@ from torch import nn
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.async_steps import LaunchedStep, copy_to_host
-from zllm.executor.fused_decode import FusedDecode
-from zllm.executor.kv_connector import KVTiers
+from zllm.executor.kernels.fused_decode import FusedDecode
+from zllm.executor.kv.connector import KVTiers
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.model_host import ModelHost
-from zllm.executor.parallel import ONE_RANK, Parallel
-from zllm.executor.pipeline_stage import PipelineStage
 from zllm.executor.pooling import pool_embeddings
+from zllm.executor.ranks.parallel import ONE_RANK, Parallel
+from zllm.executor.ranks.pipeline_stage import PipelineStage
 from zllm.executor.request_state import RequestState
-from zllm.executor.sample_rows import SampleRows
+from zllm.executor.sample.rows import SampleRows
+from zllm.executor.sample.step_sampler import StepSampler
+from zllm.executor.sample.structured_output import GrammarCompiler
 from zllm.executor.step_inputs import StepInputs, prepare_inputs
-from zllm.executor.step_sampler import StepSampler
 from zllm.executor.step_timing import GpuIdleClock
-from zllm.executor.structured_output import GrammarCompiler
 from zllm.kv.cache_groups import KVCacheGroup
 from zllm.protocol import SLEEP_TAGS, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from zllm.executor.cuda_graph import CudaGraphRunner
+    from zllm.executor.graphs.decode import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 

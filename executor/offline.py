@@ -18,7 +18,7 @@ from collections import deque
 from zllm.config.engine import EngineConfig
 from zllm.executor.async_steps import StepPipeline, run_step
 from zllm.executor.model_runner import ModelRunner
-from zllm.executor.ranks import RankProcesses, join_ranks
+from zllm.executor.ranks.processes import RankProcesses, join_ranks
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 
 
@@ -56,7 +56,7 @@ class InProcessExecutor:
 
 
 class RankProcessExecutor:
-    """Rank 0 here, ranks 1..N-1 in processes (executor/ranks.py RankProcesses). A step that
+    """Rank 0 here, ranks 1..N-1 in processes (executor/ranks/processes.py RankProcesses). A step that
     fails or is interrupted here stops the ranks: they may be inside its collectives, or
     never got it, so rank 0 cannot rejoin them; later steps then say to make a new LLM."""
 

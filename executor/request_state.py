@@ -18,7 +18,7 @@ from zllm.sampling_params import SamplingParams
 from zllm.text.thinking_budget import ThinkingTracker
 
 if TYPE_CHECKING:
-    from zllm.executor.structured_output import GrammarMatcher
+    from zllm.executor.sample.structured_output import GrammarMatcher
 
 
 @dataclass(slots=True)

@@ -9,15 +9,15 @@
     POST /tokenize, /detokenize                  vLLM's shapes, with the frontend's tokenizer
     GET  /health                                 open even when an API key is set
     GET  /version, /metrics                      open too, unless --protect-metrics
-    GET  /dashboard, /dashboard/stats            the live dashboard (frontend/dashboard.py),
+    GET  /dashboard, /dashboard/stats            the live dashboard (frontend/observability/dashboard.py),
                                                  as /metrics; each shows what its reader may
-                                                 see (frontend/access.py)
+                                                 see (frontend/access/permissions.py)
     GET  /openapi.json                           the API's OpenAPI 3.1 description
 
 The routes, the door's rules and /openapi.json all come from one table (frontend/routes.py).
 The routes only parse: every generation API turns its body into a job through
 `Generation.serve` (frontend/generate.py), streams and disconnects go through
-`frontend/streaming.py`, keys/limits/admission through `frontend/middleware.py`. Every error
+`frontend/streaming.py`, keys/limits/admission through `frontend/access/middleware.py`. Every error
 is its API's (OpenAI's `{"error": {...}}`, or Anthropic's) with its HTTP status.
 No torch in this process.
 """
@@ -47,11 +47,19 @@ from starlette.routing import Route
 import zllm
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
-from zllm.frontend import anthropic_api, options
-from zllm.frontend.access import EVERYONE, VIEWER_KEY, RegistryView
-from zllm.frontend.admission import SHUTTING_DOWN, Admission
-from zllm.frontend.anthropic_thinking import ThinkingSigner
-from zllm.frontend.api_models import (
+from zllm.frontend import options
+from zllm.frontend.access.admission import SHUTTING_DOWN, Admission
+from zllm.frontend.access.middleware import Gate
+from zllm.frontend.access.permissions import EVERYONE, VIEWER_KEY, RegistryView
+from zllm.frontend.access.tenant_limits import TenantLimits
+from zllm.frontend.anthropic import api as anthropic_api
+from zllm.frontend.anthropic.thinking import ThinkingSigner
+from zllm.frontend.generate import ApiContext, Generation
+from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
+from zllm.frontend.observability.metrics import Metrics
+from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.logprobs import LogprobText
+from zllm.frontend.openai.protocol import (
     DetokenizeBody,
     DetokenizeResponse,
     KVTransferCard,
@@ -63,17 +71,10 @@ from zllm.frontend.api_models import (
     UnloadLoRAAdapterBody,
     decode_body,
 )
-from zllm.frontend.generate import ApiContext, Generation
-from zllm.frontend.logprobs import LogprobText
-from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
-from zllm.frontend.metrics import Metrics
-from zllm.frontend.middleware import Gate
-from zllm.frontend.openai_format import chat_messages
 from zllm.frontend.openapi import openapi_schema
-from zllm.frontend.responses import encode_json, error_response, json_response
+from zllm.frontend.replies import encode_json, error_response, json_response
 from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
-from zllm.frontend.tenant_limits import TenantLimits
 from zllm.inputs import check_vocabulary
 from zllm.kv.tiers import TIER_NAMES, TIER_REMOTE
 from zllm.model.fingerprint import weights_fingerprint
@@ -213,7 +214,7 @@ class OpenAIServer:
         )
         self.tracer = None
         if config.otlp_traces_endpoint is not None:  # only then is OpenTelemetry imported
-            from zllm.frontend.tracing import Tracer
+            from zllm.frontend.observability.tracing import Tracer
 
             self.tracer = Tracer(config.otlp_traces_endpoint)
         self.generation = Generation(
@@ -367,7 +368,7 @@ class OpenAIServer:
                 body.continue_final_message, body.add_generation_prompt
             )
             if body.chat_template is not None and not self.config.trust_request_chat_template:
-                raise RequestError(  # as chat completions answers (frontend/openai_api.py)
+                raise RequestError(  # as chat completions answers (frontend/openai/api.py)
                     "This server does not accept a chat_template in requests "
                     "(start it with --trust-request-chat-template to allow it).",
                     param="chat_template",

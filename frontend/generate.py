@@ -13,7 +13,7 @@ The metrics count each prompt as one engine request, and with --enable-log-reque
 logged as it arrives (with the start of its prompt: the flag is the operator's consent) and
 as it ends (never with text). With --otlp-traces-endpoint each engine request is traced: it
 carries an empty RequestTiming that the processes stamp, and ends as a span tree
-(frontend/tracing.py), under the client's `traceparent` when it sent one.
+(frontend/observability/tracing.py), under the client's `traceparent` when it sent one.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from starlette.responses import Response
 from zllm.config.generation import SamplingDefaults
 from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
-from zllm.frontend.admission import Admission
-from zllm.frontend.api_models import StreamOptions, UsageInfo
-from zllm.frontend.logprobs import LogprobText
+from zllm.frontend.access.admission import Admission
+from zllm.frontend.access.middleware import TENANT_KEY, TICKET_KEY
 from zllm.frontend.lora_adapters import LoRAAdapters
-from zllm.frontend.metrics import Metrics
-from zllm.frontend.middleware import TENANT_KEY, TICKET_KEY
-from zllm.frontend.openai_format import PromptInput
-from zllm.frontend.responses import DONE_EVENT, error_event, json_response, sse_event
+from zllm.frontend.observability.metrics import Metrics
+from zllm.frontend.openai.format import PromptInput
+from zllm.frontend.openai.logprobs import LogprobText
+from zllm.frontend.openai.protocol import StreamOptions, UsageInfo
+from zllm.frontend.replies import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
 from zllm.protocol import (
     NO_OPTIONS,
@@ -56,8 +56,8 @@ from zllm.sampling_params import SamplingParams
 from zllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from zllm.frontend.anthropic_thinking import ThinkingSigner
-    from zllm.frontend.tracing import Tracer
+    from zllm.frontend.anthropic.thinking import ThinkingSigner
+    from zllm.frontend.observability.tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class ApiContext:
     names: LogprobText
     max_model_len: int
     sampling_defaults: SamplingDefaults
-    # Signs and checks Anthropic thinking blocks (frontend/anthropic_thinking.py).
+    # Signs and checks Anthropic thinking blocks (frontend/anthropic/thinking.py).
     thinking_signer: ThinkingSigner | None = None
 
 

@@ -15,7 +15,7 @@ import msgspec
 
 import zllm
 from zllm.config.serve import ServeConfig
-from zllm.frontend.access import Access
+from zllm.frontend.access.permissions import Access
 from zllm.frontend.routes import ApiRoute, Operation, Schema
 
 _REF = "#/components/schemas/{name}"

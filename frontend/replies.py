@@ -9,7 +9,7 @@ import msgspec
 from starlette.responses import Response
 
 from zllm.errors import ERROR_TYPES, RequestError
-from zllm.frontend.api_models import ErrorInfo, ErrorResponse
+from zllm.frontend.openai.protocol import ErrorInfo, ErrorResponse
 from zllm.protocol import FinishReason, RequestOutputDelta
 
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait before retrying

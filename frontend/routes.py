@@ -1,5 +1,5 @@
 """Every route of the server, in one table: the Starlette app (frontend/app.py), the door in
-front of it (frontend/middleware.py) and /openapi.json (frontend/openapi.py) are all made
+front of it (frontend/access/middleware.py) and /openapi.json (frontend/openapi.py) are all made
 from `ROUTES`, so they cannot disagree.
 
 A route's handler is either an `ApiCall` (a generation API: its body becomes engine requests
@@ -19,17 +19,20 @@ from starlette.responses import Response
 
 from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
-from zllm.frontend import anthropic_api
-from zllm.frontend.access import Access
-from zllm.frontend.anthropic_api import (
+from zllm.frontend.access.permissions import Access
+from zllm.frontend.anthropic import api as anthropic_api
+from zllm.frontend.anthropic.api import (
     AnthropicError,
     CountTokensRequest,
     CountTokensResponse,
     MessagesCall,
     MessagesRequest,
 )
-from zllm.frontend.anthropic_output import MessagesResponse
-from zllm.frontend.api_models import (
+from zllm.frontend.anthropic.output import MessagesResponse
+from zllm.frontend.generate import ApiCall
+from zllm.frontend.openai.api import ChatCall, CompletionsCall
+from zllm.frontend.openai.embeddings import EmbeddingsCall
+from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -45,11 +48,8 @@ from zllm.frontend.api_models import (
     TokenizeResponse,
     UnloadLoRAAdapterBody,
 )
-from zllm.frontend.embeddings import EmbeddingsCall
-from zllm.frontend.generate import ApiCall
-from zllm.frontend.openai_api import ChatCall, CompletionsCall
-from zllm.frontend.responses import error_response
-from zllm.frontend.responses_api import RESPONSE_OBJECT, ResponsesCall, ResponsesRequest
+from zllm.frontend.replies import error_response
+from zllm.frontend.responses.api import RESPONSE_OBJECT, ResponsesCall, ResponsesRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from zllm.errors import RequestError
-from zllm.frontend.responses import DONE_EVENT, error_event
+from zllm.frontend.replies import DONE_EVENT, error_event
 
 logger = logging.getLogger(__name__)
 

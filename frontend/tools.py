@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from zllm.errors import RequestError
-from zllm.frontend.api_models import (
+from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     FunctionCallDelta,
     NamedToolChoice,

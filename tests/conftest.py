@@ -110,7 +110,7 @@ def pytest_sessionstart(session):
     # Build csrc/cpu once, up front (~35 s on a fresh machine, cached after), rather than
     # inside whichever server or test first needs it, where it would eat their time limits.
     # A failure here is not fatal: the engine falls back to torch, the kernel tests fail.
-    from zllm.executor import cpu_kernels
+    from zllm.executor.kernels import cpu as cpu_kernels
 
     try:
         cpu_kernels.load()

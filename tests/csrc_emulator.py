@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from zllm.executor import cuda_kernels as ck
+from zllm.executor.kernels import cuda as ck
 
 CSRC = ck.CSRC_DIR
 

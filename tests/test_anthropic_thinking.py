@@ -22,7 +22,7 @@ import pytest
 from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
-from zllm.frontend.anthropic_thinking import ThinkingSigner
+from zllm.frontend.anthropic.thinking import ThinkingSigner
 from zllm.text.thinking_budget import ThinkingBudget, ThinkingTracker
 
 TEMPLATE = (

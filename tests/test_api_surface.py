@@ -16,7 +16,7 @@ import json
 import pytest
 from servers import start_server, stop_server
 
-from zllm.frontend.api_models import ChatCompletionRequest, CompletionRequest
+from zllm.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from zllm.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.e2e

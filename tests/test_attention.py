@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from zllm.executor import cpu_kernels
-from zllm.executor.attention import AttentionMetadata, PagedAttention, write_kv_cache
-from zllm.executor.attention_backend import (
+from zllm.executor.attention.backend import (
     CPU_KERNEL_ATTENTION,
     TORCH_ATTENTION,
     choose_attention_backend,
 )
-from zllm.executor.attention_cuda import CUDA_ATTENTION, CudaAttentionMetadata
+from zllm.executor.attention.cuda import CUDA_ATTENTION, CudaAttentionMetadata
+from zllm.executor.attention.paged import AttentionMetadata, PagedAttention, write_kv_cache
+from zllm.executor.kernels import cpu as cpu_kernels
 
 # (query_len, context_len) per sequence: q == 1 decodes, q == L is a fresh prompt, else a chunk.
 BATCHES = {
@@ -457,7 +457,7 @@ def test_stacked_tables_and_positions_equal_row_by_row():
     """The vectorised helpers a step's metadata is built with (hundreds of rows a step)
     against the row-by-row construction they replaced: ragged tables with released (-1)
     entries, an empty step, and positions of decodes beside chunks."""
-    from zllm.executor.attention_metadata import padded_tables, stack_tables
+    from zllm.executor.attention.metadata import padded_tables, stack_tables
     from zllm.executor.step_inputs import token_positions
 
     tables = [[5, 9, 2], [-1, -1, 7, 8, 1], [3], [4, 6]]

@@ -1,7 +1,7 @@
 """--prefix-cache-isolation: under `tenant` a tenant's prompts share cached KV blocks only with
 its own (no tenant learns from its TTFT what another sent); under `none` one cache serves all.
 Each tenant's hits on /metrics and the dashboard, and what each key reads there
-(frontend/tenant_prefix_hits.py, frontend/access.py)."""
+(frontend/observability/tenant_prefix_hits.py, frontend/access/permissions.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from servers import metric, start_server, stop_server, wait_until
 
-from zllm.frontend.access import EVERYONE, RegistryView, Viewer
-from zllm.frontend.tenant_prefix_hits import PrefixHits, TenantPrefixHits
+from zllm.frontend.access.permissions import EVERYONE, RegistryView, Viewer
+from zllm.frontend.observability.tenant_prefix_hits import PrefixHits, TenantPrefixHits
 from zllm.kv.block_hash import cache_salt, hash_full_blocks
 from zllm.protocol import RequestOptions
 

@@ -1,4 +1,4 @@
-"""The CPU row-wise ops (csrc/cpu/row_ops.h through executor/cpu_layer_ops.py) against torch's
+"""The CPU row-wise ops (csrc/cpu/row_ops.h through executor/kernels/cpu_layer_ops.py) against torch's
 formulas: the modules and the fused decode step both run them, so tests that compare those
 two paths cannot see a mistake here."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zllm.executor import cpu_kernels, cpu_layer_ops
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(

@@ -26,9 +26,9 @@ import pytest
 import torch
 from paged_reference import TOLERANCE, decode_reference, poison_released_blocks, random_tables
 
-from zllm.executor import cuda_kernels as ck
-from zllm.executor.attention import AttentionMetadata, PagedAttention
-from zllm.executor.attention_cuda import CudaAttentionMetadata, CudaPagedAttention
+from zllm.executor.attention.cuda import CudaAttentionMetadata, CudaPagedAttention
+from zllm.executor.attention.paged import AttentionMetadata, PagedAttention
+from zllm.executor.kernels import cuda as ck
 
 CSRC = ck.CSRC_DIR
 CU_FILES = sorted(p.name for p in CSRC.glob("*.cu"))
@@ -189,8 +189,8 @@ def test_plan_decode_shortens_partitions_for_small_batches(
 
 
 def test_importing_needs_no_cupy():
-    code = "import sys; import zllm.executor.cuda_kernels, zllm.executor.cuda_graph; "
-    code += "import zllm.executor.attention_cuda; assert 'cupy' not in sys.modules"
+    code = "import sys; import zllm.executor.kernels.cuda, zllm.executor.graphs.decode; "
+    code += "import zllm.executor.attention.cuda; assert 'cupy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -335,11 +335,11 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path, l
     with sliding windows, each distinct (group, window) gets its own captured buffers."""
     from conftest import write_tiny_model
 
-    from zllm.executor import cuda_graph
-    from zllm.executor.attention_cuda import CUDA_ATTENTION
-    from zllm.executor.loader import load_weights
+    from zllm.executor.attention.cuda import CUDA_ATTENTION
+    from zllm.executor.graphs import decode as cuda_graph
     from zllm.executor.models import LlamaForCausalLM
     from zllm.executor.step_inputs import LayerAttention
+    from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
 
     monkeypatch.setattr(ck, "run_launches", emu.run_launches)
@@ -427,7 +427,7 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path, l
     assert runner.run(ids, positions, build(lens, lens, tables, slots, 16)) is None
 
 
-# ---- the fused layer ops (csrc/layer_ops.cu, executor/cuda_layer_ops.py) ----------------------
+# ---- the fused layer ops (csrc/layer_ops.cu, executor/kernels/cuda_layer_ops.py) ----------------------
 LAYER_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # One unit in the last place of each type, relative: what a different rounding path can move.
 ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
@@ -439,7 +439,7 @@ def test_emulated_rms_norm_matches_torch(emu, dtype, with_residual):
     """The fused residual add + RMSNorm against models/llama.py's torch path: the sum
     bit-identical, the normed rows within one rounding (only the sum of squares is added up
     in another order); x's rows strided, as a slice of a wider tensor."""
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
     from zllm.executor.models.llama import RMSNorm
 
     gen = torch.Generator().manual_seed(21)
@@ -465,7 +465,7 @@ def test_emulated_rope_equals_torch_bitwise(emu, dtype, rotary):
     """RoPE in place on q and k as they lie in the fused qkv output (strided heads), against
     apply_rope: the same bits, torch's roundings included; with a partial rotary factor the
     dimensions past the rotated ones stay as they were."""
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
     from zllm.executor.models.rope import apply_rope
 
     gen = torch.Generator().manual_seed(22)
@@ -488,8 +488,8 @@ def test_emulated_rope_cache_equals_rope_then_the_cache_write(emu, dtype, rotary
     """One kernel for RoPE and the KV cache write: q and k rotated in place as zllm_rope
     does (torch's bits), then the rotated k and v at each token's slot, exactly what the
     separate cache write stores; a padding row (slot -1) writes nothing."""
-    from zllm.executor import cuda_kernels as ck
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda as ck
+    from zllm.executor.kernels import cuda_layer_ops as lo
     from zllm.executor.models.rope import apply_rope
 
     gen = torch.Generator().manual_seed(24)
@@ -519,7 +519,7 @@ def test_emulated_rope_cache_equals_rope_then_the_cache_write(emu, dtype, rotary
 @pytest.mark.parametrize("dtype", LAYER_DTYPES)
 @pytest.mark.parametrize("chunk", [64, 256])  # 3 column blocks per row, or 1
 def test_emulated_silu_mul_matches_torch(emu, dtype, chunk, monkeypatch):
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
 
     monkeypatch.setattr(lo, "SILU_THREADS", chunk)
 
@@ -541,7 +541,7 @@ def test_emulated_layer_ops_in_the_model(emu, monkeypatch, dtype, arch):
     head."""
     from tiny_models import arch_config_of, tiny_hf_config
 
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
     from zllm.executor.models import LlamaForCausalLM
 
     extra = {"partial_rotary_factor": 0.75} if arch == "phi3" else {}

@@ -24,14 +24,14 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
-from zllm.executor import cuda_kernels as ck  # noqa: E402
-from zllm.executor.attention import AttentionMetadata, PagedAttention  # noqa: E402
-from zllm.executor.attention_cuda import (  # noqa: E402
+from zllm.executor.attention.cuda import (  # noqa: E402
     CUDA_ATTENTION,
     CudaAttentionMetadata,
     CudaPagedAttention,
 )
-from zllm.executor.cuda_graph import CudaGraphRunner  # noqa: E402
+from zllm.executor.attention.paged import AttentionMetadata, PagedAttention  # noqa: E402
+from zllm.executor.graphs.decode import CudaGraphRunner  # noqa: E402
+from zllm.executor.kernels import cuda as ck  # noqa: E402
 
 DEVICE = torch.device("cuda")
 
@@ -165,7 +165,7 @@ def test_cuda_attention_matches_reference_attention(dtype, batch, window):
 def test_layer_ops_match_torch_on_the_gpu(dtype):
     """RMSNorm (+ residual), RoPE and SiLU-and-mul fused, against models/llama.py's torch ops
     run on the same GPU tensors: RoPE bit-identical, the others within one rounding."""
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
     from zllm.executor.models.llama import RMSNorm
     from zllm.executor.models.rope import apply_rope
 
@@ -218,8 +218,8 @@ def tiny_gpu_llama_dir(tmp_path_factory):
 
 
 def load_model(path: str, dtype: torch.dtype):
-    from zllm.executor.loader import load_weights
     from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
 
     arch = read_arch_config(path)
@@ -637,7 +637,7 @@ def test_sleep_levels_free_the_gpu_and_wake_to_the_same_outputs(tiny_gpu_llama_d
 def test_rope_cache_kernel_equals_rope_then_the_cache_write(dtype):
     """zllm_rope_cache on the GPU: the bits of zllm_rope followed by the cache write kernel
     (decode-sized and prefill-sized rows, a padding slot, strided q/k/v as in qkv)."""
-    from zllm.executor import cuda_layer_ops as lo
+    from zllm.executor.kernels import cuda_layer_ops as lo
 
     gen = torch.Generator().manual_seed(31)
     heads, kv_heads, head_dim, block_size = 8, 2, 128, 16
@@ -746,7 +746,7 @@ def test_gpu_memory_utilization_keeps_the_engine_in_its_share(
     memory (a tensor allocated before the engine: not the engine's load), the pool takes
     only what is free, and long prefills still run."""
     from zllm import SamplingParams
-    from zllm.executor.gpu_memory import StepShape, activation_reserve_bytes
+    from zllm.executor.kv.gpu_memory import StepShape, activation_reserve_bytes
 
     free_llm(None)
     hog = torch.empty(other_job_gib << 30, dtype=torch.uint8, device=DEVICE)

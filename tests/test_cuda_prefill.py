@@ -1,4 +1,4 @@
-"""The varlen paged prefill (executor/cuda_prefill.py: FlashAttention and
+"""The varlen paged prefill (executor/attention/cuda_prefill.py: FlashAttention and
 csrc/paged_prefill.cu) and the decode kernel's sliding window on a real GPU, against float64
 references; part of the GPU run with tests/test_cuda.py (`pytest tests/test_cuda*.py`). The
 same kernels run under the CPU emulator in tests/test_csrc_prefill.py.
@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
-from zllm.executor import cuda_kernels as ck  # noqa: E402
-from zllm.executor import cuda_prefill as cp  # noqa: E402
+from zllm.executor.attention.paged import cuda_prefill as cp  # noqa: E402
+from zllm.executor.kernels import cuda as ck  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

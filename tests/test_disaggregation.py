@@ -31,7 +31,7 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.executor.kv_transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
+from zllm.executor.kv.transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_REMOTE
 from zllm.protocol import KVBlocksReceived, KVRejection, KVTransferParams, ModelRunnerOutput
@@ -410,7 +410,7 @@ def test_each_rank_sends_its_part_of_the_blocks_to_its_peer_rank(tiny_llama_dir)
     import msgspec
     import zmq
 
-    from zllm.executor.kv_transfer import transfer_layout
+    from zllm.executor.kv.transfer import transfer_layout
 
     configs = [
         EngineArgs(model=tiny_llama_dir, tensor_parallel_size=tp).create_engine_config()
@@ -441,7 +441,7 @@ def test_a_consumer_reads_only_transfer_files_and_orphans_are_removed():
     """A header naming any other /dev/shm file, or a transfer file's name that links to one,
     is refused and that file left alone; files of producers that are no longer alive are
     deleted."""
-    from zllm.executor import kv_transfer
+    from zllm.executor.kv import transfer as kv_transfer
     from zllm.protocol import KVBlocksHeader
 
     pool = make_pool(num_blocks=4)

@@ -25,7 +25,7 @@ from test_kv_offload import make_pool
 
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
-from zllm.executor.kv_transfer import KVReceiver, KVSender, RemoteKVBuffer
+from zllm.executor.kv.transfer import KVReceiver, KVSender, RemoteKVBuffer
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.protocol import KVBlocksReceived
 

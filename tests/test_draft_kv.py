@@ -1,7 +1,7 @@
 """Features that compose (issue 38): speculative decoding with a draft model, with KV offload
 and KV transfers. The draft keeps its KV under the target's block ids, so a block that a
 tier or a producer hands back brings the draft's layers with the target's, under one key
-(executor/kv_pool.py).
+(executor/kv/pool.py).
 
 Here: a pool with a draft part gathers and scatters both parts exactly, the CPU tier's
 buffer and the disk tier's files hold both (and a file of one layout is not read by the
@@ -23,9 +23,9 @@ import torch
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
-from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
-from zllm.executor.kv_quant import narrow
-from zllm.executor.kv_transfer import transfer_layout
+from zllm.executor.kv.connector import CpuTier, DiskTier, KVPool
+from zllm.executor.kv.quant import narrow
+from zllm.executor.kv.transfer import transfer_layout
 from zllm.kv.tiers import (
     TIER_CPU,
     TIER_DISK,
@@ -306,7 +306,7 @@ def test_blocks_travel_with_their_draft_part(transport):
     from servers import free_port
 
     from zllm.config.kv_transfer import KVTransferConfig
-    from zllm.executor.kv_transfer import KVReceiver, KVSender, RemoteKVBuffer
+    from zllm.executor.kv.transfer import KVReceiver, KVSender, RemoteKVBuffer
     from zllm.protocol import KVBlocksReceived
 
     port = free_port()

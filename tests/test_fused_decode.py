@@ -1,4 +1,4 @@
-"""The fused CPU decode path (executor/fused_decode.py, csrc/cpu/decode_stack.h) against the
+"""The fused CPU decode path (executor/kernels/fused_decode.py, csrc/cpu/decode_stack.h) against the
 module path it stands in for: the same engine steps through both, every architecture and
 weight kind it covers, and the steps and features it leaves to the modules.
 
@@ -22,10 +22,10 @@ from test_gguf_types import write_llama_gguf
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.executor import cpu_kernels
-from zllm.executor.fused_decode import FusedDecode, Unsupported
-from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels.fused_decode import FusedDecode, Unsupported
 from zllm.executor.step_inputs import build_attention_metadata
+from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"

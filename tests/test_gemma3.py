@@ -167,7 +167,7 @@ def test_real_greedy_parity_with_transformers(gemma3_path, gemma3_llm):
     the CPU kernel. Near-tie flips are allowed and reported (tests/parity.py)."""
     from transformers import AutoModelForCausalLM
 
-    from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
+    from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
     model = gemma3_llm.model_runner.model
     assert gemma3_llm.model_runner.quantization == "gguf"

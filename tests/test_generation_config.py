@@ -19,8 +19,8 @@ from zllm import LLM, SamplingParams
 from zllm.cli import main as cli_main
 from zllm.config.engine_args import EngineArgs
 from zllm.config.generation import FILE_NAME, SamplingDefaults, read_generation_config
-from zllm.frontend.api_models import ChatCompletionRequest, decode_body
-from zllm.frontend.openai_format import chat_params
+from zllm.frontend.openai.format import chat_params
+from zllm.frontend.openai.protocol import ChatCompletionRequest, decode_body
 from zllm.protocol import EngineCoreRequest, TokenizeRequest
 from zllm.tokenizer_proc.main import RequestTokenizer
 

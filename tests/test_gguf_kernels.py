@@ -21,8 +21,8 @@ from gguf.quants import Q4_K, dequantize, quantize
 from test_gguf_types import random_blocks
 
 from zllm import LLM, SamplingParams
-from zllm.executor import cpu_kernels
-from zllm.executor.gguf_modules import (
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.weights.gguf_modules import (
     INT8_MAX_ROWS,
     KQUANT_INT8_MAX_ROWS,
     GGUFEmbedding,
@@ -315,7 +315,7 @@ def test_the_avx512_path_is_taken_exactly_where_the_cpu_has_it(restore_cpu_isa):
         assert cpu_kernels.cpu_isa() == "avx2"
     with pytest.raises(RuntimeError, match="expected auto"):
         cpu_kernels.set_cpu_isa("avx512")
-    code = "from zllm.executor import cpu_kernels as k; print(k.cpu_isa())"
+    code = "from zllm.executor.kernels import cpu as k; print(k.cpu_isa())"
     for value, expected in (("avx2", "avx2"), ("auto", "avx512vnni" if has else "avx2")):
         env = {**os.environ, "ZLLM_CPU_ISA": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -471,7 +471,7 @@ def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_p
 
 def test_matrices_the_kernel_reads_are_never_dequantized_at_load(smollm2_path, monkeypatch):
     """Only the tensors no kernel reads (SmolLM2: its F32 norms) are dequantized to fp32."""
-    from zllm.executor import loader
+    from zllm.executor.weights import loader
 
     dequantized = []
 

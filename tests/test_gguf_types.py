@@ -25,9 +25,9 @@ from test_loader import llama_cpp_permute
 from tiny_models import build_tiny_tokenizer
 
 from zllm import LLM, SamplingParams
-from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
-from zllm.executor.loader import load_weights
-from zllm.executor.weight_blocks import gguf_kernel_plan
+from zllm.executor.weights.blocks import gguf_kernel_plan
+from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -328,7 +328,7 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="zllm.executor.weight_blocks")
+    caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
     llm = tiny_llm(mixed_gguf)
     assert llm.model_runner.quantization == "gguf"
     layers = llm.model_runner.model.layers

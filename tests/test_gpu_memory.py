@@ -1,4 +1,4 @@
-"""`--gpu-memory-utilization` (executor/gpu_memory.py): the KV pool's share of a GPU, as vLLM
+"""`--gpu-memory-utilization` (executor/kv/gpu_memory.py): the KV pool's share of a GPU, as vLLM
 means the flag. The arithmetic and the shapes' byte counts here; the GPU run
 (tests/test_cuda.py) checks the engine's measured peak stays within its share."""
 
@@ -8,7 +8,7 @@ import pytest
 from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
 from zllm.config.arg_utils import unit_fraction
-from zllm.executor.gpu_memory import (
+from zllm.executor.kv.gpu_memory import (
     FIXED_RESERVE_BYTES,
     StepShape,
     activation_reserve_bytes,

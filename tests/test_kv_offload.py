@@ -27,8 +27,8 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector, TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.executor.kv_connector import CpuTier, DiskTier, KVPool
-from zllm.executor.kv_quant import narrow
+from zllm.executor.kv.connector import CpuTier, DiskTier, KVPool
+from zllm.executor.kv.quant import narrow
 from zllm.kv.block_hash import group_block_key, hash_full_blocks
 from zllm.kv.tier_key import read_key, resolve_key_file
 from zllm.kv.tiers import (

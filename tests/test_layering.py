@@ -72,8 +72,8 @@ def test_the_top_of_zllm_is_the_public_face_and_the_wire():
 def test_a_room_of_zllm_imports_no_process_folder(room):
     """The rooms are what the processes share: none reaches into a process's folder (the
     offline `LLM` and `zllm bench` do, on purpose: they run the engine in one process; `zllm
-    proxy` answers its own errors in the servers' body shape, frontend/responses.py)."""
-    allowed = {("proxy", "zllm.frontend.responses")}
+    proxy` answers its own errors in the servers' body shape, frontend/replies.py)."""
+    allowed = {("proxy", "zllm.frontend.replies")}
     bad = []
     for path in sorted((ROOT / "zllm" / room).rglob("*.py")):
         for name in imported_modules(path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import tiny_hf_config, tiny_hf_model
 
-from zllm.executor.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
+from zllm.executor.weights.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
 from zllm.model.arch import read_arch_config
 
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import Server, start_server, stop_server
 
-from zllm.frontend.metrics import Metrics
+from zllm.frontend.observability.metrics import Metrics
 from zllm.protocol import RequestOutputDelta, TokenizeRequest
 from zllm.sampling_params import SamplingParams
 

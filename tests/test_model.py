@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
-from zllm.executor.attention import AttentionMetadata
+from zllm.executor.attention.paged import AttentionMetadata
 from zllm.executor.models import LlamaForCausalLM, get_model_class
 from zllm.executor.models.rope import rope_inv_freq
 
@@ -294,7 +294,7 @@ def test_rms_norm_matches_hf_formula(monkeypatch, row_ops):
     """torch's fused rms_norm is bit-identical to HF's lines; the CPU row op
     (csrc/cpu/row_ops.h, which the module uses on CPU fp32) sums in its own order, so it
     agrees to rounding. The residual stream is exact either way."""
-    from zllm.executor import cpu_layer_ops
+    from zllm.executor.kernels import cpu_layer_ops
     from zllm.executor.models.llama import RMSNorm
 
     if not row_ops:

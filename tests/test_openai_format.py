@@ -1,4 +1,4 @@
-"""frontend/openai_format.py, openai_choices.py and logprobs.py without a server: request
+"""frontend/openai/format.py, openai_choices.py and logprobs.py without a server: request
 fields to SamplingParams (with the field each error names), and engine output deltas to
 OpenAI choices, logprobs and usage."""
 
@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from zllm.errors import RequestError
-from zllm.frontend.api_models import ChatCompletionRequest, CompletionRequest, decode_body
-from zllm.frontend.logprobs import LogprobText
-from zllm.frontend.openai_choices import ChatAssembler, CompletionAssembler
-from zllm.frontend.openai_format import chat_params, completion_params, prompt_inputs
+from zllm.frontend.openai.choices import ChatAssembler, CompletionAssembler
+from zllm.frontend.openai.format import chat_params, completion_params, prompt_inputs
+from zllm.frontend.openai.logprobs import LogprobText
+from zllm.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest, decode_body
 from zllm.protocol import FinishReason, LogprobsLists, RequestOutputDelta
 from zllm.text.tokenizer import load_tokenizer
 

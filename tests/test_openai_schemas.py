@@ -408,7 +408,8 @@ ROUTES = {
 
 
 def request_model(name: str):
-    from zllm.frontend import api_models, responses_api
+    from zllm.frontend.openai import protocol as api_models
+    from zllm.frontend.replies import api as responses_api
 
     return getattr(api_models, name, None) or getattr(responses_api, name)
 
@@ -447,7 +448,7 @@ ANTHROPIC_VALUES = {
 def test_no_anthropic_field_is_silently_ignored(server) -> None:
     from anthropic.types import message_create_params
 
-    from zllm.frontend.anthropic_api import MessagesRequest
+    from zllm.frontend.anthropic.api import MessagesRequest
 
     params = message_create_params.MessageCreateParamsBase
     fields = params.__required_keys__ | params.__optional_keys__

@@ -1,4 +1,4 @@
-"""Piecewise graphs for prefill and mixed steps (executor/piecewise_graph.py), on CPU: the
+"""Piecewise graphs for prefill and mixed steps (executor/graphs/piecewise.py), on CPU: the
 pieces are recorded and replayed by RecordedOps (aten ops replayed on the same tensors, as a
 CUDA graph replays kernels on the same addresses), with the attention between them eager.
 The replayed step must equal the eager model's: hidden states and the KV cache it wrote.
@@ -12,15 +12,15 @@ import pytest
 import torch
 from conftest import write_tiny_model
 
-from zllm.executor import cpu_layer_ops
-from zllm.executor import cuda_kernels as ck
-from zllm.executor.attention import AttentionMetadata
-from zllm.executor.attention_backend import TORCH_ATTENTION
-from zllm.executor.attention_cuda import CUDA_ATTENTION, CudaAttentionMetadata
-from zllm.executor.loader import load_weights
+from zllm.executor.attention.backend import TORCH_ATTENTION
+from zllm.executor.attention.cuda import CUDA_ATTENTION, CudaAttentionMetadata
+from zllm.executor.attention.paged import AttentionMetadata
+from zllm.executor.graphs.piecewise import PiecewiseGraphRunner, RecordedPieces
+from zllm.executor.kernels import cpu_layer_ops
+from zllm.executor.kernels import cuda as ck
 from zllm.executor.models import LlamaForCausalLM
-from zllm.executor.piecewise_graph import PiecewiseGraphRunner, RecordedPieces
 from zllm.executor.step_inputs import LayerAttention
+from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 
 BLOCK = 16

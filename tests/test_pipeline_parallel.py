@@ -322,7 +322,7 @@ def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
     from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
     from zllm.executor.models import LlamaForCausalLM
-    from zllm.executor.parallel import PipelineParallel, release_other_stages_ends
+    from zllm.executor.ranks.parallel import PipelineParallel, release_other_stages_ends
 
     config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
     weights = tiny_hf_model(config, 0).state_dict()
@@ -365,7 +365,7 @@ def test_a_transformers_stage_keeps_its_layers_and_the_ends_it_uses(tied):
     from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
     from zllm.executor.models.transformers_pp import cut_to_stage
-    from zllm.executor.parallel import PipelineParallel
+    from zllm.executor.ranks.parallel import PipelineParallel
 
     config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
     arch = arch_config_of(config)
@@ -434,7 +434,7 @@ def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):
     import torch
     from test_architectures import write_llama3_gguf
 
-    from zllm.executor.loader import gguf_raw_weights, layer_of, load_weights
+    from zllm.executor.weights.loader import gguf_raw_weights, layer_of, load_weights
     from zllm.model.arch import read_arch_config
 
     gguf = tmp_path / "tiny.gguf"

@@ -2,7 +2,7 @@
 transfers (issue 38): a hit that loads from such a tier is prefetched in a step of its own,
 single-group models too (core/kv_prefetch.py), so no stage computes on a block whose load
 may fail; each stage loads its own layers' part and ORs its failures into a mask that goes
-down the pipeline with the step (executor/pipeline_stage.py); the last stage reports the
+down the pipeline with the step (executor/ranks/pipeline_stage.py); the last stage reports the
 union.
 
 The scheduler's flow as an executable spec, the mask across stages over an in-memory
@@ -26,7 +26,7 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.executor.pipeline_stage import PipelineStage, failed_loads, failure_mask
+from zllm.executor.ranks.pipeline_stage import PipelineStage, failed_loads, failure_mask
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name, tier_directory
 from zllm.protocol import KVTransferParams, ModelRunnerOutput

@@ -3,7 +3,7 @@
 import torch
 
 from zllm import LLM, SamplingParams
-from zllm.executor.quantization import Int8DynamicLinear
+from zllm.executor.weights.quantization import Int8DynamicLinear
 
 
 def test_int8_linear_close_to_fp32():

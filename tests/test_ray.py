@@ -176,7 +176,7 @@ def test_ray_backend_flags(tiny_llama_dir, monkeypatch):
         assert endpoints.engines[0].executor_ranks == [], transport
     # Several Ray engines share one cluster: RAY_ADDRESS's, else a head the supervisor starts;
     # each rank's share of the host's cores counts every engine's ranks.
-    from zllm.executor.ray_executor import rank_bundle
+    from zllm.executor.ranks.ray_actors import rank_bundle
     from zllm.runtime.ray_head import needs_own_head
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

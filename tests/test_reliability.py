@@ -121,8 +121,8 @@ def engine_idle(server) -> bool:
 def _gate(body_timeout: float = 60.0):
     from types import SimpleNamespace
 
-    from zllm.frontend.admission import Admission
-    from zllm.frontend.middleware import Gate
+    from zllm.frontend.access.admission import Admission
+    from zllm.frontend.access.middleware import Gate
 
     config = SimpleNamespace(
         api_keys=[],
@@ -173,7 +173,7 @@ def test_gate_reads_bodies_within_limits():
 
 
 def test_admission_counts_engine_requests():
-    from zllm.frontend.admission import Admission, Ticket
+    from zllm.frontend.access.admission import Admission, Ticket
 
     admission = Admission(limit=4)
     a, b, c = Ticket(), Ticket(), Ticket()

@@ -24,8 +24,8 @@ from servers import start_server, stop_server
 from test_tools import CALL_TOKENS, TOOLS, TOOLS_TEMPLATE, start_think_server
 from tiny_models import write_tiny_model
 
-from zllm.frontend.responses_api import ResponsesRequest, echoed_settings
-from zllm.frontend.responses_output import ResponseAssembler
+from zllm.frontend.responses.api import ResponsesRequest, echoed_settings
+from zllm.frontend.responses.output import ResponseAssembler
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.protocol import FinishReason, RequestOutputDelta
 

@@ -1,5 +1,5 @@
 """The route table (frontend/routes.py) without a server: the door in front of the app
-(frontend/middleware.py) and /openapi.json (frontend/openapi.py) both follow it."""
+(frontend/access/middleware.py) and /openapi.json (frontend/openapi.py) both follow it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from zllm.frontend.access import EVERYONE, VIEWER_KEY, Access, Viewer
-from zllm.frontend.admission import Admission
-from zllm.frontend.middleware import Gate
+from zllm.frontend.access.admission import Admission
+from zllm.frontend.access.middleware import Gate
+from zllm.frontend.access.permissions import EVERYONE, VIEWER_KEY, Access, Viewer
 from zllm.frontend.openapi import openapi_schema
 from zllm.frontend.routes import ROUTES
 

@@ -1,4 +1,4 @@
-"""executor/sample_rows.py: a step without proposals or n > 1 draws takes a one-pass path
+"""executor/sample/rows.py: a step without proposals or n > 1 draws takes a one-pass path
 (`_one_row_each`); it must choose exactly the rows the general row-by-row path chooses:
 requests whose tokens are all computed after the step (a pending token counts), not a
 prompt's unfinished chunk, not an embeddings request."""
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from zllm.executor.request_state import RequestState
-from zllm.executor.sample_rows import _one_row_each, _row_by_row
+from zllm.executor.sample.rows import _one_row_each, _row_by_row
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import SchedulerOutput
 from zllm.sampling_params import SamplingParams

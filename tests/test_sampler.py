@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from zllm.executor.logits_processors import apply_penalties
-from zllm.executor.sampler import Sampler, SamplingMetadata
+from zllm.executor.sample.logits_processors import apply_penalties
+from zllm.executor.sample.sampler import Sampler, SamplingMetadata
 from zllm.sampling_params import SamplingParams
 
 VOCAB = 32

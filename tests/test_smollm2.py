@@ -10,8 +10,8 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear
 from zllm.executor.model_host import kv_bytes_per_token
+from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.slow
 

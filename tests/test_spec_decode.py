@@ -20,7 +20,7 @@ from servers import start_server, stop_server, wait_until
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.executor.sampler import SamplingMetadata, processed_probs, verify_drafts
+from zllm.executor.sample.sampler import SamplingMetadata, processed_probs, verify_drafts
 from zllm.executor.spec_decode.ngram import NgramProposer
 from zllm.text.structured_outputs import StructuredOutputsParams
 

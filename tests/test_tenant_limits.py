@@ -1,4 +1,4 @@
-"""Per-tenant limits (frontend/tenant_limits.py): `--tenant-max-concurrency` and
+"""Per-tenant limits (frontend/access/tenant_limits.py): `--tenant-max-concurrency` and
 `--tenant-max-requests-per-second`, or a tenant's own in --tenant-weights; 429 with
 Retry-After, counted per tenant in /metrics."""
 
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from servers import Server, metric, start_server, stop_server, wait_until
 
 from zllm.config.engine_args import EngineArgs
-from zllm.frontend.tenant_limits import TenantLimits
+from zllm.frontend.access.tenant_limits import TenantLimits
 from zllm.runtime.tenants import TenantLimit, TenantPolicy, parse_tenant_weights
 
 
@@ -81,7 +81,7 @@ def test_rate_limit_is_a_token_bucket_per_tenant(rate, burst, retry_after):
 def test_buckets_of_idle_tenants_are_forgotten():
     """Many tenant names (X-Tenant is anyone's to choose) do not grow the buckets past the
     bound; a forgotten tenant's bucket was full, so it gets its whole burst again."""
-    from zllm.frontend.tenant_limits import MAX_IDLE_BUCKETS
+    from zllm.frontend.access.tenant_limits import MAX_IDLE_BUCKETS
 
     clock = Clock()
     limits = TenantLimits(None, 1.0, CollectorRegistry(), clock)
@@ -99,7 +99,7 @@ def test_buckets_of_idle_tenants_are_forgotten():
 def test_limited_series_of_many_tenants_stay_bounded():
     """Each refused tenant gets a /metrics series; past the bound the least recently limited
     go, so tenant names from X-Tenant cannot grow /metrics either."""
-    from zllm.frontend.tenant_limits import MAX_LIMITED_SERIES
+    from zllm.frontend.access.tenant_limits import MAX_LIMITED_SERIES
 
     registry = CollectorRegistry()
     limits = TenantLimits(1, None, registry, Clock())

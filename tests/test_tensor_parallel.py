@@ -1,4 +1,4 @@
-"""Tensor parallelism (executor/parallel.py): how a model is cut, and a cut model's logits
+"""Tensor parallelism (executor/ranks/parallel.py): how a model is cut, and a cut model's logits
 against the whole model's, with 2 and 3 gloo ranks as processes on loopback."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tiny_models import arch_config_of
 
 from zllm.config.parallel import check_divisible
 from zllm.executor.models import get_model_class
-from zllm.executor.parallel import (
+from zllm.executor.ranks.parallel import (
     SINGLE,
     TensorParallel,
     init_parallel,
@@ -385,8 +385,10 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
     import time
 
     from zllm import LLM
-    from zllm.executor import offline, parallel, ranks
+    from zllm.executor import offline
     from zllm.executor.model_host import ModelHost
+    from zllm.executor.ranks.processes import parallel
+    from zllm.executor.ranks.processes import processes as ranks
 
     started: list = []
 

@@ -23,7 +23,7 @@ import pytest
 from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
-from zllm.executor.structured_output import GrammarCompiler, allocate_bitmask
+from zllm.executor.sample.structured_output import GrammarCompiler, allocate_bitmask
 from zllm.frontend.tools import _auto_call_grammar
 from zllm.text.tokenizer import load_tokenizer
 

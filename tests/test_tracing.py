@@ -262,7 +262,7 @@ def _model(server) -> str:
 
 def test_the_stage_spans_of_a_timing():
     """Stages not reached (a request that failed in the queue) make no span."""
-    from zllm.frontend.tracing import _stages
+    from zllm.frontend.observability.tracing import _stages
     from zllm.protocol import RequestTiming
 
     t = RequestTiming(tokenize_start=1.0, tokenize_end=1.5, core_arrival=1.6)

@@ -224,7 +224,7 @@ def test_a_layout_the_model_does_not_have_is_refused_at_load(tmp_path: Path) -> 
 _LOAD_AND_MEASURE = """
 import sys, torch
 import transformers.models.gpt_neox.modeling_gpt_neox  # imported before the baseline
-from zllm.executor.attention_backend import TORCH_ATTENTION
+from zllm.executor.attention.backend import TORCH_ATTENTION
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.model.impl import choose_model_impl, read_model_arch
 

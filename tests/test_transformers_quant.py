@@ -24,9 +24,9 @@ from tiny_models import write_tiny_model
 from torch import nn
 
 from zllm import LLM, SamplingParams
-from zllm.executor import cpu_kernels
-from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear
-from zllm.executor.quantization import SIXTEEN_BIT, Int8DynamicLinear
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.weights.quantization import SIXTEEN_BIT, Int8DynamicLinear
 from zllm.model.gguf import read_gguf
 
 # |logprob(transformers backend) - logprob(zllm's code)| of each sampled token, both on the

@@ -100,12 +100,12 @@ def test_replaced_weights_find_no_old_disk_blocks(tmp_path):
 
 def test_two_models_of_one_name_and_size_have_other_transfer_layouts(tmp_path):
     """Prefill/decode disaggregation: a consumer drops blocks whose header names another
-    layout (executor/kv_transfer.py); two models with the same directory name and file
+    layout (executor/kv/transfer.py); two models with the same directory name and file
     sizes but other weights no longer share one."""
     from conftest import write_tiny_model
 
     from zllm.config.engine_args import EngineArgs
-    from zllm.executor.kv_transfer import transfer_layout
+    from zllm.executor.kv.transfer import transfer_layout
     from zllm.kv.tiers import layout_fingerprint
 
     configs = []

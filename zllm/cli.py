@@ -49,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_run_batch(args: argparse.Namespace) -> int:
     import asyncio
 
-    from zllm.frontend.batch import run_batch
+    from zllm.frontend.openai.batch import run_batch
 
     config = serve_config_from_args(args)
     asyncio.run(run_batch(config, args.input_file, args.output_file, not args.no_progress_bar))

@@ -136,7 +136,7 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
 
 class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A step's traffic between the KV pool and the tiers below it (KV offload: core/
-    kv_connector.py decides, executor/kv_connector.py moves the bytes). Tiers are numbered as
+    kv_connector.py decides, executor/kv/connector.py moves the bytes). Tiers are numbered as
     zllm/kv/tiers.py names them. The executor does them before the step's forward, in this
     order: drops (room), stores (a pool block's bytes out, before anything overwrites it),
     loads (tier bytes into newly allocated pool blocks, some of which the stores just read).
@@ -243,7 +243,7 @@ class RequestTiming(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     an untraced request costs nothing. It travels with the request: TokenizeRequest ->
     EngineCoreRequest -> the core's first output of sample 0 -> the detokenizer, which sends
     it with the request's final delta; the frontend turns it into spans
-    (frontend/tracing.py)."""
+    (frontend/observability/tracing.py)."""
 
     tokenize_start: float = 0.0  # the tokenizer took the request
     tokenize_end: float = 0.0  # ... and sent it to the core
@@ -437,7 +437,7 @@ class KVBlocksHeader(msgspec.Struct, omit_defaults=True, gc=False):
     """Producer executor -> consumer executor (prefill/decode disaggregation): the first frame
     of a message of KV blocks. Their bytes, [len(hashes), *block_shape] of `dtype`, follow as
     the second frame, or (transport "shm") are in /dev/shm/<shm_file>, which the consumer
-    deletes. `layout` names the model and KV layout (executor/kv_transfer.py)."""
+    deletes. `layout` names the model and KV layout (executor/kv/transfer.py)."""
 
     hashes: list[bytes]
     layout: str

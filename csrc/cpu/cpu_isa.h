@@ -1,6 +1,6 @@
 // Which instruction set the kernels with a wider variant use, chosen once at run time.
 //
-// Why: the extension is compiled for AVX2 (executor/cpu_kernels.py's CFLAGS) so it runs on any
+// Why: the extension is compiled for AVX2 (executor/kernels/cpu.py's CFLAGS) so it runs on any
 // x86-64 CPU the engine supports, but CPUs with AVX-512 VNNI (Zen 4, Ice Lake and later) sum
 // int8 products twice as wide and fuse the int16 -> int32 step. Functions using it are
 // compiled per function (ZLLM_TARGET_AVX512) and called only when this says so.
@@ -48,7 +48,7 @@ inline bool isa_from_name(const std::string& name, int* isa) {
   return false;
 }
 
-// The choice, initialised from $ZLLM_CPU_ISA on first use (executor/cpu_kernels.py rejects an
+// The choice, initialised from $ZLLM_CPU_ISA on first use (executor/kernels/cpu.py rejects an
 // unknown or unsupported value before any kernel runs; here one falls back to "auto").
 inline std::atomic<int>& isa_choice() {
   static std::atomic<int> choice([] {

@@ -1,5 +1,5 @@
 // zllm's CPU kernels as one torch extension (one translation unit: torch's headers dominate
-// the build time, so they are parsed once). Loaded by executor/cpu_kernels.py.
+// the build time, so they are parsed once). Loaded by executor/kernels/cpu.py.
 
 #include <torch/extension.h>
 

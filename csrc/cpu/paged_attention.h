@@ -11,7 +11,7 @@
 // are served together, so a K/V row read from memory is used G times. Two passes over the
 // context: scores (q.k * scale) into a small buffer, softmax, then the weighted sum of V.
 //
-// Layouts (the executor's contract, executor/attention.py):
+// Layouts (the executor's contract, executor/attention/paged.py):
 //   q            [S, H, D]   any sequence/head stride, last dim contiguous
 //   kv_cache     [2, num_blocks, block_size, KVH, D] contiguous, 0 = K, 1 = V; fp32, or
 //                bf16 / fp16 (--kv-cache-dtype: each K/V row is widened to fp32 as it loads),
@@ -164,7 +164,7 @@ struct RowReader<Q8> {
 
 // A row of D fp32 values (D % 8 == 0) into the cache's row at p. int8: per group, the scale
 // absmax / 127 rounded to bf16, each value over it rounded to nearest even, then the
-// group's scales after the D values: the operations of executor/kv_quant.py quantize_rows,
+// group's scales after the D values: the operations of executor/kv/quant.py quantize_rows,
 // so both write the same bytes.
 template <class E>
 inline void store_row(E* p, const float* x, int64_t D, int64_t group_shift) {

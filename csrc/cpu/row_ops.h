@@ -1,6 +1,6 @@
 // Row-wise ops of a decoder layer on CPU, fp32: RMSNorm (with the residual add), RoPE,
 // SiLU/GeGLU-and-mul. The fused decode step (decode_stack.h) and the model's modules
-// (executor/cpu_layer_ops.py, for prefill and every step the fused path does not take) call
+// (executor/kernels/cpu_layer_ops.py, for prefill and every step the fused path does not take) call
 // the same functions, so the two paths compute the same bits; torch's eager versions of
 // them cost 6, 7 and 2 small ops each, a prefill's largest share after the matmuls.
 //

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import numpy as np
 import torch
 
-from zllm.executor import cpu_kernels
-from zllm.executor.attention import AttentionMetadata, PagedAttention
+from zllm.executor.attention.paged import AttentionMetadata, PagedAttention
+from zllm.executor.kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
-    from zllm.executor.attention_cuda import CudaAttentionMetadata
+    from zllm.executor.attention.cuda import CudaAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class AttentionLayer(Protocol):
 
 
 class BuildMetadata(Protocol):
-    """AttentionMetadata.build's signature (see executor/attention.py)."""
+    """AttentionMetadata.build's signature (see executor/attention/paged.py)."""
 
     def __call__(
         self,
@@ -114,7 +114,7 @@ def choose_attention_backend(
     head_dim that is not a multiple of 8); else torch. Both kernels serve full and
     sliding-window layers alike (they window the rows themselves)."""
     if device.type == "cuda":
-        from zllm.executor.cuda_kernels import SUPPORTED_HEAD_DIMS
+        from zllm.executor.kernels.cuda import SUPPORTED_HEAD_DIMS
 
         if head_dim not in SUPPORTED_HEAD_DIMS:
             logger.warning(
@@ -123,8 +123,8 @@ def choose_attention_backend(
                 SUPPORTED_HEAD_DIMS,
             )
             return TORCH_ATTENTION
-        from zllm.executor.attention_cuda import CUDA_ATTENTION
-        from zllm.executor.cuda_prefill import prefill_mode
+        from zllm.executor.attention.cuda import CUDA_ATTENTION
+        from zllm.executor.attention.cuda_prefill import prefill_mode
 
         prefill_mode()  # a bad ZLLM_CUDA_PREFILL stops the engine at start, not at a prefill
         return CUDA_ATTENTION

@@ -1,6 +1,6 @@
 """Paged attention on the GPU: our CUDA kernels for the cache write, decode and prefill.
 
-Same contract as executor/attention.py (the KV cache of one layer is
+Same contract as executor/attention/paged.py (the KV cache of one layer is
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, slot = block_id * block_size + offset;
 the step's new tokens arrive flat and grouped by sequence), with metadata shaped for the
 kernels instead of for CPU gathers:
@@ -16,7 +16,7 @@ kernels instead of for CPU gathers:
   tables. With `CudaAttentionMetadata.for_decode` (all decode, tensors already on the GPU)
   this path makes no host-device copy and no sync, so it can be captured in a CUDA graph.
 - Prefill (query length > 1: whole prompts, chunks after cached context, prompts after a
-  prefix hit): every such sequence in one varlen call (executor/cuda_prefill.py: torch's
+  prefix hit): every such sequence in one varlen call (executor/attention/cuda_prefill.py: torch's
   FlashAttention over K/V gathered from the cache in bf16/fp16, csrc/paged_prefill.cu
   reading the cache in place otherwise), lower-right causal.
 - Sliding windows (Gemma 3's local layers, Mistral): both kernels take the window, so such
@@ -35,17 +35,17 @@ import numpy as np
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from zllm.executor.attention import PagedAttentionBase
-from zllm.executor.attention_backend import AttentionBackend
-from zllm.executor.attention_metadata import (
+from zllm.executor.attention.backend import AttentionBackend
+from zllm.executor.attention.cuda_prefill import PrefillBatch, paged_prefill_attention, prefill_mode
+from zllm.executor.attention.metadata import (
     PrefillChunk,
     StepLayout,
     build_prefill_chunks,
     padded_tables,
     to_device,
 )
-from zllm.executor.cuda_kernels import DecodeWorkspace, paged_decode_attention, write_kv_cache
-from zllm.executor.cuda_prefill import PrefillBatch, paged_prefill_attention, prefill_mode
+from zllm.executor.attention.paged import PagedAttentionBase
+from zllm.executor.kernels.cuda import DecodeWorkspace, paged_decode_attention, write_kv_cache
 
 
 @dataclass(slots=True)

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zllm.executor import cuda_kernels as ck
-from zllm.executor.attention_metadata import context_slots, first_visible_key, padded_tables
-from zllm.executor.cuda_kernels import (
+from zllm.executor.attention.metadata import context_slots, first_visible_key, padded_tables
+from zllm.executor.host_to_device import to_device
+from zllm.executor.kernels import cuda as ck
+from zllm.executor.kernels.cuda import (
     _DTYPE_TAG,
     CudaKernelError,
     KernelLaunch,
@@ -43,7 +44,6 @@ from zllm.executor.cuda_kernels import (
     _ptr,
     check_query,
 )
-from zllm.executor.host_to_device import to_device
 
 logger = logging.getLogger(__name__)
 

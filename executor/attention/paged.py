@@ -33,12 +33,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from zllm.executor.attention_metadata import (
+from zllm.executor.attention.metadata import (
     AttentionMetadata,
     DecodeBatch,
     PrefillChunk,
 )
-from zllm.executor.kv_quant import as_stored, narrow, widen
+from zllm.executor.kv.quant import as_stored, narrow, widen
 
 # `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -131,7 +131,7 @@ class PagedAttentionBase:
 class PagedAttention(PagedAttentionBase):
     """One layer's attention in torch: write the new K/V into the paged cache, attend through it.
 
-    `decode_kernel` (the CPU-kernel backend gives zllm.executor.cpu_kernels.paged_decode_attention)
+    `decode_kernel` (the CPU-kernel backend gives zllm.executor.kernels.cpu.paged_decode_attention)
     reads decode attention in place from the cache instead of the gather + SDPA below, which
     stays the reference and the path for other devices.
     """

@@ -41,8 +41,8 @@ from collections.abc import Container, Sequence
 
 import torch
 
-from zllm.executor.attention_cuda import CudaAttentionMetadata
-from zllm.executor.cuda_kernels import DecodeWorkspace, plan_decode
+from zllm.executor.attention.cuda import CudaAttentionMetadata
+from zllm.executor.kernels.cuda import DecodeWorkspace, plan_decode
 from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)

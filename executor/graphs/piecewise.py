@@ -41,9 +41,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor.attention import PagedAttentionBase
-from zllm.executor.attention_backend import metadata_per_layer
-from zllm.executor.cuda_graph import attention_sets, sizes_to_capture, smallest_holding
+from zllm.executor.attention.backend import metadata_per_layer
+from zllm.executor.attention.paged import PagedAttentionBase
+from zllm.executor.graphs.decode import attention_sets, sizes_to_capture, smallest_holding
 from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)

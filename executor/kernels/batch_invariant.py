@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 TILE_ROWS = 8
 

@@ -9,9 +9,9 @@
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window])
                                               one new token per sequence       csrc/cpu/paged_attention.h
     rms_norm_rows, rope_rows_, gated_activation_rows   a layer's row-wise ops  csrc/cpu/row_ops.h
-                                              (executor/cpu_layer_ops.py)
+                                              (executor/kernels/cpu_layer_ops.py)
     DecodeStack, FusedMatmul                  a whole decode step's layers     csrc/cpu/decode_stack.h
-                                              in one call (executor/fused_decode.py)
+                                              in one call (executor/kernels/fused_decode.py)
 
 csrc/cpu/ops.cpp includes the kernels and binds them: one translation unit, since torch's
 headers dominate the build time.
@@ -42,7 +42,7 @@ from types import ModuleType
 
 import torch
 
-from zllm.executor.csrc_dir import CSRC_DIR
+from zllm.executor.kernels.csrc_dir import CSRC_DIR
 from zllm.runtime.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ def paged_decode_attention(
     return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window or 0)
 
 
-if __name__ == "__main__":  # python -m zllm.executor.cpu_kernels: build now (e.g. in CI)
+if __name__ == "__main__":  # python -m zllm.executor.kernels.cpu: build now (e.g. in CI)
     logging.basicConfig(level=logging.INFO)
     load()
     print("zllm CPU kernels ready")

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from zllm.executor import cpu_kernels
+from zllm.executor.kernels import cpu as cpu_kernels
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # row_ops.h's Activation
 

@@ -7,4 +7,4 @@ so one expression finds both. ZLLM_CSRC_DIR points elsewhere (a kernel under dev
 import os
 from pathlib import Path
 
-CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[1] / "csrc")
+CSRC_DIR = Path(os.environ.get("ZLLM_CSRC_DIR") or Path(__file__).resolve().parents[2] / "csrc")

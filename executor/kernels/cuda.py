@@ -8,7 +8,7 @@ imported by the first launch (`pip install zllm[cuda]`).
 
     write_kv_cache(key, value, kv_cache, slot_mapping)                    csrc/kv_cache.cu
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)    csrc/paged_attention.cu
-    paged_prefill_attention (executor/cuda_prefill.py)                    csrc/paged_prefill.cu
+    paged_prefill_attention (executor/attention/cuda_prefill.py)                    csrc/paged_prefill.cu
 
 Each public function first plans its launches as `KernelLaunch` records (pure Python: kernel
 name, grid, typed arguments), then runs them. The CPU tests run the same records through a
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zllm.executor.csrc_dir import CSRC_DIR
+from zllm.executor.kernels.csrc_dir import CSRC_DIR
 
 COMMON_HEADER = "zllm_common.cuh"
 NVRTC_OPTIONS = ("-std=c++17",)

@@ -23,7 +23,7 @@ import os
 import numpy as np
 import torch
 
-from zllm.executor.cuda_kernels import (
+from zllm.executor.kernels.cuda import (
     _DTYPE_TAG,
     CudaKernelError,
     KernelLaunch,

@@ -34,12 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.executor import cpu_kernels, cpu_layer_ops
-from zllm.executor.attention import AttentionMetadata, PagedAttention
-from zllm.executor.attention_backend import StepAttentionMetadata, metadata_per_layer
-from zllm.executor.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.attention.backend import StepAttentionMetadata, metadata_per_layer
+from zllm.executor.attention.paged import AttentionMetadata, PagedAttention
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
+from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 logger = logging.getLogger(__name__)
 

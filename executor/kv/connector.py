@@ -3,7 +3,7 @@
 
 A block's bytes, as a tier keeps them, are every KV tensor's slice for that block id, one
 tensor per layer of the (single) KV cache group, and a draft model's layers' beside them
-under the same key (executor/kv_pool.py)::
+under the same key (executor/kv/pool.py)::
 
     block  [layers, 2 (K, V), block_size, kv_heads, head_dim]     model dtype, on the CPU
            [nbytes] uint8 with a draft model: the target's part, then the draft's
@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.kv_pool import KVPool
+from zllm.executor.kv.pool import KVPool
 from zllm.kv.block_hash import BlockHash
 from zllm.kv.tier_key import read_key
 from zllm.kv.tiers import (
@@ -276,7 +276,7 @@ class KVTiers:
             self.tiers[TIER_DISK] = DiskTier(pool, directory, pool.block_nbytes, key)
         transfer = config.kv_transfer
         if transfer is not None and transfer.consumes:  # what a prefill instance sends
-            from zllm.executor.kv_transfer import RemoteKVBuffer
+            from zllm.executor.kv.transfer import RemoteKVBuffer
 
             self.tiers[TIER_REMOTE] = RemoteKVBuffer(pool, transfer.buffer_bytes // nbytes, pin)
 

@@ -1,5 +1,5 @@
 """The KV pool as the tiers and transfers see it: whole blocks, every tensor's slice for one
-block id, gathered out and scattered back (executor/kv_connector.py, executor/kv_transfer.py).
+block id, gathered out and scattered back (executor/kv/connector.py, executor/kv/transfer.py).
 
 A block has one or two parts. The target's: one tensor per layer of the (single) KV cache
 group, [2, num_blocks, block_size, kv_heads, row_width] each. With speculative decoding's

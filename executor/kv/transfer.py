@@ -60,7 +60,7 @@ import zmq
 
 from zllm.config.engine import EngineConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.executor.kv_pool import KVPool
+from zllm.executor.kv.pool import KVPool
 from zllm.kv.block_hash import BlockHash
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import KVBlocksHeader, KVBlocksReceived, KVRejection
@@ -294,7 +294,7 @@ class RemoteKVBuffer:
                 stored.append(block_hash)
             return stored, [h for h in removed if h not in self.slots]
 
-    # ---- the KV tier interface (executor/kv_connector.py KVTier) ----------------------------
+    # ---- the KV tier interface (executor/kv/connector.py KVTier) ----------------------------
     def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         raise RuntimeError("the remote KV buffer is filled by its producer, not by the core")
 

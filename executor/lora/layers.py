@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from zllm.executor.batch_invariant import tiled
+from zllm.executor.kernels.batch_invariant import tiled
 from zllm.executor.lora.slots import LoRASlots
 from zllm.executor.lora.weights import AdapterWeights
 

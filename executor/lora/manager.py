@@ -27,7 +27,7 @@ from zllm.executor.lora.weights import (
     load_adapter_weights,
 )
 from zllm.executor.models.transformers_tp import RowParallelLinear
-from zllm.executor.parallel import SINGLE, TensorParallel
+from zllm.executor.ranks.parallel import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
 
 logger = logging.getLogger(__name__)

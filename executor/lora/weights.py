@@ -13,7 +13,7 @@ The zeros of b_t add exact zeros, so the result is each part's B A x, computed a
 The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b_t.
 
 Under tensor parallelism each rank keeps the part of an update that matches its part of the
-base matmul (executor/parallel.py `shard_of`): a column-parallel matmul (qkv, gate/up) keeps
+base matmul (executor/ranks/parallel.py `shard_of`): a column-parallel matmul (qkv, gate/up) keeps
 b_t's columns of its outputs, whole a_t; a row-parallel one (o, down) keeps a_t's rows of its
 input slice, whole b_t, so its partial update joins the partial product before the
 all-reduce that sums them: sum over ranks of (x_r A_r) B = (x A) B.
@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor.parallel import SINGLE, TensorParallel, shard_of
+from zllm.executor.ranks.parallel import SINGLE, TensorParallel, shard_of
 from zllm.lora import LoRAAdapter, projection_shapes
 
 # Each fused matmul of a decoder layer (zllm's models) and the PEFT modules it computes, in

@@ -11,7 +11,7 @@ What differs from the Llama family (executor/models/llama.py), each as transform
     logits         cap * tanh(logits / cap) when final_logit_softcapping is set
 
 The sliding window itself is not applied here: the model runner gives sliding layers
-window-limited attention metadata (executor/attention.py) over their own KV cache groups
+window-limited attention metadata (executor/attention/paged.py) over their own KV cache groups
 (zllm/kv/cache_groups.py). q/k/v and gate/up are fused into one GEMM each, as in llama.py.
 """
 
@@ -25,16 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor import cpu_layer_ops
-from zllm.executor.attention_backend import (
+from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
     metadata_per_layer,
 )
+from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.models.llama import copy_checkpoint, empty_linear
 from zllm.executor.models.rope import RotaryEmbedding, rope
-from zllm.executor.parallel import (
+from zllm.executor.ranks.parallel import (
     SINGLE,
     WHOLE,
     PipelineParallel,
@@ -81,7 +81,7 @@ class Gemma3Attention(nn.Module):
         attention: AttentionBackend,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        """`arch`: this rank's (executor/parallel.py local_arch): its heads only."""
+        """`arch`: this rank's (executor/ranks/parallel.py local_arch): its heads only."""
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads

@@ -4,7 +4,7 @@ Per layer, q/k/v are one GEMM into a fused [q | k | v] projection and gate/up ar
 a fused [gate | up] projection; load_weights fills the fused matrices from Hugging Face's
 separate tensors (Phi-3 checkpoints store them fused already). Attention reads and writes the
 paged KV cache through the layers of the attention backend the model is built with
-(zllm.executor.attention_backend; torch by default).
+(zllm.executor.attention.backend; torch by default).
 
 What the family members add, each switched on by ModelArchConfig:
   - Qwen2: q/k/v biases (attention_bias);
@@ -23,16 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor import cpu_layer_ops, cuda_layer_ops
-from zllm.executor.attention_backend import (
+from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.loader import layer_of
+from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
 from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
-from zllm.executor.parallel import (
+from zllm.executor.ranks.parallel import (
     SINGLE,
     WHOLE,
     PipelineParallel,
@@ -43,6 +42,7 @@ from zllm.executor.parallel import (
     logits_weight,
     shard_weight,
 )
+from zllm.executor.weights.loader import layer_of
 
 # Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
 # [gate | up] order: their tensors fill the fused matrices whole.
@@ -120,7 +120,7 @@ class LlamaAttention(nn.Module):
         attention: AttentionBackend,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        """`arch`: this rank's (executor/parallel.py local_arch): its heads only."""
+        """`arch`: this rank's (executor/ranks/parallel.py local_arch): its heads only."""
         super().__init__()
         self.tp = tp
         self.num_heads = arch.num_heads

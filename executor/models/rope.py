@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor import cpu_layer_ops, cuda_layer_ops
+from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
 
 
 def rotary_dim(arch: ModelArchConfig) -> int:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor.attention_backend import (
+from zllm.executor.attention.backend import (
     AttentionBackend,
     AttentionLayer,
     StepAttentionMetadata,
@@ -42,7 +42,7 @@ from zllm.executor.attention_backend import (
 from zllm.executor.models.transformers_pp import StageEnds, cut_to_stage
 from zllm.executor.models.transformers_quant import TransformersQuantization
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
-from zllm.executor.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
+from zllm.executor.ranks.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class TransformersForCausalLM(nn.Module):
         stage: StageEnds | None = None,
         layers: range | None = None,
     ):
-        """`arch`: this rank's (executor/parallel.py local_arch), what its layers attend with.
+        """`arch`: this rank's (executor/ranks/parallel.py local_arch), what its layers attend with.
         On a pipeline stage (transformers_pp.py): `stage`, its ends in the forward, and
         `layers`, the whole model's indices of the decoder layers it kept."""
         super().__init__()
@@ -233,7 +233,7 @@ class TransformersForCausalLM(nn.Module):
         loads the whole model, then cuts it by the architecture's tensor-parallel plan);
         `pp`: its pipeline stage, whose layers it keeps (transformers_pp.py: likewise loaded
         whole, then cut, before the tensor-parallel cut so that cuts only the stage's).
-        `quantization`: the method (executor/quantization.py, or its 16-bit rows) whose
+        `quantization`: the method (executor/weights/quantization.py, or its 16-bit rows) whose
         modules replace transformers' matmuls after loading and both cuts, each reading its
         rank's part of the blocks (transformers_quant.py)."""
         from transformers import AutoConfig

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor.parallel import PipelineParallel, release_weight
+from zllm.executor.ranks.parallel import PipelineParallel, release_weight
 
 _FLAG = "--pipeline-parallel-size with --model-impl transformers"
 

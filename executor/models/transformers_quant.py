@@ -1,6 +1,6 @@
 """Quantized matmuls for the transformers backend: after from_pretrained, transformers' own
 nn.Linear modules and the embedding are swapped one by one for the modules that read weight
-blocks through the CPU kernel (executor/gguf_modules.py), as LoRA wraps them.
+blocks through the CPU kernel (executor/weights/gguf_modules.py), as LoRA wraps them.
 
 Which tensor serves a module comes from transformers itself, so no table per architecture:
 
@@ -16,14 +16,14 @@ loaded (the kernel then multiplies by exactly those values). A matrix the kernel
 keeps its fp32 module, and the log says which and why. The fp32 tensor a swap replaces is
 dropped with its module (model_host releases the freed memory).
 
-`int8` (fbgemm, executor/quantization.py) takes the same modules zllm's own models give it:
+`int8` (fbgemm, executor/weights/quantization.py) takes the same modules zllm's own models give it:
 the q/k/v, output and gate/up projections, found by their role in gguf-py's name map.
 
 Over tensor-parallel ranks the names are read on the whole model and the swap runs on the
 rank's cut of it (transformers_tp.py): a matmul cut by output rows reads those rows' blocks,
 one cut by input columns reads each row's blocks over its columns when they start and stop
 on block boundaries (else it keeps its fp32 part, logged), as zllm's own models' ranks do
-(executor/parallel.py shard_blocks).
+(executor/ranks/parallel.py shard_blocks).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from zllm.executor import cpu_kernels
-from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.transformers_tp import RankPart
-from zllm.executor.quantization import Int8DynamicLinear
+from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.weights.quantization import Int8DynamicLinear
 from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ e.g. Llama's {"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_pr
     replicated  norms and embeddings ("replicated_with_grad_allreduce", "embedding_rowwise",
                 ...) stay whole on every rank, as do lm_head and everything the plan leaves out
 
-This is zllm's own cut (executor/parallel.py) in transformers' terms: a rank's q/k/v hold its
+This is zllm's own cut (executor/ranks/parallel.py) in transformers' terms: a rank's q/k/v hold its
 query and KV heads (a KV head replicated on the ranks whose query heads read it when ranks
 outnumber them), so its attention, KV cache and cache sizing are those of `local_arch`. Every
 rank keeps the whole lm_head and computes the same logits from the same bits (the hidden
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor.parallel import TensorParallel, kv_heads_of, local_arch
+from zllm.executor.ranks.parallel import TensorParallel, kv_heads_of, local_arch
 
 CUT_STYLES = frozenset({"colwise", "rowwise"})
 # Styles that at inference leave the module whole on every rank (transformers' embedding

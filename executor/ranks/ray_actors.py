@@ -2,7 +2,7 @@
 placement group on the nodes of a Ray cluster (`ray start --head` / `ray start --address`).
 
     core ──executor_in──► executor process (the driver) ──tcp──► rank 0 actor ──tcp──► ranks 1..N-1
-      ▲                       │ zmq.proxy relays both ways          (the fan-out of executor/ranks.py)
+      ▲                       │ zmq.proxy relays both ways          (the fan-out of executor/ranks/processes.py)
       └──executor_out─────────┘◄──tcp── the answering rank's actor
 
 The supervisor starts one executor process, as for one rank. It joins the cluster
@@ -82,7 +82,7 @@ class RankActor:
 
     def open_fanout(self, num_others: int) -> list[str]:
         """Rank 0: PUSH sockets the other ranks connect to, bound on its node."""
-        from zllm.executor.ranks import StepFanout
+        from zllm.executor.ranks.processes import StepFanout
 
         self.fanout, addresses = StepFanout.on_random_ports(self.ctx, self.where()[1], num_others)
         return addresses
@@ -101,7 +101,7 @@ class RankActor:
         `kv_news` (the driver's relay). Returns the KV pool's blocks (the same on every
         rank)."""
         from zllm.executor.model_runner import ModelRunner
-        from zllm.executor.ranks import join_ranks
+        from zllm.executor.ranks.processes import join_ranks
 
         config = self.config
         self._check_model()
@@ -136,7 +136,7 @@ class RankActor:
         tensor-parallel rank) on this actor's node and sends its
         news to the driver's relay (the core's own socket may be ipc:// on the driver's
         host)."""
-        from zllm.executor.kv_transfer import KVReceiver, transfer_layout
+        from zllm.executor.kv.transfer import KVReceiver, transfer_layout
 
         transfer, tiers = self.config.kv_transfer, self.runner.kv_tiers
         assert transfer is not None and tiers is not None and tiers.remote is not None
@@ -155,7 +155,7 @@ class RankActor:
         """Run every step that comes, forever (an actor call that returns only by failing).
         In the actor's main thread, where the model's OpenMP pool is fast: the same steps
         run 1.5x slower from a thread Python started (measured, in and out of Ray)."""
-        from zllm.executor.ranks import serve_steps
+        from zllm.executor.ranks.processes import serve_steps
 
         serve_steps(self.runner, self.inbox, self.fanout, self.outbox)
 

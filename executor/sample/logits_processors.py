@@ -24,12 +24,12 @@ import torch
 
 from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
-from zllm.executor.structured_output import allocate_bitmask, apply_bitmask
+from zllm.executor.sample.structured_output import allocate_bitmask, apply_bitmask
 from zllm.text.bad_words import banned_next
 
 if TYPE_CHECKING:
-    from zllm.executor.sample_rows import SampleRows
-    from zllm.executor.sampler import SamplingMetadata
+    from zllm.executor.sample.rows import SampleRows
+    from zllm.executor.sample.sampler import SamplingMetadata
 
 
 class RowProcessor(Protocol):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from zllm.executor.host_to_device import to_device
-from zllm.executor.logits_processors import SAMPLER_PROCESSORS, SamplerProcessor
+from zllm.executor.sample.logits_processors import SAMPLER_PROCESSORS, SamplerProcessor
 from zllm.sampling_params import SamplingParams
 
 # Rows with temperature below this are greedy (same threshold as SamplingParams.greedy).

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zllm.executor.host_to_device import to_device
-from zllm.executor.logits_processors import ROW_PROCESSORS, BannedTokens, RowProcessor
 from zllm.executor.request_state import RequestState
-from zllm.executor.sample_rows import ChildGenerators, SampleRows, choose_sample_rows
-from zllm.executor.sampler import Sampler, SamplerOutput, SamplingMetadata
+from zllm.executor.sample.logits_processors import ROW_PROCESSORS, BannedTokens, RowProcessor
+from zllm.executor.sample.rows import ChildGenerators, SampleRows, choose_sample_rows
+from zllm.executor.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 

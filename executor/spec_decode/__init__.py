@@ -4,7 +4,7 @@ Each step, after sampling, the executor asks its proposer for up to k next token
 request that sampled (`Proposer.propose`); they go back to the core with the step's output
 (`ModelRunnerOutput.draft_token_ids`), and the core schedules them in the request's next step
 beside its last token. The target model computes those k + 1 positions in one forward and the
-sampler verifies them (`executor/sampler.py: verify_drafts`, rejection sampling), so the
+sampler verifies them (`executor/sample/sampler.py: verify_drafts`, rejection sampling), so the
 output is distributed exactly as without speculation.
 
     ngram.py         NgramProposer: prompt lookup in the sequence's own tokens (no model)

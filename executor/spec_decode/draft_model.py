@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.attention_backend import choose_attention_backend
-from zllm.executor.loader import load_weights
+from zllm.executor.attention.backend import choose_attention_backend
 from zllm.executor.models import get_model_class
 from zllm.executor.request_state import RequestState
+from zllm.executor.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A GGUF file's blocks (gguf_raw_weights) or a bf16/fp16 checkpoint's rows
 (sixteen_bit_raw_weights), cut to this rank's part, become the model's GGUFLinear /
-GGUFSplitLinear / GGUFEmbedding modules (executor/gguf_modules.py). BlockPlan names the
+GGUFSplitLinear / GGUFEmbedding modules (executor/weights/gguf_modules.py). BlockPlan names the
 tensors they serve before the weights load, so the loader never widens those to fp32.
 """
 
@@ -17,9 +17,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from zllm.config.engine import ModelArchConfig
-from zllm.executor import cpu_kernels
-from zllm.executor.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
-from zllm.executor.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
+from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 from zllm.model.gguf import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)
@@ -111,9 +111,9 @@ class _WeightBlocks:
     ) -> None:
         """`verify`: the model holds the fp32 weights the blocks replace; check each matrix's
         blocks dequantize to them bit for bit (False: they were never loaded, BlockPlan)."""
-        from zllm.executor.loader import gguf_raw_weights, sixteen_bit_raw_weights
+        from zllm.executor.weights.loader import gguf_raw_weights, sixteen_bit_raw_weights
 
-        # Tensor parallel: each rank keeps its part of every matrix (executor/parallel.py).
+        # Tensor parallel: each rank keeps its part of every matrix (executor/ranks/parallel.py).
         self.tp: TensorParallel = getattr(model, "tp", SINGLE)
         arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
         self.checkpoint_arch = arch

@@ -1,7 +1,7 @@
 """The matmuls and the embedding lookup that read weight blocks through the CPU kernel
 (csrc/cpu/gguf_linear.h, gguf_int8.h): a GGUF file's quantized blocks, or F16/BF16 rows
-(16-bit files and checkpoints). executor/weight_blocks.py decides which matrices become
-these; executor/quantization.py, when.
+(16-bit files and checkpoints). executor/weights/blocks.py decides which matrices become
+these; executor/weights/quantization.py, when.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zllm.executor import cpu_kernels
+from zllm.executor.kernels import cpu as cpu_kernels
 
 # gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
 # per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).

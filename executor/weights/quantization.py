@@ -36,7 +36,7 @@ import logging
 import torch
 from torch import nn
 
-from zllm.executor.weight_blocks import gguf_kernel_plan, use_gguf_blocks_
+from zllm.executor.weights.blocks import gguf_kernel_plan, use_gguf_blocks_
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ SIXTEEN_BIT = "16-bit"
 def sixteen_bit_checkpoint(model_path: str) -> bool:
     """Whether a Hugging Face directory stores its decoder's matrices in bf16 or fp16 (read
     from the safetensors headers, nothing loaded)."""
-    from zllm.executor.loader import safetensors_dtypes
+    from zllm.executor.weights.loader import safetensors_dtypes
 
     if model_path.endswith(".gguf"):
         return False

@@ -4,7 +4,7 @@ Work admitted and not yet finished is counted in *engine requests*: one per prom
 completions request with 4 prompts counts 4; its `n` samples share one). At
 `max_num_seqs + max_waiting_requests` new generation requests get 503 with Retry-After at
 once, before their body is read, so an overloaded server answers in microseconds instead
-of queueing work it cannot start for minutes. The HTTP middleware (`frontend/middleware.py`)
+of queueing work it cannot start for minutes. The HTTP middleware (`frontend/access/middleware.py`)
 checks `full()` first and hands each generation request a `Ticket`; the route, once it knows
 how many prompts the request holds, admits it for real (nothing awaits between the check
 and the count, so it cannot overshoot); the middleware releases the ticket when the response
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from zllm.errors import RequestError
-from zllm.frontend.responses import RETRY_AFTER_S
+from zllm.frontend.replies import RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ which key each needs (`Access`). With API keys set, every route needs one except
 (never) and the observability routes (/metrics, /dashboard, /version), which need a key
 only with `--protect-metrics`: an API key, or a `--metrics-api-key` (those open nothing
 else). An unknown path gets its 404 without. A refusal has the shape of its route's API's
-errors. An observability request's `Viewer` goes into its scope (frontend/access.py): an
+errors. An observability request's `Viewer` goes into its scope (frontend/access/permissions.py): an
 API key under tenant isolation sees its own tenant's series, anyone else every tenant's.
 
 A generation request's tenant (zllm/runtime/tenants.py) goes into its scope too: the key it was sent
 with, else its X-Tenant header (400 when malformed), else the default tenant; the tenant's
-own limits (frontend/tenant_limits.py) then answer 429 beyond them.
+own limits (frontend/access/tenant_limits.py) then answer 429 beyond them.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
-from zllm.frontend.access import EVERYONE, VIEWER_KEY, Access, Viewer
-from zllm.frontend.admission import SHUTTING_DOWN, Admission, Ticket
-from zllm.frontend.responses import error_response
-from zllm.frontend.tenant_limits import TenantLimits
+from zllm.frontend.access.admission import SHUTTING_DOWN, Admission, Ticket
+from zllm.frontend.access.permissions import EVERYONE, VIEWER_KEY, Access, Viewer
+from zllm.frontend.access.tenant_limits import TenantLimits
+from zllm.frontend.replies import error_response
 from zllm.runtime.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
 
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
@@ -156,7 +156,7 @@ class Gate:
         )
 
     def _viewer(self, keys: list[bytes], key_index: int | None) -> Viewer | None:
-        """Who reads an observability route (frontend/access.py), or None: refused."""
+        """Who reads an observability route (frontend/access/permissions.py), or None: refused."""
         if not self.observability_keyed:
             return EVERYONE  # open: anyone sees all, so a key narrows nothing
         if key_index is not None:

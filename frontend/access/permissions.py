@@ -4,7 +4,7 @@ reader of the observability routes (/metrics, /dashboard/stats) sees (`Viewer`).
 Under `--prefix-cache-isolation tenant` no tenant reuses another's cached prefixes; where
 the observability routes are protected, no tenant sees another's hits there either:
 
-    the reader (the Gate decides: frontend/middleware.py)      sees
+    the reader (the Gate decides: frontend/access/middleware.py)      sees
     anyone, where the routes are open (no --protect-metrics)   every series
     an --api-key under --prefix-cache-isolation none           every series
     a --metrics-api-key                                        every series
@@ -13,7 +13,7 @@ the observability routes are protected, no tenant sees another's hits there eith
 A tenant's view keeps the series without a `tenant` label (load, latency, KV usage: the
 engine's as a whole), keeps the `tenant`-labelled series of its own tenant only, and drops
 the engine's prefix-cache and tier hit counters, which sum every tenant's hits: its own
-are `zllm:tenant_prefix_cache_{queries,hits}_total` (frontend/tenant_prefix_hits.py). Open
+are `zllm:tenant_prefix_cache_{queries,hits}_total` (frontend/observability/tenant_prefix_hits.py). Open
 routes show everything to everyone (a tenant could always leave its key off), so keeping
 tenants' hits apart takes --protect-metrics.
 """
@@ -29,7 +29,7 @@ from prometheus_client.core import Metric
 
 
 class Access(enum.Enum):
-    """Which key a route needs (frontend/middleware.py)."""
+    """Which key a route needs (frontend/access/middleware.py)."""
 
     API = "api"  # an --api-key, when keys are set
     # Open, or with --protect-metrics an --api-key (under tenant isolation: its tenant's

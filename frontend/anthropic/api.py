@@ -13,8 +13,8 @@ answer comes back as Anthropic content blocks, and a stream as Anthropic's event
     content_block_stop                              ... once per block
     message_delta (stop_reason, usage), message_stop
 
-The answer's blocks and events: frontend/anthropic_output.py. `thinking` (disabled, or
-enabled with a budget) and the signatures of thinking blocks: frontend/anthropic_thinking.py.
+The answer's blocks and events: frontend/anthropic/output.py. `thinking` (disabled, or
+enabled with a budget) and the signatures of thinking blocks: frontend/anthropic/thinking.py.
 
 Usage: input_tokens are the prompt tokens computed, cache_read_input_tokens those served
 from the prefix cache. Errors have Anthropic's shape ({"type": "error", "error": ...}).
@@ -31,15 +31,18 @@ from starlette.responses import Response
 
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import options
-from zllm.frontend.anthropic_output import MessageAssembler, event
-from zllm.frontend.anthropic_thinking import (
+from zllm.frontend.anthropic.output import MessageAssembler, event
+from zllm.frontend.anthropic.thinking import (
     ThinkingConfig,
     ThinkingSigner,
     check_thinking,
     template_switch,
     thinking_budget,
 )
-from zllm.frontend.api_models import (
+from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
+from zllm.frontend.openai.api import tooled_chat_params
+from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -49,10 +52,7 @@ from zllm.frontend.api_models import (
     Tool,
     ToolCallMessage,
 )
-from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
-from zllm.frontend.openai_api import tooled_chat_params
-from zllm.frontend.openai_format import chat_messages
-from zllm.frontend.responses import RETRY_AFTER_S, json_response
+from zllm.frontend.replies import RETRY_AFTER_S, json_response
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, RequestOptions
 from zllm.text.template_kwargs import reasoning_parser_for
@@ -135,7 +135,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    # Extended thinking (frontend/anthropic_thinking.py).
+    # Extended thinking (frontend/anthropic/thinking.py).
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None  # held as it is: one tier here

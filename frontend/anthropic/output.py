@@ -1,7 +1,7 @@
-"""The answer of one Anthropic Messages request (frontend/anthropic_api.py) as Anthropic
+"""The answer of one Anthropic Messages request (frontend/anthropic/api.py) as Anthropic
 content blocks: whole (a `MessagesResponse`) or as the stream's events, from the engine's
 output deltas through the request's `ChoiceParser` (reasoning, text, tool calls), thinking
-blocks signed by `ThinkingSigner` (frontend/anthropic_thinking.py)."""
+blocks signed by `ThinkingSigner` (frontend/anthropic/thinking.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from zllm.frontend.anthropic_thinking import ThinkingSigner
-from zllm.frontend.responses import check_failed
+from zllm.frontend.anthropic.thinking import ThinkingSigner
+from zllm.frontend.replies import check_failed
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.protocol import FinishReason, RequestOutputDelta
 

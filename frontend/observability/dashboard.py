@@ -6,7 +6,7 @@ counters), the supervisor's process table, and what this frontend keeps beside t
 heartbeat sampled once a second for the last few minutes (`Timeline`), and the TTFT and
 inter-token latencies of the last minute (`LatencyWindow`), which `metrics.Metrics` feeds.
 
-A tenant's view (frontend/access.py) has its own prefix-cache hits in place of the engine's,
+A tenant's view (frontend/access/permissions.py) has its own prefix-cache hits in place of the engine's,
 only its own row among the tenants, and no tier hits.
 """
 
@@ -22,8 +22,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from zllm.frontend.access import EVERYONE, VIEWER_KEY, Viewer
-from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
+from zllm.frontend.access.permissions import EVERYONE, VIEWER_KEY, Viewer
+from zllm.frontend.observability.tenant_prefix_hits import TenantPrefixHits
 from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import MAX_BLOCK_CELLS, EngineStats, ProcessRole
 from zllm.runtime.engine_client import EngineClient
@@ -236,7 +236,9 @@ class Engine(msgspec.Struct):
 
 class DashboardStats(msgspec.Struct):
     model: str
-    tenant: str | None  # whose view: one tenant's (frontend/access.py), or None: everyone's
+    tenant: (
+        str | None
+    )  # whose view: one tenant's (frontend/access/permissions.py), or None: everyone's
     time: float
     uptime_s: float
     engine: Engine
@@ -270,7 +272,9 @@ class Dashboard:
         self.num_finished = num_finished
         self.prefix_hits = prefix_hits
         self.started = time.time()
-        self._page = (resources.files("zllm.frontend") / "static" / "dashboard.html").read_bytes()
+        self._page = (
+            resources.files("zllm.frontend.observability") / "static" / "dashboard.html"
+        ).read_bytes()
         self._encoder = msgspec.json.Encoder()
 
     async def page(self, request: Request) -> Response:

@@ -1,5 +1,5 @@
 """/metrics' engine series: the latest core heartbeat of each engine (`engine` label) and the
-supervisor's process table, read at scrape time by `EngineCollector`, which frontend/metrics.py
+supervisor's process table, read at scrape time by `EngineCollector`, which frontend/observability/metrics.py
 registers beside the frontend's own request metrics (the table there lists every series)."""
 
 from __future__ import annotations

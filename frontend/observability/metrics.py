@@ -26,9 +26,9 @@
                                vllm:request_queue_time_seconds,
                                vllm:request_prompt_tokens, vllm:request_generation_tokens,
                                zllm:tenant_requests_limited_total{tenant,limit}
-                               (frontend/tenant_limits.py),
+                               (frontend/access/tenant_limits.py),
                                zllm:tenant_prefix_cache_{queries,hits}_total{tenant}
-                               (frontend/tenant_prefix_hits.py)
+                               (frontend/observability/tenant_prefix_hits.py)
 
 Per-request numbers are observed per engine request (one prompt; a multi-prompt HTTP request
 is several), as the frontend receives its outputs:
@@ -44,7 +44,7 @@ is several), as the frontend receives its outputs:
 A request refused as invalid (a 4xx from the tokenizer or the core, such as a prompt that is
 too long) never ran and counts nowhere; it is still logged, as "rejected".
 
-Who reads /metrics decides which tenants' series it shows (frontend/access.py).
+Who reads /metrics decides which tenants' series it shows (frontend/access/permissions.py).
 
 The core-heartbeat metrics carry an `engine` label (as vLLM's do): one series per
 data-parallel engine ("0" with one). The frontend's own request metrics are the whole
@@ -62,9 +62,9 @@ from dataclasses import dataclass, field
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from zllm.frontend.dashboard import Dashboard, LatencyWindow, Timeline
-from zllm.frontend.engine_metrics import EngineCollector
-from zllm.frontend.tenant_prefix_hits import TenantPrefixHits
+from zllm.frontend.observability.dashboard import Dashboard, LatencyWindow, Timeline
+from zllm.frontend.observability.engine_metrics import EngineCollector
+from zllm.frontend.observability.tenant_prefix_hits import TenantPrefixHits
 from zllm.protocol import RequestOutputDelta, RequestTiming, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.tenants import DEFAULT_TENANT
@@ -113,7 +113,7 @@ class RequestTrace:
     last_token: dict[int, float] = field(default_factory=dict)  # per sample
     finish_reasons: dict[int, str] = field(default_factory=dict)  # per finished sample
     finish_reason: str | None = None  # the request's, once it ended
-    # A traced request's stage times (wall clock), from its final delta (frontend/tracing.py).
+    # A traced request's stage times (wall clock), from its final delta (frontend/observability/tracing.py).
     timing: RequestTiming | None = None
 
     @property

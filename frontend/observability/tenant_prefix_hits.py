@@ -6,7 +6,7 @@ engine requests (one per prompt, once it is scheduled) and
 responses' `usage.prompt_tokens_details.cached_tokens` add up to, so a tenant can check
 one against the other. The whole engine's `vllm:prefix_cache_{queries,hits}_total` count
 every lookup of every tenant (a preempted request's again); under tenant isolation a
-tenant's own view of /metrics has only these (frontend/access.py).
+tenant's own view of /metrics has only these (frontend/access/permissions.py).
 
 The frontend counts them, since it knows each request's tenant and cached tokens; the
 most recently counted `MAX_TENANTS` are kept (a tenant forgotten and back starts again

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from zllm.frontend.metrics import RequestTrace
+from zllm.frontend.observability.metrics import RequestTrace
 from zllm.protocol import RequestTiming, TokenizeRequest
 
 NS = 1_000_000_000

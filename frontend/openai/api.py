@@ -1,6 +1,6 @@
 """OpenAI's /v1/completions and /v1/chat/completions as `ApiCall`s: a body's prompts and
-SamplingParams (frontend/openai_format.py), its options, and the job that answers with
-OpenAI's choices (frontend/openai_choices.py), whole or as chunks."""
+SamplingParams (frontend/openai/format.py), its options, and the job that answers with
+OpenAI's choices (frontend/openai/choices.py), whole or as chunks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,21 @@ from typing import Any
 
 from zllm.errors import RequestError
 from zllm.frontend import options
-from zllm.frontend.api_models import (
+from zllm.frontend.generate import (
+    ApiCall,
+    ApiContext,
+    ChatPrompt,
+    GenerationJob,
+    RequestIds,
+)
+from zllm.frontend.openai.choices import ChatAssembler, CompletionAssembler
+from zllm.frontend.openai.format import (
+    chat_messages,
+    chat_params,
+    completion_params,
+    prompt_inputs,
+)
+from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -18,20 +32,6 @@ from zllm.frontend.api_models import (
     CompletionStreamResponse,
     DeltaMessage,
     UsageInfo,
-)
-from zllm.frontend.generate import (
-    ApiCall,
-    ApiContext,
-    ChatPrompt,
-    GenerationJob,
-    RequestIds,
-)
-from zllm.frontend.openai_choices import ChatAssembler, CompletionAssembler
-from zllm.frontend.openai_format import (
-    chat_messages,
-    chat_params,
-    completion_params,
-    prompt_inputs,
 )
 from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, keep_call_tags, plan_tools
 from zllm.protocol import RequestOptions

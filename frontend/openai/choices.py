@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zllm.frontend.api_models import (
+from zllm.frontend.openai.format import PromptInput
+from zllm.frontend.openai.logprobs import LogprobText, chat_logprobs, completion_logprobs
+from zllm.frontend.openai.protocol import (
     ChatChoice,
     ChatLogprobs,
     ChatResponseMessage,
@@ -26,9 +28,7 @@ from zllm.frontend.api_models import (
     ToolCallMessage,
     UsageInfo,
 )
-from zllm.frontend.logprobs import LogprobText, chat_logprobs, completion_logprobs
-from zllm.frontend.openai_format import PromptInput
-from zllm.frontend.responses import check_failed
+from zllm.frontend.replies import check_failed
 from zllm.frontend.tools import ChoiceParser
 from zllm.protocol import LogprobsLists, RequestOutputDelta
 

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from zllm.errors import ParamError, RequestError
-from zllm.frontend.api_models import (
+from zllm.frontend.generate import ApiCall, ApiContext, GenerationJob, RequestIds
+from zllm.frontend.openai.format import prompt_inputs
+from zllm.frontend.openai.protocol import (
     EmbeddingData,
     EmbeddingsRequest,
     EmbeddingsResponse,
     EmbeddingsUsage,
 )
-from zllm.frontend.generate import ApiCall, ApiContext, GenerationJob, RequestIds
-from zllm.frontend.openai_format import prompt_inputs
-from zllm.frontend.responses import check_failed
+from zllm.frontend.replies import check_failed
 from zllm.protocol import RequestOutputDelta
 from zllm.sampling_params import SamplingParams
 

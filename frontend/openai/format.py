@@ -1,7 +1,7 @@
 """From OpenAI request bodies to what the engine runs: the prompts of a completions
 request, chat messages as the template sees them, and SamplingParams (a bad value is a 400
-naming the request's own field). No I/O here: frontend/openai_api.py drives these, and the
-answers go back through frontend/openai_choices.py.
+naming the request's own field). No I/O here: frontend/openai/api.py drives these, and the
+answers go back through frontend/openai/choices.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from zllm.config.generation import SamplingDefaults
 from zllm.errors import ParamError, RequestError
-from zllm.frontend.api_models import (
+from zllm.frontend.openai.protocol import (
     MAX_LOGPROBS,
     MAX_PROMPTS,
     ChatCompletionRequest,

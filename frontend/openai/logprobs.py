@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from zllm.frontend.api_models import (
+from zllm.frontend.openai.protocol import (
     ChatLogprob,
     ChatTopLogprob,
     CompletionLogprobs,

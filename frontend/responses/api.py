@@ -1,8 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), stateless: a Responses request becomes the
-chat request zllm serves (frontend/responses_input.py: input items as turns, function tools,
+chat request zllm serves (frontend/responses/input.py: input items as turns, function tools,
 tool_choice, text.format as response_format), so tools, structured outputs and reasoning go
 through the same grammar and parsers as chat (frontend/tools.py); the answer comes back as
-output items, whole or as OpenAI's stream of events (frontend/responses_output.py).
+output items, whole or as OpenAI's stream of events (frontend/responses/output.py).
 
 zllm keeps no conversation state: `previous_response_id`, and `store: true`, are 400s. So is
 every other field of the API zllm does not implement (`UNSUPPORTED`, and the values
@@ -18,11 +18,11 @@ from msgspec import Meta
 
 from zllm.errors import RequestError
 from zllm.frontend import options
-from zllm.frontend.api_models import ChatCompletionRequest
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
-from zllm.frontend.openai_api import tooled_chat_params
-from zllm.frontend.openai_format import chat_messages
-from zllm.frontend.responses_input import (
+from zllm.frontend.openai.api import tooled_chat_params
+from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.protocol import ChatCompletionRequest
+from zllm.frontend.responses.input import (
     FunctionTool,
     FunctionToolChoice,
     ReasoningConfig,
@@ -32,7 +32,7 @@ from zllm.frontend.responses_input import (
     chat_tools,
     chat_turns,
 )
-from zllm.frontend.responses_output import ResponseAssembler, response_id
+from zllm.frontend.responses.output import ResponseAssembler, response_id
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.protocol import RequestOptions
 from zllm.text.template_kwargs import reasoning_parser_for
@@ -54,7 +54,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     # Text (one user turn), or items: message, function_call, function_call_output,
-    # reasoning (frontend/responses_input.py reads each by its type).
+    # reasoning (frontend/responses/input.py reads each by its type).
     input: str | Annotated[list[dict[str, Any]], Meta(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None

@@ -1,4 +1,4 @@
-"""What a Responses request asks, in the chat request's terms (frontend/responses_api.py
+"""What a Responses request asks, in the chat request's terms (frontend/responses/api.py
 builds that request; frontend/tools.py and the structured-output path then serve it as they
 serve chat):
 
@@ -28,7 +28,7 @@ import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
-from zllm.frontend.api_models import (
+from zllm.frontend.openai.protocol import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,

@@ -36,8 +36,8 @@ from typing import Any
 import msgspec
 
 from zllm.errors import RequestError
-from zllm.frontend.api_models import ToolCallDelta
-from zllm.frontend.responses import check_failed
+from zllm.frontend.openai.protocol import ToolCallDelta
+from zllm.frontend.replies import check_failed
 from zllm.frontend.tools import ChoiceParser, Piece
 from zllm.protocol import FinishReason, RequestOutputDelta
 

@@ -248,7 +248,7 @@ def main_accuracy(args: argparse.Namespace) -> int:
     q_out = [o.outputs[0].token_ids for o in quant.generate(reqs, greedy, use_tqdm=False)]
     if args.quantization == "gguf-int8":
         # Its integer path serves decode-sized calls only; score every position with it.
-        from zllm.executor.quantization import set_int8_max_rows
+        from zllm.executor.weights.quantization import set_int8_max_rows
 
         set_int8_max_rows(quant.model_runner.model, 1 << 30)
         # The fused decode step copied the row limit at load: the modules score from here on.

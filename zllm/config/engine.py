@@ -75,7 +75,7 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class KVOffloadConfig:
-    """KV cache tiers below the pool (core/kv_connector.py, executor/kv_connector.py): a
+    """KV cache tiers below the pool (core/kv_connector.py, executor/kv/connector.py): a
     cached prefix block evicted from the pool is stored to every tier, and a later request
     whose prefix hashes match loads it back instead of recomputing it. Each tier is LRU
     within its byte bound."""
@@ -104,7 +104,7 @@ class SchedulerConfig:
     # "fair": each tenant's weight (zllm/runtime/tenants.py names tenants); 1 for one not listed.
     tenant_weights: dict[str, float] = field(default_factory=dict)
     # Tenants' own limits from --tenant-weights' objects: read by the frontend's door
-    # (frontend/tenant_limits.py), not the scheduler; here because one flag gives both.
+    # (frontend/access/tenant_limits.py), not the scheduler; here because one flag gives both.
     tenant_limits: dict[str, TenantLimit] = field(default_factory=dict)
     # Pipeline stages the executor runs (EngineConfig.pipeline_parallel_size): with more
     # than one, a request is never scheduled while a step of it is in flight (stage 0 needs
@@ -211,7 +211,7 @@ class EngineConfig:
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # GPU: prefill and mixed steps replay graphs in pieces between attention calls too
-    # (executor/piecewise_graph.py; --cudagraph-mode full_and_piecewise).
+    # (executor/graphs/piecewise.py; --cudagraph-mode full_and_piecewise).
     piecewise_cuda_graphs: bool = False
     # Launch step N+1 before step N's tokens reach the host (executor/async_steps.py).
     async_executor: bool = False
@@ -226,21 +226,21 @@ class EngineConfig:
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig | None = None
     kv_offload: KVOffloadConfig | None = None  # None: no tiers below the KV pool
-    # Batch-invariant execution (executor/batch_invariant.py): a request's logprobs do not
+    # Batch-invariant execution (executor/kernels/batch_invariant.py): a request's logprobs do not
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora turns it on)
     # Sleep mode: LLM.sleep(level)/wake_up(tags), POST /sleep and /wake_up may release the KV
     # pool (level 1) or the weights too (level 2) while idle.
     enable_sleep_mode: bool = False
-    # Ranks the model is split over (executor/parallel.py): each an executor process.
+    # Ranks the model is split over (executor/ranks/parallel.py): each an executor process.
     # tensor_parallel_size ranks per pipeline stage, pipeline_parallel_size stages:
     # rank = stage * tensor_parallel_size + tensor-parallel rank.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # Where the ranks run: "mp", executor processes the supervisor starts on this host; "ray",
     # Ray actors placed on a Ray cluster's nodes with ray_placement_strategy (one executor
-    # process drives them: executor/ray_executor.py).
+    # process drives them: executor/ranks/ray_actors.py).
     distributed_executor_backend: str = "mp"
     ray_placement_strategy: str = "PACK"
     # Prefill/decode disaggregation (--kv-transfer-config; zllm/config/kv_transfer.py).

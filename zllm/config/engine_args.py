@@ -534,7 +534,7 @@ def _check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
     """What KV offload and disaggregation both ask of the engine: blocks named by their
     prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
     a step of its own: core/kv_prefetch.py; a draft model's KV moves with the target's:
-    executor/kv_pool.py.)"""
+    executor/kv/pool.py.)"""
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "

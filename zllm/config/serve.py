@@ -153,7 +153,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_request_body_bytes: int = 8 << 20
     # Put /metrics, /dashboard (and its stats) and /version behind a key too (/health stays
     # open, for load balancers): an --api-key, which under tenant isolation shows its own
-    # tenant's series only (frontend/access.py), or a metrics key, which shows every tenant's.
+    # tenant's series only (frontend/access/permissions.py), or a metrics key, which shows every tenant's.
     protect_metrics: bool = False
     metrics_api_keys: list[str] = []
     # CORS: origins allowed to call the API from a browser (none by default: CORS off).
@@ -163,7 +163,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # Template variables every chat request gets unless it sets them in chat_template_kwargs
     # (zllm/text/template_kwargs.py), e.g. {"enable_thinking": false}.
     default_chat_template_kwargs: dict[str, Any] | None = None
-    # The key that signs Anthropic thinking blocks (frontend/anthropic_thinking.py); None:
+    # The key that signs Anthropic thinking blocks (frontend/anthropic/thinking.py); None:
     # $ZLLM_CACHE/thinking-signature.key, made at first use.
     thinking_signature_key_file: str | None = None
     # How the model writes tool calls (zllm/text/tool_parsers.py); None: no tool_choice "auto".
@@ -178,7 +178,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     data_parallel_routing: str = "cache_aware"
     # "tenant": each tenant's prefix-cache blocks are its own (zllm/kv/block_hash.py); "none".
     prefix_cache_isolation: str = "none"
-    # Per-tenant limits at the door (frontend/tenant_limits.py): 429 beyond them.
+    # Per-tenant limits at the door (frontend/access/tenant_limits.py): 429 beyond them.
     tenant_max_concurrency: int | None = None
     tenant_max_requests_per_second: float | None = None
     # HTTPS (zllm/config/tls.py): the server's key and certificate, and the CAs whose client
@@ -188,7 +188,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     # OpenTelemetry: where the frontend exports one span tree per request (OTLP over HTTP,
-    # frontend/tracing.py); None: no tracing, and no process imports OpenTelemetry.
+    # frontend/observability/tracing.py); None: no tracing, and no process imports OpenTelemetry.
     otlp_traces_endpoint: str | None = None
     # Which engine a core or executor process belongs to (the supervisor's command line
     # sets it; the shared processes keep 0 and look at every engine).

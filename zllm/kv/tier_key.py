@@ -1,4 +1,4 @@
-"""The secret that authenticates the disk tier's block files (executor/kv_connector.py).
+"""The secret that authenticates the disk tier's block files (executor/kv/connector.py).
 
 Each file carries an HMAC-SHA256 of its header and bytes under this key, so a file edited by
 whoever can write `--kv-offload-dir` (with any checksum recomputed) fails its check, is

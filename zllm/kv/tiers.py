@@ -5,10 +5,10 @@
     disk   --kv-offload-dir/<layout>/   --kv-offload-disk-bytes   restarts of the same layout
     remote the executor's memory, filled kv_buffer_size of         nothing
            by a prefill instance        --kv-transfer-config
-           (disaggregation: executor/kv_transfer.py)
+           (disaggregation: executor/kv/transfer.py)
 
 The core keeps each tier's index (which block hashes it holds, LRU: core/kv_connector.py),
-the executor holds the bytes (executor/kv_connector.py). A block on disk is one file named
+the executor holds the bytes (executor/kv/connector.py). A block on disk is one file named
 by its block hash, under a directory named by a fingerprint of everything that decides a
 block's bytes (model file, dtype, block size, layout, quantization), so a directory shared
 by several models, or outliving a change of flags, never hands one of them another's KV;

@@ -2,7 +2,7 @@
 the wire.
 
 KV blocks on disk (`--kv-offload-dir`, zllm/kv/tiers.py) and blocks sent between servers
-(`--kv-transfer-config`, executor/kv_transfer.py) hold K and V that only the exact weights
+(`--kv-transfer-config`, executor/kv/transfer.py) hold K and V that only the exact weights
 that computed them may reuse. A file's name and size, or a directory's config.json, do not
 tell two models apart: weights replaced in place, or another model of the same name and
 size, would serve stale or foreign KV. So the fingerprint is SHA-256 over the contents of

@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from zllm.errors import RequestError
-from zllm.frontend.responses import error_response
+from zllm.frontend.replies import error_response
 from zllm.proxy.pairing import check_servers
 from zllm.runtime.tenants import TENANT_HEADER
 

@@ -1,6 +1,6 @@
 """`zllm proxy`'s check at start: the servers it fronts can pass KV blocks to each other.
 
-A decode server refuses blocks whose layout is not its own (executor/kv_transfer.py), and the
+A decode server refuses blocks whose layout is not its own (executor/kv/transfer.py), and the
 layout names the model by its weights fingerprint (zllm/model/fingerprint.py: the weights'
 contents, so two models with the same file name and size differ). A pair on other weights
 would still answer, every prompt computed twice and every block refused; the proxy refuses

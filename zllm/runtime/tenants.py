@@ -11,7 +11,7 @@
 every policy the core counts each tenant's requests and tokens for /metrics.
 
 --tenant-weights also takes a tenant's own door limits, which replace the global
---tenant-max-concurrency / --tenant-max-requests-per-second for it (frontend/tenant_limits.py):
+--tenant-max-concurrency / --tenant-max-requests-per-second for it (frontend/access/tenant_limits.py):
 
     {"key-1": {"weight": 3, "max_concurrency": 4, "max_requests_per_second": 10}, "alice": 2}
 
@@ -54,7 +54,7 @@ def check_tenant_name(name: str, param: str = "X-Tenant") -> str:
 
 
 class TenantLimit(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One tenant's own limits at the door (frontend/tenant_limits.py); None: the global
+    """One tenant's own limits at the door (frontend/access/tenant_limits.py); None: the global
     flag's (--tenant-max-concurrency, --tenant-max-requests-per-second)."""
 
     max_concurrency: int | None = None

@@ -11,7 +11,7 @@ A request carries `SamplingParams.structured_outputs`, vLLM's shape: exactly one
 `grammar_of` turns it into an llguidance grammar; `check_structured_outputs` compiles it once
 (in the tokenizer worker, or `LLM` offline) so a grammar that cannot compile is a ParamError,
 a 400 naming the problem, before anything is scheduled. The executor builds the token-level
-matcher from the same grammar text (executor/structured_output.py).
+matcher from the same grammar text (executor/sample/structured_output.py).
 
 llguidance (the grammar library) is one dependency-free wheel: it keeps torch out of the
 processes that import this module. No torch here.

@@ -8,7 +8,7 @@ the engine writes the end-of-thinking marker for it (Anthropic's `thinking.budge
 tokens (the executor feeds it each token it keeps, so it is never a step behind, with
 continuous batching, streaming and preemption alike: a recomputed or forked sequence's
 tracker is rebuilt from its output) and says which token the next position must be. The
-executor's logits processor then allows that token only (executor/logits_processors.py).
+executor's logits processor then allows that token only (executor/sample/logits_processors.py).
 No torch here.
 """
 
