@@ -15,7 +15,7 @@ from paged_reference import (
     random_tables,
 )
 
-from zllm.executor.attention.paged import cuda_prefill as cp
+from zllm.executor.attention import cuda_prefill as cp
 
 # (dtype, heads, kv_heads, head_dim, block_size, (query count, context length) per prefilling
 # sequence, sliding window): whole prompts, chunks after cached context (chunked prefill, a

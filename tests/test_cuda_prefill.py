@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
-from zllm.executor.attention.paged import cuda_prefill as cp  # noqa: E402
+from zllm.executor.attention import cuda_prefill as cp  # noqa: E402
 from zllm.executor.kernels import cuda as ck  # noqa: E402
 
 DEVICE = torch.device("cuda")

@@ -409,7 +409,7 @@ ROUTES = {
 
 def request_model(name: str):
     from zllm.frontend.openai import protocol as api_models
-    from zllm.frontend.replies import api as responses_api
+    from zllm.frontend.responses import api as responses_api
 
     return getattr(api_models, name, None) or getattr(responses_api, name)
 

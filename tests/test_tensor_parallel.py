@@ -387,8 +387,8 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
     from zllm import LLM
     from zllm.executor import offline
     from zllm.executor.model_host import ModelHost
-    from zllm.executor.ranks.processes import parallel
-    from zllm.executor.ranks.processes import processes as ranks
+    from zllm.executor.ranks import parallel
+    from zllm.executor.ranks import processes as ranks
 
     started: list = []
 
