@@ -2,7 +2,7 @@
 `zllm serve` on the tiny model, over HTTP and with the official openai client.
 
   refused     fields of OpenAI's chat/completions schemas zllm does not implement: a 400
-              "unsupported parameter: X" (README lists them); null counts as unset
+              "unsupported parameter: X" (docs/serving.md lists them); null counts as unset
   held        store=false, modalities=["text"], metadata, service_tier, prompt_cache_key,
               safety_identifier, best_of == n, unknown fields (ignored with a warning)
   honoured    logit_bias, prompt_logprobs in chat, continuous usage stats, stop strings kept

@@ -389,13 +389,15 @@ def documented_commands(path: Path) -> list[list[str]]:
 
 
 def test_documented_deployment_commands_start_on_smollm2(smollm2_path):
-    """Every `zllm serve` command docs/deploy.md shows, and the README's for SmolLM2, is one
-    the server takes: parsed by its parser and its config built as `zllm serve` builds it,
-    against the cached SmolLM2 (a tensor-parallel size its 9 heads refuse fails here);
-    `zllm proxy` commands parse."""
+    """Every `zllm serve` command docs/deploy.md shows, and those for SmolLM2 the README and
+    the other docs pages show, is one the server takes: parsed by its parser and its config
+    built as `zllm serve` builds it, against the cached SmolLM2 (a tensor-parallel size its
+    9 heads refuse fails here); `zllm proxy` commands parse."""
     root = Path(__file__).parent.parent
-    commands = documented_commands(root / "docs" / "deploy.md") + [
-        argv for argv in documented_commands(root / "README.md") if "smollm2" in argv
+    deploy = root / "docs" / "deploy.md"
+    others = [root / "README.md", *sorted(set((root / "docs").glob("*.md")) - {deploy})]
+    commands = documented_commands(deploy) + [
+        argv for page in others for argv in documented_commands(page) if "smollm2" in argv
     ]
     served = 0
     for argv in commands:
@@ -408,4 +410,4 @@ def test_documented_deployment_commands_start_on_smollm2(smollm2_path):
         config = serve_config_from_args(args)
         assert config.engine.world_size == args.tensor_parallel_size * args.pipeline_parallel_size
         served += 1
-    assert served >= 12, commands  # the doc's and README's serve commands were all found
+    assert served >= 12, commands  # the docs' serve commands were all found

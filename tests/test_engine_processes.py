@@ -254,11 +254,12 @@ def test_killed_worker_is_restarted_and_nothing_hangs(engine, role):
 
 @pytest.mark.e2e
 def test_requests_held_by_a_dead_tokenizer_are_resent(engine, offline):
-    """README: "a tokenizer's lost requests are re-sent". Tokenizer 0 is stopped (SIGSTOP),
-    so that of 8 requests the frontend pushes round-robin, those for it wait unread in its
-    socket; once the others are answered it is killed while holding them. All 8 are then
-    answered in full: its requests, which had produced nothing, were sent again. (The
-    kill test above fires after tokenization, when nothing is left in a tokenizer.)"""
+    """docs/correctness.md: "a tokenizer's lost requests are re-sent". Tokenizer 0 is
+    stopped (SIGSTOP), so that of 8 requests the frontend pushes round-robin, those for it
+    wait unread in its socket; once the others are answered it is killed while holding
+    them. All 8 are then answered in full: its requests, which had produced nothing, were
+    sent again. (The kill test above fires after tokenization, when nothing is left in a
+    tokenizer.)"""
     loop, llm = engine
     victim = next(c for c in llm._supervisor.children if c.role == "tokenizer" and c.index == 0)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -12,7 +12,7 @@ tools template, a think block the request can switch off, --reasoning-parser dee
            reasoning; every streamed event against its own schema), error bodies.
   walk     every top-level property of CreateChatCompletionRequest, CreateCompletionRequest,
            CreateResponse, CreateEmbeddingRequest and anthropic's MessageCreateParams is
-           declared by zllm's request model and not ignored, listed in README.md as held by
+           declared by zllm's request model and not ignored, listed in docs/serving.md as held by
            design, or refused: a 400 naming it when it is sent with a schema-valid value.
 """
 
@@ -346,11 +346,11 @@ def test_error_bodies_of_other_statuses(server) -> None:
 
 
 def held_by_design() -> set[str]:
-    """The names README.md lists as accepted and ignored by design (its paragraph that
-    begins so): the doc and this test read one list."""
-    readme = (ROOT.parent / "README.md").read_text()
-    match = re.search(r"^Accepted and ignored by design.*?(?=\n\n)", readme, re.M | re.S)
-    assert match, "README.md lost its 'Accepted and ignored by design' paragraph"
+    """The names docs/serving.md lists as accepted and ignored by design (its paragraph
+    that begins so): the doc and this test read one list."""
+    serving = (ROOT.parent / "docs" / "serving.md").read_text()
+    match = re.search(r"^Accepted and ignored by design.*?(?=\n\n)", serving, re.M | re.S)
+    assert match, "docs/serving.md lost its 'Accepted and ignored by design' paragraph"
     listed = match.group(0).split(" (", 1)[0]  # the names, before the reasons
     return set(re.findall(r"`([a-z_]+)`", listed))
 
@@ -465,7 +465,7 @@ def test_no_anthropic_field_is_silently_ignored(server) -> None:
 
 
 def test_held_fields_are_schema_fields() -> None:
-    """The README's list names only fields of the schemas walked (so it cannot hold a name
+    """docs/serving.md's list names only fields of the schemas walked (so it cannot hold a name
     that excuses nothing), and each is declared by the request models that hold it."""
     from anthropic.types import message_create_params
 
