@@ -15,22 +15,18 @@ then one chat completion through a real `zllm serve`.
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf_files import LLAMA3_ROPE, llama3_rope_factors, write_llama3_gguf
 from parity import assert_greedy_parity, hf_greedy
 from servers import start_server, stop_server
-from test_gguf_types import write_tokenizer
-from test_loader import llama_cpp_permute
-from tiny_models import CHAT_TEMPLATE, arch_config_of, tiny_hf_config, write_tiny_model
+from tiny_models import arch_config_of, tiny_hf_config, write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import ModelArchConfig
@@ -47,14 +43,6 @@ SHORT_FACTORS = [1.0, 1.3, 1.9, 2.5]
 LONG_FACTORS = [1.0, 2.0, 5.0, 11.0]
 LONGROPE = dict(rope_type="longrope", short_factor=SHORT_FACTORS, long_factor=LONG_FACTORS)
 SHORT_CONTEXT = 8  # original_max_position_embeddings of phi3-longrope; every prompt is longer
-# Llama 3.1's rope_scaling, at the tiny model's scale: 7 of head_dim 16's 8 frequencies change.
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=64,
-)
 
 # write_tiny_model overrides per model directory (the GGUF is written from an HF model).
 MODEL_DIRS: dict[str, dict[str, Any]] = {
@@ -91,11 +79,11 @@ def models(tmp_path_factory) -> Callable[[str], Model]:
     def get(case: str) -> Model:
         if case not in built:
             directory = tmp_path_factory.mktemp(case)
-            built[case] = (
-                write_llama3_gguf(directory / "tiny-llama3.gguf")
-                if case == "llama3-gguf"
-                else load_model_dir(write_tiny_model(directory, **MODEL_DIRS[case]))
-            )
+            if case == "llama3-gguf":
+                path = directory / "tiny-llama3.gguf"
+                built[case] = Model(str(path), write_llama3_gguf(path))
+            else:
+                built[case] = load_model_dir(write_tiny_model(directory, **MODEL_DIRS[case]))
         return built[case]
 
     return get
@@ -123,90 +111,6 @@ def check(model: Model, prompts: list[list[int]], outputs, label: str) -> None:
         ours = out.outputs[0].token_ids
         theirs = hf_greedy(model.hf, prompt, len(ours))
         assert_greedy_parity(model.hf, prompt, ours, theirs, label=f"{label}[{i}]")
-
-
-# ---------------------------------------------------------------------------------------------
-# The Llama 3.1-style GGUF
-
-
-def llama3_rope_factors(head_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    """What llama.cpp's converter stores as rope_freqs.weight for Llama 3.1's rope_scaling:
-    the divisor of each frequency, 1 for short wavelengths, `factor` for long ones, and
-    between them the inverse of the smooth blend."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelength = 2 * math.pi / inv_freq
-    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    smooth = (original / wavelength - low) / (high - low)
-    blended = 1 / ((1 - smooth) / factor + smooth)
-    factors = np.where(wavelength > original / low, factor, blended)
-    return np.where(wavelength < original / high, 1.0, factors).astype(np.float32)
-
-
-# HF module path -> llama.cpp tensor key, per layer.
-GGUF_LAYER_KEYS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def write_llama3_gguf(path: Path) -> Model:
-    """A tiny HF Llama with Llama 3.1 rope scaling, written as llama.cpp writes one (F32,
-    q/k rows permuted, the scaling as rope_freqs.weight); the HF model is the reference."""
-    writer = GGUFWriter(str(path), "llama")
-    vocab = write_tokenizer(writer)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    config = tiny_hf_config("llama", vocab_size=vocab, rope_parameters=dict(LLAMA3_ROPE))
-    from tiny_models import tiny_hf_model
-
-    hf = tiny_hf_model(config).eval()
-    head_dim = config.hidden_size // config.num_attention_heads
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    theta = config.rope_parameters["rope_theta"]
-    writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, theta, LLAMA3_ROPE))
-    for name, tensor in hf.state_dict().items():
-        gguf_name, heads = gguf_name_of(name, config)
-        if gguf_name is None:
-            continue
-        data = tensor.numpy().astype(np.float32)
-        writer.add_tensor(gguf_name, llama_cpp_permute(data, heads) if heads else data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Model(str(path), hf)
-
-
-def gguf_name_of(hf_name: str, config) -> tuple[str | None, int]:
-    """(llama.cpp's name, heads whose q/k rows it permutes, else 0); None: not written."""
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight", 0
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight", 0
-    if not hf_name.startswith("model.layers."):
-        return None, 0  # lm_head: tied to the embedding
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    heads = {
-        "self_attn.q_proj": config.num_attention_heads,
-        "self_attn.k_proj": config.num_key_value_heads,
-    }.get(module, 0)
-    return f"blk.{layer}.{GGUF_LAYER_KEYS[module]}.{kind}", heads
 
 
 # ---------------------------------------------------------------------------------------------

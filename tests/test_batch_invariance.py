@@ -181,7 +181,7 @@ def test_gguf_file_with_mixed_type_fused_matmuls_is_bitwise_identical(tmp_path) 
     """q/k Q4_1 beside v Q8_0: the fused qkv runs one kernel call per type (GGUFSplitLinear),
     which the mode must tile like any matmul (Q8_0's 1-2 row path differs from its panel)."""
     from gguf import GGMLQuantizationType as T
-    from test_gguf_types import write_llama_gguf
+    from gguf_files import write_llama_gguf
 
     path = tmp_path / "v8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0 if "attn_v" in name else T.Q4_1)

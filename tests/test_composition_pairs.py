@@ -146,7 +146,7 @@ def test_the_cpu_tier_composes_with(tiny_llama_dir, lora, tmp_path, pair):
     path = tiny_llama_dir
     if pair == "gguf-blocks":
         from gguf import GGMLQuantizationType as T
-        from test_gguf_types import write_llama_gguf
+        from gguf_files import write_llama_gguf
 
         path = str(tmp_path / "q8.gguf")
         write_llama_gguf(tmp_path / "q8.gguf", lambda name: T.Q8_0)
@@ -285,7 +285,7 @@ def test_pairs_answer_as_their_reference(tiny_llama_dir, lora, tmp_path, pair):
     path = tiny_llama_dir
     if model == "gguf":
         from gguf import GGMLQuantizationType as T
-        from test_gguf_types import write_llama_gguf
+        from gguf_files import write_llama_gguf
 
         path = str(tmp_path / "q8.gguf")
         write_llama_gguf(tmp_path / "q8.gguf", lambda name: T.Q8_0)
@@ -429,6 +429,7 @@ def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
     sleep and wake, and the pair answers the same again, loading the new prompts from the
     transfer; a beam search through the proxy gives the producer's own beams."""
     from gguf import GGMLQuantizationType as T
+    from gguf_files import write_llama_gguf
     from servers import free_port, wait_until
     from test_disaggregation import (
         PROMPTS,
@@ -437,7 +438,6 @@ def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
         remote_hits,
         served_pair,
     )
-    from test_gguf_types import write_llama_gguf
 
     path = tmp_path / "q8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
-from test_gguf_types import write_llama_gguf
+from gguf_files import write_llama_gguf
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize, quantize
-from test_gguf_types import random_blocks
+from gguf_files import random_blocks
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels

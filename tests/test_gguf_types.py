@@ -8,7 +8,6 @@ matmuls, and how one fused matmul reads parts stored in different types.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from functools import cache
@@ -17,22 +16,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
+from gguf_files import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    MIXED_TYPES,
+    gguf_dequantizes,
+    llama_cpp_permute,
+    write_llama_gguf,
+)
 from parity import assert_greedy_parity, hf_greedy
-from test_loader import llama_cpp_permute
-from tiny_models import build_tiny_tokenizer
 
 from zllm import LLM, SamplingParams
 from zllm.executor.weights.blocks import gguf_kernel_plan
 from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
-
-HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
-HEAD_DIM = HIDDEN // HEADS
-WEIGHT_STD = 0.08
 
 # Every type gguf-py dequantizes (test_the_list_is_every_type_gguf_py_dequantizes keeps it so).
 DEQUANTIZABLE = [
@@ -44,139 +46,8 @@ DEQUANTIZABLE = [
     T.TQ1_0, T.TQ2_0, T.MXFP4, T.NVFP4,
 ]  # fmt: skip
 
-# Byte offsets of the fp16 scales in one block, for types gguf-py cannot quantize: random
-# bytes elsewhere are bounded integers (quants, sub-block scales), so the values stay finite.
-F16_SCALE_OFFSETS = {
-    T.Q2_K: (80, 82),
-    T.Q3_K: (108,),
-    T.Q4_K: (0, 2),
-    T.Q5_K: (0, 2),
-    T.Q6_K: (208,),
-    T.IQ4_NL: (0,),
-    T.IQ4_XS: (0,),
-    T.IQ2_XXS: (0,),
-    T.IQ2_XS: (0,),
-    T.IQ2_S: (0,),
-    T.IQ3_XXS: (0,),
-    T.IQ3_S: (0,),
-    T.IQ1_S: (0,),
-}
-
-
 # ---------------------------------------------------------------------------------------------
-# Writing the files
-
-
-def matrix_shapes(vocab: int) -> dict[str, tuple[int, int]]:
-    """GGUF name -> (rows, columns) of every matrix of the tiny model (untied logits)."""
-    kv = KV_HEADS * HEAD_DIM
-    per_layer = {
-        "attn_q": (HIDDEN, HIDDEN),
-        "attn_k": (kv, HIDDEN),
-        "attn_v": (kv, HIDDEN),
-        "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (FFN, HIDDEN),
-        "ffn_up": (FFN, HIDDEN),
-        "ffn_down": (HIDDEN, FFN),
-    }
-    shapes = {"token_embd.weight": (vocab, HIDDEN), "output.weight": (vocab, HIDDEN)}
-    for i in range(LAYERS):
-        shapes |= {f"blk.{i}.{key}.weight": shape for key, shape in per_layer.items()}
-    return shapes
-
-
-def stored_matrix(shape: tuple[int, int], ggml_type: T, rng: np.random.Generator) -> np.ndarray:
-    """What the file holds for a matrix of `shape` in `ggml_type`: floats or raw blocks."""
-    if not gguf_dequantizes(ggml_type):  # only for load errors: its values are never read
-        return random_bytes(shape, ggml_type, rng).reshape(shape[0], -1)
-    if ggml_type in F16_SCALE_OFFSETS or ggml_type in (T.IQ1_M, T.NVFP4):
-        return random_blocks(shape, ggml_type, rng)
-    weights = (rng.standard_normal(shape) * WEIGHT_STD).astype(np.float32)
-    return weights if ggml_type == T.F32 else quantize(weights, ggml_type)
-
-
-def random_blocks(shape: tuple[int, int], ggml_type: T, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks, their scales set so the values spread about WEIGHT_STD around zero
-    (a model whose weights share one sign answers every prompt with the same token)."""
-    blocks = random_bytes(shape, ggml_type, rng)
-    if ggml_type == T.NVFP4:  # four E4M3 scales: exponents 2-4 give 2^-6..2^-3 (times 1/2)
-        blocks[:, :4] = rng.integers(2, 5, (len(blocks), 4)) << 3 | rng.integers(0, 8, (1, 4))
-        return blocks.reshape(shape[0], -1)
-    d = rng.uniform(0.5, 1.5, len(blocks))
-    scales = [d]
-    if len(F16_SCALE_OFFSETS.get(ggml_type, ())) == 2:  # d * scale * q - dmin * min: centre it
-        one, zero = np.ones_like(d), np.zeros_like(d)
-        scaled = dequantize(set_scales(blocks, ggml_type, one, zero), ggml_type).mean()
-        offset = -dequantize(set_scales(blocks, ggml_type, zero, one), ggml_type).mean()
-        scales.append(d * scaled / offset)
-    spread = dequantize(set_scales(blocks, ggml_type, *scales), ggml_type).std()
-    set_scales(blocks, ggml_type, *(s * WEIGHT_STD / spread for s in scales))
-    return blocks.reshape(shape[0], -1)
-
-
-def random_bytes(shape: tuple[int, int], ggml_type: T, rng: np.random.Generator) -> np.ndarray:
-    """[blocks, bytes per block] of random bytes for a `shape` matrix."""
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    return rng.integers(0, 256, (shape[0] * shape[1] // block_size, type_size), np.uint8)
-
-
-def set_scales(blocks: np.ndarray, ggml_type: T, *scales: np.ndarray) -> np.ndarray:
-    """Write each block's fp16 scales (d, then dmin where the type has one); returns blocks."""
-    if ggml_type == T.IQ1_M:  # d's four nibbles top the block's last four uint16s
-        bits = scales[0].astype(np.float16).view(np.uint16)
-        for k, byte in enumerate((49, 51, 53, 55)):
-            blocks[:, byte] = blocks[:, byte] & 0x0F | ((bits >> 4 * k) & 0xF) << 4
-        return blocks
-    for offset, values in zip(F16_SCALE_OFFSETS[ggml_type], scales, strict=True):
-        blocks[:, offset : offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks
-
-
-def write_tokenizer(writer: GGUFWriter) -> int:
-    """The tiny byte-level BPE as GGUF metadata; returns the vocabulary size."""
-    model = json.loads(build_tiny_tokenizer().to_str())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
-    special = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges([" ".join(pair) for pair in model["merges"]])
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    return len(tokens)
-
-
-def write_llama_gguf(path: Path, type_of: Callable[[str], T], seed: int = 0) -> dict:
-    """A tiny Llama GGUF whose matrix `name` is stored in `type_of(name)`; norms are F32.
-    Returns GGUF name -> (type, what was written), the reference for dequantization."""
-    rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    vocab = write_tokenizer(writer)
-    stored = {}
-    for name, shape in matrix_shapes(vocab).items():
-        ggml_type = type_of(name)
-        data = stored_matrix(shape, ggml_type, rng)
-        raw_dtype = None if data.dtype in (np.float32, np.float16) else ggml_type
-        writer.add_tensor(name, data, raw_dtype=raw_dtype)
-        stored[name] = (ggml_type, data)
-    norms = ["output_norm.weight"]
-    norms += [f"blk.{i}.{n}.weight" for i in range(LAYERS) for n in ("attn_norm", "ffn_norm")]
-    for name in norms:
-        writer.add_tensor(name, rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return stored
+# The files (tests/gguf_files.py writes them)
 
 
 @pytest.fixture(scope="module")
@@ -193,15 +64,6 @@ def gguf_of_type(tmp_path_factory: pytest.TempPathFactory) -> Callable:
 
 # ---------------------------------------------------------------------------------------------
 # Loading: bit for bit what gguf-py dequantizes
-
-
-def gguf_dequantizes(ggml_type: T) -> bool:
-    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-    try:
-        dequantize(np.zeros((1, 256 // block_size * type_size), np.uint8), ggml_type)
-    except NotImplementedError:
-        return False
-    return True
 
 
 def test_the_list_is_every_type_gguf_py_dequantizes() -> None:
@@ -298,27 +160,6 @@ def test_greedy_matches_transformers_on_kernel_types(gguf_of_type, ggml_type) ->
 # ---------------------------------------------------------------------------------------------
 # Files mixing types: the kernel serves what it can, fp32 the rest; asked for, it refuses
 
-# Like llama.cpp's Q4_K_M and the Gemma 3 270M file (Q4_K and Q6_K beside Q5_0 and Q8_0, q/k
-# and v of different types), with types the kernel does not read (Q3_K, IQ4_XS, Q2_K).
-MIXED_TYPES = {
-    "blk.0.attn_q": T.Q8_0,
-    "blk.0.attn_k": T.Q8_0,
-    "blk.0.attn_v": T.Q8_0,
-    "blk.0.attn_output": T.Q3_K,
-    "blk.0.ffn_gate": T.Q4_1,
-    "blk.0.ffn_up": T.Q4_1,
-    "blk.0.ffn_down": T.IQ4_XS,
-    "blk.1.attn_q": T.Q5_0,
-    "blk.1.attn_k": T.Q5_0,
-    "blk.1.attn_v": T.Q8_0,
-    "blk.1.attn_output": T.Q4_K,
-    "blk.1.ffn_gate": T.Q4_K,
-    "blk.1.ffn_up": T.Q5_K,
-    "blk.1.ffn_down": T.Q6_K,
-    "token_embd": T.Q4_K,
-    "output": T.Q2_K,
-}
-
 
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -370,7 +211,7 @@ def test_fused_matmul_of_two_kernel_types_runs_one_call_per_type(tmp_path: Path)
 
 
 def test_file_without_kernel_types_runs_fp32_and_says_why(gguf_of_type, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="zllm.executor.model_host")
+    caplog.set_level(logging.INFO, logger="zllm.executor.weights.model_weights")
     path, _ = gguf_of_type(T.Q3_K)
     assert tiny_llm(path).model_runner.quantization == "none"
     assert (

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_files import llama_cpp_permute
 from tiny_models import tiny_hf_config, tiny_hf_model
 
 from zllm.executor.weights.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
@@ -23,16 +24,6 @@ def test_smollm2_weights_match_transformers(smollm2_path: str, smollm2_hf) -> No
     for name, tensor in ours.items():
         assert tensor.dtype == torch.float32 and tensor.device.type == "cpu", name
         assert torch.equal(tensor, expected[name]), name
-
-
-def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows, written from its description."""
-    head_dim = weight.shape[0] // n_heads
-    return (
-        weight.reshape(n_heads, 2, head_dim // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
 
 
 @pytest.mark.parametrize("shape", [(3 * 8, 5), (3 * 8,)])

@@ -432,7 +432,7 @@ def test_a_stage_reads_only_its_own_layers_weights(tiny_llama_dir, tmp_path):
     """load_weights and gguf_raw_weights with a stage's layers: that layer's tensors and
     every tensor outside the layers, equal to a whole read's (safetensors and GGUF)."""
     import torch
-    from test_architectures import write_llama3_gguf
+    from gguf_files import write_llama3_gguf
 
     from zllm.executor.weights.loader import gguf_raw_weights, layer_of, load_weights
     from zllm.model.arch import read_arch_config

@@ -270,9 +270,9 @@ def test_ray_ranks_serve_a_hybrid_model_and_a_gguf_file(cluster, tmp_path, case)
     of one Ray rank actor each. Greedy answers equal the offline engine's on the same layout
     of rank processes (one rank for each engine of the second)."""
     from gguf import GGMLQuantizationType as T
+    from gguf_files import write_llama_gguf
     from test_composition_pairs import assert_every_engine_served
     from test_disaggregation import greedy
-    from test_gguf_types import write_llama_gguf
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
     from zllm import LLM, SamplingParams

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_gguf_types import MIXED_TYPES, write_llama_gguf
+from gguf_files import MIXED_TYPES, write_llama_gguf
 from tiny_models import write_tiny_model
 from torch import nn
 
