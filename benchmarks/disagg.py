@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from zllm.config.serve import free_ports
+from zllm.runtime.procutil import free_ports
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:

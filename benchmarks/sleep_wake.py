@@ -90,7 +90,7 @@ def served(args: argparse.Namespace) -> dict:
     """The served measurement (--serve): one server, each level `repeats` times."""
     import httpx
 
-    from zllm.config.serve import free_ports
+    from zllm.runtime.procutil import free_ports
 
     port = free_ports(1)[0]
     command = [

@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="for the per-step floor")
     parser.add_argument("--iters", type=int, default=200)
     args = parser.parse_args()
-    from zllm.config.serve import free_ports
+    from zllm.runtime.procutil import free_ports
 
     print(f"cores: {len(os.sched_getaffinity(0))}; hidden {args.hidden}, vocab {args.vocab}")
     print("| ranks | rows | all-reduce us | all-gather (logits) us | per step ms (2 L + 1) |")

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import msgspec
 
 from zllm.config.engine import EngineConfig, check_request_options
-from zllm.config.serve import detokenizer_index
+from zllm.config.kv_layout import block_bytes, blocks_on_every_rank
 from zllm.core.block_manager import BlockManager
 from zllm.core.executors import Executor, ExecutorTimeout
 from zllm.core.kv_connector import TieredKVConnector
@@ -47,7 +47,6 @@ from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv.cache_groups import kv_cache_groups
-from zllm.kv.tiers import block_bytes, blocks_on_every_rank
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     SLEEP_TAGS,
@@ -67,6 +66,7 @@ from zllm.protocol import (
     SchedulerOutput,
     StageStats,
 )
+from zllm.runtime.messaging import detokenizer_index
 
 MAX_STEPS_IN_FLIGHT = 2
 

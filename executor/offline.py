@@ -100,7 +100,7 @@ def start_offline_executor(config: EngineConfig) -> InProcessExecutor | RankProc
     """The offline engine's executor: rank 0's ModelRunner in this process and, with several
     ranks, the processes of ranks 1..N-1 it forwards each step to (stopped when the executor
     is collected, or at exit)."""
-    from zllm.config.serve import free_ports
+    from zllm.runtime.procutil import free_ports
 
     if config.world_size == 1:
         return InProcessExecutor(ModelRunner(config))

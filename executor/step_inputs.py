@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention.backend import StepAttentionMetadata
 from zllm.executor.attention.metadata import stack_tables
 from zllm.executor.host_to_device import to_device
 from zllm.executor.request_state import RequestState
 from zllm.kv.cache_groups import KVCacheGroup
+from zllm.model.arch_config import ModelArchConfig
 from zllm.protocol import SchedulerOutput
 
 if TYPE_CHECKING:

@@ -44,6 +44,7 @@ from zllm.frontend.openai.protocol import StreamOptions, UsageInfo
 from zllm.frontend.replies import DONE_EVENT, error_event, json_response, sse_event
 from zllm.frontend.streaming import merge, sse_response, until_disconnect
 from zllm.protocol import (
+    DEFAULT_TENANT,
     NO_OPTIONS,
     RequestOptions,
     RequestOutputDelta,
@@ -51,7 +52,6 @@ from zllm.protocol import (
     TokenizeRequest,
 )
 from zllm.runtime.engine_client import EngineClient
-from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
 from zllm.text.tokenizer import Tokenizer
 

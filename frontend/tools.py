@@ -33,9 +33,8 @@ from zllm.frontend.openai.protocol import (
     NamedToolChoice,
     ToolCallDelta,
 )
-from zllm.sampling_params import SamplingParams
+from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 from zllm.text.reasoning_parser import REASONING_PARSERS
-from zllm.text.structured_outputs import StructuredOutputsParams
 from zllm.text.tokenizer import Tokenizer
 from zllm.text.tool_parsers import TOOL_PARSERS, make_tool_call_id
 

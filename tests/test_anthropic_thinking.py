@@ -23,7 +23,8 @@ from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm.frontend.anthropic.thinking import ThinkingSigner
-from zllm.text.thinking_budget import ThinkingBudget, ThinkingTracker
+from zllm.sampling_params import ThinkingBudget
+from zllm.text.thinking_budget import ThinkingTracker
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

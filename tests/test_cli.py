@@ -15,9 +15,10 @@ from tiny_models import write_lora_adapter
 from zllm.cli import build_parser, serve_config_from_args
 from zllm.config.arg_utils import flag_name, flag_of, format_size, parse_size
 from zllm.config.engine_args import EngineArgs, engine_args_from
-from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
+from zllm.config.serve import ServeConfig, ServerArgs
+from zllm.config.tenants import TenantPolicy
 from zllm.lora import LoRARequest, with_digest
-from zllm.runtime.tenants import TenantPolicy
+from zllm.runtime.launch import serve_config_from
 
 # Every engine option away from its default, and the flags that say so.
 ENGINE = EngineArgs(

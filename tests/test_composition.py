@@ -232,8 +232,9 @@ def test_tensor_parallel_ranks_keep_a_disk_tier_each_and_agree_on_a_failed_load(
     of one block is then damaged: its load fails there and succeeds on rank 0; the ranks
     recompute the block together (what failed on any rank), so the tokens are still one
     rank's, and the core counts one failed load."""
+    from zllm.config.kv_layout import tier_directory
     from zllm.kv.block_hash import hash_full_blocks
-    from zllm.kv.tiers import TIER_DISK, block_file_name, tier_directory
+    from zllm.kv.tiers import TIER_DISK, block_file_name
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first = {"prompt_token_ids": list(range(5, 45))}  # 10 blocks of 4

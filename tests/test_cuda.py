@@ -558,7 +558,7 @@ def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
     import re
 
     from zllm import SamplingParams
-    from zllm.text.structured_outputs import StructuredOutputsParams
+    from zllm.sampling_params import StructuredOutputsParams
 
     llm = make_llm(tiny_gpu_llama_dir, "cuda")
     regex = SamplingParams(

@@ -286,7 +286,8 @@ def test_kill_9_of_one_engine_fails_its_requests_and_the_other_serves_on(tiny_ll
 
 def test_data_parallel_takes_kv_transfers_and_ray(tiny_llama_dir):
     from zllm.config.engine_args import EngineArgs
-    from zllm.config.serve import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs
+    from zllm.runtime.launch import serve_config_from
 
     # KV transfers compose (test_disaggregation.py: each consumer engine has its own ports).
     for role in ("kv_producer", "kv_consumer"):

@@ -150,7 +150,8 @@ def test_engines_refuse_what_disaggregation_cannot_serve(tiny_llama_dir, tmp_pat
 
 def test_a_tensor_parallel_consumers_ports_must_fit_and_leave_the_http_port(tiny_llama_dir):
     """Rank r listens at kv_port + r: the range must be ports, and not the server's own."""
-    from zllm.config.serve import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs
+    from zllm.runtime.launch import serve_config_from
 
     last = {"kv_role": "kv_consumer", "kv_port": 65535}
     EngineArgs(model=tiny_llama_dir, kv_transfer_config=last).create_engine_config()

@@ -36,7 +36,8 @@ def test_a_data_parallel_consumers_engines_each_take_their_own_ports(tiny_llama_
     """Engine e's rank r listens at kv_port + e x ranks + r: the whole range must be ports
     and leave the HTTP port; a producer names the consumer's engines in its extra config and
     a consumer's are its --data-parallel-size."""
-    from zllm.config.serve import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs
+    from zllm.runtime.launch import serve_config_from
 
     config = KVTransferConfig(role="kv_consumer", port=9000)
     addresses = [config.engine_address(e, r, 2) for e in (0, 1, 2) for r in (0, 1)]

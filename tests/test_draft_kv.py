@@ -23,18 +23,11 @@ import torch
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
+from zllm.config.kv_layout import block_bytes, layout_fingerprint, tier_directory
 from zllm.executor.kv.connector import CpuTier, DiskTier, KVPool
 from zllm.executor.kv.quant import narrow
 from zllm.executor.kv.transfer import transfer_layout
-from zllm.kv.tiers import (
-    TIER_CPU,
-    TIER_DISK,
-    block_bytes,
-    block_file_name,
-    existing_disk_blocks,
-    layout_fingerprint,
-    tier_directory,
-)
+from zllm.kv.tiers import TIER_CPU, TIER_DISK, block_file_name, existing_disk_blocks
 
 BS = 4
 

@@ -20,11 +20,12 @@ from zllm.config.serve import Endpoints, ServeConfig
 from zllm.errors import RequestError
 from zllm.protocol import FrontendBatch, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.launch import ipc_endpoints
 
 
 @pytest.fixture
 def config(tiny_llama_dir) -> Iterator[ServeConfig]:
-    endpoints = Endpoints.ipc(num_detokenizers=1)
+    endpoints = ipc_endpoints(num_detokenizers=1)
     engine = EngineArgs(model=tiny_llama_dir).create_engine_config()
     yield ServeConfig(engine=engine, endpoints=endpoints)
     shutil.rmtree(endpoints.ipc_dir or "", ignore_errors=True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from zllm.config.engine import CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig
-from zllm.config.serve import detokenizer_index
+from zllm.config.engine import CacheConfig, EngineConfig, SchedulerConfig
 from zllm.core.engine_core import EngineCore
 from zllm.errors import ParamError
+from zllm.model.arch_config import ModelArchConfig
 from zllm.protocol import (
     EngineCoreRequest,
     FinishReason,
@@ -17,6 +17,7 @@ from zllm.protocol import (
     RequestRejected,
     SchedulerOutput,
 )
+from zllm.runtime.messaging import detokenizer_index
 from zllm.sampling_params import SamplingParams
 
 VOCAB = 100

@@ -11,8 +11,8 @@ from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
 from zllm.bench.kv import concurrent_sequences
-from zllm.config.engine import ModelArchConfig
 from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
+from zllm.model.arch_config import ModelArchConfig
 from zllm.protocol import EngineCoreRequest
 
 WINDOW = 8

@@ -141,8 +141,8 @@ def windowed_model(directory, kind: str) -> tuple[str, int, list, list]:
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
     from zllm.config.engine_args import EngineArgs
+    from zllm.config.kv_layout import block_bytes
     from zllm.kv.cache_groups import kv_cache_groups
-    from zllm.kv.tiers import block_bytes
 
     if kind == "gemma3":
         path = str(write_tiny_model(directory, **tiny_gemma3_overrides(8)))

@@ -16,11 +16,11 @@ import torch
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
+from zllm.config.kv_layout import block_bytes, layout_fingerprint
 from zllm.executor.attention.paged import AttentionMetadata, PagedAttention
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kv.quant import dequantize_rows, narrow, quantize_rows, widen
 from zllm.executor.kv.transfer import transfer_layout
-from zllm.kv.tiers import block_bytes, layout_fingerprint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 # The rounding a stored value takes: bf16 keeps 8 significant bits, fp16 11; int8 is off by

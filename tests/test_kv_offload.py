@@ -23,6 +23,7 @@ import torch
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import KVOffloadConfig, SchedulerConfig
+from zllm.config.kv_layout import tier_directory
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector, TierIndex
 from zllm.core.request import Request
@@ -37,7 +38,6 @@ from zllm.kv.tiers import (
     block_file_name,
     existing_disk_blocks,
     parse_block_file_name,
-    tier_directory,
 )
 from zllm.protocol import ModelRunnerOutput
 

@@ -1,10 +1,24 @@
 """The house rules on imports: a process folder imports only `zllm/` and itself, `zllm/`'s rooms
-import no process folder, and only the executor imports torch. (The running processes are
-checked in tests/test_server.py.)"""
+import no process folder and sit in layers, and only the executor imports torch. (The running
+processes are checked in tests/test_server.py.)
+
+`zllm/`'s rooms (each top-level module and each folder) are layers, bottom to top:
+
+    errors -> sampling_params -> protocol -> model -> text -> kv, lora -> config -> runtime
+           -> proxy, bench -> inputs, outputs -> llm, async_llm, cli
+
+A room imports only rooms below it: the wire (protocol) needs only what a request carries
+(its SamplingParams; LoRARequest and DEFAULT_TENANT live in it); the model's files and shape
+come before the text that tokenizes them, the KV and LoRA rules before the config that names
+them, the config before the runtime that starts processes from it, and the public face
+(`LLM`, `AsyncLLM`, the CLI) on top. An import inside a function counts like one at the top
+of a module (as does one under TYPE_CHECKING): it is still a dependency, so hiding one there
+does not break a cycle."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -82,4 +96,109 @@ def test_a_room_of_zllm_imports_no_process_folder(room):
                 continue
             if parts[1] in PROCESS_FOLDERS:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+# Bottom to top (the module's docstring): a room imports only rooms in layers below its own.
+LAYERS = (
+    {"errors"},
+    {"sampling_params"},
+    {"protocol"},
+    {"model"},
+    {"text"},
+    {"kv", "lora"},
+    {"config"},
+    {"runtime"},
+    {"proxy", "bench"},
+    {"inputs", "outputs"},
+    {"llm", "async_llm", "cli"},
+)
+
+
+def _imported_names(node: ast.AST, package: list[str]) -> Iterator[str]:
+    """The modules an import statement names, a relative one resolved against `package`;
+    `from a import b` names `a` and `a.b` (b may be a module)."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = package[: len(package) - node.level + 1] if node.level else []
+        module = ".".join([*base, *([node.module] if node.module else [])])
+        yield module
+        yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def room_imports() -> dict[str, dict[str, str]]:
+    """room -> {a room it imports: where it first does (path:line)}, over every import in
+    the room's files, inside functions included."""
+    graph: dict[str, dict[str, str]] = {room: {} for room in SHARED}
+    for path in sorted((ROOT / "zllm").rglob("*.py")):
+        parts = path.relative_to(ROOT / "zllm").parts
+        if parts == ("__init__.py",):  # the package's face, no room
+            continue
+        room = parts[0] if len(parts) > 1 else path.stem
+        package = ["zllm", *parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for name in _imported_names(node, package):
+                target = name.split(".")
+                if target[0] == "zllm" and len(target) > 1 and target[1] in SHARED:
+                    if target[1] != room:
+                        where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                        graph[room].setdefault(target[1], where)
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, str]]) -> list[str] | None:
+    """Some cycle of rooms (its first room repeated at its end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(room: str) -> list[str] | None:
+        if room in path:
+            return path[path.index(room) :] + [room]
+        if room in done:
+            return None
+        path.append(room)
+        for target in sorted(graph[room]):
+            cycle = visit(target)
+            if cycle is not None:
+                return cycle
+        path.pop()
+        done.add(room)
+        return None
+
+    for room in sorted(graph):
+        cycle = visit(room)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one_and_only_one():
+    """The checker itself: a cycle through a function-level import is found, a chain is not."""
+    chain = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {}}
+    assert find_cycle(chain) is None
+    assert find_cycle({**chain, "c": {"a": "c.py:9"}}) == ["a", "b", "c", "a"]
+    tree = ast.parse("def f():\n    from . import engine\n    from zllm import kv\n")
+    names = [n for node in ast.walk(tree) for n in _imported_names(node, ["zllm", "config"])]
+    assert names == ["zllm.config", "zllm.config.engine", "zllm", "zllm.kv"]
+
+
+def test_the_rooms_of_zllm_import_no_cycle():
+    graph = room_imports()
+    cycle = find_cycle(graph)
+    if cycle is not None:
+        steps = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+        pytest.fail("zllm/'s rooms import each other in a cycle:\n" + "\n".join(steps))
+
+
+def test_a_room_of_zllm_imports_only_layers_below_it():
+    """The order in the module's docstring, kept: a new room takes its place in LAYERS."""
+    layer = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
+    assert set(layer) == SHARED, f"rooms without a layer: {sorted(SHARED - set(layer))}"
+    bad = [
+        f"{room} (layer {layer[room]}) imports {target} (layer {layer[target]}) at {where}"
+        for room, targets in sorted(room_imports().items())
+        for target, where in sorted(targets.items())
+        if layer[target] >= layer[room]
+    ]
     assert not bad, "\n".join(bad)

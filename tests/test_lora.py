@@ -477,7 +477,8 @@ def test_served_adapters_load_unload_and_batch(base_dir, adapters, llm, tmp_path
 
 def test_lora_modules_need_enable_lora(base_dir, adapters) -> None:
     from zllm.config.engine_args import EngineArgs
-    from zllm.config.serve import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs
+    from zllm.runtime.launch import serve_config_from
 
     engine = EngineArgs(model=base_dir).create_engine_config()
     spec = f"all={adapters['all'].lora_path}"

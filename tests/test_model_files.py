@@ -15,8 +15,8 @@ from tiny_models import tiny_hf_config
 
 import zllm.model.arch as model_arch
 import zllm.model.files as mf
-from zllm.config.engine import ModelArchConfig
 from zllm.model.arch import read_arch_config
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import download_model, find_installed, resolve_model
 from zllm.model.gguf import read_gguf
 

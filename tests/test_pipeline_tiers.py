@@ -21,6 +21,7 @@ from test_kv_offload import connector
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
+from zllm.config.kv_layout import tier_directory
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
@@ -28,7 +29,7 @@ from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.ranks.pipeline_stage import PipelineStage, failed_loads, failure_mask
 from zllm.kv.block_hash import hash_full_blocks
-from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name, tier_directory
+from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name
 from zllm.protocol import KVTransferParams, ModelRunnerOutput
 
 BS = 4

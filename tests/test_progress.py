@@ -1,4 +1,4 @@
-"""zllm/runtime/progress.py: a bar on a terminal, periodic log lines elsewhere, silence for fast jobs.
+"""zllm/model/progress.py: a bar on a terminal, periodic log lines elsewhere, silence for fast jobs.
 
 Time is an injected clock, so every rule is checked exactly and nothing sleeps.
 """
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from zllm.runtime.progress import Progress, format_bytes
+from zllm.model.progress import Progress, format_bytes
 
 
 class Clock:
@@ -39,12 +39,12 @@ def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="zllm.runtime.progress")
+    caplog.set_level(logging.INFO, logger="zllm.model.progress")
     return caplog
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "zllm.runtime.progress"]
+    return [r.getMessage() for r in caplog.records if r.name == "zllm.model.progress"]
 
 
 def test_log_lines_each_tenth_of_the_total_after_the_delay(clock: Clock, log) -> None:

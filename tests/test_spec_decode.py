@@ -22,7 +22,7 @@ from tiny_models import write_tiny_model
 from zllm import LLM, SamplingParams
 from zllm.executor.sample.sampler import SamplingMetadata, processed_probs, verify_drafts
 from zllm.executor.spec_decode.ngram import NgramProposer
-from zllm.text.structured_outputs import StructuredOutputsParams
+from zllm.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

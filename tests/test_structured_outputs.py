@@ -22,7 +22,7 @@ from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.errors import ParamError
-from zllm.text.structured_outputs import StructuredOutputsParams as Structured
+from zllm.sampling_params import StructuredOutputsParams as Structured
 from zllm.text.structured_outputs import check_structured_outputs
 
 PERSON = {

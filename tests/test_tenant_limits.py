@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from servers import Server, metric, start_server, stop_server, wait_until
 
 from zllm.config.engine_args import EngineArgs
+from zllm.config.tenants import TenantLimit, TenantPolicy, parse_tenant_weights
 from zllm.frontend.access.tenant_limits import TenantLimits
-from zllm.runtime.tenants import TenantLimit, TenantPolicy, parse_tenant_weights
 
 
 class Clock:

@@ -19,7 +19,7 @@ import pytest
 from servers import Server, error_of, start_server, stop_server, wait_until
 
 from zllm.config.engine_args import EngineArgs
-from zllm.runtime.tenants import TenantPolicy, parse_tenant_weights
+from zllm.config.tenants import TenantPolicy, parse_tenant_weights
 
 
 def test_tenant_weights_flag() -> None:

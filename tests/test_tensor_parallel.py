@@ -299,7 +299,7 @@ def test_engine_arguments_refuse_what_tensor_parallel_does_not_cover(tiny_llama_
     assert hf.create_engine_config().model_impl == "transformers"
     # Pipeline stages keep a disk tier each (test_pipeline_tiers.py), in directories named
     # apart from one stage's: a stage's files hold its layers' part of a block.
-    from zllm.kv.tiers import tier_directory
+    from zllm.config.kv_layout import tier_directory
 
     disk = dict(kv_offload_bytes=1 << 20, kv_offload_dir="/tmp/unused")
     staged = EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=2, **disk)

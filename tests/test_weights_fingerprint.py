@@ -105,8 +105,8 @@ def test_two_models_of_one_name_and_size_have_other_transfer_layouts(tmp_path):
     from conftest import write_tiny_model
 
     from zllm.config.engine_args import EngineArgs
+    from zllm.config.kv_layout import layout_fingerprint
     from zllm.executor.kv.transfer import transfer_layout
-    from zllm.kv.tiers import layout_fingerprint
 
     configs = []
     for seed, where in ((0, "a"), (1, "b"), (0, "c")):

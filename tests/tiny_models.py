@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
     import transformers
 
-    from zllm.config.engine import ModelArchConfig
+    from zllm.model.arch_config import ModelArchConfig
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

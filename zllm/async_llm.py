@@ -19,12 +19,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from zllm.config.engine_args import EngineArgs
-from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
+from zllm.config.serve import ServeConfig, ServerArgs
 from zllm.errors import RequestError
-from zllm.protocol import RequestOptions, RequestOutputDelta, TokenizeRequest
+from zllm.protocol import DEFAULT_TENANT, RequestOptions, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
+from zllm.runtime.launch import serve_config_from
 from zllm.runtime.supervisor import Supervisor
-from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "RequestError"]
@@ -77,7 +77,7 @@ class AsyncLLM:
         `prompt`: text, token ids, or chat messages (the model's chat template is applied).
         `request_id`: any string unique among this client's requests in flight (default: a
         random one). `tenant`: whom it is for (fair share, per-tenant metrics; see
-        zllm/runtime/tenants.py). Raises RequestError when the engine refuses or loses the request.
+        zllm/config/tenants.py). Raises RequestError when the engine refuses or loses the request.
         """
         req = TokenizeRequest(
             req_id=request_id or uuid.uuid4().hex,

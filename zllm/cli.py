@@ -12,7 +12,8 @@ from dataclasses import asdict
 
 from zllm.config.arg_utils import add_dataclass_args, dataclass_from_args
 from zllm.config.engine_args import add_engine_args, engine_args_from
-from zllm.config.serve import ServeConfig, ServerArgs, serve_config_from
+from zllm.config.serve import ServeConfig, ServerArgs
+from zllm.runtime.launch import serve_config_from
 
 
 def cmd_download(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""LoRA adapters: what names one (`LoRARequest`) and what its files must hold (`read_adapter`).
+"""LoRA adapters: what names one (`LoRARequest`, a wire struct of zllm/protocol.py, imported
+here under vLLM's name) and what its files must hold (`read_adapter`).
 
 An adapter is a directory in PEFT's format: `adapter_config.json` (r, lora_alpha, target
 modules, use_rslora) and `adapter_model.safetensors` with, per adapted projection,
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from zllm.config.engine import ModelArchConfig
 from zllm.errors import ParamError
+from zllm.model.arch import ModelArchConfig
+from zllm.protocol import LoRARequest  # on the wire; `zllm.lora.LoRARequest` is vLLM's path
 
 # The projections an adapter may target, by PEFT's module names, and where they sit.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -38,28 +40,6 @@ _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not an adapter's
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """An adapter a request runs with, as vLLM names it: `LoRARequest(name, id, path)`.
-
-    `lora_int_id` (> 0) names the adapter inside one engine: its weights in the executor
-    are keyed by it. The server assigns ids; offline, the caller does (one id per adapter).
-    Its KV blocks are salted with `lora_digest`, what its files hash to (`adapter_digest`,
-    filled in when the adapter is checked): the same on every server that loads the same
-    files whatever id each gives it, so a disaggregated pair and the disk tier across
-    restarts agree on an adapter's blocks, and two adapters never share one.
-    """
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-    lora_digest: bytes = b""  # empty: not computed yet (the id stands in)
-
-    @property
-    def identity(self) -> tuple[str, int, str]:
-        """What the caller named: equal for the same adapter with or without its digest."""
-        return (self.lora_name, self.lora_int_id, self.lora_path)
 
 
 def adapter_digest(path: str) -> bytes:

@@ -21,9 +21,10 @@ from typing import Any
 
 import msgspec
 
-from zllm.lora import LoRARequest
-from zllm.runtime.tenants import DEFAULT_TENANT
 from zllm.sampling_params import SamplingParams
+
+# The tenant of a request that names none (zllm/config/tenants.py decides who a request is for).
+DEFAULT_TENANT = "default"
 
 
 class FinishReason(str, enum.Enum):
@@ -82,6 +83,29 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
         self.token_ids.extend(other.token_ids)
         self.logprobs.extend(other.logprobs)
         self.ranks.extend(other.ranks)
+
+
+class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An adapter a request runs with, as vLLM names it: `LoRARequest(name, id, path)`
+    (users import it from `zllm` or `zllm.lora`, where its files are checked).
+
+    `lora_int_id` (> 0) names the adapter inside one engine: its weights in the executor
+    are keyed by it. The server assigns ids; offline, the caller does (one id per adapter).
+    Its KV blocks are salted with `lora_digest`, what its files hash to (`adapter_digest`,
+    filled in when the adapter is checked): the same on every server that loads the same
+    files whatever id each gives it, so a disaggregated pair and the disk tier across
+    restarts agree on an adapter's blocks, and two adapters never share one.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    lora_digest: bytes = b""  # empty: not computed yet (the id stands in)
+
+    @property
+    def identity(self) -> tuple[str, int, str]:
+        """What the caller named: equal for the same adapter with or without its digest."""
+        return (self.lora_name, self.lora_int_id, self.lora_path)
 
 
 # ---- core -> executor --------------------------------------------------------------------
@@ -300,7 +324,7 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     priority: int = 0  # --scheduling-policy priority: lower first
-    tenant: str = DEFAULT_TENANT  # who it is for (zllm/runtime/tenants.py): fair share, metrics
+    tenant: str = DEFAULT_TENANT  # who it is for (zllm/config/tenants.py): fair share, metrics
     # Keep its prompt's prefix cached for a while (the tokenizer resolves num_tokens).
     cache_pin: CachePin | None = None
     kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation
@@ -670,7 +694,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     engine_index: int = 0
     # ---- sections, one per feature --------------------------------------------------------
     pins: PinStats = msgspec.field(default_factory=PinStats)
-    # Per tenant (zllm/runtime/tenants.py), every tenant the core remembers (core/fair_share.py).
+    # Per tenant (zllm/config/tenants.py), every tenant the core remembers (core/fair_share.py).
     tenants: list[TenantStats] = []
     spec: SpecDecodeStats | None = None
     lora: LoRAStats | None = None

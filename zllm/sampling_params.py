@@ -6,14 +6,68 @@ A msgspec Struct so the same object travels between processes unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from zllm.errors import ParamError
-from zllm.text.structured_outputs import StructuredOutputsParams
-from zllm.text.thinking_budget import ThinkingBudget
 
 _SAMPLING_EPS = 1e-5
+
+# The parts of SamplingParams that are Structs of their own live here with it (vLLM's path),
+# below the wire that carries them (zllm/protocol.py); their rules live in zllm/text/
+# (structured_outputs.py compiles the grammar, thinking_budget.py tracks the reasoning).
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_PARAM = "structured_outputs"  # the request field errors name
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """vLLM's `StructuredOutputsParams`: set exactly one field."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # Whitespace between JSON tokens: none (compact, the default: fewer tokens, fewer ways
+    # to wander) or what the model likes (True).
+    whitespace_flexible: bool = False
+    # zllm's own: the grammar applies only after the model emits this token (its output is
+    # free until then): `</think>` for reasoning models, a tool-call opening tag for tool
+    # calls. With `repeat`, once the grammar completes the output is free again until the
+    # next such token (one constrained tool call per opening tag).
+    after_token: int | None = None
+    repeat: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            given = ", ".join(kinds) or "none"
+            raise ParamError(
+                f"structured outputs take exactly one of {', '.join(_KINDS)}; got {given}.",
+                _PARAM,
+            )
+        if self.choice is not None and not self.choice:
+            raise ParamError("choice must list at least one string.", _PARAM)
+
+    def kinds(self) -> list[str]:
+        # json_object=False counts as unset.
+        return [k for k in _KINDS if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+
+class ThinkingBudget(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Anthropic's `thinking.budget_tokens`: the end marker is forced after this many
+    reasoning tokens (zllm/text/thinking_budget.py)."""
+
+    max_tokens: int  # reasoning tokens before the end marker is forced (0: at once)
+    end_token_ids: list[int]  # the end marker's encoding (`</think>`)
+    # The opening marker the model writes itself (Qwen 3's `<think>`): reasoning starts after
+    # it. Empty: the template opened it, so the output starts inside the reasoning.
+    start_token_ids: list[int] = []
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):

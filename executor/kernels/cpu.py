@@ -43,7 +43,7 @@ from types import ModuleType
 import torch
 
 from zllm.executor.kernels.csrc_dir import CSRC_DIR
-from zllm.runtime.progress import Progress
+from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
 

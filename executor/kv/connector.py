@@ -41,18 +41,11 @@ from typing import Protocol
 import torch
 
 from zllm.config.engine import EngineConfig
+from zllm.config.kv_layout import block_bytes, tier_directory
 from zllm.executor.kv.pool import KVPool
 from zllm.kv.block_hash import BlockHash
 from zllm.kv.tier_key import read_key
-from zllm.kv.tiers import (
-    FILE_FORMAT_VERSION,
-    TIER_CPU,
-    TIER_DISK,
-    TIER_REMOTE,
-    block_bytes,
-    block_file_name,
-    tier_directory,
-)
+from zllm.kv.tiers import FILE_FORMAT_VERSION, TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name
 from zllm.protocol import KVTransfers
 
 logger = logging.getLogger(__name__)

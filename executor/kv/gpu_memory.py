@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zllm.config.engine import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig
 
 # cuBLAS and FlashAttention workspaces, the CUDA graphs' memory pool, the allocator's
 # rounding and fragmentation: what the shapes below do not name.

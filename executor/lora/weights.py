@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, shard_of
 from zllm.lora import LoRAAdapter, projection_shapes
+from zllm.model.arch_config import ModelArchConfig
 
 # Each fused matmul of a decoder layer (zllm's models) and the PEFT modules it computes, in
 # output order; transformers' models (the transformers backend) have one matmul per module.

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -43,6 +42,7 @@ from zllm.executor.ranks.parallel import (
     local_arch,
     logits_weight,
 )
+from zllm.model.arch_config import ModelArchConfig
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
@@ -43,6 +42,7 @@ from zllm.executor.ranks.parallel import (
     shard_weight,
 )
 from zllm.executor.weights.loader import layer_of
+from zllm.model.arch_config import ModelArchConfig
 
 # Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
 # [gate | up] order: their tensors fill the fused matrices whole.

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
+from zllm.model.arch_config import ModelArchConfig
 
 
 def rotary_dim(arch: ModelArchConfig) -> int:

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.attention.backend import (
     AttentionBackend,
     AttentionLayer,
@@ -43,6 +42,7 @@ from zllm.executor.models.transformers_pp import StageEnds, cut_to_stage
 from zllm.executor.models.transformers_quant import TransformersQuantization
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
 from zllm.executor.ranks.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
+from zllm.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.ranks.parallel import PipelineParallel, release_weight
+from zllm.model.arch_config import ModelArchConfig
 
 _FLAG = "--pipeline-parallel-size with --model-impl transformers"
 

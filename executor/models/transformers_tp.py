@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.ranks.parallel import TensorParallel, kv_heads_of, local_arch
+from zllm.model.arch_config import ModelArchConfig
 
 CUT_STYLES = frozenset({"colwise", "rowwise"})
 # Styles that at inference leave the module whole on every rank (transformers' embedding

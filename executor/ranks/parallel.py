@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.config.parallel import check_divisible, stage_layers
+from zllm.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ class RankActor:
 
     def open_rendezvous(self) -> str:
         """Rank 0: a free port on its node for torch.distributed's rendezvous."""
-        from zllm.config.serve import free_ports
+        from zllm.runtime.procutil import free_ports
 
         ip = self.where()[1]
         return f"tcp://{ip}:{free_ports(1, ip)[0]}"

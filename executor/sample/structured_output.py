@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from zllm.executor.host_to_device import to_device
-from zllm.text.structured_outputs import StructuredOutputsParams, grammar_of
+from zllm.sampling_params import StructuredOutputsParams
+from zllm.text.structured_outputs import grammar_of
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
 
 logger = logging.getLogger(__name__)

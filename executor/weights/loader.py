@@ -17,9 +17,9 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from torch import nn
 
-from zllm.config.engine import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
-from zllm.runtime.progress import Progress
+from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ else). An unknown path gets its 404 without. A refusal has the shape of its rout
 errors. An observability request's `Viewer` goes into its scope (frontend/access/permissions.py): an
 API key under tenant isolation sees its own tenant's series, anyone else every tenant's.
 
-A generation request's tenant (zllm/runtime/tenants.py) goes into its scope too: the key it was sent
+A generation request's tenant (zllm/config/tenants.py) goes into its scope too: the key it was sent
 with, else its X-Tenant header (400 when malformed), else the default tenant; the tenant's
 own limits (frontend/access/tenant_limits.py) then answer 429 beyond them.
 """
@@ -31,12 +31,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zllm.config.serve import ServeConfig
+from zllm.config.tenants import TENANT_HEADER, api_key_tenant, check_tenant_name
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.access.admission import SHUTTING_DOWN, Admission, Ticket
 from zllm.frontend.access.permissions import EVERYONE, VIEWER_KEY, Access, Viewer
 from zllm.frontend.access.tenant_limits import TenantLimits
 from zllm.frontend.replies import error_response
-from zllm.runtime.tenants import DEFAULT_TENANT, TENANT_HEADER, api_key_tenant, check_tenant_name
+from zllm.protocol import DEFAULT_TENANT
 
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this
 TICKET_KEY = "zllm.admission"  # where a generation request's Ticket sits in the ASGI scope

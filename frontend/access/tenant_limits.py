@@ -1,7 +1,7 @@
 """Per-tenant limits at the door: `--tenant-max-concurrency` and
 `--tenant-max-requests-per-second`, answered with 429 and Retry-After.
 
-A tenant (zllm/runtime/tenants.py: its API key's, else its X-Tenant header's, else
+A tenant (zllm/config/tenants.py: its API key's, else its X-Tenant header's, else
 "default") may have at most `max_concurrency` generation requests (HTTP requests, however
 many prompts each holds) in flight, and start at most `rate` per second, with a burst of
 max(1, rate): a token bucket per tenant, refilled continuously. Both are checked before the
@@ -9,7 +9,7 @@ request's body is parsed, after the server-wide admission limit (503); a refused
 never reaches the engine and is counted in `zllm:tenant_requests_limited_total{tenant,
 limit}`. Other tenants are not slowed: one tenant at its limit costs them nothing.
 
-A tenant's own limits (an object in --tenant-weights: zllm/runtime/tenants.py) replace the
+A tenant's own limits (an object in --tenant-weights: zllm/config/tenants.py) replace the
 global ones for it, each limit on its own: `{"key-1": {"max_concurrency": 8}}` gives key-1
 8 requests in flight and the global rate.
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
+from zllm.config.tenants import TenantLimit
 from zllm.errors import RequestError
-from zllm.runtime.tenants import TenantLimit
 
 CONCURRENCY_RETRY_AFTER_S = 1
 # Buckets kept before the full ones are forgotten: a full bucket is what a tenant without

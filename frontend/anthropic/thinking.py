@@ -29,8 +29,8 @@ import msgspec
 from zllm.errors import RequestError
 from zllm.kv.tier_key import make_key_file, read_key, warn_if_shared
 from zllm.model.files import cache_dir
+from zllm.sampling_params import ThinkingBudget
 from zllm.text.reasoning_parser import reasoning_markers
-from zllm.text.thinking_budget import ThinkingBudget
 from zllm.text.tokenizer import Tokenizer
 
 MIN_BUDGET_TOKENS = 1024  # Anthropic's floor

@@ -196,7 +196,7 @@ class KVTier(msgspec.Struct):
 
 
 class TenantRow(msgspec.Struct):
-    """A tenant with requests in the engine now (zllm/runtime/tenants.py)."""
+    """A tenant with requests in the engine now (zllm/config/tenants.py)."""
 
     name: str
     running: int

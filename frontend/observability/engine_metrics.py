@@ -174,7 +174,7 @@ def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
     yield from _per_engine(GaugeMetricFamily, pins, engines, lambda s, value: value(s))
 
 
-# Per tenant (EngineStats.tenants; zllm/runtime/tenants.py): (name, doc, TenantStats attribute).
+# Per tenant (EngineStats.tenants; zllm/config/tenants.py): (name, doc, TenantStats attribute).
 _TENANT_GAUGES = (
     ("zllm:tenant_requests_running", "Sequences of the tenant running now.", "num_running"),
     ("zllm:tenant_requests_waiting", "Sequences of the tenant waiting now.", "num_waiting"),

@@ -65,9 +65,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from zllm.frontend.observability.dashboard import Dashboard, LatencyWindow, Timeline
 from zllm.frontend.observability.engine_metrics import EngineCollector
 from zllm.frontend.observability.tenant_prefix_hits import TenantPrefixHits
-from zllm.protocol import RequestOutputDelta, RequestTiming, TokenizeRequest
+from zllm.protocol import DEFAULT_TENANT, RequestOutputDelta, RequestTiming, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
-from zllm.runtime.tenants import DEFAULT_TENANT
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 

@@ -21,8 +21,7 @@ from zllm.frontend.openai.protocol import (
     SamplingFields,
     ToolCallMessage,
 )
-from zllm.sampling_params import SamplingParams
-from zllm.text.structured_outputs import StructuredOutputsParams
+from zllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # ---- requests ------------------------------------------------------------------------------
 

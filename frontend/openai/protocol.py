@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from zllm.errors import RequestError
-from zllm.text.structured_outputs import StructuredOutputsParams
+from zllm.sampling_params import StructuredOutputsParams
 
 # ---- limits --------------------------------------------------------------------------------
 # Each is part of a field's type, so a request beyond it is a 400 naming the field, and the

@@ -1,1 +1,2 @@
-"""Configuration: engine and server options, their flags, and the checks on them."""
+"""Configuration: engine and server options, their flags, and the checks on them (tenants'
+rules included)."""

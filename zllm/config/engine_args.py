@@ -34,19 +34,19 @@ from zllm.config.generation import (
     merge_eos_token_ids,
     read_generation_config,
 )
+from zllm.config.kv_layout import block_bytes
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.parallel import check_parallel
 from zllm.config.speculative import speculative_config_from
-from zllm.kv.tier_key import resolve_key_file
-from zllm.kv.tiers import block_bytes
-from zllm.model.files import resolve_model
-from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
-from zllm.runtime.tenants import (
+from zllm.config.tenants import (
     TenantLimit,
     TenantPolicy,
     check_tenant_policies,
     parse_tenant_weights,
 )
+from zllm.kv.tier_key import resolve_key_file
+from zllm.model.files import resolve_model
+from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 
 logger = logging.getLogger(__name__)
 

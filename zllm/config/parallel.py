@@ -4,7 +4,8 @@ the cut), and which layers each pipeline stage holds."""
 
 from __future__ import annotations
 
-from zllm.config.engine import EngineConfig, ModelArchConfig
+from zllm.config.engine import EngineConfig
+from zllm.model.arch_config import ModelArchConfig
 
 # torch.distributed's rendezvous for the executor ranks (tcp://127.0.0.1:port), set in their
 # environment by whoever starts them (the supervisor; the offline LLM passes it directly).

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from zllm.config.arg_utils import check_config_dict
-from zllm.config.engine import SPECULATIVE_METHODS, ModelArchConfig, SpeculativeConfig
+from zllm.config.engine import SPECULATIVE_METHODS, SpeculativeConfig
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import resolve_model
 from zllm.model.impl import choose_model_impl, read_model_arch
 

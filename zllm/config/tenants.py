@@ -30,7 +30,6 @@ import msgspec
 
 from zllm.errors import ParamError
 
-DEFAULT_TENANT = "default"
 TENANT_HEADER = "x-tenant"
 MAX_TENANT_CHARS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]+$")

@@ -30,10 +30,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (zllm.config imports this module, and zllm.protocol imports zllm.config)
-    from zllm.protocol import RequestOptions
+from zllm.protocol import RequestOptions
 
 BlockHash = bytes  # KEY_BYTES of a SHA-256 digest
 KEY_BYTES = 16

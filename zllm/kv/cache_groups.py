@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zllm.config.engine import ModelArchConfig
 from zllm.kv.kv_dtypes import row_bytes
+from zllm.model.arch_config import ModelArchConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from zllm.config.engine import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 

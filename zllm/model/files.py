@@ -23,8 +23,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from zllm.runtime.progress import Progress
-from zllm.text import chat_templates
+from zllm.model import chat_templates
+from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
 

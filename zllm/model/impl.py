@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zllm.config.engine import ModelArchConfig
 from zllm.model.arch import SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
+from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 
 logger = logging.getLogger(__name__)

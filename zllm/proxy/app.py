@@ -42,10 +42,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from zllm.config.tenants import TENANT_HEADER
 from zllm.errors import RequestError
 from zllm.frontend.replies import error_response
 from zllm.proxy.pairing import check_servers
-from zllm.runtime.tenants import TENANT_HEADER
 
 logger = logging.getLogger("zllm.proxy")
 

@@ -1,2 +1,2 @@
-"""The serving runtime outside the process folders: the supervisor, the frontend's engine
-client, stats merging, messaging, process and progress helpers, tenants."""
+"""The serving runtime outside the process folders: what a launch resolves, the supervisor, the
+frontend's engine client, stats merging, messaging and process helpers."""

@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from zllm.config.serve import ServeConfig, detokenizer_index
+from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.protocol import (
     AbortRequests,
@@ -47,7 +47,7 @@ from zllm.protocol import (
     TokenizeRequest,
 )
 from zllm.runtime.engine_stats import merge_stats
-from zllm.runtime.messaging import areceive
+from zllm.runtime.messaging import areceive, detokenizer_index
 
 logger = logging.getLogger(__name__)
 

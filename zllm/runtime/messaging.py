@@ -8,6 +8,7 @@ Sends that must not block (to a peer that may be restarting) drop the message in
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, TypeVar
 
@@ -82,3 +83,8 @@ def send_nowait(
     except zmq.Again:
         logger.warning("dropping a %s: its receiver is not keeping up", type(msg).__name__)
         return False
+
+
+def detokenizer_index(req_id: str, num_workers: int) -> int:
+    """Which detokenizer owns a request: stable across processes (unlike `hash`)."""
+    return zlib.crc32(req_id.encode()) % num_workers

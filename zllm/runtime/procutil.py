@@ -1,4 +1,5 @@
-"""Small helpers every serving process uses at start: title, parent-death signal, ready report."""
+"""Small helpers every serving process uses at start: title, parent-death signal, ready report,
+free ports."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 
@@ -94,3 +96,17 @@ def report_ready(
 
 def index_arg() -> int:
     return int(sys.argv[2]) if len(sys.argv) > 2 else 0
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` ports free on `host` now (bound once by the OS, then let go): for sockets a
+    process binds later (tcp endpoints, torch.distributed's rendezvous, a Ray head)."""
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((host, 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-from zllm.config.serve import free_ports
-from zllm.runtime.procutil import die_with_parent
+from zllm.runtime.procutil import die_with_parent, free_ports
 
 logger = logging.getLogger("zllm.runtime.supervisor")
 

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from zllm.config.parallel import TP_INIT_ENV
-from zllm.config.serve import ServeConfig, decode_config, encode_config, free_ports
+from zllm.config.serve import ServeConfig, decode_config, encode_config
 from zllm.protocol import (
     ClientGone,
     EngineLifecycle,
@@ -51,7 +51,7 @@ from zllm.protocol import (
     SupervisorInput,
 )
 from zllm.runtime.messaging import receive_nowait, send_nowait
-from zllm.runtime.procutil import HELD_ENV
+from zllm.runtime.procutil import HELD_ENV, free_ports
 from zllm.runtime.ray_head import RAY_ADDRESS_ENV, RayHead, needs_own_head
 
 logger = logging.getLogger("zllm.runtime.supervisor")

@@ -1,6 +1,7 @@
 """Structured outputs (guided decoding): what a request asks its answer to match, as a grammar.
 
-A request carries `SamplingParams.structured_outputs`, vLLM's shape: exactly one of
+A request carries `SamplingParams.structured_outputs` (`StructuredOutputsParams`, beside it in
+zllm/sampling_params.py), vLLM's shape: exactly one of
 
     json         a JSON schema (dict or JSON text): the answer is one JSON value matching it
     json_object  True: any JSON object (OpenAI's response_format {"type": "json_object"})
@@ -21,52 +22,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
-
-import msgspec
 
 from zllm.errors import ParamError
+from zllm.sampling_params import StructuredOutputsParams
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _PARAM = "structured_outputs"  # the request field errors name
-
-
-class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """vLLM's `StructuredOutputsParams`: set exactly one field."""
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    # Whitespace between JSON tokens: none (compact, the default: fewer tokens, fewer ways
-    # to wander) or what the model likes (True).
-    whitespace_flexible: bool = False
-    # zllm's own: the grammar applies only after the model emits this token (its output is
-    # free until then): `</think>` for reasoning models, a tool-call opening tag for tool
-    # calls. With `repeat`, once the grammar completes the output is free again until the
-    # next such token (one constrained tool call per opening tag).
-    after_token: int | None = None
-    repeat: bool = False
-
-    def __post_init__(self) -> None:
-        kinds = self.kinds()
-        if len(kinds) != 1:
-            given = ", ".join(kinds) or "none"
-            raise ParamError(
-                f"structured outputs take exactly one of {', '.join(_KINDS)}; got {given}.",
-                _PARAM,
-            )
-        if self.choice is not None and not self.choice:
-            raise ParamError("choice must list at least one string.", _PARAM)
-
-    def kinds(self) -> list[str]:
-        # json_object=False counts as unset.
-        return [k for k in _KINDS if getattr(self, k) not in (None, False)]
-
-    @property
-    def kind(self) -> str:
-        return self.kinds()[0]
 
 
 def grammar_of(params: StructuredOutputsParams) -> str:

@@ -4,11 +4,12 @@ the engine writes the end-of-thinking marker for it (Anthropic's `thinking.budge
     output:  [<think>] r r r ... r  </think>  answer ...
                        └─ max_tokens ─┘└ forced, token by token, unless the model closed it
 
-`ThinkingBudget` travels in SamplingParams; `ThinkingTracker` follows one sequence's output
-tokens (the executor feeds it each token it keeps, so it is never a step behind, with
-continuous batching, streaming and preemption alike: a recomputed or forked sequence's
-tracker is rebuilt from its output) and says which token the next position must be. The
-executor's logits processor then allows that token only (executor/sample/logits_processors.py).
+`ThinkingBudget` travels in SamplingParams (zllm/sampling_params.py); `ThinkingTracker`
+follows one sequence's output tokens (the executor feeds it each token it keeps, so it is
+never a step behind, with continuous batching, streaming and preemption alike: a recomputed
+or forked sequence's tracker is rebuilt from its output) and says which token the next
+position must be. The executor's logits processor then allows that token only
+(executor/sample/logits_processors.py).
 No torch here.
 """
 
@@ -17,15 +18,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-import msgspec
-
-
-class ThinkingBudget(msgspec.Struct, kw_only=True, omit_defaults=True):
-    max_tokens: int  # reasoning tokens before the end marker is forced (0: at once)
-    end_token_ids: list[int]  # the end marker's encoding (`</think>`)
-    # The opening marker the model writes itself (Qwen 3's `<think>`): reasoning starts after
-    # it. Empty: the template opened it, so the output starts inside the reasoning.
-    start_token_ids: list[int] = []
+from zllm.sampling_params import ThinkingBudget
 
 
 def _advance(progress: int, marker: Sequence[int], token: int) -> int:

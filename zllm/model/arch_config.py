@@ -1,0 +1,48 @@
+"""A decoder's shape (`ModelArchConfig`), the record every room that sizes weights or KV reads.
+
+Apart from its reader (zllm/model/arch.py, which needs the GGUF library and numpy), so the
+config, the KV rules and LoRA's checks import the record without them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
+
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...} or None.
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer, "full_attention" or "sliding_attention" (Hugging Face's names); None: all full.
+    layer_types: list[str] | None = None
+    # Keys a sliding layer's query sees, itself included (positions q - window < k <= q).
+    sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen 3, Gemma 3: an RMSNorm over each query and key head
+    hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh" for Gemma)
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None
+    # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
+    rope_freq_factors: list[float] | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
