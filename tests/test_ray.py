@@ -169,7 +169,8 @@ def test_ray_backend_flags(tiny_llama_dir, monkeypatch):
     ).create_engine_config()
     assert config.executor_processes == 1 and config.world_size == 2
     # The driver is the one executor process: no rank endpoints (tcp ports) are set aside.
-    from zllm.config.serve import ServerArgs, serve_config_from
+    from zllm.config.serve import ServerArgs
+    from zllm.runtime.launch import serve_config_from
 
     for transport in ("ipc", "tcp"):
         endpoints = serve_config_from(config, ServerArgs(transport=transport)).endpoints
