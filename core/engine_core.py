@@ -57,6 +57,7 @@ from zllm.protocol import (
     EngineCoreRequest,
     EngineStats,
     FinishReason,
+    KVPoolStats,
     KVRejection,
     LoRAStats,
     ModelRunnerOutput,
@@ -98,8 +99,9 @@ class EngineCore:
         )
         stages = config.pipeline_parallel_size
         self.stats = EngineStats(
-            num_blocks=self.block_manager.num_blocks,
-            kv_block_bytes=block_bytes(config),
+            kv_pool=KVPoolStats(
+                num_blocks=self.block_manager.num_blocks, block_bytes=block_bytes(config)
+            ),
             # Pipeline stages' time, at 0 from the start (one entry per stage).
             stages=StageStats([0.0] * stages, [0.0] * stages) if stages > 1 else None,
         )
@@ -173,7 +175,7 @@ class EngineCore:
         )
         if request.timing is not None:
             request.timing.core_arrival = time.time()
-        self.stats.num_prompt_tokens += len(request.prompt_token_ids)
+        self.stats.tokens.prompt += len(request.prompt_token_ids)
         self._unannounced[req_id] = DetokRequest(
             req_id=req_id,
             prompt_tail=list(request.prompt_token_ids[-PROMPT_TAIL_TOKENS:]),
@@ -274,7 +276,7 @@ class EngineCore:
         batches = self.drain(executor)
         self._control_step(executor, self._sleep_step(level))
         self.sleeping = set(SLEEP_TAGS)
-        self.stats.asleep = True
+        self.stats.status.asleep = True
         return batches
 
     def wake_up(self, executor: Executor, tags: Sequence[str] | None = None) -> None:
@@ -289,7 +291,7 @@ class EngineCore:
             return
         self._control_step(executor, SchedulerOutput(-1, [], [], {}, 0, wake_up=waking))
         self.sleeping -= set(waking)
-        self.stats.asleep = self.asleep
+        self.stats.status.asleep = self.asleep
 
     def _control_step(self, executor: Executor, step: SchedulerOutput) -> None:
         """Run a step no request is in (nothing else is out) and wait for its empty answer."""
@@ -329,7 +331,7 @@ class EngineCore:
         """The next step for the executor, or None when it would carry nothing."""
         start = time.perf_counter()
         step = self.scheduler.schedule()
-        self.stats.core_schedule_s += time.perf_counter() - start
+        self.stats.steps.core_schedule_s += time.perf_counter() - start
         if not (
             step.total_num_scheduled_tokens
             or step.finished_req_ids
@@ -359,7 +361,7 @@ class EngineCore:
             batch.outputs.append(out)
         self._count_step(output, outputs)
         self._note_if_idle()
-        self.stats.core_output_s += time.perf_counter() - start
+        self.stats.steps.core_output_s += time.perf_counter() - start
         return batches
 
     def _sleep_step(self, level: int) -> SchedulerOutput:
@@ -374,17 +376,16 @@ class EngineCore:
     def heartbeat(self) -> EngineStats:
         """The stats struct with its gauges read now (safe to call from another thread:
         it only reads the scheduler's state)."""
-        s, bm = self.stats, self.block_manager
-        s.time = time.time()
-        s.num_running = self.scheduler.num_running
-        s.num_waiting = self.scheduler.num_waiting
-        s.kv_cache_usage = bm.usage
-        s.num_free_blocks = bm.num_free_blocks
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.prefix_cache_queries = bm.prefix_cache_queries
-        s.prefix_cache_hits = bm.prefix_cache_hits
-        s.block_states, s.blocks_per_cell = bm.block_states()
-        sched = self.scheduler
+        s, bm, sched = self.stats, self.block_manager, self.scheduler
+        s.status.time = time.time()
+        load = s.load
+        load.num_running, load.num_waiting = sched.num_running, sched.num_waiting
+        load.num_preemptions = sched.num_preemptions
+        pool = s.kv_pool
+        pool.usage, pool.num_free_blocks = bm.usage, bm.num_free_blocks
+        pool.block_states, pool.blocks_per_cell = bm.block_states()
+        s.prefix_cache.queries = bm.prefix_cache_queries
+        s.prefix_cache.hits = bm.prefix_cache_hits
         if self.config.speculative is not None:
             s.spec = sched.spec.stats()
         if self.config.lora is not None:
@@ -417,15 +418,16 @@ class EngineCore:
 
     def _count_step(self, output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
         s = self.stats
-        s.num_steps += 1
-        s.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
-        s.executor_busy_s += output.exec_time_s
-        s.executor_idle_s += output.idle_time_s
-        s.executor_prepare_s += output.prepare_time_s
-        s.executor_forward_s += output.forward_time_s
-        s.executor_sample_s += output.sample_time_s
-        s.gpu_idle_s += output.gpu_idle_time_s
-        s.num_overlapped_steps += output.overlapped
+        s.tokens.generated += sum(len(o.new_token_ids) for o in outputs)
+        steps = s.steps
+        steps.count += 1
+        steps.executor_busy_s += output.exec_time_s
+        steps.executor_idle_s += output.idle_time_s
+        steps.executor_prepare_s += output.prepare_time_s
+        steps.executor_forward_s += output.forward_time_s
+        steps.executor_sample_s += output.sample_time_s
+        steps.gpu_idle_s += output.gpu_idle_time_s
+        steps.overlapped += output.overlapped
         if output.stage_idle_s and s.stages is not None:
             # (A new section: the heartbeat thread may be encoding the old one.)
             s.stages = StageStats(
@@ -433,8 +435,8 @@ class EngineCore:
                 _add(s.stages.busy_s, output.stage_busy_s),
             )
         allocated, used = self.scheduler.kv_slot_usage()
-        s.kv_slots_allocated += allocated
-        s.kv_slots_used += used
+        s.kv_pool.slots_allocated += allocated
+        s.kv_pool.slots_used += used
 
     def _note_if_idle(self) -> None:
         if not self._in_flight and not self.scheduler.has_unfinished_requests():

@@ -65,7 +65,7 @@ class CoreProcess:
     def __init__(self, config: ServeConfig) -> None:
         self.config = config
         self.engine = EngineCore(config.engine, config.detokenizer_workers)
-        self.engine.stats.engine_index = config.engine_index
+        self.engine.stats.status.engine_index = config.engine_index
         self.inputs: queue.SimpleQueue[CoreInput] = queue.SimpleQueue()
         self.encoder = msgspec.msgpack.Encoder()
         # Data parallel: the prefix cache's changes, for the heartbeat thread to publish.
@@ -278,24 +278,25 @@ class StatsLog:
         if elapsed < LOG_STATS_INTERVAL_S:
             return
         prompt, generation, steps = self.last
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        if s.num_steps != steps or s.num_running or s.num_waiting:
+        tokens, load, prefix = s.tokens, s.load, s.prefix_cache
+        hit_rate = prefix.hits / prefix.queries if prefix.queries else 0.0
+        if s.steps.count != steps or load.num_running or load.num_waiting:
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                 "Prefix cache hit rate: %.1f%%",
-                (s.num_prompt_tokens - prompt) / elapsed,
-                (s.num_generation_tokens - generation) / elapsed,
-                s.num_running,
-                s.num_waiting,
-                100 * s.kv_cache_usage,
+                (tokens.prompt - prompt) / elapsed,
+                (tokens.generated - generation) / elapsed,
+                load.num_running,
+                load.num_waiting,
+                100 * s.kv_pool.usage,
                 100 * hit_rate,
             )
         if s.spec is not None and s.spec.num_drafts != self.last_spec.num_drafts:
             self._log_spec_decode(s.spec, elapsed)
             self.last_spec = s.spec
         self.last_time = now
-        self.last = (s.num_prompt_tokens, s.num_generation_tokens, s.num_steps)
+        self.last = (tokens.prompt, tokens.generated, s.steps.count)
 
     def _log_spec_decode(self, spec: SpecDecodeStats, elapsed: float) -> None:
         """vLLM's SpecDecoding line, over the interval since the last line."""

@@ -76,12 +76,12 @@ def test_async_outputs_equal_one_step_at_a_time(model_dir, mix) -> None:
     assert not sync_llm.executor.runs_ahead and llm.executor.runs_ahead
     assert ahead == sync
     assert overlapped(sync_llm) == 0
-    steps = llm.engine.stats.num_steps
+    steps = llm.engine.stats.steps.count
     if mix == "device-only":
         assert overlapped(llm) > steps // 2, (overlapped(llm), steps)
     else:  # host readers run to the end of the batch: fewer steps overlap, none wrongly
         assert 0 < overlapped(llm) < steps
-    assert llm.engine.stats.num_overlapped_steps == overlapped(llm)
+    assert llm.engine.stats.steps.overlapped == overlapped(llm)
 
 
 def test_a_request_alone_overlaps_every_decode_step(model_dir) -> None:

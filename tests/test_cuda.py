@@ -599,7 +599,7 @@ def test_preemption_on_cuda(tiny_gpu_llama_dir):
         prompts = engine_prompts(llm.config.arch.vocab_size, [40, 60, 80, 100], 7)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         if blocks is not None:
-            assert llm.engine.heartbeat().num_preemptions > 0
+            assert llm.engine.heartbeat().load.num_preemptions > 0
         free_llm(llm)
     assert outs[0] == outs[1]
 

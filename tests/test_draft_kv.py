@@ -213,7 +213,7 @@ def test_a_draft_models_kv_comes_back_from_the_tier(tiny_llama_dir, draft_dir, t
     tokens, rate = prompts_evicted_and_asked_again(llm)
     stats = llm.engine.heartbeat()
     assert stats.kv_tiers.hits[TIER_CPU if tier == "cpu" else TIER_DISK] == 320
-    assert stats.prefix_cache_hits == 0  # (all of it from the tier)
+    assert stats.prefix_cache.hits == 0  # (all of it from the tier)
     assert tokens == expected
     assert expected_rate > 0.9 and rate >= expected_rate - 0.05, (rate, expected_rate)
     if tier == "disk":

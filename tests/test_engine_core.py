@@ -304,7 +304,7 @@ def test_sleep_collects_the_steps_in_flight_then_sends_the_sleep_step():
     engine.step(executor)  # a's second: a finishes, with the step scheduled ahead still out
     assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 1
     engine.sleep(executor, level=2)
-    assert engine.asleep and engine.heartbeat().asleep
+    assert engine.asleep and engine.heartbeat().status.asleep
     assert engine.num_steps_in_flight == executor.num_outstanding == 0
     assert executor.submitted[-1].sleep_level == 2
     engine.sleep(executor)  # idempotent: nothing more is sent
@@ -312,7 +312,7 @@ def test_sleep_collects_the_steps_in_flight_then_sends_the_sleep_step():
     engine.wake_up(executor, ["kv_cache"])  # in parts: asleep until both are back
     assert engine.asleep and executor.submitted[-1].wake_up == ["kv_cache"]
     engine.wake_up(executor)  # what is still asleep, only
-    assert not engine.asleep and not engine.heartbeat().asleep
+    assert not engine.asleep and not engine.heartbeat().status.asleep
     assert executor.submitted[-1].wake_up == ["weights"]
     engine.wake_up(executor)
     assert sum(bool(s.wake_up) for s in executor.submitted) == 2
@@ -353,14 +353,15 @@ def test_heartbeat_fills_the_wire_struct():
     engine.update(run(engine, engine.schedule()))
     stats = engine.heartbeat()
     assert stats is engine.stats  # one struct, updated in place, sent as is
-    assert (stats.num_running, stats.num_waiting) == (2, 0)
-    assert stats.num_prompt_tokens == 12 and stats.num_generation_tokens == 2
-    assert stats.num_steps == 1 and stats.executor_busy_s == 0.5
-    assert stats.num_blocks == 16 and stats.num_free_blocks == 16 - 3 - 1
-    assert stats.kv_cache_usage == pytest.approx(4 / 16)
-    assert stats.block_states == bytes([1, 1, 1, 1] + [0] * 12)
-    assert stats.kv_slots_allocated == 4 * BLOCK_SIZE and stats.kv_slots_used == 12
-    assert stats.time > 0
+    assert (stats.load.num_running, stats.load.num_waiting) == (2, 0)
+    assert stats.tokens.prompt == 12 and stats.tokens.generated == 2
+    assert stats.steps.count == 1 and stats.steps.executor_busy_s == 0.5
+    pool = stats.kv_pool
+    assert pool.num_blocks == 16 and pool.num_free_blocks == 16 - 3 - 1
+    assert pool.usage == pytest.approx(4 / 16)
+    assert pool.block_states == bytes([1, 1, 1, 1] + [0] * 12)
+    assert pool.slots_allocated == 4 * BLOCK_SIZE and pool.slots_used == 12
+    assert stats.status.time > 0
 
 
 def test_heartbeat_counts_per_tenant_and_a_malformed_tenant_is_refused():

@@ -153,7 +153,7 @@ def test_abandoned_streams_free_their_blocks(engine):
     loop = engine[0]
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     assert loop.run_until_complete(_poll(lambda: llm.client.stats is not None, 10.0))
-    generated_before = llm.client.stats.num_generation_tokens
+    generated_before = llm.client.stats.tokens.generated
 
     async def abandon(i):
         async for _ in llm.generate([20 + i, 21, 22], params):
@@ -166,13 +166,17 @@ def test_abandoned_streams_free_their_blocks(engine):
     left_at = time.time()
 
     def idle_since_left():
-        status = llm.client.stats
-        return status.time > left_at and status.num_running == 0 and status.kv_cache_usage == 0.0
+        stats = llm.client.stats
+        return (
+            stats.status.time > left_at
+            and stats.load.num_running == 0
+            and stats.kv_pool.usage == 0.0
+        )
 
     # Heartbeats come every 0.5 s from the core; give the aborts a moment to land.
     assert loop.run_until_complete(_poll(idle_since_left, 30.0)), llm.client.stats
     assert llm.client.num_in_flight == 0
-    generated = llm.client.stats.num_generation_tokens - generated_before
+    generated = llm.client.stats.tokens.generated - generated_before
     assert 50 <= generated < 50 * 400, generated  # each got a token; not all ran out
 
 

@@ -183,12 +183,12 @@ def test_a_windowed_models_evicted_prefix_comes_back_from_a_tier(windowed, tier,
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     flush_pool(llm, random.Random(2))
     stats = llm.engine.heartbeat()  # (one struct, filled in place by each call)
-    tier_hits, pool_hits = stats.kv_tiers.hits[tier], stats.prefix_cache_hits
+    tier_hits, pool_hits = stats.kv_tiers.hits[tier], stats.prefix_cache.hits
     again = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.engine.heartbeat()
     assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
     tier_hits = stats.kv_tiers.hits[tier] - tier_hits
-    pool_hits = stats.prefix_cache_hits - pool_hits
+    pool_hits = stats.prefix_cache.hits - pool_hits
     assert tier_hits > 0 and tier_hits + pool_hits == 320
     assert stats.kv_tiers.load_failures == [0, 0, 0]
     for ours, ref, earlier in zip(again, reference, first, strict=True):

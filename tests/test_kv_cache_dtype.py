@@ -102,8 +102,8 @@ def test_a_narrow_pool_holds_more_tokens_and_answers_alike_however_it_computes(t
     llm = tiny_llm(tiny_llama_dir, kv)
     fp32 = tiny_llm(tiny_llama_dir, "auto")
     assert {t.dtype for t in llm.model_runner.kv_tensors} == {DTYPES[kv]}
-    block_bytes = llm.engine.stats.kv_block_bytes
-    assert block_bytes * ROW_BYTES["fp32"] == fp32.engine.stats.kv_block_bytes * ROW_BYTES[kv]
+    block_bytes = llm.engine.stats.kv_pool.block_bytes
+    assert block_bytes * ROW_BYTES["fp32"] == fp32.engine.stats.kv_pool.block_bytes * ROW_BYTES[kv]
     assert llm.model_runner.num_blocks == (1 << 20) // block_bytes
     assert sum(t.nbytes for t in llm.model_runner.kv_tensors) <= 1 << 20
     prompt = {"prompt_token_ids": list(range(5, 45))}
@@ -120,7 +120,7 @@ def test_a_narrow_pool_holds_more_tokens_and_answers_alike_however_it_computes(t
     batch = [{"prompt_token_ids": list(range(5 + i, 45 + i))} for i in range(4)]
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in batch]
     together = small.generate(batch, GREEDY, use_tqdm=False)
-    assert small.engine.heartbeat().num_preemptions > 0
+    assert small.engine.heartbeat().load.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in together] == alone
 
 

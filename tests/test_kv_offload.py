@@ -395,7 +395,7 @@ def test_an_evicted_prefix_comes_back_from_the_tier(tiny_llama_dir, tmp_path, re
     stats = llm.engine.heartbeat()
     index = TIER_CPU if tier == "cpu" else TIER_DISK
     assert again[0].num_cached_tokens == 240 and again[1].num_cached_tokens == 80
-    assert stats.kv_tiers.hits[index] == 320 and stats.prefix_cache_hits == 0
+    assert stats.kv_tiers.hits[index] == 320 and stats.prefix_cache.hits == 0
     for ours, ref, before in zip(again, reference, first, strict=True):
         assert_same_outputs(ours, ref)
         assert_same_outputs(before, ref)

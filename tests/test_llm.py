@@ -66,7 +66,7 @@ def test_preemption_and_recompute_keep_greedy_outputs(tiny_llama_dir, hf_model):
     prompts = random_prompts(small.config.arch.vocab_size, [40, 50, 30, 60, 45, 20, 55, 35], 1)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert small.engine.heartbeat().num_preemptions > 0
+    assert small.engine.heartbeat().load.num_preemptions > 0
     check_against_hf(hf_model, prompts, outputs, "preempted")
     assert small.engine.block_manager.num_referenced_blocks() == 0
 

@@ -17,12 +17,11 @@ from zllm.protocol import (
     DetokenizerBatch,
     DetokRequest,
     EngineStats,
+    EngineStatus,
     KVCacheEvents,
     RequestOptions,
-    SpecDecodeStats,
-    TenantStats,
+    SchedulerLoad,
 )
-from zllm.runtime.engine_stats import merge_stats
 from zllm.tokenizer_proc.router import DOWN_AFTER_S, PREFIX_WEIGHT, RECENT_S, Router
 
 BS = 4
@@ -36,11 +35,16 @@ class Clock:
         return self.now
 
 
+def heartbeat(engine: int, num_running: int = 0, num_waiting: int = 0) -> EngineStats:
+    """An engine's heartbeat as the router reads it: who sent it, and its queues."""
+    return EngineStats(EngineStatus(engine), SchedulerLoad(num_running, num_waiting))
+
+
 def router_with(num_engines: int, policy: str = "cache_aware") -> tuple[Router, Clock]:
     clock = Clock()
     router = Router(num_engines, policy, clock=clock)
     for e in range(num_engines):
-        router.on_stats(EngineStats(engine_index=e))
+        router.on_stats(heartbeat(e))
     return router, clock
 
 
@@ -58,7 +62,7 @@ def test_a_prompt_goes_to_the_engine_that_holds_its_prefix():
     assert router.choose(prompt) == 2
     # Only a leading run counts: the same tokens after a different first block are no hit
     # (their hashes chain from another parent), so the busier engine 2 is passed over.
-    router.on_stats(EngineStats(engine_index=2, num_running=1))
+    router.on_stats(heartbeat(2, num_running=1))
     assert router.choose(hashes([9, 9, 9, 9, *PREFIX])) != 2
 
 
@@ -85,7 +89,7 @@ def test_prompts_routed_moments_ago_count_as_held_until_events_catch_up():
         assert engine == first
     clock.now += RECENT_S + 1  # the memory of routing fades; only events hold it now
     for e in range(2):
-        router.on_stats(EngineStats(engine_index=e))  # (heartbeats keep both up)
+        router.on_stats(heartbeat(e))  # (heartbeats keep both up)
     router.engines[first].num_running = 1
     assert router.choose(prompt) != first
 
@@ -94,16 +98,16 @@ def test_a_busy_holder_sheds_work_to_an_idle_engine():
     router, _ = router_with(2)
     router.on_kv_events(KVCacheEvents(engine=0, stored=hashes(PREFIX)))
     prompt = hashes(PREFIX)
-    router.on_stats(EngineStats(engine_index=0, num_running=int(PREFIX_WEIGHT) - 1))
+    router.on_stats(heartbeat(0, num_running=int(PREFIX_WEIGHT) - 1))
     assert router.choose(prompt) == 0  # a whole-prompt hit outweighs 7 running requests
-    router.on_stats(EngineStats(engine_index=0, num_running=2, num_waiting=2))  # load 10
+    router.on_stats(heartbeat(0, num_running=2, num_waiting=2))  # load 10
     assert router.choose(prompt) == 1
 
 
 def test_load_routing_ignores_the_prefix():
     router, _ = router_with(2, policy="load")
     router.on_kv_events(KVCacheEvents(engine=0, stored=hashes(PREFIX)))
-    router.on_stats(EngineStats(engine_index=0, num_running=1))
+    router.on_stats(heartbeat(0, num_running=1))
     assert router.choose(hashes(PREFIX)) == 1
 
 
@@ -116,17 +120,17 @@ def test_kv_events_remove_and_clear_what_an_engine_holds():
     router.on_kv_events(KVCacheEvents(engine=0, stored=held[:2], cleared=True))
     assert router.engines[0].held == set(held[:2])  # cleared first, then stored
     router.on_message(KVCacheEvents(engine=7, stored=[1]))  # no such engine: ignored
-    router.on_message(EngineStats(engine_index=7))
+    router.on_message(heartbeat(7))
 
 
 def test_silent_or_unreachable_engines_are_down_and_forgotten():
     router, clock = router_with(2)
     router.on_kv_events(KVCacheEvents(engine=1, stored=hashes(PREFIX)))
     clock.now += DOWN_AFTER_S + 0.1
-    router.on_stats(EngineStats(engine_index=0))
+    router.on_stats(heartbeat(0))
     assert router.choose(hashes(PREFIX)) == 0  # engine 1 went silent
     assert router.engines[1].held == set()  # a restarted engine starts empty
-    router.on_stats(EngineStats(engine_index=1))  # back
+    router.on_stats(heartbeat(1))  # back
     router.mark_down(0)  # a send to it failed
     assert router.choose(hashes(PREFIX)) == 1
     assert router.choose(hashes(PREFIX), exclude=[1]) is None
@@ -206,48 +210,13 @@ def test_a_restarted_engine_resets_only_its_own_requests_in_the_detokenizer(tiny
     assert set(detok.requests) == {"a"}
 
 
-def test_merged_stats_sum_the_engines():
-    one = EngineStats(
-        num_running=2,
-        num_waiting=1,
-        kv_cache_usage=0.5,
-        num_blocks=100,
-        prefix_cache_hits=10,
-        spec=SpecDecodeStats(accepted_per_pos=[3, 1]),
-        tenants=[TenantStats("t", 2.0, num_running=2, num_requests=5)],
-        time=5.0,
-        block_states=b"\x01\x00",
-    )
-    two = EngineStats(
-        num_running=1,
-        kv_cache_usage=0.0,
-        num_blocks=300,
-        prefix_cache_hits=4,
-        spec=SpecDecodeStats(accepted_per_pos=[2]),
-        tenants=[TenantStats("t", 2.0, num_requests=1), TenantStats("u")],
-        time=7.0,
-        engine_index=1,
-        block_states=b"\x02",
-    )
-    merged = merge_stats([one, two])
-    assert (merged.num_running, merged.num_waiting, merged.prefix_cache_hits) == (3, 1, 14)
-    assert merged.kv_cache_usage == pytest.approx(0.125)  # 50 of 400 blocks
-    assert merged.num_blocks == 400 and merged.time == 7.0
-    assert merged.spec.accepted_per_pos == [5, 1] and merged.lora is None
-    assert merged.block_states == b"\x01\x00\x02"
-    tenants = {t.name: t for t in merged.tenants}
-    assert tenants["t"].num_requests == 6 and tenants["t"].weight == 2.0
-    assert set(tenants) == {"t", "u"}
-    assert merge_stats([one]) is one
-
-
 def test_a_disaggregation_consumers_marked_request_is_pinned_to_its_blocks_engine():
     """do_remote_prefill requests go to the engine their blocks are sent to, whatever the
     prefix affinity, the load or the policy; if it is down, where the policy says."""
     for policy in ("cache_aware", "load"):
         router, _ = router_with(3, policy)
         router.on_kv_events(KVCacheEvents(engine=2, stored=hashes(PREFIX)))
-        router.on_stats(EngineStats(engine_index=1, num_waiting=50))
+        router.on_stats(heartbeat(1, num_waiting=50))
         assert router.choose(hashes(PREFIX), pinned=1) == 1
         router.mark_down(1)
         expected = {2} if policy == "cache_aware" else {0, 2}  # (load: a tie, round robin)
@@ -306,7 +275,7 @@ def test_a_tokenizer_routes_a_marked_request_to_its_blocks_engine_or_unmarks_it(
     decode = msgspec.msgpack.Decoder(EngineCoreRequest).decode
     for target_down in (False, True):
         sender.to_cores = [FakeSocket(), FakeSocket(refuses=target_down)]
-        sender.router.on_stats(EngineStats(engine_index=1, num_waiting=50))  # busy, and up
+        sender.router.on_stats(heartbeat(1, num_waiting=50))  # busy, and up
         sender.send(request)
         engine = 0 if target_down else 1
         (sent,) = sender.to_cores[engine].sent

@@ -79,7 +79,7 @@ def test_greedy_under_preemption_matches_transformers(smollm2_path, hf_model):
     prompts = _token_prompts(small)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert small.engine.heartbeat().num_preemptions > 0
+    assert small.engine.heartbeat().load.num_preemptions > 0
     _check(hf_model, prompts, outputs, "smollm2-preempt")
 
 

@@ -113,8 +113,8 @@ class Router:
             self.on_kv_events(msg)
 
     def on_stats(self, stats: EngineStats) -> None:
-        view = self.engines[stats.engine_index]
-        view.num_waiting, view.num_running = stats.num_waiting, stats.num_running
+        view = self.engines[stats.status.engine_index]
+        view.num_waiting, view.num_running = stats.load.num_waiting, stats.load.num_running
         view.routed_since_stats = 0
         view.last_heartbeat = self.clock()
 
@@ -185,4 +185,4 @@ class Router:
 
 
 def _engine_of(msg: EngineStats | KVCacheEvents) -> int:
-    return msg.engine_index if isinstance(msg, EngineStats) else msg.engine
+    return msg.status.engine_index if isinstance(msg, EngineStats) else msg.engine

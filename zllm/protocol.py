@@ -574,7 +574,7 @@ class RequestRejected(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     param: str | None = None
 
 
-# The most cells EngineStats.block_states folds the KV pool into (the dashboard's grid).
+# The most cells KVPoolStats.block_states folds the KV pool into (the dashboard's grid).
 MAX_BLOCK_CELLS = 4096
 
 
@@ -651,47 +651,84 @@ class StageStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     busy_s: list[float] = []
 
 
-class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
-    """The engine's live statistics: `EngineCore` keeps one and updates it in place; the core
-    process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
-    (metrics, dashboard, /health) and the supervisor (hang detection). A feature's counts
-    are its own section (None while the feature is off), filled by its owner and merged
-    across engines by its own rule (zllm/runtime/engine_stats.py)."""
+class EngineStatus(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Which engine sent the heartbeat, when, and whether it sleeps."""
 
+    engine_index: int = 0  # the data-parallel replica whose core sent it
     time: float = 0.0  # wall clock when sent
+    asleep: bool = False  # sleep mode: weights and KV pool released
+
+
+class SchedulerLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The scheduler's queues now, and the requests it preempted since the engine started."""
+
     num_running: int = 0
     num_waiting: int = 0
-    kv_cache_usage: float = 0.0
     num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
+
+
+class TokenCounts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Tokens since the engine started: of the prompts it admitted, and generated."""
+
+    prompt: int = 0
+    generated: int = 0
+
+
+class PrefixCacheStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Prompt tokens looked up in the prefix cache since the engine started, and found."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class StepTimings(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The steps since the engine started and where their time went, summed."""
+
+    count: int = 0
+    overlapped: int = 0  # steps launched before the one ahead had finished
     executor_busy_s: float = 0.0
     executor_idle_s: float = 0.0
     executor_prepare_s: float = 0.0
     executor_forward_s: float = 0.0
     executor_sample_s: float = 0.0
     gpu_idle_s: float = 0.0  # ModelRunnerOutput.gpu_idle_time_s, summed (0 on CPU)
-    num_overlapped_steps: int = 0  # steps launched before the one ahead had finished
     core_schedule_s: float = 0.0  # in Scheduler.schedule
     core_output_s: float = 0.0  # applying a step's output: stops, publishing, freeing
+
+
+class KVPoolStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The KV pool: its size, what is free and in use now, and a picture of it."""
+
     num_blocks: int = 0
     num_free_blocks: int = 0
-    kv_block_bytes: int = 0  # the bytes of one block (all its layers)
+    usage: float = 0.0  # the share of blocks held by requests (1 = full)
+    block_bytes: int = 0  # the bytes of one block (all its layers)
     # KV slots held by running requests and those holding computed tokens, summed over
     # steps (their ratio is the share of allocated KV memory that sat unused).
-    kv_slots_allocated: int = 0
-    kv_slots_used: int = 0
-    # The KV pool for the dashboard, one byte per cell: 0 free, 1 in use, 2 cached prefix
-    # (free but holding a reusable prefix). Large pools are folded into MAX_BLOCK_CELLS cells,
-    # each showing the busiest state among its blocks; `blocks_per_cell` says how many.
+    slots_allocated: int = 0
+    slots_used: int = 0
+    # For the dashboard, one byte per cell: 0 free, 1 in use, 2 cached prefix (free but
+    # holding a reusable prefix). Large pools are folded into MAX_BLOCK_CELLS cells, each
+    # showing the busiest state among its blocks; `blocks_per_cell` says how many.
     block_states: bytes = b""
     blocks_per_cell: int = 1
-    asleep: bool = False  # sleep mode: weights and KV pool released
-    # The data-parallel replica whose core sent it (`--data-parallel-size`).
-    engine_index: int = 0
+
+
+class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=7):
+    """The engine's live statistics: `EngineCore` keeps one and updates it in place; the core
+    process's heartbeat thread sends it every 0.5 s, whatever a step costs, to the frontend
+    (metrics, dashboard, /health) and the supervisor (hang detection). Every field is a
+    section: the engine-wide ones always there, a feature's None while the feature is off;
+    each is filled by its owner and merged across engines by its own rule
+    (zllm/runtime/engine_stats.py)."""
+
+    # ---- engine-wide sections -------------------------------------------------------------
+    status: EngineStatus = msgspec.field(default_factory=EngineStatus)
+    load: SchedulerLoad = msgspec.field(default_factory=SchedulerLoad)
+    tokens: TokenCounts = msgspec.field(default_factory=TokenCounts)
+    prefix_cache: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    steps: StepTimings = msgspec.field(default_factory=StepTimings)
+    kv_pool: KVPoolStats = msgspec.field(default_factory=KVPoolStats)
     # ---- sections, one per feature --------------------------------------------------------
     pins: PinStats = msgspec.field(default_factory=PinStats)
     # Per tenant (zllm/config/tenants.py), every tenant the core remembers (core/fair_share.py).

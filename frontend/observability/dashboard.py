@@ -93,20 +93,20 @@ class Timeline:
 
     def sample(self) -> None:
         s = self.client.stats
-        if s is None or (self.points and self.points[-1].time == s.time):
+        if s is None or (self.points and self.points[-1].time == s.status.time):
             return  # no heartbeat yet, or no new one since the last sample
-        if self.points and s.time < self.points[-1].time:
+        if self.points and s.status.time < self.points[-1].time:
             self.points.clear()  # the clock went back: start over
         self.points.append(
             _Point(
-                s.time,
-                s.num_running,
-                s.num_waiting,
-                s.kv_cache_usage,
-                s.num_prompt_tokens,
-                s.num_generation_tokens,
-                s.executor_busy_s,
-                s.executor_idle_s,
+                s.status.time,
+                s.load.num_running,
+                s.load.num_waiting,
+                s.kv_pool.usage,
+                s.tokens.prompt,
+                s.tokens.generated,
+                s.steps.executor_busy_s,
+                s.steps.executor_idle_s,
             )
         )
 
@@ -296,7 +296,7 @@ class Dashboard:
         now, mono = time.time(), time.monotonic()
         healthy, message = client.health()
         gen_tps, prompt_tps, busy = self.timeline.rates(now)
-        queries, hits = s.prefix_cache_queries, s.prefix_cache_hits
+        queries, hits = s.prefix_cache.queries, s.prefix_cache.hits
         if viewer.tenant is not None:  # its own hits, not every tenant's
             own = self.prefix_hits.of(viewer.tenant)
             queries, hits = own.queries, own.hits
@@ -305,19 +305,19 @@ class Dashboard:
             healthy=healthy,
             message=message,
             heartbeat_age_s=round(mono - client.last_heartbeat, 2) if client.stats else None,
-            running=s.num_running,
-            waiting=s.num_waiting,
-            kv_usage=s.kv_cache_usage,
+            running=s.load.num_running,
+            waiting=s.load.num_waiting,
+            kv_usage=s.kv_pool.usage,
             generation_tps=round(gen_tps, 1),
             prompt_tps=round(prompt_tps, 1),
             executor_busy=round(busy, 4),
-            prompt_tokens=s.num_prompt_tokens,
-            generation_tokens=s.num_generation_tokens,
-            preemptions=s.num_preemptions,
+            prompt_tokens=s.tokens.prompt,
+            generation_tokens=s.tokens.generated,
+            preemptions=s.load.num_preemptions,
             prefix_cache_hit_rate=hits / queries if queries else 0.0,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
-            steps=s.num_steps,
+            steps=s.steps.count,
             in_flight=client.num_in_flight,
             kv_tiers=_kv_tiers(s) if viewer.sees_all else [],
             pinned_blocks=s.pins.pinned_blocks,
@@ -341,11 +341,12 @@ class Dashboard:
         )
 
     def _kv_pool(self, s: EngineStats) -> KVPool:
-        num_blocks = s.num_blocks or self.client.config.engine.cache.num_blocks or 0
-        if s.block_states:
-            per_cell = max(1, s.blocks_per_cell)
-            cells = s.block_states.translate(_CELL_CHARS).decode("latin-1")
-            used = num_blocks - s.num_free_blocks
+        pool = s.kv_pool
+        num_blocks = pool.num_blocks or self.client.config.engine.cache.num_blocks or 0
+        if pool.block_states:
+            per_cell = max(1, pool.blocks_per_cell)
+            cells = pool.block_states.translate(_CELL_CHARS).decode("latin-1")
+            used = num_blocks - pool.num_free_blocks
         else:  # the core has not taken a snapshot yet: it has not run anything either
             per_cell = max(1, -(-num_blocks // MAX_BLOCK_CELLS))
             cells = "0" * -(-num_blocks // per_cell)
@@ -367,7 +368,7 @@ _CELL_CHARS = bytes.maketrans(b"\x00\x01\x02", b"012")
 
 def _kv_tiers(s: EngineStats) -> list[KVTier]:
     """The configured KV offload tiers (empty: off)."""
-    queries, tiers = s.prefix_cache_queries, s.kv_tiers
+    queries, tiers = s.prefix_cache.queries, s.kv_tiers
     if tiers is None:
         return []
     return [

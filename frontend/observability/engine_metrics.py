@@ -13,73 +13,50 @@ from zllm.kv.tiers import TIER_NAMES
 from zllm.protocol import EngineStats, KVRejection
 from zllm.runtime.engine_client import EngineClient
 
-# (name, help) of the heartbeat's gauges and counters, and the EngineStats field each reads.
+# (name, help) of the heartbeat's gauges and counters, and what each reads of EngineStats.
 _GAUGES = (
-    ("vllm:num_requests_running", "Requests in the running batch.", "num_running"),
-    ("vllm:num_requests_waiting", "Requests queued for the scheduler.", "num_waiting"),
-    (
-        "vllm:kv_cache_usage_perc",
-        "Share of KV blocks held by requests (1 = full).",
-        "kv_cache_usage",
-    ),
-)
+    ("vllm:num_requests_running", "Requests in the running batch.",
+     lambda s: s.load.num_running),
+    ("vllm:num_requests_waiting", "Requests queued for the scheduler.",
+     lambda s: s.load.num_waiting),
+    ("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (1 = full).",
+     lambda s: s.kv_pool.usage),
+)  # fmt: skip
 _COUNTERS = (
-    ("vllm:prompt_tokens", "Prompt tokens of admitted requests.", "num_prompt_tokens"),
-    ("vllm:generation_tokens", "Tokens generated.", "num_generation_tokens"),
-    ("vllm:num_preemptions", "Requests preempted by the scheduler.", "num_preemptions"),
-    (
-        "vllm:prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
-        "prefix_cache_queries",
-    ),
-    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-    ("zllm:engine_steps", "Steps the executor finished.", "num_steps"),
-    (
-        "zllm:executor_overlapped_steps",
-        "Steps launched before the step ahead of them had finished (--async-executor).",
-        "num_overlapped_steps",
-    ),
-    (
-        "zllm:executor_busy_seconds",
-        "Seconds the executor spent computing steps.",
-        "executor_busy_s",
-    ),
-    (
-        "zllm:executor_idle_seconds",
-        "Seconds the executor waited for its next step.",
-        "executor_idle_s",
-    ),
-    (
-        "zllm:executor_prepare_seconds",
-        "Seconds the executor spent preparing step inputs and attention metadata.",
-        "executor_prepare_s",
-    ),
-    (
-        "zllm:executor_forward_seconds",
-        "Seconds the executor spent in the model forward (on a GPU: enqueueing it).",
-        "executor_forward_s",
-    ),
-    (
-        "zllm:executor_sample_seconds",
-        "Seconds the executor spent on logits, sampling and building step outputs.",
-        "executor_sample_s",
-    ),
-    (
-        "zllm:gpu_idle_seconds",
-        "Seconds the GPU had no kernel between steps (CUDA events; 0 on CPU).",
-        "gpu_idle_s",
-    ),
-    (
-        "zllm:core_schedule_seconds",
-        "Seconds the core spent in the scheduler choosing steps.",
-        "core_schedule_s",
-    ),
-    (
-        "zllm:core_output_seconds",
-        "Seconds the core spent applying step outputs (stops, publishing, freeing blocks).",
-        "core_output_s",
-    ),
-)
+    ("vllm:prompt_tokens", "Prompt tokens of admitted requests.", lambda s: s.tokens.prompt),
+    ("vllm:generation_tokens", "Tokens generated.", lambda s: s.tokens.generated),
+    ("vllm:num_preemptions", "Requests preempted by the scheduler.",
+     lambda s: s.load.num_preemptions),
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_cache.queries),
+    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.prefix_cache.hits),
+    ("zllm:engine_steps", "Steps the executor finished.", lambda s: s.steps.count),
+    ("zllm:executor_overlapped_steps",
+     "Steps launched before the step ahead of them had finished (--async-executor).",
+     lambda s: s.steps.overlapped),
+    ("zllm:executor_busy_seconds", "Seconds the executor spent computing steps.",
+     lambda s: s.steps.executor_busy_s),
+    ("zllm:executor_idle_seconds", "Seconds the executor waited for its next step.",
+     lambda s: s.steps.executor_idle_s),
+    ("zllm:executor_prepare_seconds",
+     "Seconds the executor spent preparing step inputs and attention metadata.",
+     lambda s: s.steps.executor_prepare_s),
+    ("zllm:executor_forward_seconds",
+     "Seconds the executor spent in the model forward (on a GPU: enqueueing it).",
+     lambda s: s.steps.executor_forward_s),
+    ("zllm:executor_sample_seconds",
+     "Seconds the executor spent on logits, sampling and building step outputs.",
+     lambda s: s.steps.executor_sample_s),
+    ("zllm:gpu_idle_seconds",
+     "Seconds the GPU had no kernel between steps (CUDA events; 0 on CPU).",
+     lambda s: s.steps.gpu_idle_s),
+    ("zllm:core_schedule_seconds", "Seconds the core spent in the scheduler choosing steps.",
+     lambda s: s.steps.core_schedule_s),
+    ("zllm:core_output_seconds",
+     "Seconds the core spent applying step outputs (stops, publishing, freeing blocks).",
+     lambda s: s.steps.core_output_s),
+)  # fmt: skip
 
 
 # Speculative decoding (only when the engine speculates: EngineStats.spec, whose per-
@@ -116,7 +93,7 @@ class EngineCollector:
             ([self.model_name, str(e)], client.engine_stats.get(e) or EngineStats())
             for e in range(client.num_engines)
         ]
-        yield from _per_engine(GaugeMetricFamily, _GAUGES, engines, getattr)
+        yield from _per_engine(GaugeMetricFamily, _GAUGES, engines, _read)
         g = GaugeMetricFamily(
             "zllm:num_requests_in_flight",
             "Engine requests (one per prompt) this frontend is serving.",
@@ -124,7 +101,7 @@ class EngineCollector:
         )
         g.add_metric([self.model_name], client.num_in_flight)
         yield g
-        yield from _per_engine(CounterMetricFamily, _COUNTERS, engines, getattr)
+        yield from _per_engine(CounterMetricFamily, _COUNTERS, engines, _read)
         yield from _pin_metrics(engines)
         yield from _tenant_metrics(engines)
         # A feature's section, exported while some engine has it on.
@@ -161,17 +138,22 @@ def _per_engine(
         yield metric
 
 
+def _read(s: EngineStats, read: Callable[[EngineStats], float]) -> float:
+    """A spec's reader applied to an engine's stats (`_per_engine`'s value)."""
+    return read(s)
+
+
 def _pin_metrics(engines: PerEngine) -> Iterator[Metric]:
     """Prefix pinning: what is pinned now and the bound (--max-pinned-bytes)."""
     pins = (
         ("zllm:kv_pinned_blocks", "KV blocks pinned by requests' cache_control.",
          lambda s: s.pins.pinned_blocks),
         ("zllm:kv_pinned_bytes", "KV cache bytes pinned by requests' cache_control.",
-         lambda s: s.pins.pinned_blocks * s.kv_block_bytes),
+         lambda s: s.pins.pinned_blocks * s.kv_pool.block_bytes),
         ("zllm:kv_max_pinned_bytes", "The most KV cache bytes requests may pin.",
-         lambda s: s.pins.max_pinned_blocks * s.kv_block_bytes),
+         lambda s: s.pins.max_pinned_blocks * s.kv_pool.block_bytes),
     )  # fmt: skip
-    yield from _per_engine(GaugeMetricFamily, pins, engines, lambda s, value: value(s))
+    yield from _per_engine(GaugeMetricFamily, pins, engines, _read)
 
 
 # Per tenant (EngineStats.tenants; zllm/config/tenants.py): (name, doc, TenantStats attribute).
@@ -296,7 +278,7 @@ def _lora_info(engines: PerEngine) -> Iterator[Metric]:
     for (_, engine), s in engines:
         lora = s.lora
         running, waiting = ",".join(lora.running_adapters), ",".join(lora.waiting_adapters)
-        g.add_metric([str(lora.max_lora), running, waiting, engine], s.time)
+        g.add_metric([str(lora.max_lora), running, waiting, engine], s.status.time)
     yield g
 
 

@@ -82,9 +82,10 @@ def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_out == args.num_prompts * args.output_len
     stats = llm.engine.heartbeat()
-    waste = 1.0 - stats.kv_slots_used / max(1, stats.kv_slots_allocated)
+    pool = stats.kv_pool
+    waste = 1.0 - pool.slots_used / max(1, pool.slots_allocated)
     print(
-        f"preemptions: {stats.num_preemptions}, KV blocks: {stats.num_blocks}, "
+        f"preemptions: {stats.load.num_preemptions}, KV blocks: {pool.num_blocks}, "
         f"KV slots allocated but unused (mean over steps): {100 * waste:.2f}%, "
         f"blocks still referenced at the end: {llm.engine.block_manager.num_referenced_blocks()}"
     )

@@ -314,7 +314,7 @@ class EngineClient:
 
     @property
     def is_sleeping(self) -> bool:
-        return self.stats is not None and self.stats.asleep
+        return self.stats is not None and self.stats.status.asleep
 
     def fail_all(self, message: str, status: int = 503, engine: int | None = None) -> None:
         """Fail every request in flight (on `engine`, when given)."""
@@ -343,9 +343,10 @@ class EngineClient:
                     stream.started = True
                     stream.queue.put_nowait(out)
         elif isinstance(msg, EngineStats):
-            if msg.engine_index < self.num_engines:
-                self.engine_stats[msg.engine_index] = msg
-                self.heartbeats[msg.engine_index] = time.monotonic()
+            engine = msg.status.engine_index
+            if engine < self.num_engines:
+                self.engine_stats[engine] = msg
+                self.heartbeats[engine] = time.monotonic()
         elif isinstance(msg, RequestRouted):
             self._on_routed(msg)
         elif isinstance(msg, RequestRejected):
@@ -359,7 +360,7 @@ class EngineClient:
         elif isinstance(msg, (SleepReply, PrefixCacheReset)):
             engine = self._reply_engine.get(msg.reply_to, 0)
             if isinstance(msg, SleepReply) and engine in self.engine_stats:
-                self.engine_stats[engine].asleep = msg.asleep  # until the next heartbeat
+                self.engine_stats[engine].status.asleep = msg.asleep  # until the next heartbeat
             future = self._replies.get(msg.reply_to)
             if future is not None and not future.done():
                 future.set_result(msg)

@@ -1,40 +1,24 @@
 """Several engines' heartbeats (`EngineStats`, one per data-parallel replica) as one: the
-dashboard's and /health's totals. The engine-wide counts merge by one rule (counts and
-times summed, the KV pools' usage weighed by their sizes and their cells side by side);
-each feature's section merges by its own (`SECTION_MERGES`): a section that is None on
-every engine stays None."""
+dashboard's and /health's totals. `EngineStats` is all sections, and each section merges by its
+own rule (`SECTION_MERGES`): counts and times summed, the KV pools' usage weighed by their sizes
+and their cells side by side, the status the latest and asleep only if all are. A feature's
+section that is None on every engine stays None."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from zllm.protocol import EngineStats, LoRAStats, TenantStats
+from zllm.protocol import EngineStats, EngineStatus, KVPoolStats, LoRAStats, TenantStats
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
     if len(stats) == 1:
         return stats[0]
     merged = EngineStats()
-    for name in EngineStats.__struct_fields__:
-        values = [getattr(s, name) for s in stats]
-        if name in SECTION_MERGES:
-            present = [v for v in values if v is not None]
-            value = SECTION_MERGES[name](present) if present else None
-        elif name in ("time", "blocks_per_cell", "kv_block_bytes"):
-            value = max(values)
-        elif name == "engine_index":
-            value = 0
-        elif name == "kv_cache_usage":
-            total = sum(s.num_blocks for s in stats)
-            value = sum(s.kv_cache_usage * s.num_blocks for s in stats) / total if total else 0.0
-        elif name == "block_states":
-            value = b"".join(values)
-        elif name == "asleep":
-            value = all(values)
-        else:
-            value = sum(values)
-        setattr(merged, name, value)
+    for section, merge in SECTION_MERGES.items():
+        present = [value for s in stats if (value := getattr(s, section)) is not None]
+        setattr(merged, section, merge(present) if present else None)
     return merged
 
 
@@ -51,6 +35,32 @@ def sum_fields(sections: list[Any]) -> Any:
         else:
             value = sum(values)
         setattr(merged, name, value)
+    return merged
+
+
+def merge_status(sections: list[EngineStatus]) -> EngineStatus:
+    """The latest heartbeat's time; asleep only when every engine is; no one engine's index."""
+    return EngineStatus(
+        engine_index=0,
+        time=max(s.time for s in sections),
+        asleep=all(s.asleep for s in sections),
+    )
+
+
+def merge_kv_pools(sections: list[KVPoolStats]) -> KVPoolStats:
+    """The pools as one: blocks and slots summed, usage weighed by each pool's blocks, the
+    cells side by side (each pool's at the widest pool's cell size and block size)."""
+    merged = KVPoolStats(
+        num_blocks=sum(s.num_blocks for s in sections),
+        num_free_blocks=sum(s.num_free_blocks for s in sections),
+        block_bytes=max(s.block_bytes for s in sections),
+        slots_allocated=sum(s.slots_allocated for s in sections),
+        slots_used=sum(s.slots_used for s in sections),
+        block_states=b"".join(s.block_states for s in sections),
+        blocks_per_cell=max(s.blocks_per_cell for s in sections),
+    )
+    if merged.num_blocks:
+        merged.usage = sum(s.usage * s.num_blocks for s in sections) / merged.num_blocks
     return merged
 
 
@@ -74,8 +84,15 @@ def merge_tenants(per_engine: list[list[TenantStats]]) -> list[TenantStats]:
     return list(by_name.values())
 
 
-# EngineStats' section fields and how each merges.
+# Every section of EngineStats and how it merges (tests/test_engine_stats.py checks that each
+# has its rule).
 SECTION_MERGES: dict[str, Callable[[list[Any]], Any]] = {
+    "status": merge_status,
+    "load": sum_fields,
+    "tokens": sum_fields,
+    "prefix_cache": sum_fields,
+    "steps": sum_fields,
+    "kv_pool": merge_kv_pools,
     "pins": sum_fields,
     "tenants": merge_tenants,
     "spec": sum_fields,

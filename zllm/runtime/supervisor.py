@@ -225,8 +225,8 @@ class Supervisor:
         for msg in receive_nowait(self.inbox, self.decoder, logger, WATCH_INTERVAL_S):
             if isinstance(msg, ProcessReady):
                 self._on_ready(msg)
-            elif isinstance(msg, EngineStats) and msg.engine_index < len(self.engines):
-                self.engines[msg.engine_index].last_heartbeat = time.monotonic()
+            elif isinstance(msg, EngineStats) and msg.status.engine_index < len(self.engines):
+                self.engines[msg.status.engine_index].last_heartbeat = time.monotonic()
         if self.ray_head is not None and self.ray_head.dead():
             # Every engine's actors went with it: nothing left to restart on.
             logger.error("the engines' Ray head node exited; shutting down")
