@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from resident_memory import resident_bytes
 from servers import wait_until
-from test_sleep import resident_bytes
 from tiny_models import write_tiny_model
 
 from zllm import LLM, LoRARequest, SamplingParams

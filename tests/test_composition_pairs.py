@@ -26,8 +26,8 @@ import json
 import random
 
 import pytest
+from resident_memory import resident_bytes
 from test_composition import needle_vectors, prompts_with_repeats
-from test_sleep import resident_bytes
 from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, BeamSearchParams, LoRARequest, SamplingParams

@@ -120,7 +120,7 @@ def test_both_engines_sleep_and_wake_together(dp_server):
     weights too (level 2), requests are refused while asleep, and after /wake_up both
     engines answer as before. Sleeping stores each engine's cached prefixes down to its KV
     tiers: the disk tier of engine i is its own subdirectory engine-<i>."""
-    from test_sleep import resident_bytes
+    from resident_memory import resident_bytes
 
     client = client_of(dp_server)
     prompts = [f"{i} sleeps {i * 13}" for i in range(6)]  # spread over both engines

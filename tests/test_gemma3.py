@@ -196,10 +196,10 @@ def test_real_weights_take_the_file_size_in_memory(gemma3_path):
     of any matrix (the 262,144-row Q8_0 embedding alone would be 671 MB in fp32). At 8,192
     positions: the two RoPE tables (cos | sin, head_dim 256) take 32 MB each at the model's
     full 32K context, which leaves that run 3 MB under the bound (BENCHMARKS.md)."""
-    from test_gguf_kernels import _resident_after_load
+    from resident_memory import resident_after_load
 
     bound = os.path.getsize(gemma3_path) + (64 << 20) + (100 << 20)
-    grown = _resident_after_load(gemma3_path, "gguf", "--max-model-len", "8192")
+    grown = resident_after_load(gemma3_path, "gguf", "--max-model-len", "8192")
     print(f"resident growth at load: {grown['after'] - grown['before']}, bound {bound}")
     assert grown["after"] - grown["before"] <= bound
 

@@ -8,7 +8,6 @@ and the engine must pick it by default for a GGUF file on CPU without changing a
 output, holding no fp32 copy of what the blocks serve (the weights take the file's size).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize, quantize
 from gguf_files import random_blocks
+from resident_memory import resident_after_load
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
@@ -498,29 +498,12 @@ def test_gguf_quantization_refuses_a_non_gguf_model(tiny_llama_dir):
     assert LLM(tiny_llama_dir).model_runner.quantization == "none"
 
 
-_LOAD_MEMORY = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "load_memory.py")
-
-
-def _resident_after_load(model_path: str, quantization: str, *args: str) -> dict:
-    """An executor's resident memory before loading weights and after (its own process):
-    benchmarks/load_memory.py, the goal's own measurement, with a 64 MiB KV pool."""
-    out = subprocess.run(
-        [sys.executable, _LOAD_MEMORY, model_path, "--quantization", quantization, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_smollm2_weights_take_the_file_size_in_memory(smollm2_path):
     """After load the executor holds at most the GGUF file + the KV pool + 100 MiB more than
     before loading weights; fp32 weights (quantization none) do not fit that bound."""
     bound = os.path.getsize(smollm2_path) + (64 << 20) + (100 << 20)
-    blocks = _resident_after_load(smollm2_path, "gguf")
-    fp32 = _resident_after_load(smollm2_path, "none")
+    blocks = resident_after_load(smollm2_path, "gguf")
+    fp32 = resident_after_load(smollm2_path, "none")
     grown = {m["method"]: m["after"] - m["before"] for m in (blocks, fp32)}
     print(f"resident growth at load: {grown}, bound {bound}")
     assert grown["gguf"] <= bound

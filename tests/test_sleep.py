@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from resident_memory import resident_bytes
 from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
@@ -80,14 +81,6 @@ def test_level_1_keeps_the_weights_and_wakes_in_parts(tiny_llama_dir) -> None:
 def test_sleep_needs_sleep_mode(tiny_llama_dir) -> None:
     with pytest.raises(RuntimeError, match="enable_sleep_mode"):
         LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20).sleep()
-
-
-def resident_bytes(pid: str = "self") -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def tensor_bytes(model: torch.nn.Module) -> int:
