@@ -22,7 +22,7 @@ from zllm.config.generation import FILE_NAME, SamplingDefaults, read_generation_
 from zllm.frontend.openai.format import chat_params
 from zllm.frontend.openai.protocol import ChatCompletionRequest, decode_body
 from zllm.protocol import EngineCoreRequest, TokenizeRequest
-from zllm.tokenizer_proc.main import RequestTokenizer
+from zllm.tokenizer_proc.request_tokenizer import RequestTokenizer
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores"]
 FREE_RUN = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -16,7 +16,7 @@ from zllm.protocol import (
 )
 from zllm.sampling_params import SamplingParams
 from zllm.text.tokenizer import load_tokenizer
-from zllm.tokenizer_proc.main import RequestTokenizer
+from zllm.tokenizer_proc.request_tokenizer import RequestTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from zllm.config.engine import check_cache_salt, check_priority
 from zllm.config.engine_args import EngineArgs
-from zllm.config.generation import merge_eos_token_ids
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
-from zllm.inputs import check_prompt, check_token_params, truncate_prompt
 from zllm.kv.cache_control import MAX_PIN_TTL_S
 from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.outputs import (
@@ -35,20 +36,35 @@ from zllm.outputs import (
     RequestOutput,
 )
 from zllm.protocol import (
+    NO_OPTIONS,
     CachePin,
     DetokenizerBatch,
     EngineCoreRequest,
     LogprobsLists,
     RequestOptions,
     RequestOutputDelta,
+    TokenizeRequest,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
-from zllm.text.bad_words import with_bad_words_ids
-from zllm.text.structured_outputs import check_structured_outputs
 from zllm.text.template_kwargs import merge_template_kwargs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
+from zllm.tokenizer_proc.request_tokenizer import RequestTokenizer
 
 PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatPrompt:
+    """One conversation of `LLM.chat`: rendered and checked as the server does a chat
+    request (so its errors name the messages, as the server's do)."""
+
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] | None
+
+
+_Prompt = PromptType | _ChatPrompt
 
 
 class LLM:
@@ -75,16 +91,24 @@ class LLM:
                 "mp); Ray actors serve through zllm serve --distributed-executor-backend ray"
             )
         self.tokenizer: Tokenizer = load_tokenizer(self.config.model_path, chat_template)
-        # What the tokenizer worker adds to a served request: the ids that end generation.
-        self.eos_token_ids = merge_eos_token_ids(
-            [self.tokenizer.eos_token_id], self.config.arch.eos_token_ids
-        )
         from zllm.executor.offline import start_offline_executor  # torch lives behind this
 
         # With N ranks (tensor x pipeline parallel): rank 0 here, ranks 1..N-1 in processes
         # it feeds (stopped when this LLM is collected, or at exit).
         self.executor = start_offline_executor(self.config)
         self.engine = EngineCore(self.config)
+        # The tokenizer worker's own code builds and checks each prompt, so a bad one gets
+        # the served message. No max_new_tokens: here the model's max_tokens default comes
+        # with get_default_sampling_params (as vLLM's LLM), and max_tokens=None means "as
+        # many as fit".
+        self.request_tokenizer = RequestTokenizer(
+            self.tokenizer,
+            self.engine.max_model_len,
+            self.config.arch.vocab_size,
+            self.config.arch.eos_token_ids,
+        )
+        # What the tokenizer worker adds to a served request: the ids that end generation.
+        self.eos_token_ids = self.request_tokenizer.eos_token_ids
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._adapters: dict[int, LoRARequest] = {}  # LoRA: each id's adapter, checked
@@ -120,52 +144,9 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ParamError(
-                    f"Got {len(params_list)} sampling params for {len(prompts)} prompts.",
-                    "sampling_params",
-                )
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ParamError(
-                    f"Got {len(loras)} LoRA requests for {len(prompts)} prompts.", "lora_request"
-                )
-        for lora in dict.fromkeys(loras):
-            if lora is not None:
-                self._check_adapter(lora)
-        # As checked: with the digest of its files (the salt of its KV blocks).
-        loras = [None if x is None else self._adapters[x.lora_int_id] for x in loras]
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ParamError(
-                f"Got {len(priorities)} priorities for {len(prompts)} prompts.", "priority"
-            )
-        for value in priorities:
-            check_priority(value, self.config.scheduler)
-        # Check every prompt before queueing any, so a bad one leaves nothing half-done.
-        trackers = [
-            self._make_tracker(p, sp, lora)
-            for p, sp, lora in zip(prompts, params_list, loras, strict=True)
-        ]
-        for tracker, value in zip(trackers, priorities, strict=True):
-            tracker.priority = int(value)
-        if pin_prefix_s is not None:
-            if not 0 < pin_prefix_s <= MAX_PIN_TTL_S:
-                raise ParamError(
-                    f"pin_prefix_s must be in (0, {MAX_PIN_TTL_S:g}] seconds", "pin_prefix_s"
-                )
-            for tracker in trackers:
-                tracker.cache_pin = CachePin(ttl_s=float(pin_prefix_s))
-        return self._run(trackers, use_tqdm)
+        return self._generate(
+            prompts, sampling_params, use_tqdm, lora_request, priority, pin_prefix_s
+        )
 
     def chat(
         self,
@@ -181,26 +162,15 @@ class LLM:
         {"enable_thinking": False}); the names the template already gets are refused.
         `continue_final_message`: the last message is left open for the model to go on
         with (needs add_generation_prompt=False), as vLLM's."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        kwargs = merge_template_kwargs(None, chat_template_kwargs)
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                conv,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
-            for conv in conversations  # type: ignore[union-attr]
+        conversations: list[Any] = list(messages)
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # one conversation
+        kwargs = merge_template_kwargs(None, chat_template_kwargs) or None
+        prompts: list[_Prompt] = [
+            _ChatPrompt(conv, add_generation_prompt, continue_final_message, kwargs)
+            for conv in conversations
         ]
-        # The template already holds the special tokens: don't add a second BOS.
-        token_prompts = [
-            {
-                "prompt": text,
-                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-            }
-            for text in prompts
-        ]
-        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
@@ -276,6 +246,47 @@ class LLM:
         return True
 
     # ---- internals -------------------------------------------------------------------------
+    def _generate(
+        self,
+        prompts: list[_Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+        priority: Sequence[int] | None = None,
+        pin_prefix_s: float | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` and `chat`: every prompt checked before any is queued, so a bad one
+        leaves nothing half-done; then all run to their ends."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        count = len(prompts)
+        params_list = _one_each(
+            sampling_params, SamplingParams, count, "sampling_params", "sampling params"
+        )
+        loras = _one_each(lora_request, LoRARequest, count, "lora_request", "LoRA requests")
+        for lora in dict.fromkeys(loras):
+            if lora is not None:
+                self._check_adapter(lora)
+        # As checked: with the digest of its files (the salt of its KV blocks).
+        loras = [None if x is None else self._adapters[x.lora_int_id] for x in loras]
+        priorities = list(priority) if priority is not None else [0] * count
+        if len(priorities) != count:
+            raise ParamError(f"Got {len(priorities)} priorities for {count} prompts.", "priority")
+        for value in priorities:
+            check_priority(value, self.config.scheduler)
+        pin = None
+        if pin_prefix_s is not None:
+            if not 0 < pin_prefix_s <= MAX_PIN_TTL_S:
+                raise ParamError(
+                    f"pin_prefix_s must be in (0, {MAX_PIN_TTL_S:g}] seconds", "pin_prefix_s"
+                )
+            pin = CachePin(ttl_s=float(pin_prefix_s))
+        trackers = [
+            self._make_tracker(p, sp, RequestOptions(lora=lora, priority=int(v), cache_pin=pin))
+            for p, sp, lora, v in zip(prompts, params_list, loras, priorities, strict=True)
+        ]
+        return self._run(trackers, use_tqdm)
+
     def _check_adapter(self, lora: LoRARequest) -> None:
         """An adapter's files, checked against the model once per (id, path); one id names
         one adapter for the life of this LLM (its prefix-cache entries are keyed by it)."""
@@ -295,58 +306,55 @@ class LLM:
             )
 
     def _make_tracker(
-        self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None
+        self, prompt: _Prompt, params: SamplingParams, options: RequestOptions = NO_OPTIONS
     ) -> _Tracker:
+        """The prompt built and checked by the tokenizer worker's code (ParamError, with the
+        server's message, if it cannot run), ready to queue."""
+        req = self._tokenize_request(prompt, params, options)
+        text, ids = self.request_tokenizer.prompt_of(req)
+        request = self.request_tokenizer.check(req, ids)
+        request = msgspec.structs.replace(request, req_id=str(next(self._ids)))
+        return _Tracker(request, text, self.tokenizer)
+
+    @staticmethod
+    def _tokenize_request(
+        prompt: _Prompt, params: SamplingParams, options: RequestOptions
+    ) -> TokenizeRequest:
+        """The request a frontend would send the tokenizer workers for `prompt` (its id is
+        given once it passes its checks)."""
+        if isinstance(prompt, _ChatPrompt):
+            return TokenizeRequest(
+                "",
+                params,
+                messages=prompt.messages,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                chat_template_kwargs=prompt.chat_template_kwargs,
+                options=options,
+            )
         if isinstance(prompt, str):
-            text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text = prompt.get("prompt")
-            token_ids = [int(t) for t in prompt["prompt_token_ids"]]
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            text = prompt["prompt"]
-            token_ids = self.tokenizer.encode(text)
-        else:
+            return TokenizeRequest("", params, prompt=prompt, options=options)
+        if not isinstance(prompt, dict) or not ("prompt_token_ids" in prompt or "prompt" in prompt):
             raise TypeError(
                 "A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'."
             )
-        params = with_bad_words_ids(params, self.tokenizer)
-        token_ids = truncate_prompt(
-            token_ids, params.truncate_prompt_tokens, self.engine.max_model_len
+        # vLLM's prompt dicts carry a `cache_salt` too.
+        check_cache_salt(prompt.get("cache_salt"))
+        options = msgspec.structs.replace(options, cache_salt=prompt.get("cache_salt"))
+        if "prompt_token_ids" not in prompt:
+            return TokenizeRequest("", params, prompt=prompt["prompt"], options=options)
+        ids = [int(t) for t in prompt["prompt_token_ids"]]
+        return TokenizeRequest(
+            "", params, prompt=prompt.get("prompt"), prompt_token_ids=ids, options=options
         )
-        check_prompt(
-            token_ids,
-            max_tokens=params.max_tokens,
-            max_model_len=self.engine.max_model_len,
-            vocab_size=self.config.arch.vocab_size,
-        )
-        check_token_params(params, self.config.arch.vocab_size)
-        if params.structured_outputs is not None:
-            check_structured_outputs(params.structured_outputs)
-        tracker = _Tracker(str(next(self._ids)), text, token_ids, params, self.tokenizer)
-        tracker.lora = lora
-        if isinstance(prompt, dict):  # vLLM's prompt dicts carry a `cache_salt` too
-            tracker.cache_salt = prompt.get("cache_salt")
-            check_cache_salt(tracker.cache_salt)
-        return tracker
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:
         if self.engine.asleep:
             raise RuntimeError("the LLM is asleep: call wake_up() first")
         by_id = {t.req_id: t for t in trackers}
-        eos = self.eos_token_ids
         now = time.time()
         for t in trackers:
-            request = EngineCoreRequest(
-                t.req_id,
-                t.prompt_token_ids,
-                t.params,
-                now,
-                eos,
-                options=RequestOptions(
-                    lora=t.lora, priority=t.priority, cache_pin=t.cache_pin, cache_salt=t.cache_salt
-                ),
-            )
+            request = msgspec.structs.replace(t.request, arrival_time=now)
             rejected = self.engine.add_request(request)
             assert rejected is None, rejected  # the same checks passed in _make_tracker
         bar = _progress_bar(len(trackers)) if use_tqdm else None
@@ -388,11 +396,12 @@ class LLM:
 class _Tracker:
     """Collects one request's output deltas as they come out of the engine."""
 
-    def __init__(self, req_id, prompt, prompt_token_ids, params: SamplingParams, tokenizer):
-        self.req_id = req_id
+    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Tokenizer):
+        self.request = request  # as queued (its options: adapter, priority, pin, salt)
+        self.req_id = request.req_id
         self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.prompt_token_ids = request.prompt_token_ids
+        self.params = params = request.sampling_params
         self.tokenizer = tokenizer
         n = params.n
         self.texts = [""] * n
@@ -404,10 +413,6 @@ class _Tracker:
         self.num_cached_tokens = 0
         self.embedding: list[float] | None = None
         self.beam_logprobs: list[float | None] = [None] * n
-        self.lora: LoRARequest | None = None
-        self.priority = 0
-        self.cache_pin: CachePin | None = None
-        self.cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -475,6 +480,17 @@ class _Tracker:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
         )
+
+
+def _one_each(given: Any, single: type, count: int, param: str, what: str) -> list[Any]:
+    """`given` (the argument `param`) for each of `count` prompts: one (or None) for all, or
+    a sequence of one each."""
+    if given is None or isinstance(given, single):
+        return [given] * count
+    values = list(given)
+    if len(values) != count:
+        raise ParamError(f"Got {len(values)} {what} for {count} prompts.", param)
+    return values
 
 
 def _progress_bar(total: int):
