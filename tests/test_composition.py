@@ -45,7 +45,7 @@ def one_rank(tiny_llama_dir) -> list[list[int]]:
 def adapters(tiny_llama_dir, tmp_path_factory) -> list[LoRARequest]:
     """test_lora's three adapters of the tiny model (every projection; q/v with rsLoRA; the
     MLP), ids 1-3, written once for the module."""
-    from test_lora import ADAPTERS, make_adapter
+    from lora_adapters import ADAPTERS, make_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     return [

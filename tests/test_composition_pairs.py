@@ -49,7 +49,7 @@ def gemma3_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def lora(tiny_llama_dir, tmp_path_factory) -> LoRARequest:
-    from test_lora import ADAPTERS, make_adapter
+    from lora_adapters import ADAPTERS, make_adapter
 
     name, config = next(iter(ADAPTERS.items()))  # every projection
     path = make_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter") / name, 1, **config)
@@ -219,7 +219,7 @@ def test_the_transformers_backend_composes_with(tiny_llama_dir, gemma3_dir, pair
 
 @pytest.fixture(scope="module")
 def gemma3_lora(gemma3_dir, tmp_path_factory) -> LoRARequest:
-    from test_lora import ADAPTERS, make_adapter
+    from lora_adapters import ADAPTERS, make_adapter
 
     name, config = next(iter(ADAPTERS.items()))  # every projection
     path = make_adapter(gemma3_dir, tmp_path_factory.mktemp("gemma3-adapter") / name, 1, **config)

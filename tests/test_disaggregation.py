@@ -691,7 +691,7 @@ def disagg(tiny_llama_dir, tmp_path_factory):
     """A plain server (the reference), a decode server (kv_consumer), a prefill server
     (kv_producer) sending to it over tcp, and the proxy in front of the pair. All three
     serve two LoRA adapters, the decode server under other ids than the others."""
-    from test_lora import ADAPTERS, make_adapter
+    from lora_adapters import ADAPTERS, make_adapter
 
     logs = tmp_path_factory.mktemp("disagg")
     a, b = (

@@ -3,8 +3,9 @@ same adapter; requests of several adapters (and the base) batched in one step eq
 alone; adapters never share KV blocks; bad adapters are refused before anything changes;
 served through `zllm serve` with the openai client, with loading and unloading at run time.
 
-Adapters are made here with PEFT (random A and non-zero random B) on a tiny random model and,
-in the slow tests, on an fp32 Hugging Face copy of SmolLM2 made from its GGUF.
+Adapters are made with PEFT (tests/lora_adapters.py: random A and non-zero random B) on a
+tiny random model and, in the slow tests, on an fp32 Hugging Face copy of SmolLM2 made from
+its GGUF.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
+from lora_adapters import ADAPTERS, make_adapter
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import save_file
 from servers import start_server, stop_server, wait_until
@@ -37,33 +38,7 @@ from zllm.protocol import RequestOptions
 
 peft = pytest.importorskip("peft")
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Three adapters unlike each other: every projection; attention only with rsLoRA; MLP only
-# at a higher rank.
-ADAPTERS = {
-    "all": dict(r=8, lora_alpha=16, target_modules=ALL_TARGETS),
-    "qv-rslora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
-    "mlp": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
-}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def make_adapter(base_dir: str, out: Path, seed: int, b_std: float | None = None, **config):
-    """A PEFT adapter of base_dir with random A and non-zero random B (PEFT's own init
-    makes B zero: the adapter would change nothing). `b_std`: draw every LoRA weight from
-    N(0, b_std) instead of PEFT's uniform init (a real model stays fluent)."""
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **config))
-    if b_std is not None:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0.0, b_std)
-    model.save_pretrained(out)
-    return out
 
 
 def peft_model(base_dir: str, adapter_dir: Path | None):

@@ -213,8 +213,8 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
     import json
 
     import openai
+    from lora_adapters import ADAPTERS, make_adapter
     from test_composition_pairs import NGRAM, beam_texts, offline_beam_texts
-    from test_lora import ADAPTERS, make_adapter
 
     from zllm import LLM, LoRARequest, SamplingParams
 
