@@ -27,7 +27,7 @@ from zllm.executor.step_inputs import LayerAttention, build_attention_metadata, 
 
 def median_ms(backend, num_rows: int, chunk: int, repeats: int = 50) -> float:
     rng = np.random.default_rng(0)
-    host = types.SimpleNamespace(
+    layout = types.SimpleNamespace(  # the fields of a RankLayout the build reads
         block_size=16,
         layer_attention=[LayerAttention(0, None)] * 2,
         attention=backend,
@@ -46,7 +46,7 @@ def median_ms(backend, num_rows: int, chunk: int, repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        build_attention_metadata(host, states, query_lens, seq_lens, positions)
+        build_attention_metadata(layout, states, query_lens, seq_lens, positions)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 

@@ -2,8 +2,9 @@
 
 The runner keeps each request's state (tokens, block table, seeded generator) between steps,
 so the core sends a request's full data once and afterwards only what changed. What it runs
-the step on is the model host's (model_host.py); how it samples, the step sampler's
-(step_sampler.py, logits_processors.py, sampler.py).
+the step on is the model host's (model_host.py: its weights, KV cache and decode path); how
+it samples, the step sampler's (step_sampler.py, logits_processors.py, sampler.py); when the
+host's parts release their memory, sleep mode's (sleep_mode.py).
 
     execute_model(so)   _update_states        forks, finished, new, cached, block copies
                         _transfer_kv          KV offload: drops, stores, loads
@@ -36,6 +37,7 @@ from zllm.executor.request_state import RequestState
 from zllm.executor.sample.rows import SampleRows
 from zllm.executor.sample.step_sampler import StepSampler
 from zllm.executor.sample.structured_output import GrammarCompiler
+from zllm.executor.sleep_mode import SleepMode
 from zllm.executor.step_inputs import StepInputs, prepare_inputs
 from zllm.executor.step_timing import GpuIdleClock
 from zllm.kv.cache_groups import KVCacheGroup
@@ -60,77 +62,79 @@ class ModelRunner:
         # When the last step ended (a pipeline stage's idle time before the next).
         self._step_end = time.perf_counter()
         self.host = host = ModelHost(config, parallel)
+        layout = host.layout
+        self.sleep_mode = SleepMode(host.weights, host.kv, host.decode, layout.device)
         # Tensor parallel: unseeded rows draw from a generator of the runner's own, the same
         # on every rank (rank 0 of an offline engine shares torch's global one with the user).
         unseeded = (
-            torch.Generator(device=host.device).manual_seed(config.seed)
+            torch.Generator(device=layout.device).manual_seed(config.seed)
             if self.tp.enabled
             else None
         )
         self.sampling = StepSampler(
-            host.compute_logits, host.arch.vocab_size, host.device, unseeded
+            host.weights.compute_logits, layout.arch.vocab_size, layout.device, unseeded
         )
         self.stage = (
-            PipelineStage(self.pp, host.arch.hidden_size, host.dtype, host.device)
+            PipelineStage(self.pp, layout.arch.hidden_size, layout.dtype, layout.device)
             if self.pp.enabled
             else None
         )
-        self.grammars = GrammarCompiler(config.model_path, host.arch.vocab_size)
+        self.grammars = GrammarCompiler(config.model_path, layout.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
-        self._gpu_clock = GpuIdleClock(host.device)
+        self._gpu_clock = GpuIdleClock(layout.device)
 
     # ---- what the host holds (the interface ranks, LLM and the tests read) ---------------------
     @property
     def model(self) -> nn.Module:
-        return self.host.model
+        return self.host.weights.model
 
     @property
     def quantization(self) -> str:
-        return self.host.quantization
+        return self.host.weights.quantization
 
     @property
     def fused_decode(self) -> FusedDecode | None:
-        return self.host.fused_decode
+        return self.host.decode.fused
 
     @fused_decode.setter
     def fused_decode(self, fused: FusedDecode | None) -> None:
-        self.host.fused_decode = fused  # (None: benchmarks time the module path)
+        self.host.decode.fused = fused  # (None: benchmarks time the module path)
 
     @property
     def graph_runner(self) -> CudaGraphRunner | None:
-        return self.host.graph_runner
+        return self.host.decode.graph_runner
 
     @property
     def lora(self) -> LoRAManager | None:
-        return self.host.lora
+        return self.host.weights.lora
 
     @property
     def num_blocks(self) -> int:
-        return self.host.num_blocks
+        return self.host.kv.num_blocks
 
     @property
     def kv_groups(self) -> list[KVCacheGroup]:
-        return self.host.kv_groups
+        return self.host.layout.kv_groups
 
     @property
     def kv_tensors(self) -> list[torch.Tensor]:
-        return self.host.kv_tensors
+        return self.host.kv.tensors
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        return self.host.kv_caches
+        return self.host.kv.caches
 
     @property
     def kv_tiers(self) -> KVTiers | None:
-        return self.host.kv_tiers
+        return self.host.kv.tiers
 
     @property
     def asleep(self) -> bool:
-        return self.host.asleep
+        return self.sleep_mode.asleep
 
     # ---- sleep mode ----------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        """Release the KV pool, and at level 2 the weights (ModelHost.sleep), keeping the
+        """Release the KV pool, and at level 2 the weights (sleep_mode.py), keeping the
         config, the compiled grammars' tokenizer data and the sampler. The core calls it only
         when no request is unfinished; the states still here are of finished requests whose
         ids would come with the next step."""
@@ -138,11 +142,11 @@ class ModelRunner:
             return
         self.requests.clear()
         self.sampling.child_generators.clear()
-        self.host.sleep(level)
+        self.sleep_mode.sleep(level)
 
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
         """Restore the parts named: the weights, a fresh and empty KV pool, or both."""
-        self.host.wake_up(tags)
+        self.sleep_mode.wake_up(tags)
 
     # ---- state updates -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
@@ -159,7 +163,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.sampling.forget(req_id)
-        lora = self.host.lora
+        lora = self.host.weights.lora
         if lora is not None and so.finished_req_ids:
             lora.evict(st.lora_int_id for st in self.requests.values() if st.lora_int_id)
         failed = self._add_new_requests(so)
@@ -177,7 +181,7 @@ class ModelRunner:
                 state.draft_num_computed = min(state.draft_num_computed, cached.num_computed_tokens)
                 state.draft_tail = []
         for src, dst in so.blocks_to_copy:
-            self.host.copy_block(src, dst)
+            self.host.kv.copy_block(src, dst)
         return failed
 
     def _add_new_requests(self, so: SchedulerOutput) -> dict[str, str]:
@@ -186,7 +190,7 @@ class ModelRunner:
         failed: dict[str, str] = {}
         for new in so.new_requests:
             if new.lora is not None:
-                lora = self.host.lora
+                lora = self.host.weights.lora
                 assert lora is not None, "the core refuses LoRA requests when LoRA is off"
                 try:
                     lora.add(new.lora)
@@ -194,7 +198,7 @@ class ModelRunner:
                     logger.error("Request %s fails: %s", new.req_id, e)
                     failed[new.req_id] = f"LoRA adapter {new.lora.lora_name!r}: {e}"
                     continue
-            state = RequestState.from_new(new, self.host.device)
+            state = RequestState.from_new(new, self.host.layout.device)
             self._attach_grammar(state)
             self.requests[new.req_id] = state
         return failed
@@ -212,7 +216,7 @@ class ModelRunner:
         """Whether steps may be launched over an unfinished one (async_steps.py): one rank
         (the ranks would have to agree on every overlap) and no speculation (a proposer reads
         each step's tokens on the host)."""
-        return not self.tp.enabled and not self.pp.enabled and self.host.proposer is None
+        return not self.tp.enabled and not self.pp.enabled and self.host.kv.proposer is None
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step, start to finish. A pipeline stage before the last runs its layers,
@@ -317,7 +321,7 @@ class ModelRunner:
         output.pooled = launched.pooled
         output.failed = launched.failed
         output.kv_load_failed = self._kv_load_failed(launched.load_failures)
-        if self.host.proposer is not None:
+        if self.host.kv.proposer is not None:
             output.draft_token_ids = self._propose(so, inputs, rows)
         # After the proposer, whose catch-up writes a draft model's part of the blocks.
         self._send_kv(so)
@@ -362,7 +366,7 @@ class ModelRunner:
         if not failures:
             return so.num_scheduled_tokens, []
         bad = {block_id for _, _, block_id in failures}
-        block_size = self.host.block_size
+        block_size = self.host.layout.block_size
         scheduled = dict(so.num_scheduled_tokens)
         for req_id in scheduled:
             st = self.requests.get(req_id)
@@ -389,8 +393,9 @@ class ModelRunner:
     def _send_kv(self, so: SchedulerOutput) -> None:
         """A disaggregation producer: the prompt blocks this step's forward completed, each
         to its consumer engine; every pipeline stage sends its own layers' part."""
-        if so.kv_sends and self.host.kv_sender is not None:
-            self.host.kv_sender.send(so.kv_sends, so.kv_send_engines)
+        sender = self.host.kv.sender
+        if so.kv_sends and sender is not None:
+            sender.send(so.kv_sends, so.kv_send_engines)
 
     def _forward(
         self, inputs: StepInputs, idle_s: float, step_start: float
@@ -407,29 +412,21 @@ class ModelRunner:
     def _run_model(
         self, inputs: StepInputs, stream: torch.Tensor | None = None, final_norm: bool = True
     ) -> torch.Tensor:
-        """The model's layers over the step: a captured CUDA graph replay when one fits (a
-        decode graph, else the pieces of a piecewise one), the fused CPU stack for
-        decode-only steps, else the modules. `stream`: the residual
-        stream entering a pipeline stage's layers (None: embed the tokens); `final_norm`
-        False: return the stream leaving them (a stage before the last)."""
-        host, ids, positions = self.host, inputs.input_ids, inputs.positions
-        meta, kv_caches = inputs.attn_metadata, host.kv_caches
-        hidden = None
-        if host.graph_runner is not None:  # decode-only batches on a GPU (never a stage)
-            hidden = host.graph_runner.run(ids, positions, meta)
-        if hidden is None and host.piecewise_runner is not None:  # prefill and mixed steps
-            hidden = host.piecewise_runner.run(ids, positions, meta)
-        if hidden is None and host.fused_decode is not None:  # decode-only steps on CPU
-            hidden = host.fused_decode.run(
-                ids, positions, kv_caches, meta, stream=stream, final_norm=final_norm
-            )
+        """The model's layers over the step: the decode path's when it takes the step (a
+        captured CUDA graph's replay, the fused CPU stack: graphs/decode_path.py), else the
+        modules. `stream`: the residual stream entering a pipeline stage's layers (None:
+        embed the tokens); `final_norm` False: return the stream leaving them (a stage
+        before the last)."""
+        ids, positions, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        hidden = self.host.decode.run(ids, positions, meta, stream, final_norm)
         if hidden is not None:
             return hidden
+        model, kv_caches = self.host.weights.model, self.host.kv.caches
         if stream is None:
-            return host.model(ids, positions, kv_caches, meta)
-        x, residual = host.model.forward_layers(stream, positions, kv_caches, meta)
+            return model(ids, positions, kv_caches, meta)
+        x, residual = model.forward_layers(stream, positions, kv_caches, meta)
         if final_norm:
-            return host.model.final_norm(x, residual)
+            return model.final_norm(x, residual)
         return x if residual is None else x + residual
 
     def _propose(
@@ -438,14 +435,15 @@ class ModelRunner:
         """Speculative decoding: proposals for the requests that sampled (when the step
         speculates), aligned with the output's req_ids; [] when there are none. A draft model
         catches up on the step's tokens whatever the step."""
-        assert self.host.proposer is not None
+        proposer = self.host.kv.proposer
+        assert proposer is not None
         stepped = [
             (st, end)
             for st, end in zip(inputs.states, inputs.seq_lens, strict=True)
             if not st.sampling_params.embed
         ]
         propose_for = rows.requests if so.speculate else []
-        drafts = self.host.proposer.after_step(stepped, propose_for)
+        drafts = proposer.after_step(stepped, propose_for)
         if not any(drafts):
             return []
         return drafts

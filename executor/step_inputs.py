@@ -30,6 +30,7 @@ from zllm.protocol import SchedulerOutput
 if TYPE_CHECKING:
     from zllm.executor.async_steps import PendingTokens
     from zllm.executor.model_host import ModelHost
+    from zllm.executor.ranks.layout import RankLayout
 
 
 @dataclass(slots=True)
@@ -85,7 +86,8 @@ def prepare_inputs(
     input_ids: list[int] = []
     pending_slots: list[tuple[int, str]] = []  # (flat index, req_id): filled on the device
     scheduled = list(scheduled_tokens.items())
-    if host.lora is not None:
+    layout, lora = host.layout, host.weights.lora
+    if lora is not None:
         # Each adapter's rows side by side (a stable sort: the base first, then by id),
         # so a layer adds an adapter's update to one slice of the batch.
         scheduled.sort(key=lambda item: _lora_id(requests.get(item[0])))
@@ -106,10 +108,10 @@ def prepare_inputs(
         query_lens.append(num)
     seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
     positions = token_positions(query_lens, seq_lens)
-    attn_metadata = build_attention_metadata(host, states, query_lens, seq_lens, positions)
-    if host.lora is not None:
-        host.lora.set_batch([st.lora_int_id for st in states], query_lens)
-    ids = to_device(input_ids, host.device, torch.int64)
+    attn_metadata = build_attention_metadata(layout, states, query_lens, seq_lens, positions)
+    if lora is not None:
+        lora.set_batch([st.lora_int_id for st in states], query_lens)
+    ids = to_device(input_ids, layout.device, torch.int64)
     if pending_slots:
         assert pending is not None
         pending.fill(ids, pending_slots)
@@ -119,7 +121,7 @@ def prepare_inputs(
         seq_lens=seq_lens,
         token_ends=np.cumsum(query_lens),
         input_ids=ids,
-        positions=to_device(positions, host.device),
+        positions=to_device(positions, layout.device),
         attn_metadata=attn_metadata,
     )
 
@@ -153,7 +155,7 @@ def _lora_id(st: RequestState | None) -> int:
 
 
 def build_attention_metadata(
-    host: ModelHost,
+    layout: RankLayout,
     states: list[RequestState],
     query_lens: list[int],
     seq_lens: list[int],
@@ -162,23 +164,23 @@ def build_attention_metadata(
     """One metadata per (KV cache group, window) the layers use; a list with one entry per
     layer, or a single metadata when every layer shares one (the common case). `positions`:
     the new tokens', row after row (token_positions)."""
-    bs = host.block_size
+    bs = layout.block_size
     built: dict[LayerAttention, StepAttentionMetadata] = {}
     row_of_token = np.repeat(np.arange(len(states)), query_lens)
-    for key in dict.fromkeys(host.layer_attention):
+    for key in dict.fromkeys(layout.layer_attention):
         tables = [st.block_ids[key.group] for st in states]
         slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
-        extra = {"all_as_decode": True} if host.config.deterministic else {}
-        built[key] = host.attention.build_metadata(
+        extra = {"all_as_decode": True} if layout.config.deterministic else {}
+        built[key] = layout.attention.build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=tables,
             slot_mapping=slots,
             block_size=bs,
-            device=host.device,
+            device=layout.device,
             sliding_window=key.sliding_window,
             **extra,
         )
     if len(built) == 1:
         return next(iter(built.values()))
-    return [built[key] for key in host.layer_attention]
+    return [built[key] for key in layout.layer_attention]

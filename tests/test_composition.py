@@ -379,7 +379,7 @@ def test_the_transformers_backend_splits_over_ranks_by_its_plan(tiny_llama_dir):
 
     tokens, logprobs = run(LLM(tiny_llama_dir, **kw))
     split = LLM(tiny_llama_dir, tensor_parallel_size=2, **kw)
-    assert split.model_runner.host.arch.num_heads == 2  # rank 0's share of 4 query heads
+    assert split.model_runner.host.layout.arch.num_heads == 2  # rank 0's share of 4 query heads
     split_tokens, split_logprobs = run(split)
     assert split_tokens == tokens
     for ours, theirs in zip(split_logprobs, logprobs, strict=True):

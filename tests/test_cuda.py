@@ -398,7 +398,7 @@ def test_sliding_window_models_on_gpu_equal_cpu(model, tmp_path):
         prompts = engine_prompts(llm.config.arch.vocab_size, [3, 30, 47, 49, 100, 200], seed=1)
         prompts.append(prompts[5])  # a prefix hit
         if device == "cuda":  # the CUDA kernels, decode replayed from graphs
-            assert llm.model_runner.host.attention.name == "cuda"
+            assert llm.model_runner.host.layout.attention.name == "cuda"
             assert llm.model_runner.graph_runner.graphs
         outs[device] = llm.generate(prompts, params, use_tqdm=False)
         free_llm(llm)
@@ -463,12 +463,12 @@ def test_lora_steps_replay_cuda_graphs(tiny_gpu_llama_dir, tmp_path):
                        enforce_eager=mode == "eager",
                        cudagraph_mode="full_and_piecewise")  # fmt: skip
         host = llm.executor.runner.host
-        assert (host.lora.slots is not None) == (mode == "graphs")
-        graphs = counting_replays(host.graph_runner) if host.graph_runner else [0]
+        assert (host.weights.lora.slots is not None) == (mode == "graphs")
+        graphs = counting_replays(host.decode.graph_runner) if host.decode.graph_runner else [0]
         prompts = engine_prompts(llm.config.arch.vocab_size, [3, 40, 150, 7, 61, 30, 12, 90], 5)
         loras = [[*adapters, None][i % 4] for i in range(len(prompts))]
         outs[mode] = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        pieces = host.piecewise_runner.steps_replayed if host.piecewise_runner else 0
+        pieces = host.decode.piecewise_runner.steps_replayed if host.decode.piecewise_runner else 0
         replays[mode] = (graphs[0], pieces)
         free_llm(llm)
     assert replays["eager"] == (0, 0)
@@ -492,7 +492,7 @@ def test_piecewise_graphs_equal_eager_in_the_engine(tiny_gpu_llama_dir, async_ex
         prompts = engine_prompts(llm.config.arch.vocab_size, [3, 40, 150, 7, 61, 300, 12], 4)
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)]  # fmt: skip
-        runner = llm.executor.runner.host.piecewise_runner
+        runner = llm.executor.runner.host.decode.piecewise_runner
         replayed[mode] = runner.steps_replayed if runner is not None else 0
         free_llm(llm)
     assert outs["piecewise"] == outs["eager"]
@@ -582,7 +582,7 @@ def test_structured_output_and_speculation_on_cuda(tiny_gpu_llama_dir):
         )  # fmt: skip
         outs = [o.outputs[0].token_ids for o in spec.generate(repeats, greedy, use_tqdm=False)]
         assert outs == plain, mode
-        runner = spec.executor.runner.host.piecewise_runner
+        runner = spec.executor.runner.host.decode.piecewise_runner
         assert (runner is not None and runner.steps_replayed > 0) == (mode != "full_decode_only")
         free_llm(spec)
 
@@ -769,7 +769,7 @@ def test_gpu_memory_utilization_keeps_the_engine_in_its_share(
     engine_peak = torch.cuda.max_memory_reserved() - base
     if other_job_gib == 0:
         assert engine_peak <= utilization * total
-        per_block = llm.model_runner.host._kv_bytes_per_slot() * config.cache.block_size
+        per_block = llm.model_runner.host.kv.bytes_per_slot() * config.cache.block_size
         pool = config.cache.num_blocks * per_block
         weights_and_rest = loaded - pool
         reserve = activation_reserve_bytes(config.arch, step)

@@ -261,7 +261,7 @@ def test_after_sleep_the_draft_reads_its_kv_from_the_tier(tiny_llama_dir, draft_
     llm.sleep()
     llm.wake_up()
     host = llm.model_runner.host
-    assert host.kv_pool.draft and host.kv_pool.draft[0] is host.proposer.kv_caches[0]
+    assert host.kv.pool.draft and host.kv.pool.draft[0] is host.kv.proposer.kv_caches[0]
     tokens, rate = run(llm, prompts)
     assert llm.engine.heartbeat().kv_tiers.hits[TIER_CPU] == 320
     assert tokens == expected and rate >= expected_rate - 0.05 > 0.85, (rate, expected_rate)

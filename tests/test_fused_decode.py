@@ -233,7 +233,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
             states.append(State(tables))
         positions = [np.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
         meta = build_attention_metadata(
-            runner.host, states, query_lens, seq_lens, np.concatenate(positions)
+            runner.host.layout, states, query_lens, seq_lens, np.concatenate(positions)
         )
         ids = torch.randint(3, 250, (sum(query_lens),), generator=gen)
         return ids, torch.from_numpy(np.concatenate(positions)), meta
@@ -258,7 +258,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
     ],
 )
 def test_features_it_does_not_cover_keep_the_module_path(model_path, caplog, kwargs, why) -> None:
-    caplog.set_level("INFO", logger="zllm.executor.model_host")
+    caplog.set_level("INFO", logger="zllm.executor.graphs.decode_path")
     llm = make_llm(model_path("llama"), **kwargs)
     assert llm.model_runner.fused_decode is None
     assert f"fused CPU path not used: {why}" in caplog.text

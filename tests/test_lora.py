@@ -137,13 +137,14 @@ def test_slot_buffers_give_what_the_segmented_updates_give(base_dir, adapters, m
     The engine here runs that path on CPU (the device check answered yes, no graphs
     captured): three adapters and the base through two slots, so slots are reused between
     steps, give the segmented engine's tokens."""
-    from zllm.executor.model_host import ModelHost
+    from zllm.executor.graphs.decode_path import DecodePath
+    from zllm.executor.ranks.layout import RankLayout
 
     # (Engines of its own: the module's `llm` keeps a prefix cache other tests count on.)
     segmented = LLM(base_dir, enable_lora=True, max_loras=2, kv_cache_memory_bytes=32 << 20)
     assert segmented.model_runner.lora.slots is None
-    monkeypatch.setattr(ModelHost, "_graphs_run_here", lambda self: True)
-    monkeypatch.setattr(ModelHost, "_capture_cuda_graphs", lambda self: None)
+    monkeypatch.setattr(RankLayout, "graphs_run_here", lambda self: True)
+    monkeypatch.setattr(DecodePath, "_capture_cuda_graphs", lambda self: None)
     slotted = LLM(base_dir, enable_lora=True, max_loras=2, kv_cache_memory_bytes=32 << 20)
     manager = slotted.model_runner.lora
     assert manager.slots is not None and manager.slots.num_slots == 2

@@ -10,7 +10,7 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.executor.model_host import kv_bytes_per_token
+from zllm.executor.kv.cache import kv_bytes_per_token
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.slow

@@ -386,9 +386,9 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
 
     from zllm import LLM
     from zllm.executor import offline
-    from zllm.executor.model_host import ModelHost
     from zllm.executor.ranks import parallel
     from zllm.executor.ranks import processes as ranks
+    from zllm.executor.weights.model_weights import ModelWeights
 
     started: list = []
 
@@ -400,16 +400,16 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
                 os.kill(self.processes[0].pid, signal.SIGKILL)
                 self.processes[0].join(10)
 
-    load = ModelHost._load_weights
+    load = ModelWeights.load
 
-    def killed_while_loading(host) -> None:
+    def killed_while_loading(weights) -> None:
         if when == "while loading":  # every rank has joined: rank 0's init returned
             os.kill(started[0].pid, signal.SIGKILL)
             started[0].join(10)
-        load(host)
+        load(weights)
 
     monkeypatch.setattr(offline, "RankProcesses", RanksKilledAtOnce)
-    monkeypatch.setattr(ModelHost, "_load_weights", killed_while_loading)
+    monkeypatch.setattr(ModelWeights, "load", killed_while_loading)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="executor rank processes died|[Cc]onnection"):
         LLM(tiny_llama_dir, tensor_parallel_size=2, kv_cache_memory_bytes=64 << 20)

@@ -29,7 +29,7 @@ computed from the positions alone, the same on every stage.
 
 Every stage loads the whole model (transformers' from_pretrained has no simple way to read
 only some layers), then drops the other stages' layers and the embedding / logits weights it
-does not use; the model host then hands their memory back (release_freed_memory).
+does not use; the weights then hand their memory back (release_freed_memory).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Every swap is checked: the blocks must dequantize bit for bit to the fp32 weight
 loaded (the kernel then multiplies by exactly those values). A matrix the kernel cannot serve
 (a type it lacks, a shape or a processor that does not map whole rows, a name not found)
 keeps its fp32 module, and the log says which and why. The fp32 tensor a swap replaces is
-dropped with its module (model_host releases the freed memory).
+dropped with its module (weights/model_weights.py releases the freed memory).
 
 `int8` (fbgemm, executor/weights/quantization.py) takes the same modules zllm's own models give it:
 the q/k/v, output and gate/up projections, found by their role in gguf-py's name map.

@@ -21,7 +21,7 @@ from zllm.executor.sample.sampler import Sampler, SamplerOutput, SamplingMetadat
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 
-# [N, hidden] -> [N, vocab] fp32 (ModelHost.compute_logits)
+# [N, hidden] -> [N, vocab] fp32 (ModelWeights.compute_logits)
 ComputeLogits = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -1,0 +1,100 @@
+"""What this rank holds of the model: the layout its weights, KV cache and decode path share.
+
+    arch, layers       this rank's share of the heads (tensor parallel), its stage's layers
+    kv_groups          the KV cache groups (zllm/kv/cache_groups.py); per layer of the stage,
+                       layer_attention (block tables, window) and kv_slot_of (cache tensor)
+    device, dtypes     where the weights (dtype) and the KV pool (kv_dtype) live
+    attention          the attention backend the model is built with
+
+Decided once, from the config and this rank's place (parallel.py), before anything is loaded;
+the model host's parts (model_host.py) read it and never change it, so it outlives sleep.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zllm.config.engine import EngineConfig
+from zllm.executor.attention.backend import AttentionBackend, choose_attention_backend
+from zllm.executor.ranks.parallel import (
+    ONE_RANK,
+    Parallel,
+    PipelineParallel,
+    TensorParallel,
+    local_arch,
+)
+from zllm.executor.step_inputs import LayerAttention, layer_attention, layer_kv_slots
+from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
+from zllm.kv.kv_dtypes import row_width
+from zllm.model.arch_config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}
+
+
+@dataclass(frozen=True, slots=True)
+class RankLayout:
+    """This rank's arch, layers, KV groups, device, dtypes and attention backend."""
+
+    config: EngineConfig
+    tp: TensorParallel
+    pp: PipelineParallel
+    arch: ModelArchConfig  # this rank's share of the heads (local_arch)
+    layers: range  # the layers this stage holds
+    device: torch.device
+    dtype: torch.dtype
+    # What the KV pool stores (--kv-cache-dtype; zllm/kv/kv_dtypes.py: an int8 row carries
+    # its scale in row_width's last bytes).
+    kv_dtype: torch.dtype
+    kv_row_width: int
+    block_size: int
+    kv_groups: list[KVCacheGroup]
+    layer_attention: list[LayerAttention]  # one per layer of this stage
+    kv_slot_of: dict[int, int]  # layer -> its cache tensor (every one of them on one stage)
+    attention: AttentionBackend
+
+    @classmethod
+    def of(cls, config: EngineConfig, parallel: Parallel = ONE_RANK) -> RankLayout:
+        """`parallel`: this process's place among the executor's ranks."""
+        tp, pp = parallel.tp, parallel.pp
+        arch = local_arch(config.arch, tp)
+        layers = pp.layer_range(arch.num_layers)
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current one
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = _DTYPES[config.dtype]
+        kv_groups = kv_cache_groups(arch, config.cache.hybrid_kv_cache)
+        return cls(
+            config=config,
+            tp=tp,
+            pp=pp,
+            arch=arch,
+            layers=layers,
+            device=device,
+            dtype=dtype,
+            kv_dtype=_KV_DTYPES[config.kv_dtype],
+            kv_row_width=row_width(arch.head_dim, config.kv_dtype),
+            block_size=config.cache.block_size,
+            kv_groups=kv_groups,
+            layer_attention=layer_attention(arch, kv_groups, layers),
+            kv_slot_of=layer_kv_slots(kv_groups, layers),
+            attention=choose_attention_backend(device, dtype, arch.head_dim),
+        )
+
+    def graphs_run_here(self) -> bool:
+        """Whether this device, attention backend and model could replay CUDA graphs (the
+        decode path captures them; LoRA then keeps its adapters in slot buffers)."""
+        if self.device.type != "cuda" or self.attention.name != "cuda":
+            return False  # graphs replay the CUDA backend's kernels
+        if self.config.model_impl == "transformers":
+            return False  # transformers' modeling code runs eagerly
+        if self.tp.enabled or self.pp.enabled:
+            # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
+            logger.info("Tensor or pipeline parallel: no CUDA graphs")
+            return False
+        return True

@@ -1,0 +1,210 @@
+"""The model's weights on this rank, a memory owner sleep mode releases and restores.
+
+    ModelWeights(layout)   the quantization method chosen, the model built and loaded (this
+                           rank's heads, its stage's layers), batch-invariant and LoRA-wrapped
+                           as configured
+    release(level)         1: on a GPU to pinned host memory (on CPU they are there already,
+                           so they stay); 2: dropped
+    restore()              back onto the device, or loaded again from the model file
+
+sleep_mode.py decides when; the decode path's fused CPU stack reads these weights and is
+rebuilt by its own owner (graphs/decode_path.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.lora.manager import LoRAManager
+from zllm.executor.models import get_model_class
+from zllm.executor.models.rope import RotaryEmbedding
+from zllm.executor.models.transformers_backend import TransformersForCausalLM
+from zllm.executor.ranks.parallel import release_other_stages_ends
+from zllm.executor.weights import blocks as weight_blocks
+from zllm.executor.weights import quantization
+from zllm.executor.weights.loader import init_dummy_weights, load_weights
+from zllm.model.gguf import read_gguf
+
+if TYPE_CHECKING:
+    from zllm.executor.ranks.layout import RankLayout
+
+logger = logging.getLogger(__name__)
+
+# Methods whose kernel reads blocks (GGUF's, a 16-bit checkpoint's rows) in place of fp32.
+_BLOCK_METHODS = ("gguf", "gguf-int8", quantization.SIXTEEN_BIT)
+
+
+class ModelWeights:
+    """The model (None after sleep level 2), its quantization method and LoRA manager."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+        self.quantization = "none"
+        self.model: nn.Module = None  # type: ignore[assignment]  # (load sets it)
+        self.lora: LoRAManager | None = None
+        self._on_host = False  # sleep level 1 on a GPU: in pinned host memory
+        self.load()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32; in deterministic mode in fixed-size tiles."""
+        if self.layout.config.deterministic:
+            return tiled(self.model.compute_logits, hidden)
+        return self.model.compute_logits(hidden)
+
+    # ---- memory owner -------------------------------------------------------------------------
+    def release(self, level: int) -> None:
+        """Level 1: to pinned host memory on a GPU (copied back at full bandwidth, no file
+        read), kept on CPU (moving them would free nothing); level 2: dropped."""
+        if level >= 2:
+            self.model = None  # type: ignore[assignment]
+            self.lora = None
+        elif self.layout.device.type == "cuda":
+            move_weights(self.model, torch.device("cpu"), pin=True)
+            self._on_host = True
+
+    def restore(self) -> None:
+        """Back onto the device from host memory, or read from the model file after level 2."""
+        if self.model is None:
+            self.load()
+        elif self._on_host:
+            move_weights(self.model, self.layout.device)
+            self._on_host = False
+
+    # ---- loading ------------------------------------------------------------------------------
+    def load(self) -> None:
+        """The model, quantized, made batch-invariant and LoRA-wrapped as configured."""
+        layout, config = self.layout, self.layout.config
+        self.quantization = self._quantization_method()
+        self.model = self._load_model()
+        if isinstance(self.model, TransformersForCausalLM):
+            # Its stage was cut at load (transformers_pp.py): other stages' layers, ends.
+            ends_released = layout.pp.enabled
+        else:
+            ends_released = release_other_stages_ends(self.model, layout.pp)
+        if config.model_path.endswith(".gguf"):
+            read_gguf(config.model_path).release_pages()  # copied out: the model holds them
+        if self.quantization in _BLOCK_METHODS or ends_released:
+            # The fp32 weights the blocks replaced, another stage's embedding / logits (and
+            # on the transformers backend the other stages' layers, loaded with the model).
+            release_freed_memory(layout.device)
+        if config.deterministic:
+            wrapped = make_batch_invariant(self.model)
+            logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
+        # Where steps replay CUDA graphs, adapters sit in fixed slot buffers (lora/slots.py);
+        # --deterministic keeps the tiled segmented updates, so LoRA steps run eagerly there.
+        self.lora = None
+        if config.lora is not None:
+            slots = not (config.enforce_eager or config.deterministic) and layout.graphs_run_here()
+            self.lora = LoRAManager(
+                self.model, config, layout.dtype, layout.device, layout.tp, slots=slots
+            )
+
+    def _load_model(self) -> nn.Module:
+        """Our model code, or transformers' through the transformers backend (model_impl)."""
+        layout, config = self.layout, self.layout.config
+        dummy = config.load_format == "dummy"
+        if config.model_impl == "transformers":
+            # The whole model's arch: each rank cuts its part of the loaded model (tp, pp).
+            where = (layout.dtype, layout.device, layout.attention)
+            # (Quantized: transformers' matmuls swapped for ours after loading.)
+            return TransformersForCausalLM.load(
+                config.model_path, config.arch, *where, dummy, layout.tp, layout.pp,
+                self.quantization,
+            )  # fmt: skip
+        model_cls = get_model_class(layout.arch.architecture)
+        model = model_cls(
+            config.arch, dtype=layout.dtype, attention=layout.attention, tp=layout.tp, pp=layout.pp
+        )
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.keep_positions(config.scheduler.max_model_len)
+        if dummy:
+            init_dummy_weights(model, config.seed)
+            if self.quantization != "none":
+                quantization.quantize_model_(model, self.quantization, config.model_path)
+            return model.to(layout.device).eval()
+        # GGUF blocks (or a 16-bit checkpoint's rows) serve the matrices the kernel reads:
+        # those are never widened to fp32.
+        plan = None
+        if self.quantization in _BLOCK_METHODS:
+            plan = weight_blocks.BlockPlan(model, config.model_path, self.quantization)
+        served = plan.served if plan is not None else frozenset()
+        # (A pipeline stage reads only its own layers' weights.)
+        layers = getattr(model, "layer_indices", None)
+        weights = load_weights(config.model_path, config.arch, layers, skip=served)
+        model.load_weights(weights, served=served)
+        if plan is not None:
+            plan.apply(model, config.model_path)
+        elif self.quantization != "none":
+            quantization.quantize_model_(model, self.quantization, config.model_path)
+        return model.to(layout.device).eval()
+
+    def _quantization_method(self) -> str:
+        """config.quantization, checked against the model (or one picked when unset)."""
+        layout, config = self.layout, self.layout.config
+        method = config.quantization
+        if method is None:
+            method = "none"
+            if config.load_format == "dummy":
+                return method  # random fp32 weights: no blocks to read
+            on_cpu_fp32 = layout.device.type == "cpu" and layout.dtype == torch.float32
+            if on_cpu_fp32 and cpu_kernels.enabled():
+                reason = weight_blocks.gguf_kernel_plan(config.model_path)
+                if reason is None:
+                    method = "gguf"
+                elif config.model_path.endswith(".gguf"):
+                    logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
+                elif quantization.sixteen_bit_checkpoint(config.model_path):
+                    method = quantization.SIXTEEN_BIT
+        if method == "none":
+            return method
+        explicit = config.quantization is not None  # asked for: refuse what it can't serve
+        if explicit:
+            quantization.check_quantization(method, config.model_path, strict=True)
+        if method in _BLOCK_METHODS:
+            try:
+                cpu_kernels.load()  # built (or loaded) now: a failure surfaces here, once
+            except cpu_kernels.CpuKernelError as exc:
+                if explicit:
+                    raise
+                logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
+                return "none"
+        return method
+
+
+def move_weights(model: nn.Module, device: torch.device, pin: bool = False) -> None:
+    """Move every parameter and buffer to `device` in place (the Parameter objects stay, so
+    modules that share one, e.g. tied embeddings, still share it: parameters() yields a
+    shared one once); `pin`: into page-locked host memory, which copies back to a GPU at
+    full bandwidth (one copy, straight into it)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if pin:
+            host = torch.empty_like(tensor.data, device=device, pin_memory=True)
+            tensor.data = host.copy_(tensor.data)
+        else:
+            tensor.data = tensor.data.to(device)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Hand memory freed by dropped tensors back to the system: collect cycles, then on a GPU
+    empty torch's cache; on CPU ask glibc to return free heap pages (tensors below its mmap
+    threshold live in the heap, which free() alone does not shrink). The load calls it for
+    the fp32 copies its blocks replaced, sleep mode after its owners released theirs."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is reused, not returned
+        pass
