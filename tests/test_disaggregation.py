@@ -20,23 +20,19 @@ import httpx
 import openai
 import pytest
 import torch
+from scheduler_parts import BS, disagg_scheduler, transfer_request
 from servers import free_port, metric, start_server, stop_server, wait_until
 from test_kv_offload import make_pool
 
 from zllm import LLM, SamplingParams
-from zllm.config.engine import SchedulerConfig
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_transfer import KVTransferConfig, kv_transfer_config_from
-from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
-from zllm.core.scheduler import Scheduler
 from zllm.executor.kv.transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_REMOTE
 from zllm.protocol import KVBlocksReceived, KVRejection, KVTransferParams, ModelRunnerOutput
-
-BS = 4
 
 
 def key(n: int) -> bytes:
@@ -186,23 +182,10 @@ def test_the_proxy_pairs_each_prefill_server_with_its_decode_server():
 # ---- the core ------------------------------------------------------------------------------
 
 
-def disagg_scheduler(role: str, wait_timeout_s: float = 60.0, budget: int = 64):
-    transfer = KVTransferConfig(role=role, buffer_bytes=64, wait_timeout_s=wait_timeout_s)
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256)
-    bm = BlockManager(64, BS, record_evictions=True)
-    kv = TieredKVConnector(None, block_bytes=1, remote_bytes=64) if transfer.consumes else None
-    return Scheduler(config, bm, kv_connector=kv, kv_transfer=transfer), kv
-
-
-def request(req_id: str, tokens: list[int], **flags) -> Request:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    return Request(req_id, tokens, params, kv_transfer=KVTransferParams(**flags))
-
-
 def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
     sched, _ = disagg_scheduler("kv_producer", budget=8)
     prompt = list(range(100, 114))  # 14 tokens: 3 full blocks, prefilled in chunks of 8
-    sched.add_request(request("marked", prompt, do_remote_decode=True))
+    sched.add_request(transfer_request("marked", prompt, do_remote_decode=True))
     first = sched.schedule()
     assert first.num_scheduled_tokens == {"marked": 8} and first.kv_sends == []  # a chunk
     sched.update_from_output(first, ModelRunnerOutput(first.step_id, [], []))
@@ -216,7 +199,7 @@ def test_a_producer_sends_the_full_prompt_blocks_of_marked_requests_once():
     # 8 tokens, two full blocks: only the first is sent, as the second ends with the token
     # whose logits the consumer computes (no prefix hit takes it).
     exact = list(range(400, 408))
-    sched.add_request(request("exact", exact, do_remote_decode=True))
+    sched.add_request(transfer_request("exact", exact, do_remote_decode=True))
     sends = next(so.kv_sends for so in iter(sched.schedule, None) if so.kv_sends)
     assert sends == [
         (hash_full_blocks(exact[:4], BS)[0], sched.block_manager.block_ids("exact")[0])
@@ -228,7 +211,7 @@ def test_a_consumer_waits_for_the_blocks_then_loads_them_and_others_go_first():
     sched, kv = disagg_scheduler("kv_consumer")
     prompt = list(range(40, 53))  # 13 tokens: 3 full blocks a hit may use
     hashes = hash_full_blocks(prompt[:12], BS)
-    sched.add_request(request("decode", prompt, do_remote_prefill=True))
+    sched.add_request(transfer_request("decode", prompt, do_remote_prefill=True))
     sched.add_request(Request("other", list(range(500, 505)), SamplingParams(max_tokens=1)))
     so = sched.schedule()
     assert list(so.num_scheduled_tokens) == ["other"]  # "decode" waits, "other" goes ahead
@@ -250,7 +233,7 @@ def test_a_consumer_stops_waiting_at_the_timeout_and_computes_the_rest():
     sched, kv = disagg_scheduler("kv_consumer", wait_timeout_s=0.05)
     prompt = list(range(40, 53))
     kv.received(hash_full_blocks(prompt[:4], BS), [])  # only the first block ever comes
-    sched.add_request(request("decode", prompt, do_remote_prefill=True))
+    sched.add_request(transfer_request("decode", prompt, do_remote_prefill=True))
     assert sched.schedule().num_scheduled_tokens == {}
     time.sleep(0.06)
     so = sched.schedule()
@@ -263,7 +246,7 @@ def test_a_consumer_does_not_wait_for_what_cannot_come_or_be_used():
     prompt position anyway (prompt logprobs), are admitted at once."""
     sched, _ = disagg_scheduler("kv_consumer")  # a 64-block buffer
     sched.add_request(
-        request("long", list(range(1000, 1000 + 65 * BS + 1)), do_remote_prefill=True)
+        transfer_request("long", list(range(1000, 1000 + 65 * BS + 1)), do_remote_prefill=True)
     )
     assert "long" in sched.schedule().num_scheduled_tokens
     sched, _ = disagg_scheduler("kv_consumer")

@@ -11,16 +11,9 @@ import re
 import time
 
 import pytest
+from scheduler_parts import BS, disagg_scheduler, transfer_request
 from servers import wait_until
-from test_disaggregation import (
-    BS,
-    PROMPTS,
-    disagg_scheduler,
-    free_port_range,
-    greedy,
-    request,
-    served_pair,
-)
+from test_disaggregation import PROMPTS, free_port_range, greedy, served_pair
 from test_kv_offload import make_pool
 
 from zllm.config.engine_args import EngineArgs
@@ -77,7 +70,7 @@ def test_a_producer_names_the_consumer_engine_of_each_requests_blocks():
         sched, _ = disagg_scheduler("kv_producer", budget=128)  # (every prompt in one step)
         sched.kv.transfer.consumer_engines = engines
         for req_id, prompt in prompts.items():
-            sched.add_request(request(req_id, prompt, do_remote_decode=True))
+            sched.add_request(transfer_request(req_id, prompt, do_remote_decode=True))
         so = sched.schedule()
         assert len(so.kv_sends) == 3 * len(prompts)  # each prompt's 3 loadable blocks
         if engines == 1:

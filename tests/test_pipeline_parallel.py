@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from parity import SERVED_PROMPTS, count_flips, served_greedy
+from scheduler_parts import BS, make_request
 from servers import kill_rank_under_load, start_server, stop_server, wait_until
-from test_scheduler import BS, make_request
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from scheduler_parts import BS, make_request
+
 from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import FinishReason, ModelRunnerOutput, SchedulerOutput
 from zllm.sampling_params import SamplingParams
-
-BS = 4
 
 
 def make_scheduler(num_blocks=100, max_num_seqs=16, budget=64, chunked=True, max_model_len=1000):
@@ -21,14 +21,6 @@ def make_scheduler(num_blocks=100, max_num_seqs=16, budget=64, chunked=True, max
         enable_chunked_prefill=chunked,
     )
     return Scheduler(config, bm)
-
-
-def make_request(req_id: str, prompt_len: int, max_tokens=8, start=0, **params) -> Request:
-    return Request(
-        req_id=req_id,
-        prompt_token_ids=list(range(start, start + prompt_len)),
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
-    )
 
 
 def fake_run(sched: Scheduler, so: SchedulerOutput, token=7) -> ModelRunnerOutput:
