@@ -20,9 +20,9 @@ import httpx
 import openai
 import pytest
 import torch
+from kv_tiers import make_pool
 from scheduler_parts import BS, disagg_scheduler, transfer_request
 from servers import free_port, metric, start_server, stop_server, wait_until
-from test_kv_offload import make_pool
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs

@@ -11,10 +11,10 @@ import re
 import time
 
 import pytest
+from kv_tiers import make_pool
 from scheduler_parts import BS, disagg_scheduler, transfer_request
 from servers import wait_until
 from test_disaggregation import PROMPTS, free_port_range, greedy, served_pair
-from test_kv_offload import make_pool
 
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine

@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_kv_offload import (
+from kv_tiers import (
     GREEDY,
     assert_same_outputs,
-    connector,
     damage_a_disk_block,
     flush_pool,
     random_prompt,
+    tiered_connector,
 )
 
 from zllm import LLM, SamplingParams
@@ -44,7 +44,7 @@ def hybrid_scheduler() -> Scheduler:
     sliding group's blocks 0 and 1, of which the cpu tier holds block 1."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     bm = BlockManager(16, BS, sliding_windows=(None, 4), record_evictions=True)
-    kv = connector(cpu_blocks=4, disk_blocks=16)
+    kv = tiered_connector(cpu_blocks=4, disk_blocks=16)
     for i in range(3):
         kv.tiers[TIER_DISK].add(group_block_key(HASHES[i], 0), set())
     kv.tiers[TIER_DISK].add(group_block_key(HASHES[2], 1), set())

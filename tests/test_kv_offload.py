@@ -9,8 +9,6 @@ restarted engine finds its disk tier again.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 import random
@@ -20,16 +18,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_tiers import (
+    GREEDY,
+    POOL_BYTES,
+    assert_same_outputs,
+    damage_a_disk_block,
+    flush_pool,
+    make_pool,
+    random_prompt,
+    tiered_connector,
+)
+from scheduler_parts import BS
 
 from zllm import LLM, SamplingParams
-from zllm.config.engine import KVOffloadConfig, SchedulerConfig
+from zllm.config.engine import SchedulerConfig
 from zllm.config.kv_layout import tier_directory
 from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TieredKVConnector, TierIndex
+from zllm.core.kv_connector import TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.kv.connector import CpuTier, DiskTier, KVPool
-from zllm.executor.kv.quant import narrow
 from zllm.kv.block_hash import group_block_key, hash_full_blocks
 from zllm.kv.tier_key import read_key, resolve_key_file
 from zllm.kv.tiers import (
@@ -40,8 +48,6 @@ from zllm.kv.tiers import (
     parse_block_file_name,
 )
 from zllm.protocol import ModelRunnerOutput
-
-BS = 4
 
 
 # ---- the core's index --------------------------------------------------------------------------
@@ -56,16 +62,8 @@ def test_tier_index_lookup_is_the_leading_run_and_lru_evicts_oldest_unprotected(
     assert sorted([h for h in (10, 11, 12, 13, 14) if h in index]) == [12, 13, 14]
 
 
-def connector(cpu_blocks: int = 0, disk_blocks: int = 0, on_disk=()) -> TieredKVConnector:
-    config = KVOffloadConfig(
-        cpu_bytes=cpu_blocks * 100, disk_dir="/unused" if disk_blocks else None,
-        disk_bytes=disk_blocks * 100,
-    )  # fmt: skip
-    return TieredKVConnector(config, block_bytes=100, disk_blocks=on_disk)
-
-
 def test_evictions_are_stored_in_every_tier_and_lru_beyond_the_bound_is_dropped():
-    kv = connector(cpu_blocks=2, disk_blocks=3)
+    kv = tiered_connector(cpu_blocks=2, disk_blocks=3)
     kv.evicted([(1, 7), (2, 8)])
     t = kv.take_transfers()
     assert t.stores == [(TIER_CPU, 1, 7), (TIER_DISK, 1, 7), (TIER_CPU, 2, 8), (TIER_DISK, 2, 8)]
@@ -79,14 +77,14 @@ def test_evictions_are_stored_in_every_tier_and_lru_beyond_the_bound_is_dropped(
 
 
 def test_a_block_stored_and_evicted_in_one_step_is_never_sent():
-    kv = connector(cpu_blocks=1)
+    kv = tiered_connector(cpu_blocks=1)
     kv.evicted([(1, 7), (2, 8)])  # 2 pushes 1 out before the executor ever held it
     t = kv.take_transfers()
     assert t.stores == [(TIER_CPU, 2, 8)] and t.drops == []
 
 
 def test_blocks_loaded_in_a_step_are_not_evicted_in_it():
-    kv = connector(cpu_blocks=2)
+    kv = tiered_connector(cpu_blocks=2)
     kv.evicted([(1, 7), (2, 8)])
     kv.take_transfers()
     kv.load([1, 2], [30, 31], [TIER_CPU, TIER_CPU])
@@ -98,7 +96,7 @@ def test_blocks_loaded_in_a_step_are_not_evicted_in_it():
 
 
 def test_a_failed_load_forgets_that_copy_and_counts():
-    kv = connector(disk_blocks=4, on_disk=[5, 6])
+    kv = tiered_connector(disk_blocks=4, on_disk=[5, 6])
     assert kv.lookup([5, 6]) == [TIER_DISK, TIER_DISK]  # what the directory held at start
     kv.load_failed([(TIER_DISK, 6)])
     assert kv.lookup([5, 6]) == [TIER_DISK]
@@ -107,7 +105,7 @@ def test_a_failed_load_forgets_that_copy_and_counts():
 
 
 def test_a_directory_over_its_bound_is_trimmed_oldest_first():
-    kv = connector(disk_blocks=2, on_disk=[1, 2, 3])
+    kv = tiered_connector(disk_blocks=2, on_disk=[1, 2, 3])
     assert kv.take_transfers().drops == [(TIER_DISK, 1)]
 
 
@@ -208,7 +206,7 @@ def test_several_groups_take_each_block_from_the_pool_or_a_tier():
 def test_a_request_whose_prefix_left_the_pool_loads_it_from_the_tier():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     bm = BlockManager(6, BS, record_evictions=True)
-    kv = connector(cpu_blocks=8)
+    kv = tiered_connector(cpu_blocks=8)
     sched = Scheduler(config, bm, kv_connector=kv)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
@@ -233,14 +231,6 @@ def test_a_request_whose_prefix_left_the_pool_loads_it_from_the_tier():
 
 
 # ---- the executor's tiers on real tensors and files ------------------------------------------------
-def make_pool(num_blocks: int = 8, layers: int = 3, dtype=torch.float32) -> KVPool:
-    """A pool of random K/V of head_dim 8 stored as `dtype` (int8: quantized rows, 10 bytes)."""
-    gen = torch.Generator().manual_seed(5)
-    return KVPool(
-        [narrow(torch.randn(2, num_blocks, BS, 2, 8, generator=gen), dtype) for _ in range(layers)]
-    )
-
-
 def block_of(pool: KVPool, block_id: int) -> torch.Tensor:
     return torch.stack([kv[:, block_id] for kv in pool.tensors])
 
@@ -278,7 +268,6 @@ def key(n: int) -> bytes:
 
 
 TIER_KEY = bytes(range(32))  # a disk tier's key in the tests that make one directly
-DISK_HEADER_BYTES = 64  # magic, version, hash, size, then the 32-byte MAC
 
 
 def disk_tier(tmp_path: Path, pool: KVPool) -> DiskTier:
@@ -350,27 +339,6 @@ def test_block_file_names_round_trip_keys():
 
 
 # ---- the engine ------------------------------------------------------------------------------------
-POOL_BYTES = 64 * 8192  # the tiny model: 512 bytes a token, 8 KiB a block: 64 blocks
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-
-
-def random_prompt(rng: random.Random, n: int) -> dict:
-    return {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(n)]}
-
-
-def flush_pool(llm: LLM, rng: random.Random) -> None:
-    """Other traffic: more distinct prompts than the pool holds."""
-    for _ in range(3):
-        llm.generate([random_prompt(rng, 300) for _ in range(2)], GREEDY, use_tqdm=False)
-
-
-def assert_same_outputs(ours, reference) -> None:
-    assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
-    for a, b in zip(ours.outputs[0].logprobs, reference.outputs[0].logprobs, strict=True):
-        for token, lp in b.items():
-            assert abs(a[token].logprob - lp.logprob) < 1e-4
-
-
 @pytest.fixture(scope="module")
 def recomputed(tiny_llama_dir):
     """What recomputing gives: the prompts on an engine without tiers."""
@@ -419,26 +387,6 @@ def test_disk_tier_bound_holds_and_its_files_follow(tiny_llama_dir, tmp_path):
     assert stats.kv_tiers.stores[TIER_DISK] > 20 and stats.kv_tiers.blocks[TIER_DISK] == 20
     llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
     assert len(existing_disk_blocks(tier_directory(llm.config))) == 20
-
-
-def damage_a_disk_block(llm: LLM, prompt: dict, forge_key: bytes | None = None) -> Path:
-    """Serve `prompt`, push its blocks out of the pool to the disk tier, and flip one bit of
-    its 8th block's file (in the middle of its prefix; a hybrid model's full group's): the
-    file's path. With `forge_key`, the header's MAC is then recomputed under that key, as
-    someone who can write the directory but does not hold the tier's key would."""
-    llm.generate([prompt], GREEDY, use_tqdm=False)
-    flush_pool(llm, random.Random(2))
-    llm.model_runner.kv_tiers.tiers[TIER_DISK].flush()
-    hashes = hash_full_blocks(prompt["prompt_token_ids"][:240], 16)
-    victim = tier_directory(llm.config) / block_file_name(hashes[7])
-    data = bytearray(victim.read_bytes())
-    data[-100] ^= 0x01
-    if forge_key is not None:
-        mac = hmac.new(forge_key, bytes(data[: DISK_HEADER_BYTES - 32]), hashlib.sha256)
-        mac.update(bytes(data[DISK_HEADER_BYTES:]))
-        data[DISK_HEADER_BYTES - 32 : DISK_HEADER_BYTES] = mac.digest()
-    victim.write_bytes(bytes(data))
-    return victim
 
 
 @pytest.mark.parametrize("forged", [False, True], ids=["damaged", "forged"])

@@ -16,8 +16,8 @@ import collections
 
 import pytest
 import torch
+from kv_tiers import tiered_connector
 from servers import wait_until
-from test_kv_offload import connector
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
@@ -46,7 +46,7 @@ def staged_scheduler(disk: tuple[int, ...] = (0, 1, 2), cpu: tuple[int, ...] = (
         max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, pipeline_stages=2
     )
     bm = BlockManager(16, BS, record_evictions=True)
-    kv = connector(cpu_blocks=4, disk_blocks=16)
+    kv = tiered_connector(cpu_blocks=4, disk_blocks=16)
     for i in disk:
         kv.tiers[TIER_DISK].add(HASHES[i], set())
     for i in cpu:
@@ -103,7 +103,7 @@ def test_one_stage_still_recomputes_a_failed_disk_load_in_its_step():
     """Without stages nothing changes: the disk tier's blocks after the pool's hit load in
     the step that computes the request (a failure is recomputed there)."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    kv = connector(disk_blocks=16)
+    kv = tiered_connector(disk_blocks=16)
     for h in HASHES:
         kv.tiers[TIER_DISK].add(h, set())
     sched = Scheduler(config, BlockManager(16, BS, record_evictions=True), kv_connector=kv)

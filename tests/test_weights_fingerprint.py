@@ -61,7 +61,7 @@ def test_replaced_weights_find_no_old_disk_blocks(tmp_path):
     unchanged, a restarted engine loads its prompt's blocks from the disk tier; rewritten,
     it finds none there (another directory), and its outputs are the new weights'."""
     from conftest import write_tiny_model
-    from test_kv_offload import POOL_BYTES, flush_pool
+    from kv_tiers import POOL_BYTES, flush_pool
 
     path = tmp_path / "model"
     write_tiny_model(path, seed=0)
