@@ -94,6 +94,7 @@ async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
         loop="uvloop",
         log_level="warning",
         timeout_graceful_shutdown=config.drain_timeout + _FAIL_GRACE_S,
+        timeout_keep_alive=config.timeout_keep_alive,
         # HTTPS when a certificate is given (checked by the supervisor: zllm/config/tls.py).
         ssl_keyfile=config.ssl_keyfile,
         ssl_certfile=config.ssl_certfile,

@@ -276,6 +276,37 @@ def _dechunk(data: bytes) -> bytes:
         pos = end + 2 + size + 2
 
 
+class StaleConnectionRetry(httpx.AsyncHTTPTransport):
+    """httpx's transport, plus what browsers and the openai client do: a request whose
+    kept-alive connection fails before any response came back is sent once more, on a new
+    connection. The server closes an idle connection after its keep-alive timeout (uvicorn's
+    5 s); one the client takes from its pool just then dies under the request (ReadError, or
+    "Server disconnected"), a race every HTTP/1.1 client has. A request that went out on a
+    fresh connection is never sent again: a drop there is the server's fault. (Use it for
+    requests that may run twice.) `retries` counts the requests sent again."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.retries = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        events: list[str] = []
+
+        async def trace(name: str, info: dict) -> None:
+            events.append(name)
+
+        request.extensions = {**request.extensions, "trace": trace}
+        try:
+            # (Returns once the response's head is read: a failure here came before it.)
+            return await super().handle_async_request(request)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            if any(name.startswith("connection.") for name in events):
+                raise  # it opened a connection of its own: not a pooled one gone stale
+        self.retries += 1
+        request.extensions = {k: v for k, v in request.extensions.items() if k != "trace"}
+        return await super().handle_async_request(request)
+
+
 def metric(text: str, name: str, label: str = "") -> float:
     """The value of the first series of `name` in a /metrics text whose labels hold `label`
     (e.g. 'tier="remote"'; "": any)."""

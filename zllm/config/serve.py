@@ -91,6 +91,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # Seconds a request may run before it is aborted and the client gets a 504 (None: never).
     request_timeout: float | None = None
     max_request_body_bytes: int = 8 << 20
+    # Seconds uvicorn keeps an idle HTTP/1.1 connection open for the client's next request.
+    timeout_keep_alive: int = 5
     # Put /metrics, /dashboard (and its stats) and /version behind a key too (/health stays
     # open, for load balancers): an --api-key, which under tenant isolation shows its own
     # tenant's series only (frontend/access/permissions.py), or a metrics key, which shows every tenant's.
@@ -224,6 +226,14 @@ class ServerArgs:
         help="largest request body (suffixes K/M/G); larger ones get 413",
         parse=parse_size,
         show_default=format_size,
+    )
+    timeout_keep_alive: int = option(
+        5,
+        help="seconds an idle HTTP keep-alive connection stays open (vLLM's "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE); set it above the idle timeout of the clients' "
+        "connection pools (httpx's: 5) or of a load balancer in front, so the server never "
+        "closes a connection just as a client reuses it",
+        parse=positive_int,
     )
     protect_metrics: bool = option(
         False,
