@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from offline_answers import needle_vectors, prompts_with_repeats
 from resident_memory import resident_bytes
 from servers import wait_until
 from tiny_models import write_tiny_model
@@ -43,8 +44,8 @@ def one_rank(tiny_llama_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory) -> list[LoRARequest]:
-    """test_lora's three adapters of the tiny model (every projection; q/v with rsLoRA; the
-    MLP), ids 1-3, written once for the module."""
+    """tests/lora_adapters.py's three adapters of the tiny model (every projection; q/v with
+    rsLoRA; the MLP), ids 1-3, written once for the module."""
     from lora_adapters import ADAPTERS, make_adapter
 
     root = tmp_path_factory.mktemp("adapters")
@@ -106,16 +107,6 @@ def test_an_adapters_rows_are_batch_invariant_under_deterministic(tiny_llama_dir
     assert vectors(1) == alone
     assert vectors(20) == alone
     assert vectors(0, with_adapter=None) != alone
-
-
-def prompts_with_repeats(count: int) -> list[dict]:
-    """Prompts that repeat a stretch of themselves: n-gram lookup finds proposals."""
-    rng = random.Random(3)
-    prompts = []
-    for _ in range(count):
-        body = [rng.randrange(3, 400) for _ in range(rng.randrange(8, 30))]
-        prompts.append({"prompt_token_ids": body + body[:4]})
-    return prompts
 
 
 @pytest.mark.parametrize(
@@ -284,24 +275,6 @@ def test_adapters_serve_again_after_sleep(tiny_llama_dir, adapters, level):
     llm.sleep(level=level)
     llm.wake_up()
     assert tokens(lora) == before and tokens(None) == base
-
-
-def needle_vectors(llm: LLM, needle: list[int], count: int, max_tokens: int = 4) -> list[dict]:
-    """The full logprob vector of each greedy token of `needle`, run among `count` other
-    requests (random prompts, sampled): batch invariance compares count 0 with others."""
-    vocab = llm.config.arch.vocab_size
-    logprobs = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logprobs=vocab, ignore_eos=True
-    )
-    other = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
-    rng = random.Random(count)
-    crowd = [
-        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randrange(1, 50))]}
-        for _ in range(count)
-    ]
-    prompts = [{"prompt_token_ids": needle}, *crowd]
-    out = llm.generate(prompts, [logprobs] + [other] * count, use_tqdm=False)[0].outputs[0]
-    return [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]
 
 
 def test_tensor_parallel_ranks_are_batch_invariant_under_deterministic(tiny_llama_dir):

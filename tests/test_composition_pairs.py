@@ -26,8 +26,9 @@ import json
 import random
 
 import pytest
+from offline_answers import NGRAM, needle_vectors, offline_beam_texts, prompts_with_repeats
 from resident_memory import resident_bytes
-from test_composition import needle_vectors, prompts_with_repeats
+from served_answers import assert_every_engine_served, beam_texts, per_engine
 from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
@@ -35,7 +36,6 @@ from zllm.kv.tiers import TIER_CPU
 
 POOL = 32 << 20  # zeroed at allocation: resident
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
 BEAM = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
 # Repeats give n-gram lookup something to find.
 PROMPTS = [{"prompt_token_ids": [7, 8, 9, 10] * 6}, {"prompt_token_ids": list(range(30, 57))}]
@@ -63,37 +63,6 @@ def answers(llm: LLM, beam: bool, lora: LoRARequest | None = None) -> list:
         return [[(s.tokens, round(s.cum_logprob, 4)) for s in o.sequences] for o in outs]
     outs = llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-def beam_texts(url: str, prompt: str) -> list[str]:
-    """A served beam search's 3 beams (best first) for `prompt`, through the openai client."""
-    import openai
-
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    answer = client.completions.create(
-        model=client.models.list().data[0].id, prompt=prompt, max_tokens=6, n=3,
-        extra_body={"use_beam_search": True, "beam_width": 3},
-    )  # fmt: skip
-    return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
-
-
-def offline_beam_texts(llm: LLM, prompt: str) -> list[str]:
-    """What `beam_texts` answers, from the offline engine: each beam's output text."""
-    beams = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6))[0]
-    prompt_len = len(llm.tokenizer.encode(prompt))
-    return [llm.tokenizer.decode(b.tokens[prompt_len:]) for b in beams.sequences]
-
-
-def assert_every_engine_served(server, count: int) -> None:
-    """A data-parallel server's engines answered `count` requests in all, each some."""
-    from servers import wait_until
-    from test_data_parallel import per_engine
-
-    def served() -> dict[str, float]:
-        return per_engine(server.get("/metrics").text, "zllm:tenant_requests_total")
-
-    assert wait_until(lambda: sum(served().values()) == count, 30), served()
-    assert min(served().values()) >= 1, served()
 
 
 # (model: "llama" or "gemma3", engine options, beam search?)
@@ -337,8 +306,8 @@ def test_a_served_pair_composes_with_the_backend_a_narrow_cache_a_tier_and_deter
     --model-impl transformers --kv-cache-dtype int8 --deterministic and a CPU tier): through
     the proxy the producer's own answers, the consumer loading every full prompt block from
     the transfer (int8 rows and their scales) with no wait timing out."""
+    from disagg_pairs import PROMPTS, assert_pair_answers_as_one_server, served_pair
     from servers import free_port
-    from test_disaggregation import PROMPTS, assert_pair_answers_as_one_server, served_pair
 
     flags = (
         "--model-impl", "transformers", "--kv-cache-dtype", "int8", "--deterministic",
@@ -358,7 +327,6 @@ def test_data_parallel_engines_compose_with_adapters_speculation_the_backend_and
     both engines serve some of them."""
     import openai
     from servers import start_server, stop_server
-    from test_data_parallel import per_engine
 
     options = dict(
         enable_lora=True, speculative_config=NGRAM, model_impl="transformers",
@@ -403,8 +371,8 @@ def test_data_parallel_engines_of_tensor_parallel_ranks_serve_a_hybrid_model_and
     """DP × TP, Hybrid, Beam: two engines of two tensor-parallel ranks each, on a tiny Gemma
     3 (its sliding and global layers in their own KV cache groups), answer greedy and beam
     search requests as the offline engine on two ranks does, both engines serving."""
+    from served_answers import greedy
     from servers import start_server, stop_server
-    from test_disaggregation import greedy
 
     prompts = [f"Question {i}: " + "how far " * (1 + i) for i in range(4)]
     params = SamplingParams(max_tokens=10, temperature=0.0)
@@ -428,16 +396,11 @@ def test_a_served_pair_of_a_gguf_file_sleeps_and_wakes(tmp_path):
     read the blocks), both servers in sleep mode: the pair answers as the producer, both
     sleep and wake, and the pair answers the same again, loading the new prompts from the
     transfer; a beam search through the proxy gives the producer's own beams."""
+    from disagg_pairs import PROMPTS, assert_pair_answers_as_one_server, remote_hits, served_pair
     from gguf import GGMLQuantizationType as T
     from gguf_files import write_llama_gguf
+    from served_answers import greedy
     from servers import free_port, wait_until
-    from test_disaggregation import (
-        PROMPTS,
-        assert_pair_answers_as_one_server,
-        greedy,
-        remote_hits,
-        served_pair,
-    )
 
     path = tmp_path / "q8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0)

@@ -8,26 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 
 import openai
 import pytest
+from served_answers import per_engine
 from servers import start_server, stop_server, wait_until
 
 pytestmark = pytest.mark.e2e
 
 # ~300 tokens of the tiny tokenizer (of the 512 its model holds).
 PREFIX = "Shared system prompt: " + " ".join(f"rule {i} is to be kind" for i in range(15))
-
-
-def per_engine(text: str, name: str) -> dict[str, float]:
-    """A metric's value per `engine` label, summed over its other labels."""
-    values: dict[str, float] = {}
-    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
-        engine = re.search(r'engine="(\d+)"', m.group(1)).group(1)
-        values[engine] = values.get(engine, 0.0) + float(m.group(2))
-    return values
 
 
 def client_of(server) -> openai.OpenAI:

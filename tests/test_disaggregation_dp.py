@@ -11,10 +11,11 @@ import re
 import time
 
 import pytest
+from disagg_pairs import PROMPTS, free_port_range, served_pair
 from kv_tiers import make_pool
 from scheduler_parts import BS, disagg_scheduler, transfer_request
+from served_answers import greedy
 from servers import wait_until
-from test_disaggregation import PROMPTS, free_port_range, greedy, served_pair
 
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine

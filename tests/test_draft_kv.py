@@ -330,8 +330,9 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
     """Both servers speculate with the draft: the producer sends each prompt block's target and
     draft layers, the consumer loads both (remote hits), answers as the producer does asked
     unmarked, and accepts the draft's proposals as often as it does."""
+    from disagg_pairs import PROMPTS, remote_hits, served_pair
+    from served_answers import greedy
     from servers import free_port, metric, wait_until
-    from test_disaggregation import PROMPTS, greedy, remote_hits, served_pair
 
     drafted = ("--speculative-config", json.dumps(spec(draft_dir)))
 

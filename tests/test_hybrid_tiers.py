@@ -262,8 +262,9 @@ def test_a_served_windowed_pair_answers_as_one_server(windowed, tmp_path):
     the proxy: greedy completions equal the producer's own (asked unmarked), and the decode
     server took the prompts' blocks, every group's (a sliding group's: its window at the
     prompt's end), from the transfer (its remote hits grow by them)."""
+    from disagg_pairs import PROMPTS, remote_hits, served_pair
+    from served_answers import greedy
     from servers import free_port, wait_until
-    from test_disaggregation import PROMPTS, greedy, remote_hits, served_pair
 
     with served_pair(windowed[0], tmp_path, free_port()) as (prefill, decode, proxy):
         answers = greedy(proxy.url, PROMPTS)

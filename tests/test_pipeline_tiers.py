@@ -314,13 +314,13 @@ def test_a_pipeline_parallel_pair_sends_each_stages_layers(tiny_llama_dir, tmp_p
     the proxy the greedy answers equal the producer's own, and the consumer loaded every
     full prompt block from the transfer (held once both stages had their part, loaded in
     a prefetch step), with no wait timing out."""
-    from servers import metric
-    from test_disaggregation import (
+    from disagg_pairs import (
         PROMPTS,
         assert_pair_answers_as_one_server,
         free_port_range,
         served_pair,
     )
+    from servers import metric
 
     pp2 = ("--pipeline-parallel-size", "2")
     with served_pair(tiny_llama_dir, tmp_path, free_port_range(2), *pp2) as pair:

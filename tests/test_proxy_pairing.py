@@ -11,8 +11,8 @@ import sys
 
 import openai
 import pytest
+from disagg_pairs import PROMPTS, Proxy, kv_config, remote_hits
 from servers import free_port, metric, start_server, stop_server, wait_until
-from test_disaggregation import PROMPTS, Proxy, kv_config, remote_hits
 
 from zllm.proxy.pairing import PairingError, ServerModel, check_pairing
 

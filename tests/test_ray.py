@@ -15,6 +15,7 @@ import signal
 import pytest
 from parity import SERVED_PROMPTS, count_flips, served_greedy
 from ray import cluster_utils
+from served_answers import per_engine
 from servers import (
     alive,
     fail_under_load,
@@ -23,7 +24,6 @@ from servers import (
     stop_server,
     wait_until,
 )
-from test_data_parallel import per_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -197,7 +197,7 @@ def test_ray_ranks_send_and_receive_kv_blocks(cluster, tiny_llama_dir, tmp_path)
     receives them into its buffer and its news reaches the core through the driver's relay.
     Through the proxy the greedy answers equal the producer's own, and the consumer loaded
     every full prompt block from the transfer."""
-    from test_disaggregation import PROMPTS, assert_pair_answers_as_one_server, served_pair
+    from disagg_pairs import PROMPTS, assert_pair_answers_as_one_server, served_pair
 
     ray = ("--distributed-executor-backend", "ray")
     with served_pair(tiny_llama_dir, tmp_path, free_port(), *ray) as pair:
@@ -214,7 +214,8 @@ def test_ray_ranks_compose_with_the_other_features(cluster, tiny_llama_dir, tmp_
 
     import openai
     from lora_adapters import ADAPTERS, make_adapter
-    from test_composition_pairs import NGRAM, beam_texts, offline_beam_texts
+    from offline_answers import NGRAM, offline_beam_texts
+    from served_answers import beam_texts
 
     from zllm import LLM, LoRARequest, SamplingParams
 
@@ -272,8 +273,7 @@ def test_ray_ranks_serve_a_hybrid_model_and_a_gguf_file(cluster, tmp_path, case)
     of rank processes (one rank for each engine of the second)."""
     from gguf import GGMLQuantizationType as T
     from gguf_files import write_llama_gguf
-    from test_composition_pairs import assert_every_engine_served
-    from test_disaggregation import greedy
+    from served_answers import assert_every_engine_served, greedy
     from tiny_models import tiny_gemma3_overrides, write_tiny_model
 
     from zllm import LLM, SamplingParams
