@@ -11,11 +11,11 @@ A request's block table maps its token positions to blocks::
 
 Full blocks are identified by a hash chain over their tokens (the parent's hash, then the
 block's token ids), so two requests with the same first k*block_size tokens share the same k
-blocks (automatic prefix caching). Blocks are reference counted. A block whose count drops to
-zero goes back to the free queue but keeps its hash until the block is reused (lazy eviction),
-so a later request with that prefix can take it back out of the middle of the queue. The free
-queue is a doubly linked list: popping the head (least recently freed), appending and
-removing from the middle are all O(1).
+blocks (automatic prefix caching). The blocks themselves, their reference counts, the free
+queue and the index of cached blocks are the pool's (core/block_pool.py): a block a request
+frees stays cached there until it is reused (lazy eviction), so a later request with that
+prefix takes it back. This module keeps what the pool must not know: which request holds
+which blocks.
 
 `n > 1` requests fork: children share the parent's blocks (ref counts up). A shared block that
 is about to be written (the partial last block) is copied first (copy-on-write); the copies a
@@ -34,10 +34,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zllm.core.free_blocks import FreeBlockQueue, KVBlock
+from zllm.core.block_pool import BlockPool
+from zllm.core.free_blocks import KVBlock
 from zllm.core.prefix_lookup import PrefixHit, TierOf, first_needed_block, longest_hit, no_hit
 from zllm.core.prefix_pins import PrefixPins
-from zllm.kv.block_hash import BlockHash, group_block_key, hash_full_blocks
+from zllm.kv.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
 
 
@@ -52,7 +53,8 @@ class _RequestBlocks:
 
 
 class BlockManager:
-    """Allocates KV blocks to requests, shares cached prefixes, and copies on write.
+    """Allocates KV blocks to requests, shares cached prefixes, and copies on write; every
+    block it hands a request comes from `pool` and goes back to it.
 
     `sliding_windows`: one entry per KV cache group (None: full attention); one full group
     by default.
@@ -67,8 +69,9 @@ class BlockManager:
         record_evictions: bool = False,
         max_pinned_blocks: int = 0,
     ):
-        """`record_evictions`: keep (tier key, block id) of each cached block evicted, for
-        the KV tiers (`take_evicted`; the key is `group_block_key` of its hash and group). `max_pinned_blocks`: the bound of `pin`."""
+        """`record_evictions`: the pool keeps (tier key, block id) of each cached block
+        evicted, for the KV tiers (`take_evicted`; the key is `group_block_key` of its hash
+        and group). `max_pinned_blocks`: the bound of `pin`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         if not sliding_windows:
@@ -82,11 +85,14 @@ class BlockManager:
         # whose every layer slides): a request holding a cached prefix may lack its early
         # blocks, so the KV tiers' hits are looked up block by block (core/kv_prefetch.py).
         self.windowed = any(w is not None for w in self.windows)
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        # Per group: hash of a cached full block -> the block holding it for that group.
-        self.cached_blocks: list[dict[BlockHash, KVBlock]] = [{} for _ in self.windows]
-        self._block_group: dict[int, int] = {}  # cached block id -> its group
+        self.pool = BlockPool(
+            num_blocks,
+            self.num_groups,
+            # The first full-attention group speaks for the cache (a prefix hit needs it).
+            kv_event_group=next((g for g, w in enumerate(self.windows) if w is None), 0),
+            record_evictions=record_evictions,
+            max_pinned_blocks=max_pinned_blocks,
+        )
         self._requests: dict[str, _RequestBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         # Requests whose block table changed since `take_changed_tables` was last called.
@@ -94,25 +100,8 @@ class BlockManager:
         # Prefix-cache statistics, in tokens (as vLLM counts them).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._evicted: list[tuple[BlockHash, int]] | None = [] if record_evictions else None
-        self.pins = PrefixPins(max_pinned_blocks)
-        # Data parallel (`record_kv_events`): hashes the prefix cache gained (True) or lost
-        # (False) since `take_kv_events`, the last change winning; None while not recorded.
-        # One group speaks for the cache: the first full-attention one (a prefix hit needs it).
-        self._kv_events: dict[BlockHash, bool] | None = None
-        self._kv_events_cleared = False
-        self._event_group = next((g for g, w in enumerate(self.windows) if w is None), 0)
 
     # ---- introspection -------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by some request (cached free blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def block_ids(self, req_id: str, group: int = 0) -> list[int]:
         """One group's block table (-1 for released entries)."""
         blocks = self._requests.get(req_id)
@@ -138,21 +127,6 @@ class BlockManager:
         tables = blocks.tables if group is None else [blocks.tables[group]]
         # (len - count: C loops; this runs for every running request each step)
         return sum(len(table) - table.count(None) for table in tables)
-
-    def block_states(self, max_cells: int = MAX_BLOCK_CELLS) -> tuple[bytes, int]:
-        """The pool as one byte per cell (0 free, 1 in use, 2 cached prefix), and how many
-        blocks each cell covers; a cell shows the busiest state among its blocks."""
-        per_cell = -(-self.num_blocks // max_cells)
-        states = bytearray(-(-self.num_blocks // per_cell))
-        for block in self.blocks:
-            state = 1 if block.ref_count > 0 else (2 if block.block_hash is not None else 0)
-            cell = block.block_id // per_cell
-            if state == 1 or (state == 2 and states[cell] == 0):
-                states[cell] = state
-        return bytes(states), per_cell
-
-    def num_referenced_blocks(self) -> int:
-        return sum(1 for b in self.blocks if b.ref_count > 0)
 
     def blocks_needed(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks one request of `num_tokens` holds at once when prefilled in chunks
@@ -183,6 +157,50 @@ class BlockManager:
             low, high = (mid, high) if fits(mid) else (low, mid)
         return low
 
+    # ---- the pool, for callers that hold the manager -------------------------------------
+    # (The scheduler, the engine core and the KV tiers' hooks reach the pool through the
+    # manager; each of these is documented where it lives, in BlockPool.)
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def pins(self) -> PrefixPins:
+        return self.pool.pins
+
+    def num_referenced_blocks(self) -> int:
+        return self.pool.num_referenced_blocks()
+
+    def block_states(self, max_cells: int = MAX_BLOCK_CELLS) -> tuple[bytes, int]:
+        return self.pool.block_states(max_cells)
+
+    def unpin_expired(self, now: float) -> None:
+        self.pool.unpin_expired(now)
+
+    def release_pins(self, count: int | None = None) -> None:
+        self.pool.release_pins(count)
+
+    def take_evicted(self) -> list[tuple[BlockHash, int]]:
+        return self.pool.take_evicted()
+
+    def evict_cached(self) -> list[tuple[BlockHash, int]]:
+        return self.pool.evict_cached()
+
+    def drop_cached(self) -> int:
+        """POST /reset_prefix_cache: see `BlockPool.drop_cached` (running requests' blocks
+        stay cached)."""
+        return self.pool.drop_cached()
+
+    def record_kv_events(self) -> None:
+        self.pool.record_kv_events()
+
+    def take_kv_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
+        return self.pool.take_kv_events()
+
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(
         self,
@@ -203,7 +221,8 @@ class BlockManager:
             return self._no_hit()
         if hashes is None:
             hashes = self.prefix_hashes(token_ids, salt)
-        hit = longest_hit(self.cached_blocks, self.windows, self.block_size, hashes, tier_of)
+        cached = self.pool.cached_blocks
+        hit = longest_hit(cached, self.windows, self.block_size, hashes, tier_of)
         hit.candidate_hashes = hashes
         return hit
 
@@ -267,9 +286,7 @@ class BlockManager:
             else self._shared_to_write(tables, num_computed_tokens)
         )
         # Cached blocks sitting in the free queue are taken out of it, so they count too.
-        num_revived = (
-            sum(1 for t in tables for b in t if b is not None and b.ref_count == 0) if is_new else 0
-        )
+        num_revived = _num_revived(tables) if is_new else 0
         if num_needed + len(cow) + num_revived > self.num_free_blocks:
             return False
 
@@ -279,7 +296,7 @@ class BlockManager:
         self._copy_on_write(tables, cow)
         for table in tables:
             for _ in range(total_blocks - len(table)):
-                table.append(self._pop_free())
+                table.append(self.pool.take_free())
         if is_new or cow or num_needed:
             self._changed_tables.add(req_id)
         self._register_full_blocks(blocks, token_ids, num_computed_tokens + num_new_tokens)
@@ -290,9 +307,7 @@ class BlockManager:
         fresh block for each of its loads, left uncached (a fallible load's bytes are known
         good only once its step returns: `cache_loaded`); False if blocks run out."""
         assert req_id not in self._requests and hit.num_blocks
-        tables = hit.tables
-        num_revived = sum(1 for t in tables for b in t if b is not None and b.ref_count == 0)
-        if len(hit.loads) + num_revived > self.num_free_blocks:
+        if len(hit.loads) + _num_revived(hit.tables) > self.num_free_blocks:
             return False
         self._take_prefix(req_id, hit, hit.num_tokens, salt, cache_loads=False)
         self._changed_tables.add(req_id)
@@ -304,8 +319,8 @@ class BlockManager:
         blocks = self._requests[req_id]
         for group, i in entries:
             block, block_hash = blocks.tables[group][i], blocks.hashes[i]
-            if block is not None and block_hash not in self.cached_blocks[group]:
-                self._cache(block, block_hash, group)
+            if block is not None and self.pool.lookup(group, block_hash) is None:
+                self.pool.cache(block, block_hash, group)
 
     def _shared_to_write(
         self, tables: list[list[KVBlock | None]], num_computed_tokens: int
@@ -327,8 +342,8 @@ class BlockManager:
         for group, i in cow:
             shared = tables[group][i]
             assert shared is not None
-            fresh = self._pop_free()
-            shared.ref_count -= 1
+            fresh = self.pool.take_free()
+            self.pool.unref(shared)  # (the others sharing it keep it in use)
             tables[group][i] = fresh
             self._pending_copies.append((shared.block_id, fresh.block_id))
 
@@ -347,13 +362,13 @@ class BlockManager:
         for group, hit_table in enumerate(hit.tables):
             for block in hit_table:
                 if block is not None:
-                    self._take(block)
+                    self.pool.take(block)
                 tables[group].append(block)
         for group, i, _ in hit.loads:
-            block = self._pop_free()
+            block = self.pool.take_free()
             tables[group][i] = block
             if cache_loads:
-                self._cache(block, hit.hashes[i], group)
+                self.pool.cache(block, hit.hashes[i], group)
         bs = self.block_size
         released = [first_needed_block(num_computed_tokens, w, bs) for w in self.windows]
         blocks = _RequestBlocks(tables, list(hit.hashes), released, salt)
@@ -372,7 +387,7 @@ class BlockManager:
                 block = table[i]
                 if block is not None:
                     table[i] = None
-                    self._unref(block)
+                    self.pool.unref(block)
                     self._changed_tables.add(req_id)
             blocks.num_released[group] = max(blocks.num_released[group], first)
 
@@ -380,14 +395,7 @@ class BlockManager:
         """Forget every cached prefix (the KV pool's contents are gone: sleep mode). Only
         when no request holds blocks; pins are released."""
         assert not self._requests, "reset_prefix_cache with requests holding blocks"
-        self.release_pins()
-        for cache in self.cached_blocks:
-            cache.clear()
-        self._block_group.clear()
-        for block in self.blocks:
-            block.block_hash = None
-        if self._kv_events is not None:
-            self._kv_events, self._kv_events_cleared = {}, True
+        self.pool.reset_prefix_cache()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
@@ -396,7 +404,7 @@ class BlockManager:
         for table in parent.tables:
             for block in table:
                 if block is not None:
-                    block.ref_count += 1
+                    self.pool.take(block)
         self._requests[child_id] = _RequestBlocks(
             [list(t) for t in parent.tables],
             list(parent.hashes),
@@ -419,10 +427,10 @@ class BlockManager:
             for block in reversed(table):
                 if block is not None:
                     if not keep_hashes and block.ref_count == 1:
-                        self._uncache(block)
-                    self._unref(block)
+                        self.pool.uncache(block)
+                    self.pool.unref(block)
 
-    # ---- prefix pinning --------------------------------------------------------------------
+    # ---- prefix pinning ------------------------------------------------------------------
     def pin(self, req_id: str, num_tokens: int, until: float) -> int:
         """Pin the cached full blocks holding the first `num_tokens` of `req_id` until the
         time `until` (one reference each, so they are never evicted meanwhile); a block
@@ -436,62 +444,10 @@ class BlockManager:
             for block in table[: num_tokens // self.block_size]:
                 if block is None or block.block_hash is None:
                     continue
-                if not self.pins.add(block, until):
+                if not self.pool.pin(block, until):
                     return count
                 count += 1
         return count
-
-    def unpin_expired(self, now: float) -> None:
-        for block in self.pins.expired(now):
-            self._unref(block)
-
-    def release_pins(self, count: int | None = None) -> None:
-        """Unpin the `count` blocks whose time is up soonest, or every block (their time is
-        not up, but the pool needs them)."""
-        blocks = self.pins.clear() if count is None else self.pins.earliest(count)
-        for block in blocks:
-            self._unref(block)
-
-    def evict_cached(self) -> list[tuple[BlockHash, int]]:
-        """(hash, block id) of every cached free block, least recently used first, each
-        uncached (sleep mode stores them to the KV tiers before the pool goes)."""
-        evicted = []
-        for block_id in self.free_queue.block_ids():
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                evicted.append((self._tier_key(block), block_id))
-                self._uncache(block)
-        return evicted
-
-    def drop_cached(self) -> int:
-        """POST /reset_prefix_cache: release every pin, then forget every cached block no
-        request holds (a running request's blocks stay cached: its next steps read them).
-        Returns how many blocks stopped being cached prefixes; their bytes are simply left
-        to be overwritten (nothing is stored to the KV tiers)."""
-        self.release_pins()
-        return len(self.evict_cached())
-
-    def take_evicted(self) -> list[tuple[BlockHash, int]]:
-        """(tier key, block id) of the cached blocks evicted since the last call: their bytes
-        are still in the pool until the step that reuses them runs."""
-        if not self._evicted:
-            return []
-        evicted, self._evicted = self._evicted, []
-        return evicted
-
-    def record_kv_events(self) -> None:
-        """Start keeping the prefix cache's changes for `take_kv_events`."""
-        if self._kv_events is None:
-            self._kv_events = {}
-
-    def take_kv_events(self) -> tuple[list[BlockHash], list[BlockHash], bool]:
-        """The hashes cached and uncached since the last call, and whether the whole cache
-        was emptied before them (`reset_prefix_cache`)."""
-        events, cleared = self._kv_events or {}, self._kv_events_cleared
-        if self._kv_events is not None:
-            self._kv_events, self._kv_events_cleared = {}, False
-        stored = [h for h, present in events.items() if present]
-        return stored, [h for h, present in events.items() if not present], cleared
 
     def take_changed_tables(self) -> set[str]:
         changed, self._changed_tables = self._changed_tables, set()
@@ -503,54 +459,6 @@ class BlockManager:
         return copies
 
     # ---- internals -----------------------------------------------------------------------
-    def _take(self, block: KVBlock) -> None:
-        if block.ref_count == 0:
-            self.free_queue.remove(block)
-        block.ref_count += 1
-
-    def _unref(self, block: KVBlock) -> None:
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.block_hash is None:
-                # Holds nothing reusable: hand it out before any cached block.
-                self.free_queue.appendleft(block)
-            else:
-                self.free_queue.append(block)
-
-    def _pop_free(self) -> KVBlock:
-        block = self.free_queue.popleft()
-        if block.block_hash is not None:  # evict: its old contents are about to be overwritten
-            if self._evicted is not None:
-                self._evicted.append((self._tier_key(block), block.block_id))
-            self._uncache(block)
-        block.ref_count = 1
-        return block
-
-    def _tier_key(self, block: KVBlock) -> BlockHash:
-        """What the KV tiers call a cached block: its hash, told apart by its group."""
-        assert block.block_hash is not None
-        return group_block_key(block.block_hash, self._block_group[block.block_id])
-
-    def _cache(self, block: KVBlock, block_hash: BlockHash, group: int) -> None:
-        """`block` holds `group`'s layers of the full block `block_hash` names."""
-        block.block_hash = block_hash
-        self.cached_blocks[group][block_hash] = block
-        self._block_group[block.block_id] = group
-        if self._kv_events is not None and group == self._event_group:
-            self._kv_events[block_hash] = True
-
-    def _uncache(self, block: KVBlock) -> None:
-        """The block stops being a cached prefix (its hash is dropped)."""
-        if block.block_hash is None:
-            return
-        group = self._block_group.pop(block.block_id)
-        cache = self.cached_blocks[group]
-        if cache.get(block.block_hash) is block:
-            del cache[block.block_hash]
-            if self._kv_events is not None and group == self._event_group:
-                self._kv_events[block.block_hash] = False
-        block.block_hash = None
-
     def _register_full_blocks(
         self, blocks: _RequestBlocks, token_ids: Sequence[int], num_tokens: int
     ) -> None:
@@ -569,6 +477,15 @@ class BlockManager:
             hashes.append(block_hash)
             for group, table in enumerate(blocks.tables):
                 block = table[i]
-                cache = self.cached_blocks[group]
-                if block is not None and block.block_hash is None and block_hash not in cache:
-                    self._cache(block, block_hash, group)
+                if (
+                    block is not None
+                    and block.block_hash is None
+                    and self.pool.lookup(group, block_hash) is None
+                ):
+                    self.pool.cache(block, block_hash, group)
+
+
+def _num_revived(tables: list[list[KVBlock | None]]) -> int:
+    """Cached blocks of a prefix hit that sit in the free queue: taking them leaves fewer
+    free blocks, so they count against the free space like fresh ones."""
+    return sum(1 for table in tables for b in table if b is not None and b.ref_count == 0)

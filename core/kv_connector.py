@@ -2,7 +2,7 @@
 transfers (the executor moves the bytes: executor/kv/connector.py).
 
     pool (the executor's KV blocks)
-      │ a cached prefix block evicted from the pool (BlockManager records it)
+      │ a cached prefix block evicted from the pool (BlockPool records it)
       ▼ stored into every tier (write-through): cpu (fast, small), disk (slower, larger)
     cpu tier ──LRU within --kv-offload-bytes──► dropped
     disk tier ─LRU within --kv-offload-disk-bytes─► file deleted

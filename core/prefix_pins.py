@@ -1,6 +1,7 @@
 """Prefix pinning's table (`cache_control`, zllm/kv/cache_control.py): which KV blocks requests
-pinned, and until when. The block manager pins the cached full blocks of a request's prefix
-(`BlockManager.pin`); each pinned block holds one reference, so it is never evicted, until its
+pinned, and until when. The block pool keeps it (`BlockPool.pins`: a pin outlives its
+request); the block manager pins the cached full blocks of a request's prefix
+(`BlockManager.pin`). Each pinned block holds one reference, so it is never evicted, until its
 time is up or the pool needs it (`release_pins`)."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 import pytest
 
-from zllm.core.block_manager import BlockManager, FreeBlockQueue, KVBlock
+from zllm.core.block_manager import BlockManager
+from zllm.core.free_blocks import FreeBlockQueue, KVBlock
 from zllm.kv.block_hash import hash_full_blocks
 
 BS = 4
@@ -39,7 +40,7 @@ def test_allocate_and_free_exact_ids_and_order():
     bm = make()
     assert admit(bm, "a", list(range(10))) == 0  # 10 tokens -> 3 blocks
     assert bm.block_ids("a") == [0, 1, 2]
-    assert [bm.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
+    assert [bm.pool.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
     assert bm.num_free_blocks == 7
     # Growing by 3 tokens (10 -> 13) needs a 4th block.
     assert bm.allocate_slots("a", list(range(13)), 10, 3)
@@ -48,16 +49,16 @@ def test_allocate_and_free_exact_ids_and_order():
     assert bm.num_free_blocks == 10
     # Uncached blocks go to the head (reused first); cached ones to the tail, tail-first.
     # Blocks 0,1,2 are full with hashes; block 3 holds one token and no hash.
-    assert bm.free_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
+    assert bm.pool.free_queue.block_ids() == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
 
 
 def test_allocation_failure_changes_nothing():
     bm = make(num_blocks=3)
     admit(bm, "a", list(range(8)))  # 2 blocks
-    free_before = bm.free_queue.block_ids()
+    free_before = bm.pool.free_queue.block_ids()
     assert not bm.allocate_slots("b", list(range(100, 109)), 0, 9)  # needs 3
     assert bm.block_ids("b") == []
-    assert bm.free_queue.block_ids() == free_before
+    assert bm.pool.free_queue.block_ids() == free_before
 
 
 def test_prefix_hit_shares_blocks_and_counts_refs():
@@ -68,7 +69,7 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     # Same first 8 tokens, different tail: the two full blocks are shared.
     assert admit(bm, "b", prompt[:8] + [99, 98]) == 8
     assert bm.block_ids("b") == [0, 1, 3]
-    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert [bm.pool.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
 
 
 def test_never_all_tokens_cached():
@@ -84,10 +85,10 @@ def test_cached_blocks_survive_free_and_are_revived_from_the_middle():
     bm = make(num_blocks=6)
     admit(bm, "a", list(range(9)))  # blocks 0,1 full+hashed, 2 partial
     bm.free("a")
-    assert bm.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]
+    assert bm.pool.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]
     assert admit(bm, "b", list(range(8)) + [50]) == 8
     assert bm.block_ids("b") == [0, 1, 2]
-    assert bm.free_queue.block_ids() == [3, 4, 5]
+    assert bm.pool.free_queue.block_ids() == [3, 4, 5]
     assert bm.prefix_cache_hits == 0  # only the scheduler records admitted lookups
     bm.record_prefix_query(9, 8)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (9, 8)
@@ -100,14 +101,14 @@ def test_lru_eviction_order():
     bm.free("a")
     bm.free("b")
     # Head: the two unhashed partials, then a's hashed block (freed first), then b's.
-    assert bm.free_queue.block_ids() == [3, 1, 0, 2]
+    assert bm.pool.free_queue.block_ids() == [3, 1, 0, 2]
     h_a = hash_full_blocks(list(range(4)), BS)[0]
     h_b = hash_full_blocks(list(range(100, 104)), BS)[0]
-    assert set(bm.cached_blocks[0]) == {h_a, h_b}
+    assert set(bm.pool.cached_blocks[0]) == {h_a, h_b}
     # 3 new blocks: takes 3, 1, then evicts 0 (a's prefix, least recently freed).
     admit(bm, "c", list(range(200, 212)))
     assert bm.block_ids("c") == [3, 1, 0]
-    assert h_a not in bm.cached_blocks[0] and h_b in bm.cached_blocks[0]
+    assert h_a not in bm.pool.cached_blocks[0] and h_b in bm.pool.cached_blocks[0]
     assert bm.find_cached_prefix(list(range(100, 105))).tables[0][0].block_id == 2
 
 
@@ -125,7 +126,7 @@ def test_no_prefix_caching():
     admit(bm, "a", list(range(9)))
     bm.free("a")
     assert admit(bm, "b", list(range(9))) == 0
-    assert not bm.cached_blocks[0]
+    assert not bm.pool.cached_blocks[0]
 
 
 def test_fork_and_copy_on_write():
@@ -135,12 +136,12 @@ def test_fork_and_copy_on_write():
     # The parent's prompt is computed; it sampled two tokens for two children.
     bm.fork("p", "c1")
     assert bm.block_ids("c1") == [0, 1]
-    assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    assert [bm.pool.blocks[i].ref_count for i in (0, 1)] == [2, 2]
     # The child writes its first output token (position 6) into shared block 1: copy first.
     assert bm.allocate_slots("c1", prompt + [7], 6, 1)
     assert bm.block_ids("c1") == [0, 2]
     assert bm.take_pending_copies() == [(1, 2)]
-    assert [bm.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
+    assert [bm.pool.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
     # The parent is now the only owner of block 1 and writes in place.
     assert bm.allocate_slots("p", prompt + [8], 6, 1)
     assert bm.block_ids("p") == [0, 1]
@@ -250,11 +251,11 @@ def test_prefix_hit_shrinks_to_what_the_sliding_group_still_caches():
     # Decoding past the prompt releases the sliding group's early blocks into the free
     # queue (still cached); evict them by filling the pool with other work.
     bm.free("a")
-    sliding_cache = bm.cached_blocks[1]
+    sliding_cache = bm.pool.cached_blocks[1]
     hashes = hash_full_blocks(prompt[:16], BS)
     victim = sliding_cache[hashes[3]]  # block 3's K/V for the sliding layers
-    bm.free_queue.remove(victim)
-    bm.free_queue.appendleft(victim)  # next to be evicted
+    bm.pool.free_queue.remove(victim)
+    bm.pool.free_queue.appendleft(victim)  # next to be evicted
     assert admit(bm, "filler", [999] * 3) == 0  # takes the head: evicts block 3's entry
     assert hashes[3] not in sliding_cache
     hit = bm.find_cached_prefix(prompt)

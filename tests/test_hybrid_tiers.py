@@ -64,7 +64,7 @@ def prefetch_step(sched: Scheduler):
     assert so.kv_transfers.loads == [(TIER_DISK, key, b) for b, key in enumerate(keys)]
     assert sched.block_manager.group_block_ids("c") == [[0, 1, 2], [-1, -1, 3]]
     # Not a hit for anyone until the step returns (its bytes may be garbage until then).
-    assert all(sched.block_manager.blocks[b].block_hash is None for b in range(4))
+    assert all(sched.block_manager.pool.blocks[b].block_hash is None for b in range(4))
     ahead = sched.schedule()  # a step scheduled while the prefetch is out: c still waits
     assert "c" not in ahead.num_scheduled_tokens and ahead.kv_transfers is None
     return so
@@ -96,7 +96,7 @@ def test_a_failed_prefetch_load_gives_a_shorter_hit():
     sched.update_from_output(so, ModelRunnerOutput(so.step_id, ["d"], [[1]], kv_load_failed=failed))
     assert sched.requests["c"].num_prefetched_tokens == 8
     assert kv.load_failures == [0, 1, 0] and HASHES[2] not in kv.tiers[TIER_DISK]
-    assert HASHES[2] not in bm.cached_blocks[0]
+    assert HASHES[2] not in bm.pool.cached_blocks[0]
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"c": 5}
     (new,) = so.new_requests
@@ -129,7 +129,7 @@ def test_a_request_aborted_during_its_prefetch_leaves_nothing_cached():
     sched.abort_requests(["c"])
     assert bm.num_held_blocks("c") == 0
     sched.update_from_output(so, ModelRunnerOutput(so.step_id, ["d"], [[1]]))
-    assert not any(h in cache for cache in bm.cached_blocks for h in HASHES)
+    assert not any(h in cache for cache in bm.pool.cached_blocks for h in HASHES)
     assert not sched.kv.prefetches
 
 

@@ -137,7 +137,7 @@ def test_pins_hold_blocks_until_their_time_then_free_them():
     bm = BlockManager(6, BS, max_pinned_blocks=2)
     admit(bm, "a", list(range(13)))  # blocks 0-3, three full
     assert bm.pin("a", num_tokens=12, until=100.0) == 2  # the bound: the leading two
-    assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    assert [bm.pool.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     bm.free("a")
     assert bm.num_free_blocks == 4  # 0 and 1 stay pinned, out of the free queue
     assert bm.pin("a", 12, 200.0) == 0  # a request no longer holding blocks pins nothing
@@ -154,7 +154,7 @@ def test_pinning_again_extends_and_release_frees_all():
     bm.pin("a", 8, until=10.0)
     admit(bm, "b", list(range(9)))  # a prefix hit on the pinned blocks
     assert bm.pin("b", 8, until=50.0) == 2
-    assert bm.blocks[0].ref_count == 3  # a, b, and one pin (not two)
+    assert bm.pool.blocks[0].ref_count == 3  # a, b, and one pin (not two)
     bm.free("a")
     bm.free("b")
     bm.unpin_expired(now=20.0)
@@ -195,7 +195,7 @@ def test_several_groups_take_each_block_from_the_pool_or_a_tier():
     bm.free("b")
     assert bm.allocate_slots("c", tokens, 12, 1, hit)
     assert bm.group_block_ids("c") == [[0, 1, 4, 9], [-1, -1, 6, 3]]
-    assert bm.cached_blocks[0][hashes[2]].block_id == 4  # the loaded block is a prefix now
+    assert bm.pool.cached_blocks[0][hashes[2]].block_id == 4  # the loaded block is a prefix now
     assert bm.take_evicted() == [(group_block_key(hashes[1], 1), 3)]
     # Without the tiers: the full group holds blocks 0 and 1, but the sliding group's
     # window for k = 2 is its block 1, just evicted, and for k = 1 its block 0: no hit.

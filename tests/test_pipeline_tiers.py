@@ -64,7 +64,7 @@ def test_with_stages_a_disk_hit_is_prefetched_in_a_step_of_its_own():
     so = sched.schedule()
     assert so.num_scheduled_tokens == {} and not so.new_requests
     assert so.kv_transfers.loads == [(TIER_DISK, HASHES[i], i) for i in range(3)]
-    assert all(bm.blocks[b].block_hash is None for b in range(3))  # not a hit for anyone yet
+    assert all(bm.pool.blocks[b].block_hash is None for b in range(3))  # not a hit for anyone yet
     ahead = sched.schedule()  # while the prefetch is out (a pipeline holds P steps)
     assert ahead.num_scheduled_tokens == {} and ahead.kv_transfers is None
     sched.update_from_output(so, ModelRunnerOutput(so.step_id, [], []))
