@@ -3,56 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+from model_cases import BASE, LINEAR_ROPE, LLAMA3_ROPE, MODELS, PROMPTS, YARN_ROPE
+from paged_runner import PagedRunner, Sequence
 from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
-from zllm.executor.attention.paged import AttentionMetadata
 from zllm.executor.models import LlamaForCausalLM, get_model_class
 from zllm.executor.models.rope import rope_inv_freq
-
-VOCAB = 256
-# What every model here changes in the tiny config: a smaller vocabulary and context, a
-# smaller epsilon, and untied embeddings unless a model says otherwise.
-BASE = dict(
-    vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
-YARN_ROPE = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-
-# name -> (architecture, HF config fields besides BASE)
-MODELS = {
-    "llama": ("llama", {}),
-    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
-    "llama-head32": ("llama", dict(head_dim=32, num_key_value_heads=1)),
-    "llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
-    "linear-rope": ("llama", dict(rope_parameters=LINEAR_ROPE)),
-    "yarn-rope": ("llama", dict(rope_parameters=YARN_ROPE)),
-    "mistral": ("mistral", dict(head_dim=16, sliding_window=None)),
-    "qwen2": ("qwen2", {}),
-    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
-}
-PROMPTS = [
-    [5, 77, 3, 201, 18, 9, 140, 66, 31, 250, 2, 90, 17],
-    [100, 4, 58],
-    [7],
-    [33, 12, 199, 45, 8, 160, 71, 29, 222, 3, 64, 11, 5, 87, 140, 19, 250, 6, 41, 93, 120],
-]
 
 
 def build_hf(name: str, seed: int = 0):
@@ -76,60 +35,6 @@ def build_pair(name: str, seed: int = 0):
     ours = get_model_class(arch.architecture)(arch).eval()
     ours.load_weights(hf.state_dict().items())
     return hf, ours
-
-
-@dataclass
-class Sequence:
-    tokens: list[int]
-    blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0
-
-
-class PagedRunner:
-    """Just enough of an engine to drive the model: block tables, slots, greedy sampling."""
-
-    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64):
-        arch = model.arch
-        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        gen = torch.Generator().manual_seed(1)
-        # Garbage in unused slots: a read through a wrong slot would change the results.
-        self.kv_caches = [torch.randn(shape, generator=gen) for _ in range(arch.num_layers)]
-        self.free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
-        self.model, self.block_size = model, block_size
-
-    @torch.inference_mode()
-    def step(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Run `num_new` tokens of each sequence; returns the logits of every new token."""
-        input_ids, positions, slots = [], [], []
-        for seq, num_new in work:
-            end = seq.num_computed + num_new
-            while len(seq.blocks) * self.block_size < end:
-                seq.blocks.append(self.free_blocks.pop())
-            for pos in range(seq.num_computed, end):
-                input_ids.append(seq.tokens[pos])
-                positions.append(pos)
-                block = seq.blocks[pos // self.block_size]
-                slots.append(block * self.block_size + pos % self.block_size)
-        meta = AttentionMetadata.build(
-            query_lens=[n for _, n in work],
-            seq_lens=[seq.num_computed + n for seq, n in work],
-            block_tables=[seq.blocks for seq, _ in work],
-            slot_mapping=slots,
-            block_size=self.block_size,
-            device="cpu",
-        )
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
-        for seq, num_new in work:
-            seq.num_computed += num_new
-        return self.model.compute_logits(hidden)
-
-    def step_and_sample(self, work: list[tuple[Sequence, int]]) -> None:
-        """Greedy-append a token to every sequence whose known tokens are now all computed."""
-        logits = self.step(work)
-        ends = torch.tensor([n for _, n in work]).cumsum(0) - 1
-        for (seq, _), token in zip(work, logits[ends].argmax(-1).tolist(), strict=True):
-            if seq.num_computed == len(seq.tokens):
-                seq.tokens.append(token)
 
 
 def hf_logits(hf, prompt: list[int]) -> torch.Tensor:

@@ -28,8 +28,8 @@ import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 from servers import sse_lines, start_server, stop_server
-from test_tools import CALL_TOKENS, TOOLS
 from tiny_models import write_tiny_model
+from tool_calls import CALL_TOKENS, TOOLS
 
 pytestmark = pytest.mark.e2e
 
@@ -112,7 +112,7 @@ def event_schemas() -> dict[str, str]:
 
 EVENT_SCHEMAS = event_schemas()
 
-# A template with tools (test_tools.py's Qwen 2.5 layout) that opens a think block unless
+# A template with tools (tests/tool_calls.py's Qwen 2.5 layout) that opens a think block unless
 # chat_template_kwargs switch it off.
 TEMPLATE = (
     "{% if tools %}<|im_start|>system\n<tools>\n"

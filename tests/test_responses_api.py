@@ -2,7 +2,7 @@
 and the official openai client, every streamed event parsed into its typed class and
 validated against it.
 
-A tiny model with a Qwen 2.5-style tools template (test_tools.py's): a function call forced
+A tiny model with a Qwen 2.5-style tools template (tests/tool_calls.py's): a function call forced
 by tool_choice (required or named: a grammar, so a random model calls), answered with
 function_call + function_call_output items, then a message; the follow-up turn is the same
 prompt as chat's tool_calls + tool message (same tokens, same greedy answer). text.format
@@ -21,8 +21,8 @@ import typing
 import jsonschema
 import pytest
 from servers import start_server, stop_server
-from test_tools import CALL_TOKENS, TOOLS, TOOLS_TEMPLATE, start_think_server
 from tiny_models import write_tiny_model
+from tool_calls import CALL_TOKENS, TOOLS, TOOLS_TEMPLATE, start_think_server
 
 from zllm.frontend.responses.api import ResponsesRequest, echoed_settings
 from zllm.frontend.responses.output import ResponseAssembler

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from model_cases import BASE, MODELS, PROMPTS
+from paged_runner import PagedRunner, Sequence
 from parity import SERVED_PROMPTS, count_flips, served_greedy
 from servers import free_port, start_server, stop_server
-from test_model import MODELS, PROMPTS, PagedRunner, Sequence
 from tiny_models import arch_config_of
 
 from zllm.config.parallel import check_divisible
@@ -27,7 +28,7 @@ from zllm.executor.ranks.parallel import (
     shard_weight,
 )
 
-# name -> (test_model.MODELS entry, HF config overrides, ranks)
+# name -> (model_cases.MODELS entry, HF config overrides, ranks)
 CASES = {
     "llama-2": ("llama", {}, 2),  # 4 heads / 2 KV heads: one KV head per rank
     "llama-tied-2": ("llama-tied", {}, 2),  # logits from the tied embedding's rows
@@ -68,7 +69,6 @@ def arch_of(case: str):
 def build_case(case: str):
     name, overrides, _ = CASES[case]
     architecture, base_overrides = MODELS[name]
-    from test_model import BASE
     from tiny_models import tiny_hf_config, tiny_hf_model
 
     config = tiny_hf_config(architecture, **{**BASE, **base_overrides, **overrides})

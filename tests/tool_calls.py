@@ -1,0 +1,80 @@
+"""Tool calling's fixtures, for the tests of tools through the chat, responses and schema
+routes: two function tools (get_weather, get_time), a Qwen 2.5-style tools template with its
+<tool_call> tokens, and a tiny model served with a think block and the deepseek_r1 reasoning
+parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servers import Server, start_server
+from tiny_models import write_tiny_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 20}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+
+# Qwen 2.5's layout, in our own words: tools in the system turn, calls as <tool_call> JSON,
+# results as <tool_response> in a user turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou can call these tools:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% for call in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>\n{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+
+
+def start_think_server(tmp_path: Path) -> tuple[Path, Server]:
+    """A tiny model whose template opens a think block, served with the deepseek_r1 reasoning
+    parser as "tiny": (its directory, the server)."""
+    model = write_tiny_model(
+        tmp_path / "think", chat_template=THINK_TEMPLATE, extra_tokens=["<think>", "</think>"]
+    )
+    server = start_server(
+        str(model),
+        tmp_path / "server.log",
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--served-model-name",
+        "tiny",
+    )
+    return model, server
