@@ -13,6 +13,10 @@ from shared_gguf_reader import share_gguf_readers
 # Re-exported: test_cuda.py and test_csrc_compile.py import it from here.
 from tiny_models import write_tiny_model  # noqa: F401
 
+# The shared helpers' asserts report what they compared, as a test's own do (pytest rewrites
+# only test files and conftest.py unless told): registered before any test imports them.
+pytest.register_assert_rewrite("disagg_pairs", "kv_tiers", "resident_memory", "served_answers")
+
 
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
