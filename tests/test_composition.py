@@ -1,5 +1,5 @@
 """Features that compose (issue 38): each pair runs and equals its single-feature reference.
-The README's combination table names these tests; pairs tested in their own feature's file
+docs/features.md's combination table names these tests; pairs tested in their own feature's file
 are named there too (e.g. data-parallel engines sleeping: test_data_parallel.py).
 
 Here: tensor- and pipeline-parallel ranks with sleep mode (every rank releases its memory

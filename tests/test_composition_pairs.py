@@ -1,4 +1,4 @@
-"""Pairs of the README's combination table that run offline on one rank: sleep mode and the
+"""Pairs of docs/features.md's combination table that run offline on one rank: sleep mode and the
 CPU tier, each with the other features whose outputs they must not change; deterministic
 mode's batch invariance with the others; the transformers backend with them (issue 38).
 
@@ -220,14 +220,14 @@ def test_the_hybrid_cache_composes_with(gemma3_dir, gemma3_lora, pair):
 # name -> (model, the pair's options, the reference's options, beam search?, the adapter?):
 # the pair must give the reference's tokens (beams: their tokens, scores within 1e-2)
 REFERENCE_PAIRS = {
-    # Beam requests get no drafts (README note 6): the beams of an engine without speculation.
+    # Beam requests get no drafts (features.md note 6): the beams of an engine without speculation.
     "spec-beam": ("llama", {"speculative_config": NGRAM}, {}, True, False),
     # A target on the transformers backend speculates as zllm's code does.
     "spec-transformers": (
         "llama", {"model_impl": "transformers", "speculative_config": NGRAM},
         {"model_impl": "transformers"}, False, False,
     ),
-    # An adapter's beams on zllm's code and on transformers' modules wrapped (README ✓21).
+    # An adapter's beams on zllm's code and on transformers' modules wrapped (features.md ✓21).
     "lora-beam": (
         "llama", {"enable_lora": True}, {"enable_lora": True, "model_impl": "transformers"},
         True, True,
