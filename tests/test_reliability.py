@@ -511,7 +511,7 @@ def test_malformed_ipc_messages_are_dropped(faults):
         enc([4, [["x"]], [], True]),  # DetokenizerBatch
         enc([5, [[1, 2, 3]]]),  # FrontendBatch
         enc([6, None, None]),  # RequestRejected
-        enc([7, "not a time"]),  # EngineStats
+        enc([7, "not a status section"]),  # EngineStats
         enc([8, 1, 2, 3]),  # ProcessEvent
         enc([9, ["dead"]]),  # EngineLifecycle
         enc([10, "not a client id"]),  # ClientGone
