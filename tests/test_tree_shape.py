@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_FOLDERS = ("zllm", "core", "executor", "frontend", "tokenizer_proc", "detokenizer_proc")
+# Every Python file outside tests/ is held to the size limit, the benchmarks' scripts too.
+NON_TEST_FOLDERS = (*SOURCE_FOLDERS, "benchmarks")
 MAX_TOP_MODULES = 12
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
@@ -30,7 +32,7 @@ def test_a_process_folder_keeps_a_dozen_modules_at_its_top(folder):
 
 def test_no_module_is_longer_than_a_long_read():
     long = []
-    for path in sources(SOURCE_FOLDERS):
+    for path in sources(NON_TEST_FOLDERS):
         rel = str(path.relative_to(ROOT))
         lines = path.read_text().count("\n")
         if lines > MAX_FILE_LINES and rel not in LONG_BY_DESIGN:
