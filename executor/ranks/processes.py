@@ -34,6 +34,7 @@ import zmq
 from zllm.config.engine import EngineConfig
 from zllm.executor.async_steps import LaunchedStep, StepPipeline
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
+from zllm.runtime.heap_trim import IdleTrim
 from zllm.runtime.messaging import decode_or_drop
 
 if TYPE_CHECKING:
@@ -85,10 +86,14 @@ def serve_steps(
 
     With the asynchronous executor (`--async-executor`) a launched step is finished only
     when the next one is launched or the device is done with it and no step is waiting:
-    while it runs, the loop watches for the next step's message."""
+    while it runs, the loop watches for the next step's message.
+
+    After a second without a step, the steps' freed memory goes back to the system
+    (zllm/runtime/heap_trim.py: glibc's heap keeps it otherwise, and grows with new peaks)."""
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     encoder = msgspec.msgpack.Encoder()
     pipeline = StepPipeline(runner, runner.config.async_executor)
+    idle_trim = IdleTrim()
 
     def send(outputs: list[ModelRunnerOutput]) -> None:
         for output in outputs:
@@ -100,6 +105,7 @@ def serve_steps(
         if pipeline.pending is not None and not _step_waiting(inbox, pipeline.pending):
             send(pipeline.drain())
             idle_since = time.perf_counter()
+        idle_trim.wait(inbox)
         frame = inbox.recv(copy=False)
         start = time.perf_counter()
         if fanout is not None:
@@ -109,6 +115,7 @@ def serve_steps(
             continue  # (every rank got the same frame: all drop it)
         idle_s = 0.0 if step.after_no_work or pipeline.pending else start - idle_since
         send(pipeline.run(step, idle_s))
+        idle_trim.worked()
         if pipeline.pending is None:
             idle_since = time.perf_counter()
 
