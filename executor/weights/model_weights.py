@@ -30,6 +30,7 @@ from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.model.gguf import read_gguf
+from zllm.runtime.heap_trim import trim_heap
 
 if TYPE_CHECKING:
     from zllm.executor.ranks.layout import RankLayout
@@ -194,17 +195,13 @@ def move_weights(model: nn.Module, device: torch.device, pin: bool = False) -> N
 def release_freed_memory(device: torch.device) -> None:
     """Hand memory freed by dropped tensors back to the system: collect cycles, then on a GPU
     empty torch's cache; on CPU ask glibc to return free heap pages (tensors below its mmap
-    threshold live in the heap, which free() alone does not shrink). The load calls it for
-    the fp32 copies its blocks replaced, sleep mode after its owners released theirs."""
+    threshold live in the heap, which free() alone does not shrink: runtime/heap_trim.py). The
+    load calls it for the fp32 copies its blocks replaced, sleep mode after its owners released
+    theirs."""
     import gc
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the memory is reused, not returned
-        pass
+    trim_heap()
