@@ -2,16 +2,22 @@
 each process's anonymous memory plus swap (zllm/bench/process_memory.py) sampled as it goes.
 
     python benchmarks/memory_soak.py [--requests 20000] [--sample-every 1000] [--warmup 2000]
+    python benchmarks/memory_soak.py --model smollm2 --threads 2   # issue 56's setting
 
 Starts `zllm serve` (two tokenizer and two detokenizer workers, LoRA on with one adapter) on
-the tests' tiny random Llama (tests/tiny_models.py, built in a temporary directory) and sends
-`--requests` requests, `--concurrency` at a time, each drawn from SHAPES: completions and
-chat, streamed and not, n > 1, streams the client abandons after a few events, structured
-output (a JSON schema, a choice), the adapter, and prompts that share a long prefix (prefix
-cache hits). After every `--sample-every` requests it waits until the server is idle and reads
-every process's RssAnon + VmSwap. At the end it prints the samples, each process's growth in
-bytes per request (the least-squares slope over the samples from `--warmup` requests on; the
-goal: under 100 B, 0.1 KB) and whether the KV pool's free blocks are back to its total.
+the tests' tiny random Llama (tests/tiny_models.py, built in a temporary directory), or on
+`--model` (a path or a registered name, with the CPU's default 1 GiB KV pool and no LoRA,
+so its GGUF kernels and fused decode path serve: LoRA turns the fused path off), with
+`--threads` torch threads per process, and sends `--requests` requests, `--concurrency` at
+a time, each drawn from SHAPES: completions and chat, streamed and not, n > 1, streams the
+client abandons after a few events, structured output (a JSON schema, a choice), logprobs
+(the prompt's too), the adapter (the tiny model only), and prompts that share a long prefix
+(prefix cache hits). After every `--sample-every` requests it waits until the server is
+idle, then past the executor's idle trim (zllm/runtime/heap_trim.py: it hands the heap its
+steps freed back after IDLE_TRIM_S without a step), and reads every process's RssAnon +
+VmSwap. At the end it prints the samples, each process's growth in bytes per request (the
+least-squares slope over the samples from `--warmup` requests on; the goal: under 100 B,
+0.1 KB) and whether the KV pool's free blocks are back to its total.
 Every request is bounded by `--request-timeout`; a failed or hung one is counted and shown.
 """
 
@@ -35,6 +41,7 @@ from servers import Server, asse_lines, metric, start_server, stop_server, wait_
 from tiny_models import write_lora_adapter, write_tiny_model  # noqa: E402
 
 from zllm.bench.process_memory import MemorySample, growth_per_request, process_memory  # noqa: E402
+from zllm.runtime.heap_trim import IDLE_TRIM_S  # noqa: E402
 
 ADAPTER = "soak-lora"
 GOAL_BYTES_PER_REQUEST = 100.0  # 0.1 KB
@@ -59,6 +66,7 @@ SHAPES = {
     "cancel": 0.12,
     "structured": 0.08,
     "lora": 0.08,
+    "logprobs": 0.06,
     "prefix-hit": 0.16,
 }
 
@@ -104,6 +112,13 @@ def make_plan(i: int, seed: int, model: str, prefixes: list[list[int]]) -> Plan:
         body = {**structured, "prompt": text_prompt(rng)}
         body["structured_outputs"] = {"choice": ["yes", "no", "maybe"]}
         return Plan(shape, "/v1/completions", body)
+    if shape == "logprobs":  # sampled tokens' top logprobs, and the prompt's on completions
+        k = rng.choice((1, 5))
+        if rng.random() < 0.5:
+            body = {**base, **chat, "logprobs": True, "top_logprobs": k}
+            return Plan(shape, "/v1/chat/completions", {**body, "stream": rng.random() < 0.5})
+        body = {**base, "prompt": text_prompt(rng), "logprobs": k, "prompt_logprobs": k}
+        return Plan(shape, "/v1/completions", {**body, "stream": rng.random() < 0.5})
     if shape == "lora":
         body = {**base, "model": ADAPTER, "prompt": text_prompt(rng)}
         return Plan(shape, "/v1/completions", {**body, "stream": rng.random() < 0.5})
@@ -232,6 +247,7 @@ def soak(args: argparse.Namespace, server: Server, model: str) -> dict:
     def sample(done: int) -> None:
         if not wait_until(lambda: idle(server), args.idle_timeout):
             raise RuntimeError(f"not idle {args.idle_timeout} s after {done} requests")
+        time.sleep(IDLE_TRIM_S + 0.5)  # the executor's idle trim: what it holds between spells
         if processes(server) != children:
             raise RuntimeError(f"a process restarted before {done} requests: {processes(server)}")
         for n in names:
@@ -275,6 +291,18 @@ def soak(args: argparse.Namespace, server: Server, model: str) -> dict:
     }
 
 
+def start_tiny(tmp: Path, threads: int) -> Server:
+    """The tiny random Llama served with LoRA on and one adapter (ADAPTER)."""
+    model_dir = write_tiny_model(tmp / "model")
+    adapter = write_lora_adapter(tmp / "adapter", model_dir)
+    return start_server(
+        str(model_dir), tmp / "server.log",
+        "--tokenizer-workers", "2", "--detokenizer-workers", "2",
+        "--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}",
+        env={"OMP_NUM_THREADS": str(threads)},
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=20_000)
@@ -284,21 +312,26 @@ def main() -> None:
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--idle-timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=39)
+    p.add_argument("--model", default=None, help="serve this model (default: the tiny Llama)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--output-json", type=Path, default=None)
     args = p.parse_args()
     kept = len(range(args.warmup, args.requests + 1, args.sample_every))
     if args.warmup % args.sample_every or kept < 2:
         p.error("--warmup must be a multiple of --sample-every with two samples from it on")
     with tempfile.TemporaryDirectory(prefix="zllm-soak-") as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "model")
-        adapter = write_lora_adapter(Path(tmp) / "adapter", model_dir)
-        server = start_server(
-            str(model_dir), Path(tmp) / "server.log",
-            "--tokenizer-workers", "2", "--detokenizer-workers", "2",
-            "--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}",
-        )  # fmt: skip
+        if args.model is None:
+            server = start_tiny(Path(tmp), args.threads)
+        else:
+            del SHAPES["lora"]  # (its adapter is the tiny model's)
+            server = start_server(
+                args.model, Path(tmp) / "server.log",
+                "--tokenizer-workers", "2", "--detokenizer-workers", "2",
+                "--kv-cache-memory-bytes", "1G",
+                env={"OMP_NUM_THREADS": str(args.threads)},
+            )  # fmt: skip
         try:
-            result = soak(args, server, str(model_dir))
+            result = soak(args, server, server.get("/v1/models").json()["data"][0]["id"])
         except BaseException:
             print(server.log_tail(), file=sys.stderr)
             raise

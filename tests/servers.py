@@ -129,11 +129,13 @@ def start_server(
     *extra: str,
     api_key: str | None = None,
     tls: ssl.SSLContext | None = None,
+    env: dict[str, str] | None = None,
 ) -> Server:
     """`zllm serve` on loopback with a small KV pool; returns once /health answers 200 and
     the run directory is known. `extra` are more `zllm serve` options (later ones win), e.g.
     worker counts or --served-model-name; with `api_key`, get/post send it. `tls`: the
-    server serves HTTPS (its --ssl-* options in `extra`), reached with this client context."""
+    server serves HTTPS (its --ssl-* options in `extra`), reached with this client context.
+    `env`: variables over the server's environment (OMP_NUM_THREADS=1 unless given)."""
     if in_e2e_test is False:
         raise RuntimeError("a test that starts `zllm serve` must be marked pytest.mark.e2e")
     port = free_port()
@@ -144,9 +146,9 @@ def start_server(
     cmd += list(extra)
     # One torch thread: the tiny model needs no more, and on a shared 2-core machine several
     # OpenMP threads spin against each other (steps 10-100x slower under load).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    server_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     scheme = "http" if tls is None else "https"
     server = Server(f"{scheme}://127.0.0.1:{port}", port, proc, log, headers=headers)

@@ -481,6 +481,7 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     the next send writes the next file and reaches the consumer."""
     import msgspec
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from zllm.protocol import KVBlocksHeader
 
@@ -488,7 +489,15 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     config = KVTransferConfig(role="kv_producer", port=free_port(), transport="shm")
     consumer = zmq.Context.instance().socket(zmq.PULL)  # stands in for the consumer's receiver
     consumer.bind(config.engine_address(0, 0, 1))
+    monitor = consumer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sender = KVSender(config, pool, "layout")
+    # The sender drops what it cannot hand over at once (ZMQ_IMMEDIATE, no blocking send), so
+    # a send before its connection is up would be dropped too: on a loaded machine the
+    # connect can take longer than the test's next line. Wait until the consumer has it.
+    assert monitor.poll(10_000), "the sender never connected to the consumer"
+    recv_monitor_message(monitor)
+    consumer.disable_monitor()
+    monitor.close(linger=0)
     files = [os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{i}") for i in (0, 1)]
     open(files[0], "wb").close()  # its first file's name, taken
     try:
