@@ -29,11 +29,12 @@ from servers import (
 
 from zllm import LLM, SamplingParams
 from zllm.bench.process_memory import process_memory
+from zllm.runtime.heap_trim import IDLE_TRIM_S
 
 pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 2000
-NUM_WARMUP = 200
+NUM_WARMUP = 500
 CONCURRENCY = 64
 CANCEL_SHARE = 0.2
 REQUEST_TIMEOUT_S = 60.0
@@ -42,13 +43,13 @@ REQUEST_TIMEOUT_S = 60.0
 MAX_RETRIES = NUM_REQUESTS // 100
 MAX_TOKENS = (1, 2, 4, 8, 16)
 # Growth of anonymous memory plus swap allowed per process over the 2,000 requests (after a
-# warm-up of 200): what a process allocated itself, which swap cannot hide and page-cache
-# churn of the mapped weights does not move (zllm/bench/process_memory.py). Measured on the
-# 2-core CPU machine: frontend +1.8 MiB (the dashboard's latency windows filling to their
-# bound), executor +1.2 MiB, core +0.5 MiB, every other process +0.1 MiB or less. The bound
-# leaves room for allocator noise and still catches a leak of ~4 KB per request (peers leak
-# a few KB); benchmarks/memory_soak.py measures the growth per request over 20,000.
-MEMORY_GROWTH_BOUND_KIB = 8 << 10
+# warm-up of 500), each measured once the server is idle and past the executor's idle heap
+# trim (zllm/runtime/heap_trim.py): what a process allocated itself, which swap cannot hide
+# and page-cache churn of the mapped weights does not move (zllm/bench/process_memory.py).
+# 0.4 KB per request: a leak of 0.5 KB per request (1,000 KiB here) fails, as issue 56 asks.
+# Measured on the 2-core CPU machine: MEASURED. benchmarks/memory_soak.py
+# measures the growth per request over 20,000 (BENCHMARKS.md: under 0.1 KB each).
+MEMORY_GROWTH_BOUND_KIB = NUM_REQUESTS * 400 // 1024
 WORDS = ["Emoji", "CJK", "你好", "世界", "🙂", "café", "naïve", "Ångström", "The quick"]
 WORDS += ["Paged", "def add", "1234", "brown fox", "lazy dog", "values in", "blocks"]
 
@@ -220,6 +221,7 @@ def test_soak_2000_requests(soak_server, tiny_llama_dir):
     assert warm.hung == 0
     children = soak_server.children()
     assert wait_until(lambda: _idle(soak_server), 15)
+    time.sleep(IDLE_TRIM_S + 0.5)  # past the executor's idle trim: what it holds between spells
     # The supervisor too: it lives as long as the server, and a leak there would too.
     watched = {"supervisor": soak_server.proc.pid, **children}
     before = {name: process_memory(pid).total_kib for name, pid in watched.items()}
@@ -238,6 +240,7 @@ def test_soak_2000_requests(soak_server, tiny_llama_dir):
     assert not mismatches, f"{len(mismatches)} outputs differ from offline, e.g. {mismatches[0]}"
     assert wait_until(lambda: _idle(soak_server), 15), soak_server.get("/metrics").text[-3000:]
     assert soak_server.children() == children, "a child restarted during the soak"
+    time.sleep(IDLE_TRIM_S + 0.5)
     after = {name: process_memory(pid).total_kib for name, pid in watched.items()}
 
     cancelled = sum(1 for p in plans if p.cancel_after)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from array import array
 from collections import deque
 from importlib import resources
 
@@ -40,19 +41,36 @@ _ROLE_ORDER = (
 
 
 class LatencyWindow:
-    """Latencies (seconds) observed in the last `window_s`, for percentiles."""
+    """Latencies (seconds) observed in the last `window_s`, for percentiles.
+
+    A ring of `max_samples` (time, value) pairs allocated once, up front: the window takes
+    the same memory on its first request as on its millionth (a deque of tuples grew by
+    ~110 B a sample until it reached its bound, which read as the frontend's growth per
+    request in the soak; issue 56). Past `max_samples` the oldest pairs are overwritten,
+    so a busy minute's percentiles come from its latest `max_samples` latencies."""
 
     def __init__(self, window_s: float = 60.0, max_samples: int = 8192) -> None:
         self.window_s = window_s
-        self.samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self.max_samples = max_samples
+        self._times = array("d", bytes(8 * max_samples))
+        self._values = array("d", bytes(8 * max_samples))
+        self._next = 0  # the slot the next sample takes
+        self.count = 0  # samples held (at most max_samples)
 
     def add(self, now: float, value: float) -> None:
-        self.samples.append((now, value))
+        self._times[self._next] = now
+        self._values[self._next] = value
+        self._next = (self._next + 1) % self.max_samples
+        self.count = min(self.count + 1, self.max_samples)
 
     def percentiles(self, now: float) -> Percentiles:
-        while self.samples and self.samples[0][0] < now - self.window_s:
-            self.samples.popleft()
-        values = [v for _, v in self.samples]
+        oldest = now - self.window_s
+        start = self._next - self.count
+        values = [
+            self._values[i % self.max_samples]
+            for i in range(start, self._next)
+            if self._times[i % self.max_samples] >= oldest
+        ]
         if not values:
             return Percentiles()
         return Percentiles(
