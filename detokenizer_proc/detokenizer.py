@@ -90,7 +90,10 @@ class Detokenizer:
         timing = None
         if finished:
             state.finished.add(i)
-            if len(state.finished) == state.info.n:
+            # An error fails the whole request (the frontend answers it 500 on the first
+            # one), and a request that failed before its n samples forked has only sample
+            # 0 to end: waiting for the others would keep its state for good (issue 56).
+            if len(state.finished) == state.info.n or finish_reason == FinishReason.ERROR:
                 del self.requests[out.req_id]
                 timing = state.timing
         delta = RequestOutputDelta(

@@ -111,6 +111,23 @@ def test_detokenizer_multibyte_and_samples(tokenizer):
     assert "m" not in detok.requests
 
 
+def test_an_n_request_failed_before_its_samples_forked_leaves_no_state(tokenizer):
+    """The core fails an n > 1 request that never forked with an error on sample 0 only
+    (the others do not exist yet): that error ends the request here too (issue 56: its
+    state stayed until the worker restarted)."""
+    detok = Detokenizer(tokenizer)
+    detok.process(DetokenizerBatch([DetokRequest("f", prompt_tail=[], n=4)], []))
+    failed = _out("f", 0, [], FinishReason.ERROR)
+    deltas, _ = detok.process(DetokenizerBatch([], [failed]))
+    assert [d.finish_reason for d in deltas] == [FinishReason.ERROR]
+    assert "f" not in detok.requests
+    # After the fork every sample fails: the first error ends it, the rest are dropped.
+    detok.process(DetokenizerBatch([DetokRequest("g", prompt_tail=[], n=2)], []))
+    outs = [_out("g", k, [], FinishReason.ERROR) for k in (0, 1)]
+    deltas, _ = detok.process(DetokenizerBatch([], outs))
+    assert [d.index for d in deltas] == [0] and "g" not in detok.requests
+
+
 def test_detokenizer_abort_and_reset(tokenizer):
     detok = Detokenizer(tokenizer)
     detok.process(DetokenizerBatch([DetokRequest("a", []), DetokRequest("b", [])], []))
