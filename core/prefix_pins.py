@@ -23,7 +23,10 @@ class PrefixPins:
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
         self._until: dict[int, tuple[KVBlock, float]] = {}  # block id -> (block, until)
-        self._heap: list[tuple[float, int]] = []  # (until, block id); stale entries skipped
+        # (until, block id), stale entries skipped: a re-pin pushes its later time and leaves
+        # the old entry; rebuilt from `_until` past twice its size, so re-pinning the same
+        # blocks again and again (a shared system prompt) cannot grow it (issue 56).
+        self._heap: list[tuple[float, int]] = []
 
     def __len__(self) -> int:
         return len(self._until)
@@ -34,14 +37,26 @@ class PrefixPins:
         if held is not None:
             if until > held[1]:
                 self._until[block.block_id] = (block, until)
-                heapq.heappush(self._heap, (until, block.block_id))
+                self._push(until, block.block_id)
             return True
         if len(self._until) >= self.max_blocks:
             return False
         block.ref_count += 1
         self._until[block.block_id] = (block, until)
-        heapq.heappush(self._heap, (until, block.block_id))
+        self._push(until, block.block_id)
         return True
+
+    def _push(self, until: float, block_id: int) -> None:
+        if len(self._heap) >= 2 * len(self._until) + 64:
+            self._heap = [(t, b) for b, (_, t) in self._until.items()]
+            heapq.heapify(self._heap)
+            return  # the rebuilt heap already holds (until, block_id)
+        heapq.heappush(self._heap, (until, block_id))
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the expiry heap, stale ones included (at most 2 x pins + 64)."""
+        return len(self._heap)
 
     def expired(self, now: float) -> list[KVBlock]:
         """Unpin the blocks whose time is up; returns them (the caller drops the reference)."""
@@ -64,7 +79,7 @@ class PrefixPins:
         """Unpin the `count` blocks whose time is up soonest; returns them."""
         order = sorted(self._until.items(), key=lambda item: item[1][1])[:count]
         for block_id, _ in order:
-            del self._until[block_id]
+            del self._until[block_id]  # (their heap entries go stale: skipped, or rebuilt)
         return [block for _, (block, _) in order]
 
 

@@ -94,6 +94,25 @@ def test_pins_yield_to_a_request_that_needs_the_whole_pool(tiny_llama_dir):
     assert out.outputs[0].token_ids == fresh.generate([big], GREEDY)[0].outputs[0].token_ids
 
 
+def test_re_pinning_the_same_blocks_keeps_the_expiry_heap_bounded():
+    """A shared prefix pinned again by request after request pushes a later time each time;
+    the heap's stale entries are rebuilt away (issue 56), and expiry still honours the
+    latest time of each block."""
+    from zllm.core.free_blocks import KVBlock
+    from zllm.core.prefix_pins import PrefixPins
+
+    pins = PrefixPins(max_blocks=8)
+    blocks = [KVBlock(i) for i in range(4)]
+    for t in range(10_000):
+        for b in blocks:
+            assert pins.add(b, until=float(t))
+    assert pins.heap_entries <= 2 * len(pins) + 64
+    assert [b.ref_count for b in blocks] == [1, 1, 1, 1]  # one reference per pinned block
+    assert pins.expired(now=9_998.0) == []  # each block's latest time is 9,999
+    assert sorted(b.block_id for b in pins.expired(now=9_999.0)) == [0, 1, 2, 3]
+    assert len(pins) == 0
+
+
 def test_a_running_request_that_would_be_preempted_releases_pins_instead():
     """At the scheduler: the last running request runs out of blocks; pins go, not it."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40)
