@@ -81,19 +81,34 @@ def test_rate_limit_is_a_token_bucket_per_tenant(rate, burst, retry_after):
 def test_buckets_of_idle_tenants_are_forgotten():
     """Many tenant names (X-Tenant is anyone's to choose) do not grow the buckets past the
     bound; a forgotten tenant's bucket was full, so it gets its whole burst again."""
-    from zllm.frontend.access.tenant_limits import MAX_IDLE_BUCKETS
+    from zllm.frontend.access.tenant_limits import MAX_BUCKETS
 
     clock = Clock()
     limits = TenantLimits(None, 1.0, CollectorRegistry(), clock)
     assert limits.enter("t0") is None and limits.enter("t0") is not None  # t0's one is used
-    for i in range(1, 5 * MAX_IDLE_BUCKETS):
+    for i in range(1, 5 * MAX_BUCKETS):
         clock.now += 0.01
         assert limits.enter(f"t{i}") is None
         limits.leave(f"t{i}")
-    assert len(limits._buckets) <= MAX_IDLE_BUCKETS
+    assert len(limits._buckets) <= MAX_BUCKETS
     assert limits.enter("t0") is None  # refilled long ago: full, as a new one
     limits.leave("t0")
-    assert limits.enter(f"t{5 * MAX_IDLE_BUCKETS - 1}") is not None  # a recent one is kept
+    assert limits.enter(f"t{5 * MAX_BUCKETS - 1}") is not None  # a recent one is kept
+
+
+def test_buckets_stay_bounded_when_every_tenant_is_recent():
+    """More tenants than the bound, all within one refill (none full to forget): the least
+    recently used bucket gives way, so the table never passes its bound (issue 56)."""
+    from zllm.frontend.access.tenant_limits import MAX_BUCKETS
+
+    clock = Clock()
+    limits = TenantLimits(None, 0.001, CollectorRegistry(), clock)  # a token every 1,000 s
+    for i in range(3 * MAX_BUCKETS):
+        clock.now += 0.001
+        assert limits.enter(f"t{i}") is None
+        limits.leave(f"t{i}")
+        assert len(limits._buckets) <= MAX_BUCKETS
+    assert limits.enter(f"t{3 * MAX_BUCKETS - 1}") is not None  # the newest: kept, empty
 
 
 def test_limited_series_of_many_tenants_stay_bounded():

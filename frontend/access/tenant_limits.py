@@ -31,9 +31,11 @@ from zllm.config.tenants import TenantLimit
 from zllm.errors import RequestError
 
 CONCURRENCY_RETRY_AFTER_S = 1
-# Buckets kept before the full ones are forgotten: a full bucket is what a tenant without
-# one gets, so dropping it changes nothing, and tenant names (X-Tenant) cannot grow memory.
-MAX_IDLE_BUCKETS = 256
+# Buckets kept at most. Past it the full ones are forgotten first (a full bucket is what a
+# tenant without one gets, so dropping it changes nothing), then, when more tenants than
+# this were limited within one refill, the least recently used: that tenant starts again
+# from a full bucket, as any new X-Tenant name does, and tenant names cannot grow memory.
+MAX_BUCKETS = 256
 # The zllm:tenant_requests_limited_total series kept (tenant, limit pairs; see _refuse).
 MAX_LIMITED_SERIES = 256
 
@@ -150,8 +152,11 @@ class TenantLimits:
         now = self.clock()
         bucket = self._buckets.get(tenant)
         if bucket is None:
-            if len(self._buckets) >= MAX_IDLE_BUCKETS:
+            if len(self._buckets) >= MAX_BUCKETS:
                 self._forget_full_buckets(now)
+            while len(self._buckets) >= MAX_BUCKETS:
+                oldest = min(self._buckets, key=lambda name: self._buckets[name].updated)
+                del self._buckets[oldest]
             bucket = self._buckets[tenant] = _Bucket(burst, now)
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.updated) * rate)
         bucket.updated = now
