@@ -94,6 +94,24 @@ def test_prompts_routed_moments_ago_count_as_held_until_events_catch_up():
     assert router.choose(prompt) != first
 
 
+def test_recently_routed_hashes_stay_bounded_and_drop_their_oldest():
+    """More distinct blocks routed within RECENT_S than MAX_RECENT: the table keeps the
+    newest MAX_RECENT (it grew past its cap while none had expired: issue 56); expired
+    ones leave as later requests are routed."""
+    from zllm.tokenizer_proc import router as router_module
+
+    router, clock = router_with(1)
+    view = router.engines[0]
+    cap = router_module.MAX_RECENT
+    for start in range(0, 3 * cap, 1024):
+        router.routed(0, list(range(start, start + 1024)))
+        assert len(view.recent) <= cap
+    assert view.holds(3 * cap - 1, clock.now) and not view.holds(0, clock.now)
+    clock.now += RECENT_S + 1
+    router.routed(0, [-1])
+    assert list(view.recent) == [-1]
+
+
 def test_a_busy_holder_sheds_work_to_an_idle_engine():
     router, _ = router_with(2)
     router.on_kv_events(KVCacheEvents(engine=0, stored=hashes(PREFIX)))

@@ -40,6 +40,7 @@ elsewhere, never a wrong answer, since each engine checks its own cache.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +54,8 @@ PREFIX_WEIGHT = 8.0
 # Seconds this worker counts a prompt it routed as held by its engine (until the engine's
 # own KV events take over).
 RECENT_S = 10.0
-# Recent hashes kept per engine before the expired ones are dropped.
+# Recent hashes kept per engine at most: past it the oldest go, expired or not (a burst of
+# more than this many blocks within RECENT_S then credits the engine with fewer of them).
 MAX_RECENT = 1 << 16
 # Seconds without a heartbeat (sent every 0.5 s) before an engine counts as down.
 DOWN_AFTER_S = 2.0
@@ -65,7 +67,8 @@ class EngineView:
 
     index: int
     held: set[BlockHash] = field(default_factory=set)  # block hashes from its KV events
-    recent: dict[BlockHash, float] = field(default_factory=dict)  # routed here: hash -> when
+    # Routed here: hash -> when, oldest first (expired ones are dropped from the front).
+    recent: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
     num_waiting: int = 0
     num_running: int = 0
     routed_since_stats: int = 0
@@ -178,10 +181,15 @@ class Router:
         view = self.engines[engine]
         view.routed_since_stats += 1
         now = self.clock()
+        recent = view.recent
         for h in block_hashes:
-            view.recent[h] = now
-        if len(view.recent) > MAX_RECENT:  # drop the expired now and then
-            view.recent = {h: t for h, t in view.recent.items() if now - t < RECENT_S}
+            recent[h] = now
+            recent.move_to_end(h)
+        while recent:
+            oldest, when = next(iter(recent.items()))
+            if now - when < RECENT_S and len(recent) <= MAX_RECENT:
+                break
+            del recent[oldest]
 
 
 def _engine_of(msg: EngineStats | KVCacheEvents) -> int:
