@@ -294,6 +294,29 @@ def test_disk_tier_round_trip_from_memory_then_from_file(tmp_path, dtype):
     assert tier.load([key(-123456789)], [1]) == [0]
 
 
+def test_a_disk_slower_than_the_evictions_holds_at_most_its_bound_in_memory(tmp_path):
+    """While the writer is stuck, blocks past `max_pending` are not stored (a later load
+    misses them: recomputed) rather than queued in memory without bound (issue 56); once the
+    disk catches up, stores go on."""
+    import threading
+
+    pool = make_pool()
+    nbytes = pool.tensors[0][:, 0].numel() * len(pool.tensors) * pool.tensors[0].element_size()
+    tier = DiskTier(pool, tmp_path / "tier", nbytes, TIER_KEY, max_pending_bytes=2 * nbytes)
+    stuck, write = threading.Event(), tier._write
+    tier._write = lambda block_hash, block: (stuck.wait(10), write(block_hash, block))
+    tier.store([key(1), key(2), key(3)], [1, 2, 3])
+    tier.store([key(4)], [4])
+    assert sorted(tier._pending) == [key(1), key(2)]
+    assert tier.load([key(1), key(3), key(4)], [5, 6, 7]) == [1, 2]  # 3 and 4: not stored
+    stuck.set()
+    tier.flush()
+    assert existing_disk_blocks(tmp_path / "tier") == sorted([key(1), key(2)])
+    tier.store([key(3)], [3])
+    tier.flush()
+    assert key(3) in existing_disk_blocks(tmp_path / "tier")
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other-hash"])
 def test_disk_tier_refuses_a_damaged_block(tmp_path, damage):
     pool = make_pool()

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct("<4sI16sQ32s")  # magic, format version, block hash, payload bytes, MAC
 _MACED = _HEADER.size - 32  # the header bytes the MAC covers
 _MAGIC = b"ZKV\x00"
+# Evicted blocks held in memory while the disk tier's writer catches up, at most (issue 56:
+# a disk slower than the evictions grew this queue without bound).
+MAX_PENDING_BYTES = 256 << 20
 
 
 class KVTier(Protocol):
@@ -109,11 +112,21 @@ class CpuTier:
 class DiskTier:
     """Blocks as files; writes in a background thread, loads checked against their MAC."""
 
-    def __init__(self, pool: KVPool, directory: Path, block_nbytes: int, key: bytes) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        directory: Path,
+        block_nbytes: int,
+        key: bytes,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+    ) -> None:
         """The blocks the directory holds stay: their hashes name the same tokens under the
         same salts after a restart (an adapter's salt is its files' digest, lora.py), and
-        their MACs check under the same key."""
+        their MACs check under the same key. At most `max_pending_bytes` of blocks wait in
+        memory for the writer (at least one block)."""
         self.pool = pool
+        self.max_pending = max(1, max_pending_bytes // block_nbytes)
+        self._dropping = False  # stores are being dropped (logged once per spell)
         self.directory = directory
         self.block_nbytes = block_nbytes
         self._key = key
@@ -140,6 +153,19 @@ class DiskTier:
         self._writer.start()
 
     def store(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
+        """Queue the blocks for writing; past `max_pending` waiting, the rest are not
+        written (a later load misses them and they are recomputed), so a disk slower than
+        the evictions cannot grow memory."""
+        with self._pending_lock:
+            room = max(0, self.max_pending - len(self._pending))
+        if room < len(block_hashes) and not self._dropping:
+            logger.warning(
+                "KV disk tier: %d blocks wait for the disk (its bound); not storing more "
+                "until it catches up",
+                self.max_pending,
+            )
+        self._dropping = room < len(block_hashes)
+        block_hashes, block_ids = block_hashes[:room], block_ids[:room]
         if not block_hashes:
             return
         blocks = list(self.pool.gather(block_ids))  # one tensor object per block: the
