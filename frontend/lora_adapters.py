@@ -29,6 +29,9 @@ from zllm.lora import LoRAError, LoRARequest, adapter_digest, read_adapter, with
 logger = logging.getLogger(__name__)
 
 LORA_STATE_FILE = "lora_adapters.json"
+# Adapters registered at once, at most: the registry (and the JSON file rewritten on every
+# change) cannot grow without bound through POST /v1/load_lora_adapter (issue 56).
+MAX_REGISTERED_ADAPTERS = 1024
 
 
 class LoRAAdapters:
@@ -96,6 +99,7 @@ class LoRAAdapters:
             raise RequestError(
                 f"The model name {name!r} is already served; unload it first.", param="lora_name"
             )
+        self._check_room()
         path = os.path.abspath(path)
         try:
             # Reads a JSON config and a safetensors header, then hashes the files (the
@@ -110,11 +114,20 @@ class LoRAAdapters:
             raise RequestError(f"LoRA adapter {path!r}: {e}", param="lora_path") from None
         if name in self.by_name:  # another load of this name won the race while we read
             raise RequestError(f"The model name {name!r} is already served.", param="lora_name")
+        self._check_room()  # (others may have filled it while we read)
         lora = LoRARequest(name, self._next_id, path, digest)
         self._next_id += 1
         self.by_name[name] = lora
         self._save()
         return lora
+
+    def _check_room(self) -> None:
+        if len(self.by_name) >= MAX_REGISTERED_ADAPTERS:
+            raise RequestError(
+                f"{len(self.by_name)} LoRA adapters are registered, the most this server "
+                "keeps; unload one first (/v1/unload_lora_adapter).",
+                param="lora_name",
+            )
 
     def unload(self, name: str) -> LoRARequest:
         if self.engine.lora is None:

@@ -354,6 +354,28 @@ def test_parse_lora_modules() -> None:
         parse_lora_modules(["a=/x", "a=/y"])
 
 
+def test_the_adapter_registry_is_bounded(base_dir, adapters, monkeypatch) -> None:
+    """POST /v1/load_lora_adapter's registry holds at most MAX_REGISTERED_ADAPTERS: past it a
+    load is a 400 naming the bound and registers nothing; unloading makes room (issue 56)."""
+    import asyncio
+
+    from zllm.config.engine_args import EngineArgs
+    from zllm.errors import RequestError
+    from zllm.frontend import lora_adapters
+
+    monkeypatch.setattr(lora_adapters, "MAX_REGISTERED_ADAPTERS", 2)
+    engine = EngineArgs(model=base_dir, enable_lora=True).create_engine_config()
+    registry = lora_adapters.LoRAAdapters(engine, [base_dir], [])
+    path = adapters["all"].lora_path
+    asyncio.run(registry.load("a", path))
+    asyncio.run(registry.load("b", path))
+    with pytest.raises(RequestError, match="2 LoRA adapters are registered, the most"):
+        asyncio.run(registry.load("c", path))
+    assert set(registry.by_name) == {"a", "b"}
+    registry.unload("a")
+    assert asyncio.run(registry.load("c", path)).lora_name == "c"
+
+
 # ---- served ------------------------------------------------------------------------------------
 
 
