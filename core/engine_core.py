@@ -51,6 +51,7 @@ from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     SLEEP_TAGS,
     CachePin,
+    CacheSize,
     DetokenizerBatch,
     DetokRequest,
     EngineCoreOutput,
@@ -113,6 +114,8 @@ class EngineCore:
         self._idle = True
         # Sleep mode: the parts the executor has released (SLEEP_TAGS), until woken.
         self.sleeping: set[str] = set()
+        # The executor's caches as its latest output that had news of them said.
+        self._executor_caches: list[CacheSize] = []
 
     @property
     def max_model_len(self) -> int:
@@ -396,6 +399,8 @@ class EngineCore:
         s.kv_transfer = sched.kv.transfer_stats()
         s.pins = PinStats(len(bm.pins), bm.pins.max_blocks)
         s.tenants = sched.tenant_stats()
+        pins = CacheSize("core", "prefix_pins", len(bm.pins), bm.pins.max_blocks)
+        s.caches = [sched.tenants.cache_size(), pins, *self._executor_caches]
         return s
 
     # ---- internals -------------------------------------------------------------------------
@@ -434,6 +439,8 @@ class EngineCore:
                 _add(s.stages.idle_s, output.stage_idle_s),
                 _add(s.stages.busy_s, output.stage_busy_s),
             )
+        if output.cache_sizes is not None:
+            self._executor_caches = output.cache_sizes
         allocated, used = self.scheduler.kv_slot_usage()
         s.kv_pool.slots_allocated += allocated
         s.kv_pool.slots_used += used

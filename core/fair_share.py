@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from zllm.core.request import Request
-from zllm.protocol import TenantStats
+from zllm.protocol import CacheSize, TenantStats
 
 # Idle tenants whose counts are kept (the least recently active are forgotten beyond this;
 # active ones are always kept): bounds the memory and the /metrics series of a server whose
@@ -85,6 +85,7 @@ class TenantLedger:
     def depart(self, name: str) -> None:
         """A client request of `name` ended (all its sequences)."""
         self[name].num_active -= 1
+        self._forget_idle()  # (it may have gone idle: the bound holds after every change)
 
     def charge(self, name: str, num_tokens: int) -> None:
         """The engine computes `num_tokens` tokens for `name` in a step being scheduled."""
@@ -108,6 +109,12 @@ class TenantLedger:
             )
             for t in list(self.tenants.values())
         ]
+
+    def cache_size(self) -> CacheSize:
+        """For /metrics: the tenants kept, at most `max_idle` idle ones beside the active."""
+        tenants = list(self.tenants.values())  # (a copy: the heartbeat thread reads it)
+        num_active = sum(1 for t in tenants if t.num_active)
+        return CacheSize("core", "tenant_ledger", len(tenants), self.max_idle + num_active)
 
     def _forget_idle(self) -> None:
         if len(self.tenants) <= self.max_idle:

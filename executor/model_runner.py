@@ -41,7 +41,7 @@ from zllm.executor.sleep_mode import SleepMode
 from zllm.executor.step_inputs import StepInputs, prepare_inputs
 from zllm.executor.step_timing import GpuIdleClock
 from zllm.kv.cache_groups import KVCacheGroup
-from zllm.protocol import SLEEP_TAGS, ModelRunnerOutput, SchedulerOutput
+from zllm.protocol import SLEEP_TAGS, CacheSize, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from zllm.executor.graphs.decode import CudaGraphRunner
@@ -82,6 +82,7 @@ class ModelRunner:
         self.grammars = GrammarCompiler(config.model_path, layout.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
         self._gpu_clock = GpuIdleClock(layout.device)
+        self._sent_cache_sizes: list[CacheSize] | None = None  # as the core last heard them
 
     # ---- what the host holds (the interface ranks, LLM and the tests read) ---------------------
     @property
@@ -300,9 +301,21 @@ class ModelRunner:
         """Wait for a launched step's sampled ids on the host, append them to their requests
         and pack the step's output (proposals and KV sends after)."""
         try:
-            return self._finish(launched)
+            output = self._finish(launched)
         finally:
             self._step_end = time.perf_counter()  # (a pipeline stage's idle time starts here)
+        sizes = self.cache_sizes()
+        if sizes != self._sent_cache_sizes:  # (a few ints: only news goes on the wire)
+            output.cache_sizes = self._sent_cache_sizes = sizes
+        return output
+
+    def cache_sizes(self) -> list[CacheSize]:
+        """The executor's bounded caches now: compiled grammars, loaded LoRA adapters."""
+        sizes = [self.grammars.cache_size()]
+        if self.lora is not None:
+            live = (st.lora_int_id for st in self.requests.values() if st.lora_int_id)
+            sizes.append(self.lora.cache_size(live))
+        return sizes
 
     def _finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
         if launched.output is not None:

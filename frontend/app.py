@@ -56,6 +56,7 @@ from zllm.frontend.anthropic import api as anthropic_api
 from zllm.frontend.anthropic.thinking import ThinkingSigner
 from zllm.frontend.generate import ApiContext, Generation
 from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
+from zllm.frontend.observability.cache_sizes import watch_server_caches
 from zllm.frontend.observability.metrics import Metrics
 from zllm.frontend.openai.format import chat_messages
 from zllm.frontend.openai.logprobs import LogprobText
@@ -203,6 +204,7 @@ class OpenAIServer:
             config.lora_modules,
             os.path.join(run_dir, LORA_STATE_FILE) if run_dir else None,
         )
+        watch_server_caches(self.prometheus.caches, self.tenant_limits, self.adapters)
         context = ApiContext(
             config,
             tokenizer,

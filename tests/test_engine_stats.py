@@ -11,6 +11,7 @@ import pytest
 
 from zllm.frontend.observability.engine_metrics import EngineCollector
 from zllm.protocol import (
+    CacheSize,
     EngineStats,
     EngineStatus,
     FrontendInput,
@@ -96,6 +97,35 @@ def test_merged_status_and_kv_pools_follow_their_own_rules():
     assert merge_stats([asleep, awake]).status.asleep
 
 
+def test_merged_caches_sum_each_cache_across_engines():
+    """Each engine's core and executor hold their own caches: the server's entries and bound
+    are the sums, by (process, cache); one engine without a bound leaves the sum without."""
+    one = EngineStats(
+        caches=[
+            CacheSize("core", "tenant_ledger", 3, 258),
+            CacheSize("executor", "structured_output_grammars", 5, 256),
+            CacheSize("executor", "odd", 1, None),
+        ]
+    )
+    two = EngineStats(
+        caches=[
+            CacheSize("executor", "structured_output_grammars", 2, 256),
+            CacheSize("core", "tenant_ledger", 1, 257),
+            CacheSize("executor", "odd", 4, 9),
+            CacheSize("executor", "lora_weights", 1, 2),
+        ]
+    )
+    merged = merge_stats([one, two])
+    assert merged.caches == [
+        CacheSize("core", "tenant_ledger", 4, 515),
+        CacheSize("executor", "structured_output_grammars", 7, 512),
+        CacheSize("executor", "odd", 5, None),
+        CacheSize("executor", "lora_weights", 1, 2),
+    ]
+    assert one.caches[0] == CacheSize("core", "tenant_ledger", 3, 258)  # the inputs unchanged
+    assert merge_stats([EngineStats(), EngineStats()]).caches == []
+
+
 def test_a_heartbeat_crosses_the_wire_whole():
     stats = EngineStats(
         status=EngineStatus(engine_index=1, time=12.5, asleep=True),
@@ -103,6 +133,7 @@ def test_a_heartbeat_crosses_the_wire_whole():
         tokens=TokenCounts(prompt=100, generated=7),
         kv_pool=KVPoolStats(num_blocks=16, num_free_blocks=9, block_states=b"\x00\x01"),
         pins=PinStats(3, 8),
+        caches=[CacheSize("core", "prefix_pins", 2, 10), CacheSize("frontend", "x", 1)],
     )
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=FrontendInput)
     assert decoded == stats

@@ -12,7 +12,7 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
-from zllm.protocol import ModelRunnerOutput, SchedulerOutput
+from zllm.protocol import CacheSize, ModelRunnerOutput, SchedulerOutput
 from zllm.sampling_params import SamplingParams
 
 BS = 4
@@ -100,6 +100,21 @@ def test_ledger_forgets_the_least_recently_active_idle_tenants() -> None:
         ledger.depart(name)
     ledger.arrive("t5")
     assert list(ledger.tenants) == ["busy", "t3", "t4", "t5"]
+
+
+def test_the_ledger_keeps_its_bound_when_tenants_go_idle_too() -> None:
+    """At most max_idle idle tenants after every change (departures too, not only at the next
+    arrival), beside the active ones: the bound /metrics shows (zllm:cache_capacity)."""
+    ledger = TenantLedger({}, max_idle=2)
+    for name in ["a", "b", "c"]:
+        ledger.arrive(name)
+    assert ledger.cache_size() == CacheSize("core", "tenant_ledger", 3, 2 + 3)
+    for name in ["a", "b", "c"]:
+        ledger.depart(name)
+        size = ledger.cache_size()
+        assert size.capacity is not None and size.entries <= size.capacity, size
+    assert list(ledger.tenants) == ["b", "c"]  # a, the least recently active, forgotten
+    assert ledger.cache_size() == CacheSize("core", "tenant_ledger", 2, 2)
 
 
 # ---- admission and preemption ----------------------------------------------------------------

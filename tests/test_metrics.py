@@ -47,6 +47,22 @@ HISTOGRAMS = (
     "vllm:request_generation_tokens",
 )
 
+# Series whose engine label is "" for a process outside any engine (the frontend's).
+KEEP_ENGINE_LABEL = ("zllm:process_up", "zllm:cache_entries", "zllm:cache_capacity")
+# The bounded caches every server has from the start: (process, cache, engine).
+CACHES = (
+    ("frontend", "tenant_prefix_hits", ""),
+    ("frontend", "tenant_rate_buckets", ""),
+    ("frontend", "tenant_limited_series", ""),
+    ("frontend", "ttft_window", ""),
+    ("frontend", "itl_window", ""),
+    ("frontend", "dashboard_timeline", ""),
+    ("frontend", "chat_templates", ""),
+    ("frontend", "lora_adapters", ""),
+    ("core", "tenant_ledger", "0"),
+    ("core", "prefix_pins", "0"),
+)
+
 Samples = dict[tuple[str, frozenset], float]
 
 
@@ -62,7 +78,7 @@ def scrape(server: Server) -> Samples:
             if s.name.endswith("_created"):
                 continue
             assert labels.pop("model_name", None) == MODEL, f"{s.name} lacks model_name"
-            if "engine" in labels and s.name != "zllm:process_up":
+            if "engine" in labels and s.name not in KEEP_ENGINE_LABEL:
                 assert labels.pop("engine") == "0", f"{s.name}: one engine, engine 0"
             samples[(s.name, frozenset(labels.items()))] = s.value
     return samples
@@ -72,6 +88,12 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     key = (name, frozenset(labels.items()))
     assert key in samples, f"{name}{labels or ''} missing from /metrics"
     return samples[key]
+
+
+def cache_key(name: str, process: str, cache: str, engine: str) -> tuple[str, frozenset]:
+    """The key of a zllm:cache_entries / zllm:cache_capacity sample of one cache."""
+    labels = {"process": process, "cache": cache, "engine": engine}
+    return name, frozenset(labels.items())
 
 
 def process_up(samples: Samples, role: str) -> float:
@@ -127,6 +149,13 @@ def test_every_metric_is_present_at_zero_before_any_request(server):
     for role in ROLES:
         assert process_up(samples, role) == 1, role
     assert sum(1 for name, _ in samples if name == "zllm:process_up") == len(ROLES)
+    # Each bounded cache with its bound (the core's with its first heartbeat).
+    core_caches = cache_key("zllm:cache_entries", *CACHES[-1])
+    samples = wait_for(server, lambda s: core_caches in s, "the core's caches")
+    for key in CACHES:
+        entries = samples[cache_key("zllm:cache_entries", *key)]
+        capacity = samples[cache_key("zllm:cache_capacity", *key)]
+        assert 0 <= entries <= capacity and capacity > 0, key
 
 
 @pytest.mark.e2e
@@ -264,6 +293,32 @@ def test_counters_and_histograms_match_the_requests_sent(server, tiny_llama_dir)
         assert r["id"].startswith("cmpl-")
         if r["finish_reason"] not in ("abort", "rejected"):
             assert 0 < float(r["ttft_s"]) <= float(r["e2e_s"])
+
+
+@pytest.mark.e2e
+def test_compiled_grammars_show_within_their_bound(server):
+    """The executor's compiled grammars (one per distinct grammar) reach /metrics through
+    its step outputs and the core's heartbeat, below their bound."""
+    url = server.url + "/v1/completions"
+    choices = [["yes", "no"], ["red", "green", "blue"], ["up", "down"]]
+    with httpx.Client(timeout=60) as c:
+        for choice in choices:
+            body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 8, "temperature": 1.0}
+            r = c.post(url, json={**body, "structured_outputs": {"choice": choice}})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] in choice
+    grammars = ("executor", "structured_output_grammars", "0")
+    entries = cache_key("zllm:cache_entries", *grammars)
+    samples = wait_for(server, lambda s: s.get(entries, 0) >= len(choices), "the grammars")
+    assert samples[entries] == len(choices)
+    assert samples[entries] <= samples[cache_key("zllm:cache_capacity", *grammars)] == 256
+    for key in CACHES:
+        assert (
+            samples[cache_key("zllm:cache_entries", *key)]
+            <= samples[cache_key("zllm:cache_capacity", *key)]
+        ), key
+    # The requests' latencies filled the frontend's windows (TTFT: one per request at least).
+    assert samples[cache_key("zllm:cache_entries", "frontend", "ttft_window", "")] >= 3
 
 
 # ---- the per-request bookkeeping, without a server -------------------------------------------

@@ -22,6 +22,7 @@ from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.errors import ParamError
+from zllm.protocol import CacheSize
 from zllm.sampling_params import StructuredOutputsParams as Structured
 from zllm.text.structured_outputs import check_structured_outputs
 
@@ -195,6 +196,38 @@ def test_prefix_cache_hit_changes_nothing(llm) -> None:
     assert second.num_cached_tokens > 0
     assert second.outputs[0].text == first.outputs[0].text
     jsonschema.validate(json.loads(second.outputs[0].text), PERSON)
+
+
+def test_compiled_grammars_reach_the_heartbeat_as_news_only(llm, monkeypatch) -> None:
+    """The executor's compiled-grammar cache (zllm:cache_entries{cache=
+    "structured_output_grammars"}) rides on the step outputs only when its size changed, and
+    the core's heartbeat carries the latest beside the core's own caches."""
+    news: list[list[CacheSize]] = []
+    update = llm.engine.update
+
+    def record(output):
+        if output.cache_sizes is not None:
+            news.append(output.cache_sizes)
+        return update(output)
+
+    monkeypatch.setattr(llm.engine, "update", record)
+    before = _grammars(llm.engine.heartbeat().caches)
+    sample(llm, Structured(regex="cache-sizes-[0-9]{3}"), count=4)  # one new grammar
+    after = _grammars(llm.engine.heartbeat().caches)
+    assert after.capacity == 256 and 1 <= after.entries <= after.capacity
+    assert before is None or after.entries == before.entries + 1
+    assert len(news) == 1, news  # many steps, one change of size
+    assert _grammars(news[0]) == after
+    sample(llm, Structured(regex="cache-sizes-[0-9]{3}"), count=2)  # compiled already
+    assert len(news) == 1 and _grammars(llm.engine.heartbeat().caches) == after
+    names = {(c.process, c.cache) for c in llm.engine.heartbeat().caches}
+    assert {("core", "tenant_ledger"), ("core", "prefix_pins")} <= names
+
+
+def _grammars(caches: list[CacheSize]) -> CacheSize | None:
+    found = [c for c in caches if c.cache == "structured_output_grammars"]
+    assert len(found) <= 1 and all(c.process == "executor" for c in found)
+    return found[0] if found else None
 
 
 def test_a_bad_grammar_is_refused_before_scheduling(llm) -> None:

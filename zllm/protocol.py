@@ -216,6 +216,18 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 # ---- executor -> core --------------------------------------------------------------------
 
 
+class CacheSize(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One cache that is meant to grow (issue 56): the process holding it, its name, the
+    entries it holds now and its bound (None: it has none). /metrics shows them as
+    zllm:cache_entries / zllm:cache_capacity (docs/observability.md lists each cache and
+    where its bound is set)."""
+
+    process: str
+    cache: str
+    entries: int = 0
+    capacity: int | None = None
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     step_id: int
     # Requests that sampled this step, and their new tokens (n tokens for a request forking).
@@ -255,6 +267,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # and worked on this step (empty on one stage).
     stage_idle_s: list[float] = []
     stage_busy_s: list[float] = []
+    # The executor's bounded caches (compiled grammars, loaded LoRA adapters), only when their
+    # sizes changed since the output before (None: unchanged); the core's heartbeat carries
+    # the latest to /metrics (EngineStats.caches).
+    cache_sizes: list[CacheSize] | None = None
 
 
 # ---- core -> the rest ----------------------------------------------------------------------
@@ -738,6 +754,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     kv_tiers: KVTierStats | None = None
     kv_transfer: KVTransferStats | None = None
     stages: StageStats | None = None
+    # Every bounded cache of the core and its executor (the executor's once it ran a step).
+    caches: list[CacheSize] = []
 
 
 class ProcessEvent(msgspec.Struct, array_like=True, gc=False, tag=8):

@@ -29,6 +29,7 @@ from zllm.executor.lora.weights import (
 from zllm.executor.models.transformers_tp import RowParallelLinear
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
+from zllm.protocol import CacheSize
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,13 @@ class LoRAManager:
             del self.adapters[lora_id]
             if self.slots is not None:
                 self.slots.forget(lora_id)
+
+    def cache_size(self, live: Iterable[int]) -> CacheSize:
+        """For /metrics: the adapters loaded, at most max_loras beside those `live` requests
+        use (`evict` keeps that bound)."""
+        num_live = len({i for i in live if i in self.adapters})
+        bound = self.config.max_loras + num_live
+        return CacheSize("executor", "lora_weights", len(self.adapters), bound)
 
     def set_batch(self, lora_ids: Sequence[int | None], query_lens: Sequence[int]) -> None:
         """This step's rows by adapter: request i has query_lens[i] rows, in batch order, and

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from zllm.executor.host_to_device import to_device
+from zllm.protocol import CacheSize
 from zllm.sampling_params import StructuredOutputsParams
 from zllm.text.structured_outputs import grammar_of
 
@@ -147,6 +148,10 @@ class GrammarCompiler:
         for token in output_token_ids:
             matcher.consume(token)
         return matcher
+
+    def cache_size(self) -> CacheSize:
+        """For /metrics: the compiled grammars kept, at most `_CACHE_SIZE`."""
+        return CacheSize("executor", "structured_output_grammars", len(self._compiled), _CACHE_SIZE)
 
     def _llg_tokenizer(self, eos_token_ids: Sequence[int]):
         """llguidance's view of the model's vocabulary: token bytes for every id below the

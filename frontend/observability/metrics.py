@@ -29,6 +29,9 @@
                                (frontend/access/tenant_limits.py),
                                zllm:tenant_prefix_cache_{queries,hits}_total{tenant}
                                (frontend/observability/tenant_prefix_hits.py)
+    bounded caches             zllm:cache_entries, zllm:cache_capacity {process,cache,engine}:
+                               this frontend's, and each engine's from its heartbeat
+                               (frontend/observability/cache_sizes.py)
 
 Per-request numbers are observed per engine request (one prompt; a multi-prompt HTTP request
 is several), as the frontend receives its outputs:
@@ -62,11 +65,13 @@ from dataclasses import dataclass, field
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from zllm.frontend.observability.cache_sizes import CacheSizes
 from zllm.frontend.observability.dashboard import Dashboard, LatencyWindow, Timeline
 from zllm.frontend.observability.engine_metrics import EngineCollector
 from zllm.frontend.observability.tenant_prefix_hits import TenantPrefixHits
 from zllm.protocol import DEFAULT_TENANT, RequestOutputDelta, RequestTiming, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
+from zllm.text.tokenizer import compiled_templates
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
@@ -178,6 +183,9 @@ class Metrics:
             self.num_finished,
             self.prefix_hits,
         )
+        self.caches = CacheSizes(client, model_name)
+        self.registry.register(self.caches)
+        self._watch_caches()
 
     def _add_histograms(self, labels: list[str], max_len: int) -> None:
         """vLLM's per-request histograms, each labelled with this model's name."""
@@ -217,6 +225,17 @@ class Metrics:
             "Generated tokens per finished request (all samples).",
             token_buckets(max_len),
         )
+
+    def _watch_caches(self) -> None:
+        """The bounded caches the metrics keep (zllm:cache_entries), and the chat templates
+        this process compiled (the tokenizer workers compile their own)."""
+        caches, hits = self.caches, self.prefix_hits
+        caches.watch("tenant_prefix_hits", lambda: len(hits.tenants), hits.max_tenants)
+        for name, window in (("ttft_window", self.ttft_window), ("itl_window", self.itl_window)):
+            caches.watch(name, lambda w=window: w.count, window.max_samples)
+        points = self.timeline.points
+        caches.watch("dashboard_timeline", lambda: len(points), points.maxlen)
+        caches.watch("chat_templates", lambda: compiled_templates()[0], compiled_templates()[1])
 
     # ---- per engine request --------------------------------------------------------------
     def track(self, request: TokenizeRequest) -> RequestTrace:

@@ -1,15 +1,22 @@
 """Several engines' heartbeats (`EngineStats`, one per data-parallel replica) as one: the
 dashboard's and /health's totals. `EngineStats` is all sections, and each section merges by its
 own rule (`SECTION_MERGES`): counts and times summed, the KV pools' usage weighed by their sizes
-and their cells side by side, the status the latest and asleep only if all are. A feature's
-section that is None on every engine stays None."""
+and their cells side by side, the status the latest and asleep only if all are, each cache's
+entries and bound summed. A feature's section that is None on every engine stays None."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from zllm.protocol import EngineStats, EngineStatus, KVPoolStats, LoRAStats, TenantStats
+from zllm.protocol import (
+    CacheSize,
+    EngineStats,
+    EngineStatus,
+    KVPoolStats,
+    LoRAStats,
+    TenantStats,
+)
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
@@ -84,6 +91,25 @@ def merge_tenants(per_engine: list[list[TenantStats]]) -> list[TenantStats]:
     return list(by_name.values())
 
 
+def merge_caches(per_engine: list[list[CacheSize]]) -> list[CacheSize]:
+    """Summed by (process, cache): each engine's core and executor hold caches of their own,
+    so the server's memory holds the sum of their entries, bounded by the sum of their
+    bounds (no bound where one has none). /metrics shows each engine's apart."""
+    by_key: dict[tuple[str, str], CacheSize] = {}
+    for caches in per_engine:
+        for c in caches:
+            into = by_key.get((c.process, c.cache))
+            if into is None:
+                by_key[(c.process, c.cache)] = CacheSize(c.process, c.cache, c.entries, c.capacity)
+                continue
+            into.entries += c.entries
+            if into.capacity is None or c.capacity is None:
+                into.capacity = None
+            else:
+                into.capacity += c.capacity
+    return list(by_key.values())
+
+
 # Every section of EngineStats and how it merges (tests/test_engine_stats.py checks that each
 # has its rule).
 SECTION_MERGES: dict[str, Callable[[list[Any]], Any]] = {
@@ -100,4 +126,5 @@ SECTION_MERGES: dict[str, Callable[[list[Any]], Any]] = {
     "kv_tiers": sum_fields,
     "kv_transfer": sum_fields,
     "stages": sum_fields,
+    "caches": merge_caches,
 }

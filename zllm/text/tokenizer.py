@@ -136,6 +136,12 @@ def _compile(source: str) -> Template:
     return env.from_string(source)
 
 
+def compiled_templates() -> tuple[int, int]:
+    """This process's compiled chat templates kept, and how many may be (for /metrics)."""
+    info = _compile.cache_info()
+    return info.currsize, info.maxsize or 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directories
 
