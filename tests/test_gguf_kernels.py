@@ -1,5 +1,5 @@
-"""csrc/cpu/gguf_linear.h: matmuls on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-Q6_K), and the engine's use of them.
+"""csrc/cpu/gguf_linear.h, gguf_lowbit.h: matmuls on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4), and the engine's use of them.
 
 The kernel must multiply by the fp32 weights gguf.quants dequantizes (dequantization bit for
 bit; the few-rows path applies each block's scale to its dot product, so its rounding differs),
@@ -31,14 +31,17 @@ from zllm.executor.weights.gguf_modules import (
 )
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
+LOW_BIT = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]  # csrc/cpu/gguf_lowbit.h
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *LOW_BIT, T.F16, T.BF16]
 SIXTEEN_BIT = (T.F16, T.BF16)  # plain 16-bit values, read in runs of 32
-INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT]  # what gguf_linear_int8 reads
+# What gguf_linear_int8 reads (the low-bit types have no integer path: the float kernel).
+INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT and t not in LOW_BIT]
 
 
 def test_the_types_are_the_ones_the_kernel_reads():
     assert sorted(cpu_kernels.SUPPORTED_GGML_TYPES) == sorted(int(t) for t in TYPES)
     assert all(cpu_kernels.SUPPORTED_GGML_TYPES[int(t)] == t.name for t in TYPES)
+    assert cpu_kernels.INT8_GGML_TYPES == {int(t) for t in INT8_TYPES}
 
 
 def _blocks(rows: int, blocks_per_row: int, ggml_type, seed: int):
@@ -92,7 +95,7 @@ def test_linear_reads_strided_input_rows(ggml_type):
 
 
 # Row counts the few-rows kernel takes per type (csrc/cpu/gguf_linear.h, few_rows_kernel).
-FEW_ROWS_MAX = {T.Q5_0: 2, T.Q5_1: 2, T.Q6_K: 2}
+FEW_ROWS_MAX = {T.Q5_0: 2, T.Q5_1: 2, T.Q6_K: 2, T.Q2_K: 2, T.Q3_K: 2}
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -149,6 +152,45 @@ def test_an_empty_sum_is_zero():
     for rows in (1, 6, 16):
         y = cpu_kernels.gguf_linear(torch.empty(rows, 0), q, int(T.Q4_1))
         assert y.shape == (rows, 3) and not y.any()
+
+
+# The float kernel has one code path on every CPU; the ISA switch (AVX-512 VNNI or AVX2)
+# must not change what it computes. Both run here (as for the int8 K-quants below).
+FLOAT_ISAS = ("avx2", "auto")
+
+
+@pytest.mark.parametrize("ggml_type", LOW_BIT, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(1, 1), (8, 2), (37, 5), (70, 3)], ids=str)
+def test_low_bit_types_match_float64_on_both_isas(ggml_type, shape, restore_cpu_isa):
+    """Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: the kernel reads the blocks in place and computes
+    x @ W^T within fp32 rounding of float64 over gguf-py's dequantization, for one output
+    row and many, one block per row and several, batch 1 (decode) to 40 (the panels), with
+    AVX2 forced and with the CPU's best; both give the same bits."""
+    out_rows, blocks_per_row = shape
+    q, ref, cols = _blocks(out_rows, blocks_per_row, ggml_type, seed=out_rows + blocks_per_row)
+    for rows in (1, 2, 3, 4, 7, 16, 40):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        expected = x.double() @ ref.double().T
+        outs = []
+        for isa in FLOAT_ISAS:
+            cpu_kernels.set_cpu_isa(isa)
+            outs.append(cpu_kernels.gguf_linear(x, q, int(ggml_type)))
+        assert torch.equal(outs[0], outs[1]), rows
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_low_bit_types_have_no_integer_path():
+    """gguf-int8 sends them to the float kernel (the modules never call the integer one,
+    which refuses them)."""
+    for ggml_type in LOW_BIT:
+        q, _, cols = _blocks(4, 1, ggml_type, seed=2)
+        layer = GGUFLinear(q, int(ggml_type), cols, None, int8_activations=True)
+        assert not layer.int8_activations
+        x = torch.randn(1, cols)
+        assert torch.equal(layer(x), cpu_kernels.gguf_linear(x, q, int(ggml_type)))
+        with pytest.raises(RuntimeError, match="unsupported ggml type"):
+            cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
 
 
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
@@ -404,7 +446,7 @@ def test_linear_reads_strided_rows_and_rejects_bad_input():
     with pytest.raises(RuntimeError, match="row bytes"):
         cpu_kernels.gguf_linear(torch.randn(2, 96), q, 3)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q3_K))
+        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.IQ2_XXS))  # held as 16-bit rows
     with pytest.raises(RuntimeError, match="row bytes"):  # Q4_K blocks hold 256 values
         cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q4_K))
     with pytest.raises(RuntimeError, match="contiguous rows"):

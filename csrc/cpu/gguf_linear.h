@@ -1,6 +1,9 @@
 // y = x @ W^T with W kept in its GGUF block-quantized form, x and y fp32.
 // Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value
-// super-blocks), the ones llama.cpp's common presets write.
+// super-blocks), the ones llama.cpp's common presets write; the low-bit presets' Q2_K, Q3_K,
+// IQ4_NL, IQ4_XS and MXFP4 (their dequantizers and few-rows formats: gguf_lowbit.h); F16 and
+// BF16 rows. One code path (AVX2, FMA, F16C) on every CPU: $ZLLM_CPU_ISA / set_cpu_isa choose
+// only the integer K-quant kernels' variant (kquant_int8.h).
 //
 // Why: at small batches a decode step is bound by reading the weights. fp32 weights are
 // 4 bytes a value; these types are 0.56-1.06, so the same step reads 4-7x fewer bytes, and
@@ -20,8 +23,8 @@
 //         rows (the outer-product tile would pad to 16 rows; measured).
 // Each weight byte is read from memory once per call whatever M is, and dequantized once per
 // chunk of x (up to 256 rows).
-// At one to four input rows (two for Q5_0, Q5_1, Q6_K) a path that writes no panel
-// (linear_few_rows) is faster.
+// At one to four input rows (two for Q5_0, Q5_1, Q6_K, Q2_K, Q3_K) a path that writes no
+// panel (linear_few_rows) is faster.
 
 #pragma once
 
@@ -29,6 +32,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "gguf_blocks.h"
+#include "gguf_lowbit.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -39,61 +44,6 @@
 #include <vector>
 
 namespace zllm_gguf {
-
-using zllm_simd::half_to_float;
-using zllm_simd::hsum;
-
-constexpr int kBlock = 32;       // values per block of the 32-value types
-constexpr int kSuper = 256;      // values per K-quant super-block
-constexpr int kQ4_1Bytes = 20;   // f16 d, f16 m, 16 bytes of nibbles
-constexpr int kQ8_0Bytes = 34;   // f16 d, 32 int8
-
-// ggml type ids.
-enum QType : int64_t {
-  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kBF16 = 30
-};
-// F16 and BF16 are plain 16-bit values; the kernel reads them in runs of 32 (64 bytes) so
-// they share the block-wise loops below. Both widen to fp32 exactly.
-
-// --- Building blocks: 32 codes in one register, widened to fp32 and scaled -----------------
-
-// Every code of every type fits a signed byte (Q6_K and Q8_0 are signed, the rest < 64), so
-// one widening serves all: 32 int8 codes -> 4 x 8 fp32.
-inline void widen(__m256i codes, __m256 q[4]) {
-  const __m128i lo = _mm256_castsi256_si128(codes);
-  const __m128i hi = _mm256_extracti128_si256(codes, 1);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-// out[j] = d * code[j] (+ m): two roundings, as numpy computes (d * q) + m.
-inline void store_scaled(__m256i codes, float d, float* out) {
-  __m256 q[4];
-  widen(codes, q);
-  const __m256 dv = _mm256_set1_ps(d);
-  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(dv, q[i]));
-}
-
-inline void store_scaled_offset(__m256i codes, float d, float m, float* out) {
-  __m256 q[4];
-  widen(codes, q);
-  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_ps(out + 8 * i, _mm256_add_ps(_mm256_mul_ps(dv, q[i]), mv));
-}
-
-// The 32-value types' nibble layout: value j < 16 is the low nibble of byte j, value j >= 16
-// the high nibble of byte j - 16.
-inline __m256i nibbles_32(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  return _mm256_set_m128i(hi, lo);
-}
 
 // Q5's fifth bits: byte j = 0x10 if bit j of the little-endian uint32 at p is set, else 0.
 inline __m256i fifth_bits_32(const uint8_t* p) {
@@ -280,7 +230,10 @@ inline const BlockFormat* block_format(int64_t qtype) {
       q5_0{kBlock, 22, dequant_row_q5_0}, q5_1{kBlock, 24, dequant_row_q5_1},
       q8_0{kBlock, 34, dequant_row_q8_0}, q4_k{kSuper, 144, dequant_row_q4_k},
       q5_k{kSuper, 176, dequant_row_q5_k}, q6_k{kSuper, 210, dequant_row_q6_k},
-      f16{kBlock, 64, dequant_row_16<false>}, bf16{kBlock, 64, dequant_row_16<true>};
+      f16{kBlock, 64, dequant_row_16<false>}, bf16{kBlock, 64, dequant_row_16<true>},
+      q2_k{kSuper, 84, dequant_row_q2_k}, q3_k{kSuper, 110, dequant_row_q3_k},
+      iq4_nl{kBlock, 18, dequant_row_iq4_nl}, iq4_xs{kSuper, 136, dequant_row_iq4_xs},
+      mxfp4{kBlock, 17, dequant_row_mxfp4};
   switch (qtype) {
     case kF16: return &f16;
     case kBF16: return &bf16;
@@ -292,6 +245,11 @@ inline const BlockFormat* block_format(int64_t qtype) {
     case kQ4_K: return &q4_k;
     case kQ5_K: return &q5_k;
     case kQ6_K: return &q6_k;
+    case kQ2_K: return &q2_k;
+    case kQ3_K: return &q3_k;
+    case kIQ4_NL: return &iq4_nl;
+    case kIQ4_XS: return &iq4_xs;
+    case kMXFP4: return &mxfp4;
     default: return nullptr;
   }
 }
@@ -501,54 +459,6 @@ inline void linear_panels(const float* x, int64_t M, int64_t ldx, const uint8_t*
 // loops, and unpacking a register of 32 int8 codes would cost 7 shuffles where this costs 2-4
 // (measured: building the codes byte-wise first, as the dequantizers do, was 1.1-1.3x slower).
 
-// What one row's dot product has summed so far. Groups alternate between two of these: one
-// chain would wait an FMA's latency per group.
-template <int MR>
-struct RowSums {
-  __m256 v[MR];
-  float offset[MR];
-};
-
-// Where the MR input rows are: x at the block's first value, its row stride, and the rows'
-// per-group sums of x at the block's first group (row stride xsum_ld).
-struct FewRowsInput {
-  const float* x;
-  int64_t ldx;
-  const float* xsum;
-  int64_t xsum_ld;
-};
-
-inline __m256i widen8_u(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m256i widen8_s(const uint8_t* p) {
-  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m256 to_float(__m256i codes) { return _mm256_cvtepi32_ps(codes); }
-
-// sums += d * (q . x) for the 32 values of group g of the block (x + 32 g), every row.
-template <int MR>
-inline void add_group(const __m256 q[4], float d, const FewRowsInput& in, int g,
-                      RowSums<MR>& sums) {
-  const __m256 dv = _mm256_set1_ps(d);
-  for (int i = 0; i < MR; ++i) {
-    const float* xg = in.x + i * in.ldx + kBlock * g;
-    __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg));
-    dot = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xg + 8), dot);
-    dot = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xg + 16), dot);
-    dot = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xg + 24), dot);
-    sums.v[i] = _mm256_fmadd_ps(dv, dot, sums.v[i]);
-  }
-}
-
-// sums.offset += m * sum(x) over group g, every row.
-template <int MR>
-inline void add_group_offset(float m, const FewRowsInput& in, int g, RowSums<MR>& sums) {
-  for (int i = 0; i < MR; ++i) sums.offset[i] += m * in.xsum[i * in.xsum_ld + g];
-}
-
 // The 32-value types: a block is one group. Value j < 16 is byte j's low nibble, j >= 16 byte
 // j - 16's high one; Q5's fifth bit of value j is bit j of a little-endian uint32. Q4_0 and
 // Q5_0's codes are centred, d (q - 8) or d (q - 16): the - 8 d goes to the offset, which is
@@ -733,6 +643,16 @@ struct Prefetch<Format, std::void_t<decltype(Format::kPrefetchBytes)>> {
   static constexpr int kMinRows = Format::kPrefetchMinRows;
 };
 
+// The values each per-row sum of x covers, for the offsets: 32, or the format's kSumValues.
+template <class Format, class = void>
+struct SumValues {
+  static constexpr int64_t kValue = kBlock;
+};
+template <class Format>
+struct SumValues<Format, std::void_t<decltype(Format::kSumValues)>> {
+  static constexpr int64_t kValue = Format::kSumValues;
+};
+
 template <class Format, int MR>
 inline void prefetch_ahead(const uint8_t* blk, int blocks) {
   using P = Prefetch<Format>;
@@ -746,19 +666,21 @@ inline void prefetch_ahead(const uint8_t* blk, int blocks) {
 template <int MR, class Format>
 void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                      int64_t N, int64_t K, float* y, int64_t ldy) {
-  const int64_t num_groups = K / kBlock, num_blocks = K / Format::kValues;
+  const int64_t num_blocks = K / Format::kValues;
   constexpr int64_t kGroupsPerBlock = Format::kValues / kBlock;
-  // Per-row group sums of x (only the offset types need them).
-  std::vector<float> xsum(Format::kOffset ? MR * num_groups : 0);
+  // Per-row sums of x per offset group (only the offset types need them).
+  constexpr int64_t kSum = SumValues<Format>::kValue, kSumsPerBlock = Format::kValues / kSum;
+  const int64_t num_sums = K / kSum;
+  std::vector<float> xsum(Format::kOffset ? MR * num_sums : 0);
   for (int i = 0; Format::kOffset && i < MR; ++i)
-    for (int64_t g = 0; g < num_groups; ++g) {
+    for (int64_t g = 0; g < num_sums; ++g) {
       float sum = 0.f;
-      for (int k = 0; k < kBlock; ++k) sum += x[i * ldx + g * kBlock + k];
-      xsum[i * num_groups + g] = sum;
+      for (int k = 0; k < kSum; ++k) sum += x[i * ldx + g * kSum + k];
+      xsum[i * num_sums + g] = sum;
     }
   auto input = [&](int64_t b) {
     return FewRowsInput{x + b * Format::kValues, ldx,
-                        xsum.data() + (Format::kOffset ? b * kGroupsPerBlock : 0), num_groups};
+                        xsum.data() + (Format::kOffset ? b * kSumsPerBlock : 0), num_sums};
   };
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -819,6 +741,11 @@ inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
     case kQ4_K: return few_rows_for<FewQ45_K<false>, 4>(M);
     case kQ5_K: return few_rows_for<FewQ45_K<true>, 4>(M);
     case kQ6_K: return few_rows_for<FewQ6_K, 2>(M);
+    case kQ2_K: return few_rows_for<FewQ2_K, 2>(M);
+    case kQ3_K: return few_rows_for<FewQ3_K, 2>(M);
+    case kIQ4_NL: return few_rows_for<FewIQ4_NL, 4>(M);
+    case kIQ4_XS: return few_rows_for<FewIQ4_XS, 4>(M);
+    case kMXFP4: return few_rows_for<FewMXFP4, 4>(M);
     case kF16: return few_rows_for<Few16<false>, 4>(M);
     case kBF16: return few_rows_for<Few16<true>, 4>(M);
     default: return nullptr;

@@ -52,7 +52,9 @@ KERNEL_FILES = (
     "cpu/ops.cpp",
     "cpu/cpu_isa.h",
     "cpu/simd.h",
+    "cpu/gguf_blocks.h",
     "cpu/gguf_linear.h",
+    "cpu/gguf_lowbit.h",
     "cpu/gguf_int8.h",
     "cpu/kquant_int8.h",
     "cpu/paged_attention.h",
@@ -66,9 +68,11 @@ KERNEL_FILES = (
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
-# ggml type ids the kernel reads: the types llama.cpp's common presets write (Q4_K_M, for one,
-# holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices), and 16-bit weights (F16/BF16 files, and the
-# matrices of bf16/fp16 checkpoints), widened to fp32 in registers.
+# ggml type ids the kernel reads: the types llama.cpp's presets write (Q4_K_M, for one, holds
+# Q4_K, Q6_K, Q5_0 and Q8_0 matrices; Q3_K_M Q3_K, Q4_K, Q5_K; the IQ presets IQ4_XS or
+# IQ4_NL beside their IQ1-IQ3 matrices; gpt-oss MXFP4), and 16-bit weights (F16/BF16 files,
+# the matrices of bf16/fp16 checkpoints, and the types held as 16-bit rows: blocks.py's
+# HELD_AS_16_BIT), widened to fp32 in registers.
 SUPPORTED_GGML_TYPES = {
     1: "F16",
     2: "Q4_0",
@@ -76,13 +80,20 @@ SUPPORTED_GGML_TYPES = {
     6: "Q5_0",
     7: "Q5_1",
     8: "Q8_0",
+    10: "Q2_K",
+    11: "Q3_K",
     12: "Q4_K",
     13: "Q5_K",
     14: "Q6_K",
+    20: "IQ4_NL",
+    23: "IQ4_XS",
     30: "BF16",
+    39: "MXFP4",
 }
-# The types gguf_linear_int8 reads (the quantized ones: 16-bit weights keep float dots).
-INT8_GGML_TYPES = frozenset(SUPPORTED_GGML_TYPES) - {1, 30}
+# The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.h). 16-bit weights keep
+# float dots, and so do the low-bit types under gguf-int8 (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4:
+# no integer path yet, they take the float kernel).
+INT8_GGML_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 
 # $ZLLM_CPU_ISA: "avx2" forces the AVX2 code where an AVX-512 VNNI variant exists (tests
