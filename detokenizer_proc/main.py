@@ -27,7 +27,7 @@ logger = logging.getLogger("zllm.detokenizer")
 def main() -> None:
     index = index_arg()
     config = start_process(ProcessRole.DETOKENIZER, index)
-    detokenizer = Detokenizer(load_tokenizer(config.engine.model_path, config.chat_template))
+    detokenizer = Detokenizer(load_tokenizer(config.engine.tokenizer_path, config.chat_template))
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)

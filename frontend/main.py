@@ -116,7 +116,7 @@ def main() -> int:
     # Drain rather than vanish when the supervisor dies (start_process asked for SIGKILL).
     die_with_parent(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until uvicorn takes over
-    tokenizer = load_tokenizer(config.engine.model_path, config.chat_template)
+    tokenizer = load_tokenizer(config.engine.tokenizer_path, config.chat_template)
     try:
         import uvloop
     except ImportError:  # not on every platform

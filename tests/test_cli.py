@@ -23,6 +23,10 @@ from zllm.runtime.launch import serve_config_from
 # Every engine option away from its default, and the flags that say so.
 ENGINE = EngineArgs(
     model="tiny",
+    revision="v2",
+    download_dir="/tmp/hf-cache",
+    tokenizer="org/tokenizer",
+    tokenizer_revision="v3",
     max_model_len=256,
     max_num_seqs=8,
     max_num_batched_tokens=64,
@@ -68,6 +72,10 @@ ENGINE = EngineArgs(
     enable_sleep_mode=True,
 )
 ENGINE_ARGV = [
+    "--revision", "v2",
+    "--download-dir", "/tmp/hf-cache",
+    "--tokenizer", "org/tokenizer",
+    "--tokenizer-revision", "v3",
     "--max-model-len", "256",
     "--max-num-seqs", "8",
     "--max-num-batched-tokens", "64",

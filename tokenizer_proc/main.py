@@ -126,7 +126,7 @@ def main() -> None:
     index = index_arg()
     config = start_process(ProcessRole.TOKENIZER, index)
     engine = config.engine
-    tokenizer = load_tokenizer(engine.model_path, config.chat_template)
+    tokenizer = load_tokenizer(engine.tokenizer_path, config.chat_template)
     handle = RequestTokenizer(
         tokenizer,
         engine.scheduler.max_model_len,

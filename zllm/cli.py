@@ -1,7 +1,7 @@
 """The `zllm` command: serve a model over an OpenAI-compatible API, generate from the shell,
-answer a file of OpenAI batch requests offline (`zllm run-batch`), download a model,
-benchmark, and put one endpoint over disaggregated prefill and decode servers (`zllm
-proxy`)."""
+answer a file of OpenAI batch requests offline (`zllm run-batch`), download a model (a short
+name or a Hugging Face Hub id), benchmark, and put one endpoint over disaggregated prefill
+and decode servers (`zllm proxy`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from zllm.runtime.launch import serve_config_from
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from zllm.model.files import download_model
+    from zllm.model.files import resolve_model
 
-    print(download_model(args.name))
+    print(resolve_model(args.name, args.revision, args.download_dir))
     return 0
 
 
@@ -138,8 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "they need one (clients' requests carry their own)")  # fmt: skip
     p.set_defaults(func=cmd_proxy)
 
-    p = sub.add_parser("download", help="put a known model into the model cache")
+    p = sub.add_parser(
+        "download", help="fetch a model (a short name or a Hub id) into its cache; print its path"
+    )
     p.add_argument("name", nargs="?", default="smollm2")
+    p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit hash")
+    p.add_argument("--download-dir", default=None, help="the Hugging Face cache to fetch into")
     p.set_defaults(func=cmd_download)
 
     from zllm.bench import cli as bench

@@ -70,11 +70,13 @@ _Prompt = PromptType | _ChatPrompt
 class LLM:
     """An LLM engine in this process.
 
-    `model`: a short name (`smollm2`, the default), a `.gguf` file, or a Hugging Face-layout
-    directory (config.json + *.safetensors + tokenizer.json). Other keywords follow vLLM's
-    engine arguments (`max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
-    `block_size`, `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, `dtype`,
-    `generation_config`, `speculative_config`, ...).
+    `model`: a short name (`smollm2`, the default), a `.gguf` file, a Hugging Face-layout
+    directory (config.json + *.safetensors + tokenizer.json), or a Hugging Face Hub id
+    (`org/name`, `org/name:Q4_K_M`, `org/name/file.gguf`; with `revision=` and
+    `download_dir=`). Other keywords follow vLLM's engine arguments (`tokenizer`,
+    `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `block_size`,
+    `kv_cache_memory_bytes`, `enable_prefix_caching`, `seed`, `dtype`, `generation_config`,
+    `speculative_config`, ...).
     """
 
     def __init__(self, model: str | None = None, *, chat_template: str | None = None, **kwargs):
@@ -90,7 +92,7 @@ class LLM:
                 "the offline LLM starts its ranks as processes (distributed_executor_backend "
                 "mp); Ray actors serve through zllm serve --distributed-executor-backend ray"
             )
-        self.tokenizer: Tokenizer = load_tokenizer(self.config.model_path, chat_template)
+        self.tokenizer: Tokenizer = load_tokenizer(self.config.tokenizer_path, chat_template)
         from zllm.executor.offline import start_offline_executor  # torch lives behind this
 
         # With N ranks (tensor x pipeline parallel): rank 0 here, ranks 1..N-1 in processes

@@ -204,7 +204,7 @@ async def run_batch(
     """Start the engine, answer the file's lines into `output_path` ("-": stdout), stop it.
     Returns how many lines failed."""
     lines = read_lines(input_path)
-    tokenizer = load_tokenizer(config.engine.model_path, config.chat_template)
+    tokenizer = load_tokenizer(config.engine.tokenizer_path, config.chat_template)
     # Opened before the engine starts: a bad path fails with nothing to stop.
     out = sys.stdout if output_path == "-" else open(output_path, "w", encoding="utf-8")
     llm = await AsyncLLM.start_with(config)

@@ -204,6 +204,13 @@ class EngineConfig:
     ray_placement_strategy: str = "PACK"
     # Prefill/decode disaggregation (--kv-transfer-config; zllm/config/kv_transfer.py).
     kv_transfer: KVTransferConfig | None = None
+    # Where every process reads the tokenizer and chat template: --tokenizer resolved, else
+    # (left empty) the model's own files.
+    tokenizer_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.tokenizer_path:
+            self.tokenizer_path = self.model_path
 
     @property
     def kv_dtype(self) -> str:

@@ -45,12 +45,12 @@ from zllm.config.tenants import (
     parse_tenant_weights,
 )
 from zllm.kv.tier_key import resolve_key_file
-from zllm.model.files import resolve_model
+from zllm.model.files import resolve_model, resolve_tokenizer
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 
 logger = logging.getLogger(__name__)
 
-MODEL_HELP = "short name, .gguf file or HF directory"
+MODEL_HELP = "short name, .gguf file, HF directory or Hub id (org/name, org/name:Q4_K_M)"
 # --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names
 # (zllm/kv/kv_dtypes.py: how each is stored). vLLM's fp8 spellings are accepted to be refused
 # with the reason (_kv_cache_dtype).
@@ -69,6 +69,23 @@ KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
 class EngineArgs:
     # Not a generated flag: `serve` takes it positionally, `generate` and `bench` as --model.
     model: str | None = None
+    # Hub ids (zllm/model/hub.py): vLLM's names.
+    revision: str | None = option(
+        None, help="a Hub id's branch, tag or commit hash (default: its main branch)"
+    )
+    download_dir: str | None = option(
+        None,
+        help="the Hugging Face cache Hub ids are fetched into and read from (default "
+        "$HF_HUB_CACHE, ~/.cache/huggingface/hub)",
+    )
+    tokenizer: str | None = option(
+        None,
+        help="a tokenizer (and chat template) to use instead of the model's: a directory with "
+        "tokenizer.json, a .gguf file or a Hub id",
+    )
+    tokenizer_revision: str | None = option(
+        None, help="--tokenizer's Hub revision (default: its main branch)"
+    )
     max_model_len: int | None = option(
         None, help="longest prompt + output a request may have (default: the model's context)"
     )
@@ -306,7 +323,8 @@ class EngineArgs:
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
             )
         check_choices(self)
-        model_path = resolve_model(self.model)
+        model_path = resolve_model(self.model, self.revision, self.download_dir)
+        tokenizer_path = self._tokenizer_path(model_path)
         impl = choose_model_impl(model_path, self.model_impl)
         arch = read_model_arch(model_path, impl)
         logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
@@ -332,6 +350,7 @@ class EngineArgs:
         config = EngineConfig(
             model=self.model or "smollm2",
             model_path=model_path,
+            tokenizer_path=tokenizer_path,
             arch=arch,
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -377,6 +396,13 @@ class EngineArgs:
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
         return config
+
+    def _tokenizer_path(self, model_path: str) -> str:
+        if self.tokenizer is None:
+            if self.tokenizer_revision is not None:
+                raise ValueError("tokenizer_revision is the revision of --tokenizer; none given")
+            return model_path
+        return resolve_tokenizer(self.tokenizer, self.tokenizer_revision, self.download_dir)
 
     def _tenant_weights(self) -> dict[str, float]:
         policies = check_tenant_policies(self.tenant_weights or {})

@@ -3,8 +3,10 @@
 A model is one of:
   - a short name from MODEL_REGISTRY, fetched into $ZLLM_CACHE on first use;
   - a llama.cpp GGUF file (weights, tokenizer and architecture in one file;
-    zllm/model/gguf.py reads its header);
-  - a Hugging Face directory (config.json, tokenizer.json, *.safetensors).
+    zllm/model/gguf.py reads its header), or a part of a split one (joined on first use);
+  - a Hugging Face directory (config.json, tokenizer.json, *.safetensors);
+  - a Hugging Face Hub id (org/name, org/name:QUANT, org/name/file.gguf), fetched into
+    huggingface_hub's cache (zllm/model/hub.py).
 
 What the files say about the model's shape: zllm/model/arch.py.
 """
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zllm.model import chat_templates
+from zllm.model.gguf_split import join_split_gguf, split_name
+from zllm.model.hub import parse_hub_ref, resolve_hub_model
 from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -231,27 +235,93 @@ def _copy_progress(description: str, size: int, dest: Path) -> Progress:
 # Resolving what the user asked for
 
 
-def resolve_model(model: str | None) -> str:
-    """A short name, a .gguf file or a Hugging Face directory -> the path to load."""
+def resolve_model(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> str:
+    """A short name, a .gguf file, a Hugging Face directory or a Hub id (zllm/model/hub.py:
+    `revision` and `download_dir` are for these) -> the path to load."""
     model = DEFAULT_MODEL if model is None else model
     if model in MODEL_REGISTRY:
+        _no_revision(model, revision)
         return download_model(model)
     path = Path(model).expanduser()
+    ref = None if path.exists() else parse_hub_ref(model)
+    if ref is not None:
+        path = Path(resolve_hub_model(ref, revision, download_dir))
+    else:
+        _no_revision(model, revision)
     if path.is_file() and path.suffix == ".gguf":
-        return str(path.resolve())
+        return _joined_if_split(path)
     if path.is_dir() and (path / "config.json").is_file():
         return str(path.resolve())
+    raise ValueError(
+        f"unknown model path {model!r} ({_what_is_there(path)}); expected a short name "
+        f"({', '.join(MODEL_REGISTRY)}), a .gguf file, a Hugging Face model directory "
+        f"containing config.json, or a Hugging Face Hub id (org/name, org/name:QUANT)"
+    )
+
+
+def resolve_tokenizer(
+    tokenizer: str, revision: str | None = None, download_dir: str | None = None
+) -> str:
+    """--tokenizer (vLLM's): a directory with tokenizer.json, a .gguf file, a short name or a
+    Hub id (of a Hugging Face-layout repo only its tokenizer's files are fetched) -> the path
+    load_tokenizer reads; its tokenizer and chat template replace the model's."""
+    if tokenizer in MODEL_REGISTRY:
+        _no_revision(tokenizer, revision)
+        return download_model(tokenizer)
+    path = Path(tokenizer).expanduser()
+    ref = None if path.exists() else parse_hub_ref(tokenizer)
+    if ref is not None:
+        path = Path(resolve_hub_model(ref, revision, download_dir, tokenizer_only=True))
+    else:
+        _no_revision(tokenizer, revision)
+    if path.is_file() and path.suffix == ".gguf":
+        return _joined_if_split(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return str(path.resolve())
+    why = "directory without tokenizer.json" if path.is_dir() else _what_is_there(path)
+    raise ValueError(
+        f"unknown tokenizer {tokenizer!r} ({why}); expected a directory containing "
+        f"tokenizer.json, a .gguf file, a short name ({', '.join(MODEL_REGISTRY)}) or a "
+        f"Hugging Face Hub id (org/name)"
+    )
+
+
+def _no_revision(model: str, revision: str | None) -> None:
+    if revision is not None:
+        raise ValueError(
+            f"a revision ({revision!r}) names a version of a Hugging Face Hub repo; "
+            f"{model!r} is not a Hub id"
+        )
+
+
+def _what_is_there(path: Path) -> str:
     if path.is_dir():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         why = "directory without config.json"
-        if ggufs:
-            why += f" (GGUF files inside: {', '.join(ggufs)})"
-    elif path.exists():
-        why = "file that is not a .gguf"
-    else:
-        why = "no such file or directory"
-    raise ValueError(
-        f"unknown model path {model!r} ({why}); expected a short name "
-        f"({', '.join(MODEL_REGISTRY)}), a .gguf file, or a Hugging Face model directory "
-        f"containing config.json"
-    )
+        return why + (f" (GGUF files inside: {', '.join(ggufs)})" if ggufs else "")
+    return "file that is not a .gguf" if path.exists() else "no such file or directory"
+
+
+def _joined_if_split(path: Path) -> str:
+    """The .gguf file to load: a part of a split file (NAME-00001-of-00003.gguf, llama.cpp's
+    gguf-split) is joined with its sibling parts, once, into $ZLLM_CACHE/joined/
+    (zllm/model/gguf_split.py); any other file is itself."""
+    split = split_name(path.name)
+    if split is None:  # absolute, but not resolved: a Hub cache's file links to a blob
+        return os.path.abspath(path)  # without .gguf in its name
+    parts = [path.with_name(name) for name in split.parts]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ValueError(
+            f"{path} is part {split.index} of a GGUF file split in {split.count}; missing "
+            f"beside it: {', '.join(missing)}"
+        )
+    # Named by the parts' identity, so a changed part makes a new join.
+    stamps = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in parts]
+    key = hashlib.sha256(repr(stamps).encode()).hexdigest()[:16]
+    joined = cache_dir() / "joined" / key / split.joined
+    if not joined.is_file():
+        join_split_gguf(parts, joined)
+    return str(joined)
