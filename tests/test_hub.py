@@ -140,7 +140,12 @@ def test_revision_picks_a_snapshot_through_its_ref(offline, tiny_tokens) -> None
 def test_download_dir_names_the_cache(offline, monkeypatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", "/nonexistent")
     assert resolve_model("org/tiny", download_dir=str(offline.cache)) == str(offline.main)
-    assert EngineArgs("org/tiny", download_dir=str(offline.cache)).create_engine_config()
+    args = EngineArgs("org/tiny", download_dir=str(offline.cache), tokenizer="org/other")
+    config = args.create_engine_config()  # the tokenizer's id is looked up there too
+    assert config.model_path == str(offline.main)
+    assert config.tokenizer_path == str(snapshot_of(offline, "org/other"))
+    with pytest.raises(ValueError, match="nor in the Hugging Face cache [(]/nonexistent[)]"):
+        resolve_model("org/tiny")
 
 
 def test_gguf_tag_picks_the_file_and_a_hub_tokenizer_replaces_its_own(offline) -> None:
@@ -251,7 +256,8 @@ def refusal(call, *args, **kwargs) -> str:
 def test_refusals_from_the_cache(offline) -> None:
     cache = offline.cache
     assert refusal(resolve_model, "org/missing") == (
-        f"org/missing is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set: "
+        f"org/missing is neither a local path nor in the Hugging Face cache ({cache}), and "
+        "HF_HUB_OFFLINE is set: "
         "fetch it once where the Hub is reachable (HF_HUB_OFFLINE unset), or name the cache "
         "that holds it (HF_HUB_CACHE, --download-dir)"
     )
@@ -329,8 +335,8 @@ def test_no_network_serves_the_cache_else_says_so(online, hub, monkeypatch) -> N
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # refused
     message = refusal(resolve_model, "org/tiny")
     assert message.startswith(
-        f"org/tiny is not in the Hugging Face cache ({online}) and the Hugging Face Hub could "
-        "not be reached (Connect"
+        f"org/tiny is neither a local path nor in the Hugging Face cache ({online}), and the "
+        "Hugging Face Hub could not be reached (Connect"
     )
     assert resolve_model("org/tiny", download_dir=str(hub.cache)) == str(hub.main)
 
@@ -346,7 +352,7 @@ def test_offline_asks_the_hub_nothing(offline, monkeypatch) -> None:
 def test_the_command_line_refuses_in_one_line(offline, capsys) -> None:
     assert zllm_main(["download", "org/missing"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("zllm: error: org/missing is not in the Hugging Face cache")
+    assert err.startswith("zllm: error: org/missing is neither a local path nor in the")
     assert "\n" not in err
     assert zllm_main(["download", "org/tiny", "--revision", "v2"]) == 0
     assert capsys.readouterr().out.strip() == str(offline.v2)

@@ -141,7 +141,8 @@ def _cached_snapshot(ref: HubRef, revision: str | None, cache_dir: str | None, r
     )
     if not repo_dir.is_dir():
         raise HubError(
-            f"{ref.spec} is not in the Hugging Face cache ({cache}) and {reason}: {what_to_do}"
+            f"{ref.spec} is neither a local path nor in the Hugging Face cache ({cache}), and "
+            f"{reason}: {what_to_do}"
         )
     revision = revision or constants.DEFAULT_REVISION
     commit = revision if _COMMIT.fullmatch(revision) else _read_ref(repo_dir / "refs" / revision)
@@ -251,7 +252,8 @@ def _gguf_files(listing: _Listing) -> list[_GgufFile]:
     """The repo's GGUF model files (not multimodal projectors, mmproj-*), parts grouped."""
     stems: dict[str, tuple[list[str], int]] = {}
     for path in listing.files:
-        if not path.lower().endswith(".gguf") or path.rsplit("/", 1)[-1].startswith("mmproj"):
+        name = path.rsplit("/", 1)[-1].lower()
+        if not name.endswith(".gguf") or name.startswith("mmproj"):
             continue
         split = split_name(path)
         stem, count = (path[: -len(".gguf")], 1) if split is None else (split.prefix, split.count)
