@@ -79,7 +79,7 @@ class ModelRunner:
             if self.pp.enabled
             else None
         )
-        self.grammars = GrammarCompiler(config.model_path, layout.arch.vocab_size)
+        self.grammars = GrammarCompiler(config.tokenizer_path, layout.arch.vocab_size)
         self.requests: dict[str, RequestState] = {}
         self._gpu_clock = GpuIdleClock(layout.device)
         self._sent_cache_sizes: list[CacheSize] | None = None  # as the core last heard them

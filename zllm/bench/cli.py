@@ -98,7 +98,9 @@ def run_transformers(args) -> ThroughputResult:
     from zllm.model.files import resolve_model
     from zllm.model.impl import arch_of
 
-    path = resolve_model(args.model)
+    path = resolve_model(
+        args.model, getattr(args, "revision", None), getattr(args, "download_dir", None)
+    )
     arch = arch_of(path)
     # The engine's device and dtype rules: a GPU when one is visible, bf16 there, else fp32.
     device = (
