@@ -6,7 +6,7 @@ engine, and how each choice's text becomes content, reasoning and tool calls on 
     auto          the model's own format; with hermes, after its        --tool-call-parser
                   call-opening token (`<tool_call>`), the rest of the   (hermes, llama3_json,
                   call matches the tool schemas (a grammar that waits   mistral, pythonic,
-                  for that token); other formats are parsed only        qwen3_xml)
+                  for that token); other formats are parsed only        qwen3_xml, openai)
     required      a JSON array of {"name", "parameters"} objects, one   _RequiredCalls
                   per call, each matching its tool's schema
     a function    that function's parameters schema: the text is the    _NamedCall
@@ -16,6 +16,12 @@ engine, and how each choice's text becomes content, reasoning and tool calls on 
 forces the shape, so every call parses and its arguments match the schema. With
 --reasoning-parser, the text first goes through the reasoning parser; a constraint then
 waits for the end of the reasoning (`</think>`).
+
+gpt-oss's harmony (--reasoning-parser openai_gptoss or --tool-call-parser openai,
+zllm/text/harmony.py) is one parser for all three: its channels give the reasoning, the
+content and, under `auto`, the calls. Its text keeps special tokens (its headers are made of
+them); a constraint applies from the output's start, as harmony's final channel opens with
+several tokens, not one the engine can wait for.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from zllm.frontend.openai.protocol import (
     ToolCallDelta,
 )
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
+from zllm.text.harmony import HarmonyDelta, HarmonyParser, uses_harmony
 from zllm.text.reasoning_parser import REASONING_PARSERS
 from zllm.text.tokenizer import Tokenizer
 from zllm.text.tool_parsers import TOOL_PARSERS, make_tool_call_id
@@ -180,7 +187,8 @@ def constrain(
     structured = plan.structured if plan.structured is not None else params.structured_outputs
     if structured is None:
         return params
-    if reasoning_parser is not None and structured.after_token is None:
+    harmony = uses_harmony(reasoning_parser, None)
+    if reasoning_parser is not None and structured.after_token is None and not harmony:
         think_end = think_end_token(tokenizer)
         if think_end is not None:
             structured = msgspec.structs.replace(structured, after_token=think_end)
@@ -193,10 +201,15 @@ _SPECIAL_CALL_TAGS = frozenset({"mistral"})
 
 
 def keep_call_tags(
-    params: SamplingParams, plan: ToolPlan, tool_parser: str | None
+    params: SamplingParams,
+    plan: ToolPlan,
+    tool_parser: str | None,
+    reasoning_parser: str | None = None,
 ) -> SamplingParams:
-    """`auto` with such a format: special tokens stay in the text (as vLLM does)."""
-    if plan.mode != "auto" or tool_parser not in _SPECIAL_CALL_TAGS:
+    """`auto` with such a format, and harmony always: special tokens stay in the text (as
+    vLLM does)."""
+    special_calls = plan.mode == "auto" and tool_parser in _SPECIAL_CALL_TAGS
+    if not special_calls and not uses_harmony(reasoning_parser, tool_parser):
         return params
     return msgspec.structs.replace(params, skip_special_tokens=False)
 
@@ -223,17 +236,32 @@ class ChoiceParser:
 
     def __init__(self, plan: ToolPlan, tool_parser: str | None, reasoning_parser: str | None):
         self.plan = plan
-        self.reasoning = (
-            REASONING_PARSERS[reasoning_parser]() if reasoning_parser is not None else None
-        )
+        # Harmony's one parser gives reasoning and calls: it stands in the reasoning's place.
+        harmony = uses_harmony(reasoning_parser, tool_parser)
+        self.reasoning = None
+        if harmony:
+            self.reasoning = HarmonyParser(plan.tools)
+        elif reasoning_parser is not None:
+            self.reasoning = REASONING_PARSERS[reasoning_parser]()
         self.calls: _Calls | None = None
-        if plan.mode == "auto":
+        if plan.mode == "auto" and not harmony:
             self.calls = _ParserCalls(TOOL_PARSERS[tool_parser](plan.tools))  # type: ignore[index]
         elif plan.mode == "required":
             self.calls = _RequiredCalls()
         elif plan.mode == "named":
             self.calls = _NamedCall(plan.function_name or "")
         self.num_calls = 0
+
+    @classmethod
+    def of(
+        cls, plan: ToolPlan, tool_parser: str | None, reasoning_parser: str | None
+    ) -> ChoiceParser | None:
+        """A choice's parser where tools, a reasoning parser or harmony shape its text; None
+        where the text is all content."""
+        shaped = plan.mode != "none" or reasoning_parser is not None
+        if not shaped and not uses_harmony(None, tool_parser):
+            return None
+        return cls(plan, tool_parser, reasoning_parser)
 
     def feed(self, text: str) -> Piece:
         return self._route(self.reasoning.feed(text) if self.reasoning else None, text, False)
@@ -245,6 +273,8 @@ class ChoiceParser:
         piece = Piece()
         if split is not None:
             piece.reasoning, text = split.reasoning, split.content
+            if isinstance(split, HarmonyDelta):
+                piece.tool_calls = _ParserCalls.convert(split)[1]
         if self.calls is None:
             piece.content = text
         else:
@@ -252,7 +282,8 @@ class ChoiceParser:
             if final:
                 more_content, more_calls = self.calls.finish()
                 content, calls = content + more_content, calls + more_calls
-            piece.content, piece.tool_calls = content, calls
+            piece.content = content
+            piece.tool_calls += calls
         self.num_calls += len({c.index for c in piece.tool_calls if c.id is not None})
         return piece
 
@@ -287,13 +318,13 @@ class _ParserCalls(_Calls):
         self.parser = parser
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        return self._convert(self.parser.feed(text))
+        return self.convert(self.parser.feed(text))
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        return self._convert(self.parser.finish())
+        return self.convert(self.parser.finish())
 
     @staticmethod
-    def _convert(parsed) -> tuple[str, list[ToolCallDelta]]:
+    def convert(parsed) -> tuple[str, list[ToolCallDelta]]:
         calls = []
         for d in parsed.tool_calls:
             if d.name is not None:

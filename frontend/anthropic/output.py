@@ -70,8 +70,7 @@ class MessageAssembler:
         reasoning_parser: str | None,
         tool_parser: str | None,
     ) -> MessageAssembler:
-        shaped = plan.mode != "none" or reasoning_parser is not None
-        parser = ChoiceParser(plan, tool_parser, reasoning_parser) if shaped else None
+        parser = ChoiceParser.of(plan, tool_parser, reasoning_parser)
         return cls(response_id, model, parser)
 
     def usage(self) -> Usage:

@@ -48,7 +48,7 @@ def tooled_chat_params(
     params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
     config = ctx.config
     plan = plan_tools(chat, ctx.tokenizer, config.tool_call_parser, params.structured_outputs)
-    params = keep_call_tags(params, plan, config.tool_call_parser)
+    params = keep_call_tags(params, plan, config.tool_call_parser, reasoning_parser)
     return constrain(params, plan, ctx.tokenizer, reasoning_parser), plan
 
 
@@ -136,18 +136,17 @@ class ChatCall(ApiCall):
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         body, n, config = self.body, self.params.n, self.ctx.config
-        shaped = self.plan.mode != "none" or self.reasoning_parser is not None
+        parsers = [
+            ChoiceParser.of(self.plan, config.tool_call_parser, self.reasoning_parser)
+            for _ in range(n)
+        ]
         assembler = ChatAssembler(
             n=n,
             want_logprobs=body.logprobs,
             want_prompt_logprobs=body.prompt_logprobs is not None,
             names=self.ctx.names.by_token_ids(body.return_tokens_as_token_ids),
-            parsers=[
-                ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
-                for _ in range(n)
-            ]
-            if shaped
-            else None,
+            # None where tools, reasoning and harmony leave the text all content.
+            parsers=[p for p in parsers if p is not None] or None,
         )
         head: dict[str, Any] = dict(id=ids.response_id, created=int(now), model=model)
 

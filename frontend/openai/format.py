@@ -61,7 +61,10 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template sees them: text content (parts are joined), and, as
     transformers' templates expect them, an assistant turn's `tool_calls` (arguments as a
-    mapping when they are JSON) and a tool result's `tool_call_id`."""
+    mapping when they are JSON) and a tool result's `tool_call_id`. An assistant turn's
+    reasoning goes in as `reasoning` and `reasoning_content` (vLLM's names: Qwen 3's
+    templates read the latter) and as `thinking` (gpt-oss's template renders it as the
+    analysis before a tool call)."""
     if not messages:
         raise RequestError("messages must not be empty.", param="messages")
     result = []
@@ -86,6 +89,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None and m.role == "assistant":
+            message.update(reasoning=reasoning, reasoning_content=reasoning, thinking=reasoning)
         result.append(message)
     return result
 

@@ -169,6 +169,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a "tool" message: the call it answers
+    # An assistant turn's reasoning, sent back as this server returned it (vLLM takes both
+    # names); the chat template gets it (frontend/openai/format.py).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):

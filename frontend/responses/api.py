@@ -122,12 +122,7 @@ class ResponsesCall(ApiCall):
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         config = self.ctx.config
-        shaped = self.plan.mode != "none" or self.reasoning_parser is not None
-        parser = (
-            ChoiceParser(self.plan, config.tool_call_parser, self.reasoning_parser)
-            if shaped
-            else None
-        )
+        parser = ChoiceParser.of(self.plan, config.tool_call_parser, self.reasoning_parser)
         echo = echoed_settings(self.body, self.plan)
         assembler = ResponseAssembler(response_id(), model, echo, parser)
         return GenerationJob.of_events(assembler, self.body.stream, assembler.error_event)

@@ -274,9 +274,9 @@ class ServerArgs:
         None,
         help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
         "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
-        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>); required and named "
-        "tool choices need none",
-        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml"),
+        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>; openai: gpt-oss's "
+        "harmony channels, its reasoning too); required and named tool choices need none",
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "openai"),
     )
     enable_auto_tool_choice: bool = option(
         False,
@@ -292,8 +292,9 @@ class ServerArgs:
     reasoning_parser: str | None = option(
         None,
         help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1, "
-        "qwen3); structured outputs then apply after the reasoning",
-        choices=("deepseek_r1", "qwen3"),
+        "qwen3); structured outputs then apply after the reasoning; openai_gptoss: gpt-oss's "
+        "harmony channels (analysis as reasoning, tool calls too)",
+        choices=("deepseek_r1", "qwen3", "openai_gptoss"),
     )
     data_parallel_size: int = option(
         1,

@@ -7,6 +7,8 @@
     qwen3        Qwen 3: reasoning only when the output opens with `<think>` (after
                  whitespace); then until `</think>` (or the end). Otherwise all is content
                  (thinking turned off, or a model that does not think).
+    openai_gptoss  gpt-oss: harmony's channels (zllm/text/harmony.py), which give tool
+                 calls too; the same parser as --tool-call-parser openai.
 
 Streaming: `feed` returns what each chunk adds to `reasoning` and `content`; a chunk's tail
 that could be the start of a tag is held back until the next chunk shows what it is (or
@@ -18,6 +20,8 @@ nothing is lost and nothing raises. No torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from zllm.text.harmony import REASONING_PARSER_NAME, HarmonyParser
 
 _START, _END = "<think>", "</think>"
 
@@ -52,6 +56,11 @@ class ThinkReasoningParser:
         """Whether text fed now would be reasoning, as far as the parser knows yet (the
         Responses API counts a chunk's tokens as reasoning by it)."""
         return self.state == "reasoning" or (self.state == "opening" and self.starts_in_reasoning)
+
+    def reasoning_markers(self) -> tuple[str | None, str]:
+        """(the opening marker the model writes, None where the template opens the
+        reasoning; the closing marker)."""
+        return (None if self.starts_in_reasoning else _START), _END
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -129,17 +138,17 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
         super().__init__(starts_in_reasoning=False)
 
 
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser] | type[HarmonyParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    REASONING_PARSER_NAME: HarmonyParser,
 }
 
 
 def reasoning_markers(parser_name: str) -> tuple[str | None, str]:
     """(the opening marker the model writes, None where the template opens the reasoning;
     the closing marker) of a parser's models: what a thinking budget counts from and forces."""
-    starts_inside = REASONING_PARSERS[parser_name]().starts_in_reasoning
-    return (None if starts_inside else _START), _END
+    return REASONING_PARSERS[parser_name]().reasoning_markers()
 
 
 def parse_reasoning(parser_name: str, text: str) -> tuple[str | None, str]:

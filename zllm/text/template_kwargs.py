@@ -17,7 +17,8 @@ default documents, if any, are overridden by either.
 Turning thinking off (`enable_thinking: false`, Qwen 3's name; `thinking: false`, DeepSeek
 V3.1's) also turns the reasoning parser off for that request: the template then closes an
 empty think block in the prompt, or opens none, so everything the model writes is content.
-No torch here.
+Not harmony's (gpt-oss, zllm/text/harmony.py): its template has no such switch, and its
+channels are never plain content. No torch here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from zllm.errors import ParamError
+from zllm.text.harmony import REASONING_PARSER_NAME
 
 # What zllm/text/tokenizer.py renders every template with, and what HF's apply_chat_template
 # takes as its own arguments.
@@ -93,4 +95,6 @@ def thinking_disabled(kwargs: dict[str, Any]) -> bool:
 
 def reasoning_parser_for(server_parser: str | None, kwargs: dict[str, Any]) -> str | None:
     """The reasoning parser one request's answer goes through: none with thinking off."""
+    if server_parser == REASONING_PARSER_NAME:
+        return server_parser
     return None if thinking_disabled(kwargs) else server_parser

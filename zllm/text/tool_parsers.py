@@ -12,6 +12,9 @@
                  (zllm/text/pythonic_tool_parser.py).
     qwen3_xml    Qwen3-Coder: `<tool_call><function=f><parameter=x>1</parameter>...` with
                  values read by the tool's schema (zllm/text/qwen3_xml_tool_parser.py).
+    openai       gpt-oss: harmony's `<|channel|>commentary to=functions.f ...<|message|>{...}`
+                 (zllm/text/harmony.py), which gives the analysis channel as reasoning too;
+                 the same parser as --reasoning-parser openai_gptoss.
 
 Every parser is made with the request's tools (OpenAI's shape; qwen3_xml reads their
 parameter schemas, the others ignore them).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 
+from zllm.text.harmony import TOOL_PARSER_NAME, HarmonyParser
 from zllm.text.mistral_tool_parser import MistralToolParser
 from zllm.text.pythonic_tool_parser import PythonicToolParser
 from zllm.text.qwen3_xml_tool_parser import Qwen3XmlToolParser
@@ -222,6 +226,7 @@ TOOL_PARSERS: dict[str, type] = {
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_xml": Qwen3XmlToolParser,
+    TOOL_PARSER_NAME: HarmonyParser,
 }
 
 
