@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,25 @@ if TYPE_CHECKING:
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
 WEIGHT_STD = 0.08
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The sizes of a Llama write_llama_gguf writes (the tiny one unless a test needs weights
+    large enough to measure in a process's resident memory)."""
+
+    hidden: int = HIDDEN
+    ffn: int = FFN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    layers: int = LAYERS
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = LlamaDims()
 
 # Byte offsets of the fp16 scales in one block, for types gguf-py cannot quantize: random
 # bytes elsewhere are bounded integers (quants, sub-block scales), so the values stay finite.
@@ -45,20 +65,20 @@ F16_SCALE_OFFSETS = {
 }
 
 
-def matrix_shapes(vocab: int) -> dict[str, tuple[int, int]]:
-    """GGUF name -> (rows, columns) of every matrix of the tiny model (untied logits)."""
-    kv = KV_HEADS * HEAD_DIM
+def matrix_shapes(vocab: int, dims: LlamaDims = TINY) -> dict[str, tuple[int, int]]:
+    """GGUF name -> (rows, columns) of every matrix of the model (untied logits)."""
+    hidden, ffn, kv = dims.hidden, dims.ffn, dims.kv_heads * dims.head_dim
     per_layer = {
-        "attn_q": (HIDDEN, HIDDEN),
-        "attn_k": (kv, HIDDEN),
-        "attn_v": (kv, HIDDEN),
-        "attn_output": (HIDDEN, HIDDEN),
-        "ffn_gate": (FFN, HIDDEN),
-        "ffn_up": (FFN, HIDDEN),
-        "ffn_down": (HIDDEN, FFN),
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv, hidden),
+        "attn_v": (kv, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (ffn, hidden),
+        "ffn_up": (ffn, hidden),
+        "ffn_down": (hidden, ffn),
     }
-    shapes = {"token_embd.weight": (vocab, HIDDEN), "output.weight": (vocab, HIDDEN)}
-    for i in range(LAYERS):
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(dims.layers):
         shapes |= {f"blk.{i}.{key}.weight": shape for key, shape in per_layer.items()}
     return shapes
 
@@ -124,32 +144,35 @@ def write_tokenizer(writer: GGUFWriter) -> int:
     return len(tokens)
 
 
-def write_llama_gguf(path: Path, type_of: Callable[[str], T], seed: int = 0) -> dict:
-    """A tiny Llama GGUF whose matrix `name` is stored in `type_of(name)`; norms are F32.
-    Returns GGUF name -> (type, what was written), the reference for dequantization."""
+def write_llama_gguf(
+    path: Path, type_of: Callable[[str], T], seed: int = 0, dims: LlamaDims = TINY
+) -> dict:
+    """A Llama GGUF (tiny unless `dims` says) whose matrix `name` is stored in
+    `type_of(name)`; norms are F32. Returns GGUF name -> (type, what was written), the
+    reference for dequantization."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(dims.layers)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_embedding_length(dims.hidden)
+    writer.add_feed_forward_length(dims.ffn)
+    writer.add_head_count(dims.heads)
+    writer.add_head_count_kv(dims.kv_heads)
+    writer.add_rope_dimension_count(dims.head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     vocab = write_tokenizer(writer)
     stored = {}
-    for name, shape in matrix_shapes(vocab).items():
+    for name, shape in matrix_shapes(vocab, dims).items():
         ggml_type = type_of(name)
         data = stored_matrix(shape, ggml_type, rng)
         raw_dtype = None if data.dtype in (np.float32, np.float16) else ggml_type
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
         stored[name] = (ggml_type, data)
     norms = ["output_norm.weight"]
-    norms += [f"blk.{i}.{n}.weight" for i in range(LAYERS) for n in ("attn_norm", "ffn_norm")]
+    norms += [f"blk.{i}.{n}.weight" for i in range(dims.layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:
-        writer.add_tensor(name, rng.uniform(0.8, 1.2, HIDDEN).astype(np.float32))
+        writer.add_tensor(name, rng.uniform(0.8, 1.2, dims.hidden).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -177,25 +200,26 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-# Like llama.cpp's Q4_K_M and the Gemma 3 270M file (Q4_K and Q6_K beside Q5_0 and Q8_0, q/k
-# and v of different types), with types the kernel does not read (Q3_K, IQ4_XS, Q2_K).
+# Like llama.cpp's Q4_K_M and Q3_K_M files and the Gemma 3 270M file (Q4_K and Q6_K beside
+# Q5_0 and Q8_0, q/k and v of different types), with F32 matrices, which no GGUF kernel reads
+# (both model codes keep fp32 matmuls for them).
 MIXED_TYPES = {
     "blk.0.attn_q": T.Q8_0,
     "blk.0.attn_k": T.Q8_0,
     "blk.0.attn_v": T.Q8_0,
-    "blk.0.attn_output": T.Q3_K,
+    "blk.0.attn_output": T.F32,
     "blk.0.ffn_gate": T.Q4_1,
     "blk.0.ffn_up": T.Q4_1,
-    "blk.0.ffn_down": T.IQ4_XS,
+    "blk.0.ffn_down": T.F32,
     "blk.1.attn_q": T.Q5_0,
     "blk.1.attn_k": T.Q5_0,
     "blk.1.attn_v": T.Q8_0,
-    "blk.1.attn_output": T.Q4_K,
+    "blk.1.attn_output": T.Q3_K,
     "blk.1.ffn_gate": T.Q4_K,
     "blk.1.ffn_up": T.Q5_K,
     "blk.1.ffn_down": T.Q6_K,
-    "token_embd": T.Q4_K,
-    "output": T.Q2_K,
+    "token_embd": T.IQ4_XS,
+    "output": T.F32,
 }
 
 

@@ -3,7 +3,9 @@
 A GGUF file's blocks (gguf_raw_weights) or a bf16/fp16 checkpoint's rows
 (sixteen_bit_raw_weights), cut to this rank's part, become the model's GGUFLinear /
 GGUFSplitLinear / GGUFEmbedding modules (executor/weights/gguf_modules.py). BlockPlan names the
-tensors they serve before the weights load, so the loader never widens those to fp32.
+tensors they serve before the weights load, so the loader never widens those to fp32. The
+types the kernel has no block reader for (IQ1-IQ3, TQ, NVFP4) are held as 16-bit rows
+(executor/weights/held_rows.py) and served the same way.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.models.llama import FUSED_CHECKPOINTS
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.weights.held_rows import HELD_AS_16_BIT, NAMES, hold_as_16_bit_
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
 
@@ -29,7 +33,8 @@ def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
     A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
-    or Q8_0), and may hold types the kernel does not read (Q2_K, Q3_K, the IQ types).
+    or Q8_0). The kernel reads the blocks of the types in SUPPORTED_GGML_TYPES and 16-bit rows
+    of the ones in HELD_AS_16_BIT; others (F32 matrices) stay fp32.
     Not strict, the engine's default: the kernel serves the file if it can serve any matmul;
     the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_ logs
     which). Strict, --quantization gguf asked for: every decoder matmul must be served, else
@@ -64,20 +69,32 @@ class GGUFMatmul:
     def unservable(self) -> str | None:
         """Why the kernel cannot read these blocks (naming tensor and type), or None."""
         for name, ggml_type in zip(self.tensors, self.types, strict=True):
-            if int(ggml_type) not in cpu_kernels.SUPPORTED_GGML_TYPES:
+            if not kernel_serves(int(ggml_type)):
                 readable = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.values())
-                return f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable})"
+                held = ", ".join(HELD_AS_16_BIT.values())
+                return (
+                    f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable}, and "
+                    f"{held} as 16-bit rows)"
+                )
         return None
 
 
+def kernel_serves(ggml_type: int) -> bool:
+    """Whether the kernel multiplies a matrix of this type: in its blocks, or held as 16-bit
+    rows dequantized at load."""
+    return ggml_type in cpu_kernels.SUPPORTED_GGML_TYPES or ggml_type in HELD_AS_16_BIT
+
+
 # Per layer, the GGUF tensors (blk.{i}.<key>.weight) behind each matmul the kernel replaces:
-# the model's fused qkv and gate/up projections, then the output and down projections.
+# the model's fused qkv and gate/up projections, then the output and down projections. Phi-3
+# files store the first two fused already (attn_qkv; ffn_up holding gate and up).
 _LAYER_MATMULS = (
     ("attn_q", "attn_k", "attn_v"),
     ("attn_output",),
     ("ffn_gate", "ffn_up"),
     ("ffn_down",),
 )
+_FUSED_LAYER_MATMULS = (("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",))
 
 
 def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
@@ -92,10 +109,11 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
 
     numbers = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
     layers = sorted((n for n in numbers if n.isdigit()), key=int)
+    fused = gguf.metadata.get("general.architecture") in FUSED_CHECKPOINTS
     decoder = [
         matmul([f"blk.{layer}.{key}.weight" for key in keys])
         for layer in layers
-        for keys in _LAYER_MATMULS
+        for keys in (_FUSED_LAYER_MATMULS if fused else _LAYER_MATMULS)
     ]
     head = matmul(["output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"])
     return [m for m in decoder if m is not None], head
@@ -124,9 +142,14 @@ class _WeightBlocks:
             raw = gguf_raw_weights(model_path, arch, layers)
         else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
             raw = sixteen_bit_raw_weights(model_path, arch, layers)
+        # Each tensor's type in the file; the held types' matrices become 16-bit rows now.
+        self.file_types = {name: ggml_type for name, (ggml_type, _) in raw.items()}
+        hold_as_16_bit_(raw)
         if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
             raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
+            self.file_types["lm_head.weight"] = self.file_types["model.embed_tokens.weight"]
         self.raw = raw
+        self.served: set[str] = set()  # the tensors blocks() handed out
 
     def rank_part(self, name: str) -> tuple[int, torch.Tensor] | None:
         found = self.raw.get(name)
@@ -154,12 +177,17 @@ class _WeightBlocks:
             start = 0
             for name, (ggml_type, rows) in zip(names, parts, strict=True):
                 expected = weight[start : start + rows.shape[0]]
+                if self.file_types[name] in HELD_AS_16_BIT:  # (those, rounded to 16 bits)
+                    expected = cpu_kernels.gguf_dequantize(
+                        _rounded_to(expected, ggml_type), ggml_type, weight.shape[1]
+                    )
                 dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1])
                 if not torch.equal(dequantized, expected):
                     raise RuntimeError(
                         f"GGUF blocks of {name} do not dequantize to the loaded weights"
                     )
                 start += rows.shape[0]
+        self.served.update(names)
         merged: list[tuple[torch.Tensor, int]] = []
         for ggml_type, rows in parts:
             if merged and merged[-1][1] == ggml_type:
@@ -167,6 +195,25 @@ class _WeightBlocks:
             else:
                 merged.append((rows.contiguous(), ggml_type))
         return merged
+
+    def type_summary(self) -> str:
+        """For the log: the file's types that the served tensors read in blocks, and those
+        held as 16-bit rows (and as which)."""
+        served = {self.file_types[n] for n in self.served}
+        in_blocks = sorted(served - HELD_AS_16_BIT.keys())
+        parts = [f"in blocks {_type_names(in_blocks) or 'none'}"]
+        held = sorted(served & HELD_AS_16_BIT.keys())
+        if held:
+            held_names = [n for n in self.served if self.file_types[n] in HELD_AS_16_BIT]
+            as_what = "/".join(sorted({NAMES[self.raw[n][0]] for n in held_names}))
+            parts.append(
+                f"held as {as_what} rows {_type_names(held)} (dequantized at load: the kernel "
+                f"has no block reader for them)"
+            )
+        floats = [t for t in in_blocks if t not in cpu_kernels.INT8_GGML_TYPES]
+        if self.int8_activations and floats:
+            parts.append(f"gguf-int8: no integer path for {_type_names(floats)} (float kernel)")
+        return "; ".join(parts)
 
     def fuse(
         self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
@@ -233,6 +280,8 @@ def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) ->
         "GGUF blocks" if gguf else "16-bit rows widened in the kernel",
         _fp32_note(model_path) if kept and gguf else "",
     )
+    if gguf:
+        logger.info("GGUF weight types: %s", source.type_summary())
 
 
 def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int, int]:
@@ -254,12 +303,19 @@ def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int,
 def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
     """(module, attribute, checkpoint names) of every decoder matmul the blocks may serve."""
     # (A pipeline stage holds some of the layers: layer_indices names them.)
+    fused = model.arch.architecture in FUSED_CHECKPOINTS
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        yield attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        if fused:  # Phi-3: one checkpoint tensor each, in our [q | k | v] and [gate | up] order
+            yield attn, "qkv_proj", [f"{p}self_attn.qkv_proj.weight"]
+        else:
+            yield attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         yield attn, "o_proj", [f"{p}self_attn.o_proj.weight"]
-        yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        if fused:
+            yield mlp, "gate_up_proj", [f"{p}mlp.gate_up_proj.weight"]
+        else:
+            yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
         yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
 
 
@@ -281,6 +337,16 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
             model.logits_proj = head
             release_weight(model.lm_head)
     return embedding is not None
+
+
+def _type_names(types: list[int]) -> str:
+    return ", ".join(GGMLQuantizationType(t).name for t in types)
+
+
+def _rounded_to(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """fp32 rows as the 16-bit rows (uint8 [rows, 2 x columns]) of ggml type F16 or BF16."""
+    dtype = torch.float16 if ggml_type == 1 else torch.bfloat16
+    return weight.to(dtype).contiguous().view(torch.uint8)
 
 
 def _fp32_note(model_path: str) -> str:
