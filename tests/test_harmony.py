@@ -537,9 +537,10 @@ def test_served(harmony_model, tmp_path) -> None:
     """`zllm serve --reasoning-parser openai_gptoss --tool-call-parser openai`: a grammar
     makes the tiny model write a harmony answer and a harmony call (its special tokens as
     themselves); chat answers them as reasoning_content, content and tool_calls, whole and
-    streamed, and Responses and Messages as their items and blocks. Then free sampling
-    (random tokens, harmony's often among them): whatever comes out, chat's split is the
-    parser's split of the raw text, which /v1/completions returns for the same seed."""
+    streamed. Then sampling (held to harmony by a looser grammar, or free): whatever comes
+    out, chat's split is the parser's split of the raw text, which /v1/completions returns
+    for the same seed. Responses and Messages answer too (their mapping: the assembler
+    tests above)."""
     server = start_server(
         str(harmony_model),
         tmp_path / "server.log",
