@@ -264,8 +264,8 @@ def test_missing_metadata_key(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
-    path = write_gguf(tmp_path / "phi.gguf", arch="phi3")
-    with pytest.raises(ValueError, match="unsupported architecture 'phi3'"):
+    path = write_gguf(tmp_path / "rwkv.gguf", arch="rwkv7")
+    with pytest.raises(ValueError, match="unsupported architecture 'rwkv7'"):
         read_arch_config(str(path))
 
 

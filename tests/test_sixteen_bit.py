@@ -42,6 +42,7 @@ CASES = {
     "llama-bf16": ("llama", torch.bfloat16, {}),
     "llama-fp16-untied": ("llama", torch.float16, {"tie_word_embeddings": False}),
     "qwen2-bf16-bias": ("qwen2", torch.bfloat16, {}),
+    "phi3-bf16-fused": ("phi3", torch.bfloat16, {}),  # qkv_proj, gate_up_proj stored fused
     "gemma3-bf16": (
         "gemma3_text",
         torch.bfloat16,

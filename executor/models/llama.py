@@ -46,7 +46,7 @@ from zllm.model.arch_config import ModelArchConfig
 
 # Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
 # [gate | up] order: their tensors fill the fused matrices whole.
-_FUSED_CHECKPOINTS = frozenset({"phi3"})
+FUSED_CHECKPOINTS = frozenset({"phi3"})
 
 
 def empty_linear(
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            if self.arch.architecture in _FUSED_CHECKPOINTS:
+            if self.arch.architecture in FUSED_CHECKPOINTS:
                 targets |= self._fused_targets(prefix, attn, mlp)
             else:
                 targets |= self._split_targets(prefix, attn, mlp)

@@ -45,14 +45,37 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Qwen 3's per-head q/k norms.
+_QWEN3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Phi-3's fused matrices, as its checkpoints store them: attn_qkv holds [q | k | v] and
+# ffn_up holds [gate | up] (no ffn_gate), HF's qkv_proj and gate_up_proj row for row.
+_PHI3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_LAYER_NAMES_BY_ARCH = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3": _QWEN3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 # Tensors that are no weight of the model: model_files reads them into ModelArchConfig.
-_GGUF_NON_WEIGHTS = frozenset({"rope_freqs.weight"})  # ModelArchConfig.rope_freq_factors
+_GGUF_NON_WEIGHTS = frozenset(
+    {
+        "rope_freqs.weight",  # ModelArchConfig.rope_freq_factors
+        "rope_factors_long.weight",  # Phi-3's LongRoPE: ModelArchConfig.rope_scaling
+        "rope_factors_short.weight",
+    }
+)
 
 
 def load_weights(
@@ -141,7 +164,8 @@ def _load_gguf(
                 f"{gguf.path}: tensor {name!r} uses {info.ggml_type.name}, which gguf cannot "
                 f"dequantize"
             ) from None
-        # llama.cpp permutes q/k rows only for the "llama" rope; qwen2 files keep HF's order.
+        # llama.cpp's converter permutes q/k rows for the "llama" architecture only (Mistral
+        # checkpoints included); qwen2, qwen3 and phi3 files keep HF's order.
         if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             weight = unpermute_rope_rows(weight, arch.head_dim)
         if arch.architecture == "gemma3" and hf_name.endswith("norm.weight"):

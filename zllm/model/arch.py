@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "qwen2")
+# GGUF general.architecture names (llama.cpp's): a Mistral checkpoint converts to "llama".
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3")
 
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
@@ -68,38 +70,116 @@ def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
     # End of sequence, end of turn (chat models), end of message (Llama 3.1 tool calls).
     eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    head_dim = int(md.get(f"{arch}.attention.key_length", hidden // heads))
+    num_layers = need(f"{arch}.block_count", int)
+    max_positions = need(f"{arch}.context_length", int)
+    layer_types, window = _gguf_sliding_window(md, arch, num_layers, max_positions)
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=need(f"{arch}.feed_forward_length", int),
-        num_layers=need(f"{arch}.block_count", int),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(md.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=need(f"{arch}.attention.layer_norm_rms_epsilon", float),
         rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=need(f"{arch}.context_length", int),
+        max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in gguf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
-        rope_scaling=_gguf_rope_scaling(md, arch),
+        # Qwen2's q/k/v biases; Phi-3's fused q/k/v matrix has none.
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors or "blk.0.attn_qkv.bias" in gguf.tensors,
+        rope_scaling=_partial_rotary(
+            gguf, arch, head_dim, _gguf_longrope(gguf, arch) or _gguf_rope_scaling(md, arch)
+        ),
         rope_freq_factors=_gguf_rope_freq_factors(gguf),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
+        layer_types=layer_types,
+        sliding_window=window,
+        qk_norm=arch == "qwen3",
     )
+
+
+def _gguf_sliding_window(
+    md: dict[str, Any], arch: str, num_layers: int, max_positions: int
+) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) as the checkpoint's config.json had them.
+
+    llama.cpp's converter writes a window for Phi-3 only (phi3.attention.sliding_window: its
+    config's sliding_window, 0 for none), and transformers windows every Phi-3 layer with it.
+    (llama.cpp itself ignores Phi-3's window; zllm runs the file as its checkpoint runs.) A
+    Mistral checkpoint converts to a "llama" file without its window: it attends over the
+    whole context there, as in llama.cpp. A window no shorter than the context drops nothing.
+    """
+    window = md.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None
+    if not window or window >= max_positions:
+        return None, None
+    return ["sliding_attention"] * num_layers, int(window)
+
+
+def _gguf_longrope(gguf: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE: the converter stores the long and short per-frequency factors as F32
+    tensors (rope_factors_long/short.weight) and the pretraining context as
+    rope.scaling.original_context_length; rope.scaling.type stays unwritten."""
+    if "rope_factors_long.weight" not in gguf.tensors:
+        return None
+    md = gguf.metadata
+    long, short = (_f32_vector(gguf, f"rope_factors_{k}.weight") for k in ("long", "short"))
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if not isinstance(original, int) or original <= 0:
+        raise invalid_gguf(
+            gguf.path, f"LongRoPE factors without {arch}.rope.scaling.original_context_length"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": long,
+        "short_factor": short,
+        "original_max_position_embeddings": original,
+    }
+    # The converter writes the attention factor in float32; when it is LongRoPE's own
+    # sqrt(1 + ln(s) / ln(original)) (s: the context extension), it is recomputed in float64
+    # (as transformers does from config.json), else kept.
+    stored = md.get(f"{arch}.rope.scaling.attn_factor")
+    context = md.get(f"{arch}.context_length") or original
+    extension = context / original
+    default = math.sqrt(1 + math.log(extension) / math.log(original)) if extension > 1 else 1.0
+    if stored is not None and np.float32(stored) != np.float32(default):
+        scaling["attention_factor"] = float(stored)
+    return scaling
+
+
+def _partial_rotary(
+    gguf: GGUFFile, arch: str, head_dim: int, scaling: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """RoPE over the first rope.dimension_count dimensions of each head (Phi-4-mini: 3/4),
+    as the partial_rotary_factor transformers reads; only Phi-3 files may rotate part."""
+    rotary = gguf.metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    if rotary == head_dim:
+        return scaling
+    if arch != "phi3" or not 0 < rotary < head_dim or rotary % 2:
+        raise ValueError(
+            f"{gguf.path}: {arch}.rope.dimension_count is {rotary} for heads of {head_dim} "
+            f"(zllm rotates part of each head in phi3 files only)"
+        )
+    return {"rope_type": "default", **(scaling or {}), "partial_rotary_factor": rotary / head_dim}
+
+
+def _f32_vector(gguf: GGUFFile, name: str) -> list[float]:
+    info = gguf.tensors[name]
+    if info.ggml_type != GGMLQuantizationType.F32 or len(info.shape) != 1:
+        raise invalid_gguf(
+            gguf.path, f"{name} is {info.ggml_type.name} {list(info.shape)}, not F32 [n]"
+        )
+    return gguf.tensor_data(name).view(np.float32).tolist()
 
 
 def _gguf_rope_freq_factors(gguf: GGUFFile) -> list[float] | None:
     """Llama 3.x files store their RoPE scaling as one divisor per frequency (F32
     rope_freqs.weight, [rotary_dim / 2]) rather than as rope.scaling.* parameters."""
-    info = gguf.tensors.get("rope_freqs.weight")
-    if info is None:
+    if "rope_freqs.weight" not in gguf.tensors:
         return None
-    if info.ggml_type != GGMLQuantizationType.F32 or len(info.shape) != 1:
-        raise invalid_gguf(
-            gguf.path, f"rope_freqs.weight is {info.ggml_type.name} {list(info.shape)}, not F32 [n]"
-        )
-    return gguf.tensor_data("rope_freqs.weight").view(np.float32).tolist()
+    return _f32_vector(gguf, "rope_freqs.weight")
 
 
 def _gguf_rope_scaling(md: dict[str, Any], arch: str) -> dict[str, Any] | None:

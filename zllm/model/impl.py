@@ -80,6 +80,8 @@ def choose_model_impl(model_path: str, requested: str = "auto") -> ModelImpl:
         raise ValueError(
             f"{model_path}: {why} needs transformers: pip install 'zllm[transformers]'"
         )
+    if not os.path.isdir(model_path):
+        refuse_unreadable_gguf(model_path, arch)
     if requested == "transformers":
         return ModelImpl("transformers", arch, "transformers' model code, as asked")
     return ModelImpl(
@@ -93,13 +95,15 @@ def read_model_arch(model_path: str, impl: ModelImpl) -> ModelArchConfig:
     Native architectures are read by model_files whichever code runs them; under "zllm" any
     other is refused there (naming what is supported); under "transformers" it is read here.
     """
-    _, native = architecture_of(model_path)
+    arch, native = architecture_of(model_path)
     if native:
         return read_arch_config(model_path)
     if impl.name == "zllm":
         try:
             read_arch_config(model_path)  # raises, naming what zllm's own code runs
         except ValueError as exc:
+            if not os.path.isdir(model_path) and importlib.util.find_spec("transformers"):
+                refuse_unreadable_gguf(model_path, arch)  # nothing runs it: say so instead
             raise ValueError(
                 f"{exc}; --model-impl transformers (or auto) runs it with transformers' "
                 f"modeling code"
@@ -216,6 +220,37 @@ def _sliding_layers(
 
 # ---------------------------------------------------------------------------------------------
 # GGUF metadata (the architectures transformers' GGUF reader knows)
+
+# llama.cpp's general.architecture names that transformers' GGUF reader spells otherwise.
+_TRANSFORMERS_GGUF_NAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+    "t5encoder": "t5",
+}
+
+
+def transformers_gguf_architectures() -> list[str]:
+    """The GGUF architectures the installed transformers reads (its GGUF config mapping:
+    no torch behind it)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"})
+
+
+def refuse_unreadable_gguf(model_path: str, arch: str) -> None:
+    """ValueError naming a GGUF file's architecture when neither zllm's code nor transformers'
+    GGUF reader runs it (transformers would fail deep in its loader), and what runs instead."""
+    readable = transformers_gguf_architectures()
+    if _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in readable:
+        return
+    raise ValueError(
+        f"{model_path}: GGUF architecture {arch!r} runs neither in zllm's own code (GGUF files "
+        f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}) nor through transformers' GGUF reader "
+        f"({', '.join(readable)}); the original checkpoint's Hugging Face directory (config.json "
+        f"and safetensors) may run with --model-impl transformers"
+    )
 
 
 def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:

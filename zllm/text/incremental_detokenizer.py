@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         """Decode new tokens; returns the stop string that matched, if one did."""
         for token_id in new_token_ids:
             self._output_ids.append(token_id)
-            piece = self._stream.step(self._tokenizer, token_id)
+            piece = self._step(token_id)
             if not piece:
                 continue
             prev_len = len(self.output_text)
@@ -67,6 +67,28 @@ class IncrementalDetokenizer:
             if matched is not None:
                 return matched
         return None
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream's next piece. SentencePiece's byte fallback decodes a run of byte tokens
+        that is not UTF-8 as one U+FFFD per byte, so a byte token can turn text already
+        handed out (a valid byte before it) into U+FFFD; DecodeStream then refuses ("Invalid
+        prefix encountered"). Text handed out stays: the stream restarts from the output's
+        last tokens that still decode cleanly (none if they fail too), and goes on."""
+        try:
+            return self._stream.step(self._tokenizer, token_id)
+        except Exception as exc:  # tokenizers raises a bare Exception
+            if "Invalid prefix" not in str(exc):
+                raise
+        skip = self._skip_special_tokens
+        prime = self._clean_prime(self._output_ids[-PROMPT_TAIL_TOKENS - 1 : -1])
+        self._stream = DecodeStream(prime, skip_special_tokens=skip)
+        try:
+            return self._stream.step(self._tokenizer, token_id)
+        except Exception as exc:
+            if "Invalid prefix" not in str(exc):
+                raise
+        self._stream = DecodeStream([], skip_special_tokens=skip)
+        return self._stream.step(self._tokenizer, token_id)
 
     def _check_stop(self, prev_len: int) -> str | None:
         if not self.stop:

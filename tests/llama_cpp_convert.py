@@ -1,0 +1,142 @@
+"""llama.cpp's own converter (convert_hf_to_gguf.py), for the tests that load GGUF files as
+people get them: a tiny Hugging Face model directory in, a GGUF file out, through the script
+users run, not a writer of our own.
+
+The converter ships in the llama-cpp-python sdist (vendor/llama.cpp/), pinned below by version
+and hash. `converter_dir` finds it extracted in a cache outside the repository
+($ZLLM_LLAMA_CPP_DIR, else ~/.cache/zllm-tests/llama.cpp-<version>), or downloads the sdist
+with pip and extracts only what the converter imports: the script, its `conversion` package
+and its own `gguf-py` (newer than the installed gguf: run with it first on the path).
+
+The tiny models here have a SentencePiece tokenizer (tokenizer.model), the converter's first
+choice for Llama, Mistral, Qwen 2/3 and Phi-3 checkpoints alike. A byte-level BPE tokenizer
+(tokenizer.json only) is identified by the hash of its ids on a fixed text, which matches only
+the real tokenizers the converter lists: a tiny one trained here would be refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from tiny_models import _CORPUS, randomize_norms_and_biases, tiny_hf_config, tiny_hf_model
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+_SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+_VENDORED = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+# What convert_hf_to_gguf.py imports (models/ holds only templates and vocabularies that the
+# architectures tested here never read).
+_CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+OUTTYPES = ("f32", "f16", "q8_0")
+
+# The SentencePiece tokenizer's ids: unknown, begin and end of sequence, then chat markers.
+SPM_VOCAB_SIZE = 400
+BOS_ID, EOS_ID = 1, 2
+CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
+
+
+def converter_dir() -> Path:
+    """The directory holding convert_hf_to_gguf.py, extracted once per machine."""
+    default = Path.home() / ".cache" / "zllm-tests" / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}"
+    root = Path(os.environ.get("ZLLM_LLAMA_CPP_DIR") or default)
+    if (root / "convert_hf_to_gguf.py").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+        sdist = _download_sdist(Path(scratch))
+        extracted = Path(scratch) / "extracted"
+        _extract_converter(sdist, extracted)
+        try:
+            extracted.rename(root)  # atomic: a concurrent test worker may have won the race
+        except OSError:
+            if not (root / "convert_hf_to_gguf.py").is_file():
+                raise
+    return root
+
+
+def _download_sdist(directory: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
+    cmd += ["--no-binary", ":all:", "--no-deps", "--quiet", "-d", str(directory)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    sdist = directory / _SDIST
+    if result.returncode != 0 or not sdist.is_file():
+        raise RuntimeError(f"pip download of {_SDIST} failed:\n{result.stderr[-3000:]}")
+    digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    if digest != _SDIST_SHA256:
+        raise RuntimeError(f"{_SDIST} has sha256 {digest}, expected {_SDIST_SHA256}")
+    return sdist
+
+
+def _extract_converter(sdist: Path, target: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            inner = member.name.removeprefix(_VENDORED)
+            if inner != member.name and inner.startswith(_CONVERTER_FILES) and member.isfile():
+                member.name = inner
+                members.append(member)
+        tar.extractall(target, members=members, filter="data")
+    if not (target / "convert_hf_to_gguf.py").is_file():
+        raise RuntimeError(f"{_SDIST} has no {_VENDORED}convert_hf_to_gguf.py")
+
+
+def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str) -> Path:
+    """`python convert_hf_to_gguf.py MODEL_DIR --outfile F --outtype T`, as a user runs it."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype {outtype!r} is not one of {OUTTYPES}")
+    root = converter_dir()
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(model_dir)]
+    cmd += ["--outfile", str(outfile), "--outtype", outtype]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if result.returncode != 0 or not outfile.is_file():
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
+    return outfile
+
+
+def write_spm_tokenizer(directory: Path) -> None:
+    """tokenizer.model: a SentencePiece BPE with byte fallback trained on tiny_models' corpus
+    (ids 0-2 <unk>, <s>, </s>; the chat markers whole), and the tokenizer_config.json a Llama
+    checkpoint has beside it."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 20),
+        model_writer=model,
+        vocab_size=SPM_VOCAB_SIZE,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        user_defined_symbols=CHAT_MARKERS,
+        num_threads=1,
+        minloglevel=2,
+    )
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    tokenizer_config = {
+        "tokenizer_class": "LlamaTokenizer",  # Phi-3's converter reads it
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_bos_token": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def write_convertible_model(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random `arch` model (tiny_models.tiny_hf_config with `overrides`) in Hugging Face
+    layout with norms drawn away from one, and a SentencePiece tokenizer: what the converter
+    takes."""
+    path.mkdir(parents=True, exist_ok=True)
+    write_spm_tokenizer(path)
+    ids = dict(vocab_size=SPM_VOCAB_SIZE, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    config = tiny_hf_config(arch, **{**ids, **overrides})
+    tiny_hf_model(config, seed).save_pretrained(path, safe_serialization=True)
+    return randomize_norms_and_biases(path, seed)
