@@ -223,13 +223,18 @@ struct FewQ23_K {
     }
     const uint8_t* qs = blk + (kThirdBit ? 32 : 16);
     const __m256i three = _mm256_set1_epi32(3), four = _mm256_set1_epi32(4);
+    // Unrolled, so every shift count below is a constant.
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
       for (int quarter = 0; quarter < 2; ++quarter) {  // values 0-15, then 16-31, of each group
         __m256 dot[4][MR];
+#pragma GCC unroll 2
         for (int part = 2 * quarter; part < 2 * quarter + 2; ++part) {
           const __m256i bytes = widen8_u(qs + 32 * h + 8 * part);
           __m256i hmask;
           if constexpr (kThirdBit) hmask = widen8_u(blk + 8 * part);
+#pragma GCC unroll 4
           for (int j = 0; j < 4; ++j) {
             __m256i codes = _mm256_and_si256(_mm256_srli_epi32(bytes, 2 * j), three);
             if constexpr (kThirdBit) {
