@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from zllm.executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM
 from zllm.executor.models.llama import LlamaForCausalLM
 
 # Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias), Qwen3
 # q/k norms (qk_norm), Phi-3 fused checkpoint tensors and LongRoPE (executor/models/llama.py).
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "deepseek2": DeepseekV2ForCausalLM,  # llama.cpp's name for DeepSeek-V2 GGUF files
+    "deepseek_v2": DeepseekV2ForCausalLM,  # multi-head latent attention (deepseek_v2.py)
     "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
@@ -28,4 +31,4 @@ def get_model_class(arch_name: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "get_model_class"]
+__all__ = ["DeepseekV2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "get_model_class"]

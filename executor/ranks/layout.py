@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.attention.backend import AttentionBackend, choose_attention_backend
+from zllm.executor.attention.backend import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    choose_attention_backend,
+)
 from zllm.executor.ranks.parallel import (
     ONE_RANK,
     Parallel,
@@ -83,7 +87,10 @@ class RankLayout:
             kv_groups=kv_groups,
             layer_attention=layer_attention(arch, kv_groups, layers),
             kv_slot_of=layer_kv_slots(kv_groups, layers),
-            attention=choose_attention_backend(device, dtype, arch.head_dim),
+            # MLA attends by executor/attention/mla.py over the torch backend's metadata.
+            attention=TORCH_ATTENTION
+            if arch.mla is not None
+            else choose_attention_backend(device, dtype, arch.head_dim),
         )
 
     def graphs_run_here(self) -> bool:

@@ -302,6 +302,10 @@ def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int,
 
 def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
     """(module, attribute, checkpoint names) of every decoder matmul the blocks may serve."""
+    own_targets = getattr(model, "block_matmul_targets", None)
+    if own_targets is not None:  # a model laid out otherwise than Llama names its own
+        yield from own_targets()
+        return
     # (A pipeline stage holds some of the layers: layer_indices names them.)
     fused = model.arch.architecture in FUSED_CHECKPOINTS
     for i, layer in zip(model.layer_indices, model.layers, strict=True):

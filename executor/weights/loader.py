@@ -58,7 +58,22 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj",
     "ffn_up": "mlp.gate_up_proj",
 }
+# DeepSeek-V2's multi-head latent attention (llama.cpp's deepseek2). Newer converters split
+# kv_b_proj into attn_k_b (W_UK transposed, [heads, kv_lora_rank, nope]) and attn_v_b (W_UV,
+# [heads, v, kv_lora_rank]); _join_kv_b puts them back together as kv_b_proj.
+_DEEPSEEK2_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+}
 _LAYER_NAMES_BY_ARCH = {
+    "deepseek2": _DEEPSEEK2_LAYER_NAMES,
     "gemma3": _GEMMA3_LAYER_NAMES,
     "qwen3": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
@@ -97,7 +112,8 @@ def load_weights(
     total = sum(info.nbytes for info in gguf.tensors.values())
     description = f"Loading {Path(model_path).name}"
     with Progress(description, total=total, unit="B", logger=logger) as progress:
-        yield from _load_gguf(gguf, arch, progress, layers, skip)
+        weights = _load_gguf(gguf, arch, progress, layers, skip)
+        yield from _join_kv_b(weights) if arch.architecture == "deepseek2" else weights
 
 
 @torch.no_grad()
@@ -197,6 +213,26 @@ def gguf_raw_weights(
             rows = unpermute_rope_rows(rows, arch.head_dim)
         raw[hf_name] = (int(info.ggml_type), torch.from_numpy(np.array(rows, dtype=np.uint8)))
     return raw
+
+
+def _join_kv_b(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek-V2's split attn_k_b / attn_v_b back into Hugging Face's kv_b_proj [heads x
+    (nope + v), kv_lora_rank] (per head: W_UK's rows, then W_UV's); every other tensor as is."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition(".self_attn.")
+        if kind not in ("k_b_proj.weight", "v_b_proj.weight"):
+            yield name, tensor
+            continue
+        pair = halves.setdefault(prefix, {})
+        pair[kind] = tensor
+        if len(pair) == 2:
+            w_uk = pair["k_b_proj.weight"].transpose(1, 2)  # [heads, nope, kv_lora_rank]
+            joined = torch.cat((w_uk, pair["v_b_proj.weight"]), dim=1)
+            yield f"{prefix}.self_attn.kv_b_proj.weight", joined.reshape(-1, joined.shape[-1])
+            del halves[prefix]
+    if halves:
+        raise ValueError(f"attn_k_b without attn_v_b (or the reverse) in {sorted(halves)}")
 
 
 def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:

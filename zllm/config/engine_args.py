@@ -36,6 +36,7 @@ from zllm.config.generation import (
 )
 from zllm.config.kv_layout import block_bytes
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
+from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
@@ -395,6 +396,7 @@ class EngineArgs:
         config.kv_offload = self._kv_offload_config(config)
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
+        check_mla(config)
         return config
 
     def _tokenizer_path(self, model_path: str) -> str:

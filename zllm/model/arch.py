@@ -21,9 +21,17 @@ from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (
+    "deepseek_v2",
+    "gemma3_text",
+    "llama",
+    "mistral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+)
 # GGUF general.architecture names (llama.cpp's): a Mistral checkpoint converts to "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("deepseek2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
@@ -32,6 +40,10 @@ def read_arch_config(model_path: str) -> ModelArchConfig:
     gguf = read_gguf(model_path)
     if gguf.metadata.get("general.architecture") == "gemma3":
         arch = _gemma3_arch_from_gguf(gguf)
+    elif gguf.metadata.get("general.architecture") == "deepseek2":
+        from zllm.model.deepseek_arch import deepseek2_arch_from_gguf
+
+        arch = deepseek2_arch_from_gguf(gguf)
     else:
         arch = _arch_from_gguf(gguf)
     entry = registry_entry_of(model_path)
@@ -210,6 +222,10 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
         )
     if model_type == "gemma3_text":
         return _gemma3_arch_from_hf(cfg, config_path)
+    if model_type == "deepseek_v2":  # multi-head latent attention (zllm/model/deepseek_arch.py)
+        from zllm.model.deepseek_arch import deepseek_v2_arch_from_hf
+
+        return deepseek_v2_arch_from_hf(cfg, config_path)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{config_path}: unsupported model_type {model_type!r} "

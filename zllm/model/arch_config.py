@@ -9,6 +9,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3, Hugging Face's names).
+
+    Per token the KV cache holds one latent row shared by every head: the compressed c_kv
+    (kv_lora_rank values, after its norm) and the rotated shared key k_pe (qk_rope_head_dim),
+    576 values for DeepSeek-V2-Lite against 2 x 16 heads x 192 for plain attention. A head's
+    query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj, its norm, q_b_proj
+
+    @property
+    def latent_width(self) -> int:
+        """Values one token's latent row holds: c_kv then k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass(slots=True)
 class ModelArchConfig:
     """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
@@ -43,6 +68,11 @@ class ModelArchConfig:
     attn_logit_softcapping: float | None = None
     # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
     rope_freq_factors: list[float] | None = None
+    # Multi-head latent attention (DeepSeek-V2): then the KV pool's rows are the latent's, one
+    # KV head of half the latent row per K/V plane (num_kv_heads 1, head_dim latent_width / 2:
+    # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
+    # head_dim x 2 holds the latent row exactly, no V beside it.
+    mla: MLAConfig | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

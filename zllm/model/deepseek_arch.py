@@ -1,0 +1,179 @@
+"""DeepSeek-V2's shape (`ModelArchConfig` with `mla`): from config.json (model_type
+deepseek_v2, transformers' DeepseekV2Config) or a GGUF file of llama.cpp's `deepseek2`
+architecture. No torch here.
+
+What the two files say, side by side (DeepSeek-V2-Lite's numbers):
+
+    config.json              deepseek2 GGUF                              Lite
+    kv_lora_rank             attention.kv_lora_rank                      512
+    q_lora_rank              attention.q_lora_rank (absent: attn_q)      null
+    qk_rope_head_dim         rope.dimension_count                        64
+    qk_nope + qk_rope        attention.key_length_mla (old files:        192
+                             attention.key_length)
+    v_head_dim               attention.value_length_mla (old files:      128
+                             attention.value_length)
+    rope_scaling yarn        rope.scaling.{type,factor,original_context_length,yarn_beta_*}
+    mscale_all_dim           rope.scaling.yarn_log_multiplier / 0.1      0.707
+    first_k_dense_replace    leading_dense_block_count                   1
+
+The converter writes no `mscale`: llama.cpp takes it equal to mscale_all_dim (so YaRN's cos/sin
+factor is 1, as in every DeepSeek-V2/V3 config), and so does this reader.
+
+The MoE layers (routed and shared experts) are refused until the MoE layer exists
+(executor/models/moe.py): only configs whose every layer is dense run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zllm.model.arch import _gguf_rope_scaling, _hf_rope_scaling
+from zllm.model.arch_config import MLAConfig, ModelArchConfig
+from zllm.model.gguf import GGUFFile, invalid_gguf
+
+# The DeepSeek-V2 latent norms' epsilon: transformers builds them with its RMSNorm's default,
+# not config.rms_norm_eps (so does DeepSeek's own modeling code).
+LATENT_NORM_EPS = 1e-6
+
+
+def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+    """config.json of model_type deepseek_v2 (transformers 4.5x's or 5's, or DeepSeek's own)."""
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"{config_path} is missing {key!r}")
+        return cfg[key]
+
+    num_layers = int(need("num_hidden_layers"))
+    _refuse_moe_layers(
+        config_path,
+        cfg.get("n_routed_experts"),
+        int(cfg.get("first_k_dense_replace") or 0),
+        num_layers,
+    )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{config_path}: hidden_act {cfg['hidden_act']!r} (DeepSeek-V2 uses silu)")
+    q_lora_rank = cfg.get("q_lora_rank")
+    mla = MLAConfig(
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=int(need("qk_nope_head_dim")),
+        qk_rope_head_dim=int(need("qk_rope_head_dim")),
+        v_head_dim=int(need("v_head_dim")),
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+    )
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture="deepseek_v2",
+        vocab_size=int(need("vocab_size")),
+        hidden_size=int(need("hidden_size")),
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=int(need("num_attention_heads")),
+        **_latent_kv_layout(mla, str(config_path)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(need("max_position_embeddings")),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+        mla=mla,
+    )
+
+
+def deepseek2_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+    """A `deepseek2` file as llama.cpp's convert_hf_to_gguf.py writes it (either kv_b layout:
+    attn_kv_b whole, or attn_k_b / attn_v_b split by newer converters; loader.py joins them)."""
+    md, path = gguf.metadata, gguf.path
+
+    def need(key: str) -> int | float:
+        value = md.get(f"deepseek2.{key}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid_gguf(path, f"metadata key 'deepseek2.{key}' is {value!r}")
+        return value
+
+    num_layers = int(need("block_count"))
+    dense = md.get("deepseek2.leading_dense_block_count", 0)
+    _refuse_moe_layers(path, md.get("deepseek2.expert_count"), int(dense), num_layers)
+    rope_dim = int(need("rope.dimension_count"))
+    # Newer converters keep key_length / value_length for the latent (MQA) view and write
+    # the per-head sizes as *_mla; older ones wrote the per-head sizes as key/value_length.
+    mla_keys = "deepseek2.attention.key_length_mla" in md
+    qk_head_dim = int(need("attention.key_length_mla" if mla_keys else "attention.key_length"))
+    v_head_dim = int(need("attention.value_length_mla" if mla_keys else "attention.value_length"))
+    q_lora_rank = md.get("deepseek2.attention.q_lora_rank")
+    mla = MLAConfig(
+        kv_lora_rank=int(need("attention.kv_lora_rank")),
+        qk_nope_head_dim=qk_head_dim - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=v_head_dim,
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+    )
+    tokens = md.get("tokenizer.ggml.tokens")
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is None:
+        raise invalid_gguf(path, "missing tensor 'token_embd.weight'")
+    vocab = md.get("deepseek2.vocab_size") or (len(tokens) if tokens else embd.shape[0])
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
+    return ModelArchConfig(
+        architecture="deepseek2",
+        vocab_size=int(vocab),
+        hidden_size=int(need("embedding_length")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=int(need("attention.head_count")),
+        **_latent_kv_layout(mla, path),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(md.get("deepseek2.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_kv_a_mqa.bias" in gguf.tensors,
+        rope_scaling=_gguf_yarn(md),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
+        mla=mla,
+    )
+
+
+def _latent_kv_layout(mla: MLAConfig, where: str) -> dict[str, int]:
+    """num_kv_heads and head_dim of the pool's rows for the latent (ModelArchConfig.mla)."""
+    if mla.latent_width % 2:
+        raise ValueError(
+            f"{where}: kv_lora_rank + qk_rope_head_dim = {mla.latent_width} is odd (the KV "
+            f"pool keeps the latent row as two halves)"
+        )
+    return {"num_kv_heads": 1, "head_dim": mla.latent_width // 2}
+
+
+def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope parameters as config.json has them: YaRN's type, factor, original context and
+    betas, and mscale_all_dim (= mscale, as llama.cpp takes it) from the log multiplier."""
+    scaling = _gguf_rope_scaling(md, "deepseek2")
+    if scaling is None:
+        return None
+    for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        value = md.get(f"deepseek2.rope.scaling.{key}")
+        if value is not None:
+            scaling[ours] = float(value)
+    log_multiplier = md.get("deepseek2.rope.scaling.yarn_log_multiplier")
+    if log_multiplier:
+        scaling["mscale"] = scaling["mscale_all_dim"] = float(log_multiplier) / 0.1
+    return scaling
+
+
+def _refuse_moe_layers(where: Any, experts: Any, dense_layers: int, num_layers: int) -> None:
+    """ValueError for a config with mixture-of-experts layers (those past the leading dense
+    ones, when it has routed experts)."""
+    if not experts or dense_layers >= num_layers:
+        return
+    raise ValueError(
+        f"{where}: DeepSeek-V2 with {experts} routed experts in layers {dense_layers}.."
+        f"{num_layers - 1}: zllm runs its multi-head latent attention natively, but its "
+        f"mixture-of-experts layers not yet (only configs whose layers are all dense, "
+        f"first_k_dense_replace >= num_hidden_layers)"
+    )
