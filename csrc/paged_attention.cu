@@ -41,6 +41,11 @@
 //         out = sum_p exp2(m_p - M) * l_p * o_p / sum_p exp2(m_p - M) * l_p,  M = max_p m_p
 //
 // Softmax runs in the log2 domain (exp2 is one instruction); all accumulation is fp32.
+//
+// Attention sinks (gpt-oss; `sinks` fp32 [num_heads], else null): head h's sink logit joins
+// its softmax denominator once and brings no value. One partition folds it into its own
+// max and sum (step 3); split contexts fold it in zllm_paged_decode_reduce:
+//    out = sum_p w_p o_p / (exp2(sink - M) + sum_p w_p),  M = max(sink, max_p m_p)
 
 #include "zllm_common.cuh"
 
@@ -87,7 +92,8 @@ __global__ void __launch_bounds__(kNumThreads)
                       int block_tables_int64, zllm_i64 block_table_stride,
                       const void* __restrict__ seq_lens, int seq_lens_int64, int num_heads,
                       int num_kv_heads, int block_size, int max_partitions, int heads_per_block,
-                      float scale, int partition_size, int window) {
+                      float scale, int partition_size, int window,
+                      const float* __restrict__ sinks) {
   using T = typename D::T;
   using Tile = DecodeTile<D, HEAD_DIM>;
   constexpr int kVec = Tile::kVec;
@@ -131,6 +137,7 @@ __global__ void __launch_bounds__(kNumThreads)
   const int num_partitions =
       imin((seq_len - first_pos + partition_size - 1) / partition_size, max_partitions);
   if (partition >= num_partitions) return;
+  const bool single = num_partitions == 1;
   const int start = first_pos + partition * partition_size;
   const int num_tokens = imin(partition_size, seq_len - start);
 
@@ -202,12 +209,15 @@ __global__ void __launch_bounds__(kNumThreads)
   __syncthreads();
 
   // 3. Softmax statistics, one warp per query head (heads past num_block_heads have zero
-  // scores: harmless, and it keeps every probability finite).
+  // scores: harmless, and it keeps every probability finite). A sink counts here when this
+  // partition is the whole context.
   for (int g = warp; g < GROUP; g += kNumWarps) {
     float* row = scratch + g * partition_size;
+    const bool sink_here = sinks != nullptr && single && g < num_block_heads;
+    const float sink = sink_here ? sinks[first_head + g] * kLog2e : kNegHuge;
     float m = kNegHuge;
     for (int t = tid % 32; t < num_tokens; t += 32) m = fmaxf(m, row[t]);
-    m = group_max<32>(m);
+    m = fmaxf(group_max<32>(m), sink);
     float sum = 0.0f;
     for (int t = tid % 32; t < num_tokens; t += 32) {
       const float p = exp2f(row[t] - m);
@@ -215,6 +225,7 @@ __global__ void __launch_bounds__(kNumThreads)
       sum += p;
     }
     sum = group_sum<32>(sum);
+    if (sink_here) sum += exp2f(sink - m);
     if (tid % 32 == 0) {
       head_max[g] = m;
       head_sum[g] = sum;
@@ -276,7 +287,6 @@ __global__ void __launch_bounds__(kNumThreads)
   __syncthreads();
 
   // 5. Sum the warps; write the output, or this partition's share of it.
-  const bool single = num_partitions == 1;
   for (int i = tid; i < num_block_heads * HEAD_DIM; i += kNumThreads) {
     const int g = i / HEAD_DIM;
     const int d = i - g * HEAD_DIM;
@@ -308,7 +318,7 @@ __global__ void __launch_bounds__(kNumThreads)
                              const float* __restrict__ partial_sum,
                              const void* __restrict__ seq_lens, int seq_lens_int64,
                              int num_heads, int head_dim, int max_partitions,
-                             int partition_size, int window) {
+                             int partition_size, int window, const float* __restrict__ sinks) {
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
   const int seq_len = (int)load_index(seq_lens, seq_lens_int64, seq);
@@ -319,11 +329,12 @@ __global__ void __launch_bounds__(kNumThreads)
 
   const zllm_i64 head_row = (zllm_i64)seq * num_heads + head;
   const zllm_i64 first = head_row * max_partitions;
-  float m = kNegHuge;
+  const float sink = sinks != nullptr ? sinks[head] * kLog2e : kNegHuge;
+  float m = sink;
   for (int p = 0; p < num_partitions; ++p) m = fmaxf(m, partial_max[first + p]);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float acc = 0.0f;
-    float denom = 0.0f;
+    float denom = sinks != nullptr ? exp2f(sink - m) : 0.0f;
     for (int p = 0; p < num_partitions; ++p) {
       // The partition's weight: its softmax sum, rescaled from its own max to the global one.
       const float w = exp2f(partial_max[first + p] - m) * partial_sum[first + p];

@@ -26,6 +26,10 @@
 //   4. V rows -> the same shared buffer; acc = acc * rescale + P @ V in fp32 registers
 //   5. out = acc / sum
 //
+// Attention sinks (gpt-oss; `sinks` fp32 [num_heads], else null): head h's sink logit joins
+// each query's softmax denominator and brings no value, so it starts the online softmax as a
+// key already seen: running max = the sink, running sum = 1, accumulator 0.
+//
 // Plain fp32 FMAs on CUDA cores, no tensor cores: a prefill of a few thousand tokens is a few
 // milliseconds of arithmetic at most at SmolLM2's size, where one SDPA call per sequence per
 // layer cost a Python call and a launch each.
@@ -50,7 +54,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
                        const void* __restrict__ block_tables, int block_tables_int64,
                        zllm_i64 block_table_stride, const int* __restrict__ seqs,
                        const int* __restrict__ tiles, int num_heads, int num_kv_heads,
-                       int block_size, float scale, int window) {
+                       int block_size, float scale, int window,
+                       const float* __restrict__ sinks) {
   using T = typename D::T;
   constexpr int kKeys = kTileFloats / HEAD_DIM;
   constexpr int kStride = HEAD_DIM + 1;  // padded rows: lanes reading different keys differ in bank
@@ -91,8 +96,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
     q_tile[m * kStride + d] = x;
   }
   if (tid < kRows) {
-    row_max[tid] = kMasked;
-    row_sum[tid] = 0.0f;
+    row_max[tid] = sinks != nullptr ? sinks[head] * kPrefillLog2e : kMasked;
+    row_sum[tid] = sinks != nullptr ? 1.0f : 0.0f;
   }
   float acc[kAcc];
 #pragma unroll

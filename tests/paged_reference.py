@@ -25,9 +25,18 @@ def random_tables(lens, block_size, gen, dtype=torch.int32, spare=3):
     return num_blocks, tables
 
 
-def decode_reference(q, kv_cache, tables, lens, block_size, window=0) -> torch.Tensor:
+def softmax_with_sinks(scores: torch.Tensor, sinks=None) -> torch.Tensor:
+    """softmax over the last dim of scores [H, ..., L]; with `sinks` [H] (attention sinks,
+    gpt-oss), each head's sink logit joins the denominator and is dropped after."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.double().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+
+
+def decode_reference(q, kv_cache, tables, lens, block_size, window=0, sinks=None) -> torch.Tensor:
     """float64 attention of q [S, H, D] over each sequence's gathered context (with a window
-    W > 0, its last W positions)."""
+    W > 0, its last W positions; with `sinks` [H], each head's sink logit in the softmax)."""
     num_kv_heads, head_dim = kv_cache.shape[3:]
     group = q.shape[1] // num_kv_heads
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -40,16 +49,17 @@ def decode_reference(q, kv_cache, tables, lens, block_size, window=0) -> torch.T
         k = flat[0, slots].double().repeat_interleave(group, dim=1)
         v = flat[1, slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].double(), k) / math.sqrt(head_dim)
-        out[s] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        out[s] = torch.einsum("hl,lhd->hd", softmax_with_sinks(scores, sinks), v)
     return out
 
 
-def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0) -> torch.Tensor:
+def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0, sinks=None) -> torch.Tensor:
     """float64 attention of each prefilling sequence's queries over its cached context.
 
     q [T, H, D] is the step's flat batch; `seqs` lists (first token, query count, context
     length) per sequence; query j sits at position ctx_len - q_len + j and sees the keys at or
-    before it (with a window W > 0, only its last W). Rows of other tokens stay zero."""
+    before it (with a window W > 0, only its last W). Rows of other tokens stay zero. `sinks`
+    [H]: each head's attention sink logit in the softmax's denominator."""
     num_kv_heads, head_dim = kv_cache.shape[3:]
     group = q.shape[1] // num_kv_heads
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -67,7 +77,8 @@ def prefill_reference(q, kv_cache, tables, seqs, block_size, window=0) -> torch.
         rows = q[first : first + q_len].double()
         scores = torch.einsum("qhd,lhd->hql", rows, k) / math.sqrt(head_dim)
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[first : first + q_len] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+        probs = softmax_with_sinks(scores, sinks)
+        out[first : first + q_len] = torch.einsum("hql,lhd->qhd", probs, v)
     return out
 
 

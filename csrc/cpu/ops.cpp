@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention read from the paged KV cache", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0);
+        py::arg("window") = 0, py::arg("sinks") = py::none());
 
   m.def("rms_norm_rows", &rms_norm_rows,
         "(weight * norm(x + residual), x + residual) over rows, fp32", py::arg("x"),

@@ -24,6 +24,10 @@
 // Sliding window (window > 0): a sequence of context L attends to positions
 // [max(0, L - window), L), and its block table starts at the block holding the first of them
 // (the blocks before the window may be released), as attention.py's decode batch builds it.
+//
+// Attention sinks (gpt-oss; sinks fp32 [H], else null): head h's sink logit joins its
+// softmax denominator and brings no value: out = sum_t e^(s_t - m) v_t / (e^(sink - m) +
+// sum_t e^(s_t - m)), m the largest of the scores and the sink.
 
 #pragma once
 
@@ -37,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -252,11 +257,12 @@ inline __m256 hsum8(const __m256* a) {
 //   pass 1: scores of 8 tokens at a time: 8 independent FMA chains, one hsum8, one exp8
 //           later; padding lanes get -inf (weight 0)
 //   pass 2: per query head, out (D floats) stays in registers while the V rows stream by.
+// `sink`: the G heads' sink logits, or null.
 template <int D, class E>  // D: 64 or 128 (int8 rows: groups of 32)
 void decode_item(const float* const* qg, int64_t G, const E* k_base, const E* v_base,
                  const int64_t* table, int64_t block_size, int64_t row, int64_t group_shift,
-                 int64_t begin, int64_t end, float scale, float* const* out,
-                 std::vector<float>& scores) {
+                 int64_t begin, int64_t end, float scale, const float* sink,
+                 float* const* out, std::vector<float>& scores) {
   constexpr int NV = D / 8;
   const int64_t L = end - begin;
   const int64_t Lp = (L + 7) / 8 * 8;
@@ -291,7 +297,8 @@ void decode_item(const float* const* qg, int64_t G, const E* k_base, const E* v_
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmax);
-    const float m = *std::max_element(lanes, lanes + 8);
+    float m = *std::max_element(lanes, lanes + 8);
+    if (sink) m = std::max(m, sink[g]);
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t t0 = 0; t0 < Lp; t0 += 8) {
@@ -299,7 +306,7 @@ void decode_item(const float* const* qg, int64_t G, const E* k_base, const E* v_
       _mm256_storeu_ps(sg + t0, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    const float inv = 1.f / hsum(vsum);
+    const float inv = 1.f / (hsum(vsum) + (sink ? std::exp(sink[g] - m) : 0.f));
     __m256 o[NV];
     for (int v = 0; v < NV; ++v) o[v] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
@@ -316,15 +323,18 @@ template <class E>
 inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const E* k_base,
                             const E* v_base, const int64_t* table, int64_t block_size,
                             int64_t row, int64_t group_shift, int64_t begin, int64_t end,
-                            float scale, float* const* out, std::vector<float>& scores) {
+                            float scale, const float* sink, float* const* out,
+                            std::vector<float>& scores) {
   const int64_t L = end - begin;
   scores.resize(G * L);
   auto slot_of = [&](int64_t j) {
     const int64_t t = begin + j;
     return table[t / block_size] * block_size + t % block_size;
   };
-  // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max.
+  // Pass 1: scores[g][t] = q_g . k_t * scale, per group head, with its running max (from
+  // its sink's logit, if any).
   std::vector<float> maxes(G, -INFINITY);
+  if (sink) std::copy(sink, sink + G, maxes.begin());
   for (int64_t t = 0; t < L; ++t) {
     const RowReader<E> k(k_base + slot_of(t) * row, D, group_shift);
     for (int64_t g = 0; g < G; ++g) {
@@ -333,9 +343,10 @@ inline void decode_item_any(const float* const* qg, int64_t G, int64_t D, const 
       maxes[g] = std::max(maxes[g], x);
     }
   }
-  // Softmax weights, then out_g = sum_t w[g][t] v_t / sum_t w[g][t].
+  // Softmax weights, then out_g = sum_t w[g][t] v_t / sum_t w[g][t] (+ the sink's weight).
   std::vector<float> sums(G, 0.f);
   for (int64_t g = 0; g < G; ++g) {
+    if (sink) sums[g] = std::exp(sink[g] - maxes[g]);
     float* sg = scores.data() + g * L;
     for (int64_t t = 0; t < L; ++t) {
       sg[t] = std::exp(sg[t] - maxes[g]);
@@ -432,11 +443,12 @@ inline void check_tables(const int64_t* tables, int64_t max_blocks, const int64_
 }
 
 // out[s, h] = attention of q[s, h] over sequence s's context, for S sequences of one new
-// token each (checked tables: check_tables). q rows at q + s * q_seq + h * q_head.
+// token each (checked tables: check_tables). q rows at q + s * q_seq + h * q_head; `sinks`:
+// fp32 [H] sink logits, or null.
 inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int64_t S,
                              int64_t H, const PagedCache& cache, const int64_t* tables,
                              int64_t max_blocks, const int64_t* lens, int64_t window,
-                             float scale, float* out) {
+                             float scale, float* out, const float* sinks = nullptr) {
   const int64_t KVH = cache.kv_heads, D = cache.head_dim, G = H / KVH;
   const int64_t row = KVH * cache.head_stride;  // elements between consecutive tokens of a block
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -451,6 +463,7 @@ inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int6
       }
       const Span span = attended_span(lens[s], window, cache.block_size);
       const int64_t* table = tables + s * max_blocks;
+      const float* sink = sinks ? sinks + kvh * G : nullptr;
       with_elements(cache, cache.k, [&](auto* k) {
         using E = std::remove_pointer_t<decltype(k)>;
         const E* k_base = k + kvh * cache.head_stride;
@@ -458,13 +471,13 @@ inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int6
         const int64_t gs = cache.group_shift;
         if (D == 64)
           decode_item<64>(qg.data(), G, k_base, v_base, table, cache.block_size, row, gs,
-                          span.begin, span.end, scale, og.data(), scores);
+                          span.begin, span.end, scale, sink, og.data(), scores);
         else if (D == 128)
           decode_item<128>(qg.data(), G, k_base, v_base, table, cache.block_size, row, gs,
-                           span.begin, span.end, scale, og.data(), scores);
+                           span.begin, span.end, scale, sink, og.data(), scores);
         else
           decode_item_any(qg.data(), G, D, k_base, v_base, table, cache.block_size, row, gs,
-                          span.begin, span.end, scale, og.data(), scores);
+                          span.begin, span.end, scale, sink, og.data(), scores);
       });
     }
   });
@@ -477,7 +490,8 @@ using namespace zllm_attn;
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
-                                     int64_t window) {
+                                     int64_t window,
+                                     const std::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
               "q must be fp32 [S, H, D] with a contiguous last dim");
   const PagedCache cache = paged_cache(kv_cache, q.size(2));
@@ -494,8 +508,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   check_tables(tables, max_blocks, lens, S, window, cache);
+  if (sinks)
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->is_contiguous() &&
+                    sinks->scalar_type() == torch::kFloat32 && sinks->device().is_cpu(),
+                "sinks must be contiguous fp32 [heads] on CPU");
   auto out = torch::empty({S, H, D}, q.options());
   decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), S, H, cache, tables, max_blocks,
-                   lens, window, static_cast<float>(scale), out.data_ptr<float>());
+                   lens, window, static_cast<float>(scale), out.data_ptr<float>(),
+                   sinks ? sinks->data_ptr<float>() : nullptr);
   return out;
 }

@@ -56,7 +56,7 @@ void run_decode(void* p) {
       arg<zllm_i64>(a, 8), arg<const void*>(a, 9), arg<int>(a, 10), arg<zllm_i64>(a, 11),
       arg<const void*>(a, 12), arg<int>(a, 13), arg<int>(a, 14), arg<int>(a, 15),
       arg<int>(a, 16), arg<int>(a, 17), arg<int>(a, 18), arg<float>(a, 19), arg<int>(a, 20),
-      arg<int>(a, 21));
+      arg<int>(a, 21), arg<const float*>(a, 22));
 }
 
 template <typename D>
@@ -66,7 +66,7 @@ void run_reduce(void* p) {
   zllm_paged_decode_reduce<D>(arg<T*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
                               arg<const float*>(a, 3), arg<const void*>(a, 4), arg<int>(a, 5),
                               arg<int>(a, 6), arg<int>(a, 7), arg<int>(a, 8), arg<int>(a, 9),
-                              arg<int>(a, 10));
+                              arg<int>(a, 10), arg<const float*>(a, 11));
 }
 
 template <typename D, int HEAD_DIM>
@@ -77,7 +77,8 @@ void run_prefill(void* p) {
       arg<T*>(a, 0), arg<const T*>(a, 1), arg<zllm_i64>(a, 2), arg<zllm_i64>(a, 3),
       arg<const T*>(a, 4), arg<zllm_i64>(a, 5), arg<const void*>(a, 6), arg<int>(a, 7),
       arg<zllm_i64>(a, 8), arg<const int*>(a, 9), arg<const int*>(a, 10), arg<int>(a, 11),
-      arg<int>(a, 12), arg<int>(a, 13), arg<float>(a, 14), arg<int>(a, 15));
+      arg<int>(a, 12), arg<int>(a, 13), arg<float>(a, 14), arg<int>(a, 15),
+      arg<const float*>(a, 16));
 }
 
 template <typename D>

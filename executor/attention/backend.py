@@ -46,6 +46,7 @@ class AttentionLayer(Protocol):
         kv_cache: torch.Tensor,
         meta: Any,
         kv_written: bool = False,  # the model wrote key and value already (one fused kernel)
+        sinks: torch.Tensor | None = None,  # fp32 [heads]: attention sink logits (gpt-oss)
     ) -> torch.Tensor: ...
 
 

@@ -21,6 +21,9 @@ kernels instead of for CPU gathers:
   reading the cache in place otherwise), lower-right causal.
 - Sliding windows (Gemma 3's local layers, Mistral): both kernels take the window, so such
   layers stay on these kernels (table entries before a window are never read).
+- Attention sinks (gpt-oss: a logit per head in the softmax's denominator): both kernels
+  take them; such layers' prefills take csrc/paged_prefill.cu in every dtype, since
+  FlashAttention's varlen call has no sink.
 
 `ZLLM_CUDA_PREFILL=sdpa` runs prefills as before the varlen call, one SDPA call per
 prefilling sequence (attention.py's `PagedAttentionBase`), for A/B measurements;
@@ -163,25 +166,32 @@ class CudaPagedAttention(PagedAttentionBase):
         kv_cache: torch.Tensor,
         meta: CudaAttentionMetadata,
         kv_written: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim].
-        `kv_written`: the model wrote key and value to the cache already (rope_into_cache)."""
+        `kv_written`: the model wrote key and value to the cache already (rope_into_cache).
+        `sinks`: fp32 [heads], the layer's attention sink logits (gpt-oss), or None."""
         if not kv_written:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return self._decode(query, kv_cache, meta)
+            return self._decode(query, kv_cache, meta, sinks)
 
         out = query.new_empty(query.shape)
         idx = meta.decode_token_indices
         if meta.num_decodes and idx is not None:  # idx is None only when all are decodes
-            out.index_copy_(0, idx, self._decode(query.index_select(0, idx), kv_cache, meta))
+            decoded = self._decode(query.index_select(0, idx), kv_cache, meta, sinks)
+            out.index_copy_(0, idx, decoded)
         if meta.prefill is not None:
-            paged_prefill_attention(query, kv_cache, meta.prefill, self.scale, out)
-        self._attend_prefills(out, query, key, value, kv_cache, meta.sdpa_chunks)
+            paged_prefill_attention(query, kv_cache, meta.prefill, self.scale, out, sinks=sinks)
+        self._attend_prefills(out, query, key, value, kv_cache, meta.sdpa_chunks, sinks)
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: CudaAttentionMetadata
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: CudaAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_decode_attention(
             q,
@@ -192,6 +202,7 @@ class CudaPagedAttention(PagedAttentionBase):
             max_seq_len=meta.max_decode_seq_len,
             workspace=meta.workspace,
             window=meta.window,
+            sinks=sinks,
         )
 
 

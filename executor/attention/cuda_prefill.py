@@ -12,7 +12,8 @@ layer then makes one call, by one of two implementations:
   flat batch (three index_selects; the output goes back with one index_copy), then one
   varlen FlashAttention call on tensor cores, causal aligned bottom-right (query j
   of a chunk sits at context position ctx_len - q_len + j), window as its left size.
-- kernel (csrc/paged_prefill.cu: fp32, older GPUs, or ZLLM_CUDA_PREFILL=kernel): reads the
+- kernel (csrc/paged_prefill.cu: fp32, older GPUs, layers with attention sinks (gpt-oss),
+  which the varlen FlashAttention call cannot take, or ZLLM_CUDA_PREFILL=kernel): reads the
   keys in place through the block tables, fp32 FMAs on CUDA cores. Its batch description:
 
     seqs   [P, 3]   first token in the flat batch, query count, context length
@@ -43,6 +44,7 @@ from zllm.executor.kernels.cuda import (
     _check_devices,
     _ptr,
     check_query,
+    check_sinks,
 )
 
 logger = logging.getLogger(__name__)
@@ -198,10 +200,12 @@ def plan_paged_prefill(
     batch: PrefillBatch,
     scale: float,
     out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> list[KernelLaunch]:
     """The launch of zllm_paged_prefill: q and out [T, heads, D] over the step's flat batch
-    (only the prefill tokens' rows of `out` are written)."""
+    (only the prefill tokens' rows of `out` are written); `sinks` fp32 [heads] or None."""
     num_blocks, block_size, num_kv_heads, head_dim = check_query(q, kv_cache, out)
+    check_sinks(sinks, q)
     if q.stride(2) != 1:
         raise CudaKernelError(f"q's last dim must be contiguous, got strides {q.stride()}")
     num_heads = q.shape[1]
@@ -235,8 +239,9 @@ def plan_paged_prefill(
                 np.int32(block_size),
                 np.float32(scale),
                 np.int32(batch.window),
+                _ptr(sinks),
             ),
-            (q, out, seqs, tiles, inputs.block_tables),
+            tuple(t for t in (q, out, seqs, tiles, inputs.block_tables, sinks) if t is not None),
         )
     ]
 
@@ -248,15 +253,20 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor,
     impl: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes the prefill tokens' attention into their rows of `out` ([T, heads, D]).
-    `impl`: "flash" or "kernel"; None picks flash where it runs (`uses_flash`)."""
+    `impl`: "flash" or "kernel"; None picks flash where it runs (`uses_flash`). A layer with
+    attention `sinks` (fp32 [heads]) always takes the kernel: FlashAttention's varlen call has
+    no sink logit."""
     if impl is None:
-        impl = "flash" if uses_flash(q, batch.mode) else "kernel"
+        impl = "flash" if sinks is None and uses_flash(q, batch.mode) else "kernel"
     if impl == "flash":
+        if sinks is not None:
+            raise ValueError("the FlashAttention prefill takes no attention sinks")
         flash_prefill(q, kv_cache, batch.flash, scale, out, batch.window)
     elif impl == "kernel":
-        ck.run_launches(plan_paged_prefill(q, kv_cache, batch, scale, out), q.device)
+        ck.run_launches(plan_paged_prefill(q, kv_cache, batch, scale, out, sinks), q.device)
     else:
         raise ValueError(f"prefill implementation {impl!r}: expected 'flash' or 'kernel'")
     return out

@@ -38,6 +38,7 @@ from zllm.executor.attention.metadata import (
     DecodeBatch,
     PrefillChunk,
 )
+from zllm.executor.attention.sinks import sink_attention
 from zllm.executor.kv.quant import as_stored, narrow, widen
 
 # `enable_gqa` arrived in torch 2.5; older versions get the KV heads repeated instead.
@@ -60,7 +61,9 @@ class PagedAttentionBase:
 
     A chunk that follows cached context gathers that context's K/V from the cache by slot
     (after the chunk's own K/V were written) and attends under the chunk's mask; a fresh
-    prompt attends causally over its new K/V.
+    prompt attends causally over its new K/V. A layer with attention sinks (gpt-oss: `sinks`
+    [heads], each head's sink logit, passed with every call) attends by executor/attention/
+    sinks.py instead of SDPA.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class PagedAttentionBase:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         prefills: list[PrefillChunk],
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Write each chunk's attention output into its rows of `out`."""
         if not prefills:
@@ -88,7 +92,7 @@ class PagedAttentionBase:
         slots = kv_cache.view(2, -1, self.num_kv_heads, kv_cache.shape[-1])
         for chunk in prefills:
             out[chunk.token_start : chunk.token_end] = self._prefill(
-                query, key, value, slots, chunk
+                query, key, value, slots, chunk, sinks
             )
 
     def _prefill(
@@ -98,6 +102,7 @@ class PagedAttentionBase:
         value: torch.Tensor,
         slots: torch.Tensor,
         chunk: PrefillChunk,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         span = slice(chunk.token_start, chunk.token_end)
         q = query[span].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
@@ -109,13 +114,20 @@ class PagedAttentionBase:
             v = widen(slots[1].index_select(0, chunk.context_slots), query.dtype, self.head_dim)
         k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, D]
         v = v.transpose(0, 1).unsqueeze(0)
-        out = self._sdpa(q, k, v, chunk.attn_mask)
+        out = self._sdpa(q, k, v, chunk.attn_mask, sinks)
         return out[0].transpose(0, 1)
 
     def _sdpa(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """[B, heads, q, d] x [B, kv_heads, L, d]; no mask means causal with q == L."""
+        if sinks is not None:
+            return sink_attention(q, k, v, mask, self.scale, sinks)
         causal = mask is None
         if self.num_heads == self.num_kv_heads:
             return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, scale=self.scale)
@@ -155,21 +167,23 @@ class PagedAttention(PagedAttentionBase):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         kv_written: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, heads, head_dim], key/value [T, kv_heads, head_dim] -> [T, heads, head_dim].
-        `kv_written`: the model wrote key and value to the cache already."""
+        `kv_written`: the model wrote key and value to the cache already. `sinks`: fp32
+        [heads], the layer's attention sink logits (gpt-oss), or None."""
         if not kv_written:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         decode = meta.decode
         window = meta.sliding_window
         if decode is not None and decode.is_whole_batch:
-            return self._decode(query, kv_cache, decode, meta.block_size, window)
+            return self._decode(query, kv_cache, decode, meta.block_size, window, sinks)
 
         out = query.new_empty(query.shape)
         if decode is not None:
-            decoded = self._decode(query, kv_cache, decode, meta.block_size, window)
+            decoded = self._decode(query, kv_cache, decode, meta.block_size, window, sinks)
             out.index_copy_(0, decode.token_indices, decoded)
-        self._attend_prefills(out, query, key, value, kv_cache, meta.prefills)
+        self._attend_prefills(out, query, key, value, kv_cache, meta.prefills, sinks)
         return out
 
     def _decode(
@@ -179,16 +193,17 @@ class PagedAttention(PagedAttentionBase):
         decode: DecodeBatch,
         block_size: int,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
         num_seqs = q.shape[0]
         if self.decode_kernel is not None:
             tables = decode.block_ids.view(num_seqs, decode.max_blocks)
             return self.decode_kernel(
-                q, kv_cache, tables, decode.seq_lens, self.scale, sliding_window
+                q, kv_cache, tables, decode.seq_lens, self.scale, sliding_window, sinks
             )
         if decode.exact:
-            return self._decode_rows_exactly(q, kv_cache, decode, block_size)
+            return self._decode_rows_exactly(q, kv_cache, decode, block_size, sinks)
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)
         shape = (2, decode.block_ids.shape[0], blocks.shape[2])
         kv = decode.workspace
@@ -201,12 +216,17 @@ class PagedAttention(PagedAttentionBase):
         kv = kv.view(2, num_seqs, padded_len, self.num_kv_heads, kv_cache.shape[-1])
         kv = widen(kv, q.dtype, self.head_dim)  # a 16-bit or int8 cache as activations
         out = self._sdpa(
-            q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask
+            q.unsqueeze(2), kv[0].transpose(1, 2), kv[1].transpose(1, 2), decode.attn_mask, sinks
         )
         return out.squeeze(2)
 
     def _decode_rows_exactly(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, block_size: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        decode: DecodeBatch,
+        block_size: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One SDPA per row over exactly the keys its mask admits (its window included)."""
         slots = kv_cache.view(2, -1, self.num_kv_heads, kv_cache.shape[-1])
@@ -222,5 +242,5 @@ class PagedAttention(PagedAttentionBase):
             v = widen(slots[1].index_select(0, row_slots), q.dtype, self.head_dim)
             k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             everything = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=q.device)
-            out[row] = self._sdpa(q[row][None, :, None], k, v, everything)[0, :, 0]
+            out[row] = self._sdpa(q[row][None, :, None], k, v, everything, sinks)[0, :, 0]
         return out

@@ -6,7 +6,7 @@
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     cpu_isa(), set_cpu_isa(name)              AVX-512 VNNI or AVX2 for the kernels with both
                                               ($ZLLM_CPU_ISA)                  csrc/cpu/cpu_isa.h
-    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window])
+    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window, sinks])
                                               one new token per sequence       csrc/cpu/paged_attention.h
     rms_norm_rows, rope_rows_, gated_activation_rows   a layer's row-wise ops  csrc/cpu/row_ops.h
                                               (executor/kernels/cpu_layer_ops.py)
@@ -283,15 +283,19 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one token per sequence) attending to its context in kv_cache -> [S, H, D].
 
     kv_cache [2, num_blocks, block_size, kv_heads, D] fp32 contiguous; block_tables int64
     [S, max_blocks]; seq_lens int64 [S] (the context, this token included). With a sliding
     `window`, each sequence attends to its last `window` positions and its table starts at the
-    block holding the first of them (attention.py's windowed decode batch).
+    block holding the first of them (attention.py's windowed decode batch). `sinks` fp32 [H]:
+    each head's attention sink logit, in the softmax's denominator (executor/attention/sinks.py).
     """
-    return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window or 0)
+    return load().paged_decode_attention(
+        q, kv_cache, block_tables, seq_lens, scale, window or 0, sinks
+    )
 
 
 if __name__ == "__main__":  # python -m zllm.executor.kernels.cpu: build now (e.g. in CI)

@@ -209,10 +209,23 @@ class _DecodeArgs:
     plan: DecodePlan
     window: int  # sliding window (0: none): each query sees its last `window` positions
     keepalive: tuple[torch.Tensor, ...]
+    sinks: torch.Tensor | None = None  # fp32 [heads]: attention sink logits (gpt-oss)
 
     @property
     def seq_lens_int64(self) -> np.int32:
         return np.int32(self.seq_lens.dtype == torch.int64)
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Attention sink logits as the kernels read them: contiguous fp32 [heads] beside q."""
+    if sinks is None:
+        return
+    heads = q.shape[1]
+    if sinks.shape != (heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous():
+        shown = f"{sinks.dtype} {list(sinks.shape)}"
+        raise CudaKernelError(f"sinks must be contiguous fp32 [{heads}], got {shown}")
+    if sinks.device != q.device:
+        raise CudaKernelError(f"sinks are on {sinks.device}, q on {q.device}")
 
 
 def check_query(
@@ -268,9 +281,11 @@ def plan_paged_decode(
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> list[KernelLaunch]:
     """Launches for paged_decode_attention; `out` must be a contiguous [S, heads, D] tensor."""
     _, block_size, num_kv_heads, _ = _check_decode_args(q, kv_cache, block_tables, seq_lens, out)
+    check_sinks(sinks, q)
     num_seqs, num_heads, _ = q.shape
     if num_seqs == 0:
         return []
@@ -288,9 +303,10 @@ def plan_paged_decode(
     partials: list[torch.Tensor | None] = [None] * 3
     if plan.max_partitions > 1:
         partials = (workspace or DecodeWorkspace()).partials(q, plan.max_partitions)
-    keepalive = tuple(t for t in (q, block_tables, seq_lens, out, partials[0]) if t is not None)
+    held = (q, block_tables, seq_lens, out, partials[0], sinks)
+    keepalive = tuple(t for t in held if t is not None)
     args = _DecodeArgs(
-        q, kv_cache, block_tables, seq_lens, out, partials, plan, max(0, window), keepalive
+        q, kv_cache, block_tables, seq_lens, out, partials, plan, max(0, window), keepalive, sinks
     )
     launches = [_decode_launch(args, scale)]
     if plan.max_partitions > 1:
@@ -329,6 +345,7 @@ def _decode_launch(a: _DecodeArgs, scale: float) -> KernelLaunch:
             np.float32(scale),
             np.int32(plan.partition_size),
             np.int32(a.window),
+            _ptr(a.sinks),
         ),
         a.keepalive,
     )
@@ -352,6 +369,7 @@ def _reduce_launch(a: _DecodeArgs) -> KernelLaunch:
             np.int32(a.plan.max_partitions),
             np.int32(a.plan.partition_size),
             np.int32(a.window),
+            _ptr(a.sinks),
         ),
         a.keepalive,
     )
@@ -449,20 +467,22 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its context through the block tables.
 
     q [S, heads, D] -> [S, heads, D]. `max_seq_len` (host int, >= every seq_len) sets the
     number of split-K partitions; without it the block tables' width bounds it (no sync).
     Rows with seq_len 0 come out as zeros. With a sliding `window` > 0 each query sees only
-    its last `window` positions (table entries before them are never read).
+    its last `window` positions (table entries before them are never read). `sinks` fp32
+    [heads]: attention sink logits in each head's softmax denominator (gpt-oss).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     launches = plan_paged_decode(
-        q, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, workspace, window
+        q, kv_cache, block_tables, seq_lens, scale, out, max_seq_len, workspace, window, sinks
     )
     run_launches(launches, q.device)
     return out
