@@ -247,7 +247,9 @@ def soak(args: argparse.Namespace, server: Server, model: str) -> dict:
     def sample(done: int) -> None:
         if not wait_until(lambda: idle(server), args.idle_timeout):
             raise RuntimeError(f"not idle {args.idle_timeout} s after {done} requests")
-        time.sleep(IDLE_TRIM_S + 0.5)  # the executor's idle trim: what it holds between spells
+        # Past the executor's idle trim (what it holds between spells), with room for the trim
+        # itself and a loaded machine's scheduling (a sample 0.5 s after it read 30 MiB high).
+        time.sleep(IDLE_TRIM_S + 3.0)
         if processes(server) != children:
             raise RuntimeError(f"a process restarted before {done} requests: {processes(server)}")
         for n in names:
