@@ -283,5 +283,5 @@ def test_a_gguf_architecture_nothing_runs_is_refused_naming_what_does(tmp_path: 
             LLM(str(path), model_impl=model_impl)
         message = str(refused.value)
         assert "GGUF architecture 'rwkv7' runs neither in zllm's own code" in message
-        assert "(GGUF files of gemma3, llama, phi3, qwen2, qwen3)" in message
+        assert "(GGUF files of deepseek2, gemma3, llama, phi3, qwen2, qwen3)" in message
         assert "nor through transformers' GGUF reader (" in message and "stablelm" in message

@@ -14,9 +14,10 @@ class MLAConfig:
     """Multi-head latent attention's sizes (DeepSeek-V2/V3, Hugging Face's names).
 
     Per token the KV cache holds one latent row shared by every head: the compressed c_kv
-    (kv_lora_rank values, after its norm) and the rotated shared key k_pe (qk_rope_head_dim),
-    576 values for DeepSeek-V2-Lite against 2 x 16 heads x 192 for plain attention. A head's
-    query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim."""
+    (kv_lora_rank values, after its norm) and the rotated shared key k_pe (qk_rope_head_dim):
+    576 values for DeepSeek-V2-Lite, where its 16 heads' own keys (192) and values (128) would
+    take 5,120. A head's query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value
+    v_head_dim."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
