@@ -326,6 +326,48 @@ def test_gguf_greedy_tokens_equal_transformers(gguf_file, convertible_dir, outty
     check(hf_model(convertible_dir, outtype), prompts, outputs, f"gguf-{outtype}")
 
 
+def test_an_older_converters_whole_kv_b_reads_the_same(gguf_file, tmp_path) -> None:
+    """Files from converters before the split: attn_kv_b whole, and the per-head sizes as
+    attention.key_length / value_length (no *_mla keys). The same architecture and weights."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    new = gguf_file("f32")
+    reader = GGUFReader(new)
+    old = tmp_path / "old.gguf"
+    writer = GGUFWriter(str(old), "deepseek2")
+    per_head = {
+        "deepseek2.attention.key_length": 32 + ROPE_DIM,
+        "deepseek2.attention.value_length": 64,
+    }
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key.endswith("_mla"):
+            continue
+        array = field.types[0] == GGUFValueType.ARRAY
+        value = per_head.get(key, field.contents())
+        writer.add_key_value(key, value, field.types[0], field.types[-1] if array else None)
+    halves = {}
+    for tensor in reader.tensors:
+        layer, _, kind = tensor.name.rpartition(".attn_")
+        if kind in ("k_b.weight", "v_b.weight"):
+            halves[layer, kind] = np.array(tensor.data)
+            if len([k for k in halves if k[0] == layer]) == 2:
+                w_uk = halves[layer, "k_b.weight"].transpose(0, 2, 1)  # [heads, nope, rank]
+                kv_b = np.concatenate((w_uk, halves[layer, "v_b.weight"]), axis=1)
+                writer.add_tensor(f"{layer}.attn_kv_b.weight", kv_b.reshape(-1, KV_LORA_RANK))
+            continue
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "blk.0.attn_kv_b.weight" in read_gguf(str(old)).tensors
+    assert read_arch_config(str(old)) == read_arch_config(new)
+    theirs = dict(load_weights(new, read_arch_config(new)))
+    ours = dict(load_weights(str(old), read_arch_config(str(old))))
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Refused: what the latent attention does not run yet
 
