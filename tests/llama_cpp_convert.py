@@ -11,10 +11,11 @@ and its own `gguf-py` (newer than the installed gguf: run with it first on the p
 The tiny models here have a SentencePiece tokenizer (tokenizer.model), the converter's first
 choice for Llama, Mistral, Qwen 2/3 and Phi-3 checkpoints alike. A byte-level BPE tokenizer
 (tokenizer.json only) is identified by the hash of its ids on a fixed text, which matches only
-the real tokenizers the converter lists: a tiny one trained here would be refused. DeepSeek-V2's
-class reads only such a tokenizer (no SentencePiece path), so for it the script runs with its
-set_vocab pointed at the converter's own SentencePiece reader (SPM_VOCAB_CLASSES): only where
-the vocabulary comes from changes; the tensors and metadata are the converter's.
+the real tokenizers the converter lists: a tiny one trained here would be refused. The Qwen-MoE
+and DeepSeek-V2 classes read only such a tokenizer (no SentencePiece path), so for them the
+script runs with their set_vocab pointed at the converter's own SentencePiece reader
+(SPM_VOCAB_CLASSES): only where the vocabulary comes from changes; the tensors and metadata are
+the converter's.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _extract_converter(sdist: Path, target: Path) -> None:
 # Checkpoint architectures whose converter class has no SentencePiece path -> (module of
 # conversion/, class) whose set_vocab the tests point at _set_vocab_sentencepiece.
 SPM_VOCAB_CLASSES = {
+    "Qwen2MoeForCausalLM": ("qwen", "Qwen2MoeModel"),
+    "Qwen3MoeForCausalLM": ("qwen", "Qwen2MoeModel"),  # (Qwen3MoeModel's defers to it)
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2Model"),  # (a DeepSeek tokenizer's hash only)
 }
 _SPM_LAUNCHER = """

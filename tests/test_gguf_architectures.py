@@ -37,7 +37,7 @@ from servers import start_server, stop_server
 from zllm import LLM, SamplingParams
 from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.loader import load_weights
-from zllm.model.arch import read_arch_config
+from zllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
 from zllm.model.gguf import read_gguf
 from zllm.model.impl import choose_model_impl
 from zllm.text.incremental_detokenizer import IncrementalDetokenizer
@@ -283,5 +283,5 @@ def test_a_gguf_architecture_nothing_runs_is_refused_naming_what_does(tmp_path: 
             LLM(str(path), model_impl=model_impl)
         message = str(refused.value)
         assert "GGUF architecture 'rwkv7' runs neither in zllm's own code" in message
-        assert "(GGUF files of deepseek2, gemma3, llama, phi3, qwen2, qwen3)" in message
+        assert f"(GGUF files of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})" in message
         assert "nor through transformers' GGUF reader (" in message and "stablelm" in message

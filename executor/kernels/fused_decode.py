@@ -67,6 +67,8 @@ class FusedDecode:
             raise Unsupported(f"{type(model).__name__} has no fused decode path")
         if model.dtype != torch.float32:
             raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
+        if model.arch.num_experts:
+            raise Unsupported("mixture-of-experts layers (executor/models/moe.py routes them)")
         arch = model.arch
         layers = list(model.layers)
         for layer in layers:

@@ -19,6 +19,13 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    # Mixture-of-experts MLPs (executor/models/moe.py) in Llama's decoder; GGUF files name
+    # Qwen's without the underscore, and Mixtral's are "llama" files with experts.
+    "mixtral": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen2moe": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "qwen3moe": LlamaForCausalLM,
 }
 
 

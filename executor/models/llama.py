@@ -11,7 +11,9 @@ What the family members add, each switched on by ModelArchConfig:
   - Qwen3: an RMSNorm over each query and key head before RoPE (qk_norm, QKNorm below);
   - Phi-3: LongRoPE scaling, RoPE over part of each head (partial_rotary_factor);
   - Mistral, Phi-3, Qwen2/3: sliding-window layers (the attention metadata windows them);
-  - Llama 3.x GGUFs: per-frequency RoPE divisors (rope_freq_factors).
+  - Llama 3.x GGUFs: per-frequency RoPE divisors (rope_freq_factors);
+  - Qwen3-MoE, Qwen2-MoE, Mixtral: mixture-of-experts MLPs in the layers ModelArchConfig's
+    is_moe_layer names (executor/models/moe.py), Qwen2-MoE's with a shared expert.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from zllm.executor.attention.backend import (
     metadata_per_layer,
 )
 from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
+from zllm.executor.models.moe import MoEBlock, per_expert_names, per_expert_weights
 from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
 from zllm.executor.ranks.parallel import (
     SINGLE,
@@ -160,13 +163,19 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        intermediate_size: int | None = None,
     ) -> None:
+        """`intermediate_size`: other than arch's (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.tp = tp
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
-        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
+        inter = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate_size = inter
+        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * inter, dtype)
+        self.down_proj = empty_linear(inter, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -181,6 +190,19 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(fused))
 
 
+def make_mlp(
+    arch: ModelArchConfig, layer: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+) -> nn.Module:
+    """Layer `layer`'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
+    if not arch.is_moe_layer(layer):
+        return LlamaMLP(arch, dtype, tp)
+    if tp.enabled:  # zllm/config/parallel.py refuses it first; a model built directly too
+        raise ValueError("tensor parallelism does not split mixture-of-experts layers yet")
+    shared = arch.shared_expert_intermediate_size
+    shared_expert = LlamaMLP(arch, dtype, tp, intermediate_size=shared) if shared else None
+    return MoEBlock(arch, dtype, shared_expert=shared_expert)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -188,12 +210,14 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         attention: AttentionBackend,
         tp: TensorParallel = SINGLE,
+        layer: int = 0,
     ) -> None:
+        """`layer`: its index in the whole model (which MLP it has)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(arch, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype, tp)
+        self.mlp = make_mlp(arch, layer, dtype, tp)
 
     def forward(
         self,
@@ -282,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, dtype)
         self.layer_indices = pp.layer_range(arch.num_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, dtype, attention, tp) for _ in self.layer_indices
+            LlamaDecoderLayer(arch, dtype, attention, tp, i) for i in self.layer_indices
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = logits_weight(arch, dtype, tp)
@@ -352,6 +376,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works);
         `served`: names the checkpoint leaves out (copy_checkpoint)."""
+        if self.arch.num_experts:  # each expert's own tensors (moe.py)
+            weights = per_expert_weights(weights)
+            served = per_expert_names(served, self.arch.num_experts)
         copy_checkpoint(
             self,
             self._weight_targets(),
@@ -371,15 +398,18 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            if self.arch.architecture in FUSED_CHECKPOINTS:
+            if isinstance(mlp, MoEBlock):
+                targets |= self._split_targets(prefix, attn, None)
+                targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
+            elif self.arch.architecture in FUSED_CHECKPOINTS:
                 targets |= self._fused_targets(prefix, attn, mlp)
             else:
                 targets |= self._split_targets(prefix, attn, mlp)
+                targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
             if attn.qk_norm is not None:
                 targets[f"{prefix}self_attn.q_norm.weight"] = attn.qk_norm.q_norm.weight.data
                 targets[f"{prefix}self_attn.k_norm.weight"] = attn.qk_norm.k_norm.weight.data
             targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-            targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.data
             targets[f"{prefix}post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm.weight.data
@@ -387,8 +417,11 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     @staticmethod
-    def _split_targets(prefix: str, attn: LlamaAttention, mlp: LlamaMLP) -> dict[str, torch.Tensor]:
-        """HF's separate q/k/v (weights and biases) and gate/up tensors -> row slices."""
+    def _split_targets(
+        prefix: str, attn: LlamaAttention, mlp: LlamaMLP | None
+    ) -> dict[str, torch.Tensor]:
+        """HF's separate q/k/v (weights and biases) and gate/up tensors -> row slices (no
+        gate/up for a mixture-of-experts layer: mlp None)."""
         targets = {}
         sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
         fused = {"weight": attn.qkv_proj.weight.data}
@@ -397,6 +430,8 @@ class LlamaForCausalLM(nn.Module):
         for kind, param in fused.items():
             for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
                 targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
+        if mlp is None:
+            return targets
         gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
         targets[f"{prefix}mlp.gate_proj.weight"] = gate
         targets[f"{prefix}mlp.up_proj.weight"] = up
@@ -408,6 +443,7 @@ class LlamaForCausalLM(nn.Module):
         targets = {
             f"{prefix}self_attn.qkv_proj.weight": attn.qkv_proj.weight.data,
             f"{prefix}mlp.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
+            f"{prefix}mlp.down_proj.weight": mlp.down_proj.weight.data,
         }
         if attn.qkv_proj.bias is not None:
             targets[f"{prefix}self_attn.qkv_proj.bias"] = attn.qkv_proj.bias.data

@@ -100,6 +100,10 @@ class RankLayout:
             return False  # graphs replay the CUDA backend's kernels
         if self.config.model_impl == "transformers":
             return False  # transformers' modeling code runs eagerly
+        if self.arch.num_experts:
+            # Each step reads its experts' token counts on the host (executor/models/moe.py).
+            logger.info("Mixture-of-experts layers: no CUDA graphs")
+            return False
         if self.tp.enabled or self.pp.enabled:
             # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
             logger.info("Tensor or pipeline parallel: no CUDA graphs")

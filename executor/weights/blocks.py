@@ -20,7 +20,9 @@ from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.llama import FUSED_CHECKPOINTS
+from zllm.executor.models.moe import MoEBlock
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
+from zllm.executor.weights import expert_blocks
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 from zllm.executor.weights.held_rows import HELD_AS_16_BIT, NAMES, hold_as_16_bit_
 from zllm.model.arch_config import ModelArchConfig
@@ -93,6 +95,10 @@ _LAYER_MATMULS = (
     ("attn_output",),
     ("ffn_gate", "ffn_up"),
     ("ffn_down",),
+    ("ffn_gate_exps", "ffn_up_exps"),  # mixture of experts (expert_blocks.py)
+    ("ffn_down_exps",),
+    ("ffn_gate_shexp", "ffn_up_shexp"),  # Qwen2-MoE's shared expert
+    ("ffn_down_shexp",),
 )
 _FUSED_LAYER_MATMULS = (("attn_qkv",), ("attn_output",), ("ffn_up",), ("ffn_down",))
 
@@ -176,16 +182,7 @@ class _WeightBlocks:
         if self.verify:  # the kernel must multiply by exactly the weights the fp32 path holds
             start = 0
             for name, (ggml_type, rows) in zip(names, parts, strict=True):
-                expected = weight[start : start + rows.shape[0]]
-                if self.file_types[name] in HELD_AS_16_BIT:  # (those, rounded to 16 bits)
-                    expected = cpu_kernels.gguf_dequantize(
-                        _rounded_to(expected, ggml_type), ggml_type, weight.shape[1]
-                    )
-                dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, weight.shape[1])
-                if not torch.equal(dequantized, expected):
-                    raise RuntimeError(
-                        f"GGUF blocks of {name} do not dequantize to the loaded weights"
-                    )
+                self.check_rows(name, ggml_type, rows, weight[start : start + rows.shape[0]])
                 start += rows.shape[0]
         self.served.update(names)
         merged: list[tuple[torch.Tensor, int]] = []
@@ -195,6 +192,19 @@ class _WeightBlocks:
             else:
                 merged.append((rows.contiguous(), ggml_type))
         return merged
+
+    def check_rows(
+        self, name: str, ggml_type: int, rows: torch.Tensor, expected: torch.Tensor
+    ) -> None:
+        """Refuse blocks that do not dequantize to exactly the loaded fp32 rows `expected`
+        (rounded to 16 bits where the file's type is held as 16-bit rows)."""
+        if self.file_types[name] in HELD_AS_16_BIT:
+            expected = cpu_kernels.gguf_dequantize(
+                _rounded_to(expected, ggml_type), ggml_type, expected.shape[1]
+            )
+        dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, expected.shape[1])
+        if not torch.equal(dequantized, expected):
+            raise RuntimeError(f"GGUF blocks of {name} do not dequantize to the loaded weights")
 
     def type_summary(self) -> str:
         """For the log: the file's types that the served tensors read in blocks, and those
@@ -252,6 +262,7 @@ class BlockPlan:
         tied_shard = model.lm_head is not None and model.arch.tie_word_embeddings
         if reads(["model.embed_tokens.weight"]) and (not tied_shard or head_read):
             served.add("model.embed_tokens.weight")
+        served |= expert_blocks.served_names(model, reads)
         return frozenset(served)
 
     def apply(self, model: nn.Module, model_path: str) -> None:
@@ -268,6 +279,13 @@ def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool =
 
 def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) -> None:
     swapped, kept = _swap_decoder_matmuls(model, source)
+    experts_swapped, experts_kept = expert_blocks.swap_experts_(model, source)
+    if experts_swapped or experts_kept:
+        logger.info(
+            "%d of %d expert projections read blocks",
+            experts_swapped,
+            experts_swapped + experts_kept,
+        )
     embedding = _swap_ends(model, source)
     gguf = model_path.endswith(".gguf")
     logger.info(
@@ -310,17 +328,21 @@ def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, 
     fused = model.arch.architecture in FUSED_CHECKPOINTS
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
         p = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp, m = layer.self_attn, layer.mlp, f"{p}mlp."
         if fused:  # Phi-3: one checkpoint tensor each, in our [q | k | v] and [gate | up] order
             yield attn, "qkv_proj", [f"{p}self_attn.qkv_proj.weight"]
         else:
             yield attn, "qkv_proj", [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         yield attn, "o_proj", [f"{p}self_attn.o_proj.weight"]
+        if isinstance(mlp, MoEBlock):  # experts: expert_blocks.py; a shared one as an MLP
+            if mlp.shared_expert is None:
+                continue
+            mlp, m = mlp.shared_expert, f"{m}shared_expert."
         if fused:
-            yield mlp, "gate_up_proj", [f"{p}mlp.gate_up_proj.weight"]
+            yield mlp, "gate_up_proj", [f"{m}gate_up_proj.weight"]
         else:
-            yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-        yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
+            yield mlp, "gate_up_proj", [f"{m}gate_proj.weight", f"{m}up_proj.weight"]
+        yield mlp, "down_proj", [f"{m}down_proj.weight"]
 
 
 def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:

@@ -7,6 +7,7 @@ so a GGUF file and a safetensors directory of the same model load into identical
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Container, Iterator
 from pathlib import Path
@@ -34,6 +35,17 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Mixture of experts (Qwen-MoE, Mixtral): the router, each projection of every expert
+    # stacked in one 3-D tensor [E, out, in] (executor/models/moe.py cuts it per expert),
+    # Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma 3 has four norms per layer and per-head q/k norms; its ffn_norm is the norm before
 # the MLP (llama's ffn_norm is that same position, named after the attention there).
@@ -76,6 +88,7 @@ _LAYER_NAMES_BY_ARCH = {
     "deepseek2": _DEEPSEEK2_LAYER_NAMES,
     "gemma3": _GEMMA3_LAYER_NAMES,
     "qwen3": _QWEN3_LAYER_NAMES,
+    "qwen3moe": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
 }
 _GGUF_GLOBAL_NAMES = {
@@ -198,7 +211,8 @@ def gguf_raw_weights(
 ) -> dict[str, tuple[int, torch.Tensor]]:
     """HF name -> (ggml type id, the tensor's raw rows as uint8 [rows, bytes per row]).
 
-    Only matrices, and of the decoder layers only `layers` (as in load_weights). q/k rows are
+    Only matrices, and of the decoder layers only `layers` (as in load_weights); a stack of
+    experts' matrices [E, out, in] comes as its E x out rows (expert_blocks.py). q/k rows are
     put in HF's order as load_weights does: a row permutation moves whole rows, and GGUF
     blocks run along a row, so it applies to the bytes unchanged.
     """
@@ -206,9 +220,10 @@ def gguf_raw_weights(
     raw: dict[str, tuple[int, torch.Tensor]] = {}
     for name, info in gguf.tensors.items():
         hf_name = hf_name_from_gguf(name, arch.architecture)
-        if hf_name is None or len(info.shape) != 2 or not _wanted(hf_name, layers):
+        matrix = len(info.shape) == 2 or (len(info.shape) == 3 and ".experts." in (hf_name or ""))
+        if hf_name is None or not matrix or not _wanted(hf_name, layers):
             continue
-        rows = gguf.tensor_data(name)
+        rows = gguf.tensor_data(name).reshape(-1, info.nbytes // math.prod(info.shape[:-1]))
         if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             rows = unpermute_rope_rows(rows, arch.head_dim)
         raw[hf_name] = (int(info.ggml_type), torch.from_numpy(np.array(rows, dtype=np.uint8)))

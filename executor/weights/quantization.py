@@ -137,7 +137,8 @@ def _int8_model_(model: nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _int8(attn.qkv_proj)
         attn.o_proj = _int8(attn.o_proj)
-        mlp.gate_up_proj = _int8(mlp.gate_up_proj)
+        if hasattr(mlp, "gate_up_proj"):  # (a mixture-of-experts MLP keeps its experts fp32)
+            mlp.gate_up_proj = _int8(mlp.gate_up_proj)
 
 
 def _int8(linear: nn.Linear) -> Int8DynamicLinear:

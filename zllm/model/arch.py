@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
+from zllm.model.moe_arch import moe_fields_from_gguf, moe_fields_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -26,12 +27,24 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3_text",
     "llama",
     "mistral",
+    "mixtral",
     "phi3",
     "qwen2",
+    "qwen2_moe",
     "qwen3",
+    "qwen3_moe",
 )
 # GGUF general.architecture names (llama.cpp's): a Mistral checkpoint converts to "llama".
-SUPPORTED_GGUF_ARCHITECTURES = ("deepseek2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = (
+    "deepseek2",
+    "gemma3",
+    "llama",
+    "phi3",
+    "qwen2",
+    "qwen2moe",
+    "qwen3",
+    "qwen3moe",
+)
 
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
@@ -109,7 +122,8 @@ def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
         layer_types=layer_types,
         sliding_window=window,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe"),
+        **moe_fields_from_gguf(gguf, arch, num_layers),  # zllm/model/moe_arch.py
     )
 
 
@@ -257,13 +271,16 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
         rope_theta=float(rope_theta),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=model_type == "qwen2"
+        or bool(cfg.get("attention_bias", False))
+        or (model_type == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
         rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         layer_types=layer_types,
         sliding_window=sliding_window,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe_fields_from_hf(cfg, num_layers, config_path),  # zllm/model/moe_arch.py
     )
 
 
@@ -302,8 +319,8 @@ def _hf_sliding_window(
     is left out: such layers stay full attention (and keep the full-attention kernels).
     """
     model_type = cfg["model_type"]
-    if model_type == "mistral":
-        window = cfg.get("sliding_window", 4096)
+    if model_type in ("mistral", "mixtral"):  # (Mixtral's config class defaults it to None)
+        window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)
         layer_types = ["sliding_attention"] * num_layers
     elif model_type == "phi3":
         window = cfg.get("sliding_window")

@@ -39,7 +39,7 @@ class MLAConfig:
 class ModelArchConfig:
     """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -69,6 +69,17 @@ class ModelArchConfig:
     attn_logit_softcapping: float | None = None
     # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
     rope_freq_factors: list[float] | None = None
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE; executor/models/moe.py): a
+    # sparse layer's MLP is num_experts experts of moe_intermediate_size each, of which the
+    # router picks num_experts_per_tok per token. 0 experts: every MLP dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on, sigmoid-gated expert
+    # Layers whose MLP stays dense (of intermediate_size) in a mixture-of-experts model
+    # (Qwen-MoE's mlp_only_layers and decoder_sparse_step).
+    dense_mlp_layers: list[int] = field(default_factory=list)
     # Multi-head latent attention (DeepSeek-V2): then the KV pool's rows are the latent's, one
     # KV head of half the latent row per K/V plane (num_kv_heads 1, head_dim latent_width / 2:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
@@ -77,3 +88,7 @@ class ModelArchConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers

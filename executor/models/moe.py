@@ -1,0 +1,340 @@
+"""A mixture-of-experts MLP over the flat token batch [T, hidden]: Qwen3-MoE, Qwen2-MoE (with
+its shared expert), Mixtral and OLMoE, and gpt-oss's variant of the rule.
+
+    router    logits = x W_r^T (+ b_r)                  [T, E]: one score per token and expert
+    route     each token's top-k experts and their weights   route(), the rule's variant
+    group     the T*k (token, expert) pairs sorted by expert, so each expert's rows sit together
+    experts   per expert that has rows: y = down(act(gate_up(x_rows)))
+    combine   out[t] = sum over its k pairs of w * y, added in expert order
+
+    x [T, H] ── router ── top-k ──> pairs (t, e, w)  sorted by e:
+        rows  | t3 t7 | t1 | t3 t4 t9 | ...      one gate_up and one down matmul per block
+        e     |  e0   | e2 |    e5    | ...      (experts no token chose are never read)
+    out[t] += w * y[row]   for every row of token t (index_add, rows in expert order)
+
+Only the chosen experts' matrices are touched: a decode step of a few tokens reads k experts'
+rows per token, not all E. ExpertMatrices holds one projection of every expert: a stacked
+tensor [E, out, in] as a checkpoint's weights are held (fp32 on CPU, the model's dtype on a
+GPU), or a GGUF file's blocks [E, out, bytes per row] (or a bf16/fp16 checkpoint's rows) that
+the CPU kernel multiplies in place (csrc/cpu/gguf_linear.h): each expert's matrix is a view
+of its rows, never widened (executor/weights/expert_blocks.py swaps them in).
+
+Checkpoint names: the model's targets are each expert's own tensors, transformers' naming
+(`mlp.experts.{e}.gate_proj.weight`, also what transformers 5 saves); per_expert_weights cuts a
+GGUF file's stacked tensors (`mlp.experts.gate_proj.weight`, [E, out, in]) and transformers 5's
+fused in-memory ones (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) into those views.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cpu_layer_ops
+from zllm.executor.weights.gguf_modules import int8_max_rows
+from zllm.model.arch_config import ModelArchConfig
+
+# Router rules: how a token's logits become its experts and their weights.
+SOFTMAX_TOPK = "softmax_topk"  # Qwen-MoE, Mixtral, OLMoE: softmax over all E, keep the top k
+TOPK_SOFTMAX = "topk_softmax"  # gpt-oss: the top k logits, softmax over those k
+# (DeepSeek-V3's sigmoid scores chosen with a per-expert bias would be a third rule here.)
+ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+
+# Expert activations over [gate | up]: SwiGLU, or gpt-oss's clamped SwiGLU.
+SILU = "silu"  # silu(gate) * up
+CLAMPED_SWIGLU = "clamped_swiglu"  # (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)
+
+
+@dataclass(frozen=True, slots=True)
+class MoERule:
+    """What differs between the families' MoE layers."""
+
+    router: str = SOFTMAX_TOPK
+    norm_topk_prob: bool = False  # SOFTMAX_TOPK: the k weights renormalised to sum to 1
+    activation: str = SILU
+    # gate_up's columns alternate gate, up (gpt-oss's checkpoints) rather than [gate | up].
+    interleaved_gate_up: bool = False
+    swiglu_alpha: float = 1.702  # CLAMPED_SWIGLU's sigmoid slope
+    swiglu_limit: float = 7.0  # ... and its clamp
+    router_bias: bool = False  # gpt-oss: the router's logits have a bias
+    expert_bias: bool = False  # gpt-oss: each expert's gate_up and down have biases
+
+
+# gpt-oss's layer (its model is another task; tests hold this rule to transformers' block).
+GPT_OSS_RULE = MoERule(
+    router=TOPK_SOFTMAX,
+    activation=CLAMPED_SWIGLU,
+    interleaved_gate_up=True,
+    router_bias=True,
+    expert_bias=True,
+)
+
+
+def rule_of(arch: ModelArchConfig) -> MoERule:
+    """The rule of the Qwen-MoE / Mixtral / OLMoE families: softmax, top k, optionally
+    renormalised (Mixtral's configs have no norm_topk_prob: arch.py sets it for them)."""
+    return MoERule(norm_topk_prob=arch.norm_topk_prob)
+
+
+def route(logits: torch.Tensor, top_k: int, rule: MoERule) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights: (weights [T, k] fp32, expert ids [T, k] int64).
+
+    Computed in fp32 as transformers does. Equal scores go to the lower expert id (a stable
+    sort), so the choice does not depend on which top-k kernel runs."""
+    if rule.router not in ROUTER_RULES:
+        raise ValueError(f"unknown router rule {rule.router!r} (known: {ROUTER_RULES})")
+    scores = logits.float()
+    if rule.router == SOFTMAX_TOPK:
+        scores = torch.softmax(scores, dim=-1)
+    ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    top, experts = ranked[:, :top_k], order[:, :top_k]
+    if rule.router == TOPK_SOFTMAX:
+        return torch.softmax(top, dim=-1), experts
+    if rule.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, experts
+
+
+def gated_activation(gate_up: torch.Tensor, rule: MoERule) -> torch.Tensor:
+    """act(gate) * up of an expert's gate_up rows [n, 2 x intermediate] -> [n, intermediate]."""
+    if rule.activation == SILU and not rule.interleaved_gate_up:
+        if cpu_layer_ops.usable(gate_up):
+            fused = cpu_layer_ops.gated_act(gate_up, "silu")  # csrc/cpu/row_ops.h
+            if fused is not None:
+                return fused
+    if rule.interleaved_gate_up:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    if rule.activation == SILU:
+        return F.silu(gate) * up
+    if rule.activation != CLAMPED_SWIGLU:
+        raise ValueError(f"unknown expert activation {rule.activation!r}")
+    gate = gate.clamp(max=rule.swiglu_limit)
+    up = up.clamp(min=-rule.swiglu_limit, max=rule.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * rule.swiglu_alpha))
+
+
+class ExpertMatrices(nn.Module):
+    """One projection of every expert: y = x W_e^T (+ b_e) for the rows routed to expert e.
+
+    `weight` [E, out, in] in the model's dtype, until hold_blocks_ swaps in blocks
+    [E, rows, bytes per row] per part (a fused projection whose parts a file stores in
+    different types has several, each writing its own columns of y)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.out_features = out_features
+        self.in_features = in_features
+        # Plain empty tensors (untouched pages): load_weights fills them, or blocks replace them.
+        shape = (num_experts, out_features, in_features)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(shape, dtype=dtype))
+        self.bias = (
+            nn.Parameter(torch.empty(num_experts, out_features, dtype=dtype)) if bias else None
+        )
+        self.parts: list[tuple[torch.Tensor, int]] | None = None  # (blocks, ggml type)
+        self.int8_activations = False
+        self.int8_max_rows = 0
+
+    def hold_blocks_(
+        self, parts: list[tuple[torch.Tensor, int]], int8_activations: bool = False
+    ) -> None:
+        """Multiply these blocks ([E, rows, bytes per row] each, rows summing to
+        out_features) from now on; the float weight is dropped."""
+        rows = sum(blocks.shape[1] for blocks, _ in parts)
+        if rows != self.out_features or any(b.shape[0] != self.num_experts for b, _ in parts):
+            shapes = [tuple(b.shape) for b, _ in parts]
+            raise ValueError(f"expert blocks {shapes} for {self.num_experts} x {self.out_features}")
+        self.parts = [(blocks.contiguous(), ggml_type) for blocks, ggml_type in parts]
+        types = [ggml_type for _, ggml_type in parts]
+        self.int8_activations = int8_activations and set(types) <= cpu_kernels.INT8_GGML_TYPES
+        self.int8_max_rows = int8_max_rows(types)
+        self.weight = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the expert matrices held (blocks, or the float weight)."""
+        if self.parts is not None:
+            return sum(blocks.numel() * blocks.element_size() for blocks, _ in self.parts)
+        assert self.weight is not None
+        return self.weight.numel() * self.weight.element_size()
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [n, in] (rows contiguous) -> [n, out] through expert `expert`'s matrix."""
+        bias = None if self.bias is None else self.bias[expert]
+        if self.parts is None:
+            assert self.weight is not None
+            return F.linear(x, self.weight[expert], bias)
+        y = x.new_empty(x.shape[0], self.out_features)
+        int8 = self.int8_activations and x.shape[0] <= self.int8_max_rows
+        start = 0
+        for blocks, ggml_type in self.parts:
+            rows = blocks.shape[1]
+            columns = y if len(self.parts) == 1 else y[:, start : start + rows]
+            if int8:
+                cpu_kernels.gguf_linear_int8(x, blocks[expert], ggml_type, columns)
+            else:
+                cpu_kernels.gguf_linear_into(x, blocks[expert], ggml_type, columns)
+            start += rows
+        if bias is not None:
+            y.add_(bias)
+        return y
+
+    def extra_repr(self) -> str:
+        held = "float"
+        if self.parts is not None:
+            names = cpu_kernels.SUPPORTED_GGML_TYPES
+            held = "types=" + "/".join(names.get(t, str(t)) for _, t in self.parts)
+        return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, {held}"
+
+
+class MoEBlock(nn.Module):
+    """A sparse layer's MLP: the router, every expert's gate_up and down, and optionally a
+    shared expert every token goes through (Qwen2-MoE), scaled by sigmoid(x w_g)."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        rule: MoERule | None = None,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        """`shared_expert`: a dense MLP module (the decoder's), built by the caller."""
+        super().__init__()
+        self.rule = rule_of(arch) if rule is None else rule
+        self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"{self.top_k} experts per token of {self.num_experts}")
+        hidden, inter = arch.hidden_size, arch.moe_intermediate_size
+        self.intermediate_size = inter
+        self.gate = nn.Linear(hidden, self.num_experts, bias=self.rule.router_bias, dtype=dtype)
+        bias = self.rule.expert_bias
+        self.experts_gate_up = ExpertMatrices(self.num_experts, 2 * inter, hidden, dtype, bias)
+        self.experts_down = ExpertMatrices(self.num_experts, hidden, inter, dtype, bias)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            None if shared_expert is None else nn.Linear(hidden, 1, bias=False, dtype=dtype)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        weights, experts = route(self.gate(x), self.top_k, self.rule)
+        out = self.routed(x, weights, experts)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), one matmul pair per chosen
+        expert over its tokens' rows (grouped by a stable sort of the pairs by expert)."""
+        pairs = experts.reshape(-1)
+        order = torch.argsort(pairs, stable=True)
+        chosen, counts = torch.unique_consecutive(pairs[order], return_counts=True)
+        token_of = order // self.top_k
+        rows = x.index_select(0, token_of)
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(chosen.tolist(), counts.tolist(), strict=True):
+            block = slice(start, start + count)
+            hidden = gated_activation(self.experts_gate_up(rows[block], expert), self.rule)
+            out_rows[block] = self.experts_down(hidden, expert)
+            start += count
+        out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
+        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Each checkpoint name under `prefix` ("model.layers.{i}.mlp.") -> the tensor (a
+        view of the stacked experts) it fills."""
+        targets = {f"{prefix}gate.weight": self.gate.weight.data}
+        gate_up, down = self.experts_gate_up.weight, self.experts_down.weight
+        assert gate_up is not None and down is not None, "the expert weights were released"
+        for e in range(self.num_experts):
+            gate, up = gate_up.data[e].split(self.intermediate_size)
+            targets[f"{prefix}experts.{e}.gate_proj.weight"] = gate
+            targets[f"{prefix}experts.{e}.up_proj.weight"] = up
+            targets[f"{prefix}experts.{e}.down_proj.weight"] = down.data[e]
+        shared = self.shared_expert
+        if shared is not None:
+            assert self.shared_expert_gate is not None
+            gate, up = shared.gate_up_proj.weight.data.split(shared.intermediate_size)
+            targets[f"{prefix}shared_expert.gate_proj.weight"] = gate
+            targets[f"{prefix}shared_expert.up_proj.weight"] = up
+            targets[f"{prefix}shared_expert.down_proj.weight"] = shared.down_proj.weight.data
+            targets[f"{prefix}shared_expert_gate.weight"] = self.shared_expert_gate.weight.data
+        return targets
+
+
+# A GGUF file's stacked expert tensors under our names ([E, out, in]; loader.py), and
+# transformers 5's fused in-memory ones ([E, 2 x intermediate, hidden] and [E, hidden, inter]).
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+# Mixtral's checkpoint names -> Qwen-MoE's, which the model's targets use.
+_MIXTRAL_NAMES = (
+    (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+    (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),
+)
+
+
+def expert_name(name: str) -> str:
+    """A checkpoint's expert tensor name as the model's targets spell it (Mixtral's w1/w3/w2
+    under block_sparse_moe -> gate_proj/up_proj/down_proj under mlp)."""
+    if ".block_sparse_moe." in name:
+        for pattern, replacement in _MIXTRAL_NAMES:
+            name = pattern.sub(replacement, name)
+    return name
+
+
+def per_expert_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint stream with stacked and fused expert tensors cut into each expert's
+    (views, no copy) and Mixtral's names as the targets spell them."""
+    for name, tensor in weights:
+        name = expert_name(name)
+        stacked, fused = _STACKED.fullmatch(name), _FUSED.fullmatch(name)
+        if stacked is not None and tensor.dim() == 3:
+            prefix, proj = stacked.groups()
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.{proj}.weight", tensor[e]
+        elif fused is not None and tensor.dim() == 3:
+            prefix, proj = fused.groups()
+            if proj == "down_proj":
+                for e in range(tensor.shape[0]):
+                    yield f"{prefix}{e}.down_proj.weight", tensor[e]
+                continue
+            for e in range(tensor.shape[0]):
+                gate, up = tensor[e].chunk(2)
+                yield f"{prefix}{e}.gate_proj.weight", gate
+                yield f"{prefix}{e}.up_proj.weight", up
+        else:
+            yield name, tensor
+
+
+def per_expert_names(names: Collection[str], num_experts: int) -> frozenset[str]:
+    """`names` (the tensors GGUF blocks serve) with each stacked expert tensor's name
+    replaced by its experts' own names, as per_expert_weights cuts it."""
+    out = set()
+    for name in names:
+        stacked = _STACKED.fullmatch(name)
+        if stacked is None:
+            out.add(expert_name(name))
+            continue
+        prefix, proj = stacked.groups()
+        out.update(f"{prefix}{e}.{proj}.weight" for e in range(num_experts))
+    return frozenset(out)
