@@ -98,6 +98,7 @@ SPM_VOCAB_CLASSES = {
     "Qwen2MoeForCausalLM": ("qwen", "Qwen2MoeModel"),
     "Qwen3MoeForCausalLM": ("qwen", "Qwen2MoeModel"),  # (Qwen3MoeModel's defers to it)
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2Model"),  # (a DeepSeek tokenizer's hash only)
+    "GptOssForCausalLM": ("gpt_oss", "GptOssModel"),  # (reads o200k's BPE only)
 }
 _SPM_LAUNCHER = """
 import importlib, runpy, sys

@@ -6,6 +6,7 @@ from torch import nn
 
 from zllm.executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM
+from zllm.executor.models.gpt_oss import GptOssForCausalLM
 from zllm.executor.models.llama import LlamaForCausalLM
 
 # Mistral is Llama's layout; Qwen2 adds q/k/v biases (ModelArchConfig.attention_bias), Qwen3
@@ -14,6 +15,8 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "deepseek2": DeepseekV2ForCausalLM,  # llama.cpp's name for DeepSeek-V2 GGUF files
     "deepseek_v2": DeepseekV2ForCausalLM,  # multi-head latent attention (deepseek_v2.py)
     "gemma3": Gemma3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,  # sinks, alternating windows, experts (gpt_oss.py)
+    "gpt-oss": GptOssForCausalLM,  # llama.cpp's name for its GGUF files
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
@@ -38,4 +41,10 @@ def get_model_class(arch_name: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["DeepseekV2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "get_model_class"]
+__all__ = [
+    "DeepseekV2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
+    "LlamaForCausalLM",
+    "get_model_class",
+]

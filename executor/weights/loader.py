@@ -84,9 +84,17 @@ _DEEPSEEK2_LAYER_NAMES = {
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
 }
+# gpt-oss: its sink logits, and the norm before its experts under the name Gemma's files use
+# after the attention (HF's post_attention_layernorm, as Llama's ffn_norm).
+_GPT_OSS_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_sinks": "self_attn.sinks",
+    "post_attention_norm": "post_attention_layernorm",
+}
 _LAYER_NAMES_BY_ARCH = {
     "deepseek2": _DEEPSEEK2_LAYER_NAMES,
     "gemma3": _GEMMA3_LAYER_NAMES,
+    "gpt-oss": _GPT_OSS_LAYER_NAMES,
     "qwen3": _QWEN3_LAYER_NAMES,
     "qwen3moe": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
@@ -331,7 +339,10 @@ def _load_safetensors(
                         continue
                     if not _wanted(name, layers) or name in skip:
                         continue  # another pipeline stage's, or read as 16-bit rows (not read)
-                    yield name, shard.get_tensor(name).to(torch.float32)
+                    tensor = shard.get_tensor(name)
+                    # uint8 tensors are packed blocks (gpt-oss's MXFP4 experts): the model
+                    # reads them as they are.
+                    yield name, tensor if tensor.dtype == torch.uint8 else tensor.float()
 
 
 def _num_tensors(file: Path) -> int:

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = (
     "deepseek_v2",
     "gemma3_text",
+    "gpt_oss",
     "llama",
     "mistral",
     "mixtral",
@@ -38,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_GGUF_ARCHITECTURES = (
     "deepseek2",
     "gemma3",
+    "gpt-oss",
     "llama",
     "phi3",
     "qwen2",
@@ -57,6 +59,10 @@ def read_arch_config(model_path: str) -> ModelArchConfig:
         from zllm.model.deepseek_arch import deepseek2_arch_from_gguf
 
         arch = deepseek2_arch_from_gguf(gguf)
+    elif gguf.metadata.get("general.architecture") == "gpt-oss":
+        from zllm.model.gpt_oss_arch import gpt_oss_arch_from_gguf
+
+        arch = gpt_oss_arch_from_gguf(gguf)
     else:
         arch = _arch_from_gguf(gguf)
     entry = registry_entry_of(model_path)
@@ -236,6 +242,10 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
         )
     if model_type == "gemma3_text":
         return _gemma3_arch_from_hf(cfg, config_path)
+    if model_type == "gpt_oss":  # sinks, alternating windows, experts (zllm/model/gpt_oss_arch.py)
+        from zllm.model.gpt_oss_arch import gpt_oss_arch_from_hf
+
+        return gpt_oss_arch_from_hf(cfg, config_path)
     if model_type == "deepseek_v2":  # multi-head latent attention (zllm/model/deepseek_arch.py)
         from zllm.model.deepseek_arch import deepseek_v2_arch_from_hf
 

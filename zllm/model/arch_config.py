@@ -67,6 +67,9 @@ class ModelArchConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None
+    # gpt-oss: a learned sink logit per query head joins each softmax's denominator (no value:
+    # executor/attention/sinks.py); the model holds them, every attention path takes them.
+    attention_sinks: bool = False
     # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
     rope_freq_factors: list[float] | None = None
     # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE; executor/models/moe.py): a

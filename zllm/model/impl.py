@@ -242,6 +242,13 @@ def transformers_gguf_architectures() -> list[str]:
 def refuse_unreadable_gguf(model_path: str, arch: str) -> None:
     """ValueError naming a GGUF file's architecture when neither zllm's code nor transformers'
     GGUF reader runs it (transformers would fail deep in its loader), and what runs instead."""
+    if arch == "gpt-oss" and "gpt-oss.rope.scaling.type" in read_gguf(model_path).metadata:
+        # transformers' reader lists gpt-oss but takes each rope.scaling key's first part
+        # (the key's length, an array) for its value: "TypeError: only 0-dimensional arrays".
+        raise ValueError(
+            f"{model_path}: transformers' GGUF reader cannot read gpt-oss files (it misreads "
+            f"their rope.scaling metadata); zllm's own code runs them (--model-impl auto or zllm)"
+        )
     readable = transformers_gguf_architectures()
     if _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in readable:
         return

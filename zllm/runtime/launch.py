@@ -45,7 +45,7 @@ _RESOLVED = frozenset(
 def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) -> ServeConfig:
     """The config every process gets. The engine config is made first (it resolves the model:
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
-    server = server or ServerArgs()
+    server = with_model_parsers(server or ServerArgs(), engine.arch.architecture)
     check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
     if server.enable_auto_tool_choice and server.tool_call_parser is None:
         raise ValueError(
@@ -88,6 +88,23 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
         metrics_api_keys=list(server.metrics_api_key),
         **copied,
     )
+
+
+# Architectures that answer in harmony (zllm/text/harmony.py): gpt-oss, config.json's and
+# llama.cpp's names.
+_HARMONY_ARCHITECTURES = frozenset({"gpt_oss", "gpt-oss"})
+
+
+def with_model_parsers(server: ServerArgs, architecture: str) -> ServerArgs:
+    """gpt-oss writes harmony: when neither --reasoning-parser nor --tool-call-parser is
+    named, both are set to harmony's (openai_gptoss, openai), so its channels come back as
+    reasoning, tool calls and content rather than as raw text. Any parser named is kept."""
+    if architecture not in _HARMONY_ARCHITECTURES:
+        return server
+    if server.reasoning_parser is not None or server.tool_call_parser is not None:
+        return server
+    logger.info("gpt-oss: --reasoning-parser openai_gptoss --tool-call-parser openai (harmony)")
+    return dataclasses.replace(server, reasoning_parser="openai_gptoss", tool_call_parser="openai")
 
 
 def check_tracing_installed() -> None:
