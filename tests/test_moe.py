@@ -421,6 +421,25 @@ def test_a_bf16_checkpoint_keeps_its_experts_as_bf16_rows(tmp_path) -> None:
     assert_generates_as(llm, hf, "qwen3_moe-bf16", high=hf.config.vocab_size)
 
 
+def test_deterministic_mode_keeps_the_experts_batch_invariant(tmp_path) -> None:
+    """--deterministic: a request's every logprob is bitwise the same alone and among others
+    that route tokens to the same experts (each expert's matmuls in fixed-size tiles)."""
+    path = write_tiny_model(tmp_path / "det", "qwen3_moe", **QWEN3_MOE)
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, block_size=4, deterministic=True)
+    vocab = llm.config.arch.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=vocab, ignore_eos=True)
+    needle = {"prompt_token_ids": prompts(high=vocab)[0]}
+
+    def needle_logprobs(others: list[dict]) -> list[dict[int, float]]:
+        out = llm.generate([needle, *others], params, use_tqdm=False)[0].outputs[0]
+        return [{t: p.logprob for t, p in position.items()} for position in out.logprobs]
+
+    alone = needle_logprobs([])
+    assert len(alone) == 4 and len(alone[0]) == vocab
+    others = [{"prompt_token_ids": p} for p in prompts(seed=5, high=vocab) * 3]
+    assert needle_logprobs(others) == alone
+
+
 def test_tensor_parallelism_is_refused_for_experts(tmp_path) -> None:
     arch = read_arch_config(
         str(write_tiny_model(tmp_path / "m", "qwen3_moe", weights=False, **QWEN3_MOE))

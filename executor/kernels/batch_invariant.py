@@ -16,6 +16,9 @@ What varies with the batch on CPU, and what this mode does about it:
   whether it is prefilled whole, in chunks of any size, after a prefix-cache hit, after a
   preemption, or decoded.
 - **Logits** go through the same tiles (`tiled_logits`).
+- **Experts** (executor/models/moe.py): each expert's matmuls over the rows routed to it run
+  in the same tiles (`ExpertMatrices.tile_rows`), and a token's experts are summed in expert
+  order whatever else shares the step.
 
 Row-wise work (RMSNorm, RoPE, activations, softmax) already reduces each row on its own.
 The contract is tested in tests/test_batch_invariance.py, with an inverse test showing the
@@ -63,6 +66,9 @@ def make_batch_invariant(model: nn.Module) -> int:
     wrapped."""
     wrapped = 0
     for module in list(model.modules()):
+        if hasattr(module, "tile_rows"):  # a mixture of experts' ExpertMatrices
+            module.tile_rows = TILE_ROWS
+            wrapped += 1
         for name, child in list(module.named_children()):
             if not (isinstance(child, GGUFLinear | GGUFSplitLinear) or type(child) is nn.Linear):
                 continue

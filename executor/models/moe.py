@@ -37,6 +37,7 @@ from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
+from zllm.executor.kernels.batch_invariant import TILE_ROWS, tiled
 from zllm.executor.weights.gguf_modules import int8_max_rows
 from zllm.model.arch_config import ModelArchConfig
 
@@ -149,6 +150,9 @@ class ExpertMatrices(nn.Module):
         self.parts: list[tuple[torch.Tensor, int]] | None = None  # (blocks, ggml type)
         self.int8_activations = False
         self.int8_max_rows = 0
+        # --deterministic (make_batch_invariant): every call in TILE_ROWS-row tiles, so an
+        # expert's rows do not depend on how many other tokens chose it this step.
+        self.tile_rows: int | None = None
 
     def hold_blocks_(
         self, parts: list[tuple[torch.Tensor, int]], int8_activations: bool = False
@@ -174,6 +178,12 @@ class ExpertMatrices(nn.Module):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """x [n, in] (rows contiguous) -> [n, out] through expert `expert`'s matrix."""
+        if self.tile_rows is not None:
+            assert self.tile_rows == TILE_ROWS
+            return tiled(lambda rows: self._multiply(rows, expert), x)
+        return self._multiply(x, expert)
+
+    def _multiply(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[expert]
         if self.parts is None:
             assert self.weight is not None
