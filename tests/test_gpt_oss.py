@@ -72,17 +72,23 @@ def draw_sinks_and_expert_biases(path: Path, seed: int = 0) -> Path:
     return randomize_norms_and_biases(path, seed)
 
 
-def write_mxfp4_pair(source: Path, mxfp4_dir: Path, reference_dir: Path, seed: int = 0) -> None:
+def write_mxfp4_pair(
+    source: Path,
+    mxfp4_dir: Path,
+    reference_dir: Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """From a gpt-oss directory: its MXFP4 checkpoint (each expert projection random FP4
-    codes and E8M0 exponents, as OpenAI's *_blocks/*_scales) and the same model with those
-    experts dequantized by transformers' own MXFP4 code, for transformers to run. The
-    checkpoint gets the tokenizer.json zllm reads (transformers' conversion of the
-    SentencePiece model)."""
+    codes and E8M0 exponents, as OpenAI's *_blocks/*_scales; the other tensors in `dtype`:
+    OpenAI's are bf16) and the same model with those experts dequantized by transformers' own
+    MXFP4 code, for transformers to run (MXFP4 values are exact in bf16). The checkpoint gets
+    the tokenizer.json zllm reads (transformers' conversion of the SentencePiece model)."""
     import transformers
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    tensors = load_file(str(source / "model.safetensors"))
+    tensors = {n: t.to(dtype) for n, t in load_file(str(source / "model.safetensors")).items()}
     config = json.loads((source / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     gen = torch.Generator().manual_seed(seed)
@@ -93,7 +99,7 @@ def write_mxfp4_pair(source: Path, mxfp4_dir: Path, reference_dir: Path, seed: i
         blocks = torch.randint(0, 256, (*shape, 16), generator=gen, dtype=torch.uint8)
         scales = torch.randint(122, 127, shape, generator=gen, dtype=torch.uint8)
         packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
-        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        dense[name] = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
         assert dense[name].shape == tensors[name].shape
         del tensors[name]
     for directory, experts in ((mxfp4_dir, packed), (reference_dir, dense)):
@@ -125,10 +131,11 @@ def convertible(tmp_path_factory) -> dict[str, Path]:
     """A SentencePiece-vocabulary gpt-oss (what llama.cpp's converter takes here), its MXFP4
     checkpoint and dequantized twin, and the GGUF files the converter writes of the first two."""
     root = tmp_path_factory.mktemp("gpt-oss-convertible")
-    dirs = {"float": root / "float", "mxfp4": root / "mxfp4", "dequantized": root / "dequantized"}
+    dirs = {name: root / name for name in ("float", "mxfp4", "dequantized", "bf16", "bf16-twin")}
     write_convertible_model(dirs["float"], "gpt_oss", **GPT_OSS)
     draw_sinks_and_expert_biases(dirs["float"])
     write_mxfp4_pair(dirs["float"], dirs["mxfp4"], dirs["dequantized"])
+    write_mxfp4_pair(dirs["float"], dirs["bf16"], dirs["bf16-twin"], dtype=torch.bfloat16)
     dirs["float.gguf"] = convert_hf_to_gguf(dirs["float"], root / "float.gguf", "f32")
     dirs["mxfp4.gguf"] = convert_hf_to_gguf(dirs["mxfp4"], root / "mxfp4.gguf", "f32")
     return dirs
@@ -221,6 +228,19 @@ def test_mxfp4_checkpoint_against_its_dequantized_twin(convertible, monkeypatch,
     expected = [("MXFP4",)] * 8 if kernels == "1" else [("float",)] * 8
     assert expert_holdings(llm) == expected
     check_parity(llm, hf_model_of(convertible["dequantized"]), f"mxfp4 kernels={kernels}")
+
+
+def test_bf16_checkpoint_with_mxfp4_experts(convertible):
+    """OpenAI's layout: bf16 tensors and MXFP4 experts. On CPU the matrices read their bf16
+    rows (the 16-bit path) and the experts their MXFP4 blocks: transformers' answers on the
+    same values."""
+    llm = make_llm(convertible["bf16"])
+    assert llm.model_runner.quantization == "16-bit"
+    assert expert_holdings(llm) == [("MXFP4",)] * 8
+    attn = llm.model_runner.model.layers[0].self_attn
+    assert (attn.qkv_proj.ggml_type, attn.o_proj.ggml_type) == (30, 30)  # BF16 rows
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is not None
+    check_parity(llm, hf_model_of(convertible["bf16-twin"]), "bf16 + mxfp4")
 
 
 def test_gguf_of_the_checkpoint(convertible):
