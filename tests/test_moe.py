@@ -30,7 +30,7 @@ from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
 from servers import start_server, stop_server
-from tiny_models import write_tiny_model
+from tiny_models import write_lora_adapter, write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.config.parallel import indivisible
@@ -45,6 +45,7 @@ from zllm.executor.models.moe import (
 )
 from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.loader import load_weights
+from zllm.lora import LoRAError, LoRARequest, read_adapter
 from zllm.model.arch import read_arch_config
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import read_gguf
@@ -438,6 +439,23 @@ def test_deterministic_mode_keeps_the_experts_batch_invariant(tmp_path) -> None:
     assert len(alone) == 4 and len(alone[0]) == vocab
     others = [{"prompt_token_ids": p} for p in prompts(seed=5, high=vocab) * 3]
     assert needle_logprobs(others) == alone
+
+
+def test_lora_adapts_the_attention_and_refuses_the_experts(tmp_path) -> None:
+    """An adapter on q/v changes the output; one on an expert layer's MLP is refused (its
+    updates would otherwise be dropped: the experts have no gate_up_proj to wrap)."""
+    path = write_tiny_model(tmp_path / "m", "qwen3_moe", **QWEN3_MOE)
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, block_size=4, enable_lora=True)
+    prompt, params = [{"prompt_token_ids": prompts()[0]}], GREEDY
+    base = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    attention = write_lora_adapter(tmp_path / "qv", path, targets=("q_proj", "v_proj"))
+    adapted = llm.generate(
+        prompt, params, lora_request=LoRARequest("qv", 1, str(attention)), use_tqdm=False
+    )
+    assert adapted[0].outputs[0].token_ids != base
+    mlp = write_lora_adapter(tmp_path / "mlp", path, targets=("gate_proj",))
+    with pytest.raises(LoRAError, match="mlp.gate_proj of layer 0, a mixture-of-experts layer"):
+        read_adapter(str(mlp), llm.config.arch, max_lora_rank=16)
 
 
 def test_tensor_parallelism_is_refused_for_experts(tmp_path) -> None:

@@ -129,6 +129,11 @@ def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAd
                 f"LoRA adapter tensor {name!r} is for layer {layer}; the base model has "
                 f"{arch.num_layers} layers"
             )
+        if block == "mlp" and arch.is_moe_layer(layer):
+            raise LoRAError(
+                f"LoRA adapter targets mlp.{module} of layer {layer}, a mixture-of-experts "
+                f"layer: zllm adapts its attention only"
+            )
         if dtype not in _DTYPES or len(shape) != 2:
             raise LoRAError(f"LoRA adapter tensor {name!r} is {dtype} {shape}, not a 2-D float")
         pairs.setdefault((layer, module), {})[kind] = name
