@@ -280,6 +280,14 @@ def test_mxfp4_repacking_equals_ggufs_reading():
     assert torch.equal(mxfp4.dequantize(blocks, scales, torch.float32), theirs)
 
 
+def test_transformers_backend_passes_the_sinks(gpt_oss_dir):
+    """--model-impl transformers: transformers' gpt-oss modeling hands each layer's sinks
+    (s_aux) to zllm's paged attention, which takes them."""
+    llm = make_llm(gpt_oss_dir, model_impl="transformers")
+    assert type(llm.model_runner.model).__name__ == "TransformersForCausalLM"
+    check_parity(llm, hf_model_of(gpt_oss_dir), "transformers backend")
+
+
 def test_transformers_backend_refuses_gpt_oss_gguf(convertible):
     """transformers' GGUF reader fails on gpt-oss files with a TypeError deep in its loader;
     asked for it, zllm says so and what runs them instead."""

@@ -100,7 +100,9 @@ def zllm_attention(
     attn = step.model.attention_layer(layer, q.shape[1], k.shape[1], q.shape[2], scaling)
     # A pipeline stage holds its layers' caches in order, from its first layer's.
     local = layer - step.model.layer_indices.start
-    out = attn(q, k, v, step.kv_caches[local], step.metas[local])
+    sinks = kwargs.get("s_aux")  # gpt-oss: a sink logit per head, which our layers take
+    sinks = None if sinks is None else sinks.float()
+    out = attn(q, k, v, step.kv_caches[local], step.metas[local], sinks=sinks)
     return out.unsqueeze(0), None
 
 
@@ -124,7 +126,7 @@ def _record(
         record.problems.append("the model builds its own attention mask")
     if not getattr(module, "is_causal", True):
         record.problems.append("non-causal attention")
-    for name in ("softcap", "s_aux", "sinks"):
+    for name in ("softcap", "sinks"):
         if kwargs.get(name) is not None:
             record.problems.append(f"attention {name!r} (not in zllm's attention kernels)")
     return record
