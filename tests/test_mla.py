@@ -5,8 +5,13 @@ DeepseekV2ForCausalLM token for token (tests/parity.py):
   v2    DeepSeek-V2's: q_a_proj, its norm and q_b_proj; tied logits (also converted to GGUF)
 
 Both: YaRN RoPE with mscale_all_dim (the softmax scale's correction), kv_lora_rank 96 + rope 16
-per latent row, every layer dense (the MoE layers are refused until executor/models/moe.py
-serves DeepSeek's experts). The pool holds one latent row per token and layer, no V beside it;
+per latent row, every layer dense.
+
+  moe   the v2 shape with mixture-of-experts layers: one dense layer, then two of 8 routed
+        experts (2 per token, picked within the best of 2 groups: group_limited_greedy) and
+        one shared expert, routed_scaling_factor 1.5 (a Hugging Face directory, and GGUF)
+
+The pool holds one latent row per token and layer, no V beside it;
 prompts run past a KV block, in a batch, chunked, and after cached prefixes (decode rows of a
 few tokens and prefill chunks after cached context alike), speculated (ngram) and over two
 pipeline stages; the v2 model as llama.cpp's own converter writes it (deepseek2, split
@@ -22,19 +27,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
 from servers import start_server, stop_server
-from tiny_models import write_tiny_model
+from tiny_models import TINY_CONFIG, arch_config_of, write_tiny_model
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_layout import block_bytes
 from zllm.executor.attention.metadata import AttentionMetadata
 from zllm.executor.attention.mla import PagedLatentAttention, read_latents
+from zllm.executor.models.llama import LlamaMLP
+from zllm.executor.models.moe import (
+    GROUPED_SOFTMAX_TOPK,
+    MoEBlock,
+    MoERule,
+    deepseek_rule,
+    route,
+)
 from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
@@ -66,6 +80,22 @@ LATENT: dict = dict(
 CASES = {
     "lite": dict(LATENT, q_lora_rank=None, tie_word_embeddings=False),
     "v2": dict(LATENT, q_lora_rank=64, tie_word_embeddings=True),
+    "moe": dict(
+        LATENT,
+        q_lora_rank=64,
+        tie_word_embeddings=True,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,  # (transformers' DeepSeek-V2 router never renormalises)
+    ),
 }
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -175,7 +205,7 @@ def test_absorbed_decode_equals_up_projected_attention() -> None:
 # Generating from the Hugging Face directory
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["lite", "v2"])
 def test_greedy_tokens_equal_transformers(hf_dir, case) -> None:
     """A batch of prompts up to 16 KV blocks long."""
     prompts = prompts_of([9, 23, 41, 66], seed=1)
@@ -369,13 +399,169 @@ def test_an_older_converters_whole_kv_b_reads_the_same(gguf_file, tmp_path) -> N
 
 
 # ---------------------------------------------------------------------------------------------
+# Mixture of experts: DeepSeek-V2's router and its MoE layers
+
+
+def reference_route(logits: torch.Tensor, top_k: int, groups: int, used: int, norm: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """DeepSeek-V2's router token by token in float64: softmax; the `used` groups of the
+    highest best score (ties: the lower group); the top k of their experts (ties: the lower
+    id); renormalised if asked; times scale."""
+    weights, experts = [], []
+    for row in logits.double():
+        scores = torch.softmax(row, dim=-1).tolist()
+        size = len(scores) // groups
+        best = sorted(range(groups), key=lambda g: (-max(scores[g * size : (g + 1) * size]), g))
+        allowed = [e for e in range(len(scores)) if e // size in best[:used]]
+        chosen = sorted(allowed, key=lambda e: (-scores[e], e))[:top_k]
+        w = [scores[e] for e in chosen]
+        total = sum(w) if norm else 1.0
+        weights.append([x / total * scale for x in w])
+        experts.append(chosen)
+    return torch.tensor(weights, dtype=torch.float64), torch.tensor(experts)
+
+
+@pytest.mark.parametrize(
+    ("groups", "used", "norm"), [(1, 1, False), (2, 1, False), (4, 2, True), (4, 4, True)]
+)
+def test_deepseek_router_matches_a_float64_reference(groups, used, norm) -> None:
+    """Group-limited top-k, with ties: rows of repeated logits pick the lower group and id."""
+    torch.manual_seed(groups * 10 + used)
+    logits = torch.randn(64, 8) * 3
+    logits[:8] = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0, 2.0, 1.0, 0.0])  # tied groups and experts
+    rule = MoERule(router=GROUPED_SOFTMAX_TOPK, norm_topk_prob=norm, group_count=groups,
+                   groups_used=used, routed_scaling=1.5, shared_expert_gated=False)  # fmt: skip
+    weights, experts = route(logits, 3, rule)
+    want_weights, want_experts = reference_route(logits, 3, groups, used, norm, 1.5)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-6, atol=1e-7)
+    assert experts[0].tolist() == ([1, 2, 4] if used == groups else [1, 2, 0])
+    if groups > used:  # the limit changed some token's choice
+        ungrouped = route(logits, 3, dataclasses.replace(rule, group_count=1, groups_used=1))[1]
+        assert not torch.equal(experts, ungrouped)
+
+
+def test_deepseek_router_matches_transformers_router() -> None:
+    """transformers' DeepseekV2TopkRouter on the same weights (its top-k is unsorted: compared
+    as sets, weights by expert)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(**{**TINY_CONFIG, **CASES["moe"], "num_key_value_heads": 4})
+    router = DeepseekV2TopkRouter(config)
+    torch.manual_seed(3)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(32, config.hidden_size)
+    _, their_weights, their_experts = router(x)
+    arch = arch_config_of(config)
+    weights, experts = route(F.linear(x, router.weight), 2, deepseek_rule(arch))
+    order = torch.argsort(their_experts, dim=-1)
+    assert torch.equal(experts.sort(dim=-1).values, their_experts.gather(-1, order))
+    by_expert = torch.argsort(experts, dim=-1)
+    torch.testing.assert_close(weights.gather(-1, by_expert), their_weights.gather(-1, order))
+
+
+def test_moe_config_reads_as_deepseek_moe_layers(hf_dir) -> None:
+    arch = read_arch_config(str(hf_dir("moe")))
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (8, 2, 32)
+    assert (arch.expert_group_count, arch.expert_groups_used) == (2, 1)
+    assert arch.shared_expert_intermediate_size == 32 and arch.routed_scaling_factor == 1.5
+    assert arch.dense_mlp_layers == [0] and not arch.norm_topk_prob
+    rule = deepseek_rule(arch)
+    assert (rule.router, rule.shared_expert_gated) == (GROUPED_SOFTMAX_TOPK, False)
+
+
+def moe_rounded(name: str, weight: torch.Tensor, outtype: str) -> torch.Tensor:
+    """As rounded(); the router stays F32 in every file (llama.cpp keeps ffn_gate_inp so)."""
+    return weight if name.endswith("mlp.gate.weight") else rounded(name, weight, outtype)
+
+
+@pytest.fixture(scope="module")
+def moe_gguf(tmp_path_factory):
+    """outtype -> the moe model converted by llama.cpp's converter (one directory)."""
+    root = tmp_path_factory.mktemp("moe-spm")
+    source = write_convertible_model(root / "hf", "deepseek_v2", **CASES["moe"])
+    built: dict[str, str] = {}
+
+    def get(outtype: str) -> str:
+        if outtype not in built:
+            built[outtype] = str(convert_hf_to_gguf(source, root / f"moe-{outtype}.gguf", outtype))
+        return built[outtype]
+
+    get.source = source  # type: ignore[attr-defined]
+    return get
+
+
+def test_the_moe_file_reads_as_its_checkpoint(moe_gguf) -> None:
+    path = moe_gguf("f32")
+    gguf = read_gguf(path)
+    assert {"blk.1.ffn_gate_exps.weight", "blk.2.ffn_down_shexp.weight"} <= gguf.tensors.keys()
+    ours, checkpoint = read_arch_config(path), read_arch_config(str(moe_gguf.source))
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "routed_scaling_factor",
+                  "expert_group_count", "expert_groups_used", "dense_mlp_layers"):  # fmt: skip
+        assert getattr(ours, field) == getattr(checkpoint, field), field
+    loaded = dict(load_weights(path, ours))
+    stored = load_file(str(moe_gguf.source / "model.safetensors"))
+    stacked = loaded["model.layers.1.mlp.experts.up_proj.weight"]
+    assert stacked.shape == (8, 32, 64)
+    assert torch.equal(stacked[5], stored["model.layers.1.mlp.experts.5.up_proj.weight"])
+    for name in ("mlp.gate.weight", "mlp.shared_experts.down_proj.weight"):
+        assert torch.equal(loaded[f"model.layers.2.{name}"], stored[f"model.layers.2.{name}"])
+
+
+def test_moe_greedy_tokens_equal_transformers(hf_dir) -> None:
+    """The moe case from its directory, a batch. The routing is not degenerate: the first MoE
+    layer picks several pairs of experts, and the group limit changes some token's pair."""
+    prompts = prompts_of([9, 23, 41], seed=2)
+    llm = make_llm(hf_dir("moe"))
+    model = llm.model_runner.model
+    assert isinstance(model.layers[0].mlp, LlamaMLP)
+    assert all(isinstance(layer.mlp, MoEBlock) for layer in model.layers[1:])
+    first = model.layers[1].mlp
+    logits: list[torch.Tensor] = []
+    hook = first.gate.register_forward_hook(lambda _m, _i, out: logits.append(out.clone()))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    hook.remove()
+    router_logits = torch.cat(logits)
+    experts = route(router_logits, 2, first.rule)[1]
+    assert len({tuple(sorted(row)) for row in experts.tolist()}) > 3
+    ungrouped = dataclasses.replace(first.rule, group_count=1, groups_used=1)
+    assert not torch.equal(experts, route(router_logits, 2, ungrouped)[1])
+    check(hf_model(hf_dir("moe")), prompts, outputs, "moe")
+
+
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_moe_gguf_greedy_tokens_equal_transformers(moe_gguf, outtype) -> None:
+    """Q8_0: the routed experts read the file's stacked blocks, the shared experts too."""
+    llm = make_llm(moe_gguf(outtype))
+    model = llm.model_runner.model
+    if outtype == "q8_0":
+        for layer in model.layers[1:]:
+            mlp = layer.mlp
+            assert mlp.experts_gate_up.parts is not None and mlp.experts_down.parts is not None
+            shared = mlp.shared_expert
+            assert isinstance(shared.gate_up_proj, GGUFLinear), shared
+            assert isinstance(shared.down_proj, GGUFLinear), shared
+    prompts = prompts_of([9, 30, 47], seed=6)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(moe_gguf.source).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(moe_rounded(name, param, outtype))
+    check(hf, prompts, outputs, f"moe-gguf-{outtype}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Refused: what the latent attention does not run yet
 
 
-def test_mixture_of_experts_layers_are_refused(tmp_path) -> None:
-    path = write_tiny_model(tmp_path / "moe", "deepseek_v2", weights=False,
-                            **dict(LATENT, first_k_dense_replace=1))  # fmt: skip
-    with pytest.raises(ValueError, match=r"routed experts in layers 1\.\.1: .*not yet"):
+def test_deepseek_v3s_router_is_refused(tmp_path) -> None:
+    path = write_tiny_model(tmp_path / "v3-router", "deepseek_v2", weights=False,
+                            **dict(CASES["moe"], topk_method="noaux_tc"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"topk_method 'noaux_tc': .*not DeepSeek-V3's"):
         read_arch_config(str(path))
 
 

@@ -6,7 +6,13 @@ A layer as transformers' DeepseekV2ForCausalLM computes it (its names, its arith
     c_kv|k_pe = kv_a_proj_with_mqa(x)                                   [T, kv_lora_rank + rope]
     latent   = [kv_a_layernorm(c_kv) | rope(k_pe)]    one row per token: what the pool keeps
     out      = o_proj(attention(q_nope, rope(q_pe), latent; kv_b_proj))
-    mlp      = down(silu(gate(x)) * up(x))            (dense layers; MoE layers are refused)
+    mlp      = down(silu(gate(x)) * up(x))            the first_k_dense_replace dense layers
+    moe      = routed(x) + shared_experts(x)          the others (every moe_layer_freq-th)
+
+A mixture-of-experts layer (executor/models/moe.py's DeepSeek rule): softmax over the
+n_routed_experts router logits, the top num_experts_per_tok among the topk_group best groups
+(group_limited_greedy; greedy: among all), optionally renormalised, times routed_scaling_factor;
+the shared experts are one ungated MLP of n_shared_experts x moe_intermediate_size.
 
 RoPE rotates adjacent pairs of the rope dims (transformers' complex multiply for DeepSeek-V2,
 llama.cpp's "norm" rope), not Llama's two halves. kv_b_proj stays one dense [heads, nope + v,
@@ -33,6 +39,12 @@ from zllm.executor.attention.backend import (
 )
 from zllm.executor.attention.mla import PagedLatentAttention
 from zllm.executor.models.llama import LlamaMLP, RMSNorm, copy_checkpoint, empty_linear
+from zllm.executor.models.moe import (
+    MoEBlock,
+    deepseek_rule,
+    per_expert_names,
+    per_expert_weights,
+)
 from zllm.executor.models.rope import RotaryEmbedding
 from zllm.executor.ranks.parallel import (
     SINGLE,
@@ -122,13 +134,23 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
 
 
+def make_deepseek_mlp(arch: ModelArchConfig, layer: int, dtype: torch.dtype) -> nn.Module:
+    """Layer `layer`'s MLP: dense (silu(gate) * up, as DeepseekV2MLP), or routed experts with
+    the shared ones beside them (DeepseekV2Moe)."""
+    if not arch.is_moe_layer(layer):
+        return LlamaMLP(arch, dtype)
+    shared = arch.shared_expert_intermediate_size
+    shared_experts = LlamaMLP(arch, dtype, intermediate_size=shared) if shared else None
+    return MoEBlock(arch, dtype, deepseek_rule(arch), shared_expert=shared_experts)
+
+
 class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArchConfig, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = DeepseekV2Attention(arch, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(arch, dtype)  # silu(gate) * up, as DeepseekV2MLP
+        self.mlp = make_deepseek_mlp(arch, layer, dtype)
 
     def forward(
         self,
@@ -178,7 +200,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         rope_arch = dataclasses.replace(arch, head_dim=arch.mla.qk_rope_head_dim)
         self.rotary = RotaryEmbedding(rope_arch, dtype)
         self.layer_indices = pp.layer_range(arch.num_layers)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(arch, dtype) for _ in self.layer_indices)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(arch, i, dtype) for i in self.layer_indices
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = logits_weight(arch, dtype, tp)
         # Set by quantization (GGUF blocks): as LlamaForCausalLM's.
@@ -237,7 +261,11 @@ class DeepseekV2ForCausalLM(nn.Module):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
     ) -> None:
-        """Hugging Face-named tensors in, one at a time (copy_checkpoint)."""
+        """Hugging Face-named tensors in, one at a time (copy_checkpoint); stacked or fused
+        expert tensors cut into each expert's (moe.py)."""
+        if self.arch.num_experts:
+            weights = per_expert_weights(weights)
+            served = per_expert_names(served, self.arch.num_experts)
         copy_checkpoint(
             self,
             self._weight_targets(),
@@ -248,15 +276,21 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def block_matmul_targets(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
         """(module, attribute, checkpoint names) of the matmuls GGUF blocks or 16-bit rows may
-        serve (executor/weights/blocks.py). kv_b_proj stays dense: decode splits it per head."""
+        serve (executor/weights/blocks.py). kv_b_proj stays dense: decode splits it per head.
+        The routed experts' are expert_blocks.py's; the shared experts are an MLP's."""
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
             projections = ["q_proj"] if attn.q_proj is not None else ["q_a_proj", "q_b_proj"]
             for name in [*projections, "kv_a_proj_with_mqa", "o_proj"]:
                 yield attn, name, [f"{p}self_attn.{name}.weight"]
-            yield mlp, "gate_up_proj", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            yield mlp, "down_proj", [f"{p}mlp.down_proj.weight"]
+            m = f"{p}mlp."
+            if isinstance(mlp, MoEBlock):
+                if mlp.shared_expert is None:
+                    continue
+                mlp, m = mlp.shared_expert, f"{m}shared_experts."
+            yield mlp, "gate_up_proj", [f"{m}gate_proj.weight", f"{m}up_proj.weight"]
+            yield mlp, "down_proj", [f"{m}down_proj.weight"]
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Each Hugging Face weight name -> the tensor (or view) it fills."""
@@ -278,7 +312,6 @@ def _layer_targets(layer: DeepseekV2DecoderLayer) -> dict[str, torch.Tensor]:
         "self_attn.kv_a_proj_with_mqa": attn.kv_a_proj_with_mqa,
         "self_attn.kv_a_layernorm": attn.kv_a_layernorm,
         "self_attn.o_proj": attn.o_proj,
-        "mlp.down_proj": mlp.down_proj,
         "input_layernorm": layer.input_layernorm,
         "post_attention_layernorm": layer.post_attention_layernorm,
     }
@@ -297,6 +330,9 @@ def _layer_targets(layer: DeepseekV2DecoderLayer) -> dict[str, torch.Tensor]:
         if getattr(module, "bias", None) is not None
     }
     targets["self_attn.kv_b_proj.weight"] = attn.kv_b.data.view(-1, attn.kv_b.shape[-1])
+    if isinstance(mlp, MoEBlock):
+        return targets | mlp.checkpoint_targets("mlp.", shared_name="shared_experts")
     gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
     targets["mlp.gate_proj.weight"], targets["mlp.up_proj.weight"] = gate, up
+    targets["mlp.down_proj.weight"] = mlp.down_proj.weight.data
     return targets

@@ -1,5 +1,5 @@
 """A mixture-of-experts MLP over the flat token batch [T, hidden]: Qwen3-MoE, Qwen2-MoE (with
-its shared expert), Mixtral and OLMoE, and gpt-oss's variant of the rule.
+its shared expert), Mixtral and OLMoE, gpt-oss's and DeepSeek-V2's variants of the rule.
 
     router    logits = x W_r^T (+ b_r)                  [T, E]: one score per token and expert
     route     each token's top-k experts and their weights   route(), the rule's variant
@@ -44,8 +44,11 @@ from zllm.model.arch_config import ModelArchConfig
 # Router rules: how a token's logits become its experts and their weights.
 SOFTMAX_TOPK = "softmax_topk"  # Qwen-MoE, Mixtral, OLMoE: softmax over all E, keep the top k
 TOPK_SOFTMAX = "topk_softmax"  # gpt-oss: the top k logits, softmax over those k
-# (DeepSeek-V3's sigmoid scores chosen with a per-expert bias would be a third rule here.)
-ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+# DeepSeek-V2: softmax over all E, the top k among the best groups' experts only (when the
+# experts are grouped), optionally renormalised, times routed_scaling.
+# (DeepSeek-V3's sigmoid scores chosen with a per-expert bias would be another rule here.)
+GROUPED_SOFTMAX_TOPK = "grouped_softmax_topk"
+ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX, GROUPED_SOFTMAX_TOPK)
 
 # Expert activations over [gate | up]: SwiGLU, or gpt-oss's clamped SwiGLU.
 SILU = "silu"  # silu(gate) * up
@@ -65,6 +68,14 @@ class MoERule:
     swiglu_limit: float = 7.0  # ... and its clamp
     router_bias: bool = False  # gpt-oss: the router's logits have a bias
     expert_bias: bool = False  # gpt-oss: each expert's gate_up and down have biases
+    # GROUPED_SOFTMAX_TOPK: E in group_count equal groups, the top k drawn from the
+    # groups_used groups of the highest best score (no limit unless groups_used < group_count),
+    # the k weights then times routed_scaling.
+    group_count: int = 1
+    groups_used: int = 1
+    routed_scaling: float = 1.0
+    # The shared expert's output scaled by sigmoid(x w_g) (Qwen2-MoE), or added as is (DeepSeek).
+    shared_expert_gated: bool = True
 
 
 # gpt-oss's layer (its model is another task; tests hold this rule to transformers' block).
@@ -83,6 +94,33 @@ def rule_of(arch: ModelArchConfig) -> MoERule:
     return MoERule(norm_topk_prob=arch.norm_topk_prob)
 
 
+def deepseek_rule(arch: ModelArchConfig) -> MoERule:
+    """DeepSeek-V2's rule: its router (group-limited when the config groups the experts) and
+    its shared experts added ungated."""
+    grouped = arch.expert_group_count > 0
+    return MoERule(
+        router=GROUPED_SOFTMAX_TOPK,
+        norm_topk_prob=arch.norm_topk_prob,
+        group_count=arch.expert_group_count if grouped else 1,
+        groups_used=arch.expert_groups_used if grouped else 1,
+        routed_scaling=arch.routed_scaling_factor,
+        shared_expert_gated=False,
+    )
+
+
+def keep_best_groups(scores: torch.Tensor, group_count: int, groups_used: int) -> torch.Tensor:
+    """scores [T, E] with every expert outside each token's `groups_used` best groups (ranked
+    by their highest score; ties to the lower group) set to 0, as DeepSeek-V2 masks them."""
+    tokens, experts = scores.shape
+    if experts % group_count:
+        raise ValueError(f"{experts} experts do not split into {group_count} groups")
+    grouped = scores.view(tokens, group_count, experts // group_count)
+    best = torch.sort(grouped.amax(dim=-1), dim=-1, descending=True, stable=True)[1]
+    keep = torch.zeros(tokens, group_count, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, best[:, :groups_used], True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(tokens, experts)
+
+
 def route(logits: torch.Tensor, top_k: int, rule: MoERule) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and weights: (weights [T, k] fp32, expert ids [T, k] int64).
 
@@ -91,14 +129,18 @@ def route(logits: torch.Tensor, top_k: int, rule: MoERule) -> tuple[torch.Tensor
     if rule.router not in ROUTER_RULES:
         raise ValueError(f"unknown router rule {rule.router!r} (known: {ROUTER_RULES})")
     scores = logits.float()
-    if rule.router == SOFTMAX_TOPK:
+    if rule.router != TOPK_SOFTMAX:
         scores = torch.softmax(scores, dim=-1)
+    if rule.router == GROUPED_SOFTMAX_TOPK and rule.groups_used < rule.group_count:
+        scores = keep_best_groups(scores, rule.group_count, rule.groups_used)
     ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     top, experts = ranked[:, :top_k], order[:, :top_k]
     if rule.router == TOPK_SOFTMAX:
         return torch.softmax(top, dim=-1), experts
     if rule.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
+    if rule.router == GROUPED_SOFTMAX_TOPK:  # after renormalising, as llama.cpp's deepseek2
+        top = top * rule.routed_scaling
     return top, experts
 
 
@@ -213,7 +255,8 @@ class ExpertMatrices(nn.Module):
 
 class MoEBlock(nn.Module):
     """A sparse layer's MLP: the router, every expert's gate_up and down, and optionally a
-    shared expert every token goes through (Qwen2-MoE), scaled by sigmoid(x w_g)."""
+    shared expert every token goes through (Qwen2-MoE's scaled by sigmoid(x w_g), DeepSeek's
+    added as is)."""
 
     def __init__(
         self,
@@ -235,18 +278,18 @@ class MoEBlock(nn.Module):
         self.experts_gate_up = ExpertMatrices(self.num_experts, 2 * inter, hidden, dtype, bias)
         self.experts_down = ExpertMatrices(self.num_experts, hidden, inter, dtype, bias)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = (
-            None if shared_expert is None else nn.Linear(hidden, 1, bias=False, dtype=dtype)
-        )
+        gated = shared_expert is not None and self.rule.shared_expert_gated
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, experts = route(self.gate(x), self.top_k, self.rule)
         out = self.routed(x, weights, experts)
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        if self.shared_expert_gate is None:
+            return out + self.shared_expert(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), one matmul pair per chosen
@@ -266,9 +309,12 @@ class MoEBlock(nn.Module):
         out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
         return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
-    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_targets(
+        self, prefix: str, shared_name: str = "shared_expert"
+    ) -> dict[str, torch.Tensor]:
         """Each checkpoint name under `prefix` ("model.layers.{i}.mlp.") -> the tensor (a
-        view of the stacked experts) it fills."""
+        view of the stacked experts) it fills; the shared expert's under `shared_name`
+        (DeepSeek's checkpoints: "shared_experts")."""
         targets = {f"{prefix}gate.weight": self.gate.weight.data}
         gate_up, down = self.experts_gate_up.weight, self.experts_down.weight
         assert gate_up is not None and down is not None, "the expert weights were released"
@@ -279,11 +325,11 @@ class MoEBlock(nn.Module):
             targets[f"{prefix}experts.{e}.down_proj.weight"] = down.data[e]
         shared = self.shared_expert
         if shared is not None:
-            assert self.shared_expert_gate is not None
             gate, up = shared.gate_up_proj.weight.data.split(shared.intermediate_size)
-            targets[f"{prefix}shared_expert.gate_proj.weight"] = gate
-            targets[f"{prefix}shared_expert.up_proj.weight"] = up
-            targets[f"{prefix}shared_expert.down_proj.weight"] = shared.down_proj.weight.data
+            targets[f"{prefix}{shared_name}.gate_proj.weight"] = gate
+            targets[f"{prefix}{shared_name}.up_proj.weight"] = up
+            targets[f"{prefix}{shared_name}.down_proj.weight"] = shared.down_proj.weight.data
+        if self.shared_expert_gate is not None:
             targets[f"{prefix}shared_expert_gate.weight"] = self.shared_expert_gate.weight.data
         return targets
 

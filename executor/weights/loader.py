@@ -83,6 +83,10 @@ _DEEPSEEK2_LAYER_NAMES = {
     "attn_kv_b": "self_attn.kv_b_proj",
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
+    # Its shared experts: one ungated MLP, under DeepSeek's plural name.
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # gpt-oss: its sink logits, and the norm before its experts under the name Gemma's files use
 # after the attention (HF's post_attention_layernorm, as Llama's ffn_norm).

@@ -83,6 +83,12 @@ class ModelArchConfig:
     # Layers whose MLP stays dense (of intermediate_size) in a mixture-of-experts model
     # (Qwen-MoE's mlp_only_layers and decoder_sparse_step).
     dense_mlp_layers: list[int] = field(default_factory=list)
+    # DeepSeek-V2's router (executor/models/moe.py's DeepSeek rule): the chosen weights times
+    # routed_scaling_factor; experts in expert_group_count equal groups, of which each token
+    # picks from the expert_groups_used best (by their best score). 0 groups: no group limit.
+    routed_scaling_factor: float = 1.0
+    expert_group_count: int = 0
+    expert_groups_used: int = 0
     # Multi-head latent attention (DeepSeek-V2): then the KV pool's rows are the latent's, one
     # KV head of half the latent row per K/V plane (num_kv_heads 1, head_dim latent_width / 2:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x

@@ -14,13 +14,24 @@ What the two files say, side by side (DeepSeek-V2-Lite's numbers):
                              attention.value_length)
     rope_scaling yarn        rope.scaling.{type,factor,original_context_length,yarn_beta_*}
     mscale_all_dim           rope.scaling.yarn_log_multiplier / 0.1      0.707
-    first_k_dense_replace    leading_dense_block_count                   1
+    first_k_dense_replace    leading_dense_block_count (and the layers   1
+                             without ffn_gate_inp)
+    n_routed_experts         expert_count                                64
+    num_experts_per_tok      expert_used_count                           6
+    n_shared_experts         expert_shared_count                         2
+    moe_intermediate_size    expert_feed_forward_length                  1408
+    routed_scaling_factor    expert_weights_scale (absent: 1)            1.0
+    norm_topk_prob           expert_weights_norm (absent: false)         false
+    topk_method, n_group,    expert_group_count, expert_group_used_count greedy, 1, 1
+      topk_group             (grouped when more than one group)
+    scoring_func softmax     expert_gating_func 1 (absent: softmax)
 
 The converter writes no `mscale`: llama.cpp takes it equal to mscale_all_dim (so YaRN's cos/sin
 factor is 1, as in every DeepSeek-V2/V3 config), and so does this reader.
 
-The MoE layers (routed and shared experts) are refused until the MoE layer exists
-(executor/models/moe.py): only configs whose every layer is dense run.
+A layer is a mixture of experts from first_k_dense_replace on, every moe_layer_freq-th (DeepSeek's
+rule; transformers' class reads no moe_layer_freq, and every V2 config has 1). DeepSeek-V3's
+router (sigmoid scores, noaux_tc with a per-expert bias) is refused, naming it.
 """
 
 from __future__ import annotations
@@ -46,12 +57,6 @@ def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArc
         return cfg[key]
 
     num_layers = int(need("num_hidden_layers"))
-    _refuse_moe_layers(
-        config_path,
-        cfg.get("n_routed_experts"),
-        int(cfg.get("first_k_dense_replace") or 0),
-        num_layers,
-    )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{config_path}: hidden_act {cfg['hidden_act']!r} (DeepSeek-V2 uses silu)")
     q_lora_rank = cfg.get("q_lora_rank")
@@ -82,6 +87,69 @@ def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArc
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         mla=mla,
+        **_hf_moe_fields(cfg, num_layers, config_path),
+    )
+
+
+def _hf_moe_fields(cfg: dict[str, Any], num_layers: int, where: Path) -> dict[str, Any]:
+    """ModelArchConfig's mixture-of-experts fields of a config.json ({}: every layer dense)."""
+    experts = cfg.get("n_routed_experts")
+    first_moe = int(cfg.get("first_k_dense_replace") or 0)
+    if not experts or first_moe >= num_layers:
+        return {}
+    scoring = cfg.get("scoring_func", "softmax")
+    method = cfg.get("topk_method") or "greedy"
+    if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(
+            f"{where}: scoring_func {scoring!r} with topk_method {method!r}: zllm runs "
+            f"DeepSeek-V2's router (softmax; greedy or group_limited_greedy), not DeepSeek-V3's"
+        )
+    every = int(cfg.get("moe_layer_freq") or 1)
+    moe_inter = int(cfg.get("moe_intermediate_size") or 0)
+    grouped = method == "group_limited_greedy"
+    return _moe_fields(
+        where,
+        experts=int(experts),
+        top_k=int(cfg.get("num_experts_per_tok") or 0),
+        moe_inter=moe_inter,
+        shared_inter=int(cfg.get("n_shared_experts") or 0) * moe_inter,
+        norm=bool(cfg.get("norm_topk_prob")),
+        scale=float(cfg.get("routed_scaling_factor") or 1.0),
+        groups=(int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)) if grouped else None,
+        dense=[i for i in range(num_layers) if i < first_moe or i % every],
+    )
+
+
+def _moe_fields(
+    where: Any,
+    *,
+    experts: int,
+    top_k: int,
+    moe_inter: int,
+    shared_inter: int,
+    norm: bool,
+    scale: float,
+    groups: tuple[int, int] | None,
+    dense: list[int],
+) -> dict[str, Any]:
+    """The fields, checked: k of the experts, their width, groups that split them evenly."""
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{where}: {top_k} experts per token of {experts}")
+    if moe_inter <= 0:
+        raise ValueError(f"{where}: {experts} experts without moe_intermediate_size")
+    group_count, groups_used = groups or (0, 0)
+    if groups is not None and (experts % group_count or not 0 < groups_used <= group_count):
+        raise ValueError(f"{where}: {experts} experts in {group_count} groups, {groups_used} used")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_inter,
+        shared_expert_intermediate_size=shared_inter,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+        expert_group_count=group_count,
+        expert_groups_used=groups_used,
+        dense_mlp_layers=dense,
     )
 
 
@@ -97,8 +165,6 @@ def deepseek2_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         return value
 
     num_layers = int(need("block_count"))
-    dense = md.get("deepseek2.leading_dense_block_count", 0)
-    _refuse_moe_layers(path, md.get("deepseek2.expert_count"), int(dense), num_layers)
     rope_dim = int(need("rope.dimension_count"))
     # Newer converters keep key_length / value_length for the latent (MQA) view and write
     # the per-head sizes as *_mla; older ones wrote the per-head sizes as key/value_length.
@@ -137,6 +203,33 @@ def deepseek2_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
         mla=mla,
+        **_gguf_moe_fields(gguf, num_layers),
+    )
+
+
+def _gguf_moe_fields(gguf: GGUFFile, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a deepseek2 file ({}: no layer has a router). Grouped
+    as llama.cpp groups them: when the file names more than one group."""
+    md, path = gguf.metadata, gguf.path
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
+    if len(dense) == num_layers:
+        return {}
+    gating = md.get("deepseek2.expert_gating_func", 1)
+    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise invalid_gguf(path, f"expert_gating_func {gating} (DeepSeek-V2 routes by softmax)")
+    group_count = int(md.get("deepseek2.expert_group_count") or 0)
+    groups_used = int(md.get("deepseek2.expert_group_used_count") or 0)
+    moe_inter = int(md.get("deepseek2.expert_feed_forward_length") or 0)
+    return _moe_fields(
+        path,
+        experts=int(md.get("deepseek2.expert_count") or 0),
+        top_k=int(md.get("deepseek2.expert_used_count") or 0),
+        moe_inter=moe_inter,
+        shared_inter=int(md.get("deepseek2.expert_shared_count") or 0) * moe_inter,
+        norm=bool(md.get("deepseek2.expert_weights_norm", False)),
+        scale=float(md.get("deepseek2.expert_weights_scale") or 1.0),
+        groups=(group_count, groups_used) if group_count > 1 else None,
+        dense=dense,
     )
 
 
@@ -164,16 +257,3 @@ def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
     if log_multiplier:
         scaling["mscale"] = scaling["mscale_all_dim"] = float(log_multiplier) / 0.1
     return scaling
-
-
-def _refuse_moe_layers(where: Any, experts: Any, dense_layers: int, num_layers: int) -> None:
-    """ValueError for a config with mixture-of-experts layers (those past the leading dense
-    ones, when it has routed experts)."""
-    if not experts or dense_layers >= num_layers:
-        return
-    raise ValueError(
-        f"{where}: DeepSeek-V2 with {experts} routed experts in layers {dense_layers}.."
-        f"{num_layers - 1}: zllm runs its multi-head latent attention natively, but its "
-        f"mixture-of-experts layers not yet (only configs whose layers are all dense, "
-        f"first_k_dense_replace >= num_hidden_layers)"
-    )
