@@ -477,6 +477,8 @@ QWEN2_MOE_ALL_SPARSE = {
     "shared_expert_intermediate_size": 64,
 }
 GGUF_CASES = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE_ALL_SPARSE, "mixtral": MIXTRAL}
+# (Qwen2-MoE's seeds 0 and 1 repeat two tokens on a prompt: a parity check of little worth.)
+GGUF_SEEDS = {"qwen2_moe": 3}
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 OUTTYPES = ("f32", "q8_0")
 
@@ -488,7 +490,8 @@ def model_dir(tmp_path_factory) -> Callable[[str], Path]:
     def get(case: str) -> Path:
         if case not in built:
             path = tmp_path_factory.mktemp(case) / "hf"
-            built[case] = write_convertible_model(path, case, **GGUF_CASES[case])
+            seed = GGUF_SEEDS.get(case, 0)
+            built[case] = write_convertible_model(path, case, seed, **GGUF_CASES[case])
         return built[case]
 
     return get
