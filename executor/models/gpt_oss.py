@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
-    metadata_per_layer,
 )
+from zllm.executor.models.decoder_stack import DecoderStack
 from zllm.executor.models.llama import RMSNorm, copy_checkpoint, empty_linear
 from zllm.executor.models.moe import GPT_OSS_RULE, MoEBlock, per_expert_names
 from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
@@ -51,7 +50,6 @@ from zllm.executor.ranks.parallel import (
     WHOLE,
     PipelineParallel,
     TensorParallel,
-    gather_logits,
     local_arch,
     logits_weight,
 )
@@ -128,7 +126,7 @@ class GptOssDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(DecoderStack, nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -168,54 +166,6 @@ class GptOssForCausalLM(nn.Module):
         self.logits_proj: nn.Module | None = None
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, one row per new token."""
-        x, residual = self.forward_layers(
-            self.embed(input_ids), positions, kv_caches, attn_metadata
-        )
-        return self.final_norm(x, residual)
-
-    def forward_layers(
-        self,
-        stream: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This model's layers (a pipeline stage's) over the residual stream entering them;
-        returns the last sublayer's output and the residual before it."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x, residual = stream, None
-        cos, sin = self.rotary.lookup(positions)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        return x, residual
-
-    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(x, residual)[0]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_rows is not None:
-            return self.embed_rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
-        if self.logits_proj is not None:
-            logits = self.logits_proj(hidden_states).float()
-        else:
-            weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            logits = F.linear(hidden_states, weight).float()
-        return gather_logits(logits, self.arch.vocab_size, self.tp)
 
     @torch.no_grad()
     def load_weights(

@@ -18,7 +18,7 @@ What the family members add, each switched on by ModelArchConfig:
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,9 @@ from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
-    metadata_per_layer,
 )
 from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
+from zllm.executor.models.decoder_stack import DecoderStack
 from zllm.executor.models.moe import MoEBlock, per_expert_names, per_expert_weights
 from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
 from zllm.executor.ranks.parallel import (
@@ -39,7 +39,6 @@ from zllm.executor.ranks.parallel import (
     PipelineParallel,
     TensorParallel,
     fill_tied_logits_shard,
-    gather_logits,
     local_arch,
     logits_weight,
     shard_weight,
@@ -278,7 +277,7 @@ def copy_checkpoint(
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderStack, nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -315,60 +314,6 @@ class LlamaForCausalLM(nn.Module):
         self.logits_proj: nn.Module | None = None
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)  # inference only; the KV cache writes must not build graphs
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, one row per new token.
-
-        `attn_metadata`: one per layer, or one for all (attention_backend.metadata_per_layer).
-        """
-        x, residual = self.forward_layers(
-            self.embed(input_ids), positions, kv_caches, attn_metadata
-        )
-        return self.final_norm(x, residual)
-
-    def forward_layers(
-        self,
-        stream: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This model's layers (a pipeline stage's: forward() is embed, forward_layers,
-        final_norm) over the residual stream entering them (the embeddings at the first
-        layer). Returns the last sublayer's output and the residual before it: their sum is
-        the stream the next stage takes."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x, residual = stream, None
-        cos, sin = self.rotary.lookup(positions)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        return x, residual
-
-    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(x, residual)[0]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embedding rows (from GGUF blocks once quantization set embed_rows)."""
-        if self.embed_rows is not None:
-            return self.embed_rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32 logits."""
-        if self.logits_proj is not None:
-            logits = self.logits_proj(hidden_states).float()
-        else:
-            weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            logits = F.linear(hidden_states, weight).float()
-        return gather_logits(logits, self.arch.vocab_size, self.tp)
 
     @torch.no_grad()
     def load_weights(
