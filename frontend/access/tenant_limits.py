@@ -109,6 +109,16 @@ class TenantLimits:
             for limits in (self.default, *self.per_tenant.values())
         )
 
+    @property
+    def num_buckets(self) -> int:
+        """Rate buckets held (at most MAX_BUCKETS; /metrics' tenant_rate_buckets)."""
+        return len(self._buckets)
+
+    @property
+    def num_limited_series(self) -> int:
+        """Limited-request series kept (at most MAX_LIMITED_SERIES)."""
+        return len(self._limited_series)
+
     def limits_of(self, tenant: str) -> _Limits:
         return self.per_tenant.get(tenant, self.default)
 

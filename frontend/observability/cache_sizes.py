@@ -75,6 +75,6 @@ def watch_server_caches(caches: CacheSizes, limits: TenantLimits, adapters: LoRA
     and limited series (bounds in frontend/access/tenant_limits.py), and the registered LoRA
     adapters (frontend/lora_adapters.py)."""
     # (Read by their private names: tenant_limits.py offers no size of its own yet.)
-    caches.watch("tenant_rate_buckets", lambda: len(limits._buckets), MAX_BUCKETS)
-    caches.watch("tenant_limited_series", lambda: len(limits._limited_series), MAX_LIMITED_SERIES)
+    caches.watch("tenant_rate_buckets", lambda: limits.num_buckets, MAX_BUCKETS)
+    caches.watch("tenant_limited_series", lambda: limits.num_limited_series, MAX_LIMITED_SERIES)
     caches.watch("lora_adapters", lambda: len(adapters.by_name), MAX_REGISTERED_ADAPTERS)
