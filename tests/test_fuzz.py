@@ -129,6 +129,7 @@ def test_schemathesis(fuzz_server, schema, label, mode):
 
 
 _MESSAGES = [{"role": "user", "content": "hi"}]
+_WIDE_INT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"x": [1, 10**30]}}}
 # (path, raw body or JSON value, content type, expected status)
 HOSTILE = [
     ("/v1/completions", b'{"prompt": "\xff\xfe\xfd"}', None, 400),
@@ -188,6 +189,33 @@ HOSTILE = [
         400,
     ),
     ("/detokenize", {"tokens": [-1, 10**30]}, None, 400),
+    # Integers past 64 bits in free-form JSON (tool parameters, schemas, template arguments):
+    # refused on decoding, not a 500 on the way to the tokenizer.
+    ("/v1/chat/completions", {"messages": _MESSAGES, "tools": [_WIDE_INT_TOOL]}, None, 400),
+    (
+        "/v1/chat/completions",
+        {"messages": _MESSAGES, "chat_template_kwargs": {"a": -(10**30)}},
+        None,
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": _MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"maxLength": 10**30}},
+            },
+        },
+        None,
+        400,
+    ),
+    (
+        "/v1/responses",
+        {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"a": 10**30}}]},
+        None,
+        400,
+    ),
     ("/tokenize", {"prompt": "hi", "messages": _MESSAGES}, None, 400),
 ]
 
@@ -223,3 +251,13 @@ def test_engine_unharmed_after_everything(fuzz_server):
         assert r.status_code == 200
         assert "data: [DONE]" in [line for line in r.iter_lines()]
     assert "Traceback" not in fuzz_server.log_text(), fuzz_server.log_tail()
+
+
+def test_wide_integer_in_anthropic_tools_gets_anthropic_400(fuzz_server):
+    tool = {"name": "f", "input_schema": {"type": "object", "maxProperties": 10**30}}
+    model = fuzz_server.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 4, "messages": _MESSAGES, "tools": [tool]}
+    r = httpx.post(fuzz_server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error"
+    assert "tools[0].input_schema.maxProperties" in r.json()["error"]["message"]

@@ -505,6 +505,10 @@ class DetokenizeResponse(msgspec.Struct):
 # ---- decoding ------------------------------------------------------------------------------
 
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+# A run of 19+ digits may be an integer beyond 64 bits (2**63 has 19 digits): only then is
+# the body walked for one, so ordinary requests pay one fast scan.
+_LONG_DIGITS = re.compile(rb"\d{19,}")
+_WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
@@ -531,11 +535,34 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
         raise RequestError("The request body is nested too deeply.") from None
+    if _LONG_DIGITS.search(body):
+        try:
+            _refuse_wide_ints(msgspec.json.decode(body), "")
+        except RecursionError:
+            raise RequestError("The request body is nested too deeply.") from None
     for name in getattr(cls, "UNSUPPORTED", ()):
         if name in keys and bytes(keys[name]) != b"null":
             raise RequestError(f"unsupported parameter: {name}", param=name)
     unknown = sorted(set(keys) - set(cls.__struct_fields__))
     return request, unknown
+
+
+def _refuse_wide_ints(value: Any, path: str) -> None:
+    """Raise RequestError naming the first integer the wire cannot carry. Typed integer
+    fields are bounded by their types; this finds the free-form ones (tool parameters,
+    JSON schemas, template arguments), which would otherwise fail on the way to the
+    tokenizer."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_wide_ints(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_wide_ints(item, f"{path}[{index}]")
+    elif isinstance(value, int) and not _WIRE_INT_MIN <= value <= _WIRE_INT_MAX:
+        raise RequestError(
+            f"The integer at `{path}` is outside the 64-bit range this server accepts.",
+            param=path or None,
+        )
 
 
 def error_param(message: str) -> str | None:
