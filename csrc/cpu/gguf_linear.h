@@ -1,9 +1,11 @@
 // y = x @ W^T with W kept in its GGUF block-quantized form, x and y fp32.
 // Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value
 // super-blocks), the ones llama.cpp's common presets write; the low-bit presets' Q2_K, Q3_K,
-// IQ4_NL, IQ4_XS and MXFP4 (their dequantizers and few-rows formats: gguf_lowbit.h); F16 and
-// BF16 rows. One code path (AVX2, FMA, F16C) on every CPU: $ZLLM_CPU_ISA / set_cpu_isa choose
-// only the integer K-quant kernels' variant (kquant_int8.h).
+// IQ4_NL, IQ4_XS and MXFP4 (their dequantizers and few-rows formats: gguf_lowbit.h); the
+// lattice (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), ternary (TQ1_0, TQ2_0) and
+// NVFP4 types (gguf_lattice.h); F16 and BF16 rows. One code path (AVX2, FMA, F16C) on every
+// CPU: $ZLLM_CPU_ISA / set_cpu_isa choose only the integer K-quant kernels' variant
+// (kquant_int8.h).
 //
 // Why: at small batches a decode step is bound by reading the weights. fp32 weights are
 // 4 bytes a value; these types are 0.56-1.06, so the same step reads 4-7x fewer bytes, and
@@ -33,6 +35,7 @@
 #include <torch/extension.h>
 
 #include "gguf_blocks.h"
+#include "gguf_lattice.h"
 #include "gguf_lowbit.h"
 #include "simd.h"
 
@@ -224,6 +227,12 @@ struct BlockFormat {
   DequantRow dequant;
 };
 
+// gguf_lattice.h's types: one sub-block decoder per type serves the dequantizer.
+template <class Type>
+inline BlockFormat lattice_format() {
+  return {Type::kValues, Type::kBytes, dequant_row_sub_blocks<Type>};
+}
+
 // The layout of a type the kernel reads, or nullptr.
 inline const BlockFormat* block_format(int64_t qtype) {
   static const BlockFormat q4_0{kBlock, 18, dequant_row_q4_0}, q4_1{kBlock, 20, dequant_row_q4_1},
@@ -234,6 +243,11 @@ inline const BlockFormat* block_format(int64_t qtype) {
       q2_k{kSuper, 84, dequant_row_q2_k}, q3_k{kSuper, 110, dequant_row_q3_k},
       iq4_nl{kBlock, 18, dequant_row_iq4_nl}, iq4_xs{kSuper, 136, dequant_row_iq4_xs},
       mxfp4{kBlock, 17, dequant_row_mxfp4};
+  static const BlockFormat iq2_xxs = lattice_format<IQ2_XXS>(), iq2_xs = lattice_format<IQ2_XS>(),
+                           iq2_s = lattice_format<IQ2_S>(), iq3_xxs = lattice_format<IQ3_XXS>(),
+                           iq3_s = lattice_format<IQ3_S>(), iq1_s = lattice_format<IQ1_S>(),
+                           iq1_m = lattice_format<IQ1_M>(), tq1_0 = lattice_format<TQ1_0>(),
+                           tq2_0 = lattice_format<TQ2_0>(), nvfp4 = lattice_format<NVFP4>();
   switch (qtype) {
     case kF16: return &f16;
     case kBF16: return &bf16;
@@ -250,6 +264,16 @@ inline const BlockFormat* block_format(int64_t qtype) {
     case kIQ4_NL: return &iq4_nl;
     case kIQ4_XS: return &iq4_xs;
     case kMXFP4: return &mxfp4;
+    case kIQ2_XXS: return &iq2_xxs;
+    case kIQ2_XS: return &iq2_xs;
+    case kIQ2_S: return &iq2_s;
+    case kIQ3_XXS: return &iq3_xxs;
+    case kIQ3_S: return &iq3_s;
+    case kIQ1_S: return &iq1_s;
+    case kIQ1_M: return &iq1_m;
+    case kTQ1_0: return &tq1_0;
+    case kTQ2_0: return &tq2_0;
+    case kNVFP4: return &nvfp4;
     default: return nullptr;
   }
 }
@@ -747,6 +771,16 @@ inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
     case kIQ4_NL: return few_rows_for<FewIQ4_NL, 4>(M);
     case kIQ4_XS: return few_rows_for<FewIQ4_XS, 4>(M);
     case kMXFP4: return few_rows_for<FewMXFP4, 4>(M);
+    case kIQ2_XXS: return few_rows_for<FewSubBlocks<IQ2_XXS>, 4>(M);
+    case kIQ2_XS: return few_rows_for<FewSubBlocks<IQ2_XS>, 4>(M);
+    case kIQ2_S: return few_rows_for<FewSubBlocks<IQ2_S>, 4>(M);
+    case kIQ3_XXS: return few_rows_for<FewSubBlocks<IQ3_XXS>, 4>(M);
+    case kIQ3_S: return few_rows_for<FewSubBlocks<IQ3_S>, 4>(M);
+    case kIQ1_S: return few_rows_for<FewSubBlocks<IQ1_S>, 4>(M);
+    case kIQ1_M: return few_rows_for<FewSubBlocks<IQ1_M>, 4>(M);
+    case kTQ1_0: return few_rows_for<FewSubBlocks<TQ1_0>, 4>(M);
+    case kTQ2_0: return few_rows_for<FewSubBlocks<TQ2_0>, 4>(M);
+    case kNVFP4: return few_rows_for<FewSubBlocks<NVFP4>, 4>(M);
     case kF16: return few_rows_for<Few16<false>, 4>(M);
     case kBF16: return few_rows_for<Few16<true>, 4>(M);
     default: return nullptr;
@@ -766,6 +800,9 @@ const BlockFormat& checked_format(const torch::Tensor& qweight, int64_t qtype, i
               "qweight must be contiguous uint8 [N, bytes per row]");
   const BlockFormat* format = block_format(qtype);
   TORCH_CHECK(format != nullptr, "unsupported ggml type ", qtype);
+  TORCH_CHECK(!is_lattice_type(qtype) || g_lattice_ready.load(), "ggml type ", qtype,
+              " needs its lattice grid, which set_lattice_tables has not been given (zllm's "
+              "executor/kernels/cpu.py load() hands gguf-py's over)");
   TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
               "qweight row bytes do not match K=", K);
   return *format;

@@ -32,6 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "force avx2 or avx512vnni, or auto (the best this CPU has); returns the choice",
       py::arg("name"));
   m.def("gguf_dequantize", &gguf_dequantize, "GGUF blocks -> fp32 rows");
+  m.def("set_lattice_tables", &set_lattice_tables,
+        "the IQ1-IQ3 grids (int8, by ggml type) and IQ2_XXS's ksigns, from gguf.quants",
+        py::arg("types"), py::arg("grids"), py::arg("ksigns"));
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention read from the paged KV cache", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),

@@ -40,6 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import gguf.quants as gguf_quants
+import numpy as np
 import torch
 
 from zllm.executor.kernels.csrc_dir import CSRC_DIR
@@ -55,6 +57,7 @@ KERNEL_FILES = (
     "cpu/gguf_blocks.h",
     "cpu/gguf_linear.h",
     "cpu/gguf_lowbit.h",
+    "cpu/gguf_lattice.h",
     "cpu/gguf_int8.h",
     "cpu/kquant_int8.h",
     "cpu/paged_attention.h",
@@ -68,11 +71,11 @@ KERNEL_FILES = (
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
-# ggml type ids the kernel reads: the types llama.cpp's presets write (Q4_K_M, for one, holds
-# Q4_K, Q6_K, Q5_0 and Q8_0 matrices; Q3_K_M Q3_K, Q4_K, Q5_K; the IQ presets IQ4_XS or
-# IQ4_NL beside their IQ1-IQ3 matrices; gpt-oss MXFP4), and 16-bit weights (F16/BF16 files,
-# the matrices of bf16/fp16 checkpoints, and the types held as 16-bit rows: blocks.py's
-# HELD_AS_16_BIT), widened to fp32 in registers.
+# ggml type ids the kernel reads in their blocks: the types llama.cpp's presets write (Q4_K_M,
+# for one, holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices; Q3_K_M Q3_K, Q4_K, Q5_K; the IQ presets
+# their IQ1-IQ3 matrices beside IQ4_XS or IQ4_NL ones; the ternary presets TQ1_0/TQ2_0;
+# gpt-oss MXFP4), NVFP4, and 16-bit weights (F16/BF16 files, the matrices of bf16/fp16
+# checkpoints), widened to fp32 in registers. Every type gguf-py dequantizes but F32.
 SUPPORTED_GGML_TYPES = {
     1: "F16",
     2: "Q4_0",
@@ -85,14 +88,37 @@ SUPPORTED_GGML_TYPES = {
     12: "Q4_K",
     13: "Q5_K",
     14: "Q6_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
     20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
     23: "IQ4_XS",
+    29: "IQ1_M",
     30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
     39: "MXFP4",
+    40: "NVFP4",
+}
+# The lattice types' codebooks (csrc/cpu/gguf_lattice.h): the grids of these types and
+# IQ2_XXS's ksigns are the GGUF format's constants, owned by gguf-py, whose dequantizer the
+# kernel matches bit for bit. load() hands them to the library once per process
+# (set_lattice_tables) rather than the C++ keeping a copy that could drift from gguf-py's.
+LATTICE_GRIDS = {
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    22: "IQ2_S",
+    18: "IQ3_XXS",
+    21: "IQ3_S",
+    19: "IQ1_S",
+    29: "IQ1_M",
 }
 # The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.h). 16-bit weights keep
-# float dots, and so do the low-bit types under gguf-int8 (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4:
-# no integer path yet, they take the float kernel).
+# float dots, and so do the low-bit types under gguf-int8 (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4,
+# the IQ1-IQ3, TQ and NVFP4 types: no integer path yet, they take the float kernel).
 INT8_GGML_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 
@@ -137,7 +163,31 @@ def cpu_has_avx512_vnni() -> bool:
 
 @functools.cache
 def load() -> ModuleType:
-    """The compiled extension; builds it on first use. Raises CpuKernelError when it can't."""
+    """The compiled extension, given gguf-py's lattice tables; builds it on first use. Raises
+    CpuKernelError when it can't."""
+    module = _load_library()
+    hand_lattice_tables(module)
+    return module
+
+
+def hand_lattice_tables(module: ModuleType) -> None:
+    """Give the library gguf-py's lattice grids (int8: every value is a small integer) and
+    IQ2_XXS's ksigns; until then it refuses those types."""
+    types, grids = [], []
+    for ggml_type, name in LATTICE_GRIDS.items():
+        quant = getattr(gguf_quants, name)
+        quant.init_grid()
+        values = np.asarray(quant.grid, dtype=np.float32).reshape(quant.grid_shape)
+        as_int8 = values.astype(np.int8)
+        if not np.array_equal(as_int8, values):
+            raise CpuKernelError(f"gguf-py's {name} grid holds values that are not int8")
+        types.append(ggml_type)
+        grids.append(torch.from_numpy(np.ascontiguousarray(as_int8)))
+    ksigns = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    module.set_lattice_tables(types, grids, ksigns)
+
+
+def _load_library() -> ModuleType:
     if not cpu_supports_kernels():
         raise CpuKernelError("the CPU kernels need an x86-64 CPU with AVX2, FMA and F16C")
     isa = os.environ.get("ZLLM_CPU_ISA", "auto") or "auto"
