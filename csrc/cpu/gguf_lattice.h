@@ -40,8 +40,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <array>
 #include <atomic>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -51,12 +51,16 @@
 
 namespace zllm_gguf {
 
-// Each grid row as its int8 values packed in one integer (8 values: u64; 4: u32), so a
-// sub-block's rows gather into one register with a few scalar loads.
+// The grids' rows as fp32 (exact: small integers), so a row of 8 values is one aligned
+// vector load and a row of 4 half of one, with no widening: building the codes in bytes
+// and widening them (one shuffle-port instruction per 8 values, and as many to gather the
+// rows) bound the few-rows loop at 1.2-1.8x Q4_K's time; fp32 rows cost 64 KB for IQ1's
+// 2,048 rows, read at random but mostly from L1/L2.
 struct LatticeTables {
-  uint64_t iq2_xxs[256], iq2_xs[512], iq2_s[1024], iq1_s[2048], iq1_m[2048];
-  uint32_t iq3_xxs[256], iq3_s[512];
-  uint64_t ksign_bytes[128];  // ksigns[i] spread: byte j is -1 where its bit j is set, else 1
+  alignas(32) float iq2_xxs[256][8], iq2_xs[512][8], iq2_s[1024][8], iq1_s[2048][8],
+      iq1_m[2048][8];
+  alignas(32) float iq3_xxs[256][4], iq3_s[512][4];
+  alignas(32) uint32_t ksign_masks[128][8];  // ksigns[i]: lane j's sign bit set where bit j is
 };
 inline LatticeTables g_lattice;  // static storage, filled once by set_lattice_tables
 inline std::atomic<bool> g_lattice_ready{false};
@@ -66,54 +70,67 @@ inline bool is_lattice_type(int64_t qtype) {
          qtype == kIQ3_S || qtype == kIQ1_S || qtype == kIQ1_M;
 }
 
-// One 32-value sub-block: its codes (signed bytes), the scale of each 16 values, and (IQ1)
-// the delta added to each 8 values' codes before scaling.
+// Lane j's fp32 sign bit set where bit j of a byte is (the sign bytes of IQ2_S / IQ3_S; the
+// ksigns masks are built from it too).
+struct SignMasks {
+  alignas(32) uint32_t of[256][8];
+};
+constexpr SignMasks make_sign_masks() {
+  SignMasks masks{};
+  for (int byte = 0; byte < 256; ++byte)
+    for (int j = 0; j < 8; ++j) masks.of[byte][j] = (byte >> j) & 1 ? 0x80000000u : 0u;
+  return masks;
+}
+inline constexpr SignMasks kSignMasks = make_sign_masks();
+
+// One 32-value sub-block: its weights before scaling (the signed grid values, or codes) per
+// 8 values, the scale of each 16 values, and (IQ1) the delta added to each 8 values.
 struct SubBlock {
-  __m256i codes;
+  __m256 w[4];
   float scale[2];
   float delta[4];
 };
 
-// Sign bytes (+-1) for 32 values from 4 bytes of sign bits: byte j takes bit j % 8 of byte
-// j / 8.
-inline __m256i spread_signs(uint32_t bits) {
-  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), pick);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(set, _mm256_set1_epi8(1));  // -1 (0xFF) or 1
+// An 8-value grid row with the signs of `mask` (a lane's sign bit flipped where set). The
+// reference's value is (scale * grid) * sign; scale * (grid * sign) is the same fp32 number,
+// rounding to nearest being symmetric (and no grid value is 0, so no -0 differs either).
+inline __m256 signed_row(const float* row, const uint32_t* mask) {
+  return _mm256_xor_ps(_mm256_load_ps(row),
+                       _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mask))));
 }
 
-inline __m256i rows8(const uint64_t* grid, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
-  return _mm256_setr_epi64x(static_cast<int64_t>(grid[i0]), static_cast<int64_t>(grid[i1]),
-                            static_cast<int64_t>(grid[i2]), static_cast<int64_t>(grid[i3]));
+// Two 4-value rows (IQ3), as signed_row.
+inline __m256 signed_rows(const float* row0, const float* row1, const uint32_t* mask) {
+  const __m256 rows = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(row0)),
+                                           _mm_load_ps(row1), 1);
+  return _mm256_xor_ps(rows,
+                       _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mask))));
 }
 
-inline __m256i ksigns4(uint32_t packed) {  // four 7-bit ksigns indices, 7 bits apart
-  const uint64_t* s = g_lattice.ksign_bytes;
-  return rows8(s, packed & 127, (packed >> 7) & 127, (packed >> 14) & 127, (packed >> 21) & 127);
+inline const uint32_t* ksign_mask(uint32_t packed, int l) {  // l-th 7-bit index, 7 bits apart
+  return g_lattice.ksign_masks[(packed >> (7 * l)) & 127];
 }
-
-// The value of a grid code times a sign is (scale * grid) * sign in gguf.quants; negating the
-// code first (psignb) gives the same fp32 result, since rounding to nearest is symmetric.
-// Every grid value of the signed types is non-zero, so no -0 differs either.
 
 // d * (0.5 + s) * 0.25 (IQ2) or * 0.5 (IQ3_XXS): numpy's order, each product rounded to fp32.
 inline float half_step_scale(float d, uint32_t s, float step) {
   return d * (0.5f + static_cast<float>(s)) * step;
 }
 
+// Each type reads one block: what the whole block shares (d) once, then its sub-blocks.
 struct IQ2_XXS {
   static constexpr int64_t kValues = kSuper, kBytes = 66;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ2_XXS(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     uint32_t aux[2];
     std::memcpy(aux, blk + 2 + 8 * ib, 8);
-    const __m256i rows = rows8(g_lattice.iq2_xxs, aux[0] & 255, (aux[0] >> 8) & 255,
-                               (aux[0] >> 16) & 255, aux[0] >> 24);
-    const float db = half_step_scale(half_to_float(blk), aux[1] >> 28, 0.25f);
-    return {_mm256_sign_epi8(rows, ksigns4(aux[1])), {db, db}, {}};
+    SubBlock out;
+    for (int l = 0; l < 4; ++l)
+      out.w[l] = signed_row(g_lattice.iq2_xxs[(aux[0] >> (8 * l)) & 255], ksign_mask(aux[1], l));
+    out.scale[0] = out.scale[1] = half_step_scale(d, aux[1] >> 28, 0.25f);
+    return out;
   }
 };
 
@@ -126,15 +143,16 @@ inline void nibble_scales(float d, uint8_t byte, float scale[2]) {
 struct IQ2_XS {
   static constexpr int64_t kValues = kSuper, kBytes = 74;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ2_XS(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     uint16_t q[4];
     std::memcpy(q, blk + 2 + 8 * ib, 8);
-    const uint64_t* grid = g_lattice.iq2_xs;
-    const uint64_t* s = g_lattice.ksign_bytes;
     SubBlock out;
-    out.codes = _mm256_sign_epi8(rows8(grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
-                                 rows8(s, q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9));
-    nibble_scales(half_to_float(blk), blk[66 + ib], out.scale);
+    for (int l = 0; l < 4; ++l)
+      out.w[l] = signed_row(g_lattice.iq2_xs[q[l] & 511], g_lattice.ksign_masks[q[l] >> 9]);
+    nibble_scales(d, blk[66 + ib], out.scale);
     return out;
   }
 };
@@ -142,108 +160,130 @@ struct IQ2_XS {
 struct IQ2_S {
   static constexpr int64_t kValues = kSuper, kBytes = 82;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ2_S(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     const uint8_t* qs = blk + 2 + 4 * ib;
+    const uint8_t* signs = blk + 34 + 4 * ib;
     const uint32_t qh = blk[66 + ib];
-    uint32_t signs;
-    std::memcpy(&signs, blk + 34 + 4 * ib, 4);
     SubBlock out;
-    out.codes = _mm256_sign_epi8(rows8(g_lattice.iq2_s, qs[0] | (qh & 3) << 8,
-                                       qs[1] | (qh & 12) << 6, qs[2] | (qh & 48) << 4,
-                                       qs[3] | (qh & 192) << 2),
-                                 spread_signs(signs));
-    nibble_scales(half_to_float(blk), blk[74 + ib], out.scale);
+    for (int l = 0; l < 4; ++l)
+      out.w[l] = signed_row(g_lattice.iq2_s[qs[l] | ((qh >> (2 * l)) & 3) << 8],
+                            kSignMasks.of[signs[l]]);
+    nibble_scales(d, blk[74 + ib], out.scale);
     return out;
   }
 };
 
-// IQ3: eight 4-value rows per sub-block.
-inline __m256i rows4(const uint32_t* grid, const uint32_t index[8]) {
-  return _mm256_setr_epi32(
-      static_cast<int>(grid[index[0]]), static_cast<int>(grid[index[1]]),
-      static_cast<int>(grid[index[2]]), static_cast<int>(grid[index[3]]),
-      static_cast<int>(grid[index[4]]), static_cast<int>(grid[index[5]]),
-      static_cast<int>(grid[index[6]]), static_cast<int>(grid[index[7]]));
-}
-
 struct IQ3_XXS {
   static constexpr int64_t kValues = kSuper, kBytes = 98;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ3_XXS(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     const uint8_t* qs = blk + 2 + 8 * ib;
     uint32_t aux;
     std::memcpy(&aux, blk + 66 + 4 * ib, 4);
-    const uint32_t index[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
-    const float db = half_step_scale(half_to_float(blk), aux >> 28, 0.5f);
-    return {_mm256_sign_epi8(rows4(g_lattice.iq3_xxs, index), ksigns4(aux)), {db, db}, {}};
+    SubBlock out;
+    for (int l = 0; l < 4; ++l)
+      out.w[l] = signed_rows(g_lattice.iq3_xxs[qs[2 * l]], g_lattice.iq3_xxs[qs[2 * l + 1]],
+                             ksign_mask(aux, l));
+    out.scale[0] = out.scale[1] = half_step_scale(d, aux >> 28, 0.5f);
+    return out;
   }
 };
 
 struct IQ3_S {
   static constexpr int64_t kValues = kSuper, kBytes = 110;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ3_S(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     const uint8_t* qs = blk + 2 + 8 * ib;
+    const uint8_t* signs = blk + 74 + 4 * ib;
     const uint32_t qh = blk[66 + ib];
-    uint32_t index[8];
-    for (int k = 0; k < 8; ++k) index[k] = qs[k] | ((qh >> k) & 1) << 8;
-    uint32_t signs;
-    std::memcpy(&signs, blk + 74 + 4 * ib, 4);
+    SubBlock out;
+    for (int l = 0; l < 4; ++l) {
+      const uint32_t i0 = qs[2 * l] | ((qh >> (2 * l)) & 1) << 8;
+      const uint32_t i1 = qs[2 * l + 1] | ((qh >> (2 * l + 1)) & 1) << 8;
+      out.w[l] = signed_rows(g_lattice.iq3_s[i0], g_lattice.iq3_s[i1], kSignMasks.of[signs[l]]);
+    }
     const uint32_t s = (blk[106 + ib / 2] >> (4 * (ib % 2))) & 15;
-    const float db = half_to_float(blk) * static_cast<float>(1 + 2 * s);
-    return {_mm256_sign_epi8(rows4(g_lattice.iq3_s, index), spread_signs(signs)), {db, db}, {}};
+    out.scale[0] = out.scale[1] = d * static_cast<float>(1 + 2 * s);
+    return out;
   }
 };
 
-// IQ1: codes -1, 0, 1 and a delta of +-1/8 added before the scale.
-constexpr float kIQ1Delta = 0.125f;
+// IQ1: codes -1, 0, 1 and a delta of +-1/8 added before the scale; `negative` is 0 or the
+// sign bit (built without a branch: the signs are random, a branch would mispredict half of
+// them).
+inline float iq1_delta(uint32_t negative) {
+  const uint32_t bits = 0x3E000000u | negative;  // 0.125f, its sign bit set where negative
+  float delta;
+  std::memcpy(&delta, &bits, 4);
+  return delta;
+}
 
 struct IQ1_S {
   static constexpr int64_t kValues = kSuper, kBytes = 50;
   static constexpr bool kDelta = true;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  const uint8_t* blk;
+  float d;
+  explicit IQ1_S(const uint8_t* block) : blk(block), d(half_to_float(block)) {}
+  SubBlock sub_block(int ib) const {
     const uint8_t* qs = blk + 2 + 4 * ib;
     uint16_t h;
     std::memcpy(&h, blk + 34 + 2 * ib, 2);
     const uint32_t q = h;
-    const float dl = half_to_float(blk) * static_cast<float>(2 * ((q >> 12) & 7) + 1);
-    const float delta = q & 0x8000 ? -kIQ1Delta : kIQ1Delta;
-    return {rows8(g_lattice.iq1_s, qs[0] | (q & 7) << 8, qs[1] | (q & 56) << 5,
-                  qs[2] | (q & 448) << 2, qs[3] | (q & 3584) >> 1),
-            {dl, dl},
-            {delta, delta, delta, delta}};
+    SubBlock out;
+    for (int l = 0; l < 4; ++l) {
+      out.w[l] = _mm256_load_ps(g_lattice.iq1_s[qs[l] | ((q >> (3 * l)) & 7) << 8]);
+      out.delta[l] = iq1_delta((q & 0x8000) << 16);
+    }
+    out.scale[0] = out.scale[1] = d * static_cast<float>(2 * ((q >> 12) & 7) + 1);
+    return out;
   }
 };
 
 struct IQ1_M {
   static constexpr int64_t kValues = kSuper, kBytes = 56;
   static constexpr bool kDelta = true;
-  // d's 16 bits are the top nibbles of the four scale words (the first's lowest).
-  static float d(const uint16_t sc[4]) {
-    const uint16_t bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) |
-                                                ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
-    return _cvtsh_ss(bits);
+  const uint8_t* blk;
+  uint64_t scales;  // the four scale words
+  float d;
+  explicit IQ1_M(const uint8_t* block) : blk(block) {
+    std::memcpy(&scales, block + 48, 8);
+    // d's 16 bits are the top nibbles of the four scale words (the first's lowest).
+    const uint64_t top = scales & 0xF000F000F000F000ULL;
+    d = _cvtsh_ss(static_cast<uint16_t>((top >> 12) | (top >> 24) | (top >> 36) | (top >> 48)));
   }
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  SubBlock sub_block(int ib) const {
     const uint8_t* qs = blk + 4 * ib;
-    uint16_t sc[4];
-    std::memcpy(sc, blk + 48, 8);
     SubBlock out;
-    uint32_t index[4];
     for (int l = 0; l < 4; ++l) {
       const uint32_t nibble = (blk[32 + 2 * ib + l / 2] >> (4 * (l % 2))) & 15;
-      index[l] = qs[l] | (nibble & 7) << 8;
-      out.delta[l] = nibble & 8 ? -kIQ1Delta : kIQ1Delta;
+      out.w[l] = _mm256_load_ps(g_lattice.iq1_m[qs[l] | (nibble & 7) << 8]);
+      out.delta[l] = iq1_delta((nibble & 8) << 28);
     }
-    out.codes = rows8(g_lattice.iq1_m, index[0], index[1], index[2], index[3]);
-    const float dv = d(sc);
     for (int h = 0; h < 2; ++h) {
-      const int t = 2 * ib + h;  // the 16-value scale
-      out.scale[h] = dv * static_cast<float>(2 * ((sc[t / 4] >> (3 * (t % 4))) & 7) + 1);
+      const int t = 2 * ib + h;  // the 16-value scale: 3 bits at bit 3 (t % 4) of word t / 4
+      out.scale[h] = d * static_cast<float>(2 * ((scales >> (16 * (t / 4) + 3 * (t % 4))) & 7) + 1);
     }
     return out;
   }
 };
+
+// The types whose codes are bytes (ternary, NVFP4): 32 in one register, widened.
+inline SubBlock from_codes(__m256i codes, float scale0, float scale1) {
+  SubBlock out;
+  widen(codes, out.w);
+  out.scale[0] = scale0;
+  out.scale[1] = scale1;
+  return out;
+}
 
 // TQ1_0: the base-3 digit of each byte that `mults` (3^j, as bytes) picks, less 1.
 inline __m256i ternary_digits(__m256i bytes, __m256i mults) {
@@ -262,9 +302,12 @@ inline __m256i ternary_digits(__m256i bytes, __m256i mults) {
 struct TQ1_0 {
   static constexpr int64_t kValues = kSuper, kBytes = 54;
   static constexpr bool kDelta = false;
+  const uint8_t* blk;
+  float d;
+  explicit TQ1_0(const uint8_t* block) : blk(block), d(half_to_float(block + 52)) {}
   // Values 0-159: digit ib of qs[0..31] (sub-blocks 0-4); 160-239: digit j of qs[32..47] as
   // values 160 + 16 j + i; 240-255: digit j of qh[0..3] as values 240 + 4 j + i.
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  SubBlock sub_block(int ib) const {
     static constexpr uint8_t kPow3[5] = {1, 3, 9, 27, 81};
     __m256i bytes, mults;
     if (ib < 5) {
@@ -285,42 +328,54 @@ struct TQ1_0 {
                                  _mm_set1_epi8(81));
       }
     }
-    const float d = half_to_float(blk + 52);
-    return {ternary_digits(bytes, mults), {d, d}, {}};
+    return from_codes(ternary_digits(bytes, mults), d, d);
   }
 };
 
 struct TQ2_0 {
   static constexpr int64_t kValues = kSuper, kBytes = 66;
   static constexpr bool kDelta = false;
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
-    const float d = half_to_float(blk + 64);
-    return {_mm256_sub_epi8(two_bit_codes(blk, ib), _mm256_set1_epi8(1)), {d, d}, {}};
+  const uint8_t* blk;
+  float d;
+  explicit TQ2_0(const uint8_t* block) : blk(block), d(half_to_float(block + 64)) {}
+  SubBlock sub_block(int ib) const {
+    return from_codes(_mm256_sub_epi8(two_bit_codes(blk, ib), _mm256_set1_epi8(1)), d, d);
   }
 };
 
-// NVFP4's UE4M3 scale, halved (gguf.quants' ue4m3_to_fp32): 0 and 0x7F read as 0; exponent
-// 0 is subnormal, m * 2^-9; else (1 + m / 8) * 2^(e - 7). Every result is exact in fp32.
-inline float ue4m3_half(uint8_t x) {
-  if (x == 0 || x == 0x7F) return 0.0f;
-  const int e = (x >> 3) & 15, m = x & 7;
-  return e == 0 ? std::ldexp(static_cast<float>(m), -10)
-                : std::ldexp(static_cast<float>(8 + m), e - 11);
-}
+// NVFP4's UE4M3 scales, halved (gguf.quants' ue4m3_to_fp32), for each byte x: 0 and 0x7F
+// read as 0; exponent e = 0 is subnormal, m * 2^-9; else (1 + m / 8) * 2^(e - 7) (bit 7 is
+// ignored). Every one is exact in fp32. A table: a lookup per 16 values, no branch.
+inline const std::array<float, 256> kUE4M3Half = [] {
+  std::array<float, 256> table{};
+  for (int x = 0; x < 256; ++x) {
+    const int e = (x >> 3) & 15, m = x & 7;
+    if (x == 0 || x == 0x7F) continue;
+    if (e == 0) {
+      table[x] = static_cast<float>(m) * 0.0009765625f;  // m * 2^-10
+    } else {  // (1 + m / 8) * 2^(e - 8): exponent e - 8, mantissa m / 8
+      const uint32_t bits = static_cast<uint32_t>(e - 8 + 127) << 23 | static_cast<uint32_t>(m) << 20;
+      std::memcpy(&table[x], &bits, 4);
+    }
+  }
+  return table;
+}();
 
 struct NVFP4 {
   static constexpr int64_t kValues = 64, kBytes = 36;
   static constexpr bool kDelta = false;
+  const uint8_t* blk;
+  explicit NVFP4(const uint8_t* block) : blk(block) {}
   // Sub-block ib: 16 bytes at 4 + 16 ib, two 16-value groups of 8 bytes each (the low
   // nibbles, then the high ones).
-  static SubBlock sub_block(const uint8_t* blk, int ib) {
+  SubBlock sub_block(int ib) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4 + 16 * ib));
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(bytes, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
     const __m256i nibbles =
         _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
-    return {lookup16(nibbles, kFP4), {ue4m3_half(blk[2 * ib]), ue4m3_half(blk[2 * ib + 1])}, {}};
+    return from_codes(lookup16(nibbles, kFP4), kUE4M3Half[blk[2 * ib]], kUE4M3Half[blk[2 * ib + 1]]);
   }
 };
 
@@ -331,14 +386,12 @@ template <class Type>
 inline void dequant_row_sub_blocks(const uint8_t* row, int64_t K, float* out) {
   constexpr int kSubBlocks = Type::kValues / kBlock;
   for (int64_t b = 0; b < K / Type::kValues; ++b) {
-    const uint8_t* blk = row + b * Type::kBytes;
+    const Type block(row + b * Type::kBytes);
     for (int ib = 0; ib < kSubBlocks; ++ib) {
-      const SubBlock sub = Type::sub_block(blk, ib);
-      __m256 q[4];
-      widen(sub.codes, q);
+      const SubBlock sub = block.sub_block(ib);
       float* o = out + b * Type::kValues + kBlock * ib;
       for (int i = 0; i < 4; ++i) {
-        __m256 v = q[i];
+        __m256 v = sub.w[i];
         if constexpr (Type::kDelta) v = _mm256_add_ps(v, _mm256_set1_ps(sub.delta[i]));
         _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_set1_ps(sub.scale[i / 2]), v));
       }
@@ -356,23 +409,28 @@ struct FewSubBlocks {
   template <int MR>
   static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even,
                   RowSums<MR>& odd) {
-    constexpr int kSubBlocks = Type::kValues / kBlock;
-    for (int ib = 0; ib < kSubBlocks; ++ib) {
-      const SubBlock sub = Type::sub_block(blk, ib);
-      __m256 q[4];
-      widen(sub.codes, q);
-      if constexpr (Type::kDelta)
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_add_ps(q[i], _mm256_set1_ps(sub.delta[i]));
-      RowSums<MR>& sums = ib % 2 ? odd : even;
-      const __m256 d0 = _mm256_set1_ps(sub.scale[0]), d1 = _mm256_set1_ps(sub.scale[1]);
-      for (int i = 0; i < MR; ++i) {
-        const float* xg = in.x + i * in.ldx + kBlock * ib;
-        const __m256 dot0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xg + 8),
-                                            _mm256_mul_ps(q[0], _mm256_loadu_ps(xg)));
-        const __m256 dot1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xg + 24),
-                                            _mm256_mul_ps(q[2], _mm256_loadu_ps(xg + 16)));
-        sums.v[i] = _mm256_fmadd_ps(d1, dot1, _mm256_fmadd_ps(d0, dot0, sums.v[i]));
-      }
+    // Sub-blocks in pairs, so which sums each one adds to is known at compile time (chosen
+    // at run time, the sums went through memory: a store and a load per sub-block).
+    const Type block(blk);
+    for (int ib = 0; ib < Type::kValues / kBlock; ib += 2) {
+      add_sub_block<MR>(block.sub_block(ib), in, ib, even);
+      add_sub_block<MR>(block.sub_block(ib + 1), in, ib + 1, odd);
+    }
+  }
+  template <int MR>
+  static void add_sub_block(const SubBlock& sub, const FewRowsInput& in, int ib,
+                            RowSums<MR>& sums) {
+    __m256 q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = Type::kDelta ? _mm256_add_ps(sub.w[i], _mm256_set1_ps(sub.delta[i])) : sub.w[i];
+    const __m256 d0 = _mm256_set1_ps(sub.scale[0]), d1 = _mm256_set1_ps(sub.scale[1]);
+    for (int i = 0; i < MR; ++i) {
+      const float* xg = in.x + i * in.ldx + kBlock * ib;
+      const __m256 dot0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xg + 8),
+                                          _mm256_mul_ps(q[0], _mm256_loadu_ps(xg)));
+      const __m256 dot1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xg + 24),
+                                          _mm256_mul_ps(q[2], _mm256_loadu_ps(xg + 16)));
+      sums.v[i] = _mm256_fmadd_ps(d1, dot1, _mm256_fmadd_ps(d0, dot0, sums.v[i]));
     }
   }
 };
@@ -390,12 +448,12 @@ inline void set_lattice_tables(const std::vector<int64_t>& types,
   LatticeTables& t = g_lattice;
   struct Slot {
     int64_t qtype, rows, cols;
-    void* out;
+    float* out;
   };
-  const Slot slots[] = {{kIQ2_XXS, 256, 8, t.iq2_xxs}, {kIQ2_XS, 512, 8, t.iq2_xs},
-                        {kIQ2_S, 1024, 8, t.iq2_s},    {kIQ3_XXS, 256, 4, t.iq3_xxs},
-                        {kIQ3_S, 512, 4, t.iq3_s},     {kIQ1_S, 2048, 8, t.iq1_s},
-                        {kIQ1_M, 2048, 8, t.iq1_m}};
+  const Slot slots[] = {{kIQ2_XXS, 256, 8, t.iq2_xxs[0]}, {kIQ2_XS, 512, 8, t.iq2_xs[0]},
+                        {kIQ2_S, 1024, 8, t.iq2_s[0]},    {kIQ3_XXS, 256, 4, t.iq3_xxs[0]},
+                        {kIQ3_S, 512, 4, t.iq3_s[0]},     {kIQ1_S, 2048, 8, t.iq1_s[0]},
+                        {kIQ1_M, 2048, 8, t.iq1_m[0]}};
   TORCH_CHECK(types.size() == std::size(slots), "set_lattice_tables takes all ",
               std::size(slots), " lattice grids at once");
   for (const Slot& slot : slots) {
@@ -407,16 +465,14 @@ inline void set_lattice_tables(const std::vector<int64_t>& types,
                     grid.size(0) == slot.rows && grid.size(1) == slot.cols,
                 "the grid of ggml type ", slot.qtype, " must be contiguous int8 [", slot.rows,
                 ", ", slot.cols, "]");
-    std::memcpy(slot.out, grid.data_ptr<int8_t>(), slot.rows * slot.cols);
+    const int8_t* values = grid.data_ptr<int8_t>();
+    for (int64_t v = 0; v < slot.rows * slot.cols; ++v) slot.out[v] = values[v];
   }
   TORCH_CHECK(ksigns.scalar_type() == torch::kUInt8 && ksigns.is_contiguous() &&
                   ksigns.dim() == 1 && ksigns.size(0) == 128,
               "ksigns must be contiguous uint8 [128]");
   const uint8_t* signs = ksigns.data_ptr<uint8_t>();
-  for (int i = 0; i < 128; ++i) {
-    uint64_t spread = 0;
-    for (int j = 0; j < 8; ++j) spread |= uint64_t{(signs[i] >> j) & 1 ? 0xFFu : 0x01u} << (8 * j);
-    t.ksign_bytes[i] = spread;
-  }
+  for (int i = 0; i < 128; ++i)
+    std::memcpy(t.ksign_masks[i], kSignMasks.of[signs[i]], sizeof(t.ksign_masks[i]));
   g_lattice_ready.store(true);
 }
