@@ -1,5 +1,6 @@
-"""csrc/cpu/gguf_linear.h, gguf_lowbit.h: matmuls on GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K, Q6_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4), and the engine's use of them.
+"""csrc/cpu/gguf_linear.h, gguf_lowbit.h, gguf_lattice.h: matmuls on GGUF blocks (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, IQ2_XXS,
+IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4), and the engine's use of them.
 
 The kernel must multiply by the fp32 weights gguf.quants dequantizes (dequantization bit for
 bit; the few-rows path applies each block's scale to its dot product, so its rounding differs),
@@ -33,14 +34,20 @@ from zllm.executor.weights.gguf_modules import (
 T = GGMLQuantizationType
 LOW_BIT = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]  # csrc/cpu/gguf_lowbit.h
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *LOW_BIT, T.F16, T.BF16]
+# csrc/cpu/gguf_lattice.h: tested on their own (test_lattice_types_match_float64), not through
+# every TYPES test: the suite's time.
+LATTICE = [
+    T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M,
+    T.TQ1_0, T.TQ2_0, T.NVFP4,
+]  # fmt: skip
 SIXTEEN_BIT = (T.F16, T.BF16)  # plain 16-bit values, read in runs of 32
 # What gguf_linear_int8 reads (the low-bit types have no integer path: the float kernel).
 INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT and t not in LOW_BIT]
 
 
 def test_the_types_are_the_ones_the_kernel_reads():
-    assert sorted(cpu_kernels.SUPPORTED_GGML_TYPES) == sorted(int(t) for t in TYPES)
-    assert all(cpu_kernels.SUPPORTED_GGML_TYPES[int(t)] == t.name for t in TYPES)
+    assert sorted(cpu_kernels.SUPPORTED_GGML_TYPES) == sorted(int(t) for t in TYPES + LATTICE)
+    assert all(cpu_kernels.SUPPORTED_GGML_TYPES[int(t)] == t.name for t in TYPES + LATTICE)
     assert cpu_kernels.INT8_GGML_TYPES == {int(t) for t in INT8_TYPES}
 
 
@@ -59,7 +66,7 @@ def _blocks(rows: int, blocks_per_row: int, ggml_type, seed: int):
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(ref), cols
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", TYPES + LATTICE, ids=lambda t: t.name)
 def test_dequantize_is_bit_exact(ggml_type):
     q, ref, cols = _blocks(37, 3, ggml_type, seed=1)
     assert torch.equal(cpu_kernels.gguf_dequantize(q, int(ggml_type), cols), ref)
@@ -180,10 +187,51 @@ def test_low_bit_types_match_float64_on_both_isas(ggml_type, shape, restore_cpu_
         torch.testing.assert_close(outs[0].double(), expected, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("ggml_type", LATTICE, ids=lambda t: t.name)
+def test_lattice_types_match_float64(ggml_type, restore_cpu_isa):
+    """IQ1-IQ3, TQ1_0, TQ2_0, NVFP4 read in place: x @ W^T within fp32 rounding of float64 over
+    gguf-py's dequantization at 1-4 rows (the few-rows kernel: each row's bits the same alone
+    or with others) and 9 (the panel, which rounds otherwise), one block per row and several,
+    the same bits with AVX2 forced as with the CPU's best."""
+    for out_rows, blocks_per_row in ((1, 1), (37, 3)):
+        q, ref, cols = _blocks(out_rows, blocks_per_row, ggml_type, seed=out_rows)
+        x = torch.randn(9, cols, generator=torch.Generator().manual_seed(blocks_per_row))
+        expected = x.double() @ ref.double().T
+        scale = expected.abs().max().item()
+        alone = cpu_kernels.gguf_linear(x[:1], q, int(ggml_type))
+        for rows in (1, 2, 3, 4, 9):
+            outs = []
+            for isa in FLOAT_ISAS:
+                cpu_kernels.set_cpu_isa(isa)
+                outs.append(cpu_kernels.gguf_linear(x[:rows], q, int(ggml_type)))
+            assert torch.equal(outs[0], outs[1]), rows
+            torch.testing.assert_close(
+                outs[0].double(), expected[:rows], rtol=1e-5, atol=1e-5 * scale
+            )
+            if out_rows > 1:  # each row alone in the few-rows kernel; the panel rounds otherwise
+                assert torch.equal(outs[0][:1], alone) == (rows <= 4), rows
+
+
+def test_lattice_types_are_refused_until_gguf_py_hands_over_the_grids():
+    """The grids come from gguf-py at load (executor/kernels/cpu.py); a library not given
+    them refuses the lattice types with a message saying so, and reads the others."""
+    code = (
+        "import torch\n"
+        "from zllm.executor.kernels import cpu as k\n"
+        "k.hand_lattice_tables = lambda module: None\n"
+        "x = torch.zeros(1, 256)\n"
+        "print(k.gguf_linear(x, torch.zeros(1, 136, dtype=torch.uint8), 23).shape)\n"  # IQ4_XS
+        "k.gguf_linear(x, torch.zeros(1, 66, dtype=torch.uint8), 16)\n"  # IQ2_XXS
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0 and "torch.Size([1, 1])" in out.stdout
+    assert "ggml type 16 needs its lattice grid, which set_lattice_tables" in out.stderr
+
+
 def test_low_bit_types_have_no_integer_path():
     """gguf-int8 sends them to the float kernel (the modules never call the integer one,
     which refuses them)."""
-    for ggml_type in LOW_BIT:
+    for ggml_type in LOW_BIT + LATTICE:
         q, _, cols = _blocks(4, 1, ggml_type, seed=2)
         layer = GGUFLinear(q, int(ggml_type), cols, None, int8_activations=True)
         assert not layer.int8_activations
@@ -446,7 +494,7 @@ def test_linear_reads_strided_rows_and_rejects_bad_input():
     with pytest.raises(RuntimeError, match="row bytes"):
         cpu_kernels.gguf_linear(torch.randn(2, 96), q, 3)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
-        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.IQ2_XXS))  # held as 16-bit rows
+        cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q8_1))  # no reader (nor gguf-py)
     with pytest.raises(RuntimeError, match="row bytes"):  # Q4_K blocks hold 256 values
         cpu_kernels.gguf_linear(torch.randn(2, 64), q, int(T.Q4_K))
     with pytest.raises(RuntimeError, match="contiguous rows"):

@@ -2,11 +2,10 @@
 
 Each type gets a tiny Llama GGUF (hidden 256, the K-quants' block) whose every matrix is stored
 in it: quantized by gguf-py where it can, else random blocks with sane fp16 scales. The CPU
-kernel multiplies each in its blocks (Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4) or, for
-the types it has no block reader for (IQ1-IQ3, TQ1_0/TQ2_0, NVFP4), in 16-bit rows dequantized
-at load; the weights it holds are the file's bytes, or 2 bytes a weight. Files that mix types
-check how the kernel shares a model with fp32 matmuls, and how one fused matmul reads parts
-stored in different types.
+kernel multiplies each in its blocks (Q4_0-Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS, MXFP4, the
+IQ1-IQ3 lattice types, TQ1_0/TQ2_0, NVFP4, F16/BF16); the weights it holds are the file's
+bytes. Files that mix types check how the kernel shares a model with fp32 matmuls, and how one
+fused matmul reads parts stored in different types.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from gguf_files import (
     LlamaDims,
     gguf_dequantizes,
     llama_cpp_permute,
-    random_blocks,
     write_llama_gguf,
 )
 from parity import assert_greedy_parity, hf_greedy
@@ -39,10 +37,8 @@ from torch import nn
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights import held_rows
 from zllm.executor.weights.blocks import gguf_kernel_plan
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
-from zllm.executor.weights.held_rows import HELD_AS_16_BIT, as_16_bit_rows
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 from zllm.model.gguf import read_gguf
@@ -148,20 +144,16 @@ def tiny_llm(path: str, **kwargs) -> LLM:
 KERNEL_TYPES = [
     T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K,
     T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4,
-    T.F16, T.BF16,
-]  # fmt: skip
-# The types the kernel has no block reader for: held as F16 rows dequantized at load.
-HELD_TYPES = [
     T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S,
     T.TQ1_0, T.TQ2_0, T.NVFP4,
+    T.F16, T.BF16,
 ]  # fmt: skip
 
 
 def test_every_type_gguf_py_dequantizes_is_multiplied_by_the_kernel() -> None:
-    """In its blocks or held as 16-bit rows: only F32 matrices keep fp32 matmuls."""
+    """In its blocks: only F32 matrices keep fp32 matmuls."""
     assert sorted(KERNEL_TYPES) == sorted(T(t) for t in cpu_kernels.SUPPORTED_GGML_TYPES)
-    assert sorted(HELD_TYPES) == sorted(T(t) for t in HELD_AS_16_BIT)
-    assert set(DEQUANTIZABLE) == {*KERNEL_TYPES, *HELD_TYPES, T.F32}
+    assert set(DEQUANTIZABLE) == {*KERNEL_TYPES, T.F32}
 
 
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
@@ -178,33 +170,8 @@ def test_greedy_matches_transformers_on_kernel_types(gguf_of_type, ggml_type, ca
     check_greedy_parity(path, llm, ggml_type.name)
 
 
-@pytest.mark.parametrize("ggml_type", HELD_TYPES, ids=lambda t: t.name)
-def test_greedy_matches_transformers_on_types_held_as_16_bit(
-    gguf_of_type, ggml_type, caplog
-) -> None:
-    """Every matmul and the embedding read F16 rows: gguf-py's values rounded to nearest
-    even (NVFP4's exactly); transformers runs the fp32 values, so a near-tie may flip."""
-    caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
-    path, stored = gguf_of_type(ggml_type)
-    llm = tiny_llm(path)
-    assert llm.model_runner.quantization == "gguf"
-    model = llm.model_runner.model
-    down = model.layers[1].mlp.down_proj
-    assert isinstance(down, GGUFLinear) and down.ggml_type == held_rows.F16
-    _, blocks = stored["blk.1.ffn_down.weight"]
-    expected = torch.from_numpy(dequantize(blocks, ggml_type)).half().float()
-    assert torch.equal(cpu_kernels.gguf_dequantize(down.qweight, 1, down.in_features), expected)
-    assert isinstance(model.embed_rows, GGUFEmbedding) and model.embed_rows.ggml_type == 1
-    assert model.lm_head.numel() == 0 and model.embed_tokens.numel() == 0  # no fp32 copies
-    assert (
-        f"GGUF weight types: in blocks none; held as F16 rows {ggml_type.name} (dequantized "
-        f"at load: the kernel has no block reader for them)"
-    ) in caplog.text
-    check_greedy_parity(path, llm, ggml_type.name)
-
-
 def held_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of the blocks or 16-bit rows the kernel modules hold, bytes of fp32 matrices)."""
+    """(bytes of the blocks the kernel modules hold, bytes of fp32 matrices)."""
     tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, GGUFLinear | GGUFEmbedding):
@@ -215,44 +182,14 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     return sum(t.nbytes for t in tensors.values()), fp32
 
 
-@pytest.mark.parametrize("ggml_type", KERNEL_TYPES + HELD_TYPES, ids=lambda t: t.name)
-def test_weights_held_are_the_files_blocks_or_two_bytes_a_weight(gguf_of_type, ggml_type):
-    """What stays in memory for the matrices: the file's bytes for a type the kernel reads
-    in its blocks, 2 bytes a weight for one held as 16-bit rows, never an fp32 copy."""
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_weights_held_are_the_files_blocks(gguf_of_type, ggml_type):
+    """What stays in memory for the matrices: the file's bytes, whatever the type (the IQ1-IQ3,
+    TQ and NVFP4 ones too: no 16-bit or fp32 copy)."""
     path, _ = gguf_of_type(ggml_type)
     model = tiny_llm(path).model_runner.model
     matrices = [info for info in read_gguf(path).tensors.values() if len(info.shape) == 2]
-    if ggml_type in HELD_TYPES:
-        expected = sum(2 * int(np.prod(info.shape)) for info in matrices)
-    else:
-        expected = sum(info.nbytes for info in matrices)
-    assert held_bytes(model) == (expected, 0)
-
-
-def test_a_value_past_f16s_range_holds_its_matrix_as_bf16(monkeypatch) -> None:
-    """F16 keeps 11 significant bits but stops at 65,504: a matrix with a larger value is
-    held as BF16 (fp32's range), dequantized a chunk of rows at a time either way."""
-    rng = np.random.default_rng(3)
-    blocks = random_blocks((40, 512), T.IQ2_XXS, rng)
-    fp32 = dequantize(blocks, T.IQ2_XXS)
-    calls: list[int] = []
-    real = held_rows.dequantize
-
-    def chunked(data, ggml_type):
-        calls.append(data.shape[0])
-        return real(data, ggml_type)
-
-    monkeypatch.setattr(held_rows, "dequantize", chunked)
-    monkeypatch.setattr(held_rows, "CHUNK_BYTES", 16 * 512 * 4)  # 16 rows of fp32 at a time
-    held, rows = as_16_bit_rows(torch.from_numpy(blocks), int(T.IQ2_XXS))
-    assert held == held_rows.F16 and calls == [16, 16, 8]
-    assert torch.equal(rows.view(torch.float16), torch.from_numpy(fp32).half())
-    blocks[7, :2] = np.array([60000.0], np.float16).view(np.uint8)  # d of row 7's 1st block
-    fp32 = dequantize(blocks, T.IQ2_XXS)
-    assert np.abs(fp32).max() > 65504
-    held, rows = as_16_bit_rows(torch.from_numpy(blocks), int(T.IQ2_XXS))
-    assert held == held_rows.BF16
-    assert torch.equal(rows.view(torch.bfloat16), torch.from_numpy(fp32).bfloat16())
+    assert held_bytes(model) == (sum(info.nbytes for info in matrices), 0)
 
 
 # Big enough that fp32 weights (~290 MB) overshoot the bound that the file's blocks meet.
@@ -261,24 +198,17 @@ RESIDENT_DIMS = LlamaDims(hidden=1024, ffn=2816, heads=8, kv_heads=4, layers=6)
 
 @pytest.mark.parametrize("ggml_type", [T.Q3_K, T.Q2_K, T.IQ2_XXS], ids=lambda t: t.name)
 def test_executor_memory_after_load_is_the_weights_the_pool_and_150_mb(tmp_path, ggml_type):
-    """The executor's resident growth at load (its own process) stays within the weights it
-    holds + the KV pool + 150 MB: the file for the types read in blocks (fp32 weights,
-    quantization none, do not fit that bound), 2 bytes a weight for IQ2_XXS's 16-bit rows
-    (fp32 weights take 2 bytes a weight more)."""
+    """The executor's resident growth at load (its own process) stays within the file + the KV
+    pool + 150 MB (fp32 weights, quantization none, do not fit that bound): IQ2_XXS too, read
+    in its blocks (2.06 bits a weight), where it had been held as 16-bit rows (16 bits)."""
     path = tmp_path / f"resident-{ggml_type.name}.gguf"
     write_llama_gguf(path, lambda name: ggml_type, dims=RESIDENT_DIMS)
-    matrices = [info for info in read_gguf(str(path)).tensors.values() if len(info.shape) == 2]
-    values = sum(int(np.prod(info.shape)) for info in matrices)
-    weights = 2 * values if ggml_type in HELD_TYPES else path.stat().st_size
-    bound = weights + (64 << 20) + (150 << 20)
+    bound = path.stat().st_size + (64 << 20) + (150 << 20)
     measured = {method: resident_after_load(str(path), method) for method in ("gguf", "none")}
     grown = {method: m["after"] - m["before"] for method, m in measured.items()}
     print(f"{ggml_type.name}: resident growth at load {grown}, bound {bound}")
     assert grown["gguf"] <= bound
-    if ggml_type in HELD_TYPES:
-        assert grown["none"] - grown["gguf"] > values  # ~2 bytes a weight
-    else:
-        assert grown["none"] > bound
+    assert grown["none"] > bound
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,23 +295,22 @@ IQ_PRESET_TYPES = {
 
 
 @pytest.mark.parametrize("method", ["gguf", "gguf-int8"])
-def test_iq_preset_mixes_16_bit_rows_and_blocks_in_one_matmul(tmp_path, method, caplog) -> None:
-    """q/k held as F16 rows and v read in its IQ4_XS blocks share one fused matmul (a kernel
-    call each); the log names what is in blocks, what is held as 16-bit rows, and under
-    gguf-int8 which types take the float kernel. Asked for, the method serves it all."""
+def test_iq_preset_mixes_lattice_and_other_blocks_in_one_matmul(tmp_path, method, caplog) -> None:
+    """q/k in IQ2_XXS blocks and v in IQ4_XS ones share one fused matmul (a kernel call each);
+    the log names the types read in blocks, and under gguf-int8 which take the float kernel.
+    Asked for, the method serves it all."""
     caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
     path = tmp_path / "iq-preset.gguf"
     write_llama_gguf(path, lambda name: IQ_PRESET_TYPES[name.split(".")[-2]])
     llm = tiny_llm(str(path), quantization=method)
     qkv = llm.model_runner.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, GGUFSplitLinear) and [t for _, t in qkv.parts] == [1, int(T.IQ4_XS)]
+    parts = [t for _, t in qkv.parts]
+    assert isinstance(qkv, GGUFSplitLinear) and parts == [int(T.IQ2_XXS), int(T.IQ4_XS)]
     assert not qkv.int8_activations
-    expected = (
-        "GGUF weight types: in blocks Q2_K, Q5_K, IQ4_XS; held as F16 rows IQ2_XXS, IQ3_XXS, "
-        "IQ3_S (dequantized at load: the kernel has no block reader for them)"
-    )
+    expected = "GGUF weight types: in blocks Q2_K, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS"
     if method == "gguf-int8":
-        expected += "; gguf-int8: no integer path for Q2_K, IQ4_XS (float kernel)"
+        floats = "Q2_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS"
+        expected += f"; gguf-int8: no integer path for {floats} (float kernel)"
         assert llm.model_runner.model.logits_proj.int8_activations  # Q5_K: integer dots
     assert expected + "\n" in caplog.text
     if method == "gguf":  # (gguf-int8 rounds the logits' input: a near-tie may go further)

@@ -33,7 +33,7 @@
 // The lattice grids and ksigns are the format's constants, and gguf-py (the reference the
 // kernels match bit for bit) owns them: executor/kernels/cpu.py hands them over once per
 // process from gguf.quants (set_lattice_tables) rather than this file keeping a second copy
-// that could drift from the first. Until then these types are refused (lattice_tables_ready).
+// that could drift from the first. Until then these types are refused (g_lattice_ready).
 
 #pragma once
 
@@ -91,20 +91,22 @@ struct SubBlock {
   float delta[4];
 };
 
+inline __m256 sign_mask(const uint32_t* mask) {
+  return _mm256_load_ps(reinterpret_cast<const float*>(mask));
+}
+
 // An 8-value grid row with the signs of `mask` (a lane's sign bit flipped where set). The
 // reference's value is (scale * grid) * sign; scale * (grid * sign) is the same fp32 number,
 // rounding to nearest being symmetric (and no grid value is 0, so no -0 differs either).
 inline __m256 signed_row(const float* row, const uint32_t* mask) {
-  return _mm256_xor_ps(_mm256_load_ps(row),
-                       _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mask))));
+  return _mm256_xor_ps(_mm256_load_ps(row), sign_mask(mask));
 }
 
 // Two 4-value rows (IQ3), as signed_row.
 inline __m256 signed_rows(const float* row0, const float* row1, const uint32_t* mask) {
   const __m256 rows = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(row0)),
                                            _mm_load_ps(row1), 1);
-  return _mm256_xor_ps(rows,
-                       _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mask))));
+  return _mm256_xor_ps(rows, sign_mask(mask));
 }
 
 inline const uint32_t* ksign_mask(uint32_t packed, int l) {  // l-th 7-bit index, 7 bits apart
@@ -354,7 +356,7 @@ inline const std::array<float, 256> kUE4M3Half = [] {
     if (e == 0) {
       table[x] = static_cast<float>(m) * 0.0009765625f;  // m * 2^-10
     } else {  // (1 + m / 8) * 2^(e - 8): exponent e - 8, mantissa m / 8
-      const uint32_t bits = static_cast<uint32_t>(e - 8 + 127) << 23 | static_cast<uint32_t>(m) << 20;
+      const uint32_t bits = static_cast<uint32_t>(e + 119) << 23 | static_cast<uint32_t>(m) << 20;
       std::memcpy(&table[x], &bits, 4);
     }
   }
@@ -375,7 +377,8 @@ struct NVFP4 {
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
     const __m256i nibbles =
         _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
-    return from_codes(lookup16(nibbles, kFP4), kUE4M3Half[blk[2 * ib]], kUE4M3Half[blk[2 * ib + 1]]);
+    const float* scales = kUE4M3Half.data();
+    return from_codes(lookup16(nibbles, kFP4), scales[blk[2 * ib]], scales[blk[2 * ib + 1]]);
   }
 };
 

@@ -3,9 +3,9 @@
 A GGUF file's blocks (gguf_raw_weights) or a bf16/fp16 checkpoint's rows
 (sixteen_bit_raw_weights), cut to this rank's part, become the model's GGUFLinear /
 GGUFSplitLinear / GGUFEmbedding modules (executor/weights/gguf_modules.py). BlockPlan names the
-tensors they serve before the weights load, so the loader never widens those to fp32. The
-types the kernel has no block reader for (IQ1-IQ3, TQ, NVFP4) are held as 16-bit rows
-(executor/weights/held_rows.py) and served the same way.
+tensors they serve before the weights load, so the loader never widens those to fp32. Every
+type gguf-py dequantizes but F32 is read in its blocks (IQ1-IQ3, TQ and NVFP4 included:
+csrc/cpu/gguf_lattice.h), so the weights take the file's bytes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from zllm.executor.models.moe import MoEBlock
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.executor.weights import expert_blocks
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
-from zllm.executor.weights.held_rows import HELD_AS_16_BIT, NAMES, hold_as_16_bit_
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
 
@@ -35,8 +34,8 @@ def gguf_kernel_plan(model_path: str, strict: bool = False) -> str | None:
     """Why the GGUF kernel cannot serve this file, or None when it can. Reads only the header.
 
     A file may mix types (llama.cpp's presets do: Q4_K_M holds Q4_K, Q6_K and sometimes Q5_0
-    or Q8_0). The kernel reads the blocks of the types in SUPPORTED_GGML_TYPES and 16-bit rows
-    of the ones in HELD_AS_16_BIT; others (F32 matrices) stay fp32.
+    or Q8_0). The kernel reads the blocks of the types in SUPPORTED_GGML_TYPES; others (F32
+    matrices) stay fp32.
     Not strict, the engine's default: the kernel serves the file if it can serve any matmul;
     the others keep fp32 matmuls on the weights every path loads (use_gguf_blocks_ logs
     which). Strict, --quantization gguf asked for: every decoder matmul must be served, else
@@ -71,20 +70,10 @@ class GGUFMatmul:
     def unservable(self) -> str | None:
         """Why the kernel cannot read these blocks (naming tensor and type), or None."""
         for name, ggml_type in zip(self.tensors, self.types, strict=True):
-            if not kernel_serves(int(ggml_type)):
+            if int(ggml_type) not in cpu_kernels.SUPPORTED_GGML_TYPES:
                 readable = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.values())
-                held = ", ".join(HELD_AS_16_BIT.values())
-                return (
-                    f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable}, and "
-                    f"{held} as 16-bit rows)"
-                )
+                return f"tensor {name!r} is {ggml_type.name} (the kernel reads {readable})"
         return None
-
-
-def kernel_serves(ggml_type: int) -> bool:
-    """Whether the kernel multiplies a matrix of this type: in its blocks, or held as 16-bit
-    rows dequantized at load."""
-    return ggml_type in cpu_kernels.SUPPORTED_GGML_TYPES or ggml_type in HELD_AS_16_BIT
 
 
 # Per layer, the GGUF tensors (blk.{i}.<key>.weight) behind each matmul the kernel replaces:
@@ -148,9 +137,7 @@ class _WeightBlocks:
             raw = gguf_raw_weights(model_path, arch, layers)
         else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
             raw = sixteen_bit_raw_weights(model_path, arch, layers)
-        # Each tensor's type in the file; the held types' matrices become 16-bit rows now.
         self.file_types = {name: ggml_type for name, (ggml_type, _) in raw.items()}
-        hold_as_16_bit_(raw)
         if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
             raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows
             self.file_types["lm_head.weight"] = self.file_types["model.embed_tokens.weight"]
@@ -196,30 +183,16 @@ class _WeightBlocks:
     def check_rows(
         self, name: str, ggml_type: int, rows: torch.Tensor, expected: torch.Tensor
     ) -> None:
-        """Refuse blocks that do not dequantize to exactly the loaded fp32 rows `expected`
-        (rounded to 16 bits where the file's type is held as 16-bit rows)."""
-        if self.file_types[name] in HELD_AS_16_BIT:
-            expected = cpu_kernels.gguf_dequantize(
-                _rounded_to(expected, ggml_type), ggml_type, expected.shape[1]
-            )
+        """Refuse blocks that do not dequantize to exactly the loaded fp32 rows `expected`."""
         dequantized = cpu_kernels.gguf_dequantize(rows, ggml_type, expected.shape[1])
         if not torch.equal(dequantized, expected):
             raise RuntimeError(f"GGUF blocks of {name} do not dequantize to the loaded weights")
 
     def type_summary(self) -> str:
-        """For the log: the file's types that the served tensors read in blocks, and those
-        held as 16-bit rows (and as which)."""
-        served = {self.file_types[n] for n in self.served}
-        in_blocks = sorted(served - HELD_AS_16_BIT.keys())
+        """For the log: the file's types that the served tensors read in blocks (and, under
+        gguf-int8, which of them keep the float kernel)."""
+        in_blocks = sorted({self.file_types[n] for n in self.served})
         parts = [f"in blocks {_type_names(in_blocks) or 'none'}"]
-        held = sorted(served & HELD_AS_16_BIT.keys())
-        if held:
-            held_names = [n for n in self.served if self.file_types[n] in HELD_AS_16_BIT]
-            as_what = "/".join(sorted({NAMES[self.raw[n][0]] for n in held_names}))
-            parts.append(
-                f"held as {as_what} rows {_type_names(held)} (dequantized at load: the kernel "
-                f"has no block reader for them)"
-            )
         floats = [t for t in in_blocks if t not in cpu_kernels.INT8_GGML_TYPES]
         if self.int8_activations and floats:
             parts.append(f"gguf-int8: no integer path for {_type_names(floats)} (float kernel)")
@@ -367,12 +340,6 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
 
 def _type_names(types: list[int]) -> str:
     return ", ".join(GGMLQuantizationType(t).name for t in types)
-
-
-def _rounded_to(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """fp32 rows as the 16-bit rows (uint8 [rows, 2 x columns]) of ggml type F16 or BF16."""
-    dtype = torch.float16 if ggml_type == 1 else torch.bfloat16
-    return weight.to(dtype).contiguous().view(torch.uint8)
 
 
 def _fp32_note(model_path: str) -> str:

@@ -2,15 +2,14 @@
 
 `gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls, the
 logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
-Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) through csrc/cpu/gguf_linear.h instead of fp32
-copies, and the fp32 tensors they replace are released after load: the weights take about the
-file's size in memory. The types it has no block reader for (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
-IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4) are dequantized at load into F16 rows, which the
-kernel widens in registers (executor/weights/held_rows.py): 2 bytes a weight, not fp32's 4. The values
-multiplied are bit for bit the fp32 weights the reference path uses (the kernel dequantizes as
-gguf.quants does; tests check it), so only the order of the arithmetic differs; a decode step
-reads 4-7x fewer bytes. Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K) go through the
-kernel's few-rows path, which turns each block's codes into floats in registers and applies
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+IQ3_S, TQ1_0, TQ2_0, NVFP4: csrc/cpu/gguf_lattice.h; F16, BF16) through csrc/cpu/gguf_linear.h
+instead of fp32 copies, and the fp32 tensors they replace are released after load: the weights
+take about the file's size in memory (only F32 matrices stay fp32). The values multiplied are
+bit for bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants
+does; tests check it), so only the order of the arithmetic differs; a decode step reads 4-7x
+fewer bytes (up to 20x for IQ1). Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K, Q2_K,
+Q3_K) go through the kernel's few-rows path, which turns each block's codes into floats in registers and applies
 the block's scale (and offset) to its dot product rather than to each value. Many rows
 (prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
 a small fp32 panel and multiplies them there (outer-product register tiles from 16 rows), with
@@ -24,8 +23,8 @@ summed in integers: csrc/cpu/kquant_int8.h) and multiplied by the codes with int
 products (csrc/cpu/gguf_int8.h), 1.2-2.5x faster per matmul at one row than the float kernel. Calls of
 more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
 where the integer path is slower. It changes the arithmetic: accuracy in BENCHMARKS.md. Q2_K,
-Q3_K, IQ4_NL, IQ4_XS, MXFP4 and the 16-bit rows have no integer path: their matmuls keep the
-float kernel (the load's log says which).
+Q3_K, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3, TQ and NVFP4 types and 16-bit weights have no integer
+path: their matmuls keep the float kernel (the load's log says which).
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
