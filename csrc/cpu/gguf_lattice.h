@@ -1,10 +1,11 @@
-// The GGUF types below 2.6 bits a weight that llama.cpp's IQ1-IQ3 and ternary presets write,
+// The GGUF types that llama.cpp's IQ1-IQ3 and ternary presets write (1.56-3.44 bits a weight),
 // and NVFP4, read in their blocks as gguf_lowbit.h reads the others: IQ2_XXS, IQ2_XS, IQ2_S,
 // IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (lattice codebooks: each index names a row of 4 or 8 small
 // integers), TQ1_0, TQ2_0 (ternary: BitNet-style models) and NVFP4 (E2M1 codes, E4M3 scales
 // per 16 values). Per type, a dequantizer for the panel paths (bit for bit gguf.quants' fp32
 // values) and a few-rows format for linear_few_rows (1-4 rows), both built on one decoder
-// per 32-value sub-block: its 32 codes as signed bytes in one register, and its scales.
+// per 32-value sub-block: its weights before scaling as four fp32 vectors (signed grid rows,
+// or codes), and its scales.
 //
 // Layouts (ggml-common.h; gguf.quants' dequantize_blocks), 256 values a block unless said:
 //   IQ2_XXS  66 B  f16 d | 8 x (u32 grid | u32 signs): sub-block ib's u32 grid holds four
