@@ -739,7 +739,7 @@ void linear_few_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_
 // those it is level with the panel at 3-4 rows. Q2_K and Q3_K (2048 x 1024, one thread):
 // the few-rows kernel took 1.1-1.6x the panel's time at 3-4 rows, so 1-2 only. gguf_lattice.h's
 // types (2048 x 2048, one thread): 0.7-1.4x Q4_K's few-rows time at 1-4 rows, and at 4 rows
-// 0.7-0.85x what their panel path takes at 5, so 1-4.
+// 0.65-0.85x what their panel path takes at 5, so 1-4.
 using FewRowsKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
                                float*, int64_t);
 
