@@ -4,6 +4,8 @@
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
+    set_lattice_tables(types, grids, ksigns)  gguf-py's IQ1-IQ3 grids, handed over by load()
+                                              (hand_lattice_tables)          csrc/cpu/gguf_lattice.h
     cpu_isa(), set_cpu_isa(name)              AVX-512 VNNI or AVX2 for the kernels with both
                                               ($ZLLM_CPU_ISA)                  csrc/cpu/cpu_isa.h
     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale[, window, sinks])
@@ -188,6 +190,7 @@ def hand_lattice_tables(module: ModuleType) -> None:
 
 
 def _load_library() -> ModuleType:
+    """The extension as built (or found built) for these sources and flags."""
     if not cpu_supports_kernels():
         raise CpuKernelError("the CPU kernels need an x86-64 CPU with AVX2, FMA and F16C")
     isa = os.environ.get("ZLLM_CPU_ISA", "auto") or "auto"
