@@ -481,7 +481,6 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     the next send writes the next file and reaches the consumer."""
     import msgspec
     import zmq
-    from zmq.utils.monitor import recv_monitor_message
 
     from zllm.protocol import KVBlocksHeader
 
@@ -489,30 +488,46 @@ def test_a_producer_that_cannot_write_its_shm_file_drops_the_blocks_and_goes_on(
     config = KVTransferConfig(role="kv_producer", port=free_port(), transport="shm")
     consumer = zmq.Context.instance().socket(zmq.PULL)  # stands in for the consumer's receiver
     consumer.bind(config.engine_address(0, 0, 1))
-    monitor = consumer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     sender = KVSender(config, pool, "layout")
+
+    def file(number: int) -> str:
+        return os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{number}")
+
+    def received() -> KVBlocksHeader | None:
+        if not consumer.poll(200):
+            return None
+        header = msgspec.msgpack.decode(consumer.recv_multipart()[0], type=KVBlocksHeader)
+        os.unlink(os.path.join(SHM_DIR, header.shm_file))  # as the consumer does once read
+        return header
+
     # The sender drops what it cannot hand over at once (ZMQ_IMMEDIATE, no blocking send), so
-    # a send before its connection is up would be dropped too: on a loaded machine the
-    # connect can take longer than the test's next line. Wait until the consumer has it.
-    assert monitor.poll(10_000), "the sender never connected to the consumer"
-    recv_monitor_message(monitor)
-    consumer.disable_monitor()
-    monitor.close(linger=0)
-    files = [os.path.join(SHM_DIR, f"zllm-kv-{os.getpid()}-{config.port}-{i}") for i in (0, 1)]
-    open(files[0], "wb").close()  # its first file's name, taken
+    # a send before its side of the connection is up is dropped too (on a loaded machine that
+    # can take a while after the consumer's side is up). Probe until one arrives.
+    probes = 0
+    deadline = time.monotonic() + 20
+    while True:
+        sender.send([(key(100 + probes), 3)])
+        probes += 1
+        if received() is not None:
+            break
+        assert time.monotonic() < deadline, "the sender never reached the consumer"
+    while received() is not None:  # a slow probe that arrived after the next one was sent
+        pass
+    taken, free = file(probes), file(probes + 1)  # the next two files' names
+    open(taken, "wb").close()  # its next file's name, taken
     try:
         sender.send([(key(1), 0), (key(2), 1)])
         assert sender._queued_bytes == 0
-        assert os.path.getsize(files[0]) == 0  # left as it was
+        assert os.path.getsize(taken) == 0  # left as it was
         sender.send([(key(3), 2)])  # the next name is free: sent
         assert consumer.poll(10_000), "the second send never reached the consumer"
         header = msgspec.msgpack.decode(consumer.recv_multipart()[0], type=KVBlocksHeader)
         assert header.hashes == [key(3)]
-        assert header.shm_file == os.path.basename(files[1])
-        assert os.path.getsize(files[1]) == pool.block_nbytes
+        assert header.shm_file == os.path.basename(free)
+        assert os.path.getsize(free) == pool.block_nbytes
     finally:
         consumer.close(linger=0)
-        for path in files:
+        for path in [taken, free, *(file(i) for i in range(probes))]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

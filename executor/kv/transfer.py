@@ -185,10 +185,9 @@ class KVSender:
             try:
                 header.shm_file = self._write_shm(block_ids, self._ports[engine])
             except OSError as e:  # /dev/shm full, a name taken, ...: the consumer recomputes
-                logger.warning("KV transfer: could not write the blocks to %s: %s", SHM_DIR, e)
                 with self._lock:
                     self._queued_bytes -= nbytes
-                self._dropped(engine, len(sends))
+                self._dropped(engine, len(sends), f"could not write them to {SHM_DIR}: {e}")
                 return
         else:
             payload = self.pool.gather(block_ids)
@@ -246,12 +245,13 @@ class KVSender:
         sock.connect(address)
         return sock
 
-    def _dropped(self, engine: int, count: int) -> None:
+    def _dropped(self, engine: int, count: int, why: str = "it is not taking blocks") -> None:
         address = self.addresses[engine] if 0 <= engine < len(self.addresses) else engine
         logger.warning(
-            "KV transfer: the consumer at %s is not taking blocks; %d dropped (it recomputes)",
-            address,
+            "KV transfer: %d blocks for the consumer at %s dropped (it recomputes): %s",
             count,
+            address,
+            why,
         )
 
 
