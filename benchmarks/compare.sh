@@ -17,7 +17,11 @@
 #                    directory, converted to F16 GGUF by llama.cpp's converter and quantized to
 #                    Q4_K_M and Q8_0 by llama-quantize); the F16 steps use its F16 GGUF, the
 #                    llama-q8 step its Q8_0, zllm-bf16 / zllm-f16 serve its bf16 directory and
-#                    F16 GGUF with zllm.
+#                    F16 GGUF with zllm. The same for issue 57's shapes: MODEL=qwen3-1.7b-q4km,
+#                    qwen3moe-a3b-q4km, gpt-oss-20b-q4km (make_llama1b.py's --shape); the
+#                    other files of one are then served as MODEL=<path>.gguf
+#   SHAPE_QUANTS ["Q4_K_M Q8_0"]  the llama-quantize types setup makes of such a shape's F16
+#                    GGUF (e.g. "Q4_K_M Q3_K_M", or "MXFP4_MOE": gpt-oss's experts MXFP4)
 #   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
 #   INPUT_LENS [$INPUT_LEN]  prompt lengths the serving steps sweep (a grid with CONCURRENCIES,
 #                    e.g. "128 1024 4096"); the offline steps use INPUT_LEN
@@ -179,8 +183,15 @@ EOF
 }
 
 # The random-weight models of real shapes (MODEL=llama1b-q4km: Llama-3.2-1B's; MODEL=qwen3b-q4km:
-# Qwen2.5-3B's): HF bf16 directory -> F16 GGUF -> Q4_K_M, Q8_0.
+# Qwen2.5-3B's; issue 57's three): HF bf16 directory -> F16 GGUF -> SHAPE_QUANTS.
 SHAPE=${MODEL%-q4km}
+SHAPE_QUANTS=${SHAPE_QUANTS:-"Q4_K_M Q8_0"}
+is_shape_model() {
+    case $MODEL in
+    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km) return 0 ;;
+    *) return 1 ;;
+    esac
+}
 LLAMA1B_DIR=$CACHE/models/$SHAPE
 make_llama1b() {
     local hf=$LLAMA1B_DIR/hf-bf16 f16=$LLAMA1B_DIR/$SHAPE-F16.gguf
@@ -195,7 +206,7 @@ make_llama1b() {
         mv "$f16.tmp" "$f16"
     fi
     local quant
-    for quant in Q4_K_M Q8_0; do
+    for quant in $SHAPE_QUANTS; do
         if [[ ! -s $LLAMA1B_DIR/$SHAPE-$quant.gguf ]]; then
             nice -n 19 "$BIN/llama-quantize" "$f16" "$LLAMA1B_DIR/$SHAPE-$quant.gguf.tmp" "$quant" 2
             mv "$LLAMA1B_DIR/$SHAPE-$quant.gguf.tmp" "$LLAMA1B_DIR/$SHAPE-$quant.gguf"
@@ -318,7 +329,7 @@ serve_bench() {
 # ---------------------------------------------------------------------------------------------
 
 ensure_python_deps
-if [[ $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]]; then
+if is_shape_model; then
     Q4_GGUF=$LLAMA1B_DIR/$SHAPE-Q4_K_M.gguf
     Q8_GGUF=$LLAMA1B_DIR/$SHAPE-Q8_0.gguf
     F16_GGUF=$LLAMA1B_DIR/$SHAPE-F16.gguf
@@ -333,7 +344,7 @@ QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]
 if has_step setup; then
     build_llama_cpp
     if [[ $MODEL == smollm2 ]]; then make_f16_gguf; fi
-    if [[ $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]]; then make_llama1b; fi
+    if is_shape_model; then make_llama1b; fi
 fi
 write_meta
 log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
@@ -379,7 +390,7 @@ if has_step throughput; then
 fi
 if has_step batched; then
     pairs=("$QUANT:$Q4_GGUF")
-    [[ $MODEL == smollm2 || $MODEL == llama1b-q4km || $MODEL == qwen3b-q4km ]] &&
+    { [[ $MODEL == smollm2 ]] || is_shape_model; } &&
         pairs+=("F16:$F16_GGUF")
     [[ -n ${Q8_GGUF:-} ]] && pairs+=("Q8_0:$Q8_GGUF")
     for pair in "${pairs[@]}"; do

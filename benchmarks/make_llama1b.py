@@ -1,4 +1,4 @@
-"""A random-weight model of Llama-3.2-1B's shape, as a Hugging Face directory (bf16 safetensors).
+"""A random-weight model of a real model's shape, as a Hugging Face directory (bf16 safetensors).
 
 Speed depends on shapes, not values, and no 1B model is reachable from these machines: this
 writes Llama-3.2-1B's shape (16 layers, hidden 2048, 32 query / 8 KV heads of 64, MLP 8192,
@@ -7,7 +7,12 @@ model's GGUF), and weights drawn at the scale a trained model's have (normal, st
 1). benchmarks/compare.sh converts it with llama.cpp's converter and quantizes it with
 llama-quantize (MODEL=llama1b-q4km). Written outside the repository, never committed.
 
-    python benchmarks/make_llama1b.py OUT_DIR [--shape llama1b|qwen3b]
+Issue 57's shapes: qwen3-1.7b (Qwen3-1.7B, dense, qk-norm, tied), qwen3moe-a3b (Qwen3-30B-A3B's
+layers, 128 experts top-8, 4 of its 48 layers) and gpt-oss-20b (gpt-oss-20b's layers, 32
+experts top-4, sliding window 128 alternating, attention sinks, 2 of its 24 layers): fewer
+layers so they fit the 23 GB machine; a decode step's shape per layer is the real model's.
+
+    python benchmarks/make_llama1b.py OUT_DIR [--shape llama1b|qwen3b|qwen3-1.7b|...]
 """
 
 from __future__ import annotations
@@ -61,6 +66,75 @@ SHAPES = {
         tie_word_embeddings=True,
         hidden_act="silu",
     ),
+    "qwen3-1.7b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        attention_bias=False,
+    ),
+    "qwen3moe-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+    ),
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        experts_per_token=4,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=128,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        attention_bias=True,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling=dict(
+            rope_type="yarn",
+            factor=32.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_max_position_embeddings=4096,
+            truncate=False,
+        ),
+        initial_context_length=4096,
+        max_position_embeddings=131072,
+        swiglu_limit=7.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
 }
 
 
@@ -68,7 +142,7 @@ def tensors(cfg: dict, seed: int):
     """(name, bf16 tensor) of the checkpoint, one at a time (a 3B model's fp32 draw at once
     would want 12 GB)."""
     g = torch.Generator().manual_seed(seed)
-    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    hidden, inter = cfg["hidden_size"], cfg.get("intermediate_size")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim", hidden // heads)
 
@@ -80,7 +154,10 @@ def tensors(cfg: dict, seed: int):
 
     yield "model.embed_tokens.weight", normal(cfg["vocab_size"], hidden)
     yield "model.norm.weight", ones(hidden)
-    bias = cfg["model_type"] == "qwen2"  # Qwen2's q/k/v carry biases
+    if not cfg["tie_word_embeddings"]:
+        yield "lm_head.weight", normal(cfg["vocab_size"], hidden)
+    kind = cfg["model_type"]
+    bias = kind in ("qwen2", "gpt_oss")  # their q/k/v carry biases (gpt-oss's o_proj too)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", ones(hidden)
@@ -94,9 +171,44 @@ def tensors(cfg: dict, seed: int):
             if bias:
                 yield f"{p}self_attn.{proj}_proj.bias", normal(rows)
         yield p + "self_attn.o_proj.weight", normal(hidden, heads * head_dim)
-        yield p + "mlp.gate_proj.weight", normal(inter, hidden)
-        yield p + "mlp.up_proj.weight", normal(inter, hidden)
-        yield p + "mlp.down_proj.weight", normal(hidden, inter)
+        if kind == "gpt_oss":
+            yield p + "self_attn.o_proj.bias", normal(hidden)
+            yield p + "self_attn.sinks", normal(heads)
+        if kind in ("qwen3", "qwen3_moe"):  # per-head RMSNorm of q and k
+            yield p + "self_attn.q_norm.weight", ones(head_dim)
+            yield p + "self_attn.k_norm.weight", ones(head_dim)
+        if kind == "qwen3_moe":
+            yield from qwen3_moe_experts(cfg, p, normal)
+        elif kind == "gpt_oss":
+            yield from gpt_oss_experts(cfg, p, normal)
+        else:
+            yield p + "mlp.gate_proj.weight", normal(inter, hidden)
+            yield p + "mlp.up_proj.weight", normal(inter, hidden)
+            yield p + "mlp.down_proj.weight", normal(hidden, inter)
+
+
+def qwen3_moe_experts(cfg: dict, p: str, normal):
+    """Qwen3-MoE's router and its experts, one tensor per expert and projection."""
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    yield p + "mlp.gate.weight", normal(cfg["num_experts"], hidden)
+    for e in range(cfg["num_experts"]):
+        q = f"{p}mlp.experts.{e}."
+        yield q + "gate_proj.weight", normal(inter, hidden)
+        yield q + "up_proj.weight", normal(inter, hidden)
+        yield q + "down_proj.weight", normal(hidden, inter)
+
+
+def gpt_oss_experts(cfg: dict, p: str, normal):
+    """gpt-oss's biased router and its experts as the bf16 checkpoint stores them: all experts
+    in one tensor, gate and up interleaved along the last axis (llama.cpp's converter splits
+    them; llama-quantize's MXFP4_MOE then writes them MXFP4)."""
+    hidden, inter, experts = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    yield p + "mlp.router.weight", normal(experts, hidden)
+    yield p + "mlp.router.bias", normal(experts)
+    yield p + "mlp.experts.gate_up_proj", normal(experts, hidden, 2 * inter)
+    yield p + "mlp.experts.gate_up_proj_bias", normal(experts, 2 * inter)
+    yield p + "mlp.experts.down_proj", normal(experts, inter, hidden)
+    yield p + "mlp.experts.down_proj_bias", normal(experts, hidden)
 
 
 def write_model(out: str, shape: str, tokenizer_gguf: str, seed: int = 0) -> None:
@@ -115,26 +227,33 @@ def write_model(out: str, shape: str, tokenizer_gguf: str, seed: int = 0) -> Non
     )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    # One safetensors shard per ~2 GB, as transformers writes them.
+    # One safetensors shard per ~2 GB, as transformers writes them; each written as soon as it
+    # fills (a MoE's 5 GB held at once would crowd the machine), renamed -of-N at the end.
     shard: dict[str, torch.Tensor] = {}
-    shards: list[dict[str, torch.Tensor]] = []
-    size = 0
+    index: dict[str, int] = {}
+    size = total = count = 0
+
+    def flush() -> None:
+        nonlocal shard, size, count
+        count += 1
+        save_file(shard, os.path.join(out, f"part-{count}.safetensors"), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, count))
+        shard, size = {}, 0
+
     for tensor_name, tensor in tensors(cfg, seed):
         if size + tensor.nbytes > 2 << 30 and shard:
-            shards.append(shard)
-            shard, size = {}, 0
+            flush()
         shard[tensor_name] = tensor
         size += tensor.nbytes
-    shards.append(shard)
-    index = {}
-    for n, part in enumerate(shards, 1):
-        file = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, os.path.join(out, file), metadata={"format": "pt"})
-        index.update(dict.fromkeys(part, file))
-    total = sum(t.nbytes for part in shards for t in part.values())
+        total += tensor.nbytes
+    flush()
+    files = {n: f"model-{n:05d}-of-{count:05d}.safetensors" for n in range(1, count + 1)}
+    for n, file in files.items():
+        os.replace(os.path.join(out, f"part-{n}.safetensors"), os.path.join(out, file))
+    weight_map = {name: files[n] for name, n in index.items()}
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=2)
-    print(f"{out}: {shape}, {total / 1e9:.2f} GB of bf16 weights in {len(shards)} shard(s)")
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    print(f"{out}: {shape}, {total / 1e9:.2f} GB of bf16 weights in {count} shard(s)")
 
 
 def main() -> int:
