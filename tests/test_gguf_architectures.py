@@ -205,6 +205,28 @@ def test_greedy_tokens_equal_transformers(gguf_file, model_dir, case, outtype) -
         assert_greedy_parity(hf, prompt, ours, theirs, label=f"{case}-{outtype}[{i}]")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_transformers_backend_reads_the_file_as_transformers_does(
+    gguf_file, model_dir, case
+) -> None:
+    """`--model-impl transformers` on the converter's file: transformers' own GGUF reader
+    builds the model (Qwen3's key_length, which it skips, taken from zllm's reading) and the
+    greedy tokens are transformers' on the checkpoint. Phi-3's window and LongRoPE factors,
+    which that reader drops, are refused naming them."""
+    path = gguf_file(case, "f32")
+    if case == "phi3":
+        with pytest.raises(ValueError, match="drops this Phi-3 file's sliding window"):
+            LLM(path, model_impl="transformers")
+        return
+    llm = LLM(path, model_impl="transformers", kv_cache_memory_bytes=8 << 20, block_size=4)
+    hf = hf_model_as_stored(model_dir(case), "f32")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts(), outputs, strict=True)):
+        ours = out.outputs[0].token_ids
+        theirs = hf_greedy(hf, prompt, len(ours))
+        assert_greedy_parity(hf, prompt, ours, theirs, label=f"transformers-{case}[{i}]")
+
+
 def test_byte_fallback_pieces_never_break_streamed_text(gguf_file) -> None:
     """The file's SentencePiece tokenizer turns a run of byte tokens that is not UTF-8 into
     U+FFFD, text already streamed included; random outputs hit it within a few tokens, and

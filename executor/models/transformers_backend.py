@@ -245,6 +245,14 @@ class TransformersForCausalLM(nn.Module):
         if model_path.endswith(".gguf"):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+        if gguf_file is not None and getattr(config, "head_dim", arch.head_dim) != arch.head_dim:
+            # transformers' GGUF reader skips `attention.key_length` (Qwen3's heads are 128
+            # wide at hidden 2048 / 16 heads): the width zllm read from the file wins.
+            config.head_dim = arch.head_dim
+        if gguf_file is not None and not 0 <= (config.pad_token_id or 0) < config.vocab_size:
+            # The config class's default (Phi-3's 32000) past a smaller file's vocabulary, which
+            # nn.Embedding refuses; padding plays no part in inference.
+            config.pad_token_id = None
         model_cls = causal_lm_class(config)
         # Refused before any weight is read: an architecture without a plan zllm can cut.
         plan = usable_plan(config) if tp.enabled else None

@@ -249,6 +249,12 @@ def refuse_unreadable_gguf(model_path: str, arch: str) -> None:
             f"{model_path}: transformers' GGUF reader cannot read gpt-oss files (it misreads "
             f"their rope.scaling metadata); zllm's own code runs them (--model-impl auto or zllm)"
         )
+    if arch == "phi3" and _phi3_file_needs_what_transformers_drops(read_gguf(model_path)):
+        raise ValueError(
+            f"{model_path}: transformers' GGUF reader drops this Phi-3 file's sliding window "
+            f"and LongRoPE factors (it would run another model); zllm's own code runs it "
+            f"(--model-impl auto or zllm)"
+        )
     readable = transformers_gguf_architectures()
     if _TRANSFORMERS_GGUF_NAMES.get(arch, arch) in readable:
         return
@@ -258,6 +264,12 @@ def refuse_unreadable_gguf(model_path: str, arch: str) -> None:
         f"({', '.join(readable)}); the original checkpoint's Hugging Face directory (config.json "
         f"and safetensors) may run with --model-impl transformers"
     )
+
+
+def _phi3_file_needs_what_transformers_drops(gguf: GGUFFile) -> bool:
+    """A window or LongRoPE factors, which transformers' reader does not read."""
+    window = "phi3.attention.sliding_window" in gguf.metadata
+    return window or "rope_factors_long.weight" in gguf.tensors
 
 
 def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
