@@ -13,6 +13,10 @@
 #   CACHE [~/.cache/zllm-peers]  GOALS_DIR [$CACHE/results/goals-<date-time>]  results; the
 #           table is written to $GOALS_DIR/goals.md
 #   PARTS ["setup llama1b prefill 16bit smollm2 floor memory startup logits kv report"]
+#           Issue 57's goals are their own parts, not in the default: setup57 (builds the three
+#           shapes), qwen3 (Qwen3-1.7B's shape, Q4_K_M c=1 and its memory after load), moe
+#           (Qwen3-30B-A3B's layers, Q4_K_M c=1 and c=8), gptoss (gpt-oss-20b's layers,
+#           MXFP4 experts, c=1), qwen3-q3 (Q3_K_M c=1), floor57 (each file's decode floor)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
 
@@ -103,6 +107,45 @@ if has_part kv; then
         log "a decode step at 4K context, c=8, KV $kv (SmolLM2)"
         "$PYTHON" "$REPO/benchmarks/kv_decode.py" smollm2 --kv-cache-dtype "$kv" --batch 8 |
             tail -1 >"$GOALS_DIR/kv-$kv.json"
+    done
+fi
+# Issue 57: zllm's two arithmetics and llama-server on one file of a shape (c=1 takes 16
+# prompts, c=8 two waves of 8).
+MODELS=$CACHE/models
+shape_cells() {
+    local dir=$1 gguf=$2
+    shift 2
+    compare "$dir" MODEL="$gguf" STEPS="zllm llama-q4" "$@"
+    compare "$dir" MODEL="$gguf" STEPS="zllm" ZLLM_LABEL=zllm-gguf-int8 ZLLM_SERVE_ARGS="$INT8" "$@"
+}
+if has_part setup57; then
+    compare setup57 MODEL=qwen3-1.7b-q4km SHAPE_QUANTS="Q4_K_M Q3_K_M" STEPS=setup
+    compare setup57 MODEL=qwen3moe-a3b-q4km SHAPE_QUANTS=Q4_K_M STEPS=setup
+    compare setup57 MODEL=gpt-oss-20b-q4km SHAPE_QUANTS=MXFP4_MOE STEPS=setup
+fi
+CELL57=(NUM_PROMPTS=16 INPUT_LEN=128 OUTPUT_LEN=64)
+if has_part qwen3; then
+    shape_cells qwen3 "$MODELS/qwen3-1.7b/qwen3-1.7b-Q4_K_M.gguf" "${CELL57[@]}" CONCURRENCIES=1
+    OMP_NUM_THREADS=1 "$PYTHON" "$REPO/benchmarks/load_memory.py" \
+        "$MODELS/qwen3-1.7b/qwen3-1.7b-Q4_K_M.gguf" | tail -1 >"$GOALS_DIR/memory-qwen3-1.7b.json"
+fi
+if has_part moe; then
+    shape_cells moe "$MODELS/qwen3moe-a3b/qwen3moe-a3b-Q4_K_M.gguf" "${CELL57[@]}" \
+        CONCURRENCIES="1 8"
+fi
+if has_part gptoss; then
+    shape_cells gptoss "$MODELS/gpt-oss-20b/gpt-oss-20b-MXFP4_MOE.gguf" "${CELL57[@]}" \
+        CONCURRENCIES=1
+fi
+if has_part qwen3-q3; then
+    shape_cells qwen3-q3 "$MODELS/qwen3-1.7b/qwen3-1.7b-Q3_K_M.gguf" "${CELL57[@]}" \
+        CONCURRENCIES=1
+fi
+if has_part floor57; then
+    for gguf in qwen3-1.7b/qwen3-1.7b-Q4_K_M qwen3-1.7b/qwen3-1.7b-Q3_K_M \
+        qwen3moe-a3b/qwen3moe-a3b-Q4_K_M gpt-oss-20b/gpt-oss-20b-MXFP4_MOE; do
+        "$PYTHON" "$REPO/benchmarks/memory_floor.py" "$MODELS/$gguf.gguf" \
+            --output-json "$GOALS_DIR/floor-$(basename "$gguf").json"
     done
 fi
 if has_part report; then

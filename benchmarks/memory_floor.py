@@ -8,7 +8,8 @@ Bandwidth: torch's `sum` over a 1 GiB fp32 tensor (two threads on the 2-core mac
 median of 5 passes after 2 warm-ups; a read-only stream, as a decode step's weights are.
 Bytes: every tensor of the file except the token embedding's when the model has its own
 output matrix (then a step reads one embedding row, not the matrix); a tied embedding is
-read whole, as the logits. The KV cache: 2 (K and V) x layers x KV heads x head dim x
+read whole, as the logits. A mixture of experts' expert tensors (`*_exps`) count at
+experts-used / experts of their size: one token reads only its top-k experts. The KV cache: 2 (K and V) x layers x KV heads x head dim x
 4 bytes (the CPU engine's fp32 pool) x context tokens.
 """
 
@@ -25,13 +26,17 @@ from zllm.model.gguf import read_gguf
 def step_bytes(path: str, context: int) -> dict[str, int]:
     gguf = read_gguf(path)
     names = gguf.tensors
-    matrices = sum(
-        info.nbytes
-        for name, info in names.items()
-        if not (name == "token_embd.weight" and "output.weight" in names)
-    )
     arch = gguf.metadata["general.architecture"]
     meta = gguf.metadata
+    experts = int(meta.get(f"{arch}.expert_count", 0))
+    active = int(meta.get(f"{arch}.expert_used_count", 0)) / experts if experts else 1.0
+    matrices = round(
+        sum(
+            info.nbytes * (active if "_exps." in name else 1.0)
+            for name, info in names.items()
+            if not (name == "token_embd.weight" and "output.weight" in names)
+        )
+    )
     layers = int(meta[f"{arch}.block_count"])
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
