@@ -41,8 +41,9 @@ LATTICE = [
     T.TQ1_0, T.TQ2_0, T.NVFP4,
 ]  # fmt: skip
 SIXTEEN_BIT = (T.F16, T.BF16)  # plain 16-bit values, read in runs of 32
-# What gguf_linear_int8 reads (the low-bit types have no integer path: the float kernel).
-INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT and t not in LOW_BIT]
+# What gguf_linear_int8 reads (the other low-bit types have no integer path: the float kernel).
+NO_INT8_LOW_BIT = [t for t in LOW_BIT if t != T.Q3_K]
+INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT and t not in NO_INT8_LOW_BIT]
 
 
 def test_the_types_are_the_ones_the_kernel_reads():
@@ -231,7 +232,7 @@ def test_lattice_types_are_refused_until_gguf_py_hands_over_the_grids():
 def test_low_bit_types_have_no_integer_path():
     """gguf-int8 sends them to the float kernel (the modules never call the integer one,
     which refuses them)."""
-    for ggml_type in LOW_BIT + LATTICE:
+    for ggml_type in NO_INT8_LOW_BIT + LATTICE:
         q, _, cols = _blocks(4, 1, ggml_type, seed=2)
         layer = GGUFLinear(q, int(ggml_type), cols, None, int8_activations=True)
         assert not layer.int8_activations
@@ -244,8 +245,8 @@ def test_low_bit_types_have_no_integer_path():
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
 
 
-# Q4_K and Q6_K round x per 256 values (csrc/cpu/kquant_int8.h).
-KQUANT = (T.Q4_K, T.Q6_K)
+# Q3_K, Q4_K and Q6_K round x per 256 values (csrc/cpu/kquant_int8.h).
+KQUANT = (T.Q3_K, T.Q4_K, T.Q6_K)
 
 
 def _int8_activations(x: np.ndarray, values: int = 32) -> np.ndarray:
@@ -311,7 +312,7 @@ def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
 
 
-# Q4_K / Q6_K have an AVX-512 VNNI variant (csrc/cpu/kquant_int8.h), taken where the CPU has
+# Q3_K / Q4_K / Q6_K have an AVX-512 VNNI variant (csrc/cpu/kquant_int8.h), taken where the CPU has
 # the features unless $ZLLM_CPU_ISA / set_cpu_isa forces AVX2: both paths run here.
 ISAS = ("avx2", "auto")
 

@@ -328,14 +328,15 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
   const BlockFormat* format = block_format(qtype);
   const DecodeRow decode = decoder(qtype);
-  TORCH_CHECK(format != nullptr && decode != nullptr, "unsupported ggml type ", qtype);
+  TORCH_CHECK(format != nullptr && (decode != nullptr || zllm_kquant::serves(qtype)),
+              "unsupported ggml type ", qtype);
   TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
               "qweight row bytes do not match K=", K);
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
                   y.size(1) == N && y.stride(1) == 1,
               "y must be fp32 [M, N] with contiguous rows");
   if (M == 0 || N == 0) return;
-  if (zllm_kquant::serves(qtype)) {  // Q4_K / Q6_K: whole super-blocks
+  if (zllm_kquant::serves(qtype)) {  // Q3_K / Q4_K / Q6_K: whole super-blocks
     zllm_kquant::linear(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(),
                         qweight.size(1), qtype, N, K, y.data_ptr<float>(), y.stride(0));
     return;

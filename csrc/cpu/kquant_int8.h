@@ -1,4 +1,4 @@
-// Q4_K and Q6_K matrices against int8 activation rows, one super-block (256 values) at a
+// Q3_K, Q4_K and Q6_K matrices against int8 activation rows, one super-block (256 values) at a
 // time with no decode pass: `--quantization gguf-int8`'s kernel for these types, decode and
 // prefill (gguf_int8.h's generic path decodes each weight row into codes first).
 //
@@ -13,15 +13,16 @@
 //     sum_k value_k x_k ~ d * dx * sum_s sc_s sum_{k in s} q_k qx_k - dmin * sum_s m_s X_s
 //   Q6_K: value = d * sc_t * c, c = q - 32 in -32..31, t the 16-value sub-block
 //     sum_k value_k x_k ~ d * dx * sum_t sc_t sum_{k in t} c_k qx_k
+//   Q3_K: the same with c = low 2 bits + 4 * hmask bit - 4 in -4..3 and sc_t = 6 bits - 32
 // with x_k ~ dx * qx_k (qx int8, dx = max|x| / 127 over the 256 values) and X_s the exact
 // fp32 sum of x over sub-block s (the offsets do not round x).
 //
 // Integer ranges: VPMADDUBSW pairs stay within int16 (Q4_K 2 * 15 * 127, Q6_K's |c| <= 32:
-// 2 * 32 * 127); VPMADDWD by a scale (< 64, or |int8| <= 128) gives at most ~1.1M a lane and
+// 2 * 32 * 127; Q3_K's |c| <= 4); VPMADDWD by a scale (< 64, or |int8| <= 128) gives at most ~1.1M a lane and
 // a super-block's 8 sub-blocks sum well inside int32.
 //
-// Two instruction sets, chosen per call by cpu_isa.h: AVX2 (q4_k_row / q6_k_row, any CPU the
-// engine runs on) and AVX-512 F/BW/VL + VNNI (q4_k_rows_avx512 / q6_k_rows_avx512, compiled
+// Two instruction sets, chosen per call by cpu_isa.h: AVX2 (q3_k_row / q4_k_row / q6_k_row, any
+// CPU the engine runs on) and AVX-512 F/BW/VL + VNNI (q*_k_rows_avx512, compiled
 // per function): the same int32 lane sums and float tail, so the same output bits.
 
 #pragma once
@@ -43,7 +44,7 @@ namespace zllm_kquant {
 
 using namespace zllm_gguf;
 
-constexpr int64_t kQ4_KBytes = 144, kQ6_KBytes = 210;
+constexpr int64_t kQ3_KBytes = 110, kQ4_KBytes = 144, kQ6_KBytes = 210;
 
 // x rounded to int8 per 256 values, with the exact fp32 sum of every 32 values.
 struct QuantizedX256 {
@@ -129,6 +130,21 @@ inline void k_scales_mins_bytes(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) 
   std::memcpy(mn, out + 2, 8);
 }
 
+// Q3_K's 16 scales less 32 (-32..31) as signed bytes, from the 12 packed at p (gguf_lowbit.h's
+// q3_k_scales, a 32-bit word of four at a time): scales 4w .. 4w + 3 take their low nibbles
+// from word w % 2's low (w < 2) or high nibbles and their top two bits from bits 2w of word 2.
+// Scalar words: a 16-byte load would read past the last block's 110 bytes.
+inline __m128i q3_k_scales_bytes(const uint8_t* p) {
+  uint32_t w[3];
+  std::memcpy(w, p, 12);
+  const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+  alignas(16) const uint32_t out[4] = {
+      (w[0] & four) | ((w[2] & two) << 4), (w[1] & four) | (((w[2] >> 2) & two) << 4),
+      ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4),
+      ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4)};
+  return _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(out)), _mm_set1_epi8(32));
+}
+
 // out[i] = row . x_i for MR consecutive x rows from m0.
 template <int MR>
 inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
@@ -194,6 +210,45 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
       }
     }
     const float d = half_to_float(blk + 208);
+    for (int i = 0; i < MR; ++i) {
+      const float dx = qx.d[(m0 + i) * blocks + b];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
+}
+
+// As q6_k_row: signed codes (|c| times x with c's sign), a scale per 16 values.
+template <int MR>
+inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
+                     float* out, int64_t ldy) {
+  const int64_t blocks = K / kSuper;
+  const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * kQ3_KBytes;
+    alignas(16) int8_t scales[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(scales), q3_k_scales_bytes(blk + 96));
+    const __m256i hmask = load32(blk);
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {  // group t = 4h + j: bits 2j of qs half h, bit t of hmask
+      const __m256i low = _mm256_and_si256(
+          _mm256_srl_epi16(load32(blk + 32 + 32 * (t / 4)), _mm_cvtsi32_si128(2 * (t % 4))), three);
+      const __m256i third = _mm256_slli_epi16(
+          _mm256_and_si256(_mm256_srl_epi16(hmask, _mm_cvtsi32_si128(t)), one), 2);
+      const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, third), four);  // -4..3
+      const __m256i magnitude = _mm256_abs_epi8(codes);
+      const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
+                                           _mm_set1_epi16(scales[2 * t + 1]));
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xq = load32(qx.q.data() + (m0 + i) * K + b * kSuper + kBlock * t);
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, codes));
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(pairs, sc));
+      }
+    }
+    const float d = half_to_float(blk + 108);
     for (int i = 0; i < MR; ++i) {
       const float dx = qx.d[(m0 + i) * blocks + b];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
@@ -357,6 +412,68 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   }
 }
 
+// int16 lanes 0-15 equal to lo, 16-31 to hi: a shift count per 256-bit half.
+ZLLM_TARGET_AVX512 inline __m512i halves(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)),
+                            _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+}
+
+template <int MR>
+ZLLM_TARGET_AVX512 void q3_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
+                                         const QuantizedX256& qx, int64_t m0, int64_t K,
+                                         int64_t begin, int64_t end, float* y, int64_t ldy) {
+  const int64_t blocks = K / kSuper;
+  const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+  const __m512i four = _mm512_set1_epi8(4), zero = _mm512_setzero_si512();
+  // Step p: groups t = 2p (low half) and 2p + 1 (high half), scales 4p .. 4p + 3.
+  const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
+                           lanes_of(12, 13, 14, 15)};
+  // Group t = 4h + j: its low bits at shift 2j of qs half h, its third bit at shift t.
+  const __m512i low_shift[2] = {halves(0, 2), halves(4, 6)};
+  const __m512i bit_shift[4] = {halves(0, 1), halves(2, 3), halves(4, 5), halves(6, 7)};
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * kQ3_KBytes;
+      for (int line = 0; line < kQ3_KBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      const __m512i sc16 =
+          _mm512_castsi256_si512(_mm256_cvtepi8_epi16(q3_k_scales_bytes(blk + 96)));
+      const __m512i hmask = _mm512_broadcast_i64x4(load32(blk));
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i qs = _mm512_broadcast_i64x4(load32(blk + 32 + 32 * h));
+        for (int q = 0; q < 2; ++q) {
+          const int p = 2 * h + q;
+          const __m512i low = _mm512_and_si512(_mm512_srlv_epi16(qs, low_shift[q]), three);
+          const __m512i third = _mm512_slli_epi16(
+              _mm512_and_si512(_mm512_srlv_epi16(hmask, bit_shift[p]), one), 2);
+          const __m512i codes = _mm512_sub_epi8(_mm512_or_si512(low, third), four);
+          const __m512i magnitude = _mm512_abs_epi8(codes);
+          const __mmask64 negative = _mm512_movepi8_mask(codes);
+          const __m512i scale = _mm512_permutexvar_epi16(pick[p], sc16);
+          for (int i = 0; i < MR; ++i) {
+            const __m512i xq =
+                _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 64 * p);
+            const __m512i xs = _mm512_mask_sub_epi8(xq, negative, zero, xq);
+            isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
+          }
+        }
+      }
+      const float d = half_to_float(blk + 108);
+      for (int i = 0; i < MR; ++i) {
+        const float dx = qx.d[(m0 + i) * blocks + b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
+                                 _mm256_set1_ps(d * dx), acc[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]);
+  }
+}
+
 // Rows of x sharing one pass over a weight row (its blocks decoded once for them all): 4 on
 // AVX2 (16 ymm registers: each row holds 3), 8 with AVX-512 (32 zmm).
 constexpr int64_t kMaxRows = 4, kMaxRowsAvx512 = 8;
@@ -367,7 +484,7 @@ constexpr int64_t kTileRows = 16;
 // x rows (K int8 bytes each) in play at once: their int8 copy stays in L2 beside the tile.
 constexpr int64_t kXBlockBytes = 256 << 10;
 
-inline bool serves(int64_t qtype) { return qtype == kQ4_K || qtype == kQ6_K; }
+inline bool serves(int64_t qtype) { return qtype == kQ3_K || qtype == kQ4_K || qtype == kQ6_K; }
 
 // y rows m0 .. m0 + MR (y points at row m0) for weight rows [begin, end).
 template <int MR>
@@ -375,15 +492,17 @@ inline void rows_pass(bool vnni, int64_t qtype, const uint8_t* w, int64_t row_by
                       const QuantizedX256& qx, int64_t m0, int64_t K, int64_t begin, int64_t end,
                       float* y, int64_t ldy) {
   if (vnni) {
-    const auto rows = qtype == kQ4_K ? q4_k_rows_avx512<MR> : q6_k_rows_avx512<MR>;
+    const auto rows = qtype == kQ4_K   ? q4_k_rows_avx512<MR>
+                      : qtype == kQ6_K ? q6_k_rows_avx512<MR>
+                                       : q3_k_rows_avx512<MR>;
     rows(w, row_bytes, qx, m0, K, begin, end, y, ldy);
     return;
   }
-  const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : q6_k_row<MR>;
+  const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : qtype == kQ6_K ? q6_k_row<MR> : q3_k_row<MR>;
   for (int64_t n = begin; n < end; ++n) row_dot(w + n * row_bytes, qx, m0, K, y + n, ldy);
 }
 
-// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q4_K or Q6_K W. Every (row, output) sums
+// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q3_K, Q4_K or Q6_K W. Every (row, output) sums
 // the same integers in the same order whatever M, so a row's bits do not depend on M.
 inline void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                    int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
