@@ -131,18 +131,21 @@ inline void k_scales_mins_bytes(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) 
 }
 
 // Q3_K's 16 scales less 32 (-32..31) as signed bytes, from the 12 packed at p (gguf_lowbit.h's
-// q3_k_scales, a 32-bit word of four at a time): scales 4w .. 4w + 3 take their low nibbles
+// q3_k_scales, four at a time in 32-bit lanes): scales 4w .. 4w + 3 take their low nibbles
 // from word w % 2's low (w < 2) or high nibbles and their top two bits from bits 2w of word 2.
-// Scalar words: a 16-byte load would read past the last block's 110 bytes.
+// In registers: scalar words stored and read back as one vector stall the store forwarding,
+// and a 16-byte load would read past the last block's 110 bytes.
 inline __m128i q3_k_scales_bytes(const uint8_t* p) {
-  uint32_t w[3];
-  std::memcpy(w, p, 12);
-  const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
-  alignas(16) const uint32_t out[4] = {
-      (w[0] & four) | ((w[2] & two) << 4), (w[1] & four) | (((w[2] >> 2) & two) << 4),
-      ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4),
-      ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4)};
-  return _mm_sub_epi8(_mm_load_si128(reinterpret_cast<const __m128i*>(out)), _mm_set1_epi8(32));
+  int32_t w2;
+  std::memcpy(&w2, p + 8, 4);
+  const __m128i w = _mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), w2, 2);
+  const __m128i low = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 0, 1, 0)), _mm_setr_epi32(0, 0, 4, 4)),
+      _mm_set1_epi8(0x0F));
+  const __m128i top = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 2, 4, 6)),
+      _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(top, 4)), _mm_set1_epi8(32));
 }
 
 // out[i] = row . x_i for MR consecutive x rows from m0.
