@@ -623,3 +623,75 @@ def test_served_qwen3_moe_q8_0_answers_as_transformers(gguf_file, model_dir, tmp
         ours = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
         theirs = hf_greedy(hf, prompt, len(ours))
         assert_greedy_parity(hf, prompt, ours, theirs, label=f"served-qwen3moe[{i}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# A decode step's experts grouped into one kernel call per projection (csrc/cpu/moe_experts.h)
+
+
+def grouped_case(types: tuple[int, int, int], top_k: int, int8: bool, rule: MoERule | None):
+    """An 8-expert block in `types`' blocks (gate_up 512 wide, down 256), top_k experts a
+    token; biases on every expert's outputs when the rule has them."""
+    arch = moe_arch(hidden=256, experts=8, top_k=top_k, inter=256)
+    block = random_block(arch, seed=top_k)
+    if rule is not None:
+        block = MoEBlock(arch, torch.float32, rule=rule).requires_grad_(False)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for param in block.parameters():
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    gate, _ = expert_blocks(8, 256, 256, types[0], seed=types[0])
+    up, _ = expert_blocks(8, 256, 256, types[1], seed=types[1] + 1)
+    down, _ = expert_blocks(8, 256, 256, types[2], seed=types[2] + 2)
+    parts = [(torch.cat([gate, up], dim=1), types[0])] if types[0] == types[1] else None
+    block.experts_gate_up.hold_blocks_(parts or [(gate, types[0]), (up, types[1])], int8)
+    block.experts_down.hold_blocks_([(down, types[2])], int8)
+    return block
+
+
+def assert_grouped_equals_per_expert(block: MoEBlock, monkeypatch) -> None:
+    """At 1-4 tokens (and 8), the grouped call's output equals the per-expert calls' bit for
+    bit, and the grouped call did run (two kernel calls per part, not one per expert)."""
+    from zllm.executor.models import moe
+
+    calls: list[int] = []
+    grouped_kernel = cpu_kernels.moe_experts_linear
+    monkeypatch.setattr(
+        cpu_kernels, "moe_experts_linear", lambda *a: calls.append(1) or grouped_kernel(*a)
+    )
+    parts = len(block.experts_gate_up.parts) + len(block.experts_down.parts)
+    for num_tokens in (1, 2, 3, 4, 8):
+        x = torch.randn(num_tokens, 256, generator=torch.Generator().manual_seed(num_tokens))
+        calls.clear()
+        grouped = block(x)
+        assert len(calls) == parts
+        with monkeypatch.context() as per_expert:
+            per_expert.setattr(moe, "GROUPED_MAX_TOKENS", 0)
+            expected = block(x)
+        assert len(calls) == parts
+        assert torch.equal(grouped, expected), (num_tokens, (grouped - expected).abs().max())
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("ggml_type", [*BLOCK_TYPES, 1, 30], ids=lambda t: T(t).name)
+def test_grouped_experts_equal_the_per_expert_calls(ggml_type, top_k, monkeypatch) -> None:
+    """Every type the kernel reads (and a checkpoint's F16/BF16 rows), the float kernel and
+    (its types) gguf-int8's."""
+    modes = [False, True] if ggml_type in cpu_kernels.INT8_GGML_TYPES else [False]
+    for int8 in modes:
+        block = grouped_case((ggml_type,) * 3, top_k, int8, rule=None)
+        assert block.experts_gate_up.int8_activations == int8
+        assert_grouped_equals_per_expert(block, monkeypatch)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_grouped_experts_of_mixed_types_and_biases_equal_the_per_expert_calls(
+    int8, monkeypatch
+) -> None:
+    """A Q4_K_M file's mix (gate Q4_K, up Q6_K: two parts; down Q5_0), and gpt-oss's rule
+    (interleaved gate_up, clamped SwiGLU, expert biases) over Q8_0."""
+    mixed = grouped_case((int(T.Q4_K), int(T.Q6_K), int(T.Q5_0)), 8, int8, rule=None)
+    assert_grouped_equals_per_expert(mixed, monkeypatch)
+    biased = grouped_case((int(T.Q8_0),) * 3, 2, int8, rule=GPT_OSS_RULE)
+    assert biased.experts_gate_up.bias is not None
+    assert_grouped_equals_per_expert(biased, monkeypatch)

@@ -314,37 +314,19 @@ using DotPanel = void (*)(const int8_t*, const Group*, const QuantizedX&, int64_
 
 }  // namespace zllm_gguf_int8
 
-// y [M, N] = quantize_int8(x) [M, K] @ W^T into y (rows may be strided), W in GGUF blocks.
-void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype,
-                           torch::Tensor& y) {
-  using namespace zllm_gguf_int8;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
-  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
-              "the GGUF kernels run on CPU tensors");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
-                  qweight.is_contiguous(),
-              "qweight must be contiguous uint8 [N, bytes per row]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const BlockFormat* format = block_format(qtype);
-  const DecodeRow decode = decoder(qtype);
-  TORCH_CHECK(format != nullptr && (decode != nullptr || zllm_kquant::serves(qtype)),
-              "unsupported ggml type ", qtype);
-  TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
-              "qweight row bytes do not match K=", K);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
-                  y.size(1) == N && y.stride(1) == 1,
-              "y must be fp32 [M, N] with contiguous rows");
-  if (M == 0 || N == 0) return;
+namespace zllm_gguf_int8 {
+
+// y [M, N] = quantize_int8(x) [M, K] @ W^T on checked pointers. Every output is computed
+// alone (one weight row's codes against one x row's), so a call over a 4-aligned slice of W's
+// rows gives those outputs' bits (csrc/cpu/moe_experts.h splits W's rows so).
+inline void linear_int8_rows(const float* xp, int64_t M, int64_t ldx, const uint8_t* wp,
+                             int64_t row_bytes, int64_t qtype, DecodeRow decode, int64_t N,
+                             int64_t K, float* yp, int64_t ldy) {
   if (zllm_kquant::serves(qtype)) {  // Q3_K / Q4_K / Q6_K: whole super-blocks
-    zllm_kquant::linear(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(),
-                        qweight.size(1), qtype, N, K, y.data_ptr<float>(), y.stride(0));
+    zllm_kquant::linear(xp, M, ldx, wp, row_bytes, qtype, N, K, yp, ldy);
     return;
   }
-  const QuantizedX qx = quantize_x(x.data_ptr<float>(), M, x.stride(0), K);
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const int64_t row_bytes = qweight.size(1), ldy = y.stride(0);
-  float* yp = y.data_ptr<float>();
+  const QuantizedX qx = quantize_x(xp, M, ldx, K);
   const bool has_offset = qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ4_K || qtype == kQ5_K;
   const DotRow dot = qtype == kQ6_K ? dot_row<true, false>
                      : has_offset   ? dot_row<false, true>
@@ -381,6 +363,34 @@ void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight,
       }
     }
   });
+}
+
+}  // namespace zllm_gguf_int8
+
+// y [M, N] = quantize_int8(x) [M, K] @ W^T into y (rows may be strided), W in GGUF blocks.
+void gguf_linear_int8_into(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype,
+                           torch::Tensor& y) {
+  using namespace zllm_gguf_int8;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be fp32 [M, K]");
+  TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
+              "the GGUF kernels run on CPU tensors");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kUInt8 &&
+                  qweight.is_contiguous(),
+              "qweight must be contiguous uint8 [N, bytes per row]");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const BlockFormat* format = block_format(qtype);
+  const DecodeRow decode = decoder(qtype);
+  TORCH_CHECK(format != nullptr && (decode != nullptr || zllm_kquant::serves(qtype)),
+              "unsupported ggml type ", qtype);
+  TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
+              "qweight row bytes do not match K=", K);
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == M &&
+                  y.size(1) == N && y.stride(1) == 1,
+              "y must be fp32 [M, N] with contiguous rows");
+  if (M == 0 || N == 0) return;
+  linear_int8_rows(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(),
+                   qweight.size(1), qtype, decode, N, K, y.data_ptr<float>(), y.stride(0));
 }
 
 torch::Tensor gguf_linear_int8(const torch::Tensor& x, const torch::Tensor& qweight,

@@ -812,6 +812,28 @@ const BlockFormat& checked_format(const torch::Tensor& qweight, int64_t qtype, i
 
 }  // namespace
 
+namespace zllm_gguf {
+
+// y [M, N] = x [M, K] @ W^T on checked pointers (K > 0): the kernel each row count takes.
+// Every output is computed alone (a weight row against an x row), so a call over a slice of
+// W's rows gives those outputs' bits (csrc/cpu/moe_experts.h splits W's rows so).
+inline void linear_rows(const float* xp, int64_t M, int64_t ldx, const uint8_t* wp,
+                        int64_t row_bytes, int64_t qtype, const BlockFormat& format, int64_t N,
+                        int64_t K, float* yp, int64_t ldy) {
+  if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
+    few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
+  } else if (M < kRowBlock) {
+    // Dequantize 3 weight rows into an fp32 panel and run 4 x 3 dot-product tiles over it.
+    linear_dot<4, 3>(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
+  } else {
+    // Dequantize 12 weight rows into an fp32 panel once and run outer-product register tiles
+    // over it, so each weight's conversion is shared by every input row of a chunk.
+    linear_panels(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
+  }
+}
+
+}  // namespace zllm_gguf
+
 // y [M, N] = x [M, K] @ W^T into y, whose rows may be strided (a column slice of a wider
 // output: one fused matmul whose parts are of different types writes each part's columns).
 void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype,
@@ -830,21 +852,8 @@ void gguf_linear_into(const torch::Tensor& x, const torch::Tensor& qweight, int6
     y.zero_();
     return;
   }
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  const int64_t row_bytes = qweight.size(1);
-  float* yp = y.data_ptr<float>();
-  if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
-    few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
-  } else if (M < kRowBlock) {
-    // Dequantize 3 weight rows into an fp32 panel and run 4 x 3 dot-product tiles over it.
-    linear_dot<4, 3>(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
-  } else {
-    // Dequantize 12 weight rows into an fp32 panel once and run outer-product register tiles
-    // over it, so each weight's conversion is shared by every input row of a chunk.
-    linear_panels(xp, M, ldx, wp, row_bytes, N, K, format.dequant, yp, ldy);
-  }
+  linear_rows(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(), qweight.size(1),
+              qtype, format, N, K, y.data_ptr<float>(), y.stride(0));
 }
 
 // x: fp32 [M, K] (rows contiguous), qweight: uint8 [N, bytes per row], returns fp32 [M, N].

@@ -7,6 +7,7 @@
 #include "decode_stack.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
+#include "moe_experts.h"
 #include "paged_attention.h"
 #include "row_ops.h"
 
@@ -17,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x quantized to int8 per 32 values @ GGUF weights, integer dot products");
   m.def("gguf_linear_int8_into", &gguf_linear_int8_into, "gguf_linear_int8 written into y");
+  m.def("moe_experts_linear", &moe_experts_linear,
+        "one projection of a MoE layer's chosen experts in one parallel region (moe_experts.h)");
   m.def(
       "cpu_isa", [] { return std::string(zllm_isa::isa_name(zllm_isa::isa_choice().load())); },
       "the instruction set the kernels with an AVX-512 variant use now: avx512vnni or avx2");

@@ -65,6 +65,7 @@ KERNEL_FILES = (
     "cpu/paged_attention.h",
     "cpu/row_ops.h",
     "cpu/decode_stack.h",
+    "cpu/moe_experts.h",
 )
 # AVX2 for the whole library, so it runs on every CPU cpu_supports_kernels admits; functions
 # with an AVX-512 VNNI variant compile it per function and choose at run time (cpu_isa.h).
@@ -312,6 +313,19 @@ def gguf_linear_int8(
         return load().gguf_linear_int8(x, qweight, ggml_type)
     load().gguf_linear_int8_into(x, qweight, ggml_type, y)
     return y
+
+
+def moe_experts_linear(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    groups: tuple[list[int], list[int]],
+    int8_max_rows: int,
+    y: torch.Tensor,
+) -> None:
+    """y = x through the chosen experts, in one parallel region (csrc/cpu/moe_experts.h):
+    groups = (experts, starts), rows starts[g]:starts[g + 1] through experts[g]'s matrix."""
+    load().moe_experts_linear(x, blocks, ggml_type, groups[0], groups[1], int8_max_rows, y)
 
 
 def cpu_isa() -> str:

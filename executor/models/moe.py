@@ -245,12 +245,44 @@ class ExpertMatrices(nn.Module):
             y.add_(bias)
         return y
 
+    def grouped(self, x: torch.Tensor, groups: tuple[list[int], list[int]]) -> torch.Tensor | None:
+        """x [R, in] through the chosen experts in one kernel call per part (one parallel
+        region, csrc/cpu/moe_experts.h), groups = (experts, row starts); the bits the
+        per-expert calls give. None where the kernel does not serve it (float weights,
+        --deterministic's tiles, a tensor off the CPU)."""
+        if self.parts is None or self.tile_rows is not None or not _kernel_rows(x):
+            return None
+        y = x.new_empty(x.shape[0], self.out_features)
+        int8_rows = self.int8_max_rows if self.int8_activations else 0
+        start = 0
+        for blocks, ggml_type in self.parts:
+            rows = blocks.shape[1]
+            columns = y if len(self.parts) == 1 else y[:, start : start + rows]
+            cpu_kernels.moe_experts_linear(x, blocks, ggml_type, groups, int8_rows, columns)
+            start += rows
+        if self.bias is not None:
+            experts, starts = groups
+            for g, expert in enumerate(experts):
+                y[starts[g] : starts[g + 1]].add_(self.bias[expert])
+        return y
+
     def extra_repr(self) -> str:
         held = "float"
         if self.parts is not None:
             names = cpu_kernels.SUPPORTED_GGML_TYPES
             held = "types=" + "/".join(names.get(t, str(t)) for _, t in self.parts)
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, {held}"
+
+
+def _kernel_rows(x: torch.Tensor) -> bool:
+    """x is rows the CPU kernel reads in place: fp32 on the CPU, rows contiguous."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+# Tokens up to which a step's chosen experts run grouped (one parallel region per
+# projection, csrc/cpu/moe_experts.h): decode steps. A prefill keeps one call per expert,
+# whose many rows fill the cores on their own.
+GROUPED_MAX_TOKENS = 16
 
 
 class MoEBlock(nn.Module):
@@ -299,6 +331,11 @@ class MoEBlock(nn.Module):
         chosen, counts = torch.unique_consecutive(pairs[order], return_counts=True)
         token_of = order // self.top_k
         rows = x.index_select(0, token_of)
+        if x.shape[0] <= GROUPED_MAX_TOKENS:
+            out_rows = self._grouped(rows, chosen.tolist(), counts.tolist())
+            if out_rows is not None:
+                out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
+                return torch.zeros_like(x).index_add_(0, token_of, out_rows)
         out_rows = torch.empty_like(rows)
         start = 0
         for expert, count in zip(chosen.tolist(), counts.tolist(), strict=True):
@@ -308,6 +345,21 @@ class MoEBlock(nn.Module):
             start += count
         out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
         return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+
+    def _grouped(
+        self, rows: torch.Tensor, chosen: list[int], counts: list[int]
+    ) -> torch.Tensor | None:
+        """The experts' outputs of `rows` (grouped by expert) with one kernel call per
+        projection; None where ExpertMatrices.grouped does not serve them."""
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        groups = (chosen, starts)
+        gate_up = self.experts_gate_up.grouped(rows, groups)
+        if gate_up is None or self.experts_down.parts is None:
+            return None
+        # The activation is per row, so all groups at once give each row's bits.
+        return self.experts_down.grouped(gated_activation(gate_up, self.rule), groups)
 
     def checkpoint_targets(
         self, prefix: str, shared_name: str = "shared_expert"
