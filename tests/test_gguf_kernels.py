@@ -42,7 +42,7 @@ LATTICE = [
 ]  # fmt: skip
 SIXTEEN_BIT = (T.F16, T.BF16)  # plain 16-bit values, read in runs of 32
 # What gguf_linear_int8 reads (the other low-bit types have no integer path: the float kernel).
-NO_INT8_LOW_BIT = [t for t in LOW_BIT if t != T.Q3_K]
+NO_INT8_LOW_BIT = [t for t in LOW_BIT if t not in (T.Q2_K, T.Q3_K)]
 INT8_TYPES = [t for t in TYPES if t not in SIXTEEN_BIT and t not in NO_INT8_LOW_BIT]
 
 
@@ -245,8 +245,8 @@ def test_low_bit_types_have_no_integer_path():
 # ---- gguf-int8: x rounded to int8 per 32 values, integer dot products (csrc/cpu/gguf_int8.h)
 
 
-# Q3_K, Q4_K and Q6_K round x per 256 values (csrc/cpu/kquant_int8.h).
-KQUANT = (T.Q3_K, T.Q4_K, T.Q6_K)
+# Q2_K, Q3_K, Q4_K and Q6_K round x per 256 values (csrc/cpu/kquant_int8.h).
+KQUANT = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K)
 
 
 def _int8_activations(x: np.ndarray, values: int = 32) -> np.ndarray:
@@ -259,10 +259,19 @@ def _int8_activations(x: np.ndarray, values: int = 32) -> np.ndarray:
     return (codes.astype(np.float64) * (amax / np.float32(127))).reshape(x.shape)
 
 
+def _offset_values(ggml_type) -> int:
+    """How many values share an offset: 16 for Q2_K, 32 for the others."""
+    return 16 if ggml_type == T.Q2_K else 32
+
+
 def _block_offsets(q: np.ndarray, ggml_type, rows: int, cols: int) -> np.ndarray:
-    """The offset b of each 32-value group (value = a * code + b): Q4_1/Q5_1's m, the
-    K-quants' -dmin * min; 0 for the others. [rows, cols / 32]."""
+    """The offset b of each group of _offset_values (value = a * code + b): Q4_1/Q5_1's m, the
+    K-quants' -dmin * min; 0 for the others. [rows, cols / group]."""
     blocks = q.reshape(-1, GGML_QUANT_SIZES[ggml_type][1])
+    if ggml_type == T.Q2_K:
+        dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+        b = -(dmin * (blocks[:, :16] >> 4).astype(np.float32))
+        return b.reshape(rows, cols // 16).astype(np.float64)
     if ggml_type in (T.Q4_1, T.Q5_1):
         b = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     elif ggml_type in (T.Q4_K, T.Q5_K):
@@ -285,7 +294,8 @@ def test_int8_linear_computes_the_int8_formula(ggml_type, rows):
     xd, w = x.double().numpy(), ref.double().numpy()
     x_int8 = _int8_activations(x.numpy(), 256 if ggml_type in KQUANT else 32)
     offsets = _block_offsets(q.numpy(), ggml_type, 37, cols)
-    expected = x_int8 @ w.T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
+    group = _offset_values(ggml_type)
+    expected = x_int8 @ w.T + (xd - x_int8).reshape(rows, -1, group).sum(-1) @ offsets.T
     scale = np.abs(expected).max()
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * scale)
     exact = xd @ w.T
@@ -312,7 +322,7 @@ def test_int8_linear_keeps_nan_and_tiny_blocks(ggml_type):
     torch.testing.assert_close(out[2], x[2] @ ref.T, rtol=0.05, atol=0.05)
 
 
-# Q3_K / Q4_K / Q6_K have an AVX-512 VNNI variant (csrc/cpu/kquant_int8.h), taken where the CPU has
+# The K-quants above have an AVX-512 VNNI variant (csrc/cpu/kquant_int8.h), taken where the CPU has
 # the features unless $ZLLM_CPU_ISA / set_cpu_isa forces AVX2: both paths run here.
 ISAS = ("avx2", "auto")
 
@@ -330,7 +340,10 @@ def _kquant_expected(q, ref, x, ggml_type) -> np.ndarray:
     x_int8 = _int8_activations(x.numpy(), 256)
     offsets = _block_offsets(q.numpy(), ggml_type, q.shape[0], cols)
     xd = x.double().numpy()
-    return x_int8 @ ref.double().numpy().T + (xd - x_int8).reshape(rows, -1, 32).sum(-1) @ offsets.T
+    group = _offset_values(ggml_type)
+    return (
+        x_int8 @ ref.double().numpy().T + (xd - x_int8).reshape(rows, -1, group).sum(-1) @ offsets.T
+    )
 
 
 @pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)

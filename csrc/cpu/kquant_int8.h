@@ -1,4 +1,4 @@
-// Q3_K, Q4_K and Q6_K matrices against int8 activation rows, one super-block (256 values) at a
+// Q2_K, Q3_K, Q4_K and Q6_K matrices against int8 activation rows, one super-block (256 values) at a
 // time with no decode pass: `--quantization gguf-int8`'s kernel for these types, decode and
 // prefill (gguf_int8.h's generic path decodes each weight row into codes first).
 //
@@ -14,6 +14,8 @@
 //   Q6_K: value = d * sc_t * c, c = q - 32 in -32..31, t the 16-value sub-block
 //     sum_k value_k x_k ~ d * dx * sum_t sc_t sum_{k in t} c_k qx_k
 //   Q3_K: the same with c = low 2 bits + 4 * hmask bit - 4 in -4..3 and sc_t = 6 bits - 32
+//   Q2_K: value = d * sc_t * q - dmin * m_t, q in 0..3, sc_t and m_t 4 bits, t per 16 values:
+//     Q4_K's formula with 16-value sub-blocks (X_t: x's exact sums per 16 values)
 // with x_k ~ dx * qx_k (qx int8, dx = max|x| / 127 over the 256 values) and X_s the exact
 // fp32 sum of x over sub-block s (the offsets do not round x).
 //
@@ -44,13 +46,14 @@ namespace zllm_kquant {
 
 using namespace zllm_gguf;
 
-constexpr int64_t kQ3_KBytes = 110, kQ4_KBytes = 144, kQ6_KBytes = 210;
+constexpr int64_t kQ2_KBytes = 84, kQ3_KBytes = 110, kQ4_KBytes = 144, kQ6_KBytes = 210;
 
 // x rounded to int8 per 256 values, with the exact fp32 sum of every 32 values.
 struct QuantizedX256 {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> d;      // [M, K / 256]
   std::vector<float> sum32;  // [M, K / 32]
+  std::vector<float> sum16;  // [M, K / 16], only for Q2_K (its minima are per 16 values)
 };
 
 // kQ4_KPairs: each 128 values' 32-value chunks stored in the order 0, 2, 1, 3, so the AVX-512
@@ -59,11 +62,11 @@ struct QuantizedX256 {
 enum class XOrder { kNatural, kQ4_KPairs };
 
 inline QuantizedX256 quantize_x256(const float* x, int64_t M, int64_t ldx, int64_t K,
-                                   XOrder order = XOrder::kNatural) {
+                                   XOrder order = XOrder::kNatural, bool sum16 = false) {
   static constexpr int kPairs[8] = {0, 2, 1, 3, 4, 6, 5, 7};
   const int64_t blocks = K / kSuper, groups = K / kBlock;
   QuantizedX256 out{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
-                    std::vector<float>(M * groups)};
+                    std::vector<float>(M * groups), std::vector<float>(sum16 ? M * K / 16 : 0)};
   const __m256 sign_mask = _mm256_set1_ps(-0.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -80,6 +83,11 @@ inline QuantizedX256 quantize_x256(const float* x, int64_t M, int64_t ldx, int64
         const float sum = hsum(total);
         finite = finite && std::isfinite(sum);
         out.sum32[m * groups + b * (kSuper / kBlock) + g] = sum;
+        for (int half = 0; sum16 && half < 2; ++half) {
+          const float* xh = xb + kBlock * g + 16 * half;
+          out.sum16[m * (K / 16) + b * 16 + 2 * g + half] =
+              hsum(_mm256_add_ps(_mm256_loadu_ps(xh), _mm256_loadu_ps(xh + 8)));
+        }
       }
       __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       h = _mm_max_ps(h, _mm_movehl_ps(h, h));
@@ -258,6 +266,53 @@ inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
     }
   }
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
+}
+
+// Q2_K's 16 scales (bytes 0-15 of sc) and 16 minima times dmin (the two halves of mins).
+inline __m128i q2_k_scales(const uint8_t* blk, __m256 mins[2]) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+  const __m128i m = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+  const __m256 dmin = _mm256_set1_ps(half_to_float(blk + 82));
+  mins[0] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+  mins[1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(m, m))));
+  return _mm_and_si128(v, _mm_set1_epi8(0x0F));
+}
+
+// As q4_k_row with unsigned 2-bit codes (Q3_K's low bits) and a scale and min per 16 values.
+template <int MR>
+inline void q2_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
+                     float* out, int64_t ldy) {
+  const int64_t blocks = K / kSuper;
+  const __m256i three = _mm256_set1_epi8(3);
+  __m256 acc[MR], offset[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * kQ2_KBytes;
+    __m256 mins[2];
+    alignas(16) uint8_t scales[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(scales), q2_k_scales(blk, mins));
+    __m256i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {  // group t = 4h + j: bits 2j of qs half h
+      const __m256i codes = _mm256_and_si256(
+          _mm256_srl_epi16(load32(blk + 16 + 32 * (t / 4)), _mm_cvtsi32_si128(2 * (t % 4))), three);
+      const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
+                                           _mm_set1_epi16(scales[2 * t + 1]));
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xq = load32(qx.q.data() + (m0 + i) * K + b * kSuper + kBlock * t);
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), sc));
+      }
+    }
+    const float d = half_to_float(blk + 80);
+    for (int i = 0; i < MR; ++i) {
+      const float dx = qx.d[(m0 + i) * blocks + b];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
+      const float* xs = qx.sum16.data() + (m0 + i) * (K / 16) + b * 16;
+      offset[i] = _mm256_fmadd_ps(mins[0], _mm256_loadu_ps(xs), offset[i]);
+      offset[i] = _mm256_fmadd_ps(mins[1], _mm256_loadu_ps(xs + 8), offset[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]) - hsum(offset[i]);
 }
 
 // ---- AVX-512 (F/BW/VL + VNNI) variant, taken when the CPU has it (cpu_isa.h) ----
@@ -477,6 +532,55 @@ ZLLM_TARGET_AVX512 void q3_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   }
 }
 
+template <int MR>
+ZLLM_TARGET_AVX512 void q2_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
+                                         const QuantizedX256& qx, int64_t m0, int64_t K,
+                                         int64_t begin, int64_t end, float* y, int64_t ldy) {
+  const int64_t blocks = K / kSuper;
+  const __m512i three = _mm512_set1_epi8(3);
+  // As q3_k_rows_avx512: step p holds groups 2p and 2p + 1, scales 4p .. 4p + 3.
+  const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
+                           lanes_of(12, 13, 14, 15)};
+  const __m512i low_shift[2] = {halves(0, 2), halves(4, 6)};
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR], offset[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * kQ2_KBytes;
+      for (int line = 0; line < kQ2_KBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      __m256 mins[2];
+      const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(q2_k_scales(blk, mins)));
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m512i qs = _mm512_broadcast_i64x4(load32(blk + 16 + 32 * h));
+        for (int q = 0; q < 2; ++q) {
+          const int p = 2 * h + q;
+          const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(qs, low_shift[q]), three);
+          const __m512i scale = _mm512_permutexvar_epi16(pick[p], sc16);
+          for (int i = 0; i < MR; ++i) {
+            const __m512i xq =
+                _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 64 * p);
+            isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(codes, xq), scale);
+          }
+        }
+      }
+      const float d = half_to_float(blk + 80);
+      for (int i = 0; i < MR; ++i) {
+        const float dx = qx.d[(m0 + i) * blocks + b];
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
+                                 _mm256_set1_ps(d * dx), acc[i]);
+        const float* xs = qx.sum16.data() + (m0 + i) * (K / 16) + b * 16;
+        offset[i] = _mm256_fmadd_ps(mins[0], _mm256_loadu_ps(xs), offset[i]);
+        offset[i] = _mm256_fmadd_ps(mins[1], _mm256_loadu_ps(xs + 8), offset[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]) - hsum(offset[i]);
+  }
+}
+
 // Rows of x sharing one pass over a weight row (its blocks decoded once for them all): 4 on
 // AVX2 (16 ymm registers: each row holds 3), 8 with AVX-512 (32 zmm).
 constexpr int64_t kMaxRows = 4, kMaxRowsAvx512 = 8;
@@ -487,7 +591,9 @@ constexpr int64_t kTileRows = 16;
 // x rows (K int8 bytes each) in play at once: their int8 copy stays in L2 beside the tile.
 constexpr int64_t kXBlockBytes = 256 << 10;
 
-inline bool serves(int64_t qtype) { return qtype == kQ3_K || qtype == kQ4_K || qtype == kQ6_K; }
+inline bool serves(int64_t qtype) {
+  return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ4_K || qtype == kQ6_K;
+}
 
 // y rows m0 .. m0 + MR (y points at row m0) for weight rows [begin, end).
 template <int MR>
@@ -497,21 +603,26 @@ inline void rows_pass(bool vnni, int64_t qtype, const uint8_t* w, int64_t row_by
   if (vnni) {
     const auto rows = qtype == kQ4_K   ? q4_k_rows_avx512<MR>
                       : qtype == kQ6_K ? q6_k_rows_avx512<MR>
-                                       : q3_k_rows_avx512<MR>;
+                      : qtype == kQ3_K ? q3_k_rows_avx512<MR>
+                                       : q2_k_rows_avx512<MR>;
     rows(w, row_bytes, qx, m0, K, begin, end, y, ldy);
     return;
   }
-  const auto row_dot = qtype == kQ4_K ? q4_k_row<MR> : qtype == kQ6_K ? q6_k_row<MR> : q3_k_row<MR>;
+  const auto row_dot = qtype == kQ4_K   ? q4_k_row<MR>
+                       : qtype == kQ6_K ? q6_k_row<MR>
+                       : qtype == kQ3_K ? q3_k_row<MR>
+                                        : q2_k_row<MR>;
   for (int64_t n = begin; n < end; ++n) row_dot(w + n * row_bytes, qx, m0, K, y + n, ldy);
 }
 
-// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q3_K, Q4_K or Q6_K W. Every (row, output) sums
+// y [M, N] (rows ldy apart) = int8(x) @ W^T for a Q2_K, Q3_K, Q4_K or Q6_K W. Every (row, output) sums
 // the same integers in the same order whatever M, so a row's bits do not depend on M.
 inline void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int64_t row_bytes,
                    int64_t qtype, int64_t N, int64_t K, float* y, int64_t ldy) {
   const bool vnni = zllm_isa::use_avx512_vnni();
   const QuantizedX256 qx =
-      quantize_x256(x, M, ldx, K, vnni && qtype == kQ4_K ? XOrder::kQ4_KPairs : XOrder::kNatural);
+      quantize_x256(x, M, ldx, K, vnni && qtype == kQ4_K ? XOrder::kQ4_KPairs : XOrder::kNatural,
+                    qtype == kQ2_K);
   // A task takes ~64K weights' rows (decode-sized matmuls are a few million weights).
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
   const int64_t pass = vnni ? kMaxRowsAvx512 : kMaxRows;

@@ -120,10 +120,10 @@ LATTICE_GRIDS = {
     29: "IQ1_M",
 }
 # The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.h). 16-bit weights keep
-# float dots, and so do the low-bit types under gguf-int8 (Q2_K, IQ4_NL, IQ4_XS, MXFP4, the
-# IQ1-IQ3, TQ and NVFP4 types: no integer path yet, they take the float kernel); Q3_K has one
+# float dots, and so do the low-bit types under gguf-int8 (IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3,
+# TQ and NVFP4 types: no integer path yet, they take the float kernel); Q2_K and Q3_K have one
 # (csrc/cpu/kquant_int8.h).
-INT8_GGML_TYPES = frozenset({2, 3, 6, 7, 8, 11, 12, 13, 14})
+INT8_GGML_TYPES = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 
 
 # $ZLLM_CPU_ISA: "avx2" forces the AVX2 code where an AVX-512 VNNI variant exists (tests

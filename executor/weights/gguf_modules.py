@@ -14,11 +14,11 @@ from zllm.executor.kernels import cpu as cpu_kernels
 # gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
 # per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
 INT8_MAX_ROWS = 4
-# Q3_K / Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h: weight tiles that passes of 4 rows, 8 with
+# Q2_K / Q3_K / Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h: weight tiles that passes of 4 rows, 8 with
 # AVX-512, go over) stay ahead of the float panels at every size: a Llama-1B layer's
 # matmuls ran 1.6-2.9x as fast at 8-512 rows on 2 cores, prefill included (BENCHMARKS.md).
 KQUANT_INT8_MAX_ROWS = 1 << 30
-_KQUANT_TYPES = frozenset({11, 12, 14})  # Q3_K, Q4_K, Q6_K
+_KQUANT_TYPES = frozenset({10, 11, 12, 14})  # Q2_K, Q3_K, Q4_K, Q6_K
 
 
 def int8_max_rows(types: list[int]) -> int:
