@@ -326,16 +326,15 @@ class MoEBlock(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), one matmul pair per chosen
         expert over its tokens' rows (grouped by a stable sort of the pairs by expert)."""
+        if x.shape[0] <= GROUPED_MAX_TOKENS:
+            grouped = self._routed_grouped(x, weights, experts)
+            if grouped is not None:
+                return grouped
         pairs = experts.reshape(-1)
         order = torch.argsort(pairs, stable=True)
         chosen, counts = torch.unique_consecutive(pairs[order], return_counts=True)
         token_of = order // self.top_k
         rows = x.index_select(0, token_of)
-        if x.shape[0] <= GROUPED_MAX_TOKENS:
-            out_rows = self._grouped(rows, chosen.tolist(), counts.tolist())
-            if out_rows is not None:
-                out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
-                return torch.zeros_like(x).index_add_(0, token_of, out_rows)
         out_rows = torch.empty_like(rows)
         start = 0
         for expert, count in zip(chosen.tolist(), counts.tolist(), strict=True):
@@ -346,20 +345,40 @@ class MoEBlock(nn.Module):
         out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
         return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
-    def _grouped(
-        self, rows: torch.Tensor, chosen: list[int], counts: list[int]
+    def _routed_grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor | None:
-        """The experts' outputs of `rows` (grouped by expert) with one kernel call per
-        projection; None where ExpertMatrices.grouped does not serve them."""
-        starts = [0]
-        for count in counts:
-            starts.append(starts[-1] + count)
+        """routed() for a decode step's few tokens, the same sums in the same order: the
+        pairs sorted by expert in Python (a stable sort, as argsort's) and each projection
+        one kernel call for all chosen experts (ExpertMatrices.grouped); None where that
+        does not serve them."""
+        if self.experts_gate_up.parts is None or not _kernel_rows(x):
+            return None
+        pairs = experts.reshape(-1).tolist()
+        order = sorted(range(len(pairs)), key=pairs.__getitem__)
+        chosen: list[int] = []
+        starts: list[int] = []
+        for row, pair in enumerate(order):
+            if not chosen or chosen[-1] != pairs[pair]:
+                chosen.append(pairs[pair])
+                starts.append(row)
+        starts.append(len(order))
+        order_index = torch.tensor(order)
+        token_of = order_index // self.top_k
+        # One token: its rows are x's row k times, read in place (rows 0 apart).
+        rows = x.expand(len(order), -1) if x.shape[0] == 1 else x.index_select(0, token_of)
         groups = (chosen, starts)
         gate_up = self.experts_gate_up.grouped(rows, groups)
         if gate_up is None or self.experts_down.parts is None:
             return None
         # The activation is per row, so all groups at once give each row's bits.
-        return self.experts_down.grouped(gated_activation(gate_up, self.rule), groups)
+        out_rows = self.experts_down.grouped(gated_activation(gate_up, self.rule), groups)
+        if out_rows is None:
+            return None
+        out_rows.mul_(
+            weights.reshape(-1).index_select(0, order_index).unsqueeze(1).to(out_rows.dtype)
+        )
+        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
     def checkpoint_targets(
         self, prefix: str, shared_name: str = "shared_expert"
