@@ -181,6 +181,24 @@ def causal_lm_class(config: Any) -> type:
 # The model
 
 
+def _config(directory: str, gguf_file: str | None, arch: ModelArchConfig) -> Any:
+    """transformers' config of the model, mended where its GGUF reader leaves it wrong."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
+    if gguf_file is None:
+        return config
+    if getattr(config, "head_dim", arch.head_dim) != arch.head_dim:
+        # It skips `attention.key_length` (Qwen3's heads are 128 wide at hidden 2048 / 16
+        # heads): the width zllm read from the file wins.
+        config.head_dim = arch.head_dim
+    if not 0 <= (config.pad_token_id or 0) < config.vocab_size:
+        # The config class's default (Phi-3's 32000) past a smaller file's vocabulary, which
+        # nn.Embedding refuses; padding plays no part in inference.
+        config.pad_token_id = None
+    return config
+
+
 class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind the interface of zllm's own models (forward over the
     flat batch -> hidden states, compute_logits), attending through `attention`'s layers."""
@@ -238,21 +256,12 @@ class TransformersForCausalLM(nn.Module):
         `quantization`: the method (executor/weights/quantization.py, or its 16-bit rows) whose
         modules replace transformers' matmuls after loading and both cuts, each reading its
         rank's part of the blocks (transformers_quant.py)."""
-        from transformers import AutoConfig
 
         _register()
         directory, gguf_file = model_path, None
         if model_path.endswith(".gguf"):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
-        config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file)
-        if gguf_file is not None and getattr(config, "head_dim", arch.head_dim) != arch.head_dim:
-            # transformers' GGUF reader skips `attention.key_length` (Qwen3's heads are 128
-            # wide at hidden 2048 / 16 heads): the width zllm read from the file wins.
-            config.head_dim = arch.head_dim
-        if gguf_file is not None and not 0 <= (config.pad_token_id or 0) < config.vocab_size:
-            # The config class's default (Phi-3's 32000) past a smaller file's vocabulary, which
-            # nn.Embedding refuses; padding plays no part in inference.
-            config.pad_token_id = None
+        config = _config(directory, gguf_file, arch)
         model_cls = causal_lm_class(config)
         # Refused before any weight is read: an architecture without a plan zllm can cut.
         plan = usable_plan(config) if tp.enabled else None
