@@ -197,6 +197,30 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]) - hsum(offset[i]);
 }
 
+// Q6_K / Q3_K (signed codes, a scale per 16 values): |c| times x with c's sign, summed in
+// pairs and scaled by `scale` (int16 lanes: 16 values' scale each), into rows m0.. of isum;
+// xq: x's codes for this group in row m0, the next rows K apart.
+template <int MR>
+inline void add_signed_group(__m256i codes, __m256i scale, const int8_t* xq, int64_t K,
+                             __m256i isum[MR]) {
+  const __m256i magnitude = _mm256_abs_epi8(codes);
+  for (int i = 0; i < MR; ++i) {
+    const __m256i signed_x = _mm256_sign_epi8(load32(xq + i * K), codes);
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
+    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(pairs, scale));
+  }
+}
+
+// A super-block's integer sums into acc: acc += sums * (d * x's scale for this block).
+template <int MR>
+inline void add_block_sums(const __m256i sums[MR], float d, const QuantizedX256& qx, int64_t m0,
+                           int64_t blocks, int64_t b, __m256 acc[MR]) {
+  for (int i = 0; i < MR; ++i) {
+    const float dx = qx.d[(m0 + i) * blocks + b];
+    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(d * dx), acc[i]);
+  }
+}
+
 template <int MR>
 inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
                      float* out, int64_t ldy) {
@@ -209,27 +233,18 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
-      const __m256i codes = q6_k_codes(blk, t);  // signed, -32..31
-      const __m256i magnitude = _mm256_abs_epi8(codes);
       // Values 0-15 of the group (the low 128-bit lane) take scale 2t, 16-31 scale 2t + 1.
       const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
                                            _mm_set1_epi16(scales[2 * t + 1]));
-      for (int i = 0; i < MR; ++i) {
-        const __m256i xq = load32(qx.q.data() + (m0 + i) * K + b * kSuper + kBlock * t);
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, codes));
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(pairs, sc));
-      }
+      add_signed_group<MR>(q6_k_codes(blk, t),  // signed, -32..31
+                           sc, qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
     }
-    const float d = half_to_float(blk + 208);
-    for (int i = 0; i < MR; ++i) {
-      const float dx = qx.d[(m0 + i) * blocks + b];
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
-    }
+    add_block_sums<MR>(isum, half_to_float(blk + 208), qx, m0, blocks, b, acc);
   }
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
 }
 
-// As q6_k_row: signed codes (|c| times x with c's sign), a scale per 16 values.
+// As q6_k_row: signed codes, a scale per 16 values.
 template <int MR>
 inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
                      float* out, int64_t ldy) {
@@ -250,20 +265,11 @@ inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
       const __m256i third = _mm256_slli_epi16(
           _mm256_and_si256(_mm256_srl_epi16(hmask, _mm_cvtsi32_si128(t)), one), 2);
       const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, third), four);  // -4..3
-      const __m256i magnitude = _mm256_abs_epi8(codes);
       const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
                                            _mm_set1_epi16(scales[2 * t + 1]));
-      for (int i = 0; i < MR; ++i) {
-        const __m256i xq = load32(qx.q.data() + (m0 + i) * K + b * kSuper + kBlock * t);
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, codes));
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(pairs, sc));
-      }
+      add_signed_group<MR>(codes, sc, qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
     }
-    const float d = half_to_float(blk + 108);
-    for (int i = 0; i < MR; ++i) {
-      const float dx = qx.d[(m0 + i) * blocks + b];
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
-    }
+    add_block_sums<MR>(isum, half_to_float(blk + 108), qx, m0, blocks, b, acc);
   }
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
 }
@@ -411,13 +417,27 @@ ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   }
 }
 
+// add_signed_group at 512 bits: x negated where c < 0 (no VPSIGNB at 512 bits); where c = 0
+// |c| is 0 and the product 0 either way.
+template <int MR>
+ZLLM_TARGET_AVX512 inline void add_signed_group_avx512(__m512i codes, __m512i scale,
+                                                       const int8_t* xq, int64_t K,
+                                                       __m512i isum[MR]) {
+  const __m512i magnitude = _mm512_abs_epi8(codes), zero = _mm512_setzero_si512();
+  const __mmask64 negative = _mm512_movepi8_mask(codes);
+  for (int i = 0; i < MR; ++i) {
+    const __m512i x = _mm512_loadu_si512(xq + i * K);
+    const __m512i xs = _mm512_mask_sub_epi8(x, negative, zero, x);
+    isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
+  }
+}
+
 template <int MR>
 ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
                                          const QuantizedX256& qx, int64_t m0, int64_t K,
                                          int64_t begin, int64_t end, float* y, int64_t ldy) {
   const int64_t blocks = K / kSuper;
   const __m512i nibble = _mm512_set1_epi8(0x0F), two_bits = _mm512_set1_epi8(3);
-  const __m512i zero = _mm512_setzero_si512();
   // Groups t = 2p and 2p + 1 (32 values each, a scale per 16): scales 4p .. 4p + 3.
   const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
                            lanes_of(12, 13, 14, 15)};
@@ -446,25 +466,14 @@ ZLLM_TARGET_AVX512 void q6_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
           const __m512i hi2 = _mm512_and_si512(_mm512_srlv_epi16(qh, shift[p]), two_bits);
           const __m512i codes = _mm512_sub_epi8(
               _mm512_or_si512(lo4, _mm512_slli_epi16(hi2, 4)), _mm512_set1_epi8(32));
-          // |c| times x with c's sign, as the AVX2 loop's VPSIGNB (none at 512 bits): x
-          // negated where c < 0; where c = 0 |c| is 0 and the product 0 either way.
-          const __m512i magnitude = _mm512_abs_epi8(codes);
-          const __mmask64 negative = _mm512_movepi8_mask(codes);
           const __m512i scale = _mm512_permutexvar_epi16(pick[2 * h + p], sc16);
-          for (int i = 0; i < MR; ++i) {
-            const __m512i xq =
-                _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 128 * h + 64 * p);
-            const __m512i xs = _mm512_mask_sub_epi8(xq, negative, zero, xq);
-            isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
-          }
+          add_signed_group_avx512<MR>(
+              codes, scale, qx.q.data() + m0 * K + b * kSuper + 128 * h + 64 * p, K, isum);
         }
       }
-      const float d = half_to_float(blk + 208);
-      for (int i = 0; i < MR; ++i) {
-        const float dx = qx.d[(m0 + i) * blocks + b];
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
-                                 _mm256_set1_ps(d * dx), acc[i]);
-      }
+      __m256i sums[MR];
+      for (int i = 0; i < MR; ++i) sums[i] = fold_halves(isum[i]);
+      add_block_sums<MR>(sums, half_to_float(blk + 208), qx, m0, blocks, b, acc);
     }
     for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]);
   }
@@ -482,7 +491,7 @@ ZLLM_TARGET_AVX512 void q3_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
                                          int64_t begin, int64_t end, float* y, int64_t ldy) {
   const int64_t blocks = K / kSuper;
   const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
-  const __m512i four = _mm512_set1_epi8(4), zero = _mm512_setzero_si512();
+  const __m512i four = _mm512_set1_epi8(4);
   // Step p: groups t = 2p (low half) and 2p + 1 (high half), scales 4p .. 4p + 3.
   const __m512i pick[4] = {lanes_of(0, 1, 2, 3), lanes_of(4, 5, 6, 7), lanes_of(8, 9, 10, 11),
                            lanes_of(12, 13, 14, 15)};
@@ -510,23 +519,14 @@ ZLLM_TARGET_AVX512 void q3_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
           const __m512i third = _mm512_slli_epi16(
               _mm512_and_si512(_mm512_srlv_epi16(hmask, bit_shift[p]), one), 2);
           const __m512i codes = _mm512_sub_epi8(_mm512_or_si512(low, third), four);
-          const __m512i magnitude = _mm512_abs_epi8(codes);
-          const __mmask64 negative = _mm512_movepi8_mask(codes);
           const __m512i scale = _mm512_permutexvar_epi16(pick[p], sc16);
-          for (int i = 0; i < MR; ++i) {
-            const __m512i xq =
-                _mm512_loadu_si512(qx.q.data() + (m0 + i) * K + b * kSuper + 64 * p);
-            const __m512i xs = _mm512_mask_sub_epi8(xq, negative, zero, xq);
-            isum[i] = _mm512_dpwssd_epi32(isum[i], _mm512_maddubs_epi16(magnitude, xs), scale);
-          }
+          add_signed_group_avx512<MR>(codes, scale, qx.q.data() + m0 * K + b * kSuper + 64 * p,
+                                      K, isum);
         }
       }
-      const float d = half_to_float(blk + 108);
-      for (int i = 0; i < MR; ++i) {
-        const float dx = qx.d[(m0 + i) * blocks + b];
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fold_halves(isum[i])),
-                                 _mm256_set1_ps(d * dx), acc[i]);
-      }
+      __m256i sums[MR];
+      for (int i = 0; i < MR; ++i) sums[i] = fold_halves(isum[i]);
+      add_block_sums<MR>(sums, half_to_float(blk + 108), qx, m0, blocks, b, acc);
     }
     for (int i = 0; i < MR; ++i) y[i * ldy + n] = hsum(acc[i]);
   }
