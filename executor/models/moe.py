@@ -245,13 +245,16 @@ class ExpertMatrices(nn.Module):
             y.add_(bias)
         return y
 
-    def grouped(self, x: torch.Tensor, groups: tuple[list[int], list[int]]) -> torch.Tensor | None:
+    def serves_grouped(self, x: torch.Tensor) -> bool:
+        """Whether grouped() takes rows like x: blocks, no --deterministic tiles, fp32 rows
+        on the CPU."""
+        return self.parts is not None and self.tile_rows is None and _kernel_rows(x)
+
+    def grouped(self, x: torch.Tensor, groups: tuple[list[int], list[int]]) -> torch.Tensor:
         """x [R, in] through the chosen experts in one kernel call per part (one parallel
         region, csrc/cpu/moe_experts.h), groups = (experts, row starts); the bits the
-        per-expert calls give. None where the kernel does not serve it (float weights,
-        --deterministic's tiles, a tensor off the CPU)."""
-        if self.parts is None or self.tile_rows is not None or not _kernel_rows(x):
-            return None
+        per-expert calls give. Only where serves_grouped(x)."""
+        assert self.parts is not None
         y = x.new_empty(x.shape[0], self.out_features)
         int8_rows = self.int8_max_rows if self.int8_activations else 0
         start = 0
@@ -277,6 +280,19 @@ class ExpertMatrices(nn.Module):
 def _kernel_rows(x: torch.Tensor) -> bool:
     """x is rows the CPU kernel reads in place: fp32 on the CPU, rows contiguous."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def _weighted_sum(
+    x: torch.Tensor,
+    out_rows: torch.Tensor,
+    weights: torch.Tensor,
+    order: torch.Tensor,
+    token_of: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's experts' outputs (rows in `order` of the flat (token, k) pairs), weighted
+    by their routing weights and summed per token in that order."""
+    out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
+    return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
 
 # Tokens up to which a step's chosen experts run grouped (one parallel region per
@@ -342,8 +358,7 @@ class MoEBlock(nn.Module):
             hidden = gated_activation(self.experts_gate_up(rows[block], expert), self.rule)
             out_rows[block] = self.experts_down(hidden, expert)
             start += count
-        out_rows.mul_(weights.reshape(-1)[order].unsqueeze(1).to(out_rows.dtype))
-        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+        return _weighted_sum(x, out_rows, weights, order, token_of)
 
     def _routed_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -351,8 +366,9 @@ class MoEBlock(nn.Module):
         """routed() for a decode step's few tokens, the same sums in the same order: the
         pairs sorted by expert in Python (a stable sort, as argsort's) and each projection
         one kernel call for all chosen experts (ExpertMatrices.grouped); None where that
-        does not serve them."""
-        if self.experts_gate_up.parts is None or not _kernel_rows(x):
+        does not serve them (the activations are fp32 CPU rows as x is)."""
+        experts_gate_up, experts_down = self.experts_gate_up, self.experts_down
+        if not (experts_gate_up.serves_grouped(x) and experts_down.serves_grouped(x)):
             return None
         pairs = experts.reshape(-1).tolist()
         order = sorted(range(len(pairs)), key=pairs.__getitem__)
@@ -368,17 +384,10 @@ class MoEBlock(nn.Module):
         # One token: its rows are x's row k times, read in place (rows 0 apart).
         rows = x.expand(len(order), -1) if x.shape[0] == 1 else x.index_select(0, token_of)
         groups = (chosen, starts)
-        gate_up = self.experts_gate_up.grouped(rows, groups)
-        if gate_up is None or self.experts_down.parts is None:
-            return None
+        gate_up = experts_gate_up.grouped(rows, groups)
         # The activation is per row, so all groups at once give each row's bits.
-        out_rows = self.experts_down.grouped(gated_activation(gate_up, self.rule), groups)
-        if out_rows is None:
-            return None
-        out_rows.mul_(
-            weights.reshape(-1).index_select(0, order_index).unsqueeze(1).to(out_rows.dtype)
-        )
-        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
+        out_rows = experts_down.grouped(gated_activation(gate_up, self.rule), groups)
+        return _weighted_sum(x, out_rows, weights, order_index, token_of)
 
     def checkpoint_targets(
         self, prefix: str, shared_name: str = "shared_expert"
