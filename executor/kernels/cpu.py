@@ -110,15 +110,7 @@ SUPPORTED_GGML_TYPES = {
 # IQ2_XXS's ksigns are the GGUF format's constants, owned by gguf-py, whose dequantizer the
 # kernel matches bit for bit. load() hands them to the library once per process
 # (set_lattice_tables) rather than the C++ keeping a copy that could drift from gguf-py's.
-LATTICE_GRIDS = {
-    16: "IQ2_XXS",
-    17: "IQ2_XS",
-    22: "IQ2_S",
-    18: "IQ3_XXS",
-    21: "IQ3_S",
-    19: "IQ1_S",
-    29: "IQ1_M",
-}
+LATTICE_GRIDS = {t: SUPPORTED_GGML_TYPES[t] for t in (16, 17, 22, 18, 21, 19, 29)}
 # The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.h). 16-bit weights keep
 # float dots, and so do the low-bit types under gguf-int8 (IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3,
 # TQ and NVFP4 types: no integer path yet, they take the float kernel); Q2_K and Q3_K have one

@@ -14,9 +14,11 @@ from zllm.executor.kernels import cpu as cpu_kernels
 # gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
 # per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
 INT8_MAX_ROWS = 4
-# Q2_K / Q3_K / Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h: weight tiles that passes of 4 rows, 8 with
-# AVX-512, go over) stay ahead of the float panels at every size: a Llama-1B layer's
-# matmuls ran 1.6-2.9x as fast at 8-512 rows on 2 cores, prefill included (BENCHMARKS.md).
+# Q2_K / Q3_K / Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h: weight tiles that passes of 4
+# rows, 8 with AVX-512, go over) take the integer path at every size: a Llama-1B layer's Q4_K
+# and Q6_K matmuls ran 1.6-2.9x as fast at 8-512 rows on 2 cores, prefill included, and Q3_K's
+# 1.4x at 64 rows with AVX-512 VNNI (BENCHMARKS.md); with AVX2 alone Q3_K and Q6_K fall behind
+# the float panels from ~8 rows (a per-ISA row limit is issue 58's).
 KQUANT_INT8_MAX_ROWS = 1 << 30
 _KQUANT_TYPES = frozenset({10, 11, 12, 14})  # Q2_K, Q3_K, Q4_K, Q6_K
 

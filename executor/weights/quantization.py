@@ -8,9 +8,9 @@ instead of fp32 copies, and the fp32 tensors they replace are released after loa
 take about the file's size in memory (only F32 matrices stay fp32). The values multiplied are
 bit for bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants
 does; tests check it), so only the order of the arithmetic differs; a decode step reads 4-7x
-fewer bytes (up to 20x for IQ1). Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K, Q2_K,
-Q3_K) go through the kernel's few-rows path, which turns each block's codes into floats in registers and applies
-the block's scale (and offset) to its dot product rather than to each value. Many rows
+fewer bytes (up to 20x for IQ1). Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K,
+Q2_K, Q3_K) go through the kernel's few-rows path, which turns each block's codes into floats
+in registers and applies the block's scale (and offset) to its dot product rather than to each value. Many rows
 (prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
 a small fp32 panel and multiplies them there (outer-product register tiles from 16 rows), with
 no copy of the matrix (BENCHMARKS.md compares it with the BLAS GEMM on an fp32 copy). A fused matmul whose parts
@@ -22,9 +22,10 @@ rounded to int8 per 32 values (per 256 for Q4_K and Q6_K, whose whole super-bloc
 summed in integers: csrc/cpu/kquant_int8.h) and multiplied by the codes with integer dot
 products (csrc/cpu/gguf_int8.h), 1.2-2.5x faster per matmul at one row than the float kernel. Calls of
 more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
-where the integer path is slower. It changes the arithmetic: accuracy in BENCHMARKS.md. Q2_K,
-Q3_K, IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3, TQ and NVFP4 types and 16-bit weights have no integer
-path: their matmuls keep the float kernel (the load's log says which).
+where the integer path is slower (Q2_K, Q3_K, Q4_K and Q6_K take csrc/cpu/kquant_int8.h at
+every row count). It changes the arithmetic: accuracy in BENCHMARKS.md. IQ4_NL, IQ4_XS, MXFP4,
+the IQ1-IQ3, TQ and NVFP4 types and 16-bit weights have no integer path: their matmuls keep
+the float kernel (the load's log says which).
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
