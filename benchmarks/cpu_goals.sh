@@ -17,6 +17,11 @@
 #           shapes), qwen3 (Qwen3-1.7B's shape, Q4_K_M c=1 and its memory after load), moe
 #           (Qwen3-30B-A3B's layers, Q4_K_M c=1 and c=8), gptoss (gpt-oss-20b's layers,
 #           MXFP4 experts, c=1), qwen3-q3 (Q3_K_M c=1), floor57 (each file's decode floor)
+#           Issue 58's, also their own parts: setup58 (vLLM's CPU build), default58 (the 1B
+#           shape's Q4_K_M with default flags against llama-server's Q4_K_M and Q8_0, c=1, 8,
+#           32; zllm again with ZLLM_CPU_ISA=avx2), vllm58 (SmolLM2's fp32 directory and the
+#           1B shape's bf16 directory, both engines on each), logits58 (the default's logits
+#           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
 
@@ -146,6 +151,33 @@ if has_part floor57; then
         qwen3moe-a3b/qwen3moe-a3b-Q4_K_M gpt-oss-20b/gpt-oss-20b-MXFP4_MOE; do
         "$PYTHON" "$REPO/benchmarks/memory_floor.py" "$MODELS/$gguf.gguf" \
             --output-json "$GOALS_DIR/floor-$(basename "$gguf").json"
+    done
+fi
+# Issue 58: every engine as a user starts it (default flags), on the same files.
+CELL58=(INPUT_LEN=128 OUTPUT_LEN=64)
+cells58() {  # c=1 and c=8 on 16 prompts, c=32 on 32
+    local dir=$1
+    shift
+    compare "$dir" "${CELL58[@]}" NUM_PROMPTS=16 CONCURRENCIES="1 8" "$@"
+    compare "$dir-c32" "${CELL58[@]}" NUM_PROMPTS=32 CONCURRENCIES=32 "$@"
+}
+if has_part setup58; then
+    compare setup58 MODEL=llama1b-q4km STEPS="setup vllm-setup"
+fi
+if has_part default58; then
+    cells58 default58 MODEL=llama1b-q4km STEPS="zllm llama-q4 llama-q8" ZLLM_LABEL=zllm-default
+    ZLLM_CPU_ISA=avx2 cells58 default58 MODEL=llama1b-q4km STEPS=zllm \
+        ZLLM_LABEL=zllm-default-avx2
+fi
+if has_part vllm58; then
+    cells58 vllm58-smollm2 MODEL=smollm2 STEPS="zllm-hf vllm"
+    cells58 vllm58-llama1b MODEL=llama1b-q4km STEPS="zllm-hf vllm"
+fi
+if has_part logits58; then
+    for method in gguf gguf-float gguf-int8; do
+        log "logits of $Q4 ($method) against transformers"
+        "$PYTHON" "$REPO/benchmarks/logits_parity.py" "$Q4" --quantization "$method" \
+            --output-json "$GOALS_DIR/logits58-$method.json"
     done
 fi
 if has_part report; then

@@ -1,8 +1,8 @@
 """Decode speed of the CPU quantization modes, side by side in one process (issue 20).
 
-Loads one `LLM` per mode (default `gguf` and `gguf-int8`) and decode path (`--paths`: the
-fused C++ decode step, the default, and/or the module path, `ZLLM_FUSED_DECODE=0`) and, for
-ROUNDS rounds in rotated order, times a batch of BATCH random prompts of INPUT_LEN tokens:
+Loads one `LLM` per mode (default `gguf-float` and `gguf`, the default's own arithmetic) and
+decode path (`--paths`: the fused C++ decode step, the default, and/or the module path,
+`ZLLM_FUSED_DECODE=0`) and, for ROUNDS rounds in rotated order, times a batch of BATCH random prompts of INPUT_LEN tokens:
 the prefill (max_tokens=1) and the whole request (OUTPUT_LEN greedy tokens, ignore_eos);
 time per output token = (whole - prefill) / (OUTPUT_LEN - 1). Prints each engine's median
 TPOT and its speed relative to the first engine's.
@@ -36,7 +36,7 @@ def tpot(llm: LLM, prompts: list[dict], output_len: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--modes", nargs="+", default=["gguf", "gguf-int8"])
+    parser.add_argument("--modes", nargs="+", default=["gguf-float", "gguf"])
     parser.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "module"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--input-len", type=int, default=128)

@@ -5,9 +5,13 @@ whole distributions: for each position, the largest absolute logit difference an
 divergence KL(transformers || zllm), with transformers computing in fp32 on the checkpoint's
 weights. zllm runs as `zllm serve` would load the directory (a bf16/fp16 checkpoint keeps its
 matrices 16-bit, widened in the CPU kernel), through its model's own forward over a paged KV
-cache (one prefill of each prompt).
+cache (one prefill of each prompt). A GGUF file: transformers dequantizes it to fp32, zllm
+reads its blocks with `--quantization` (default: the engine's default, `gguf`), each position
+scored with the arithmetic decode gives it (the matmuls that take integer dots at one row take
+them at every size, as `zllm bench accuracy` scores).
 
     python benchmarks/logits_parity.py MODEL_DIR [--prompts 4] [--length 256]
+    python benchmarks/logits_parity.py FILE.gguf [--quantization gguf-float]
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -49,20 +54,38 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--quantization", default=None)
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     from zllm import LLM
+    from zllm.executor.kernels import cpu as cpu_kernels
 
     torch.manual_seed(0)
-    llm = LLM(args.model, kv_cache_memory_bytes=64 << 20, max_model_len=args.length + 16)
+    llm = LLM(
+        args.model,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=args.length + 16,
+        quantization=args.quantization,
+    )
+    if llm.model_runner.quantization in ("gguf", "gguf-int8"):
+        from zllm.executor.weights.gguf_arithmetic import ALL_ROWS
+        from zllm.executor.weights.quantization import set_int8_max_rows
+
+        set_int8_max_rows(llm.model_runner.model, ALL_ROWS)
     vocab = llm.config.arch.vocab_size
     prompts = [torch.randint(3, vocab, (args.length,)).tolist() for _ in range(args.prompts)]
     ours = [zllm_logits(llm, p) for p in prompts]
     method = llm.model_runner.quantization
     del llm
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    if args.model.endswith(".gguf"):
+        path = Path(args.model)
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     max_diffs, kls, agree = [], [], 0
     with torch.inference_mode():
         for prompt, mine in zip(prompts, ours, strict=True):
@@ -75,6 +98,7 @@ def main() -> int:
     result = {
         "model": args.model,
         "zllm_weights": method,
+        "cpu_isa": cpu_kernels.cpu_isa(),
         "positions": positions,
         "max_abs_logit_diff": {"median": statistics.median(max_diffs), "max": max(max_diffs)},
         "kl": {"median": statistics.median(kls), "max": max(kls)},

@@ -184,8 +184,8 @@ def test_every_matmul_kind_is_the_module_s_arithmetic() -> None:
 
     parts = [(blocks(T.Q5_0, 16), int(T.Q5_0)), (blocks(T.Q8_0, 32), int(T.Q8_0))]
     for int8 in (False, True):
-        split = GGUFSplitLinear(parts, in_features, bias, int8_activations=int8)
-        single = GGUFLinear(*parts[1], in_features, None, int8_activations=int8)
+        split = GGUFSplitLinear(parts, in_features, bias, "gguf-int8" if int8 else "gguf-float")
+        single = GGUFLinear(*parts[1], in_features, None, "gguf-int8" if int8 else "gguf-float")
         for module in (split, single):
             module_parts = module.parts if module is split else [(module.qweight, module.ggml_type)]
             fused = kernels.FusedMatmul(

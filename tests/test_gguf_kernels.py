@@ -23,13 +23,8 @@ from resident_memory import resident_after_load
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.gguf_modules import (
-    INT8_MAX_ROWS,
-    KQUANT_INT8_MAX_ROWS,
-    GGUFEmbedding,
-    GGUFLinear,
-    GGUFSplitLinear,
-)
+from zllm.executor.weights.gguf_arithmetic import ALL_ROWS, INT8_MAX_ROWS
+from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 
 T = GGMLQuantizationType
 LOW_BIT = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]  # csrc/cpu/gguf_lowbit.h
@@ -234,7 +229,7 @@ def test_low_bit_types_have_no_integer_path():
     which refuses them)."""
     for ggml_type in NO_INT8_LOW_BIT + LATTICE:
         q, _, cols = _blocks(4, 1, ggml_type, seed=2)
-        layer = GGUFLinear(q, int(ggml_type), cols, None, int8_activations=True)
+        layer = GGUFLinear(q, int(ggml_type), cols, None, arithmetic="gguf-int8")
         assert not layer.int8_activations
         x = torch.randn(1, cols)
         assert torch.equal(layer(x), cpu_kernels.gguf_linear(x, q, int(ggml_type)))
@@ -433,8 +428,8 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_or_k_quants():
     q, ref, _ = _blocks(12, 4, T.Q4_0, seed=11)
     q8, _, _ = _blocks(5, 4, T.Q8_0, seed=12)
     bias = torch.randn(12)
-    layer = GGUFLinear(q, int(T.Q4_0), 128, bias, int8_activations=True)
-    split = GGUFSplitLinear([(q, int(T.Q4_0)), (q8, int(T.Q8_0))], 128, None, True)
+    layer = GGUFLinear(q, int(T.Q4_0), 128, bias, arithmetic="gguf-int8")
+    split = GGUFSplitLinear([(q, int(T.Q4_0)), (q8, int(T.Q8_0))], 128, None, "gguf-int8")
     for rows in (1, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 128)
         kernel = cpu_kernels.gguf_linear_int8 if rows <= INT8_MAX_ROWS else cpu_kernels.gguf_linear
@@ -444,15 +439,15 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_or_k_quants():
     # Q4_K / Q6_K matmuls take the integer path at every size (their super-block kernel
     # outruns the float one in prefills too).
     qk, _, _ = _blocks(6, 1, T.Q4_K, seed=14)
-    kquant = GGUFLinear(qk, int(T.Q4_K), 256, None, int8_activations=True)
-    assert kquant.int8_max_rows == KQUANT_INT8_MAX_ROWS >= 1 << 20
+    kquant = GGUFLinear(qk, int(T.Q4_K), 256, None, arithmetic="gguf-int8")
+    assert kquant.int8_max_rows == ALL_ROWS >= 1 << 20
     for rows in (1, 16, 17, 300):
         x = torch.randn(rows, 256)
         assert torch.equal(kquant(x), cpu_kernels.gguf_linear_int8(x, qk, int(T.Q4_K)))
     # 16-bit weights keep float dot products (the integer kernel reads quantized types).
     q16, _, _ = _blocks(7, 4, T.BF16, seed=13)
-    sixteen = GGUFLinear(q16, int(T.BF16), 128, None, int8_activations=True)
-    mixed = GGUFSplitLinear([(q, int(T.Q4_0)), (q16, int(T.BF16))], 128, None, True)
+    sixteen = GGUFLinear(q16, int(T.BF16), 128, None, arithmetic="gguf-int8")
+    mixed = GGUFSplitLinear([(q, int(T.Q4_0)), (q16, int(T.BF16))], 128, None, "gguf-int8")
     assert not sixteen.int8_activations and not mixed.int8_activations
     x = torch.randn(1, 128)
     assert torch.equal(sixteen(x), cpu_kernels.gguf_linear(x, q16, int(T.BF16)))
@@ -460,9 +455,9 @@ def test_gguf_int8_modules_take_the_integer_path_for_few_rows_or_k_quants():
 
 def test_gguf_int8_engine_prefills_as_gguf_and_decodes_with_integer_dots(smollm2_path):
     """Prompt logprobs (every position's logits: many rows per call) are the float kernel's,
-    so they equal the default's; one sequence's decode steps and its last-position logits
+    so they equal gguf-float's; one sequence's decode steps and its last-position logits
     take the integer path and stay within a small logprob drift while the tokens agree."""
-    exact = LLM(smollm2_path, max_num_seqs=4)
+    exact = LLM(smollm2_path, max_num_seqs=4, quantization="gguf-float")
     int8 = LLM(smollm2_path, max_num_seqs=4, quantization="gguf-int8")
     assert int8.model_runner.quantization == "gguf-int8"
     model = int8.model_runner.model

@@ -160,8 +160,7 @@ def test_every_type_gguf_py_dequantizes_is_multiplied_by_the_kernel() -> None:
 def test_greedy_matches_transformers_on_kernel_types(gguf_of_type, ggml_type, caplog) -> None:
     caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
     path, _ = gguf_of_type(ggml_type)
-    llm = tiny_llm(path)
-    assert llm.model_runner.quantization == "gguf"
+    llm = tiny_llm(path, quantization="gguf-float")  # transformers' arithmetic: bitwise parity
     model = llm.model_runner.model
     assert all(isinstance(layer.mlp.down_proj, GGUFLinear) for layer in model.layers)
     assert model.logits_proj is not None and model.embed_rows is not None
@@ -224,11 +223,13 @@ def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> None:
     caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
-    llm = tiny_llm(mixed_gguf)
-    assert llm.model_runner.quantization == "gguf"
+    # Not asked for (the default): served where the kernel can; gguf-float's arithmetic, for
+    # bitwise parity (the default's own choice per type: tests/test_gguf_arithmetic.py).
+    llm = tiny_llm(mixed_gguf, deterministic=True)
+    assert llm.model_runner.quantization == "gguf-float"
     layers = llm.model_runner.model.layers
-    kinds = [
-        [type(m).__name__ for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj)]
+    kinds = [  # (under --deterministic each matmul is wrapped: batch_invariant.Tiled)
+        [type(m.inner).__name__ for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj)]
         for a, p in ((layer.self_attn, layer.mlp) for layer in layers)
     ]
     assert kinds == [
@@ -236,7 +237,7 @@ def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> Non
         ["GGUFSplitLinear", "GGUFLinear", "GGUFSplitLinear", "GGUFLinear"],
     ]
     # q and k (Q5_0) share one kernel call, v (Q8_0) has its own.
-    qkv = layers[1].self_attn.qkv_proj
+    qkv = layers[1].self_attn.qkv_proj.inner
     assert [(w.shape[0], t) for w, t in qkv.parts] == [(HIDDEN + KV_HEADS * HEAD_DIM, 6), (128, 8)]
     assert llm.model_runner.model.logits_proj is None  # F32 logits: fp32
     assert llm.model_runner.model.embed_rows is not None  # IQ4_XS embedding: blocks
@@ -261,7 +262,7 @@ def test_fused_matmul_of_two_kernel_types_runs_one_call_per_type(tmp_path: Path)
     path = tmp_path / "v8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0 if "attn_v" in name else T.Q4_1)
     assert gguf_kernel_plan(str(path), strict=True) is None
-    llm = tiny_llm(str(path), quantization="gguf")
+    llm = tiny_llm(str(path), quantization="gguf-float")
     qkv = llm.model_runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFSplitLinear) and [t for _, t in qkv.parts] == [3, 8]
     check_greedy_parity(str(path), llm, "v8")
@@ -294,10 +295,10 @@ IQ_PRESET_TYPES = {
 }
 
 
-@pytest.mark.parametrize("method", ["gguf", "gguf-int8"])
+@pytest.mark.parametrize("method", ["gguf-float", "gguf-int8"])
 def test_iq_preset_mixes_lattice_and_other_blocks_in_one_matmul(tmp_path, method, caplog) -> None:
     """q/k in IQ2_XXS blocks and v in IQ4_XS ones share one fused matmul (a kernel call each);
-    the log names the types read in blocks, and under gguf-int8 which take the float kernel.
+    the log names the types read in blocks, and under gguf-int8 which take integer dots.
     Asked for, the method serves it all."""
     caplog.set_level(logging.INFO, logger="zllm.executor.weights.blocks")
     path = tmp_path / "iq-preset.gguf"
@@ -309,9 +310,10 @@ def test_iq_preset_mixes_lattice_and_other_blocks_in_one_matmul(tmp_path, method
     assert not qkv.int8_activations
     expected = "GGUF weight types: in blocks Q2_K, Q5_K, IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS"
     if method == "gguf-int8":
-        floats = "IQ2_XXS, IQ3_XXS, IQ3_S, IQ4_XS"
-        expected += f"; gguf-int8: no integer path for {floats} (float kernel)"
+        integer = "Q2_K, Q5_K up to 4 rows"
+        expected += f"; gguf-int8 ({cpu_kernels.cpu_isa()}): integer dots for {integer}, "
+        expected += "the float kernel for the rest"
         assert llm.model_runner.model.logits_proj.int8_activations  # Q5_K: integer dots
     assert expected + "\n" in caplog.text
-    if method == "gguf":  # (gguf-int8 rounds the logits' input: a near-tie may go further)
+    if method == "gguf-float":  # (gguf-int8 rounds the logits' input: a near-tie may go further)
         check_greedy_parity(str(path), llm, "iq-preset")

@@ -644,8 +644,9 @@ def grouped_case(types: tuple[int, int, int], top_k: int, int8: bool, rule: MoER
     up, _ = expert_blocks(8, 256, 256, types[1], seed=types[1] + 1)
     down, _ = expert_blocks(8, 256, 256, types[2], seed=types[2] + 2)
     parts = [(torch.cat([gate, up], dim=1), types[0])] if types[0] == types[1] else None
-    block.experts_gate_up.hold_blocks_(parts or [(gate, types[0]), (up, types[1])], int8)
-    block.experts_down.hold_blocks_([(down, types[2])], int8)
+    arithmetic = "gguf-int8" if int8 else "gguf-float"
+    block.experts_gate_up.hold_blocks_(parts or [(gate, types[0]), (up, types[1])], arithmetic)
+    block.experts_down.hold_blocks_([(down, types[2])], arithmetic)
     return block
 
 

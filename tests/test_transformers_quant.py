@@ -90,9 +90,9 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
 def test_gguf_blocks_serve_transformers_matmuls_as_zllm_code_does(tmp_path, ggml_type) -> None:
     path = tmp_path / f"tiny-{ggml_type.name}.gguf"
     write_llama_gguf(path, lambda name: ggml_type)
-    reference = generate(tiny_llm(str(path), quantization="gguf"))
-    llm = tiny_llm(str(path), model_impl="transformers", quantization="gguf")
-    assert llm.model_runner.quantization == "gguf"
+    reference = generate(tiny_llm(str(path), quantization="gguf-float"))
+    llm = tiny_llm(str(path), model_impl="transformers", quantization="gguf-float")
+    assert llm.model_runner.quantization == "gguf-float"
     hf = hf_model_of(llm)
     for layer in hf.model.layers:
         modules = matmuls_of(layer)
@@ -148,7 +148,9 @@ def test_matrices_the_kernel_cannot_read_keep_fp32_modules_logged(tmp_path, capl
         "transformers backend: 13 of 16 matmuls and embeddings read GGUF blocks; kept fp32: "
         "model.layers.0.self_attn.o_proj (tensor 'blk.0.attn_output.weight' is F32"
     ) in caplog.text
-    assert_same_outputs(generate(llm), generate(tiny_llm(str(path))))
+    # The default's arithmetic per matmul: zllm's code fuses q/k/v (Q4_K, Q8_0 parts: one
+    # path for the call) where transformers' modules are separate, so near-ties may differ.
+    assert_close_first_tokens(generate(llm), generate(tiny_llm(str(path))))
 
 
 def test_a_16_bit_checkpoint_keeps_its_rows_on_the_transformers_backend(tmp_path) -> None:
@@ -206,9 +208,10 @@ def test_tensor_parallel_ranks_read_their_part_of_the_blocks(tmp_path, ggml_type
 
     path = tmp_path / f"tiny-{ggml_type.name}.gguf"
     write_llama_gguf(path, lambda name: ggml_type)
-    reference = generate(tiny_llm(str(path), tensor_parallel_size=2))
-    llm = tiny_llm(str(path), model_impl="transformers", tensor_parallel_size=2)
-    assert llm.model_runner.quantization == "gguf"  # the default for a GGUF file, as on one rank
+    reference = generate(tiny_llm(str(path), tensor_parallel_size=2, quantization="gguf-float"))
+    llm = tiny_llm(
+        str(path), model_impl="transformers", tensor_parallel_size=2, quantization="gguf-float"
+    )
     hf = hf_model_of(llm)
     for layer in hf.model.layers:
         q, k, v, o, gate, up, down = matmuls_of(layer)

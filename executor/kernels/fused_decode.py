@@ -10,7 +10,7 @@ What it covers, checked once when the model is loaded (`FusedDecode.build` says 
   - Llama-family models (llama.py: Llama, Mistral, Qwen2 with q/k/v biases, Qwen3's head
     norms, partial rotary) and Gemma 3 (its sandwich norms, GeGLU, local and global RoPE);
   - fp32 on CPU with the csrc/cpu decode attention; matmuls in GGUF blocks (`gguf`,
-    `gguf-int8`) or fp32 (`none`);
+    `gguf-float`, `gguf-int8`: each matmul's integer-dot row limit is copied) or fp32 (`none`);
   - sliding-window layers (the kernel windows its decode attention).
 Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
 modules), deterministic mode (the modules tile their matmuls), `int8` quantization, the

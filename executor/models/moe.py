@@ -38,7 +38,7 @@ from torch import nn
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.kernels.batch_invariant import TILE_ROWS, tiled
-from zllm.executor.weights.gguf_modules import int8_max_rows
+from zllm.executor.weights.gguf_arithmetic import integer_rows
 from zllm.model.arch_config import ModelArchConfig
 
 # Router rules: how a token's logits become its experts and their weights.
@@ -197,7 +197,7 @@ class ExpertMatrices(nn.Module):
         self.tile_rows: int | None = None
 
     def hold_blocks_(
-        self, parts: list[tuple[torch.Tensor, int]], int8_activations: bool = False
+        self, parts: list[tuple[torch.Tensor, int]], arithmetic: str = "gguf-float"
     ) -> None:
         """Multiply these blocks ([E, rows, bytes per row] each, rows summing to
         out_features) from now on; the float weight is dropped."""
@@ -207,8 +207,8 @@ class ExpertMatrices(nn.Module):
             raise ValueError(f"expert blocks {shapes} for {self.num_experts} x {self.out_features}")
         self.parts = [(blocks.contiguous(), ggml_type) for blocks, ggml_type in parts]
         types = [ggml_type for _, ggml_type in parts]
-        self.int8_activations = int8_activations and set(types) <= cpu_kernels.INT8_GGML_TYPES
-        self.int8_max_rows = int8_max_rows(types)
+        self.int8_max_rows = integer_rows(arithmetic, types)  # executor/weights/gguf_arithmetic.py
+        self.int8_activations = self.int8_max_rows > 0
         self.weight = None
 
     def held_bytes(self) -> int:

@@ -66,7 +66,7 @@ class TransformersQuantization:
         self.source: _GGUFBlocks | _SixteenBitRows | None = None
         if method == "int8":
             self.roles = _int8_roles(hf_model)
-        elif method != "none":  # gguf, gguf-int8, or a 16-bit checkpoint's rows
+        elif method != "none":  # gguf, gguf-float, gguf-int8, or a 16-bit checkpoint's rows
             cpu_kernels.load()  # built (or loaded) first: a failure surfaces here, once
             gguf = model_path.endswith(".gguf")
             self.source = _GGUFBlocks(hf_model, model_path) if gguf else _SixteenBitRows(model_path)
@@ -76,7 +76,7 @@ class TransformersQuantization:
         if self.method == "int8":
             _int8_model_(hf_model, self.roles)
         elif self.source is not None:
-            swapper = _Swapper(hf_model, self.source, self.method == "gguf-int8")
+            swapper = _Swapper(hf_model, self.source, self.method)
             for parent, attr, name, module in list(_leaf_modules(hf_model)):
                 swapper.swap(parent, attr, name, module)
             gguf = isinstance(self.source, _GGUFBlocks)
@@ -206,9 +206,11 @@ def _embedding_of(blocks: Blocks, module: nn.Embedding) -> nn.Module | str:
 class _Swapper:
     """Swaps modules one by one, checking each against the fp32 weight it replaces."""
 
-    def __init__(self, hf_model: nn.Module, source: _GGUFBlocks | _SixteenBitRows, int8: bool):
+    def __init__(
+        self, hf_model: nn.Module, source: _GGUFBlocks | _SixteenBitRows, arithmetic: str
+    ) -> None:
         self.source = source
-        self.int8 = int8
+        self.arithmetic = arithmetic  # executor/weights/gguf_arithmetic.py
         embedding = hf_model.get_input_embeddings()
         # Tied logits: their blocks are the embedding's (one tensor for both modules).
         self.tied = getattr(embedding, "weight", None)
@@ -232,7 +234,7 @@ class _Swapper:
         else:
             ggml_type, rows = found
             bias = None if module.bias is None else module.bias.data
-            new = GGUFLinear(rows, ggml_type, module.in_features, bias, self.int8)
+            new = GGUFLinear(rows, ggml_type, module.in_features, bias, self.arithmetic)
         setattr(parent, attr, new)  # the fp32 module, and its weight, are dropped
         self.swapped.append(name)
 

@@ -22,7 +22,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.llama import FUSED_CHECKPOINTS
 from zllm.executor.models.moe import MoEBlock
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
-from zllm.executor.weights import expert_blocks
+from zllm.executor.weights import expert_blocks, gguf_arithmetic
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
@@ -120,7 +120,7 @@ class _WeightBlocks:
     kernel matmuls over them where the kernel reads every tensor involved."""
 
     def __init__(
-        self, model: nn.Module, model_path: str, int8_activations: bool, verify: bool = True
+        self, model: nn.Module, model_path: str, arithmetic: str, verify: bool = True
     ) -> None:
         """`verify`: the model holds the fp32 weights the blocks replace; check each matrix's
         blocks dequantize to them bit for bit (False: they were never loaded, BlockPlan)."""
@@ -130,7 +130,7 @@ class _WeightBlocks:
         self.tp: TensorParallel = getattr(model, "tp", SINGLE)
         arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
         self.checkpoint_arch = arch
-        self.int8_activations = int8_activations
+        self.arithmetic = arithmetic  # the --quantization name: executor/weights/gguf_arithmetic.py
         self.verify = verify
         layers = getattr(model, "layer_indices", None)
         if model_path.endswith(".gguf"):
@@ -189,13 +189,14 @@ class _WeightBlocks:
             raise RuntimeError(f"GGUF blocks of {name} do not dequantize to the loaded weights")
 
     def type_summary(self) -> str:
-        """For the log: the file's types that the served tensors read in blocks (and, under
-        gguf-int8, which of them keep the float kernel)."""
+        """For the log: the file's types that the served tensors read in blocks, and which of
+        them take integer dots (a type alone; a fused matmul takes the smallest limit of its
+        parts' types)."""
         in_blocks = sorted({self.file_types[n] for n in self.served})
         parts = [f"in blocks {_type_names(in_blocks) or 'none'}"]
-        floats = [t for t in in_blocks if t not in cpu_kernels.INT8_GGML_TYPES]
-        if self.int8_activations and floats:
-            parts.append(f"gguf-int8: no integer path for {_type_names(floats)} (float kernel)")
+        integer = gguf_arithmetic.describe(self.arithmetic, in_blocks)
+        if integer is not None:
+            parts.append(integer)
         return "; ".join(parts)
 
     def fuse(
@@ -206,8 +207,8 @@ class _WeightBlocks:
         if found is None:
             return None
         if len(found) == 1:
-            return GGUFLinear(*found[0], weight.shape[1], bias, self.int8_activations)
-        return GGUFSplitLinear(found, weight.shape[1], bias, self.int8_activations)
+            return GGUFLinear(*found[0], weight.shape[1], bias, self.arithmetic)
+        return GGUFSplitLinear(found, weight.shape[1], bias, self.arithmetic)
 
 
 class BlockPlan:
@@ -218,7 +219,7 @@ class BlockPlan:
 
     def __init__(self, model: nn.Module, model_path: str, method: str) -> None:
         cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
-        self.source = _WeightBlocks(model, model_path, method == "gguf-int8", verify=False)
+        self.source = _WeightBlocks(model, model_path, method, verify=False)
         self.served = self._served(model)
 
     def _served(self, model: nn.Module) -> frozenset[str]:
@@ -243,11 +244,12 @@ class BlockPlan:
         _swap_blocks_in(model, model_path, self.source)
 
 
-def use_gguf_blocks_(model: nn.Module, model_path: str, int8_activations: bool = False) -> None:
-    """Point every matmul whose GGUF tensors the kernel reads at those blocks (with int8
-    activations for few rows: gguf-int8), checking them against the loaded fp32 weights."""
+def use_gguf_blocks_(model: nn.Module, model_path: str, arithmetic: str = "gguf-float") -> None:
+    """Point every matmul whose GGUF tensors the kernel reads at those blocks (their
+    arithmetic: `arithmetic`, a --quantization name), checking them against the loaded fp32
+    weights."""
     cpu_kernels.load()  # build (or load) the extension first: a build failure surfaces here, once
-    _swap_blocks_in(model, model_path, _WeightBlocks(model, model_path, int8_activations))
+    _swap_blocks_in(model, model_path, _WeightBlocks(model, model_path, arithmetic))
 
 
 def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) -> None:
@@ -322,13 +324,14 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
     """The embedding table (and, tied, the logits: one set of blocks for both), then an
     untied lm_head; each fp32 tensor the blocks replace is released. Returns whether the
     embedding reads blocks."""
-    int8 = source.int8_activations
     found = source.blocks(["model.embed_tokens.weight"], model.embed_tokens.data)
     embedding = None if found is None else found[0]
     if embedding is not None:
         model.embed_rows = GGUFEmbedding(*embedding, model.arch.hidden_size)
         if model.lm_head is None:
-            model.logits_proj = GGUFLinear(*embedding, model.arch.hidden_size, None, int8)
+            model.logits_proj = GGUFLinear(
+                *embedding, model.arch.hidden_size, None, source.arithmetic
+            )
         release_weight(model.embed_tokens)
     if model.lm_head is not None:
         head = source.fuse(["lm_head.weight"], model.lm_head.data, None)

@@ -83,7 +83,7 @@ def swap_experts_(model: nn.Module, source: _WeightBlocks) -> tuple[int, int]:
         if source.verify:
             _check(source, chosen, parts, experts)
         source.served.update(n for names in chosen for n in names)
-        experts.hold_blocks_(_merged(parts), source.int8_activations)
+        experts.hold_blocks_(_merged(parts), source.arithmetic)
         swapped += 1
     return swapped, kept
 

@@ -10,22 +10,7 @@ import torch
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
-
-# gguf-int8: calls of at most this many rows take the integer path (measured on 2 AVX2 cores,
-# per matmul: 1.2-2.3x the float kernel at 1-2 rows, level at 3-4, slower from 8; BENCHMARKS.md).
-INT8_MAX_ROWS = 4
-# Q2_K / Q3_K / Q4_K / Q6_K matmuls (csrc/cpu/kquant_int8.h: weight tiles that passes of 4
-# rows, 8 with AVX-512, go over) take the integer path at every size: a Llama-1B layer's Q4_K
-# and Q6_K matmuls ran 1.6-2.9x as fast at 8-512 rows on 2 cores, prefill included, and Q3_K's
-# 1.4x at 64 rows with AVX-512 VNNI (BENCHMARKS.md); with AVX2 alone Q3_K and Q6_K fall behind
-# the float panels from ~8 rows (a per-ISA row limit is issue 58's).
-KQUANT_INT8_MAX_ROWS = 1 << 30
-_KQUANT_TYPES = frozenset({10, 11, 12, 14})  # Q2_K, Q3_K, Q4_K, Q6_K
-
-
-def int8_max_rows(types: list[int]) -> int:
-    """The most rows a gguf-int8 matmul over blocks of these types sends to the integer path."""
-    return KQUANT_INT8_MAX_ROWS if set(types) <= _KQUANT_TYPES else INT8_MAX_ROWS
+from zllm.executor.weights.gguf_arithmetic import integer_rows
 
 
 class GGUFLinear(nn.Module):
@@ -37,16 +22,16 @@ class GGUFLinear(nn.Module):
         ggml_type: int,
         in_features: int,
         bias: torch.Tensor | None = None,
-        int8_activations: bool = False,
+        arithmetic: str = "gguf-float",
     ) -> None:
         super().__init__()
         self.qweight = qweight
         self.ggml_type = ggml_type
         self.in_features = in_features
         self.bias = bias
-        # gguf-int8: integer dots for few rows (quantized types; 16-bit weights keep floats)
-        self.int8_activations = int8_activations and ggml_type in cpu_kernels.INT8_GGML_TYPES
-        self.int8_max_rows = int8_max_rows([ggml_type])
+        # Integer dots for calls of at most this many rows (executor/weights/gguf_arithmetic.py)
+        self.int8_max_rows = integer_rows(arithmetic, [ggml_type])
+        self.int8_activations = self.int8_max_rows > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -73,17 +58,15 @@ class GGUFSplitLinear(nn.Module):
         parts: list[tuple[torch.Tensor, int]],
         in_features: int,
         bias: torch.Tensor | None = None,
-        int8_activations: bool = False,
+        arithmetic: str = "gguf-float",
     ) -> None:
         super().__init__()
         self.parts = parts  # (qweight [rows, bytes per row], ggml type), in output order
         self.in_features = in_features
         self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
         self.bias = bias
-        self.int8_activations = int8_activations and all(
-            ggml_type in cpu_kernels.INT8_GGML_TYPES for _, ggml_type in parts
-        )
-        self.int8_max_rows = int8_max_rows([ggml_type for _, ggml_type in parts])
+        self.int8_max_rows = integer_rows(arithmetic, [ggml_type for _, ggml_type in parts])
+        self.int8_activations = self.int8_max_rows > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

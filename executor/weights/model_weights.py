@@ -28,6 +28,7 @@ from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.ranks.parallel import release_other_stages_ends
 from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
+from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.model.gguf import read_gguf
 from zllm.runtime.heap_trim import trim_heap
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Methods whose kernel reads blocks (GGUF's, a 16-bit checkpoint's rows) in place of fp32.
-_BLOCK_METHODS = ("gguf", "gguf-int8", quantization.SIXTEEN_BIT)
+_BLOCK_METHODS = (*GGUF_METHODS, quantization.SIXTEEN_BIT)
 
 
 class ModelWeights:
@@ -158,7 +159,9 @@ class ModelWeights:
             if on_cpu_fp32 and cpu_kernels.enabled():
                 reason = weight_blocks.gguf_kernel_plan(config.model_path)
                 if reason is None:
-                    method = "gguf"
+                    # The fastest arithmetic per type on this CPU (gguf_arithmetic.py);
+                    # --deterministic needs a row's result not to depend on the call's size.
+                    method = "gguf-float" if config.deterministic else "gguf"
                 elif config.model_path.endswith(".gguf"):
                     logger.info("GGUF kernels not used, fp32 matmuls: %s", reason)
                 elif quantization.sixteen_bit_checkpoint(config.model_path):

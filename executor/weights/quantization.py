@@ -1,31 +1,23 @@
 """Quantized weights for CPU serving.
 
-`gguf` (the default for a GGUF file on CPU, `--quantization gguf`): the decoder's matmuls, the
-logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
-Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-IQ3_S, TQ1_0, TQ2_0, NVFP4: csrc/cpu/gguf_lattice.h; F16, BF16) through csrc/cpu/gguf_linear.h
-instead of fp32 copies, and the fp32 tensors they replace are released after load: the weights
-take about the file's size in memory (only F32 matrices stay fp32). The values multiplied are
-bit for bit the fp32 weights the reference path uses (the kernel dequantizes as gguf.quants
-does; tests check it), so only the order of the arithmetic differs; a decode step reads 4-7x
-fewer bytes (up to 20x for IQ1). Decode-sized calls (1-4 rows; 1-2 for Q5_0, Q5_1, Q6_K,
-Q2_K, Q3_K) go through the kernel's few-rows path, which turns each block's codes into floats
-in registers and applies the block's scale (and offset) to its dot product rather than to each value. Many rows
-(prefill chunks) go through the kernel's panel path, which dequantizes a few weight rows into
-a small fp32 panel and multiplies them there (outer-product register tiles from 16 rows), with
-no copy of the matrix (BENCHMARKS.md compares it with the BLAS GEMM on an fp32 copy). A fused matmul whose parts
-the file stores in different types (Gemma 3's q/k in Q5_0 beside v in Q8_0) runs one kernel
-call per part, each writing its columns of the output.
-
-`gguf-int8` (opt-in): the same blocks, llama.cpp-style arithmetic for decode-sized calls: x is
-rounded to int8 per 32 values (per 256 for Q4_K and Q6_K, whose whole super-blocks are then
-summed in integers: csrc/cpu/kquant_int8.h) and multiplied by the codes with integer dot
-products (csrc/cpu/gguf_int8.h), 1.2-2.5x faster per matmul at one row than the float kernel. Calls of
-more than INT8_MAX_ROWS rows (prefill chunks, large decode batches) keep the float kernel,
-where the integer path is slower (Q2_K, Q3_K, Q4_K and Q6_K take csrc/cpu/kquant_int8.h at
-every row count). It changes the arithmetic: accuracy in BENCHMARKS.md. IQ4_NL, IQ4_XS, MXFP4,
-the IQ1-IQ3, TQ and NVFP4 types and 16-bit weights have no integer path: their matmuls keep
-the float kernel (the load's log says which).
+GGUF files (`gguf`, the default for one on CPU; `gguf-float`; `gguf-int8`): the decoder's
+matmuls, the logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4: csrc/cpu/gguf_lattice.h; F16, BF16) instead of
+fp32 copies, and the fp32 tensors they replace are released after load: the weights take
+about the file's size in memory (only F32 matrices stay fp32). Which arithmetic multiplies
+them, per type, CPU and call size, is executor/weights/gguf_arithmetic.py's rule:
+- the float kernel (csrc/cpu/gguf_linear.h; every type; all of `gguf-float`): the values
+  multiplied are bit for bit the fp32 weights the reference path uses (the kernel
+  dequantizes as gguf.quants does; tests check it), so only the order of the sums differs.
+  Decode-sized calls turn each block's codes into floats in registers and apply the block's
+  scale to its dot product; prefill chunks dequantize a few weight rows into a small fp32
+  panel and multiply there (outer-product register tiles), with no copy of the matrix;
+- integer dots (csrc/cpu/gguf_int8.h, kquant_int8.h; `gguf` where measured faster, all of
+  `gguf-int8`): x rounded to int8 per 32 values (per 256 for the K-quants, whose whole
+  super-blocks are summed in integers), llama.cpp's arithmetic: accuracy in BENCHMARKS.md.
+A fused matmul whose parts the file stores in different types (Gemma 3's q/k in Q5_0 beside v
+in Q8_0) runs one kernel call per part, each writing its columns of the output.
 
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
@@ -41,11 +33,13 @@ import logging
 import torch
 from torch import nn
 
-from zllm.executor.weights.blocks import gguf_kernel_plan, use_gguf_blocks_
+from zllm.executor.weights.blocks import gguf_kernel_plan, gguf_matmuls, use_gguf_blocks_
+from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES
+from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "gguf-int8", "int8", "none")
+QUANTIZATION_METHODS = (*GGUF_METHODS, "int8", "none")
 
 
 def quantize_model_(
@@ -57,8 +51,8 @@ def quantize_model_(
     cannot all serve. Not strict (the engine's own choice): serve what it can.
     """
     check_quantization(method, model_path, strict)
-    if method in ("gguf", "gguf-int8"):
-        use_gguf_blocks_(model, model_path, int8_activations=method == "gguf-int8")
+    if method in GGUF_METHODS:
+        use_gguf_blocks_(model, model_path, method)
     elif method == "int8":
         _int8_model_(model)
 
@@ -67,10 +61,19 @@ def check_quantization(method: str, model_path: str | None, strict: bool = True)
     """Refuse (ValueError) a method that is unknown or cannot serve this model."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose from {QUANTIZATION_METHODS}")
-    if method in ("gguf", "gguf-int8"):
+    if method in GGUF_METHODS:
         reason = "no model file" if model_path is None else gguf_kernel_plan(model_path, strict)
         if reason is not None:
             raise ValueError(f"--quantization {method} cannot serve this model: {reason}")
+    if method == "gguf-int8":
+        decoder, head = gguf_matmuls(read_gguf(model_path))
+        types = {t for m in [*decoder, head] if m is not None for t in m.types}
+        if not {int(t) for t in types} & INTEGER_TYPES:
+            names = ", ".join(sorted(t.name for t in types))
+            raise ValueError(
+                f"--quantization gguf-int8 has no integer path for this file's matrices "
+                f"({names}); use gguf or gguf-float"
+            )
 
 
 # The engine's own choice for a bf16/fp16 checkpoint on CPU (not a --quantization choice): its

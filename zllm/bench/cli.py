@@ -249,8 +249,9 @@ def main_accuracy(args: argparse.Namespace) -> int:
     del reference
     quant = LLM(**asdict(engine))
     q_out = [o.outputs[0].token_ids for o in quant.generate(reqs, greedy, use_tqdm=False)]
-    if args.quantization == "gguf-int8":
-        # Its integer path serves decode-sized calls only; score every position with it.
+    if args.quantization in ("gguf", "gguf-int8"):
+        # Its integer path may serve decode-sized calls only; score every position as decode
+        # computes it (the matmuls that take integer dots at one row take them at every size).
         from zllm.executor.weights.quantization import set_int8_max_rows
 
         set_int8_max_rows(quant.model_runner.model, 1 << 30)

@@ -164,9 +164,11 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
-    # None: "gguf" for a GGUF file on CPU when the kernel can serve it, else fp32 ("none").
-    # "gguf": matmuls on the file's quantized blocks; "gguf-int8": the same with int8
-    # activations for decode-sized calls; "int8": fbgemm dynamic int8 (CPU).
+    # None: "gguf" for a GGUF file on CPU when the kernel can serve it ("gguf-float" under
+    # --deterministic), else fp32 ("none"). "gguf": matmuls on the file's quantized blocks,
+    # each type with its fastest arithmetic on this CPU; "gguf-float": the float kernel
+    # always; "gguf-int8": integer dots wherever a type has them
+    # (executor/weights/gguf_arithmetic.py); "int8": fbgemm dynamic int8 (CPU).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # GPU: prefill and mixed steps replay graphs in pieces between attention calls too

@@ -189,12 +189,14 @@ class EngineArgs:
     )
     quantization: str | None = option(
         None,
-        help="gguf (the default for a GGUF file on CPU): matmuls read the file's "
-        "quantized blocks, the same weight values as fp32; gguf-int8: the same blocks with "
-        "activations rounded to int8 for decode-sized matmuls (llama.cpp-style arithmetic; "
-        "CPU, opt-in, see BENCHMARKS.md); none: fp32 matmuls; int8: int8 "
+        help="GGUF files on CPU: gguf (the default): matmuls read the file's quantized "
+        "blocks with the fastest arithmetic this CPU has for each type: integer dots on "
+        "activations rounded to int8 per block (llama.cpp's arithmetic) for the K-quants, the "
+        "float kernel elsewhere (docs/models.md, Matmuls on CPU); gguf-float: the same blocks, always the "
+        "float kernel: the file's exact weights in fp32 arithmetic, as transformers computes; "
+        "gguf-int8: integer dots wherever a type has them. none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
-        choices=("gguf", "gguf-int8", "int8", "none"),
+        choices=("gguf", "gguf-float", "gguf-int8", "int8", "none"),
     )
     load_format: str = option(
         "auto",
@@ -376,7 +378,7 @@ class EngineArgs:
             seed=self.seed,
             dtype=dtype,
             device=device,
-            quantization=self._check_quantization(device),
+            quantization=self._check_quantization(device, model_path),
             enforce_eager=self.enforce_eager,
             piecewise_cuda_graphs=self.cudagraph_mode == "full_and_piecewise",
             async_executor=self._async_executor(device),
@@ -494,13 +496,20 @@ class EngineArgs:
             )
         return kv
 
-    def _check_quantization(self, device: str) -> str | None:
-        if self.load_format == "dummy" and self.quantization in ("gguf", "gguf-int8"):
+    def _check_quantization(self, device: str, model_path: str) -> str | None:
+        gguf_method = self.quantization in ("gguf", "gguf-float", "gguf-int8")
+        if self.load_format == "dummy" and gguf_method:
             raise ValueError(
                 f"--quantization {self.quantization} reads the file's quantized blocks, which "
                 f"--load-format dummy does not load (random weights); use none or int8"
             )
-        if self.quantization in ("gguf", "gguf-int8", "int8") and device != "cpu":
+        if gguf_method and not model_path.endswith(".gguf"):
+            raise ValueError(
+                f"--quantization {self.quantization} reads a GGUF file's blocks; {model_path} is "
+                f"not a GGUF file (leave it unset: a bf16/fp16 checkpoint's matrices are read "
+                f"16-bit on CPU by default; or use none or int8)"
+            )
+        if self.quantization in ("gguf", "gguf-float", "gguf-int8", "int8") and device != "cpu":
             raise ValueError(
                 f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
                 f"kernels); on {device} leave it unset (the model's dtype) or use none"
@@ -541,10 +550,11 @@ class EngineArgs:
             raise ValueError(
                 "deterministic execution cannot use int8 (its activation scales span the batch)"
             )
-        if self.quantization == "gguf-int8":
+        if self.quantization in ("gguf", "gguf-int8"):
             raise ValueError(
-                "deterministic execution cannot use gguf-int8 (its arithmetic depends on how "
-                "many rows a matmul has); use gguf"
+                f"deterministic execution cannot use {self.quantization} (which arithmetic a "
+                f"matmul takes depends on how many rows it has); use gguf-float (the default "
+                f"under --deterministic)"
             )
         return True
 

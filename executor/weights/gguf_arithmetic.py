@@ -1,0 +1,104 @@
+"""Which arithmetic a matmul over GGUF blocks runs, per GGUF type, instruction set and call size.
+
+Two kernels read the same blocks (executor/weights/gguf_modules.py calls them):
+- the float kernel (csrc/cpu/gguf_linear.h): the file's values dequantized exactly and
+  multiplied in fp32: transformers' arithmetic on the same weights, only the order of the
+  sums differs;
+- integer dots (csrc/cpu/gguf_int8.h, kquant_int8.h): x rounded to int8 per block (per 256
+  values for the K-quants) and multiplied by the codes in integers: llama.cpp's arithmetic,
+  which reads the same bytes with less work per byte.
+
+The `--quantization` names that choose:
+- `gguf` (the default for a GGUF file on CPU): the faster kernel for each type at each call
+  size on the CPU at hand, from FASTEST_INTEGER_ROWS (measured per matmul on both
+  instruction sets: BENCHMARKS.md "The fastest arithmetic by default (issue 58)");
+- `gguf-float`: the float kernel at every size, for those who want transformers' numbers (the
+  parity tests compare tokens bitwise under it);
+- `gguf-int8`: integer dots wherever a type has them, whatever they cost (A/B measurements).
+
+16-bit weights (F16/BF16 files, bf16/fp16 checkpoints) have no integer path: float kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from zllm.executor.kernels import cpu as cpu_kernels
+
+GGUF_METHODS = ("gguf", "gguf-float", "gguf-int8")
+
+ALL_ROWS = 1 << 30
+
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+# The types with an integer path (gguf_linear_int8 reads them); the low-bit lattice, IQ4, TQ,
+# MXFP4 and NVFP4 types have none and keep the float kernel under every name.
+INTEGER_TYPES = cpu_kernels.INT8_GGML_TYPES
+_K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q6_K})  # whole super-blocks summed in integers
+
+# gguf-int8: the most rows that take integer dots. The block types' integer path reaches its
+# limit at 3-4 rows (it quantizes x per call and streams the codes once per row pair); the
+# K-quants' (kquant_int8.h: weight tiles that passes of 4 rows, 8 with AVX-512, go over)
+# serves every size.
+INT8_MAX_ROWS = 4
+
+# `gguf`: per instruction set, the most rows of a call that the integer path serves for each
+# type (a type missing takes the float kernel at every size). From benchmarks/gguf_types.py on
+# the 2-core dev VM (Sapphire Rapids: AVX-512 VNNI, and its AVX2 code forced with
+# ZLLM_CPU_ISA=avx2), integer path against float kernel per matmul at 1-512 rows, on a
+# 4096-row matrix (in cache) and a 65536-row one (streamed from memory): a type takes integer
+# dots up to the largest row count where they were faster in both (BENCHMARKS.md, "The fastest
+# arithmetic by default"). Q4_0, Q4_1 and Q8_0 keep the float kernel: their integer path is
+# level with it at one row (0.7-1.07x) and behind from two, so it would change the arithmetic
+# for nothing. With AVX-512 the K-quants' integer tiles win at every size (1.3-1.5x at 512
+# rows); with AVX2 alone they fall behind the float panels from 8-64 rows.
+FASTEST_INTEGER_ROWS: dict[str, dict[int, int]] = {
+    "avx512vnni": {
+        Q5_0: 2,  # 1.2-1.5x at 1-2 rows, 0.8-1.1x at 4
+        Q5_1: 2,
+        Q5_K: 4,  # 1.05-1.25x at 4, 0.9x at 8
+        Q2_K: ALL_ROWS,  # 1.4x at 512, 3.5-4.8x at 1-4
+        Q3_K: ALL_ROWS,  # 1.3x at 512, 2.3-3.3x at 1-4
+        Q4_K: ALL_ROWS,  # 1.5x at 512, 2.8-3.1x at 1-4
+        Q6_K: ALL_ROWS,  # 1.3x at 512, 2.6-3.0x at 1-4
+    },
+    "avx2": {
+        Q5_0: 2,  # 1.4-1.5x at 1-2 rows, 0.9-1.1x at 4
+        Q5_1: 2,
+        Q5_K: 4,  # 1.16x at 4, 0.9x at 8
+        Q2_K: 16,  # 1.25x at 16, 0.9x at 64
+        Q3_K: 4,  # 1.4-1.5x at 4, 1.0x at 8
+        Q4_K: 16,  # 1.25x at 16, 0.97x at 64
+        Q6_K: 8,  # 1.04-1.24x at 8, 0.9x at 16
+    },
+}
+
+
+def integer_rows(method: str, types: Iterable[int], isa: str | None = None) -> int:
+    """The most rows a call of a matmul whose parts are stored in `types` sends to the integer
+    path under `method` on instruction set `isa` (default: the one the kernels run; 0: the
+    float kernel always). A fused matmul (q/k/v, gate/up) takes one path for all its parts:
+    the smallest of their limits."""
+    types = set(types)
+    if method == "gguf-int8":
+        if not types or not types <= INTEGER_TYPES:
+            return 0
+        return ALL_ROWS if types <= _K_QUANTS else INT8_MAX_ROWS
+    if method == "gguf":
+        table = FASTEST_INTEGER_ROWS[isa or cpu_kernels.cpu_isa()]
+        return min((table.get(t, 0) for t in types), default=0)
+    return 0  # gguf-float, 16-bit rows
+
+
+def describe(method: str, types: Iterable[int]) -> str | None:
+    """For the load's log: which of the file's `types` take integer dots under `method` (each
+    type alone; None when none does)."""
+    names = cpu_kernels.SUPPORTED_GGML_TYPES
+    isa = cpu_kernels.cpu_isa()
+    cells = []
+    for t in sorted(set(types)):
+        rows = integer_rows(method, [t], isa)
+        if rows:
+            cells.append(names[t] if rows >= ALL_ROWS else f"{names[t]} up to {rows} rows")
+    if not cells:
+        return None
+    return f"{method} ({isa}): integer dots for {', '.join(cells)}, the float kernel for the rest"

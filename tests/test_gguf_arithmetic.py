@@ -1,0 +1,143 @@
+"""Which arithmetic a GGUF matmul runs (executor/weights/gguf_arithmetic.py): the default `gguf`
+takes integer dots per type and call size where the measured table says they are faster on
+the CPU at hand, `gguf-float` never, `gguf-int8` wherever a type has them; and the
+`--quantization` values a model cannot use are refused at start, naming why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_files import write_llama_gguf
+
+from zllm import LLM, SamplingParams
+from zllm.config.engine_args import EngineArgs
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.weights.gguf_arithmetic import (
+    ALL_ROWS,
+    FASTEST_INTEGER_ROWS,
+    INT8_MAX_ROWS,
+    INTEGER_TYPES,
+    integer_rows,
+)
+from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
+
+K_QUANTS = [int(T.Q2_K), int(T.Q3_K), int(T.Q4_K), int(T.Q6_K)]
+
+
+def tiny_llm(path: str, **kwargs) -> LLM:
+    return LLM(path, kv_cache_memory_bytes=16 << 20, max_num_seqs=4, **kwargs)
+
+
+def test_the_table_names_only_types_with_an_integer_path_on_each_isa() -> None:
+    assert set(FASTEST_INTEGER_ROWS) == set(cpu_kernels.CPU_ISA_CHOICES) - {"auto"}
+    for isa, table in FASTEST_INTEGER_ROWS.items():
+        assert set(table) <= INTEGER_TYPES, isa
+        assert all(rows >= 1 for rows in table.values()), isa
+        # The K-quants' integer path is the one the default takes on every CPU (at one row
+        # it is 2-4x the float kernel's speed on both instruction sets).
+        assert all(table[t] >= 1 for t in K_QUANTS), isa
+    # Measured where the integer path is level or behind at one row: the float kernel.
+    for t in (T.Q4_0, T.Q4_1, T.Q8_0):
+        assert all(int(t) not in table for table in FASTEST_INTEGER_ROWS.values())
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+def test_each_name_chooses_its_rows(isa: str) -> None:
+    q4k, q6k, q8, f16 = int(T.Q4_K), int(T.Q6_K), int(T.Q8_0), int(T.F16)
+    for t in (q4k, q6k, q8, f16):
+        assert integer_rows("gguf-float", [t], isa) == 0
+    assert integer_rows("gguf-int8", [q4k, q6k], isa) == ALL_ROWS
+    assert integer_rows("gguf-int8", [q8], isa) == INT8_MAX_ROWS
+    assert integer_rows("gguf-int8", [q4k, q8], isa) == INT8_MAX_ROWS
+    assert integer_rows("gguf-int8", [q4k, f16], isa) == 0  # 16-bit rows: float dots only
+    table = FASTEST_INTEGER_ROWS[isa]
+    assert integer_rows("gguf", [q4k], isa) == table[q4k]
+    assert integer_rows("gguf", [q8], isa) == 0
+    # A fused matmul takes one path for all its parts: the smallest of their limits.
+    assert integer_rows("gguf", [q4k, q6k], isa) == min(table[q4k], table[q6k])
+    assert integer_rows("gguf", [q4k, q8], isa) == 0
+
+
+def test_modules_take_the_integer_path_up_to_their_rows() -> None:
+    """Under the default a Q4_K matmul multiplies x rounded to int8 up to its table's rows, and
+    a Q8_0 one keeps the float kernel at every size; a split matmul of both takes the float
+    kernel (its parts share one path)."""
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(16, 256, generator=gen) * 0.1).numpy()
+    q4k = torch.from_numpy(quantize(w, T.Q4_K))
+    q8 = torch.from_numpy(quantize(w, T.Q8_0))
+    k_layer = GGUFLinear(q4k, int(T.Q4_K), 256, None, "gguf")
+    q8_layer = GGUFLinear(q8, int(T.Q8_0), 256, None, "gguf")
+    split = GGUFSplitLinear([(q4k, int(T.Q4_K)), (q8, int(T.Q8_0))], 256, None, "gguf")
+    limit = FASTEST_INTEGER_ROWS[cpu_kernels.cpu_isa()][int(T.Q4_K)]
+    assert k_layer.int8_max_rows == limit and not q8_layer.int8_activations
+    assert not split.int8_activations
+    for rows in sorted({1, 3, min(limit, 40), min(limit + 1, 41)}):
+        x = torch.randn(rows, 256, generator=gen)
+        integer = rows <= limit
+        kernel = cpu_kernels.gguf_linear_int8 if integer else cpu_kernels.gguf_linear
+        assert torch.equal(k_layer(x), kernel(x, q4k, int(T.Q4_K))), rows
+        assert torch.equal(q8_layer(x), cpu_kernels.gguf_linear(x, q8, int(T.Q8_0))), rows
+
+
+@pytest.fixture(scope="module")
+def q4k_gguf(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("arith") / "q4k.gguf"
+    write_llama_gguf(path, lambda name: T.Q4_K)
+    return str(path)
+
+
+def test_the_default_for_a_gguf_file_is_the_fastest_arithmetic_on_this_cpu(q4k_gguf) -> None:
+    """The engine picks `gguf` unasked; its K-quant matmuls decode with integer dots (llama.cpp's
+    arithmetic), which differ from gguf-float's by a rounding of x, not by the tokens' order of
+    likelihood on this model's first steps."""
+    default = tiny_llm(q4k_gguf)
+    exact = tiny_llm(q4k_gguf, quantization="gguf-float")
+    assert default.model_runner.quantization == "gguf"
+    assert exact.model_runner.quantization == "gguf-float"
+    limit = FASTEST_INTEGER_ROWS[cpu_kernels.cpu_isa()][int(T.Q4_K)]
+    qkv = default.model_runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.int8_activations and qkv.int8_max_rows == limit
+    assert not exact.model_runner.model.layers[0].self_attn.qkv_proj.int8_activations
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 77, 300, 12, 9]}]
+    a = default.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    b = exact.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    first = a.token_ids[0]
+    assert first == b.token_ids[0]
+    drift = abs(a.logprobs[0][first].logprob - b.logprobs[0][first].logprob)
+    assert 0 < drift < 0.25  # the decode step did take the other arithmetic, and stayed close
+
+
+def test_deterministic_runs_take_the_float_kernel(q4k_gguf) -> None:
+    """--deterministic needs a row's result not to depend on the call's size, which the
+    default's per-size choice breaks: it gets gguf-float, and an explicit gguf is refused."""
+    llm = tiny_llm(q4k_gguf, deterministic=True)
+    assert llm.model_runner.quantization == "gguf-float"
+    for method in ("gguf", "gguf-int8"):
+        with pytest.raises(ValueError, match=f"cannot use {method} .*use gguf-float"):
+            EngineArgs(q4k_gguf, deterministic=True, quantization=method).create_engine_config()
+
+
+def test_a_gguf_name_on_a_directory_is_refused_at_start(tiny_llama_dir) -> None:
+    for method in ("gguf", "gguf-float", "gguf-int8"):
+        with pytest.raises(
+            ValueError,
+            match=f"--quantization {method} reads a GGUF file's blocks; .* is not a GGUF file",
+        ):
+            EngineArgs(tiny_llama_dir, quantization=method).create_engine_config()
+
+
+def test_gguf_int8_on_a_file_without_integer_types_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "f16.gguf"
+    write_llama_gguf(path, lambda name: T.F16)
+    with pytest.raises(
+        ValueError, match=r"gguf-int8 has no integer path .*\(F16\); use gguf or gguf-float"
+    ):
+        tiny_llm(str(path), quantization="gguf-int8")
+    assert tiny_llm(str(path)).model_runner.quantization == "gguf"  # served, float dots
