@@ -177,7 +177,7 @@ if has_part logits58; then
     for method in gguf gguf-float gguf-int8; do
         log "logits of $Q4 ($method) against transformers"
         "$PYTHON" "$REPO/benchmarks/logits_parity.py" "$Q4" --quantization "$method" \
-            --output-json "$GOALS_DIR/logits58-$method.json"
+            --config "$LLAMA1B/hf-bf16" --output-json "$GOALS_DIR/logits58-$method.json"
     done
 fi
 if has_part report; then

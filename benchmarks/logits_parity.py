@@ -11,7 +11,7 @@ scored with the arithmetic decode gives it (the matmuls that take integer dots a
 them at every size, as `zllm bench accuracy` scores).
 
     python benchmarks/logits_parity.py MODEL_DIR [--prompts 4] [--length 256]
-    python benchmarks/logits_parity.py FILE.gguf [--quantization gguf-float]
+    python benchmarks/logits_parity.py FILE.gguf [--quantization gguf-float] [--config HF_DIR]
 """
 
 from __future__ import annotations
@@ -55,9 +55,15 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a GGUF file's Hugging Face config directory for transformers (its GGUF reader "
+        "drops what the file does not name, e.g. Llama 3's RoPE scaling)",
+    )
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from zllm import LLM
     from zllm.executor.kernels import cpu as cpu_kernels
@@ -81,8 +87,9 @@ def main() -> int:
     del llm
     if args.model.endswith(".gguf"):
         path = Path(args.model)
+        config = None if args.config is None else AutoConfig.from_pretrained(args.config)
         hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
+            path.parent, gguf_file=path.name, config=config, dtype=torch.float32
         ).eval()
     else:
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

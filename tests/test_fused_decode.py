@@ -20,11 +20,13 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from gguf_files import write_llama_gguf
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
+from torch import nn
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.fused_decode import FusedDecode, Unsupported
 from zllm.executor.step_inputs import build_attention_metadata
+from zllm.executor.weights.dense_rows import DENSE_MAX_ROWS, DenseRowsLinear
 from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 pytestmark = pytest.mark.skipif(
@@ -174,9 +176,19 @@ def test_every_matmul_kind_is_the_module_s_arithmetic() -> None:
     bias = torch.randn(rows, generator=gen)
     for b in (None, bias):
         dense = kernels.FusedMatmul([], [], weight, b, in_features, 0)
-        for m in (1, 3, 17):
+        # An fp32 model's modules on CPU: DenseRowsLinear (csrc/cpu/dense_rows.h at 1-8 rows
+        # with AVX-512, torch's matmul otherwise), the same function the stack calls.
+        module = nn.Linear(in_features, rows, bias=b is not None)
+        module.weight.data = weight
+        if b is not None:
+            module.bias.data = b
+        module.__class__ = DenseRowsLinear
+        for m in (1, 3, 8, 9, 17):
             x = torch.randn(m, in_features, generator=gen)
-            assert torch.equal(dense(x), F.linear(x, weight, b))
+            with torch.no_grad():
+                assert torch.equal(dense(x), module(x)), m
+                if m > DENSE_MAX_ROWS or cpu_kernels.cpu_isa() != "avx512vnni":
+                    assert torch.equal(dense(x), F.linear(x, weight, b)), m
 
     def blocks(ggml_type: T, n: int) -> torch.Tensor:
         w = (torch.randn(n, in_features, generator=gen) * 0.1).numpy()

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf_files import write_llama_gguf
+from gguf_files import random_blocks, write_llama_gguf
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
@@ -69,7 +70,7 @@ def test_modules_take_the_integer_path_up_to_their_rows() -> None:
 
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(16, 256, generator=gen) * 0.1).numpy()
-    q4k = torch.from_numpy(quantize(w, T.Q4_K))
+    q4k = torch.from_numpy(random_blocks((16, 256), T.Q4_K, np.random.default_rng(3)))
     q8 = torch.from_numpy(quantize(w, T.Q8_0))
     k_layer = GGUFLinear(q4k, int(T.Q4_K), 256, None, "gguf")
     q8_layer = GGUFLinear(q8, int(T.Q8_0), 256, None, "gguf")

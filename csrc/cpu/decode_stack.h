@@ -24,6 +24,7 @@
 
 #include <torch/extension.h>
 
+#include "dense_rows.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "paged_attention.h"
@@ -76,10 +77,7 @@ struct Matmul {
   // nn.Linear / GGUFLinear / GGUFSplitLinear computes.
   void operator()(const torch::Tensor& x, torch::Tensor& y) const {
     if (dense.defined()) {
-      if (bias.defined())
-        at::addmm_out(y, bias, x, dense.t());
-      else
-        at::mm_out(y, x, dense.t());
+      zllm_dense::dense_linear_into(x, dense, bias, y);
       return;
     }
     const bool int8 = x.size(0) <= int8_max_rows;

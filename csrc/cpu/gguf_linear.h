@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "dense_rows.h"
 #include "gguf_blocks.h"
 #include "gguf_lattice.h"
 #include "gguf_lowbit.h"
@@ -820,7 +821,10 @@ namespace zllm_gguf {
 inline void linear_rows(const float* xp, int64_t M, int64_t ldx, const uint8_t* wp,
                         int64_t row_bytes, int64_t qtype, const BlockFormat& format, int64_t N,
                         int64_t K, float* yp, int64_t ldy) {
-  if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
+  if (const zllm_dense::DenseRowsKernel wide = zllm_dense::sixteen_rows_kernel(qtype, M)) {
+    // F16/BF16 at 1-8 rows with AVX-512: dense_rows.h (the rows are plain 16-bit values).
+    wide(xp, ldx, wp, N, K, yp, ldy);
+  } else if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
     few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
   } else if (M < kRowBlock) {
     // Dequantize 3 weight rows into an fp32 panel and run 4 x 3 dot-product tiles over it.

@@ -5,6 +5,7 @@
 
 #include "cpu_isa.h"
 #include "decode_stack.h"
+#include "dense_rows.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "moe_experts.h"
@@ -12,6 +13,8 @@
 #include "row_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dense_linear", &dense_linear,
+        "x @ w^T (+ bias) for fp32 w: the AVX-512 few-rows kernel at 1-8 rows, else torch's");
   m.def("gguf_linear", &gguf_linear, "x @ dequant(qweight)^T for GGUF block-quantized weights");
   m.def("gguf_linear_into", &gguf_linear_into,
         "x @ dequant(qweight)^T written into y (rows may be strided)");

@@ -1,5 +1,6 @@
 """zllm's CPU kernels (csrc/cpu/), built at first use as a torch C++ extension.
 
+    dense_linear(x, w[, bias])                x @ W^T, fp32 W (AVX-512: 1-8 rows)   csrc/cpu/dense_rows.h
     gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks             csrc/cpu/gguf_linear.h
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
@@ -58,6 +59,7 @@ KERNEL_FILES = (
     "cpu/simd.h",
     "cpu/gguf_blocks.h",
     "cpu/gguf_linear.h",
+    "cpu/dense_rows.h",
     "cpu/gguf_lowbit.h",
     "cpu/gguf_lattice.h",
     "cpu/gguf_int8.h",
@@ -282,6 +284,14 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
             logger.warning("removing the lock file a killed CPU-kernel build left: %s", baton)
             baton.unlink(missing_ok=True)
         yield  # the flock goes with the file's close
+
+
+def dense_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] fp32 @ weight [N, K]^T (+ bias): csrc/cpu/dense_rows.h's AVX-512 kernel at 1-8
+    rows, torch's matmul otherwise (and on CPUs without AVX-512)."""
+    return load().dense_linear(x, weight, bias)
 
 
 def gguf_linear(x: torch.Tensor, qweight: torch.Tensor, ggml_type: int) -> torch.Tensor:

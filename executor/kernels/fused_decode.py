@@ -40,6 +40,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
+from zllm.executor.weights.dense_rows import DenseRowsLinear
 from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 logger = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ def _matmul(kernels: Any, module: nn.Module) -> Any:
         parts = [(module.qweight, module.ggml_type)]
     elif isinstance(module, GGUFSplitLinear):
         parts = list(module.parts)
-    elif isinstance(module, nn.Linear) and type(module) is nn.Linear:
+    elif type(module) in (nn.Linear, DenseRowsLinear):
         bias = None if module.bias is None else module.bias.detach()
         return kernels.FusedMatmul(
             blocks=[],

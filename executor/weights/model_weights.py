@@ -28,6 +28,7 @@ from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.ranks.parallel import release_other_stages_ends
 from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
+from zllm.executor.weights.dense_rows import use_dense_rows_
 from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.model.gguf import read_gguf
@@ -95,6 +96,7 @@ class ModelWeights:
             # The fp32 weights the blocks replaced, another stage's embedding / logits (and
             # on the transformers backend the other stages' layers, loaded with the model).
             release_freed_memory(layout.device)
+        self._use_dense_rows()
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
@@ -106,6 +108,23 @@ class ModelWeights:
             self.lora = LoRAManager(
                 self.model, config, layout.dtype, layout.device, layout.tp, slots=slots
             )
+
+    def _use_dense_rows(self) -> None:
+        """fp32 matmuls on CPU: decode-sized calls through csrc/cpu/dense_rows.h (zllm's own
+        models; the transformers backend keeps transformers' modules)."""
+        layout = self.layout
+        fp32_cpu = layout.device.type == "cpu" and layout.dtype == torch.float32
+        if not fp32_cpu or not cpu_kernels.enabled():
+            return
+        if isinstance(self.model, TransformersForCausalLM):
+            return
+        try:
+            swapped = use_dense_rows_(self.model)
+        except cpu_kernels.CpuKernelError as exc:
+            logger.info("fp32 matmuls stay torch's at every size: %s", exc)
+            return
+        if swapped:
+            logger.info("%d fp32 matmuls take the AVX-512 few-rows kernel at 1-8 rows", swapped)
 
     def _load_model(self) -> nn.Module:
         """Our model code, or transformers' through the transformers backend (model_impl)."""

@@ -1,0 +1,180 @@
+// y [M, N] = x [M, K] @ W^T for fp32 W at decode-sized M (1-8 rows), with AVX-512.
+//
+// Why: an fp32 checkpoint's decode step multiplies a few rows by every matrix, a stream of
+// 4 bytes a weight that should take the memory's time at any row count up to ~8. MKL's sgemm
+// takes its one-row time at 1-2 rows but 2-3x it from 4 rows (SmolLM2-135M's matrices, 2
+// threads: 14 ms a step at 1 row, 35 ms at 8; BENCHMARKS.md "The fastest arithmetic by
+// default"). With AVX2 alone the float kernel's few-rows loop, tried on the same matrices,
+// was slower than MKL at 1-2 rows and 1.1-1.3x faster at 4-8: MKL keeps those CPUs. Here
+// each weight row is loaded once per 16 values and multiplied into MR rows' accumulators held
+// in registers (MR x NR of them: NR weight rows at a time), so the work per weight byte is MR
+// fused multiply-adds in 512-bit lanes.
+//
+// Each output is one weight row's dot product with one x row, summed in 16 lanes and then
+// across them: its bits do not depend on M or on which rows share the call.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "cpu_isa.h"
+
+namespace zllm_dense {
+
+ZLLM_TARGET_AVX512 inline float lane_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// How 16 weights become 16 fp32 lanes (exactly: every format widens without rounding).
+struct F32Weights {
+  using Elem = float;
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p) { return _mm512_loadu_ps(p); }
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, p);
+  }
+};
+struct BF16Weights {  // a bfloat16 is an fp32's upper half
+  using Elem = uint16_t;
+  ZLLM_TARGET_AVX512 static __m512 widen(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p) {
+    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p, __mmask16 m) {
+    return widen(_mm256_maskz_loadu_epi16(m, p));
+  }
+};
+struct F16Weights {
+  using Elem = uint16_t;
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  ZLLM_TARGET_AVX512 static __m512 load(const Elem* p, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  }
+};
+
+// NR weight rows against MR x rows (nr of the NR rows exist: the last tile of a matrix may be
+// short); K % 16 values of each row are masked loads.
+template <int MR, int NR, class W>
+ZLLM_TARGET_AVX512 inline void dense_tile(const float* x, int64_t ldx,
+                                          const typename W::Elem* w, int64_t K, float* y,
+                                          int64_t ldy, int nr) {
+  const typename W::Elem* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w + (j < nr ? j : 0) * K;  // a short tile repeats row 0
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = W::load(rows[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = W::load(rows[j] + k, tail);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * ldx + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < nr; ++j) y[i * ldy + j] = lane_sum(acc[i][j]);
+}
+
+// Enough independent accumulators to cover the FMA latency at one row. More than 4 rows run
+// as passes of at most 4 over the same NR weight rows, the later passes reading them from L1:
+// 8 rows in one pass (8 x 3 accumulators) ran no faster than MKL.
+template <int MR>
+constexpr int kWeightRows = MR == 1 ? 8 : MR == 2 ? 6 : 4;
+
+// w: N rows of K weights (W's element type), contiguous.
+template <int MR, class W>
+ZLLM_TARGET_AVX512 void dense_rows(const float* x, int64_t ldx, const void* w_, int64_t N,
+                                   int64_t K, float* y, int64_t ldy) {
+  const auto* w = static_cast<const typename W::Elem*>(w_);
+  constexpr int NR = kWeightRows<MR>;
+  constexpr int kFirst = MR <= 4 ? MR : 4;
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NR;
+      const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
+      dense_tile<kFirst, NR, W>(x, ldx, w + n0 * K, K, y + n0, ldy, nr);
+      if constexpr (MR > 4)
+        dense_tile<MR - 4, NR, W>(x + 4 * ldx, ldx, w + n0 * K, K, y + 4 * ldy + n0, ldy, nr);
+    }
+  });
+}
+
+using DenseRowsKernel = void (*)(const float*, int64_t, const void*, int64_t, int64_t, float*,
+                                 int64_t);
+
+template <class W>
+inline DenseRowsKernel kernel_for(int64_t M) {
+  switch (M) {
+    case 1: return dense_rows<1, W>;
+    case 2: return dense_rows<2, W>;
+    case 3: return dense_rows<3, W>;
+    case 4: return dense_rows<4, W>;
+    case 5: return dense_rows<5, W>;
+    case 6: return dense_rows<6, W>;
+    case 7: return dense_rows<7, W>;
+    case 8: return dense_rows<8, W>;
+    default: return nullptr;
+  }
+}
+
+// The kernel for M rows of fp32 weights where the AVX-512 path runs it (1-8 rows), else
+// nullptr.
+inline DenseRowsKernel dense_rows_kernel(int64_t M) {
+  return zllm_isa::use_avx512_vnni() ? kernel_for<F32Weights>(M) : nullptr;
+}
+
+// The same for 16-bit rows (ggml F16 = 1, BF16 = 30: gguf_linear.h's linear_rows takes it
+// ahead of its AVX2 few-rows loop).
+inline DenseRowsKernel sixteen_rows_kernel(int64_t qtype, int64_t M) {
+  if (!zllm_isa::use_avx512_vnni()) return nullptr;
+  if (qtype == 30) return kernel_for<BF16Weights>(M);
+  if (qtype == 1) return kernel_for<F16Weights>(M);
+  return nullptr;
+}
+
+// y [M, N] = x [M, K] @ w^T (+ bias) for fp32 x (rows contiguous) and w [N, K] contiguous: the
+// kernel above at 1-8 rows where AVX-512 runs it, torch's matmul (MKL) otherwise. The module
+// path (executor/weights/dense_rows.py) and the fused decode stack both call it, so a decode
+// step's bits do not depend on which of them ran it.
+inline void dense_linear_into(const torch::Tensor& x, const torch::Tensor& w,
+                              const torch::Tensor& bias, torch::Tensor& y) {
+  const DenseRowsKernel kernel = dense_rows_kernel(x.size(0));
+  if (kernel != nullptr && x.stride(1) == 1 && w.is_contiguous() && y.is_contiguous()) {
+    kernel(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.size(0), w.size(1),
+           y.data_ptr<float>(), y.stride(0));
+    if (bias.defined()) y.add_(bias);
+    return;
+  }
+  if (bias.defined())
+    at::addmm_out(y, bias, x, w.t());
+  else
+    at::mm_out(y, x, w.t());
+}
+
+}  // namespace zllm_dense
+
+inline torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
+                                  const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
+                  w.scalar_type() == torch::kFloat32 && x.size(1) == w.size(1),
+              "dense_linear: fp32 x [M, K] and w [N, K]");
+  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+  zllm_dense::dense_linear_into(x, w, bias ? *bias : torch::Tensor(), y);
+  return y;
+}

@@ -1,0 +1,49 @@
+"""fp32 matmuls at decode-sized calls through csrc/cpu/dense_rows.h.
+
+An fp32 checkpoint on CPU (`--quantization none`, the default for an fp32 directory) keeps
+nn.Linear modules; torch's sgemm (MKL) takes 2-3x its one-row time at 4-8 rows, the rows of a
+c=8 decode step, where the matrices' bytes alone should set the time. DenseRowsLinear is an
+nn.Linear (the same weight Parameter, so LoRA, tensor-parallel cuts, sleep mode and the
+weight loaders see no difference) whose calls of at most DENSE_MAX_ROWS rows take
+cpu_kernels.dense_linear: the AVX-512 kernel where the CPU has it, torch's matmul elsewhere.
+The fused decode stack (executor/kernels/fused_decode.py) calls the same function, so both
+paths give a step the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zllm.executor.kernels import cpu as cpu_kernels
+
+DENSE_MAX_ROWS = 8  # csrc/cpu/dense_rows.h serves 1-8 rows
+
+
+class DenseRowsLinear(nn.Linear):
+    """nn.Linear whose decode-sized calls take csrc/cpu/dense_rows.h (set by use_dense_rows_)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > DENSE_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        y = cpu_kernels.dense_linear(flat, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def use_dense_rows_(model: nn.Module) -> int:
+    """Make every plain fp32 nn.Linear of the model a DenseRowsLinear, in place (the module
+    object, its Parameters and hooks stay); returns how many. Only where the kernel runs:
+    on a CPU without AVX-512 torch's matmul serves every size, and nothing changes."""
+    if cpu_kernels.cpu_isa() != "avx512vnni":
+        return 0
+    swapped = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is nn.Linear and weight is not None and weight.dtype == torch.float32:
+            if weight.is_contiguous() and weight.device.type == "cpu":
+                module.__class__ = DenseRowsLinear
+                swapped += 1
+    return swapped
