@@ -19,8 +19,9 @@
 #           MXFP4 experts, c=1), qwen3-q3 (Q3_K_M c=1), floor57 (each file's decode floor)
 #           Issue 58's, also their own parts: setup58 (vLLM's CPU build), default58 (the 1B
 #           shape's Q4_K_M with default flags against llama-server's Q4_K_M and Q8_0, c=1, 8,
-#           32; zllm again with ZLLM_CPU_ISA=avx2), vllm58 (SmolLM2's fp32 directory and the
-#           1B shape's bf16 directory, both engines on each), logits58 (the default's logits
+#           32; zllm again with ZLLM_CPU_ISA=avx2), vllm58 (SmolLM2's fp32 directory, both
+#           engines), vllm58-1b (the 1B shape's bf16 directory, both engines; llama-server on
+#           its F16 GGUF at c=1), logits58 (the default's logits
 #           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
@@ -171,7 +172,12 @@ if has_part default58; then
 fi
 if has_part vllm58; then
     cells58 vllm58-smollm2 MODEL=smollm2 STEPS="zllm-hf vllm"
+fi
+if has_part vllm58-1b; then
     cells58 vllm58-llama1b MODEL=llama1b-q4km STEPS="zllm-hf vllm"
+    # The bf16 directory's c=1 goal against llama-server on the same shape's F16 GGUF.
+    compare vllm58-llama1b "${CELL58[@]}" NUM_PROMPTS=16 CONCURRENCIES=1 MODEL=llama1b-q4km \
+        STEPS=llama-f16
 fi
 if has_part logits58; then
     for method in gguf gguf-float gguf-int8; do
