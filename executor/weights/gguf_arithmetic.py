@@ -43,9 +43,9 @@ INT8_MAX_ROWS = 4
 
 # `gguf`: per instruction set, the most rows of a call that the integer path serves for each
 # type (a type missing takes the float kernel at every size). From benchmarks/gguf_types.py on
-# the 2-core dev VM (Sapphire Rapids: AVX-512 VNNI, and its AVX2 code forced with
-# ZLLM_CPU_ISA=avx2), integer path against float kernel per matmul at 1-512 rows, on a
-# 4096-row matrix (in cache) and a 65536-row one (streamed from memory): a type takes integer
+# the 2-core dev VM (an Intel Xeon with AVX-512 VNNI, and its AVX2 code forced with
+# ZLLM_CPU_ISA=avx2), integer path against float kernel per matmul, on a 4096-row matrix (in
+# cache, 1-512 rows) and a 65536-row one (streamed from memory, 1-8 rows): a type takes integer
 # dots up to the largest row count where they were faster in both (BENCHMARKS.md, "The fastest
 # arithmetic by default"). Q4_0, Q4_1 and Q8_0 keep the float kernel: their integer path is
 # level with it at one row (0.7-1.07x) and behind from two, so it would change the arithmetic
