@@ -203,23 +203,29 @@ def test_engine_flags_round_trip(command):
 
 def test_python_api_checks_the_choices_the_flags_check():
     with pytest.raises(
-        ValueError, match="quantization must be one of 'gguf', 'gguf-int8', 'int8', 'none'"
+        ValueError,
+        match="quantization must be one of 'gguf', 'gguf-float', 'gguf-int8', 'int8', 'none'",
     ):
         EngineArgs(model="/nonexistent", quantization="bogus").create_engine_config()
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineArgs(model="/nonexistent", dtype="fp8").create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["gguf", "gguf-int8", "int8"])
+@pytest.mark.parametrize("method", ["gguf", "gguf-float", "gguf-int8", "int8"])
 def test_cpu_quantization_methods_refuse_a_gpu(tiny_llama_dir, method):
     args = EngineArgs(model=tiny_llama_dir, quantization=method, device="cuda")
     with pytest.raises(ValueError, match=f"--quantization {method} runs on CPU only"):
         args.create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["int8", "gguf-int8"])
-def test_deterministic_mode_refuses_arithmetic_that_depends_on_the_batch(tiny_llama_dir, method):
-    args = EngineArgs(model=tiny_llama_dir, quantization=method, deterministic=True, device="cpu")
+@pytest.mark.parametrize("method", ["int8", "gguf-int8", "gguf"])
+def test_deterministic_mode_refuses_arithmetic_that_depends_on_the_batch(tmp_path, method):
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import write_llama_gguf
+
+    path = tmp_path / "q4k.gguf"
+    write_llama_gguf(path, lambda name: T.Q4_K)
+    args = EngineArgs(model=str(path), quantization=method, deterministic=True, device="cpu")
     with pytest.raises(ValueError, match=f"deterministic execution cannot use {method} "):
         args.create_engine_config()
 

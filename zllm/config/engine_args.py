@@ -503,16 +503,16 @@ class EngineArgs:
                 f"--quantization {self.quantization} reads the file's quantized blocks, which "
                 f"--load-format dummy does not load (random weights); use none or int8"
             )
+        if self.quantization in ("gguf", "gguf-float", "gguf-int8", "int8") and device != "cpu":
+            raise ValueError(
+                f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
+                f"kernels); on {device} leave it unset (the model's dtype) or use none"
+            )
         if gguf_method and not model_path.endswith(".gguf"):
             raise ValueError(
                 f"--quantization {self.quantization} reads a GGUF file's blocks; {model_path} is "
                 f"not a GGUF file (leave it unset: a bf16/fp16 checkpoint's matrices are read "
                 f"16-bit on CPU by default; or use none or int8)"
-            )
-        if self.quantization in ("gguf", "gguf-float", "gguf-int8", "int8") and device != "cpu":
-            raise ValueError(
-                f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
-                f"kernels); on {device} leave it unset (the model's dtype) or use none"
             )
         return self.quantization
 
