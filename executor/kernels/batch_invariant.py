@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zllm.executor.weights.dense_rows import DenseRowsLinear
+from zllm.executor.weights.dense_rows import DENSE_LINEAR_TYPES
 from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 TILE_ROWS = 8
@@ -71,7 +71,7 @@ def make_batch_invariant(model: nn.Module) -> int:
             module.tile_rows = TILE_ROWS
             wrapped += 1
         for name, child in list(module.named_children()):
-            matmul = type(child) in (nn.Linear, DenseRowsLinear)
+            matmul = type(child) in DENSE_LINEAR_TYPES
             if not (isinstance(child, GGUFLinear | GGUFSplitLinear) or matmul):
                 continue
             setattr(module, name, Tiled(child))

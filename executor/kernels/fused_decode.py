@@ -40,7 +40,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
 from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
-from zllm.executor.weights.dense_rows import DenseRowsLinear
+from zllm.executor.weights.dense_rows import DENSE_LINEAR_TYPES
 from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 logger = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def _matmul(kernels: Any, module: nn.Module) -> Any:
         parts = [(module.qweight, module.ggml_type)]
     elif isinstance(module, GGUFSplitLinear):
         parts = list(module.parts)
-    elif type(module) in (nn.Linear, DenseRowsLinear):
+    elif type(module) in DENSE_LINEAR_TYPES:
         bias = None if module.bias is None else module.bias.detach()
         return kernels.FusedMatmul(
             blocks=[],
@@ -226,5 +226,5 @@ def _matmul(kernels: Any, module: nn.Module) -> Any:
         dense=None,
         bias=module.bias,
         in_features=module.in_features,
-        int8_max_rows=module.int8_max_rows if module.int8_activations else 0,
+        int8_max_rows=module.int8_max_rows,
     )

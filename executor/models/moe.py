@@ -190,8 +190,7 @@ class ExpertMatrices(nn.Module):
             nn.Parameter(torch.empty(num_experts, out_features, dtype=dtype)) if bias else None
         )
         self.parts: list[tuple[torch.Tensor, int]] | None = None  # (blocks, ggml type)
-        self.int8_activations = False
-        self.int8_max_rows = 0
+        self.int8_max_rows = 0  # integer dots up to this many rows (gguf_arithmetic.py)
         # --deterministic (make_batch_invariant): every call in TILE_ROWS-row tiles, so an
         # expert's rows do not depend on how many other tokens chose it this step.
         self.tile_rows: int | None = None
@@ -207,9 +206,12 @@ class ExpertMatrices(nn.Module):
             raise ValueError(f"expert blocks {shapes} for {self.num_experts} x {self.out_features}")
         self.parts = [(blocks.contiguous(), ggml_type) for blocks, ggml_type in parts]
         types = [ggml_type for _, ggml_type in parts]
-        self.int8_max_rows = integer_rows(arithmetic, types)  # executor/weights/gguf_arithmetic.py
-        self.int8_activations = self.int8_max_rows > 0
+        self.int8_max_rows = integer_rows(arithmetic, types)
         self.weight = None
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.int8_max_rows > 0
 
     def held_bytes(self) -> int:
         """Bytes of the expert matrices held (blocks, or the float weight)."""
@@ -256,7 +258,7 @@ class ExpertMatrices(nn.Module):
         per-expert calls give. Only where serves_grouped(x)."""
         assert self.parts is not None
         y = x.new_empty(x.shape[0], self.out_features)
-        int8_rows = self.int8_max_rows if self.int8_activations else 0
+        int8_rows = self.int8_max_rows
         start = 0
         for blocks, ggml_type in self.parts:
             rows = blocks.shape[1]

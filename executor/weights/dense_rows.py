@@ -33,6 +33,11 @@ class DenseRowsLinear(nn.Linear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# The plain fp32 matmul modules (not subclasses with their own arithmetic): what the fused
+# decode stack reads as a dense weight and --deterministic tiles.
+DENSE_LINEAR_TYPES = (nn.Linear, DenseRowsLinear)
+
+
 def use_dense_rows_(model: nn.Module) -> int:
     """Make every plain fp32 nn.Linear of the model a DenseRowsLinear, in place (the module
     object, its Parameters and hooks stay); returns how many. Only where the kernel runs:

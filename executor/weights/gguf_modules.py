@@ -31,7 +31,10 @@ class GGUFLinear(nn.Module):
         self.bias = bias
         # Integer dots for calls of at most this many rows (executor/weights/gguf_arithmetic.py)
         self.int8_max_rows = integer_rows(arithmetic, [ggml_type])
-        self.int8_activations = self.int8_max_rows > 0
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.int8_max_rows > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -66,7 +69,10 @@ class GGUFSplitLinear(nn.Module):
         self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
         self.bias = bias
         self.int8_max_rows = integer_rows(arithmetic, [ggml_type for _, ggml_type in parts])
-        self.int8_activations = self.int8_max_rows > 0
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.int8_max_rows > 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])

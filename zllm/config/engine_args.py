@@ -64,6 +64,11 @@ KV_DTYPE_NAMES = {
 }
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
+# --quantization: the names that read a GGUF file's blocks (executor/weights/gguf_arithmetic.py
+# says which arithmetic each takes; the executor's copy of this list is its GGUF_METHODS), and
+# int8, fbgemm's; all four run CPU kernels only.
+GGUF_QUANTIZATIONS = ("gguf", "gguf-float", "gguf-int8")
+CPU_QUANTIZATIONS = (*GGUF_QUANTIZATIONS, "int8")
 
 
 @dataclass(slots=True)
@@ -192,11 +197,12 @@ class EngineArgs:
         help="GGUF files on CPU: gguf (the default): matmuls read the file's quantized "
         "blocks with the fastest arithmetic this CPU has for each type: integer dots on "
         "activations rounded to int8 per block (llama.cpp's arithmetic) for the K-quants, the "
-        "float kernel elsewhere (docs/models.md, Matmuls on CPU); gguf-float: the same blocks, always the "
-        "float kernel: the file's exact weights in fp32 arithmetic, as transformers computes; "
+        "float kernel elsewhere (docs/models.md, Matmuls on CPU); gguf-float: the same "
+        "blocks, always the float kernel: the file's exact weights in fp32 arithmetic, as "
+        "transformers computes; "
         "gguf-int8: integer dots wherever a type has them. none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
-        choices=("gguf", "gguf-float", "gguf-int8", "int8", "none"),
+        choices=(*CPU_QUANTIZATIONS, "none"),
     )
     load_format: str = option(
         "auto",
@@ -497,13 +503,13 @@ class EngineArgs:
         return kv
 
     def _check_quantization(self, device: str, model_path: str) -> str | None:
-        gguf_method = self.quantization in ("gguf", "gguf-float", "gguf-int8")
+        gguf_method = self.quantization in GGUF_QUANTIZATIONS
         if self.load_format == "dummy" and gguf_method:
             raise ValueError(
                 f"--quantization {self.quantization} reads the file's quantized blocks, which "
                 f"--load-format dummy does not load (random weights); use none or int8"
             )
-        if self.quantization in ("gguf", "gguf-float", "gguf-int8", "int8") and device != "cpu":
+        if self.quantization in CPU_QUANTIZATIONS and device != "cpu":
             raise ValueError(
                 f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
                 f"kernels); on {device} leave it unset (the model's dtype) or use none"
