@@ -22,7 +22,9 @@
 #           32; zllm again with ZLLM_CPU_ISA=avx2), vllm58 (SmolLM2's fp32 directory, both
 #           engines), vllm58-1b (the 1B shape's bf16 directory, both engines; llama-server on
 #           its F16 GGUF at c=1), logits58 (the default's logits
-#           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's)
+#           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's),
+#           avx2-58 (with LLAMA_NATIVE=OFF: both engines held to AVX2, zllm by ZLLM_CPU_ISA=avx2,
+#           llama-server by its portable build; default58's cells)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
 
@@ -168,6 +170,10 @@ fi
 if has_part default58; then
     cells58 default58 MODEL=llama1b-q4km STEPS="zllm llama-q4 llama-q8" ZLLM_LABEL=zllm-default
     ZLLM_CPU_ISA=avx2 cells58 default58 MODEL=llama1b-q4km STEPS=zllm \
+        ZLLM_LABEL=zllm-default-avx2
+fi
+if has_part avx2-58; then  # run with LLAMA_NATIVE=OFF: llama.cpp's portable AVX2 build
+    ZLLM_CPU_ISA=avx2 cells58 avx2-58 MODEL=llama1b-q4km STEPS="zllm llama-q4 llama-q8" \
         ZLLM_LABEL=zllm-default-avx2
 fi
 if has_part vllm58; then

@@ -204,14 +204,17 @@ def test_engine_flags_round_trip(command):
 def test_python_api_checks_the_choices_the_flags_check():
     with pytest.raises(
         ValueError,
-        match="quantization must be one of 'gguf', 'gguf-float', 'gguf-int8', 'int8', 'none'",
+        match="quantization must be one of 'gguf', 'gguf-float', 'gguf-int8', 'int8', "
+        "'compressed-tensors', 'gptq', 'awq', 'fp8', 'none'",
     ):
         EngineArgs(model="/nonexistent", quantization="bogus").create_engine_config()
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineArgs(model="/nonexistent", dtype="fp8").create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["gguf", "gguf-float", "gguf-int8", "int8"])
+@pytest.mark.parametrize(
+    "method", ["gguf", "gguf-float", "gguf-int8", "int8", "compressed-tensors", "gptq", "awq"]
+)
 def test_cpu_quantization_methods_refuse_a_gpu(tiny_llama_dir, method):
     args = EngineArgs(model=tiny_llama_dir, quantization=method, device="cuda")
     with pytest.raises(ValueError, match=f"--quantization {method} runs on CPU only"):

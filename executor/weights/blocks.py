@@ -18,12 +18,18 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS, read_checkpoint_quantization
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.llama import FUSED_CHECKPOINTS
 from zllm.executor.models.moe import MoEBlock
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.executor.weights import expert_blocks, gguf_arithmetic
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.weights.quantized.act_order import ActOrderLinear
+from zllm.executor.weights.quantized.checkpoint import (
+    QuantizedCheckpoint,
+    read_quantized_checkpoint,
+)
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
 
@@ -132,9 +138,15 @@ class _WeightBlocks:
         self.checkpoint_arch = arch
         self.arithmetic = arithmetic  # the --quantization name: executor/weights/gguf_arithmetic.py
         self.verify = verify
+        self.checkpoint: QuantizedCheckpoint | None = None
         layers = getattr(model, "layer_indices", None)
         if model_path.endswith(".gguf"):
             raw = gguf_raw_weights(model_path, arch, layers)
+        elif arithmetic in CHECKPOINT_QUANTIZATIONS:  # compressed-tensors, GPTQ, AWQ, fp8
+            quant = read_checkpoint_quantization(model_path)
+            tied = arch.tie_word_embeddings
+            self.checkpoint = read_quantized_checkpoint(model_path, quant, layers, tied)
+            raw = self.checkpoint.blocks
         else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
             raw = sixteen_bit_raw_weights(model_path, arch, layers)
         self.file_types = {name: ggml_type for name, (ggml_type, _) in raw.items()}
@@ -156,7 +168,22 @@ class _WeightBlocks:
     def reads(self, names: list[str]) -> bool:
         """Whether the kernel reads every one of these tensors (this rank's part of each)."""
         parts = [self.rank_part(n) for n in names]
-        return all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
+        readable = all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
+        return readable and self.input_order(names) is not False
+
+    def input_order(self, names: list[str]) -> torch.Tensor | None | bool:
+        """Act-order checkpoints: the column order the matrices' blocks share (None: natural
+        order; False: they differ, so one fused matmul cannot read them)."""
+        if self.checkpoint is None:
+            return None
+        orders = [self.checkpoint.input_orders.get(n) for n in names]
+        first = orders[0]
+        same = all(
+            (o is None and first is None)
+            or (o is not None and first is not None and torch.equal(o, first))
+            for o in orders
+        )
+        return first if same else False
 
     def blocks(
         self, names: list[str], weight: torch.Tensor
@@ -207,8 +234,11 @@ class _WeightBlocks:
         if found is None:
             return None
         if len(found) == 1:
-            return GGUFLinear(*found[0], weight.shape[1], bias, self.arithmetic)
-        return GGUFSplitLinear(found, weight.shape[1], bias, self.arithmetic)
+            module = GGUFLinear(*found[0], weight.shape[1], bias, self.arithmetic)
+        else:
+            module = GGUFSplitLinear(found, weight.shape[1], bias, self.arithmetic)
+        order = self.input_order(names)
+        return module if order is None else ActOrderLinear(module, order)
 
 
 class BlockPlan:
@@ -237,6 +267,15 @@ class BlockPlan:
         if reads(["model.embed_tokens.weight"]) and (not tied_shard or head_read):
             served.add("model.embed_tokens.weight")
         served |= expert_blocks.served_names(model, reads)
+        checkpoint = self.source.checkpoint
+        if checkpoint is not None:  # a quantized checkpoint: every quantized matmul, or refuse
+            unserved = sorted(checkpoint.quantized - served)
+            if unserved:
+                raise ValueError(
+                    f"{unserved[0]} is stored quantized but no kernel matmul of this model "
+                    f"reads it (a fused matmul's parts must share their act-order g_idx)"
+                )
+            served |= checkpoint.stored_names
         return frozenset(served)
 
     def apply(self, model: nn.Module, model_path: str) -> None:
@@ -263,14 +302,21 @@ def _swap_blocks_in(model: nn.Module, model_path: str, source: _WeightBlocks) ->
         )
     embedding = _swap_ends(model, source)
     gguf = model_path.endswith(".gguf")
+    if source.checkpoint is not None:
+        label = f"{source.arithmetic} checkpoint"
+        reads = f"blocks ({_type_names(sorted(source.checkpoint.types))}) made at load"
+    elif gguf:
+        label, reads = "GGUF kernels", "GGUF blocks"
+    else:
+        label, reads = "16-bit weights", "16-bit rows widened in the kernel"
     logger.info(
         "%s: %d of %d decoder matmuls, %s and %s read %s%s",
-        "GGUF kernels" if gguf else "16-bit weights",
+        label,
         swapped,
         swapped + kept,
         "the logits" if model.logits_proj is not None else "not the logits",
         "the embedding" if embedding else "not the embedding",
-        "GGUF blocks" if gguf else "16-bit rows widened in the kernel",
+        reads,
         _fp32_note(model_path) if kept and gguf else "",
     )
     if gguf:

@@ -33,6 +33,10 @@ class GGUFLinear(nn.Module):
         self.int8_max_rows = integer_rows(arithmetic, [ggml_type])
 
     @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
     def int8_activations(self) -> bool:
         return self.int8_max_rows > 0
 

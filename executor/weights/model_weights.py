@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.lora.manager import LoRAManager
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Methods whose kernel reads blocks (GGUF's, a 16-bit checkpoint's rows) in place of fp32.
-_BLOCK_METHODS = (*GGUF_METHODS, quantization.SIXTEEN_BIT)
+# Methods whose kernel reads blocks (GGUF's, a 16-bit checkpoint's rows, a quantized
+# checkpoint's repacked) in place of fp32.
+_BLOCK_METHODS = (*GGUF_METHODS, quantization.SIXTEEN_BIT, *CHECKPOINT_QUANTIZATIONS)
 
 
 class ModelWeights:

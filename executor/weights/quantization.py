@@ -33,13 +33,14 @@ import logging
 import torch
 from torch import nn
 
+from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.weights.blocks import gguf_kernel_plan, gguf_matmuls, use_gguf_blocks_
 from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES
 from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = (*GGUF_METHODS, "int8", "none")
+QUANTIZATION_METHODS = (*GGUF_METHODS, "int8", *CHECKPOINT_QUANTIZATIONS, "none")
 
 
 def quantize_model_(

@@ -38,6 +38,11 @@ from zllm.config.kv_layout import block_bytes
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
+from zllm.config.quantization import (
+    QUANTIZATION_CHOICES,
+    check_quantization,
+    deterministic_refusal,
+)
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
     TenantLimit,
@@ -64,11 +69,6 @@ KV_DTYPE_NAMES = {
 }
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
-# --quantization: the names that read a GGUF file's blocks (executor/weights/gguf_arithmetic.py
-# says which arithmetic each takes; the executor's copy of this list is its GGUF_METHODS), and
-# int8, fbgemm's; all four run CPU kernels only.
-GGUF_QUANTIZATIONS = ("gguf", "gguf-float", "gguf-int8")
-CPU_QUANTIZATIONS = (*GGUF_QUANTIZATIONS, "int8")
 
 
 @dataclass(slots=True)
@@ -201,8 +201,10 @@ class EngineArgs:
         "blocks, always the float kernel: the file's exact weights in fp32 arithmetic, as "
         "transformers computes; "
         "gguf-int8: integer dots wherever a type has them. none: fp32 matmuls; int8: int8 "
-        "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md)",
-        choices=(*CPU_QUANTIZATIONS, "none"),
+        "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md). "
+        "compressed-tensors, gptq, awq, fp8: a quantized checkpoint's method, read from its "
+        "config.json (the default for one; docs/quantization.md)",
+        choices=QUANTIZATION_CHOICES,
     )
     load_format: str = option(
         "auto",
@@ -384,7 +386,7 @@ class EngineArgs:
             seed=self.seed,
             dtype=dtype,
             device=device,
-            quantization=self._check_quantization(device, model_path),
+            quantization=self._check_quantization(device, model_path, impl.name),
             enforce_eager=self.enforce_eager,
             piecewise_cuda_graphs=self.cudagraph_mode == "full_and_piecewise",
             async_executor=self._async_executor(device),
@@ -502,25 +504,15 @@ class EngineArgs:
             )
         return kv
 
-    def _check_quantization(self, device: str, model_path: str) -> str | None:
-        gguf_method = self.quantization in GGUF_QUANTIZATIONS
-        if self.load_format == "dummy" and gguf_method:
-            raise ValueError(
-                f"--quantization {self.quantization} reads the file's quantized blocks, which "
-                f"--load-format dummy does not load (random weights); use none or int8"
-            )
-        if self.quantization in CPU_QUANTIZATIONS and device != "cpu":
-            raise ValueError(
-                f"--quantization {self.quantization} runs on CPU only (its kernels are CPU "
-                f"kernels); on {device} leave it unset (the model's dtype) or use none"
-            )
-        if gguf_method and not model_path.endswith(".gguf"):
-            raise ValueError(
-                f"--quantization {self.quantization} reads a GGUF file's blocks; {model_path} is "
-                f"not a GGUF file (leave it unset: a bf16/fp16 checkpoint's matrices are read "
-                f"16-bit on CPU by default; or use none or int8)"
-            )
-        return self.quantization
+    def _check_quantization(self, device: str, model_path: str, impl: str) -> str | None:
+        return check_quantization(
+            self.quantization,
+            device=device,
+            model_path=model_path,
+            load_format=self.load_format,
+            model_impl=impl,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
     def _async_executor(self, device: str) -> bool:
         if self.async_executor == "off":
@@ -552,16 +544,9 @@ class EngineArgs:
                 "deterministic (batch-invariant) execution is CPU-only; the CUDA path is not "
                 "batch-invariant (see BENCHMARKS.md)"
             )
-        if self.quantization == "int8":
-            raise ValueError(
-                "deterministic execution cannot use int8 (its activation scales span the batch)"
-            )
-        if self.quantization in ("gguf", "gguf-int8"):
-            raise ValueError(
-                f"deterministic execution cannot use {self.quantization} (which arithmetic a "
-                f"matmul takes depends on how many rows it has); use gguf-float (the default "
-                f"under --deterministic)"
-            )
+        refusal = deterministic_refusal(self.quantization)
+        if refusal is not None:
+            raise ValueError(refusal)
         return True
 
 
