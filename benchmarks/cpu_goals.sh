@@ -24,7 +24,7 @@
 #           its F16 GGUF at c=1), logits58 (the default's logits
 #           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's),
 #           avx2-58 (with LLAMA_NATIVE=OFF: both engines held to AVX2, zllm by ZLLM_CPU_ISA=avx2,
-#           llama-server by its portable build; default58's cells)
+#           llama-server by its portable build; default58's cells; STEPS58 picks engines)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
 
@@ -173,7 +173,7 @@ if has_part default58; then
         ZLLM_LABEL=zllm-default-avx2
 fi
 if has_part avx2-58; then  # run with LLAMA_NATIVE=OFF: llama.cpp's portable AVX2 build
-    ZLLM_CPU_ISA=avx2 cells58 avx2-58 MODEL=llama1b-q4km STEPS="zllm llama-q4 llama-q8" \
+    ZLLM_CPU_ISA=avx2 cells58 avx2-58 MODEL=llama1b-q4km STEPS="${STEPS58:-zllm llama-q4 llama-q8}" \
         ZLLM_LABEL=zllm-default-avx2
 fi
 if has_part vllm58; then
