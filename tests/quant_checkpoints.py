@@ -40,6 +40,7 @@ exactly.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,12 +171,15 @@ def _set_weight_qparams(module: torch.nn.Module) -> None:
         module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
 
 
-def write_compressed_tensors(out: Path, scheme: str, seed: int = 0) -> Path:
+def write_compressed_tensors(
+    out: Path, scheme: str, seed: int = 0, base: Path | None = None
+) -> Path:
     """A compressed-tensors checkpoint of `scheme` (one of CT_SCHEMES) under `out`, made the
     way llm-compressor saves one: apply_quantization_config, observe, then
     ModelCompressor.from_pretrained_model / compress_model / save_pretrained / update_config,
     so config.json's quantization_config is compressed-tensors' own serialization. Targets
-    Linear, ignores lm_head; embeddings and norms stay bf16."""
+    Linear, ignores lm_head; embeddings and norms stay bf16. `base`: quantize this bf16
+    Hugging Face directory (benchmarks' real-shape models) instead of the tiny model."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -186,7 +190,10 @@ def write_compressed_tensors(out: Path, scheme: str, seed: int = 0) -> Path:
     from compressed_tensors.quantization.utils import calculate_qparams
 
     quant_scheme = _ct_scheme(scheme)
-    write_base_model(out, seed)
+    if base is None:
+        write_base_model(out, seed)
+    else:
+        shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     static_inputs = quant_scheme.input_activations is not None and (
         quant_scheme.input_activations.dynamic is False
@@ -296,7 +303,7 @@ def _awq_linear(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor
 def _rewrite_as_packed(
     out: Path,
     seed: int,
-    pack: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    pack: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     quantization_config: dict,
 ) -> Path:
     """Replace the base model's projections by `pack`'s tensors and the rest by fp16 (what
@@ -307,7 +314,7 @@ def _rewrite_as_packed(
     for name, tensor in load_file(weights).items():
         if _is_projection(name):
             module = name.removesuffix(".weight")
-            packed = pack(tensor.float())
+            packed = pack(module, tensor.float())
             tensors.update({f"{module}.{part}": value for part, value in packed.items()})
         else:
             tensors[name] = tensor.to(torch.float16)
@@ -327,25 +334,32 @@ def write_gptq(
     desc_act: bool = False,
     sym: bool = True,
     seed: int = 0,
+    shared_order: bool = True,
 ) -> Path:
     """A GPTQ checkpoint as GPTQModel saves its "gptq" (v1) checkpoint_format: q/k/v/o/gate/
     up/down of every layer packed (round-to-nearest, no Hessian), the rest fp16. desc_act
     draws a random column order from `seed` (GPTQ's is by Hessian diagonal), giving a
-    non-trivial g_idx. quantization_config and quantize_config.json are GPTQModel 4.2.5's."""
+    non-trivial g_idx; as GPTQ's order comes from its input's Hessian, the matmuls reading one
+    input (q/k/v, gate/up) share it unless `shared_order` is False. quantization_config and
+    quantize_config.json are GPTQModel 4.2.5's."""
     if bits not in (4, 8) or group_size not in (32, 64, 128, -1):
         raise ValueError(
             f"write_gptq: bits 4 or 8 and group_size 32/64/128/-1, not {bits}, {group_size}"
         )
     generator = torch.Generator().manual_seed(seed)
 
-    def pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    orders: dict[str, torch.Tensor] = {}
+
+    def pack(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         in_features = weight.shape[1]
-        order = (
-            torch.randperm(in_features, generator=generator)
-            if desc_act
-            else torch.arange(in_features)
-        )
-        return _gptq_linear(weight, bits, group_size, sym, order)
+        if not desc_act:
+            return _gptq_linear(weight, bits, group_size, sym, torch.arange(in_features))
+        shared_input = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+        shared_input = shared_input.replace("up_proj", "gate_proj")
+        key = shared_input if shared_order else module
+        if key not in orders:
+            orders[key] = torch.randperm(in_features, generator=generator)
+        return _gptq_linear(weight, bits, group_size, sym, orders[key])
 
     meta = {
         "quantizer": [f"gptqmodel:{GPTQMODEL_VERSION}"],
@@ -390,7 +404,7 @@ def write_awq(out: Path, group_size: int = 128, seed: int = 0) -> Path:
         "modules_to_not_convert": None,
     }
     return _rewrite_as_packed(
-        out, seed, lambda weight: _awq_linear(weight, group_size), quantization_config
+        out, seed, lambda _, weight: _awq_linear(weight, group_size), quantization_config
     )
 
 
@@ -507,3 +521,41 @@ def transformers_model(
         if getattr(module, "quantization_scheme", None) is not None:
             module.quantization_enabled = quantize_activations
     return model.eval()
+
+
+# --- the cases the engine is checked on ---------------------------------------------------------
+
+# name -> writer, every format and option the engine reads (tests/test_quantized_checkpoints.py,
+# benchmarks/quantized_parity.py).
+CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
+    "ct-w4a16": lambda p: write_compressed_tensors(p, "W4A16"),
+    "ct-w4a16-g32": lambda p: write_compressed_tensors(p, "W4A16_G32"),
+    "ct-w4a16-asym": lambda p: write_compressed_tensors(p, "W4A16_ASYM"),
+    "ct-w8a16": lambda p: write_compressed_tensors(p, "W8A16"),
+    "ct-w8a8": lambda p: write_compressed_tensors(p, "W8A8"),
+    "ct-fp8-dynamic": lambda p: write_compressed_tensors(p, "FP8_DYNAMIC"),
+    "ct-fp8-static": lambda p: write_compressed_tensors(p, "FP8"),
+    "gptq-4bit-g128": lambda p: write_gptq(p, bits=4, group_size=128),
+    "gptq-4bit-g32-asym": lambda p: write_gptq(p, bits=4, group_size=32, sym=False),
+    "gptq-8bit-g64": lambda p: write_gptq(p, bits=8, group_size=64),
+    "gptq-8bit-asym": lambda p: write_gptq(p, bits=8, group_size=128, sym=False),
+    "gptq-4bit-channel": lambda p: write_gptq(p, bits=4, group_size=-1),
+    "gptq-4bit-act-order": lambda p: write_gptq(p, bits=4, group_size=32, desc_act=True),
+    "gptq-4bit-act-order-per-matrix": lambda p: write_gptq(
+        p, bits=4, group_size=32, desc_act=True, shared_order=False
+    ),
+    "awq-g128": lambda p: write_awq(p, group_size=128),
+    "awq-g64": lambda p: write_awq(p, group_size=64),
+}
+# Where transformers runs the checkpoint on CPU itself: compressed-tensors' symmetric schemes.
+TRANSFORMERS_RUNS = frozenset(
+    {"ct-w4a16", "ct-w4a16-g32", "ct-w8a16", "ct-w8a8", "ct-fp8-dynamic", "ct-fp8-static"}
+)
+
+
+def reference_of(case: str, out: Path) -> transformers.PreTrainedModel:
+    """transformers' own model of the checkpoint where it runs one on CPU (activations left
+    fp32, as zllm's CPU arithmetic keeps them), else reference_model's dequantized weights."""
+    if case in TRANSFORMERS_RUNS:
+        return transformers_model(out, quantize_activations=False)
+    return reference_model(out)

@@ -25,7 +25,7 @@ from zllm.executor.models.moe import MoEBlock
 from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
 from zllm.executor.weights import expert_blocks, gguf_arithmetic
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
-from zllm.executor.weights.quantized.act_order import ActOrderLinear
+from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderParts
 from zllm.executor.weights.quantized.checkpoint import (
     QuantizedCheckpoint,
     read_quantized_checkpoint,
@@ -168,12 +168,11 @@ class _WeightBlocks:
     def reads(self, names: list[str]) -> bool:
         """Whether the kernel reads every one of these tensors (this rank's part of each)."""
         parts = [self.rank_part(n) for n in names]
-        readable = all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
-        return readable and self.input_order(names) is not False
+        return all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
 
     def input_order(self, names: list[str]) -> torch.Tensor | None | bool:
         """Act-order checkpoints: the column order the matrices' blocks share (None: natural
-        order; False: they differ, so one fused matmul cannot read them)."""
+        order; False: they differ, so each is a matmul of its own)."""
         if self.checkpoint is None:
             return None
         orders = [self.checkpoint.input_orders.get(n) for n in names]
@@ -230,6 +229,9 @@ class _WeightBlocks:
         self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
     ) -> nn.Module | None:
         """A kernel matmul over the row-concatenated blocks of names, if it reads them all."""
+        order = self.input_order(names)
+        if order is False:
+            return self._fuse_parts(names, weight, bias)
         found = self.blocks(names, weight)
         if found is None:
             return None
@@ -237,8 +239,22 @@ class _WeightBlocks:
             module = GGUFLinear(*found[0], weight.shape[1], bias, self.arithmetic)
         else:
             module = GGUFSplitLinear(found, weight.shape[1], bias, self.arithmetic)
-        order = self.input_order(names)
         return module if order is None else ActOrderLinear(module, order)
+
+    def _fuse_parts(
+        self, names: list[str], weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> nn.Module | None:
+        """A fused matmul whose parts' act-order differs: one matmul per part."""
+        parts, start = [], 0
+        for name in names:
+            rows = self.rank_part(name)[1].shape[0]
+            part_bias = None if bias is None else bias[start : start + rows]
+            part = self.fuse([name], weight[start : start + rows], part_bias)
+            if part is None:
+                return None
+            parts.append(part)
+            start += rows
+        return ActOrderParts(parts)
 
 
 class BlockPlan:
@@ -273,7 +289,7 @@ class BlockPlan:
             if unserved:
                 raise ValueError(
                     f"{unserved[0]} is stored quantized but no kernel matmul of this model "
-                    f"reads it (a fused matmul's parts must share their act-order g_idx)"
+                    f"reads it (this rank's part of it is not whole blocks?)"
                 )
             served |= checkpoint.stored_names
         return frozenset(served)

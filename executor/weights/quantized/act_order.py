@@ -28,3 +28,18 @@ class ActOrderLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.order))
+
+
+class ActOrderParts(nn.Module):
+    """A fused matmul (q/k/v, gate/up) whose parts were quantized in different column orders
+    (a checkpoint whose tool ordered each matrix alone): each part gathers x in its own order
+    and writes its own columns of y."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)

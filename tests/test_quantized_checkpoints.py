@@ -1,0 +1,229 @@
+"""Quantized Hugging Face checkpoints served on CPU (issue 59): compressed-tensors, GPTQ and
+AWQ checkpoints as their libraries write them (tests/quant_checkpoints.py), read into the CPU
+kernel's blocks (executor/weights/quantized/), against transformers loading the same
+checkpoint where it can on CPU (compressed-tensors' weight-only schemes) and against the
+dequantized weights elsewhere (GPTQ and AWQ need GPU libraries; the activation schemes'
+references keep activations fp32, as zllm's CPU arithmetic does: the logprob difference that
+transformers' own activation rounding makes is stated in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from parity import assert_greedy_parity, hf_greedy
+from quant_checkpoints import CHECKPOINTS, reference_model, reference_of
+
+from zllm import LLM, SamplingParams
+from zllm.config.engine_args import EngineArgs
+from zllm.executor.ranks.layout import RankLayout
+from zllm.executor.weights.gguf_modules import GGUFLinear
+from zllm.executor.weights.model_weights import ModelWeights
+from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderParts
+from zllm.executor.weights.quantized.to_blocks import BF16, F16, Q4_0, Q4_1, Q8_0
+
+_spec = importlib.util.spec_from_file_location(
+    "logits_parity", Path(__file__).resolve().parent.parent / "benchmarks" / "logits_parity.py"
+)
+logits_parity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(logits_parity)
+
+PROMPTS = [[5, 17, 200, 33, 61, 90], [300, 2, 2, 48, 111, 7, 8, 9, 250, 13], [401, 66]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+POOL = 16 << 20
+EXACT, ROUNDED = 1e-3, 0.15  # the largest |logit difference| allowed (logits span ~+-8)
+# name -> (the block type its projections become, the logits' tolerance): exact weights leave
+# only the order of fp32 sums; Q4_1's zero term and fp8 times its scale are rounded to fp16
+# at load (2^-11 of a weight; BENCHMARKS.md gives each case's measured difference and KL).
+CASES: dict[str, tuple[int, float]] = {
+    "ct-w4a16": (Q4_0, EXACT),
+    "ct-w4a16-g32": (Q4_0, EXACT),
+    "ct-w4a16-asym": (Q4_1, ROUNDED),
+    "ct-w8a16": (Q8_0, EXACT),
+    "ct-w8a8": (Q8_0, EXACT),
+    "ct-fp8-dynamic": (F16, ROUNDED),
+    "ct-fp8-static": (F16, ROUNDED),
+    "gptq-4bit-g128": (Q4_0, EXACT),
+    "gptq-4bit-g32-asym": (Q4_1, ROUNDED),
+    "gptq-8bit-g64": (Q8_0, EXACT),
+    "gptq-8bit-asym": (F16, ROUNDED),
+    "gptq-4bit-channel": (Q4_0, EXACT),
+    "gptq-4bit-act-order": (Q4_0, EXACT),
+    "gptq-4bit-act-order-per-matrix": (Q4_0, EXACT),
+    "awq-g128": (Q4_1, ROUNDED),
+    "awq-g64": (Q4_1, ROUNDED),
+}
+assert CASES.keys() == CHECKPOINTS.keys()
+
+
+def checkpoint(tmp_path_factory, case: str) -> Path:
+    return CHECKPOINTS[case](tmp_path_factory.mktemp(case))
+
+
+def _leaves(module) -> list[GGUFLinear]:
+    """The block matmuls a model matmul runs (through act-order's column gathers)."""
+    if isinstance(module, ActOrderParts):
+        return [leaf for part in module.parts for leaf in _leaves(part)]
+    if isinstance(module, ActOrderLinear):
+        return _leaves(module.inner)
+    return [module]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_answers_as_its_reference(tmp_path_factory, case):
+    """Greedy tokens equal the reference's (near-tie rule); the logits over each prompt and
+    its continuation within the case's tolerance; every projection read as the expected
+    blocks, the embedding as 16-bit rows (no fp32 matrix)."""
+    path = checkpoint(tmp_path_factory, case)
+    block_type, tolerance = CASES[case]
+    ref = reference_of(case, path)
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL)
+    outs = llm.generate(_inputs(), GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ours = list(out.outputs[0].token_ids)
+        theirs = hf_greedy(ref, prompt, GREEDY.max_tokens)
+        assert_greedy_parity(ref, prompt, ours, theirs, label=case)
+        sequence = prompt + ours
+        with torch.inference_mode():
+            expected = ref(torch.tensor([sequence])).logits[0].float()
+        got = logits_parity.zllm_logits(llm, sequence)
+        assert float((got - expected).abs().max()) < tolerance
+    del llm
+
+    model = ModelWeights(RankLayout.of(_config(path))).model
+    layer = model.layers[0]
+    matmuls = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj]  # fmt: skip
+    for leaf in (leaf for module in matmuls for leaf in _leaves(module)):
+        assert isinstance(leaf, GGUFLinear) and leaf.ggml_type == block_type
+    assert isinstance(layer.mlp.gate_up_proj, ActOrderLinear) == (case == "gptq-4bit-act-order")
+    assert isinstance(layer.mlp.gate_up_proj, ActOrderParts) == case.endswith("per-matrix")
+    assert model.embed_tokens.numel() == 0  # the embedding and tied logits read 16-bit rows
+
+
+def _config(path: Path, **options):
+    return EngineArgs(model=str(path), kv_cache_memory_bytes=POOL, **options).create_engine_config()
+
+
+def test_the_blocks_take_about_the_checkpoints_bytes(tmp_path_factory):
+    """int4 groups of 128 become Q4_0: 18 bytes per 32 weights against the checkpoint's 16
+    plus a 2-byte scale per 128 (4.5 bits against 4.125), the embedding its bf16 rows."""
+    path = checkpoint(tmp_path_factory, "ct-w4a16")
+    model = ModelWeights(RankLayout.of(_config(path))).model
+    projections = [
+        m for layer in model.layers for m in layer.modules() if isinstance(m, GGUFLinear)
+    ]
+    held = sum(m.qweight.numel() for m in projections)
+    weights = sum(m.out_features * m.in_features for m in projections)
+    assert held == weights * 18 // 32
+    assert model.embed_rows.qweight.dtype == torch.uint8
+    assert model.embed_rows.ggml_type == BF16
+
+
+def test_a_checkpoint_missing_a_scale_is_refused_naming_it(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint(tmp_path_factory, "gptq-4bit-g128")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.scales"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.scales is missing"):
+        ModelWeights(RankLayout.of(_config(path)))
+
+
+def test_tensor_parallel_ranks_cut_the_blocks_on_block_boundaries(tmp_path_factory):
+    """Two ranks (o/down cut by input columns, 64 of 128 each: two Q4_0 blocks) give one
+    rank's greedy tokens."""
+    path = checkpoint(tmp_path_factory, "ct-w4a16-g32")
+    one = LLM(str(path), kv_cache_memory_bytes=POOL)
+    expected = [o.outputs[0].token_ids for o in one.generate(_inputs(), GREEDY, use_tqdm=False)]
+    del one
+    two = LLM(str(path), kv_cache_memory_bytes=POOL, tensor_parallel_size=2)
+    got = [o.outputs[0].token_ids for o in two.generate(_inputs(), GREEDY, use_tqdm=False)]
+    del two
+    assert got == expected
+
+
+def _inputs() -> list[dict]:
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+def test_a_quantized_base_composes_with_lora_speculation_sleep_and_a_narrow_cache(
+    tmp_path_factory, tmp_path
+):
+    """An act-order GPTQ base: an adapter's greedy tokens equal PEFT's over the dequantized
+    reference; ngram speculation, an int8 KV cache and waking from sleep level 2 (the blocks
+    made again from the checkpoint) give the plain engine's tokens."""
+    import peft
+    from lora_adapters import ALL_TARGETS, make_adapter
+
+    from zllm import LoRARequest
+
+    path = checkpoint(tmp_path_factory, "gptq-4bit-act-order")
+    reference_dir = tmp_path / "reference"
+    ref = reference_model(path)
+    ref.save_pretrained(reference_dir)
+    for tokenizer_file in path.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, reference_dir)
+    adapter = make_adapter(str(reference_dir), tmp_path / "adapter", seed=3, r=4,
+                           lora_alpha=8, target_modules=ALL_TARGETS)  # fmt: skip
+    with_adapter = peft.PeftModel.from_pretrained(ref, str(adapter)).eval()
+
+    plain = LLM(str(path), kv_cache_memory_bytes=POOL)
+    expected = _greedy(plain)
+    del plain
+
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, enable_lora=True, enable_sleep_mode=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    lora = LoRARequest("a", 1, str(adapter))
+    for prompt, ours in zip(PROMPTS, _greedy(llm, lora), strict=True):
+        theirs = hf_greedy(with_adapter, prompt, GREEDY.max_tokens)
+        assert_greedy_parity(with_adapter, prompt, ours, theirs, label="gptq base + lora")
+    assert _greedy(llm) == expected
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert _greedy(llm) == expected
+    del llm
+
+    # An int8 cache rounds K and V as it does for the same weights unquantized.
+    narrow = {}
+    for model in (path, reference_dir):
+        llm = LLM(str(model), kv_cache_memory_bytes=POOL, kv_cache_dtype="int8")
+        narrow[model] = _greedy(llm)
+        del llm
+    for prompt, ours, theirs in zip(PROMPTS, narrow[path], narrow[reference_dir], strict=True):
+        assert_greedy_parity(ref, prompt, ours, theirs, label="gptq base + int8 kv")
+
+
+def _greedy(llm: LLM, lora=None) -> list[list[int]]:
+    outs = llm.generate(_inputs(), GREEDY, use_tqdm=False, lora_request=lora)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.e2e
+def test_served_checkpoints_answer_as_offline(tmp_path_factory, tmp_path):
+    """`zllm serve` on an AWQ and a compressed-tensors W8A8 checkpoint (the method found in
+    config.json, no flag): /v1/completions' greedy tokens equal the offline API's, and
+    /v1/models lists the model."""
+    from servers import start_server, stop_server
+
+    for case in ("awq-g128", "ct-w8a8"):
+        path = checkpoint(tmp_path_factory, case)
+        llm = LLM(str(path), kv_cache_memory_bytes=POOL)
+        expected = _greedy(llm)
+        del llm
+        server = start_server(str(path), tmp_path / f"{case}.log")
+        try:
+            assert server.get("/v1/models").json()["data"][0]["id"]
+            for prompt, tokens in zip(PROMPTS, expected, strict=True):
+                body = {"prompt": prompt, "max_tokens": GREEDY.max_tokens, "temperature": 0,
+                        "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+                choice = server.post("/v1/completions", body).json()["choices"][0]
+                served = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+                assert served == tokens, case
+        finally:
+            stop_server(server)
