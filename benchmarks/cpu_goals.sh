@@ -25,6 +25,8 @@
 #           on the Q4_K_M file against transformers, beside gguf-float's and gguf-int8's),
 #           avx2-58 (with LLAMA_NATIVE=OFF: both engines held to AVX2, zllm by ZLLM_CPU_ISA=avx2,
 #           llama-server by its portable build; default58's cells; STEPS58 picks engines)
+#           Issue 59's: quant59 (the 1B shape as compressed-tensors W4A16 and W8A8 checkpoints,
+#           made from its bf16 directory, against its Q4_K_M and Q8_0 GGUFs; memory after load)
 #   LLAMA_NATIVE [ON]  QUIET_LOAD [""]  PYTHON [python]  passed on to compare.sh
 set -euo pipefail
 
@@ -175,6 +177,24 @@ fi
 if has_part avx2-58; then  # run with LLAMA_NATIVE=OFF: llama.cpp's portable AVX2 build
     ZLLM_CPU_ISA=avx2 cells58 avx2-58 MODEL=llama1b-q4km STEPS="${STEPS58:-zllm llama-q4 llama-q8}" \
         ZLLM_LABEL=zllm-default-avx2
+fi
+# Issue 59: the 1B shape's bf16 directory quantized as llm-compressor writes W4A16 (int4, group
+# 128), W8A8 and FP8_DYNAMIC (benchmarks/quantize_checkpoint.py), against the same shape's GGUFs in zllm
+# and llama-server's Q4_K_M; each checkpoint's resident memory after load.
+if has_part quant59; then
+    for scheme in W4A16 W8A8 FP8_DYNAMIC; do
+        dir=$LLAMA1B/ct-${scheme,,}
+        [[ -d $dir ]] || "$PYTHON" "$REPO/benchmarks/quantize_checkpoint.py" "$LLAMA1B/hf-bf16" \
+            "$dir" --scheme "$scheme"
+        "$PYTHON" "$REPO/benchmarks/load_memory.py" "$dir" | tail -1 \
+            >"$GOALS_DIR/memory59-${scheme,,}.json"
+    done
+    cell59() { compare quant59 "${CELL58[@]}" NUM_PROMPTS=16 CONCURRENCIES="1 8" "$@"; }
+    cell59 MODEL=llama1b-q4km STEPS="zllm llama-q4" ZLLM_LABEL=zllm-Q4_K_M
+    cell59 MODEL="$LLAMA1B/ct-w4a16" STEPS=zllm ZLLM_LABEL=zllm-ct-w4a16
+    cell59 MODEL="$LLAMA1B/llama1b-Q8_0.gguf" STEPS=zllm ZLLM_LABEL=zllm-Q8_0
+    cell59 MODEL="$LLAMA1B/ct-w8a8" STEPS=zllm ZLLM_LABEL=zllm-ct-w8a8
+    cell59 MODEL="$LLAMA1B/ct-fp8_dynamic" STEPS=zllm ZLLM_LABEL=zllm-ct-fp8-dynamic
 fi
 if has_part vllm58; then
     cells58 vllm58-smollm2 MODEL=smollm2 STEPS="zllm-hf vllm"

@@ -84,6 +84,7 @@ _QUANT_SUFFIXES = (
     ".weight_zero_point",
     ".weight_shape",
     ".weight_g_idx",
+    ".weight_scale_inv",
     ".input_scale",
     ".input_zero_point",
     ".qweight",
@@ -194,7 +195,8 @@ def write_compressed_tensors(
         write_base_model(out, seed)
     else:
         shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors*"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    source = out if base is None else base
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     static_inputs = quant_scheme.input_activations is not None and (
         quant_scheme.input_activations.dynamic is False
     )
@@ -408,6 +410,31 @@ def write_awq(out: Path, group_size: int = 128, seed: int = 0) -> Path:
     )
 
 
+def write_fp8(out: Path, block: int = 128, seed: int = 0) -> Path:
+    """A block-scaled fp8 checkpoint as DeepSeek's and Qwen's FP8 releases ship it (quant_method
+    "fp8", transformers' FineGrainedFP8 layout): e4m3 weights and weight_scale_inv fp32
+    [ceil(out/128), ceil(in/128)], each block's max |w| / 448 (the factor the values are
+    multiplied by, whatever its name says); the rest fp16."""
+
+    def pack(_: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, columns = weight.shape
+        padded = torch.zeros(-(-rows // block) * block, -(-columns // block) * block)
+        padded[:rows, :columns] = weight
+        tiles = padded.unflatten(0, (-1, block)).unflatten(-1, (-1, block))
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        values = (weight / expanded[:rows, :columns]).to(torch.float8_e4m3fn)
+        return {"weight": values, "weight_scale_inv": scale}
+
+    quantization_config = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+    }
+    return _rewrite_as_packed(out, seed, pack, quantization_config)
+
+
 # --- the reference: dequantized weights and the model made of them --------------------------
 
 
@@ -478,6 +505,15 @@ def dequantized_weights(out: Path) -> dict[str, torch.Tensor]:
         else:
             group_size = config["group_size"]
             weights = {f"{m}.weight": _dequantize_awq(tensors, m, group_size) for m in modules}
+    elif method == "fp8":
+        block_rows, block_columns = config["weight_block_size"]
+        modules = {n.removesuffix(".weight_scale_inv") for n in tensors if n.endswith("_inv")}
+        weights = {}
+        for m in modules:
+            values = tensors[f"{m}.weight"].float()
+            scale = tensors[f"{m}.weight_scale_inv"].float()
+            scale = scale.repeat_interleave(block_rows, 0).repeat_interleave(block_columns, 1)
+            weights[f"{m}.weight"] = values * scale[: values.shape[0], : values.shape[1]]
     else:
         raise ValueError(f"not a checkpoint written by quant_checkpoints: {method!r}")
     for name, tensor in tensors.items():
@@ -546,6 +582,7 @@ CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     ),
     "awq-g128": lambda p: write_awq(p, group_size=128),
     "awq-g64": lambda p: write_awq(p, group_size=64),
+    "fp8-block": lambda p: write_fp8(p),
 }
 # Where transformers runs the checkpoint on CPU itself: compressed-tensors' symmetric schemes.
 TRANSFORMERS_RUNS = frozenset(

@@ -24,7 +24,7 @@ from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.model_weights import ModelWeights
 from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderParts
-from zllm.executor.weights.quantized.to_blocks import BF16, F16, Q4_0, Q4_1, Q8_0
+from zllm.executor.weights.quantized.to_blocks import BF16, F16, FP8_E4M3, Q4_0, Q4_1, Q8_0
 
 _spec = importlib.util.spec_from_file_location(
     "logits_parity", Path(__file__).resolve().parent.parent / "benchmarks" / "logits_parity.py"
@@ -37,16 +37,17 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 POOL = 16 << 20
 EXACT, ROUNDED = 1e-3, 0.15  # the largest |logit difference| allowed (logits span ~+-8)
 # name -> (the block type its projections become, the logits' tolerance): exact weights leave
-# only the order of fp32 sums; Q4_1's zero term and fp8 times its scale are rounded to fp16
-# at load (2^-11 of a weight; BENCHMARKS.md gives each case's measured difference and KL).
+# only the order of fp32 sums; Q4_1's zero term, int8 with zero points (F16 rows) and fp32
+# scales are rounded to fp16 at load (2^-11 of a weight; BENCHMARKS.md gives each case's
+# measured difference and KL).
 CASES: dict[str, tuple[int, float]] = {
     "ct-w4a16": (Q4_0, EXACT),
     "ct-w4a16-g32": (Q4_0, EXACT),
     "ct-w4a16-asym": (Q4_1, ROUNDED),
     "ct-w8a16": (Q8_0, EXACT),
     "ct-w8a8": (Q8_0, EXACT),
-    "ct-fp8-dynamic": (F16, ROUNDED),
-    "ct-fp8-static": (F16, ROUNDED),
+    "ct-fp8-dynamic": (FP8_E4M3, EXACT),
+    "ct-fp8-static": (FP8_E4M3, EXACT),
     "gptq-4bit-g128": (Q4_0, EXACT),
     "gptq-4bit-g32-asym": (Q4_1, ROUNDED),
     "gptq-8bit-g64": (Q8_0, EXACT),
@@ -56,6 +57,7 @@ CASES: dict[str, tuple[int, float]] = {
     "gptq-4bit-act-order-per-matrix": (Q4_0, EXACT),
     "awq-g128": (Q4_1, ROUNDED),
     "awq-g64": (Q4_1, ROUNDED),
+    "fp8-block": (FP8_E4M3, ROUNDED),  # fp32 block scales rounded to fp16
 }
 assert CASES.keys() == CHECKPOINTS.keys()
 
@@ -227,3 +229,24 @@ def test_served_checkpoints_answer_as_offline(tmp_path_factory, tmp_path):
                 assert served == tokens, case
         finally:
             stop_server(server)
+
+
+def test_fp8_blocks_widen_every_e4m3_value_exactly():
+    """zllm's FP8_E4M3 blocks hold every finite e4m3 byte (subnormals, both zeros) and widen
+    to value x scale exactly, in the dequantizer, the few-rows path (1 row) and the prefill
+    panels (64 rows)."""
+    from zllm.executor.kernels import cpu as cpu_kernels
+    from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
+
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]  # 0x7F / 0xFF are NaN
+    codes = torch.tensor(finite * 2, dtype=torch.uint8)[: 7 * 64].view(7, 64)
+    values = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5], [2.0**-10], [3.0], [1.0], [0.125], [7.0], [2.0**-14]])
+    ggml_type, rows = float_blocks(FloatWeight(values, scale))
+    assert ggml_type == FP8_E4M3 and rows.shape == (7, 2 * 34)
+    expected = values.float() * scale
+    assert torch.equal(cpu_kernels.gguf_dequantize(rows, ggml_type, 64), expected)
+    for n in (1, 64):
+        x = torch.randn(n, 64, generator=torch.Generator().manual_seed(n))
+        got = cpu_kernels.gguf_linear(x, rows, ggml_type)
+        torch.testing.assert_close(got, x @ expected.T, rtol=1e-5, atol=1e-5)

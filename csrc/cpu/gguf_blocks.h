@@ -26,7 +26,10 @@ enum QType : int64_t {
   kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ2_XXS = 16, kIQ2_XS = 17, kIQ3_XXS = 18, kIQ1_S = 19,
   kIQ4_NL = 20, kIQ3_S = 21, kIQ2_S = 22, kIQ4_XS = 23, kIQ1_M = 29, kBF16 = 30, kTQ1_0 = 34,
-  kTQ2_0 = 35, kMXFP4 = 39, kNVFP4 = 40
+  kTQ2_0 = 35, kMXFP4 = 39, kNVFP4 = 40,
+  // zllm's own, no GGUF type: an fp8 checkpoint's e4m3 values, 32 to a block with their fp16
+  // scale, laid out as Q8_0 (executor/weights/quantized/to_blocks.py).
+  kFP8_E4M3 = 100
 };
 // F16 and BF16 are plain 16-bit values; the kernel reads them in runs of 32 (64 bytes) so
 // they share the block-wise loops (gguf_linear.h). Both widen to fp32 exactly.

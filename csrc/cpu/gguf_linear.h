@@ -214,6 +214,36 @@ inline __m256 widen_bf16(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+// 32 e4m3 values (sign, 4 exponent bits biased by 7, 3 mantissa bits) widened to fp32, times
+// 2^-8: moved into fp16's bit positions (sign at 15, exponent and mantissa at 7-14) each is
+// an fp16 whose exponent bias is 8 larger, subnormals included, which F16C widens exactly.
+// The caller multiplies the 2^8 back into the block's scale (exact: a power of two).
+inline void widen_e4m3(const uint8_t* p, __m256 q[4]) {
+  const __m256i sign_mask = _mm256_set1_epi16(static_cast<int16_t>(0x80));
+  const __m256i magnitude_mask = _mm256_set1_epi16(0x7F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+    const __m256i half = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(bytes, sign_mask), 8),
+        _mm256_slli_epi16(_mm256_and_si256(bytes, magnitude_mask), 7));
+    q[2 * h] = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    q[2 * h + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+  }
+}
+
+constexpr float kE4M3Rescale = 256.f;  // widen_e4m3's 2^-8 undone
+
+inline void dequant_row_e4m3(const uint8_t* row, int64_t K, float* out) {  // f16 d, 32 e4m3
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint8_t* blk = row + b * kQ8_0Bytes;
+    __m256 q[4];
+    widen_e4m3(blk + 2, q);
+    const __m256 dv = _mm256_set1_ps(half_to_float(blk) * kE4M3Rescale);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + b * kBlock + 8 * i, _mm256_mul_ps(dv, q[i]));
+  }
+}
+
 template <bool kBrain>
 inline void dequant_row_16(const uint8_t* row, int64_t K, float* out) {
   for (int64_t k = 0; k < K; k += 8)
@@ -243,7 +273,7 @@ inline const BlockFormat* block_format(int64_t qtype) {
       f16{kBlock, 64, dequant_row_16<false>}, bf16{kBlock, 64, dequant_row_16<true>},
       q2_k{kSuper, 84, dequant_row_q2_k}, q3_k{kSuper, 110, dequant_row_q3_k},
       iq4_nl{kBlock, 18, dequant_row_iq4_nl}, iq4_xs{kSuper, 136, dequant_row_iq4_xs},
-      mxfp4{kBlock, 17, dequant_row_mxfp4};
+      mxfp4{kBlock, 17, dequant_row_mxfp4}, fp8_e4m3{kBlock, kQ8_0Bytes, dequant_row_e4m3};
   static const BlockFormat iq2_xxs = lattice_format<IQ2_XXS>(), iq2_xs = lattice_format<IQ2_XS>(),
                            iq2_s = lattice_format<IQ2_S>(), iq3_xxs = lattice_format<IQ3_XXS>(),
                            iq3_s = lattice_format<IQ3_S>(), iq1_s = lattice_format<IQ1_S>(),
@@ -252,6 +282,7 @@ inline const BlockFormat* block_format(int64_t qtype) {
   switch (qtype) {
     case kF16: return &f16;
     case kBF16: return &bf16;
+    case kFP8_E4M3: return &fp8_e4m3;
     case kQ4_0: return &q4_0;
     case kQ4_1: return &q4_1;
     case kQ5_0: return &q5_0;
@@ -542,6 +573,18 @@ struct FewQ8_0 {
   }
 };
 
+// zllm's FP8_E4M3 blocks: Q8_0's layout, e4m3 values for codes.
+struct FewE4M3 {
+  static constexpr int64_t kValues = kBlock, kBytes = kQ8_0Bytes;
+  static constexpr bool kOffset = false;
+  template <int MR>
+  static void add(const uint8_t* blk, const FewRowsInput& in, RowSums<MR>& even, RowSums<MR>&) {
+    __m256 q[4];
+    widen_e4m3(blk + 2, q);
+    add_group<MR>(q, half_to_float(blk) * kE4M3Rescale, in, 0, even);
+  }
+};
+
 // F16 / BF16: 32 values widened in registers; no scale (d = 1), no offset.
 template <bool kBrain>
 struct Few16 {
@@ -766,6 +809,7 @@ inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
     case kQ5_0: return few_rows_for<FewQ5_0, 2>(M);
     case kQ5_1: return few_rows_for<FewQ5_1, 2>(M);
     case kQ8_0: return few_rows_for<FewQ8_0, 4>(M);
+    case kFP8_E4M3: return few_rows_for<FewE4M3, 4>(M);
     case kQ4_K: return few_rows_for<FewQ45_K<false>, 4>(M);
     case kQ5_K: return few_rows_for<FewQ45_K<true>, 4>(M);
     case kQ6_K: return few_rows_for<FewQ6_K, 2>(M);

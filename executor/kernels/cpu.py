@@ -81,6 +81,7 @@ LDFLAGS = ("-fopenmp",)
 # their IQ1-IQ3 matrices beside IQ4_XS or IQ4_NL ones; the ternary presets TQ1_0/TQ2_0;
 # gpt-oss MXFP4), NVFP4, and 16-bit weights (F16/BF16 files, the matrices of bf16/fp16
 # checkpoints), widened to fp32 in registers. Every type gguf-py dequantizes but F32.
+FP8_E4M3 = 100
 SUPPORTED_GGML_TYPES = {
     1: "F16",
     2: "Q4_0",
@@ -107,6 +108,9 @@ SUPPORTED_GGML_TYPES = {
     35: "TQ2_0",
     39: "MXFP4",
     40: "NVFP4",
+    # zllm's own, no GGUF type: an fp8 checkpoint's e4m3 values, 32 with their fp16 scale in
+    # Q8_0's 34-byte layout (executor/weights/quantized/to_blocks.py).
+    FP8_E4M3: "FP8_E4M3",
 }
 # The lattice types' codebooks (csrc/cpu/gguf_lattice.h): the grids of these types and
 # IQ2_XXS's ksigns are the GGUF format's constants, owned by gguf-py, whose dequantizer the
@@ -340,6 +344,15 @@ def set_cpu_isa(name: str) -> str:
     """Force "avx2" or "avx512vnni" (where the CPU has it), or "auto" (the best it has), for
     this process; returns the choice, which set_cpu_isa(cpu_isa()) restores."""
     return load().set_cpu_isa(name)
+
+
+def block_size(ggml_type: int) -> tuple[int, int]:
+    """(values, bytes) of one block of a type the kernel reads (GGUF's, or zllm's FP8_E4M3)."""
+    if ggml_type == FP8_E4M3:
+        return 32, 34
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
 
 
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS, read_checkpoint_quantization
@@ -161,7 +161,7 @@ class _WeightBlocks:
         if found is None or not self.tp.enabled:
             return found
         ggml_type, rows = found
-        block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        block_values, block_bytes = cpu_kernels.block_size(ggml_type)
         part = shard_blocks(name, rows, block_values, block_bytes, self.checkpoint_arch, self.tp)
         return None if part is None else (ggml_type, part)
 
@@ -404,7 +404,7 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
 
 
 def _type_names(types: list[int]) -> str:
-    return ", ".join(GGMLQuantizationType(t).name for t in types)
+    return ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.get(t, str(t)) for t in types)
 
 
 def _fp32_note(model_path: str) -> str:

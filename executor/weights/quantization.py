@@ -19,6 +19,13 @@ them, per type, CPU and call size, is executor/weights/gguf_arithmetic.py's rule
 A fused matmul whose parts the file stores in different types (Gemma 3's q/k in Q5_0 beside v
 in Q8_0) runs one kernel call per part, each writing its columns of the output.
 
+Quantized checkpoints (`compressed-tensors`, `gptq`, `awq`, `fp8`: the checkpoint's own
+method, zllm/config/quantization.py): their packed codes are laid out once at load as the
+same kernels' Q4_0/Q4_1/Q8_0 blocks, or 16-bit rows (executor/weights/quantized/), and from
+there served as a GGUF file's blocks are (blocks.py: every block source, a GGUF file, a
+16-bit checkpoint or a quantized one, names the tensors it serves before the load and gives
+each matmul its module).
+
 `int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
 call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
 models without activation outliers.

@@ -98,7 +98,7 @@ def _add_quantized(result, quant, fmt, module: str, tensors: dict[str, torch.Ten
             if order is not None:
                 result.input_orders[name] = order
         else:
-            blocks = to_blocks.float_rows(weight)
+            blocks = to_blocks.float_blocks(weight)
     except UnservableWeight as exc:
         raise ValueError(f"{name} ({fmt.describe()}): {exc}") from None
     result.blocks[name] = blocks

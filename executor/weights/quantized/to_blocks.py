@@ -7,13 +7,15 @@ each stored kind becomes:
   int4, symmetric (zero at 8)      Q4_0: d * (q - 8), d the group's scale     exact
   int4 with zero points            Q4_1: d * q + m, m = -scale * zero          m rounded to fp16
   int8, symmetric (zero at 128)    Q8_0: d * (q - 128)                        exact
-  int8 with zero points, fp8       F16 rows of the dequantized values         rounded to fp16
-                                   (BF16 where a value overflows fp16)
+  fp8 (e4m3), its scale per tensor, FP8_E4M3 (zllm's own): Q8_0's layout,   exact (scales
+  channel or 32-multiple block     e4m3 values for codes, the scale as d      fp16 holds)
+  int8 with zero points; fp8       F16 rows of the dequantized values         rounded to fp16
+  whose scales fp16 cannot hold    (BF16 where a value overflows fp16)
 
 "Exact": the values multiplied are the checkpoint's dequantized weights computed in fp32,
 scales that fp16 holds exactly (bf16 and fp16 scales in fp16's normal range). Blocks take
-4.5 bits per weight for int4 (Q4_0; 5 for Q4_1) and 8.5 for int8: a few percent above the
-checkpoint's packing, never an fp32 copy.
+4.5 bits per weight for int4 (Q4_0; 5 for Q4_1) and 8.5 for int8 and fp8: a few percent above
+the checkpoint's packing, never an fp32 copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from zllm.executor.kernels.cpu import FP8_E4M3
 
 Q4_0, Q4_1, Q8_0, F16, BF16 = 2, 3, 8, 1, 30
 BLOCK = 32  # columns per GGUF block of these types
@@ -110,6 +114,30 @@ def integer_blocks(weight: IntegerWeight, order: torch.Tensor | None) -> Blocks:
         return sixteen_bit_rows(values)
     rows = torch.cat(parts, dim=-1).reshape(out_features, -1)
     return ggml_type, rows.contiguous()
+
+
+def float_blocks(weight: FloatWeight) -> Blocks:
+    """fp8 values as FP8_E4M3 blocks (the kernel widens them in registers), the scale of each
+    32 columns as the block's fp16 d; F16 rows where a block would straddle two scales or a
+    scale is beyond fp16's normal range."""
+    values = weight.values
+    out_features, in_features = values.shape
+    block_columns = BLOCK if weight.block is None else weight.block[1]
+    if in_features % BLOCK or block_columns % BLOCK:
+        return float_rows(weight)
+    scale = weight.scale
+    if weight.block is not None:
+        scale = scale.repeat_interleave(weight.block[0], dim=0)[:out_features]
+        scale = scale.repeat_interleave(block_columns // BLOCK, dim=1)
+    scale = scale.expand(out_features, -1)
+    if scale.shape[1] == 1:
+        scale = scale.expand(out_features, in_features // BLOCK)
+    scale = scale[:, : in_features // BLOCK]
+    if not bool(((scale.abs() >= 2**-14) & (scale.abs() <= 65504)).all()):
+        return float_rows(weight)
+    d = scale.half().view(torch.uint8).view(out_features, -1, 2)
+    codes = values.view(torch.uint8).view(out_features, -1, BLOCK)
+    return FP8_E4M3, torch.cat([d, codes], dim=-1).reshape(out_features, -1).contiguous()
 
 
 def float_rows(weight: FloatWeight) -> Blocks:
