@@ -203,7 +203,7 @@ class EngineArgs:
         "gguf-int8: integer dots wherever a type has them. none: fp32 matmuls; int8: int8 "
         "weights with dynamic int8 activations (CPU; opt-in, see BENCHMARKS.md). "
         "compressed-tensors, gptq, awq, fp8: a quantized checkpoint's method, read from its "
-        "config.json (the default for one; docs/quantization.md)",
+        "config.json (the default for one; docs/models.md, Quantized checkpoints)",
         choices=QUANTIZATION_CHOICES,
     )
     load_format: str = option(
