@@ -138,16 +138,18 @@ def test_a_checkpoint_missing_a_scale_is_refused_naming_it(tmp_path_factory):
 
 
 def test_tensor_parallel_ranks_cut_the_blocks_on_block_boundaries(tmp_path_factory):
-    """Two ranks (o/down cut by input columns, 64 of 128 each: two Q4_0 blocks) give one
-    rank's greedy tokens."""
+    """Two tensor-parallel ranks (o/down cut by input columns, 64 of 128 each: two Q4_0
+    blocks) and two pipeline stages (each reading its own layers' tensors) give one rank's
+    greedy tokens."""
     path = checkpoint(tmp_path_factory, "ct-w4a16-g32")
     one = LLM(str(path), kv_cache_memory_bytes=POOL)
     expected = [o.outputs[0].token_ids for o in one.generate(_inputs(), GREEDY, use_tqdm=False)]
     del one
-    two = LLM(str(path), kv_cache_memory_bytes=POOL, tensor_parallel_size=2)
-    got = [o.outputs[0].token_ids for o in two.generate(_inputs(), GREEDY, use_tqdm=False)]
-    del two
-    assert got == expected
+    for ranks in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        two = LLM(str(path), kv_cache_memory_bytes=POOL, **ranks)
+        got = [o.outputs[0].token_ids for o in two.generate(_inputs(), GREEDY, use_tqdm=False)]
+        del two
+        assert got == expected, ranks
 
 
 def _inputs() -> list[dict]:
