@@ -108,10 +108,11 @@ SUPPORTED_GGML_TYPES = {
     35: "TQ2_0",
     39: "MXFP4",
     40: "NVFP4",
-    # zllm's own, no GGUF type: an fp8 checkpoint's e4m3 values, 32 with their fp16 scale in
-    # Q8_0's 34-byte layout (executor/weights/quantized/to_blocks.py).
-    FP8_E4M3: "FP8_E4M3",
 }
+# Every block type the kernel reads: GGUF's, and zllm's own FP8_E4M3 (no GGUF type: an fp8
+# checkpoint's e4m3 values, 32 with their fp16 scale in Q8_0's 34-byte layout;
+# executor/weights/quantized/to_blocks.py).
+KERNEL_TYPES = {**SUPPORTED_GGML_TYPES, FP8_E4M3: "FP8_E4M3"}
 # The lattice types' codebooks (csrc/cpu/gguf_lattice.h): the grids of these types and
 # IQ2_XXS's ksigns are the GGUF format's constants, owned by gguf-py, whose dequantizer the
 # kernel matches bit for bit. load() hands them to the library once per process

@@ -168,7 +168,7 @@ class _WeightBlocks:
     def reads(self, names: list[str]) -> bool:
         """Whether the kernel reads every one of these tensors (this rank's part of each)."""
         parts = [self.rank_part(n) for n in names]
-        return all(p is not None and p[0] in cpu_kernels.SUPPORTED_GGML_TYPES for p in parts)
+        return all(p is not None and p[0] in cpu_kernels.KERNEL_TYPES for p in parts)
 
     def input_order(self, names: list[str]) -> torch.Tensor | None | bool:
         """Act-order checkpoints: the column order the matrices' blocks share (None: natural
@@ -404,7 +404,7 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
 
 
 def _type_names(types: list[int]) -> str:
-    return ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES.get(t, str(t)) for t in types)
+    return ", ".join(cpu_kernels.KERNEL_TYPES.get(t, str(t)) for t in types)
 
 
 def _fp32_note(model_path: str) -> str:

@@ -97,7 +97,7 @@ class GGUFSplitLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        types = ", ".join(cpu_kernels.SUPPORTED_GGML_TYPES[t] for _, t in self.parts)
+        types = ", ".join(cpu_kernels.KERNEL_TYPES[t] for _, t in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, types=[{types}]"
 
 
