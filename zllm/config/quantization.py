@@ -27,6 +27,9 @@ GGUF_QUANTIZATIONS = ("gguf", "gguf-float", "gguf-int8")
 # vLLM's names for a quantized checkpoint's method (config.json quantization_config.quant_method).
 CHECKPOINT_QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8")
 CPU_QUANTIZATIONS = (*GGUF_QUANTIZATIONS, "int8", *CHECKPOINT_QUANTIZATIONS)
+# quant_methods a model's own code reads (not a --quantization): gpt-oss's MXFP4 experts
+# (executor/weights/mxfp4.py).
+MODEL_QUANTIZATIONS = ("mxfp4",)
 QUANTIZATION_CHOICES = (*CPU_QUANTIZATIONS, "none")
 
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
@@ -100,6 +103,8 @@ def read_checkpoint_quantization(model_path: str) -> CheckpointQuantization | No
     if not quant:
         return None
     method = str(quant.get("quant_method", "")).lower()
+    if method in MODEL_QUANTIZATIONS:
+        return None  # the model's own loader reads these tensors
     parse = _PARSERS.get(method)
     if parse is None:
         raise ValueError(
