@@ -868,6 +868,9 @@ inline void linear_rows(const float* xp, int64_t M, int64_t ldx, const uint8_t* 
   if (const zllm_dense::DenseRowsKernel wide = zllm_dense::sixteen_rows_kernel(qtype, M)) {
     // F16/BF16 at 1-8 rows with AVX-512: dense_rows.h (the rows are plain 16-bit values).
     wide(xp, ldx, wp, N, K, yp, ldy);
+  } else if (const zllm_dense::BlockRowsKernel blocks = zllm_dense::block_rows_kernel(qtype, M)) {
+    // Q4_0, Q8_0, FP8_E4M3 at 1-8 rows with AVX-512: dense_rows.h's tiles over blocks.
+    blocks(xp, ldx, wp, row_bytes, N, K, yp, ldy);
   } else if (const FewRowsKernel few_rows = few_rows_kernel(qtype, M)) {
     few_rows(xp, ldx, wp, row_bytes, N, K, yp, ldy);
   } else if (M < kRowBlock) {
