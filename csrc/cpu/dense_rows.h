@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_isa.h"
 #include "simd.h"
@@ -97,22 +98,32 @@ ZLLM_TARGET_AVX512 inline void dense_tile(const float* x, int64_t ldx,
 template <int MR>
 constexpr int kWeightRows = MR == 1 ? 8 : MR == 2 ? 6 : 4;
 
-// w: N rows of K weights (W's element type), contiguous.
-template <int MR, class W>
-ZLLM_TARGET_AVX512 void dense_rows(const float* x, int64_t ldx, const void* w_, int64_t N,
-                                   int64_t K, float* y, int64_t ldy) {
-  const auto* w = static_cast<const typename W::Elem*>(w_);
+// The tiles of an N-row weight matrix over the threads, NR rows at a time; x rows past the
+// fourth run as a second pass over the same weight rows. tile(rows, first, n0, nr) runs one
+// tile for `rows` (a std::integral_constant) x rows from x row `first` against weight rows
+// n0 .. n0 + nr.
+template <int MR, class Tile>
+inline void for_each_tile(int64_t N, const Tile& tile) {
   constexpr int NR = kWeightRows<MR>;
-  constexpr int kFirst = MR <= 4 ? MR : 4;
   const int64_t tiles = (N + NR - 1) / NR;
   at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR;
       const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
-      dense_tile<kFirst, NR, W>(x, ldx, w + n0 * K, K, y + n0, ldy, nr);
-      if constexpr (MR > 4)
-        dense_tile<MR - 4, NR, W>(x + 4 * ldx, ldx, w + n0 * K, K, y + 4 * ldy + n0, ldy, nr);
+      tile(std::integral_constant<int, (MR <= 4 ? MR : 4)>{}, 0, n0, nr);
+      if constexpr (MR > 4) tile(std::integral_constant<int, MR - 4>{}, 4, n0, nr);
     }
+  });
+}
+
+// w: N rows of K weights (W's element type), contiguous.
+template <int MR, class W>
+ZLLM_TARGET_AVX512 void dense_rows(const float* x, int64_t ldx, const void* w_, int64_t N,
+                                   int64_t K, float* y, int64_t ldy) {
+  const auto* w = static_cast<const typename W::Elem*>(w_);
+  for_each_tile<MR>(N, [&](auto rows, int first, int64_t n0, int nr) {
+    dense_tile<decltype(rows)::value, kWeightRows<MR>, W>(x + first * ldx, ldx, w + n0 * K, K,
+                                                          y + first * ldy + n0, ldy, nr);
   });
 }
 
@@ -222,18 +233,9 @@ template <int MR, class B>
 ZLLM_TARGET_AVX512 void block_rows(const float* x, int64_t ldx, const uint8_t* w,
                                    int64_t row_bytes, int64_t N, int64_t K, float* y,
                                    int64_t ldy) {
-  constexpr int NR = kWeightRows<MR>;
-  constexpr int kFirst = MR <= 4 ? MR : 4;
-  const int64_t tiles = (N + NR - 1) / NR;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NR;
-      const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
-      const uint8_t* wt = w + n0 * row_bytes;
-      block_tile<kFirst, NR, B>(x, ldx, wt, row_bytes, K, y + n0, ldy, nr);
-      if constexpr (MR > 4)
-        block_tile<MR - 4, NR, B>(x + 4 * ldx, ldx, wt, row_bytes, K, y + 4 * ldy + n0, ldy, nr);
-    }
+  for_each_tile<MR>(N, [&](auto rows, int first, int64_t n0, int nr) {
+    block_tile<decltype(rows)::value, kWeightRows<MR>, B>(
+        x + first * ldx, ldx, w + n0 * row_bytes, row_bytes, K, y + first * ldy + n0, ldy, nr);
   });
 }
 

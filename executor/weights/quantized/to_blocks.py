@@ -129,10 +129,9 @@ def float_blocks(weight: FloatWeight) -> Blocks:
     if weight.block is not None:
         scale = scale.repeat_interleave(weight.block[0], dim=0)[:out_features]
         scale = scale.repeat_interleave(block_columns // BLOCK, dim=1)
-    scale = scale.expand(out_features, -1)
-    if scale.shape[1] == 1:
-        scale = scale.expand(out_features, in_features // BLOCK)
-    scale = scale[:, : in_features // BLOCK]
+    blocks = in_features // BLOCK
+    # One scale per 32 columns: a tensor's or a channel's broadcast, a block's cut to the row.
+    scale = scale.expand(out_features, blocks) if scale.shape[1] == 1 else scale[:, :blocks]
     if not bool(((scale.abs() >= 2**-14) & (scale.abs() <= 65504)).all()):
         return float_rows(weight)
     d = scale.half().view(torch.uint8).view(out_features, -1, 2)
