@@ -221,7 +221,7 @@ def test_cpu_quantization_methods_refuse_a_gpu(tiny_llama_dir, method):
         args.create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["int8", "gguf-int8", "gguf"])
+@pytest.mark.parametrize("method", ["gguf-int8", "gguf"])
 def test_deterministic_mode_refuses_arithmetic_that_depends_on_the_batch(tmp_path, method):
     from gguf import GGMLQuantizationType as T
     from gguf_files import write_llama_gguf

@@ -265,7 +265,6 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
     [
         (dict(enforce_eager=True), "--enforce-eager"),
         (dict(deterministic=True), "deterministic mode"),
-        (dict(quantization="int8"), "Int8DynamicLinear matmuls"),
         (dict(model_impl="transformers"), "transformers backend"),
     ],
 )

@@ -572,7 +572,6 @@ def test_deepseek_v3s_router_is_refused(tmp_path) -> None:
         (dict(kv_cache_dtype="int8"), "--kv-cache-dtype int8: the latent pool is kept"),
         (dict(model_impl="transformers"), "--model-impl transformers: transformers' MLA"),
         (dict(enable_lora=True), "--enable-lora"),
-        (dict(quantization="int8"), "--quantization int8"),
         (dict(deterministic=True), "--deterministic"),
     ],
 )

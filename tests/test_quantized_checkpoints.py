@@ -137,6 +137,49 @@ def test_a_checkpoint_missing_a_scale_is_refused_naming_it(tmp_path_factory):
         ModelWeights(RankLayout.of(_config(path)))
 
 
+_UP = "model.layers.1.mlp.up_proj"
+# (case, tensor, how it is cut, what the refusal must say): tensors whose shapes do not fit
+# each other or the model, as a truncated download or a hand-edited checkpoint has them.
+MALFORMED = [
+    ("gptq-4bit-g32-asym", "scales", lambda t: t[:, :-8], r"scales cover 248 rows of 256"),
+    ("gptq-4bit-g32-asym", "qzeros", lambda t: t[:, :-1], r"zero points \[248, 4\] beside"),
+    ("gptq-4bit-act-order", "g_idx", lambda t: t[:-4], r"g_idx has shape \[124\] for 128"),
+    ("awq-g64", "qweight", lambda t: t[:-32], r"96 columns in groups of 64"),
+    ("ct-w4a16", "weight_packed", lambda t: t[:-1], r"weight_packed \[255, 16\] does not hold"),
+    ("ct-w4a16", "weight_scale", lambda t: t[:, :0], r"weight_scale \[256, 0\].*do not fit"),
+    ("ct-w8a8", "weight", lambda t: t[:-1], r"weight \[255, 128\], weight_scale \[256, 1\]"),
+    ("ct-fp8-dynamic", "weight_scale", lambda t: t[:-1], r"scale has shape \[255, 1\]"),
+    ("fp8-block", "weight_scale_inv", lambda t: t[:1], r"where \[2, 1\] \(blocks of 128x128\)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "suffix", "cut", "says"), MALFORMED, ids=[f"{m[0]}-{m[1]}" for m in MALFORMED]
+)
+def test_malformed_tensors_are_refused_naming_them(tmp_path_factory, case, suffix, cut, says):
+    """Never a torch error, never wrong values: the module and its tensors' shapes named."""
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint(tmp_path_factory, case)
+    tensors = load_file(path / "model.safetensors")
+    tensors[f"{_UP}.{suffix}"] = cut(tensors[f"{_UP}.{suffix}"]).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"{_UP}.*{says}"):
+        ModelWeights(RankLayout.of(_config(path)))
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_matrix(tmp_path_factory):
+    """Tensors that fit each other but not the model the config describes."""
+    import json
+
+    path = checkpoint(tmp_path_factory, "gptq-4bit-g128")
+    config = json.loads((path / "config.json").read_text())
+    config["intermediate_size"] = 224
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"gate_proj.weight: .*256 rows.*matrix is \[448, 128\]"):
+        ModelWeights(RankLayout.of(_config(path)))
+
+
 def test_tensor_parallel_ranks_cut_the_blocks_on_block_boundaries(tmp_path_factory):
     """Two tensor-parallel ranks (o/down cut by input columns, 64 of 128 each: two Q4_0
     blocks) and two pipeline stages (each reading its own layers' tensors) give one rank's

@@ -26,7 +26,7 @@ from torch import nn
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
-from zllm.executor.weights.quantization import SIXTEEN_BIT, Int8DynamicLinear
+from zllm.executor.weights.quantization import SIXTEEN_BIT
 from zllm.model.gguf import read_gguf
 
 # |logprob(transformers backend) - logprob(zllm's code)| of each sampled token, both on the
@@ -64,7 +64,7 @@ def matmuls_of(layer: nn.Module) -> list[nn.Module]:
 
 def assert_close_first_tokens(ours: list, reference: list) -> None:
     """int8 activations: x is rounded to int8 per call (gguf-int8: per block of 32 or 256
-    values; int8: one scale over the whole batch), so an fp32 difference of one ulp between the
+    values), so an fp32 difference of one ulp between the
     two model codes can move a rounding, and with it later tokens. Each prompt's first token
     (its prefill) must agree, its log-probability within INT8_BOUND."""
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
@@ -177,9 +177,9 @@ def hf_matrices_of(path: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_int8_quantizes_the_projections_zllm_code_does(tmp_path, ranks) -> None:
-    """fbgemm int8 for q/k/v, o and gate/up; down_proj and the logits stay fp32 (found by
-    their role in gguf-py's name map), as on zllm's code. Over two ranks each quantizes its
-    part (o_proj's, its input columns, inside the row-parallel matmul)."""
+    """Q8_0 blocks made at load for q/k/v, o, gate/up and down; the logits stay fp32 (found
+    by their role in gguf-py's name map), as on zllm's code. Over two ranks each quantizes its
+    part (o_proj's and down_proj's input columns, inside the row-parallel matmul)."""
     from zllm.executor.models.transformers_tp import RowParallelLinear
 
     path = str(write_tiny_model(tmp_path / "llama"))
@@ -192,7 +192,8 @@ def test_int8_quantizes_the_projections_zllm_code_does(tmp_path, ranks) -> None:
             assert type(matmuls[3]) is RowParallelLinear and type(matmuls[6]) is RowParallelLinear
             matmuls = [m.local if type(m) is RowParallelLinear else m for m in matmuls]
         kinds = [type(m) for m in matmuls]
-        assert kinds == [Int8DynamicLinear] * 6 + [nn.Linear]
+        assert kinds == [GGUFLinear] * 7
+        assert all(m.ggml_type == int(T.Q8_0) for m in matmuls)
     assert type(hf.lm_head) is nn.Linear
     assert_close_first_tokens(generate(llm), reference)
 

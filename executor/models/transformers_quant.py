@@ -16,8 +16,9 @@ loaded (the kernel then multiplies by exactly those values). A matrix the kernel
 keeps its fp32 module, and the log says which and why. The fp32 tensor a swap replaces is
 dropped with its module (weights/model_weights.py releases the freed memory).
 
-`int8` (fbgemm, executor/weights/quantization.py) takes the same modules zllm's own models give it:
-the q/k/v, output and gate/up projections, found by their role in gguf-py's name map.
+`int8` (Q8_0 blocks made at load, executor/weights/quantization.py) takes the same modules
+zllm's own models give it: the q/k/v, output, gate/up and down projections, found by their
+role in gguf-py's name map.
 
 Over tensor-parallel ranks the names are read on the whole model and the swap runs on the
 rank's cut of it (transformers_tp.py): a matmul cut by output rows reads those rows' blocks,
@@ -41,16 +42,16 @@ from torch import nn
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.transformers_tp import RankPart
 from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
-from zllm.executor.weights.quantization import Int8DynamicLinear
+from zllm.executor.weights.quantization import int8_linear
 from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)
 
 Blocks = tuple[int, torch.Tensor]  # (ggml type id, rows as uint8 [rows, bytes per row])
-# The GGUF roles (blk.N.<role>.weight) int8 quantizes: not ffn_down nor the logits, whose
-# inputs carry the outliers per-tensor activation scales cannot hold (quantization.py).
+# The GGUF roles (blk.N.<role>.weight) int8 quantizes: the decoder's matmuls, as on zllm's
+# own models (not the logits).
 _INT8_ROLES = frozenset(
-    {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up"}
+    {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 )
 
 
@@ -66,6 +67,7 @@ class TransformersQuantization:
         self.source: _GGUFBlocks | _SixteenBitRows | None = None
         if method == "int8":
             self.roles = _int8_roles(hf_model)
+            cpu_kernels.load()
         elif method != "none":  # gguf, gguf-float, gguf-int8, or a 16-bit checkpoint's rows
             cpu_kernels.load()  # built (or loaded) first: a failure surfaces here, once
             gguf = model_path.endswith(".gguf")
@@ -325,14 +327,16 @@ def _int8_roles(hf_model: nn.Module) -> dict[str, str]:
 
 
 def _int8_model_(hf_model: nn.Module, roles: dict[str, str]) -> None:
-    """The q/k/v, output and gate/up projections (by `roles`) as fbgemm int8 matmuls; a cut
+    """The decoder's projections (by `roles`) as Q8_0 blocks made from their weights; a cut
     one quantizes its rank's part."""
     swapped = 0
     for parent, attr, name, module in list(_leaf_modules(hf_model)):
         whole = whole_module_name(name, getattr(module, "rank_part", None))
         if type(module) is nn.Linear and roles.get(whole) in _INT8_ROLES:
-            setattr(parent, attr, Int8DynamicLinear(module.weight, module.bias))
-            swapped += 1
+            new = int8_linear(module)
+            if new is not None:
+                setattr(parent, attr, new)
+                swapped += 1
     if not swapped:
         raise ValueError("--quantization int8: gguf-py's name map finds no projection to quantize")
-    logger.info("transformers backend: %d matmuls in int8 (fbgemm)", swapped)
+    logger.info("transformers backend: %d matmuls in Q8_0 blocks (int8)", swapped)

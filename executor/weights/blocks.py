@@ -192,6 +192,7 @@ class _WeightBlocks:
         if not self.reads(names):
             return None
         parts = [self.rank_part(n) for n in names]
+        _check_shapes(names, parts, weight.shape)
         if self.verify:  # the kernel must multiply by exactly the weights the fp32 path holds
             start = 0
             for name, (ggml_type, rows) in zip(names, parts, strict=True):
@@ -272,7 +273,7 @@ class BlockPlan:
         """The checkpoint names whose tensors the swaps below replace with blocks."""
         reads = self.source.reads
         served = {
-            name for _, _, names in _decoder_matmul_targets(model) if reads(names) for name in names
+            name for _, _, names in decoder_matmul_targets(model) if reads(names) for name in names
         }
         head_read = model.lm_head is not None and reads(["lm_head.weight"])
         if head_read:
@@ -343,7 +344,7 @@ def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int,
     """Every decoder layer's matmuls the kernel reads become kernel matmuls; returns how many
     were swapped and how many kept."""
     swapped = kept = 0
-    for module, attr, names in _decoder_matmul_targets(model):
+    for module, attr, names in decoder_matmul_targets(model):
         linear = getattr(module, attr)
         bias = None if linear.bias is None else linear.bias.data
         new = source.fuse(names, linear.weight.data, bias)
@@ -355,7 +356,7 @@ def _swap_decoder_matmuls(model: nn.Module, source: _WeightBlocks) -> tuple[int,
     return swapped, kept
 
 
-def _decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
+def decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, list[str]]]:
     """(module, attribute, checkpoint names) of every decoder matmul the blocks may serve."""
     own_targets = getattr(model, "block_matmul_targets", None)
     if own_targets is not None:  # a model laid out otherwise than Llama names its own
@@ -401,6 +402,25 @@ def _swap_ends(model: nn.Module, source: _WeightBlocks) -> bool:
             model.logits_proj = head
             release_weight(model.lm_head)
     return embedding is not None
+
+
+def _check_shapes(
+    names: list[str], parts: list[tuple[int, torch.Tensor]], shape: torch.Size
+) -> None:
+    """Refuse (ValueError) blocks that are not the model's matrix: rows that do not add up to
+    its output features, or rows that are not its input features' bytes in their type."""
+    out_features, in_features = shape
+    rows = sum(part.shape[0] for _, part in parts)
+    for name, (ggml_type, part) in zip(names, parts, strict=True):
+        block_values, block_bytes = cpu_kernels.block_size(ggml_type)
+        row_bytes = in_features // block_values * block_bytes
+        if in_features % block_values or part.shape[1] != row_bytes or rows != out_features:
+            stored = f"{part.shape[0]} rows of {part.shape[1]} bytes"
+            raise ValueError(
+                f"{name}: the checkpoint's {_type_names([ggml_type])} blocks are {stored}; "
+                f"this model's matrix is [{out_features}, {in_features}]"
+                + (f" across {', '.join(names)}" if len(names) > 1 else "")
+            )
 
 
 def _type_names(types: list[int]) -> str:

@@ -279,7 +279,7 @@ def unpermute_rope_rows(weight: np.ndarray, head_dim: int) -> np.ndarray:
     return by_pair.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
+def safetensors_files(directory: Path) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ValueError(
@@ -292,7 +292,7 @@ def _safetensors_files(directory: Path) -> list[Path]:
 def safetensors_dtypes(directory: str) -> dict[str, str]:
     """Each tensor's stored dtype ("BF16", "F16", "F32", ...), from the files' headers."""
     dtypes = {}
-    for file in _safetensors_files(Path(directory)):
+    for file in safetensors_files(Path(directory)):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
                 dtypes[name] = shard.get_slice(name).get_dtype()
@@ -310,7 +310,7 @@ def sixteen_bit_raw_weights(
     every bf16/fp16 matrix of a checkpoint (of the decoder layers only `layers`), as
     gguf_raw_weights gives a GGUF file's blocks."""
     raw = {}
-    for file in _safetensors_files(Path(directory)):
+    for file in safetensors_files(Path(directory)):
         with safe_open(str(file), framework="pt") as shard:
             for name in shard.keys():
                 if not _wanted(name, layers) or len(shard.get_slice(name).get_shape()) != 2:
@@ -329,7 +329,7 @@ def sixteen_bit_raw_weights(
 def _load_safetensors(
     directory: Path, arch: ModelArchConfig, layers: Container[int] | None, skip: Container[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    files = _safetensors_files(directory)
+    files = safetensors_files(directory)
     total = sum(_num_tensors(file) for file in files)
     description = f"Loading {directory.name}"
     with Progress(description, total=total, unit="tensors", logger=logger) as progress:

@@ -26,9 +26,13 @@ there served as a GGUF file's blocks are (blocks.py: every block source, a GGUF 
 16-bit checkpoint or a quantized one, names the tensors it serves before the load and gives
 each matmul its module).
 
-`int8` (opt-in): int8 weights, one scale per output channel, with activations quantized per
-call (dynamic quantization) in fbgemm. Far from fp32 on SmolLM2 (BENCHMARKS.md); kept for
-models without activation outliers.
+`int8` (opt-in, a plain fp32/16-bit checkpoint): every decoder matmul's weights rounded to
+int8 at load, one fp16 scale per 32 values (llama.cpp's Q8_0 blocks, bit for bit as gguf-py
+quantizes them), then served as a Q8_0 GGUF file's blocks are, through the same kernel
+modules (so tensor ranks, fused decode and deterministic mode compose with it); activations
+stay fp32 (the float kernel: Q8_0's integer path is no faster here, gguf_arithmetic.py). The
+embedding and the logits stay as loaded; a mixture of experts keeps its routed experts fp32. (Until issue 59 it was fbgemm's dynamic int8 with one activation scale per
+call, far from fp32 on SmolLM2's activation outliers: BENCHMARKS.md.)
 
 `none`: fp32 everywhere, the reference.
 """
@@ -41,8 +45,15 @@ import torch
 from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
-from zllm.executor.weights.blocks import gguf_kernel_plan, gguf_matmuls, use_gguf_blocks_
-from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.weights.blocks import (
+    decoder_matmul_targets,
+    gguf_kernel_plan,
+    gguf_matmuls,
+    use_gguf_blocks_,
+)
+from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES, Q8_0
+from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)
@@ -113,44 +124,44 @@ def set_int8_max_rows(model: nn.Module, rows: int) -> int:
     return len(modules)
 
 
-class Int8DynamicLinear(nn.Module):
-    """int8 x int8 -> int32 in fbgemm; `reduce_range` keeps activations to 7 bits, as fbgemm
-    needs on CPUs without VNNI so the int16 pair sums of VPMADDUBSW cannot saturate."""
+def q8_0_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """An fp32 matrix [out, in] as Q8_0 blocks (uint8 [out, in / 32 * 34]), as gguf-py's
+    quantize gives them (d = max|w| / 127 per 32 values, stored fp16; q = w * (1 / d) rounded
+    half away from zero), or None when its rows are not whole blocks."""
+    out_features, in_features = weight.shape
+    if in_features % 32:
+        return None
+    blocks = weight.detach().float().reshape(out_features, -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inverse
+    codes = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    scale = d.half().view(torch.uint8)  # [out, blocks, 2]
+    return torch.cat([scale, codes.view(torch.uint8)], dim=-1).reshape(out_features, -1)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        w = weight.detach().float()
-        out_features = w.shape[0]
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10).double()
-        qweight = torch.quantize_per_channel(
-            w, scales, torch.zeros(out_features, dtype=torch.long), 0, torch.qint8
-        )
-        b = None if bias is None else bias.detach().float()
-        self._packed = torch.ops.quantized.linear_prepack(qweight, b)
-        self.in_features = w.shape[1]
-        self.out_features = out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self._packed, True)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+def int8_linear(linear: nn.Module) -> GGUFLinear | None:
+    """A matmul's weight as Q8_0 blocks in a kernel module (its bias kept), or None when its
+    rows are not whole blocks (it then keeps its fp32 weight)."""
+    rows = q8_0_rows(linear.weight)
+    if rows is None:
+        return None
+    bias = None if linear.bias is None else linear.bias.data
+    return GGUFLinear(rows, Q8_0, linear.weight.shape[1], bias, "gguf-float")
 
 
 def _int8_model_(model: nn.Module) -> None:
-    """The decoder's qkv, output and gate/up matmuls in int8.
-
-    The down projection and the logits stay fp32: measured on SmolLM2 (BENCHMARKS.md), their
-    inputs carry the outliers that per-tensor activation scales cannot hold, and quantizing
-    them triples the logprob drift.
-    """
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _int8(attn.qkv_proj)
-        attn.o_proj = _int8(attn.o_proj)
-        if hasattr(mlp, "gate_up_proj"):  # (a mixture-of-experts MLP keeps its experts fp32)
-            mlp.gate_up_proj = _int8(mlp.gate_up_proj)
-
-
-def _int8(linear: nn.Linear) -> Int8DynamicLinear:
-    return Int8DynamicLinear(linear.weight, linear.bias)
+    """Every decoder matmul (the attention's and the MLP's, a shared expert's) as Q8_0 blocks;
+    the fp32 weight each replaces is released."""
+    cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
+    swapped = kept = 0
+    for module, attr, _ in decoder_matmul_targets(model):
+        new = int8_linear(getattr(module, attr))
+        if new is None:
+            kept += 1
+            continue
+        setattr(module, attr, new)
+        swapped += 1
+    logger.info("int8: %d of %d decoder matmuls in Q8_0 blocks", swapped, swapped + kept)
+    if not swapped:
+        raise ValueError("--quantization int8: no decoder matmul has rows of whole 32-value blocks")

@@ -168,7 +168,8 @@ class EngineConfig:
     # --deterministic), else fp32 ("none"). "gguf": matmuls on the file's quantized blocks,
     # each type with its fastest arithmetic on this CPU; "gguf-float": the float kernel
     # always; "gguf-int8": integer dots wherever a type has them
-    # (executor/weights/gguf_arithmetic.py); "int8": fbgemm dynamic int8 (CPU).
+    # (executor/weights/gguf_arithmetic.py); "int8": a plain checkpoint's decoder matmuls
+    # rounded to Q8_0 blocks at load (CPU; executor/weights/quantization.py).
     quantization: str | None = None
     enforce_eager: bool = False  # GPU: no CUDA graphs
     # GPU: prefill and mixed steps replay graphs in pieces between attention calls too

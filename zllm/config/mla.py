@@ -37,8 +37,6 @@ def mla_refusals(config: EngineConfig) -> list[str]:
         )
     if config.lora is not None:
         reasons.append("--enable-lora: adapters target q/k/v projections this model lacks")
-    if config.quantization == "int8":
-        reasons.append("--quantization int8: its swap names Llama's fused projections")
     if config.deterministic:
         reasons.append("--deterministic: the latent attention has no batch-invariant decode yet")
     spec = config.speculative

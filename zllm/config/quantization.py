@@ -184,8 +184,6 @@ def _check_checkpoint(
 
 def deterministic_refusal(quantization: str | None) -> str | None:
     """Why --deterministic cannot run with this --quantization, or None."""
-    if quantization == "int8":
-        return "deterministic execution cannot use int8 (its activation scales span the batch)"
     if quantization in ("gguf", "gguf-int8"):
         return (
             f"deterministic execution cannot use {quantization} (which arithmetic a matmul "

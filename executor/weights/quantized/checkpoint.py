@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Container
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,36 +57,51 @@ def read_quantized_checkpoint(
     """Every quantized matmul of the checkpoint (of decoder layers `layers` only) as blocks,
     and its 16-bit matrices as rows (not lm_head where the embedding serves as the logits).
     Refuses (ValueError) a tensor it cannot read, naming it."""
-    from zllm.executor.weights.loader import layer_of
+    from zllm.executor.weights.loader import layer_of, safetensors_files
 
-    where = _tensor_files(Path(directory))
-    modules: dict[str, dict[str, str]] = defaultdict(dict)  # module -> suffix -> full name
-    for name in where:
-        module, _, suffix = name.rpartition(".")
-        modules[module][suffix] = name
-    result = QuantizedCheckpoint()
-    for module, names in modules.items():
-        layer = layer_of(f"{module}.weight")
-        if layers is not None and layer is not None and layer not in layers:
-            continue
-        if module == "lm_head" and tied_embeddings:
-            continue
-        result.stored_names.update(n for s, n in names.items() if s in _UNUSED_SUFFIXES)
-        tensors = {s: _get(where, n) for s, n in names.items() if _read(s)}
-        if not tensors:
-            continue
-        fmt = quant.format_of(module)
-        quantized = set(tensors) & _QUANT_SUFFIXES or tensors["weight"].dtype in _STORED_QUANTIZED
-        name = f"{module}.weight"
-        if quantized and fmt is not None:
-            _add_quantized(result, quant, fmt, module, tensors)
-            result.stored_names.update(names[s] for s in tensors)
-        elif quantized:
-            raise ValueError(f"{name}: stored quantized, but quantization_config names no format")
-        elif tensors["weight"].dim() == 2 and tensors["weight"].dtype in _SIXTEEN_BIT:
-            weight = tensors["weight"]
-            result.blocks[name] = (_SIXTEEN_BIT[weight.dtype], weight.view(torch.uint8).clone())
+    with ExitStack() as stack:
+        shards = [
+            stack.enter_context(safe_open(str(f), "pt")) for f in safetensors_files(Path(directory))
+        ]
+        where = {name: shard for shard in shards for name in shard.keys()}
+        modules: dict[str, dict[str, str]] = defaultdict(dict)  # module -> suffix -> full name
+        for name in where:
+            module, _, suffix = name.rpartition(".")
+            modules[module][suffix] = name
+        result = QuantizedCheckpoint()
+        for module, names in modules.items():
+            layer = layer_of(f"{module}.weight")
+            if layers is not None and layer is not None and layer not in layers:
+                continue
+            if module == "lm_head" and tied_embeddings:
+                continue
+            result.stored_names.update(n for s, n in names.items() if s in _UNUSED_SUFFIXES)
+            read = [s for s in names if _read(s, where[names[s]].get_slice(names[s]))]
+            tensors = {s: where[names[s]].get_tensor(names[s]) for s in read}
+            if tensors:
+                _add_module(result, quant, module, names, tensors)
     return result
+
+
+def _add_module(
+    result: QuantizedCheckpoint,
+    quant: CheckpointQuantization,
+    module: str,
+    names: dict[str, str],
+    tensors: dict[str, torch.Tensor],
+) -> None:
+    """One module's tensors: a quantized matmul's as blocks, a 16-bit matrix as rows."""
+    fmt = quant.format_of(module)
+    quantized = set(tensors) & _QUANT_SUFFIXES or tensors["weight"].dtype in _STORED_QUANTIZED
+    name = f"{module}.weight"
+    if quantized and fmt is not None:
+        _add_quantized(result, quant, fmt, module, tensors)
+        result.stored_names.update(names[s] for s in tensors)
+    elif quantized:
+        raise ValueError(f"{name}: stored quantized, but quantization_config names no format")
+    elif tensors["weight"].dtype in _SIXTEEN_BIT:
+        weight = tensors["weight"]
+        result.blocks[name] = (_SIXTEEN_BIT[weight.dtype], weight.view(torch.uint8).clone())
 
 
 def _add_quantized(result, quant, fmt, module: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -106,23 +122,8 @@ def _add_quantized(result, quant, fmt, module: str, tensors: dict[str, torch.Ten
     result.types.add(blocks[0])
 
 
-def _read(suffix: str) -> bool:
-    """Whether a tensor may become blocks: a matmul's weight and its quantization tensors
-    (not biases, which the loader copies)."""
-    return suffix in _QUANT_SUFFIXES or suffix == "weight"
-
-
-def _tensor_files(directory: Path) -> dict[str, Path]:
-    from zllm.executor.weights.loader import _safetensors_files
-
-    where = {}
-    for file in _safetensors_files(directory):
-        with safe_open(str(file), framework="pt") as shard:
-            for name in shard.keys():
-                where[name] = file
-    return where
-
-
-def _get(where: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(where[name]), framework="pt") as shard:
-        return shard.get_tensor(name)
+def _read(suffix: str, stored) -> bool:
+    """Whether a tensor may become blocks: a matmul's weight (2-D: not a norm's) and its
+    quantization tensors (not biases, which the loader copies). `stored`: its safetensors
+    slice, whose header gives the shape without reading the data."""
+    return suffix in _QUANT_SUFFIXES or (suffix == "weight" and len(stored.get_shape()) == 2)

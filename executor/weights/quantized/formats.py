@@ -46,8 +46,20 @@ class MissingTensor(ValueError):
 def read_matmul(
     method: str, packing: str, fmt: WeightFormat, module: str, tensors: Tensors
 ) -> IntegerWeight | FloatWeight:
-    """The weight of `module` from its tensors (names in errors are the checkpoint's)."""
+    """The weight of `module` from its tensors (names in errors are the checkpoint's), its
+    tensors' shapes checked against each other: a malformed checkpoint is refused naming
+    them, never read into wrong values or a torch error."""
+    try:
+        weight = _read(method, packing, fmt, module, tensors)
+    except RuntimeError as exc:  # a torch reshape or broadcast over tensors that do not fit
+        raise MissingTensor(f"{module}: {_shapes(tensors)} do not fit together ({exc})") from None
+    problem = _misfit(weight)
+    if problem is not None:
+        raise MissingTensor(f"{module}: {problem} ({_shapes(tensors)})")
+    return weight
 
+
+def _read(method: str, packing: str, fmt: WeightFormat, module: str, tensors: Tensors):
     def need(suffix: str) -> torch.Tensor:
         if suffix not in tensors:
             raise MissingTensor(f"{module}.{suffix} is missing ({method} {packing} needs it)")
@@ -89,7 +101,7 @@ def _gptq(need, fmt: WeightFormat, v1: bool) -> IntegerWeight:
 
 def _awq(need, fmt: WeightFormat) -> IntegerWeight:
     qweight, scales = need("qweight"), need("scales")
-    in_features, out_features = qweight.shape[0], qweight.shape[1] * 8
+    in_features = qweight.shape[0]
 
     def natural(words: torch.Tensor) -> torch.Tensor:
         rows = unpack_rows(words, 4, words.shape[1] * 8).view(words.shape[0], -1, 8)
@@ -98,7 +110,6 @@ def _awq(need, fmt: WeightFormat) -> IntegerWeight:
     codes = natural(qweight).t().contiguous()
     zeros = natural(need("qzeros")).t().to(torch.int32)
     group_size = in_features if fmt.group_size == -1 else fmt.group_size
-    assert codes.shape == (out_features, in_features)
     return IntegerWeight(codes, scales.t().float(), zeros, 4, group_size)
 
 
@@ -111,6 +122,13 @@ def _compressed_tensors(need, tensors: Tensors, fmt: WeightFormat, module: str):
         shape = tensors.get("weight_shape")
         packed = need("weight_packed")
         columns = int(shape[1]) if shape is not None else packed.shape[1] * 32 // fmt.bits
+        if shape is not None and (
+            int(shape[0]) != packed.shape[0] or packed.shape[1] * 32 < columns * fmt.bits
+        ):
+            raise MissingTensor(
+                f"{module}.weight_packed {list(packed.shape)} does not hold weight_shape "
+                f"{[int(x) for x in shape]} at {fmt.bits} bits"
+            )
         codes = unpack_rows(packed, fmt.bits, columns)
     else:  # int-quantized / naive: signed codes stored as int8
         codes = (need("weight").to(torch.int16) + middle).to(torch.uint8)
@@ -130,6 +148,43 @@ def _compressed_tensors(need, tensors: Tensors, fmt: WeightFormat, module: str):
     group_size = in_features // groups
     g_idx = tensors.get("weight_g_idx") if fmt.act_order else None
     return IntegerWeight(codes, scale.contiguous(), zeros, fmt.bits, group_size, g_idx)
+
+
+def _misfit(weight: IntegerWeight | FloatWeight) -> str | None:
+    """Why the unpacked tensors cannot be one matrix's weight, or None."""
+    if isinstance(weight, FloatWeight):
+        out_features, in_features = weight.values.shape
+        scale = tuple(weight.scale.shape)
+        if weight.block is None:
+            fits = scale in ((1, 1), (out_features, 1))
+            wanted = f"[1] or [{out_features}, 1]"
+        else:
+            rows, columns = weight.block
+            blocks = (-(-out_features // rows), -(-in_features // columns))
+            fits, wanted = scale == blocks, f"{list(blocks)} (blocks of {rows}x{columns})"
+        return None if fits else f"the scale has shape {list(scale)} where {wanted} fits"
+    out_features, in_features = weight.codes.shape
+    groups = weight.scales.shape[1]
+    if weight.scales.shape[0] != out_features:
+        return f"the scales cover {weight.scales.shape[0]} rows of {out_features}"
+    if tuple(weight.zeros.shape) != tuple(weight.scales.shape):
+        return f"zero points {list(weight.zeros.shape)} beside scales {list(weight.scales.shape)}"
+    if weight.g_idx is not None:
+        g_idx = weight.g_idx
+        if tuple(g_idx.shape) != (in_features,):
+            return f"g_idx has shape {list(g_idx.shape)} for {in_features} columns"
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
+            return f"g_idx names groups outside 0..{groups - 1}"
+    elif (
+        groups * weight.group_size < in_features or (groups - 1) * weight.group_size >= in_features
+    ):
+        return f"{groups} groups of {weight.group_size} do not cover {in_features} columns"
+    return None
+
+
+def _shapes(tensors: Tensors) -> str:
+    """Each tensor's suffix and shape, for an error: "qweight [16, 256], scales [1, 256]"."""
+    return ", ".join(f"{suffix} {list(t.shape)}" for suffix, t in sorted(tensors.items()))
 
 
 def _scale_shape(scale: torch.Tensor) -> tuple[int, ...]:

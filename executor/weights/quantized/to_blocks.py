@@ -88,6 +88,10 @@ def integer_blocks(weight: IntegerWeight, order: torch.Tensor | None) -> Blocks:
             f"{in_features} columns in groups of {weight.group_size}: the kernels' blocks "
             f"hold {BLOCK} columns"
         )
+    if in_features % weight.group_size:
+        raise UnservableWeight(
+            f"{in_features} columns in groups of {weight.group_size}: the last group is partial"
+        )
     per_block = weight.group_size // BLOCK
     scales = scales.repeat_interleave(per_block, dim=1)  # [out, blocks]
     zeros = zeros.repeat_interleave(per_block, dim=1)
