@@ -40,6 +40,7 @@ exactly.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -71,7 +72,9 @@ PROJECTIONS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-CT_SCHEMES = ("W4A16", "W4A16_ASYM", "W4A16_G32", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8")
+CT_SCHEMES = (
+    "W4A16", "W4A16_ASYM", "W4A16_G32", "W4A16_ACT_ORDER", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8"
+)  # fmt: skip
 # The order AutoAWQ's GEMM kernel reads a word's eight 4-bit values in: the i-th value of
 # word c is output column c*8 + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -94,15 +97,27 @@ _QUANT_SUFFIXES = (
 )
 
 
-def write_base_model(out: Path, seed: int = 0) -> Path:
-    """The unquantized model every writer starts from: tiny Llama, bf16 (as real checkpoints
-    are), tied embeddings, QUANT_BASE_OVERRIDES."""
+# A tiny Qwen3-MoE base: 4 experts of 64 (two groups of 32) beside the dense attention.
+MOE_OVERRIDES: dict = dict(
+    QUANT_BASE_OVERRIDES, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+)
+# A mixture-of-experts layer's own projections (each expert's; the router stays 16-bit).
+_EXPERT_PROJECTION = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
+
+
+def write_base_model(out: Path, seed: int = 0, arch: str = "llama") -> Path:
+    """The unquantized model every writer starts from: tiny Llama (or Qwen3-MoE, `arch`
+    "qwen3_moe"), bf16 (as real checkpoints are), tied embeddings, QUANT_BASE_OVERRIDES."""
+    if arch == "qwen3_moe":
+        return write_tiny_model(out, arch, seed=seed, dtype=torch.bfloat16, **MOE_OVERRIDES)
     return write_tiny_model(out, seed=seed, dtype=torch.bfloat16, **QUANT_BASE_OVERRIDES)
 
 
 def _is_projection(tensor_name: str) -> bool:
     module = tensor_name.removesuffix(".weight")
-    return module != tensor_name and module.endswith(PROJECTIONS)
+    if module == tensor_name:
+        return False
+    return module.endswith(PROJECTIONS) or _EXPERT_PROJECTION.search(module) is not None
 
 
 # --- compressed-tensors ---------------------------------------------------------------------
@@ -119,8 +134,14 @@ def _ct_scheme(scheme: str) -> QuantizationScheme:
     )
 
     targets = ["Linear"]
-    if scheme == "W4A16_G32":
-        weights = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32)
+    if scheme in ("W4A16_G32", "W4A16_ACT_ORDER"):
+        # compressed-tensors 0.20 writes act-order "weight" (columns quantized in activation
+        # order, groups kept contiguous: no g_idx); write_ct_group_order makes the older
+        # "group" layout.
+        actorder = "weight" if scheme == "W4A16_ACT_ORDER" else None
+        weights = QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=32, actorder=actorder
+        )
         return QuantizationScheme(targets=targets, weights=weights)
     if scheme == "W8A16":
         weights = QuantizationArgs(num_bits=8, type="int", strategy="channel")
@@ -219,6 +240,30 @@ def write_compressed_tensors(
     return out
 
 
+def write_ct_group_order(out: Path, seed: int = 0) -> Path:
+    """A compressed-tensors W4A16 (group 32) checkpoint in act-order "group" layout, as
+    compressed-tensors before 0.12 wrote it (0.20 refuses to): each module's packed columns
+    in a random order, `weight_g_idx` naming each column's group, config `actorder: group`.
+    The model it holds is the base's with permuted columns; the reference is its dequantized
+    weights."""
+    write_compressed_tensors(out, "W4A16_G32", seed)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        in_features = int(tensors[f"{module}.weight_shape"][1])
+        order = torch.randperm(in_features, generator=generator)
+        codes = _unpack_values(tensors[name], 4)[:, :in_features]
+        tensors[name] = pack_columns(codes[:, order], 4)
+        tensors[f"{module}.weight_g_idx"] = (order // 32).to(torch.int32)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["actorder"] = "group"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out
+
+
 # --- GPTQ and AWQ ---------------------------------------------------------------------------
 
 
@@ -307,10 +352,11 @@ def _rewrite_as_packed(
     seed: int,
     pack: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
     quantization_config: dict,
+    arch: str = "llama",
 ) -> Path:
     """Replace the base model's projections by `pack`'s tensors and the rest by fp16 (what
     GPTQModel and AutoAWQ save: they load models in fp16), and add quantization_config."""
-    write_base_model(out, seed)
+    write_base_model(out, seed, arch)
     weights = out / "model.safetensors"
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(weights).items():
@@ -337,13 +383,15 @@ def write_gptq(
     sym: bool = True,
     seed: int = 0,
     shared_order: bool = True,
+    arch: str = "llama",
 ) -> Path:
     """A GPTQ checkpoint as GPTQModel saves its "gptq" (v1) checkpoint_format: q/k/v/o/gate/
     up/down of every layer packed (round-to-nearest, no Hessian), the rest fp16. desc_act
     draws a random column order from `seed` (GPTQ's is by Hessian diagonal), giving a
     non-trivial g_idx; as GPTQ's order comes from its input's Hessian, the matmuls reading one
     input (q/k/v, gate/up) share it unless `shared_order` is False. quantization_config and
-    quantize_config.json are GPTQModel 4.2.5's."""
+    quantize_config.json are GPTQModel 4.2.5's. `arch` "qwen3_moe": each expert's projections
+    packed too (as GPTQModel packs a mixture's experts; the router stays fp16)."""
     if bits not in (4, 8) or group_size not in (32, 64, 128, -1):
         raise ValueError(
             f"write_gptq: bits 4 or 8 and group_size 32/64/128/-1, not {bits}, {group_size}"
@@ -386,7 +434,7 @@ def write_gptq(
         "pack_dtype": "int32",
         "meta": meta,
     }
-    _rewrite_as_packed(out, seed, pack, quantization_config)
+    _rewrite_as_packed(out, seed, pack, quantization_config, arch)
     (out / "quantize_config.json").write_text(json.dumps(quantization_config, indent=2))
     return out
 
@@ -460,7 +508,11 @@ def _dequantize_ct(tensors: dict[str, torch.Tensor], module: str, weights: dict)
             zero = _unpack_values(packed_zero.T, bits).T[:out_features] - offset
     else:  # int-quantized (int8) or float-quantized (float8_e4m3fn): one value per element
         codes, zero = tensors[f"{module}.weight"], torch.zeros(1)
-    if weights["strategy"] == "group":
+    g_idx = tensors.get(f"{module}.weight_g_idx")
+    if g_idx is not None:  # act-order: each column's group
+        scale = scale[:, g_idx.long()]
+        zero = zero[:, g_idx.long()] if zero.dim() == 2 else zero
+    elif weights["strategy"] == "group":
         scale = scale.repeat_interleave(weights["group_size"], 1)
         zero = zero.repeat_interleave(weights["group_size"], 1) if zero.dim() == 2 else zero
     return (codes.float() - zero.float()) * scale
@@ -537,6 +589,22 @@ def reference_model(out: Path) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+def reference_model_from_files(out: Path, scratch: Path) -> transformers.PreTrainedModel:
+    """reference_model's weights saved under `scratch` and loaded by from_pretrained, for
+    architectures whose modules transformers lays out otherwise than their checkpoints name
+    them (a mixture's experts: one 3-D tensor per projection, converted on load)."""
+    import transformers
+
+    shutil.copytree(out, scratch, ignore=shutil.ignore_patterns("*.safetensors", "quantize_*"))
+    config = json.loads((scratch / "config.json").read_text())
+    del config["quantization_config"]
+    (scratch / "config.json").write_text(json.dumps(config))
+    weights = {name: t.contiguous() for name, t in dequantized_weights(out).items()}
+    save_file(weights, scratch / "model.safetensors", metadata={"format": "pt"})
+    model = transformers.AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32)
+    return model.eval()
+
+
 def transformers_model(
     out: Path, quantize_activations: bool = True
 ) -> transformers.PreTrainedModel:
@@ -567,6 +635,8 @@ CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
     "ct-w4a16": lambda p: write_compressed_tensors(p, "W4A16"),
     "ct-w4a16-g32": lambda p: write_compressed_tensors(p, "W4A16_G32"),
     "ct-w4a16-asym": lambda p: write_compressed_tensors(p, "W4A16_ASYM"),
+    "ct-w4a16-act-order-weight": lambda p: write_compressed_tensors(p, "W4A16_ACT_ORDER"),
+    "ct-w4a16-g-idx": write_ct_group_order,
     "ct-w8a16": lambda p: write_compressed_tensors(p, "W8A16"),
     "ct-w8a8": lambda p: write_compressed_tensors(p, "W8A8"),
     "ct-fp8-dynamic": lambda p: write_compressed_tensors(p, "FP8_DYNAMIC"),
@@ -586,8 +656,9 @@ CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
 }
 # Where transformers runs the checkpoint on CPU itself: compressed-tensors' symmetric schemes.
 TRANSFORMERS_RUNS = frozenset(
-    {"ct-w4a16", "ct-w4a16-g32", "ct-w8a16", "ct-w8a8", "ct-fp8-dynamic", "ct-fp8-static"}
-)
+    {"ct-w4a16", "ct-w4a16-g32", "ct-w4a16-act-order-weight", "ct-w8a16", "ct-w8a8",
+     "ct-fp8-dynamic", "ct-fp8-static"}
+)  # fmt: skip
 
 
 def reference_of(case: str, out: Path) -> transformers.PreTrainedModel:

@@ -44,6 +44,8 @@ CASES: dict[str, tuple[int, float]] = {
     "ct-w4a16": (Q4_0, EXACT),
     "ct-w4a16-g32": (Q4_0, EXACT),
     "ct-w4a16-asym": (Q4_1, ROUNDED),
+    "ct-w4a16-act-order-weight": (Q4_0, EXACT),
+    "ct-w4a16-g-idx": (Q4_0, EXACT),
     "ct-w8a16": (Q8_0, EXACT),
     "ct-w8a8": (Q8_0, EXACT),
     "ct-fp8-dynamic": (FP8_E4M3, EXACT),
@@ -103,7 +105,9 @@ def test_checkpoint_answers_as_its_reference(tmp_path_factory, case):
     for leaf in (leaf for module in matmuls for leaf in _leaves(module)):
         assert isinstance(leaf, GGUFLinear) and leaf.ggml_type == block_type
     assert isinstance(layer.mlp.gate_up_proj, ActOrderLinear) == (case == "gptq-4bit-act-order")
-    assert isinstance(layer.mlp.gate_up_proj, ActOrderParts) == case.endswith("per-matrix")
+    # (each ct-w4a16-g-idx matrix has its own order, so its fused matmuls run part by part)
+    per_part = case.endswith("per-matrix") or case == "ct-w4a16-g-idx"
+    assert isinstance(layer.mlp.gate_up_proj, ActOrderParts) == per_part
     assert model.embed_tokens.numel() == 0  # the embedding and tied logits read 16-bit rows
 
 
@@ -178,6 +182,33 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_matrix(tmp_path_fac
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"gate_proj.weight: .*256 rows.*matrix is \[448, 128\]"):
         ModelWeights(RankLayout.of(_config(path)))
+
+
+def test_a_quantized_mixture_of_experts_answers_as_its_reference(tmp_path_factory):
+    """A GPTQ Qwen3-MoE (each expert's projections packed, as GPTQModel packs them): the
+    experts read their Q4_1 blocks, greedy tokens equal transformers' over the dequantized
+    weights. Act-order experts are refused naming the tensor."""
+    from quant_checkpoints import reference_model_from_files, write_gptq
+
+    from zllm.executor.models.moe import MoEBlock
+
+    path = write_gptq(tmp_path_factory.mktemp("moe"), 4, 32, sym=False, arch="qwen3_moe")
+    ref = reference_model_from_files(path, tmp_path_factory.mktemp("moe-ref") / "ref")
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL)
+    model = llm.model_runner.model
+    blocks = [m.mlp for m in model.layers if isinstance(m.mlp, MoEBlock)]
+    assert blocks and all(b.experts_gate_up.weight is None for b in blocks)  # blocks only
+    outs = llm.generate(_inputs(), GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        theirs = hf_greedy(ref, prompt, GREEDY.max_tokens)
+        assert_greedy_parity(ref, prompt, list(out.outputs[0].token_ids), theirs, label="moe")
+    del llm
+
+    act_order = write_gptq(
+        tmp_path_factory.mktemp("moe-act"), 4, 32, desc_act=True, arch="qwen3_moe"
+    )
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight: act-order"):
+        ModelWeights(RankLayout.of(_config(act_order)))
 
 
 def test_tensor_parallel_ranks_cut_the_blocks_on_block_boundaries(tmp_path_factory):

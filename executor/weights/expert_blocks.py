@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.models.moe import ExpertMatrices, MoEBlock
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def swap_experts_(model: nn.Module, source: _WeightBlocks) -> tuple[int, int]:
             kept += 1
             continue
         parts = [_stacked_rows(source, names, experts.num_experts) for names in chosen]
+        _check_shape(chosen, parts, experts)
         if source.verify:
             _check(source, chosen, parts, experts)
         source.served.update(n for names in chosen for n in names)
@@ -92,6 +94,11 @@ def _stacked_rows(
     source: _WeightBlocks, names: list[str], num_experts: int
 ) -> tuple[int, torch.Tensor]:
     """(ggml type, [E, rows, bytes per row]) from one stacked tensor's rows or E experts'."""
+    if source.input_order(names) is not None:  # act-order: each expert's columns scattered
+        raise ValueError(
+            f"{names[0]}: act-order (g_idx) expert weights are not served (the grouped expert "
+            f"matmuls read x in natural order); quantize the experts without act-order"
+        )
     found = [source.rank_part(n) for n in names]
     types = {ggml_type for ggml_type, _ in found}
     if len(types) != 1:
@@ -100,6 +107,22 @@ def _stacked_rows(
         rows = found[0][1]
         return found[0][0], rows.view(num_experts, -1, rows.shape[-1])
     return found[0][0], torch.stack([rows for _, rows in found])
+
+
+def _check_shape(
+    chosen: Candidate, parts: list[tuple[int, torch.Tensor]], experts: ExpertMatrices
+) -> None:
+    """Refuse (ValueError) experts' blocks that are not the layer's matrices."""
+    rows = sum(part.shape[1] for _, part in parts)
+    for names, (ggml_type, part) in zip(chosen, parts, strict=True):
+        block_values, block_bytes = cpu_kernels.block_size(ggml_type)
+        row_bytes = experts.in_features // block_values * block_bytes
+        if part.shape[2] != row_bytes or rows != experts.out_features:
+            raise ValueError(
+                f"{names[0]}: the checkpoint's experts are {part.shape[1]} rows of "
+                f"{part.shape[2]} bytes each; this layer's are [{experts.out_features}, "
+                f"{experts.in_features}]"
+            )
 
 
 def _merged(parts: list[tuple[int, torch.Tensor]]) -> list[tuple[torch.Tensor, int]]:
