@@ -58,7 +58,7 @@ from zllm.frontend.generate import ApiContext, Generation
 from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
 from zllm.frontend.observability.cache_sizes import watch_server_caches
 from zllm.frontend.observability.metrics import Metrics
-from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.format import ImageRef, chat_images, chat_messages
 from zllm.frontend.openai.logprobs import LogprobText
 from zllm.frontend.openai.protocol import (
     DetokenizeBody,
@@ -78,6 +78,7 @@ from zllm.frontend.routes import ROUTES, ApiRoute
 from zllm.frontend.streaming import ClientGone
 from zllm.inputs import check_vocabulary
 from zllm.kv.tiers import TIER_NAMES, TIER_REMOTE
+from zllm.media.images import ImageError, require_vision
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
@@ -228,8 +229,9 @@ class OpenAIServer:
     async def count_tokens(
         self, request: Request, body: anthropic_api.CountTokensRequest
     ) -> Response:
-        self.adapters.resolve(body.model)
+        model, _ = self.adapters.resolve(body.model)
         chat = anthropic_api.as_chat_request(body)
+        self._refuse_images(chat_images(chat.messages), model)
         tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
         kwargs = options.template_kwargs(
             body.chat_template_kwargs, self.config.default_chat_template_kwargs
@@ -359,10 +361,11 @@ class OpenAIServer:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request, body: TokenizeBody) -> Response:
-        self.adapters.resolve(body.model)
+        model, _ = self.adapters.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
         if body.messages is not None:
+            self._refuse_images(chat_images(body.messages), model)
             kwargs = options.template_kwargs(
                 body.chat_template_kwargs, self.config.default_chat_template_kwargs, body.documents
             )
@@ -403,6 +406,14 @@ class OpenAIServer:
                 token_strs=token_strs,
             )
         )
+
+    def _refuse_images(self, images: list[ImageRef], model: str) -> None:
+        """Counting a prompt's tokens here reads no image: a model that takes none says so."""
+        if images:
+            try:
+                require_vision(self.config.engine.arch.vision, model)
+            except ImageError as exc:
+                raise RequestError(str(exc), param=images[0].where) from None
 
     async def detokenize(self, request: Request, body: DetokenizeBody) -> Response:
         self.adapters.resolve(body.model)

@@ -36,9 +36,10 @@ from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.frontend.access.admission import Admission
 from zllm.frontend.access.middleware import TENANT_KEY, TICKET_KEY
+from zllm.frontend.images import load_images
 from zllm.frontend.lora_adapters import LoRAAdapters
 from zllm.frontend.observability.metrics import Metrics
-from zllm.frontend.openai.format import PromptInput
+from zllm.frontend.openai.format import ImageRef, PromptInput
 from zllm.frontend.openai.logprobs import LogprobText
 from zllm.frontend.openai.protocol import StreamOptions, UsageInfo
 from zllm.frontend.replies import DONE_EVENT, error_event, json_response, sse_event
@@ -145,6 +146,7 @@ class ChatPrompt:
     # Extra template variables, the server's defaults merged (zllm/text/template_kwargs.py).
     template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False  # the last message left open (continue_final.py)
+    images: list[ImageRef] = field(default_factory=list)  # read before queueing (images.py)
 
 
 Prompt = PromptInput | ChatPrompt
@@ -217,9 +219,17 @@ class Generation:
             tenant=tenant,
             isolate_tenant_cache=self.config.prefix_cache_isolation == "tenant",
         )
+        engine = self.config.engine
+        images = [
+            await load_images(p.images, engine.media, engine.arch.vision, model)
+            if isinstance(p, ChatPrompt) and p.images
+            else None
+            for p in call.prompts
+        ]
         requests = [
             TokenizeRequest(
                 req_id=ids.engine_id(i, len(call.prompts)),
+                images=images[i],
                 sampling_params=call.params,
                 add_special_tokens=call.add_special_tokens,
                 arrival_time=now,

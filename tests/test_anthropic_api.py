@@ -137,7 +137,7 @@ def test_errors_have_anthropics_shape(server) -> None:
         )
     assert err.value.body["error"]["type"] == "invalid_request_error"
     image = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]
-    with pytest.raises(anthropic.BadRequestError, match="image content blocks"):
+    with pytest.raises(anthropic.BadRequestError, match="content.0: the data is not an image"):
         client.messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": image}]
         )

@@ -70,6 +70,12 @@ ENGINE = EngineArgs(
     distributed_executor_backend="ray",
     ray_placement_strategy="STRICT_SPREAD",
     enable_sleep_mode=True,
+    limit_mm_per_prompt={"image": 3},
+    max_image_pixels=1 << 20,
+    max_image_bytes=1 << 20,
+    allowed_media_domains=["a.example", "b.example"],
+    allowed_local_media_path="/srv/images",
+    media_fetch_timeout=2.5,
 )
 ENGINE_ARGV = [
     "--revision", "v2",
@@ -118,6 +124,12 @@ ENGINE_ARGV = [
     "--distributed-executor-backend", "ray",
     "--ray-placement-strategy", "STRICT_SPREAD",
     "--enable-sleep-mode",
+    "--limit-mm-per-prompt", '{"image": 3}',
+    "--max-image-pixels", "1048576",
+    "--max-image-bytes", "1M",
+    "--allowed-media-domains", "a.example,B.example",
+    "--allowed-local-media-path", "/srv/images",
+    "--media-fetch-timeout", "2.5",
 ]  # fmt: skip
 
 # Every server option away from its default (the model comes first, positionally).

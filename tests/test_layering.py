@@ -4,13 +4,14 @@ processes are checked in tests/test_server.py.)
 
 `zllm/`'s rooms (each top-level module and each folder) are layers, bottom to top:
 
-    errors -> sampling_params -> protocol -> model -> text -> kv, lora -> config -> runtime
-           -> proxy, bench -> inputs, outputs -> llm, async_llm, cli
+    errors -> sampling_params -> protocol -> model -> text -> kv, lora -> config -> media
+           -> runtime -> proxy, bench -> inputs, outputs -> llm, async_llm, cli
 
 A room imports only rooms below it: the wire (protocol) needs only what a request carries
 (its SamplingParams; LoRARequest and DEFAULT_TENANT live in it); the model's files and shape
 come before the text that tokenizes them, the KV and LoRA rules before the config that names
-them, the config before the runtime that starts processes from it, and the public face
+them, the config before the media rules it limits and the runtime that starts processes
+from it, and the public face
 (`LLM`, `AsyncLLM`, the CLI) on top. An import inside a function counts like one at the top
 of a module (as does one under TYPE_CHECKING): it is still a dependency, so hiding one there
 does not break a cycle."""
@@ -79,10 +80,10 @@ def test_the_top_of_zllm_is_the_public_face_and_the_wire():
     (`zllm.protocol`); everything else lives in a room."""
     public = {"llm", "async_llm", "sampling_params", "outputs", "inputs", "lora", "errors", "cli"}
     assert TOP == public | {"protocol"}
-    assert ROOMS == {"config", "text", "kv", "model", "bench", "runtime", "proxy"}
+    assert ROOMS == {"config", "text", "kv", "model", "media", "bench", "runtime", "proxy"}
 
 
-@pytest.mark.parametrize("room", ["config", "text", "kv", "model", "runtime", "proxy"])
+@pytest.mark.parametrize("room", ["config", "text", "kv", "model", "media", "runtime", "proxy"])
 def test_a_room_of_zllm_imports_no_process_folder(room):
     """The rooms are what the processes share: none reaches into a process's folder (the
     offline `LLM` and `zllm bench` do, on purpose: they run the engine in one process; `zllm
@@ -108,6 +109,7 @@ LAYERS = (
     {"text"},
     {"kv", "lora"},
     {"config"},
+    {"media"},
     {"runtime"},
     {"proxy", "bench"},
     {"inputs", "outputs"},

@@ -406,7 +406,7 @@ REFUSED = [
     ({"store": True}, "store", "store"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0]", "input_image"),
+     "input[0].content[0]", "unsupported image URL 'x'"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output",
                                                      "output": "x"}]},
      "input[1].call_id", "call_id"),

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from zllm.config.engine_args import EngineArgs
 from zllm.config.serve import ServeConfig, ServerArgs
 from zllm.errors import RequestError
+from zllm.media import offline as offline_media
 from zllm.protocol import DEFAULT_TENANT, RequestOptions, RequestOutputDelta, TokenizeRequest
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.launch import serve_config_from
@@ -88,7 +89,10 @@ class AsyncLLM:
         if isinstance(prompt, str):
             req.prompt = prompt
         elif prompt and isinstance(prompt[0], dict):
-            req.messages = prompt  # type: ignore[assignment]
+            engine = self._supervisor.config.engine  # images as LLM.chat takes them
+            messages, images = offline_media.chat_images(prompt, engine.media)  # type: ignore[arg-type]
+            offline_media.require_vision_for(images, engine.arch.vision, engine.model, "messages")
+            req.messages, req.images = messages, images or None
         else:
             req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
         async for delta in self.client.generate(req):

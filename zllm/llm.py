@@ -25,6 +25,7 @@ from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
 from zllm.kv.cache_control import MAX_PIN_TTL_S
 from zllm.lora import LoRARequest, read_adapter, with_digest
+from zllm.media import offline as offline_media
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -318,21 +319,24 @@ class LLM:
         request = msgspec.structs.replace(request, req_id=str(next(self._ids)))
         return _Tracker(request, text, self.tokenizer)
 
-    @staticmethod
     def _tokenize_request(
-        prompt: _Prompt, params: SamplingParams, options: RequestOptions
+        self, prompt: _Prompt, params: SamplingParams, options: RequestOptions
     ) -> TokenizeRequest:
         """The request a frontend would send the tokenizer workers for `prompt` (its id is
-        given once it passes its checks)."""
+        given once it passes its checks); its images read and checked (zllm/media/)."""
+        media, vision, model = self.config.media, self.config.arch.vision, self.config.model
         if isinstance(prompt, _ChatPrompt):
+            messages, images = offline_media.chat_images(prompt.messages, media)
+            offline_media.require_vision_for(images, vision, model, "messages")
             return TokenizeRequest(
                 "",
                 params,
-                messages=prompt.messages,
+                messages=messages,
                 add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message,
                 chat_template_kwargs=prompt.chat_template_kwargs,
                 options=options,
+                images=images or None,
             )
         if isinstance(prompt, str):
             return TokenizeRequest("", params, prompt=prompt, options=options)
@@ -340,14 +344,23 @@ class LLM:
             raise TypeError(
                 "A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'."
             )
-        # vLLM's prompt dicts carry a `cache_salt` too.
+        # vLLM's prompt dicts carry a `cache_salt` too, and images in `multi_modal_data`.
         check_cache_salt(prompt.get("cache_salt"))
         options = msgspec.structs.replace(options, cache_salt=prompt.get("cache_salt"))
+        images = offline_media.prompt_images(prompt, media)
+        offline_media.require_vision_for(images, vision, model, "multi_modal_data")
         if "prompt_token_ids" not in prompt:
-            return TokenizeRequest("", params, prompt=prompt["prompt"], options=options)
+            return TokenizeRequest(
+                "", params, prompt=prompt["prompt"], options=options, images=images or None
+            )
         ids = [int(t) for t in prompt["prompt_token_ids"]]
         return TokenizeRequest(
-            "", params, prompt=prompt.get("prompt"), prompt_token_ids=ids, options=options
+            "",
+            params,
+            prompt=prompt.get("prompt"),
+            prompt_token_ids=ids,
+            options=options,
+            images=images or None,
         )
 
     def _run(self, trackers: list[_Tracker], use_tqdm: bool) -> list[RequestOutput]:

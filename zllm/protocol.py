@@ -390,6 +390,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 # Sockets that carry several kinds decode a tagged union (the tag is the first array item).
 
 
+class ImageData(msgspec.Struct, array_like=True, gc=False):
+    """An image a request brings, checked in the frontend (zllm/media/images.py): its encoded
+    bytes as sent (PNG, JPEG, ...), its size, and its identity for caches (a hash of its
+    decoded pixels)."""
+
+    data: bytes
+    width: int
+    height: int
+    digest: str
+
+
 class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Frontend -> tokenizer: a request as the client sent it (text, chat or token ids)."""
 
@@ -411,6 +422,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     # The last message left open for the model to continue (zllm/text/continue_final.py).
     continue_final_message: bool = False
     timing: RequestTiming | None = None  # set (empty) when the request is traced
+    images: list[ImageData] | None = None  # in the order the prompt holds them
 
 
 class AbortRequests(msgspec.Struct, array_like=True, gc=False, tag=2):

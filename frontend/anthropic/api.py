@@ -41,14 +41,17 @@ from zllm.frontend.anthropic.thinking import (
 )
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
 from zllm.frontend.openai.api import tooled_chat_params
-from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.format import chat_images, chat_messages
 from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ContentPart,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
     NamedFunction,
     NamedToolChoice,
+    SourcedImagePart,
     Tool,
     ToolCallMessage,
 )
@@ -264,7 +267,12 @@ class MessagesCall(ApiCall):
         budget = thinking_budget(body.thinking, ctx.tokenizer, self.reasoning_parser)
         self.params = msgspec.structs.replace(params, thinking_budget=budget) if budget else params
         self.prompts = [
-            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+            ChatPrompt(
+                chat_messages(chat.messages),
+                self.plan.tools,
+                template_kwargs=kwargs,
+                images=chat_images(chat.messages),
+            )
         ]
 
     def options(self) -> RequestOptions:
@@ -342,11 +350,13 @@ def _turn(message: AnthropicMessage, index: int) -> list[ChatMessage]:
     if isinstance(message.content, str):
         return [ChatMessage(role=message.role, content=message.content)]
     texts: list[str] = []
+    parts: list[ContentPart] = []  # text and images in order, when the turn holds an image
     calls: list[ToolCallMessage] = []
     results: list[ChatMessage] = []
-    for block in message.content:
+    for j, block in enumerate(message.content):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+            parts.append(ContentPart(type="text", text=block.text))
         elif isinstance(block, ToolUseBlock):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
@@ -362,15 +372,29 @@ def _turn(message: AnthropicMessage, index: int) -> list[ChatMessage]:
                 ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id)
             )
         elif isinstance(block, ImageBlock):
-            raise RequestError(
-                "image content blocks are not supported; this server accepts text only.",
-                param=f"messages.{index}.content",
-            )
+            parts.append(_image_part(block, f"messages.{index}.content.{j}"))
         # Thinking blocks of earlier turns (their signatures checked: check_signatures) are
         # not sent back to the model, as Anthropic drops them.
     turn: list[ChatMessage] = list(results)
-    if texts or calls or not results:
-        turn.append(
-            ChatMessage(role=message.role, content="\n".join(texts), tool_calls=calls or None)
-        )
+    has_image = any(isinstance(part, SourcedImagePart) for part in parts)
+    if texts or calls or has_image or not results:
+        content: str | list[ContentPart] = parts if has_image else "\n".join(texts)
+        turn.append(ChatMessage(role=message.role, content=content, tool_calls=calls or None))
     return turn
+
+
+def _image_part(block: ImageBlock, where: str) -> SourcedImagePart:
+    """An image block as a chat image part: base64 data as a data: URL, or its url."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "base64" and isinstance(source.get("data"), str):
+        media_type = source.get("media_type") or "image/png"
+        url = f"data:{media_type};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise RequestError(
+            "an image block's source must be {type: base64, media_type, data} or {type: url, url}.",
+            param=f"{where}.source",
+        )
+    return SourcedImagePart(type="image_url", image_url=ImageURL(url=url), where=where)

@@ -17,6 +17,7 @@ from zllm.frontend.generate import (
 )
 from zllm.frontend.openai.choices import ChatAssembler, CompletionAssembler
 from zllm.frontend.openai.format import (
+    chat_images,
     chat_messages,
     chat_params,
     completion_params,
@@ -127,6 +128,7 @@ class ChatCall(ApiCall):
                 body.chat_template,
                 kwargs,
                 continue_final,
+                chat_images(body.messages),
             )
         ]
         self.add_special_tokens = body.add_special_tokens

@@ -69,17 +69,30 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         raise RequestError("messages must not be empty.", param="messages")
     result = []
     for i, m in enumerate(messages):
+        content: str | list[dict[str, str]]
         if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
+            parts: list[dict[str, str]] = []
+            for j, part in enumerate(m.content):
+                if part.type == "text" and part.text is not None:
+                    parts.append({"type": "text", "text": part.text})
+                elif part.type == "image_url" and part.image_url is not None:
+                    parts.append({"type": "image"})  # where the template puts the image
+                elif part.type == "image_url":
                     raise RequestError(
-                        f"content parts of type {part.type!r} are not supported; "
-                        "this server accepts text only.",
-                        param=f"messages[{i}].content",
+                        "an image_url part needs image_url: {url: a data:, http(s): or file: "
+                        "URL}.",
+                        param=f"messages[{i}].content[{j}].image_url",
                     )
-                texts.append(part.text)
-            content = "\n".join(texts)
+                else:
+                    raise RequestError(
+                        f"content parts of type {part.type!r} are not supported; zllm takes "
+                        "text and image_url parts.",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+            if all(p["type"] == "text" for p in parts):  # text only: one string, as before
+                content = "\n".join(p["text"] for p in parts)
+            else:  # images: the parts in order, as transformers' chat templates take them
+                content = parts
         else:
             content = m.content or ""
         message: dict[str, Any] = {"role": m.role, "content": content}
@@ -94,6 +107,30 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message.update(reasoning=reasoning, reasoning_content=reasoning, thinking=reasoning)
         result.append(message)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image a chat request names: its URL (data:, http(s): or file:) and its part's path
+    in the request (for errors)."""
+
+    url: str
+    where: str
+
+
+def chat_images(messages: list[ChatMessage]) -> list[ImageRef]:
+    """Every image part of the conversation, in the order the prompt holds them."""
+    images = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.content, list):
+            continue
+        for j, part in enumerate(m.content):
+            if part.type != "image_url" or part.image_url is None:
+                continue
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            where = getattr(part, "where", "") or f"messages[{i}].content[{j}]"
+            images.append(ImageRef(url, where))
+    return images
 
 
 def _template_tool_call(call: ToolCallMessage) -> dict[str, Any]:

@@ -145,9 +145,23 @@ class CompletionRequest(SamplingFields, kw_only=True):
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
 
 
+class ImageURL(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None  # OpenAI's low/high/auto: the model's processor decides here
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # type "image_url" (a bare string taken too)
+
+
+class SourcedImagePart(ContentPart, kw_only=True):
+    """An image part another API's request became (an Anthropic image block, a Responses
+    input_image): `where` is its path in that request, for errors. Built in code, never
+    decoded from a request."""
+
+    where: str = ""
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

@@ -20,7 +20,7 @@ from zllm.errors import RequestError
 from zllm.frontend import options
 from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJob, RequestIds
 from zllm.frontend.openai.api import tooled_chat_params
-from zllm.frontend.openai.format import chat_messages
+from zllm.frontend.openai.format import chat_images, chat_messages
 from zllm.frontend.openai.protocol import ChatCompletionRequest
 from zllm.frontend.responses.input import (
     FunctionTool,
@@ -111,7 +111,12 @@ class ResponsesCall(ApiCall):
                 e.param = name
             raise
         self.prompts = [
-            ChatPrompt(chat_messages(chat.messages), self.plan.tools, template_kwargs=kwargs)
+            ChatPrompt(
+                chat_messages(chat.messages),
+                self.plan.tools,
+                template_kwargs=kwargs,
+                images=chat_images(chat.messages),
+            )
         ]
 
     def options(self) -> RequestOptions:

@@ -32,14 +32,17 @@ from zllm.frontend.openai.protocol import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
+    ImageURL,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    SourcedImagePart,
     Tool,
     ToolCallMessage,
     error_param,
 )
+from zllm.frontend.openai.protocol import ContentPart as ChatContentPart
 
 # ---- request parts -------------------------------------------------------------------------
 
@@ -90,6 +93,9 @@ class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
     refusal: str | None = None  # an earlier assistant turn's refusal part
+    image_url: str | None = None  # input_image: a data: or http(s) URL
+    file_id: str | None = None  # input_image from an uploaded file: zllm keeps no files
+    detail: str | None = None
 
 
 class MessageItem(msgspec.Struct, kw_only=True):
@@ -128,7 +134,7 @@ def chat_turns(input: str | list[dict[str, Any]], instructions: str | None) -> l
         if kind == "message":
             item = _convert(raw, MessageItem, where)
             role = "system" if item.role == "developer" else item.role
-            turns.append(ChatMessage(role=role, content=_text(item.content, f"{where}.content")))
+            turns.append(ChatMessage(role=role, content=_content(item.content, f"{where}.content")))
         elif kind == "function_call":
             call = _convert(raw, FunctionCallItem, where)
             tool_call = ToolCallMessage(
@@ -163,21 +169,42 @@ def _convert(raw: dict[str, Any], cls: type[_Item], where: str) -> _Item:
         raise RequestError(f"Invalid {where}: {e}", param=param) from None
 
 
+def _content(content: str | list[ContentPart], where: str) -> str | list[ChatContentPart]:
+    """A message's content: its text, or with input_image parts the parts in order."""
+    if isinstance(content, str) or all(part.type != "input_image" for part in content):
+        return _text(content, where)
+    parts: list[ChatContentPart] = []
+    for j, part in enumerate(content):
+        if part.type == "input_image":
+            if part.image_url is None:
+                raise RequestError(
+                    "an input_image needs an image_url (a data: or http(s) URL); zllm keeps "
+                    "no uploaded files for file_id.",
+                    param=f"{where}[{j}]",
+                )
+            url = ImageURL(url=part.image_url, detail=part.detail)
+            parts.append(SourcedImagePart(type="image_url", image_url=url, where=f"{where}[{j}]"))
+        else:
+            parts.append(ChatContentPart(type="text", text=_part_text(part, f"{where}[{j}]")))
+    return parts
+
+
 def _text(content: str | list[ContentPart], where: str) -> str:
     if isinstance(content, str):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        if part.type == "refusal" and part.refusal is not None:
-            texts.append(part.refusal)
-        elif part.type in _TEXT_PARTS and part.text is not None:
-            texts.append(part.text)
-        else:
-            raise RequestError(
-                f"content of type {part.type!r} is not supported; this server accepts text only.",
-                param=f"{where}[{j}]",
-            )
-    return "\n".join(texts)
+    return "\n".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part: ContentPart, where: str) -> str:
+    if part.type == "refusal" and part.refusal is not None:
+        return part.refusal
+    if part.type in _TEXT_PARTS and part.text is not None:
+        return part.text
+    raise RequestError(
+        f"content of type {part.type!r} is not supported here; zllm takes text parts, and "
+        "input_image parts in messages.",
+        param=where,
+    )
 
 
 # ---- tools, tool_choice, text.format -------------------------------------------------------

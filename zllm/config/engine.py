@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from zllm.config.generation import GenerationConfig
 from zllm.config.kv_transfer import KVTransferConfig
+from zllm.config.media import MediaConfig
 from zllm.config.tenants import TenantLimit, check_tenant_name
 from zllm.errors import ParamError
 from zllm.model.arch_config import ModelArchConfig
@@ -188,6 +189,7 @@ class EngineConfig:
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig | None = None
     kv_offload: KVOffloadConfig | None = None  # None: no tiers below the KV pool
+    media: MediaConfig = field(default_factory=MediaConfig)  # images in (zllm/media/)
     # Batch-invariant execution (executor/kernels/batch_invariant.py): a request's logprobs do not
     # depend on its batch, chunking, prefix hits or preemptions. CPU only.
     deterministic: bool = False

@@ -9,16 +9,20 @@ and `bench`, with their help. A new option is one field here (plus its use in
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from zllm.config.arg_utils import (
     add_dataclass_args,
     check_choices,
     dataclass_from_args,
+    format_size,
     option,
     parse_json_object,
     parse_size,
+    positive_float,
     positive_int,
     unit_fraction,
 )
@@ -36,6 +40,15 @@ from zllm.config.generation import (
 )
 from zllm.config.kv_layout import block_bytes
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
+from zllm.config.media import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_IMAGES_PER_PROMPT,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    MediaConfig,
+    parse_domains,
+    parse_limit_mm_per_prompt,
+)
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
 from zllm.config.quantization import (
@@ -324,6 +337,42 @@ class EngineArgs:
         "read its generation_config.json instead",
     )
 
+    # Images in (zllm/media/): what a request may bring and where the server may read it.
+    limit_mm_per_prompt: dict | None = option(
+        None,
+        help="most images one prompt may hold, as JSON in vLLM's shape: '{\"image\": 2}' "
+        f"(default {DEFAULT_IMAGES_PER_PROMPT}; 0 refuses images)",
+        parse=parse_limit_mm_per_prompt,
+    )
+    max_image_pixels: int = option(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        help="largest image (width x height) a request may send, checked from the image's "
+        "header before its pixels are decoded (a decompression bomb is refused unread)",
+        parse=positive_int,
+    )
+    max_image_bytes: int = option(
+        DEFAULT_MAX_IMAGE_BYTES,
+        help="largest encoded image a request may send or the server fetch (suffixes K/M/G)",
+        parse=parse_size,
+        show_default=format_size,
+    )
+    allowed_media_domains: list[str] = option(
+        default_factory=list,
+        help="hosts whose http(s) image URLs the server fetches (comma-separated or a JSON "
+        "list, repeatable; default: none, only data: URLs are read)",
+        parse=parse_domains,
+        action="extend",
+    )
+    allowed_local_media_path: str | None = option(
+        None,
+        help="a directory whose files file:// image URLs may name (default: no local file is read)",
+    )
+    media_fetch_timeout: float = option(
+        DEFAULT_FETCH_TIMEOUT_S,
+        help="seconds an image URL's fetch may take",
+        parse=positive_float,
+    )
+
     def create_engine_config(self) -> EngineConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}.")
@@ -403,6 +452,7 @@ class EngineArgs:
             distributed_executor_backend=self._check_backend(),
             ray_placement_strategy=self.ray_placement_strategy,
         )
+        config.media = self._media_config()
         config.kv_offload = self._kv_offload_config(config)
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
@@ -429,6 +479,20 @@ class EngineArgs:
     def _tenant_limits(self) -> dict[str, TenantLimit]:
         policies = check_tenant_policies(self.tenant_weights or {})
         return {n: p.limit for n, p in policies.items() if p.limit is not None}
+
+    def _media_config(self) -> MediaConfig:
+        limits = parse_limit_mm_per_prompt(json.dumps(self.limit_mm_per_prompt or {}))
+        local = self.allowed_local_media_path
+        if local is not None and not Path(local).is_dir():
+            raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+        return MediaConfig(
+            images_per_prompt=limits.get("image", DEFAULT_IMAGES_PER_PROMPT),
+            max_image_pixels=self.max_image_pixels,
+            max_image_bytes=self.max_image_bytes,
+            allowed_domains=[d.lower() for d in self.allowed_media_domains],
+            allowed_local_path=None if local is None else str(Path(local).resolve()),
+            fetch_timeout_s=self.media_fetch_timeout,
+        )
 
     def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
         offload = KVOffloadConfig(

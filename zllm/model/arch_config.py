@@ -94,6 +94,11 @@ class ModelArchConfig:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
+    # Whether the model takes images (a vision encoder zllm runs beside the decoder). Every
+    # architecture zllm loads today is text-only: multimodal checkpoints are refused at load
+    # (zllm/model/impl.py), and an image sent to the model is refused naming it
+    # (zllm/media/images.py require_vision).
+    vision: bool = False
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
