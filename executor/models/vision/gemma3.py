@@ -1,0 +1,105 @@
+"""Gemma 3's image encoder: SigLIP's vision tower (siglip.py) over the image resized to its
+image_size, its patches' last hidden states average-pooled to mm_tokens_per_image tokens
+(a square grid), RMS-normalised (Gemma's 1 + w scale) and projected to the language model's
+width. The result replaces the prompt's <image_soft_token> embeddings, after the text
+embedding's sqrt(hidden) scaling (the image features are not scaled).
+
+The pixels come from the checkpoint's own transformers image processor
+(preprocessor_config.json: resize, rescale, normalise), run here, where torch is."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from zllm.executor.models.vision.siglip import SiglipConfig, SiglipVisionTower
+
+# Where the encoder's tensors live in a checkpoint: transformers 5 saves the tower as
+# `vision_tower.`, the Hub's Gemma 3 checkpoints (and transformers 4) as
+# `vision_tower.vision_model.`; some prefix it all with `model.`.
+_TOWER_PREFIXES = (
+    "vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
+    "model.vision_tower.",
+)  # fmt: skip
+_PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """pixel_values [images, 3, size, size] -> [images, mm_tokens_per_image, text hidden]."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        vision = SiglipConfig.from_dict(config["vision_config"])
+        self.tokens_per_image = int(config.get("mm_tokens_per_image", 256))
+        side = round(self.tokens_per_image**0.5)
+        if side * side != self.tokens_per_image or vision.patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image {self.tokens_per_image} is not a square grid that "
+                f"divides the {vision.patches_per_side}x{vision.patches_per_side} patches"
+            )
+        self.pool = vision.patches_per_side // side
+        self.eps = vision.layer_norm_eps
+        self.tower = SiglipVisionTower(vision)
+        text_hidden = config["text_config"]["hidden_size"]
+        self.soft_emb_norm = nn.Parameter(torch.zeros(vision.hidden_size))
+        self.projection = nn.Parameter(torch.zeros(vision.hidden_size, text_hidden))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        hidden = self.tower(pixel_values)  # [images, patches, width]
+        images, patches, width = hidden.shape
+        side = self.tower.config.patches_per_side
+        grid = hidden.transpose(1, 2).reshape(images, width, side, side)
+        pooled = F.avg_pool2d(grid, self.pool, stride=self.pool).flatten(2).transpose(1, 2)
+        normed = pooled.float() * torch.rsqrt(
+            pooled.float().pow(2).mean(-1, keepdim=True) + self.eps
+        )
+        normed = (normed * (1.0 + self.soft_emb_norm.float())).to(pooled.dtype)
+        return normed @ self.projection
+
+    def load_checkpoint(self, model_dir: str) -> None:
+        """Fill every tensor from the checkpoint's safetensors (ValueError naming a missing one)."""
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        names: dict[str, Path] = {}
+        for file in files:
+            with safe_open(str(file), "pt") as shard:
+                names.update({name: file for name in shard.keys()})
+        tower_prefix = next(
+            (p for p in _TOWER_PREFIXES if f"{p}post_layernorm.weight" in names), None
+        )
+        projector = next(
+            (p for p in _PROJECTOR_PREFIXES if f"{p}mm_input_projection_weight" in names), None
+        )
+        if tower_prefix is None or projector is None:
+            raise ValueError(f"{model_dir}: no Gemma 3 vision tower and projector tensors found")
+        targets = self.tower.checkpoint_targets(tower_prefix)
+        targets[f"{projector}mm_soft_emb_norm.weight"] = self.soft_emb_norm
+        targets[f"{projector}mm_input_projection_weight"] = self.projection
+        missing = sorted(set(targets) - set(names))
+        if missing:
+            raise ValueError(f"{model_dir}: the vision encoder's {missing[0]} is missing")
+        with torch.no_grad():
+            for file in files:
+                with safe_open(str(file), "pt") as shard:
+                    for name in (n for n in targets if names[n] == file):
+                        tensor = shard.get_tensor(name)
+                        if tensor.shape != targets[name].shape:
+                            raise ValueError(
+                                f"{name} has shape {list(tensor.shape)}; the config makes it "
+                                f"{list(targets[name].shape)}"
+                            )
+                        targets[name].copy_(tensor)
+
+
+def pixel_values(model_dir: str, images: list[bytes]) -> torch.Tensor:
+    """The encoded images as the checkpoint's transformers image processor prepares them."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    return processor(images=decoded, return_tensors="pt")["pixel_values"]
