@@ -1,0 +1,70 @@
+"""Where a prompt holds its images, per architecture (no torch: the tokenizer workers expand
+them). A chat template writes one marker per image part (Gemma 3: `<start_of_image>`); the
+marker becomes the tokens the image's features replace, as the model's transformers processor
+writes them (Gemma 3: "\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_soft_token>" +
+"<end_of_image>\\n\\n"), so the prompt is tokenized with them in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePlaceholders:
+    """A model's image placeholders: the marker a prompt holds per image, the text each
+    becomes, and the token whose embeddings the image's features replace."""
+
+    marker: str
+    expansion: str
+    image_token_id: int
+    tokens_per_image: int
+
+    def expand(self, text: str, images: int) -> str:
+        """The prompt with each marker expanded; ValueError when the prompt's markers and
+        its images differ in number."""
+        found = text.count(self.marker)
+        if found != images:
+            raise ValueError(
+                f"the prompt holds {found} image marker(s) {self.marker!r} for {images} "
+                f"image(s): each image needs its marker where it goes in the prompt (a chat "
+                f"message's image part writes one)"
+            )
+        return text.replace(self.marker, self.expansion)
+
+
+def gemma3_placeholders(config: dict, token_text: Callable[[int], str | None]) -> ImagePlaceholders:
+    """Gemma 3's (Gemma3Processor's expansion), from config.json's token ids and the
+    tokenizer's text for them (`token_text`: id -> token string, None when unknown)."""
+    ids = {
+        "boi_token_index": config.get("boi_token_index", 255999),
+        "eoi_token_index": config.get("eoi_token_index", 256000),
+        "image_token_index": config.get("image_token_index", 262144),
+    }
+    texts = {}
+    for field, token_id in ids.items():
+        text = token_text(token_id)
+        if text is None:
+            raise ValueError(
+                f"the tokenizer has no token {token_id} (config.json's {field}): a Gemma 3 "
+                f"vision checkpoint's tokenizer holds its image tokens"
+            )
+        texts[field] = text
+    count = int(config.get("mm_tokens_per_image", 256))
+    image = texts["image_token_index"]
+    expansion = f"\n\n{texts['boi_token_index']}{image * count}{texts['eoi_token_index']}\n\n"
+    return ImagePlaceholders(texts["boi_token_index"], expansion, ids["image_token_index"], count)
+
+
+def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of image tokens, in order: one per image."""
+    spans = []
+    start = None
+    for i, token in enumerate([*token_ids, -1]):
+        if token == image_token_id and start is None:
+            start = i
+        elif token != image_token_id and start is not None:
+            spans.append((start, i - start))
+            start = None
+    return spans
