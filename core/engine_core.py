@@ -174,6 +174,7 @@ class EngineCore:
                     request.options, cache_pin=self._cache_pin(request)
                 ),
                 timing=request.timing,
+                images=list(request.images),
             )
         )
         if request.timing is not None:

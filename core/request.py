@@ -16,6 +16,7 @@ from zllm.protocol import (
     FinishReason,
     KVTransferParams,
     LogprobsLists,
+    PlacedImage,
     RequestOptions,
     RequestTiming,
 )
@@ -99,6 +100,9 @@ class Request:
     # fail (disk, remote) in a step ahead of its own (core/kv_prefetch.py) that loaded
     # well; None while it never did (it does at most once: later lookups skip those tiers).
     num_prefetched_tokens: int | None = None
+    # Its images and where their tokens sit (EngineCoreRequest.images): each image's tokens
+    # are computed in one step (`chunk_end`).
+    images: list[PlacedImage] = field(default_factory=list)
     # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
     lora: InitVar[LoRARequest | None] = None
     priority: InitVar[int | None] = None
@@ -207,10 +211,22 @@ class Request:
             client_id=self.client_id,
             output_token_ids=output_token_ids,
             options=msgspec.structs.replace(self.options, cache_pin=None, kv_transfer=None),
+            images=self.images,
             num_computed_tokens=num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=status,
         )
+
+    def chunk_end(self, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` one step may compute: all, unless that
+        would end the chunk inside an image's tokens, which attend to each other both ways
+        and so are computed together (then up to the image's start; 0 when the chunk starts
+        inside the image and cannot reach its end)."""
+        end = start + num_new
+        for image in self.images:
+            if image.offset < end < image.end:
+                return max(0, image.offset - start) if image.offset >= start else 0
+        return num_new
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -131,4 +131,5 @@ class StepPlan:
             eos_token_ids=req.eos_token_ids,
             sample_index=req.sample_index,
             lora=req.lora,
+            images=req.images,
         )

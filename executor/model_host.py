@@ -16,14 +16,17 @@ was built.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.graphs.decode_path import DecodePath
 from zllm.executor.kv.cache import KVCache
+from zllm.executor.models.vision.features import ImageFeatures
 from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.weights.model_weights import ModelWeights
@@ -45,7 +48,16 @@ class ModelHost:
             torch.cuda.mem_get_info(layout.device)[0] if layout.device.type == "cuda" else 0
         )
         self.weights = ModelWeights(layout)
+        # A vision-language model's image encoder, beside it (executor/models/vision/).
+        self.images = _image_features(config, self.weights.model)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", layout.attention.name, layout.attention.description)
         self.kv = KVCache(layout, parallel, free_before_load)
         self.decode = DecodePath(layout, self.weights, self.kv)
+
+
+def _image_features(config: EngineConfig, model: torch.nn.Module) -> ImageFeatures | None:
+    if not config.arch.vision:
+        return None
+    model_config = json.loads((Path(config.model_path) / "config.json").read_text())
+    return ImageFeatures(config.model_path, model_config, model.embed_scale.dtype)

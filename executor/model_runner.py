@@ -431,10 +431,14 @@ class ModelRunner:
         embed the tokens); `final_norm` False: return the stream leaving them (a stage
         before the last)."""
         ids, positions, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
-        hidden = self.host.decode.run(ids, positions, meta, stream, final_norm)
-        if hidden is not None:
-            return hidden
         model, kv_caches = self.host.weights.model, self.host.kv.caches
+        if inputs.images is not None:  # image tokens: the encoder's features, not embeddings
+            stream = model.embed(ids)
+            stream[inputs.images.rows] = inputs.images.features.to(stream.dtype)
+        else:
+            hidden = self.host.decode.run(ids, positions, meta, stream, final_norm)
+            if hidden is not None:
+                return hidden
         if stream is None:
             return model(ids, positions, kv_caches, meta)
         x, residual = model.forward_layers(stream, positions, kv_caches, meta)

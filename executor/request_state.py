@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zllm.protocol import ForkedRequestData, NewRequestData
+from zllm.protocol import ForkedRequestData, NewRequestData, PlacedImage
 from zllm.sampling_params import SamplingParams
 from zllm.text.thinking_budget import ThinkingTracker
 
@@ -49,6 +49,8 @@ class RequestState:
     # Tokens sampled by launched steps and not appended yet: the asynchronous executor's
     # next step reads them on the device (executor/async_steps.py).
     num_pending: int = 0
+    # Its images, where their tokens sit (executor/models/vision/features.py encodes them).
+    images: list[PlacedImage] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -69,6 +71,7 @@ class RequestState:
             generator=make_generator(new.sampling_params.seed, new.sample_index, device),
             draft_num_computed=new.num_computed_tokens,
             lora_int_id=None if new.lora is None else new.lora.lora_int_id,
+            images=list(new.images),
         )
 
     def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
@@ -89,6 +92,7 @@ class RequestState:
             # The draft's KV of the shared prompt is valid; past it is the parent's.
             draft_num_computed=min(self.draft_num_computed, self.num_computed_tokens),
             lora_int_id=self.lora_int_id,
+            images=self.images,
         )
 
     def append(self, token_id: int) -> None:

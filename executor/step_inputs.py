@@ -30,6 +30,7 @@ from zllm.protocol import SchedulerOutput
 if TYPE_CHECKING:
     from zllm.executor.async_steps import PendingTokens
     from zllm.executor.model_host import ModelHost
+    from zllm.executor.models.vision.features import StepImages
     from zllm.executor.ranks.layout import RankLayout
 
 
@@ -44,6 +45,8 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn_metadata: StepAttentionMetadata | list[StepAttentionMetadata]  # one, or one per layer
+    # A vision model's step computing image tokens: their rows and the encoder's features.
+    images: StepImages | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,7 @@ def prepare_inputs(
         input_ids=ids,
         positions=to_device(positions, layout.device),
         attn_metadata=attn_metadata,
+        images=None if host.images is None else host.images.for_step(states, query_lens, seq_lens),
     )
 
 
@@ -170,7 +174,9 @@ def build_attention_metadata(
     for key in dict.fromkeys(layout.layer_attention):
         tables = [st.block_ids[key.group] for st in states]
         slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
-        extra = {"all_as_decode": True} if layout.config.deterministic else {}
+        extra: dict = {"all_as_decode": True} if layout.config.deterministic else {}
+        if any(st.images for st in states):  # image tokens see their whole image
+            extra["image_spans"] = [[(i.offset, i.end) for i in st.images] for st in states]
         built[key] = layout.attention.build_metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,

@@ -32,9 +32,45 @@ GEMMA3_TEXT = dict(
 )
 
 
-def write_tiny_gemma3_vlm(path: Path, seed: int = 0, tokens_per_image: int = 4) -> Path:
+IMAGE_TOKEN = "<image_soft_token>"
+# Gemma 3's chat template in the part that matters here: turns, and an image part as the
+# <start_of_image> marker the processor expands (the 270M package's template has no images).
+GEMMA3_VLM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_gemma3_vlm_tokenizer(path: Path, gemma3_gguf: str) -> None:
+    """The Gemma 3 tokenizer (the 270M package's vocabulary) with the <image_soft_token> a
+    vision checkpoint's tokenizer adds (id 262144), as tokenizer.json, and its config."""
+    import json
+
+    from tokenizers import AddedToken
+
+    from zllm.text.tokenizer import load_tokenizer
+
+    backend = load_tokenizer(gemma3_gguf).backend
+    backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    backend.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>",
+        "chat_template": GEMMA3_VLM_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_tiny_gemma3_vlm(
+    path: Path, seed: int = 0, tokens_per_image: int = 4, gemma3_gguf: str | None = None
+) -> Path:
     """Gemma3ForConditionalGeneration with random weights (the projector's drawn wider than
-    transformers' zero init, so images move the answer) and Gemma3ImageProcessor's config."""
+    transformers' zero init, so images move the answer) and Gemma3ImageProcessor's config;
+    with `gemma3_gguf`, the Gemma 3 tokenizer too (write_gemma3_vlm_tokenizer)."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil
 
     torch.manual_seed(seed)
@@ -51,6 +87,8 @@ def write_tiny_gemma3_vlm(path: Path, seed: int = 0, tokens_per_image: int = 4) 
     model.save_pretrained(path)
     size = GEMMA3_VISION["image_size"]
     Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(path)
+    if gemma3_gguf is not None:
+        write_gemma3_vlm_tokenizer(path, gemma3_gguf)
     return path
 
 

@@ -24,6 +24,7 @@ import zmq
 from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
 from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks
+from zllm.media.placeholders import model_placeholders
 from zllm.protocol import (
     EngineCoreRequest,
     ProcessRole,
@@ -133,6 +134,7 @@ def main() -> None:
         engine.arch.vocab_size,
         engine.arch.eos_token_ids,
         engine.generation_config.defaults.max_tokens,
+        model_placeholders(engine.model_path, engine.arch.vision, tokenizer.token_text),
     )
 
     ctx = zmq.Context()

@@ -19,9 +19,11 @@ import msgspec
 from zllm.config.generation import default_max_tokens, merge_eos_token_ids
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params, truncate_prompt
+from zllm.media.placeholders import ImagePlaceholders, images_key, place_images
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
+    PlacedImage,
     RequestOptions,
     RequestRejected,
     TokenizeRequest,
@@ -42,10 +44,12 @@ class RequestTokenizer:
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
         max_new_tokens: int | None = None,
+        placeholders: ImagePlaceholders | None = None,
     ) -> None:
         """`eos_token_ids`: the model's (ModelArchConfig.eos_token_ids), which stop besides
         the tokenizer's EOS; `max_new_tokens`: generation_config's, for requests without
-        max_tokens."""
+        max_tokens; `placeholders`: a vision model's image tokens (zllm/media/placeholders.py)."""
+        self.placeholders = placeholders
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -68,11 +72,14 @@ class RequestTokenizer:
         """The prompt's text (the rendered chat template for messages; the request's own
         `prompt`, if any, for token ids) and its token ids. ParamError if it cannot be built
         (a template error, bad messages: the client's problem)."""
+        param = "messages" if req.messages is not None else "prompt"
         if req.prompt_token_ids is not None:
+            if req.images:
+                raise ParamError("images go with a text prompt or chat messages", param)
             return req.prompt, list(req.prompt_token_ids)
         try:
             if req.messages is None:
-                text = req.prompt or ""
+                text = self._with_images(req.prompt or "", req)
                 return text, self.tokenizer.encode(text, req.add_special_tokens)
             text = self.tokenizer.apply_chat_template(
                 req.messages,
@@ -81,10 +88,24 @@ class RequestTokenizer:
                 continue_final_message=req.continue_final_message,
                 **_template_extra(req),
             )
+            text = self._with_images(text, req)
             return text, self.tokenizer.encode(text, add_special_tokens=False)
+        except ParamError:
+            raise
         except Exception as e:
-            param = "messages" if req.messages is not None else "prompt"
             raise ParamError(f"Could not build the prompt: {e}", param) from e
+
+    def _with_images(self, text: str, req: TokenizeRequest) -> str:
+        """The prompt with each image's marker expanded to its tokens."""
+        if not req.images:
+            return text
+        param = "messages" if req.messages is not None else "prompt"
+        if self.placeholders is None:
+            raise ParamError("this model does not take image input (a text-only model)", param)
+        try:
+            return self.placeholders.expand(text, len(req.images))
+        except ValueError as e:
+            raise ParamError(str(e), param) from None
 
     def check(self, req: TokenizeRequest, ids: list[int]) -> EngineCoreRequest:
         """The request for the core, its prompt `ids` cut and checked; ParamError (naming the
@@ -100,6 +121,15 @@ class RequestTokenizer:
             param=param,
         )
         check_token_params(params, self.vocab_size)
+        options = self._with_pin_tokens(req, ids)
+        placed: list[PlacedImage] = []
+        if req.images:
+            assert self.placeholders is not None  # (prompt_of refused them otherwise)
+            try:
+                placed = place_images(ids, req.images, self.placeholders)
+            except ValueError as e:
+                raise ParamError(str(e), param) from None
+            options = msgspec.structs.replace(options, images_key=images_key(placed))
         if params.structured_outputs is not None:
             # Compiled here, off the core's and executor's loops: a grammar that cannot
             # compile is a 400 before anything is scheduled.
@@ -111,8 +141,9 @@ class RequestTokenizer:
             arrival_time=req.arrival_time,
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
-            options=self._with_pin_tokens(req, ids),
+            options=options,
             timing=req.timing,
+            images=placed,
         )
 
     def _with_pin_tokens(self, req: TokenizeRequest, ids: list[int]) -> RequestOptions:

@@ -26,6 +26,7 @@ from zllm.errors import ParamError
 from zllm.kv.cache_control import MAX_PIN_TTL_S
 from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.media import offline as offline_media
+from zllm.media.placeholders import model_placeholders
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -109,6 +110,9 @@ class LLM:
             self.engine.max_model_len,
             self.config.arch.vocab_size,
             self.config.arch.eos_token_ids,
+            placeholders=model_placeholders(
+                self.config.model_path, self.config.arch.vision, self.tokenizer.token_text
+            ),
         )
         # What the tokenizer worker adds to a served request: the ids that end generation.
         self.eos_token_ids = self.request_tokenizer.eos_token_ids

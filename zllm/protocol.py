@@ -128,6 +128,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # For a child of an `n > 1` request: which sample it is (seeds its generator).
     sample_index: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    images: list[PlacedImage] = []  # the vision encoder's inputs (EngineCoreRequest.images)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -350,6 +351,9 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # --prefix-cache-isolation tenant: its blocks are salted by its tenant too, so they are
     # shared only within the tenant (and no tenant sees another's prefixes through TTFT).
     isolate_tenant_cache: bool = False
+    # The identity of its images and where they sit (zllm/kv/block_hash.py salts its blocks
+    # with it: equal text with other images never shares KV, the same images do).
+    images_key: str | None = None
 
 
 NO_OPTIONS = RequestOptions()
@@ -370,6 +374,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     client_id: int = 0
     options: RequestOptions = NO_OPTIONS
     timing: RequestTiming | None = None  # traced: the tokenizer's stamps so far
+    images: list[PlacedImage] = []  # its images, where their tokens sit in the prompt
 
 
 # ==== the serving processes ==================================================================
@@ -399,6 +404,20 @@ class ImageData(msgspec.Struct, array_like=True, gc=False):
     width: int
     height: int
     digest: str
+
+
+class PlacedImage(msgspec.Struct, array_like=True, gc=False):
+    """An image and the run of placeholder tokens its features replace in the prompt: all
+    `length` of them are computed in one step (core/scheduler.py), attending to each other
+    both ways (the model's image attention)."""
+
+    image: ImageData
+    offset: int  # its first token's position in the prompt
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 class TokenizeRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -233,11 +233,15 @@ class AttentionMetadata:
         device: torch.device | str,
         sliding_window: int | None = None,
         all_as_decode: bool = False,
+        image_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> AttentionMetadata:
         """`sliding_window`: build for layers whose queries see only their last that many
         positions (block tables may then hold -1 for blocks before the window).
         `all_as_decode` (batch-invariant mode): every query token is a decode row, attending
-        exactly its own context, whatever the chunk it arrived in."""
+        exactly its own context, whatever the chunk it arrived in.
+        `image_spans`: per sequence, the [start, end) positions of each image's tokens, which
+        also attend to the later tokens of their own image (a vision model's image
+        attention); a sequence computing any of them is a prefill chunk."""
         layout = StepLayout.check(query_lens, seq_lens, block_tables, slot_mapping, block_size)
         tables = stack_tables(block_tables)
 
@@ -249,6 +253,8 @@ class AttentionMetadata:
         as_decode = (q_lens == 1) | ((q_lens <= MAX_QUERY_AS_DECODE) & (q_lens < layout.seq_lens))
         if all_as_decode:
             as_decode = np.ones_like(as_decode)
+        with_images = _computing_images(layout, image_spans)
+        as_decode &= ~with_images
         decode = None
         if as_decode.any():
             decode = _build_decode_batch(
@@ -256,21 +262,67 @@ class AttentionMetadata:
             )
             decode.is_whole_batch = bool(as_decode.all())
             decode.exact = all_as_decode
+        prefills = build_prefill_chunks(
+            layout,
+            block_tables,
+            block_size,
+            device,
+            chunk_mask,
+            sliding_window,
+            seq_ids=np.flatnonzero(~as_decode),
+        )
+        if with_images.any():
+            assert image_spans is not None
+            starts = {int(layout.query_start_loc[i]): i for i in np.flatnonzero(with_images)}
+            for chunk in prefills:
+                i = starts.get(chunk.token_start)
+                if i is not None:
+                    _see_own_image(chunk, image_spans[i], int(layout.seq_lens[i]), device)
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
             decode=decode,
-            prefills=build_prefill_chunks(
-                layout,
-                block_tables,
-                block_size,
-                device,
-                chunk_mask,
-                sliding_window,
-                seq_ids=np.flatnonzero(~as_decode),
-            ),
+            prefills=prefills,
             sliding_window=sliding_window,
         )
+
+
+def _computing_images(
+    layout: StepLayout, image_spans: Sequence[Sequence[tuple[int, int]]] | None
+) -> np.ndarray:
+    """bool [S]: the sequences whose new tokens include image tokens."""
+    found = np.zeros(len(layout.query_lens), dtype=bool)
+    for i, spans in enumerate(image_spans or ()):
+        last = int(layout.seq_lens[i])
+        first = last - int(layout.query_lens[i])
+        found[i] = any(start < last and end > first for start, end in spans)
+    return found
+
+
+def _see_own_image(
+    chunk: PrefillChunk,
+    spans: Sequence[tuple[int, int]],
+    ctx_len: int,
+    device: torch.device | str,
+) -> None:
+    """Let each image token of the chunk see its image's later tokens too (the chunk holds
+    them all: core/scheduler.py), on top of the causal (or windowed) mask: a later key of
+    the same image is never outside a window, so OR-ing it in is the model's
+    AND(window, OR(causal, same image))."""
+    q_len = chunk.token_end - chunk.token_start
+    query_pos = np.arange(ctx_len - q_len, ctx_len)
+    if chunk.attn_mask is None:  # the whole context is new: keys are the queries
+        key_pos = query_pos
+        mask = key_pos[None, :] <= query_pos[:, None]
+    else:
+        key_pos = np.arange(ctx_len - chunk.attn_mask.shape[-1], ctx_len)
+        mask = chunk.attn_mask.cpu().numpy().reshape(q_len, -1).copy()
+    for start, end in spans:
+        in_query = (query_pos >= start) & (query_pos < end)
+        in_key = (key_pos >= start) & (key_pos < end)
+        mask |= in_query[:, None] & in_key[None, :]
+    shape = (q_len, len(key_pos)) if chunk.attn_mask is None else tuple(chunk.attn_mask.shape)
+    chunk.attn_mask = to_device(mask.reshape(shape), device)
 
 
 def _build_decode_batch(

@@ -163,6 +163,27 @@ def layer_of(name: str) -> int | None:
     return int(name.split(".", 3)[2])
 
 
+# A vision-language checkpoint's language model under its text model's names (transformers 4
+# and the Hub's Gemma 3 checkpoints: language_model.model.*; transformers 5:
+# model.language_model.*); its vision encoder's tensors are executor/models/vision/'s.
+_LANGUAGE_MODEL_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def language_model_name(name: str, arch: ModelArchConfig) -> str | None:
+    """The text model's name of a checkpoint tensor (None: a vision encoder's, not read
+    here); a text-only model's names are their own."""
+    if not arch.vision:
+        return name
+    for old, new in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return "lm_head.weight" if name == "lm_head.weight" else None
+
+
 def _wanted(hf_name: str, layers: Container[int] | None) -> bool:
     layer = layer_of(hf_name)
     return layers is None or layer is None or layer in layers
@@ -312,12 +333,15 @@ def sixteen_bit_raw_weights(
     raw = {}
     for file in safetensors_files(Path(directory)):
         with safe_open(str(file), framework="pt") as shard:
-            for name in shard.keys():
-                if not _wanted(name, layers) or len(shard.get_slice(name).get_shape()) != 2:
+            for stored in shard.keys():
+                name = language_model_name(stored, arch)
+                if name is None or not _wanted(name, layers):
+                    continue
+                if len(shard.get_slice(stored).get_shape()) != 2:
                     continue
                 if name == "lm_head.weight" and arch.tie_word_embeddings:
                     continue
-                tensor = shard.get_tensor(name)
+                tensor = shard.get_tensor(stored)
                 if tensor.dtype in _SIXTEEN_BIT_TYPES:
                     # A copy: get_tensor's tensor maps the file, whose pages would then stay
                     # resident beside the model's (RSS + ~0.45 GiB on Llama-1B bf16).
@@ -335,15 +359,16 @@ def _load_safetensors(
     with Progress(description, total=total, unit="tensors", logger=logger) as progress:
         for file in files:
             with safe_open(str(file), framework="pt") as shard:
-                for name in shard.keys():
+                for stored in shard.keys():
                     progress.advance(1)
-                    if name.endswith("rotary_emb.inv_freq"):  # a buffer old checkpoints saved
-                        continue
+                    name = language_model_name(stored, arch)
+                    if name is None or name.endswith("rotary_emb.inv_freq"):
+                        continue  # a vision encoder's; a buffer old checkpoints saved
                     if name == "lm_head.weight" and arch.tie_word_embeddings:
                         continue
                     if not _wanted(name, layers) or name in skip:
                         continue  # another pipeline stage's, or read as 16-bit rows (not read)
-                    tensor = shard.get_tensor(name)
+                    tensor = shard.get_tensor(stored)
                     # uint8 tensors are packed blocks (gpt-oss's MXFP4 experts): the model
                     # reads them as they are.
                     yield name, tensor if tensor.dtype == torch.uint8 else tensor.float()

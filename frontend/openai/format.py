@@ -79,8 +79,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     parts.append({"type": "image"})  # where the template puts the image
                 elif part.type == "image_url":
                     raise RequestError(
-                        "an image_url part needs image_url: {url: a data:, http(s): or file: "
-                        "URL}.",
+                        "an image_url part needs image_url: {url: a data:, http(s): or file: URL}.",
                         param=f"messages[{i}].content[{j}].image_url",
                     )
                 else:

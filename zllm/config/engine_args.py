@@ -63,6 +63,7 @@ from zllm.config.tenants import (
     check_tenant_policies,
     parse_tenant_weights,
 )
+from zllm.config.vision import check_vision, tokens_per_image
 from zllm.kv.tier_key import resolve_key_file
 from zllm.model.files import resolve_model, resolve_tokenizer
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
@@ -457,6 +458,7 @@ class EngineArgs:
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
         check_mla(config)
+        check_vision(config, tokens_per_image(model_path, arch.vision))
         return config
 
     def _tokenizer_path(self, model_path: str) -> str:

@@ -16,7 +16,8 @@ The encoding (tests/test_block_keys.py checks it against hashlib from this text)
 - a salt: the first 16 bytes of SHA-256(tag || previous salt (NO_SALT for none) || value),
   chained in the order: LoRA adapter (tag b"zllm-lora\\0", value the 16-byte digest of its
   files, zllm/lora.py), tenant (under --prefix-cache-isolation tenant; b"zllm-tenant\\0", its
-  name in UTF-8), `cache_salt` (b"zllm-salt\\0", in UTF-8);
+  name in UTF-8), `cache_salt` (b"zllm-salt\\0", in UTF-8), images (b"zllm-images\\0", the
+  request's `images_key` in UTF-8: its images' pixel digests and token offsets);
 - a KV cache group's copy of a block in the tiers (the hybrid KV cache, group > 0): the first
   16 bytes of SHA-256(b"zllm-group\\0" || key || group as a 4-byte little-endian int).
 SHA-256 is vLLM's default. Measured (benchmarks/block_key_cost.py, BENCHMARKS.md "Block
@@ -42,6 +43,7 @@ NO_SALT: BlockHash = bytes(KEY_BYTES)
 _LORA_TAG = b"zllm-lora\0"
 _TENANT_TAG = b"zllm-tenant\0"
 _SALT_TAG = b"zllm-salt\0"
+_IMAGES_TAG = b"zllm-images\0"
 _GROUP_TAG = b"zllm-group\0"
 
 # struct.Struct("<{n}I") per block length: packing a block's ids is most of a key's cost.
@@ -87,8 +89,10 @@ def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
 
 def cache_salt(options: RequestOptions) -> BlockHash | None:
     """The prefix-cache salt of a request's blocks, from its options: its LoRA adapter's, its
-    tenant's (under --prefix-cache-isolation tenant) and its `cache_salt`'s, chained; None
-    for the base model with neither. Requests share blocks only under equal salts."""
+    tenant's (under --prefix-cache-isolation tenant), its `cache_salt`'s and its images',
+    chained; None for the base model with none. Requests share blocks only under equal salts
+    (so a prompt with images shares blocks only with prompts of the same images at the same
+    places: its text before the first image too, a reuse left for per-block image keys)."""
     salt = None
     if options.lora is not None:  # its files' digest: alike on every server (lora.py)
         lora = options.lora
@@ -98,6 +102,8 @@ def cache_salt(options: RequestOptions) -> BlockHash | None:
         salt = _salt(_TENANT_TAG, salt, options.tenant.encode())
     if options.cache_salt is not None:
         salt = _salt(_SALT_TAG, salt, options.cache_salt.encode())
+    if options.images_key is not None:
+        salt = _salt(_IMAGES_TAG, salt, options.images_key.encode())
     return salt
 
 

@@ -7,8 +7,13 @@ writes them (Gemma 3: "\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_s
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from zllm.protocol import ImageData, PlacedImage
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,3 +73,37 @@ def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, in
             spans.append((start, i - start))
             start = None
     return spans
+
+
+def place_images(
+    token_ids: list[int], images: list[ImageData], placeholders: ImagePlaceholders
+) -> list[PlacedImage]:
+    """Each image with the run of its tokens in the prompt (ValueError when the runs and
+    the images do not pair up: a prompt cut through an image, or image tokens typed in)."""
+    spans = image_spans(token_ids, placeholders.image_token_id)
+    if len(spans) != len(images) or any(n != placeholders.tokens_per_image for _, n in spans):
+        raise ValueError(
+            f"the prompt's image tokens make {len(spans)} run(s) of "
+            f"{sorted({n for _, n in spans})} tokens for {len(images)} image(s) of "
+            f"{placeholders.tokens_per_image} tokens each (was the prompt truncated through "
+            f"an image?)"
+        )
+    return [PlacedImage(image, start, n) for image, (start, n) in zip(images, spans, strict=True)]
+
+
+def images_key(placed: list[PlacedImage]) -> str:
+    """What salts a request's prefix-cache blocks: its images' pixel digests and offsets."""
+    text = ";".join(f"{p.offset}:{p.length}:{p.image.digest}" for p in placed)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_placeholders(
+    model_path: str, vision: bool, token_text: Callable[[int], str | None]
+) -> ImagePlaceholders | None:
+    """The served model's placeholders (None for a text-only model)."""
+    if not vision:
+        return None
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("model_type") == "gemma3":
+        return gemma3_placeholders(config, token_text)
+    raise ValueError(f"{model_path}: no image placeholder rule for {config.get('model_type')!r}")

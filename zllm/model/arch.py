@@ -4,6 +4,7 @@ here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "deepseek_v2",
+    "gemma3",  # Gemma3ForConditionalGeneration: its language model, with images
     "gemma3_text",
     "gpt_oss",
     "llama",
@@ -235,11 +237,11 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {config_path}: {e}") from None
     model_type = cfg.get("model_type")
-    if model_type == "gemma3":  # the multimodal wrapper: its language model is what we run
-        raise ValueError(
-            f"{config_path}: a multimodal Gemma 3 checkpoint (model_type 'gemma3'); zllm runs "
-            f"Gemma 3 text models (model_type 'gemma3_text', e.g. Gemma 3 270M and 1B)"
-        )
+    if model_type == "gemma3":  # the vision-language model: its language model, and images
+        text = {"vocab_size": 262208, **(cfg.get("text_config") or {})}
+        if "vision_config" not in cfg:
+            raise ValueError(f"{config_path}: a Gemma 3 'gemma3' config without vision_config")
+        return dataclasses.replace(_gemma3_arch_from_hf(text, config_path), vision=True)
     if model_type == "gemma3_text":
         return _gemma3_arch_from_hf(cfg, config_path)
     if model_type == "gpt_oss":  # sinks, alternating windows, experts (zllm/model/gpt_oss_arch.py)

@@ -92,6 +92,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template
 
+    def token_text(self, token_id: int) -> str | None:
+        """The token's text (its vocabulary entry), None for an id the vocabulary lacks."""
+        return self.backend.id_to_token(token_id)
+
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 

@@ -1,0 +1,108 @@
+"""A step's image features: which rows of the flat batch are image tokens, and the encoder
+output that replaces their embeddings.
+
+Each image is encoded once, the first time a step computes any of its tokens, and kept by its
+pixel digest in an LRU cache bounded in bytes (`EncoderCache`): the same picture sent again, by
+any request, is not encoded again, and a request whose image tokens span chunks (after a
+prefix hit inside them) reads its later rows from there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from zllm.executor.models.vision.gemma3 import Gemma3ImageEncoder, pixel_values
+from zllm.executor.request_state import RequestState
+from zllm.protocol import PlacedImage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
+class EncoderCache:
+    """Image digest -> its features [tokens, hidden], least recently used evicted first."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        found = self._entries.get(digest)
+        if found is not None:
+            self._entries.move_to_end(digest)
+        return found
+
+    def put(self, digest: str, features: torch.Tensor) -> None:
+        if digest in self._entries:
+            return
+        size = features.numel() * features.element_size()
+        while self._entries and self.bytes + size > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+        if size <= self.max_bytes:
+            self._entries[digest] = features
+            self.bytes += size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(slots=True)
+class StepImages:
+    """The flat batch's image rows and the features that replace their embeddings."""
+
+    rows: torch.Tensor  # int64 [N]
+    features: torch.Tensor  # [N, hidden]
+
+
+class ImageFeatures:
+    """The model's image encoder (loaded beside the language model) and its cache."""
+
+    def __init__(self, model_path: str, config: dict, dtype: torch.dtype) -> None:
+        self.model_path = model_path
+        self.encoder = Gemma3ImageEncoder(config).to(dtype)
+        self.encoder.load_checkpoint(model_path)
+        self.encoder.eval()
+        self.cache = EncoderCache()
+
+    def for_step(
+        self, states: list[RequestState], query_lens: list[int], seq_lens: list[int]
+    ) -> StepImages | None:
+        """The step's image rows and features (None when it computes no image token)."""
+        rows, features, first_row = [], [], 0
+        for st, q_len, seq_len in zip(states, query_lens, seq_lens, strict=True):
+            start = seq_len - q_len
+            for image in st.images:
+                lo, hi = max(start, image.offset), min(seq_len, image.end)
+                if lo < hi:
+                    encoded = self._features(image)
+                    rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
+                    features.append(encoded[lo - image.offset : hi - image.offset])
+            first_row += q_len
+        if not rows:
+            return None
+        return StepImages(torch.cat(rows), torch.cat(features))
+
+    def _features(self, image: PlacedImage) -> torch.Tensor:
+        found = self.cache.get(image.image.digest)
+        if found is not None:
+            self.cache.hits += 1
+            return found
+        self.cache.misses += 1
+        pixels = pixel_values(self.model_path, [image.image.data])
+        with torch.inference_mode():
+            encoded = self.encoder(pixels.to(self.encoder.projection.dtype))[0]
+        if encoded.shape[0] != image.length:
+            raise ValueError(
+                f"the image encoder gives {encoded.shape[0]} features for {image.length} tokens"
+            )
+        self.cache.put(image.image.digest, encoded)
+        return encoded

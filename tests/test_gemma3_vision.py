@@ -1,0 +1,138 @@
+"""Gemma 3 with images (issue 60): a tiny random Gemma3ForConditionalGeneration (its SigLIP
+tower, projector and language model from transformers' config classes; the real Gemma 3
+tokenizer) against transformers' forward on the same processed inputs: greedy tokens equal,
+the first token's log-probabilities close, the image tokens' two-way attention included; its
+tokens kept in one chunk under chunked prefill; the encoder cache and image-salted prefix
+blocks."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+from vision_models import IMAGE_TOKEN, png, write_tiny_gemma3_vlm
+
+from zllm import LLM, SamplingParams
+from zllm.executor.models.vision.gemma3 import pixel_values
+
+IMAGE_TOKEN_ID = 262144
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+PROMPT = "Describe <start_of_image> and then <start_of_image> in a few words"
+POOL = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, gemma3_path) -> str:
+    path = tmp_path_factory.mktemp("gemma3-vlm") / "model"
+    return str(write_tiny_gemma3_vlm(path, gemma3_gguf=gemma3_path))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(model_dir).eval()
+
+
+def images(*seeds: int) -> list[Image.Image]:
+    return [Image.open(io.BytesIO(png(seed, (40 + 8 * seed, 30)))) for seed in seeds]
+
+
+def hf_answer(
+    model, model_dir: str, ids: list[int], seeds: list[int], n: int, two_way: bool = True
+):
+    """transformers' greedy tokens, and the log-probability of each prompt token after the
+    first, for the prompt ids and images; token_type_ids mark the image tokens (their two-way
+    attention) unless not `two_way`."""
+    pixels = pixel_values(model_dir, [png(seed, (40 + 8 * seed, 30)) for seed in seeds])
+    prompt = torch.tensor([ids])
+    types = (prompt == IMAGE_TOKEN_ID).long() if two_way else None
+    tokens = []
+    with torch.inference_mode():
+        out = model(input_ids=prompt, pixel_values=pixels, token_type_ids=types, use_cache=True)
+        scores = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+        prompt_logprobs = scores.gather(1, prompt[0, 1:, None])[:, 0]
+        for _ in range(n):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+    return tokens, prompt_logprobs
+
+
+def assert_answers_as_transformers(output, model, model_dir: str, seeds: list[int]) -> None:
+    """Greedy tokens equal; every prompt token's log-probability within 1e-4 (those after
+    an image token read its hidden state, which its two-way attention makes), where causal
+    attention over the images would be off by far more."""
+    ids = list(output.prompt_token_ids)
+    assert ids.count(IMAGE_TOKEN_ID) == 4 * len(seeds)
+    tokens, expected = hf_answer(model, model_dir, ids, seeds, GREEDY.max_tokens)
+    assert list(output.outputs[0].token_ids) == tokens
+    pairs = zip(output.prompt_logprobs[1:], ids[1:], strict=True)
+    ours = torch.tensor([entry[t].logprob for entry, t in pairs])
+    assert float((ours - expected).abs().max()) < 1e-4
+    _, causal = hf_answer(model, model_dir, ids, seeds, 0, two_way=False)
+    gap = float((ours - causal).abs().max())
+    assert gap > 1e-2, gap
+
+
+def test_prompts_with_images_answer_as_transformers(model_dir, reference) -> None:
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": images(0, 1)}}
+    assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [0, 1])  # fmt: skip
+    one = {"prompt": "<start_of_image> what is it", "multi_modal_data": {"image": images(2)}}
+    assert_answers_as_transformers(llm.generate(one, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [2])  # fmt: skip
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_pil", "image_pil": images(1)[0]},
+        {"type": "text", "text": "with"},
+        {"type": "image_pil", "image_pil": images(3)[0]},
+    ]
+    chat = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    assert_answers_as_transformers(chat, reference, model_dir, [1, 3])
+
+
+def test_an_images_tokens_are_prefilled_in_one_chunk(model_dir, reference) -> None:
+    """Eight tokens a step: the prompt's chunks end before an image rather than inside it."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, max_num_batched_tokens=8, max_num_seqs=2)
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": images(0, 1)}}
+    assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [0, 1])  # fmt: skip
+
+
+def test_the_encoder_cache_and_image_salted_prefix_blocks(model_dir) -> None:
+    """An image seen before is not encoded again; the same text with other images shares no
+    prefix block, with the same images it does."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, block_size=4)
+    cache = llm.model_runner.host.images.cache
+    text = "<start_of_image> " + "and some words after it " * 3
+
+    def run(seed: int):
+        prompt = {"prompt": text, "multi_modal_data": {"image": images(seed)}}
+        # (no prompt logprobs: a request asking for them computes its whole prompt)
+        plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        return llm.generate(prompt, plain, use_tqdm=False)[0]
+
+    first = run(0)
+    assert (cache.misses, cache.hits) == (1, 0)
+    again = run(0)
+    assert again.num_cached_tokens > 0 and list(again.outputs[0].token_ids) == list(
+        first.outputs[0].token_ids
+    )
+    other = run(1)
+    assert other.num_cached_tokens == 0
+    assert cache.misses == 2 and len(cache) == 2
+
+
+def test_an_image_without_its_marker_is_refused(model_dir) -> None:
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    with pytest.raises(ValueError, match="holds 0 image marker.* for 1 image"):
+        llm.generate({"prompt": "no marker", "multi_modal_data": {"image": images(0)}})
+    assert IMAGE_TOKEN in llm.tokenizer.backend.get_vocab()
+    with pytest.raises(
+        ValueError, match="cannot run with --tensor-parallel-size|tensor or pipeline"
+    ):
+        LLM(model_dir, tensor_parallel_size=2)

@@ -1,0 +1,68 @@
+"""What a vision-language model (ModelArchConfig.vision: Gemma 3 with its SigLIP encoder) runs
+with, and the engine options it refuses at start, each naming why. No torch here.
+
+Its images are encoded on the executor's CPU rank by executor/models/vision/, their features
+replace the placeholder tokens' embeddings, and each image's tokens are prefilled in one step
+attending to each other both ways (core/scheduler.py keeps them in one chunk). The options below
+are not wired to that yet, so they are refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zllm.config.engine import EngineConfig
+
+
+def tokens_per_image(model_path: str, vision: bool) -> int:
+    """The tokens one image takes in a prompt (0 for a text-only model): Gemma 3's
+    mm_tokens_per_image."""
+    if not vision:
+        return 0
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return int(config.get("mm_tokens_per_image", 256))
+
+
+def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
+    """Why each option in `config` cannot run this vision-language model (empty: the config
+    runs as asked, or the model takes no images). `tokens_per_image`: one image's tokens."""
+    if not config.arch.vision:
+        return []
+    reasons = []
+    if config.device != "cpu":
+        reasons.append(f"--device {config.device}: the image attention runs on CPU only so far")
+    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+        reasons.append("tensor or pipeline ranks: the vision encoder runs on one rank so far")
+    if config.model_impl == "transformers":
+        reasons.append("--model-impl transformers: zllm's own Gemma 3 code takes the images")
+    if config.speculative is not None:
+        reasons.append("--speculative-config: proposals are not checked against image tokens")
+    if config.kv_transfer is not None:
+        reasons.append("--kv-transfer-config: images are not sent to a consumer yet")
+    if config.kv_offload is not None:
+        reasons.append("KV offload: tiers are untested with image-salted blocks")
+    if config.lora is not None:
+        reasons.append("--enable-lora: adapters over a vision model are untested")
+    if config.deterministic:
+        reasons.append("--deterministic: batch-invariant image attention is not built")
+    if config.quantization not in (None, "none", "16-bit"):
+        reasons.append(f"--quantization {config.quantization}: untested with the vision model")
+    budget = config.scheduler.max_num_batched_tokens
+    seqs = config.scheduler.max_num_seqs
+    if tokens_per_image + seqs - 1 > budget:
+        reasons.append(
+            f"--max-num-batched-tokens {budget}: an image's {tokens_per_image} tokens are "
+            f"prefilled in one step, beside up to {seqs - 1} other sequences' tokens (at least "
+            f"{tokens_per_image + seqs - 1})"
+        )
+    return reasons
+
+
+def check_vision(config: EngineConfig, tokens_per_image: int) -> None:
+    reasons = vision_refusals(config, tokens_per_image)
+    if reasons:
+        raise ValueError(
+            f"{config.arch.architecture} with images (a vision-language model) cannot run with "
+            + "; ".join(reasons)
+        )
