@@ -4,6 +4,8 @@
               groups, the attention backend; decided first, read by the three below
     weights   ModelWeights (weights/model_weights.py): loaded, quantized, batch-invariant,
               LoRA-wrapped
+    images    a vision model's image encoder and its cache (models/vision/features.py),
+              None for a text-only model
     kv        KVCache (kv/cache.py): the pool sized after the load (what is left of a GPU),
               its tiers and sender, the proposer whose draft KV shares its blocks
     decode    DecodePath (graphs/decode_path.py): CUDA graphs captured over the weights and

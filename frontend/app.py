@@ -79,6 +79,7 @@ from zllm.frontend.streaming import ClientGone
 from zllm.inputs import check_vocabulary
 from zllm.kv.tiers import TIER_NAMES, TIER_REMOTE
 from zllm.media.images import ImageError, require_vision
+from zllm.media.placeholders import model_placeholders
 from zllm.model.fingerprint import weights_fingerprint
 from zllm.protocol import SLEEP_TAGS
 from zllm.runtime.engine_client import EngineClient
@@ -189,6 +190,11 @@ class OpenAIServer:
         self.config = config
         self.client = client
         self.tokenizer = tokenizer
+        # A vision model's image tokens, for the routes that count a prompt's tokens here.
+        engine = config.engine
+        self.placeholders = model_placeholders(
+            engine.model_path, engine.arch.vision, tokenizer.token_text
+        )
         self.max_model_len = config.engine.scheduler.max_model_len
         self.created = int(time.time())
         self.prometheus = Metrics(client, config.model_names[0])
@@ -231,7 +237,7 @@ class OpenAIServer:
     ) -> Response:
         model, _ = self.adapters.resolve(body.model)
         chat = anthropic_api.as_chat_request(body)
-        self._refuse_images(chat_images(chat.messages), model)
+        images = chat_images(chat.messages)
         tools = [msgspec.to_builtins(t) for t in chat.tools or []] or None
         kwargs = options.template_kwargs(
             body.chat_template_kwargs, self.config.default_chat_template_kwargs
@@ -245,6 +251,7 @@ class OpenAIServer:
             )
         except Exception as e:  # jinja errors, or a model without a template
             raise RequestError(f"Could not apply the chat template: {e}", param="messages") from e
+        text = self._with_image_tokens(text, images, model)
         tokens = await _maybe_in_thread(len(text), self.tokenizer.encode, text, False)
         return json_response(anthropic_api.CountTokensResponse(len(tokens)))
 
@@ -364,8 +371,9 @@ class OpenAIServer:
         model, _ = self.adapters.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("Give exactly one of prompt and messages.", param="prompt")
+        images: list[ImageRef] = []
         if body.messages is not None:
-            self._refuse_images(chat_images(body.messages), model)
+            images = chat_images(body.messages)
             kwargs = options.template_kwargs(
                 body.chat_template_kwargs, self.config.default_chat_template_kwargs, body.documents
             )
@@ -391,6 +399,7 @@ class OpenAIServer:
                     f"Could not apply the chat template: {e}", param="messages"
                 ) from e
             add_special = bool(body.add_special_tokens)
+            text = self._with_image_tokens(text, images, model)
         else:
             text = body.prompt or ""
             add_special = body.add_special_tokens is not False
@@ -407,13 +416,20 @@ class OpenAIServer:
             )
         )
 
-    def _refuse_images(self, images: list[ImageRef], model: str) -> None:
-        """Counting a prompt's tokens here reads no image: a model that takes none says so."""
-        if images:
-            try:
-                require_vision(self.config.engine.arch.vision, model)
-            except ImageError as exc:
-                raise RequestError(str(exc), param=images[0].where) from None
+    def _with_image_tokens(self, text: str, images: list[ImageRef], model: str) -> str:
+        """The rendered prompt with its images' tokens in place (their count is the model's
+        per image: the images themselves are not read); a model that takes none says so."""
+        if not images:
+            return text
+        try:
+            require_vision(self.config.engine.arch.vision, model)
+        except ImageError as exc:
+            raise RequestError(str(exc), param=images[0].where) from None
+        assert self.placeholders is not None
+        try:
+            return self.placeholders.expand(text, len(images))
+        except ValueError as exc:
+            raise RequestError(str(exc), param="messages") from None
 
     async def detokenize(self, request: Request, body: DetokenizeBody) -> Response:
         self.adapters.resolve(body.model)

@@ -7,11 +7,13 @@ blocks."""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import pytest
 import torch
 from PIL import Image
+from servers import start_server, stop_server
 from vision_models import IMAGE_TOKEN, png, write_tiny_gemma3_vlm
 
 from zllm import LLM, SamplingParams
@@ -136,3 +138,88 @@ def test_an_image_without_its_marker_is_refused(model_dir) -> None:
         ValueError, match="cannot run with --tensor-parallel-size|tensor or pipeline"
     ):
         LLM(model_dir, tensor_parallel_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Served: the three APIs
+
+
+def data_url(seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(seed, (40 + 8 * seed, 30))).decode()
+
+
+@pytest.mark.e2e
+def test_served_images_answer_as_offline_on_every_api(model_dir, tmp_path) -> None:
+    """The OpenAI client's image_url parts (data URLs), the Anthropic client's base64 image
+    blocks and a Responses input_image: the offline engine's tokens for the same
+    conversation, the image tokens counted in usage and by /tokenize."""
+    import anthropic
+    import openai
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_pil", "image_pil": images(1)[0]},
+        {"type": "text", "text": "with"},
+        {"type": "image_pil", "image_pil": images(3)[0]},
+    ]
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    offline = llm.chat([{"role": "user", "content": parts}], plain, use_tqdm=False)[0]
+    expected, prompt_len = offline.outputs[0].text, len(offline.prompt_token_ids)
+    del llm
+
+    server = start_server(model_dir, tmp_path / "server.log", "--served-model-name", "g3")
+    try:
+        urls = [data_url(1), data_url(3)]
+        content = [
+            {"type": "text", "text": "Compare"},
+            {"type": "image_url", "image_url": {"url": urls[0]}},
+            {"type": "text", "text": "with"},
+            {"type": "image_url", "image_url": {"url": urls[1]}},
+        ]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        chat = client.chat.completions.create(
+            model="g3", messages=[{"role": "user", "content": content}], max_tokens=6,
+            temperature=0.0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.choices[0].message.content == expected
+        assert chat.usage.prompt_tokens == prompt_len
+
+        blocks = [
+            {"type": "text", "text": "Compare"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": urls[0].split(",", 1)[1]}},
+            {"type": "text", "text": "with"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": urls[1].split(",", 1)[1]}},
+        ]  # fmt: skip
+        messages = anthropic.Anthropic(base_url=server.url, api_key="none").messages.create(
+            model="g3", max_tokens=6, messages=[{"role": "user", "content": blocks}],
+            extra_body={"ignore_eos": True, "temperature": 0.0},
+        )  # fmt: skip
+        assert messages.content[0].text == expected
+        usage = messages.usage  # (the same images: a prefix-cache hit, counted apart)
+        assert usage.input_tokens + usage.cache_read_input_tokens == prompt_len
+
+        inputs = [
+            {"type": "input_text", "text": "Compare"},
+            {"type": "input_image", "image_url": urls[0]},
+            {"type": "input_text", "text": "with"},
+            {"type": "input_image", "image_url": urls[1]},
+        ]
+        response = client.responses.create(
+            model="g3", input=[{"role": "user", "content": inputs}], max_output_tokens=6,
+            temperature=0.0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert response.output_text == expected
+
+        counted = server.post(
+            "/tokenize", {"model": "g3", "messages": [{"role": "user", "content": content}]}
+        )
+        assert counted.json()["count"] == prompt_len
+        bad = server.post("/v1/chat/completions", {"model": "g3", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(1)[:60]}}]}]})  # fmt: skip
+        assert bad.status_code == 400 and "messages[0].content[0]" in bad.text
+        assert server.healthy()
+    finally:
+        stop_server(server)
