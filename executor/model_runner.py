@@ -310,11 +310,14 @@ class ModelRunner:
         return output
 
     def cache_sizes(self) -> list[CacheSize]:
-        """The executor's bounded caches now: compiled grammars, loaded LoRA adapters."""
+        """The executor's bounded caches now: compiled grammars, loaded LoRA adapters, a
+        vision model's encoded images (their count, and their bytes against the bound)."""
         sizes = [self.grammars.cache_size()]
         if self.lora is not None:
             live = (st.lora_int_id for st in self.requests.values() if st.lora_int_id)
             sizes.append(self.lora.cache_size(live))
+        if self.host.images is not None:
+            sizes.extend(self.host.images.cache.sizes())
         return sizes
 
     def _finish(self, launched: LaunchedStep) -> ModelRunnerOutput:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import pytest
 import torch
@@ -221,5 +222,17 @@ def test_served_images_answer_as_offline_on_every_api(model_dir, tmp_path) -> No
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(1)[:60]}}]}]})  # fmt: skip
         assert bad.status_code == 400 and "messages[0].content[0]" in bad.text
         assert server.healthy()
+        # Two images, each encoded once, on /metrics (the stats follow the steps: poll).
+        entries = 'zllm:cache_entries{cache="image_encoder",'
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            metrics = server.get("/metrics").text
+            lines = [line for line in metrics.splitlines() if line.startswith(entries)]
+            if lines and float(lines[0].split()[-1]) == 2.0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no image_encoder entries of 2 on /metrics: {lines}")
+        assert 'cache_capacity{cache="image_encoder_bytes"' in metrics
     finally:
         stop_server(server)

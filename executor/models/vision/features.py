@@ -17,7 +17,7 @@ import torch
 
 from zllm.executor.models.vision.gemma3 import Gemma3ImageEncoder, pixel_values
 from zllm.executor.request_state import RequestState
-from zllm.protocol import PlacedImage
+from zllm.protocol import CacheSize, PlacedImage
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,13 @@ class EncoderCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def sizes(self) -> list[CacheSize]:
+        """For /metrics: the images held, and their bytes against the bound."""
+        return [
+            CacheSize("executor", "image_encoder", len(self._entries)),
+            CacheSize("executor", "image_encoder_bytes", self.bytes, self.max_bytes),
+        ]
 
 
 @dataclass(slots=True)
