@@ -230,6 +230,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
     class State:  # what the metadata builder reads of a request
         def __init__(self, block_ids: list[list[int]]) -> None:
             self.block_ids = block_ids
+            self.images = []  # (a vision model's: their tokens see their whole image)
 
     def step(query_lens: list[int], seq_lens: list[int]):
         states = []

@@ -130,6 +130,27 @@ def test_the_encoder_cache_and_image_salted_prefix_blocks(model_dir) -> None:
     assert cache.misses == 2 and len(cache) == 2
 
 
+def test_images_compose_with_cache_salt_and_sleep(model_dir) -> None:
+    """A `cache_salt` keeps even the same images' blocks apart (the salts chain); after a
+    level-2 sleep (weights dropped and reloaded) an image prompt answers as before."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, block_size=4, enable_sleep_mode=True)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    text = "<start_of_image> " + "and some words after it " * 3
+
+    def run(salt: str | None = None):
+        prompt = {"prompt": text, "multi_modal_data": {"image": images(0)}}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        return llm.generate(prompt, plain, use_tqdm=False)[0]
+
+    first = run("alice")
+    assert run("bob").num_cached_tokens == 0
+    assert run("alice").num_cached_tokens > 0
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert list(run("carol").outputs[0].token_ids) == list(first.outputs[0].token_ids)
+
+
 def test_an_image_without_its_marker_is_refused(model_dir) -> None:
     llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
     with pytest.raises(ValueError, match="holds 0 image marker.* for 1 image"):
