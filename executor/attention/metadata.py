@@ -272,12 +272,7 @@ class AttentionMetadata:
             seq_ids=np.flatnonzero(~as_decode),
         )
         if with_images.any():
-            assert image_spans is not None
-            starts = {int(layout.query_start_loc[i]): i for i in np.flatnonzero(with_images)}
-            for chunk in prefills:
-                i = starts.get(chunk.token_start)
-                if i is not None:
-                    _see_own_image(chunk, image_spans[i], int(layout.seq_lens[i]), device)
+            _see_own_images(prefills, layout, with_images, image_spans, device)
         return cls(
             slot_mapping=to_device(layout.slot_mapping, device),
             block_size=block_size,
@@ -297,6 +292,22 @@ def _computing_images(
         first = last - int(layout.query_lens[i])
         found[i] = any(start < last and end > first for start, end in spans)
     return found
+
+
+def _see_own_images(
+    prefills: list[PrefillChunk],
+    layout: StepLayout,
+    with_images: np.ndarray,
+    image_spans: Sequence[Sequence[tuple[int, int]]] | None,
+    device: torch.device | str,
+) -> None:
+    """_see_own_image for each chunk of a sequence computing image tokens."""
+    assert image_spans is not None
+    starts = {int(layout.query_start_loc[i]): i for i in np.flatnonzero(with_images)}
+    for chunk in prefills:
+        i = starts.get(chunk.token_start)
+        if i is not None:
+            _see_own_image(chunk, image_spans[i], int(layout.seq_lens[i]), device)
 
 
 def _see_own_image(

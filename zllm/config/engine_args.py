@@ -9,11 +9,10 @@ and `bench`, with their help. A new option is one field here (plus its use in
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
+from zllm.config import media
 from zllm.config.arg_utils import (
     add_dataclass_args,
     check_choices,
@@ -38,24 +37,11 @@ from zllm.config.generation import (
     merge_eos_token_ids,
     read_generation_config,
 )
-from zllm.config.kv_layout import block_bytes
+from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
-from zllm.config.media import (
-    DEFAULT_FETCH_TIMEOUT_S,
-    DEFAULT_IMAGES_PER_PROMPT,
-    DEFAULT_MAX_IMAGE_BYTES,
-    DEFAULT_MAX_IMAGE_PIXELS,
-    MediaConfig,
-    parse_domains,
-    parse_limit_mm_per_prompt,
-)
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
-from zllm.config.quantization import (
-    QUANTIZATION_CHOICES,
-    check_quantization,
-    deterministic_refusal,
-)
+from zllm.config.quantization import QUANTIZATION_CHOICES, check_quantization, deterministic_refusal
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
     TenantLimit,
@@ -64,6 +50,7 @@ from zllm.config.tenants import (
     parse_tenant_weights,
 )
 from zllm.config.vision import check_vision, tokens_per_image
+from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, kv_cache_dtype_of
 from zllm.kv.tier_key import resolve_key_file
 from zllm.model.files import resolve_model, resolve_tokenizer
 from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
@@ -71,18 +58,6 @@ from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
 logger = logging.getLogger(__name__)
 
 MODEL_HELP = "short name, .gguf file, HF directory or Hub id (org/name, org/name:Q4_K_M)"
-# --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names
-# (zllm/kv/kv_dtypes.py: how each is stored). vLLM's fp8 spellings are accepted to be refused
-# with the reason (_kv_cache_dtype).
-KV_DTYPE_NAMES = {
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "fp16": "float16",
-    "float16": "float16",
-    "int8": "int8",
-}
-FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
-KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
 
 
 @dataclass(slots=True)
@@ -338,38 +313,34 @@ class EngineArgs:
         "read its generation_config.json instead",
     )
 
-    # Images in (zllm/media/): what a request may bring and where the server may read it.
+    # Images in (zllm/config/media.py, docs/images.md).
     limit_mm_per_prompt: dict | None = option(
         None,
-        help="most images one prompt may hold, as JSON in vLLM's shape: '{\"image\": 2}' "
-        f"(default {DEFAULT_IMAGES_PER_PROMPT}; 0 refuses images)",
-        parse=parse_limit_mm_per_prompt,
+        help="most images one prompt may hold, JSON as vLLM's: '{\"image\": 2}' (default 8)",
+        parse=media.parse_limit_mm_per_prompt,
     )
     max_image_pixels: int = option(
-        DEFAULT_MAX_IMAGE_PIXELS,
-        help="largest image (width x height) a request may send, checked from the image's "
-        "header before its pixels are decoded (a decompression bomb is refused unread)",
+        media.DEFAULT_MAX_IMAGE_PIXELS,
+        help="largest image (width x height), read from its header before decoding",
         parse=positive_int,
     )
     max_image_bytes: int = option(
-        DEFAULT_MAX_IMAGE_BYTES,
-        help="largest encoded image a request may send or the server fetch (suffixes K/M/G)",
+        media.DEFAULT_MAX_IMAGE_BYTES,
+        help="largest encoded image sent or fetched (suffixes K/M/G)",
         parse=parse_size,
         show_default=format_size,
     )
     allowed_media_domains: list[str] = option(
         default_factory=list,
-        help="hosts whose http(s) image URLs the server fetches (comma-separated or a JSON "
-        "list, repeatable; default: none, only data: URLs are read)",
-        parse=parse_domains,
+        help="hosts whose http(s) image URLs are fetched (comma-separated; default none)",
+        parse=media.parse_domains,
         action="extend",
     )
     allowed_local_media_path: str | None = option(
-        None,
-        help="a directory whose files file:// image URLs may name (default: no local file is read)",
+        None, help="a directory whose files file:// image URLs may name (default none)"
     )
     media_fetch_timeout: float = option(
-        DEFAULT_FETCH_TIMEOUT_S,
+        media.DEFAULT_FETCH_TIMEOUT_S,
         help="seconds an image URL's fetch may take",
         parse=positive_float,
     )
@@ -421,7 +392,7 @@ class EngineArgs:
                 hybrid_kv_cache=self.hybrid_kv_cache,
                 num_blocks=self.num_gpu_blocks_override,
                 max_pinned_bytes=self.max_pinned_bytes,
-                kv_cache_dtype=self._kv_cache_dtype(dtype, device),
+                kv_cache_dtype=kv_cache_dtype_of(self.kv_cache_dtype, dtype, device),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -453,7 +424,10 @@ class EngineArgs:
             distributed_executor_backend=self._check_backend(),
             ray_placement_strategy=self.ray_placement_strategy,
         )
-        config.media = self._media_config()
+        config.media = media.media_config_of(
+            self.limit_mm_per_prompt, self.max_image_pixels, self.max_image_bytes,
+            self.allowed_media_domains, self.allowed_local_media_path, self.media_fetch_timeout,
+        )  # fmt: skip
         config.kv_offload = self._kv_offload_config(config)
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
@@ -482,20 +456,6 @@ class EngineArgs:
         policies = check_tenant_policies(self.tenant_weights or {})
         return {n: p.limit for n, p in policies.items() if p.limit is not None}
 
-    def _media_config(self) -> MediaConfig:
-        limits = parse_limit_mm_per_prompt(json.dumps(self.limit_mm_per_prompt or {}))
-        local = self.allowed_local_media_path
-        if local is not None and not Path(local).is_dir():
-            raise ValueError(f"--allowed-local-media-path {local}: not a directory")
-        return MediaConfig(
-            images_per_prompt=limits.get("image", DEFAULT_IMAGES_PER_PROMPT),
-            max_image_pixels=self.max_image_pixels,
-            max_image_bytes=self.max_image_bytes,
-            allowed_domains=[d.lower() for d in self.allowed_media_domains],
-            allowed_local_path=None if local is None else str(Path(local).resolve()),
-            fetch_timeout_s=self.media_fetch_timeout,
-        )
-
     def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
         offload = KVOffloadConfig(
             cpu_bytes=self.kv_offload_bytes,
@@ -507,7 +467,7 @@ class EngineArgs:
         if offload.disk_dir is not None:
             offload.key_file = resolve_key_file(offload.disk_dir, self.kv_offload_key_file)
         what = "--kv-offload-dir" if offload.disk_dir is not None else "KV offload"
-        _check_moves_whole_blocks(config, what)
+        check_moves_whole_blocks(config, what)
         per_block = block_bytes(config)
         for name, size in (("--kv-offload-bytes", offload.cpu_bytes),
                            ("--kv-offload-disk-bytes", offload.disk_bytes)):  # fmt: skip
@@ -531,7 +491,7 @@ class EngineArgs:
         transfer = kv_transfer_config_from(self.kv_transfer_config)
         if transfer is None:
             return None
-        _check_moves_whole_blocks(config, "--kv-transfer-config")
+        check_moves_whole_blocks(config, "--kv-transfer-config")
         check_ports(transfer, config.world_size, transfer.consumer_engines)
         if transfer.consumes and transfer.buffer_bytes < block_bytes(config):
             raise ValueError(
@@ -546,29 +506,6 @@ class EngineArgs:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be positive")
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
-
-    def _kv_cache_dtype(self, dtype: str, device: str) -> str | None:
-        """--kv-cache-dtype as a dtype name (kv_dtypes.py), None where it is the model's own."""
-        if self.kv_cache_dtype in FP8_KV_DTYPES:
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype} is not built: CPUs have no fp8 "
-                "arithmetic (use int8: the same byte per value, with a scale per token and "
-                "head), and the CUDA attention kernels read the model's own dtype"
-            )
-        kv = KV_DTYPE_NAMES.get(self.kv_cache_dtype)
-        if kv is None or kv == dtype:
-            return None
-        if device != "cpu":
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype} runs on CPU only: the CUDA attention "
-                f"kernels read and write the cache in the model's dtype"
-            )
-        if dtype != "float32":
-            raise ValueError(
-                f"--kv-cache-dtype {self.kv_cache_dtype} needs float32 activations (the CPU "
-                f"path); the {dtype} model's attention reads its cache in {dtype}"
-            )
-        return kv
 
     def _check_quantization(self, device: str, model_path: str, impl: str) -> str | None:
         return check_quantization(
@@ -623,18 +560,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool =
     else:
         parser.add_argument("--model", default=None, help=MODEL_HELP)
     add_dataclass_args(parser, EngineArgs, title="engine options")
-
-
-def _check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
-    """What KV offload and disaggregation both ask of the engine: blocks named by their
-    prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
-    a step of its own: core/kv_prefetch.py; a draft model's KV moves with the target's:
-    executor/kv/pool.py.)"""
-    if not config.cache.enable_prefix_caching:
-        raise ValueError(
-            f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
-            "(leave out --no-enable-prefix-caching)"
-        )
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

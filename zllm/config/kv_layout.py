@@ -90,3 +90,15 @@ def blocks_on_every_rank(config: EngineConfig) -> list[BlockHash]:
     for rank in range(1, config.world_size):
         held &= set(existing_disk_blocks(tier_directory(config, rank)))
     return [block_hash for block_hash in order if block_hash in held]
+
+
+def check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
+    """What KV offload and disaggregation both ask of the engine: blocks named by their
+    prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
+    a step of its own: core/kv_prefetch.py; a draft model's KV moves with the target's:
+    executor/kv/pool.py.)"""
+    if not config.cache.enable_prefix_caching:
+        raise ValueError(
+            f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
+            "(leave out --no-enable-prefix-caching)"
+        )

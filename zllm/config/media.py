@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Image sources the server reads by default: data: URLs only (the image is in the request).
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # 16.8 megapixels, a 4K photo's size with room
@@ -56,3 +57,26 @@ def parse_domains(text: str) -> list[str]:
     text = text.strip()
     hosts = json.loads(text) if text.startswith("[") else text.split(",")
     return [str(h).strip().lower() for h in hosts if str(h).strip()]
+
+
+def media_config_of(
+    limit_mm_per_prompt: dict | None,
+    max_image_pixels: int,
+    max_image_bytes: int,
+    allowed_media_domains: list[str],
+    allowed_local_media_path: str | None,
+    media_fetch_timeout: float,
+) -> MediaConfig:
+    """The engine options' MediaConfig, checked (ValueError naming the option)."""
+    limits = parse_limit_mm_per_prompt(json.dumps(limit_mm_per_prompt or {}))
+    local = allowed_local_media_path
+    if local is not None and not Path(local).is_dir():
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    return MediaConfig(
+        images_per_prompt=limits.get("image", DEFAULT_IMAGES_PER_PROMPT),
+        max_image_pixels=max_image_pixels,
+        max_image_bytes=max_image_bytes,
+        allowed_domains=[d.lower() for d in allowed_media_domains],
+        allowed_local_path=None if local is None else str(Path(local).resolve()),
+        fetch_timeout_s=media_fetch_timeout,
+    )

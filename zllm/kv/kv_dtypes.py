@@ -17,6 +17,45 @@ decode step's write touches only its own rows.
 from __future__ import annotations
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names
+# (zllm/kv/kv_dtypes.py: how each is stored). vLLM's fp8 spellings are accepted to be refused
+# with the reason (kv_cache_dtype_of).
+KV_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "int8": "int8",
+}
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", *KV_DTYPE_NAMES, *FP8_KV_DTYPES)
+
+
+def kv_cache_dtype_of(name: str, dtype: str, device: str) -> str | None:
+    """--kv-cache-dtype `name` as a dtype name, None where it is the model's own `dtype`;
+    ValueError for what is not built."""
+    if name in FP8_KV_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {name} is not built: CPUs have no fp8 arithmetic (use int8: the "
+            "same byte per value, with a scale per token and head), and the CUDA attention "
+            "kernels read the model's own dtype"
+        )
+    kv = KV_DTYPE_NAMES.get(name)
+    if kv is None or kv == dtype:
+        return None
+    if device != "cpu":
+        raise ValueError(
+            f"--kv-cache-dtype {name} runs on CPU only: the CUDA attention kernels read and "
+            f"write the cache in the model's dtype"
+        )
+    if dtype != "float32":
+        raise ValueError(
+            f"--kv-cache-dtype {name} needs float32 activations (the CPU path); the {dtype} "
+            f"model's attention reads its cache in {dtype}"
+        )
+    return kv
+
+
 INT8_MAX = 127  # symmetric: -127..127, so -x is representable whenever x is
 INT8_SCALE_BYTES = 2  # a bf16 per group
 
