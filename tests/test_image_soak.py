@@ -3,10 +3,9 @@
 the real multi-process server on a tiny random Gemma 3 vision model. Every request is
 bounded by a timeout; every answer equals the offline engine's for its conversation;
 afterwards nothing runs and no process's anonymous memory plus swap grew by more than
-0.4 KB per request past a warm-up of 500 (measured after a warm-up of 200: the executor
-settled +0.4-0.5 MiB above
-its warmed-up size whether 1,000 or 4,000 requests follow, so 2,000 keep that settling inside
-the bound, where a leak of 0.5 KB a request would fail it)."""
+0.4 KB per request past a warm-up of 500 (after a warm-up of 200 the executor settled
++0.4-0.5 MiB above its warmed-up size whether 1,000 or 4,000 requests followed: a plateau,
+not a leak; 2,000 keep it inside the bound, which a leak of 0.5 KB a request would fail)."""
 
 from __future__ import annotations
 
