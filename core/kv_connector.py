@@ -398,10 +398,10 @@ class SchedulerConnector:
             return False
         bm, salt = self.block_manager, cache_salt(req.options)
         if req.prompt_block_hashes is None:
-            req.prompt_block_hashes = bm.prefix_hashes(req.all_token_ids, salt)
+            req.prompt_block_hashes = bm.prefix_hashes(req.block_token_ids, salt)
         if bm.windowed:
             return self._group_blocks_missing(req, salt, remote.capacity)
-        hit = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes)
+        hit = bm.find_cached_prefix(req.block_token_ids, salt, req.prompt_block_hashes)
         wanted = hit.candidate_hashes[hit.num_blocks :]
         if len(wanted) > remote.capacity:
             return False
@@ -419,7 +419,7 @@ class SchedulerConnector:
         )
         if not hashes or needed > capacity:
             return False
-        hit = bm.find_cached_prefix(req.all_token_ids, salt, hashes, self.tiers.tier_of)
+        hit = bm.find_cached_prefix(req.block_token_ids, salt, hashes, self.tiers.tier_of)
         return hit.num_blocks < len(hashes)
 
     def tier_of(self, req: Request) -> Callable[[BlockHash], int | None] | None:

@@ -9,6 +9,7 @@ from operator import attrgetter
 
 import msgspec
 
+from zllm.kv.block_hash import with_image_words
 from zllm.lora import LoRARequest
 from zllm.protocol import (
     NO_OPTIONS,
@@ -101,8 +102,9 @@ class Request:
     # well; None while it never did (it does at most once: later lookups skip those tiers).
     num_prefetched_tokens: int | None = None
     # Its images and where their tokens sit (EngineCoreRequest.images): each image's tokens
-    # are computed in one step (`chunk_end`).
+    # are computed in one step (`chunk_end`), and hash as their image (`block_token_ids`).
     images: list[PlacedImage] = field(default_factory=list)
+    _image_words: list[int] | None = field(default=None, repr=False)
     # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
     lora: InitVar[LoRARequest | None] = None
     priority: InitVar[int | None] = None
@@ -132,6 +134,15 @@ class Request:
             self.client_req_id = self.req_id
         if not self.all_token_ids:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        if self.images:
+            placed = [(p.offset, p.length, p.image.digest) for p in self.images]
+            self._image_words = with_image_words(self.all_token_ids, placed)
+
+    @property
+    def block_token_ids(self) -> list[int]:
+        """The tokens as the prefix cache names its blocks by them: all_token_ids, with an
+        image's tokens as words of its pixel digest (zllm/kv/block_hash.py)."""
+        return self.all_token_ids if self._image_words is None else self._image_words
 
     @property
     def priority_key(self) -> tuple[int, float]:
@@ -231,6 +242,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self._image_words is not None:
+            self._image_words.append(token_id)
 
 
 def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[str], bool]) -> str:

@@ -225,7 +225,7 @@ class Scheduler:
             moved = False  # whether a preemption may have moved req in self.running
             while not bm.allocate_slots(
                 req.req_id,
-                req.all_token_ids,
+                req.block_token_ids,
                 req.num_computed_tokens,
                 num_new + len(drafts) + self.spec.lookahead(plan.speculate),
             ):
@@ -283,7 +283,7 @@ class Scheduler:
             num_slots = found.num_loaded + num_new + self.spec.lookahead(plan.speculate)
             if not bm.allocate_slots(
                 req.req_id,
-                req.all_token_ids,
+                req.block_token_ids,
                 found.num_computed,
                 num_slots,
                 found.cached,

@@ -57,7 +57,7 @@ def find_prefix(req: Request, bm: BlockManager, kv: SchedulerConnector) -> Prefi
         return PrefixFound(None, salt)
     # (a consumer's request hashed its prompt while it waited: Request.prompt_block_hashes)
     tier_of = kv.tier_of(req)
-    cached = bm.find_cached_prefix(req.all_token_ids, salt, req.prompt_block_hashes, tier_of)
+    cached = bm.find_cached_prefix(req.block_token_ids, salt, req.prompt_block_hashes, tier_of)
     load_tiers = kv.tier_hit(cached)
     prefetched = req.num_prefetched_tokens or 0
     return PrefixFound(cached, salt, load_tiers, len(load_tiers) * bm.block_size, prefetched)

@@ -23,7 +23,7 @@ import zmq
 
 from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
-from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks
+from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks, with_image_words
 from zllm.media.placeholders import model_placeholders
 from zllm.protocol import (
     EngineCoreRequest,
@@ -84,7 +84,12 @@ class EngineSender:
         hashes = []
         if self.prefix_caching:
             salt = cache_salt(req.options)
-            hashes = hash_full_blocks(req.prompt_token_ids, self.block_size, salt=salt)
+            ids = req.prompt_token_ids  # (an image's tokens hash as the image: block_hash.py)
+            if req.images:
+                ids = with_image_words(
+                    ids, [(p.offset, p.length, p.image.digest) for p in req.images]
+                )
+            hashes = hash_full_blocks(ids, self.block_size, salt=salt)
         pinned = self._remote_engine(req, hashes)
         data = self.encoder.encode(req)
         tried: list[int] = []

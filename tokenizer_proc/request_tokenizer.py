@@ -19,7 +19,7 @@ import msgspec
 from zllm.config.generation import default_max_tokens, merge_eos_token_ids
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params, truncate_prompt
-from zllm.media.placeholders import ImagePlaceholders, images_key, place_images
+from zllm.media.placeholders import ImagePlaceholders, place_images
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,
@@ -129,7 +129,6 @@ class RequestTokenizer:
                 placed = place_images(ids, req.images, self.placeholders)
             except ValueError as e:
                 raise ParamError(str(e), param) from None
-            options = msgspec.structs.replace(options, images_key=images_key(placed))
         if params.structured_outputs is not None:
             # Compiled here, off the core's and executor's loops: a grammar that cannot
             # compile is a 400 before anything is scheduled.

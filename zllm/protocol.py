@@ -351,9 +351,6 @@ class RequestOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # --prefix-cache-isolation tenant: its blocks are salted by its tenant too, so they are
     # shared only within the tenant (and no tenant sees another's prefixes through TTFT).
     isolate_tenant_cache: bool = False
-    # The identity of its images and where they sit (zllm/kv/block_hash.py salts its blocks
-    # with it: equal text with other images never shares KV, the same images do).
-    images_key: str | None = None
 
 
 NO_OPTIONS = RequestOptions()

@@ -41,7 +41,7 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
     if config.kv_transfer is not None:
         reasons.append("--kv-transfer-config: images are not sent to a consumer yet")
     if config.kv_offload is not None:
-        reasons.append("KV offload: tiers are untested with image-salted blocks")
+        reasons.append("KV offload: tiers are untested with image-keyed blocks")
     if config.lora is not None:
         reasons.append("--enable-lora: adapters over a vision model are untested")
     if config.deterministic:

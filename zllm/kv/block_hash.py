@@ -16,8 +16,12 @@ The encoding (tests/test_block_keys.py checks it against hashlib from this text)
 - a salt: the first 16 bytes of SHA-256(tag || previous salt (NO_SALT for none) || value),
   chained in the order: LoRA adapter (tag b"zllm-lora\\0", value the 16-byte digest of its
   files, zllm/lora.py), tenant (under --prefix-cache-isolation tenant; b"zllm-tenant\\0", its
-  name in UTF-8), `cache_salt` (b"zllm-salt\\0", in UTF-8), images (b"zllm-images\\0", the
-  request's `images_key` in UTF-8: its images' pixel digests and token offsets);
+  name in UTF-8), `cache_salt` (b"zllm-salt\\0", in UTF-8);
+- an image's placeholder tokens (a vision model's prompt) are hashed as words of the image's
+  pixel digest instead of their id: its k-th token as the 32-bit big-endian word k mod 8 of
+  the SHA-256 hex digest (`ImageData.digest`) with its top bit set (no token id has it), so a
+  block's key names the images in it: equal text with other images never shares that block,
+  and the text before a prompt's first image shares as any text does (`with_image_words`);
 - a KV cache group's copy of a block in the tiers (the hybrid KV cache, group > 0): the first
   16 bytes of SHA-256(b"zllm-group\\0" || key || group as a 4-byte little-endian int).
 SHA-256 is vLLM's default. Measured (benchmarks/block_key_cost.py, BENCHMARKS.md "Block
@@ -43,7 +47,7 @@ NO_SALT: BlockHash = bytes(KEY_BYTES)
 _LORA_TAG = b"zllm-lora\0"
 _TENANT_TAG = b"zllm-tenant\0"
 _SALT_TAG = b"zllm-salt\0"
-_IMAGES_TAG = b"zllm-images\0"
+_IMAGE_WORD = 0x80000000  # set on every image word: no token id has it
 _GROUP_TAG = b"zllm-group\0"
 
 # struct.Struct("<{n}I") per block length: packing a block's ids is most of a key's cost.
@@ -75,6 +79,17 @@ def hash_full_blocks(
     return hashes
 
 
+def with_image_words(token_ids: Sequence[int], images: Sequence[tuple[int, int, str]]) -> list[int]:
+    """`token_ids` as the prefix cache hashes them: each image's tokens (offset, length,
+    hex pixel digest) as words of its digest (the encoding above)."""
+    ids = list(token_ids)
+    for offset, length, digest in images:
+        words = [int(digest[8 * k : 8 * k + 8], 16) | _IMAGE_WORD for k in range(8)]
+        for k in range(max(0, min(length, len(ids) - offset))):
+            ids[offset + k] = words[k % 8]
+    return ids
+
+
 def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
     """What the KV tiers name one KV cache group's copy of a full block by. With several
     groups (the hybrid KV cache) the same tokens live in a block per group, each holding
@@ -89,10 +104,8 @@ def group_block_key(block_hash: BlockHash, group: int) -> BlockHash:
 
 def cache_salt(options: RequestOptions) -> BlockHash | None:
     """The prefix-cache salt of a request's blocks, from its options: its LoRA adapter's, its
-    tenant's (under --prefix-cache-isolation tenant), its `cache_salt`'s and its images',
-    chained; None for the base model with none. Requests share blocks only under equal salts
-    (so a prompt with images shares blocks only with prompts of the same images at the same
-    places: its text before the first image too, a reuse left for per-block image keys)."""
+    tenant's (under --prefix-cache-isolation tenant) and its `cache_salt`'s, chained; None
+    for the base model with neither. Requests share blocks only under equal salts."""
     salt = None
     if options.lora is not None:  # its files' digest: alike on every server (lora.py)
         lora = options.lora
@@ -102,8 +115,6 @@ def cache_salt(options: RequestOptions) -> BlockHash | None:
         salt = _salt(_TENANT_TAG, salt, options.tenant.encode())
     if options.cache_salt is not None:
         salt = _salt(_SALT_TAG, salt, options.cache_salt.encode())
-    if options.images_key is not None:
-        salt = _salt(_IMAGES_TAG, salt, options.images_key.encode())
     return salt
 
 

@@ -7,7 +7,6 @@ writes them (Gemma 3: "\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_s
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,12 +88,6 @@ def place_images(
             f"an image?)"
         )
     return [PlacedImage(image, start, n) for image, (start, n) in zip(images, spans, strict=True)]
-
-
-def images_key(placed: list[PlacedImage]) -> str:
-    """What salts a request's prefix-cache blocks: its images' pixel digests and offsets."""
-    text = ";".join(f"{p.offset}:{p.length}:{p.image.digest}" for p in placed)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def model_placeholders(
