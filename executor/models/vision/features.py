@@ -1,10 +1,11 @@
 """A step's image features: which rows of the flat batch are image tokens, and the encoder
 output that replaces their embeddings.
 
-Each image is encoded once, the first time a step computes any of its tokens, and kept by its
-pixel digest in an LRU cache bounded in bytes (`EncoderCache`): the same picture sent again, by
-any request, is not encoded again, and a request whose image tokens span chunks (after a
-prefix hit inside them) reads its later rows from there.
+Each image is encoded once, the first time a step computes any of its tokens (a step's new
+images in one batch), and kept by its pixel digest in an LRU cache bounded in bytes
+(`EncoderCache`): the same picture sent again, by any request, is not encoded again, and a
+request whose image tokens span chunks (after a prefix hit inside them) reads its later rows
+from there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zllm.executor.models.vision.gemma3 import Gemma3ImageEncoder, pixel_values
+from zllm.executor.models.vision.gemma3 import Gemma3ImageEncoder, image_processor, pixel_values
 from zllm.executor.request_state import RequestState
 from zllm.protocol import CacheSize, PlacedImage
 
@@ -78,38 +79,57 @@ class ImageFeatures:
         self.encoder = Gemma3ImageEncoder(config).to(dtype)
         self.encoder.load_checkpoint(model_path)
         self.encoder.eval()
+        self.processor = image_processor(model_path)
         self.cache = EncoderCache()
 
     def for_step(
         self, states: list[RequestState], query_lens: list[int], seq_lens: list[int]
     ) -> StepImages | None:
         """The step's image rows and features (None when it computes no image token)."""
-        rows, features, first_row = [], [], 0
+        placed = []  # (first flat row, image, first, end): the image's tokens this step computes
+        first_row = 0
         for st, q_len, seq_len in zip(states, query_lens, seq_lens, strict=True):
             start = seq_len - q_len
             for image in st.images:
                 lo, hi = max(start, image.offset), min(seq_len, image.end)
                 if lo < hi:
-                    encoded = self._features(image)
-                    rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
-                    features.append(encoded[lo - image.offset : hi - image.offset])
+                    placed.append((first_row + lo - start, image, lo, hi))
             first_row += q_len
-        if not rows:
+        if not placed:
             return None
+        encoded = self._encode([image for _, image, _, _ in placed])
+        rows = [torch.arange(row, row + hi - lo) for row, _, lo, hi in placed]
+        features = [
+            encoded[image.image.digest][lo - image.offset : hi - image.offset]
+            for _, image, lo, hi in placed
+        ]
         return StepImages(torch.cat(rows), torch.cat(features))
 
-    def _features(self, image: PlacedImage) -> torch.Tensor:
-        found = self.cache.get(image.image.digest)
-        if found is not None:
-            self.cache.hits += 1
-            return found
-        self.cache.misses += 1
-        pixels = pixel_values(self.model_path, [image.image.data])
-        with torch.inference_mode():
-            encoded = self.encoder(pixels.to(self.encoder.projection.dtype))[0]
-        if encoded.shape[0] != image.length:
-            raise ValueError(
-                f"the image encoder gives {encoded.shape[0]} features for {image.length} tokens"
-            )
-        self.cache.put(image.image.digest, encoded)
-        return encoded
+    def _encode(self, images: list[PlacedImage]) -> dict[str, torch.Tensor]:
+        """Each image's features by digest: from the cache, the rest encoded in one batch."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, PlacedImage] = {}
+        for image in images:
+            digest = image.image.digest
+            cached = found.get(digest) if digest in found else self.cache.get(digest)
+            if cached is not None:
+                self.cache.hits += digest not in found
+                found[digest] = cached
+            else:
+                missing[digest] = image
+        if missing:
+            self.cache.misses += len(missing)
+            data = [image.image.data for image in missing.values()]
+            pixels = pixel_values(self.model_path, data, self.processor)
+            with torch.inference_mode():
+                batch = self.encoder(pixels.to(self.encoder.projection.dtype))
+            for (digest, image), row in zip(missing.items(), batch, strict=True):
+                encoded = row.clone()  # (not a view keeping the whole batch alive)
+                if encoded.shape[0] != image.length:
+                    raise ValueError(
+                        f"the image encoder gives {encoded.shape[0]} features for "
+                        f"{image.length} tokens"
+                    )
+                self.cache.put(digest, encoded)
+                found[digest] = encoded
+        return found

@@ -95,11 +95,18 @@ class Gemma3ImageEncoder(nn.Module):
                         targets[name].copy_(tensor)
 
 
-def pixel_values(model_dir: str, images: list[bytes]) -> torch.Tensor:
-    """The encoded images as the checkpoint's transformers image processor prepares them."""
-    from PIL import Image
+def image_processor(model_dir: str):
+    """The checkpoint's transformers image processor (preprocessor_config.json)."""
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(model_dir)
+    return AutoImageProcessor.from_pretrained(model_dir)
+
+
+def pixel_values(model_dir: str, images: list[bytes], processor=None) -> torch.Tensor:
+    """The encoded images as the checkpoint's transformers image processor prepares them
+    (`processor`: that processor, loaded once by the caller; else loaded here)."""
+    from PIL import Image
+
+    processor = processor or image_processor(model_dir)
     decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
     return processor(images=decoded, return_tensors="pt")["pixel_values"]
