@@ -138,8 +138,11 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = write_model(Path(args.model_dir))
     log = Path("/tmp/image_serve.log")
+    # Every core for the executor's torch, as transformers gets them below (the test
+    # harness's default is one thread).
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     server = start_server(str(model_dir), log, "--served-model-name", "g3",
-                          "--kv-cache-memory-bytes", "1G")  # fmt: skip
+                          "--kv-cache-memory-bytes", "1G", env=threads)  # fmt: skip
     figures: dict = {}
     try:
         ids = prompt_ids(server.url, 0)
