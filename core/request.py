@@ -135,8 +135,7 @@ class Request:
         if not self.all_token_ids:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         if self.images:
-            placed = [(p.offset, p.length, p.image.digest) for p in self.images]
-            self._image_words = with_image_words(self.all_token_ids, placed)
+            self._image_words = with_image_words(self.all_token_ids, self.images)
 
     @property
     def block_token_ids(self) -> list[int]:
@@ -236,7 +235,7 @@ class Request:
         end = start + num_new
         for image in self.images:
             if image.offset < end < image.end:
-                return max(0, image.offset - start) if image.offset >= start else 0
+                return max(0, image.offset - start)
         return num_new
 
     def append_token(self, token_id: int) -> None:

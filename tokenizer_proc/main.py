@@ -86,9 +86,7 @@ class EngineSender:
             salt = cache_salt(req.options)
             ids = req.prompt_token_ids  # (an image's tokens hash as the image: block_hash.py)
             if req.images:
-                ids = with_image_words(
-                    ids, [(p.offset, p.length, p.image.digest) for p in req.images]
-                )
+                ids = with_image_words(ids, req.images)
             hashes = hash_full_blocks(ids, self.block_size, salt=salt)
         pinned = self._remote_engine(req, hashes)
         data = self.encoder.encode(req)

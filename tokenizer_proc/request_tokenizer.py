@@ -121,7 +121,6 @@ class RequestTokenizer:
             param=param,
         )
         check_token_params(params, self.vocab_size)
-        options = self._with_pin_tokens(req, ids)
         placed: list[PlacedImage] = []
         if req.images:
             assert self.placeholders is not None  # (prompt_of refused them otherwise)
@@ -140,7 +139,7 @@ class RequestTokenizer:
             arrival_time=req.arrival_time,
             eos_token_ids=self.eos_token_ids,
             client_id=req.client_id,
-            options=options,
+            options=self._with_pin_tokens(req, ids),
             timing=req.timing,
             images=placed,
         )

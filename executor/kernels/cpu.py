@@ -356,6 +356,12 @@ def block_size(ggml_type: int) -> tuple[int, int]:
     return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
 
 
+def row_bytes(ggml_type: int, columns: int) -> int | None:
+    """The bytes of a row of `columns` values in blocks of that type (None: not whole blocks)."""
+    block_values, block_bytes = block_size(ggml_type)
+    return None if columns % block_values else columns // block_values * block_bytes
+
+
 def gguf_dequantize(qweight: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
     return load().gguf_dequantize(qweight, ggml_type, in_features)
 

@@ -14,7 +14,8 @@ What it covers, checked once when the model is loaded (`FusedDecode.build` says 
     integer-dot row limit is copied) or fp32 (`none`);
   - sliding-window layers (the kernel windows its decode attention).
 Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
-modules), deterministic mode (the modules tile their matmuls), the transformers backend, `--enforce-eager`, and any step with a prefill chunk in it.
+modules), deterministic mode (the modules tile their matmuls), the transformers backend,
+`--enforce-eager`, and any step with a prefill chunk in it.
 Speculative verify steps (a sequence's last token and its proposals) run fused: each token
 is a decode row attending up to its own position, after every row's K/V is in the cache.
 `ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.

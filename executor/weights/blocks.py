@@ -412,9 +412,7 @@ def _check_shapes(
     out_features, in_features = shape
     rows = sum(part.shape[0] for _, part in parts)
     for name, (ggml_type, part) in zip(names, parts, strict=True):
-        block_values, block_bytes = cpu_kernels.block_size(ggml_type)
-        row_bytes = in_features // block_values * block_bytes
-        if in_features % block_values or part.shape[1] != row_bytes or rows != out_features:
+        if part.shape[1] != cpu_kernels.row_bytes(ggml_type, in_features) or rows != out_features:
             stored = f"{part.shape[0]} rows of {part.shape[1]} bytes"
             raise ValueError(
                 f"{name}: the checkpoint's {_type_names([ggml_type])} blocks are {stored}; "

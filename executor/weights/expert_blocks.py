@@ -115,8 +115,7 @@ def _check_shape(
     """Refuse (ValueError) experts' blocks that are not the layer's matrices."""
     rows = sum(part.shape[1] for _, part in parts)
     for names, (ggml_type, part) in zip(chosen, parts, strict=True):
-        block_values, block_bytes = cpu_kernels.block_size(ggml_type)
-        row_bytes = experts.in_features // block_values * block_bytes
+        row_bytes = cpu_kernels.row_bytes(ggml_type, experts.in_features)
         if part.shape[2] != row_bytes or rows != experts.out_features:
             raise ValueError(
                 f"{names[0]}: the checkpoint's experts are {part.shape[1]} rows of "

@@ -31,8 +31,9 @@ int8 at load, one fp16 scale per 32 values (llama.cpp's Q8_0 blocks, bit for bit
 quantizes them), then served as a Q8_0 GGUF file's blocks are, through the same kernel
 modules (so tensor ranks, fused decode and deterministic mode compose with it); activations
 stay fp32 (the float kernel: Q8_0's integer path is no faster here, gguf_arithmetic.py). The
-embedding and the logits stay as loaded; a mixture of experts keeps its routed experts fp32. (Until issue 59 it was fbgemm's dynamic int8 with one activation scale per
-call, far from fp32 on SmolLM2's activation outliers: BENCHMARKS.md.)
+embedding and the logits stay as loaded; a mixture of experts keeps its routed experts fp32.
+(Until issue 59 it was fbgemm's dynamic int8 with one activation scale per call, far from
+fp32 on SmolLM2's activation outliers: BENCHMARKS.md.)
 
 `none`: fp32 everywhere, the reference.
 """

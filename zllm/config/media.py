@@ -40,6 +40,11 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
     except ValueError as exc:
         msg = f'--limit-mm-per-prompt takes a JSON object like {{"image": 2}}: {exc}'
         raise ValueError(msg) from None
+    return check_limit_mm_per_prompt(limits)
+
+
+def check_limit_mm_per_prompt(limits: object) -> dict[str, int]:
+    """The limits as given (the flag's JSON, or `LLM(limit_mm_per_prompt=...)`), checked."""
     if not isinstance(limits, dict):
         raise ValueError('--limit-mm-per-prompt takes a JSON object like {"image": 2}')
     for modality, limit in limits.items():
@@ -68,7 +73,7 @@ def media_config_of(
     media_fetch_timeout: float,
 ) -> MediaConfig:
     """The engine options' MediaConfig, checked (ValueError naming the option)."""
-    limits = parse_limit_mm_per_prompt(json.dumps(limit_mm_per_prompt or {}))
+    limits = check_limit_mm_per_prompt(limit_mm_per_prompt or {})
     local = allowed_local_media_path
     if local is not None and not Path(local).is_dir():
         raise ValueError(f"--allowed-local-media-path {local}: not a directory")

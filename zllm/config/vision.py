@@ -15,13 +15,17 @@ from pathlib import Path
 from zllm.config.engine import EngineConfig
 
 
+def mm_tokens_per_image(config: dict) -> int:
+    """The tokens one image takes in a Gemma 3 prompt, from its config.json (transformers'
+    default where the config leaves it out)."""
+    return int(config.get("mm_tokens_per_image", 256))
+
+
 def tokens_per_image(model_path: str, vision: bool) -> int:
-    """The tokens one image takes in a prompt (0 for a text-only model): Gemma 3's
-    mm_tokens_per_image."""
+    """The tokens one image takes in a prompt (0 for a text-only model)."""
     if not vision:
         return 0
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    return int(config.get("mm_tokens_per_image", 256))
+    return mm_tokens_per_image(json.loads((Path(model_path) / "config.json").read_text()))
 
 
 def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:

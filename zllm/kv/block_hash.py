@@ -36,7 +36,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from zllm.protocol import RequestOptions
+from zllm.protocol import PlacedImage, RequestOptions
 
 BlockHash = bytes  # KEY_BYTES of a SHA-256 digest
 KEY_BYTES = 16
@@ -79,14 +79,15 @@ def hash_full_blocks(
     return hashes
 
 
-def with_image_words(token_ids: Sequence[int], images: Sequence[tuple[int, int, str]]) -> list[int]:
-    """`token_ids` as the prefix cache hashes them: each image's tokens (offset, length,
-    hex pixel digest) as words of its digest (the encoding above)."""
+def with_image_words(token_ids: Sequence[int], images: Sequence[PlacedImage]) -> list[int]:
+    """`token_ids` as the prefix cache hashes them: each image's tokens as words of its
+    pixel digest (the encoding above)."""
     ids = list(token_ids)
-    for offset, length, digest in images:
+    for image in images:
+        digest = image.image.digest
         words = [int(digest[8 * k : 8 * k + 8], 16) | _IMAGE_WORD for k in range(8)]
-        for k in range(max(0, min(length, len(ids) - offset))):
-            ids[offset + k] = words[k % 8]
+        for k in range(max(0, min(image.length, len(ids) - image.offset))):
+            ids[image.offset + k] = words[k % 8]
     return ids
 
 

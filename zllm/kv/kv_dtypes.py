@@ -18,7 +18,7 @@ from __future__ import annotations
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 # --kv-cache-dtype's choices (vLLM spells them bfloat16/float16 too) and the dtype each names
-# (zllm/kv/kv_dtypes.py: how each is stored). vLLM's fp8 spellings are accepted to be refused
+# (ELEMENT_BYTES above: how each is stored). vLLM's fp8 spellings are accepted to be refused
 # with the reason (kv_cache_dtype_of).
 KV_DTYPE_NAMES = {
     "bf16": "bfloat16",

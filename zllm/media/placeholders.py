@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from zllm.config.vision import mm_tokens_per_image
 from zllm.protocol import ImageData, PlacedImage
 
 
@@ -55,7 +56,7 @@ def gemma3_placeholders(config: dict, token_text: Callable[[int], str | None]) -
                 f"vision checkpoint's tokenizer holds its image tokens"
             )
         texts[field] = text
-    count = int(config.get("mm_tokens_per_image", 256))
+    count = mm_tokens_per_image(config)
     image = texts["image_token_index"]
     expansion = f"\n\n{texts['boi_token_index']}{image * count}{texts['eoi_token_index']}\n\n"
     return ImagePlaceholders(texts["boi_token_index"], expansion, ids["image_token_index"], count)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from zllm.config.vision import mm_tokens_per_image
 from zllm.executor.models.vision.siglip import SiglipConfig, SiglipVisionTower
 
 # Where the encoder's tensors live in a checkpoint: transformers 5 saves the tower as
@@ -35,7 +36,7 @@ class Gemma3ImageEncoder(nn.Module):
     def __init__(self, config: dict) -> None:
         super().__init__()
         vision = SiglipConfig.from_dict(config["vision_config"])
-        self.tokens_per_image = int(config.get("mm_tokens_per_image", 256))
+        self.tokens_per_image = mm_tokens_per_image(config)
         side = round(self.tokens_per_image**0.5)
         if side * side != self.tokens_per_image or vision.patches_per_side % side:
             raise ValueError(
