@@ -309,6 +309,16 @@ class StaleConnectionRetry(httpx.AsyncHTTPTransport):
         return await super().handle_async_request(request)
 
 
+def engine_idle(server: Server) -> bool:
+    """Nothing running or waiting, and no KV block held (from /metrics)."""
+    text = server.get("/metrics").text
+    return (
+        metric(text, "vllm:num_requests_running") == 0
+        and metric(text, "vllm:num_requests_waiting") == 0
+        and metric(text, "vllm:kv_cache_usage_perc") == 0
+    )
+
+
 def metric(text: str, name: str, label: str = "") -> float:
     """The value of the first series of `name` in a /metrics text whose labels hold `label`
     (e.g. 'tier="remote"'; "": any)."""

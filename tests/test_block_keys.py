@@ -14,7 +14,7 @@ from zllm import LLM, SamplingParams
 from zllm.kv import block_hash
 from zllm.kv.block_hash import NO_SALT, cache_salt, group_block_key, hash_full_blocks, key_to_int
 from zllm.lora import LoRARequest
-from zllm.protocol import RequestOptions
+from zllm.protocol import ImageData, PlacedImage, RequestOptions
 
 
 def sha16(data: bytes) -> bytes:
@@ -55,15 +55,20 @@ def test_salts_follow_the_documented_encoding():
     assert cache_salt(RequestOptions()) is None
 
 
+def placed(digest: str) -> PlacedImage:
+    """An image of that pixel digest whose 10 tokens start at position 3."""
+    return PlacedImage(ImageData(b"", 1, 1, digest), offset=3, length=10)
+
+
 def test_image_tokens_hash_as_their_image_per_the_documented_encoding():
     digest = hashlib.sha256(b"pixels").hexdigest()
     words = [int(digest[8 * k : 8 * k + 8], 16) | 0x80000000 for k in range(8)]
     # Text, then an image's 10 tokens at offset 3 (words 0..7, then 0, 1), then text.
     tokens = [5, 6, 7, *[99] * 10, 8, 9]
-    hashed = block_hash.with_image_words(tokens, [(3, 10, digest)])
+    hashed = block_hash.with_image_words(tokens, [placed(digest)])
     assert hashed == [5, 6, 7, *words, words[0], words[1], 8, 9]
     assert hash_full_blocks(hashed, 4)[0] == sha16(bytes(16) + ids(5, 6, 7, words[0]))
-    other = block_hash.with_image_words(tokens, [(3, 10, hashlib.sha256(b"other").hexdigest())])
+    other = block_hash.with_image_words(tokens, [placed(hashlib.sha256(b"other").hexdigest())])
     keys, other_keys = hash_full_blocks(hashed, 3), hash_full_blocks(other, 3)
     assert keys[0] == other_keys[0]  # the text before the image: one block
     assert all(a != b for a, b in zip(keys[1:], other_keys[1:], strict=True))

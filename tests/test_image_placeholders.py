@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from vision_models import IMAGE_TOKEN, gemma3_vlm_tokenizer
 
 from zllm.media.placeholders import gemma3_placeholders, image_spans
 from zllm.text.tokenizer import load_tokenizer
 
-IMAGE_TOKEN = "<image_soft_token>"
 CONFIG = {"mm_tokens_per_image": 4, "boi_token_index": 255999, "eoi_token_index": 256000,
           "image_token_index": 262144}  # fmt: skip
 PROMPTS = [
@@ -25,11 +25,9 @@ PROMPTS = [
 def tokenizers(gemma3_path):
     """zllm's Gemma 3 tokenizer and transformers' Gemma3Processor over the same vocabulary,
     each with the image token added."""
-    from tokenizers import AddedToken
     from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
 
-    ours = load_tokenizer(gemma3_path)
-    ours.backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    ours = gemma3_vlm_tokenizer(gemma3_path)
     folder, name = os.path.split(gemma3_path)
     hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 from PIL import Image
-from servers import metric, start_server, stop_server, wait_until
+from servers import engine_idle, metric, start_server, stop_server, wait_until
 from vision_models import png, write_tiny_gemma3_vlm
 
 from zllm import LLM, SamplingParams
@@ -102,15 +102,6 @@ async def send_all(url: str, plans: list) -> tuple[list[str | None], int]:
     return answers, hung
 
 
-def _idle(server) -> bool:
-    text = server.get("/metrics").text
-    return (
-        metric(text, "vllm:num_requests_running") == 0
-        and metric(text, "vllm:num_requests_waiting") == 0
-        and metric(text, "vllm:kv_cache_usage_perc") == 0
-    )
-
-
 def test_soak_1000_requests_with_images(tmp_path_factory, gemma3_path) -> None:
     path = tmp_path_factory.mktemp("image-soak")
     model_dir = str(write_tiny_gemma3_vlm(path / "model", gemma3_gguf=gemma3_path))
@@ -124,7 +115,7 @@ def test_soak_1000_requests_with_images(tmp_path_factory, gemma3_path) -> None:
         answers, hung = asyncio.run(send_all(server.url, warmup))
         assert hung == 0 and None not in answers
         children = server.children()
-        assert wait_until(lambda: _idle(server), 15)
+        assert wait_until(lambda: engine_idle(server), 15)
         time.sleep(IDLE_TRIM_S + 2.0)
         watched = {"supervisor": server.proc.pid, **children}
         before = {name: process_memory(pid).total_kib for name, pid in watched.items()}
@@ -135,7 +126,7 @@ def test_soak_1000_requests_with_images(tmp_path_factory, gemma3_path) -> None:
         assert hung == 0, f"{hung} requests hung"
         wrong = [(p, a) for p, a in zip(plans, answers, strict=True) if a != expected[p]]
         assert not wrong, f"{len(wrong)} answers differ from offline, e.g. {wrong[0]}"
-        assert wait_until(lambda: _idle(server), 15)
+        assert wait_until(lambda: engine_idle(server), 15)
         assert server.children() == children, "a child restarted during the soak"
         time.sleep(IDLE_TRIM_S + 2.0)
         after = {name: process_memory(pid).total_kib for name, pid in watched.items()}

@@ -22,6 +22,7 @@ import zmq
 from servers import (
     alive,
     asse_lines,
+    engine_idle,
     error_of,
     http,
     metric,
@@ -104,15 +105,6 @@ def settled_generation_tokens(server) -> float:
         last = count
         time.sleep(0.6)
     raise AssertionError(f"generation_tokens_total kept moving: {last}")
-
-
-def engine_idle(server) -> bool:
-    text = server.get("/metrics").text
-    return (
-        metric(text, "vllm:num_requests_running") == 0
-        and metric(text, "vllm:num_requests_waiting") == 0
-        and metric(text, "vllm:kv_cache_usage_perc") == 0
-    )
 
 
 # ---- the door, without a server ---------------------------------------------------------------

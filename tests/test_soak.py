@@ -20,6 +20,7 @@ import pytest
 from servers import (
     StaleConnectionRetry,
     asse_lines,
+    engine_idle,
     metric,
     sse_events,
     start_server,
@@ -263,10 +264,5 @@ def test_soak_2000_requests(soak_server, tiny_llama_dir):
 
 
 def _idle(server) -> bool:
-    text = server.get("/metrics").text
-    return (
-        metric(text, "vllm:num_requests_running") == 0
-        and metric(text, "vllm:num_requests_waiting") == 0
-        and metric(text, "vllm:kv_cache_usage_perc") == 0
-        and metric(text, "zllm:num_requests_in_flight") == 0
-    )
+    in_flight = metric(server.get("/metrics").text, "zllm:num_requests_in_flight")
+    return engine_idle(server) and in_flight == 0

@@ -45,18 +45,23 @@ GEMMA3_VLM_TEMPLATE = (
 )
 
 
-def write_gemma3_vlm_tokenizer(path: Path, gemma3_gguf: str) -> None:
-    """The Gemma 3 tokenizer (the 270M package's vocabulary) with the <image_soft_token> a
-    vision checkpoint's tokenizer adds (id 262144), as tokenizer.json, and its config."""
-    import json
-
+def gemma3_vlm_tokenizer(gemma3_gguf: str):
+    """zllm's Gemma 3 tokenizer (the 270M package's vocabulary) with the <image_soft_token> a
+    vision checkpoint's tokenizer adds (id 262144)."""
     from tokenizers import AddedToken
 
     from zllm.text.tokenizer import load_tokenizer
 
-    backend = load_tokenizer(gemma3_gguf).backend
-    backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
-    backend.save(str(path / "tokenizer.json"))
+    tokenizer = load_tokenizer(gemma3_gguf)
+    tokenizer.backend.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    return tokenizer
+
+
+def write_gemma3_vlm_tokenizer(path: Path, gemma3_gguf: str) -> None:
+    """gemma3_vlm_tokenizer as tokenizer.json, and its config (the chat template above)."""
+    import json
+
+    gemma3_vlm_tokenizer(gemma3_gguf).backend.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": "<bos>",
         "eos_token": "<end_of_turn>",
