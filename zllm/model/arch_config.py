@@ -94,9 +94,9 @@ class ModelArchConfig:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
-    # Whether the model takes images (a vision encoder zllm runs beside the decoder). Every
-    # architecture zllm loads today is text-only: multimodal checkpoints are refused at load
-    # (zllm/model/impl.py), and an image sent to the model is refused naming it
+    # Whether the model takes images (a vision encoder zllm runs beside the decoder: Gemma 3's,
+    # zllm/model/arch.py). Other multimodal checkpoints are refused at load
+    # (zllm/model/impl.py), and an image sent to a text-only model is refused naming it
     # (zllm/media/images.py require_vision).
     vision: bool = False
 

@@ -139,7 +139,8 @@ def refuse_unservable(cfg: dict[str, Any], where: str) -> None:
         )
     if "text_config" in cfg or "vision_config" in cfg or "audio_config" in cfg:
         raise ValueError(
-            f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs"
+            f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs, "
+            f"and of vision-language models Gemma 3 (model_type 'gemma3') natively"
         )
     ssm_keys = [k for k in _STATE_SPACE_KEYS if k in cfg]
     other_layers = sorted(set(cfg.get("layer_types") or []) - _ATTENTION_LAYER_TYPES)
