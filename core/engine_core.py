@@ -175,6 +175,7 @@ class EngineCore:
                 ),
                 timing=request.timing,
                 images=list(request.images),
+                whole_images=self.config.arch.images_bidirectional,
             )
         )
         if request.timing is not None:

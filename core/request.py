@@ -101,9 +101,12 @@ class Request:
     # fail (disk, remote) in a step ahead of its own (core/kv_prefetch.py) that loaded
     # well; None while it never did (it does at most once: later lookups skip those tiers).
     num_prefetched_tokens: int | None = None
-    # Its images and where their tokens sit (EngineCoreRequest.images): each image's tokens
-    # are computed in one step (`chunk_end`), and hash as their image (`block_token_ids`).
+    # Its images and where their tokens sit (EngineCoreRequest.images): their tokens hash as
+    # their image (`block_token_ids`) and, where they attend to each other both ways
+    # (`whole_images`: the model's ModelArchConfig.images_bidirectional), each image's are
+    # computed in one step (`chunk_end`).
     images: list[PlacedImage] = field(default_factory=list)
+    whole_images: bool = False
     _image_words: list[int] | None = field(default=None, repr=False)
     # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
     lora: InitVar[LoRARequest | None] = None
@@ -233,6 +236,8 @@ class Request:
         and so are computed together (then up to the image's start; 0 when the chunk starts
         inside the image and cannot reach its end)."""
         end = start + num_new
+        if not self.whole_images:
+            return num_new
         for image in self.images:
             if image.offset < end < image.end:
                 return max(0, image.offset - start)

@@ -6,6 +6,7 @@
               LoRA-wrapped
     images    a vision model's image encoder and its cache (models/vision/features.py),
               None for a text-only model
+    mrope     an M-RoPE model's positions around its images (models/vision/mrope.py), else None
     kv        KVCache (kv/cache.py): the pool sized after the load (what is left of a GPU),
               its tiers and sender, the proposer whose draft KV shares its blocks
     decode    DecodePath (graphs/decode_path.py): CUDA graphs captured over the weights and
@@ -28,10 +29,12 @@ import torch
 from zllm.config.engine import EngineConfig
 from zllm.executor.graphs.decode_path import DecodePath
 from zllm.executor.kv.cache import KVCache
-from zllm.executor.models.vision.features import ImageFeatures
+from zllm.executor.models.vision.features import ImageFeatures, image_encoder
+from zllm.executor.models.vision.mrope import MRopePositions
 from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.weights.model_weights import ModelWeights
+from zllm.media.image_grid import ImageGrid
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +54,23 @@ class ModelHost:
         )
         self.weights = ModelWeights(layout)
         # A vision-language model's image encoder, beside it (executor/models/vision/).
-        self.images = _image_features(config, self.weights.model)
+        self.images = _image_features(config, layout.dtype)
+        # An M-RoPE model's (Qwen2.5-VL's) positions around its images.
+        self.mrope = _mrope(config)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
         logger.info("Attention: %s (%s)", layout.attention.name, layout.attention.description)
         self.kv = KVCache(layout, parallel, free_before_load)
         self.decode = DecodePath(layout, self.weights, self.kv)
 
 
-def _image_features(config: EngineConfig, model: torch.nn.Module) -> ImageFeatures | None:
+def _image_features(config: EngineConfig, dtype: torch.dtype) -> ImageFeatures | None:
     if not config.arch.vision:
         return None
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    return ImageFeatures(config.model_path, model_config, model.embed_scale.dtype)
+    return ImageFeatures(image_encoder(config.model_path, model_config, dtype))
+
+
+def _mrope(config: EngineConfig) -> MRopePositions | None:
+    if config.arch.mrope_section is None:
+        return None
+    return MRopePositions(ImageGrid.of_model(config.model_path))

@@ -43,7 +43,9 @@ class StepInputs:
     seq_lens: list[int]  # context per request after this step (computed + new)
     token_ends: np.ndarray  # int64 [S]: where each request's rows end in the flat batch
     input_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [T]
+    # int64 [T], the positions the rotary embedding reads (rope_positions); [3, T] for an
+    # M-RoPE model's step with image tokens.
+    positions: torch.Tensor
     attn_metadata: StepAttentionMetadata | list[StepAttentionMetadata]  # one, or one per layer
     # A vision model's step computing image tokens: their rows and the encoder's features.
     images: StepImages | None = None
@@ -124,10 +126,26 @@ def prepare_inputs(
         seq_lens=seq_lens,
         token_ends=np.cumsum(query_lens),
         input_ids=ids,
-        positions=to_device(positions, layout.device),
+        positions=to_device(
+            rope_positions(host, states, query_lens, seq_lens, positions), layout.device
+        ),
         attn_metadata=attn_metadata,
         images=None if host.images is None else host.images.for_step(states, query_lens, seq_lens),
     )
+
+
+def rope_positions(
+    host: ModelHost,
+    states: list[RequestState],
+    query_lens: list[int],
+    seq_lens: list[int],
+    positions: np.ndarray,
+) -> np.ndarray:
+    """The positions the model's rotary embedding reads: the tokens' own, except an M-RoPE
+    model's (models/vision/mrope.py: shifted by the images before them, three per image token)."""
+    if host.mrope is None:
+        return positions
+    return host.mrope.for_step(states, query_lens, seq_lens, positions)
 
 
 def token_positions(query_lens: Sequence[int], seq_lens: Sequence[int]) -> np.ndarray:
@@ -175,7 +193,8 @@ def build_attention_metadata(
         tables = [st.block_ids[key.group] for st in states]
         slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
         extra: dict = {"all_as_decode": True} if layout.config.deterministic else {}
-        if any(st.images for st in states):  # image tokens see their whole image
+        if layout.arch.images_bidirectional and any(st.images for st in states):
+            # (Gemma 3's image tokens see their whole image)
             extra["image_spans"] = [[(i.offset, i.end) for i in st.images] for st in states]
         built[key] = layout.attention.build_metadata(
             query_lens=query_lens,

@@ -55,6 +55,7 @@ from zllm.frontend.access.tenant_limits import TenantLimits
 from zllm.frontend.anthropic import api as anthropic_api
 from zllm.frontend.anthropic.thinking import ThinkingSigner
 from zllm.frontend.generate import ApiContext, Generation
+from zllm.frontend.images import load_images
 from zllm.frontend.lora_adapters import LORA_STATE_FILE, LoRAAdapters
 from zllm.frontend.observability.cache_sizes import watch_server_caches
 from zllm.frontend.observability.metrics import Metrics
@@ -251,7 +252,7 @@ class OpenAIServer:
             )
         except Exception as e:  # jinja errors, or a model without a template
             raise RequestError(f"Could not apply the chat template: {e}", param="messages") from e
-        text = self._with_image_tokens(text, images, model)
+        text = await self._with_image_tokens(text, images, model)
         tokens = await _maybe_in_thread(len(text), self.tokenizer.encode, text, False)
         return json_response(anthropic_api.CountTokensResponse(len(tokens)))
 
@@ -399,7 +400,7 @@ class OpenAIServer:
                     f"Could not apply the chat template: {e}", param="messages"
                 ) from e
             add_special = bool(body.add_special_tokens)
-            text = self._with_image_tokens(text, images, model)
+            text = await self._with_image_tokens(text, images, model)
         else:
             text = body.prompt or ""
             add_special = body.add_special_tokens is not False
@@ -416,9 +417,11 @@ class OpenAIServer:
             )
         )
 
-    def _with_image_tokens(self, text: str, images: list[ImageRef], model: str) -> str:
-        """The rendered prompt with its images' tokens in place (their count is the model's
-        per image: the images themselves are not read); a model that takes none says so."""
+    async def _with_image_tokens(self, text: str, images: list[ImageRef], model: str) -> str:
+        """The rendered prompt with its images' tokens in place; a model that takes none says
+        so. A model whose images take a fixed count of tokens (Gemma 3) needs only their
+        number; one whose count follows the image's size (Qwen2.5-VL) has them read, as a
+        generation would (each checked the same way)."""
         if not images:
             return text
         try:
@@ -426,8 +429,16 @@ class OpenAIServer:
         except ImageError as exc:
             raise RequestError(str(exc), param=images[0].where) from None
         assert self.placeholders is not None
+        if self.placeholders.grid is None:
+            counts = [self.placeholders.tokens_per_image] * len(images)
+        else:
+            loaded = await load_images(images, self.config.engine.media, True, model)
+            try:
+                counts = self.placeholders.counts(loaded)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="messages") from None
         try:
-            return self.placeholders.expand(text, len(images))
+            return self.placeholders.expand(text, counts)
         except ValueError as exc:
             raise RequestError(str(exc), param="messages") from None
 

@@ -50,7 +50,7 @@ def test_gemma3_prompts_tokenize_as_its_processor_writes_them(tokenizers) -> Non
     for prompt in PROMPTS:
         count = prompt.count("<start_of_image>")
         expected = processor(text=[prompt], images=[[image] * count])
-        ids = ours.encode(placeholders.expand(prompt, count), add_special_tokens=True)
+        ids = ours.encode(placeholders.expand(prompt, [4] * count), add_special_tokens=True)
         assert ids == list(expected["input_ids"][0]), prompt
         image_types = [i for i, t in enumerate(expected["token_type_ids"][0]) if t == 1]
         spans = image_spans(ids, placeholders.image_token_id)
@@ -62,7 +62,7 @@ def test_markers_and_images_must_agree(tokenizers, gemma3_path) -> None:
     ours, _ = tokenizers
     placeholders = gemma3_placeholders(CONFIG, ours.backend.id_to_token)
     with pytest.raises(ValueError, match="holds 1 image marker.* for 2 image"):
-        placeholders.expand("one <start_of_image>", 2)
+        placeholders.expand("one <start_of_image>", [4, 4])
     text_only = load_tokenizer(gemma3_path)  # the 270M tokenizer as shipped: no image token
     with pytest.raises(ValueError, match="no token 262144 .*image_token_index"):
         gemma3_placeholders(CONFIG, text_only.backend.id_to_token)

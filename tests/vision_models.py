@@ -105,3 +105,92 @@ def png(seed: int, size: tuple[int, int] = (40, 30)) -> bytes:
     buffer = io.BytesIO()
     Image.frombytes("RGB", size, pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# Qwen2.5-VL: 14-pixel patches merged 2x2 into tokens, windows of 2x2 tokens (56 pixels) in
+# the encoder's windowed blocks; images resized to at most 16 tokens (max_pixels).
+QWEN_VL_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    window_size=56,
+    fullatt_block_indexes=[1],
+)
+QWEN_VL_TEXT = dict(
+    vocab_size=49280,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 3, 3]},
+    bos_token_id=1,
+    eos_token_id=2,
+)
+QWEN_VL_PIXELS = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+# The SmolLM2 vocabulary (49152 tokens) with Qwen2.5-VL's three image tokens after it.
+QWEN_VL_IMAGE_TOKENS = {"<|vision_start|>": 49152, "<|image_pad|>": 49153, "<|vision_end|>": 49154}
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_vl_tokenizer(smollm2_gguf: str):
+    """zllm's SmolLM2 tokenizer with Qwen2.5-VL's image tokens added (QWEN_VL_IMAGE_TOKENS)."""
+    from tokenizers import AddedToken
+
+    from zllm.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_gguf)
+    tokenizer.backend.add_special_tokens(
+        [AddedToken(text, special=True) for text in QWEN_VL_IMAGE_TOKENS]
+    )
+    for text, token_id in QWEN_VL_IMAGE_TOKENS.items():
+        assert tokenizer.backend.token_to_id(text) == token_id, text
+    return tokenizer
+
+
+def write_tiny_qwen_vl(path: Path, smollm2_gguf: str, seed: int = 0) -> Path:
+    """Qwen2_5_VLForConditionalGeneration with random weights (the merger's drawn wider than
+    transformers' init, so images move the answer), Qwen2VLImageProcessor's config, and the
+    tokenizer of qwen_vl_tokenizer with a Qwen-style chat template."""
+    import json
+
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    torch.manual_seed(seed)
+    ids = QWEN_VL_IMAGE_TOKENS
+    config = Qwen2_5_VLConfig(
+        text_config=QWEN_VL_TEXT,
+        vision_config=QWEN_VL_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        video_token_id=49155,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "merger" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(**QWEN_VL_PIXELS).save_pretrained(path)
+    qwen_vl_tokenizer(smollm2_gguf).backend.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "chat_template": QWEN_VL_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path

@@ -103,7 +103,7 @@ class RequestTokenizer:
         if self.placeholders is None:
             raise ParamError("this model does not take image input (a text-only model)", param)
         try:
-            return self.placeholders.expand(text, len(req.images))
+            return self.placeholders.expand(text, self.placeholders.counts(req.images))
         except ValueError as e:
             raise ParamError(str(e), param) from None
 

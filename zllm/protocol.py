@@ -404,9 +404,9 @@ class ImageData(msgspec.Struct, array_like=True, gc=False):
 
 
 class PlacedImage(msgspec.Struct, array_like=True, gc=False):
-    """An image and the run of placeholder tokens its features replace in the prompt: all
-    `length` of them are computed in one step (core/scheduler.py), attending to each other
-    both ways (the model's image attention)."""
+    """An image and the run of placeholder tokens its features replace in the prompt (where
+    the model's image tokens attend to each other both ways, Gemma 3's, all `length` of them
+    are computed in one step: core/request.py chunk_end)."""
 
     image: ImageData
     offset: int  # its first token's position in the prompt

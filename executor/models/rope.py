@@ -163,6 +163,14 @@ class RotaryEmbedding(nn.Module):
         )
         table = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(dtype)
         self.register_buffer("cos_sin_cache", table, persistent=False)
+        # M-RoPE (Qwen2.5-VL): which of a token's (time, row, column) positions turns each
+        # column of the table (a frequency's cos and its sin alike); None: one position.
+        self.mrope_rows: torch.Tensor | None = None
+        if arch.mrope_section is not None:
+            section = torch.repeat_interleave(
+                torch.arange(3), torch.tensor(arch.mrope_section, dtype=torch.int64)
+            )
+            self.mrope_rows = section.repeat(2).view(1, 1, -1)
 
     def keep_positions(self, count: int) -> None:
         """Drop the table past `count` positions (the engine's max_model_len, which no position
@@ -171,8 +179,17 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache = self.cos_sin_cache[:count].clone()
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for each token: [T, 1, rotary_dim / 2], broadcasting over heads."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        """cos, sin for each token: [T, 1, rotary_dim / 2], broadcasting over heads.
+        `positions`: int64 [T], or [3, T] (time, row, column) for an M-RoPE model's step
+        with image tokens, whose frequencies each take their section's position."""
+        if positions.dim() == 2:
+            assert self.mrope_rows is not None, "three positions per token need M-RoPE"
+            rows = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+            index = self.mrope_rows.to(rows.device).expand(1, *rows.shape[1:])
+            table = rows.gather(0, index).squeeze(0)
+        else:
+            table = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 

@@ -165,12 +165,17 @@ def layer_of(name: str) -> int | None:
 
 # A vision-language checkpoint's language model under its text model's names (transformers 4
 # and the Hub's Gemma 3 checkpoints: language_model.model.*; transformers 5:
-# model.language_model.*); its vision encoder's tensors are executor/models/vision/'s.
+# model.language_model.*; the Hub's Qwen2.5-VL checkpoints: the text model's own model.*);
+# its vision encoder's tensors are executor/models/vision/'s.
 _LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
+_VISION_PREFIXES = (
+    "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+    "model.multi_modal_projector.", "visual.", "model.visual.",
+)  # fmt: skip
 
 
 def language_model_name(name: str, arch: ModelArchConfig) -> str | None:
@@ -178,10 +183,12 @@ def language_model_name(name: str, arch: ModelArchConfig) -> str | None:
     here); a text-only model's names are their own."""
     if not arch.vision:
         return name
+    if name.startswith(_VISION_PREFIXES):
+        return None
     for old, new in _LANGUAGE_MODEL_PREFIXES:
         if name.startswith(old):
             return new + name[len(old) :]
-    return "lm_head.weight" if name == "lm_head.weight" else None
+    return name if name.startswith("model.") or name == "lm_head.weight" else None
 
 
 def _wanted(hf_name: str, layers: Container[int] | None) -> bool:

@@ -432,7 +432,7 @@ class EngineArgs:
         config.kv_transfer = self._kv_transfer_config(config)
         check_parallel(config)
         check_mla(config)
-        check_vision(config, tokens_per_image(model_path, arch.vision))
+        check_vision(config, tokens_per_image(model_path, arch))
         return config
 
     def _tokenizer_path(self, model_path: str) -> str:

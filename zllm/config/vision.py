@@ -1,10 +1,12 @@
-"""What a vision-language model (ModelArchConfig.vision: Gemma 3 with its SigLIP encoder) runs
-with, and the engine options it refuses at start, each naming why. No torch here.
+"""What a vision-language model (ModelArchConfig.vision: Gemma 3 with its SigLIP encoder,
+Qwen2.5-VL with its window-attention encoder) runs with, and the engine options it refuses at
+start, each naming why. No torch here.
 
-Its images are encoded on the executor's CPU rank by executor/models/vision/, their features
-replace the placeholder tokens' embeddings, and each image's tokens are prefilled in one step
-attending to each other both ways (core/scheduler.py keeps them in one chunk). The options below
-are not wired to that yet, so they are refused before any process starts.
+Its images are encoded on the executor's CPU rank by executor/models/vision/ and their
+features replace the placeholder tokens' embeddings. Gemma 3's image tokens attend to each
+other both ways, so each image is prefilled in one step (core/request.py chunk_end keeps it in
+one chunk); Qwen2.5-VL's are causal, placed by M-RoPE positions. The options below are not
+wired to that yet, so they are refused before any process starts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from pathlib import Path
 
 from zllm.config.engine import EngineConfig
+from zllm.model.arch_config import ModelArchConfig
 
 
 def mm_tokens_per_image(config: dict) -> int:
@@ -21,16 +24,18 @@ def mm_tokens_per_image(config: dict) -> int:
     return int(config.get("mm_tokens_per_image", 256))
 
 
-def tokens_per_image(model_path: str, vision: bool) -> int:
-    """The tokens one image takes in a prompt (0 for a text-only model)."""
-    if not vision:
+def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
+    """The tokens of one image that one step must compute together: a Gemma 3 image's (its
+    tokens attend to each other both ways); 0 where images chunk like text, or none come."""
+    if not arch.images_bidirectional:
         return 0
     return mm_tokens_per_image(json.loads((Path(model_path) / "config.json").read_text()))
 
 
 def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
     """Why each option in `config` cannot run this vision-language model (empty: the config
-    runs as asked, or the model takes no images). `tokens_per_image`: one image's tokens."""
+    runs as asked, or the model takes no images). `tokens_per_image`: one image's tokens
+    that one step computes together (tokens_per_image)."""
     if not config.arch.vision:
         return []
     reasons = []
@@ -39,7 +44,7 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
     if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
         reasons.append("tensor or pipeline ranks: the vision encoder runs on one rank so far")
     if config.model_impl == "transformers":
-        reasons.append("--model-impl transformers: zllm's own Gemma 3 code takes the images")
+        reasons.append("--model-impl transformers: zllm's own model code takes the images")
     if config.speculative is not None:
         reasons.append("--speculative-config: proposals are not checked against image tokens")
     if config.kv_transfer is not None:
@@ -54,7 +59,7 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
         reasons.append(f"--quantization {config.quantization}: untested with the vision model")
     budget = config.scheduler.max_num_batched_tokens
     seqs = config.scheduler.max_num_seqs
-    if tokens_per_image + seqs - 1 > budget:
+    if tokens_per_image and tokens_per_image + seqs - 1 > budget:
         reasons.append(
             f"--max-num-batched-tokens {budget}: an image's {tokens_per_image} tokens are "
             f"prefilled in one step, beside up to {seqs - 1} other sequences' tokens (at least "

@@ -33,6 +33,7 @@ SUPPORTED_ARCHITECTURES = (
     "mixtral",
     "phi3",
     "qwen2",
+    "qwen2_5_vl",  # Qwen2_5_VLForConditionalGeneration: its Qwen2 language model, with images
     "qwen2_moe",
     "qwen3",
     "qwen3_moe",
@@ -241,7 +242,8 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
         text = {"vocab_size": 262208, **(cfg.get("text_config") or {})}
         if "vision_config" not in cfg:
             raise ValueError(f"{config_path}: a Gemma 3 'gemma3' config without vision_config")
-        return dataclasses.replace(_gemma3_arch_from_hf(text, config_path), vision=True)
+        gemma3 = _gemma3_arch_from_hf(text, config_path)
+        return dataclasses.replace(gemma3, vision=True, images_bidirectional=True)
     if model_type == "gemma3_text":
         return _gemma3_arch_from_hf(cfg, config_path)
     if model_type == "gpt_oss":  # sinks, alternating windows, experts (zllm/model/gpt_oss_arch.py)
@@ -257,6 +259,44 @@ def _arch_from_hf_dir(directory: Path) -> ModelArchConfig:
             f"{config_path}: unsupported model_type {model_type!r} "
             f"(zllm runs {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if model_type == "qwen2_5_vl":  # the vision-language model: a Qwen2 decoder with M-RoPE
+        cfg, mrope_section = _qwen_vl_text_config(cfg, config_path)
+        arch = _arch_from_hf_config(cfg, config_path)
+        return dataclasses.replace(arch, vision=True, mrope_section=mrope_section)
+    return _arch_from_hf_config(cfg, config_path)
+
+
+def _qwen_vl_text_config(
+    cfg: dict[str, Any], config_path: Path
+) -> tuple[dict[str, Any], list[int]]:
+    """A Qwen2.5-VL config.json's language model as a Qwen2 config (transformers 5 nests it
+    in text_config, transformers 4 writes it at the top), and its M-RoPE sections (read
+    from rope_scaling / rope_parameters, where transformers 4 calls the rope type "mrope")."""
+    if "vision_config" not in cfg:
+        raise ValueError(f"{config_path}: a Qwen2.5-VL config without vision_config")
+    outer = {k: v for k, v in cfg.items() if k not in ("vision_config", "text_config")}
+    text = {**outer, **(cfg.get("text_config") or {}), "model_type": "qwen2"}
+    mrope_section = None
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = dict(text.get(key) or {})
+        mrope_section = rope.pop("mrope_section", None) or mrope_section
+        if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+            rope.pop("type", None)
+            rope["rope_type"] = "default"
+        text[key] = rope or None
+    section = [int(n) for n in (mrope_section or [16, 24, 24])]  # transformers' default
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    if sum(section) != head_dim // 2 or len(section) != 3:
+        raise ValueError(
+            f"{config_path}: mrope_section {section} must be three parts summing to half the "
+            f"head dimension ({head_dim // 2})"
+        )
+    return text, section
+
+
+def _arch_from_hf_config(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+    """A Llama-family decoder's (llama, mistral, qwen2/3, phi3 and their MoE) config.json."""
+    model_type = cfg["model_type"]
 
     def need(key: str) -> Any:
         if cfg.get(key) is None:

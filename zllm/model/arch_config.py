@@ -94,11 +94,18 @@ class ModelArchConfig:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
-    # Whether the model takes images (a vision encoder zllm runs beside the decoder: Gemma 3's,
-    # zllm/model/arch.py). Other multimodal checkpoints are refused at load
+    # Whether the model takes images (a vision encoder zllm runs beside the decoder: Gemma 3's
+    # and Qwen2.5-VL's, zllm/model/arch.py). Other multimodal checkpoints are refused at load
     # (zllm/model/impl.py), and an image sent to a text-only model is refused naming it
     # (zllm/media/images.py require_vision).
     vision: bool = False
+    # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
+    # prefilled in one step (core/request.py chunk_end); else they are causal like text.
+    images_bidirectional: bool = False
+    # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by
+    # one of a token's (time, row, column) positions (executor/models/vision/mrope.py);
+    # text tokens have all three equal. None: one position per token.
+    mrope_section: list[int] | None = None
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -1,6 +1,6 @@
 """Which code runs a model, and what the engine must know of a model only transformers runs.
 
-    --model-impl zllm          our model code (executor/models/): Llama family, Gemma 3
+    --model-impl zllm          our model code (executor/models/): Llama family, Gemma 3, Qwen2.5-VL
     --model-impl transformers  transformers' modeling code with our paged attention plugged in
                                (executor/models/transformers_backend.py)
     --model-impl auto          ours when we have it, else transformers'
@@ -140,7 +140,8 @@ def refuse_unservable(cfg: dict[str, Any], where: str) -> None:
     if "text_config" in cfg or "vision_config" in cfg or "audio_config" in cfg:
         raise ValueError(
             f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs, "
-            f"and of vision-language models Gemma 3 (model_type 'gemma3') natively"
+            f"and of vision-language models Gemma 3 (model_type 'gemma3') and Qwen2.5-VL "
+            f"(model_type 'qwen2_5_vl') natively"
         )
     ssm_keys = [k for k in _STATE_SPACE_KEYS if k in cfg]
     other_layers = sorted(set(cfg.get("layer_types") or []) - _ATTENTION_LAYER_TYPES)

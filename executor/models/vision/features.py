@@ -1,5 +1,6 @@
 """A step's image features: which rows of the flat batch are image tokens, and the encoder
-output that replaces their embeddings.
+output that replaces their embeddings. The model's encoder (`ImageEncoder`: Gemma 3's in
+gemma3.py, Qwen2.5-VL's in qwen2_5_vl.py) turns encoded images into their tokens' features.
 
 Each image is encoded once, the first time a step computes any of its tokens (a step's new
 images in one batch), and kept by its pixel digest in an LRU cache bounded in bytes
@@ -13,10 +14,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from zllm.executor.models.vision.gemma3 import Gemma3ImageEncoder, image_processor, pixel_values
 from zllm.executor.request_state import RequestState
 from zllm.protocol import CacheSize, PlacedImage
 
@@ -71,15 +72,30 @@ class StepImages:
     features: torch.Tensor  # [N, hidden]
 
 
+class ImageEncoder(Protocol):
+    """A vision model's encoder as the step calls it."""
+
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        """Each encoded image's (PNG, JPEG, ...) features: [its tokens, text hidden]."""
+        ...
+
+
+def image_encoder(model_path: str, config: dict, dtype: torch.dtype) -> ImageEncoder:
+    """The checkpoint's encoder, by its config.json's model_type, loaded."""
+    if config.get("model_type") == "qwen2_5_vl":
+        from zllm.executor.models.vision.qwen2_5_vl import Qwen25VLImages
+
+        return Qwen25VLImages(model_path, config, dtype)
+    from zllm.executor.models.vision.gemma3 import Gemma3Images
+
+    return Gemma3Images(model_path, config, dtype)
+
+
 class ImageFeatures:
     """The model's image encoder (loaded beside the language model) and its cache."""
 
-    def __init__(self, model_path: str, config: dict, dtype: torch.dtype) -> None:
-        self.model_path = model_path
-        self.encoder = Gemma3ImageEncoder(config).to(dtype)
-        self.encoder.load_checkpoint(model_path)
-        self.encoder.eval()
-        self.processor = image_processor(model_path)
+    def __init__(self, encoder: ImageEncoder) -> None:
+        self.encoder = encoder
         self.cache = EncoderCache()
 
     def for_step(
@@ -119,12 +135,9 @@ class ImageFeatures:
                 missing[digest] = image
         if missing:
             self.cache.misses += len(missing)
-            data = [image.image.data for image in missing.values()]
-            pixels = pixel_values(self.model_path, data, self.processor)
             with torch.inference_mode():
-                batch = self.encoder(pixels.to(self.encoder.projection.dtype))
-            for (digest, image), row in zip(missing.items(), batch, strict=True):
-                encoded = row.clone()  # (not a view keeping the whole batch alive)
+                batch = self.encoder.encode([image.image.data for image in missing.values()])
+            for (digest, image), encoded in zip(missing.items(), batch, strict=True):
                 if encoded.shape[0] != image.length:
                     raise ValueError(
                         f"the image encoder gives {encoded.shape[0]} features for "

@@ -359,3 +359,21 @@ def pixel_values(images: list[bytes], processor) -> tuple[torch.Tensor, torch.Te
     decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
     batch = processor(images=decoded, return_tensors="pt")
     return batch["pixel_values"], batch["image_grid_thw"]
+
+
+class Qwen25VLImages:
+    """Qwen2.5-VL's encoder with its processor, as features.py's ImageEncoder: one batch's
+    tokens cut back into each image's (t x h x w / merge^2 of them)."""
+
+    def __init__(self, model_path: str, config: dict, dtype: torch.dtype) -> None:
+        self.encoder = Qwen25VLImageEncoder(config).to(dtype)
+        self.encoder.load_checkpoint(model_path)
+        self.encoder.eval()
+        self.processor = image_processor(model_path)
+
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        pixels, grid_thw = pixel_values(images, self.processor)
+        tokens = self.encoder(pixels.to(self.encoder.dtype), grid_thw)
+        merge = self.encoder.config.spatial_merge_size**2
+        counts = [int(t * h * w) // merge for t, h, w in grid_thw.tolist()]
+        return [part.clone() for part in tokens.split(counts)]

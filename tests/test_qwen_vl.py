@@ -1,0 +1,260 @@
+"""Qwen2.5-VL with images (issue 60): a tiny random Qwen2_5_VLForConditionalGeneration (its
+window-attention vision encoder, merger and Qwen2 language model from transformers' config
+classes; the SmolLM2 vocabulary with Qwen's image tokens added) against transformers on the
+same processed inputs: greedy tokens equal, every prompt token's log-probability close, the
+M-RoPE positions included; images of other sizes take other token counts (dynamic
+resolution), counted the same in the tokenizer workers and on /tokenize; image tokens split
+across chunks; served on the OpenAI and Anthropic APIs."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from servers import start_server, stop_server
+from vision_models import QWEN_VL_IMAGE_TOKENS, png, write_tiny_qwen_vl
+
+from zllm import LLM, SamplingParams
+from zllm.executor.models.vision.mrope import request_positions
+from zllm.media.image_grid import ImageGrid
+from zllm.protocol import ImageData, PlacedImage
+
+IMAGE_PAD = QWEN_VL_IMAGE_TOKENS["<|image_pad|>"]
+MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+POOL = 64 << 20
+# Image sizes (pixels) by seed: wide, tall, square, and small enough for min_pixels.
+SIZES = {0: (90, 40), 1: (40, 110), 2: (70, 70), 3: (20, 20)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_path) -> str:
+    path = tmp_path_factory.mktemp("qwen-vl") / "model"
+    return str(write_tiny_qwen_vl(path, smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
+
+
+def encoded(seed: int) -> bytes:
+    return png(seed, SIZES[seed])
+
+
+def images(*seeds: int) -> list[Image.Image]:
+    return [Image.open(io.BytesIO(encoded(seed))) for seed in seeds]
+
+
+def hf_inputs(model_dir: str, ids: list[int], seeds: list[int]) -> dict:
+    from transformers import AutoImageProcessor
+
+    processed = AutoImageProcessor.from_pretrained(model_dir)(
+        images=[image.convert("RGB") for image in images(*seeds)], return_tensors="pt"
+    )
+    prompt = torch.tensor([ids])
+    return {
+        "input_ids": prompt,
+        "pixel_values": processed["pixel_values"],
+        "image_grid_thw": processed["image_grid_thw"],
+        "mm_token_type_ids": (prompt == IMAGE_PAD).int(),
+    }
+
+
+def hf_answer(model, model_dir: str, ids: list[int], seeds: list[int], n: int, mrope=True):
+    """transformers' greedy tokens and each prompt token's log-probability after the first,
+    for the prompt ids and images (without `mrope`: every token at its index instead)."""
+    inputs = hf_inputs(model_dir, ids, seeds)
+    if not mrope:
+        del inputs["mm_token_type_ids"]
+    model.model.rope_deltas = None  # (transformers keeps the last prompt's here)
+    tokens = []
+    with torch.inference_mode():
+        out = model(**inputs, use_cache=True)
+        scores = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+        prompt_logprobs = scores.gather(1, inputs["input_ids"][0, 1:, None])[:, 0]
+        for _ in range(n):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+    return tokens, prompt_logprobs
+
+
+def assert_answers_as_transformers(output, model, model_dir: str, seeds: list[int]) -> None:
+    """Greedy tokens equal; every prompt token's log-probability within 1e-4 (in practice
+    within 1e-5), where the tokens at their plain indices (no M-RoPE) are off by more than
+    5e-4 (this random model's answers are near uniform over its 49K tokens)."""
+    ids = list(output.prompt_token_ids)
+    grid = ImageGrid.of_model(model_dir)
+    assert ids.count(IMAGE_PAD) == sum(grid.tokens(*SIZES[s]) for s in seeds)
+    tokens, expected = hf_answer(model, model_dir, ids, seeds, GREEDY.max_tokens)
+    assert list(output.outputs[0].token_ids) == tokens
+    pairs = zip(output.prompt_logprobs[1:], ids[1:], strict=True)
+    ours = torch.tensor([entry[t].logprob for entry, t in pairs])
+    assert float((ours - expected).abs().max()) < 1e-4
+    _, plain = hf_answer(model, model_dir, ids, seeds, 0, mrope=False)
+    assert float((ours - plain).abs().max()) > 5e-4
+
+
+def test_mrope_positions_match_transformers(model_dir, reference) -> None:
+    """request_positions over a prompt and over any cut of it: transformers' get_rope_index,
+    and the tokens after the prompt shifted by its rope delta."""
+    grid = ImageGrid.of_model(model_dir)
+    for seeds in ([0], [1, 2], [3, 0, 1]):
+        ids = [5, 6]
+        placed = []
+        for seed in seeds:
+            count = grid.tokens(*SIZES[seed])
+            image = ImageData(b"", *SIZES[seed], str(seed))
+            placed.append(PlacedImage(image, len(ids) + 1, count))
+            ids += [QWEN_VL_IMAGE_TOKENS["<|vision_start|>"], *[IMAGE_PAD] * count, 7, 8]
+        inputs = hf_inputs(model_dir, ids, seeds)
+        expected, delta = reference.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        )
+        ours = request_positions(placed, grid, 0, len(ids) + 3)
+        assert np.array_equal(ours[:, : len(ids)], expected[:, 0].numpy())
+        after = np.arange(len(ids), len(ids) + 3) + int(delta)
+        assert np.array_equal(ours[:, len(ids) :], np.stack([after] * 3))
+        for cut in (3, len(ids) // 2, len(ids) - 1):
+            assert np.array_equal(
+                request_positions(placed, grid, cut, len(ids)), ours[:, cut : len(ids)]
+            )
+
+
+def test_prompts_with_images_answer_as_transformers(model_dir, reference) -> None:
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    prompt = {"prompt": f"Describe {MARK} and then {MARK} briefly", "multi_modal_data": {"image": images(0, 1)}}  # fmt: skip
+    assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [0, 1])  # fmt: skip
+    one = {"prompt": f"{MARK} what is it", "multi_modal_data": {"image": images(2)}}
+    assert_answers_as_transformers(llm.generate(one, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [2])  # fmt: skip
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_pil", "image_pil": images(1)[0]},
+        {"type": "image_pil", "image_pil": images(3)[0]},
+        {"type": "text", "text": "with"},
+        {"type": "image_pil", "image_pil": images(0)[0]},
+    ]
+    chat = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    assert_answers_as_transformers(chat, reference, model_dir, [1, 3, 0])
+
+
+def test_image_tokens_split_across_chunks(model_dir, reference) -> None:
+    """Five tokens a step: the chunks end inside the images (their attention is causal, as
+    text's), and the answer is transformers' still."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, max_num_batched_tokens=5, max_num_seqs=2)
+    prompt = {"prompt": f"See {MARK} and {MARK}.", "multi_modal_data": {"image": images(2, 0)}}
+    assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
+                                   model_dir, [2, 0])  # fmt: skip
+
+
+def test_the_encoder_cache_and_image_keyed_prefix_blocks(model_dir) -> None:
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, block_size=4)
+    cache = llm.model_runner.host.images.cache
+    text = "A preface every prompt shares, " * 3 + MARK + " and words after it" * 2
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(seed: int):
+        prompt = {"prompt": text, "multi_modal_data": {"image": images(seed)}}
+        return llm.generate(prompt, plain, use_tqdm=False)[0]
+
+    first = run(2)
+    image_start = list(first.prompt_token_ids).index(IMAGE_PAD)
+    again = run(2)
+    assert (cache.misses, cache.hits) == (1, 0)  # (the second run took every block cached)
+    assert again.num_cached_tokens > image_start + 4
+    assert list(again.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    other = run(1)
+    assert 0 < other.num_cached_tokens <= image_start
+    assert cache.misses == 2 and len(cache) == 2
+
+
+def test_bad_images_and_options_are_refused(model_dir) -> None:
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    with pytest.raises(ValueError, match="holds 0 image marker.* for 1 image"):
+        llm.generate({"prompt": "no marker", "multi_modal_data": {"image": images(0)}})
+    thin = Image.new("RGB", (402, 2))
+    with pytest.raises(ValueError, match="402x2 pixels: its sides may differ by at most 200x"):
+        llm.generate({"prompt": MARK, "multi_modal_data": {"image": [thin]}})
+    ok = llm.generate({"prompt": f"{MARK} after", "multi_modal_data": {"image": images(3)}},
+                      SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
+    assert len(ok[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="tensor or pipeline"):
+        LLM(model_dir, tensor_parallel_size=2)
+
+
+def data_url(seed: int) -> str:
+    return "data:image/png;base64," + base64.b64encode(encoded(seed)).decode()
+
+
+@pytest.mark.e2e
+def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
+    """The OpenAI client's image_url parts and the Anthropic client's base64 image blocks:
+    the offline engine's tokens for the same conversation; /tokenize counts each image's
+    tokens from its size."""
+    import anthropic
+    import openai
+
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
+    parts = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_pil", "image_pil": images(0)[0]},
+        {"type": "text", "text": "with"},
+        {"type": "image_pil", "image_pil": images(1)[0]},
+    ]
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    offline = llm.chat([{"role": "user", "content": parts}], plain, use_tqdm=False)[0]
+    expected, prompt_len = offline.outputs[0].text, len(offline.prompt_token_ids)
+    del llm
+
+    server = start_server(model_dir, tmp_path / "server.log", "--served-model-name", "qvl")
+    try:
+        content = [
+            {"type": "text", "text": "Compare"},
+            {"type": "image_url", "image_url": {"url": data_url(0)}},
+            {"type": "text", "text": "with"},
+            {"type": "image_url", "image_url": {"url": data_url(1)}},
+        ]
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        chat = client.chat.completions.create(
+            model="qvl", messages=[{"role": "user", "content": content}], max_tokens=6,
+            temperature=0.0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.choices[0].message.content == expected
+        assert chat.usage.prompt_tokens == prompt_len
+
+        blocks = [
+            {"type": "text", "text": "Compare"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": data_url(0).split(",", 1)[1]}},
+            {"type": "text", "text": "with"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                          "data": data_url(1).split(",", 1)[1]}},
+        ]  # fmt: skip
+        messages = anthropic.Anthropic(base_url=server.url, api_key="none").messages.create(
+            model="qvl", max_tokens=6, messages=[{"role": "user", "content": blocks}],
+            extra_body={"ignore_eos": True, "temperature": 0.0},
+        )  # fmt: skip
+        assert messages.content[0].text == expected
+
+        counted = server.post(
+            "/tokenize", {"model": "qvl", "messages": [{"role": "user", "content": content}]}
+        )
+        assert counted.json()["count"] == prompt_len
+        thin = io.BytesIO()
+        Image.new("RGB", (402, 2)).save(thin, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(thin.getvalue()).decode()
+        bad = server.post("/v1/chat/completions", {"model": "qvl", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})  # fmt: skip
+        assert bad.status_code == 400 and "402x2" in bad.text, bad.text
+        assert server.healthy()
+    finally:
+        stop_server(server)
