@@ -230,18 +230,31 @@ class Request:
             status=status,
         )
 
-    def chunk_end(self, start: int, num_new: int) -> int:
+    def chunk_end(self, start: int, num_new: int, encoder_budget: int | None = None) -> int:
         """How many of `num_new` tokens from `start` one step may compute: all, unless that
-        would end the chunk inside an image's tokens, which attend to each other both ways
-        and so are computed together (then up to the image's start; 0 when the chunk starts
-        inside the image and cannot reach its end)."""
+        would end the chunk inside an image whose tokens attend to each other both ways
+        (`whole_images`: then up to the image's start; 0 when the chunk starts inside the
+        image and cannot reach its end), or would start images whose encoder tokens pass
+        `encoder_budget` (what the step's encoder may still take; None: no limit): then up
+        to the first image that does not fit."""
         end = start + num_new
-        if not self.whole_images:
-            return num_new
+        spent = 0
         for image in self.images:
-            if image.offset < end < image.end:
+            if image.offset >= end:
+                break
+            if self.whole_images and image.offset < end < image.end:
                 return max(0, image.offset - start)
+            if image.offset >= start and encoder_budget is not None:
+                if spent + image.length > encoder_budget:
+                    return image.offset - start
+                spent += image.length
         return num_new
+
+    def encoder_tokens(self, start: int, num_new: int) -> int:
+        """The encoder tokens of the images a chunk of `num_new` tokens from `start` starts
+        (an image resumed inside its tokens after a prefix hit reads the encoder's cache)."""
+        end = start + num_new
+        return sum(i.length for i in self.images if start <= i.offset < end)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

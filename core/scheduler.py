@@ -177,6 +177,7 @@ class Scheduler:
             self.running.sort(key=lambda r: r.priority_key)
         plan = StepPlan(
             budget=self.config.max_num_batched_tokens,
+            encoder_budget=self.config.max_num_encoder_tokens or None,
             speculate=self.spec.enabled_for(len(self.running)),
         )
         stages = self.config.pipeline_stages
@@ -213,7 +214,7 @@ class Scheduler:
                 break
             req = self.running[i]
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, plan.budget)
-            num_new = req.chunk_end(req.num_computed_tokens, num_new)  # (an image whole)
+            num_new = req.chunk_end(req.num_computed_tokens, num_new, plan.encoder_budget)
             if num_new <= 0 or self._held(req, plan):
                 # Everything known is computed and its next token is pending; or it is held
                 # until its step in flight returns.
@@ -277,9 +278,11 @@ class Scheduler:
             num_new = req.num_tokens_with_pending - found.num_tokens
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
-            num_new = req.chunk_end(found.num_tokens, min(num_new, plan.budget))
+            num_new = req.chunk_end(
+                found.num_tokens, min(num_new, plan.budget), plan.encoder_budget
+            )
             if num_new <= 0:
-                return  # an image's tokens do not fit this step's budget: it waits, first
+                return  # its next image does not fit this step's budgets: it waits, first
             num_slots = found.num_loaded + num_new + self.spec.lookahead(plan.speculate)
             if not bm.allocate_slots(
                 req.req_id,

@@ -68,6 +68,9 @@ class StepPlan:
     """What one `schedule()` call has put into the step so far."""
 
     budget: int  # tokens left
+    # A vision model's image encoder tokens the step may still start (None: no limit):
+    # Request.chunk_end stops a chunk before an image that does not fit.
+    encoder_budget: int | None = None
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled: dict[str, int] = field(default_factory=dict)  # new tokens per request
     computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
@@ -90,6 +93,8 @@ class StepPlan:
             self.spec_token_ids[req.req_id] = drafts
             req.verifying = True
         num_tokens = num_new + len(drafts)
+        if self.encoder_budget is not None and req.images:
+            self.encoder_budget -= req.encoder_tokens(req.num_computed_tokens, num_new)
         self.num_scheduled[req.req_id] = num_tokens
         self.budget -= num_tokens
         req.num_computed_tokens += num_tokens

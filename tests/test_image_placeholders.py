@@ -66,3 +66,37 @@ def test_markers_and_images_must_agree(tokenizers, gemma3_path) -> None:
     text_only = load_tokenizer(gemma3_path)  # the 270M tokenizer as shipped: no image token
     with pytest.raises(ValueError, match="no token 262144 .*image_token_index"):
         gemma3_placeholders(CONFIG, text_only.backend.id_to_token)
+
+
+def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> None:
+    """Qwen2.5-VL's image tokens follow the image's size: ours (zllm/media/image_grid.py, no
+    torch) are Qwen2VLImageProcessor's grid over merge^2 for sizes across its resize rules
+    (scaled up to min_pixels, down to max_pixels, rounded half to even), and the marker
+    expands in place. (Qwen2_5_VLProcessor itself needs torchvision for its video half;
+    its image expansion is this count of <|image_pad|>.)"""
+    import random
+
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessorPil
+    from vision_models import QWEN_VL_IMAGE_TOKENS, QWEN_VL_PIXELS, qwen_vl_tokenizer
+
+    from zllm.media.image_grid import ImageGrid
+    from zllm.media.placeholders import qwen_vl_placeholders
+
+    processor = Qwen2VLImageProcessorPil(**QWEN_VL_PIXELS)
+    grid = ImageGrid(**QWEN_VL_PIXELS)
+    tokenizer = qwen_vl_tokenizer(smollm2_path)
+    config = {"image_token_id": QWEN_VL_IMAGE_TOKENS["<|image_pad|>"]}
+    placeholders = qwen_vl_placeholders(config, grid, tokenizer.backend.id_to_token)
+    rng = random.Random(0)
+    sizes = [(14, 14), (42, 42), (70, 70), (98, 42), (500, 30), (30, 900), (1000, 1000)]
+    sizes += [(rng.randint(8, 600), rng.randint(8, 600)) for _ in range(12)]
+    for width, height in sizes:
+        t, h, w = processor(images=[Image.new("RGB", (width, height))])["image_grid_thw"][0]
+        assert placeholders.count(width, height) == t * h * w // 4, (width, height)
+    mark = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = placeholders.expand(f"a {mark} b {mark}", [3, 2])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert [n for _, n in image_spans(ids, placeholders.image_token_id)] == [3, 2]
+    with pytest.raises(ValueError, match="image_token_id"):
+        qwen_vl_placeholders({"image_token_id": 10**6}, grid, tokenizer.backend.id_to_token)

@@ -151,6 +151,8 @@ def test_image_tokens_split_across_chunks(model_dir, reference) -> None:
     """Five tokens a step: the chunks end inside the images (their attention is causal, as
     text's), and the answer is transformers' still."""
     llm = LLM(model_dir, kv_cache_memory_bytes=POOL, max_num_batched_tokens=5, max_num_seqs=2)
+    # The encoder may start one image of the most tokens (max_pixels) in a step, even here.
+    assert llm.config.scheduler.max_num_encoder_tokens == 16
     prompt = {"prompt": f"See {MARK} and {MARK}.", "multi_modal_data": {"image": images(2, 0)}}
     assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
                                    model_dir, [2, 0])  # fmt: skip

@@ -71,6 +71,10 @@ class SchedulerConfig:
     # its last token) and each step takes about 1/stages of the running requests, so the
     # stages' micro-batches overlap (core/scheduler.py).
     pipeline_stages: int = 1
+    # A vision model's image encoder tokens one step may start (0: no images, no limit): at
+    # least one image's most, so an image always fits a step that starts no other
+    # (zllm/config/vision.py encoder_budget).
+    max_num_encoder_tokens: int = 0
 
     @property
     def orders_by_priority(self) -> bool:

@@ -49,7 +49,7 @@ from zllm.config.tenants import (
     check_tenant_policies,
     parse_tenant_weights,
 )
-from zllm.config.vision import check_vision, tokens_per_image
+from zllm.config.vision import check_vision, set_encoder_budget, tokens_per_image
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, kv_cache_dtype_of
 from zllm.kv.tier_key import resolve_key_file
 from zllm.model.files import resolve_model, resolve_tokenizer
@@ -433,6 +433,7 @@ class EngineArgs:
         check_parallel(config)
         check_mla(config)
         check_vision(config, tokens_per_image(model_path, arch))
+        set_encoder_budget(config)
         return config
 
     def _tokenizer_path(self, model_path: str) -> str:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from zllm.config.engine import EngineConfig
+from zllm.media.image_grid import ImageGrid
 from zllm.model.arch_config import ModelArchConfig
 
 
@@ -30,6 +31,25 @@ def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
     if not arch.images_bidirectional:
         return 0
     return mm_tokens_per_image(json.loads((Path(model_path) / "config.json").read_text()))
+
+
+def max_image_tokens(model_path: str, config: dict) -> int:
+    """The most tokens one image can take: Gemma 3's fixed count, Qwen2.5-VL's at its
+    processor's max_pixels."""
+    if config.get("model_type") == "qwen2_5_vl":
+        return ImageGrid.of_model(model_path).max_tokens()
+    return mm_tokens_per_image(config)
+
+
+def set_encoder_budget(config: EngineConfig) -> None:
+    """The image encoder tokens one step may start: as many as the step's tokens (vLLM's
+    default), and never fewer than one image's most, so every image fits a step of its own."""
+    if not config.arch.vision:
+        return
+    model = json.loads((Path(config.model_path) / "config.json").read_text())
+    config.scheduler.max_num_encoder_tokens = max(
+        config.scheduler.max_num_batched_tokens, max_image_tokens(config.model_path, model)
+    )
 
 
 def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
