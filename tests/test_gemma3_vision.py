@@ -157,10 +157,8 @@ def test_an_image_without_its_marker_is_refused(model_dir) -> None:
     with pytest.raises(ValueError, match="holds 0 image marker.* for 1 image"):
         llm.generate({"prompt": "no marker", "multi_modal_data": {"image": images(0)}})
     assert IMAGE_TOKEN in llm.tokenizer.backend.get_vocab()
-    with pytest.raises(
-        ValueError, match="cannot run with --tensor-parallel-size|tensor or pipeline"
-    ):
-        LLM(model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline-parallel-size: the image features join"):
+        LLM(model_dir, pipeline_parallel_size=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """How the scheduler steps through prompts with images (real scheduler parts, no model):
-each step starts at most --max-num-encoder-tokens' worth of images (the encoder's work
-beside the token budget), a chunk stops before an image that does not fit and the image
+each step starts at most SchedulerConfig.max_num_encoder_tokens of images (the encoder's
+work beside the token budget), a chunk stops before an image that does not fit and the image
 goes in a later step; Gemma 3's images (two-way attention) are never cut by a chunk."""
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ def test_bad_images_and_options_are_refused(model_dir) -> None:
     ok = llm.generate({"prompt": f"{MARK} after", "multi_modal_data": {"image": images(3)}},
                       SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
     assert len(ok[0].outputs[0].token_ids) == 2
-    with pytest.raises(ValueError, match="tensor or pipeline"):
-        LLM(model_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--device cuda: the image attention runs on CPU"):
+        LLM(model_dir, device="cuda")
 
 
 def data_url(seed: int) -> str:

@@ -7,6 +7,8 @@ modules, use_rslora) and `adapter_model.safetensors` with, per adapted projectio
     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight
     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight
 
+(a vision-language model's: `model.language_model.layers.{i}`; its vision encoder is not
+adapted)
 (A is [r, in_features], B is [out_features, r]; the layer computes W x + scaling * B A x).
 `read_adapter` checks all of it against the base model's shapes from the config and the
 safetensors header alone, without torch, so the frontend can refuse a bad adapter (400)
@@ -33,9 +35,13 @@ from zllm.protocol import LoRARequest  # on the wire; `zllm.lora.LoRARequest` is
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 _BLOCK |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# (A vision-language model's adapter names its language model's layers under
+# `model.language_model.`, as transformers 5 holds them.)
 _TENSOR_NAME = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+    r"base_model\.model\.model\.(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"\.lora_(A|B)\.weight"
 )
+_VISION_NAMES = ("visual.", "vision_tower.", "multi_modal_projector.")
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not an adapter's
 CONFIG_FILE = "adapter_config.json"
@@ -116,6 +122,11 @@ def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAd
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name, (dtype, shape) in tensors.items():
         match = _TENSOR_NAME.fullmatch(name)
+        if match is None and any(part in name for part in _VISION_NAMES):
+            raise LoRAError(
+                f"LoRA adapter tensor {name!r} adapts the vision encoder: zllm applies "
+                f"adapters to a vision-language model's language model only"
+            )
         if match is None:
             raise LoRAError(
                 f"LoRA adapter tensor {name!r} adapts no module zllm can serve (supported: "

@@ -5,8 +5,10 @@ start, each naming why. No torch here.
 Its images are encoded on the executor's CPU rank by executor/models/vision/ and their
 features replace the placeholder tokens' embeddings. Gemma 3's image tokens attend to each
 other both ways, so each image is prefilled in one step (core/request.py chunk_end keeps it in
-one chunk); Qwen2.5-VL's are causal, placed by M-RoPE positions. The options below are not
-wired to that yet, so they are refused before any process starts.
+one chunk); Qwen2.5-VL's are causal, placed by M-RoPE positions. Tensor ranks each hold the
+encoder; n-gram speculation, int8 weights, LoRA on the language model, KV tiers and
+disaggregation run with images (tests/test_images_compose.py). The options below do not, and
+are refused before any process starts.
 """
 
 from __future__ import annotations
@@ -61,22 +63,28 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
     reasons = []
     if config.device != "cpu":
         reasons.append(f"--device {config.device}: the image attention runs on CPU only so far")
-    if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-        reasons.append("tensor or pipeline ranks: the vision encoder runs on one rank so far")
+    if config.pipeline_parallel_size > 1:
+        reasons.append(
+            "--pipeline-parallel-size: the image features join the embeddings, which only "
+            "the first stage holds"
+        )
     if config.model_impl == "transformers":
         reasons.append("--model-impl transformers: zllm's own model code takes the images")
-    if config.speculative is not None:
-        reasons.append("--speculative-config: proposals are not checked against image tokens")
-    if config.kv_transfer is not None:
-        reasons.append("--kv-transfer-config: images are not sent to a consumer yet")
-    if config.kv_offload is not None:
-        reasons.append("KV offload: tiers are untested with image-keyed blocks")
-    if config.lora is not None:
-        reasons.append("--enable-lora: adapters over a vision model are untested")
-    if config.deterministic:
-        reasons.append("--deterministic: batch-invariant image attention is not built")
-    if config.quantization not in (None, "none", "16-bit"):
-        reasons.append(f"--quantization {config.quantization}: untested with the vision model")
+    if config.speculative is not None and config.speculative.method != "ngram":
+        reasons.append(
+            f"--speculative-config method {config.speculative.method}: the draft would read "
+            f"the image placeholders as text (n-gram speculation runs with images)"
+        )
+    if config.deterministic and config.arch.images_bidirectional:
+        reasons.append(
+            "--deterministic: batch-invariant attention is causal, and this model's image "
+            "tokens attend to each other both ways"
+        )
+    if config.quantization not in (None, "none", "16-bit", "int8"):
+        reasons.append(
+            f"--quantization {config.quantization}: the vision model runs in 16 bits or with "
+            f"int8 weights"
+        )
     budget = config.scheduler.max_num_batched_tokens
     seqs = config.scheduler.max_num_seqs
     if tokens_per_image and tokens_per_image + seqs - 1 > budget:
