@@ -4,7 +4,7 @@ classes; the SmolLM2 vocabulary with Qwen's image tokens added) against transfor
 same processed inputs: greedy tokens equal, every prompt token's log-probability close, the
 M-RoPE positions included; images of other sizes take other token counts (dynamic
 resolution), counted the same in the tokenizer workers and on /tokenize; image tokens split
-across chunks; served on the OpenAI and Anthropic APIs."""
+across chunks; served on the OpenAI, Anthropic and Responses APIs."""
 
 from __future__ import annotations
 
@@ -199,9 +199,10 @@ def data_url(seed: int) -> str:
 
 @pytest.mark.e2e
 def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
-    """The OpenAI client's image_url parts and the Anthropic client's base64 image blocks:
-    the offline engine's tokens for the same conversation; /tokenize counts each image's
-    tokens from its size."""
+    """The OpenAI client's image_url parts, the Anthropic client's base64 image blocks and a
+    Responses input_image: the offline engine's tokens for the same conversation;
+    /tokenize counts each image's tokens from its size; an image the processor refuses is
+    a 400 naming it, and the server goes on."""
     import anthropic
     import openai
 
@@ -246,6 +247,18 @@ def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
             extra_body={"ignore_eos": True, "temperature": 0.0},
         )  # fmt: skip
         assert messages.content[0].text == expected
+
+        inputs = [
+            {"type": "input_text", "text": "Compare"},
+            {"type": "input_image", "image_url": data_url(0)},
+            {"type": "input_text", "text": "with"},
+            {"type": "input_image", "image_url": data_url(1)},
+        ]
+        response = client.responses.create(
+            model="qvl", input=[{"role": "user", "content": inputs}], max_output_tokens=6,
+            temperature=0.0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert response.output_text == expected
 
         counted = server.post(
             "/tokenize", {"model": "qvl", "messages": [{"role": "user", "content": content}]}
