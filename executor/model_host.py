@@ -54,7 +54,7 @@ class ModelHost:
         )
         self.weights = ModelWeights(layout)
         # A vision-language model's image encoder, beside it (executor/models/vision/).
-        self.images = _image_features(config, layout.dtype)
+        self.images = _image_features(config, self.weights.model, layout.dtype)
         # An M-RoPE model's (Qwen2.5-VL's) positions around its images.
         self.mrope = _mrope(config)
         logger.info("Loaded %s in %.1f s", config.model_path, time.perf_counter() - start)
@@ -63,11 +63,13 @@ class ModelHost:
         self.decode = DecodePath(layout, self.weights, self.kv)
 
 
-def _image_features(config: EngineConfig, dtype: torch.dtype) -> ImageFeatures | None:
+def _image_features(
+    config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype
+) -> ImageFeatures | None:
     if not config.arch.vision:
         return None
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    return ImageFeatures(image_encoder(config.model_path, model_config, dtype))
+    return ImageFeatures(image_encoder(config.model_path, model_config, dtype, model))
 
 
 def _mrope(config: EngineConfig) -> MRopePositions | None:

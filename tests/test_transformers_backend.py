@@ -199,7 +199,10 @@ def write_config(path: Path, **cfg) -> str:
             dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"]),
             r"qwen3_next has state-space or recurrent layers \(linear_attention\)",
         ),
-        (dict(model_type="llava", text_config={}), "llava is a multimodal checkpoint"),
+        (
+            dict(model_type="llava_next", text_config={}),
+            "llava_next is a multimodal checkpoint; .* and llava through transformers",
+        ),
     ],
 )
 def test_unservable_configs_are_refused_before_loading(tmp_path: Path, cfg, message) -> None:

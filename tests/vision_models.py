@@ -194,3 +194,61 @@ def write_tiny_qwen_vl(path: Path, smollm2_gguf: str, seed: int = 0) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return path
+
+
+# LLaVA (the transformers backend): CLIP's tower over 56-pixel crops in 14-pixel patches, its
+# class token dropped ("default" strategy): 16 tokens an image.
+LLAVA_IMAGE_TOKEN = ("<image>", 49152)
+LLAVA_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+
+def write_tiny_llava(path: Path, smollm2_gguf: str, seed: int = 0) -> Path:
+    """LlavaForConditionalGeneration (a Llama language model, CLIP's vision tower) with random
+    weights, CLIPImageProcessor's config and LlavaProcessor's (processor_config.json), and the
+    SmolLM2 tokenizer with <image> added."""
+    import json
+
+    from tokenizers import AddedToken
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
+
+    from zllm.text.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    text = {k: v for k, v in QWEN_VL_TEXT.items() if k != "rope_parameters"}
+    config = LlavaConfig(
+        text_config={**text, "model_type": "llama"},
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),  # fmt: skip
+        image_token_id=LLAVA_IMAGE_TOKEN[1],
+        vision_feature_layer=-1,
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "multi_modal_projector" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    ).save_pretrained(path)
+    processor = {"processor_class": "LlavaProcessor", "patch_size": 14, "image_token": "<image>",
+                 "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}  # fmt: skip
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    tokenizer = load_tokenizer(smollm2_gguf)
+    tokenizer.backend.add_special_tokens([AddedToken(LLAVA_IMAGE_TOKEN[0], special=True)])
+    assert tokenizer.backend.token_to_id(LLAVA_IMAGE_TOKEN[0]) == LLAVA_IMAGE_TOKEN[1]
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "chat_template": LLAVA_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path

@@ -164,8 +164,13 @@ def causal_lm_class(config: Any) -> type:
             f"{name}: an encoder-decoder model; the transformers backend runs decoder-only "
             f"causal LMs"
         )
+    mapping = AutoModelForCausalLM._model_mapping
+    if hasattr(config, "vision_config"):  # a vision-language model (zllm/model/impl.py)
+        from transformers import AutoModelForImageTextToText
+
+        mapping = AutoModelForImageTextToText._model_mapping
     try:
-        cls = AutoModelForCausalLM._model_mapping[type(config)]
+        cls = mapping[type(config)]
     except KeyError:
         raise ValueError(f"{name}: transformers has no causal-LM class for this model") from None
     if not getattr(cls, "_supports_attention_backend", False):
@@ -263,18 +268,22 @@ class TransformersForCausalLM(nn.Module):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = _config(directory, gguf_file, arch)
         model_cls = causal_lm_class(config)
+        attn_implementation: str | dict[str, str] = ATTN_IMPLEMENTATION
+        if arch.vision:  # the language model through zllm's cache; the vision tower is torch's
+            attn_implementation = {"": "sdpa", "text_config": ATTN_IMPLEMENTATION,
+                                   "vision_config": "sdpa"}  # fmt: skip
         # Refused before any weight is read: an architecture without a plan zllm can cut.
         plan = usable_plan(config) if tp.enabled else None
         if dummy:
             hf_model = model_cls._from_config(
-                config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype
+                config, attn_implementation=attn_implementation, dtype=dtype
             ).to(device)
         else:
             hf_model = model_cls.from_pretrained(
                 directory,
                 gguf_file=gguf_file,
                 config=config,
-                attn_implementation=ATTN_IMPLEMENTATION,
+                attn_implementation=attn_implementation,
                 dtype=dtype,
                 device_map={"": device} if device.type != "cpu" else None,
             )
@@ -339,8 +348,17 @@ class TransformersForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         """This stage's layers over the stream entering them: the stream leaving them, or on
         the last stage the final hidden states (transformers' forward applies the norm; no
-        residual is kept apart, so `final_norm` passes them through)."""
+        residual is kept apart, so `final_norm` passes them through). Without stages: the
+        whole model over the embeddings given (a vision model's step with image rows)."""
         step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
+        if self.stage is None:  # the whole model over embeddings made apart (an image's rows)
+            out = self.base(
+                inputs_embeds=stream[None],
+                position_ids=positions[None],
+                use_cache=False,
+                **{_STEP_KWARG: step},
+            )
+            return out.last_hidden_state[0], None
         return self._run_stage(stream, positions, step), None
 
     def final_norm(self, x: torch.Tensor, residual: None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pathlib import Path
 from zllm.config.engine import EngineConfig
 from zllm.media.image_grid import ImageGrid
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.impl import TRANSFORMERS_VISION
 
 
 def mm_tokens_per_image(config: dict) -> int:
@@ -36,10 +37,14 @@ def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
 
 
 def max_image_tokens(model_path: str, config: dict) -> int:
-    """The most tokens one image can take: Gemma 3's fixed count, Qwen2.5-VL's at its
-    processor's max_pixels."""
+    """The most tokens one image can take: Gemma 3's and LLaVA's fixed count, Qwen2.5-VL's
+    at its processor's max_pixels."""
     if config.get("model_type") == "qwen2_5_vl":
         return ImageGrid.of_model(model_path).max_tokens()
+    if config.get("model_type") == "llava":
+        from zllm.media.placeholders import llava_tokens_per_image  # (it imports this module)
+
+        return llava_tokens_per_image(model_path, config)
     return mm_tokens_per_image(config)
 
 
@@ -68,7 +73,9 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
             "--pipeline-parallel-size: the image features join the embeddings, which only "
             "the first stage holds"
         )
-    if config.model_impl == "transformers":
+    if config.arch.architecture in TRANSFORMERS_VISION:  # transformers' modeling code
+        reasons += _transformers_vision_refusals(config)
+    elif config.model_impl == "transformers":
         reasons.append("--model-impl transformers: zllm's own model code takes the images")
     if config.speculative is not None and config.speculative.method != "ngram":
         reasons.append(
@@ -93,6 +100,23 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
             f"prefilled in one step, beside up to {seqs - 1} other sequences' tokens (at least "
             f"{tokens_per_image + seqs - 1})"
         )
+    return reasons
+
+
+def _transformers_vision_refusals(config: EngineConfig) -> list[str]:
+    """What a vision-language model on the transformers backend (LLaVA) does not run with:
+    its vision tower and projector are transformers' modules, outside the language model that
+    zllm cuts, quantizes and adapts."""
+    reasons = []
+    if config.tensor_parallel_size > 1:
+        reasons.append(
+            "--tensor-parallel-size: transformers' plan cuts its language model, not its "
+            "vision tower"
+        )
+    if config.lora is not None:
+        reasons.append("--enable-lora: adapters of transformers' vision models are not read")
+    if config.quantization == "int8":
+        reasons.append("--quantization int8: runs on zllm's own vision models only")
     return reasons
 
 

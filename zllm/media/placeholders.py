@@ -8,6 +8,8 @@ tokenized with them in place:
   Qwen2.5-VL   "<|image_pad|>" (between <|vision_start|> and <|vision_end|>, which the
                template writes) -> one "<|image_pad|>" per merged patch of the image as its
                processor resizes it (zllm/media/image_grid.py: the count follows its size)
+  LLaVA        "<image>" -> its count of "<image>", one per patch of the cropped image
+               (the transformers backend runs it)
 """
 
 from __future__ import annotations
@@ -104,6 +106,50 @@ def qwen_vl_placeholders(
     )
 
 
+def llava_tokens_per_image(model_path: str, config: dict) -> int:
+    """LLaVA's image tokens, as LlavaProcessor counts them: the cropped image's patches, plus
+    the tower's extra tokens (CLIP's class token), less the one the "default" feature
+    strategy drops (processor_config.json, preprocessor_config.json, config.json)."""
+    folder = Path(model_path)
+    processor = _json_or_empty(folder / "processor_config.json")
+    image = _json_or_empty(folder / "preprocessor_config.json")
+    patch = processor.get("patch_size") or config.get("vision_config", {}).get("patch_size")
+    crop = image.get("crop_size") or image.get("size") or {}
+    if isinstance(crop, int):
+        crop = {"height": crop, "width": crop}
+    height = crop.get("height") or crop.get("shortest_edge")
+    width = crop.get("width") or crop.get("shortest_edge")
+    if not (patch and height and width):
+        raise ValueError(
+            f"{model_path}: cannot count LLaVA's image tokens: processor_config.json's "
+            f"patch_size and preprocessor_config.json's crop_size are needed"
+        )
+    count = (height // patch) * (width // patch) + processor.get("num_additional_image_tokens", 0)
+    strategy = processor.get("vision_feature_select_strategy") or config.get(
+        "vision_feature_select_strategy", "default"
+    )
+    return count - (strategy == "default")
+
+
+def llava_placeholders(
+    model_path: str, config: dict, token_text: Callable[[int], str | None]
+) -> ImagePlaceholders:
+    """LLaVA's (LlavaProcessor's expansion of <image> into its count of <image>)."""
+    token_id = int(config.get("image_token_id", config.get("image_token_index", 32000)))
+    text = token_text(token_id)
+    if text is None:
+        raise ValueError(
+            f"the tokenizer has no token {token_id} (config.json's image_token_index): a "
+            f"LLaVA checkpoint's tokenizer holds its image token"
+        )
+    count = llava_tokens_per_image(model_path, config)
+    return ImagePlaceholders(text, "", text, "", token_id, tokens_per_image=count)
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
     """(start, length) of each run of image tokens, in order: one per image."""
     spans = []
@@ -144,4 +190,6 @@ def model_placeholders(
         return gemma3_placeholders(config, token_text)
     if config.get("model_type") == "qwen2_5_vl":
         return qwen_vl_placeholders(config, ImageGrid.of_model(model_path), token_text)
+    if config.get("model_type") == "llava":
+        return llava_placeholders(model_path, config, token_text)
     raise ValueError(f"{model_path}: no image placeholder rule for {config.get('model_type')!r}")

@@ -44,6 +44,11 @@ _STATE_SPACE_KEYS = (
     "attn_layer_indices",
 )
 _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# Vision-language classes the transformers backend runs with images: each one's vision tower
+# and projector are transformers' own (executor/models/vision/transformers_images.py), its
+# language model attends through zllm's cache, and zllm/media/placeholders.py holds the rule
+# its processor counts an image's tokens by. Others are refused by name.
+TRANSFORMERS_VISION = ("llava",)
 _ENCODER_DECODER_GGUF = frozenset({"t5", "t5encoder", "umt5", "bert", "nomic-bert"})
 
 
@@ -137,11 +142,13 @@ def refuse_unservable(cfg: dict[str, Any], where: str) -> None:
         raise ValueError(
             f"{where}: {name} is an encoder-decoder model; zllm serves decoder-only causal LMs"
         )
-    if "text_config" in cfg or "vision_config" in cfg or "audio_config" in cfg:
+    multimodal = "text_config" in cfg or "vision_config" in cfg or "audio_config" in cfg
+    if multimodal and not (name in TRANSFORMERS_VISION and "audio_config" not in cfg):
         raise ValueError(
             f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs, "
             f"and of vision-language models Gemma 3 (model_type 'gemma3') and Qwen2.5-VL "
-            f"(model_type 'qwen2_5_vl') natively"
+            f"(model_type 'qwen2_5_vl') natively and {', '.join(TRANSFORMERS_VISION)} through "
+            f"transformers"
         )
     ssm_keys = [k for k in _STATE_SPACE_KEYS if k in cfg]
     other_layers = sorted(set(cfg.get("layer_types") or []) - _ATTENTION_LAYER_TYPES)
@@ -165,6 +172,9 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     cfg = _read_config(directory)
     where = str(directory / "config.json")
     refuse_unservable(cfg, where)
+    vision = cfg.get("model_type") in TRANSFORMERS_VISION
+    if vision:  # the language model's layout, under the vision-language model's name
+        cfg = {**(cfg.get("text_config") or {}), "model_type": cfg["model_type"]}
 
     def need(*keys: str) -> Any:
         value = _first(cfg, *keys)
@@ -200,6 +210,7 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         layer_types=layer_types,
         sliding_window=window,
+        vision=vision,
     )
 
 

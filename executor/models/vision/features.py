@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from zllm.executor.request_state import RequestState
+from zllm.model.impl import TRANSFORMERS_VISION
 from zllm.protocol import CacheSize, PlacedImage
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,15 @@ class ImageEncoder(Protocol):
         ...
 
 
-def image_encoder(model_path: str, config: dict, dtype: torch.dtype) -> ImageEncoder:
-    """The checkpoint's encoder, by its config.json's model_type, loaded."""
+def image_encoder(
+    model_path: str, config: dict, dtype: torch.dtype, model: torch.nn.Module
+) -> ImageEncoder:
+    """The checkpoint's encoder, by its config.json's model_type, loaded (zllm's own), or the
+    one inside `model` (the language model, loaded) where transformers' code runs it."""
+    if config.get("model_type") in TRANSFORMERS_VISION:
+        from zllm.executor.models.vision.transformers_images import TransformersImages
+
+        return TransformersImages(model.hf, model_path)
     if config.get("model_type") == "qwen2_5_vl":
         from zllm.executor.models.vision.qwen2_5_vl import Qwen25VLImages
 

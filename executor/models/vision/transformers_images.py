@@ -1,0 +1,41 @@
+"""A vision-language model's image encoder on the transformers backend (LLaVA): transformers'
+own vision tower and projector, inside the model the backend loaded, called through the
+model's `get_image_features` (its vision tower attends with torch's SDPA: only the language
+model's layers attend through zllm's paged cache), over the pixels the checkpoint's own image
+processor makes."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from torch import nn
+
+
+class TransformersImages:
+    """features.py's ImageEncoder over a transformers vision-language model."""
+
+    def __init__(self, hf_model: nn.Module, model_path: str) -> None:
+        from transformers import AutoImageProcessor
+
+        self.model = hf_model
+        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        config = hf_model.config
+        self.options = {
+            "vision_feature_layer": getattr(config, "vision_feature_layer", None),
+            "vision_feature_select_strategy": getattr(
+                config, "vision_feature_select_strategy", None
+            ),
+        }
+        self.dtype = hf_model.get_input_embeddings().weight.dtype
+
+    def encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        from PIL import Image
+
+        decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        out = self.model.get_image_features(
+            pixel_values=pixels.to(self.dtype), return_dict=True, **self.options
+        )
+        features = out.pooler_output
+        return [row.clone() for row in features]  # (each image's [tokens, hidden])
