@@ -20,8 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
-ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+ID_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "unknown", "padding"))
+FLAG_KEYS = tuple(
+    f"tokenizer.ggml.{k}" for k in ("add_bos_token", "add_eos_token", "add_space_prefix")
+)
 CONTROL, UNUSED = 3, 5
 
 
@@ -50,12 +52,13 @@ def copy_vocab(writer, donor_path: str, model_dir: Path, rows: int) -> None:
         writer.add_token_scores(scores + [0.0] * (len(tokens) - len(scores)))
     if "tokenizer.ggml.merges" in fields:
         writer.add_token_merges(list(fields["tokenizer.ggml.merges"].contents()))
-    for key in ID_KEYS:
-        if f"tokenizer.ggml.{key}" in fields:
-            getattr(writer, f"add_{key[:-3]}_id")(int(fields[f"tokenizer.ggml.{key}"].contents()))
-    for key in ("add_bos_token", "add_eos_token", "add_space_prefix"):
-        if f"tokenizer.ggml.{key}" in fields:
-            getattr(writer, f"add_{key}")(bool(fields[f"tokenizer.ggml.{key}"].contents()))
+    for key in ID_KEYS + FLAG_KEYS:  # copied as they are
+        if key in fields:
+            value = fields[key].contents()
+            if key in ID_KEYS:
+                writer.add_uint32(key, int(value))
+            else:
+                writer.add_bool(key, bool(value))
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
     writer.add_chat_template(template)
 
