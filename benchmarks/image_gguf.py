@@ -76,6 +76,26 @@ def convert(model_dir: Path, llama_cpp: Path, donor: str, out: Path, outtype: st
         copy_vocab(self.gguf_writer, donor, model_dir, rows)
 
     base.TextModel._set_vocab_gpt2 = set_vocab
+    if "mm_tokens_per_image" in config:  # Gemma 3: the pooling comes from the token count
+        from conversion import gemma
+
+        parameters = gemma.Gemma3VisionModel.set_gguf_parameters
+
+        def set_gguf_parameters(self) -> None:
+            self.preprocessor_config.setdefault("image_seq_length", config["mm_tokens_per_image"])
+            parameters(self)
+
+        gemma.Gemma3VisionModel.set_gguf_parameters = set_gguf_parameters
+        # transformers 5 saves the SigLIP tower without its "vision_model." level
+        tensors = gemma.Gemma3VisionModel.filter_tensors.__func__
+
+        def filter_tensors(cls, item):
+            name, gen = item
+            if name.startswith("vision_tower.") and ".vision_model." not in name:
+                name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+            return tensors(cls, (name, gen))
+
+        gemma.Gemma3VisionModel.filter_tensors = classmethod(filter_tensors)
     base.TextModel._set_vocab_sentencepiece = set_vocab
     sys.argv = [
         "convert_hf_to_gguf.py",

@@ -25,6 +25,7 @@ and gets the same HTTP requests as zllm. Medians over the runs.
 
     python benchmarks/image_serve.py [--model gemma3|qwen2_5_vl] [--runs 3] [--max-tokens 32]
         [--no-transformers] [--llama-server BIN --gguf TEXT.gguf --mmproj MMPROJ.gguf]
+        [--peer-url http://127.0.0.1:PORT --peer-label vllm]
 """
 
 from __future__ import annotations
@@ -363,6 +364,10 @@ def main() -> None:
     parser.add_argument("--mmproj", default=None, help="the vision projector GGUF")
     parser.add_argument("--llama-arg", action="append", default=[],
                         help="one more llama-server argument (repeatable)")  # fmt: skip
+    parser.add_argument("--peer-url", default=None,
+                        help="an OpenAI-compatible server already serving the model under the "
+                        "bench's served name (g3 or qvl), e.g. vLLM: measured as a peer")  # fmt: skip
+    parser.add_argument("--peer-label", default="peer")
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     bench = BENCHES[args.model]
@@ -378,6 +383,9 @@ def main() -> None:
         print(json.dumps(figures, indent=2), flush=True)
     if args.llama_server:
         figures["llama_server"] = llama_figures(bench, args)
+        print(json.dumps(figures, indent=2), flush=True)
+    if args.peer_url:
+        figures[args.peer_label] = serve_runs(args.peer_url, bench, args.runs, args.max_tokens)
         print(json.dumps(figures, indent=2), flush=True)
     if not args.no_transformers and ids:
         figures["transformers"] = hf_figures(bench, model_dir, ids, args)

@@ -225,18 +225,22 @@ class Request:
             output_token_ids=output_token_ids,
             options=msgspec.structs.replace(self.options, cache_pin=None, kv_transfer=None),
             images=self.images,
+            whole_images=self.whole_images,
             num_computed_tokens=num_computed_tokens,
             num_cached_tokens=self.num_cached_tokens,
             status=status,
         )
 
-    def chunk_end(self, start: int, num_new: int, encoder_budget: int | None = None) -> int:
+    def chunk_end(
+        self, start: int, num_new: int, encoder_budget: int | None = None, fresh: bool = True
+    ) -> int:
         """How many of `num_new` tokens from `start` one step may compute: all, unless that
         would end the chunk inside an image whose tokens attend to each other both ways
         (`whole_images`: then up to the image's start; 0 when the chunk starts inside the
         image and cannot reach its end), or would start images whose encoder tokens pass
         `encoder_budget` (what the step's encoder may still take; None: no limit): then up
-        to the first image that does not fit."""
+        to the first image that does not fit. The first image of a step whose encoder has
+        started nothing yet (`fresh`) always fits, however large, so no image waits forever."""
         end = start + num_new
         spent = 0
         for image in self.images:
@@ -245,14 +249,16 @@ class Request:
             if self.whole_images and image.offset < end < image.end:
                 return max(0, image.offset - start)
             if image.offset >= start and encoder_budget is not None:
-                if spent + image.length > encoder_budget:
+                alone = fresh and spent == 0
+                if spent + image.length > encoder_budget and not alone:
                     return image.offset - start
                 spent += image.length
         return num_new
 
     def encoder_tokens(self, start: int, num_new: int) -> int:
         """The encoder tokens of the images a chunk of `num_new` tokens from `start` starts
-        (an image resumed inside its tokens after a prefix hit reads the encoder's cache)."""
+        (an image the chunk resumes inside its tokens reads the encoder's cache, which holds
+        at least a step's worth of images: executor/models/vision/features.py)."""
         end = start + num_new
         return sum(i.length for i in self.images if start <= i.offset < end)
 

@@ -214,7 +214,9 @@ class Scheduler:
                 break
             req = self.running[i]
             num_new = min(req.num_tokens_with_pending - req.num_computed_tokens, plan.budget)
-            num_new = req.chunk_end(req.num_computed_tokens, num_new, plan.encoder_budget)
+            num_new = req.chunk_end(
+                req.num_computed_tokens, num_new, plan.encoder_budget, plan.encoder_fresh
+            )
             if num_new <= 0 or self._held(req, plan):
                 # Everything known is computed and its next token is pending; or it is held
                 # until its step in flight returns.
@@ -279,7 +281,7 @@ class Scheduler:
             if num_new > plan.budget and not self.config.enable_chunked_prefill:
                 return
             num_new = req.chunk_end(
-                found.num_tokens, min(num_new, plan.budget), plan.encoder_budget
+                found.num_tokens, min(num_new, plan.budget), plan.encoder_budget, plan.encoder_fresh
             )
             if num_new <= 0:
                 return  # its next image does not fit this step's budgets: it waits, first

@@ -69,8 +69,10 @@ class StepPlan:
 
     budget: int  # tokens left
     # A vision model's image encoder tokens the step may still start (None: no limit):
-    # Request.chunk_end stops a chunk before an image that does not fit.
+    # Request.chunk_end stops a chunk before an image that does not fit; `encoder_fresh`
+    # while the step has started no image (then any one image fits).
     encoder_budget: int | None = None
+    encoder_fresh: bool = True
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled: dict[str, int] = field(default_factory=dict)  # new tokens per request
     computed_before: dict[str, int] = field(default_factory=dict)  # per request, before it
@@ -94,7 +96,9 @@ class StepPlan:
             req.verifying = True
         num_tokens = num_new + len(drafts)
         if self.encoder_budget is not None and req.images:
-            self.encoder_budget -= req.encoder_tokens(req.num_computed_tokens, num_new)
+            started = req.encoder_tokens(req.num_computed_tokens, num_new)
+            self.encoder_budget -= started
+            self.encoder_fresh &= started == 0
         self.num_scheduled[req.req_id] = num_tokens
         self.budget -= num_tokens
         req.num_computed_tokens += num_tokens

@@ -34,7 +34,7 @@ from zllm.executor.models.vision.mrope import MRopePositions
 from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.weights.model_weights import ModelWeights
-from zllm.media.image_grid import ImageGrid
+from zllm.media.image_tokens import ImageGrid
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ def _image_features(
     if not config.arch.vision:
         return None
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    return ImageFeatures(image_encoder(config.model_path, model_config, dtype, model))
+    encoder = image_encoder(config.model_path, model_config, dtype, model)
+    step_bytes = config.scheduler.max_num_encoder_tokens * config.arch.hidden_size * dtype.itemsize
+    return ImageFeatures(encoder, min_cache_bytes=2 * step_bytes)
 
 
 def _mrope(config: EngineConfig) -> MRopePositions | None:

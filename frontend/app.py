@@ -433,10 +433,12 @@ class OpenAIServer:
             counts = [self.placeholders.tokens_per_image] * len(images)
         else:
             loaded = await load_images(images, self.config.engine.media, True, model)
-            try:
-                counts = self.placeholders.counts(loaded)
-            except ValueError as exc:
-                raise RequestError(str(exc), param="messages") from None
+            counts = []
+            for ref, image in zip(images, loaded, strict=True):
+                try:
+                    counts.append(self.placeholders.count(image.width, image.height))
+                except ValueError as exc:
+                    raise RequestError(f"{ref.where}: {exc}", param=ref.where) from None
         try:
             return self.placeholders.expand(text, counts)
         except ValueError as exc:

@@ -11,7 +11,7 @@ from scheduler_parts import BS
 
 from zllm.config.engine import SchedulerConfig
 from zllm.core.block_manager import BlockManager
-from zllm.core.request import Request
+from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import ImageData, ModelRunnerOutput, PlacedImage
 from zllm.sampling_params import SamplingParams
@@ -89,3 +89,30 @@ def test_whole_images_are_not_cut_by_a_chunk() -> None:
     causal.add_request(image_request("a", 20, [(6, 8)]))
     assert step(causal) == {"a": 10}
     assert step(causal) == {"a": 10}
+
+
+def test_an_image_larger_than_the_encoder_budget_runs_in_a_step_of_its_own() -> None:
+    """A thin image scaled up can take more tokens than the budget's floor: a step that has
+    started no image takes it (else it would wait forever, and every request behind it)."""
+    sched = scheduler(budget=64, encoder_budget=8)
+    sched.add_request(image_request("a", 20, [(2, 12)]))
+    sched.add_request(image_request("b", 10, [(0, 4)]))
+    assert step(sched) == {"a": 20}  # (b's image would pass the budget a's took)
+    assert step(sched) == {"a": 1, "b": 10}
+
+
+def test_encoder_tokens_count_the_images_a_chunk_starts() -> None:
+    req = image_request("a", 40, [(2, 6), (12, 6), (30, 4)])
+    assert req.encoder_tokens(0, 12) == 6  # the second image starts at 12: the next chunk's
+    assert req.encoder_tokens(4, 20) == 6  # resumed inside the first: read from the cache
+    assert req.encoder_tokens(10, 30) == 10
+
+
+def test_a_forked_sample_keeps_its_images_whole() -> None:
+    """n > 1 samples and beams fork the request: a fork recomputed after preemption must keep
+    Gemma 3's images in one chunk as its parent does."""
+    parent = image_request("a", 20, [(6, 8)], whole=True)
+    child = parent.fork("a#1", sample_index=1, output_token_ids=[], num_computed_tokens=0,
+                        status=RequestStatus.WAITING)  # fmt: skip
+    assert child.whole_images and child.images == parent.images
+    assert child.chunk_end(0, 10) == 6

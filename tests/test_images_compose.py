@@ -70,8 +70,8 @@ def test_ngram_speculation_answers_as_without(model_dir) -> None:
 
 
 def test_int8_weights_stay_close(model_dir, reference) -> None:
-    """The language model's matmuls in Q8_0 blocks (the encoder stays in 16 bits): every
-    prompt log-probability moves, by little."""
+    """The language model's matmuls in Q8_0 blocks (the encoder keeps the model's dtype):
+    every prompt log-probability moves, by little."""
     _, logprobs = answer(LLM(model_dir, kv_cache_memory_bytes=POOL, quantization="int8"))
     drift = float((logprobs - reference[1]).abs().max())
     assert 0 < drift < 0.05, drift

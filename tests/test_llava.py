@@ -4,7 +4,8 @@ the SmolLM2 vocabulary with <image> added) runs with transformers' own modeling 
 language model attending through zllm's paged cache and its vision tower through torch's SDPA.
 Greedy tokens and every prompt log-probability equal transformers' forward on the same
 processed inputs; the prompt's <image> expands as LlavaProcessor expands it; served through
-the OpenAI client; what the backend cannot run with images is refused naming why."""
+the OpenAI client; a sparse Hub config reads as transformers reads it; what the backend
+cannot run with images is refused naming why."""
 
 from __future__ import annotations
 
@@ -108,6 +109,39 @@ def test_what_the_backend_cannot_run_with_images_is_refused(model_dir) -> None:
         LLM(model_dir, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline-parallel-size: the image features join"):
         LLM(model_dir, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="enable-lora: adapters of transformers' vision"):
+        LLM(model_dir, enable_lora=True)
+    with pytest.raises(ValueError, match="quantization int8: runs on zllm's own vision"):
+        LLM(model_dir, quantization="int8")
+
+
+def test_a_sparse_hub_config_reads_over_llamas_defaults(tmp_path) -> None:
+    """The Hub's LLaVA 1.5 config.json (transformers 4.3x) states only what differs from
+    LlamaConfig in its text_config: the KV cache layout zllm reads is transformers' own."""
+    import json
+
+    from transformers import LlavaConfig
+
+    from zllm.model.impl import arch_of
+
+    config = {
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "image_token_index": 32000, "tie_word_embeddings": False, "vocab_size": 32064,
+        "text_config": {"model_type": "llama", "max_position_embeddings": 4096,
+                        "rms_norm_eps": 1e-05, "vocab_size": 32064},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "num_attention_heads": 16,
+                          "image_size": 336, "patch_size": 14},
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch = arch_of(str(tmp_path), "transformers")
+    text = LlavaConfig.from_pretrained(tmp_path).text_config
+    assert arch.vision and not arch.tie_word_embeddings
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (
+        text.num_hidden_layers, text.hidden_size, text.num_attention_heads,
+        text.num_key_value_heads,
+    )  # fmt: skip
+    assert (arch.vocab_size, arch.max_position_embeddings) == (32064, 4096)
 
 
 @pytest.mark.e2e

@@ -20,7 +20,7 @@ from vision_models import QWEN_VL_IMAGE_TOKENS, png, write_tiny_qwen_vl
 
 from zllm import LLM, SamplingParams
 from zllm.executor.models.vision.mrope import request_positions
-from zllm.media.image_grid import ImageGrid
+from zllm.media.image_tokens import ImageGrid
 from zllm.protocol import ImageData, PlacedImage
 
 IMAGE_PAD = QWEN_VL_IMAGE_TOKENS["<|image_pad|>"]
@@ -153,6 +153,7 @@ def test_image_tokens_split_across_chunks(model_dir, reference) -> None:
     llm = LLM(model_dir, kv_cache_memory_bytes=POOL, max_num_batched_tokens=5, max_num_seqs=2)
     # The encoder may start one image of the most tokens (max_pixels) in a step, even here.
     assert llm.config.scheduler.max_num_encoder_tokens == 16
+    assert ImageGrid.of_model(model_dir).tokens(*SIZES[0]) > 5  # (so no chunk holds it whole)
     prompt = {"prompt": f"See {MARK} and {MARK}.", "multi_modal_data": {"image": images(2, 0)}}
     assert_answers_as_transformers(llm.generate(prompt, GREEDY, use_tqdm=False)[0], reference,
                                    model_dir, [2, 0])  # fmt: skip

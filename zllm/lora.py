@@ -35,11 +35,15 @@ from zllm.protocol import LoRARequest  # on the wire; `zllm.lora.LoRARequest` is
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 _BLOCK |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# (A vision-language model's adapter names its language model's layers under
-# `model.language_model.`, as transformers 5 holds them.)
 _TENSOR_NAME = re.compile(
-    r"base_model\.model\.model\.(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
-    r"\.lora_(A|B)\.weight"
+    r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
+)
+# A vision-language model's adapter names its language model's layers as transformers holds
+# them: `model.language_model.layers` (transformers 5), `language_model.model.layers`
+# (transformers 4.5x's Gemma 3), or the text model's own `model.layers` (Qwen2.5-VL's).
+_VISION_MODEL_TENSOR_NAME = re.compile(
+    r"base_model\.model\.(?:model\.(?:language_model\.)?|language_model\.model\.)layers\."
+    r"(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
 )
 _VISION_NAMES = ("visual.", "vision_tower.", "multi_modal_projector.")
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -121,8 +125,8 @@ def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAd
     shapes = projection_shapes(arch)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name, (dtype, shape) in tensors.items():
-        match = _TENSOR_NAME.fullmatch(name)
-        if match is None and any(part in name for part in _VISION_NAMES):
+        match = (_VISION_MODEL_TENSOR_NAME if arch.vision else _TENSOR_NAME).fullmatch(name)
+        if match is None and arch.vision and any(part in name for part in _VISION_NAMES):
             raise LoRAError(
                 f"LoRA adapter tensor {name!r} adapts the vision encoder: zllm applies "
                 f"adapters to a vision-language model's language model only"

@@ -204,6 +204,14 @@ def _config(directory: str, gguf_file: str | None, arch: ModelArchConfig) -> Any
     return config
 
 
+def _attn_implementation(arch: ModelArchConfig) -> str | dict[str, str]:
+    """Ours for the model's attention; a vision-language model's vision tower keeps torch's
+    SDPA (it attends within each image, outside any KV cache)."""
+    if not arch.vision:
+        return ATTN_IMPLEMENTATION
+    return {"": "sdpa", "text_config": ATTN_IMPLEMENTATION, "vision_config": "sdpa"}
+
+
 class TransformersForCausalLM(nn.Module):
     """A transformers causal LM behind the interface of zllm's own models (forward over the
     flat batch -> hidden states, compute_logits), attending through `attention`'s layers."""
@@ -268,10 +276,7 @@ class TransformersForCausalLM(nn.Module):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = _config(directory, gguf_file, arch)
         model_cls = causal_lm_class(config)
-        attn_implementation: str | dict[str, str] = ATTN_IMPLEMENTATION
-        if arch.vision:  # the language model through zllm's cache; the vision tower is torch's
-            attn_implementation = {"": "sdpa", "text_config": ATTN_IMPLEMENTATION,
-                                   "vision_config": "sdpa"}  # fmt: skip
+        attn_implementation = _attn_implementation(arch)
         # Refused before any weight is read: an architecture without a plan zllm can cut.
         plan = usable_plan(config) if tp.enabled else None
         if dummy:

@@ -1,14 +1,15 @@
-"""What a vision-language model (ModelArchConfig.vision: Gemma 3 with its SigLIP encoder,
-Qwen2.5-VL with its window-attention encoder) runs with, and the engine options it refuses at
-start, each naming why. No torch here.
+"""What a vision-language model (ModelArchConfig.vision: Gemma 3 with its SigLIP encoder and
+Qwen2.5-VL with its window-attention encoder in zllm's code, LLaVA in transformers') runs
+with, and the engine options it refuses at start, each naming why. No torch here.
 
-Its images are encoded on the executor's CPU rank by executor/models/vision/ and their
-features replace the placeholder tokens' embeddings. Gemma 3's image tokens attend to each
-other both ways, so each image is prefilled in one step (core/request.py chunk_end keeps it in
-one chunk); Qwen2.5-VL's are causal, placed by M-RoPE positions. Tensor ranks each hold the
-encoder; n-gram speculation, int8 weights, LoRA on the language model, KV tiers and
-disaggregation run with images (tests/test_images_compose.py). The options below do not, and
-are refused before any process starts.
+Its images are encoded on each executor rank (executor/models/vision/) and their features
+replace the placeholder tokens' embeddings. Gemma 3's image tokens attend to each other both
+ways, so each image is prefilled in one step (core/request.py chunk_end keeps it in one
+chunk); Qwen2.5-VL's are causal, placed by M-RoPE positions; LLaVA's are causal. With zllm's
+models, tensor ranks (each holding the encoder), n-gram speculation, int8 weights, LoRA on
+the language model, KV tiers and disaggregation run with images
+(tests/test_images_compose.py). The options below do not, and are refused before any
+process starts.
 """
 
 from __future__ import annotations
@@ -17,15 +18,9 @@ import json
 from pathlib import Path
 
 from zllm.config.engine import EngineConfig
-from zllm.media.image_grid import ImageGrid
+from zllm.media.image_tokens import max_image_tokens, mm_tokens_per_image
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.impl import TRANSFORMERS_VISION
-
-
-def mm_tokens_per_image(config: dict) -> int:
-    """The tokens one image takes in a Gemma 3 prompt, from its config.json (transformers'
-    default where the config leaves it out)."""
-    return int(config.get("mm_tokens_per_image", 256))
 
 
 def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
@@ -34,18 +29,6 @@ def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
     if not arch.images_bidirectional:
         return 0
     return mm_tokens_per_image(json.loads((Path(model_path) / "config.json").read_text()))
-
-
-def max_image_tokens(model_path: str, config: dict) -> int:
-    """The most tokens one image can take: Gemma 3's and LLaVA's fixed count, Qwen2.5-VL's
-    at its processor's max_pixels."""
-    if config.get("model_type") == "qwen2_5_vl":
-        return ImageGrid.of_model(model_path).max_tokens()
-    if config.get("model_type") == "llava":
-        from zllm.media.placeholders import llava_tokens_per_image  # (it imports this module)
-
-        return llava_tokens_per_image(model_path, config)
-    return mm_tokens_per_image(config)
 
 
 def set_encoder_budget(config: EngineConfig) -> None:
@@ -89,8 +72,8 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
         )
     if config.quantization not in (None, "none", "16-bit", "int8"):
         reasons.append(
-            f"--quantization {config.quantization}: the vision model runs in 16 bits or with "
-            f"int8 weights"
+            f"--quantization {config.quantization}: a vision model's language model runs "
+            f"unquantized or with int8 weights"
         )
     budget = config.scheduler.max_num_batched_tokens
     seqs = config.scheduler.max_num_seqs

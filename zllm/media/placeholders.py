@@ -7,7 +7,7 @@ tokenized with them in place:
                "<image_soft_token>" + "<end_of_image>\\n\\n" (a fixed count per image)
   Qwen2.5-VL   "<|image_pad|>" (between <|vision_start|> and <|vision_end|>, which the
                template writes) -> one "<|image_pad|>" per merged patch of the image as its
-               processor resizes it (zllm/media/image_grid.py: the count follows its size)
+               processor resizes it (zllm/media/image_tokens.py: the count follows its size)
   LLaVA        "<image>" -> its count of "<image>", one per patch of the cropped image
                (the transformers backend runs it)
 """
@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zllm.config.vision import mm_tokens_per_image
-from zllm.media.image_grid import ImageGrid
+from zllm.media.image_tokens import ImageGrid, llava_tokens_per_image, mm_tokens_per_image
 from zllm.protocol import ImageData, PlacedImage
 
 
@@ -106,31 +105,6 @@ def qwen_vl_placeholders(
     )
 
 
-def llava_tokens_per_image(model_path: str, config: dict) -> int:
-    """LLaVA's image tokens, as LlavaProcessor counts them: the cropped image's patches, plus
-    the tower's extra tokens (CLIP's class token), less the one the "default" feature
-    strategy drops (processor_config.json, preprocessor_config.json, config.json)."""
-    folder = Path(model_path)
-    processor = _json_or_empty(folder / "processor_config.json")
-    image = _json_or_empty(folder / "preprocessor_config.json")
-    patch = processor.get("patch_size") or config.get("vision_config", {}).get("patch_size")
-    crop = image.get("crop_size") or image.get("size") or {}
-    if isinstance(crop, int):
-        crop = {"height": crop, "width": crop}
-    height = crop.get("height") or crop.get("shortest_edge")
-    width = crop.get("width") or crop.get("shortest_edge")
-    if not (patch and height and width):
-        raise ValueError(
-            f"{model_path}: cannot count LLaVA's image tokens: processor_config.json's "
-            f"patch_size and preprocessor_config.json's crop_size are needed"
-        )
-    count = (height // patch) * (width // patch) + processor.get("num_additional_image_tokens", 0)
-    strategy = processor.get("vision_feature_select_strategy") or config.get(
-        "vision_feature_select_strategy", "default"
-    )
-    return count - (strategy == "default")
-
-
 def llava_placeholders(
     model_path: str, config: dict, token_text: Callable[[int], str | None]
 ) -> ImagePlaceholders:
@@ -144,10 +118,6 @@ def llava_placeholders(
         )
     count = llava_tokens_per_image(model_path, config)
     return ImagePlaceholders(text, "", text, "", token_id, tokens_per_image=count)
-
-
-def _json_or_empty(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -94,10 +94,10 @@ class ModelArchConfig:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
-    # Whether the model takes images (a vision encoder zllm runs beside the decoder: Gemma 3's
-    # and Qwen2.5-VL's, zllm/model/arch.py). Other multimodal checkpoints are refused at load
-    # (zllm/model/impl.py), and an image sent to a text-only model is refused naming it
-    # (zllm/media/images.py require_vision).
+    # Whether the model takes images (a vision encoder beside the decoder: Gemma 3's and
+    # Qwen2.5-VL's in zllm's code, zllm/model/arch.py; LLaVA's in transformers',
+    # zllm/model/impl.py). Other multimodal checkpoints are refused at load, and an image sent
+    # to a text-only model is refused naming it (zllm/media/images.py require_vision).
     vision: bool = False
     # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
     # prefilled in one step (core/request.py chunk_end); else they are causal like text.

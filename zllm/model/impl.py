@@ -174,7 +174,7 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     refuse_unservable(cfg, where)
     vision = cfg.get("model_type") in TRANSFORMERS_VISION
     if vision:  # the language model's layout, under the vision-language model's name
-        cfg = {**(cfg.get("text_config") or {}), "model_type": cfg["model_type"]}
+        cfg = _vision_text_config(cfg)
 
     def need(*keys: str) -> Any:
         value = _first(cfg, *keys)
@@ -212,6 +212,25 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
         sliding_window=window,
         vision=vision,
     )
+
+
+# transformers' LlamaConfig defaults: the Hub's LLaVA 1.5 configs (written by transformers
+# 4.3x) give only what differs from them in text_config.
+_LLAMA_TEXT_DEFAULTS = {
+    "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    "vocab_size": 32000,
+}  # fmt: skip
+
+
+def _vision_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json's language model as a text model's config: its
+    text_config over its text model type's defaults (Llama's), with the outer config's
+    vocabulary and tied embeddings where it states them, named as the whole model."""
+    text = dict(cfg.get("text_config") or {})
+    defaults = _LLAMA_TEXT_DEFAULTS if text.get("model_type", "llama") == "llama" else {}
+    outer = {k: cfg[k] for k in ("vocab_size", "tie_word_embeddings") if k in cfg}
+    return {**defaults, **text, **outer, "model_type": cfg["model_type"]}
 
 
 def _sliding_layers(

@@ -1,12 +1,15 @@
 """A step's image features: which rows of the flat batch are image tokens, and the encoder
 output that replaces their embeddings. The model's encoder (`ImageEncoder`: Gemma 3's in
-gemma3.py, Qwen2.5-VL's in qwen2_5_vl.py) turns encoded images into their tokens' features.
+gemma3.py, Qwen2.5-VL's in qwen2_5_vl.py, a transformers model's own in
+transformers_images.py) turns encoded images into their tokens' features.
 
-Each image is encoded once, the first time a step computes any of its tokens (a step's new
-images in one batch), and kept by its pixel digest in an LRU cache bounded in bytes
-(`EncoderCache`): the same picture sent again, by any request, is not encoded again, and a
-request whose image tokens span chunks (after a prefix hit inside them) reads its later rows
-from there.
+Each image is encoded the first time a step computes any of its tokens (a step's new images
+in one batch), and kept by its pixel digest in an LRU cache bounded in bytes
+(`EncoderCache`): the same picture sent again, by any request, is not encoded again while the
+cache holds it, and a request whose image tokens span chunks (Qwen2.5-VL's and LLaVA's images
+are chunked like text; any image after a prefix hit inside it) reads its later rows from
+there. The cache holds at least two steps' worth of images; an image it no longer holds is
+encoded again.
 """
 
 from __future__ import annotations
@@ -94,17 +97,21 @@ def image_encoder(
         from zllm.executor.models.vision.qwen2_5_vl import Qwen25VLImages
 
         return Qwen25VLImages(model_path, config, dtype)
-    from zllm.executor.models.vision.gemma3 import Gemma3Images
+    if config.get("model_type") == "gemma3":
+        from zllm.executor.models.vision.gemma3 import Gemma3Images
 
-    return Gemma3Images(model_path, config, dtype)
+        return Gemma3Images(model_path, config, dtype)
+    raise ValueError(f"{model_path}: no image encoder for model_type {config.get('model_type')!r}")
 
 
 class ImageFeatures:
     """The model's image encoder (loaded beside the language model) and its cache."""
 
-    def __init__(self, encoder: ImageEncoder) -> None:
+    def __init__(self, encoder: ImageEncoder, min_cache_bytes: int = 0) -> None:
+        """`min_cache_bytes`: what the cache holds at least (two steps' worth of images, so
+        an image a chunk started is still there for the next chunk of it)."""
         self.encoder = encoder
-        self.cache = EncoderCache()
+        self.cache = EncoderCache(max(DEFAULT_CACHE_BYTES, min_cache_bytes))
 
     def for_step(
         self, states: list[RequestState], query_lens: list[int], seq_lens: list[int]

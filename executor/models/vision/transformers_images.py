@@ -27,7 +27,8 @@ class TransformersImages:
                 config, "vision_feature_select_strategy", None
             ),
         }
-        self.dtype = hf_model.get_input_embeddings().weight.dtype
+        weight = hf_model.get_input_embeddings().weight
+        self.dtype, self.device = weight.dtype, weight.device
 
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         from PIL import Image
@@ -35,7 +36,7 @@ class TransformersImages:
         decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
         pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"]
         out = self.model.get_image_features(
-            pixel_values=pixels.to(self.dtype), return_dict=True, **self.options
+            pixel_values=pixels.to(self.device, self.dtype), return_dict=True, **self.options
         )
         features = out.pooler_output
         return [row.clone() for row in features]  # (each image's [tokens, hidden])

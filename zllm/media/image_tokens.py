@@ -1,5 +1,10 @@
-"""Qwen2.5-VL's image sizes (no torch: the tokenizer workers count an image's tokens from its
-size, and the executor places its M-RoPE positions from the same grid).
+"""How many tokens an image takes in a prompt, per model (no torch: the tokenizer workers
+expand the placeholders by these counts, the engine's checks and the scheduler's encoder
+budget read them, and the executor places Qwen2.5-VL's M-RoPE positions from its grid).
+
+  Gemma 3      mm_tokens_per_image (config.json), whatever the image
+  LLaVA        the cropped image's patches, as LlavaProcessor counts them
+  Qwen2.5-VL   the image's own size, resized by its processor (ImageGrid, below)
 
 Qwen2-VL's image processor resizes each image so both sides are multiples of
 patch_size x merge_size (28 pixels) and its area lies within [min_pixels, max_pixels],
@@ -84,6 +89,52 @@ class ImageGrid:
         return rows * columns
 
     def max_tokens(self) -> int:
-        """The most tokens one image can take (its area at max_pixels)."""
+        """The tokens of an image whose area reaches max_pixels: the most a usual image
+        takes (a very thin one scaled up to min_pixels can take a few more; the scheduler
+        lets any one image alone into a step)."""
         side = self.patch_size * self.merge_size
         return max(1, self.max_pixels // (side * side))
+
+
+def mm_tokens_per_image(config: dict) -> int:
+    """The tokens one image takes in a Gemma 3 prompt, from its config.json (transformers'
+    default where the config leaves it out)."""
+    return int(config.get("mm_tokens_per_image", 256))
+
+
+def llava_tokens_per_image(model_path: str | Path, config: dict) -> int:
+    """LLaVA's image tokens, as LlavaProcessor counts them: the cropped image's patches, plus
+    the tower's extra tokens (CLIP's class token), less the one the "default" feature
+    strategy drops (processor_config.json, preprocessor_config.json, config.json)."""
+    folder = Path(model_path)
+    processor = _json_or_empty(folder / "processor_config.json")
+    image = _json_or_empty(folder / "preprocessor_config.json")
+    patch = processor.get("patch_size") or config.get("vision_config", {}).get("patch_size")
+    crop = image.get("crop_size") or image.get("size") or {}
+    if isinstance(crop, int):
+        crop = {"height": crop, "width": crop}
+    height = crop.get("height") or crop.get("shortest_edge")
+    width = crop.get("width") or crop.get("shortest_edge")
+    if not (patch and height and width):
+        raise ValueError(
+            f"{model_path}: cannot count LLaVA's image tokens: processor_config.json's "
+            f"patch_size and preprocessor_config.json's crop_size are needed"
+        )
+    count = (height // patch) * (width // patch) + processor.get("num_additional_image_tokens", 0)
+    strategy = processor.get("vision_feature_select_strategy") or config.get(
+        "vision_feature_select_strategy", "default"
+    )
+    return count - (strategy == "default")
+
+
+def max_image_tokens(model_path: str, config: dict) -> int:
+    """The most tokens one image usually takes in this model's prompts (above)."""
+    if config.get("model_type") == "qwen2_5_vl":
+        return ImageGrid.of_model(model_path).max_tokens()
+    if config.get("model_type") == "llava":
+        return llava_tokens_per_image(model_path, config)
+    return mm_tokens_per_image(config)
+
+
+def _json_or_empty(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
