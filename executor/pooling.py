@@ -1,18 +1,21 @@
-"""Embeddings requests: a prompt's final hidden states pooled into one vector."""
+"""Embeddings requests: a prompt's final hidden states pooled into one vector, as the model's
+pooler says (zllm/config/pooler.py: the mean, the last token's or the first's; normalised or
+not)."""
 
 from __future__ import annotations
 
 import torch
 
+from zllm.config.pooler import PoolerConfig
 from zllm.executor.step_inputs import StepInputs
 
 
 def pool_embeddings(
-    inputs: StepInputs, hidden: torch.Tensor, pooling: str
+    inputs: StepInputs, hidden: torch.Tensor, pooler: PoolerConfig
 ) -> dict[str, list[float]]:
-    """Sum each embeddings request's final hidden states chunk by chunk; when the prompt is
-    complete, its vector (mean or last token, `pooling`), L2-normed. A chunk starting at
-    position 0 starts the sum over (a recompute after preemption)."""
+    """Each embeddings request's vector once its prompt is complete. Its chunks' final hidden
+    states are summed as they come (mean), or the first token's kept (cls); a chunk starting
+    at position 0 starts over (a recompute after preemption)."""
     pooled: dict[str, list[float]] = {}
     batch = zip(inputs.states, inputs.query_lens, inputs.seq_lens, inputs.token_ends, strict=True)
     for st, q, end, stop in batch:
@@ -20,11 +23,18 @@ def pool_embeddings(
             continue
         rows = hidden[stop - q : stop].float()
         if end - q == 0 or st.pool_sum is None:
-            st.pool_sum = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
-        st.pool_sum += rows.sum(dim=0)
+            first = rows[0] if pooler.pooling == "cls" else torch.zeros_like(rows[0])
+            st.pool_sum = first.clone()
+        if pooler.pooling == "mean":
+            st.pool_sum += rows.sum(dim=0)
         if end < len(st.all_token_ids):
             continue
-        vector = st.pool_sum / end if pooling == "mean" else rows[-1]
-        pooled[st.req_id] = torch.nn.functional.normalize(vector, dim=0).tolist()
+        if pooler.pooling == "mean":
+            vector = st.pool_sum / end
+        else:
+            vector = rows[-1] if pooler.pooling == "last" else st.pool_sum
+        if pooler.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        pooled[st.req_id] = vector.tolist()
         st.pool_sum = None
     return pooled

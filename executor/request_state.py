@@ -37,7 +37,8 @@ class RequestState:
     all_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: where the output is in its grammar (set by the model runner).
     grammar: GrammarMatcher | None = None
-    # Embeddings requests: the sum of the prompt's final hidden states so far.
+    # Embeddings requests: the sum of the prompt's final hidden states so far (mean pooling),
+    # or its first token's (cls: executor/pooling.py).
     pool_sum: torch.Tensor | None = None
     # Draft-model speculation: positions the draft's KV cache holds, and the proposals whose
     # KV it wrote after them (executor/spec_decode/draft_model.py).

@@ -138,6 +138,8 @@ def main() -> None:
         engine.arch.eos_token_ids,
         engine.generation_config.defaults.max_tokens,
         model_placeholders(engine.model_path, engine.arch.vision, tokenizer.token_text),
+        engine.pooler.prompt,
+        engine.runner == "pooling",
     )
 
     ctx = zmq.Context()

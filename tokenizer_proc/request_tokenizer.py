@@ -45,11 +45,18 @@ class RequestTokenizer:
         eos_token_ids: Sequence[int] = (),
         max_new_tokens: int | None = None,
         placeholders: ImagePlaceholders | None = None,
+        embed_prompt: str = "",
+        pooling_only: bool = False,
     ) -> None:
         """`eos_token_ids`: the model's (ModelArchConfig.eos_token_ids), which stop besides
         the tokenizer's EOS; `max_new_tokens`: generation_config's, for requests without
-        max_tokens; `placeholders`: a vision model's image tokens (zllm/media/placeholders.py)."""
+        max_tokens; `placeholders`: a vision model's image tokens (zllm/media/placeholders.py);
+        `embed_prompt`: the instruction an embeddings request's text prompt is prefixed with
+        (zllm/config/pooler.py); `pooling_only`: the model runs as a pooling model (--runner
+        pooling), which answers embeddings requests only."""
         self.placeholders = placeholders
+        self.embed_prompt = embed_prompt
+        self.pooling_only = pooling_only
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -80,6 +87,8 @@ class RequestTokenizer:
         try:
             if req.messages is None:
                 text = self._with_images(req.prompt or "", req)
+                if req.sampling_params.embed:
+                    text = self.embed_prompt + text
                 return text, self.tokenizer.encode(text, req.add_special_tokens)
             text = self.tokenizer.apply_chat_template(
                 req.messages,
@@ -111,6 +120,12 @@ class RequestTokenizer:
         """The request for the core, its prompt `ids` cut and checked; ParamError (naming the
         field at fault) if it cannot run."""
         param = "messages" if req.messages is not None else "prompt"
+        if self.pooling_only and not req.sampling_params.embed:
+            raise ParamError(
+                "this model runs as a pooling model (--runner pooling: an embedding model): it "
+                "answers /v1/embeddings, not generation",
+                "model",
+            )
         params = with_bad_words_ids(req.sampling_params, self.tokenizer)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         check_prompt(

@@ -2,6 +2,7 @@
 
 from zllm.lora import LoRARequest
 from zllm.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from zllm.pooling_params import PoolingParams
 from zllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
@@ -10,6 +11,7 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "BeamSearchParams",
+    "PoolingParams",
     "RequestOutput",
     "BeamSearchOutput",
     "CompletionOutput",

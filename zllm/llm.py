@@ -37,6 +37,7 @@ from zllm.outputs import (
     PositionLogprobs,
     RequestOutput,
 )
+from zllm.pooling_params import PoolingParams
 from zllm.protocol import (
     NO_OPTIONS,
     CachePin,
@@ -113,6 +114,8 @@ class LLM:
             placeholders=model_placeholders(
                 self.config.model_path, self.config.arch.vision, self.tokenizer.token_text
             ),
+            embed_prompt=self.config.pooler.prompt,
+            pooling_only=self.config.runner == "pooling",
         )
         # What the tokenizer worker adds to a served request: the ids that end generation.
         self.eos_token_ids = self.request_tokenizer.eos_token_ids
@@ -208,18 +211,30 @@ class LLM:
         return results
 
     def embed(
-        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
     ) -> list[EmbeddingRequestOutput]:
-        """One vector per prompt: its final hidden states pooled (`pooling`, mean by default)
-        and L2-normalized, as `/v1/embeddings` returns them."""
+        """One vector per prompt, as `/v1/embeddings` returns them: its final hidden states
+        pooled and normalised as the model's pooler says (zllm/config/pooler.py: its
+        sentence-transformers files, `pooling`, `pooler_config`), a text prompt prefixed with
+        the model's default instruction; `pooling_params.dimensions`: a Matryoshka model's
+        smaller embedding."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        dimensions = pooling_params.dimensions if pooling_params is not None else None
+        pooler = self.config.pooler
+        if dimensions is not None:
+            pooler.check_dimensions(dimensions, self.config.arch.hidden_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
         trackers = [self._make_tracker(p, params) for p in prompts]
         self._run(trackers, use_tqdm)
         return [
             EmbeddingRequestOutput(
-                t.req_id, list(t.prompt_token_ids), EmbeddingOutput(t.embedding or [])
+                t.req_id,
+                list(t.prompt_token_ids),
+                EmbeddingOutput(pooler.truncated(t.embedding or [], dimensions)),
             )
             for t in trackers
         ]

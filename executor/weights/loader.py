@@ -178,9 +178,16 @@ _VISION_PREFIXES = (
 )  # fmt: skip
 
 
+# A base model's checkpoint (an embedding model's decoder, saved without its causal-LM
+# wrapper) names its tensors without the `model.` prefix.
+_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+
+
 def language_model_name(name: str, arch: ModelArchConfig) -> str | None:
     """The text model's name of a checkpoint tensor (None: a vision encoder's, not read
-    here); a text-only model's names are their own."""
+    here); a text-only model's names are their own, a base model's under `model.`."""
+    if not arch.lm_head and name.startswith(_BASE_MODEL_PREFIXES):
+        return "model." + name
     if not arch.vision:
         return name
     if name.startswith(_VISION_PREFIXES):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from zllm.config.pooler import PoolerConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.generate import ApiCall, ApiContext, GenerationJob, RequestIds
 from zllm.frontend.openai.format import prompt_inputs
@@ -29,11 +30,13 @@ class EmbeddingsCall(ApiCall):
     params = EMBED_PARAMS
 
     def __init__(self, body: EmbeddingsRequest, ctx: ApiContext) -> None:
+        engine = ctx.config.engine
+        self.pooler = engine.pooler
         if body.dimensions is not None:
-            raise RequestError(
-                "dimensions: this server returns the model's full hidden size only.",
-                param="dimensions",
-            )
+            try:
+                self.pooler.check_dimensions(body.dimensions, engine.arch.hidden_size)
+            except ValueError as e:
+                raise RequestError(str(e), param="dimensions") from None
         self.body = body
         self.prompts = list(prompt_inputs(body.input))
         if body.truncate_prompt_tokens is not None:
@@ -48,7 +51,9 @@ class EmbeddingsCall(ApiCall):
                 raise RequestError(str(e), param=e.param) from None
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
-        assembler = EmbeddingsAssembler(len(self.prompts), self.body.encoding_format)
+        assembler = EmbeddingsAssembler(
+            len(self.prompts), self.body.encoding_format, self.pooler, self.body.dimensions
+        )
         return GenerationJob(
             assembler=assembler, stream=False, response=lambda: assembler.response(model)
         )
@@ -58,6 +63,8 @@ class EmbeddingsCall(ApiCall):
 class EmbeddingsAssembler:
     num_inputs: int
     encoding_format: str
+    pooler: PoolerConfig
+    dimensions: int | None  # a Matryoshka model's smaller embedding (None: the full one)
     vectors: dict[int, list[float]] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
 
@@ -65,7 +72,7 @@ class EmbeddingsAssembler:
         check_failed(delta)
         self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
         if delta.embedding is not None:
-            self.vectors[prompt_index] = delta.embedding
+            self.vectors[prompt_index] = self.pooler.truncated(delta.embedding, self.dimensions)
 
     def response(self, model: str) -> EmbeddingsResponse:
         data = [

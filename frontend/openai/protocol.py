@@ -258,7 +258,7 @@ class EmbeddingsRequest(msgspec.Struct, kw_only=True):
     input: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # the model's hidden size only: any value is a 400
+    dimensions: int | None = None  # a Matryoshka model's first ones (zllm/config/pooler.py)
     user: str | None = None
     # vLLM's: each input cut to its last k tokens (-1: the context length).
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None

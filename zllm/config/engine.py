@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from zllm.config.generation import GenerationConfig
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.config.media import MediaConfig
+from zllm.config.pooler import PoolerConfig
 from zllm.config.tenants import TenantLimit, check_tenant_name
 from zllm.errors import ParamError
 from zllm.model.arch_config import ModelArchConfig
@@ -187,8 +188,12 @@ class EngineConfig:
     # Whose model code runs: "zllm" (executor/models/) or "transformers" (the transformers
     # backend); EngineArgs resolves --model-impl auto to one of them (zllm/model/impl.py).
     model_impl: str = "zllm"
-    # Embeddings: the prompt's final hidden states pooled by their mean or the last token's.
-    pooling: str = "mean"
+    # Embeddings: how the prompt's final hidden states are pooled, normalised and prefixed
+    # (zllm/config/pooler.py: sentence-transformers' files, --pooling, --pooler-config).
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
+    # "generate", or "pooling": an embedding model, which answers embeddings requests only
+    # (zllm/config/pooler.py runner_of; tokenizer_proc/request_tokenizer.py refuses the rest).
+    runner: str = "generate"
     # The generation_config.json read at startup (its eos ids are merged into arch's).
     generation_config: GenerationConfig = field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig | None = None

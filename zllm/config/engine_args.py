@@ -41,6 +41,7 @@ from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
+from zllm.config.pooler import RUNNERS, pooler_config_of, runner_of
 from zllm.config.quantization import QUANTIZATION_CHOICES, check_quantization, deterministic_refusal
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
@@ -220,11 +221,24 @@ class EngineArgs:
         "(penalties, grammars, ...) run one at a time",
         choices=("auto", "on", "off"),
     )
-    pooling: str = option(
-        "mean",
+    pooling: str | None = option(
+        None,
         help="embeddings (/v1/embeddings, LLM.embed): pool the prompt's final hidden states "
-        "by their mean or take the last token's; the vector is L2-normalized",
-        choices=("mean", "last"),
+        "by their mean, the last token's or the first (cls); default: the model's "
+        "sentence-transformers Pooling module, else mean",
+        choices=("mean", "last", "cls"),
+    )
+    pooler_config: str | None = option(
+        None,
+        help='embeddings: vLLM\'s JSON, e.g. \'{"pooling_type": "LAST", "normalize": false}\', '
+        "over what the model's sentence-transformers files say (docs/embeddings.md)",
+    )
+    runner: str = option(
+        "auto",
+        help="generate, or pooling (an embedding model: only /v1/embeddings and LLM.embed; "
+        "generation routes answer 400); auto: pooling for a checkpoint without a "
+        "language-model head or whose config names a base model class, else generate",
+        choices=RUNNERS,
     )
     model_impl: str = option(
         "auto",
@@ -413,7 +427,8 @@ class EngineArgs:
             async_executor=self._async_executor(device),
             load_format=self.load_format,
             model_impl=impl.name,
-            pooling=self.pooling,
+            pooler=pooler_config_of(model_path, self.pooler_config, self.pooling),
+            runner=runner_of(self.runner, model_path, arch.lm_head),
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
             deterministic=self._check_deterministic(device),

@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.checkpoint_names import is_base_model
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 from zllm.model.moe_arch import moe_fields_from_gguf, moe_fields_from_hf
@@ -54,7 +55,12 @@ SUPPORTED_GGUF_ARCHITECTURES = (
 
 def read_arch_config(model_path: str) -> ModelArchConfig:
     if os.path.isdir(model_path):
-        return _arch_from_hf_dir(Path(model_path))
+        arch = _arch_from_hf_dir(Path(model_path))
+        if is_base_model(Path(model_path)):
+            # A base model's checkpoint (an embedding model's decoder): it pools, and the
+            # engine's one internal token per embeddings request reads the tied embedding.
+            arch = dataclasses.replace(arch, tie_word_embeddings=True, lm_head=False)
+        return arch
     gguf = read_gguf(model_path)
     if gguf.metadata.get("general.architecture") == "gemma3":
         arch = _gemma3_arch_from_gguf(gguf)

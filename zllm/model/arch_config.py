@@ -99,6 +99,9 @@ class ModelArchConfig:
     # zllm/model/impl.py). Other multimodal checkpoints are refused at load, and an image sent
     # to a text-only model is refused naming it (zllm/media/images.py require_vision).
     vision: bool = False
+    # False: the checkpoint is a base model without a language-model head (an embedding
+    # model's decoder, zllm/model/checkpoint_names.py): it runs as a pooling model only.
+    lm_head: bool = True
     # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
     # prefilled in one step (core/request.py chunk_end); else they are causal like text.
     images_bidirectional: bool = False

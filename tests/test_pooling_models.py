@@ -1,0 +1,197 @@
+"""Embedding models as sentence-transformers writes them (issue 61): tiny random decoders
+(Qwen3, Llama) saved with sentence-transformers' modules (Pooling: last token, mean or CLS;
+Normalize or not; a default instruction prompt; Matryoshka dimensions in config.json). zllm
+reads the pooling from the files and its vectors equal sentence-transformers' `encode` on the
+same model (cosine above 0.9999, and the same norms); --pooler-config overrides the files;
+/v1/embeddings' `dimensions` gives a Matryoshka model's shorter vector and is refused for
+others; a module zllm does not run is refused naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from servers import start_server, stop_server
+from tiny_models import write_tiny_model
+
+from zllm import LLM, PoolingParams
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps keys and values in blocks",
+    "hello",
+    "def add(a, b): return a + b",
+]
+POOL = 32 << 20
+PROMPT = "Instruct: find the passage\nQuery: "
+
+
+def write_st_model(path: Path, arch: str, mode: str, normalize: bool, **extra) -> Path:
+    """A tiny random `arch` decoder with sentence-transformers' modules: Pooling by `mode`
+    (its 6.x name: lasttoken, mean, cls), Normalize when `normalize`; `extra`: prompts and
+    default_prompt_name for the SentenceTransformer, matryoshka fields for config.json."""
+    from sentence_transformers import SentenceTransformer, models
+
+    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    tokenizer_config["pad_token"] = tokenizer_config["eos_token"]  # (batches are padded)
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    transformer = models.Transformer(str(base))
+    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), mode)]
+    if normalize:
+        modules.append(models.Normalize())
+    st_kwargs = {k: extra.pop(k) for k in ("prompts", "default_prompt_name") if k in extra}
+    SentenceTransformer(modules=modules, **st_kwargs).save(str(path))
+    # Text in as text, as the files of sentence-transformers 5 and before (the published
+    # embedding checkpoints') say: version 6 would render it through the chat template.
+    bert_config = json.loads((path / "sentence_bert_config.json").read_text())
+    bert_config.get("modality_config", {}).pop("message", None)
+    (path / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+    if extra:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+    return path
+
+
+def st_vectors(path: Path, texts: list[str], **kwargs) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(texts, **kwargs)
+
+
+def assert_same_vectors(ours: list[list[float]], expected: np.ndarray) -> None:
+    ours_array = np.asarray(ours, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert ours_array.shape == expected.shape
+    cosine = (ours_array * expected).sum(1) / (
+        np.linalg.norm(ours_array, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() > 0.9999, cosine
+    assert np.allclose(
+        np.linalg.norm(ours_array, axis=1), np.linalg.norm(expected, axis=1), rtol=1e-4
+    )
+
+
+def embed(llm: LLM, texts: list[str], **kwargs) -> list[list[float]]:
+    return [out.outputs.embedding for out in llm.embed(texts, use_tqdm=False, **kwargs)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_embedding(tmp_path_factory) -> Path:
+    """Qwen3-Embedding's shape of module: last-token pooling, normalised, a query prompt
+    every input gets by default, Matryoshka sizes."""
+    path = tmp_path_factory.mktemp("st") / "qwen3-embedding"
+    return write_st_model(
+        path, "qwen3", "lasttoken", True,
+        prompts={"query": PROMPT, "document": ""}, default_prompt_name="query",
+        matryoshka_dimensions=[16, 32],
+    )  # fmt: skip
+
+
+def test_last_token_pooling_with_a_prompt_as_sentence_transformers(qwen3_embedding) -> None:
+    llm = LLM(str(qwen3_embedding), kv_cache_memory_bytes=POOL)
+    assert llm.config.pooler.source == "sentence-transformers"
+    assert (llm.config.pooler.pooling, llm.config.pooler.prompt) == ("last", PROMPT)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    assert_same_vectors([o.outputs.embedding for o in outs], st_vectors(qwen3_embedding, TEXTS))
+    prefix = len(llm.tokenizer.encode(PROMPT, add_special_tokens=False))
+    assert len(outs[2].prompt_token_ids) > prefix  # (the instruction went in first)
+    short = embed(llm, TEXTS, pooling_params=PoolingParams(dimensions=16))
+    expected = st_vectors(qwen3_embedding, TEXTS, truncate_dim=16, normalize_embeddings=True)
+    assert_same_vectors(short, expected)
+    with pytest.raises(ValueError, match="dimensions: 20 is not one of \\[16, 32\\]"):
+        llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=20))
+
+
+@pytest.mark.parametrize(("arch", "mode", "normalize"), [("llama", "mean", False), ("llama", "cls", True), ("qwen3", "mean", True)])  # fmt: skip
+def test_mean_and_cls_pooling_as_sentence_transformers(tmp_path, arch, mode, normalize) -> None:
+    path = write_st_model(tmp_path / "model", arch, mode, normalize)
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=8)  # (in chunks)
+    assert (llm.config.pooler.pooling, llm.config.pooler.normalize) == (
+        {"mean": "mean", "cls": "cls"}[mode],
+        normalize,
+    )
+    assert_same_vectors(embed(llm, TEXTS), st_vectors(path, TEXTS))
+
+
+def test_the_pooler_config_flag_overrides_the_files(tmp_path) -> None:
+    mean = write_st_model(tmp_path / "mean", "llama", "mean", True)
+    cls_raw = write_st_model(tmp_path / "cls", "llama", "cls", False)
+    flag = '{"pooling_type": "CLS", "normalize": false}'
+    llm = LLM(str(mean), kv_cache_memory_bytes=POOL, pooler_config=flag)
+    assert llm.config.pooler.source == "--pooler-config"
+    # (both folders hold the same random weights: write_tiny_model's seed)
+    assert_same_vectors(embed(llm, TEXTS), st_vectors(cls_raw, TEXTS))
+    with pytest.raises(ValueError, match="pooling_type 'STEP' is not one of MEAN, LAST, CLS"):
+        LLM(str(mean), pooler_config='{"pooling_type": "STEP"}')
+    with pytest.raises(ValueError, match="softmax not read"):
+        LLM(str(mean), pooler_config='{"softmax": true}')
+
+
+def test_a_base_model_checkpoint_runs_as_a_pooling_model(qwen3_embedding, tiny_llama_dir) -> None:
+    """sentence-transformers saves the decoder without its LM head: --runner auto makes it a
+    pooling model, which refuses generation naming why (a causal LM stays a generator, and
+    pools for /v1/embeddings as ever)."""
+    from zllm import SamplingParams
+
+    llm = LLM(str(qwen3_embedding), kv_cache_memory_bytes=POOL)
+    assert llm.config.runner == "pooling" and not llm.config.arch.lm_head
+    with pytest.raises(ValueError, match="runs as a pooling model"):
+        llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(embed(llm, TEXTS[:1])[0]) == 64  # (and it still embeds)
+    with pytest.raises(ValueError, match="--runner generate: .* has no language-model head"):
+        LLM(str(qwen3_embedding), runner="generate")
+    causal = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL)
+    assert causal.config.runner == "generate"
+
+
+def test_modules_zllm_does_not_run_are_refused(tmp_path) -> None:
+    path = write_st_model(tmp_path / "dense", "llama", "mean", True)
+    modules = json.loads((path / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense",
+                       "type": "sentence_transformers.models.Dense"})  # fmt: skip
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="sentence-transformers module Dense \\(2_Dense\\)"):
+        LLM(str(path))
+    pooling = path / "1_Pooling" / "config.json"
+    (path / "modules.json").write_text(json.dumps([m for m in modules if m["path"] != "2_Dense"]))
+    pooling.write_text(json.dumps({"embedding_dimension": 64, "pooling_mode": "max"}))
+    with pytest.raises(ValueError, match="pooling \\['max'\\]: zllm pools by one of"):
+        LLM(str(path))
+
+
+@pytest.mark.e2e
+def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
+    """The OpenAI client: floats and base64, a batch, token-id inputs, `dimensions`; a model
+    without Matryoshka sizes refuses `dimensions` with a 400."""
+    import openai
+
+    llm = LLM(str(qwen3_embedding), kv_cache_memory_bytes=POOL)
+    offline = embed(llm, TEXTS)
+    short = embed(llm, TEXTS[:2], pooling_params=PoolingParams(dimensions=32))
+    ids = llm.tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    by_ids = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
+    del llm
+    server = start_server(
+        str(qwen3_embedding), tmp_path / "server.log", "--served-model-name", "emb"
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        floats = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+        assert_same_vectors([d.embedding for d in floats.data], np.asarray(offline))
+        packed = client.embeddings.create(model="emb", input=TEXTS)  # (base64 by default)
+        assert_same_vectors([d.embedding for d in packed.data], np.asarray(offline))
+        sized = client.embeddings.create(model="emb", input=TEXTS[:2], dimensions=32)
+        assert_same_vectors([d.embedding for d in sized.data], np.asarray(short))
+        tokens = client.embeddings.create(model="emb", input=[ids], encoding_format="float")
+        assert_same_vectors([tokens.data[0].embedding], np.asarray([by_ids]))
+        bad = server.post("/v1/embeddings", {"model": "emb", "input": "x", "dimensions": 20})
+        assert bad.status_code == 400 and "dimensions: 20 is not one of" in bad.text
+        chat = server.post("/v1/chat/completions", {"model": "emb", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert chat.status_code == 400 and "runs as a pooling model" in chat.text
+        assert server.healthy()
+    finally:
+        stop_server(server)

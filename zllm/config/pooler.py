@@ -1,0 +1,194 @@
+"""How an embeddings request's vector is made (issue 61), read from the model as
+sentence-transformers writes it, overridable by --pooler-config (vLLM's flag). No torch here.
+
+A sentence-transformers checkpoint lists its modules in modules.json: the Transformer (the
+model itself), a Pooling module (1_Pooling/config.json: which tokens' final hidden states make
+the vector: the first, CLS; their mean; or the last, as decoder embedding models pool), and
+optionally Normalize (the vector L2-normalised). config_sentence_transformers.json may name a
+default prompt, an instruction every input is prefixed with. config.json's `is_matryoshka` /
+`matryoshka_dimensions` say whether a request may ask for fewer `dimensions` (the vector's
+first ones, normalised again).
+
+A model without these files pools by --pooling (mean) and normalises, as zllm always did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+POOLING_TYPES = ("mean", "last", "cls")
+# sentence-transformers' pooling modes (its 1_Pooling/config.json, old and new spellings)
+_ST_MODES = {"mean": "mean", "mean_tokens": "mean", "lasttoken": "last", "cls": "cls",
+             "cls_token": "cls"}  # fmt: skip
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# --pooler-config's fields (vLLM's names) that zllm reads.
+_FLAG_FIELDS = ("pooling_type", "normalize")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """How a prompt's final hidden states become its embedding."""
+
+    pooling: str = "mean"  # POOLING_TYPES
+    normalize: bool = True
+    prompt: str = ""  # prefixed to each text input (sentence-transformers' default prompt)
+    # The sizes a request's `dimensions` may ask for: () none (not a Matryoshka model),
+    # None any up to the hidden size, else these.
+    matryoshka: tuple[int, ...] | None = ()
+    source: str = "--pooling"  # where it was read, for the startup log
+
+    def check_dimensions(self, dimensions: int, hidden_size: int) -> None:
+        """ValueError unless a request may ask this model for `dimensions`."""
+        if self.matryoshka == ():
+            raise ValueError(
+                "dimensions: this model's embeddings have one size (it is not a Matryoshka "
+                "model: config.json has no is_matryoshka or matryoshka_dimensions)"
+            )
+        allowed = self.matryoshka
+        if not 1 <= dimensions <= hidden_size or (
+            allowed is not None and dimensions not in allowed
+        ):
+            sizes = f"one of {list(allowed)}" if allowed is not None else f"1 to {hidden_size}"
+            raise ValueError(f"dimensions: {dimensions} is not {sizes}")
+
+    def truncated(self, vector: list[float], dimensions: int | None) -> list[float]:
+        """The vector's first `dimensions` (None: all), normalised again where the model
+        normalises (a Matryoshka model's smaller embedding)."""
+        if dimensions is None or dimensions >= len(vector):
+            return vector
+        head = vector[:dimensions]
+        if not self.normalize:
+            return head
+        norm = math.sqrt(sum(x * x for x in head)) or 1.0
+        return [x / norm for x in head]
+
+
+def pooler_config_of(
+    model_path: str, flag: str | dict | None = None, pooling: str | None = None
+) -> PoolerConfig:
+    """The model's pooling: sentence-transformers' files where the model has them, else
+    `pooling` (--pooling, mean by default), then --pooler-config's fields (`flag`) over it."""
+    folder = Path(model_path)
+    config = _read_json(folder / "config.json") if folder.is_dir() else {}
+    found = _sentence_transformers(folder) if folder.is_dir() else None
+    if found is None:
+        found = PoolerConfig(pooling=pooling or "mean")
+    elif pooling is not None and pooling != found.pooling:
+        found = PoolerConfig(pooling, found.normalize, found.prompt, source="--pooling")
+    matryoshka: tuple[int, ...] | None = ()
+    if config.get("matryoshka_dimensions"):
+        matryoshka = tuple(int(d) for d in config["matryoshka_dimensions"])
+    elif config.get("is_matryoshka"):
+        matryoshka = None
+    found = PoolerConfig(found.pooling, found.normalize, found.prompt, matryoshka, found.source)
+    return _with_flag(found, flag)
+
+
+RUNNERS = ("auto", "generate", "pooling")
+
+
+def runner_of(requested: str, model_path: str, lm_head: bool) -> str:
+    """ "generate" or "pooling" (vLLM's --runner): auto picks pooling for a model that cannot
+    generate (a checkpoint without a language-model head, or config.json naming only base
+    model classes, `*Model`), else generate; asking a headless one to generate is refused."""
+    architectures = _read_json(Path(model_path) / "config.json").get("architectures") or []
+    base_only = bool(architectures) and all(str(a).endswith("Model") for a in architectures)
+    if requested == "generate" and not lm_head:
+        raise ValueError(
+            f"--runner generate: {model_path} has no language-model head (a base model's "
+            f"checkpoint): it runs as a pooling model"
+        )
+    if requested != "auto":
+        return requested
+    return "pooling" if base_only or not lm_head else "generate"
+
+
+def _sentence_transformers(folder: Path) -> PoolerConfig | None:
+    """The pooling sentence-transformers' files describe (None: the model has none);
+    ValueError naming a module or mode zllm does not run."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    pooling, normalize = None, False
+    for module in _read_json(modules_file):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _ST_MODULES:
+            raise ValueError(
+                f"{modules_file}: sentence-transformers module {kind} ({module.get('path')}): "
+                f"zllm runs Transformer, Pooling and Normalize modules only"
+            )
+        if kind == "Pooling":
+            pooling = _st_pooling(folder / str(module.get("path", "")) / "config.json")
+        normalize |= kind == "Normalize"
+    if pooling is None:
+        raise ValueError(f"{modules_file}: no Pooling module (which tokens make the vector?)")
+    modalities = _read_json(folder / "sentence_bert_config.json").get("modality_config") or {}
+    if "message" in modalities:
+        raise ValueError(
+            f"{folder / 'sentence_bert_config.json'}: sentence-transformers 6 renders this "
+            f"model's text inputs through its chat template (modality_config 'message'); zllm "
+            f"embeds text as text, as the files sentence-transformers 5 and before wrote"
+        )
+    st_config = _read_json(folder / "config_sentence_transformers.json")
+    prompt_name = st_config.get("default_prompt_name")
+    prompt = (st_config.get("prompts") or {}).get(prompt_name, "") if prompt_name else ""
+    return PoolerConfig(pooling, normalize, prompt, source="sentence-transformers")
+
+
+def _st_pooling(path: Path) -> str:
+    """1_Pooling/config.json's mode as POOLING_TYPES: `pooling_mode` (sentence-transformers
+    5+) or the `pooling_mode_<mode>` booleans before it."""
+    config = _read_json(path)
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [k.removeprefix("pooling_mode_") for k, v in config.items() if k.startswith("pooling_mode_") and v]  # fmt: skip
+    modes = [modes] if isinstance(modes, str) else list(modes)
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(f"{path}: pooling {modes}: zllm pools by one of cls, mean or lasttoken")
+    pooling = _ST_MODES[modes[0]]
+    if pooling == "mean" and config.get("include_prompt") is False:
+        raise ValueError(
+            f"{path}: mean pooling without the prompt's tokens (include_prompt false) is not "
+            f"run by zllm"
+        )
+    return pooling
+
+
+def _with_flag(found: PoolerConfig, flag: str | dict | None) -> PoolerConfig:
+    """--pooler-config (a JSON object, vLLM's field names) over what the model says."""
+    if flag is None:
+        return found
+    try:
+        fields: Any = json.loads(flag) if isinstance(flag, str) else dict(flag)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--pooler-config: not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise ValueError('--pooler-config: a JSON object, e.g. \'{"pooling_type": "LAST"}\'')
+    unknown = sorted(set(fields) - set(_FLAG_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--pooler-config: {', '.join(unknown)} not read (zllm reads {', '.join(_FLAG_FIELDS)})"
+        )
+    pooling = str(fields.get("pooling_type", found.pooling)).lower()
+    if pooling not in POOLING_TYPES:
+        raise ValueError(
+            f"--pooler-config: pooling_type {fields['pooling_type']!r} is not one of "
+            f"{', '.join(t.upper() for t in POOLING_TYPES)}"
+        )
+    normalize = fields.get("normalize", found.normalize)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"--pooler-config: normalize must be true or false, got {normalize!r}")
+    return PoolerConfig(pooling, normalize, found.prompt, found.matryoshka, "--pooler-config")
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
