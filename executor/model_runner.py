@@ -283,7 +283,9 @@ class ModelRunner:
             return None  # passed on to the next stage
         launched.forward_end = time.perf_counter()
         launched.prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)
-        launched.pooled = pool_embeddings(inputs, hidden, self.config.pooler)
+        launched.pooled = pool_embeddings(
+            inputs, hidden, self.config.pooler, getattr(self.host.weights.model, "score", None)
+        )
         launched.rows = rows = self.sampling.choose_rows(inputs, so)
         if rows.requests:
             sampled = self.sampling.sample(rows, hidden)

@@ -1,6 +1,7 @@
 """Embeddings requests: a prompt's final hidden states pooled into one vector, as the model's
 pooler says (zllm/config/pooler.py: the mean, the last token's or the first's; normalised or
-not)."""
+not); a classifier's vector is its labels' probabilities, its score head over the last
+token's state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from zllm.executor.step_inputs import StepInputs
 
 
 def pool_embeddings(
-    inputs: StepInputs, hidden: torch.Tensor, pooler: PoolerConfig
+    inputs: StepInputs,
+    hidden: torch.Tensor,
+    pooler: PoolerConfig,
+    score: torch.Tensor | None = None,
 ) -> dict[str, list[float]]:
     """Each embeddings request's vector once its prompt is complete. Its chunks' final hidden
     states are summed as they come (mean), or the first token's kept (cls); a chunk starting
@@ -33,8 +37,17 @@ def pool_embeddings(
             vector = st.pool_sum / end
         else:
             vector = rows[-1] if pooler.pooling == "last" else st.pool_sum
-        if pooler.normalize:
+        if score is not None:
+            vector = label_probabilities(score.float() @ vector)
+        elif pooler.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         pooled[st.req_id] = vector.tolist()
         st.pool_sum = None
     return pooled
+
+
+def label_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """A classifier's logits as probabilities: softmax over its labels; one label (a
+    cross-encoder's or reranker's relevance) a sigmoid score, as transformers' pipelines and
+    sentence-transformers' CrossEncoder read them."""
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=0)

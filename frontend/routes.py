@@ -31,7 +31,13 @@ from zllm.frontend.anthropic.api import (
 from zllm.frontend.anthropic.output import MessagesResponse
 from zllm.frontend.generate import ApiCall
 from zllm.frontend.openai.api import ChatCall, CompletionsCall
-from zllm.frontend.openai.embeddings import EmbeddingsCall
+from zllm.frontend.openai.embeddings import ClassifyCall, EmbeddingsCall
+from zllm.frontend.openai.pooling_protocol import (
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+)
 from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,8 +45,6 @@ from zllm.frontend.openai.protocol import (
     CompletionResponse,
     DetokenizeBody,
     DetokenizeResponse,
-    EmbeddingsRequest,
-    EmbeddingsResponse,
     ErrorResponse,
     LoadLoRAAdapterBody,
     ModelList,
@@ -173,6 +177,19 @@ ROUTES: tuple[ApiRoute, ...] = (
             "createEmbedding",
             "The prompts' final hidden states, pooled (--pooling) and L2-normalized.",
             EmbeddingsResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/classify",
+        "POST",
+        ClassifyCall,
+        ClassifyRequest,
+        Operation(
+            "classify",
+            "vLLM's: each input's label probabilities from a sequence-classification model's "
+            "head (softmax over its labels; one label: a sigmoid score).",
+            ClassifyResponse,
             GENERATION_ERRORS,
         ),
     ),

@@ -408,10 +408,12 @@ ROUTES = {
 
 
 def request_model(name: str):
+    from zllm.frontend.openai import pooling_protocol
     from zllm.frontend.openai import protocol as api_models
     from zllm.frontend.responses import api as responses_api
 
-    return getattr(api_models, name, None) or getattr(responses_api, name)
+    modules = (api_models, pooling_protocol, responses_api)
+    return next(getattr(m, name) for m in modules if hasattr(m, name))
 
 
 @pytest.mark.parametrize("schema", ROUTES)

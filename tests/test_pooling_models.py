@@ -192,6 +192,8 @@ def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
         chat = server.post("/v1/chat/completions", {"model": "emb", "max_tokens": 2,
                            "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert chat.status_code == 400 and "runs as a pooling model" in chat.text
+        classify = server.post("/classify", {"model": "emb", "input": "x"})
+        assert classify.status_code == 400 and "no sequence-classification head" in classify.text
         assert server.healthy()
     finally:
         stop_server(server)

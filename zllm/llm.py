@@ -30,6 +30,8 @@ from zllm.media.placeholders import model_placeholders
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -225,6 +227,8 @@ class LLM:
             prompts = [prompts]
         dimensions = pooling_params.dimensions if pooling_params is not None else None
         pooler = self.config.pooler
+        if pooler.task != "embed":
+            raise ValueError("this model is a classifier: LLM.classify, not LLM.embed")
         if dimensions is not None:
             pooler.check_dimensions(dimensions, self.config.arch.hidden_size)
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
@@ -235,6 +239,28 @@ class LLM:
                 t.req_id,
                 list(t.prompt_token_ids),
                 EmbeddingOutput(pooler.truncated(t.embedding or [], dimensions)),
+            )
+            for t in trackers
+        ]
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's label probabilities from a classifier's head (a
+        `*ForSequenceClassification` checkpoint), as /classify returns them (vLLM's)."""
+        if not self.config.pooler.labels:
+            raise ValueError(
+                "LLM.classify needs a sequence-classification model (a "
+                "*ForSequenceClassification checkpoint)"
+            )
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+        trackers = [self._make_tracker(p, params) for p in prompts]
+        self._run(trackers, use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                t.req_id, list(t.prompt_token_ids), ClassificationOutput(t.embedding or [])
             )
             for t in trackers
         ]

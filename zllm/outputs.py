@@ -44,7 +44,9 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class EmbeddingOutput:
-    embedding: list[float]  # L2-normalized; its length is the model's hidden size
+    # As the model's pooler makes it (normalised or not); its length is the model's hidden
+    # size, or the `dimensions` asked for.
+    embedding: list[float]
 
 
 @dataclass(slots=True)
@@ -54,6 +56,25 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # each label's probability, in the model's label order
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per prompt, as vLLM's `ClassificationRequestOutput`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
     finished: bool = True
 
 

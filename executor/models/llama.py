@@ -309,6 +309,13 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = logits_weight(arch, dtype, tp)
+        # A classifier's head (arch.num_labels rows, whole on every rank): executor/pooling.py
+        # reads the last token's hidden state through it.
+        self.score = (
+            nn.Parameter(torch.empty(arch.num_labels, arch.hidden_size, dtype=dtype))
+            if arch.num_labels
+            else None
+        )
         # Set by quantization: modules computing logits and looking up embedding rows in place
         # of the fp32 tensors (which it then releases).
         self.logits_proj: nn.Module | None = None
@@ -340,6 +347,8 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         }
         if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
+        if self.score is not None:
+            targets["score.weight"] = self.score.data
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,5 +1,7 @@
-"""OpenAI's /v1/embeddings on the generation engine: one engine request per input, asking
-for its prompt's pooled final hidden states (`SamplingParams.embed`) instead of tokens."""
+"""OpenAI's /v1/embeddings and vLLM's /classify on the generation engine: one engine request
+per input, asking for its prompt's pooled final hidden states (`SamplingParams.embed`)
+instead of tokens: an embedding model's vector, or a classifier's label probabilities
+(zllm/config/pooler.py says which the model gives)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ from zllm.config.pooler import PoolerConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend.generate import ApiCall, ApiContext, GenerationJob, RequestIds
 from zllm.frontend.openai.format import prompt_inputs
-from zllm.frontend.openai.protocol import (
+from zllm.frontend.openai.pooling_protocol import (
+    ClassifyData,
+    ClassifyRequest,
+    ClassifyResponse,
+    ClassifyUsage,
     EmbeddingData,
     EmbeddingsRequest,
     EmbeddingsResponse,
@@ -32,6 +38,12 @@ class EmbeddingsCall(ApiCall):
     def __init__(self, body: EmbeddingsRequest, ctx: ApiContext) -> None:
         engine = ctx.config.engine
         self.pooler = engine.pooler
+        if self.pooler.task != "embed":
+            raise RequestError(
+                "this model is a classifier (a sequence-classification head): it answers "
+                "/classify, not /v1/embeddings",
+                param="model",
+            )
         if body.dimensions is not None:
             try:
                 self.pooler.check_dimensions(body.dimensions, engine.arch.hidden_size)
@@ -39,16 +51,7 @@ class EmbeddingsCall(ApiCall):
                 raise RequestError(str(e), param="dimensions") from None
         self.body = body
         self.prompts = list(prompt_inputs(body.input))
-        if body.truncate_prompt_tokens is not None:
-            try:
-                self.params = SamplingParams(
-                    max_tokens=1,
-                    temperature=0.0,
-                    embed=True,
-                    truncate_prompt_tokens=body.truncate_prompt_tokens,
-                )
-            except ParamError as e:
-                raise RequestError(str(e), param=e.param) from None
+        self.params = pooling_params(body.truncate_prompt_tokens)
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         assembler = EmbeddingsAssembler(
@@ -56,6 +59,71 @@ class EmbeddingsCall(ApiCall):
         )
         return GenerationJob(
             assembler=assembler, stream=False, response=lambda: assembler.response(model)
+        )
+
+
+def pooling_params(truncate_prompt_tokens: int | None) -> SamplingParams:
+    """An embeddings or classification request's params (a 400 for a bad truncation)."""
+    if truncate_prompt_tokens is None:
+        return EMBED_PARAMS
+    try:
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
+        )
+    except ParamError as e:
+        raise RequestError(str(e), param=e.param) from None
+
+
+class ClassifyCall(ApiCall):
+    """vLLM's /classify: each input's label probabilities from a classifier's head."""
+
+    id_prefix = "classify"
+    params = EMBED_PARAMS
+
+    def __init__(self, body: ClassifyRequest, ctx: ApiContext) -> None:
+        self.labels = ctx.config.engine.pooler.labels
+        if not self.labels:
+            raise RequestError(
+                "this model has no sequence-classification head (it is not a "
+                "*ForSequenceClassification checkpoint): /classify needs a classifier",
+                param="model",
+            )
+        self.prompts = list(prompt_inputs(body.input))
+        self.params = pooling_params(body.truncate_prompt_tokens)
+
+    def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
+        assembler = ClassifyAssembler(len(self.prompts), self.labels)
+        return GenerationJob(
+            assembler=assembler,
+            stream=False,
+            response=lambda: assembler.response(ids.response_id, int(now), model),
+        )
+
+
+@dataclass
+class ClassifyAssembler:
+    num_inputs: int
+    labels: tuple[str, ...]
+    probs: dict[int, list[float]] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+
+    def collect(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        check_failed(delta)
+        self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
+        if delta.embedding is not None:
+            self.probs[prompt_index] = delta.embedding
+
+    def response(self, response_id: str, created: int, model: str) -> ClassifyResponse:
+        data = []
+        for i in range(self.num_inputs):
+            probs = self.probs[i]
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append(ClassifyData(index=i, label=self.labels[best], probs=probs,
+                                     num_classes=len(probs)))  # fmt: skip
+        tokens = sum(self.prompt_tokens.values())
+        usage = ClassifyUsage(prompt_tokens=tokens, total_tokens=tokens)
+        return ClassifyResponse(
+            id=response_id, created=created, model=model, data=data, usage=usage
         )
 
 

@@ -252,36 +252,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_special_tokens: bool = False
 
 
-class EmbeddingsRequest(msgspec.Struct, kw_only=True):
-    """OpenAI's /v1/embeddings: a string, a list of strings, token ids or lists of them."""
-
-    input: str | Annotated[list[str | TokenId | TokenIds], Meta(min_length=1)]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # a Matryoshka model's first ones (zllm/config/pooler.py)
-    user: str | None = None
-    # vLLM's: each input cut to its last k tokens (-1: the context length).
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None
-
-
-class EmbeddingData(msgspec.Struct, kw_only=True):
-    index: int
-    embedding: list[float] | str  # floats, or base64 of little-endian float32
-    object: str = "embedding"
-
-
-class EmbeddingsUsage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingsResponse(msgspec.Struct, kw_only=True):
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingsUsage
-    object: str = "list"
-
-
 class TokenizeBody(msgspec.Struct, kw_only=True):
     """vLLM's /tokenize: either `prompt` or chat `messages`."""
 

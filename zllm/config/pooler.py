@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zllm.model.arch import sequence_labels
+
 POOLING_TYPES = ("mean", "last", "cls")
 # sentence-transformers' pooling modes (its 1_Pooling/config.json, old and new spellings)
 _ST_MODES = {"mean": "mean", "mean_tokens": "mean", "lasttoken": "last", "cls": "cls",
@@ -40,6 +42,14 @@ class PoolerConfig:
     # None any up to the hidden size, else these.
     matryoshka: tuple[int, ...] | None = ()
     source: str = "--pooling"  # where it was read, for the startup log
+    # A classifier's labels (zllm/model/arch.py sequence_labels): its vector is their
+    # probabilities (softmax; one label: a sigmoid score), from the last token. (): embeddings.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def task(self) -> str:
+        """ "classify" (a sequence-classification head) or "embed"."""
+        return "classify" if self.labels else "embed"
 
     def check_dimensions(self, dimensions: int, hidden_size: int) -> None:
         """ValueError unless a request may ask this model for `dimensions`."""
@@ -74,6 +84,14 @@ def pooler_config_of(
     `pooling` (--pooling, mean by default), then --pooler-config's fields (`flag`) over it."""
     folder = Path(model_path)
     config = _read_json(folder / "config.json") if folder.is_dir() else {}
+    labels = tuple(sequence_labels(folder)) if folder.is_dir() else ()
+    if labels:  # a classifier: its head reads the last token's hidden state as it is
+        if flag is not None or pooling is not None:
+            raise ValueError(
+                "--pooling and --pooler-config: a sequence-classification model's head reads "
+                "its last token"
+            )
+        return PoolerConfig("last", False, source="classifier", labels=labels)
     found = _sentence_transformers(folder) if folder.is_dir() else None
     if found is None:
         found = PoolerConfig(pooling=pooling or "mean")

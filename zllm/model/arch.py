@@ -56,7 +56,12 @@ SUPPORTED_GGUF_ARCHITECTURES = (
 def read_arch_config(model_path: str) -> ModelArchConfig:
     if os.path.isdir(model_path):
         arch = _arch_from_hf_dir(Path(model_path))
-        if is_base_model(Path(model_path)):
+        labels = sequence_labels(Path(model_path))
+        if labels:  # a classifier: a score head in place of the LM head
+            arch = dataclasses.replace(
+                arch, tie_word_embeddings=True, lm_head=False, num_labels=len(labels)
+            )
+        elif is_base_model(Path(model_path)):
             # A base model's checkpoint (an embedding model's decoder): it pools, and the
             # engine's one internal token per embeddings request reads the tied embedding.
             arch = dataclasses.replace(arch, tie_word_embeddings=True, lm_head=False)
@@ -80,6 +85,19 @@ def read_arch_config(model_path: str) -> ModelArchConfig:
         extra = [tokens.index(t) for t in entry.stop_tokens if t in tokens]
         arch.eos_token_ids = list(dict.fromkeys([*arch.eos_token_ids, *extra]))
     return arch
+
+
+def sequence_labels(directory: Path) -> list[str]:
+    """A `*ForSequenceClassification` checkpoint's labels in index order (id2label, else
+    LABEL_i for num_labels); empty for any other model."""
+    cfg = json.loads((directory / "config.json").read_text())
+    if not any(
+        str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or []
+    ):
+        return []
+    id2label = cfg.get("id2label") or {}
+    count = len(id2label) or int(cfg.get("num_labels", 2))
+    return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
 
 
 def _arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:

@@ -102,6 +102,9 @@ class ModelArchConfig:
     # False: the checkpoint is a base model without a language-model head (an embedding
     # model's decoder, zllm/model/checkpoint_names.py): it runs as a pooling model only.
     lm_head: bool = True
+    # A sequence-classification head (`*ForSequenceClassification`: `score.weight`, one row
+    # per label) read on the last token: a classifier, cross-encoder or reward model. 0: none.
+    num_labels: int = 0
     # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
     # prefilled in one step (core/request.py chunk_end); else they are causal like text.
     images_bidirectional: bool = False

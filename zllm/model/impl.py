@@ -172,6 +172,11 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     cfg = _read_config(directory)
     where = str(directory / "config.json")
     refuse_unservable(cfg, where)
+    if any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or []):
+        raise ValueError(
+            f"{where}: a sequence-classification {cfg.get('model_type')} model: zllm runs "
+            f"classifier heads on its own models only (Llama, Mistral, Qwen2, Qwen3, Phi-3)"
+        )
     vision = cfg.get("model_type") in TRANSFORMERS_VISION
     if vision:  # the language model's layout, under the vision-language model's name
         cfg = _vision_text_config(cfg)

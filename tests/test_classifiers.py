@@ -1,0 +1,106 @@
+"""Sequence-classification models (issue 61): tiny random `Qwen3ForSequenceClassification`
+and `LlamaForSequenceClassification` checkpoints (a score head of one row per label in place
+of the LM head) run natively as pooling models: `LLM.classify` and vLLM's /classify give each
+input's label probabilities equal to transformers' (softmax over the head's logits on the last
+token; one label, a sigmoid score); the routes of other tasks refuse them naming why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from servers import start_server, stop_server
+from tiny_models import write_tiny_model
+
+from zllm import LLM, SamplingParams
+
+TEXTS = ["a fine day", "the worst film I have seen", "hello", "def add(a, b): return a + b"]
+POOL = 32 << 20
+
+
+def write_classifier(path: Path, arch: str, labels: list[str]) -> Path:
+    """A tiny random `arch` ForSequenceClassification beside the tiny model's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
+    config = AutoConfig.from_pretrained(base)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
+    config.num_labels = len(labels)
+    config.pad_token_id = config.eos_token_id
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)  # (so the labels differ visibly)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, path / name)
+    return path
+
+
+def hf_probs(path: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "labels"), [("qwen3", ["negative", "neutral", "positive"]), ("llama", ["relevant"])]
+)
+def test_label_probabilities_as_transformers(tmp_path, arch, labels) -> None:
+    path = write_classifier(tmp_path / "model", arch, labels)
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=8)  # (in chunks)
+    assert llm.config.runner == "pooling" and llm.config.pooler.labels == tuple(labels)
+    for out in llm.classify(TEXTS, use_tqdm=False):
+        expected = hf_probs(path, list(out.prompt_token_ids))
+        assert out.outputs.num_classes == len(labels)
+        assert torch.allclose(torch.tensor(out.outputs.probs), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="a classifier: LLM.classify, not LLM.embed"):
+        llm.embed(TEXTS)
+    with pytest.raises(ValueError, match="runs as a pooling model"):
+        llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_a_model_without_a_head_is_no_classifier(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="LLM.classify needs a sequence-classification model"):
+        LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL).classify("hello")
+
+
+def test_classifiers_zllm_has_no_head_for_are_refused(tmp_path) -> None:
+    path = write_classifier(tmp_path / "model", "qwen3", ["a", "b"])
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "starcoder2"}))
+    with pytest.raises(ValueError, match="zllm runs classifier heads on its own models only"):
+        LLM(str(path))
+
+
+@pytest.mark.e2e
+def test_served_classify(tmp_path) -> None:
+    path = write_classifier(tmp_path / "model", "qwen3", ["negative", "neutral", "positive"])
+    offline = LLM(str(path), kv_cache_memory_bytes=POOL).classify(TEXTS, use_tqdm=False)
+    server = start_server(str(path), tmp_path / "server.log", "--served-model-name", "cls")
+    try:
+        answer = server.post("/classify", {"model": "cls", "input": TEXTS})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["object"] == "list" and body["id"].startswith("classify-")
+        for item, out in zip(body["data"], offline, strict=True):
+            probs = out.outputs.probs
+            assert item["probs"] == pytest.approx(probs, abs=1e-6)
+            assert item["label"] == ["negative", "neutral", "positive"][probs.index(max(probs))]
+            assert item["num_classes"] == 3
+        assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+        embeddings = server.post("/v1/embeddings", {"model": "cls", "input": "x"})
+        assert embeddings.status_code == 400 and "it answers /classify" in embeddings.text
+        chat = server.post("/v1/chat/completions", {"model": "cls", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert chat.status_code == 400 and "runs as a pooling model" in chat.text
+        assert server.healthy()
+    finally:
+        stop_server(server)
