@@ -244,6 +244,8 @@ def serve_runs(url: str, bench: Bench, runs: int, max_tokens: int) -> dict:
         "seen_ttft_s": statistics.median(a.ttft_s for a in seen),
         "c8_ttft_s": statistics.median(statistics.median(a.ttft_s for a in r) for r in c8),
         "c8_tok_s": statistics.median(8 * n / max(a.total_s for a in r) for r in c8),
+        "c1_ttft_runs_s": [round(a.ttft_s, 3) for a in c1],
+        "c8_wall_runs_s": [round(max(a.total_s for a in r), 2) for r in c8],
         "prompt_tokens": c1[0].prompt_tokens,
         "completion_tokens": sorted({a.completion_tokens for r in c8 for a in r} | {c1[0].completion_tokens}),
     }  # fmt: skip
