@@ -37,6 +37,10 @@ from zllm.frontend.openai.pooling_protocol import (
     ClassifyResponse,
     EmbeddingsRequest,
     EmbeddingsResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
 )
 from zllm.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -52,6 +56,7 @@ from zllm.frontend.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterBody,
 )
+from zllm.frontend.openai.scoring import RerankCall, ScoreCall
 from zllm.frontend.replies import error_response
 from zllm.frontend.responses.api import RESPONSE_OBJECT, ResponsesCall, ResponsesRequest
 
@@ -190,6 +195,54 @@ ROUTES: tuple[ApiRoute, ...] = (
             "vLLM's: each input's label probabilities from a sequence-classification model's "
             "head (softmax over its labels; one label: a sigmoid score).",
             ClassifyResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/score",
+        "POST",
+        ScoreCall,
+        ScoreRequest,
+        Operation(
+            "score",
+            "vLLM's: how well text_1 goes with each text_2, by a cross-encoder (its sigmoid score) or an embedding model (the cosine of the two vectors).",
+            ScoreResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/v1/score",
+        "POST",
+        ScoreCall,
+        ScoreRequest,
+        Operation(
+            "scoreV1",
+            "/score under /v1 (vLLM serves both).",
+            ScoreResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/rerank",
+        "POST",
+        RerankCall,
+        RerankRequest,
+        Operation(
+            "rerank",
+            "Jina's and Cohere's: the documents ranked by relevance to the query (scored as /score), the best top_n.",
+            RerankResponse,
+            GENERATION_ERRORS,
+        ),
+    ),
+    ApiRoute(
+        "/v1/rerank",
+        "POST",
+        RerankCall,
+        RerankRequest,
+        Operation(
+            "rerankV1",
+            "/rerank under /v1 (vLLM serves both).",
+            RerankResponse,
             GENERATION_ERRORS,
         ),
     ),

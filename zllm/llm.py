@@ -38,6 +38,8 @@ from zllm.outputs import (
     Logprob,
     PositionLogprobs,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from zllm.pooling_params import PoolingParams
 from zllm.protocol import (
@@ -51,6 +53,7 @@ from zllm.protocol import (
     TokenizeRequest,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
+from zllm.text.pairs import cosine, score_pairs
 from zllm.text.template_kwargs import merge_template_kwargs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
 from zllm.tokenizer_proc.request_tokenizer import RequestTokenizer
@@ -263,6 +266,41 @@ class LLM:
                 t.req_id, list(t.prompt_token_ids), ClassificationOutput(t.embedding or [])
             )
             for t in trackers
+        ]
+
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """How well each pair goes together, as /score answers (vLLM's): text_1 against each
+        of text_2, or two lists zipped. A cross-encoder (a classifier of one label) reads each
+        pair as one sequence (the tokenizer's pair template): its sigmoid score; an embedding
+        model: the cosine of the two texts' vectors."""
+        pairs = score_pairs(text_1, text_2)
+        pooler = self.config.pooler
+        if self.config.runner != "pooling" or len(pooler.labels) > 1:
+            raise ValueError("LLM.score needs a cross-encoder (one label) or an embedding model")
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+        if pooler.labels:
+            prompts = [{"prompt_token_ids": self.tokenizer.encode_pair(a, b)} for a, b in pairs]
+            trackers = [self._make_tracker(p, params) for p in prompts]
+            self._run(trackers, use_tqdm)
+            return [
+                ScoringRequestOutput(
+                    t.req_id, list(t.prompt_token_ids), ScoringOutput(t.embedding[0])
+                )
+                for t in trackers
+            ]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        trackers = [self._make_tracker(text, params) for text in texts]
+        self._run(trackers, use_tqdm)
+        by_text = {text: t for text, t in zip(texts, trackers, strict=True)}
+        return [
+            ScoringRequestOutput(
+                f"{by_text[a].req_id}+{by_text[b].req_id}",
+                [*by_text[a].prompt_token_ids, *by_text[b].prompt_token_ids],
+                ScoringOutput(cosine(by_text[a].embedding, by_text[b].embedding)),
+            )
+            for a, b in pairs
         ]
 
     def sleep(self, level: int = 1) -> None:

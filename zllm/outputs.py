@@ -79,6 +79,21 @@ class ClassificationRequestOutput:
 
 
 @dataclass(slots=True)
+class ScoringOutput:
+    score: float  # a cross-encoder's sigmoid score, or the cosine of two embeddings
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, as vLLM's `ScoringRequestOutput`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class BeamSearchSequence:
     """One hypothesis of `LLM.beam_search`: prompt and output tokens, their text."""
 

@@ -1,5 +1,6 @@
 """The HTTP bodies of the pooling routes: OpenAI's /v1/embeddings and vLLM's /classify
-(frontend/openai/embeddings.py answers both)."""
+(frontend/openai/embeddings.py), vLLM's /score and Jina's and Cohere's /rerank
+(frontend/openai/scoring.py)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,60 @@ class ClassifyResponse(msgspec.Struct, kw_only=True):
     data: list[ClassifyData]
     usage: ClassifyUsage
     object: str = "list"
+
+
+class ScoreRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /score: text_1 against each of text_2 (one to many), or pairs (two equal lists)."""
+
+    text_1: str | Annotated[list[str], Meta(min_length=1)]
+    text_2: str | Annotated[list[str], Meta(min_length=1)]
+    model: str | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None
+
+
+class ScoreData(msgspec.Struct, kw_only=True):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ClassifyUsage
+    object: str = "list"
+
+
+class RerankDocument(msgspec.Struct, kw_only=True):
+    text: str
+
+
+class RerankRequest(msgspec.Struct, kw_only=True):
+    """Jina's and Cohere's /rerank (vLLM serves both shapes): the documents ranked by their
+    relevance to the query, the best `top_n`."""
+
+    query: str
+    documents: list[str | RerankDocument]
+    model: str | None = None
+    top_n: Annotated[int, Meta(ge=0)] | None = None  # (0 or none: every document)
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_INT64_MAX)] | None = None
+
+
+class RerankResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(msgspec.Struct, kw_only=True):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage

@@ -44,6 +44,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """A text pair as one sequence, the tokenizer's pair template around it (BERT's
+        [CLS] a [SEP] b [SEP]; a decoder's tokenizer, the two one after the other): what a
+        cross-encoder scores."""
+        return self.backend.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
