@@ -18,8 +18,11 @@ def pool_embeddings(
     score: torch.Tensor | None = None,
 ) -> dict[str, list[float]]:
     """Each embeddings request's vector once its prompt is complete. Its chunks' final hidden
-    states are summed as they come (mean), or the first token's kept (cls); a chunk starting
-    at position 0 starts over (a recompute after preemption)."""
+    states are summed as they come (mean), or the first token's kept (cls), or the last
+    chunk's last row taken (last); a chunk starting at position 0 starts over (a recompute
+    after preemption). `score`: a classifier's head, over the last token's state."""
+    if pooler.labels and score is None:
+        raise RuntimeError("a classifier's pooler without the model's score head")
     pooled: dict[str, list[float]] = {}
     batch = zip(inputs.states, inputs.query_lens, inputs.seq_lens, inputs.token_ends, strict=True)
     for st, q, end, stop in batch:

@@ -180,7 +180,8 @@ ROUTES: tuple[ApiRoute, ...] = (
         EmbeddingsRequest,
         Operation(
             "createEmbedding",
-            "The prompts' final hidden states, pooled (--pooling) and L2-normalized.",
+            "The prompts' final hidden states, pooled and normalised as the model says "
+            "(its sentence-transformers files, --pooling, --pooler-config).",
             EmbeddingsResponse,
             GENERATION_ERRORS,
         ),

@@ -7,38 +7,17 @@ token; one label, a sigmoid score); the routes of other tasks refuse them naming
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from pooling_models import write_classifier
 from servers import start_server, stop_server
-from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
 
 TEXTS = ["a fine day", "the worst film I have seen", "hello", "def add(a, b): return a + b"]
 POOL = 32 << 20
-
-
-def write_classifier(path: Path, arch: str, labels: list[str]) -> Path:
-    """A tiny random `arch` ForSequenceClassification beside the tiny model's tokenizer."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
-    config = AutoConfig.from_pretrained(base)
-    config.id2label = dict(enumerate(labels))
-    config.label2id = {label: i for i, label in enumerate(labels)}
-    config.num_labels = len(labels)
-    config.pad_token_id = config.eos_token_id
-    torch.manual_seed(1)
-    model = AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():
-        model.score.weight.normal_(0.0, 0.5)  # (so the labels differ visibly)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(base / name, path / name)
-    return path
 
 
 def hf_probs(path: Path, ids: list[int]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_qwen_vl import MARK, hf_answer, images
+from qwen_vl_reference import MARK, hf_answer, images
 from vision_models import QWEN_VL_IMAGE_TOKENS, write_tiny_qwen_vl
 
 from zllm import LLM, SamplingParams
@@ -168,8 +168,8 @@ def test_a_prefill_decode_pair_answers_with_images(model_dir, tmp_path) -> None:
     never runs its encoder (the images sit in whole blocks it loaded)."""
     import openai
     from disagg_pairs import free_port, remote_hits, served_pair
+    from qwen_vl_reference import data_url
     from servers import metric, wait_until
-    from test_qwen_vl import data_url
 
     content = [
         {"type": "image_url", "image_url": {"url": data_url(0)}},

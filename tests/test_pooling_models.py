@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pooling_models import st_vectors, write_st_model
 from servers import start_server, stop_server
-from tiny_models import write_tiny_model
 
 from zllm import LLM, PoolingParams
 
@@ -26,39 +26,6 @@ TEXTS = [
 ]
 POOL = 32 << 20
 PROMPT = "Instruct: find the passage\nQuery: "
-
-
-def write_st_model(path: Path, arch: str, mode: str, normalize: bool, **extra) -> Path:
-    """A tiny random `arch` decoder with sentence-transformers' modules: Pooling by `mode`
-    (its 6.x name: lasttoken, mean, cls), Normalize when `normalize`; `extra`: prompts and
-    default_prompt_name for the SentenceTransformer, matryoshka fields for config.json."""
-    from sentence_transformers import SentenceTransformer, models
-
-    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
-    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
-    tokenizer_config["pad_token"] = tokenizer_config["eos_token"]  # (batches are padded)
-    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    transformer = models.Transformer(str(base))
-    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), mode)]
-    if normalize:
-        modules.append(models.Normalize())
-    st_kwargs = {k: extra.pop(k) for k in ("prompts", "default_prompt_name") if k in extra}
-    SentenceTransformer(modules=modules, **st_kwargs).save(str(path))
-    # Text in as text, as the files of sentence-transformers 5 and before (the published
-    # embedding checkpoints') say: version 6 would render it through the chat template.
-    bert_config = json.loads((path / "sentence_bert_config.json").read_text())
-    bert_config.get("modality_config", {}).pop("message", None)
-    (path / "sentence_bert_config.json").write_text(json.dumps(bert_config))
-    if extra:
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **extra}))
-    return path
-
-
-def st_vectors(path: Path, texts: list[str], **kwargs) -> np.ndarray:
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(path), device="cpu").encode(texts, **kwargs)
 
 
 def assert_same_vectors(ours: list[list[float]], expected: np.ndarray) -> None:
@@ -145,6 +112,39 @@ def test_a_base_model_checkpoint_runs_as_a_pooling_model(qwen3_embedding, tiny_l
         LLM(str(qwen3_embedding), runner="generate")
     causal = LLM(tiny_llama_dir, kv_cache_memory_bytes=POOL)
     assert causal.config.runner == "generate"
+
+
+def test_older_pooling_files_and_matryoshka_flags(tmp_path) -> None:
+    """sentence-transformers before 6 (the Hub's checkpoints) wrote one pooling_mode_<mode>
+    flag per mode; `is_matryoshka` lets a request ask any size, and a model with neither
+    refuses `dimensions`."""
+    path = write_st_model(tmp_path / "old", "llama", "lasttoken", True)
+    old_style = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+                 "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}  # fmt: skip
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(old_style))
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL)
+    assert llm.config.pooler.pooling == "last"
+    assert_same_vectors(embed(llm, TEXTS), st_vectors(path, TEXTS))
+    with pytest.raises(ValueError, match="not a Matryoshka model"):
+        llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=16))
+    del llm
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL)
+    short = embed(llm, TEXTS, pooling_params=PoolingParams(dimensions=24))
+    assert_same_vectors(short, st_vectors(path, TEXTS, truncate_dim=24, normalize_embeddings=True))
+
+
+def test_the_runner_follows_the_class_names(tmp_path) -> None:
+    """GPT-2's `GPT2LMHeadModel` generates though it ends in "Model"; `Qwen3Model` pools."""
+    from zllm.config.pooler import runner_of
+    from zllm.model.arch_config import ModelArchConfig
+
+    arch = ModelArchConfig("gpt2", 10, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, 64, False)
+    for names, runner in ((["GPT2LMHeadModel"], "generate"), (["Qwen3Model"], "pooling"),
+                          (["LlamaForCausalLM"], "generate"), ([], "generate")):  # fmt: skip
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": names}))
+        assert runner_of("auto", str(tmp_path), arch) == runner, names
 
 
 def test_modules_zllm_does_not_run_are_refused(tmp_path) -> None:

@@ -15,20 +15,25 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from qwen_vl_reference import (
+    IMAGE_PAD,
+    MARK,
+    SIZES,
+    data_url,
+    hf_answer,
+    hf_inputs,
+    images,
+)
 from servers import start_server, stop_server
-from vision_models import QWEN_VL_IMAGE_TOKENS, png, write_tiny_qwen_vl
+from vision_models import QWEN_VL_IMAGE_TOKENS, write_tiny_qwen_vl
 
 from zllm import LLM, SamplingParams
 from zllm.executor.models.vision.mrope import request_positions
 from zllm.media.image_tokens import ImageGrid
 from zllm.protocol import ImageData, PlacedImage
 
-IMAGE_PAD = QWEN_VL_IMAGE_TOKENS["<|image_pad|>"]
-MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
 POOL = 64 << 20
-# Image sizes (pixels) by seed: wide, tall, square, and small enough for min_pixels.
-SIZES = {0: (90, 40), 1: (40, 110), 2: (70, 70), 3: (20, 20)}
 
 
 @pytest.fixture(scope="module")
@@ -42,48 +47,6 @@ def reference(model_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
-
-
-def encoded(seed: int) -> bytes:
-    return png(seed, SIZES[seed])
-
-
-def images(*seeds: int) -> list[Image.Image]:
-    return [Image.open(io.BytesIO(encoded(seed))) for seed in seeds]
-
-
-def hf_inputs(model_dir: str, ids: list[int], seeds: list[int]) -> dict:
-    from transformers import AutoImageProcessor
-
-    processed = AutoImageProcessor.from_pretrained(model_dir)(
-        images=[image.convert("RGB") for image in images(*seeds)], return_tensors="pt"
-    )
-    prompt = torch.tensor([ids])
-    return {
-        "input_ids": prompt,
-        "pixel_values": processed["pixel_values"],
-        "image_grid_thw": processed["image_grid_thw"],
-        "mm_token_type_ids": (prompt == IMAGE_PAD).int(),
-    }
-
-
-def hf_answer(model, model_dir: str, ids: list[int], seeds: list[int], n: int, mrope=True):
-    """transformers' greedy tokens and each prompt token's log-probability after the first,
-    for the prompt ids and images (without `mrope`: every token at its index instead)."""
-    inputs = hf_inputs(model_dir, ids, seeds)
-    if not mrope:
-        del inputs["mm_token_type_ids"]
-    model.model.rope_deltas = None  # (transformers keeps the last prompt's here)
-    tokens = []
-    with torch.inference_mode():
-        out = model(**inputs, use_cache=True)
-        scores = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-        prompt_logprobs = scores.gather(1, inputs["input_ids"][0, 1:, None])[:, 0]
-        for _ in range(n):
-            token = int(out.logits[0, -1].argmax())
-            tokens.append(token)
-            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
-    return tokens, prompt_logprobs
 
 
 def assert_answers_as_transformers(output, model, model_dir: str, seeds: list[int]) -> None:
@@ -192,10 +155,6 @@ def test_bad_images_and_options_are_refused(model_dir) -> None:
     assert len(ok[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="--device cuda: the image attention runs on CPU"):
         LLM(model_dir, device="cuda")
-
-
-def data_url(seed: int) -> str:
-    return "data:image/png;base64," + base64.b64encode(encoded(seed)).decode()
 
 
 @pytest.mark.e2e

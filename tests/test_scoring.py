@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pooling_models import st_vectors, write_classifier, write_st_model
 from servers import start_server, stop_server
-from test_classifiers import write_classifier
-from test_pooling_models import st_vectors, write_st_model
 
 from zllm import LLM
 

@@ -122,8 +122,9 @@ class RequestTokenizer:
         param = "messages" if req.messages is not None else "prompt"
         if self.pooling_only and not req.sampling_params.embed:
             raise ParamError(
-                "this model runs as a pooling model (--runner pooling: an embedding model): it "
-                "answers /v1/embeddings, not generation",
+                "this model runs as a pooling model (--runner pooling: an embedding model or a "
+                "classifier): it answers /v1/embeddings or /classify, /score and /rerank, not "
+                "generation",
                 "model",
             )
         params = with_bad_words_ids(req.sampling_params, self.tokenizer)

@@ -24,24 +24,18 @@ from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
 from zllm.kv.cache_control import MAX_PIN_TTL_S
+from zllm.llm_pooling import PoolingCalls
 from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.media import offline as offline_media
 from zllm.media.placeholders import model_placeholders
 from zllm.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
-    ClassificationOutput,
-    ClassificationRequestOutput,
     CompletionOutput,
-    EmbeddingOutput,
-    EmbeddingRequestOutput,
     Logprob,
     PositionLogprobs,
     RequestOutput,
-    ScoringOutput,
-    ScoringRequestOutput,
 )
-from zllm.pooling_params import PoolingParams
 from zllm.protocol import (
     NO_OPTIONS,
     CachePin,
@@ -53,7 +47,6 @@ from zllm.protocol import (
     TokenizeRequest,
 )
 from zllm.sampling_params import BeamSearchParams, SamplingParams
-from zllm.text.pairs import cosine, score_pairs
 from zllm.text.template_kwargs import merge_template_kwargs
 from zllm.text.tokenizer import Tokenizer, load_tokenizer
 from zllm.tokenizer_proc.request_tokenizer import RequestTokenizer
@@ -75,7 +68,7 @@ class _ChatPrompt:
 _Prompt = PromptType | _ChatPrompt
 
 
-class LLM:
+class LLM(PoolingCalls):
     """An LLM engine in this process.
 
     `model`: a short name (`smollm2`, the default), a `.gguf` file, a Hugging Face-layout
@@ -214,94 +207,6 @@ class LLM:
                 )
             results.append(BeamSearchOutput(sequences))
         return results
-
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """One vector per prompt, as `/v1/embeddings` returns them: its final hidden states
-        pooled and normalised as the model's pooler says (zllm/config/pooler.py: its
-        sentence-transformers files, `pooling`, `pooler_config`), a text prompt prefixed with
-        the model's default instruction; `pooling_params.dimensions`: a Matryoshka model's
-        smaller embedding."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        dimensions = pooling_params.dimensions if pooling_params is not None else None
-        pooler = self.config.pooler
-        if pooler.task != "embed":
-            raise ValueError("this model is a classifier: LLM.classify, not LLM.embed")
-        if dimensions is not None:
-            pooler.check_dimensions(dimensions, self.config.arch.hidden_size)
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-        trackers = [self._make_tracker(p, params) for p in prompts]
-        self._run(trackers, use_tqdm)
-        return [
-            EmbeddingRequestOutput(
-                t.req_id,
-                list(t.prompt_token_ids),
-                EmbeddingOutput(pooler.truncated(t.embedding or [], dimensions)),
-            )
-            for t in trackers
-        ]
-
-    def classify(
-        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
-    ) -> list[ClassificationRequestOutput]:
-        """Each prompt's label probabilities from a classifier's head (a
-        `*ForSequenceClassification` checkpoint), as /classify returns them (vLLM's)."""
-        if not self.config.pooler.labels:
-            raise ValueError(
-                "LLM.classify needs a sequence-classification model (a "
-                "*ForSequenceClassification checkpoint)"
-            )
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-        trackers = [self._make_tracker(p, params) for p in prompts]
-        self._run(trackers, use_tqdm)
-        return [
-            ClassificationRequestOutput(
-                t.req_id, list(t.prompt_token_ids), ClassificationOutput(t.embedding or [])
-            )
-            for t in trackers
-        ]
-
-    def score(
-        self, text_1: str | list[str], text_2: str | list[str], use_tqdm: bool = True
-    ) -> list[ScoringRequestOutput]:
-        """How well each pair goes together, as /score answers (vLLM's): text_1 against each
-        of text_2, or two lists zipped. A cross-encoder (a classifier of one label) reads each
-        pair as one sequence (the tokenizer's pair template): its sigmoid score; an embedding
-        model: the cosine of the two texts' vectors."""
-        pairs = score_pairs(text_1, text_2)
-        pooler = self.config.pooler
-        if self.config.runner != "pooling" or len(pooler.labels) > 1:
-            raise ValueError("LLM.score needs a cross-encoder (one label) or an embedding model")
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-        if pooler.labels:
-            prompts = [{"prompt_token_ids": self.tokenizer.encode_pair(a, b)} for a, b in pairs]
-            trackers = [self._make_tracker(p, params) for p in prompts]
-            self._run(trackers, use_tqdm)
-            return [
-                ScoringRequestOutput(
-                    t.req_id, list(t.prompt_token_ids), ScoringOutput(t.embedding[0])
-                )
-                for t in trackers
-            ]
-        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        trackers = [self._make_tracker(text, params) for text in texts]
-        self._run(trackers, use_tqdm)
-        by_text = {text: t for text, t in zip(texts, trackers, strict=True)}
-        return [
-            ScoringRequestOutput(
-                f"{by_text[a].req_id}+{by_text[b].req_id}",
-                [*by_text[a].prompt_token_ids, *by_text[b].prompt_token_ids],
-                ScoringOutput(cosine(by_text[a].embedding, by_text[b].embedding)),
-            )
-            for a, b in pairs
-        ]
 
     def sleep(self, level: int = 1) -> None:
         """Release memory while idle (vLLM's sleep mode). Level 1 releases the KV pool and

@@ -106,8 +106,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     truncate_prompt_tokens: int | None = None
     # Reasoning cut at this many tokens: the end marker is then forced (thinking_budget.py).
     thinking_budget: ThinkingBudget | None = None
-    # An embeddings request: its prompt's final hidden states, pooled (EngineConfig.pooling)
-    # and L2-normalized, come back instead of tokens. Never served from the prefix cache.
+    # A pooling request (embeddings, classification, scores): its prompt's final hidden
+    # states pooled as EngineConfig.pooler says come back instead of tokens. Never served
+    # from the prefix cache.
     embed: bool = False
     # Beam search (vLLM's extra parameters): keep the `beam_width` (default: n) most likely
     # sequences each step and return the best n; deterministic, so temperature and the

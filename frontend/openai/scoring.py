@@ -1,10 +1,7 @@
 """vLLM's /score and Jina's and Cohere's /rerank: how well texts go together, by a pooling
-model (issue 61).
-
-A cross-encoder (a classifier of one label: zllm/config/pooler.py) reads each pair as one
-sequence, the tokenizer's pair template around it, and its sigmoid score is the pair's; an
-embedding model embeds each distinct text once and a pair's score is the cosine of their
-vectors. Either way each sequence is one engine request, answered by the embeddings path.
+model (issue 61): zllm/text/pairs.py ScorePlan says what runs (a cross-encoder's pairs, or an
+embedding model's texts); each sequence is one engine request, answered by the embeddings
+path.
 """
 
 from __future__ import annotations
@@ -28,42 +25,34 @@ from zllm.frontend.openai.pooling_protocol import (
 )
 from zllm.frontend.replies import check_failed
 from zllm.protocol import RequestOutputDelta
-from zllm.text.pairs import cosine, score_pairs
+from zllm.text.pairs import ScorePlan, score_pairs
+
+# Pairs one request may score: a cross-encoder's are tokenized in the constructor, on the
+# event loop (a thousand short pairs take milliseconds).
+MAX_SCORE_PAIRS = 1024
 
 
-class PairScores:
-    """The engine prompts that score `pairs`, and the scores from their pooled vectors."""
+def check_pair_count(count: int, param: str) -> None:
+    if count > MAX_SCORE_PAIRS:
+        raise RequestError(
+            f"A request may score at most {MAX_SCORE_PAIRS} pairs, got {count}.", param=param
+        )
 
-    def __init__(self, pairs: list[tuple[str, str]], ctx: ApiContext) -> None:
-        engine = ctx.config.engine
-        pooler = engine.pooler
-        if engine.runner != "pooling":
-            raise RequestError(
-                "this model generates text: scoring needs a pooling model (a cross-encoder, "
-                "or an embedding model)",
-                param="model",
-            )
-        if pooler.task == "classify" and len(pooler.labels) != 1:
-            raise RequestError(
-                f"this classifier has {len(pooler.labels)} labels: scoring needs one (a "
-                f"cross-encoder's relevance)",
-                param="model",
-            )
-        self.pairs = pairs
-        self.cross_encoder = pooler.task == "classify"
-        if self.cross_encoder:
-            self.prompts = [
-                PromptInput(token_ids=ctx.tokenizer.encode_pair(a, b)) for a, b in pairs
-            ]
-        else:
-            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-            self.index = {text: i for i, text in enumerate(texts)}
-            self.prompts = [PromptInput(text=text) for text in texts]
 
-    def scores(self, vectors: dict[int, list[float]]) -> list[float]:
-        if self.cross_encoder:
-            return [vectors[i][0] for i in range(len(self.pairs))]
-        return [cosine(vectors[self.index[a]], vectors[self.index[b]]) for a, b in self.pairs]
+def score_plan(pairs: list[tuple[str, str]], ctx: ApiContext) -> ScorePlan:
+    """The engine prompts that score `pairs` (a 400 naming why the model cannot)."""
+    engine = ctx.config.engine
+    try:
+        return ScorePlan(pairs, engine.runner, engine.pooler.labels, ctx.tokenizer.encode_pair)
+    except ValueError as e:
+        raise RequestError(str(e), param="model") from None
+
+
+def plan_prompts(plan: ScorePlan) -> list[PromptInput]:
+    return [
+        PromptInput(token_ids=seq) if isinstance(seq, list) else PromptInput(text=seq)
+        for seq in plan.sequences
+    ]
 
 
 @dataclass
@@ -93,15 +82,16 @@ class ScoreCall(ApiCall):
             pairs = score_pairs(body.text_1, body.text_2)
         except ValueError as e:
             raise RequestError(str(e), param="text_2") from None
-        self.scoring = PairScores(pairs, ctx)
-        self.prompts = list(self.scoring.prompts)
+        check_pair_count(len(pairs), "text_2")
+        self.scoring = score_plan(pairs, ctx)
+        self.prompts = plan_prompts(self.scoring)
         self.params = pooling_params(body.truncate_prompt_tokens)
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         got = PooledVectors()
 
         def response() -> ScoreResponse:
-            scores = self.scoring.scores(got.vectors)
+            scores = self.scoring.scores([got.vectors[i] for i in range(len(self.prompts))])
             data = [ScoreData(index=i, score=score) for i, score in enumerate(scores)]
             usage = ClassifyUsage(prompt_tokens=got.tokens, total_tokens=got.tokens)
             return ScoreResponse(
@@ -118,17 +108,18 @@ class RerankCall(ApiCall):
     def __init__(self, body: RerankRequest, ctx: ApiContext) -> None:
         if not body.documents:
             raise RequestError("documents must not be empty", param="documents")
+        check_pair_count(len(body.documents), "documents")
         self.documents = [d if isinstance(d, str) else d.text for d in body.documents]
         self.body = body
-        self.scoring = PairScores([(body.query, doc) for doc in self.documents], ctx)
-        self.prompts = list(self.scoring.prompts)
+        self.scoring = score_plan([(body.query, doc) for doc in self.documents], ctx)
+        self.prompts = plan_prompts(self.scoring)
         self.params = pooling_params(body.truncate_prompt_tokens)
 
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         got = PooledVectors()
 
         def response() -> RerankResponse:
-            scores = self.scoring.scores(got.vectors)
+            scores = self.scoring.scores([got.vectors[i] for i in range(len(self.prompts))])
             ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
             ranked = ranked[: self.body.top_n or len(ranked)]
             results = [

@@ -235,9 +235,10 @@ class EngineArgs:
     )
     runner: str = option(
         "auto",
-        help="generate, or pooling (an embedding model: only /v1/embeddings and LLM.embed; "
-        "generation routes answer 400); auto: pooling for a checkpoint without a "
-        "language-model head or whose config names a base model class, else generate",
+        help="generate, or pooling (an embedding model or a classifier: the pooling routes "
+        "only, /v1/embeddings, /classify, /score, /rerank; generation routes answer 400); auto: "
+        "pooling for a checkpoint without a language-model head or whose config names base "
+        "model classes only, else generate",
         choices=RUNNERS,
     )
     model_impl: str = option(
@@ -428,7 +429,7 @@ class EngineArgs:
             load_format=self.load_format,
             model_impl=impl.name,
             pooler=pooler_config_of(model_path, self.pooler_config, self.pooling),
-            runner=runner_of(self.runner, model_path, arch.lm_head),
+            runner=runner_of(self.runner, model_path, arch),
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
             deterministic=self._check_deterministic(device),

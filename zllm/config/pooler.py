@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from zllm.model.arch import sequence_labels
+from zllm.model.arch_config import ModelArchConfig
 
 POOLING_TYPES = ("mean", "last", "cls")
 # sentence-transformers' pooling modes (its 1_Pooling/config.json, old and new spellings)
@@ -107,22 +108,38 @@ def pooler_config_of(
 
 
 RUNNERS = ("auto", "generate", "pooling")
+# The architectures whose own code (executor/models/llama.py) carries a classifier's head.
+_CLASSIFIER_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
+# Class names that generate (GPT-2's `GPT2LMHeadModel` ends in "Model" too): checked first.
+_GENERATING_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ChatModel")
 
 
-def runner_of(requested: str, model_path: str, lm_head: bool) -> str:
-    """ "generate" or "pooling" (vLLM's --runner): auto picks pooling for a model that cannot
-    generate (a checkpoint without a language-model head, or config.json naming only base
-    model classes, `*Model`), else generate; asking a headless one to generate is refused."""
-    architectures = _read_json(Path(model_path) / "config.json").get("architectures") or []
-    base_only = bool(architectures) and all(str(a).endswith("Model") for a in architectures)
-    if requested == "generate" and not lm_head:
+def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
+    """Which runner (vLLM's --runner) the model gets: "generate" or "pooling". Auto picks
+    pooling for a model that cannot generate: a checkpoint without a language-model head (a
+    base model's, a classifier's), or a config.json naming base model classes only
+    (`Qwen3Model`, not `GPT2LMHeadModel`). Asking a headless one to generate is refused, and
+    so is a classifier of an architecture zllm's code has no score head for."""
+    if arch.num_labels and arch.architecture not in _CLASSIFIER_ARCHITECTURES:
         raise ValueError(
-            f"--runner generate: {model_path} has no language-model head (a base model's "
-            f"checkpoint): it runs as a pooling model"
+            f"{model_path}: a sequence-classification {arch.architecture} model: zllm runs "
+            f"classifier heads on {', '.join(_CLASSIFIER_ARCHITECTURES)} models"
+        )
+    config = _read_json(Path(model_path) / "config.json") if Path(model_path).is_dir() else {}
+    names = [str(a) for a in config.get("architectures") or []]
+    generating = any(a.endswith(_GENERATING_CLASSES) for a in names)
+    base_only = bool(names) and not generating and all(a.endswith("Model") for a in names)
+    if requested == "generate" and not arch.lm_head:
+        kind = "a classifier's score head" if arch.num_labels else "a base model's checkpoint"
+        raise ValueError(
+            f"--runner generate: {model_path} has no language-model head ({kind}): it runs "
+            f"as a pooling model"
         )
     if requested != "auto":
         return requested
-    return "pooling" if base_only or not lm_head else "generate"
+    return "pooling" if base_only or not arch.lm_head else "generate"
 
 
 def _sentence_transformers(folder: Path) -> PoolerConfig | None:

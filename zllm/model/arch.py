@@ -62,8 +62,8 @@ def read_arch_config(model_path: str) -> ModelArchConfig:
                 arch, tie_word_embeddings=True, lm_head=False, num_labels=len(labels)
             )
         elif is_base_model(Path(model_path)):
-            # A base model's checkpoint (an embedding model's decoder): it pools, and the
-            # engine's one internal token per embeddings request reads the tied embedding.
+            # A base model's checkpoint (an embedding model's decoder): it pools; the model
+            # still builds an LM head, which the tied embedding fills.
             arch = dataclasses.replace(arch, tie_word_embeddings=True, lm_head=False)
         return arch
     gguf = read_gguf(model_path)

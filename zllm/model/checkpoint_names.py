@@ -17,11 +17,14 @@ def checkpoint_tensor_names(directory: Path) -> set[str]:
         return set(json.loads(index.read_text()).get("weight_map", {}))
     names: set[str] = set()
     for file in sorted(directory.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _MAX_HEADER:
-                raise ValueError(f"{file}: a safetensors header of {length} bytes")
-            names.update(k for k in json.loads(f.read(length)) if k != "__metadata__")
+        try:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > _MAX_HEADER:
+                    raise ValueError(f"a header of {length} bytes")
+                names.update(k for k in json.loads(f.read(length)) if k != "__metadata__")
+        except (OSError, ValueError, struct.error) as exc:
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
     return names
 
 

@@ -1,0 +1,66 @@
+"""Tiny random pooling models for the tests of issue 61: decoders saved with
+sentence-transformers' modules (embedding models), and `*ForSequenceClassification`
+checkpoints (classifiers, cross-encoders), with the tiny models' tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from tiny_models import write_tiny_model
+
+
+def write_st_model(path: Path, arch: str, mode: str, normalize: bool, **extra) -> Path:
+    """A tiny random `arch` decoder with sentence-transformers' modules: Pooling by `mode`
+    (its 6.x name: lasttoken, mean, cls), Normalize when `normalize`; `extra`: prompts and
+    default_prompt_name for the SentenceTransformer, matryoshka fields for config.json."""
+    from sentence_transformers import SentenceTransformer, models
+
+    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    tokenizer_config["pad_token"] = tokenizer_config["eos_token"]  # (batches are padded)
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    transformer = models.Transformer(str(base))
+    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), mode)]
+    if normalize:
+        modules.append(models.Normalize())
+    st_kwargs = {k: extra.pop(k) for k in ("prompts", "default_prompt_name") if k in extra}
+    SentenceTransformer(modules=modules, **st_kwargs).save(str(path))
+    # Text in as text, as the files of sentence-transformers 5 and before (the published
+    # embedding checkpoints') say: version 6 would render it through the chat template.
+    bert_config = json.loads((path / "sentence_bert_config.json").read_text())
+    bert_config.get("modality_config", {}).pop("message", None)
+    (path / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+    if extra:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **extra}))
+    return path
+
+
+def st_vectors(path: Path, texts: list[str], **kwargs) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(texts, **kwargs)
+
+
+def write_classifier(path: Path, arch: str, labels: list[str]) -> Path:
+    """A tiny random `arch` ForSequenceClassification beside the tiny model's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    base = write_tiny_model(path.parent / f"{path.name}-base", arch=arch)
+    config = AutoConfig.from_pretrained(base)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
+    config.num_labels = len(labels)
+    config.pad_token_id = config.eos_token_id
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)  # (so the labels differ visibly)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(base / name, path / name)
+    return path
