@@ -176,6 +176,7 @@ class EngineCore:
                 timing=request.timing,
                 images=list(request.images),
                 whole_images=self.config.arch.images_bidirectional,
+                whole_prompt=self.config.arch.encoder,
             )
         )
         if request.timing is not None:

@@ -107,6 +107,9 @@ class Request:
     # computed in one step (`chunk_end`).
     images: list[PlacedImage] = field(default_factory=list)
     whole_images: bool = False
+    # An encoder's prompt (ModelArchConfig.encoder): its tokens attend to each other both
+    # ways, so the whole prompt is computed in one step (`chunk_end`).
+    whole_prompt: bool = False
     _image_words: list[int] | None = field(default=None, repr=False)
     # Shorthands that build `options` where the core makes a Request itself (a fork, tests).
     lora: InitVar[LoRARequest | None] = None
@@ -235,13 +238,16 @@ class Request:
         self, start: int, num_new: int, encoder_budget: int | None = None, fresh: bool = True
     ) -> int:
         """How many of `num_new` tokens from `start` one step may compute: all, unless that
-        would end the chunk inside an image whose tokens attend to each other both ways
+        would end an encoder's prompt before its end (`whole_prompt`: 0), or the chunk inside
+        an image whose tokens attend to each other both ways
         (`whole_images`: then up to the image's start; 0 when the chunk starts inside the
         image and cannot reach its end), or would start images whose encoder tokens pass
         `encoder_budget` (what the step's encoder may still take; None: no limit): then up
         to the first image that does not fit. The first image of a step whose encoder has
         started nothing yet (`fresh`) always fits, however large, so no image waits forever."""
         end = start + num_new
+        if self.whole_prompt and end < len(self.prompt_token_ids):
+            return 0  # (a step with room for all of it takes it)
         spent = 0
         for image in self.images:
             if image.offset >= end:

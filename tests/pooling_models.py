@@ -64,3 +64,59 @@ def write_classifier(path: Path, arch: str, labels: list[str]) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(base / name, path / name)
     return path
+
+
+_BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_BERT_WORDS = "the a an of and to in is it for on with as was at by be this that fox dog quick brown lazy jumps over paged attention keys values blocks hello world def return film day".split()  # noqa: E501
+
+
+def bert_tokenizer():
+    """A WordPiece tokenizer as BERT's (lower-casing, [CLS] a [SEP] b [SEP] with segment ids),
+    over a small vocabulary: words, letters and digits, and ## pieces of each."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,:;!?()'+-=_")
+    vocab = [*_BERT_SPECIAL, *_BERT_WORDS, *chars, *[f"##{c}" for c in chars]]
+    tokenizer = Tokenizer(WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )  # fmt: skip
+    return tokenizer
+
+
+def write_tiny_bert(path: Path, arch: str = "bert", seed: int = 0) -> Path:
+    """A tiny random BertModel (or RobertaModel) with bert_tokenizer, as an encoder base."""
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+    tokenizer = bert_tokenizer()
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, intermediate_size=128, max_position_embeddings=130,
+                 pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    if arch == "roberta":
+        model = RobertaModel(RobertaConfig(**shape))
+    else:
+        model = BertModel(BertConfig(**shape))
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+              "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_st_encoder(path: Path, arch: str, mode: str, normalize: bool) -> Path:
+    """write_tiny_bert's encoder with sentence-transformers' Pooling (and Normalize)."""
+    from sentence_transformers import SentenceTransformer, models
+
+    base = write_tiny_bert(path.parent / f"{path.name}-base", arch)
+    transformer = models.Transformer(str(base))
+    modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), mode)]
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules).save(str(path))
+    return path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pooling_models import st_vectors, write_st_model
+from pooling_models import st_vectors, write_st_encoder, write_st_model
 from servers import start_server, stop_server
 
 from zllm import LLM, PoolingParams
@@ -145,6 +145,29 @@ def test_the_runner_follows_the_class_names(tmp_path) -> None:
                           (["LlamaForCausalLM"], "generate"), ([], "generate")):  # fmt: skip
         (tmp_path / "config.json").write_text(json.dumps({"architectures": names}))
         assert runner_of("auto", str(tmp_path), arch) == runner, names
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("bert", "mean"), ("roberta", "cls")])
+def test_encoders_as_sentence_transformers(tmp_path, arch, mode) -> None:
+    """BERT and RoBERTa (tiny, random, a WordPiece tokenizer's [CLS] ... [SEP]) on the
+    transformers backend: every token attends to its whole prompt, each prompt computed in
+    one step beside others (RoBERTa's positions past its padding index)."""
+    path = write_st_encoder(tmp_path / "model", arch, mode, True)
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
+    assert llm.config.arch.encoder and llm.config.runner == "pooling"
+    assert llm.config.model_impl == "transformers"
+    assert_same_vectors(embed(llm, TEXTS), st_vectors(path, TEXTS))
+    with pytest.raises(ValueError, match="computes each prompt in one step, up to --max-model-len"):
+        LLM(str(path), max_num_batched_tokens=64)
+
+
+def test_an_encoders_prompt_is_never_cut_into_chunks() -> None:
+    from zllm.core.request import Request
+    from zllm.sampling_params import SamplingParams
+
+    req = Request("a", list(range(40)), SamplingParams(max_tokens=1, embed=True), whole_prompt=True)
+    assert req.chunk_end(0, 40) == 40
+    assert req.chunk_end(0, 39) == 0  # (a later step with room for all 40 takes it)
 
 
 def test_modules_zllm_does_not_run_are_refused(tmp_path) -> None:

@@ -43,6 +43,7 @@ from zllm.executor.models.transformers_quant import TransformersQuantization
 from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
 from zllm.executor.ranks.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.impl import TRANSFORMERS_ENCODERS
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class _Step:
     model: TransformersForCausalLM
     # Set during `probe`: each layer records itself here and attends without the cache.
     records: dict[int, LayerRecord] | None = None
+    # An encoder's step: each prompt's [start, end) rows, attending within them both ways
+    # (the prompt is whole in the step; no cache is read or written).
+    prompts: list[tuple[int, int]] | None = None
 
 
 def zllm_attention(
@@ -95,8 +99,13 @@ def zllm_attention(
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot find its KV cache")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
     if step.records is not None:
-        step.records[layer] = _record(module, q, k, v, attention_mask, kwargs)
+        encoder = step.model.arch.encoder
+        step.records[layer] = _record(module, q, k, v, attention_mask, kwargs, encoder)
+        if encoder:
+            return _encoder_attention(q, k, v, [(0, q.shape[0])], scaling).unsqueeze(0), None
         return _causal_attention(q, k, v, scaling).unsqueeze(0), None
+    if step.prompts is not None:
+        return _encoder_attention(q, k, v, step.prompts, scaling).unsqueeze(0), None
     attn = step.model.attention_layer(layer, q.shape[1], k.shape[1], q.shape[2], scaling)
     # A pipeline stage holds its layers' caches in order, from its first layer's.
     local = layer - step.model.layer_indices.start
@@ -113,6 +122,7 @@ def _record(
     v: torch.Tensor,
     attention_mask: torch.Tensor | None,
     kwargs: dict[str, Any],
+    encoder: bool = False,
 ) -> LayerRecord:
     record = LayerRecord(k.shape[1], k.shape[2], v.shape[2], kwargs.get("sliding_window") or None)
     if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
@@ -124,7 +134,7 @@ def _record(
         record.problems.append(f"{q.shape[1]} query heads over {k.shape[1]} KV heads")
     if attention_mask is not None:
         record.problems.append("the model builds its own attention mask")
-    if not getattr(module, "is_causal", True):
+    if not getattr(module, "is_causal", True) and not encoder:
         record.problems.append("non-causal attention")
     for name in ("softcap", "sinks"):
         if kwargs.get(name) is not None:
@@ -142,6 +152,24 @@ def _causal_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def _encoder_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prompts: list[tuple[int, int]],
+    scale: float | None,
+) -> torch.Tensor:
+    """An encoder's attention over the flat batch ([T, heads, D]): each prompt's tokens
+    attend to all of that prompt's, none of another's."""
+    out = torch.empty_like(q)
+    for start, end in prompts:
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
+            v[start:end].transpose(0, 1), scale=scale,
+        ).transpose(0, 1)  # fmt: skip
+    return out
 
 
 def _register() -> None:
@@ -165,7 +193,11 @@ def causal_lm_class(config: Any) -> type:
             f"causal LMs"
         )
     mapping = AutoModelForCausalLM._model_mapping
-    if hasattr(config, "vision_config"):  # a vision-language model (zllm/model/impl.py)
+    if config.model_type in TRANSFORMERS_ENCODERS:  # the base model: it pools, no LM head
+        from transformers import AutoModel
+
+        mapping = AutoModel._model_mapping
+    elif hasattr(config, "vision_config"):  # a vision-language model (zllm/model/impl.py)
         from transformers import AutoModelForImageTextToText
 
         mapping = AutoModelForImageTextToText._model_mapping
@@ -242,6 +274,9 @@ class TransformersForCausalLM(nn.Module):
         self.logits_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
         self.logits_multiplier = float(getattr(config, "logit_scale", None) or 1.0)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        # RoBERTa's and XLM-R's learned positions start past the padding index.
+        roberta = config.model_type in ("roberta", "xlm-roberta")
+        self.position_offset = (config.pad_token_id or 0) + 1 if roberta else 0
         self._layers: dict[int, AttentionLayer] = {}
         self.requires_grad_(False)
 
@@ -327,6 +362,10 @@ class TransformersForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per new token."""
         step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
+        if self.arch.encoder:  # whole prompts (core/request.py chunk_end): each from 0
+            starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]
+            step.prompts = list(zip(starts[:-1], starts[1:], strict=True))
+            positions = positions + self.position_offset
         return self._run(input_ids, positions, step)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:

@@ -41,7 +41,7 @@ from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
-from zllm.config.pooler import RUNNERS, pooler_config_of, runner_of
+from zllm.config.pooler import RUNNERS, check_encoder, pooler_config_of, runner_of
 from zllm.config.quantization import QUANTIZATION_CHOICES, check_quantization, deterministic_refusal
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
@@ -450,6 +450,7 @@ class EngineArgs:
         check_mla(config)
         check_vision(config, tokens_per_image(model_path, arch))
         set_encoder_budget(config)
+        check_encoder(config)
         return config
 
     def _tokenizer_path(self, model_path: str) -> str:

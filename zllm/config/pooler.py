@@ -18,10 +18,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zllm.model.arch import sequence_labels
 from zllm.model.arch_config import ModelArchConfig
+
+if TYPE_CHECKING:
+    from zllm.config.engine import EngineConfig
 
 POOLING_TYPES = ("mean", "last", "cls")
 # sentence-transformers' pooling modes (its 1_Pooling/config.json, old and new spellings)
@@ -140,6 +143,21 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
     if requested != "auto":
         return requested
     return "pooling" if base_only or not arch.lm_head else "generate"
+
+
+def check_encoder(config: EngineConfig) -> None:
+    """An encoder model (ModelArchConfig.encoder) computes each prompt in one step: the step's
+    token budget must hold the longest prompt; and it only pools."""
+    if not config.arch.encoder:
+        return
+    budget, longest = config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len
+    if budget < longest:
+        raise ValueError(
+            f"--max-num-batched-tokens {budget}: an encoder model ({config.arch.architecture}) "
+            f"computes each prompt in one step, up to --max-model-len {longest} tokens"
+        )
+    if config.runner != "pooling":
+        raise ValueError(f"--runner {config.runner}: an encoder model only pools")
 
 
 def _sentence_transformers(folder: Path) -> PoolerConfig | None:

@@ -105,6 +105,9 @@ class ModelArchConfig:
     # A sequence-classification head (`*ForSequenceClassification`: `score.weight`, one row
     # per label) read on the last token: a classifier, cross-encoder or reward model. 0: none.
     num_labels: int = 0
+    # An encoder (BERT, RoBERTa, XLM-R on the transformers backend): every token attends to
+    # its whole prompt, so a prompt is computed in one step and pools; it never decodes.
+    encoder: bool = False
     # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
     # prefilled in one step (core/request.py chunk_end); else they are causal like text.
     images_bidirectional: bool = False

@@ -49,6 +49,10 @@ _ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 # language model attends through zllm's cache, and zllm/media/placeholders.py holds the rule
 # its processor counts an image's tokens by. Others are refused by name.
 TRANSFORMERS_VISION = ("llava",)
+# Encoder-only classes the transformers backend runs as pooling models (each prompt in one
+# step, attending both ways: executor/models/transformers_backend.py). RoBERTa's positions
+# start past its padding index.
+TRANSFORMERS_ENCODERS = ("bert", "roberta", "xlm-roberta")
 _ENCODER_DECODER_GGUF = frozenset({"t5", "t5encoder", "umt5", "bert", "nomic-bert"})
 
 
@@ -196,6 +200,8 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     max_positions = int(
         need("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
     )
+    if cfg.get("model_type") in ("roberta", "xlm-roberta"):  # positions past the padding index
+        max_positions -= int(cfg.get("pad_token_id") or 0) + 1
     layer_types, window = _sliding_layers(cfg, num_layers, max_positions)
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
@@ -216,6 +222,7 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
         layer_types=layer_types,
         sliding_window=window,
         vision=vision,
+        encoder=cfg.get("model_type") in TRANSFORMERS_ENCODERS,
     )
 
 
