@@ -284,7 +284,7 @@ class ModelRunner:
         launched.forward_end = time.perf_counter()
         launched.prompt_logprobs = self.sampling.prompt_logprobs(inputs, hidden)
         launched.pooled = pool_embeddings(
-            inputs, hidden, self.config.pooler, getattr(self.host.weights.model, "score", None)
+            inputs, hidden, self.config.pooler, self._classifier_head()
         )
         launched.rows = rows = self.sampling.choose_rows(inputs, so)
         if rows.requests:
@@ -426,6 +426,10 @@ class ModelRunner:
         stream = self.stage.receive(inputs.input_ids, self.model.embed)
         out = self._run_model(inputs, stream, final_norm=self.pp.is_last)
         return self.stage.send(out, idle_s, step_start)
+
+    def _classifier_head(self):
+        """A classifier's head (pooled state -> logits), None for any other model."""
+        return self.host.weights.model.classify if self.config.pooler.labels else None
 
     def _run_model(
         self, inputs: StepInputs, stream: torch.Tensor | None = None, final_norm: bool = True

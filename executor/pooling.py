@@ -1,9 +1,11 @@
 """Embeddings requests: a prompt's final hidden states pooled into one vector, as the model's
 pooler says (zllm/config/pooler.py: the mean, the last token's or the first's; normalised or
-not); a classifier's vector is its labels' probabilities, its score head over the last
-token's state."""
+not); a classifier's vector is its labels' probabilities, its head over the pooled state
+(a decoder's score rows over the last token's, an encoder's head over its [CLS])."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -15,14 +17,14 @@ def pool_embeddings(
     inputs: StepInputs,
     hidden: torch.Tensor,
     pooler: PoolerConfig,
-    score: torch.Tensor | None = None,
+    classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, list[float]]:
     """Each embeddings request's vector once its prompt is complete. Its chunks' final hidden
     states are summed as they come (mean), or the first token's kept (cls), or the last
     chunk's last row taken (last); a chunk starting at position 0 starts over (a recompute
-    after preemption). `score`: a classifier's head, over the last token's state."""
-    if pooler.labels and score is None:
-        raise RuntimeError("a classifier's pooler without the model's score head")
+    after preemption). `classify`: a classifier's head, the pooled state -> its logits."""
+    if pooler.labels and classify is None:
+        raise RuntimeError("a classifier's pooler without the model's head")
     pooled: dict[str, list[float]] = {}
     batch = zip(inputs.states, inputs.query_lens, inputs.seq_lens, inputs.token_ends, strict=True)
     for st, q, end, stop in batch:
@@ -40,8 +42,8 @@ def pool_embeddings(
             vector = st.pool_sum / end
         else:
             vector = rows[-1] if pooler.pooling == "last" else st.pool_sum
-        if score is not None:
-            vector = label_probabilities(score.float() @ vector)
+        if classify is not None:
+            vector = label_probabilities(classify(vector).float())
         elif pooler.normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         pooled[st.req_id] = vector.tolist()

@@ -120,3 +120,31 @@ def write_st_encoder(path: Path, arch: str, mode: str, normalize: bool) -> Path:
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules).save(str(path))
     return path
+
+
+def write_encoder_classifier(path: Path, arch: str, labels: list[str], seed: int = 0) -> Path:
+    """A tiny random BertForSequenceClassification (or RoBERTa's) with bert_tokenizer: a
+    cross-encoder with one label, a classifier with more."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
+
+    tokenizer = bert_tokenizer()
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, intermediate_size=128, max_position_embeddings=130,
+                 pad_token_id=0, id2label=dict(enumerate(labels)),
+                 label2id={label: i for i, label in enumerate(labels)})  # fmt: skip
+    torch.manual_seed(seed)
+    if arch == "roberta":
+        model = RobertaForSequenceClassification(RobertaConfig(**shape))
+    else:
+        model = BertForSequenceClassification(BertConfig(**shape))
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+              "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -55,7 +55,9 @@ def test_classifiers_zllm_has_no_head_for_are_refused(tmp_path) -> None:
     path = write_classifier(tmp_path / "model", "qwen3", ["a", "b"])
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "model_type": "starcoder2"}))
-    with pytest.raises(ValueError, match="zllm runs classifier heads on its own models only"):
+    with pytest.raises(
+        ValueError, match="zllm runs classifier heads on its own models .* and on encoders"
+    ):
         LLM(str(path))
 
 

@@ -1,15 +1,21 @@
 """Scoring and reranking (issue 61): vLLM's /score, Jina's and Cohere's /rerank and
 `LLM.score`, by a cross-encoder (a tiny random `Qwen3ForSequenceClassification` of one
 label: each pair one sequence through the tokenizer's pair template, its sigmoid score equal
-to transformers') or by an embedding model (the cosine of the two texts' vectors, equal to
-sentence-transformers'); each bad input's 400."""
+to transformers'; a tiny BERT cross-encoder equal to sentence-transformers' `CrossEncoder`)
+or by an embedding model (the cosine of the two texts' vectors, equal to
+sentence-transformers'); encoder classifiers' probabilities; each bad input's 400."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from pooling_models import st_vectors, write_classifier, write_st_model
+from pooling_models import (
+    st_vectors,
+    write_classifier,
+    write_encoder_classifier,
+    write_st_model,
+)
 from servers import start_server, stop_server
 
 from zllm import LLM
@@ -48,6 +54,32 @@ def test_cross_encoder_scores_as_transformers(cross_encoder) -> None:
     assert [o.outputs.score for o in zipped] == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="one text against many, or two lists of one length"):
         llm.score(DOCUMENTS[:2], DOCUMENTS)
+
+
+def test_a_bert_cross_encoder_scores_as_sentence_transformers(tmp_path) -> None:
+    """BertForSequenceClassification of one label: the pair as [CLS] a [SEP] b [SEP] with
+    segment ids (b's are 1), its head over [CLS] (BERT's pooler, then the classifier)."""
+    from sentence_transformers import CrossEncoder
+
+    path = write_encoder_classifier(tmp_path / "ce", "bert", ["relevant"])
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
+    ours = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    expected = CrossEncoder(str(path), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])
+    assert ours == pytest.approx([float(x) for x in expected], abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_encoder_classifiers_as_transformers(tmp_path, arch) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    path = write_encoder_classifier(tmp_path / "cls", arch, ["negative", "neutral", "positive"])
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    for out in llm.classify([QUERY, *DOCUMENTS], use_tqdm=False):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([out.prompt_token_ids])).logits[0]
+        expected = torch.softmax(logits.float(), dim=0)
+        assert torch.allclose(torch.tensor(out.outputs.probs), expected, atol=1e-5)
 
 
 def test_an_embedding_model_scores_by_cosine(tmp_path) -> None:

@@ -322,6 +322,12 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)  # inference only; the KV cache writes must not build graphs
 
+    def classify(self, vector: torch.Tensor) -> torch.Tensor:
+        """A classifier's logits: its score rows over the pooled (last) hidden state."""
+        if self.score is None:
+            raise RuntimeError(f"this {self.arch.architecture} model has no score head")
+        return self.score.float() @ vector.float()
+
     @torch.no_grad()
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()

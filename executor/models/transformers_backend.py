@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -193,10 +194,11 @@ def causal_lm_class(config: Any) -> type:
             f"causal LMs"
         )
     mapping = AutoModelForCausalLM._model_mapping
-    if config.model_type in TRANSFORMERS_ENCODERS:  # the base model: it pools, no LM head
-        from transformers import AutoModel
+    if config.model_type in TRANSFORMERS_ENCODERS:  # it pools: the base model, or a classifier
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
-        mapping = AutoModel._model_mapping
+        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])  # fmt: skip
+        mapping = (AutoModelForSequenceClassification if classifier else AutoModel)._model_mapping
     elif hasattr(config, "vision_config"):  # a vision-language model (zllm/model/impl.py)
         from transformers import AutoModelForImageTextToText
 
@@ -234,6 +236,25 @@ def _config(directory: str, gguf_file: str | None, arch: ModelArchConfig) -> Any
         # nn.Embedding refuses; padding plays no part in inference.
         config.pad_token_id = None
     return config
+
+
+def _sep_token_id(directory: str, config: Any) -> int | None:
+    """A BERT's [SEP] (tokenizer_config.json's sep_token), which ends a pair's first text;
+    None for any other model (RoBERTa's tokenizers give no segment ids: transformers runs it
+    on zeros)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    if config.model_type != "bert" or getattr(config, "type_vocab_size", 1) < 2:
+        return None
+    folder = Path(directory)
+    config = folder / "tokenizer_config.json"
+    sep = json.loads(config.read_text()).get("sep_token", "[SEP]") if config.is_file() else "[SEP]"
+    sep = sep.get("content") if isinstance(sep, dict) else sep
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(sep)
 
 
 def _attn_implementation(arch: ModelArchConfig) -> str | dict[str, str]:
@@ -277,6 +298,9 @@ class TransformersForCausalLM(nn.Module):
         # RoBERTa's and XLM-R's learned positions start past the padding index.
         roberta = config.model_type in ("roberta", "xlm-roberta")
         self.position_offset = (config.pad_token_id or 0) + 1 if roberta else 0
+        # An encoder with segment embeddings (BERT's): a pair's second text, after the first
+        # [SEP], is segment 1 (set by load from the tokenizer; None: one segment).
+        self.sep_token_id: int | None = None
         self._layers: dict[int, AttentionLayer] = {}
         self.requires_grad_(False)
 
@@ -310,8 +334,7 @@ class TransformersForCausalLM(nn.Module):
         if model_path.endswith(".gguf"):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
         config = _config(directory, gguf_file, arch)
-        model_cls = causal_lm_class(config)
-        attn_implementation = _attn_implementation(arch)
+        model_cls, attn_implementation = causal_lm_class(config), _attn_implementation(arch)
         # Refused before any weight is read: an architecture without a plan zllm can cut.
         plan = usable_plan(config) if tp.enabled else None
         if dummy:
@@ -335,6 +358,7 @@ class TransformersForCausalLM(nn.Module):
         quantized.apply(hf_model)
         layers = pp.layer_range(arch.num_layers)
         model = cls(hf_model.eval(), local_arch(arch, tp), attention, stage, layers)
+        model.sep_token_id = _sep_token_id(directory, config)
         model.check_layout(model.probe_cut(device, tp))
         logger.info(
             "Model code: transformers' %s, attention through zllm's paged KV cache",
@@ -362,17 +386,51 @@ class TransformersForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, one row per new token."""
         step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
+        segments = None
         if self.arch.encoder:  # whole prompts (core/request.py chunk_end): each from 0
             starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]
             step.prompts = list(zip(starts[:-1], starts[1:], strict=True))
             positions = positions + self.position_offset
-        return self._run(input_ids, positions, step)
+            segments = self._segments(input_ids, step.prompts)
+        return self._run(input_ids, positions, step, segments)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, step: _Step) -> torch.Tensor:
+    def _segments(
+        self, input_ids: torch.Tensor, prompts: list[tuple[int, int]]
+    ) -> torch.Tensor | None:
+        """BERT's token_type_ids [1, T]: 1 after each prompt's first [SEP] but its last (a
+        pair's second text, as BERT's tokenizer template marks it), else 0."""
+        if self.sep_token_id is None:
+            return None
+        segments = torch.zeros_like(input_ids)
+        seps = (input_ids == self.sep_token_id).nonzero().flatten().tolist()
+        for start, end in prompts:
+            first = next((i for i in seps if start <= i < end - 1), None)
+            if first is not None:
+                segments[first + 1 : end] = 1
+        return segments[None]
+
+    def classify(self, vector: torch.Tensor) -> torch.Tensor:
+        """An encoder classifier's logits from its [CLS] state: the model's own head (BERT's
+        pooler then classifier; RoBERTa's classification head)."""
+        x = vector.to(self.hf.dtype)[None, None]  # [1, 1, hidden], as the heads read [:, 0]
+        pooler = getattr(self.base, "pooler", None)
+        if pooler is not None:
+            x = pooler(x)
+        return self.hf.classifier(x)[0].float()
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        step: _Step,
+        segments: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        extra = {} if segments is None else {"token_type_ids": segments}
         out = self.base(
             input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
+            **extra,
             **{_STEP_KWARG: step},
         )
         return out.last_hidden_state[0]

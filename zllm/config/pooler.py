@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from zllm.model.arch import sequence_labels
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.impl import TRANSFORMERS_ENCODERS
 
 if TYPE_CHECKING:
     from zllm.config.engine import EngineConfig
@@ -95,7 +96,9 @@ def pooler_config_of(
                 "--pooling and --pooler-config: a sequence-classification model's head reads "
                 "its last token"
             )
-        return PoolerConfig("last", False, source="classifier", labels=labels)
+        # A decoder's head reads the last token, an encoder's its [CLS] (the first).
+        pooling = "cls" if config.get("model_type") in TRANSFORMERS_ENCODERS else "last"
+        return PoolerConfig(pooling, False, source="classifier", labels=labels)
     found = _sentence_transformers(folder) if folder.is_dir() else None
     if found is None:
         found = PoolerConfig(pooling=pooling or "mean")
@@ -114,6 +117,7 @@ RUNNERS = ("auto", "generate", "pooling")
 # The architectures whose own code (executor/models/llama.py) carries a classifier's head.
 _CLASSIFIER_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+    *TRANSFORMERS_ENCODERS,  # (transformers' heads, on its [CLS])
 )  # fmt: skip
 # Class names that generate (GPT-2's `GPT2LMHeadModel` ends in "Model" too): checked first.
 _GENERATING_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ChatModel")

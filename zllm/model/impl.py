@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zllm.model.arch import SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
+from zllm.model.arch import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_GGUF_ARCHITECTURES,
+    read_arch_config,
+    sequence_labels,
+)
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, invalid_gguf, read_gguf
 
@@ -176,10 +181,12 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     cfg = _read_config(directory)
     where = str(directory / "config.json")
     refuse_unservable(cfg, where)
-    if any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or []):
+    classifier = any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or [])  # fmt: skip
+    if classifier and cfg.get("model_type") not in TRANSFORMERS_ENCODERS:
         raise ValueError(
             f"{where}: a sequence-classification {cfg.get('model_type')} model: zllm runs "
-            f"classifier heads on its own models only (Llama, Mistral, Qwen2, Qwen3, Phi-3)"
+            f"classifier heads on its own models (Llama, Mistral, Qwen2, Qwen3, Phi-3) and on "
+            f"encoders ({', '.join(TRANSFORMERS_ENCODERS)})"
         )
     vision = cfg.get("model_type") in TRANSFORMERS_VISION
     if vision:  # the language model's layout, under the vision-language model's name
@@ -223,6 +230,9 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
         sliding_window=window,
         vision=vision,
         encoder=cfg.get("model_type") in TRANSFORMERS_ENCODERS,
+        # An encoder classifier (transformers' head): no LM head, its labels' count.
+        lm_head=not classifier,
+        num_labels=len(sequence_labels(directory)) if classifier else 0,
     )
 
 
