@@ -113,7 +113,12 @@ def write_st_encoder(path: Path, arch: str, mode: str, normalize: bool) -> Path:
     """write_tiny_bert's encoder with sentence-transformers' Pooling (and Normalize)."""
     from sentence_transformers import SentenceTransformer, models
 
-    base = write_tiny_bert(path.parent / f"{path.name}-base", arch)
+    base_path = path.parent / f"{path.name}-base"
+    base = (
+        write_tiny_modernbert(base_path)
+        if arch == "modernbert"
+        else write_tiny_bert(base_path, arch)
+    )
     transformer = models.Transformer(str(base))
     modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), mode)]
     if normalize:
@@ -147,4 +152,25 @@ def write_encoder_classifier(path: Path, arch: str, labels: list[str], seed: int
     config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
               "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_tiny_modernbert(path: Path, seed: int = 0) -> Path:
+    """A tiny random ModernBertModel (local layers of an 8-token window between global ones)
+    with bert_tokenizer."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    tokenizer = bert_tokenizer()
+    config = ModernBertConfig(
+        vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=128,
+        local_attention=8, global_attn_every_n_layers=2, pad_token_id=0, cls_token_id=2,
+        sep_token_id=3, bos_token_id=2, eos_token_id=3,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    ModernBertModel(config).save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config_json = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                   "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config_json))
     return path

@@ -147,10 +147,11 @@ def test_the_runner_follows_the_class_names(tmp_path) -> None:
         assert runner_of("auto", str(tmp_path), arch) == runner, names
 
 
-@pytest.mark.parametrize(("arch", "mode"), [("bert", "mean"), ("roberta", "cls")])
+@pytest.mark.parametrize(("arch", "mode"), [("bert", "mean"), ("roberta", "cls"), ("modernbert", "mean")])  # fmt: skip
 def test_encoders_as_sentence_transformers(tmp_path, arch, mode) -> None:
-    """BERT and RoBERTa (tiny, random, a WordPiece tokenizer's [CLS] ... [SEP]) on the
-    transformers backend: every token attends to its whole prompt, each prompt computed in
+    """BERT, RoBERTa and ModernBERT (tiny, random, a WordPiece tokenizer's [CLS] ... [SEP])
+    on the transformers backend: every token attends to its whole prompt (ModernBERT's local
+    layers within their 8-token window, which the longer texts pass), each prompt computed in
     one step beside others (RoBERTa's positions past its padding index)."""
     path = write_st_encoder(tmp_path / "model", arch, mode, True)
     llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)

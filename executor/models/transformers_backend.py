@@ -99,14 +99,18 @@ def zllm_attention(
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot find its KV cache")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    # ModernBERT's local layers: keys within sliding_window - 1 of the query (transformers
+    # passes flash attention's inclusive bound).
+    window = kwargs.get("sliding_window")
     if step.records is not None:
         encoder = step.model.arch.encoder
         step.records[layer] = _record(module, q, k, v, attention_mask, kwargs, encoder)
         if encoder:
-            return _encoder_attention(q, k, v, [(0, q.shape[0])], scaling).unsqueeze(0), None
+            whole = [(0, q.shape[0])]
+            return _encoder_attention(q, k, v, whole, scaling, window).unsqueeze(0), None
         return _causal_attention(q, k, v, scaling).unsqueeze(0), None
     if step.prompts is not None:
-        return _encoder_attention(q, k, v, step.prompts, scaling).unsqueeze(0), None
+        return _encoder_attention(q, k, v, step.prompts, scaling, window).unsqueeze(0), None
     attn = step.model.attention_layer(layer, q.shape[1], k.shape[1], q.shape[2], scaling)
     # A pipeline stage holds its layers' caches in order, from its first layer's.
     local = layer - step.model.layer_indices.start
@@ -125,7 +129,8 @@ def _record(
     kwargs: dict[str, Any],
     encoder: bool = False,
 ) -> LayerRecord:
-    record = LayerRecord(k.shape[1], k.shape[2], v.shape[2], kwargs.get("sliding_window") or None)
+    window = None if encoder else kwargs.get("sliding_window") or None  # (an encoder: no cache)
+    record = LayerRecord(k.shape[1], k.shape[2], v.shape[2], window)
     if q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
         record.problems.append(
             f"query/key/value head sizes {q.shape[2]}/{k.shape[2]}/{v.shape[2]} differ "
@@ -133,7 +138,7 @@ def _record(
         )
     if q.shape[1] % k.shape[1]:
         record.problems.append(f"{q.shape[1]} query heads over {k.shape[1]} KV heads")
-    if attention_mask is not None:
+    if attention_mask is not None and not encoder:  # (an encoder's: made again, per prompt)
         record.problems.append("the model builds its own attention mask")
     if not getattr(module, "is_causal", True) and not encoder:
         record.problems.append("non-causal attention")
@@ -161,14 +166,20 @@ def _encoder_attention(
     v: torch.Tensor,
     prompts: list[tuple[int, int]],
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """An encoder's attention over the flat batch ([T, heads, D]): each prompt's tokens
-    attend to all of that prompt's, none of another's."""
+    attend to all of that prompt's (within `window` - 1 of themselves where a local layer
+    has one), none of another's."""
     out = torch.empty_like(q)
     for start, end in prompts:
+        mask = None
+        if window is not None:
+            index = torch.arange(end - start, device=q.device)
+            mask = (index[:, None] - index[None, :]).abs() < window
         out[start:end] = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1), scale=scale,
+            v[start:end].transpose(0, 1), attn_mask=mask, scale=scale,
         ).transpose(0, 1)  # fmt: skip
     return out
 

@@ -57,7 +57,7 @@ TRANSFORMERS_VISION = ("llava",)
 # Encoder-only classes the transformers backend runs as pooling models (each prompt in one
 # step, attending both ways: executor/models/transformers_backend.py). RoBERTa's positions
 # start past its padding index.
-TRANSFORMERS_ENCODERS = ("bert", "roberta", "xlm-roberta")
+TRANSFORMERS_ENCODERS = ("bert", "roberta", "xlm-roberta", "modernbert")
 _ENCODER_DECODER_GGUF = frozenset({"t5", "t5encoder", "umt5", "bert", "nomic-bert"})
 
 
@@ -210,6 +210,8 @@ def _arch_from_config(directory: Path) -> ModelArchConfig:
     if cfg.get("model_type") in ("roberta", "xlm-roberta"):  # positions past the padding index
         max_positions -= int(cfg.get("pad_token_id") or 0) + 1
     layer_types, window = _sliding_layers(cfg, num_layers, max_positions)
+    if cfg.get("model_type") in TRANSFORMERS_ENCODERS:  # no KV cache to window: it attends
+        layer_types, window = None, None  # within the step (ModernBERT's local layers too)
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=str(cfg.get("model_type")),
