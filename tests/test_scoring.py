@@ -82,6 +82,33 @@ def test_encoder_classifiers_as_transformers(tmp_path, arch) -> None:
         assert torch.allclose(torch.tensor(out.outputs.probs), expected, atol=1e-5)
 
 
+def test_a_causal_lm_scores_by_two_tokens_as_qwen3_reranker(tmp_path) -> None:
+    """vLLM's --hf-overrides for Qwen3-Reranker: a causal LM's LM-head rows of two tokens
+    make a one-label classifier whose score is the softmax of the pair's logits at the
+    second ("yes" over "no"), on the last token of the pair read as one sequence."""
+    from tiny_models import write_tiny_model
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = write_tiny_model(tmp_path / "lm", arch="qwen3")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    no, yes = tokenizer.convert_ids_to_tokens([60, 61])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": [no, yes], "is_original_qwen3_reranker": True}  # fmt: skip
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, hf_overrides=overrides)
+    assert llm.config.runner == "pooling"
+    ours = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    expected = []
+    with torch.inference_mode():
+        for doc in DOCUMENTS:
+            ids = torch.tensor([tokenizer(QUERY, doc)["input_ids"]])
+            logits = model(input_ids=ids).logits[0, -1]
+            expected.append(float(torch.softmax(logits[[60, 61]], dim=0)[1]))
+    assert ours == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="--hf-overrides: rope_scaling not read"):
+        LLM(str(path), hf_overrides={"rope_scaling": {}})
+
+
 def test_an_embedding_model_scores_by_cosine(tmp_path) -> None:
     path = write_st_model(tmp_path / "emb", "qwen3", "lasttoken", True)
     llm = LLM(str(path), kv_cache_memory_bytes=POOL)

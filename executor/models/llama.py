@@ -344,6 +344,24 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
             recomputed=("rotary_emb.inv_freq",),
             served=served,
         )
+        if self.arch.classifier_tokens is not None:
+            self._score_from_lm_head(self.arch.classifier_tokens)
+
+    def _score_from_lm_head(self, tokens: list[int]) -> None:
+        """A classifier made from the LM head (--hf-overrides classifier_from_token): its
+        tokens' rows; one label from two tokens, the second's row less the first's (so its
+        sigmoid is the softmax of the pair's logits at the second: Qwen3-Reranker's yes)."""
+        assert self.score is not None
+        if self.tp.enabled:
+            raise ValueError(
+                "--hf-overrides classifier_from_token: the LM head's rows are cut over tensor "
+                "ranks; run it on one rank"
+            )
+        head = self.embed_tokens if self.lm_head is None else self.lm_head  # (tied: the embedding)
+        rows = head.data[tokens].float()
+        if self.arch.num_labels == 1 and len(tokens) == 2:
+            rows = rows[1:] - rows[:1]
+        self.score.data.copy_(rows.to(self.score.dtype))
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Each Hugging Face weight name -> the tensor (a row slice for fused ones) it fills."""
@@ -353,7 +371,7 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         }
         if not self.arch.tie_word_embeddings:
             targets["lm_head.weight"] = self.lm_head.data
-        if self.score is not None:
+        if self.score is not None and self.arch.classifier_tokens is None:
             targets["score.weight"] = self.score.data
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."

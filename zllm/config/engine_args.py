@@ -41,14 +41,20 @@ from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
-from zllm.config.pooler import RUNNERS, check_encoder, pooler_config_of, runner_of
+from zllm.config.pooler import (
+    RUNNERS,
+    check_encoder,
+    classifier_from_tokens,
+    pooler_config_of,
+    runner_of,
+)
 from zllm.config.quantization import QUANTIZATION_CHOICES, check_quantization, deterministic_refusal
 from zllm.config.speculative import speculative_config_from
 from zllm.config.tenants import (
-    TenantLimit,
     TenantPolicy,
-    check_tenant_policies,
     parse_tenant_weights,
+    tenant_limits_of,
+    tenant_weights_of,
 )
 from zllm.config.vision import check_vision, set_encoder_budget, tokens_per_image
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, kv_cache_dtype_of
@@ -249,6 +255,13 @@ class EngineArgs:
         "architecture, else transformers')",
         choices=MODEL_IMPLS,
     )
+    hf_overrides: dict | None = option(
+        None,
+        help="vLLM's, for a causal LM as a classifier: '{\"architectures\": "
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        "\"is_original_qwen3_reranker\": true}' scores by those tokens' logits (docs/embeddings.md)",
+        parse=parse_json_object,
+    )
     speculative_config: dict | None = option(
         None,
         help="speculative decoding, as a JSON object in vLLM's shape: "
@@ -373,7 +386,9 @@ class EngineArgs:
         model_path = resolve_model(self.model, self.revision, self.download_dir)
         tokenizer_path = self._tokenizer_path(model_path)
         impl = choose_model_impl(model_path, self.model_impl)
-        arch = read_model_arch(model_path, impl)
+        arch = classifier_from_tokens(
+            read_model_arch(model_path, impl), self.hf_overrides, tokenizer_path
+        )
         logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
         max_model_len = arch.max_position_embeddings
         if self.max_model_len is not None:
@@ -415,8 +430,8 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
-                tenant_weights=self._tenant_weights(),
-                tenant_limits=self._tenant_limits(),
+                tenant_weights=tenant_weights_of(self.tenant_weights, self.scheduling_policy),
+                tenant_limits=tenant_limits_of(self.tenant_weights),
                 pipeline_stages=self.pipeline_parallel_size,
             ),
             seed=self.seed,
@@ -428,7 +443,7 @@ class EngineArgs:
             async_executor=self._async_executor(device),
             load_format=self.load_format,
             model_impl=impl.name,
-            pooler=pooler_config_of(model_path, self.pooler_config, self.pooling),
+            pooler=pooler_config_of(model_path, self.pooler_config, self.pooling, arch),
             runner=runner_of(self.runner, model_path, arch),
             generation_config=generation,
             speculative=speculative_config_from(self.speculative_config, arch),
@@ -459,20 +474,6 @@ class EngineArgs:
                 raise ValueError("tokenizer_revision is the revision of --tokenizer; none given")
             return model_path
         return resolve_tokenizer(self.tokenizer, self.tokenizer_revision, self.download_dir)
-
-    def _tenant_weights(self) -> dict[str, float]:
-        policies = check_tenant_policies(self.tenant_weights or {})
-        weights = {n: p.weight for n, p in policies.items() if p.weight is not None}
-        if weights and self.scheduling_policy != "fair":
-            raise ValueError(
-                "--tenant-weights needs --scheduling-policy fair for weights (a tenant's "
-                "limits alone do not)"
-            )
-        return weights
-
-    def _tenant_limits(self) -> dict[str, TenantLimit]:
-        policies = check_tenant_policies(self.tenant_weights or {})
-        return {n: p.limit for n, p in policies.items() if p.limit is not None}
 
     def _kv_offload_config(self, config: EngineConfig) -> KVOffloadConfig | None:
         offload = KVOffloadConfig(

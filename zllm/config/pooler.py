@@ -1,5 +1,7 @@
-"""How an embeddings request's vector is made (issue 61), read from the model as
-sentence-transformers writes it, overridable by --pooler-config (vLLM's flag). No torch here.
+"""How a pooling model's vectors are made (issue 61): an embeddings request's, read from the
+model as sentence-transformers writes it and overridable by --pooler-config (vLLM's flag);
+a classifier's labels (config.json's, or --hf-overrides' classifier tokens); which runner a
+model gets; an encoder's one-step rule. No torch here.
 
 A sentence-transformers checkpoint lists its modules in modules.json: the Transformer (the
 model itself), a Pooling module (1_Pooling/config.json: which tokens' final hidden states make
@@ -14,6 +16,7 @@ A model without these files pools by --pooling (mean) and normalises, as zllm al
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -83,13 +86,19 @@ class PoolerConfig:
 
 
 def pooler_config_of(
-    model_path: str, flag: str | dict | None = None, pooling: str | None = None
+    model_path: str,
+    flag: str | dict | None = None,
+    pooling: str | None = None,
+    arch: ModelArchConfig | None = None,
 ) -> PoolerConfig:
     """The model's pooling: sentence-transformers' files where the model has them, else
-    `pooling` (--pooling, mean by default), then --pooler-config's fields (`flag`) over it."""
+    `pooling` (--pooling, mean by default), then --pooler-config's fields (`flag`) over it.
+    A classifier's (its labels: config.json's, or `arch`'s classifier tokens) is fixed."""
     folder = Path(model_path)
     config = _read_json(folder / "config.json") if folder.is_dir() else {}
     labels = tuple(sequence_labels(folder)) if folder.is_dir() else ()
+    if arch is not None and arch.classifier_tokens is not None:
+        labels = tuple(f"LABEL_{i}" for i in range(arch.num_labels))
     if labels:  # a classifier: its head reads the last token's hidden state as it is
         if flag is not None or pooling is not None:
             raise ValueError(
@@ -111,6 +120,41 @@ def pooler_config_of(
         matryoshka = None
     found = PoolerConfig(found.pooling, found.normalize, found.prompt, matryoshka, found.source)
     return _with_flag(found, flag)
+
+
+# --hf-overrides' fields zllm reads (vLLM's, for a causal LM scored by some tokens' logits).
+_OVERRIDE_FIELDS = ("architectures", "classifier_from_token", "is_original_qwen3_reranker")
+
+
+def classifier_from_tokens(
+    arch: ModelArchConfig, overrides: dict | None, tokenizer_path: str
+) -> ModelArchConfig:
+    """`arch` as a classifier made from its LM head (vLLM's --hf-overrides
+    classifier_from_token): one label per token, or with is_original_qwen3_reranker and two
+    tokens one label (the second's logit less the first's: Qwen3-Reranker's yes over no)."""
+    if not overrides:
+        return arch
+    unknown = sorted(set(overrides) - set(_OVERRIDE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"--hf-overrides: {', '.join(unknown)} not read (zllm reads "
+            f"{', '.join(_OVERRIDE_FIELDS)})"
+        )
+    tokens = overrides.get("classifier_from_token")
+    names = overrides.get("architectures") or []
+    if not tokens or not all(str(n).endswith("ForSequenceClassification") for n in names):
+        raise ValueError(
+            "--hf-overrides: classifier_from_token (and a *ForSequenceClassification "
+            "architecture) make a causal LM a classifier; nothing else is overridden"
+        )
+    from zllm.text.tokenizer import load_tokenizer
+
+    backend = load_tokenizer(tokenizer_path).backend
+    ids = [backend.token_to_id(str(t)) for t in tokens]
+    if None in ids:
+        raise ValueError(f"--hf-overrides: the tokenizer has no token {tokens[ids.index(None)]!r}")
+    pair = bool(overrides.get("is_original_qwen3_reranker")) and len(ids) == 2
+    return dataclasses.replace(arch, classifier_tokens=ids, num_labels=1 if pair else len(ids))
 
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -144,9 +188,11 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
             f"--runner generate: {model_path} has no language-model head ({kind}): it runs "
             f"as a pooling model"
         )
+    if requested == "generate" and arch.classifier_tokens is not None:
+        raise ValueError("--runner generate: --hf-overrides made the model a classifier")
     if requested != "auto":
         return requested
-    return "pooling" if base_only or not arch.lm_head else "generate"
+    return "pooling" if base_only or not arch.lm_head or arch.num_labels else "generate"
 
 
 def check_encoder(config: EngineConfig) -> None:

@@ -136,3 +136,21 @@ def parse_tenant_weights(text: str) -> dict[str, TenantPolicy]:
             f'object ({{"key-1": {{"weight": 3, "max_concurrency": 4}}, "alice": 1.5}}), got '
             f"{text!r}{detail}"
         ) from None
+
+
+def tenant_weights_of(flag: dict | None, scheduling_policy: str) -> dict[str, float]:
+    """--tenant-weights' weights (fair-share scheduling needs --scheduling-policy fair)."""
+    policies = check_tenant_policies(flag or {})
+    weights = {n: p.weight for n, p in policies.items() if p.weight is not None}
+    if weights and scheduling_policy != "fair":
+        raise ValueError(
+            "--tenant-weights needs --scheduling-policy fair for weights (a tenant's "
+            "limits alone do not)"
+        )
+    return weights
+
+
+def tenant_limits_of(flag: dict | None) -> dict[str, TenantLimit]:
+    """--tenant-weights' per-tenant limits (the frontend's door reads them)."""
+    policies = check_tenant_policies(flag or {})
+    return {n: p.limit for n, p in policies.items() if p.limit is not None}

@@ -105,6 +105,10 @@ class ModelArchConfig:
     # A sequence-classification head (`*ForSequenceClassification`: `score.weight`, one row
     # per label) read on the last token: a classifier, cross-encoder or reward model. 0: none.
     num_labels: int = 0
+    # A classifier made from a causal LM's head (--hf-overrides classifier_from_token): the
+    # LM head rows of these tokens score the labels; one label from two tokens scores the
+    # second's logit less the first's (Qwen3-Reranker's yes over no). None: none.
+    classifier_tokens: list[int] | None = None
     # An encoder (BERT, RoBERTa, XLM-R on the transformers backend): every token attends to
     # its whole prompt, so a prompt is computed in one step and pools; it never decodes.
     encoder: bool = False
