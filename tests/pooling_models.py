@@ -67,7 +67,7 @@ def write_classifier(path: Path, arch: str, labels: list[str]) -> Path:
 
 
 _BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-_BERT_WORDS = "the a an of and to in is it for on with as was at by be this that fox dog quick brown lazy jumps over paged attention keys values blocks hello world def return film day".split()  # noqa: E501
+BERT_WORDS = "the a an of and to in is it for on with as was at by be this that fox dog quick brown lazy jumps over paged attention keys values blocks hello world def return film day".split()  # noqa: E501
 
 
 def bert_tokenizer():
@@ -77,7 +77,7 @@ def bert_tokenizer():
     from tokenizers.models import WordPiece
 
     chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789.,:;!?()'+-=_")
-    vocab = [*_BERT_SPECIAL, *_BERT_WORDS, *chars, *[f"##{c}" for c in chars]]
+    vocab = [*_BERT_SPECIAL, *BERT_WORDS, *chars, *[f"##{c}" for c in chars]]
     tokenizer = Tokenizer(WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -170,17 +170,28 @@ def _encoder_attention(
 ) -> torch.Tensor:
     """An encoder's attention over the flat batch ([T, heads, D]): each prompt's tokens
     attend to all of that prompt's (within `window` - 1 of themselves where a local layer
-    has one), none of another's."""
+    has one), none of another's. Prompts of one length go through one SDPA call, as a batch
+    of [heads, length, D] blocks."""
     out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
     for start, end in prompts:
+        by_length.setdefault(end - start, []).append(start)
+    group = q.shape[1] // k.shape[1]
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()  # fmt: skip
+        qs, ks, vs = (
+            t[rows].unflatten(0, (len(starts), length)).transpose(1, 2) for t in (q, k, v)
+        )
+        if group > 1:
+            ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
         mask = None
         if window is not None:
-            index = torch.arange(end - start, device=q.device)
+            index = torch.arange(length, device=q.device)
             mask = (index[:, None] - index[None, :]).abs() < window
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-            v[start:end].transpose(0, 1), attn_mask=mask, scale=scale,
-        ).transpose(0, 1)  # fmt: skip
+        attended = F.scaled_dot_product_attention(
+            qs.contiguous(), ks.contiguous(), vs.contiguous(), attn_mask=mask, scale=scale
+        )
+        out[rows] = attended.transpose(1, 2).flatten(0, 1)
     return out
 
 
