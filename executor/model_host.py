@@ -34,7 +34,7 @@ from zllm.executor.models.vision.mrope import MRopePositions
 from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.weights.model_weights import ModelWeights
-from zllm.media.image_tokens import ImageGrid
+from zllm.model.image_tokens import ImageGrid
 
 logger = logging.getLogger(__name__)
 

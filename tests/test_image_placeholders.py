@@ -69,7 +69,7 @@ def test_markers_and_images_must_agree(tokenizers, gemma3_path) -> None:
 
 
 def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> None:
-    """Qwen2.5-VL's image tokens follow the image's size: ours (zllm/media/image_tokens.py, no
+    """Qwen2.5-VL's image tokens follow the image's size: ours (zllm/model/image_tokens.py, no
     torch) are Qwen2VLImageProcessor's grid over merge^2 for sizes across its resize rules
     (scaled up to min_pixels, down to max_pixels, rounded half to even), and the marker
     expands in place. (Qwen2_5_VLProcessor itself needs torchvision for its video half;
@@ -80,8 +80,8 @@ def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> No
     from transformers import Qwen2VLImageProcessorPil
     from vision_models import QWEN_VL_IMAGE_TOKENS, QWEN_VL_PIXELS, qwen_vl_tokenizer
 
-    from zllm.media.image_tokens import ImageGrid
     from zllm.media.placeholders import qwen_vl_placeholders
+    from zllm.model.image_tokens import ImageGrid
 
     processor = Qwen2VLImageProcessorPil(**QWEN_VL_PIXELS)
     grid = ImageGrid(**QWEN_VL_PIXELS)

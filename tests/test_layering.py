@@ -4,15 +4,16 @@ processes are checked in tests/test_server.py.)
 
 `zllm/`'s rooms (each top-level module and each folder) are layers, bottom to top:
 
-    errors -> sampling_params -> protocol -> model -> text -> kv, lora -> config -> media
-           -> runtime -> proxy, bench -> inputs, outputs -> llm, async_llm, cli
+    errors -> sampling_params, pooling_params -> protocol -> model -> text -> kv, lora
+           -> config -> media -> runtime -> proxy, bench -> inputs, outputs -> llm_pooling
+           -> llm, async_llm, cli
 
 A room imports only rooms below it: the wire (protocol) needs only what a request carries
 (its SamplingParams; LoRARequest and DEFAULT_TENANT live in it); the model's files and shape
 come before the text that tokenizes them, the KV and LoRA rules before the config that names
 them, the config before the media rules it limits and the runtime that starts processes
 from it, and the public face
-(`LLM`, `AsyncLLM`, the CLI) on top. An import inside a function counts like one at the top
+(`LLM` with its pooling methods, `AsyncLLM`, the CLI) on top. An import inside a function counts like one at the top
 of a module (as does one under TYPE_CHECKING): it is still a dependency, so hiding one there
 does not break a cycle."""
 
@@ -75,10 +76,12 @@ def test_only_the_executor_imports_torch(folder):
 
 
 def test_the_top_of_zllm_is_the_public_face_and_the_wire():
-    """What users import (vLLM's paths: `zllm.LLM`, `zllm.sampling_params`, `zllm.outputs`,
-    `zllm.inputs`, `zllm.async_llm`, `zllm.lora`), the CLI, the errors and the wire
-    (`zllm.protocol`); everything else lives in a room."""
-    public = {"llm", "async_llm", "sampling_params", "outputs", "inputs", "lora", "errors", "cli"}
+    """What users import (vLLM's paths: `zllm.LLM`, `zllm.sampling_params`,
+    `zllm.pooling_params`, `zllm.outputs`, `zllm.inputs`, `zllm.async_llm`, `zllm.lora`; `LLM`'s
+    pooling methods beside it), the CLI, the errors and the wire (`zllm.protocol`); everything
+    else lives in a room."""
+    public = {"llm", "llm_pooling", "async_llm", "sampling_params", "pooling_params", "outputs",
+              "inputs", "lora", "errors", "cli"}  # fmt: skip
     assert TOP == public | {"protocol"}
     assert ROOMS == {"config", "text", "kv", "model", "media", "bench", "runtime", "proxy"}
 
@@ -103,7 +106,7 @@ def test_a_room_of_zllm_imports_no_process_folder(room):
 # Bottom to top (the module's docstring): a room imports only rooms in layers below its own.
 LAYERS = (
     {"errors"},
-    {"sampling_params"},
+    {"sampling_params", "pooling_params"},
     {"protocol"},
     {"model"},
     {"text"},
@@ -113,6 +116,7 @@ LAYERS = (
     {"runtime"},
     {"proxy", "bench"},
     {"inputs", "outputs"},
+    {"llm_pooling"},
     {"llm", "async_llm", "cli"},
 )
 

@@ -29,7 +29,7 @@ from vision_models import QWEN_VL_IMAGE_TOKENS, write_tiny_qwen_vl
 
 from zllm import LLM, SamplingParams
 from zllm.executor.models.vision.mrope import request_positions
-from zllm.media.image_tokens import ImageGrid
+from zllm.model.image_tokens import ImageGrid
 from zllm.protocol import ImageData, PlacedImage
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)

@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 from zllm.config.engine import EngineConfig
-from zllm.media.image_tokens import max_image_tokens, mm_tokens_per_image
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.image_tokens import max_image_tokens, mm_tokens_per_image
 from zllm.model.impl import TRANSFORMERS_VISION
 
 

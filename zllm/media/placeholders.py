@@ -7,7 +7,7 @@ tokenized with them in place:
                "<image_soft_token>" + "<end_of_image>\\n\\n" (a fixed count per image)
   Qwen2.5-VL   "<|image_pad|>" (between <|vision_start|> and <|vision_end|>, which the
                template writes) -> one "<|image_pad|>" per merged patch of the image as its
-               processor resizes it (zllm/media/image_tokens.py: the count follows its size)
+               processor resizes it (zllm/model/image_tokens.py: the count follows its size)
   LLaVA        "<image>" -> its count of "<image>", one per patch of the cropped image
                (the transformers backend runs it)
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zllm.media.image_tokens import ImageGrid, llava_tokens_per_image, mm_tokens_per_image
+from zllm.model.image_tokens import ImageGrid, llava_tokens_per_image, mm_tokens_per_image
 from zllm.protocol import ImageData, PlacedImage
 
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from zllm.executor.models.vision.siglip import SiglipConfig, SiglipVisionTower
-from zllm.media.image_tokens import mm_tokens_per_image
+from zllm.model.image_tokens import mm_tokens_per_image
 
 # Where the encoder's tensors live in a checkpoint: transformers 5 saves the tower as
 # `vision_tower.`, the Hub's Gemma 3 checkpoints (and transformers 4) as

@@ -2,7 +2,7 @@
 positions (time, row, column), one per section of them (models/rope.py RotaryEmbedding).
 
 A text token's three positions are equal: its index in the sequence, less what the images
-before it saved. An image of rows x columns tokens (zllm/media/image_tokens.py) starting where
+before it saved. An image of rows x columns tokens (zllm/model/image_tokens.py) starting where
 the next text position would be, s, puts its token k at (s, s + k // columns, s + k % columns)
 and moves the text after it on to s + max(rows, columns), so each image shifts every later
 position by max(rows, columns) - rows x columns, generated tokens included. (transformers'
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from zllm.executor.request_state import RequestState
-from zllm.media.image_tokens import ImageGrid
+from zllm.model.image_tokens import ImageGrid
 from zllm.protocol import PlacedImage
 
 
