@@ -9,14 +9,16 @@ The pixels come from the checkpoint's own transformers image processor
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
+from zllm.executor.models.vision.checkpoint import (
+    copy_tensors,
+    decoded_images,
+    image_processor,
+    tensor_index,
+)
 from zllm.executor.models.vision.siglip import SiglipConfig, SiglipVisionTower
 from zllm.model.image_tokens import mm_tokens_per_image
 
@@ -64,11 +66,7 @@ class Gemma3ImageEncoder(nn.Module):
 
     def load_checkpoint(self, model_dir: str) -> None:
         """Fill every tensor from the checkpoint's safetensors (ValueError naming a missing one)."""
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        names: dict[str, Path] = {}
-        for file in files:
-            with safe_open(str(file), "pt") as shard:
-                names.update({name: file for name in shard.keys()})
+        names = tensor_index(model_dir)
         tower_prefix = next(
             (p for p in _TOWER_PREFIXES if f"{p}post_layernorm.weight" in names), None
         )
@@ -80,37 +78,14 @@ class Gemma3ImageEncoder(nn.Module):
         targets = self.tower.checkpoint_targets(tower_prefix)
         targets[f"{projector}mm_soft_emb_norm.weight"] = self.soft_emb_norm
         targets[f"{projector}mm_input_projection_weight"] = self.projection
-        missing = sorted(set(targets) - set(names))
-        if missing:
-            raise ValueError(f"{model_dir}: the vision encoder's {missing[0]} is missing")
-        with torch.no_grad():
-            for file in files:
-                with safe_open(str(file), "pt") as shard:
-                    for name in (n for n in targets if names[n] == file):
-                        tensor = shard.get_tensor(name)
-                        if tensor.shape != targets[name].shape:
-                            raise ValueError(
-                                f"{name} has shape {list(tensor.shape)}; the config makes it "
-                                f"{list(targets[name].shape)}"
-                            )
-                        targets[name].copy_(tensor)
-
-
-def image_processor(model_dir: str):
-    """The checkpoint's transformers image processor (preprocessor_config.json)."""
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(model_dir)
+        copy_tensors(model_dir, names, targets)
 
 
 def pixel_values(model_dir: str, images: list[bytes], processor=None) -> torch.Tensor:
     """The encoded images as the checkpoint's transformers image processor prepares them
     (`processor`: that processor, loaded once by the caller; else loaded here)."""
-    from PIL import Image
-
     processor = processor or image_processor(model_dir)
-    decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-    return processor(images=decoded, return_tensors="pt")["pixel_values"]
+    return processor(images=decoded_images(images), return_tensors="pt")["pixel_values"]
 
 
 class Gemma3Images:

@@ -12,16 +12,20 @@ image's row-major group order: image i gives t * h * w / merge^2 tokens."""
 
 from __future__ import annotations
 
-import io
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
+
+from zllm.executor.models.vision.checkpoint import (
+    copy_tensors,
+    decoded_images,
+    image_processor,
+    tensor_index,
+)
 
 # transformers fixes every RMSNorm of the vision tower (the blocks' and the merger's) at 1e-6.
 _RMS_EPS = 1e-6
@@ -319,45 +323,18 @@ class Qwen25VLImageEncoder(nn.Module):
     def load_checkpoint(self, model_dir: str) -> None:
         """Fill every tensor from the checkpoint's safetensors (ValueError naming a missing
         or mis-shaped one)."""
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        names: dict[str, Path] = {}
-        for file in files:
-            with safe_open(str(file), "pt") as shard:
-                names.update({name: file for name in shard.keys()})
+        names = tensor_index(model_dir)
         prefix = next((p for p in _PREFIXES if f"{p}merger.ln_q.weight" in names), None)
         if prefix is None:
             raise ValueError(f"{model_dir}: no Qwen2.5-VL vision tensors (visual.merger.ln_q)")
         targets = self.checkpoint_targets(prefix)
-        missing = sorted(set(targets) - set(names))
-        if missing:
-            raise ValueError(f"{model_dir}: the vision encoder's {missing[0]} is missing")
-        with torch.no_grad():
-            for file in files:
-                with safe_open(str(file), "pt") as shard:
-                    for name in (n for n in targets if names[n] == file):
-                        tensor = shard.get_tensor(name)
-                        if tensor.shape != targets[name].shape:
-                            raise ValueError(
-                                f"{name} has shape {list(tensor.shape)}; the config makes it "
-                                f"{list(targets[name].shape)}"
-                            )
-                        targets[name].copy_(tensor)
-
-
-def image_processor(model_dir: str):
-    """The checkpoint's transformers image processor (Qwen2VLImageProcessor)."""
-    from transformers import AutoImageProcessor
-
-    return AutoImageProcessor.from_pretrained(model_dir)
+        copy_tensors(model_dir, names, targets)
 
 
 def pixel_values(images: list[bytes], processor) -> tuple[torch.Tensor, torch.Tensor]:
     """(pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) of the encoded images,
     decoded to RGB and prepared by the checkpoint's image processor."""
-    from PIL import Image
-
-    decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-    batch = processor(images=decoded, return_tensors="pt")
+    batch = processor(images=decoded_images(images), return_tensors="pt")
     return batch["pixel_values"], batch["image_grid_thw"]
 
 

@@ -6,20 +6,18 @@ processor makes."""
 
 from __future__ import annotations
 
-import io
-
 import torch
 from torch import nn
+
+from zllm.executor.models.vision.checkpoint import decoded_images, image_processor
 
 
 class TransformersImages:
     """features.py's ImageEncoder over a transformers vision-language model."""
 
     def __init__(self, hf_model: nn.Module, model_path: str) -> None:
-        from transformers import AutoImageProcessor
-
         self.model = hf_model
-        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.processor = image_processor(model_path)
         config = hf_model.config
         self.options = {
             "vision_feature_layer": getattr(config, "vision_feature_layer", None),
@@ -31,10 +29,7 @@ class TransformersImages:
         self.dtype, self.device = weight.dtype, weight.device
 
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
-        from PIL import Image
-
-        decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
-        pixels = self.processor(images=decoded, return_tensors="pt")["pixel_values"]
+        pixels = self.processor(images=decoded_images(images), return_tensors="pt")["pixel_values"]
         out = self.model.get_image_features(
             pixel_values=pixels.to(self.device, self.dtype), return_dict=True, **self.options
         )
