@@ -170,29 +170,37 @@ def _encoder_attention(
 ) -> torch.Tensor:
     """An encoder's attention over the flat batch ([T, heads, D]): each prompt's tokens
     attend to all of that prompt's (within `window` - 1 of themselves where a local layer
-    has one), none of another's. Prompts of one length go through one SDPA call, as a batch
-    of [heads, length, D] blocks."""
-    out = torch.empty_like(q)
-    by_length: dict[int, list[int]] = {}
-    for start, end in prompts:
-        by_length.setdefault(end - start, []).append(start)
+    has one), none of another's. Prompts lie back to back in the step, so a run of them of
+    one length is a view of the batch, [n, length, heads, D], and goes through one SDPA
+    call as it lies: no gather and no scatter (a copy of q, k, v and the output, a tenth of
+    a MiniLM's forward)."""
     group = q.shape[1] // k.shape[1]
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()  # fmt: skip
-        qs, ks, vs = (
-            t[rows].unflatten(0, (len(starts), length)).transpose(1, 2) for t in (q, k, v)
-        )
+    outs = []
+    for start, count, length in _equal_length_runs(prompts):
+        rows = slice(start, start + count * length)
+        qs, ks, vs = (t[rows].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
         mask = None
         if window is not None:
             index = torch.arange(length, device=q.device)
             mask = (index[:, None] - index[None, :]).abs() < window
-        attended = F.scaled_dot_product_attention(
-            qs.contiguous(), ks.contiguous(), vs.contiguous(), attn_mask=mask, scale=scale
-        )
-        out[rows] = attended.transpose(1, 2).flatten(0, 1)
-    return out
+        attended = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        outs.append(attended.transpose(1, 2).flatten(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _equal_length_runs(prompts: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(first row, prompts, length) of each run of consecutive prompts of one length, in
+    order; the prompts are back to back from row 0."""
+    runs: list[tuple[int, int, int]] = []
+    for start, end in prompts:
+        if runs and runs[-1][2] == end - start:
+            first, count, length = runs[-1]
+            runs[-1] = (first, count + 1, length)
+        else:
+            runs.append((start, 1, end - start))
+    return runs
 
 
 def _register() -> None:

@@ -24,6 +24,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
+from zllm.executor.models.encoder_matmuls import onednn_available, pack_encoder_matmuls_
 from zllm.executor.models.rope import RotaryEmbedding
 from zllm.executor.models.transformers_backend import TransformersForCausalLM
 from zllm.executor.ranks.parallel import release_other_stages_ends
@@ -99,6 +100,7 @@ class ModelWeights:
             # on the transformers backend the other stages' layers, loaded with the model).
             release_freed_memory(layout.device)
         self._use_dense_rows()
+        self._pack_encoder_matmuls()
         if config.deterministic:
             wrapped = make_batch_invariant(self.model)
             logger.info("Deterministic mode: %d matmuls in %d-row tiles", wrapped, TILE_ROWS)
@@ -110,6 +112,26 @@ class ModelWeights:
             self.lora = LoRAManager(
                 self.model, config, layout.dtype, layout.device, layout.tp, slots=slots
             )
+
+    def _pack_encoder_matmuls(self) -> None:
+        """An fp32 encoder on CPU (the transformers backend's BERT family): its matmuls
+        through oneDNN with bias and GELU fused (models/encoder_matmuls.py), where nothing
+        else wraps or cuts them."""
+        layout, config, model = self.layout, self.layout.config, self.model
+        plain = not (layout.tp.enabled or layout.pp.enabled or config.deterministic)
+        if not (
+            isinstance(model, TransformersForCausalLM)
+            and model.arch.encoder
+            and layout.device.type == "cpu"
+            and layout.dtype == torch.float32
+            and self.quantization == "none"
+            and config.lora is None
+            and plain
+            and onednn_available()
+        ):
+            return
+        packed = pack_encoder_matmuls_(model.base)
+        logger.info("%d encoder matmuls through oneDNN, bias and GELU fused", packed)
 
     def _use_dense_rows(self) -> None:
         """fp32 matmuls on CPU: decode-sized calls through csrc/cpu/dense_rows.h (zllm's own
