@@ -156,6 +156,7 @@ class EngineCore:
                 max_tokens=params.max_tokens,
                 max_model_len=self.max_model_len,
                 vocab_size=self.config.arch.vocab_size,
+                pooling=params.embed,
             )
             check_token_params(params, self.config.arch.vocab_size)
             check_request_options(request.options, self.config)

@@ -17,6 +17,7 @@ from pooling_models import st_vectors, write_st_encoder, write_st_model
 from servers import start_server, stop_server
 
 from zllm import LLM, PoolingParams
+from zllm.errors import ParamError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -221,3 +222,37 @@ def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
         assert server.healthy()
     finally:
         stop_server(server)
+
+
+def test_the_context_is_sentence_transformers_max_seq_length(tmp_path) -> None:
+    """A sentence-transformers model takes inputs as long as sentence-transformers does (its
+    max_seq_length: sentence-transformers 6 keeps it as tokenizer_config.json's
+    model_max_length, older versions in sentence_bert_config.json), as vLLM reads it: an
+    input of exactly that length embeds as sentence-transformers embeds it, a longer one is
+    refused naming both lengths."""
+    from sentence_transformers import SentenceTransformer
+
+    path = write_st_encoder(tmp_path / "model", "bert", "mean", True)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"model_max_length": 16}))  # fmt: skip
+    assert SentenceTransformer(str(path), device="cpu").max_seq_length == 16
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
+    assert llm.config.scheduler.max_model_len == 16
+    fits = " ".join(["hello"] * 14)  # [CLS], 14 words, [SEP]
+    assert_same_vectors(embed(llm, [fits]), st_vectors(path, [fits]))
+    with pytest.raises(ParamError, match="context length is 16 tokens. However, you requested 17"):
+        embed(llm, [fits + " world"])
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 12, "do_lower_case": False}))  # fmt: skip
+    assert SentenceTransformer(str(path), device="cpu").max_seq_length == 12
+    llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
+    assert llm.config.scheduler.max_model_len == 12
+
+
+def test_a_prompt_may_fill_a_decoders_context_when_pooled(qwen3_embedding) -> None:
+    """An embedding samples nothing, so its prompt may take every position (a generation
+    request needs one free); one token more is refused."""
+    llm = LLM(str(qwen3_embedding), kv_cache_memory_bytes=POOL, max_model_len=24)
+    ids = llm.tokenizer.encode(" ".join(["hello"] * 40), add_special_tokens=False)[:24]
+    assert len(embed(llm, [{"prompt_token_ids": ids}])[0]) == 64
+    with pytest.raises(ParamError, match="context length is 24 tokens. However, you requested 25"):
+        embed(llm, [{"prompt_token_ids": ids + ids[:1]}])

@@ -135,6 +135,7 @@ class RequestTokenizer:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             param=param,
+            pooling=params.embed,
         )
         check_token_params(params, self.vocab_size)
         placed: list[PlacedImage] = []

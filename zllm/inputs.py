@@ -22,17 +22,29 @@ def check_prompt(
     max_model_len: int,
     vocab_size: int,
     param: str = "prompt",
+    pooling: bool = False,
 ) -> None:
     """Raise ParamError (naming `param`) unless the prompt can run to `max_tokens` outputs.
 
     `max_tokens=None` asks for as many tokens as fit, so only one free position is needed.
-    `param` is "messages" for a chat request, whose text says so.
+    `param` is "messages" for a chat request, whose text says so. `pooling`: an embedding,
+    classification or score request, which samples nothing: its prompt may fill the context
+    (a sentence-transformers model's 256-token limit takes 256-token inputs).
     """
     if not token_ids:
         raise ParamError("The prompt is empty; it must contain at least one token.", param)
     check_vocabulary(token_ids, vocab_size, param)
     num_tokens = len(token_ids)
     where = "messages" if param == "messages" else "prompt"
+    if pooling:
+        if num_tokens > max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_tokens} tokens in the input for embedding generation. Please "
+                f"reduce the length of the input (or set truncate_prompt_tokens).",
+                param,
+            )
+        return
     if max_tokens is not None and num_tokens + max_tokens > max_model_len:
         raise ParamError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

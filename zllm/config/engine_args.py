@@ -45,6 +45,7 @@ from zllm.config.pooler import (
     RUNNERS,
     check_encoder,
     classifier_from_tokens,
+    context_length,
     pooler_config_of,
     runner_of,
 )
@@ -390,7 +391,7 @@ class EngineArgs:
             read_model_arch(model_path, impl), self.hf_overrides, tokenizer_path
         )
         logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
-        max_model_len = arch.max_position_embeddings
+        max_model_len = context_length(model_path, arch)  # (a sentence-transformers model's)
         if self.max_model_len is not None:
             if not 1 < self.max_model_len <= arch.max_position_embeddings:
                 raise ValueError(

@@ -210,6 +210,24 @@ def check_encoder(config: EngineConfig) -> None:
         raise ValueError(f"--runner {config.runner}: an encoder model only pools")
 
 
+def context_length(model_path: str, arch: ModelArchConfig) -> int:
+    """The default --max-model-len: the model's context, or for a sentence-transformers
+    model the longest input sentence-transformers gives it (its max_seq_length, as vLLM
+    reads it): sentence_bert_config.json's `max_seq_length` (sentence-transformers 5 and
+    before), else tokenizer_config.json's `model_max_length` (where sentence-transformers 6
+    keeps it), never past the model's context. all-MiniLM-L6-v2 reads 256 of its 512."""
+    longest = arch.max_position_embeddings
+    folder = Path(model_path)
+    if not (folder / "modules.json").is_file():
+        return longest
+    for name, field in (("sentence_bert_config.json", "max_seq_length"),
+                        ("tokenizer_config.json", "model_max_length")):  # fmt: skip
+        value = _read_json(folder / name).get(field)
+        if isinstance(value, int) and value > 1:
+            return min(value, longest)
+    return longest
+
+
 def _sentence_transformers(folder: Path) -> PoolerConfig | None:
     """The pooling sentence-transformers' files describe (None: the model has none);
     ValueError naming a module or mode zllm does not run."""
