@@ -256,3 +256,48 @@ def test_a_prompt_may_fill_a_decoders_context_when_pooled(qwen3_embedding) -> No
     assert len(embed(llm, [{"prompt_token_ids": ids}])[0]) == 64
     with pytest.raises(ParamError, match="context length is 24 tokens. However, you requested 25"):
         embed(llm, [{"prompt_token_ids": ids + ids[:1]}])
+
+
+@pytest.mark.parametrize(("mode", "pooling"), [("lasttoken", "last"), ("mean", "mean")])
+def test_a_gguf_of_an_embedding_model_pools_as_its_converter_wrote(tmp_path, mode, pooling) -> None:
+    """llama.cpp's converter writes a sentence-transformers model's Pooling module into the
+    GGUF (`qwen3.pooling_type`): the file runs as a pooling model by that mode, and its
+    vectors equal sentence-transformers' on the checkpoint it was converted from."""
+    from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
+
+    model_dir = write_convertible_model(tmp_path / "hf", "qwen3")
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config | {"pad_token": "</s>"})
+    )  # fmt: skip (batches are padded)
+    (model_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]))  # fmt: skip
+    (model_dir / "1_Pooling").mkdir()
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    pooling_config = {"embedding_dimension": hidden, "pooling_mode": mode}
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    gguf = convert_hf_to_gguf(model_dir, tmp_path / "model-f32.gguf", "f32")
+    llm = LLM(str(gguf), kv_cache_memory_bytes=POOL)
+    assert llm.config.runner == "pooling"
+    assert (llm.config.pooler.pooling, llm.config.pooler.source) == (pooling, "qwen3.pooling_type")
+    assert_same_vectors(embed(llm, TEXTS), st_vectors(model_dir, TEXTS))
+
+
+def test_a_gguf_pooling_type_zllm_does_not_run_is_refused(tmp_path) -> None:
+    """llama.cpp's rank pooling (a reranker's head in the GGUF) is refused naming the field."""
+    from gguf import GGUFWriter, PoolingType
+
+    from zllm.config.pooler import gguf_pooling
+
+    path = tmp_path / "reranker.gguf"
+    writer = GGUFWriter(str(path), "qwen3")
+    writer.add_pooling_type(PoolingType.RANK)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"qwen3.pooling_type 4 \(rank: a reranker's head"):
+        gguf_pooling(str(path))

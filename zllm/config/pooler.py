@@ -11,7 +11,8 @@ default prompt, an instruction every input is prefixed with. config.json's `is_m
 `matryoshka_dimensions` say whether a request may ask for fewer `dimensions` (the vector's
 first ones, normalised again).
 
-A model without these files pools by --pooling (mean) and normalises, as zllm always did.
+A GGUF converted by llama.cpp from such a model says its pooling in `<arch>.pooling_type`.
+A model without these pools by --pooling (mean) and normalises, as zllm always did.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from zllm.model.arch import sequence_labels
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.gguf import read_gguf
 from zllm.model.impl import TRANSFORMERS_ENCODERS
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ POOLING_TYPES = ("mean", "last", "cls")
 _ST_MODES = {"mean": "mean", "mean_tokens": "mean", "lasttoken": "last", "cls": "cls",
              "cls_token": "cls"}  # fmt: skip
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")
+# llama.cpp's pooling types (a GGUF's `<arch>.pooling_type`) that zllm runs.
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
 # --pooler-config's fields (vLLM's names) that zllm reads.
 _FLAG_FIELDS = ("pooling_type", "normalize")
 
@@ -108,7 +112,7 @@ def pooler_config_of(
         # A decoder's head reads the last token, an encoder's its [CLS] (the first).
         pooling = "cls" if config.get("model_type") in TRANSFORMERS_ENCODERS else "last"
         return PoolerConfig(pooling, False, source="classifier", labels=labels)
-    found = _sentence_transformers(folder) if folder.is_dir() else None
+    found = _sentence_transformers(folder) if folder.is_dir() else gguf_pooling(model_path)
     if found is None:
         found = PoolerConfig(pooling=pooling or "mean")
     elif pooling is not None and pooling != found.pooling:
@@ -192,7 +196,8 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
         raise ValueError("--runner generate: --hf-overrides made the model a classifier")
     if requested != "auto":
         return requested
-    return "pooling" if base_only or not arch.lm_head or arch.num_labels else "generate"
+    embedder = gguf_pooling(model_path) is not None  # (converted from an embedding model)
+    return "pooling" if base_only or embedder or not arch.lm_head or arch.num_labels else "generate"
 
 
 def check_encoder(config: EngineConfig) -> None:
@@ -258,6 +263,26 @@ def _sentence_transformers(folder: Path) -> PoolerConfig | None:
     prompt_name = st_config.get("default_prompt_name")
     prompt = (st_config.get("prompts") or {}).get(prompt_name, "") if prompt_name else ""
     return PoolerConfig(pooling, normalize, prompt, source="sentence-transformers")
+
+
+def gguf_pooling(model_path: str) -> PoolerConfig | None:
+    """A GGUF's pooling: llama.cpp's converter writes `<arch>.pooling_type` from an embedding
+    model's sentence-transformers Pooling module (llama.h's llama_pooling_type: 1 mean, 2 cls,
+    3 last). Normalised, as llama-server's embeddings are by default. None: not a GGUF, or
+    one without the field (a generating model's)."""
+    if not model_path.endswith(".gguf") or not Path(model_path).is_file():
+        return None
+    metadata = read_gguf(model_path).metadata
+    key = f"{metadata.get('general.architecture')}.pooling_type"
+    value = metadata.get(key)
+    if value is None or value == 0:  # (0: none, the tokens' own states)
+        return None
+    if value not in _GGUF_POOLING:
+        kind = " (rank: a reranker's head, which zllm reads from HF checkpoints only)" if value == 4 else ""  # fmt: skip
+        raise ValueError(
+            f"{model_path}: {key} {value}{kind}: zllm pools a GGUF by mean (1), cls (2) or last (3)"
+        )
+    return PoolerConfig(_GGUF_POOLING[value], True, source=key)
 
 
 def _st_pooling(path: Path) -> str:
