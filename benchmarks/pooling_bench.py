@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,15 +31,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from pooling_models import BERT_WORDS, bert_tokenizer  # noqa: E402
-from pooling_peers import run_llama_server, run_vllm  # noqa: E402
+from pooling_models import BERT_WORDS, save_bert_tokenizer  # noqa: E402
+from pooling_peers import run_llama_server, run_vllm, timed  # noqa: E402
 
 from zllm import LLM  # noqa: E402
 
 SHAPE = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
              intermediate_size=1536, max_position_embeddings=512, pad_token_id=0)  # fmt: skip
-TOKENIZER_CONFIG = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-                    "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 512}  # fmt: skip
 
 
 def write_models(folder: Path) -> tuple[Path, Path]:
@@ -54,8 +50,7 @@ def write_models(folder: Path) -> tuple[Path, Path]:
         torch.manual_seed(0)
         base = folder / "minilm-base"
         BertModel(BertConfig(**SHAPE)).save_pretrained(base)
-        bert_tokenizer().save(str(base / "tokenizer.json"))
-        (base / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+        save_bert_tokenizer(base, model_max_length=512)
         transformer = models.Transformer(str(base), max_seq_length=512)
         modules = [transformer, models.Pooling(384, "mean"), models.Normalize()]
         SentenceTransformer(modules=modules).save(str(embedder))
@@ -63,24 +58,12 @@ def write_models(folder: Path) -> tuple[Path, Path]:
         torch.manual_seed(1)
         config = BertConfig(**SHAPE, num_labels=1)
         BertForSequenceClassification(config).save_pretrained(reranker)
-        bert_tokenizer().save(str(reranker / "tokenizer.json"))
-        (reranker / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+        save_bert_tokenizer(reranker, model_max_length=512)
     return embedder, reranker
 
 
 def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(BERT_WORDS) for _ in range(words))
-
-
-def timed(fn, runs: int) -> float:
-    """The median seconds of `runs` calls of fn, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ Workload = tuple[list[str], list[tuple[str, list[str]]]]  # passages, (query, do
 
 
 def timed(fn, runs: int) -> float:
+    """The median seconds of `runs` calls of fn, after one warm-up call."""
     fn()
     times = []
     for _ in range(runs):

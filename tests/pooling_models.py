@@ -88,24 +88,33 @@ def bert_tokenizer():
     return tokenizer
 
 
+# The tiny BERT and RoBERTa models' shape (beside bert_tokenizer's vocabulary).
+_TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=130, pad_token_id=0)  # fmt: skip
+
+
+def save_bert_tokenizer(path: Path, model_max_length: int = 128) -> None:
+    """bert_tokenizer as tokenizer.json, and the tokenizer_config.json naming its special
+    tokens, beside a model in `path`."""
+    bert_tokenizer().save(str(path / "tokenizer.json"))
+    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+              "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": model_max_length}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def write_tiny_bert(path: Path, arch: str = "bert", seed: int = 0) -> Path:
     """A tiny random BertModel (or RobertaModel) with bert_tokenizer, as an encoder base."""
     from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
     tokenizer = bert_tokenizer()
-    shape = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, intermediate_size=128, max_position_embeddings=130,
-                 pad_token_id=0)  # fmt: skip
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), **_TINY_BERT)
     torch.manual_seed(seed)
     if arch == "roberta":
         model = RobertaModel(RobertaConfig(**shape))
     else:
         model = BertModel(BertConfig(**shape))
     model.save_pretrained(path)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-              "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    save_bert_tokenizer(path)
     return path
 
 
@@ -138,9 +147,8 @@ def write_encoder_classifier(path: Path, arch: str, labels: list[str], seed: int
     )
 
     tokenizer = bert_tokenizer()
-    shape = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, intermediate_size=128, max_position_embeddings=130,
-                 pad_token_id=0, id2label=dict(enumerate(labels)),
+    shape = dict(vocab_size=tokenizer.get_vocab_size(), **_TINY_BERT,
+                 id2label=dict(enumerate(labels)),
                  label2id={label: i for i, label in enumerate(labels)})  # fmt: skip
     torch.manual_seed(seed)
     if arch == "roberta":
@@ -148,10 +156,7 @@ def write_encoder_classifier(path: Path, arch: str, labels: list[str], seed: int
     else:
         model = BertForSequenceClassification(BertConfig(**shape))
     model.save_pretrained(path)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-              "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    save_bert_tokenizer(path)
     return path
 
 
@@ -169,8 +174,5 @@ def write_tiny_modernbert(path: Path, seed: int = 0) -> Path:
     )  # fmt: skip
     torch.manual_seed(seed)
     ModernBertModel(config).save_pretrained(path)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config_json = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-                   "unk_token": "[UNK]", "mask_token": "[MASK]", "model_max_length": 128}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config_json))
+    save_bert_tokenizer(path)
     return path
