@@ -61,3 +61,24 @@ def test_packed_matmuls_give_transformers_outputs(model_type: str) -> None:
         torch.testing.assert_close(
             model(input_ids=ids).last_hidden_state, expected, atol=1e-5, rtol=1e-4
         )
+
+
+def test_the_engine_packs_an_encoder_unless_another_feature_owns_its_matmuls(tmp_path) -> None:
+    """An fp32 encoder on CPU runs its layer matmuls packed; under --deterministic (whose
+    fixed-size tiles wrap torch's matmuls) they stay transformers' modules, and the vectors
+    are sentence-transformers' either way."""
+    import numpy as np
+    from pooling_models import st_vectors, write_st_encoder
+
+    from zllm import LLM
+
+    path = write_st_encoder(tmp_path / "model", "bert", "mean", True)
+    texts = ["the quick brown fox", "paged attention keys", "hello world"]
+    expected = np.asarray(st_vectors(path, texts))
+    for deterministic in (False, True):
+        llm = LLM(str(path), kv_cache_memory_bytes=32 << 20, deterministic=deterministic)
+        model = llm.model_runner.host.weights.model
+        packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+        assert (packed > 0) is not deterministic
+        vectors = np.asarray([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+        assert ((vectors * expected).sum(1) > 0.9999).all()  # (both normalised)
