@@ -6,6 +6,9 @@
 #   steps-shape  the same for a random SmolLM2 shape
 #   steps        the real SmolLM2 (bf16), as configured
 #   profile      a batch-1 step's kernels (random SmolLM2 shape), grouped by name
+#   moe          a mixture-of-experts decode step (8 of Qwen3-30B-A3B's layers, random bf16):
+#                per-expert matmuls vs the expert kernel vs CUDA graphs, against its bytes
+#                floor (benchmarks/gpu_moe.py)
 #   divergence   SmolLM2 bf16 (GPU) vs fp32 (CPU): first greedy divergence
 #   throughput   zllm bench throughput vs transformers' generate, 256 x 128/128, bf16
 #   serve        zllm serve (SmolLM2, bf16) under zllm bench serve at concurrency 1/32/64/256,
@@ -51,6 +54,10 @@ for step in "$@"; do
         python3 benchmarks/gpu_bench.py --output-json "$OUT/$step-ops$ops.json" \
         decode-steps --shape $shape 2>&1 | grep -v "Warning\|warn_once" | tee -a "$OUT/$step.log"
     done ;;
+  moe)
+    section "$step"
+    timeout 300 python3 benchmarks/gpu_moe.py --output-json "$OUT/moe.json" 2>&1 \
+      | grep -v "Warning\|warn_once" | tee "$OUT/moe.log" ;;
   steps)
     section "$step"
     timeout 150 python3 benchmarks/gpu_bench.py --output-json "$OUT/steps.json" \

@@ -55,6 +55,8 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
         assert entries == 3 * 4  # 3 dtypes x (rms_norm, rope, rope_cache, silu_mul)
     elif source == "paged_prefill.cu":
         assert entries == 3 * len(ck.SUPPORTED_HEAD_DIMS)
+    elif source == "moe_experts.cu":
+        assert entries == 3  # zllm_moe_gemv in f32, f16, bf16
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -152,6 +154,9 @@ def test_nvrtc_compiles_runtime_sources(libnvrtc):
         for hd in ck.SUPPORTED_HEAD_DIMS
     ]
     lowered = nvrtc_compile(libnvrtc, ck.kernel_source("paged_prefill.cu"), options, names)
+    assert all(v.startswith("_Z") for v in lowered.values())
+    names = [f"zllm_moe_gemv<{tag}>" for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")]
+    lowered = nvrtc_compile(libnvrtc, ck.kernel_source("moe_experts.cu"), options, names)
     assert all(v.startswith("_Z") for v in lowered.values())
 
 

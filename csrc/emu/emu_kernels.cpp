@@ -11,6 +11,7 @@
 
 #include "../kv_cache.cu"
 #include "../layer_ops.cu"
+#include "../moe_experts.cu"
 #include "../paged_attention.cu"
 #include "../paged_prefill.cu"
 
@@ -115,6 +116,18 @@ void run_silu_mul(void* p) {
   zllm_silu_mul<D>(arg<T*>(a, 0), arg<const T*>(a, 1), arg<zllm_i64>(a, 2), arg<int>(a, 3));
 }
 
+template <typename D>
+void run_moe_gemv(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_moe_gemv<D>(arg<T*>(a, 0), arg<const T*>(a, 1), arg<zllm_i64>(a, 2), arg<int>(a, 3),
+                   arg<const T*>(a, 4), arg<const T*>(a, 5), arg<const zllm_i64*>(a, 6),
+                   arg<const zllm_i64*>(a, 7), arg<const zllm_i64*>(a, 8), arg<int>(a, 9),
+                   arg<int>(a, 10));
+}
+
+#define MOE(D) {"zllm_moe_gemv<" #D ">", &run_moe_gemv<D>}
+
 #define LAYER_OPS(D)                                                             \
   {"zllm_rms_norm<" #D ">", &run_rms_norm<D>}, {"zllm_rope<" #D ">", &run_rope<D>}, \
       {"zllm_rope_cache<" #D ">", &run_rope_cache<D>},                               \
@@ -143,6 +156,9 @@ const std::map<std::string, Runner>& registry() {
       LAYER_OPS(DtypeF32),
       LAYER_OPS(DtypeF16),
       LAYER_OPS(DtypeBF16),
+      MOE(DtypeF32),
+      MOE(DtypeF16),
+      MOE(DtypeBF16),
   };
   return kernels;
 }

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kernels import cpu_layer_ops
+from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops, cuda_moe
 from zllm.executor.kernels.batch_invariant import TILE_ROWS, tiled
 from zllm.executor.weights.gguf_arithmetic import integer_rows
 from zllm.model.arch_config import ModelArchConfig
@@ -149,6 +149,10 @@ def gated_activation(gate_up: torch.Tensor, rule: MoERule) -> torch.Tensor:
     if rule.activation == SILU and not rule.interleaved_gate_up:
         if cpu_layer_ops.usable(gate_up):
             fused = cpu_layer_ops.gated_act(gate_up, "silu")  # csrc/cpu/row_ops.h
+            if fused is not None:
+                return fused
+        elif cuda_layer_ops.usable(gate_up):
+            fused = cuda_layer_ops.silu_mul(gate_up)  # csrc/layer_ops.cu: torch's bits
             if fused is not None:
                 return fused
     if rule.interleaved_gate_up:
@@ -344,6 +348,15 @@ class MoEBlock(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), one matmul pair per chosen
         expert over its tokens' rows (grouped by a stable sort of the pairs by expert)."""
+        if cuda_moe.usable(x):
+            on_device = self._routed_cuda(x, weights, experts)
+            if on_device is not None:
+                return on_device
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "a CUDA graph cannot capture this MoE layer: its expert weights are not "
+                    "float [experts, out, in] tensors the expert kernel reads"
+                )
         if x.shape[0] <= GROUPED_MAX_TOKENS:
             grouped = self._routed_grouped(x, weights, experts)
             if grouped is not None:
@@ -390,6 +403,26 @@ class MoEBlock(nn.Module):
         # The activation is per row, so all groups at once give each row's bits.
         out_rows = experts_down.grouped(gated_activation(gate_up, self.rule), groups)
         return _weighted_sum(x, out_rows, weights, order_index, token_of)
+
+    def _routed_cuda(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor | None:
+        """routed() on the GPU with no host sync (csrc/moe_experts.cu): the pairs grouped on
+        the device, each projection one launch over the chosen experts, outputs in pair
+        order, so the combine is a weighted sum over each token's k rows (in fp32). None
+        where the kernel does not read these weights (blocks, --deterministic's tiles)."""
+        gate_up_m, down_m = self.experts_gate_up, self.experts_down
+        if gate_up_m.tile_rows is not None or down_m.tile_rows is not None:
+            return None
+        if not (cuda_moe.takes(x, gate_up_m.weight) and cuda_moe.takes(None, down_m.weight)):
+            return None
+        assert gate_up_m.weight is not None and down_m.weight is not None
+        groups = cuda_moe.expert_groups(experts, self.num_experts)
+        gate_up = cuda_moe.moe_gemv(x, gate_up_m.weight, gate_up_m.bias, groups, self.top_k)
+        hidden = gated_activation(gate_up, self.rule).contiguous()
+        out_rows = cuda_moe.moe_gemv(hidden, down_m.weight, down_m.bias, groups, 1)
+        per_token = out_rows.view(x.shape[0], self.top_k, -1).float() * weights.unsqueeze(-1)
+        return per_token.sum(dim=1).to(x.dtype)
 
     def checkpoint_targets(
         self, prefix: str, shared_name: str = "shared_expert"

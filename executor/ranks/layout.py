@@ -23,6 +23,7 @@ from zllm.executor.attention.backend import (
     AttentionBackend,
     choose_attention_backend,
 )
+from zllm.executor.kernels import cuda_moe
 from zllm.executor.ranks.parallel import (
     ONE_RANK,
     Parallel,
@@ -100,9 +101,11 @@ class RankLayout:
             return False  # graphs replay the CUDA backend's kernels
         if self.config.model_impl == "transformers":
             return False  # transformers' modeling code runs eagerly
-        if self.arch.num_experts:
-            # Each step reads its experts' token counts on the host (executor/models/moe.py).
-            logger.info("Mixture-of-experts layers: no CUDA graphs")
+        if self.arch.num_experts and (self.config.deterministic or not cuda_moe.ENABLED):
+            # The per-expert path (ZLLM_CUDA_MOE=0, and --deterministic's tiles) reads each
+            # expert's token count on the host (models/moe.py); the expert kernel
+            # (kernels/cuda_moe.py) groups the tokens on the device.
+            logger.info("Mixture-of-experts layers on the per-expert path: no CUDA graphs")
             return False
         if self.tp.enabled or self.pp.enabled:
             # Capturing NCCL collectives (and the communicator's lazy setup) is not tried yet.
