@@ -11,6 +11,8 @@ benchmarks/README.md):
                  outputs first diverge
 
     python benchmarks/gpu_bench.py decode-steps --shape smollm2|llama3-8b [--context 512]
+        [--blocks q4_0|q8_0|fp8]   (the decoder's matmuls as random blocks: a quantized
+                                    checkpoint's layout, csrc/block_gemv.cu)
     python benchmarks/gpu_bench.py profile [--shape smollm2-shape]
     python benchmarks/gpu_bench.py prefill [--shape llama3-8b]
     python benchmarks/gpu_bench.py divergence
@@ -112,6 +114,34 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval(), arch
 
 
+# Random blocks for --blocks (ggml type id, bytes per 32 values): what a W4A16 (symmetric),
+# W8A16 and fp8 checkpoint become at load (executor/weights/quantized/to_blocks.py).
+BLOCK_KINDS = {"q4_0": (2, 18), "q8_0": (8, 34), "fp8": (100, 34)}
+
+
+def random_blocks_(model, kind: str) -> int:
+    """Every decoder matmul as random blocks of `kind` on the model's device (scales 2^-7,
+    fp8 codes kept finite); returns the blocks' bytes."""
+    from zllm.executor.weights.blocks import decoder_matmul_targets
+    from zllm.executor.weights.gguf_modules import GGUFLinear
+
+    ggml_type, block_bytes = BLOCK_KINDS[kind]
+    total = 0
+    for module, attr, _ in decoder_matmul_targets(model):
+        linear = getattr(module, attr)
+        rows, columns = linear.weight.shape
+        device = linear.weight.device
+        blocks = torch.randint(0, 256, (rows, columns // 32, block_bytes), dtype=torch.uint8,
+                               device=device)  # fmt: skip
+        if kind == "fp8":
+            blocks &= 0x77  # exponents below 15: no NaN code
+        blocks[..., :2] = torch.tensor([0x00, 0x20], dtype=torch.uint8, device=device)  # 2^-7
+        qweight = blocks.view(rows, -1)
+        setattr(module, attr, GGUFLinear(qweight, ggml_type, columns, linear.bias))
+        total += qweight.numel()
+    return total
+
+
 def time_events(fn, repeats: int) -> float:
     """Median seconds of fn() between CUDA events (after two warm-up calls)."""
     fn()
@@ -189,7 +219,8 @@ def decode_steps(args: argparse.Namespace) -> dict:
     bandwidth = measured_bandwidth(device)
     eager_launch, graph_launch = launch_time(device)
     model, arch = build_model(args.shape, device, dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    block_bytes = 0 if args.blocks == "none" else random_blocks_(model, args.blocks)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + block_bytes
     block_size, ctx = 16, args.context
     max_batch = max(BATCHES)
     blocks_per_seq = -(-(ctx + 1) // block_size)
@@ -255,7 +286,8 @@ def decode_steps(args: argparse.Namespace) -> dict:
         print(f"kernel count failed: {e}")
         kernels = 0
     result = dict(
-        shape=args.shape, device=torch.cuda.get_device_name(device), torch=torch.__version__,
+        shape=args.shape, blocks=args.blocks, device=torch.cuda.get_device_name(device),
+        torch=torch.__version__,
         context=ctx, weight_bytes=weight_bytes, hbm_bytes_per_s=bandwidth,
         launch_eager_us=1e6 * eager_launch, launch_graph_us=1e6 * graph_launch,
         kernels_per_step=kernels, rows=rows, prefill_16x128_flash_ms=prefills[0]["flash_ms"],
@@ -381,6 +413,7 @@ def main() -> int:
     d.add_argument("--shape", choices=("smollm2", *SHAPES), default="smollm2")
     d.add_argument("--context", type=int, default=512, help="cached tokens per sequence")
     d.add_argument("--repeats", type=int, default=30)
+    d.add_argument("--blocks", choices=("none", *BLOCK_KINDS), default="none")
     f = sub.add_parser("profile")
     f.add_argument("--shape", choices=("smollm2", *SHAPES), default="smollm2-shape")
     f.add_argument("--context", type=int, default=512)

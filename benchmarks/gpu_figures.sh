@@ -4,6 +4,9 @@
 #   steps-8b     decode step times, a random Llama-3-8B shape (bf16), eager vs CUDA graphs,
 #                fused layer ops off and on
 #   steps-shape  the same for a random SmolLM2 shape
+#   steps-8b-blocks  the 8B shape's decode steps with its decoder matmuls as random Q4_0
+#                (W4A16), FP8_E4M3 and Q8_0 blocks (a quantized checkpoint's layouts,
+#                csrc/block_gemv.cu), against their bytes floor (BLOCK_KINDS="q4_0 fp8 q8_0")
 #   steps        the real SmolLM2 (bf16), as configured
 #   profile      a batch-1 step's kernels (random SmolLM2 shape), grouped by name
 #   moe          a mixture-of-experts decode step (8 of Qwen3-30B-A3B's layers, random bf16):
@@ -53,6 +56,13 @@ for step in "$@"; do
       ZLLM_CUDA_LAYER_OPS=${ops%-split} ZLLM_CUDA_ROPE_CACHE=$rope_cache timeout 240 \
         python3 benchmarks/gpu_bench.py --output-json "$OUT/$step-ops$ops.json" \
         decode-steps --shape $shape 2>&1 | grep -v "Warning\|warn_once" | tee -a "$OUT/$step.log"
+    done ;;
+  steps-8b-blocks)
+    for kind in ${BLOCK_KINDS:-q4_0 fp8 q8_0}; do
+      section "$step $kind"
+      timeout 240 python3 benchmarks/gpu_bench.py --output-json "$OUT/steps-8b-$kind.json" \
+        decode-steps --shape llama3-8b --blocks "$kind" 2>&1 | grep -v "Warning\|warn_once" \
+        | tee -a "$OUT/$step.log"
     done ;;
   moe)
     section "$step"

@@ -57,6 +57,8 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
         assert entries == 3 * len(ck.SUPPORTED_HEAD_DIMS)
     elif source == "moe_experts.cu":
         assert entries == 3  # zllm_moe_gemv in f32, f16, bf16
+    elif source == "block_gemv.cu":
+        assert entries == 3 * 4 * 2  # 3 dtypes x 4 block types x (gemv, dequant)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -157,6 +159,14 @@ def test_nvrtc_compiles_runtime_sources(libnvrtc):
     assert all(v.startswith("_Z") for v in lowered.values())
     names = [f"zllm_moe_gemv<{tag}>" for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")]
     lowered = nvrtc_compile(libnvrtc, ck.kernel_source("moe_experts.cu"), options, names)
+    assert all(v.startswith("_Z") for v in lowered.values())
+    names = [
+        f"zllm_block_{kind}<{tag}, {ggml_type}>"
+        for kind in ("gemv", "dequant")
+        for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")
+        for ggml_type in (2, 3, 8, 100)
+    ]
+    lowered = nvrtc_compile(libnvrtc, ck.kernel_source("block_gemv.cu"), options, names)
     assert all(v.startswith("_Z") for v in lowered.values())
 
 

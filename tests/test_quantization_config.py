@@ -9,7 +9,11 @@ import json
 import pytest
 
 from zllm.config.engine_args import EngineArgs
-from zllm.config.quantization import WeightFormat, read_checkpoint_quantization
+from zllm.config.quantization import (
+    WeightFormat,
+    check_quantization,
+    read_checkpoint_quantization,
+)
 
 W4A16 = {
     "quant_method": "compressed-tensors",
@@ -106,7 +110,10 @@ def test_combinations_refused_with_their_reason(tmp_path, tiny_llama_dir):
     assert read_checkpoint_quantization(model).act_order
     with pytest.raises(ValueError, match="act-order checkpoint .* tensor-parallel"):
         EngineArgs(model=model, device="cpu", tensor_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="gptq checkpoints run on CPU kernels"):
-        EngineArgs(model=model, device="cuda").create_engine_config()
+    # A GPU reads the blocks too (csrc/block_gemv.cu): the config lets it through.
+    where = dict(model_path=model, load_format="auto", model_impl="zllm", tensor_parallel_size=1)
+    assert check_quantization(None, device="cuda", **where) == "gptq"
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        check_quantization("gguf-int8", device="cuda", **where)
     with pytest.raises(ValueError, match="--model-impl transformers"):
         EngineArgs(model=model, device="cpu", model_impl="transformers").create_engine_config()

@@ -9,6 +9,7 @@
 
 #include "cuda_host_emu.h"
 
+#include "../block_gemv.cu"
 #include "../kv_cache.cu"
 #include "../layer_ops.cu"
 #include "../moe_experts.cu"
@@ -128,6 +129,28 @@ void run_moe_gemv(void* p) {
 
 #define MOE(D) {"zllm_moe_gemv<" #D ">", &run_moe_gemv<D>}
 
+template <typename D, int TYPE>
+void run_block_gemv(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_block_gemv<D, TYPE>(arg<T*>(a, 0), arg<zllm_i64>(a, 1), arg<const T*>(a, 2),
+                           arg<zllm_i64>(a, 3), arg<int>(a, 4), arg<const unsigned char*>(a, 5),
+                           arg<zllm_i64>(a, 6), arg<int>(a, 7), arg<int>(a, 8));
+}
+
+template <typename D, int TYPE>
+void run_block_dequant(void* p) {
+  using T = typename D::T;
+  Args a = static_cast<Args>(p);
+  zllm_block_dequant<D, TYPE>(arg<T*>(a, 0), arg<const unsigned char*>(a, 1), arg<zllm_i64>(a, 2),
+                              arg<int>(a, 3), arg<int>(a, 4));
+}
+
+#define BLOCK_TYPE(D, TYPE)                                                      \
+  {"zllm_block_gemv<" #D ", " #TYPE ">", &run_block_gemv<D, TYPE>},               \
+      {"zllm_block_dequant<" #D ", " #TYPE ">", &run_block_dequant<D, TYPE>}
+#define BLOCKS(D) BLOCK_TYPE(D, 2), BLOCK_TYPE(D, 3), BLOCK_TYPE(D, 8), BLOCK_TYPE(D, 100)
+
 #define LAYER_OPS(D)                                                             \
   {"zllm_rms_norm<" #D ">", &run_rms_norm<D>}, {"zllm_rope<" #D ">", &run_rope<D>}, \
       {"zllm_rope_cache<" #D ">", &run_rope_cache<D>},                               \
@@ -159,6 +182,9 @@ const std::map<std::string, Runner>& registry() {
       MOE(DtypeF32),
       MOE(DtypeF16),
       MOE(DtypeBF16),
+      BLOCKS(DtypeF32),
+      BLOCKS(DtypeF16),
+      BLOCKS(DtypeBF16),
   };
   return kernels;
 }

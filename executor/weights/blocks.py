@@ -264,8 +264,12 @@ class BlockPlan:
     replace (`served`) to fp32: loading takes the blocks' bytes and none of the fp32 copies'
     time or memory. Built on the model's empty shell."""
 
-    def __init__(self, model: nn.Module, model_path: str, method: str) -> None:
-        cpu_kernels.load()  # build (or load) the extension first: a failure surfaces here, once
+    def __init__(
+        self, model: nn.Module, model_path: str, method: str, cpu_kernels_run: bool = True
+    ) -> None:
+        """`cpu_kernels_run`: the CPU kernels will multiply the blocks (False on a GPU)."""
+        if cpu_kernels_run:  # build (or load) the extension first: a failure surfaces here, once
+            cpu_kernels.load()
         self.source = _WeightBlocks(model, model_path, method, verify=False)
         self.served = self._served(model)
 

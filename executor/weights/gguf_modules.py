@@ -2,15 +2,35 @@
 (csrc/cpu/gguf_linear.h, gguf_int8.h): a GGUF file's quantized blocks, or F16/BF16 rows
 (16-bit files and checkpoints). executor/weights/blocks.py decides which matrices become
 these; executor/weights/quantization.py, when.
+
+On a GPU (a quantized checkpoint's Q4_0/Q4_1/Q8_0/FP8_E4M3 blocks), gpu_layout_ makes each
+16-bit matrix (the embedding, the logits, what a checkpoint leaves unquantized) a plain
+weight of the model's dtype (type DENSE), move_blocks_ puts the blocks on the device after
+load, and the same modules multiply them through executor/kernels/cuda_blocks.py.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cuda_blocks
 from zllm.executor.weights.gguf_arithmetic import integer_rows
+
+# On a GPU: a matrix held as a plain [out, in] weight of the model's dtype (a 16-bit one).
+DENSE = -1
+_SIXTEEN_BIT = {1: torch.float16, 30: torch.bfloat16}  # ggml F16, BF16
+
+
+def _gpu_linear_into(
+    x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, out: torch.Tensor
+) -> None:
+    if ggml_type == DENSE:
+        out.copy_(F.linear(x, qweight))
+    else:
+        cuda_blocks.linear_into(x, qweight, ggml_type, out)
 
 
 class GGUFLinear(nn.Module):
@@ -43,7 +63,13 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-        if self.int8_activations and flat.shape[0] <= self.int8_max_rows:
+        if on_gpu(flat):
+            if self.ggml_type == DENSE:
+                y = F.linear(flat, self.qweight)
+            else:
+                y = flat.new_empty(flat.shape[0], self.out_features)
+                cuda_blocks.linear_into(flat, self.qweight, self.ggml_type, y)
+        elif self.int8_activations and flat.shape[0] <= self.int8_max_rows:
             y = cpu_kernels.gguf_linear_int8(flat, self.qweight, self.ggml_type)
         else:
             y = cpu_kernels.gguf_linear(flat, self.qweight, self.ggml_type)
@@ -87,7 +113,9 @@ class GGUFSplitLinear(nn.Module):
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
             columns = y[:, start : start + rows]
-            if int8:
+            if on_gpu(flat):
+                _gpu_linear_into(flat, qweight, ggml_type, columns)
+            elif int8:
                 cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
             else:
                 cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
@@ -113,5 +141,77 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight.index_select(0, input_ids.reshape(-1))
+        if self.ggml_type == DENSE:
+            return rows.view(*input_ids.shape, self.embedding_dim)
         out = cpu_kernels.gguf_dequantize(rows, self.ggml_type, self.embedding_dim)
         return out.view(*input_ids.shape, self.embedding_dim)
+
+
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether a call takes the GPU kernels (the CPU tests' emulator says yes for CPU tensors)."""
+    return x.is_cuda
+
+
+def gpu_layout_(model: nn.Module, dtype: torch.dtype) -> int:
+    """The block modules as the GPU kernels read them, in place: 16-bit rows become DENSE
+    weights of `dtype` (each once: a tied embedding and logits keep sharing). Refuses
+    (ValueError) a type the GPU has no kernel for, and experts held in blocks. Returns how
+    many modules hold blocks the GPU kernels read."""
+    from zllm.executor.models.moe import ExpertMatrices
+
+    dense: dict[int, torch.Tensor] = {}
+
+    def laid_out(name: str, qweight: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
+        if ggml_type in _SIXTEEN_BIT:
+            if id(qweight) not in dense:
+                dense[id(qweight)] = qweight.view(_SIXTEEN_BIT[ggml_type]).to(dtype)
+            return dense[id(qweight)], DENSE
+        if ggml_type != DENSE and not cuda_blocks.supported(ggml_type):
+            kind = cpu_kernels.KERNEL_TYPES.get(ggml_type, str(ggml_type))
+            raise ValueError(
+                f"{name}: {kind} blocks have no GPU kernel (the GPU reads Q4_0, Q4_1, Q8_0 "
+                f"and FP8_E4M3 blocks: quantized checkpoints' layouts)"
+            )
+        return qweight, ggml_type
+
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+            module.qweight, module.ggml_type = laid_out(name, module.qweight, module.ggml_type)
+        elif isinstance(module, GGUFSplitLinear):
+            module.parts = [laid_out(name, q, t) for q, t in module.parts]
+        elif isinstance(module, ExpertMatrices) and module.parts is not None:
+            raise ValueError(
+                f"{name}: experts held in blocks (a quantized mixture of experts) have no GPU "
+                f"kernel yet; serve this checkpoint on CPU"
+            )
+        else:
+            continue
+        count += 1
+    return count
+
+
+def move_blocks_(model: nn.Module, device: torch.device, pin: bool = False) -> None:
+    """Every block module's tensors to `device` (model.to() moves parameters and buffers, not
+    these), each once (ties kept); `pin`: into page-locked host memory (sleep level 1)."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in moved:
+            if pin:
+                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                moved[id(tensor)] = host.copy_(tensor)
+            else:
+                moved[id(tensor)] = tensor.to(device)
+        return moved[id(tensor)]
+
+    for module in model.modules():
+        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+            module.qweight = move(module.qweight)
+        elif isinstance(module, GGUFSplitLinear):
+            module.parts = [(move(q), t) for q, t in module.parts]
+        else:
+            continue
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and not isinstance(bias, nn.Parameter):
+            module.bias = move(bias)

@@ -32,6 +32,7 @@ from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
 from zllm.executor.weights.dense_rows import use_dense_rows_
 from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
+from zllm.executor.weights.gguf_modules import gpu_layout_, move_blocks_
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.model.gguf import read_gguf
 from zllm.runtime.heap_trim import trim_heap
@@ -178,7 +179,8 @@ class ModelWeights:
         # those are never widened to fp32.
         plan = None
         if self.quantization in _BLOCK_METHODS:
-            plan = weight_blocks.BlockPlan(model, config.model_path, self.quantization)
+            on_cpu = layout.device.type == "cpu"
+            plan = weight_blocks.BlockPlan(model, config.model_path, self.quantization, on_cpu)
         served = plan.served if plan is not None else frozenset()
         # (A pipeline stage reads only its own layers' weights.)
         layers = getattr(model, "layer_indices", None)
@@ -188,7 +190,11 @@ class ModelWeights:
             plan.apply(model, config.model_path)
         elif self.quantization != "none":
             quantization.quantize_model_(model, self.quantization, config.model_path)
-        return model.to(layout.device).eval()
+        model.to(layout.device)
+        if plan is not None and layout.device.type == "cuda":  # the blocks too (cuda_blocks.py)
+            gpu_layout_(model, layout.dtype)
+            move_blocks_(model, layout.device)
+        return model.eval()
 
     def _quantization_method(self) -> str:
         """config.quantization, checked against the model (or one picked when unset)."""
@@ -214,7 +220,7 @@ class ModelWeights:
         explicit = config.quantization is not None  # asked for: refuse what it can't serve
         if explicit:
             quantization.check_quantization(method, config.model_path, strict=True)
-        if method in _BLOCK_METHODS:
+        if method in _BLOCK_METHODS and layout.device.type == "cpu":
             try:
                 cpu_kernels.load()  # built (or loaded) now: a failure surfaces here, once
             except cpu_kernels.CpuKernelError as exc:
@@ -236,6 +242,7 @@ def move_weights(model: nn.Module, device: torch.device, pin: bool = False) -> N
             tensor.data = host.copy_(tensor.data)
         else:
             tensor.data = tensor.data.to(device)
+    move_blocks_(model, device, pin)  # a quantized checkpoint's blocks are neither
 
 
 def release_freed_memory(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Quantized weights for CPU serving.
+"""Quantized weights for CPU serving (and a quantized checkpoint's blocks on a GPU too).
 
 GGUF files (`gguf`, the default for one on CPU; `gguf-float`; `gguf-int8`): the decoder's
 matmuls, the logits and the embedding lookup read the file's own blocks (Q4_0, Q4_1, Q5_0,
@@ -24,7 +24,8 @@ method, zllm/config/quantization.py): their packed codes are laid out once at lo
 same kernels' Q4_0/Q4_1/Q8_0 blocks, or 16-bit rows (executor/weights/quantized/), and from
 there served as a GGUF file's blocks are (blocks.py: every block source, a GGUF file, a
 16-bit checkpoint or a quantized one, names the tensors it serves before the load and gives
-each matmul its module).
+each matmul its module). On a GPU the same modules multiply those blocks through
+csrc/block_gemv.cu (gguf_modules.py gpu_layout_, move_blocks_).
 
 `int8` (opt-in, a plain fp32/16-bit checkpoint): every decoder matmul's weights rounded to
 int8 at load, one fp16 scale per 32 values (llama.cpp's Q8_0 blocks, bit for bit as gguf-py

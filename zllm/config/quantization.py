@@ -26,11 +26,12 @@ import msgspec
 GGUF_QUANTIZATIONS = ("gguf", "gguf-float", "gguf-int8")
 # vLLM's names for a quantized checkpoint's method (config.json quantization_config.quant_method).
 CHECKPOINT_QUANTIZATIONS = ("compressed-tensors", "gptq", "awq", "fp8")
-CPU_QUANTIZATIONS = (*GGUF_QUANTIZATIONS, "int8", *CHECKPOINT_QUANTIZATIONS)
+# CPU kernels only. A quantized checkpoint's blocks also have GPU kernels (csrc/block_gemv.cu).
+CPU_QUANTIZATIONS = (*GGUF_QUANTIZATIONS, "int8")
 # quant_methods a model's own code reads (not a --quantization): gpt-oss's MXFP4 experts
 # (executor/weights/mxfp4.py).
 MODEL_QUANTIZATIONS = ("mxfp4",)
-QUANTIZATION_CHOICES = (*CPU_QUANTIZATIONS, "none")
+QUANTIZATION_CHOICES = (*CPU_QUANTIZATIONS, *CHECKPOINT_QUANTIZATIONS, "none")
 
 _CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 
@@ -163,11 +164,6 @@ def _check_checkpoint(
             f"the checkpoint's weights are stored {method}-quantized (config.json's "
             f"quantization_config); --quantization {requested} cannot read them: leave it "
             f"unset or name {method}"
-        )
-    if device != "cpu":
-        raise ValueError(
-            f"{method} checkpoints run on CPU kernels for now (their GPU kernels wait for a "
-            f"GPU session); on {device} use an unquantized checkpoint"
         )
     if impl == "transformers":
         raise ValueError(

@@ -1,0 +1,147 @@
+"""The GPU's block-quantized matmuls (csrc/block_gemv.cu, executor/kernels/cuda_blocks.py),
+built for the host by the kernel emulator (csrc/emu) and run on CPU tensors:
+
+- every type a quantized checkpoint is laid out in (Q4_0, Q4_1, Q8_0, FP8_E4M3): the
+  dequantizer gives the CPU kernel's weights bit for bit (every e4m3 byte included), the
+  gemv of 1-8 rows equals float64 on them, into a column slice of a wider output too;
+- a quantized checkpoint's whole model on the GPU path (here emulated: gpu_layout_'s 16-bit
+  matrices as plain weights, the blocks through the kernels, decode-sized calls through the
+  gemv and longer ones through the dequantizer and a GEMM) against the same model on the CPU
+  kernels.
+
+tests/test_cuda_quant.py runs the same on a GPU and through the engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf_files import stored_matrix
+from quant_checkpoints import CHECKPOINTS
+
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cuda_blocks
+from zllm.executor.kernels.cuda import CudaKernelError
+from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
+
+FP8 = cpu_kernels.FP8_E4M3
+TYPES = {"Q4_0": int(T.Q4_0), "Q4_1": int(T.Q4_1), "Q8_0": int(T.Q8_0), "FP8_E4M3": FP8}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def blocks_of(ggml_type: int, out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    if ggml_type != FP8:
+        rng = np.random.default_rng(seed)
+        return torch.from_numpy(stored_matrix((out_features, in_features), T(ggml_type), rng))
+    # every finite e4m3 byte (0x7F / 0xFF are NaN), a scale per row
+    gen = torch.Generator().manual_seed(seed)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, len(finite), (out_features, in_features), generator=gen)]
+    scale = torch.rand(out_features, 1, generator=gen) * 0.01 + 2.0**-10
+    ggml_type, rows = float_blocks(FloatWeight(codes.view(torch.float8_e4m3fn), scale))
+    assert ggml_type == FP8
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", TYPES)
+def test_emulated_dequantizer_gives_the_cpu_kernels_weights(emu, kind, dtype):
+    ggml_type = TYPES[kind]
+    rows = blocks_of(ggml_type, 6, 96, seed=1)
+    expected = cpu_kernels.gguf_dequantize(rows, ggml_type, 96)
+    out = torch.full((6, 96), float("nan"), dtype=dtype)
+    emu.run_launches(cuda_blocks.plan_block_dequant(rows, ggml_type, out))
+    assert torch.equal(out, expected.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_emulated_gemv_matches_float64(emu, kind, dtype, rows):
+    """Rows of x strided (a slice of a wider tensor); the output a column slice of a wider
+    one (a fused matmul's part), its neighbours untouched; 70 output rows (not a multiple of
+    a thread block's 4) of 1,088 columns (34 blocks: lanes 0 and 1 take two)."""
+    ggml_type = TYPES[kind]
+    out_features, in_features = 70, 1088
+    qweight = blocks_of(ggml_type, out_features, in_features, seed=rows)
+    weight = cpu_kernels.gguf_dequantize(qweight, ggml_type, in_features).double()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features + 16, generator=gen).to(dtype)[:, 8 : 8 + in_features]
+    wide = torch.full((rows, out_features + 10), float("nan"), dtype=dtype)
+    out = wide[:, 4 : 4 + out_features]
+    emu.names.clear()
+    emu.run_launches(cuda_blocks.plan_block_gemv(x, qweight, ggml_type, out))
+    assert emu.names == [f"zllm_block_gemv<{cuda_blocks._DTYPE_TAG[dtype]}, {ggml_type}>"]
+    expected = x.double() @ weight.T
+    scale = expected.abs().max().item()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * scale)
+    assert wide[:, :4].isnan().all() and wide[:, 4 + out_features :].isnan().all()
+
+
+def test_layouts_the_kernels_do_not_read_are_refused():
+    q4_0 = blocks_of(int(T.Q4_0), 4, 64, seed=0)
+    x = torch.zeros(2, 64)
+    out = torch.empty(2, 4)
+    with pytest.raises(CudaKernelError, match="no GPU kernel"):
+        cuda_blocks.plan_block_gemv(x, q4_0, int(T.Q4_K), out)
+    with pytest.raises(CudaKernelError, match=r"uint8 \[rows, 36\]"):
+        cuda_blocks.plan_block_gemv(x, q4_0[:, :30], int(T.Q4_0), out)
+    with pytest.raises(CudaKernelError, match="at most 8"):
+        cuda_blocks.plan_block_gemv(torch.zeros(9, 64), q4_0, int(T.Q4_0), torch.empty(9, 4))
+    with pytest.raises(CudaKernelError, match="whole 32-value blocks"):
+        cuda_blocks.plan_block_dequant(q4_0, int(T.Q4_0), torch.empty(4, 48))
+    assert [t for t in cpu_kernels.KERNEL_TYPES if cuda_blocks.supported(t)] == [2, 3, 8, FP8]
+
+
+# ---- a quantized checkpoint's model on the GPU path, emulated -----------------------------------
+# One case per block type (and 16-bit rows: GPTQ 8-bit with zero points), act-order's
+# per-part gathers and split matmuls.
+MODEL_CASES = ["ct-w4a16", "awq-g64", "ct-w8a8", "ct-fp8-dynamic", "gptq-8bit-asym",
+               "gptq-4bit-act-order-per-matrix"]  # fmt: skip
+
+
+def forward_logits(model, layout, lens: list[int], vocab: int) -> torch.Tensor:
+    arch = model.arch
+    caches = [
+        torch.zeros(2, 16, 16, arch.num_kv_heads, arch.head_dim) for _ in range(arch.num_layers)
+    ]
+    tables = [[1 + i * 2, 2 + i * 2] for i in range(len(lens))]
+    slots = [t[p // 16] * 16 + p % 16 for t, n in zip(tables, lens, strict=True) for p in range(n)]
+    meta = layout.attention.build_metadata(lens, lens, tables, slots, 16, "cpu")
+    ids = torch.randint(0, vocab, (sum(lens),), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    return model.compute_logits(model(ids, positions, caches, meta))
+
+
+@pytest.mark.parametrize("case", MODEL_CASES)
+@torch.inference_mode()
+def test_emulated_gpu_path_of_a_quantized_model_equals_its_cpu_path(
+    emu, monkeypatch, tmp_path_factory, case
+):
+    from zllm.config.engine_args import EngineArgs
+    from zllm.executor.ranks.layout import RankLayout
+    from zllm.executor.weights import gguf_modules
+    from zllm.executor.weights.model_weights import ModelWeights
+
+    path = CHECKPOINTS[case](tmp_path_factory.mktemp(case))
+    config = EngineArgs(model=str(path), kv_cache_memory_bytes=16 << 20).create_engine_config()
+    layout = RankLayout.of(config)
+    model = ModelWeights(layout).model
+    vocab = config.arch.vocab_size
+    shapes = {"decode": [1, 1, 1], "prefill": [12, 5]}  # 3 rows (gemv), 17 (dequant + GEMM)
+    expected = {k: forward_logits(model, layout, lens, vocab) for k, lens in shapes.items()}
+    assert gguf_modules.gpu_layout_(model, torch.float32) > 0
+    assert model.embed_rows.ggml_type == gguf_modules.DENSE  # 16-bit rows: a plain weight
+    monkeypatch.setattr(gguf_modules, "on_gpu", lambda x: True)
+    monkeypatch.setattr(
+        cuda_blocks, "run_launches", lambda launches, device: emu.run_launches(launches)
+    )
+    for kind, lens in shapes.items():
+        emu.names.clear()
+        got = forward_logits(model, layout, lens, vocab)
+        ran = {name.split("<")[0] for name in emu.names}
+        if case != "gptq-8bit-asym":  # (its matrices are all 16-bit rows)
+            assert ran == {"zllm_block_gemv" if kind == "decode" else "zllm_block_dequant"}
+        torch.testing.assert_close(got, expected[kind], rtol=1e-4, atol=1e-4)
