@@ -69,7 +69,8 @@ def _image_features(
     if not config.arch.vision:
         return None
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
-    encoder = image_encoder(config.model_path, model_config, dtype, model)
+    device = next(model.parameters()).device
+    encoder = image_encoder(config.model_path, model_config, dtype, model, device)
     step_bytes = config.scheduler.max_num_encoder_tokens * config.arch.hidden_size * dtype.itemsize
     return ImageFeatures(encoder, min_cache_bytes=2 * step_bytes)
 

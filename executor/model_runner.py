@@ -443,7 +443,8 @@ class ModelRunner:
         model, kv_caches = self.host.weights.model, self.host.kv.caches
         if inputs.images is not None:  # image tokens: the encoder's features, not embeddings
             stream = model.embed(ids)
-            stream[inputs.images.rows] = inputs.images.features.to(stream.dtype)
+            rows = inputs.images.rows.to(stream.device)
+            stream[rows] = inputs.images.features.to(stream.device, stream.dtype)
         else:
             hidden = self.host.decode.run(ids, positions, meta, stream, final_norm)
             if hidden is not None:

@@ -130,6 +130,7 @@ CI_SKIPS_ALLOWED = (
     ("test_cuda_sinks.py", "no CUDA device"),
     ("test_cuda_moe.py", "no CUDA device"),
     ("test_cuda_quant.py", "no CUDA device"),
+    ("test_cuda_vision.py", "no CUDA device"),
     ("test_csrc_compile.py", "libnvrtc not found"),
 )
 

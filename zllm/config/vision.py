@@ -49,8 +49,6 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
     if not config.arch.vision:
         return []
     reasons = []
-    if config.device != "cpu":
-        reasons.append(f"--device {config.device}: the image attention runs on CPU only so far")
     if config.pipeline_parallel_size > 1:
         reasons.append(
             "--pipeline-parallel-size: the image features join the embeddings, which only "

@@ -85,10 +85,15 @@ class ImageEncoder(Protocol):
 
 
 def image_encoder(
-    model_path: str, config: dict, dtype: torch.dtype, model: torch.nn.Module
+    model_path: str,
+    config: dict,
+    dtype: torch.dtype,
+    model: torch.nn.Module,
+    device: torch.device | str = "cpu",
 ) -> ImageEncoder:
-    """The checkpoint's encoder, by its config.json's model_type, loaded (zllm's own), or the
-    one inside `model` (the language model, loaded) where transformers' code runs it."""
+    """The checkpoint's encoder, by its config.json's model_type, loaded (zllm's own, onto
+    `device`), or the one inside `model` (the language model, loaded) where transformers'
+    code runs it."""
     if config.get("model_type") in TRANSFORMERS_VISION:
         from zllm.executor.models.vision.transformers_images import TransformersImages
 
@@ -96,11 +101,11 @@ def image_encoder(
     if config.get("model_type") == "qwen2_5_vl":
         from zllm.executor.models.vision.qwen2_5_vl import Qwen25VLImages
 
-        return Qwen25VLImages(model_path, config, dtype)
+        return Qwen25VLImages(model_path, config, dtype, device)
     if config.get("model_type") == "gemma3":
         from zllm.executor.models.vision.gemma3 import Gemma3Images
 
-        return Gemma3Images(model_path, config, dtype)
+        return Gemma3Images(model_path, config, dtype, device)
     raise ValueError(f"{model_path}: no image encoder for model_type {config.get('model_type')!r}")
 
 

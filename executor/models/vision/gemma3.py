@@ -91,14 +91,17 @@ def pixel_values(model_dir: str, images: list[bytes], processor=None) -> torch.T
 class Gemma3Images:
     """Gemma 3's encoder with its processor, as features.py's ImageEncoder."""
 
-    def __init__(self, model_path: str, config: dict, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_path: str, config: dict, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.model_path = model_path
         self.encoder = Gemma3ImageEncoder(config).to(dtype)
         self.encoder.load_checkpoint(model_path)
-        self.encoder.eval()
+        self.encoder.to(device).eval()
         self.processor = image_processor(model_path)
 
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pixels = pixel_values(self.model_path, images, self.processor)
-        batch = self.encoder(pixels.to(self.encoder.projection.dtype))
+        weight = self.encoder.projection
+        batch = self.encoder(pixels.to(weight.device, weight.dtype))
         return [row.clone() for row in batch]  # (not views keeping the whole batch alive)

@@ -342,10 +342,12 @@ class Qwen25VLImages:
     """Qwen2.5-VL's encoder with its processor, as features.py's ImageEncoder: one batch's
     tokens cut back into each image's (t x h x w / merge^2 of them)."""
 
-    def __init__(self, model_path: str, config: dict, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_path: str, config: dict, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         self.encoder = Qwen25VLImageEncoder(config).to(dtype)
         self.encoder.load_checkpoint(model_path)
-        self.encoder.eval()
+        self.encoder.to(device).eval()
         self.processor = image_processor(model_path)
 
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:

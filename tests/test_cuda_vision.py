@@ -1,0 +1,61 @@
+"""Vision-language models with images on a real GPU; part of the GPU run (`pytest
+tests/test_cuda*.py`). The tiny random Qwen2.5-VL and Gemma 3 vision models of
+tests/test_qwen_vl.py and tests/test_gemma3_vision.py (their tokenizers come from the SmolLM2
+and Gemma 3 packages: carry them to the GPU machine in parts, benchmarks/gpu_env.sh), in fp32
+on the GPU: the image encoder on the device, the language model on the torch attention
+backend (its image masks), greedy tokens as the CPU engine's on the same image prompts (a
+flip only at a near-tie)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device (torch.cuda.is_available() is False)", allow_module_level=True)
+if importlib.util.find_spec("cupy") is None:
+    pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
+
+from qwen_vl_reference import MARK as QWEN_MARK  # noqa: E402
+from qwen_vl_reference import images as qwen_images  # noqa: E402
+from test_cuda import assert_same_greedy, free_llm  # noqa: E402
+from test_gemma3_vision import images as gemma_images  # noqa: E402
+from vision_models import write_tiny_gemma3_vlm, write_tiny_qwen_vl  # noqa: E402
+
+from zllm import LLM, SamplingParams  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+GEMMA_MARK = "<start_of_image>"
+
+
+def model_and_prompts(which: str, tmp_path, request) -> tuple[str, list[dict]]:
+    if which == "qwen2_5_vl":
+        path = write_tiny_qwen_vl(tmp_path / which, request.getfixturevalue("smollm2_path"))
+        mark, images = QWEN_MARK, qwen_images
+    else:
+        gguf = request.getfixturevalue("gemma3_path")
+        path = write_tiny_gemma3_vlm(tmp_path / which, gemma3_gguf=gguf)
+        mark, images = GEMMA_MARK, gemma_images
+    prompts = [
+        {"prompt": f"Describe {mark} and then {mark} briefly", "multi_modal_data": {"image": images(0, 1)}},
+        {"prompt": f"{mark} what is it", "multi_modal_data": {"image": images(2)}},
+        {"prompt": f"again {mark}", "multi_modal_data": {"image": images(0)}},
+    ]  # fmt: skip
+    return str(path), prompts
+
+
+@pytest.mark.parametrize("which", ["qwen2_5_vl", "gemma3"])
+def test_images_on_the_gpu_answer_as_on_cpu(which, tmp_path, request):
+    path, prompts = model_and_prompts(which, tmp_path, request)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(path, device=device, dtype="float32", kv_cache_memory_bytes=64 << 20)
+        outs[device] = llm.generate(prompts, PARAMS, use_tqdm=False)
+        if device == "cuda":
+            host = llm.model_runner.host
+            assert host.layout.attention.name == "torch"  # the image masks' backend
+            assert next(host.images.encoder.encoder.parameters()).is_cuda
+        free_llm(llm)
+    assert assert_same_greedy(outs["cuda"], outs["cpu"], which) <= 1
