@@ -2,7 +2,7 @@
 // load (executor/weights/quantized/to_blocks.py; the CPU kernels read the same bytes), read
 // as they are, never widened in memory for a decode step.
 //
-//   zllm_block_gemv     out[m, o] = sum_i x[m, i] w[o, i]   for up to kMaxRows rows of x
+//   zllm_block_gemv     out[m, o] = sum_i x[m, i] w[o, i]   for up to 16 rows of x
 //   zllm_block_dequant  w as the element type, [out, in]   (a prefill's GEMM then runs on it)
 //
 // Types (ggml ids, 32 values a block, the fp16 scale d first):
@@ -27,7 +27,7 @@
 #include "zllm_common.cuh"
 
 constexpr int kBlockGemvThreads = 128;
-constexpr int kBlockGemvMaxRows = 8;  // cuda_blocks.py MAX_ROWS
+constexpr int kBlockGemvMaxRows = 16;  // cuda_blocks.py MAX_ROWS
 constexpr int kValuesPerBlock = 32;
 
 constexpr int kQ4_0 = 2;
@@ -126,9 +126,14 @@ __global__ void __launch_bounds__(kBlockGemvThreads)
       }
     }
   }
-  for (int m = 0; m < rows; ++m) {  // rows is the same for the whole warp
-    const float sum = group_sum<32>(acc[m]);
-    if (lane == 0) out[m * out_stride + o] = D::from_float(sum);
+  // Unrolled with a test rather than bounded by `rows`, so acc stays in registers; `rows`
+  // is the same for the whole warp, so every lane takes the same shuffles.
+#pragma unroll
+  for (int m = 0; m < kBlockGemvMaxRows; ++m) {
+    if (m < rows) {
+      const float sum = group_sum<32>(acc[m]);
+      if (lane == 0) out[m * out_stride + o] = D::from_float(sum);
+    }
   }
 }
 

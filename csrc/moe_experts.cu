@@ -74,9 +74,14 @@ __global__ void __launch_bounds__(kMoeThreads)
           }
         }
       }
-      for (int j = 0; j < n; ++j) {  // n is the same for the whole warp
-        const float sum = group_sum<32>(acc[j]);
-        if (lane == 0) out[pair[j] * out_features + o] = D::from_float(sum + b);
+      // Unrolled with a test (acc and pair stay in registers); n is the same for the
+      // whole warp, so every lane takes the same shuffles.
+#pragma unroll
+      for (int j = 0; j < kMoePairs; ++j) {
+        if (j < n) {
+          const float sum = group_sum<32>(acc[j]);
+          if (lane == 0) out[pair[j] * out_features + o] = D::from_float(sum + b);
+        }
       }
     }
   }

@@ -29,7 +29,7 @@ import torch
 from zllm.config.engine import EngineConfig
 from zllm.executor.graphs.decode_path import DecodePath
 from zllm.executor.kv.cache import KVCache
-from zllm.executor.models.vision.features import ImageFeatures, image_encoder
+from zllm.executor.models.vision.features import ImageEncoder, ImageFeatures, image_encoder
 from zllm.executor.models.vision.mrope import MRopePositions
 from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.ranks.parallel import ONE_RANK, Parallel
@@ -70,9 +70,12 @@ def _image_features(
         return None
     model_config = json.loads((Path(config.model_path) / "config.json").read_text())
     device = next(model.parameters()).device
-    encoder = image_encoder(config.model_path, model_config, dtype, model, device)
+
+    def make_encoder(language_model: torch.nn.Module) -> ImageEncoder:
+        return image_encoder(config.model_path, model_config, dtype, language_model, device)
+
     step_bytes = config.scheduler.max_num_encoder_tokens * config.arch.hidden_size * dtype.itemsize
-    return ImageFeatures(encoder, min_cache_bytes=2 * step_bytes)
+    return ImageFeatures(make_encoder, model, min_cache_bytes=2 * step_bytes)
 
 
 def _mrope(config: EngineConfig) -> MRopePositions | None:

@@ -63,7 +63,7 @@ class ModelRunner:
         self._step_end = time.perf_counter()
         self.host = host = ModelHost(config, parallel)
         layout = host.layout
-        self.sleep_mode = SleepMode(host.weights, host.kv, host.decode, layout.device)
+        self.sleep_mode = SleepMode(host.weights, host.kv, host.decode, layout.device, host.images)
         # Tensor parallel: unseeded rows draw from a generator of the runner's own, the same
         # on every rank (rank 0 of an offline engine shares torch's global one with the user).
         unseeded = (

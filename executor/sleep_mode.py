@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from zllm.executor.graphs.decode_path import DecodePath
     from zllm.executor.kv.cache import KVCache
+    from zllm.executor.models.vision.features import ImageFeatures
     from zllm.executor.weights.model_weights import ModelWeights
 
 logger = logging.getLogger(__name__)
@@ -40,9 +41,16 @@ class SleepMode:
     """The level rules over the three owners, and the tags (SLEEP_TAGS) still asleep."""
 
     def __init__(
-        self, weights: ModelWeights, kv: KVCache, decode: DecodePath, device: torch.device
+        self,
+        weights: ModelWeights,
+        kv: KVCache,
+        decode: DecodePath,
+        device: torch.device,
+        images: ImageFeatures | None = None,
     ) -> None:
+        """`images`: a vision model's encoder and its cache, which sleep with the weights."""
         self._weights, self._kv, self._decode = weights, kv, decode
+        self._images = images
         self._device = device  # where freed memory is handed back (release_freed_memory)
         self.sleeping: set[str] = set()  # the parts released (SLEEP_TAGS)
 
@@ -57,6 +65,8 @@ class SleepMode:
         self._kv.release(level)
         self._decode.release(level)
         self._weights.release(level)
+        if self._images is not None:
+            self._images.release(level)
         self.sleeping = set(SLEEP_TAGS)
         release_freed_memory(self._device)
         logger.info("Asleep (level %d): KV cache%s released", level, " and weights" * (level >= 2))
@@ -66,6 +76,8 @@ class SleepMode:
         start, was_asleep = time.perf_counter(), self.asleep
         if "weights" in tags and "weights" in self.sleeping:
             self._weights.restore()
+            if self._images is not None:
+                self._images.restore(self._weights.model)
             self.sleeping.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.sleeping:
             self._kv.restore()

@@ -13,35 +13,17 @@ tests/test_cuda_quant.py runs the same on a GPU and through the engine."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf_files import stored_matrix
+from kernel_cases import FP8, MODEL_CASES, TYPES, blocks_of
 from quant_checkpoints import CHECKPOINTS
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cuda_blocks
 from zllm.executor.kernels.cuda import CudaKernelError
-from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
 
-FP8 = cpu_kernels.FP8_E4M3
-TYPES = {"Q4_0": int(T.Q4_0), "Q4_1": int(T.Q4_1), "Q8_0": int(T.Q8_0), "FP8_E4M3": FP8}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def blocks_of(ggml_type: int, out_features: int, in_features: int, seed: int) -> torch.Tensor:
-    if ggml_type != FP8:
-        rng = np.random.default_rng(seed)
-        return torch.from_numpy(stored_matrix((out_features, in_features), T(ggml_type), rng))
-    # every finite e4m3 byte (0x7F / 0xFF are NaN), a scale per row
-    gen = torch.Generator().manual_seed(seed)
-    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    codes = finite[torch.randint(0, len(finite), (out_features, in_features), generator=gen)]
-    scale = torch.rand(out_features, 1, generator=gen) * 0.01 + 2.0**-10
-    ggml_type, rows = float_blocks(FloatWeight(codes.view(torch.float8_e4m3fn), scale))
-    assert ggml_type == FP8
-    return rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,7 +39,7 @@ def test_emulated_dequantizer_gives_the_cpu_kernels_weights(emu, kind, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 16])
 def test_emulated_gemv_matches_float64(emu, kind, dtype, rows):
     """Rows of x strided (a slice of a wider tensor); the output a column slice of a wider
     one (a fused matmul's part), its neighbours untouched; 70 output rows (not a multiple of
@@ -88,20 +70,32 @@ def test_layouts_the_kernels_do_not_read_are_refused():
         cuda_blocks.plan_block_gemv(x, q4_0, int(T.Q4_K), out)
     with pytest.raises(CudaKernelError, match=r"uint8 \[rows, 36\]"):
         cuda_blocks.plan_block_gemv(x, q4_0[:, :30], int(T.Q4_0), out)
-    with pytest.raises(CudaKernelError, match="at most 8"):
-        cuda_blocks.plan_block_gemv(torch.zeros(9, 64), q4_0, int(T.Q4_0), torch.empty(9, 4))
+    with pytest.raises(CudaKernelError, match="at most 16"):
+        cuda_blocks.plan_block_gemv(torch.zeros(17, 64), q4_0, int(T.Q4_0), torch.empty(17, 4))
     with pytest.raises(CudaKernelError, match="whole 32-value blocks"):
         cuda_blocks.plan_block_dequant(q4_0, int(T.Q4_0), torch.empty(4, 48))
     assert [t for t in cpu_kernels.KERNEL_TYPES if cuda_blocks.supported(t)] == [2, 3, 8, FP8]
 
 
+@pytest.mark.parametrize("rows", [20, 33])
+def test_emulated_linear_into_takes_gemv_passes_then_the_dequantizer(emu, monkeypatch, rows):
+    """20 rows: two gemv launches (16 + 4); 33 (past GEMV_MAX_ROWS): the dequantizer and a
+    GEMM."""
+    ggml_type = TYPES["Q8_0"]
+    qweight = blocks_of(ggml_type, 24, 256, seed=4)
+    weight = cpu_kernels.gguf_dequantize(qweight, ggml_type, 256).double()
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(
+        cuda_blocks, "run_launches", lambda launches, device: emu.run_launches(launches)
+    )
+    emu.names.clear()
+    out = cuda_blocks.linear_into(x, qweight, ggml_type, torch.empty(rows, 24))
+    kinds = [name.split("<")[0] for name in emu.names]
+    assert kinds == (["zllm_block_gemv"] * 2 if rows == 20 else ["zllm_block_dequant"])
+    torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-4)
+
+
 # ---- a quantized checkpoint's model on the GPU path, emulated -----------------------------------
-# One case per block type (and 16-bit rows: GPTQ 8-bit with zero points), act-order's
-# per-part gathers and split matmuls.
-MODEL_CASES = ["ct-w4a16", "awq-g64", "ct-w8a8", "ct-fp8-dynamic", "gptq-8bit-asym",
-               "gptq-4bit-act-order-per-matrix"]  # fmt: skip
-
-
 def forward_logits(model, layout, lens: list[int], vocab: int) -> torch.Tensor:
     arch = model.arch
     caches = [
@@ -130,7 +124,7 @@ def test_emulated_gpu_path_of_a_quantized_model_equals_its_cpu_path(
     layout = RankLayout.of(config)
     model = ModelWeights(layout).model
     vocab = config.arch.vocab_size
-    shapes = {"decode": [1, 1, 1], "prefill": [12, 5]}  # 3 rows (gemv), 17 (dequant + GEMM)
+    shapes = {"decode": [1, 1, 1], "prefill": [30, 5]}  # 3 rows (gemv), 35 (dequant + GEMM)
     expected = {k: forward_logits(model, layout, lens, vocab) for k, lens in shapes.items()}
     assert gguf_modules.gpu_layout_(model, torch.float32) > 0
     assert model.embed_rows.ggml_type == gguf_modules.DENSE  # 16-bit rows: a plain weight

@@ -9,41 +9,20 @@ built for the host by the kernel emulator (csrc/emu) and run on CPU tensors:
   against its CPU path, for the Qwen-MoE rule and gpt-oss's (interleaved gate/up, biases);
   layouts the kernel does not read fall back to the per-expert matmuls.
 
-tests/test_cuda.py runs the same on a GPU, and inside a CUDA graph."""
+tests/test_cuda_moe.py runs the same on a GPU, and inside a CUDA graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import moe_reference, random_moe
 
 from zllm.executor.kernels import cuda_moe
 from zllm.executor.kernels.cuda import CudaKernelError
-from zllm.executor.models.moe import GPT_OSS_RULE, MoEBlock
-from zllm.model.arch_config import ModelArchConfig
+from zllm.executor.models.moe import GPT_OSS_RULE
 
 # One unit in the last place of each type, relative.
 ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
-
-
-def moe_arch(hidden: int, experts: int, top_k: int, inter: int) -> ModelArchConfig:
-    return ModelArchConfig(
-        architecture="qwen3_moe",
-        vocab_size=16,
-        hidden_size=hidden,
-        intermediate_size=4 * inter,
-        num_layers=1,
-        num_heads=1,
-        num_kv_heads=1,
-        head_dim=hidden,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        norm_topk_prob=True,
-    )
 
 
 def test_expert_groups_sort_pairs_by_expert_on_the_device():
@@ -58,14 +37,6 @@ def test_expert_groups_sort_pairs_by_expert_on_the_device():
     for e in range(7):
         members = groups.order[groups.offsets[e] : groups.offsets[e + 1]]
         assert (pairs[members] == e).all()
-
-
-def reference(x, weight, bias, experts, pair_div):
-    """float64: out[p] = weight[e(p)] @ x[p // pair_div] + bias[e(p)]."""
-    pairs = experts.reshape(-1)
-    rows = x.double()[torch.arange(pairs.numel()) // pair_div]
-    out = torch.einsum("poi,pi->po", weight.double()[pairs], rows)
-    return out if bias is None else out + bias.double()[pairs]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -87,7 +58,7 @@ def test_emulated_moe_gemv_matches_float64(emu, dtype, with_bias, pair_div):
     emu.names.clear()
     emu.run_launches(cuda_moe.plan_moe_gemv(x, weight, bias, groups, pair_div, out))
     assert emu.names == [f"zllm_moe_gemv<{cuda_moe._DTYPE_TAG[dtype]}>"]
-    expected = reference(x, weight, bias, experts, pair_div)
+    expected = moe_reference(x, weight, bias, experts, pair_div)
     scale = expected.abs().max().item()
     torch.testing.assert_close(out.double(), expected, rtol=ULP[dtype], atol=ULP[dtype] * scale)
 
@@ -108,15 +79,6 @@ def test_moe_gemv_refuses_layouts_it_does_not_read():
         cuda_moe.plan_moe_gemv(x16, wide, None, groups, 2, out[:, :7])
     with pytest.raises(CudaKernelError, match="do not read"):  # 4 pairs from 1 row of 2
         cuda_moe.plan_moe_gemv(x16[:1], wide, None, groups, 2, out)
-
-
-def random_moe(rule, dtype, hidden=64, inter=48, experts=8, top_k=3, seed=0) -> MoEBlock:
-    gen = torch.Generator().manual_seed(seed)
-    kw = {} if rule is None else {"rule": rule}
-    block = MoEBlock(moe_arch(hidden, experts, top_k, inter), dtype, **kw).requires_grad_(False)
-    for param in block.parameters():
-        param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
-    return block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

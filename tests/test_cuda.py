@@ -13,6 +13,7 @@ import importlib.util
 import pytest
 import torch
 from chat_prompts import SMOLLM2_PROMPTS
+from gpu_parity import assert_same_greedy, free_llm
 from paged_reference import (
     TOLERANCE,
     decode_reference,
@@ -295,45 +296,11 @@ def test_cuda_graph_replay_equals_eager(tiny_gpu_llama_dir, dtype):
 
 
 # ---- the engine on the GPU: the offline LLM and `zllm serve`, against the CPU engine ----------
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-
-
-def assert_same_greedy(gpu_out, cpu_out, label: str) -> int:
-    """Exact equality, or a first mismatch at a near-tie: each side's token in the other's
-    top-5 with a CPU logprob gap under parity.TIE_TOLERANCE (cuBLAS sums in another order
-    than CPU BLAS). Returns the number of such flips."""
-    from parity import FLIPS, TIE_TOLERANCE
-
-    flips = 0
-    for i, (g, c) in enumerate(zip(gpu_out, cpu_out, strict=True)):
-        ours, theirs = g.outputs[0].token_ids, c.outputs[0].token_ids
-        k = first_divergence(ours, theirs)
-        if k is None:
-            assert len(ours) == len(theirs), f"{label}[{i}]: lengths differ"
-            continue
-        g_top, c_top = g.outputs[0].logprobs[k], c.outputs[0].logprobs[k]
-        assert theirs[k] in g_top and ours[k] in c_top, f"{label}[{i}]: flip at {k} off top-5"
-        gap = abs(c_top[theirs[k]].logprob - c_top[ours[k]].logprob)
-        assert gap < TIE_TOLERANCE, f"{label}[{i}]: flip at {k}, CPU logprob gap {gap:.4f}"
-        FLIPS.append(f"{label}[{i}]: GPU vs CPU flip at output position {k} (gap {gap:.4f})")
-        flips += 1
-    return flips
-
-
 def make_llm(path: str, device: str, **kw):
     from zllm import LLM
 
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
     return LLM(path, device=device, dtype=kw.pop("dtype", "float32"), **kw)
-
-
-def free_llm(llm) -> None:
-    import gc
-
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def engine_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[dict]:

@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
-from test_csrc_moe import random_moe, reference  # noqa: E402
+from kernel_cases import moe_reference, random_moe  # noqa: E402
 
 from zllm.executor.kernels import cuda_moe  # noqa: E402
 from zllm.executor.models.moe import GPT_OSS_RULE  # noqa: E402
@@ -43,7 +43,7 @@ def test_moe_gemv_at_a_real_layer_shape(dtype, tokens):
     experts = experts.to(DEVICE)
     groups = cuda_moe.expert_groups(experts, num_experts)
     out = cuda_moe.moe_gemv(x, weight, None, groups, top_k)
-    expected = reference(x.cpu(), weight.cpu(), None, experts.cpu(), top_k)
+    expected = moe_reference(x.cpu(), weight.cpu(), None, experts.cpu(), top_k)
     err = ((out.double().cpu() - expected).abs().max() / expected.abs().max()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), f"relative error {err:.2e}"
 

@@ -9,6 +9,7 @@ flip only at a near-tie)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 
 import pytest
 import torch
@@ -18,16 +19,21 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
+from gpu_parity import assert_same_greedy, free_llm  # noqa: E402
+from PIL import Image  # noqa: E402
 from qwen_vl_reference import MARK as QWEN_MARK  # noqa: E402
 from qwen_vl_reference import images as qwen_images  # noqa: E402
-from test_cuda import assert_same_greedy, free_llm  # noqa: E402
-from test_gemma3_vision import images as gemma_images  # noqa: E402
-from vision_models import write_tiny_gemma3_vlm, write_tiny_qwen_vl  # noqa: E402
+from vision_models import png, write_tiny_gemma3_vlm, write_tiny_qwen_vl  # noqa: E402
 
 from zllm import LLM, SamplingParams  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 GEMMA_MARK = "<start_of_image>"
+
+
+def gemma_images(*seeds: int) -> list[Image.Image]:
+    """As tests/test_gemma3_vision.py draws them."""
+    return [Image.open(io.BytesIO(png(seed, (40 + 8 * seed, 30)))) for seed in seeds]
 
 
 def model_and_prompts(which: str, tmp_path, request) -> tuple[str, list[dict]]:

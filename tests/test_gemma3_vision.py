@@ -132,8 +132,9 @@ def test_the_encoder_cache_and_image_keyed_prefix_blocks(model_dir) -> None:
 
 
 def test_images_compose_with_cache_salt_and_sleep(model_dir) -> None:
-    """A `cache_salt` keeps even the same images' blocks apart (the salts chain); after a
-    level-2 sleep (weights dropped and reloaded) an image prompt answers as before."""
+    """A `cache_salt` keeps even the same images' blocks apart (the salts chain); a level-2
+    sleep drops the weights and the image encoder with its cache, and after waking (both
+    loaded again) an image prompt answers as before."""
     llm = LLM(model_dir, kv_cache_memory_bytes=POOL, block_size=4, enable_sleep_mode=True)
     plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     text = "<start_of_image> " + "and some words after it " * 3
@@ -147,9 +148,14 @@ def test_images_compose_with_cache_salt_and_sleep(model_dir) -> None:
     first = run("alice")
     assert run("bob").num_cached_tokens == 0
     assert run("alice").num_cached_tokens > 0
+    images_owner = llm.model_runner.host.images
+    assert len(images_owner.cache) == 1
     llm.sleep(level=2)
+    assert images_owner.encoder is None and len(images_owner.cache) == 0
     llm.wake_up()
+    assert images_owner.encoder is not None
     assert list(run("carol").outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert images_owner.cache.misses == 2  # encoded again after the sleep
 
 
 def test_an_image_without_its_marker_is_refused(model_dir) -> None:

@@ -88,6 +88,22 @@ def test_prompts_with_images_answer_as_transformers(model_dir, reference) -> Non
     assert (cache.misses, len(cache)) == (3, 3)
 
 
+def test_a_level_2_sleep_reloads_the_encoder_with_the_language_model(model_dir) -> None:
+    """transformers' encoder is part of the language model: after a level-2 sleep the image
+    features come from the reloaded model (the old one is not kept alive through the
+    encoder), and an image prompt answers as before."""
+    llm = LLM(model_dir, kv_cache_memory_bytes=POOL, enable_sleep_mode=True)
+    prompt = {"prompt": "Look at <image> closely", "multi_modal_data": {"image": images(1)}}
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    before = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
+    host = llm.model_runner.host
+    llm.sleep(level=2)
+    assert host.images.encoder is None
+    llm.wake_up()
+    assert host.images.encoder.model is host.weights.model.hf
+    assert llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
 def test_the_prompt_expands_as_llava_processor_does(model_dir) -> None:
     from transformers import AutoImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 

@@ -164,6 +164,11 @@ class DecodePath:
         config = self.layout.config
         if not config.piecewise_cuda_graphs or config.enforce_eager or not self._graphs_apply():
             return None
+        if self.layout.arch.num_experts:
+            # A captured prefill piece would run its experts through the decode-sized expert
+            # kernel (kernels/cuda_moe.py), slower there than torch's per-expert matmuls.
+            logger.info("Mixture-of-experts layers: decode graphs only, no piecewise graphs")
+            return None
         from zllm.executor.graphs.piecewise import CudaPieces, PiecewiseGraphRunner
 
         runner = PiecewiseGraphRunner(

@@ -5,10 +5,11 @@ AWQ, fp8: executor/weights/quantized/to_blocks.py), the same bytes the CPU kerne
     linear_into(x, qweight, ggml_type, out)   out = x W^T, W held as blocks [n, bytes per row]
     dequantize(qweight, ggml_type, in_features, dtype)   W as [n, in] in the element type
 
-A call of at most MAX_ROWS rows (decode) multiplies the blocks in place, each weight decoded
-in registers: a step reads the blocks' bytes, not a 16-bit copy. A longer call (prefill)
-dequantizes the matrix into a temporary of the element type and multiplies on cuBLAS: its
-time is the GEMM's, and the temporary lives for one call. Planning yields KernelLaunch
+A call of at most GEMV_MAX_ROWS rows (decode) multiplies the blocks in place, MAX_ROWS rows a
+launch, each weight decoded in registers: a step reads the blocks' bytes (once per launch),
+not a 16-bit copy. A longer call (prefill) dequantizes the matrix into a temporary of the
+element type and multiplies on cuBLAS: its time is the GEMM's, the temporary lives for one
+call, and the KV pool's sizing keeps room for the largest (gpu_memory.py). Planning yields KernelLaunch
 records, which the CPU tests run through the kernel emulator (csrc/emu).
 """
 
@@ -29,7 +30,10 @@ from zllm.executor.kernels.cuda import (
 SOURCE = "block_gemv.cu"
 THREADS = 128  # csrc/block_gemv.cu kBlockGemvThreads
 ROWS_PER_BLOCK = THREADS // 32  # output rows of one thread block: a warp each
-MAX_ROWS = 8  # kBlockGemvMaxRows: input rows of one gemv launch
+MAX_ROWS = 16  # kBlockGemvMaxRows: input rows of one gemv launch
+# Rows up to which a call takes gemv launches (MAX_ROWS at a time, each reading the blocks
+# again); past it the dequantized matrix and cuBLAS read fewer bytes than more passes.
+GEMV_MAX_ROWS = 32
 VALUES_PER_BLOCK = 32
 # ggml type id -> bytes of one 32-value block (FP8_E4M3 = 100 is zllm's own, cpu.py's).
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 100: 34}
@@ -123,10 +127,17 @@ def linear_into(
     x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, out: torch.Tensor
 ) -> torch.Tensor:
     """out [rows, n] = x [rows, in] W^T (out may be a column slice of a wider output)."""
-    if x.shape[0] <= MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS:
         if not _aligned16(x, x.stride(0)) or x.stride(1) != 1:
             x = x.contiguous()
-        run_launches(plan_block_gemv(x, qweight, ggml_type, out), x.device)
+        launches = [
+            launch
+            for start in range(0, x.shape[0], MAX_ROWS)
+            for launch in plan_block_gemv(
+                x[start : start + MAX_ROWS], qweight, ggml_type, out[start : start + MAX_ROWS]
+            )
+        ]
+        run_launches(launches, x.device)
         return out
     weight = dequantize(qweight, ggml_type, x.shape[1], x.dtype)
     if out.is_contiguous():

@@ -25,10 +25,12 @@ import logging
 import torch
 
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
+from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.kv.connector import KVTiers
 from zllm.executor.kv.gpu_memory import (
     StepShape,
     activation_reserve_bytes,
+    dequantized_matrix_bytes,
     kv_pool_bytes,
     weight_bytes,
 )
@@ -162,6 +164,8 @@ class KVCache:
             dtype_bytes=layout.dtype.itemsize,
         )
         reserve = activation_reserve_bytes(layout.arch, step)
+        if config.quantization in CHECKPOINT_QUANTIZATIONS:  # a prefill's dequantized matrix
+            reserve += dequantized_matrix_bytes(layout.arch, layout.dtype.itemsize)
         if config.piecewise_cuda_graphs and not config.enforce_eager:  # captured after the pool
             from zllm.executor.graphs.piecewise import static_bytes
 

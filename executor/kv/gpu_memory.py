@@ -63,6 +63,15 @@ def activation_reserve_bytes(arch: ModelArchConfig, step: StepShape) -> int:
     return int(peak * RESERVE_SLACK) + FIXED_RESERVE_BYTES
 
 
+def dequantized_matrix_bytes(arch: ModelArchConfig, dtype_bytes: int) -> int:
+    """The largest decoder matrix in the model's dtype: the temporary a quantized
+    checkpoint's prefill dequantizes its blocks into (executor/kernels/cuda_blocks.py)."""
+    q_width = arch.num_heads * arch.head_dim
+    kv_width = arch.num_kv_heads * arch.head_dim
+    widest = max(q_width + 2 * kv_width, 2 * arch.intermediate_size)
+    return widest * max(arch.hidden_size, q_width, arch.intermediate_size) * dtype_bytes
+
+
 def weight_bytes(arch: ModelArchConfig, dtype_bytes: int) -> int:
     """A dense decoder's weights from its shapes: embeddings (and an untied head), each
     layer's attention and MLP matrices (norms and biases are noise next to them)."""

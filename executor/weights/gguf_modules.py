@@ -24,11 +24,18 @@ DENSE = -1
 _SIXTEEN_BIT = {1: torch.float16, 30: torch.bfloat16}  # ggml F16, BF16
 
 
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T for a DENSE weight, which may keep another 16-bit type than x (gpu_layout_)."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
 def _gpu_linear_into(
     x: torch.Tensor, qweight: torch.Tensor, ggml_type: int, out: torch.Tensor
 ) -> None:
     if ggml_type == DENSE:
-        out.copy_(F.linear(x, qweight))
+        out.copy_(_dense_linear(x, qweight))
     else:
         cuda_blocks.linear_into(x, qweight, ggml_type, out)
 
@@ -65,7 +72,7 @@ class GGUFLinear(nn.Module):
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         if on_gpu(flat):
             if self.ggml_type == DENSE:
-                y = F.linear(flat, self.qweight)
+                y = _dense_linear(flat, self.qweight)
             else:
                 y = flat.new_empty(flat.shape[0], self.out_features)
                 cuda_blocks.linear_into(flat, self.qweight, self.ggml_type, y)
@@ -159,13 +166,21 @@ def gpu_layout_(model: nn.Module, dtype: torch.dtype) -> int:
     many modules hold blocks the GPU kernels read."""
     from zllm.executor.models.moe import ExpertMatrices
 
-    dense: dict[int, torch.Tensor] = {}
+    dense: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def laid_out(name: str, qweight: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int]:
+    def laid_out(
+        name: str, qweight: torch.Tensor, ggml_type: int, lookup: bool = False
+    ) -> tuple[torch.Tensor, int]:
         if ggml_type in _SIXTEEN_BIT:
-            if id(qweight) not in dense:
-                dense[id(qweight)] = qweight.view(_SIXTEEN_BIT[ggml_type]).to(dtype)
-            return dense[id(qweight)], DENSE
+            stored = qweight.view(_SIXTEEN_BIT[ggml_type])
+            # fp32 holds either exactly; bf16 and fp16 not each other (to_blocks picks BF16
+            # where fp16 would overflow): a matmul's keeps its own type then. An embedding's
+            # rows are looked up in the model's dtype.
+            exact = dtype == torch.float32 or dtype == stored.dtype
+            key = (id(qweight), exact or lookup)
+            if key not in dense:
+                dense[key] = stored.to(dtype) if exact or lookup else stored.clone()
+            return dense[key], DENSE
         if ggml_type != DENSE and not cuda_blocks.supported(ggml_type):
             kind = cpu_kernels.KERNEL_TYPES.get(ggml_type, str(ggml_type))
             raise ValueError(
@@ -176,8 +191,16 @@ def gpu_layout_(model: nn.Module, dtype: torch.dtype) -> int:
 
     count = 0
     for name, module in model.named_modules():
+        if isinstance(module, GGUFEmbedding) and module.ggml_type not in (*_SIXTEEN_BIT, DENSE):
+            raise ValueError(
+                f"{name}: an embedding held in quantized blocks has no GPU lookup (quantized "
+                f"checkpoints keep theirs 16-bit); serve this model on CPU"
+            )
         if isinstance(module, (GGUFLinear, GGUFEmbedding)):
-            module.qweight, module.ggml_type = laid_out(name, module.qweight, module.ggml_type)
+            lookup = isinstance(module, GGUFEmbedding)
+            module.qweight, module.ggml_type = laid_out(
+                name, module.qweight, module.ggml_type, lookup
+            )
         elif isinstance(module, GGUFSplitLinear):
             module.parts = [laid_out(name, q, t) for q, t in module.parts]
         elif isinstance(module, ExpertMatrices) and module.parts is not None:

@@ -34,6 +34,7 @@ from zllm.executor.weights.dense_rows import use_dense_rows_
 from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
 from zllm.executor.weights.gguf_modules import gpu_layout_, move_blocks_
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
+from zllm.executor.weights.placement import move_weights
 from zllm.model.gguf import read_gguf
 from zllm.runtime.heap_trim import trim_heap
 
@@ -229,20 +230,6 @@ class ModelWeights:
                 logger.warning("GGUF kernels unavailable, using fp32 matmuls: %s", exc)
                 return "none"
         return method
-
-
-def move_weights(model: nn.Module, device: torch.device, pin: bool = False) -> None:
-    """Move every parameter and buffer to `device` in place (the Parameter objects stay, so
-    modules that share one, e.g. tied embeddings, still share it: parameters() yields a
-    shared one once); `pin`: into page-locked host memory, which copies back to a GPU at
-    full bandwidth (one copy, straight into it)."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if pin:
-            host = torch.empty_like(tensor.data, device=device, pin_memory=True)
-            tensor.data = host.copy_(tensor.data)
-        else:
-            tensor.data = tensor.data.to(device)
-    move_blocks_(model, device, pin)  # a quantized checkpoint's blocks are neither
 
 
 def release_freed_memory(device: torch.device) -> None:

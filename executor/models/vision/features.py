@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from zllm.executor.request_state import RequestState
+from zllm.executor.weights.placement import move_weights
 from zllm.model.impl import TRANSFORMERS_VISION
 from zllm.protocol import CacheSize, PlacedImage
 
@@ -59,6 +62,10 @@ class EncoderCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
 
     def sizes(self) -> list[CacheSize]:
         """For /metrics: the images held, and their bytes against the bound."""
@@ -110,13 +117,46 @@ def image_encoder(
 
 
 class ImageFeatures:
-    """The model's image encoder (loaded beside the language model) and its cache."""
+    """The model's image encoder (loaded beside the language model) and its cache; a memory
+    owner of sleep mode (executor/sleep_mode.py) beside the weights."""
 
-    def __init__(self, encoder: ImageEncoder, min_cache_bytes: int = 0) -> None:
-        """`min_cache_bytes`: what the cache holds at least (two steps' worth of images, so
-        an image a chunk started is still there for the next chunk of it)."""
-        self.encoder = encoder
+    def __init__(
+        self,
+        make_encoder: Callable[[nn.Module], ImageEncoder],
+        model: nn.Module,
+        min_cache_bytes: int = 0,
+    ) -> None:
+        """`make_encoder(model)`: the encoder, loaded, for the language model `model` (again
+        after a level-2 sleep). `min_cache_bytes`: what the cache holds at least (two steps'
+        worth of images, so an image a chunk started is still there for the next chunk)."""
+        self._make_encoder = make_encoder
+        self.encoder: ImageEncoder | None = make_encoder(model)
         self.cache = EncoderCache(max(DEFAULT_CACHE_BYTES, min_cache_bytes))
+        self._on_host: torch.device | None = None  # level 1 on a GPU: where it came from
+
+    def release(self, level: int) -> None:
+        """Sleep: the cached features go (an image is encoded again when next seen); level 2
+        drops the encoder (made again from the checkpoint on restore); level 1 on a GPU
+        moves zllm's own encoder's weights to pinned host memory (transformers' encoder is
+        part of the language model, which its owner moves)."""
+        self.cache.clear()
+        if level >= 2:
+            self.encoder = None
+            return
+        module = getattr(self.encoder, "encoder", None)
+        if isinstance(module, nn.Module):
+            device = next(module.parameters()).device
+            if device.type == "cuda":
+                move_weights(module, torch.device("cpu"), pin=True)
+                self._on_host = device
+
+    def restore(self, model: nn.Module) -> None:
+        """After the weights: the encoder back on the device, or made again for `model`."""
+        if self.encoder is None:
+            self.encoder = self._make_encoder(model)
+        elif self._on_host is not None:
+            move_weights(self.encoder.encoder, self._on_host)  # type: ignore[attr-defined]
+            self._on_host = None
 
     def for_step(
         self, states: list[RequestState], query_lens: list[int], seq_lens: list[int]
@@ -155,6 +195,7 @@ class ImageFeatures:
                 missing[digest] = image
         if missing:
             self.cache.misses += len(missing)
+            assert self.encoder is not None, "images asked for while asleep"
             with torch.inference_mode():
                 batch = self.encoder.encode([image.image.data for image in missing.values()])
             for (digest, image), encoded in zip(missing.items(), batch, strict=True):
