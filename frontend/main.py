@@ -27,6 +27,10 @@ logger = logging.getLogger("zllm.frontend")
 
 # Beyond the drain timeout, uvicorn waits this long for the failed requests' last bytes.
 _FAIL_GRACE_S = 2.0
+# A TLS connection uvicorn has closed waits for the client's close_notify (asyncio's SSL
+# shutdown timeout: 30 s). An idle keep-alive connection in a client's pool never sends one,
+# so after this grace the shutdown drops the connection instead of waiting out the 30 s.
+_TLS_CLOSE_GRACE_S = 1.0
 
 
 class _Server(uvicorn.Server):
@@ -62,12 +66,32 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         # uvicorn stops listening, then waits for open connections; meanwhile fail whatever
-        # is still running when the drain timeout ends.
-        failer = asyncio.create_task(self._fail_after_drain_timeout())
+        # is still running when the drain timeout ends, and drop TLS connections that are
+        # done but wait on their client's close_notify.
+        helpers = [asyncio.create_task(self._fail_after_drain_timeout())]
+        if self.serve_config.ssl_certfile:
+            helpers.append(asyncio.create_task(self._abort_closed_tls_connections()))
         try:
             await super().shutdown(sockets)
         finally:
-            failer.cancel()
+            for helper in helpers:
+                helper.cancel()
+
+    async def _abort_closed_tls_connections(self) -> None:
+        """Abort each connection whose transport has been closing for _TLS_CLOSE_GRACE_S
+        (its response is sent: uvicorn closes a connection only then); connections still
+        serving a request are left to the drain."""
+        closing_since: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is None or not transport.is_closing():
+                    continue
+                first = closing_since.setdefault(id(connection), now)
+                if now - first >= _TLS_CLOSE_GRACE_S:
+                    transport.abort()
+            await asyncio.sleep(0.1)
 
     async def _fail_after_drain_timeout(self) -> None:
         deadline = time.monotonic() + self.serve_config.drain_timeout
