@@ -2,9 +2,9 @@
 tests/test_cuda*.py`). The tiny random Qwen2.5-VL and Gemma 3 vision models of
 tests/test_qwen_vl.py and tests/test_gemma3_vision.py (their tokenizers come from the SmolLM2
 and Gemma 3 packages: carry them to the GPU machine in parts, benchmarks/gpu_env.sh), in fp32
-on the GPU: the image encoder on the device, the language model on the torch attention
-backend (its image masks), greedy tokens as the CPU engine's on the same image prompts (a
-flip only at a near-tie)."""
+on the GPU: the image encoder on the device, Gemma 3's language model on the torch attention
+backend (its image masks), Qwen2.5-VL's on the CUDA kernels with decode graphs, greedy
+tokens as the CPU engine's on the same image prompts (a flip only at a near-tie)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,11 @@ def test_images_on_the_gpu_answer_as_on_cpu(which, tmp_path, request):
         outs[device] = llm.generate(prompts, PARAMS, use_tqdm=False)
         if device == "cuda":
             host = llm.model_runner.host
-            assert host.layout.attention.name == "torch"  # the image masks' backend
+            # Gemma 3's image masks need the torch backend; Qwen2.5-VL's causal image tokens
+            # take the CUDA kernels and its decode steps replay graphs.
+            expected = "torch" if which == "gemma3" else "cuda"
+            assert host.layout.attention.name == expected
+            assert (host.decode.graph_runner is not None) == (which == "qwen2_5_vl")
             assert next(host.images.encoder.encoder.parameters()).is_cuda
         free_llm(llm)
     assert assert_same_greedy(outs["cuda"], outs["cpu"], which) <= 1

@@ -169,6 +169,11 @@ class DecodePath:
             # kernel (kernels/cuda_moe.py), slower there than torch's per-expert matmuls.
             logger.info("Mixture-of-experts layers: decode graphs only, no piecewise graphs")
             return None
+        if self.layout.arch.vision:
+            # A prefill with images feeds encoder features and (M-RoPE) [3, T] positions that
+            # the pieces' static buffers do not hold; decode steps are text tokens.
+            logger.info("A vision model: decode graphs only, no piecewise graphs")
+            return None
         from zllm.executor.graphs.piecewise import CudaPieces, PiecewiseGraphRunner
 
         runner = PiecewiseGraphRunner(

@@ -88,11 +88,12 @@ class RankLayout:
             kv_groups=kv_groups,
             layer_attention=layer_attention(arch, kv_groups, layers),
             kv_slot_of=layer_kv_slots(kv_groups, layers),
-            # MLA attends by executor/attention/mla.py over the torch backend's metadata; a
-            # vision model's image tokens need the masks only that metadata carries (Gemma 3's
-            # attend to their whole image) wherever the CPU-kernel backend is not in use.
+            # MLA attends by executor/attention/mla.py over the torch backend's metadata;
+            # Gemma 3's image tokens see their whole image, through masks only that metadata
+            # carries (on CPU the CPU-kernel backend's is the same metadata). Causal image
+            # tokens (Qwen2.5-VL's, LLaVA's) take the CUDA kernels like text.
             attention=TORCH_ATTENTION
-            if arch.mla is not None or (arch.vision and device.type != "cpu")
+            if arch.mla is not None or (arch.images_bidirectional and device.type != "cpu")
             else choose_attention_backend(device, dtype, arch.head_dim),
         )
 
