@@ -23,7 +23,12 @@ from gpu_parity import assert_same_greedy, free_llm  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen_vl_reference import MARK as QWEN_MARK  # noqa: E402
 from qwen_vl_reference import images as qwen_images  # noqa: E402
-from vision_models import png, write_tiny_gemma3_vlm, write_tiny_qwen_vl  # noqa: E402
+from vision_models import (  # noqa: E402
+    QWEN_VL_TEXT,
+    png,
+    write_tiny_gemma3_vlm,
+    write_tiny_qwen_vl,
+)
 
 from zllm import LLM, SamplingParams  # noqa: E402
 
@@ -36,9 +41,17 @@ def gemma_images(*seeds: int) -> list[Image.Image]:
     return [Image.open(io.BytesIO(png(seed, (40 + 8 * seed, 30)))) for seed in seeds]
 
 
+# Heads of 64 (the CUDA kernels' smallest), M-RoPE sections over its 32 frequencies.
+QWEN_VL_TEXT_64 = dict(
+    QWEN_VL_TEXT, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 100.0, "mrope_section": [8, 12, 12]},
+)  # fmt: skip
+
+
 def model_and_prompts(which: str, tmp_path, request) -> tuple[str, list[dict]]:
     if which == "qwen2_5_vl":
-        path = write_tiny_qwen_vl(tmp_path / which, request.getfixturevalue("smollm2_path"))
+        smollm2 = request.getfixturevalue("smollm2_path")
+        path = write_tiny_qwen_vl(tmp_path / which, smollm2, text=QWEN_VL_TEXT_64)
         mark, images = QWEN_MARK, qwen_images
     else:
         gguf = request.getfixturevalue("gemma3_path")

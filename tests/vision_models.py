@@ -157,10 +157,13 @@ def qwen_vl_tokenizer(smollm2_gguf: str):
     return tokenizer
 
 
-def write_tiny_qwen_vl(path: Path, smollm2_gguf: str, seed: int = 0) -> Path:
+def write_tiny_qwen_vl(
+    path: Path, smollm2_gguf: str, seed: int = 0, text: dict | None = None
+) -> Path:
     """Qwen2_5_VLForConditionalGeneration with random weights (the merger's drawn wider than
     transformers' init, so images move the answer), Qwen2VLImageProcessor's config, and the
-    tokenizer of qwen_vl_tokenizer with a Qwen-style chat template."""
+    tokenizer of qwen_vl_tokenizer with a Qwen-style chat template. `text`: the language
+    model's config instead of QWEN_VL_TEXT (the merger's output width follows it)."""
     import json
 
     from transformers import (
@@ -171,9 +174,10 @@ def write_tiny_qwen_vl(path: Path, smollm2_gguf: str, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     ids = QWEN_VL_IMAGE_TOKENS
+    text = QWEN_VL_TEXT if text is None else text
     config = Qwen2_5_VLConfig(
-        text_config=QWEN_VL_TEXT,
-        vision_config=QWEN_VL_VISION,
+        text_config=text,
+        vision_config=dict(QWEN_VL_VISION, out_hidden_size=text["hidden_size"]),
         image_token_id=ids["<|image_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
