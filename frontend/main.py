@@ -79,8 +79,9 @@ class _Server(uvicorn.Server):
 
     async def _abort_closed_tls_connections(self) -> None:
         """Abort each connection whose transport has been closing for _TLS_CLOSE_GRACE_S
-        (its response is sent: uvicorn closes a connection only then); connections still
-        serving a request are left to the drain."""
+        with nothing left in its TLS write buffer (uvicorn closes a connection only once its
+        response is written; what the kernel's socket buffer holds still goes out after
+        the close); connections still serving a request are left to the drain."""
         closing_since: dict[int, float] = {}
         while True:
             now = time.monotonic()
@@ -88,6 +89,8 @@ class _Server(uvicorn.Server):
                 transport = getattr(connection, "transport", None)
                 if transport is None or not transport.is_closing():
                     continue
+                if transport.get_write_buffer_size():
+                    continue  # a slow client still taking the response's tail
                 first = closing_since.setdefault(id(connection), now)
                 if now - first >= _TLS_CLOSE_GRACE_S:
                     transport.abort()
