@@ -29,7 +29,7 @@ logger = logging.getLogger("zllm.frontend")
 _FAIL_GRACE_S = 2.0
 # A TLS connection uvicorn has closed waits for the client's close_notify (asyncio's SSL
 # shutdown timeout: 30 s). An idle keep-alive connection in a client's pool never sends one,
-# so after this grace the shutdown drops the connection instead of waiting out the 30 s.
+# so after this grace the shutdown drops such a connection instead of waiting out the 30 s.
 _TLS_CLOSE_GRACE_S = 1.0
 
 
@@ -66,34 +66,39 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         # uvicorn stops listening, then waits for open connections; meanwhile fail whatever
-        # is still running when the drain timeout ends, and drop TLS connections that are
-        # done but wait on their client's close_notify.
+        # is still running when the drain timeout ends, and drop the TLS connections that
+        # were idle (uvicorn closes them at once) but wait on their client's close_notify.
         helpers = [asyncio.create_task(self._fail_after_drain_timeout())]
         if self.serve_config.ssl_certfile:
-            helpers.append(asyncio.create_task(self._abort_closed_tls_connections()))
+            idle = [c for c in self.server_state.connections if _between_requests(c)]
+            helpers.append(asyncio.create_task(self._abort_closed_tls_connections(idle)))
         try:
             await super().shutdown(sockets)
         finally:
             for helper in helpers:
                 helper.cancel()
 
-    async def _abort_closed_tls_connections(self) -> None:
-        """Abort each connection whose transport has been closing for _TLS_CLOSE_GRACE_S
-        with nothing left in its TLS write buffer (uvicorn closes a connection only once its
-        response is written; what the kernel's socket buffer holds still goes out after
-        the close); connections still serving a request are left to the drain."""
-        closing_since: dict[int, float] = {}
-        while True:
-            now = time.monotonic()
-            for connection in list(self.server_state.connections):
+    async def _abort_closed_tls_connections(self, idle: list) -> None:
+        """Abort each of the `idle` connections (between requests when the shutdown began:
+        nothing of theirs is unsent) once it has been closing for _TLS_CLOSE_GRACE_S, so a
+        client that never answers TLS's close_notify does not hold the exit for asyncio's
+        30 s. Connections that were serving a request are left to the drain: the tail of
+        their response may still sit in a transport's buffer."""
+        deadline = time.monotonic() + _TLS_CLOSE_GRACE_S
+        while idle:
+            await asyncio.sleep(max(0.0, min(0.1, deadline - time.monotonic())))
+            if time.monotonic() < deadline:
+                continue
+            still_open = []
+            for connection in idle:
                 transport = getattr(connection, "transport", None)
-                if transport is None or not transport.is_closing():
+                if connection not in self.server_state.connections or transport is None:
                     continue
-                if transport.get_write_buffer_size():
-                    continue  # a slow client still taking the response's tail
-                first = closing_since.setdefault(id(connection), now)
-                if now - first >= _TLS_CLOSE_GRACE_S:
+                if transport.is_closing():
                     transport.abort()
+                else:
+                    still_open.append(connection)
+            idle = still_open
             await asyncio.sleep(0.1)
 
     async def _fail_after_drain_timeout(self) -> None:
@@ -107,6 +112,13 @@ class _Server(uvicorn.Server):
                 self.client.num_in_flight,
             )
             self.client.fail_all("the server is shutting down (drain timeout reached)", 503)
+
+
+def _between_requests(connection) -> bool:
+    """Whether a uvicorn HTTP connection has no request in progress (its `cycle` is the
+    request/response cycle: none yet, or its response complete)."""
+    cycle = getattr(connection, "cycle", None)
+    return cycle is None or bool(getattr(cycle, "response_complete", False))
 
 
 async def serve(config: ServeConfig, tokenizer: Tokenizer) -> None:
