@@ -421,10 +421,8 @@ class MoEBlock(nn.Module):
         gate_up = cuda_moe.moe_gemv(x, gate_up_m.weight, gate_up_m.bias, groups, self.top_k)
         hidden = gated_activation(gate_up, self.rule).contiguous()
         out_rows = cuda_moe.moe_gemv(hidden, down_m.weight, down_m.bias, groups, 1)
-        per_token = out_rows.view(x.shape[0], self.top_k, x.shape[1]).float() * weights.unsqueeze(
-            -1
-        )
-        return per_token.sum(dim=1).to(x.dtype)
+        per_token = out_rows.view(x.shape[0], self.top_k, x.shape[1]).float()
+        return (per_token * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     def checkpoint_targets(
         self, prefix: str, shared_name: str = "shared_expert"

@@ -5,8 +5,8 @@ these; executor/weights/quantization.py, when.
 
 On a GPU (a quantized checkpoint's Q4_0/Q4_1/Q8_0/FP8_E4M3 blocks), gpu_layout_ makes each
 16-bit matrix (the embedding, the logits, what a checkpoint leaves unquantized) a plain
-weight of the model's dtype (type DENSE), move_blocks_ puts the blocks on the device after
-load, and the same modules multiply them through executor/kernels/cuda_blocks.py.
+weight of the model's dtype (type DENSE), placement.move_blocks_ puts the blocks on the device
+after load, and the same modules multiply them through executor/kernels/cuda_blocks.py.
 """
 
 from __future__ import annotations
@@ -212,29 +212,3 @@ def gpu_layout_(model: nn.Module, dtype: torch.dtype) -> int:
             continue
         count += 1
     return count
-
-
-def move_blocks_(model: nn.Module, device: torch.device, pin: bool = False) -> None:
-    """Every block module's tensors to `device` (model.to() moves parameters and buffers, not
-    these), each once (ties kept); `pin`: into page-locked host memory (sleep level 1)."""
-    moved: dict[int, torch.Tensor] = {}
-
-    def move(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in moved:
-            if pin:
-                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-                moved[id(tensor)] = host.copy_(tensor)
-            else:
-                moved[id(tensor)] = tensor.to(device)
-        return moved[id(tensor)]
-
-    for module in model.modules():
-        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
-            module.qweight = move(module.qweight)
-        elif isinstance(module, GGUFSplitLinear):
-            module.parts = [(move(q), t) for q, t in module.parts]
-        else:
-            continue
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor) and not isinstance(bias, nn.Parameter):
-            module.bias = move(bias)

@@ -32,9 +32,9 @@ from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
 from zllm.executor.weights.dense_rows import use_dense_rows_
 from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
-from zllm.executor.weights.gguf_modules import gpu_layout_, move_blocks_
+from zllm.executor.weights.gguf_modules import gpu_layout_
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
-from zllm.executor.weights.placement import move_weights
+from zllm.executor.weights.placement import move_blocks_, move_weights
 from zllm.model.gguf import read_gguf
 from zllm.runtime.heap_trim import trim_heap
 

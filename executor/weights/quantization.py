@@ -25,7 +25,7 @@ same kernels' Q4_0/Q4_1/Q8_0 blocks, or 16-bit rows (executor/weights/quantized/
 there served as a GGUF file's blocks are (blocks.py: every block source, a GGUF file, a
 16-bit checkpoint or a quantized one, names the tensors it serves before the load and gives
 each matmul its module). On a GPU the same modules multiply those blocks through
-csrc/block_gemv.cu (gguf_modules.py gpu_layout_, move_blocks_).
+csrc/block_gemv.cu (gguf_modules.py gpu_layout_, placement.py move_blocks_).
 
 `int8` (opt-in, a plain fp32/16-bit checkpoint): every decoder matmul's weights rounded to
 int8 at load, one fp16 scale per 32 values (llama.cpp's Q8_0 blocks, bit for bit as gguf-py
