@@ -15,9 +15,7 @@ is read (run it with and without ZLLM_CPU_ISA=avx2).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,20 +27,11 @@ from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_files import random_blocks  # noqa: E402  (random K-quant blocks, sane scales)
+from pooling_peers import timed  # noqa: E402  (the median of runs after a warm-up call)
 
 from zllm.executor.kernels import cpu as cpu_kernels  # noqa: E402
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def blocks(rows: int, cols: int, ggml_type: T) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,14 +65,14 @@ def main() -> None:
         cells = []
         for m in args.batch:
             x = torch.randn(m, cols)
-            kernel = median_time(
+            kernel = timed(
                 lambda x=x, q=q, t=int(ggml_type): cpu_kernels.gguf_linear(x, q, t), args.repeats
             )
-            int8 = median_time(
+            int8 = timed(
                 lambda x=x, q=q, t=int(ggml_type): cpu_kernels.gguf_linear_int8(x, q, t),
                 args.repeats,
             )
-            fp32 = median_time(lambda x=x, ref=ref: F.linear(x, ref), args.repeats)
+            fp32 = timed(lambda x=x, ref=ref: F.linear(x, ref), args.repeats)
             cells.append(
                 f"{fp32 * 1e3:14.3f} {fp32 / kernel:6.2f}x {fp32 / int8:6.2f}x {kernel / int8:5.2f}"
             )

@@ -142,6 +142,32 @@ def random_blocks_(model, kind: str) -> int:
     return total
 
 
+def random_caches(arch, max_batch: int, context: int, block_size: int, dtype, device):
+    """(KV caches of random values, one per layer, with room for `max_batch` sequences of
+    `context` cached tokens and one new; blocks each sequence owns: 1 + i * that onwards)."""
+    blocks_per_seq = -(-(context + 1) // block_size)
+    num_blocks = max_batch * blocks_per_seq + 1
+    caches = [
+        torch.randn(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+                    dtype=dtype, device=device)
+        for _ in range(arch.num_layers)
+    ]  # fmt: skip
+    return caches, blocks_per_seq
+
+
+def captured_graphs(model, caches, arch, max_batch: int, block_size: int):
+    """The model's decode-step CUDA graphs for batches up to `max_batch`, captured."""
+    from zllm.executor.graphs.decode import CudaGraphRunner
+
+    max_blocks = -(-arch.max_position_embeddings // block_size)
+    runner = CudaGraphRunner(
+        model, caches, max_num_seqs=max_batch, max_blocks_per_seq=max_blocks,
+        block_size=block_size, num_heads=arch.num_heads, head_dim=arch.head_dim,
+    )  # fmt: skip
+    runner.capture()
+    return runner
+
+
 def time_events(fn, repeats: int) -> float:
     """Median seconds of fn() between CUDA events (after two warm-up calls)."""
     fn()
@@ -213,7 +239,6 @@ def prefill_steps(model, caches, block_size: int, device, vocab_size: int) -> li
 @torch.inference_mode()
 def decode_steps(args: argparse.Namespace) -> dict:
     from zllm.executor.attention.cuda import CudaAttentionMetadata
-    from zllm.executor.graphs.decode import CudaGraphRunner
 
     device, dtype = torch.device("cuda", 0), torch.bfloat16
     bandwidth = measured_bandwidth(device)
@@ -223,20 +248,9 @@ def decode_steps(args: argparse.Namespace) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + block_bytes
     block_size, ctx = 16, args.context
     max_batch = max(BATCHES)
-    blocks_per_seq = -(-(ctx + 1) // block_size)
-    num_blocks = max_batch * blocks_per_seq + 1
-    caches = [
-        torch.randn(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
-                    dtype=dtype, device=device)
-        for _ in range(arch.num_layers)
-    ]  # fmt: skip
+    caches, blocks_per_seq = random_caches(arch, max_batch, ctx, block_size, dtype, device)
     kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
-    max_blocks = -(-arch.max_position_embeddings // block_size)
-    runner = CudaGraphRunner(
-        model, caches, max_num_seqs=max_batch, max_blocks_per_seq=max_blocks,
-        block_size=block_size, num_heads=arch.num_heads, head_dim=arch.head_dim,
-    )  # fmt: skip
-    runner.capture()
+    runner = captured_graphs(model, caches, arch, max_batch, block_size)
     rows = []
     for b in BATCHES:
         # Sequence i owns blocks [1 + i * blocks_per_seq, ...): its context (ctx tokens) is

@@ -20,13 +20,18 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import measured_bandwidth, time_events  # noqa: E402
+from gpu_bench import (  # noqa: E402
+    captured_graphs,
+    measured_bandwidth,
+    random_caches,
+    time_events,
+)
+from pooling_peers import timed  # noqa: E402
 
 QWEN3_30B_A3B_LAYERS = dict(
     architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -99,16 +104,6 @@ def chosen_experts(model, run_step) -> list[int]:
     return counts
 
 
-def time_cpu(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> dict:
     from zllm.executor.kernels import cuda_moe
@@ -119,24 +114,9 @@ def run(args: argparse.Namespace) -> dict:
     model, arch, attention = build(args.shape, args.layers, device, dtype)
     bandwidth = measured_bandwidth(device) if on_gpu else float("nan")
     block_size, ctx, max_batch = 16, args.context, max(args.batches)
-    blocks_per_seq = -(-(ctx + 1) // block_size)
-    num_blocks = max_batch * blocks_per_seq + 1
-    caches = [
-        torch.randn(2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype=dtype,
-                    device=device)
-        for _ in range(arch.num_layers)
-    ]  # fmt: skip
-    runner = None
-    if on_gpu:
-        from zllm.executor.graphs.decode import CudaGraphRunner
-
-        max_blocks = -(-arch.max_position_embeddings // block_size)
-        runner = CudaGraphRunner(
-            model, caches, max_num_seqs=max_batch, max_blocks_per_seq=max_blocks,
-            block_size=block_size, num_heads=arch.num_heads, head_dim=arch.head_dim,
-        )  # fmt: skip
-        runner.capture()
-    timer = (lambda fn: time_events(fn, args.repeats)) if on_gpu else (lambda fn: time_cpu(fn, 3))
+    caches, blocks_per_seq = random_caches(arch, max_batch, ctx, block_size, dtype, device)
+    runner = captured_graphs(model, caches, arch, max_batch, block_size) if on_gpu else None
+    timer = (lambda fn: time_events(fn, args.repeats)) if on_gpu else (lambda fn: timed(fn, 3))
     rows = []
     for b in args.batches:
         tables = [
