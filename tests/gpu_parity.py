@@ -1,5 +1,6 @@
 """The GPU tests' comparisons with the CPU engine (tests/test_cuda*.py): greedy outputs equal,
-or a first mismatch at a near-tie; and freeing an engine's GPU memory between engines."""
+or a first mismatch at a near-tie; freeing an engine's GPU memory between engines; counting
+a graph runner's replays."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def free_llm(llm) -> None:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def counting_replays(runner) -> list[int]:
+    """Wrap a CudaGraphRunner's run so that each replay (an answer other than None) is
+    counted in the one-element list returned."""
+    count, run = [0], runner.run
+
+    def counted(*args):
+        out = run(*args)
+        count[0] += out is not None
+        return out
+
+    runner.run = counted
+    return count

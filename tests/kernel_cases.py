@@ -1,6 +1,7 @@
 """Cases shared by the GPU kernels' emulated tests (tests/test_csrc_moe.py,
 tests/test_csrc_blocks.py) and their GPU runs (tests/test_cuda_moe.py, tests/test_cuda_quant.py):
-random mixture-of-experts blocks and their float64 reference, random quantized blocks of each
+random mixture-of-experts blocks (the layer's shape, which tests/test_moe.py uses too) and
+their float64 reference, random quantized blocks of each
 type the GPU reads, the quantized checkpoints the model tests load."""
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
 from zllm.model.arch_config import ModelArchConfig
 
 
-def moe_arch(hidden: int, experts: int, top_k: int, inter: int) -> ModelArchConfig:
+def moe_arch(
+    hidden: int = 64,
+    experts: int = 8,
+    top_k: int = 2,
+    inter: int = 32,
+    norm: bool = True,
+    shared: int = 0,
+) -> ModelArchConfig:
+    """One Qwen3-MoE layer's shapes (tests/test_moe.py's blocks, the kernels' cases)."""
     return ModelArchConfig(
         architecture="qwen3_moe",
         vocab_size=16,
@@ -33,7 +42,8 @@ def moe_arch(hidden: int, experts: int, top_k: int, inter: int) -> ModelArchConf
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=inter,
-        norm_topk_prob=True,
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=shared,
     )
 
 

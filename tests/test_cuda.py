@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 from chat_prompts import SMOLLM2_PROMPTS
-from gpu_parity import assert_same_greedy, free_llm
+from gpu_parity import assert_same_greedy, counting_replays, free_llm
 from paged_reference import (
     TOLERANCE,
     decode_reference,
@@ -390,20 +390,6 @@ def test_graph_replay_equals_eager_in_the_engine(tiny_gpu_llama_dir):
         ]  # fmt: skip
         free_llm(llm)
     assert outs[False] == outs[True]
-
-
-def counting_replays(runner) -> list[int]:
-    """Wrap a CudaGraphRunner's run so that each replay (an answer other than None) is
-    counted in the one-element list returned."""
-    count, run = [0], runner.run
-
-    def counted(*args):
-        out = run(*args)
-        count[0] += out is not None
-        return out
-
-    runner.run = counted
-    return count
 
 
 def test_lora_steps_replay_cuda_graphs(tiny_gpu_llama_dir, tmp_path):

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("cupy") is None:
     pytest.skip("CuPy is not installed: pip install zllm[cuda]", allow_module_level=True)
 
+from gpu_parity import counting_replays  # noqa: E402
 from kernel_cases import moe_reference, random_moe  # noqa: E402
 
 from zllm.executor.kernels import cuda_moe  # noqa: E402
@@ -94,14 +95,7 @@ def test_tiny_qwen3_moe_replays_graphs_and_equals_transformers(tmp_path):
     llm = LLM(str(path), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
     runner = llm.executor.runner.host.decode.graph_runner
     assert runner is not None, "MoE decode steps should replay CUDA graphs"
-    replays, run = [0], runner.run
-
-    def counted(*args):
-        out = run(*args)
-        replays[0] += out is not None
-        return out
-
-    runner.run = counted
+    replays = counting_replays(runner)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(n)] for n in (5, 40, 90)]

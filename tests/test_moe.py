@@ -26,6 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from gguf_files import random_blocks
+from kernel_cases import moe_arch
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
@@ -55,35 +56,6 @@ T = GGMLQuantizationType
 # Every type the CPU kernel reads in blocks.
 BLOCK_TYPES = [int(t) for t in cpu_kernels.SUPPORTED_GGML_TYPES if t not in (1, 30)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def moe_arch(
-    hidden: int = 64,
-    experts: int = 8,
-    top_k: int = 2,
-    inter: int = 32,
-    norm: bool = True,
-    shared: int = 0,
-) -> ModelArchConfig:
-    return ModelArchConfig(
-        architecture="qwen3_moe",
-        vocab_size=16,
-        hidden_size=hidden,
-        intermediate_size=4 * inter,
-        num_layers=1,
-        num_heads=1,
-        num_kv_heads=1,
-        head_dim=hidden,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        norm_topk_prob=norm,
-        shared_expert_intermediate_size=shared,
-    )
 
 
 def random_block(arch: ModelArchConfig, seed: int) -> MoEBlock:
