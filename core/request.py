@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
-from operator import attrgetter
 
 import msgspec
 
@@ -32,12 +31,11 @@ class RequestStatus(enum.IntEnum):
 
 
 @dataclass(slots=True, eq=False)
-class Request:
-    """One sequence. An `n > 1` request starts as one and forks into `n` after its prompt.
-
-    `req_id` is unique inside the core; `client_req_id` and `sample_index` say which
-    completion of which client request it produces.
-    """
+class _RequestFields:
+    """`Request`'s fields and constructor, in a class of their own: the constructor takes
+    the per-request options under the names `Request` reads them back by (`lora`,
+    `priority`, ...), and a dataclass keeps an InitVar's default as a class attribute, which
+    would hide a property of that name written in the same class."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -79,7 +77,7 @@ class Request:
     # Prompt logprobs gathered over the prefill chunks, sent when the prompt is done.
     prompt_logprobs: LogprobsLists | None = None
     # Its own options, as the client gave them (read as .lora, .priority, .tenant,
-    # .cache_pin with num_tokens resolved, .kv_transfer: see _OPTION_NAMES).
+    # .cache_pin with num_tokens resolved, .kv_transfer: Request's properties).
     options: RequestOptions = NO_OPTIONS
     # A traced request's stage times (--otlp-traces-endpoint), sent on its first output; a
     # fork (another sample) has none.
@@ -142,6 +140,38 @@ class Request:
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         if self.images:
             self._image_words = with_image_words(self.all_token_ids, self.images)
+
+
+class Request(_RequestFields):
+    """One sequence. An `n > 1` request starts as one and forks into `n` after its prompt.
+
+    `req_id` is unique inside the core; `client_req_id` and `sample_index` say which
+    completion of which client request it produces.
+    """
+
+    __slots__ = ()
+
+    # Its options, read as its own attributes: the scheduler, fair share, the block manager
+    # and the KV connector read `request.tenant`, `request.lora`, ...
+    @property
+    def lora(self) -> LoRARequest | None:
+        return self.options.lora
+
+    @property
+    def priority(self) -> int:
+        return self.options.priority
+
+    @property
+    def tenant(self) -> str:
+        return self.options.tenant
+
+    @property
+    def cache_pin(self) -> CachePin | None:
+        return self.options.cache_pin
+
+    @property
+    def kv_transfer(self) -> KVTransferParams | None:
+        return self.options.kv_transfer
 
     @property
     def block_token_ids(self) -> list[int]:
@@ -283,10 +313,3 @@ def child_request_id(parent_req_id: str, sample_index: int, is_taken: Callable[[
     while is_taken(req_id):
         req_id += "#"
     return req_id
-
-
-# The options read as the Request's own attributes (read-only): the scheduler, fair share,
-# the block manager and the KV connector read `request.tenant`, `request.lora`, ...
-_OPTION_NAMES = ("lora", "priority", "tenant", "cache_pin", "kv_transfer")
-for _name in _OPTION_NAMES:
-    setattr(Request, _name, property(attrgetter(f"options.{_name}")))
