@@ -60,6 +60,7 @@ from zllm.protocol import (
     FinishReason,
     KVPoolStats,
     KVRejection,
+    KVTransfers,
     LoRAStats,
     ModelRunnerOutput,
     PinStats,
@@ -71,8 +72,31 @@ from zllm.protocol import (
 from zllm.runtime.messaging import detokenizer_index
 
 MAX_STEPS_IN_FLIGHT = 2
+# The step id of a control step (sleep, wake-up, a tier reset's drops): the scheduler numbers
+# its steps from 1, so no scheduled step is ever taken for one.
+CONTROL_STEP_ID = -1
 
 DetokenizerBatches = dict[int, DetokenizerBatch]  # worker index -> its batch
+
+
+def control_step(
+    *,
+    sleep_level: int = 0,
+    wake_up: Sequence[str] = (),
+    kv_transfers: KVTransfers | None = None,
+) -> SchedulerOutput:
+    """A step no request is in (no tokens, nothing to sample): it carries only the executor's
+    sleep (`sleep_level` 1 or 2), its wake-up (the parts named) or tier transfers."""
+    return SchedulerOutput(
+        step_id=CONTROL_STEP_ID,
+        new_requests=[],
+        cached_requests=[],
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        sleep_level=sleep_level,
+        wake_up=list(wake_up),
+        kv_transfers=kv_transfers,
+    )
 
 
 class EngineCore:
@@ -281,7 +305,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             raise ParamError("requests are running; sleep when the engine is idle", "sleep")
         batches = self.drain(executor)
-        self._control_step(executor, self._sleep_step(level))
+        self._run_control_step(executor, self._sleep_step(level))
         self.sleeping = set(SLEEP_TAGS)
         self.stats.status.asleep = True
         return batches
@@ -296,11 +320,11 @@ class EngineCore:
         waking = [t for t in SLEEP_TAGS if t in tags and t in self.sleeping]
         if not waking:
             return
-        self._control_step(executor, SchedulerOutput(-1, [], [], {}, 0, wake_up=waking))
+        self._run_control_step(executor, control_step(wake_up=waking))
         self.sleeping -= set(waking)
         self.stats.status.asleep = self.asleep
 
-    def _control_step(self, executor: Executor, step: SchedulerOutput) -> None:
+    def _run_control_step(self, executor: Executor, step: SchedulerOutput) -> None:
         """Run a step no request is in (nothing else is out) and wait for its empty answer."""
         assert not self._in_flight
         executor.submit(step)
@@ -328,9 +352,7 @@ class EngineCore:
             reset.tier_blocks_dropped = self.kv_connector.clear_stored_tiers()
             transfers = self.kv_connector.take_transfers() if not self.asleep else None
             if transfers is not None:
-                self._control_step(
-                    executor, SchedulerOutput(-1, [], [], {}, 0, kv_transfers=transfers)
-                )
+                self._run_control_step(executor, control_step(kv_transfers=transfers))
         return reset, batches
 
     # ---- steps -----------------------------------------------------------------------------
@@ -378,7 +400,7 @@ class EngineCore:
             self.kv_connector.evicted(self.block_manager.evict_cached())
             transfers = self.kv_connector.take_transfers()
         self.block_manager.reset_prefix_cache()
-        return SchedulerOutput(-1, [], [], {}, 0, sleep_level=level, kv_transfers=transfers)
+        return control_step(sleep_level=level, kv_transfers=transfers)
 
     def heartbeat(self) -> EngineStats:
         """The stats struct with its gauges read now (safe to call from another thread:
