@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "serve_parity", Path(__file__).resolve().parent.parent / "benchmarks" / "serve_parity.py"
+    "serve_parity", Path(__file__).resolve().parents[2] / "benchmarks" / "serve_parity.py"
 )
 serve_parity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve_parity)

@@ -25,7 +25,7 @@ from servers import start_server, stop_server
 
 from zllm.cli import build_parser, serve_config_from_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
 DOCKERFILES = sorted((ROOT / "deploy" / "docker").glob("Dockerfile.*"))
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes these manifests are for (preStop `sleep`: GA 1.32)
@@ -393,7 +393,7 @@ def test_documented_deployment_commands_start_on_smollm2(smollm2_path):
     the other docs pages show, is one the server takes: parsed by its parser and its config
     built as `zllm serve` builds it, against the cached SmolLM2 (a tensor-parallel size its
     9 heads refuse fails here); `zllm proxy` commands parse."""
-    root = Path(__file__).parent.parent
+    root = ROOT
     deploy = root / "docs" / "deploy.md"
     others = [root / "README.md", *sorted(set((root / "docs").glob("*.md")) - {deploy})]
     commands = documented_commands(deploy) + [

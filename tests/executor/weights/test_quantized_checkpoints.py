@@ -27,7 +27,7 @@ from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderPa
 from zllm.executor.weights.quantized.to_blocks import BF16, F16, FP8_E4M3, Q4_0, Q4_1, Q8_0
 
 _spec = importlib.util.spec_from_file_location(
-    "logits_parity", Path(__file__).resolve().parent.parent / "benchmarks" / "logits_parity.py"
+    "logits_parity", Path(__file__).resolve().parents[3] / "benchmarks" / "logits_parity.py"
 )
 logits_parity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(logits_parity)

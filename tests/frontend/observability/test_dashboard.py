@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"
 WIDTH, HEIGHT = 1280, 900
-SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "dashboard.png"
+SCREENSHOT = Path(__file__).resolve().parents[3] / "docs" / "dashboard.png"
 UPDATE_SCREENSHOT = bool(os.environ.get("ZLLM_UPDATE_SCREENSHOT"))
 
 
