@@ -29,6 +29,7 @@ import time
 import msgspec
 import zmq
 
+from zllm.config.engine import sleep_refusal
 from zllm.config.serve import ServeConfig
 from zllm.core.engine_core import DetokenizerBatches, EngineCore
 from zllm.core.executors import ExecutorTimeout, SocketExecutor
@@ -243,8 +244,9 @@ class CoreProcess:
 
     def _sleep_control(self, msg: SleepControl) -> tuple[bool, str]:
         """Sleep mode's calls, with EngineCore's rules (both idempotent)."""
-        if not self.config.engine.enable_sleep_mode:
-            return False, "sleep mode is off (start the server with --enable-sleep-mode)"
+        refusal = sleep_refusal(self.config.engine)
+        if refusal is not None:
+            return False, refusal
         try:
             if msg.command == "sleep":
                 self._publish(self.engine.sleep(self.executor, msg.level))

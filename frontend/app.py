@@ -45,6 +45,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 import zllm
+from zllm.config.engine import sleep_refusal
 from zllm.config.serve import ServeConfig
 from zllm.errors import ParamError, RequestError
 from zllm.frontend import options
@@ -314,8 +315,9 @@ class OpenAIServer:
     async def _sleep_control(
         self, command: str, level: int, tags: tuple[str, ...] = ()
     ) -> Response:
-        if not self.config.engine.enable_sleep_mode:
-            raise RequestError("sleep mode is off (start the server with --enable-sleep-mode)")
+        refusal = sleep_refusal(self.config.engine)
+        if refusal is not None:
+            raise RequestError(refusal)
         reply = await self.client.sleep_control(command, level, tags)
         if not reply.ok:
             raise RequestError(reply.message, 400)

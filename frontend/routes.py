@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 from starlette.responses import Response
 
+from zllm.config.engine import sleep_refusal
 from zllm.config.serve import ServeConfig
 from zllm.errors import RequestError
 from zllm.frontend.access.permissions import Access
@@ -116,7 +117,7 @@ def _lora_on(config: ServeConfig) -> bool:
 
 
 def _sleep_on(config: ServeConfig) -> bool:
-    return config.engine.enable_sleep_mode
+    return sleep_refusal(config.engine) is None
 
 
 GENERATION_ERRORS = (400, 401, 404, 413, 503, 504)

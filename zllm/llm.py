@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from zllm.config.engine import check_cache_salt, check_priority
+from zllm.config.engine import check_cache_salt, check_priority, sleep_refusal
 from zllm.config.engine_args import EngineArgs
 from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
@@ -214,8 +214,9 @@ class LLM(PoolingCalls):
         only the pool is freed); level 2 releases the weights too, and waking reads the model
         file. The prefix cache starts empty (with KV offload tiers, its blocks are stored to
         them and load back after waking)."""
-        if not self.config.enable_sleep_mode:
-            raise RuntimeError("sleep needs LLM(..., enable_sleep_mode=True)")
+        refusal = sleep_refusal(self.config, offline=True)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if self.engine.has_unfinished_requests():
             raise RuntimeError("sleep needs an idle engine")
         self.engine.sleep(self.executor, level)

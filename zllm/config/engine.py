@@ -241,3 +241,15 @@ class EngineConfig:
     def executor_processes(self) -> int:
         """The executor processes the supervisor starts: one per rank, or the Ray driver."""
         return 1 if self.distributed_executor_backend == "ray" else self.world_size
+
+
+def sleep_refusal(config: EngineConfig, offline: bool = False) -> str | None:
+    """Why sleep mode's calls (sleep, wake_up) are refused, None when they may run: only an
+    engine started with sleep mode releases and restores its memory. The one rule: the
+    server's routes (and /openapi.json, which lists them only then), its cores and the
+    offline LLM all ask it; `offline` words the refusal for `LLM(...)`."""
+    if config.enable_sleep_mode:
+        return None
+    if offline:
+        return "sleep needs LLM(..., enable_sleep_mode=True)"
+    return "sleep mode is off (start the server with --enable-sleep-mode)"
