@@ -1,8 +1,16 @@
-"""No module in tests/ imports a test module: tests share helpers through the modules beside
-them (servers, tiny_models, parity, paged_reference, chat_prompts, solo, csrc_emulator,
-shared_gguf_reader, gguf_files, resident_memory, lora_adapters, disagg_pairs, served_answers,
-offline_answers, kv_tiers, scheduler_parts, tool_calls, model_cases, paged_runner), so a test
-file runs, moves or splits alone, and importing a helper runs no other file's fixtures."""
+"""The suite's layout. Test files sit in room folders that mirror the source (tests/core/,
+tests/executor/models/, tests/frontend/openai/, zllm/'s rooms as tests/text/, tests/kv/, ...);
+the helpers they share (servers, tiny_models, parity, ...) and conftest.py sit in tests/ itself.
+
+- No module in tests/ imports a test module: tests share helpers through the modules in tests/,
+  so a test file runs, moves or splits alone, and importing a helper runs no other file's
+  fixtures.
+- No two test files share a name: pytest imports each (its default "prepend" import mode, no
+  __init__.py) as a top-level module named by its file, with its folder on sys.path.
+- No folder of tests/ is named zllm: tests/ is on sys.path (the helpers are imported from it),
+  and a folder there named zllm would be a namespace package that hides the editable install's
+  zllm (its finder comes after the path's) wherever the repository itself is not on sys.path.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,8 @@ import ast
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
-TEST_MODULES = {p.stem for p in TESTS.glob("test_*.py")}
+TEST_FILES = sorted(TESTS.rglob("test_*.py"))
+TEST_MODULES = {p.stem for p in TEST_FILES}
 
 
 def imports_of_test_modules(tree: ast.AST) -> list[tuple[int, str]]:
@@ -47,8 +56,21 @@ def test_every_spelling_of_importing_a_test_module_is_found():
 
 def test_no_module_in_tests_imports_a_test_module():
     offenders = [
-        f"{path.name}:{line} imports {module}"
-        for path in sorted(TESTS.glob("*.py"))
+        f"{path.relative_to(TESTS)}:{line} imports {module}"
+        for path in sorted(TESTS.rglob("*.py"))
         for line, module in imports_of_test_modules(ast.parse(path.read_text(), str(path)))
     ]
     assert not offenders, "move what they share into a helper module:\n" + "\n".join(offenders)
+
+
+def test_no_two_test_files_share_a_name():
+    by_name: dict[str, list[str]] = {}
+    for path in TEST_FILES:
+        by_name.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, f"rename one of each (pytest imports them by file name): {clashes}"
+
+
+def test_no_folder_of_tests_hides_the_zllm_package():
+    hiding = [str(p.relative_to(TESTS)) for p in TESTS.rglob("zllm") if p.is_dir()]
+    assert not hiding, f"name these folders for the room, not zllm: {hiding}"
