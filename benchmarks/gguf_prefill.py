@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.gguf_modules import GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear
 
 OLD_MAX_KERNEL_ROWS = 256  # the old path: more rows than this used the fp32 copy
 

@@ -5,7 +5,7 @@ Per type: one [N, K] matrix of random blocks (Gemma 3 270M's gate/up shape, 4096
 input rows vs `F.linear` on the dequantized fp32 copy, and the int8-activation kernel
 (`--quantization gguf-int8`): median of REPEATS timings, and each kernel's speed-up over fp32
 (fp32 time / kernel time: > 1 means the kernel is faster); i/k: the integer path's speed-up
-over the float kernel, from which executor/weights/gguf_arithmetic.py's FASTEST_INTEGER_ROWS
+over the float kernel, from which executor/kernels/gguf_arithmetic.py's FASTEST_INTEGER_ROWS
 is read (run it with and without ZLLM_CPU_ISA=avx2).
 
     OMP_NUM_THREADS=2 python benchmarks/gguf_types.py            # ~1 min on 2 cores

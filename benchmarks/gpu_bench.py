@@ -122,8 +122,8 @@ BLOCK_KINDS = {"q4_0": (2, 18), "q8_0": (8, 34), "fp8": (100, 34)}
 def random_blocks_(model, kind: str) -> int:
     """Every decoder matmul as random blocks of `kind` on the model's device (scales 2^-7,
     fp8 codes kept finite); returns the blocks' bytes."""
+    from zllm.executor.layers.linear.gguf import GGUFLinear
     from zllm.executor.weights.blocks import decoder_matmul_targets
-    from zllm.executor.weights.gguf_modules import GGUFLinear
 
     ggml_type, block_bytes = BLOCK_KINDS[kind]
     total = 0

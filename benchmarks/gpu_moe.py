@@ -66,7 +66,7 @@ def build(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
 def step_bytes(model, arch, chosen_per_layer: list[int], batch: int, context: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table (a row a token)
     and the experts no token chose; plus the context's K and V."""
-    from zllm.executor.models.moe import ExpertMatrices
+    from zllm.executor.layers.moe.experts import ExpertMatrices
 
     expert_params = {
         id(m.weight)
@@ -88,7 +88,8 @@ def step_bytes(model, arch, chosen_per_layer: list[int], batch: int, context: in
 
 def chosen_experts(model, run_step) -> list[int]:
     """Distinct experts each MoE layer's tokens chose in one run of the step."""
-    from zllm.executor.models.moe import MoEBlock, route
+    from zllm.executor.layers.moe.block import MoEBlock
+    from zllm.executor.layers.moe.router import route
 
     counts: list[int] = []
 

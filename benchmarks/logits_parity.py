@@ -76,7 +76,7 @@ def main() -> int:
         quantization=args.quantization,
     )
     if llm.model_runner.quantization in ("gguf", "gguf-int8"):
-        from zllm.executor.weights.gguf_arithmetic import ALL_ROWS
+        from zllm.executor.kernels.gguf_arithmetic import ALL_ROWS
         from zllm.executor.weights.quantization import set_int8_max_rows
 
         set_int8_max_rows(llm.model_runner.model, ALL_ROWS)

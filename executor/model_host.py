@@ -31,8 +31,8 @@ from zllm.executor.graphs.decode_path import DecodePath
 from zllm.executor.kv.cache import KVCache
 from zllm.executor.models.vision.features import ImageEncoder, ImageFeatures, image_encoder
 from zllm.executor.models.vision.mrope import MRopePositions
+from zllm.executor.parallel.groups import ONE_RANK, Parallel
 from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.weights.model_weights import ModelWeights
 from zllm.model.image_tokens import ImageGrid
 

@@ -30,9 +30,9 @@ from zllm.executor.kernels.fused_decode import FusedDecode
 from zllm.executor.kv.connector import KVTiers
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.model_host import ModelHost
+from zllm.executor.parallel.groups import ONE_RANK, Parallel
+from zllm.executor.parallel.pipeline_stage import PipelineStage
 from zllm.executor.pooling import pool_embeddings
-from zllm.executor.ranks.parallel import ONE_RANK, Parallel
-from zllm.executor.ranks.pipeline_stage import PipelineStage
 from zllm.executor.request_state import RequestState
 from zllm.executor.sample.rows import SampleRows
 from zllm.executor.sample.step_sampler import StepSampler

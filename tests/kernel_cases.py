@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_files import stored_matrix
 
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.models.moe import MoEBlock
+from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
 from zllm.model.arch_config import ModelArchConfig
 

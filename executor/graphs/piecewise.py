@@ -175,7 +175,7 @@ class RecordedPieces:
 @dataclass(slots=True)
 class _CaptureMeta:
     """What the captured forward reads of a layer's metadata outside attention: the slots
-    RoPE's fused cache write (models/rope.py rope_into_cache) stores k and v at."""
+    RoPE's fused cache write (layers/rope.py rope_into_cache) stores k and v at."""
 
     slot_mapping: torch.Tensor
 

@@ -1,1 +1,2 @@
-"""The kernels (csrc/) as torch sees them: CPU extension and CUDA (NVRTC) loaders, layer ops, the fused decode stack."""
+"""The kernels (csrc/) as torch sees them: the CPU extension and CUDA (NVRTC) loaders, the
+row-wise layer ops, which arithmetic a GGUF matmul runs, and --deterministic's row tiles."""

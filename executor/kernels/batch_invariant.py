@@ -16,13 +16,16 @@ What varies with the batch on CPU, and what this mode does about it:
   whether it is prefilled whole, in chunks of any size, after a prefix-cache hit, after a
   preemption, or decoded.
 - **Logits** go through the same tiles (`tiled_logits`).
-- **Experts** (executor/models/moe.py): each expert's matmuls over the rows routed to it run
+- **Experts** (executor/layers/moe/): each expert's matmuls over the rows routed to it run
   in the same tiles (`ExpertMatrices.tile_rows`), and a token's experts are summed in expert
   order whatever else shares the step.
 
 Row-wise work (RMSNorm, RoPE, activations, softmax) already reduces each row on its own.
 The contract is tested in tests/test_batch_invariance.py, with an inverse test showing the
 default path does differ.
+
+This module is the tiling itself (`tiled`); executor/layers/linear/tiled.py puts a model's
+matmul modules through it.
 """
 
 from __future__ import annotations
@@ -30,10 +33,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
-
-from zllm.executor.weights.dense_rows import DENSE_LINEAR_TYPES
-from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 TILE_ROWS = 8
 
@@ -47,33 +46,3 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.
     if padded != rows:
         x = torch.cat([x, x.new_zeros(padded - rows, *x.shape[1:])])
     return torch.cat([fn(tile) for tile in x.split(TILE_ROWS)])[:rows]
-
-
-class Tiled(nn.Module):
-    """A matmul module (nn.Linear, GGUFLinear) whose every call sees TILE_ROWS rows."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        out = tiled(self.inner, flat)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-def make_batch_invariant(model: nn.Module) -> int:
-    """Run every matmul of the model in TILE_ROWS-row calls; returns how many matmuls were
-    wrapped."""
-    wrapped = 0
-    for module in list(model.modules()):
-        if hasattr(module, "tile_rows"):  # a mixture of experts' ExpertMatrices
-            module.tile_rows = TILE_ROWS
-            wrapped += 1
-        for name, child in list(module.named_children()):
-            matmul = type(child) in DENSE_LINEAR_TYPES
-            if not (isinstance(child, GGUFLinear | GGUFSplitLinear) or matmul):
-                continue
-            setattr(module, name, Tiled(child))
-            wrapped += 1
-    return wrapped

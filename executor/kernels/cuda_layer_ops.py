@@ -4,10 +4,10 @@ for RMSNorm (with the residual add), RoPE and SiLU-and-mul, where torch's eager 
 this is most of the gap between a step and its kernels' real work (BENCHMARKS.md).
 
     rms_norm(x, residual, weight, eps) -> (normed, x + residual)   models/llama.py RMSNorm
-    rope_(qk, cos, sin)                  rotates q and k in place   models/rope.py apply_rope
+    rope_(qk, cos, sin)                  rotates q and k in place   layers/rope.py apply_rope
     rope_cache_(qk, v, cos, sin, cache, slots)   the same, and k, v into the KV cache
                                          (the attention layer then skips its write)
-    silu_mul(gate_up)                    silu(gate) * up            models/llama.py LlamaMLP
+    silu_mul(gate_up)                    silu(gate) * up            layers/activations.py
 
 `usable(x)` says whether a tensor takes the fused path: a CUDA tensor, unless
 ZLLM_CUDA_LAYER_OPS=0 (A/B measurements) or the layout is one these kernels do not read

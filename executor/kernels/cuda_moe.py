@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's chosen experts on the GPU (csrc/moe_experts.cu), with no
-host synchronisation: the per-expert path (executor/models/moe.py) reads each expert's token
+host synchronisation: the per-expert path (executor/layers/moe/) reads each expert's token
 count on the host, which a CUDA graph cannot capture and which costs a sync per layer.
 
     expert_groups(experts, num_experts)   the (token, expert) pairs grouped by expert, on the

@@ -39,10 +39,11 @@ from zllm.executor.attention.backend import StepAttentionMetadata, metadata_per_
 from zllm.executor.attention.paged import AttentionMetadata, PagedAttention
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
-from zllm.executor.models.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
-from zllm.executor.models.llama import LlamaForCausalLM, RMSNorm
-from zllm.executor.weights.dense_rows import DENSE_LINEAR_TYPES
-from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.layers.linear.dense import DENSE_LINEAR_TYPES
+from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
+from zllm.executor.layers.norms import GemmaRMSNorm, RMSNorm
+from zllm.executor.models.gemma3 import Gemma3ForCausalLM
+from zllm.executor.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class FusedDecode:
         if model.dtype != torch.float32:
             raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
         if model.arch.num_experts:
-            raise Unsupported("mixture-of-experts layers (executor/models/moe.py routes them)")
+            raise Unsupported("mixture-of-experts layers (executor/layers/moe/ routes them)")
         arch = model.arch
         layers = list(model.layers)
         for layer in layers:

@@ -36,8 +36,8 @@ from zllm.executor.kv.gpu_memory import (
 )
 from zllm.executor.kv.pool import KVPool
 from zllm.executor.kv.transfer import KVSender, transfer_layout
+from zllm.executor.parallel.groups import ONE_RANK, Parallel
 from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.ranks.parallel import ONE_RANK, Parallel
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.proposer import Proposer, make_proposer
 from zllm.kv.kv_dtypes import row_bytes

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zllm.config.engine import EngineConfig, LoRAConfig
+from zllm.executor.layers.linear.parallel import RowParallelLinear
 from zllm.executor.lora.layers import LoRABatch, LoRALinear
 from zllm.executor.lora.slots import LoRASlots, rows_by_slot
 from zllm.executor.lora.weights import (
@@ -26,8 +27,7 @@ from zllm.executor.lora.weights import (
     AdapterWeights,
     load_adapter_weights,
 )
-from zllm.executor.models.transformers_tp import RowParallelLinear
-from zllm.executor.ranks.parallel import SINGLE, TensorParallel
+from zllm.executor.parallel.groups import SINGLE, TensorParallel
 from zllm.lora import LoRARequest, read_adapter
 from zllm.protocol import CacheSize
 

@@ -13,7 +13,7 @@ The zeros of b_t add exact zeros, so the result is each part's B A x, computed a
 The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into b_t.
 
 Under tensor parallelism each rank keeps the part of an update that matches its part of the
-base matmul (executor/ranks/parallel.py `shard_of`): a column-parallel matmul (qkv, gate/up) keeps
+base matmul (executor/parallel/shards.py `shard_of`): a column-parallel matmul (qkv, gate/up) keeps
 b_t's columns of its outputs, whole a_t; a row-parallel one (o, down) keeps a_t's rows of its
 input slice, whole b_t, so its partial update joins the partial product before the
 all-reduce that sums them: sum over ranks of (x_r A_r) B = (x A) B.
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from zllm.executor.ranks.parallel import SINGLE, TensorParallel, shard_of
+from zllm.executor.parallel.groups import SINGLE, TensorParallel
+from zllm.executor.parallel.shards import shard_of
 from zllm.lora import LoRAAdapter, projection_shapes
 from zllm.model.arch_config import ModelArchConfig
 

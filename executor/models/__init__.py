@@ -22,7 +22,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
-    # Mixture-of-experts MLPs (executor/models/moe.py) in Llama's decoder; GGUF files name
+    # Mixture-of-experts MLPs (executor/layers/moe/) in Llama's decoder; GGUF files name
     # Qwen's without the underscore, and Mixtral's are "llama" files with experts.
     "mixtral": LlamaForCausalLM,
     "qwen2_moe": LlamaForCausalLM,

@@ -9,7 +9,7 @@ A layer as transformers' DeepseekV2ForCausalLM computes it (its names, its arith
     mlp      = down(silu(gate(x)) * up(x))            the first_k_dense_replace dense layers
     moe      = routed(x) + shared_experts(x)          the others (every moe_layer_freq-th)
 
-A mixture-of-experts layer (executor/models/moe.py's DeepSeek rule): softmax over the
+A mixture-of-experts layer (executor/layers/moe/'s DeepSeek rule): softmax over the
 n_routed_experts router logits, the top num_experts_per_tok among the topk_group best groups
 (group_limited_greedy; greedy: among all), optionally renormalised, times routed_scaling_factor;
 the shared experts are one ungated MLP of n_shared_experts x moe_intermediate_size.
@@ -36,22 +36,17 @@ from zllm.executor.attention.backend import (
     StepAttentionMetadata,
 )
 from zllm.executor.attention.mla import PagedLatentAttention
-from zllm.executor.models.decoder_stack import DecoderStack
-from zllm.executor.models.llama import LlamaMLP, RMSNorm, copy_checkpoint, empty_linear
-from zllm.executor.models.moe import (
-    MoEBlock,
-    deepseek_rule,
-    per_expert_names,
-    per_expert_weights,
-)
-from zllm.executor.models.rope import RotaryEmbedding
-from zllm.executor.ranks.parallel import (
-    SINGLE,
-    WHOLE,
-    PipelineParallel,
-    TensorParallel,
-    logits_weight,
-)
+from zllm.executor.layers.decoder_stack import DecoderStack
+from zllm.executor.layers.linear.dense import empty_linear
+from zllm.executor.layers.mlp import GatedMLP
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.checkpoint import per_expert_names, per_expert_weights
+from zllm.executor.layers.moe.router import deepseek_rule
+from zllm.executor.layers.norms import RMSNorm
+from zllm.executor.layers.rope import RotaryEmbedding
+from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import logits_weight
+from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import MLAConfig, ModelArchConfig
 from zllm.model.deepseek_arch import LATENT_NORM_EPS
 
@@ -136,9 +131,9 @@ def make_deepseek_mlp(arch: ModelArchConfig, layer: int, dtype: torch.dtype) -> 
     """Layer `layer`'s MLP: dense (silu(gate) * up, as DeepseekV2MLP), or routed experts with
     the shared ones beside them (DeepseekV2Moe)."""
     if not arch.is_moe_layer(layer):
-        return LlamaMLP(arch, dtype)
+        return GatedMLP(arch, dtype)
     shared = arch.shared_expert_intermediate_size
-    shared_experts = LlamaMLP(arch, dtype, intermediate_size=shared) if shared else None
+    shared_experts = GatedMLP(arch, dtype, intermediate_size=shared) if shared else None
     return MoEBlock(arch, dtype, deepseek_rule(arch), shared_expert=shared_experts)
 
 
@@ -213,7 +208,7 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
     ) -> None:
         """Hugging Face-named tensors in, one at a time (copy_checkpoint); stacked or fused
-        expert tensors cut into each expert's (moe.py)."""
+        expert tensors cut into each expert's (layers/moe/checkpoint.py)."""
         if self.arch.num_experts:
             weights = per_expert_weights(weights)
             served = per_expert_names(served, self.arch.num_experts)

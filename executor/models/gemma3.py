@@ -1,6 +1,7 @@
 """Gemma 3 (text) over a flat, unpadded token batch.
 
-What differs from the Llama family (executor/models/llama.py), each as transformers computes it:
+What differs from the Llama family (executor/models/llama.py), each as transformers computes it
+(the norm, MLP and RoPE modules are executor/layers/'s):
 
     embeddings     scaled by sqrt(hidden_size), in the model dtype
     norms          RMSNorm with (1 + weight), in fp32; four per layer: before and after the
@@ -30,47 +31,16 @@ from zllm.executor.attention.backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.kernels import cpu_layer_ops
-from zllm.executor.models.llama import copy_checkpoint, empty_linear
-from zllm.executor.models.rope import RotaryEmbedding, rope
-from zllm.executor.ranks.parallel import (
-    SINGLE,
-    WHOLE,
-    PipelineParallel,
-    TensorParallel,
-    gather_logits,
-    local_arch,
-    logits_weight,
-)
+from zllm.executor.layers.activations import ACTIVATIONS
+from zllm.executor.layers.linear.dense import empty_linear
+from zllm.executor.layers.mlp import GatedMLP
+from zllm.executor.layers.norms import GemmaRMSNorm
+from zllm.executor.layers.rope import RotaryEmbedding, rope
+from zllm.executor.layers.stack_parts import LayerParts, StackParts
+from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import gather_logits, local_arch, logits_weight
+from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import ModelArchConfig
-
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-}
-
-
-class GemmaRMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, cast back: Gemma's norm."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
-        self.eps = eps
-
-    def multiplier(self) -> torch.Tensor:
-        """1 + weight in fp32: what the normed rows are multiplied by."""
-        return 1.0 + self.weight.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_layer_ops.usable(x):  # csrc/cpu/row_ops.h, as the fused decode step
-            fused = cpu_layer_ops.rms_norm(x, None, self.multiplier(), self.eps)
-            if fused is not None:
-                return fused[0]
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.multiplier()).to(x.dtype)
 
 
 class Gemma3Attention(nn.Module):
@@ -81,7 +51,7 @@ class Gemma3Attention(nn.Module):
         attention: AttentionBackend,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        """`arch`: this rank's (executor/ranks/parallel.py local_arch): its heads only."""
+        """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only."""
         super().__init__()
         self.tp = tp
         self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
@@ -114,29 +84,11 @@ class Gemma3Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        if arch.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"Gemma 3 activation {arch.hidden_act!r} is not supported")
-        self.act = _ACTIVATIONS[arch.hidden_act]
-        self.hidden_act = arch.hidden_act
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * arch.intermediate_size, dtype)
-        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = None
-        if cpu_layer_ops.usable(gate_up):
-            fused = cpu_layer_ops.gated_act(gate_up, self.hidden_act)
-        if fused is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            fused = self.act(gate) * up
-        return self.tp.all_reduce(self.down_proj(fused))
+def _gemma3_mlp(arch: ModelArchConfig, dtype: torch.dtype, tp: TensorParallel) -> GatedMLP:
+    """GeGLU (the config's GELU) over the fused [gate | up], as every MLP of ours."""
+    if arch.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"Gemma 3 activation {arch.hidden_act!r} is not supported")
+    return GatedMLP(arch, dtype, tp, activation=arch.hidden_act)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -155,7 +107,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(arch, dtype, attention, tp)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.mlp = Gemma3MLP(arch, dtype, tp)
+        self.mlp = _gemma3_mlp(arch, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
     def forward(
@@ -278,6 +230,36 @@ class Gemma3ForCausalLM(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def decode_stack_parts(self) -> StackParts:
+        """The layers by role, for the fused CPU decode step (layers/stack_parts.py): the
+        sandwich norms, the per-head q/k norms, the config's GELU, and the local RoPE table
+        of the sliding layers."""
+        layers = [
+            LayerParts(
+                attn_norm=layer.input_layernorm,
+                ffn_norm=layer.pre_feedforward_layernorm,
+                qkv=layer.self_attn.qkv_proj,
+                o=layer.self_attn.o_proj,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
+                attention=layer.self_attn.attn,
+                q_norm=layer.self_attn.q_norm,
+                k_norm=layer.self_attn.k_norm,
+                post_attn_norm=layer.post_attention_layernorm,
+                post_ffn_norm=layer.post_feedforward_layernorm,
+                local_rope=layer.is_sliding,
+            )
+            for layer in self.layers
+        ]
+        return StackParts(
+            layers,
+            final_norm=self.norm,
+            activation=self.arch.hidden_act,
+            rope=self.rotary,
+            local_rope=self.local_rotary,
+            sandwich=True,
+        )
 
     @torch.no_grad()
     def load_weights(

@@ -8,12 +8,13 @@ A pre-norm decoder as Llama's (executor/models/llama.py), with, as transformers 
     layers      sliding-window (128) and full attention alternating: the model runner gives
                 sliding layers window-limited metadata over their own KV cache groups (the
                 hybrid cache, as Gemma 3's)
-    MLP         a mixture of experts on every layer (executor/models/moe.py, GPT_OSS_RULE):
+    MLP         a mixture of experts on every layer (executor/layers/moe/, GPT_OSS_RULE):
                 a router with a bias, softmax over each token's top-k logits, experts with
                 biases and the clamped SwiGLU (clamp(up) + 1) * g * sigmoid(1.702 g)
 
 Every source fills one layout, each expert's gate_up rows as [gate | up] (the rule's
-interleaved_gate_up off), under moe.py's per-expert names (`mlp.experts.{e}.gate_proj.weight`):
+interleaved_gate_up off), under the MoE layer's per-expert names
+(`mlp.experts.{e}.gate_proj.weight`):
 
     config.json checkpoints   mlp.router.*; mlp.experts.gate_up_proj [E, hidden, 2I], its
                               columns alternating gate, up (and its _bias); down_proj [E, I, hidden]
@@ -41,63 +42,20 @@ from zllm.executor.attention.backend import (
     AttentionBackend,
     StepAttentionMetadata,
 )
-from zllm.executor.models.decoder_stack import DecoderStack
-from zllm.executor.models.llama import RMSNorm, copy_checkpoint, empty_linear
-from zllm.executor.models.moe import GPT_OSS_RULE, MoEBlock, per_expert_names
-from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
-from zllm.executor.ranks.parallel import (
-    SINGLE,
-    WHOLE,
-    PipelineParallel,
-    TensorParallel,
-    local_arch,
-    logits_weight,
-)
+from zllm.executor.layers.attention import SelfAttention
+from zllm.executor.layers.decoder_stack import DecoderStack
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.checkpoint import per_expert_names
+from zllm.executor.layers.moe.router import GPT_OSS_RULE
+from zllm.executor.layers.norms import RMSNorm
+from zllm.executor.layers.rope import RotaryEmbedding
+from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import local_arch, logits_weight
 from zllm.executor.weights import mxfp4
+from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import ModelArchConfig
 
 RULE = dataclasses.replace(GPT_OSS_RULE, interleaved_gate_up=False)
-
-
-class GptOssAttention(nn.Module):
-    def __init__(
-        self, arch: ModelArchConfig, dtype: torch.dtype, attention: AttentionBackend
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = arch.num_heads, arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        bias = arch.attention_bias
-        self.qkv_proj = empty_linear(arch.hidden_size, self.q_size + 2 * self.kv_size, dtype, bias)
-        self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype, bias)
-        # fp32 whatever the model's dtype: every attention path reads them so (a bf16
-        # checkpoint's values widen exactly).
-        self.sinks = (
-            nn.Parameter(torch.zeros(arch.num_heads, dtype=torch.float32))
-            if arch.attention_sinks
-            else None
-        )
-        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: StepAttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
-        if not written:
-            qk = rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, kv_cache, meta, kv_written=written, sinks=self.sinks)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -106,7 +64,10 @@ class GptOssDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = GptOssAttention(arch, dtype, attention)
+        # q/k/v and o with biases, a sink logit per head (layers/attention.py)
+        self.self_attn = SelfAttention(
+            arch, dtype, attention, output_bias=arch.attention_bias, sinks=arch.attention_sinks
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MoEBlock(arch, dtype, RULE)
 
@@ -217,7 +178,7 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
 
 
 def _bias_targets(prefix: str, mlp: MoEBlock) -> dict[str, torch.Tensor]:
-    """The router's and every expert's biases (moe.py's targets name the weights)."""
+    """The router's and every expert's biases (MoEBlock.checkpoint_targets names the weights)."""
     targets = {f"{prefix}gate.bias": mlp.gate.bias.data}
     gate_up, down = mlp.experts_gate_up.bias, mlp.experts_down.bias
     for e in range(mlp.num_experts):

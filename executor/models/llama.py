@@ -4,16 +4,17 @@ Per layer, q/k/v are one GEMM into a fused [q | k | v] projection and gate/up ar
 a fused [gate | up] projection; load_weights fills the fused matrices from Hugging Face's
 separate tensors (Phi-3 checkpoints store them fused already). Attention reads and writes the
 paged KV cache through the layers of the attention backend the model is built with
-(zllm.executor.attention.backend; torch by default).
+(zllm.executor.attention.backend; torch by default). The layers are executor/layers/'s: its
+self-attention, gated MLP, mixture of experts, RMS norms, rotary embedding and decoder stack.
 
 What the family members add, each switched on by ModelArchConfig:
   - Qwen2: q/k/v biases (attention_bias);
-  - Qwen3: an RMSNorm over each query and key head before RoPE (qk_norm, QKNorm below);
+  - Qwen3: an RMSNorm over each query and key head before RoPE (qk_norm: layers/norms.py QKNorm);
   - Phi-3: LongRoPE scaling, RoPE over part of each head (partial_rotary_factor);
   - Mistral, Phi-3, Qwen2/3: sliding-window layers (the attention metadata windows them);
   - Llama 3.x GGUFs: per-frequency RoPE divisors (rope_freq_factors);
   - Qwen3-MoE, Qwen2-MoE, Mixtral: mixture-of-experts MLPs in the layers ModelArchConfig's
-    is_moe_layer names (executor/models/moe.py), Qwen2-MoE's with a shared expert.
+    is_moe_layer names (executor/layers/moe/), Qwen2-MoE's with a shared expert.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Container, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zllm.executor.attention.backend import (
@@ -29,164 +29,19 @@ from zllm.executor.attention.backend import (
     AttentionBackend,
     StepAttentionMetadata,
 )
-from zllm.executor.kernels import cpu_layer_ops, cuda_layer_ops
-from zllm.executor.models.decoder_stack import DecoderStack
-from zllm.executor.models.moe import MoEBlock, per_expert_names, per_expert_weights
-from zllm.executor.models.rope import RotaryEmbedding, rope, rope_into_cache
-from zllm.executor.ranks.parallel import (
-    SINGLE,
-    WHOLE,
-    PipelineParallel,
-    TensorParallel,
-    fill_tied_logits_shard,
-    local_arch,
-    logits_weight,
-    shard_weight,
-)
-from zllm.executor.weights.loader import layer_of
+from zllm.executor.layers.attention import SelfAttention
+from zllm.executor.layers.decoder_stack import DecoderStack
+from zllm.executor.layers.mlp import GatedMLP
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.checkpoint import per_expert_names, per_expert_weights
+from zllm.executor.layers.norms import RMSNorm
+from zllm.executor.layers.rope import RotaryEmbedding
+from zllm.executor.layers.stack_parts import LayerParts, StackParts
+from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import local_arch, logits_weight
+from zllm.executor.weights.checkpoint_copy import copy_checkpoint
+from zllm.executor.weights.loader import FUSED_CHECKPOINTS
 from zllm.model.arch_config import ModelArchConfig
-
-# Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
-# [gate | up] order: their tensors fill the fused matrices whole.
-FUSED_CHECKPOINTS = frozenset({"phi3"})
-
-
-def empty_linear(
-    in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False
-) -> nn.Linear:
-    """A Linear with uninitialised weights: load_weights overwrites them anyway. Made on the
-    meta device and given plain empty tensors (untouched pages), not through `skip_init`,
-    whose `to_empty` runs torch's reference ops and imports torch.fx's symbolic shapes: half
-    a second of a CPU engine's start-up."""
-    linear = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
-    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-    if bias:
-        linear.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
-    return linear
-
-
-class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight, accumulated in fp32 as Hugging Face does.
-
-    With `residual`, first adds it to x and returns (normed, x): the pre-norm residual stream.
-    """
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cuda_layer_ops.usable(x):
-            fused = cuda_layer_ops.rms_norm(x, residual, self.weight, self.eps)
-            if fused is not None:
-                return fused
-        elif cpu_layer_ops.usable(x):  # csrc/cpu/row_ops.h, as the fused decode step
-            fused = cpu_layer_ops.rms_norm(x, residual, self.weight, self.eps)
-            if fused is not None:
-                return fused
-        if residual is not None:
-            x = x + residual
-        if x.dtype == torch.float32:
-            # One fused op instead of six; bit-identical to the lines below in fp32 on CPU
-            # (checked in tests/test_model.py), ~15 us less per call at one token.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype), x
-
-
-class QKNorm(nn.Module):
-    """Qwen 3: an RMSNorm over each query head and each key head before RoPE, one weight
-    [head_dim] shared by the query heads and one by the key heads (HF's q_norm, k_norm)."""
-
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = arch.num_heads
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
-
-    def forward(self, qk: torch.Tensor) -> torch.Tensor:
-        """qk [T, heads + kv_heads, head_dim] -> the same with every head normalized."""
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArchConfig,
-        dtype: torch.dtype,
-        attention: AttentionBackend,
-        tp: TensorParallel = SINGLE,
-    ) -> None:
-        """`arch`: this rank's (executor/ranks/parallel.py local_arch): its heads only."""
-        super().__init__()
-        self.tp = tp
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = empty_linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, dtype, bias=arch.attention_bias
-        )
-        self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
-        self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype)
-        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: StepAttentionMetadata,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k sit side by side in qkv, so one rotation covers both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
-        if not written:
-            qk = rope(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, kv_cache, meta, kv_written=written)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(
-        self,
-        arch: ModelArchConfig,
-        dtype: torch.dtype,
-        tp: TensorParallel = SINGLE,
-        intermediate_size: int | None = None,
-    ) -> None:
-        """`intermediate_size`: other than arch's (Qwen2-MoE's shared expert)."""
-        super().__init__()
-        self.tp = tp
-        inter = arch.intermediate_size if intermediate_size is None else intermediate_size
-        self.intermediate_size = inter
-        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * inter, dtype)
-        self.down_proj = empty_linear(inter, arch.hidden_size, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        fused = None
-        if cuda_layer_ops.usable(gate_up):
-            fused = cuda_layer_ops.silu_mul(gate_up)
-        elif cpu_layer_ops.usable(gate_up):
-            fused = cpu_layer_ops.gated_act(gate_up, "silu")
-        if fused is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            fused = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(fused))
 
 
 def make_mlp(
@@ -194,11 +49,11 @@ def make_mlp(
 ) -> nn.Module:
     """Layer `layer`'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
     if not arch.is_moe_layer(layer):
-        return LlamaMLP(arch, dtype, tp)
+        return GatedMLP(arch, dtype, tp)
     if tp.enabled:  # zllm/config/parallel.py refuses it first; a model built directly too
         raise ValueError("tensor parallelism does not split mixture-of-experts layers yet")
     shared = arch.shared_expert_intermediate_size
-    shared_expert = LlamaMLP(arch, dtype, tp, intermediate_size=shared) if shared else None
+    shared_expert = GatedMLP(arch, dtype, tp, intermediate_size=shared) if shared else None
     return MoEBlock(arch, dtype, shared_expert=shared_expert)
 
 
@@ -214,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
         """`layer`: its index in the whole model (which MLP it has)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(arch, dtype, attention, tp)
+        self.self_attn = SelfAttention(arch, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = make_mlp(arch, layer, dtype, tp)
 
@@ -232,49 +87,6 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-
-def copy_checkpoint(
-    model: nn.Module,
-    targets: dict[str, torch.Tensor],
-    weights: Iterable[tuple[str, torch.Tensor]],
-    recomputed: tuple[str, ...] = (),
-    served: Container[str] = frozenset(),
-) -> None:
-    """Copy Hugging Face-named checkpoint tensors into `targets` (name -> the tensor it
-    fills), each cut to this rank's part first (model.tp); names ending in `recomputed`, a
-    tied model's lm_head and the layers of other pipeline stages are skipped. Refuses
-    unexpected names, wrong shapes and missing ones, but for `served` (GGUF blocks will
-    serve those matrices: the loader skipped them, weight_blocks.BlockPlan)."""
-    arch, tp = model.arch, model.tp
-    layers = model.layer_indices
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        layer = layer_of(name)
-        if layer is not None and layer not in layers:
-            continue  # another pipeline stage's
-        tensor = shard_weight(name, tensor, model.checkpoint_arch, tp)
-        target = targets.get(name)
-        if target is None:
-            if (recomputed and name.endswith(recomputed)) or (
-                name == "lm_head.weight" and arch.tie_word_embeddings
-            ):
-                continue  # recomputed by the model / the tied embedding serves as lm_head
-            raise ValueError(f"unexpected weight {name!r} for a {arch.architecture} model")
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-        loaded.add(name)
-        if name == "model.embed_tokens.weight":
-            fill_tied_logits_shard(model.lm_head, tensor, arch, tp)
-    missing = sorted(name for name in targets.keys() - loaded if name not in served)
-    if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
-        raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
 
 class LlamaForCausalLM(DecoderStack, nn.Module):
@@ -327,6 +139,28 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         if self.score is None:
             raise RuntimeError(f"this {self.arch.architecture} model has no score head")
         return self.score.float() @ vector.float()
+
+    def decode_stack_parts(self) -> StackParts:
+        """The layers by role, for the fused CPU decode step (layers/stack_parts.py): pre-norm
+        layers with SwiGLU MLPs, Qwen 3's head norms where present. Dense layers only: a
+        mixture of experts has no gate_up matmul (the fused step refuses those models first)."""
+        layers = []
+        for layer in self.layers:
+            attn, mlp, qk = layer.self_attn, layer.mlp, layer.self_attn.qk_norm
+            layers.append(
+                LayerParts(
+                    attn_norm=layer.input_layernorm,
+                    ffn_norm=layer.post_attention_layernorm,
+                    qkv=attn.qkv_proj,
+                    o=attn.o_proj,
+                    gate_up=mlp.gate_up_proj,
+                    down=mlp.down_proj,
+                    attention=attn.attn,
+                    q_norm=None if qk is None else qk.q_norm,
+                    k_norm=None if qk is None else qk.k_norm,
+                )
+            )
+        return StackParts(layers, final_norm=self.norm, activation="silu", rope=self.rotary)
 
     @torch.no_grad()
     def load_weights(
@@ -396,7 +230,7 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
 
     @staticmethod
     def _split_targets(
-        prefix: str, attn: LlamaAttention, mlp: LlamaMLP | None
+        prefix: str, attn: SelfAttention, mlp: GatedMLP | None
     ) -> dict[str, torch.Tensor]:
         """HF's separate q/k/v (weights and biases) and gate/up tensors -> row slices (no
         gate/up for a mixture-of-experts layer: mlp None)."""
@@ -416,7 +250,7 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         return targets
 
     @staticmethod
-    def _fused_targets(prefix: str, attn: LlamaAttention, mlp: LlamaMLP) -> dict[str, torch.Tensor]:
+    def _fused_targets(prefix: str, attn: SelfAttention, mlp: GatedMLP) -> dict[str, torch.Tensor]:
         """Phi-3's qkv_proj and gate_up_proj tensors -> our fused matrices, whole."""
         targets = {
             f"{prefix}self_attn.qkv_proj.weight": attn.qkv_proj.weight.data,

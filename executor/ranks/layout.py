@@ -24,13 +24,8 @@ from zllm.executor.attention.backend import (
     choose_attention_backend,
 )
 from zllm.executor.kernels import cuda_moe
-from zllm.executor.ranks.parallel import (
-    ONE_RANK,
-    Parallel,
-    PipelineParallel,
-    TensorParallel,
-    local_arch,
-)
+from zllm.executor.parallel.groups import ONE_RANK, Parallel, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import local_arch
 from zllm.executor.step_inputs import LayerAttention, layer_attention, layer_kv_slots
 from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.kv.kv_dtypes import row_width
@@ -106,7 +101,7 @@ class RankLayout:
             return False  # transformers' modeling code runs eagerly
         if self.arch.num_experts and (self.config.deterministic or not cuda_moe.ENABLED):
             # The per-expert path (ZLLM_CUDA_MOE=0, and --deterministic's tiles) reads each
-            # expert's token count on the host (models/moe.py); the expert kernel
+            # expert's token count on the host (layers/moe/); the expert kernel
             # (kernels/cuda_moe.py) groups the tokens on the device.
             logger.info("Mixture-of-experts layers on the per-expert path: no CUDA graphs")
             return False

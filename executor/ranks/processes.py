@@ -171,9 +171,9 @@ def _rank_process(
 def join_ranks(
     config: EngineConfig, rank: int, init_method: str, engines: int = 1, engine: int = 0
 ):
-    """This rank's place among the engine's ranks (executor/ranks/parallel.py init_parallel), as
+    """This rank's place among the engine's ranks (executor/parallel/groups.py init_parallel), as
     every kind of rank process joins: the server's, the offline engine's, Ray actors."""
-    from zllm.executor.ranks.parallel import init_parallel
+    from zllm.executor.parallel.groups import init_parallel
 
     return init_parallel(
         rank,

@@ -2,7 +2,7 @@
 
 A GGUF file's blocks (gguf_raw_weights) or a bf16/fp16 checkpoint's rows
 (sixteen_bit_raw_weights), cut to this rank's part, become the model's GGUFLinear /
-GGUFSplitLinear / GGUFEmbedding modules (executor/weights/gguf_modules.py). BlockPlan names the
+GGUFSplitLinear / GGUFEmbedding modules (executor/layers/linear/gguf.py). BlockPlan names the
 tensors they serve before the weights load, so the loader never widens those to fp32. Every
 type gguf-py dequantizes but F32 is read in its blocks (IQ1-IQ3, TQ and NVFP4 included:
 csrc/cpu/gguf_lattice.h), so the weights take the file's bytes.
@@ -20,12 +20,14 @@ from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS, read_checkpoint_quantization
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.models.llama import FUSED_CHECKPOINTS
-from zllm.executor.models.moe import MoEBlock
-from zllm.executor.ranks.parallel import SINGLE, TensorParallel, release_weight, shard_blocks
-from zllm.executor.weights import expert_blocks, gguf_arithmetic
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
-from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderParts
+from zllm.executor.kernels import gguf_arithmetic
+from zllm.executor.layers.linear.act_order import ActOrderLinear, ActOrderParts
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.parallel.groups import SINGLE, TensorParallel
+from zllm.executor.parallel.shards import release_weight, shard_blocks
+from zllm.executor.weights import expert_blocks
+from zllm.executor.weights.loader import FUSED_CHECKPOINTS
 from zllm.executor.weights.quantized.checkpoint import (
     QuantizedCheckpoint,
     read_quantized_checkpoint,
@@ -132,11 +134,11 @@ class _WeightBlocks:
         blocks dequantize to them bit for bit (False: they were never loaded, BlockPlan)."""
         from zllm.executor.weights.loader import gguf_raw_weights, sixteen_bit_raw_weights
 
-        # Tensor parallel: each rank keeps its part of every matrix (executor/ranks/parallel.py).
+        # Tensor parallel: each rank keeps its part of every matrix (executor/parallel/).
         self.tp: TensorParallel = getattr(model, "tp", SINGLE)
         arch: ModelArchConfig = getattr(model, "checkpoint_arch", model.arch)
         self.checkpoint_arch = arch
-        self.arithmetic = arithmetic  # the --quantization name: executor/weights/gguf_arithmetic.py
+        self.arithmetic = arithmetic  # the --quantization name: executor/kernels/gguf_arithmetic.py
         self.verify = verify
         self.checkpoint: QuantizedCheckpoint | None = None
         layers = getattr(model, "layer_indices", None)

@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's expert matrices read from weight blocks (blocks.py does the
-dense matmuls; this, the experts' ExpertMatrices in executor/models/moe.py).
+dense matmuls; this, the experts' ExpertMatrices in executor/layers/moe/).
 
 A GGUF file stacks each projection of a layer's experts in one 3-D tensor (llama.cpp's
 blk.N.ffn_{gate,up,down}_exps, [E, out, in] in blocks), which the loader hands over as its
@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.models.moe import ExpertMatrices, MoEBlock
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.experts import ExpertMatrices
 
 if TYPE_CHECKING:
     from zllm.executor.weights.blocks import _WeightBlocks

@@ -36,7 +36,7 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     # Mixture of experts (Qwen-MoE, Mixtral): the router, each projection of every expert
-    # stacked in one 3-D tensor [E, out, in] (executor/models/moe.py cuts it per expert),
+    # stacked in one 3-D tensor [E, out, in] (executor/layers/moe/ cuts it per expert),
     # Qwen2-MoE's shared expert and its gate.
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -103,6 +103,10 @@ _LAYER_NAMES_BY_ARCH = {
     "qwen3moe": _QWEN3_LAYER_NAMES,
     "phi3": _PHI3_LAYER_NAMES,
 }
+# Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
+# [gate | up] order: their tensors fill the fused matrices whole (a model's targets, and the
+# GGUF blocks that serve them: executor/weights/blocks.py).
+FUSED_CHECKPOINTS = frozenset({"phi3"})
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",

@@ -21,18 +21,22 @@ from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kernels.batch_invariant import TILE_ROWS, make_batch_invariant, tiled
+from zllm.executor.kernels.batch_invariant import TILE_ROWS, tiled
+from zllm.executor.kernels.gguf_arithmetic import GGUF_METHODS
+from zllm.executor.layers.linear.dense import use_dense_rows_
+from zllm.executor.layers.linear.gguf import gpu_layout_
+from zllm.executor.layers.linear.tiled import make_batch_invariant
+from zllm.executor.layers.rope import RotaryEmbedding
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.models import get_model_class
-from zllm.executor.models.encoder_matmuls import onednn_available, pack_encoder_matmuls_
-from zllm.executor.models.rope import RotaryEmbedding
-from zllm.executor.models.transformers_backend import TransformersForCausalLM
-from zllm.executor.ranks.parallel import release_other_stages_ends
+from zllm.executor.models.transformers.backend import TransformersForCausalLM
+from zllm.executor.models.transformers.encoder_matmuls import (
+    onednn_available,
+    pack_encoder_matmuls_,
+)
+from zllm.executor.parallel.shards import release_other_stages_ends
 from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
-from zllm.executor.weights.dense_rows import use_dense_rows_
-from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS
-from zllm.executor.weights.gguf_modules import gpu_layout_
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.executor.weights.placement import move_blocks_, move_weights
 from zllm.model.gguf import read_gguf
@@ -91,7 +95,7 @@ class ModelWeights:
         self.quantization = self._quantization_method()
         self.model = self._load_model()
         if isinstance(self.model, TransformersForCausalLM):
-            # Its stage was cut at load (transformers_pp.py): other stages' layers, ends.
+            # Its stage was cut at load (models/transformers/pp.py): other stages' layers, ends.
             ends_released = layout.pp.enabled
         else:
             ends_released = release_other_stages_ends(self.model, layout.pp)
@@ -117,7 +121,7 @@ class ModelWeights:
 
     def _pack_encoder_matmuls(self) -> None:
         """An fp32 encoder on CPU (the transformers backend's BERT family): its matmuls
-        through oneDNN with bias and GELU fused (models/encoder_matmuls.py), where nothing
+        through oneDNN with bias and GELU fused (models/transformers/encoder_matmuls.py), where nothing
         else wraps or cuts them."""
         layout, config, model = self.layout, self.layout.config, self.model
         plain = not (layout.tp.enabled or layout.pp.enabled or config.deterministic)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 
 
 def _placed(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, I
 IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4: csrc/cpu/gguf_lattice.h; F16, BF16) instead of
 fp32 copies, and the fp32 tensors they replace are released after load: the weights take
 about the file's size in memory (only F32 matrices stay fp32). Which arithmetic multiplies
-them, per type, CPU and call size, is executor/weights/gguf_arithmetic.py's rule:
+them, per type, CPU and call size, is executor/kernels/gguf_arithmetic.py's rule:
 - the float kernel (csrc/cpu/gguf_linear.h; every type; all of `gguf-float`): the values
   multiplied are bit for bit the fp32 weights the reference path uses (the kernel
   dequantizes as gguf.quants does; tests check it), so only the order of the sums differs.
@@ -25,7 +25,7 @@ same kernels' Q4_0/Q4_1/Q8_0 blocks, or 16-bit rows (executor/weights/quantized/
 there served as a GGUF file's blocks are (blocks.py: every block source, a GGUF file, a
 16-bit checkpoint or a quantized one, names the tensors it serves before the load and gives
 each matmul its module). On a GPU the same modules multiply those blocks through
-csrc/block_gemv.cu (gguf_modules.py gpu_layout_, placement.py move_blocks_).
+csrc/block_gemv.cu (layers/linear/gguf.py gpu_layout_, placement.py move_blocks_).
 
 `int8` (opt-in, a plain fp32/16-bit checkpoint): every decoder matmul's weights rounded to
 int8 at load, one fp16 scale per 32 values (llama.cpp's Q8_0 blocks, bit for bit as gguf-py
@@ -48,14 +48,14 @@ from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES, Q8_0
+from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.weights.blocks import (
     decoder_matmul_targets,
     gguf_kernel_plan,
     gguf_matmuls,
     use_gguf_blocks_,
 )
-from zllm.executor.weights.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES, Q8_0
-from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.model.gguf import read_gguf
 
 logger = logging.getLogger(__name__)

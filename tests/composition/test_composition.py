@@ -440,7 +440,7 @@ def test_the_transformers_backend_refuses_ranks_without_a_plan_it_can_cut(tmp_pa
     naming the architecture and why."""
     from tiny_models import tiny_hf_config
 
-    from zllm.executor.models.transformers_tp import usable_plan
+    from zllm.executor.models.transformers.tp import usable_plan
 
     moe = tiny_hf_config("olmoe", num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=r"olmoe cannot be split: its plan cuts experts \("):

@@ -1,5 +1,5 @@
 """Qwen2.5-VL's multimodal RoPE positions: each token turns the rotary frequencies by three
-positions (time, row, column), one per section of them (models/rope.py RotaryEmbedding).
+positions (time, row, column), one per section of them (layers/rope.py RotaryEmbedding).
 
 A text token's three positions are equal: its index in the sequence, less what the images
 before it saved. An image of rows x columns tokens (zllm/model/image_tokens.py) starting where

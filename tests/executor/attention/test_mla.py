@@ -41,15 +41,10 @@ from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_layout import block_bytes
 from zllm.executor.attention.metadata import AttentionMetadata
 from zllm.executor.attention.mla import PagedLatentAttention, read_latents
-from zllm.executor.models.llama import LlamaMLP
-from zllm.executor.models.moe import (
-    GROUPED_SOFTMAX_TOPK,
-    MoEBlock,
-    MoERule,
-    deepseek_rule,
-    route,
-)
-from zllm.executor.weights.gguf_modules import GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear
+from zllm.executor.layers.mlp import GatedMLP as LlamaMLP
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.router import GROUPED_SOFTMAX_TOPK, MoERule, deepseek_rule, route
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 from zllm.model.arch_config import MLAConfig

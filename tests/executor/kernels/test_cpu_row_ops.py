@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
-from zllm.executor.models.rope import apply_rope
+from zllm.executor.layers.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"

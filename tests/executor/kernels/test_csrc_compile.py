@@ -455,7 +455,7 @@ def test_emulated_rms_norm_matches_torch(emu, dtype, with_residual):
     bit-identical, the normed rows within one rounding (only the sum of squares is added up
     in another order); x's rows strided, as a slice of a wider tensor."""
     from zllm.executor.kernels import cuda_layer_ops as lo
-    from zllm.executor.models.llama import RMSNorm
+    from zllm.executor.layers.norms import RMSNorm
 
     gen = torch.Generator().manual_seed(21)
     rows, hidden = 5, 200  # 200: a row is not a multiple of the block's 128 threads
@@ -481,7 +481,7 @@ def test_emulated_rope_equals_torch_bitwise(emu, dtype, rotary):
     apply_rope: the same bits, torch's roundings included; with a partial rotary factor the
     dimensions past the rotated ones stay as they were."""
     from zllm.executor.kernels import cuda_layer_ops as lo
-    from zllm.executor.models.rope import apply_rope
+    from zllm.executor.layers.rope import apply_rope
 
     gen = torch.Generator().manual_seed(22)
     tokens, heads, kv_heads, head_dim = 6, 4, 2, 64
@@ -505,7 +505,7 @@ def test_emulated_rope_cache_equals_rope_then_the_cache_write(emu, dtype, rotary
     separate cache write stores; a padding row (slot -1) writes nothing."""
     from zllm.executor.kernels import cuda as ck
     from zllm.executor.kernels import cuda_layer_ops as lo
-    from zllm.executor.models.rope import apply_rope
+    from zllm.executor.layers.rope import apply_rope
 
     gen = torch.Generator().manual_seed(24)
     tokens, heads, kv_heads, head_dim, block_size = 5, 4, 2, 64, 4

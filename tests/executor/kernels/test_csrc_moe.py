@@ -19,7 +19,7 @@ from kernel_cases import moe_reference, random_moe
 
 from zllm.executor.kernels import cuda_moe
 from zllm.executor.kernels.cuda import CudaKernelError
-from zllm.executor.models.moe import GPT_OSS_RULE
+from zllm.executor.layers.moe.router import GPT_OSS_RULE
 
 # One unit in the last place of each type, relative.
 ULP = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}

@@ -167,8 +167,8 @@ def test_layer_ops_match_torch_on_the_gpu(dtype):
     """RMSNorm (+ residual), RoPE and SiLU-and-mul fused, against models/llama.py's torch ops
     run on the same GPU tensors: RoPE bit-identical, the others within one rounding."""
     from zllm.executor.kernels import cuda_layer_ops as lo
-    from zllm.executor.models.llama import RMSNorm
-    from zllm.executor.models.rope import apply_rope
+    from zllm.executor.layers.norms import RMSNorm
+    from zllm.executor.layers.rope import apply_rope
 
     gen = torch.Generator().manual_seed(31)
     ulp = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]

@@ -26,7 +26,7 @@ from gpu_parity import counting_replays  # noqa: E402
 from kernel_cases import moe_reference, random_moe  # noqa: E402
 
 from zllm.executor.kernels import cuda_moe  # noqa: E402
-from zllm.executor.models.moe import GPT_OSS_RULE  # noqa: E402
+from zllm.executor.layers.moe.router import GPT_OSS_RULE  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

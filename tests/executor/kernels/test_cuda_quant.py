@@ -29,7 +29,7 @@ from quant_checkpoints import CHECKPOINTS, reference_of  # noqa: E402
 from zllm import LLM, SamplingParams  # noqa: E402
 from zllm.executor.kernels import cpu as cpu_kernels  # noqa: E402
 from zllm.executor.kernels import cuda_blocks  # noqa: E402
-from zllm.executor.weights.gguf_modules import DENSE, GGUFLinear  # noqa: E402
+from zllm.executor.layers.linear.gguf import DENSE, GGUFLinear  # noqa: E402
 
 DEVICE = torch.device("cuda")
 PROMPTS = [[5, 17, 200, 33, 61, 90], [300, 2, 2, 48, 111, 7, 8, 9, 250, 13], [401, 66]]

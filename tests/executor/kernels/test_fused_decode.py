@@ -25,9 +25,9 @@ from torch import nn
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.fused_decode import FusedDecode, Unsupported
+from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS, DenseRowsLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
 from zllm.executor.step_inputs import build_attention_metadata
-from zllm.executor.weights.dense_rows import DENSE_MAX_ROWS, DenseRowsLinear
-from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.cpu_supports_kernels(), reason="the CPU kernels need AVX2/FMA/F16C"

@@ -16,14 +16,14 @@ from gguf_files import random_blocks, write_llama_gguf
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.gguf_arithmetic import (
+from zllm.executor.kernels.gguf_arithmetic import (
     ALL_ROWS,
     FASTEST_INTEGER_ROWS,
     INT8_MAX_ROWS,
     INTEGER_TYPES,
     integer_rows,
 )
-from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
 
 K_QUANTS = [int(T.Q2_K), int(T.Q3_K), int(T.Q4_K), int(T.Q6_K)]
 

@@ -23,8 +23,8 @@ from resident_memory import resident_after_load
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.gguf_arithmetic import ALL_ROWS, INT8_MAX_ROWS
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
+from zllm.executor.kernels.gguf_arithmetic import ALL_ROWS, INT8_MAX_ROWS
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 
 T = GGMLQuantizationType
 LOW_BIT = [T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]  # csrc/cpu/gguf_lowbit.h

@@ -11,7 +11,7 @@ from torch import nn
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.dense_rows import DENSE_MAX_ROWS, DenseRowsLinear
+from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS, DenseRowsLinear
 
 
 def kernel_runs() -> bool:

@@ -36,15 +36,11 @@ from tiny_models import write_lora_adapter, write_tiny_model
 from zllm import LLM, SamplingParams
 from zllm.config.parallel import indivisible
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.models.moe import (
-    GPT_OSS_RULE,
-    ExpertMatrices,
-    MoEBlock,
-    MoERule,
-    per_expert_weights,
-    route,
-)
-from zllm.executor.weights.gguf_modules import GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.checkpoint import per_expert_weights
+from zllm.executor.layers.moe.experts import ExpertMatrices
+from zllm.executor.layers.moe.router import GPT_OSS_RULE, MoERule, route
 from zllm.executor.weights.loader import load_weights
 from zllm.lora import LoRAError, LoRARequest, read_adapter
 from zllm.model.arch import read_arch_config
@@ -64,7 +60,7 @@ def random_block(arch: ModelArchConfig, seed: int) -> MoEBlock:
     logit is exact in fp32 and float64 alike, two logits differ by 1/64 or more, or are equal:
     with 8 experts or more, router rows 1 and 5 (and 2 and 6) are the same: ties that go to
     the lower id."""
-    from zllm.executor.models.llama import LlamaMLP
+    from zllm.executor.layers.mlp import GatedMLP as LlamaMLP
 
     gen = torch.Generator().manual_seed(seed)
     shared = None
@@ -625,7 +621,7 @@ def grouped_case(types: tuple[int, int, int], top_k: int, int8: bool, rule: MoER
 def assert_grouped_equals_per_expert(block: MoEBlock, monkeypatch) -> None:
     """At 1-4 tokens (and 8), the grouped call's output equals the per-expert calls' bit for
     bit, and the grouped call did run (two kernel calls per part, not one per expert)."""
-    from zllm.executor.models import moe
+    from zllm.executor.layers.moe import block as moe
 
     calls: list[int] = []
     grouped_kernel = cpu_kernels.moe_experts_linear

@@ -29,7 +29,7 @@ from servers import start_server, stop_server
 from tiny_models import arch_config_of, tiny_hf_config, write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.executor.models.rope import rope_inv_freq
+from zllm.executor.layers.rope import rope_inv_freq
 from zllm.model.arch import read_arch_config
 from zllm.model.arch_config import ModelArchConfig
 

@@ -178,7 +178,7 @@ def test_real_greedy_parity_with_transformers(gemma3_hf, gemma3_llm):
     same dequantized weights, ours read from the file's Q5_0 / Q8_0 / Q4_K / Q6_K blocks by
     the CPU kernel. Near-tie flips are allowed and reported (tests/parity.py)."""
 
-    from zllm.executor.weights.gguf_modules import GGUFLinear, GGUFSplitLinear
+    from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
 
     model = gemma3_llm.model_runner.model
     assert gemma3_llm.model_runner.quantization == "gguf-float"
@@ -210,7 +210,7 @@ def test_real_default_arithmetic_agrees_with_transformers(gemma3_path, gemma3_hf
     log-probability of the prompt's next token. Measured on the dev VM: 1,408 of 1,418
     positions agree, mean drift 0.018 nats (max 0.75), the same with AVX-512 VNNI and AVX2
     (integer sums are exact); the bounds leave room."""
-    from zllm.executor.weights.gguf_arithmetic import ALL_ROWS
+    from zllm.executor.kernels.gguf_arithmetic import ALL_ROWS
     from zllm.executor.weights.quantization import set_int8_max_rows
 
     llm = LLM(gemma3_path)

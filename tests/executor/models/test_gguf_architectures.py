@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
-from zllm.executor.weights.gguf_modules import GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
 from zllm.model.gguf import read_gguf

@@ -27,7 +27,7 @@ from parity import assert_greedy_parity, hf_greedy
 from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
-from zllm.executor.models.moe import ExpertMatrices
+from zllm.executor.layers.moe.experts import ExpertMatrices
 from zllm.executor.weights import mxfp4
 from zllm.model.arch import read_arch_config
 

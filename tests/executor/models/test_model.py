@@ -10,8 +10,8 @@ from model_cases import BASE, LINEAR_ROPE, LLAMA3_ROPE, MODELS, PROMPTS, YARN_RO
 from paged_runner import PagedRunner, Sequence
 from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
+from zllm.executor.layers.rope import rope_inv_freq
 from zllm.executor.models import LlamaForCausalLM, get_model_class
-from zllm.executor.models.rope import rope_inv_freq
 
 
 def build_hf(name: str, seed: int = 0):
@@ -200,7 +200,7 @@ def test_rms_norm_matches_hf_formula(monkeypatch, row_ops):
     (csrc/cpu/row_ops.h, which the module uses on CPU fp32) sums in its own order, so it
     agrees to rounding. The residual stream is exact either way."""
     from zllm.executor.kernels import cpu_layer_ops
-    from zllm.executor.models.llama import RMSNorm
+    from zllm.executor.layers.norms import RMSNorm
 
     if not row_ops:
         monkeypatch.setattr(cpu_layer_ops, "usable", lambda x: False)

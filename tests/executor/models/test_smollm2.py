@@ -11,7 +11,7 @@ from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kv.cache import kv_bytes_per_token
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.slow
 

@@ -322,7 +322,8 @@ def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
     from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
     from zllm.executor.models import LlamaForCausalLM
-    from zllm.executor.ranks.parallel import PipelineParallel, release_other_stages_ends
+    from zllm.executor.parallel.groups import PipelineParallel
+    from zllm.executor.parallel.shards import release_other_stages_ends
 
     config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
     weights = tiny_hf_model(config, 0).state_dict()
@@ -364,8 +365,8 @@ def test_a_transformers_stage_keeps_its_layers_and_the_ends_it_uses(tied):
 
     from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
-    from zllm.executor.models.transformers_pp import cut_to_stage
-    from zllm.executor.ranks.parallel import PipelineParallel
+    from zllm.executor.models.transformers.pp import cut_to_stage
+    from zllm.executor.parallel.groups import PipelineParallel
 
     config = tiny_hf_config("llama", tie_word_embeddings=tied, num_hidden_layers=3)
     arch = arch_config_of(config)
@@ -392,7 +393,7 @@ def test_a_transformers_stages_ends_replace_and_take_the_stream():
     import torch
     from torch import nn
 
-    from zllm.executor.models.transformers_pp import StageEnds
+    from zllm.executor.models.transformers.pp import StageEnds
 
     class Layer(nn.Linear):
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from zllm.core.block_manager import BlockManager
 from zllm.core.kv_connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
-from zllm.executor.ranks.pipeline_stage import PipelineStage, failed_loads, failure_mask
+from zllm.executor.parallel.pipeline_stage import PipelineStage, failed_loads, failure_mask
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_REMOTE, block_file_name
 from zllm.protocol import KVTransferParams, ModelRunnerOutput

@@ -18,15 +18,8 @@ from tiny_models import arch_config_of
 
 from zllm.config.parallel import check_divisible
 from zllm.executor.models import get_model_class
-from zllm.executor.ranks.parallel import (
-    SINGLE,
-    TensorParallel,
-    init_parallel,
-    kv_heads_of,
-    local_arch,
-    shard_blocks,
-    shard_weight,
-)
+from zllm.executor.parallel.groups import SINGLE, TensorParallel, init_parallel
+from zllm.executor.parallel.shards import kv_heads_of, local_arch, shard_blocks, shard_weight
 
 # name -> (model_cases.MODELS entry, HF config overrides, ranks)
 CASES = {
@@ -386,7 +379,7 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
 
     from zllm import LLM
     from zllm.executor import offline
-    from zllm.executor.ranks import parallel
+    from zllm.executor.parallel import groups as parallel
     from zllm.executor.ranks import processes as ranks
     from zllm.executor.weights.model_weights import ModelWeights
 

@@ -37,8 +37,8 @@ from torch import nn
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 from zllm.executor.weights.blocks import gguf_kernel_plan
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 from zllm.model.gguf import read_gguf

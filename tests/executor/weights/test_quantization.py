@@ -13,8 +13,8 @@ from parity import assert_greedy_parity, hf_greedy
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
+from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.weights.blocks import decoder_matmul_targets
-from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.quantization import q8_0_rows
 
 Q8_0 = GGMLQuantizationType.Q8_0

@@ -20,10 +20,10 @@ from quant_checkpoints import CHECKPOINTS, reference_model, reference_of
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
+from zllm.executor.layers.linear.act_order import ActOrderLinear, ActOrderParts
+from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.weights.gguf_modules import GGUFLinear
 from zllm.executor.weights.model_weights import ModelWeights
-from zllm.executor.weights.quantized.act_order import ActOrderLinear, ActOrderParts
 from zllm.executor.weights.quantized.to_blocks import BF16, F16, FP8_E4M3, Q4_0, Q4_1, Q8_0
 
 _spec = importlib.util.spec_from_file_location(
@@ -190,7 +190,7 @@ def test_a_quantized_mixture_of_experts_answers_as_its_reference(tmp_path_factor
     weights. Act-order experts are refused naming the tensor."""
     from quant_checkpoints import reference_model_from_files, write_gptq
 
-    from zllm.executor.models.moe import MoEBlock
+    from zllm.executor.layers.moe.block import MoEBlock
 
     path = write_gptq(tmp_path_factory.mktemp("moe"), 4, 32, sym=False, arch="qwen3_moe")
     ref = reference_model_from_files(path, tmp_path_factory.mktemp("moe-ref") / "ref")

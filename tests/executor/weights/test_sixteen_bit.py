@@ -18,7 +18,7 @@ from parity import assert_greedy_parity, hf_greedy
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 from zllm.executor.weights.quantization import SIXTEEN_BIT
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)

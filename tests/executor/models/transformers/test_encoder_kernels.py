@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zllm.executor.models.encoder_matmuls import PackedLinear, pack_encoder_matmuls_
-from zllm.executor.models.transformers_backend import _encoder_attention, _equal_length_runs
+from zllm.executor.models.transformers.backend import _encoder_attention, _equal_length_runs
+from zllm.executor.models.transformers.encoder_matmuls import PackedLinear, pack_encoder_matmuls_
 
 
 def test_runs_group_consecutive_prompts_of_one_length() -> None:

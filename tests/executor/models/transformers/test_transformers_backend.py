@@ -228,7 +228,7 @@ _LOAD_AND_MEASURE = """
 import sys, torch
 import transformers.models.gpt_neox.modeling_gpt_neox  # imported before the baseline
 from zllm.executor.attention.backend import TORCH_ATTENTION
-from zllm.executor.models.transformers_backend import TransformersForCausalLM
+from zllm.executor.models.transformers.backend import TransformersForCausalLM
 from zllm.model.impl import choose_model_impl, read_model_arch
 
 def peak_mib():

@@ -25,7 +25,7 @@ from torch import nn
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 from zllm.executor.weights.quantization import SIXTEEN_BIT
 from zllm.model.gguf import read_gguf
 
@@ -132,7 +132,7 @@ def test_gguf_int8_on_the_transformers_backend_decodes_with_integer_dots(
 
 def test_matrices_the_kernel_cannot_read_keep_fp32_modules_logged(tmp_path, caplog) -> None:
     """F32 matrices: transformers' fp32 modules, the rest blocks."""
-    caplog.set_level(logging.INFO, logger="zllm.executor.models.transformers_quant")
+    caplog.set_level(logging.INFO, logger="zllm.executor.models.transformers.quant")
     path = tmp_path / "mixed.gguf"
     write_llama_gguf(path, lambda name: MIXED_TYPES[name.removesuffix(".weight")])
     llm = tiny_llm(str(path), model_impl="transformers")
@@ -180,7 +180,7 @@ def test_int8_quantizes_the_projections_zllm_code_does(tmp_path, ranks) -> None:
     """Q8_0 blocks made at load for q/k/v, o, gate/up and down; the logits stay fp32 (found
     by their role in gguf-py's name map), as on zllm's code. Over two ranks each quantizes its
     part (o_proj's and down_proj's input columns, inside the row-parallel matmul)."""
-    from zllm.executor.models.transformers_tp import RowParallelLinear
+    from zllm.executor.layers.linear.parallel import RowParallelLinear
 
     path = str(write_tiny_model(tmp_path / "llama"))
     reference = generate(tiny_llm(path, quantization="int8", tensor_parallel_size=ranks))
@@ -205,7 +205,7 @@ def test_tensor_parallel_ranks_read_their_part_of_the_blocks(tmp_path, ggml_type
     rows, rowwise o/down their input columns where those fall on block boundaries (Q4_K's
     256-value blocks do not split o_proj's 256 columns in two: it keeps its fp32 part, as
     zllm's own ranks do). The tokens zllm's code gives on two ranks with the same kernel."""
-    from zllm.executor.models.transformers_tp import RowParallelLinear
+    from zllm.executor.layers.linear.parallel import RowParallelLinear
 
     path = tmp_path / f"tiny-{ggml_type.name}.gguf"
     write_llama_gguf(path, lambda name: ggml_type)
@@ -228,7 +228,7 @@ def test_the_fp32_weights_a_swap_replaces_are_freed(tmp_path) -> None:
     """No reference to a replaced fp32 matrix outlives the swap (the blocks alone stay)."""
     from transformers import AutoModelForCausalLM
 
-    from zllm.executor.models.transformers_quant import TransformersQuantization
+    from zllm.executor.models.transformers.quant import TransformersQuantization
 
     path = tmp_path / "q8.gguf"
     write_llama_gguf(path, lambda name: T.Q8_0)
@@ -245,7 +245,7 @@ def test_a_scaled_embedding_reads_blocks_and_scales_them_as_its_forward_does() -
     from gguf.quants import dequantize, quantize
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-    from zllm.executor.models.transformers_quant import GGUFScaledEmbedding, _embedding_of
+    from zllm.executor.models.transformers.quant import GGUFScaledEmbedding, _embedding_of
 
     rows = quantize(torch.randn(300, 64).numpy() * 0.1, T.Q8_0)
     scaled = Gemma3TextScaledWordEmbedding(300, 64, padding_idx=0, embed_scale=8.0)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zllm.executor.ranks.parallel import PipelineParallel
+from zllm.executor.parallel.groups import PipelineParallel
 
 Load = tuple[int, bytes, int]  # (tier, block hash, pool block id), as KVTransfers.loads holds
 

@@ -1,6 +1,6 @@
 """Quantized matmuls for the transformers backend: after from_pretrained, transformers' own
 nn.Linear modules and the embedding are swapped one by one for the modules that read weight
-blocks through the CPU kernel (executor/weights/gguf_modules.py), as LoRA wraps them.
+blocks through the CPU kernel (executor/layers/linear/gguf.py), as LoRA wraps them.
 
 Which tensor serves a module comes from transformers itself, so no table per architecture:
 
@@ -21,10 +21,10 @@ zllm's own models give it: the q/k/v, output, gate/up and down projections, foun
 role in gguf-py's name map.
 
 Over tensor-parallel ranks the names are read on the whole model and the swap runs on the
-rank's cut of it (transformers_tp.py): a matmul cut by output rows reads those rows' blocks,
+rank's cut of it (tp.py): a matmul cut by output rows reads those rows' blocks,
 one cut by input columns reads each row's blocks over its columns when they start and stop
 on block boundaries (else it keeps its fp32 part, logged), as zllm's own models' ranks do
-(executor/ranks/parallel.py shard_blocks).
+(executor/parallel/shards.py shard_blocks).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.models.transformers_tp import RankPart
-from zllm.executor.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
+from zllm.executor.layers.linear.parallel import RankPart
 from zllm.executor.weights.quantization import int8_linear
 from zllm.model.gguf import read_gguf
 
@@ -59,7 +59,7 @@ class TransformersQuantization:
     """`method`'s swap for a transformers model, prepared on the whole model (the checkpoint
     tensor behind each parameter is found by name: transformers' GGUF map walks the model's
     state dict, whose names a tensor-parallel cut changes) and applied after any cut, each cut
-    matmul then reading its rank's part of the blocks (RankPart, transformers_tp.py)."""
+    matmul then reading its rank's part of the blocks (RankPart, executor/layers/linear/parallel.py)."""
 
     def __init__(self, hf_model: nn.Module, model_path: str, method: str) -> None:
         self.method = method
@@ -212,7 +212,7 @@ class _Swapper:
         self, hf_model: nn.Module, source: _GGUFBlocks | _SixteenBitRows, arithmetic: str
     ) -> None:
         self.source = source
-        self.arithmetic = arithmetic  # executor/weights/gguf_arithmetic.py
+        self.arithmetic = arithmetic  # executor/kernels/gguf_arithmetic.py
         embedding = hf_model.get_input_embeddings()
         # Tied logits: their blocks are the embedding's (one tensor for both modules).
         self.tied = getattr(embedding, "weight", None)
@@ -223,7 +223,7 @@ class _Swapper:
 
     def swap(self, parent: nn.Module, attr: str, name: str, module: nn.Module) -> None:
         if module.weight.numel() == 0:
-            return  # released: a pipeline stage that does not use it (transformers_pp.py)
+            return  # released: a pipeline stage that does not use it (pp.py)
         found = self._checked_blocks(name, module)
         if isinstance(found, str):
             self.kept.append((name, found))

@@ -1,4 +1,6 @@
-"""fp32 matmuls at decode-sized calls through csrc/cpu/dense_rows.h.
+"""Dense matmul modules: `empty_linear` (the nn.Linear every model of ours builds, its weights
+left for the load to fill), and fp32 matmuls at decode-sized calls through
+csrc/cpu/dense_rows.h (DenseRowsLinear).
 
 An fp32 checkpoint on CPU (`--quantization none`, the default for an fp32 directory) keeps
 nn.Linear modules; torch's sgemm (MKL) takes 2-3x its one-row time at 4-8 rows, the rows of a
@@ -6,7 +8,7 @@ c=8 decode step, where the matrices' bytes alone should set the time. DenseRowsL
 nn.Linear (the same weight Parameter, so LoRA, tensor-parallel cuts, sleep mode and the
 weight loaders see no difference) whose calls of at most DENSE_MAX_ROWS rows take
 cpu_kernels.dense_linear: the AVX-512 kernel where the CPU has it, torch's matmul elsewhere.
-The fused decode stack (executor/kernels/fused_decode.py) calls the same function, so both
+The fused decode stack (executor/graphs/fused_decode.py) calls the same function, so both
 paths give a step the same bits.
 """
 
@@ -19,6 +21,20 @@ from torch import nn
 from zllm.executor.kernels import cpu as cpu_kernels
 
 DENSE_MAX_ROWS = 8  # csrc/cpu/dense_rows.h serves 1-8 rows
+
+
+def empty_linear(
+    in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False
+) -> nn.Linear:
+    """A Linear with uninitialised weights: load_weights overwrites them anyway. Made on the
+    meta device and given plain empty tensors (untouched pages), not through `skip_init`,
+    whose `to_empty` runs torch's reference ops and imports torch.fx's symbolic shapes: half
+    a second of a CPU engine's start-up."""
+    linear = nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+    if bias:
+        linear.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+    return linear
 
 
 class DenseRowsLinear(nn.Linear):

@@ -4,12 +4,13 @@ e.g. Llama's {"layers.*.self_attn.q_proj": "colwise", ..., "layers.*.mlp.down_pr
 
     "colwise"   an nn.Linear cut by output rows (its bias too): the rank's heads, or its slice
                 of the intermediate features; no communication
-    "rowwise"   an nn.Linear cut by input columns (RowParallelLinear): the rank's partial
+    "rowwise"   an nn.Linear cut by input columns (RowParallelLinear, executor/layers/linear/
+                parallel.py): the rank's partial
                 product, summed across ranks by an all-reduce, the bias added once after it
     replicated  norms and embeddings ("replicated_with_grad_allreduce", "embedding_rowwise",
                 ...) stay whole on every rank, as do lm_head and everything the plan leaves out
 
-This is zllm's own cut (executor/ranks/parallel.py) in transformers' terms: a rank's q/k/v hold its
+This is zllm's own cut (executor/parallel/) in transformers' terms: a rank's q/k/v hold its
 query and KV heads (a KV head replicated on the ranks whose query heads read it when ranks
 outnumber them), so its attention, KV cache and cache sizing are those of `local_arch`. Every
 rank keeps the whole lm_head and computes the same logits from the same bits (the hidden
@@ -22,12 +23,13 @@ sequence-parallel styles) are refused with the reason, before any weight is read
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import nn
 
-from zllm.executor.ranks.parallel import TensorParallel, kv_heads_of, local_arch
+from zllm.executor.layers.linear.parallel import RankPart, RowParallelLinear
+from zllm.executor.parallel.groups import TensorParallel
+from zllm.executor.parallel.shards import kv_heads_of, local_arch
 from zllm.model.arch_config import ModelArchConfig
 
 CUT_STYLES = frozenset({"colwise", "rowwise"})
@@ -40,15 +42,6 @@ _EXPERT_MARKS = ("expert", "moe", "grouped_gemm", "packed")
 _KV_PROJECTIONS = ("k_proj", "v_proj")  # replicated per rank when ranks outnumber KV heads
 
 _FLAG = "--tensor-parallel-size with --model-impl transformers"
-
-
-class RankPart(NamedTuple):
-    """Which part of the whole matrix a cut nn.Linear holds, kept on it as `rank_part` so a
-    later swap (transformers_quant.py) cuts the checkpoint's blocks the same way: its output
-    rows (colwise) or its input columns (rowwise, the `local` matmul of a RowParallelLinear)."""
-
-    rows: slice | None = None
-    columns: slice | None = None
 
 
 def usable_plan(config: Any) -> dict[str, str]:
@@ -83,35 +76,6 @@ def _cuts_experts(pattern: str, style: str) -> bool:
 
 def _entries(plan: dict[str, str]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in plan.items())
-
-
-class RowParallelLinear(nn.Module):
-    """A row-parallel matmul: this rank's input columns of the weight (`local`, no bias),
-    the partial products summed across the ranks, then the whole bias added once. LoRA wraps
-    `local`, so an adapter's partial update joins the sum before the all-reduce."""
-
-    def __init__(self, linear: nn.Linear, tp: TensorParallel) -> None:
-        super().__init__()
-        columns = _even_share(linear.in_features, tp, "input features")
-        self.local = nn.Linear(
-            columns.stop - columns.start,
-            linear.out_features,
-            bias=False,
-            device=linear.weight.device,
-            dtype=linear.weight.dtype,
-        )
-        self.local.weight.data = linear.weight.data[:, columns].contiguous()
-        self.local.rank_part = RankPart(columns=columns)
-        self.bias = linear.bias  # whole: added once, after the sum
-        self.tp = tp
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.local(x))
-        return out if self.bias is None else out + self.bias
-
-    def extra_repr(self) -> str:
-        return f"rank {self.tp.rank} of {self.tp.size}, whole in_features={self.in_features}"
 
 
 def _even_share(count: int, tp: TensorParallel, what: str) -> slice:
@@ -166,7 +130,9 @@ def cut_by_plan(
         part = (
             _cut_colwise(name, module, arch, tp)
             if style == "colwise"
-            else RowParallelLinear(module, tp)
+            else RowParallelLinear(
+                module, tp, _even_share(module.in_features, tp, "input features")
+            )
         )
         setattr(parent, attr, part)
         parents.add(parent)

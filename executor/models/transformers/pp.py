@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zllm.executor.ranks.parallel import PipelineParallel, release_weight
+from zllm.executor.parallel.groups import PipelineParallel
+from zllm.executor.parallel.shards import release_weight
 from zllm.model.arch_config import ModelArchConfig
 
 _FLAG = "--pipeline-parallel-size with --model-impl transformers"

@@ -16,8 +16,8 @@ The KV cache layout (layers, KV heads, head size, sliding windows) comes from co
 (zllm.model.files, which cannot import transformers' torch); `probe` runs one short forward at
 load and refuses the model if what its layers actually do differs from that layout.
 
-Over tensor-parallel ranks transformers' modules are cut by its plan (transformers_tp.py);
-over pipeline stages each stage runs the forward over its own layers (transformers_pp.py).
+Over tensor-parallel ranks transformers' modules are cut by its plan (tp.py);
+over pipeline stages each stage runs the forward over its own layers (pp.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from zllm.executor.attention.backend import (
     StepAttentionMetadata,
     metadata_per_layer,
 )
-from zllm.executor.models.transformers_pp import StageEnds, cut_to_stage
-from zllm.executor.models.transformers_quant import TransformersQuantization
-from zllm.executor.models.transformers_tp import cut_by_plan, usable_plan
-from zllm.executor.ranks.parallel import SINGLE, WHOLE, PipelineParallel, TensorParallel, local_arch
+from zllm.executor.models.transformers.pp import StageEnds, cut_to_stage
+from zllm.executor.models.transformers.quant import TransformersQuantization
+from zllm.executor.models.transformers.tp import cut_by_plan, usable_plan
+from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
+from zllm.executor.parallel.shards import local_arch
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.impl import TRANSFORMERS_ENCODERS
 
@@ -307,8 +308,8 @@ class TransformersForCausalLM(nn.Module):
         stage: StageEnds | None = None,
         layers: range | None = None,
     ):
-        """`arch`: this rank's (executor/ranks/parallel.py local_arch), what its layers attend with.
-        On a pipeline stage (transformers_pp.py): `stage`, its ends in the forward, and
+        """`arch`: this rank's (executor/parallel/shards.py local_arch), what its layers attend with.
+        On a pipeline stage (pp.py): `stage`, its ends in the forward, and
         `layers`, the whole model's indices of the decoder layers it kept."""
         super().__init__()
         self.hf = hf_model
@@ -351,13 +352,13 @@ class TransformersForCausalLM(nn.Module):
         safetensors tensor is read straight into its parameter (a GGUF file is dequantized
         by transformers' reader first). `dummy`: built from the config alone, with
         transformers' own random initialization (--load-format dummy). `arch`: the whole
-        model's; `tp`: this rank's place, whose part it keeps (transformers_tp.py: every rank
+        model's; `tp`: this rank's place, whose part it keeps (tp.py: every rank
         loads the whole model, then cuts it by the architecture's tensor-parallel plan);
-        `pp`: its pipeline stage, whose layers it keeps (transformers_pp.py: likewise loaded
+        `pp`: its pipeline stage, whose layers it keeps (pp.py: likewise loaded
         whole, then cut, before the tensor-parallel cut so that cuts only the stage's).
         `quantization`: the method (executor/weights/quantization.py, or its 16-bit rows) whose
         modules replace transformers' matmuls after loading and both cuts, each reading its
-        rank's part of the blocks (transformers_quant.py)."""
+        rank's part of the blocks (quant.py)."""
 
         _register()
         directory, gguf_file = model_path, None
@@ -468,7 +469,7 @@ class TransformersForCausalLM(nn.Module):
     # ---- a pipeline stage (the model runner's interface to zllm's models' stages) -------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's stream in: the input embedding's lookup, which the forward then
-        treats as its own (transformers_pp.py)."""
+        treats as its own (pp.py)."""
         return self.hf.get_input_embeddings()(input_ids)
 
     def forward_layers(

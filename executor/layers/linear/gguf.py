@@ -17,7 +17,8 @@ from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cuda_blocks
-from zllm.executor.weights.gguf_arithmetic import integer_rows
+from zllm.executor.kernels.gguf_arithmetic import integer_rows
+from zllm.executor.layers.moe.experts import ExpertMatrices
 
 # On a GPU: a matrix held as a plain [out, in] weight of the model's dtype (a 16-bit one).
 DENSE = -1
@@ -56,7 +57,7 @@ class GGUFLinear(nn.Module):
         self.ggml_type = ggml_type
         self.in_features = in_features
         self.bias = bias
-        # Integer dots for calls of at most this many rows (executor/weights/gguf_arithmetic.py)
+        # Integer dots for calls of at most this many rows (executor/kernels/gguf_arithmetic.py)
         self.int8_max_rows = integer_rows(arithmetic, [ggml_type])
 
     @property
@@ -164,8 +165,6 @@ def gpu_layout_(model: nn.Module, dtype: torch.dtype) -> int:
     weights of `dtype` (each once: a tied embedding and logits keep sharing). Refuses
     (ValueError) a type the GPU has no kernel for, and experts held in blocks. Returns how
     many modules hold blocks the GPU kernels read."""
-    from zllm.executor.models.moe import ExpertMatrices
-
     dense: dict[tuple[int, bool], torch.Tensor] = {}
 
     def laid_out(

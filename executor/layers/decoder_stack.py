@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.executor.attention.backend import StepAttentionMetadata, metadata_per_layer
-from zllm.executor.ranks.parallel import gather_logits
+from zllm.executor.parallel.shards import gather_logits
 
 
 class DecoderStack:

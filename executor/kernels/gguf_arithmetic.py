@@ -1,6 +1,6 @@
 """Which arithmetic a matmul over GGUF blocks runs, per GGUF type, instruction set and call size.
 
-Two kernels read the same blocks (executor/weights/gguf_modules.py calls them):
+Two kernels read the same blocks (executor/layers/linear/gguf.py calls them):
 - the float kernel (csrc/cpu/gguf_linear.h): the file's values dequantized exactly and
   multiplied in fp32: transformers' arithmetic on the same weights, only the order of the
   sums differs;

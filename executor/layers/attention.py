@@ -1,0 +1,81 @@
+"""Self-attention with one fused q/k/v projection, over the paged KV cache through the layer
+of the attention backend the model is built with (executor/attention/backend.py): Llama's
+family (with Qwen2's q/k/v biases and Qwen3's per-head q/k norms) and gpt-oss (biases on
+o_proj too, a sink logit per query head).
+
+    qkv = qkv_proj(x)                          [T, q | k | v]: one GEMM
+    q, k = rope(norm(q), norm(k))               one rotation over q and k side by side; on a GPU
+                                                fused with the KV cache write (rope_into_cache)
+    out = o_proj(attention(q, k, v))           the backend's layer; all-reduced across
+                                                tensor-parallel ranks (o_proj is row-parallel)
+
+Gemma 3 (its own norms, scale and RoPE per head) and DeepSeek-V2 (latent attention) keep
+modules of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zllm.executor.attention.backend import AttentionBackend, StepAttentionMetadata
+from zllm.executor.layers.linear.dense import empty_linear
+from zllm.executor.layers.norms import QKNorm
+from zllm.executor.layers.rope import rope, rope_into_cache
+from zllm.executor.parallel.groups import SINGLE, TensorParallel
+from zllm.model.arch_config import ModelArchConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        tp: TensorParallel = SINGLE,
+        output_bias: bool = False,
+        sinks: bool = False,
+    ) -> None:
+        """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only; its
+        attention_bias puts biases on q/k/v, its qk_norm per-head norms. gpt-oss's:
+        `output_bias` on o_proj too, `sinks` a sink logit per query head."""
+        super().__init__()
+        self.tp = tp
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = empty_linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, dtype, bias=arch.attention_bias
+        )
+        self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
+        self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype, bias=output_bias)
+        # fp32 whatever the model's dtype: every attention path reads them so (a bf16
+        # checkpoint's values widen exactly).
+        self.sinks = (
+            nn.Parameter(torch.zeros(arch.num_heads, dtype=torch.float32)) if sinks else None
+        )
+        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: StepAttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in qkv, so one rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
+        if not written:
+            qk = rope(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v, kv_cache, meta, kv_written=written, sinks=self.sinks)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))

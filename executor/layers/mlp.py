@@ -1,0 +1,40 @@
+"""The dense MLP of our decoders: down(act(gate) * up) with gate and up one fused GEMM
+[gate | up], the activation by its Hugging Face name (layers/activations.py: SwiGLU for
+Llama's family and DeepSeek-V2, GeGLU for Gemma 3). Under tensor parallelism gate_up is
+column-parallel (this rank's slice of the intermediate features) and down row-parallel: its
+partial sums are added across ranks (executor/parallel/).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zllm.executor.layers.activations import gated
+from zllm.executor.layers.linear.dense import empty_linear
+from zllm.executor.parallel.groups import SINGLE, TensorParallel
+from zllm.model.arch_config import ModelArchConfig
+
+
+class GatedMLP(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        intermediate_size: int | None = None,
+        activation: str = "silu",
+    ) -> None:
+        """`arch`: this rank's (its slice of the intermediate features). `intermediate_size`:
+        other than arch's (a shared expert's); `activation`: one of layers/activations.py's."""
+        super().__init__()
+        self.tp = tp
+        inter = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate_size = inter
+        self.activation = activation
+        self.gate_up_proj = empty_linear(arch.hidden_size, 2 * inter, dtype)
+        self.down_proj = empty_linear(inter, arch.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = gated(self.gate_up_proj(x), self.activation)
+        return self.tp.all_reduce(self.down_proj(fused))
