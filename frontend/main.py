@@ -17,7 +17,8 @@ import time
 import uvicorn
 
 from zllm.config.serve import ServeConfig
-from zllm.frontend.app import OpenAIServer, build_app
+from zllm.frontend.app import build_app
+from zllm.frontend.handlers.server import OpenAIServer
 from zllm.protocol import ProcessRole
 from zllm.runtime.engine_client import EngineClient
 from zllm.runtime.procutil import die_with_parent, index_arg, report_ready, start_process

@@ -3,9 +3,10 @@ front of it (frontend/access/middleware.py) and /openapi.json (frontend/openapi.
 from `ROUTES`, so they cannot disagree.
 
 A route's handler is either an `ApiCall` (a generation API: its body becomes engine requests
-through `Generation.serve`, admitted, with a tenant) or the name of an `OpenAIServer`
-attribute. A route with a `body` gets it decoded (a 400 naming the field) before its handler
-runs; every failure is an error in the route's API's shape (OpenAI's or Anthropic's).
+through `Generation.serve`, admitted, with a tenant) or the path of an `OpenAIServer`
+attribute (frontend/handlers/: "tokens.tokenize" is its token routes' handler). A route with
+a `body` gets it decoded (a 400 naming the field) before its handler runs; every failure is
+an error in the route's API's shape (OpenAI's or Anthropic's).
 """
 
 from __future__ import annotations
@@ -282,7 +283,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/v1/messages/count_tokens",
         "POST",
-        "count_tokens",
+        "tokens.count_tokens",
         CountTokensRequest,
         Operation(
             "countMessageTokens",
@@ -301,7 +302,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/tokenize",
         "POST",
-        "tokenize",
+        "tokens.tokenize",
         TokenizeBody,
         Operation(
             "tokenize",
@@ -313,7 +314,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/detokenize",
         "POST",
-        "detokenize",
+        "tokens.detokenize",
         DetokenizeBody,
         Operation("detokenize", "Text of token ids.", DetokenizeResponse, BODY_ERRORS),
     ),
@@ -344,7 +345,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/v1/load_lora_adapter",
         "POST",
-        "load_lora_adapter",
+        "control.load_lora_adapter",
         LoadLoRAAdapterBody,
         Operation(
             "loadLoraAdapter",
@@ -357,7 +358,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/v1/unload_lora_adapter",
         "POST",
-        "unload_lora_adapter",
+        "control.unload_lora_adapter",
         UnloadLoRAAdapterBody,
         Operation(
             "unloadLoraAdapter",
@@ -370,7 +371,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/reset_prefix_cache",
         "POST",
-        "reset_prefix_cache",
+        "control.reset_prefix_cache",
         doc=Operation(
             "resetPrefixCache",
             "Forget every cached prefix block no running request holds (pins released), on "
@@ -384,7 +385,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/sleep",
         "POST",
-        "sleep",
+        "control.sleep",
         doc=Operation(
             "sleep",
             "Release the KV cache (level 1; the weights stay in host memory) or the weights "
@@ -398,7 +399,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/wake_up",
         "POST",
-        "wake_up",
+        "control.wake_up",
         doc=Operation(
             "wakeUp",
             "Restore what sleep released, or the parts tags name; the engine serves once both "
@@ -412,7 +413,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute(
         "/is_sleeping",
         "GET",
-        "is_sleeping",
+        "control.is_sleeping",
         doc=Operation("isSleeping", "Whether the engine sleeps.", _SLEEPING),
         documented_if=_sleep_on,
     ),

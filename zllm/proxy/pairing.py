@@ -5,9 +5,9 @@ layout names the model by its weights fingerprint (zllm/model/fingerprint.py: th
 contents, so two models with the same file name and size differ). A pair on other weights
 would still answer, every prompt computed twice and every block refused; the proxy refuses
 to start instead. It asks each server's GET /v1/models for its model's `kv_transfer` card
-(frontend/app.py: the server's kv_role and weights fingerprint) and starts only if every
---prefill server is a kv_producer, every --decode server a kv_consumer, and all of them run
-the same weights (one endpoint, one model). Servers still starting are waited for, up to
+(frontend/handlers/server.py: the server's kv_role and weights fingerprint) and starts only
+if every --prefill server is a kv_producer, every --decode server a kv_consumer, and all of
+them run the same weights (one endpoint, one model). Servers still starting are waited for, up to
 --startup-timeout seconds; with API keys on the servers, --api-key is what the proxy asks
 with (clients' requests carry their own).
 """
