@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from zllm.lora import TARGET_MODULES
+from zllm.model.arch import arch_of
 from zllm.model.files import resolve_model
-from zllm.model.impl import arch_of
 
 
 def main() -> None:

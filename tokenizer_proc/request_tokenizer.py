@@ -19,7 +19,8 @@ import msgspec
 from zllm.config.generation import default_max_tokens, merge_eos_token_ids
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params, truncate_prompt
-from zllm.media.placeholders import ImagePlaceholders, place_images
+from zllm.media.placeholders import place_images
+from zllm.model.image_tokens import ImagePlaceholders
 from zllm.protocol import (
     CachePin,
     EngineCoreRequest,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import msgspec
 
 from zllm.errors import ParamError
-from zllm.model.arch import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig
 from zllm.protocol import LoRARequest  # on the wire; `zllm.lora.LoRARequest` is vLLM's path
 
 # The projections an adapter may target, by PEFT's module names, and where they sit.

@@ -9,7 +9,8 @@ import os
 import pytest
 from vision_models import IMAGE_TOKEN, gemma3_vlm_tokenizer
 
-from zllm.media.placeholders import gemma3_placeholders, image_spans
+from zllm.media.placeholders import image_spans
+from zllm.model.families import gemma3, qwen2_5_vl
 from zllm.text.tokenizer import load_tokenizer
 
 CONFIG = {"mm_tokens_per_image": 4, "boi_token_index": 255999, "eoi_token_index": 256000,
@@ -44,7 +45,7 @@ def test_gemma3_prompts_tokenize_as_its_processor_writes_them(tokenizers) -> Non
     from PIL import Image
 
     ours, processor = tokenizers
-    placeholders = gemma3_placeholders(CONFIG, ours.backend.id_to_token)
+    placeholders = gemma3.placeholders("", CONFIG, ours.backend.id_to_token)
     assert placeholders.image_token_id == ours.backend.token_to_id(IMAGE_TOKEN) == 262144
     image = Image.new("RGB", (8, 8))
     for prompt in PROMPTS:
@@ -60,12 +61,12 @@ def test_gemma3_prompts_tokenize_as_its_processor_writes_them(tokenizers) -> Non
 
 def test_markers_and_images_must_agree(tokenizers, gemma3_path) -> None:
     ours, _ = tokenizers
-    placeholders = gemma3_placeholders(CONFIG, ours.backend.id_to_token)
+    placeholders = gemma3.placeholders("", CONFIG, ours.backend.id_to_token)
     with pytest.raises(ValueError, match="holds 1 image marker.* for 2 image"):
         placeholders.expand("one <start_of_image>", [4, 4])
     text_only = load_tokenizer(gemma3_path)  # the 270M tokenizer as shipped: no image token
     with pytest.raises(ValueError, match="no token 262144 .*image_token_index"):
-        gemma3_placeholders(CONFIG, text_only.backend.id_to_token)
+        gemma3.placeholders("", CONFIG, text_only.backend.id_to_token)
 
 
 def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> None:
@@ -80,14 +81,13 @@ def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> No
     from transformers import Qwen2VLImageProcessorPil
     from vision_models import QWEN_VL_IMAGE_TOKENS, QWEN_VL_PIXELS, qwen_vl_tokenizer
 
-    from zllm.media.placeholders import qwen_vl_placeholders
     from zllm.model.image_tokens import ImageGrid
 
     processor = Qwen2VLImageProcessorPil(**QWEN_VL_PIXELS)
     grid = ImageGrid(**QWEN_VL_PIXELS)
     tokenizer = qwen_vl_tokenizer(smollm2_path)
     config = {"image_token_id": QWEN_VL_IMAGE_TOKENS["<|image_pad|>"]}
-    placeholders = qwen_vl_placeholders(config, grid, tokenizer.backend.id_to_token)
+    placeholders = qwen2_5_vl.placeholders(config, grid, tokenizer.backend.id_to_token)
     rng = random.Random(0)
     sizes = [(14, 14), (42, 42), (70, 70), (98, 42), (500, 30), (30, 900), (1000, 1000)]
     sizes += [(rng.randint(8, 600), rng.randint(8, 600)) for _ in range(12)]
@@ -99,4 +99,4 @@ def test_qwen_vl_counts_each_image_as_its_processor_grids_it(smollm2_path) -> No
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert [n for _, n in image_spans(ids, placeholders.image_token_id)] == [3, 2]
     with pytest.raises(ValueError, match="image_token_id"):
-        qwen_vl_placeholders({"image_token_id": 10**6}, grid, tokenizer.backend.id_to_token)
+        qwen2_5_vl.placeholders({"image_token_id": 10**6}, grid, tokenizer.backend.id_to_token)

@@ -13,8 +13,8 @@ import pytest
 from gguf import GGUFWriter
 from tiny_models import tiny_hf_config
 
-import zllm.model.arch as model_arch
 import zllm.model.files as mf
+import zllm.model.gguf_config as gguf_config
 from zllm.model.arch import read_arch_config
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import download_model, find_installed, resolve_model
@@ -173,6 +173,7 @@ def test_smollm2_arch_config(smollm2_path: str) -> None:
     arch = read_arch_config(smollm2_path)
     assert arch == ModelArchConfig(
         architecture="llama",
+        family="llama",
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
@@ -289,16 +290,16 @@ def test_gguf_rope_scaling_becomes_hf_dict() -> None:
         "qwen2.rope.scaling.factor": 4.0,
         "qwen2.rope.scaling.original_context_length": 32768,
     }
-    assert model_arch._gguf_rope_scaling(md, "qwen2") == {
+    assert gguf_config.rope_scaling(md, "qwen2") == {
         "rope_type": "yarn",
         "factor": 4.0,
         "original_max_position_embeddings": 32768,
     }
-    assert model_arch._gguf_rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {
+    assert gguf_config.rope_scaling({"llama.rope.scale_linear": 2.0}, "llama") == {
         "rope_type": "linear",
         "factor": 2.0,
     }
-    assert model_arch._gguf_rope_scaling({"llama.rope.scaling.type": "none"}, "llama") is None
+    assert gguf_config.rope_scaling({"llama.rope.scaling.type": "none"}, "llama") is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ def run_zllm(args: argparse.Namespace, engine: EngineArgs) -> ThroughputResult:
 def run_transformers(args) -> ThroughputResult:
     import torch
 
+    from zllm.model.arch import arch_of
     from zllm.model.files import resolve_model
-    from zllm.model.impl import arch_of
 
     path = resolve_model(
         args.model, getattr(args, "revision", None), getattr(args, "download_dir", None)

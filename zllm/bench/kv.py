@@ -17,8 +17,8 @@ from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
 from zllm.core.block_manager import BlockManager
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, KV_DTYPE_NAMES
+from zllm.model.arch import arch_of
 from zllm.model.files import resolve_model
-from zllm.model.impl import arch_of
 
 
 def add_parser(bench_sub: argparse._SubParsersAction) -> None:

@@ -165,8 +165,8 @@ def main(args: argparse.Namespace) -> int:
 
     vocab = args.vocab_size
     if vocab is None:
+        from zllm.model.arch import arch_of
         from zllm.model.files import resolve_model
-        from zllm.model.impl import arch_of
 
         vocab = arch_of(resolve_model(args.tokenizer)).vocab_size
     config = ServeBenchConfig(

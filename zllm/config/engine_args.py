@@ -25,6 +25,7 @@ from zllm.config.arg_utils import (
     positive_int,
     unit_fraction,
 )
+from zllm.config.capabilities import check_capabilities
 from zllm.config.engine import (
     CacheConfig,
     EngineConfig,
@@ -39,7 +40,6 @@ from zllm.config.generation import (
 )
 from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
-from zllm.config.mla import check_mla
 from zllm.config.parallel import check_parallel
 from zllm.config.pooler import (
     RUNNERS,
@@ -60,8 +60,9 @@ from zllm.config.tenants import (
 from zllm.config.vision import check_vision, set_encoder_budget, tokens_per_image
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, kv_cache_dtype_of
 from zllm.kv.tier_key import resolve_key_file
+from zllm.model.arch import read_model_arch
 from zllm.model.files import resolve_model, resolve_tokenizer
-from zllm.model.impl import MODEL_IMPLS, choose_model_impl, read_model_arch
+from zllm.model.impl import MODEL_IMPLS, choose_model_impl
 
 logger = logging.getLogger(__name__)
 
@@ -462,8 +463,8 @@ class EngineArgs:
         )  # fmt: skip
         config.kv_offload = self._kv_offload_config(config)
         config.kv_transfer = self._kv_transfer_config(config)
+        check_capabilities(config)
         check_parallel(config)
-        check_mla(config)
         check_vision(config, tokens_per_image(model_path, arch))
         set_encoder_budget(config)
         check_encoder(config)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from zllm.model.arch import sequence_labels
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.family import Feature, Trait
 from zllm.model.gguf import read_gguf
-from zllm.model.impl import TRANSFORMERS_ENCODERS
+from zllm.model.registry import classifier_families_text, family_for_config, family_of
 
 if TYPE_CHECKING:
     from zllm.config.engine import EngineConfig
@@ -110,7 +111,8 @@ def pooler_config_of(
                 "its last token"
             )
         # A decoder's head reads the last token, an encoder's its [CLS] (the first).
-        pooling = "cls" if config.get("model_type") in TRANSFORMERS_ENCODERS else "last"
+        family = family_for_config(config)
+        pooling = "cls" if family is not None and family.has(Trait.ENCODER) else "last"
         return PoolerConfig(pooling, False, source="classifier", labels=labels)
     found = _sentence_transformers(folder) if folder.is_dir() else gguf_pooling(model_path)
     if found is None:
@@ -162,11 +164,6 @@ def classifier_from_tokens(
 
 
 RUNNERS = ("auto", "generate", "pooling")
-# The architectures whose own code (executor/models/llama.py) carries a classifier's head.
-_CLASSIFIER_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-    *TRANSFORMERS_ENCODERS,  # (transformers' heads, on its [CLS])
-)  # fmt: skip
 # Class names that generate (GPT-2's `GPT2LMHeadModel` ends in "Model" too): checked first.
 _GENERATING_CLASSES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", "ChatModel")
 
@@ -177,10 +174,10 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
     base model's, a classifier's), or a config.json naming base model classes only
     (`Qwen3Model`, not `GPT2LMHeadModel`). Asking a headless one to generate is refused, and
     so is a classifier of an architecture zllm's code has no score head for."""
-    if arch.num_labels and arch.architecture not in _CLASSIFIER_ARCHITECTURES:
+    if arch.num_labels and not family_of(arch).supports(Feature.CLASSIFIER_HEAD):
         raise ValueError(
             f"{model_path}: a sequence-classification {arch.architecture} model: zllm runs "
-            f"classifier heads on {', '.join(_CLASSIFIER_ARCHITECTURES)} models"
+            f"classifier heads on {classifier_families_text()}"
         )
     config = _read_json(Path(model_path) / "config.json") if Path(model_path).is_dir() else {}
     names = [str(a) for a in config.get("architectures") or []]

@@ -7,9 +7,10 @@ from typing import Any
 
 from zllm.config.arg_utils import check_config_dict
 from zllm.config.engine import SPECULATIVE_METHODS, SpeculativeConfig
+from zllm.model.arch import read_model_arch
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.files import resolve_model
-from zllm.model.impl import choose_model_impl, read_model_arch
+from zllm.model.impl import choose_model_impl
 
 _KEYS = {
     "method",

@@ -19,27 +19,35 @@ from pathlib import Path
 
 from zllm.config.engine import EngineConfig
 from zllm.model.arch_config import ModelArchConfig
-from zllm.model.image_tokens import max_image_tokens, mm_tokens_per_image
-from zllm.model.impl import TRANSFORMERS_VISION
+from zllm.model.family import ImageRules, Trait
+from zllm.model.registry import family_of
+
+
+def _image_rules(arch: ModelArchConfig) -> ImageRules:
+    rules = family_of(arch).images
+    if rules is None:  # (a vision model on a family without image rules: refused below)
+        raise ValueError(f"{arch.architecture}: no image rules on the transformers backend")
+    return rules
 
 
 def tokens_per_image(model_path: str, arch: ModelArchConfig) -> int:
-    """The tokens of one image that one step must compute together: a Gemma 3 image's (its
-    tokens attend to each other both ways); 0 where images chunk like text, or none come."""
-    if not arch.images_bidirectional:
+    """The tokens of one image that one step must compute together: where the family's image
+    tokens attend to each other both ways (Gemma 3's), one image's; 0 where images chunk like
+    text, or none come."""
+    if not (arch.vision and family_of(arch).has(Trait.BIDIRECTIONAL_IMAGES)):
         return 0
-    return mm_tokens_per_image(json.loads((Path(model_path) / "config.json").read_text()))
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return _image_rules(arch).max_tokens(model_path, config)
 
 
 def set_encoder_budget(config: EngineConfig) -> None:
     """The image encoder tokens one step may start: as many as the step's tokens (vLLM's
     default), and never fewer than one image's most, so every image fits a step of its own."""
-    if not config.arch.vision:
+    if not config.arch.vision or family_of(config.arch).images is None:
         return
     model = json.loads((Path(config.model_path) / "config.json").read_text())
-    config.scheduler.max_num_encoder_tokens = max(
-        config.scheduler.max_num_batched_tokens, max_image_tokens(config.model_path, model)
-    )
+    most = _image_rules(config.arch).max_tokens(config.model_path, model)
+    config.scheduler.max_num_encoder_tokens = max(config.scheduler.max_num_batched_tokens, most)
 
 
 def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
@@ -54,16 +62,14 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
             "--pipeline-parallel-size: the image features join the embeddings, which only "
             "the first stage holds"
         )
-    if config.arch.architecture in TRANSFORMERS_VISION:  # transformers' modeling code
-        reasons += _transformers_vision_refusals(config)
-    elif config.model_impl == "transformers":
+    if family_of(config.arch).images is None:  # a native family on transformers' code
         reasons.append("--model-impl transformers: zllm's own model code takes the images")
     if config.speculative is not None and config.speculative.method != "ngram":
         reasons.append(
             f"--speculative-config method {config.speculative.method}: the draft would read "
             f"the image placeholders as text (n-gram speculation runs with images)"
         )
-    if config.deterministic and config.arch.images_bidirectional:
+    if config.deterministic and family_of(config.arch).has(Trait.BIDIRECTIONAL_IMAGES):
         reasons.append(
             "--deterministic: batch-invariant attention is causal, and this model's image "
             "tokens attend to each other both ways"
@@ -81,23 +87,6 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
             f"prefilled in one step, beside up to {seqs - 1} other sequences' tokens (at least "
             f"{tokens_per_image + seqs - 1})"
         )
-    return reasons
-
-
-def _transformers_vision_refusals(config: EngineConfig) -> list[str]:
-    """What a vision-language model on the transformers backend (LLaVA) does not run with:
-    its vision tower and projector are transformers' modules, outside the language model that
-    zllm cuts, quantizes and adapts."""
-    reasons = []
-    if config.tensor_parallel_size > 1:
-        reasons.append(
-            "--tensor-parallel-size: transformers' plan cuts its language model, not its "
-            "vision tower"
-        )
-    if config.lora is not None:
-        reasons.append("--enable-lora: adapters of transformers' vision models are not read")
-    if config.quantization == "int8":
-        reasons.append("--quantization int8: runs on zllm's own vision models only")
     return reasons
 
 

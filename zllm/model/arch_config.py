@@ -39,7 +39,8 @@ class MLAConfig:
 class ModelArchConfig:
     """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", ...
+    # The name the model's files give (config.json's model_type or GGUF general.architecture).
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -119,6 +120,9 @@ class ModelArchConfig:
     # one of a token's (time, row, column) positions (executor/models/vision/mrope.py);
     # text tokens have all three equal. None: one position per token.
     mrope_section: list[int] | None = None
+    # The registry name of the family whose code runs it (zllm/model/registry.py family_of);
+    # "" for a record made by hand (the transformers backend's family answers for it).
+    family: str = ""
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -1,10 +1,9 @@
-"""How many tokens an image takes in a prompt, per model (no torch: the tokenizer workers
-expand the placeholders by these counts, the engine's checks and the scheduler's encoder
-budget read them, and the executor places Qwen2.5-VL's M-RoPE positions from its grid).
-
-  Gemma 3      mm_tokens_per_image (config.json), whatever the image
-  LLaVA        the cropped image's patches, as LlavaProcessor counts them
-  Qwen2.5-VL   the image's own size, resized by its processor (ImageGrid, below)
+"""Where a prompt holds its images and how many tokens each takes: `ImagePlaceholders`, which
+a vision-language family makes for its checkpoint (zllm/model/families/: Gemma 3's fixed count
+per image, LLaVA's patches, Qwen2.5-VL's count from the image's own size through `ImageGrid`,
+below). No torch: the tokenizer workers expand the placeholders by these counts, the engine's
+checks and the scheduler's encoder budget read them, and the executor places Qwen2.5-VL's
+M-RoPE positions from its grid.
 
 Qwen2-VL's image processor resizes each image so both sides are multiples of
 patch_size x merge_size (28 pixels) and its area lies within [min_pixels, max_pixels],
@@ -18,8 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from zllm.protocol import ImageData
 
 # Qwen2VLImageProcessor's defaults, where preprocessor_config.json leaves a field out.
 _DEFAULT_MIN_PIXELS = 56 * 56
@@ -96,45 +98,39 @@ class ImageGrid:
         return max(1, self.max_pixels // (side * side))
 
 
-def mm_tokens_per_image(config: dict) -> int:
-    """The tokens one image takes in a Gemma 3 prompt, from its config.json (transformers'
-    default where the config leaves it out)."""
-    return int(config.get("mm_tokens_per_image", 256))
+@dataclass(frozen=True, slots=True)
+class ImagePlaceholders:
+    """A model's image placeholders: the marker a prompt holds per image, the text around
+    the image's tokens, and the token whose embeddings the image's features replace."""
 
+    marker: str
+    before: str
+    image_token: str
+    after: str
+    image_token_id: int
+    tokens_per_image: int = 0  # a fixed count per image (Gemma 3)
+    grid: ImageGrid | None = None  # else the count from the image's size (Qwen2.5-VL)
 
-def llava_tokens_per_image(model_path: str | Path, config: dict) -> int:
-    """LLaVA's image tokens, as LlavaProcessor counts them: the cropped image's patches, plus
-    the tower's extra tokens (CLIP's class token), less the one the "default" feature
-    strategy drops (processor_config.json, preprocessor_config.json, config.json)."""
-    folder = Path(model_path)
-    processor = _json_or_empty(folder / "processor_config.json")
-    image = _json_or_empty(folder / "preprocessor_config.json")
-    patch = processor.get("patch_size") or config.get("vision_config", {}).get("patch_size")
-    crop = image.get("crop_size") or image.get("size") or {}
-    if isinstance(crop, int):
-        crop = {"height": crop, "width": crop}
-    height = crop.get("height") or crop.get("shortest_edge")
-    width = crop.get("width") or crop.get("shortest_edge")
-    if not (patch and height and width):
-        raise ValueError(
-            f"{model_path}: cannot count LLaVA's image tokens: processor_config.json's "
-            f"patch_size and preprocessor_config.json's crop_size are needed"
-        )
-    count = (height // patch) * (width // patch) + processor.get("num_additional_image_tokens", 0)
-    strategy = processor.get("vision_feature_select_strategy") or config.get(
-        "vision_feature_select_strategy", "default"
-    )
-    return count - (strategy == "default")
+    def count(self, width: int, height: int) -> int:
+        """One image's tokens (ValueError for a size the model's processor refuses)."""
+        if self.grid is None:
+            return self.tokens_per_image
+        return self.grid.tokens(width, height)
 
+    def counts(self, images: Sequence[ImageData]) -> list[int]:
+        return [self.count(image.width, image.height) for image in images]
 
-def max_image_tokens(model_path: str, config: dict) -> int:
-    """The most tokens one image usually takes in this model's prompts (above)."""
-    if config.get("model_type") == "qwen2_5_vl":
-        return ImageGrid.of_model(model_path).max_tokens()
-    if config.get("model_type") == "llava":
-        return llava_tokens_per_image(model_path, config)
-    return mm_tokens_per_image(config)
-
-
-def _json_or_empty(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    def expand(self, text: str, counts: Sequence[int]) -> str:
+        """The prompt with its i-th marker expanded to counts[i] image tokens; ValueError
+        when the prompt's markers and its images differ in number."""
+        pieces = text.split(self.marker)
+        if len(pieces) - 1 != len(counts):
+            raise ValueError(
+                f"the prompt holds {len(pieces) - 1} image marker(s) {self.marker!r} for "
+                f"{len(counts)} image(s): each image needs its marker where it goes in the "
+                f"prompt (a chat message's image part writes one)"
+            )
+        out = [pieces[0]]
+        for count, piece in zip(counts, pieces[1:], strict=True):
+            out += (self.before, self.image_token * count, self.after, piece)
+        return "".join(out)

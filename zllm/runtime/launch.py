@@ -19,6 +19,8 @@ from zllm.config.kv_transfer import check_ports
 from zllm.config.serve import Endpoints, EngineEndpoints, ServeConfig, ServerArgs
 from zllm.config.tls import check_tls
 from zllm.lora import parse_lora_modules, read_adapter, with_digest
+from zllm.model.family import Family
+from zllm.model.registry import family_of
 from zllm.protocol import LoRARequest
 from zllm.runtime.procutil import free_ports
 from zllm.text.template_kwargs import check_template_kwargs
@@ -45,7 +47,7 @@ _RESOLVED = frozenset(
 def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) -> ServeConfig:
     """The config every process gets. The engine config is made first (it resolves the model:
     `EngineArgs.create_engine_config`), so a caller can pass one it already has."""
-    server = with_model_parsers(server or ServerArgs(), engine.arch.architecture)
+    server = with_model_parsers(server or ServerArgs(), family_of(engine.arch))
     check_tls(server.ssl_keyfile, server.ssl_certfile, server.ssl_ca_certs, server.ssl_cert_reqs)
     if server.enable_auto_tool_choice and server.tool_call_parser is None:
         raise ValueError(
@@ -90,21 +92,18 @@ def serve_config_from(engine: EngineConfig, server: ServerArgs | None = None) ->
     )
 
 
-# Architectures that answer in harmony (zllm/text/harmony.py): gpt-oss, config.json's and
-# llama.cpp's names.
-_HARMONY_ARCHITECTURES = frozenset({"gpt_oss", "gpt-oss"})
-
-
-def with_model_parsers(server: ServerArgs, architecture: str) -> ServerArgs:
-    """gpt-oss writes harmony: when neither --reasoning-parser nor --tool-call-parser is
-    named, both are set to harmony's (openai_gptoss, openai), so its channels come back as
-    reasoning, tool calls and content rather than as raw text. Any parser named is kept."""
-    if architecture not in _HARMONY_ARCHITECTURES:
+def with_model_parsers(server: ServerArgs, family: Family) -> ServerArgs:
+    """A family whose chat format needs parsers (gpt-oss writes harmony: its channels come
+    back as reasoning, tool calls and content rather than as raw text) gets its defaults
+    when neither --reasoning-parser nor --tool-call-parser is named. Any parser named is
+    kept."""
+    if family.default_parsers is None:
         return server
     if server.reasoning_parser is not None or server.tool_call_parser is not None:
         return server
-    logger.info("gpt-oss: --reasoning-parser openai_gptoss --tool-call-parser openai (harmony)")
-    return dataclasses.replace(server, reasoning_parser="openai_gptoss", tool_call_parser="openai")
+    reasoning, tools = family.default_parsers
+    logger.info("%s: --reasoning-parser %s --tool-call-parser %s", family.title, reasoning, tools)
+    return dataclasses.replace(server, reasoning_parser=reasoning, tool_call_parser=tools)
 
 
 def check_tracing_installed() -> None:

@@ -575,8 +575,9 @@ def test_options_it_cannot_run_with_are_refused(hf_dir, option, reason) -> None:
     with pytest.raises(ValueError) as refused:
         args.create_engine_config()
     message = str(refused.value)
-    assert message.startswith("deepseek_v2 (multi-head latent attention) cannot run with ")
+    assert message.startswith("deepseek_v2 cannot run with ")
     assert reason in message
+    assert "(the DeepSeek-V2 family (deepseek_v2) has no " in message
 
 
 # ---------------------------------------------------------------------------------------------

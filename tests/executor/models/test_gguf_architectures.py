@@ -37,9 +37,10 @@ from servers import start_server, stop_server
 from zllm import LLM, SamplingParams
 from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.weights.loader import load_weights
-from zllm.model.arch import SUPPORTED_GGUF_ARCHITECTURES, read_arch_config
+from zllm.model.arch import read_arch_config
 from zllm.model.gguf import read_gguf
 from zllm.model.impl import choose_model_impl
+from zllm.model.registry import native_gguf_architectures
 from zllm.text.incremental_detokenizer import IncrementalDetokenizer
 from zllm.text.tokenizer import load_tokenizer
 
@@ -305,5 +306,5 @@ def test_a_gguf_architecture_nothing_runs_is_refused_naming_what_does(tmp_path: 
             LLM(str(path), model_impl=model_impl)
         message = str(refused.value)
         assert "GGUF architecture 'rwkv7' runs neither in zllm's own code" in message
-        assert f"(GGUF files of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})" in message
+        assert f"(GGUF files of {', '.join(native_gguf_architectures())})" in message
         assert "nor through transformers' GGUF reader (" in message and "stablelm" in message

@@ -303,14 +303,15 @@ def test_harmony_parsers_selected_for_gpt_oss_only():
     import dataclasses
 
     from zllm.config.serve import ServerArgs
+    from zllm.model.registry import family_named
     from zllm.runtime.launch import with_model_parsers
 
-    chosen = with_model_parsers(ServerArgs(), "gpt_oss")
+    gpt_oss = family_named("gpt_oss")
+    chosen = with_model_parsers(ServerArgs(), gpt_oss)
     assert (chosen.reasoning_parser, chosen.tool_call_parser) == ("openai_gptoss", "openai")
-    assert with_model_parsers(ServerArgs(), "gpt-oss").reasoning_parser == "openai_gptoss"
-    assert with_model_parsers(ServerArgs(), "llama").reasoning_parser is None
+    assert with_model_parsers(ServerArgs(), family_named("llama")).reasoning_parser is None
     named = dataclasses.replace(ServerArgs(), reasoning_parser="qwen3")
-    kept = with_model_parsers(named, "gpt_oss")
+    kept = with_model_parsers(named, gpt_oss)
     assert (kept.reasoning_parser, kept.tool_call_parser) == ("qwen3", None)
 
 

@@ -35,7 +35,8 @@ from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
-from zllm.model.impl import choose_model_impl, read_model_arch
+from zllm.model.arch import read_model_arch
+from zllm.model.impl import choose_model_impl
 
 WINDOW = 16
 BLOCK = 4
@@ -229,7 +230,8 @@ import sys, torch
 import transformers.models.gpt_neox.modeling_gpt_neox  # imported before the baseline
 from zllm.executor.attention.backend import TORCH_ATTENTION
 from zllm.executor.models.transformers.backend import TransformersForCausalLM
-from zllm.model.impl import choose_model_impl, read_model_arch
+from zllm.model.arch import read_model_arch
+from zllm.model.impl import choose_model_impl
 
 def peak_mib():
     for line in open("/proc/self/status"):

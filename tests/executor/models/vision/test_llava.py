@@ -138,7 +138,7 @@ def test_a_sparse_hub_config_reads_over_llamas_defaults(tmp_path) -> None:
 
     from transformers import LlavaConfig
 
-    from zllm.model.impl import arch_of
+    from zllm.model.arch import arch_of
 
     config = {
         "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",

@@ -1,4 +1,5 @@
-"""DeepSeek-V2's shape (`ModelArchConfig` with `mla`): from config.json (model_type
+"""DeepSeek-V2 (executor/models/deepseek_v2.py): multi-head latent attention (`ModelArchConfig`
+with `mla`) and mixture-of-experts layers with shared experts, from config.json (model_type
 deepseek_v2, transformers' DeepseekV2Config) or a GGUF file of llama.cpp's `deepseek2`
 architecture. No torch here.
 
@@ -39,16 +40,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zllm.model.arch import _gguf_rope_scaling, _hf_rope_scaling
+from zllm.model import gguf_config
 from zllm.model.arch_config import MLAConfig, ModelArchConfig
+from zllm.model.family import Family, Feature, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
+from zllm.model.hf_config import hf_rope_scaling
+from zllm.model.moe_arch import MOE_LACKS
 
+FAMILY_NAME = "deepseek_v2"
 # The DeepSeek-V2 latent norms' epsilon: transformers builds them with its RMSNorm's default,
 # not config.rms_norm_eps (so does DeepSeek's own modeling code).
 LATENT_NORM_EPS = 1e-6
 
 
-def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
     """config.json of model_type deepseek_v2 (transformers 4.5x's or 5's, or DeepSeek's own)."""
 
     def need(key: str) -> Any:
@@ -72,6 +77,7 @@ def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArc
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture="deepseek_v2",
+        family=FAMILY_NAME,
         vocab_size=int(need("vocab_size")),
         hidden_size=int(need("hidden_size")),
         intermediate_size=int(need("intermediate_size")),
@@ -83,7 +89,7 @@ def deepseek_v2_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArc
         max_position_embeddings=int(need("max_position_embeddings")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        rope_scaling=_hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
+        rope_scaling=hf_rope_scaling(cfg, cfg.get("rope_scaling") or rope_params),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         mla=mla,
@@ -153,7 +159,7 @@ def _moe_fields(
     )
 
 
-def deepseek2_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     """A `deepseek2` file as llama.cpp's convert_hf_to_gguf.py writes it (either kv_b layout:
     attn_kv_b whole, or attn_k_b / attn_v_b split by newer converters; loader.py joins them)."""
     md, path = gguf.metadata, gguf.path
@@ -188,6 +194,7 @@ def deepseek2_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
     eos = [md[f"tokenizer.ggml.{k}"] for k in eos_keys if f"tokenizer.ggml.{k}" in md]
     return ModelArchConfig(
         architecture="deepseek2",
+        family=FAMILY_NAME,
         vocab_size=int(vocab),
         hidden_size=int(need("embedding_length")),
         intermediate_size=int(need("feed_forward_length")),
@@ -246,7 +253,7 @@ def _latent_kv_layout(mla: MLAConfig, where: str) -> dict[str, int]:
 def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
     """The rope parameters as config.json has them: YaRN's type, factor, original context and
     betas, and mscale_all_dim (= mscale, as llama.cpp takes it) from the log multiplier."""
-    scaling = _gguf_rope_scaling(md, "deepseek2")
+    scaling = gguf_config.rope_scaling(md, "deepseek2")
     if scaling is None:
         return None
     for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
@@ -257,3 +264,49 @@ def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
     if log_multiplier:
         scaling["mscale"] = scaling["mscale_all_dim"] = float(log_multiplier) / 0.1
     return scaling
+
+
+FAMILY = Family(
+    name=FAMILY_NAME,
+    title="DeepSeek-V2",
+    model_types=("deepseek_v2",),
+    gguf_architectures=("deepseek2",),
+    read_hf=read_hf,
+    read_gguf=read_gguf,
+    # Multi-head latent attention's tensors (llama.cpp's deepseek2). Newer converters split
+    # kv_b_proj into attn_k_b (W_UK transposed, [heads, kv_lora_rank, nope]) and attn_v_b
+    # (W_UV, [heads, v, kv_lora_rank]); the model joins them back into kv_b_proj.
+    gguf_tensor_names={
+        **gguf_config.LAYER_NAMES,
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.k_b_proj",
+        "attn_v_b": "self_attn.v_b_proj",
+        # Its shared experts: one ungated MLP, under DeepSeek's plural name.
+        "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp": "mlp.shared_experts.up_proj",
+        "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    },
+    model_class="zllm.executor.models.deepseek_v2:DeepseekV2ForCausalLM",
+    traits=frozenset({Trait.MLA, Trait.MOE}),
+    # Its layers attend by executor/attention/mla.py: a torch path that reads and writes the
+    # latent rows in the model's dtype on one rank.
+    lacks={
+        **MOE_LACKS,
+        Feature.TENSOR_PARALLEL: "the latent attention's heads are not split over ranks yet",
+        Feature.NARROW_KV_CACHE: "the latent pool is kept in the model's dtype",
+        Feature.TRANSFORMERS_IMPL: (
+            "transformers' MLA hands the attention keys and values of different head sizes, "
+            "which the paged cache does not hold (zllm's own code runs it: --model-impl auto)"
+        ),
+        Feature.LORA: "adapters target q/k/v projections this model lacks",
+        Feature.DETERMINISTIC: "the latent attention has no batch-invariant decode yet",
+        Feature.DRAFT_MODEL: "a draft model runs Llama-style attention",
+        Feature.CUDA_GRAPHS: "the latent attention runs on the torch backend",
+        Feature.CLASSIFIER_HEAD: "its model code carries no score head",
+    },
+)

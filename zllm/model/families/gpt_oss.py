@@ -1,5 +1,6 @@
-"""gpt-oss's `ModelArchConfig`, from a Hugging Face config.json (model_type gpt_oss) or a GGUF
-file of llama.cpp's `gpt-oss` architecture. No torch here.
+"""gpt-oss (executor/models/gpt_oss.py), from a Hugging Face config.json (model_type gpt_oss)
+or a GGUF file of llama.cpp's `gpt-oss` architecture. It writes OpenAI's harmony format, so
+harmony's parsers are its defaults. No torch here.
 
 What the record holds for it (executor/models/gpt_oss.py builds the model from it):
 
@@ -20,9 +21,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from zllm.model import gguf_config
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.family import Family, Feature, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
+from zllm.model.moe_arch import MOE_LACKS
 
+FAMILY_NAME = "gpt_oss"
 HF_NAME = "gpt_oss"  # config.json's model_type
 GGUF_NAME = "gpt-oss"  # GGUF general.architecture
 # The clamped SwiGLU of gpt-oss's experts (executor/models/moe.py GPT_OSS_RULE): every
@@ -35,7 +40,7 @@ def alternating_layer_types(num_layers: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
-def gpt_oss_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
+def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
     """config.json of model_type gpt_oss, as transformers 4.5x or 5 writes it (or OpenAI's)."""
 
     def need(key: str) -> Any:
@@ -67,6 +72,7 @@ def gpt_oss_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchCon
     inter = int(need("intermediate_size"))
     return ModelArchConfig(
         architecture=HF_NAME,
+        family=FAMILY_NAME,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
         intermediate_size=inter,
@@ -91,7 +97,7 @@ def gpt_oss_arch_from_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchCon
     )
 
 
-def gpt_oss_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
+def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     """A GGUF file of llama.cpp's gpt-oss architecture (convert_hf_to_gguf.py's GptOssModel)."""
     md, path = gguf.metadata, gguf.path
 
@@ -111,6 +117,7 @@ def gpt_oss_arch_from_gguf(gguf: GGUFFile) -> ModelArchConfig:
         raise invalid_gguf(path, "missing tensor 'token_embd.weight'")
     return ModelArchConfig(
         architecture=GGUF_NAME,
+        family=FAMILY_NAME,
         vocab_size=len(tokens) or gguf.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
         intermediate_size=inter,
@@ -159,3 +166,33 @@ def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
     if "factor" not in scaling:
         raise ValueError(f"{GGUF_NAME} yarn scaling without {prefix}factor")
     return scaling
+
+
+def _transformers_gguf_problem(gguf: GGUFFile) -> str | None:
+    """transformers' GGUF reader lists gpt-oss but takes each rope.scaling key's first part
+    (the key's length, an array) for its value: "TypeError: only 0-dimensional arrays"."""
+    if f"{GGUF_NAME}.rope.scaling.type" not in gguf.metadata:
+        return None
+    return "transformers' GGUF reader cannot read gpt-oss files (it misreads their rope.scaling metadata)"  # noqa: E501
+
+
+FAMILY = Family(
+    name=FAMILY_NAME,
+    title="gpt-oss",
+    model_types=(HF_NAME,),
+    gguf_architectures=(GGUF_NAME,),
+    read_hf=read_hf,
+    read_gguf=read_gguf,
+    # Its sink logits, and the norm before its experts under the name Gemma's files use after
+    # the attention (HF's post_attention_layernorm, as Llama's ffn_norm).
+    gguf_tensor_names={
+        **gguf_config.LAYER_NAMES,
+        "attn_sinks": "self_attn.sinks",
+        "post_attention_norm": "post_attention_layernorm",
+    },
+    transformers_gguf_problem=_transformers_gguf_problem,
+    model_class="zllm.executor.models.gpt_oss:GptOssForCausalLM",
+    traits=frozenset({Trait.SLIDING_WINDOW, Trait.ATTENTION_SINKS, Trait.MOE, Trait.HARMONY}),
+    lacks={**MOE_LACKS, Feature.CLASSIFIER_HEAD: "its model code carries no score head"},
+    default_parsers=("openai_gptoss", "openai"),
+)
