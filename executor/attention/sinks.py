@@ -14,8 +14,9 @@ rows are taken in slices so a long prompt's scores stay within SCORE_FLOATS floa
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 # Scores held at once (per slice of query rows): 64 MiB in fp32.
 SCORE_FLOATS = 1 << 24
@@ -62,11 +63,15 @@ def _as_bool_mask(
 ) -> torch.Tensor:
     """The mask as bool [..., Q, L]; causal ones (None, a CausalBias) made explicit: query i
     sees keys j <= i, or with the lower-right variant j <= i + L - Q."""
-    if mask is not None and not isinstance(mask, CausalBias):
+    # A CausalBias exists only once its module is imported (the CUDA path imports it):
+    # importing it here would load torch._dynamo, 2-3 CPU-seconds of every executor's start.
+    bias = sys.modules.get("torch.nn.attention.bias")
+    causal_bias = bias is not None and isinstance(mask, bias.CausalBias)
+    if mask is not None and not causal_bias:
         if mask.dtype != torch.bool:
             raise ValueError(f"attention with sinks takes bool masks, got {mask.dtype}")
         return mask
-    lower_right = isinstance(mask, CausalBias) and mask.variant == CausalVariant.LOWER_RIGHT
+    lower_right = causal_bias and mask.variant == bias.CausalVariant.LOWER_RIGHT
     offset = num_keys - num_queries if lower_right else 0
     query_pos = torch.arange(num_queries, device=device)[:, None] + offset
     return torch.arange(num_keys, device=device)[None, :] <= query_pos
