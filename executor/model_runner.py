@@ -26,7 +26,7 @@ from torch import nn
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.async_steps import LaunchedStep, copy_to_host
-from zllm.executor.kernels.fused_decode import FusedDecode
+from zllm.executor.graphs.fused_decode import FusedDecode
 from zllm.executor.kv.connector import KVTiers
 from zllm.executor.lora.manager import LoRAManager
 from zllm.executor.model_host import ModelHost

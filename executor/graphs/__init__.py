@@ -1,1 +1,4 @@
-"""CUDA graphs: decode-only steps by batch size, and piecewise graphs for the rest."""
+"""What runs a step in place of the model's modules, one by one: CUDA graphs of decode-only
+steps by batch size (decode.py), piecewise graphs for the rest (piecewise.py), and on CPU
+the fused decode stack (fused_decode.py); the decode path (decode_path.py) takes the first
+that serves a step."""

@@ -5,7 +5,7 @@ a memory owner sleep mode releases and restores.
     piecewise_runner   on a GPU with --cudagraph-mode full_and_piecewise: graphs of the pieces
                        between attention calls of prefill and mixed steps (piecewise.py)
     fused              on CPU: the whole decoder stack in one C++ call for decode-only steps
-                       (executor/kernels/fused_decode.py)
+                       (fused_decode.py)
     run(...)           the first of them that takes the step; None: the modules run it
 
 It lives in graphs/ beside the runners it holds: the fused CPU stack is the CPU's stand-in
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zllm.executor.graphs import fused_decode
+from zllm.executor.graphs.fused_decode import FusedDecode
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kernels import fused_decode
-from zllm.executor.kernels.fused_decode import FusedDecode
 
 if TYPE_CHECKING:
     from zllm.executor.attention.backend import StepAttentionMetadata

@@ -14,7 +14,7 @@
     rms_norm_rows, rope_rows_, gated_activation_rows   a layer's row-wise ops  csrc/cpu/row_ops.h
                                               (executor/kernels/cpu_layer_ops.py)
     DecodeStack, FusedMatmul                  a whole decode step's layers     csrc/cpu/decode_stack.h
-                                              in one call (executor/kernels/fused_decode.py)
+                                              in one call (executor/graphs/fused_decode.py)
 
 csrc/cpu/ops.cpp includes the kernels and binds them: one translation unit, since torch's
 headers dominate the build time.

@@ -23,8 +23,8 @@ from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write
 from torch import nn
 
 from zllm import LLM, SamplingParams
+from zllm.executor.graphs.fused_decode import FusedDecode, Unsupported
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kernels.fused_decode import FusedDecode, Unsupported
 from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS, DenseRowsLinear
 from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
 from zllm.executor.step_inputs import build_attention_metadata

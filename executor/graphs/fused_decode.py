@@ -1,5 +1,8 @@
 """Decode steps on CPU through the whole decoder stack in one C++ call (csrc/cpu/decode_stack.h).
 
+A decode path, not a kernel: beside the CUDA graph runners it stands in for on CPU (one call
+for the whole stack), chosen among them by the decode path (graphs/decode_path.py).
+
 At one sequence a SmolLM2 step on two cores spends ~7 ms dispatching the ~3,500 small torch
 ops of the module path (norms, RoPE, slicing, cache writes, activations) beside ~11 ms of
 matmuls. `FusedDecode` hands a decode-only step's layers to `DecodeStack`, which runs them
@@ -7,8 +10,11 @@ as loops between the same matmul and attention kernels the modules call, and ret
 final norm's output; the logits, sampling and everything else stay as they are.
 
 What it covers, checked once when the model is loaded (`FusedDecode.build` says why not):
-  - Llama-family models (llama.py: Llama, Mistral, Qwen2 with q/k/v biases, Qwen3's head
-    norms, partial rotary) and Gemma 3 (its sandwich norms, GeGLU, local and global RoPE);
+  - models that describe their stack by role (`decode_stack_parts()`, executor/layers/
+    stack_parts.py): the Llama family (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3's head
+    norms, partial rotary) and Gemma 3 (its sandwich norms, GeGLU, local and global RoPE).
+    The path reads the parts, never the model's class: what differs per family (sandwich
+    norms, the activation, a local RoPE table for sliding layers) comes as plain fields;
   - fp32 on CPU with the csrc/cpu decode attention; matmuls in GGUF blocks (`gguf`,
     `gguf-float`, `gguf-int8`, `int8`'s Q8_0 blocks, a quantized checkpoint's: each matmul's
     integer-dot row limit is copied) or fp32 (`none`);
@@ -41,9 +47,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.layers.linear.dense import DENSE_LINEAR_TYPES
 from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
-from zllm.executor.layers.norms import GemmaRMSNorm, RMSNorm
-from zllm.executor.models.gemma3 import Gemma3ForCausalLM
-from zllm.executor.models.llama import LlamaForCausalLM
+from zllm.executor.layers.stack_parts import LayerParts, Norm, StackParts
 
 logger = logging.getLogger(__name__)
 
@@ -66,47 +70,21 @@ class FusedDecode:
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode:
         """Raises Unsupported naming what the fused path does not cover."""
-        if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
+        describe = getattr(model, "decode_stack_parts", None)
+        if describe is None:
             raise Unsupported(f"{type(model).__name__} has no fused decode path")
         if model.dtype != torch.float32:
             raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
         if model.arch.num_experts:
             raise Unsupported("mixture-of-experts layers (executor/layers/moe/ routes them)")
-        arch = model.arch
-        layers = list(model.layers)
-        for layer in layers:
-            attn = layer.self_attn.attn
+        parts: StackParts = describe()
+        for layer in parts.layers:
+            attn = layer.attention
             if not isinstance(attn, PagedAttention) or attn.decode_kernel is None:
                 raise Unsupported("the attention backend is not the CPU kernel's")
-        gemma = isinstance(model, Gemma3ForCausalLM)
-        act = arch.hidden_act if gemma else "silu"
-        if act not in cpu_layer_ops.ACTIVATIONS:
-            raise Unsupported(f"activation {act!r}")
-        kernels = cpu_kernels.load()
-        rotary_dim = model.rotary.cos_sin_cache.shape[1]
-        stack = kernels.DecodeStack(
-            hidden=arch.hidden_size,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            rotary_dim=rotary_dim,
-            intermediate=arch.intermediate_size,
-            eps=arch.rms_norm_eps,
-            sandwich=gemma,
-            activation=cpu_layer_ops.ACTIVATIONS[act],
-            final_norm=_norm_weight(model.norm),
-        )
-        global_rope = stack.add_rope_table(model.rotary.cos_sin_cache)
-        local_rope = stack.add_rope_table(model.local_rotary.cos_sin_cache) if gemma else None
-        for layer in layers:
-            is_local = gemma and layer.is_sliding
-            stack.add_layer(
-                **_layer_norms(layer, gemma),
-                **_layer_matmuls(kernels, layer),
-                rope_table=local_rope if is_local else global_rope,
-                scale=layer.self_attn.attn.scale,
-            )
-        return cls(model, stack)
+        if parts.activation not in cpu_layer_ops.ACTIVATIONS:
+            raise Unsupported(f"activation {parts.activation!r}")
+        return cls(model, _decode_stack(model.arch, parts))
 
     def run(
         self,
@@ -145,43 +123,52 @@ class FusedDecode:
         )
 
 
-def _layer_norms(layer: nn.Module, gemma: bool) -> dict[str, torch.Tensor | None]:
+def _decode_stack(arch: Any, parts: StackParts) -> Any:
+    """The C++ DecodeStack over `parts`' weights (the model's own tensors, not copies)."""
+    kernels = cpu_kernels.load()
+    stack = kernels.DecodeStack(
+        hidden=arch.hidden_size,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        rotary_dim=parts.rope.cos_sin_cache.shape[1],
+        intermediate=arch.intermediate_size,
+        eps=arch.rms_norm_eps,
+        sandwich=parts.sandwich,
+        activation=cpu_layer_ops.ACTIVATIONS[parts.activation],
+        final_norm=_norm_weight(parts.final_norm),
+    )
+    global_rope = stack.add_rope_table(parts.rope.cos_sin_cache)
+    local_rope = None
+    if parts.local_rope is not None:
+        local_rope = stack.add_rope_table(parts.local_rope.cos_sin_cache)
+    for layer in parts.layers:
+        stack.add_layer(
+            **_layer_norms(layer),
+            **_layer_matmuls(kernels, layer),
+            rope_table=local_rope if layer.local_rope else global_rope,
+            scale=layer.attention.scale,
+        )
+    return stack
+
+
+def _layer_norms(layer: LayerParts) -> dict[str, torch.Tensor | None]:
     """A layer's norm weights as DecodeStack.add_layer takes them (None: no such norm)."""
-    attn = layer.self_attn
-    if gemma:
-        norms = {
-            "attn_norm": layer.input_layernorm,
-            "ffn_norm": layer.pre_feedforward_layernorm,
-            "post_attn_norm": layer.post_attention_layernorm,
-            "post_ffn_norm": layer.post_feedforward_layernorm,
-            "q_norm": attn.q_norm,
-            "k_norm": attn.k_norm,
-        }
-    else:
-        qk = attn.qk_norm
-        norms = {
-            "attn_norm": layer.input_layernorm,
-            "ffn_norm": layer.post_attention_layernorm,
-            "post_attn_norm": None,
-            "post_ffn_norm": None,
-            "q_norm": None if qk is None else qk.q_norm,
-            "k_norm": None if qk is None else qk.k_norm,
-        }
+    norms = {
+        "attn_norm": layer.attn_norm,
+        "ffn_norm": layer.ffn_norm,
+        "post_attn_norm": layer.post_attn_norm,
+        "post_ffn_norm": layer.post_ffn_norm,
+        "q_norm": layer.q_norm,
+        "k_norm": layer.k_norm,
+    }
     return {k: None if v is None else _norm_weight(v) for k, v in norms.items()}
 
 
-def _layer_matmuls(kernels: Any, layer: nn.Module) -> dict[str, Any]:
+def _layer_matmuls(kernels: Any, layer: LayerParts) -> dict[str, Any]:
     """A layer's four matmuls as DecodeStack.add_layer takes them."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return {
-        name: _matmul(kernels, module)
-        for name, module in (
-            ("qkv", attn.qkv_proj),
-            ("o", attn.o_proj),
-            ("gate_up", mlp.gate_up_proj),
-            ("down", mlp.down_proj),
-        )
-    }
+    matmuls = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
+    return {name: _matmul(kernels, module) for name, module in matmuls.items()}
 
 
 def _decode_only(meta: StepAttentionMetadata, num_tokens: int) -> bool:
@@ -198,10 +185,9 @@ def _decode_only(meta: StepAttentionMetadata, num_tokens: int) -> bool:
     )
 
 
-def _norm_weight(norm: RMSNorm | GemmaRMSNorm) -> torch.Tensor:
-    """What a norm multiplies the normed rows by: Llama's weight, Gemma's 1 + weight."""
-    weight = norm.multiplier() if isinstance(norm, GemmaRMSNorm) else norm.weight.float()
-    return weight.detach().contiguous()
+def _norm_weight(norm: Norm) -> torch.Tensor:
+    """What a norm multiplies the normed rows by (Llama's weight, Gemma's 1 + weight)."""
+    return norm.multiplier().detach().contiguous()
 
 
 def _matmul(kernels: Any, module: nn.Module) -> Any:
