@@ -18,7 +18,7 @@ forces the shape, so every call parses and its arguments match the schema. With
 waits for the end of the reasoning (`</think>`).
 
 gpt-oss's harmony (--reasoning-parser openai_gptoss or --tool-call-parser openai,
-zllm/text/harmony.py) is one parser for all three: its channels give the reasoning, the
+zllm/text/tool_parsers/harmony.py) is one parser for all three: its channels give the reasoning, the
 content and, under `auto`, the calls. Its text keeps special tokens (its headers are made of
 them); a constraint applies from the output's start, as harmony's final channel opens with
 several tokens, not one the engine can wait for.
@@ -40,10 +40,10 @@ from zllm.frontend.openai.protocol import (
     ToolCallDelta,
 )
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
-from zllm.text.harmony import HarmonyDelta, HarmonyParser, uses_harmony
 from zllm.text.reasoning_parser import REASONING_PARSERS
 from zllm.text.tokenizer import Tokenizer
 from zllm.text.tool_parsers import TOOL_PARSERS, make_tool_call_id
+from zllm.text.tool_parsers.harmony import HarmonyDelta, HarmonyParser, uses_harmony
 
 # The tokens that open a tool call in each parser's format, when they are one special token:
 # `auto` then constrains what follows them (TOOL_CALL_GRAMMARS).

@@ -28,17 +28,17 @@ from zllm.frontend.responses.output import ResponseAssembler
 from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain, keep_call_tags
 from zllm.protocol import FinishReason, RequestOutputDelta
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
-from zllm.text.harmony import (
+from zllm.text.reasoning_parser import REASONING_PARSERS, parse_reasoning, reasoning_markers
+from zllm.text.template_kwargs import reasoning_parser_for
+from zllm.text.tokenizer import load_tokenizer
+from zllm.text.tool_parsers import TOOL_PARSERS, parse_tool_calls
+from zllm.text.tool_parsers.harmony import (
     SPECIAL_TOKENS,
     HarmonyDelta,
     HarmonyParser,
     parse_harmony,
     parse_header,
 )
-from zllm.text.reasoning_parser import REASONING_PARSERS, parse_reasoning, reasoning_markers
-from zllm.text.template_kwargs import reasoning_parser_for
-from zllm.text.tokenizer import load_tokenizer
-from zllm.text.tool_parsers import TOOL_PARSERS, parse_tool_calls
 
 ANALYSIS = "<|channel|>analysis<|message|>"
 NEXT = "<|end|><|start|>assistant"  # one message ends, the next opens

@@ -13,8 +13,8 @@ import random
 import pytest
 
 from zllm.text.reasoning_parser import REASONING_PARSERS, parse_reasoning
-from zllm.text.tool_call_text import ValueScanner
 from zllm.text.tool_parsers import TOOL_PARSERS, ParsedDelta, parse_tool_calls
+from zllm.text.tool_parsers.call_text import ValueScanner
 
 
 def partitions(text: str):
@@ -325,7 +325,7 @@ def test_qwen3_xml(label, text, content, calls) -> None:
 def test_qwen3_xml_reads_values_under_any_schema_a_client_sends() -> None:
     """Schemas are the client's: odd `type` and `enum` shapes leave the value a string (never
     a crash mid-stream), and NaN is not read as a number (its JSON would be invalid)."""
-    from zllm.text.qwen3_xml_tool_parser import read_value
+    from zllm.text.tool_parsers.qwen3_xml import read_value
 
     assert read_value("1", {"type": [{"x": 1}]}) == 1  # (no usable type: read as JSON)
     assert read_value("a", {"type": {"x": 1}}) == "a"

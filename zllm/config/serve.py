@@ -108,7 +108,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # The key that signs Anthropic thinking blocks (frontend/anthropic/thinking.py); None:
     # $ZLLM_CACHE/thinking-signature.key, made at first use.
     thinking_signature_key_file: str | None = None
-    # How the model writes tool calls (zllm/text/tool_parsers.py); None: no tool_choice "auto".
+    # How the model writes tool calls (zllm/text/tool_parsers/); None: no tool_choice "auto".
     tool_call_parser: str | None = None
     # How the model writes its reasoning (zllm/text/reasoning_parser.py); None: all is content.
     reasoning_parser: str | None = None

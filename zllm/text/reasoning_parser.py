@@ -7,8 +7,8 @@
     qwen3        Qwen 3: reasoning only when the output opens with `<think>` (after
                  whitespace); then until `</think>` (or the end). Otherwise all is content
                  (thinking turned off, or a model that does not think).
-    openai_gptoss  gpt-oss: harmony's channels (zllm/text/harmony.py), which give tool
-                 calls too; the same parser as --tool-call-parser openai.
+    openai_gptoss  gpt-oss: harmony's channels (zllm/text/tool_parsers/harmony.py), which
+                 give tool calls too; the same parser as --tool-call-parser openai.
 
 Streaming: `feed` returns what each chunk adds to `reasoning` and `content`; a chunk's tail
 that could be the start of a tag is held back until the next chunk shows what it is (or
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zllm.text.harmony import REASONING_PARSER_NAME, HarmonyParser
+from zllm.text.tool_parsers.harmony import REASONING_PARSER_NAME, HarmonyParser
 
 _START, _END = "<think>", "</think>"
 

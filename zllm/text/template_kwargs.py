@@ -17,8 +17,8 @@ default documents, if any, are overridden by either.
 Turning thinking off (`enable_thinking: false`, Qwen 3's name; `thinking: false`, DeepSeek
 V3.1's) also turns the reasoning parser off for that request: the template then closes an
 empty think block in the prompt, or opens none, so everything the model writes is content.
-Not harmony's (gpt-oss, zllm/text/harmony.py): its template has no such switch, and its
-channels are never plain content. No torch here.
+Not harmony's (gpt-oss, zllm/text/tool_parsers/harmony.py): its template has no such
+switch, and its channels are never plain content. No torch here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from zllm.errors import ParamError
-from zllm.text.harmony import REASONING_PARSER_NAME
+from zllm.text.tool_parsers.harmony import REASONING_PARSER_NAME
 
 # What zllm/text/tokenizer.py renders every template with, and what HF's apply_chat_template
 # takes as its own arguments.

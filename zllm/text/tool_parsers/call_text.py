@@ -1,4 +1,4 @@
-"""What every tool-call parser (zllm/text/tool_parsers.py) shares: the call and delta types
+"""What every tool-call parser (zllm/text/tool_parsers/) shares: the call and delta types
 a parser returns, and the scanners that find where a tag or a JSON value ends in text that is
 still arriving. No torch here.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 
-from zllm.text.tool_call_text import (
+from zllm.text.tool_parsers.call_text import (
     CALL_HEAD,
     ParsedDelta,
     ScanningToolParser,

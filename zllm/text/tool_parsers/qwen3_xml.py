@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from zllm.text.tool_call_text import (
+from zllm.text.tool_parsers.call_text import (
     ParsedDelta,
     ScanningToolParser,
     ToolCallDelta,

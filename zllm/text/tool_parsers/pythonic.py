@@ -17,7 +17,7 @@ import ast
 import json
 import re
 
-from zllm.text.tool_call_text import (
+from zllm.text.tool_parsers.call_text import (
     ParsedDelta,
     ScanningToolParser,
     ToolCallDelta,

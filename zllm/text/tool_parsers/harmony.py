@@ -39,7 +39,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from zllm.text.tool_call_text import ToolCall, ToolCallDelta, make_tool_call_id, partial_suffix
+from zllm.text.tool_parsers.call_text import (
+    ToolCall,
+    ToolCallDelta,
+    make_tool_call_id,
+    partial_suffix,
+)
 
 REASONING_PARSER_NAME = "openai_gptoss"
 TOOL_PARSER_NAME = "openai"
