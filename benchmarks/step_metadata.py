@@ -22,7 +22,8 @@ import torch
 
 from zllm.executor.attention.backend import TORCH_ATTENTION
 from zllm.executor.attention.cuda import CUDA_ATTENTION
-from zllm.executor.step_inputs import LayerAttention, build_attention_metadata, token_positions
+from zllm.executor.attention.layer_groups import LayerAttention
+from zllm.executor.step_inputs import build_attention_metadata, token_positions
 
 
 def median_ms(backend, num_rows: int, chunk: int, repeats: int = 50) -> float:

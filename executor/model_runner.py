@@ -2,9 +2,9 @@
 
 The runner keeps each request's state (tokens, block table, seeded generator) between steps,
 so the core sends a request's full data once and afterwards only what changed. What it runs
-the step on is the model host's (model_host.py: its weights, KV cache and decode path); how
+the step on is the model host's (host/model_host.py: its weights, KV cache and decode path); how
 it samples, the step sampler's (step_sampler.py, logits_processors.py, sampler.py); when the
-host's parts release their memory, sleep mode's (sleep_mode.py).
+host's parts release their memory, sleep mode's (host/sleep_mode.py).
 
     execute_model(so)   _update_states        forks, finished, new, cached, block copies
                         _transfer_kv          KV offload: drops, stores, loads
@@ -25,19 +25,19 @@ import torch
 from torch import nn
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.async_steps import LaunchedStep, copy_to_host
 from zllm.executor.graphs.fused_decode import FusedDecode
+from zllm.executor.host.model_host import ModelHost
+from zllm.executor.host.sleep_mode import SleepMode
 from zllm.executor.kv.connector import KVTiers
+from zllm.executor.launched_step import LaunchedStep, copy_to_host
 from zllm.executor.lora.manager import LoRAManager
-from zllm.executor.model_host import ModelHost
 from zllm.executor.parallel.groups import ONE_RANK, Parallel
 from zllm.executor.parallel.pipeline_stage import PipelineStage
 from zllm.executor.pooling import pool_embeddings
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
+from zllm.executor.requests.structured_output import GrammarCompiler
 from zllm.executor.sample.rows import SampleRows
 from zllm.executor.sample.step_sampler import StepSampler
-from zllm.executor.sample.structured_output import GrammarCompiler
-from zllm.executor.sleep_mode import SleepMode
 from zllm.executor.step_inputs import StepInputs, prepare_inputs
 from zllm.executor.step_timing import GpuIdleClock
 from zllm.kv.cache_groups import KVCacheGroup
@@ -135,7 +135,7 @@ class ModelRunner:
 
     # ---- sleep mode ----------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
-        """Release the KV pool, and at level 2 the weights (sleep_mode.py), keeping the
+        """Release the KV pool, and at level 2 the weights (host/sleep_mode.py), keeping the
         config, the compiled grammars' tokenizer data and the sampler. The core calls it only
         when no request is unfinished; the states still here are of finished requests whose
         ids would come with the next step."""
@@ -435,7 +435,7 @@ class ModelRunner:
         self, inputs: StepInputs, stream: torch.Tensor | None = None, final_norm: bool = True
     ) -> torch.Tensor:
         """The model's layers over the step: the decode path's when it takes the step (a
-        captured CUDA graph's replay, the fused CPU stack: graphs/decode_path.py), else the
+        captured CUDA graph's replay, the fused CPU stack: host/decode_path.py), else the
         modules. `stream`: the residual stream entering a pipeline stage's layers (None:
         embed the tokens); `final_norm` False: return the stream leaving them (a stage
         before the last)."""

@@ -20,18 +20,34 @@ import numpy as np
 import torch
 
 from zllm.executor.attention.backend import StepAttentionMetadata
+from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.metadata import stack_tables
 from zllm.executor.host_to_device import to_device
-from zllm.executor.request_state import RequestState
-from zllm.kv.cache_groups import KVCacheGroup
-from zllm.model.arch_config import ModelArchConfig
+from zllm.executor.requests.state import RequestState
 from zllm.protocol import SchedulerOutput
 
 if TYPE_CHECKING:
-    from zllm.executor.async_steps import PendingTokens
-    from zllm.executor.model_host import ModelHost
+    from zllm.executor.host.layout import RankLayout
+    from zllm.executor.host.model_host import ModelHost
     from zllm.executor.models.vision.features import StepImages
-    from zllm.executor.ranks.layout import RankLayout
+
+
+@dataclass(slots=True)
+class PendingTokens:
+    """Tokens sampled by a launched step that the host does not have yet: the next step's
+    inputs take them from the device."""
+
+    rows: Mapping[str, int]  # req_id -> its row of token_ids
+    token_ids: torch.Tensor  # int64 [B], on the device
+
+    def fill(self, input_ids: torch.Tensor, slots: list[tuple[int, str]]) -> None:
+        """Write each (flat index, req_id)'s pending token into `input_ids`, on the device."""
+        if not slots:
+            return
+        device = input_ids.device
+        dst = to_device([index for index, _ in slots], device, torch.int64)
+        src = to_device([self.rows[req_id] for _, req_id in slots], device, torch.int64)
+        input_ids[dst] = self.token_ids[src]
 
 
 @dataclass(slots=True)
@@ -51,30 +67,6 @@ class StepInputs:
     images: StepImages | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class LayerAttention:
-    """Which block tables and which view a layer's attention metadata is built from."""
-
-    group: int  # its KV cache group: the block tables it reads
-    sliding_window: int | None  # its own window (a non-hybrid group may mix layers)
-
-
-def layer_attention(
-    arch: ModelArchConfig, groups: list[KVCacheGroup], layers: range
-) -> list[LayerAttention]:
-    """Per layer of `layers`, which block tables and window its attention uses."""
-    group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
-    return [
-        LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
-        for i in layers
-    ]
-
-
-def layer_kv_slots(groups: list[KVCacheGroup], layers: range) -> dict[int, int]:
-    """Layer -> the cache tensor it uses (its place in its group), for `layers`."""
-    return {layer: slot for g in groups for slot, layer in enumerate(g.layers) if layer in layers}
-
-
 def prepare_inputs(
     host: ModelHost,
     requests: Mapping[str, RequestState],
@@ -84,7 +76,7 @@ def prepare_inputs(
 ) -> StepInputs:
     """The flat batch of the scheduled tokens, with slots and attention metadata. Requests
     without a state (they failed to start) are left out. `pending`: the tokens a launched,
-    unfinished step sampled (async_steps.py); a request's token not yet on the host is
+    unfinished step sampled (launched_step.py); a request's token not yet on the host is
     copied from there on the device."""
     states: list[RequestState] = []
     query_lens: list[int] = []

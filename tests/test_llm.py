@@ -9,7 +9,7 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.executor.kv.cache import kv_bytes_per_token
+from zllm.executor.host.kv_cache import kv_bytes_per_token
 from zllm.protocol import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

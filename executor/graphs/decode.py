@@ -42,8 +42,8 @@ from collections.abc import Container, Sequence
 import torch
 
 from zllm.executor.attention.cuda import CudaAttentionMetadata
+from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.kernels.cuda import DecodeWorkspace, plan_decode
-from zllm.executor.step_inputs import LayerAttention
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Decode steps on CPU through the whole decoder stack in one C++ call (csrc/cpu/decode_stack.h).
 
 A decode path, not a kernel: beside the CUDA graph runners it stands in for on CPU (one call
-for the whole stack), chosen among them by the decode path (graphs/decode_path.py).
+for the whole stack), chosen among them by the decode path (executor/host/decode_path.py).
 
 At one sequence a SmolLM2 step on two cores spends ~7 ms dispatching the ~3,500 small torch
 ops of the module path (norms, RoPE, slicing, cache writes, activations) beside ~11 ms of

@@ -41,9 +41,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zllm.executor.attention.backend import metadata_per_layer
+from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.paged import PagedAttentionBase
 from zllm.executor.graphs.decode import attention_sets, sizes_to_capture, smallest_holding
-from zllm.executor.step_inputs import LayerAttention
 from zllm.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, Tenso
 from zllm.executor.parallel.shards import logits_weight
 from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import MLAConfig, ModelArchConfig
-from zllm.model.deepseek_arch import LATENT_NORM_EPS
+from zllm.model.families.deepseek_v2 import LATENT_NORM_EPS
 
 
 def mla_softmax_scale(arch: ModelArchConfig, mla: MLAConfig) -> float:
@@ -174,7 +174,7 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
         pp: PipelineParallel = WHOLE,
     ) -> None:
         """`attention` is not read: MLA attends by executor/attention/mla.py whatever the
-        backend (whose metadata, the torch one's, the runner builds: executor/ranks/layout.py).
+        backend (whose metadata, the torch one's, the runner builds: executor/host/layout.py).
         Tensor parallelism is refused before this (zllm/config/mla.py)."""
         super().__init__()
         del attention

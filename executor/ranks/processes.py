@@ -32,7 +32,8 @@ import msgspec
 import zmq
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.async_steps import LaunchedStep, StepPipeline
+from zllm.executor.async_steps import StepPipeline
+from zllm.executor.launched_step import LaunchedStep
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 from zllm.runtime.heap_trim import IdleTrim
 from zllm.runtime.messaging import decode_or_drop

@@ -1,1 +1,2 @@
-"""Sampling: rows to sample, logits processors, structured outputs, the vectorised sampler."""
+"""Sampling: rows to sample, logits processors (grammar masks from executor/requests/), the
+vectorised sampler."""

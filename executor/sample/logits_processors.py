@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from zllm.executor.host_to_device import to_device
-from zllm.executor.request_state import RequestState
-from zllm.executor.sample.structured_output import allocate_bitmask, apply_bitmask
+from zllm.executor.requests.state import RequestState
+from zllm.executor.requests.structured_output import allocate_bitmask, apply_bitmask
 from zllm.text.bad_words import banned_next
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from zllm.executor.request_state import RequestState, make_generator
+from zllm.executor.requests.state import RequestState, make_generator
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import SchedulerOutput
 

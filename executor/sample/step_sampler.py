@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from zllm.executor.host_to_device import to_device
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 from zllm.executor.sample.logits_processors import ROW_PROCESSORS, BannedTokens, RowProcessor
 from zllm.executor.sample.rows import ChildGenerators, SampleRows, choose_sample_rows
 from zllm.executor.sample.sampler import Sampler, SamplerOutput, SamplingMetadata

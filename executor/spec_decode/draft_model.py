@@ -28,7 +28,7 @@ import torch
 from zllm.config.engine import EngineConfig
 from zllm.executor.attention.backend import choose_attention_backend
 from zllm.executor.models import get_model_class
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 from zllm.executor.weights.loader import load_weights
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 
 
 class NgramProposer:

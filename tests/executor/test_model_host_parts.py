@@ -11,13 +11,13 @@ import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.config.engine_args import EngineArgs
+from zllm.executor.host.kv_cache import KVCache
+from zllm.executor.host.layout import RankLayout
+from zllm.executor.host.model_host import ModelHost
+from zllm.executor.host.model_weights import ModelWeights
+from zllm.executor.host.sleep_mode import SleepMode
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kv.cache import KVCache
-from zllm.executor.model_host import ModelHost
-from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.sleep_mode import SleepMode
 from zllm.executor.spec_decode.ngram import NgramProposer
-from zllm.executor.weights.model_weights import ModelWeights
 
 POOL = 1 << 20  # bytes: 128 blocks of the tiny model's 16 slots x 512 bytes
 

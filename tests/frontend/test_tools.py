@@ -30,7 +30,7 @@ from tool_calls import (
     start_think_server,
 )
 
-from zllm.executor.sample.structured_output import GrammarCompiler, allocate_bitmask
+from zllm.executor.requests.structured_output import GrammarCompiler, allocate_bitmask
 from zllm.frontend.tools import _auto_call_grammar
 from zllm.text.tokenizer import load_tokenizer
 

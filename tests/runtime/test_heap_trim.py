@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from zllm.executor.async_steps import LaunchedStep
+from zllm.executor.launched_step import LaunchedStep
 from zllm.executor.ranks import processes
 from zllm.protocol import ModelRunnerOutput, SchedulerOutput
 from zllm.runtime.heap_trim import IdleTrim, trim_heap

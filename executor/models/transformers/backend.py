@@ -45,7 +45,8 @@ from zllm.executor.models.transformers.tp import cut_by_plan, usable_plan
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import local_arch
 from zllm.model.arch_config import ModelArchConfig
-from zllm.model.impl import TRANSFORMERS_ENCODERS
+from zllm.model.family import Trait
+from zllm.model.registry import family_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ def causal_lm_class(config: Any) -> type:
             f"causal LMs"
         )
     mapping = AutoModelForCausalLM._model_mapping
-    if config.model_type in TRANSFORMERS_ENCODERS:  # it pools: the base model, or a classifier
+    family = family_for_config({"model_type": config.model_type})
+    if family is not None and family.has(Trait.ENCODER):  # it pools: the base model or a classifier
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])  # fmt: skip

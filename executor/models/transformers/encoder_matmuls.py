@@ -9,7 +9,7 @@ becomes a PackedLinear: its weight reordered once into oneDNN's blocked layout, 
 as it writes each tile. The weight is the same fp32 values (no copy is kept beside it), and
 the products are the same sums in oneDNN's order (within 1e-5 of torch's).
 
-Only where nothing else wraps or cuts the matmuls (model_weights.py decides): fp32 on CPU,
+Only where nothing else wraps or cuts the matmuls (executor/host/model_weights.py decides): fp32 on CPU,
 no quantization, one rank, no LoRA, not --deterministic (whose tiles are torch's matmuls).
 """
 

@@ -14,7 +14,7 @@ Every swap is checked: the blocks must dequantize bit for bit to the fp32 weight
 loaded (the kernel then multiplies by exactly those values). A matrix the kernel cannot serve
 (a type it lacks, a shape or a processor that does not map whole rows, a name not found)
 keeps its fp32 module, and the log says which and why. The fp32 tensor a swap replaces is
-dropped with its module (weights/model_weights.py releases the freed memory).
+dropped with its module (executor/host/model_weights.py releases the freed memory).
 
 `int8` (Q8_0 blocks made at load, executor/weights/quantization.py) takes the same modules
 zllm's own models give it: the q/k/v, output, gate/up and down projections, found by their
@@ -59,7 +59,7 @@ class TransformersQuantization:
     """`method`'s swap for a transformers model, prepared on the whole model (the checkpoint
     tensor behind each parameter is found by name: transformers' GGUF map walks the model's
     state dict, whose names a tensor-parallel cut changes) and applied after any cut, each cut
-    matmul then reading its rank's part of the blocks (RankPart, executor/layers/linear/parallel.py)."""
+    matmul then reading its rank's part of the blocks (RankPart, layers/linear/parallel.py)."""
 
     def __init__(self, hf_model: nn.Module, model_path: str, method: str) -> None:
         self.method = method

@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 from zllm.executor.weights.placement import move_weights
-from zllm.model.impl import TRANSFORMERS_VISION
+from zllm.model.registry import family_for_config
 from zllm.protocol import CacheSize, PlacedImage
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def image_encoder(
     """The checkpoint's encoder, by its config.json's model_type, loaded (zllm's own, onto
     `device`), or the one inside `model` (the language model, loaded) where transformers'
     code runs it."""
-    if config.get("model_type") in TRANSFORMERS_VISION:
+    if family_for_config(config).code == "transformers":  # its tower is transformers'
         from zllm.executor.models.vision.transformers_images import TransformersImages
 
         return TransformersImages(model.hf, model_path)
@@ -118,7 +118,7 @@ def image_encoder(
 
 class ImageFeatures:
     """The model's image encoder (loaded beside the language model) and its cache; a memory
-    owner of sleep mode (executor/sleep_mode.py) beside the weights."""
+    owner of sleep mode (executor/host/sleep_mode.py) beside the weights."""
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from zllm.executor.models.vision.checkpoint import (
     tensor_index,
 )
 from zllm.executor.models.vision.siglip import SiglipConfig, SiglipVisionTower
-from zllm.model.image_tokens import mm_tokens_per_image
+from zllm.model.families.gemma3 import tokens_per_image
 
 # Where the encoder's tensors live in a checkpoint: transformers 5 saves the tower as
 # `vision_tower.`, the Hub's Gemma 3 checkpoints (and transformers 4) as
@@ -38,7 +38,7 @@ class Gemma3ImageEncoder(nn.Module):
     def __init__(self, config: dict) -> None:
         super().__init__()
         vision = SiglipConfig.from_dict(config["vision_config"])
-        self.tokens_per_image = mm_tokens_per_image(config)
+        self.tokens_per_image = tokens_per_image(config)
         side = round(self.tokens_per_image**0.5)
         if side * side != self.tokens_per_image or vision.patches_per_side % side:
             raise ValueError(

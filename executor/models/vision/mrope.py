@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 from zllm.model.image_tokens import ImageGrid
 from zllm.protocol import PlacedImage
 

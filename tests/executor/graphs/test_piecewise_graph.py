@@ -14,12 +14,12 @@ from conftest import write_tiny_model
 
 from zllm.executor.attention.backend import TORCH_ATTENTION
 from zllm.executor.attention.cuda import CUDA_ATTENTION, CudaAttentionMetadata
+from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.paged import AttentionMetadata
 from zllm.executor.graphs.piecewise import PiecewiseGraphRunner, RecordedPieces
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.kernels import cuda as ck
 from zllm.executor.models import LlamaForCausalLM
-from zllm.executor.step_inputs import LayerAttention
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 

@@ -115,9 +115,9 @@ def test_emulated_gpu_path_of_a_quantized_model_equals_its_cpu_path(
     emu, monkeypatch, tmp_path_factory, case
 ):
     from zllm.config.engine_args import EngineArgs
+    from zllm.executor.host.layout import RankLayout
+    from zllm.executor.host.model_weights import ModelWeights
     from zllm.executor.layers.linear import gguf as gguf_modules
-    from zllm.executor.ranks.layout import RankLayout
-    from zllm.executor.weights.model_weights import ModelWeights
 
     path = CHECKPOINTS[case](tmp_path_factory.mktemp(case))
     config = EngineArgs(model=str(path), kv_cache_memory_bytes=16 << 20).create_engine_config()

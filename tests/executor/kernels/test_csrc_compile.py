@@ -351,9 +351,9 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path, l
     from conftest import write_tiny_model
 
     from zllm.executor.attention.cuda import CUDA_ATTENTION
+    from zllm.executor.attention.layer_groups import LayerAttention
     from zllm.executor.graphs import decode as cuda_graph
     from zllm.executor.models import LlamaForCausalLM
-    from zllm.executor.step_inputs import LayerAttention
     from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
 

@@ -270,7 +270,7 @@ def test_prefill_steps_go_to_the_modules_and_verify_steps_run_fused(model_path, 
     ],
 )
 def test_features_it_does_not_cover_keep_the_module_path(model_path, caplog, kwargs, why) -> None:
-    caplog.set_level("INFO", logger="zllm.executor.graphs.decode_path")
+    caplog.set_level("INFO", logger="zllm.executor.host.decode_path")
     llm = make_llm(model_path("llama"), **kwargs)
     assert llm.model_runner.fused_decode is None
     assert f"fused CPU path not used: {why}" in caplog.text

@@ -137,8 +137,8 @@ def test_slot_buffers_give_what_the_segmented_updates_give(base_dir, adapters, m
     The engine here runs that path on CPU (the device check answered yes, no graphs
     captured): three adapters and the base through two slots, so slots are reused between
     steps, give the segmented engine's tokens."""
-    from zllm.executor.graphs.decode_path import DecodePath
-    from zllm.executor.ranks.layout import RankLayout
+    from zllm.executor.host.decode_path import DecodePath
+    from zllm.executor.host.layout import RankLayout
 
     # (Engines of its own: the module's `llm` keeps a prefix cache other tests count on.)
     segmented = LLM(base_dir, enable_lora=True, max_loras=2, kv_cache_memory_bytes=32 << 20)

@@ -10,7 +10,7 @@ import torch
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
-from zllm.executor.kv.cache import kv_bytes_per_token
+from zllm.executor.host.kv_cache import kv_bytes_per_token
 from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 
 pytestmark = pytest.mark.slow

@@ -379,9 +379,9 @@ def test_offline_rank_that_dies_starting_fails_the_llm_at_once(tiny_llama_dir, m
 
     from zllm import LLM
     from zllm.executor import offline
+    from zllm.executor.host.model_weights import ModelWeights
     from zllm.executor.parallel import groups as parallel
     from zllm.executor.ranks import processes as ranks
-    from zllm.executor.weights.model_weights import ModelWeights
 
     started: list = []
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zllm.executor.request_state import RequestState
+from zllm.executor.requests.state import RequestState
 from zllm.executor.sample.rows import _one_row_each, _row_by_row
 from zllm.executor.step_inputs import StepInputs
 from zllm.protocol import SchedulerOutput

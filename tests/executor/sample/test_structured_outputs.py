@@ -402,7 +402,7 @@ def test_apply_bitmask_drops_exactly_the_disallowed_tokens() -> None:
     import numpy as np
     import torch
 
-    from zllm.executor.sample.structured_output import apply_bitmask
+    from zllm.executor.requests.structured_output import apply_bitmask
 
     rng = np.random.default_rng(0)
     vocab = 1000  # not a multiple of 32: the last word is partly padding

@@ -271,7 +271,7 @@ def test_fused_matmul_of_two_kernel_types_runs_one_call_per_type(tmp_path: Path)
 
 
 def test_file_without_kernel_types_runs_fp32_and_says_why(gguf_of_type, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="zllm.executor.weights.model_weights")
+    caplog.set_level(logging.INFO, logger="zllm.executor.host.model_weights")
     path, _ = gguf_of_type(T.F32)
     assert tiny_llm(path).model_runner.quantization == "none"
     assert (

@@ -20,10 +20,10 @@ from quant_checkpoints import CHECKPOINTS, reference_model, reference_of
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
+from zllm.executor.host.layout import RankLayout
+from zllm.executor.host.model_weights import ModelWeights
 from zllm.executor.layers.linear.act_order import ActOrderLinear, ActOrderParts
 from zllm.executor.layers.linear.gguf import GGUFLinear
-from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.weights.model_weights import ModelWeights
 from zllm.executor.weights.quantized.to_blocks import BF16, F16, FP8_E4M3, Q4_0, Q4_1, Q8_0
 
 _spec = importlib.util.spec_from_file_location(

@@ -6,8 +6,10 @@
     device, dtypes     where the weights (dtype) and the KV pool (kv_dtype) live
     attention          the attention backend the model is built with
 
-Decided once, from the config and this rank's place (parallel.py), before anything is loaded;
-the model host's parts (model_host.py) read it and never change it, so it outlives sleep.
+Decided once, from the config and this rank's place (executor/parallel/), before anything is
+loaded; the model host's parts (model_host.py) read it and never change it, so it outlives
+sleep. Which KV group and window each layer reads is the attention's own record
+(executor/attention/layer_groups.py).
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from zllm.executor.attention.backend import (
     AttentionBackend,
     choose_attention_backend,
 )
+from zllm.executor.attention.layer_groups import LayerAttention, layer_attention, layer_kv_slots
 from zllm.executor.kernels import cuda_moe
 from zllm.executor.parallel.groups import ONE_RANK, Parallel, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import local_arch
-from zllm.executor.step_inputs import LayerAttention, layer_attention, layer_kv_slots
 from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.kv.kv_dtypes import row_width
 from zllm.model.arch_config import ModelArchConfig

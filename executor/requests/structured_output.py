@@ -1,8 +1,8 @@
 """Structured outputs in the executor: a token-level grammar matcher per request, and the
 mask it puts on the logits before sampling.
 
-Why here, beside the sampler: the core schedules step N+1 before step N's tokens come back,
-so a mask built in the core from the last token it knows would be one token stale. The
+Why in the executor, not the core: the core schedules step N+1 before step N's tokens come
+back, so a mask built in the core from the last token it knows would be one token stale. The
 executor samples the tokens itself: it advances each request's matcher with the token it just
 sampled (`RequestState.append`), and the next step's mask follows from exactly the tokens the
 model has seen. No request waits for a round trip.

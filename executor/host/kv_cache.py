@@ -26,6 +26,7 @@ import torch
 
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
+from zllm.executor.host.layout import RankLayout
 from zllm.executor.kv.connector import KVTiers
 from zllm.executor.kv.gpu_memory import (
     StepShape,
@@ -37,7 +38,6 @@ from zllm.executor.kv.gpu_memory import (
 from zllm.executor.kv.pool import KVPool
 from zllm.executor.kv.transfer import KVSender, transfer_layout
 from zllm.executor.parallel.groups import ONE_RANK, Parallel
-from zllm.executor.ranks.layout import RankLayout
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.proposer import Proposer, make_proposer
 from zllm.kv.kv_dtypes import row_bytes

@@ -23,16 +23,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from zllm.executor.weights.model_weights import release_freed_memory
+from zllm.executor.host.model_weights import release_freed_memory
 from zllm.protocol import SLEEP_TAGS
 
 if TYPE_CHECKING:
     import torch
 
-    from zllm.executor.graphs.decode_path import DecodePath
-    from zllm.executor.kv.cache import KVCache
+    from zllm.executor.host.decode_path import DecodePath
+    from zllm.executor.host.kv_cache import KVCache
+    from zllm.executor.host.model_weights import ModelWeights
     from zllm.executor.models.vision.features import ImageFeatures
-    from zllm.executor.weights.model_weights import ModelWeights
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
     restore()              back onto the device, or loaded again from the model file
 
 sleep_mode.py decides when; the decode path's fused CPU stack reads these weights and is
-rebuilt by its own owner (graphs/decode_path.py).
+rebuilt by its own owner (decode_path.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from zllm.model.gguf import read_gguf
 from zllm.runtime.heap_trim import trim_heap
 
 if TYPE_CHECKING:
-    from zllm.executor.ranks.layout import RankLayout
+    from zllm.executor.host.layout import RankLayout
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,20 @@
 """The model host: what a rank holds for its model, built in order (vLLM's `Worker`).
 
-    layout    RankLayout (ranks/layout.py): this rank's heads, its stage's layers, the KV
+    layout    RankLayout (layout.py): this rank's heads, its stage's layers, the KV
               groups, the attention backend; decided first, read by the three below
-    weights   ModelWeights (weights/model_weights.py): loaded, quantized, batch-invariant,
+    weights   ModelWeights (model_weights.py): loaded, quantized, batch-invariant,
               LoRA-wrapped
     images    a vision model's image encoder and its cache (models/vision/features.py),
               None for a text-only model
     mrope     an M-RoPE model's positions around its images (models/vision/mrope.py), else None
-    kv        KVCache (kv/cache.py): the pool sized after the load (what is left of a GPU),
+    kv        KVCache (kv_cache.py): the pool sized after the load (what is left of a GPU),
               its tiers and sender, the proposer whose draft KV shares its blocks
-    decode    DecodePath (graphs/decode_path.py): CUDA graphs captured over the weights and
+    decode    DecodePath (decode_path.py): CUDA graphs captured over the weights and
               the pool, or the fused CPU stack
 
 The three are memory owners, each with its own release() / restore(); sleep_mode.py calls
-them by level. The step (model_runner.py) reads the host; it never decides how the model
-was built.
+them by level. The step (executor/model_runner.py) reads the host; it never decides how the
+model was built.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from zllm.config.engine import EngineConfig
-from zllm.executor.graphs.decode_path import DecodePath
-from zllm.executor.kv.cache import KVCache
+from zllm.executor.host.decode_path import DecodePath
+from zllm.executor.host.kv_cache import KVCache
+from zllm.executor.host.layout import RankLayout
+from zllm.executor.host.model_weights import ModelWeights
 from zllm.executor.models.vision.features import ImageEncoder, ImageFeatures, image_encoder
 from zllm.executor.models.vision.mrope import MRopePositions
 from zllm.executor.parallel.groups import ONE_RANK, Parallel
-from zllm.executor.ranks.layout import RankLayout
-from zllm.executor.weights.model_weights import ModelWeights
 from zllm.model.image_tokens import ImageGrid
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from zllm.sampling_params import SamplingParams
 from zllm.text.thinking_budget import ThinkingTracker
 
 if TYPE_CHECKING:
-    from zllm.executor.sample.structured_output import GrammarMatcher
+    from zllm.executor.requests.structured_output import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class RequestState:
     # A thinking budget: where the output is in its reasoning (zllm/text/thinking_budget.py).
     thinking: ThinkingTracker | None = None
     # Tokens sampled by launched steps and not appended yet: the asynchronous executor's
-    # next step reads them on the device (executor/async_steps.py).
+    # next step reads them on the device (executor/async_steps.py, step_inputs.py).
     num_pending: int = 0
     # Its images, where their tokens sit (executor/models/vision/features.py encodes them).
     images: list[PlacedImage] = field(default_factory=list)

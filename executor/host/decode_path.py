@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from zllm.executor.attention.backend import StepAttentionMetadata
     from zllm.executor.graphs.decode import CudaGraphRunner
     from zllm.executor.graphs.piecewise import PiecewiseGraphRunner
-    from zllm.executor.kv.cache import KVCache
-    from zllm.executor.ranks.layout import RankLayout
-    from zllm.executor.weights.model_weights import ModelWeights
+    from zllm.executor.host.kv_cache import KVCache
+    from zllm.executor.host.layout import RankLayout
+    from zllm.executor.host.model_weights import ModelWeights
 
 logger = logging.getLogger(__name__)
 
