@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -189,7 +190,10 @@ def pytest_make_collect_report(collector):
     fail_skip_in_ci(outcome.get_result())
 
 
+@functools.cache
 def calls_start_server(func) -> bool:
+    """(Cached: a function's parametrized items and a fixture's users ask again, and reading
+    the source of every one of them cost each worker seconds.)"""
     try:
         return "start_server(" in inspect.getsource(func)
     except (OSError, TypeError):
