@@ -28,6 +28,17 @@ def emu(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def engine_pool(tmp_path_factory):
+    """The HTTP app served in this process over engine processes its tests share
+    (tests/engine_pool.py): one pool per test process (xdist worker)."""
+    from engine_pool import EnginePool
+
+    pool = EnginePool(tmp_path_factory.mktemp("engine-pool"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -202,16 +213,19 @@ def calls_start_server(func) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every test that starts a real `zllm serve` is marked e2e, so `pytest -m "not e2e"`
-    is the fast run. Here: a test (or a fixture it uses, however indirectly) that calls
-    start_server; servers.start_server checks the rest (helpers) when it runs."""
+    """Every test that starts a real `zllm serve`, or serves the app over pooled engine
+    processes (tests/engine_pool.py), is marked e2e, so `pytest -m "not e2e"` is the fast
+    run. Here: a test (or a fixture it uses, however indirectly) that calls start_server or
+    uses engine_pool; servers.start_server and EnginePool.serve check the rest (helpers) when
+    they run."""
     unmarked = [
         item.nodeid
         for item in items
         if isinstance(item, pytest.Function)
         and item.get_closest_marker("e2e") is None
         and (
-            calls_start_server(item.function)
+            "engine_pool" in item.fixturenames
+            or calls_start_server(item.function)
             or any(
                 calls_start_server(d.func)
                 for defs in item._fixtureinfo.name2fixturedefs.values()
@@ -221,8 +235,8 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError(
-            "these tests start `zllm serve` but are not marked e2e (pytest.mark.e2e):\n  "
-            + "\n  ".join(unmarked)
+            "these tests start `zllm serve` (or engines) but are not marked e2e "
+            "(pytest.mark.e2e):\n  " + "\n  ".join(unmarked)
         )
 
 

@@ -33,8 +33,36 @@ import httpx
 START_TIMEOUT_S = 120.0
 
 
+class HttpMethods:
+    """Requests to a server at `self.url` with its `headers` (an API key) and TLS `verify`:
+    a `Server` here, an in-process app (tests/engine_pool.py) the same way."""
+
+    url: str
+    headers: dict[str, str]
+    verify: ssl.SSLContext | bool
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        kw.setdefault("headers", self.headers)
+        kw.setdefault("verify", self.verify)
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def post(self, path: str, body, **kw) -> httpx.Response:
+        kw.setdefault("headers", self.headers)
+        kw.setdefault("verify", self.verify)
+        timeout = kw.pop("timeout", 60)
+        if isinstance(body, (dict, list)):
+            return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
+        return httpx.post(self.url + path, content=body, timeout=timeout, **kw)  # bytes, chunks
+
+    def healthy(self) -> bool:
+        try:
+            return self.get("/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
 @dataclass
-class Server:
+class Server(HttpMethods):
     url: str
     port: int
     proc: subprocess.Popen
@@ -62,25 +90,6 @@ class Server:
     def config(self) -> dict:
         with open(os.path.join(self.run_dir, "config.json")) as f:
             return json.load(f)
-
-    def get(self, path: str, **kw) -> httpx.Response:
-        kw.setdefault("headers", self.headers)
-        kw.setdefault("verify", self.verify)
-        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
-
-    def post(self, path: str, body, **kw) -> httpx.Response:
-        kw.setdefault("headers", self.headers)
-        kw.setdefault("verify", self.verify)
-        timeout = kw.pop("timeout", 60)
-        if isinstance(body, (dict, list)):
-            return httpx.post(self.url + path, json=body, timeout=timeout, **kw)
-        return httpx.post(self.url + path, content=body, timeout=timeout, **kw)  # bytes, chunks
-
-    def healthy(self) -> bool:
-        try:
-            return self.get("/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def kill(self) -> None:
         """SIGKILL the supervisor (its children get SIGKILL from the kernel) and reap it."""

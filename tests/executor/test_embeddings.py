@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from servers import start_server, stop_server
 
 from zllm import LLM
 
@@ -64,12 +63,12 @@ def test_embed_under_preemption(tiny_llama_dir, hf) -> None:
 
 
 @pytest.mark.e2e
-def test_served_embeddings(tiny_llama_dir, tmp_path) -> None:
+def test_served_embeddings(tiny_llama_dir, engine_pool, tmp_path) -> None:
     import openai
 
     offline = LLM(tiny_llama_dir).embed(PROMPTS, use_tqdm=False)
-    server = start_server(tiny_llama_dir, tmp_path / "server.log", "--served-model-name", "tiny")
-    try:
+    log = tmp_path / "server.log"
+    with engine_pool.serve(tiny_llama_dir, log, "--served-model-name", "tiny") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         answer = client.embeddings.create(model="tiny", input=PROMPTS)  # base64 on the wire
         assert [d.index for d in answer.data] == [0, 1, 2]
@@ -89,5 +88,3 @@ def test_served_embeddings(tiny_llama_dir, tmp_path) -> None:
         )
         with pytest.raises(openai.BadRequestError, match="dimensions"):
             client.embeddings.create(model="tiny", input="hi", dimensions=8)
-    finally:
-        stop_server(server)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from servers import error_of, start_server, stop_server
+from servers import error_of
 
 from zllm import LLM, SamplingParams
 from zllm.errors import ParamError
@@ -85,10 +85,9 @@ def llm(tiny_llama_dir) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("checks") / "server.log")
-    yield server
-    stop_server(server)
+def server(tiny_llama_dir, engine_pool, tmp_path_factory):
+    with engine_pool.serve(tiny_llama_dir, tmp_path_factory.mktemp("checks") / "server.log") as s:
+        yield s
 
 
 @pytest.mark.parametrize("case", CASES)

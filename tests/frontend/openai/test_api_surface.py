@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from servers import start_server, stop_server
 
 from zllm.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from zllm.text.tokenizer import load_tokenizer
@@ -25,11 +24,10 @@ MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def server(tiny_llama_dir, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("surface") / "server.log"
-    server = start_server(tiny_llama_dir, log, "--served-model-name", "tiny")
-    yield server
-    stop_server(server)
+    with engine_pool.serve(tiny_llama_dir, log, "--served-model-name", "tiny") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,308 @@
+"""The HTTP app in the test process, over real engine processes that the tests of one process
+share (tests/conftest.py's `engine_pool`, one per xdist worker).
+
+`zllm serve` is a supervisor, the engine processes (tokenizers, core, executor ranks,
+detokenizers) and a frontend process that serves `build_app` with uvicorn. A test whose
+subject is the HTTP app needs no supervisor or frontend process of its own: `EnginePool.serve`
+runs the same app (frontend/app.py's `build_app` over an EngineClient) with uvicorn on a
+loopback port in a thread of this process, over engine processes started by `AsyncLLM` (the
+supervisor in a thread, as `zllm run-batch` runs them), and returns an `AppServer` that tests
+drive over HTTP like a `servers.Server`.
+
+The engine processes are what a start costs (the executor's torch, the model), and they read
+nothing of the frontend's options (api keys, served names, limits, CORS, parsers, tracing):
+apps whose `zllm serve` arguments differ only in those (FRONTEND_ONLY) share one engine. A
+shared engine comes to its next app as a fresh server would, as far as a test can ask it:
+nothing running and an empty prefix cache (reset). Its counters (/metrics' engine series)
+keep counting across apps, so a test that reads their absolute values needs a server of its
+own (servers.start_server), as do tests of the processes (signals, deaths, logs, restarts).
+At most `keep` engines stay alive; the least recently used is stopped first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import servers
+from servers import HttpMethods, free_port
+
+# ServeConfig fields only the frontend reads (frontend/, uvicorn): not part of an engine's key.
+FRONTEND_ONLY = frozenset(
+    {
+        "host",
+        "port",
+        "api_keys",
+        "served_model_names",
+        "drain_timeout",
+        "enable_log_requests",
+        "max_waiting_requests",
+        "max_request_body_bytes",
+        "timeout_keep_alive",
+        "protect_metrics",
+        "metrics_api_keys",
+        "allowed_origins",
+        "trust_request_chat_template",
+        "default_chat_template_kwargs",
+        "thinking_signature_key_file",
+        "tool_call_parser",
+        "reasoning_parser",
+        "prefix_cache_isolation",
+        "tenant_max_concurrency",
+        "tenant_max_requests_per_second",
+        "otlp_traces_endpoint",
+    }
+)
+START_TIMEOUT_S = servers.START_TIMEOUT_S
+
+
+@dataclass
+class AppServer(HttpMethods):
+    """An app served in this process: what tests ask a `servers.Server` over HTTP (url, port,
+    get, post, healthy, headers); no processes, log or run directory of its own."""
+
+    url: str
+    port: int
+    serve_config: object  # its ServeConfig
+    log: Path  # the app's log lines (the frontend's, in this process)
+    engine_log: Path  # its engine processes' (shared with the engine's other apps)
+    engine_log_start: int  # where this app's part of the engine log begins
+    headers: dict[str, str] = field(default_factory=dict)
+    verify: bool = True
+
+    def config(self) -> dict:
+        """The config as `Server.config` reads it (the run directory's config.json)."""
+        return msgspec.to_builtins(self.serve_config)
+
+    def log_text(self) -> str:
+        """What `zllm serve` would have logged since the app started: the engine processes'
+        lines, then the app's."""
+        with open(self.engine_log, "rb") as f:
+            f.seek(self.engine_log_start)
+            engine = f.read().decode(errors="replace")
+        return engine + self.log.read_text(errors="replace")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_text()[-chars:]
+
+
+@dataclass(eq=False)
+class _Engine:
+    key: bytes
+    config: object  # the ServeConfig it started with
+    llm: object  # zllm.AsyncLLM
+    tokenizer: object
+    log: Path
+
+    def alive(self) -> bool:
+        supervisor = self.llm._supervisor
+        children_alive = all(c.proc.poll() is None for c in supervisor.children)
+        return children_alive and not supervisor.stopping and self.llm.client.health()[0]
+
+
+class EnginePool:
+    def __init__(self, log_dir: Path, keep: int = 2) -> None:
+        self.log_dir = log_dir
+        self.keep = keep
+        self._engines: OrderedDict[bytes, _Engine] = OrderedDict()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool")
+        self._thread.daemon = True
+        self._thread.start()
+        self.starts = 0  # engines started (the pool's tests read it)
+
+    def _run(self, coro, timeout: float = START_TIMEOUT_S):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @contextlib.contextmanager
+    def serve(
+        self, model: str, log: Path, *extra: str, api_key: str | None = None
+    ) -> Iterator[AppServer]:
+        """The app `zllm serve model *extra` would serve (with start_server's defaults: a
+        64 MB KV pool, loopback), over a pooled engine, for the `with` block; the app's log
+        lines (zllm's loggers in this process, at INFO) go to `log`."""
+        if servers.in_e2e_test is False:
+            raise RuntimeError("a test that serves the app must be marked pytest.mark.e2e")
+        port = free_port()
+        argv = ["serve", model, "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--kv-cache-memory-bytes", "64M"]
+        if api_key is not None:
+            argv += ["--api-key", api_key]
+        config = _serve_config(argv + list(extra))
+        engine = self._engine_for(config)
+        if config is not engine.config:  # its own addresses are unused: the engine's serve
+            _remove_run_dir(config)
+        app_config = msgspec.structs.replace(
+            engine.config, **{name: getattr(config, name) for name in FRONTEND_ONLY}
+        )
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        url = f"http://127.0.0.1:{port}"
+        engine_log_start = engine.log.stat().st_size
+        with _logging_to(log):
+            uvicorn_server, task = self._run(_start_app(engine, app_config))
+            try:
+                yield AppServer(url, port, app_config, log, engine.log, engine_log_start, headers)
+            finally:
+                self._run(_stop_app(uvicorn_server, task), timeout=60)
+
+    def _engine_for(self, config) -> _Engine:
+        key = engine_key(config)
+        engine = self._engines.pop(key, None)
+        if engine is not None and not (engine.alive() and self._run(_made_fresh(engine), 60)):
+            self._shutdown(engine)
+            engine = None
+        if engine is None:
+            while len(self._engines) >= self.keep:
+                self._shutdown(self._engines.popitem(last=False)[1])
+            engine = self._start_engine(config, key)
+        self._engines[key] = engine  # (the most recently used last)
+        return engine
+
+    def _start_engine(self, config, key: bytes) -> _Engine:
+        from zllm.text.tokenizer import load_tokenizer
+
+        self.starts += 1
+        log = self.log_dir / f"engine-{self.starts}.log"
+        # The engine's processes write their log lines to this file, as `zllm serve`'s to
+        # its log: they inherit stdout and stderr when they start.
+        with open(log, "ab") as out, _stdout_and_stderr_to(out.fileno()):
+            llm = self._run(_start_llm(config))
+        tokenizer = load_tokenizer(config.engine.tokenizer_path, config.chat_template)
+        return _Engine(key, config, llm, tokenizer, log)
+
+    def _shutdown(self, engine: _Engine) -> None:
+        self._run(engine.llm.shutdown(), timeout=90)
+
+    def close(self) -> None:
+        while self._engines:
+            self._shutdown(self._engines.popitem()[1])
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def engine_key(config) -> bytes:
+    """What an engine is started with: the config without the frontend's fields and the
+    addresses (each config gets its own)."""
+    fields = msgspec.to_builtins(config)
+    for name in FRONTEND_ONLY | {"endpoints"}:
+        fields.pop(name, None)
+    return msgspec.json.encode(fields, order="sorted")
+
+
+def _serve_config(argv: list[str]):
+    from zllm.cli import build_parser, serve_config_from_args
+
+    return serve_config_from_args(build_parser().parse_args(argv))
+
+
+def _remove_run_dir(config) -> None:
+    if config.endpoints.ipc_dir:
+        shutil.rmtree(config.endpoints.ipc_dir, ignore_errors=True)
+
+
+async def _start_llm(config):
+    from zllm.async_llm import AsyncLLM
+
+    # One torch thread per engine process, as start_server gives its servers.
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        return await AsyncLLM.start_with(config)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
+async def _made_fresh(engine: _Engine) -> bool:
+    """Nothing left running from the last app, and an empty prefix cache."""
+    client = engine.llm.client
+    deadline = time.monotonic() + 30
+    while client.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_in_flight:
+        return False
+    await client.reset_prefix_cache()
+    return True
+
+
+async def _start_app(engine: _Engine, config):
+    import uvicorn
+
+    from zllm.frontend.app import build_app
+
+    run_dir = engine.llm._supervisor.run_dir
+    app = build_app(config, engine.llm.client, engine.tokenizer, run_dir)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        timeout_keep_alive=config.timeout_keep_alive,
+    )
+    server = uvicorn.Server(uv_config)
+    server.engine_tasks = asyncio.all_tasks()  # (what _stop_app leaves running)
+    task = asyncio.get_running_loop().create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # its error
+            raise RuntimeError("uvicorn stopped before it started")
+        await asyncio.sleep(0.01)
+    return server, task
+
+
+async def _stop_app(server, task) -> None:
+    server.should_exit = True
+    await task
+    # The app's own tasks (the dashboard's timeline samples "for the life of the process"):
+    # a frontend process ends with them; here they end with the app. The engine's were
+    # running before it started.
+    own = asyncio.all_tasks() - server.engine_tasks - {asyncio.current_task()}
+    for app_task in own:
+        app_task.cancel()
+    await asyncio.gather(*own, return_exceptions=True)
+    tracer = server.config.app.state.server.tracer
+    if tracer is not None:  # the spans still batched
+        await asyncio.to_thread(tracer.shutdown)
+
+
+@contextlib.contextmanager
+def _logging_to(path: Path) -> Iterator[None]:
+    """zllm's loggers at INFO into `path` (as a frontend process logs), for the block."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("zllm")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+
+
+@contextlib.contextmanager
+def _stdout_and_stderr_to(fd: int) -> Iterator[None]:
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for s in saved:
+            os.close(s)
