@@ -21,7 +21,7 @@ pytest.register_assert_rewrite("disagg_pairs", "kv_tiers", "resident_memory", "s
 
 @pytest.fixture(scope="session")
 def emu(tmp_path_factory):
-    """csrc/'s CUDA kernels built for the host (tests/csrc_emulator.py), once per run."""
+    """csrc/'s CUDA kernels built for the host (tests/csrc_emulator.py; cached by source)."""
     from csrc_emulator import build_emulator
 
     return build_emulator(tmp_path_factory)

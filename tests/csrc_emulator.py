@@ -1,11 +1,12 @@
-"""The host emulator of csrc/'s CUDA kernels (csrc/emu), for the CPU-only tests: built once
-per test run with the C++ compiler (the `emu` fixture, tests/conftest.py), it runs
-`KernelLaunch` records as cuLaunchKernel would (tests/test_csrc_compile.py,
-tests/test_csrc_prefill.py)."""
+"""The host emulator of csrc/'s CUDA kernels (csrc/emu), for the CPU-only tests: built with
+the C++ compiler once per version of csrc/ (the `emu` fixture, tests/conftest.py), it runs
+`KernelLaunch` records as cuLaunchKernel would (tests/executor/kernels/test_csrc_*.py)."""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from zllm.executor.kernels import cuda as ck
+from zllm.model.files import cache_dir
 
 CSRC = ck.CSRC_DIR
 
@@ -37,16 +39,32 @@ class Emulator:
 
 
 def build_emulator(tmp_path_factory) -> Emulator:
-    """The emulator library, compiled into a temporary directory (the `emu` fixture of
-    tests/conftest.py); skips without a C++17 compiler."""
+    """The emulator library (the `emu` fixture of tests/conftest.py); skips without a C++17
+    compiler. Compiling it takes ~14 CPU-seconds, so the library is kept in $ZLLM_CACHE
+    under a digest of what makes it (csrc's sources, the compiler and its flags), as torch
+    keeps csrc/cpu's build: a run builds it once, its other workers wait for that build (a
+    lock), and later runs of the same sources build nothing."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler (g++ or clang++) for the kernel emulator")
-    out = tmp_path_factory.mktemp("emu") / "emu_kernels.so"
-    cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w", "-o", str(out),
-           str(CSRC / "emu" / "emu_kernels.cpp")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "_Float16" in proc.stderr:
-        pytest.skip(f"{cxx} lacks _Float16")
-    assert proc.returncode == 0, proc.stderr
+    source = CSRC / "emu" / "emu_kernels.cpp"
+    flags = ["-std=c++17", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-w"]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256("\0".join([cxx, version, *flags]).encode())
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
+    folder = cache_dir() / "test-emulator"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"emu_kernels-{digest.hexdigest()[:16]}.so"
+    with open(folder / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            built = tmp_path_factory.mktemp("emu") / out.name
+            cmd = [cxx, *flags, "-o", str(built), str(source)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0 and "_Float16" in proc.stderr:
+                pytest.skip(f"{cxx} lacks _Float16")
+            assert proc.returncode == 0, proc.stderr
+            shutil.copyfile(built, out.with_suffix(".tmp"))
+            os.replace(out.with_suffix(".tmp"), out)  # whole, or not there
     return Emulator(out)
