@@ -13,10 +13,12 @@ The engine processes are what a start costs (the executor's torch, the model), a
 nothing of the frontend's options (api keys, served names, limits, CORS, parsers, tracing):
 apps whose `zllm serve` arguments differ only in those (FRONTEND_ONLY) share one engine. A
 shared engine comes to its next app as a fresh server would, as far as a test can ask it:
-nothing running and an empty prefix cache (reset). Its counters (/metrics' engine series)
-keep counting across apps, so a test that reads their absolute values needs a server of its
-own (servers.start_server), as do tests of the processes (signals, deaths, logs, restarts).
-At most `keep` engines stay alive; the least recently used is stopped first.
+nothing running and an empty prefix cache (reset). Its counters (/metrics' engine series:
+tokens, requests per tenant, cache hits) keep counting across apps, so a test that reads
+their absolute values takes an engine of its own (`shared=False`). Tests of the processes
+(signals, deaths and restarts, the supervisor, TLS) start a real `zllm serve`
+(servers.start_server). At most `keep` engines stay alive; the least recently used is
+stopped first.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import msgspec
 import servers
-from servers import HttpMethods, free_port
+from servers import HttpMethods, alive, free_port, process_title
 
 # ServeConfig fields only the frontend reads (frontend/, uvicorn): not part of an engine's key.
 FRONTEND_ONLY = frozenset(
@@ -77,8 +79,15 @@ class AppServer(HttpMethods):
     log: Path  # the app's log lines (the frontend's, in this process)
     engine_log: Path  # its engine processes' (shared with the engine's other apps)
     engine_log_start: int  # where this app's part of the engine log begins
+    supervisor: object  # its engine's (zllm/runtime/supervisor.py, in a thread here)
     headers: dict[str, str] = field(default_factory=dict)
     verify: bool = True
+
+    def children(self) -> dict[str, int]:
+        """Its engine's live processes by title without the `zllm: ` prefix, as
+        `Server.children` names them: {"core": pid, "executor": pid, ...}."""
+        pids = [child.proc.pid for child in self.supervisor.children]
+        return {process_title(pid)[6:]: pid for pid in pids if alive(pid)}
 
     def config(self) -> dict:
         """The config as `Server.config` reads it (the run directory's config.json)."""
@@ -126,11 +135,13 @@ class EnginePool:
 
     @contextlib.contextmanager
     def serve(
-        self, model: str, log: Path, *extra: str, api_key: str | None = None
+        self, model: str, log: Path, *extra: str, api_key: str | None = None, shared: bool = True
     ) -> Iterator[AppServer]:
         """The app `zllm serve model *extra` would serve (with start_server's defaults: a
         64 MB KV pool, loopback), over a pooled engine, for the `with` block; the app's log
-        lines (zllm's loggers in this process, at INFO) go to `log`."""
+        lines (zllm's loggers in this process, at INFO) go to `log`. `shared=False`: over an
+        engine of its own, stopped after the block (a test that reads the engine's counters
+        from zero)."""
         if servers.in_e2e_test is False:
             raise RuntimeError("a test that serves the app must be marked pytest.mark.e2e")
         port = free_port()
@@ -139,7 +150,7 @@ class EnginePool:
         if api_key is not None:
             argv += ["--api-key", api_key]
         config = _serve_config(argv + list(extra))
-        engine = self._engine_for(config)
+        engine = self._engine_for(config) if shared else self._start_engine(config, b"")
         if config is not engine.config:  # its own addresses are unused: the engine's serve
             _remove_run_dir(config)
         app_config = msgspec.structs.replace(
@@ -151,9 +162,14 @@ class EnginePool:
         with _logging_to(log):
             uvicorn_server, task = self._run(_start_app(engine, app_config))
             try:
-                yield AppServer(url, port, app_config, log, engine.log, engine_log_start, headers)
+                supervisor = engine.llm._supervisor
+                yield AppServer(
+                    url, port, app_config, log, engine.log, engine_log_start, supervisor, headers
+                )
             finally:
                 self._run(_stop_app(uvicorn_server, task), timeout=60)
+                if not shared:
+                    self._shutdown(engine)
 
     def _engine_for(self, config) -> _Engine:
         key = engine_key(config)

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from servers import metric, start_server, stop_server, wait_until
+from servers import metric, wait_until
 
 from zllm.frontend.access.permissions import EVERYONE, RegistryView, Viewer
 from zllm.frontend.observability.tenant_prefix_hits import PrefixHits, TenantPrefixHits
@@ -38,14 +38,16 @@ def test_tenant_isolation_salts_each_tenants_blocks():
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("isolation", ["default", "none"])
-def test_a_tenant_reuses_only_its_own_cached_prefixes(tiny_llama_dir, tmp_path, isolation):
+def test_a_tenant_reuses_only_its_own_cached_prefixes(
+    tiny_llama_dir, engine_pool, tmp_path, isolation
+):
     """Two API keys (two tenants): by default each tenant's cache is its own, so key-2's
     copy of key-1's prompt finds nothing cached; with `none` it finds key-1's blocks."""
     extra = [] if isolation == "default" else ["--prefix-cache-isolation", isolation]
-    server = start_server(
-        tiny_llama_dir, tmp_path / "serve.log", "--api-key", "k1", "--api-key", "k2", *extra
-    )
-    try:
+    log = tmp_path / "serve.log"
+    with engine_pool.serve(
+        tiny_llama_dir, log, "--api-key", "k1", "--api-key", "k2", *extra
+    ) as server:
         prompt = [(7 * i) % 300 + 3 for i in range(80)]  # five full blocks of 16
 
         def cached(key: str) -> int:
@@ -61,8 +63,6 @@ def test_a_tenant_reuses_only_its_own_cached_prefixes(tiny_llama_dir, tmp_path, 
         assert cached("k1") >= 64  # a tenant's own prefix comes back
         other = cached("k2")
         assert other == 0 if isolation == "default" else other >= 64
-    finally:
-        stop_server(server)
 
 
 def test_each_tenants_prefix_hits_are_counted_and_bounded():
@@ -106,17 +106,16 @@ def test_a_tenants_view_of_metrics_has_only_its_own_tenant_and_no_shared_hits():
 
 
 @pytest.mark.e2e
-def test_each_tenant_sees_only_its_own_cache_hits(tiny_llama_dir, tmp_path):
+def test_each_tenant_sees_only_its_own_cache_hits(tiny_llama_dir, engine_pool, tmp_path):
     """Two API keys under tenant isolation with --protect-metrics and a metrics key: each
     key's /metrics and /dashboard/stats show its own tenant's prefix-cache hits (what its
     usage's cached_tokens add up to) and no other tenant's series, nor the engine's hit
     counters; the metrics key sees every tenant and the engine's hits, and can generate
     nothing; /health needs no key."""
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, tmp_path / "serve.log",
         "--api-key", "k1", "--api-key", "k2", "--protect-metrics", "--metrics-api-key", "m",
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         prompt = [(7 * i) % 300 + 3 for i in range(80)]  # five full blocks of 16
 
         def usage(key: str, tokens: list[int]) -> tuple[int, int]:
@@ -164,5 +163,3 @@ def test_each_tenant_sees_only_its_own_cache_hits(tiny_llama_dir, tmp_path):
         assert read("/health", None).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             usage("m", prompt)  # a scraper's key spends no compute
-    finally:
-        stop_server(server)

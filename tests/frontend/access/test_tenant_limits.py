@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types import Completion
 from prometheus_client import CollectorRegistry
-from servers import Server, metric, start_server, stop_server, wait_until
+from servers import Server, metric, wait_until
 
 from zllm.config.engine_args import EngineArgs
 from zllm.config.tenants import TenantLimit, TenantPolicy, parse_tenant_weights
@@ -163,16 +163,15 @@ def in_flight(server: Server, *keys: str) -> Iterator[list[Future[Completion]]]:
 
 
 @pytest.mark.e2e
-def test_tenant_limits_through_the_openai_client(tiny_llama_dir, tmp_path):
+def test_tenant_limits_through_the_openai_client(tiny_llama_dir, engine_pool, tmp_path):
     """Two API keys (tenants key-1, key-2), at most 1 request in flight and one start per 10
     s each: key-1's second request while its first runs gets 429 (concurrency) while key-2's
     is let in; key-1's next one after the first ends gets 429 (rate) with Retry-After."""
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, tmp_path / "serve.log",
         "--api-key", "k1", "--api-key", "k2",
         "--tenant-max-concurrency", "1", "--tenant-max-requests-per-second", "0.1",
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         with in_flight(server, "k1", "k2") as running:
             with pytest.raises(openai.RateLimitError) as refused:
                 completion(server, "k1")
@@ -189,8 +188,6 @@ def test_tenant_limits_through_the_openai_client(tiny_llama_dir, tmp_path):
             assert metric(text, "zllm:tenant_requests_limited_total", labels) == 1
         limited = [x for x in text.splitlines() if x.startswith("zllm:tenant_requests_limited")]
         assert limited and not [x for x in limited if 'tenant="key-2"' in x]  # never limited
-    finally:
-        stop_server(server)
 
 
 def test_tenant_weights_objects_give_a_tenants_own_limits(tiny_llama_dir):
@@ -261,17 +258,18 @@ def test_a_tenants_own_limits_replace_the_global_ones():
 
 
 @pytest.mark.e2e
-def test_per_tenant_limits_from_tenant_weights_through_the_openai_client(tiny_llama_dir, tmp_path):
+def test_per_tenant_limits_from_tenant_weights_through_the_openai_client(
+    tiny_llama_dir, engine_pool, tmp_path
+):
     """--tenant-max-concurrency 1 for everyone, but key-1 may have 2 in flight (its own
     limit in --tenant-weights, which needs no fair policy): with two of key-1's requests
     and one of key-2's running, key-1's third and key-2's second get 429, each naming the
     flag that set its limit; key-2 is served again once its first ends."""
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, tmp_path / "serve.log",
         "--api-key", "k1", "--api-key", "k2",
         "--tenant-max-concurrency", "1", "--tenant-weights", '{"key-1": {"max_concurrency": 2}}',
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         assert server.config()["engine"]["scheduler"]["tenant_limits"] == {
             "key-1": {"max_concurrency": 2}
         }
@@ -288,5 +286,3 @@ def test_per_tenant_limits_from_tenant_weights_through_the_openai_client(tiny_ll
         for tenant in ("key-1", "key-2"):
             labels = f'limit="concurrency",tenant="{tenant}"'
             assert metric(text, "zllm:tenant_requests_limited_total", labels) == 1
-    finally:
-        stop_server(server)

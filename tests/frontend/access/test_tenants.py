@@ -16,7 +16,7 @@ import statistics
 import time
 
 import pytest
-from servers import Server, error_of, start_server, stop_server, wait_until
+from servers import Server, error_of, start_server, wait_until
 
 from zllm.config.engine_args import EngineArgs
 from zllm.config.tenants import TenantPolicy, parse_tenant_weights
@@ -56,9 +56,9 @@ def complete(server: Server, headers: dict[str, str], max_tokens: int = 2):
 
 
 @pytest.mark.e2e
-def test_served_tenant_from_the_x_tenant_header(tiny_llama_dir, tmp_path) -> None:
-    server = start_server(tiny_llama_dir, tmp_path / "server.log")
-    try:
+def test_served_tenant_from_the_x_tenant_header(tiny_llama_dir, engine_pool, tmp_path) -> None:
+    # (An engine of its own: the tenants' series are the core's counts, from zero.)
+    with engine_pool.serve(tiny_llama_dir, tmp_path / "server.log", shared=False) as server:
         for headers in [{"X-Tenant": "alice"}, {"X-Tenant": "alice"}, {"X-Tenant": "bob"}, {}]:
             assert complete(server, headers).status_code == 200
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -86,17 +86,15 @@ def test_served_tenant_from_the_x_tenant_header(tiny_llama_dir, tmp_path) -> Non
             "alice": 0.0, "bob": 0.0, "default": 0.0
         }  # fmt: skip
         assert complete(server, {}).status_code == 200  # still serving
-    finally:
-        stop_server(server)
 
 
 @pytest.mark.e2e
-def test_served_tenant_is_the_api_key(tiny_llama_dir, tmp_path) -> None:
+def test_served_tenant_is_the_api_key(tiny_llama_dir, engine_pool, tmp_path) -> None:
     keys = ["sk-first-secret", "sk-second-secret"]
-    server = start_server(
-        tiny_llama_dir, tmp_path / "server.log", "--api-key", keys[1], api_key=keys[0]
-    )
-    try:
+    # (An engine of its own: the tenants' series are the core's counts, from zero.)
+    with engine_pool.serve(
+        tiny_llama_dir, tmp_path / "server.log", "--api-key", keys[1], api_key=keys[0], shared=False
+    ) as server:
         # With keys, the key decides: a header cannot claim another tenant (nor be refused).
         assert complete(server, {**server.headers, "X-Tenant": "not a name"}).status_code == 200
         second = {"Authorization": f"Bearer {keys[1]}", "X-Tenant": "key-1"}
@@ -110,8 +108,6 @@ def test_served_tenant_is_the_api_key(tiny_llama_dir, tmp_path) -> None:
         ), tenant_series(server, "zllm:tenant_requests_total")
         assert not any(key in server.get("/metrics").text for key in keys)
         assert complete(server, {"X-Tenant": "key-1"}).status_code == 401
-    finally:
-        stop_server(server)
 
 
 # ---- starvation: fair share against fcfs ------------------------------------------------------
