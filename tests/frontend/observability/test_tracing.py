@@ -103,21 +103,20 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory, receiver):
-    # Export within 50 ms of a span's end, not the SDK's default 5 s (the env reaches the
-    # frontend through the supervisor).
+def server(tiny_llama_dir, engine_pool, tmp_path_factory, receiver):
+    # Export within 50 ms of a span's end, not the SDK's default 5 s (read as the app makes
+    # its exporter).
     old = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "50"
     try:
         log = tmp_path_factory.mktemp("tracing") / "serve.log"
-        s = start_server(tiny_llama_dir, log, "--otlp-traces-endpoint", receiver.url)
+        with engine_pool.serve(tiny_llama_dir, log, "--otlp-traces-endpoint", receiver.url) as s:
+            yield s
     finally:
         if old is None:
             del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
         else:
             os.environ["OTEL_BSP_SCHEDULE_DELAY"] = old
-    yield s
-    stop_server(s)
 
 
 def client(server) -> openai.OpenAI:
