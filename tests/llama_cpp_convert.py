@@ -129,6 +129,51 @@ def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str) -> Path:
     return outfile
 
 
+# Many conversions in one process: the script run once a model (runpy, as `python
+# convert_hf_to_gguf.py` runs it), each SPM_VOCAB_CLASSES patch undone after its model; the
+# imports (torch, the converter's classes) paid once instead of once a file.
+_BATCH_LAUNCHER = """
+import importlib, json, runpy, sys
+root, patches, jobs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+sys.path.insert(0, root)
+script = f"{root}/convert_hf_to_gguf.py"
+for (model_dir, outfile, outtype), patch in zip(jobs, patches):
+    converter = original = None
+    if patch is not None:
+        converter = getattr(importlib.import_module(f"conversion.{patch[0]}"), patch[1])
+        original = converter.__dict__.get("set_vocab")
+        converter.set_vocab = lambda self: self._set_vocab_sentencepiece()
+    sys.argv = [script, model_dir, "--outfile", outfile, "--outtype", outtype]
+    runpy.run_path(script, run_name="__main__")
+    if converter is not None:
+        if original is None:
+            del converter.set_vocab
+        else:
+            converter.set_vocab = original
+"""
+
+
+def convert_many(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
+    """convert_hf_to_gguf for each (model_dir, outfile, outtype), in one converter process."""
+    for _, _, outtype in jobs:
+        if outtype not in OUTTYPES:
+            raise ValueError(f"outtype {outtype!r} is not one of {OUTTYPES}")
+    root = converter_dir()
+    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "OMP_NUM_THREADS": "1"}
+    patches = []
+    for model_dir, _, _ in jobs:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures")
+        patches.append(SPM_VOCAB_CLASSES.get((architectures or [""])[0]))
+    triples = [(str(d), str(f), t) for d, f, t in jobs]
+    cmd = [sys.executable, "-c", _BATCH_LAUNCHER, str(root), json.dumps(patches)]
+    cmd.append(json.dumps(triples))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    missing = [str(f) for _, f, _ in jobs if not f.is_file()]
+    if result.returncode != 0 or missing:
+        raise RuntimeError(f"converting {missing} failed:\n{result.stderr[-4000:]}")
+    return [f for _, f, _ in jobs]
+
+
 def write_spm_tokenizer(directory: Path) -> None:
     """tokenizer.model: a SentencePiece BPE with byte fallback trained on tiny_models' corpus
     (ids 0-2 <unk>, <s>, </s>; the chat markers whole), and the tokenizer_config.json a Llama

@@ -40,6 +40,20 @@ def write_st_model(path: Path, arch: str, mode: str, normalize: bool, **extra) -
     return path
 
 
+def assert_same_vectors(ours: list[list[float]], expected: np.ndarray) -> None:
+    """zllm's vectors are sentence-transformers': cosine above 0.9999, norms within 1e-4."""
+    ours_array = np.asarray(ours, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert ours_array.shape == expected.shape
+    cosine = (ours_array * expected).sum(1) / (
+        np.linalg.norm(ours_array, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    assert cosine.min() > 0.9999, cosine
+    assert np.allclose(
+        np.linalg.norm(ours_array, axis=1), np.linalg.norm(expected, axis=1), rtol=1e-4
+    )
+
+
 def st_vectors(path: Path, texts: list[str], **kwargs) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 

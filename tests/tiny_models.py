@@ -241,3 +241,19 @@ def randomize_norms_and_biases(path: Path, seed: int = 0) -> Path:
             model.model.embed_tokens.weight.mul_(0.125)
     model.save_pretrained(path)
     return path
+
+
+def draw_sinks_and_expert_biases(path: Path, seed: int = 0) -> Path:
+    """A saved gpt-oss model's sinks, router and expert biases drawn (transformers initialises
+    the biases to zero), then norms and the other biases (randomize_norms_and_biases)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("_bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(path)
+    return randomize_norms_and_biases(path, seed)

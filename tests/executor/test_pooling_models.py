@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pooling_models import st_vectors, write_st_encoder, write_st_model
+from pooling_models import assert_same_vectors, st_vectors, write_st_encoder, write_st_model
 from servers import start_server, stop_server
 
 from zllm import LLM, PoolingParams
@@ -27,19 +27,6 @@ TEXTS = [
 ]
 POOL = 32 << 20
 PROMPT = "Instruct: find the passage\nQuery: "
-
-
-def assert_same_vectors(ours: list[list[float]], expected: np.ndarray) -> None:
-    ours_array = np.asarray(ours, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert ours_array.shape == expected.shape
-    cosine = (ours_array * expected).sum(1) / (
-        np.linalg.norm(ours_array, axis=1) * np.linalg.norm(expected, axis=1)
-    )
-    assert cosine.min() > 0.9999, cosine
-    assert np.allclose(
-        np.linalg.norm(ours_array, axis=1), np.linalg.norm(expected, axis=1), rtol=1e-4
-    )
 
 
 def embed(llm: LLM, texts: list[str], **kwargs) -> list[list[float]]:
@@ -141,7 +128,7 @@ def test_the_runner_follows_the_class_names(tmp_path) -> None:
     from zllm.config.pooler import runner_of
     from zllm.model.arch_config import ModelArchConfig
 
-    arch = ModelArchConfig("gpt2", 10, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, 64, False)
+    arch = ModelArchConfig("gpt2", "transformers", 10, 8, 8, 1, 1, 1, 8, 1e-5, 1e4, 64, False)
     for names, runner in ((["GPT2LMHeadModel"], "generate"), (["Qwen3Model"], "pooling"),
                           (["LlamaForCausalLM"], "generate"), ([], "generate")):  # fmt: skip
         (tmp_path / "config.json").write_text(json.dumps({"architectures": names}))

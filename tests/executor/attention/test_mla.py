@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from family_cases import DEEPSEEK_V2
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
@@ -51,47 +52,10 @@ from zllm.model.arch_config import MLAConfig
 from zllm.model.gguf import read_gguf
 from zllm.model.impl import choose_model_impl
 
-KV_LORA_RANK, ROPE_DIM, LAYERS = 96, 16, 2
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,  # max_position_embeddings 512 over 128
-    "original_max_position_embeddings": 128,
-    "mscale": 0.707,
-    "mscale_all_dim": 0.707,
-    "beta_fast": 32,
-    "beta_slow": 1,
-}
-LATENT: dict = dict(
-    num_key_value_heads=None,  # (the config class makes it num_attention_heads)
-    kv_lora_rank=KV_LORA_RANK,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=ROPE_DIM,
-    v_head_dim=64,
-    first_k_dense_replace=LAYERS,  # every layer dense
-    num_hidden_layers=LAYERS,
-    rope_parameters=YARN,
-)
-CASES = {
-    "lite": dict(LATENT, q_lora_rank=None, tie_word_embeddings=False),
-    "v2": dict(LATENT, q_lora_rank=64, tie_word_embeddings=True),
-    "moe": dict(
-        LATENT,
-        q_lora_rank=64,
-        tie_word_embeddings=True,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=32,
-        topk_method="group_limited_greedy",
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=1.5,
-        norm_topk_prob=False,  # (transformers' DeepSeek-V2 router never renormalises)
-    ),
-}
+# The cases are tests/family_cases.py's (the registry's parity test runs "moe").
+CASES = DEEPSEEK_V2
+KV_LORA_RANK, ROPE_DIM = CASES["v2"]["kv_lora_rank"], CASES["v2"]["qk_rope_head_dim"]
+LAYERS, YARN = CASES["v2"]["num_hidden_layers"], CASES["v2"]["rope_parameters"]
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from family_cases import MIXTRAL, QWEN2_MOE, QWEN2_MOE_ALL_SPARSE, QWEN2_MOE_SEED, QWEN3_MOE
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from gguf_files import random_blocks
@@ -317,20 +318,7 @@ def test_expert_blocks_of_the_wrong_shape_are_refused() -> None:
 # ---------------------------------------------------------------------------------------------
 # Models from Hugging Face directories
 
-# Tiny MoE configs (tiny_models.TINY_CONFIG otherwise). Qwen3-MoE renormalises as its
-# released configs do (and llama.cpp always does for qwen3moe files).
-QWEN3_MOE = dict(
-    head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
-)
-QWEN2_MOE = dict(
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-    num_hidden_layers=3,
-    mlp_only_layers=[1],  # a dense layer between two sparse ones
-)
-MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32)
+# The tiny MoE configs are tests/family_cases.py's (the registry's parity test runs them too).
 HF_CASES = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE, "mixtral": MIXTRAL}
 PROMPT_LENGTHS = [40, 45, 52]
 
@@ -441,17 +429,9 @@ def test_tensor_parallelism_is_refused_for_experts(tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------
 # GGUF files from llama.cpp's converter
 
-# llama.cpp's qwen2moe has no dense layers (its converter refuses mlp_only_layers' tensors);
-# a shared expert 64 wide keeps its down matrix in Q8_0 blocks of 32.
-QWEN2_MOE_ALL_SPARSE = {
-    **QWEN2_MOE,
-    "num_hidden_layers": 2,
-    "mlp_only_layers": [],
-    "shared_expert_intermediate_size": 64,
-}
+# (llama.cpp's qwen2moe has no dense layers: QWEN2_MOE_ALL_SPARSE.)
 GGUF_CASES = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE_ALL_SPARSE, "mixtral": MIXTRAL}
-# (Qwen2-MoE's seeds 0 and 1 repeat two tokens on a prompt: a parity check of little worth.)
-GGUF_SEEDS = {"qwen2_moe": 3}
+GGUF_SEEDS = {"qwen2_moe": QWEN2_MOE_SEED}
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 OUTTYPES = ("f32", "q8_0")
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from family_cases import PHI3, PHI3_CONTEXT
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from llama_cpp_convert import OUTTYPES, convert_hf_to_gguf, write_convertible_model
@@ -44,26 +45,15 @@ from zllm.model.registry import native_gguf_architectures
 from zllm.text.incremental_detokenizer import IncrementalDetokenizer
 from zllm.text.tokenizer import load_tokenizer
 
-WINDOW = 8
-# Phi-3's pretraining context: the prompts run past it (LongRoPE's long factors).
-ORIGINAL_CONTEXT = 32
-LONGROPE = {
-    "rope_type": "longrope",
-    "rope_theta": 10000.0,
-    "original_max_position_embeddings": ORIGINAL_CONTEXT,
-    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],  # one per rotated pair: 12 of 16 dims
-    "short_factor": [1.0, 1.25, 1.5, 1.75, 2.0, 2.5],
-    "partial_rotary_factor": 0.75,
-}
+# Phi-3's shape is tests/family_cases.py's: LongRoPE over 3/4 of each head, a window on every
+# layer. Its pretraining context: the prompts run past it (LongRoPE's long factors).
+WINDOW = PHI3["sliding_window"]
+ORIGINAL_CONTEXT = PHI3_CONTEXT
+LONGROPE = PHI3["rope_parameters"]
 # write_convertible_model overrides per architecture (tiny_models.TINY_CONFIG otherwise).
 CASES: dict[str, dict] = {
     "qwen3": dict(),
-    "phi3": dict(
-        sliding_window=WINDOW,
-        partial_rotary_factor=0.75,
-        original_max_position_embeddings=ORIGINAL_CONTEXT,
-        rope_parameters=LONGROPE,
-    ),
+    "phi3": PHI3,
     "mistral": dict(head_dim=32, tie_word_embeddings=False, sliding_window=None),
 }
 # What the converter names each architecture, and a tensor only its files have.

@@ -22,54 +22,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_cases import GPT_OSS
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from servers import start_server, stop_server
+from tiny_models import draw_sinks_and_expert_biases
 
 from zllm import LLM, SamplingParams
 from zllm.executor.layers.moe.experts import ExpertMatrices
 from zllm.executor.weights import mxfp4
 from zllm.model.arch import read_arch_config
 
-WINDOW = 8
+# The tiny shape is tests/family_cases.py's: layers sliding, full, sliding, full (gpt-oss's
+# order); heads of 64 as the real model's.
+WINDOW = GPT_OSS["sliding_window"]
 BLOCK = 4
-NUM_EXPERTS = 4
+NUM_EXPERTS = GPT_OSS["num_local_experts"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# Layers sliding, full, sliding, full (gpt-oss's order); heads of 64 as the real model's.
-GPT_OSS = dict(
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    num_local_experts=NUM_EXPERTS,
-    num_experts_per_tok=2,
-    intermediate_size=32,
-    sliding_window=WINDOW,
-    layer_types=["sliding_attention", "full_attention"] * 2,
-    tie_word_embeddings=False,
-)
 # Harmony's special tokens (zllm/text/harmony.py reads them) and a template that writes it.
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
 HARMONY_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
-
-
-def draw_sinks_and_expert_biases(path: Path, seed: int = 0) -> Path:
-    """Sinks, router and expert biases drawn (transformers initialises the biases to zero),
-    then norms and the other biases (tiny_models.randomize_norms_and_biases)."""
-    import transformers
-    from tiny_models import randomize_norms_and_biases
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("_bias", "sinks")):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
-    model.save_pretrained(path)
-    return randomize_norms_and_biases(path, seed)
 
 
 def write_mxfp4_pair(

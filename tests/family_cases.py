@@ -1,0 +1,221 @@
+"""One row per model family in zllm/model/registry.py (FAMILIES), keyed by the family's name:
+how tests/executor/models/test_families.py writes a tiny random model of it, from
+transformers' own config class of the real architecture, and whether llama.cpp's converter
+writes its GGUF (at which outtype: F32 keeps every weight as the checkpoint has it, so greedy
+parity with transformers is exact). A family added to the registry adds its row here (the
+test fails without one), beside its own special tests.
+
+The tiny shapes of the families whose special tests need more than tiny_models.TINY_CONFIG
+(experts, latent attention, LongRoPE, windows) live here too, and those tests import them:
+the families test runs the very models they run.
+
+A family with a GGUF form gets one directory for both forms: write_convertible_model's model
+(a SentencePiece tokenizer, what the converter reads) with the tokenizer.json zllm reads beside
+it (with_tokenizer_json), so the HF form and the GGUF form are the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from llama_cpp_convert import SPM_VOCAB_SIZE, write_convertible_model
+from pooling_models import write_st_encoder
+from tiny_models import draw_sinks_and_expert_biases
+from vision_models import write_tiny_llava, write_tiny_qwen_vl
+
+# ---------------------------------------------------------------------------------------------
+# The families' tiny shapes (tiny_models.TINY_CONFIG otherwise: hidden 64, 4 heads, 2 KV heads)
+
+# Mixture-of-experts (tests/executor/layers/test_moe.py). Qwen3-MoE renormalises as its
+# released configs do (and llama.cpp always does for qwen3moe files).
+QWEN3_MOE = dict(
+    head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+)
+QWEN2_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],  # a dense layer between two sparse ones
+)
+# llama.cpp's qwen2moe has no dense layers (its converter refuses mlp_only_layers' tensors);
+# a shared expert 64 wide keeps its down matrix in Q8_0 blocks of 32.
+QWEN2_MOE_ALL_SPARSE = {
+    **QWEN2_MOE,
+    "num_hidden_layers": 2,
+    "mlp_only_layers": [],
+    "shared_expert_intermediate_size": 64,
+}
+# (Qwen2-MoE's seeds 0 and 1 repeat two tokens on a prompt: a parity check of little worth.)
+QWEN2_MOE_SEED = 3
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32)
+
+# gpt-oss (tests/executor/models/test_gpt_oss.py): layers sliding, full, sliding, full (its
+# order), a window of 8, 4 experts of which 2 a token; heads of 64 as the real model's.
+GPT_OSS = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=32,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    tie_word_embeddings=False,
+)
+
+# DeepSeek-V2 (tests/executor/attention/test_mla.py): YaRN RoPE with mscale_all_dim, latent
+# rows of kv_lora_rank 96 + rope 16, every layer dense but in "moe".
+_DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,  # max_position_embeddings 512 over 128
+    "original_max_position_embeddings": 128,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+_LATENT: dict = dict(
+    num_key_value_heads=None,  # (the config class makes it num_attention_heads)
+    kv_lora_rank=96,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=64,
+    first_k_dense_replace=2,  # every layer dense
+    num_hidden_layers=2,
+    rope_parameters=_DEEPSEEK_YARN,
+)
+DEEPSEEK_V2 = {
+    # DeepSeek-V2-Lite's shape: one q_proj, untied logits.
+    "lite": dict(_LATENT, q_lora_rank=None, tie_word_embeddings=False),
+    # DeepSeek-V2's: q_a_proj, its norm and q_b_proj; tied logits.
+    "v2": dict(_LATENT, q_lora_rank=64, tie_word_embeddings=True),
+    # The v2 shape with one dense layer, then two of 8 routed experts (2 a token, picked
+    # within the best of 2 groups) and one shared expert.
+    "moe": dict(
+        _LATENT,
+        q_lora_rank=64,
+        tie_word_embeddings=True,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        topk_method="group_limited_greedy",
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,  # (transformers' DeepSeek-V2 router never renormalises)
+    ),
+}
+
+# Phi-3 (tests/executor/models/test_gguf_architectures.py): LongRoPE over 3/4 of each head
+# and a window of 8 on every layer. Prompts run past its pretraining context (32): transformers
+# takes the long factors only there, zllm for any prompt (its context, 512, is past it).
+PHI3_CONTEXT = 32
+PHI3 = dict(
+    sliding_window=8,
+    partial_rotary_factor=0.75,
+    original_max_position_embeddings=PHI3_CONTEXT,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": PHI3_CONTEXT,
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],  # one per rotated pair: 12 of 16 dims
+        "short_factor": [1.0, 1.25, 1.5, 1.75, 2.0, 2.5],
+        "partial_rotary_factor": 0.75,
+    },
+)
+
+# Gemma 3 as its GGUF files can say it: llama.cpp writes no layer pattern and takes every 6th
+# layer global, the attention scale's scalar the head size, the local RoPE base 10000.
+GEMMA3 = dict(
+    num_hidden_layers=6,
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=8,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rows
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """How the families test makes its tiny model of one family."""
+
+    # (directory, **fixtures) -> the directory, holding the model in Hugging Face layout with
+    # the tokenizer zllm reads.
+    write: Callable[..., Path]
+    # conftest fixtures `write` takes, by name (the SmolLM2 GGUF whose vocabulary it adds to).
+    fixtures: tuple[str, ...] = ()
+    # The outtype llama.cpp's converter writes the GGUF form at (None: no GGUF form).
+    gguf_outtype: str | None = None
+    # Why there is no GGUF form, for a family that reads GGUF files (gguf_architectures).
+    no_gguf: str = ""
+    # Prompts are token ids below this: the tokenizer's ordinary tokens.
+    prompt_vocab: int = SPM_VOCAB_SIZE
+
+
+def with_tokenizer_json(path: Path) -> Path:
+    """tokenizer.json beside tokenizer.model: transformers' conversion of the SentencePiece
+    model, which zllm reads from a directory (the converter reads tokenizer.model first)."""
+    import transformers
+
+    transformers.AutoTokenizer.from_pretrained(path).backend_tokenizer.save(
+        str(path / "tokenizer.json")
+    )
+    return path
+
+
+def convertible(arch: str, seed: int = 0, **shape) -> Callable[[Path], Path]:
+    """A writer of write_convertible_model's `arch` model with its tokenizer.json."""
+    return lambda path: with_tokenizer_json(write_convertible_model(path, arch, seed, **shape))
+
+
+def _gpt_oss(path: Path) -> Path:
+    """Sinks, router and expert biases drawn (transformers initialises them to zero)."""
+    return draw_sinks_and_expert_biases(convertible("gpt_oss", **GPT_OSS)(path))
+
+
+def _bert(path: Path) -> Path:
+    """A tiny BERT with sentence-transformers' mean pooling and normalisation."""
+    return write_st_encoder(path, "bert", "mean", True)
+
+
+F32 = "f32"
+SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer's ordinary tokens (image tokens after them)
+
+CASES: dict[str, FamilyCase] = {
+    "llama": FamilyCase(convertible("llama"), gguf_outtype=F32),
+    "mixtral": FamilyCase(convertible("mixtral", **MIXTRAL), gguf_outtype=F32),
+    "qwen2": FamilyCase(convertible("qwen2"), gguf_outtype=F32),
+    "qwen2_moe": FamilyCase(
+        convertible("qwen2_moe", QWEN2_MOE_SEED, **QWEN2_MOE_ALL_SPARSE), gguf_outtype=F32
+    ),
+    "qwen3": FamilyCase(convertible("qwen3"), gguf_outtype=F32),
+    "qwen3_moe": FamilyCase(convertible("qwen3_moe", **QWEN3_MOE), gguf_outtype=F32),
+    "phi3": FamilyCase(convertible("phi3", **PHI3), gguf_outtype=F32),
+    "gemma3": FamilyCase(convertible("gemma3_text", **GEMMA3), gguf_outtype=F32),
+    "qwen2_5_vl": FamilyCase(
+        lambda path, smollm2_path: write_tiny_qwen_vl(path, smollm2_path),
+        fixtures=("smollm2_path",),
+        prompt_vocab=SMOLLM2_VOCAB,
+    ),
+    "gpt_oss": FamilyCase(_gpt_oss, gguf_outtype=F32),
+    "deepseek_v2": FamilyCase(convertible("deepseek_v2", **DEEPSEEK_V2["moe"]), gguf_outtype=F32),
+    "llava": FamilyCase(
+        lambda path, smollm2_path: write_tiny_llava(path, smollm2_path),
+        fixtures=("smollm2_path",),
+        prompt_vocab=SMOLLM2_VOCAB,
+    ),
+    "bert": FamilyCase(_bert),
+}
