@@ -9,13 +9,15 @@ its near-tie rule). Families on the transformers backend count too (LLaVA: a tex
 encoders pool rather than generate: their embeddings equal sentence-transformers'.
 
 A family registered without a row fails here, and so does a family that reads GGUF files
-(gguf_architectures) whose row has no GGUF form and does not say why. The models are built
+(gguf_architectures) whose row has no GGUF form and does not say why, and one whose model class
+or image encoder does not import by the name it gives. The models are built
 once per module, on first use; the GGUF forms the run selects are converted in one converter
 process (llama_cpp_convert.convert_many).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from pooling_models import assert_same_vectors, st_vectors
 from zllm import LLM, SamplingParams
 from zllm.model.family import Family, Trait
 from zllm.model.gguf import read_gguf
-from zllm.model.registry import FAMILIES, family_named
+from zllm.model.registry import FAMILIES, TRANSFORMERS, family_named
 
 # Past the windows of gpt-oss, Gemma 3 and Phi-3 here (8), and Phi-3's pretraining context (32).
 PROMPT_LENGTHS = [40, 45, 52]
@@ -83,6 +85,20 @@ def test_a_family_that_reads_gguf_files_has_its_gguf_form() -> None:
             )
         else:
             assert not case.gguf_outtype, f"{family.name} reads no GGUF files"
+
+
+def test_the_code_each_family_names_imports() -> None:
+    """Its model class and its image encoder, by the "module:Class" the family gives (the
+    executor imports them by that name only when it builds the model)."""
+    for family in (*FAMILIES, TRANSFORMERS):
+        named = [family.model_class] + ([family.images.encoder] if family.images else [])
+        for where in named:
+            module, _, name = where.partition(":")
+            try:
+                found = getattr(importlib.import_module(module), name, None)
+            except ImportError as e:
+                raise AssertionError(f"{family.name}: {where}: {e}") from None
+            assert isinstance(found, type), f"{family.name}: {where} names no class"
 
 
 # ---------------------------------------------------------------------------------------------
