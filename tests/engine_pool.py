@@ -265,6 +265,7 @@ async def _start_app(engine: _Engine, config):
         host=config.host,
         port=config.port,
         log_level="warning",
+        log_config=None,  # (its loggers are left to _logging_to, not set to stderr)
         timeout_keep_alive=config.timeout_keep_alive,
     )
     server = uvicorn.Server(uv_config)
@@ -295,18 +296,22 @@ async def _stop_app(server, task) -> None:
 
 @contextlib.contextmanager
 def _logging_to(path: Path) -> Iterator[None]:
-    """zllm's loggers at INFO into `path` (as a frontend process logs), for the block."""
+    """zllm's loggers at INFO, and uvicorn's (at the frontend's level: warnings, an error in
+    the app), into `path`, as a frontend process logs to `zllm serve`'s output, for the
+    block."""
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("zllm")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
+    zllm, uvicorn = logging.getLogger("zllm"), logging.getLogger("uvicorn")
+    level = zllm.level
+    zllm.setLevel(logging.INFO)
+    for logger in (zllm, uvicorn):
+        logger.addHandler(handler)
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+        for logger in (zllm, uvicorn):
+            logger.removeHandler(handler)
+        zllm.setLevel(level)
         handler.close()
 
 

@@ -14,7 +14,7 @@ import os
 
 import httpx
 import pytest
-from servers import error_of, start_server, stop_server
+from servers import error_of
 
 pytestmark = pytest.mark.e2e
 
@@ -35,11 +35,12 @@ OPERATIONS = [
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_llama_dir, tmp_path_factory):
+def fuzz_server(tiny_llama_dir, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    server = start_server(tiny_llama_dir, log, "--max-model-len", "64", "--request-timeout", "120")
-    yield server
-    stop_server(server)
+    with engine_pool.serve(
+        tiny_llama_dir, log, "--max-model-len", "64", "--request-timeout", "120"
+    ) as server:
+        yield server
 
 
 def _schemathesis():

@@ -10,7 +10,6 @@ import json
 
 import jsonschema
 import pytest
-from servers import start_server, stop_server
 
 from zllm.text.tokenizer import load_tokenizer
 
@@ -33,13 +32,12 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def server(tiny_llama_dir, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("anthropic") / "server.log"
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, log, "--served-model-name", "tiny", "--block-size", "4", api_key=KEY
-    )
-    yield server
-    stop_server(server)
+    ) as server:
+        yield server
 
 
 def client_of(server, key: str = KEY):
