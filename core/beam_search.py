@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zllm.core.request import Request, child_request_id
-from zllm.core.step_outputs import queue_time
+from zllm.core.step.outputs import queue_time
 from zllm.protocol import EngineCoreOutput, FinishReason, ForkedRequestData, LogprobsLists
 from zllm.sampling_params import SamplingParams
 

@@ -39,9 +39,9 @@ import msgspec
 
 from zllm.config.engine import EngineConfig, check_request_options
 from zllm.config.kv_layout import block_bytes, blocks_on_every_rank
-from zllm.core.block_manager import BlockManager
 from zllm.core.executors import Executor, ExecutorTimeout
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError

@@ -96,7 +96,7 @@ class _RequestFields:
     # a disaggregation consumer's request waits for them so it is hashed once, not per step.
     prompt_block_hashes: list[bytes] | None = None
     # Several KV cache groups: the tokens of the blocks it took from a tier whose loads can
-    # fail (disk, remote) in a step ahead of its own (core/kv_prefetch.py) that loaded
+    # fail (disk, remote) in a step ahead of its own (core/kv/prefetch.py) that loaded
     # well; None while it never did (it does at most once: later lookups skip those tiers).
     num_prefetched_tokens: int | None = None
     # Its images and where their tokens sit (EngineCoreRequest.images): their tokens hash as

@@ -38,18 +38,18 @@ from collections.abc import Iterable
 from zllm.config.engine import SchedulerConfig, SpeculativeConfig
 from zllm.config.kv_transfer import KVTransferConfig
 from zllm.core.beam_search import BeamCoordinator
-from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
-from zllm.core.kv_connector import SchedulerConnector, TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import SchedulerConnector, TieredKVConnector
+from zllm.core.kv.prefix_pins import pin_computed_prefix
 from zllm.core.lora_batch import adapter_fits, adapter_names, running_adapters
-from zllm.core.prefix_pins import pin_computed_prefix
 from zllm.core.request import Request, RequestStatus, child_request_id
 from zllm.core.request_queue import WaitingQueue
 from zllm.core.sequences import SequenceTable
 from zllm.core.speculation import Speculation
-from zllm.core.step_outputs import embedding_output, error_output, rows, tokens_output
-from zllm.core.step_plan import PrefixFound, StepPlan, find_prefix
-from zllm.core.stopping import check_stop
+from zllm.core.step.outputs import embedding_output, error_output, rows, tokens_output
+from zllm.core.step.plan import PrefixFound, StepPlan, find_prefix
+from zllm.core.step.stopping import check_stop
 from zllm.protocol import (
     EngineCoreOutput,
     FinishReason,
@@ -270,7 +270,7 @@ class Scheduler:
                 return  # its samples would overfill the batch: it waits, first in line
             found = find_prefix(req, self.block_manager, self.kv)
             if self.kv.wants_prefetch(req, found.cached):
-                # Its loads go out in a step of their own (core/kv_prefetch.py).
+                # Its loads go out in a step of their own (core/kv/prefetch.py).
                 if not (
                     self.kv.prefetch(req, found.cached, found.salt)
                     or self._make_room_for(req, plan)

@@ -16,7 +16,7 @@ from scheduler_parts import BS
 from zllm import LLM, SamplingParams
 from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_layout import tier_directory
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.executor.kv.connector import KVPool
 from zllm.executor.kv.quant import narrow
 from zllm.kv.block_hash import hash_full_blocks

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from zllm.config.engine import SchedulerConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import KVTransferParams

@@ -160,8 +160,8 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
 
 
 class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A step's traffic between the KV pool and the tiers below it (KV offload: core/
-    kv_connector.py decides, executor/kv/connector.py moves the bytes). Tiers are numbered as
+    """A step's traffic between the KV pool and the tiers below it (KV offload: core/kv/
+    connector.py decides, executor/kv/connector.py moves the bytes). Tiers are numbered as
     zllm/kv/tiers.py names them. The executor does them before the step's forward, in this
     order: drops (room), stores (a pool block's bytes out, before anything overwrites it),
     loads (tier bytes into newly allocated pool blocks, some of which the stores just read).

@@ -4,7 +4,7 @@ beams continue, fork or end each round, what the executor is told, and what is f
 from __future__ import annotations
 
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
 from zllm.core.fair_share import FairShare, TenantLedger
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import CacheSize, ModelRunnerOutput, SchedulerOutput

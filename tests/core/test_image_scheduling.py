@@ -10,7 +10,7 @@ import hashlib
 from scheduler_parts import BS
 
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import ImageData, ModelRunnerOutput, PlacedImage

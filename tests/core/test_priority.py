@@ -14,7 +14,7 @@ from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError

@@ -5,7 +5,7 @@ from __future__ import annotations
 from scheduler_parts import BS, make_request
 
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request, RequestStatus
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import FinishReason, ModelRunnerOutput, SchedulerOutput

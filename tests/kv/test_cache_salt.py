@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from zllm.config.engine import MAX_CACHE_SALT_CHARS, SchedulerConfig, check_request_options
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.errors import ParamError
 from zllm.kv.block_hash import cache_salt, hash_full_blocks
 from zllm.lora import LoRARequest

@@ -24,8 +24,8 @@ from kv_tiers import (
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.kv.block_hash import group_block_key, hash_full_blocks

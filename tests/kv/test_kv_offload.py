@@ -33,8 +33,8 @@ from scheduler_parts import BS
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
 from zllm.config.kv_layout import tier_directory
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TierIndex
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TierIndex
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.kv.connector import CpuTier, DiskTier, KVPool

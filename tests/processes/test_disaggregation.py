@@ -36,7 +36,7 @@ from servers import free_port, metric, start_server, stop_server, wait_until
 from zllm import LLM, SamplingParams
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_transfer import KVTransferConfig, kv_transfer_config_from
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.executor.kv.transfer import SHM_DIR, KVReceiver, KVSender, RemoteKVBuffer
 from zllm.kv.block_hash import hash_full_blocks

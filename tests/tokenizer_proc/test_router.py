@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.kv.block_hash import cache_salt, hash_full_blocks
 from zllm.lora import LoRARequest
 from zllm.protocol import (

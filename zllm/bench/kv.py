@@ -14,7 +14,7 @@ import argparse
 
 from zllm.config.arg_utils import parse_size
 from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, KV_DTYPE_NAMES
 from zllm.model.arch import arch_of

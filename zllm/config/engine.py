@@ -36,7 +36,7 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class KVOffloadConfig:
-    """KV cache tiers below the pool (core/kv_connector.py, executor/kv/connector.py): a
+    """KV cache tiers below the pool (core/kv/connector.py, executor/kv/connector.py): a
     cached prefix block evicted from the pool is stored to every tier, and a later request
     whose prefix hashes match loads it back instead of recomputing it. Each tier is LRU
     within its byte bound."""

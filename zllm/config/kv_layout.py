@@ -95,7 +95,7 @@ def blocks_on_every_rank(config: EngineConfig) -> list[BlockHash]:
 def check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
     """What KV offload and disaggregation both ask of the engine: blocks named by their
     prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
-    a step of its own: core/kv_prefetch.py; a draft model's KV moves with the target's:
+    a step of its own: core/kv/prefetch.py; a draft model's KV moves with the target's:
     executor/kv/pool.py.)"""
     if not config.cache.enable_prefix_caching:
         raise ValueError(

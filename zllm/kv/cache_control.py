@@ -7,7 +7,7 @@
     offline                                LLM.generate(..., pin_prefix_s=300)
 
 The core keeps the pinned prefix's KV blocks in the pool for `ttl` after the request
-computes them (core/prefix_pins.py `PrefixPins`), within --max-pinned-bytes; a pin asked
+computes them (core/kv/prefix_pins.py `PrefixPins`), within --max-pinned-bytes; a pin asked
 for again extends it. `ttl` is "<number><s|m|h>" (Anthropic's "5m" and "1h" among them),
 5 minutes by default.
 """

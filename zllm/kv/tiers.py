@@ -7,7 +7,7 @@
            by a prefill instance        --kv-transfer-config
            (disaggregation: executor/kv/transfer.py)
 
-The core keeps each tier's index (which block hashes it holds, LRU: core/kv_connector.py),
+The core keeps each tier's index (which block hashes it holds, LRU: core/kv/connector.py),
 the executor holds the bytes (executor/kv/connector.py). A block on disk is one file named
 by its block hash, under a directory named by a fingerprint of everything that decides a
 block's bytes (model file, dtype, block size, layout, quantization), so a directory shared

@@ -2,8 +2,8 @@
 
 import pytest
 
-from zllm.core.block_manager import BlockManager
-from zllm.core.free_blocks import FreeBlockQueue, KVBlock
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.free_blocks import FreeBlockQueue, KVBlock
 from zllm.kv.block_hash import hash_full_blocks
 
 BS = 4

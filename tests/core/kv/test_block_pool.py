@@ -3,7 +3,7 @@ hash index with lazy eviction, the evicted records for the KV tiers, pins and re
 
 import pytest
 
-from zllm.core.block_pool import BlockPool
+from zllm.core.kv.block_pool import BlockPool
 from zllm.kv.block_hash import BlockHash, group_block_key
 
 H0, H1, H2 = BlockHash(b"h0"), BlockHash(b"h1"), BlockHash(b"h2")

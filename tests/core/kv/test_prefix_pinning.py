@@ -14,7 +14,7 @@ from servers import metric, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
@@ -98,8 +98,8 @@ def test_re_pinning_the_same_blocks_keeps_the_expiry_heap_bounded():
     """A shared prefix pinned again by request after request pushes a later time each time;
     the heap's stale entries are rebuilt away (issue 56), and expiry still honours the
     latest time of each block."""
-    from zllm.core.free_blocks import KVBlock
-    from zllm.core.prefix_pins import PrefixPins
+    from zllm.core.kv.free_blocks import KVBlock
+    from zllm.core.kv.prefix_pins import PrefixPins
 
     pins = PrefixPins(max_blocks=8)
     blocks = [KVBlock(i) for i in range(4)]

@@ -17,8 +17,8 @@ from servers import metric, sse_lines, start_server, stop_server, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import KVOffloadConfig
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.kv.block_hash import hash_full_blocks
 from zllm.kv.tiers import TIER_DISK, parse_block_file_name
 

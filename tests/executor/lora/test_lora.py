@@ -28,7 +28,7 @@ from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, writ
 
 from zllm import LLM, LoRARequest, SamplingParams
 from zllm.config.engine import SchedulerConfig
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError

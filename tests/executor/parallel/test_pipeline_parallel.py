@@ -22,7 +22,7 @@ from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
 from zllm.config.engine_args import EngineArgs
 from zllm.config.parallel import stage_layers
-from zllm.core.block_manager import BlockManager
+from zllm.core.kv.block_manager import BlockManager
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.protocol import LogprobsLists, ModelRunnerOutput

@@ -23,8 +23,8 @@ from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
 from zllm.config.kv_layout import tier_directory
 from zllm.config.kv_transfer import KVTransferConfig
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import TieredKVConnector
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import TieredKVConnector
 from zllm.core.request import Request
 from zllm.core.scheduler import Scheduler
 from zllm.executor.parallel.pipeline_stage import PipelineStage, failed_loads, failure_mask

@@ -14,7 +14,7 @@ being computed, and the request starts computing after them. A load that fails (
 corrupt disk block) is recomputed by the executor in that same step; the core forgets that
 tier's copy (`load_failed`). With a sliding-window KV cache group (the hybrid cache, or a
 model whose every layer slides), or pipeline stages, a hit's loads from a tier that can
-fail go out in a step of their own instead (a prefetch: core/kv_prefetch.py).
+fail go out in a step of their own instead (a prefetch: core/kv/prefetch.py).
 
 `TierIndex` is one tier's `KVConnector` core side: `lookup(block_hashes)` answers how many
 leading blocks it holds.
@@ -41,9 +41,9 @@ from typing import Protocol
 
 from zllm.config.engine import KVOffloadConfig
 from zllm.config.kv_transfer import KVTransferConfig, consumer_engine
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_prefetch import Prefetches
-from zllm.core.prefix_lookup import PrefixHit, first_needed_block
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.prefetch import Prefetches
+from zllm.core.kv.prefix_lookup import PrefixHit, first_needed_block
 from zllm.core.request import Request
 from zllm.kv.block_hash import BlockHash, cache_salt, group_block_key
 from zllm.kv.tiers import TIER_CPU, TIER_DISK, TIER_NAMES, TIER_REMOTE
@@ -336,7 +336,7 @@ class SchedulerConnector:
         self.num_wait_timeouts = 0  # a consumer: requests admitted without all blocks
         # A consumer: blocks its executor ranks refused, by KVRejection.
         self.num_rejected_blocks = [0] * len(KVRejection)
-        self.prefetches = Prefetches(block_manager)  # core/kv_prefetch.py
+        self.prefetches = Prefetches(block_manager)  # core/kv/prefetch.py
 
     @property
     def per_block_lookup(self) -> bool:
@@ -374,7 +374,7 @@ class SchedulerConnector:
         if not params.do_remote_prefill or req.num_cached_tokens >= 0:
             return False  # (not marked, or admitted before: a preempted request)
         if req.num_prefetched_tokens is not None:
-            return False  # it loaded what had come (core/kv_prefetch.py)
+            return False  # it loaded what had come (core/kv/prefetch.py)
         if req.remote_kv_deadline == 0.0:
             return False  # waited its time already
         if req.sampling_params.prompt_logprobs is not None or req.sampling_params.embed:
@@ -426,7 +426,7 @@ class SchedulerConnector:
         """With a sliding-window group or pipeline stages (`per_block_lookup`), what
         `BlockManager.find_cached_prefix` asks of the tiers block by block for `req` (None:
         a pool hit, then the tiers' blocks after it: `tier_hit`). A request that prefetched
-        once sees only the cpu tier, so it never prefetches again (core/kv_prefetch.py)."""
+        once sees only the cpu tier, so it never prefetches again (core/kv/prefetch.py)."""
         if self.tiers is None or not self.per_block_lookup:
             return None
         if req.num_prefetched_tokens is not None:
@@ -479,7 +479,7 @@ class SchedulerConnector:
             self.tiers.record_hits(list(tier_of_block.values()), bm.block_size)
         return keys
 
-    # ---- prefetches (a sliding-window group, pipeline stages: core/kv_prefetch.py) -------
+    # ---- prefetches (a sliding-window group, pipeline stages: core/kv/prefetch.py) -------
     def wants_prefetch(self, req: Request, cached: PrefixHit | None) -> bool:
         """Whether waiting `req` loads its hit in a step of its own (not computing)."""
         return self.prefetches.wanted(req, cached)

@@ -12,7 +12,7 @@ A request's block table maps its token positions to blocks::
 Full blocks are identified by a hash chain over their tokens (the parent's hash, then the
 block's token ids), so two requests with the same first k*block_size tokens share the same k
 blocks (automatic prefix caching). The blocks themselves, their reference counts, the free
-queue and the index of cached blocks are the pool's (core/block_pool.py): a block a request
+queue and the index of cached blocks are the pool's (core/kv/block_pool.py): a block a request
 frees stays cached there until it is reused (lazy eviction), so a later request with that
 prefix takes it back. This module keeps what the pool must not know: which request holds
 which blocks.
@@ -34,10 +34,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zllm.core.block_pool import BlockPool
-from zllm.core.free_blocks import KVBlock
-from zllm.core.prefix_lookup import PrefixHit, TierOf, first_needed_block, longest_hit, no_hit
-from zllm.core.prefix_pins import PrefixPins
+from zllm.core.kv.block_pool import BlockPool
+from zllm.core.kv.free_blocks import KVBlock
+from zllm.core.kv.prefix_lookup import PrefixHit, TierOf, first_needed_block, longest_hit, no_hit
+from zllm.core.kv.prefix_pins import PrefixPins
 from zllm.kv.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
 
@@ -83,7 +83,7 @@ class BlockManager:
         self.num_groups = len(self.windows)
         # Some group frees the blocks that leave its window (the hybrid cache, or a model
         # whose every layer slides): a request holding a cached prefix may lack its early
-        # blocks, so the KV tiers' hits are looked up block by block (core/kv_prefetch.py).
+        # blocks, so the KV tiers' hits are looked up block by block (core/kv/prefetch.py).
         self.windowed = any(w is not None for w in self.windows)
         self.pool = BlockPool(
             num_blocks,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zllm.core.free_blocks import KVBlock
+from zllm.core.kv.free_blocks import KVBlock
 from zllm.kv.block_hash import BlockHash, group_block_key
 
 TierOf = Callable[[BlockHash], int | None]  # the tier holding a tier key, None: none

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zllm.core.block_manager import BlockManager
-from zllm.core.kv_connector import SchedulerConnector
-from zllm.core.prefix_lookup import PrefixHit
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.connector import SchedulerConnector
+from zllm.core.kv.prefix_lookup import PrefixHit
 from zllm.core.request import Request
 from zllm.kv.block_hash import BlockHash, cache_salt
 from zllm.protocol import CachedRequestData, NewRequestData

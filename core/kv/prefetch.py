@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zllm.core.block_manager import BlockManager
-from zllm.core.prefix_lookup import PrefixHit
+from zllm.core.kv.block_manager import BlockManager
+from zllm.core.kv.prefix_lookup import PrefixHit
 from zllm.core.request import Request
 from zllm.kv.block_hash import BlockHash
 from zllm.kv.tiers import FALLIBLE_TIERS

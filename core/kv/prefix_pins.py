@@ -11,8 +11,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from zllm.core.block_manager import BlockManager
-    from zllm.core.free_blocks import KVBlock
+    from zllm.core.kv.block_manager import BlockManager
+    from zllm.core.kv.free_blocks import KVBlock
     from zllm.core.request import Request
 
 

@@ -1,5 +1,5 @@
 """The KV block pool: every block of the executor's KV cache, the free queue, reference counts
-and the index of cached full blocks. It knows blocks, never requests: core/block_manager.py
+and the index of cached full blocks. It knows blocks, never requests: core/kv/block_manager.py
 keeps each request's block tables and asks the pool for every block it takes or gives back
 (vLLM's BlockPool beside its KV cache manager). Plain Python, no torch.
 
@@ -15,8 +15,8 @@ reset forgets it), so until then `take` can revive it from the middle of the fre
 
 from __future__ import annotations
 
-from zllm.core.free_blocks import FreeBlockQueue, KVBlock
-from zllm.core.prefix_pins import PrefixPins
+from zllm.core.kv.free_blocks import FreeBlockQueue, KVBlock
+from zllm.core.kv.prefix_pins import PrefixPins
 from zllm.kv.block_hash import BlockHash, group_block_key
 from zllm.protocol import MAX_BLOCK_CELLS
 
