@@ -33,7 +33,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Llama-3-8B's shape (random bf16 weights: the timing depends on shapes, not values).
 LLAMA3_8B = dict(
-    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    architecture="llama", family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
     num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
     rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
 )  # fmt: skip
@@ -41,7 +41,7 @@ LLAMA3_8B = dict(
 
 # SmolLM2-135M's shape, for figures that need no real weights.
 SMOLLM2_SHAPE = dict(
-    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    architecture="llama", family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
     num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
     rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
 )  # fmt: skip

@@ -34,7 +34,7 @@ from gpu_bench import (  # noqa: E402
 from pooling_peers import timed  # noqa: E402
 
 QWEN3_30B_A3B_LAYERS = dict(
-    architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    architecture="qwen3_moe", family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
     num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
     max_position_embeddings=8192, tie_word_embeddings=False, qk_norm=True, num_experts=128,
     num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,

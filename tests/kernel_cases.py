@@ -28,6 +28,7 @@ def moe_arch(
     """One Qwen3-MoE layer's shapes (tests/test_moe.py's blocks, the kernels' cases)."""
     return ModelArchConfig(
         architecture="qwen3_moe",
+        family="qwen3_moe",
         vocab_size=16,
         hidden_size=hidden,
         intermediate_size=4 * inter,

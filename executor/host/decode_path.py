@@ -27,6 +27,8 @@ import torch
 from zllm.executor.graphs import fused_decode
 from zllm.executor.graphs.fused_decode import FusedDecode
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.model.family import Feature
+from zllm.model.registry import family_of
 
 if TYPE_CHECKING:
     from zllm.executor.attention.backend import StepAttentionMetadata
@@ -99,9 +101,10 @@ class DecodePath:
         layout, config = self.layout, self.layout.config
         if layout.device.type != "cpu" or not (fused_decode.enabled() and cpu_kernels.enabled()):
             return None
+        family = family_of(layout.arch)
         skip = (
-            "transformers backend"
-            if config.model_impl == "transformers"
+            family.lacks[Feature.FUSED_CPU_DECODE]
+            if not family.supports(Feature.FUSED_CPU_DECODE)
             else "LoRA"
             if self._weights.lora is not None
             else "deterministic mode"
@@ -164,10 +167,10 @@ class DecodePath:
         config = self.layout.config
         if not config.piecewise_cuda_graphs or config.enforce_eager or not self._graphs_apply():
             return None
-        if self.layout.arch.num_experts:
-            # A captured prefill piece would run its experts through the decode-sized expert
-            # kernel (kernels/cuda_moe.py), slower there than torch's per-expert matmuls.
-            logger.info("Mixture-of-experts layers: decode graphs only, no piecewise graphs")
+        family = family_of(self.layout.arch)
+        if not family.supports(Feature.PIECEWISE_CUDA_GRAPHS):
+            why = family.lacks[Feature.PIECEWISE_CUDA_GRAPHS]
+            logger.info("%s: decode graphs only, no piecewise graphs (%s)", family.title, why)
             return None
         if self.layout.arch.vision:
             # A prefill with images feeds encoder features and (M-RoPE) [3, T] positions that

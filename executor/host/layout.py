@@ -32,6 +32,8 @@ from zllm.executor.parallel.shards import local_arch
 from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.kv.kv_dtypes import row_width
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.family import Feature, Trait
+from zllm.model.registry import family_of
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,14 @@ class RankLayout:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = _DTYPES[config.dtype]
         kv_groups = kv_cache_groups(arch, config.cache.hybrid_kv_cache)
+        family = family_of(arch)
+        # MLA attends by executor/attention/mla.py over the torch backend's metadata; image
+        # tokens that see their whole image (Gemma 3's) do so through masks only that
+        # metadata carries (on CPU the CPU-kernel backend's is the same metadata). Causal
+        # image tokens (Qwen2.5-VL's, LLaVA's) take the CUDA kernels like text.
+        torch_masks = family.has(Trait.MLA) or (
+            arch.vision and family.has(Trait.BIDIRECTIONAL_IMAGES) and device.type != "cpu"
+        )
         return cls(
             config=config,
             tp=tp,
@@ -85,12 +95,8 @@ class RankLayout:
             kv_groups=kv_groups,
             layer_attention=layer_attention(arch, kv_groups, layers),
             kv_slot_of=layer_kv_slots(kv_groups, layers),
-            # MLA attends by executor/attention/mla.py over the torch backend's metadata;
-            # Gemma 3's image tokens see their whole image, through masks only that metadata
-            # carries (on CPU the CPU-kernel backend's is the same metadata). Causal image
-            # tokens (Qwen2.5-VL's, LLaVA's) take the CUDA kernels like text.
             attention=TORCH_ATTENTION
-            if arch.mla is not None or (arch.images_bidirectional and device.type != "cpu")
+            if torch_masks
             else choose_attention_backend(device, dtype, arch.head_dim),
         )
 
@@ -99,9 +105,11 @@ class RankLayout:
         decode path captures them; LoRA then keeps its adapters in slot buffers)."""
         if self.device.type != "cuda" or self.attention.name != "cuda":
             return False  # graphs replay the CUDA backend's kernels
-        if self.config.model_impl == "transformers":
-            return False  # transformers' modeling code runs eagerly
-        if self.arch.num_experts and (self.config.deterministic or not cuda_moe.ENABLED):
+        family = family_of(self.arch)
+        if not family.supports(Feature.CUDA_GRAPHS):
+            logger.info("%s: no CUDA graphs (%s)", family.title, family.lacks[Feature.CUDA_GRAPHS])
+            return False
+        if family.has(Trait.MOE) and (self.config.deterministic or not cuda_moe.ENABLED):
             # The per-expert path (ZLLM_CUDA_MOE=0, and --deterministic's tiles) reads each
             # expert's token count on the host (layers/moe/); the expert kernel
             # (kernels/cuda_moe.py) groups the tokens on the device.

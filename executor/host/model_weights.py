@@ -28,8 +28,7 @@ from zllm.executor.layers.linear.gguf import gpu_layout_
 from zllm.executor.layers.linear.tiled import make_batch_invariant
 from zllm.executor.layers.rope import RotaryEmbedding
 from zllm.executor.lora.manager import LoRAManager
-from zllm.executor.models import get_model_class
-from zllm.executor.models.transformers.backend import TransformersForCausalLM
+from zllm.executor.models import model_class_of
 from zllm.executor.models.transformers.encoder_matmuls import (
     onednn_available,
     pack_encoder_matmuls_,
@@ -39,7 +38,9 @@ from zllm.executor.weights import blocks as weight_blocks
 from zllm.executor.weights import quantization
 from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.executor.weights.placement import move_blocks_, move_weights
+from zllm.model.family import Trait
 from zllm.model.gguf import read_gguf
+from zllm.model.registry import family_of
 from zllm.runtime.heap_trim import trim_heap
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ class ModelWeights:
         layout, config = self.layout, self.layout.config
         self.quantization = self._quantization_method()
         self.model = self._load_model()
-        if isinstance(self.model, TransformersForCausalLM):
+        if self._transformers_code:
             # Its stage was cut at load (models/transformers/pp.py): other stages' layers, ends.
             ends_released = layout.pp.enabled
         else:
@@ -126,8 +127,8 @@ class ModelWeights:
         layout, config, model = self.layout, self.layout.config, self.model
         plain = not (layout.tp.enabled or layout.pp.enabled or config.deterministic)
         if not (
-            isinstance(model, TransformersForCausalLM)
-            and model.arch.encoder
+            self._transformers_code
+            and family_of(config.arch).has(Trait.ENCODER)
             and layout.device.type == "cpu"
             and layout.dtype == torch.float32
             and self.quantization == "none"
@@ -146,7 +147,7 @@ class ModelWeights:
         fp32_cpu = layout.device.type == "cpu" and layout.dtype == torch.float32
         if not fp32_cpu or not cpu_kernels.enabled():
             return
-        if isinstance(self.model, TransformersForCausalLM):
+        if self._transformers_code:
             return
         try:
             swapped = use_dense_rows_(self.model)
@@ -156,19 +157,25 @@ class ModelWeights:
         if swapped:
             logger.info("%d fp32 matmuls take the AVX-512 few-rows kernel at 1-8 rows", swapped)
 
+    @property
+    def _transformers_code(self) -> bool:
+        """Whether transformers' modeling code runs the model (the family's code, or a native
+        family's under --model-impl transformers: zllm/model/impl.py)."""
+        return family_of(self.layout.config.arch).code == "transformers"
+
     def _load_model(self) -> nn.Module:
         """Our model code, or transformers' through the transformers backend (model_impl)."""
         layout, config = self.layout, self.layout.config
         dummy = config.load_format == "dummy"
-        if config.model_impl == "transformers":
+        if self._transformers_code:
             # The whole model's arch: each rank cuts its part of the loaded model (tp, pp).
             where = (layout.dtype, layout.device, layout.attention)
             # (Quantized: transformers' matmuls swapped for ours after loading.)
-            return TransformersForCausalLM.load(
+            return model_class_of(config.arch).load(
                 config.model_path, config.arch, *where, dummy, layout.tp, layout.pp,
                 self.quantization,
             )  # fmt: skip
-        model_cls = get_model_class(layout.arch.architecture)
+        model_cls = model_class_of(layout.arch)
         model = model_cls(
             config.arch, dtype=layout.dtype, attention=layout.attention, tp=layout.tp, pp=layout.pp
         )

@@ -40,8 +40,8 @@ from zllm.executor.layers.stack_parts import LayerParts, StackParts
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import local_arch, logits_weight
 from zllm.executor.weights.checkpoint_copy import copy_checkpoint
-from zllm.executor.weights.loader import FUSED_CHECKPOINTS
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.registry import family_of
 
 
 def make_mlp(
@@ -108,6 +108,8 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
             )
         self.checkpoint_arch = arch
         self.tp = tp
+        # Phi-3's checkpoints store qkv_proj and gate_up_proj fused, in our order.
+        self.fused_checkpoint = family_of(arch).fused_checkpoint
         arch = local_arch(arch, tp)
         self.arch = arch
         self.dtype = dtype
@@ -213,7 +215,7 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
             if isinstance(mlp, MoEBlock):
                 targets |= self._split_targets(prefix, attn, None)
                 targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
-            elif self.arch.architecture in FUSED_CHECKPOINTS:
+            elif self.fused_checkpoint:
                 targets |= self._fused_targets(prefix, attn, mlp)
             else:
                 targets |= self._split_targets(prefix, attn, mlp)

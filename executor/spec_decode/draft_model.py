@@ -27,7 +27,7 @@ import torch
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.attention.backend import choose_attention_backend
-from zllm.executor.models import get_model_class
+from zllm.executor.models import model_class_of
 from zllm.executor.requests.state import RequestState
 from zllm.executor.weights.loader import load_weights
 
@@ -43,7 +43,7 @@ class DraftModelProposer:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.attention = choose_attention_backend(self.device, dtype, arch.head_dim)
-        model = get_model_class(arch.architecture)(arch, dtype=dtype, attention=self.attention)
+        model = model_class_of(arch)(arch, dtype=dtype, attention=self.attention)
         model.load_weights(load_weights(spec.draft_model_path, arch))
         self.model = model.to(self.device).eval()
         shape = (2, num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)

@@ -27,13 +27,13 @@ from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.parallel.groups import SINGLE, TensorParallel
 from zllm.executor.parallel.shards import release_weight, shard_blocks
 from zllm.executor.weights import expert_blocks
-from zllm.executor.weights.loader import FUSED_CHECKPOINTS
 from zllm.executor.weights.quantized.checkpoint import (
     QuantizedCheckpoint,
     read_quantized_checkpoint,
 )
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
+from zllm.model.registry import family_for_gguf, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def gguf_matmuls(gguf: GGUFFile) -> tuple[list[GGUFMatmul], GGUFMatmul | None]:
 
     numbers = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
     layers = sorted((n for n in numbers if n.isdigit()), key=int)
-    fused = gguf.metadata.get("general.architecture") in FUSED_CHECKPOINTS
+    family = family_for_gguf(gguf)
+    fused = family is not None and family.fused_checkpoint
     decoder = [
         matmul([f"blk.{layer}.{key}.weight" for key in keys])
         for layer in layers
@@ -369,7 +370,7 @@ def decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, l
         yield from own_targets()
         return
     # (A pipeline stage holds some of the layers: layer_indices names them.)
-    fused = model.arch.architecture in FUSED_CHECKPOINTS
+    fused = family_of(model.arch).fused_checkpoint
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
         p = f"model.layers.{i}."
         attn, mlp, m = layer.self_attn, layer.mlp, f"{p}mlp."

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -21,92 +21,12 @@ from torch import nn
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.gguf import GGUFFile, read_gguf
 from zllm.model.progress import Progress
+from zllm.model.registry import family_of
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp's per-layer tensor names (blk.{i}.<key>.weight|bias) -> HF module paths.
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    # Mixture of experts (Qwen-MoE, Mixtral): the router, each projection of every expert
-    # stacked in one 3-D tensor [E, out, in] (executor/layers/moe/ cuts it per expert),
-    # Qwen2-MoE's shared expert and its gate.
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-}
-# Gemma 3 has four norms per layer and per-head q/k norms; its ffn_norm is the norm before
-# the MLP (llama's ffn_norm is that same position, named after the attention there).
-_GEMMA3_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# Qwen 3's per-head q/k norms.
-_QWEN3_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-# Phi-3's fused matrices, as its checkpoints store them: attn_qkv holds [q | k | v] and
-# ffn_up holds [gate | up] (no ffn_gate), HF's qkv_proj and gate_up_proj row for row.
-_PHI3_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_qkv": "self_attn.qkv_proj",
-    "ffn_up": "mlp.gate_up_proj",
-}
-# DeepSeek-V2's multi-head latent attention (llama.cpp's deepseek2). Newer converters split
-# kv_b_proj into attn_k_b (W_UK transposed, [heads, kv_lora_rank, nope]) and attn_v_b (W_UV,
-# [heads, v, kv_lora_rank]); _join_kv_b puts them back together as kv_b_proj.
-_DEEPSEEK2_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_q_a": "self_attn.q_a_proj",
-    "attn_q_a_norm": "self_attn.q_a_layernorm",
-    "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
-    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",
-    "attn_k_b": "self_attn.k_b_proj",
-    "attn_v_b": "self_attn.v_b_proj",
-    # Its shared experts: one ungated MLP, under DeepSeek's plural name.
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
-}
-# gpt-oss: its sink logits, and the norm before its experts under the name Gemma's files use
-# after the attention (HF's post_attention_layernorm, as Llama's ffn_norm).
-_GPT_OSS_LAYER_NAMES = {
-    **_GGUF_LAYER_NAMES,
-    "attn_sinks": "self_attn.sinks",
-    "post_attention_norm": "post_attention_layernorm",
-}
-_LAYER_NAMES_BY_ARCH = {
-    "deepseek2": _DEEPSEEK2_LAYER_NAMES,
-    "gemma3": _GEMMA3_LAYER_NAMES,
-    "gpt-oss": _GPT_OSS_LAYER_NAMES,
-    "qwen3": _QWEN3_LAYER_NAMES,
-    "qwen3moe": _QWEN3_LAYER_NAMES,
-    "phi3": _PHI3_LAYER_NAMES,
-}
-# Architectures whose checkpoints store qkv_proj and gate_up_proj fused, in our [q | k | v] and
-# [gate | up] order: their tensors fill the fused matrices whole (a model's targets, and the
-# GGUF blocks that serve them: executor/weights/blocks.py).
-FUSED_CHECKPOINTS = frozenset({"phi3"})
+# Each family's per-layer tensor names (blk.{i}.<key>.weight|bias -> HF module paths) are its
+# own (Family.gguf_tensor_names, zllm/model/families/); the model-wide ones are llama.cpp's.
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -141,8 +61,7 @@ def load_weights(
     total = sum(info.nbytes for info in gguf.tensors.values())
     description = f"Loading {Path(model_path).name}"
     with Progress(description, total=total, unit="B", logger=logger) as progress:
-        weights = _load_gguf(gguf, arch, progress, layers, skip)
-        yield from _join_kv_b(weights) if arch.architecture == "deepseek2" else weights
+        yield from _join_kv_b(_load_gguf(gguf, arch, progress, layers, skip))
 
 
 @torch.no_grad()
@@ -207,10 +126,11 @@ def _wanted(hf_name: str, layers: Container[int] | None) -> bool:
     return layers is None or layer is None or layer in layers
 
 
-def hf_name_from_gguf(name: str, architecture: str = "llama") -> str | None:
+def hf_name_from_gguf(name: str, layer_names: Mapping[str, str]) -> str | None:
+    """A GGUF tensor's Hugging Face name under a family's per-layer names (None: neither a
+    model-wide tensor nor one of the family's layer tensors)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
-    layer_names = _LAYER_NAMES_BY_ARCH.get(architecture, _GGUF_LAYER_NAMES)
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
@@ -224,11 +144,12 @@ def _load_gguf(
     layers: Container[int] | None,
     skip: Container[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    family = family_of(arch)
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
         if name in _GGUF_NON_WEIGHTS:
             continue
-        hf_name = hf_name_from_gguf(name, arch.architecture)
+        hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
         if (
@@ -244,11 +165,11 @@ def _load_gguf(
                 f"{gguf.path}: tensor {name!r} uses {info.ggml_type.name}, which gguf cannot "
                 f"dequantize"
             ) from None
-        # llama.cpp's converter permutes q/k rows for the "llama" architecture only (Mistral
-        # checkpoints included); qwen2, qwen3 and phi3 files keep HF's order.
-        if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+        # llama.cpp's converter permutes q/k rows for some families (Llama's, Mistral
+        # checkpoints included); others keep HF's order.
+        if family.gguf_permuted_qk and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             weight = unpermute_rope_rows(weight, arch.head_dim)
-        if arch.architecture == "gemma3" and hf_name.endswith("norm.weight"):
+        if family.gguf_norms_plus_one and hf_name.endswith("norm.weight"):
             # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies
             # by the weight); ours, like transformers', multiplies by 1 + w.
             weight = weight - 1.0
@@ -268,14 +189,15 @@ def gguf_raw_weights(
     blocks run along a row, so it applies to the bytes unchanged.
     """
     gguf = read_gguf(model_path)
+    family = family_of(arch)
     raw: dict[str, tuple[int, torch.Tensor]] = {}
     for name, info in gguf.tensors.items():
-        hf_name = hf_name_from_gguf(name, arch.architecture)
+        hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         matrix = len(info.shape) == 2 or (len(info.shape) == 3 and ".experts." in (hf_name or ""))
         if hf_name is None or not matrix or not _wanted(hf_name, layers):
             continue
         rows = gguf.tensor_data(name).reshape(-1, info.nbytes // math.prod(info.shape[:-1]))
-        if arch.architecture == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+        if family.gguf_permuted_qk and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             rows = unpermute_rope_rows(rows, arch.head_dim)
         raw[hf_name] = (int(info.ggml_type), torch.from_numpy(np.array(rows, dtype=np.uint8)))
     return raw

@@ -30,6 +30,7 @@ def make_engine(
 ) -> EngineCore:
     arch = ModelArchConfig(
         architecture="llama",
+        family="llama",
         vocab_size=VOCAB,
         hidden_size=8,
         intermediate_size=16,

@@ -139,6 +139,7 @@ def test_hybrid_pool_holds_more_long_sequences():
     """`zllm bench kv-capacity`'s count, on a Gemma-3-like layout (5 sliding : 1 full)."""
     arch = ModelArchConfig(
         architecture="gemma3",
+        family="gemma3",
         vocab_size=10,
         hidden_size=8,
         intermediate_size=8,

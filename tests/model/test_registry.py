@@ -30,7 +30,6 @@ OTHER_NAMESPACES = {
     ("zllm/config/serve.py", "mistral"): "a --tool-call-parser name",
     ("zllm/config/serve.py", "qwen3"): "a --reasoning-parser name",
     ("zllm/text/tool_parsers/__init__.py", "mistral"): "a tool parser's registry name",
-    ("zllm/text/tool_parsers.py", "mistral"): "a tool parser's registry name",
     ("zllm/text/reasoning_parser.py", "qwen3"): "a reasoning parser's registry name",
     ("frontend/tools.py", "mistral"): "the mistral tool parser's call tag",
     ("zllm/text/tokenizer.py", "llama"): "a GGUF tokenizer model (tokenizer.ggml.model)",

@@ -41,6 +41,8 @@ class ModelArchConfig:
 
     # The name the model's files give (config.json's model_type or GGUF general.architecture).
     architecture: str
+    # The registry name of the family whose code runs it (zllm/model/registry.py family_of).
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -120,9 +122,6 @@ class ModelArchConfig:
     # one of a token's (time, row, column) positions (executor/models/vision/mrope.py);
     # text tokens have all three equal. None: one position per token.
     mrope_section: list[int] | None = None
-    # The registry name of the family whose code runs it (zllm/model/registry.py family_of);
-    # "" for a record made by hand (the transformers backend's family answers for it).
-    family: str = ""
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

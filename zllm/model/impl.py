@@ -2,7 +2,7 @@
 
     --model-impl zllm          our model code (executor/models/), for the families that have it
     --model-impl transformers  transformers' modeling code with our paged attention plugged in
-                               (executor/models/transformers_backend.py)
+                               (executor/models/transformers/backend.py)
     --model-impl auto          ours when the model's family has it, else transformers'
 
 The model's files are opened once here (config.json, or a GGUF file's header) and their family

@@ -54,9 +54,8 @@ def family_named(name: str) -> Family:
 
 
 def family_of(arch: ModelArchConfig) -> Family:
-    """The family whose reader made `arch` (the transformers backend's for a record made by
-    hand without one)."""
-    return family_named(arch.family or TRANSFORMERS.name)
+    """The family whose code runs `arch` (its reader set it)."""
+    return family_named(arch.family)
 
 
 def family_for_config(cfg: dict) -> Family | None:

@@ -45,6 +45,7 @@ from zllm.executor.models.transformers.tp import cut_by_plan, usable_plan
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import local_arch
 from zllm.model.arch_config import ModelArchConfig
+from zllm.model.families import bert
 from zllm.model.family import Trait
 from zllm.model.registry import family_for_config
 
@@ -279,7 +280,7 @@ def _sep_token_id(directory: str, config: Any) -> int | None:
 
     from tokenizers import Tokenizer
 
-    if config.model_type != "bert" or getattr(config, "type_vocab_size", 1) < 2:
+    if not bert.has_segments(config.model_type, getattr(config, "type_vocab_size", 1)):
         return None
     folder = Path(directory)
     config = folder / "tokenizer_config.json"
@@ -328,9 +329,9 @@ class TransformersForCausalLM(nn.Module):
         self.logits_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
         self.logits_multiplier = float(getattr(config, "logit_scale", None) or 1.0)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # RoBERTa's and XLM-R's learned positions start past the padding index.
-        roberta = config.model_type in ("roberta", "xlm-roberta")
-        self.position_offset = (config.pad_token_id or 0) + 1 if roberta else 0
+        self.position_offset = bert.position_offset(
+            config.model_type, getattr(config, "pad_token_id", None)
+        )
         # An encoder with segment embeddings (BERT's): a pair's second text, after the first
         # [SEP], is segment 1 (set by load from the tokenizer; None: one segment).
         self.sep_token_id: int | None = None

@@ -14,6 +14,7 @@ encoded again.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -98,22 +99,15 @@ def image_encoder(
     model: torch.nn.Module,
     device: torch.device | str = "cpu",
 ) -> ImageEncoder:
-    """The checkpoint's encoder, by its config.json's model_type, loaded (zllm's own, onto
-    `device`), or the one inside `model` (the language model, loaded) where transformers'
-    code runs it."""
-    if family_for_config(config).code == "transformers":  # its tower is transformers'
-        from zllm.executor.models.vision.transformers_images import TransformersImages
-
-        return TransformersImages(model.hf, model_path)
-    if config.get("model_type") == "qwen2_5_vl":
-        from zllm.executor.models.vision.qwen2_5_vl import Qwen25VLImages
-
-        return Qwen25VLImages(model_path, config, dtype, device)
-    if config.get("model_type") == "gemma3":
-        from zllm.executor.models.vision.gemma3 import Gemma3Images
-
-        return Gemma3Images(model_path, config, dtype, device)
-    raise ValueError(f"{model_path}: no image encoder for model_type {config.get('model_type')!r}")
+    """The checkpoint's encoder, as its family names it (ImageRules.encoder), loaded: zllm's
+    own onto `device`, or the one inside `model` (the language model, loaded) where
+    transformers' code runs it."""
+    family = family_for_config(config)
+    if family is None or family.images is None:
+        raise ValueError(f"{model_path}: no image encoder for model_type {config.get('model_type')!r}")  # fmt: skip
+    module, _, name = family.images.encoder.partition(":")
+    encoder_class = getattr(importlib.import_module(module), name)
+    return encoder_class.load(model_path, config, dtype, model, device)
 
 
 class ImageFeatures:

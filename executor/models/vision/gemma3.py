@@ -100,6 +100,18 @@ class Gemma3Images:
         self.encoder.to(device).eval()
         self.processor = image_processor(model_path)
 
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        config: dict,
+        dtype: torch.dtype,
+        language_model: nn.Module,
+        device: torch.device | str = "cpu",
+    ) -> Gemma3Images:
+        """The family's encoder (ImageRules.encoder), loaded: its own weights onto `device`."""
+        return cls(model_path, config, dtype, device)
+
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pixels = pixel_values(self.model_path, images, self.processor)
         weight = self.encoder.projection

@@ -350,6 +350,18 @@ class Qwen25VLImages:
         self.encoder.to(device).eval()
         self.processor = image_processor(model_path)
 
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        config: dict,
+        dtype: torch.dtype,
+        language_model: nn.Module,
+        device: torch.device | str = "cpu",
+    ) -> Qwen25VLImages:
+        """The family's encoder (ImageRules.encoder), loaded: its own weights onto `device`."""
+        return cls(model_path, config, dtype, device)
+
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pixels, grid_thw = pixel_values(images, self.processor)
         tokens = self.encoder(pixels.to(self.encoder.dtype), grid_thw)

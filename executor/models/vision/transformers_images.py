@@ -28,6 +28,18 @@ class TransformersImages:
         weight = hf_model.get_input_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
 
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        config: dict,
+        dtype: torch.dtype,
+        language_model: nn.Module,
+        device: torch.device | str = "cpu",
+    ) -> TransformersImages:
+        """The family's encoder (ImageRules.encoder), loaded: the one inside the loaded language model (transformers' vision tower)."""
+        return cls(language_model.hf, model_path)
+
     def encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pixels = self.processor(images=decoded_images(images), return_tensors="pt")["pixel_values"]
         out = self.model.get_image_features(

@@ -439,7 +439,7 @@ def test_model_layers_come_from_the_backend(backend):
     from zllm.model.arch_config import ModelArchConfig
 
     arch = ModelArchConfig(
-        architecture="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+        architecture="llama", family="llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=64, tie_word_embeddings=True,
     )  # fmt: skip

@@ -195,7 +195,9 @@ def test_old_phi3_rope_spellings_and_partial_rotary_elsewhere(tmp_path: Path) ->
     }
     llama = tiny_hf_config("llama").to_dict() | {"partial_rotary_factor": 0.5}
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 is supported for phi3"):
+    with pytest.raises(
+        ValueError, match="partial_rotary_factor=0.5: transformers rotates whole heads"
+    ):
         read_arch_config(str(tmp_path))
 
 

@@ -12,6 +12,7 @@ from tiny_models import tiny_hf_config, tiny_hf_model
 
 from zllm.executor.weights.loader import hf_name_from_gguf, load_weights, unpermute_rope_rows
 from zllm.model.arch import read_arch_config
+from zllm.model.registry import family_named
 
 
 @pytest.mark.slow
@@ -36,14 +37,23 @@ def test_unpermute_inverts_llama_cpp_permute(shape: tuple[int, ...]) -> None:
 
 
 def test_gguf_names() -> None:
-    assert hf_name_from_gguf("token_embd.weight") == "model.embed_tokens.weight"
-    assert hf_name_from_gguf("output.weight") == "lm_head.weight"
-    assert hf_name_from_gguf("blk.7.attn_q.bias") == "model.layers.7.self_attn.q_proj.bias"
+    """Model-wide names are llama.cpp's; a layer's are its family's (Gemma 3's ffn_norm is
+    the norm before the MLP, Llama's the one after the attention)."""
+    llama = family_named("llama").gguf_tensor_names
+    gemma3 = family_named("gemma3").gguf_tensor_names
+    assert hf_name_from_gguf("token_embd.weight", llama) == "model.embed_tokens.weight"
+    assert hf_name_from_gguf("output.weight", llama) == "lm_head.weight"
+    assert hf_name_from_gguf("blk.7.attn_q.bias", llama) == "model.layers.7.self_attn.q_proj.bias"
     assert (
-        hf_name_from_gguf("blk.0.ffn_norm.weight")
+        hf_name_from_gguf("blk.0.ffn_norm.weight", llama)
         == "model.layers.0.post_attention_layernorm.weight"
     )
-    assert hf_name_from_gguf("rope_freqs.weight") is None
+    assert (
+        hf_name_from_gguf("blk.0.ffn_norm.weight", gemma3)
+        == "model.layers.0.pre_feedforward_layernorm.weight"
+    )
+    assert hf_name_from_gguf("blk.0.attn_q_norm.weight", llama) is None
+    assert hf_name_from_gguf("rope_freqs.weight", llama) is None
 
 
 def test_corrupt_gguf_raises_value_error(tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ FAMILY = Family(
     title="LLaVA",
     model_types=("llava",),
     read_hf=read_hf,
-    model_class="zllm.executor.models.transformers_backend:TransformersForCausalLM",
+    model_class="zllm.executor.models.transformers.backend:TransformersForCausalLM",
     code="transformers",
     traits=frozenset({Trait.VISION}),
     # Its vision tower and projector are transformers' modules, outside the language model

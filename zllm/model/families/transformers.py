@@ -1,5 +1,5 @@
 """Any other architecture, on transformers' modeling code with zllm's paged attention plugged
-in (executor/models/transformers_backend.py): the registry's answer to a config.json model_type
+in (executor/models/transformers/backend.py): the registry's answer to a config.json model_type
 or a GGUF architecture no family claims, under --model-impl transformers or auto. Its reader
 takes the KV cache layout under the names the common families use (zllm/model/
 transformers_config.py) and refuses what the backend cannot serve, by its config."""
@@ -40,7 +40,7 @@ FAMILY = Family(
     title="transformers backend",
     read_hf=read_hf,
     read_gguf=read_gguf,
-    model_class="zllm.executor.models.transformers_backend:TransformersForCausalLM",
+    model_class="zllm.executor.models.transformers.backend:TransformersForCausalLM",
     code="transformers",
     lacks={
         **transformers_config.TRANSFORMERS_LACKS,

@@ -121,7 +121,7 @@ def test_the_prompt_expands_as_llava_processor_does(model_dir) -> None:
 
 
 def test_what_the_backend_cannot_run_with_images_is_refused(model_dir) -> None:
-    with pytest.raises(ValueError, match="tensor-parallel-size: transformers' plan cuts"):
+    with pytest.raises(ValueError, match="tensor-parallel-size 2: transformers' plan cuts"):
         LLM(model_dir, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="pipeline-parallel-size: the image features join"):
         LLM(model_dir, pipeline_parallel_size=2)
