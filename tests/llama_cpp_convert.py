@@ -20,10 +20,12 @@ the converter's.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
 import os
+import select
 import subprocess
 import sys
 import tarfile
@@ -100,78 +102,105 @@ SPM_VOCAB_CLASSES = {
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2Model"),  # (a DeepSeek tokenizer's hash only)
     "GptOssForCausalLM": ("gpt_oss", "GptOssModel"),  # (reads o200k's BPE only)
 }
-_SPM_LAUNCHER = """
-import importlib, runpy, sys
-root, module, cls = sys.argv[1:4]
-sys.path.insert(0, root)
-converter = getattr(importlib.import_module(f"conversion.{module}"), cls)
-converter.set_vocab = lambda self: self._set_vocab_sentencepiece()
-sys.argv = [f"{root}/convert_hf_to_gguf.py", *sys.argv[4:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 def convert_hf_to_gguf(model_dir: Path, outfile: Path, outtype: str) -> Path:
-    """`python convert_hf_to_gguf.py MODEL_DIR --outfile F --outtype T`, as a user runs it."""
-    if outtype not in OUTTYPES:
-        raise ValueError(f"outtype {outtype!r} is not one of {OUTTYPES}")
-    root = converter_dir()
-    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(root / "convert_hf_to_gguf.py"), str(model_dir)]
-    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures")
-    patched = SPM_VOCAB_CLASSES.get((architectures or [""])[0])
-    if patched is not None:
-        cmd = [sys.executable, "-c", _SPM_LAUNCHER, str(root), *patched, str(model_dir)]
-    cmd += ["--outfile", str(outfile), "--outtype", outtype]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0 or not outfile.is_file():
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
-    return outfile
-
-
-# Many conversions in one process: the script run once a model (runpy, as `python
-# convert_hf_to_gguf.py` runs it), each SPM_VOCAB_CLASSES patch undone after its model; the
-# imports (torch, the converter's classes) paid once instead of once a file.
-_BATCH_LAUNCHER = """
-import importlib, json, runpy, sys
-root, patches, jobs = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-sys.path.insert(0, root)
-script = f"{root}/convert_hf_to_gguf.py"
-for (model_dir, outfile, outtype), patch in zip(jobs, patches):
-    converter = original = None
-    if patch is not None:
-        converter = getattr(importlib.import_module(f"conversion.{patch[0]}"), patch[1])
-        original = converter.__dict__.get("set_vocab")
-        converter.set_vocab = lambda self: self._set_vocab_sentencepiece()
-    sys.argv = [script, model_dir, "--outfile", outfile, "--outtype", outtype]
-    runpy.run_path(script, run_name="__main__")
-    if converter is not None:
-        if original is None:
-            del converter.set_vocab
-        else:
-            converter.set_vocab = original
-"""
+    """`python convert_hf_to_gguf.py MODEL_DIR --outfile F --outtype T`, as a user runs it
+    (in this test process's converter process: see _Converter)."""
+    return convert_many([(model_dir, outfile, outtype)])[0]
 
 
 def convert_many(jobs: list[tuple[Path, Path, str]]) -> list[Path]:
-    """convert_hf_to_gguf for each (model_dir, outfile, outtype), in one converter process."""
+    """convert_hf_to_gguf for each (model_dir, outfile, outtype)."""
+    global _converter
     for _, _, outtype in jobs:
         if outtype not in OUTTYPES:
             raise ValueError(f"outtype {outtype!r} is not one of {OUTTYPES}")
-    root = converter_dir()
-    env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "OMP_NUM_THREADS": "1"}
-    patches = []
-    for model_dir, _, _ in jobs:
+    for model_dir, outfile, outtype in jobs:
         architectures = json.loads((model_dir / "config.json").read_text()).get("architectures")
-        patches.append(SPM_VOCAB_CLASSES.get((architectures or [""])[0]))
-    triples = [(str(d), str(f), t) for d, f, t in jobs]
-    cmd = [sys.executable, "-c", _BATCH_LAUNCHER, str(root), json.dumps(patches)]
-    cmd.append(json.dumps(triples))
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    missing = [str(f) for _, f, _ in jobs if not f.is_file()]
-    if result.returncode != 0 or missing:
-        raise RuntimeError(f"converting {missing} failed:\n{result.stderr[-4000:]}")
+        patch = SPM_VOCAB_CLASSES.get((architectures or [""])[0])
+        if _converter is None or _converter.proc.poll() is not None:
+            _converter = _Converter()
+        _converter.convert(model_dir, outfile, outtype, patch)
     return [f for _, f, _ in jobs]
+
+
+# The converter's imports (torch, transformers, its classes) cost seconds of CPU, once a
+# process: a test process's conversions all run in one converter process, which runs the script
+# once a model (runpy, as `python convert_hf_to_gguf.py` runs it), each SPM_VOCAB_CLASSES patch
+# undone after its model. Jobs come as JSON lines on its stdin; each one's result (null, or
+# the traceback) goes back as a JSON line on the stdout it started with, while everything the
+# script prints goes to its stderr, a log file.
+_SERVE_JOBS = """
+import importlib, json, os, runpy, sys, traceback
+root = sys.argv[1]
+sys.path.insert(0, root)
+script = f"{root}/convert_hf_to_gguf.py"
+results = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+for line in sys.stdin:
+    model_dir, outfile, outtype, patch = json.loads(line)
+    converter = original = None
+    error = None
+    try:
+        if patch is not None:
+            converter = getattr(importlib.import_module(f"conversion.{patch[0]}"), patch[1])
+            original = converter.__dict__.get("set_vocab")
+            converter.set_vocab = lambda self: self._set_vocab_sentencepiece()
+        sys.argv = [script, model_dir, "--outfile", outfile, "--outtype", outtype]
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        error = None if e.code in (None, 0) else f"exit status {e.code}"
+    except BaseException:
+        error = traceback.format_exc()
+    finally:
+        if converter is not None:
+            if original is None:
+                del converter.set_vocab
+            else:
+                converter.set_vocab = original
+    results.write(json.dumps(error) + "\\n")
+"""
+CONVERT_TIMEOUT_S = 300
+
+
+class _Converter:
+    def __init__(self) -> None:
+        root = converter_dir()
+        env = {**os.environ, "PYTHONPATH": str(root / "gguf-py"), "OMP_NUM_THREADS": "1"}
+        self.log = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-c", _SERVE_JOBS, str(root)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
+        )
+        atexit.register(self.close)
+
+    def convert(self, model_dir: Path, outfile: Path, outtype: str, patch) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        job = [str(model_dir), str(outfile), outtype, patch]
+        self.proc.stdin.write(json.dumps(job).encode() + b"\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], CONVERT_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:  # it died, or took too long
+            self.close()
+            what = "timed out" if not ready else f"exited with {self.proc.returncode}"
+            raise RuntimeError(f"converting {model_dir} {what}:\n{self.log_tail()}")
+        error = json.loads(line)
+        if error is not None or not outfile.is_file():
+            raise RuntimeError(f"converting {model_dir} failed:\n{error}\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_converter: _Converter | None = None
 
 
 def write_spm_tokenizer(directory: Path) -> None:
