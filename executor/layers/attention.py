@@ -77,5 +77,8 @@ class SelfAttention(nn.Module):
         if not written:
             qk = rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, kv_cache, meta, kv_written=written, sinks=self.sinks)
+        if self.sinks is None:  # (what a piecewise graph's attention site takes, too)
+            out = self.attn(q, k, v, kv_cache, meta, kv_written=written)
+        else:
+            out = self.attn(q, k, v, kv_cache, meta, kv_written=written, sinks=self.sinks)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
