@@ -15,7 +15,23 @@ them, the config before the media rules it limits and the runtime that starts pr
 from it, and the public face
 (`LLM` with its pooling methods, `AsyncLLM`, the CLI) on top. An import inside a function counts like one at the top
 of a module (as does one under TYPE_CHECKING): it is still a dependency, so hiding one there
-does not break a cycle."""
+does not break a cycle.
+
+`executor/`'s rooms (each folder, and each module at its top) are layers too, bottom to top:
+
+    kernels, host_to_device, step_timing -> parallel, kv, requests -> attention -> layers
+           -> lora, weights -> models -> spec_decode, graphs -> host -> step_inputs
+           -> sample, pooling -> launched_step -> model_runner -> async_steps -> ranks
+           -> offline, main
+
+The kernels, the tensor/pipeline-parallel primitives, the KV pool's blocks and a request's
+state know no model; attention reads the pool's stored form; the layers (norms, matmuls, RoPE,
+MoE, the attention module, the decoder skeleton) sit below every model and import none; the
+weights' planning fills layers and serves the models; the model host puts models, weights,
+KV cache and decode paths together; a step's inputs, its sampling, the runner and the
+asynchronous executor come after it, the rank processes and the process entry points on top.
+No model module imports another (models/__init__.py, the table of model classes, imports
+them all); nothing in kernels/ or layers/ imports a model."""
 
 from __future__ import annotations
 
@@ -133,23 +149,27 @@ def _imported_names(node: ast.AST, package: list[str]) -> Iterator[str]:
         yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
-def room_imports() -> dict[str, dict[str, str]]:
+def room_imports(
+    folder: Path = ROOT / "zllm", package: str = "zllm", rooms: set[str] = SHARED
+) -> dict[str, dict[str, str]]:
     """room -> {a room it imports: where it first does (path:line)}, over every import in
-    the room's files, inside functions included."""
-    graph: dict[str, dict[str, str]] = {room: {} for room in SHARED}
-    for path in sorted((ROOT / "zllm").rglob("*.py")):
-        parts = path.relative_to(ROOT / "zllm").parts
+    the room's files, inside functions included. A room is a top-level module or a folder of
+    `folder`, which installs as `package`."""
+    graph: dict[str, dict[str, str]] = {room: {} for room in rooms}
+    prefix = package.split(".")
+    depth = len(prefix)
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).parts
         if parts == ("__init__.py",):  # the package's face, no room
             continue
         room = parts[0] if len(parts) > 1 else path.stem
-        package = ["zllm", *parts[:-1]]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for name in _imported_names(node, package):
+            for name in _imported_names(node, [*prefix, *parts[:-1]]):
                 target = name.split(".")
-                if target[0] == "zllm" and len(target) > 1 and target[1] in SHARED:
-                    if target[1] != room:
+                if target[:depth] == prefix and len(target) > depth and target[depth] in rooms:
+                    if target[depth] != room:
                         where = f"{path.relative_to(ROOT)}:{node.lineno}"
-                        graph[room].setdefault(target[1], where)
+                        graph[room].setdefault(target[depth], where)
     return graph
 
 
@@ -206,5 +226,93 @@ def test_a_room_of_zllm_imports_only_layers_below_it():
         for room, targets in sorted(room_imports().items())
         for target, where in sorted(targets.items())
         if layer[target] >= layer[room]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+# ---- executor/'s rooms -------------------------------------------------------------------------
+EXECUTOR = ROOT / "executor"
+EXECUTOR_TOP = {p.stem for p in EXECUTOR.glob("*.py")} - {"__init__"}
+EXECUTOR_ROOMS = {p.parent.name for p in EXECUTOR.glob("*/__init__.py")}
+# Bottom to top (the module's docstring): a room imports only rooms in layers below its own.
+EXECUTOR_LAYERS = (
+    {"kernels", "host_to_device", "step_timing"},
+    {"parallel", "kv", "requests"},
+    {"attention"},
+    {"layers"},
+    {"lora", "weights"},
+    {"models"},
+    {"spec_decode", "graphs"},
+    {"host"},
+    {"step_inputs"},
+    {"sample", "pooling"},
+    {"launched_step"},
+    {"model_runner"},
+    {"async_steps"},
+    {"ranks"},
+    {"offline", "main"},
+)
+
+
+def executor_room_imports() -> dict[str, dict[str, str]]:
+    return room_imports(EXECUTOR, "zllm.executor", EXECUTOR_TOP | EXECUTOR_ROOMS)
+
+
+def test_the_rooms_of_the_executor_import_no_cycle():
+    graph = executor_room_imports()
+    cycle = find_cycle(graph)
+    if cycle is not None:
+        steps = [f"{a} -> {b} ({graph[a][b]})" for a, b in zip(cycle, cycle[1:], strict=False)]
+        pytest.fail("executor/'s rooms import each other in a cycle:\n" + "\n".join(steps))
+
+
+def test_a_room_of_the_executor_imports_only_layers_below_it():
+    """The order in the module's docstring, kept: a new room takes its place in
+    EXECUTOR_LAYERS (a module at executor/'s top is a room of its own)."""
+    layer = {room: i for i, rooms in enumerate(EXECUTOR_LAYERS) for room in rooms}
+    rooms = EXECUTOR_TOP | EXECUTOR_ROOMS
+    assert set(layer) == rooms, f"rooms without a layer: {sorted(rooms - set(layer))}"
+    bad = [
+        f"{room} (layer {layer[room]}) imports {target} (layer {layer[target]}) at {where}"
+        for room, targets in sorted(executor_room_imports().items())
+        for target, where in sorted(targets.items())
+        if layer[target] >= layer[room]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def _imports_of(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line, the module path as parts) of every import in `path`, functions' included."""
+    package = ["zllm", *path.parent.relative_to(ROOT).parts]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for name in _imported_names(node, package):
+            yield node.lineno, name.split(".")
+
+
+def test_no_model_module_imports_another():
+    """A model is one module of executor/models/ (llama.py, gemma3.py, ...) or one folder of
+    them (transformers/, vision/); what models share lives in layers/. Only models/__init__.py,
+    the table of model classes, imports them all (and no model imports that table)."""
+    models = EXECUTOR / "models"
+    bad = []
+    for path in sorted(models.rglob("*.py")):
+        if path == models / "__init__.py":
+            continue
+        own = path.relative_to(models).parts[0].removesuffix(".py")
+        for line, target in _imports_of(path):
+            if target[:3] != ["zllm", "executor", "models"]:
+                continue
+            if len(target) == 3 or target[3] != own:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {'.'.join(target)}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("room", ["kernels", "layers"])
+def test_kernels_and_layers_import_no_model(room):
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {'.'.join(target)}"
+        for path in sorted((EXECUTOR / room).rglob("*.py"))
+        for line, target in _imports_of(path)
+        if target[:3] == ["zllm", "executor", "models"]
     ]
     assert not bad, "\n".join(bad)
