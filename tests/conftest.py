@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from pathlib import Path
 
 import pytest
 import servers
@@ -41,6 +42,23 @@ def engine_pool(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def tools_model(tmp_path_factory) -> Path:
+    """The tiny model with a tools template (tests/tool_calls.py), one directory per test
+    process: the tool tests' apps over it share its engine (tests/engine_pool.py)."""
+    from tool_calls import write_tools_model
+
+    return write_tools_model(tmp_path_factory.mktemp("tiny-tools"))
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory) -> Path:
+    """The tiny model whose template opens a think block (tests/tool_calls.py)."""
+    from tool_calls import write_think_model
+
+    return write_think_model(tmp_path_factory.mktemp("tiny-think"))
 
 
 @pytest.fixture(scope="session")

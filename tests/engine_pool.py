@@ -112,6 +112,7 @@ class _Engine:
     llm: object  # zllm.AsyncLLM
     tokenizer: object
     log: Path
+    apps: int = 0  # served now (an engine serving an app is never stopped for another)
 
     def alive(self) -> bool:
         supervisor = self.llm._supervisor
@@ -128,7 +129,9 @@ class EnginePool:
         self._thread = threading.Thread(target=self._loop.run_forever, name="engine-pool")
         self._thread.daemon = True
         self._thread.start()
-        self.starts = 0  # engines started (the pool's tests read it)
+        self.starts = 0  # engines started
+        # Every engine's asyncio tasks (its client's receiver), which an app leaves running.
+        self._engine_tasks: set[asyncio.Task] = set()
 
     def _run(self, coro, timeout: float = START_TIMEOUT_S):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -159,14 +162,16 @@ class EnginePool:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         url = f"http://127.0.0.1:{port}"
         engine_log_start = engine.log.stat().st_size
+        engine.apps += 1
         with _logging_to(log):
-            uvicorn_server, task = self._run(_start_app(engine, app_config))
+            uvicorn_server, task = self._run(_start_app(engine, app_config, self._engine_tasks))
             try:
                 supervisor = engine.llm._supervisor
                 yield AppServer(
                     url, port, app_config, log, engine.log, engine_log_start, supervisor, headers
                 )
             finally:
+                engine.apps -= 1
                 self._run(_stop_app(uvicorn_server, task), timeout=60)
                 if not shared:
                     self._shutdown(engine)
@@ -174,12 +179,19 @@ class EnginePool:
     def _engine_for(self, config) -> _Engine:
         key = engine_key(config)
         engine = self._engines.pop(key, None)
-        if engine is not None and not (engine.alive() and self._run(_made_fresh(engine), 60)):
-            self._shutdown(engine)
-            engine = None
+        if engine is not None:
+            try:  # (made fresh only when idle: an app it serves now keeps what it has done)
+                fresh = engine.apps or self._run(_made_fresh(engine), 60)
+            except BaseException:
+                self._shutdown(engine)
+                raise
+            if not (engine.alive() and fresh):
+                self._shutdown(engine)
+                engine = None
         if engine is None:
-            while len(self._engines) >= self.keep:
-                self._shutdown(self._engines.popitem(last=False)[1])
+            idle = [k for k, e in self._engines.items() if e.apps == 0]  # least recent first
+            for old in idle[: max(0, len(self._engines) - self.keep + 1)]:
+                self._shutdown(self._engines.pop(old))
             engine = self._start_engine(config, key)
         self._engines[key] = engine  # (the most recently used last)
         return engine
@@ -192,12 +204,14 @@ class EnginePool:
         # The engine's processes write their log lines to this file, as `zllm serve`'s to
         # its log: they inherit stdout and stderr when they start.
         with open(log, "ab") as out, _stdout_and_stderr_to(out.fileno()):
-            llm = self._run(_start_llm(config))
+            llm, tasks = self._run(_start_llm(config))
+        self._engine_tasks |= tasks
         tokenizer = load_tokenizer(config.engine.tokenizer_path, config.chat_template)
         return _Engine(key, config, llm, tokenizer, log)
 
     def _shutdown(self, engine: _Engine) -> None:
         self._run(engine.llm.shutdown(), timeout=90)
+        self._engine_tasks -= {t for t in self._engine_tasks if t.done()}  # (in place)
 
     def close(self) -> None:
         while self._engines:
@@ -227,13 +241,16 @@ def _remove_run_dir(config) -> None:
 
 
 async def _start_llm(config):
+    """The engine (AsyncLLM), and the asyncio tasks it made."""
     from zllm.async_llm import AsyncLLM
 
     # One torch thread per engine process, as start_server gives its servers.
     previous = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
+    before = asyncio.all_tasks()
     try:
-        return await AsyncLLM.start_with(config)
+        llm = await AsyncLLM.start_with(config)
+        return llm, asyncio.all_tasks() - before
     finally:
         if previous is None:
             os.environ.pop("OMP_NUM_THREADS")
@@ -253,7 +270,7 @@ async def _made_fresh(engine: _Engine) -> bool:
     return True
 
 
-async def _start_app(engine: _Engine, config):
+async def _start_app(engine: _Engine, config, engine_tasks: set[asyncio.Task]):
     import uvicorn
 
     from zllm.frontend.app import build_app
@@ -269,7 +286,9 @@ async def _start_app(engine: _Engine, config):
         timeout_keep_alive=config.timeout_keep_alive,
     )
     server = uvicorn.Server(uv_config)
-    server.engine_tasks = asyncio.all_tasks()  # (what _stop_app leaves running)
+    # What _stop_app leaves running: what ran before, and every engine's (the pool's set: an
+    # engine started while the app is served included).
+    server.tasks_before, server.engine_tasks = asyncio.all_tasks(), engine_tasks
     task = asyncio.get_running_loop().create_task(server.serve())
     while not server.started:
         if task.done():
@@ -283,9 +302,9 @@ async def _stop_app(server, task) -> None:
     server.should_exit = True
     await task
     # The app's own tasks (the dashboard's timeline samples "for the life of the process"):
-    # a frontend process ends with them; here they end with the app. The engine's were
-    # running before it started.
-    own = asyncio.all_tasks() - server.engine_tasks - {asyncio.current_task()}
+    # a frontend process ends with them; here they end with the app.
+    own = asyncio.all_tasks() - server.tasks_before - server.engine_tasks
+    own.discard(asyncio.current_task())
     for app_task in own:
         app_task.cancel()
     await asyncio.gather(*own, return_exceptions=True)

@@ -1,13 +1,13 @@
 """Tool calling's fixtures, for the tests of tools through the chat, responses and schema
 routes: two function tools (get_weather, get_time), a Qwen 2.5-style tools template with its
-<tool_call> tokens, and a tiny model served with a think block and the deepseek_r1 reasoning
-parser."""
+<tool_call> tokens and a tiny model with it, and a tiny model served with a think block and
+the deepseek_r1 reasoning parser."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from servers import Server, start_server
+from engine_pool import EnginePool
 from tiny_models import write_tiny_model
 
 WEATHER = {
@@ -63,18 +63,27 @@ THINK_TEMPLATE = (
 CALL_TOKENS = ["<tool_call>", "</tool_call>"]
 
 
-def start_think_server(tmp_path: Path) -> tuple[Path, Server]:
-    """A tiny model whose template opens a think block, served with the deepseek_r1 reasoning
-    parser as "tiny": (its directory, the server)."""
-    model = write_tiny_model(
-        tmp_path / "think", chat_template=THINK_TEMPLATE, extra_tokens=["<think>", "</think>"]
+def write_think_model(path: Path) -> Path:
+    """A tiny model whose template opens a think block (conftest's `think_model`)."""
+    return write_tiny_model(
+        path, chat_template=THINK_TEMPLATE, extra_tokens=["<think>", "</think>"]
     )
-    server = start_server(
-        str(model),
-        tmp_path / "server.log",
-        "--reasoning-parser",
-        "deepseek_r1",
-        "--served-model-name",
-        "tiny",
+
+
+def write_tools_model(path: Path) -> Path:
+    """A tiny model with the Qwen 2.5-style tools template and its <tool_call> tokens
+    (conftest's `tools_model`)."""
+    return write_tiny_model(
+        path,
+        chat_template=TOOLS_TEMPLATE,
+        extra_tokens=CALL_TOKENS,
+        max_position_embeddings=2048,  # the tools' JSON in byte-level tokens is long
     )
-    return model, server
+
+
+def serve_think(engine_pool: EnginePool, model: Path, log: Path):
+    """The think model served with the deepseek_r1 reasoning parser as "tiny", for a `with`
+    block (EnginePool.serve)."""
+    return engine_pool.serve(
+        str(model), log, "--reasoning-parser", "deepseek_r1", "--served-model-name", "tiny"
+    )

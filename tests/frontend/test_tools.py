@@ -20,15 +20,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
-from tool_calls import (
-    CALL_TOKENS,
-    TIME,
-    TOOLS,
-    TOOLS_TEMPLATE,
-    start_think_server,
-)
+from tool_calls import CALL_TOKENS, TIME, TOOLS, TOOLS_TEMPLATE, serve_think
 
 from zllm.executor.requests.structured_output import GrammarCompiler, allocate_bitmask
 from zllm.frontend.tools import _auto_call_grammar
@@ -74,13 +67,12 @@ def check_call(name: str, arguments: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_path, tmp_path_factory):
+def smollm2_server(smollm2_path, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("tools") / "server.log"
-    server = start_server(
+    with engine_pool.serve(
         smollm2_path, log, "--kv-cache-memory-bytes", "256M", "--served-model-name", "smollm2"
-    )
-    yield server
-    stop_server(server)
+    ) as server:
+        yield server
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in Tokyo?"}]
@@ -174,16 +166,6 @@ def test_tool_choice_errors_are_400s(smollm2_server) -> None:
 # auto with the hermes parser, on a tiny model with a tools template
 
 
-@pytest.fixture(scope="module")
-def tools_model(tmp_path_factory) -> Path:
-    return write_tiny_model(
-        tmp_path_factory.mktemp("tiny-tools"),
-        chat_template=TOOLS_TEMPLATE,
-        extra_tokens=CALL_TOKENS,
-        max_position_embeddings=2048,  # the tools' JSON in byte-level tokens is long
-    )
-
-
 def forced_two_calls() -> tuple[str, list[tuple[str, dict]]]:
     """A Lark grammar whose only sentence is a two-call hermes turn, and the calls."""
     calls = [
@@ -197,16 +179,15 @@ def forced_two_calls() -> tuple[str, list[tuple[str, dict]]]:
 
 
 @pytest.mark.e2e
-def test_auto_parses_a_two_call_turn(tools_model, tmp_path) -> None:
-    server = start_server(
+def test_auto_parses_a_two_call_turn(tools_model, engine_pool, tmp_path) -> None:
+    with engine_pool.serve(
         str(tools_model),
         tmp_path / "server.log",
         "--tool-call-parser",
         "hermes",
         "--served-model-name",
         "tiny",
-    )
-    try:
+    ) as server:
         client = client_of(server)
         grammar, expected = forced_two_calls()
         common = dict(
@@ -228,8 +209,6 @@ def test_auto_parses_a_two_call_turn(tools_model, tmp_path) -> None:
         content, calls, finish = stream_calls(client.chat.completions.create(**common, stream=True))
         assert finish == "tool_calls" and not content.strip()
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == expected
-    finally:
-        stop_server(server)
 
 
 def test_auto_constrains_a_call_once_the_model_opens_it(tools_model) -> None:
@@ -320,11 +299,11 @@ def formats_model(tmp_path_factory) -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("parser", ["llama3_json", "mistral", "pythonic", "qwen3_xml"])
-def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
+def test_auto_parses_each_format(parser, formats_model, engine_pool, tmp_path) -> None:
     """Two calls in the parser's format (and text before them where the format allows it)
     come back as tool_calls, the same streamed and not; streamed arguments concatenate to
     JSON equal to the whole answer's. With --enable-auto-tool-choice, as vLLM is started."""
-    server = start_server(
+    with engine_pool.serve(
         str(formats_model),
         tmp_path / "server.log",
         "--enable-auto-tool-choice",
@@ -332,8 +311,7 @@ def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
         parser,
         "--served-model-name",
         "tiny",
-    )
-    try:
+    ) as server:
         client = client_of(server)
         tag_id = load_tokenizer(str(formats_model)).encode("[TOOL_CALLS]", add_special_tokens=False)
         grammar, content = _format_sentence(parser, tag_id[0])
@@ -361,8 +339,6 @@ def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
         )
         assert finish == "tool_calls" and streamed_content == content
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == whole
-    finally:
-        stop_server(server)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,9 +346,11 @@ def test_auto_parses_each_format(parser, formats_model, tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_reasoning_is_separated_and_structure_follows_it(tmp_path) -> None:
-    model, server = start_think_server(tmp_path)
-    try:
+def test_reasoning_is_separated_and_structure_follows_it(
+    think_model, engine_pool, tmp_path
+) -> None:
+    model = think_model
+    with serve_think(engine_pool, model, tmp_path / "server.log") as server:
         client = client_of(server)
         think_end = load_tokenizer(str(model)).encode("</think>", add_special_tokens=False)
         schema = {
@@ -408,5 +386,3 @@ def test_reasoning_is_separated_and_structure_follows_it(tmp_path) -> None:
         common["max_tokens"] = 12
         plain = client.chat.completions.create(**common).choices[0].message
         assert plain.model_extra.get("reasoning_content") and not plain.content
-    finally:
-        stop_server(server)

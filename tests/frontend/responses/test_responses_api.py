@@ -20,9 +20,7 @@ import typing
 
 import jsonschema
 import pytest
-from servers import start_server, stop_server
-from tiny_models import write_tiny_model
-from tool_calls import CALL_TOKENS, TOOLS, TOOLS_TEMPLATE, start_think_server
+from tool_calls import TOOLS, serve_think
 
 from zllm.frontend.responses.api import ResponsesRequest, echoed_settings
 from zllm.frontend.responses.output import ResponseAssembler
@@ -105,17 +103,10 @@ def check_item_events(events: list, output: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def tools_server(tmp_path_factory):
-    path = tmp_path_factory.mktemp("responses-tools")
-    model = write_tiny_model(
-        path / "model",
-        chat_template=TOOLS_TEMPLATE,
-        extra_tokens=CALL_TOKENS,
-        max_position_embeddings=2048,  # the tools' JSON in byte-level tokens is long
-    )
-    server = start_server(str(model), path / "server.log", "--served-model-name", "tiny")
-    yield server
-    stop_server(server)
+def tools_server(tools_model, engine_pool, tmp_path_factory):
+    log = tmp_path_factory.mktemp("responses-tools") / "server.log"
+    with engine_pool.serve(str(tools_model), log, "--served-model-name", "tiny") as server:
+        yield server
 
 
 def check_call(item) -> None:
@@ -262,9 +253,8 @@ def test_text_format_is_enforced(tools_server) -> None:
 
 
 @pytest.mark.e2e
-def test_reasoning_items(tmp_path) -> None:
-    _, server = start_think_server(tmp_path)
-    try:
+def test_reasoning_items(think_model, engine_pool, tmp_path) -> None:
+    with serve_think(engine_pool, think_model, tmp_path / "server.log") as server:
         client = client_of(server)
         # The template opens the think block and a random model never closes it: all of the
         # answer is reasoning, cut by max_output_tokens.
@@ -304,8 +294,6 @@ def test_reasoning_items(tmp_path) -> None:
             ],
         )
         assert again.usage.input_tokens == plain.usage.input_tokens
-    finally:
-        stop_server(server)
 
 
 def test_reasoning_a_message_and_a_call_in_order() -> None:
