@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -289,13 +288,12 @@ SCHEMAS = [object_schema(random.Random(seed)) for seed in range(50)]
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_path, tmp_path_factory):
+def served(smollm2_path, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("served") / "server.log"
-    server = start_server(
+    with engine_pool.serve(
         smollm2_path, log, "--kv-cache-memory-bytes", "256M", "--served-model-name", "smollm2"
-    )
-    yield server
-    stop_server(server)
+    ) as server:
+        yield server
 
 
 def client_of(server):
