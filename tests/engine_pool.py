@@ -78,7 +78,8 @@ class AppServer(HttpMethods):
     serve_config: object  # its ServeConfig
     log: Path  # the app's log lines (the frontend's, in this process)
     engine_log: Path  # its engine processes' (shared with the engine's other apps)
-    engine_log_start: int  # where this app's part of the engine log begins
+    engine_started: int  # where the engine's start ends in its log
+    engine_since: int  # where this app's part of the engine log begins
     supervisor: object  # its engine's (zllm/runtime/supervisor.py, in a thread here)
     headers: dict[str, str] = field(default_factory=dict)
     verify: bool = True
@@ -94,12 +95,13 @@ class AppServer(HttpMethods):
         return msgspec.to_builtins(self.serve_config)
 
     def log_text(self) -> str:
-        """What `zllm serve` would have logged since the app started: the engine processes'
-        lines, then the app's."""
+        """What `zllm serve` would have logged: the engine processes' lines of their start and
+        since the app started (not those of the engine's earlier apps), then the app's."""
         with open(self.engine_log, "rb") as f:
-            f.seek(self.engine_log_start)
-            engine = f.read().decode(errors="replace")
-        return engine + self.log.read_text(errors="replace")
+            engine = f.read()
+        if self.engine_since > self.engine_started:
+            engine = engine[: self.engine_started] + engine[self.engine_since :]
+        return engine.decode(errors="replace") + self.log.read_text(errors="replace")
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_text()[-chars:]
@@ -112,6 +114,7 @@ class _Engine:
     llm: object  # zllm.AsyncLLM
     tokenizer: object
     log: Path
+    started: int  # the log's size once it started
     apps: int = 0  # served now (an engine serving an app is never stopped for another)
 
     def alive(self) -> bool:
@@ -152,24 +155,23 @@ class EnginePool:
         argv += ["--kv-cache-memory-bytes", "64M"]
         if api_key is not None:
             argv += ["--api-key", api_key]
-        config = _serve_config(argv + list(extra))
-        engine = self._engine_for(config) if shared else self._start_engine(config, b"")
-        if config is not engine.config:  # its own addresses are unused: the engine's serve
-            _remove_run_dir(config)
-        app_config = msgspec.structs.replace(
-            engine.config, **{name: getattr(config, name) for name in FRONTEND_ONLY}
-        )
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        url = f"http://127.0.0.1:{port}"
-        engine_log_start = engine.log.stat().st_size
-        engine.apps += 1
-        with _logging_to(log):
+        with _logging_to(log):  # (what the config and the start log, as zllm serve's would)
+            config = _serve_config(argv + list(extra))
+            engine = self._engine_for(config) if shared else self._start_engine(config, b"")
+            if config is not engine.config:  # its own addresses are unused: the engine's serve
+                _remove_run_dir(config)
+            app_config = msgspec.structs.replace(
+                engine.config, **{name: getattr(config, name) for name in FRONTEND_ONLY}
+            )
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            url = f"http://127.0.0.1:{port}"
+            since = engine.log.stat().st_size
+            engine.apps += 1
             uvicorn_server, task = self._run(_start_app(engine, app_config, self._engine_tasks))
             try:
                 supervisor = engine.llm._supervisor
-                yield AppServer(
-                    url, port, app_config, log, engine.log, engine_log_start, supervisor, headers
-                )
+                yield AppServer(url, port, app_config, log, engine.log, engine.started, since,
+                                supervisor, headers)  # fmt: skip
             finally:
                 engine.apps -= 1
                 self._run(_stop_app(uvicorn_server, task), timeout=60)
@@ -207,7 +209,7 @@ class EnginePool:
             llm, tasks = self._run(_start_llm(config))
         self._engine_tasks |= tasks
         tokenizer = load_tokenizer(config.engine.tokenizer_path, config.chat_template)
-        return _Engine(key, config, llm, tokenizer, log)
+        return _Engine(key, config, llm, tokenizer, log, log.stat().st_size)
 
     def _shutdown(self, engine: _Engine) -> None:
         self._run(engine.llm.shutdown(), timeout=90)

@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 from gguf import GGUFWriter
 from parity import assert_greedy_parity, hf_greedy, hf_logprobs_at
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -349,7 +348,7 @@ def test_preemption_recomputes(models, case) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", ["gpt_neox", "olmo2", "phi", "starcoder2", MOE])
-def test_served(models, case, tmp_path: Path) -> None:
+def test_served(models, case, engine_pool, tmp_path: Path) -> None:
     """`zllm serve` on a model only transformers' code runs: its greedy completions are the
     offline engine's text, whose tokens are transformers'; the log says which code serves it."""
     model = models(case)
@@ -357,8 +356,8 @@ def test_served(models, case, tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     offline = generate(make_llm(model), prompts, params)
     check(model, prompts, offline, f"{case} offline")
-    server = start_server(model.path, tmp_path / "server.log", "--block-size", str(BLOCK))
-    try:
+    log_path = tmp_path / "server.log"
+    with engine_pool.serve(model.path, log_path, "--block-size", str(BLOCK)) as server:
         for prompt, expected in zip(prompts, offline, strict=True):
             body = {"prompt": prompt, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
             response = server.post("/v1/completions", body)
@@ -366,8 +365,6 @@ def test_served(models, case, tmp_path: Path) -> None:
             answer = response.json()
             assert answer["usage"]["completion_tokens"] == 12
             assert answer["choices"][0]["text"] == expected.outputs[0].text
-    finally:
-        stop_server(server)
-    log = (tmp_path / "server.log").read_text()
+        log = server.log_text()
     assert f"no native code for '{case}'" in log
     assert "Model code: transformers'" in log
