@@ -90,7 +90,7 @@ def launch_time(device: torch.device) -> tuple[float, float]:
 
 def build_model(shape: str, device: torch.device, dtype: torch.dtype):
     from zllm.executor.attention.cuda import CUDA_ATTENTION
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
     from zllm.model.arch_config import ModelArchConfig
 
     if shape in SHAPES:

@@ -36,22 +36,25 @@ from pooling_peers import timed  # noqa: E402
 QWEN3_30B_A3B_LAYERS = dict(
     architecture="qwen3_moe", family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
     num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
-    max_position_embeddings=8192, tie_word_embeddings=False, qk_norm=True, num_experts=128,
-    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    max_position_embeddings=8192, tie_word_embeddings=False, qk_norm=True,
+    moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 )  # fmt: skip
 TINY = dict(
     QWEN3_30B_A3B_LAYERS, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-    num_kv_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+    num_kv_heads=2, head_dim=64,
+    moe=dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True),
 )  # fmt: skip
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B_LAYERS, "tiny": TINY}
 
 
 def build(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     from zllm.executor.attention.backend import choose_attention_backend
-    from zllm.executor.models import LlamaForCausalLM
-    from zllm.model.arch_config import ModelArchConfig
+    from zllm.executor.models.llama import LlamaForCausalLM
+    from zllm.model.arch_config import ModelArchConfig, MoEConfig
 
-    arch = ModelArchConfig(**SHAPES[shape], num_layers=layers)
+    shape_fields = dict(SHAPES[shape])
+    moe = MoEConfig(**shape_fields.pop("moe"))
+    arch = ModelArchConfig(**shape_fields, moe=moe, num_layers=layers)
     attention = choose_attention_backend(device, dtype, arch.head_dim)
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype=dtype, attention=attention)
@@ -80,7 +83,7 @@ def step_bytes(model, arch, chosen_per_layer: list[int], batch: int, context: in
         if id(p) not in expert_params and p is not embed:
             total += p.numel() * p.element_size()
     element = embed.element_size()
-    per_expert = 3 * arch.hidden_size * arch.moe_intermediate_size * element
+    per_expert = 3 * arch.hidden_size * arch.moe.moe_intermediate_size * element
     total += sum(chosen_per_layer) * per_expert
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
     return total + batch * (context + 1) * kv_per_token

@@ -47,6 +47,8 @@ from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv.cache_groups import kv_cache_groups
+from zllm.model.family import Trait
+from zllm.model.registry import family_of
 from zllm.protocol import (
     PROMPT_TAIL_TOKENS,
     SLEEP_TAGS,
@@ -104,6 +106,11 @@ class EngineCore:
         assert config.cache.num_blocks, "the executor sizes the KV pool before the core starts"
         self.config = config
         self.num_detokenizers = num_detokenizers
+        family = family_of(config.arch)
+        # How a prompt may be cut into chunks: an encoder's in one step; an image whose tokens
+        # see each other both ways (Gemma 3's) within one chunk.
+        self.whole_prompt = family.has(Trait.ENCODER)
+        self.whole_images = config.arch.vision and family.has(Trait.BIDIRECTIONAL_IMAGES)
         groups = kv_cache_groups(config.arch, config.cache.hybrid_kv_cache)
         self.kv_connector = _make_kv_connector(config)
         self.block_manager = BlockManager(
@@ -200,8 +207,8 @@ class EngineCore:
                 ),
                 timing=request.timing,
                 images=list(request.images),
-                whole_images=self.config.arch.images_bidirectional,
-                whole_prompt=self.config.arch.encoder,
+                whole_images=self.whole_images,
+                whole_prompt=self.whole_prompt,
             )
         )
         if request.timing is not None:

@@ -101,7 +101,7 @@ class _RequestFields:
     num_prefetched_tokens: int | None = None
     # Its images and where their tokens sit (EngineCoreRequest.images): their tokens hash as
     # their image (`block_token_ids`) and, where they attend to each other both ways
-    # (`whole_images`: the model's ModelArchConfig.images_bidirectional), each image's are
+    # (`whole_images`: the model's family's BIDIRECTIONAL_IMAGES trait), each image's are
     # computed in one step (`chunk_end`).
     images: list[PlacedImage] = field(default_factory=list)
     whole_images: bool = False

@@ -14,7 +14,7 @@ from gguf_files import stored_matrix
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.weights.quantized.to_blocks import FloatWeight, float_blocks
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, MoEConfig
 
 
 def moe_arch(
@@ -40,11 +40,13 @@ def moe_arch(
         rope_theta=10000.0,
         max_position_embeddings=64,
         tie_word_embeddings=True,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        norm_topk_prob=norm,
-        shared_expert_intermediate_size=shared,
+        moe=MoEConfig(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=inter,
+            norm_topk_prob=norm,
+            shared_expert_intermediate_size=shared,
+        ),
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zllm.executor.attention.paged import AttentionMetadata
-from zllm.executor.models import LlamaForCausalLM
+from zllm.executor.models.llama import LlamaForCausalLM
 
 
 @dataclass

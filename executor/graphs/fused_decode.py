@@ -75,7 +75,7 @@ class FusedDecode:
             raise Unsupported(f"{type(model).__name__} has no fused decode path")
         if model.dtype != torch.float32:
             raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
-        if model.arch.num_experts:
+        if model.arch.moe is not None:
             raise Unsupported("mixture-of-experts layers (executor/layers/moe/ routes them)")
         parts: StackParts = describe()
         for layer in parts.layers:

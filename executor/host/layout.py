@@ -61,6 +61,9 @@ class RankLayout:
     layer_attention: list[LayerAttention]  # one per layer of this stage
     kv_slot_of: dict[int, int]  # layer -> its cache tensor (every one of them on one stage)
     attention: AttentionBackend
+    # Whether an image's tokens see their whole image (the family's BIDIRECTIONAL_IMAGES, for a
+    # model that takes images): the attention metadata then carries each step's image spans.
+    whole_images: bool
 
     @classmethod
     def of(cls, config: EngineConfig, parallel: Parallel = ONE_RANK) -> RankLayout:
@@ -78,9 +81,8 @@ class RankLayout:
         # tokens that see their whole image (Gemma 3's) do so through masks only that
         # metadata carries (on CPU the CPU-kernel backend's is the same metadata). Causal
         # image tokens (Qwen2.5-VL's, LLaVA's) take the CUDA kernels like text.
-        torch_masks = family.has(Trait.MLA) or (
-            arch.vision and family.has(Trait.BIDIRECTIONAL_IMAGES) and device.type != "cpu"
-        )
+        whole_images = arch.vision and family.has(Trait.BIDIRECTIONAL_IMAGES)
+        torch_masks = family.has(Trait.MLA) or (whole_images and device.type != "cpu")
         return cls(
             config=config,
             tp=tp,
@@ -98,6 +100,7 @@ class RankLayout:
             attention=TORCH_ATTENTION
             if torch_masks
             else choose_attention_backend(device, dtype, arch.head_dim),
+            whole_images=whole_images,
         )
 
     def graphs_run_here(self) -> bool:

@@ -132,7 +132,7 @@ def make_deepseek_mlp(arch: ModelArchConfig, layer: int, dtype: torch.dtype) -> 
     the shared ones beside them (DeepseekV2Moe)."""
     if not arch.is_moe_layer(layer):
         return GatedMLP(arch, dtype)
-    shared = arch.shared_expert_intermediate_size
+    shared = arch.moe.shared_expert_intermediate_size
     shared_experts = GatedMLP(arch, dtype, intermediate_size=shared) if shared else None
     return MoEBlock(arch, dtype, deepseek_rule(arch), shared_expert=shared_experts)
 
@@ -209,9 +209,9 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
     ) -> None:
         """Hugging Face-named tensors in, one at a time (copy_checkpoint); stacked or fused
         expert tensors cut into each expert's (layers/moe/checkpoint.py)."""
-        if self.arch.num_experts:
+        if self.arch.moe is not None:
             weights = per_expert_weights(weights)
-            served = per_expert_names(served, self.arch.num_experts)
+            served = per_expert_names(served, self.arch.moe.num_experts)
         copy_checkpoint(
             self,
             self._weight_targets(),

@@ -62,7 +62,7 @@ class Gemma3Attention(nn.Module):
         self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype)
         self.q_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(arch.head_dim, arch.rms_norm_eps, dtype)
-        scalar = arch.query_pre_attn_scalar or arch.head_dim
+        scalar = arch.family_fields.query_pre_attn_scalar or arch.head_dim
         self.attn = attention.make_layer(
             arch.num_heads, arch.num_kv_heads, arch.head_dim, scale=scalar**-0.5
         )
@@ -136,7 +136,7 @@ class Gemma3ForCausalLM(nn.Module):
         """`arch` is the checkpoint's; with `tp` this rank builds its part (self.arch), with
         `pp` only its stage's layers (self.layers[i] is layer layer_indices[i])."""
         super().__init__()
-        if arch.attn_logit_softcapping is not None:
+        if arch.family_fields.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
         if arch.num_heads % arch.num_kv_heads != 0:
             raise ValueError(
@@ -157,7 +157,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, dtype)
         local = dataclasses.replace(
             arch,
-            rope_theta=arch.rope_local_theta or arch.rope_theta,
+            rope_theta=arch.family_fields.rope_local_theta or arch.rope_theta,
             rope_scaling=None,
             rope_freq_factors=None,
         )
@@ -226,7 +226,7 @@ class Gemma3ForCausalLM(nn.Module):
             weight = self.embed_tokens if self.lm_head is None else self.lm_head
             logits = F.linear(hidden_states, weight).float()
         logits = gather_logits(logits, self.arch.vocab_size, self.tp)
-        cap = self.arch.final_logit_softcapping
+        cap = self.arch.family_fields.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -66,7 +66,7 @@ class GptOssDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         # q/k/v and o with biases, a sink logit per head (layers/attention.py)
         self.self_attn = SelfAttention(
-            arch, dtype, attention, output_bias=arch.attention_bias, sinks=arch.attention_sinks
+            arch, dtype, attention, output_bias=arch.attention_bias, sinks=True
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = MoEBlock(arch, dtype, RULE)
@@ -135,8 +135,8 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
         """Checkpoint tensors under any source's names (module docstring), one at a time;
         `served`: names the loader left out (GGUF blocks serve them)."""
         held: set[str] = set()  # experts this load holds as MXFP4 blocks (filled as it goes)
-        served_or_held = _Union(per_expert_names(served, self.arch.num_experts), held)
-        canonical = _canonical_names(weights, self.arch.num_experts)
+        served_or_held = _Union(per_expert_names(served, self.arch.moe.num_experts), held)
+        canonical = _canonical_names(weights, self.arch.moe.num_experts)
         stream = _MXFP4Experts(self, held).take(canonical)
         copy_checkpoint(
             self,

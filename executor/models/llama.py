@@ -52,7 +52,7 @@ def make_mlp(
         return GatedMLP(arch, dtype, tp)
     if tp.enabled:  # zllm/config/parallel.py refuses it first; a model built directly too
         raise ValueError("tensor parallelism does not split mixture-of-experts layers yet")
-    shared = arch.shared_expert_intermediate_size
+    shared = arch.moe.shared_expert_intermediate_size
     shared_expert = GatedMLP(arch, dtype, tp, intermediate_size=shared) if shared else None
     return MoEBlock(arch, dtype, shared_expert=shared_expert)
 
@@ -170,9 +170,9 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
     ) -> None:
         """Copy Hugging Face-named tensors in, one at a time (so a stream of shards works);
         `served`: names the checkpoint leaves out (copy_checkpoint)."""
-        if self.arch.num_experts:  # each expert's own tensors (moe.py)
+        if self.arch.moe is not None:  # each expert's own tensors (moe.py)
             weights = per_expert_weights(weights)
-            served = per_expert_names(served, self.arch.num_experts)
+            served = per_expert_names(served, self.arch.moe.num_experts)
         copy_checkpoint(
             self,
             self._weight_targets(),

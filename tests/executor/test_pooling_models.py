@@ -18,6 +18,8 @@ from servers import start_server, stop_server
 
 from zllm import LLM, PoolingParams
 from zllm.errors import ParamError
+from zllm.model.family import Trait
+from zllm.model.registry import family_of
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -143,7 +145,7 @@ def test_encoders_as_sentence_transformers(tmp_path, arch, mode) -> None:
     one step beside others (RoBERTa's positions past its padding index)."""
     path = write_st_encoder(tmp_path / "model", arch, mode, True)
     llm = LLM(str(path), kv_cache_memory_bytes=POOL, max_num_batched_tokens=256)
-    assert llm.config.arch.encoder and llm.config.runner == "pooling"
+    assert family_of(llm.config.arch).has(Trait.ENCODER) and llm.config.runner == "pooling"
     assert llm.config.model_impl == "transformers"
     assert_same_vectors(embed(llm, TEXTS), st_vectors(path, TEXTS))
     with pytest.raises(ValueError, match="computes each prompt in one step, up to --max-model-len"):

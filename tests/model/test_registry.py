@@ -6,6 +6,7 @@ back (no module entered twice)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -163,8 +164,24 @@ def test_reading_a_model_enters_each_module_once(tmp_path, form):
         arch = arch_of(path)
     finally:
         sys.setprofile(None)
-    assert arch.family == "qwen3_moe" and arch.num_experts
+    assert arch.family == "qwen3_moe" and arch.moe is not None
     assert "zllm.model.registry" in entries.entries
     assert "zllm.model.families.qwen3_moe" in entries.entries
     again = sorted({m for m in entries.entries if entries.entries.count(m) > 1})
     assert not again, f"modules entered more than once: {again} (path: {entries.entries})"
+
+
+def test_the_record_crosses_processes_whole(tmp_path):
+    """EngineConfig reaches the executor's ranks through msgspec: a record with experts and a
+    family's own fields (Gemma 3's) comes back equal, its family's record typed again."""
+    import msgspec
+
+    from zllm.model.families.gemma3 import Gemma3Fields
+
+    moe = arch_of(str(write_tiny_model(tmp_path / "moe", "qwen3_moe", weights=False)))
+    gemma = dataclasses.replace(
+        moe, family="gemma3", moe=None, family_fields=Gemma3Fields(16.0, 1e4)
+    )
+    for arch in (moe, gemma):
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(arch), type=type(arch))
+        assert back == arch and type(back.family_fields) is type(arch.family_fields)

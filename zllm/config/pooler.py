@@ -200,7 +200,7 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
 def check_encoder(config: EngineConfig) -> None:
     """An encoder model (ModelArchConfig.encoder) computes each prompt in one step: the step's
     token budget must hold the longest prompt; and it only pools."""
-    if not config.arch.encoder:
+    if not family_of(config.arch).has(Trait.ENCODER):
         return
     budget, longest = config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len
     if budget < longest:

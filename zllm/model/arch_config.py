@@ -1,6 +1,8 @@
-"""A decoder's shape (`ModelArchConfig`), the record every room that sizes weights or KV reads.
+"""A decoder's shape (`ModelArchConfig`), the record every room that sizes weights or KV reads,
+and the parts several families share: mixture-of-experts (`MoEConfig`) and multi-head latent
+attention (`MLAConfig`).
 
-Apart from its reader (zllm/model/arch.py, which needs the GGUF library and numpy), so the
+Apart from its readers (zllm/model/families/, which need the GGUF library and numpy), so the
 config, the KV rules and LoRA's checks import the record without them."""
 
 from __future__ import annotations
@@ -35,9 +37,35 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts decoder's experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss,
+    DeepSeek-V2; executor/layers/moe/): a sparse layer's MLP is num_experts experts of
+    moe_intermediate_size each, of which the router picks num_experts_per_tok per token."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
+    # An always-on expert beside the routed ones (Qwen2-MoE's sigmoid-gated one, DeepSeek's
+    # ungated shared experts): its width, 0 for none.
+    shared_expert_intermediate_size: int = 0
+    # Layers whose MLP stays dense (of intermediate_size): Qwen-MoE's mlp_only_layers and
+    # decoder_sparse_step, DeepSeek's first_k_dense_replace.
+    dense_mlp_layers: tuple[int, ...] = ()
+    # DeepSeek-V2's router (layers/moe/router.py): the chosen weights times
+    # routed_scaling_factor; experts in expert_group_count equal groups, of which each token
+    # picks from the expert_groups_used best (by their best score). 0 groups: no group limit.
+    routed_scaling_factor: float = 1.0
+    expert_group_count: int = 0
+    expert_groups_used: int = 0
+
+
 @dataclass(slots=True)
 class ModelArchConfig:
-    """The architecture of a Llama-family decoder, read from GGUF metadata or config.json."""
+    """A decoder's shape, read from GGUF metadata or config.json by its family
+    (zllm/model/families/): what every room that sizes weights or KV reads. A family's own
+    fields (Gemma 3's attention scale, say) sit in `family_fields`, a record of its module's."""
 
     # The name the model's files give (config.json's model_type or GGUF general.architecture).
     architecture: str
@@ -54,53 +82,33 @@ class ModelArchConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_bias: bool = False  # q/k/v biases (Qwen2's)
     # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...} or None.
     rope_scaling: dict[str, Any] | None = None
+    # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
+    rope_freq_factors: list[float] | None = None
+    # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by
+    # one of a token's (time, row, column) positions (executor/models/vision/mrope.py);
+    # text tokens have all three equal. None: one position per token.
+    mrope_section: list[int] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Per layer, "full_attention" or "sliding_attention" (Hugging Face's names); None: all full.
     layer_types: list[str] | None = None
     # Keys a sliding layer's query sees, itself included (positions q - window < k <= q).
     sliding_window: int | None = None
-    qk_norm: bool = False  # Qwen 3, Gemma 3: an RMSNorm over each query and key head
+    qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen 3's, Gemma 3's)
     hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh" for Gemma)
-    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
-    query_pre_attn_scalar: float | None = None
-    rope_local_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
-    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    attn_logit_softcapping: float | None = None
-    # gpt-oss: a learned sink logit per query head joins each softmax's denominator (no value:
-    # executor/attention/sinks.py); the model holds them, every attention path takes them.
-    attention_sinks: bool = False
-    # Llama 3.x GGUFs: per-frequency divisors of the RoPE inverse frequencies (rope_freqs.weight).
-    rope_freq_factors: list[float] | None = None
-    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE; executor/models/moe.py): a
-    # sparse layer's MLP is num_experts experts of moe_intermediate_size each, of which the
-    # router picks num_experts_per_tok per token. 0 experts: every MLP dense.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # the chosen experts' weights renormalised to sum to 1
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on, sigmoid-gated expert
-    # Layers whose MLP stays dense (of intermediate_size) in a mixture-of-experts model
-    # (Qwen-MoE's mlp_only_layers and decoder_sparse_step).
-    dense_mlp_layers: list[int] = field(default_factory=list)
-    # DeepSeek-V2's router (executor/models/moe.py's DeepSeek rule): the chosen weights times
-    # routed_scaling_factor; experts in expert_group_count equal groups, of which each token
-    # picks from the expert_groups_used best (by their best score). 0 groups: no group limit.
-    routed_scaling_factor: float = 1.0
-    expert_group_count: int = 0
-    expert_groups_used: int = 0
+    # The experts of a mixture-of-experts model; None: every MLP dense.
+    moe: MoEConfig | None = None
     # Multi-head latent attention (DeepSeek-V2): then the KV pool's rows are the latent's, one
     # KV head of half the latent row per K/V plane (num_kv_heads 1, head_dim latent_width / 2:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
-    # Whether the model takes images (a vision encoder beside the decoder: Gemma 3's and
-    # Qwen2.5-VL's in zllm's code, zllm/model/arch.py; LLaVA's in transformers',
-    # zllm/model/impl.py). Other multimodal checkpoints are refused at load, and an image sent
-    # to a text-only model is refused naming it (zllm/media/images.py require_vision).
+    # Whether the model takes images (a vision encoder beside the decoder: its family's
+    # ImageRules). Other multimodal checkpoints are refused at load, and an image sent to a
+    # text-only model is refused naming it (zllm/media/images.py require_vision).
     vision: bool = False
     # False: the checkpoint is a base model without a language-model head (an embedding
     # model's decoder, zllm/model/checkpoint_names.py): it runs as a pooling model only.
@@ -112,20 +120,21 @@ class ModelArchConfig:
     # LM head rows of these tokens score the labels; one label from two tokens scores the
     # second's logit less the first's (Qwen3-Reranker's yes over no). None: none.
     classifier_tokens: list[int] | None = None
-    # An encoder (BERT, RoBERTa, XLM-R on the transformers backend): every token attends to
-    # its whole prompt, so a prompt is computed in one step and pools; it never decodes.
-    encoder: bool = False
-    # Whether an image's tokens attend to each other both ways (Gemma 3), so each image is
-    # prefilled in one step (core/request.py chunk_end); else they are causal like text.
-    images_bidirectional: bool = False
-    # Multimodal RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by
-    # one of a token's (time, row, column) positions (executor/models/vision/mrope.py);
-    # text tokens have all three equal. None: one position per token.
-    mrope_section: list[int] | None = None
+    # What only the family reads: a frozen record its module defines (families/gemma3.py's
+    # Gemma3Fields), None for a family with none.
+    family_fields: Any = None
+
+    def __post_init__(self) -> None:
+        # The family's own record crosses processes inside EngineConfig as msgspec's dict of
+        # its fields (family_fields is typed Any here); its family rebuilds the record.
+        if isinstance(self.family_fields, dict):
+            from zllm.model.registry import family_named
+
+            self.family_fields = family_named(self.family).fields(**self.family_fields)
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether this layer's MLP is a mixture of experts."""
-        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+        return self.moe is not None and layer not in self.moe.dense_mlp_layers

@@ -108,6 +108,8 @@ class Family:
     # The engine features its code does not run, each with the physical reason.
     lacks: Mapping[Feature, str] = field(default_factory=dict)
     images: ImageRules | None = None
+    # The record of what only this family reads (ModelArchConfig.family_fields), if any.
+    fields: type | None = None
     # The parsers its chat format needs when the user names none: (reasoning, tool call).
     default_parsers: tuple[str, str] | None = None
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, MoEConfig
 from zllm.model.gguf import GGUFFile, invalid_gguf
 
 
@@ -129,7 +129,7 @@ def decoder_arch(
     qk_norm: bool = False,
     partial_rotation: bool = False,
     windows: bool = False,
-    experts: Callable[[GGUFFile, int], dict[str, Any]] | None = None,
+    experts: Callable[[GGUFFile, int], MoEConfig | None] | None = None,
 ) -> ModelArchConfig:
     """A Llama-style decoder's record from its GGUF file. `windows`: the family's files carry
     {arch}.attention.sliding_window for every layer (0: none); `experts`: how it reads its
@@ -144,7 +144,7 @@ def decoder_arch(
     head_dim = int(md.get(f"{arch}.attention.key_length", hidden // heads))
     num_layers = need(gguf, f"{arch}.block_count", int)
     max_positions = need(gguf, f"{arch}.context_length", int)
-    family_fields = experts(gguf, num_layers) if experts else {}
+    moe = experts(gguf, num_layers) if experts else None
     window = md.get(f"{arch}.attention.sliding_window") if windows else None
     if not window or window >= max_positions:  # a window no shorter than the context: none
         window = None
@@ -172,7 +172,7 @@ def decoder_arch(
         layer_types=["sliding_attention"] * num_layers if window else None,
         sliding_window=int(window) if window else None,
         qk_norm=qk_norm,
-        **family_fields,
+        moe=moe,
     )
 
 

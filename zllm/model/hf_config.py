@@ -10,12 +10,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, MoEConfig
 
 # (config.json, layer count) -> (layer_types, sliding_window) before the context check.
 WindowRule = Callable[[dict[str, Any], int], tuple[list[str] | None, int | None]]
-# (config.json, layer count, where) -> the family's mixture-of-experts fields (moe_arch.py).
-ExpertRule = Callable[[dict[str, Any], int, Path], dict[str, Any]]
+# (config.json, layer count, where) -> the family's experts (moe_arch.py).
+ExpertRule = Callable[[dict[str, Any], int, Path], MoEConfig]
 
 
 def need(cfg: dict[str, Any], key: str, where: Path | str) -> Any:
@@ -134,7 +134,7 @@ def decoder_arch(
     num_layers = int(need(cfg, "num_hidden_layers", where))
     max_positions = int(need(cfg, "max_position_embeddings", where))
     layer_types, window = sliding_layers(windows, cfg, num_layers, max_positions)
-    family_fields = experts(cfg, num_layers, where) if experts else {}
+    moe = experts(cfg, num_layers, where) if experts else None
     scaling = hf_rope_scaling(
         cfg, cfg.get("rope_scaling") or rope_params, partial_rotary=partial_rotary, aliases=rope_aliases
     )  # fmt: skip
@@ -161,5 +161,5 @@ def decoder_arch(
         layer_types=layer_types,
         sliding_window=window,
         qk_norm=qk_norm,
-        **family_fields,
+        moe=moe,
     )

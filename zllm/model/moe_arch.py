@@ -1,4 +1,4 @@
-"""The mixture-of-experts fields of `ModelArchConfig` (num_experts, num_experts_per_tok,
+"""A mixture-of-experts model's `MoEConfig` (num_experts, num_experts_per_tok,
 moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size, dense_mlp_layers),
 read from config.json or GGUF metadata for the families whose experts follow Qwen's and
 Mixtral's layout. A family (zllm/model/families/) passes its own rules. No torch here.
@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from zllm.model.arch_config import MoEConfig
 from zllm.model.family import Feature
 from zllm.model.gguf import GGUFFile, invalid_gguf
 
@@ -31,7 +32,7 @@ def moe_from_hf(
     width_key: str = "moe_intermediate_size",
     always_renormalise: bool = False,
     shared_expert: bool = False,
-) -> dict[str, Any]:
+) -> MoEConfig:
     """The fields from a config.json. `width_key`: the key of one expert's width (Mixtral's
     experts are intermediate_size wide); `always_renormalise`: the family's router always
     renormalises the chosen weights (Mixtral's), else norm_topk_prob says; `shared_expert`:
@@ -50,20 +51,20 @@ def moe_from_hf(
     step = int(cfg.get("decoder_sparse_step") or 1)
     only_dense = set(cfg.get("mlp_only_layers") or [])
     shared = cfg.get("shared_expert_intermediate_size") if shared_expert else 0
-    return dict(
+    return MoEConfig(
         num_experts=int(num_experts),
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(cfg[width_key]),
         norm_topk_prob=always_renormalise or bool(cfg.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(shared or 0),
-        dense_mlp_layers=[i for i in range(num_layers) if i in only_dense or (i + 1) % step],
+        dense_mlp_layers=tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step),
     )
 
 
 def moe_from_gguf(
     gguf: GGUFFile, num_layers: int, *, renormalise: bool, required: bool = True
-) -> dict[str, Any]:
-    """The fields from GGUF metadata ({} for a dense file where `required` is False).
+) -> MoEConfig | None:
+    """The experts from GGUF metadata (None for a dense file where `required` is False).
     `renormalise`: llama.cpp's rule for the family's files that do not say
     (expert_weights_norm): it renormalises the chosen experts' weights for qwen3moe and
     Mixtral's files, not for qwen2moe's."""
@@ -73,15 +74,17 @@ def moe_from_gguf(
     if not num_experts:
         if required:
             raise invalid_gguf(gguf.path, f"a {arch} file without {arch}.expert_count")
-        return {}
+        return None
     top_k = md.get(f"{arch}.expert_used_count")
     inter = md.get(f"{arch}.expert_feed_forward_length") or md.get(f"{arch}.feed_forward_length")
     if not top_k or not inter:
         raise invalid_gguf(gguf.path, f"{arch}.expert_used_count or the experts' size missing")
     norm = md.get(f"{arch}.expert_weights_norm", renormalise)
     shared = md.get(f"{arch}.expert_shared_feed_forward_length") or 0
-    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
-    return dict(
+    dense = tuple(
+        i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors
+    )
+    return MoEConfig(
         num_experts=int(num_experts),
         num_experts_per_tok=int(top_k),
         moe_intermediate_size=int(inter),

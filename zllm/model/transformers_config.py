@@ -130,7 +130,6 @@ def read_hf(
         layer_types=layer_types,
         sliding_window=window,
         vision=vision,
-        encoder=encoder,
     )
 
 

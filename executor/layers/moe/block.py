@@ -47,10 +47,10 @@ class MoEBlock(nn.Module):
         """`shared_expert`: a dense MLP module (the decoder's), built by the caller."""
         super().__init__()
         self.rule = rule_of(arch) if rule is None else rule
-        self.num_experts, self.top_k = arch.num_experts, arch.num_experts_per_tok
+        self.num_experts, self.top_k = arch.moe.num_experts, arch.moe.num_experts_per_tok
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"{self.top_k} experts per token of {self.num_experts}")
-        hidden, inter = arch.hidden_size, arch.moe_intermediate_size
+        hidden, inter = arch.hidden_size, arch.moe.moe_intermediate_size
         self.intermediate_size = inter
         self.gate = nn.Linear(hidden, self.num_experts, bias=self.rule.router_bias, dtype=dtype)
         bias = self.rule.expert_bias

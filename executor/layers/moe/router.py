@@ -62,19 +62,20 @@ GPT_OSS_RULE = MoERule(
 def rule_of(arch: ModelArchConfig) -> MoERule:
     """The rule of the Qwen-MoE / Mixtral / OLMoE families: softmax, top k, optionally
     renormalised (Mixtral's configs have no norm_topk_prob: arch.py sets it for them)."""
-    return MoERule(norm_topk_prob=arch.norm_topk_prob)
+    return MoERule(norm_topk_prob=arch.moe.norm_topk_prob)
 
 
 def deepseek_rule(arch: ModelArchConfig) -> MoERule:
     """DeepSeek-V2's rule: its router (group-limited when the config groups the experts) and
     its shared experts added ungated."""
-    grouped = arch.expert_group_count > 0
+    moe = arch.moe
+    grouped = moe.expert_group_count > 0
     return MoERule(
         router=GROUPED_SOFTMAX_TOPK,
-        norm_topk_prob=arch.norm_topk_prob,
-        group_count=arch.expert_group_count if grouped else 1,
-        groups_used=arch.expert_groups_used if grouped else 1,
-        routed_scaling=arch.routed_scaling_factor,
+        norm_topk_prob=moe.norm_topk_prob,
+        group_count=moe.expert_group_count if grouped else 1,
+        groups_used=moe.expert_groups_used if grouped else 1,
+        routed_scaling=moe.routed_scaling_factor,
         shared_expert_gated=False,
     )
 

@@ -47,7 +47,7 @@ from zllm.executor.parallel.shards import local_arch
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.families import bert
 from zllm.model.family import Trait
-from zllm.model.registry import family_for_config
+from zllm.model.registry import family_for_config, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def zllm_attention(
     # passes flash attention's inclusive bound).
     window = kwargs.get("sliding_window")
     if step.records is not None:
-        encoder = step.model.arch.encoder
+        encoder = step.model.encoder
         step.records[layer] = _record(module, q, k, v, attention_mask, kwargs, encoder)
         if encoder:
             whole = [(0, q.shape[0])]
@@ -317,6 +317,9 @@ class TransformersForCausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.arch = arch
+        # Every token attends to its whole prompt (the BERT family's): a step's rows are whole
+        # prompts, each from position 0.
+        self.encoder = family_of(arch).has(Trait.ENCODER)
         self.attention = attention
         self.stage = stage
         # As zllm's models name them (the LoRA manager maps adapter layers by them too).
@@ -421,7 +424,7 @@ class TransformersForCausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, one row per new token."""
         step = _Step(kv_caches, metadata_per_layer(attn_metadata, len(kv_caches)), self)
         segments = None
-        if self.arch.encoder:  # whole prompts (core/request.py chunk_end): each from 0
+        if self.encoder:  # whole prompts (core/request.py chunk_end): each from 0
             starts = (positions == 0).nonzero().flatten().tolist() + [positions.shape[0]]
             step.prompts = list(zip(starts[:-1], starts[1:], strict=True))
             positions = positions + self.position_offset

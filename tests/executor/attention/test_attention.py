@@ -435,7 +435,7 @@ def test_a_live_build_is_waited_for_and_its_lock_left(tmp_path, caplog):
 
 @pytest.mark.parametrize("backend", [TORCH_ATTENTION, CPU_KERNEL_ATTENTION, CUDA_ATTENTION])
 def test_model_layers_come_from_the_backend(backend):
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
     from zllm.model.arch_config import ModelArchConfig
 
     arch = ModelArchConfig(

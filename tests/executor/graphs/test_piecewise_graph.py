@@ -19,7 +19,7 @@ from zllm.executor.attention.paged import AttentionMetadata
 from zllm.executor.graphs.piecewise import PiecewiseGraphRunner, RecordedPieces
 from zllm.executor.kernels import cpu_layer_ops
 from zllm.executor.kernels import cuda as ck
-from zllm.executor.models import LlamaForCausalLM
+from zllm.executor.models.llama import LlamaForCausalLM
 from zllm.executor.weights.loader import load_weights
 from zllm.model.arch import read_arch_config
 

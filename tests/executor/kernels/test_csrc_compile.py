@@ -353,7 +353,7 @@ def test_emulated_graph_runner_pads_static_buffers(emu, monkeypatch, tmp_path, l
     from zllm.executor.attention.cuda import CUDA_ATTENTION
     from zllm.executor.attention.layer_groups import LayerAttention
     from zllm.executor.graphs import decode as cuda_graph
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
     from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
 
@@ -557,7 +557,7 @@ def test_emulated_layer_ops_in_the_model(emu, monkeypatch, dtype, arch):
     from tiny_models import arch_config_of, tiny_hf_config
 
     from zllm.executor.kernels import cuda_layer_ops as lo
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
 
     extra = {"partial_rotary_factor": 0.75} if arch == "phi3" else {}
     cfg = arch_config_of(tiny_hf_config(arch, **extra))

@@ -219,7 +219,7 @@ def tiny_gpu_llama_dir(tmp_path_factory):
 
 
 def load_model(path: str, dtype: torch.dtype):
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
     from zllm.executor.weights.loader import load_weights
     from zllm.model.arch import read_arch_config
 

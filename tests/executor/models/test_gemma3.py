@@ -60,7 +60,8 @@ def test_tiny_arch_and_groups(tiny_gemma3):
     llm = make_llm(tiny_gemma3)
     arch = llm.config.arch
     assert arch.architecture == "gemma3" and arch.qk_norm and arch.sliding_window == WINDOW
-    assert arch.query_pre_attn_scalar == 16 and arch.rope_local_theta == 10000.0
+    fields = arch.family_fields
+    assert fields.query_pre_attn_scalar == 16 and fields.rope_local_theta == 10000.0
     assert [g.sliding_window for g in llm.model_runner.kv_groups] == [None, WINDOW, WINDOW]
 
 

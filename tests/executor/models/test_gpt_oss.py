@@ -32,6 +32,9 @@ from zllm import LLM, SamplingParams
 from zllm.executor.layers.moe.experts import ExpertMatrices
 from zllm.executor.weights import mxfp4
 from zllm.model.arch import read_arch_config
+from zllm.model.arch_config import MoEConfig
+from zllm.model.family import Trait
+from zllm.model.registry import family_of
 
 # The tiny shape is tests/family_cases.py's: layers sliding, full, sliding, full (gpt-oss's
 # order); heads of 64 as the real model's.
@@ -166,12 +169,9 @@ def test_arch_from_config_and_gguf(convertible):
     assert (hf.architecture, gguf.architecture) == ("gpt_oss", "gpt-oss")
     for arch in (hf, gguf):
         assert arch.layer_types == ["sliding_attention", "full_attention"] * 2
-        assert arch.sliding_window == WINDOW and arch.attention_sinks and arch.attention_bias
-        assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (
-            4,
-            2,
-            32,
-        )
+        assert arch.sliding_window == WINDOW and arch.attention_bias
+        assert family_of(arch).has(Trait.ATTENTION_SINKS)
+        assert arch.moe == MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         assert (arch.head_dim, arch.num_kv_heads, arch.tie_word_embeddings) == (64, 2, False)
         assert arch.rope_scaling["rope_type"] == "yarn" and arch.rope_scaling["truncate"] is False
     for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,8 @@ from paged_runner import PagedRunner, Sequence
 from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
 from zllm.executor.layers.rope import rope_inv_freq
-from zllm.executor.models import LlamaForCausalLM, get_model_class
+from zllm.executor.models import model_class_of
+from zllm.executor.models.llama import LlamaForCausalLM
 
 
 def build_hf(name: str, seed: int = 0):
@@ -32,7 +34,7 @@ def build_hf(name: str, seed: int = 0):
 def build_pair(name: str, seed: int = 0):
     config, hf = build_hf(name, seed)
     arch = arch_config_of(config)
-    ours = get_model_class(arch.architecture)(arch).eval()
+    ours = model_class_of(arch)(arch).eval()
     ours.load_weights(hf.state_dict().items())
     return hf, ours
 
@@ -172,11 +174,13 @@ def test_tied_embeddings_serve_as_lm_head():
 
 
 def test_registry():
-    assert get_model_class("llama") is LlamaForCausalLM
-    assert get_model_class("mistral") is LlamaForCausalLM
-    assert get_model_class("qwen2") is LlamaForCausalLM
-    with pytest.raises(ValueError, match="gpt2"):
-        get_model_class("gpt2")
+    """A record's class is its family's: Llama's code serves the Llama, Mistral and Qwen2
+    families; a family name the registry lacks is refused, naming it."""
+    for family in ("llama", "qwen2", "phi3"):
+        arch = dataclasses.replace(arch_config_of(tiny_hf_config("llama")), family=family)
+        assert model_class_of(arch) is LlamaForCausalLM
+    with pytest.raises(ValueError, match="no model family 'gpt2'"):
+        model_class_of(dataclasses.replace(arch_config_of(tiny_hf_config("llama")), family="gpt2"))
 
 
 def test_logits_are_float32_for_bfloat16_models():

@@ -321,7 +321,7 @@ def test_stages_let_go_of_the_embedding_and_logits_they_do_not_use(tied):
     import torch
     from tiny_models import arch_config_of, tiny_hf_config, tiny_hf_model
 
-    from zllm.executor.models import LlamaForCausalLM
+    from zllm.executor.models.llama import LlamaForCausalLM
     from zllm.executor.parallel.groups import PipelineParallel
     from zllm.executor.parallel.shards import release_other_stages_ends
 

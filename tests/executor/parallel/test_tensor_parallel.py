@@ -17,7 +17,7 @@ from servers import free_port, start_server, stop_server
 from tiny_models import arch_config_of
 
 from zllm.config.parallel import check_divisible
-from zllm.executor.models import get_model_class
+from zllm.executor.models import model_class_of
 from zllm.executor.parallel.groups import SINGLE, TensorParallel, init_parallel
 from zllm.executor.parallel.shards import kv_heads_of, local_arch, shard_blocks, shard_weight
 
@@ -78,7 +78,7 @@ def run_model(case: str, tp: TensorParallel) -> tuple[torch.Tensor, list[list[in
     torch.manual_seed(0)
     config, hf = build_case(case)
     arch = arch_config_of(config)
-    model = get_model_class(arch.architecture)(arch, tp=tp).eval()
+    model = model_class_of(arch)(arch, tp=tp).eval()
     model.load_weights(hf.state_dict().items())
     runner = PagedRunner(model)
     seqs = [Sequence(list(p)) for p in PROMPTS]

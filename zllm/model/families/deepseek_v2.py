@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from zllm.model import gguf_config
-from zllm.model.arch_config import MLAConfig, ModelArchConfig
+from zllm.model.arch_config import MLAConfig, ModelArchConfig, MoEConfig
 from zllm.model.family import Family, Feature, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
 from zllm.model.hf_config import hf_rope_scaling
@@ -93,16 +93,16 @@ def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         mla=mla,
-        **_hf_moe_fields(cfg, num_layers, config_path),
+        moe=_hf_experts(cfg, num_layers, config_path),
     )
 
 
-def _hf_moe_fields(cfg: dict[str, Any], num_layers: int, where: Path) -> dict[str, Any]:
+def _hf_experts(cfg: dict[str, Any], num_layers: int, where: Path) -> MoEConfig | None:
     """ModelArchConfig's mixture-of-experts fields of a config.json ({}: every layer dense)."""
     experts = cfg.get("n_routed_experts")
     first_moe = int(cfg.get("first_k_dense_replace") or 0)
     if not experts or first_moe >= num_layers:
-        return {}
+        return None
     scoring = cfg.get("scoring_func", "softmax")
     method = cfg.get("topk_method") or "greedy"
     if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
@@ -113,7 +113,7 @@ def _hf_moe_fields(cfg: dict[str, Any], num_layers: int, where: Path) -> dict[st
     every = int(cfg.get("moe_layer_freq") or 1)
     moe_inter = int(cfg.get("moe_intermediate_size") or 0)
     grouped = method == "group_limited_greedy"
-    return _moe_fields(
+    return _experts(
         where,
         experts=int(experts),
         top_k=int(cfg.get("num_experts_per_tok") or 0),
@@ -126,7 +126,7 @@ def _hf_moe_fields(cfg: dict[str, Any], num_layers: int, where: Path) -> dict[st
     )
 
 
-def _moe_fields(
+def _experts(
     where: Any,
     *,
     experts: int,
@@ -137,7 +137,7 @@ def _moe_fields(
     scale: float,
     groups: tuple[int, int] | None,
     dense: list[int],
-) -> dict[str, Any]:
+) -> MoEConfig:
     """The fields, checked: k of the experts, their width, groups that split them evenly."""
     if not 0 < top_k <= experts:
         raise ValueError(f"{where}: {top_k} experts per token of {experts}")
@@ -146,7 +146,7 @@ def _moe_fields(
     group_count, groups_used = groups or (0, 0)
     if groups is not None and (experts % group_count or not 0 < groups_used <= group_count):
         raise ValueError(f"{where}: {experts} experts in {group_count} groups, {groups_used} used")
-    return dict(
+    return MoEConfig(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=moe_inter,
@@ -155,7 +155,7 @@ def _moe_fields(
         routed_scaling_factor=scale,
         expert_group_count=group_count,
         expert_groups_used=groups_used,
-        dense_mlp_layers=dense,
+        dense_mlp_layers=tuple(dense),
     )
 
 
@@ -210,24 +210,24 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(int(t) for t in eos)),
         mla=mla,
-        **_gguf_moe_fields(gguf, num_layers),
+        moe=_gguf_experts(gguf, num_layers),
     )
 
 
-def _gguf_moe_fields(gguf: GGUFFile, num_layers: int) -> dict[str, Any]:
+def _gguf_experts(gguf: GGUFFile, num_layers: int) -> MoEConfig | None:
     """The mixture-of-experts fields of a deepseek2 file ({}: no layer has a router). Grouped
     as llama.cpp groups them: when the file names more than one group."""
     md, path = gguf.metadata, gguf.path
     dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
     if len(dense) == num_layers:
-        return {}
+        return None
     gating = md.get("deepseek2.expert_gating_func", 1)
     if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise invalid_gguf(path, f"expert_gating_func {gating} (DeepSeek-V2 routes by softmax)")
     group_count = int(md.get("deepseek2.expert_group_count") or 0)
     groups_used = int(md.get("deepseek2.expert_group_used_count") or 0)
     moe_inter = int(md.get("deepseek2.expert_feed_forward_length") or 0)
-    return _moe_fields(
+    return _experts(
         path,
         experts=int(md.get("deepseek2.expert_count") or 0),
         top_k=int(md.get("deepseek2.expert_used_count") or 0),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,17 @@ from zllm.model.image_tokens import ImagePlaceholders
 
 _PATTERN = 6
 _LOCAL_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Fields:
+    """What only Gemma 3's model reads (ModelArchConfig.family_fields)."""
+
+    # The attention scale is query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5).
+    query_pre_attn_scalar: float
+    rope_local_theta: float  # the RoPE base of the sliding layers
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # (Gemma 2's; refused by the model)
 
 
 def layer_types(num_layers: int, pattern: int = _PATTERN) -> list[str]:
@@ -40,7 +52,7 @@ def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
         raise ValueError(f"{where}: a Gemma 3 'gemma3' config without vision_config")
     text = {"vocab_size": 262208, **(cfg.get("text_config") or {})}
     text_model = _read_text_config(text, where)
-    return dataclasses.replace(text_model, vision=True, images_bidirectional=True)
+    return dataclasses.replace(text_model, vision=True)
 
 
 def _read_text_config(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
@@ -80,10 +92,12 @@ def _read_text_config(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
         sliding_window=int(cfg.get("sliding_window") or 4096),
         qk_norm=True,
         hidden_act=str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
-        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
-        rope_local_theta=float(local_theta),
-        final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        family_fields=Gemma3Fields(
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
+            rope_local_theta=float(local_theta),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        ),
     )
 
 
@@ -118,8 +132,7 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
         sliding_window=need("attention.sliding_window", int),
         qk_norm=True,
         hidden_act="gelu_pytorch_tanh",
-        query_pre_attn_scalar=float(head_dim),
-        rope_local_theta=_LOCAL_ROPE_THETA,
+        family_fields=Gemma3Fields(float(head_dim), _LOCAL_ROPE_THETA),
     )
 
 
@@ -177,6 +190,7 @@ FAMILY = Family(
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     gguf_norms_plus_one=True,
+    fields=Gemma3Fields,
     model_class="zllm.executor.models.gemma3:Gemma3ForCausalLM",
     traits=frozenset({Trait.SLIDING_WINDOW, Trait.VISION, Trait.BIDIRECTIONAL_IMAGES}),
     lacks={Feature.CLASSIFIER_HEAD: "its model code carries no score head"},

@@ -7,7 +7,7 @@ What the record holds for it (executor/models/gpt_oss.py builds the model from i
     layers      sliding-window (128) and full attention alternating, layer 0 sliding
                 (config.json's layer_types; a GGUF file does not store them: llama.cpp's
                 swa pattern of 2, the same order); each on its KV cache group (hybrid cache)
-    attention   q/k/v/o biases, a sink logit per head (attention_sinks), YaRN RoPE
+    attention   q/k/v/o biases, a sink logit per head (its ATTENTION_SINKS trait), YaRN RoPE
     MLP         every layer a mixture of experts: num_local_experts of intermediate_size,
                 num_experts_per_tok chosen by a biased router (the softmax over the top k)
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from zllm.model import gguf_config
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, MoEConfig
 from zllm.model.family import Family, Feature, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
 from zllm.model.moe_arch import MOE_LACKS
@@ -90,10 +90,7 @@ def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
         eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
         layer_types=layer_types,
         sliding_window=int(cfg.get("sliding_window") or 128),
-        num_experts=int(need("num_local_experts")),
-        num_experts_per_tok=int(need("num_experts_per_tok")),
-        moe_intermediate_size=inter,
-        attention_sinks=True,
+        moe=MoEConfig(int(need("num_local_experts")), int(need("num_experts_per_tok")), inter),
     )
 
 
@@ -135,10 +132,7 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
         eos_token_ids=list(dict.fromkeys(eos)),
         layer_types=alternating_layer_types(num_layers),
         sliding_window=int(need("attention.sliding_window")),
-        num_experts=int(need("expert_count")),
-        num_experts_per_tok=int(need("expert_used_count")),
-        moe_intermediate_size=inter,
-        attention_sinks=True,
+        moe=MoEConfig(int(need("expert_count")), int(need("expert_used_count")), inter),
     )
 
 
