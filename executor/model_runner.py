@@ -363,7 +363,7 @@ class ModelRunner:
         whose computed context covers that block starts its step at the block instead (its
         tokens are all here), so the step's outputs are what recompute gives. Returns the
         tokens each request computes and every failed (tier, hash, block id), those of
-        loads no scheduled request covers too (a prefetch: core/kv_prefetch.py). With
+        loads no scheduled request covers too (a prefetch: core/kv/prefetch.py). With
         pipeline stages nothing is recomputed: the failures go down the pipeline with the
         step (pipeline_stage.py)."""
         loads, failures = [], []

@@ -1,5 +1,5 @@
 // A decode step through the whole decoder stack in one call:
-// the fused fast path of executor/kernels/fused_decode.py for Llama-family and Gemma 3 models on CPU.
+// the fused fast path of executor/graphs/fused_decode.py for Llama-family and Gemma 3 models on CPU.
 //
 // Why: at batch 1 the module path spends more time dispatching ~3,500 small torch ops a step
 // (norms, RoPE, slicing, cache writes, activations: ~7 ms of SmolLM2's 18 ms forward on two

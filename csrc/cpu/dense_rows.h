@@ -274,7 +274,7 @@ inline BlockRowsKernel block_rows_kernel(int64_t qtype, int64_t M) {
 
 // y [M, N] = x [M, K] @ w^T (+ bias) for fp32 x (rows contiguous) and w [N, K] contiguous: the
 // kernel above at 1-8 rows where AVX-512 runs it, torch's matmul (MKL) otherwise. The module
-// path (executor/weights/dense_rows.py) and the fused decode stack both call it, so a decode
+// path (executor/layers/linear/dense.py) and the fused decode stack both call it, so a decode
 // step's bits do not depend on which of them ran it.
 inline void dense_linear_into(const torch::Tensor& x, const torch::Tensor& w,
                               const torch::Tensor& bias, torch::Tensor& y) {

@@ -1,5 +1,5 @@
 // One projection of a mixture-of-experts layer's chosen experts in one parallel region
-// (executor/models/moe.py's decode path).
+// (executor/layers/moe/'s decode path).
 //
 // Why: a decode step's experts are tiny matmuls (Qwen3-30B-A3B: 8 chosen experts, 1536 x 2048
 // and 2048 x 768 each). One kernel call per expert opens an OpenMP region per matmul, and

@@ -29,8 +29,8 @@ taking SDPA's query-length axis:
 Both read the step's AttentionMetadata (executor/attention/metadata.py): chunked prefill,
 prefix-cache hits (a chunk gathers its context's latents by slot) and decode batches with a
 few tokens per row (speculative decoding's verify) alike. The pool holds the model's dtype
-(--kv-cache-dtype is refused for MLA, zllm/config/mla.py). CUDA and CPU kernels for the latent
-cache are not written: this is the path on every device.
+(--kv-cache-dtype is refused for MLA: the family lacks it, zllm/config/capabilities.py).
+CUDA and CPU kernels for the latent cache are not written: this is the path on every device.
 """
 
 from __future__ import annotations

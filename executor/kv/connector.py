@@ -1,5 +1,5 @@
 """The executor's side of the KV tiers: the bytes of the blocks the core's index names
-(core/kv_connector.py decides what moves; this file moves it).
+(core/kv/connector.py decides what moves; this file moves it).
 
 A block's bytes, as a tier keeps them, are every KV tensor's slice for that block id, one
 tensor per layer of the (single) KV cache group, and a draft model's layers' beside them

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation, the executor's side: the bytes of KV blocks between a
 producer's pool and a consumer's (zllm/config/kv_transfer.py says who does what; the cores
-decide which blocks: core/kv_connector.py).
+decide which blocks: core/kv/connector.py).
 
     producer                                       consumer
     step's forward writes the prompt's KV          KVReceiver thread: PULL bound at kv_ip:kv_port
@@ -28,7 +28,7 @@ for its part of each block (its KV heads of its stage's layers, sent after its s
 forward): producer rank r to consumer rank r's receiver at kv_port + r, and each consumer
 rank tells the core what its buffer holds (the core counts a block once every rank holds
 it; a load that fails on one rank is recomputed on all, model_runner.py; with stages such
-loads are prefetched: core/kv_prefetch.py). The layout names the ranks, stages and rank, so
+loads are prefetched: core/kv/prefetch.py). The layout names the ranks, stages and rank, so
 a peer cut otherwise has its blocks dropped.
 
 Shared-memory files are named `zllm-kv-<producer pid>-<consumer port>-<n>`; a consumer with

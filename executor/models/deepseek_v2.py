@@ -175,7 +175,8 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
     ) -> None:
         """`attention` is not read: MLA attends by executor/attention/mla.py whatever the
         backend (whose metadata, the torch one's, the runner builds: executor/host/layout.py).
-        Tensor parallelism is refused before this (zllm/config/mla.py)."""
+        Tensor parallelism is refused before this (the family lacks it:
+        zllm/config/capabilities.py)."""
         super().__init__()
         del attention
         if arch.mla is None:

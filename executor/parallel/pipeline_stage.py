@@ -14,7 +14,7 @@ Each stage ORs its own failures into the mask it received, and the last stage re
 union to the core (`failed_loads`), which forgets those copies. No stage ever recomputes a
 failed load in its step (stage 0 has run its layers by the time stage s finds one): the
 core sends fallible loads only in a step of their own, in which the request they are for
-computes nothing (core/kv_prefetch.py). Such a step may have no request computing at all,
+computes nothing (core/kv/prefetch.py). Such a step may have no request computing at all,
 and then the mask goes down the pipeline alone (`pass_failures`).
 """
 

@@ -1,6 +1,6 @@
 """KV tiers whose loads can fail (the disk tier, a consumer's remote buffer) with several KV
 cache groups (the hybrid KV cache): a hit that loads from them is prefetched in a step of
-its own (core/kv_prefetch.py), then the request is admitted again through the lookup.
+its own (core/kv/prefetch.py), then the request is admitted again through the lookup.
 
 The scheduler's flow as an executable spec (exact block ids and transfers), then a tiny
 Gemma 3 engine: an evicted prefix comes back from the CPU or the disk tier, and a corrupt disk block is

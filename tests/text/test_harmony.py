@@ -1,4 +1,4 @@
-"""gpt-oss's harmony (zllm/text/harmony.py): recorded gpt-oss-shaped outputs taken apart into
+"""gpt-oss's harmony (zllm/text/tool_parsers/harmony.py): recorded gpt-oss-shaped outputs taken apart into
 reasoning, content and tool calls, whole and streamed in every way the text can be cut (by
 characters, and token by token through a tokenizer with harmony's special tokens); then the
 same through the chat, Responses and Messages assemblers, the prompt side (what the chat

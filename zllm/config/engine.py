@@ -206,7 +206,7 @@ class EngineConfig:
     # Sleep mode: LLM.sleep(level)/wake_up(tags), POST /sleep and /wake_up may release the KV
     # pool (level 1) or the weights too (level 2) while idle.
     enable_sleep_mode: bool = False
-    # Ranks the model is split over (executor/ranks/parallel.py): each an executor process.
+    # Ranks the model is split over (executor/parallel/): each an executor process.
     # tensor_parallel_size ranks per pipeline stage, pipeline_parallel_size stages:
     # rank = stage * tensor_parallel_size + tensor-parallel rank.
     tensor_parallel_size: int = 1

@@ -1,5 +1,5 @@
 """What tensor and pipeline parallelism ask of a model and of the engine, checked without
-torch (the engine arguments run in processes that never import it; executor/ranks/parallel.py does
+torch (the engine arguments run in processes that never import it; executor/parallel/ does
 the cut), and which layers each pipeline stage holds."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused CPU decode path (executor/kernels/fused_decode.py, csrc/cpu/decode_stack.h) against the
+"""The fused CPU decode path (executor/graphs/fused_decode.py, csrc/cpu/decode_stack.h) against the
 module path it stands in for: the same engine steps through both, every architecture and
 weight kind it covers, and the steps and features it leaves to the modules.
 

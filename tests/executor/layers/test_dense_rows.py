@@ -1,4 +1,4 @@
-"""fp32 matmuls at decode-sized calls (csrc/cpu/dense_rows.h, executor/weights/dense_rows.py):
+"""fp32 matmuls at decode-sized calls (csrc/cpu/dense_rows.h, executor/layers/linear/dense.py):
 the AVX-512 kernel's results against torch's, each output independent of the rows beside it,
 torch's matmul wherever the kernel does not run, and an fp32 model's modules using it."""
 

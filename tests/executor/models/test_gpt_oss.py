@@ -42,7 +42,7 @@ WINDOW = GPT_OSS["sliding_window"]
 BLOCK = 4
 NUM_EXPERTS = GPT_OSS["num_local_experts"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-# Harmony's special tokens (zllm/text/harmony.py reads them) and a template that writes it.
+# Harmony's special tokens (zllm/text/tool_parsers/harmony.py reads them) and a template that writes it.
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
 HARMONY_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"

@@ -1,6 +1,6 @@
 """Pipeline stages with the KV tiers whose loads can fail (the disk tier) and with KV
 transfers (issue 38): a hit that loads from such a tier is prefetched in a step of its own,
-single-group models too (core/kv_prefetch.py), so no stage computes on a block whose load
+single-group models too (core/kv/prefetch.py), so no stage computes on a block whose load
 may fail; each stage loads its own layers' part and ORs its failures into a mask that goes
 down the pipeline with the step (executor/ranks/pipeline_stage.py); the last stage reports the
 union.

@@ -1,4 +1,4 @@
-"""Tensor parallelism (executor/ranks/parallel.py): how a model is cut, and a cut model's logits
+"""Tensor parallelism (executor/parallel/): how a model is cut, and a cut model's logits
 against the whole model's, with 2 and 3 gloo ranks as processes on loopback."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from zllm.model.moe_arch import MOE_LACKS
 FAMILY_NAME = "gpt_oss"
 HF_NAME = "gpt_oss"  # config.json's model_type
 GGUF_NAME = "gpt-oss"  # GGUF general.architecture
-# The clamped SwiGLU of gpt-oss's experts (executor/models/moe.py GPT_OSS_RULE): every
+# The clamped SwiGLU of gpt-oss's experts (executor/layers/moe/ GPT_OSS_RULE): every
 # released checkpoint has these; another value would be silently ignored, so it is refused.
 SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702
 

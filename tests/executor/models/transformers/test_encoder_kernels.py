@@ -1,5 +1,5 @@
 """An encoder's own kernels on the transformers backend: attention over a step's flat batch
-(executor/models/transformers_backend.py: prompts lie back to back, runs of one length go
+(executor/models/transformers/backend.py: prompts lie back to back, runs of one length go
 through SDPA as views of the batch; each prompt must attend to its own tokens only, as SDPA
 over that prompt alone does), and its matmuls through oneDNN with bias and GELU fused
 (executor/models/encoder_matmuls.py: the same outputs as transformers' modules)."""
