@@ -34,7 +34,6 @@ from gguf.quants import dequantize, quantize
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
-from servers import start_server, stop_server
 from tiny_models import TINY_CONFIG, arch_config_of, write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -549,17 +548,16 @@ def test_options_it_cannot_run_with_are_refused(hf_dir, option, reason) -> None:
 
 
 @pytest.mark.e2e
-def test_served_answers_as_transformers(hf_dir, tmp_path) -> None:
+def test_served_answers_as_transformers(hf_dir, engine_pool, tmp_path) -> None:
     """Token-id prompts through `zllm serve`: transformers' greedy tokens."""
     prompts = prompts_of([14, 37], seed=7)
-    server = start_server(str(hf_dir("lite")), tmp_path / "server.log", "--block-size", "4")
-    try:
+    with engine_pool.serve(
+        str(hf_dir("lite")), tmp_path / "server.log", "--block-size", "4"
+    ) as server:
         model = server.get("/v1/models").json()["data"][0]["id"]
         body = dict(model=model, max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
         body |= dict(return_tokens_as_token_ids=True, prompt=prompts)
         answer = server.post("/v1/completions", body).json()
-    finally:
-        stop_server(server)
     assert "choices" in answer, answer
     hf = hf_model(hf_dir("lite"))
     for i, choice in enumerate(sorted(answer["choices"], key=lambda c: c["index"])):

@@ -31,7 +31,6 @@ from kernel_cases import moe_arch
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
-from servers import start_server, stop_server
 from tiny_models import write_lora_adapter, write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -557,19 +556,18 @@ def test_q8_0_experts_are_held_in_the_files_blocks(gguf_file) -> None:
 
 
 @pytest.mark.e2e
-def test_served_qwen3_moe_q8_0_answers_as_transformers(gguf_file, model_dir, tmp_path) -> None:
+def test_served_qwen3_moe_q8_0_answers_as_transformers(
+    gguf_file, model_dir, engine_pool, tmp_path
+) -> None:
     path = gguf_file("qwen3_moe", "q8_0")
     hf = hf_model_as_stored(model_dir("qwen3_moe"), "q8_0")
-    server = start_server(path, tmp_path / "server.log", "--block-size", "4")
-    try:
+    with engine_pool.serve(path, tmp_path / "server.log", "--block-size", "4") as server:
         body = dict(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
         body |= dict(return_tokens_as_token_ids=True, prompt=prompts(1))
         body["model"] = server.get("/v1/models").json()["data"][0]["id"]
         answer = server.post("/v1/completions", body).json()
         assert "choices" in answer, answer
         log = server.log_text()
-    finally:
-        stop_server(server)
     assert "expert projections read blocks" in log
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     for i, (prompt, choice) in enumerate(zip(prompts(1), choices, strict=True)):

@@ -25,7 +25,6 @@ import pytest
 import torch
 from gguf_files import LLAMA3_ROPE, llama3_rope_factors, write_llama3_gguf
 from parity import assert_greedy_parity, hf_greedy
-from servers import start_server, stop_server
 from tiny_models import arch_config_of, tiny_hf_config, write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -265,7 +264,7 @@ def test_preemption(models, case) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", CASES)
-def test_served_chat_completion(models, case, tmp_path: Path) -> None:
+def test_served_chat_completion(models, case, engine_pool, tmp_path: Path) -> None:
     """One greedy chat completion from `zllm serve`: the offline engine's text, whose tokens
     are transformers' greedy ones."""
     model = models(case)
@@ -273,13 +272,12 @@ def test_served_chat_completion(models, case, tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     offline = make_llm(model).chat(messages, params, use_tqdm=False)[0]
     check(model, [offline.prompt_token_ids], [offline], f"{case} chat")
-    server = start_server(model.path, tmp_path / "server.log", "--block-size", str(BLOCK))
-    try:
+    with engine_pool.serve(
+        model.path, tmp_path / "server.log", "--block-size", str(BLOCK)
+    ) as server:
         body = {"messages": messages, "temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
         response = server.post("/v1/chat/completions", body)
         assert response.status_code == 200, response.text
         answer = response.json()
         assert answer["usage"]["completion_tokens"] == 12
         assert answer["choices"][0]["message"]["content"] == offline.outputs[0].text
-    finally:
-        stop_server(server)

@@ -33,7 +33,6 @@ from gguf.quants import dequantize, quantize
 from llama_cpp_convert import OUTTYPES, convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
-from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
 from zllm.executor.layers.linear.gguf import GGUFLinear
@@ -242,7 +241,7 @@ def test_byte_fallback_pieces_never_break_streamed_text(gguf_file) -> None:
 
 @pytest.mark.e2e
 def test_served_phi3_q8_0_tokenizes_and_answers_as_transformers(
-    gguf_file, model_dir, tmp_path
+    gguf_file, model_dir, engine_pool, tmp_path
 ) -> None:
     """The file's SentencePiece tokenizer splits text as sentencepiece does; greedy tokens of
     text and token-id prompts equal transformers' on the Q8_0-rounded checkpoint."""
@@ -254,8 +253,7 @@ def test_served_phi3_q8_0_tokenizes_and_answers_as_transformers(
     )
     text = " ".join(["Continuous batching lets requests join and leave every step."] * 4)
     hf = hf_model_as_stored(model_dir("phi3"), "q8_0")
-    server = start_server(path, tmp_path / "server.log", "--block-size", "4")
-    try:
+    with engine_pool.serve(path, tmp_path / "server.log", "--block-size", "4") as server:
         tokenized = server.post("/tokenize", {"prompt": text}).json()
         assert tokenized["tokens"] == spm.encode(text)
         body = dict(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
@@ -266,8 +264,6 @@ def test_served_phi3_q8_0_tokenizes_and_answers_as_transformers(
             answer = server.post("/v1/completions", {**body, "prompt": asked}).json()
             assert "choices" in answer, answer
             choices += sorted(answer["choices"], key=lambda c: c["index"])
-    finally:
-        stop_server(server)
     assert len(choices) == 1 + len(PROMPT_LENGTHS)
     for i, (prompt, choice) in enumerate(
         zip([spm.encode(text), *prompts(1)], choices, strict=True)
