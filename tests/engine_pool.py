@@ -137,7 +137,14 @@ class EnginePool:
         self._engine_tasks: set[asyncio.Task] = set()
 
     def _run(self, coro, timeout: float = START_TIMEOUT_S):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        """`coro` on the pool's loop; TimeoutError naming it after `timeout` seconds (it is
+        cancelled then)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"{coro.__qualname__} took over {timeout:.0f} s") from None
 
     @contextlib.contextmanager
     def serve(
@@ -183,7 +190,7 @@ class EnginePool:
         engine = self._engines.pop(key, None)
         if engine is not None:
             try:  # (made fresh only when idle: an app it serves now keeps what it has done)
-                fresh = engine.apps or self._run(_made_fresh(engine), 60)
+                fresh = engine.apps or self._run(_made_fresh(engine), 120)
             except BaseException:
                 self._shutdown(engine)
                 raise
