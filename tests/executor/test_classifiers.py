@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from pooling_models import write_classifier
-from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
 
@@ -62,11 +61,12 @@ def test_classifiers_zllm_has_no_head_for_are_refused(tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_served_classify(tmp_path) -> None:
+def test_served_classify(engine_pool, tmp_path) -> None:
     path = write_classifier(tmp_path / "model", "qwen3", ["negative", "neutral", "positive"])
     offline = LLM(str(path), kv_cache_memory_bytes=POOL).classify(TEXTS, use_tqdm=False)
-    server = start_server(str(path), tmp_path / "server.log", "--served-model-name", "cls")
-    try:
+    with engine_pool.serve(
+        str(path), tmp_path / "server.log", "--served-model-name", "cls"
+    ) as server:
         answer = server.post("/classify", {"model": "cls", "input": TEXTS})
         assert answer.status_code == 200, answer.text
         body = answer.json()
@@ -83,5 +83,3 @@ def test_served_classify(tmp_path) -> None:
                            "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert chat.status_code == 400 and "runs as a pooling model" in chat.text
         assert server.healthy()
-    finally:
-        stop_server(server)

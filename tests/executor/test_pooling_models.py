@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from pooling_models import assert_same_vectors, st_vectors, write_st_encoder, write_st_model
-from servers import start_server, stop_server
 
 from zllm import LLM, PoolingParams
 from zllm.errors import ParamError
@@ -177,7 +176,7 @@ def test_modules_zllm_does_not_run_are_refused(tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
+def test_served_embeddings_as_offline(qwen3_embedding, engine_pool, tmp_path) -> None:
     """The OpenAI client: floats and base64, a batch, token-id inputs, `dimensions`; a model
     without Matryoshka sizes refuses `dimensions` with a 400."""
     import openai
@@ -188,10 +187,9 @@ def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
     ids = llm.tokenizer.encode(TEXTS[1], add_special_tokens=False)
     by_ids = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
     del llm
-    server = start_server(
+    with engine_pool.serve(
         str(qwen3_embedding), tmp_path / "server.log", "--served-model-name", "emb"
-    )
-    try:
+    ) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
         floats = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
         assert_same_vectors([d.embedding for d in floats.data], np.asarray(offline))
@@ -209,8 +207,6 @@ def test_served_embeddings_as_offline(qwen3_embedding, tmp_path) -> None:
         classify = server.post("/classify", {"model": "emb", "input": "x"})
         assert classify.status_code == 400 and "no sequence-classification head" in classify.text
         assert server.healthy()
-    finally:
-        stop_server(server)
 
 
 def test_the_context_is_sentence_transformers_max_seq_length(tmp_path) -> None:

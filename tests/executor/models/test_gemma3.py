@@ -86,12 +86,13 @@ def test_tiny_prefix_hit_and_preemption(tiny_gemma3, hf_tiny):
 
 
 @pytest.mark.e2e
-def test_tiny_served_chat_and_stream(tiny_gemma3, tmp_path: Path):
+def test_tiny_served_chat_and_stream(tiny_gemma3, engine_pool, tmp_path: Path):
     messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     offline = make_llm(tiny_gemma3).chat(messages, params, use_tqdm=False)[0]
-    server = start_server(tiny_gemma3, tmp_path / "server.log", "--block-size", str(BLOCK))
-    try:
+    with engine_pool.serve(
+        tiny_gemma3, tmp_path / "server.log", "--block-size", str(BLOCK)
+    ) as server:
         from openai import OpenAI
 
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -102,8 +103,6 @@ def test_tiny_served_chat_and_stream(tiny_gemma3, tmp_path: Path):
         stream = client.chat.completions.create(**kwargs, extra_body=extra, stream=True)
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         assert text == offline.outputs[0].text
-    finally:
-        stop_server(server)
 
 
 # ---- the real Gemma 3 270M (Q4_K_M GGUF, 253 MB) ----------------------------------------------

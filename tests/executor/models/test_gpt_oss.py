@@ -25,7 +25,6 @@ import torch
 from family_cases import GPT_OSS
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
 from parity import assert_greedy_parity, hf_greedy
-from servers import start_server, stop_server
 from tiny_models import draw_sinks_and_expert_biases
 
 from zllm import LLM, SamplingParams
@@ -291,14 +290,15 @@ def test_harmony_parsers_selected_for_gpt_oss_only():
 
 
 @pytest.mark.e2e
-def test_served_with_harmony_parsers(gpt_oss_dir, tmp_path):
+def test_served_with_harmony_parsers(gpt_oss_dir, engine_pool, tmp_path):
     """`zllm serve` on the tiny gpt-oss, no parser named: a grammar makes it write harmony
     (analysis, then final) and chat answers it as reasoning_content and content, so the
     parsers were chosen; a greedy completion is transformers' greedy text."""
     from zllm.text.tokenizer import load_tokenizer
 
-    server = start_server(str(gpt_oss_dir), tmp_path / "server.log", "--served-model-name", "tiny")
-    try:
+    with engine_pool.serve(
+        str(gpt_oss_dir), tmp_path / "server.log", "--served-model-name", "tiny"
+    ) as server:
         tokenizer = load_tokenizer(str(gpt_oss_dir))
         ids = {t: tokenizer.encode(t, add_special_tokens=False)[0] for t in HARMONY_TOKENS}
         grammar = (
@@ -325,5 +325,3 @@ def test_served_with_harmony_parsers(gpt_oss_dir, tmp_path):
         theirs = hf_greedy(hf_model_of(gpt_oss_dir), prompt, 16)
         assert r.json()["choices"][0]["text"] == tokenizer.decode(theirs)
         assert "openai_gptoss" in server.log_text()
-    finally:
-        stop_server(server)

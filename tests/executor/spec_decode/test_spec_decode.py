@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from servers import start_server, stop_server, wait_until
+from servers import wait_until
 from tiny_models import write_tiny_model
 
 from zllm import LLM, SamplingParams
@@ -360,17 +360,16 @@ def test_sampled_tokens_keep_the_targets_distribution(model_dir, base, method) -
 
 
 @pytest.mark.e2e
-def test_served_with_ngram_speculation(model_dir, base, tmp_path) -> None:
+def test_served_with_ngram_speculation(model_dir, base, engine_pool, tmp_path) -> None:
     """`zllm serve --speculative-config`: the openai client gets plain decoding's greedy
     text, streamed and not, and /metrics counts drafts and accepted tokens."""
     import json
 
     from openai import OpenAI
 
-    server = start_server(
+    with engine_pool.serve(
         model_dir, tmp_path / "server.log", "--speculative-config", json.dumps(NGRAM)
-    )
-    try:
+    ) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -410,8 +409,6 @@ def test_served_with_ngram_speculation(model_dir, base, tmp_path) -> None:
             metrics,
             re.M,
         )
-    finally:
-        stop_server(server)
 
 
 # ---- the core: one step in flight for a speculating request ---------------------------------

@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 from PIL import Image
-from servers import start_server, stop_server
 from vision_models import IMAGE_TOKEN, png, write_tiny_gemma3_vlm
 
 from zllm import LLM, SamplingParams
@@ -176,7 +175,7 @@ def data_url(seed: int) -> str:
 
 
 @pytest.mark.e2e
-def test_served_images_answer_as_offline_on_every_api(model_dir, tmp_path) -> None:
+def test_served_images_answer_as_offline_on_every_api(model_dir, engine_pool, tmp_path) -> None:
     """The OpenAI client's image_url parts (data URLs), the Anthropic client's base64 image
     blocks and a Responses input_image: the offline engine's tokens for the same
     conversation, the image tokens counted in usage and by /tokenize."""
@@ -195,8 +194,9 @@ def test_served_images_answer_as_offline_on_every_api(model_dir, tmp_path) -> No
     expected, prompt_len = offline.outputs[0].text, len(offline.prompt_token_ids)
     del llm
 
-    server = start_server(model_dir, tmp_path / "server.log", "--served-model-name", "g3")
-    try:
+    # (An engine of its own: /metrics' image encoder entries are counted from none.)
+    log = tmp_path / "server.log"
+    with engine_pool.serve(model_dir, log, "--served-model-name", "g3", shared=False) as server:
         urls = [data_url(1), data_url(3)]
         content = [
             {"type": "text", "text": "Compare"},
@@ -260,5 +260,3 @@ def test_served_images_answer_as_offline_on_every_api(model_dir, tmp_path) -> No
         else:
             raise AssertionError(f"no image_encoder entries of 2 on /metrics: {lines}")
         assert 'cache_capacity{cache="image_encoder_bytes"' in metrics
-    finally:
-        stop_server(server)

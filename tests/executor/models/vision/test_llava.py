@@ -15,7 +15,6 @@ import io
 import pytest
 import torch
 from PIL import Image
-from servers import start_server, stop_server
 from vision_models import LLAVA_IMAGE_TOKEN, png, write_tiny_llava
 
 from zllm import LLM, SamplingParams
@@ -161,7 +160,7 @@ def test_a_sparse_hub_config_reads_over_llamas_defaults(tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
+def test_served_images_answer_as_offline(model_dir, engine_pool, tmp_path) -> None:
     import openai
 
     llm = LLM(model_dir, kv_cache_memory_bytes=POOL)
@@ -169,8 +168,9 @@ def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     offline = llm.chat([{"role": "user", "content": parts}], plain, use_tqdm=False)[0]
     del llm
-    server = start_server(model_dir, tmp_path / "server.log", "--served-model-name", "llava")
-    try:
+    with engine_pool.serve(
+        model_dir, tmp_path / "server.log", "--served-model-name", "llava"
+    ) as server:
         url = "data:image/png;base64," + base64.b64encode(png(1, SIZES[1])).decode()
         content = [{"type": "text", "text": "Describe"},
                    {"type": "image_url", "image_url": {"url": url}}]  # fmt: skip
@@ -181,5 +181,3 @@ def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
         )  # fmt: skip
         assert chat.choices[0].message.content == offline.outputs[0].text
         assert chat.usage.prompt_tokens == len(offline.prompt_token_ids)
-    finally:
-        stop_server(server)

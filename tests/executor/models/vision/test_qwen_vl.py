@@ -24,7 +24,6 @@ from qwen_vl_reference import (
     hf_inputs,
     images,
 )
-from servers import start_server, stop_server
 from vision_models import QWEN_VL_IMAGE_TOKENS, write_tiny_qwen_vl
 
 from zllm import LLM, SamplingParams
@@ -161,7 +160,7 @@ def test_bad_images_and_options_are_refused(model_dir) -> None:
 
 
 @pytest.mark.e2e
-def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
+def test_served_images_answer_as_offline(model_dir, engine_pool, tmp_path) -> None:
     """The OpenAI client's image_url parts, the Anthropic client's base64 image blocks and a
     Responses input_image: the offline engine's tokens for the same conversation;
     /tokenize counts each image's tokens from its size; an image the processor refuses is
@@ -181,8 +180,9 @@ def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
     expected, prompt_len = offline.outputs[0].text, len(offline.prompt_token_ids)
     del llm
 
-    server = start_server(model_dir, tmp_path / "server.log", "--served-model-name", "qvl")
-    try:
+    with engine_pool.serve(
+        model_dir, tmp_path / "server.log", "--served-model-name", "qvl"
+    ) as server:
         content = [
             {"type": "text", "text": "Compare"},
             {"type": "image_url", "image_url": {"url": data_url(0)}},
@@ -234,5 +234,3 @@ def test_served_images_answer_as_offline(model_dir, tmp_path) -> None:
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})  # fmt: skip
         assert bad.status_code == 400 and "402x2" in bad.text, bad.text
         assert server.healthy()
-    finally:
-        stop_server(server)
