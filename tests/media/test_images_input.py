@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM
@@ -236,15 +235,14 @@ def test_offline_prompts_with_images_are_checked_then_refused_by_a_text_model(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, engine_pool):
     path = tmp_path_factory.mktemp("images")
     model = write_tiny_model(path / "model")
-    server = start_server(
+    with engine_pool.serve(
         str(model), path / "server.log", "--served-model-name", "tiny",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-image-pixels", "1000000",
-    )  # fmt: skip
-    yield server
-    stop_server(server)
+    ) as server:  # fmt: skip
+        yield server
 
 
 def _chat(parts: list[dict]) -> dict:

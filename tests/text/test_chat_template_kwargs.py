@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm.errors import ParamError
@@ -66,12 +65,12 @@ def test_the_parser_follows_the_thinking_switch() -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, engine_pool):
     root = tmp_path_factory.mktemp("template_kwargs")
     model = write_tiny_model(
         root / "model", chat_template=SWITCHED_TEMPLATE, extra_tokens=["<think>", "</think>"]
     )
-    server = start_server(
+    with engine_pool.serve(
         str(model),
         root / "server.log",
         "--reasoning-parser",
@@ -80,11 +79,8 @@ def served(tmp_path_factory):
         "tiny",
         "--default-chat-template-kwargs",
         json.dumps(DEFAULTS),
-    )
-    try:
+    ) as server:
         yield server, load_tokenizer(str(model))
-    finally:
-        stop_server(server)
 
 
 def prompt_ids(tokenizer, **kwargs) -> list[int]:

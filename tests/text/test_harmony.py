@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 import pytest
-from servers import sse_events, sse_lines, start_server, stop_server
+from servers import sse_events, sse_lines
 from tiny_models import build_tiny_tokenizer, write_tiny_model
 from tokenizers.decoders import DecodeStream
 
@@ -533,7 +533,7 @@ def _chat_stream(server, body: dict) -> tuple[str, str, dict[int, list[str]], st
 
 
 @pytest.mark.e2e
-def test_served(harmony_model, tmp_path) -> None:
+def test_served(harmony_model, engine_pool, tmp_path) -> None:
     """`zllm serve --reasoning-parser openai_gptoss --tool-call-parser openai`: a grammar
     makes the tiny model write a harmony answer and a harmony call (its special tokens as
     themselves); chat answers them as reasoning_content, content and tool_calls, whole and
@@ -541,7 +541,7 @@ def test_served(harmony_model, tmp_path) -> None:
     out, chat's split is the parser's split of the raw text, which /v1/completions returns
     for the same seed. Responses and Messages answer too (their mapping: the assembler
     tests above)."""
-    server = start_server(
+    with engine_pool.serve(
         str(harmony_model),
         tmp_path / "server.log",
         "--reasoning-parser",
@@ -550,8 +550,7 @@ def test_served(harmony_model, tmp_path) -> None:
         "openai",
         "--served-model-name",
         "tiny",
-    )
-    try:
+    ) as server:
         tokenizer = load_tokenizer(str(harmony_model))
         ask = [{"role": "user", "content": "Weather in Paris?"}]
         answer = f"{ANALYSIS}Think first.{NEXT}{FINAL}Sunny.<|return|>"
@@ -597,8 +596,6 @@ def test_served(harmony_model, tmp_path) -> None:
         assert calls == {0: ["get_weather", PARIS]}
         _check_free_sampling(server, tokenizer)
         _check_responses_and_messages(server)
-    finally:
-        stop_server(server)
 
 
 def _random_harmony_grammar(tokenizer) -> str:

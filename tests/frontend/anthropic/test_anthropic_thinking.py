@@ -19,7 +19,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm.frontend.anthropic.thinking import ThinkingSigner
@@ -100,7 +99,7 @@ def test_signer_warns_of_a_key_others_can_read(tmp_path, caplog) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, engine_pool):
     root = tmp_path_factory.mktemp("thinking")
     model = write_tiny_model(
         root / "model",
@@ -112,7 +111,7 @@ def served(tmp_path_factory):
     key_file = root / "signature.key"
     key_file.write_bytes(os.urandom(32))
     key_file.chmod(0o600)
-    server = start_server(
+    with engine_pool.serve(
         str(model),
         root / "server.log",
         "--reasoning-parser",
@@ -121,11 +120,8 @@ def served(tmp_path_factory):
         "tiny",
         "--thinking-signature-key-file",
         str(key_file),
-    )
-    try:
+    ) as server:
         yield server, key_file.read_bytes()
-    finally:
-        stop_server(server)
 
 
 def claude_of(server):

@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
-from servers import sse_lines, start_server, stop_server
+from servers import sse_lines
 from tiny_models import write_tiny_model
 from tool_calls import CALL_TOKENS, TOOLS
 
@@ -143,7 +143,7 @@ JSON_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, engine_pool):
     path = tmp_path_factory.mktemp("schemas")
     model = write_tiny_model(
         path / "model",
@@ -151,7 +151,7 @@ def server(tmp_path_factory):
         extra_tokens=[*CALL_TOKENS, "<think>", "</think>"],
         max_position_embeddings=2048,  # the tools' JSON in byte-level tokens is long
     )
-    server = start_server(
+    with engine_pool.serve(
         str(model),
         path / "server.log",
         "--served-model-name",
@@ -160,9 +160,8 @@ def server(tmp_path_factory):
         "deepseek_r1",
         "--tool-call-parser",
         "hermes",
-    )
-    yield server
-    stop_server(server)
+    ) as server:
+        yield server
 
 
 def post(server, path: str, body: dict, status: int = 200) -> dict:
@@ -348,7 +347,7 @@ def test_error_bodies_of_other_statuses(server) -> None:
 def held_by_design() -> set[str]:
     """The names docs/serving.md lists as accepted and ignored by design (its paragraph
     that begins so): the doc and this test read one list."""
-    serving = (ROOT.parent / "docs" / "serving.md").read_text()
+    serving = (ROOT.parents[2] / "docs" / "serving.md").read_text()  # (tests/frontend/openai)
     match = re.search(r"^Accepted and ignored by design.*?(?=\n\n)", serving, re.M | re.S)
     assert match, "docs/serving.md lost its 'Accepted and ignored by design' paragraph"
     listed = match.group(0).split(" (", 1)[0]  # the names, before the reasons

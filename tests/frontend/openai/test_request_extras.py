@@ -9,7 +9,7 @@ checked against the text), so the masks are checked token by token.
 from __future__ import annotations
 
 import pytest
-from servers import error_of, start_server, stop_server
+from servers import error_of
 from tiny_models import write_tiny_model
 
 from zllm.errors import ParamError
@@ -79,10 +79,10 @@ def test_the_final_message_is_left_open() -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, engine_pool):
     root = tmp_path_factory.mktemp("extras")
     model = write_tiny_model(root / "model", chat_template=RAG_TEMPLATE)
-    server = start_server(
+    with engine_pool.serve(
         str(model),
         root / "server.log",
         "--served-model-name",
@@ -90,11 +90,8 @@ def served(tmp_path_factory):
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--trust-request-chat-template",
-    )
-    try:
+    ) as server:
         yield server, load_tokenizer(str(model))
-    finally:
-        stop_server(server)
 
 
 def openai_client(server):
