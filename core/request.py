@@ -105,7 +105,7 @@ class _RequestFields:
     # computed in one step (`chunk_end`).
     images: list[PlacedImage] = field(default_factory=list)
     whole_images: bool = False
-    # An encoder's prompt (ModelArchConfig.encoder): its tokens attend to each other both
+    # An encoder's prompt (its family's ENCODER trait): its tokens attend to each other both
     # ways, so the whole prompt is computed in one step (`chunk_end`).
     whole_prompt: bool = False
     _image_words: list[int] | None = field(default=None, repr=False)

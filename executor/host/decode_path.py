@@ -28,7 +28,7 @@ from zllm.executor.graphs import fused_decode
 from zllm.executor.graphs.fused_decode import FusedDecode
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.model.family import Feature
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family
 
 if TYPE_CHECKING:
     from zllm.executor.attention.backend import StepAttentionMetadata
@@ -101,7 +101,7 @@ class DecodePath:
         layout, config = self.layout, self.layout.config
         if layout.device.type != "cpu" or not (fused_decode.enabled() and cpu_kernels.enabled()):
             return None
-        family = family_of(layout.arch)
+        family = code_family(layout.arch, config.model_impl)
         skip = (
             family.lacks[Feature.FUSED_CPU_DECODE]
             if not family.supports(Feature.FUSED_CPU_DECODE)
@@ -167,7 +167,7 @@ class DecodePath:
         config = self.layout.config
         if not config.piecewise_cuda_graphs or config.enforce_eager or not self._graphs_apply():
             return None
-        family = family_of(self.layout.arch)
+        family = code_family(self.layout.arch, config.model_impl)
         if not family.supports(Feature.PIECEWISE_CUDA_GRAPHS):
             why = family.lacks[Feature.PIECEWISE_CUDA_GRAPHS]
             logger.info("%s: decode graphs only, no piecewise graphs (%s)", family.title, why)

@@ -33,7 +33,7 @@ from zllm.kv.cache_groups import KVCacheGroup, kv_cache_groups
 from zllm.kv.kv_dtypes import row_width
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.family import Feature, Trait
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RankLayout:
         decode path captures them; LoRA then keeps its adapters in slot buffers)."""
         if self.device.type != "cuda" or self.attention.name != "cuda":
             return False  # graphs replay the CUDA backend's kernels
-        family = family_of(self.arch)
+        family = code_family(self.arch, self.config.model_impl)
         if not family.supports(Feature.CUDA_GRAPHS):
             logger.info("%s: no CUDA graphs (%s)", family.title, family.lacks[Feature.CUDA_GRAPHS])
             return False

@@ -40,7 +40,7 @@ from zllm.executor.weights.loader import init_dummy_weights, load_weights
 from zllm.executor.weights.placement import move_blocks_, move_weights
 from zllm.model.family import Trait
 from zllm.model.gguf import read_gguf
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family, family_of
 from zllm.runtime.heap_trim import trim_heap
 
 if TYPE_CHECKING:
@@ -161,7 +161,8 @@ class ModelWeights:
     def _transformers_code(self) -> bool:
         """Whether transformers' modeling code runs the model (the family's code, or a native
         family's under --model-impl transformers: zllm/model/impl.py)."""
-        return family_of(self.layout.config.arch).code == "transformers"
+        config = self.layout.config
+        return code_family(config.arch, config.model_impl).code == "transformers"
 
     def _load_model(self) -> nn.Module:
         """Our model code, or transformers' through the transformers backend (model_impl)."""
@@ -171,11 +172,11 @@ class ModelWeights:
             # The whole model's arch: each rank cuts its part of the loaded model (tp, pp).
             where = (layout.dtype, layout.device, layout.attention)
             # (Quantized: transformers' matmuls swapped for ours after loading.)
-            return model_class_of(config.arch).load(
+            return model_class_of(config.arch, config.model_impl).load(
                 config.model_path, config.arch, *where, dummy, layout.tp, layout.pp,
                 self.quantization,
             )  # fmt: skip
-        model_cls = model_class_of(layout.arch)
+        model_cls = model_class_of(layout.arch, config.model_impl)
         model = model_cls(
             config.arch, dtype=layout.dtype, attention=layout.attention, tp=layout.tp, pp=layout.pp
         )

@@ -9,10 +9,10 @@ import importlib
 from torch import nn
 
 from zllm.model.arch_config import ModelArchConfig
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family
 
 
-def model_class_of(arch: ModelArchConfig) -> type[nn.Module]:
-    """The class whose code runs `arch`'s family."""
-    module, _, name = family_of(arch).model_class.partition(":")
+def model_class_of(arch: ModelArchConfig, model_impl: str = "zllm") -> type[nn.Module]:
+    """The class whose code runs `arch` under `model_impl` (registry.code_family)."""
+    module, _, name = code_family(arch, model_impl).model_class.partition(":")
     return getattr(importlib.import_module(module), name)

@@ -185,3 +185,33 @@ def test_the_record_crosses_processes_whole(tmp_path):
     for arch in (moe, gemma):
         back = msgspec.msgpack.decode(msgspec.msgpack.encode(arch), type=type(arch))
         assert back == arch and type(back.family_fields) is type(arch.family_fields)
+
+
+def test_transformers_code_runs_a_native_family_that_stays_itself(tmp_path):
+    """--model-impl transformers on a native family: the record keeps its family (its traits,
+    parsers and tensor names), the code's capabilities are the transformers backend's, and
+    a base model's checkpoint still has no LM head, as its own family reads it."""
+    from safetensors.numpy import save_file
+
+    path = write_tiny_model(tmp_path / "q", "qwen3", weights=False)
+    arch = arch_of(str(path), "transformers")
+    assert arch.family == "qwen3" and registry.family_of(arch).name == "qwen3"
+    assert registry.code_family(arch, "transformers") is registry.TRANSFORMERS
+    assert registry.code_family(arch, "zllm").name == "qwen3"
+    bert = dataclasses.replace(arch, family="bert")  # a family on transformers' code anyway
+    assert registry.code_family(bert, "transformers").name == "bert"
+    save_file({"embed_tokens.weight": np.zeros((2, 2), np.float32)}, str(path / "model.safetensors"))  # fmt: skip
+    for impl in ("zllm", "transformers"):
+        assert not arch_of(str(path), impl).lm_head, impl
+
+
+def test_a_native_classifier_on_transformers_code_is_refused_naming_the_option(tmp_path):
+    import json
+
+    path = write_tiny_model(tmp_path / "c", "qwen3", weights=False)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForSequenceClassification"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert arch_of(str(path), "zllm").num_labels == 2
+    with pytest.raises(ValueError, match="--model-impl transformers runs classifier heads of encoders only"):  # fmt: skip
+        arch_of(str(path), "transformers")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from zllm.config.engine import EngineConfig
 from zllm.model.family import Feature
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family, family_of
 
 
 def _asked(config: EngineConfig) -> list[tuple[Feature, str]]:
@@ -34,7 +34,7 @@ def _asked(config: EngineConfig) -> list[tuple[Feature, str]]:
 
 def capability_refusals(config: EngineConfig) -> list[str]:
     """Why each option in `config` cannot run the model's family (empty: it runs as asked)."""
-    family = family_of(config.arch)
+    family = code_family(config.arch, config.model_impl)
     reasons = [family.refusal(f, option) for f, option in _asked(config) if not family.supports(f)]
     spec = config.speculative
     if spec is not None and spec.draft_arch is not None:

@@ -25,6 +25,8 @@ def indivisible(arch: ModelArchConfig, size: int) -> list[str]:
         problems.append(f"{kv} KV heads (need a multiple of the ranks, or ranks a multiple of it)")
     if arch.intermediate_size % size:
         problems.append(f"intermediate size {arch.intermediate_size}")
+    if arch.moe is not None:  # (zllm's own MoE families refuse it first, as a capability)
+        problems.append("mixture-of-experts layers (not split across ranks yet)")
     return problems
 
 

@@ -198,7 +198,7 @@ def runner_of(requested: str, model_path: str, arch: ModelArchConfig) -> str:
 
 
 def check_encoder(config: EngineConfig) -> None:
-    """An encoder model (ModelArchConfig.encoder) computes each prompt in one step: the step's
+    """An encoder model (its family's ENCODER trait) computes each prompt in one step: the step's
     token budget must hold the longest prompt; and it only pools."""
     if not family_of(config.arch).has(Trait.ENCODER):
         return

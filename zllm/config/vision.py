@@ -20,7 +20,7 @@ from pathlib import Path
 from zllm.config.engine import EngineConfig
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.family import ImageRules, Trait
-from zllm.model.registry import family_of
+from zllm.model.registry import code_family, family_of
 
 
 def _image_rules(arch: ModelArchConfig) -> ImageRules:
@@ -62,7 +62,7 @@ def vision_refusals(config: EngineConfig, tokens_per_image: int) -> list[str]:
             "--pipeline-parallel-size: the image features join the embeddings, which only "
             "the first stage holds"
         )
-    if family_of(config.arch).images is None:  # a native family on transformers' code
+    if code_family(config.arch, config.model_impl).images is None:  # on transformers' code
         reasons.append("--model-impl transformers: zllm's own model code takes the images")
     if config.speculative is not None and config.speculative.method != "ngram":
         reasons.append(

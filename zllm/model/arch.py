@@ -46,29 +46,26 @@ def read_arch_config(model_path: str) -> ModelArchConfig:
 
 def read_model_arch(model_path: str, impl: ModelImpl) -> ModelArchConfig:
     """The record the engine runs `model_path` with under `impl`: read by its family's reader
-    (a native family's reads its models whichever code runs them)."""
+    (a native family's reads its models whichever code runs them; the record's `family` stays
+    that family, and registry.code_family says whose code runs it)."""
     reader, source = impl.reader, impl.source
     if reader is None:
         _refuse_foreign(model_path, impl)
     if isinstance(source, GGUFFile):
         if reader.read_gguf is None:
             raise ValueError(f"{model_path}: zllm reads no GGUF files of the {reader.title} family")
-        arch = _with_stop_tokens(reader.read_gguf(source), model_path, source)
-    else:
-        directory = Path(model_path)
-        arch = reader.read_hf(source, directory / "config.json")
-        arch = _with_heads(arch, directory, impl.family or reader)
-    if impl.family is not None and impl.family is not reader:  # the transformers backend's
-        arch = dataclasses.replace(arch, family=impl.family.name)
-    return arch
+        return _with_stop_tokens(reader.read_gguf(source), model_path, source)
+    directory = Path(model_path)
+    arch = reader.read_hf(source, directory / "config.json")
+    return _with_heads(arch, directory, reader, impl.family or reader)
 
 
 def _refuse_foreign(model_path: str, impl: ModelImpl) -> None:
     """--model-impl zllm for an architecture zllm's own code does not run: ValueError naming
     what it runs, and what runs this one instead."""
-    problem = _unsupported(model_path, impl)
     if isinstance(impl.source, GGUFFile) and importlib.util.find_spec("transformers"):
         refuse_unreadable_gguf(impl.source, None)  # nothing runs it: say so instead
+    problem = _unsupported(model_path, impl)
     raise ValueError(
         f"{problem}; --model-impl transformers (or auto) runs it with transformers' modeling code"
     )
@@ -102,23 +99,33 @@ def sequence_labels(directory: Path) -> list[str]:
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count)]
 
 
-def _with_heads(arch: ModelArchConfig, directory: Path, family: Family) -> ModelArchConfig:
+def _with_heads(
+    arch: ModelArchConfig, directory: Path, reader: Family, code: Family
+) -> ModelArchConfig:
     """A classifier's score head in place of the LM head, or a base model's checkpoint (an
-    embedding model's decoder) without one: it pools."""
+    embedding model's decoder) without one: it pools. `reader`: the model's family; `code`:
+    the family whose code runs it (the transformers backend's under --model-impl
+    transformers)."""
+    where = directory / "config.json"
     labels = sequence_labels(directory)
-    if labels:
-        if not family.supports(Feature.CLASSIFIER_HEAD):
+    if labels and not code.supports(Feature.CLASSIFIER_HEAD):
+        if code is not reader:  # a native family's classifier on transformers' code
             raise ValueError(
-                f"{directory / 'config.json'}: a sequence-classification {arch.architecture} "
-                f"model: zllm runs classifier heads on {classifier_families_text()}"
+                f"{where}: a sequence-classification {arch.architecture} model: --model-impl "
+                f"transformers runs classifier heads of encoders only; zllm's own code runs "
+                f"this one (--model-impl auto)"
             )
-        if family.code != "zllm":  # transformers' own head, on its [CLS]
-            return dataclasses.replace(arch, lm_head=False, num_labels=len(labels))
-        # zllm's models still build an LM head, which the tied embedding fills.
+        raise ValueError(
+            f"{where}: a sequence-classification {arch.architecture} model: zllm runs "
+            f"classifier heads on {classifier_families_text()}"
+        )
+    if reader.code != "zllm":  # the encoders' own head, transformers', on its [CLS]
+        return dataclasses.replace(arch, lm_head=False, num_labels=len(labels)) if labels else arch
+    if labels:  # zllm's models still build an LM head, which the tied embedding fills
         return dataclasses.replace(
             arch, tie_word_embeddings=True, lm_head=False, num_labels=len(labels)
         )
-    if family.code == "zllm" and is_base_model(directory):
+    if is_base_model(directory):
         return dataclasses.replace(arch, tie_word_embeddings=True, lm_head=False)
     return arch
 

@@ -51,8 +51,6 @@ class Trait(enum.Enum):
     BIDIRECTIONAL_IMAGES = "image tokens that attend both ways"
     # Every token attends to its whole prompt: a prompt is computed in one step and pools.
     ENCODER = "an encoder"
-    # Writes OpenAI's harmony format (channels for reasoning, tool calls and content).
-    HARMONY = "OpenAI's harmony format"
 
 
 @dataclass(frozen=True, slots=True)

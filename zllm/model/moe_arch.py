@@ -32,11 +32,14 @@ def moe_from_hf(
     width_key: str = "moe_intermediate_size",
     always_renormalise: bool = False,
     shared_expert: bool = False,
+    dense_layers: bool = True,
 ) -> MoEConfig:
     """The fields from a config.json. `width_key`: the key of one expert's width (Mixtral's
     experts are intermediate_size wide); `always_renormalise`: the family's router always
     renormalises the chosen weights (Mixtral's), else norm_topk_prob says; `shared_expert`:
-    the family has Qwen2-MoE's always-on expert (shared_expert_intermediate_size)."""
+    the family has Qwen2-MoE's always-on expert (shared_expert_intermediate_size);
+    `dense_layers`: mlp_only_layers and decoder_sparse_step make layers dense (Qwen's;
+    transformers' Mixtral reads neither: every layer has experts)."""
     model_type = cfg["model_type"]
     if cfg.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window is not supported for {model_type}")
@@ -57,7 +60,9 @@ def moe_from_hf(
         moe_intermediate_size=int(cfg[width_key]),
         norm_topk_prob=always_renormalise or bool(cfg.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=int(shared or 0),
-        dense_mlp_layers=tuple(i for i in range(num_layers) if i in only_dense or (i + 1) % step),
+        dense_mlp_layers=tuple(
+            i for i in range(num_layers) if dense_layers and (i in only_dense or (i + 1) % step)
+        ),
     )
 
 

@@ -58,6 +58,17 @@ def family_of(arch: ModelArchConfig) -> Family:
     return family_named(arch.family)
 
 
+def code_family(arch: ModelArchConfig, model_impl: str) -> Family:
+    """The family whose code runs `arch` under `model_impl`: its own, or the transformers
+    backend's where transformers' code runs a native family (--model-impl transformers).
+    What the code can do (fused decode, graphs, ...) is this family's; what the model is
+    (its tensor names, its traits) stays its own family's (family_of)."""
+    family = family_of(arch)
+    if model_impl == "transformers" and family.code == "zllm":
+        return TRANSFORMERS
+    return family
+
+
 def family_for_config(cfg: dict) -> Family | None:
     """The family a config.json's model_type belongs to (None: no family claims it)."""
     return _BY_MODEL_TYPE.get(str(cfg.get("model_type")))

@@ -61,7 +61,7 @@ GPT_OSS_RULE = MoERule(
 
 def rule_of(arch: ModelArchConfig) -> MoERule:
     """The rule of the Qwen-MoE / Mixtral / OLMoE families: softmax, top k, optionally
-    renormalised (Mixtral's configs have no norm_topk_prob: arch.py sets it for them)."""
+    renormalised (Mixtral's configs have no norm_topk_prob: its family's reader sets it)."""
     return MoERule(norm_topk_prob=arch.moe.norm_topk_prob)
 
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (executor/models/moe.py) and the models that use it.
+"""The mixture-of-experts layer (executor/layers/moe/) and the models that use it.
 
 the block    routing (softmax-then-top-k, renormalised or not; gpt-oss's top-k-then-softmax),
              ties to the lower expert id, tokens grouped by expert, a shared expert: against
@@ -64,14 +64,14 @@ def random_block(arch: ModelArchConfig, seed: int) -> MoEBlock:
 
     gen = torch.Generator().manual_seed(seed)
     shared = None
-    if arch.shared_expert_intermediate_size:
+    if arch.moe.shared_expert_intermediate_size:
         shared = LlamaMLP(
-            arch, torch.float32, intermediate_size=arch.shared_expert_intermediate_size
+            arch, torch.float32, intermediate_size=arch.moe.shared_expert_intermediate_size
         )
     block = MoEBlock(arch, torch.float32, shared_expert=shared).requires_grad_(False)
     with torch.no_grad():
         router = torch.randint(-4, 5, block.gate.weight.shape, generator=gen) / 8.0
-        if arch.num_experts >= 8:
+        if arch.moe.num_experts >= 8:
             router[5], router[6] = router[1], router[2]
         block.gate.weight.copy_(router)
         for param in [block.experts_gate_up.weight, block.experts_down.weight]:
@@ -423,6 +423,11 @@ def test_tensor_parallelism_is_refused_for_experts(tmp_path) -> None:
         "qwen3_moe cannot run with --tensor-parallel-size 2: its mixture-of-experts layers are "
         "not split across ranks yet (the Qwen3-MoE family (qwen3_moe) has no tensor parallelism)"
     )
+    # On transformers' code (whose plan does not cut experts either): the shape's refusal.
+    with pytest.raises(ValueError, match="mixture-of-experts layers \\(not split across ranks"):
+        EngineArgs(
+            model=path, tensor_parallel_size=2, model_impl="transformers"
+        ).create_engine_config()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +500,7 @@ def test_the_file_reads_as_its_checkpoint(gguf_file, model_dir, case) -> None:
     if case == "mixtral":  # the converter writes Mixtral's expert size as the MLP's
         same["intermediate_size"] = checkpoint.intermediate_size
     assert dataclasses.replace(ours, **same) == checkpoint
-    assert ours.num_experts and ours.norm_topk_prob == (case != "qwen2_moe")
+    assert ours.moe is not None and ours.moe.norm_topk_prob == (case != "qwen2_moe")
 
 
 @pytest.mark.parametrize("outtype", OUTTYPES)

@@ -186,7 +186,7 @@ FAMILY = Family(
     },
     transformers_gguf_problem=_transformers_gguf_problem,
     model_class="zllm.executor.models.gpt_oss:GptOssForCausalLM",
-    traits=frozenset({Trait.SLIDING_WINDOW, Trait.ATTENTION_SINKS, Trait.MOE, Trait.HARMONY}),
+    traits=frozenset({Trait.SLIDING_WINDOW, Trait.ATTENTION_SINKS, Trait.MOE}),
     lacks={**MOE_LACKS, Feature.CLASSIFIER_HEAD: "its model code carries no score head"},
     default_parsers=("openai_gptoss", "openai"),
 )

@@ -17,7 +17,9 @@ from zllm.model.moe_arch import MOE_LACKS, moe_from_gguf, moe_from_hf
 
 def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
     # Every expert intermediate_size wide; the router always renormalises.
-    experts = partial(moe_from_hf, width_key="intermediate_size", always_renormalise=True)
+    experts = partial(
+        moe_from_hf, width_key="intermediate_size", always_renormalise=True, dense_layers=False
+    )
     windows = hf_config.every_layer_windowed()  # (Mixtral's config class defaults it to None)
     return hf_config.decoder_arch(cfg, where, FAMILY.name, windows=windows, experts=experts)
 
