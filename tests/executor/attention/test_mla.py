@@ -421,10 +421,11 @@ def test_deepseek_router_matches_transformers_router() -> None:
 
 def test_moe_config_reads_as_deepseek_moe_layers(hf_dir) -> None:
     arch = read_arch_config(str(hf_dir("moe")))
-    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (8, 2, 32)
-    assert (arch.expert_group_count, arch.expert_groups_used) == (2, 1)
-    assert arch.shared_expert_intermediate_size == 32 and arch.routed_scaling_factor == 1.5
-    assert arch.dense_mlp_layers == [0] and not arch.norm_topk_prob
+    moe = arch.moe
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 32)
+    assert (moe.expert_group_count, moe.expert_groups_used) == (2, 1)
+    assert moe.shared_expert_intermediate_size == 32 and moe.routed_scaling_factor == 1.5
+    assert moe.dense_mlp_layers == (0,) and not moe.norm_topk_prob
     rule = deepseek_rule(arch)
     assert (rule.router, rule.shared_expert_gated) == (GROUPED_SOFTMAX_TOPK, False)
 
@@ -455,10 +456,7 @@ def test_the_moe_file_reads_as_its_checkpoint(moe_gguf) -> None:
     gguf = read_gguf(path)
     assert {"blk.1.ffn_gate_exps.weight", "blk.2.ffn_down_shexp.weight"} <= gguf.tensors.keys()
     ours, checkpoint = read_arch_config(path), read_arch_config(str(moe_gguf.source))
-    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "shared_expert_intermediate_size", "norm_topk_prob", "routed_scaling_factor",
-                  "expert_group_count", "expert_groups_used", "dense_mlp_layers"):  # fmt: skip
-        assert getattr(ours, field) == getattr(checkpoint, field), field
+    assert ours.moe is not None and ours.moe == checkpoint.moe  # every expert field
     loaded = dict(load_weights(path, ours))
     stored = load_file(str(moe_gguf.source / "model.safetensors"))
     stacked = loaded["model.layers.1.mlp.experts.up_proj.weight"]
