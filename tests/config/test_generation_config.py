@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
 from zllm.cli import main as cli_main
@@ -254,10 +253,9 @@ def chat(server, **body) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(model: Model, tmp_path_factory):
-    srv = start_server(model.path, tmp_path_factory.mktemp("auto") / "server.log")
-    yield srv
-    stop_server(srv)
+def server(model: Model, tmp_path_factory, engine_pool):
+    with engine_pool.serve(model.path, tmp_path_factory.mktemp("auto") / "server.log") as srv:
+        yield srv
 
 
 @pytest.mark.e2e
@@ -278,13 +276,14 @@ def test_server_fills_unset_fields_from_the_file(model: Model, llm: LLM, server)
 
 
 @pytest.mark.e2e
-def test_server_with_vllm_defaults_ignores_the_file(model: Model, tmp_path: Path) -> None:
-    srv = start_server(model.path, tmp_path / "server.log", "--generation-config", "vllm")
-    try:
+def test_server_with_vllm_defaults_ignores_the_file(
+    model: Model, engine_pool, tmp_path: Path
+) -> None:
+    with engine_pool.serve(
+        model.path, tmp_path / "server.log", "--generation-config", "vllm"
+    ) as srv:
         greedy = chat(srv, temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         sampled = chat(srv, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)  # temperature 1
         assert sampled["usage"]["completion_tokens"] == MAX_NEW_TOKENS
         assert sampled["choices"][0]["message"] != greedy["choices"][0]["message"]
         assert "sampling defaults from" not in srv.log_text()
-    finally:
-        stop_server(srv)

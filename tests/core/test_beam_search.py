@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 from parity import FLIPS, TIE_TOLERANCE
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 from zllm import LLM, BeamSearchParams, SamplingParams
@@ -166,13 +165,12 @@ def test_what_beam_search_does_not_take_is_refused(kwargs, param) -> None:
 
 
 @pytest.mark.e2e
-def test_served_beam_search(model_dir, llm, tmp_path) -> None:
+def test_served_beam_search(model_dir, llm, engine_pool, tmp_path) -> None:
     """use_beam_search through the openai client: n choices, the best first, as offline;
     a beam-search request with a stop string is a 400 and the server goes on."""
     from openai import BadRequestError, OpenAI
 
-    server = start_server(model_dir, tmp_path / "server.log")
-    try:
+    with engine_pool.serve(model_dir, tmp_path / "server.log") as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         prompt = random_prompts(1, seed=21)[0]
@@ -195,8 +193,6 @@ def test_served_beam_search(model_dir, llm, tmp_path) -> None:
             )
         again = client.completions.create(model=model, prompt=prompt, max_tokens=4)
         assert again.choices[0].finish_reason == "length"
-    finally:
-        stop_server(server)
 
 
 SMOLLM2_PROMPTS = [

@@ -10,7 +10,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from servers import metric, start_server, stop_server, wait_until
+from servers import metric, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
@@ -100,7 +100,7 @@ def test_offline_priority_needs_the_policy(tiny_llama_dir) -> None:
 
 
 @pytest.mark.e2e
-def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
+def test_served_priority_jumps_the_queue(tiny_llama_dir, engine_pool, tmp_path) -> None:
     """One sequence at a time: a high-priority request sent behind five low-priority ones
     runs as soon as the running one is done, ahead of the four still waiting.
 
@@ -108,12 +108,11 @@ def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
     six, so the order does not depend on this machine's speed: unpaused, the tiny model
     finishes a 400-token request in ~0.2 s, and CI once saw the high one come 4th after a
     fixed 0.3 s sleep."""
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, tmp_path / "server.log", "--scheduling-policy", "priority",
         "--max-num-seqs", "1",
-    )  # fmt: skip
-    executor = server.children()["executor"]
-    try:
+    ) as server:  # fmt: skip
+        executor = server.children()["executor"]
         finished: list[str] = []
 
         def send(name: str, priority: int) -> None:
@@ -144,17 +143,12 @@ def test_served_priority_jumps_the_queue(tiny_llama_dir, tmp_path) -> None:
             os.kill(executor, signal.SIGCONT)
         # The low running when the high one came finishes first; the high one runs next.
         assert finished.index("high") == 1, finished
-    finally:
-        stop_server(server)
 
 
 @pytest.mark.e2e
-def test_served_priority_under_fcfs_is_a_400(tiny_llama_dir, tmp_path) -> None:
-    server = start_server(tiny_llama_dir, tmp_path / "server.log")
-    try:
+def test_served_priority_under_fcfs_is_a_400(tiny_llama_dir, engine_pool, tmp_path) -> None:
+    with engine_pool.serve(tiny_llama_dir, tmp_path / "server.log") as server:
         r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 3})
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
         ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "priority": 0})
         assert ok.status_code == 200
-    finally:
-        stop_server(server)

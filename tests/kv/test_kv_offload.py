@@ -463,20 +463,19 @@ def test_offload_refuses_what_it_cannot_keep(tiny_llama_dir, kwargs, message):
 # ---- served ----------------------------------------------------------------------------------------
 @pytest.mark.e2e
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "tp2"])
-def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path, ranks):
+def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, engine_pool, tmp_path, ranks):
     """Both tiers' hits, capacity and stores in /metrics and the dashboard; with two
     tensor-parallel ranks too (each rank's pool, sized per rank, holds its KV head of every
     block: half the bytes for the same blocks; the tiers' sizes are the whole blocks', each
     rank keeping its part)."""
-    from servers import metric, start_server, stop_server, wait_until
+    from servers import metric, wait_until
 
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, tmp_path / "serve.log", "--served-model-name", "tiny",
         "--tensor-parallel-size", str(ranks), "--kv-cache-memory-bytes", str(POOL_BYTES // ranks),
         "--kv-offload-bytes", "512K",
         "--kv-offload-dir", str(tmp_path / "tier"), "--kv-offload-disk-bytes", "1M",
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         rng = random.Random(7)
         first = random_prompt(rng, 250)["prompt_token_ids"]
 
@@ -507,8 +506,6 @@ def test_served_tiers_show_in_metrics_and_dashboard(tiny_llama_dir, tmp_path, ra
         tiers = server.get("/dashboard/stats").json()["engine"]["kv_tiers"]
         assert [t["name"] for t in tiers] == ["cpu", "disk"]
         assert sum(t["hits"] for t in tiers) == 240
-    finally:
-        stop_server(server)
 
 
 def test_sleep_keeps_the_prefix_cache_in_the_tier(tiny_llama_dir, recomputed):

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from servers import metric, start_server, stop_server, wait_until
+from servers import metric, wait_until
 
 from zllm import LLM, SamplingParams
 from zllm.config.engine import SchedulerConfig
@@ -137,14 +137,13 @@ def test_a_running_request_that_would_be_preempted_releases_pins_instead():
 
 # ---- served -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def server(tiny_llama_dir, tmp_path_factory, engine_pool):
     log = tmp_path_factory.mktemp("pinning") / "server.log"
-    server = start_server(
+    with engine_pool.serve(
         tiny_llama_dir, log, "--served-model-name", "tiny",
         "--kv-cache-memory-bytes", str(POOL_BYTES), "--max-pinned-bytes", str(40 * 8192),
-    )  # fmt: skip
-    yield server
-    stop_server(server)
+    ) as server:  # fmt: skip
+        yield server
 
 
 def flush_served(server, seed: int) -> None:

@@ -16,7 +16,6 @@ from pooling_models import (
     write_encoder_classifier,
     write_st_model,
 )
-from servers import start_server, stop_server
 
 from zllm import LLM
 
@@ -120,11 +119,10 @@ def test_an_embedding_model_scores_by_cosine(tmp_path) -> None:
 
 
 @pytest.mark.e2e
-def test_served_score_and_rerank(cross_encoder, tiny_llama_dir, tmp_path) -> None:
+def test_served_score_and_rerank(cross_encoder, tiny_llama_dir, engine_pool, tmp_path) -> None:
     expected = hf_scores(cross_encoder, [(QUERY, d) for d in DOCUMENTS])
-    server = start_server(str(cross_encoder), tmp_path / "server.log", "--served-model-name",
-                          "ce", "--max-model-len", "48")  # fmt: skip
-    try:
+    with engine_pool.serve(str(cross_encoder), tmp_path / "server.log", "--served-model-name",
+                          "ce", "--max-model-len", "48") as server:  # fmt: skip
         for path in ("/score", "/v1/score"):
             answer = server.post(path, {"model": "ce", "text_1": QUERY, "text_2": DOCUMENTS})
             assert answer.status_code == 200, answer.text
@@ -153,11 +151,8 @@ def test_served_score_and_rerank(cross_encoder, tiny_llama_dir, tmp_path) -> Non
                                      "truncate_prompt_tokens": 40})  # fmt: skip
         assert cut.status_code == 200, cut.text
         assert server.healthy()
-    finally:
-        stop_server(server)
-    generator = start_server(tiny_llama_dir, tmp_path / "gen.log", "--served-model-name", "g")
-    try:
+    with engine_pool.serve(
+        tiny_llama_dir, tmp_path / "gen.log", "--served-model-name", "g"
+    ) as generator:
         refused = generator.post("/score", {"model": "g", "text_1": "a", "text_2": "b"})
         assert refused.status_code == 400 and "scoring needs a pooling model" in refused.text
-    finally:
-        stop_server(generator)
