@@ -121,16 +121,15 @@ def test_sleep_releases_weights_and_kv_pool(smollm2_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
+def test_served_sleep_and_wake_up(smollm2_path, engine_pool, tmp_path) -> None:
     """POST /sleep releases the executor's memory (its resident set falls by at least the
     KV pool plus 90% of the weights' bytes, measured as the executor held them: the RSS it
     gains between sleep and wake-up); requests meanwhile are 503s; after /wake_up the
     answers equal those before."""
-    server = start_server(
+    with engine_pool.serve(
         smollm2_path, tmp_path / "server.log", "--enable-sleep-mode",
         "--kv-cache-memory-bytes", "48M", "--max-num-seqs", "8",
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         body = {"prompt": "Write a long story about a lighthouse.", "max_tokens": 120,
                 "temperature": 0.0, "ignore_eos": True}  # fmt: skip
 
@@ -174,8 +173,6 @@ def test_served_sleep_and_wake_up(smollm2_path, tmp_path) -> None:
         assert server.post("/wake_up?tags=kv_cache", {}).status_code == 200
         assert wait_until(lambda: not server.get("/is_sleeping").json()["is_sleeping"], 10)
         assert complete() == before[0]
-    finally:
-        stop_server(server)
 
 
 @pytest.mark.e2e

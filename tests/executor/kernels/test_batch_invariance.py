@@ -93,7 +93,7 @@ def test_the_default_path_is_not_batch_invariant(model_dir) -> None:
 
 
 @pytest.mark.e2e
-def test_served_needle_alone_and_in_a_crowd(model_dir, tmp_path) -> None:
+def test_served_needle_alone_and_in_a_crowd(model_dir, engine_pool, tmp_path) -> None:
     """`zllm serve --deterministic` through the openai client: the needle's top-20 logprobs
     (JSON floats, exact) are the same alone and among 24 concurrent requests.
 
@@ -106,11 +106,12 @@ def test_served_needle_alone_and_in_a_crowd(model_dir, tmp_path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from openai import OpenAI
-    from servers import metric, start_server, stop_server, wait_until
+    from servers import metric, wait_until
 
-    server = start_server(model_dir, tmp_path / "server.log", "--deterministic")
-    executor = server.children()["executor"]
-    try:
+    # (An engine of its own: its token and step counters are read as totals.)
+    log = tmp_path / "server.log"
+    with engine_pool.serve(model_dir, log, "--deterministic", shared=False) as server:
+        executor = server.children()["executor"]
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
 
@@ -156,8 +157,6 @@ def test_served_needle_alone_and_in_a_crowd(model_dir, tmp_path) -> None:
         total = 6 + 6 + 16 * len(crowd)
         assert wait_until(lambda: counters()[1] == total, 30), counters()
         assert counters()[2] - steps_before < 6 + 16, counters()
-    finally:
-        stop_server(server)
 
 
 @pytest.mark.slow

@@ -572,17 +572,16 @@ def test_smollm2_gguf_base_with_an_adapter_equals_peft(
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_smollm2_served_adapters_loaded_at_run_time(
-    smollm2_hf_dir, smollm2_loras, smollm2_llm, tmp_path
+    smollm2_hf_dir, smollm2_loras, smollm2_llm, engine_pool, tmp_path
 ) -> None:
     """SmolLM2 served with no adapter at start: three are loaded over HTTP, then requests of
     all three and the base run concurrently and equal the offline API's answers."""
     import openai
 
-    server = start_server(
+    with engine_pool.serve(
         smollm2_hf_dir, tmp_path / "server.log", "--enable-lora", "--max-loras", "3",
         "--served-model-name", "smollm2",
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         for lora in smollm2_loras:
             body = {"lora_name": lora.lora_name, "lora_path": lora.lora_path}
             assert server.post("/v1/load_lora_adapter", body).status_code == 200
@@ -609,5 +608,3 @@ def test_smollm2_served_adapters_loaded_at_run_time(
         for lora in smollm2_loras:
             assert server.post("/v1/unload_lora_adapter", {"lora_name": lora.lora_name}).is_success
         assert [m.id for m in client.models.list().data] == ["smollm2"]
-    finally:
-        stop_server(server)

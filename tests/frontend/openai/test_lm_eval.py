@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import pytest
-from servers import start_server, stop_server
 from tiny_models import write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -89,12 +88,13 @@ def evaluate(lm_eval, directory: Path, model: str, args: str, tasks: list[str], 
     return {t: [s["filtered_resps"] for s in result["samples"][t]] for t in tasks}
 
 
-def test_lm_eval_scores_equal_the_hf_model(tmp_path) -> None:
+def test_lm_eval_scores_equal_the_hf_model(engine_pool, tmp_path) -> None:
     lm_eval = _lm_eval()
     model_dir = write_tiny_model(tmp_path / "model")
     write_tasks(tmp_path)
-    server = start_server(str(model_dir), tmp_path / "server.log", "--served-model-name", "tiny")
-    try:
+    with engine_pool.serve(
+        str(model_dir), tmp_path / "server.log", "--served-model-name", "tiny"
+    ) as server:
         api = f"model=tiny,num_concurrent=1,max_retries=1,base_url={server.url}/v1"
         tokenizer = f",tokenizer_backend=huggingface,tokenizer={model_dir}"
         ours = evaluate(
@@ -113,8 +113,6 @@ def test_lm_eval_scores_equal_the_hf_model(tmp_path) -> None:
             ["zllm_gen"],
             chat=True,
         )
-    finally:
-        stop_server(server)
     hf_args = f"pretrained={model_dir},dtype=float32"
     theirs = evaluate(lm_eval, tmp_path, "hf", hf_args, ["zllm_gen", "zllm_mc"], chat=False)
     theirs_chat = evaluate(lm_eval, tmp_path, "hf", hf_args, ["zllm_gen"], chat=True)
