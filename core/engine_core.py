@@ -192,7 +192,7 @@ class EngineCore:
             check_token_params(params, self.config.arch.vocab_size)
             check_request_options(request.options, self.config)
         except ParamError as e:
-            return RequestRejected(req_id, str(e), 400, e.param)
+            return RequestRejected.of(req_id, e)
         self.scheduler.add_request(
             Request(
                 req_id=internal_id,

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from zllm.config.engine import SchedulerConfig, check_cache_salt, check_priority
 from zllm.errors import ParamError, RequestError
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, KVTransferParams
+from zllm.sampling_params import SamplingParams
 from zllm.text.template_kwargs import merge_template_kwargs, with_fields
+from zllm.text.thinking_budget import budget_for
 
 
 def priority(value: int, scheduler: SchedulerConfig) -> int:
@@ -84,3 +88,28 @@ def kv_transfer(params: dict[str, Any] | None) -> KVTransferParams | None:
             )
         flags[key] = value
     return KVTransferParams(**flags) if any(flags.values()) else None
+
+
+def with_thinking_budget(
+    params: SamplingParams,
+    num_tokens: int | None,
+    server_parser: str | None,
+    request_parser: str | None,
+    tokenizer,
+) -> SamplingParams:
+    """`thinking_token_budget` (vLLM's name; Anthropic's budget_tokens is the same budget):
+    after that many reasoning tokens the engine writes the end marker itself. It needs the
+    server's reasoning parser to know the markers (else a 400 naming it: the budget would
+    silently do nothing); with thinking turned off in the template there is none to cut."""
+    if num_tokens is None:
+        return params
+    if server_parser is None:
+        raise RequestError(
+            "thinking_token_budget: this server cannot tell the model's reasoning from its "
+            "answer (start it with --reasoning-parser).",
+            param="thinking_token_budget",
+        )
+    if request_parser is None:
+        return params
+    budget = budget_for(num_tokens, request_parser, tokenizer)
+    return msgspec.structs.replace(params, thinking_budget=budget)

@@ -60,6 +60,14 @@ THINK_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 )
+# DeepSeek-R1's way: the think block opens in the prompt unless `enable_thinking` is false,
+# where an empty one is closed (the Anthropic thinking tests, thinking_token_budget's).
+SWITCHABLE_THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
 CALL_TOKENS = ["<tool_call>", "</tool_call>"]
 
 

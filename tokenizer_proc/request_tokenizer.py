@@ -71,7 +71,7 @@ class RequestTokenizer:
             _, ids = self.prompt_of(req)
             request = self.check(req, ids)
         except ParamError as e:
-            return RequestRejected(req.req_id, str(e), 400, e.param)
+            return RequestRejected.of(req.req_id, e)
         if req.timing is not None:
             req.timing.tokenize_end = time.time()
         return request

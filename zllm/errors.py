@@ -33,8 +33,22 @@ class ParamError(ValueError):
         self.param = param
 
 
+class ContextOverflow(ParamError):
+    """A prompt and its `max_tokens` that together exceed the context: the three numbers
+    travel with the message, so an API whose clients parse their own wording of it
+    (Anthropic's "input length and `max_tokens` exceed context limit: A + B > C", which
+    Claude Code reads to retry with a smaller max_tokens) can write it."""
+
+    def __init__(
+        self, message: str, param: str | None, input_tokens: int, max_tokens: int, limit: int
+    ) -> None:
+        super().__init__(message, param)
+        self.numbers = (input_tokens, max_tokens, limit)
+
+
 class RequestError(Exception):
-    """A failed request: its HTTP status and OpenAI's error fields."""
+    """A failed request: its HTTP status and OpenAI's error fields; `context_overflow`
+    (input tokens, max_tokens, context length) when it is a ContextOverflow."""
 
     def __init__(
         self,
@@ -43,6 +57,7 @@ class RequestError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        context_overflow: tuple[int, int, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -50,6 +65,7 @@ class RequestError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.context_overflow = context_overflow
 
     @property
     def type(self) -> str:

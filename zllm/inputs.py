@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zllm.errors import ParamError
+from zllm.errors import ContextOverflow, ParamError
 from zllm.sampling_params import SamplingParams
 
 
@@ -46,12 +46,15 @@ def check_prompt(
             )
         return
     if max_tokens is not None and num_tokens + max_tokens > max_model_len:
-        raise ParamError(
+        raise ContextOverflow(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_tokens + max_tokens} tokens ({num_tokens} in the {where}, "
             f"{max_tokens} in the completion). Please reduce the length of the {where} or "
             "completion.",
             param,
+            num_tokens,
+            max_tokens,
+            max_model_len,
         )
     if num_tokens >= max_model_len:  # (max_tokens=None: as many as fit, at least one)
         raise ParamError(

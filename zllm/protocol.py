@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from zllm.errors import ContextOverflow, ParamError
 from zllm.sampling_params import SamplingParams
 
 # The tenant of a request that names none (zllm/config/tenants.py decides who a request is for).
@@ -616,6 +617,14 @@ class RequestRejected(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     message: str
     status: int = 400
     param: str | None = None
+    # A ContextOverflow's (input tokens, max_tokens, context length): zllm/errors.py.
+    context_overflow: tuple[int, int, int] | None = None
+
+    @classmethod
+    def of(cls, req_id: str, error: ParamError) -> RequestRejected:
+        """A 400 for `error`, its context numbers carried when it is a ContextOverflow."""
+        numbers = error.numbers if isinstance(error, ContextOverflow) else None
+        return cls(req_id, str(error), 400, error.param, numbers)
 
 
 # The most cells KVPoolStats.block_states folds the KV pool into (the dashboard's grid).

@@ -23,7 +23,8 @@ from the prefix cache. Errors have Anthropic's shape ({"type": "error", "error":
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+import logging
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -36,6 +37,7 @@ from zllm.frontend.anthropic.thinking import (
     ThinkingConfig,
     ThinkingSigner,
     check_thinking,
+    omits_thinking,
     template_switch,
     thinking_budget,
 )
@@ -49,8 +51,10 @@ from zllm.frontend.openai.protocol import (
     FunctionCall,
     FunctionDefinition,
     ImageURL,
+    JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
+    ResponseFormat,
     SourcedImagePart,
     Tool,
     ToolCallMessage,
@@ -59,6 +63,8 @@ from zllm.frontend.replies import RETRY_AFTER_S, json_response
 from zllm.kv.cache_control import parse_cache_control
 from zllm.protocol import CachePin, RequestOptions
 from zllm.text.template_kwargs import reasoning_parser_for
+
+logger = logging.getLogger(__name__)
 
 # ---- request -------------------------------------------------------------------------------
 
@@ -95,7 +101,9 @@ Block = TextBlock | ToolUseBlock | ToolResultBlock | ImageBlock | ThinkingBlock
 
 
 class AnthropicMessage(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends system turns inside `messages`; they join the system prompt
+    # in order (as_chat_request), as Anthropic's API merges them.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -104,6 +112,26 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
     description: str | None = None
     input_schema: dict[str, Any] = {}
     cache_control: dict[str, Any] | None = None
+    # None or "custom": a function the client runs. Any other type is one of Anthropic's
+    # server tools (web_search_..., code_execution_..., web_fetch_...): this server cannot
+    # run them, so they are left out of the prompt with a warning (hosted_tools).
+    type: str | None = None
+
+
+class OutputFormat(msgspec.Struct, kw_only=True):
+    """`output_config.format`: the answer as JSON matching `schema` (structured outputs)."""
+
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    """`output_config`: `effort` reaches the chat template as its `reasoning_effort` (the
+    templates that read one, gpt-oss's for instance; "max" is their "high"), `format` is
+    structured outputs."""
+
+    effort: Literal["low", "medium", "high", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class AnthropicToolChoice(msgspec.Struct, kw_only=True):
@@ -113,19 +141,9 @@ class AnthropicToolChoice(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
-    # Fields of Anthropic's Messages API zllm does not implement: a 400 naming them
-    # (cache_control here is Anthropic's automatic caching; zllm's prefix caching is always on
-    # and its blocks pin by cache_control on a block).
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = (
-        "cache_control",
-        "container",
-        "diagnostics",
-        "inference_geo",
-        "output_config",
-        "speed",
-        "user_profile_id",
-        "workspace_id",
-    )
+    # Fields of Anthropic's API that mean nothing for a self-hosted model (container,
+    # inference_geo, speed, workspace_id, context_management: its server-side clearing of
+    # old tool results, ...) are not declared: the app logs them as ignored and answers.
 
     model: str
     max_tokens: Annotated[int, Meta(ge=1)]
@@ -140,6 +158,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tool_choice: AnthropicToolChoice | None = None
     # Extended thinking (frontend/anthropic/thinking.py).
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    # Anthropic's automatic caching: the prompt up to its last block pinned for the ttl
+    # (cache_pin_of); zllm's prefix caching reuses prompts whether or not it is set.
+    cache_control: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None  # held as it is: one tier here
     # zllm's extra parameter, as on the OpenAI endpoints: set by `zllm proxy` for
@@ -191,7 +213,16 @@ def error_body(error: RequestError) -> AnthropicError:
     kind = _ERROR_TYPES.get(
         error.status, "api_error" if error.status >= 500 else "invalid_request_error"
     )
-    return AnthropicError(AnthropicErrorInfo(kind, error.message))
+    message = error.message
+    if error.context_overflow is not None:
+        # Anthropic's words to the letter: clients (Claude Code) parse the three numbers
+        # and retry with a max_tokens that fits.
+        input_tokens, max_tokens, limit = error.context_overflow
+        message = (
+            f"input length and `max_tokens` exceed context limit: {input_tokens} + "
+            f"{max_tokens} > {limit}, decrease input length or `max_tokens` and try again"
+        )
+    return AnthropicError(AnthropicErrorInfo(kind, message))
 
 
 def error_event(error: RequestError) -> bytes:
@@ -211,13 +242,12 @@ def error_response(error: RequestError) -> Response:
 def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages request is: system, turns, tools and tool choice."""
     messages: list[ChatMessage] = []
-    if req.system:
-        system = (
-            req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
-        )
+    system = system_text(req)
+    if system:
         messages.append(ChatMessage(role="system", content=system))
     for i, m in enumerate(req.messages):
-        messages += _turn(m, i)
+        if m.role != "system":
+            messages += _turn(m, i)
     tools = [
         Tool(
             function=FunctionDefinition(
@@ -226,7 +256,7 @@ def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
                 parameters=t.input_schema or {"type": "object", "properties": {}},
             )
         )
-        for t in req.tools or []
+        for t in client_tools(req.tools)
     ]
     fields: dict[str, Any] = {"messages": messages, "tools": tools or None}
     if isinstance(req, MessagesRequest):
@@ -241,7 +271,50 @@ def as_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
         if choice is not None:
             fields["tool_choice"] = _tool_choice(choice)
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+        output_format = req.output_config.format if req.output_config else None
+        if output_format is not None:
+            schema = JsonSchemaFormat(schema=output_format.schema, strict=True)
+            fields["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
     return ChatCompletionRequest(**fields)
+
+
+def system_text(req: MessagesRequest | CountTokensRequest) -> str:
+    """The system prompt: `system`, then the text of each system turn in `messages`, in
+    order, a blank line between them."""
+    parts = []
+    if req.system:
+        parts.append(
+            req.system if isinstance(req.system, str) else "\n".join(b.text for b in req.system)
+        )
+    for m in req.messages:
+        if m.role == "system":
+            blocks = [m.content] if isinstance(m.content, str) else m.content
+            parts.append("\n".join(b if isinstance(b, str) else _text_of(b) for b in blocks))
+    return "\n\n".join(p for p in parts if p)
+
+
+def _text_of(block: Block) -> str:
+    if isinstance(block, TextBlock):
+        return block.text
+    raise RequestError(
+        f"a system message holds text blocks only, not {type(block).__name__}.", param="messages"
+    )
+
+
+def client_tools(tools: list[AnthropicTool] | None) -> list[AnthropicTool]:
+    """The tools the client runs; Anthropic's server tools (a `type` other than custom) are
+    left out of the prompt with a warning: no server here runs them."""
+    hosted = [t for t in tools or [] if t.type not in (None, "custom")]
+    if hosted:
+        logger.warning(
+            "Leaving out server tools this server cannot run: %s",
+            ", ".join(f"{t.name} ({t.type})" for t in hosted),
+        )
+    return [t for t in tools or [] if t.type in (None, "custom")]
+
+
+# output_config.effort as the chat templates' reasoning_effort (theirs ends at "high").
+EFFORTS = {"max": "high"}
 
 
 class MessagesCall(ApiCall):
@@ -258,12 +331,20 @@ class MessagesCall(ApiCall):
         assert signer is not None, "the app makes one"
         check_signatures(body.messages, signer)
         self.signer = signer
+        effort = body.output_config.effort if body.output_config else None
         kwargs = options.template_kwargs(
-            body.chat_template_kwargs, config.default_chat_template_kwargs
+            body.chat_template_kwargs,
+            config.default_chat_template_kwargs,
+            reasoning_effort=EFFORTS.get(effort, effort),
         )
-        kwargs |= template_switch(body.thinking)  # `thinking` has the last word
+        # `thinking` has the last word
+        kwargs |= template_switch(body.thinking, config.reasoning_parser)
         self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
-        params, self.plan = tooled_chat_params(chat, ctx, self.reasoning_parser)
+        # max_tokens past the context is the tokenizer's to refuse, with the prompt's length:
+        # Anthropic's error names both (error_body), and clients retry from its numbers.
+        params, self.plan = tooled_chat_params(
+            chat, ctx, self.reasoning_parser, check_max_tokens=False
+        )
         budget = thinking_budget(body.thinking, ctx.tokenizer, self.reasoning_parser)
         self.params = msgspec.structs.replace(params, thinking_budget=budget) if budget else params
         self.prompts = [
@@ -288,6 +369,7 @@ class MessagesCall(ApiCall):
             ids.response_id, model, self.plan, self.reasoning_parser, config.tool_call_parser
         )
         assembler.signer = self.signer
+        assembler.omit_thinking = omits_thinking(self.body.thinking)
         return GenerationJob.of_events(assembler, self.body.stream, error_event)
 
 
@@ -299,26 +381,28 @@ def cache_pin_of(req: MessagesRequest) -> CachePin | None:
     for i, tool in enumerate(req.tools or []):
         if tool.cache_control is not None:
             marks.append((0, tool.cache_control, f"tools.{i}.cache_control"))
-    num_messages = 0
-    if req.system:
-        num_messages = 1
-        for j, block in enumerate(req.system if isinstance(req.system, list) else []):
-            if block.cache_control is not None:
-                marks.append((1, block.cache_control, f"system.{j}.cache_control"))
+    num_messages = 1 if system_text(req) else 0  # system turns in `messages` join it
+    for j, block in enumerate(req.system if isinstance(req.system, list) else []):
+        if block.cache_control is not None:
+            marks.append((1, block.cache_control, f"system.{j}.cache_control"))
     for i, message in enumerate(req.messages):
-        num_messages += len(_turn(message, i))
+        if message.role != "system":
+            num_messages += len(_turn(message, i))
         blocks = message.content if isinstance(message.content, list) else []
         for j, block in enumerate(blocks):
             value = getattr(block, "cache_control", None)
             if value is not None:
-                marks.append((num_messages, value, f"messages.{i}.content.{j}.cache_control"))
+                at = 1 if message.role == "system" else num_messages
+                marks.append((at, value, f"messages.{i}.content.{j}.cache_control"))
+    if req.cache_control is not None:  # automatic caching: up to the last block
+        marks.append((num_messages, req.cache_control, "cache_control"))
     if not marks:
         return None
     try:
         ttls = [parse_cache_control(value, param).ttl_s for _, value, param in marks]
     except ParamError as e:
         raise RequestError(str(e), param=e.param) from None
-    return CachePin(ttl_s=max(ttls), num_messages=marks[-1][0])
+    return CachePin(ttl_s=max(ttls), num_messages=max(at for at, _, _ in marks))
 
 
 def check_signatures(messages: list[AnthropicMessage], signer: ThinkingSigner) -> None:

@@ -60,6 +60,7 @@ class MessageAssembler:
     _open: str | None = None  # "text", "thinking" or "tool_use": the block being streamed
     _tool_index: int | None = None  # the tool call the open tool_use block carries
     signer: ThinkingSigner | None = None  # signs each thinking block as it closes
+    omit_thinking: bool = False  # thinking.display "omitted": blocks without their text
 
     @classmethod
     def of(
@@ -156,6 +157,11 @@ class MessageAssembler:
             yield "message_stop", {"type": "message_stop"}
 
     def _text_piece(self, kind: str, text: str):
+        if kind == "thinking" and self.omit_thinking:
+            if self._open != kind:  # the block opens and stays empty; its signature signs ""
+                yield from self._close()
+                yield from self._start(kind, {"type": "thinking", "thinking": "", "signature": ""})
+            return
         if self._open != kind:
             yield from self._close()
             block = (

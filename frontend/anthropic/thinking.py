@@ -6,7 +6,15 @@
      "budget_tokens": B}   reasoning tokens the engine writes the end marker itself
                            (zllm/text/thinking_budget.py); B >= 1024 and < max_tokens, as
                            Anthropic checks; needs --reasoning-parser
+    {"type": "adaptive"}   the model decides how long it thinks: enable_thinking true, no
+                           budget; on a server without --reasoning-parser (which could not
+                           tell the thinking from the answer) the template's default, with a
+                           warning in the log (Claude Code sends it with every request)
     left out               the template's and the server's defaults, as before
+
+`display` (enabled, adaptive): "summarized" (the default) shows the thinking text, the whole
+of it (this server's summary of its reasoning is the reasoning); "omitted" sends thinking
+blocks with empty text and a signature of that empty text, as Anthropic omits it.
 
 Thinking blocks carry a `signature`: base64 of an HMAC-SHA256 of the thinking text under the
 server's key (--thinking-signature-key-file, or $ZLLM_CACHE/thinking-signature.key made at
@@ -21,8 +29,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -30,23 +39,33 @@ from zllm.errors import RequestError
 from zllm.kv.tier_key import make_key_file, read_key, warn_if_shared
 from zllm.model.files import cache_dir
 from zllm.sampling_params import ThinkingBudget
-from zllm.text.reasoning_parser import reasoning_markers
+from zllm.text.thinking_budget import budget_for
 from zllm.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 MIN_BUDGET_TOKENS = 1024  # Anthropic's floor
 DEFAULT_KEY_FILE = "thinking-signature.key"
 KEY_FLAG = "--thinking-signature-key-file"
 
 
+Display = Literal["summarized", "omitted"]
+
+
 class ThinkingEnabled(msgspec.Struct, tag="enabled", tag_field="type", kw_only=True):
     budget_tokens: int
+    display: Display | None = None
+
+
+class ThinkingAdaptive(msgspec.Struct, tag="adaptive", tag_field="type", kw_only=True):
+    display: Display | None = None
 
 
 class ThinkingDisabled(msgspec.Struct, tag="disabled", tag_field="type", kw_only=True):
     pass
 
 
-ThinkingConfig = ThinkingEnabled | ThinkingDisabled
+ThinkingConfig = ThinkingEnabled | ThinkingAdaptive | ThinkingDisabled
 
 
 def check_thinking(thinking: ThinkingConfig, max_tokens: int, reasoning_parser: str | None) -> None:
@@ -71,11 +90,27 @@ def check_thinking(thinking: ThinkingConfig, max_tokens: int, reasoning_parser: 
         )
 
 
-def template_switch(thinking: ThinkingConfig | None) -> dict[str, Any]:
-    """The template variable `thinking` sets (none when left out)."""
+def template_switch(
+    thinking: ThinkingConfig | None, reasoning_parser: str | None
+) -> dict[str, Any]:
+    """The template variable `thinking` sets (none when left out, or adaptive on a server
+    with no reasoning parser: the template's default then, with a warning)."""
     if thinking is None:
         return {}
-    return {"enable_thinking": isinstance(thinking, ThinkingEnabled)}
+    if isinstance(thinking, ThinkingAdaptive) and reasoning_parser is None:
+        logger.warning(
+            "thinking.adaptive: this server has no --reasoning-parser to tell a model's "
+            "thinking from its answer; the chat template's default applies"
+        )
+        return {}
+    return {"enable_thinking": not isinstance(thinking, ThinkingDisabled)}
+
+
+def omits_thinking(thinking: ThinkingConfig | None) -> bool:
+    """display: "omitted": thinking blocks without their text."""
+    return isinstance(thinking, ThinkingEnabled | ThinkingAdaptive) and (
+        thinking.display == "omitted"
+    )
 
 
 def thinking_budget(
@@ -84,12 +119,7 @@ def thinking_budget(
     """The engine's budget for `thinking.enabled`: the parser's markers, as token ids."""
     if not isinstance(thinking, ThinkingEnabled) or reasoning_parser is None:
         return None
-    start, end = reasoning_markers(reasoning_parser)
-    return ThinkingBudget(
-        max_tokens=thinking.budget_tokens,
-        end_token_ids=tokenizer.encode(end, add_special_tokens=False),
-        start_token_ids=tokenizer.encode(start, add_special_tokens=False) if start else [],
-    )
+    return budget_for(thinking.budget_tokens, reasoning_parser, tokenizer)
 
 
 class ThinkingSigner:

@@ -41,12 +41,17 @@ from zllm.text.template_kwargs import reasoning_parser_for
 
 
 def tooled_chat_params(
-    chat: ChatCompletionRequest, ctx: ApiContext, reasoning_parser: str | None
+    chat: ChatCompletionRequest,
+    ctx: ApiContext,
+    reasoning_parser: str | None,
+    check_max_tokens: bool = True,
 ) -> tuple[SamplingParams, ToolPlan]:
     """A chat request's SamplingParams with the constraint its tools impose, and the plan;
     `reasoning_parser`: the request's own (none with thinking off), which a constraint
-    waits out."""
-    params = chat_params(chat, ctx.max_model_len, ctx.sampling_defaults)
+    waits out. `check_max_tokens=False` leaves a max_tokens past the context to the
+    tokenizer's check, which knows the prompt's length too."""
+    max_model_len = ctx.max_model_len if check_max_tokens else None
+    params = chat_params(chat, max_model_len, ctx.sampling_defaults)
     config = ctx.config
     plan = plan_tools(chat, ctx.tokenizer, config.tool_call_parser, params.structured_outputs)
     params = keep_call_tags(params, plan, config.tool_call_parser, reasoning_parser)
@@ -113,7 +118,14 @@ class ChatCall(ApiCall):
         )
         # Thinking switched off in the template: no reasoning to take apart.
         self.reasoning_parser = reasoning_parser_for(config.reasoning_parser, kwargs)
-        self.params, self.plan = tooled_chat_params(body, ctx, self.reasoning_parser)
+        params, self.plan = tooled_chat_params(body, ctx, self.reasoning_parser)
+        self.params = options.with_thinking_budget(
+            params,
+            body.thinking_token_budget,
+            config.reasoning_parser,
+            self.reasoning_parser,
+            ctx.tokenizer,
+        )
         if body.chat_template is not None and not ctx.config.trust_request_chat_template:
             raise RequestError(
                 "This server does not accept a chat_template in requests "

@@ -233,6 +233,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # A template variable, as vLLM passes it (gpt-oss-style templates set the model's
     # reasoning level from it; a template that does not read it is unchanged).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: at most this many reasoning tokens, then the end marker (frontend/options.py).
+    thinking_token_budget: Annotated[int, Meta(ge=1)] | None = None
     max_tokens: NonNegative | None = None
     max_completion_tokens: NonNegative | None = None
     logprobs: bool = False

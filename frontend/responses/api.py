@@ -11,6 +11,7 @@ every other field of the API zllm does not implement (`UNSUPPORTED`, and the val
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -33,9 +34,12 @@ from zllm.frontend.responses.input import (
     chat_turns,
 )
 from zllm.frontend.responses.output import ResponseAssembler, response_id
+from zllm.frontend.responses.reasoning_carrier import ReasoningCarrier
 from zllm.frontend.tools import ChoiceParser, ToolPlan
 from zllm.protocol import RequestOptions
 from zllm.text.template_kwargs import reasoning_parser_for
+
+logger = logging.getLogger(__name__)
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -66,6 +70,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
+    # vLLM's, as on chat completions: at most this many reasoning tokens (frontend/options.py).
+    thinking_token_budget: Annotated[int, Meta(ge=1)] | None = None
     # Refused when they ask for what zllm does not do (check_request).
     include: list[str] | None = None
     background: bool | None = None
@@ -93,7 +99,9 @@ class ResponsesCall(ApiCall):
 
     def __init__(self, body: ResponsesRequest, ctx: ApiContext) -> None:
         check_request(body)
-        chat = as_chat_request(body)
+        assert ctx.thinking_signer is not None, "the app makes one"
+        self.carrier = ReasoningCarrier(ctx.thinking_signer)
+        chat = as_chat_request(body, self.carrier)
         self.body = body
         self.ctx = ctx
         effort = body.reasoning.effort if body.reasoning is not None else None
@@ -110,6 +118,13 @@ class ResponsesCall(ApiCall):
                     e.message = name + e.message[len(e.param or "") :]
                 e.param = name
             raise
+        self.params = options.with_thinking_budget(
+            self.params,
+            body.thinking_token_budget,
+            ctx.config.reasoning_parser,
+            self.reasoning_parser,
+            ctx.tokenizer,
+        )
         self.prompts = [
             ChatPrompt(
                 chat_messages(chat.messages),
@@ -130,6 +145,12 @@ class ResponsesCall(ApiCall):
         parser = ChoiceParser.of(self.plan, config.tool_call_parser, self.reasoning_parser)
         echo = echoed_settings(self.body, self.plan)
         assembler = ResponseAssembler(response_id(), model, echo, parser)
+        reasoning = self.body.reasoning
+        assembler.summarize = reasoning is not None and bool(
+            reasoning.summary or reasoning.generate_summary
+        )
+        if ENCRYPTED_REASONING in (self.body.include or []):
+            assembler.seal = self.carrier.seal
         return GenerationJob.of_events(assembler, self.body.stream, assembler.error_event)
 
 
@@ -168,29 +189,37 @@ def check_request(req: ResponsesRequest) -> None:
             "a 400. Send disabled or leave it out.",
             param="truncation",
         )
-    if req.include:  # the first value names the problem; an empty list asks for nothing
-        raise RequestError(
-            f"include: {req.include[0]!r} is not supported (zllm returns reasoning as plain text in "
-            "reasoning items, and no logprobs or tool results here).",
-            param="include[0]",
-        )
+    for i, value in enumerate(req.include or []):
+        if value in NOTHING_TO_INCLUDE:
+            logger.warning("include: %r: this server runs no such tool; nothing to include", value)
+        elif value != ENCRYPTED_REASONING:
+            raise RequestError(
+                f"include: {value!r} is not supported (zllm includes "
+                f"{ENCRYPTED_REASONING!r}; it returns no logprobs or input images here).",
+                param=f"include[{i}]",
+            )
     if req.text is not None and req.text.verbosity is not None:
         raise RequestError("unsupported parameter: text.verbosity", param="text.verbosity")
-    reasoning = req.reasoning
-    for name in ("summary", "generate_summary"):
-        if reasoning is not None and getattr(reasoning, name) is not None:
-            raise RequestError(
-                f"unsupported parameter: reasoning.{name} (a model served with "
-                "--reasoning-parser returns its own reasoning text as reasoning items; zllm "
-                "does not summarize it)",
-                param=f"reasoning.{name}",
-            )
 
 
-def as_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request is."""
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+# include values about the results of tools OpenAI's servers run (none run here).
+NOTHING_TO_INCLUDE = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+)
+
+
+def as_chat_request(
+    req: ResponsesRequest, carrier: ReasoningCarrier | None = None
+) -> ChatCompletionRequest:
+    """The chat request a Responses request is; `carrier` opens the reasoning items'
+    encrypted_content."""
     return ChatCompletionRequest(
-        messages=chat_turns(req.input, req.instructions),
+        messages=chat_turns(req.input, req.instructions, carrier.open if carrier else None),
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,

@@ -10,18 +10,21 @@ serve chat):
                                                      one assistant turn)
     input item function_call_output (call_id,      a `tool` message answering that call
       output)
-    input item reasoning                           dropped: earlier turns' thinking is not
-                                                     sent back to the model (as on /v1/messages)
+    input item reasoning (encrypted_content,       the next assistant turn's reasoning_content
+      or its reasoning_text content)                 (the chat template decides what it shows)
     tools: {type: function, name, parameters}      tools: {type: function, function: {...}}
+    tools the server cannot run (web_search, ...)  left out, with a warning in the log
     tool_choice: none/auto/required,               tool_choice: the same, or
       {type: function, name}                         {type: function, function: {name}}
     text.format: text/json_object/json_schema      response_format
 
-Anything else (built-in tools, other item or content types) is a 400 naming where it is.
+Anything else (other tool, item or content types) is a 400 naming where it is.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -43,6 +46,8 @@ from zllm.frontend.openai.protocol import (
     error_param,
 )
 from zllm.frontend.openai.protocol import ContentPart as ChatContentPart
+
+logger = logging.getLogger(__name__)
 
 # ---- request parts -------------------------------------------------------------------------
 
@@ -79,11 +84,12 @@ class TextConfig(msgspec.Struct, kw_only=True):
 class ReasoningConfig(msgspec.Struct, kw_only=True):
     """Reasoning comes from the server's --reasoning-parser as reasoning items carrying the
     model's own text. `effort` reaches the chat template as `reasoning_effort` (as chat's
-    field does); zllm cannot summarize: `summary` is a 400."""
+    field does); `summary` (or the older `generate_summary`) also puts the text in the item's
+    summary: the model's own reasoning is the summary here, whichever length is asked."""
 
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 # ---- input items ---------------------------------------------------------------------------
@@ -109,20 +115,46 @@ class FunctionCallItem(msgspec.Struct, kw_only=True):
     arguments: str = "{}"
 
 
+class ReasoningItem(msgspec.Struct, kw_only=True):
+    content: list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None
+    encrypted_content: str | None = None
+
+
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True):
     call_id: str
     output: str | list[ContentPart]
 
 
-_Item = TypeVar("_Item", MessageItem, FunctionCallItem, FunctionCallOutputItem)
+_Item = TypeVar("_Item", MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)
 
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+# Tools OpenAI's servers run for the model; a self-hosted server runs none of them (an mcp
+# tool's server included: nothing beyond loopback is reached).
+HOSTED_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "computer_use",
+    "computer_use_preview",
+    "image_generation",
+    "mcp",
+)
 
 
-def chat_turns(input: str | list[dict[str, Any]], instructions: str | None) -> list[ChatMessage]:
-    """The conversation as chat messages: instructions first, then each input item."""
+def chat_turns(
+    input: str | list[dict[str, Any]],
+    instructions: str | None,
+    open_sealed: Callable[[str, str], str] | None = None,
+) -> list[ChatMessage]:
+    """The conversation as chat messages: instructions first, then each input item.
+    `open_sealed(encrypted_content, param)`: a reasoning item's sealed text
+    (frontend/responses/reasoning_carrier.py)."""
     turns: list[ChatMessage] = []
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
     if instructions:
         turns.append(ChatMessage(role="system", content=instructions))
     if isinstance(input, str):
@@ -134,22 +166,32 @@ def chat_turns(input: str | list[dict[str, Any]], instructions: str | None) -> l
         if kind == "message":
             item = _convert(raw, MessageItem, where)
             role = "system" if item.role == "developer" else item.role
-            turns.append(ChatMessage(role=role, content=_content(item.content, f"{where}.content")))
+            message = ChatMessage(role=role, content=_content(item.content, f"{where}.content"))
+            if role == "assistant" and reasoning:
+                message.reasoning_content, reasoning = "\n".join(reasoning), []
+            turns.append(message)
         elif kind == "function_call":
             call = _convert(raw, FunctionCallItem, where)
             tool_call = ToolCallMessage(
                 id=call.call_id, function=FunctionCall(name=call.name, arguments=call.arguments)
             )
             last = turns[-1] if turns else None
-            if last is not None and last.role == "assistant":
+            if last is not None and last.role == "assistant" and not reasoning:
                 last.tool_calls = [*(last.tool_calls or []), tool_call]
             else:
-                turns.append(ChatMessage(role="assistant", content="", tool_calls=[tool_call]))
+                message = ChatMessage(role="assistant", content="", tool_calls=[tool_call])
+                if reasoning:
+                    message.reasoning_content, reasoning = "\n".join(reasoning), []
+                turns.append(message)
         elif kind == "function_call_output":
             result = _convert(raw, FunctionCallOutputItem, where)
             content = _text(result.output, f"{where}.output")
             turns.append(ChatMessage(role="tool", content=content, tool_call_id=result.call_id))
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            text = _reasoning_text(_convert(raw, ReasoningItem, where), where, open_sealed)
+            if text:
+                reasoning.append(text)
+        else:
             raise RequestError(
                 f"input items of type {kind!r} are not supported; zllm accepts "
                 f"{', '.join(INPUT_ITEM_TYPES)}.",
@@ -158,6 +200,22 @@ def chat_turns(input: str | list[dict[str, Any]], instructions: str | None) -> l
     if not turns:
         raise RequestError("input holds no message or function call.", param="input")
     return turns
+
+
+def _reasoning_text(
+    item: ReasoningItem, where: str, open_sealed: Callable[[str, str], str] | None
+) -> str:
+    """A reasoning item's text: sealed (encrypted_content, read back), or its content, or
+    its summary, as the client kept it."""
+    if item.encrypted_content is not None:
+        if open_sealed is None:
+            raise RequestError(
+                f"{where}.encrypted_content: this server seals no reasoning.",
+                param=f"{where}.encrypted_content",
+            )
+        return open_sealed(item.encrypted_content, f"{where}.encrypted_content")
+    parts = item.content or item.summary or []
+    return "\n".join(_part_text(part, f"{where}.content[{j}]") for j, part in enumerate(parts))
 
 
 def _convert(raw: dict[str, Any], cls: type[_Item], where: str) -> _Item:
@@ -211,9 +269,15 @@ def _part_text(part: ContentPart, where: str) -> str:
 
 
 def chat_tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
-    """Function tools in chat's nested shape; any other tool type is a 400."""
+    """Function tools in chat's nested shape; tools the server cannot run are left out with
+    a warning; any other tool type is a 400."""
     result = []
+    hosted = [tool.type for tool in tools or [] if tool.type in HOSTED_TOOLS]
+    if hosted:
+        logger.warning("Leaving out tools this server cannot run: %s", ", ".join(hosted))
     for i, tool in enumerate(tools or []):
+        if tool.type in HOSTED_TOOLS:
+            continue
         if tool.type != "function":
             raise RequestError(
                 f"tools of type {tool.type!r} are not supported; zllm runs no built-in "

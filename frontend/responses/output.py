@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ class OutputItem:
     call_id: str | None = None
     name: str | None = None
     status: str = "in_progress"
+    summarized: bool = False  # a reasoning item whose summary is its text (reasoning.summary)
+    encrypted_content: str | None = None  # a reasoning item's text sealed (include)
 
     def shown(self) -> dict[str, Any]:
         """The item as OpenAI shows it (ResponseReasoningItem, ResponseOutputMessage,
@@ -74,13 +76,19 @@ class OutputItem:
             }
         if self.kind == "reasoning":
             content = [_reasoning_part(self.text)] if done else []
-            return {
+            summary = (
+                [{"type": "summary_text", "text": self.text}] if done and self.summarized else []
+            )
+            shown = {
                 "type": "reasoning",
                 "id": self.id,
-                "summary": [],
+                "summary": summary,
                 "content": content,
                 "status": self.status,
             }
+            if self.encrypted_content is not None:
+                shown["encrypted_content"] = self.encrypted_content
+            return shown
         return {
             "type": "message",
             "id": self.id,
@@ -114,6 +122,8 @@ class ResponseAssembler:
     output_tokens: int = 0
     reasoning_tokens: int = 0
     status: str = "in_progress"
+    summarize: bool = False  # reasoning items carry their text as their summary too
+    seal: Callable[[str], str] | None = None  # reasoning items carry their text sealed
     _open: OutputItem | None = None
     _space: str = ""  # whitespace content held back until text follows it
     _sequence: int = 0
@@ -297,6 +307,16 @@ class ResponseAssembler:
             where = self._where(item)
             yield "response.reasoning_text.done", where | {"text": item.text}
             yield "response.content_part.done", where | {"part": _reasoning_part(item.text)}
+            item.summarized = self.summarize
+            if self.summarize:  # the summary whole, as its events (one part: the text)
+                at = {"item_id": item.id, "output_index": self._index, "summary_index": 0}
+                part = {"type": "summary_text", "text": item.text}
+                yield "response.reasoning_summary_part.added", at | {"part": part | {"text": ""}}
+                yield "response.reasoning_summary_text.delta", at | {"delta": item.text}
+                yield "response.reasoning_summary_text.done", at | {"text": item.text}
+                yield "response.reasoning_summary_part.done", at | {"part": part}
+            if self.seal is not None:
+                item.encrypted_content = self.seal(item.text)
         yield "response.output_item.done", {"output_index": self._index, "item": item.shown()}
 
     @property

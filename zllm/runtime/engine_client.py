@@ -352,7 +352,11 @@ class EngineClient:
         elif isinstance(msg, RequestRejected):
             stream = self._streams.get(msg.req_id)
             if stream is not None:
-                stream.fail(RequestError(msg.message, msg.status, msg.param))
+                stream.fail(
+                    RequestError(
+                        msg.message, msg.status, msg.param, context_overflow=msg.context_overflow
+                    )
+                )
         elif isinstance(msg, ProcessEvent):
             self._on_process_event(msg)
         elif isinstance(msg, EngineLifecycle):

@@ -1,5 +1,6 @@
 """A thinking budget: once a request's reasoning reaches `max_tokens` tokens without closing,
-the engine writes the end-of-thinking marker for it (Anthropic's `thinking.budget_tokens`).
+the engine writes the end-of-thinking marker for it (Anthropic's `thinking.budget_tokens`,
+vLLM's `thinking_token_budget` on Chat Completions and Responses: `budget_for` builds it).
 
     output:  [<think>] r r r ... r  </think>  answer ...
                        └─ max_tokens ─┘└ forced, token by token, unless the model closed it
@@ -19,6 +20,18 @@ import copy
 from collections.abc import Sequence
 
 from zllm.sampling_params import ThinkingBudget
+from zllm.text.reasoning_parser import reasoning_markers
+
+
+def budget_for(num_tokens: int, reasoning_parser: str, tokenizer) -> ThinkingBudget:
+    """A budget of `num_tokens` reasoning tokens, its markers those of `reasoning_parser`
+    as `tokenizer` (zllm.text.tokenizer.Tokenizer) encodes them."""
+    start, end = reasoning_markers(reasoning_parser)
+    return ThinkingBudget(
+        max_tokens=num_tokens,
+        end_token_ids=tokenizer.encode(end, add_special_tokens=False),
+        start_token_ids=tokenizer.encode(start, add_special_tokens=False) if start else [],
+    )
 
 
 def _advance(progress: int, marker: Sequence[int], token: int) -> int:

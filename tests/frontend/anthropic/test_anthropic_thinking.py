@@ -20,17 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tiny_models import write_tiny_model
+from tool_calls import SWITCHABLE_THINK_TEMPLATE
 
 from zllm.frontend.anthropic.thinking import ThinkingSigner
 from zllm.sampling_params import ThinkingBudget
 from zllm.text.thinking_budget import ThinkingTracker
 
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
+TEMPLATE = SWITCHABLE_THINK_TEMPLATE
 MESSAGES = [{"role": "user", "content": "Is it?"}]
 BUDGET = 1024  # Anthropic's smallest
 ANSWER_TOKENS = 8

@@ -273,8 +273,9 @@ def test_reasoning_items(think_model, engine_pool, tmp_path) -> None:
         assert kinds.count("response.reasoning_text.delta") >= 1
         assert "response.reasoning_text.done" in kinds and "response.output_text.delta" not in kinds
         assert final.output[0].content[0].text == item.content[0].text
-        # An earlier turn's reasoning item comes back in input: accepted, not sent back to
-        # the model (the same prompt as without it).
+        # An earlier turn's reasoning item comes back in input: its text is the assistant
+        # turn's reasoning_content, which this template does not show (the same prompt as
+        # without it; tests/frontend/responses/test_codex_fields.py has one that does).
         short = dict(model="tiny", temperature=0.0, max_output_tokens=2)
         again = client.responses.create(
             **short,
@@ -375,8 +376,8 @@ def test_unsupported_fields_are_400s(tools_server, name) -> None:
 
 
 REFUSED = [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
-    ({"tools": [RESPONSE_TOOLS[0], {"type": "file_search"}]}, "tools[1].type", "file_search"),
+    ({"tools": [{"type": "local_shell"}]}, "tools[0].type", "local_shell"),
+    ({"tools": [RESPONSE_TOOLS[0], {"type": "custom", "name": "x"}]}, "tools[1].type", "custom"),
     ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "web_search_preview"}},
      "tool_choice.type", "web_search_preview"),
     ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
@@ -384,9 +385,10 @@ REFUSED = [
     ({"tools": RESPONSE_TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
     ({"background": True}, "background", "background"),
     ({"truncation": "auto"}, "truncation", "truncation"),
-    ({"include": ["reasoning.encrypted_content"]}, "include[0]", "reasoning.encrypted_content"),
+    ({"include": ["reasoning.encrypted_content", "message.output_text.logprobs"]}, "include[1]",
+     "message.output_text.logprobs"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "reasoning.effort"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "reasoning.summary"),
+    ({"reasoning": {"summary": "always"}}, "reasoning.summary", "reasoning.summary"),
     ({"text": {"verbosity": "low"}}, "text.verbosity", "verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "schema"),
     ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens must be at most"),
