@@ -32,6 +32,7 @@ from zllm.frontend.responses.input import (
     chat_tool_choice,
     chat_tools,
     chat_turns,
+    namespaced_functions,
 )
 from zllm.frontend.responses.output import ResponseAssembler, response_id
 from zllm.frontend.responses.reasoning_carrier import ReasoningCarrier
@@ -145,6 +146,7 @@ class ResponsesCall(ApiCall):
         parser = ChoiceParser.of(self.plan, config.tool_call_parser, self.reasoning_parser)
         echo = echoed_settings(self.body, self.plan)
         assembler = ResponseAssembler(response_id(), model, echo, parser)
+        assembler.namespaces = namespaced_functions(self.body.tools)
         reasoning = self.body.reasoning
         assembler.summarize = reasoning is not None and bool(
             reasoning.summary or reasoning.generate_summary
@@ -230,6 +232,18 @@ def as_chat_request(
     )
 
 
+def echoed_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as the request gave it: a namespace's members nested, the namespace-only
+    fields left out of the others (OpenAI's schema allows no null there)."""
+    shown = msgspec.to_builtins(tool)
+    for name in ("tools", "defer_loading"):
+        if shown.get(name) is None:
+            shown.pop(name, None)
+    if tool.tools is not None:
+        shown["tools"] = [echoed_tool(member) for member in tool.tools]
+    return shown
+
+
 def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
     """The request's settings a Response object repeats, as they were applied."""
     if plan.mode == "named":
@@ -246,7 +260,7 @@ def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
         "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls,
         "tool_choice": tool_choice,
-        "tools": [msgspec.to_builtins(t) for t in req.tools or []],
+        "tools": [echoed_tool(t) for t in req.tools or []],
         "text": {"format": text_format},
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "truncation": "disabled",

@@ -14,6 +14,10 @@ serve chat):
       or its reasoning_text content)                 (the chat template decides what it shows)
     tools: {type: function, name, parameters}      tools: {type: function, function: {...}}
     tools the server cannot run (web_search, ...)  left out, with a warning in the log
+    tools: {type: namespace, name: NS, tools:      each function as "NS__NAME" (qualified_name);
+      [functions]} (Codex CLI's MCP servers,         the model's call comes back as a
+      its agents)                                    function_call with namespace NS, name NAME
+    input item function_call with namespace NS     a tool call of "NS__NAME"
     tool_choice: none/auto/required,               tool_choice: the same, or
       {type: function, name}                         {type: function, function: {name}}
     text.format: text/json_object/json_schema      response_format
@@ -53,14 +57,37 @@ logger = logging.getLogger(__name__)
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
-    """A Responses tool: a function is flat (name and parameters beside `type`); any other
-    type (web_search, file_search, ...) is one zllm does not run: a 400."""
+    """A Responses tool: a function is flat (name and parameters beside `type`); a namespace
+    holds functions (`tools`); the tools OpenAI's servers run are left out; any other type is
+    a 400."""
 
     type: str
     name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's
+    defer_loading: bool | None = None  # a namespace member's hint: offered all the same
+
+
+# A namespaced function's name as the model sees it (Codex's own flat spelling).
+NAMESPACE_SEPARATOR = "__"
+
+
+def qualified_name(namespace: str, name: str) -> str:
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def namespaced_functions(tools: list[FunctionTool] | None) -> dict[str, tuple[str, str]]:
+    """Each namespaced function's qualified name -> (namespace, name): how the model's call
+    of it goes back to the client."""
+    return {
+        qualified_name(tool.name, member.name): (tool.name, member.name)
+        for tool in tools or []
+        if tool.type == "namespace" and tool.name
+        for member in tool.tools or []
+        if member.name
+    }
 
 
 class FunctionToolChoice(msgspec.Struct, kw_only=True):
@@ -113,6 +140,7 @@ class FunctionCallItem(msgspec.Struct, kw_only=True):
     call_id: str
     name: str
     arguments: str = "{}"
+    namespace: str | None = None  # a namespaced function's call, as the output gave it
 
 
 class ReasoningItem(msgspec.Struct, kw_only=True):
@@ -172,8 +200,11 @@ def chat_turns(
             turns.append(message)
         elif kind == "function_call":
             call = _convert(raw, FunctionCallItem, where)
+            name = (
+                call.name if call.namespace is None else qualified_name(call.namespace, call.name)
+            )
             tool_call = ToolCallMessage(
-                id=call.call_id, function=FunctionCall(name=call.name, arguments=call.arguments)
+                id=call.call_id, function=FunctionCall(name=name, arguments=call.arguments)
             )
             last = turns[-1] if turns else None
             if last is not None and last.role == "assistant" and not reasoning:
@@ -278,22 +309,44 @@ def chat_tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
     for i, tool in enumerate(tools or []):
         if tool.type in HOSTED_TOOLS:
             continue
-        if tool.type != "function":
-            raise RequestError(
-                f"tools of type {tool.type!r} are not supported; zllm runs no built-in "
-                "tools, only functions the client runs (type function).",
-                param=f"tools[{i}].type",
-            )
-        if tool.name is None:
-            raise RequestError("a function tool needs a name.", param=f"tools[{i}].name")
-        definition = FunctionDefinition(
-            name=tool.name,
-            description=tool.description,
-            parameters=tool.parameters,
-            strict=tool.strict,
-        )
-        result.append(Tool(function=definition))
+        if tool.type == "namespace":
+            result += _namespace_functions(tool, f"tools[{i}]")
+        else:
+            result.append(_function(tool, f"tools[{i}]"))
     return result or None
+
+
+def _namespace_functions(tool: FunctionTool, where: str) -> list[Tool]:
+    """A namespace's functions under their qualified names (the namespace's description
+    before each one's own)."""
+    if not tool.name:
+        raise RequestError("a namespace tool needs a name.", param=f"{where}.name")
+    return [
+        _function(member, f"{where}.tools[{j}]", tool.name, tool.description)
+        for j, member in enumerate(tool.tools or [])
+    ]
+
+
+def _function(
+    tool: FunctionTool, where: str, namespace: str | None = None, about: str | None = None
+) -> Tool:
+    """A function tool (a namespace's member: its qualified name, the namespace's
+    description `about` before its own); any other type is a 400 naming it."""
+    if tool.type != "function":
+        raise RequestError(
+            f"tools of type {tool.type!r} are not supported; zllm runs no built-in "
+            "tools, only functions the client runs (type function), and namespaces of them.",
+            param=f"{where}.type",
+        )
+    if tool.name is None:
+        raise RequestError("a function tool needs a name.", param=f"{where}.name")
+    definition = FunctionDefinition(
+        name=tool.name if namespace is None else qualified_name(namespace, tool.name),
+        description=" ".join(d for d in (about, tool.description) if d) or None,
+        parameters=tool.parameters,
+        strict=tool.strict,
+    )
+    return Tool(function=definition)
 
 
 def chat_tool_choice(

@@ -57,6 +57,7 @@ class OutputItem:
     text: str = ""  # the reasoning, the message's text, or the call's arguments (JSON)
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None  # a namespaced function's call: `name` is its own name
     status: str = "in_progress"
     summarized: bool = False  # a reasoning item whose summary is its text (reasoning.summary)
     encrypted_content: str | None = None  # a reasoning item's text sealed (include)
@@ -66,7 +67,7 @@ class OutputItem:
         ResponseFunctionToolCall)."""
         done = self.status != "in_progress"
         if self.kind == "function_call":
-            return {
+            shown = {
                 "type": "function_call",
                 "id": self.id,
                 "call_id": self.call_id,
@@ -74,6 +75,9 @@ class OutputItem:
                 "arguments": self.text,
                 "status": self.status,
             }
+            if self.namespace is not None:
+                shown["namespace"] = self.namespace
+            return shown
         if self.kind == "reasoning":
             content = [_reasoning_part(self.text)] if done else []
             summary = (
@@ -122,6 +126,8 @@ class ResponseAssembler:
     output_tokens: int = 0
     reasoning_tokens: int = 0
     status: str = "in_progress"
+    # A namespaced function's qualified name -> (namespace, name) (input.namespaced_functions).
+    namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
     summarize: bool = False  # reasoning items carry their text as their summary too
     seal: Callable[[str], str] | None = None  # reasoning items carry their text sealed
     _open: OutputItem | None = None
@@ -261,9 +267,10 @@ class ResponseAssembler:
         if call.id is not None:  # a new call: its own item
             yield from self._close("completed")
             name = call.function.name if call.function else None
-            yield from self._open_item(
-                OutputItem("function_call", _new_id("fc_"), call_id=call.id, name=name)
-            )
+            namespace, name = self.namespaces.get(name or "", (None, name))
+            item = OutputItem("function_call", _new_id("fc_"), call_id=call.id, name=name)
+            item.namespace = namespace
+            yield from self._open_item(item)
         arguments = call.function.arguments if call.function else None
         if arguments and self._open is not None:
             yield from self._add_text(arguments)

@@ -191,3 +191,57 @@ def test_the_hints_codex_sends_are_accepted(server) -> None:
     r = server.post("/v1/responses", body)
     assert r.status_code == 200, r.text
     assert r.json()["output"][0]["type"] == "reasoning"
+
+
+@pytest.mark.e2e
+def test_a_namespaced_function_is_called_and_read_back_in_codex_shape(server) -> None:
+    """A namespace's functions are offered as "NS__NAME"; the model's call comes back as a
+    function_call with `namespace` and the function's own name, and that item sent back as
+    input is the same tool call again."""
+    search = {
+        "type": "function",
+        "name": "search",
+        "description": "Search the docs",
+        "parameters": {
+            "type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 8}},
+            "required": ["q"],
+            "additionalProperties": False,
+        },
+    }
+    docs = {"type": "namespace", "name": "mcp__docs", "description": "Docs.", "tools": [search]}
+    body = {
+        "model": "tiny",
+        "input": FIRST,
+        "tools": [docs],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "max_output_tokens": 300,
+    }
+    r = server.post("/v1/responses", body)
+    assert r.status_code == 200, r.text
+    [call] = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert (call["namespace"], call["name"]) == ("mcp__docs", "search")
+    # Streamed: the item carries its namespace when it is added and when it is done.
+    client = client_of(server)
+    with client.responses.stream(
+        **{k: v for k, v in body.items() if k != "model"}, model="tiny"
+    ) as s:
+        events = list(s)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    calls = [i for i in added + done if i.type == "function_call"]
+    namespace_of = lambda i: getattr(i, "namespace", None) or (i.model_extra or {}).get("namespace")  # noqa: E731
+    assert calls and all(namespace_of(i) == "mcp__docs" for i in calls), calls
+    # Read back: the same prompt as the call under its qualified name.
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "found"}
+    back = {k: call[k] for k in ("type", "call_id", "namespace", "name", "arguments")}
+    flat = {**back, "name": "mcp__docs__search"}
+    flat.pop("namespace")
+    follow = {**body, "tool_choice": "auto", "max_output_tokens": 1}
+    namespaced = server.post("/v1/responses", {**follow, "input": [*FIRST, back, result]})
+    qualified = server.post("/v1/responses", {**follow, "input": [*FIRST, flat, result]})
+    assert namespaced.status_code == qualified.status_code == 200, namespaced.text
+    used = [x.json()["usage"]["input_tokens"] for x in (namespaced, qualified)]
+    assert used[0] == used[1]
