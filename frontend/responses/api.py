@@ -262,7 +262,12 @@ def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
         "tool_choice": tool_choice,
         "tools": [echoed_tool(t) for t in req.tools or []],
         "text": {"format": text_format},
-        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+        "reasoning": {
+            "effort": req.reasoning.effort if req.reasoning else None,
+            "summary": (req.reasoning.summary or req.reasoning.generate_summary)
+            if req.reasoning
+            else None,
+        },
         "truncation": "disabled",
     }
 

@@ -101,6 +101,7 @@ def test_a_summary_is_the_reasoning_text(server) -> None:
         asked = client.responses.create(**COMMON, input=FIRST, reasoning={"summary": summary})
         [item] = asked.output
         assert [(s.type, s.text) for s in item.summary] == [("summary_text", item.content[0].text)]
+        assert asked.reasoning.summary == summary  # the Response repeats what was applied
     with client.responses.stream(**COMMON, input=FIRST, reasoning={"summary": "auto"}) as stream:
         events = list(stream)
     # (cut by max_output_tokens: response.incomplete ends the stream, not .completed)
