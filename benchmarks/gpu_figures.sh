@@ -26,6 +26,11 @@
 #                concurrencies: SHAPE_CONCURRENCIES="32 256")
 #   serve-8b     a Llama-3-8B shape (bf16, --load-format dummy: random weights, no files; the
 #                tests' 440-token tokenizer and vocabulary) served at concurrency 64
+#   tests        every tests/executor/kernels/test_cuda*.py that needs no real model, riskiest
+#                first (the MoE expert kernel, quantized blocks, sinks, prefill, then
+#                test_cuda.py), one process, each test under TEST_TIMEOUT s (default 150)
+#   tests-models the ones that need SmolLM2 (carried as .gpu parts): its fp32 parity and
+#                Qwen2.5-VL on the CUDA backend (Gemma 3 too once its parts are carried)
 # SERVE_ARGS: more zllm serve flags for serve and serve-shape, e.g.
 #   SERVE_ARGS="--cudagraph-mode full_and_piecewise" (prefill and mixed steps as graphs)
 set -uo pipefail
@@ -44,8 +49,25 @@ wait_healthy() {  # the server on port $1 (process $2) answering /health; fails 
   done
   echo "server on port $1 not healthy after 120 s" >&2; return 1
 }
+KERNEL_TESTS=tests/executor/kernels
+run_tests() {  # $1: log name; the rest: pytest arguments
+  local log=$1; shift
+  timeout ${TESTS_BUDGET:-330} python3 -m pytest -n 0 -v -rfE --durations=15 \
+    --timeout ${TEST_TIMEOUT:-150} "$@" 2>&1 | grep -v "Warning\|warn_once" | tee "$OUT/$log.log"
+}
 for step in "$@"; do
   case $step in
+  tests)
+    section "$step"
+    run_tests tests $KERNEL_TESTS/test_cuda_moe.py $KERNEL_TESTS/test_cuda_quant.py \
+      $KERNEL_TESTS/test_cuda_sinks.py $KERNEL_TESTS/test_cuda_prefill.py \
+      $KERNEL_TESTS/test_cuda.py -k "not smollm2" ;;
+  tests-models)
+    section "$step"
+    gemma=$(python3 -c "from zllm.model.files import MODEL_REGISTRY as R; import os; \
+print(os.path.exists('$ZLLM_CACHE/models/gemma3/' + R['gemma3'].filename))")
+    run_tests tests-models $KERNEL_TESTS/test_cuda.py $KERNEL_TESTS/test_cuda_vision.py \
+      -k "smollm2 or qwen$([ "$gemma" = True ] && echo ' or gemma3')" ;;
   steps-8b|steps-shape)
     # Fused layer ops off, on without the RoPE + cache-write kernel, and on with it
     # (ZLLM_CUDA_LAYER_OPS, ZLLM_CUDA_ROPE_CACHE): what each is worth.

@@ -31,7 +31,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
     A plain loop rather than `generate`, so no generation-config processor (EOS suppression
     from `min_new_tokens`, a default repetition penalty) changes the argmax. The cache goes
-    in and out as `cache` (transformers 5's name; `past_key_values` is deprecated there).
+    in and out as `cache` where the output has it (transformers' newer 5.x name;
+    `past_key_values` is deprecated there) and as `past_key_values` before (5.17, the GPU
+    machines' version).
     """
     out_ids: list[int] = []
     with torch.inference_mode():
@@ -39,7 +41,10 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             token = int(out.logits[0, -1].argmax())
             out_ids.append(token)
-            out = model(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            cache = {"cache": out.cache} if hasattr(out, "cache") else {
+                "past_key_values": out.past_key_values
+            }
+            out = model(torch.tensor([[token]]), use_cache=True, **cache)
     return out_ids
 
 
