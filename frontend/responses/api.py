@@ -11,6 +11,7 @@ every other field of the API zllm does not implement (`UNSUPPORTED`, and the val
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -23,6 +24,7 @@ from zllm.frontend.generate import ApiCall, ApiContext, ChatPrompt, GenerationJo
 from zllm.frontend.openai.api import tooled_chat_params
 from zllm.frontend.openai.format import chat_images, chat_messages
 from zllm.frontend.openai.protocol import ChatCompletionRequest
+from zllm.frontend.responses.client_tools import ClientTool, forced_grammar
 from zllm.frontend.responses.input import (
     FunctionTool,
     FunctionToolChoice,
@@ -32,11 +34,12 @@ from zllm.frontend.responses.input import (
     chat_tool_choice,
     chat_tools,
     chat_turns,
+    client_tools,
     namespaced_functions,
 )
 from zllm.frontend.responses.output import ResponseAssembler, response_id
 from zllm.frontend.responses.reasoning_carrier import ReasoningCarrier
-from zllm.frontend.tools import ChoiceParser, ToolPlan
+from zllm.frontend.tools import ChoiceParser, ToolPlan, constrain
 from zllm.protocol import RequestOptions
 from zllm.text.template_kwargs import reasoning_parser_for
 
@@ -119,6 +122,8 @@ class ResponsesCall(ApiCall):
                     e.message = name + e.message[len(e.param or "") :]
                 e.param = name
             raise
+        self.client_tools = client_tools(body.tools)
+        self.forced = self._force_custom_tool()
         self.params = options.with_thinking_budget(
             self.params,
             body.thinking_token_budget,
@@ -135,6 +140,19 @@ class ResponsesCall(ApiCall):
             )
         ]
 
+    def _force_custom_tool(self) -> str | None:
+        """tool_choice naming a custom tool: the answer is its raw input, constrained by its
+        grammar (in place of the JSON arguments a named function's answer would be)."""
+        tool = self.client_tools.get(self.plan.function_name or "")
+        if self.plan.mode != "named" or tool is None or tool.kind != "custom":
+            return None
+        at = next(i for i, t in enumerate(self.body.tools or []) if t.name == tool.name)
+        structured = forced_grammar(tool, f"tools[{at}]")
+        self.plan = dataclasses.replace(self.plan, structured=structured)
+        unconstrained = msgspec.structs.replace(self.params, structured_outputs=None)
+        self.params = constrain(unconstrained, self.plan, self.ctx.tokenizer, self.reasoning_parser)
+        return tool.name
+
     def options(self) -> RequestOptions:
         return RequestOptions(
             kv_transfer=options.kv_transfer(self.body.kv_transfer_params),
@@ -144,9 +162,10 @@ class ResponsesCall(ApiCall):
     def job(self, ids: RequestIds, model: str, now: float) -> GenerationJob:
         config = self.ctx.config
         parser = ChoiceParser.of(self.plan, config.tool_call_parser, self.reasoning_parser)
-        echo = echoed_settings(self.body, self.plan)
+        echo = echoed_settings(self.body, self.plan, self.client_tools)
         assembler = ResponseAssembler(response_id(), model, echo, parser)
         assembler.namespaces = namespaced_functions(self.body.tools)
+        assembler.client_tools, assembler.forced = self.client_tools, self.forced
         reasoning = self.body.reasoning
         assembler.summarize = reasoning is not None and bool(
             reasoning.summary or reasoning.generate_summary
@@ -233,21 +252,30 @@ def as_chat_request(
 
 
 def echoed_tool(tool: FunctionTool) -> dict[str, Any]:
-    """A tool as the request gave it: a namespace's members nested, the namespace-only
-    fields left out of the others (OpenAI's schema allows no null there)."""
+    """A tool as the request gave it: a namespace's members nested, the fields of other
+    types left out (OpenAI's schema allows no null there)."""
     shown = msgspec.to_builtins(tool)
-    for name in ("tools", "defer_loading"):
-        if shown.get(name) is None:
-            shown.pop(name, None)
+    kept = ("name", "description", "parameters", "strict") if tool.type == "function" else ()
+    for name in list(shown):
+        if shown[name] is None and name not in kept:
+            shown.pop(name)
     if tool.tools is not None:
         shown["tools"] = [echoed_tool(member) for member in tool.tools]
+    if tool.format is not None:
+        shown["format"] = {k: v for k, v in shown["format"].items() if v is not None}
     return shown
 
 
-def echoed_settings(req: ResponsesRequest, plan: ToolPlan) -> dict[str, Any]:
+def echoed_settings(
+    req: ResponsesRequest, plan: ToolPlan, tools: dict[str, ClientTool] | None = None
+) -> dict[str, Any]:
     """The request's settings a Response object repeats, as they were applied."""
-    if plan.mode == "named":
-        tool_choice: Any = {"type": "function", "name": plan.function_name}
+    client = (tools or {}).get(plan.function_name or "")
+    if plan.mode == "named" and client is not None and client.kind == "local_shell":
+        tool_choice: Any = {"type": "local_shell"}
+    elif plan.mode == "named":
+        kind = "custom" if client is not None else "function"
+        tool_choice = {"type": kind, "name": plan.function_name}
     else:
         tool_choice = plan.mode
     fmt = req.text.format if req.text is not None else None

@@ -18,6 +18,9 @@ serve chat):
       [functions]} (Codex CLI's MCP servers,         the model's call comes back as a
       its agents)                                    function_call with namespace NS, name NAME
     input item function_call with namespace NS     a tool call of "NS__NAME"
+    tools: {type: local_shell}, {type: custom}     functions the model calls; the calls come
+      and their call and output items                back in the API's shapes
+                                                     (frontend/responses/client_tools.py)
     tool_choice: none/auto/required,               tool_choice: the same, or
       {type: function, name}                         {type: function, function: {name}}
     text.format: text/json_object/json_schema      response_format
@@ -50,6 +53,15 @@ from zllm.frontend.openai.protocol import (
     error_param,
 )
 from zllm.frontend.openai.protocol import ContentPart as ChatContentPart
+from zllm.frontend.responses.client_tools import (
+    LOCAL_SHELL,
+    ClientTool,
+    CustomFormat,
+    custom_call_arguments,
+    custom_function,
+    local_shell_function,
+    shell_call_arguments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +70,8 @@ logger = logging.getLogger(__name__)
 
 class FunctionTool(msgspec.Struct, kw_only=True):
     """A Responses tool: a function is flat (name and parameters beside `type`); a namespace
-    holds functions (`tools`); the tools OpenAI's servers run are left out; any other type is
-    a 400."""
+    holds functions (`tools`); `local_shell` and `custom` (its `format`) are the client's
+    too; the tools OpenAI's servers run are left out; any other type is a 400."""
 
     type: str
     name: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
@@ -68,6 +80,7 @@ class FunctionTool(msgspec.Struct, kw_only=True):
     strict: bool | None = None
     tools: list[FunctionTool] | None = None  # a namespace's
     defer_loading: bool | None = None  # a namespace member's hint: offered all the same
+    format: CustomFormat | None = None  # a custom tool's
 
 
 # A namespaced function's name as the model sees it (Codex's own flat spelling).
@@ -88,6 +101,17 @@ def namespaced_functions(tools: list[FunctionTool] | None) -> dict[str, tuple[st
         for member in tool.tools or []
         if member.name
     }
+
+
+def client_tools(tools: list[FunctionTool] | None) -> dict[str, ClientTool]:
+    """The local_shell and custom tools, by the function name the model calls them with."""
+    found: dict[str, ClientTool] = {}
+    for tool in tools or []:
+        if tool.type == LOCAL_SHELL:
+            found[LOCAL_SHELL] = ClientTool("local_shell", LOCAL_SHELL)
+        elif tool.type == "custom" and tool.name:
+            found[tool.name] = ClientTool("custom", tool.name, tool.format)
+    return found
 
 
 class FunctionToolChoice(msgspec.Struct, kw_only=True):
@@ -154,9 +178,48 @@ class FunctionCallOutputItem(msgspec.Struct, kw_only=True):
     output: str | list[ContentPart]
 
 
-_Item = TypeVar("_Item", MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem)
+class ShellCallItem(msgspec.Struct, kw_only=True):
+    call_id: str
+    action: dict[str, Any]
 
-INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+class ShellCallOutputItem(msgspec.Struct, kw_only=True):
+    """A local shell call's result: OpenAI's schema names the call by `id`, its guide by
+    `call_id`; either is read."""
+
+    output: str
+    call_id: str | None = None
+    id: str | None = None
+
+
+class CustomCallItem(msgspec.Struct, kw_only=True):
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+_Item = TypeVar(
+    "_Item",
+    MessageItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ReasoningItem,
+    ShellCallItem,
+    ShellCallOutputItem,
+    CustomCallItem,
+)
+
+INPUT_ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "reasoning",
+    "local_shell_call",
+    "local_shell_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+)
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 # Tools OpenAI's servers run for the model; a self-hosted server runs none of them (an mcp
 # tool's server included: nothing beyond loopback is reached).
@@ -198,14 +261,8 @@ def chat_turns(
             if role == "assistant" and reasoning:
                 message.reasoning_content, reasoning = "\n".join(reasoning), []
             turns.append(message)
-        elif kind == "function_call":
-            call = _convert(raw, FunctionCallItem, where)
-            name = (
-                call.name if call.namespace is None else qualified_name(call.namespace, call.name)
-            )
-            tool_call = ToolCallMessage(
-                id=call.call_id, function=FunctionCall(name=name, arguments=call.arguments)
-            )
+        elif kind in ("function_call", "local_shell_call", "custom_tool_call"):
+            tool_call = _tool_call(raw, kind, where)
             last = turns[-1] if turns else None
             if last is not None and last.role == "assistant" and not reasoning:
                 last.tool_calls = [*(last.tool_calls or []), tool_call]
@@ -214,10 +271,18 @@ def chat_turns(
                 if reasoning:
                     message.reasoning_content, reasoning = "\n".join(reasoning), []
                 turns.append(message)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             result = _convert(raw, FunctionCallOutputItem, where)
             content = _text(result.output, f"{where}.output")
             turns.append(ChatMessage(role="tool", content=content, tool_call_id=result.call_id))
+        elif kind == "local_shell_call_output":
+            shell = _convert(raw, ShellCallOutputItem, where)
+            call_id = shell.call_id or shell.id
+            if call_id is None:
+                raise RequestError(
+                    "a local_shell_call_output needs the call's call_id (or id).", param=where
+                )
+            turns.append(ChatMessage(role="tool", content=shell.output, tool_call_id=call_id))
         elif kind == "reasoning":
             text = _reasoning_text(_convert(raw, ReasoningItem, where), where, open_sealed)
             if text:
@@ -231,6 +296,25 @@ def chat_turns(
     if not turns:
         raise RequestError("input holds no message or function call.", param="input")
     return turns
+
+
+def _tool_call(raw: dict[str, Any], kind: str, where: str) -> ToolCallMessage:
+    """A call item (the model's own, sent back) as the function call the model made."""
+    if kind == "local_shell_call":
+        shell = _convert(raw, ShellCallItem, where)
+        name, call_id, arguments = LOCAL_SHELL, shell.call_id, shell_call_arguments(shell.action)
+    elif kind == "custom_tool_call":
+        custom = _convert(raw, CustomCallItem, where)
+        name, call_id = custom.name, custom.call_id
+        if custom.namespace is not None:
+            name = qualified_name(custom.namespace, custom.name)
+        arguments = custom_call_arguments(custom.input)
+    else:
+        call = _convert(raw, FunctionCallItem, where)
+        name, call_id, arguments = call.name, call.call_id, call.arguments
+        if call.namespace is not None:
+            name = qualified_name(call.namespace, call.name)
+    return ToolCallMessage(id=call_id, function=FunctionCall(name=name, arguments=arguments))
 
 
 def _reasoning_text(
@@ -311,6 +395,10 @@ def chat_tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
             continue
         if tool.type == "namespace":
             result += _namespace_functions(tool, f"tools[{i}]")
+        elif tool.type == LOCAL_SHELL:
+            result.append(local_shell_function())
+        elif tool.type == "custom":
+            result.append(custom_function(tool.name, tool.description, tool.format, f"tools[{i}]"))
         else:
             result.append(_function(tool, f"tools[{i}]"))
     return result or None
@@ -335,7 +423,8 @@ def _function(
     if tool.type != "function":
         raise RequestError(
             f"tools of type {tool.type!r} are not supported; zllm runs no built-in "
-            "tools, only functions the client runs (type function), and namespaces of them.",
+            "tools, only tools the client runs: function (and namespaces of them), custom, "
+            "local_shell.",
             param=f"{where}.type",
         )
     if tool.name is None:
@@ -354,14 +443,18 @@ def chat_tool_choice(
 ) -> str | NamedToolChoice | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.type != "function":
+    if choice.type == LOCAL_SHELL:
+        return NamedToolChoice(function=NamedFunction(name=LOCAL_SHELL))
+    if choice.type not in ("function", "custom"):
         raise RequestError(
-            f"tool_choice of type {choice.type!r} is not supported; use none, auto, required "
-            'or {"type": "function", "name": ...}.',
+            f"tool_choice of type {choice.type!r} is not supported; use none, auto, required, "
+            '{"type": "function" or "custom", "name": ...} or {"type": "local_shell"}.',
             param="tool_choice.type",
         )
     if not choice.name:
-        raise RequestError("tool_choice of type function needs a name.", param="tool_choice.name")
+        raise RequestError(
+            f"tool_choice of type {choice.type} needs a name.", param="tool_choice.name"
+        )
     return NamedToolChoice(function=NamedFunction(name=choice.name))
 
 

@@ -6,6 +6,7 @@ tool calls) and becomes items, in the order the model wrote them:
     reasoning      {id, summary: [], content: [{type: reasoning_text, text}]}
     message        {id, role: assistant, content: [{type: output_text, text}]}
     function_call  {id, call_id, name, arguments}
+    local_shell_call / custom_tool_call: a call of such a tool (client_tools.py)
 
 Each item streams as
 
@@ -16,6 +17,10 @@ Each item streams as
                      response.output_text.done, response.content_part.done
       function_call: response.function_call_arguments.delta ...,
                      response.function_call_arguments.done
+      custom_tool_call: response.custom_tool_call_input.delta (as written where the tool
+                     was forced, else once the call's input is whole),
+                     response.custom_tool_call_input.done
+      local_shell_call: nothing between added and done
     response.output_item.done
 
 between response.created, response.in_progress and response.completed (or
@@ -38,6 +43,7 @@ import msgspec
 from zllm.errors import RequestError
 from zllm.frontend.openai.protocol import ToolCallDelta
 from zllm.frontend.replies import check_failed
+from zllm.frontend.responses.client_tools import ClientTool, custom_input, shell_action
 from zllm.frontend.tools import ChoiceParser, Piece
 from zllm.protocol import FinishReason, RequestOutputDelta
 
@@ -61,11 +67,15 @@ class OutputItem:
     status: str = "in_progress"
     summarized: bool = False  # a reasoning item whose summary is its text (reasoning.summary)
     encrypted_content: str | None = None  # a reasoning item's text sealed (include)
+    client: ClientTool | None = None  # a call of local_shell or a custom tool
+    raw: bool = False  # a custom tool's call whose text is its input (tool_choice forced it)
 
     def shown(self) -> dict[str, Any]:
         """The item as OpenAI shows it (ResponseReasoningItem, ResponseOutputMessage,
         ResponseFunctionToolCall)."""
         done = self.status != "in_progress"
+        if self.client is not None:
+            return self._client_call()
         if self.kind == "function_call":
             shown = {
                 "type": "function_call",
@@ -101,6 +111,36 @@ class OutputItem:
             "content": [_text_part(self.text)] if done else [],
         }
 
+    def _client_call(self) -> dict[str, Any]:
+        """A local_shell_call (LocalShellCall) or a custom_tool_call (ResponseCustomToolCall)."""
+        assert self.client is not None
+        if self.client.kind == "local_shell":
+            action, _ = shell_action(self.text)
+            return {
+                "type": "local_shell_call",
+                "id": self.id,
+                "call_id": self.call_id,
+                "action": action,
+                "status": self.status,
+            }
+        shown = {
+            "type": "custom_tool_call",
+            "id": self.id,
+            "call_id": self.call_id,
+            "name": self.name,
+            "input": self.input,
+        }
+        if self.namespace is not None:
+            shown["namespace"] = self.namespace
+        return shown
+
+    @property
+    def input(self) -> str:
+        """A custom tool call's input so far (whole once the item is done)."""
+        if self.raw:
+            return self.text
+        return custom_input(self.text, raw=False) if self.status != "in_progress" else ""
+
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -128,6 +168,10 @@ class ResponseAssembler:
     status: str = "in_progress"
     # A namespaced function's qualified name -> (namespace, name) (input.namespaced_functions).
     namespaces: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # local_shell and custom tools by function name (input.client_tools); `forced`: the custom
+    # tool tool_choice named, whose calls' text is the raw input.
+    client_tools: dict[str, ClientTool] = field(default_factory=dict)
+    forced: str | None = None
     summarize: bool = False  # reasoning items carry their text as their summary too
     seal: Callable[[str], str] | None = None  # reasoning items carry their text sealed
     _open: OutputItem | None = None
@@ -267,9 +311,18 @@ class ResponseAssembler:
         if call.id is not None:  # a new call: its own item
             yield from self._close("completed")
             name = call.function.name if call.function else None
+            client = self.client_tools.get(name or "")
             namespace, name = self.namespaces.get(name or "", (None, name))
-            item = OutputItem("function_call", _new_id("fc_"), call_id=call.id, name=name)
+            prefix = {None: "fc_", "local_shell": "lsh_", "custom": "ctc_"}
+            item = OutputItem(
+                "function_call",
+                _new_id(prefix[client.kind if client else None]),
+                call_id=call.id,
+                name=name,
+            )
             item.namespace = namespace
+            item.client = client
+            item.raw = client is not None and client.name == self.forced
             yield from self._open_item(item)
         arguments = call.function.arguments if call.function else None
         if arguments and self._open is not None:
@@ -288,7 +341,11 @@ class ResponseAssembler:
         item = self._open
         assert item is not None
         item.text += text
-        if item.kind == "function_call":
+        if item.client is not None:
+            if item.raw:  # a forced custom tool: its input as it is written
+                where = {"item_id": item.id, "output_index": self._index}
+                yield "response.custom_tool_call_input.delta", where | {"delta": text}
+        elif item.kind == "function_call":
             where = {"item_id": item.id, "output_index": self._index}
             yield "response.function_call_arguments.delta", where | {"delta": text}
         elif item.kind == "message":
@@ -302,7 +359,9 @@ class ResponseAssembler:
             return
         self._open = None
         item.status = status
-        if item.kind == "function_call":
+        if item.client is not None:
+            yield from self._close_client_call(item)
+        elif item.kind == "function_call":
             where = {"item_id": item.id, "output_index": self._index}
             done = {"name": item.name, "arguments": item.text}  # the name: OpenAI's schema
             yield "response.function_call_arguments.done", where | done
@@ -325,6 +384,17 @@ class ResponseAssembler:
             if self.seal is not None:
                 item.encrypted_content = self.seal(item.text)
         yield "response.output_item.done", {"output_index": self._index, "item": item.shown()}
+
+    def _close_client_call(self, item: OutputItem) -> Iterator[Event]:
+        """A custom tool's input whole (at once, unless it streamed as written); a shell
+        call whose arguments are not a whole command is incomplete."""
+        where = {"item_id": item.id, "output_index": self._index}
+        if item.client is not None and item.client.kind == "custom":
+            if not item.raw:
+                yield "response.custom_tool_call_input.delta", where | {"delta": item.input}
+            yield "response.custom_tool_call_input.done", where | {"input": item.input}
+        elif not shell_action(item.text)[1]:
+            item.status = "incomplete"
 
     @property
     def _index(self) -> int:

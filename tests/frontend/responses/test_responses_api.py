@@ -376,8 +376,9 @@ def test_unsupported_fields_are_400s(tools_server, name) -> None:
 
 
 REFUSED = [
-    ({"tools": [{"type": "local_shell"}]}, "tools[0].type", "local_shell"),
-    ({"tools": [RESPONSE_TOOLS[0], {"type": "custom", "name": "x"}]}, "tools[1].type", "custom"),
+    # (local_shell and custom tools: tests/frontend/responses/test_client_tools.py)
+    ({"tools": [RESPONSE_TOOLS[0], {"type": "teleport", "name": "x"}]}, "tools[1].type",
+     "teleport"),
     ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "web_search_preview"}},
      "tool_choice.type", "web_search_preview"),
     ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
