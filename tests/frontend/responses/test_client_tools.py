@@ -23,7 +23,7 @@ from zllm.protocol import FinishReason, RequestOutputDelta
 openai = pytest.importorskip("openai")
 from openai.types.responses import ResponseCustomToolCall  # noqa: E402
 from openai.types.responses.response_output_item import LocalShellCall  # noqa: E402
-from test_responses_api import EVENT_CLASSES, checked  # noqa: E402
+from responses_events import EVENT_CLASSES, checked  # noqa: E402
 
 PATCH_GRAMMAR = 'start: "*** Begin Patch\\n" ("+" LINE)* "*** End Patch"\nLINE: /[a-z]{1,8}\\n/\n'
 APPLY_PATCH = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import typing
 
 import jsonschema
 import pytest
@@ -32,34 +31,17 @@ from openai.types.responses import (  # noqa: E402
     ResponseFunctionToolCall,
     ResponseOutputMessage,
     ResponseReasoningItem,
-    ResponseStreamEvent,
 )
+from responses_events import checked  # noqa: E402
 
 # Responses' function tools are flat: name and parameters beside the type.
 RESPONSE_TOOLS = [{"type": "function", **t["function"], "strict": True} for t in TOOLS]
 SCHEMAS = {t["name"]: t["parameters"] for t in RESPONSE_TOOLS}
 ASK = "What is the weather in Paris, and the time in Tokyo?"
-# Each event type's class in the openai package (the union's members, by their `type`).
-EVENT_CLASSES = {
-    cls.model_fields["type"].annotation.__args__[0]: cls
-    for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
-}
 
 
 def client_of(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def checked(event_dicts: list[dict]) -> list:
-    """Each event validated strictly against its class in the openai package, its
-    sequence_number the next one."""
-    events = []
-    for n, data in enumerate(event_dicts):
-        data = json.loads(json.dumps(data))
-        event = EVENT_CLASSES[data["type"]].model_validate(data)
-        assert event.sequence_number == n, (n, data)
-        events.append(event)
-    return events
 
 
 def streamed(client, **kwargs) -> tuple[list, object]:
