@@ -84,12 +84,8 @@ def plan_tools(
         raise RequestError("tool names must be unique.", param="tools")
     if choice == "none":
         return ToolPlan("none", tools, None)
-    if choice != "auto" and user_structured is not None:
-        raise RequestError(
-            "tool_choice required or a named function constrains the answer itself; "
-            "drop response_format / structured_outputs.",
-            param="tool_choice",
-        )
+    # required or a named function: the answer is calls, and the request's own format (for a
+    # message: an agent loop sends it every turn) has no message to shape on this turn.
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
