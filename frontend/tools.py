@@ -26,6 +26,7 @@ several tokens, not one the engine can wait for.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,10 @@ def plan_tools(
             parallel=body.parallel_tool_calls,
         )
     # auto
+    if tool_parser is None and not template_shows_tools(getattr(tokenizer, "chat_template", None)):
+        # The model never sees the tools (its chat template renders none), so it cannot call
+        # one: its answer is text, as under none (SmolLM2's template; Codex asks auto always).
+        return ToolPlan("none", tools, None)
     if tool_parser is None:
         raise RequestError(
             'tool_choice "auto" needs a server started with --tool-call-parser '
@@ -111,6 +116,19 @@ def plan_tools(
         )
     structured = user_structured or _auto_call_grammar(tools, tokenizer, tool_parser)
     return ToolPlan("auto", tools, structured, parallel=body.parallel_tool_calls)
+
+
+@functools.lru_cache(maxsize=16)
+def template_shows_tools(template: str | None) -> bool:
+    """Whether a chat template reads its `tools` variable (unknown or unparsable: assume so)."""
+    if template is None:
+        return True
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(Environment().parse(template))
+    except TemplateSyntaxError:
+        return True
 
 
 def msgspec_to_builtins(obj: Any) -> Any:

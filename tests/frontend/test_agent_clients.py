@@ -1,7 +1,13 @@
 """Agent programs people point at self-hosted servers, unmodified, against a real `zllm serve`
-(issue 73): the OpenAI Agents SDK through both of its model classes (Responses and Chat
-Completions), one run with a tool round trip: the model calls the tool, the SDK runs it and
-sends its output back, and the model answers.
+(issue 73):
+- OpenAI's Codex CLI (`codex exec`, npm) and Anthropic's Claude Code (`claude -p`, npm) at
+  pinned versions (tests/agent_clis.py), against the default model served as the README
+  serves it: each completes its turn; Claude Code's first request asks max_tokens 32000 of a
+  model it does not know and recovers from the context-overflow 400 as from Anthropic's own,
+  and its second run reads its prompt from the prefix cache;
+- the OpenAI Agents SDK through both of its model classes (Responses and Chat
+  Completions), one run with a tool round trip: the model calls the tool, the SDK runs it and
+  sends its output back, and the model answers.
 
 The tiny random model is held to a call on the first turn by `tool_choice: required` (a
 grammar); the SDK then resets tool_choice, and the agent's output type (a JSON schema the SDK
@@ -11,8 +17,12 @@ and the SDK takes a Responses answer cut by max_output_tokens as an error.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from typing import Annotated
 
+import agent_clis
 import httpx
 import pytest
 from pydantic import BaseModel, Field
@@ -79,3 +89,105 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server, api) -> None:
     assert len(result.raw_responses) == kinds.count("tool_call_output_item") + 1
     # One request a turn, none refused or failed.
     assert statuses == [200] * len(result.raw_responses), statuses
+
+
+# ---- the CLIs, against SmolLM2 ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path, engine_pool, tmp_path_factory):
+    """SmolLM2 as `zllm serve` serves it (no parser flags, its 8,192-token context), with one
+    server default: greedy decoding for requests that set no temperature (`--generation-config`
+    with a generation_config.json saying so; neither CLI sends one here). A sampled answer of
+    the 135M model can run on for thousands of tokens; a greedy one ends in a few dozen."""
+    root = tmp_path_factory.mktemp("agent-clis")
+    (root / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    args = ["--served-model-name", "smollm2", "--generation-config", str(root)]
+    args += ["--kv-cache-memory-bytes", "512M"]  # room for a whole context
+    with engine_pool.serve(smollm2_path, root / "server.log", *args) as server:
+        yield server
+
+
+def installed(name: str):
+    try:
+        return agent_clis.cli(name)
+    except agent_clis.CliUnavailable as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+
+
+CODEX_CONFIG = """
+model = "smollm2"
+model_provider = "zllm"
+approval_policy = "never"
+sandbox_mode = "read-only"
+check_for_update_on_startup = false
+
+[model_providers.zllm]
+name = "zllm"
+base_url = "{url}/v1"
+wire_api = "responses"
+
+[analytics]
+enabled = false
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_codex_exec_completes_a_turn(smollm2_server, tmp_path) -> None:
+    """Codex sends every turn: include reasoning.encrypted_content, reasoning.summary, a
+    namespace tool, web_search, developer messages, tool_choice auto."""
+    codex = installed("codex")
+    home = tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(url=smollm2_server.url))
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(
+        [str(codex), "exec", "--json", "--skip-git-repo-check", "Say hello in one word."],
+        cwd=work, env=agent_clis.env_for(home, CODEX_HOME=str(home / ".codex")),
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    kinds = [e["type"] for e in events]
+    assert "turn.failed" not in kinds and kinds[-1] == "turn.completed", kinds
+    said = [e["item"] for e in events if e["type"] == "item.completed"]
+    assert [i for i in said if i["type"] == "agent_message" and i["text"].strip()], said
+    assert events[-1]["usage"]["input_tokens"] > 1000  # its instructions and tools
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_claude_code_completes_a_turn_and_reuses_the_cache(smollm2_server, tmp_path) -> None:
+    claude = installed("claude")
+    home = tmp_path / "home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    env = agent_clis.env_for(
+        home,
+        ANTHROPIC_BASE_URL=smollm2_server.url,
+        ANTHROPIC_API_KEY="none",
+        ANTHROPIC_MODEL="smollm2",
+        ANTHROPIC_SMALL_FAST_MODEL="smollm2",
+        ANTHROPIC_DEFAULT_HAIKU_MODEL="smollm2",
+    )
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [str(claude), "-p", "Say hello in one word.", "--output-format", "json",
+             "--max-turns", "1"],
+            cwd=work, env=env, capture_output=True, text=True, timeout=300,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        result = json.loads(done.stdout)
+        assert result["subtype"] == "success" and not result["is_error"], result
+        assert result["result"].strip()
+        runs.append(result["usage"])
+    assert runs[0]["input_tokens"] > 1000  # its system prompt and tools
+    # The second run's prompt starts as the first's did: read from the prefix cache.
+    assert runs[1]["cache_read_input_tokens"] > 1000, runs

@@ -1,0 +1,73 @@
+"""The agent programs of npm, at pinned versions, for tests/frontend/test_agent_clients.py:
+OpenAI's Codex CLI and Anthropic's Claude Code, installed once per machine into a cache
+outside the repository ($ZLLM_TEST_NPM, default ~/.cache/zllm-test-npm) with `npm install`,
+under a lock (the suite's xdist workers). Their telemetry and update checks are off in every
+environment `env_for` gives them; they reach nothing beyond the loopback server."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+# name -> (npm package, pinned version, executable)
+CLIS = {
+    "codex": ("@openai/codex", "0.171.0", "codex"),
+    "claude": ("@anthropic-ai/claude-code", "2.1.197", "claude"),
+}
+
+
+class CliUnavailable(RuntimeError):
+    """npm is missing, or the install failed (the message says which)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ZLLM_TEST_NPM") or "~/.cache/zllm-test-npm").expanduser()
+
+
+def cli(name: str) -> Path:
+    """The executable of `name` (CLIS), installed first if it is not at its pinned version."""
+    package, version, exe = CLIS[name]
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed_version(root, package) != version:
+            npm = shutil.which("npm")
+            if npm is None:
+                raise CliUnavailable("npm is not installed (apt-get install nodejs npm)")
+            done = subprocess.run(
+                [npm, "install", "--prefix", str(root), "--no-audit", "--no-fund",
+                 "--loglevel=error", f"{package}@{version}"],
+                capture_output=True, text=True, timeout=900,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise CliUnavailable(f"npm install {package}@{version} failed:\n{done.stderr}")
+    return root / "node_modules" / ".bin" / exe
+
+
+def _installed_version(root: Path, package: str) -> str | None:
+    try:
+        manifest = root / "node_modules" / package / "package.json"
+        return json.loads(manifest.read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def env_for(home: Path, **extra: str) -> dict[str, str]:
+    """An environment for a CLI run: its own HOME (no user's settings or sessions), no
+    telemetry, error reports or update checks, no proxy."""
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env.update(
+        HOME=str(home),
+        DISABLE_TELEMETRY="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_ERROR_REPORTING="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        NO_UPDATE_NOTIFIER="1",
+    )
+    env.update(extra)
+    return env
