@@ -41,9 +41,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         for _ in range(max_new_tokens):
             token = int(out.logits[0, -1].argmax())
             out_ids.append(token)
-            cache = {"cache": out.cache} if hasattr(out, "cache") else {
-                "past_key_values": out.past_key_values
-            }
+            cache = (
+                {"cache": out.cache}
+                if hasattr(out, "cache")
+                else {"past_key_values": out.past_key_values}
+            )
             out = model(torch.tensor([[token]]), use_cache=True, **cache)
     return out_ids
 
