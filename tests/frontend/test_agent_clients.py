@@ -1,8 +1,8 @@
 """Agent programs people point at self-hosted servers, unmodified, against a real `zllm serve`
 (issue 73):
-- OpenAI's Codex CLI (`codex exec`, npm) and Anthropic's Claude Code (`claude -p`, npm) at
-  pinned versions (tests/agent_clis.py), against the default model served as the README
-  serves it: each completes its turn; Claude Code's first request asks max_tokens 32000 of a
+- OpenAI's Codex CLI (`codex exec`, npm), Anthropic's Claude Code (`claude -p`, npm) and
+  aider (`aider --message`, PyPI, through litellm) at pinned versions (tests/agent_clis.py),
+  against the default model served as the README serves it: each completes its turn; Claude Code's first request asks max_tokens 32000 of a
   model it does not know and recovers from the context-overflow 400 as from Anthropic's own,
   and its second run reads its prompt from the prefix cache;
 - the OpenAI Agents SDK through both of its model classes (Responses and Chat
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from typing import Annotated
 
@@ -191,3 +192,38 @@ def test_claude_code_completes_a_turn_and_reuses_the_cache(smollm2_server, tmp_p
     assert runs[0]["input_tokens"] > 1000  # its system prompt and tools
     # The second run's prompt starts as the first's did: read from the prefix cache.
     assert runs[1]["cache_read_input_tokens"] > 1000, runs
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_aider_answers_a_message(smollm2_server, tmp_path) -> None:
+    """aider through litellm's OpenAI-compatible route (Chat Completions), with a file in
+    its chat, one message, no git."""
+    aider = installed("aider")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hello.py").write_text("print('hi')\n")
+    # aider's model list, which it would fetch from GitHub (litellm's) once a day: this one
+    # model's entry, so it reaches nothing but the loopback server.
+    caches = tmp_path / "home" / ".aider" / "caches"
+    caches.mkdir(parents=True)
+    entry = {"max_input_tokens": 8192, "max_output_tokens": 4096, "mode": "chat",
+             "litellm_provider": "openai"}  # fmt: skip
+    (caches / "model_prices_and_context_window.json").write_text(json.dumps({"smollm2": entry}))
+    done = subprocess.run(
+        [str(aider), "--model", "openai/smollm2",
+         "--openai-api-base", f"{smollm2_server.url}/v1", "--openai-api-key", "unused",
+         "--message", "Say hello in one word.", "--yes-always", "--no-git",
+         "--no-check-update", "--analytics-disable", "--no-show-model-warnings",
+         "--no-pretty", "--no-stream", "hello.py"],
+        cwd=work, env=agent_clis.env_for(tmp_path / "home"), capture_output=True, text=True,
+        timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    # litellm's errors (a 4xx or 5xx, a failed connection) print, then aider exits 0.
+    assert not re.search(r"Error|Exception|Traceback", out), out
+    tokens = re.search(r"Tokens: ([\d,]+) sent, ([\d,]+) received", out)
+    assert tokens is not None, out
+    sent, received = (int(n.replace(",", "")) for n in tokens.group(1, 2))
+    assert sent > 100 and received > 0  # its system prompt and the file; an answer
