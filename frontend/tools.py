@@ -20,8 +20,8 @@ waits for the end of the reasoning (`</think>`).
 gpt-oss's harmony (--reasoning-parser openai_gptoss or --tool-call-parser openai,
 zllm/text/tool_parsers/harmony.py) is one parser for all three: its channels give the reasoning, the
 content and, under `auto`, the calls. Its text keeps special tokens (its headers are made of
-them); a constraint applies from the output's start, as harmony's final channel opens with
-several tokens, not one the engine can wait for.
+them); a constraint waits for its answer's header, `<|channel|>final<|message|>` (several
+tokens: StructuredOutputsParams.after_tokens).
 """
 
 from __future__ import annotations
@@ -193,19 +193,30 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int | None:
 
 
 def constrain(
-    params: SamplingParams, plan: ToolPlan, tokenizer: Tokenizer, reasoning_parser: str | None
+    params: SamplingParams,
+    plan: ToolPlan,
+    tokenizer: Tokenizer,
+    reasoning_parser: str | None,
+    tool_parser: str | None = None,
 ) -> SamplingParams:
     """The request's structured-outputs constraint: the tool plan's (required, a named
     function, auto's call grammar) or the request's own; with a reasoning parser, one
-    that does not wait for a token of its own applies after `</think>`."""
+    that does not wait for tokens of its own applies after the reasoning: after `</think>`,
+    or harmony's `<|channel|>final<|message|>` (its answer's header)."""
     structured = plan.structured if plan.structured is not None else params.structured_outputs
     if structured is None:
         return params
-    harmony = uses_harmony(reasoning_parser, None)
-    if reasoning_parser is not None and structured.after_token is None and not harmony:
-        think_end = think_end_token(tokenizer)
-        if think_end is not None:
-            structured = msgspec.structs.replace(structured, after_token=think_end)
+    waits = structured.after_token is not None or structured.after_tokens is not None
+    harmony = uses_harmony(reasoning_parser, tool_parser)  # either name turns harmony on
+    if (reasoning_parser is not None or harmony) and not waits:
+        if harmony:
+            final = harmony_final_tokens(tokenizer)
+            if final is not None:
+                structured = msgspec.structs.replace(structured, after_tokens=final)
+        else:
+            think_end = think_end_token(tokenizer)
+            if think_end is not None:
+                structured = msgspec.structs.replace(structured, after_token=think_end)
     return msgspec.structs.replace(params, structured_outputs=structured)
 
 
@@ -230,6 +241,14 @@ def keep_call_tags(
 
 def think_end_token(tokenizer: Tokenizer) -> int | None:
     return _single_token(tokenizer, _THINK_END)
+
+
+def harmony_final_tokens(tokenizer: Tokenizer) -> list[int] | None:
+    """The ids of harmony's `<|channel|>final<|message|>`, where its markers are single
+    tokens (gpt-oss's tokenizer); None elsewhere."""
+    if None in (_single_token(tokenizer, t) for t in ("<|channel|>", "<|message|>")):
+        return None
+    return tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
 
 
 # ---------------------------------------------------------------------------------------------

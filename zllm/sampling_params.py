@@ -37,6 +37,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # calls. With `repeat`, once the grammar completes the output is free again until the
     # next such token (one constrained tool call per opening tag).
     after_token: int | None = None
+    # The same after a sequence of tokens: harmony's `<|channel|>final<|message|>` (gpt-oss's
+    # answer opens with several tokens). An empty list holds the grammar from the output's
+    # first token even where a reasoning parser would make it wait (frontend/tools.py).
+    after_tokens: list[int] | None = None
     repeat: bool = False
 
     def __post_init__(self) -> None:
@@ -49,6 +53,15 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if self.choice is not None and not self.choice:
             raise ParamError("choice must list at least one string.", _PARAM)
+        if self.after_token is not None and self.after_tokens is not None:
+            raise ParamError("set after_token or after_tokens, not both.", _PARAM)
+
+    def trigger(self) -> tuple[int, ...]:
+        """The tokens whose appearance at the output's end starts the grammar (none: it holds
+        from the first token)."""
+        if self.after_tokens is not None:
+            return tuple(self.after_tokens)
+        return () if self.after_token is None else (self.after_token,)
 
     def kinds(self) -> list[str]:
         # json_object=False counts as unset.

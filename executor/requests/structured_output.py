@@ -43,24 +43,27 @@ _CACHE_SIZE = 256  # compiled grammars kept (a pristine matcher each, copied per
 class GrammarMatcher:
     """One sequence's position in its grammar.
 
-    With an `after_token` (StructuredOutputsParams), the matcher waits, leaving the output
-    free, until that token is consumed; then it constrains from the grammar's start. With
-    `repeat`, a completed grammar goes back to waiting for the next such token.
+    With a trigger (StructuredOutputsParams' `after_token` or `after_tokens`), the matcher
+    waits, leaving the output free, until the output ends with those tokens; then it
+    constrains from the grammar's start. With `repeat`, a completed grammar goes back to
+    waiting for the next trigger.
     """
 
-    def __init__(self, pristine, after_token: int | None = None, repeat: bool = False) -> None:
+    def __init__(self, pristine, trigger: Sequence[int] = (), repeat: bool = False) -> None:
         self._pristine = pristine  # an llguidance.LLMatcher at the grammar's start (shared)
         self._matcher = pristine.deep_copy()
-        self.after_token = after_token
+        self.trigger = tuple(trigger)
         self.repeat = repeat
-        self.waiting = after_token is not None
+        self.waiting = bool(self.trigger)
+        self._tail: tuple[int, ...] = ()  # the last tokens consumed while waiting
 
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token. The mask allowed it, so this cannot fail unless the
         sequence went past the grammar's end (ignore_eos); then the matcher stays stopped."""
         if self.waiting:
-            if token_id == self.after_token:
-                self.waiting = False
+            self._tail = (*self._tail, token_id)[-len(self.trigger) :]
+            if self._tail == self.trigger:
+                self.waiting, self._tail = False, ()
                 self._matcher = self._pristine.deep_copy()
             return
         if not self._matcher.is_stopped():
@@ -79,10 +82,10 @@ class GrammarMatcher:
         (len(rows) == len(drafts) + 1), and the matcher ends where it started.
 
         The matcher consumes the proposals tentatively and rolls back (llguidance's rollback;
-        an `after_token` that fires leaves the original matcher untouched). At the first
+        a trigger that fires leaves the original matcher untouched). At the first
         proposal its grammar forbids, the walk stops: that row's mask rejects it for certain,
         so the rows after it are never used."""
-        saved_waiting, saved_matcher = self.waiting, self._matcher
+        saved_waiting, saved_matcher, saved_tail = self.waiting, self._matcher, self._tail
         num_consumed = 0  # tokens the saved matcher itself consumed, to roll back
         try:
             for j, row in enumerate(rows):
@@ -96,7 +99,7 @@ class GrammarMatcher:
                         num_consumed += 1
                 self.consume(drafts[j])
         finally:
-            self.waiting, self._matcher = saved_waiting, saved_matcher
+            self.waiting, self._matcher, self._tail = saved_waiting, saved_matcher, saved_tail
             if num_consumed:
                 saved_matcher.rollback(num_consumed)
 
@@ -144,7 +147,7 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(grammar)
-        matcher = GrammarMatcher(pristine, params.after_token, params.repeat)
+        matcher = GrammarMatcher(pristine, params.trigger(), params.repeat)
         for token in output_token_ids:
             matcher.consume(token)
         return matcher

@@ -55,7 +55,8 @@ def tooled_chat_params(
     config = ctx.config
     plan = plan_tools(chat, ctx.tokenizer, config.tool_call_parser, params.structured_outputs)
     params = keep_call_tags(params, plan, config.tool_call_parser, reasoning_parser)
-    return constrain(params, plan, ctx.tokenizer, reasoning_parser), plan
+    constrained = constrain(params, plan, ctx.tokenizer, reasoning_parser, config.tool_call_parser)
+    return constrained, plan
 
 
 class CompletionsCall(ApiCall):

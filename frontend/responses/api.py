@@ -150,7 +150,13 @@ class ResponsesCall(ApiCall):
         structured = forced_grammar(tool, f"tools[{at}]")
         self.plan = dataclasses.replace(self.plan, structured=structured)
         unconstrained = msgspec.structs.replace(self.params, structured_outputs=None)
-        self.params = constrain(unconstrained, self.plan, self.ctx.tokenizer, self.reasoning_parser)
+        self.params = constrain(
+            unconstrained,
+            self.plan,
+            self.ctx.tokenizer,
+            self.reasoning_parser,
+            self.ctx.config.tool_call_parser,
+        )
         return tool.name
 
     def options(self) -> RequestOptions:

@@ -354,17 +354,47 @@ def test_either_name_turns_the_whole_parser_on() -> None:
         assert [c.function.name for c in piece.tool_calls if c.id] == ["get_weather"]
 
 
-def test_special_tokens_kept_and_constraints_from_the_start() -> None:
+def test_special_tokens_kept_and_constraints_wait_for_the_answer(harmony_model) -> None:
+    """A constraint under harmony (either parser's name) waits for the answer's header,
+    `<|channel|>final<|message|>`: the analysis channel, a commentary header, a header cut
+    short are free; the answer is held. A request's own `after_tokens: []` holds it from the
+    output's first token."""
     params = SamplingParams(max_tokens=8)
     none = ToolPlan("none", None, None)
     for parsers in (("openai", None), (None, "openai_gptoss")):
         assert keep_call_tags(params, none, *parsers).skip_special_tokens is False
     assert keep_call_tags(params, none, "hermes", "qwen3").skip_special_tokens is True
+    tokenizer = load_tokenizer(str(harmony_model))
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     schema = StructuredOutputsParams(json={"type": "object"})
     plan = ToolPlan("none", None, schema)
-    # No `</think>` to wait for: the grammar holds from the output's first token.
-    constrained = constrain(params, plan, None, "openai_gptoss")  # type: ignore[arg-type]
-    assert constrained.structured_outputs == schema
+    for reasoning, tools in (("openai_gptoss", None), (None, "openai")):
+        waits = constrain(params, plan, tokenizer, reasoning, tools).structured_outputs
+        assert waits is not None and waits.after_tokens == ids("<|channel|>final<|message|>")
+    own = ToolPlan("none", None, msgspec.structs.replace(schema, after_tokens=[]))
+    held = constrain(params, own, tokenizer, "openai_gptoss").structured_outputs
+    assert held is not None and held.after_tokens == []
+
+    from zllm.executor.requests.structured_output import GrammarCompiler, allocate_bitmask
+
+    vocab = tokenizer.vocab_size
+    matcher = GrammarCompiler(str(harmony_model), vocab).matcher(waits, [0])
+
+    def allowed() -> int:
+        mask = allocate_bitmask(1, vocab)
+        matcher.fill_mask(mask[0])
+        return sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
+
+    free = allowed()
+    before = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary"
+    for text in (before, "<|message|>x<|end|><|start|>assistant<|channel|>final"):
+        for token in ids(text):
+            matcher.consume(token)
+        assert matcher.waiting and allowed() == free
+    matcher.consume(ids("<|message|>")[0])
+    assert not matcher.waiting and allowed() < free / 10  # the answer: JSON only
+    from_start = GrammarCompiler(str(harmony_model), vocab).matcher(held, [0])
+    assert not from_start.waiting
 
 
 def test_chat_choice(tiny_llama_dir) -> None:
@@ -558,7 +588,7 @@ def test_served(harmony_model, engine_pool, tmp_path) -> None:
             model="tiny",
             messages=ask,
             max_tokens=200,
-            structured_outputs={"grammar": _grammar(tokenizer, answer)},
+            structured_outputs={"grammar": _grammar(tokenizer, answer), "after_tokens": []},
         )
         r = server.post("/v1/chat/completions", body)
         assert r.status_code == 200, r.text
@@ -577,7 +607,7 @@ def test_served(harmony_model, engine_pool, tmp_path) -> None:
             messages=ask,
             tools=TOOLS,
             max_tokens=200,
-            structured_outputs={"grammar": _grammar(tokenizer, call_text)},
+            structured_outputs={"grammar": _grammar(tokenizer, call_text), "after_tokens": []},
         )
         r = server.post("/v1/chat/completions", body)
         choice = r.json()["choices"][0]
@@ -618,7 +648,7 @@ def _check_free_sampling(server, tokenizer) -> None:
     tokens made likely: junk, which stays content)."""
     ask = [{"role": "user", "content": "Hi"}]
     prompt = tokenizer.apply_chat_template(ask, chat_template=HARMONY_TEMPLATE)
-    grammar = {"grammar": _random_harmony_grammar(tokenizer)}
+    grammar = {"grammar": _random_harmony_grammar(tokenizer), "after_tokens": []}
     bias = {str(tokenizer.encode(t, add_special_tokens=False)[0]): 3.0 for t in SPECIAL_TOKENS}
     message_id = str(tokenizer.encode("<|message|>", add_special_tokens=False)[0])
     seen: set[str] = set()
