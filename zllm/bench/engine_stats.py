@@ -68,8 +68,9 @@ def parse_counters(metrics_text: str) -> dict[str, float]:
     return values
 
 
-def process_cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of each local `zllm: <role> [index]` process, summed per role."""
+def process_cpu_seconds(parent: int | None = None) -> dict[str, float]:
+    """CPU seconds so far of each local `zllm: <role> [index]` process, summed per role;
+    `parent`: only the children of that process (one server's, where several run)."""
     ticks = os.sysconf("SC_CLK_TCK")
     by_role: dict[str, float] = {}
     try:
@@ -87,6 +88,8 @@ def process_cpu_seconds() -> dict[str, float]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
+        if parent is not None and int(fields[1]) != parent:  # field 4, the parent's pid
+            continue
         role = title[len("zllm: ") :].split()[0]
         by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return by_role
