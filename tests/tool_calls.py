@@ -95,3 +95,20 @@ def serve_think(engine_pool: EnginePool, model: Path, log: Path):
     return engine_pool.serve(
         str(model), log, "--reasoning-parser", "deepseek_r1", "--served-model-name", "tiny"
     )
+
+
+def serve_tools(engine_pool: EnginePool, model: Path, log: Path):
+    """The tools model served with the hermes tool-call parser as "tiny", for a `with` block
+    (EnginePool.serve)."""
+    return engine_pool.serve(
+        str(model), log, "--served-model-name", "tiny", "--tool-call-parser", "hermes"
+    )
+
+
+def allowed_count(matcher, vocab_size: int) -> int:
+    """How many tokens a GrammarMatcher allows next (its mask's set bits)."""
+    from zllm.executor.requests.structured_output import allocate_bitmask
+
+    mask = allocate_bitmask(1, vocab_size)
+    matcher.fill_mask(mask[0])
+    return sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())

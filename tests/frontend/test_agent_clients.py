@@ -27,6 +27,7 @@ import agent_clis
 import httpx
 import pytest
 from pydantic import BaseModel, Field
+from tool_calls import serve_tools
 
 agents = pytest.importorskip("agents")
 from openai import AsyncOpenAI  # noqa: E402
@@ -35,8 +36,7 @@ from openai import AsyncOpenAI  # noqa: E402
 @pytest.fixture(scope="module")
 def server(tools_model, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("agent-clients") / "server.log"
-    args = ["--served-model-name", "tiny", "--tool-call-parser", "hermes"]
-    with engine_pool.serve(str(tools_model), log, *args) as server:
+    with serve_tools(engine_pool, tools_model, log) as server:
         yield server
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 from tiny_models import write_tiny_model
-from tool_calls import CALL_TOKENS, TIME, TOOLS, TOOLS_TEMPLATE, serve_think
+from tool_calls import CALL_TOKENS, TIME, TOOLS, TOOLS_TEMPLATE, allowed_count, serve_think
 
 from zllm.executor.requests.structured_output import GrammarCompiler, allocate_bitmask
 from zllm.frontend.tools import _auto_call_grammar, template_shows_tools
@@ -235,9 +235,7 @@ def test_auto_constrains_a_call_once_the_model_opens_it(tools_model) -> None:
     matcher = GrammarCompiler(str(tools_model), vocab).matcher(structured, [0])
 
     def allowed() -> int:
-        mask = allocate_bitmask(1, vocab)
-        matcher.fill_mask(mask[0])
-        return sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
+        return allowed_count(matcher, vocab)
 
     free = allowed()
     for token in tokenizer.encode("Let me check.", add_special_tokens=False):

@@ -375,15 +375,15 @@ def test_special_tokens_kept_and_constraints_wait_for_the_answer(harmony_model) 
     held = constrain(params, own, tokenizer, "openai_gptoss").structured_outputs
     assert held is not None and held.after_tokens == []
 
-    from zllm.executor.requests.structured_output import GrammarCompiler, allocate_bitmask
+    from tool_calls import allowed_count
+
+    from zllm.executor.requests.structured_output import GrammarCompiler
 
     vocab = tokenizer.vocab_size
     matcher = GrammarCompiler(str(harmony_model), vocab).matcher(waits, [0])
 
     def allowed() -> int:
-        mask = allocate_bitmask(1, vocab)
-        matcher.fill_mask(mask[0])
-        return sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
+        return allowed_count(matcher, vocab)
 
     free = allowed()
     before = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary"

@@ -13,6 +13,7 @@ import re
 
 import msgspec
 import pytest
+from tool_calls import serve_tools
 
 from zllm.frontend.responses.api import ResponsesRequest, as_chat_request, echoed_settings
 from zllm.frontend.responses.input import FunctionTool, chat_tools, chat_turns, client_tools
@@ -188,8 +189,7 @@ def test_a_custom_tools_choice_is_its_function() -> None:
 @pytest.fixture(scope="module")
 def server(tools_model, engine_pool, tmp_path_factory):
     log = tmp_path_factory.mktemp("client-tools") / "server.log"
-    args = ["--served-model-name", "tiny", "--tool-call-parser", "hermes"]
-    with engine_pool.serve(str(tools_model), log, *args) as server:
+    with serve_tools(engine_pool, tools_model, log) as server:
         yield server
 
 
