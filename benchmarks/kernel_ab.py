@@ -77,14 +77,6 @@ def csrc_copy(side: str, into: Path) -> Path:
         subprocess.run(
             ["tar", "-x", "-C", str(into), "--strip-components=1"], input=archive, check=True
         )
-    # This checkout's loader checks for (and hashes) every file it lists; one the side
-    # predates (cpu/cpu_isa.h before the AVX-512 variants) is made empty: nothing of the
-    # side includes it.
-    from zllm.executor.kernels.cpu import KERNEL_FILES
-
-    for name in KERNEL_FILES:
-        if not (into / name).exists():
-            (into / name).touch()
     ops = into / "cpu" / "ops.cpp"
     ops.write_text(
         re.sub(r'(py::class_<\w+>\(m, "\w+")\)', r"\1, py::module_local())", ops.read_text())

@@ -1,7 +1,7 @@
 """What the GGUF panel path's register tile can reach on this machine (issue 20): the ceiling
 its prefill matmuls are measured against.
 
-`outer_tile<2, 6>` from csrc/cpu/gguf_linear.h (16 input rows x 6 weight rows, twelve
+`outer_tile<2, 6>` from csrc/cpu/gguf_linear.cpp (16 input rows x 6 weight rows, twelve
 accumulators) is called in a loop over data that stays in L1/L2, as the panel path calls it
 (a 64 x K transposed chunk of x, a 12 x K panel), with no dequantization, packing or thread
 pool: GFLOP/s on one core, then on every core at once (one OS thread each, the GIL released).
@@ -20,7 +20,8 @@ from torch.utils.cpp_extension import load_inline
 
 from zllm.executor.kernels.cpu import CFLAGS, LDFLAGS
 
-HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "gguf_linear.h"
+# The float kernel's unit itself (its tiles are not in a header: only that unit instantiates them).
+HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "gguf_linear.cpp"
 
 SOURCE = f"""
 #include <chrono>

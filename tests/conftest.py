@@ -141,8 +141,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionstart(session):
-    # Build csrc/cpu once, up front (~35 s on a fresh machine, cached after), rather than
-    # inside whichever server or test first needs it, where it would eat their time limits.
+    # Load csrc/cpu once, up front: the library the install compiled, or else a build here
+    # (about a minute on 2 cores, cached after) rather than inside whichever server or test
+    # first needs it, where it would eat their time limits.
     # A failure here is not fatal: the engine falls back to torch, the kernel tests fail.
     from zllm.executor.kernels import cpu as cpu_kernels
 

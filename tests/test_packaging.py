@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cpu_build
 from zllm.executor.kernels import cuda as cuda_kernels
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -20,7 +21,8 @@ def test_every_kernel_source_is_package_data():
     assert config["package-dir"]["zllm.csrc"] == "csrc"
     assert "zllm.csrc" in config["packages"]
     globs = config["package-data"]["zllm.csrc"]
-    needed = list(cpu_kernels.KERNEL_FILES) + [cuda_kernels.COMMON_HEADER]
+    needed = [f"cpu/{p.name}" for p in cpu_build.kernel_files(ROOT / "csrc")]
+    needed += [cuda_kernels.COMMON_HEADER]
     needed += [p.name for p in (ROOT / "csrc").glob("*.cu")]
     needed += [f"emu/{p.name}" for p in (ROOT / "csrc" / "emu").iterdir()]
     for name in needed:

@@ -22,7 +22,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include "dense_rows.h"
 #include "gguf_int8.h"
@@ -40,14 +40,14 @@ namespace zllm_fused {
 // y = x W^T (+ b): GGUF parts (each its own type, writing its own output columns) or one fp32
 // weight. gguf-int8 sets int8_max_rows: calls of at most that many rows use integer dots.
 struct Matmul {
-  std::vector<torch::Tensor> blocks;  // uint8 [rows_i, bytes per row], in output-column order
+  std::vector<at::Tensor> blocks;  // uint8 [rows_i, bytes per row], in output-column order
   std::vector<int64_t> types;         // ggml type of each part
-  torch::Tensor dense;                // fp32 [N, K] when there are no GGUF parts
-  torch::Tensor bias;                 // fp32 [N] or undefined
+  at::Tensor dense;                // fp32 [N, K] when there are no GGUF parts
+  at::Tensor bias;                 // fp32 [N] or undefined
   int64_t in_features = 0, out_features = 0, int8_max_rows = 0;
 
-  Matmul(std::vector<torch::Tensor> blocks_, std::vector<int64_t> types_,
-         std::optional<torch::Tensor> dense_, std::optional<torch::Tensor> bias_,
+  Matmul(std::vector<at::Tensor> blocks_, std::vector<int64_t> types_,
+         std::optional<at::Tensor> dense_, std::optional<at::Tensor> bias_,
          int64_t in_features_, int64_t int8_max_rows_)
       : blocks(std::move(blocks_)), types(std::move(types_)), in_features(in_features_),
         int8_max_rows(int8_max_rows_) {
@@ -55,43 +55,27 @@ struct Matmul {
     TORCH_CHECK(blocks.empty() != !dense_.has_value(), "give GGUF parts or a dense weight");
     if (dense_) {
       dense = dense_->contiguous();
-      TORCH_CHECK(dense.dim() == 2 && dense.scalar_type() == torch::kFloat32 &&
+      TORCH_CHECK(dense.dim() == 2 && dense.scalar_type() == at::kFloat &&
                       dense.size(1) == in_features,
                   "dense weight must be fp32 [N, in_features]");
       out_features = dense.size(0);
     }
     for (const auto& part : blocks) {
-      TORCH_CHECK(part.dim() == 2 && part.scalar_type() == torch::kUInt8 && part.is_contiguous(),
+      TORCH_CHECK(part.dim() == 2 && part.scalar_type() == at::kByte && part.is_contiguous(),
                   "GGUF parts must be contiguous uint8 [rows, bytes per row]");
       out_features += part.size(0);
     }
     if (bias_) {
       bias = bias_->contiguous();
       TORCH_CHECK(bias.dim() == 1 && bias.size(0) == out_features &&
-                      bias.scalar_type() == torch::kFloat32,
+                      bias.scalar_type() == at::kFloat,
                   "bias must be fp32 [out_features]");
     }
   }
 
   // x [S, in] contiguous -> y [S, out] contiguous. Each call is what the module path's
   // nn.Linear / GGUFLinear / GGUFSplitLinear computes.
-  void operator()(const torch::Tensor& x, torch::Tensor& y) const {
-    if (dense.defined()) {
-      zllm_dense::dense_linear_into(x, dense, bias, y);
-      return;
-    }
-    const bool int8 = x.size(0) <= int8_max_rows;
-    int64_t start = 0;
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      torch::Tensor columns = y.narrow(1, start, blocks[i].size(0));
-      if (int8)
-        gguf_linear_int8_into(x, blocks[i], types[i], columns);
-      else
-        gguf_linear_into(x, blocks[i], types[i], columns);
-      start += blocks[i].size(0);
-    }
-    if (bias.defined()) y.add_(bias);
-  }
+  void operator()(const at::Tensor& x, at::Tensor& y) const;  // decode_stack.cpp
 };
 
 using zllm_rows::Activation;
@@ -99,9 +83,9 @@ using zllm_rows::kGeluTanh;
 using zllm_rows::kSilu;
 
 struct Layer {
-  torch::Tensor attn_norm, ffn_norm;            // pre-norms: input, before the MLP
-  torch::Tensor post_attn_norm, post_ffn_norm;  // sandwich only: on each sublayer's output
-  torch::Tensor q_norm, k_norm;                 // per-head norms [head_dim], or undefined
+  at::Tensor attn_norm, ffn_norm;            // pre-norms: input, before the MLP
+  at::Tensor post_attn_norm, post_ffn_norm;  // sandwich only: on each sublayer's output
+  at::Tensor q_norm, k_norm;                 // per-head norms [head_dim], or undefined
   Matmul qkv, o, gate_up, down;
   int64_t rope_table;  // index into DecodeStack::rope_tables
   double scale;        // attention scale
@@ -111,7 +95,7 @@ class DecodeStack {
  public:
   DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t rotary_dim, int64_t intermediate, double eps, bool sandwich,
-              int64_t activation, torch::Tensor final_norm)
+              int64_t activation, at::Tensor final_norm)
       : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim),
         rotary_dim_(rotary_dim), intermediate_(intermediate), eps_(static_cast<float>(eps)),
         sandwich_(sandwich), activation_(activation), final_norm_(checked_norm(final_norm, hidden)) {
@@ -122,18 +106,18 @@ class DecodeStack {
   }
 
   // A RoPE table [positions, rotary_dim]: cos of the rotary_dim / 2 frequencies, then sin.
-  int64_t add_rope_table(torch::Tensor table) {
-    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == torch::kFloat32 &&
+  int64_t add_rope_table(at::Tensor table) {
+    TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat &&
                     table.size(1) == rotary_dim_,
                 "rope table must be fp32 [positions, rotary_dim]");
     rope_tables_.push_back(table.contiguous());
     return static_cast<int64_t>(rope_tables_.size()) - 1;
   }
 
-  void add_layer(torch::Tensor attn_norm, torch::Tensor ffn_norm,
-                 std::optional<torch::Tensor> post_attn_norm,
-                 std::optional<torch::Tensor> post_ffn_norm, std::optional<torch::Tensor> q_norm,
-                 std::optional<torch::Tensor> k_norm, const Matmul& qkv, const Matmul& o,
+  void add_layer(at::Tensor attn_norm, at::Tensor ffn_norm,
+                 std::optional<at::Tensor> post_attn_norm,
+                 std::optional<at::Tensor> post_ffn_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, const Matmul& qkv, const Matmul& o,
                  const Matmul& gate_up, const Matmul& down, int64_t rope_table, double scale) {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     TORCH_CHECK(qkv.in_features == hidden_ && qkv.out_features == q_size + 2 * kv_size,
@@ -150,10 +134,10 @@ class DecodeStack {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k head norms come together");
     Layer layer{checked_norm(attn_norm, hidden_),
                 checked_norm(ffn_norm, hidden_),
-                post_attn_norm ? checked_norm(*post_attn_norm, hidden_) : torch::Tensor(),
-                post_ffn_norm ? checked_norm(*post_ffn_norm, hidden_) : torch::Tensor(),
-                q_norm ? checked_norm(*q_norm, head_dim_) : torch::Tensor(),
-                k_norm ? checked_norm(*k_norm, head_dim_) : torch::Tensor(),
+                post_attn_norm ? checked_norm(*post_attn_norm, hidden_) : at::Tensor(),
+                post_ffn_norm ? checked_norm(*post_ffn_norm, hidden_) : at::Tensor(),
+                q_norm ? checked_norm(*q_norm, head_dim_) : at::Tensor(),
+                k_norm ? checked_norm(*k_norm, head_dim_) : at::Tensor(),
                 qkv,
                 o,
                 gate_up,
@@ -171,120 +155,34 @@ class DecodeStack {
   // seq_lens [S] the contexts with this token. Returns the final norm's output [S, hidden];
   // without final_norm the residual stream after the last layer (a pipeline stage before the
   // last passes it on; x_in is then the stream the stage before passed).
-  torch::Tensor forward(const torch::Tensor& x_in, const torch::Tensor& positions,
-                        const std::vector<torch::Tensor>& kv_caches,
-                        const std::vector<int64_t>& meta_of_layer,
-                        const std::vector<torch::Tensor>& block_tables,
-                        const std::vector<torch::Tensor>& slots,
-                        const std::vector<int64_t>& windows, const torch::Tensor& seq_lens,
-                        bool final_norm) {
-    const int64_t L = num_layers();
-    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == hidden_ && x_in.scalar_type() == torch::kFloat32,
-                "x must be fp32 [S, hidden]");
-    const int64_t S = x_in.size(0);
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == L &&
-                    static_cast<int64_t>(meta_of_layer.size()) == L,
-                "one KV cache and one metadata index per layer");
-    TORCH_CHECK(block_tables.size() == slots.size() && block_tables.size() == windows.size(),
-                "one block table, slot list and window per metadata");
-    check_rows(positions, S, "positions");
-    check_rows(seq_lens, S, "seq_lens");
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t* lens = seq_lens.data_ptr<int64_t>();
-    for (const auto& table : rope_tables_)
-      for (int64_t s = 0; s < S; ++s)
-        TORCH_CHECK(pos[s] >= 0 && pos[s] < table.size(0), "position beyond the RoPE table");
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t m = meta_of_layer[l];
-      TORCH_CHECK(m >= 0 && m < static_cast<int64_t>(block_tables.size()), "bad metadata index");
-    }
-    // Every cache must have the same geometry (so a step's tables serve each layer that reads
-    // them); each metadata is checked once.
-    std::vector<bool> checked(block_tables.size(), false);
-    const zllm_attn::PagedCache first = zllm_attn::paged_cache(kv_caches[0], head_dim_);
-    TORCH_CHECK(first.kv_heads == kv_heads_ && first.head_dim == head_dim_,
-                "KV cache heads do not match the model");
-    for (int64_t l = 0; l < L; ++l) {
-      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l], head_dim_);
-      TORCH_CHECK(cache.num_blocks == first.num_blocks && cache.block_size == first.block_size &&
-                      cache.kv_heads == first.kv_heads && cache.head_dim == first.head_dim,
-                  "every layer's KV cache must have the same shape");
-      const int64_t m = meta_of_layer[l];
-      if (checked[m]) continue;
-      checked[m] = true;
-      const auto& table = block_tables[m];
-      TORCH_CHECK(table.dim() == 2 && table.size(0) == S && table.scalar_type() == torch::kInt64 &&
-                      table.is_contiguous(),
-                  "block tables must be contiguous int64 [S, max_blocks]");
-      zllm_attn::check_tables(table.data_ptr<int64_t>(), table.size(1), lens, S, windows[m], cache);
-      check_rows(slots[m], S, "slots");
-      const int64_t* sl = slots[m].data_ptr<int64_t>();
-      for (int64_t s = 0; s < S; ++s)
-        TORCH_CHECK(sl[s] >= 0 && sl[s] < cache.num_blocks * cache.block_size, "slot out of range");
-    }
-
-    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const int64_t qkv_size = q_size + 2 * kv_size;
-    const auto opts = x_in.options();
-    torch::Tensor x = x_in.contiguous().clone();  // the residual stream
-    torch::Tensor h = torch::empty({S, hidden_}, opts);
-    torch::Tensor sub = torch::empty({S, hidden_}, opts);  // a sublayer's output
-    torch::Tensor qkv = torch::empty({S, qkv_size}, opts);
-    torch::Tensor attn = torch::empty({S, q_size}, opts);
-    torch::Tensor gate_up = torch::empty({S, 2 * intermediate_}, opts);
-    torch::Tensor act = torch::empty({S, intermediate_}, opts);
-    float* xp = x.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    float* subp = sub.data_ptr<float>();
-    float* qkvp = qkv.data_ptr<float>();
-
-    for (int64_t l = 0; l < L; ++l) {
-      const Layer& layer = layers_[l];
-      const int64_t m = meta_of_layer[l];
-      norm_rows(xp, layer.attn_norm, S, hidden_, hp);
-      layer.qkv(h, qkv);
-      if (layer.q_norm.defined()) head_norms(qkvp, S, qkv_size, layer);
-      rope(qkvp, S, qkv_size, pos, rope_tables_[layer.rope_table]);
-      const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l], head_dim_);
-      write_cache(qkvp, S, qkv_size, slots[m].data_ptr<int64_t>(), cache);
-      const auto& table = block_tables[m];
-      zllm_attn::decode_attention(qkvp, qkv_size, head_dim_, S, heads_, cache,
-                                  table.data_ptr<int64_t>(), table.size(1), lens, windows[m],
-                                  static_cast<float>(layer.scale), attn.data_ptr<float>());
-      layer.o(attn, sub);
-      add_sublayer(xp, subp, layer.post_attn_norm, S);
-      norm_rows(xp, layer.ffn_norm, S, hidden_, hp);
-      layer.gate_up(h, gate_up);
-      activate(gate_up.data_ptr<float>(), S, act.data_ptr<float>());
-      layer.down(act, sub);
-      add_sublayer(xp, subp, layer.post_ffn_norm, S);
-    }
-    if (!final_norm) return x;
-    torch::Tensor out = torch::empty({S, hidden_}, opts);
-    norm_rows(xp, final_norm_, S, hidden_, out.data_ptr<float>());
-    return out;
-  }
+  at::Tensor forward(const at::Tensor& x_in, const at::Tensor& positions,
+                     const std::vector<at::Tensor>& kv_caches,
+                     const std::vector<int64_t>& meta_of_layer,
+                     const std::vector<at::Tensor>& block_tables,
+                     const std::vector<at::Tensor>& slots,
+                     const std::vector<int64_t>& windows, const at::Tensor& seq_lens,
+                     bool final_norm);  // decode_stack.cpp
 
  private:
-  static torch::Tensor checked_norm(const torch::Tensor& w, int64_t n) {
-    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == torch::kFloat32,
+  static at::Tensor checked_norm(const at::Tensor& w, int64_t n) {
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == at::kFloat,
                 "norm weight must be fp32 [", n, "]");
     return w.contiguous();
   }
 
-  static void check_rows(const torch::Tensor& t, int64_t S, const char* what) {
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == S && t.scalar_type() == torch::kInt64 &&
+  static void check_rows(const at::Tensor& t, int64_t S, const char* what) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == S && t.scalar_type() == at::kLong &&
                     t.is_contiguous() && t.device().is_cpu(),
                 what, " must be contiguous int64 [S] on CPU");
   }
 
-  void norm_rows(const float* x, const torch::Tensor& w, int64_t S, int64_t n, float* out) const {
+  void norm_rows(const float* x, const at::Tensor& w, int64_t S, int64_t n, float* out) const {
     const float* wp = w.data_ptr<float>();
     for (int64_t s = 0; s < S; ++s) zllm_rows::rms_norm(x + s * n, wp, n, eps_, out + s * n);
   }
 
   // x += sub, or x += norm(sub) in the sandwich layout.
-  void add_sublayer(float* x, float* sub, const torch::Tensor& post_norm, int64_t S) const {
+  void add_sublayer(float* x, float* sub, const at::Tensor& post_norm, int64_t S) const {
     if (post_norm.defined()) norm_rows(sub, post_norm, S, hidden_, sub);
     for (int64_t i = 0; i < S * hidden_; ++i) x[i] = sub[i] + x[i];
   }
@@ -302,7 +200,7 @@ class DecodeStack {
 
   // Rotate the first rotary_dim dims of every q and k head (zllm_rows::rotate).
   void rope(float* qkv, int64_t S, int64_t ld, const int64_t* pos,
-            const torch::Tensor& table) const {
+            const at::Tensor& table) const {
     const int64_t half = rotary_dim_ / 2;
     for (int64_t s = 0; s < S; ++s) {
       const float* cos = table.data_ptr<float>() + pos[s] * rotary_dim_;
@@ -338,8 +236,8 @@ class DecodeStack {
   float eps_;
   bool sandwich_;
   int64_t activation_;
-  torch::Tensor final_norm_;
-  std::vector<torch::Tensor> rope_tables_;
+  at::Tensor final_norm_;
+  std::vector<at::Tensor> rope_tables_;
   std::vector<Layer> layers_;
 };
 

@@ -17,7 +17,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <cstdint>
 #include <type_traits>
@@ -276,29 +276,7 @@ inline BlockRowsKernel block_rows_kernel(int64_t qtype, int64_t M) {
 // kernel above at 1-8 rows where AVX-512 runs it, torch's matmul (MKL) otherwise. The module
 // path (executor/layers/linear/dense.py) and the fused decode stack both call it, so a decode
 // step's bits do not depend on which of them ran it.
-inline void dense_linear_into(const torch::Tensor& x, const torch::Tensor& w,
-                              const torch::Tensor& bias, torch::Tensor& y) {
-  const DenseRowsKernel kernel = dense_rows_kernel(x.size(0));
-  if (kernel != nullptr && x.stride(1) == 1 && w.is_contiguous() && y.is_contiguous()) {
-    kernel(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.size(0), w.size(1),
-           y.data_ptr<float>(), y.stride(0));
-    if (bias.defined()) y.add_(bias);
-    return;
-  }
-  if (bias.defined())
-    at::addmm_out(y, bias, x, w.t());
-  else
-    at::mm_out(y, x, w.t());
-}
+void dense_linear_into(const at::Tensor& x, const at::Tensor& w,
+                       const at::Tensor& bias, at::Tensor& y);
 
 }  // namespace zllm_dense
-
-inline torch::Tensor dense_linear(const torch::Tensor& x, const torch::Tensor& w,
-                                  const std::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && w.dim() == 2 &&
-                  w.scalar_type() == torch::kFloat32 && x.size(1) == w.size(1),
-              "dense_linear: fp32 x [M, K] and w [N, K]");
-  auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-  zllm_dense::dense_linear_into(x, w, bias ? *bias : torch::Tensor(), y);
-  return y;
-}

@@ -39,7 +39,7 @@
 #pragma once
 
 #include <immintrin.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <array>
 #include <atomic>
@@ -498,43 +498,3 @@ struct FewSubBlocks {
 };
 
 }  // namespace zllm_gguf
-
-// Bound as set_lattice_tables: the grids of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and
-// IQ1_M (each int8 [rows, 8 or 4], by ggml type id) and IQ2_XXS's ksigns (uint8 [128]), from
-// gguf.quants (executor/kernels/cpu.py). All at once: the types are served only after.
-inline void set_lattice_tables(const std::vector<int64_t>& types,
-                               const std::vector<torch::Tensor>& grids,
-                               const torch::Tensor& ksigns) {
-  using namespace zllm_gguf;
-  TORCH_CHECK(types.size() == grids.size(), "one grid per type");
-  LatticeTables& t = g_lattice;
-  struct Slot {
-    int64_t qtype, rows, cols;
-    float* out;
-  };
-  const Slot slots[] = {{kIQ2_XXS, 256, 8, t.iq2_xxs[0]}, {kIQ2_XS, 512, 8, t.iq2_xs[0]},
-                        {kIQ2_S, 1024, 8, t.iq2_s[0]},    {kIQ3_XXS, 256, 4, t.iq3_xxs[0]},
-                        {kIQ3_S, 512, 4, t.iq3_s[0]},     {kIQ1_S, 2048, 8, t.iq1_s[0]},
-                        {kIQ1_M, 2048, 8, t.iq1_m[0]}};
-  TORCH_CHECK(types.size() == std::size(slots), "set_lattice_tables takes all ",
-              std::size(slots), " lattice grids at once");
-  for (const Slot& slot : slots) {
-    size_t i = 0;
-    while (i < types.size() && types[i] != slot.qtype) ++i;
-    TORCH_CHECK(i < types.size(), "no grid for ggml type ", slot.qtype);
-    const torch::Tensor& grid = grids[i];
-    TORCH_CHECK(grid.scalar_type() == torch::kInt8 && grid.is_contiguous() && grid.dim() == 2 &&
-                    grid.size(0) == slot.rows && grid.size(1) == slot.cols,
-                "the grid of ggml type ", slot.qtype, " must be contiguous int8 [", slot.rows,
-                ", ", slot.cols, "]");
-    const int8_t* values = grid.data_ptr<int8_t>();
-    for (int64_t v = 0; v < slot.rows * slot.cols; ++v) slot.out[v] = values[v];
-  }
-  TORCH_CHECK(ksigns.scalar_type() == torch::kUInt8 && ksigns.is_contiguous() &&
-                  ksigns.dim() == 1 && ksigns.size(0) == 128,
-              "ksigns must be contiguous uint8 [128]");
-  const uint8_t* signs = ksigns.data_ptr<uint8_t>();
-  for (int i = 0; i < 128; ++i)
-    std::memcpy(t.ksign_masks[i], kSignMasks.of[signs[i]], sizeof(t.ksign_masks[i]));
-  g_lattice_ready.store(true);
-}

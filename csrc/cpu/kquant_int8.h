@@ -40,7 +40,8 @@
 #include <vector>
 
 #include "cpu_isa.h"
-#include "gguf_linear.h"
+#include "gguf_dequant.h"
+#include "gguf_int8.h"
 
 namespace zllm_kquant {
 
@@ -591,7 +592,7 @@ constexpr int64_t kTileRows = 16;
 // x rows (K int8 bytes each) in play at once: their int8 copy stays in L2 beside the tile.
 constexpr int64_t kXBlockBytes = 256 << 10;
 
-inline bool serves(int64_t qtype) {
+bool serves(int64_t qtype) {
   return qtype == kQ2_K || qtype == kQ3_K || qtype == kQ4_K || qtype == kQ6_K;
 }
 

@@ -1,16 +1,16 @@
-// zllm's CPU kernels as one torch extension (one translation unit: torch's headers dominate
-// the build time, so they are parsed once). Loaded by executor/kernels/cpu.py.
+// zllm's CPU kernels as one Python module: the bindings. Each kernel is compiled in its own
+// translation unit (ops.h names them), in parallel and without pybind11; this one alone parses
+// torch's pybind11 casters. Built by executor/kernels/cpu_build.py, loaded by
+// executor/kernels/cpu.py.
 
-#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "cpu_isa.h"
 #include "decode_stack.h"
-#include "dense_rows.h"
-#include "gguf_int8.h"
-#include "gguf_linear.h"
-#include "moe_experts.h"
-#include "paged_attention.h"
-#include "row_ops.h"
+#include "ops.h"
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear,
@@ -56,22 +56,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using zllm_fused::DecodeStack;
   using zllm_fused::Matmul;
   py::class_<Matmul>(m, "FusedMatmul")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::optional<torch::Tensor>,
-                    std::optional<torch::Tensor>, int64_t, int64_t>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, int64_t, int64_t>(),
            py::arg("blocks"), py::arg("types"), py::arg("dense"), py::arg("bias"),
            py::arg("in_features"), py::arg("int8_max_rows"))
       .def_readonly("out_features", &Matmul::out_features)
-      .def("__call__", [](const Matmul& matmul, const torch::Tensor& x) {
+      .def("__call__", [](const Matmul& matmul, const at::Tensor& x) {
         TORCH_CHECK(x.dim() == 2 && x.size(1) == matmul.in_features && x.is_contiguous() &&
-                        x.scalar_type() == torch::kFloat32,
+                        x.scalar_type() == at::kFloat,
                     "x must be contiguous fp32 [M, in_features]");
-        auto y = torch::empty({x.size(0), matmul.out_features}, x.options());
+        auto y = x.new_empty({x.size(0), matmul.out_features});
         matmul(x, y);
         return y;
       });
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool, int64_t,
-                    torch::Tensor>(),
+                    at::Tensor>(),
            py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("rotary_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("sandwich"),
            py::arg("activation"), py::arg("final_norm"))

@@ -33,7 +33,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include "simd.h"
 
@@ -390,17 +390,17 @@ struct PagedCache {
 };
 
 // `D`: the head_dim of the model reading it (an int8 row's width depends on it).
-inline PagedCache paged_cache(const torch::Tensor& kv_cache, int64_t D) {
+inline PagedCache paged_cache(const at::Tensor& kv_cache, int64_t D) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2 &&
                   kv_cache.device().is_cpu(),
               "kv_cache must be contiguous [2, blocks, block_size, kv_heads, D] on CPU");
   const auto st = kv_cache.scalar_type();
-  TORCH_CHECK(st == torch::kFloat32 || st == torch::kFloat16 || st == torch::kBFloat16 ||
-                  st == torch::kInt8,
+  TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16 ||
+                  st == at::kChar,
               "kv_cache must be fp32, fp16, bf16 or int8 rows");
-  const KVType type = st == torch::kFloat32   ? KVType::kF32
-                      : st == torch::kFloat16 ? KVType::kF16
-                      : st == torch::kInt8    ? KVType::kI8
+  const KVType type = st == at::kFloat   ? KVType::kF32
+                      : st == at::kHalf ? KVType::kF16
+                      : st == at::kChar    ? KVType::kI8
                                               : KVType::kBF16;
   auto* k = static_cast<uint8_t*>(kv_cache.data_ptr());
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
@@ -484,37 +484,3 @@ inline void decode_attention(const float* q, int64_t q_seq, int64_t q_head, int6
 }
 
 }  // namespace zllm_attn
-
-using namespace zllm_attn;
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale,
-                                     int64_t window,
-                                     const std::optional<torch::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1,
-              "q must be fp32 [S, H, D] with a contiguous last dim");
-  const PagedCache cache = paged_cache(kv_cache, q.size(2));
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kInt64 &&
-                  block_tables.is_contiguous(),
-              "block_tables must be contiguous int64 [S, max_blocks]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == torch::kInt64 &&
-                  seq_lens.is_contiguous(),
-              "seq_lens must be contiguous int64 [S]");
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(H % cache.kv_heads == 0, "heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_tables.size(0) == S && seq_lens.size(0) == S, "one table and length per sequence");
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  check_tables(tables, max_blocks, lens, S, window, cache);
-  if (sinks)
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H && sinks->is_contiguous() &&
-                    sinks->scalar_type() == torch::kFloat32 && sinks->device().is_cpu(),
-                "sinks must be contiguous fp32 [heads] on CPU");
-  auto out = torch::empty({S, H, D}, q.options());
-  decode_attention(q.data_ptr<float>(), q.stride(0), q.stride(1), S, H, cache, tables, max_blocks,
-                   lens, window, static_cast<float>(scale), out.data_ptr<float>(),
-                   sinks ? sinks->data_ptr<float>() : nullptr);
-  return out;
-}

@@ -8,7 +8,7 @@ What varies with the batch on CPU, and what this mode does about it:
   the last bits. Here every fp32 matmul runs in calls of exactly `TILE_ROWS` rows (the last
   tile zero-padded), so each row always goes through the same kernel with the same blocking;
   a GEMM's row never reads another row, so the other rows' values cannot matter. The GGUF
-  kernel (`csrc/cpu/gguf_linear.h`) has a separate path for 1-4 rows (different rounding):
+  kernel (`csrc/cpu/gguf_linear.cpp`) has a separate path for 1-4 rows (different rounding):
   in tiles it always takes its panel path.
 - **Attention.** Prefill chunks went through SDPA over the chunk, whose reduction order
   depends on the chunk's length; here every query token attends as a decode row (the paged

@@ -1,9 +1,9 @@
-"""zllm's CPU kernels (csrc/cpu/), built at first use as a torch C++ extension.
+"""zllm's CPU kernels (csrc/cpu/), a torch C++ extension compiled at install or at first use.
 
     dense_linear(x, w[, bias])                x @ W^T, fp32 W (AVX-512: 1-8 rows)   csrc/cpu/dense_rows.h
-    gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks             csrc/cpu/gguf_linear.h
+    gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks           csrc/cpu/gguf_linear.cpp
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
-    gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.h
+    gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.cpp
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     set_lattice_tables(types, grids, ksigns)  gguf-py's IQ1-IQ3 grids, handed over by load()
                                               (hand_lattice_tables)          csrc/cpu/gguf_lattice.h
@@ -16,14 +16,17 @@
     DecodeStack, FusedMatmul                  a whole decode step's layers     csrc/cpu/decode_stack.h
                                               in one call (executor/graphs/fused_decode.py)
 
-csrc/cpu/ops.cpp includes the kernels and binds them: one translation unit, since torch's
-headers dominate the build time.
+csrc/cpu/ops.cpp binds them; each kernel is its own translation unit (csrc/cpu/ops.h names
+them), compiled in parallel with only the ATen headers it needs.
 
-Built with torch.utils.cpp_extension.load (needs a C++ compiler and ninja, ~35 s on 2 cores),
-once per machine: the library is cached under torch's extensions directory
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and later processes load it in a
-fraction of a second. A build at install time is not used because it would need torch inside
-pip's isolated build environment, which pulls the registry's multi-GB CUDA torch.
+Built at install (`pip install -e .` with torch already installed: setup.py runs
+executor/kernels/cpu_build.py, which puts the library in executor/kernels/prebuilt/), or else
+at first use (torch.utils.cpp_extension.load: a C++ compiler and ninja, ~1 min on 2 cores),
+once per machine: then the library is cached under torch's extensions directory
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Either way it is named after the
+sources, flags and torch version (cpu_build.library_name), so a library found is this build,
+and a later process imports it in a fraction of a second. The instruction set is chosen at
+run time (cpu_isa.h): a library built on one x86-64 machine runs on another.
 
 The kernels run on torch's own OpenMP pool (at::parallel_for; the library links the same
 libgomp torch loaded), so they never add threads that compete with torch's for the cores.
@@ -34,11 +37,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
-import importlib.util
 import logging
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -47,34 +47,13 @@ import gguf.quants as gguf_quants
 import numpy as np
 import torch
 
+from zllm.executor.kernels import cpu_build
 from zllm.executor.kernels.csrc_dir import CSRC_DIR
 from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu/ops.cpp",)
-KERNEL_FILES = (
-    "cpu/ops.cpp",
-    "cpu/cpu_isa.h",
-    "cpu/simd.h",
-    "cpu/gguf_blocks.h",
-    "cpu/gguf_linear.h",
-    "cpu/dense_rows.h",
-    "cpu/gguf_lowbit.h",
-    "cpu/gguf_lattice.h",
-    "cpu/gguf_int8.h",
-    "cpu/kquant_int8.h",
-    "cpu/paged_attention.h",
-    "cpu/row_ops.h",
-    "cpu/decode_stack.h",
-    "cpu/moe_experts.h",
-)
-# AVX2 for the whole library, so it runs on every CPU cpu_supports_kernels admits; functions
-# with an AVX-512 VNNI variant compile it per function and choose at run time (cpu_isa.h).
-# -ffp-contract=off: dequantization must compute d*q + m with two roundings, as gguf.quants
-# does, so the kernel's weights equal the fp32 reference weights bit for bit.
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
+CFLAGS, LDFLAGS = cpu_build.CFLAGS, cpu_build.LDFLAGS
 
 # ggml type ids the kernel reads in their blocks: the types llama.cpp's presets write (Q4_K_M,
 # for one, holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices; Q3_K_M Q3_K, Q4_K, Q5_K; the IQ presets
@@ -118,7 +97,7 @@ KERNEL_TYPES = {**SUPPORTED_GGML_TYPES, FP8_E4M3: "FP8_E4M3"}
 # kernel matches bit for bit. load() hands them to the library once per process
 # (set_lattice_tables) rather than the C++ keeping a copy that could drift from gguf-py's.
 LATTICE_GRIDS = {t: SUPPORTED_GGML_TYPES[t] for t in (16, 17, 22, 18, 21, 19, 29)}
-# The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.h). 16-bit weights keep
+# The types gguf_linear_int8 reads (integer dots: csrc/cpu/gguf_int8.cpp). 16-bit weights keep
 # float dots, and so do the low-bit types under gguf-int8 (IQ4_NL, IQ4_XS, MXFP4, the IQ1-IQ3,
 # TQ and NVFP4 types: no integer path yet, they take the float kernel); Q2_K and Q3_K have one
 # (csrc/cpu/kquant_int8.h).
@@ -199,78 +178,34 @@ def _load_library() -> ModuleType:
         raise CpuKernelError(f"ZLLM_CPU_ISA={isa!r}: expected one of {CPU_ISA_CHOICES}")
     if isa == "avx512vnni" and not cpu_has_avx512_vnni():
         raise CpuKernelError("ZLLM_CPU_ISA=avx512vnni: this CPU lacks AVX-512 F/BW/VL or VNNI")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise CpuKernelError("the CPU kernels need a C++ compiler (c++ on PATH, or $CXX)")
+    if not (CSRC_DIR / "cpu").is_dir():
+        raise CpuKernelError(f"kernel sources not found in {CSRC_DIR} (set ZLLM_CSRC_DIR)")
+    # The library the install built, when it was built from these very sources for this torch.
+    name = cpu_build.library_name(CSRC_DIR, torch.__version__)
+    prebuilt = cpu_build.import_built(name, cpu_build.PREBUILT_DIR / f"{name}.so")
+    if prebuilt is not None:
+        return prebuilt
+    try:
+        cpu_build.check_toolchain()
+    except cpu_build.BuildError as exc:
+        raise CpuKernelError(str(exc)) from exc
     from torch.utils import cpp_extension
 
-    files = [CSRC_DIR / f for f in KERNEL_FILES]
-    missing = [str(f) for f in files if not f.exists()]
-    if missing:
-        raise CpuKernelError(f"kernel sources not found: {missing} (set ZLLM_CSRC_DIR)")
-    # torch rebuilds when a source listed in `sources` changes, not an included header: name
-    # the build after every file's content so an edited header gets a fresh build. And after
-    # where the sources are: torch also rebuilds when the include paths change, so two
-    # checkouts sharing one build directory rebuilt it in turn (each start paying ~35 s).
-    # The flags too: a build found under this name is then this exact build, which lets a
-    # later start import it without asking ninja (below).
-    where = str(CSRC_DIR.resolve()).encode()
-    flags = " ".join((*SOURCES, *CFLAGS, "|", *LDFLAGS)).encode()
-    digest = hashlib.sha256(where + flags + b"".join(f.read_bytes() for f in files))
-    name = f"zllm_cpu_kernels_{digest.hexdigest()[:12]}"
-    # A first build takes ~35 s, a cached one well under the second after which Progress
+    # In torch's cache the name also says where the sources are (library_name's `where`).
+    name = cpu_build.library_name(CSRC_DIR, torch.__version__, where=True)
+    # A build takes a minute, a cached one well under the second after which Progress
     # shows anything: only a real build shows its spinner (or, without a terminal, log lines).
     try:
         build_dir = Path(cpp_extension._get_build_directory(name, False))  # (creates it)
         library = build_dir / f"{name}.so"
         with exclusive_build(build_dir):
-            built = _import_built(name, library)
+            built = cpu_build.import_built(name, library)
             if built is not None:
                 return built
             with Progress("Building the CPU kernels (csrc/cpu, once per machine)", logger=logger):
-                module = cpp_extension.load(
-                    name=name,
-                    sources=[str(CSRC_DIR / s) for s in SOURCES],
-                    extra_cflags=list(CFLAGS),
-                    extra_ldflags=list(LDFLAGS),
-                    verbose=False,
-                )
-            _stamp(library).write_text(_identity(library))
-            return module
-    except Exception as exc:  # compiler errors, missing ninja, an unwritable directory, ...
+                return cpu_build.build(name, build_dir, CSRC_DIR)
+    except Exception as exc:  # compiler errors, an unwritable directory, ...
         raise CpuKernelError(f"building the CPU kernels failed: {exc}") from exc
-
-
-def _stamp(library: Path) -> Path:
-    return library.with_suffix(".built")
-
-
-def _identity(library: Path) -> str:
-    stat = library.stat()
-    return f"{stat.st_size} {stat.st_mtime_ns}"
-
-
-def _import_built(name: str, library: Path) -> ModuleType | None:
-    """The extension a finished build left under this name, imported directly: torch's
-    loader runs ninja first to check that it is up to date, a third of a second of every
-    start, and the name already says which sources and flags it was built from. Only a
-    library whose stamp (written once torch's load returned) names its size and time: a
-    link killed midway leaves a file that can crash the process that loads it. None when
-    there is none, or it does not import: then build."""
-    try:
-        if _stamp(library).read_text() != _identity(library):
-            return None
-    except OSError:  # no library, or no stamp
-        return None
-    spec = importlib.util.spec_from_file_location(name, library)
-    if spec is None or spec.loader is None:
-        return None
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as e:
-        logger.warning("rebuilding the CPU kernels: %s did not load (%s)", library, e)
-        return None
-    return module
 
 
 @contextlib.contextmanager
@@ -330,7 +265,7 @@ def moe_experts_linear(
     int8_max_rows: int,
     y: torch.Tensor,
 ) -> None:
-    """y = x through the chosen experts, in one parallel region (csrc/cpu/moe_experts.h):
+    """y = x through the chosen experts, in one parallel region (csrc/cpu/moe_experts.cpp):
     groups = (experts, starts), rows starts[g]:starts[g + 1] through experts[g]'s matrix."""
     load().moe_experts_linear(x, blocks, ggml_type, groups[0], groups[1], int8_max_rows, y)
 

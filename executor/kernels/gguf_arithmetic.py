@@ -1,7 +1,7 @@
 """Which arithmetic a matmul over GGUF blocks runs, per GGUF type, instruction set and call size.
 
 Two kernels read the same blocks (executor/layers/linear/gguf.py calls them):
-- the float kernel (csrc/cpu/gguf_linear.h): the file's values dequantized exactly and
+- the float kernel (csrc/cpu/gguf_linear.cpp): the file's values dequantized exactly and
   multiplied in fp32: transformers' arithmetic on the same weights, only the order of the
   sums differs;
 - integer dots (csrc/cpu/gguf_int8.h, kquant_int8.h): x rounded to int8 per block (per 256

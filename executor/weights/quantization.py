@@ -7,7 +7,7 @@ IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4: csrc/cpu/gguf_lattice.h; F16, BF16) 
 fp32 copies, and the fp32 tensors they replace are released after load: the weights take
 about the file's size in memory (only F32 matrices stay fp32). Which arithmetic multiplies
 them, per type, CPU and call size, is executor/kernels/gguf_arithmetic.py's rule:
-- the float kernel (csrc/cpu/gguf_linear.h; every type; all of `gguf-float`): the values
+- the float kernel (csrc/cpu/gguf_linear.cpp; every type; all of `gguf-float`): the values
   multiplied are bit for bit the fp32 weights the reference path uses (the kernel
   dequantizes as gguf.quants does; tests check it), so only the order of the sums differs.
   Decode-sized calls turn each block's codes into floats in registers and apply the block's

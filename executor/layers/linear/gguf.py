@@ -1,5 +1,5 @@
 """The matmuls and the embedding lookup that read weight blocks through the CPU kernel
-(csrc/cpu/gguf_linear.h, gguf_int8.h): a GGUF file's quantized blocks, or F16/BF16 rows
+(csrc/cpu/gguf_linear.cpp, gguf_int8.cpp): a GGUF file's quantized blocks, or F16/BF16 rows
 (16-bit files and checkpoints). executor/weights/blocks.py decides which matrices become
 these; executor/weights/quantization.py, when.
 

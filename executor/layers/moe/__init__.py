@@ -16,7 +16,7 @@ Only the chosen experts' matrices are touched: a decode step of a few tokens rea
 rows per token, not all E. ExpertMatrices holds one projection of every expert: a stacked
 tensor [E, out, in] as a checkpoint's weights are held (fp32 on CPU, the model's dtype on a
 GPU), or a GGUF file's blocks [E, out, bytes per row] (or a bf16/fp16 checkpoint's rows) that
-the CPU kernel multiplies in place (csrc/cpu/gguf_linear.h): each expert's matrix is a view
+the CPU kernel multiplies in place (csrc/cpu/gguf_linear.cpp): each expert's matrix is a view
 of its rows, never widened (executor/weights/expert_blocks.py swaps them in).
 
     router.py       the rules (MoERule, one per family) and route()

@@ -27,7 +27,7 @@ def _weighted_sum(
 
 
 # Tokens up to which a step's chosen experts run grouped (one parallel region per
-# projection, csrc/cpu/moe_experts.h): decode steps. A prefill keeps one call per expert,
+# projection, csrc/cpu/moe_experts.cpp): decode steps. A prefill keeps one call per expert,
 # whose many rows fill the cores on their own.
 GROUPED_MAX_TOKENS = 16
 

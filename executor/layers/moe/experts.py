@@ -1,6 +1,6 @@
 """The experts of a mixture-of-experts layer: one projection of every expert
 (`ExpertMatrices`: a stacked float tensor, or a GGUF file's blocks that the CPU kernel
-multiplies in place, csrc/cpu/gguf_linear.h), and the rule's activation over an expert's
+multiplies in place, csrc/cpu/gguf_linear.cpp), and the rule's activation over an expert's
 [gate | up] rows.
 """
 
@@ -124,7 +124,7 @@ class ExpertMatrices(nn.Module):
 
     def grouped(self, x: torch.Tensor, groups: tuple[list[int], list[int]]) -> torch.Tensor:
         """x [R, in] through the chosen experts in one kernel call per part (one parallel
-        region, csrc/cpu/moe_experts.h), groups = (experts, row starts); the bits the
+        region, csrc/cpu/moe_experts.cpp), groups = (experts, row starts); the bits the
         per-expert calls give. Only where serves_grouped(x)."""
         assert self.parts is not None
         y = x.new_empty(x.shape[0], self.out_features)

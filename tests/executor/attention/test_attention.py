@@ -18,6 +18,7 @@ from zllm.executor.attention.backend import (
 from zllm.executor.attention.cuda import CUDA_ATTENTION, CudaAttentionMetadata
 from zllm.executor.attention.paged import AttentionMetadata, PagedAttention, write_kv_cache
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import cpu_build
 
 # (query_len, context_len) per sequence: q == 1 decodes, q == L is a fresh prompt, else a chunk.
 BATCHES = {
@@ -367,19 +368,19 @@ def test_a_finished_build_is_imported_without_ninja_and_an_unfinished_one_never(
     name = built.stem  # (the module's init function is named after it)
     copy = tmp_path / built.name
     copy.write_bytes(built.read_bytes())
-    assert cpu_kernels._import_built(name, copy) is None  # no stamp
-    copy.with_suffix(".built").write_text(cpu_kernels._identity(copy))
-    module = cpu_kernels._import_built(name, copy)
+    assert cpu_build.import_built(name, copy) is None  # no stamp
+    cpu_build.write_stamp(copy)
+    module = cpu_build.import_built(name, copy)
     assert module is not None
     assert {"gguf_linear", "paged_decode_attention"} <= set(dir(module))
     # Cut short after its stamp was written (its size no longer matches): never loaded.
     cut = tmp_path / "zllm_cpu_kernels_cut.so"
     cut.write_bytes(built.read_bytes())
-    cut.with_suffix(".built").write_text(cpu_kernels._identity(cut))
+    cpu_build.write_stamp(cut)
     cut.write_bytes(built.read_bytes()[:4096])
-    assert cpu_kernels._import_built("zllm_cpu_kernels_cut", cut) is None
+    assert cpu_build.import_built("zllm_cpu_kernels_cut", cut) is None
     assert (
-        cpu_kernels._import_built("zllm_cpu_kernels_none", tmp_path / "zllm_cpu_kernels_none.so")
+        cpu_build.import_built("zllm_cpu_kernels_none", tmp_path / "zllm_cpu_kernels_none.so")
         is None
     )
 
@@ -390,6 +391,7 @@ def test_a_build_directory_that_cannot_be_made_is_a_kernel_error(monkeypatch, tm
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "extensions"))
+    monkeypatch.setattr(cpu_build, "PREBUILT_DIR", tmp_path / "no-install-build")
     with pytest.raises(cpu_kernels.CpuKernelError, match="building the CPU kernels failed"):
         cpu_kernels.load.__wrapped__()
 

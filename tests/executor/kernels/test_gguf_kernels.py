@@ -1,4 +1,4 @@
-"""csrc/cpu/gguf_linear.h, gguf_lowbit.h, gguf_lattice.h: matmuls on GGUF blocks (Q4_0, Q4_1,
+"""csrc/cpu/gguf_linear.cpp, gguf_lowbit.h, gguf_lattice.h: matmuls on GGUF blocks (Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4; IQ1_S, IQ1_M, IQ2_XXS,
 IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0, NVFP4), and the engine's use of them.
 
@@ -97,7 +97,7 @@ def test_linear_reads_strided_input_rows(ggml_type):
         assert torch.equal(out, cpu_kernels.gguf_linear(x.contiguous(), q, int(ggml_type)))
 
 
-# Row counts the few-rows kernel takes per type (csrc/cpu/gguf_linear.h, few_rows_kernel).
+# Row counts the few-rows kernel takes per type (csrc/cpu/gguf_linear.cpp, few_rows_kernel).
 FEW_ROWS_MAX = {T.Q5_0: 2, T.Q5_1: 2, T.Q6_K: 2, T.Q2_K: 2, T.Q3_K: 2}
 
 

@@ -582,7 +582,7 @@ def test_served_qwen3_moe_q8_0_answers_as_transformers(
 
 
 # ---------------------------------------------------------------------------------------------
-# A decode step's experts grouped into one kernel call per projection (csrc/cpu/moe_experts.h)
+# A decode step's experts grouped into one kernel call per projection (csrc/cpu/moe_experts.cpp)
 
 
 def grouped_case(types: tuple[int, int, int], top_k: int, int8: bool, rule: MoERule | None):

@@ -1,7 +1,7 @@
 """bf16 and fp16 checkpoints stay 16-bit in memory on CPU (issue 37).
 
 Their matrices are kept as the checkpoint stores them and widened to fp32 in registers inside
-the CPU kernel (csrc/cpu/gguf_linear.h's F16/BF16 formats): the same fp32 values the
+the CPU kernel (csrc/cpu/gguf_linear.cpp's F16/BF16 formats): the same fp32 values the
 fp32-in-memory path multiplies (both widen exactly), summed in the kernel's order. So the
 logits equal that path's to fp32 rounding, and the greedy tokens equal it and transformers'.
 """

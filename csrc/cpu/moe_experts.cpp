@@ -11,13 +11,12 @@
 // start at multiples of kSliceAlign (a multiple of every kernel's weight-row panel: 3, 4, 12,
 // 16), so every output's bits are the per-expert call's.
 
-#pragma once
-
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include "gguf_int8.h"
 #include "gguf_linear.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -39,13 +38,13 @@ struct Task {
 // y [R, N] (rows may be strided) = x [R, K] through the chosen experts: rows
 // starts[g] .. starts[g + 1] of x through experts[g]'s matrix blocks[experts[g]] ([E, N, bytes
 // per row]). A group of at most int8_max_rows rows takes the integer kernel (gguf-int8).
-void moe_experts_linear(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype,
+void moe_experts_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype,
                         const std::vector<int64_t>& experts, const std::vector<int64_t>& starts,
-                        int64_t int8_max_rows, torch::Tensor& y) {
+                        int64_t int8_max_rows, at::Tensor& y) {
   using namespace zllm_moe;
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be fp32 [R, K] with contiguous rows");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kUInt8 &&
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte &&
                   blocks.is_contiguous(),
               "blocks must be contiguous uint8 [E, N, bytes per row]");
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu() && y.device().is_cpu(),
@@ -58,7 +57,7 @@ void moe_experts_linear(const torch::Tensor& x, const torch::Tensor& blocks, int
               "ggml type ", qtype, " needs its lattice grid (set_lattice_tables)");
   TORCH_CHECK(K > 0 && K % format->values == 0 && row_bytes == K / format->values * format->bytes,
               "blocks' row bytes do not match K=", K);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == torch::kFloat32 && y.size(0) == R &&
+  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == R &&
                   y.size(1) == N && y.stride(1) == 1,
               "y must be fp32 [R, N] with contiguous rows");
   const int64_t G = static_cast<int64_t>(experts.size());
