@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch.utils.cpp_extension import load_inline
 
-from zllm.executor.kernels.cpu import CFLAGS, LDFLAGS
+from zllm.executor.kernels.cpu_build import CFLAGS, LDFLAGS
 
 # The float kernel's unit itself (its tiles are not in a header: only that unit instantiates them).
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "gguf_linear.cpp"

@@ -53,8 +53,6 @@ from zllm.model.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-CFLAGS, LDFLAGS = cpu_build.CFLAGS, cpu_build.LDFLAGS
-
 # ggml type ids the kernel reads in their blocks: the types llama.cpp's presets write (Q4_K_M,
 # for one, holds Q4_K, Q6_K, Q5_0 and Q8_0 matrices; Q3_K_M Q3_K, Q4_K, Q5_K; the IQ presets
 # their IQ1-IQ3 matrices beside IQ4_XS or IQ4_NL ones; the ternary presets TQ1_0/TQ2_0;
