@@ -47,6 +47,7 @@ from zllm.core.scheduler import Scheduler
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params
 from zllm.kv.cache_groups import kv_cache_groups
+from zllm.kv.state_layout import check_sequences_fit, num_state_slots
 from zllm.model.family import Trait
 from zllm.model.registry import family_of
 from zllm.protocol import (
@@ -120,6 +121,7 @@ class EngineCore:
             sliding_windows=[g.sliding_window for g in groups],
             record_evictions=self.kv_connector is not None,
             max_pinned_blocks=max_pinned_blocks(config),
+            num_state_slots=num_state_slots(config.arch, config.scheduler.max_num_seqs),
         )
         self.scheduler = Scheduler(
             config.scheduler,
@@ -191,6 +193,9 @@ class EngineCore:
             )
             check_token_params(params, self.config.arch.vocab_size)
             check_request_options(request.options, self.config)
+            slots = self.block_manager.state_slots
+            if slots is not None:
+                check_sequences_fit(params, slots.num_slots)
         except ParamError as e:
             return RequestRejected.of(req_id, e)
         self.scheduler.add_request(

@@ -370,6 +370,11 @@ class Scheduler:
     ) -> None:
         drafts = drafts or []
         num_drafts = len(drafts)
+        # (a hybrid model's state at the end of the prompt's last full block, for the prefix
+        # cache; nothing for other models)
+        self.block_manager.save_state_at(
+            req.req_id, req.num_prompt_tokens, req.num_computed_tokens, num_new
+        )
         self.tenants.charge(req.tenant, plan.add(req, num_new, drafts))
         if req.cache_pin is not None and not req.pinned:
             pin_computed_prefix(req, self.block_manager)
@@ -497,6 +502,7 @@ class Scheduler:
                         parent_req_id=parent.req_id,
                         sample_index=index,
                         first_token_id=tokens[index],
+                        state_slot=self.block_manager.state_slot(child.req_id),
                     )
                 )
                 child.known_to_executor = True
@@ -515,6 +521,8 @@ class Scheduler:
         self.seqs.add_fork(child)
         if parent.status == RequestStatus.RUNNING:
             self.block_manager.fork(parent.req_id, child.req_id)
+            if fork is not None:
+                fork.state_slot = self.block_manager.state_slot(child.req_id)
             self.running.append(child)
             return
         child.status = RequestStatus.PREEMPTED
@@ -565,6 +573,7 @@ class Scheduler:
         kv_sends, kv_send_engines = self.kv.sends(plan.scheduled)
         pipeline = self.config.pipeline_stages > 1
         new_reqs, cached_reqs = plan.request_data(bm, changed, pipeline)
+        state_restores, state_saves = bm.take_state_work()
         self._step_id += 1
         out = SchedulerOutput(
             step_id=self._step_id,
@@ -578,6 +587,8 @@ class Scheduler:
             speculate=plan.speculate,
             forked_requests=self._pending_forks,
             blocks_to_copy=bm.take_pending_copies(),
+            state_restores=state_restores,
+            state_saves=state_saves,
             finished_req_ids=self._finished_req_ids,
             kv_transfers=kv_transfers,
             kv_sends=kv_sends,

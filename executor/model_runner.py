@@ -154,16 +154,25 @@ class ModelRunner:
         """Apply what changed since the last step, forks first (they copy their parent as of
         the step that sampled them). Returns the new requests that cannot run, with why;
         they get no state here, so later steps that still name them skip them."""
+        state_pool = self.host.kv.state  # a hybrid model's recurrent-state slots
         for fork in so.forked_requests:
             generator = self.sampling.take_child_generator(fork.parent_req_id, fork.sample_index)
-            child = self.requests[fork.parent_req_id].fork(fork, generator)
+            parent = self.requests[fork.parent_req_id]
+            child = parent.fork(fork, generator)
+            if state_pool is not None and child.state_slot >= 0:
+                state_pool.fork(parent.req_id, parent.state_slot, child.state_slot)
             self._attach_grammar(child)
             self.requests[fork.req_id] = child
+        if state_pool is not None:  # (a parent's samples all fork in one step)
+            for fork in so.forked_requests:
+                state_pool.drop_stash(fork.parent_req_id)
         for req_id, token in so.beam_tokens.items():  # after the forks, which copy the beam
             self.requests[req_id].append(token)
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.sampling.forget(req_id)
+            if state_pool is not None:
+                state_pool.drop_stash(req_id)
         lora = self.host.weights.lora
         if lora is not None and so.finished_req_ids:
             lora.evict(st.lora_int_id for st in self.requests.values() if st.lora_int_id)
@@ -178,11 +187,16 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
                 state.block_ids = list(cached.block_ids)
+            if cached.state_slot >= 0:
+                state.state_slot = cached.state_slot
             if cached.resumed:  # after a preemption: blocks past the prefix hit are new
                 state.draft_num_computed = min(state.draft_num_computed, cached.num_computed_tokens)
                 state.draft_tail = []
         for src, dst in so.blocks_to_copy:
             self.host.kv.copy_block(src, dst)
+        for snapshot, slot in so.state_restores:  # a hybrid's prefix hits: their state
+            assert state_pool is not None
+            state_pool.restore_snapshot(snapshot, slot)
         return failed
 
     def _add_new_requests(self, so: SchedulerOutput) -> dict[str, str]:
@@ -278,6 +292,7 @@ class ModelRunner:
         launched.forward_start = time.perf_counter()
         launched.gpu_start = self._gpu_clock.record()
         hidden, launched.stage_times = self._forward(inputs, idle_s, launched.step_start)
+        self._stash_fork_states(so)
         if hidden is None:
             self._send_kv(so)  # this stage's layers' part of the blocks its forward wrote
             return None  # passed on to the next stage
@@ -407,6 +422,18 @@ class ModelRunner:
         if self.stage is not None:
             return self.stage.failed_loads()
         return [(tier, block_hash) for tier, block_hash, _ in failures]
+
+    def _stash_fork_states(self, so: SchedulerOutput) -> None:
+        """A hybrid model's n > 1 request that sampled its first tokens this step: its
+        prompt's state is kept for its samples, which fork a step or two later (the parent
+        may step on meanwhile and change its own slot)."""
+        state = self.host.kv.state
+        if state is None:
+            return
+        for req_id, count in so.num_samples.items():
+            st = self.requests.get(req_id)
+            if count > 1 and st is not None:
+                state.stash(req_id, st.state_slot)
 
     def _send_kv(self, so: SchedulerOutput) -> None:
         """A disaggregation producer: the prompt blocks this step's forward completed, each

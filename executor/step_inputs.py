@@ -23,6 +23,7 @@ from zllm.executor.attention.backend import StepAttentionMetadata
 from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.metadata import stack_tables
 from zllm.executor.host_to_device import to_device
+from zllm.executor.kv.state_step import StateStep, saves_by_sequence
 from zllm.executor.requests.state import RequestState
 from zllm.protocol import SchedulerOutput
 
@@ -105,7 +106,9 @@ def prepare_inputs(
         query_lens.append(num)
     seq_lens = [st.num_computed_tokens + q for st, q in zip(states, query_lens, strict=True)]
     positions = token_positions(query_lens, seq_lens)
-    attn_metadata = build_attention_metadata(layout, states, query_lens, seq_lens, positions)
+    attn_metadata = build_attention_metadata(
+        layout, states, query_lens, seq_lens, positions, so.state_saves
+    )
     if lora is not None:
         lora.set_batch([st.lora_int_id for st in states], query_lens)
     ids = to_device(input_ids, layout.device, torch.int64)
@@ -174,14 +177,22 @@ def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
     positions: np.ndarray,
+    state_saves: Sequence[tuple[str, int, int]] = (),
 ) -> StepAttentionMetadata | list[StepAttentionMetadata]:
-    """One metadata per (KV cache group, window) the layers use; a list with one entry per
-    layer, or a single metadata when every layer shares one (the common case). `positions`:
-    the new tokens', row after row (token_positions)."""
+    """One metadata per (KV cache group, window) the layers use, and a hybrid's state
+    layers' StateStep; a list with one entry per layer, or a single metadata when every
+    layer shares one (the common case). `positions`:
+    the new tokens', row after row (token_positions); `state_saves`: a hybrid's (req_id,
+    position, snapshot) saves this step makes (SchedulerOutput.state_saves)."""
     bs = layout.block_size
     built: dict[LayerAttention, StepAttentionMetadata] = {}
     row_of_token = np.repeat(np.arange(len(states)), query_lens)
     for key in dict.fromkeys(layout.layer_attention):
+        if key.is_state:  # a hybrid's state layers: their slots (executor/kv/state_step.py)
+            slots = [st.state_slot for st in states]
+            saves = saves_by_sequence(states, query_lens, seq_lens, state_saves)
+            built[key] = StateStep.build(query_lens, seq_lens, slots, layout.device, saves)
+            continue
         tables = [st.block_ids[key.group] for st in states]
         slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
         extra: dict = {"all_as_decode": True} if layout.config.deterministic else {}

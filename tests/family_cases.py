@@ -16,6 +16,7 @@ it (with_tokenizer_json), so the HF form and the GGUF form are the same weights.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,28 @@ GEMMA3 = dict(
 )
 
 
+# Gated DeltaNet hybrids (tests/executor/models/test_hybrid.py): state layers and full
+# attention alternating, 2 key heads serving 4 value heads; Qwen3-Next's (and Qwen3.5-MoE's)
+# MLPs experts with a gated shared expert.
+HYBRID = dict(
+    num_hidden_layers=4,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"] * 2,
+)
+HYBRID_MOE = dict(
+    HYBRID,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+
+
 # ---------------------------------------------------------------------------------------------
 # The rows
 
@@ -186,6 +209,39 @@ def _gpt_oss(path: Path) -> Path:
     return draw_sinks_and_expert_biases(convertible("gpt_oss", **GPT_OSS)(path))
 
 
+def with_mtp_head(path: Path) -> Path:
+    """A multi-token-prediction head beside the decoder, as Qwen3-Next's and Qwen3.5's
+    checkpoints carry one (mtp.*: its fc over [embedding | hidden], its norms, one decoder
+    layer, here a copy of the last full-attention layer's tensors): zllm skips it, and
+    llama.cpp's converter writes it as one more block (nextn)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    full = max(i for i, t in enumerate(config["layer_types"]) if t == "full_attention")
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(7)
+    head = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.05,
+        "mtp.pre_fc_norm_embedding.weight": torch.randn(hidden, generator=gen) * 0.1,
+        "mtp.pre_fc_norm_hidden.weight": torch.randn(hidden, generator=gen) * 0.1,
+        "mtp.norm.weight": torch.randn(hidden, generator=gen) * 0.1,
+    }
+    prefix = f"model.layers.{full}."
+    for name, tensor in tensors.items():
+        if name.startswith(prefix):
+            head["mtp.layers.0." + name[len(prefix) :]] = tensor.clone()
+    save_file({**tensors, **head}, str(file), metadata={"format": "pt"})
+    return path
+
+
+def hybrid(arch: str, **shape) -> Callable[[Path], Path]:
+    """A Gated DeltaNet hybrid's writer: convertible's model with an MTP head."""
+    return lambda path: with_mtp_head(convertible(arch, **shape)(path))
+
+
 def _bert(path: Path) -> Path:
     """A tiny BERT with sentence-transformers' mean pooling and normalisation."""
     return write_st_encoder(path, "bert", "mean", True)
@@ -218,4 +274,7 @@ CASES: dict[str, FamilyCase] = {
         prompt_vocab=SMOLLM2_VOCAB,
     ),
     "bert": FamilyCase(_bert),
+    "qwen3_next": FamilyCase(hybrid("qwen3_next", **HYBRID_MOE), gguf_outtype=F32),
+    "qwen3_5": FamilyCase(hybrid("qwen3_5_text", **HYBRID), gguf_outtype=F32),
+    "qwen3_5_moe": FamilyCase(hybrid("qwen3_5_moe_text", **HYBRID_MOE), gguf_outtype=F32),
 }

@@ -24,6 +24,7 @@ import zmq
 from zllm.config.kv_transfer import consumer_engine
 from zllm.config.serve import ServeConfig
 from zllm.kv.block_hash import BlockHash, cache_salt, hash_full_blocks, with_image_words
+from zllm.kv.state_layout import num_state_slots
 from zllm.media.placeholders import model_placeholders
 from zllm.protocol import (
     EngineCoreRequest,
@@ -140,6 +141,7 @@ def main() -> None:
         model_placeholders(engine.model_path, engine.arch.vision, tokenizer.token_text),
         engine.pooler.prompt,
         engine.runner == "pooling",
+        num_state_slots(engine.arch, engine.scheduler.max_num_seqs),
     )
 
     ctx = zmq.Context()

@@ -19,6 +19,7 @@ import msgspec
 from zllm.config.generation import default_max_tokens, merge_eos_token_ids
 from zllm.errors import ParamError
 from zllm.inputs import check_prompt, check_token_params, truncate_prompt
+from zllm.kv.state_layout import check_sequences_fit
 from zllm.media.placeholders import place_images
 from zllm.model.image_tokens import ImagePlaceholders
 from zllm.protocol import (
@@ -48,6 +49,7 @@ class RequestTokenizer:
         placeholders: ImagePlaceholders | None = None,
         embed_prompt: str = "",
         pooling_only: bool = False,
+        state_slots: int = 0,
     ) -> None:
         """`eos_token_ids`: the model's (ModelArchConfig.eos_token_ids), which stop besides
         the tokenizer's EOS; `max_new_tokens`: generation_config's, for requests without
@@ -58,6 +60,7 @@ class RequestTokenizer:
         self.placeholders = placeholders
         self.embed_prompt = embed_prompt
         self.pooling_only = pooling_only
+        self.state_slots = state_slots
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -139,6 +142,8 @@ class RequestTokenizer:
             pooling=params.embed,
         )
         check_token_params(params, self.vocab_size)
+        if self.state_slots:
+            check_sequences_fit(params, self.state_slots)
         placed: list[PlacedImage] = []
         if req.images:
             assert self.placeholders is not None  # (prompt_of refused them otherwise)

@@ -24,6 +24,7 @@ from zllm.core.engine_core import EngineCore
 from zllm.detokenizer_proc.detokenizer import Detokenizer
 from zllm.errors import ParamError
 from zllm.kv.cache_control import MAX_PIN_TTL_S
+from zllm.kv.state_layout import num_state_slots
 from zllm.llm_pooling import PoolingCalls
 from zllm.lora import LoRARequest, read_adapter, with_digest
 from zllm.media import offline as offline_media
@@ -114,6 +115,7 @@ class LLM(PoolingCalls):
             ),
             embed_prompt=self.config.pooler.prompt,
             pooling_only=self.config.runner == "pooling",
+            state_slots=num_state_slots(self.config.arch, self.config.scheduler.max_num_seqs),
         )
         # What the tokenizer worker adds to a served request: the ids that end generation.
         self.eos_token_ids = self.request_tokenizer.eos_token_ids

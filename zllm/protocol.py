@@ -130,6 +130,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     sample_index: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     images: list[PlacedImage] = []  # the vision encoder's inputs (EngineCoreRequest.images)
+    # A hybrid model's recurrent-state slot (zllm/kv/state_layout.py); -1: no state layers.
+    state_slot: int = -1
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -145,6 +147,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Pipeline parallel: the tokens it got since it was last sent (sampled by the last
     # stage, which holds them already; the earlier stages append them).
     new_token_ids: list[int] = []
+    # With block_ids: its recurrent-state slot (a hybrid model's, taken again after a
+    # preemption); -1: unchanged, or no state layers.
+    state_slot: int = -1
 
 
 class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -158,6 +163,9 @@ class ForkedRequestData(msgspec.Struct, array_like=True, gc=False):
     # The parent's output tokens the child keeps before first_token_id: 0 for an n > 1
     # sample (forked at its first token), the beam's length for a beam-search fork.
     num_parent_outputs: int = 0
+    # A hybrid model's: the child's recurrent-state slot, into which the executor copies the
+    # parent's state as of the fork (-1: no state layers).
+    state_slot: int = -1
 
 
 class KVTransfers(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -195,6 +203,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     beam_tokens: dict[str, int] = {}
     # (src, dst) block copies to do before the forward (copy-on-write).
     blocks_to_copy: list[tuple[int, int]] = []
+    # A hybrid model's prefix cache (core/kv/state_slots.py StateSnapshots): (snapshot, state
+    # slot) copies before the forward, for sequences admitted on a prefix hit; and
+    # (req_id, position, snapshot) saves of a sequence's state after `position` tokens,
+    # made during the forward.
+    state_restores: list[tuple[int, int]] = []
+    state_saves: list[tuple[str, int, int]] = []
     # Requests that finished or were aborted since the last step: the executor drops them.
     # (Preempted requests stay known to the executor, keeping their seeded generators.)
     finished_req_ids: list[str] = []

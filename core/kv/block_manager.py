@@ -27,6 +27,15 @@ of the step's first new token (None in the table, -1 on the wire), so a long seq
 about window/block_size + 1 blocks there. A prefix hit of k blocks must hold in every group:
 a full group needs blocks 0..k-1 cached, a sliding group only the ones inside the window of
 position k * block_size.
+
+A hybrid model's state layers (zllm/kv/state_layout.py) keep a recurrent-state slot per
+sequence beside its blocks: taken with its first blocks (in the same all-or-nothing check),
+given back in `free`, a fresh one for each fork (core/kv/state_slots.py). With prefix
+caching, the state after a prompt's last full block is saved in a snapshot named by that
+block's hash (`save_state_at`), and a prefix hit is cut back to the longest run of cached
+blocks that ends at a snapshot, which is copied into the new sequence's slot before its
+first step (`take_state_work`). With no state layers `state_slots` is None and nothing here
+changes.
 """
 
 from __future__ import annotations
@@ -36,10 +45,21 @@ from dataclasses import dataclass
 
 from zllm.core.kv.block_pool import BlockPool
 from zllm.core.kv.free_blocks import KVBlock
-from zllm.core.kv.prefix_lookup import PrefixHit, TierOf, first_needed_block, longest_hit, no_hit
+from zllm.core.kv.prefix_lookup import (
+    PrefixHit,
+    TierOf,
+    first_needed_block,
+    longest_hit,
+    no_hit,
+)
 from zllm.core.kv.prefix_pins import PrefixPins
+from zllm.core.kv.state_slots import StateSlots, StateSnapshots
 from zllm.kv.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
+
+# A hybrid model's state is also saved at every multiple of this many tokens of a prompt
+# (rounded to whole blocks), so prompts sharing a long prefix but not their ends hit it.
+SNAPSHOT_INTERVAL = 512
 
 
 @dataclass(slots=True)
@@ -68,10 +88,12 @@ class BlockManager:
         sliding_windows: Sequence[int | None] = (None,),
         record_evictions: bool = False,
         max_pinned_blocks: int = 0,
+        num_state_slots: int = 0,
     ):
         """`record_evictions`: the pool keeps (tier key, block id) of each cached block
         evicted, for the KV tiers (`take_evicted`; the key is `group_block_key` of its hash
-        and group). `max_pinned_blocks`: the bound of `pin`."""
+        and group). `max_pinned_blocks`: the bound of `pin`. `num_state_slots`: a hybrid
+        model's recurrent-state slots (0: no state layers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         if not sliding_windows:
@@ -94,6 +116,15 @@ class BlockManager:
             max_pinned_blocks=max_pinned_blocks,
         )
         self._requests: dict[str, _RequestBlocks] = {}
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        # Prefix caching's state snapshots, as many as the slots (zllm/kv/state_layout.py).
+        self.snapshots = (
+            StateSnapshots(num_state_slots) if num_state_slots and enable_prefix_caching else None
+        )
+        # The step's snapshot work: (snapshot, state slot) restores before its forward,
+        # (request, position, snapshot) saves during it.
+        self._state_restores: list[tuple[int, int]] = []
+        self._state_saves: list[tuple[str, int, int]] = []
         self._pending_copies: list[tuple[int, int]] = []
         # Requests whose block table changed since `take_changed_tables` was last called.
         self._changed_tables: set[str] = set()
@@ -114,6 +145,10 @@ class BlockManager:
         caching; the same blocks in every group)."""
         blocks = self._requests.get(req_id)
         return [] if blocks is None else list(blocks.hashes)
+
+    def state_slot(self, req_id: str) -> int:
+        """The recurrent-state slot the request holds (-1: none, or no state layers)."""
+        return -1 if self.state_slots is None else self.state_slots.slot_of(req_id)
 
     def group_block_ids(self, req_id: str) -> list[list[int]]:
         """Every group's block table: what the executor receives."""
@@ -223,6 +258,14 @@ class BlockManager:
             hashes = self.prefix_hashes(token_ids, salt)
         cached = self.pool.cached_blocks
         hit = longest_hit(cached, self.windows, self.block_size, hashes, tier_of)
+        while self.snapshots is not None:  # a hybrid's hit ends where a state was saved
+            k = hit.num_blocks
+            while k and not self.snapshots.ready(hashes[k - 1]):
+                k -= 1
+            if k == hit.num_blocks:
+                break
+            # (looked up again: a sliding group may need other blocks for a shorter hit)
+            hit = longest_hit(cached, self.windows, self.block_size, hashes[:k], tier_of)
         hit.candidate_hashes = hashes
         return hit
 
@@ -289,10 +332,17 @@ class BlockManager:
         num_revived = _num_revived(tables) if is_new else 0
         if num_needed + len(cow) + num_revived > self.num_free_blocks:
             return False
+        if is_new and self.state_slots is not None and not self.state_slots.num_free:
+            return False
 
         if is_new:
             blocks = self._take_prefix(req_id, cached_prefix, num_computed_tokens, salt)
             tables = blocks.tables
+            if self.state_slots is not None:
+                slot = self.state_slots.take(req_id)
+                if self.snapshots is not None and cached_prefix.num_blocks:
+                    snapshot = self.snapshots.use(cached_prefix.hashes[-1])
+                    self._state_restores.append((snapshot, slot))
         self._copy_on_write(tables, cow)
         for table in tables:
             for _ in range(total_blocks - len(table)):
@@ -396,11 +446,47 @@ class BlockManager:
         when no request holds blocks; pins are released."""
         assert not self._requests, "reset_prefix_cache with requests holding blocks"
         self.pool.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+
+    # ---- a hybrid model's state snapshots ------------------------------------------------
+    def save_state_at(
+        self, req_id: str, num_prompt_tokens: int, num_computed_tokens: int, num_new: int
+    ) -> None:
+        """A hybrid's state snapshots for the prefix cache: if the step computing `num_new`
+        tokens from `num_computed_tokens` passes the end of the longest prefix the same
+        prompt could hit (its last full block before its last token), or a multiple of
+        SNAPSHOT_INTERVAL tokens within the prompt (a long shared system prompt), save the
+        state at the furthest such position (unless that prefix has a snapshot already)."""
+        if self.snapshots is None:
+            return
+        end = num_computed_tokens + num_new
+        longest = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        interval = SNAPSHOT_INTERVAL // self.block_size * self.block_size or self.block_size
+        candidates = [p for p in (longest, min(end, longest) // interval * interval) if p]
+        position = max((p for p in candidates if num_computed_tokens < p <= end), default=0)
+        hashes = self._requests[req_id].hashes
+        if not position or len(hashes) < position // self.block_size:
+            return  # (nothing to save; or its blocks' hashes are not all registered yet)
+        block_hash = hashes[position // self.block_size - 1]
+        if not self.snapshots.has(block_hash):
+            self._state_saves.append((req_id, position, self.snapshots.take(block_hash)))
+
+    def take_state_work(self) -> tuple[list[tuple[int, int]], list[tuple[str, int, int]]]:
+        """The step's snapshot restores and saves, for its SchedulerOutput; the snapshots it
+        saves are usable from the next step on."""
+        work = (self._state_restores, self._state_saves)
+        self._state_restores, self._state_saves = [], []
+        if self.snapshots is not None:
+            self.snapshots.step_taken()
+        return work
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
         assert child_id not in self._requests
         parent = self._requests[parent_id]
+        if self.state_slots is not None:  # (the executor copies the parent's state into it)
+            self.state_slots.take(child_id)
         for table in parent.tables:
             for block in table:
                 if block is not None:
@@ -421,6 +507,8 @@ class BlockManager:
         """
         blocks = self._requests.pop(req_id, None)
         self._changed_tables.discard(req_id)
+        if self.state_slots is not None:
+            self.state_slots.free(req_id)
         if blocks is None:
             return
         for table in blocks.tables:

@@ -120,9 +120,11 @@ class StepPlan:
             cached = CachedRequestData(
                 req_id=req.req_id,
                 num_computed_tokens=self.computed_before[req.req_id],
-                block_ids=(bm.group_block_ids(req.req_id) if req.req_id in changed else None),
                 resumed=req.req_id in self.resumed,
             )
+            if req.req_id in changed:
+                cached.block_ids = bm.group_block_ids(req.req_id)
+                cached.state_slot = bm.state_slot(req.req_id)
             if pipeline:
                 cached.new_token_ids = req.all_token_ids[req.num_tokens_sent :]
                 req.num_tokens_sent = req.num_tokens
@@ -141,4 +143,5 @@ class StepPlan:
             sample_index=req.sample_index,
             lora=req.lora,
             images=req.images,
+            state_slot=bm.state_slot(req.req_id),
         )

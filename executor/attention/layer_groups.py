@@ -2,7 +2,9 @@
 metadata is built (and shared) by. A hybrid cache's groups (zllm/kv/cache_groups.py) give
 each layer its block tables and its slot among the cache tensors; a sliding layer attends
 within its window. The step's inputs (executor/step_inputs.py) build one metadata per
-distinct key; the CUDA graphs capture one set of buffers per key (executor/graphs/).
+distinct key; the CUDA graphs capture one set of buffers per key (executor/graphs/). A
+hybrid model's state layers read no KV: their key is STATE_LAYER, and their metadata is the
+step's StateStep (executor/kv/state_step.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from zllm.model.arch_config import ModelArchConfig
 class LayerAttention:
     """Which block tables and which view a layer's attention metadata is built from."""
 
-    group: int  # its KV cache group: the block tables it reads
+    group: int  # its KV cache group: the block tables it reads (-1: a state layer)
     sliding_window: int | None  # its own window (a non-hybrid group may mix layers)
+
+    @property
+    def is_state(self) -> bool:
+        return self.group < 0
+
+
+# A hybrid model's state layer: no block tables, its recurrent-state slots instead.
+STATE_LAYER = LayerAttention(-1, None)
 
 
 def layer_attention(
@@ -27,7 +37,9 @@ def layer_attention(
     """Per layer of `layers`, which block tables and window its attention uses."""
     group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
     return [
-        LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
+        STATE_LAYER
+        if arch.is_state_layer(i)
+        else LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
         for i in layers
     ]
 

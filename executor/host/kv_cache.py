@@ -2,13 +2,16 @@
 
     KVCache(layout, parallel)   sized (the smallest pool any rank can hold), allocated:
                                 tensors   one per cache slot of the groups this stage uses
-                                caches    one per layer of this stage (tensors, shared)
+                                state     a hybrid model's recurrent-state slots
+                                          (executor/kv/state_pool.py), None without
+                                caches    one per layer of this stage (tensors, shared; a
+                                          state layer's LayerState)
                                 pool      the tensors as whole blocks (pool.py), a draft's too
                                 proposer  speculative decoding's (a draft model's KV is part
                                           of every block)
                                 tiers     the tiers below the pool (connector.py), sender
                                           a disaggregation producer's (transfer.py)
-    release(level)              the tensors and the proposer go (either level: the cache's
+    release(level)              the tensors, the state and the proposer go (either level: the cache's
                                 contents are gone, the core resets its prefix cache)
     restore()                   a fresh, empty pool of the same size
     restore_proposer()          the proposer made again (sleep mode: once the weights are
@@ -36,20 +39,23 @@ from zllm.executor.kv.gpu_memory import (
     weight_bytes,
 )
 from zllm.executor.kv.pool import KVPool
+from zllm.executor.kv.state_pool import LayerState, StatePool
 from zllm.executor.kv.transfer import KVSender, transfer_layout
 from zllm.executor.parallel.groups import ONE_RANK, Parallel
 from zllm.executor.spec_decode.draft_model import DraftModelProposer
 from zllm.executor.spec_decode.proposer import Proposer, make_proposer
 from zllm.kv.kv_dtypes import row_bytes
+from zllm.kv.state_layout import num_state_slots
 from zllm.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(arch: ModelArchConfig, dtype: torch.dtype) -> int:
-    """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype size."""
+    """K and V for every attention layer: 2 x layers x kv_heads x head_dim x dtype size (a
+    hybrid's state layers keep no K and V)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
+    return 2 * len(arch.attention_layers) * arch.num_kv_heads * arch.head_dim * elem
 
 
 class KVCache:
@@ -63,12 +69,26 @@ class KVCache:
         self.layout = layout
         config = layout.config
         self._free_before_load = free_before_load
+        arch = layout.arch
+        state_layers = [i for i in arch.state_layers if i in layout.layers]
+        num_slots = num_state_slots(arch, config.scheduler.max_num_seqs)
+        self.state = (
+            StatePool(
+                arch.state,
+                state_layers,
+                num_slots,
+                num_slots if config.cache.enable_prefix_caching else 0,  # snapshots
+                layout.device,
+            )
+            if arch.state is not None
+            else None
+        )
         # Ranks may see different free memory (GPUs), stages hold different layers: the pool
         # is the smallest any can hold.
         self.num_blocks = parallel.min_across(config.cache.num_blocks or self.profile_num_blocks())
         config.cache.num_blocks = self.num_blocks
         self.tensors: list[torch.Tensor] = []
-        self.caches: list[torch.Tensor] = []
+        self.caches: list[torch.Tensor | LayerState] = []
         self.pool = KVPool([])
         self.restore()
         # Before the tiers: a draft model's KV is part of every block they hold.
@@ -95,11 +115,13 @@ class KVCache:
         KV); the tiers below keep theirs."""
         del level  # (the same at both)
         self.tensors, self.caches = [], []
+        if self.state is not None:
+            self.state.release()
         self.pool.tensors, self.pool.draft = [], []
         self.proposer = None
 
     def restore(self) -> None:
-        """A fresh, zeroed pool of num_blocks blocks."""
+        """A fresh, zeroed pool of num_blocks blocks (and of state slots)."""
         layout = self.layout
         heads, width = layout.arch.num_kv_heads, layout.kv_row_width
         shape = (2, self.num_blocks, layout.block_size, heads, width)
@@ -110,8 +132,15 @@ class KVCache:
             slot: torch.zeros(shape, dtype=layout.kv_dtype, device=layout.device) for slot in slots
         }
         self.tensors = list(by_slot.values())
+        if self.state is not None and not self.state.layers:
+            self.state.restore()
         # One per layer of this stage, in order (layout.layers).
-        self.caches = [by_slot[layout.kv_slot_of[layer]] for layer in layout.layers]
+        self.caches = [
+            by_slot[layout.kv_slot_of[layer]]
+            if layer in layout.kv_slot_of
+            else self._state_of(layer)
+            for layer in layout.layers
+        ]
         self.pool.tensors = self.tensors
 
     def restore_proposer(self) -> None:
@@ -144,10 +173,13 @@ class KVCache:
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         per_block = self.bytes_per_slot() * layout.block_size
-        num_blocks = budget // per_block
+        state_bytes = self._state_bytes()
+        num_blocks = (budget - state_bytes) // per_block
         if num_blocks < 1:
+            state = f" after the recurrent state's {state_bytes} bytes" if state_bytes else ""
             raise ValueError(
-                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} bytes)."
+                f"kv_cache_memory_bytes={budget} is smaller than one KV block ({per_block} "
+                f"bytes){state}."
             )
         return int(num_blocks)
 
@@ -195,6 +227,14 @@ class KVCache:
         num_tensors = len(set(layout.kv_slot_of.values()))
         return 2 * num_tensors * layout.arch.num_kv_heads * row + draft
 
+    def _state_of(self, layer: int) -> LayerState:
+        assert self.state is not None, f"layer {layer} has no KV cache group and no state"
+        return self.state.layers[layer]
+
+    def _state_bytes(self) -> int:
+        """The recurrent-state slots' bytes, taken from the cache's budget (0: none)."""
+        return 0 if self.state is None else self.state.total_bytes
+
     def _log(self) -> None:
         layout = self.layout
         per_slot = self.bytes_per_slot()
@@ -203,8 +243,15 @@ class KVCache:
             + (f"window {g.sliding_window}" if g.sliding_window else "full")
             for g in layout.kv_groups
         )
+        state = ""
+        if self.state is not None:
+            state = (
+                f"; state: {self.state.num_slots} slots of {self.state.bytes_per_slot} bytes "
+                f"and {self.state.num_snapshots} prefix snapshots "
+                f"({self._state_bytes() / 2**30:.2f} GiB, {len(self.state.layer_ids)} layers)"
+            )
         logger.info(
-            "KV cache: %d blocks of %d tokens, %s (%d bytes per slot, %.2f GiB); %d group(s): %s",
+            "KV cache: %d blocks of %d tokens, %s (%d bytes per slot, %.2f GiB); %d group(s): %s%s",
             self.num_blocks,
             layout.block_size,
             str(layout.kv_dtype).removeprefix("torch."),
@@ -212,4 +259,5 @@ class KVCache:
             self.num_blocks * layout.block_size * per_slot / 2**30,
             len(layout.kv_groups),
             groups,
+            state,
         )

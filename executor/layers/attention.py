@@ -9,6 +9,11 @@ o_proj too, a sink logit per query head).
     out = o_proj(attention(q, k, v))           the backend's layer; all-reduced across
                                                 tensor-parallel ranks (o_proj is row-parallel)
 
+With an output gate (Qwen3-Next's, Qwen3.5's full-attention layers) the projection also
+makes a gate per query value, each head's query then its gate as the checkpoints' q_proj
+holds them, [q0 g0 q1 g1 ... | k | v], and the attention's output is multiplied by the
+gate's sigmoid before o_proj.
+
 Gemma 3 (its own norms, scale and RoPE per head) and DeepSeek-V2 (latent attention) keep
 modules of their own.
 """
@@ -35,10 +40,12 @@ class SelfAttention(nn.Module):
         tp: TensorParallel = SINGLE,
         output_bias: bool = False,
         sinks: bool = False,
+        output_gate: bool = False,
     ) -> None:
         """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only; its
         attention_bias puts biases on q/k/v, its qk_norm per-head norms. gpt-oss's:
-        `output_bias` on o_proj too, `sinks` a sink logit per query head."""
+        `output_bias` on o_proj too, `sinks` a sink logit per query head. `output_gate`: a
+        sigmoid gate per query value before o_proj (Qwen3-Next's)."""
         super().__init__()
         self.tp = tp
         self.num_heads = arch.num_heads
@@ -46,8 +53,12 @@ class SelfAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.gate_size = self.q_size if output_gate else 0  # (its rows inside q's)
         self.qkv_proj = empty_linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, dtype, bias=arch.attention_bias
+            arch.hidden_size,
+            self.q_size + 2 * self.kv_size + self.gate_size,
+            dtype,
+            bias=arch.attention_bias,
         )
         self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
         self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype, bias=output_bias)
@@ -68,11 +79,18 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k sit side by side in qkv, so one rotation covers both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        q_end = self.q_size + self.gate_size
+        gate = None
+        if self.gate_size:  # each head's query, then its gate: q and k joined in a copy
+            q_gate = qkv[:, :q_end].view(num_tokens, self.num_heads, 2, self.head_dim)
+            gate = q_gate[:, :, 1].reshape(num_tokens, self.q_size)
+            k = qkv[:, q_end : q_end + self.kv_size].view(num_tokens, -1, self.head_dim)
+            qk = torch.cat((q_gate[:, :, 0], k), dim=1)
+        else:  # q and k sit side by side in qkv, so one rotation covers both
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_end + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
         if not written:
             qk = rope(qk, cos, sin)
@@ -81,4 +99,7 @@ class SelfAttention(nn.Module):
             out = self.attn(q, k, v, kv_cache, meta, kv_written=written)
         else:
             out = self.attn(q, k, v, kv_cache, meta, kv_written=written, sinks=self.sinks)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        out = out.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.tp.all_reduce(self.o_proj(out))

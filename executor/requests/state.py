@@ -52,6 +52,8 @@ class RequestState:
     num_pending: int = 0
     # Its images, where their tokens sit (executor/models/vision/features.py encodes them).
     images: list[PlacedImage] = field(default_factory=list)
+    # A hybrid model's recurrent-state slot (executor/kv/state_pool.py); -1: none.
+    state_slot: int = -1
 
     def __post_init__(self) -> None:
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
@@ -73,6 +75,7 @@ class RequestState:
             draft_num_computed=new.num_computed_tokens,
             lora_int_id=None if new.lora is None else new.lora.lora_int_id,
             images=list(new.images),
+            state_slot=new.state_slot,
         )
 
     def fork(self, fork: ForkedRequestData, generator: torch.Generator | None) -> RequestState:
@@ -94,6 +97,7 @@ class RequestState:
             draft_num_computed=min(self.draft_num_computed, self.num_computed_tokens),
             lora_int_id=self.lora_int_id,
             images=self.images,
+            state_slot=fork.state_slot,
         )
 
     def append(self, token_id: int) -> None:

@@ -134,7 +134,15 @@ def hf_name_from_gguf(name: str, layer_names: Mapping[str, str]) -> str | None:
     parts = name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:  # (ssm_a: no suffix)
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
+
+
+def gguf_block(name: str) -> int | None:
+    """The layer a GGUF tensor belongs to (blk.N.*), None for a model-wide one."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "blk" and parts[1].isdecimal() else None
 
 
 def _load_gguf(
@@ -147,8 +155,8 @@ def _load_gguf(
     family = family_of(arch)
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
-        if name in _GGUF_NON_WEIGHTS:
-            continue
+        if name in _GGUF_NON_WEIGHTS or (gguf_block(name) or 0) >= arch.num_layers:
+            continue  # (blocks past the decoder: a multi-token-prediction head, not run)
         hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         if hf_name is None:
             raise ValueError(f"{gguf.path}: unexpected tensor {name!r} for a {arch.architecture}")
@@ -173,6 +181,8 @@ def _load_gguf(
             # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies
             # by the weight); ours, like transformers', multiplies by 1 + w.
             weight = weight - 1.0
+        if family.gguf_undo is not None:
+            weight = family.gguf_undo(hf_name, weight)
         if not weight.flags.writeable:  # F32 tensors come back as views of the mmap
             weight = weight.copy()
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
@@ -192,6 +202,8 @@ def gguf_raw_weights(
     family = family_of(arch)
     raw: dict[str, tuple[int, torch.Tensor]] = {}
     for name, info in gguf.tensors.items():
+        if (gguf_block(name) or 0) >= arch.num_layers:
+            continue  # (a multi-token-prediction head)
         hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         matrix = len(info.shape) == 2 or (len(info.shape) == 3 and ".experts." in (hf_name or ""))
         if hf_name is None or not matrix or not _wanted(hf_name, layers):

@@ -29,6 +29,8 @@ def _asked(config: EngineConfig) -> list[tuple[Feature, str]]:
         asked.append((Feature.DETERMINISTIC, "--deterministic"))
     if config.quantization == "int8":
         asked.append((Feature.QUANTIZATION, "--quantization int8"))
+    if config.speculative is not None:
+        asked.append((Feature.SPECULATIVE_DECODING, "--speculative-config"))
     return asked
 
 

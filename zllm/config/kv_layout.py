@@ -97,6 +97,11 @@ def check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
     prefix-cache hashes. (With several KV cache groups a load that can fail is prefetched in
     a step of its own: core/kv/prefetch.py; a draft model's KV moves with the target's:
     executor/kv/pool.py.)"""
+    if config.arch.state is not None:
+        raise ValueError(
+            f"{what} moves KV blocks, and {config.arch.architecture}'s state layers keep their "
+            "recurrent state outside them (a hybrid model's state is not snapshotted yet)"
+        )
     if not config.cache.enable_prefix_caching:
         raise ValueError(
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "

@@ -24,6 +24,9 @@ group at a time. A request at 8K tokens holds 512 blocks in group 0 and about 33
 sliding group (window 512, block 16): 677 blocks of 3 layers, against 512 blocks of 18
 layers without groups.
 
+A hybrid model's state layers (arch.state: Qwen3-Next's linear attention) hold no K and V:
+they are in no group, and keep their state in slots of their own (zllm/kv/state_layout.py).
+
 When the sliding layers don't split evenly, the last group is short and leaves part of its
 blocks' bytes unused (vLLM pads the same way).
 """
@@ -46,7 +49,7 @@ def kv_cache_groups(arch: ModelArchConfig, hybrid: bool = True) -> list[KVCacheG
     """The model's KV cache groups. One group when every layer attends alike (a model with
     only sliding layers frees blocks too); with `hybrid` False, mixed models also get one
     group, which keeps every block (attention still applies each layer's window)."""
-    layers = range(arch.num_layers)
+    layers = arch.attention_layers
     sliding = [i for i in layers if arch.is_sliding(i)]
     full = [i for i in layers if not arch.is_sliding(i)]
     if not sliding:

@@ -1,6 +1,7 @@
 """A decoder's shape (`ModelArchConfig`), the record every room that sizes weights or KV reads,
-and the parts several families share: mixture-of-experts (`MoEConfig`) and multi-head latent
-attention (`MLAConfig`).
+and the parts several families share: mixture-of-experts (`MoEConfig`), multi-head latent
+attention (`MLAConfig`) and the recurrent state of a hybrid model's state layers
+(`StateConfig`).
 
 Apart from its readers (zllm/model/families/, which need the GGUF library and numpy), so the
 config, the KV rules and LoRA's checks import the record without them."""
@@ -61,6 +62,60 @@ class MoEConfig:
     expert_groups_used: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    """A hybrid model's state layers (layer_types "linear_attention"): instead of a KV cache
+    each keeps, per sequence, a fixed-size state that every token updates (zllm/kv/
+    state_layout.py sizes it; docs/kv-cache.md draws it).
+
+    Gated DeltaNet (Qwen3-Next, Qwen3.5), Hugging Face's names in brackets:
+      conv window   the last conv_kernel - 1 inputs of the causal conv1d over q|k|v
+                    (conv_dim = 2 x num_key_heads x key_head_dim + num_heads x value_head_dim)
+      recurrent     num_heads matrices of key_head_dim x value_head_dim, fp32
+      heads         num_key_heads (linear_num_key_heads) query/key heads of key_head_dim
+                    (linear_key_head_dim); num_heads (linear_num_value_heads) value heads of
+                    value_head_dim (linear_value_head_dim); conv_kernel (linear_conv_kernel_dim)
+    """
+
+    kind: str  # "gated_delta_net"
+    conv_kernel: int
+    num_heads: int
+    num_key_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    # How the weights order the value heads: grouped by the key head they share (Hugging
+    # Face's: value head h reads key head h // (heads / key heads)), or tiled (llama.cpp's
+    # Qwen3.5 files: h reads key head h % key heads), which the layer follows as stored.
+    tiled_value_heads: bool = False
+    # How the b and a projections are stored: apart, [b | a] (Qwen3.5's in_proj_b and
+    # in_proj_a), or interleaved per key head, [b_0 a_0 b_1 a_1 ...] (Qwen3-Next's in_proj_ba,
+    # and llama.cpp's ssm_ba), which the layer reads as stored.
+    grouped_beta_alpha: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the causal conv1d runs over: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_elems(self) -> int:
+        """One sequence's conv window in one layer: conv_dim x (conv_kernel - 1) values."""
+        return self.conv_dim * (self.conv_kernel - 1)
+
+    @property
+    def recurrent_elems(self) -> int:
+        """One sequence's recurrent state in one layer: num_heads x key x value values."""
+        return self.num_heads * self.key_head_dim * self.value_head_dim
+
+
 @dataclass(slots=True)
 class ModelArchConfig:
     """A decoder's shape, read from GGUF metadata or config.json by its family
@@ -106,6 +161,9 @@ class ModelArchConfig:
     # executor/attention/mla.py draws it), so every rule that sizes a block by num_kv_heads x
     # head_dim x 2 holds the latent row exactly, no V beside it.
     mla: MLAConfig | None = None
+    # A hybrid model's state layers (layer_types "linear_attention"): their shape. None: every
+    # layer attends over the KV cache.
+    state: StateConfig | None = None
     # Whether the model takes images (a vision encoder beside the decoder: its family's
     # ImageRules). Other multimodal checkpoints are refused at load, and an image sent to a
     # text-only model is refused naming it (zllm/media/images.py require_vision).
@@ -131,6 +189,19 @@ class ModelArchConfig:
             from zllm.model.registry import family_named
 
             self.family_fields = family_named(self.family).fields(**self.family_fields)
+
+    def is_state_layer(self, layer: int) -> bool:
+        """Whether this layer keeps a recurrent state rather than K and V."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_state_layer(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with K and V in the paged cache (every layer but a hybrid's state ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_state_layer(i))
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -37,6 +37,7 @@ class Feature(enum.Enum):
     TRANSFORMERS_IMPL = "transformers' modeling code"
     CLASSIFIER_HEAD = "a sequence-classification head"
     QUANTIZATION = "zllm's own quantized matmuls"
+    SPECULATIVE_DECODING = "speculative decoding"
 
 
 class Trait(enum.Enum):
@@ -51,6 +52,8 @@ class Trait(enum.Enum):
     BIDIRECTIONAL_IMAGES = "image tokens that attend both ways"
     # Every token attends to its whole prompt: a prompt is computed in one step and pools.
     ENCODER = "an encoder"
+    # Layers that keep a recurrent state per sequence beside the KV cache (arch.state).
+    RECURRENT_STATE = "a recurrent state per sequence"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,9 @@ class Family:
     # rotary layout (undone at load); norms stored as 1 + weight (Gemma's).
     gguf_permuted_qk: bool = False
     gguf_norms_plus_one: bool = False
+    # Anything else the converter changed, undone at load: (Hugging Face name, the tensor as
+    # a float32 numpy array) -> the checkpoint's tensor (None: nothing).
+    gguf_undo: Callable[[str, Any], Any] | None = None
     # Phi-3's checkpoints store qkv_proj and gate_up_proj fused, in the engine's order.
     fused_checkpoint: bool = False
     # Why transformers' GGUF reader would run another model than this file holds (None: it

@@ -18,7 +18,9 @@ from zllm.model.families import (
     qwen2_5_vl,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
+    qwen3_next,
     transformers,
 )
 from zllm.model.family import Family, Feature, Trait
@@ -31,6 +33,9 @@ FAMILIES: tuple[Family, ...] = (
     qwen2_moe.FAMILY,
     qwen3.FAMILY,
     qwen3_moe.FAMILY,
+    qwen3_next.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5.MOE_FAMILY,
     phi3.FAMILY,
     gemma3.FAMILY,
     qwen2_5_vl.FAMILY,

@@ -196,8 +196,9 @@ def write_config(path: Path, **cfg) -> str:
         (dict(model_type="t5", is_encoder_decoder=True), "t5 is an encoder-decoder model"),
         (dict(model_type="mamba", state_size=16), "mamba has state-space or recurrent layers"),
         (
-            dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention"]),
-            r"qwen3_next has state-space or recurrent layers \(linear_attention\)",
+            # (Qwen3-Next's layers, under a name no family of zllm's claims)
+            dict(model_type="kimi_linear", layer_types=["linear_attention", "full_attention"]),
+            r"kimi_linear has state-space or recurrent layers \(linear_attention\)",
         ),
         (
             dict(model_type="llava_next", text_config={}),
