@@ -199,7 +199,7 @@ SHAPE=${MODEL%-q4km}
 SHAPE_QUANTS=${SHAPE_QUANTS:-"Q4_K_M Q8_0"}
 is_shape_model() {
     case $MODEL in
-    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km) return 0 ;;
+    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km | qwen35moe-a3b-q4km) return 0 ;;
     *) return 1 ;;
     esac
 }
@@ -212,8 +212,15 @@ make_llama1b() {
     fi
     if [[ ! -s $f16 ]]; then
         "$PYTHON" -c "import sentencepiece" 2>/dev/null || "$PYTHON" -m pip install sentencepiece
-        PYTHONPATH=$LLAMA_DIR/gguf-py nice -n 19 "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
-            "$hf" --outtype f16 --outfile "$f16.tmp"
+        if [[ $SHAPE == qwen35* ]]; then
+            # No multi-token-prediction head (the converter expects one) and SmolLM2's
+            # tokenizer (Qwen3.5's converter reads Qwen's BPE only): benchmarks/convert_shape.py.
+            nice -n 19 "$PYTHON" "$REPO/benchmarks/convert_shape.py" "$LLAMA_DIR" \
+                "$hf" --outtype f16 --outfile "$f16.tmp" --no-mtp
+        else
+            PYTHONPATH=$LLAMA_DIR/gguf-py nice -n 19 "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
+                "$hf" --outtype f16 --outfile "$f16.tmp"
+        fi
         mv "$f16.tmp" "$f16"
     fi
     local quant

@@ -11,6 +11,8 @@ Issue 57's shapes: qwen3-1.7b (Qwen3-1.7B, dense, qk-norm, tied), qwen3moe-a3b (
 layers, 128 experts top-8, 4 of its 48 layers) and gpt-oss-20b (gpt-oss-20b's layers, 32
 experts top-4, sliding window 128 alternating, attention sinks, 2 of its 24 layers): fewer
 layers so they fit the 23 GB machine; a decode step's shape per layer is the real model's.
+Issue 74's: qwen35moe-a3b (Qwen3.5-35B-A3B's layers: three Gated DeltaNet state layers and one
+gated full-attention layer, 256 experts top-8 and a shared expert; 4 of its 40 layers).
 
     python benchmarks/make_llama1b.py OUT_DIR [--shape llama1b|qwen3b|qwen3-1.7b|...]
 """
@@ -104,6 +106,35 @@ SHAPES = {
         hidden_act="silu",
         attention_bias=False,
     ),
+    # Issue 74's: Qwen3.5-35B-A3B's layers (a Gated DeltaNet hybrid), 4 of its 40: three state
+    # layers and a gated full-attention one, each MLP 256 experts (8 a token) and a shared one.
+    "qwen35moe-a3b": dict(
+        architectures=["Qwen3_5MoeForCausalLM"],
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25
+        ),
+        max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+    ),
     "gpt-oss-20b": dict(
         architectures=["GptOssForCausalLM"],
         model_type="gpt_oss",
@@ -153,10 +184,18 @@ def tensors(cfg: dict, seed: int):
         return torch.ones(n, dtype=torch.bfloat16)
 
     yield "model.embed_tokens.weight", normal(cfg["vocab_size"], hidden)
-    yield "model.norm.weight", ones(hidden)
+    # (a hybrid's norms are zero-centred: it multiplies by 1 + weight)
+    centred = cfg["model_type"] == "qwen3_5_moe_text"
+    yield (
+        "model.norm.weight",
+        torch.zeros(hidden, dtype=torch.bfloat16) if centred else ones(hidden),
+    )
     if not cfg["tie_word_embeddings"]:
         yield "lm_head.weight", normal(cfg["vocab_size"], hidden)
     kind = cfg["model_type"]
+    if kind == "qwen3_5_moe_text":
+        yield from qwen35_moe_layers(cfg, normal, g)
+        return
     bias = kind in ("qwen2", "gpt_oss")  # their q/k/v carry biases (gpt-oss's o_proj too)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -196,6 +235,50 @@ def qwen3_moe_experts(cfg: dict, p: str, normal):
         yield q + "gate_proj.weight", normal(inter, hidden)
         yield q + "up_proj.weight", normal(inter, hidden)
         yield q + "down_proj.weight", normal(hidden, inter)
+
+
+def qwen35_moe_layers(cfg: dict, normal, g: torch.Generator):
+    """Qwen3.5-MoE's layers (after the embedding, final norm and head): its norms are
+    zero-centred (the model multiplies by 1 + weight), the state layers' gated norm is not."""
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]  # fmt: skip
+    head_dim = cfg["head_dim"]
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_heads = cfg["linear_num_value_heads"]
+    value_dim = value_heads * cfg["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.bfloat16)
+
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", zeros(hidden)
+        yield p + "post_attention_layernorm.weight", zeros(hidden)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            yield a + "in_proj_qkv.weight", normal(conv_dim, hidden)
+            yield a + "in_proj_z.weight", normal(value_dim, hidden)
+            yield a + "in_proj_b.weight", normal(value_heads, hidden)
+            yield a + "in_proj_a.weight", normal(value_heads, hidden)
+            yield a + "conv1d.weight", normal(conv_dim, 1, cfg["linear_conv_kernel_dim"])
+            yield a + "dt_bias", torch.ones(value_heads, dtype=torch.bfloat16)
+            decay = torch.empty(value_heads).uniform_(1.0, 16.0, generator=g)
+            yield a + "A_log", decay.log().to(torch.bfloat16)
+            yield a + "norm.weight", torch.ones(cfg["linear_value_head_dim"], dtype=torch.bfloat16)
+            yield a + "out_proj.weight", normal(hidden, value_dim)
+        else:
+            yield p + "self_attn.q_proj.weight", normal(2 * heads * head_dim, hidden)  # query, gate
+            yield p + "self_attn.k_proj.weight", normal(kv_heads * head_dim, hidden)
+            yield p + "self_attn.v_proj.weight", normal(kv_heads * head_dim, hidden)
+            yield p + "self_attn.o_proj.weight", normal(hidden, heads * head_dim)
+            yield p + "self_attn.q_norm.weight", zeros(head_dim)
+            yield p + "self_attn.k_norm.weight", zeros(head_dim)
+        yield from qwen3_moe_experts(cfg, p, normal)
+        shared = cfg["shared_expert_intermediate_size"]
+        yield p + "mlp.shared_expert.gate_proj.weight", normal(shared, hidden)
+        yield p + "mlp.shared_expert.up_proj.weight", normal(shared, hidden)
+        yield p + "mlp.shared_expert.down_proj.weight", normal(hidden, shared)
+        yield p + "mlp.shared_expert_gate.weight", normal(1, hidden)
 
 
 def gpt_oss_experts(cfg: dict, p: str, normal):

@@ -193,9 +193,8 @@ class EngineCore:
             )
             check_token_params(params, self.config.arch.vocab_size)
             check_request_options(request.options, self.config)
-            slots = self.block_manager.state_slots
-            if slots is not None:
-                check_sequences_fit(params, slots.num_slots)
+            if self.block_manager.state_slots is not None:  # (a hybrid's seats)
+                check_sequences_fit(params, self.block_manager.state_slots.num_slots)
         except ParamError as e:
             return RequestRejected.of(req_id, e)
         self.scheduler.add_request(

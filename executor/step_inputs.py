@@ -190,7 +190,8 @@ def build_attention_metadata(
     for key in dict.fromkeys(layout.layer_attention):
         if key.is_state:  # a hybrid's state layers: their slots (executor/kv/state_step.py)
             slots = [st.state_slot for st in states]
-            saves = saves_by_sequence(states, query_lens, seq_lens, state_saves)
+            req_ids = [st.req_id for st in states]
+            saves = saves_by_sequence(req_ids, query_lens, seq_lens, state_saves)
             built[key] = StateStep.build(query_lens, seq_lens, slots, layout.device, saves)
             continue
         tables = [st.block_ids[key.group] for st in states]

@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(weight * norm(x + residual), x + residual) over rows, fp32", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("rope_rows_", &rope_rows_, "RoPE in place on q/k heads (rotate_half layout)");
+  m.def("gated_delta_decode_", &gated_delta_decode_,
+        "a Gated DeltaNet layer's one-token step, its slots' states updated in place");
   m.def("gated_activation_rows", &gated_activation_rows,
         "act(gate) * up of [T, gate | up]; activation 0 = SiLU, 1 = GELU (tanh)");
 

@@ -42,6 +42,7 @@ SOURCES = (
     "cpu/moe_experts.cpp",
     "cpu/row_ops.cpp",
     "cpu/dense_rows.cpp",
+    "cpu/state_layers.cpp",
 )
 # AVX2 for the whole library, so it runs on every CPU cpu.py's cpu_supports_kernels admits;
 # functions with an AVX-512 VNNI variant compile it per function and choose at run time

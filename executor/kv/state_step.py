@@ -18,15 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from zllm.executor.host_to_device import to_device
-
-if TYPE_CHECKING:
-    from zllm.executor.requests.state import RequestState
 
 
 @dataclass(slots=True)
@@ -74,7 +70,7 @@ class StateStep:
 
 
 def saves_by_sequence(
-    states: Sequence[RequestState],
+    req_ids: Sequence[str],
     query_lens: Sequence[int],
     seq_lens: Sequence[int],
     state_saves: Sequence[tuple[str, int, int]],
@@ -83,7 +79,7 @@ def saves_by_sequence(
     its sequence's index -> (rows before the position, snapshot)."""
     if not state_saves:
         return {}
-    index = {st.req_id: i for i, st in enumerate(states)}
+    index = {req_id: i for i, req_id in enumerate(req_ids)}
     saves = {}
     for req_id, position, snapshot in state_saves:
         i = index.get(req_id)

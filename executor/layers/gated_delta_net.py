@@ -9,7 +9,8 @@ a recurrent state in its slot of the state pool (executor/kv/state_pool.py):
                                             chunk at a time for prompts (per sequence)
     out = out_proj(rms_norm(o) * w * silu(z))
 
-The arithmetic is executor/layers/gated_delta_rule.py's, in fp32.
+The arithmetic is executor/layers/gated_delta_rule.py's, in fp32; on CPU the decode rows'
+step runs csrc/cpu/state_layers.cpp's kernel, which updates each slot's state in place.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zllm.executor.kernels import cpu_state_ops
 from zllm.executor.kv.state_pool import LayerState
 from zllm.executor.kv.state_step import StateStep
 from zllm.executor.layers.gated_delta_rule import (
@@ -105,7 +107,11 @@ class GatedDeltaNet(nn.Module):
         g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
         tiled = s.tiled_value_heads
         core = torch.empty(num_tokens, s.num_heads, s.value_head_dim, device=x.device)
-        if step.decode_seqs:
+        if step.decode_seqs and cpu_state_ops.usable(x):  # in place, csrc/cpu/state_layers.cpp
+            core[rows] = cpu_state_ops.gated_delta_decode_(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent, slots, tiled
+            )
+        elif step.decode_seqs:
             out, states = recurrent_step(
                 q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent[slots], tiled
             )

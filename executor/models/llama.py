@@ -30,6 +30,7 @@ from zllm.executor.attention.backend import (
     StepAttentionMetadata,
 )
 from zllm.executor.layers.attention import SelfAttention
+from zllm.executor.layers.decoder_mlp import make_mlp
 from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.mlp import GatedMLP
 from zllm.executor.layers.moe.block import MoEBlock
@@ -42,19 +43,6 @@ from zllm.executor.parallel.shards import local_arch, logits_weight
 from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import ModelArchConfig
 from zllm.model.registry import family_of
-
-
-def make_mlp(
-    arch: ModelArchConfig, layer: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
-) -> nn.Module:
-    """Layer `layer`'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
-    if not arch.is_moe_layer(layer):
-        return GatedMLP(arch, dtype, tp)
-    if tp.enabled:  # zllm/config/parallel.py refuses it first; a model built directly too
-        raise ValueError("tensor parallelism does not split mixture-of-experts layers yet")
-    shared = arch.moe.shared_expert_intermediate_size
-    shared_expert = GatedMLP(arch, dtype, tp, intermediate_size=shared) if shared else None
-    return MoEBlock(arch, dtype, shared_expert=shared_expert)
 
 
 class LlamaDecoderLayer(nn.Module):

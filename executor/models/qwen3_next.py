@@ -34,13 +34,13 @@ from torch import nn
 from zllm.executor.attention.backend import TORCH_ATTENTION, AttentionBackend
 from zllm.executor.kv.state_pool import LayerState
 from zllm.executor.layers.attention import SelfAttention
+from zllm.executor.layers.decoder_mlp import make_mlp
 from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.gated_delta_net import GatedDeltaNet, in_proj_names
 from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.layers.moe.checkpoint import per_expert_names, per_expert_weights
 from zllm.executor.layers.norms import RMSNorm
 from zllm.executor.layers.rope import RotaryEmbedding
-from zllm.executor.models.llama import make_mlp
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import logits_weight
 from zllm.executor.weights.checkpoint_copy import copy_checkpoint

@@ -27,7 +27,6 @@ from zllm.config.arg_utils import (
 )
 from zllm.config.capabilities import check_capabilities
 from zllm.config.engine import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
     CacheConfig,
     EngineConfig,
     KVOffloadConfig,
@@ -39,7 +38,7 @@ from zllm.config.generation import (
     merge_eos_token_ids,
     read_generation_config,
 )
-from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks
+from zllm.config.kv_layout import block_bytes, check_moves_whole_blocks, fit_state_slots
 from zllm.config.kv_transfer import KVTransferConfig, check_ports, kv_transfer_config_from
 from zllm.config.parallel import check_parallel
 from zllm.config.pooler import (
@@ -60,7 +59,6 @@ from zllm.config.tenants import (
 )
 from zllm.config.vision import check_vision, set_encoder_budget, tokens_per_image
 from zllm.kv.kv_dtypes import KV_CACHE_DTYPES, kv_cache_dtype_of
-from zllm.kv.state_layout import seats_for_state
 from zllm.kv.tier_key import resolve_key_file
 from zllm.model.arch import read_model_arch
 from zllm.model.files import resolve_model, resolve_tokenizer
@@ -466,29 +464,12 @@ class EngineArgs:
         config.kv_offload = self._kv_offload_config(config)
         config.kv_transfer = self._kv_transfer_config(config)
         check_capabilities(config)
-        self._fit_state_slots(config)
+        fit_state_slots(config)
         check_parallel(config)
         check_vision(config, tokens_per_image(model_path, arch))
         set_encoder_budget(config)
         check_encoder(config)
         return config
-
-    @staticmethod
-    def _fit_state_slots(config: EngineConfig) -> None:
-        """A hybrid model's recurrent-state slots (one per seat) within half the KV cache's
-        budget: fewer seats, logged, where they would not fit (zllm/kv/state_layout.py)."""
-        budget = config.cache.kv_cache_memory_bytes
-        if budget is None and not config.device.startswith("cuda"):
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        seats, why = seats_for_state(
-            config.arch,
-            config.scheduler.max_num_seqs,
-            budget,
-            snapshots=config.cache.enable_prefix_caching,
-        )
-        if why is not None:
-            logger.warning(why)
-            config.scheduler.max_num_seqs = seats
 
     def _tokenizer_path(self, model_path: str) -> str:
         if self.tokenizer is None:

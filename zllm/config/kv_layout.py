@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
-from zllm.config.engine import EngineConfig
+from zllm.config.engine import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from zllm.kv.block_hash import BlockHash
 from zllm.kv.cache_groups import kv_bytes_per_slot, kv_cache_groups
 from zllm.kv.kv_dtypes import ELEMENT_BYTES
+from zllm.kv.state_layout import seats_for_state
 from zllm.kv.tiers import FILE_FORMAT_VERSION, existing_disk_blocks
 from zllm.model.fingerprint import weights_fingerprint
+
+logger = logging.getLogger(__name__)
 
 
 def block_bytes(config: EngineConfig) -> int:
@@ -107,3 +111,21 @@ def check_moves_whole_blocks(config: EngineConfig, what: str) -> None:
             f"{what} names blocks by their prefix-cache hashes: it needs prefix caching "
             "(leave out --no-enable-prefix-caching)"
         )
+
+
+def fit_state_slots(config: EngineConfig) -> None:
+    """A hybrid model's recurrent-state slots (one per seat, and as many prefix snapshots)
+    within half the KV cache's budget: fewer seats, logged, where they would not fit
+    (zllm/kv/state_layout.py seats_for_state)."""
+    budget = config.cache.kv_cache_memory_bytes
+    if budget is None and not config.device.startswith("cuda"):
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    seats, why = seats_for_state(
+        config.arch,
+        config.scheduler.max_num_seqs,
+        budget,
+        snapshots=config.cache.enable_prefix_caching,
+    )
+    if why is not None:
+        logger.warning(why)
+        config.scheduler.max_num_seqs = seats

@@ -87,3 +87,22 @@ def test_the_conv_window_carries_a_prompt_across_chunks_and_decodes() -> None:
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs), expected, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(windows[0], x[20:23].t())  # the last kernel - 1 inputs
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_cpu_kernel_steps_the_slots_in_place_as_the_torch_rule(tiled: bool) -> None:
+    """csrc/cpu/state_layers.cpp: three decode rows in slots 4, 0 and 2 of a pool of five;
+    outputs and new states as recurrent_step's (key heads shared grouped or tiled), the other
+    slots untouched."""
+    from zllm.executor.kernels import cpu_state_ops
+
+    q, k, v, g, beta = draw(3, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(5, HEADS, KEY_DIM, VALUE_DIM, generator=gen) * 0.1
+    before = pool.clone()
+    slots = torch.tensor([4, 0, 2])
+    expected, expected_states = recurrent_step(q, k, v, g, beta, before[slots], tiled)
+    out = cpu_state_ops.gated_delta_decode_(q, k, v, g, beta, pool, slots, tiled)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[slots], expected_states, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])

@@ -1,0 +1,103 @@
+// A Gated DeltaNet state layer's one-token step (executor/layers/gated_delta_rule.py
+// recurrent_step's arithmetic), for the decode rows of a step: every (sequence, value head)
+// reads its slot's recurrent state once, decays and updates it in place, and reads its output
+// from the new state, where torch's eager ops gather the slots' states, make five passes over
+// them and scatter them back.
+//
+// Per value head, with S [key_dim, value_dim] the slot's state, k and q L2-normalised (q also
+// scaled by key_dim^-1/2), d = exp(g):
+//     m     = d * S^T k                   what the decayed state recalls for k
+//     delta = beta * (v - m)
+//     S     = d * S + k delta^T           (in place)
+//     out   = S^T q
+
+#include "aten_lite.h"
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// x / sqrt(sum(x^2) + eps), the FLA library's and transformers' l2norm, times `scale`.
+void l2_normalized(const float* x, int64_t n, float scale, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = scale / std::sqrt(sum + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv;
+}
+
+}  // namespace
+
+at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                               const at::Tensor& slots, bool tiled) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "q, k must be [B, key_heads, key_dim] and v [B, heads, value_dim]");
+  const int64_t B = q.size(0), key_heads = q.size(1), key_dim = q.size(2);
+  const int64_t heads = v.size(1), value_dim = v.size(2);
+  TORCH_CHECK(heads % key_heads == 0, "value heads must be a multiple of key heads");
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == heads && state.size(2) == key_dim &&
+                  state.size(3) == value_dim && state.is_contiguous(),
+              "state must be contiguous [slots, heads, key_dim, value_dim]");
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == B && g.size(1) == heads && beta.sizes() == g.sizes(),
+              "g and beta must be [B, heads]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "slots must be int64 [B]");
+  const at::Tensor& pool = state;
+  for (const at::Tensor* t : {&q, &k, &v, &g, &beta, &pool})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "the step's tensors must be contiguous fp32 on the CPU");
+  const int64_t num_slots = state.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "a slot outside the state pool");
+
+  auto out = v.new_empty({B, heads, value_dim});
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* gp = g.data_ptr<float>();
+  const float* bp = beta.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_key_head = heads / key_heads;
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
+  const int64_t head_elems = key_dim * value_dim;
+
+  at::parallel_for(0, B * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qn(key_dim), kn(key_dim), recalled(value_dim), delta(value_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads;
+      const int64_t kh = tiled ? h % key_heads : h / per_key_head;
+      l2_normalized(qp + (b * key_heads + kh) * key_dim, key_dim, q_scale, qn.data());
+      l2_normalized(kp + (b * key_heads + kh) * key_dim, key_dim, 1.0f, kn.data());
+      float* S = sp + (slot[b] * heads + h) * head_elems;
+      const float decay = std::exp(gp[b * heads + h]);
+      const float rate = bp[b * heads + h];
+      const float* vh = vp + (b * heads + h) * value_dim;
+      float* oh = op + (b * heads + h) * value_dim;
+      std::fill(recalled.begin(), recalled.end(), 0.0f);
+      for (int64_t i = 0; i < key_dim; ++i) {
+        const float ki = kn[i];
+        const float* row = S + i * value_dim;
+        for (int64_t j = 0; j < value_dim; ++j) recalled[j] += ki * row[j];
+      }
+      for (int64_t j = 0; j < value_dim; ++j) {
+        delta[j] = rate * (vh[j] - decay * recalled[j]);
+        oh[j] = 0.0f;
+      }
+      for (int64_t i = 0; i < key_dim; ++i) {
+        const float ki = kn[i], qi = qn[i];
+        float* row = S + i * value_dim;
+        for (int64_t j = 0; j < value_dim; ++j) {
+          const float updated = decay * row[j] + ki * delta[j];
+          row[j] = updated;
+          oh[j] += qi * updated;
+        }
+      }
+    }
+  });
+  return out;
+}
