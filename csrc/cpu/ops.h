@@ -46,8 +46,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_rows(const at::Tensor& x,
 at::Tensor rope_rows_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor gated_activation_rows(const at::Tensor& gate_up, int64_t activation);
 
-// state_layers.cpp: a Gated DeltaNet layer's one-token step for a step's decode rows, each
-// row's slot of `state` updated in place.
+// state_layers.cpp: a Gated DeltaNet layer's one-token step for a step's decode rows (its
+// gated norm too), each row's slot of `state` updated in place; its causal conv's step.
 at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
-                               const at::Tensor& slots, bool tiled);
+                               const at::Tensor& slots, bool tiled,
+                               const std::optional<at::Tensor>& gate,
+                               const std::optional<at::Tensor>& norm_weight, double eps);
+at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::Tensor& slots,
+                               const at::Tensor& weight);

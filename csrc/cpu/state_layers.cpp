@@ -10,6 +10,9 @@
 //     delta = beta * (v - m)
 //     S     = d * S + k delta^T           (in place)
 //     out   = S^T q
+// and, given the gate z and the norm's weight w, the layer's gated RMSNorm of out:
+//     out   = w * out / rms(out) * silu(z)
+// Also the one-input step of the causal conv before it (causal_conv_decode_).
 
 #include "aten_lite.h"
 #include "ops.h"
@@ -30,9 +33,52 @@ void l2_normalized(const float* x, int64_t n, float scale, float* out) {
 
 }  // namespace
 
+// One new input per sequence through the depthwise causal conv: x [B, C] after each row's
+// window conv[slot] [C, K - 1] (oldest first), weight [C, K] -> silu(conv) [B, C]; each
+// window moves on by one, in place.
+at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::Tensor& slots,
+                               const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1),
+              "x must be [B, C] and weight [C, K]");
+  const int64_t B = x.size(0), C = x.size(1), K = weight.size(1);
+  TORCH_CHECK(conv.dim() == 3 && conv.size(1) == C && conv.size(2) == K - 1 && conv.is_contiguous(),
+              "conv must be contiguous [slots, C, K - 1]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "slots must be int64 [B]");
+  const at::Tensor& pool = conv;
+  for (const at::Tensor* t : {&x, &weight, &pool})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "x, conv and weight must be contiguous fp32 on the CPU");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < conv.size(0), "a slot outside the state pool");
+  auto out = x.new_empty({B, C});
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* cp = conv.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * C, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / C, c = task % C;
+      float* window = cp + (slot[b] * C + c) * (K - 1);
+      const float* w = wp + c * K;
+      const float input = xp[b * C + c];
+      float sum = 0.0f;
+      for (int64_t i = 0; i < K - 1; ++i) sum += w[i] * window[i];
+      sum += w[K - 1] * input;
+      for (int64_t i = 0; i + 1 < K - 1; ++i) window[i] = window[i + 1];
+      if (K > 1) window[K - 2] = input;
+      op[b * C + c] = sum / (1.0f + std::exp(-sum));
+    }
+  });
+  return out;
+}
+
 at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
-                               const at::Tensor& slots, bool tiled) {
+                               const at::Tensor& slots, bool tiled,
+                               const std::optional<at::Tensor>& gate,
+                               const std::optional<at::Tensor>& norm_weight, double eps) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k must be [B, key_heads, key_dim] and v [B, heads, value_dim]");
   const int64_t B = q.size(0), key_heads = q.size(1), key_dim = q.size(2);
@@ -65,6 +111,21 @@ at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t per_key_head = heads / key_heads;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
   const int64_t head_elems = key_dim * value_dim;
+  // With `gate` [B, heads, value_dim] and `norm_weight` [value_dim]: each head's output
+  // normed, times the weight and silu(gate) (the layer's gated RMSNorm), in the same task.
+  const bool gated = gate.has_value();
+  TORCH_CHECK(gated == norm_weight.has_value(), "gate and norm_weight go together");
+  if (gated) {
+    TORCH_CHECK(gate->sizes() == v.sizes() && gate->is_contiguous() &&
+                    gate->scalar_type() == at::kFloat,
+                "gate must be contiguous fp32 [B, heads, value_dim]");
+    TORCH_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == value_dim &&
+                    norm_weight->is_contiguous() && norm_weight->scalar_type() == at::kFloat,
+                "norm_weight must be contiguous fp32 [value_dim]");
+  }
+  const float* zp = gated ? gate->data_ptr<float>() : nullptr;
+  const float* nw = gated ? norm_weight->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
 
   at::parallel_for(0, B * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qn(key_dim), kn(key_dim), recalled(value_dim), delta(value_dim);
@@ -96,6 +157,14 @@ at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const a
           row[j] = updated;
           oh[j] += qi * updated;
         }
+      }
+      if (gated) {
+        float squares = 0.0f;
+        for (int64_t j = 0; j < value_dim; ++j) squares += oh[j] * oh[j];
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(value_dim) + e);
+        const float* zh = zp + (b * heads + h) * value_dim;
+        for (int64_t j = 0; j < value_dim; ++j)
+          oh[j] = nw[j] * (oh[j] * inv) * (zh[j] / (1.0f + std::exp(-zh[j])));
       }
     }
   });

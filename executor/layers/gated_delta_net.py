@@ -83,11 +83,70 @@ class GatedDeltaNet(nn.Module):
         if step.fresh_slots.numel():  # sequences starting at position 0 start from zeros
             cache.conv.index_fill_(0, step.fresh_slots, 0.0)
             cache.recurrent.index_fill_(0, step.fresh_slots, 0.0)
-        weight = self.conv_weight.squeeze(1).float()
-        conv_out = torch.empty(num_tokens, s.conv_dim, dtype=torch.float32, device=x.device)
-        mixed = mixed.float()
+        kernels = cpu_state_ops.usable(x)  # csrc/cpu/state_layers.cpp: in place, fused
+        # A step of decodes only takes every row in order: no gathers or scatters.
+        whole = not step.prefill_seqs
         rows, slots = step.decode_rows, step.decode_slots
-        if step.decode_seqs:
+        mixed = mixed.float()
+        gate = z.reshape(num_tokens, s.num_heads, s.value_head_dim)
+        beta = b.float().sigmoid()
+        g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
+        conv_out = self._conv(mixed, cache, step, kernels, whole)
+        q, k, v = conv_out.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.view(num_tokens, s.num_key_heads, s.key_head_dim)
+        k = k.view(num_tokens, s.num_key_heads, s.key_head_dim)
+        v = v.view(num_tokens, s.num_heads, s.value_head_dim)
+        tiled = s.tiled_value_heads
+        if whole and kernels:  # the rule and the gated norm in one pass per head
+            normed = cpu_state_ops.gated_delta_decode_(
+                q, k, v, g, beta, cache.recurrent, slots, tiled, gate, self.norm_weight, self.eps
+            )
+            self._save_at_ends(cache, step)
+            return self.out_proj(normed.reshape(num_tokens, s.value_dim).to(x.dtype))
+        core = torch.empty(num_tokens, s.num_heads, s.value_head_dim, device=x.device)
+        if step.decode_seqs and not kernels:
+            out, states = recurrent_step(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent[slots], tiled
+            )
+            core[rows] = out
+            cache.recurrent[slots] = states
+        bounds = step.query_start
+        for i in step.prefill_seqs:
+            state = cache.recurrent[step.slots[i]]
+            for start, end, snapshot in _pieces(bounds[i], bounds[i + 1], step.saves.get(i)):
+                span = slice(start, end)
+                core[span], state = chunked_prefill(
+                    q[span], k[span], v[span], g[span], beta[span], state, tiled
+                )
+                if snapshot is not None:
+                    cache.snap_recurrent[snapshot] = state
+            cache.recurrent[step.slots[i]] = state
+        if step.decode_seqs and kernels:  # (its rows of core are left unset: normed in C++)
+            decoded = cpu_state_ops.gated_delta_decode_(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent, slots, tiled,
+                gate[rows], self.norm_weight, self.eps,
+            )  # fmt: skip
+        self._save_at_ends(cache, step)
+        normed = gated_rms_norm(core, gate, self.norm_weight, self.eps)
+        if step.decode_seqs and kernels:
+            normed[rows] = decoded
+        return self.out_proj(normed.reshape(num_tokens, s.value_dim).to(x.dtype))
+
+    def _conv(
+        self, mixed: torch.Tensor, cache: LayerState, step: StateStep, kernels: bool, whole: bool
+    ) -> torch.Tensor:
+        """SiLU(causal conv) of the step's q|k|v rows [T, conv_dim], each sequence after its
+        window, the windows moved on (and a save's taken where it falls)."""
+        weight = self.conv_weight.squeeze(1).float()
+        rows, slots = step.decode_rows, step.decode_slots
+        if whole and kernels:
+            return cpu_state_ops.causal_conv_decode_(mixed, cache.conv, slots, weight)
+        conv_out = torch.empty_like(mixed)
+        if step.decode_seqs and kernels:
+            conv_out[rows] = cpu_state_ops.causal_conv_decode_(
+                mixed[rows], cache.conv, slots, weight
+            )
+        elif step.decode_seqs:
             out, windows = conv_decode(mixed[rows], cache.conv[slots], weight)
             conv_out[rows] = out
             cache.conv[slots] = windows
@@ -99,41 +158,16 @@ class GatedDeltaNet(nn.Module):
                 if snapshot is not None:
                     cache.snap_conv[snapshot] = window
             cache.conv[step.slots[i]] = window
-        q, k, v = conv_out.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        q = q.view(num_tokens, s.num_key_heads, s.key_head_dim)
-        k = k.view(num_tokens, s.num_key_heads, s.key_head_dim)
-        v = v.view(num_tokens, s.num_heads, s.value_head_dim)
-        beta = b.float().sigmoid()
-        g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
-        tiled = s.tiled_value_heads
-        core = torch.empty(num_tokens, s.num_heads, s.value_head_dim, device=x.device)
-        if step.decode_seqs and cpu_state_ops.usable(x):  # in place, csrc/cpu/state_layers.cpp
-            core[rows] = cpu_state_ops.gated_delta_decode_(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent, slots, tiled
-            )
-        elif step.decode_seqs:
-            out, states = recurrent_step(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent[slots], tiled
-            )
-            core[rows] = out
-            cache.recurrent[slots] = states
-        for i in step.prefill_seqs:
-            state = cache.recurrent[step.slots[i]]
-            for start, end, snapshot in _pieces(bounds[i], bounds[i + 1], step.saves.get(i)):
-                span = slice(start, end)
-                core[span], state = chunked_prefill(
-                    q[span], k[span], v[span], g[span], beta[span], state, tiled
-                )
-                if snapshot is not None:
-                    cache.snap_recurrent[snapshot] = state
-            cache.recurrent[step.slots[i]] = state
-        for i, (offset, snapshot) in step.saves.items():  # saves at a sequence's last row
+        return conv_out
+
+    @staticmethod
+    def _save_at_ends(cache: LayerState, step: StateStep) -> None:
+        """Saves that fall on a sequence's last new row: its slot's state as the step left it."""
+        bounds = step.query_start
+        for i, (offset, snapshot) in step.saves.items():
             if bounds[i] + offset == bounds[i + 1]:
                 cache.snap_conv[snapshot] = cache.conv[step.slots[i]]
                 cache.snap_recurrent[snapshot] = cache.recurrent[step.slots[i]]
-        gate = z.view(num_tokens, s.num_heads, s.value_head_dim)
-        normed = gated_rms_norm(core, gate, self.norm_weight, self.eps)
-        return self.out_proj(normed.reshape(num_tokens, s.value_dim).to(x.dtype))
 
 
 def _pieces(

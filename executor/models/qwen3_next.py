@@ -150,6 +150,8 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
                 yield name.removesuffix(".dt.bias") + ".dt_bias", tensor
             elif name.endswith("linear_attn.conv1d.weight") and tensor.dim() == 2:
                 yield name, tensor.unsqueeze(1)  # (llama.cpp squeezes the channel dim)
+            elif name.endswith("mlp.shared_expert_gate.weight") and tensor.dim() == 1:
+                yield name, tensor.unsqueeze(0)  # (and its qwen35moe files, this one's row)
             elif name.endswith("linear_attn.in_proj_qkvz.weight"):
                 value_width = per_group * s.value_head_dim
                 widths = [s.key_head_dim, s.key_head_dim, value_width, value_width]

@@ -154,7 +154,12 @@ def decoder_arch(
         family=family,
         vocab_size=vocab_size(gguf, arch),
         hidden_size=hidden,
-        intermediate_size=need(gguf, f"{arch}.feed_forward_length", int),
+        # (a mixture of experts' file may leave it out: no dense MLP to size)
+        intermediate_size=int(md[f"{arch}.feed_forward_length"])
+        if moe is not None and f"{arch}.feed_forward_length" in md
+        else moe.moe_intermediate_size
+        if moe is not None
+        else need(gguf, f"{arch}.feed_forward_length", int),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),

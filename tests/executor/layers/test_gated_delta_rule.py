@@ -106,3 +106,30 @@ def test_the_cpu_kernel_steps_the_slots_in_place_as_the_torch_rule(tiled: bool) 
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pool[slots], expected_states, atol=1e-5, rtol=1e-5)
     assert torch.equal(pool[[1, 3]], before[[1, 3]])
+
+
+def test_the_cpu_kernels_fuse_the_gated_norm_and_step_the_conv_windows() -> None:
+    """gated_delta_decode_ with the gate and the norm's weight: the torch rule's output
+    through gated_rms_norm; causal_conv_decode_: conv_decode's output and windows, in the
+    rows' slots of a pool of windows."""
+    from zllm.executor.kernels import cpu_state_ops
+    from zllm.executor.layers.gated_delta_rule import gated_rms_norm
+
+    q, k, v, g, beta = draw(2, seed=21)
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn(3, HEADS, KEY_DIM, VALUE_DIM, generator=gen) * 0.1
+    slots = torch.tensor([2, 0])
+    gate = torch.randn(2, HEADS, VALUE_DIM, generator=gen)
+    weight = torch.rand(VALUE_DIM, generator=gen) + 0.5
+    out, _ = recurrent_step(q, k, v, g, beta, pool[slots].clone())
+    expected = gated_rms_norm(out, gate, weight, 1e-6)
+    fused = cpu_state_ops.gated_delta_decode_(q, k, v, g, beta, pool, slots, False, gate, weight, 1e-6)  # fmt: skip
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=1e-5)
+
+    x = torch.randn(2, CHANNELS, generator=gen)
+    conv_weight = torch.randn(CHANNELS, KERNEL, generator=gen)
+    windows = torch.randn(3, CHANNELS, KERNEL - 1, generator=gen)
+    expected, moved = conv_decode(x, windows[slots].clone(), conv_weight)
+    out = cpu_state_ops.causal_conv_decode_(x, windows, slots, conv_weight)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(windows[slots], moved)

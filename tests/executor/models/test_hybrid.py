@@ -121,6 +121,18 @@ def test_prefix_hits_bring_back_the_state_after_the_prefix(model_dir, plain, alo
     assert bm.prefix_cache_hits - hits_before == (len(PROMPTS[5]) - 1) // 4 * 4
 
 
+def test_the_torch_state_path_answers_as_the_kernels(model_dir, alone, monkeypatch) -> None:
+    """Without csrc/cpu/state_layers.cpp (another device, ZLLM_CPU_KERNELS=0) the state
+    layers run the torch rule: the same answers, in steps mixing chunks and decodes."""
+    from zllm.executor.kernels import cpu_state_ops
+
+    monkeypatch.setattr(cpu_state_ops, "usable", lambda x: False)
+    engine = LLM(
+        model_dir, kv_cache_memory_bytes=16 << 20, max_num_seqs=8, max_num_batched_tokens=16
+    )
+    assert batch(engine, PROMPTS) == alone
+
+
 def test_two_samples_each_continue_the_prompt_state(llm, alone) -> None:
     """n = 2 forks after the prompt: each sample's slot gets the prompt's state (the parent
     has stepped on by then), so at temperature 0 both answer as the prompt alone."""
