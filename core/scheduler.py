@@ -370,8 +370,7 @@ class Scheduler:
     ) -> None:
         drafts = drafts or []
         num_drafts = len(drafts)
-        # (a hybrid model's state at the end of the prompt's last full block, for the prefix
-        # cache; nothing for other models)
+        # (a hybrid model's state snapshot for the prefix cache; nothing for other models)
         self.block_manager.save_state_at(
             req.req_id, req.num_prompt_tokens, req.num_computed_tokens, num_new
         )
@@ -519,8 +518,10 @@ class Scheduler:
         if fork is not None:
             self._pending_forks.append(fork)
         self.seqs.add_fork(child)
-        if parent.status == RequestStatus.RUNNING:
-            self.block_manager.fork(parent.req_id, child.req_id)
+        # (a hybrid model's fork may find no state slot free: it recomputes, as below)
+        if parent.status == RequestStatus.RUNNING and self.block_manager.fork(
+            parent.req_id, child.req_id
+        ):
             if fork is not None:
                 fork.state_slot = self.block_manager.state_slot(child.req_id)
             self.running.append(child)

@@ -57,8 +57,9 @@ from zllm.core.kv.state_slots import StateSlots, StateSnapshots
 from zllm.kv.block_hash import BlockHash, hash_full_blocks
 from zllm.protocol import MAX_BLOCK_CELLS
 
-# A hybrid model's state is also saved at every multiple of this many tokens of a prompt
-# (rounded to whole blocks), so prompts sharing a long prefix but not their ends hit it.
+# A hybrid model's state is also saved at a multiple of this many tokens of a prompt (rounded
+# to whole blocks; the furthest a step's chunk passes), so prompts longer than a step that
+# share a long prefix but not their ends hit it.
 SNAPSHOT_INTERVAL = 512
 
 
@@ -481,11 +482,15 @@ class BlockManager:
             self.snapshots.step_taken()
         return work
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Give `child_id` the parent's blocks, shared (for `n > 1` sampling)."""
+    def fork(self, parent_id: str, child_id: str) -> bool:
+        """Give `child_id` the parent's blocks, shared (for `n > 1` sampling, beams). False,
+        holding nothing, when a hybrid model has no state slot left for it (a beam group
+        whose idle beam yielded its seat): it then waits to be recomputed."""
         assert child_id not in self._requests
         parent = self._requests[parent_id]
         if self.state_slots is not None:  # (the executor copies the parent's state into it)
+            if not self.state_slots.num_free:
+                return False
             self.state_slots.take(child_id)
         for table in parent.tables:
             for block in table:
@@ -498,6 +503,7 @@ class BlockManager:
             parent.salt,
         )
         self._changed_tables.add(child_id)
+        return True
 
     def free(self, req_id: str, keep_hashes: bool = True) -> None:
         """Drop a request's references, tail first, so its tail is evicted before its head.

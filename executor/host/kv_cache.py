@@ -167,13 +167,15 @@ class KVCache:
         leaves (_gpu_budget), on CPU a default."""
         layout = self.layout
         budget = layout.config.cache.kv_cache_memory_bytes
+        # A hybrid's state slots come out of the budget; a GPU's measured budget has them
+        # counted already (allocated before it is measured).
+        state_bytes = self._state_bytes()
         if budget is None:
             if layout.device.type == "cuda":
-                budget = self._gpu_budget()
+                budget, state_bytes = self._gpu_budget(), 0
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         per_block = self.bytes_per_slot() * layout.block_size
-        state_bytes = self._state_bytes()
         num_blocks = (budget - state_bytes) // per_block
         if num_blocks < 1:
             state = f" after the recurrent state's {state_bytes} bytes" if state_bytes else ""

@@ -139,6 +139,15 @@ def hf_name_from_gguf(name: str, layer_names: Mapping[str, str]) -> str | None:
     return None
 
 
+def decoder_end(gguf: GGUFFile, arch: ModelArchConfig) -> float:
+    """The first block past the decoder in a file whose converter wrote multi-token-
+    prediction blocks after it (nextn_predict_layers: Qwen3-Next's, Qwen3.5's), not read;
+    infinity for any other file, whose every block is read (and checked)."""
+    architecture = gguf.metadata.get("general.architecture")
+    nextn = gguf.metadata.get(f"{architecture}.nextn_predict_layers")
+    return arch.num_layers if nextn else math.inf
+
+
 def gguf_block(name: str) -> int | None:
     """The layer a GGUF tensor belongs to (blk.N.*), None for a model-wide one."""
     parts = name.split(".", 2)
@@ -153,9 +162,10 @@ def _load_gguf(
     skip: Container[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     family = family_of(arch)
+    heads_from = decoder_end(gguf, arch)
     for name, info in gguf.tensors.items():
         progress.advance(info.nbytes)
-        if name in _GGUF_NON_WEIGHTS or (gguf_block(name) or 0) >= arch.num_layers:
+        if name in _GGUF_NON_WEIGHTS or (gguf_block(name) or 0) >= heads_from:
             continue  # (blocks past the decoder: a multi-token-prediction head, not run)
         hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         if hf_name is None:
@@ -201,8 +211,9 @@ def gguf_raw_weights(
     gguf = read_gguf(model_path)
     family = family_of(arch)
     raw: dict[str, tuple[int, torch.Tensor]] = {}
+    heads_from = decoder_end(gguf, arch)
     for name, info in gguf.tensors.items():
-        if (gguf_block(name) or 0) >= arch.num_layers:
+        if (gguf_block(name) or 0) >= heads_from:
             continue  # (a multi-token-prediction head)
         hf_name = hf_name_from_gguf(name, family.gguf_tensor_names)
         matrix = len(info.shape) == 2 or (len(info.shape) == 3 and ".experts." in (hf_name or ""))

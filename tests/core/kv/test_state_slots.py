@@ -37,9 +37,9 @@ def test_a_sequence_takes_its_slot_with_its_blocks_all_or_nothing() -> None:
     assert bm.num_free_blocks == blocks_before and bm.state_slot("c") == -1
     assert bm.allocate_slots("a", list(range(9)), 8, 1)  # a running sequence keeps its slot
     assert (bm.state_slot("a"), bm.state_slot("b")) == (0, 1)
-    with pytest.raises(RuntimeError, match="no recurrent-state slot"):
-        bm.fork("b", "b1")  # (admission counts a request's samples: this never happens)
-    assert bm.num_held_blocks("b1") == 0
+    # No slot for a fork (a beam group's idle beam yielded its seat): nothing held, it
+    # recomputes later (the scheduler's _adopt).
+    assert not bm.fork("b", "b1") and bm.num_held_blocks("b1") == 0
     bm.free("a")
     assert bm.state_slot("a") == -1
     assert bm.allocate_slots("c", list(range(4)), 0, 4) and bm.state_slot("c") == 0
@@ -151,3 +151,30 @@ def test_a_prompt_saves_its_state_where_a_later_prompt_can_hit_it(monkeypatch) -
     assert bm.allocate_slots("b", other, 8, 13, hit)
     restores, _ = bm.take_state_work()
     assert restores == [(snapshot_at[8], bm.state_slot("b"))]
+
+
+def test_a_fork_without_a_free_slot_waits_and_recomputes() -> None:
+    """A pool of one slot under four seats (as when a beam group's idle beam yielded its
+    seat to others): an n = 2 request's sample finds no slot when it forks, so it waits in
+    the queue, known to the executor without a slot, and runs from position 0 once the
+    other sample's slot is free."""
+    bm = BlockManager(100, BS, enable_prefix_caching=False, num_state_slots=1)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1000)
+    sched = Scheduler(config, bm)
+    sched.add_request(make_request("a", 6, max_tokens=3, n=2, temperature=1.0))
+    so = sched.schedule()
+    sched.update_from_output(so, fake_run(sched, so))  # the prompt: two samples
+    so = sched.schedule()
+    (fork,) = so.forked_requests
+    assert fork.state_slot == -1 and bm.state_slot(fork.req_id) == -1
+    child = sched.requests[fork.req_id]
+    assert child in sched.waiting and child.num_computed_tokens == 0
+    resumed = []
+    for _ in range(20):
+        sched.update_from_output(so, fake_run(sched, so))
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        resumed += [c for c in so.cached_requests if c.req_id == fork.req_id and c.resumed]
+    assert [(c.num_computed_tokens, c.state_slot) for c in resumed] == [(0, 0)]
+    assert not sched.has_unfinished_requests() and bm.state_slots.num_free == 1
