@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zllm.kv.state_layout import STATE_ELEMENT_BYTES
+from zllm.kv.state_layout import STATE_ELEMENT_BYTES, layer_state_bytes
 from zllm.model.arch_config import StateConfig
 
 assert STATE_ELEMENT_BYTES == torch.empty((), dtype=torch.float32).element_size()
@@ -68,8 +68,7 @@ class StatePool:
 
     @property
     def bytes_per_slot(self) -> int:
-        per_layer = self.state.conv_elems + self.state.recurrent_elems
-        return len(self.layer_ids) * per_layer * STATE_ELEMENT_BYTES
+        return len(self.layer_ids) * layer_state_bytes(self.state)
 
     def restore(self) -> None:
         s = self.state

@@ -19,7 +19,7 @@ new sequence's slot when its prompt starts with that prefix.
 from __future__ import annotations
 
 from zllm.errors import ParamError
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, StateConfig
 from zllm.sampling_params import SamplingParams
 
 # The state is kept in fp32: it is a running sum over the whole sequence, and transformers'
@@ -27,14 +27,16 @@ from zllm.sampling_params import SamplingParams
 STATE_ELEMENT_BYTES = 4
 
 
-def state_bytes_per_sequence(arch: ModelArchConfig, layers: range | None = None) -> int:
-    """One slot's bytes: every state layer's conv window and recurrent state (of `layers`,
-    a pipeline stage's, when given; 0 for a model without state layers)."""
+def layer_state_bytes(state: StateConfig) -> int:
+    """One sequence's state in one state layer: its conv window and recurrent state."""
+    return (state.conv_elems + state.recurrent_elems) * STATE_ELEMENT_BYTES
+
+
+def state_bytes_per_sequence(arch: ModelArchConfig) -> int:
+    """One slot's bytes: every state layer's (0 for a model without state layers)."""
     if arch.state is None:
         return 0
-    state_layers = [i for i in arch.state_layers if layers is None or i in layers]
-    per_layer = arch.state.conv_elems + arch.state.recurrent_elems
-    return len(state_layers) * per_layer * STATE_ELEMENT_BYTES
+    return len(arch.state_layers) * layer_state_bytes(arch.state)
 
 
 def num_state_slots(arch: ModelArchConfig, max_num_seqs: int) -> int:
