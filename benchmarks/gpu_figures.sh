@@ -61,6 +61,7 @@ for step in "$@"; do
     section "$step"
     run_tests tests $KERNEL_TESTS/test_cuda_moe.py $KERNEL_TESTS/test_cuda_quant.py \
       $KERNEL_TESTS/test_cuda_sinks.py $KERNEL_TESTS/test_cuda_prefill.py \
+      $KERNEL_TESTS/test_cuda_state.py \
       $KERNEL_TESTS/test_cuda.py -k "not smollm2" ;;
   tests-models)
     section "$step"

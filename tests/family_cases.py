@@ -166,6 +166,41 @@ HYBRID_MOE = dict(
     shared_expert_intermediate_size=32,
 )
 
+# Mamba-2 hybrids: Granite 4.0-H (tests/executor/models/test_hybrid_mamba2.py): state layers
+# with an attention layer between, 4 heads of 16 in 2 groups of B and C, experts beside the
+# shared MLP, Granite's multipliers away from one.
+GRANITE_HYBRID = dict(
+    num_hidden_layers=4,
+    layer_types=["mamba", "mamba", "attention", "mamba"],
+    mamba_n_heads=8,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_head=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=32,
+    shared_intermediate_size=64,
+    embedding_multiplier=4.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.125,
+    logits_scaling=2.0,
+)
+
+# Nemotron-H: every kind of layer (Mamba-2, attention, MLP alone), Mamba-2 layers of 8 heads
+# of 16 in 2 groups.
+NEMOTRON_H = dict(
+    hybrid_override_pattern="M*-M-M",
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    ssm_state_size=16,
+    conv_kernel=4,
+    intermediate_size=96,
+    head_dim=16,
+)
+
 
 # ---------------------------------------------------------------------------------------------
 # The rows
@@ -242,6 +277,60 @@ def hybrid(arch: str, **shape) -> Callable[[Path], Path]:
     return lambda path: with_mtp_head(convertible(arch, **shape)(path))
 
 
+def with_mamba2_parameters(path: Path, seed: int = 0) -> Path:
+    """A saved Mamba-2 hybrid's A_log, D and dt_bias drawn (transformers initialises them to
+    log(1..heads), ones and ones, the same in every layer)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("A_log", ".D", "dt_bias")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def with_released_layer_names(path: Path) -> Path:
+    """config.json's layer_types as Granite 4.0-H's checkpoints spell them ("mamba",
+    "attention"; transformers 5 saves its own names, which llama.cpp's converter reads as
+    all-Mamba)."""
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    released = {"linear_attention": "mamba", "full_attention": "attention"}
+    config["layer_types"] = [released.get(t, t) for t in config["layer_types"]]
+    file.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def granite_hybrid(**shape) -> Callable[[Path], Path]:
+    """Granite 4.0-H's writer: convertible's model, its state parameters drawn, its layer
+    names as released."""
+    return lambda path: with_released_layer_names(
+        with_mamba2_parameters(convertible("granitemoehybrid", **shape)(path))
+    )
+
+
+def nemotron_h(**shape) -> Callable[[Path], Path]:
+    """Nemotron-H's writer: convertible's model, its state parameters drawn, config.json's
+    layer pattern as the released checkpoints give it (hybrid_override_pattern; transformers 5
+    saves a list) and their norm_eps (llama.cpp's loader needs the key it becomes)."""
+
+    def write(path: Path) -> Path:
+        with_mamba2_parameters(convertible("nemotron_h", **shape)(path))
+        file = path / "config.json"
+        config = json.loads(file.read_text())
+        config.pop("layers_block_type", None)
+        config["hybrid_override_pattern"] = shape["hybrid_override_pattern"]
+        config["norm_eps"] = config["layer_norm_epsilon"]
+        file.write_text(json.dumps(config, indent=2))
+        return path
+
+    return write
+
+
 def _bert(path: Path) -> Path:
     """A tiny BERT with sentence-transformers' mean pooling and normalisation."""
     return write_st_encoder(path, "bert", "mean", True)
@@ -277,4 +366,6 @@ CASES: dict[str, FamilyCase] = {
     "qwen3_next": FamilyCase(hybrid("qwen3_next", **HYBRID_MOE), gguf_outtype=F32),
     "qwen3_5": FamilyCase(hybrid("qwen3_5_text", **HYBRID), gguf_outtype=F32),
     "qwen3_5_moe": FamilyCase(hybrid("qwen3_5_moe_text", **HYBRID_MOE), gguf_outtype=F32),
+    "granite_hybrid": FamilyCase(granite_hybrid(**GRANITE_HYBRID), gguf_outtype=F32),
+    "nemotron_h": FamilyCase(nemotron_h(**NEMOTRON_H), gguf_outtype=F32),
 }

@@ -105,6 +105,7 @@ SPM_VOCAB_CLASSES = {
     "Qwen3NextForCausalLM": ("qwen", "Qwen3NextModel"),
     "Qwen3_5ForCausalLM": ("qwen", "Qwen3NextModel"),
     "Qwen3_5MoeForCausalLM": ("qwen", "Qwen3NextModel"),
+    "NemotronHForCausalLM": ("nemotron", "NemotronHModel"),  # (reads a BPE tokenizer only)
 }
 
 
@@ -245,3 +246,27 @@ def write_convertible_model(path: Path, arch: str, seed: int = 0, **overrides) -
     config = tiny_hf_config(arch, **{**ids, **overrides})
     tiny_hf_model(config, seed).save_pretrained(path, safe_serialization=True)
     return randomize_norms_and_biases(path, seed)
+
+
+def rounded_as_stored(name: str, weight, tiled_heads: tuple[int, int, int] | None = None):
+    """What llama.cpp's converter stores of a checkpoint tensor at Q8_0, read back as fp32:
+    matrices in Q8_0 blocks along their rows; the routers, the conv and vectors kept F32. A
+    Qwen3.5 file's out_proj has its columns in llama.cpp's tiled value-head order
+    (`tiled_heads`: key heads, value heads per key head, value head size), so it is rounded
+    in that order."""
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import dequantize, quantize
+
+    routers = ("mlp.gate.weight", "_gate.weight", "router.layer.weight")
+    if weight.dim() < 2 or "conv1d" in name or name.endswith(routers):
+        return weight
+    tiled = tiled_heads is not None and name.endswith("out_proj.weight")
+    if tiled:
+        weight = weight.view(weight.shape[0], *tiled_heads).transpose(1, 2).reshape(weight.shape)
+    rows = weight.reshape(-1, weight.shape[-1]).numpy()
+    out = torch.from_numpy(dequantize(quantize(rows, T.Q8_0), T.Q8_0).reshape(weight.shape))
+    if tiled:
+        groups, per_group, size = tiled_heads
+        out = out.view(out.shape[0], per_group, groups, size).transpose(1, 2).reshape(out.shape)
+    return out

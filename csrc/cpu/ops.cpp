@@ -53,7 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_delta_decode_", &gated_delta_decode_,
         "a Gated DeltaNet layer's one-token step, its slots' states updated in place");
   m.def("causal_conv_decode_", &causal_conv_decode_,
-        "a causal depthwise conv's one-input step with SiLU, its windows moved on in place");
+        "a causal depthwise conv's one-input step with SiLU, its windows moved on in place",
+        py::arg("x"), py::arg("conv"), py::arg("slots"), py::arg("weight"),
+        py::arg("bias") = py::none());
+  m.def("mamba2_decode_", &mamba2_decode_,
+        "a Mamba-2 layer's one-token step, its slots' states updated in place");
   m.def("gated_activation_rows", &gated_activation_rows,
         "act(gate) * up of [T, gate | up]; activation 0 = SiLU, 1 = GELU (tanh)");
 

@@ -54,4 +54,8 @@ at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const a
                                const std::optional<at::Tensor>& gate,
                                const std::optional<at::Tensor>& norm_weight, double eps);
 at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::Tensor& slots,
-                               const at::Tensor& weight);
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// ... and Mamba-2's one-token step (Granite 4.0-H, Nemotron-H).
+at::Tensor mamba2_decode_(const at::Tensor& x, const at::Tensor& B_in, const at::Tensor& C_in,
+                          const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                          at::Tensor& state, const at::Tensor& slots);

@@ -12,7 +12,8 @@
 //     out   = S^T q
 // and, given the gate z and the norm's weight w, the layer's gated RMSNorm of out:
 //     out   = w * out / rms(out) * silu(z)
-// Also the one-input step of the causal conv before it (causal_conv_decode_).
+// Also the one-input step of the causal conv before it (causal_conv_decode_), and Mamba-2's
+// one-token step (mamba2_decode_, executor/layers/mamba2_scan.py scan_step's arithmetic).
 
 #include "aten_lite.h"
 #include "ops.h"
@@ -34,10 +35,10 @@ void l2_normalized(const float* x, int64_t n, float scale, float* out) {
 }  // namespace
 
 // One new input per sequence through the depthwise causal conv: x [B, C] after each row's
-// window conv[slot] [C, K - 1] (oldest first), weight [C, K] -> silu(conv) [B, C]; each
-// window moves on by one, in place.
+// window conv[slot] [C, K - 1] (oldest first), weight [C, K], bias [C] or none ->
+// silu(conv + bias) [B, C]; each window moves on by one, in place.
 at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::Tensor& slots,
-                               const at::Tensor& weight) {
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) == x.size(1),
               "x must be [B, C] and weight [C, K]");
   const int64_t B = x.size(0), C = x.size(1), K = weight.size(1);
@@ -49,6 +50,11 @@ at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::
   for (const at::Tensor* t : {&x, &weight, &pool})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
                 "x, conv and weight must be contiguous fp32 on the CPU");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C && bias->is_contiguous() &&
+                    bias->scalar_type() == at::kFloat,
+                "bias must be contiguous fp32 [C]");
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < conv.size(0), "a slot outside the state pool");
@@ -63,7 +69,7 @@ at::Tensor causal_conv_decode_(const at::Tensor& x, at::Tensor& conv, const at::
       float* window = cp + (slot[b] * C + c) * (K - 1);
       const float* w = wp + c * K;
       const float input = xp[b * C + c];
-      float sum = 0.0f;
+      float sum = bp != nullptr ? bp[c] : 0.0f;
       for (int64_t i = 0; i < K - 1; ++i) sum += w[i] * window[i];
       sum += w[K - 1] * input;
       for (int64_t i = 0; i + 1 < K - 1; ++i) window[i] = window[i + 1];
@@ -165,6 +171,76 @@ at::Tensor gated_delta_decode_(const at::Tensor& q, const at::Tensor& k, const a
         const float* zh = zp + (b * heads + h) * value_dim;
         for (int64_t j = 0; j < value_dim; ++j)
           oh[j] = nw[j] * (oh[j] * inv) * (zh[j] / (1.0f + std::exp(-zh[j])));
+      }
+    }
+  });
+  return out;
+}
+
+// Mamba-2's one-token step for a step's decode rows. Per head h (reading B and C of its group,
+// heads / groups consecutive heads to a group), with S [state_size, head_dim] the slot's
+// state, dt > 0 the head's step and a = exp(dt * A) its decay:
+//     S   = a * S + B (dt x)^T              (in place)
+//     out = S^T C + D * x
+at::Tensor mamba2_decode_(const at::Tensor& x, const at::Tensor& B_in, const at::Tensor& C_in,
+                          const at::Tensor& dt, const at::Tensor& A, const at::Tensor& D,
+                          at::Tensor& state, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && B_in.dim() == 3 && C_in.sizes() == B_in.sizes() &&
+                  B_in.size(0) == x.size(0),
+              "x must be [B, heads, head_dim] and B, C [B, groups, state_size]");
+  const int64_t rows = x.size(0), heads = x.size(1), head_dim = x.size(2);
+  const int64_t groups = B_in.size(1), state_size = B_in.size(2);
+  TORCH_CHECK(heads % groups == 0, "heads must be a multiple of groups");
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == heads && state.size(2) == state_size &&
+                  state.size(3) == head_dim && state.is_contiguous(),
+              "state must be contiguous [slots, heads, state_size, head_dim]");
+  TORCH_CHECK(dt.dim() == 2 && dt.size(0) == rows && dt.size(1) == heads,
+              "dt must be [B, heads]");
+  TORCH_CHECK(A.dim() == 1 && A.size(0) == heads && D.sizes() == A.sizes(),
+              "A and D must be [heads]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == rows && slots.scalar_type() == at::kLong,
+              "slots must be int64 [B]");
+  const at::Tensor& pool = state;
+  for (const at::Tensor* t : {&x, &B_in, &C_in, &dt, &A, &D, &pool})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "the step's tensors must be contiguous fp32 on the CPU");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < state.size(0), "a slot outside the state pool");
+
+  auto out = x.new_empty({rows, heads, head_dim});
+  const float* xp = x.data_ptr<float>();
+  const float* bp = B_in.data_ptr<float>();
+  const float* cp = C_in.data_ptr<float>();
+  const float* dtp = dt.data_ptr<float>();
+  const float* ap = A.data_ptr<float>();
+  const float* dp = D.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_group = heads / groups;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scaled(head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / heads, h = task % heads, grp = h / per_group;
+      const float step = dtp[b * heads + h];
+      const float decay = std::exp(step * ap[h]);
+      const float* xh = xp + (b * heads + h) * head_dim;
+      const float* Bg = bp + (b * groups + grp) * state_size;
+      const float* Cg = cp + (b * groups + grp) * state_size;
+      float* S = sp + (slot[b] * heads + h) * state_size * head_dim;
+      float* oh = op + (b * heads + h) * head_dim;
+      for (int64_t j = 0; j < head_dim; ++j) {
+        scaled[j] = step * xh[j];
+        oh[j] = dp[h] * xh[j];
+      }
+      for (int64_t i = 0; i < state_size; ++i) {
+        const float bi = Bg[i], ci = Cg[i];
+        float* row = S + i * head_dim;
+        for (int64_t j = 0; j < head_dim; ++j) {
+          const float updated = decay * row[j] + bi * scaled[j];
+          row[j] = updated;
+          oh[j] += ci * updated;
+        }
       }
     }
   });

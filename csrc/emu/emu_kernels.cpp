@@ -15,6 +15,7 @@
 #include "../moe_experts.cu"
 #include "../paged_attention.cu"
 #include "../paged_prefill.cu"
+#include "../state_layers.cu"
 
 namespace {
 
@@ -162,6 +163,32 @@ void run_block_dequant(void* p) {
   DECODE_GROUPS(D, 64), DECODE_GROUPS(D, 80), DECODE_GROUPS(D, 128), DECODE_GROUPS(D, 256), \
       {"zllm_paged_decode_reduce<" #D ">", &run_reduce<D>}
 
+void run_conv_decode(void* p) {
+  Args a = static_cast<Args>(p);
+  zllm_causal_conv_decode(arg<float*>(a, 0), arg<const float*>(a, 1), arg<float*>(a, 2),
+                          arg<const zllm_i64*>(a, 3), arg<const float*>(a, 4),
+                          arg<const float*>(a, 5), arg<zllm_i64>(a, 6), arg<int>(a, 7),
+                          arg<int>(a, 8));
+}
+
+void run_gated_delta_decode(void* p) {
+  Args a = static_cast<Args>(p);
+  zllm_gated_delta_decode(arg<float*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
+                          arg<const float*>(a, 3), arg<const float*>(a, 4),
+                          arg<const float*>(a, 5), arg<float*>(a, 6), arg<const zllm_i64*>(a, 7),
+                          arg<zllm_i64>(a, 8), arg<int>(a, 9), arg<int>(a, 10), arg<int>(a, 11),
+                          arg<int>(a, 12), arg<int>(a, 13));
+}
+
+void run_mamba2_decode(void* p) {
+  Args a = static_cast<Args>(p);
+  zllm_mamba2_decode(arg<float*>(a, 0), arg<const float*>(a, 1), arg<const float*>(a, 2),
+                     arg<const float*>(a, 3), arg<const float*>(a, 4), arg<const float*>(a, 5),
+                     arg<const float*>(a, 6), arg<float*>(a, 7), arg<const zllm_i64*>(a, 8),
+                     arg<zllm_i64>(a, 9), arg<int>(a, 10), arg<int>(a, 11), arg<int>(a, 12),
+                     arg<int>(a, 13));
+}
+
 #define PREFILL(D, HD) {"zllm_paged_prefill<" #D ", " #HD ">", &run_prefill<D, HD>}
 #define PREFILL_DTYPE(D) PREFILL(D, 64), PREFILL(D, 80), PREFILL(D, 128), PREFILL(D, 256)
 
@@ -185,6 +212,9 @@ const std::map<std::string, Runner>& registry() {
       BLOCKS(DtypeF32),
       BLOCKS(DtypeF16),
       BLOCKS(DtypeBF16),
+      {"zllm_causal_conv_decode", &run_conv_decode},
+      {"zllm_gated_delta_decode", &run_gated_delta_decode},
+      {"zllm_mamba2_decode", &run_mamba2_decode},
   };
   return kernels;
 }

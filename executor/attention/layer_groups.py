@@ -36,9 +36,10 @@ def layer_attention(
 ) -> list[LayerAttention]:
     """Per layer of `layers`, which block tables and window its attention uses."""
     group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    # (an MLP-only layer takes the state layers' metadata too, and reads none of it)
     return [
         STATE_LAYER
-        if arch.is_state_layer(i)
+        if arch.is_state_layer(i) or arch.is_mlp_only(i)
         else LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
         for i in layers
     ]

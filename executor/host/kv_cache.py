@@ -88,7 +88,7 @@ class KVCache:
         self.num_blocks = parallel.min_across(config.cache.num_blocks or self.profile_num_blocks())
         config.cache.num_blocks = self.num_blocks
         self.tensors: list[torch.Tensor] = []
-        self.caches: list[torch.Tensor | LayerState] = []
+        self.caches: list[torch.Tensor | LayerState | None] = []
         self.pool = KVPool([])
         self.restore()
         # Before the tiers: a draft model's KV is part of every block they hold.
@@ -229,9 +229,11 @@ class KVCache:
         num_tensors = len(set(layout.kv_slot_of.values()))
         return 2 * num_tensors * layout.arch.num_kv_heads * row + draft
 
-    def _state_of(self, layer: int) -> LayerState:
+    def _state_of(self, layer: int) -> LayerState | None:
+        """A state layer's slots; None for a layer with neither K and V nor a state (an
+        MLP-only layer)."""
         assert self.state is not None, f"layer {layer} has no KV cache group and no state"
-        return self.state.layers[layer]
+        return self.state.layers.get(layer)
 
     def _state_bytes(self) -> int:
         """The recurrent-state slots' bytes, taken from the cache's budget (0: none)."""

@@ -5,9 +5,12 @@
         recurrent_step's arithmetic) and its gated RMSNorm, each row's slot of `state`
         updated in place: one pass to read it and one to write it, where torch's ops gather
         the slots, make five passes and scatter them back
-    causal_conv_decode_(x, conv, slots, weight)
-        the decode rows' step of the layer's causal conv (SiLU after), each window moved on
-        in place
+    causal_conv_decode_(x, conv, slots, weight, bias)
+        the decode rows' step of a state layer's causal conv (SiLU after), each window moved
+        on in place
+    mamba2_decode_(x, B, C, dt, A, D, state, slots)
+        the decode rows' one-token step of a Mamba-2 layer (mamba2_scan.py scan_step's
+        arithmetic), each row's slot of `state` updated in place
 
 `usable(x)` as cpu_layer_ops': an fp32 CPU tensor with the CPU kernels on and built; the
 layer runs torch otherwise (the reference, and every other device and dtype).
@@ -52,8 +55,36 @@ def gated_delta_decode_(
 
 
 def causal_conv_decode_(
-    x: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    conv: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """silu(conv) [B, C] of one new row per sequence, x [B, C], after its window conv[slot]
-    [C, K - 1]; weight [C, K]; each window moved on by one in place."""
-    return cpu_kernels.load().causal_conv_decode_(x.contiguous(), conv, slots, weight.contiguous())
+    """silu(conv + bias) [B, C] of one new row per sequence, x [B, C], after its window
+    conv[slot] [C, K - 1]; weight [C, K], bias [C] or None; each window moved on by one in
+    place."""
+    if bias is not None:
+        bias = bias.float().contiguous()
+    return cpu_kernels.load().causal_conv_decode_(
+        x.contiguous(), conv, slots, weight.contiguous(), bias
+    )
+
+
+def mamba2_decode_(
+    x: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """out [rows, heads, head_dim] of x [rows, heads, head_dim], B and C [rows, groups,
+    state_size], dt [rows, heads] (after softplus), A and D [heads]; state [slots, heads,
+    state_size, head_dim] (rows `slots` updated in place)."""
+    return cpu_kernels.load().mamba2_decode_(
+        x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous(),
+        A.float().contiguous(), D.float().contiguous(), state, slots,
+    )  # fmt: skip

@@ -11,7 +11,8 @@ A sequence is fresh when its first new token is position 0: a new prompt, or one
 after a preemption, whatever the slot held before (so slots are never cleared); one admitted
 on a prefix hit starts from the snapshot copied into its slot before the step. A save
 (the prefix cache's) splits a sequence's rows at its position: the state there goes to the
-snapshot. The layers' arithmetic is executor/layers/gated_delta_net.py's.
+snapshot. The layers' arithmetic is executor/layers/gated_delta_net.py's and mamba2.py's;
+the helpers below are what both do with a step's sequences.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from zllm.executor.host_to_device import to_device
+from zllm.executor.kv.state_pool import LayerState
 
 
 @dataclass(slots=True)
@@ -89,3 +91,28 @@ def saves_by_sequence(
         assert 0 < offset <= query_lens[i], (req_id, position, seq_lens[i], query_lens[i])
         saves[i] = (offset, snapshot)
     return saves
+
+
+def start_fresh(cache: LayerState, step: StateStep) -> None:
+    """Zero the slots of the sequences that start at position 0."""
+    if step.fresh_slots.numel():
+        cache.conv.index_fill_(0, step.fresh_slots, 0.0)
+        cache.recurrent.index_fill_(0, step.fresh_slots, 0.0)
+
+
+def pieces(start: int, end: int, save: tuple[int, int] | None) -> list[tuple[int, int, int | None]]:
+    """A prompt chunk's rows [start, end) as (start, end, snapshot to save after them): cut
+    where a save falls inside it (one at its end is copied from the slot afterwards)."""
+    if save is None or start + save[0] >= end:
+        return [(start, end, None)]
+    cut = start + save[0]
+    return [(start, cut, save[1]), (cut, end, None)]
+
+
+def save_at_ends(cache: LayerState, step: StateStep) -> None:
+    """Saves that fall on a sequence's last new row: its slot's state as the step left it."""
+    bounds = step.query_start
+    for i, (offset, snapshot) in step.saves.items():
+        if bounds[i] + offset == bounds[i + 1]:
+            cache.snap_conv[snapshot] = cache.conv[step.slots[i]]
+            cache.snap_recurrent[snapshot] = cache.recurrent[step.slots[i]]

@@ -1,5 +1,6 @@
-"""Activations by their Hugging Face names, and the gated form every MLP of ours takes:
-act(gate) * up over a fused [gate | up] projection (SwiGLU for "silu", GeGLU for the GELUs).
+"""Activations by their Hugging Face names, and the gated form most MLPs of ours take:
+act(gate) * up over a fused [gate | up] projection (SwiGLU for "silu", GeGLU for the GELUs);
+Nemotron-H's MLPs apply "relu2" (relu(x)^2) to an ungated up projection.
 
 `gated` runs a device's fused op where one serves the rows (csrc/cpu/row_ops.h on CPU, the
 fused decode step's own; csrc/layer_ops.cu's SiLU-and-mul on a GPU, torch's bits), else
@@ -19,6 +20,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
+    "relu2": lambda x: F.relu(x).square(),
 }
 
 

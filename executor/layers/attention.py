@@ -41,11 +41,14 @@ class SelfAttention(nn.Module):
         output_bias: bool = False,
         sinks: bool = False,
         output_gate: bool = False,
+        scale: float | None = None,
     ) -> None:
         """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only; its
         attention_bias puts biases on q/k/v, its qk_norm per-head norms. gpt-oss's:
         `output_bias` on o_proj too, `sinks` a sink logit per query head. `output_gate`: a
-        sigmoid gate per query value before o_proj (Qwen3-Next's)."""
+        sigmoid gate per query value before o_proj (Qwen3-Next's). `scale`: the attention scale
+        (None: head_dim ** -0.5; Granite's attention_multiplier). The model passes cos and sin
+        None for layers without a position embedding (Granite 4.0-H's)."""
         super().__init__()
         self.tp = tp
         self.num_heads = arch.num_heads
@@ -67,13 +70,13 @@ class SelfAttention(nn.Module):
         self.sinks = (
             nn.Parameter(torch.zeros(arch.num_heads, dtype=torch.float32)) if sinks else None
         )
-        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim, scale)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: StepAttentionMetadata,
     ) -> torch.Tensor:
@@ -91,9 +94,11 @@ class SelfAttention(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         v = qkv[:, q_end + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
-        if not written:
-            qk = rope(qk, cos, sin)
+        written = False
+        if cos is not None:
+            written = rope_into_cache(qk, v, cos, sin, kv_cache, meta)  # one kernel on a GPU
+            if not written:
+                qk = rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if self.sinks is None:  # (what a piecewise graph's attention site takes, too)
             out = self.attn(q, k, v, kv_cache, meta, kv_written=written)

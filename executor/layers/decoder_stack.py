@@ -4,7 +4,7 @@ final norm, and float32 logits gathered across tensor-parallel ranks. Llama's fa
 gpt-oss and DeepSeek-V2 share it; their own modules say what a layer is.
 
 A model using it holds `layers` (each called as layer(x, residual, cos, sin, kv_cache,
-metadata) -> (x, residual)), `rotary` (cos/sin by position), `norm` (a residual-adding
+metadata) -> (x, residual)), `rotary` (cos/sin by position; None: no position embedding, the layers get None), `norm` (a residual-adding
 RMSNorm), `embed_tokens` and `lm_head` (None: tied), `embed_rows` and `logits_proj` (the
 block- or row-reading modules quantization puts in place, else None), `arch` and `tp`.
 """
@@ -55,7 +55,7 @@ class DecoderStack:
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
         x, residual = stream, None
-        cos, sin = self.rotary.lookup(positions)
+        cos, sin = (None, None) if self.rotary is None else self.rotary.lookup(positions)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return x, residual

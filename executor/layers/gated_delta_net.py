@@ -9,8 +9,9 @@ a recurrent state in its slot of the state pool (executor/kv/state_pool.py):
                                             chunk at a time for prompts (per sequence)
     out = out_proj(rms_norm(o) * w * silu(z))
 
-The arithmetic is executor/layers/gated_delta_rule.py's, in fp32; on CPU the decode rows'
-step runs csrc/cpu/state_layers.cpp's kernel, which updates each slot's state in place.
+The arithmetic is executor/layers/gated_delta_rule.py's, in fp32; the decode rows' step runs
+csrc/cpu/state_layers.cpp's kernel on CPU and csrc/state_layers.cu's on a GPU
+(executor/kernels/state_ops.py), which update each slot's state in place.
 """
 
 from __future__ import annotations
@@ -19,16 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zllm.executor.kernels import cpu_state_ops
+from zllm.executor.kernels import state_ops
 from zllm.executor.kv.state_pool import LayerState
-from zllm.executor.kv.state_step import StateStep
-from zllm.executor.layers.gated_delta_rule import (
-    chunked_prefill,
-    conv_decode,
-    conv_prefill,
-    gated_rms_norm,
-    recurrent_step,
-)
+from zllm.executor.kv.state_step import StateStep, pieces, save_at_ends, start_fresh
+from zllm.executor.layers.causal_conv import step_conv
+from zllm.executor.layers.gated_delta_rule import chunked_prefill, gated_rms_norm, recurrent_step
 from zllm.executor.layers.linear.dense import empty_linear
 from zllm.model.arch_config import ModelArchConfig
 
@@ -80,10 +76,8 @@ class GatedDeltaNet(nn.Module):
             b, a = ba[:, :, 0].reshape(num_tokens, -1), ba[:, :, 1].reshape(num_tokens, -1)
         else:
             b, a = ba.split(s.num_heads, dim=-1)
-        if step.fresh_slots.numel():  # sequences starting at position 0 start from zeros
-            cache.conv.index_fill_(0, step.fresh_slots, 0.0)
-            cache.recurrent.index_fill_(0, step.fresh_slots, 0.0)
-        kernels = cpu_state_ops.usable(x)  # csrc/cpu/state_layers.cpp: in place, fused
+        start_fresh(cache, step)  # sequences starting at position 0 start from zeros
+        ops = state_ops.decode_ops(x)  # the decode rows' kernels (CPU, GPU): in place
         # A step of decodes only takes every row in order: no gathers or scatters.
         whole = not step.prefill_seqs
         rows, slots = step.decode_rows, step.decode_slots
@@ -91,20 +85,21 @@ class GatedDeltaNet(nn.Module):
         gate = z.reshape(num_tokens, s.num_heads, s.value_head_dim)
         beta = b.float().sigmoid()
         g = self.A.float() * F.softplus(a.float() + self.dt_bias.float())
-        conv_out = self._conv(mixed, cache, step, kernels, whole)
+        conv_weight = self.conv_weight.squeeze(1).float()
+        conv_out = step_conv(mixed, cache, step, conv_weight, None, ops)
         q, k, v = conv_out.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.view(num_tokens, s.num_key_heads, s.key_head_dim)
         k = k.view(num_tokens, s.num_key_heads, s.key_head_dim)
         v = v.view(num_tokens, s.num_heads, s.value_head_dim)
         tiled = s.tiled_value_heads
-        if whole and kernels:  # the rule and the gated norm in one pass per head
-            normed = cpu_state_ops.gated_delta_decode_(
+        if whole and ops is not None:  # the rule and the gated norm in one pass per head
+            normed = ops.gated_delta_decode_(
                 q, k, v, g, beta, cache.recurrent, slots, tiled, gate, self.norm_weight, self.eps
             )
-            self._save_at_ends(cache, step)
+            save_at_ends(cache, step)
             return self.out_proj(normed.reshape(num_tokens, s.value_dim).to(x.dtype))
         core = torch.empty(num_tokens, s.num_heads, s.value_head_dim, device=x.device)
-        if step.decode_seqs and not kernels:
+        if step.decode_seqs and ops is None:
             out, states = recurrent_step(
                 q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent[slots], tiled
             )
@@ -113,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         bounds = step.query_start
         for i in step.prefill_seqs:
             state = cache.recurrent[step.slots[i]]
-            for start, end, snapshot in _pieces(bounds[i], bounds[i + 1], step.saves.get(i)):
+            for start, end, snapshot in pieces(bounds[i], bounds[i + 1], step.saves.get(i)):
                 span = slice(start, end)
                 core[span], state = chunked_prefill(
                     q[span], k[span], v[span], g[span], beta[span], state, tiled
@@ -121,64 +116,16 @@ class GatedDeltaNet(nn.Module):
                 if snapshot is not None:
                     cache.snap_recurrent[snapshot] = state
             cache.recurrent[step.slots[i]] = state
-        if step.decode_seqs and kernels:  # (its rows of core are left unset: normed in C++)
-            decoded = cpu_state_ops.gated_delta_decode_(
+        if step.decode_seqs and ops is not None:  # (its rows of core are left unset: normed there)
+            decoded = ops.gated_delta_decode_(
                 q[rows], k[rows], v[rows], g[rows], beta[rows], cache.recurrent, slots, tiled,
                 gate[rows], self.norm_weight, self.eps,
             )  # fmt: skip
-        self._save_at_ends(cache, step)
+        save_at_ends(cache, step)
         normed = gated_rms_norm(core, gate, self.norm_weight, self.eps)
-        if step.decode_seqs and kernels:
+        if step.decode_seqs and ops is not None:
             normed[rows] = decoded
         return self.out_proj(normed.reshape(num_tokens, s.value_dim).to(x.dtype))
-
-    def _conv(
-        self, mixed: torch.Tensor, cache: LayerState, step: StateStep, kernels: bool, whole: bool
-    ) -> torch.Tensor:
-        """SiLU(causal conv) of the step's q|k|v rows [T, conv_dim], each sequence after its
-        window, the windows moved on (and a save's taken where it falls)."""
-        weight = self.conv_weight.squeeze(1).float()
-        rows, slots = step.decode_rows, step.decode_slots
-        if whole and kernels:
-            return cpu_state_ops.causal_conv_decode_(mixed, cache.conv, slots, weight)
-        conv_out = torch.empty_like(mixed)
-        if step.decode_seqs and kernels:
-            conv_out[rows] = cpu_state_ops.causal_conv_decode_(
-                mixed[rows], cache.conv, slots, weight
-            )
-        elif step.decode_seqs:
-            out, windows = conv_decode(mixed[rows], cache.conv[slots], weight)
-            conv_out[rows] = out
-            cache.conv[slots] = windows
-        bounds = step.query_start
-        for i in step.prefill_seqs:
-            window = cache.conv[step.slots[i]]
-            for start, end, snapshot in _pieces(bounds[i], bounds[i + 1], step.saves.get(i)):
-                conv_out[start:end], window = conv_prefill(mixed[start:end], window, weight)
-                if snapshot is not None:
-                    cache.snap_conv[snapshot] = window
-            cache.conv[step.slots[i]] = window
-        return conv_out
-
-    @staticmethod
-    def _save_at_ends(cache: LayerState, step: StateStep) -> None:
-        """Saves that fall on a sequence's last new row: its slot's state as the step left it."""
-        bounds = step.query_start
-        for i, (offset, snapshot) in step.saves.items():
-            if bounds[i] + offset == bounds[i + 1]:
-                cache.snap_conv[snapshot] = cache.conv[step.slots[i]]
-                cache.snap_recurrent[snapshot] = cache.recurrent[step.slots[i]]
-
-
-def _pieces(
-    start: int, end: int, save: tuple[int, int] | None
-) -> list[tuple[int, int, int | None]]:
-    """A prompt chunk's rows [start, end) as (start, end, snapshot to save after them): cut
-    where a save falls inside it (one at its end is copied from the slot afterwards)."""
-    if save is None or start + save[0] >= end:
-        return [(start, end, None)]
-    cut = start + save[0]
-    return [(start, cut, save[1]), (cut, end, None)]
 
 
 def in_proj_names(prefix: str, grouped_beta_alpha: bool) -> list[str]:

@@ -1,5 +1,5 @@
 """The arithmetic of a Gated DeltaNet layer's state (Qwen3-Next, Qwen3.5), in torch, fp32:
-the causal conv1d with its rolling window, and the gated delta rule, one token at a time for
+the gated delta rule (the causal conv before it is causal_conv.py's), one token at a time for
 decodes and a chunk at a time for prompts. transformers' torch implementations are the
 reference (tests/executor/layers/test_gated_delta_rule.py compares them).
 
@@ -29,27 +29,6 @@ CHUNK = 64
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the FLA library's and transformers')."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def conv_prefill(
-    x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's new rows x [L, C] through the depthwise causal conv (weight [C, K])
-    after its window [C, K - 1] (the inputs before them; zeros for a fresh sequence), then
-    SiLU. Returns (out [L, C], the window after them [C, K - 1])."""
-    channels, kernel = weight.shape
-    inputs = torch.cat((window, x.t()), dim=1)  # [C, K - 1 + L]
-    out = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=channels)[0]
-    return F.silu(out).t(), inputs[:, inputs.shape[1] - (kernel - 1) :]
-
-
-def conv_decode(
-    x: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new row per sequence, x [B, C], after windows [B, C, K - 1]: (out [B, C], the
-    windows moved on by one [B, C, K - 1])."""
-    inputs = torch.cat((windows, x.unsqueeze(2)), dim=2)  # [B, C, K]
-    return F.silu((inputs * weight).sum(-1)), inputs[:, :, 1:]
 
 
 def _prepare(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zllm.executor.layers.activations import gated
+from zllm.executor.layers.activations import ACTIVATIONS, gated
 from zllm.executor.layers.linear.dense import empty_linear
 from zllm.executor.parallel.groups import SINGLE, TensorParallel
 from zllm.model.arch_config import ModelArchConfig
@@ -38,3 +38,17 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = gated(self.gate_up_proj(x), self.activation)
         return self.tp.all_reduce(self.down_proj(fused))
+
+
+class UngatedMLP(nn.Module):
+    """down(act(up(x))) without a gate (Nemotron-H's MLPs, "relu2"); one rank."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, activation: str) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.activation = ACTIVATIONS[activation]
+        self.up_proj = empty_linear(arch.hidden_size, arch.intermediate_size, dtype)
+        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.up_proj(x)))

@@ -39,7 +39,7 @@ def expert_matmul_targets(model: nn.Module) -> Iterator[tuple[ExpertMatrices, li
     """Each sparse layer's two expert projections with the namings that may hold them: a GGUF
     file's stacked tensors, then each expert's own (a checkpoint's; Mixtral's names)."""
     for i, layer in zip(model.layer_indices, model.layers, strict=True):
-        mlp = layer.mlp
+        mlp = getattr(layer, "mlp", None)  # (Nemotron-H's layers have one mixer, no mlp)
         if not isinstance(mlp, MoEBlock):
             continue
         yield mlp.experts_gate_up, _namings(i, mlp.num_experts, ("gate_proj", "up_proj"))

@@ -75,9 +75,17 @@ class StateConfig:
       heads         num_key_heads (linear_num_key_heads) query/key heads of key_head_dim
                     (linear_key_head_dim); num_heads (linear_num_value_heads) value heads of
                     value_head_dim (linear_value_head_dim); conv_kernel (linear_conv_kernel_dim)
+
+    Mamba-2 (Granite 4.0-H, Nemotron-H), a gated linear attention with query C, key B and
+    value dt x (executor/layers/mamba2_scan.py):
+      conv window   over x|B|C (conv_dim = value_dim + 2 x groups x state size, the same sum)
+      recurrent     num_heads matrices of state size x head_dim, fp32
+      heads         num_heads (mamba_n_heads) heads of value_head_dim (mamba_d_head); B and C
+                    in num_key_heads groups (mamba_n_groups) of key_head_dim (the state size,
+                    mamba_d_state); conv_kernel (mamba_d_conv)
     """
 
-    kind: str  # "gated_delta_net"
+    kind: str  # "gated_delta_net" | "mamba2"
     conv_kernel: int
     num_heads: int
     num_key_heads: int
@@ -91,6 +99,13 @@ class StateConfig:
     # in_proj_a), or interleaved per key head, [b_0 a_0 b_1 a_1 ...] (Qwen3-Next's in_proj_ba,
     # and llama.cpp's ssm_ba), which the layer reads as stored.
     grouped_beta_alpha: bool = False
+    # Mamba-2: the conv has a bias (mamba_conv_bias), in_proj and out_proj have biases
+    # (mamba_proj_bias, use_bias); the gated norm's RMS is taken over norm_groups equal slices
+    # of the heads' outputs (the B/C groups), with norm_eps (None: the model's rms_norm_eps).
+    conv_bias: bool = False
+    proj_bias: bool = False
+    norm_groups: int = 1
+    norm_eps: float | None = None
 
     @property
     def key_dim(self) -> int:
@@ -198,10 +213,18 @@ class ModelArchConfig:
     def state_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if self.is_state_layer(i))
 
+    def is_mlp_only(self, layer: int) -> bool:
+        """Whether this layer is an MLP alone (layer_types "mlp", Nemotron-H's): neither K and
+        V nor a state."""
+        return self.layer_types is not None and self.layer_types[layer] == "mlp"
+
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers with K and V in the paged cache (every layer but a hybrid's state ones)."""
-        return tuple(i for i in range(self.num_layers) if not self.is_state_layer(i))
+        """The layers with K and V in the paged cache (every layer but a hybrid's state ones
+        and MLP-only ones)."""
+        return tuple(
+            i for i in range(self.num_layers) if not (self.is_state_layer(i) or self.is_mlp_only(i))
+        )
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -27,6 +27,13 @@ def need(gguf: GGUFFile, key: str, kind: type = float) -> Any:
     return kind(value)
 
 
+def kv_heads(md: dict[str, Any], arch: str, heads: int) -> int:
+    """{arch}.attention.head_count_kv: one number, or one per layer (a hybrid's files: 0 for
+    a layer without attention), the attention layers' then."""
+    value = md.get(f"{arch}.attention.head_count_kv", heads)
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
 def eos_token_ids(md: dict[str, Any]) -> list[int]:
     """End of sequence, end of turn (chat models), end of message (Llama 3.1 tool calls)."""
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
@@ -162,7 +169,7 @@ def decoder_arch(
         else need(gguf, f"{arch}.feed_forward_length", int),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=kv_heads(md, arch, heads),
         head_dim=head_dim,
         rms_norm_eps=need(gguf, f"{arch}.attention.layer_norm_rms_epsilon", float),
         rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),

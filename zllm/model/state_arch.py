@@ -1,7 +1,8 @@
 """A hybrid model's state layers read from config.json or a GGUF file (`StateConfig`), their
 GGUF tensor names, and what the engine's features cannot do with a recurrent state yet
 (`HYBRID_LACKS`), for the families with Gated DeltaNet layers
-(zllm/model/families/qwen3_next.py, qwen3_5.py). No torch here.
+(zllm/model/families/qwen3_next.py, qwen3_5.py) and with Mamba-2 layers (granite_hybrid.py,
+nemotron_h.py). No torch here.
 
     config.json (transformers)                        StateConfig
     linear_conv_kernel_dim                            conv_kernel
@@ -47,6 +48,50 @@ def gated_delta_net_from_hf(cfg: dict[str, Any], where: Path) -> StateConfig:
         )
     if state.conv_kernel < 2:
         raise ValueError(f"{where}: linear_conv_kernel_dim {state.conv_kernel} is below 2")
+    return state
+
+
+def mamba2_from_hf(
+    cfg: dict[str, Any], where: Path, hidden_size: int, keys: dict[str, str]
+) -> StateConfig:
+    """A Mamba-2 layer's shape from config.json; `keys`: the family's names of heads,
+    head_dim, groups, state size, conv kernel, expand, conv bias and projection bias
+    (Granite's mamba_n_heads, Nemotron-H's mamba_num_heads, ...)."""
+
+    def read(field: str, default: Any = None) -> Any:
+        value = cfg.get(keys[field], default)
+        if value is None:
+            raise ValueError(f"{where} is missing {keys[field]!r} (a Mamba-2 layer's size)")
+        return value
+
+    heads = int(read("heads"))
+    head_dim = read("head_dim", "auto")
+    if head_dim == "auto":  # (Granite's default: the expanded width over the heads)
+        head_dim = int(read("expand", 2)) * hidden_size // heads
+    limit = cfg.get("time_step_limit")
+    if limit is not None:
+        low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in limit)
+        if low > 0.0 or high != float("inf"):
+            raise ValueError(
+                f"{where}: time_step_limit {list(limit)} (zllm's Mamba-2 layers run with "
+                "(0, inf), the released models' default)"
+            )
+    groups = int(read("groups", 1))
+    state = StateConfig(
+        kind="mamba2",
+        conv_kernel=int(read("conv_kernel", 4)),
+        num_heads=heads,
+        num_key_heads=groups,
+        key_head_dim=int(read("state_size")),
+        value_head_dim=int(head_dim),
+        conv_bias=bool(read("conv_bias", True)),
+        proj_bias=bool(read("proj_bias", False)),
+        norm_groups=groups,
+    )
+    if heads % groups:
+        raise ValueError(f"{where}: {heads} Mamba-2 heads in {groups} groups")
+    if state.conv_kernel < 2:
+        raise ValueError(f"{where}: a Mamba-2 conv kernel of {state.conv_kernel}")
     return state
 
 

@@ -59,6 +59,8 @@ def test_nvcc_compiles_to_ptx(source, tmp_path):
         assert entries == 3  # zllm_moe_gemv in f32, f16, bf16
     elif source == "block_gemv.cu":
         assert entries == 3 * 4 * 2  # 3 dtypes x 4 block types x (gemv, dequant)
+    elif source == "state_layers.cu":
+        assert entries == 3  # conv, gated delta and Mamba-2 decode steps, fp32
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
@@ -142,6 +144,7 @@ def libnvrtc():
 def test_nvrtc_compiles_runtime_sources(libnvrtc):
     options = (*ck.NVRTC_OPTIONS, "-arch=compute_90")
     nvrtc_compile(libnvrtc, ck.kernel_source("kv_cache.cu"), options, [])
+    nvrtc_compile(libnvrtc, ck.kernel_source("state_layers.cu"), options, [])
     names = [
         f"zllm_paged_decode<{tag}, {hd}, {group}>"
         for tag in ("DtypeF32", "DtypeF16", "DtypeBF16")

@@ -10,12 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from zllm.executor.layers.gated_delta_rule import (
-    chunked_prefill,
-    conv_decode,
-    conv_prefill,
-    recurrent_step,
-)
+from zllm.executor.layers.causal_conv import conv_decode, conv_prefill
+from zllm.executor.layers.gated_delta_rule import chunked_prefill, recurrent_step
 
 KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM, CHANNELS, KERNEL = 2, 4, 16, 8, 24, 4
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from family_cases import CASES
-from llama_cpp_convert import SPM_VOCAB_SIZE, convert_many
+from llama_cpp_convert import SPM_VOCAB_SIZE, convert_many, rounded_as_stored
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, BeamSearchParams, SamplingParams
@@ -286,28 +286,6 @@ def wait_until(done, timeout: float = 20.0) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # A quantized GGUF file: its matmuls read the file's blocks
-
-
-def rounded_as_stored(name: str, weight: torch.Tensor, tiled_heads: tuple[int, int, int] | None):
-    """What llama.cpp's converter stores of a checkpoint tensor at Q8_0, read back as fp32:
-    matrices in Q8_0 blocks along their rows; the routers, the conv and vectors kept F32. A
-    Qwen3.5 file's out_proj has its columns in llama.cpp's tiled value-head order
-    (`tiled_heads`: key heads, value heads per key head, value head size), so it is rounded
-    in that order."""
-    from gguf import GGMLQuantizationType as T
-    from gguf import dequantize, quantize
-
-    if weight.dim() < 2 or "conv1d" in name or name.endswith(("mlp.gate.weight", "_gate.weight")):
-        return weight
-    tiled = tiled_heads is not None and name.endswith("out_proj.weight")
-    if tiled:
-        weight = weight.view(weight.shape[0], *tiled_heads).transpose(1, 2).reshape(weight.shape)
-    rows = weight.reshape(-1, weight.shape[-1]).numpy()
-    out = torch.from_numpy(dequantize(quantize(rows, T.Q8_0), T.Q8_0).reshape(weight.shape))
-    if tiled:
-        groups, per_group, size = tiled_heads
-        out = out.view(out.shape[0], per_group, groups, size).transpose(1, 2).reshape(out.shape)
-    return out
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
