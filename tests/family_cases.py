@@ -188,10 +188,17 @@ GRANITE_HYBRID = dict(
     logits_scaling=2.0,
 )
 
-# Nemotron-H: every kind of layer (Mamba-2, attention, MLP alone), Mamba-2 layers of 8 heads
-# of 16 in 2 groups.
+# Nemotron-H: every kind of layer (Mamba-2, attention, MLP alone, Nemotron 3's experts alone),
+# Mamba-2 layers of 8 heads of 16 in 2 groups; 8 experts in 2 groups, the best group's 2 best.
 NEMOTRON_H = dict(
-    hybrid_override_pattern="M*-M-M",
+    hybrid_override_pattern="M*-MEM",
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=64,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
     mamba_num_heads=8,
     mamba_head_dim=16,
     n_groups=2,
@@ -279,16 +286,19 @@ def hybrid(arch: str, **shape) -> Callable[[Path], Path]:
 
 def with_mamba2_parameters(path: Path, seed: int = 0) -> Path:
     """A saved Mamba-2 hybrid's A_log, D and dt_bias drawn (transformers initialises them to
-    log(1..heads), ones and ones, the same in every layer)."""
+    log(1..heads), ones and ones, the same in every layer), and Nemotron 3's experts' score
+    corrections (zeros)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("A_log", ".D", "dt_bias")):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     model.save_pretrained(path)
     return path
 

@@ -43,12 +43,20 @@ class GatedMLP(nn.Module):
 class UngatedMLP(nn.Module):
     """down(act(up(x))) without a gate (Nemotron-H's MLPs, "relu2"); one rank."""
 
-    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype, activation: str) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        activation: str,
+        intermediate_size: int | None = None,
+    ) -> None:
+        """`intermediate_size`: other than arch's (a shared expert's)."""
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
+        inter = arch.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate_size = inter
         self.activation = ACTIVATIONS[activation]
-        self.up_proj = empty_linear(arch.hidden_size, arch.intermediate_size, dtype)
-        self.down_proj = empty_linear(arch.intermediate_size, arch.hidden_size, dtype)
+        self.up_proj = empty_linear(arch.hidden_size, inter, dtype)
+        self.down_proj = empty_linear(inter, arch.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activation(self.up_proj(x)))

@@ -1,6 +1,8 @@
 """Nemotron-H: a hybrid decoder whose every layer is one mixer after one RMS norm, the mixer a
-Mamba-2 state layer (executor/layers/mamba2.py), attention without a position embedding, or an
-MLP alone (down(relu2(up(x))), no gate); zllm/model/families/nemotron_h.py reads the pattern.
+Mamba-2 state layer (executor/layers/mamba2.py), attention without a position embedding, an
+MLP alone (down(relu2(up(x))), no gate), or Nemotron 3's experts alone (a sigmoid router with
+a score-correction bias, ungated relu2 experts and a shared relu2 MLP: an MoEBlock, held as
+the layer's `mlp` and named mlp.* here); zllm/model/families/nemotron_h.py reads the pattern.
 
     layer  h + mixer(norm(h))      (the norm adds the previous layer's output to the stream)
 
@@ -27,6 +29,9 @@ from zllm.executor.layers.attention import SelfAttention
 from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.mamba2 import Mamba2Mixer
 from zllm.executor.layers.mlp import UngatedMLP
+from zllm.executor.layers.moe.block import MoEBlock
+from zllm.executor.layers.moe.checkpoint import per_expert_names, per_expert_weights
+from zllm.executor.layers.moe.router import RELU2, SIGMOID_BIAS_TOPK, MoERule
 from zllm.executor.layers.norms import RMSNorm
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import logits_weight
@@ -45,8 +50,12 @@ class NemotronHLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp: MoEBlock | None = None  # an expert layer's (expert_blocks.py looks here)
+        self.mixer: nn.Module | None = None
         if arch.is_state_layer(layer):
-            self.mixer: nn.Module = Mamba2Mixer(arch, dtype)
+            self.mixer = Mamba2Mixer(arch, dtype)
+        elif arch.is_moe_layer(layer):
+            self.mlp = _experts(arch, dtype)
         elif arch.is_mlp_only(layer):
             self.mixer = UngatedMLP(arch, dtype, arch.hidden_act)
         else:
@@ -62,11 +71,29 @@ class NemotronHLayer(nn.Module):
         meta,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.norm(x, residual)
+        if self.mlp is not None:
+            return self.mlp(x), residual
         if isinstance(self.mixer, SelfAttention):
             return self.mixer(x, None, None, cache, meta), residual
         if isinstance(self.mixer, Mamba2Mixer):
             return self.mixer(x, cache, meta), residual
         return self.mixer(x), residual
+
+
+def _experts(arch: ModelArchConfig, dtype: torch.dtype) -> MoEBlock:
+    moe = arch.moe
+    rule = MoERule(
+        router=SIGMOID_BIAS_TOPK,
+        norm_topk_prob=moe.norm_topk_prob,
+        activation=RELU2,
+        group_count=moe.expert_group_count,
+        groups_used=moe.expert_groups_used,
+        routed_scaling=moe.routed_scaling_factor,
+        shared_expert_gated=False,
+    )
+    shared = moe.shared_expert_intermediate_size
+    shared_expert = UngatedMLP(arch, dtype, RELU2, shared) if shared else None
+    return MoEBlock(arch, dtype, rule, shared_expert=shared_expert)
 
 
 class NemotronHForCausalLM(DecoderStack, nn.Module):
@@ -102,7 +129,11 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
     ) -> None:
-        copy_checkpoint(self, self._weight_targets(), self._canonical(weights), served=served)
+        weights = self._canonical(weights)
+        if self.arch.moe is not None:
+            weights = per_expert_weights(weights)
+            served = per_expert_names(served, self.arch.moe.num_experts)
+        copy_checkpoint(self, self._weight_targets(), weights, served=served)
 
     def _canonical(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -112,6 +143,10 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
             if name.startswith("mtp."):
                 continue  # multi-token prediction: not run
             name = _GLOBAL_NAMES.get(name) or name.replace("backbone.layers.", "model.layers.", 1)
+            layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+            if layer.isdecimal() and self.arch.is_moe_layer(int(layer)):  # its experts: mlp.*
+                name = name.replace(".mixer.", ".mlp.", 1)
+                name = name.replace("gate.e_score_correction.bias", "gate.e_score_correction_bias")
             if name.endswith("mixer.A_log"):  # as transformers computes the decay
                 yield name.removesuffix("_log"), -tensor.float().exp().to(tensor.dtype)
             # llama.cpp's shapes: conv1d's channel dim squeezed, A and D [heads, 1], the norm
@@ -130,7 +165,13 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
         (or a 16-bit checkpoint's rows) may serve (executor/weights/blocks.py)."""
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             m, mixer = f"model.layers.{i}.mixer.", layer.mixer
-            if isinstance(mixer, SelfAttention):
+            if layer.mlp is not None:  # experts: expert_blocks.py; the shared MLP here
+                shared = layer.mlp.shared_expert
+                if shared is not None:
+                    s = f"model.layers.{i}.mlp.shared_experts."
+                    yield shared, "up_proj", [f"{s}up_proj.weight"]
+                    yield shared, "down_proj", [f"{s}down_proj.weight"]
+            elif isinstance(mixer, SelfAttention):
                 yield mixer, "qkv_proj", [f"{m}{x}_proj.weight" for x in "qkv"]
                 yield mixer, "o_proj", [f"{m}o_proj.weight"]
             elif isinstance(mixer, Mamba2Mixer):
@@ -151,7 +192,9 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
             prefix = f"model.layers.{i}."
             targets[f"{prefix}norm.weight"] = layer.norm.weight.data
             mixer, m = layer.mixer, f"{prefix}mixer."
-            if isinstance(mixer, Mamba2Mixer):
+            if layer.mlp is not None:
+                targets |= layer.mlp.checkpoint_targets(f"{prefix}mlp.", "shared_experts")
+            elif isinstance(mixer, Mamba2Mixer):
                 targets |= mixer.checkpoint_targets(m)
             elif isinstance(mixer, SelfAttention):
                 q, k, v = mixer.qkv_proj.weight.data.split(

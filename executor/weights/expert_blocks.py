@@ -42,7 +42,8 @@ def expert_matmul_targets(model: nn.Module) -> Iterator[tuple[ExpertMatrices, li
         mlp = getattr(layer, "mlp", None)  # (Nemotron-H's layers have one mixer, no mlp)
         if not isinstance(mlp, MoEBlock):
             continue
-        yield mlp.experts_gate_up, _namings(i, mlp.num_experts, ("gate_proj", "up_proj"))
+        first = ("gate_proj", "up_proj") if mlp.rule.gated else ("up_proj",)
+        yield mlp.experts_gate_up, _namings(i, mlp.num_experts, first)
         yield mlp.experts_down, _namings(i, mlp.num_experts, ("down_proj",))
 
 

@@ -214,9 +214,9 @@ class ModelArchConfig:
         return tuple(i for i in range(self.num_layers) if self.is_state_layer(i))
 
     def is_mlp_only(self, layer: int) -> bool:
-        """Whether this layer is an MLP alone (layer_types "mlp", Nemotron-H's): neither K and
-        V nor a state."""
-        return self.layer_types is not None and self.layer_types[layer] == "mlp"
+        """Whether this layer is an MLP (or experts) alone (layer_types "mlp" or "moe",
+        Nemotron-H's): neither K and V nor a state."""
+        return self.layer_types is not None and self.layer_types[layer] in ("mlp", "moe")
 
     @property
     def attention_layers(self) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from zllm.executor.kernels import cuda_moe
 from zllm.executor.layers.moe.experts import ExpertMatrices, gated_activation
-from zllm.executor.layers.moe.router import MoERule, route, rule_of
+from zllm.executor.layers.moe.router import SIGMOID_BIAS_TOPK, MoERule, route, rule_of
 from zllm.model.arch_config import ModelArchConfig
 
 
@@ -53,8 +53,16 @@ class MoEBlock(nn.Module):
         hidden, inter = arch.hidden_size, arch.moe.moe_intermediate_size
         self.intermediate_size = inter
         self.gate = nn.Linear(hidden, self.num_experts, bias=self.rule.router_bias, dtype=dtype)
+        # SIGMOID_BIAS_TOPK's per-expert score correction (fp32, as the checkpoints hold it).
+        self.score_bias = (
+            nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
+            if self.rule.router == SIGMOID_BIAS_TOPK
+            else None
+        )
         bias = self.rule.expert_bias
-        self.experts_gate_up = ExpertMatrices(self.num_experts, 2 * inter, hidden, dtype, bias)
+        # [gate | up], or up alone for ungated experts (relu2)
+        first = 2 * inter if self.rule.gated else inter
+        self.experts_gate_up = ExpertMatrices(self.num_experts, first, hidden, dtype, bias)
         self.experts_down = ExpertMatrices(self.num_experts, hidden, inter, dtype, bias)
         self.shared_expert = shared_expert
         gated = shared_expert is not None and self.rule.shared_expert_gated
@@ -62,7 +70,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, experts = route(self.gate(x), self.top_k, self.rule)
+        weights, experts = route(self.gate(x), self.top_k, self.rule, self.score_bias)
         out = self.routed(x, weights, experts)
         if self.shared_expert is None:
             return out
@@ -156,18 +164,26 @@ class MoEBlock(nn.Module):
         view of the stacked experts) it fills; the shared expert's under `shared_name`
         (DeepSeek's checkpoints: "shared_experts")."""
         targets = {f"{prefix}gate.weight": self.gate.weight.data}
+        if self.score_bias is not None:
+            targets[f"{prefix}gate.e_score_correction_bias"] = self.score_bias.data
         gate_up, down = self.experts_gate_up.weight, self.experts_down.weight
         assert gate_up is not None and down is not None, "the expert weights were released"
         for e in range(self.num_experts):
-            gate, up = gate_up.data[e].split(self.intermediate_size)
-            targets[f"{prefix}experts.{e}.gate_proj.weight"] = gate
+            if self.rule.gated:
+                gate, up = gate_up.data[e].split(self.intermediate_size)
+                targets[f"{prefix}experts.{e}.gate_proj.weight"] = gate
+            else:
+                up = gate_up.data[e]
             targets[f"{prefix}experts.{e}.up_proj.weight"] = up
             targets[f"{prefix}experts.{e}.down_proj.weight"] = down.data[e]
         shared = self.shared_expert
-        if shared is not None:
+        if shared is not None and hasattr(shared, "gate_up_proj"):
             gate, up = shared.gate_up_proj.weight.data.split(shared.intermediate_size)
             targets[f"{prefix}{shared_name}.gate_proj.weight"] = gate
             targets[f"{prefix}{shared_name}.up_proj.weight"] = up
+            targets[f"{prefix}{shared_name}.down_proj.weight"] = shared.down_proj.weight.data
+        elif shared is not None:  # an ungated MLP (Nemotron 3's)
+            targets[f"{prefix}{shared_name}.up_proj.weight"] = shared.up_proj.weight.data
             targets[f"{prefix}{shared_name}.down_proj.weight"] = shared.down_proj.weight.data
         if self.shared_expert_gate is not None:
             targets[f"{prefix}shared_expert_gate.weight"] = self.shared_expert_gate.weight.data

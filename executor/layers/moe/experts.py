@@ -14,11 +14,14 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.batch_invariant import TILE_ROWS, tiled
 from zllm.executor.kernels.gguf_arithmetic import integer_rows
 from zllm.executor.layers.activations import gated
-from zllm.executor.layers.moe.router import CLAMPED_SWIGLU, SILU, MoERule
+from zllm.executor.layers.moe.router import CLAMPED_SWIGLU, RELU2, SILU, MoERule
 
 
 def gated_activation(gate_up: torch.Tensor, rule: MoERule) -> torch.Tensor:
-    """act(gate) * up of an expert's gate_up rows [n, 2 x intermediate] -> [n, intermediate]."""
+    """act(gate) * up of an expert's gate_up rows [n, 2 x intermediate] -> [n, intermediate]
+    (relu2: act(up) of its up rows [n, intermediate], no gate)."""
+    if rule.activation == RELU2:
+        return F.relu(gate_up).square()
     if rule.activation == SILU and not rule.interleaved_gate_up:
         return gated(gate_up, SILU)  # the dense MLPs' SwiGLU, fused where a kernel serves it
     if rule.interleaved_gate_up:

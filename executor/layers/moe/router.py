@@ -1,7 +1,7 @@
 """The router of a mixture-of-experts layer: how a token's logits become its experts and their
 weights, per family (`MoERule`: Qwen-MoE / Mixtral / OLMoE's softmax then top k, gpt-oss's top
-k then softmax, DeepSeek-V2's group-limited softmax top k), computed in fp32 as transformers
-does.
+k then softmax, DeepSeek-V2's group-limited softmax top k, Nemotron 3's sigmoid scores chosen
+with a score-correction bias), computed in fp32 as transformers does.
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ SOFTMAX_TOPK = "softmax_topk"  # Qwen-MoE, Mixtral, OLMoE: softmax over all E, k
 TOPK_SOFTMAX = "topk_softmax"  # gpt-oss: the top k logits, softmax over those k
 # DeepSeek-V2: softmax over all E, the top k among the best groups' experts only (when the
 # experts are grouped), optionally renormalised, times routed_scaling.
-# (DeepSeek-V3's sigmoid scores chosen with a per-expert bias would be another rule here.)
 GROUPED_SOFTMAX_TOPK = "grouped_softmax_topk"
-ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX, GROUPED_SOFTMAX_TOPK)
+# Nemotron 3 (and DeepSeek-V3's "noaux_tc"): sigmoid scores; the top k chosen by score plus
+# a per-expert correction bias, among the groups whose two best biased scores sum highest;
+# weighted by the unbiased scores, optionally renormalised, times routed_scaling.
+SIGMOID_BIAS_TOPK = "sigmoid_bias_topk"
+ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX, GROUPED_SOFTMAX_TOPK, SIGMOID_BIAS_TOPK)
 
-# Expert activations over [gate | up]: SwiGLU, or gpt-oss's clamped SwiGLU.
+# Expert activations: SwiGLU or gpt-oss's clamped SwiGLU over [gate | up]; relu2 over an
+# ungated up projection (Nemotron 3's experts have no gate).
 SILU = "silu"  # silu(gate) * up
 CLAMPED_SWIGLU = "clamped_swiglu"  # (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)
+RELU2 = "relu2"  # relu(up)^2
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +52,11 @@ class MoERule:
     routed_scaling: float = 1.0
     # The shared expert's output scaled by sigmoid(x w_g) (Qwen2-MoE), or added as is (DeepSeek).
     shared_expert_gated: bool = True
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts' first projection is [gate | up] (2 x intermediate rows)."""
+        return self.activation != RELU2
 
 
 # gpt-oss's layer (its model is another task; tests hold this rule to transformers' block).
@@ -93,13 +103,18 @@ def keep_best_groups(scores: torch.Tensor, group_count: int, groups_used: int) -
     return grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(tokens, experts)
 
 
-def route(logits: torch.Tensor, top_k: int, rule: MoERule) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, top_k: int, rule: MoERule, score_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's experts and weights: (weights [T, k] fp32, expert ids [T, k] int64).
+    `score_bias`: SIGMOID_BIAS_TOPK's per-expert correction [E].
 
     Computed in fp32 as transformers does. Equal scores go to the lower expert id (a stable
     sort), so the choice does not depend on which top-k kernel runs."""
     if rule.router not in ROUTER_RULES:
         raise ValueError(f"unknown router rule {rule.router!r} (known: {ROUTER_RULES})")
+    if rule.router == SIGMOID_BIAS_TOPK:
+        return _sigmoid_bias_topk(logits, top_k, rule, score_bias)
     scores = logits.float()
     if rule.router != TOPK_SOFTMAX:
         scores = torch.softmax(scores, dim=-1)
@@ -114,3 +129,23 @@ def route(logits: torch.Tensor, top_k: int, rule: MoERule) -> tuple[torch.Tensor
     if rule.router == GROUPED_SOFTMAX_TOPK:  # after renormalising, as llama.cpp's deepseek2
         top = top * rule.routed_scaling
     return top, experts
+
+
+def _sigmoid_bias_topk(
+    logits: torch.Tensor, top_k: int, rule: MoERule, score_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.sigmoid(logits.float())
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if rule.groups_used < rule.group_count:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, rule.group_count, experts // rule.group_count)
+        best_two = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        best = torch.sort(best_two, dim=-1, descending=True, stable=True)[1]
+        keep = torch.zeros_like(best_two, dtype=torch.bool)
+        keep.scatter_(1, best[:, : rule.groups_used], True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), -torch.inf).view(tokens, experts)
+    experts = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
+    top = scores.gather(1, experts)
+    if rule.norm_topk_prob:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * rule.routed_scaling, experts

@@ -40,7 +40,7 @@ from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.layers.moe.checkpoint import per_expert_weights
 from zllm.executor.layers.moe.experts import ExpertMatrices
-from zllm.executor.layers.moe.router import GPT_OSS_RULE, MoERule, route
+from zllm.executor.layers.moe.router import GPT_OSS_RULE, SIGMOID_BIAS_TOPK, MoERule, route
 from zllm.executor.weights.loader import load_weights
 from zllm.lora import LoRAError, LoRARequest, read_adapter
 from zllm.model.arch import read_arch_config
@@ -163,6 +163,38 @@ def test_gpt_oss_routing_takes_the_top_logits_then_their_softmax() -> None:
     weights, experts = route(logits, 3, GPT_OSS_RULE)
     assert experts.tolist() == [[1, 3, 4]]
     assert torch.equal(weights, torch.softmax(torch.tensor([[2.0, 2.0, 1.0]]), dim=-1))
+
+
+@pytest.mark.parametrize(("groups", "used", "norm"), [(1, 1, True), (4, 2, True), (4, 1, False)])
+def test_sigmoid_bias_routing_equals_transformers_nemotron_router(groups, used, norm) -> None:
+    """Nemotron 3's router (SIGMOID_BIAS_TOPK): the experts chosen by score plus correction
+    bias among the best groups (their two best biased scores summed), weighted by the
+    unbiased scores, renormalised or not, times routed_scaling: transformers' router's
+    choice and weights."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    config = NemotronHConfig(
+        hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=groups,
+        topk_group=used, norm_topk_prob=norm, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    router = NemotronHTopkRouter(config)
+    gen = torch.Generator().manual_seed(groups * 10 + used)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=gen) * 0.3)
+    x = torch.randn(9, 32, generator=gen)
+    _, their_weights, their_experts = router(x)
+    rule = MoERule(
+        router=SIGMOID_BIAS_TOPK, norm_topk_prob=norm, group_count=groups, groups_used=used,
+        routed_scaling=2.5,
+    )  # fmt: skip
+    weights, experts = route(x @ router.weight.t(), 3, rule, router.e_score_correction_bias)
+    order = their_experts.sort(dim=-1)[1]  # (transformers' top k is unsorted)
+    theirs = their_experts.gather(1, order)
+    ours_order = experts.sort(dim=-1)[1]
+    assert torch.equal(experts.gather(1, ours_order), theirs)
+    torch.testing.assert_close(weights.gather(1, ours_order), their_weights.gather(1, order))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,11 +133,11 @@ def rewritten(directory: str, tmp_path, **changes) -> str:
 
 
 def test_what_the_families_cannot_run_is_refused_naming_it(tmp_path) -> None:
-    """Nemotron 3's expert layers (E), a clamped time step, an unknown layer kind: each a
-    clear error at load, naming what."""
+    """Experts behind a latent projection (Nemotron 3 Super's), a clamped time step, an
+    unknown layer kind: each a clear error at load, naming what."""
     directory = str(CASES["nemotron_h"].write(tmp_path / "nemotron_h"))
     cases = [
-        ({"hybrid_override_pattern": "M*-M-E"}, "mixture-of-experts layers (E / moe"),
+        ({"moe_latent_size": 16}, "latent projection (moe_latent_size"),
         ({"time_step_limit": [0.001, 0.1]}, "time_step_limit [0.001, 0.1]"),
         ({"hybrid_override_pattern": "M*-M-Q"}, "layer kinds Q"),
     ]

@@ -4,8 +4,10 @@ is one mixer after one RMS norm, `h + mixer(norm(h))`, the mixer one of
     M   a Mamba-2 state layer (executor/layers/mamba2.py)
     *   attention without a position embedding
     -   an MLP alone: down(relu2(up(x))), no gate (layer_types "mlp": no KV, no state)
-    E   a mixture of experts (Nemotron 3's): refused, its sigmoid router with a score bias
-        and ungated experts are not built yet
+    E   a mixture of experts alone (Nemotron 3's, layer_types "moe"): sigmoid router scores
+        chosen with a per-expert correction bias among the best groups, ungated relu2
+        experts, and a shared relu2 MLP beside them (a latent projection around the
+        experts, moe_latent_size, is refused)
 
 config.json gives the pattern as hybrid_override_pattern ("M-M*-...", the released
 checkpoints) or as a list (layers_block_type / layer_types: mamba or linear_attention,
@@ -24,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from zllm.model import gguf_config, hf_config
-from zllm.model.arch_config import ModelArchConfig
+from zllm.model.arch_config import ModelArchConfig, MoEConfig
 from zllm.model.families.granite_hybrid import MAMBA2_GGUF_NAMES, mamba2_from_gguf
 from zllm.model.family import Family, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
+from zllm.model.moe_arch import MOE_LACKS, moe_from_gguf
 from zllm.model.state_arch import HYBRID_LACKS, mamba2_from_hf
 
 # config.json's Mamba-2 keys (state_arch.mamba2_from_hf).
@@ -54,10 +57,9 @@ _KINDS = {
     "E": "moe",
     "moe": "moe",
 }
-_MOE_REFUSAL = (
-    "Nemotron-H's mixture-of-experts layers (E / moe: Nemotron 3's sigmoid router with a "
-    "score-correction bias and ungated relu2 experts) are not supported yet; its dense models "
-    "(M, -, * layers) are"
+_LATENT_REFUSAL = (
+    "experts behind a latent projection (moe_latent_size, Nemotron 3 Super's fc1/fc2_latent_proj) "
+    "are not supported yet"
 )
 
 # llama.cpp's names -> Hugging Face's: each layer's one norm and its mixer's tensors.
@@ -69,6 +71,13 @@ GGUF_NAMES = {
     "attn_output": "mixer.o_proj",
     "ffn_up": "mixer.up_proj",
     "ffn_down": "mixer.down_proj",
+    # an expert layer's (its mixer is an MoE block, named mlp.* by the model)
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",  # (.bias: e_score_correction_bias)
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
     **{key: f"mixer.{name}" for key, name in MAMBA2_GGUF_NAMES.items()},
 }
 
@@ -78,9 +87,30 @@ def layer_kinds(names: list[str] | str, where: Path | str) -> list[str]:
     if None in kinds:
         unknown = sorted({n for n, k in zip(names, kinds, strict=True) if k is None})
         raise ValueError(f"{where}: layer kinds {', '.join(unknown)} (Nemotron-H has M, *, - and E)")  # fmt: skip
-    if "moe" in kinds:
-        raise ValueError(f"{where}: {_MOE_REFUSAL}")
     return kinds
+
+
+def moe_from_hf(cfg: dict[str, Any], kinds: list[str], where: Path) -> MoEConfig | None:
+    """The expert layers' shape (None when there are none)."""
+    if "moe" not in kinds:
+        return None
+    if cfg.get("moe_latent_size"):
+        raise ValueError(f"{where}: {_LATENT_REFUSAL}")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not experts or not top_k or not cfg.get("moe_intermediate_size"):
+        raise ValueError(f"{where}: expert layers without n_routed_experts, num_experts_per_tok or moe_intermediate_size")  # fmt: skip
+    return MoEConfig(
+        num_experts=int(experts),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size") or 0),
+        dense_mlp_layers=tuple(i for i, kind in enumerate(kinds) if kind != "moe"),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        expert_group_count=int(cfg.get("n_group") or 1),
+        expert_groups_used=int(cfg.get("topk_group") or 1),
+    )
 
 
 def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
@@ -110,6 +140,7 @@ def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
         layer_types=kinds,
         hidden_act="relu2",
         state=mamba2_from_hf(cfg, where, arch.hidden_size, _MAMBA_KEYS),
+        moe=moe_from_hf(cfg, kinds, where),
     )
 
 
@@ -121,9 +152,11 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     kv = kv if isinstance(kv, list) else [kv] * blocks
     kinds = []
     for i in range(blocks):
+        if f"blk.{i}.ffn_latent_down.weight" in gguf.tensors:
+            raise invalid_gguf(gguf.path, _LATENT_REFUSAL)
         if f"blk.{i}.ffn_up_exps.weight" in gguf.tensors:
-            raise invalid_gguf(gguf.path, _MOE_REFUSAL)
-        if kv[i] > 0:
+            kinds.append("moe")
+        elif kv[i] > 0:
             kinds.append("full_attention")
         elif f"blk.{i}.ffn_up.weight" in gguf.tensors:
             kinds.append("mlp")
@@ -132,9 +165,20 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     mlps = [i for i, kind in enumerate(kinds) if kind == "mlp"]
     # The MLP width from its tensor (feed_forward_length may be 0 for these layers).
     width = gguf.tensors[f"blk.{mlps[0]}.ffn_up.weight"].shape[0] if mlps else 0
-    # (no expert tensors: a dense model, whatever expert_count the converter copied from
-    # transformers' defaults)
+    # (expert_count 0 for the shared reader: the experts are read here, from the file's own
+    # keys; a dense model's copies transformers' default count)
     numbers = {f"{arch}.feed_forward_length": int(width), f"{arch}.expert_count": 0}
+    moe = None
+    if "moe" in kinds:
+        moe = moe_from_gguf(gguf, blocks, renormalise=True)
+        moe = replace(
+            moe,
+            routed_scaling_factor=float(md.get(f"{arch}.expert_weights_scale") or 1.0),
+            expert_group_count=int(md.get(f"{arch}.expert_group_count") or 1),
+            expert_groups_used=int(md.get(f"{arch}.expert_group_used_count") or 1),
+        )
+        if not width:  # (no dense MLP layer to size: the experts' width stands in)
+            numbers[f"{arch}.feed_forward_length"] = moe.moe_intermediate_size
     eps = md.get(f"{arch}.attention.layer_norm_epsilon")  # (written where the rms one is not)
     if f"{arch}.attention.layer_norm_rms_epsilon" not in md and eps is not None:
         numbers[f"{arch}.attention.layer_norm_rms_epsilon"] = float(eps)
@@ -145,6 +189,7 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
         hidden_act="relu2",
         rope_scaling=None,
         state=mamba2_from_gguf(gguf),
+        moe=moe,
     )
 
 
@@ -164,6 +209,6 @@ FAMILY = Family(
     gguf_tensor_names=GGUF_NAMES,
     gguf_permuted_qk=True,
     model_class="zllm.executor.models.nemotron_h:NemotronHForCausalLM",
-    traits=frozenset({Trait.RECURRENT_STATE}),
-    lacks=HYBRID_LACKS,
+    traits=frozenset({Trait.MOE, Trait.RECURRENT_STATE}),
+    lacks={**MOE_LACKS, **HYBRID_LACKS},
 )
