@@ -66,16 +66,17 @@ def chunked_scan(
     [H], state [H, N, P] before them. Returns (y [L, H, P], the state after them)."""
     heads = x.shape[1]
     skip = D.unsqueeze(-1) * x
-    # Heads first: [H, L, P], [H, L, N] and [H, L].
-    q = _per_head(C, heads).transpose(0, 1)
-    k = _per_head(B, heads).transpose(0, 1)
+    # Heads first: [H, L, P] and [H, L]; B and C per head a chunk at a time ([H, c, N]: the
+    # whole prompt's would be L x H x N values each).
     v = (dt.unsqueeze(-1) * x).transpose(0, 1)
     g = (dt * A).t()
     length = x.shape[0]
     out = torch.empty_like(v)
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
-        qc, kc, vc = q[:, start:end], k[:, start:end], v[:, start:end]
+        qc = _per_head(C[start:end], heads).transpose(0, 1)
+        kc = _per_head(B[start:end], heads).transpose(0, 1)
+        vc = v[:, start:end]
         size = end - start
         running = g[:, start:end].cumsum(-1)  # G [H, c]
         causal = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()

@@ -95,6 +95,16 @@ def mamba2_from_hf(
     return state
 
 
+def check_attends(layer_types: list[str], where: Path | str) -> None:
+    """Refuse a hybrid without an attention layer: the KV cache sizes its blocks from the
+    attention layers, and a model of state layers alone has none (not supported yet)."""
+    if not any(kind in ("full_attention", "sliding_attention") for kind in layer_types):
+        raise ValueError(
+            f"{where}: a model of state layers alone (no attention layer): zllm's KV cache "
+            "sizes its blocks from the attention layers; such models are not supported yet"
+        )
+
+
 def hybrid_layer_types(cfg: dict[str, Any], num_layers: int, where: Path) -> list[str]:
     """config.json's layer_types, or transformers' default pattern (every
     full_attention_interval-th layer full attention, the others linear)."""

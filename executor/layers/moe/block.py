@@ -52,7 +52,12 @@ class MoEBlock(nn.Module):
             raise ValueError(f"{self.top_k} experts per token of {self.num_experts}")
         hidden, inter = arch.hidden_size, arch.moe.moe_intermediate_size
         self.intermediate_size = inter
-        self.gate = nn.Linear(hidden, self.num_experts, bias=self.rule.router_bias, dtype=dtype)
+        # (Nemotron 3's router in fp32 whatever the model's dtype, as transformers keeps it:
+        # with a score bias, near-ties in bf16 logits would choose other experts)
+        self.router_dtype = torch.float32 if self.rule.router == SIGMOID_BIAS_TOPK else dtype
+        self.gate = nn.Linear(
+            hidden, self.num_experts, bias=self.rule.router_bias, dtype=self.router_dtype
+        )
         # SIGMOID_BIAS_TOPK's per-expert score correction (fp32, as the checkpoints hold it).
         self.score_bias = (
             nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32))
@@ -70,7 +75,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, experts = route(self.gate(x), self.top_k, self.rule, self.score_bias)
+        logits = self.gate(x.to(self.router_dtype))
+        weights, experts = route(logits, self.top_k, self.rule, self.score_bias)
         out = self.routed(x, weights, experts)
         if self.shared_expert is None:
             return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -134,15 +135,18 @@ def rewritten(directory: str, tmp_path, **changes) -> str:
 
 def test_what_the_families_cannot_run_is_refused_naming_it(tmp_path) -> None:
     """Experts behind a latent projection (Nemotron 3 Super's), a clamped time step, an
-    unknown layer kind: each a clear error at load, naming what."""
+    unknown layer kind, no attention layer at all, another Mamba activation: each a clear
+    error at load, naming what."""
     directory = str(CASES["nemotron_h"].write(tmp_path / "nemotron_h"))
     cases = [
         ({"moe_latent_size": 16}, "latent projection (moe_latent_size"),
         ({"time_step_limit": [0.001, 0.1]}, "time_step_limit [0.001, 0.1]"),
         ({"hybrid_override_pattern": "M*-M-Q"}, "layer kinds Q"),
+        ({"hybrid_override_pattern": "M-MEMM"}, "state layers alone (no attention layer)"),
+        ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act 'gelu'"),
     ]
     for i, (changes, said) in enumerate(cases):
-        with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("(", r"\(")):
+        with pytest.raises(ValueError, match=re.escape(said)):
             LLM(rewritten(directory, tmp_path / str(i), **changes))
 
 

@@ -23,7 +23,7 @@ from zllm.model.arch_config import ModelArchConfig, StateConfig
 from zllm.model.family import Family, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
 from zllm.model.moe_arch import MOE_LACKS, moe_from_gguf, moe_from_hf
-from zllm.model.state_arch import HYBRID_LACKS, mamba2_from_hf
+from zllm.model.state_arch import HYBRID_LACKS, check_attends, mamba2_from_hf
 
 # config.json's Mamba-2 keys (state_arch.mamba2_from_hf).
 _MAMBA_KEYS = {
@@ -72,7 +72,7 @@ def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
     position = cfg.get("position_embedding_type")
     if position not in (None, "nope", "rope"):
         raise ValueError(f"{where}: position_embedding_type {position!r} (Granite uses rope or none)")  # fmt: skip
-    experts = int(cfg.get("num_local_experts") or 0)
+    experts = int(cfg.get("num_local_experts", 8) or 0)  # (transformers' default: 8)
     shared = int(hf_config.need(cfg, "shared_intermediate_size", where))
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} (Granite uses silu)")
@@ -87,15 +87,17 @@ def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
         )  # fmt: skip
         moe = replace(moe, shared_expert_intermediate_size=shared)
     hidden = arch.hidden_size
+    kinds = layer_kinds(list(names), where)
+    check_attends(kinds, where)
     return replace(
         arch,
-        layer_types=layer_kinds(list(names), where),
+        layer_types=kinds,
         state=mamba2_from_hf(cfg, where, hidden, _MAMBA_KEYS),
         moe=moe,
         family_fields=GraniteFields(
             embedding_multiplier=float(cfg.get("embedding_multiplier") or 1.0),
             residual_multiplier=float(cfg.get("residual_multiplier") or 1.0),
-            attention_multiplier=float(cfg.get("attention_multiplier") or arch.head_dim**-0.5),
+            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
             logits_scaling=float(cfg.get("logits_scaling") or 1.0),
             rope=position == "rope",
         ),
@@ -164,6 +166,8 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     attends = _attends(gguf)
     if all(attends):
         raise invalid_gguf(gguf.path, "a granitehybrid file without Mamba-2 layers")
+    if not any(attends):
+        check_attends([], gguf.path)
     experts = int(md.get(f"{arch}.expert_count") or 0)
     reader = (lambda g, n: moe_from_gguf(g, n, renormalise=True)) if experts else None
     record = gguf_config.decoder_arch(gguf, FAMILY.name, experts=reader)

@@ -31,7 +31,7 @@ from zllm.model.families.granite_hybrid import MAMBA2_GGUF_NAMES, mamba2_from_gg
 from zllm.model.family import Family, Trait
 from zllm.model.gguf import GGUFFile, invalid_gguf
 from zllm.model.moe_arch import MOE_LACKS, moe_from_gguf
-from zllm.model.state_arch import HYBRID_LACKS, mamba2_from_hf
+from zllm.model.state_arch import HYBRID_LACKS, check_attends, mamba2_from_hf
 
 # config.json's Mamba-2 keys (state_arch.mamba2_from_hf).
 _MAMBA_KEYS = {
@@ -113,13 +113,31 @@ def moe_from_hf(cfg: dict[str, Any], kinds: list[str], where: Path) -> MoEConfig
     )
 
 
+# The older config names transformers still reads, and its defaults for the Mamba-2 keys.
+_LEGACY_KEYS = {
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "use_conv_bias": "mamba_conv_bias",
+    "time_step_limit": "mamba_dt_limit",
+}
+_MAMBA_DEFAULTS = {"n_groups": 8, "conv_kernel": 4, "use_conv_bias": True}
+
+
 def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
+    for key, old in _LEGACY_KEYS.items():
+        if key not in cfg and old in cfg:
+            cfg = {**cfg, key: cfg[old]}
+    cfg = {**_MAMBA_DEFAULTS, **cfg}
+    for key, allowed in (("mamba_hidden_act", "silu"), ("mlp_bias", False)):
+        if cfg.get(key, allowed) != allowed:
+            raise ValueError(f"{where}: {key} {cfg[key]!r} (Nemotron-H's is {allowed!r})")
     pattern = (
         cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or cfg.get("layer_types")
     )
     if not pattern:
         raise ValueError(f"{where}: a nemotron_h config without hybrid_override_pattern")
     kinds = layer_kinds(pattern, where)
+    check_attends(kinds, where)
     act = cfg.get("mlp_hidden_act", "relu2")
     if act != "relu2":
         raise ValueError(f"{where}: mlp_hidden_act {act!r} (Nemotron-H's MLPs use relu2)")
@@ -147,7 +165,10 @@ def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
 def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     md = gguf.metadata
     arch = str(md["general.architecture"])
+    # (less the multi-token-prediction blocks the converter writes after the decoder; the
+    # loader skips them)
     blocks = gguf_config.need(gguf, f"{arch}.block_count", int)
+    blocks -= int(md.get(f"{arch}.nextn_predict_layers") or 0)
     kv = md.get(f"{arch}.attention.head_count_kv", 0)
     kv = kv if isinstance(kv, list) else [kv] * blocks
     kinds = []
@@ -162,20 +183,27 @@ def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
             kinds.append("mlp")
         else:
             kinds.append("linear_attention")
+    check_attends(kinds, gguf.path)
     mlps = [i for i, kind in enumerate(kinds) if kind == "mlp"]
     # The MLP width from its tensor (feed_forward_length may be 0 for these layers).
     width = gguf.tensors[f"blk.{mlps[0]}.ffn_up.weight"].shape[0] if mlps else 0
     # (expert_count 0 for the shared reader: the experts are read here, from the file's own
     # keys; a dense model's copies transformers' default count)
-    numbers = {f"{arch}.feed_forward_length": int(width), f"{arch}.expert_count": 0}
+    numbers = {
+        f"{arch}.feed_forward_length": int(width),
+        f"{arch}.expert_count": 0,
+        f"{arch}.block_count": blocks,
+    }
     moe = None
     if "moe" in kinds:
         moe = moe_from_gguf(gguf, blocks, renormalise=True)
+        groups = int(md.get(f"{arch}.expert_group_count") or 1)
         moe = replace(
             moe,
             routed_scaling_factor=float(md.get(f"{arch}.expert_weights_scale") or 1.0),
-            expert_group_count=int(md.get(f"{arch}.expert_group_count") or 1),
-            expert_groups_used=int(md.get(f"{arch}.expert_group_used_count") or 1),
+            expert_group_count=groups,
+            # (the converter writes no used-group count: then every group may be chosen)
+            expert_groups_used=int(md.get(f"{arch}.expert_group_used_count") or groups),
         )
         if not width:  # (no dense MLP layer to size: the experts' width stands in)
             numbers[f"{arch}.feed_forward_length"] = moe.moe_intermediate_size
