@@ -162,6 +162,7 @@ CI_SKIPS_ALLOWED = (
     ("test_cuda_moe.py", "no CUDA device"),
     ("test_cuda_quant.py", "no CUDA device"),
     ("test_cuda_vision.py", "no CUDA device"),
+    ("test_cuda_state.py", "no CUDA device"),
     ("test_csrc_compile.py", "libnvrtc not found"),
 )
 
