@@ -31,6 +31,23 @@ from zllm.executor.layers.mamba2_scan import chunked_scan, gated_group_norm, sca
 from zllm.model.arch_config import ModelArchConfig
 
 
+def as_held(name: str, tensor: torch.Tensor, mixer: str) -> tuple[str, torch.Tensor]:
+    """A checkpoint's or GGUF file's tensor of a Mamba-2 layer (named under `.{mixer}.`:
+    Granite's "mamba", Nemotron-H's "mixer") as the layer holds it: A_log as the decay
+    A = -exp(A_log), as transformers computes it and llama.cpp's ssm_a stores it; llama.cpp's
+    shapes undone (conv1d's channel dim squeezed, A and D [heads, 1], the norm [groups, group
+    width]) and its ssm_dt.bias named dt_bias. Any other tensor as it is."""
+    if name.endswith(f"{mixer}.A_log"):
+        return name.removesuffix("_log"), -tensor.float().exp().to(tensor.dtype)
+    if name.endswith(f"{mixer}.conv1d.weight") and tensor.dim() == 2:
+        return name, tensor.unsqueeze(1)
+    if name.endswith((f"{mixer}.A", f"{mixer}.D", f"{mixer}.norm.weight")):
+        return name, tensor.reshape(-1)
+    if name.endswith(f"{mixer}.dt.bias"):
+        return name.removesuffix(".dt.bias") + ".dt_bias", tensor
+    return name, tensor
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
         super().__init__()

@@ -32,7 +32,7 @@ from zllm.executor.attention.backend import TORCH_ATTENTION, AttentionBackend
 from zllm.executor.kv.state_pool import LayerState
 from zllm.executor.layers.attention import SelfAttention
 from zllm.executor.layers.decoder_stack import DecoderStack
-from zllm.executor.layers.mamba2 import Mamba2Mixer
+from zllm.executor.layers.mamba2 import Mamba2Mixer, as_held
 from zllm.executor.layers.mlp import GatedMLP
 from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.layers.moe.checkpoint import per_expert_names, per_expert_weights
@@ -175,18 +175,8 @@ class GraniteHybridForCausalLM(DecoderStack, nn.Module):
                     yield base + "up_proj.weight", up
                 else:
                     yield base + "down_proj.weight", tensor
-            elif name.endswith("mamba.A_log"):  # as transformers computes the decay
-                yield name.removesuffix("_log"), -tensor.float().exp().to(tensor.dtype)
-            # llama.cpp's shapes: conv1d's channel dim squeezed, A and D [heads, 1], the norm
-            # [groups, group width]; its ssm_dt.bias is dt_bias.
-            elif name.endswith("mamba.conv1d.weight") and tensor.dim() == 2:
-                yield name, tensor.unsqueeze(1)
-            elif name.endswith(("mamba.A", "mamba.D", "mamba.norm.weight")):
-                yield name, tensor.reshape(-1)
-            elif name.endswith("mamba.dt.bias"):
-                yield name.removesuffix(".dt.bias") + ".dt_bias", tensor
             else:
-                yield name, tensor
+                yield as_held(name, tensor, "mamba")
 
     def block_matmul_targets(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
         """(module, attribute, checkpoint names) of each decoder matmul a GGUF file's blocks
