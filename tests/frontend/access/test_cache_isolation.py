@@ -145,7 +145,11 @@ def test_each_tenant_sees_only_its_own_cache_hits(tiny_llama_dir, engine_pool, t
             )
             assert f'tenant="{other}"' not in text
             assert "vllm:prefix_cache_hits_total" not in text
-            assert metric(text, "vllm:num_requests_running") == 0  # the engine's load stays
+            assert wait_until(  # the engine's load stays visible; a heartbeat brings it to 0
+                lambda key=key: metric(read("/metrics", key).text, "vllm:num_requests_running")
+                == 0,
+                10,
+            )
             stats = read("/dashboard/stats", key).json()
             assert stats["tenant"] == tenant
             assert stats["engine"]["prefix_cache_hits"] == sum(cached for _, cached in sent)
