@@ -116,6 +116,20 @@ DEEPSEEK_V2 = {
     ),
 }
 
+# DeepSeek-V3 (the deepseek_v2 family's second case): the moe shape under V3's router, sigmoid
+# scores with drawn correction biases, 8 experts in 4 groups of which each token's best 2,
+# renormalised, times 2.5; with the multi-token-prediction layer its checkpoints append.
+DEEPSEEK_V3 = dict(
+    DEEPSEEK_V2["moe"],
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",  # (as DeepSeek-V3's config.json: the converter reads it)
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+)
+
 # Phi-3 (tests/executor/models/test_gguf_architectures.py): LongRoPE over 3/4 of each head
 # and a window of 8 on every layer. Prompts run past its pretraining context (32): transformers
 # takes the long factors only there, zllm for any prompt (its context, 512, is past it).
@@ -228,6 +242,9 @@ class FamilyCase:
     no_gguf: str = ""
     # Prompts are token ids below this: the tokenizer's ordinary tokens.
     prompt_vocab: int = SPM_VOCAB_SIZE
+    # The registry family this case runs as, where the row's name is a second case of it
+    # (DeepSeek-V3 under deepseek_v2); None: the row's name.
+    family: str | None = None
 
 
 def with_tokenizer_json(path: Path) -> Path:
@@ -303,6 +320,57 @@ def with_mamba2_parameters(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def with_drawn_score_corrections(path: Path, seed: int = 0) -> Path:
+    """A saved model's experts' score corrections (e_score_correction_bias, buffers that
+    transformers initialises to zeros) drawn."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def with_mtp_layer(path: Path, seed: int = 0) -> Path:
+    """DeepSeek-V3's multi-token-prediction block as its checkpoints append it: layer
+    num_hidden_layers (a copy of the last layer, drawn anew) with its eh_proj, enorm, hnorm and
+    shared head. Neither transformers nor llama.cpp's converter reads it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    last, hidden = config["num_hidden_layers"] - 1, config["hidden_size"]
+    file = next(path.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    gen = torch.Generator().manual_seed(seed)
+    mtp = f"model.layers.{last + 1}."
+    extra = {
+        mtp + name[len(f"model.layers.{last}.") :]: torch.randn(t.shape, generator=gen)
+        for name, t in tensors.items()
+        if name.startswith(f"model.layers.{last}.")
+    }
+    extra |= {
+        mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
+        mtp + "enorm.weight": torch.randn(hidden, generator=gen),
+        mtp + "hnorm.weight": torch.randn(hidden, generator=gen),
+        mtp + "shared_head.norm.weight": torch.randn(hidden, generator=gen),
+    }
+    save_file({**tensors, **extra}, str(file), metadata={"format": "pt"})
+    return path
+
+
+def deepseek_v3(**shape) -> Callable[[Path], Path]:
+    """DeepSeek-V3's writer: convertible's model, its score corrections drawn, its MTP layer."""
+    return lambda path: with_mtp_layer(
+        with_drawn_score_corrections(convertible("deepseek_v3", **shape)(path))
+    )
+
+
 def with_released_layer_names(path: Path) -> Path:
     """config.json's layer_types as Granite 4.0-H's checkpoints spell them ("mamba",
     "attention"; transformers 5 saves its own names, which llama.cpp's converter reads as
@@ -367,6 +435,7 @@ CASES: dict[str, FamilyCase] = {
     ),
     "gpt_oss": FamilyCase(_gpt_oss, gguf_outtype=F32),
     "deepseek_v2": FamilyCase(convertible("deepseek_v2", **DEEPSEEK_V2["moe"]), gguf_outtype=F32),
+    "deepseek_v3": FamilyCase(deepseek_v3(**DEEPSEEK_V3), gguf_outtype=F32, family="deepseek_v2"),
     "llava": FamilyCase(
         lambda path, smollm2_path: write_tiny_llava(path, smollm2_path),
         fixtures=("smollm2_path",),

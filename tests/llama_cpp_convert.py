@@ -100,6 +100,7 @@ SPM_VOCAB_CLASSES = {
     "Qwen2MoeForCausalLM": ("qwen", "Qwen2MoeModel"),
     "Qwen3MoeForCausalLM": ("qwen", "Qwen2MoeModel"),  # (Qwen3MoeModel's defers to it)
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2Model"),  # (a DeepSeek tokenizer's hash only)
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV2Model"),  # (its class is V2's)
     "GptOssForCausalLM": ("gpt_oss", "GptOssModel"),  # (reads o200k's BPE only)
     # Qwen3-Next's class, and Qwen3.5's and Qwen3.5-MoE's below it (a Qwen tokenizer's BPE)
     "Qwen3NextForCausalLM": ("qwen", "Qwen3NextModel"),

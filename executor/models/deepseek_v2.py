@@ -1,4 +1,5 @@
-"""DeepSeek-V2's decoder with multi-head latent attention (MLA), over a flat token batch.
+"""DeepSeek-V2's and DeepSeek-V3's decoder with multi-head latent attention (MLA), over a flat
+token batch.
 
 A layer as transformers' DeepseekV2ForCausalLM computes it (its names, its arithmetic):
 
@@ -13,9 +14,13 @@ A mixture-of-experts layer (executor/layers/moe/'s DeepSeek rule): softmax over 
 n_routed_experts router logits, the top num_experts_per_tok among the topk_group best groups
 (group_limited_greedy; greedy: among all), optionally renormalised, times routed_scaling_factor;
 the shared experts are one ungated MLP of n_shared_experts x moe_intermediate_size.
+DeepSeek-V3's router instead takes sigmoid scores, chooses by score plus the layer's
+e_score_correction_bias among the topk_group groups of the highest two-best sums, and weights by
+the unbiased scores (layers/moe/router.py SIGMOID_BIAS_TOPK).
 
 RoPE rotates adjacent pairs of the rope dims (transformers' complex multiply for DeepSeek-V2,
-llama.cpp's "norm" rope), not Llama's two halves. kv_b_proj stays one dense [heads, nope + v,
+its rope_interleave for V3, llama.cpp's "norm" rope); a V3 config with rope_interleave false
+rotates Llama's two halves. kv_b_proj stays one dense [heads, nope + v,
 kv_lora_rank] weight whose halves are W_UK and W_UV (executor/attention/mla.py absorbs them in
 decode). The softmax scale is (nope + rope) ** -0.5, times mscale(factor, mscale_all_dim) ** 2
 under YaRN (DeepSeek's long-context correction, transformers' yarn_apply_mscale).
@@ -73,6 +78,13 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
 
 
+def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, rope] rotated as two halves (x_i, x_{i + rope/2}): Llama's rotate_half,
+    a DeepSeek-V3 config's rope_interleave false. cos/sin [T, 1, rope/2]."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
 class DeepseekV2Attention(nn.Module):
     """MLA's projections around PagedLatentAttention (HF's module names)."""
 
@@ -81,6 +93,7 @@ class DeepseekV2Attention(nn.Module):
         mla = arch.mla
         assert mla is not None
         self.mla = mla
+        self.rope = rope_pairs if mla.rope_interleave else rope_halves
         self.num_heads = arch.num_heads
         hidden, heads = arch.hidden_size, arch.num_heads
         q_width = heads * mla.qk_head_dim
@@ -120,10 +133,10 @@ class DeepseekV2Attention(nn.Module):
         q_nope, q_pe = q.split((mla.qk_nope_head_dim, mla.qk_rope_head_dim), dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split((mla.kv_lora_rank, mla.qk_rope_head_dim), -1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())[0]
-        k_pe = rope_pairs(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+        k_pe = self.rope(k_pe.unsqueeze(1), cos, sin).squeeze(1)
         latent = torch.cat((c_kv, k_pe), dim=-1)
         w_uk, w_uv = self.kv_b.split((mla.qk_nope_head_dim, mla.v_head_dim), dim=1)
-        out = self.attn(q_nope, rope_pairs(q_pe, cos, sin), latent, w_uk, w_uv, kv_cache, meta)
+        out = self.attn(q_nope, self.rope(q_pe, cos, sin), latent, w_uk, w_uv, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
 
 
@@ -209,7 +222,9 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]], served: Container[str] = frozenset()
     ) -> None:
         """Hugging Face-named tensors in, one at a time (copy_checkpoint); stacked or fused
-        expert tensors cut into each expert's (layers/moe/checkpoint.py)."""
+        expert tensors cut into each expert's (layers/moe/checkpoint.py). DeepSeek-V3's
+        multi-token-prediction block (layers from num_hidden_layers on) is skipped."""
+        weights = _without_mtp_block(weights, self.arch.num_layers)
         if self.arch.moe is not None:
             weights = per_expert_weights(weights)
             served = per_expert_names(served, self.arch.moe.num_experts)
@@ -283,3 +298,17 @@ def _layer_targets(layer: DeepseekV2DecoderLayer) -> dict[str, torch.Tensor]:
     targets["mlp.gate_proj.weight"], targets["mlp.up_proj.weight"] = gate, up
     targets["mlp.down_proj.weight"] = mlp.down_proj.weight.data
     return targets
+
+
+def _without_mtp_block(
+    weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors less the multi-token-prediction layers DeepSeek-V3 appends
+    after its decoder (model.layers.{num_layers}...: not run here), with a GGUF's correction
+    bias under its checkpoint name."""
+    for name, tensor in weights:
+        if name.startswith("model.layers."):
+            layer = name.split(".", 3)[2]
+            if layer.isdigit() and int(layer) >= num_layers:
+                continue
+        yield name.replace("gate.e_score_correction.bias", "gate.e_score_correction_bias"), tensor

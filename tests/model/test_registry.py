@@ -98,7 +98,7 @@ def test_every_family_says_where_its_code_lives_and_why_it_lacks_what_it_lacks()
 def test_a_refusal_names_the_option_the_reason_the_capability_and_the_family():
     family = registry.family_named("deepseek_v2")
     assert family.refusal(Feature.LORA, "--enable-lora") == (
-        "--enable-lora: adapters target q/k/v projections this model lacks (the DeepSeek-V2 "
+        "--enable-lora: adapters target q/k/v projections this model lacks (the DeepSeek-V2/V3 "
         "family (deepseek_v2) has no LoRA adapters)"
     )
 

@@ -27,6 +27,9 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None  # None: one q_proj; else q_a_proj, its norm, q_b_proj
+    # The rope dims rotate by adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints;
+    # transformers' rope_interleave, default true) or as two halves (Llama's rotate_half).
+    rope_interleave: bool = True
 
     @property
     def latent_width(self) -> int:
@@ -60,6 +63,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     expert_group_count: int = 0
     expert_groups_used: int = 0
+    # DeepSeek-V3's router (scoring_func sigmoid, topk_method noaux_tc): sigmoid scores, the
+    # experts chosen by score plus a per-expert correction bias (e_score_correction_bias),
+    # groups ranked by their two best biased scores.
+    sigmoid_scores: bool = False
 
 
 @dataclass(frozen=True, slots=True)

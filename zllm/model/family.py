@@ -126,7 +126,7 @@ class Family:
     def refusal(self, feature: Feature, option: str) -> str:
         """Why `option` (the engine option asking for `feature`) cannot run this family, naming
         the capability and the family: "--enable-lora: adapters target q/k/v projections
-        this model lacks (the DeepSeek-V2 family (deepseek_v2) has no LoRA adapters)"."""
+        this model lacks (the DeepSeek-V2/V3 family (deepseek_v2) has no LoRA adapters)"."""
         return (
             f"{option}: {self.lacks[feature]} (the {self.title} family ({self.name}) has no "
             f"{feature.value})"

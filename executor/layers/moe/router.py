@@ -1,7 +1,7 @@
 """The router of a mixture-of-experts layer: how a token's logits become its experts and their
 weights, per family (`MoERule`: Qwen-MoE / Mixtral / OLMoE's softmax then top k, gpt-oss's top
-k then softmax, DeepSeek-V2's group-limited softmax top k, Nemotron 3's sigmoid scores chosen
-with a score-correction bias), computed in fp32 as transformers does.
+k then softmax, DeepSeek-V2's group-limited softmax top k, DeepSeek-V3's and Nemotron 3's
+sigmoid scores chosen with a score-correction bias), computed in fp32 as transformers does.
 """
 
 from __future__ import annotations
@@ -76,12 +76,13 @@ def rule_of(arch: ModelArchConfig) -> MoERule:
 
 
 def deepseek_rule(arch: ModelArchConfig) -> MoERule:
-    """DeepSeek-V2's rule: its router (group-limited when the config groups the experts) and
-    its shared experts added ungated."""
+    """DeepSeek-V2's rule (softmax, group-limited when the config groups the experts) or
+    DeepSeek-V3's (sigmoid scores with a correction bias), and the shared experts added
+    ungated."""
     moe = arch.moe
     grouped = moe.expert_group_count > 0
     return MoERule(
-        router=GROUPED_SOFTMAX_TOPK,
+        router=SIGMOID_BIAS_TOPK if moe.sigmoid_scores else GROUPED_SOFTMAX_TOPK,
         norm_topk_prob=moe.norm_topk_prob,
         group_count=moe.expert_group_count if grouped else 1,
         groups_used=moe.expert_groups_used if grouped else 1,

@@ -42,15 +42,24 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "hello", "def add(a, b)
 HF, GGUF = "hf", "gguf"
 
 
-def forms_of(family: Family) -> list[str]:
-    """The forms a family runs here: its directory, and the converter's file where its row
-    has one (a family without a row still gets its directory's case, which fails naming it)."""
-    case = CASES.get(family.name)
+def cases_of(family: Family) -> list[str]:
+    """The rows a family runs: its own (by its name) and any second case of it (a row whose
+    `family` names it: DeepSeek-V3 under deepseek_v2)."""
+    return [family.name] + [n for n, c in CASES.items() if c.family == family.name]
+
+
+def forms_of(name: str) -> list[str]:
+    """The forms a row runs here: its directory, and the converter's file where the row has
+    one (a family without a row still gets its directory's case, which fails naming it)."""
+    case = CASES.get(name)
     return [HF, GGUF] if case is not None and case.gguf_outtype else [HF]
 
 
 FORMS = [
-    pytest.param(f.name, form, id=f"{f.name}-{form}") for f in FAMILIES for form in forms_of(f)
+    pytest.param(name, form, id=f"{name}-{form}")
+    for f in FAMILIES
+    for name in cases_of(f)
+    for form in forms_of(name)
 ]
 
 
@@ -68,7 +77,7 @@ def test_every_registered_family_has_a_row() -> None:
     registered = [f.name for f in FAMILIES]
     missing = [name for name in registered if name not in CASES]
     assert not missing, f"add a row to tests/family_cases.py for each of {missing}"
-    stale = [name for name in CASES if name not in registered]
+    stale = [name for name, case in CASES.items() if (case.family or name) not in registered]
     assert not stale, f"rows for families the registry does not list: {stale}"
 
 
@@ -174,8 +183,9 @@ def prompts_of(vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(("family", "form"), FORMS)
 def test_the_family_answers_as_transformers(models, request, family: str, form: str) -> None:
-    described = family_named(family)
+    """`family`: the row's name (a family's, or a second case of one)."""
     case = row_of(family)
+    described = family_named(case.family or family)
     path = models.directory(family, request) if form == HF else models.gguf(family, request)
     if form == GGUF:
         architecture = read_gguf(str(path)).metadata["general.architecture"]
@@ -184,7 +194,7 @@ def test_the_family_answers_as_transformers(models, request, family: str, form: 
         assert_embeds_as_sentence_transformers(path, described)
         return
     llm = LLM(str(path), kv_cache_memory_bytes=16 << 20, max_num_seqs=4, block_size=4)
-    assert (llm.config.arch.family, llm.config.model_impl) == (family, described.code)
+    assert (llm.config.arch.family, llm.config.model_impl) == (described.name, described.code)
     prompts = prompts_of(case.prompt_vocab)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     hf = models.reference(family, request)

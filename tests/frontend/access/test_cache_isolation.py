@@ -146,8 +146,9 @@ def test_each_tenant_sees_only_its_own_cache_hits(tiny_llama_dir, engine_pool, t
             assert f'tenant="{other}"' not in text
             assert "vllm:prefix_cache_hits_total" not in text
             assert wait_until(  # the engine's load stays visible; a heartbeat brings it to 0
-                lambda key=key: metric(read("/metrics", key).text, "vllm:num_requests_running")
-                == 0,
+                lambda key=key: (
+                    metric(read("/metrics", key).text, "vllm:num_requests_running") == 0
+                ),
                 10,
             )
             stats = read("/dashboard/stats", key).json()

@@ -1,7 +1,8 @@
-"""DeepSeek-V2 (executor/models/deepseek_v2.py): multi-head latent attention (`ModelArchConfig`
-with `mla`) and mixture-of-experts layers with shared experts, from config.json (model_type
-deepseek_v2, transformers' DeepseekV2Config) or a GGUF file of llama.cpp's `deepseek2`
-architecture. No torch here.
+"""DeepSeek-V2 and DeepSeek-V3 (and Kimi K2, DeepSeek-V3's architecture under its own model_type;
+executor/models/deepseek_v2.py): multi-head latent attention (`ModelArchConfig` with `mla`) and
+mixture-of-experts layers with shared experts, from config.json (model_type deepseek_v2,
+deepseek_v3 or kimi_k2: transformers' DeepseekV2Config / DeepseekV3Config) or a GGUF file of
+llama.cpp's `deepseek2` architecture, which holds both. No torch here.
 
 What the two files say, side by side (DeepSeek-V2-Lite's numbers):
 
@@ -26,13 +27,21 @@ What the two files say, side by side (DeepSeek-V2-Lite's numbers):
     topk_method, n_group,    expert_group_count, expert_group_used_count greedy, 1, 1
       topk_group             (grouped when more than one group)
     scoring_func softmax     expert_gating_func 1 (absent: softmax)
+    scoring_func sigmoid,    expert_gating_func 2, and each layer's      (DeepSeek-V3)
+      topk_method noaux_tc,  exp_probs_b (the correction bias)
+      e_score_correction_bias
+    rope_interleave          (none: the converter keeps the pairs)       (V3: true)
 
 The converter writes no `mscale`: llama.cpp takes it equal to mscale_all_dim (so YaRN's cos/sin
 factor is 1, as in every DeepSeek-V2/V3 config), and so does this reader.
 
 A layer is a mixture of experts from first_k_dense_replace on, every moe_layer_freq-th (DeepSeek's
-rule; transformers' class reads no moe_layer_freq, and every V2 config has 1). DeepSeek-V3's
-router (sigmoid scores, noaux_tc with a per-expert bias) is refused, naming it.
+rule; transformers' class reads no moe_layer_freq, and every V2 config has 1). DeepSeek-V3 routes
+by sigmoid scores chosen with a per-expert correction bias (`MoEConfig.sigmoid_scores`); its
+configs may leave scoring_func and topk_method out (transformers' DeepseekV3Config has neither),
+meaning sigmoid and noaux_tc. The checkpoints' multi-token-prediction block (the layers from
+num_hidden_layers on, num_nextn_predict_layers of them) is not read: the model skips it, as
+llama.cpp's converter does. DeepSeek-V3.2's sparse-attention indexer is refused, naming it.
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ from zllm.model.hf_config import hf_rope_scaling
 from zllm.model.moe_arch import MOE_LACKS
 
 FAMILY_NAME = "deepseek_v2"
+# DeepSeek-V3's architecture: its own configs and Kimi K2's.
+V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# llama.cpp's expert_gating_func values.
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
 # The DeepSeek-V2 latent norms' epsilon: transformers builds them with its RMSNorm's default,
 # not config.rms_norm_eps (so does DeepSeek's own modeling code).
 LATENT_NORM_EPS = 1e-6
@@ -61,6 +74,12 @@ def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
             raise ValueError(f"{config_path} is missing {key!r}")
         return cfg[key]
 
+    model_type = cfg.get("model_type") or "deepseek_v2"
+    if model_type == "deepseek_v32" or cfg.get("index_topk") is not None:
+        raise ValueError(
+            f"{config_path}: DeepSeek-V3.2's sparse-attention indexer (index_n_heads, "
+            f"index_topk) is not implemented; zllm runs DeepSeek-V2/V3's dense latent attention"
+        )
     num_layers = int(need("num_hidden_layers"))
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{config_path}: hidden_act {cfg['hidden_act']!r} (DeepSeek-V2 uses silu)")
@@ -71,12 +90,13 @@ def read_hf(cfg: dict[str, Any], config_path: Path) -> ModelArchConfig:
         qk_rope_head_dim=int(need("qk_rope_head_dim")),
         v_head_dim=int(need("v_head_dim")),
         q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
     )
     rope_params = dict(cfg.get("rope_parameters") or {})
     rope_theta = cfg.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
-        architecture="deepseek_v2",
+        architecture=model_type,
         family=FAMILY_NAME,
         vocab_size=int(need("vocab_size")),
         hidden_size=int(need("hidden_size")),
@@ -103,16 +123,20 @@ def _hf_experts(cfg: dict[str, Any], num_layers: int, where: Path) -> MoEConfig 
     first_moe = int(cfg.get("first_k_dense_replace") or 0)
     if not experts or first_moe >= num_layers:
         return None
-    scoring = cfg.get("scoring_func", "softmax")
-    method = cfg.get("topk_method") or "greedy"
-    if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
+    v3 = cfg.get("model_type") in V3_MODEL_TYPES
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    routers = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+    if method not in routers.get(scoring, ()):
         raise ValueError(
             f"{where}: scoring_func {scoring!r} with topk_method {method!r}: zllm runs "
-            f"DeepSeek-V2's router (softmax; greedy or group_limited_greedy), not DeepSeek-V3's"
+            f"DeepSeek-V2's router (softmax; greedy or group_limited_greedy) and DeepSeek-V3's "
+            f"(sigmoid; noaux_tc)"
         )
     every = int(cfg.get("moe_layer_freq") or 1)
     moe_inter = int(cfg.get("moe_intermediate_size") or 0)
-    grouped = method == "group_limited_greedy"
+    # noaux_tc always limits the groups (one group: no limit); V2's greedy never does.
+    grouped = method != "greedy"
     return _experts(
         where,
         experts=int(experts),
@@ -123,6 +147,7 @@ def _hf_experts(cfg: dict[str, Any], num_layers: int, where: Path) -> MoEConfig 
         scale=float(cfg.get("routed_scaling_factor") or 1.0),
         groups=(int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)) if grouped else None,
         dense=[i for i in range(num_layers) if i < first_moe or i % every],
+        sigmoid=scoring == "sigmoid",
     )
 
 
@@ -137,6 +162,7 @@ def _experts(
     scale: float,
     groups: tuple[int, int] | None,
     dense: list[int],
+    sigmoid: bool,
 ) -> MoEConfig:
     """The fields, checked: k of the experts, their width, groups that split them evenly."""
     if not 0 < top_k <= experts:
@@ -156,6 +182,7 @@ def _experts(
         expert_group_count=group_count,
         expert_groups_used=groups_used,
         dense_mlp_layers=tuple(dense),
+        sigmoid_scores=sigmoid,
     )
 
 
@@ -221,9 +248,13 @@ def _gguf_experts(gguf: GGUFFile, num_layers: int) -> MoEConfig | None:
     dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
     if len(dense) == num_layers:
         return None
-    gating = md.get("deepseek2.expert_gating_func", 1)
-    if gating != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
-        raise invalid_gguf(path, f"expert_gating_func {gating} (DeepSeek-V2 routes by softmax)")
+    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (DeepSeek-V2; files without the key
+    # are V2's) or _SIGMOID (DeepSeek-V3, its correction bias in exp_probs_b).
+    gating = md.get("deepseek2.expert_gating_func", GATING_SOFTMAX)
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        raise invalid_gguf(
+            path, f"expert_gating_func {gating} (DeepSeek-V2 routes by softmax, V3 by sigmoid)"
+        )
     group_count = int(md.get("deepseek2.expert_group_count") or 0)
     groups_used = int(md.get("deepseek2.expert_group_used_count") or 0)
     moe_inter = int(md.get("deepseek2.expert_feed_forward_length") or 0)
@@ -237,6 +268,7 @@ def _gguf_experts(gguf: GGUFFile, num_layers: int) -> MoEConfig | None:
         scale=float(md.get("deepseek2.expert_weights_scale") or 1.0),
         groups=(group_count, groups_used) if group_count > 1 else None,
         dense=dense,
+        sigmoid=gating == GATING_SIGMOID,
     )
 
 
@@ -268,8 +300,9 @@ def _gguf_yarn(md: dict[str, Any]) -> dict[str, Any] | None:
 
 FAMILY = Family(
     name=FAMILY_NAME,
-    title="DeepSeek-V2",
-    model_types=("deepseek_v2",),
+    title="DeepSeek-V2/V3",
+    # deepseek_v32 only to refuse it naming its indexer (read_hf).
+    model_types=("deepseek_v2", *V3_MODEL_TYPES, "deepseek_v32"),
     gguf_architectures=("deepseek2",),
     read_hf=read_hf,
     read_gguf=read_gguf,
@@ -286,6 +319,9 @@ FAMILY = Family(
         "attn_kv_b": "self_attn.kv_b_proj",
         "attn_k_b": "self_attn.k_b_proj",
         "attn_v_b": "self_attn.v_b_proj",
+        # DeepSeek-V3's router correction (exp_probs_b.bias; the model renames it back to
+        # e_score_correction_bias).
+        "exp_probs_b": "mlp.gate.e_score_correction",
         # Its shared experts: one ungated MLP, under DeepSeek's plural name.
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
         "ffn_up_shexp": "mlp.shared_experts.up_proj",
