@@ -419,6 +419,10 @@ SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer's ordinary tokens (image tokens a
 
 CASES: dict[str, FamilyCase] = {
     "llama": FamilyCase(convertible("llama"), gguf_outtype=F32),
+    # Four layers: the fourth is NoPE (transformers' default no_rope_layers, llama.cpp's rule).
+    "smollm3": FamilyCase(
+        convertible("smollm3", num_hidden_layers=4, pad_token_id=None), gguf_outtype=F32
+    ),
     "mixtral": FamilyCase(convertible("mixtral", **MIXTRAL), gguf_outtype=F32),
     "qwen2": FamilyCase(convertible("qwen2"), gguf_outtype=F32),
     "qwen2_moe": FamilyCase(

@@ -98,7 +98,7 @@ at::Tensor DecodeStack::forward(const at::Tensor& x_in, const at::Tensor& positi
     norm_rows(xp, layer.attn_norm, S, hidden_, hp);
     layer.qkv(h, qkv);
     if (layer.q_norm.defined()) head_norms(qkvp, S, qkv_size, layer);
-    rope(qkvp, S, qkv_size, pos, rope_tables_[layer.rope_table]);
+    if (layer.rope_table >= 0) rope(qkvp, S, qkv_size, pos, rope_tables_[layer.rope_table]);
     const zllm_attn::PagedCache cache = zllm_attn::paged_cache(kv_caches[l], head_dim_);
     write_cache(qkvp, S, qkv_size, slots[m].data_ptr<int64_t>(), cache);
     const auto& table = block_tables[m];

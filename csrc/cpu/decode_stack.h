@@ -87,7 +87,7 @@ struct Layer {
   at::Tensor post_attn_norm, post_ffn_norm;  // sandwich only: on each sublayer's output
   at::Tensor q_norm, k_norm;                 // per-head norms [head_dim], or undefined
   Matmul qkv, o, gate_up, down;
-  int64_t rope_table;  // index into DecodeStack::rope_tables
+  int64_t rope_table;  // index into DecodeStack::rope_tables; -1: no rotation (a NoPE layer)
   double scale;        // attention scale
 };
 
@@ -127,7 +127,7 @@ class DecodeStack {
                 "gate_up must map hidden -> 2 intermediate");
     TORCH_CHECK(down.in_features == intermediate_ && down.out_features == hidden_,
                 "down must map intermediate -> hidden");
-    TORCH_CHECK(rope_table >= 0 && rope_table < static_cast<int64_t>(rope_tables_.size()),
+    TORCH_CHECK(rope_table >= -1 && rope_table < static_cast<int64_t>(rope_tables_.size()),
                 "unknown rope table");
     TORCH_CHECK(post_attn_norm.has_value() == sandwich_ && post_ffn_norm.has_value() == sandwich_,
                 "post-sublayer norms go with the sandwich layout only");

@@ -18,7 +18,8 @@ What it covers, checked once when the model is loaded (`FusedDecode.build` says 
   - fp32 on CPU with the csrc/cpu decode attention; matmuls in GGUF blocks (`gguf`,
     `gguf-float`, `gguf-int8`, `int8`'s Q8_0 blocks, a quantized checkpoint's: each matmul's
     integer-dot row limit is copied) or fp32 (`none`);
-  - sliding-window layers (the kernel windows its decode attention).
+  - sliding-window layers (the kernel windows its decode attention), NoPE layers (no rope
+    table: SmolLM3's).
 Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
 modules), deterministic mode (the modules tile their matmuls), the transformers backend,
 `--enforce-eager`, and any step with a prefill chunk in it.
@@ -146,7 +147,7 @@ def _decode_stack(arch: Any, parts: StackParts) -> Any:
         stack.add_layer(
             **_layer_norms(layer),
             **_layer_matmuls(kernels, layer),
-            rope_table=local_rope if layer.local_rope else global_rope,
+            rope_table=-1 if not layer.rope else local_rope if layer.local_rope else global_rope,
             scale=layer.attention.scale,
         )
     return stack

@@ -41,6 +41,7 @@ class LayerParts:
     post_attn_norm: Norm | None = None  # sandwich norms (Gemma 3)
     post_ffn_norm: Norm | None = None
     local_rope: bool = False  # rotates by the stack's local table (a sliding layer)
+    rope: bool = True  # False: a NoPE layer (no rotation at all)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,18 +60,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(arch, dtype, attention, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = make_mlp(arch, layer, dtype, tp)
+        # False: a NoPE layer (arch.nope_layers), its queries and keys not rotated.
+        self.rope = layer not in arch.nope_layers
 
     def forward(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: StepAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Takes and returns (the last sublayer's output, the residual stream before it)."""
         x, residual = self.input_layernorm(x, residual)
+        if not self.rope:
+            cos = sin = None
         x = self.self_attn(x, cos, sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -148,6 +152,7 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
                     attention=attn.attn,
                     q_norm=None if qk is None else qk.q_norm,
                     k_norm=None if qk is None else qk.k_norm,
+                    rope=layer.rope,
                 )
             )
         return StackParts(layers, final_norm=self.norm, activation="silu", rope=self.rotary)

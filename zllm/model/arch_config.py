@@ -174,6 +174,8 @@ class ModelArchConfig:
     layer_types: list[str] | None = None
     # Keys a sliding layer's query sees, itself included (positions q - window < k <= q).
     sliding_window: int | None = None
+    # Layers whose attention takes no position embedding (NoPE: SmolLM3's every fourth).
+    nope_layers: tuple[int, ...] = ()
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen 3's, Gemma 3's)
     hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh" for Gemma)
     # The experts of a mixture-of-experts model; None: every MLP dense.

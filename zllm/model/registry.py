@@ -23,6 +23,7 @@ from zllm.model.families import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    smollm3,
     transformers,
 )
 from zllm.model.family import Family, Feature, Trait
@@ -30,6 +31,7 @@ from zllm.model.gguf import GGUFFile
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
+    smollm3.FAMILY,
     mixtral.FAMILY,
     qwen2.FAMILY,
     qwen2_moe.FAMILY,

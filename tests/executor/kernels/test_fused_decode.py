@@ -46,6 +46,10 @@ MODEL_DIRS = {
     ),
     "mistral-window": dict(arch="mistral", sliding_window=WINDOW),
     "gemma3": tiny_gemma3_overrides(WINDOW),
+    # NoPE layers: the second and fourth (no rope table in the stack for them)
+    "smollm3-nope": dict(
+        arch="smollm3", num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=None
+    ),  # fmt: skip
 }
 # A GGUF whose matmuls mix kernel types (q/k beside v of another type: one kernel call per
 # part), served by the default `gguf` and by `gguf-int8`.
