@@ -429,6 +429,14 @@ CASES: dict[str, FamilyCase] = {
         convertible("qwen2_moe", QWEN2_MOE_SEED, **QWEN2_MOE_ALL_SPARSE), gguf_outtype=F32
     ),
     "qwen3": FamilyCase(convertible("qwen3"), gguf_outtype=F32),
+    # OLMo 3 (the olmo2 family's second case): four layers, three windowed (8 keys), one full.
+    "olmo3": FamilyCase(
+        convertible("olmo3", num_hidden_layers=4, sliding_window=8, pad_token_id=None),
+        gguf_outtype=F32,
+        family="olmo2",
+    ),
+    # (seed 3: seed 0's post-norm model repeats one token for two of the prompts)
+    "olmo2": FamilyCase(convertible("olmo2", seed=3, pad_token_id=None), gguf_outtype=F32),
     "qwen3_moe": FamilyCase(convertible("qwen3_moe", **QWEN3_MOE), gguf_outtype=F32),
     "phi3": FamilyCase(convertible("phi3", **PHI3), gguf_outtype=F32),
     "gemma3": FamilyCase(convertible("gemma3_text", **GEMMA3), gguf_outtype=F32),

@@ -107,6 +107,8 @@ SPM_VOCAB_CLASSES = {
     "Qwen3_5ForCausalLM": ("qwen", "Qwen3NextModel"),
     "Qwen3_5MoeForCausalLM": ("qwen", "Qwen3NextModel"),
     "NemotronHForCausalLM": ("nemotron", "NemotronHModel"),  # (reads a BPE tokenizer only)
+    "Olmo2ForCausalLM": ("olmo", "Olmo2Model"),  # (TextModel's default: a BPE tokenizer)
+    "Olmo3ForCausalLM": ("olmo", "Olmo2Model"),
 }
 
 

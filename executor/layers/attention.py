@@ -42,13 +42,16 @@ class SelfAttention(nn.Module):
         sinks: bool = False,
         output_gate: bool = False,
         scale: float | None = None,
+        qk_norm: nn.Module | None = None,
     ) -> None:
         """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only; its
         attention_bias puts biases on q/k/v, its qk_norm per-head norms. gpt-oss's:
         `output_bias` on o_proj too, `sinks` a sink logit per query head. `output_gate`: a
         sigmoid gate per query value before o_proj (Qwen3-Next's). `scale`: the attention scale
         (None: head_dim ** -0.5; Granite's attention_multiplier). The model passes cos and sin
-        None for layers without a position embedding (Granite 4.0-H's)."""
+        None for layers without a position embedding (Granite 4.0-H's). `qk_norm`: a module
+        over [T, heads + kv_heads, head_dim] in place of arch.qk_norm's per-head norms
+        (OLMo's norms over all heads at once)."""
         super().__init__()
         self.tp = tp
         self.num_heads = arch.num_heads
@@ -63,7 +66,9 @@ class SelfAttention(nn.Module):
             dtype,
             bias=arch.attention_bias,
         )
-        self.qk_norm = QKNorm(arch, dtype) if arch.qk_norm else None
+        self.qk_norm = (
+            qk_norm if qk_norm is not None else QKNorm(arch, dtype) if arch.qk_norm else None
+        )
         self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype, bias=output_bias)
         # fp32 whatever the model's dtype: every attention path reads them so (a bf16
         # checkpoint's values widen exactly).

@@ -69,6 +69,25 @@ class QKNorm(nn.Module):
         return torch.cat((self.q_norm(q)[0], self.k_norm(k)[0]), dim=1)
 
 
+class WholeQKNorm(nn.Module):
+    """OLMo 2/3: one RMSNorm over all query heads at once and one over all key heads (HF's
+    q_norm [heads x head_dim], k_norm [kv_heads x head_dim]), before RoPE."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.q_norm = RMSNorm(arch.num_heads * arch.head_dim, arch.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(arch.num_kv_heads * arch.head_dim, arch.rms_norm_eps, dtype)
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads + kv_heads, head_dim] -> the same, q and k each normed whole."""
+        tokens, _, head_dim = qk.shape
+        q = qk[:, : self.num_heads].reshape(tokens, -1)
+        k = qk[:, self.num_heads :].reshape(tokens, -1)
+        q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        return torch.cat((q, k), dim=1).view(tokens, -1, head_dim)
+
+
 class GemmaRMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, cast back: Gemma's norm."""
 

@@ -2,7 +2,7 @@
 modeling code under zllm's scheduler and paged KV cache (--model-impl transformers / auto).
 
   gpt_neox     multi-head attention, partial rotary (25% of each head), parallel residual
-  olmo2        q/k norms over all heads, post-norm layers
+  olmo         OLMo 1: LayerNorms without weights, q/k/v clipped
   phi          Phi-2: LayerNorm, partial rotary, biases, dense output projection
   starcoder2   a 16-token window on every layer, prompts far longer than it
   gpt2         learned absolute positions, fused c_attn (no rotary)
@@ -45,7 +45,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # is dropped (None) for the families whose configs have no such field.
 CASES: dict[str, dict[str, Any]] = {
     "gpt_neox": dict(num_key_value_heads=None, tie_word_embeddings=False),
-    "olmo2": dict(),
+    "olmo": dict(clip_qkv=8.0),
     "phi": dict(),
     "starcoder2": dict(sliding_window=WINDOW),
     "gpt2": dict(num_key_value_heads=None),
@@ -348,7 +348,7 @@ def test_preemption_recomputes(models, case) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", ["gpt_neox", "olmo2", "phi", "starcoder2", MOE])
+@pytest.mark.parametrize("case", ["gpt_neox", "olmo", "phi", "starcoder2", MOE])
 def test_served(models, case, engine_pool, tmp_path: Path) -> None:
     """`zllm serve` on a model only transformers' code runs: its greedy completions are the
     offline engine's text, whose tokens are transformers'; the log says which code serves it."""
