@@ -130,6 +130,36 @@ DEEPSEEK_V3 = dict(
     num_nextn_predict_layers=1,
 )
 
+# GLM-4.5 (tests/executor/models/test_glm4_moe.py): q/k/v biases and head norms, half of each
+# head rotated; one dense layer, then two of 8 experts (2 a token, from the best 2 of 4
+# groups, sigmoid scores with drawn corrections, renormalised, times 2.5) beside a shared
+# expert; the MTP layer its checkpoints append.
+GLM4_MOE = dict(
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    use_qk_norm=True,
+    attention_bias=True,
+    num_nextn_predict_layers=1,
+)
+
+# MiniMax-M2: q/k norms over all heads, half of each head rotated (rotary_dim), every layer
+# 2 of 8 experts by sigmoid scores with drawn corrections.
+MINIMAX_M2 = dict(
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    head_dim=16,
+    rotary_dim=8,
+    pad_token_id=None,
+)
+
 # Phi-3 (tests/executor/models/test_gguf_architectures.py): LongRoPE over 3/4 of each head
 # and a window of 8 on every layer. Prompts run past its pretraining context (32): transformers
 # takes the long factors only there, zllm for any prompt (its context, 512, is past it).
@@ -364,11 +394,17 @@ def with_mtp_layer(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def deepseek_v3(**shape) -> Callable[[Path], Path]:
-    """DeepSeek-V3's writer: convertible's model, its score corrections drawn, its MTP layer."""
+def corrected_with_mtp(arch: str, **shape) -> Callable[[Path], Path]:
+    """DeepSeek-V3's and GLM-4.5's writer: convertible's model, its experts' score corrections
+    drawn, the MTP layer their checkpoints append."""
     return lambda path: with_mtp_layer(
-        with_drawn_score_corrections(convertible("deepseek_v3", **shape)(path))
+        with_drawn_score_corrections(convertible(arch, **shape)(path))
     )
+
+
+def minimax_m2(**shape) -> Callable[[Path], Path]:
+    """MiniMax-M2's writer: convertible's model with its experts' score corrections drawn."""
+    return lambda path: with_drawn_score_corrections(convertible("minimax_m2", **shape)(path))
 
 
 def with_released_layer_names(path: Path) -> Path:
@@ -438,6 +474,8 @@ CASES: dict[str, FamilyCase] = {
     # (seed 3: seed 0's post-norm model repeats one token for two of the prompts)
     "olmo2": FamilyCase(convertible("olmo2", seed=3, pad_token_id=None), gguf_outtype=F32),
     "qwen3_moe": FamilyCase(convertible("qwen3_moe", **QWEN3_MOE), gguf_outtype=F32),
+    "glm4_moe": FamilyCase(corrected_with_mtp("glm4_moe", **GLM4_MOE), gguf_outtype=F32),
+    "minimax_m2": FamilyCase(minimax_m2(**MINIMAX_M2), gguf_outtype=F32),
     "phi3": FamilyCase(convertible("phi3", **PHI3), gguf_outtype=F32),
     "gemma3": FamilyCase(convertible("gemma3_text", **GEMMA3), gguf_outtype=F32),
     "qwen2_5_vl": FamilyCase(
@@ -447,7 +485,9 @@ CASES: dict[str, FamilyCase] = {
     ),
     "gpt_oss": FamilyCase(_gpt_oss, gguf_outtype=F32),
     "deepseek_v2": FamilyCase(convertible("deepseek_v2", **DEEPSEEK_V2["moe"]), gguf_outtype=F32),
-    "deepseek_v3": FamilyCase(deepseek_v3(**DEEPSEEK_V3), gguf_outtype=F32, family="deepseek_v2"),
+    "deepseek_v3": FamilyCase(
+        corrected_with_mtp("deepseek_v3", **DEEPSEEK_V3), gguf_outtype=F32, family="deepseek_v2"
+    ),
     "llava": FamilyCase(
         lambda path, smollm2_path: write_tiny_llava(path, smollm2_path),
         fixtures=("smollm2_path",),

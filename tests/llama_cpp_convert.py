@@ -109,6 +109,8 @@ SPM_VOCAB_CLASSES = {
     "NemotronHForCausalLM": ("nemotron", "NemotronHModel"),  # (reads a BPE tokenizer only)
     "Olmo2ForCausalLM": ("olmo", "Olmo2Model"),  # (TextModel's default: a BPE tokenizer)
     "Olmo3ForCausalLM": ("olmo", "Olmo2Model"),
+    "Glm4MoeForCausalLM": ("glm", "Glm4MoeModel"),  # (a GLM tokenizer's BPE only)
+    "MiniMaxM2ForCausalLM": ("minimax", "MiniMaxM2Model"),  # (TextModel's BPE default)
 }
 
 

@@ -78,6 +78,8 @@ class FusedDecode:
             raise Unsupported(f"dtype {model.dtype} (the fused path is fp32)")
         if model.arch.moe is not None:
             raise Unsupported("mixture-of-experts layers (executor/layers/moe/ routes them)")
+        if model.arch.qk_norm_whole:
+            raise Unsupported("q/k norms over all heads (the stack's are per head)")
         parts: StackParts = describe()
         for layer in parts.layers:
             attn = layer.attention

@@ -1,6 +1,7 @@
 """Self-attention with one fused q/k/v projection, over the paged KV cache through the layer
 of the attention backend the model is built with (executor/attention/backend.py): Llama's
-family (with Qwen2's q/k/v biases and Qwen3's per-head q/k norms) and gpt-oss (biases on
+family (with Qwen2's q/k/v biases, Qwen3's per-head q/k norms or OLMo's and MiniMax-M2's over
+all heads at once) and gpt-oss (biases on
 o_proj too, a sink logit per query head).
 
     qkv = qkv_proj(x)                          [T, q | k | v]: one GEMM
@@ -25,7 +26,7 @@ from torch import nn
 
 from zllm.executor.attention.backend import AttentionBackend, StepAttentionMetadata
 from zllm.executor.layers.linear.dense import empty_linear
-from zllm.executor.layers.norms import QKNorm
+from zllm.executor.layers.norms import QKNorm, WholeQKNorm
 from zllm.executor.layers.rope import rope, rope_into_cache
 from zllm.executor.parallel.groups import SINGLE, TensorParallel
 from zllm.model.arch_config import ModelArchConfig
@@ -42,16 +43,13 @@ class SelfAttention(nn.Module):
         sinks: bool = False,
         output_gate: bool = False,
         scale: float | None = None,
-        qk_norm: nn.Module | None = None,
     ) -> None:
         """`arch`: this rank's (executor/parallel/shards.py local_arch): its heads only; its
         attention_bias puts biases on q/k/v, its qk_norm per-head norms. gpt-oss's:
         `output_bias` on o_proj too, `sinks` a sink logit per query head. `output_gate`: a
         sigmoid gate per query value before o_proj (Qwen3-Next's). `scale`: the attention scale
         (None: head_dim ** -0.5; Granite's attention_multiplier). The model passes cos and sin
-        None for layers without a position embedding (Granite 4.0-H's). `qk_norm`: a module
-        over [T, heads + kv_heads, head_dim] in place of arch.qk_norm's per-head norms
-        (OLMo's norms over all heads at once)."""
+        None for layers without a position embedding (Granite 4.0-H's)."""
         super().__init__()
         self.tp = tp
         self.num_heads = arch.num_heads
@@ -66,9 +64,11 @@ class SelfAttention(nn.Module):
             dtype,
             bias=arch.attention_bias,
         )
-        self.qk_norm = (
-            qk_norm if qk_norm is not None else QKNorm(arch, dtype) if arch.qk_norm else None
-        )
+        self.qk_norm: nn.Module | None = None  # per head, or over all heads at once
+        if arch.qk_norm:
+            self.qk_norm = QKNorm(arch, dtype)
+        elif arch.qk_norm_whole:
+            self.qk_norm = WholeQKNorm(arch, dtype)
         self.o_proj = empty_linear(self.q_size, arch.hidden_size, dtype, bias=output_bias)
         # fp32 whatever the model's dtype: every attention path reads them so (a bf16
         # checkpoint's values widen exactly).

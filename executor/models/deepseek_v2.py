@@ -223,8 +223,8 @@ class DeepseekV2ForCausalLM(DecoderStack, nn.Module):
     ) -> None:
         """Hugging Face-named tensors in, one at a time (copy_checkpoint); stacked or fused
         expert tensors cut into each expert's (layers/moe/checkpoint.py). DeepSeek-V3's
-        multi-token-prediction block (layers from num_hidden_layers on) is skipped."""
-        weights = _without_mtp_block(weights, self.arch.num_layers)
+        multi-token-prediction block (layers from num_hidden_layers on) is no layer of the
+        model: copy_checkpoint skips it as another stage's."""
         if self.arch.moe is not None:
             weights = per_expert_weights(weights)
             served = per_expert_names(served, self.arch.moe.num_experts)
@@ -293,22 +293,8 @@ def _layer_targets(layer: DeepseekV2DecoderLayer) -> dict[str, torch.Tensor]:
     }
     targets["self_attn.kv_b_proj.weight"] = attn.kv_b.data.view(-1, attn.kv_b.shape[-1])
     if isinstance(mlp, MoEBlock):
-        return targets | mlp.checkpoint_targets("mlp.", shared_name="shared_experts")
+        return targets | mlp.checkpoint_targets("mlp.")
     gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
     targets["mlp.gate_proj.weight"], targets["mlp.up_proj.weight"] = gate, up
     targets["mlp.down_proj.weight"] = mlp.down_proj.weight.data
     return targets
-
-
-def _without_mtp_block(
-    weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less the multi-token-prediction layers DeepSeek-V3 appends
-    after its decoder (model.layers.{num_layers}...: not run here), with a GGUF's correction
-    bias under its checkpoint name."""
-    for name, tensor in weights:
-        if name.startswith("model.layers."):
-            layer = name.split(".", 3)[2]
-            if layer.isdigit() and int(layer) >= num_layers:
-                continue
-        yield name.replace("gate.e_score_correction.bias", "gate.e_score_correction_bias"), tensor

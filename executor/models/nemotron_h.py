@@ -90,6 +90,7 @@ def _experts(arch: ModelArchConfig, dtype: torch.dtype) -> MoEBlock:
         groups_used=moe.expert_groups_used,
         routed_scaling=moe.routed_scaling_factor,
         shared_expert_gated=False,
+        shared_name="shared_experts",
     )
     shared = moe.shared_expert_intermediate_size
     shared_expert = UngatedMLP(arch, dtype, RELU2, shared) if shared else None
@@ -182,7 +183,7 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
             targets[f"{prefix}norm.weight"] = layer.norm.weight.data
             mixer, m = layer.mixer, f"{prefix}mixer."
             if layer.mlp is not None:
-                targets |= layer.mlp.checkpoint_targets(f"{prefix}mlp.", "shared_experts")
+                targets |= layer.mlp.checkpoint_targets(f"{prefix}mlp.")
             elif isinstance(mixer, Mamba2Mixer):
                 targets |= mixer.checkpoint_targets(m)
             elif isinstance(mixer, SelfAttention):

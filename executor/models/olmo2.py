@@ -30,7 +30,7 @@ from zllm.executor.attention.backend import (
 from zllm.executor.layers.attention import SelfAttention
 from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.mlp import GatedMLP
-from zllm.executor.layers.norms import RMSNorm, WholeQKNorm
+from zllm.executor.layers.norms import RMSNorm
 from zllm.executor.layers.rope import RotaryEmbedding
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
 from zllm.executor.parallel.shards import logits_weight
@@ -44,7 +44,7 @@ class Olmo2DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.is_sliding = arch.is_sliding(layer)  # picks the unscaled RoPE table
-        self.self_attn = SelfAttention(arch, dtype, attention, qk_norm=WholeQKNorm(arch, dtype))
+        self.self_attn = SelfAttention(arch, dtype, attention)  # (arch.qk_norm_whole)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.mlp = GatedMLP(arch, dtype)
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)

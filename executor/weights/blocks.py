@@ -382,7 +382,7 @@ def decoder_matmul_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, l
         if isinstance(mlp, MoEBlock):  # experts: expert_blocks.py; a shared one as an MLP
             if mlp.shared_expert is None:
                 continue
-            mlp, m = mlp.shared_expert, f"{m}shared_expert."
+            mlp, m = mlp.shared_expert, f"{m}{mlp.rule.shared_name}."
         if fused:
             yield mlp, "gate_up_proj", [f"{m}gate_up_proj.weight"]
         else:

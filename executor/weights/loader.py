@@ -132,6 +132,9 @@ def hf_name_from_gguf(name: str, layer_names: Mapping[str, str]) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     parts = name.split(".")
+    whole = ".".join(parts[2:])  # a key with its suffix names the whole tensor (exp_probs_b.bias)
+    if len(parts) == 4 and parts[0] == "blk" and whole in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[whole]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:  # (ssm_a: no suffix)

@@ -177,6 +177,9 @@ class ModelArchConfig:
     # Layers whose attention takes no position embedding (NoPE: SmolLM3's every fourth).
     nope_layers: tuple[int, ...] = ()
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen 3's, Gemma 3's)
+    # One RMSNorm over all query heads at once and one over all key heads (OLMo 2/3's,
+    # MiniMax-M2's q_norm [heads x head_dim]); not with qk_norm.
+    qk_norm_whole: bool = False
     hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh" for Gemma)
     # The experts of a mixture-of-experts model; None: every MLP dense.
     moe: MoEConfig | None = None

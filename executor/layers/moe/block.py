@@ -163,12 +163,11 @@ class MoEBlock(nn.Module):
         per_token = out_rows.view(x.shape[0], self.top_k, x.shape[1]).float()
         return (per_token * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
-    def checkpoint_targets(
-        self, prefix: str, shared_name: str = "shared_expert"
-    ) -> dict[str, torch.Tensor]:
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Each checkpoint name under `prefix` ("model.layers.{i}.mlp.") -> the tensor (a
-        view of the stacked experts) it fills; the shared expert's under `shared_name`
-        (DeepSeek's checkpoints: "shared_experts")."""
+        view of the stacked experts) it fills; the shared expert's under the rule's
+        shared_name (DeepSeek's checkpoints: "shared_experts")."""
+        shared_name = self.rule.shared_name
         targets = {f"{prefix}gate.weight": self.gate.weight.data}
         if self.score_bias is not None:
             targets[f"{prefix}gate.e_score_correction_bias"] = self.score_bias.data

@@ -19,6 +19,11 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_pro
 # Mixtral's checkpoint names -> Qwen-MoE's, which the model's targets use.
 _MIXTRAL_NAMES = (
     (re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+    # (MiniMax-M2's router correction sits beside its gate)
+    (
+        re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"),
+        ".mlp.gate.e_score_correction_bias",
+    ),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
     (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."),

@@ -52,6 +52,8 @@ class MoERule:
     routed_scaling: float = 1.0
     # The shared expert's output scaled by sigmoid(x w_g) (Qwen2-MoE), or added as is (DeepSeek).
     shared_expert_gated: bool = True
+    # Its checkpoint name under mlp.: Qwen2-MoE's "shared_expert", DeepSeek's and GLM's plural.
+    shared_name: str = "shared_expert"
 
     @property
     def gated(self) -> bool:
@@ -71,8 +73,22 @@ GPT_OSS_RULE = MoERule(
 
 def rule_of(arch: ModelArchConfig) -> MoERule:
     """The rule of the Qwen-MoE / Mixtral / OLMoE families: softmax, top k, optionally
-    renormalised (Mixtral's configs have no norm_topk_prob: its family's reader sets it)."""
-    return MoERule(norm_topk_prob=arch.moe.norm_topk_prob)
+    renormalised (Mixtral's configs have no norm_topk_prob: its family's reader sets it);
+    GLM-4.5's: DeepSeek-V3's sigmoid router (MoEConfig.sigmoid_scores) and its shared
+    experts added ungated."""
+    moe = arch.moe
+    if not moe.sigmoid_scores:
+        return MoERule(norm_topk_prob=moe.norm_topk_prob)
+    grouped = moe.expert_group_count > 0
+    return MoERule(
+        router=SIGMOID_BIAS_TOPK,
+        norm_topk_prob=moe.norm_topk_prob,
+        group_count=moe.expert_group_count if grouped else 1,
+        groups_used=moe.expert_groups_used if grouped else 1,
+        routed_scaling=moe.routed_scaling_factor,
+        shared_expert_gated=False,
+        shared_name="shared_experts",
+    )
 
 
 def deepseek_rule(arch: ModelArchConfig) -> MoERule:
@@ -88,6 +104,7 @@ def deepseek_rule(arch: ModelArchConfig) -> MoERule:
         groups_used=moe.expert_groups_used if grouped else 1,
         routed_scaling=moe.routed_scaling_factor,
         shared_expert_gated=False,
+        shared_name="shared_experts",
     )
 
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from family_cases import CASES, DEEPSEEK_V3, deepseek_v3
+from family_cases import CASES, DEEPSEEK_V3, corrected_with_mtp
 from llama_cpp_convert import SPM_VOCAB_SIZE, convert_hf_to_gguf
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
@@ -80,11 +80,7 @@ def test_the_correction_bias_loads_and_changes_the_choice(v3_dir, v3_gguf) -> No
     assert bias.abs().sum() > 0
     for path in (v3_dir, v3_gguf):
         loaded = dict(load_weights(str(path), read_arch_config(str(path))))
-        renamed = {
-            k.replace("e_score_correction.bias", "e_score_correction_bias"): v
-            for k, v in loaded.items()
-        }  # fmt: skip (a GGUF names it exp_probs_b.bias)
-        assert torch.equal(renamed[name], bias)
+        assert torch.equal(loaded[name], bias)  # (a GGUF file: its exp_probs_b.bias)
     arch = read_arch_config(str(v3_dir))
     logits = torch.randn(256, arch.moe.num_experts, generator=torch.Generator().manual_seed(0))
     with_bias = route(logits, 2, deepseek_rule(arch), bias)[1]
@@ -114,7 +110,9 @@ def test_kimi_k2s_model_type_reads_as_deepseek_v3(v3_dir, tmp_path) -> None:
 
 def test_rope_as_two_halves_answers_as_transformers(tmp_path) -> None:
     """A config with rope_interleave false rotates the rope dims as Llama's two halves."""
-    directory = deepseek_v3(**dict(DEEPSEEK_V3, rope_interleave=False))(tmp_path / "halves")
+    directory = corrected_with_mtp("deepseek_v3", **dict(DEEPSEEK_V3, rope_interleave=False))(
+        tmp_path / "halves"
+    )
     assert not read_arch_config(str(directory)).mla.rope_interleave
     check_parity(directory, PROMPTS[:2], generate(directory, PROMPTS[:2]), "halves")
 

@@ -32,7 +32,7 @@ def test_layer_kinds_and_window_read_alike_from_both_forms(olmo3_dir, tmp_path) 
     arch = read_arch_config(str(olmo3_dir))
     assert arch.family == "olmo2" and arch.architecture == "olmo3"
     assert arch.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
-    assert arch.sliding_window == 8 and not arch.qk_norm  # (its q/k norms are the model's own)
+    assert arch.sliding_window == 8 and arch.qk_norm_whole and not arch.qk_norm
     gguf = read_arch_config(str(convert_hf_to_gguf(olmo3_dir, tmp_path / "o.gguf", "f32")))
     assert (gguf.family, gguf.layer_types, gguf.sliding_window) == (
         "olmo2",

@@ -319,9 +319,8 @@ FAMILY = Family(
         "attn_kv_b": "self_attn.kv_b_proj",
         "attn_k_b": "self_attn.k_b_proj",
         "attn_v_b": "self_attn.v_b_proj",
-        # DeepSeek-V3's router correction (exp_probs_b.bias; the model renames it back to
-        # e_score_correction_bias).
-        "exp_probs_b": "mlp.gate.e_score_correction",
+        # DeepSeek-V3's router correction.
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
         # Its shared experts: one ungated MLP, under DeepSeek's plural name.
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
         "ffn_up_shexp": "mlp.shared_experts.up_proj",

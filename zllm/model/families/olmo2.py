@@ -26,7 +26,9 @@ FULL_EVERY = 4
 def read_hf(cfg: dict[str, Any], where: Path) -> ModelArchConfig:
     cfg = _flat_rope(cfg, where)
     windows = _olmo3_windows if cfg.get("model_type") == "olmo3" else hf_config.no_windows
-    return hf_config.decoder_arch(cfg, where, FAMILY_NAME, windows=windows)
+    arch = hf_config.decoder_arch(cfg, where, FAMILY_NAME, windows=windows)
+    arch.qk_norm_whole = True
+    return arch
 
 
 def _olmo3_windows(cfg: dict[str, Any], num_layers: int) -> tuple[list[str], int | None]:
@@ -60,6 +62,7 @@ def _flat_rope(cfg: dict[str, Any], where: Path) -> dict[str, Any]:
 
 def read_gguf(gguf: GGUFFile) -> ModelArchConfig:
     arch = gguf_config.decoder_arch(gguf, FAMILY_NAME, windows=True)
+    arch.qk_norm_whole = True
     pattern = gguf.metadata.get("olmo2.attention.sliding_window_pattern")
     if arch.sliding_window is not None and pattern is not None:
         if len(pattern) != arch.num_layers:
