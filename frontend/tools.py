@@ -6,7 +6,9 @@ engine, and how each choice's text becomes content, reasoning and tool calls on 
     auto          the model's own format; with hermes, after its        --tool-call-parser
                   call-opening token (`<tool_call>`), the rest of the   (hermes, llama3_json,
                   call matches the tool schemas (a grammar that waits   mistral, pythonic,
-                  for that token); other formats are parsed only        qwen3_xml, openai)
+                  for that token); other formats are parsed only        qwen3_xml, deepseek_v3,
+                                                                        kimi_k2, glm45,
+                                                                        minimax_m2, openai)
     required      a JSON array of {"name", "parameters"} objects, one   _RequiredCalls
                   per call, each matching its tool's schema
     a function    that function's parameters schema: the text is the    _NamedCall
@@ -220,9 +222,12 @@ def constrain(
     return msgspec.structs.replace(params, structured_outputs=structured)
 
 
-# Formats whose call-opening tag is a special token in the model's tokenizer (Mistral's
-# `[TOOL_CALLS]`): decoding must keep special tokens, or the parser never sees a call open.
-_SPECIAL_CALL_TAGS = frozenset({"mistral"})
+# Formats whose call tags are special tokens in the model's tokenizer (Mistral's
+# `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Kimi K2's, GLM's `<tool_call>`, MiniMax's
+# `<minimax:tool_call>`): decoding must keep special tokens, or the parser never sees a call.
+_SPECIAL_CALL_TAGS = frozenset(
+    {"mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "glm47", "minimax_m2"}
+)
 
 
 def keep_call_tags(

@@ -39,8 +39,10 @@ _SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 _SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 _VENDORED = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 # What convert_hf_to_gguf.py imports (models/ holds only templates and vocabularies that the
-# architectures tested here never read).
+# architectures tested here never read), and the released models' chat templates llama.cpp
+# keeps for its own tests (models/templates/: the tool-call parsers' tests render them).
 _CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+_TEMPLATES = "models/templates/"
 OUTTYPES = ("f32", "f16", "q8_0")
 
 # The SentencePiece tokenizer's ids: unknown, begin and end of sequence, then chat markers.
@@ -68,6 +70,36 @@ def converter_dir() -> Path:
     return root
 
 
+def _extract(sdist: Path, target: Path, wanted: tuple[str, ...]) -> None:
+    """The sdist's vendor/llama.cpp files under the `wanted` prefixes, into `target`."""
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            inner = member.name.removeprefix(_VENDORED)
+            if inner != member.name and inner.startswith(wanted) and member.isfile():
+                member.name = inner
+                members.append(member)
+        tar.extractall(target, members=members, filter="data")
+
+
+def chat_template(name: str) -> str:
+    """A released model's chat template as llama.cpp's sdist keeps it (models/templates/NAME:
+    "GLM-4.6.jinja"), extracted beside the converter on first use."""
+    root = converter_dir()
+    templates = root / _TEMPLATES
+    if not templates.is_dir():  # (a converter extracted before the templates were)
+        with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
+            extracted = Path(scratch) / "templates"
+            _extract(_download_sdist(Path(scratch)), extracted, (_TEMPLATES,))
+            templates.parent.mkdir(exist_ok=True)
+            try:
+                (extracted / _TEMPLATES).rename(templates)
+            except OSError:
+                if not templates.is_dir():
+                    raise
+    return (templates / name).read_text()
+
+
 def _download_sdist(directory: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"]
     cmd += ["--no-binary", ":all:", "--no-deps", "--quiet", "-d", str(directory)]
@@ -82,14 +114,7 @@ def _download_sdist(directory: Path) -> Path:
 
 
 def _extract_converter(sdist: Path, target: Path) -> None:
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            inner = member.name.removeprefix(_VENDORED)
-            if inner != member.name and inner.startswith(_CONVERTER_FILES) and member.isfile():
-                member.name = inner
-                members.append(member)
-        tar.extractall(target, members=members, filter="data")
+    _extract(sdist, target, (*_CONVERTER_FILES, _TEMPLATES))
     if not (target / "convert_hf_to_gguf.py").is_file():
         raise RuntimeError(f"{_SDIST} has no {_VENDORED}convert_hf_to_gguf.py")
 

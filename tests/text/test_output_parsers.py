@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 
 import pytest
@@ -55,6 +56,8 @@ def streamed_calls(
             assert d.id and d.name, "a call's first delta names it"
             if name == "mistral":  # Mistral's templates take nothing else in a later turn
                 assert len(d.id) == 9 and d.id.isalnum(), d.id
+            elif name == "kimi_k2":  # the model's own id: its template matches results by it
+                assert d.id.startswith("functions.") and d.id.endswith(f":{d.index}"), d.id
             else:
                 assert d.id.startswith("call_"), d.id
             calls[d.index] = [d.name, ""]
@@ -395,6 +398,168 @@ def test_llama3_json_and_pythonic_stream_call_by_call() -> None:
         ] == ["g"]
 
 
+# The tag-delimited formats (sections.py): canned answers, whole and streamed.
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+SECTIONED = [
+    ("deepseek_v3", "plain", "Just text.", "Just text.", []),
+    (
+        "deepseek_v3",
+        "two calls after text",
+        f'Sure.{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{"city": "Pa\\"ris", "n": [1]}}{DS_CALL_END}'
+        f"{DS_CALL}noop{DS_SEP}{{}}{DS_CALL_END}{DS_END}",
+        "Sure.",
+        [("get_weather", {"city": 'Pa"ris', "n": [1]}), ("noop", {})],
+    ),
+    (
+        "deepseek_v3",
+        "V3's fenced form",
+        f'{DS_BEGIN}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris"}}\n```'
+        f"{DS_CALL_END}{DS_END}",
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "deepseek_v3",
+        "not JSON stays text",
+        f"a{DS_BEGIN}{DS_CALL}f{DS_SEP}{{oops{DS_CALL_END}{DS_END}",
+        f"a{DS_BEGIN}{DS_CALL}f{DS_SEP}{{oops{DS_CALL_END}{DS_END}",
+        [],
+    ),
+    (
+        "kimi_k2",
+        "two calls",
+        f'x{KIMI_BEGIN}{KIMI_CALL}functions.get_weather:0{KIMI_ARGS}{{"city": "Paris"}}'
+        f"{KIMI_CALL_END}{KIMI_CALL}functions.noop:1{KIMI_ARGS}{{}}{KIMI_CALL_END}{KIMI_END}",
+        "x",
+        [("get_weather", {"city": "Paris"}), ("noop", {})],
+    ),
+    (
+        "kimi_k2",
+        "an unclosed section",
+        f"y{KIMI_BEGIN}{KIMI_CALL}fun",
+        f"y{KIMI_BEGIN}{KIMI_CALL}fun",
+        [],
+    ),
+    (
+        "glm45",
+        "4.6's layout, typed by the schema",
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        "Let me check.\n",
+        [("get_weather", {"city": "007", "days": 3})],
+    ),
+    (
+        "glm45",
+        "4.7's layout, no schema: JSON where it reads",
+        "<tool_call>f<arg_key>a</arg_key><arg_value>[1, 2]</arg_value><arg_key>b</arg_key>"
+        "<arg_value>two words</arg_value></tool_call><tool_call>noop</tool_call>",
+        "",
+        [("f", {"a": [1, 2], "b": "two words"}), ("noop", {})],
+    ),
+    ("glm45", "not a call", "<tool_call>\n</tool_call>!", "<tool_call>\n</tool_call>!", []),
+    (
+        "minimax_m2",
+        "two invokes",
+        'ok\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+        '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="noop">\n'
+        "</invoke>\n</minimax:tool_call>",
+        "ok\n",
+        [("get_weather", {"city": "Paris", "days": 3}), ("noop", {})],
+    ),
+    (
+        "minimax_m2",
+        "stray text in an invoke stays text",
+        '<minimax:tool_call><invoke name="f">hello</invoke></minimax:tool_call>',
+        '<minimax:tool_call><invoke name="f">hello</invoke></minimax:tool_call>',
+        [],
+    ),
+]
+SECTIONED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+     "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "label", "text", "content", "calls"), SECTIONED, ids=[f"{c[0]}-{c[1]}" for c in SECTIONED]
+)  # fmt: skip
+def test_sectioned_formats(name, label, text, content, calls) -> None:
+    assert whole_calls(name, text, SECTIONED_TOOLS) == (content, calls)
+    for chunks in partitions(text):
+        assert streamed_calls(name, chunks, SECTIONED_TOOLS) == (content, calls), chunks
+
+
+def test_sectioned_calls_go_out_one_by_one() -> None:
+    """Each call as soon as its end tag arrives, before the section closes."""
+    parser = TOOL_PARSERS["deepseek_v3"](None)
+    first = f"{DS_BEGIN}{DS_CALL}f{DS_SEP}{{}}{DS_CALL_END}"
+    assert [c.name for c in parser.feed(first).tool_calls] == ["f"]
+    assert [c.name for c in parser.feed(f"{DS_CALL}g{DS_SEP}{{}}{DS_CALL_END}").tool_calls] == ["g"]
+
+
+# Each family's own chat template (llama.cpp keeps the released ones) writes an assistant turn
+# of calls; its parser reads back the same calls. Values of every JSON kind, quotes, markup
+# and non-ASCII text in a string.
+TEMPLATE_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+        "units": {"type": "object"}, "ok": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "noop", "description": "n",
+     "parameters": {"type": "object", "properties": {}}}},
+]  # fmt: skip
+TEMPLATE_CALLS = [
+    ("get_weather", {"city": 'Paris "<b>" 你', "days": 3, "units": {"t": "C", "l": [1, 2]}, "ok": True}),
+    ("noop", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v31"),
+        ("moonshotai-Kimi-K2.jinja", "kimi_k2"),
+        ("GLM-4.6.jinja", "glm45"),
+        ("GLM-4.7-Flash.jinja", "glm47"),
+        ("MiniMax-M2.jinja", "minimax_m2"),
+    ],
+)
+@pytest.mark.parametrize("with_tools", [True, False], ids=["schemas", "no-schemas"])
+def test_a_familys_template_turn_reads_back_as_its_calls(template, parser, with_tools) -> None:
+    from llama_cpp_convert import chat_template
+
+    from zllm.text.tokenizer import render_chat_template
+
+    source = chat_template(template)
+    user = [{"role": "user", "content": "Weather?"}]
+    calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(TEMPLATE_CALLS)
+    ]
+    turn = {"role": "assistant", "content": "Let me check.", "tool_calls": calls}
+
+    def render(messages, add_generation_prompt):
+        return render_chat_template(source, messages, add_generation_prompt, tools=TEMPLATE_TOOLS)
+
+    prompt, whole = render(user, True), render([*user, turn], False)
+    # The model's turn: what the whole conversation adds to the prompt (a template may close
+    # its generation prompt otherwise, e.g. an empty thinking block: from where they differ).
+    start = len(os.path.commonprefix([prompt, whole]))
+    answer = whole[start:]
+    tools = TEMPLATE_TOOLS if with_tools else None
+    content, got = whole_calls(parser, answer, tools)
+    assert got == TEMPLATE_CALLS, answer
+    assert "Let me check." in content and "tool" not in content.replace("tool_call_id", "")
+    for chunks in (_cut(answer, list(range(3, len(answer), 7))), list(answer)):
+        assert streamed_calls(parser, chunks, tools) == (content, got)
+
+
 REASONING = [
     ("deepseek_r1", "thinking hard</think>\n\nThe answer", "thinking hard", "The answer"),
     ("deepseek_r1", "<think>abc</think>x", "abc", "x"),
@@ -420,3 +585,18 @@ def test_reasoning(name, text, reasoning, content) -> None:
         d = parser.finish()
         got_reasoning, got_content = got_reasoning + d.reasoning, got_content + d.content
         assert (got_reasoning, got_content) == (reasoning or "", content), chunks
+
+
+@pytest.mark.parametrize(
+    "parser", ["deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "minimax_m2"]
+)
+def test_formats_whose_tags_are_special_tokens_keep_them_in_the_text(parser) -> None:
+    """Under tool_choice auto their answers decode with special tokens (their call tags are
+    special tokens in the families' tokenizers); other choices and formats skip them."""
+    from zllm.frontend.tools import ToolPlan, keep_call_tags
+    from zllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    assert keep_call_tags(params, ToolPlan("auto", None, None), parser).skip_special_tokens is False
+    assert keep_call_tags(params, ToolPlan("none", None, None), parser).skip_special_tokens is True
+    assert keep_call_tags(params, ToolPlan("auto", None, None), "hermes").skip_special_tokens

@@ -274,9 +274,24 @@ class ServerArgs:
         None,
         help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
         "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
-        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>; openai: gpt-oss's "
-        "harmony channels, its reasoning too); required and named tool choices need none",
-        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "openai"),
+        "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>; deepseek_v3 / "
+        "deepseek_v31: DeepSeek-V3.x; kimi_k2: Kimi K2; glm45 / glm47: GLM-4.5 to 4.7 "
+        "<arg_key>/<arg_value>; minimax_m2: MiniMax-M2 <invoke>; openai: gpt-oss's harmony "
+        "channels, its reasoning too); required and named tool choices need none",
+        choices=(
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "pythonic",
+            "qwen3_xml",
+            "deepseek_v3",
+            "deepseek_v31",
+            "kimi_k2",
+            "glm45",
+            "glm47",
+            "minimax_m2",
+            "openai",
+        ),
     )
     enable_auto_tool_choice: bool = option(
         False,

@@ -71,9 +71,10 @@ class Tokenizer:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true."
             )
-        rendered = _compile(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
+        rendered = render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
             bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),
             **extra,
@@ -130,7 +131,9 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
     # Jinja's own tojson escapes HTML characters and sorts keys; chat templates expect neither.
-    return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
+    # (GLM's and MiniMax's templates pass ensure_ascii themselves.)
+    kwargs.setdefault("ensure_ascii", False)
+    return json.dumps(value, indent=indent, **kwargs)
 
 
 @lru_cache(maxsize=16)
@@ -144,6 +147,16 @@ def _compile(source: str) -> Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def render_chat_template(
+    template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra: Any
+) -> str:
+    """A chat template's text for `messages`; `extra` (bos_token, tools, ...) reaches it
+    as-is."""
+    return _compile(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **extra
+    )
 
 
 def compiled_templates() -> tuple[int, int]:

@@ -12,6 +12,14 @@
                  (pythonic.py).
     qwen3_xml    Qwen3-Coder: `<tool_call><function=f><parameter=x>1</parameter>...` with
                  values read by the tool's schema (qwen3_xml.py).
+    deepseek_v3  DeepSeek-V3.1 (also `deepseek_v31`) and V3's older fenced form:
+                 `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...`
+    kimi_k2      Kimi K2: `<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}`
+                 inside `<|tool_calls_section_begin|>`, the model's id kept
+    glm45        GLM-4.5/4.6/4.7 (also `glm47`): `<tool_call>f` then `<arg_key>` /
+                 `<arg_value>` pairs, values typed by the tool's schema
+    minimax_m2   MiniMax-M2: `<minimax:tool_call><invoke name="f"><parameter name="x">...`
+                 (the four share sections.py: each call goes out whole at its end tag)
     openai       gpt-oss: harmony's `<|channel|>commentary to=functions.f ...<|message|>{...}`
                  (harmony.py), which gives the analysis channel as reasoning too;
                  the same parser as --reasoning-parser openai_gptoss.
@@ -34,9 +42,13 @@ their table here.
 from __future__ import annotations
 
 from zllm.text.tool_parsers.call_text import ParsedDelta, ToolCall, ToolCallDelta, make_tool_call_id
+from zllm.text.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from zllm.text.tool_parsers.glm45 import Glm45ToolParser
 from zllm.text.tool_parsers.harmony import TOOL_PARSER_NAME, HarmonyParser
 from zllm.text.tool_parsers.hermes import HermesToolParser
+from zllm.text.tool_parsers.kimi_k2 import KimiK2ToolParser
 from zllm.text.tool_parsers.llama3_json import Llama3JsonToolParser
+from zllm.text.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from zllm.text.tool_parsers.mistral import MistralToolParser
 from zllm.text.tool_parsers.pythonic import PythonicToolParser
 from zllm.text.tool_parsers.qwen3_xml import Qwen3XmlToolParser
@@ -50,6 +62,12 @@ TOOL_PARSERS: dict[str, type] = {
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_xml": Qwen3XmlToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV3ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,
+    "minimax_m2": MiniMaxM2ToolParser,
     TOOL_PARSER_NAME: HarmonyParser,
 }
 
