@@ -160,6 +160,19 @@ MINIMAX_M2 = dict(
     pad_token_id=None,
 )
 
+# Llama 4 (tests/executor/models/test_llama4.py): four layers, the fourth NoPE; experts (1 of 4
+# a token, beside a shared expert) on every other layer, dense MLPs of 64 between; the qk norm.
+LLAMA4 = dict(
+    num_hidden_layers=4,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    intermediate_size=32,
+    intermediate_size_mlp=64,
+    interleave_moe_layer_step=2,
+    head_dim=16,
+    pad_token_id=None,
+)
+
 # Phi-3 (tests/executor/models/test_gguf_architectures.py): LongRoPE over 3/4 of each head
 # and a window of 8 on every layer. Prompts run past its pretraining context (32): transformers
 # takes the long factors only there, zllm for any prompt (its context, 512, is past it).
@@ -476,6 +489,7 @@ CASES: dict[str, FamilyCase] = {
     "qwen3_moe": FamilyCase(convertible("qwen3_moe", **QWEN3_MOE), gguf_outtype=F32),
     "glm4_moe": FamilyCase(corrected_with_mtp("glm4_moe", **GLM4_MOE), gguf_outtype=F32),
     "minimax_m2": FamilyCase(minimax_m2(**MINIMAX_M2), gguf_outtype=F32),
+    "llama4": FamilyCase(convertible("llama4_text", **LLAMA4), gguf_outtype=F32),
     "phi3": FamilyCase(convertible("phi3", **PHI3), gguf_outtype=F32),
     "gemma3": FamilyCase(convertible("gemma3_text", **GEMMA3), gguf_outtype=F32),
     "qwen2_5_vl": FamilyCase(

@@ -136,6 +136,7 @@ SPM_VOCAB_CLASSES = {
     "Olmo3ForCausalLM": ("olmo", "Olmo2Model"),
     "Glm4MoeForCausalLM": ("glm", "Glm4MoeModel"),  # (a GLM tokenizer's BPE only)
     "MiniMaxM2ForCausalLM": ("minimax", "MiniMaxM2Model"),  # (TextModel's BPE default)
+    "Llama4ForCausalLM": ("llama", "Llama4Model"),  # (reads a BPE tokenizer only)
 }
 
 

@@ -84,7 +84,10 @@ class SelfAttention(nn.Module):
         sin: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: StepAttentionMetadata,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`q_scale` [T]: each token's queries multiplied by it before attending (Llama 4's
+        temperature on its NoPE layers)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end = self.q_size + self.gate_size
@@ -105,6 +108,8 @@ class SelfAttention(nn.Module):
             if not written:
                 qk = rope(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if q_scale is not None:
+            q = q * q_scale.to(q.dtype).view(-1, 1, 1)
         if self.sinks is None:  # (what a piecewise graph's attention site takes, too)
             out = self.attn(q, k, v, kv_cache, meta, kv_written=written)
         else:

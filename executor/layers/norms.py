@@ -88,6 +88,19 @@ class WholeQKNorm(nn.Module):
         return torch.cat((q, k), dim=1).view(tokens, -1, head_dim)
 
 
+class HeadL2Norm(nn.Module):
+    """Llama 4: each query and key head divided by its root mean square, no weight (HF's
+    L2Norm over head_dim)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk [T, heads + kv_heads, head_dim] -> the same, every head normed."""
+        return F.rms_norm(qk.float(), (qk.shape[-1],), None, self.eps).to(qk.dtype)
+
+
 class GemmaRMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, cast back: Gemma's norm."""
 

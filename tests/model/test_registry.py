@@ -33,6 +33,15 @@ OTHER_NAMESPACES = {
     ("zllm/text/tool_parsers/__init__.py", "mistral"): "a tool parser's registry name",
     ("zllm/text/reasoning_parser.py", "qwen3"): "a reasoning parser's registry name",
     ("frontend/tools.py", "mistral"): "the mistral tool parser's call tag",
+    **{
+        (module, name): what
+        for name in ("deepseek_v3", "kimi_k2", "minimax_m2")
+        for module, what in (
+            ("zllm/config/serve.py", "a --tool-call-parser name"),
+            ("zllm/text/tool_parsers/__init__.py", "a tool parser's registry name"),
+            ("frontend/tools.py", "a tool parser whose call tags are special tokens"),
+        )
+    },
     ("zllm/text/tokenizer.py", "llama"): "a GGUF tokenizer model (tokenizer.ggml.model)",
     ("zllm/text/tokenizer.py", "qwen2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
 }

@@ -395,9 +395,10 @@ class EngineArgs:
         max_model_len = context_length(model_path, arch)  # (a sentence-transformers model's)
         if self.max_model_len is not None:
             if not 1 < self.max_model_len <= arch.max_position_embeddings:
+                why = arch.context_cap or "the model's context length"
                 raise ValueError(
                     f"max_model_len must be in [2, {arch.max_position_embeddings}] "
-                    f"(the model's context length), got {self.max_model_len}."
+                    f"({why}), got {self.max_model_len}."
                 )
             max_model_len = self.max_model_len
         device = self.device

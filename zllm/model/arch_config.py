@@ -176,6 +176,9 @@ class ModelArchConfig:
     sliding_window: int | None = None
     # Layers whose attention takes no position embedding (NoPE: SmolLM3's every fourth).
     nope_layers: tuple[int, ...] = ()
+    # Why max_position_embeddings is below the checkpoint's own, where a family caps it
+    # (Llama 4: its chunked attention runs within one chunk); None: the checkpoint's.
+    context_cap: str | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen 3's, Gemma 3's)
     # One RMSNorm over all query heads at once and one over all key heads (OLMo 2/3's,
     # MiniMax-M2's q_norm [heads x head_dim]); not with qk_norm.

@@ -13,6 +13,7 @@ from zllm.model.families import (
     gpt_oss,
     granite_hybrid,
     llama,
+    llama4,
     llava,
     minimax_m2,
     mixtral,
@@ -35,6 +36,7 @@ from zllm.model.gguf import GGUFFile
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     smollm3.FAMILY,
+    llama4.FAMILY,
     mixtral.FAMILY,
     qwen2.FAMILY,
     qwen2_moe.FAMILY,

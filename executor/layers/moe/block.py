@@ -86,7 +86,10 @@ class MoEBlock(nn.Module):
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{experts[t, k]}(x[t]), one matmul pair per chosen
-        expert over its tokens' rows (grouped by a stable sort of the pairs by expert)."""
+        expert over its tokens' rows (grouped by a stable sort of the pairs by expert). With
+        the rule's scale_inputs (Llama 4) the weight scales each expert's input instead."""
+        if self.rule.scale_inputs:
+            return self._routed_scaled_inputs(x, weights, experts)
         if cuda_moe.usable(x):
             on_device = self._routed_cuda(x, weights, experts)
             if on_device is not None:
@@ -113,6 +116,26 @@ class MoEBlock(nn.Module):
             out_rows[block] = self.experts_down(hidden, expert)
             start += count
         return _weighted_sum(x, out_rows, weights, order, token_of)
+
+    def _routed_scaled_inputs(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k expert_{experts[t, k]}(weights[t, k] * x[t]): Llama 4's experts, one matmul
+        pair per chosen expert over its tokens' scaled rows."""
+        pairs = experts.reshape(-1)
+        order = torch.argsort(pairs, stable=True)
+        chosen, counts = torch.unique_consecutive(pairs[order], return_counts=True)
+        token_of = order // self.top_k
+        scale = weights.reshape(-1)[order].unsqueeze(1).to(x.dtype)
+        rows = x.index_select(0, token_of) * scale
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(chosen.tolist(), counts.tolist(), strict=True):
+            block = slice(start, start + count)
+            hidden = gated_activation(self.experts_gate_up(rows[block], expert), self.rule)
+            out_rows[block] = self.experts_down(hidden, expert)
+            start += count
+        return torch.zeros_like(x).index_add_(0, token_of, out_rows)
 
     def _routed_grouped(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor

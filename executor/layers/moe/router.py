@@ -1,7 +1,8 @@
 """The router of a mixture-of-experts layer: how a token's logits become its experts and their
 weights, per family (`MoERule`: Qwen-MoE / Mixtral / OLMoE's softmax then top k, gpt-oss's top
 k then softmax, DeepSeek-V2's group-limited softmax top k, DeepSeek-V3's and Nemotron 3's
-sigmoid scores chosen with a score-correction bias), computed in fp32 as transformers does.
+sigmoid scores chosen with a score-correction bias, Llama 4's top k then sigmoid), computed in
+fp32 as transformers does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ GROUPED_SOFTMAX_TOPK = "grouped_softmax_topk"
 # a per-expert correction bias, among the groups whose two best biased scores sum highest;
 # weighted by the unbiased scores, optionally renormalised, times routed_scaling.
 SIGMOID_BIAS_TOPK = "sigmoid_bias_topk"
-ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX, GROUPED_SOFTMAX_TOPK, SIGMOID_BIAS_TOPK)
+TOPK_SIGMOID = "topk_sigmoid"  # Llama 4: the top k logits, each weight its logit's sigmoid
+ROUTER_RULES = (SOFTMAX_TOPK, TOPK_SOFTMAX, GROUPED_SOFTMAX_TOPK, SIGMOID_BIAS_TOPK, TOPK_SIGMOID)
 
 # Expert activations: SwiGLU or gpt-oss's clamped SwiGLU over [gate | up]; relu2 over an
 # ungated up projection (Nemotron 3's experts have no gate).
@@ -54,6 +56,9 @@ class MoERule:
     shared_expert_gated: bool = True
     # Its checkpoint name under mlp.: Qwen2-MoE's "shared_expert", DeepSeek's and GLM's plural.
     shared_name: str = "shared_expert"
+    # Llama 4: each chosen expert takes the token times its weight, and its output is summed
+    # as is (not the output weighted: the experts are not linear, so the two differ).
+    scale_inputs: bool = False
 
     @property
     def gated(self) -> bool:
@@ -134,6 +139,9 @@ def route(
     if rule.router == SIGMOID_BIAS_TOPK:
         return _sigmoid_bias_topk(logits, top_k, rule, score_bias)
     scores = logits.float()
+    if rule.router == TOPK_SIGMOID:
+        ranked, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return torch.sigmoid(ranked[:, :top_k]), order[:, :top_k]
     if rule.router != TOPK_SOFTMAX:
         scores = torch.softmax(scores, dim=-1)
     if rule.router == GROUPED_SOFTMAX_TOPK and rule.groups_used < rule.group_count:
