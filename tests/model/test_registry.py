@@ -42,6 +42,8 @@ OTHER_NAMESPACES = {
             ("frontend/tools.py", "a tool parser whose call tags are special tokens"),
         )
     },
+    ("zllm/text/reasoning_parser.py", "kimi_k2"): "a reasoning parser's registry name",
+    ("zllm/text/reasoning_parser.py", "minimax_m2"): "a reasoning parser's registry name",
     ("zllm/text/tokenizer.py", "llama"): "a GGUF tokenizer model (tokenizer.ggml.model)",
     ("zllm/text/tokenizer.py", "qwen2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
 }

@@ -570,6 +570,10 @@ REASONING = [
     ("qwen3", "plain answer", None, "plain answer"),
     ("qwen3", "  <thi", None, "  <thi"),
     ("qwen3", "<think>open </thin", "open </thin", ""),
+    ("glm45", "<think>plan</think>\nanswer", "plan", "answer"),
+    ("glm45", "\n<think></think>\nanswer", "", "answer"),
+    ("kimi_k2", "no thoughts", None, "no thoughts"),
+    ("minimax_m2", "\nplan a</think>\n\nanswer", "\nplan a", "answer"),
 ]
 
 

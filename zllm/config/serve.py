@@ -306,10 +306,11 @@ class ServerArgs:
     )
     reasoning_parser: str | None = option(
         None,
-        help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1, "
-        "qwen3); structured outputs then apply after the reasoning; openai_gptoss: gpt-oss's "
-        "harmony channels (analysis as reasoning, tool calls too)",
-        choices=("deepseek_r1", "qwen3", "openai_gptoss"),
+        help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1 and "
+        "minimax_m2: the prompt opens it; qwen3, glm45, kimi_k2: the model does); structured "
+        "outputs then apply after the reasoning; openai_gptoss: gpt-oss's harmony channels "
+        "(analysis as reasoning, tool calls too)",
+        choices=("deepseek_r1", "qwen3", "glm45", "kimi_k2", "minimax_m2", "openai_gptoss"),
     )
     data_parallel_size: int = option(
         1,

@@ -7,6 +7,9 @@
     qwen3        Qwen 3: reasoning only when the output opens with `<think>` (after
                  whitespace); then until `</think>` (or the end). Otherwise all is content
                  (thinking turned off, or a model that does not think).
+    glm45, kimi_k2   GLM-4.5/4.6/4.7 and Kimi K2 Thinking: as qwen3 (the model writes
+                 `<think>`; GLM's template writes an empty block when thinking is off).
+    minimax_m2   MiniMax-M2: as deepseek_r1 (its template ends the prompt with `<think>`).
     openai_gptoss  gpt-oss: harmony's channels (zllm/text/tool_parsers/harmony.py), which
                  give tool calls too; the same parser as --tool-call-parser openai.
 
@@ -141,6 +144,9 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser] | type[HarmonyParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
+    "glm45": Qwen3ReasoningParser,
+    "kimi_k2": Qwen3ReasoningParser,
+    "minimax_m2": DeepSeekR1ReasoningParser,
     REASONING_PARSER_NAME: HarmonyParser,
 }
 
