@@ -60,6 +60,12 @@ def refuse_unservable(cfg: dict[str, Any], where: str, vision: bool = False) -> 
             f"{where}: {name} is a multimodal checkpoint; zllm serves text-only causal LMs, "
             f"and of vision-language models {vision_families_text()}"
         )
+    shapes = _layers_of_other_shapes(cfg)
+    if shapes:
+        raise ValueError(
+            f"{where}: {name} has layers of different shapes ({shapes}); zllm's paged KV cache "
+            f"holds one head size for a model's layers, and zllm has no {name} code of its own"
+        )
     ssm_keys = [k for k in _STATE_SPACE_KEYS if k in cfg]
     other_layers = sorted(set(cfg.get("layer_types") or []) - _ATTENTION_LAYER_TYPES)
     if ssm_keys or other_layers:
@@ -68,6 +74,24 @@ def refuse_unservable(cfg: dict[str, Any], where: str, vision: bool = False) -> 
             f"{where}: {name} has state-space or recurrent layers ({shown}); zllm's paged KV "
             f"cache serves attention layers only"
         )
+
+
+def _layers_of_other_shapes(cfg: dict[str, Any]) -> str:
+    """What makes some layers' attention differ in shape from others' (Gemma 4's global
+    layers' wider heads, per-layer inputs, layers reading another's KV); "" for none."""
+    per_layer = [c for c in (cfg.get("per_layer_config") or {}).values() if isinstance(c, dict)]
+    sizes = {
+        cfg.get("head_dim"),
+        cfg.get("global_head_dim"),
+        *(c.get("head_dim") for c in per_layer),
+    }
+    sizes.discard(None)
+    found = [f"head sizes {', '.join(map(str, sorted(sizes)))}"] if len(sizes) > 1 else []
+    if cfg.get("hidden_size_per_layer_input"):
+        found.append("per-layer inputs (hidden_size_per_layer_input)")
+    if cfg.get("num_kv_shared_layers"):
+        found.append(f"{cfg['num_kv_shared_layers']} layers sharing another's KV")
+    return "; ".join(found)
 
 
 def _first(cfg: dict[str, Any], *keys: str) -> Any:
@@ -164,6 +188,21 @@ def read_gguf(gguf: GGUFFile, family: str) -> ModelArchConfig:
     if any(key.startswith(f"{arch}.ssm.") for key in md):
         raise ValueError(
             f"{path}: {arch} has state-space layers; zllm's paged KV cache serves attention only"
+        )
+    shapes = [
+        f"{key} {md[f'{arch}.{key}_swa']} beside {md[f'{arch}.{key}']}"
+        for key in ("attention.key_length", "attention.value_length")
+        if md.get(f"{arch}.{key}_swa") not in (None, md.get(f"{arch}.{key}"))
+    ]
+    if md.get(f"{arch}.embedding_length_per_layer_input"):
+        shapes.append("per-layer inputs (embedding_length_per_layer_input)")
+    if md.get(f"{arch}.attention.shared_kv_layers"):
+        shapes.append("layers sharing another's KV (attention.shared_kv_layers)")
+    if shapes:
+        raise ValueError(
+            f"{path}: {arch} has layers of different shapes ({'; '.join(shapes)}); zllm's paged "
+            f"KV cache holds one head size for a model's layers, and zllm has no {arch} code of "
+            f"its own"
         )
 
     def need_key(key: str) -> Any:

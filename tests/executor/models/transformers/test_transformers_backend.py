@@ -211,6 +211,26 @@ def test_unservable_configs_are_refused_before_loading(tmp_path: Path, cfg, mess
         LLM(write_config(tmp_path, **cfg))
 
 
+def test_gemma4s_layers_of_other_shapes_are_refused_in_both_forms(tmp_path: Path) -> None:
+    """Gemma 4's text model (transformers' config class: wider heads on its global layers,
+    per-layer inputs) and llama.cpp's GGUF of it: refused naming what the paged cache cannot
+    hold, before transformers' loader (which raised from deep inside) runs."""
+    from family_cases import convertible
+    from llama_cpp_convert import convert_hf_to_gguf
+
+    directory = convertible("gemma4_text", pad_token_id=None, head_dim=16, global_head_dim=32,
+                            vocab_size_per_layer_input=400, hidden_size_per_layer_input=16)(
+        tmp_path / "gemma4"
+    )  # fmt: skip
+    gguf = convert_hf_to_gguf(directory, tmp_path / "gemma4.gguf", "f32")
+    for path, message in (
+        (directory, r"gemma4_text has layers of different shapes \(head sizes 16, 32; per-layer"),
+        (gguf, r"gemma4 has layers of different shapes \(attention.key_length 16 beside 32"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(path), kv_cache_memory_bytes=8 << 20)
+
+
 def test_models_without_attention_backend_support_are_refused(tmp_path: Path) -> None:
     """transformers' Falcon and StableLM classes attend in their own code, past the registry."""
     path = write_tiny_model(tmp_path / "falcon", arch="falcon", num_key_value_heads=None)
