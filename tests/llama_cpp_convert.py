@@ -42,7 +42,11 @@ _VENDORED = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 # architectures tested here never read), and the released models' chat templates llama.cpp
 # keeps for its own tests (models/templates/: the tool-call parsers' tests render them).
 _CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# ... and what the tests read beside it: the released models' chat templates llama.cpp keeps
+# (the tool-call parsers' tests render them) and its vocabulary test files (a vocabulary-only
+# GGUF per pre-tokenizer with texts and llama.cpp's expected ids: the tokenizer's tests).
 _TEMPLATES = "models/templates/"
+_EXTRAS = (_TEMPLATES, "models/ggml-vocab-")
 OUTTYPES = ("f32", "f16", "q8_0")
 
 # The SentencePiece tokenizer's ids: unknown, begin and end of sequence, then chat markers.
@@ -83,21 +87,27 @@ def _extract(sdist: Path, target: Path, wanted: tuple[str, ...]) -> None:
 
 
 def chat_template(name: str) -> str:
-    """A released model's chat template as llama.cpp's sdist keeps it (models/templates/NAME:
-    "GLM-4.6.jinja"), extracted beside the converter on first use."""
+    """A released model's chat template as llama.cpp's sdist keeps it ("GLM-4.6.jinja")."""
+    return sdist_file(_TEMPLATES + name).read_text()
+
+
+def sdist_file(relative: str) -> Path:
+    """A file of the sdist's vendor/llama.cpp beside the converter (one of _EXTRAS),
+    extracted on first use (a converter extracted before they were lacks them)."""
     root = converter_dir()
-    templates = root / _TEMPLATES
-    if not templates.is_dir():  # (a converter extracted before the templates were)
+    path = root / relative
+    if not path.is_file():
         with tempfile.TemporaryDirectory(dir=root.parent) as scratch:
-            extracted = Path(scratch) / "templates"
-            _extract(_download_sdist(Path(scratch)), extracted, (_TEMPLATES,))
-            templates.parent.mkdir(exist_ok=True)
-            try:
-                (extracted / _TEMPLATES).rename(templates)
-            except OSError:
-                if not templates.is_dir():
-                    raise
-    return (templates / name).read_text()
+            extracted = Path(scratch) / "extras"
+            _extract(_download_sdist(Path(scratch)), extracted, _EXTRAS)
+            for file in extracted.rglob("*"):
+                target = root / file.relative_to(extracted)
+                if file.is_file() and not target.exists():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    file.replace(target)
+    if not path.is_file():
+        raise FileNotFoundError(f"{_SDIST} has no {_VENDORED}{relative}")
+    return path
 
 
 def _download_sdist(directory: Path) -> Path:
@@ -114,7 +124,7 @@ def _download_sdist(directory: Path) -> Path:
 
 
 def _extract_converter(sdist: Path, target: Path) -> None:
-    _extract(sdist, target, (*_CONVERTER_FILES, _TEMPLATES))
+    _extract(sdist, target, (*_CONVERTER_FILES, *_EXTRAS))
     if not (target / "convert_hf_to_gguf.py").is_file():
         raise RuntimeError(f"{_SDIST} has no {_VENDORED}convert_hf_to_gguf.py")
 

@@ -239,13 +239,17 @@ def sentencepiece_gguf(smollm2: Tokenizer, tmp_path_factory: pytest.TempPathFact
 
 @pytest.mark.slow
 def test_sentencepiece_gguf_matches_transformers(sentencepiece_gguf: Path) -> None:
+    """Texts not starting with a space nor holding special tokens (there transformers' GGUF
+    reader leaves out the '▁' llama.cpp puts before every text and after every special token:
+    test_gguf_vocabularies.py holds those to llama.cpp)."""
     from transformers import AutoTokenizer
 
     ours = load_tokenizer(str(sentencepiece_gguf))
     reference = AutoTokenizer.from_pretrained(
         sentencepiece_gguf.parent, gguf_file=sentencepiece_gguf.name
     )
-    for text in [*TEXTS[:12], "</s>hi<s> there", "tab\tnewline\n\u0007bell"]:
+    texts = [*TEXTS[:12], "tab\tnewline\n\u0007bell"]
+    for text in [t for t in texts if not t.startswith(" ")]:
         ids = ours.encode(text)
         assert ids == reference.encode(text), text
         assert ids[0] == 1  # llama vocabularies add BOS unless the file says otherwise

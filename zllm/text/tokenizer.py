@@ -18,12 +18,13 @@ from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import read_gguf
 from zllm.text.continue_final import leave_final_message_open
+from zllm.text.gguf_pre_tokenizers import byte_level_pre_tokenizer
 
 
 class Tokenizer:
@@ -200,44 +201,6 @@ def _from_hf_dir(directory: Path) -> Tokenizer:
 # llama.cpp's token_type values.
 _CONTROL, _USER_DEFINED = 3, 4
 
-# How text is cut into words before BPE, per tokenizer.ggml.pre. Split patterns are the ones the
-# models' own tokenizer.json files use; unknown values are refused rather than guessed, since a
-# wrong split gives plausible but different ids.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre == "smollm":  # SmolLM's tokenizer.json: every digit alone, then GPT-2 splitting
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    if pre == "gpt-2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
-        return _split_then_bytes(_LLAMA3_SPLIT)
-    if pre in ("qwen2", "deepseek-r1-qwen"):
-        return _split_then_bytes(_QWEN2_SPLIT)
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre)")
-
 
 def _from_gguf(path: str) -> Tokenizer:
     md = read_gguf(path).metadata
@@ -288,12 +251,11 @@ def _merges(md: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _byte_level_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
     merges = _merges(md)
-    pre = md.get("tokenizer.ggml.pre", "gpt-2")
+    # (no name: GPT-2's split, as llama.cpp reads such files)
+    pre_tokenizer, ignore_merges = byte_level_pre_tokenizer(md.get("tokenizer.ggml.pre") or "gpt-2")
     vocab = {token: i for i, token in enumerate(tokens)}
-    # Llama 3's tokenizer takes a word whole when it is in the vocabulary (llama.cpp too).
-    ignore_merges = pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe")
     backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -309,9 +271,11 @@ def _sentencepiece_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenize
     model = models.BPE(vocab, merges, unk_token=tokens[unk_id], fuse_unk=True, byte_fallback=True)
     backend = BackendTokenizer(model)
     prefix = md.get("tokenizer.ggml.add_space_prefix", True)
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
+    # Spaces as '▁', and (as llama.cpp) one '▁' before every piece of text between special
+    # tokens, even one that starts with a space: " Hello" is "▁▁Hello" (Metaspace's prepend
+    # skips text already starting with '▁').
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return backend
