@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from pathlib import Path
 
@@ -210,8 +211,16 @@ _FLIP = "parity_flip"
 _flips_reported: list[str] = []  # every report's flips, in the process that prints the summary
 
 
+# Seconds each test file took (setup, call and teardown of its tests, summed), written as JSON
+# to $ZLLM_TEST_TIMES at the end of a run: where the suite's time goes, file by file (in the
+# process that prints the summary, which sees every worker's reports).
+_file_seconds: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _flips_reported.extend(str(value) for name, value in report.user_properties if name == _FLIP)
+    test_file = report.nodeid.split("::", 1)[0]
+    _file_seconds[test_file] = _file_seconds.get(test_file, 0.0) + report.duration
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -276,6 +285,12 @@ def pytest_runtest_call(item):
 
 
 def pytest_terminal_summary(terminalreporter):
+    times_path = os.environ.get("ZLLM_TEST_TIMES")
+    if times_path and _file_seconds:
+        ranked = dict(sorted(_file_seconds.items(), key=lambda kv: -kv[1]))
+        Path(times_path).write_text(
+            json.dumps({k: round(v, 2) for k, v in ranked.items()}, indent=1)
+        )
     if _flips_reported:
         count = len(_flips_reported)
         terminalreporter.write_line(f"greedy parity: {count} near-tie flip(s) accepted:")

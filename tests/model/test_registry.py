@@ -45,7 +45,8 @@ OTHER_NAMESPACES = {
     ("zllm/text/reasoning_parser.py", "kimi_k2"): "a reasoning parser's registry name",
     ("zllm/text/reasoning_parser.py", "minimax_m2"): "a reasoning parser's registry name",
     ("zllm/text/tokenizer.py", "llama"): "a GGUF tokenizer model (tokenizer.ggml.model)",
-    ("zllm/text/tokenizer.py", "qwen2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
+    ("zllm/text/gguf_pre_tokenizers.py", "qwen2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
+    ("zllm/text/gguf_pre_tokenizers.py", "qwen35"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
 }
 
 
