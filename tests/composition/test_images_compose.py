@@ -187,5 +187,13 @@ def test_a_prefill_decode_pair_answers_with_images(model_dir, tmp_path) -> None:
         loadable = (expected.usage.prompt_tokens - 1) // 16 * 16
         assert loadable >= 32  # (the images: the first 25 tokens)
         assert wait_until(lambda: remote_hits(decode) == loadable, 30), remote_hits(decode)
-        entries = metric(decode.get("/metrics").text, "zllm:cache_entries", 'cache="image_encoder"')
-        assert entries == 0
+
+        def image_entries() -> float | None:
+            try:
+                text = decode.get("/metrics").text
+                return metric(text, "zllm:cache_entries", 'cache="image_encoder"')
+            except AssertionError:  # (no heartbeat has reported the encoder's cache yet)
+                return None
+
+        assert wait_until(lambda: image_entries() is not None, 30)
+        assert image_entries() == 0
