@@ -82,18 +82,9 @@ def rule_of(arch: ModelArchConfig) -> MoERule:
     GLM-4.5's: DeepSeek-V3's sigmoid router (MoEConfig.sigmoid_scores) and its shared
     experts added ungated."""
     moe = arch.moe
-    if not moe.sigmoid_scores:
-        return MoERule(norm_topk_prob=moe.norm_topk_prob)
-    grouped = moe.expert_group_count > 0
-    return MoERule(
-        router=SIGMOID_BIAS_TOPK,
-        norm_topk_prob=moe.norm_topk_prob,
-        group_count=moe.expert_group_count if grouped else 1,
-        groups_used=moe.expert_groups_used if grouped else 1,
-        routed_scaling=moe.routed_scaling_factor,
-        shared_expert_gated=False,
-        shared_name="shared_experts",
-    )
+    if moe.sigmoid_scores:  # DeepSeek-V3's rule, shared experts and all
+        return deepseek_rule(arch)
+    return MoERule(norm_topk_prob=moe.norm_topk_prob)
 
 
 def deepseek_rule(arch: ModelArchConfig) -> MoERule:
