@@ -4,9 +4,13 @@ final norm, and float32 logits gathered across tensor-parallel ranks. Llama's fa
 gpt-oss and DeepSeek-V2 share it; their own modules say what a layer is.
 
 A model using it holds `layers` (each called as layer(x, residual, cos, sin, kv_cache,
-metadata) -> (x, residual)), `rotary` (cos/sin by position; None: no position embedding, the layers get None), `norm` (a residual-adding
-RMSNorm), `embed_tokens` and `lm_head` (None: tied), `embed_rows` and `logits_proj` (the
-block- or row-reading modules quantization puts in place, else None), `arch` and `tp`.
+metadata) -> (x, residual)), `rotary` (cos/sin by position; None: no position embedding, the
+layers get None), optionally `sliding_rotary` (the table of the layers whose `is_sliding` is
+true, as Gemma 3's local layers and OLMo 3's unscaled sliding ones), `norm` (a
+residual-adding RMSNorm), `embed_tokens` and `lm_head` (None: tied), `embed_rows` and
+`logits_proj` (the block- or row-reading modules quantization puts in place, else None),
+`arch` and `tp`. A family whose layers take other position-derived inputs overrides
+`position_inputs` (Llama 4's NoPE query scale), never the loop over the layers.
 """
 
 from __future__ import annotations
@@ -54,11 +58,22 @@ class DecoderStack:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         metas = metadata_per_layer(attn_metadata, len(self.layers))
+        inputs = self.position_inputs(positions)
         x, residual = stream, None
-        cos, sin = (None, None) if self.rotary is None else self.rotary.lookup(positions)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        for layer, args, kv_cache, meta in zip(self.layers, inputs, kv_caches, metas, strict=True):
+            x, residual = layer(x, residual, *args, kv_cache, meta)
         return x, residual
+
+    def position_inputs(self, positions: torch.Tensor) -> list[tuple]:
+        """Per layer, what it takes from the tokens' positions (between `residual` and
+        `kv_cache` in its call): the (cos, sin) of its rotary table, a sliding layer's from
+        `sliding_rotary` where the model has one. Each table is looked up once per step."""
+        tables = (None, None) if self.rotary is None else self.rotary.lookup(positions)
+        sliding_rotary = getattr(self, "sliding_rotary", None)  # (nn.Module raises if unset)
+        if sliding_rotary is None:
+            return [tables] * len(self.layers)
+        sliding = sliding_rotary.lookup(positions)
+        return [sliding if layer.is_sliding else tables for layer in self.layers]
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(x, residual)[0]

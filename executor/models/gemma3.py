@@ -19,26 +19,25 @@ window-limited attention metadata (executor/attention/paged.py) over their own K
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
-    metadata_per_layer,
 )
 from zllm.executor.layers.activations import ACTIVATIONS
+from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.linear.dense import empty_linear
 from zllm.executor.layers.mlp import GatedMLP
 from zllm.executor.layers.norms import GemmaRMSNorm
 from zllm.executor.layers.rope import RotaryEmbedding, rope
 from zllm.executor.layers.stack_parts import LayerParts, StackParts
 from zllm.executor.parallel.groups import SINGLE, WHOLE, PipelineParallel, TensorParallel
-from zllm.executor.parallel.shards import gather_logits, local_arch, logits_weight
+from zllm.executor.parallel.shards import local_arch, logits_weight
 from zllm.executor.weights.checkpoint_copy import copy_checkpoint
 from zllm.model.arch_config import ModelArchConfig
 
@@ -113,18 +112,24 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: StepAttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, None]:
+        """The stream after the layer, and no separate residual (Gemma adds it in the layer:
+        DecoderStack's loop passes None back in)."""
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         x = x + self.post_attention_layernorm(attended)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(mlp_out)
+        return x + self.post_feedforward_layernorm(mlp_out), None
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderStack, nn.Module):
+    """DecoderStack's step with Gemma's embedding scale, final norm and logit soft-cap; the
+    local layers rotate by their own table (`sliding_rotary`)."""
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -161,7 +166,7 @@ class Gemma3ForCausalLM(nn.Module):
             rope_scaling=None,
             rope_freq_factors=None,
         )
-        self.local_rotary = RotaryEmbedding(local, dtype)
+        self.sliding_rotary = RotaryEmbedding(local, dtype)
         self.layer_indices = pp.layer_range(arch.num_layers)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(arch, dtype, attention, arch.is_sliding(i), tp)
@@ -175,57 +180,17 @@ class Gemma3ForCausalLM(nn.Module):
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, one row per new token."""
-        x, _ = self.forward_layers(self.embed(input_ids), positions, kv_caches, attn_metadata)
-        return self.final_norm(x, None)
-
-    def forward_layers(
-        self,
-        stream: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> tuple[torch.Tensor, None]:
-        """This model's layers (a pipeline stage's) over the hidden states entering them;
-        returns those leaving them (and no separate residual: Gemma adds it in the layer)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        metas = metadata_per_layer(attn_metadata, len(self.layers))
-        x = stream
-        global_rope = self.rotary.lookup(positions)
-        local_rope = self.local_rotary.lookup(positions)
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            cos, sin = local_rope if layer.is_sliding else global_rope
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x, None
-
     def final_norm(self, x: torch.Tensor, residual: None) -> torch.Tensor:
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' input embeddings: their rows (from GGUF blocks once quantization set
         embed_rows) times embed_scale."""
-        if self.embed_rows is not None:
-            rows = self.embed_rows(input_ids)
-        else:
-            rows = F.embedding(input_ids, self.embed_tokens)
-        return rows * self.embed_scale
+        return super().embed(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, soft-capped when the model says so."""
-        if self.logits_proj is not None:
-            logits = self.logits_proj(hidden_states).float()
-        else:
-            weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            logits = F.linear(hidden_states, weight).float()
-        logits = gather_logits(logits, self.arch.vocab_size, self.tp)
+        logits = super().compute_logits(hidden_states)
         cap = self.arch.family_fields.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -257,7 +222,7 @@ class Gemma3ForCausalLM(nn.Module):
             final_norm=self.norm,
             activation=self.arch.hidden_act,
             rope=self.rotary,
-            local_rope=self.local_rotary,
+            local_rope=self.sliding_rotary,
             sandwich=True,
         )
 

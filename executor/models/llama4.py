@@ -19,7 +19,7 @@ The projections stay dense tensors (not GGUF blocks) so that the rows can move.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
-    metadata_per_layer,
 )
 from zllm.executor.layers.attention import SelfAttention
 from zllm.executor.layers.decoder_stack import DecoderStack
@@ -71,9 +70,9 @@ class Llama4DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        q_scale: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: StepAttentionMetadata,
-        q_scale: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
         if self.rope:
@@ -118,25 +117,14 @@ class Llama4ForCausalLM(DecoderStack, nn.Module):
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)
 
-    def forward_layers(
-        self,
-        stream: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """DecoderStack's, with the NoPE layers' query scale of each token's position."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        metas = metadata_per_layer(attn_metadata, len(self.layers))
+    def position_inputs(self, positions: torch.Tensor) -> list[tuple]:
+        """Each layer's (cos, sin, q_scale): the NoPE layers' query scale of each token's
+        position beside the one rotary table."""
         cos, sin = self.rotary.lookup(positions)
         fields = self.arch.family_fields
         floors = torch.floor((positions.float() + 1.0) / fields.floor_scale)
         q_scale = torch.log1p(floors) * fields.attn_scale + 1.0
-        x, residual = stream, None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, q_scale)
-        return x, residual
+        return [(cos, sin, q_scale)] * len(self.layers)
 
     @torch.no_grad()
     def load_weights(

@@ -16,7 +16,7 @@ residual-adding norm sees their sum, as any of our decoders' layers do.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable
 
 import torch
 from torch import nn
@@ -25,7 +25,6 @@ from zllm.executor.attention.backend import (
     TORCH_ATTENTION,
     AttentionBackend,
     StepAttentionMetadata,
-    metadata_per_layer,
 )
 from zllm.executor.layers.attention import SelfAttention
 from zllm.executor.layers.decoder_stack import DecoderStack
@@ -101,25 +100,6 @@ class Olmo2ForCausalLM(DecoderStack, nn.Module):
         self.logits_proj: nn.Module | None = None
         self.embed_rows: nn.Module | None = None
         self.requires_grad_(False)
-
-    def forward_layers(
-        self,
-        stream: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: StepAttentionMetadata | Sequence[StepAttentionMetadata],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """DecoderStack's, with each layer's own RoPE table (sliding: unscaled)."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        metas = metadata_per_layer(attn_metadata, len(self.layers))
-        full = self.rotary.lookup(positions)
-        sliding = full if self.sliding_rotary is None else self.sliding_rotary.lookup(positions)
-        x, residual = stream, None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            cos, sin = sliding if layer.is_sliding else full
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        return x, residual
 
     @torch.no_grad()
     def load_weights(
