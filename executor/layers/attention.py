@@ -32,6 +32,20 @@ from zllm.executor.parallel.groups import SINGLE, TensorParallel
 from zllm.model.arch_config import ModelArchConfig
 
 
+def qkv_targets(prefix: str, qkv_proj: nn.Linear, q_rows: int, kv_rows: int) -> dict:
+    """A checkpoint's separate q_proj/k_proj/v_proj weights (and biases where the fused
+    projection has one) -> the row slices of `qkv_proj` [q | k | v] they fill."""
+    sizes = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+    targets = {}
+    for kind in ("weight", "bias"):
+        param = getattr(qkv_proj, kind)
+        if param is None:
+            continue
+        for proj, part in zip(sizes, param.data.split(list(sizes.values())), strict=True):
+            targets[f"{prefix}{proj}_proj.{kind}"] = part
+    return targets
+
+
 class SelfAttention(nn.Module):
     def __init__(
         self,
@@ -76,6 +90,24 @@ class SelfAttention(nn.Module):
             nn.Parameter(torch.zeros(arch.num_heads, dtype=torch.float32)) if sinks else None
         )
         self.attn = attention.make_layer(arch.num_heads, arch.num_kv_heads, arch.head_dim, scale)
+
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Hugging Face's separate q/k/v/o tensors (weights, biases where this layer has them,
+        gpt-oss's sinks, the q/k norms' q_norm and k_norm) -> what each fills of ours (row
+        slices of the fused q/k/v; q's rows hold an output gate's too, as Qwen3-Next stores
+        them). `prefix` names the module in the checkpoint ("model.layers.3.self_attn.")."""
+        targets = {f"{prefix}o_proj.weight": self.o_proj.weight.data}
+        if self.o_proj.bias is not None:
+            targets[f"{prefix}o_proj.bias"] = self.o_proj.bias.data
+        if self.sinks is not None:
+            targets[f"{prefix}sinks"] = self.sinks.data
+        norms = self.qk_norm
+        if isinstance(norms, QKNorm | WholeQKNorm):  # (Llama 4's HeadL2Norm has no weight)
+            targets[f"{prefix}q_norm.weight"] = norms.q_norm.weight.data
+            targets[f"{prefix}k_norm.weight"] = norms.k_norm.weight.data
+        return targets | qkv_targets(
+            prefix, self.qkv_proj, self.q_size + self.gate_size, self.kv_size
+        )
 
     def forward(
         self,

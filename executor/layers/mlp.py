@@ -35,6 +35,16 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = empty_linear(arch.hidden_size, 2 * inter, dtype)
         self.down_proj = empty_linear(inter, arch.hidden_size, dtype)
 
+    def checkpoint_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Hugging Face's gate/up/down tensors (`prefix`: "model.layers.3.mlp.") -> what each
+        fills of ours (gate and up: the two halves of the fused matrix)."""
+        gate, up = self.gate_up_proj.weight.data.split(self.intermediate_size)
+        return {
+            f"{prefix}gate_proj.weight": gate,
+            f"{prefix}up_proj.weight": up,
+            f"{prefix}down_proj.weight": self.down_proj.weight.data,
+        }
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = gated(self.gate_up_proj(x), self.activation)
         return self.tp.all_reduce(self.down_proj(fused))

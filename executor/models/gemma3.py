@@ -30,6 +30,7 @@ from zllm.executor.attention.backend import (
     StepAttentionMetadata,
 )
 from zllm.executor.layers.activations import ACTIVATIONS
+from zllm.executor.layers.attention import qkv_targets
 from zllm.executor.layers.decoder_stack import DecoderStack
 from zllm.executor.layers.linear.dense import empty_linear
 from zllm.executor.layers.mlp import GatedMLP
@@ -244,18 +245,9 @@ class Gemma3ForCausalLM(DecoderStack, nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.qkv_proj.weight.data.split([attn.q_size, attn.kv_size, attn.kv_size])
-            gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
             parts = {
-                "self_attn.q_proj.weight": q,
-                "self_attn.k_proj.weight": k,
-                "self_attn.v_proj.weight": v,
-                "self_attn.o_proj.weight": attn.o_proj.weight.data,
                 "self_attn.q_norm.weight": attn.q_norm.weight.data,
                 "self_attn.k_norm.weight": attn.k_norm.weight.data,
-                "mlp.gate_proj.weight": gate,
-                "mlp.up_proj.weight": up,
-                "mlp.down_proj.weight": mlp.down_proj.weight.data,
             }
             for norm in (
                 "input_layernorm",
@@ -265,4 +257,7 @@ class Gemma3ForCausalLM(DecoderStack, nn.Module):
             ):
                 parts[f"{norm}.weight"] = getattr(layer, norm).weight.data
             targets.update({prefix + name: t for name, t in parts.items()})
+            targets |= qkv_targets(f"{prefix}self_attn.", attn.qkv_proj, attn.q_size, attn.kv_size)
+            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+            targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
         return targets

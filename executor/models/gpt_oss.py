@@ -157,17 +157,7 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
-            qkv = {"weight": attn.qkv_proj.weight.data}
-            if attn.qkv_proj.bias is not None:
-                qkv["bias"] = attn.qkv_proj.bias.data
-                targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias.data
-            for kind, param in qkv.items():
-                for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
-                    targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
-            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
-            if attn.sinks is not None:
-                targets[f"{prefix}self_attn.sinks"] = attn.sinks.data
+            targets |= attn.checkpoint_targets(f"{prefix}self_attn.")
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.data
             targets[f"{prefix}post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm.weight.data

@@ -212,28 +212,6 @@ class GraniteHybridForCausalLM(DecoderStack, nn.Module):
             if layer.mamba is not None:
                 targets |= layer.mamba.checkpoint_targets(f"{prefix}mamba.")
             else:
-                targets |= _attention_targets(f"{prefix}self_attn.", layer.self_attn)
-            mlp = layer.mlp
-            if isinstance(mlp, MoEBlock):
-                targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
-            else:
-                gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
-                targets[f"{prefix}mlp.gate_proj.weight"] = gate
-                targets[f"{prefix}mlp.up_proj.weight"] = up
-                targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+                targets |= layer.self_attn.checkpoint_targets(f"{prefix}self_attn.")
+            targets |= layer.mlp.checkpoint_targets(f"{prefix}mlp.")  # (experts or dense)
         return targets
-
-
-def _attention_targets(prefix: str, attn: SelfAttention) -> dict[str, torch.Tensor]:
-    """q, k, v (and their biases, attention_bias) as row slices of the fused projection;
-    o_proj (and its bias)."""
-    sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-    targets = {f"{prefix}o_proj.weight": attn.o_proj.weight.data}
-    if attn.o_proj.bias is not None:
-        targets[f"{prefix}o_proj.bias"] = attn.o_proj.bias.data
-    for kind in ("weight", "bias"):
-        fused = getattr(attn.qkv_proj, kind)
-        if fused is not None:
-            for name, part in zip("qkv", fused.data.split(sizes), strict=True):
-                targets[f"{prefix}{name}_proj.{kind}"] = part
-    return targets

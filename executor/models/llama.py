@@ -205,18 +205,11 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            if isinstance(mlp, MoEBlock):
-                targets |= self._split_targets(prefix, attn, None)
-                targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
-            elif self.fused_checkpoint:
+            if self.fused_checkpoint and not isinstance(mlp, MoEBlock):
                 targets |= self._fused_targets(prefix, attn, mlp)
             else:
-                targets |= self._split_targets(prefix, attn, mlp)
-                targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
-            if attn.qk_norm is not None:
-                targets[f"{prefix}self_attn.q_norm.weight"] = attn.qk_norm.q_norm.weight.data
-                targets[f"{prefix}self_attn.k_norm.weight"] = attn.qk_norm.k_norm.weight.data
-            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight.data
+                targets |= attn.checkpoint_targets(f"{prefix}self_attn.")
+                targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight.data
             targets[f"{prefix}post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm.weight.data
@@ -224,31 +217,11 @@ class LlamaForCausalLM(DecoderStack, nn.Module):
         return targets
 
     @staticmethod
-    def _split_targets(
-        prefix: str, attn: SelfAttention, mlp: GatedMLP | None
-    ) -> dict[str, torch.Tensor]:
-        """HF's separate q/k/v (weights and biases) and gate/up tensors -> row slices (no
-        gate/up for a mixture-of-experts layer: mlp None)."""
-        targets = {}
-        sections = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
-        fused = {"weight": attn.qkv_proj.weight.data}
-        if attn.qkv_proj.bias is not None:
-            fused["bias"] = attn.qkv_proj.bias.data
-        for kind, param in fused.items():
-            for proj, part in zip(sections, param.split(list(sections.values())), strict=True):
-                targets[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
-        if mlp is None:
-            return targets
-        gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
-        targets[f"{prefix}mlp.gate_proj.weight"] = gate
-        targets[f"{prefix}mlp.up_proj.weight"] = up
-        return targets
-
-    @staticmethod
     def _fused_targets(prefix: str, attn: SelfAttention, mlp: GatedMLP) -> dict[str, torch.Tensor]:
         """Phi-3's qkv_proj and gate_up_proj tensors -> our fused matrices, whole."""
         targets = {
             f"{prefix}self_attn.qkv_proj.weight": attn.qkv_proj.weight.data,
+            f"{prefix}self_attn.o_proj.weight": attn.o_proj.weight.data,
             f"{prefix}mlp.gate_up_proj.weight": mlp.gate_up_proj.weight.data,
             f"{prefix}mlp.down_proj.weight": mlp.down_proj.weight.data,
         }

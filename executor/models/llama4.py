@@ -180,21 +180,12 @@ class Llama4ForCausalLM(DecoderStack, nn.Module):
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = attn.qkv_proj.weight.data.split([attn.q_size, attn.kv_size, attn.kv_size])
             targets |= {
-                f"{p}self_attn.q_proj.weight": q,
-                f"{p}self_attn.k_proj.weight": k,
-                f"{p}self_attn.v_proj.weight": v,
-                f"{p}self_attn.o_proj.weight": attn.o_proj.weight.data,
                 f"{p}input_layernorm.weight": layer.input_layernorm.weight.data,
                 f"{p}post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data,
             }
-            if isinstance(mlp, MoEBlock):
-                targets |= mlp.checkpoint_targets(f"{p}mlp.")
-            else:
-                gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
-                targets[f"{p}mlp.gate_proj.weight"], targets[f"{p}mlp.up_proj.weight"] = gate, up
-                targets[f"{p}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+            targets |= attn.checkpoint_targets(f"{p}self_attn.")
+            targets |= mlp.checkpoint_targets(f"{p}mlp.")  # (experts or a dense MLP)
         return targets
 
 

@@ -187,11 +187,7 @@ class NemotronHForCausalLM(DecoderStack, nn.Module):
             elif isinstance(mixer, Mamba2Mixer):
                 targets |= mixer.checkpoint_targets(m)
             elif isinstance(mixer, SelfAttention):
-                q, k, v = mixer.qkv_proj.weight.data.split(
-                    [mixer.q_size, mixer.kv_size, mixer.kv_size]
-                )
-                targets |= {f"{m}q_proj.weight": q, f"{m}k_proj.weight": k}
-                targets |= {f"{m}v_proj.weight": v, f"{m}o_proj.weight": mixer.o_proj.weight.data}
+                targets |= mixer.checkpoint_targets(m)
             else:
                 targets[f"{m}up_proj.weight"] = mixer.up_proj.weight.data
                 targets[f"{m}down_proj.weight"] = mixer.down_proj.weight.data

@@ -201,30 +201,6 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
             if layer.linear_attn is not None:
                 targets |= layer.linear_attn.checkpoint_targets(f"{prefix}linear_attn.")
             else:
-                targets |= _attention_targets(f"{prefix}self_attn.", layer.self_attn)
-            mlp = layer.mlp
-            if isinstance(mlp, MoEBlock):
-                targets |= mlp.checkpoint_targets(f"{prefix}mlp.")
-            else:
-                gate, up = mlp.gate_up_proj.weight.data.split(mlp.intermediate_size)
-                targets[f"{prefix}mlp.gate_proj.weight"] = gate
-                targets[f"{prefix}mlp.up_proj.weight"] = up
-                targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight.data
+                targets |= layer.self_attn.checkpoint_targets(f"{prefix}self_attn.")
+            targets |= layer.mlp.checkpoint_targets(f"{prefix}mlp.")  # (experts or dense)
         return targets
-
-
-def _attention_targets(prefix: str, attn: SelfAttention) -> dict[str, torch.Tensor]:
-    """q (each head's query and gate, as stored), k and v as row slices of the fused
-    projection; o_proj; norms."""
-    q, k, v = attn.qkv_proj.weight.data.split(
-        [attn.q_size + attn.gate_size, attn.kv_size, attn.kv_size]
-    )
-    assert attn.qk_norm is not None
-    return {
-        f"{prefix}q_proj.weight": q,
-        f"{prefix}k_proj.weight": k,
-        f"{prefix}v_proj.weight": v,
-        f"{prefix}o_proj.weight": attn.o_proj.weight.data,
-        f"{prefix}q_norm.weight": attn.qk_norm.q_norm.weight.data,
-        f"{prefix}k_norm.weight": attn.qk_norm.k_norm.weight.data,
-    }
