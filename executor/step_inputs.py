@@ -197,6 +197,8 @@ def build_attention_metadata(
         tables = [st.block_ids[key.group] for st in states]
         slots = stack_tables(tables)[row_of_token, positions // bs] * bs + positions % bs
         extra: dict = {"all_as_decode": True} if layout.config.deterministic else {}
+        if key.attention_chunk:  # (the CPU and torch backends' metadata: host/layout.py)
+            extra["attention_chunk"] = key.attention_chunk
         if layout.whole_images and any(st.images for st in states):
             # (image tokens that see their whole image: Gemma 3's)
             extra["image_spans"] = [[(i.offset, i.end) for i in st.images] for st in states]

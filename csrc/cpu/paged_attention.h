@@ -24,6 +24,9 @@
 // Sliding window (window > 0): a sequence of context L attends to positions
 // [max(0, L - window), L), and its block table starts at the block holding the first of them
 // (the blocks before the window may be released), as attention.py's decode batch builds it.
+// Chunked attention (window < 0, Llama 4's): a sequence of context L attends to the positions
+// of its own chunk of -window tokens, [(L - 1) / -window * -window, L); its table starts at
+// the block holding that chunk's first position.
 //
 // Attention sinks (gpt-oss; sinks fp32 [H], else null): head h's sink logit joins its
 // softmax denominator and brings no value: out = sum_t e^(s_t - m) v_t / (e^(sink - m) +
@@ -371,8 +374,9 @@ struct Span {
 };
 
 inline Span attended_span(int64_t L, int64_t window, int64_t block_size) {
-  if (window <= 0 || L <= window) return {0, L};
-  const int64_t first = L - window;
+  if (window == 0 || L <= window) return {0, L};
+  // A chunk (window < 0): positions since the last multiple of -window before L.
+  const int64_t first = window > 0 ? L - window : (L - 1) / -window * -window;
   const int64_t base = first / block_size * block_size;  // the table's first block starts here
   return {first - base, L - base};
 }

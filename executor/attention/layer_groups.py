@@ -21,6 +21,7 @@ class LayerAttention:
 
     group: int  # its KV cache group: the block tables it reads (-1: a state layer)
     sliding_window: int | None  # its own window (a non-hybrid group may mix layers)
+    attention_chunk: int | None = None  # its chunk, for chunked attention (Llama 4's)
 
     @property
     def is_state(self) -> bool:
@@ -34,13 +35,17 @@ STATE_LAYER = LayerAttention(-1, None)
 def layer_attention(
     arch: ModelArchConfig, groups: list[KVCacheGroup], layers: range
 ) -> list[LayerAttention]:
-    """Per layer of `layers`, which block tables and window its attention uses."""
+    """Per layer of `layers`, which block tables and window (or chunk) its attention uses."""
     group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
     # (an MLP-only layer takes the state layers' metadata too, and reads none of it)
     return [
         STATE_LAYER
         if arch.is_state_layer(i) or arch.is_mlp_only(i)
-        else LayerAttention(group_of[i], arch.sliding_window if arch.is_sliding(i) else None)
+        else LayerAttention(
+            group_of[i],
+            arch.sliding_window if arch.is_sliding(i) else None,
+            arch.attention_chunk if i in arch.chunked_layers else None,
+        )
         for i in layers
     ]
 

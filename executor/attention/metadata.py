@@ -119,6 +119,17 @@ def first_visible_key(context_len: int, query_len: int, window: int | None) -> i
     return max(0, context_len - query_len - window + 1)
 
 
+def first_visible(query_pos: np.ndarray, window: int | None, chunk: int | None) -> np.ndarray:
+    """The first key position each query position sees: 0; with a sliding window its last
+    `window` positions' first; with chunked attention (Llama 4's) its chunk's first, the last
+    multiple of `chunk` at or before it."""
+    if chunk:
+        return query_pos // chunk * chunk
+    if window:
+        return np.maximum(query_pos - window + 1, 0)
+    return np.zeros_like(query_pos)
+
+
 def stack_tables(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
     """The block tables as one int64 [S, longest] array padded with 0, in a few vectorised
     calls: a loop over the rows costs microseconds each, and a step has hundreds of rows."""
@@ -149,26 +160,30 @@ def build_prefill_chunks(
     chunk_mask: Callable[[int, int], torch.Tensor],
     sliding_window: int | None = None,
     seq_ids: np.ndarray | None = None,
+    attention_chunk: int | None = None,
 ) -> list[PrefillChunk]:
     """The sequences with more than one new token; `chunk_mask(query_len, context_len)` makes
     the attention mask of a chunk that follows cached context (each backend its own kind).
 
     With a `sliding_window`, a chunk reads only the keys its earliest query can see and every
-    mask is an explicit band (see `window_mask`); blocks before that are never touched, so the
-    block manager may have released them.
+    mask is an explicit band (`first_visible`); blocks before that are never touched, so the
+    block manager may have released them. With an `attention_chunk`, likewise: each query sees
+    the keys of its own chunk of that many positions.
     """
+    limit = attention_chunk or sliding_window
     chunks = []
     if seq_ids is None:
         seq_ids = np.flatnonzero(layout.query_lens > 1)
     for i in seq_ids.tolist():
         start = int(layout.query_start_loc[i])
         q_len, ctx_len = int(layout.query_lens[i]), int(layout.seq_lens[i])
-        if sliding_window is not None and ctx_len > sliding_window:
+        if limit is not None and ctx_len > limit:
             chunks.append(
-                _window_chunk(
-                    start, q_len, ctx_len, block_tables[i], block_size, sliding_window, device
+                _limited_chunk(
+                    start, q_len, ctx_len, block_tables[i], block_size, device,
+                    sliding_window, attention_chunk,
                 )
-            )
+            )  # fmt: skip
             continue
         if q_len == ctx_len:
             chunks.append(PrefillChunk(start, start + q_len, ctx_len, None, None))
@@ -179,31 +194,31 @@ def build_prefill_chunks(
     return chunks
 
 
-def window_mask(query_pos: np.ndarray, key_pos: np.ndarray, window: int) -> np.ndarray:
-    """bool [queries, keys]: causal, and each query sees only its last `window` positions
-    (q - window < k <= q, as Hugging Face's sliding-window masks)."""
-    diff = query_pos[:, None] - key_pos[None, :]
-    return (diff >= 0) & (diff < window)
-
-
-def _window_chunk(
+def _limited_chunk(
     start: int,
     q_len: int,
     ctx_len: int,
     table: list[int],
     block_size: int,
-    window: int,
     device: torch.device | str,
+    window: int | None,
+    chunk: int | None,
 ) -> PrefillChunk:
-    """A chunk of a sliding-window layer whose context is longer than the window."""
+    """A chunk of a sliding-window (or chunked-attention) layer whose context is longer than
+    the window (the chunk): its queries read from the first key its earliest query sees."""
     first_query = ctx_len - q_len
-    first_key = first_visible_key(ctx_len, q_len, window)
     query_pos = np.arange(first_query, ctx_len)
+    firsts = first_visible(query_pos, window, chunk)
+    first_key = int(firsts[0])
+
+    def visible(key_pos: np.ndarray) -> np.ndarray:
+        return (key_pos[None, :] >= firsts[:, None]) & (key_pos[None, :] <= query_pos[:, None])
+
     if first_query == 0:  # a whole prompt: attend over its new K/V, under a band mask
-        mask = window_mask(query_pos, query_pos, window)
+        mask = visible(query_pos)
         return PrefillChunk(start, start + q_len, ctx_len, None, to_device(mask, device))
     slots = context_slots(table, ctx_len, block_size)[first_key:]
-    mask = window_mask(query_pos, np.arange(first_key, ctx_len), window)
+    mask = visible(np.arange(first_key, ctx_len))
     return PrefillChunk(
         start, start + q_len, ctx_len, to_device(slots, device), to_device(mask, device)
     )
@@ -221,6 +236,9 @@ class AttentionMetadata:
     # Set for the layers of a sliding-window group: each query sees its last `sliding_window`
     # positions, and the decode batch holds only the blocks inside that window.
     sliding_window: int | None = None
+    # Set for chunked-attention layers (Llama 4's): each query sees the positions of its own
+    # chunk of that many tokens, and the decode batch holds only its chunk's blocks.
+    attention_chunk: int | None = None
 
     @classmethod
     def build(
@@ -234,6 +252,7 @@ class AttentionMetadata:
         sliding_window: int | None = None,
         all_as_decode: bool = False,
         image_spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+        attention_chunk: int | None = None,
     ) -> AttentionMetadata:
         """`sliding_window`: build for layers whose queries see only their last that many
         positions (block tables may then hold -1 for blocks before the window).
@@ -258,8 +277,9 @@ class AttentionMetadata:
         decode = None
         if as_decode.any():
             decode = _build_decode_batch(
-                np.flatnonzero(as_decode), layout, tables, block_size, device, sliding_window
-            )
+                np.flatnonzero(as_decode), layout, tables, block_size, device, sliding_window,
+                attention_chunk,
+            )  # fmt: skip
             decode.is_whole_batch = bool(as_decode.all())
             decode.exact = all_as_decode
         prefills = build_prefill_chunks(
@@ -270,6 +290,7 @@ class AttentionMetadata:
             chunk_mask,
             sliding_window,
             seq_ids=np.flatnonzero(~as_decode),
+            attention_chunk=attention_chunk,
         )
         if with_images.any():
             _see_own_images(prefills, layout, with_images, image_spans, device)
@@ -279,6 +300,7 @@ class AttentionMetadata:
             decode=decode,
             prefills=prefills,
             sliding_window=sliding_window,
+            attention_chunk=attention_chunk,
         )
 
 
@@ -343,6 +365,7 @@ def _build_decode_batch(
     block_size: int,
     device: torch.device | str,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,
 ) -> DecodeBatch:
     """Without a window each row gathers blocks 0.. of its table; with one, from the block
     holding the first position its query sees (earlier blocks may be released). A sequence
@@ -356,9 +379,7 @@ def _build_decode_batch(
         token_indices = token_indices[rows_of] + offset
         lens = lens[rows_of] - q_lens[rows_of] + offset + 1
         seq_ids = seq_ids[rows_of]
-    first_pos = (
-        np.zeros_like(lens) if sliding_window is None else np.maximum(lens - sliding_window, 0)
-    )
+    first_pos = first_visible(lens - 1, sliding_window, attention_chunk)
     first_block = first_pos // block_size
     num_blocks = -(-lens // block_size) - first_block
     max_blocks = int(num_blocks.max())

@@ -175,13 +175,13 @@ class PagedAttention(PagedAttentionBase):
         if not kv_written:
             write_kv_cache(key, value, kv_cache, meta.slot_mapping)
         decode = meta.decode
-        window = meta.sliding_window
+        window, chunk = meta.sliding_window, meta.attention_chunk
         if decode is not None and decode.is_whole_batch:
-            return self._decode(query, kv_cache, decode, meta.block_size, window, sinks)
+            return self._decode(query, kv_cache, decode, meta.block_size, window, sinks, chunk)
 
         out = query.new_empty(query.shape)
         if decode is not None:
-            decoded = self._decode(query, kv_cache, decode, meta.block_size, window, sinks)
+            decoded = self._decode(query, kv_cache, decode, meta.block_size, window, sinks, chunk)
             out.index_copy_(0, decode.token_indices, decoded)
         self._attend_prefills(out, query, key, value, kv_cache, meta.prefills, sinks)
         return out
@@ -194,13 +194,14 @@ class PagedAttention(PagedAttentionBase):
         block_size: int,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
         q = query if decode.is_whole_batch else query.index_select(0, decode.token_indices)
         num_seqs = q.shape[0]
         if self.decode_kernel is not None:
             tables = decode.block_ids.view(num_seqs, decode.max_blocks)
             return self.decode_kernel(
-                q, kv_cache, tables, decode.seq_lens, self.scale, sliding_window, sinks
+                q, kv_cache, tables, decode.seq_lens, self.scale, sliding_window, sinks, chunk
             )
         if decode.exact:
             return self._decode_rows_exactly(q, kv_cache, decode, block_size, sinks)

@@ -307,6 +307,7 @@ def paged_decode_attention(
     scale: float,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one token per sequence) attending to its context in kv_cache -> [S, H, D].
 
@@ -315,10 +316,12 @@ def paged_decode_attention(
     `window`, each sequence attends to its last `window` positions and its table starts at the
     block holding the first of them (attention.py's windowed decode batch). `sinks` fp32 [H]:
     each head's attention sink logit, in the softmax's denominator (executor/attention/sinks.py).
+    With a `chunk` (Llama 4's chunked layers), each sequence attends to the positions of its
+    own chunk of that many tokens, its table starting at the block holding the chunk's first
+    (the kernel takes it as a negative window).
     """
-    return load().paged_decode_attention(
-        q, kv_cache, block_tables, seq_lens, scale, window or 0, sinks
-    )
+    span = -chunk if chunk else (window or 0)
+    return load().paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, span, sinks)
 
 
 if __name__ == "__main__":  # python -m zllm.executor.kernels.cpu: build now (e.g. in CI)

@@ -392,6 +392,14 @@ class EngineArgs:
             read_model_arch(model_path, impl), self.hf_overrides, tokenizer_path
         )
         logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if _cuda_available() else "cpu"
+        if arch.chunked_layers and device.startswith("cuda"):
+            arch.within_one_chunk(
+                "chunked attention runs on the CPU backends only: the CUDA kernels take a "
+                "sliding window, not a chunk; within one chunk it is plain causal attention"
+            )
         max_model_len = context_length(model_path, arch)  # (a sentence-transformers model's)
         if self.max_model_len is not None:
             if not 1 < self.max_model_len <= arch.max_position_embeddings:
@@ -401,9 +409,6 @@ class EngineArgs:
                     f"({why}), got {self.max_model_len}."
                 )
             max_model_len = self.max_model_len
-        device = self.device
-        if device == "auto":
-            device = "cuda" if _cuda_available() else "cpu"
         generation = read_generation_config(model_path, self.generation_config, arch.vocab_size)
         # One list of ids that end generation: the model files' and generation_config's.
         arch.eos_token_ids = merge_eos_token_ids(arch.eos_token_ids, generation.eos_token_ids)

@@ -176,9 +176,13 @@ class ModelArchConfig:
     sliding_window: int | None = None
     # Layers whose attention takes no position embedding (NoPE: SmolLM3's every fourth).
     nope_layers: tuple[int, ...] = ()
-    # Why max_position_embeddings is below the checkpoint's own, where a family caps it
-    # (Llama 4: its chunked attention runs within one chunk); None: the checkpoint's.
+    # Why max_position_embeddings is below the checkpoint's own, where it is capped (Llama 4
+    # on a GPU: its chunked attention runs within one chunk there); None: the checkpoint's.
     context_cap: str | None = None
+    # Chunked attention (Llama 4's): these layers' queries see only the keys of their own
+    # chunk of attention_chunk positions ([p // chunk * chunk, p]).
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] = ()
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen 3's, Gemma 3's)
     # One RMSNorm over all query heads at once and one over all key heads (OLMo 2/3's,
     # MiniMax-M2's q_norm [heads x head_dim]); not with qk_norm.
@@ -240,6 +244,14 @@ class ModelArchConfig:
         return tuple(
             i for i in range(self.num_layers) if not (self.is_state_layer(i) or self.is_mlp_only(i))
         )
+
+    def within_one_chunk(self, why: str) -> None:
+        """Chunked attention where it does not run: the context capped at one chunk, within
+        which it is plain causal attention (`why` says so when a longer one is asked)."""
+        if self.attention_chunk and self.max_position_embeddings > self.attention_chunk:
+            self.context_cap = why
+            self.max_position_embeddings = self.attention_chunk
+        self.chunked_layers = ()
 
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

@@ -1,7 +1,8 @@
 """Llama 4's text model in zllm's own code (executor/models/llama4.py): its NoPE layers' query
-temperature and the rotating layers' head norm switched as config.json says, the context capped
-at one attention chunk (chunked attention is not implemented) and the multimodal checkpoint
-refused naming it, and served. Parity of the registry row's model (HF directory and GGUF, the
+temperature and the rotating layers' head norm switched as config.json says, chunked attention
+(each rotating layer's query sees its own chunk) through both CPU backends, chunked prefill and
+prefix hits, the context capped at one chunk on a GPU, the multimodal checkpoint refused naming
+it, and served. Parity of the registry row's model (HF directory and GGUF, the
 default temperature floor and chunk) is tests/executor/models/test_families.py's `llama4`."""
 
 from __future__ import annotations
@@ -56,13 +57,54 @@ def test_config_switches_answer_as_transformers(tmp_path, change) -> None:
     check_parity(directory, PROMPTS, generate(directory), str(change))
 
 
-def test_the_context_stops_at_one_attention_chunk(tmp_path) -> None:
+# Prompts of 1 to 4 chunks of 16 and answers crossing a chunk's end (13 + 10 > 16 ...).
+CHUNKED_PROMPTS = [[_rng.randrange(3, SPM_VOCAB_SIZE) for _ in range(n)] for n in (13, 30, 61)]
+
+
+@pytest.mark.parametrize(
+    "chunk, engine",
+    [
+        (16, {}),
+        (16, {"max_num_batched_tokens": 12}),  # prompts in pieces that straddle the chunks
+        (10, {"block_size": 4}),  # chunks starting inside a block
+    ],
+    ids=["whole-prompts", "chunked-prefill", "unaligned-chunk"],
+)
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["cpu-kernels", "torch"])
+def test_chunked_attention_answers_as_transformers(tmp_path, monkeypatch, chunk, engine, kernels):
+    """The rotating layers attend within their chunk (the NoPE layer over everything), as
+    transformers' chunked masks: greedy tokens equal its, decode rows across chunk ends
+    included, by the decode kernel and by torch's gather + SDPA; a second pass over the same
+    prompts starts from cached prefix blocks and answers the same."""
+    monkeypatch.setenv("ZLLM_CPU_KERNELS", kernels)
+    directory = convertible("llama4_text", **LLAMA4, attention_chunk_size=chunk)(tmp_path / "c")
+    arch = read_arch_config(str(directory))
+    assert arch.attention_chunk == chunk and arch.chunked_layers == (0, 1, 2)
+    assert arch.nope_layers == (3,) and arch.max_position_embeddings > chunk
+    options = dict(kv_cache_memory_bytes=8 << 20, max_num_seqs=4, block_size=16) | engine
+    llm = LLM(str(directory), **options)
+    assert llm.model_runner.host.layout.attention.name == (
+        "cpu-kernels" if kernels == "1" else "torch"
+    )
+    prompts = [{"prompt_token_ids": p} for p in CHUNKED_PROMPTS]
+    first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    check_parity(directory, CHUNKED_PROMPTS, first, f"chunk {chunk}")
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in again[1:])  # (13 tokens: no whole block)
+    assert [list(o.outputs[0].token_ids) for o in again] == first
+
+
+def test_on_a_gpu_the_context_stops_at_one_chunk(tmp_path) -> None:
+    """Where the chunk does not run (the CUDA kernels take a window), the context is one
+    chunk, within which the attention is plain causal; a longer one is refused saying why."""
     directory = convertible("llama4_text", **LLAMA4, attention_chunk_size=64)(tmp_path / "c")
     arch = read_arch_config(str(directory))
-    assert arch.max_position_embeddings == 64 and arch.nope_layers == (3,)
-    with pytest.raises(ValueError, match=r"\[2, 64\] \(Llama 4's chunked attention is not"):
-        EngineArgs(model=str(directory), max_model_len=100).create_engine_config()
-    assert EngineArgs(model=str(directory)).create_engine_config().scheduler.max_model_len == 64
+    arch.within_one_chunk("the reason")
+    assert arch.max_position_embeddings == 64 and arch.context_cap == "the reason"
+    assert arch.chunked_layers == ()
+    # On the CPU the whole context is served.
+    config = EngineArgs(model=str(directory), max_model_len=100, device="cpu")
+    assert config.create_engine_config().scheduler.max_model_len == 100
 
 
 def test_the_multimodal_checkpoint_is_refused_naming_it(tmp_path) -> None:

@@ -12,9 +12,11 @@ Llama's pre-norm layers where
     sigmoid, beside an always-on shared expert; the other layers a dense MLP of
     intermediate_size_mlp (intermediate_size is one expert's width).
 
-Chunked attention is not implemented: within one chunk it is plain causal attention, so the
-context is capped at attention_chunk_size (ModelArchConfig.context_cap says so when a longer
---max-model-len is asked). A GGUF file holds no chunk size, NoPE interval, temperature or
+Chunked attention (ModelArchConfig.attention_chunk, chunked_layers): a rotating layer's query
+at position p sees the keys of its own chunk, [p // chunk * chunk, p]; the CPU backends'
+metadata and decode kernel take the chunk (executor/attention/metadata.py). On a GPU the
+context is capped at one chunk, within which it is plain causal attention (the CUDA kernels
+take a window, not a chunk: zllm/config/engine_args.py). A GGUF file holds no chunk size, NoPE interval, temperature or
 head-norm switch: llama.cpp's fixed values (8192, every fourth, 8192 and 0.1; the norm but for
 128 experts) are taken, as its loader does (read_gguf). No torch here.
 """
@@ -114,12 +116,9 @@ def _finish(arch: ModelArchConfig, flags: list[int], chunk: int | None) -> Model
     if len(flags) != arch.num_layers:
         raise ValueError(f"no_rope_layers has {len(flags)} entries for {arch.num_layers} layers")
     arch.nope_layers = tuple(i for i, rotate in enumerate(flags) if not rotate)
-    if chunk and arch.max_position_embeddings > chunk:
-        arch.context_cap = (
-            f"Llama 4's chunked attention is not implemented: zllm runs it within one chunk of "
-            f"attention_chunk_size {chunk} tokens, where it is plain causal attention"
-        )
-        arch.max_position_embeddings = int(chunk)
+    if chunk:  # (the rotating layers attend within their chunk; the NoPE layers see all)
+        arch.attention_chunk = int(chunk)
+        arch.chunked_layers = tuple(i for i, rotate in enumerate(flags) if rotate)
     return arch
 
 
