@@ -47,6 +47,8 @@ OTHER_NAMESPACES = {
     ("zllm/text/tokenizer.py", "llama"): "a GGUF tokenizer model (tokenizer.ggml.model)",
     ("zllm/text/gguf_pre_tokenizers.py", "qwen2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
     ("zllm/text/gguf_pre_tokenizers.py", "qwen35"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
+    ("zllm/text/gguf_pre_tokenizers.py", "llama4"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
+    ("zllm/text/gguf_pre_tokenizers.py", "minimax-m2"): "a GGUF pre-tokenizer (tokenizer.ggml.pre)",
 }
 
 

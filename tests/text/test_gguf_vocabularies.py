@@ -7,9 +7,14 @@ gives the same ids, text by text."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 from llama_cpp_convert import sdist_file
 
+import zllm.text.tokenizer as tokenizer_module
 from zllm.model.gguf import read_gguf
 from zllm.text.gguf_pre_tokenizers import ROWS
 from zllm.text.tokenizer import load_tokenizer
@@ -39,9 +44,10 @@ def test_ids_equal_llama_cpps(name: str) -> None:
 
 
 def test_every_row_has_a_name_llama_cpp_tests_or_shares_one_that_does() -> None:
-    """Each pre-tokenizer row zllm reads is one a vocabulary test file covers (names sharing
-    a row are read alike by llama.cpp too)."""
-    tested = {id(ROWS[name]) for name in BPE_NAMES}
+    """Each pre-tokenizer row zllm reads is one a vocabulary test file covers, or one whose
+    ids llama.cpp's tokenizer gave below (names sharing a row are read alike by llama.cpp
+    too)."""
+    tested = {id(ROWS[name]) for name in BPE_NAMES + sorted(PRE_TOKENIZER_IDS["ids"])}
     untested = sorted(name for name, row in ROWS.items() if id(row) not in tested)
     assert not untested, untested
 
@@ -62,3 +68,59 @@ def test_sentencepiece_text_around_special_tokens_as_llama_cpp() -> None:
     tokenizer = load_tokenizer(str(sdist_file("models/ggml-vocab-llama-spm.gguf")))
     for text, ids in AROUND_SPECIAL_TOKENS.items():
         assert tokenizer.encode(text, add_special_tokens=False) == ids, text
+
+
+# ---- names llama.cpp ships no vocabulary test file for ---------------------------------------
+# Their ids as llama.cpp's tokenizer gives them on llama-bpe's vocabulary read with that
+# tokenizer.ggml.pre (written by tests/text/write_pre_tokenizer_ids.py where llama-cpp-python
+# of the pinned sdist is built).
+PRE_TOKENIZER_IDS = json.loads(
+    (Path(__file__).with_name("gguf_pre_tokenizer_ids.json")).read_text(encoding="utf-8")
+)
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZER_IDS["ids"]))
+def test_ids_of_names_without_a_test_file_equal_llama_cpps(name: str, monkeypatch) -> None:
+    path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
+    real = read_gguf(str(path))
+    metadata = {**real.metadata, "tokenizer.ggml.pre": name}
+    monkeypatch.setattr(tokenizer_module, "read_gguf", lambda _: replace(real, metadata=metadata))
+    tokenizer = load_tokenizer(str(path))
+    texts, expected = PRE_TOKENIZER_IDS["texts"], PRE_TOKENIZER_IDS["ids"][name]
+    for text, ids in zip(texts, expected, strict=True):
+        assert tokenizer.encode(text, add_special_tokens=False) == ids, repr(text)
+
+
+def test_the_names_without_a_test_file_split_text_apart() -> None:
+    """The recorded ids tell the rows apart (each row's ids differ from llama-bpe's own on
+    some text), so the test above could not pass with one row standing in for another."""
+    path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
+    llama_bpe = load_tokenizer(str(path))
+    texts = PRE_TOKENIZER_IDS["texts"]
+    own = [llama_bpe.encode(t, add_special_tokens=False) for t in texts]
+    for name, ids in PRE_TOKENIZER_IDS["ids"].items():
+        if ROWS[name] is not ROWS["llama-bpe"]:
+            assert ids != own, name
+
+
+def test_o200k_rows_split_as_tiktoken() -> None:
+    """gpt-4o's row (Llama 4's, MiniMax-M2's files) cuts text as tiktoken's o200k pattern
+    does (its pattern run by `regex`, as tiktoken's own reference splitter runs it)."""
+    import regex
+    import tiktoken_ext.openai_public as openai_public
+
+    from zllm.text.gguf_pre_tokenizers import byte_level_pre_tokenizer
+
+    # (o200k_base() downloads its ranks first; the pattern is all this needs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {})
+        pattern = openai_public.o200k_base()["pat_str"]
+    splitter, _ = byte_level_pre_tokenizer("gpt-4o")
+    byte_level = byte_level_pre_tokenizer("gpt-2")[0]
+    for text in PRE_TOKENIZER_IDS["texts"]:
+        ours = [piece for piece, _ in splitter.pre_tokenize_str(text)]
+        theirs = [
+            "".join(p for p, _ in byte_level.pre_tokenize_str(piece))
+            for piece in regex.findall(pattern, text)
+        ]
+        assert ours == theirs, repr(text)

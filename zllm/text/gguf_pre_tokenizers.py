@@ -4,7 +4,10 @@
 last one left; then the bytes as GPT-2's byte-level alphabet. Names llama.cpp reads the same way
 share a row. A name not listed is refused by the caller, naming it: a guessed split gives
 plausible but different ids. tests/text/test_gguf_vocabularies.py holds each row to llama.cpp's
-own expected ids (its vocabulary test files). No torch here.
+own expected ids: its vocabulary test files, and for names it ships none for, the ids its
+tokenizer gives on llama-bpe's vocabulary read with that name (recorded by
+tests/text/write_pre_tokenizer_ids.py; gpt-4o's split also against tiktoken's o200k pattern).
+Kimi K2's (kimi-k2) llama.cpp cuts by hand-written code, not patterns: refused. No torch here.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 from tokenizers import Regex, pre_tokenizers
 
 _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+# o200k's (and tekken's) cased words: capitals (and caseless letters, marks) then lower case.
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
 
@@ -78,6 +84,38 @@ ROWS: dict[str, PreTokenizer] = {
             "\\s+$",
             "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
             "\\p{N}+",
+        )
+    ),
+    # o200k's (GPT-4o's, tiktoken's pattern): cased words with their contractions, digits in
+    # threes; Llama 4's and MiniMax-M2's files too.
+    **dict.fromkeys(
+        ("gpt-4o", "llama4", "minimax-m2"),
+        PreTokenizer(
+            (
+                rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+                rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            )
+        ),
+    ),
+    # Mistral's tekken: o200k's cased words without contractions, every digit alone.
+    "tekken": PreTokenizer(
+        (
+            rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        ignore_merges=True,
+    ),
+    # GLM-4's: Llama 3's split (its files from GLM-4.5 on take words whole, as Llama 3's).
+    "chatglm-bpe": PreTokenizer((_llama3_like(r"\p{N}{1,3}"),)),
+    **dict.fromkeys(("glm4", "glm5"), _LLAMA3),
+    # DeepSeek-V3's (and Kimi-less DeepSeek-R1's): digits in threes, CJK runs, then words.
+    "deepseek-v3": PreTokenizer(
+        (
+            r"\p{N}{1,3}",
+            "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+            r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         )
     ),
     "deepseek-coder": PreTokenizer(

@@ -1,0 +1,57 @@
+"""Writes tests/text/gguf_pre_tokenizer_ids.json: the ids llama.cpp's own tokenizer gives, for
+each pre-tokenizer name llama.cpp ships no vocabulary test file for, on llama-bpe's vocabulary
+test file read with that `tokenizer.ggml.pre` (a kv override) — the texts of that file and
+PRE_TOKENIZER_TEXTS (cased words, contractions, digit runs, CJK and kana, marks).
+
+Run where llama-cpp-python of the pinned sdist (tests/llama_cpp_convert.py) is built:
+    python tests/text/write_pre_tokenizer_ids.py
+CI reads the JSON (tests/text/test_gguf_vocabularies.py); it cannot build llama.cpp in time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llama_cpp_convert import LLAMA_CPP_PYTHON_VERSION, sdist_file  # noqa: E402
+
+NAMES = ["gpt-4o", "llama4", "minimax-m2", "tekken", "chatglm-bpe", "glm4", "deepseek-v3"]
+SEPARATOR = "\n__ggml_vocab_test__\n"
+PRE_TOKENIZER_TEXTS = [
+    "HTTPServer iPhone McDonald's DON'T we'll I'M they'RE",
+    "1234567 12 3.14159 1,000,000 x2y3 ２０２４",
+    "你好世界 こんにちは カタカナ 한국어 中文English混合",
+    "naïve café résumé Zoë ÅNGSTRÖM a\u0301b\u0301c",
+    "path/to/file\n\nline two\r\n\ttabbed   spaces  ",
+    "!!!???... (x+y)*z == 42; foo_bar.baz() /* c */",
+    "Ünïcödé ΑΒΓ αβγ АБВ абв Ωmega",
+    "emoji 🙂👍🏽 and ⁂ marks",
+]
+
+
+def main() -> None:
+    import llama_cpp
+
+    vocab = sdist_file("models/ggml-vocab-llama-bpe.gguf")
+    texts = sdist_file("models/ggml-vocab-llama-bpe.gguf.inp").read_text().split(SEPARATOR)
+    texts += PRE_TOKENIZER_TEXTS
+    ids = {}
+    for name in NAMES:
+        llm = llama_cpp.Llama(
+            str(vocab), vocab_only=True, verbose=False, kv_overrides={"tokenizer.ggml.pre": name}
+        )
+        ids[name] = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+    out = Path(__file__).with_name("gguf_pre_tokenizer_ids.json")
+    record = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "vocabulary": "ggml-vocab-llama-bpe.gguf",
+    }
+    out.write_text(json.dumps({**record, "texts": texts, "ids": ids}, ensure_ascii=False) + "\n")
+    print(f"wrote {out}: {len(NAMES)} names x {len(texts)} texts")
+
+
+if __name__ == "__main__":
+    main()
