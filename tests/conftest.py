@@ -78,25 +78,32 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path):
+def smollm2_hf_dir(smollm2_path, tmp_path_factory) -> str:
+    """transformers' fp32 SmolLM2 and tokenizer read from the same GGUF, as a Hugging Face
+    directory: made once per run (tests/hf_references.py), the others load it."""
+    from hf_references import hf_copy_of_gguf
+
+    return str(hf_copy_of_gguf(smollm2_path, tmp_path_factory.mktemp("smollm2-hf")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_hf_dir):
     """transformers' SmolLM2 read from the same GGUF (fp32, eval): the reference every SmolLM2
     parity test compares with, loaded once per session. Shared: read it, never change it
     (a test that wraps or edits a model makes its own copy)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32)
     return model.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_tokenizer(smollm2_path):
+def smollm2_hf_tokenizer(smollm2_hf_dir):
     """transformers' tokenizer of the SmolLM2 GGUF (the tokenizer tests' reference), once."""
     from transformers import AutoTokenizer
 
-    folder, name = os.path.split(smollm2_path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return AutoTokenizer.from_pretrained(smollm2_hf_dir)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from lora_adapters import ADAPTERS, make_adapter
 from parity import assert_greedy_parity, hf_greedy
-from safetensors.torch import save_file
 from servers import start_server, stop_server, wait_until
 from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, write_tiny_model
 
@@ -488,27 +487,6 @@ def test_lora_modules_need_enable_lora(base_dir, adapters) -> None:
 
 
 # ---- SmolLM2 -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smollm2_hf_dir(smollm2_hf, smollm2_hf_tokenizer, tmp_path_factory) -> str:
-    """An fp32 Hugging Face copy of SmolLM2 made from its GGUF (weights and tokenizer)."""
-    import copy
-
-    out = tmp_path_factory.mktemp("smollm2-hf")
-    model = smollm2_hf
-    # transformers refuses to save a model it loaded from GGUF: write weights and config.
-    state = {k: v.float().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"))
-    config = copy.deepcopy(model.config)  # the shared model's own config stays as it is
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.torch_dtype = "float32"
-    config.save_pretrained(out)
-    smollm2_hf_tokenizer.save_pretrained(out)
-    return str(out)
 
 
 SMOLLM2_TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot"]
