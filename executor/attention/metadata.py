@@ -276,22 +276,16 @@ class AttentionMetadata:
         as_decode &= ~with_images
         decode = None
         if as_decode.any():
+            limits = (sliding_window, attention_chunk)
             decode = _build_decode_batch(
-                np.flatnonzero(as_decode), layout, tables, block_size, device, sliding_window,
-                attention_chunk,
-            )  # fmt: skip
+                np.flatnonzero(as_decode), layout, tables, block_size, device, *limits
+            )
             decode.is_whole_batch = bool(as_decode.all())
             decode.exact = all_as_decode
         prefills = build_prefill_chunks(
-            layout,
-            block_tables,
-            block_size,
-            device,
-            chunk_mask,
-            sliding_window,
-            seq_ids=np.flatnonzero(~as_decode),
-            attention_chunk=attention_chunk,
-        )
+            layout, block_tables, block_size, device, chunk_mask, sliding_window,
+            seq_ids=np.flatnonzero(~as_decode), attention_chunk=attention_chunk,
+        )  # fmt: skip
         if with_images.any():
             _see_own_images(prefills, layout, with_images, image_spans, device)
         return cls(

@@ -392,14 +392,9 @@ class EngineArgs:
             read_model_arch(model_path, impl), self.hf_overrides, tokenizer_path
         )
         logger.info("Model %s (%s): %s", model_path, impl.architecture, impl.reason)
-        device = self.device
-        if device == "auto":
-            device = "cuda" if _cuda_available() else "cpu"
+        device = ("cuda" if _cuda_available() else "cpu") if self.device == "auto" else self.device
         if arch.chunked_layers and device.startswith("cuda"):
-            arch.within_one_chunk(
-                "chunked attention runs on the CPU backends only: the CUDA kernels take a "
-                "sliding window, not a chunk; within one chunk it is plain causal attention"
-            )
+            arch.within_one_chunk()  # (the CUDA kernels take a window, not a chunk)
         max_model_len = context_length(model_path, arch)  # (a sentence-transformers model's)
         if self.max_model_len is not None:
             if not 1 < self.max_model_len <= arch.max_position_embeddings:

@@ -245,11 +245,15 @@ class ModelArchConfig:
             i for i in range(self.num_layers) if not (self.is_state_layer(i) or self.is_mlp_only(i))
         )
 
-    def within_one_chunk(self, why: str) -> None:
-        """Chunked attention where it does not run: the context capped at one chunk, within
-        which it is plain causal attention (`why` says so when a longer one is asked)."""
+    def within_one_chunk(self) -> None:
+        """Chunked attention where it does not run (a GPU's: the CUDA kernels take a window,
+        not a chunk): the context capped at one chunk, within which it is plain causal
+        attention (context_cap says so when a longer one is asked)."""
         if self.attention_chunk and self.max_position_embeddings > self.attention_chunk:
-            self.context_cap = why
+            self.context_cap = (
+                "chunked attention runs on the CPU backends only: the CUDA kernels take a "
+                "sliding window, not a chunk; within one chunk it is plain causal attention"
+            )
             self.max_position_embeddings = self.attention_chunk
         self.chunked_layers = ()
 

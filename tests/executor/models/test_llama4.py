@@ -99,8 +99,8 @@ def test_on_a_gpu_the_context_stops_at_one_chunk(tmp_path) -> None:
     chunk, within which the attention is plain causal; a longer one is refused saying why."""
     directory = convertible("llama4_text", **LLAMA4, attention_chunk_size=64)(tmp_path / "c")
     arch = read_arch_config(str(directory))
-    arch.within_one_chunk("the reason")
-    assert arch.max_position_embeddings == 64 and arch.context_cap == "the reason"
+    arch.within_one_chunk()
+    assert arch.max_position_embeddings == 64 and "CUDA kernels take" in arch.context_cap
     assert arch.chunked_layers == ()
     # On the CPU the whole context is served.
     config = EngineArgs(model=str(directory), max_model_len=100, device="cpu")
