@@ -357,4 +357,10 @@ def test_a_pair_with_draft_models_answers_as_one_server(tiny_llama_dir, draft_di
         assert wait_until(lambda: proposed(prefill), 30), prefill.log_tail()
         sent = "zllm:kv_transfer_sent_blocks_total"
         assert wait_until(lambda: counted(prefill, sent) > 0, 30), prefill.log_tail()
+        # The rates once the heartbeats after the last requests came (a read between two
+        # counts the proxy's one-token prefills, whose proposals cannot be accepted).
+        drafts = "vllm:spec_decode_num_draft_tokens_total"
+        for server in (prefill, decode):
+            seen: list[float] = []
+            assert wait_until(lambda s=server, seen=seen: seen.append(counted(s, drafts)) or seen[-2:-1] == seen[-1:], 30, 1.0)  # fmt: skip
         assert rate(prefill) > 0.9 and rate(decode) >= rate(prefill) - 0.05, decode.log_tail()
