@@ -5,7 +5,6 @@ the C++ compiler once per version of csrc/ (the `emu` fixture, tests/conftest.py
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import shutil
@@ -13,6 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from cached_builds import built_once
 
 from zllm.executor.kernels import cuda as ck
 from zllm.model.files import cache_dir
@@ -53,18 +53,13 @@ def build_emulator(tmp_path_factory) -> Emulator:
     digest = hashlib.sha256("\0".join([cxx, version, *flags]).encode())
     for path in sorted(p for p in CSRC.rglob("*") if p.is_file()):
         digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
-    folder = cache_dir() / "test-emulator"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"emu_kernels-{digest.hexdigest()[:16]}.so"
-    with open(folder / "build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            built = tmp_path_factory.mktemp("emu") / out.name
-            cmd = [cxx, *flags, "-o", str(built), str(source)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0 and "_Float16" in proc.stderr:
-                pytest.skip(f"{cxx} lacks _Float16")
-            assert proc.returncode == 0, proc.stderr
-            shutil.copyfile(built, out.with_suffix(".tmp"))
-            os.replace(out.with_suffix(".tmp"), out)  # whole, or not there
-    return Emulator(out)
+    out = cache_dir() / "test-emulator" / f"emu_kernels-{digest.hexdigest()[:16]}.so"
+
+    def compile_to(built) -> None:
+        cmd = [cxx, *flags, "-o", str(built), str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0 and "_Float16" in proc.stderr:
+            pytest.skip(f"{cxx} lacks _Float16")
+        assert proc.returncode == 0, proc.stderr
+
+    return Emulator(built_once(out, tmp_path_factory.mktemp("emu") / out.name, compile_to))

@@ -11,11 +11,11 @@ tensors its GGUF loader made.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
 from pathlib import Path
+
+from cached_builds import built_once
 
 from zllm.model.files import cache_dir
 
@@ -28,17 +28,8 @@ def hf_copy_of_gguf(gguf_path: str, scratch: Path) -> Path:
     stat = os.stat(gguf_path)
     key = f"{os.path.realpath(gguf_path)}\0{stat.st_size}\0{stat.st_mtime_ns}"
     digest = hashlib.sha256(f"{key}\0{transformers.__version__}".encode()).hexdigest()[:16]
-    folder = cache_dir() / "test-references"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{Path(gguf_path).stem}-{digest}"
-    with open(folder / "build.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            built = scratch / out.name
-            _write(gguf_path, built)
-            shutil.copytree(built, out.with_suffix(".tmp"), dirs_exist_ok=True)
-            os.replace(out.with_suffix(".tmp"), out)  # whole, or not there
-    return out
+    out = cache_dir() / "test-references" / f"{Path(gguf_path).stem}-{digest}"
+    return built_once(out, scratch / out.name, lambda path: _write(gguf_path, path))
 
 
 def _write(gguf_path: str, out: Path) -> None:
