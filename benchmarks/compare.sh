@@ -40,8 +40,11 @@
 #   VLLM_KV_GB [2]  VLLM_CPU_KVCACHE_SPACE (GiB of KV cache vLLM reserves)
 #   LLAMA_CPP_PYTHON_VERSION [0.3.36]  the PyPI sdist whose vendor/llama.cpp is built
 #   LLAMA_NATIVE [OFF]  ON builds llama.cpp with -march=native; that build died with "Illegal
-#                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs, so the
-#                    default is the portable AVX2/FMA/F16C build (its own build directory)
+#                    instruction" on Gemma 3's K-quant kernels on our Sapphire Rapids VMs (and
+#                    with a general protection fault in libggml-cpu on an AMX one), so the
+#                    default is the portable AVX2/FMA/F16C build (its own build directory).
+#                    AVX512: AVX-512 F/VBMI/VNNI/BF16 and AVX2's set named one by one, AMX off
+#                    (an AVX-512 machine's fastest build that runs there; its own directory)
 #   SERVER_START_TIMEOUT [600]  seconds to wait for a server to answer /v1/models
 #   REQUEST_TIMEOUT [600]  the client's limit on one request (`zllm bench serve
 #                    --request-timeout`); long-prompt cells at high concurrency need more
@@ -85,7 +88,11 @@ VLLM_KV_GB=${VLLM_KV_GB:-2}
 SRC_DIR=$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION
 LLAMA_DIR=$SRC_DIR/vendor/llama.cpp
 BUILD_DIR=$CACHE/llama-build-$LLAMA_CPP_PYTHON_VERSION
-[[ $LLAMA_NATIVE == ON ]] || BUILD_DIR=$BUILD_DIR-portable
+case $LLAMA_NATIVE in
+ON) ;;
+AVX512) BUILD_DIR=$BUILD_DIR-avx512 ;;
+*) BUILD_DIR=$BUILD_DIR-portable ;;
+esac
 BIN=$BUILD_DIR/bin
 HF_DIR=$CACHE/models/smollm2-135m-instruct-hf-fp32
 F16_GGUF=$CACHE/models/SmolLM2-135M-Instruct.F16.gguf
@@ -154,8 +161,14 @@ build_llama_cpp() {
     local gen=()
     command -v ninja >/dev/null && gen=(-G Ninja)
     log "building llama-server, llama-batched-bench and llama-quantize (nice 19; ~20-40 min on 2 cores)"
+    local isa=(-DGGML_NATIVE="$LLAMA_NATIVE")
+    if [[ $LLAMA_NATIVE == AVX512 ]]; then
+        isa=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON
+            -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+            -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    fi
     nice -n 19 cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DLLAMA_CURL=OFF -DGGML_NATIVE="$LLAMA_NATIVE" -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_CURL=OFF "${isa[@]}" -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     nice -n 19 cmake --build "$BUILD_DIR" -j2 --target llama-server llama-batched-bench llama-quantize

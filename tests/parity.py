@@ -83,6 +83,21 @@ def assert_greedy_parity(
     return Divergence(i, ours[i], theirs[i], gap)
 
 
+def set_bf16_gemm_rows(llm, rows: int) -> int:
+    """Set the bf16 GEMM's row limit of a loaded engine's BF16 matmuls (0: the float kernel's
+    fp32 sums at every size, transformers' arithmetic; executor/kernels/gguf_arithmetic.py
+    sends prefills to bf16 GEMMs where the CPU has AMX); returns how many had it on before."""
+    had = 0
+    for module in llm.model_runner.model.modules():
+        if hasattr(module, "bf16_gemm_rows"):
+            types = [module.ggml_type] if hasattr(module, "ggml_type") else []
+            types += [t for _, t in getattr(module, "parts", [])]
+            if set(types) == {30}:  # ggml's BF16
+                had += module.bf16_gemm_rows > 0
+                module.bf16_gemm_rows = rows
+    return had
+
+
 # ---- a model split over executor ranks, through `zllm serve` ----------------------------
 
 SERVED_PROMPTS = [

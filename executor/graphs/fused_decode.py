@@ -22,7 +22,9 @@ What it covers, checked once when the model is loaded (`FusedDecode.build` says 
     table: SmolLM3's).
 Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
 modules), deterministic mode (the modules tile their matmuls), the transformers backend,
-`--enforce-eager`, and any step with a prefill chunk in it.
+`--enforce-eager`, any step with a prefill chunk in it, and with AMX a bf16 model's steps of
+16+ rows, whose BF16 matmuls the modules send to bf16 GEMMs (gguf_arithmetic.bf16_gemm_rows:
+3-4x the float kernel at 32 rows, more than the fused path saves).
 Speculative verify steps (a sequence's last token and its proposals) run fused: each token
 is a decode row attending up to its own position, after every row's K/V is in the cache.
 `ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.
@@ -67,6 +69,9 @@ class FusedDecode:
     def __init__(self, model: nn.Module, stack: Any) -> None:
         self.model = model
         self.stack = stack
+        # Steps of this many rows or more run the modules (their bf16 GEMMs); 0: none do.
+        gemm_rows = [getattr(m, "bf16_gemm_rows", 0) for m in model.modules()]
+        self.module_rows = min((r for r in gemm_rows if r > 0), default=0)
 
     @classmethod
     def build(cls, model: nn.Module) -> FusedDecode:
@@ -102,6 +107,8 @@ class FusedDecode:
         is not one (the caller then runs the model's modules). A pipeline stage passes the
         residual `stream` entering its layers (not the first stage) and, before the last
         stage, gets the stream leaving them (`final_norm` False)."""
+        if 0 < self.module_rows <= input_ids.shape[0]:
+            return None
         metas = metadata_per_layer(attn_metadata, len(kv_caches))
         unique: dict[int, int] = {}
         meta_of_layer = [unique.setdefault(id(meta), len(unique)) for meta in metas]

@@ -16,20 +16,33 @@ The `--quantization` names that choose:
   parity tests compare tokens bitwise under it);
 - `gguf-int8`: integer dots wherever a type has them, whatever they cost (A/B measurements).
 
-16-bit weights (F16/BF16 files, bf16/fp16 checkpoints) have no integer path: float kernel.
+16-bit weights (F16/BF16 files, bf16/fp16 checkpoints) have no integer path. BF16 rows take a
+third arithmetic where the CPU has AMX (Sapphire Rapids and later): calls of at least
+BF16_GEMM_MIN_ROWS rows (prefills, large batches) as torch's bf16 GEMM, which oneDNN runs on
+AMX tiles: x rounded to bf16, fp32 sums, the output rounded to bf16 (vLLM's CPU arithmetic for a
+bf16 model); 4-8x the float kernel's speed at 32-512 rows (BENCHMARKS.md, "16-bit prefill on
+AMX"). The default (`gguf` for a BF16 file, the engine's `16-bit` for a bf16 checkpoint) takes
+it; `gguf-float` and `--deterministic` (8-row tiles) keep the float kernel's fp32 sums.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+
+import torch
 
 from zllm.executor.kernels import cpu as cpu_kernels
 
 GGUF_METHODS = ("gguf", "gguf-float", "gguf-int8")
+# The engine's own choice for a bf16/fp16 checkpoint on CPU (executor/weights/quantization.py):
+# its matrices kept as 16-bit rows, read by the same kernels as an F16/BF16 file's.
+SIXTEEN_BIT = "16-bit"
 
 ALL_ROWS = 1 << 30
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
+BF16 = 30
 # The types with an integer path (gguf_linear_int8 reads them); the low-bit lattice, IQ4, TQ,
 # MXFP4 and NVFP4 types have none and keep the float kernel under every name.
 INTEGER_TYPES = cpu_kernels.INT8_GGML_TYPES
@@ -90,15 +103,49 @@ def integer_rows(method: str, types: Iterable[int], isa: str | None = None) -> i
 
 
 def describe(method: str, types: Iterable[int]) -> str | None:
-    """For the load's log: which of the file's `types` take integer dots under `method` (each
-    type alone; None when none does)."""
+    """For the load's log: which of the file's `types` take integer dots or bf16 GEMMs under
+    `method` (each type alone; None when none does)."""
     names = cpu_kernels.SUPPORTED_GGML_TYPES
     isa = cpu_kernels.cpu_isa()
+    types = set(types)
     cells = []
-    for t in sorted(set(types)):
+    for t in sorted(types):
         rows = integer_rows(method, [t], isa)
         if rows:
             cells.append(names[t] if rows >= ALL_ROWS else f"{names[t]} up to {rows} rows")
-    if not cells:
+    parts = [f"integer dots for {', '.join(cells)}"] if cells else []
+    if BF16 in types and bf16_gemm_rows(method, [BF16]):
+        parts.append(f"BF16 calls of {BF16_GEMM_MIN_ROWS}+ rows as bf16 GEMMs on AMX")
+    if not parts:
         return None
-    return f"{method} ({isa}): integer dots for {', '.join(cells)}, the float kernel for the rest"
+    return f"{method} ({isa}): {'; '.join(parts)}, the float kernel for the rest"
+
+
+# The fewest rows of a call that BF16 rows send to torch's bf16 GEMM on a CPU with AMX. Below
+# it, decode steps up to c=8 keep the float kernel's fp32 sums (the fused decode step calls
+# that kernel too); from 16 rows the GEMM wins 2.8x on an 8192 x 2048 matrix, 1.2x at 8.
+BF16_GEMM_MIN_ROWS = 16
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether torch's bf16 GEMM runs on AMX tiles here (oneDNN picks them where the CPU and
+    the kernel allow) and the instruction set is not held below AMX: ZLLM_CPU_ISA=avx2 (an
+    AVX2 machine's mix, where bf16 GEMMs are emulated and slower than the float kernel) or
+    avx512vnni (AVX-512 without AMX: the A/B measurement's other side)."""
+    held = (os.environ.get("ZLLM_CPU_ISA") or "auto") != "auto"
+    if held or cpu_kernels.cpu_isa() == "avx2":
+        return False
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def bf16_gemm_rows(method: str, types: Iterable[int], amx: bool | None = None) -> int:
+    """The fewest rows of a call of a matmul whose parts are stored in `types` that take the
+    bf16 GEMM under `method` (0: never). Only BF16 rows (an F16 matrix in bf16 would lose
+    mantissa bits), only under the default arithmetic, only with AMX (`amx`: default, this
+    CPU's)."""
+    types = set(types)
+    if method not in ("gguf", SIXTEEN_BIT) or types != {BF16}:
+        return 0
+    if amx is None:
+        amx = cpu_has_amx_bf16()
+    return BF16_GEMM_MIN_ROWS if amx else 0

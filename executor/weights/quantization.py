@@ -48,6 +48,7 @@ from torch import nn
 
 from zllm.config.quantization import CHECKPOINT_QUANTIZATIONS
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels import gguf_arithmetic
 from zllm.executor.kernels.gguf_arithmetic import GGUF_METHODS, INTEGER_TYPES, Q8_0
 from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.weights.blocks import (
@@ -99,8 +100,9 @@ def check_quantization(method: str, model_path: str | None, strict: bool = True)
 
 # The engine's own choice for a bf16/fp16 checkpoint on CPU (not a --quantization choice): its
 # matrices stay 16-bit in memory and the kernel widens them to fp32 in registers, so a decode
-# step reads half the bytes of an fp32 copy, with the same values (both widen exactly).
-SIXTEEN_BIT = "16-bit"
+# step reads half the bytes of an fp32 copy, with the same values (both widen exactly); with
+# AMX a bf16 checkpoint's prefills take bf16 GEMMs (gguf_arithmetic.bf16_gemm_rows).
+SIXTEEN_BIT = gguf_arithmetic.SIXTEEN_BIT
 
 
 def sixteen_bit_checkpoint(model_path: str) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cuda_blocks
-from zllm.executor.kernels.gguf_arithmetic import integer_rows
+from zllm.executor.kernels.gguf_arithmetic import bf16_gemm_rows, integer_rows
 from zllm.executor.layers.moe.experts import ExpertMatrices
 
 # On a GPU: a matrix held as a plain [out, in] weight of the model's dtype (a 16-bit one).
@@ -30,6 +30,13 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight)
     return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+
+
+def _bf16_gemm(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x W^T for BF16 rows (uint8 [N, 2 x in]) as torch's bf16 GEMM (oneDNN: AMX tiles where
+    the CPU has them): x rounded to bf16, fp32 sums, the output rounded to bf16 and widened
+    (torch has no bf16 x bf16 -> fp32 GEMM on CPU). gguf_arithmetic.bf16_gemm_rows: when."""
+    return F.linear(x.to(torch.bfloat16), rows.view(torch.bfloat16)).float()
 
 
 def _gpu_linear_into(
@@ -57,8 +64,10 @@ class GGUFLinear(nn.Module):
         self.ggml_type = ggml_type
         self.in_features = in_features
         self.bias = bias
-        # Integer dots for calls of at most this many rows (executor/kernels/gguf_arithmetic.py)
+        # Integer dots for calls of at most this many rows, bf16 GEMMs from this many (0:
+        # never; executor/kernels/gguf_arithmetic.py)
         self.int8_max_rows = integer_rows(arithmetic, [ggml_type])
+        self.bf16_gemm_rows = bf16_gemm_rows(arithmetic, [ggml_type])
 
     @property
     def out_features(self) -> int:
@@ -79,6 +88,8 @@ class GGUFLinear(nn.Module):
                 cuda_blocks.linear_into(flat, self.qweight, self.ggml_type, y)
         elif self.int8_activations and flat.shape[0] <= self.int8_max_rows:
             y = cpu_kernels.gguf_linear_int8(flat, self.qweight, self.ggml_type)
+        elif 0 < self.bf16_gemm_rows <= flat.shape[0]:
+            y = _bf16_gemm(flat, self.qweight)
         else:
             y = cpu_kernels.gguf_linear(flat, self.qweight, self.ggml_type)
         if self.bias is not None:
@@ -106,7 +117,9 @@ class GGUFSplitLinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(qweight.shape[0] for qweight, _ in parts)
         self.bias = bias
-        self.int8_max_rows = integer_rows(arithmetic, [ggml_type for _, ggml_type in parts])
+        types = [ggml_type for _, ggml_type in parts]
+        self.int8_max_rows = integer_rows(arithmetic, types)
+        self.bf16_gemm_rows = bf16_gemm_rows(arithmetic, types)
 
     @property
     def int8_activations(self) -> bool:
@@ -117,6 +130,7 @@ class GGUFSplitLinear(nn.Module):
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         y = flat.new_empty(flat.shape[0], self.out_features)
         int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
+        bf16 = 0 < self.bf16_gemm_rows <= flat.shape[0] and not on_gpu(flat)
         start = 0
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
@@ -125,6 +139,8 @@ class GGUFSplitLinear(nn.Module):
                 _gpu_linear_into(flat, qweight, ggml_type, columns)
             elif int8:
                 cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
+            elif bf16:
+                columns.copy_(_bf16_gemm(flat, qweight))
             else:
                 cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
             start += rows

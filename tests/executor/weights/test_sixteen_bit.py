@@ -4,6 +4,9 @@ Their matrices are kept as the checkpoint stores them and widened to fp32 in reg
 the CPU kernel (csrc/cpu/gguf_linear.cpp's F16/BF16 formats): the same fp32 values the
 fp32-in-memory path multiplies (both widen exactly), summed in the kernel's order. So the
 logits equal that path's to fp32 rounding, and the greedy tokens equal it and transformers'.
+Where the CPU has AMX, a bf16 checkpoint's calls of 16+ rows (prefills) take bf16 GEMMs
+instead (executor/kernels/gguf_arithmetic.py): close to the float kernel's numbers, tested
+below with the rule switched on or off in a loaded engine, whatever this CPU has.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from parity import assert_greedy_parity, hf_greedy
+from parity import assert_greedy_parity, hf_greedy, set_bf16_gemm_rows
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams
+from zllm.executor.kernels.gguf_arithmetic import BF16_GEMM_MIN_ROWS, cpu_has_amx_bf16
 from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 from zllm.executor.weights.quantization import SIXTEEN_BIT
 
@@ -60,6 +64,9 @@ def test_sixteen_bit_weights_stay_sixteen_bit_and_compute_the_fp32_paths_numbers
     ours = LLM(path, kv_cache_memory_bytes=8 << 20)
     fp32 = LLM(path, kv_cache_memory_bytes=8 << 20, quantization="none")
     assert ours.model_runner.quantization == SIXTEEN_BIT
+    # The float kernel at every size here (with AMX, bf16 prefills: the next test).
+    had_gemm = set_bf16_gemm_rows(ours, 0)
+    assert bool(had_gemm) == (dtype == torch.bfloat16 and cpu_has_amx_bf16())
     assert fp32.model_runner.quantization == "none"
     model = ours.model_runner.model
     for layer in model.layers:  # every matrix as 16-bit rows, no fp32 copy
@@ -92,6 +99,35 @@ def test_sixteen_bit_weights_stay_sixteen_bit_and_compute_the_fp32_paths_numbers
         theirs = hf_greedy(hf, p, GREEDY.max_tokens)
         top5 = [list(pos) for pos in out.outputs[0].logprobs]
         assert_greedy_parity(hf, p, out.outputs[0].token_ids, theirs, top5, f"{case}[{i}]")
+
+
+@pytest.mark.parametrize("case", ["llama-bf16", "gemma3-bf16"])
+def test_bf16_prefill_gemms_stay_close_to_the_float_kernels_numbers(
+    tmp_path: Path, case: str
+) -> None:
+    """The AMX rule (switched on here on any CPU: torch's bf16 GEMM runs everywhere): prompts
+    of 16+ tokens go through bf16 GEMMs (x and the outputs rounded to bf16, fp32 sums), and
+    the next token's log-probabilities stay within bf16's rounding of the float kernel's."""
+    arch, dtype, overrides = CASES[case]
+    path = build(tmp_path, arch, dtype, **overrides)
+    gemm = LLM(path, kv_cache_memory_bytes=8 << 20)
+    exact = LLM(path, kv_cache_memory_bytes=8 << 20)
+    assert set_bf16_gemm_rows(gemm, BF16_GEMM_MIN_ROWS) in (0, 9 if arch == "llama" else 13)
+    set_bf16_gemm_rows(exact, 0)
+    rng = random.Random(3)
+    batch = [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(n)]} for n in (16, 40, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    drifts = []
+    outputs = [llm.generate(batch, params, use_tqdm=False) for llm in (gemm, exact)]
+    for a, b in zip(*outputs, strict=True):
+        a_top, b_top = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        first = b.outputs[0].token_ids[0]
+        assert first in a_top  # the exact path's choice is among the GEMM path's top 5
+        drifts.append(abs(a_top[first].logprob - b_top[first].logprob))
+        if a.outputs[0].token_ids[0] != first:  # a flip only between near-tied tokens
+            assert abs(b_top[first].logprob - a_top[first].logprob) < 0.08
+    assert max(drifts) < 0.08  # measured: 0.029 at most (llama), 0.001 (Gemma 3)
+    assert max(drifts) > 0  # the GEMM did run: the numbers moved
 
 
 def test_fp32_checkpoints_and_quantization_none_keep_fp32_matmuls(tmp_path: Path) -> None:
