@@ -23,8 +23,8 @@ What it covers, checked once when the model is loaded (`FusedDecode.build` says 
 Not covered, so the module path runs: LoRA (its per-row adapter updates live in the
 modules), deterministic mode (the modules tile their matmuls), the transformers backend,
 `--enforce-eager`, any step with a prefill chunk in it, and with AMX a bf16 model's steps of
-16+ rows, whose BF16 matmuls the modules send to bf16 GEMMs (gguf_arithmetic.bf16_gemm_rows:
-3-4x the float kernel at 32 rows, more than the fused path saves).
+8+ rows, whose BF16 matmuls the modules send to bf16 GEMMs (gguf_arithmetic.bf16_gemm_rows:
+1.2x the float kernel at 8 rows, 3.7x at 32, more than the fused path saves).
 Speculative verify steps (a sequence's last token and its proposals) run fused: each token
 is a decode row attending up to its own position, after every row's K/V is in the cache.
 `ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.

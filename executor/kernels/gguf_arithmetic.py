@@ -20,7 +20,7 @@ The `--quantization` names that choose:
 third arithmetic where the CPU has AMX (Sapphire Rapids and later): calls of at least
 BF16_GEMM_MIN_ROWS rows (prefills, large batches) as torch's bf16 GEMM, which oneDNN runs on
 AMX tiles: x rounded to bf16, fp32 sums, the output rounded to bf16 (vLLM's CPU arithmetic for a
-bf16 model); 4-8x the float kernel's speed at 32-512 rows (BENCHMARKS.md, "16-bit prefill on
+bf16 model); 1.2x the float kernel's speed at 8 rows, 2.5x at 16, 4.5x at 64 (BENCHMARKS.md, "16-bit prefill on
 AMX"). The default (`gguf` for a BF16 file, the engine's `16-bit` for a bf16 checkpoint) takes
 it; `gguf-float` and `--deterministic` (8-row tiles) keep the float kernel's fp32 sums.
 """
@@ -122,9 +122,10 @@ def describe(method: str, types: Iterable[int]) -> str | None:
 
 
 # The fewest rows of a call that BF16 rows send to torch's bf16 GEMM on a CPU with AMX. Below
-# it, decode steps up to c=8 keep the float kernel's fp32 sums (the fused decode step calls
-# that kernel too); from 16 rows the GEMM wins 2.8x on an 8192 x 2048 matrix, 1.2x at 8.
-BF16_GEMM_MIN_ROWS = 16
+# it decode steps keep the float kernel's fp32 sums (and the fused decode step, which calls
+# that kernel). A Llama-3.2-1B layer's four BF16 matmuls (BENCHMARKS.md, "16-bit prefill on
+# AMX"): the GEMM 0.76-0.88x the kernel's speed at 1-4 rows, 1.20x at 8, 2.5x at 16, 4.5x at 64.
+BF16_GEMM_MIN_ROWS = 8
 
 
 def cpu_has_amx_bf16() -> bool:

@@ -38,6 +38,8 @@ def make_batch_invariant(model: nn.Module) -> int:
             matmul = type(child) in DENSE_LINEAR_TYPES
             if not (isinstance(child, GGUFLinear | GGUFSplitLinear) or matmul):
                 continue
+            if not matmul:  # the float kernel's fp32 sums, not bf16 GEMMs of 8-row tiles
+                child.bf16_gemm_rows = 0
             setattr(module, name, Tiled(child))
             wrapped += 1
     return wrapped

@@ -25,6 +25,7 @@ from torch import nn
 from zllm import LLM, SamplingParams
 from zllm.executor.graphs.fused_decode import FusedDecode, Unsupported
 from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.kernels.gguf_arithmetic import BF16_GEMM_MIN_ROWS
 from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS, DenseRowsLinear
 from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
 from zllm.executor.step_inputs import build_attention_metadata
@@ -283,24 +284,24 @@ def test_features_it_does_not_cover_keep_the_module_path(model_path, caplog, kwa
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_bf16_models_steps_of_16_rows_go_to_the_modules_bf16_gemms(tmp_path: Path) -> None:
-    """Where BF16 matmuls take bf16 GEMMs from 16 rows (AMX; set here on any CPU and the path
-    rebuilt), the fused path declines steps of 16+ rows: the modules' GEMMs serve them, so
+def test_a_bf16_models_steps_of_8_rows_go_to_the_modules_bf16_gemms(tmp_path: Path) -> None:
+    """Where BF16 matmuls take bf16 GEMMs from 8 rows (AMX; set here on any CPU and the path
+    rebuilt), the fused path declines steps of 8+ rows: the modules' GEMMs serve them, so
     both paths still give a step the same bits. Smaller steps stay fused."""
     path = write_tiny_model(tmp_path / "bf16", dtype=torch.bfloat16)
     llm = make_llm(str(path), max_num_seqs=32)
     runner = llm.model_runner
     for module in runner.model.modules():
         if isinstance(module, GGUFLinear | GGUFSplitLinear):
-            module.bf16_gemm_rows = 16
+            module.bf16_gemm_rows = BF16_GEMM_MIN_ROWS
     runner.fused_decode = FusedDecode.build(runner.model)
-    assert runner.fused_decode.module_rows == 16
+    assert runner.fused_decode.module_rows == BF16_GEMM_MIN_ROWS == 8
     served = count_fused_steps(llm)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(prompts_of([3] * 15), params, use_tqdm=False)
-    assert served and set(served) == {15}, served
+    llm.generate(prompts_of([3] * 7), params, use_tqdm=False)
+    assert served and set(served) == {7}, served
     served.clear()
-    out = llm.generate(prompts_of([3] * 16, seed=1), params, use_tqdm=False)
+    out = llm.generate(prompts_of([3] * 8, seed=1), params, use_tqdm=False)
     assert served == [] and all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 

@@ -90,13 +90,13 @@ def test_modules_take_the_integer_path_up_to_their_rows() -> None:
         assert torch.equal(q8_layer(x), cpu_kernels.gguf_linear(x, q8, int(T.Q8_0))), rows
 
 
-def test_bf16_rows_take_bf16_gemms_from_16_rows_only_by_default_and_with_amx(
+def test_bf16_rows_take_bf16_gemms_from_8_rows_only_by_default_and_with_amx(
     monkeypatch,
 ) -> None:
     bf16, f16, q4k = int(T.BF16), int(T.F16), int(T.Q4_K)
     for method in ("gguf", SIXTEEN_BIT):
-        assert bf16_gemm_rows(method, [bf16], amx=True) == BF16_GEMM_MIN_ROWS == 16
-        assert bf16_gemm_rows(method, [bf16, bf16], amx=True) == 16
+        assert bf16_gemm_rows(method, [bf16], amx=True) == BF16_GEMM_MIN_ROWS == 8
+        assert bf16_gemm_rows(method, [bf16, bf16], amx=True) == 8
         assert bf16_gemm_rows(method, [bf16], amx=False) == 0  # emulated bf16: slower
         assert bf16_gemm_rows(method, [f16], amx=True) == 0  # F16 values do not fit bf16
         assert bf16_gemm_rows(method, [bf16, q4k], amx=True) == 0  # one path for a fused one
@@ -106,7 +106,7 @@ def test_bf16_rows_take_bf16_gemms_from_16_rows_only_by_default_and_with_amx(
     monkeypatch.delenv("ZLLM_CPU_ISA", raising=False)
     amx = cpu_kernels.cpu_isa() != "avx2" and torch.cpu._is_amx_tile_supported()
     assert cpu_has_amx_bf16() == amx
-    assert bf16_gemm_rows(SIXTEEN_BIT, [bf16]) == (16 if amx else 0)
+    assert bf16_gemm_rows(SIXTEEN_BIT, [bf16]) == (8 if amx else 0)
     previous = cpu_kernels.cpu_isa()
     try:
         cpu_kernels.set_cpu_isa("avx2")
@@ -120,9 +120,9 @@ def test_bf16_rows_take_bf16_gemms_from_16_rows_only_by_default_and_with_amx(
 
 def test_modules_take_the_bf16_gemm_from_their_rows() -> None:
     """With the rule on (set here on any CPU: torch's bf16 GEMM runs everywhere, on AMX tiles
-    where the CPU has them), a BF16 matmul's calls of 16+ rows are x rounded to bf16, fp32
+    where the CPU has them), a BF16 matmul's calls of 8+ rows are x rounded to bf16, fp32
     sums, the output rounded to bf16: within bf16's rounding of the float kernel's fp32 sums;
-    calls under 16 rows are the float kernel's bits. A fused matmul of BF16 parts does the
+    calls under 8 rows are the float kernel's bits. A fused matmul of BF16 parts does the
     same per part."""
     gen = torch.Generator().manual_seed(5)
     w = (torch.randn(48, 256, generator=gen) * 0.05).to(torch.bfloat16)
@@ -134,7 +134,7 @@ def test_modules_take_the_bf16_gemm_from_their_rows() -> None:
     )
     assert layer.bf16_gemm_rows == split.bf16_gemm_rows == 0  # gguf-float: never
     layer.bf16_gemm_rows = split.bf16_gemm_rows = BF16_GEMM_MIN_ROWS
-    for rows in (1, 15, 16, 40):
+    for rows in (1, 7, 8, 40):
         x = torch.randn(rows, 256, generator=gen)
         exact = cpu_kernels.gguf_linear(x, rows16, int(T.BF16)) + bias
         gemm = torch.nn.functional.linear(x.bfloat16(), w).float() + bias

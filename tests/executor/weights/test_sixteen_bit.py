@@ -4,7 +4,7 @@ Their matrices are kept as the checkpoint stores them and widened to fp32 in reg
 the CPU kernel (csrc/cpu/gguf_linear.cpp's F16/BF16 formats): the same fp32 values the
 fp32-in-memory path multiplies (both widen exactly), summed in the kernel's order. So the
 logits equal that path's to fp32 rounding, and the greedy tokens equal it and transformers'.
-Where the CPU has AMX, a bf16 checkpoint's calls of 16+ rows (prefills) take bf16 GEMMs
+Where the CPU has AMX, a bf16 checkpoint's calls of 8+ rows (prefills, batches) take bf16 GEMMs
 instead (executor/kernels/gguf_arithmetic.py): close to the float kernel's numbers, tested
 below with the rule switched on or off in a loaded engine, whatever this CPU has.
 """
@@ -21,6 +21,7 @@ from parity import assert_greedy_parity, hf_greedy, set_bf16_gemm_rows
 from tiny_models import randomize_norms_and_biases, tiny_gemma3_overrides, write_tiny_model
 
 from zllm import LLM, SamplingParams
+from zllm.executor.kernels import gguf_arithmetic
 from zllm.executor.kernels.gguf_arithmetic import BF16_GEMM_MIN_ROWS, cpu_has_amx_bf16
 from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 from zllm.executor.weights.quantization import SIXTEEN_BIT
@@ -106,7 +107,7 @@ def test_bf16_prefill_gemms_stay_close_to_the_float_kernels_numbers(
     tmp_path: Path, case: str
 ) -> None:
     """The AMX rule (switched on here on any CPU: torch's bf16 GEMM runs everywhere): prompts
-    of 16+ tokens go through bf16 GEMMs (x and the outputs rounded to bf16, fp32 sums), and
+    of 8+ tokens go through bf16 GEMMs (x and the outputs rounded to bf16, fp32 sums), and
     the next token's log-probabilities stay within bf16's rounding of the float kernel's."""
     arch, dtype, overrides = CASES[case]
     path = build(tmp_path, arch, dtype, **overrides)
@@ -128,6 +129,21 @@ def test_bf16_prefill_gemms_stay_close_to_the_float_kernels_numbers(
             assert abs(b_top[first].logprob - a_top[first].logprob) < 0.08
     assert max(drifts) < 0.08  # measured: 0.029 at most (llama), 0.001 (Gemma 3)
     assert max(drifts) > 0  # the GEMM did run: the numbers moved
+
+
+def test_deterministic_runs_keep_the_float_kernels_sums(tmp_path: Path, monkeypatch) -> None:
+    """--deterministic tiles every matmul in 8-row calls (batch_invariant.py), which would all
+    reach the bf16 GEMM's row limit: its matmuls keep the float kernel (the CPU answers AMX
+    here, whatever it has)."""
+    monkeypatch.setattr(gguf_arithmetic, "cpu_has_amx_bf16", lambda: True)
+    path = build(tmp_path, "llama", torch.bfloat16)
+    default = LLM(path, kv_cache_memory_bytes=8 << 20)
+    assert set_bf16_gemm_rows(default, BF16_GEMM_MIN_ROWS) == 9  # every BF16 matmul had it
+    llm = LLM(path, kv_cache_memory_bytes=8 << 20, deterministic=True)
+    assert llm.model_runner.quantization == SIXTEEN_BIT
+    assert set_bf16_gemm_rows(llm, 0) == 0
+    tiled = [m for m in llm.model_runner.model.modules() if type(m).__name__ == "Tiled"]
+    assert tiled and all(getattr(m.inner, "bf16_gemm_rows", 0) == 0 for m in tiled)
 
 
 def test_fp32_checkpoints_and_quantization_none_keep_fp32_matmuls(tmp_path: Path) -> None:
