@@ -498,6 +498,12 @@ _WIRE_INT_MIN, _WIRE_INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
 _MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
 
+def _invalid_json(error: msgspec.DecodeError) -> str:
+    if "UTF-8" in str(error):
+        return f"The request body is not valid UTF-8: {error}"
+    return f"Invalid JSON in the request body: {error}"
+
+
 def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct, list[str]]:
     """Decode a JSON request body into `cls`; returns it and the unknown top-level keys.
 
@@ -508,7 +514,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
     except msgspec.ValidationError:
         raise RequestError("The request body must be a JSON object.") from None
     except msgspec.DecodeError as e:
-        raise RequestError(f"Invalid JSON in the request body: {e}") from None
+        raise RequestError(_invalid_json(e)) from None
     except UnicodeDecodeError as e:  # msgspec checks UTF-8 only where it decodes a string
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
@@ -517,6 +523,8 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> tuple[msgspec.Struct,
         request = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
         raise RequestError(f"Invalid request: {e}", param=error_param(str(e))) from None
+    except msgspec.DecodeError as e:  # msgspec 0.23: a string's bad UTF-8 (was UnicodeDecodeError)
+        raise RequestError(_invalid_json(e)) from None
     except UnicodeDecodeError as e:
         raise RequestError(f"The request body is not valid UTF-8: {e}") from None
     except RecursionError:
