@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zllm.executor.kernels import gguf_arithmetic
+
 TIE_TOLERANCE = 0.05  # nats
 FLIPS: list[str] = []
 
@@ -92,7 +94,7 @@ def set_bf16_gemm_rows(llm, rows: int) -> int:
         if hasattr(module, "bf16_gemm_rows"):
             types = [module.ggml_type] if hasattr(module, "ggml_type") else []
             types += [t for _, t in getattr(module, "parts", [])]
-            if set(types) == {30}:  # ggml's BF16
+            if set(types) == {gguf_arithmetic.BF16}:
                 had += module.bf16_gemm_rows > 0
                 module.bf16_gemm_rows = rows
     return had

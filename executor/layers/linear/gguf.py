@@ -34,8 +34,9 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _bf16_gemm(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x W^T for BF16 rows (uint8 [N, 2 x in]) as torch's bf16 GEMM (oneDNN: AMX tiles where
-    the CPU has them): x rounded to bf16, fp32 sums, the output rounded to bf16 and widened
-    (torch has no bf16 x bf16 -> fp32 GEMM on CPU). gguf_arithmetic.bf16_gemm_rows: when."""
+    the CPU has them): x rounded to bf16 (unless it is already), fp32 sums, the output rounded
+    to bf16 and widened (torch has no bf16 x bf16 -> fp32 GEMM on CPU).
+    gguf_arithmetic.bf16_gemm_rows: when."""
     return F.linear(x.to(torch.bfloat16), rows.view(torch.bfloat16)).float()
 
 
@@ -130,7 +131,8 @@ class GGUFSplitLinear(nn.Module):
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         y = flat.new_empty(flat.shape[0], self.out_features)
         int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
-        bf16 = 0 < self.bf16_gemm_rows <= flat.shape[0] and not on_gpu(flat)
+        # x rounded to bf16 once for every part (the GPU branch below comes first)
+        x16 = flat.to(torch.bfloat16) if 0 < self.bf16_gemm_rows <= flat.shape[0] else None
         start = 0
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
@@ -139,8 +141,8 @@ class GGUFSplitLinear(nn.Module):
                 _gpu_linear_into(flat, qweight, ggml_type, columns)
             elif int8:
                 cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
-            elif bf16:
-                columns.copy_(_bf16_gemm(flat, qweight))
+            elif x16 is not None:
+                columns.copy_(_bf16_gemm(x16, qweight))
             else:
                 cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
             start += rows
