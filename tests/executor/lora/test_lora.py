@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from lora_adapters import ADAPTERS, make_adapter
-from parity import assert_greedy_parity, hf_greedy
+from parity import assert_greedy_parity, hf_greedy, hf_greedy_batch
 from servers import start_server, stop_server, wait_until
 from tiny_models import arch_config_of, tiny_hf_config, write_lora_adapter, write_tiny_model
 
@@ -519,8 +519,8 @@ def test_smollm2_adapters_equal_peft_alone_and_mixed(
     for lora in loras:
         reference = peft_model(smollm2_hf_dir, Path(lora.lora_path))
         alone[lora.lora_name] = greedy_tokens(ours, prompts, lora)
-        for prompt, out in zip(prompts, alone[lora.lora_name], strict=True):
-            theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
+        references = hf_greedy_batch(reference, prompts, GREEDY.max_tokens)
+        for prompt, out, theirs in zip(prompts, alone[lora.lora_name], references, strict=True):
             assert_greedy_parity(reference, prompt, out, theirs, label=f"smollm2 {lora.lora_name}")
         assert alone[lora.lora_name] != base_out
     mixed_loras = [*loras, None]
@@ -542,8 +542,10 @@ def test_smollm2_gguf_base_with_an_adapter_equals_peft(
     lora = smollm2_loras[0]
     reference = peft_model(smollm2_hf_dir, Path(lora.lora_path))
     prompts = [ours.get_tokenizer().encode(t) for t in SMOLLM2_TEXTS]
-    for prompt, out in zip(prompts, greedy_tokens(ours, prompts, lora), strict=True):
-        theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
+    references = hf_greedy_batch(reference, prompts, GREEDY.max_tokens)
+    for prompt, out, theirs in zip(
+        prompts, greedy_tokens(ours, prompts, lora), references, strict=True
+    ):
         assert_greedy_parity(reference, prompt, out, theirs, label="smollm2 gguf base + lora")
 
 

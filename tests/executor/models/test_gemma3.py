@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity import assert_greedy_parity, hf_greedy
+from parity import assert_greedy_parity, hf_greedy, hf_greedy_batch
 from servers import start_server, stop_server
 
 from zllm import LLM, SamplingParams
@@ -192,8 +192,8 @@ def test_real_greedy_parity_with_transformers(gemma3_hf, gemma3_llm):
     ids = [tok.encode(p) for p in PROMPTS]
     assert sum(len(i) > 512 for i in ids) == 2
     outputs = gemma3_llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
-    for i, (p, out) in enumerate(zip(ids, outputs, strict=True)):
-        theirs = hf_greedy(gemma3_hf, p, 24)
+    references = hf_greedy_batch(gemma3_hf, ids, 24)
+    for i, (p, out, theirs) in enumerate(zip(ids, outputs, references, strict=True)):
         assert_greedy_parity(
             gemma3_hf, p, out.outputs[0].token_ids, theirs, label=f"gemma3-270m[{i}]"
         )

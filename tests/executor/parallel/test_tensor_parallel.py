@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from model_cases import BASE, MODELS, PROMPTS
 from paged_runner import PagedRunner, Sequence
 from parity import SERVED_PROMPTS, count_flips, served_greedy
@@ -20,6 +19,7 @@ from zllm.config.parallel import check_divisible
 from zllm.executor.models import model_class_of
 from zllm.executor.parallel.groups import SINGLE, TensorParallel, init_parallel
 from zllm.executor.parallel.shards import kv_heads_of, local_arch, shard_blocks, shard_weight
+from zllm.executor.ranks.processes import rank_start_context
 
 # name -> (model_cases.MODELS entry, HF config overrides, ranks)
 CASES = {
@@ -113,7 +113,7 @@ def run_ranks(case: str, timeout: float = 300) -> dict[int, tuple[torch.Tensor, 
     and the others (blocked in a collective or at the rendezvous, waiting for it) are
     killed: a blocking get() on the results would wait for the dead rank forever."""
     size = CASES[case][2]
-    ctx = mp.get_context("spawn")
+    ctx = rank_start_context()  # the engine's: forked from a process that has imported torch
     results = ctx.SimpleQueue()
     port = free_port()
     procs = [
