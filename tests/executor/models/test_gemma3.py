@@ -129,23 +129,29 @@ def gemma3_llm(gemma3_path):
 
 
 @pytest.fixture(scope="module")
-def gemma3_hf(gemma3_path):
+def gemma3_hf_dir(gemma3_path, tmp_path_factory) -> Path:
+    """transformers' fp32 Gemma 3 and tokenizer as read from the GGUF, saved once per machine
+    (tests/hf_references.py): reading the file's 262k-entry vocabulary and dequantizing its
+    weights in Python costs transformers ~18 s each time."""
+    from hf_references import hf_copy_of_gguf
+
+    return hf_copy_of_gguf(gemma3_path, tmp_path_factory.mktemp("gemma3-hf"))
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(gemma3_hf_dir):
     from transformers import AutoModelForCausalLM
 
-    path = Path(gemma3_path)
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return AutoModelForCausalLM.from_pretrained(gemma3_hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.mark.slow
-def test_real_tokenizer_matches_transformers(gemma3_path):
+def test_real_tokenizer_matches_transformers(gemma3_path, gemma3_hf_dir):
     from transformers import AutoTokenizer
 
     from zllm.text.tokenizer import load_tokenizer
 
-    path = Path(gemma3_path)
-    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    theirs = AutoTokenizer.from_pretrained(gemma3_hf_dir)  # as transformers read the GGUF
     ours = load_tokenizer(gemma3_path)
     texts = [
         *PROMPTS[:4],
