@@ -26,6 +26,7 @@ from torch import nn
 
 from zllm.config.engine import EngineConfig
 from zllm.executor.graphs.fused_decode import FusedDecode
+from zllm.executor.host.cpu_share import cpu_share_for
 from zllm.executor.host.model_host import ModelHost
 from zllm.executor.host.sleep_mode import SleepMode
 from zllm.executor.kv.connector import KVTiers
@@ -83,6 +84,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._gpu_clock = GpuIdleClock(layout.device)
         self._sent_cache_sizes: list[CacheSize] | None = None  # as the core last heard them
+        self._cpu_share = cpu_share_for(
+            str(layout.device), config.world_size, config.deterministic, torch.get_num_threads()
+        )
 
     # ---- what the host holds (the interface ranks, LLM and the tests read) ---------------------
     @property
@@ -259,6 +263,18 @@ class ModelRunner:
         finally:
             self._step_end = time.perf_counter()
 
+    def _share_the_cpu(self) -> None:
+        """Run on the cores other programs leave free (executor/host/cpu_share.py)."""
+        share = self._cpu_share
+        threads = share.threads_now()
+        if threads != torch.get_num_threads():
+            logger.info(
+                "other programs took %.1f of this executor's %d cores in the last second: "
+                "%d thread(s) from now (was %d; at most %d)", share.others, len(share.cpus),
+                threads, torch.get_num_threads(), share.max_threads,
+            )  # fmt: skip
+            torch.set_num_threads(threads)
+
     def _launch(
         self, launched: LaunchedStep, idle_s: float, pending: LaunchedStep | None
     ) -> LaunchedStep | None:
@@ -285,6 +301,8 @@ class ModelRunner:
                 kv_load_failed=self._kv_load_failed(launched.load_failures),
             )
             return launched
+        if self._cpu_share is not None:
+            self._share_the_cpu()
         pending_tokens = None if pending is None else pending.pending_tokens()
         launched.inputs = inputs = prepare_inputs(
             self.host, self.requests, so, scheduled, pending_tokens
