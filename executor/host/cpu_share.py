@@ -29,7 +29,6 @@ from collections.abc import Callable
 MARGIN_CORES = 0.3
 # Each count covers at least this long: shorter windows would follow a competitor's bursts.
 WINDOW_S = 1.0
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 def threads_for(cores: int, max_threads: int, others: float) -> int:
@@ -70,17 +69,23 @@ class CpuShare:
         self.cpus = os.sched_getaffinity(0)
         self.others = 0.0  # cores other programs took in the last window
         self._clock = clock
-        self._since = (clock(), busy_ticks(self.cpus), own_ticks())
+        self._ticks_per_s = os.sysconf("SC_CLK_TCK")
+        # The first window opens at the first step: the load before it (the engine's other
+        # processes starting beside this one) says nothing of the CPU it will share.
+        self._since: tuple[float, int, int] | None = None
 
     def threads_now(self) -> int:
         now = self._clock()
+        if self._since is None:
+            self._since = (now, busy_ticks(self.cpus), own_ticks())
+            return self.threads
         start, busy_then, own_then = self._since
         if now - start < WINDOW_S:
             return self.threads
         busy, own = busy_ticks(self.cpus), own_ticks()
         self._since = (now, busy, own)
         others_ticks = (busy - busy_then) - (own - own_then)
-        self.others = max(0.0, others_ticks / _TICKS_PER_S / (now - start))
+        self.others = max(0.0, others_ticks / self._ticks_per_s / (now - start))
         self.threads = threads_for(len(self.cpus), self.max_threads, self.others)
         return self.threads
 

@@ -72,6 +72,7 @@ def measured(share: CpuShare) -> int:
 @needs_two_cores
 def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_ends():
     share = CpuShare(len(CORES))
+    assert share.threads_now() == len(CORES)  # (the first window opens here)
     assert measured(share) == len(CORES), share.others
     with busy_process_on(CORES[-1]):
         measured(share)  # (the window the process started in)
