@@ -37,9 +37,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     out_ids: list[int] = []
     with torch.inference_mode():
         out = model(torch.tensor([prompt_ids]), use_cache=True, **_last_logits_only(model))
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             token = int(out.logits[0, -1].argmax())
             out_ids.append(token)
+            if step + 1 == max_new_tokens:
+                break  # (its logits would never be read)
             out = model(torch.tensor([[token]]), use_cache=True, **_cache_of(out))
     return out_ids
 

@@ -131,13 +131,15 @@ class GGUFSplitLinear(nn.Module):
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         y = flat.new_empty(flat.shape[0], self.out_features)
         int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
-        # x rounded to bf16 once for every part (the GPU branch below comes first)
-        x16 = flat.to(torch.bfloat16) if 0 < self.bf16_gemm_rows <= flat.shape[0] else None
+        gpu = on_gpu(flat)
+        # x rounded to bf16 once for every part, on the CPU only (a GPU host may have AMX too)
+        bf16 = not gpu and 0 < self.bf16_gemm_rows <= flat.shape[0]
+        x16 = flat.to(torch.bfloat16) if bf16 else None
         start = 0
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
             columns = y[:, start : start + rows]
-            if on_gpu(flat):
+            if gpu:
                 _gpu_linear_into(flat, qweight, ggml_type, columns)
             elif int8:
                 cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
