@@ -12,6 +12,7 @@ import pytest
 import servers
 import solo
 from shared_gguf_reader import share_gguf_readers
+from suite_order import longest_files_first
 
 # Re-exported: test_cuda.py and test_csrc_compile.py import it from here.
 from tiny_models import write_tiny_model  # noqa: F401
@@ -274,6 +275,7 @@ def pytest_collection_modifyitems(config, items):
             "these tests start `zllm serve` (or engines) but are not marked e2e "
             "(pytest.mark.e2e):\n  " + "\n  ".join(unmarked)
         )
+    longest_files_first(items)
 
 
 @pytest.hookimpl(hookwrapper=True)

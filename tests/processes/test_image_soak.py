@@ -64,18 +64,21 @@ def body(seeds: tuple[int, ...], question: str) -> dict:
 
 
 def expected_answers(model_dir: str, conversations: set) -> dict:
+    """The offline engine's answer to each conversation, all in one batch (as the server's
+    answers come from batches of up to 16: the engine's answers do not depend on the batch)."""
     llm = LLM(model_dir, kv_cache_memory_bytes=64 << 20)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    answers = {}
-    for seeds, question in sorted(conversations):
-        parts = [
+    keys = sorted(conversations)
+    chats = []
+    for seeds, question in keys:
+        parts: list[dict] = [
             {"type": "image_pil", "image_pil": Image.open(io.BytesIO(picture_bytes(s)))}
             for s in seeds
         ]
         parts.append({"type": "text", "text": question})
-        out = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
-        answers[(seeds, question)] = out.outputs[0].text
-    return answers
+        chats.append([{"role": "user", "content": parts}])
+    outputs = llm.chat(chats, params, use_tqdm=False)
+    return {key: out.outputs[0].text for key, out in zip(keys, outputs, strict=True)}
 
 
 async def send_all(url: str, plans: list) -> tuple[list[str | None], int]:
