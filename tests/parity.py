@@ -135,6 +135,19 @@ def set_bf16_gemm_rows(llm, rows: int) -> int:
     return had
 
 
+def without_block_gemms(llm) -> int:
+    """Turn off the bf16 GEMM a loaded engine's quantized matmuls take for calls of many rows
+    under the default arithmetic on a CPU with AMX (gguf_arithmetic.BLOCK_GEMM_MIN_ROWS: the
+    file's values rounded to bf16), leaving the kernels each row count takes otherwise;
+    returns how many had it on."""
+    had = 0
+    for module in llm.model_runner.model.modules():
+        if getattr(module, "bf16_gemm_rows", 0) == gguf_arithmetic.BLOCK_GEMM_MIN_ROWS:
+            had += 1
+            module.bf16_gemm_rows = 0
+    return had
+
+
 # ---- a model split over executor ranks, through `zllm serve` ----------------------------
 
 SERVED_PROMPTS = [

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x quantized to int8 per 32 values @ GGUF weights, integer dot products");
   m.def("gguf_linear_int8_into", &gguf_linear_int8_into, "gguf_linear_int8 written into y");
+  m.def("gguf_linear_bf16_into", &gguf_linear_bf16_into,
+        "bf16 x @ GGUF weights dequantized to bf16 a panel at a time, torch's bf16 GEMM, into y");
   m.def("moe_experts_linear", &moe_experts_linear,
         "one projection of a MoE layer's chosen experts in one parallel region (moe_experts.h)");
   m.def(

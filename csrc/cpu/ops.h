@@ -23,6 +23,11 @@ at::Tensor gguf_dequantize(const at::Tensor& qweight, int64_t qtype, int64_t K);
 void set_lattice_tables(const std::vector<int64_t>& types, const std::vector<at::Tensor>& grids,
                         const at::Tensor& ksigns);
 
+// gguf_gemm.cpp: the same through torch's bf16 GEMM (AMX), W dequantized a panel at a time;
+// x in bf16, y fp32 (rows may be strided).
+void gguf_linear_bf16_into(const at::Tensor& x16, const at::Tensor& qweight, int64_t qtype,
+                           at::Tensor& y);
+
 // gguf_int8.cpp: the same with x rounded to int8 per 32 values (--quantization gguf-int8).
 at::Tensor gguf_linear_int8(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype);
 void gguf_linear_int8_into(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,

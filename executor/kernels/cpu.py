@@ -4,6 +4,7 @@
     gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks           csrc/cpu/gguf_linear.cpp
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.cpp
+    gguf_linear_bf16_into(x16, qweight, ggml_type, y)  bf16 GEMM over panels of W   csrc/cpu/gguf_gemm.cpp
     gguf_dequantize(qweight, ggml_type, K)    the fp32 values that kernel multiplies by
     set_lattice_tables(types, grids, ksigns)  gguf-py's IQ1-IQ3 grids, handed over by load()
                                               (hand_lattice_tables)          csrc/cpu/gguf_lattice.h
@@ -253,6 +254,15 @@ def gguf_linear_int8(
         return load().gguf_linear_int8(x, qweight, ggml_type)
     load().gguf_linear_int8_into(x, qweight, ggml_type, y)
     return y
+
+
+def gguf_linear_bf16_into(
+    x16: torch.Tensor, qweight: torch.Tensor, ggml_type: int, y: torch.Tensor
+) -> None:
+    """y[:] = x16 @ dequantize(qweight)^T through torch's bf16 GEMM (AMX where the CPU has
+    it): W's values rounded to bf16 a panel of rows at a time, x16 bf16 [M, K], fp32 sums,
+    each output rounded to bf16; y fp32 [M, N] may be a column slice of a wider output."""
+    load().gguf_linear_bf16_into(x16, qweight, ggml_type, y)
 
 
 def moe_experts_linear(

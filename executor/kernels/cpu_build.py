@@ -43,6 +43,7 @@ SOURCES = (
     "cpu/row_ops.cpp",
     "cpu/dense_rows.cpp",
     "cpu/state_layers.cpp",
+    "cpu/gguf_gemm.cpp",
 )
 # AVX2 for the whole library, so it runs on every CPU cpu.py's cpu_supports_kernels admits;
 # functions with an AVX-512 VNNI variant compile it per function and choose at run time

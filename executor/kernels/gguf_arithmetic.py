@@ -16,13 +16,15 @@ The `--quantization` names that choose:
   parity tests compare tokens bitwise under it);
 - `gguf-int8`: integer dots wherever a type has them, whatever they cost (A/B measurements).
 
-16-bit weights (F16/BF16 files, bf16/fp16 checkpoints) have no integer path. BF16 rows take a
-third arithmetic where the CPU has AMX (Sapphire Rapids and later): calls of at least
-BF16_GEMM_MIN_ROWS rows (prefills, large batches) as torch's bf16 GEMM, which oneDNN runs on
-AMX tiles: x rounded to bf16, fp32 sums, the output rounded to bf16 (vLLM's CPU arithmetic for a
-bf16 model); 1.2x the float kernel's speed at 8 rows, 2.5x at 16, 4.5x at 64 (BENCHMARKS.md, "16-bit prefill on
-AMX"). The default (`gguf` for a BF16 file, the engine's `16-bit` for a bf16 checkpoint) takes
-it; `gguf-float` and `--deterministic` (8-row tiles) keep the float kernel's fp32 sums.
+16-bit weights (F16/BF16 files, bf16/fp16 checkpoints) have no integer path. Where the CPU
+has AMX (Sapphire Rapids and later) a third arithmetic serves the calls of many rows
+(prefills, large batches) under the default: torch's bf16 GEMM, which oneDNN runs on AMX
+tiles: x rounded to bf16, the weights' values rounded to bf16, fp32 sums, the output rounded
+to bf16 (vLLM's CPU arithmetic for a bf16 model). BF16 rows take it from BF16_GEMM_MIN_ROWS
+rows (1.2x the float kernel at 8 rows, 4.5x at 64: BENCHMARKS.md "16-bit prefill on AMX");
+quantized blocks, dequantized to bf16 a panel at a time (csrc/cpu/gguf_gemm.cpp), from
+BLOCK_GEMM_MIN_ROWS (2.8-4.4x the K-quants' integer tiles at 512 rows: "Quantized prefill on
+AMX"). `gguf-float`, `gguf-int8` and `--deterministic` (8-row tiles) keep their own sums.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def describe(method: str, types: Iterable[int]) -> str | None:
     parts = [f"integer dots for {', '.join(cells)}"] if cells else []
     if BF16 in types and bf16_gemm_rows(method, [BF16]):
         parts.append(f"BF16 calls of {BF16_GEMM_MIN_ROWS}+ rows as bf16 GEMMs on AMX")
+    blocks = types - {BF16}
+    if blocks and bf16_gemm_rows(method, blocks):
+        parts.append(f"quantized calls of {BLOCK_GEMM_MIN_ROWS}+ rows as bf16 GEMMs on AMX")
     if not parts:
         return None
     return f"{method} ({isa}): {'; '.join(parts)}, the float kernel for the rest"
@@ -126,6 +131,16 @@ def describe(method: str, types: Iterable[int]) -> str | None:
 # that kernel). A Llama-3.2-1B layer's four BF16 matmuls (BENCHMARKS.md, "16-bit prefill on
 # AMX"): the GEMM 0.76-0.88x the kernel's speed at 1-4 rows, 1.20x at 8, 2.5x at 16, 4.5x at 64.
 BF16_GEMM_MIN_ROWS = 8
+# The same for quantized blocks, whose weights the GEMM's kernel (csrc/cpu/gguf_gemm.cpp)
+# dequantizes to bf16 a panel at a time, a cost paid once per call. The 1B Q4_K_M's matrices
+# (BENCHMARKS.md, "Quantized prefill on AMX"): against the K-quants' integer tiles 0.4-0.5x at
+# 16 rows, 0.8-0.9x at 32, 1.05-1.3x at 64, 1.6-1.9x at 128, 2.8-4.4x at 512; against the
+# float kernel (Q8_0, Q4_0, ...) 1.2x at 32. From 64 rows: prefill chunks, not decode steps
+# (a c=32 decode step keeps the fused path's integer dots).
+BLOCK_GEMM_MIN_ROWS = 64
+# What the panels cannot take: fp32 rows (exact in the float kernel, no reason to round them)
+# and F16 rows (a file kept in F16 for its 11 mantissa bits; bf16 has 8).
+_NO_BLOCK_GEMM = frozenset({0, 1})  # ggml F32, F16
 
 
 def cpu_has_amx_bf16() -> bool:
@@ -141,12 +156,17 @@ def cpu_has_amx_bf16() -> bool:
 
 def bf16_gemm_rows(method: str, types: Iterable[int], amx: bool | None = None) -> int:
     """The fewest rows of a call of a matmul whose parts are stored in `types` that take the
-    bf16 GEMM under `method` (0: never). Only BF16 rows (an F16 matrix in bf16 would lose
-    mantissa bits), only under the default arithmetic, only with AMX (`amx`: default, this
-    CPU's)."""
+    bf16 GEMM under `method` (0: never): BF16 rows from BF16_GEMM_MIN_ROWS, quantized blocks
+    (dequantized to bf16 a panel at a time) from BLOCK_GEMM_MIN_ROWS. Only under the default
+    arithmetic (`gguf-float` keeps transformers' fp32 numbers, `gguf-int8` llama.cpp's), only
+    with AMX (`amx`: default, this CPU's); never for F16 or F32 rows."""
     types = set(types)
-    if method not in ("gguf", SIXTEEN_BIT) or types != {BF16}:
+    if method not in ("gguf", SIXTEEN_BIT) or not types or types & _NO_BLOCK_GEMM:
         return 0
     if amx is None:
         amx = cpu_has_amx_bf16()
-    return BF16_GEMM_MIN_ROWS if amx else 0
+    if not amx:
+        return 0
+    if types == {BF16}:
+        return BF16_GEMM_MIN_ROWS
+    return BLOCK_GEMM_MIN_ROWS if method == "gguf" else 0

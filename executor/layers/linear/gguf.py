@@ -17,7 +17,7 @@ from torch import nn
 
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels import cuda_blocks
-from zllm.executor.kernels.gguf_arithmetic import bf16_gemm_rows, integer_rows
+from zllm.executor.kernels.gguf_arithmetic import BF16, bf16_gemm_rows, integer_rows
 from zllm.executor.layers.moe.experts import ExpertMatrices
 
 # On a GPU: a matrix held as a plain [out, in] weight of the model's dtype (a 16-bit one).
@@ -32,12 +32,18 @@ def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(weight.dtype), weight).to(x.dtype)
 
 
-def _bf16_gemm(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """x W^T for BF16 rows (uint8 [N, 2 x in]) as torch's bf16 GEMM (oneDNN: AMX tiles where
-    the CPU has them): x rounded to bf16 (unless it is already), fp32 sums, the output rounded
-    to bf16 and widened (torch has no bf16 x bf16 -> fp32 GEMM on CPU).
+def _bf16_gemm_into(
+    x16: torch.Tensor, qweight: torch.Tensor, ggml_type: int, y: torch.Tensor
+) -> None:
+    """y[:] = x W^T as torch's bf16 GEMM (oneDNN: AMX tiles where the CPU has them), x16 being
+    x rounded to bf16: fp32 sums, the output rounded to bf16 and widened (torch has no bf16 x
+    bf16 -> fp32 GEMM on CPU). BF16 rows are the GEMM's operand as they are; quantized blocks
+    are dequantized to bf16 a panel at a time (csrc/cpu/gguf_gemm.cpp).
     gguf_arithmetic.bf16_gemm_rows: when."""
-    return F.linear(x.to(torch.bfloat16), rows.view(torch.bfloat16)).float()
+    if ggml_type == BF16:
+        y.copy_(F.linear(x16, qweight.view(torch.bfloat16)))
+    else:
+        cpu_kernels.gguf_linear_bf16_into(x16, qweight, ggml_type, y)
 
 
 def _gpu_linear_into(
@@ -87,10 +93,11 @@ class GGUFLinear(nn.Module):
             else:
                 y = flat.new_empty(flat.shape[0], self.out_features)
                 cuda_blocks.linear_into(flat, self.qweight, self.ggml_type, y)
+        elif 0 < self.bf16_gemm_rows <= flat.shape[0]:
+            y = flat.new_empty(flat.shape[0], self.out_features)
+            _bf16_gemm_into(flat.to(torch.bfloat16), self.qweight, self.ggml_type, y)
         elif self.int8_activations and flat.shape[0] <= self.int8_max_rows:
             y = cpu_kernels.gguf_linear_int8(flat, self.qweight, self.ggml_type)
-        elif 0 < self.bf16_gemm_rows <= flat.shape[0]:
-            y = _bf16_gemm(flat, self.qweight)
         else:
             y = cpu_kernels.gguf_linear(flat, self.qweight, self.ggml_type)
         if self.bias is not None:
@@ -130,21 +137,21 @@ class GGUFSplitLinear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         y = flat.new_empty(flat.shape[0], self.out_features)
-        int8 = self.int8_activations and flat.shape[0] <= self.int8_max_rows
         gpu = on_gpu(flat)
         # x rounded to bf16 once for every part, on the CPU only (a GPU host may have AMX too)
         bf16 = not gpu and 0 < self.bf16_gemm_rows <= flat.shape[0]
         x16 = flat.to(torch.bfloat16) if bf16 else None
+        int8 = not bf16 and self.int8_activations and flat.shape[0] <= self.int8_max_rows
         start = 0
         for qweight, ggml_type in self.parts:
             rows = qweight.shape[0]
             columns = y[:, start : start + rows]
             if gpu:
                 _gpu_linear_into(flat, qweight, ggml_type, columns)
+            elif x16 is not None:
+                _bf16_gemm_into(x16, qweight, ggml_type, columns)
             elif int8:
                 cpu_kernels.gguf_linear_int8(flat, qweight, ggml_type, columns)
-            elif x16 is not None:
-                columns.copy_(_bf16_gemm(x16, qweight))
             else:
                 cpu_kernels.gguf_linear_into(flat, qweight, ggml_type, columns)
             start += rows

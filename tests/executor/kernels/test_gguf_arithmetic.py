@@ -19,6 +19,7 @@ from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.kernels.gguf_arithmetic import (
     ALL_ROWS,
     BF16_GEMM_MIN_ROWS,
+    BLOCK_GEMM_MIN_ROWS,
     FASTEST_INTEGER_ROWS,
     INT8_MAX_ROWS,
     INTEGER_TYPES,
@@ -99,9 +100,17 @@ def test_bf16_rows_take_bf16_gemms_from_8_rows_only_by_default_and_with_amx(
         assert bf16_gemm_rows(method, [bf16, bf16], amx=True) == 8
         assert bf16_gemm_rows(method, [bf16], amx=False) == 0  # emulated bf16: slower
         assert bf16_gemm_rows(method, [f16], amx=True) == 0  # F16 values do not fit bf16
-        assert bf16_gemm_rows(method, [bf16, q4k], amx=True) == 0  # one path for a fused one
+        assert bf16_gemm_rows(method, [f16, q4k], amx=True) == 0  # one path for a fused one
+    # Quantized blocks (dequantized to bf16 a panel at a time) from 64 rows, under `gguf` only.
+    q8, iq4 = int(T.Q8_0), int(T.IQ4_XS)
+    for types in ([q4k], [q8], [q4k, q8], [iq4], [bf16, q4k]):
+        assert bf16_gemm_rows("gguf", types, amx=True) == BLOCK_GEMM_MIN_ROWS == 64, types
+        assert bf16_gemm_rows("gguf", types, amx=False) == 0, types
+        assert bf16_gemm_rows(SIXTEEN_BIT, types, amx=True) == 0, types
+    assert bf16_gemm_rows("gguf", [int(T.F32)], amx=True) == 0  # exact fp32 rows
     for method in ("gguf-float", "gguf-int8", "none"):
-        assert bf16_gemm_rows(method, [bf16], amx=True) == 0  # the exact sums asked for
+        for types in ([bf16], [q4k], [q8]):  # the exact or integer sums asked for
+            assert bf16_gemm_rows(method, types, amx=True) == 0
     # This CPU's answer: AMX as torch reports it, unless the instruction set is held below it.
     monkeypatch.delenv("ZLLM_CPU_ISA", raising=False)
     amx = cpu_kernels.cpu_isa() != "avx2" and torch.cpu._is_amx_tile_supported()
@@ -147,6 +156,68 @@ def test_modules_take_the_bf16_gemm_from_their_rows() -> None:
                 assert not torch.equal(y, exact)
                 scale = (x.abs() @ w.float().abs().t()).max()
                 assert (y - exact).abs().max() <= 2**-7 * scale, rows
+
+
+GEMM_TYPES = [T.Q4_K, T.Q6_K, T.Q5_K, T.Q8_0, T.Q4_0, T.Q5_0, T.IQ4_XS, T.BF16]
+
+
+@pytest.mark.parametrize("ggml_type", GEMM_TYPES, ids=lambda t: t.name)
+def test_the_panel_gemm_is_the_bf16_product_of_the_files_values(ggml_type) -> None:
+    """gguf_linear_bf16_into: x and the dequantized weights rounded to bf16, fp32 sums, the
+    output rounded to bf16: within one bf16 rounding of the fp32 product of the rounded
+    operands, at a row count of each kind (one, a panel's tail of 100 - 64 weight rows, many),
+    into a column slice of a wider output."""
+    gen = torch.Generator().manual_seed(int(ggml_type))
+    N, K = 100, 512
+    if ggml_type == T.BF16:
+        w = (torch.randn(N, K, generator=gen) * 0.05).to(torch.bfloat16)
+        blocks = w.view(torch.uint8).reshape(N, 2 * K)
+    elif ggml_type in (T.Q8_0, T.Q4_0, T.Q5_0):
+        from gguf.quants import quantize
+
+        w = (torch.randn(N, K, generator=gen) * 0.05).numpy()
+        blocks = torch.from_numpy(quantize(w, ggml_type))
+    else:
+        rng = np.random.default_rng(int(ggml_type))
+        blocks = torch.from_numpy(random_blocks((N, K), ggml_type, rng))
+    values = cpu_kernels.gguf_dequantize(blocks, int(ggml_type), K)
+    for rows in (1, 70, 130):
+        x = torch.randn(rows, K, generator=gen)
+        wide = torch.full((rows, N + 8), 7.0)
+        cpu_kernels.gguf_linear_bf16_into(x.bfloat16(), blocks, int(ggml_type), wide[:, 4 : 4 + N])
+        y = wide[:, 4 : 4 + N]
+        assert torch.all(wide[:, :4] == 7.0) and torch.all(wide[:, 4 + N :] == 7.0)
+        product = x.bfloat16().float() @ values.bfloat16().float().t()
+        scale = (x.abs() @ values.abs().t()).max()
+        assert (y - product).abs().max() <= 2**-8 * product.abs().max() + 1e-5 * scale, rows
+        assert torch.equal(y, y.bfloat16().float())  # each output rounded to bf16
+        exact = x @ values.t()
+        assert (y - exact).abs().max() <= 2**-6 * scale, rows
+
+
+def test_modules_take_the_panel_gemm_from_64_rows() -> None:
+    """With the rule on (set here on any CPU: torch's bf16 GEMM runs everywhere), a Q4_K
+    matmul's calls of 64+ rows are the panel GEMM's bits, fewer rows keep the integer (or
+    float) path; a fused matmul of Q4_K and Q6_K parts does the same per part."""
+    rng = np.random.default_rng(9)
+    q4k = torch.from_numpy(random_blocks((96, 256), T.Q4_K, rng))
+    q6k = torch.from_numpy(random_blocks((32, 256), T.Q6_K, rng))
+    layer = GGUFLinear(q4k, int(T.Q4_K), 256, None, "gguf")
+    split = GGUFSplitLinear([(q4k, int(T.Q4_K)), (q6k, int(T.Q6_K))], 256, None, "gguf")
+    layer.bf16_gemm_rows = split.bf16_gemm_rows = BLOCK_GEMM_MIN_ROWS
+    gen = torch.Generator().manual_seed(9)
+    for rows in (1, 63, 64, 90):
+        x = torch.randn(rows, 256, generator=gen)
+        gemm = torch.empty(rows, 128)
+        cpu_kernels.gguf_linear_bf16_into(x.bfloat16(), q4k, int(T.Q4_K), gemm[:, :96])
+        cpu_kernels.gguf_linear_bf16_into(x.bfloat16(), q6k, int(T.Q6_K), gemm[:, 96:])
+        if rows >= BLOCK_GEMM_MIN_ROWS:
+            assert torch.equal(layer(x), gemm[:, :96]) and torch.equal(split(x), gemm), rows
+        else:
+            assert not torch.equal(layer(x), gemm[:, :96]), rows
+            integer = layer.int8_activations and rows <= layer.int8_max_rows
+            kernel = cpu_kernels.gguf_linear_int8 if integer else cpu_kernels.gguf_linear
+            assert torch.equal(layer(x), kernel(x, q4k, int(T.Q4_K))), rows
 
 
 @pytest.fixture(scope="module")

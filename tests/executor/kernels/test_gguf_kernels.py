@@ -19,11 +19,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize, quantize
 from gguf_files import random_blocks
+from parity import without_block_gemms
 from resident_memory import resident_after_load
 
 from zllm import LLM, SamplingParams
 from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.kernels.gguf_arithmetic import ALL_ROWS, INT8_MAX_ROWS
+from zllm.executor.kernels.gguf_arithmetic import ALL_ROWS, INT8_MAX_ROWS, cpu_has_amx_bf16
 from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear, GGUFSplitLinear
 
 T = GGMLQuantizationType
@@ -561,6 +562,9 @@ def test_smollm2_defaults_to_gguf_blocks_with_identical_greedy_outputs(smollm2_p
         embedding.qweight, embedding.ggml_type, embedding.embedding_dim
     )
     assert torch.equal(table, ref.embed_tokens)
+    # With AMX the default's prefills take bf16 GEMMs (the file's values rounded to bf16:
+    # test_gguf_arithmetic.py); here the kernels' fp32 sums over the blocks, exactly.
+    assert (without_block_gemms(gguf) > 0) == cpu_has_amx_bf16()
     rng = np.random.default_rng(7)
     # A 300-token prompt prefills in one 300-row call of the kernel's panel path.
     lengths = [5, 40, 300, 12, 70, 3]
