@@ -175,6 +175,30 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llm, hf_model):
     )
 
 
+def test_prompt_logprobs_of_a_long_prompt_match_transformers_at_every_position(llm, hf_model):
+    """A 300-token prompt is scored 128 positions at a time (step_sampler.PROMPT_LOGPROB_ROWS):
+    every position's prompt token, its log-probability, its rank and the top 2, across the
+    pieces' seams."""
+    from zllm.executor.sample.step_sampler import PROMPT_LOGPROB_ROWS
+
+    ids = random_prompts(llm.config.arch.vocab_size, [300], 9)[0]
+    assert len(ids) - 1 > 2 * PROMPT_LOGPROB_ROWS
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        scored, theirs = out.prompt_logprobs[pos], ref[pos - 1]
+        entry = scored[ids[pos]]
+        assert entry.logprob == pytest.approx(theirs[ids[pos]].item(), abs=1e-4), pos
+        assert entry.rank == int((theirs > theirs[ids[pos]]).sum()) + 1, pos
+        top2 = theirs.topk(2)
+        assert {t: lp.rank for t, lp in scored.items() if t in top2.indices.tolist()} == {
+            t: r + 1 for r, t in enumerate(top2.indices.tolist())
+        }, pos
+
+
 def test_chat_applies_template(llm):
     tok = llm.get_tokenizer()
     messages = [{"role": "user", "content": "Hello"}]
