@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "aten_lite.h"
+#include "gguf_checks.h"
 #include "kquant_int8.h"
 #include "ops.h"
 
@@ -241,19 +242,13 @@ void gguf_linear_int8_into(const at::Tensor& x, const at::Tensor& qweight, int64
   TORCH_CHECK(x.stride(1) == 1, "x rows must be contiguous");
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
               "the GGUF kernels run on CPU tensors");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous(),
-              "qweight must be contiguous uint8 [N, bytes per row]");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const BlockFormat* format = block_format(qtype);
+  const int64_t M = x.size(0), K = x.size(1);
+  zllm_gguf::checked_blocks(qweight, qtype, K);
+  const int64_t N = qweight.size(0);
   const DecodeRow decode = decoder(qtype);
-  TORCH_CHECK(format != nullptr && (decode != nullptr || zllm_kquant::serves(qtype)),
-              "unsupported ggml type ", qtype);
-  TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
-              "qweight row bytes do not match K=", K);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == M &&
-                  y.size(1) == N && y.stride(1) == 1,
-              "y must be fp32 [M, N] with contiguous rows");
+  TORCH_CHECK(decode != nullptr || zllm_kquant::serves(qtype), "ggml type ", qtype,
+              " has no integer path");
+  zllm_gguf::check_output(y, M, N);
   if (M == 0 || N == 0) return;
   linear_int8_rows(x.data_ptr<float>(), M, x.stride(0), qweight.data_ptr<uint8_t>(),
                    qweight.size(1), qtype, decode, N, K, y.data_ptr<float>(), y.stride(0));

@@ -35,6 +35,7 @@
 
 #include "aten_lite.h"
 #include "dense_rows.h"
+#include "gguf_checks.h"
 #include "ops.h"
 
 #include <algorithm>
@@ -574,25 +575,6 @@ inline FewRowsKernel few_rows_kernel(int64_t qtype, int64_t M) {
 
 using namespace zllm_gguf;
 
-namespace {
-
-// The checks every entry point makes; returns the type's block layout.
-const BlockFormat& checked_format(const at::Tensor& qweight, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous(),
-              "qweight must be contiguous uint8 [N, bytes per row]");
-  const BlockFormat* format = block_format(qtype);
-  TORCH_CHECK(format != nullptr, "unsupported ggml type ", qtype);
-  TORCH_CHECK(!is_lattice_type(qtype) || g_lattice_ready.load(), "ggml type ", qtype,
-              " needs its lattice grid, which set_lattice_tables has not been given (zllm's "
-              "executor/kernels/cpu.py load() hands gguf-py's over)");
-  TORCH_CHECK(K % format->values == 0 && qweight.size(1) == K / format->values * format->bytes,
-              "qweight row bytes do not match K=", K);
-  return *format;
-}
-
-}  // namespace
-
 namespace zllm_gguf {
 
 // y [M, N] = x [M, K] @ W^T on checked pointers (K > 0): the kernel each row count takes.
@@ -630,10 +612,8 @@ void gguf_linear_into(const at::Tensor& x, const at::Tensor& qweight, int64_t qt
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu() && y.device().is_cpu(),
               "the GGUF kernels run on CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  const BlockFormat& format = checked_format(qweight, qtype, K);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == M &&
-                  y.size(1) == N && y.stride(1) == 1,
-              "y must be fp32 [M, N] with contiguous rows");
+  const BlockFormat& format = checked_blocks(qweight, qtype, K);
+  check_output(y, M, N);
   if (M == 0 || N == 0) return;
   if (K == 0) {  // an empty sum (and the chunk sizes below divide by K)
     y.zero_();
@@ -654,7 +634,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t q
 // The fp32 values the kernel multiplies by: [N, K]. For tests, the embedding's looked-up
 // rows, and the load-time check that the blocks are the weights the fp32 path holds.
 at::Tensor gguf_dequantize(const at::Tensor& qweight, int64_t qtype, int64_t K) {
-  const DequantRow dequant = checked_format(qweight, qtype, K).dequant;
+  const DequantRow dequant = checked_blocks(qweight, qtype, K).dequant;
   const int64_t N = qweight.size(0);
   auto out = qweight.new_empty({N, K}, qweight.options().dtype(at::kFloat));
   const uint8_t* wp = qweight.data_ptr<uint8_t>();

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include "aten_lite.h"
 
+#include "gguf_checks.h"
 #include "gguf_int8.h"
 #include "gguf_linear.h"
 #include "ops.h"
@@ -51,15 +52,10 @@ void moe_experts_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t q
               "the GGUF kernels run on CPU tensors");
   const int64_t R = x.size(0), K = x.size(1), E = blocks.size(0), N = blocks.size(1);
   const int64_t row_bytes = blocks.size(2);
-  const zllm_gguf::BlockFormat* format = zllm_gguf::block_format(qtype);
-  TORCH_CHECK(format != nullptr, "unsupported ggml type ", qtype);
-  TORCH_CHECK(!zllm_gguf::is_lattice_type(qtype) || zllm_gguf::g_lattice_ready.load(),
-              "ggml type ", qtype, " needs its lattice grid (set_lattice_tables)");
-  TORCH_CHECK(K > 0 && K % format->values == 0 && row_bytes == K / format->values * format->bytes,
-              "blocks' row bytes do not match K=", K);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.size(0) == R &&
-                  y.size(1) == N && y.stride(1) == 1,
-              "y must be fp32 [R, N] with contiguous rows");
+  const zllm_gguf::BlockFormat& format = zllm_gguf::checked_type(qtype);
+  TORCH_CHECK(K > 0, "x must have values (K > 0)");
+  zllm_gguf::check_row_bytes(format, row_bytes, K);
+  zllm_gguf::check_output(y, R, N);
   const int64_t G = static_cast<int64_t>(experts.size());
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == G + 1 && (G == 0 || starts[0] == 0) &&
                   starts[G] == R,
@@ -96,7 +92,7 @@ void moe_experts_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t q
         zllm_gguf_int8::linear_int8_rows(xp + m0 * ldx, M, ldx, w, row_bytes, qtype, decode, n,
                                          K, out, ldy);
       else
-        zllm_gguf::linear_rows(xp + m0 * ldx, M, ldx, w, row_bytes, qtype, *format, n, K, out,
+        zllm_gguf::linear_rows(xp + m0 * ldx, M, ldx, w, row_bytes, qtype, format, n, K, out,
                                ldy);
     }
   });

@@ -24,7 +24,10 @@ Not covered, so the module path runs: LoRA (its per-row adapter updates live in 
 modules), deterministic mode (the modules tile their matmuls), the transformers backend,
 `--enforce-eager`, any step with a prefill chunk in it, and with AMX a bf16 model's steps of
 8+ rows, whose BF16 matmuls the modules send to bf16 GEMMs (gguf_arithmetic.bf16_gemm_rows:
-1.2x the float kernel at 8 rows, 3.7x at 32, more than the fused path saves).
+1.2x the float kernel at 8 rows, 3.7x at 32, more than the fused path saves), and a
+quantized model's decode steps of 64+ rows, whose matmuls the modules send to the GEMM over
+dequantized panels (1.05-1.3x the integer tiles at 64 rows; not measured against the fused
+step, rarely met on a CPU: concurrency 64 and up).
 Speculative verify steps (a sequence's last token and its proposals) run fused: each token
 is a decode row attending up to its own position, after every row's K/V is in the cache.
 `ZLLM_FUSED_DECODE=0` turns the path off for A/B measurements.

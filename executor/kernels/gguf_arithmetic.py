@@ -118,7 +118,7 @@ def describe(method: str, types: Iterable[int]) -> str | None:
     parts = [f"integer dots for {', '.join(cells)}"] if cells else []
     if BF16 in types and bf16_gemm_rows(method, [BF16]):
         parts.append(f"BF16 calls of {BF16_GEMM_MIN_ROWS}+ rows as bf16 GEMMs on AMX")
-    blocks = types - {BF16}
+    blocks = types - {BF16} - _NO_BLOCK_GEMM
     if blocks and bf16_gemm_rows(method, blocks):
         parts.append(f"quantized calls of {BLOCK_GEMM_MIN_ROWS}+ rows as bf16 GEMMs on AMX")
     if not parts:

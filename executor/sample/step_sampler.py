@@ -158,10 +158,14 @@ class StepSampler:
                 continue
             rows = hidden[stop - q : stop - q + (last - start)]
             targets = to_device(st.prompt_token_ids[start + 1 : last + 1], self.device, torch.int64)
+            # Pieces of equal size: a piece's row count picks its matmuls' arithmetic
+            # (gguf_arithmetic.py), so no short last piece scores its positions otherwise.
+            pieces = -(-rows.shape[0] // PROMPT_LOGPROB_ROWS)
+            size = -(-rows.shape[0] // pieces)
             parts = []
-            for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS):
-                logits = self.compute_logits(rows[i : i + PROMPT_LOGPROB_ROWS])
-                parts.append(_scored_rows(logits, targets[i : i + PROMPT_LOGPROB_ROWS], k))
+            for i in range(0, rows.shape[0], size):
+                logits = self.compute_logits(rows[i : i + size])
+                parts.append(_scored_rows(logits, targets[i : i + size], k))
             ids, values, ranks = (torch.cat(column) for column in zip(*parts, strict=True))
             result[st.req_id] = LogprobsLists(
                 token_ids=ids.tolist(), logprobs=values.tolist(), ranks=ranks.tolist()
@@ -169,7 +173,7 @@ class StepSampler:
         return result
 
 
-# A prompt's positions are scored this many at a time: their logits and log-probabilities
+# A prompt's positions are scored at most this many at a time: their logits and log-probabilities
 # ([rows, vocab] fp32 each) stay 134 MB at Gemma's 262,144-entry vocabulary, where a
 # 2,048-token chunk's whole would be 2.1 GB twice over, and mostly in cache.
 PROMPT_LOGPROB_ROWS = 128

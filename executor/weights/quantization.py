@@ -118,14 +118,17 @@ def sixteen_bit_checkpoint(model_path: str) -> bool:
 
 
 def set_int8_max_rows(model: nn.Module, rows: int) -> int:
-    """Make gguf-int8 matmuls take the integer path up to `rows` rows (and no bf16 GEMM a
-    prefill would take); returns how many modules it set. `zllm bench accuracy` scores a
-    whole sequence in one prefill with the arithmetic decode gives each row (x is rounded per
-    row, so a row's result does not depend on the others)."""
+    """Make gguf-int8 matmuls take the integer path up to `rows` rows, and no matmul the bf16
+    GEMM a prefill would take on a CPU with AMX; returns how many integer-path modules it
+    set. `zllm bench accuracy` scores a whole sequence in one prefill with the arithmetic
+    decode gives each row (x is rounded per row, so a row's result does not depend on the
+    others)."""
+    for module in model.modules():
+        if getattr(module, "bf16_gemm_rows", 0):
+            module.bf16_gemm_rows = 0
     modules = [m for m in model.modules() if getattr(m, "int8_activations", False)]
     for module in modules:
         module.int8_max_rows = rows
-        module.bf16_gemm_rows = 0
     return len(modules)
 
 

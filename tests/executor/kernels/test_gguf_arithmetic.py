@@ -166,9 +166,14 @@ def test_the_panel_gemm_is_the_bf16_product_of_the_files_values(ggml_type) -> No
     """gguf_linear_bf16_into: x and the dequantized weights rounded to bf16, fp32 sums, the
     output rounded to bf16: within one bf16 rounding of the fp32 product of the rounded
     operands, at a row count of each kind (one, a panel's tail of 100 - 64 weight rows, many),
-    into a column slice of a wider output."""
+    into a column slice of a wider output; and a matrix of one panel, which two threads
+    multiply whole."""
     gen = torch.Generator().manual_seed(int(ggml_type))
-    N, K = 100, 512
+    for N in (100, 40):  # two panels, the second partial; one (fewer than the threads)
+        _check_panel_gemm(ggml_type, N, 512, gen)
+
+
+def _check_panel_gemm(ggml_type, N: int, K: int, gen: torch.Generator) -> None:
     if ggml_type == T.BF16:
         w = (torch.randn(N, K, generator=gen) * 0.05).to(torch.bfloat16)
         blocks = w.view(torch.uint8).reshape(N, 2 * K)
@@ -193,6 +198,21 @@ def test_the_panel_gemm_is_the_bf16_product_of_the_files_values(ggml_type) -> No
         assert torch.equal(y, y.bfloat16().float())  # each output rounded to bf16
         exact = x @ values.t()
         assert (y - exact).abs().max() <= 2**-6 * scale, rows
+
+
+def test_the_panel_gemm_keeps_a_damaged_blocks_nan() -> None:
+    """A block whose fp16 scale is NaN (a damaged file) gives NaN outputs, as the float
+    kernel's do, not a number the rounding to bf16 made up."""
+    from gguf.quants import quantize
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).numpy()
+    blocks = torch.from_numpy(quantize(w, T.Q8_0)).clone()
+    blocks[3, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # d = fp16 NaN (0x7E00)
+    x = torch.randn(2, 64)
+    y = torch.empty(2, 8)
+    cpu_kernels.gguf_linear_bf16_into(x.bfloat16(), blocks, int(T.Q8_0), y)
+    assert torch.isnan(y[:, 3]).all() and not torch.isnan(y[:, [0, 1, 2, 4, 5, 6, 7]]).any()
+    assert torch.isnan(cpu_kernels.gguf_linear(x, blocks, int(T.Q8_0))[:, 3]).all()
 
 
 def test_modules_take_the_panel_gemm_from_64_rows() -> None:
