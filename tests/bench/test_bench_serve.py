@@ -261,6 +261,16 @@ def test_engine_cost_from_counters_and_process_cpu():
     assert cpu["executor"] == pytest.approx(10.0) and cpu["core"] == pytest.approx(0.5)
     assert cpu["all_but_executor"] == pytest.approx(1.0)
     assert engine_cost(({}, {}), ({}, {}), 10) is None  # another engine: nothing to report
+    # Per-process snapshots (zllm bench serve's): a tokenizer that ended between them (another
+    # server's on the same machine) subtracts nothing, one that started adds nothing.
+    cost = engine_cost(
+        ({}, {"tokenizer:10": 4.0, "tokenizer:11": 1.0, "core:12": 2.0}),
+        ({}, {"tokenizer:11": 1.5, "tokenizer:13": 9.0, "core:12": 2.25}),
+        output_tokens=100,
+    )
+    assert cost["cpu_ms_per_output_token"] == {
+        "tokenizer": 5.0, "core": 2.5, "all_but_executor": 7.5
+    }  # fmt: skip
 
 
 def test_pipeline_stage_idle_shares_from_counters():

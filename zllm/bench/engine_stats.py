@@ -68,9 +68,11 @@ def parse_counters(metrics_text: str) -> dict[str, float]:
     return values
 
 
-def process_cpu_seconds(parent: int | None = None) -> dict[str, float]:
+def process_cpu_seconds(parent: int | None = None, per_process: bool = False) -> dict[str, float]:
     """CPU seconds so far of each local `zllm: <role> [index]` process, summed per role;
-    `parent`: only the children of that process (one server's, where several run)."""
+    `parent`: only the children of that process (one server's, where several run);
+    `per_process`: one entry per process, keyed `role:pid` (engine_cost's snapshots: a
+    process that ends between two of them must not subtract its time from its role's)."""
     ticks = os.sysconf("SC_CLK_TCK")
     by_role: dict[str, float] = {}
     try:
@@ -91,8 +93,23 @@ def process_cpu_seconds(parent: int | None = None) -> dict[str, float]:
         if parent is not None and int(fields[1]) != parent:  # field 4, the parent's pid
             continue
         role = title[len("zllm: ") :].split()[0]
-        by_role[role] = by_role.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        key = f"{role}:{pid}" if per_process else role
+        by_role[key] = by_role.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return by_role
+
+
+def _cpu_spent_per_role(cpu0: dict[str, float], cpu1: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each role spent between two snapshots, keyed by role or by `role:pid`.
+    Per process, only those in both count: one that ended meanwhile (another server's on the
+    same machine, a restarted child) is unreadable after, one that started is not all inside
+    the window; summed per role, an ended process made its role's total go backwards."""
+    per_role: dict[str, float] = {}
+    for key in sorted(cpu1):
+        if ":" in key and key not in cpu0:
+            continue
+        role = key.split(":", 1)[0]
+        per_role[role] = per_role.get(role, 0.0) + cpu1[key] - cpu0.get(key, 0.0)
+    return per_role
 
 
 def engine_cost(
@@ -134,8 +151,7 @@ def engine_cost(
             "mean_acceptance_length": round(1 + accepted / drafts, 3),
         }
     if cpu1 and output_tokens > 0:
-        roles = sorted(cpu1)
-        per_role = {r: cpu1[r] - cpu0.get(r, 0.0) for r in roles}
+        per_role = _cpu_spent_per_role(cpu0, cpu1)
         others = sum(v for r, v in per_role.items() if r != "executor")
         result["cpu_ms_per_output_token"] = {
             r: round(v / output_tokens * 1e3, 3) for r, v in per_role.items()

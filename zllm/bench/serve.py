@@ -408,7 +408,7 @@ async def _server_snapshot(client, config: ServeBenchConfig) -> tuple[dict, dict
             counters = parse_counters(r.text)
     except Exception:  # another engine, or metrics protected: the figures are optional
         pass
-    return counters, process_cpu_seconds()
+    return counters, process_cpu_seconds(per_process=True)
 
 
 def _loadavg() -> float | None:
