@@ -46,7 +46,8 @@ _CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # (the tool-call parsers' tests render them) and its vocabulary test files (a vocabulary-only
 # GGUF per pre-tokenizer with texts and llama.cpp's expected ids: the tokenizer's tests).
 _TEMPLATES = "models/templates/"
-_EXTRAS = (_TEMPLATES, "models/ggml-vocab-")
+# (llama-vocab.cpp: the pre-tokenizer names its vocabulary loader knows.)
+_EXTRAS = (_TEMPLATES, "models/ggml-vocab-", "src/llama-vocab.cpp")
 OUTTYPES = ("f32", "f16", "q8_0")
 
 # The SentencePiece tokenizer's ids: unknown, begin and end of sequence, then chat markers.

@@ -8,6 +8,7 @@ gives the same ids, text by text."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from llama_cpp_convert import sdist_file
 
 import zllm.text.tokenizer as tokenizer_module
 from zllm.model.gguf import read_gguf
-from zllm.text.gguf_pre_tokenizers import ROWS
+from zllm.text.gguf_pre_tokenizers import NOT_READ, ROWS
 from zllm.text.tokenizer import load_tokenizer
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -41,6 +42,17 @@ def test_ids_equal_llama_cpps(name: str) -> None:
     tokenizer = load_tokenizer(str(path))
     for text, ids in zip(texts, expected, strict=True):
         assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], repr(text)  # fmt: skip
+
+
+def test_every_name_llama_cpp_knows_is_read_or_refused_saying_why() -> None:
+    """Each `tokenizer.ggml.pre` name llama.cpp's vocabulary loader knows (its source, from the
+    pinned sdist) has a row, or is refused with its reason (NOT_READ); no row names a name
+    llama.cpp does not know."""
+    source = sdist_file("src/llama-vocab.cpp").read_text()
+    known = set(re.findall(r'tokenizer_pre == "([^"]+)"', source))
+    assert len(known) > 80
+    assert not known - set(ROWS) - set(NOT_READ), sorted(known - set(ROWS) - set(NOT_READ))
+    assert set(ROWS) <= known and set(NOT_READ) <= known - set(ROWS)
 
 
 def test_every_row_has_a_name_llama_cpp_tests_or_shares_one_that_does() -> None:
@@ -79,13 +91,27 @@ PRE_TOKENIZER_IDS = json.loads(
 )
 
 
+_TOKENIZERS_BY_ROW: dict[int, object] = {}
+
+
+def _tokenizer_read_as(name: str):
+    """llama-bpe's vocabulary file read as if its tokenizer.ggml.pre were `name`. Names that
+    share a row get one tokenizer (the name does nothing but choose the row): one build of
+    the 128k vocabulary per row, not per name."""
+    row = id(ROWS[name])
+    if row not in _TOKENIZERS_BY_ROW:
+        path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
+        real = read_gguf(str(path))
+        metadata = {**real.metadata, "tokenizer.ggml.pre": name}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tokenizer_module, "read_gguf", lambda _: replace(real, metadata=metadata))
+            _TOKENIZERS_BY_ROW[row] = load_tokenizer(str(path))
+    return _TOKENIZERS_BY_ROW[row]
+
+
 @pytest.mark.parametrize("name", sorted(PRE_TOKENIZER_IDS["ids"]))
-def test_ids_of_names_without_a_test_file_equal_llama_cpps(name: str, monkeypatch) -> None:
-    path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
-    real = read_gguf(str(path))
-    metadata = {**real.metadata, "tokenizer.ggml.pre": name}
-    monkeypatch.setattr(tokenizer_module, "read_gguf", lambda _: replace(real, metadata=metadata))
-    tokenizer = load_tokenizer(str(path))
+def test_ids_of_names_without_a_test_file_equal_llama_cpps(name: str) -> None:
+    tokenizer = _tokenizer_read_as(name)
     texts, expected = PRE_TOKENIZER_IDS["texts"], PRE_TOKENIZER_IDS["ids"][name]
     for text, ids in zip(texts, expected, strict=True):
         assert tokenizer.encode(text, add_special_tokens=False) == ids, repr(text)

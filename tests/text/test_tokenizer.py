@@ -169,6 +169,10 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
     path = write_tokenizer_gguf(tmp_path / "u.gguf", "gpt2", ["a"], pre="mystery")
     with pytest.raises(ValueError, match="unsupported GGUF pre-tokenizer 'mystery'"):
         load_tokenizer(str(path))
+    # A name llama.cpp knows but zllm does not read: refused with the reason.
+    path = write_tokenizer_gguf(tmp_path / "w.gguf", "gpt2", ["a"], pre="whitespace")
+    with pytest.raises(ValueError, match="'whitespace'.*raw UTF-8.*--tokenizer"):
+        load_tokenizer(str(path))
 
 
 def test_malformed_gguf_tokenizer_metadata(tmp_path: Path) -> None:

@@ -1,5 +1,7 @@
 """Writes tests/text/gguf_pre_tokenizer_ids.json: the ids llama.cpp's own tokenizer gives, for
-each pre-tokenizer name llama.cpp ships no vocabulary test file for, on llama-bpe's vocabulary
+each pre-tokenizer name zllm reads that has no vocabulary test file of its own in llama.cpp
+(names that share another's split included: llama.cpp's flags per name, such as taking words
+whole, are held too), on llama-bpe's vocabulary
 test file read with that `tokenizer.ggml.pre` (a kv override) — the texts of that file and
 PRE_TOKENIZER_TEXTS (cased words, contractions, digit runs, CJK and kana, marks).
 
@@ -18,7 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama_cpp_convert import LLAMA_CPP_PYTHON_VERSION, sdist_file  # noqa: E402
 
-NAMES = ["gpt-4o", "llama4", "minimax-m2", "tekken", "chatglm-bpe", "glm4", "deepseek-v3"]
+from zllm.text.gguf_pre_tokenizers import ROWS  # noqa: E402
+
+# The names llama.cpp ships a vocabulary test file for (tests/text/test_gguf_vocabularies.py
+# holds zllm to those); every other name zllm reads is recorded here.
+WITH_TEST_FILES = {
+    "gpt-2", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "falcon", "mpt",
+    "starcoder", "refact", "command-r",
+}  # fmt: skip
+NAMES = sorted(set(ROWS) - WITH_TEST_FILES)
 SEPARATOR = "\n__ggml_vocab_test__\n"
 PRE_TOKENIZER_TEXTS = [
     "HTTPServer iPhone McDonald's DON'T we'll I'M they'RE",
@@ -29,6 +39,11 @@ PRE_TOKENIZER_TEXTS = [
     "!!!???... (x+y)*z == 42; foo_bar.baz() /* c */",
     "Ünïcödé ΑΒΓ αβγ АБВ абв Ωmega",
     "emoji 🙂👍🏽 and ⁂ marks",
+    # Han runs beside kana, Hangul and Latin; ideographs of the extension and compatibility
+    # blocks; contractions in capitals after a mark; digit runs past three.
+    "ภาษาไทย ພາສາລາວ ខ្មែរ မြန်မာ ㄅㄆㄇ 가나다 ｶﾀｶﾅ —“quoted”… ！a b c d",
+    "Arabic-Indic ٠١٢٣٤٥ Devanagari १२३४५ ABC123456def 7_8901",
+    "中文English混合かな漢字カナ한글字 𠀀𠀁x 豈更 Ɐbc'LL x\u0301'Ve 12345678",
 ]
 
 

@@ -7,7 +7,9 @@ plausible but different ids. tests/text/test_gguf_vocabularies.py holds each row
 own expected ids: its vocabulary test files, and for names it ships none for, the ids its
 tokenizer gives on llama-bpe's vocabulary read with that name (recorded by
 tests/text/write_pre_tokenizer_ids.py; gpt-4o's split also against tiktoken's o200k pattern).
-Kimi K2's (kimi-k2) llama.cpp cuts by hand-written code, not patterns: refused. No torch here.
+Kimi K2's (kimi-k2) llama.cpp cuts by hand-written code rather than a pattern; its row is that
+code's rules written as one pattern. The few names llama.cpp knows that zllm does not read are
+listed with the reason (NOT_READ). No torch here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 # o200k's (and tekken's) cased words: capitals (and caseless letters, marks) then lower case.
 _UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
 _LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+# What llama.cpp counts as Han (unicode.cpp unicode_cpt_is_han): the CJK ideograph blocks.
+_HAN = (
+    "\u4e00-\u9fff\u3400-\u4dbf\U00020000-\U0002a6df\U0002a700-\U0002b73f"
+    "\U0002b740-\U0002b81f\U0002b820-\U0002ceaf\U0002ceb0-\U0002ebef\uf900-\ufaff"
+    "\U0002f800-\U0002fa1f"
+)
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
 
@@ -38,13 +46,141 @@ class PreTokenizer:
 
 
 _LLAMA3 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True)
+# The same split, BPE merging every word (DBRX's, Smaug's, ChatGLM's files).
+_LLAMA3_MERGED = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),))
 _QWEN2 = PreTokenizer((_llama3_like(r"\p{N}"),))
 _GPT2_ROW = PreTokenizer((_GPT2,))
 _DIGITS_THEN_GPT2 = PreTokenizer((r"\p{N}", _GPT2))
 
+# Llama 3's split without contractions or digit runs (every digit alone).
+_WORDS_DIGITS = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# BLOOM's (and Poro's, GPT-3-Finnish's, Viking's first): runs of anything but whitespace
+# and some punctuation ("(", "|" and ")" inside the class are literal, as llama.cpp reads it).
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
+
+_DEEPSEEK_V3 = PreTokenizer(
+    (
+        r"\p{N}{1,3}",
+        "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    )
+)
+
+# The names llama.cpp reads alike, beside the rows below that take them.
+_LLAMA3_NAMES = (
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "jina-v5-nano", "minicpm5",
+)  # fmt: skip
+_QWEN2_NAMES = (
+    "qwen2", "deepseek-r1-qwen", "stablelm2", "kormo", "f2llmv2", "megrez", "hunyuan",
+    "solar-open", "grok-2",
+)  # fmt: skip
+_GPT2_ROW_NAMES = (
+    "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "jina-es",
+    "jina-de", "jina-v1-en", "jina-v2-es", "jina-v2-de", "jina-v2-code", "gigachat", "a.x-4.0",
+    "mellum", "modern-bert", "roberta-bpe", "exaone4",
+)  # fmt: skip
+_DIGITS_THEN_GPT2_NAMES = (
+    "starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b",
+    "mellum2",
+)  # fmt: skip
+
 ROWS: dict[str, PreTokenizer] = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), _LLAMA3),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), _QWEN2),
+    **dict.fromkeys(_LLAMA3_NAMES, _LLAMA3),
+    **dict.fromkeys(_QWEN2_NAMES, _QWEN2),
+    "seed-coder": PreTokenizer(
+        (
+            rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}| ?[^\s\p{{L}}\p{{N}}\r\n]+"
+            r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+        )
+    ),
+    **dict.fromkeys(
+        ("bailingmoe", "bailingmoe2", "llada-moe"),
+        PreTokenizer(
+            (
+                r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+            )
+        ),
+    ),
+    "ufakzeka": PreTokenizer((_WORDS_DIGITS,)),
+    # llama.cpp's fallback for a name it knows without patterns of its own ("default").
+    "default": PreTokenizer(
+        (
+            r"[\p{P}\$\+<=>\^~\|]+",
+            r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+            r"\p{N}+",
+            "[0-9][0-9][0-9]",
+        )
+    ),
+    # Laguna's: lines apart from their newlines first, then Qwen 2's.
+    "laguna": PreTokenizer(("[^\n]+|[\n]+", _llama3_like(r"\p{N}"))),
+    # EXAONE MoE's: a word runs on across single spaces between letters.
+    "exaone-moe": PreTokenizer(
+        (
+            rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?(?:\p{{L}}\p{{M}}*(?: \p{{L}}\p{{M}}*)*)+|\p{{N}}"
+            r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+",
+        )
+    ),
+    # Granite's multilingual embedders: MiniMax-M2's cased words, marks counted as letters
+    # (llama.cpp's own pattern: a capital is a letter or mark that is not a-z), words whole.
+    "granite-embed-multi-97m": PreTokenizer(
+        (
+            r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"
+            rf"{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?((?=[\p{{L}}\p{{M}}])([^a-z]))+"
+            rf"((?=[\p{{L}}\p{{M}}])([^A-Z]))*{_CONTRACTIONS}?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        ignore_merges=True,
+    ),
+    # Youtu's: Hangul, CJK punctuation, Bopomofo, then Han and kana runs; then o200k's pattern
+    # as llama.cpp reads it (its \p{Lu}, \p{Ll} ... are any letter), every digit alone.
+    "youtu": PreTokenizer(
+        (
+            "[\uac00-\ud7a3\u3131-\u318e]+"
+            "|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+            "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+            rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+{_CONTRACTIONS}?"
+            r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        ),
+        ignore_merges=True,
+    ),
+    # Spark 2.5's: DeepSeek-V3's with newlines alone and every digit alone after the threes.
+    "spark2_5": PreTokenizer(
+        (
+            r"\p{N}{1,3}",
+            "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+            r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+",
+            r"\p{N}",
+        )
+    ),
+    # Jais 2's: Llama 3's, with runs of whitespace cut into powers of two.
+    "jais-2": PreTokenizer(
+        (
+            rf"{_CONTRACTIONS}|[^\r\n\p{{L}}\p{{N}}]?\p{{L}}+|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n]*"
+            r"|\s*[\r\n]+|"
+            + "|".join(rf"\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4))
+            + r"|\s{1,2}(?!\S)|\s",
+        )
+    ),
+    # Tiny Aya's (and Cohere's MoE): digits grouped in threes from the right (ASCII and
+    # full-width digits, ASCII word boundaries: as std::regex runs it in llama.cpp, measured
+    # on its tokenizer), then o200k's pattern as llama.cpp
+    # reads it: its \p{Lu}, \p{Ll} ... are any letter, so words are not cut by case.
+    **dict.fromkeys(
+        ("tiny_aya", "cohere2moe"),
+        PreTokenizer(
+            (
+                r"[0-9\uff10-\uff19]{1,3}(?=(?:[0-9\uff10-\uff19]{3})*(?![0-9A-Za-z_\uff10-\uff19]))",
+                rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}\p{{M}}]+{_CONTRACTIONS}?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            )
+        ),
+    ),
+    **dict.fromkeys(("bloom", "poro-chat", "gpt3-finnish"), PreTokenizer((_BLOOM,))),
+    "viking": PreTokenizer((_BLOOM, r"\p{N}")),
     # Qwen3.5's: marks join their letters.
     "qwen35": PreTokenizer(
         (
@@ -52,9 +188,9 @@ ROWS: dict[str, PreTokenizer] = {
             r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         )
     ),
-    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo"), _GPT2_ROW),
+    **dict.fromkeys(_GPT2_ROW_NAMES, _GPT2_ROW),
     # Every digit alone, then GPT-2's (SmolLM's, StarCoder's, Command R's).
-    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell"), _DIGITS_THEN_GPT2),
+    **dict.fromkeys(_DIGITS_THEN_GPT2_NAMES, _DIGITS_THEN_GPT2),
     "falcon": PreTokenizer(
         (
             r"[\p{P}\$\+<=>\^~\|`]+",
@@ -89,7 +225,7 @@ ROWS: dict[str, PreTokenizer] = {
     # o200k's (GPT-4o's, tiktoken's pattern): cased words with their contractions, digits in
     # threes; Llama 4's and MiniMax-M2's files too.
     **dict.fromkeys(
-        ("gpt-4o", "llama4", "minimax-m2"),
+        ("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"),
         PreTokenizer(
             (
                 rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
@@ -107,15 +243,20 @@ ROWS: dict[str, PreTokenizer] = {
         ignore_merges=True,
     ),
     # GLM-4's: Llama 3's split (its files from GLM-4.5 on take words whole, as Llama 3's).
-    "chatglm-bpe": PreTokenizer((_llama3_like(r"\p{N}{1,3}"),)),
+    **dict.fromkeys(("chatglm-bpe", "dbrx", "smaug-bpe"), _LLAMA3_MERGED),
     **dict.fromkeys(("glm4", "glm5"), _LLAMA3),
-    # DeepSeek-V3's (and Kimi-less DeepSeek-R1's): digits in threes, CJK runs, then words.
-    "deepseek-v3": PreTokenizer(
+    # DeepSeek-V3's (and Kimi-less DeepSeek-R1's; Hunyuan's dense models', JoyAI's, HY V4's):
+    # digits in threes, CJK runs, then words.
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3),
+    # Kimi K2's, as llama.cpp's code cuts it (unicode.cpp, not the model's own tiktoken
+    # pattern): runs of Han characters (llama.cpp's ranges, _HAN), words of any other letters
+    # whatever their case (marks are not letters there), contractions in either case, digits
+    # in threes, then Llama 3's punctuation and whitespace rules.
+    "kimi-k2": PreTokenizer(
         (
-            r"\p{N}{1,3}",
-            "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-            r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            rf"[{_HAN}]+|[^\r\n\p{{L}}\p{{N}}]?[\p{{L}}&&[^{_HAN}]]+"
+            r"(?:'[sStTmMdD]|'[rR][eE]|'[vV][eE]|'[lL][lL])?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         )
     ),
     "deepseek-coder": PreTokenizer(
@@ -130,12 +271,24 @@ ROWS: dict[str, PreTokenizer] = {
 }
 
 
+# Names llama.cpp knows that zllm refuses, and why (the refusal says it).
+NOT_READ = {
+    **dict.fromkeys(
+        ("chameleon", "gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"),
+        "llama.cpp runs its BPE over raw UTF-8, not GPT-2's byte alphabet",
+    ),
+    "afmoe": "llama.cpp's cut of Thai and other scripts is not matched yet",
+    "superbpe": "llama.cpp cuts digit runs at empty matches, not matched yet",
+}
+
+
 def byte_level_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
     """(the pre-tokenizer of a `tokenizer.ggml.pre` name, whether BPE ignores merges)."""
     row = ROWS.get(pre)
     if row is None:
+        why = f": {NOT_READ[pre]}" if pre in NOT_READ else ""
         raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre; zllm reads "
+            f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre{why}; zllm reads "
             f"{', '.join(sorted(ROWS))}): pass the model's Hugging Face tokenizer with --tokenizer"
         )
     splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in row.patterns]

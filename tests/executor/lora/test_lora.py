@@ -578,9 +578,12 @@ def test_smollm2_served_adapters_loaded_at_run_time(
 
         with ThreadPoolExecutor(len(jobs)) as pool:
             served = list(pool.map(complete, jobs))
-        for (lora, text), out in zip(jobs, served, strict=True):
-            offline = smollm2_llm.generate(text, GREEDY, use_tqdm=False, lora_request=lora)
-            assert out == offline[0].outputs[0].text, (lora, text)
+        offline = smollm2_llm.generate(
+            [text for _, text in jobs], GREEDY, use_tqdm=False,
+            lora_request=[lora for lora, _ in jobs],
+        )  # fmt: skip
+        for (lora, text), out, theirs in zip(jobs, served, offline, strict=True):
+            assert out == theirs.outputs[0].text, (lora, text)
         first_prompt = {
             out for (_, text), out in zip(jobs, served, strict=True) if text == SMOLLM2_TEXTS[0]
         }
