@@ -43,7 +43,7 @@ from zllm.frontend.openai.protocol import (
     ToolCallDelta,
 )
 from zllm.sampling_params import SamplingParams, StructuredOutputsParams
-from zllm.text.reasoning_parser import REASONING_PARSERS
+from zllm.text.reasoning_parser import REASONING_PARSERS, reasoning_markers
 from zllm.text.tokenizer import Tokenizer
 from zllm.text.tool_parsers import TOOL_PARSERS, make_tool_call_id
 from zllm.text.tool_parsers.harmony import HarmonyDelta, HarmonyParser, uses_harmony
@@ -51,7 +51,6 @@ from zllm.text.tool_parsers.harmony import HarmonyDelta, HarmonyParser, uses_har
 # The tokens that open a tool call in each parser's format, when they are one special token:
 # `auto` then constrains what follows them (TOOL_CALL_GRAMMARS).
 _CALL_OPEN = {"hermes": ("<tool_call>", "</tool_call>")}
-_THINK_END = "</think>"
 
 
 @dataclass(slots=True)
@@ -216,7 +215,7 @@ def constrain(
             if final is not None:
                 structured = msgspec.structs.replace(structured, after_tokens=final)
         else:
-            think_end = think_end_token(tokenizer)
+            think_end = think_end_token(tokenizer, reasoning_parser)
             if think_end is not None:
                 structured = msgspec.structs.replace(structured, after_token=think_end)
     return msgspec.structs.replace(params, structured_outputs=structured)
@@ -224,10 +223,13 @@ def constrain(
 
 # Formats whose call tags are special tokens in the model's tokenizer (Mistral's
 # `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>`, Kimi K2's, GLM's `<tool_call>`, MiniMax's
-# `<minimax:tool_call>`): decoding must keep special tokens, or the parser never sees a call.
+# `<minimax:tool_call>`, Gemma 4's `<|tool_call>` and `<|"|>`): decoding must keep special
+# tokens, or the parser never sees a call.
 _SPECIAL_CALL_TAGS = frozenset(
-    {"mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "glm47", "minimax_m2"}
+    {"mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "glm47", "minimax_m2", "gemma4"}
 )
+# Reasoning formats whose markers are special tokens (Gemma 4's `<|channel>`, `<channel|>`).
+_SPECIAL_REASONING_MARKERS = frozenset({"gemma4"})
 
 
 def keep_call_tags(
@@ -236,16 +238,19 @@ def keep_call_tags(
     tool_parser: str | None,
     reasoning_parser: str | None = None,
 ) -> SamplingParams:
-    """`auto` with such a format, and harmony always: special tokens stay in the text (as
-    vLLM does)."""
+    """`auto` with such a format, a reasoning format of special-token markers, and harmony
+    always: special tokens stay in the text (as vLLM does)."""
     special_calls = plan.mode == "auto" and tool_parser in _SPECIAL_CALL_TAGS
-    if not special_calls and not uses_harmony(reasoning_parser, tool_parser):
+    special_markers = reasoning_parser in _SPECIAL_REASONING_MARKERS
+    if not (special_calls or special_markers or uses_harmony(reasoning_parser, tool_parser)):
         return params
     return msgspec.structs.replace(params, skip_special_tokens=False)
 
 
-def think_end_token(tokenizer: Tokenizer) -> int | None:
-    return _single_token(tokenizer, _THINK_END)
+def think_end_token(tokenizer: Tokenizer, reasoning_parser: str) -> int | None:
+    """The token that ends the reasoning in the parser's format (`</think>`, Gemma 4's
+    `<channel|>`), where it is one token."""
+    return _single_token(tokenizer, reasoning_markers(reasoning_parser)[1])
 
 
 def harmony_final_tokens(tokenizer: Tokenizer) -> list[int] | None:

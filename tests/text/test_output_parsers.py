@@ -480,6 +480,33 @@ SECTIONED = [
         '<minimax:tool_call><invoke name="f">hello</invoke></minimax:tool_call>',
         [],
     ),
+    (
+        "gemma4",
+        "Gemma's notation: quotes, nesting, null, spaces",
+        'Sure.<|tool_call>call:get_weather{city:<|"|>Pa"ris, {x}: [y]<|"|>, days: 3, '
+        'tags:[<|"|>a<|"|>,[1.5,-2e3]], opt:None, on:false, nested:{k:{}}}<tool_call|>',
+        "Sure.",
+        [
+            (
+                "get_weather",
+                {
+                    "city": 'Pa"ris, {x}: [y]',
+                    "days": 3,
+                    "tags": ["a", [1.5, -2e3]],
+                    "opt": None,
+                    "on": False,
+                    "nested": {"k": {}},
+                },
+            )
+        ],
+    ),  # fmt: skip
+    (
+        "gemma4",
+        "not its notation stays text",
+        "<|tool_call>call:f{a:<tool_call|><|tool_call>call:g{a:1}x<tool_call|>",
+        "<|tool_call>call:f{a:<tool_call|><|tool_call>call:g{a:1}x<tool_call|>",
+        [],
+    ),
 ]
 SECTIONED_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
@@ -520,6 +547,9 @@ TEMPLATE_CALLS = [
 ]  # fmt: skip
 
 
+END_OF_GENERATION = {"gemma4": "<|tool_response>"}
+
+
 @pytest.mark.parametrize(
     ("template", "parser"),
     [
@@ -528,6 +558,7 @@ TEMPLATE_CALLS = [
         ("GLM-4.6.jinja", "glm45"),
         ("GLM-4.7-Flash.jinja", "glm47"),
         ("MiniMax-M2.jinja", "minimax_m2"),
+        ("google-gemma-4-31B-it.jinja", "gemma4"),
     ],
 )
 @pytest.mark.parametrize("with_tools", [True, False], ids=["schemas", "no-schemas"])
@@ -551,7 +582,11 @@ def test_a_familys_template_turn_reads_back_as_its_calls(template, parser, with_
     # The model's turn: what the whole conversation adds to the prompt (a template may close
     # its generation prompt otherwise, e.g. an empty thinking block: from where they differ).
     start = len(os.path.commonprefix([prompt, whole]))
-    answer = whole[start:]
+    if whole.rfind("<", 0, start) > whole.rfind(">", 0, start):
+        start = whole.rfind("<", 0, start)  # (not inside a tag both begin: Gemma 4's `<|`)
+    # (Gemma 4's template ends the turn with `<|tool_response>`, an end-of-generation token:
+    # the model stops there, so its text never holds it.)
+    answer = whole[start:].removesuffix(END_OF_GENERATION.get(parser, ""))
     tools = TEMPLATE_TOOLS if with_tools else None
     content, got = whole_calls(parser, answer, tools)
     assert got == TEMPLATE_CALLS, answer
@@ -574,6 +609,10 @@ REASONING = [
     ("glm45", "\n<think></think>\nanswer", "", "answer"),
     ("kimi_k2", "no thoughts", None, "no thoughts"),
     ("minimax_m2", "\nplan a</think>\n\nanswer", "\nplan a", "answer"),
+    ("gemma4", "<|channel>thought\nplan a<channel|>answer", "plan a", "answer"),
+    ("gemma4", "<|channel>thought\n \n<channel|>\nx", "", "x"),
+    ("gemma4", "no thoughts", None, "no thoughts"),
+    ("gemma4", "<|channel>thou", None, "<|channel>thou"),
 ]
 
 
@@ -592,7 +631,7 @@ def test_reasoning(name, text, reasoning, content) -> None:
 
 
 @pytest.mark.parametrize(
-    "parser", ["deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "minimax_m2"]
+    "parser", ["deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "minimax_m2", "gemma4"]
 )
 def test_formats_whose_tags_are_special_tokens_keep_them_in_the_text(parser) -> None:
     """Under tool_choice auto their answers decode with special tokens (their call tags are
@@ -604,3 +643,23 @@ def test_formats_whose_tags_are_special_tokens_keep_them_in_the_text(parser) -> 
     assert keep_call_tags(params, ToolPlan("auto", None, None), parser).skip_special_tokens is False
     assert keep_call_tags(params, ToolPlan("none", None, None), parser).skip_special_tokens is True
     assert keep_call_tags(params, ToolPlan("auto", None, None), "hermes").skip_special_tokens
+
+
+def test_gemma4_reasoning_keeps_its_marker_tokens_and_constrains_after_them() -> None:
+    """Gemma 4's reasoning markers are special tokens: with its reasoning parser the answer
+    decodes with them (any tool choice), and a structured-outputs constraint starts after
+    `<channel|>`, its end marker, where a tokenizer has it as one token."""
+    from zllm.frontend.tools import ToolPlan, keep_call_tags, think_end_token
+    from zllm.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8)
+    none = ToolPlan("none", None, None)
+    assert keep_call_tags(params, none, None, "gemma4").skip_special_tokens is False
+    assert keep_call_tags(params, none, None, "qwen3").skip_special_tokens is True
+
+    class OneTokenMarkers:  # (a stand-in for Gemma 4's tokenizer: each marker one token)
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return {"<channel|>": [7], "</think>": [9]}.get(text, [1, 2])
+
+    assert think_end_token(OneTokenMarkers(), "gemma4") == 7
+    assert think_end_token(OneTokenMarkers(), "qwen3") == 9

@@ -276,8 +276,9 @@ class ServerArgs:
         "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
         "Llama 3.2/4 [f(x=1)]; qwen3_xml: Qwen3-Coder <function=...>; deepseek_v3 / "
         "deepseek_v31: DeepSeek-V3.x; kimi_k2: Kimi K2; glm45 / glm47: GLM-4.5 to 4.7 "
-        "<arg_key>/<arg_value>; minimax_m2: MiniMax-M2 <invoke>; openai: gpt-oss's harmony "
-        "channels, its reasoning too); required and named tool choices need none",
+        "<arg_key>/<arg_value>; minimax_m2: MiniMax-M2 <invoke>; gemma4: Gemma 4 "
+        "<|tool_call>call:f{...}; openai: gpt-oss's harmony channels, its reasoning too); "
+        "required and named tool choices need none",
         choices=(
             "hermes",
             "llama3_json",
@@ -290,6 +291,7 @@ class ServerArgs:
             "glm45",
             "glm47",
             "minimax_m2",
+            "gemma4",
             "openai",
         ),
     )
@@ -308,9 +310,18 @@ class ServerArgs:
         None,
         help="separate <think>...</think> reasoning into reasoning_content (deepseek_r1 and "
         "minimax_m2: the prompt opens it; qwen3, glm45, kimi_k2: the model does); structured "
-        "outputs then apply after the reasoning; openai_gptoss: gpt-oss's harmony channels "
-        "(analysis as reasoning, tool calls too)",
-        choices=("deepseek_r1", "qwen3", "glm45", "kimi_k2", "minimax_m2", "openai_gptoss"),
+        "outputs then apply after the reasoning; gemma4: Gemma 4's <|channel>thought ... "
+        "<channel|>; openai_gptoss: gpt-oss's harmony channels (analysis as reasoning, tool "
+        "calls too)",
+        choices=(
+            "deepseek_r1",
+            "qwen3",
+            "glm45",
+            "kimi_k2",
+            "minimax_m2",
+            "gemma4",
+            "openai_gptoss",
+        ),  # fmt: skip
     )
     data_parallel_size: int = option(
         1,

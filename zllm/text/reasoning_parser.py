@@ -10,6 +10,9 @@
     glm45, kimi_k2   GLM-4.5/4.6/4.7 and Kimi K2 Thinking: as qwen3 (the model writes
                  `<think>`; GLM's template writes an empty block when thinking is off).
     minimax_m2   MiniMax-M2: as deepseek_r1 (its template ends the prompt with `<think>`).
+    gemma4       Gemma 4: as qwen3 with its own markers, `<|channel>thought` and `<channel|>`
+                 (the whitespace after the opening one dropped; its template closes an empty
+                 block in the prompt when thinking is off).
     openai_gptoss  gpt-oss: harmony's channels (zllm/text/tool_parsers/harmony.py), which
                  give tool calls too; the same parser as --tool-call-parser openai.
 
@@ -44,10 +47,15 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ThinkReasoningParser:
-    """Splits a streamed answer at `<think>` / `</think>` (see the module docstring)."""
+    """Splits a streamed answer at `<think>` / `</think>` (see the module docstring), or at a
+    family's own markers (START, END)."""
+
+    START, END = _START, _END
+    SKIP_SPACE_AFTER_START = False  # (Gemma 4 writes a newline after its opening marker)
 
     def __init__(self, starts_in_reasoning: bool = False) -> None:
-        # "opening": may still see the opening tag; "reasoning"; "after_end": dropping the
+        # "opening": may still see the opening tag; "after_start": dropping the whitespace
+        # after it (SKIP_SPACE_AFTER_START); "reasoning"; "after_end": dropping the
         # whitespace after </think>; "content".
         self.state = "opening"
         self.starts_in_reasoning = starts_in_reasoning
@@ -58,12 +66,14 @@ class ThinkReasoningParser:
     def in_reasoning(self) -> bool:
         """Whether text fed now would be reasoning, as far as the parser knows yet (the
         Responses API counts a chunk's tokens as reasoning by it)."""
-        return self.state == "reasoning" or (self.state == "opening" and self.starts_in_reasoning)
+        if self.state in ("reasoning", "after_start"):
+            return True
+        return self.state == "opening" and self.starts_in_reasoning
 
     def reasoning_markers(self) -> tuple[str | None, str]:
         """(the opening marker the model writes, None where the template opens the
         reasoning; the closing marker)."""
-        return (None if self.starts_in_reasoning else _START), _END
+        return (None if self.starts_in_reasoning else self.START), self.END
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -100,25 +110,33 @@ class ThinkReasoningParser:
         text = self.pending
         if self.state == "opening":
             stripped = text.lstrip()
-            if stripped.startswith(_START):
-                self.pending = stripped[len(_START) :]
-                self.state, self.saw_reasoning = "reasoning", True
+            if stripped.startswith(self.START):
+                self.pending = stripped[len(self.START) :]
+                self.state = "after_start" if self.SKIP_SPACE_AFTER_START else "reasoning"
+                self.saw_reasoning = True
                 return True
-            if not final and (not stripped or _START.startswith(stripped)):
+            if not final and (not stripped or self.START.startswith(stripped)):
                 return False  # whitespace or the start of <think>: wait
             self.state = "reasoning" if self.starts_in_reasoning else "content"
             return True
         if self.state == "reasoning":
-            end = text.find(_END)
+            end = text.find(self.END)
             if end >= 0:
                 out.reasoning += text[:end]
-                self.pending = text[end + len(_END) :]
+                self.pending = text[end + len(self.END) :]
                 self.state = "after_end"
                 return True
-            keep = 0 if final else _partial_suffix(text, _END)
+            keep = 0 if final else _partial_suffix(text, self.END)
             out.reasoning += text[: len(text) - keep]
             self.pending = text[len(text) - keep :]
             return False
+        if self.state == "after_start":  # (whitespace after the opening marker: dropped)
+            stripped = text.lstrip()
+            if not stripped:
+                self.pending = "" if final else text
+                return False
+            self.pending, self.state = stripped, "reasoning"
+            return True
         if self.state == "after_end":
             stripped = text.lstrip()
             if not stripped:
@@ -141,12 +159,21 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
         super().__init__(starts_in_reasoning=False)
 
 
+class Gemma4ReasoningParser(ThinkReasoningParser):
+    START, END = "<|channel>thought", "<channel|>"
+    SKIP_SPACE_AFTER_START = True
+
+    def __init__(self) -> None:
+        super().__init__(starts_in_reasoning=False)
+
+
 REASONING_PARSERS: dict[str, type[ThinkReasoningParser] | type[HarmonyParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
     "glm45": Qwen3ReasoningParser,
     "kimi_k2": Qwen3ReasoningParser,
     "minimax_m2": DeepSeekR1ReasoningParser,
+    "gemma4": Gemma4ReasoningParser,
     REASONING_PARSER_NAME: HarmonyParser,
 }
 

@@ -19,7 +19,9 @@
     glm45        GLM-4.5/4.6/4.7 (also `glm47`): `<tool_call>f` then `<arg_key>` /
                  `<arg_value>` pairs, values typed by the tool's schema
     minimax_m2   MiniMax-M2: `<minimax:tool_call><invoke name="f"><parameter name="x">...`
-                 (the four share sections.py: each call goes out whole at its end tag)
+    gemma4       Gemma 4: `<|tool_call>call:f{city:<|"|>Paris<|"|>,days:3}<tool_call|>`, its
+                 own notation read into JSON (gemma4.py)
+                 (the five share sections.py: each call goes out whole at its end tag)
     openai       gpt-oss: harmony's `<|channel|>commentary to=functions.f ...<|message|>{...}`
                  (harmony.py), which gives the analysis channel as reasoning too;
                  the same parser as --reasoning-parser openai_gptoss.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 from zllm.text.tool_parsers.call_text import ParsedDelta, ToolCall, ToolCallDelta, make_tool_call_id
 from zllm.text.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from zllm.text.tool_parsers.gemma4 import Gemma4ToolParser
 from zllm.text.tool_parsers.glm45 import Glm45ToolParser
 from zllm.text.tool_parsers.harmony import TOOL_PARSER_NAME, HarmonyParser
 from zllm.text.tool_parsers.hermes import HermesToolParser
@@ -68,6 +71,7 @@ TOOL_PARSERS: dict[str, type] = {
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,
     "minimax_m2": MiniMaxM2ToolParser,
+    "gemma4": Gemma4ToolParser,
     TOOL_PARSER_NAME: HarmonyParser,
 }
 
