@@ -663,3 +663,15 @@ def test_gemma4_reasoning_keeps_its_marker_tokens_and_constrains_after_them() ->
 
     assert think_end_token(OneTokenMarkers(), "gemma4") == 7
     assert think_end_token(OneTokenMarkers(), "qwen3") == 9
+
+
+def test_zllm_serve_offers_every_parser_by_name() -> None:
+    """`--tool-call-parser` and `--reasoning-parser` take exactly the tables' names."""
+    import dataclasses
+
+    from zllm.config.arg_utils import flag_of
+    from zllm.config.serve import ServerArgs
+
+    fields = {f.name: flag_of(f) for f in dataclasses.fields(ServerArgs)}
+    assert set(fields["tool_call_parser"].choices) == set(TOOL_PARSERS)
+    assert set(fields["reasoning_parser"].choices) == set(REASONING_PARSERS)

@@ -8,8 +8,8 @@
                  several separated by `;`. Anything else is content.
     mistral      Mistral: `[TOOL_CALLS]` then a JSON list of calls, or `name{...}` /
                  `name[ARGS]{...}` (mistral.py).
-    pythonic     Llama 3.2 / Llama 4: `[f(x=1), g(y="a")]`, read with `ast`
-                 (pythonic.py).
+    pythonic     Llama 3.2 / Llama 4 (also `llama4_pythonic`): `[f(x=1), g(y="a")]`, read
+                 with `ast` (pythonic.py); `llama4_json` is llama3_json's, as vLLM names it.
     qwen3_xml    Qwen3-Coder: `<tool_call><function=f><parameter=x>1</parameter>...` with
                  values read by the tool's schema (qwen3_xml.py).
     deepseek_v3  DeepSeek-V3.1 (also `deepseek_v31`) and V3's older fenced form:
@@ -64,6 +64,8 @@ TOOL_PARSERS: dict[str, type] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "llama4_pythonic": PythonicToolParser,  # (vLLM's name for Llama 4's)
+    "llama4_json": Llama3JsonToolParser,  # (vLLM's name for Llama 4 writing llama3_json's)
     "qwen3_xml": Qwen3XmlToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV3ToolParser,
