@@ -147,6 +147,22 @@ ROWS: dict[str, PreTokenizer] = {
         ignore_merges=True,
     ),
     # Spark 2.5's: DeepSeek-V3's with newlines alone and every digit alone after the threes.
+    # AFMoE's: digit runs cut into threes from the right (llama.cpp's own code), runs of the
+    # ranges its pattern lists (as written there: e.g. Thai from U+0E40, 豈 (U+8C48) to U+FAFF),
+    # then DeepSeek-V3's words.
+    "afmoe": PreTokenizer(
+        (
+            r"\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))",
+            "[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff"
+            "\uff65-\uff9f\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff"
+            "\u1000-\u109f\uaa60-\uaa7f\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+",
+            r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+            r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        )
+    ),
+    # SuperBPE's: digit runs apart, then cut before each group of three ASCII digits from the
+    # right (an empty match: llama.cpp cuts there too, its \d being ASCII); nothing else cut.
+    "superbpe": PreTokenizer((r"\p{N}+", r"(?=([0-9]{3})+(?![0-9]))")),
     "spark2_5": PreTokenizer(
         (
             r"\p{N}{1,3}",
@@ -277,8 +293,6 @@ NOT_READ = {
         ("chameleon", "gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"),
         "llama.cpp runs its BPE over raw UTF-8, not GPT-2's byte alphabet",
     ),
-    "afmoe": "llama.cpp's cut of Thai and other scripts is not matched yet",
-    "superbpe": "llama.cpp cuts digit runs at empty matches, not matched yet",
 }
 
 
