@@ -38,6 +38,10 @@ class RowProcessor(Protocol):
 
 
 class SamplerProcessor(Protocol):
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        """Whether `apply` would edit anything in this batch (else the sampler skips it, and
+        its copy of the logits where nothing else edits them)."""
+
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         """Edit the sampler's fp32 `logits` [B, V] in place."""
 
@@ -179,6 +183,9 @@ class BannedTokens:
             banned += st.eos_token_ids
         return banned
 
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        return metadata.banned_tokens is not None
+
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         if metadata.banned_tokens is not None:
             rows, token_ids = metadata.banned_tokens
@@ -187,6 +194,11 @@ class BannedTokens:
 
 class Penalties:
     """Repetition (HF style, prompt or output), then frequency and presence (output)."""
+
+    def applies(self, metadata: SamplingMetadata) -> bool:
+        m = metadata
+        return not (m.repetition_penalty is None and m.frequency_penalty is None
+                    and m.presence_penalty is None)  # fmt: skip
 
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         apply_penalties(logits, metadata)

@@ -63,6 +63,30 @@ def test_input_logits_not_modified() -> None:
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)] * 4
     Sampler()(logits, build(params, output_ids=[[1, 2]] * 4, banned=[[3]] * 4))
     assert torch.equal(logits, before)
+    # Greedy, with a ban or a penalty (the sampler copies), and with neither (it reads the
+    # logits as they are): the input stays as it was either way.
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    for metadata in (
+        build(greedy, banned=[[int(before[0].argmax())]] * 4),
+        build([SamplingParams(temperature=0.0, presence_penalty=2.0)] * 4, output_ids=[[1]] * 4),
+        build(greedy),
+    ):
+        Sampler()(logits, metadata)
+        assert torch.equal(logits, before)
+
+
+def test_first_max_index_is_argmaxs_index_on_ties_and_nan() -> None:
+    """The sampler's greedy pick (torch.max's indices, faster than argmax on CPU) gives the
+    first of tied maxima and a NaN's index, as argmax does."""
+    from zllm.executor.sample.sampler import first_max_index
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        x = torch.randint(-3, 3, (8, 300), generator=generator).float()  # many ties
+        if trial % 3 == 0:
+            x[0, [5, 200]] = float("nan")
+        x[1] = float("-inf")
+        assert torch.equal(first_max_index(x), x.argmax(dim=-1))
 
 
 def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
