@@ -130,19 +130,13 @@ class ThinkReasoningParser:
             out.reasoning += text[: len(text) - keep]
             self.pending = text[len(text) - keep :]
             return False
-        if self.state == "after_start":  # (whitespace after the opening marker: dropped)
+        if self.state in ("after_start", "after_end"):  # whitespace after a marker: dropped
             stripped = text.lstrip()
             if not stripped:
                 self.pending = "" if final else text
                 return False
-            self.pending, self.state = stripped, "reasoning"
-            return True
-        if self.state == "after_end":
-            stripped = text.lstrip()
-            if not stripped:
-                self.pending = "" if final else text
-                return False
-            self.pending, self.state = stripped, "content"
+            self.pending = stripped
+            self.state = "reasoning" if self.state == "after_start" else "content"
             return True
         out.content += text
         self.pending = ""

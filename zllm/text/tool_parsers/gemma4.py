@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from zllm.text.tool_parsers.sections import ReadCall, SectionToolParser
@@ -55,15 +56,8 @@ def _value(text: str, at: int) -> tuple[Any, int]:
 def _object(text: str, at: int) -> tuple[dict, int]:
     """An object's members after its `{`, to after its `}`."""
     members: dict[str, Any] = {}
-    while True:
-        while at < len(text) and text[at].isspace():
-            at += 1
-        if text.startswith("}", at):
-            return members, at + 1
-        if members:
-            if not text.startswith(",", at):
-                raise _NotGemma("members not separated")
-            at += 1
+
+    def member(at: int) -> int:
         key = _KEY.match(text, at)
         if key is None:
             raise _NotGemma("no key")
@@ -71,21 +65,37 @@ def _object(text: str, at: int) -> tuple[dict, int]:
         if name.startswith(QUOTE) and name.endswith(QUOTE) and len(name) > 2 * len(QUOTE):
             name = name[len(QUOTE) : -len(QUOTE)]  # (a key written quoted)
         members[name], at = _value(text, key.end())
+        return at
+
+    return members, _items(text, at, "}", member)
 
 
 def _list(text: str, at: int) -> tuple[list, int]:
+    """A list's items after its `[`, to after its `]`."""
     items: list[Any] = []
+
+    def item(at: int) -> int:
+        value, at = _value(text, at)
+        items.append(value)
+        return at
+
+    return items, _items(text, at, "]", item)
+
+
+def _items(text: str, at: int, close: str, read: Callable[[int], int]) -> int:
+    """Comma-separated items read by `read` (from where one starts to where it ends), up to
+    `close`; where `close` ends."""
+    first = True
     while True:
         while at < len(text) and text[at].isspace():
             at += 1
-        if text.startswith("]", at):
-            return items, at + 1
-        if items:
+        if text.startswith(close, at):
+            return at + 1
+        if not first:
             if not text.startswith(",", at):
                 raise _NotGemma("items not separated")
             at += 1
-        item, at = _value(text, at)
-        items.append(item)
+        at, first = read(at), False
 
 
 def gemma_arguments(text: str) -> dict | None:
