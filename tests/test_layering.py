@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from python_source import parse_python
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESS_FOLDERS = ("core", "executor", "frontend", "tokenizer_proc", "detokenizer_proc")
@@ -50,7 +51,7 @@ SHARED = TOP | ROOMS
 
 
 def imported_modules(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_python(path.read_text(), str(path))
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -163,7 +164,7 @@ def room_imports(
         if parts == ("__init__.py",):  # the package's face, no room
             continue
         room = parts[0] if len(parts) > 1 else path.stem
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_python(path.read_text(), str(path))):
             for name in _imported_names(node, [*prefix, *parts[:-1]]):
                 target = name.split(".")
                 if target[:depth] == prefix and len(target) > depth and target[depth] in rooms:
@@ -204,7 +205,7 @@ def test_find_cycle_finds_one_and_only_one():
     chain = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {}}
     assert find_cycle(chain) is None
     assert find_cycle({**chain, "c": {"a": "c.py:9"}}) == ["a", "b", "c", "a"]
-    tree = ast.parse("def f():\n    from . import engine\n    from zllm import kv\n")
+    tree = parse_python("def f():\n    from . import engine\n    from zllm import kv\n")
     names = [n for node in ast.walk(tree) for n in _imported_names(node, ["zllm", "config"])]
     assert names == ["zllm.config", "zllm.config.engine", "zllm", "zllm.kv"]
 
@@ -284,7 +285,7 @@ def test_a_room_of_the_executor_imports_only_layers_below_it():
 def _imports_of(path: Path) -> Iterator[tuple[int, list[str]]]:
     """(line, the module path as parts) of every import in `path`, functions' included."""
     package = ["zllm", *path.parent.relative_to(ROOT).parts]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_python(path.read_text(), str(path))):
         for name in _imported_names(node, package):
             yield node.lineno, name.split(".")
 

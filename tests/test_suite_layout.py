@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from python_source import parse_python
+
 TESTS = Path(__file__).resolve().parent
 TEST_FILES = sorted(TESTS.rglob("test_*.py"))
 TEST_MODULES = {p.stem for p in TEST_FILES}
@@ -49,7 +51,7 @@ def test_every_spelling_of_importing_a_test_module_is_found():
         "def f():\n    from test_lora import make_adapter\n"
         "import tests.test_model as m\nfrom . import test_sleep\nfrom tests import test_tools\n"
     )
-    assert imports_of_test_modules(ast.parse(source)) == [
+    assert imports_of_test_modules(parse_python(source)) == [
         (4, "test_lora"), (5, "test_model"), (6, "test_sleep"), (7, "test_tools"),
     ]  # fmt: skip
 
@@ -58,7 +60,7 @@ def test_no_module_in_tests_imports_a_test_module():
     offenders = [
         f"{path.relative_to(TESTS)}:{line} imports {module}"
         for path in sorted(TESTS.rglob("*.py"))
-        for line, module in imports_of_test_modules(ast.parse(path.read_text(), str(path)))
+        for line, module in imports_of_test_modules(parse_python(path.read_text(), str(path)))
     ]
     assert not offenders, "move what they share into a helper module:\n" + "\n".join(offenders)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from python_source import parse_python
 from tiny_models import write_tiny_model
 
 from zllm.model import registry
@@ -60,7 +61,7 @@ def architecture_names() -> set[str]:
 
 def named_architectures(path: Path, names: set[str]) -> list[tuple[int, str]]:
     """(line, name) of each string literal in the module that is an architecture's name."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parse_python(path.read_text(), str(path))
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
