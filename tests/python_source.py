@@ -2,9 +2,10 @@
 shape, suite layout, the registry's names).
 
 CPython 3.11 before 3.11.8 (gh-106905) keeps the AST constructor's recursion counter per
-interpreter, not per thread: a conversion in another thread of the same process (an app of
-the engine pool serving pythonic tool calls, parsed with `ast`) can make `ast.parse` raise a
-spurious "AST constructor recursion depth mismatch" SystemError. It passes on a retry."""
+interpreter, not per thread, and leaves it off after a failed conversion: `ast.parse` can then
+raise a spurious "AST constructor recursion depth mismatch" SystemError (seen once in a
+fresh-clone run, in an xdist worker whose engine pool runs apps in threads; the pythonic tool
+parser uses `ast`). The same source parses on a retry."""
 
 from __future__ import annotations
 
