@@ -1,7 +1,9 @@
-"""How a byte-level BPE GGUF file's text is cut into words before BPE, by its
+r"""How a byte-level BPE GGUF file's text is cut into words before BPE, by its
 `tokenizer.ggml.pre` name, as llama.cpp's vocabulary loader cuts it: each name's split patterns
-(the models' own tokenizer.json patterns), applied one after the other, each to the pieces the
-last one left; then the bytes as GPT-2's byte-level alphabet. Names llama.cpp reads the same way
+(llama.cpp's for it, as llama.cpp runs them, which is not always as the model's own
+tokenizer.json reads: its `\p{Lu}` is any letter, some patterns run with std::regex's ASCII
+`\d`), applied one after the other, each to the pieces the last one left; then the bytes as
+GPT-2's byte-level alphabet. Names llama.cpp reads the same way
 share a row. A name not listed is refused by the caller, naming it: a guessed split gives
 plausible but different ids. tests/text/test_gguf_vocabularies.py holds each row to llama.cpp's
 own expected ids: its vocabulary test files, and for names it ships none for, the ids its
