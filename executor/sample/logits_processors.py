@@ -196,12 +196,17 @@ class Penalties:
     """Repetition (HF style, prompt or output), then frequency and presence (output)."""
 
     def applies(self, metadata: SamplingMetadata) -> bool:
-        m = metadata
-        return not (m.repetition_penalty is None and m.frequency_penalty is None
-                    and m.presence_penalty is None)  # fmt: skip
+        return has_penalties(metadata)
 
     def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         apply_penalties(logits, metadata)
+
+
+def has_penalties(m: SamplingMetadata) -> bool:
+    """Whether any row of the batch asks a repetition, frequency or presence penalty."""
+    return not (
+        m.repetition_penalty is None and m.frequency_penalty is None and m.presence_penalty is None
+    )
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -211,7 +216,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     vocab_size, so counts get one spare column that is dropped afterwards.
     """
     m = metadata
-    if m.repetition_penalty is None and m.frequency_penalty is None and m.presence_penalty is None:
+    if not has_penalties(m):
         return
     if m.output_token_ids is None:
         raise ValueError("penalties need output_token_ids (use SamplingMetadata.build).")
