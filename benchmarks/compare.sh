@@ -212,7 +212,7 @@ SHAPE=${MODEL%-q4km}
 SHAPE_QUANTS=${SHAPE_QUANTS:-"Q4_K_M Q8_0"}
 is_shape_model() {
     case $MODEL in
-    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km | qwen35moe-a3b-q4km) return 0 ;;
+    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km | qwen35moe-a3b-q4km | llama4-scout-q4km) return 0 ;;
     *) return 1 ;;
     esac
 }

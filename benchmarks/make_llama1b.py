@@ -13,6 +13,8 @@ experts top-4, sliding window 128 alternating, attention sinks, 2 of its 24 laye
 layers so they fit the 23 GB machine; a decode step's shape per layer is the real model's.
 Issue 74's: qwen35moe-a3b (Qwen3.5-35B-A3B's layers: three Gated DeltaNet state layers and one
 gated full-attention layer, 256 experts top-8 and a shared expert; 4 of its 40 layers).
+Issue 75's: llama4-scout (Llama-4-Scout-17B-16E's text layers: 16 experts top-1 and a shared
+expert on each; 2 of its 48 layers, both chunked-attention RoPE layers).
 
     python benchmarks/make_llama1b.py OUT_DIR [--shape llama1b|qwen3b|qwen3-1.7b|...]
 """
@@ -166,6 +168,43 @@ SHAPES = {
         tie_word_embeddings=False,
         hidden_act="silu",
     ),
+    # Llama 4 Scout's text layers (issue 75): 16 experts of 8192, one a token, beside a
+    # shared expert, on every layer; 40 query / 8 KV heads of 128 with the qk L2 norm; chunked
+    # local attention (8192) on RoPE layers, every fourth layer NoPE and global: 2 of its 48
+    # layers here, both chunked RoPE layers (llama.cpp reads every fourth layer of a GGUF as
+    # the NoPE one; 4 layers would want ~40 GB of disk to convert).
+    "llama4-scout": dict(
+        architectures=["Llama4ForCausalLM"],
+        model_type="llama4_text",
+        hidden_size=5120,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        num_hidden_layers=2,
+        no_rope_layers=[1, 1],
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        attention_chunk_size=8192,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=8192,
+        attn_scale=0.1,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=16.0,
+            low_freq_factor=1.0,
+            high_freq_factor=1.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=10485760,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
 }
 
 
@@ -195,6 +234,9 @@ def tensors(cfg: dict, seed: int):
     kind = cfg["model_type"]
     if kind == "qwen3_5_moe_text":
         yield from qwen35_moe_layers(cfg, normal, g)
+        return
+    if kind == "llama4_text":
+        yield from llama4_layers(cfg, normal, ones)
         return
     bias = kind in ("qwen2", "gpt_oss")  # their q/k/v carry biases (gpt-oss's o_proj too)
     for i in range(cfg["num_hidden_layers"]):
@@ -279,6 +321,29 @@ def qwen35_moe_layers(cfg: dict, normal, g: torch.Generator):
         yield p + "mlp.shared_expert.up_proj.weight", normal(shared, hidden)
         yield p + "mlp.shared_expert.down_proj.weight", normal(hidden, shared)
         yield p + "mlp.shared_expert_gate.weight", normal(1, hidden)
+
+
+def llama4_layers(cfg: dict, normal, ones):
+    """Llama 4's layers as its checkpoint stores them: every layer's experts in two tensors
+    (gate and up side by side on the last axis), a router and a shared expert; q and k carry
+    no norm weights (their L2 norm has none)."""
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]  # fmt: skip
+    head_dim, inter, experts = cfg["head_dim"], cfg["intermediate_size"], cfg["num_local_experts"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", ones(hidden)
+        yield p + "post_attention_layernorm.weight", ones(hidden)
+        yield p + "self_attn.q_proj.weight", normal(heads * head_dim, hidden)
+        yield p + "self_attn.k_proj.weight", normal(kv_heads * head_dim, hidden)
+        yield p + "self_attn.v_proj.weight", normal(kv_heads * head_dim, hidden)
+        yield p + "self_attn.o_proj.weight", normal(hidden, heads * head_dim)
+        f = p + "feed_forward."
+        yield f + "router.weight", normal(experts, hidden)
+        yield f + "experts.gate_up_proj", normal(experts, hidden, 2 * inter)
+        yield f + "experts.down_proj", normal(experts, inter, hidden)
+        yield f + "shared_expert.gate_proj.weight", normal(inter, hidden)
+        yield f + "shared_expert.up_proj.weight", normal(inter, hidden)
+        yield f + "shared_expert.down_proj.weight", normal(hidden, inter)
 
 
 def gpt_oss_experts(cfg: dict, p: str, normal):

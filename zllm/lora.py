@@ -31,10 +31,20 @@ from zllm.errors import ParamError
 from zllm.model.arch_config import ModelArchConfig
 from zllm.protocol import LoRARequest  # on the wire; `zllm.lora.LoRARequest` is vLLM's path
 
-# The projections an adapter may target, by PEFT's module names, and where they sit.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, by PEFT's module names, and where they sit (with
+# multi-head latent attention's own: DeepSeek-V2/V3's query and latent projections).
+LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", *LATENT_TARGETS, "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}
 _BLOCK |= {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_BLOCK |= dict.fromkeys(LATENT_TARGETS, "self_attn")
+# Why a module a model has is not adapted.
+_NOT_ADAPTED = {
+    "kv_b_proj": "the latent attention folds kv_b_proj into each head's query and output "
+    "(absorbed decode), where an adapter's update to it would not reach",
+}
 _TENSOR_NAME = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)\.weight"
 )
@@ -99,17 +109,25 @@ class LoRAAdapter:
 
 def projection_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
     """Each target module's (in_features, out_features) in a layer of this architecture."""
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
+    mlp = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    mla = arch.mla
+    if mla is not None:  # the query whole or through its low rank; keys and values a latent
+        query = arch.num_heads * mla.qk_head_dim
+        q_proj = (
+            {"q_proj": (hidden, query)}
+            if mla.q_lora_rank is None
+            else {"q_a_proj": (hidden, mla.q_lora_rank), "q_b_proj": (mla.q_lora_rank, query)}
+        )
+        attention = {
+            **q_proj,
+            "kv_a_proj_with_mqa": (hidden, mla.latent_width),
+            "o_proj": (arch.num_heads * mla.v_head_dim, hidden),
+        }
+        return {**attention, **mlp}
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    return {**attention, "o_proj": (q, hidden), **mlp}
 
 
 def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -137,6 +155,8 @@ def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAd
                 f"{', '.join(TARGET_MODULES)} of the decoder layers)"
             )
         layer, block, module, kind = int(match[1]), match[2], match[3], match[4]
+        if module in _NOT_ADAPTED:
+            raise LoRAError(f"LoRA adapter targets {block}.{module}: {_NOT_ADAPTED[module]}")
         if module not in shapes or _BLOCK[module] != block:
             raise LoRAError(f"LoRA adapter targets {block}.{module}, which the base model lacks")
         if layer >= arch.num_layers:
@@ -176,6 +196,9 @@ def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> LoRAAd
         modules.append(LoRAModule(layer, module, r, float(scale), names["A"], names["B"]))
     targets = config.get("target_modules")
     if isinstance(targets, list):
+        refused = sorted(set(targets) & set(_NOT_ADAPTED))
+        if refused:
+            raise LoRAError(f"LoRA adapter's target_modules {refused}: {_NOT_ADAPTED[refused[0]]}")
         unknown = sorted(set(targets) - set(TARGET_MODULES))
         if unknown:
             raise LoRAError(

@@ -28,9 +28,11 @@ taking SDPA's query-length axis:
 
 Both read the step's AttentionMetadata (executor/attention/metadata.py): chunked prefill,
 prefix-cache hits (a chunk gathers its context's latents by slot) and decode batches with a
-few tokens per row (speculative decoding's verify) alike. The pool holds the model's dtype
-(--kv-cache-dtype is refused for MLA: the family lacks it, zllm/config/capabilities.py).
-CUDA and CPU kernels for the latent cache are not written: this is the path on every device.
+few tokens per row (speculative decoding's verify) alike. Under --kv-cache-dtype each plane's
+half row is stored as any KV head's row of that width is (executor/kv/quant.py: bf16/fp16, or
+int8 with a scale per group), and a fresh prompt attends over its latents rounded as stored,
+as a later step or a prefix hit reads them. CUDA and CPU kernels for the latent cache are not
+written: this is the path on every device.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.executor.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from zllm.executor.kv.quant import as_stored, narrow, widen
 
 
 class PagedLatentAttention:
@@ -92,7 +95,9 @@ class PagedLatentAttention:
     ) -> torch.Tensor:
         """A chunk's heads over its context's latents, up-projected: [q_len, heads, v]."""
         if chunk.context_slots is not None:  # after cached context: read it all back
-            latent = read_latents(kv_cache, chunk.context_slots).to(q_nope.dtype)
+            latent = read_latents(kv_cache, chunk.context_slots, self.latent_width, q_nope.dtype)
+        else:
+            latent = stored_latents(latent, kv_cache.dtype)
         c_kv, k_pe = latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :]
         k_nope = torch.matmul(c_kv, w_uk.transpose(1, 2))  # [heads, L, qk_nope]
         value = torch.matmul(c_kv, w_uv.transpose(1, 2))  # [heads, L, v]
@@ -122,7 +127,7 @@ class PagedLatentAttention:
         # [heads, rows, qk_nope] x [heads, qk_nope, kv_lora_rank] -> [rows, heads, kv_lora_rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         query = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(1)  # [rows, 1, heads, latent]
-        latents = self._gather_rows(kv_cache, decode, num_rows, block_size).to(query.dtype)
+        latents = self._gather_rows(kv_cache, decode, num_rows, block_size, query.dtype)
         out_latent = F.scaled_dot_product_attention(
             query,
             latents.unsqueeze(1),  # [rows, 1, padded_len, latent]: one KV head
@@ -134,9 +139,15 @@ class PagedLatentAttention:
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _gather_rows(
-        self, kv_cache: torch.Tensor, decode: DecodeBatch, num_rows: int, block_size: int
+        self,
+        kv_cache: torch.Tensor,
+        decode: DecodeBatch,
+        num_rows: int,
+        block_size: int,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Each row's blocks' latents, padded to the longest: [rows, padded_len, latent].
+        """Each row's blocks' latents as `dtype`, padded to the longest: [rows, padded_len,
+        latent].
         Whole blocks per plane with one index_select each (see DecodeBatch), into the step's
         workspace, which the layers share; padding reads block 0 under the mask."""
         blocks = kv_cache.view(2, kv_cache.shape[1], -1)
@@ -146,22 +157,33 @@ class PagedLatentAttention:
             planes = decode.workspace = kv_cache.new_empty(shape)
         torch.index_select(blocks[0], 0, decode.block_ids, out=planes[0])
         torch.index_select(blocks[1], 0, decode.block_ids, out=planes[1])
-        half = kv_cache.shape[-1]
-        planes = planes.view(2, num_rows, decode.max_blocks * block_size, half)
-        return torch.cat((planes[0], planes[1]), dim=-1)
+        planes = planes.view(2, num_rows, decode.max_blocks * block_size, kv_cache.shape[-1])
+        half = self.latent_width // 2
+        return torch.cat((widen(planes[0], dtype, half), widen(planes[1], dtype, half)), dim=-1)
 
 
 def write_latents(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' latent rows [T, latent_width] at their slots, half per plane."""
-    _, num_blocks, block_size, _, half = kv_cache.shape
-    slots = kv_cache.view(2, num_blocks * block_size, half)
-    latent = latent.to(kv_cache.dtype)
-    slots[0].index_copy_(0, slot_mapping, latent[:, :half])
-    slots[1].index_copy_(0, slot_mapping, latent[:, half:])
+    """Store the new tokens' latent rows [T, latent_width] at their slots, half per plane, each
+    half as the cache stores a row of its width."""
+    _, num_blocks, block_size, _, stored_width = kv_cache.shape
+    slots = kv_cache.view(2, num_blocks * block_size, stored_width)
+    half = latent.shape[-1] // 2
+    slots[0].index_copy_(0, slot_mapping, narrow(latent[:, :half], kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, narrow(latent[:, half:], kv_cache.dtype))
 
 
-def read_latents(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The latent rows [len(slots), latent_width] at these slots."""
-    half = kv_cache.shape[-1]
-    planes = kv_cache.view(2, -1, half)
-    return torch.cat((planes[0].index_select(0, slots), planes[1].index_select(0, slots)), -1)
+def read_latents(
+    kv_cache: torch.Tensor, slots: torch.Tensor, latent_width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The latent rows [len(slots), latent_width] at these slots, as `dtype`."""
+    planes = kv_cache.view(2, -1, kv_cache.shape[-1])
+    halves = [widen(planes[i].index_select(0, slots), dtype, latent_width // 2) for i in (0, 1)]
+    return torch.cat(halves, -1)
+
+
+def stored_latents(latent: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The latent rows [T, latent_width] rounded as the cache stores them (each half alone)."""
+    half = latent.shape[-1] // 2
+    return torch.cat(
+        (as_stored(latent[:, :half], cache_dtype), as_stored(latent[:, half:], cache_dtype)), -1
+    )

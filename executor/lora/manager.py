@@ -23,6 +23,7 @@ from zllm.executor.lora.slots import LoRASlots, rows_by_slot
 from zllm.executor.lora.weights import (
     ATTENTION_MATMULS,
     FUSED_MATMULS,
+    LATENT_MATMULS,
     UNFUSED_MATMULS,
     AdapterWeights,
     load_adapter_weights,
@@ -58,7 +59,10 @@ class LoRAManager:
         transformers_model = hasattr(model, "hf")
         decoder = model.base.layers if transformers_model else model.layers
         self.layers = getattr(model, "layer_indices", range(len(decoder)))
-        self.matmuls = UNFUSED_MATMULS if transformers_model else FUSED_MATMULS
+        if transformers_model:
+            self.matmuls = UNFUSED_MATMULS
+        else:
+            self.matmuls = LATENT_MATMULS if self.arch.mla is not None else FUSED_MATMULS
         self.dtype = dtype
         self.device = device
         self.batch = LoRABatch(tiled=engine.deterministic)

@@ -39,8 +39,20 @@ FUSED_MATMULS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# Multi-head latent attention's (DeepSeek-V2/V3): the query whole (q_proj) or through its low
+# rank (q_a_proj, q_b_proj), the latent projection, the output; dense layers' MLP as above.
+LATENT_MATMULS = {
+    **{module: (module,) for module in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")},
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
 UNFUSED_MATMULS = {module: (module,) for parts in FUSED_MATMULS.values() for module in parts}
-ATTENTION_MATMULS = ("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj")  # the rest: the MLP
+# The matmuls of the attention block (the rest: the MLP).
+ATTENTION_MATMULS = (
+    *("qkv_proj", "o_proj", "q_proj", "k_proj", "v_proj"),
+    *("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"),
+)
 
 
 @dataclass(frozen=True, slots=True)

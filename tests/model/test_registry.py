@@ -112,9 +112,9 @@ def test_every_family_says_where_its_code_lives_and_why_it_lacks_what_it_lacks()
 
 def test_a_refusal_names_the_option_the_reason_the_capability_and_the_family():
     family = registry.family_named("deepseek_v2")
-    assert family.refusal(Feature.LORA, "--enable-lora") == (
-        "--enable-lora: adapters target q/k/v projections this model lacks (the DeepSeek-V2/V3 "
-        "family (deepseek_v2) has no LoRA adapters)"
+    assert family.refusal(Feature.TENSOR_PARALLEL, "--tensor-parallel-size 2") == (
+        "--tensor-parallel-size 2: the latent attention's heads are not split over ranks yet "
+        "(the DeepSeek-V2/V3 family (deepseek_v2) has no tensor parallelism)"
     )
 
 

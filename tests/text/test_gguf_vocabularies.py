@@ -17,7 +17,7 @@ from llama_cpp_convert import sdist_file
 
 import zllm.text.tokenizer as tokenizer_module
 from zllm.model.gguf import read_gguf
-from zllm.text.gguf_pre_tokenizers import NOT_READ, ROWS
+from zllm.text.gguf_pre_tokenizers import NOT_READ, RAW_UTF8_ROWS, ROWS
 from zllm.text.tokenizer import load_tokenizer
 
 SEPARATOR = "\n__ggml_vocab_test__\n"
@@ -28,17 +28,23 @@ BPE_NAMES = [
     "starcoder", "refact", "command-r",
 ]  # fmt: skip
 SPM_NAMES = ["llama-spm", "phi-3"]
+# BPE over raw UTF-8: Gemma 4's tokenizer model (and pre-tokenizer), '▁' for spaces.
+RAW_UTF8_NAMES = ["gemma-4"]
 
 
-@pytest.mark.parametrize("name", BPE_NAMES + SPM_NAMES)
+@pytest.mark.parametrize("name", BPE_NAMES + SPM_NAMES + RAW_UTF8_NAMES)
 def test_ids_equal_llama_cpps(name: str) -> None:
     path = sdist_file(f"models/ggml-vocab-{name}.gguf")
     texts = sdist_file(f"models/ggml-vocab-{name}.gguf.inp").read_text().split(SEPARATOR)
     expected = sdist_file(f"models/ggml-vocab-{name}.gguf.out").read_text().split("\n")
+    if len(expected) == len(texts) + 1 and not expected[-1]:
+        expected.pop()  # (a file that ends its last line)
     assert len(texts) == len(expected) > 40
     metadata = read_gguf(str(path)).metadata
     if name in BPE_NAMES:
         assert metadata["tokenizer.ggml.pre"] == name and name in ROWS
+    if name in RAW_UTF8_NAMES:
+        assert metadata["tokenizer.ggml.model"] == "gemma4"
     tokenizer = load_tokenizer(str(path))
     for text, ids in zip(texts, expected, strict=True):
         assert tokenizer.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], repr(text)  # fmt: skip
@@ -51,8 +57,9 @@ def test_every_name_llama_cpp_knows_is_read_or_refused_saying_why() -> None:
     source = sdist_file("src/llama-vocab.cpp").read_text()
     known = set(re.findall(r'tokenizer_pre == "([^"]+)"', source))
     assert len(known) > 80
-    assert not known - set(ROWS) - set(NOT_READ), sorted(known - set(ROWS) - set(NOT_READ))
-    assert set(ROWS) <= known and set(NOT_READ) <= known - set(ROWS)
+    read = set(ROWS) | set(RAW_UTF8_ROWS)
+    assert not known - read - set(NOT_READ), sorted(known - read - set(NOT_READ))
+    assert read <= known and set(NOT_READ) <= known - read and not set(ROWS) & set(RAW_UTF8_ROWS)
 
 
 def test_every_row_has_a_name_llama_cpp_tests_or_shares_one_that_does() -> None:
@@ -119,14 +126,46 @@ def test_ids_of_names_without_a_test_file_equal_llama_cpps(name: str) -> None:
 
 def test_the_names_without_a_test_file_split_text_apart() -> None:
     """The recorded ids tell the rows apart (each row's ids differ from llama-bpe's own on
-    some text), so the test above could not pass with one row standing in for another."""
+    some text), so the test above could not pass with one row standing in for another. (Rows
+    that cut text as llama-bpe's and differ in their BOS flag alone: test_tokenizer.py's
+    test_bos_as_llama_cpp_adds_it.)"""
     path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
     llama_bpe = load_tokenizer(str(path))
     texts = PRE_TOKENIZER_IDS["texts"]
     own = [llama_bpe.encode(t, add_special_tokens=False) for t in texts]
+
+    def split(name: str) -> tuple:
+        return ROWS[name].patterns, ROWS[name].ignore_merges
+
     for name, ids in PRE_TOKENIZER_IDS["ids"].items():
-        if ROWS[name] is not ROWS["llama-bpe"]:
+        if split(name) != split("llama-bpe"):
             assert ids != own, name
+
+
+# The names whose BPE runs over raw UTF-8 (and the `whitespace` tokenizer model): llama.cpp's
+# ids on Gemma 4's vocabulary test file read with each case's metadata.
+RAW_UTF8_IDS = PRE_TOKENIZER_IDS["raw_utf8"]
+
+
+def _gemma4_vocabulary_read_as(metadata: dict[str, object]):
+    path = sdist_file(f"models/{RAW_UTF8_IDS['vocabulary']}")
+    real = read_gguf(str(path))
+    with pytest.MonkeyPatch.context() as patch:
+        told = replace(real, metadata={**real.metadata, **metadata})
+        patch.setattr(tokenizer_module, "read_gguf", lambda _: told)
+        return load_tokenizer(str(path))
+
+
+@pytest.mark.parametrize("case", sorted(RAW_UTF8_IDS["ids"]))
+def test_raw_utf8_ids_equal_llama_cpps(case: str) -> None:
+    assert set(RAW_UTF8_IDS["metadata"]) == set(RAW_UTF8_IDS["ids"])
+    tokenizer = _gemma4_vocabulary_read_as(RAW_UTF8_IDS["metadata"][case])
+    texts, expected = RAW_UTF8_IDS["texts"], RAW_UTF8_IDS["ids"][case]
+    for text, ids in zip(texts, expected, strict=True):
+        assert tokenizer.encode(text, add_special_tokens=False) == ids, repr(text)
+    # Gemma 4's text back from its ids: spaces for '▁', bytes joined into their characters.
+    if not case.startswith("whitespace"):
+        assert tokenizer.decode(tokenizer.encode(texts[3], add_special_tokens=False)) == texts[3]
 
 
 def test_o200k_rows_split_as_tiktoken() -> None:

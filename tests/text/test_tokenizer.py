@@ -171,8 +171,34 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
         load_tokenizer(str(path))
     # A name llama.cpp knows but zllm does not read: refused with the reason.
     path = write_tokenizer_gguf(tmp_path / "w.gguf", "gpt2", ["a"], pre="whitespace")
-    with pytest.raises(ValueError, match="'whitespace'.*raw UTF-8.*--tokenizer"):
+    with pytest.raises(ValueError, match="'whitespace'.*tokenizer model 'whitespace'.*--tokenizer"):
         load_tokenizer(str(path))
+
+
+@pytest.mark.parametrize(
+    ("model", "pre", "file_says", "bos"),
+    [
+        ("gpt2", "gpt-2", None, False),
+        ("gpt2", "llama-bpe", None, True),  # llama.cpp's default for Llama 3's names
+        ("gpt2", "llama-bpe", False, False),  # ... which the file's flag overrides
+        ("gpt2", "glm4", None, False),
+        ("gpt2", "chameleon", None, True),
+        ("gpt2", "sarvam-moe", None, False),
+        ("gpt2", "sarvam-moe", True, True),
+        ("gemma4", "gemma4", False, True),  # Gemma 4's vocabulary: a BOS whatever the file says
+        ("gpt2", "granite-embed-multi-311m", False, True),
+        ("whitespace", "whitespace", None, False),
+    ],
+)
+def test_bos_as_llama_cpp_adds_it(
+    tmp_path: Path, model: str, pre: str, file_says: bool | None, bos: bool
+) -> None:
+    tokens = ["<bos>", "a", "b", "ab", "▁"]
+    path = write_tokenizer_gguf(
+        tmp_path / "t.gguf", model, tokens, types=[3, 1, 1, 1, 1], merges=["a b"], pre=pre,
+        bos_id=0, add_bos=file_says,
+    )  # fmt: skip
+    assert load_tokenizer(str(path)).encode("ab") == ([0, 3] if bos else [3])
 
 
 def test_malformed_gguf_tokenizer_metadata(tmp_path: Path) -> None:
@@ -204,6 +230,8 @@ def write_tokenizer_gguf(
     scores: list[float] | None = None,
     merges: list[str] | None = None,
     pre: str = "gpt-2",
+    bos_id: int | None = None,
+    add_bos: bool | None = None,
 ) -> Path:
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
@@ -218,6 +246,10 @@ def write_tokenizer_gguf(
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_unk_token_id(0)
+    if bos_id is not None:
+        writer.add_bos_token_id(bos_id)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -47,6 +47,33 @@ PRE_TOKENIZER_TEXTS = [
 ]
 
 
+# The names whose BPE runs over raw UTF-8 (and the `whitespace` tokenizer model), read on
+# Gemma 4's vocabulary test file (whose own name, gemma4, its test file covers): each case's
+# metadata as llama.cpp is told it (kv overrides).
+RAW_UTF8_CASES = {
+    "sarvam-moe": {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "sarvam-moe"},
+    "granite-embed-multi-311m": {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "granite-embed-multi-311m",
+    },
+    "whitespace": {"tokenizer.ggml.model": "whitespace", "tokenizer.ggml.pre": "whitespace"},
+    "whitespace, lower-cased": {
+        "tokenizer.ggml.model": "whitespace",
+        "tokenizer.ggml.pre": "whitespace",
+        "tokenizer.ggml.normalizer.lowercase": True,
+    },
+}
+RAW_UTF8_TEXTS = [
+    *PRE_TOKENIZER_TEXTS,
+    "\n" * 40,
+    "a\n\n\nb\n \n\n  \n\t\tx",
+    " Hello  world   ",
+    "<|turn>user\nhi<turn|>",
+    "\u00a0non-breaking\u3000ideographic space\u2003em",
+    "\x00\x01 control \x7f bytes",
+]
+
+
 def main() -> None:
     import llama_cpp
 
@@ -59,13 +86,30 @@ def main() -> None:
             str(vocab), vocab_only=True, verbose=False, kv_overrides={"tokenizer.ggml.pre": name}
         )
         ids[name] = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+    raw_vocab = sdist_file("models/ggml-vocab-gemma-4.gguf")
+    raw_ids = {}
+    for case, overrides in RAW_UTF8_CASES.items():
+        llm = llama_cpp.Llama(
+            str(raw_vocab), vocab_only=True, verbose=False, kv_overrides=overrides
+        )
+        raw_ids[case] = [
+            llm.tokenize(t.encode(), add_bos=False, special=True) for t in RAW_UTF8_TEXTS
+        ]
     out = Path(__file__).with_name("gguf_pre_tokenizer_ids.json")
     record = {
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         "vocabulary": "ggml-vocab-llama-bpe.gguf",
+        "texts": texts,
+        "ids": ids,
+        "raw_utf8": {
+            "vocabulary": "ggml-vocab-gemma-4.gguf",
+            "metadata": RAW_UTF8_CASES,
+            "texts": RAW_UTF8_TEXTS,
+            "ids": raw_ids,
+        },
     }
-    out.write_text(json.dumps({**record, "texts": texts, "ids": ids}, ensure_ascii=False) + "\n")
-    print(f"wrote {out}: {len(NAMES)} names x {len(texts)} texts")
+    out.write_text(json.dumps(record, ensure_ascii=False) + "\n")
+    print(f"wrote {out}: {len(NAMES)} names x {len(texts)} texts, {len(raw_ids)} raw UTF-8 cases")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ own expected ids: its vocabulary test files, and for names it ships none for, th
 tokenizer gives on llama-bpe's vocabulary read with that name (recorded by
 tests/text/write_pre_tokenizer_ids.py; gpt-4o's split also against tiktoken's o200k pattern).
 Kimi K2's (kimi-k2) llama.cpp cuts by hand-written code rather than a pattern; its row is that
-code's rules written as one pattern. The few names llama.cpp knows that zllm does not read are
-listed with the reason (NOT_READ). No torch here.
+code's rules written as one pattern. A few names run BPE over raw UTF-8 instead (Gemma 4's
+vocabulary, Sarvam's: RAW_UTF8_ROWS; their ids held to Gemma 4's test file and to llama.cpp's
+ids on it read with each name). A name llama.cpp knows that zllm does not read is listed with
+the reason (NOT_READ). No torch here.
 """
 
 from __future__ import annotations
@@ -45,9 +47,14 @@ class PreTokenizer:
     patterns: tuple[str, ...]  # applied in order, each isolating its matches
     # BPE takes a word whole when the vocabulary has it (llama.cpp's ignore_merges).
     ignore_merges: bool = False
+    # llama.cpp adds a BOS for this name where the file does not say
+    # (tokenizer.ggml.add_bos_token absent).
+    add_bos: bool = False
 
 
-_LLAMA3 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True)
+_LLAMA3 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True, add_bos=True)
+# GLM-4's (from GLM-4.5 on): Llama 3's split, words whole, no BOS unless the file says.
+_GLM4 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True)
 # The same split, BPE merging every word (DBRX's, Smaug's, ChatGLM's files).
 _LLAMA3_MERGED = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),))
 _QWEN2 = PreTokenizer((_llama3_like(r"\p{N}"),))
@@ -259,10 +266,11 @@ ROWS: dict[str, PreTokenizer] = {
             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         ),
         ignore_merges=True,
+        add_bos=True,
     ),
     # GLM-4's: Llama 3's split (its files from GLM-4.5 on take words whole, as Llama 3's).
     **dict.fromkeys(("chatglm-bpe", "dbrx", "smaug-bpe"), _LLAMA3_MERGED),
-    **dict.fromkeys(("glm4", "glm5"), _LLAMA3),
+    **dict.fromkeys(("glm4", "glm5"), _GLM4),
     # DeepSeek-V3's (and Kimi-less DeepSeek-R1's; Hunyuan's dense models', JoyAI's, HY V4's):
     # digits in threes, CJK runs, then words.
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3),
@@ -277,6 +285,19 @@ ROWS: dict[str, PreTokenizer] = {
             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         )
     ),
+    # Chameleon's: its special tokens' shapes, tabs, newlines and runs of spaces, digits
+    # alone, punctuation alone, then GPT-2's split; a BOS unless the file says not.
+    "chameleon": PreTokenizer(
+        (
+            "<sentinel:[0-9]+>",
+            "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+            "([\\t\\n]|    |  )",
+            r"\p{N}",
+            r"[\p{P}!-/:-@\[-`{-~]",
+            _GPT2,
+        ),
+        add_bos=True,
+    ),
     "deepseek-coder": PreTokenizer(
         (
             "[\r\n]",
@@ -289,24 +310,39 @@ ROWS: dict[str, PreTokenizer] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class RawUtf8Row:
+    """A name whose BPE llama.cpp runs over raw UTF-8 rather than GPT-2's byte alphabet (a
+    SentencePiece-style vocabulary in a BPE file): spaces written '▁' first, the text cut only
+    between newline runs and the rest, a byte the vocabulary lacks as its <0xNN> token."""
+
+    # A BOS even where the file says not (llama.cpp's rule for Gemma 4's vocabulary).
+    always_bos: bool = False
+
+
+RAW_UTF8_SPLIT = "[^\n]+|[\n]+"
+RAW_UTF8_ROWS = {
+    **dict.fromkeys(("gemma4", "granite-embed-multi-311m"), RawUtf8Row(always_bos=True)),
+    "sarvam-moe": RawUtf8Row(),
+}
+
 # Names llama.cpp knows that zllm refuses, and why (the refusal says it).
 NOT_READ = {
-    **dict.fromkeys(
-        ("chameleon", "gemma4", "granite-embed-multi-311m", "sarvam-moe", "whitespace"),
-        "llama.cpp runs its BPE over raw UTF-8, not GPT-2's byte alphabet",
-    ),
+    "whitespace": "llama.cpp reads it only with the tokenizer model 'whitespace' (as the "
+    "converter writes it); under 'gpt2' its BPE stops at the first space",
 }
 
 
-def byte_level_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
-    """(the pre-tokenizer of a `tokenizer.ggml.pre` name, whether BPE ignores merges)."""
+def byte_level_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, PreTokenizer]:
+    """(the pre-tokenizer of a `tokenizer.ggml.pre` name, its row's flags)."""
     row = ROWS.get(pre)
     if row is None:
         why = f": {NOT_READ[pre]}" if pre in NOT_READ else ""
+        names = ", ".join(sorted([*ROWS, *RAW_UTF8_ROWS]))
         raise ValueError(
             f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre{why}; zllm reads "
-            f"{', '.join(sorted(ROWS))}): pass the model's Hugging Face tokenizer with --tokenizer"
+            f"{names}): pass the model's Hugging Face tokenizer with --tokenizer"
         )
     splits = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in row.patterns]
     steps = [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    return pre_tokenizers.Sequence(steps), row.ignore_merges
+    return pre_tokenizers.Sequence(steps), row

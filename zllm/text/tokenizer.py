@@ -18,13 +18,17 @@ from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, normalizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from zllm.model.files import registry_entry_of
 from zllm.model.gguf import read_gguf
 from zllm.text.continue_final import leave_final_message_open
-from zllm.text.gguf_pre_tokenizers import byte_level_pre_tokenizer
+from zllm.text.gguf_pre_tokenizers import (
+    RAW_UTF8_ROWS,
+    RAW_UTF8_SPLIT,
+    byte_level_pre_tokenizer,
+)
 
 
 class Tokenizer:
@@ -208,15 +212,24 @@ def _from_gguf(path: str) -> Tokenizer:
     tokens: list[str] = md.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise ValueError(f"{path} has no tokenizer (tokenizer.ggml.tokens is missing)")
-    if kind == "gpt2":
-        backend, add_bos_default = _byte_level_bpe(md, tokens), False
+    pre = md.get("tokenizer.ggml.pre") or "gpt-2"  # (no name: GPT-2's, as llama.cpp reads it)
+    if kind == "gemma4" or (kind == "gpt2" and pre in RAW_UTF8_ROWS):
+        # (Gemma 4's tokenizer model is its pre-tokenizer, whatever the file names)
+        backend, add_bos = _raw_utf8_bpe(md, tokens, "gemma4" if kind == "gemma4" else pre)
+    elif kind == "gpt2":
+        backend, add_bos = _byte_level_bpe(md, tokens, pre)
+    elif kind == "whitespace":
+        backend, add_bos = _whitespace_bpe(md, tokens), _add_bos(md, default=False)
     elif kind == "llama":
-        backend, add_bos_default = _sentencepiece_bpe(md, tokens), True
+        backend, add_bos = _sentencepiece_bpe(md, tokens), _add_bos(md, default=True)
     else:
-        raise ValueError(f"{path}: unsupported tokenizer model {kind!r} (zllm reads gpt2, llama)")
+        raise ValueError(
+            f"{path}: unsupported tokenizer model {kind!r} (zllm reads gpt2, llama, gemma4, "
+            "whitespace)"
+        )
     _add_special_tokens(backend, tokens, _per_token(md, "tokenizer.ggml.token_type", tokens, 1))
     bos, eos = _token_id(md, "bos", tokens), _token_id(md, "eos", tokens)
-    add_bos = md.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None
+    add_bos = add_bos and bos is not None
     add_eos = md.get("tokenizer.ggml.add_eos_token", False) and eos is not None
     backend.post_processor = _template_processor(
         (tokens[bos], bos) if add_bos else None, (tokens[eos], eos) if add_eos else None
@@ -242,21 +255,56 @@ def _token_id(md: dict[str, Any], name: str, tokens: list[str]) -> int | None:
     return token_id
 
 
+def _add_bos(md: dict[str, Any], default: bool) -> bool:
+    """Whether a BOS starts the text: the file's flag, else what llama.cpp does for its kind."""
+    return bool(md.get("tokenizer.ggml.add_bos_token", default))
+
+
 def _merges(md: dict[str, Any]) -> list[tuple[str, str]]:
-    pairs = [tuple(merge.split(" ", 1)) for merge in md.get("tokenizer.ggml.merges") or []]
-    if any(len(pair) != 2 for pair in pairs):
-        raise ValueError("GGUF tokenizer.ggml.merges has an entry that is not 'left right'")
+    """'left right' entries cut at the first space after the first character, as llama.cpp
+    cuts them (a left piece may be a space itself)."""
+    pairs = []
+    for merge in md.get("tokenizer.ggml.merges") or []:
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise ValueError("GGUF tokenizer.ggml.merges has an entry that is not 'left right'")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
     return pairs
 
 
-def _byte_level_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
-    merges = _merges(md)
-    # (no name: GPT-2's split, as llama.cpp reads such files)
-    pre_tokenizer, ignore_merges = byte_level_pre_tokenizer(md.get("tokenizer.ggml.pre") or "gpt-2")
+def _byte_level_bpe(
+    md: dict[str, Any], tokens: list[str], pre: str
+) -> tuple[BackendTokenizer, bool]:
+    pre_tokenizer, row = byte_level_pre_tokenizer(pre)
     vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
+    backend = BackendTokenizer(models.BPE(vocab, _merges(md), ignore_merges=row.ignore_merges))
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
+    return backend, _add_bos(md, default=row.add_bos)
+
+
+def _raw_utf8_bpe(md: dict[str, Any], tokens: list[str], pre: str) -> tuple[BackendTokenizer, bool]:
+    """BPE over raw UTF-8 (Gemma 4's vocabulary, Sarvam's): spaces as '▁', the text cut only
+    between newline runs and the rest, <0xNN> tokens for bytes missing from the vocabulary.
+    (llama.cpp takes a run of newlines whole where Gemma 4's vocabulary has it; that
+    vocabulary's merges build those runs first, so BPE gives the same token.)"""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab, _merges(md), byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(RAW_UTF8_SPLIT), behavior="isolated")
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps)
+    return backend, RAW_UTF8_ROWS[pre].always_bos or _add_bos(md, default=False)
+
+
+def _whitespace_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
+    """llama.cpp's `whitespace` tokenizer model (Jina's Chinese embedders): the words between
+    whitespace (dropped), lower-cased where the file says, BPE over raw UTF-8 in each."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab, _merges(md), byte_fallback=True))
+    if md.get("tokenizer.ggml.normalizer.lowercase", False):
+        backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return backend
 
 

@@ -14,8 +14,10 @@ per latent row, every layer dense.
 The pool holds one latent row per token and layer, no V beside it;
 prompts run past a KV block, in a batch, chunked, and after cached prefixes (decode rows of a
 few tokens and prefill chunks after cached context alike), speculated (ngram) and over two
-pipeline stages; the v2 model as llama.cpp's own converter writes it (deepseek2, split
-attn_k_b / attn_v_b) at F32 and Q8_0; one served model; the options it cannot run with refused.
+pipeline stages, in a narrow pool (--kv-cache-dtype bf16 / int8), and with LoRA adapters
+against PEFT's; the v2 model as
+llama.cpp's own converter writes it (deepseek2, split attn_k_b / attn_v_b) at F32 and Q8_0;
+one served model; the options it cannot run with refused.
 """
 
 from __future__ import annotations
@@ -32,20 +34,23 @@ from family_cases import DEEPSEEK_V2
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from llama_cpp_convert import convert_hf_to_gguf, write_convertible_model
+from lora_adapters import make_adapter
 from parity import assert_greedy_parity, hf_greedy
 from safetensors.torch import load_file
 from tiny_models import TINY_CONFIG, arch_config_of, write_tiny_model
 
-from zllm import LLM, SamplingParams
+from zllm import LLM, LoRARequest, SamplingParams
 from zllm.config.engine_args import EngineArgs
 from zllm.config.kv_layout import block_bytes
 from zllm.executor.attention.metadata import AttentionMetadata
-from zllm.executor.attention.mla import PagedLatentAttention, read_latents
+from zllm.executor.attention.mla import PagedLatentAttention, read_latents, stored_latents
 from zllm.executor.layers.linear.gguf import GGUFLinear
 from zllm.executor.layers.mlp import GatedMLP as LlamaMLP
 from zllm.executor.layers.moe.block import MoEBlock
 from zllm.executor.layers.moe.router import GROUPED_SOFTMAX_TOPK, MoERule, deepseek_rule, route
 from zllm.executor.weights.loader import load_weights
+from zllm.kv.kv_dtypes import ELEMENT_BYTES, row_width
+from zllm.lora import LoRAError, read_adapter
 from zllm.model.arch import read_arch_config
 from zllm.model.arch_config import MLAConfig
 from zllm.model.gguf import read_gguf
@@ -135,9 +140,12 @@ def test_the_pool_holds_one_latent_row_per_token_and_layer(hf_dir) -> None:
     assert per_token * 4 == 4 * (32 + 16 + 64) * LAYERS * 4
 
 
-def test_absorbed_decode_equals_up_projected_attention() -> None:
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "int8"])
+def test_absorbed_decode_equals_up_projected_attention(stored: str) -> None:
     """Decode rows (W_UK absorbed into the query, W_UV into the output, attending over the
-    latents as cached) give what the prefill path's up-projected heads give."""
+    latents as cached) give what the prefill path's up-projected heads give; with a narrow
+    pool (--kv-cache-dtype) both attend over the latents as stored, each half row rounded as
+    a KV row of its width is."""
     torch.manual_seed(0)
     heads, nope, v, length = 4, 32, 64, 11
     attn = PagedLatentAttention(heads, KV_LORA_RANK, ROPE_DIM, scale=0.125)
@@ -145,12 +153,19 @@ def test_absorbed_decode_equals_up_projected_attention() -> None:
     w_uv = torch.randn(heads, v, KV_LORA_RANK) * 0.1
     q_nope, q_pe = torch.randn(length, heads, nope), torch.randn(length, heads, ROPE_DIM)
     latent = torch.randn(length, KV_LORA_RANK + ROPE_DIM)
-    cache = torch.zeros(2, 8, BLOCK, 1, (KV_LORA_RANK + ROPE_DIM) // 2)
+    width = KV_LORA_RANK + ROPE_DIM
+    cache = torch.zeros(2, 8, BLOCK, 1, row_width(width // 2, stored), dtype=getattr(torch, stored))
     table = [5, 2, 7]  # blocks out of order: slots go through the table
     slots = [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(length)]
     prompt = AttentionMetadata.build([length], [length], [table], slots, BLOCK, "cpu")
     whole = attn(q_nope, q_pe, latent, w_uk, w_uv, cache, prompt)
-    assert torch.equal(read_latents(cache, torch.tensor(slots)), latent)
+    back = read_latents(cache, torch.tensor(slots), width, torch.float32)
+    assert torch.equal(back, stored_latents(latent, cache.dtype))
+    # fp32 as written; bf16 within its rounding (2^-8 of |x| <= ~4); int8 within half a step
+    # of its groups' scale (absmax / 127).
+    bound = {"float32": 0.0, "bfloat16": 0.02, "int8": 0.02}[stored]
+    assert (back - latent).abs().max() <= bound
+    assert stored == "float32" or not torch.equal(back, latent)
     # The last token again, as a decode row over the cached latents.
     last = slice(length - 1, length)
     step = AttentionMetadata.build([1], [length], [table], slots[last], BLOCK, "cpu")
@@ -188,6 +203,90 @@ def test_chunked_prefill_and_prefix_hits(hf_dir) -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in hits], GREEDY, use_tqdm=False)
     assert [out.num_cached_tokens for out in outputs] == [40, 40]  # 10 full blocks of 4
     check(hf, hits, outputs, "prefix hit")
+
+
+@pytest.mark.parametrize(("kv", "stored"), [("bf16", "bfloat16"), ("int8", "int8")])
+def test_a_narrow_latent_pool_holds_more_tokens_and_answers_alike(hf_dir, kv, stored) -> None:
+    """--kv-cache-dtype: each half latent row stored as a KV row of its width is (bf16; int8
+    bytes and a bf16 scale per 8 values): the core's block bytes and the pool agree, more
+    blocks fit, and a prompt answers the same fresh, from a prefix hit and in chunks of 8;
+    its first step's log-probabilities near the fp32 pool's."""
+    llm = make_llm(hf_dir("lite"), kv_cache_dtype=kv)
+    kv_pool, wide = llm.model_runner.host.kv, make_llm(hf_dir("lite"))
+    assert {t.dtype for t in kv_pool.tensors} == {getattr(torch, stored)}
+    half = (KV_LORA_RANK + ROPE_DIM) // 2
+    per_token = 2 * row_width(half, stored) * ELEMENT_BYTES[stored] * LAYERS
+    assert kv_pool.bytes_per_slot() == per_token and block_bytes(llm.config) == per_token * BLOCK
+    assert kv_pool.num_blocks == (8 << 20) // (per_token * BLOCK)
+    assert kv_pool.num_blocks > 1.5 * wide.model_runner.host.kv.num_blocks
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([41, 23, 30], seed=6)]
+    fresh = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    hits = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in hits)
+    assert [o.outputs[0].token_ids for o in hits] == fresh
+    chunked = make_llm(
+        hf_dir("lite"), kv_cache_dtype=kv, max_num_batched_tokens=8, enable_prefix_caching=False
+    )
+    assert [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)] == (
+        fresh
+    )
+    # The first step's log-probabilities as the fp32 pool's, within the rounding (0.03 nats
+    # measured): tokens themselves may flip where the random model's top two are near-tied.
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    for ours, exact in zip(
+        llm.generate(prompts, first, use_tqdm=False),
+        wide.generate(prompts, first, use_tqdm=False),
+        strict=True,
+    ):
+        ours_lp, exact_lp = ours.outputs[0].logprobs[0], exact.outputs[0].logprobs[0]
+        shared = set(ours_lp) & set(exact_lp)
+        assert len(shared) >= 3
+        assert max(abs(ours_lp[t].logprob - exact_lp[t].logprob) for t in shared) < 0.06
+
+
+@pytest.mark.parametrize(
+    ("case", "targets"),
+    [
+        ("lite", ["q_proj", "kv_a_proj_with_mqa", "o_proj"]),  # the whole query
+        ("v2", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]),  # the query's low rank
+        ("moe", ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]),  # experts: attention only
+    ],
+)
+def test_lora_adapters_equal_peft(hf_dir, tmp_path, case, targets) -> None:
+    """Adapters on latent attention's projections (PEFT's module names: the query whole or
+    its low-rank pair, kv_a_proj_with_mqa, o_proj), mixed in one batch with the base model:
+    each prompt's tokens equal transformers' under PEFT."""
+    import peft
+    import transformers
+
+    adapter = make_adapter(str(hf_dir(case)), tmp_path / "a", seed=3, r=4, lora_alpha=8,
+                           target_modules=targets)  # fmt: skip
+    llm = make_llm(hf_dir(case), enable_lora=True)
+    prompts = prompts_of([9, 23, 30], seed=9)
+    lora = LoRARequest("a", 1, str(adapter))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    ours = llm.generate(inputs, GREEDY, lora_request=[lora, None, lora], use_tqdm=False)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir(case))
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    for i in (0, 2):
+        check(adapted, prompts[i : i + 1], ours[i : i + 1], f"{case} lora")
+    with adapted.disable_adapter():
+        check(adapted, prompts[1:2], ours[1:2], f"{case} base beside lora")
+    assert (
+        ours[0].outputs[0].token_ids
+        != make_llm(hf_dir(case))
+        .generate(inputs[0], GREEDY, use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+
+
+def test_an_adapter_on_kv_b_proj_is_refused_saying_why(hf_dir, tmp_path) -> None:
+    adapter = make_adapter(str(hf_dir("lite")), tmp_path / "kv_b", seed=1, r=2,
+                           target_modules=["kv_b_proj"])  # fmt: skip
+    arch = read_arch_config(str(hf_dir("lite")))
+    with pytest.raises(LoRAError, match="kv_b_proj.*absorbed decode"):
+        read_adapter(str(adapter), arch, max_lora_rank=8)
 
 
 def test_ngram_speculation_keeps_the_greedy_tokens(hf_dir) -> None:
@@ -527,9 +626,7 @@ def test_v3s_router_method_with_v2s_scores_is_refused(tmp_path) -> None:
     ("option", "reason"),
     [
         (dict(tensor_parallel_size=2), "--tensor-parallel-size 2: the latent attention's heads"),
-        (dict(kv_cache_dtype="int8"), "--kv-cache-dtype int8: the latent pool is kept"),
         (dict(model_impl="transformers"), "--model-impl transformers: transformers' MLA"),
-        (dict(enable_lora=True), "--enable-lora"),
         (dict(deterministic=True), "--deterministic"),
     ],
 )

@@ -333,12 +333,10 @@ FAMILY = Family(
     lacks={
         **MOE_LACKS,
         Feature.TENSOR_PARALLEL: "the latent attention's heads are not split over ranks yet",
-        Feature.NARROW_KV_CACHE: "the latent pool is kept in the model's dtype",
         Feature.TRANSFORMERS_IMPL: (
             "transformers' MLA hands the attention keys and values of different head sizes, "
             "which the paged cache does not hold (zllm's own code runs it: --model-impl auto)"
         ),
-        Feature.LORA: "adapters target q/k/v projections this model lacks",
         Feature.DETERMINISTIC: "the latent attention has no batch-invariant decode yet",
         Feature.DRAFT_MODEL: "a draft model runs Llama-style attention",
         Feature.CUDA_GRAPHS: "the latent attention runs on the torch backend",
