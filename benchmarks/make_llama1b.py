@@ -14,7 +14,7 @@ layers so they fit the 23 GB machine; a decode step's shape per layer is the rea
 Issue 74's: qwen35moe-a3b (Qwen3.5-35B-A3B's layers: three Gated DeltaNet state layers and one
 gated full-attention layer, 256 experts top-8 and a shared expert; 4 of its 40 layers).
 Issue 75's: llama4-scout (Llama-4-Scout-17B-16E's text layers: 16 experts top-1 and a shared
-expert on each; 2 of its 48 layers, both chunked-attention RoPE layers).
+expert on each; 4 of its 48 layers: three chunked-attention RoPE layers, one NoPE layer).
 
     python benchmarks/make_llama1b.py OUT_DIR [--shape llama1b|qwen3b|qwen3-1.7b|...]
 """
@@ -170,9 +170,9 @@ SHAPES = {
     ),
     # Llama 4 Scout's text layers (issue 75): 16 experts of 8192, one a token, beside a
     # shared expert, on every layer; 40 query / 8 KV heads of 128 with the qk L2 norm; chunked
-    # local attention (8192) on RoPE layers, every fourth layer NoPE and global: 2 of its 48
-    # layers here, both chunked RoPE layers (llama.cpp reads every fourth layer of a GGUF as
-    # the NoPE one; 4 layers would want ~40 GB of disk to convert).
+    # local attention (8192) on RoPE layers, every fourth layer NoPE and global: 4 of its 48
+    # layers here, the real pattern (llama.cpp reads every fourth layer of a GGUF as the NoPE
+    # one, and its server stops at its first step on a file with none).
     "llama4-scout": dict(
         architectures=["Llama4ForCausalLM"],
         model_type="llama4_text",
@@ -182,8 +182,8 @@ SHAPES = {
         num_local_experts=16,
         num_experts_per_tok=1,
         interleave_moe_layer_step=1,
-        num_hidden_layers=2,
-        no_rope_layers=[1, 1],
+        num_hidden_layers=4,
+        no_rope_layers=[1, 1, 1, 0],
         num_attention_heads=40,
         num_key_value_heads=8,
         head_dim=128,

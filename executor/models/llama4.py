@@ -14,7 +14,8 @@ The checkpoints hold q/k rows in Meta's pair layout; at load each head's rows mo
 two-halves layout the attention layer rotates (the same permutation of q and k leaves every
 dot product as it was), so the rotating layers run as Llama's. The head norm goes before the
 rotation here, after it in transformers: a rotation keeps each head's norm, so they agree.
-The projections stay dense tensors (not GGUF blocks) so that the rows can move.
+A GGUF file's (or a 16-bit checkpoint's) q/k blocks move alike, a row of blocks at a time
+(`block_rows`), so q/k/v read their blocks as every other matmul does.
 """
 
 from __future__ import annotations
@@ -159,16 +160,27 @@ class Llama4ForCausalLM(DecoderStack, nn.Module):
             yield name, tensor
 
     def block_matmul_targets(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
-        """(module, attribute, checkpoint names) GGUF blocks may serve: the MLPs' and o_proj,
-        not q/k/v (their rows move at load, module docstring)."""
+        """(module, attribute, checkpoint names) GGUF blocks may serve: the attention's, the
+        dense or shared MLP's (the experts read theirs in the MoE layer)."""
         for i, layer in zip(self.layer_indices, self.layers, strict=True):
             p = f"model.layers.{i}."
+            qkv = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+            yield layer.self_attn, "qkv_proj", qkv
             yield layer.self_attn, "o_proj", [f"{p}self_attn.o_proj.weight"]
             mlp, m = layer.mlp, f"{p}mlp."
             if isinstance(mlp, MoEBlock):
                 mlp, m = mlp.shared_expert, f"{m}shared_expert."
             yield mlp, "gate_up_proj", [f"{m}gate_proj.weight", f"{m}up_proj.weight"]
             yield mlp, "down_proj", [f"{m}down_proj.weight"]
+
+    def block_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor's rows of blocks as this model holds them: q/k heads' rows from
+        pairs to halves, as load_weights moves the fp32 rows (the rest as stored)."""
+        if name.endswith("self_attn.q_proj.weight"):
+            return _pairs_to_halves(rows, self.arch.num_heads, self.arch.head_dim)
+        if name.endswith("self_attn.k_proj.weight"):
+            return _pairs_to_halves(rows, self.arch.num_kv_heads, self.arch.head_dim)
+        return rows
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         targets = {

@@ -152,6 +152,11 @@ class _WeightBlocks:
             raw = self.checkpoint.blocks
         else:  # a bf16/fp16 checkpoint's matrices, as F16/BF16 rows
             raw = sixteen_bit_raw_weights(model_path, arch, layers)
+        # A model that moves a checkpoint's rows as it loads them (Llama 4's q/k heads, from
+        # pairs to halves) moves their blocks' rows alike: a row's blocks are one row of bytes.
+        moved = getattr(model, "block_rows", None)
+        if moved is not None:
+            raw = {name: (ggml_type, moved(name, rows)) for name, (ggml_type, rows) in raw.items()}
         self.file_types = {name: ggml_type for name, (ggml_type, _) in raw.items()}
         if self.tp.enabled and arch.tie_word_embeddings and "model.embed_tokens.weight" in raw:
             raw["lm_head.weight"] = raw["model.embed_tokens.weight"]  # each rank's logits rows

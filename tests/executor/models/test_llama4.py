@@ -12,7 +12,7 @@ import random
 
 import pytest
 from family_cases import CASES, LLAMA4, convertible
-from llama_cpp_convert import SPM_VOCAB_SIZE
+from llama_cpp_convert import SPM_VOCAB_SIZE, convert_hf_to_gguf
 from parity import assert_greedy_parity, hf_greedy
 
 from zllm import LLM, SamplingParams
@@ -115,6 +115,29 @@ def test_the_multimodal_checkpoint_is_refused_naming_it(tmp_path) -> None:
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="Llama 4's multimodal checkpoint"):
         read_arch_config(str(directory))
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_qkv_read_their_blocks_with_the_heads_rows_moved(tmp_path, outtype) -> None:
+    """A GGUF file's q/k/v are served from their blocks, each q/k head's rows of blocks moved
+    from pairs to halves as the fp32 rows are (Llama4ForCausalLM.block_rows): the float
+    kernel over the blocks (gguf-float) gives the greedy tokens of the file's weights as fp32
+    rows (--quantization none)."""
+    from zllm.executor.layers.linear.gguf import GGUFLinear, GGUFSplitLinear
+
+    directory = convertible("llama4_text", **LLAMA4)(tmp_path / "llama4")
+    path = convert_hf_to_gguf(directory, tmp_path / f"llama4-{outtype}.gguf", outtype)
+    blocks, rows = (
+        LLM(str(path), kv_cache_memory_bytes=8 << 20, max_num_seqs=4, block_size=4,
+            quantization=quantization)
+        for quantization in ("gguf-float", "none")
+    )  # fmt: skip
+    kinds = (GGUFLinear, GGUFSplitLinear)
+    assert isinstance(blocks.model_runner.model.layers[0].self_attn.qkv_proj, kinds)
+    assert not isinstance(rows.model_runner.model.layers[0].self_attn.qkv_proj, kinds)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ours = [o.outputs[0].token_ids for o in blocks.generate(prompts, GREEDY, use_tqdm=False)]
+    assert ours == [o.outputs[0].token_ids for o in rows.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.e2e
