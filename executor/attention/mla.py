@@ -158,8 +158,7 @@ class PagedLatentAttention:
         torch.index_select(blocks[0], 0, decode.block_ids, out=planes[0])
         torch.index_select(blocks[1], 0, decode.block_ids, out=planes[1])
         planes = planes.view(2, num_rows, decode.max_blocks * block_size, kv_cache.shape[-1])
-        half = self.latent_width // 2
-        return torch.cat((widen(planes[0], dtype, half), widen(planes[1], dtype, half)), dim=-1)
+        return _joined(planes[0], planes[1], self.latent_width, dtype)
 
 
 def write_latents(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -177,12 +176,22 @@ def read_latents(
 ) -> torch.Tensor:
     """The latent rows [len(slots), latent_width] at these slots, as `dtype`."""
     planes = kv_cache.view(2, -1, kv_cache.shape[-1])
-    halves = [widen(planes[i].index_select(0, slots), dtype, latent_width // 2) for i in (0, 1)]
-    return torch.cat(halves, -1)
+    first, second = planes[0].index_select(0, slots), planes[1].index_select(0, slots)
+    return _joined(first, second, latent_width, dtype)
+
+
+def _joined(
+    first: torch.Tensor, second: torch.Tensor, latent_width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Latent rows [..., latent_width] as `dtype` from their two stored halves."""
+    half = latent_width // 2
+    return torch.cat((widen(first, dtype, half), widen(second, dtype, half)), dim=-1)
 
 
 def stored_latents(latent: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """The latent rows [T, latent_width] rounded as the cache stores them (each half alone)."""
+    if cache_dtype == latent.dtype:  # (the cache keeps the model's dtype: nothing rounds)
+        return latent
     half = latent.shape[-1] // 2
     return torch.cat(
         (as_stored(latent[:, :half], cache_dtype), as_stored(latent[:, half:], cache_dtype)), -1

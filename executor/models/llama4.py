@@ -147,16 +147,13 @@ class Llama4ForCausalLM(DecoderStack, nn.Module):
     def _canonical(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        arch = self.arch
         for name, tensor in weights:
             name = name.replace(".feed_forward.router.", ".mlp.gate.")
             name = name.replace(".feed_forward.", ".mlp.")
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 tensor = tensor.transpose(-1, -2)  # [E, in, out] -> [E, out, in]
-            elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-                tensor = _pairs_to_halves(tensor, arch.num_heads, arch.head_dim)
-            elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-                tensor = _pairs_to_halves(tensor, arch.num_kv_heads, arch.head_dim)
+            else:
+                tensor = self.block_rows(name, tensor)
             yield name, tensor
 
     def block_matmul_targets(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
@@ -174,11 +171,11 @@ class Llama4ForCausalLM(DecoderStack, nn.Module):
             yield mlp, "down_proj", [f"{m}down_proj.weight"]
 
     def block_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
-        """A checkpoint tensor's rows of blocks as this model holds them: q/k heads' rows from
-        pairs to halves, as load_weights moves the fp32 rows (the rest as stored)."""
-        if name.endswith("self_attn.q_proj.weight"):
+        """A checkpoint tensor's rows as this model holds them, fp32 values or rows of blocks
+        alike: each q/k head's from pairs to halves (the rest as stored)."""
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             return _pairs_to_halves(rows, self.arch.num_heads, self.arch.head_dim)
-        if name.endswith("self_attn.k_proj.weight"):
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             return _pairs_to_halves(rows, self.arch.num_kv_heads, self.arch.head_dim)
         return rows
 

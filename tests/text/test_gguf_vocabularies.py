@@ -107,13 +107,20 @@ def _tokenizer_read_as(name: str):
     the 128k vocabulary per row, not per name."""
     row = id(ROWS[name])
     if row not in _TOKENIZERS_BY_ROW:
-        path = sdist_file(f"models/{PRE_TOKENIZER_IDS['vocabulary']}")
-        real = read_gguf(str(path))
-        metadata = {**real.metadata, "tokenizer.ggml.pre": name}
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(tokenizer_module, "read_gguf", lambda _: replace(real, metadata=metadata))
-            _TOKENIZERS_BY_ROW[row] = load_tokenizer(str(path))
+        vocabulary = PRE_TOKENIZER_IDS["vocabulary"]
+        _TOKENIZERS_BY_ROW[row] = _read_with(vocabulary, {"tokenizer.ggml.pre": name})
     return _TOKENIZERS_BY_ROW[row]
+
+
+def _read_with(vocabulary: str, metadata: dict[str, object]):
+    """The tokenizer of one of llama.cpp's vocabulary files, its metadata changed as given
+    (as llama.cpp's kv overrides change it)."""
+    path = sdist_file(f"models/{vocabulary}")
+    real = read_gguf(str(path))
+    told = replace(real, metadata={**real.metadata, **metadata})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tokenizer_module, "read_gguf", lambda _: told)
+        return load_tokenizer(str(path))
 
 
 @pytest.mark.parametrize("name", sorted(PRE_TOKENIZER_IDS["ids"]))
@@ -147,19 +154,10 @@ def test_the_names_without_a_test_file_split_text_apart() -> None:
 RAW_UTF8_IDS = PRE_TOKENIZER_IDS["raw_utf8"]
 
 
-def _gemma4_vocabulary_read_as(metadata: dict[str, object]):
-    path = sdist_file(f"models/{RAW_UTF8_IDS['vocabulary']}")
-    real = read_gguf(str(path))
-    with pytest.MonkeyPatch.context() as patch:
-        told = replace(real, metadata={**real.metadata, **metadata})
-        patch.setattr(tokenizer_module, "read_gguf", lambda _: told)
-        return load_tokenizer(str(path))
-
-
 @pytest.mark.parametrize("case", sorted(RAW_UTF8_IDS["ids"]))
 def test_raw_utf8_ids_equal_llama_cpps(case: str) -> None:
     assert set(RAW_UTF8_IDS["metadata"]) == set(RAW_UTF8_IDS["ids"])
-    tokenizer = _gemma4_vocabulary_read_as(RAW_UTF8_IDS["metadata"][case])
+    tokenizer = _read_with(RAW_UTF8_IDS["vocabulary"], RAW_UTF8_IDS["metadata"][case])
     texts, expected = RAW_UTF8_IDS["texts"], RAW_UTF8_IDS["ids"][case]
     for text, ids in zip(texts, expected, strict=True):
         assert tokenizer.encode(text, add_special_tokens=False) == ids, repr(text)

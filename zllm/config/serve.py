@@ -275,7 +275,8 @@ class ServerArgs:
         help='how the model writes tool calls, for tool_choice "auto" (hermes: Qwen 2.5/3 '
         "<tool_call> JSON; llama3_json: Llama 3.1/3.2 JSON; mistral: [TOOL_CALLS]; pythonic: "
         "Llama 3.2/4 [f(x=1)] (llama4_pythonic; llama4_json: llama3_json's); qwen3_xml: "
-        "Qwen3-Coder <function=...>; deepseek_v3 / deepseek_v31: DeepSeek-V3.x; kimi_k2: Kimi K2; glm45 / glm47: GLM-4.5 to 4.7 "
+        "Qwen3-Coder <function=...>; deepseek_v3 / deepseek_v31: DeepSeek-V3.x; kimi_k2: Kimi "
+        "K2; glm45 / glm47: GLM-4.5 to 4.7 "
         "<arg_key>/<arg_value>; minimax_m2: MiniMax-M2 <invoke>; gemma4: Gemma 4 "
         "<|tool_call>call:f{...}; openai: gpt-oss's harmony channels, its reasoning too); "
         "required and named tool choices need none",

@@ -18,7 +18,7 @@ the reason (NOT_READ). No torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenizers import Regex, pre_tokenizers
 
@@ -54,7 +54,7 @@ class PreTokenizer:
 
 _LLAMA3 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True, add_bos=True)
 # GLM-4's (from GLM-4.5 on): Llama 3's split, words whole, no BOS unless the file says.
-_GLM4 = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),), ignore_merges=True)
+_GLM4 = replace(_LLAMA3, add_bos=False)
 # The same split, BPE merging every word (DBRX's, Smaug's, ChatGLM's files).
 _LLAMA3_MERGED = PreTokenizer((_llama3_like(r"\p{N}{1,3}"),))
 _QWEN2 = PreTokenizer((_llama3_like(r"\p{N}"),))

@@ -272,12 +272,17 @@ def _merges(md: dict[str, Any]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _bpe(md: dict[str, Any], tokens: list[str], **options: bool) -> BackendTokenizer:
+    """A BPE model over the file's vocabulary and merges (`options`: models.BPE's flags)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    return BackendTokenizer(models.BPE(vocab, _merges(md), **options))
+
+
 def _byte_level_bpe(
     md: dict[str, Any], tokens: list[str], pre: str
 ) -> tuple[BackendTokenizer, bool]:
     pre_tokenizer, row = byte_level_pre_tokenizer(pre)
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab, _merges(md), ignore_merges=row.ignore_merges))
+    backend = _bpe(md, tokens, ignore_merges=row.ignore_merges)
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     return backend, _add_bos(md, default=row.add_bos)
@@ -288,8 +293,7 @@ def _raw_utf8_bpe(md: dict[str, Any], tokens: list[str], pre: str) -> tuple[Back
     between newline runs and the rest, <0xNN> tokens for bytes missing from the vocabulary.
     (llama.cpp takes a run of newlines whole where Gemma 4's vocabulary has it; that
     vocabulary's merges build those runs first, so BPE gives the same token.)"""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab, _merges(md), byte_fallback=True))
+    backend = _bpe(md, tokens, byte_fallback=True)
     backend.normalizer = normalizers.Replace(" ", "▁")
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(RAW_UTF8_SPLIT), behavior="isolated")
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -300,8 +304,7 @@ def _raw_utf8_bpe(md: dict[str, Any], tokens: list[str], pre: str) -> tuple[Back
 def _whitespace_bpe(md: dict[str, Any], tokens: list[str]) -> BackendTokenizer:
     """llama.cpp's `whitespace` tokenizer model (Jina's Chinese embedders): the words between
     whitespace (dropped), lower-cased where the file says, BPE over raw UTF-8 in each."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab, _merges(md), byte_fallback=True))
+    backend = _bpe(md, tokens, byte_fallback=True)
     if md.get("tokenizer.ggml.normalizer.lowercase", False):
         backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
