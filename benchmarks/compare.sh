@@ -19,7 +19,9 @@
 #                    llama-q8 step its Q8_0, zllm-bf16 / zllm-f16 serve its bf16 directory and
 #                    F16 GGUF with zllm. The same for issue 57's shapes: MODEL=qwen3-1.7b-q4km,
 #                    qwen3moe-a3b-q4km, gpt-oss-20b-q4km (make_llama1b.py's --shape); the
-#                    other files of one are then served as MODEL=<path>.gguf
+#                    other files of one are then served as MODEL=<path>.gguf.
+#                    MODEL=deepseek-v3-q4km: its Q4_K_M file only, written directly
+#                    (benchmarks/write_deepseek_v3_shape.py: too large to convert here)
 #   SHAPE_QUANTS ["Q4_K_M Q8_0"]  the llama-quantize types setup makes of such a shape's F16
 #                    GGUF (e.g. "Q4_K_M Q3_K_M", or "MXFP4_MOE": gpt-oss's experts MXFP4)
 #   NUM_PROMPTS [64]  INPUT_LEN [128]  OUTPUT_LEN [128]  CONCURRENCIES ["1 8 32"]
@@ -212,13 +214,23 @@ SHAPE=${MODEL%-q4km}
 SHAPE_QUANTS=${SHAPE_QUANTS:-"Q4_K_M Q8_0"}
 is_shape_model() {
     case $MODEL in
-    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km | qwen35moe-a3b-q4km | llama4-scout-q4km) return 0 ;;
+    llama1b-q4km | qwen3b-q4km | qwen3-1.7b-q4km | qwen3moe-a3b-q4km | gpt-oss-20b-q4km | qwen35moe-a3b-q4km | llama4-scout-q4km | deepseek-v3-q4km) return 0 ;;
     *) return 1 ;;
     esac
 }
 LLAMA1B_DIR=$CACHE/models/$SHAPE
 make_llama1b() {
     local hf=$LLAMA1B_DIR/hf-bf16 f16=$LLAMA1B_DIR/$SHAPE-F16.gguf
+    if [[ $SHAPE == deepseek-v3 ]]; then
+        # Its MoE layers are too large to convert and quantize on this machine: the Q4_K_M
+        # file is written directly, with random blocks (benchmarks/write_deepseek_v3_shape.py).
+        if [[ ! -s $LLAMA1B_DIR/$SHAPE-Q4_K_M.gguf ]]; then
+            mkdir -p "$LLAMA1B_DIR"
+            nice -n 19 "$PYTHON" "$REPO/benchmarks/write_deepseek_v3_shape.py" \
+                "$LLAMA1B_DIR/$SHAPE-Q4_K_M.gguf" --llama-cpp "$LLAMA_DIR"
+        fi
+        return
+    fi
     if [[ ! -s $hf/config.json ]]; then
         log "writing the random-weight $SHAPE model to $hf"
         nice -n 19 "$PYTHON" "$REPO/benchmarks/make_llama1b.py" "$hf" --shape "$SHAPE"

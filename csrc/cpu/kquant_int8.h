@@ -121,24 +121,6 @@ inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// Q4_K's 8 sub-block scales and 8 mins (6 bits each, packed in the 12 bytes at p), as bytes,
-// a 32-bit word at a time. Byte s of each word: scale s = p[s] & 63 and min s = p[s + 4] & 63
-// for s < 4; for s = 4 + j, the low four bits of p[8 + j] (scale) or its high four (min),
-// with the top two bits of p[j] (scale) or p[4 + j] (min) above them.
-inline void k_scales_mins_bytes(const uint8_t* p, uint8_t sc[8], uint8_t mn[8]) {
-  uint32_t w[3];
-  std::memcpy(w, p, 12);
-  const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
-  const uint32_t out[4] = {
-      w[0] & six,                                        // scales 0-3
-      (w[2] & four) | (((w[0] >> 6) & two) << 4),        // scales 4-7
-      w[1] & six,                                        // mins 0-3
-      ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)  // mins 4-7
-  };
-  std::memcpy(sc, out, 8);
-  std::memcpy(mn, out + 2, 8);
-}
-
 // Q3_K's 16 scales less 32 (-32..31) as signed bytes, from the 12 packed at p (gguf_lowbit.h's
 // q3_k_scales, four at a time in 32-bit lanes): scales 4w .. 4w + 3 take their low nibbles
 // from word w % 2's low (w < 2) or high nibbles and their top two bits from bits 2w of word 2.
@@ -157,6 +139,28 @@ inline __m128i q3_k_scales_bytes(const uint8_t* p) {
   return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi32(top, 4)), _mm_set1_epi8(32));
 }
 
+// Q4_K's 8 sub-block scales and 8 mins (6 bits each, packed in the 12 bytes at p) as bytes of
+// one xmm: scales in bytes 0-7, mins in 8-15, a 32-bit word at a time. Byte s of each word:
+// scale s = p[s] & 63 and min s = p[s + 4] & 63 for s < 4; for s = 4 + j, the low four bits
+// of p[8 + j] (scale) or its high four (min), with the top two bits of p[j] (scale) or
+// p[4 + j] (min) above them. It reads 16 bytes at p (4 of the codes after them, unused), in
+// 32-bit lanes (AVX2's VPSRLVD; both instruction sets' Q4_K loops use it).
+inline __m128i k_scales_mins_xmm(const uint8_t* p) {
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // w0 w1 w2 -
+  // Low six bits (words 0, 2 of the output) or the low/high nibbles of w2 (words 1, 3) ...
+  const __m128i low = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  // ... and for words 1, 3 the top two bits of w0 / w1 to bits 4-5: ((w >> 6) & 3) << 4.
+  const __m128i top =
+      _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  return _mm_or_si128(low, top);
+}
+
+// How far ahead the Q4_K loops ask for their blocks (both instruction sets).
+constexpr int64_t kPrefetchBytes = 2048;
+
 // out[i] = row . x_i for MR consecutive x rows from m0.
 template <int MR>
 inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
@@ -167,16 +171,22 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) acc[i] = offset[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * kQ4_KBytes;
-    uint8_t sc[8], mn[8];
-    k_scales_mins_bytes(blk + 4, sc, mn);
+    for (int line = 0; line < kQ4_KBytes; line += 64)  // (as q4_k_rows_avx512)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+    // The 8 scales as int16 in both 128-bit lanes, so that one in-lane byte shuffle
+    // broadcasts scale s: a shuffle a sub-block instead of a byte's extract, move and
+    // broadcast, which held the 1-row loop to a third of the AVX-512 one's bandwidth.
+    const __m128i scales_mins = k_scales_mins_xmm(blk + 4);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high ones)
       const __m256i v = load32(blk + 16 + 32 * c);
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256i sc_lo = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c]));
-      const __m256i sc_hi = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * c + 1]));
+      const __m256i sc_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 1) << 8 | 4 * c));
+      const __m256i sc_hi =
+          _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 3) << 8 | (4 * c + 2)));
       for (int i = 0; i < MR; ++i) {
         const int8_t* xq = qx.q.data() + (m0 + i) * K + b * kSuper + 64 * c;
         const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), sc_lo);
@@ -187,7 +197,7 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
     const float d = half_to_float(blk);
     const __m256 mins = _mm256_mul_ps(
         _mm256_set1_ps(half_to_float(blk + 2)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales_mins, scales_mins))));
     for (int i = 0; i < MR; ++i) {
       const float dx = qx.d[(m0 + i) * blocks + b];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(d * dx), acc[i]);
@@ -346,24 +356,6 @@ ZLLM_TARGET_AVX512 inline __m512i lanes_of(int a, int b, int c, int d) {
 ZLLM_TARGET_AVX512 inline __m256i fold_halves(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
-
-// k_scales_mins_bytes in one xmm (scales in bytes 0-7, mins in 8-15), from the 16 bytes at p
-// (the 12 packed ones and 4 of the codes after them, unused): the same words, built with
-// 32-bit lanes instead of scalar code and a round trip through memory.
-ZLLM_TARGET_AVX512 inline __m128i k_scales_mins_xmm(const uint8_t* p) {
-  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // w0 w1 w2 -
-  // Low six bits (words 0, 2 of the output) or the low/high nibbles of w2 (words 1, 3) ...
-  const __m128i low = _mm_and_si128(
-      _mm_srlv_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
-      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-  // ... and for words 1, 3 the top two bits of w0 / w1 to bits 4-5: ((w >> 6) & 3) << 4.
-  const __m128i top =
-      _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, _MM_SHUFFLE(1, 1, 0, 0)), 2),
-                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-  return _mm_or_si128(low, top);
-}
-
-constexpr int64_t kPrefetchBytes = 2048;
 
 template <int MR>
 ZLLM_TARGET_AVX512 void q4_k_rows_avx512(const uint8_t* w, int64_t row_bytes,

@@ -6,6 +6,10 @@ multiplies in place, csrc/cpu/gguf_linear.cpp), and the rule's activation over a
 
 from __future__ import annotations
 
+import math
+import mmap
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +41,29 @@ def gated_activation(gate_up: torch.Tensor, rule: MoERule) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * rule.swiglu_alpha))
 
 
+# Linux's MAP_NORESERVE (0x4000 on x86-64 and arm64; Python's mmap module does not name it).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+# Float placeholders from this size up are mapped without reserving memory.
+_UNRESERVED_BYTES = 1 << 30
+
+
+def untouched_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype) on the CPU, whose pages cost nothing until written, also
+    where the tensor is larger than the machine's memory. A GGUF file's experts replace their
+    float placeholder with blocks before it is ever written, but DeepSeek-V3's [256, 4096,
+    7168] fp32 gate_up alone is 30 GB: Linux's default overcommit check refuses one mapping
+    that large on a machine with less, before the blocks can replace it. Large placeholders
+    are therefore anonymous mappings without a reservation (pages still come zeroed on first
+    touch; a checkpoint that does fill them needs the memory, as with torch.empty)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _UNRESERVED_BYTES or sys.platform != "linux":
+        return torch.empty(shape, dtype=dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    pages = mmap.mmap(-1, nbytes, flags=flags)
+    # (the tensor holds the mapping: it is unmapped when the placeholder is dropped)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
 class ExpertMatrices(nn.Module):
     """One projection of every expert: y = x W_e^T (+ b_e) for the rows routed to expert e.
 
@@ -58,7 +85,7 @@ class ExpertMatrices(nn.Module):
         self.in_features = in_features
         # Plain empty tensors (untouched pages): load_weights fills them, or blocks replace them.
         shape = (num_experts, out_features, in_features)
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(shape, dtype=dtype))
+        self.weight: nn.Parameter | None = nn.Parameter(untouched_empty(shape, dtype))
         self.bias = (
             nn.Parameter(torch.empty(num_experts, out_features, dtype=dtype)) if bias else None
         )

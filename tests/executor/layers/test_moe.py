@@ -16,6 +16,7 @@ models       tiny random Qwen3-MoE (and Qwen2-MoE with its shared expert, Mixtra
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -344,6 +345,30 @@ def test_expert_blocks_of_the_wrong_shape_are_refused() -> None:
     blocks = torch.zeros(4, 16, 68, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"expert blocks \[\(4, 16, 68\)\] for 4 x 32"):
         matrices.hold_blocks_([(blocks, int(T.Q8_0))])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_placeholder_larger_than_the_machine_is_built_untouched_and_released() -> None:
+    """DeepSeek-V3's experts hold a [256, 4096, 7168] fp32 placeholder (30 GB) until their
+    blocks replace it: one mapping larger than the machine's memory, which Linux's default
+    overcommit check refuses to torch.empty. Here twice the machine's memory: built without
+    a page of it resident, written and read like torch.empty's."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    rows = 4096
+    experts = 2 * total // (rows * 7168 * 4) + 1
+    before = _resident_bytes()
+    matrices = ExpertMatrices(experts, rows, 7168, torch.float32)
+    weight = matrices.weight
+    assert weight is not None and weight.shape == (experts, rows, 7168)
+    assert weight.is_contiguous() and weight.nbytes > 2 * total
+    assert _resident_bytes() - before < 64 << 20
+    weight.data[experts - 1, rows - 1, 7167] = 1.5  # one page touched, at the far end
+    assert float(weight.data[experts - 1, rows - 1, 7167]) == 1.5
+    assert float(weight.data[0, 0].abs().sum()) == 0.0  # fresh pages read as zeros
 
 
 # ---------------------------------------------------------------------------------------------
