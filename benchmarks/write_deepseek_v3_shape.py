@@ -149,8 +149,9 @@ def float_values(name: str, count: int, rng: np.random.Generator) -> np.ndarray:
     return rng.normal(0.0, 0.02, count).astype(np.float32)  # the router
 
 
-def metadata(cfg: dict, llama_cpp: str, tokenizer_gguf: str, work: str):
-    """The converter's --vocab-only output for this config (a GGUFReader over it)."""
+def metadata(cfg: dict, llama_cpp: str, tokenizer_gguf: str, work: str) -> tuple[list, int]:
+    """The converter's --vocab-only output for this config: its key-values as (key, value,
+    type, array element type), read before `work` goes, and the vocabulary's size."""
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(tokenizer_gguf)
@@ -171,23 +172,26 @@ def metadata(cfg: dict, llama_cpp: str, tokenizer_gguf: str, work: str):
     )
     import gguf
 
-    return gguf.GGUFReader(out), len(tokenizer)
+    fields = [
+        (key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+        for key, field in gguf.GGUFReader(out).fields.items()
+    ]
+    return fields, len(tokenizer)
 
 
 def write(out: str, layers: int, dense: int, llama_cpp: str, tokenizer_gguf: str) -> None:
     cfg = dict(CONFIG, num_hidden_layers=layers, first_k_dense_replace=dense)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as work:
-        reader, vocab = metadata(cfg, llama_cpp, tokenizer_gguf, work)
+        fields, vocab = metadata(cfg, llama_cpp, tokenizer_gguf, work)
     import gguf
 
     writer = gguf.GGUFWriter(out + ".tmp", "deepseek2")
-    for key, field in reader.fields.items():
+    for key, value, value_type, sub_type in fields:
         if key.startswith("GGUF.") or key == "general.architecture":
             continue  # (the writer's own)
-        value = FILE_TYPE_Q4_K_M if key == "general.file_type" else field.contents()
-        sub_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(key, value, field.types[0], sub_type)
+        value = FILE_TYPE_Q4_K_M if key == "general.file_type" else value
+        writer.add_key_value(key, value, value_type, sub_type)
     plan = list(tensor_plan(cfg, vocab))
     for name, ne, kind in plan:
         count = int(np.prod(ne))

@@ -184,7 +184,8 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
       const __m256i v = load32(blk + 16 + 32 * c);
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256i sc_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 1) << 8 | 4 * c));
+      const __m256i sc_lo =
+          _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 1) << 8 | 4 * c));
       const __m256i sc_hi =
           _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 3) << 8 | (4 * c + 2)));
       for (int i = 0; i < MR; ++i) {

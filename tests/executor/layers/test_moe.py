@@ -352,7 +352,7 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_a_placeholder_larger_than_the_machine_is_built_untouched_and_released() -> None:
+def test_a_placeholder_larger_than_the_machine_is_built_untouched() -> None:
     """DeepSeek-V3's experts hold a [256, 4096, 7168] fp32 placeholder (30 GB) until their
     blocks replace it: one mapping larger than the machine's memory, which Linux's default
     overcommit check refuses to torch.empty. Here twice the machine's memory: built without
