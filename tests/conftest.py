@@ -42,6 +42,27 @@ def engine_pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def one_rank_greedy(engine_pool, tmp_path_factory):
+    """`one_rank_greedy(model, max_tokens)`: parity.served_greedy of SERVED_PROMPTS from one
+    executor rank, the reference the tests of split models (tensor, pipeline and Ray ranks)
+    compare with. Served by the app over a pooled engine (tests/engine_pool.py), not a
+    `zllm serve` of its own, and kept per (model, max_tokens) for the test process: a
+    reference costs no server start, and often no engine start either."""
+    from parity import SERVED_PROMPTS, served_greedy
+
+    kept: dict[tuple[str, int], list] = {}
+
+    def greedy(model: str, max_tokens: int) -> list:
+        if (model, max_tokens) not in kept:
+            log = tmp_path_factory.mktemp("one-rank") / "app.log"
+            with engine_pool.serve(model, log) as server:
+                kept[model, max_tokens] = served_greedy(server, SERVED_PROMPTS, max_tokens)
+        return kept[model, max_tokens]
+
+    return greedy
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 

@@ -120,6 +120,58 @@ def assert_greedy_parity(
     return Divergence(i, ours[i], theirs[i], gap)
 
 
+@dataclass
+class TeacherForced:
+    """transformers' reading of one whole sequence (a prompt and an output) in one forward:
+    for each position but the last, its top-5 next tokens with their log-probs, and the
+    log-prob of the token that does come next in the sequence."""
+
+    top5_ids: torch.Tensor  # [len - 1, 5]
+    top5_logprobs: torch.Tensor  # [len - 1, 5]
+    next_logprob: torch.Tensor  # [len - 1]
+
+
+def hf_teacher_forced(model, ids: list[int], rows: int = 128) -> TeacherForced:
+    """One forward over `ids`. Checking an output by teacher forcing costs transformers one
+    prefill of prompt + output, where `hf_greedy_batch` costs a prefill of every prompt padded
+    to the longest and a step per token (at Gemma 3's 262k vocabulary, most of a test's time);
+    the log-softmax goes `rows` positions at a time (a 700-token prompt's log-probs would be
+    another 0.7 GB beside its logits)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+        following = torch.tensor(ids[1:])
+        tops, top_lps, nexts = [], [], []
+        for start in range(0, logits.shape[0], rows):
+            lp = logits[start : start + rows].float().log_softmax(-1)
+            top = lp.topk(5)
+            tops.append(top.indices)
+            top_lps.append(top.values)
+            nexts.append(lp.gather(1, following[start : start + rows, None])[:, 0])
+    return TeacherForced(torch.cat(tops), torch.cat(top_lps), torch.cat(nexts))
+
+
+def assert_greedy_by_teacher_forcing(
+    forced: TeacherForced, prompt_len: int, ours: list[int], label: str = ""
+) -> int:
+    """Greedy parity checked on transformers' forward over prompt + our output: at every
+    output position, our token is transformers' argmax given the same prefix, or a near tie
+    with it (in its top-5, within TIE_TOLERANCE; recorded in FLIPS). As strict as
+    `assert_greedy_parity` up to its first flip, and every position after it is checked too
+    (there, both sides continue the same prefix). Returns the number of near ties."""
+    ties = 0
+    for i, token in enumerate(ours):
+        at = prompt_len - 1 + i
+        best = forced.top5_ids[at].tolist()
+        if token == best[0]:
+            continue
+        gap = float(forced.top5_logprobs[at, 0] - forced.next_logprob[at])
+        assert token in best, f"{label}: at {i} our token {token} is not in HF's top-5 {best}"
+        assert gap < TIE_TOLERANCE, f"{label}: flip at {i} with logprob gap {gap:.4f} nats"
+        FLIPS.append(f"{label}: near tie at output position {i} (gap {gap:.4f} nats)")
+        ties += 1
+    return ties
+
+
 def set_bf16_gemm_rows(llm, rows: int) -> int:
     """Set the bf16 GEMM's row limit of a loaded engine's BF16 matmuls (0: the float kernel's
     fp32 sums at every size, transformers' arithmetic; executor/kernels/gguf_arithmetic.py

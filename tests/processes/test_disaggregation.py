@@ -818,12 +818,14 @@ def test_tensor_parallel_pair_sends_each_ranks_heads(tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.e2e
-def test_shared_memory_transport_and_a_prefill_server_that_is_down(tiny_llama_dir, tmp_path):
-    """transport "shm": the same answers, the blocks through /dev/shm files the decode
-    server deletes. Then the prefill server stops: the proxy skips it and the decode server
-    computes the prompt (still the same answer)."""
+def test_shared_memory_transport_and_a_prefill_server_that_is_down(
+    disagg, tiny_llama_dir, tmp_path
+):
+    """transport "shm": the same answers (as the module's plain server's), the blocks through
+    /dev/shm files the decode server deletes. Then the prefill server stops: the proxy skips
+    it and the decode server computes the prompt (still the same answer)."""
+    plain = disagg[0]["plain"]
     port = free_port()
-    plain = start_server(tiny_llama_dir, tmp_path / "plain.log")
     decode = start_server(
         tiny_llama_dir, tmp_path / "decode.log", "--kv-transfer-config",
         kv_config("kv_consumer", port, transport="shm", wait_timeout_s=30),
@@ -847,7 +849,6 @@ def test_shared_memory_transport_and_a_prefill_server_that_is_down(tiny_llama_di
         proxy.stop()
         stop_server(prefill)
         stop_server(decode)
-        stop_server(plain)
 
 
 @pytest.mark.e2e

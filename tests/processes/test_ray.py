@@ -46,7 +46,7 @@ def actor_pids(log: str) -> dict[str, list[int]]:
 
 
 def test_data_parallel_engines_share_one_cluster_and_restart_alone(
-    tiny_llama_dir, tmp_path, monkeypatch
+    tiny_llama_dir, one_rank_greedy, tmp_path, monkeypatch
 ):
     """`--data-parallel-size 2` with Ray actors and no RAY_ADDRESS (first in this file, before
     the two-node cluster exists): the supervisor starts one head node, both engines' drivers
@@ -54,11 +54,7 @@ def test_data_parallel_engines_share_one_cluster_and_restart_alone(
     requests reach both engines. Engine 1's driver killed: engine 1 restarts with new actors
     while engine 0's actor, never touched, serves on."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    single = start_server(tiny_llama_dir, tmp_path / "mp.log")
-    try:
-        expected = served_greedy(single, SERVED_PROMPTS, 16)
-    finally:
-        assert stop_server(single) == 0
+    expected = one_rank_greedy(tiny_llama_dir, 16)
     dp2 = ("--data-parallel-size", "2", "--distributed-executor-backend", "ray")
     server = start_server(tiny_llama_dir, tmp_path / "dp.log", *dp2)
     try:
@@ -119,12 +115,8 @@ def rank_nodes(log: str) -> dict[int, str]:
     }
 
 
-def test_tp2_across_two_nodes_equals_one_rank(cluster, tiny_llama_dir, tmp_path):
-    single = start_server(tiny_llama_dir, tmp_path / "mp.log")
-    try:
-        expected = served_greedy(single, SERVED_PROMPTS, 24)
-    finally:
-        assert stop_server(single) == 0
+def test_tp2_across_two_nodes_equals_one_rank(cluster, tiny_llama_dir, one_rank_greedy, tmp_path):
+    expected = one_rank_greedy(tiny_llama_dir, 24)
     server = start_server(tiny_llama_dir, tmp_path / "ray.log", *RAY_TP2)
     try:
         nodes = rank_nodes(server.log_text())

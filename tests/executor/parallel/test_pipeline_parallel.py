@@ -489,9 +489,11 @@ def check_served_split(server, single: list, label: str, ranks: int) -> None:
 
 
 @pytest.mark.e2e
-def test_served_stages_equal_one_rank_and_report_their_idle_time(tiny_llama_dir, tmp_path):
+def test_served_stages_equal_one_rank_and_report_their_idle_time(
+    tiny_llama_dir, one_rank_greedy, tmp_path
+):
     """`zllm serve --pipeline-parallel-size 2`, and 2 stages x 2 tensor-parallel ranks."""
-    single, _ = serve_and_generate(tiny_llama_dir, tmp_path / "pp1.log", 24)
+    single = one_rank_greedy(tiny_llama_dir, 24)
     for flags, ranks in (
         (("--pipeline-parallel-size", "2"), 2),
         (("--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"), 4),
@@ -505,10 +507,10 @@ def test_served_stages_equal_one_rank_and_report_their_idle_time(tiny_llama_dir,
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_served_smollm2_three_stages_equal_one_rank(smollm2_path, tmp_path):
+def test_served_smollm2_three_stages_equal_one_rank(smollm2_path, one_rank_greedy, tmp_path):
     """SmolLM2 (30 layers: 10 a stage, Q4_1 blocks) on 3 stages through the server: greedy
     output equal to one rank's (near-tie rule), every stage's matmuls on GGUF blocks."""
-    single, _ = serve_and_generate(smollm2_path, tmp_path / "pp1.log", 32)
+    single = one_rank_greedy(smollm2_path, 32)
     split, _ = serve_and_generate(
         smollm2_path, tmp_path / "pp3.log", 32, "--pipeline-parallel-size", "3"
     )

@@ -238,10 +238,10 @@ def serve_and_generate(model: str, log, tp: int, max_tokens: int) -> tuple[list,
 
 
 @pytest.mark.e2e
-def test_served_tp2_equals_one_rank(tiny_llama_dir, tmp_path):
+def test_served_tp2_equals_one_rank(tiny_llama_dir, one_rank_greedy, tmp_path):
     """`zllm serve --tensor-parallel-size 2`: two executor processes, titled by rank, whose
     greedy output equals one rank's (near-tie rule)."""
-    single, _ = serve_and_generate(tiny_llama_dir, tmp_path / "tp1.log", 1, 24)
+    single = one_rank_greedy(tiny_llama_dir, 24)
     split, children = serve_and_generate(tiny_llama_dir, tmp_path / "tp2.log", 2, 24)
     assert {"executor 0", "executor 1"} <= children.keys() and "executor" not in children
     flips = count_flips(split, single, "tiny TP=2")
@@ -250,10 +250,10 @@ def test_served_tp2_equals_one_rank(tiny_llama_dir, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_served_smollm2_tp3_equals_one_rank(smollm2_path, tmp_path):
+def test_served_smollm2_tp3_equals_one_rank(smollm2_path, one_rank_greedy, tmp_path):
     """SmolLM2 (9 query / 3 KV heads, Q4_1 blocks cut per rank) on 3 ranks through the server:
     greedy output equal to one rank's (near-tie rule)."""
-    single, _ = serve_and_generate(smollm2_path, tmp_path / "tp1.log", 1, 32)
+    single = one_rank_greedy(smollm2_path, 32)
     split, children = serve_and_generate(smollm2_path, tmp_path / "tp3.log", 3, 32)
     assert {"executor 0", "executor 1", "executor 2"} <= children.keys()
     flips = count_flips(split, single, "smollm2 TP=3")
