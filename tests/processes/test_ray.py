@@ -115,7 +115,15 @@ def rank_nodes(log: str) -> dict[int, str]:
     }
 
 
-def test_tp2_across_two_nodes_equals_one_rank(cluster, tiny_llama_dir, one_rank_greedy, tmp_path):
+def test_tp2_across_two_nodes_equals_one_rank_and_a_node_killed_is_an_executor_death(
+    cluster, tiny_llama_dir, one_rank_greedy, tmp_path
+):
+    """Two ranks as Ray actors, one on each node: greedy output equal to one rank's (near-tie
+    rule). Then, on the same server, the worker node goes (its raylet and the rank actor on
+    it killed) while requests run: they end with a 503 or an error event, the driver exits,
+    the supervisor starts the engine again, which waits for the cluster to place two ranks
+    on two nodes; once a node joins, it serves the same greedy output as before."""
+    ray_cluster, worker = cluster
     expected = one_rank_greedy(tiny_llama_dir, 24)
     server = start_server(tiny_llama_dir, tmp_path / "ray.log", *RAY_TP2)
     try:
@@ -124,21 +132,9 @@ def test_tp2_across_two_nodes_equals_one_rank(cluster, tiny_llama_dir, one_rank_
         assert "executor" in server.children()  # one executor process: the driver
         flips = count_flips(served_greedy(server, SERVED_PROMPTS, 24), expected, "ray TP=2")
         assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
-    finally:
-        assert stop_server(server) == 0
 
-
-def test_a_node_killed_under_load_is_an_executor_death(cluster, tiny_llama_dir, tmp_path):
-    """The worker node goes (its raylet and the rank actor on it killed) while requests run:
-    they end with a 503 or an error event, the driver exits, the supervisor starts the
-    engine again, which waits for the cluster to place two ranks on two nodes; once a node
-    joins, it serves the same greedy output as before."""
-    ray_cluster, worker = cluster
-    server = start_server(tiny_llama_dir, tmp_path / "server.log", *RAY_TP2)
-    try:
         before = served_greedy(server, SERVED_PROMPTS[:2], 16)
         driver = server.children()["executor"]
-
         outcomes = fail_under_load(server, lambda: ray_cluster.remove_node(worker, False), 120)
         assert set(outcomes) <= {"ok", "status 503", "error event"}, outcomes
         assert outcomes.count("ok") < len(outcomes), outcomes

@@ -238,17 +238,6 @@ def serve_and_generate(model: str, log, tp: int, max_tokens: int) -> tuple[list,
 
 
 @pytest.mark.e2e
-def test_served_tp2_equals_one_rank(tiny_llama_dir, one_rank_greedy, tmp_path):
-    """`zllm serve --tensor-parallel-size 2`: two executor processes, titled by rank, whose
-    greedy output equals one rank's (near-tie rule)."""
-    single = one_rank_greedy(tiny_llama_dir, 24)
-    split, children = serve_and_generate(tiny_llama_dir, tmp_path / "tp2.log", 2, 24)
-    assert {"executor 0", "executor 1"} <= children.keys() and "executor" not in children
-    flips = count_flips(split, single, "tiny TP=2")
-    assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
-
-
-@pytest.mark.e2e
 @pytest.mark.slow
 def test_served_smollm2_tp3_equals_one_rank(smollm2_path, one_rank_greedy, tmp_path):
     """SmolLM2 (9 query / 3 KV heads, Q4_1 blocks cut per rank) on 3 ranks through the server:
@@ -263,14 +252,24 @@ def test_served_smollm2_tp3_equals_one_rank(smollm2_path, one_rank_greedy, tmp_p
 
 
 @pytest.mark.e2e
-def test_kill_9_of_one_rank_restarts_every_rank(tiny_llama_dir, tmp_path):
-    """SIGKILL rank 1 while requests run: it is an executor death. In-flight requests end
-    with a 503 or an error event, every rank (and the core) is restarted, /health comes back,
-    and the restarted ranks serve the same greedy output as before."""
+def test_served_tp2_equals_one_rank_and_kill_9_of_one_rank_restarts_every_rank(
+    tiny_llama_dir, one_rank_greedy, tmp_path
+):
+    """`zllm serve --tensor-parallel-size 2`: two executor processes, titled by rank, whose
+    greedy output equals one rank's (near-tie rule). Then SIGKILL rank 1 while requests run:
+    it is an executor death. In-flight requests end with a 503 or an error event, every rank
+    (and the core) is restarted, /health comes back, and the restarted ranks serve the same
+    greedy output as before."""
     from servers import kill_rank_under_load
 
+    single = one_rank_greedy(tiny_llama_dir, 24)
     server = start_server(tiny_llama_dir, tmp_path / "server.log", "--tensor-parallel-size", "2")
     try:
+        children = server.children()
+        assert {"executor 0", "executor 1"} <= children.keys() and "executor" not in children
+        flips = count_flips(served_greedy(server, SERVED_PROMPTS, 24), single, "tiny TP=2")
+        assert flips <= 1, f"{flips} near-tie flips in {len(SERVED_PROMPTS)} prompts"
+
         before = served_greedy(server, SERVED_PROMPTS[:2], 16)
         victim = kill_rank_under_load(server, "executor 1", ("executor 0", "executor 1", "core"))
         assert f"executor 1 (pid {victim}) died" in server.log_text()
