@@ -180,7 +180,7 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
     const __m256i scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales_mins));
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high ones)
+    const auto sub_blocks = [&](int c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high ones)
       const __m256i v = load32(blk + 16 + 32 * c);
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -194,6 +194,17 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
         const __m256i p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(xq + 32)), sc_hi);
         isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(p_lo, p_hi));
       }
+    };
+    if constexpr (MR <= 2) {
+      for (int c = 0; c < 4; ++c) sub_blocks(c);
+    } else {
+      // Not unrolled: with three or four x rows, GCC's unrolled schedule computes every
+      // product of the four sub-block pairs before adding any, more live registers than AVX2
+      // has (16), and spills them to the stack; the rolled loop keeps them in registers
+      // (kernel_ab.py, AVX2: 4-256 rows 1.09-1.26x; one and two rows are faster unrolled;
+      // the Q6_K loop rolled alike gained nothing).
+#pragma GCC unroll 1
+      for (int c = 0; c < 4; ++c) sub_blocks(c);
     }
     const float d = half_to_float(blk);
     const __m256 mins = _mm256_mul_ps(
