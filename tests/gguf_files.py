@@ -96,6 +96,11 @@ def stored_matrix(shape: tuple[int, int], ggml_type: T, rng: np.random.Generator
 def random_blocks(shape: tuple[int, int], ggml_type: T, rng: np.random.Generator) -> np.ndarray:
     """Random blocks, their scales set so the values spread about WEIGHT_STD around zero
     (a model whose weights share one sign answers every prompt with the same token)."""
+    if ggml_type not in F16_SCALE_OFFSETS and ggml_type not in (T.IQ1_M, T.NVFP4):
+        raise ValueError(
+            f"random_blocks: {ggml_type.name}'s scale offsets are not in F16_SCALE_OFFSETS "
+            "(stored_matrix has gguf-py quantize random weights to that type)"
+        )
     blocks = random_bytes(shape, ggml_type, rng)
     if ggml_type == T.NVFP4:  # four E4M3 scales: exponents 2-4 give 2^-6..2^-3 (times 1/2)
         blocks[:, :4] = rng.integers(2, 5, (len(blocks), 4)) << 3 | rng.integers(0, 8, (1, 4))

@@ -1,25 +1,28 @@
-"""One gguf-py reader per GGUF file for the whole test session.
+"""One gguf-py reader per GGUF file and one tensor-name map per architecture for the whole test
+session.
 
 transformers parses a GGUF's metadata with gguf-py's `GGUFReader` at every `from_pretrained`
 (twice for a model: once for its config, once for its weights), and a tokenizer once more.
 The parse walks every field in Python: ~23 s for Gemma 3's 262,144-token vocabulary on the
 2-core machine, the biggest single cost of the non-e2e suite. The tests never change a model
 file, so a file (same path, size and mtime) read read-only is parsed once and its reader
-shared. Most of a parse is numpy's `memmap` subclass bookkeeping on each of its ~6 million
-slices; the shared reader slices a plain ndarray view of the same mapping instead (the same
-bytes, read lazily from the same map: 23 s -> 7 s). transformers stays the reference: it
-reads the same fields and tensors from the same reader.
+shared, and it is the engine's own faster reader (executor/weights/gguf_reading.py
+`PlainMapGGUFReader`: a plain ndarray view of the same map, 23 s -> 7 s). transformers stays
+the reference: it reads the same fields and tensors from the same reader. Its parameter-name
+map builds gguf-py's `TensorNameMap` once per submodule of the model, hundreds of times a load
+(most of a small model's): one map per architecture and layer count serves them all, as the
+engine's own `gguf_parsed_once` does during a load.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-
-import numpy as np
 
 
 def share_gguf_readers() -> None:
-    """Make `gguf.GGUFReader(path)` (mode "r") return one parsed reader per file."""
+    """Make `gguf.GGUFReader(path)` (mode "r") return one parsed reader per file, and
+    `gguf.get_tensor_name_map(arch, n)` one map per argument."""
     try:
         import gguf
     except ImportError:
@@ -27,7 +30,9 @@ def share_gguf_readers() -> None:
     if getattr(gguf.GGUFReader, "_zllm_shared", False):
         return
 
-    class SharedGGUFReader(gguf.GGUFReader):
+    from zllm.executor.weights.gguf_reading import PlainMapGGUFReader
+
+    class SharedGGUFReader(PlainMapGGUFReader):
         _zllm_shared = True
         _readers: dict[tuple, SharedGGUFReader] = {}
 
@@ -41,16 +46,6 @@ def share_gguf_readers() -> None:
                 reader = cls._readers[key] = super().__new__(cls)
             return reader
 
-        @property
-        def data(self) -> np.ndarray:
-            return self._zllm_data
-
-        @data.setter
-        def data(self, mapped: np.ndarray) -> None:
-            # A read-only map as a plain ndarray: its slices skip memmap's __array_finalize__.
-            plain = isinstance(mapped, np.memmap) and mapped.mode == "r"
-            self._zllm_data = mapped.view(np.ndarray) if plain else mapped
-
         def __init__(self, path, mode="r"):
             if mode == "r" and getattr(self, "_zllm_parsed", False):
                 return  # __new__ handed back a parsed reader: Python calls __init__ again
@@ -58,3 +53,4 @@ def share_gguf_readers() -> None:
             self._zllm_parsed = True
 
     gguf.GGUFReader = SharedGGUFReader
+    gguf.get_tensor_name_map = functools.cache(gguf.get_tensor_name_map)

@@ -2,7 +2,9 @@
 --data-parallel-size): each consumer engine's ports, the producer's choice of the consumer
 engine for each request's blocks, the sender's socket per consumer engine, then a pair of
 two-engine servers behind the proxy. The consumer's routing of marked requests is in
-tests/test_router.py; the rest of disaggregation in tests/test_disaggregation.py."""
+tests/tokenizer_proc/test_router.py; the rest of disaggregation in
+tests/processes/test_disaggregation.py (the pieces) and test_disaggregation_served.py (through
+servers)."""
 
 from __future__ import annotations
 

@@ -138,10 +138,13 @@ def _load_hf_model(path: str, dtype: str = "float32"):
 
     from transformers import AutoModelForCausalLM
 
+    from zllm.executor.weights.gguf_reading import gguf_parsed_once
+
     if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=dtype
-        )
+        with gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=dtype
+            )
     else:
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
     return model.eval()

@@ -95,7 +95,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     timeout_keep_alive: int = 5
     # Put /metrics, /dashboard (and its stats) and /version behind a key too (/health stays
     # open, for load balancers): an --api-key, which under tenant isolation shows its own
-    # tenant's series only (frontend/access/permissions.py), or a metrics key, which shows every tenant's.
+    # tenant's series only (frontend/access/permissions.py), or a metrics key, which shows
+    # every tenant's.
     protect_metrics: bool = False
     metrics_api_keys: list[str] = []
     # CORS: origins allowed to call the API from a browser (none by default: CORS off).

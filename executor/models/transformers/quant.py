@@ -42,6 +42,7 @@ from torch import nn
 from zllm.executor.kernels import cpu as cpu_kernels
 from zllm.executor.layers.linear.gguf import GGUFEmbedding, GGUFLinear
 from zllm.executor.layers.linear.parallel import RankPart
+from zllm.executor.weights.gguf_reading import gguf_parsed_once
 from zllm.executor.weights.quantization import int8_linear
 from zllm.model.gguf import read_gguf
 
@@ -106,7 +107,8 @@ class _GGUFBlocks:
         architecture = self.gguf.metadata.get("general.architecture", "")
         processor_cls = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
         self.processor = processor_cls(config=hf_model.config.to_dict())
-        self.names = gguf_names_of(hf_model, self.processor)
+        with gguf_parsed_once():  # (its map of names visits every submodule)
+            self.names = gguf_names_of(hf_model, self.processor)
 
     def blocks(self, param: str) -> Blocks | str:
         """The parameter's blocks, or why there are none the kernel reads."""
