@@ -252,15 +252,39 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * kQ6_KBytes;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) {
-      // Values 0-15 of the group (the low 128-bit lane) take scale 2t, 16-31 scale 2t + 1.
-      const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
-                                           _mm_set1_epi16(scales[2 * t + 1]));
-      add_signed_group<MR>(q6_k_codes(blk, t),  // signed, -32..31
-                           sc, qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
+    if constexpr (MR == 1) {
+      for (int line = 0; line < kQ6_KBytes; line += 64)  // (as q4_k_row)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      // The 16 scales as int16, scales 0-7 in both 128-bit lanes of one register and 8-15
+      // in another, so that one in-lane byte shuffle gives group t its pair: a shuffle a
+      // group instead of two bytes' extract, move and broadcast, which held one row (a
+      // decode step's Q6_K matmuls, the logits among them) well under its bandwidth
+      // (kernel_ab.py, AVX2: 1.24-1.40x). With two rows or more that cost is shared and
+      // this loop was slower (2 rows 0.81x, 4-16 rows 0.88-0.90x): the loop below.
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m256i scales_0_7 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(bytes));
+      const __m256i scales_8_15 =
+          _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(bytes, 8)));
+      for (int t = 0; t < 8; ++t) {
+        // Values 0-15 of the group (the low 128-bit lane) take scale 2t, 16-31 scale 2t + 1.
+        const int w = 2 * t % 8;  // scale 2t's word in its register, its bytes 2w, 2w + 1
+        const auto word = [](int k) { return static_cast<int16_t>((2 * k + 1) << 8 | 2 * k); };
+        const __m256i sc = _mm256_shuffle_epi8(
+            t < 4 ? scales_0_7 : scales_8_15,
+            _mm256_setr_m128i(_mm_set1_epi16(word(w)), _mm_set1_epi16(word(w + 1))));
+        add_signed_group<MR>(q6_k_codes(blk, t),  // signed, -32..31
+                             sc, qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
+      }
+    } else {
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      for (int t = 0; t < 8; ++t) {
+        const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
+                                             _mm_set1_epi16(scales[2 * t + 1]));
+        add_signed_group<MR>(q6_k_codes(blk, t), sc,
+                             qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
+      }
     }
     add_block_sums<MR>(isum, half_to_float(blk + 208), qx, m0, blocks, b, acc);
   }
