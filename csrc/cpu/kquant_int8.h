@@ -244,27 +244,40 @@ inline void add_block_sums(const __m256i sums[MR], float d, const QuantizedX256&
   }
 }
 
-// A block's 16 int8 scales (one per 16 values: Q6_K, Q3_K, Q2_K's 0..15) widened to int16
-// once, 0-7 in both 128-bit lanes of one register and 8-15 of another, so that one in-lane byte
-// shuffle gives 32-value group t its pair (scale 2t in the low lane, 2t + 1 in the high one): a
-// shuffle a group instead of two bytes' extract, move and broadcast, which held the one-row
-// loops (decode) well under their bandwidth (kernel_ab.py, AVX2, in cache: Q6_K 1.22-1.40x,
-// Q3_K 1.45x, Q2_K 1.67x). With two x rows or more that cost is shared and the two registers
-// cost more than they save (Q6_K: 2 rows 0.81x, 4-16 rows 0.88-0.90x): those passes keep the
-// byte broadcasts.
-struct ScalesBy16 {
-  __m256i first, second;
+// A block's 16 int8 scales (one per 16 values: Q6_K, Q3_K, Q2_K's 0..15) as each 32-value
+// group t takes them: its pair, scale 2t for the low 128-bit lane and 2t + 1 for the high one.
+// A pass of one x row (decode) widens them to int16 once, 0-7 in both lanes of one register
+// and 8-15 of another, so that one in-lane byte shuffle gives a group its pair, and prefetches
+// the block ahead as q4_k_row does: two bytes' extract, move and broadcast a group held those
+// passes well under their bandwidth (kernel_ab.py, AVX2, in cache: Q6_K 1.22-1.40x, Q3_K
+// 1.45x, Q2_K 1.67x). Passes of several rows share that cost, and there the two registers
+// cost more than they save (Q6_K: 2 rows 0.81x, 4-16 rows 0.88-0.90x): they keep the bytes.
+template <int MR>
+struct GroupScales {
+  __m256i first, second;         // MR == 1
+  alignas(16) int8_t bytes[16];  // MR > 1
 
-  explicit ScalesBy16(__m128i bytes)
-      : first(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(bytes))),
-        second(_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(bytes, 8)))) {}
+  GroupScales(const uint8_t* blk, int64_t block_bytes, __m128i scales) {
+    if constexpr (MR == 1) {
+      for (int64_t line = 0; line < block_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+      first = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(scales));
+      second = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(scales, 8)));
+    } else {
+      _mm_store_si128(reinterpret_cast<__m128i*>(bytes), scales);
+    }
+  }
 
   __m256i pair(int t) const {
-    const int w = 2 * t % 8;  // scale 2t's word in its register: bytes 2w, 2w + 1
-    const auto word = [](int k) { return static_cast<int16_t>((2 * k + 1) << 8 | 2 * k); };
-    return _mm256_shuffle_epi8(
-        t < 4 ? first : second,
-        _mm256_setr_m128i(_mm_set1_epi16(word(w)), _mm_set1_epi16(word(w + 1))));
+    if constexpr (MR == 1) {
+      const int w = 2 * t % 8;  // scale 2t's word in its register: bytes 2w, 2w + 1
+      const auto word = [](int k) { return static_cast<int16_t>((2 * k + 1) << 8 | 2 * k); };
+      return _mm256_shuffle_epi8(
+          t < 4 ? first : second,
+          _mm256_setr_m128i(_mm_set1_epi16(word(w)), _mm_set1_epi16(word(w + 1))));
+    } else {
+      return _mm256_setr_m128i(_mm_set1_epi16(bytes[2 * t]), _mm_set1_epi16(bytes[2 * t + 1]));
+    }
   }
 };
 
@@ -278,23 +291,12 @@ inline void q6_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
     const uint8_t* blk = row + b * kQ6_KBytes;
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-    if constexpr (MR == 1) {
-      for (int line = 0; line < kQ6_KBytes; line += 64)  // (as q4_k_row)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-      const ScalesBy16 scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-      for (int t = 0; t < 8; ++t)
-        add_signed_group<MR>(q6_k_codes(blk, t),  // signed, -32..31
-                             scales.pair(t), qx.q.data() + m0 * K + b * kSuper + kBlock * t, K,
-                             isum);
-    } else {
-      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-      for (int t = 0; t < 8; ++t) {
-        const __m256i sc = _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
-                                             _mm_set1_epi16(scales[2 * t + 1]));
-        add_signed_group<MR>(q6_k_codes(blk, t), sc,
-                             qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
-      }
-    }
+    const GroupScales<MR> scales(
+        blk, kQ6_KBytes, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    for (int t = 0; t < 8; ++t)
+      add_signed_group<MR>(q6_k_codes(blk, t),  // signed, -32..31
+                           scales.pair(t), qx.q.data() + m0 * K + b * kSuper + kBlock * t, K,
+                           isum);
     add_block_sums<MR>(isum, half_to_float(blk + 208), qx, m0, blocks, b, acc);
   }
   for (int i = 0; i < MR; ++i) out[i * ldy] = hsum(acc[i]);
@@ -310,15 +312,7 @@ inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * kQ3_KBytes;
-    const __m128i scale_bytes = q3_k_scales_bytes(blk + 96);
-    alignas(16) int8_t scales[16];
-    if constexpr (MR == 1) {  // (as q6_k_row)
-      for (int line = 0; line < kQ3_KBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-    } else {
-      _mm_store_si128(reinterpret_cast<__m128i*>(scales), scale_bytes);
-    }
-    const ScalesBy16 widened(scale_bytes);
+    const GroupScales<MR> scales(blk, kQ3_KBytes, q3_k_scales_bytes(blk + 96));
     const __m256i hmask = load32(blk);
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
@@ -328,10 +322,8 @@ inline void q3_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
       const __m256i third = _mm256_slli_epi16(
           _mm256_and_si256(_mm256_srl_epi16(hmask, _mm_cvtsi32_si128(t)), one), 2);
       const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, third), four);  // -4..3
-      const __m256i sc = MR == 1 ? widened.pair(t)
-                                 : _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
-                                                     _mm_set1_epi16(scales[2 * t + 1]));
-      add_signed_group<MR>(codes, sc, qx.q.data() + m0 * K + b * kSuper + kBlock * t, K, isum);
+      add_signed_group<MR>(codes, scales.pair(t), qx.q.data() + m0 * K + b * kSuper + kBlock * t,
+                           K, isum);
     }
     add_block_sums<MR>(isum, half_to_float(blk + 108), qx, m0, blocks, b, acc);
   }
@@ -359,23 +351,13 @@ inline void q2_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * kQ2_KBytes;
     __m256 mins[2];
-    const __m128i scale_bytes = q2_k_scales(blk, mins);  // 0..15: widened alike either way
-    alignas(16) uint8_t scales[16];
-    if constexpr (MR == 1) {  // (as q6_k_row)
-      for (int line = 0; line < kQ2_KBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-    } else {
-      _mm_store_si128(reinterpret_cast<__m128i*>(scales), scale_bytes);
-    }
-    const ScalesBy16 widened(scale_bytes);
+    const GroupScales<MR> scales(blk, kQ2_KBytes, q2_k_scales(blk, mins));  // (0..15)
     __m256i isum[MR];
     for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {  // group t = 4h + j: bits 2j of qs half h
       const __m256i codes = _mm256_and_si256(
           _mm256_srl_epi16(load32(blk + 16 + 32 * (t / 4)), _mm_cvtsi32_si128(2 * (t % 4))), three);
-      const __m256i sc = MR == 1 ? widened.pair(t)
-                                 : _mm256_setr_m128i(_mm_set1_epi16(scales[2 * t]),
-                                                     _mm_set1_epi16(scales[2 * t + 1]));
+      const __m256i sc = scales.pair(t);
       for (int i = 0; i < MR; ++i) {
         const __m256i xq = load32(qx.q.data() + (m0 + i) * K + b * kSuper + kBlock * t);
         isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), sc));
