@@ -22,7 +22,6 @@ over pipeline stages each stage runs the forward over its own layers (pp.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -344,6 +343,7 @@ class TransformersForCausalLM(nn.Module):
         self.requires_grad_(False)
 
     @classmethod
+    @gguf_parsed_once()  # (a GGUF file's readers and gguf-py's name map, once for the load)
     def load(
         cls,
         model_path: str,
@@ -372,27 +372,25 @@ class TransformersForCausalLM(nn.Module):
         directory, gguf_file = model_path, None
         if model_path.endswith(".gguf"):
             directory, gguf_file = os.path.dirname(model_path) or ".", os.path.basename(model_path)
-        with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
-            config = _config(directory, gguf_file, arch)
-            model_cls, attn_implementation = causal_lm_class(config), _attn_implementation(arch)
-            # Refused before any weight is read: an architecture without a plan zllm can cut.
-            plan = usable_plan(config) if tp.enabled else None
-            if dummy:
-                hf_model = model_cls._from_config(
-                    config, attn_implementation=attn_implementation, dtype=dtype
-                ).to(device)
-            else:
-                hf_model = model_cls.from_pretrained(
-                    directory,
-                    gguf_file=gguf_file,
-                    config=config,
-                    attn_implementation=attn_implementation,
-                    dtype=dtype,
-                    device_map={"": device} if device.type != "cpu" else None,
-                )
-            stage = cut_to_stage(hf_model, arch, pp) if pp.enabled else None
-            # (before the tensor-parallel cut)
-            quantized = TransformersQuantization(hf_model, model_path, quantization)
+        config = _config(directory, gguf_file, arch)
+        model_cls, attn_implementation = causal_lm_class(config), _attn_implementation(arch)
+        # Refused before any weight is read: an architecture without a plan zllm can cut.
+        plan = usable_plan(config) if tp.enabled else None
+        if dummy:
+            hf_model = model_cls._from_config(
+                config, attn_implementation=attn_implementation, dtype=dtype
+            ).to(device)
+        else:
+            hf_model = model_cls.from_pretrained(
+                directory,
+                gguf_file=gguf_file,
+                config=config,
+                attn_implementation=attn_implementation,
+                dtype=dtype,
+                device_map={"": device} if device.type != "cpu" else None,
+            )
+        stage = cut_to_stage(hf_model, arch, pp) if pp.enabled else None
+        quantized = TransformersQuantization(hf_model, model_path, quantization)  # before the cut
         if plan is not None:
             cut = cut_by_plan(hf_model.base_model, plan, arch, tp)
             logger.info("Tensor parallel: %d matmuls cut by transformers' plan", cut)
