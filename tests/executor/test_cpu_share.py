@@ -68,18 +68,29 @@ def measured(share: CpuShare) -> int:
     return share.threads_now()
 
 
+def measured_quiet(share: CpuShare, windows: int = 5) -> int:
+    """The count in the first of up to `windows` windows that leaves every core: a VM's own
+    background (its kernel threads, a hypervisor's steal) can pass the margin for a window
+    now and then (0.32 of a core once in a fresh-clone run on the dev VM)."""
+    for _ in range(windows):
+        count = measured(share)
+        if count == len(CORES):
+            break
+    return count
+
+
 @pytest.mark.solo  # another test's work on the other core would count as a program's
 @needs_two_cores
 def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_ends():
     share = CpuShare(len(CORES))
     assert share.threads_now() == len(CORES)  # (the first window opens here)
-    assert measured(share) == len(CORES), share.others
+    assert measured_quiet(share) == len(CORES), share.others
     with busy_process_on(CORES[-1]):
         measured(share)  # (the window the process started in)
         assert measured(share) == len(CORES) - 1
         assert 0.8 < share.others < 1.3, share.others
     measured(share)
-    assert measured(share) == len(CORES), share.others
+    assert measured_quiet(share) == len(CORES), share.others
 
 
 @pytest.mark.solo
