@@ -91,10 +91,13 @@ class TransformersQuantization:
 
 
 def gguf_names_of(hf_model: nn.Module, processor: Any) -> dict[str, str]:
-    """Parameter name -> GGUF tensor name, by transformers' GGUF loader's own map."""
+    """Parameter name -> GGUF tensor name, by transformers' GGUF loader's own map (which
+    visits every submodule: gguf_parsed_once builds gguf-py's name map once for them)."""
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
-    return {hf: name for name, hf in get_gguf_hf_weights_map(hf_model, processor).items()}
+    with gguf_parsed_once():
+        names = get_gguf_hf_weights_map(hf_model, processor)
+    return {hf: name for name, hf in names.items()}
 
 
 class _GGUFBlocks:
@@ -107,8 +110,7 @@ class _GGUFBlocks:
         architecture = self.gguf.metadata.get("general.architecture", "")
         processor_cls = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
         self.processor = processor_cls(config=hf_model.config.to_dict())
-        with gguf_parsed_once():  # (its map of names visits every submodule)
-            self.names = gguf_names_of(hf_model, self.processor)
+        self.names = gguf_names_of(hf_model, self.processor)
 
     def blocks(self, param: str) -> Blocks | str:
         """The parameter's blocks, or why there are none the kernel reads."""
