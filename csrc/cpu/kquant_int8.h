@@ -161,6 +161,20 @@ inline __m128i k_scales_mins_xmm(const uint8_t* p) {
 // How far ahead the Q4_K loops ask for their blocks (both instruction sets).
 constexpr int64_t kPrefetchBytes = 2048;
 
+// Byte-shuffle controls giving every int16 lane scale s (of 8 int16 scales in each 128-bit
+// lane): bytes 2s, 2s + 1, repeated.
+struct alignas(32) ScaleWord {
+  uint8_t bytes[32];
+};
+inline constexpr ScaleWord scale_word(int s) {
+  ScaleWord w{};
+  for (int i = 0; i < 32; ++i) w.bytes[i] = static_cast<uint8_t>(2 * s + i % 2);
+  return w;
+}
+inline constexpr ScaleWord kScaleWords[8] = {scale_word(0), scale_word(1), scale_word(2),
+                                             scale_word(3), scale_word(4), scale_word(5),
+                                             scale_word(6), scale_word(7)};
+
 // out[i] = row . x_i for MR consecutive x rows from m0.
 template <int MR>
 inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, int64_t K,
@@ -184,10 +198,10 @@ inline void q4_k_row(const uint8_t* row, const QuantizedX256& qx, int64_t m0, in
       const __m256i v = load32(blk + 16 + 32 * c);
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      const __m256i sc_lo =
-          _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 1) << 8 | 4 * c));
-      const __m256i sc_hi =
-          _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * c + 3) << 8 | (4 * c + 2)));
+      // The shuffles' controls from a table: the rolled loop (3-4 rows) built them from c at
+      // run time, scalar ors, a move and a broadcast a step.
+      const __m256i sc_lo = _mm256_shuffle_epi8(scales, load32(kScaleWords[2 * c].bytes));
+      const __m256i sc_hi = _mm256_shuffle_epi8(scales, load32(kScaleWords[2 * c + 1].bytes));
       for (int i = 0; i < MR; ++i) {
         const int8_t* xq = qx.q.data() + (m0 + i) * K + b * kSuper + 64 * c;
         const __m256i p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(xq)), sc_lo);
@@ -617,12 +631,19 @@ ZLLM_TARGET_AVX512 void q2_k_rows_avx512(const uint8_t* w, int64_t row_bytes,
   }
 }
 
-// Rows of x sharing one pass over a weight row (its blocks decoded once for them all): 4 on
-// AVX2 (16 ymm registers: each row holds 3), 8 with AVX-512 (32 zmm).
-constexpr int64_t kMaxRows = 4, kMaxRowsAvx512 = 8;
-// Weight rows every kMaxRows rows of x meet before the next tile: a tile stays in L1/L2 while
+// Rows of x sharing one pass over a weight row (its blocks decoded once for them all): 8 with
+// AVX-512 (32 zmm). On AVX2 (16 ymm registers) Q4_K and Q2_K rows hold 3 registers each (sums,
+// accumulator, minima) and pass 4; Q6_K and Q3_K rows hold 2 and their codes cost more to
+// decode, so they pass 8: the decode and scales shared by twice the rows, the accumulators
+// spilled only at block ends (a Zen 3, natively: Q6_K 1.16-1.21x at 8-128 rows, Q3_K
+// 1.28-1.39x at 8-64; Q4_K and Q2_K at 8 0.93-1.01x: BENCHMARKS.md "AVX2 on a Zen 3").
+constexpr int64_t kMaxRowsAvx512 = 8;
+inline int64_t max_rows_avx2(int64_t qtype) {
+  return qtype == kQ6_K || qtype == kQ3_K ? 8 : 4;
+}
+// Weight rows every pass of x rows meets before the next tile: a tile stays in L1/L2 while
 // the x rows go over it (16 rows of a Q4_K matrix of K = 8192: 74 KB), so many rows (a
-// prefill) read each weight byte from memory once, not once per kMaxRows rows.
+// prefill) read each weight byte from memory once, not once per pass.
 constexpr int64_t kTileRows = 16;
 // x rows (K int8 bytes each) in play at once: their int8 copy stays in L2 beside the tile.
 constexpr int64_t kXBlockBytes = 256 << 10;
@@ -661,7 +682,7 @@ inline void linear(const float* x, int64_t M, int64_t ldx, const uint8_t* w, int
                     qtype == kQ2_K);
   // A task takes ~64K weights' rows (decode-sized matmuls are a few million weights).
   const int64_t grain = std::max<int64_t>(1, 65536 / K);
-  const int64_t pass = vnni ? kMaxRowsAvx512 : kMaxRows;
+  const int64_t pass = vnni ? kMaxRowsAvx512 : max_rows_avx2(qtype);
   const int64_t x_block = std::max<int64_t>(pass, kXBlockBytes / K / pass * pass);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t mb = 0; mb < M; mb += x_block) {

@@ -52,7 +52,7 @@ _K_QUANTS = frozenset({Q2_K, Q3_K, Q4_K, Q6_K})  # whole super-blocks summed in 
 
 # gguf-int8: the most rows that take integer dots. The block types' integer path reaches its
 # limit at 3-4 rows (it quantizes x per call and streams the codes once per row pair); the
-# K-quants' (kquant_int8.h: weight tiles that passes of 4 rows, 8 with AVX-512, go over)
+# K-quants' (kquant_int8.h: weight tiles that passes of 4-8 rows go over)
 # serves every size.
 INT8_MAX_ROWS = 4
 
@@ -65,7 +65,10 @@ INT8_MAX_ROWS = 4
 # arithmetic by default"). Q4_0, Q4_1 and Q8_0 keep the float kernel: their integer path is
 # level with it at one row (0.7-1.07x) and behind from two, so it would change the arithmetic
 # for nothing. With AVX-512 the K-quants' integer tiles win at every size (1.3-1.5x at 512
-# rows); with AVX2 alone they fall behind the float panels from 8-64 rows.
+# rows). The AVX2 K-quant rows come from a real AVX2-only CPU (a Zen 3, 2026-11-30: integer
+# path against float kernel alternately in one process, Llama-1B's matrices, 8-512 rows):
+# there Q4_K wins at every size and the others until 16 rows (BENCHMARKS.md "AVX2 on a Zen
+# 3"); the forced AVX2 code on the Xeon had put Q4_K behind from 64 rows (0.90x at 512).
 FASTEST_INTEGER_ROWS: dict[str, dict[int, int]] = {
     "avx512vnni": {
         Q5_0: 2,  # 1.2-1.5x at 1-2 rows, 0.8-1.1x at 4
@@ -80,10 +83,10 @@ FASTEST_INTEGER_ROWS: dict[str, dict[int, int]] = {
         Q5_0: 2,  # 1.4-1.5x at 1-2 rows, 0.9-1.1x at 4
         Q5_1: 2,
         Q5_K: 4,  # 1.16x at 4, 0.9x at 8
-        Q2_K: 16,  # 1.25x at 16, 0.9x at 64
-        Q3_K: 4,  # 1.4-1.5x at 4, 1.0x at 8
-        Q4_K: 32,  # 1.12-1.24x at 16-32, 1.02x at 64 (rolled multi-row loop, 2026-11-30)
-        Q6_K: 8,  # 1.04-1.24x at 8, 0.9x at 16
+        Q2_K: 16,  # Zen 3: 1.10x at 16, 0.86-0.96x from 32
+        Q3_K: 16,  # Zen 3 (passes of 8 rows): 1.04x at 16, 0.84-0.89x from 32
+        Q4_K: ALL_ROWS,  # Zen 3: 1.03-1.17x at 32-512 (K = 2048), 1.36-1.54x (K = 8192)
+        Q6_K: 16,  # Zen 3 (passes of 8 rows): 1.08-1.19x at 16, 0.84-1.09x from 32
     },
 }
 

@@ -349,8 +349,7 @@ def _kquant_expected(q, ref, x, ggml_type) -> np.ndarray:
 @pytest.mark.parametrize("blocks_per_row", [1, 3, 5])
 def test_kquant_int8_avx512_path_equals_the_avx2_path(ggml_type, blocks_per_row, restore_cpu_isa):
     """Same int32 sums per super-block in the same 8 lanes, the same float tail: the outputs
-    are equal bit for bit, at every row count the modules send (1-16: passes of 4, 3, 2, 1
-    rows), an odd number of super-blocks and of weight rows; both equal the formula."""
+    are equal bit for bit, at every row count the modules send (1-16: passes of 1-8 rows), an odd number of super-blocks and of weight rows; both equal the formula."""
     q, ref, cols = _blocks(37, blocks_per_row, ggml_type, seed=20 + blocks_per_row)
     for rows in range(1, 17):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
@@ -373,13 +372,14 @@ def test_kquant_int8_avx512_path_equals_the_avx2_path(ggml_type, blocks_per_row,
 @pytest.mark.parametrize("ggml_type", KQUANT, ids=lambda t: t.name)
 @pytest.mark.parametrize("isa", ISAS)
 def test_kquant_int8_rows_do_not_depend_on_the_call_size(ggml_type, isa, restore_cpu_isa):
-    """A prefill-sized call (tiles of 16 weight rows that every 4 x rows meet in turn, x in
-    blocks of 204 rows at K = 1,280) gives each row the bits it gets alone, on both paths."""
+    """A prefill-sized call (tiles of 16 weight rows that passes of 4 or 8 x rows meet in
+    turn, x in blocks of 204 or 200 rows at K = 1,280) gives each row the bits it gets alone,
+    on both paths."""
     cpu_kernels.set_cpu_isa(isa)
     q, _, cols = _blocks(37, 5, ggml_type, seed=31)
     x = torch.randn(211, cols, generator=torch.Generator().manual_seed(31))
     out = cpu_kernels.gguf_linear_int8(x, q, int(ggml_type))
-    for r in (0, 3, 4, 5, 203, 204, 207, 210):  # pass and block edges
+    for r in (0, 3, 4, 5, 7, 8, 9, 199, 200, 203, 204, 207, 210):  # pass and block edges
         assert torch.equal(out[r], cpu_kernels.gguf_linear_int8(x[r : r + 1], q, int(ggml_type))[0])
     assert torch.equal(out[200:211], cpu_kernels.gguf_linear_int8(x[200:211], q, int(ggml_type)))
 
