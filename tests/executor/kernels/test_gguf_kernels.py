@@ -349,7 +349,8 @@ def _kquant_expected(q, ref, x, ggml_type) -> np.ndarray:
 @pytest.mark.parametrize("blocks_per_row", [1, 3, 5])
 def test_kquant_int8_avx512_path_equals_the_avx2_path(ggml_type, blocks_per_row, restore_cpu_isa):
     """Same int32 sums per super-block in the same 8 lanes, the same float tail: the outputs
-    are equal bit for bit, at every row count the modules send (1-16: passes of 1-8 rows), an odd number of super-blocks and of weight rows; both equal the formula."""
+    are equal bit for bit, at every row count the modules send (1-16: passes of 1-8 rows),
+    an odd number of super-blocks and of weight rows; both equal the formula."""
     q, ref, cols = _blocks(37, blocks_per_row, ggml_type, seed=20 + blocks_per_row)
     for rows in range(1, 17):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
