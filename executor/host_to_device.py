@@ -27,3 +27,23 @@ def to_device(
     else:
         host = torch.tensor(values, dtype=dtype)
     return host.to(device, non_blocking=True)
+
+
+def consecutive(indices: np.ndarray | Sequence[int]) -> bool:
+    """Whether `indices` are i, i + 1, ..., i + n - 1 (n >= 1): rows a slice can take on
+    the device, with no index to upload (a copy and a gather kernel saved per use)."""
+    n = len(indices)
+    if n == 0 or indices[-1] - indices[0] != n - 1:
+        return False
+    if n < 3:
+        return True
+    if isinstance(indices, np.ndarray):
+        return bool((np.diff(indices) == 1).all())
+    return all(indices[i + 1] - indices[i] == 1 for i in range(n - 1))
+
+
+def take_rows(tensor: torch.Tensor, rows: np.ndarray | Sequence[int]) -> torch.Tensor:
+    """tensor[rows] along dim 0, `rows` on the host: a view when they are consecutive."""
+    if consecutive(rows):
+        return tensor[rows[0] : rows[0] + len(rows)]
+    return tensor[to_device(rows, tensor.device, torch.int64)]

@@ -22,7 +22,7 @@ import torch
 from zllm.executor.attention.backend import StepAttentionMetadata
 from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.metadata import stack_tables
-from zllm.executor.host_to_device import to_device
+from zllm.executor.host_to_device import consecutive, to_device
 from zllm.executor.kv.state_step import StateStep, saves_by_sequence
 from zllm.executor.requests.state import RequestState
 from zllm.protocol import SchedulerOutput
@@ -45,10 +45,18 @@ class PendingTokens:
         """Write each (flat index, req_id)'s pending token into `input_ids`, on the device."""
         if not slots:
             return
+        dst = [index for index, _ in slots]
+        src = [self.rows[req_id] for _, req_id in slots]
+        if consecutive(dst) and consecutive(src):
+            # The usual decode step (every row's token pending, rows in the launched step's
+            # order): one device-to-device copy, no index upload.
+            n = len(dst)
+            input_ids[dst[0] : dst[0] + n].copy_(self.token_ids[src[0] : src[0] + n])
+            return
         device = input_ids.device
-        dst = to_device([index for index, _ in slots], device, torch.int64)
-        src = to_device([self.rows[req_id] for _, req_id in slots], device, torch.int64)
-        input_ids[dst] = self.token_ids[src]
+        input_ids[to_device(dst, device, torch.int64)] = self.token_ids[
+            to_device(src, device, torch.int64)
+        ]
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zllm.executor.host_to_device import to_device
+from zllm.executor.host_to_device import take_rows, to_device
 from zllm.executor.requests.state import RequestState
 from zllm.executor.sample.logits_processors import ROW_PROCESSORS, BannedTokens, RowProcessor
 from zllm.executor.sample.rows import ChildGenerators, SampleRows, choose_sample_rows
@@ -62,7 +62,7 @@ class StepSampler:
     def sample(self, rows: SampleRows, hidden: torch.Tensor) -> SamplerOutput:
         """One token per sampler row; logits are computed once per logits row, then repeated
         for the samples of an n > 1 request."""
-        logits = self.compute_logits(hidden[to_device(rows.hidden_rows, hidden.device)])
+        logits = self.compute_logits(take_rows(hidden, rows.hidden_rows))
         for processor in self.processors:
             processor.apply(logits, rows)
         if len(rows.row_states) != len(rows.logits_states):

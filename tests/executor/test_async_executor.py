@@ -208,3 +208,30 @@ def test_an_interrupted_finish_leaves_the_engine_usable(model_dir, monkeypatch) 
            for o in again]  # fmt: skip
     assert got == want
     assert not llm.engine.has_unfinished_requests() and llm.engine.num_steps_in_flight == 0
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [(0, "a"), (1, "b"), (2, "c")],  # every row pending, the launched step's order
+        [(3, "b"), (4, "c")],  # after a row whose token the host has
+        [(0, "c"), (1, "a"), (2, "b")],  # reordered rows
+        [(0, "a"), (2, "b"), (5, "c")],  # rows apart (prompt chunks between)
+        [(4, "b")],
+    ],
+)
+def test_pending_tokens_fill_each_slot_from_its_row(slots) -> None:
+    """PendingTokens.fill: a consecutive run of slots and rows is one slice copy, any other
+    an indexed copy; either writes each request's sampled token where its slot is."""
+    import torch
+
+    from zllm.executor.step_inputs import PendingTokens
+
+    sampled = torch.tensor([70, 71, 72], dtype=torch.int64)
+    pending = PendingTokens({"a": 0, "b": 1, "c": 2}, sampled)
+    input_ids = torch.full((6,), -1, dtype=torch.int64)
+    pending.fill(input_ids, slots)
+    expected = [-1] * 6
+    for index, req_id in slots:
+        expected[index] = 70 + "abc".index(req_id)
+    assert input_ids.tolist() == expected
