@@ -1,17 +1,17 @@
-// y [M, N] = x [M, K] @ W^T for fp32 W at decode-sized M (1-8 rows), with AVX-512.
+// y [M, N] = x [M, K] @ W^T for fp32 W at decode-sized M (1-8 rows), with AVX-512 or AVX2.
 //
 // Why: an fp32 checkpoint's decode step multiplies a few rows by every matrix, a stream of
 // 4 bytes a weight that should take the memory's time at any row count up to ~8. MKL's sgemm
 // takes its one-row time at 1-2 rows but 2-3x it from 4 rows (SmolLM2-135M's matrices, 2
 // threads: 14 ms a step at 1 row, 35 ms at 8; BENCHMARKS.md "The fastest arithmetic by
-// default"). With AVX2 alone the float kernel's few-rows loop, tried on the same matrices,
-// was slower than MKL at 1-2 rows and 1.1-1.3x faster at 4-8: MKL keeps those CPUs. Here
-// each weight row is loaded once per 16 values and multiplied into MR rows' accumulators held
-// in registers (MR x NR of them: NR weight rows at a time), so the work per weight byte is MR
-// fused multiply-adds in 512-bit lanes.
+// default"). Here each weight row is loaded once per 16 values and multiplied into MR rows'
+// accumulators held in registers (MR x NR of them: NR weight rows at a time), so the work per
+// weight byte is MR fused multiply-adds: in 512-bit lanes, or on an AVX2 CPU in two 256-bit
+// halves of the same 16 lanes (1.9x MKL at one row, 2-3x at 2-8 rows on a Zen 3:
+// BENCHMARKS.md "fp32 and bf16 decode rows on AVX2").
 //
 // Each output is one weight row's dot product with one x row, summed in 16 lanes and then
-// across them: its bits do not depend on M or on which rows share the call.
+// across them: its bits do not depend on M, on which rows share the call, or on the ISA.
 
 #pragma once
 
@@ -20,6 +20,7 @@
 #include "aten_lite.h"
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "cpu_isa.h"
@@ -145,16 +146,128 @@ inline DenseRowsKernel kernel_for(int64_t M) {
   }
 }
 
-// The kernel for M rows of fp32 weights where the AVX-512 path runs it (1-8 rows), else
-// nullptr.
+// --- AVX2: the same sums in two 8-lane halves ----------------------------------------------
+//
+// Each 16-lane accumulator of the tiles above is two here, lanes 0-7 and 8-15 of every 16
+// values, each lane the same chain of fused multiply-adds; the halves are reduced in
+// _mm512_reduce_add_ps's order (GCC: high half + low half, then 4 + 4, 2 + 2, 1 + 1, which is
+// zllm_simd::hsum of hi + lo). So an AVX2 CPU's outputs are the AVX-512 kernel's bits, and
+// neither depends on M. A tail of K % 16 values runs from zero-padded copies (the AVX-512
+// tile's masked loads read zeros there too).
+
+inline float lane_sum(__m256 lo, __m256 hi) { return zllm_simd::hsum(_mm256_add_ps(hi, lo)); }
+
+struct F32Weights8 {
+  using Elem = float;
+  static __m256 load(const Elem* p) { return _mm256_loadu_ps(p); }
+};
+struct BF16Weights8 {
+  using Elem = uint16_t;
+  static __m256 load(const Elem* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  }
+};
+
+// One 16-value step of NR weight rows against MR x rows (x rows ldx apart).
+template <int MR, int NR, class W>
+inline void dense_step8(const float* x, int64_t ldx, const typename W::Elem* const* rows,
+                        __m256 (&acc)[MR][NR][2]) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = W::load(rows[j] + 8 * h);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + 8 * h);
+      for (int j = 0; j < NR; ++j) acc[i][j][h] = _mm256_fmadd_ps(xv, wv[j], acc[i][j][h]);
+    }
+  }
+}
+
+template <int MR, int NR, class W>
+inline void dense_tile8(const float* x, int64_t ldx, const typename W::Elem* w, int64_t K,
+                        float* y, int64_t ldy, int nr) {
+  using Elem = typename W::Elem;
+  const Elem* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w + (j < nr ? j : 0) * K;  // a short tile repeats row 0
+  __m256 acc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const Elem* at[NR];
+    for (int j = 0; j < NR; ++j) at[j] = rows[j] + k;
+    dense_step8<MR, NR, W>(x + k, ldx, at, acc);
+  }
+  if (k < K) {
+    const int64_t rest = K - k;
+    Elem wpad[NR][16] = {};
+    float xpad[MR][16] = {};
+    const Elem* at[NR];
+    for (int j = 0; j < NR; ++j) {
+      std::memcpy(wpad[j], rows[j] + k, rest * sizeof(Elem));
+      at[j] = wpad[j];
+    }
+    for (int i = 0; i < MR; ++i) std::memcpy(xpad[i], x + i * ldx + k, rest * sizeof(float));
+    dense_step8<MR, NR, W>(&xpad[0][0], 16, at, acc);
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < nr; ++j) y[i * ldy + j] = lane_sum(acc[i][j][0], acc[i][j][1]);
+}
+
+// AVX2's 16 registers hold MR x NR x 2 accumulators, NR weights and an x: passes of at most
+// kPassRows8 x rows over NR weight rows (the later passes read them from L1). On a Zen 3 (2
+// threads, SmolLM2's and a 1B's matrices) passes of 3 rows ran no faster than 2.
+constexpr int kPassRows8 = 2;
+template <int MR>
+constexpr int kWeightRows8 = MR == 1 ? 4 : 2;
+
+template <int MR, class W>
+void dense_rows8(const float* x, int64_t ldx, const void* w_, int64_t N, int64_t K, float* y,
+                 int64_t ldy) {
+  const auto* w = static_cast<const typename W::Elem*>(w_);
+  constexpr int P = MR < kPassRows8 ? MR : kPassRows8;
+  constexpr int NR = kWeightRows8<P>;
+  const int64_t tiles = (N + NR - 1) / NR;
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NR;
+      const int nr = static_cast<int>(N - n0 < NR ? N - n0 : NR);
+      int first = 0;
+      for (; first + P <= MR; first += P)
+        dense_tile8<P, NR, W>(x + first * ldx, ldx, w + n0 * K, K, y + first * ldy + n0, ldy, nr);
+      if constexpr (MR % P != 0)
+        dense_tile8<MR % P, NR, W>(x + first * ldx, ldx, w + n0 * K, K, y + first * ldy + n0,
+                                   ldy, nr);
+    }
+  });
+}
+
+template <class W>
+inline DenseRowsKernel kernel_for8(int64_t M) {
+  switch (M) {
+    case 1: return dense_rows8<1, W>;
+    case 2: return dense_rows8<2, W>;
+    case 3: return dense_rows8<3, W>;
+    case 4: return dense_rows8<4, W>;
+    case 5: return dense_rows8<5, W>;
+    case 6: return dense_rows8<6, W>;
+    case 7: return dense_rows8<7, W>;
+    case 8: return dense_rows8<8, W>;
+    default: return nullptr;
+  }
+}
+
+// The kernel for M rows of fp32 weights (1-8 rows: AVX-512's, else AVX2's), else nullptr.
 inline DenseRowsKernel dense_rows_kernel(int64_t M) {
-  return zllm_isa::use_avx512_vnni() ? kernel_for<F32Weights>(M) : nullptr;
+  return zllm_isa::use_avx512_vnni() ? kernel_for<F32Weights>(M) : kernel_for8<F32Weights8>(M);
 }
 
 // The same for 16-bit rows (ggml F16 = 1, BF16 = 30: gguf_linear.h's linear_rows takes it
-// ahead of its AVX2 few-rows loop).
+// ahead of its AVX2 few-rows loop), the same bits on either ISA.
 inline DenseRowsKernel sixteen_rows_kernel(int64_t qtype, int64_t M) {
-  if (!zllm_isa::use_avx512_vnni()) return nullptr;
+  // AVX2: BF16 only (1.4x the few-rows loop at one row, 1.05x at 8 on a Zen 3); F16's
+  // conversion instruction made it 0.9-0.95x at 1-4 rows there, so F16 keeps the loop.
+  if (!zllm_isa::use_avx512_vnni()) return qtype == 30 ? kernel_for8<BF16Weights8>(M) : nullptr;
   if (qtype == 30) return kernel_for<BF16Weights>(M);
   if (qtype == 1) return kernel_for<F16Weights>(M);
   return nullptr;

@@ -155,7 +155,7 @@ class ModelWeights:
             logger.info("fp32 matmuls stay torch's at every size: %s", exc)
             return
         if swapped:
-            logger.info("%d fp32 matmuls take the AVX-512 few-rows kernel at 1-8 rows", swapped)
+            logger.info("%d fp32 matmuls take the few-rows kernel at 1-8 rows", swapped)
 
     @property
     def _transformers_code(self) -> bool:

@@ -1,6 +1,6 @@
 """zllm's CPU kernels (csrc/cpu/), a torch C++ extension compiled at install or at first use.
 
-    dense_linear(x, w[, bias])                x @ W^T, fp32 W (AVX-512: 1-8 rows)   csrc/cpu/dense_rows.h
+    dense_linear(x, w[, bias])                x @ W^T, fp32 W (1-8 rows)            csrc/cpu/dense_rows.h
     gguf_linear(x, qweight, ggml_type)        x @ W^T, W in GGUF blocks           csrc/cpu/gguf_linear.cpp
     gguf_linear_into(x, qweight, ggml_type, y)    the same, into a column slice of y
     gguf_linear_int8(x, qweight, ggml_type[, y])  x rounded to int8 per 32 values   csrc/cpu/gguf_int8.cpp
@@ -228,8 +228,8 @@ def exclusive_build(build_dir: Path) -> Iterator[None]:
 def dense_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] fp32 @ weight [N, K]^T (+ bias): csrc/cpu/dense_rows.h's AVX-512 kernel at 1-8
-    rows, torch's matmul otherwise (and on CPUs without AVX-512)."""
+    """x [M, K] fp32 @ weight [N, K]^T (+ bias): csrc/cpu/dense_rows.h's kernel at 1-8 rows
+    (AVX-512 or AVX2, the same bits), torch's matmul otherwise."""
     return load().dense_linear(x, weight, bias)
 
 

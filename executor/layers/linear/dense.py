@@ -7,7 +7,7 @@ nn.Linear modules; torch's sgemm (MKL) takes 2-3x its one-row time at 4-8 rows, 
 c=8 decode step, where the matrices' bytes alone should set the time. DenseRowsLinear is an
 nn.Linear (the same weight Parameter, so LoRA, tensor-parallel cuts, sleep mode and the
 weight loaders see no difference) whose calls of at most DENSE_MAX_ROWS rows take
-cpu_kernels.dense_linear: the AVX-512 kernel where the CPU has it, torch's matmul elsewhere.
+cpu_kernels.dense_linear: the AVX-512 or AVX2 kernel (the same bits).
 The fused decode stack (executor/graphs/fused_decode.py) calls the same function, so both
 paths give a step the same bits.
 """
@@ -56,10 +56,12 @@ DENSE_LINEAR_TYPES = (nn.Linear, DenseRowsLinear)
 
 def use_dense_rows_(model: nn.Module) -> int:
     """Make every plain fp32 nn.Linear of the model a DenseRowsLinear, in place (the module
-    object, its Parameters and hooks stay); returns how many. Only where the kernel runs:
-    on a CPU without AVX-512 torch's matmul serves every size, and nothing changes."""
-    if cpu_kernels.cpu_isa() != "avx512vnni":
+    object, its Parameters and hooks stay); returns how many. Only where the kernels run
+    (without them, torch's matmul serves every size and nothing changes). Raises
+    CpuKernelError where they cannot (no AVX2, no compiler)."""
+    if not cpu_kernels.enabled():
         return 0
+    cpu_kernels.load()  # (a CPU the kernels cannot serve raises here, not at the first call)
     swapped = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)

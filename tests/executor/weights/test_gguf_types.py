@@ -243,8 +243,8 @@ def test_mixed_file_uses_the_kernel_where_it_can(mixed_gguf: str, caplog) -> Non
         [type(m.inner).__name__ for m in (a.qkv_proj, a.o_proj, p.gate_up_proj, p.down_proj)]
         for a, p in ((layer.self_attn, layer.mlp) for layer in layers)
     ]
-    # F32 o_proj and down_proj: torch's modules (with AVX-512, DenseRowsLinear: dense_rows.py)
-    fp32 = "DenseRowsLinear" if cpu_kernels.cpu_isa() == "avx512vnni" else "Linear"
+    # F32 o_proj and down_proj: fp32 modules, DenseRowsLinear (layers/linear/dense.py)
+    fp32 = "DenseRowsLinear"
     assert kinds == [
         ["GGUFLinear", fp32, "GGUFLinear", fp32],
         ["GGUFSplitLinear", "GGUFLinear", "GGUFSplitLinear", "GGUFLinear"],
