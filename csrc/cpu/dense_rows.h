@@ -8,7 +8,7 @@
 // accumulators held in registers (MR x NR of them: NR weight rows at a time), so the work per
 // weight byte is MR fused multiply-adds: in 512-bit lanes, or on an AVX2 CPU in two 256-bit
 // halves of the same 16 lanes (1.9x MKL at one row, 2-3x at 2-8 rows on a Zen 3:
-// BENCHMARKS.md "fp32 and bf16 decode rows on AVX2").
+// BENCHMARKS.md "fp32 decode rows on AVX2").
 //
 // Each output is one weight row's dot product with one x row, summed in 16 lanes and then
 // across them: its bits do not depend on M, on which rows share the call, or on the ISA.
@@ -161,13 +161,6 @@ struct F32Weights8 {
   using Elem = float;
   static __m256 load(const Elem* p) { return _mm256_loadu_ps(p); }
 };
-struct BF16Weights8 {
-  using Elem = uint16_t;
-  static __m256 load(const Elem* p) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-  }
-};
 
 // One 16-value step of NR weight rows against MR x rows (x rows ldx apart).
 template <int MR, int NR, class W>
@@ -263,11 +256,13 @@ inline DenseRowsKernel dense_rows_kernel(int64_t M) {
 }
 
 // The same for 16-bit rows (ggml F16 = 1, BF16 = 30: gguf_linear.h's linear_rows takes it
-// ahead of its AVX2 few-rows loop), the same bits on either ISA.
+// ahead of its AVX2 few-rows loop).
 inline DenseRowsKernel sixteen_rows_kernel(int64_t qtype, int64_t M) {
-  // AVX2: BF16 only (1.4x the few-rows loop at one row, 1.05x at 8 on a Zen 3); F16's
-  // conversion instruction made it 0.9-0.95x at 1-4 rows there, so F16 keeps the loop.
-  if (!zllm_isa::use_avx512_vnni()) return qtype == 30 ? kernel_for8<BF16Weights8>(M) : nullptr;
+  // AVX2 keeps gguf_linear.h's few-rows loop: the two-halves kernel over BF16 rows, timed
+  // against it alternately on a Zen 3, was 1.14x at one row but 0.82-0.95x at 2-8 (each pass
+  // widens the rows again), and F16's 0.9x at 1-4 rows; one kernel must serve every row count
+  // (a row's bits may not depend on the rows beside it).
+  if (!zllm_isa::use_avx512_vnni()) return nullptr;
   if (qtype == 30) return kernel_for<BF16Weights>(M);
   if (qtype == 1) return kernel_for<F16Weights>(M);
   return nullptr;

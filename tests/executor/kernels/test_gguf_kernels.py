@@ -110,10 +110,8 @@ def test_decode_sized_calls_take_the_few_rows_kernel(ggml_type):
     q, _, cols = _blocks(23, 3, ggml_type, seed=31)
     limit = FEW_ROWS_MAX.get(ggml_type, 4)
     wide = (T.F16, T.BF16, T.Q4_0, T.Q8_0)
-    if ggml_type == T.BF16 or (ggml_type in wide and cpu_kernels.cpu_isa() == "avx512vnni"):
-        # csrc/cpu/dense_rows.h takes BF16 rows at 1-8 rows, and with AVX-512 F16 rows and
-        # 32-value blocks too.
-        limit = 8
+    if ggml_type in wide and cpu_kernels.cpu_isa() == "avx512vnni":
+        limit = 8  # csrc/cpu/dense_rows.h takes 16-bit rows and 32-value blocks at 1-8 rows
     x = torch.randn(limit + 1, cols, generator=torch.Generator().manual_seed(31))
     alone = cpu_kernels.gguf_linear(x[:1], q, int(ggml_type))[0]
     for rows in range(2, limit + 1):
