@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from zllm.executor.attention.backend import StepAttentionMetadata, metadata_per_layer
+from zllm.executor.kernels import cpu as cpu_kernels
+from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS
 from zllm.executor.parallel.shards import gather_logits
 
 
@@ -84,11 +86,22 @@ class DecoderStack:
             return self.embed_rows(input_ids)
         return F.embedding(input_ids, self.embed_tokens)
 
+    # Set by use_dense_rows_ (an fp32 model on CPU): the logits of decode-sized calls take the
+    # few-rows kernel as the layers' matmuls do (the tied embedding is no module to swap).
+    dense_logits = False
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         if self.logits_proj is not None:
             logits = self.logits_proj(hidden_states).float()
         else:
             weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            logits = F.linear(hidden_states, weight).float()
+            if (
+                self.dense_logits
+                and hidden_states.shape[0] <= DENSE_MAX_ROWS
+                and hidden_states.dtype == weight.dtype == torch.float32
+            ):
+                logits = cpu_kernels.dense_linear(hidden_states, weight)
+            else:
+                logits = F.linear(hidden_states, weight).float()
         return gather_logits(logits, self.arch.vocab_size, self.tp)

@@ -63,6 +63,8 @@ def use_dense_rows_(model: nn.Module) -> int:
         return 0
     cpu_kernels.load()  # (a CPU the kernels cannot serve raises here, not at the first call)
     swapped = 0
+    if hasattr(model, "dense_logits"):  # a DecoderStack's logits over its fp32 embedding
+        model.dense_logits = True
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if type(module) is nn.Linear and weight is not None and weight.dtype == torch.float32:

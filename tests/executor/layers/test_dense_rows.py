@@ -113,12 +113,13 @@ def test_module_takes_the_kernel_for_few_rows_and_torch_beyond() -> None:
 
 
 def test_an_fp32_model_s_matmuls_use_it_and_answer_as_before(tiny_llama_dir: str) -> None:
-    """The engine swaps every fp32 nn.Linear (the same Parameters) for the kernel's module,
-    and its greedy tokens are transformers' (prefill through torch's matmul, decode steps of
+    """The engine swaps every fp32 nn.Linear (the same Parameters) for the kernel's module
+    and sends the logits' decode rows to the kernel, and its greedy tokens are transformers' (prefill through torch's matmul, decode steps of
     1-6 rows through the kernel)."""
     llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
     kinds = {type(m) for m in llm.model_runner.model.modules() if isinstance(m, nn.Linear)}
     assert kinds == {DenseRowsLinear}
+    assert llm.model_runner.model.dense_logits  # the tied embedding's logits too
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 77, 300, 12 * i + 1]} for i in range(6)]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
