@@ -22,7 +22,7 @@ import torch
 from zllm.executor.attention.backend import StepAttentionMetadata
 from zllm.executor.attention.layer_groups import LayerAttention
 from zllm.executor.attention.metadata import stack_tables
-from zllm.executor.host_to_device import consecutive, to_device
+from zllm.executor.host_to_device import consecutive, take_rows, to_device
 from zllm.executor.kv.state_step import StateStep, saves_by_sequence
 from zllm.executor.requests.state import RequestState
 from zllm.protocol import SchedulerOutput
@@ -45,18 +45,14 @@ class PendingTokens:
         """Write each (flat index, req_id)'s pending token into `input_ids`, on the device."""
         if not slots:
             return
+        # The usual decode step (every row's token pending, rows in the launched step's
+        # order): both sides are slices, one device-to-device copy and no index upload.
+        tokens = take_rows(self.token_ids, [self.rows[req_id] for _, req_id in slots])
         dst = [index for index, _ in slots]
-        src = [self.rows[req_id] for _, req_id in slots]
-        if consecutive(dst) and consecutive(src):
-            # The usual decode step (every row's token pending, rows in the launched step's
-            # order): one device-to-device copy, no index upload.
-            n = len(dst)
-            input_ids[dst[0] : dst[0] + n].copy_(self.token_ids[src[0] : src[0] + n])
-            return
-        device = input_ids.device
-        input_ids[to_device(dst, device, torch.int64)] = self.token_ids[
-            to_device(src, device, torch.int64)
-        ]
+        if consecutive(dst):
+            input_ids[dst[0] : dst[0] + len(dst)].copy_(tokens)
+        else:
+            input_ids[to_device(dst, input_ids.device, torch.int64)] = tokens
 
 
 @dataclass(slots=True)

@@ -131,19 +131,27 @@ ZLLM_TARGET_AVX512 void dense_rows(const float* x, int64_t ldx, const void* w_, 
 using DenseRowsKernel = void (*)(const float*, int64_t, const void*, int64_t, int64_t, float*,
                                  int64_t);
 
-template <class W>
-inline DenseRowsKernel kernel_for(int64_t M) {
+// pick(std::integral_constant<int, M>) for M in 1-8 (a kernel instantiated per row count),
+// else nullptr.
+template <class Kernel, class Pick>
+inline Kernel for_rows(int64_t M, const Pick& pick) {
   switch (M) {
-    case 1: return dense_rows<1, W>;
-    case 2: return dense_rows<2, W>;
-    case 3: return dense_rows<3, W>;
-    case 4: return dense_rows<4, W>;
-    case 5: return dense_rows<5, W>;
-    case 6: return dense_rows<6, W>;
-    case 7: return dense_rows<7, W>;
-    case 8: return dense_rows<8, W>;
+    case 1: return pick(std::integral_constant<int, 1>{});
+    case 2: return pick(std::integral_constant<int, 2>{});
+    case 3: return pick(std::integral_constant<int, 3>{});
+    case 4: return pick(std::integral_constant<int, 4>{});
+    case 5: return pick(std::integral_constant<int, 5>{});
+    case 6: return pick(std::integral_constant<int, 6>{});
+    case 7: return pick(std::integral_constant<int, 7>{});
+    case 8: return pick(std::integral_constant<int, 8>{});
     default: return nullptr;
   }
+}
+
+template <class W>
+inline DenseRowsKernel kernel_for(int64_t M) {
+  return for_rows<DenseRowsKernel>(M,
+                                [](auto mr) { return dense_rows<decltype(mr)::value, W>; });
 }
 
 // --- AVX2: the same sums in two 8-lane halves ----------------------------------------------
@@ -237,17 +245,8 @@ void dense_rows8(const float* x, int64_t ldx, const void* w_, int64_t N, int64_t
 
 template <class W>
 inline DenseRowsKernel kernel_for8(int64_t M) {
-  switch (M) {
-    case 1: return dense_rows8<1, W>;
-    case 2: return dense_rows8<2, W>;
-    case 3: return dense_rows8<3, W>;
-    case 4: return dense_rows8<4, W>;
-    case 5: return dense_rows8<5, W>;
-    case 6: return dense_rows8<6, W>;
-    case 7: return dense_rows8<7, W>;
-    case 8: return dense_rows8<8, W>;
-    default: return nullptr;
-  }
+  return for_rows<DenseRowsKernel>(M,
+                                [](auto mr) { return dense_rows8<decltype(mr)::value, W>; });
 }
 
 // The kernel for M rows of fp32 weights (1-8 rows: AVX-512's, else AVX2's), else nullptr.
@@ -352,17 +351,8 @@ using BlockRowsKernel = void (*)(const float*, int64_t, const uint8_t*, int64_t,
 
 template <class B>
 inline BlockRowsKernel block_kernel_for(int64_t M) {
-  switch (M) {
-    case 1: return block_rows<1, B>;
-    case 2: return block_rows<2, B>;
-    case 3: return block_rows<3, B>;
-    case 4: return block_rows<4, B>;
-    case 5: return block_rows<5, B>;
-    case 6: return block_rows<6, B>;
-    case 7: return block_rows<7, B>;
-    case 8: return block_rows<8, B>;
-    default: return nullptr;
-  }
+  return for_rows<BlockRowsKernel>(M,
+                                [](auto mr) { return block_rows<decltype(mr)::value, B>; });
 }
 
 // The kernel for M rows of a 32-value block type (ggml Q4_0 = 2, Q8_0 = 8, zllm's FP8_E4M3 =

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from zllm.executor.attention.backend import StepAttentionMetadata, metadata_per_layer
-from zllm.executor.kernels import cpu as cpu_kernels
-from zllm.executor.layers.linear.dense import DENSE_MAX_ROWS
+from zllm.executor.layers.linear.dense import dense_rows_linear
 from zllm.executor.parallel.shards import gather_logits
 
 
@@ -96,12 +95,8 @@ class DecoderStack:
             logits = self.logits_proj(hidden_states).float()
         else:
             weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            if (
-                self.dense_logits
-                and hidden_states.shape[0] <= DENSE_MAX_ROWS
-                and hidden_states.dtype == weight.dtype == torch.float32
-            ):
-                logits = cpu_kernels.dense_linear(hidden_states, weight)
+            if self.dense_logits and hidden_states.dtype == weight.dtype == torch.float32:
+                logits = dense_rows_linear(hidden_states, weight)
             else:
                 logits = F.linear(hidden_states, weight).float()
         return gather_logits(logits, self.arch.vocab_size, self.tp)

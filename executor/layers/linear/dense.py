@@ -37,16 +37,24 @@ def empty_linear(
     return linear
 
 
+def dense_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear for fp32 on CPU: calls of at most DENSE_MAX_ROWS rows through
+    csrc/cpu/dense_rows.h, larger ones torch's."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > DENSE_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+    y = cpu_kernels.dense_linear(flat, weight, bias)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class DenseRowsLinear(nn.Linear):
     """nn.Linear whose decode-sized calls take csrc/cpu/dense_rows.h (set by use_dense_rows_)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > DENSE_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-        y = cpu_kernels.dense_linear(flat, self.weight, self.bias)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return dense_rows_linear(x, self.weight, self.bias)
 
 
 # The plain fp32 matmul modules (not subclasses with their own arithmetic): what the fused
