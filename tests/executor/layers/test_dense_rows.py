@@ -119,7 +119,17 @@ def test_an_fp32_model_s_matmuls_use_it_and_answer_as_before(tiny_llama_dir: str
     llm = LLM(tiny_llama_dir, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
     kinds = {type(m) for m in llm.model_runner.model.modules() if isinstance(m, nn.Linear)}
     assert kinds == {DenseRowsLinear}
-    assert llm.model_runner.model.dense_logits  # the tied embedding's logits too
+    model = llm.model_runner.model
+    assert model.dense_logits  # the tied embedding's logits too: the kernel's bits to 8 rows
+    weight = model.embed_tokens if model.lm_head is None else model.lm_head
+    hidden = torch.randn(
+        DENSE_MAX_ROWS + 4, weight.shape[1], generator=torch.Generator().manual_seed(3)
+    )
+    with torch.no_grad():
+        few = model.compute_logits(hidden[:3])
+        assert torch.equal(few, cpu_kernels.dense_linear(hidden[:3], weight)[:, : few.shape[1]])
+        many = model.compute_logits(hidden)
+        assert torch.equal(many, F.linear(hidden, weight)[:, : many.shape[1]])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 77, 300, 12 * i + 1]} for i in range(6)]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
